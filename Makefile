@@ -1,0 +1,7 @@
+.PHONY: demo test lint
+demo:
+	bash scripts/demo.sh
+test:
+	bash scripts/test.sh
+lint:
+	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run ruff check . && "$${UV[@]}" run ruff format --check . && "$${UV[@]}" run mypy'

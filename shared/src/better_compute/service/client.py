@@ -1,0 +1,103 @@
+"""Calling services over NATS, and finding which instances run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client as Nats
+
+from ..core.errors import BcError, ErrorCode
+from ..wire import Subjects, unwrap
+from ..wire.codec import encode
+from ..wire.subjects import SERVICE_NAMES
+
+__all__ = ["ApiClient", "connect", "discover"]
+
+
+async def connect(url: str, *, name: str, **kwargs: Any) -> Nats:
+    """Connect to NATS; ``UNAVAILABLE`` when nothing answers."""
+    try:
+        nc: Nats = await nats.connect(
+            url,
+            name=name,
+            connect_timeout=kwargs.pop("connect_timeout", 2),
+            max_reconnect_attempts=kwargs.pop("max_reconnect_attempts", -1),
+            reconnect_time_wait=kwargs.pop("reconnect_time_wait", 0.5),
+            allow_reconnect=kwargs.pop("allow_reconnect", True),
+            **kwargs,
+        )
+    except (OSError, nats.errors.Error) as exc:
+        raise BcError(ErrorCode.UNAVAILABLE, f"cannot reach NATS at {url}") from exc
+    return nc
+
+
+class ApiClient:
+    """Request/reply calls to ``bc.api.<service>.<resource>.<verb>``."""
+
+    def __init__(self, nc: Nats, subjects: Subjects | None = None) -> None:
+        self.nc = nc
+        self.subjects = subjects or Subjects()
+
+    async def call(
+        self, service: str, route: str, payload: Any = None, *, timeout: float = 10.0
+    ) -> Any:
+        """Call ``route`` (``resource.verb``) of ``service`` and return its result.
+
+        Raises the service's ``BcError``; ``UNAVAILABLE`` when no instance listens,
+        ``TIMEOUT`` when none answers in time.
+        """
+        resource, _, verb = route.partition(".")
+        subject = self.subjects.api(service, resource, verb)
+        data = (
+            payload
+            if isinstance(payload, bytes)
+            else encode(payload if payload is not None else {})
+        )
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            name = SERVICE_NAMES.get(service, service)
+            raise BcError(
+                ErrorCode.UNAVAILABLE, f"no {name} instance is running", {"service": name}
+            ) from exc
+        except nats.errors.TimeoutError as exc:
+            raise BcError(ErrorCode.TIMEOUT, f"{subject} did not answer within {timeout}s") from exc
+        return unwrap(msg.data)
+
+
+async def discover(nc: Nats, *, root: str | None = None, wait: float = 0.5) -> list[dict[str, Any]]:
+    """Every service instance that answers ``$SRV.STATS`` within ``wait`` seconds.
+
+    With ``root``, only instances serving that subject root (tests share a server).
+    """
+    replies: list[dict[str, Any]] = []
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish("$SRV.STATS", b"", reply=inbox)
+        await nc.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while (left := deadline - loop.time()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                break
+            try:
+                data = json.loads(msg.data)
+            except ValueError:
+                continue
+            if not isinstance(data, dict):
+                continue
+            meta = data.get("metadata") or {}
+            if root is not None and meta.get("root") != root:
+                continue
+            replies.append(data)
+    finally:
+        await sub.unsubscribe()
+    replies.sort(key=lambda d: (str(d.get("name")), str(d.get("started"))))
+    return replies

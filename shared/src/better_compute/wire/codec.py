@@ -1,0 +1,53 @@
+"""Decoding bus payloads into structs, with ``INVALID_INPUT`` and ``details.path`` on bad input."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from ..core.errors import BcError, ErrorCode
+
+__all__ = ["convert", "decode", "encode", "validation_path"]
+
+T = TypeVar("T")
+
+_PATH_RE = re.compile(r" - at `\$(.*)`$")
+_encoder = msgspec.json.Encoder()
+
+
+def validation_path(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
+    """``$.steps[2].port`` in msgspec's message becomes ``steps[2].port``."""
+    m = _PATH_RE.search(str(exc))
+    return m.group(1).lstrip(".") if m else ""
+
+
+def _message(exc: Exception) -> str:
+    return _PATH_RE.sub("", str(exc))
+
+
+def decode(data: bytes, typ: type[T]) -> T:
+    """JSON bytes to ``typ``; malformed or invalid input is ``INVALID_INPUT``."""
+    try:
+        return msgspec.json.decode(data or b"{}", type=typ)
+    except msgspec.ValidationError as exc:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, _message(exc), {"path": validation_path(exc)}
+        ) from exc
+    except msgspec.DecodeError as exc:
+        raise BcError(ErrorCode.INVALID_INPUT, f"malformed JSON: {exc}", {"path": ""}) from exc
+
+
+def convert(value: Any, typ: type[T], *, strict: bool = True) -> T:
+    """Python value (already decoded) to ``typ``; invalid input is ``INVALID_INPUT``."""
+    try:
+        return msgspec.convert(value, typ, strict=strict)
+    except msgspec.ValidationError as exc:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, _message(exc), {"path": validation_path(exc)}
+        ) from exc
+
+
+def encode(value: Any) -> bytes:
+    return _encoder.encode(value)
