@@ -1,0 +1,98 @@
+"""The four services as separate OS processes, seen through bcx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncpg
+
+from better_compute.config import Settings
+from better_compute.testing import ServiceProcesses
+
+SERVICES = ["bc-engine", "bc-command-queue", "bc-pki", "bc-secrets"]
+
+
+def bcx(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "better_compute.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
+
+
+def settings_env(s: Settings) -> dict[str, str]:
+    return {
+        "BC_NATS_URL": s.nats_url or "",
+        "BC_DATABASE_URL": s.database_url or "",
+        "BC_SUBJECT_ROOT": s.subject_root,
+    }
+
+
+async def test_bcx_status_shows_the_four_services(
+    bc_processes: ServiceProcesses, bc_settings: Settings
+) -> None:
+    for name in SERVICES:
+        bc_processes.start(name)
+    bc_processes.start("bc-engine")  # a second instance of one service
+    await bc_processes.wait_ready()
+
+    out = bcx("status", "--json", env=settings_env(bc_settings))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["services"]
+    assert sorted(r["service"] for r in rows) == sorted([*SERVICES, "bc-engine"])
+    assert {r["pid"] for r in rows} == {str(p.pid) for p in bc_processes.procs}
+    assert all(r["version"] == "0.1.0" and r["uptime"] != "-" for r in rows)
+
+    table = bcx("status", env=settings_env(bc_settings))
+    assert table.returncode == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:3] == ["SERVICE", "INSTANCE", "VERSION"]
+    assert sum(line.startswith("bc-engine ") for line in lines) == 2
+
+    # each service applied its own migrations into its own schema
+    conn = await asyncpg.connect(bc_settings.database_url)
+    try:
+        schemas = {
+            r["schemaname"]
+            for r in await conn.fetch(
+                "SELECT schemaname FROM pg_tables WHERE tablename = 'schema_migrations'"
+            )
+        }
+    finally:
+        await conn.close()
+    assert {"engine", "cmdq", "pki", "secrets"} <= schemas
+
+
+async def test_sigterm_stops_each_service_cleanly_within_5s(
+    bc_processes: ServiceProcesses, bc_settings: Settings
+) -> None:
+    procs = [bc_processes.start(name) for name in SERVICES]
+    await bc_processes.wait_ready()
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    codes = await asyncio.gather(*(p.wait_exit(5.0) for p in procs))
+    assert codes == [0, 0, 0, 0], [p.output()[-2000:] for p in procs]
+    for p in procs:
+        assert '"event": "service_stopped"' in p.output()
+    out = bcx("status", "--json", env=settings_env(bc_settings))
+    assert json.loads(out.stdout)["services"] == []
+
+
+async def test_a_service_without_nats_fails_with_a_clear_error(tmp_path: Path) -> None:
+    env = {**os.environ, "BC_NATS_URL": "", "BC_STATE_DIR": str(tmp_path / "nothing")}
+    out = subprocess.run(
+        [sys.executable, "-m", "bc_pki"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert out.returncode == 1
+    assert "UNAVAILABLE" in out.stderr + out.stdout
+    assert "bcx dev up" in out.stderr + out.stdout
