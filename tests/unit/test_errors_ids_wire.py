@@ -27,7 +27,11 @@ def test_unknown_code_is_refused() -> None:
 def test_error_round_trips_over_the_wire() -> None:
     err = BcError(ErrorCode.INVALID_STATE, "needs a batch", {"reason": "batch-required"})
     got = pytest.raises(BcError, unwrap, encode_error(err)).value
-    assert (got.code, got.message, got.reason) == (ErrorCode.INVALID_STATE, "needs a batch", "batch-required")
+    assert (got.code, got.message, got.reason) == (
+        ErrorCode.INVALID_STATE,
+        "needs a batch",
+        "batch-required",
+    )
 
 
 def test_error_pickles_for_process_boundaries() -> None:
@@ -37,7 +41,12 @@ def test_error_pickles_for_process_boundaries() -> None:
 
 @pytest.mark.parametrize(
     ("prefix", "path", "want"),
-    [("steps[2]", "with.port", "steps[2].with.port"), ("a", "[0]", "a[0]"), ("", "x", "x"), ("x", "", "x")],
+    [
+        ("steps[2]", "with.port", "steps[2].with.port"),
+        ("a", "[0]", "a[0]"),
+        ("", "x", "x"),
+        ("x", "", "x"),
+    ],
 )
 def test_join_path(prefix: str, path: str, want: str) -> None:
     assert join_path(prefix, path) == want
