@@ -1,0 +1,123 @@
+"""The command-queue's contract with its callers (engine, secrets, bcx, agents' SDK).
+
+Subjects: ``bc.api.command-queue.<resource>.<verb>``; events on ``bc.events.command.<id>``.
+Payload field names are camelCase on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "DEFAULT_COMMAND_TIMEOUT_MS",
+    "LIVE_STATES",
+    "TERMINAL_STATES",
+    "CancelCommands",
+    "CommandEvent",
+    "CommandState",
+    "CommandView",
+    "EnqueueCommand",
+    "LiveWithRef",
+    "LiveWithRefReply",
+]
+
+CommandState = Literal[
+    "pending", "dispatched", "acked", "running", "succeeded", "failed", "rejected", "expired",
+    "cancelled",
+]  # fmt: skip
+LIVE_STATES: frozenset[str] = frozenset({"pending", "dispatched", "acked", "running"})
+TERMINAL_STATES: frozenset[str] = frozenset(
+    {"succeeded", "failed", "rejected", "expired", "cancelled"}
+)
+DEFAULT_COMMAND_TIMEOUT_MS = 600_000
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=False):
+    pass
+
+
+class EnqueueCommand(_Msg):
+    """``commands.enqueue``: find-before-create by (node, key).
+
+    ``target`` says which agent runs it: ``site`` (a connected agent of ``site_id``, the
+    boot-lease holder first) or ``node`` (the node's own bcd, agent id = node id).
+    ``sends`` is the declaring step's ``sends`` list when the command comes from a
+    control-plane step; a kind outside it is ``INVALID_CONFIG``.
+    """
+
+    node_id: str
+    site_id: str
+    kind: str
+    payload: Any = msgspec.field(default_factory=dict)
+    key: str
+    target: Literal["site", "node"] = "site"
+    workflow_id: str | None = None
+    step: int | None = None
+    batch_id: str | None = None
+    timeout_ms: int = DEFAULT_COMMAND_TIMEOUT_MS
+    sends: list[str] | None = None
+    tenant_id: str = "root"
+
+
+class CommandView(_Msg):
+    """``commands.enqueue`` / ``commands.get`` reply. ``result`` is the agent's raw bytes,
+    base64 in JSON (msgspec encodes ``bytes`` that way)."""
+
+    id: str
+    node_id: str
+    site_id: str
+    agent_id: str | None = None
+    kind: str
+    key: str
+    state: CommandState
+    reason: str | None = None
+    destructive: bool = False
+    batch_id: str | None = None
+    workflow_id: str | None = None
+    step: int | None = None
+    result: bytes | None = None
+    attested: bool = False
+    created: bool = False  # true when this enqueue created it, false when it was found
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    not_after: float = 0.0
+
+
+class CancelCommands(_Msg):
+    """``commands.cancel``: one command by id, or every live command whose key starts
+    with ``key_prefix`` (``wf:<id>:<step>#<attempt>``) on ``node_id``."""
+
+    id: str | None = None
+    node_id: str | None = None
+    key_prefix: str | None = None
+    reason: str = "cancelled"
+
+
+class CommandEvent(_Msg):
+    """Published on ``bc.events.command.<id>`` at every state change."""
+
+    id: str
+    key: str
+    node_id: str
+    workflow_id: str | None = None
+    step: int | None = None
+    state: CommandState
+    reason: str | None = None
+
+
+class LiveWithRef(_Msg):
+    """``commands.live_with_ref``, asked by bc-secrets before an agent may fetch a value:
+    is there a live command for ``agent_id`` whose key starts with ``key_prefix``
+    (``wf:<workflow>:<step>``, followed by end, ``#`` or ``:``) and whose payload carries
+    ``ref``?"""
+
+    agent_id: str
+    ref: str
+    key_prefix: str
+
+
+class LiveWithRefReply(_Msg):
+    live: bool
+    command_id: str | None = None
