@@ -59,7 +59,8 @@ async def test_dev_up_status_down_and_up_again_reuses_state(state: Path) -> None
 
     down = bcx(state, "dev", "down")
     assert down.returncode == 0, down.stderr
-    assert "nats-server" in down.stdout and "postgresql" in down.stdout
+    assert "nats-server" in down.stdout
+    assert "postgresql" in down.stdout
     assert EmbeddedPostgres(state).running_pid() is None
     assert EmbeddedNats(state).running_pid() is None
     assert bcx(state, "status").returncode == 1  # nothing to talk to

@@ -88,7 +88,7 @@ async def test_sigterm_stops_each_service_cleanly_within_5s(
     assert json.loads(out.stdout)["services"] == []
 
 
-async def test_a_service_without_nats_fails_with_a_clear_error(tmp_path: Path) -> None:
+def test_a_service_without_nats_fails_with_a_clear_error(tmp_path: Path) -> None:
     env = {**os.environ, "BC_NATS_URL": "", "BC_STATE_DIR": str(tmp_path / "nothing")}
     out = subprocess.run(
         [sys.executable, "-m", "bc_pki"], capture_output=True, text=True, env=env, timeout=30

@@ -11,11 +11,11 @@ import msgspec
 import pytest
 from nats.aio.client import Client as Nats
 
+from bc_engine.service import EngineService
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import ApiClient, ApiRequest, Handler, Service, discover
 from better_compute.service.db import Migration, apply_migrations
-from bc_engine.service import EngineService
 
 
 class _Echo(msgspec.Struct, kw_only=True):

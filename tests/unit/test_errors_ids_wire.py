@@ -26,7 +26,9 @@ def test_unknown_code_is_refused() -> None:
 
 def test_error_round_trips_over_the_wire() -> None:
     err = BcError(ErrorCode.INVALID_STATE, "needs a batch", {"reason": "batch-required"})
-    got = pytest.raises(BcError, unwrap, encode_error(err)).value
+    with pytest.raises(BcError) as e:
+        unwrap(encode_error(err))
+    got = e.value
     assert (got.code, got.message, got.reason) == (
         ErrorCode.INVALID_STATE,
         "needs a batch",

@@ -38,7 +38,7 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unk
     pass
 
 
-class EnqueueCommand(_Msg):
+class EnqueueCommand(_Msg, frozen=True, kw_only=True):
     """``commands.enqueue``: find-before-create by (node, key).
 
     ``target`` says which agent runs it: ``site`` (a connected agent of ``site_id``, the
@@ -61,7 +61,7 @@ class EnqueueCommand(_Msg):
     tenant_id: str = "root"
 
 
-class CommandView(_Msg):
+class CommandView(_Msg, frozen=True, kw_only=True):
     """``commands.enqueue`` / ``commands.get`` reply. ``result`` is the agent's raw bytes,
     base64 in JSON (msgspec encodes ``bytes`` that way)."""
 
@@ -85,7 +85,7 @@ class CommandView(_Msg):
     not_after: float = 0.0
 
 
-class CancelCommands(_Msg):
+class CancelCommands(_Msg, frozen=True, kw_only=True):
     """``commands.cancel``: one command by id, or every live command whose key starts
     with ``key_prefix`` (``wf:<id>:<step>#<attempt>``) on ``node_id``."""
 
@@ -95,7 +95,7 @@ class CancelCommands(_Msg):
     reason: str = "cancelled"
 
 
-class CommandEvent(_Msg):
+class CommandEvent(_Msg, frozen=True, kw_only=True):
     """Published on ``bc.events.command.<id>`` at every state change."""
 
     id: str
@@ -107,7 +107,7 @@ class CommandEvent(_Msg):
     reason: str | None = None
 
 
-class LiveWithRef(_Msg):
+class LiveWithRef(_Msg, frozen=True, kw_only=True):
     """``commands.live_with_ref``, asked by bc-secrets before an agent may fetch a value:
     is there a live command for ``agent_id`` whose key starts with ``key_prefix``
     (``wf:<workflow>:<step>``, followed by end, ``#`` or ``:``) and whose payload carries
@@ -118,6 +118,6 @@ class LiveWithRef(_Msg):
     key_prefix: str
 
 
-class LiveWithRefReply(_Msg):
+class LiveWithRefReply(_Msg, frozen=True, kw_only=True):
     live: bool
     command_id: str | None = None

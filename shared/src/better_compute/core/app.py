@@ -1,0 +1,259 @@
+"""Composition: the one object every service process loads.
+
+>>> app = better_compute(modules=[metal(), provision_module(modules=[metal(), acme])],
+...                      plugins=[acme])
+
+Services load it with ``--app package.module:attr`` (``load_app``); the default one is
+``better_compute.metal.app:app``. Each service takes what it needs: the engine ``app.steps`` and
+``app.profiles`` (what the provision module can resolve), the command queue
+``app.command_kinds``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
+
+from .errors import BcError, ErrorCode, join_path
+from .plugins import CommandKind, ComputeModule, Plugin, Registry, as_tuple
+
+if TYPE_CHECKING:
+    from better_compute.provision.module import ProvisionModule
+    from better_compute.provision.profiles import Profile
+    from better_compute.provision.steps import Step
+
+__all__ = [
+    "PLUGIN_ENTRY_POINT_GROUP",
+    "App",
+    "better_compute",
+    "discover_plugins",
+    "load_app",
+]
+
+PLUGIN_ENTRY_POINT_GROUP: Final = "better_compute.plugins"
+
+_SPEC_RE: Final = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+
+def _bad(path: str, message: str) -> BcError:
+    return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class App:
+    """A deployment's composition, frozen. Made by ``better_compute()``."""
+
+    modules: tuple[ComputeModule, ...]
+    plugins: tuple[ComputeModule, ...]
+    steps: Mapping[str, Step]
+    """Steps the engine resolves (the provision module's own and borrowed), by id."""
+    profiles: tuple[Profile, ...]
+    """Shipped profiles the engine resolves."""
+    command_kinds: Mapping[str, CommandKind]
+    """Every registered command kind, by name."""
+    provision: ProvisionModule | None
+    """The provision module, when there is one (user data, config units, image verifier)."""
+
+    def command_kind(self, name: str, *, path: str = "kind") -> CommandKind:
+        """The registered kind ``name``, or ``INVALID_CONFIG`` at ``path``."""
+        kind = self.command_kinds.get(name) if isinstance(name, str) else None
+        if kind is None:
+            raise _bad(path, f"unknown command kind {name!r}: no module registers it")
+        return kind
+
+    def profile(self, id: str, *, version: int | None = None) -> Profile:
+        """A shipped profile; the highest version when ``version`` is ``None``.
+
+        Raises:
+            BcError: ``NOT_FOUND`` at ``id`` (or ``version``).
+        """
+        matching = [p for p in self.profiles if p.id == id]
+        if version is not None:
+            matching = [p for p in matching if p.version == version]
+        if not matching:
+            path = (
+                "version"
+                if version is not None and any(p.id == id for p in self.profiles)
+                else "id"
+            )
+            raise BcError(ErrorCode.NOT_FOUND, f"no shipped profile {id!r}", {"path": path})
+        return max(matching, key=lambda p: p.version)
+
+
+def better_compute(
+    *,
+    modules: Sequence[ComputeModule] = (),
+    plugins: Sequence[ComputeModule] = (),
+    discover: bool = False,
+) -> App:
+    """Compose a deployment.
+
+    Args:
+        modules: compute modules (``metal()``, ``provision_module(...)``); ids are unique,
+            so there is at most one provision module.
+        plugins: plugins (``define_plugin``) to register. A plugin whose steps the engine
+            should resolve is also listed in ``provision_module(modules=[...])``.
+        discover: also register plugins found under the entry-point group
+            ``better_compute.plugins`` (an entry point that is one of ``plugins`` is skipped).
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` with ``details.path``: anything registered twice, a
+            duplicate id, an agent step whose ``command`` (or a ``sends`` entry) no module
+            registers, a borrowed module that is not registered.
+    """
+    # Imported here: provision builds on core, so core may only reach it at call time.
+    from better_compute.provision.module import ProvisionModule
+
+    module_list = as_tuple(modules, "modules")
+    plugin_list = as_tuple(plugins, "plugins")
+    if not isinstance(discover, bool):
+        raise _bad("discover", "discover must be a boolean")
+
+    registry = Registry()
+    for index, module in enumerate(module_list):
+        registry.add_module(module, path=f"modules[{index}]")
+    for index, plugin in enumerate(plugin_list):
+        registry.add_module(plugin, path=f"plugins[{index}]")
+    if discover:
+        listed = module_list + plugin_list
+        for name, found in discover_plugins().items():
+            if not any(found is item for item in listed):
+                registry.add_module(found, path=f"entry_points.{name}")
+                plugin_list += (found,)
+
+    # At most one: module ids are unique and a provision module's id is always "provision".
+    provision: ProvisionModule | None = None
+    for index, module in enumerate(module_list):
+        if isinstance(module, ProvisionModule):
+            provision = module
+            _check_borrowed(module, f"modules[{index}]", registry)
+
+    _check_command_kinds(registry)
+    return App(
+        modules=module_list,
+        plugins=plugin_list,
+        steps=provision.resolvable_steps if provision else MappingProxyType({}),
+        profiles=provision.resolvable_profiles if provision else (),
+        command_kinds=registry.command_kinds,
+        provision=provision,
+    )
+
+
+def _steps_field(module: ComputeModule) -> str:
+    return "extensions" if isinstance(module, Plugin) else "steps"
+
+
+def _check_borrowed(provision: ProvisionModule, path: str, registry: Registry) -> None:
+    """A borrowed module must be registered, with the very steps and profiles it lends."""
+    for index, module in enumerate(provision.modules):
+        module_path = join_path(path, f"modules[{index}]")
+        if module.id not in registry.modules:
+            raise _bad(
+                module_path,
+                f"provision borrows {module.id!r}, which is not registered: "
+                "list it in better_compute(modules=[...]) or (plugins=[...]) too",
+            )
+        for step_index, step in enumerate(module.steps):
+            if registry.steps.get(step.id) is not step:
+                raise _bad(
+                    join_path(module_path, f"{_steps_field(module)}[{step_index}]"),
+                    f"step {step.id!r} is not the one registered under that id",
+                )
+        for profile_index, profile in enumerate(module.profiles):
+            if registry.profiles.get(profile.key) is not profile:
+                raise _bad(
+                    join_path(module_path, f"profiles[{profile_index}]"),
+                    f"profile {profile.id!r} v{profile.version} is not the one registered",
+                )
+
+
+def _check_command_kinds(registry: Registry) -> None:
+    """Every kind a step sends must be registered, or the command queue would refuse it."""
+    kinds = registry.command_kinds
+    for step in registry.steps.values():
+        path = registry.path_of(step) or step.id
+        if step.command is not None and step.command not in kinds:
+            raise _bad(
+                join_path(path, "command"),
+                f"step {step.id!r} sends {step.command!r}, which no module registers",
+            )
+        for index, kind in enumerate(step.sends):
+            if kind not in kinds:
+                raise _bad(
+                    join_path(path, f"sends[{index}]"),
+                    f"step {step.id!r} declares {kind!r}, which no module registers",
+                )
+
+
+def _entry_points(group: str) -> Sequence[Any]:
+    return tuple(metadata.entry_points(group=group))
+
+
+def _is_module(obj: object) -> bool:
+    return isinstance(getattr(obj, "id", None), str) and all(
+        hasattr(obj, name) for name in ("command_kinds", "steps", "profiles")
+    )
+
+
+def discover_plugins(*, group: str = PLUGIN_ENTRY_POINT_GROUP) -> Mapping[str, ComputeModule]:
+    """Plugins installed under the entry-point ``group``, by entry-point name.
+
+    An entry point names a plugin (or module) object, or a function returning one.
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` at ``entry_points.<name>`` for one that fails to load.
+    """
+    found: dict[str, ComputeModule] = {}
+    for entry_point in _entry_points(group):
+        path = f"entry_points.{entry_point.name}"
+        try:
+            obj = entry_point.load()
+            if not _is_module(obj) and callable(obj):
+                obj = obj()
+        except BcError as exc:
+            raise exc.with_path_prefix(path) from exc
+        except Exception as exc:
+            raise _bad(path, f"plugin entry point failed to load: {exc!r}") from exc
+        if not _is_module(obj):
+            raise _bad(path, "the entry point is not a plugin (define_plugin) or module")
+        found[entry_point.name] = obj
+    return MappingProxyType(found)
+
+
+def load_app(spec: str) -> App:
+    """Load the app named by ``package.module:attr`` (an ``App`` or a function returning one).
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` at ``app`` for a malformed spec, a module that cannot be
+            imported, a missing attribute, or something that is not an app. A ``BcError``
+            raised while building the app keeps its own path.
+    """
+    if not isinstance(spec, str) or _SPEC_RE.fullmatch(spec) is None:
+        raise _bad("app", f"expected package.module:attr, got {spec!r}")
+    module_name, attr = spec.split(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except BcError:
+        raise
+    except Exception as exc:
+        raise _bad("app", f"cannot import {module_name!r}: {exc!r}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise _bad("app", f"{module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, App) and inspect.isfunction(obj):
+        try:
+            obj = obj()
+        except BcError:
+            raise
+        except Exception as exc:
+            raise _bad("app", f"{spec!r} failed: {exc!r}") from exc
+    if not isinstance(obj, App):
+        raise _bad("app", f"{spec!r} is a {type(obj).__name__}, not an App (better_compute(...))")
+    return obj

@@ -1,0 +1,277 @@
+"""Plugins, compute modules, command kinds, and the registry that refuses duplicates.
+
+A *compute module* (``metal()``, ``provision_module()``, a plugin) contributes command kinds,
+steps and profiles. The ``Registry`` takes each module's own contributions once: the same
+object registered twice, two steps with one id, two command kinds with one name, two profiles
+with one id and version, or two modules/plugins with one id is ``INVALID_CONFIG`` with
+``details.path`` naming the second registration (``plugins[0].extensions[1].id``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from .errors import BcError, ErrorCode, join_path
+from .manifest import Manifest
+
+if TYPE_CHECKING:
+    from better_compute.provision.profiles import Profile
+    from better_compute.provision.steps import Step
+
+__all__ = [
+    "DOTTED_NAME_PATTERN",
+    "PLUGIN_ID_PATTERN",
+    "CommandKind",
+    "ComputeModule",
+    "Plugin",
+    "Registry",
+    "define_plugin",
+]
+
+# Step ids, command kinds and driver operations: lowercase dotted segments, each segment may be
+# camelCase as the shipped names are (`site.httpProxy`, `autoinstall.renderIso`).
+DOTTED_NAME_PATTERN: Final = r"^[a-z][a-zA-Z0-9]*(\.[a-z][a-zA-Z0-9]*)+$"
+_DOTTED_NAME_RE: Final = re.compile(DOTTED_NAME_PATTERN)
+_MAX_NAME_LENGTH: Final = 128
+
+# Plugin ids are kebab-case: `acme-autoinstall`.
+PLUGIN_ID_PATTERN: Final = r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$"
+_PLUGIN_ID_RE: Final = re.compile(PLUGIN_ID_PATTERN)
+
+
+def _bad_config(path: str, message: str) -> BcError:
+    return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
+
+
+def is_dotted_name(value: object) -> bool:
+    """Whether ``value`` is a step id / command kind such as ``power.setPower``."""
+    return (
+        isinstance(value, str)
+        and len(value) <= _MAX_NAME_LENGTH
+        and _DOTTED_NAME_RE.fullmatch(value) is not None
+    )
+
+
+def as_tuple(value: object, path: str) -> tuple[Any, ...]:
+    """``value`` as a tuple when it is a list or tuple, else ``INVALID_CONFIG`` at ``path``."""
+    # A string is a sequence too; `relays="site"` must not become ("s", "i", "t", "e").
+    if not isinstance(value, (list, tuple)):
+        raise _bad_config(path, f"expected a list, got {type(value).__name__}")
+    return tuple(value)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CommandKind:
+    """A command an agent runs, as the command queue registers it.
+
+    Args:
+        name: dotted name such as ``power.setPower``.
+        destructive: whether the command can destroy data or state that cannot be rebuilt;
+            destructive commands need a signed batch when the quorum is on.
+        payload: the manifest the command's JSON payload must fit.
+        description: one line for people.
+    """
+
+    name: str
+    destructive: bool
+    payload: Manifest
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not is_dotted_name(self.name):
+            raise _bad_config(
+                "name", f"command kinds are dotted names like power.setPower, got {self.name!r}"
+            )
+        if not isinstance(self.destructive, bool):
+            raise _bad_config("destructive", "must be a boolean")
+        if not isinstance(self.payload, Manifest):
+            raise _bad_config("payload", "must be a manifest")
+        if not isinstance(self.description, str):
+            raise _bad_config("description", "must be a string")
+
+
+class ComputeModule(Protocol):
+    """What a module or plugin contributes: command kinds, steps and profiles it registers."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def command_kinds(self) -> Sequence[CommandKind]: ...
+
+    @property
+    def steps(self) -> Sequence[Step]: ...
+
+    @property
+    def profiles(self) -> Sequence[Profile]: ...
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Plugin:
+    """A bundle of extensions shipped outside the project's packages. Made by ``define_plugin``."""
+
+    id: str
+    extensions: tuple[Step, ...]
+    profiles: tuple[Profile, ...]
+    command_kinds: tuple[CommandKind, ...]
+    description: str = ""
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """The plugin's steps (every extension is a step today)."""
+        return self.extensions
+
+
+def define_plugin(
+    *,
+    id: str,
+    extensions: Sequence[Step] = (),
+    profiles: Sequence[Profile] = (),
+    command_kinds: Sequence[CommandKind] = (),
+    description: str = "",
+) -> Plugin:
+    """A frozen plugin.
+
+    Args:
+        id: kebab-case id, unique among modules and plugins (``acme-autoinstall``).
+        extensions: the plugin's steps.
+        profiles: the plugin's profiles.
+        command_kinds: command kinds the plugin's agents implement.
+        description: one line for people.
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` with ``details.path`` (``extensions[1].id``).
+    """
+    if not isinstance(id, str) or _PLUGIN_ID_RE.fullmatch(id) is None:
+        raise _bad_config("id", f"plugin ids are kebab-case like acme-autoinstall, got {id!r}")
+    if not isinstance(description, str):
+        raise _bad_config("description", "must be a string")
+    plugin = Plugin(
+        id=id,
+        extensions=as_tuple(extensions, "extensions"),
+        profiles=as_tuple(profiles, "profiles"),
+        command_kinds=as_tuple(command_kinds, "command_kinds"),
+        description=description,
+    )
+    # The same checks the app makes, so a broken plugin fails where it is defined.
+    Registry().add_module(plugin, path="")
+    return plugin
+
+
+class Registry:
+    """Collects modules' contributions, refusing anything registered twice.
+
+    Every ``add_*`` takes the ``path`` the object was reached by, used in refusals.
+    """
+
+    def __init__(self) -> None:
+        # id() -> (object, path); the object is kept so its id cannot be reused.
+        self._seen: dict[int, tuple[object, str]] = {}
+        self._modules: dict[str, ComputeModule] = {}
+        self._steps: dict[str, Step] = {}
+        self._profiles: dict[tuple[str, int], Profile] = {}
+        self._kinds: dict[str, CommandKind] = {}
+
+    @property
+    def modules(self) -> Mapping[str, ComputeModule]:
+        """Registered modules and plugins by id."""
+        return MappingProxyType(self._modules)
+
+    @property
+    def steps(self) -> Mapping[str, Step]:
+        """Registered steps by id."""
+        return MappingProxyType(self._steps)
+
+    @property
+    def profiles(self) -> Mapping[tuple[str, int], Profile]:
+        """Registered profiles by ``(id, version)``."""
+        return MappingProxyType(self._profiles)
+
+    @property
+    def command_kinds(self) -> Mapping[str, CommandKind]:
+        """Registered command kinds by name."""
+        return MappingProxyType(self._kinds)
+
+    def path_of(self, obj: object) -> str | None:
+        """The path ``obj`` was registered at, or ``None``."""
+        seen = self._seen.get(id(obj))
+        return seen[1] if seen is not None and seen[0] is obj else None
+
+    def add_module(self, module: ComputeModule, *, path: str) -> None:
+        """Register a module or plugin and everything it contributes."""
+        module_id = getattr(module, "id", None)
+        if not isinstance(module_id, str) or not module_id:
+            raise _bad_config(path, "not a compute module (it needs a string id)")
+        self._once(module, path)
+        if module_id in self._modules:
+            first = self._where(self._modules[module_id])
+            raise _bad_config(
+                join_path(path, "id"),
+                f"module or plugin {module_id!r} is already registered at {first}",
+            )
+        self._modules[module_id] = module
+        steps_name = "extensions" if isinstance(module, Plugin) else "steps"
+        parts = (
+            ("command_kinds", self.add_command_kind),
+            (steps_name, self.add_step),
+            ("profiles", self.add_profile),
+        )
+        for name, add in parts:
+            items = as_tuple(getattr(module, name, None), join_path(path, name))
+            for index, item in enumerate(items):
+                add(item, path=join_path(path, f"{name}[{index}]"))
+
+    def add_command_kind(self, kind: CommandKind, *, path: str) -> None:
+        """Register a command kind; names are unique."""
+        if not isinstance(kind, CommandKind):
+            raise _bad_config(path, "not a CommandKind")
+        self._once(kind, path)
+        if kind.name in self._kinds:
+            first = self._where(self._kinds[kind.name])
+            raise _bad_config(
+                join_path(path, "name"),
+                f"command kind {kind.name!r} is already registered at {first}",
+            )
+        self._kinds[kind.name] = kind
+
+    def add_step(self, step: Step, *, path: str) -> None:
+        """Register a step; step ids share one namespace."""
+        if getattr(step, "extension", None) != "step":
+            raise _bad_config(path, "not a step (make one with define_step)")
+        self._once(step, path)
+        if step.id in self._steps:
+            first = self._where(self._steps[step.id])
+            raise _bad_config(
+                join_path(path, "id"),
+                f"step id {step.id!r} is already registered at {first}; prefix yours (acme.)",
+            )
+        self._steps[step.id] = step
+
+    def add_profile(self, profile: Profile, *, path: str) -> None:
+        """Register a profile; ``(id, version)`` pairs are unique."""
+        if getattr(profile, "extension", None) != "profile":
+            raise _bad_config(path, "not a profile (make one with define_profile)")
+        self._once(profile, path)
+        key = (profile.id, profile.version)
+        if key in self._profiles:
+            first = self._where(self._profiles[key])
+            raise _bad_config(
+                join_path(path, "version"),
+                f"profile {profile.id!r} v{profile.version} is already registered at {first}",
+            )
+        self._profiles[key] = profile
+
+    def _once(self, obj: object, path: str) -> None:
+        seen = self._seen.get(id(obj))
+        if seen is not None:
+            raise _bad_config(
+                path, f"registered twice: already registered at {seen[1] or 'top level'}"
+            )
+        self._seen[id(obj)] = (obj, path)
+
+    def _where(self, obj: object) -> str:
+        return self.path_of(obj) or "top level"

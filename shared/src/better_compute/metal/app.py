@@ -1,0 +1,21 @@
+"""The default app: metal and provision, nothing else.
+
+Services load it as ``better_compute.metal.app:app``.
+"""
+
+from __future__ import annotations
+
+from better_compute.core.app import App, better_compute
+from better_compute.provision.module import provision_module
+
+from .module import metal
+
+__all__ = ["app", "default_app"]
+
+
+def default_app() -> App:
+    """Metal, plus a provision module that borrows metal's steps and profiles."""
+    return better_compute(modules=[metal(), provision_module(modules=[metal()])])
+
+
+app = default_app()

@@ -1,0 +1,147 @@
+"""The command kinds metal's agents implement: BMC control, relayed HTTP, node operations.
+
+``destructive`` marks commands that can destroy data or state that cannot be rebuilt (disk
+contents, or anything an arbitrary driver operation or HTTP request to the machine might do).
+With the destructive-batch quorum on, those run only inside a batch the approvers signed.
+Power, boot-device, virtual-media and inventory commands interrupt a machine at worst and are
+not destructive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
+
+from better_compute.core.manifest import field, manifest
+from better_compute.core.plugins import DOTTED_NAME_PATTERN, CommandKind
+
+__all__ = [
+    "COMMAND_KINDS",
+    "DRIVER_INVOKE",
+    "MANAGEMENT_SET_BOOT_DEVICE",
+    "MEDIA_EJECT",
+    "MEDIA_INSERT",
+    "NODE_IMAGE_WRITE",
+    "NODE_INVENTORY",
+    "NODE_WIPE",
+    "POWER_SET_POWER",
+    "SITE_HTTP_PROXY",
+]
+
+_URL = field.string(pattern=r"^https?://\S+$", max_length=4096)
+_SHA256 = field.string(pattern=r"^[0-9a-f]{64}$")
+_MEDIA_DEVICE = field.enum(["cd", "usb"]).default("cd")
+
+DRIVER_INVOKE: Final = CommandKind(
+    name="driver.invoke",
+    destructive=True,
+    description="Runs one driver operation <concern>.<operation> on the site agent",
+    payload=manifest(
+        {
+            "operation": field.string(pattern=DOTTED_NAME_PATTERN),
+            "input": field.json().default({}),
+        }
+    ),
+)
+
+SITE_HTTP_PROXY: Final = CommandKind(
+    name="site.httpProxy",
+    # Destructive: a request to a machine's own API (Talos, a BMC) can reset or wipe it.
+    destructive=True,
+    description="One HTTP request from the site agent to the node's own address, SSRF-checked",
+    payload=manifest(
+        {
+            "url": _URL,
+            "method": field.enum(["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]).default("GET"),
+            "headers": field.map(field.string(max_length=8192)).default({}),
+            "body": field.string().optional(),
+            "poll": field.bool().default(False),
+        }
+    ),
+)
+
+POWER_SET_POWER: Final = CommandKind(
+    name="power.setPower",
+    destructive=False,
+    description="Changes the machine's power state through its BMC",
+    payload=manifest({"action": field.enum(["on", "off", "softOff", "cycle", "reset"])}),
+)
+
+MANAGEMENT_SET_BOOT_DEVICE: Final = CommandKind(
+    name="management.setBootDevice",
+    destructive=False,
+    description="Sets the next boot device through the BMC (once, unless persistent)",
+    payload=manifest(
+        {
+            "device": field.enum(["pxe", "disk", "cd", "usb", "bios"]),
+            "persistent": field.bool().default(False),
+            "mode": field.enum(["uefi", "legacy"]).optional(),
+        }
+    ),
+)
+
+MEDIA_INSERT: Final = CommandKind(
+    name="media.insert",
+    destructive=False,
+    description="Inserts a virtual medium (an ISO or disk image URL) through the BMC",
+    payload=manifest({"url": _URL, "device": _MEDIA_DEVICE}),
+)
+
+MEDIA_EJECT: Final = CommandKind(
+    name="media.eject",
+    destructive=False,
+    description="Ejects a virtual medium through the BMC",
+    payload=manifest({"device": _MEDIA_DEVICE}),
+)
+
+NODE_INVENTORY: Final = CommandKind(
+    name="node.inventory",
+    destructive=False,
+    description="Reports the machine's hardware (CPUs, memory, disks, NICs, GPUs)",
+    payload=manifest({}),
+)
+
+NODE_WIPE: Final = CommandKind(
+    name="node.wipe",
+    destructive=True,
+    description="Erases disks; every disk when none are named",
+    payload=manifest(
+        {
+            "mode": field.enum(["quick", "discard", "secure"]).default("quick"),
+            "disks": field.list(field.string(pattern=r"^/dev/\S+$"), min_items=1).optional(),
+        }
+    ),
+)
+
+NODE_IMAGE_WRITE: Final = CommandKind(
+    name="node.imageWrite",
+    destructive=True,
+    description="Writes a verified OS image to a disk, with the rendered user data",
+    payload=manifest(
+        {
+            "url": _URL,
+            "sha256": _SHA256,
+            "format": field.enum(["raw", "raw.gz", "raw.xz", "raw.zst", "qcow2"]).default("raw"),
+            "disk": field.string(pattern=r"^/dev/\S+$").optional(),
+            "userDataRef": field.secret_ref().optional(),
+        }
+    ),
+)
+
+COMMAND_KINDS: Final[Mapping[str, CommandKind]] = MappingProxyType(
+    {
+        kind.name: kind
+        for kind in (
+            DRIVER_INVOKE,
+            SITE_HTTP_PROXY,
+            POWER_SET_POWER,
+            MANAGEMENT_SET_BOOT_DEVICE,
+            MEDIA_INSERT,
+            MEDIA_EJECT,
+            NODE_INVENTORY,
+            NODE_WIPE,
+            NODE_IMAGE_WRITE,
+        )
+    }
+)

@@ -1,0 +1,44 @@
+"""Provision: steps, profiles, user-data templates and config units, and the module that
+hands them to the engine."""
+
+from .config_units import BUILTIN_CONFIG_UNITS, ConfigUnit, resolve_host_config
+from .context import Log, Pki, Secrets, Sql, StepContext, StepNode, Workflows, step_command_key
+from .module import ImageVerifier, ProvisionModule, provision_module
+from .profiles import (
+    Profile,
+    ProfileStep,
+    define_profile,
+    profile_from_document,
+)
+from .steps import Step, define_step
+from .templates import TEMPLATE_VARIABLES, UserData, render_template, template_variables
+from .waiting import StepNotReady, step_not_ready
+
+__all__ = [
+    "BUILTIN_CONFIG_UNITS",
+    "TEMPLATE_VARIABLES",
+    "ConfigUnit",
+    "ImageVerifier",
+    "Log",
+    "Pki",
+    "Profile",
+    "ProfileStep",
+    "ProvisionModule",
+    "Secrets",
+    "Sql",
+    "Step",
+    "StepContext",
+    "StepNode",
+    "StepNotReady",
+    "UserData",
+    "Workflows",
+    "define_profile",
+    "define_step",
+    "profile_from_document",
+    "provision_module",
+    "render_template",
+    "resolve_host_config",
+    "step_command_key",
+    "step_not_ready",
+    "template_variables",
+]

@@ -1,0 +1,434 @@
+"""Plugins, the registry, metal's command kinds, app composition, config units, load_app."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from better_compute.core import (
+    PLUGIN_ENTRY_POINT_GROUP,
+    BcError,
+    CommandKind,
+    ErrorCode,
+    better_compute,
+    define_plugin,
+    field,
+    load_app,
+    manifest,
+)
+from better_compute.core import app as app_module
+from better_compute.metal import COMMAND_KINDS, metal
+from better_compute.metal.app import app as default_app_object
+from better_compute.provision import (
+    BUILTIN_CONFIG_UNITS,
+    ConfigUnit,
+    Step,
+    define_profile,
+    define_step,
+    profile_from_document,
+    provision_module,
+    resolve_host_config,
+)
+
+pytestmark = pytest.mark.unit
+
+INVALID_CONFIG = ErrorCode.INVALID_CONFIG
+INVALID_INPUT = ErrorCode.INVALID_INPUT
+
+
+def refusal(fn: Callable[[], object]) -> tuple[ErrorCode, str | None]:
+    with pytest.raises(BcError) as info:
+        fn()
+    return info.value.code, info.value.path
+
+
+async def run(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    return {}
+
+
+def control_plane_step(id: str, **options: Any) -> Step:
+    return define_step(
+        id=id, runs_on="control-plane", timeout="1m", input=manifest({}), run=run, **options
+    )
+
+
+def agent_step(id: str, command: str) -> Step:
+    return define_step(id=id, runs_on="site", timeout="1m", input=manifest({}), command=command)
+
+
+TALOS_READY = control_plane_step("wait.talosReady", relays=["site"], sends=["site.httpProxy"])
+TALOS = define_profile(
+    id="talos", version=1, target="metal", role="host", steps=[{"use": "wait.talosReady"}]
+)
+RENDER_ISO = control_plane_step("autoinstall.renderIso")
+UBUNTU = define_profile(
+    id="ubuntu-24.04-autoinstall",
+    version=1,
+    target="metal",
+    role="host",
+    steps=[{"use": "autoinstall.renderIso"}, {"use": "power.setPower", "on": "site"}],
+)
+ACME = define_plugin(id="acme-autoinstall", extensions=[RENDER_ISO], profiles=[UBUNTU])
+
+
+# --- define_plugin and CommandKind -----------------------------------------------------------
+
+
+def test_a_plugin_is_frozen_and_lists_its_steps() -> None:
+    assert ACME.steps == (RENDER_ISO,)
+    assert ACME.profiles == (UBUNTU,)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ACME.id = "other"  # type: ignore[misc]
+
+
+OTHER_RENDER_ISO = control_plane_step("autoinstall.renderIso")
+KIND = CommandKind(name="acme.flash", destructive=True, payload=manifest({}))
+
+
+@pytest.mark.parametrize(
+    ("options", "path"),
+    [
+        ({"id": "Acme"}, "id"),
+        ({"id": "acme_autoinstall"}, "id"),
+        ({"id": ""}, "id"),
+        ({"extensions": RENDER_ISO}, "extensions"),
+        ({"extensions": [TALOS]}, "extensions[0]"),
+        ({"extensions": [RENDER_ISO, RENDER_ISO]}, "extensions[1]"),
+        ({"extensions": [RENDER_ISO, OTHER_RENDER_ISO]}, "extensions[1].id"),
+        ({"profiles": [TALOS, TALOS]}, "profiles[1]"),
+        ({"profiles": [TALOS, profile_from_document(TALOS.to_document())]}, "profiles[1].version"),
+        ({"profiles": [RENDER_ISO]}, "profiles[0]"),
+        ({"command_kinds": ["acme.flash"]}, "command_kinds[0]"),
+        (
+            {
+                "command_kinds": [
+                    KIND,
+                    CommandKind(name="acme.flash", destructive=False, payload=manifest({})),
+                ]
+            },
+            "command_kinds[1].name",
+        ),
+    ],
+)
+def test_define_plugin_refusals(options: dict[str, Any], path: str) -> None:
+    assert refusal(lambda: define_plugin(**{"id": "acme", **options})) == (INVALID_CONFIG, path)
+
+
+@pytest.mark.parametrize(
+    ("options", "path"),
+    [
+        ({"name": "flash"}, "name"),
+        ({"name": "acme.flash_fw"}, "name"),
+        ({"destructive": "yes"}, "destructive"),
+        ({"payload": {}}, "payload"),
+    ],
+)
+def test_command_kind_refusals(options: dict[str, Any], path: str) -> None:
+    kind: dict[str, Any] = {"name": "acme.flash", "destructive": True, "payload": manifest({})}
+    assert refusal(lambda: CommandKind(**{**kind, **options})) == (INVALID_CONFIG, path)
+
+
+# --- metal -----------------------------------------------------------------------------------
+
+
+def test_metal_registers_the_pages_command_kinds_with_their_destructive_flags() -> None:
+    assert {name: kind.destructive for name, kind in COMMAND_KINDS.items()} == {
+        "driver.invoke": True,
+        "site.httpProxy": True,
+        "power.setPower": False,
+        "management.setBootDevice": False,
+        "media.insert": False,
+        "media.eject": False,
+        "node.inventory": False,
+        "node.wipe": True,
+        "node.imageWrite": True,
+    }
+    assert metal().steps == ()
+    assert metal().profiles == ()
+
+
+def test_metal_payloads_are_checked() -> None:
+    power = COMMAND_KINDS["power.setPower"].payload
+    assert power.validate({"action": "cycle"}) == {"action": "cycle"}
+    assert refusal(lambda: power.validate({"action": "explode"})) == (INVALID_INPUT, "action")
+    wipe = COMMAND_KINDS["node.wipe"].payload
+    assert wipe.validate({}) == {"mode": "quick"}
+    image = COMMAND_KINDS["node.imageWrite"].payload
+    assert refusal(
+        lambda: image.validate({"url": "https://x/img", "sha256": "ab" * 32, "userDataRef": "x"})
+    ) == (INVALID_INPUT, "userDataRef")
+
+
+# --- composition -----------------------------------------------------------------------------
+
+
+def test_steps_given_to_provision_directly_are_resolved() -> None:
+    app = better_compute(modules=[metal(), provision_module(steps=[TALOS_READY], profiles=[TALOS])])
+    assert dict(app.steps) == {"wait.talosReady": TALOS_READY}
+    assert app.profiles == (TALOS,)
+    assert app.command_kind("site.httpProxy").destructive
+
+
+def test_a_plugin_listed_in_provision_and_in_plugins_is_registered_once_and_resolved() -> None:
+    app = better_compute(
+        modules=[metal(), provision_module(modules=[metal(), ACME], steps=[TALOS_READY])],
+        plugins=[ACME],
+    )
+    assert set(app.steps) == {"wait.talosReady", "autoinstall.renderIso"}
+    assert app.steps["autoinstall.renderIso"] is RENDER_ISO
+    assert app.profile("ubuntu-24.04-autoinstall") is UBUNTU
+
+
+def test_a_registered_plugin_that_provision_does_not_borrow_is_not_resolved() -> None:
+    app = better_compute(modules=[metal(), provision_module()], plugins=[ACME])
+    assert "autoinstall.renderIso" not in app.steps
+    assert app.profiles == ()
+
+
+def test_a_borrowed_plugin_must_also_be_registered() -> None:
+    assert refusal(
+        lambda: better_compute(modules=[metal(), provision_module(modules=[metal(), ACME])])
+    ) == (INVALID_CONFIG, "modules[1].modules[1]")
+
+
+def test_a_borrowed_plugin_must_lend_the_registered_steps() -> None:
+    impostor = define_plugin(id="acme-autoinstall", extensions=[OTHER_RENDER_ISO])
+    assert refusal(
+        lambda: better_compute(
+            modules=[metal(), provision_module(modules=[impostor])], plugins=[ACME]
+        )
+    ) == (INVALID_CONFIG, "modules[1].modules[0].extensions[0]")
+
+
+def test_an_extension_registered_twice_is_refused() -> None:
+    # Once as provision's own step, once through the plugin.
+    assert refusal(
+        lambda: better_compute(
+            modules=[metal(), provision_module(steps=[RENDER_ISO])], plugins=[ACME]
+        )
+    ) == (INVALID_CONFIG, "plugins[0].extensions[0]")
+    # Provision's own and borrowed at once.
+    assert refusal(lambda: provision_module(modules=[ACME], steps=[RENDER_ISO])) == (
+        INVALID_CONFIG,
+        "modules[0].extensions[0]",
+    )
+
+
+def test_a_duplicate_step_id_is_refused() -> None:
+    other = define_plugin(id="other", extensions=[OTHER_RENDER_ISO])
+    assert refusal(lambda: better_compute(modules=[metal()], plugins=[ACME, other])) == (
+        INVALID_CONFIG,
+        "plugins[1].extensions[0].id",
+    )
+
+
+def test_duplicate_plugins_and_modules_are_refused() -> None:
+    assert refusal(lambda: better_compute(plugins=[ACME, ACME])) == (INVALID_CONFIG, "plugins[1]")
+    twin = define_plugin(id="acme-autoinstall")
+    assert refusal(lambda: better_compute(plugins=[ACME, twin])) == (
+        INVALID_CONFIG,
+        "plugins[1].id",
+    )
+    assert refusal(lambda: better_compute(modules=[metal(), metal()])) == (
+        INVALID_CONFIG,
+        "modules[1].id",
+    )
+    assert refusal(
+        lambda: better_compute(modules=[metal(), provision_module(), provision_module()])
+    ) == (INVALID_CONFIG, "modules[2].id")
+
+
+def test_provision_cannot_borrow_from_provision() -> None:
+    assert refusal(lambda: provision_module(modules=[provision_module()])) == (
+        INVALID_CONFIG,
+        "modules[0]",
+    )
+
+
+def test_an_agent_step_must_send_a_registered_kind() -> None:
+    flash = agent_step("acme.flashFirmware", "acme.flash")
+    assert refusal(lambda: better_compute(modules=[metal(), provision_module(steps=[flash])])) == (
+        INVALID_CONFIG,
+        "modules[1].steps[0].command",
+    )
+    with_kind = define_plugin(id="acme-flash", command_kinds=[KIND])
+    app = better_compute(modules=[metal(), provision_module(steps=[flash])], plugins=[with_kind])
+    assert app.steps["acme.flashFirmware"] is flash
+
+
+def test_declared_sends_must_be_registered_kinds() -> None:
+    relaying = control_plane_step("acme.poll", relays=["site"], sends=["site.httpProxy", "acme.x"])
+    assert refusal(
+        lambda: better_compute(modules=[metal(), provision_module(steps=[relaying])])
+    ) == (INVALID_CONFIG, "modules[1].steps[0].sends[1]")
+
+
+def test_unknown_command_kind_lookup_is_invalid_config() -> None:
+    assert refusal(lambda: default_app_object.command_kind("acme.flash")) == (
+        INVALID_CONFIG,
+        "kind",
+    )
+
+
+def test_profile_lookup_prefers_the_highest_version() -> None:
+    talos_v2 = profile_from_document({**TALOS.to_document(), "version": 2})
+    app = better_compute(modules=[provision_module(profiles=[TALOS, talos_v2], steps=[RENDER_ISO])])
+    assert app.profile("talos") is talos_v2
+    assert app.profile("talos", version=1) is TALOS
+    assert refusal(lambda: app.profile("talos", version=3)) == (ErrorCode.NOT_FOUND, "version")
+    assert refusal(lambda: app.profile("nope")) == (ErrorCode.NOT_FOUND, "id")
+
+
+def test_the_default_app_has_metal_and_provision() -> None:
+    assert set(default_app_object.command_kinds) == set(COMMAND_KINDS)
+    assert default_app_object.provision is not None
+    assert dataclasses.is_dataclass(default_app_object)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default_app_object.provision = None  # type: ignore[misc]
+
+
+# --- discovery and load_app ------------------------------------------------------------------
+
+
+def fake_entry_point(name: str, loaded: Callable[[], Any]) -> SimpleNamespace:
+    return SimpleNamespace(name=name, load=loaded)
+
+
+def test_discovered_plugins_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups: list[str] = []
+
+    def entry_points(group: str) -> list[SimpleNamespace]:
+        groups.append(group)
+        return [
+            fake_entry_point("acme", lambda: ACME),
+            fake_entry_point(
+                "flash", lambda: lambda: define_plugin(id="flash", command_kinds=[KIND])
+            ),
+        ]
+
+    monkeypatch.setattr(app_module, "_entry_points", entry_points)
+    app = better_compute(modules=[metal()], plugins=[ACME], discover=True)
+    assert groups == [PLUGIN_ENTRY_POINT_GROUP] == ["better_compute.plugins"]
+    assert "acme.flash" in app.command_kinds
+    assert [plugin.id for plugin in app.plugins] == ["acme-autoinstall", "flash"]
+
+
+@pytest.mark.parametrize(
+    "loaded",
+    [lambda: 42, lambda: (_ for _ in ()).throw(ImportError("no module acme"))],
+)
+def test_a_broken_entry_point_is_invalid_config(
+    monkeypatch: pytest.MonkeyPatch, loaded: Callable[[], Any]
+) -> None:
+    monkeypatch.setattr(
+        app_module, "_entry_points", lambda group: [fake_entry_point("broken", loaded)]
+    )
+    assert refusal(lambda: better_compute(discover=True)) == (INVALID_CONFIG, "entry_points.broken")
+
+
+def test_load_app_loads_the_default_app_and_factories() -> None:
+    assert load_app("better_compute.metal.app:app") is default_app_object
+    assert set(load_app("better_compute.metal.app:default_app").command_kinds) == set(COMMAND_KINDS)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "better_compute.metal.app",
+        "better_compute.metal.app:",
+        "better_compute.metal.app:app:x",
+        "better_compute/metal:app",
+        "no_such_package_xyz.app:app",
+        "better_compute.metal.app:nope",
+        "better_compute.metal:metal",
+        "better_compute.metal:COMMAND_KINDS",
+    ],
+)
+def test_load_app_refuses_bad_specs(spec: str) -> None:
+    assert refusal(lambda: load_app(spec)) == (INVALID_CONFIG, "app")
+
+
+# --- config units ----------------------------------------------------------------------------
+
+
+def test_the_built_in_units_are_the_pages() -> None:
+    assert set(BUILTIN_CONFIG_UNITS) == {
+        "kernel-modules",
+        "sysctl",
+        "hugepages",
+        "nvidia-driver",
+        "fabric-manager",
+        "mig-layout",
+        "gpu-sharing",
+        "container-toolkit",
+        "k8s-join",
+    }
+
+
+NIC_FIRMWARE = ConfigUnit(
+    name="acme-nic-firmware",
+    description="Pins the NIC firmware branch",
+    settings=manifest({"branch": field.string(pattern=r"^[0-9]+\.[0-9]+$")}),
+)
+
+
+def test_a_unit_named_like_a_built_in_replaces_it() -> None:
+    sysctl = ConfigUnit(name="sysctl", description="mine", settings=manifest({}))
+    units = provision_module(config_units=[NIC_FIRMWARE, sysctl]).config_units
+    assert units["sysctl"] is sysctl
+    assert units["acme-nic-firmware"] is NIC_FIRMWARE
+    assert units["hugepages"] is BUILTIN_CONFIG_UNITS["hugepages"]
+
+
+def test_a_unit_given_twice_is_refused() -> None:
+    assert refusal(lambda: provision_module(config_units=[NIC_FIRMWARE, NIC_FIRMWARE])) == (
+        INVALID_CONFIG,
+        "config_units[1].name",
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "path"),
+    [({"name": "Acme"}, "name"), ({"settings": {}}, "settings"), ({"when": ""}, "when")],
+)
+def test_config_unit_refusals(options: dict[str, Any], path: str) -> None:
+    unit: dict[str, Any] = {"name": "acme", "description": "d", "settings": manifest({})}
+    assert refusal(lambda: ConfigUnit(**{**unit, **options})) == (INVALID_CONFIG, path)
+
+
+def host_config(*units: dict[str, Any]) -> Any:
+    return define_profile(
+        id="p", version=1, target="metal", role="host", host_config={"units": list(units)}
+    ).host_config
+
+
+def test_resolving_the_host_section_checks_settings_and_fills_defaults() -> None:
+    units = provision_module(config_units=[NIC_FIRMWARE]).config_units
+    resolved = resolve_host_config(
+        host_config(
+            {"name": "hugepages", "settings": {"count": 64}, "when": "gpu=true"},
+            {"name": "acme-nic-firmware", "settings": {"branch": "22.1"}},
+        ),
+        units=units,
+    )
+    assert [(u.name, dict(u.settings), u.when) for u in resolved] == [
+        ("hugepages", {"size": "2M", "count": 64}, "gpu=true"),
+        ("acme-nic-firmware", {"branch": "22.1"}, None),
+    ]
+
+
+def test_an_unknown_unit_or_bad_settings_is_invalid_input_when_resolved() -> None:
+    units = provision_module().config_units
+    assert refusal(
+        lambda: resolve_host_config(host_config({"name": "acme-nic-firmware"}), units=units)
+    ) == (INVALID_INPUT, "hostConfig.units[0].name")
+    assert refusal(
+        lambda: resolve_host_config(
+            host_config({"name": "sysctl", "settings": {"values": {}}}, {"name": "hugepages"}),
+            units=units,
+        )
+    ) == (INVALID_INPUT, "hostConfig.units[1].settings.count")

@@ -1,0 +1,176 @@
+"""render_template, template variables and UserData settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+
+from better_compute.core import BcError, ErrorCode
+from better_compute.provision import (
+    TEMPLATE_VARIABLES,
+    UserData,
+    render_template,
+    template_variables,
+)
+
+pytestmark = pytest.mark.unit
+
+INVALID_CONFIG = ErrorCode.INVALID_CONFIG
+INVALID_INPUT = ErrorCode.INVALID_INPUT
+SHA = "ab" * 32
+
+VARIABLES = {
+    "nodeId": "node_01J0000000000000000000000A",
+    "hostname": "node-01J0000000000000000000000A",
+    "joinToken": "tok-secret",
+    "controlPlaneUrl": "https://gw.eu-1.example.com",
+    "bcdUrl": "https://downloads.example.com/bcd",
+    "bcdSha256": SHA,
+}
+
+
+def refusal(fn: Callable[[], object]) -> tuple[ErrorCode, str | None]:
+    with pytest.raises(BcError) as info:
+        fn()
+    return info.value.code, info.value.path
+
+
+def test_the_variables_are_the_pages() -> None:
+    assert TEMPLATE_VARIABLES == (
+        "nodeId",
+        "hostname",
+        "joinToken",
+        "controlPlaneUrl",
+        "bcdUrl",
+        "bcdSha256",
+    )
+
+
+def test_placeholders_with_and_without_spaces_are_filled() -> None:
+    template = "hostname: {{hostname}}\ntoken: {{ joinToken }}\nagain: {{  hostname  }}\n"
+    assert render_template(template, VARIABLES) == (
+        "hostname: node-01J0000000000000000000000A\ntoken: tok-secret\n"
+        "again: node-01J0000000000000000000000A\n"
+    )
+
+
+def test_jinja_expressions_that_are_not_placeholders_pass_through() -> None:
+    template = "host: {{ v1.local_hostname }} node: {{nodeId}}"
+    assert render_template(template, VARIABLES) == (
+        "host: {{ v1.local_hostname }} node: node_01J0000000000000000000000A"
+    )
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "a\r", "a\r\nb", "\u2028", "\u2029", "a\x85", "\v", "\f"])
+def test_a_value_with_a_line_break_is_invalid_input(bad: str) -> None:
+    variables = {**VARIABLES, "joinToken": bad}
+    assert refusal(lambda: render_template("t: {{joinToken}}", variables)) == (
+        INVALID_INPUT,
+        "variables.joinToken",
+    )
+
+
+def test_a_value_with_double_braces_is_invalid_input() -> None:
+    variables = {**VARIABLES, "hostname": "x{{joinToken}}"}
+    assert refusal(lambda: render_template("h: {{hostname}}", variables)) == (
+        INVALID_INPUT,
+        "variables.hostname",
+    )
+
+
+def test_a_bad_value_is_refused_even_when_no_placeholder_uses_it() -> None:
+    variables = {**VARIABLES, "bcdUrl": "https://x\n"}
+    assert refusal(lambda: render_template("static", variables)) == (
+        INVALID_INPUT,
+        "variables.bcdUrl",
+    )
+
+
+def test_a_value_that_is_not_a_string_is_invalid_input() -> None:
+    assert refusal(lambda: render_template("{{port}}", {"port": 22})) == (  # type: ignore[dict-item]
+        INVALID_INPUT,
+        "variables.port",
+    )
+
+
+def test_a_placeholder_with_no_value_is_invalid_config() -> None:
+    assert refusal(lambda: render_template("url: {{ controlPlaneUrl }}", {"nodeId": "n"})) == (
+        INVALID_CONFIG,
+        "template.controlPlaneUrl",
+    )
+
+
+def test_a_none_value_counts_as_no_value() -> None:
+    variables = {**VARIABLES, "bcdUrl": None}
+    assert render_template("{{nodeId}}", variables) == VARIABLES["nodeId"]
+    assert refusal(lambda: render_template("{{bcdUrl}}", variables)) == (
+        INVALID_CONFIG,
+        "template.bcdUrl",
+    )
+
+
+def test_a_function_template_gets_read_only_variables() -> None:
+    def ignition(variables: Mapping[str, str]) -> str:
+        with pytest.raises(TypeError):
+            variables["hostname"] = "x"  # type: ignore[index]
+        return '{"hostname": "' + variables["hostname"] + '"}'
+
+    assert render_template(ignition, VARIABLES) == '{"hostname": "node-01J0000000000000000000000A"}'
+
+
+def test_a_function_template_reading_a_missing_value_is_invalid_config() -> None:
+    assert refusal(lambda: render_template(lambda v: v["bcdSha256"], {"nodeId": "n"})) == (
+        INVALID_CONFIG,
+        "template.bcdSha256",
+    )
+
+
+def test_a_function_template_still_gets_only_checked_values() -> None:
+    variables = {**VARIABLES, "joinToken": "a\nb"}
+    assert refusal(lambda: render_template(lambda v: "x", variables)) == (
+        INVALID_INPUT,
+        "variables.joinToken",
+    )
+
+
+@pytest.mark.parametrize("template", [lambda v: None, lambda v: b"bytes", 42])
+def test_a_template_that_gives_no_string_is_invalid_config(template: Any) -> None:
+    assert refusal(lambda: render_template(template, VARIABLES)) == (INVALID_CONFIG, "template")
+
+
+def test_template_variables_derive_the_hostname_from_the_node_id() -> None:
+    settings = UserData(control_plane_url="https://gw.example.com", bcd_sha256=SHA)
+    variables = template_variables(
+        node_id="node_01J0000000000000000000000A", join_token="t", user_data=settings
+    )
+    assert variables["hostname"] == "node-01J0000000000000000000000A"
+    assert variables["controlPlaneUrl"] == "https://gw.example.com"
+    assert variables["bcdUrl"] is None
+    assert set(variables) == set(TEMPLATE_VARIABLES)
+
+
+@pytest.mark.parametrize(
+    ("settings", "path"),
+    [
+        ({"control_plane_url": "gw.example.com"}, "control_plane_url"),
+        ({"bcd_url": "https://x/\nevil"}, "bcd_url"),
+        ({"bcd_sha256": "AB" * 32}, "bcd_sha256"),
+        ({"bcd_sha256": "ab"}, "bcd_sha256"),
+        ({"templates": {"../etc/passwd": "x"}}, "templates.../etc/passwd"),
+        ({"templates": {"acme.yaml": 42}}, "templates.acme.yaml"),
+        ({"templates": ["acme.yaml"]}, "templates"),
+    ],
+)
+def test_user_data_settings_are_checked(settings: dict[str, Any], path: str) -> None:
+    assert refusal(lambda: UserData(**settings)) == (INVALID_CONFIG, path)
+
+
+def test_user_data_templates_are_frozen() -> None:
+    templates = {"acme-talos.yaml": "machine: {{hostname}}"}
+    settings = UserData(templates=templates)
+    templates["other.yaml"] = "x"
+    assert list(settings.templates) == ["acme-talos.yaml"]
+    with pytest.raises(TypeError):
+        settings.templates["x"] = "y"  # type: ignore[index]
