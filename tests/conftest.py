@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,3 +16,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = Path(str(item.path)).relative_to(Path(__file__).parent).parts[0]
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+# Service processes started by tests load test apps from tests/support.
+_SUPPORT = str(Path(__file__).parent / "support")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SUPPORT, os.environ.get("PYTHONPATH", "")) if p)
+if _SUPPORT not in sys.path:
+    sys.path.insert(0, _SUPPORT)

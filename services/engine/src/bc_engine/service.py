@@ -2,20 +2,178 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import asyncio
+import contextlib
+import json
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-from better_compute.service import Service
+import msgspec
+from nats.aio.msg import Msg
+
+from better_compute.core.app import App, load_app
+from better_compute.service import Database, Handler, Service
+from better_compute.service.base import SideLoop
+from better_compute.wire.cmdq import CommandEvent
+
+from . import queue
+from .api import EngineApi
+from .engine import Engine, OwnerReconciler
+from .scheduler import Scheduler
+from .shards import ShardLeases
 
 __all__ = ["EngineService"]
 
+POLL_EVERY = 1.0  # the safety net; wake-ups do the real work
+
+
+async def _init_connection(conn: Any) -> None:
+    for typ in ("json", "jsonb"):
+        await conn.set_type_codec(typ, encoder=lambda v: v, decoder=json.loads, schema="pg_catalog")
+
+
+def _owner_reconcilers(app: App) -> dict[str, OwnerReconciler]:
+    found: dict[str, OwnerReconciler] = {}
+    for module in (*app.modules, *app.plugins):
+        for name, fn in (getattr(module, "reconcilers", None) or {}).items():
+            found[name] = fn
+    return found
+
 
 class EngineService(Service):
-    """Provision engine: profiles, workflows, the reconciler, step execution"""
+    """Provision engine: profiles, workflows, the reconciler, step execution."""
 
     name: ClassVar[str] = "bc-engine"
     api_name: ClassVar[str] = "engine"
     schema: ClassVar[str | None] = "engine"
     migrations_package: ClassVar[str | None] = "bc_engine.migrations"
-    description: ClassVar[str] = (
-        "Provision engine: profiles, workflows, the reconciler, step execution"
-    )
+    description: ClassVar[str] = "Provision engine: profiles, workflows, the reconciler, step execution"
+
+    def make_database(self, url: str) -> Database:
+        return Database(url, "engine", min_size=2, max_size=20, init=_init_connection)
+
+    async def on_start(self) -> None:
+        assert self.db is not None
+        assert self.api is not None
+        assert self.nc is not None
+        self.app = load_app(self.settings.app)
+        self.leases = ShardLeases(
+            self.db,
+            self.instance,
+            on_gained=lambda _s: self._poll_soon.set(),
+            on_lost=lambda _s: self.scheduler.drop(self._owns_key),
+            log=self.log,
+        )
+        self.engine = Engine(
+            app=self.app,
+            db=self.db,
+            api=self.api,
+            leases=self.leases,
+            instance=self.instance,
+            log=self.log,
+            publish=self.publish_event,
+            pki_factory=self._pki_factory(),
+            secrets_factory=self._secrets_factory(),
+            owners=_owner_reconcilers(self.app),
+        )
+        self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
+        self.engine_api = EngineApi(app=self.app, db=self.db, wake=self.wake, publish=self.publish_event)
+        self._poll_soon = asyncio.Event()
+        self._rkeys: dict[str, str] = {}
+        root = self.subjects.root
+        self._subs = [
+            await self.nc.subscribe(f"{root}.engine.wake", cb=self._on_wake),
+            await self.nc.subscribe(self.subjects.events_all("command"), cb=self._on_command),
+        ]
+
+    def _pki_factory(self) -> Any:
+        try:
+            from better_compute.pki_client import PkiClient, StepPki
+        except ImportError:  # pragma: no cover - the pki client ships with the SDK
+            return None
+        assert self.api is not None
+        client = PkiClient(self.api)
+        return lambda key, node_id: StepPki(client, key, node_id=node_id)
+
+    def _secrets_factory(self) -> Any:
+        try:
+            from better_compute.secrets_client import SecretsClient, StepSecrets
+        except ImportError:  # pragma: no cover
+            return None
+        assert self.api is not None
+        client = SecretsClient(self.api)
+        return lambda tenant, wf, step: StepSecrets(client, tenant_id=tenant, workflow_id=wf, step=step)
+
+    def routes(self) -> Mapping[str, Handler]:
+        return self.engine_api.routes()
+
+    def side_loops(self) -> Mapping[str, SideLoop]:
+        return {"shard_leases": self.leases.run, "work_poll": self._poll_loop}
+
+    def _owns_key(self, rkey: str) -> bool:
+        return self.leases.owns(queue.shard_of(rkey)) is not None
+
+    async def wake(self, rkey: str) -> None:
+        """Tell whichever engine process owns the key to look at it now."""
+        if self._owns_key(rkey):
+            self.scheduler.now(rkey)
+            return
+        assert self.nc is not None
+        await self.nc.publish(f"{self.subjects.root}.engine.wake", rkey.encode())
+
+    async def _on_wake(self, msg: Msg) -> None:
+        rkey = msg.data.decode(errors="replace")
+        if self._owns_key(rkey):
+            self.scheduler.now(rkey)
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            event = msgspec.json.decode(msg.data, type=CommandEvent)
+        except msgspec.MsgspecError:
+            return
+        if event.workflow_id is None:
+            return
+        rkey = self._rkeys.get(event.workflow_id)
+        if rkey is None:
+            task = asyncio.create_task(self._wake_workflow(event.workflow_id))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+            return
+        if self._owns_key(rkey):
+            self.scheduler.now(rkey)
+
+    async def _wake_workflow(self, workflow_id: str) -> None:
+        assert self.db is not None
+        rkey = await self.db.pool.fetchval("SELECT rkey FROM workflows WHERE id = $1", workflow_id)
+        if rkey is None:
+            return
+        if len(self._rkeys) > 100_000:
+            self._rkeys.clear()
+        self._rkeys[workflow_id] = rkey
+        if self._owns_key(rkey):
+            self.scheduler.now(rkey)
+
+    async def _poll_loop(self) -> None:
+        assert self.db is not None
+        while True:
+            mine = [s for s in range(queue.SHARDS) if self.leases.owns(s) is not None]
+            if mine:
+                rows = await self.db.fetch(
+                    "SELECT rkey, extract(epoch FROM not_before) AS at FROM work_queue"
+                    " WHERE shard = ANY($1::int[]) AND not_before <= now() + make_interval(secs => $2)",
+                    mine,
+                    POLL_EVERY,
+                )
+                for r in rows:
+                    self.scheduler.at(r["rkey"], float(r["at"]), from_poll=True)
+            self._poll_soon.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_soon.wait(), timeout=POLL_EVERY)
+
+    async def on_stop(self) -> None:
+        for sub in getattr(self, "_subs", []):
+            await sub.unsubscribe()
+        if hasattr(self, "scheduler"):
+            await self.scheduler.close(grace=self.stop_grace)
+        if hasattr(self, "leases"):
+            await self.leases.release_all()

@@ -116,6 +116,11 @@ class Service:
             )
             await asyncio.sleep(5.0)
 
+    def make_database(self, url: str) -> Database:
+        """The pool this service uses; override for codecs or pool size."""
+        assert self.schema is not None
+        return Database(url, self.schema)
+
     async def on_start(self) -> None:
         """After connections and migrations, before serving."""
 
@@ -140,7 +145,7 @@ class Service:
         self.nc = await connect(nats_url, name=f"{self.name}:{self.instance}")
         self.api = ApiClient(self.nc, self.subjects)
         if self.schema is not None:
-            self.db = Database(resolve_database_url(self.settings), self.schema)
+            self.db = self.make_database(resolve_database_url(self.settings))
             await self.db.open()
             if self.migrations_package:
                 applied = await self.db.migrate(load_migrations(self.migrations_package))
@@ -250,9 +255,7 @@ class Service:
             body = encode_error(BcError(ErrorCode.INVALID_INPUT, str(exc)))
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await req.respond(
-                    encode_error(BcError(ErrorCode.UNAVAILABLE, "service is stopping"))
-                )
+                await req.respond(encode_error(BcError(ErrorCode.UNAVAILABLE, "service is stopping")))
             raise
         except Exception as exc:
             self.log.exception("request_failed", route=route)
@@ -279,9 +282,7 @@ class Service:
     async def _health(self, _req: ApiRequest) -> dict[str, Any]:
         return await self.health()
 
-    async def _health_http(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _health_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=2.0)
             body = await self.health()

@@ -42,9 +42,7 @@ class ApiClient:
         self.nc = nc
         self.subjects = subjects or Subjects()
 
-    async def call(
-        self, service: str, route: str, payload: Any = None, *, timeout: float = 10.0
-    ) -> Any:
+    async def call(self, service: str, route: str, payload: Any = None, *, timeout: float = 10.0) -> Any:
         """Call ``route`` (``resource.verb``) of ``service`` and return its result.
 
         Raises the service's ``BcError``; ``UNAVAILABLE`` when no instance listens,
@@ -52,18 +50,12 @@ class ApiClient:
         """
         resource, _, verb = route.partition(".")
         subject = self.subjects.api(service, resource, verb)
-        data = (
-            payload
-            if isinstance(payload, bytes)
-            else encode(payload if payload is not None else {})
-        )
+        data = payload if isinstance(payload, bytes) else encode(payload if payload is not None else {})
         try:
             msg = await self.nc.request(subject, data, timeout=timeout)
         except nats.errors.NoRespondersError as exc:
             name = SERVICE_NAMES.get(service, service)
-            raise BcError(
-                ErrorCode.UNAVAILABLE, f"no {name} instance is running", {"service": name}
-            ) from exc
+            raise BcError(ErrorCode.UNAVAILABLE, f"no {name} instance is running", {"service": name}) from exc
         except nats.errors.TimeoutError as exc:
             raise BcError(ErrorCode.TIMEOUT, f"{subject} did not answer within {timeout}s") from exc
         return unwrap(msg.data)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.resources
 import re
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -62,10 +62,7 @@ async def apply_migrations(conn: Any, schema: str, migrations: list[Migration]) 
             " version text NOT NULL, started_at timestamptz NOT NULL,"
             " last_seen timestamptz NOT NULL)"
         )
-        done = {
-            r["version"]
-            for r in await conn.fetch(f'SELECT version FROM "{schema}".schema_migrations')
-        }
+        done = {r["version"] for r in await conn.fetch(f'SELECT version FROM "{schema}".schema_migrations')}
         for mig in migrations:
             if mig.version in done:
                 continue
@@ -86,11 +83,20 @@ async def apply_migrations(conn: Any, schema: str, migrations: list[Migration]) 
 class Database:
     """An asyncpg pool whose connections see ``schema`` first on the search path."""
 
-    def __init__(self, url: str, schema: str, *, min_size: int = 1, max_size: int = 10) -> None:
+    def __init__(
+        self,
+        url: str,
+        schema: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        init: Callable[[Any], Awaitable[None]] | None = None,
+    ) -> None:
         self.url = url
         self.schema = schema
         self.min_size = min_size
         self.max_size = max_size
+        self.init = init
         self._pool: Any = None
 
     async def open(self) -> None:
@@ -100,11 +106,10 @@ class Database:
                 min_size=self.min_size,
                 max_size=self.max_size,
                 server_settings={"search_path": f'"{self.schema}", public'},
+                init=self.init,
             )
         except (OSError, asyncpg.PostgresError) as exc:
-            raise BcError(
-                ErrorCode.UNAVAILABLE, f"cannot reach PostgreSQL: {type(exc).__name__}"
-            ) from exc
+            raise BcError(ErrorCode.UNAVAILABLE, f"cannot reach PostgreSQL: {type(exc).__name__}") from exc
 
     async def migrate(self, migrations: list[Migration]) -> list[int]:
         async with self.pool.acquire() as conn:

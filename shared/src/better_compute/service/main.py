@@ -20,9 +20,7 @@ def run_service(cls: type[Service], argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=cls.name, description=cls.description or cls.name)
     parser.add_argument("--config", help="bc.toml path (default: $BC_CONFIG or ./bc.toml)")
     parser.add_argument("--nats-url", help="NATS URL (default: $BC_NATS_URL or embedded)")
-    parser.add_argument(
-        "--database-url", help="PostgreSQL URL (default: $BC_DATABASE_URL or embedded)"
-    )
+    parser.add_argument("--database-url", help="PostgreSQL URL (default: $BC_DATABASE_URL or embedded)")
     parser.add_argument("--app", help="package.module:attr of the deployment's App")
     parser.add_argument("--subject-root", help="root of every subject (default bc)")
     parser.add_argument("--state-dir", help="state directory of the embedded servers")

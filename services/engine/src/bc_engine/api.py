@@ -1,0 +1,426 @@
+"""``bc.api.engine.*``: nodes, profiles and workflows."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from better_compute.core.app import App
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id, parse_id
+from better_compute.service import ApiRequest
+
+from . import messages as m
+from . import queue
+from .profiles import FoundProfile, ProfileStore, parse_document
+from .resolve import Resolution, resolve_profile
+
+__all__ = ["EngineApi"]
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def node_doc(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "tenantId": row["tenant_id"],
+        "siteId": row["site_id"],
+        "labels": _json(row["labels"]),
+        "generation": row["generation"],
+        "observedGeneration": row["observed_generation"],
+        "createdAt": _iso(row["created_at"]),
+    }
+
+
+def workflow_doc(row: Any, steps: list[Any] | None = None) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "id": row["id"],
+        "tenantId": row["tenant_id"],
+        "nodeId": row["node_id"],
+        "profile": {
+            "tenantId": row["profile_tenant"],
+            "id": row["profile_id"],
+            "version": row["profile_version"],
+        },
+        "state": row["state"],
+        "owner": row["owner"],
+        "commandKinds": list(row["command_kinds"]),
+        "batchId": row["batch_id"],
+        "error": _json(row["error"]),
+        "createdAt": _iso(row["created_at"]),
+        "finishedAt": _iso(row["finished_at"]),
+    }
+    if steps is not None:
+        doc["steps"] = [
+            {
+                "index": s["idx"],
+                "action": s["action"],
+                "runsOn": s["runs_on"],
+                "mode": s["mode"],
+                "command": s["command"],
+                "state": s["state"],
+                "attempt": s["attempt"],
+                "startedAt": _iso(s["started_at"]),
+                "deadline": _iso(s["deadline"]),
+                "finishedAt": _iso(s["finished_at"]),
+                "result": _json(s["result"]),
+                "error": _json(s["error"]),
+                "commandId": s["command_id"],
+            }
+            for s in steps
+        ]
+    return doc
+
+
+class EngineApi:
+    def __init__(
+        self,
+        *,
+        app: App,
+        db: Any,
+        wake: Callable[[str], Awaitable[None]],
+        publish: Callable[[str, str, Any], Awaitable[None]],
+    ) -> None:
+        self.app = app
+        self.db = db
+        self.profiles = ProfileStore(app)
+        self.wake = wake
+        self.publish = publish
+
+    def routes(self) -> dict[str, Callable[[ApiRequest], Awaitable[Any]]]:
+        return {
+            "nodes.create": self.nodes_create,
+            "nodes.get": self.nodes_get,
+            "nodes.list": self.nodes_list,
+            "profiles.create": self.profiles_create,
+            "profiles.get": self.profiles_get,
+            "profiles.list": self.profiles_list,
+            "profiles.delete": self.profiles_delete,
+            "profiles.validate": self.profiles_validate,
+            "profiles.render": self.profiles_render,
+            "workflows.start": self.workflows_start,
+            "workflows.get": self.workflows_get,
+            "workflows.list": self.workflows_list,
+            "workflows.abort": self.workflows_abort,
+            "workflows.retry": self.workflows_retry,
+            "workflows.resume": self.workflows_resume,
+        }
+
+    # -- nodes ------------------------------------------------------------------
+
+    async def nodes_create(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.CreateNode)
+        node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
+        row = await self.db.fetchrow(
+            "INSERT INTO nodes (id, tenant_id, site_id, labels) VALUES ($1, $2, $3, $4)"
+            " ON CONFLICT (id) DO NOTHING RETURNING *",
+            node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
+        )  # fmt: skip
+        if row is None:
+            raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists", {"path": "id"})
+        return node_doc(row)
+
+    async def nodes_get(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.GetNode)
+        row = await self.db.fetchrow("SELECT * FROM nodes WHERE id = $1", body.id)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, f"no node {body.id}", {"path": "id"})
+        return node_doc(row)
+
+    async def nodes_list(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.ListNodes)
+        rows = await self.db.fetch(
+            "SELECT * FROM nodes WHERE ($1::text IS NULL OR site_id = $1)"
+            " AND ($2::text IS NULL OR tenant_id = $2) ORDER BY id LIMIT $3",
+            body.site_id, body.tenant_id, min(max(body.limit, 1), 1000),
+        )  # fmt: skip
+        return {"nodes": [node_doc(r) for r in rows]}
+
+    # -- profiles -------------------------------------------------------------
+
+    async def profiles_create(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.CreateProfile)
+        try:
+            async with self.db.transaction() as conn:
+                found = await self.profiles.create(
+                    conn,
+                    tenant_id=body.tenant_id,
+                    document=body.document,
+                    public=body.public,
+                    replace=body.replace,
+                )
+        except BcError as err:
+            if err.code is ErrorCode.INVALID_CONFIG:
+                raise err.with_path_prefix("document") from err
+            raise
+        return found.to_document()
+
+    async def profiles_get(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.GetProfile)
+        async with self.db.transaction() as conn:
+            found = await self.profiles.find(
+                conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
+            )
+        return found.to_document()
+
+    async def profiles_list(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.ListProfiles)
+        async with self.db.transaction() as conn:
+            found = await self.profiles.list(conn, tenant_id=body.tenant_id)
+        docs = []
+        for f in found:
+            d = f.to_document()
+            d.pop("document")
+            d["steps"] = len(f.profile.steps)
+            d["target"] = f.profile.target
+            docs.append(d)
+        return {"profiles": docs}
+
+    async def profiles_delete(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.DeleteProfile)
+        async with self.db.transaction() as conn:
+            await self.profiles.delete(
+                conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
+            )
+        return {"deleted": True}
+
+    async def _profile_for(self, body: m.ProfileRef) -> FoundProfile:
+        if body.document is not None:
+            try:
+                profile = parse_document(body.document)
+            except BcError as err:
+                raise err.with_path_prefix("document") from err
+            return FoundProfile(profile, body.tenant_id, False, None)
+        if body.id is None:
+            raise BcError(ErrorCode.INVALID_INPUT, "give a profile id or a document", {"path": "id"})
+        async with self.db.transaction() as conn:
+            return await self.profiles.find(
+                conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
+            )
+
+    async def profiles_validate(self, req: ApiRequest) -> dict[str, Any]:
+        """Every unresolved ``use`` and rejected ``with``, each with its path."""
+        body = req.decode(m.ProfileRef)
+        try:
+            found = await self._profile_for(body)
+        except BcError as err:
+            if err.code is not ErrorCode.INVALID_CONFIG:
+                raise
+            problem = {"path": err.path or "", "code": err.code.value, "message": err.message}
+            return {"valid": False, "problems": [problem]}
+        res = resolve_profile(self.app, found.profile)
+        return {
+            "valid": not res.problems,
+            "profile": {"id": found.profile.id, "version": found.profile.version},
+            "problems": [p.to_document() for p in res.problems],
+            "commandKinds": res.command_kinds,
+        }
+
+    async def profiles_render(self, req: ApiRequest) -> dict[str, Any]:
+        """The expanded steps, as a workflow would persist them."""
+        body = req.decode(m.ProfileRef)
+        found = await self._profile_for(body)
+        res = resolve_profile(self.app, found.profile)
+        if res.problems:
+            raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
+        return {
+            "profile": {"id": found.profile.id, "version": found.profile.version},
+            "steps": [s.to_document() for s in res.steps],
+            "commandKinds": res.command_kinds,
+        }
+
+    # -- workflows ----------------------------------------------------------------
+
+    async def workflows_start(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.StartWorkflow)
+        if body.node_id is not None:
+            parse_id(body.node_id, "node", path="nodeId")
+        async with self.db.transaction() as conn:
+            wf = await self.start_in(
+                conn,
+                tenant_id=body.tenant_id,
+                profile_id=body.profile_id,
+                profile_version=body.profile_version,
+                node_id=body.node_id,
+                owner=body.owner,
+            )
+        await self.wake(wf["rkey"])
+        return await self._get(wf["id"])
+
+    async def start_in(
+        self,
+        conn: Any,
+        *,
+        tenant_id: str,
+        profile_id: str,
+        profile_version: int | None,
+        node_id: str | None,
+        owner: str | None,
+    ) -> dict[str, Any]:
+        """Start a workflow inside the caller's transaction (steps start children this way)."""
+        found = await self.profiles.find(
+            conn, tenant_id=tenant_id, profile_id=profile_id, version=profile_version, lock=True
+        )
+        if node_id is not None:
+            node = await conn.fetchrow("SELECT id FROM nodes WHERE id = $1 FOR UPDATE", node_id)
+            if node is None:
+                raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
+            busy = await conn.fetchval(
+                "SELECT id FROM workflows WHERE node_id = $1 AND state = 'running'", node_id
+            )
+            if busy:
+                raise BcError(
+                    ErrorCode.CONFLICT,
+                    f"node {node_id} already runs workflow {busy}",
+                    {"path": "nodeId", "reason": "node-busy", "workflowId": busy},
+                )
+        res: Resolution = resolve_profile(self.app, found.profile, has_node=node_id is not None)
+        if res.problems:
+            raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
+        wf_id = new_id("wf")
+        rkey = node_id or wf_id
+        await conn.execute(
+            "INSERT INTO workflows (id, tenant_id, node_id, rkey, profile_tenant, profile_id,"
+            " profile_version, state, owner, command_kinds)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, 'running', $8, $9)",
+            wf_id, tenant_id, node_id, rkey, found.tenant_id, found.profile.id,
+            found.profile.version, owner, res.command_kinds,
+        )  # fmt: skip
+        await conn.executemany(
+            "INSERT INTO workflow_steps (workflow_id, idx, action, runs_on, mode, command, input,"
+            " timeout_ms, state, sends) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9)",
+            [
+                (wf_id, s.idx, s.action, s.runs_on, s.mode, s.command, json.dumps(s.input),
+                 s.timeout_ms, list(s.sends))
+                for s in res.steps
+            ],
+        )  # fmt: skip
+        await self.profiles.mark_used(conn, found)
+        await queue.queue_now(conn, rkey)
+        return {"id": wf_id, "rkey": rkey}
+
+    async def _get(self, workflow_id: str) -> dict[str, Any]:
+        row = await self.db.fetchrow("SELECT * FROM workflows WHERE id = $1", workflow_id)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
+        steps = await self.db.fetch(
+            "SELECT * FROM workflow_steps WHERE workflow_id = $1 ORDER BY idx", workflow_id
+        )
+        return workflow_doc(row, list(steps))
+
+    async def workflows_get(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.GetWorkflow)
+        return await self._get(body.id)
+
+    async def workflows_list(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.ListWorkflows)
+        rows = await self.db.fetch(
+            "SELECT * FROM workflows WHERE ($1::text IS NULL OR node_id = $1)"
+            " AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR profile_id = $3)"
+            " AND ($4::text IS NULL OR tenant_id = $4) AND ($5::text IS NULL OR id < $5)"
+            " ORDER BY id DESC LIMIT $6",
+            body.node_id, body.state, body.profile_id, body.tenant_id, body.before,
+            min(max(body.limit, 1), 1000),
+        )  # fmt: skip
+        return {"workflows": [workflow_doc(r) for r in rows]}
+
+    async def _verb(
+        self, workflow_id: str, *, allowed: tuple[str, ...], verb: str, apply: Any
+    ) -> dict[str, Any]:
+        async with self.db.transaction() as conn:
+            wf = await conn.fetchrow("SELECT * FROM workflows WHERE id = $1 FOR UPDATE", workflow_id)
+            if wf is None:
+                raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
+            if wf["state"] not in allowed:
+                raise BcError(
+                    ErrorCode.INVALID_STATE,
+                    f"cannot {verb} a workflow that is {wf['state']}",
+                    {"reason": f"workflow-{wf['state']}", "path": "id"},
+                )
+            if verb != "abort" and wf["node_id"] is not None:
+                busy = await conn.fetchval(
+                    "SELECT id FROM workflows WHERE node_id = $1 AND state = 'running' AND id <> $2",
+                    wf["node_id"], workflow_id,
+                )  # fmt: skip
+                if busy:
+                    raise BcError(
+                        ErrorCode.CONFLICT,
+                        f"node {wf['node_id']} runs workflow {busy} now",
+                        {"reason": "node-busy", "workflowId": busy},
+                    )
+            await apply(conn, wf)
+            await queue.queue_now(conn, wf["rkey"])
+        await self.wake(wf["rkey"])
+        doc = await self._get(workflow_id)
+        await self.publish(
+            "workflow",
+            workflow_id,
+            {"workflowId": workflow_id, "workflowState": doc["state"], "verb": verb},
+        )
+        return doc
+
+    async def workflows_abort(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(m.WorkflowVerb)
+        reason = body.reason or "aborted by an operator"
+
+        async def apply(conn: Any, wf: Any) -> None:
+            sent = await conn.fetchval(
+                "SELECT bool_or(sent_commands) FROM workflow_steps WHERE workflow_id = $1", wf["id"]
+            )
+            error = json.dumps({"code": "INVALID_STATE", "message": reason, "details": {"reason": "aborted"}})
+            await conn.execute(
+                "UPDATE workflow_steps SET state = 'cancelled', finished_at = now(),"
+                " error = $2 WHERE workflow_id = $1 AND state IN ('pending', 'running')"
+                " AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1"
+                "   AND state IN ('pending', 'running'))",
+                wf["id"],
+                json.dumps({"code": "INVALID_STATE", "message": reason, "details": {"reason": "aborted"}}),
+            )
+            await conn.execute(
+                "UPDATE workflows SET state = 'aborted', finished_at = now(), updated_at = now(),"
+                " cancel_commands = $2, error = $3 WHERE id = $1",
+                wf["id"], bool(sent), error,
+            )  # fmt: skip
+            if wf["owner"]:
+                await queue.queue_now(conn, queue.owner_key(wf["owner"], wf["id"]))
+
+        return await self._verb(body.id, allowed=("running",), verb="abort", apply=apply)
+
+    async def _reopen(self, conn: Any, wf: Any, from_states: tuple[str, ...]) -> None:
+        """The step that stopped the workflow goes back to pending; its next run is a new attempt."""
+        await conn.execute(
+            "UPDATE workflow_steps SET state = 'pending', finished_at = NULL"
+            " WHERE workflow_id = $1 AND idx = (SELECT min(idx) FROM workflow_steps"
+            "   WHERE workflow_id = $1 AND state = ANY($2::text[]))",
+            wf["id"], list(from_states),
+        )  # fmt: skip
+        await conn.execute(
+            "UPDATE workflows SET state = 'running', finished_at = NULL, error = NULL,"
+            " cancel_commands = false, updated_at = now() WHERE id = $1",
+            wf["id"],
+        )
+
+    async def workflows_retry(self, req: ApiRequest) -> dict[str, Any]:
+        """A failed workflow runs its failed step again, as a new attempt."""
+        body = req.decode(m.WorkflowVerb)
+
+        async def apply(conn: Any, wf: Any) -> None:
+            await self._reopen(conn, wf, ("failed",))
+
+        return await self._verb(body.id, allowed=("failed",), verb="retry", apply=apply)
+
+    async def workflows_resume(self, req: ApiRequest) -> dict[str, Any]:
+        """An aborted workflow carries on from the step the abort cancelled, as a new attempt."""
+        body = req.decode(m.WorkflowVerb)
+
+        async def apply(conn: Any, wf: Any) -> None:
+            await self._reopen(conn, wf, ("cancelled", "pending"))
+
+        return await self._verb(body.id, allowed=("aborted",), verb="resume", apply=apply)

@@ -1,0 +1,134 @@
+"""The ``StepContext`` a control-plane step's ``run(input, ctx)`` receives."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire.cmdq import CommandView, EnqueueCommand
+
+__all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    id: str
+    site_id: str
+    tenant_id: str
+    labels: Mapping[str, str]
+
+
+class EngineSql:
+    """``ctx.sql``: the engine's database for a step's own tables (``plg_<plugin>_…``)."""
+
+    def __init__(self, pool: Any, conn: Any = None) -> None:
+        self._pool = pool
+        self._conn = conn
+
+    async def query(self, sql: str, *args: Any) -> Sequence[Mapping[str, Any]]:
+        if self._conn is not None:
+            rows = await self._conn.fetch(sql, *args)
+        else:
+            rows = await self._pool.fetch(sql, *args)
+        return [dict(r) for r in rows]
+
+    @asynccontextmanager
+    async def _tx(self) -> AsyncIterator[EngineSql]:
+        if self._conn is not None:
+            async with self._conn.transaction():  # a savepoint inside the outer one
+                yield self
+            return
+        async with self._pool.acquire() as conn, conn.transaction():
+            yield EngineSql(self._pool, conn)
+
+    def transaction(self) -> Any:
+        return self._tx()
+
+    @property
+    def connection(self) -> Any:
+        """The asyncpg connection of a transaction (None outside one)."""
+        return self._conn
+
+
+async def latest_result(sql: Any, workflow_id: str, action: str) -> Any:
+    """The result of the latest succeeded step with ``action`` in the workflow.
+
+    Later steps read earlier results from the store, never from memory.
+    """
+    rows = await sql.query(
+        "SELECT result FROM workflow_steps WHERE workflow_id = $1 AND action = $2"
+        " AND state = 'succeeded' ORDER BY idx DESC LIMIT 1",
+        workflow_id,
+        action,
+    )
+    if not rows:
+        raise BcError(
+            ErrorCode.NOT_FOUND,
+            f"no succeeded step {action} in workflow {workflow_id}",
+            {"path": "fromStep"},
+        )
+    value = rows[0]["result"]
+    return json.loads(value) if isinstance(value, str) else value
+
+
+class StepCommands:
+    """``ctx.commands``: enqueue through the command-queue on behalf of this step run.
+
+    Fills in the workflow coordinates and its batch for destructive kinds, checks the
+    step's declared ``sends``, and records that the attempt sent something, so a retry
+    or an abort knows to cancel what is still live.
+    """
+
+    def __init__(self, engine: Any, *, workflow: Mapping[str, Any], step: Mapping[str, Any]) -> None:
+        self._engine = engine
+        self._wf = workflow
+        self._step = step
+
+    async def enqueue(self, cmd: EnqueueCommand) -> CommandView:
+        sends = list(self._step["sends"] or [])
+        kind = self._engine.app.command_kinds.get(cmd.kind)
+        batch = self._wf["batch_id"] if (kind is not None and kind.destructive) else None
+        full = msgspec.structs.replace(
+            cmd,
+            workflow_id=self._wf["id"],
+            step=self._step["idx"],
+            batch_id=batch,
+            sends=sends or None,
+            tenant_id=self._wf["tenant_id"],
+        )
+        await self._engine.mark_sent(self._wf["id"], self._step["idx"])
+        view: CommandView = await self._engine.cmdq_enqueue(full)
+        return view
+
+    async def site_agent_for(self, node_id: str) -> str | None:
+        agent: str | None = await self._engine.site_agent_for(node_id)
+        return agent
+
+
+@dataclass
+class RunContext:
+    """One run of one control-plane step."""
+
+    workflow_id: str
+    step: int
+    attempt: int
+    idempotency_key: str
+    batch_id: str | None
+    node: NodeInfo | None
+    sql: EngineSql
+    pki: Any
+    secrets: Any
+    workflows: Any
+    commands: StepCommands
+    log: Any
+    tenant_id: str = "root"
+
+    async def from_step(self, action: str) -> Any:
+        """The latest succeeded result of ``action`` in this workflow."""
+        return await latest_result(self.sql, self.workflow_id, action)

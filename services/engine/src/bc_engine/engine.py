@@ -1,0 +1,489 @@
+"""Running workflows: one reconciler pass per key, step by step.
+
+A control-plane step is marked running in one transaction, runs outside any
+transaction, and is settled in another that first checks it is still running with the
+same attempt and that this process still holds the key's shard under the same epoch.
+A process that dies in between leaves the step running; the next owner runs it again
+under the same idempotency key. Agent steps enqueue their command through the
+command-queue (find-before-create by key) and wait for its settle event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from better_compute.core.app import App
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.provision import StepNotReady
+from better_compute.service.client import ApiClient
+from better_compute.wire.cmdq import LIVE_STATES, CancelCommands, CommandView, EnqueueCommand
+from better_compute.wire.codec import convert
+
+from . import queue
+from .context import EngineSql, NodeInfo, RunContext, StepCommands
+from .shards import ShardLeases
+
+__all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
+
+AGENT_POLL_S = 10.0  # workflowPollMs: an agent step looks at its command at least this often
+QUEUE_RETRY_S = 2.0  # the command-queue did not answer: try again this soon
+FENCE = (
+    "EXISTS (SELECT 1 FROM shard_leases WHERE shard = {s} AND owner = {o} AND epoch = {e}"
+    " AND expires_at > now())"
+)
+
+OwnerReconciler = Callable[[Any, str], Awaitable[None]]
+
+
+class FencedError(Exception):
+    """This process no longer holds the shard: stop, the new owner carries on."""
+
+
+@dataclass(frozen=True)
+class _Ok:
+    result: Any
+
+
+@dataclass(frozen=True)
+class _Fail:
+    error: BcError
+
+
+@dataclass(frozen=True)
+class _Wait:
+    at: float
+
+
+def _error_doc(err: BcError) -> str:
+    return json.dumps({"code": err.code.value, "message": err.message, "details": err.details})
+
+
+def _agent_result(raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {"base64": base64.b64encode(raw).decode()}
+
+
+class Engine:
+    """The workflow reconciler of one engine process."""
+
+    def __init__(
+        self,
+        *,
+        app: App,
+        db: Any,
+        api: ApiClient,
+        leases: ShardLeases,
+        instance: str,
+        log: Any,
+        publish: Callable[[str, str, Any], Awaitable[None]],
+        pki_factory: Callable[[str, str | None], Any] | None = None,
+        secrets_factory: Callable[[str, str, int], Any] | None = None,
+        owners: Mapping[str, OwnerReconciler] | None = None,
+    ) -> None:
+        self.app = app
+        self.db = db
+        self.api = api
+        self.leases = leases
+        self.instance = instance
+        self.log = log
+        self.publish = publish
+        self.pki_factory = pki_factory
+        self.secrets_factory = secrets_factory
+        self.owners = dict(owners or {})
+
+    # -- helpers used by the step context ---------------------------------------
+
+    async def mark_sent(self, workflow_id: str, idx: int) -> None:
+        await self.db.execute(
+            "UPDATE workflow_steps SET sent_commands = true WHERE workflow_id = $1 AND idx = $2",
+            workflow_id,
+            idx,
+        )
+
+    async def cmdq_enqueue(self, cmd: EnqueueCommand) -> CommandView:
+        got = await self.api.call("command-queue", "commands.enqueue", cmd, timeout=10.0)
+        return convert(got, CommandView)
+
+    async def cmdq_cancel(self, node_id: str | None, key_prefix: str) -> None:
+        await self.api.call(
+            "command-queue",
+            "commands.cancel",
+            CancelCommands(node_id=node_id, key_prefix=key_prefix, reason="workflow moved on"),
+            timeout=10.0,
+        )
+
+    async def site_agent_for(self, node_id: str) -> str | None:
+        got = await self.api.call("command-queue", "agents.site_agent_for", {"nodeId": node_id})
+        agent = got.get("agentId") if isinstance(got, dict) else None
+        return agent if isinstance(agent, str) else None
+
+    # -- one pass -----------------------------------------------------------------
+
+    async def reconcile(self, rkey: str) -> float | None:
+        """One pass over ``rkey``; returns when it next wants a look (epoch seconds)."""
+        shard = queue.shard_of(rkey)
+        epoch = self.leases.owns(shard)
+        if epoch is None:
+            raise FencedError(rkey)
+        seen = await queue.read_seq(self.db.pool, rkey)
+        if ":" in rkey:
+            nxt = await self._reconcile_owner(rkey)
+        else:
+            wfs = await self.db.fetch(
+                "SELECT * FROM workflows WHERE rkey = $1 AND (state = 'running' OR cancel_commands)"
+                " ORDER BY created_at",
+                rkey,
+            )
+            times = []
+            for wf in wfs:
+                t = await self._advance(dict(wf), shard, epoch)
+                if t is not None:
+                    times.append(t)
+            nxt = min(times) if times else None
+        async with self.db.transaction() as conn:
+            if nxt is None:
+                await queue.done(conn, rkey, seen)
+            else:
+                await queue.queue_at(conn, rkey, nxt, seen)
+        return nxt
+
+    async def _reconcile_owner(self, rkey: str) -> float | None:
+        owner, _, workflow_id = rkey.partition(":")
+        fn = self.owners.get(owner)
+        if fn is None:
+            self.log.warning("owner_unknown", owner=owner, workflow_id=workflow_id)
+            return None
+        try:
+            await fn(self, workflow_id)
+        except StepNotReady as nr:
+            return time.time() + nr.retry_after_ms / 1000
+        except Exception:
+            self.log.exception("owner_reconciler_failed", owner=owner, workflow_id=workflow_id)
+            return time.time() + 5.0
+        return None
+
+    def _fence(self, base: int) -> str:
+        return FENCE.format(s=f"${base}", o=f"${base + 1}", e=f"${base + 2}")
+
+    async def _advance(self, wf: dict[str, Any], shard: int, epoch: int) -> float | None:
+        fence = (shard, self.instance, epoch)
+        while True:
+            if wf["state"] != "running":
+                return await self._cleanup_aborted(wf)
+            step = await self.db.fetchrow(
+                "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND state <> 'succeeded'"
+                " ORDER BY idx LIMIT 1",
+                wf["id"],
+            )
+            if step is None:
+                await self._finish(wf, "succeeded", None, fence)
+                return None
+            step = dict(step)
+            if step["state"] == "pending":
+                if step["sent_commands"] and step["attempt"] > 0:
+                    # never issue attempt N+1 while commands of attempt N may still run
+                    try:
+                        await self.cmdq_cancel(
+                            wf["node_id"], f"wf:{wf['id']}:{step['idx']}#{step['attempt']}"
+                        )
+                    except BcError as err:
+                        self.log.warning("cancel_previous_failed", code=err.code.value)
+                        return time.time() + QUEUE_RETRY_S
+                row = await self.db.fetchrow(
+                    "UPDATE workflow_steps SET state = 'running', attempt = attempt + 1,"
+                    " started_at = now(),"
+                    " deadline = now() + make_interval(secs => timeout_ms / 1000.0),"
+                    " finished_at = NULL, sent_commands = false, result = NULL, error = NULL,"
+                    " command_id = NULL"
+                    " WHERE workflow_id = $1 AND idx = $2 AND state = 'pending' AND attempt = $3"
+                    f" AND {self._fence(4)} RETURNING *",
+                    wf["id"], step["idx"], step["attempt"], *fence,
+                )  # fmt: skip
+                if row is None:
+                    wf = await self._reload(wf, fence)
+                    continue
+                step = dict(row)
+                await self._event(wf, "running", step)
+            if step["state"] != "running":
+                # failed or cancelled while the workflow still says running: settle it
+                return None
+            deadline = step["deadline"].timestamp()
+            now = time.time()
+            if now >= deadline:
+                outcome: _Ok | _Fail | _Wait = _Fail(
+                    BcError(
+                        ErrorCode.TIMEOUT,
+                        f"step {step['action']} did not finish within {step['timeout_ms']} ms",
+                        {"path": f"steps[{step['idx']}]"},
+                    )
+                )
+            elif step["mode"] == "control-plane":
+                outcome = await self._run_control_plane(wf, step, deadline)
+            else:
+                outcome = await self._run_agent_step(wf, step, deadline)
+            match outcome:
+                case _Wait(at=at):
+                    return float(min(at, deadline))
+                case _Ok(result=result):
+                    if not await self._settle(wf, step, "succeeded", result, None, fence):
+                        wf = await self._reload(wf, fence)
+                        continue
+                    await self._event(wf, "succeeded", step, result=result)
+                case _Fail(error=error):
+                    if await self._settle(wf, step, "failed", None, error, fence):
+                        await self._event(wf, "failed", step, error=error)
+                        return None
+                    wf = await self._reload(wf, fence)
+
+    async def _reload(self, wf: dict[str, Any], fence: tuple[int, str, int]) -> dict[str, Any]:
+        """A settle found nothing to settle: either we were fenced off, or a verb moved it."""
+        held = await self.db.fetchval(f"SELECT {self._fence(1)}", *fence)
+        if not held:
+            raise FencedError(wf["id"])
+        row = await self.db.fetchrow("SELECT * FROM workflows WHERE id = $1", wf["id"])
+        return dict(row)
+
+    async def _settle(
+        self,
+        wf: dict[str, Any],
+        step: dict[str, Any],
+        state: str,
+        result: Any,
+        error: BcError | None,
+        fence: tuple[int, str, int],
+    ) -> bool:
+        async with self.db.transaction() as conn:
+            done = await conn.fetchval(
+                "UPDATE workflow_steps SET state = $4, result = $5, error = $6, finished_at = now()"
+                " WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3"
+                f" AND {self._fence(7)} RETURNING true",
+                wf["id"], step["idx"], step["attempt"], state,
+                None if result is None and state != "succeeded" else json.dumps(result),
+                _error_doc(error) if error else None, *fence,
+            )  # fmt: skip
+            if not done:
+                return False
+            if state == "failed":
+                await self._finish_in(conn, wf, "failed", error)
+        return True
+
+    async def _finish(
+        self, wf: dict[str, Any], state: str, error: BcError | None, fence: tuple[int, str, int]
+    ) -> None:
+        async with self.db.transaction() as conn:
+            held = await conn.fetchval(f"SELECT {self._fence(1)}", *fence)
+            if not held:
+                raise FencedError(wf["id"])
+            await self._finish_in(conn, wf, state, error)
+        await self._event(wf, state, None)
+
+    async def _finish_in(self, conn: Any, wf: dict[str, Any], state: str, error: BcError | None) -> None:
+        updated = await conn.fetchval(
+            "UPDATE workflows SET state = $2, error = $3, finished_at = now(), updated_at = now()"
+            " WHERE id = $1 AND state = 'running' RETURNING true",
+            wf["id"],
+            state,
+            _error_doc(error) if error else None,
+        )
+        if updated and wf["owner"]:
+            await queue.queue_now(conn, queue.owner_key(wf["owner"], wf["id"]))
+        wf["state"] = state
+
+    async def _cleanup_aborted(self, wf: dict[str, Any]) -> float | None:
+        if not wf.get("cancel_commands"):
+            return None
+        try:
+            await self.cmdq_cancel(wf["node_id"], f"wf:{wf['id']}")
+        except BcError as err:
+            self.log.warning("abort_cancel_failed", workflow_id=wf["id"], code=err.code.value)
+            return time.time() + QUEUE_RETRY_S
+        await self.db.execute("UPDATE workflows SET cancel_commands = false WHERE id = $1", wf["id"])
+        return None
+
+    # -- running steps --------------------------------------------------------------
+
+    async def _node(self, node_id: str | None) -> NodeInfo | None:
+        if node_id is None:
+            return None
+        row = await self.db.fetchrow("SELECT * FROM nodes WHERE id = $1", node_id)
+        if row is None:
+            return None
+        labels = row["labels"]
+        return NodeInfo(
+            row["id"],
+            row["site_id"],
+            row["tenant_id"],
+            json.loads(labels) if isinstance(labels, str) else dict(labels),
+        )
+
+    async def _run_control_plane(
+        self, wf: dict[str, Any], step: dict[str, Any], deadline: float
+    ) -> _Ok | _Fail | _Wait:
+        definition = self.app.steps.get(step["action"])
+        if definition is None or definition.run is None:
+            return _Fail(
+                BcError(
+                    ErrorCode.INVALID_CONFIG,
+                    f"step {step['action']} is not registered with this engine any more",
+                    {"path": f"steps[{step['idx']}].use"},
+                )
+            )
+        idempotency_key = f"wf:{wf['id']}:{step['idx']}#{step['attempt']}"
+        log = self.log.bind(
+            workflow_id=wf["id"], step=step["idx"], action=step["action"], attempt=step["attempt"]
+        )
+        node = await self._node(wf["node_id"])
+        ctx = RunContext(
+            workflow_id=wf["id"],
+            step=step["idx"],
+            attempt=step["attempt"],
+            idempotency_key=idempotency_key,
+            batch_id=wf["batch_id"],
+            node=node,
+            sql=EngineSql(self.db.pool),
+            pki=self.pki_factory(idempotency_key, wf["node_id"]) if self.pki_factory else None,
+            secrets=(
+                self.secrets_factory(wf["tenant_id"], wf["id"], step["idx"]) if self.secrets_factory else None
+            ),
+            workflows=None,
+            commands=StepCommands(self, workflow=wf, step=step),
+            log=log,
+            tenant_id=wf["tenant_id"],
+        )
+        inp = step["input"]
+        inp = json.loads(inp) if isinstance(inp, str) else inp
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                result = await definition.run(inp, ctx)
+        except StepNotReady as nr:
+            return _Wait(time.time() + nr.retry_after_ms / 1000)
+        except TimeoutError:
+            return _Fail(
+                BcError(
+                    ErrorCode.TIMEOUT,
+                    f"step {step['action']} did not finish within {step['timeout_ms']} ms",
+                    {"path": f"steps[{step['idx']}]"},
+                )
+            )
+        except BcError as err:
+            return _Fail(err)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("step_raised")
+            return _Fail(
+                BcError(
+                    ErrorCode.INTERNAL,
+                    f"step {step['action']} raised {type(exc).__name__}; see the engine log",
+                    {"path": f"steps[{step['idx']}]"},
+                )
+            )
+        try:
+            msgspec.json.encode(result)
+        except (TypeError, msgspec.EncodeError):
+            return _Fail(
+                BcError(
+                    ErrorCode.INTERNAL,
+                    f"step {step['action']} returned a value that is not JSON",
+                    {"path": f"steps[{step['idx']}]"},
+                )
+            )
+        log.debug("step_ran")
+        return _Ok(result)
+
+    async def _run_agent_step(
+        self, wf: dict[str, Any], step: dict[str, Any], deadline: float
+    ) -> _Ok | _Fail | _Wait:
+        node = await self._node(wf["node_id"])
+        if node is None:
+            return _Fail(BcError(ErrorCode.NOT_FOUND, f"node {wf['node_id']} is gone", {"path": "nodeId"}))
+        kind = self.app.command_kinds.get(step["command"])
+        inp = step["input"]
+        inp = json.loads(inp) if isinstance(inp, str) else inp
+        cmd = EnqueueCommand(
+            node_id=node.id,
+            site_id=node.site_id,
+            kind=step["command"],
+            payload=inp,
+            key=f"wf:{wf['id']}:{step['idx']}#{step['attempt']}",
+            target="node" if step["runs_on"] == "node" else "site",
+            workflow_id=wf["id"],
+            step=step["idx"],
+            batch_id=wf["batch_id"] if kind is not None and kind.destructive else None,
+            timeout_ms=max(1000, int((deadline - time.time()) * 1000)),
+            tenant_id=wf["tenant_id"],
+        )
+        if not step["sent_commands"]:
+            await self.mark_sent(wf["id"], step["idx"])
+        try:
+            view = await self.cmdq_enqueue(cmd)
+        except BcError as err:
+            if err.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INTERNAL):
+                self.log.warning("command_queue_unavailable", code=err.code.value)
+                return _Wait(time.time() + QUEUE_RETRY_S)
+            return _Fail(err)
+        if step["command_id"] != view.id:
+            await self.db.execute(
+                "UPDATE workflow_steps SET command_id = $3 WHERE workflow_id = $1 AND idx = $2",
+                wf["id"], step["idx"], view.id,
+            )  # fmt: skip
+        if view.state in LIVE_STATES:
+            return _Wait(time.time() + AGENT_POLL_S)
+        if view.state == "succeeded":
+            return _Ok(
+                {
+                    "commandId": view.id,
+                    "result": _agent_result(view.result),
+                    "attested": view.attested,
+                }
+            )
+        return _Fail(
+            BcError(
+                ErrorCode.DRIVER_ERROR,
+                f"command {view.kind} {view.state}" + (f": {view.reason}" if view.reason else ""),
+                {"state": view.state, "reason": view.reason, "commandId": view.id},
+            )
+        )
+
+    async def _event(
+        self,
+        wf: dict[str, Any],
+        state: str,
+        step: dict[str, Any] | None,
+        *,
+        result: Any = None,
+        error: BcError | None = None,
+    ) -> None:
+        payload: dict[str, Any] = {
+            "workflowId": wf["id"],
+            "nodeId": wf["node_id"],
+            "workflowState": wf["state"],
+            "at": time.time(),
+        }
+        if step is not None:
+            payload["step"] = {
+                "index": step["idx"],
+                "action": step["action"],
+                "state": state,
+                "attempt": step["attempt"],
+            }
+            if error is not None:
+                payload["step"]["error"] = {"code": error.code.value, "message": error.message}
+        await self.publish("workflow", wf["id"], payload)
+
+
+def is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError)

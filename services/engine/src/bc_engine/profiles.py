@@ -1,0 +1,186 @@
+"""The profile store: tenants' own, public stored ones, and the shipped ones (tenant ``builtin``).
+
+A lookup prefers the tenant's own profile, then a public stored one, then a shipped one.
+A stored version is immutable from the first time a workflow uses it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from better_compute.core.app import App
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.provision import Profile, profile_from_document
+
+__all__ = ["BUILTIN_TENANT", "FoundProfile", "ProfileStore"]
+
+BUILTIN_TENANT = "builtin"
+
+
+@dataclass(frozen=True)
+class FoundProfile:
+    profile: Profile
+    tenant_id: str  # where it was found: the tenant, another tenant (public), or builtin
+    public: bool
+    first_used_at: str | None
+
+    @property
+    def shipped(self) -> bool:
+        return self.tenant_id == BUILTIN_TENANT
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "tenantId": self.tenant_id,
+            "id": self.profile.id,
+            "version": self.profile.version,
+            "public": self.public or self.shipped,
+            "shipped": self.shipped,
+            "immutable": self.shipped or self.first_used_at is not None,
+            "firstUsedAt": self.first_used_at,
+            "document": self.profile.to_document(),
+        }
+
+
+def parse_document(document: dict[str, Any]) -> Profile:
+    """A stored document is re-checked by the same rules as ``define_profile``."""
+    return profile_from_document(document)
+
+
+class ProfileStore:
+    def __init__(self, app: App) -> None:
+        self.shipped: dict[tuple[str, int], Profile] = {p.key: p for p in app.profiles}
+
+    def _row(self, row: Any) -> FoundProfile:
+        doc = row["document"]
+        doc = json.loads(doc) if isinstance(doc, str) else doc
+        used = row["first_used_at"]
+        return FoundProfile(
+            parse_document(doc), row["tenant_id"], row["public"], used.isoformat() if used else None
+        )
+
+    async def create(
+        self, conn: Any, *, tenant_id: str, document: dict[str, Any], public: bool, replace: bool
+    ) -> FoundProfile:
+        if tenant_id == BUILTIN_TENANT:
+            raise BcError(
+                ErrorCode.PERMISSION_DENIED,
+                "tenant builtin holds the shipped profiles and is read-only",
+                {"path": "tenantId"},
+            )
+        profile = parse_document(document)
+        doc = json.dumps(profile.to_document())
+        existing = await conn.fetchrow(
+            "SELECT first_used_at FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
+            " FOR UPDATE",
+            tenant_id, profile.id, profile.version,
+        )  # fmt: skip
+        if existing is not None:
+            if existing["first_used_at"] is not None:
+                raise BcError(
+                    ErrorCode.INVALID_STATE,
+                    f"profile {profile.id} version {profile.version} is immutable: a workflow"
+                    " used it; store a new version",
+                    {"reason": "profile-in-use", "path": "document.version"},
+                )
+            if not replace:
+                raise BcError(
+                    ErrorCode.CONFLICT,
+                    f"profile {profile.id} version {profile.version} exists (replace it with"
+                    " replace=true while no workflow has used it)",
+                    {"path": "document.version"},
+                )
+            await conn.execute(
+                "UPDATE profiles SET document = $4, public = $5, created_at = now()"
+                " WHERE tenant_id = $1 AND id = $2 AND version = $3",
+                tenant_id, profile.id, profile.version, doc, public,
+            )  # fmt: skip
+        else:
+            await conn.execute(
+                "INSERT INTO profiles (tenant_id, id, version, document, public)"
+                " VALUES ($1, $2, $3, $4, $5)",
+                tenant_id, profile.id, profile.version, doc, public,
+            )  # fmt: skip
+        return FoundProfile(profile, tenant_id, public, None)
+
+    async def find(
+        self, conn: Any, *, tenant_id: str, profile_id: str, version: int | None, lock: bool = False
+    ) -> FoundProfile:
+        """The tenant's own, then a public stored one, then a shipped one."""
+        lock_sql = " FOR UPDATE" if lock else ""
+        for where, args in (
+            ("tenant_id = $1 AND id = $2", (tenant_id, profile_id)),
+            ("public AND tenant_id <> $1 AND id = $2", (tenant_id, profile_id)),
+        ):
+            if version is None:
+                row = await conn.fetchrow(
+                    f"SELECT * FROM profiles WHERE {where} ORDER BY version DESC, tenant_id"
+                    f" LIMIT 1{lock_sql}",
+                    *args,
+                )
+            else:
+                row = await conn.fetchrow(
+                    f"SELECT * FROM profiles WHERE {where} AND version = $3"
+                    f" ORDER BY tenant_id LIMIT 1{lock_sql}",
+                    *args,
+                    version,
+                )
+            if row is not None:
+                return self._row(row)
+        shipped = [p for (pid, _v), p in self.shipped.items() if pid == profile_id]
+        if version is not None:
+            shipped = [p for p in shipped if p.version == version]
+        if shipped:
+            best = max(shipped, key=lambda p: p.version)
+            return FoundProfile(best, BUILTIN_TENANT, True, None)
+        what = profile_id if version is None else f"{profile_id} version {version}"
+        raise BcError(ErrorCode.NOT_FOUND, f"no profile {what}", {"path": "profileId"})
+
+    async def mark_used(self, conn: Any, found: FoundProfile) -> None:
+        if found.shipped or found.first_used_at is not None:
+            return
+        await conn.execute(
+            "UPDATE profiles SET first_used_at = now() WHERE tenant_id = $1 AND id = $2"
+            " AND version = $3 AND first_used_at IS NULL",
+            found.tenant_id, found.profile.id, found.profile.version,
+        )  # fmt: skip
+
+    async def list(self, conn: Any, *, tenant_id: str) -> list[FoundProfile]:
+        rows = await conn.fetch(
+            "SELECT * FROM profiles WHERE tenant_id = $1 OR public ORDER BY id, version, tenant_id",
+            tenant_id,
+        )
+        found = [self._row(r) for r in rows]
+        found += [FoundProfile(p, BUILTIN_TENANT, True, None) for p in self.shipped.values()]
+        found.sort(key=lambda f: (f.profile.id, f.profile.version, f.tenant_id))
+        return found
+
+    async def delete(self, conn: Any, *, tenant_id: str, profile_id: str, version: int) -> None:
+        if tenant_id == BUILTIN_TENANT:
+            raise BcError(
+                ErrorCode.PERMISSION_DENIED,
+                "shipped profiles cannot be deleted",
+                {"path": "tenantId"},
+            )
+        row = await conn.fetchrow(
+            "SELECT first_used_at FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
+            " FOR UPDATE",
+            tenant_id, profile_id, version,
+        )  # fmt: skip
+        if row is None:
+            raise BcError(
+                ErrorCode.NOT_FOUND,
+                f"tenant {tenant_id} has no profile {profile_id} version {version}",
+                {"path": "id"},
+            )
+        if row["first_used_at"] is not None:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                f"profile {profile_id} version {version} was used by a workflow and is kept",
+                {"reason": "profile-in-use", "path": "version"},
+            )
+        await conn.execute(
+            "DELETE FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3",
+            tenant_id, profile_id, version,
+        )  # fmt: skip

@@ -1,0 +1,170 @@
+"""Resolving a profile's ``use:`` entries into the steps a workflow persists.
+
+Each ``use`` resolves once, when the workflow starts (or when ``profiles.validate`` /
+``profiles.render`` ask):
+
+1. a registered step with that id — an ``on:`` must match its ``runs_on`` or a relay;
+2. otherwise, with ``on:`` naming an agent, a driver operation ``<concern>.<operation>``
+   sent as one ``driver.invoke`` command;
+3. otherwise the ``fallback:``, resolved the same way.
+
+``with`` is validated against the step's input at the same moment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from better_compute.core.app import App
+from better_compute.core.errors import BcError, ErrorCode, join_path
+from better_compute.provision import Profile, ProfileStep, Step
+
+__all__ = ["MAX_STEPS", "Problem", "ResolvedStep", "resolve_profile"]
+
+MAX_STEPS = 512
+AGENTS = frozenset({"site", "node"})
+DRIVER_INVOKE = "driver.invoke"
+DEFAULT_DRIVER_TIMEOUT_MS = 10 * 60_000
+
+
+@dataclass(frozen=True)
+class ResolvedStep:
+    idx: int
+    action: str  # the `use` that resolved (the fallback's when the fallback did)
+    runs_on: str  # control-plane, site or node
+    mode: str  # control-plane, agent or driver
+    command: str | None
+    input: dict[str, Any]
+    timeout_ms: int
+    via: str  # step, driver, fallback-step or fallback-driver
+    sends: tuple[str, ...] = ()
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "index": self.idx,
+            "action": self.action,
+            "runsOn": self.runs_on,
+            "mode": self.mode,
+            "command": self.command,
+            "with": self.input,
+            "timeoutMs": self.timeout_ms,
+            "via": self.via,
+            "sends": list(self.sends),
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    code: str
+    message: str
+
+    def to_document(self) -> dict[str, Any]:
+        return {"path": self.path, "code": self.code, "message": self.message}
+
+    def to_error(self, **extra: Any) -> BcError:
+        return BcError(self.code, self.message, {"path": self.path, **extra})
+
+
+@dataclass
+class Resolution:
+    steps: list[ResolvedStep] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def command_kinds(self) -> list[str]:
+        kinds: list[str] = []
+        for s in self.steps:
+            for kind in (s.command, *s.sends):
+                if kind and kind not in kinds:
+                    kinds.append(kind)
+        return kinds
+
+
+def _resolve_one(
+    app: App, ps: ProfileStep, idx: int, path: str, fallback: bool
+) -> ResolvedStep | Problem | None:
+    """A resolved step, a problem (resolution stops there), or None (try the fallback)."""
+    prefix = "fallback-" if fallback else ""
+    step: Step | None = app.steps.get(ps.use)
+    with_ = dict(ps.with_)
+    if step is not None:
+        if ps.on is not None and not step.accepts(ps.on):
+            allowed = [step.runs_on, *step.relays]
+            return Problem(
+                join_path(path, "on"),
+                ErrorCode.INVALID_INPUT.value,
+                f"step {ps.use} runs on {' or '.join(allowed)}, not {ps.on}",
+            )
+        try:
+            value = step.input.validate(with_)
+        except BcError as err:
+            return Problem(join_path(join_path(path, "with"), err.path or ""), err.code.value, err.message)
+        timeout_ms = ps.timeout_ms or step.timeout_ms
+        if step.is_agent_step:
+            return ResolvedStep(
+                idx, ps.use, step.runs_on, "agent", step.command, value, timeout_ms,
+                prefix + "step",
+            )  # fmt: skip
+        return ResolvedStep(
+            idx, ps.use, "control-plane", "control-plane", None, value, timeout_ms,
+            prefix + "step", tuple(step.sends),
+        )  # fmt: skip
+    if ps.on in AGENTS:
+        kind = app.command_kinds.get(DRIVER_INVOKE)
+        payload: dict[str, Any] = {"operation": ps.use, "input": with_}
+        if kind is not None:
+            try:
+                payload = kind.payload.validate(payload)
+            except BcError as err:
+                return Problem(join_path(path, "with"), err.code.value, err.message)
+        return ResolvedStep(
+            idx, ps.use, ps.on, "driver", DRIVER_INVOKE, payload,
+            ps.timeout_ms or DEFAULT_DRIVER_TIMEOUT_MS, prefix + "driver",
+        )  # fmt: skip
+    return None
+
+
+def resolve_profile(app: App, profile: Profile, *, has_node: bool | None = None) -> Resolution:
+    """Resolve every step; collect every problem with its path (nothing stops at the first).
+
+    ``has_node=False`` also reports agent steps, which need a node to send to.
+    """
+    out = Resolution()
+    if len(profile.steps) > MAX_STEPS:
+        out.problems.append(
+            Problem(
+                "steps",
+                ErrorCode.INVALID_INPUT.value,
+                f"a workflow holds at most {MAX_STEPS} steps, this profile has {len(profile.steps)}",
+            )
+        )
+        return out
+    for idx, ps in enumerate(profile.steps):
+        path = f"steps[{idx}]"
+        got = _resolve_one(app, ps, idx, path, fallback=False)
+        if got is None and ps.fallback is not None:
+            got = _resolve_one(app, ps.fallback, idx, join_path(path, "fallback"), fallback=True)
+        if got is None:
+            where = "" if ps.on else " (and no on: names an agent for a driver operation)"
+            got = Problem(
+                join_path(path, "use"),
+                ErrorCode.INVALID_INPUT.value,
+                f"{ps.use} is not a registered step{where}"
+                + ("" if ps.fallback is None else ", nor is its fallback"),
+            )
+        if isinstance(got, Problem):
+            out.problems.append(got)
+            continue
+        if has_node is False and got.mode != "control-plane":
+            out.problems.append(
+                Problem(
+                    join_path(path, "on"),
+                    ErrorCode.INVALID_INPUT.value,
+                    f"{got.action} runs on an agent ({got.runs_on}): the workflow needs a node",
+                )
+            )
+            continue
+        out.steps.append(got)
+    return out

@@ -1,0 +1,102 @@
+"""When each reconciler key runs next, in this process.
+
+Keys come from three places: wake-ups (NATS, at once), the end of a pass (the next moment
+the key cares about) and the safety-net poll of the work queue. One pass per key at a
+time: a wake-up for a key that is running marks it to run again right after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        run: Callable[[str], Awaitable[float | None]],
+        *,
+        log: Any,
+        concurrency: int = 32,
+    ) -> None:
+        self._run_pass = run
+        self._log = log
+        self._timers: dict[str, tuple[float, asyncio.TimerHandle]] = {}
+        self._running: set[str] = set()
+        self._dirty: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sem = asyncio.Semaphore(concurrency)
+        self._closed = False
+
+    def at(self, key: str, when: float, *, from_poll: bool = False) -> None:
+        """Run ``key`` at ``when`` (epoch seconds); the earliest request wins."""
+        if self._closed:
+            return
+        if key in self._running:
+            if not from_poll:
+                self._dirty.add(key)
+            return
+        current = self._timers.get(key)
+        if current is not None:
+            if current[0] <= when:
+                return
+            current[1].cancel()
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, when - time.time())
+        self._timers[key] = (when, loop.call_later(delay, self._fire, key))
+
+    def now(self, key: str) -> None:
+        self.at(key, time.time())
+
+    def drop(self, keep: Callable[[str], bool]) -> None:
+        """Forget timers of keys this process no longer owns."""
+        for key in [k for k in self._timers if not keep(k)]:
+            self._timers.pop(key)[1].cancel()
+
+    def _fire(self, key: str) -> None:
+        self._timers.pop(key, None)
+        if key in self._running:
+            self._dirty.add(key)
+            return
+        self._running.add(key)
+        task = asyncio.create_task(self._pass(key), name=f"pass:{key}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _pass(self, key: str) -> None:
+        nxt: float | None = None
+        try:
+            async with self._sem:
+                nxt = await self._run_pass(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._log.warning("pass_failed", rkey=key, error=f"{type(exc).__name__}: {exc}")
+            nxt = None if type(exc).__name__ == "FencedError" else time.time() + 2.0
+        finally:
+            self._running.discard(key)
+        if key in self._dirty:
+            self._dirty.discard(key)
+            self.now(key)
+        elif nxt is not None:
+            self.at(key, nxt)
+
+    @property
+    def busy(self) -> int:
+        return len(self._running)
+
+    async def close(self, grace: float) -> None:
+        self._closed = True
+        for _when, handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        if self._tasks:
+            _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)

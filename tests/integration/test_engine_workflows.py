@@ -1,0 +1,242 @@
+"""The engine on real PostgreSQL and NATS: workflows, waits, failures and verbs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import msgspec
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as Nats
+
+from bc_engine.service import EngineService
+from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.service import ApiClient
+from better_compute.testing.workflows import wait_workflow
+from better_compute.wire import Subjects
+from engine_test_app import TABLES
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def db(bc_settings: Settings) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(bc_settings.database_url)
+    await conn.execute(TABLES)
+    yield conn
+    await conn.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def engine(bc_settings: Settings, db: asyncpg.Connection) -> AsyncIterator[EngineService]:
+    svc = EngineService(msgspec.structs.replace(bc_settings, app="engine_test_app:app"))
+    async with svc:
+        run = asyncio.create_task(svc.run())
+        yield svc
+        svc.request_stop()
+        await asyncio.wait_for(run, 10)
+
+
+async def create_profile(api: ApiClient, steps: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    doc = {"id": kw.pop("id", "t-profile"), "version": kw.pop("version", 1), "target": "metal",
+           "role": "host", "steps": steps}  # fmt: skip
+    return await api.call("engine", "profiles.create", {"document": doc, **kw})
+
+
+async def flag(db: asyncpg.Connection, name: str) -> None:
+    await db.execute("INSERT INTO public.plg_test_flags VALUES ($1) ON CONFLICT DO NOTHING", name)
+
+
+async def test_a_chain_runs_in_order_and_publishes_each_change(
+    engine: EngineService, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
+) -> None:
+    events: list[dict[str, Any]] = []
+
+    async def collect(msg: Any) -> None:
+        events.append(json.loads(msg.data))
+
+    sub = await bc_nats.subscribe(bc_subjects.events_all("workflow"), cb=collect)
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "owner": "test-owner"})
+    assert wf["profile"] == {"tenantId": "builtin", "id": "test-chain", "version": 1}
+    done = await wait_workflow(bc_api, wf["id"])
+    assert done["state"] == "succeeded"
+    assert [(s["index"], s["state"], s["attempt"]) for s in done["steps"]] == [
+        (i, "succeeded", 1) for i in range(6)
+    ]
+    starts = [s["startedAt"] for s in done["steps"]]
+    assert starts == sorted(starts)
+    assert all(s["result"] == {"ok": True} for s in done["steps"])
+    await asyncio.sleep(0.2)
+    await sub.unsubscribe()
+    seen = [(e["step"]["index"], e["step"]["state"]) for e in events if "step" in e]
+    assert seen == [(i, st) for i in range(6) for st in ("running", "succeeded")]
+    assert events[-1]["workflowState"] == "succeeded"
+
+
+async def test_the_owner_hears_when_its_workflow_ends(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "owner": "test-owner"})
+    await wait_workflow(bc_api, wf["id"])
+    for _ in range(100):
+        if await db.fetchval(
+            "SELECT 1 FROM public.plg_test_flags WHERE name = $1", f"owner-heard:{wf['id']}"
+        ):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("the owner reconciler never ran")
+
+
+async def test_step_not_ready_waits_then_succeeds_on_the_same_attempt(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "go", "pollMs": 100}}])
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
+    await asyncio.sleep(0.5)
+    view = await bc_api.call("engine", "workflows.get", {"id": wf["id"]})
+    assert view["state"] == "running"
+    assert view["steps"][0]["state"] == "running"
+    assert view["steps"][0]["deadline"] > view["steps"][0]["startedAt"]
+    await flag(db, "go")
+    done = await wait_workflow(bc_api, wf["id"])
+    assert done["state"] == "succeeded"
+    assert done["steps"][0]["result"] == {"flag": "go", "attempt": 1}
+
+
+async def test_a_step_that_never_gets_ready_fails_timeout_at_its_deadline(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    await create_profile(
+        bc_api, [{"use": "test.waitFlag", "with": {"flag": "never", "pollMs": 60000}, "timeout": "1s"}]
+    )
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
+    done = await wait_workflow(bc_api, wf["id"], timeout=15)
+    assert done["state"] == "failed"
+    step = done["steps"][0]
+    assert step["state"] == "failed"
+    assert step["error"]["code"] == "TIMEOUT"
+    assert step["error"]["details"]["path"] == "steps[0]"
+    assert done["error"]["code"] == "TIMEOUT"
+
+
+async def test_a_bc_error_fails_the_step_with_its_code_and_retry_runs_a_new_attempt(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    await create_profile(
+        bc_api,
+        [
+            {"use": "test.noop"},
+            {"use": "test.failUnlessFlag", "with": {"flag": "fixed"}},
+            {"use": "test.noop"},
+        ],
+    )
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
+    done = await wait_workflow(bc_api, wf["id"])
+    assert done["state"] == "failed"
+    assert [s["state"] for s in done["steps"]] == ["succeeded", "failed", "pending"]
+    assert done["steps"][1]["error"] == {
+        "code": "CONFLICT", "message": "the flag is not set", "details": {"path": "flag", "flag": "fixed"},
+    }  # fmt: skip
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.resume", {"id": wf["id"]})
+    assert (e.value.code, e.value.reason) == (ErrorCode.INVALID_STATE, "workflow-failed")
+
+    await flag(db, "fixed")
+    await bc_api.call("engine", "workflows.retry", {"id": wf["id"]})
+    done = await wait_workflow(bc_api, wf["id"])
+    assert done["state"] == "succeeded"
+    assert [s["attempt"] for s in done["steps"]] == [1, 2, 1]
+    assert done["steps"][1]["result"] == {"attempt": 2}
+
+
+async def test_an_unexpected_exception_is_internal_without_its_text(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    await create_profile(bc_api, [{"use": "test.failUnlessFlag", "with": {"flag": "x", "crash": True}}])
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
+    done = await wait_workflow(bc_api, wf["id"])
+    err = done["steps"][0]["error"]
+    assert err["code"] == "INTERNAL"
+    assert "RuntimeError" in err["message"]
+    assert "s3cr3t" not in json.dumps(done)
+
+
+async def test_abort_then_resume(engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection) -> None:
+    await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "later"}}, {"use": "test.noop"}])
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
+    await wait_workflow(bc_api, wf["id"], states=["running"])
+    aborted = await bc_api.call("engine", "workflows.abort", {"id": wf["id"], "reason": "operator said so"})
+    assert aborted["state"] == "aborted"
+    assert [s["state"] for s in aborted["steps"]] == ["cancelled", "pending"]
+    assert aborted["error"]["message"] == "operator said so"
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.abort", {"id": wf["id"]})
+    assert e.value.reason == "workflow-aborted"
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.retry", {"id": wf["id"]})
+    assert e.value.code is ErrorCode.INVALID_STATE
+
+    await flag(db, "later")
+    resumed = await bc_api.call("engine", "workflows.resume", {"id": wf["id"]})
+    assert resumed["state"] == "running"
+    done = await wait_workflow(bc_api, wf["id"])
+    assert done["state"] == "succeeded"
+    assert [s["attempt"] for s in done["steps"]] == [2, 1]
+
+
+async def test_workflow_list_filters(engine: EngineService, bc_api: ApiClient) -> None:
+    node = await bc_api.call("engine", "nodes.create", {"siteId": "eu1"})
+    a = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "nodeId": node["id"]})
+    await wait_workflow(bc_api, a["id"])
+    b = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain"})
+    await wait_workflow(bc_api, b["id"])
+    by_node = await bc_api.call("engine", "workflows.list", {"nodeId": node["id"]})
+    assert [w["id"] for w in by_node["workflows"]] == [a["id"]]
+    ok = await bc_api.call("engine", "workflows.list", {"state": "succeeded", "profileId": "test-chain"})
+    assert [w["id"] for w in ok["workflows"]] == [b["id"], a["id"]]
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.list", {"state": "sideways"})
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "state")
+
+
+async def test_one_running_workflow_per_node_and_unknown_nodes(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "free"}}])
+    node = await bc_api.call("engine", "nodes.create", {"siteId": "eu1"})
+    first = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile", "nodeId": node["id"]})
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "nodeId": node["id"]})
+    assert (e.value.code, e.value.reason, e.value.details["workflowId"]) == (
+        ErrorCode.CONFLICT, "node-busy", first["id"],
+    )  # fmt: skip
+    with pytest.raises(BcError) as e:
+        await bc_api.call(
+            "engine",
+            "workflows.start",
+            {"profileId": "test-chain", "nodeId": "node_01M8KDF3AECW3VSXWF56ZQP5H1"},
+        )
+    assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "nodeId")
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "nodeId": "n1"})
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "nodeId")
+    await flag(db, "free")
+    await wait_workflow(bc_api, first["id"])
+
+
+async def test_malformed_requests_are_invalid_input_with_a_path(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.start", {"profileId": 7})
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "profileId")
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.start", {"profileId": "x", "colour": "red"})
+    assert e.value.code is ErrorCode.INVALID_INPUT
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "workflows.get", {"id": "wf_nope"})
+    assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "id")

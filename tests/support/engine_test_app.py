@@ -1,0 +1,115 @@
+"""An app with steps made for tests: side effects, waits and failures under our control.
+
+Services load it with ``--app engine_test_app:app`` (tests/support is on PYTHONPATH).
+The steps keep their state in ``public.plg_test_*`` tables that the tests create.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from better_compute.core import field, manifest
+from better_compute.core.app import better_compute
+from better_compute.core.errors import BcError
+from better_compute.metal import metal
+from better_compute.provision import define_profile, define_step, provision_module, step_not_ready
+
+TABLES = """
+CREATE TABLE IF NOT EXISTS public.plg_test_effects (step_key text PRIMARY KEY, n serial);
+CREATE TABLE IF NOT EXISTS public.plg_test_runs (step_key text, at timestamptz DEFAULT now());
+CREATE TABLE IF NOT EXISTS public.plg_test_flags (name text PRIMARY KEY);
+"""
+
+
+async def _noop(_input: dict[str, Any], _ctx: Any) -> dict[str, Any]:
+    return {"ok": True}
+
+
+async def _side_effect(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    await ctx.sql.query("INSERT INTO plg_test_runs (step_key) VALUES ($1)", ctx.idempotency_key)
+    async with ctx.sql.transaction() as tx:
+        rows = await tx.query("SELECT n FROM plg_test_effects WHERE step_key = $1", ctx.idempotency_key)
+        if rows:
+            effect = rows[0]["n"]  # a re-run after a crash finds the first run's work
+        else:
+            rows = await tx.query(
+                "INSERT INTO plg_test_effects (step_key) VALUES ($1) RETURNING n", ctx.idempotency_key
+            )
+            effect = rows[0]["n"]
+    if input["holdMs"]:
+        # hold between the side effect and the settle, so a test can kill the engine here
+        flag = await ctx.sql.query("SELECT 1 FROM plg_test_flags WHERE name = 'release'")
+        if not flag:
+            await asyncio.sleep(input["holdMs"] / 1000)
+    return {"effect": effect, "key": ctx.idempotency_key}
+
+
+async def _wait_flag(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    rows = await ctx.sql.query("SELECT 1 FROM plg_test_flags WHERE name = $1", input["flag"])
+    if not rows:
+        raise step_not_ready(input["pollMs"])
+    return {"flag": input["flag"], "attempt": ctx.attempt}
+
+
+async def _fail_unless_flag(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    rows = await ctx.sql.query("SELECT 1 FROM plg_test_flags WHERE name = $1", input["flag"])
+    if rows:
+        return {"attempt": ctx.attempt}
+    if input["crash"]:
+        raise RuntimeError("unexpected trouble with s3cr3t-internal-detail")
+    raise BcError("CONFLICT", "the flag is not set", {"path": "flag", "flag": input["flag"]})
+
+
+noop = define_step(id="test.noop", runs_on="control-plane", timeout="1m", input=manifest({}), run=_noop)
+side_effect = define_step(
+    id="test.sideEffect",
+    runs_on="control-plane",
+    timeout="2m",
+    input=manifest({"holdMs": field.int(min=0).default(0)}),
+    run=_side_effect,
+)
+wait_flag = define_step(
+    id="test.waitFlag",
+    runs_on="control-plane",
+    timeout="1h",
+    input=manifest({"flag": field.string(), "pollMs": field.int(min=1).default(200)}),
+    run=_wait_flag,
+)
+fail_unless_flag = define_step(
+    id="test.failUnlessFlag",
+    runs_on="control-plane",
+    timeout="1m",
+    input=manifest({"flag": field.string(), "crash": field.bool().default(False)}),
+    run=_fail_unless_flag,
+)
+
+chain = define_profile(
+    id="test-chain", version=1, target="metal", role="host", steps=[{"use": "test.noop"}] * 6
+)
+
+
+async def _owner(_engine: Any, workflow_id: str) -> None:
+    # the owner hears that a workflow ended: record it where the test can see it
+    await _engine.db.execute(
+        "INSERT INTO public.plg_test_flags (name) VALUES ($1) ON CONFLICT DO NOTHING",
+        f"owner-heard:{workflow_id}",
+    )
+
+
+class OwnerModule:
+    """A module whose reconciler owns workflows started with owner 'test-owner'."""
+
+    id = "test-owner"
+    command_kinds = ()
+    steps = ()
+    profiles = ()
+    reconcilers = {"test-owner": _owner}
+
+
+provision = provision_module(
+    modules=[metal()],
+    steps=[noop, side_effect, wait_flag, fail_unless_flag],
+    profiles=[chain],
+)
+app = better_compute(modules=[metal(), provision], plugins=[OwnerModule()])
