@@ -22,13 +22,12 @@ __all__ = ["ServiceProcess", "ServiceProcesses"]
 class ServiceProcess:
     """One running service process, its output captured to a file."""
 
-    def __init__(
-        self, service: str, proc: subprocess.Popen[bytes], log: Path, handle: IO[bytes]
-    ) -> None:
+    def __init__(self, service: str, proc: subprocess.Popen[bytes], log: Path, handle: IO[bytes]) -> None:
         self.service = service
         self.proc = proc
         self.log = log
         self._handle = handle
+        self.killed = False
 
     @property
     def pid(self) -> int:
@@ -43,6 +42,7 @@ class ServiceProcess:
 
     def kill(self) -> None:
         """SIGKILL: the crash an operator fears, no cleanup at all."""
+        self.killed = True
         self.signal(signal.SIGKILL)
         self.proc.wait(10)
 
@@ -69,9 +69,7 @@ class ServiceProcess:
 class ServiceProcesses:
     """Starts services with one ``Settings`` and stops them all at the end."""
 
-    def __init__(
-        self, settings: Settings, log_dir: Path, *, env: dict[str, str] | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, log_dir: Path, *, env: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.log_dir = log_dir
         self.extra_env = env or {}
@@ -114,12 +112,12 @@ class ServiceProcesses:
                 pids = {str((d.get("metadata") or {}).get("pid")) for d in found}
                 waiting = [p for p in self.procs if p.alive() and str(p.pid) not in pids]
                 dead = [
-                    p for p in self.procs if not p.alive() and p.proc.returncode not in (0, None)
+                    p
+                    for p in self.procs
+                    if not p.killed and not p.alive() and p.proc.returncode not in (0, None)
                 ]
                 if dead:
-                    raise RuntimeError(
-                        f"{dead[0].service} exited early:\n{dead[0].output()[-4000:]}"
-                    )
+                    raise RuntimeError(f"{dead[0].service} exited early:\n{dead[0].output()[-4000:]}")
                 if not waiting:
                     return found
                 if time.monotonic() > deadline:

@@ -84,8 +84,7 @@ def _containers() -> Iterator[TestServers]:
     except ImportError as exc:
         raise BcError(
             ErrorCode.UNAVAILABLE,
-            "BC_TEST_BACKEND=testcontainers needs the testcontainers group:"
-            " uv sync --group testcontainers",
+            "BC_TEST_BACKEND=testcontainers needs the testcontainers group: uv sync --group testcontainers",
         ) from exc
     nats_c = DockerContainer("nats:2.11").with_command("-js").with_exposed_ports(4222)
     pg_c = PostgresContainer("postgres:16", username="postgres", password="postgres")

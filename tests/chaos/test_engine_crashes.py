@@ -1,0 +1,125 @@
+"""The engine as OS processes, killed on purpose (SIGKILL: no cleanup at all)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import msgspec
+import pytest
+import pytest_asyncio
+
+from better_compute.config import Settings
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses
+from better_compute.testing.workflows import wait_workflow, wait_workflows
+from engine_test_app import TABLES
+
+
+@pytest.fixture
+def settings(bc_settings: Settings) -> Settings:
+    return msgspec.structs.replace(bc_settings, app="engine_test_app:app")
+
+
+@pytest.fixture
+def procs(settings: Settings, bc_processes: ServiceProcesses) -> ServiceProcesses:
+    bc_processes.settings = settings
+    return bc_processes
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def db(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(settings.database_url)
+    await conn.execute(TABLES)
+    yield conn
+    await conn.close()
+
+
+async def wait_for(predicate: object, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if await predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError("condition not met")
+
+
+async def test_sigkill_between_mark_running_and_settle_reruns_with_the_same_key(
+    procs: ServiceProcesses, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    first = procs.start("bc-engine")
+    await procs.wait_ready()
+    await bc_api.call(
+        "engine",
+        "profiles.create",
+        {"document": {"id": "effect", "version": 1, "target": "metal", "role": "host",
+                      "steps": [{"use": "test.sideEffect", "with": {"holdMs": 60000}}, {"use": "test.noop"}]}},
+    )  # fmt: skip
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "effect"})
+
+    async def ran_once() -> bool:
+        return bool(await db.fetchval("SELECT count(*) FROM public.plg_test_runs") == 1)
+
+    await wait_for(ran_once)
+    view = await bc_api.call("engine", "workflows.get", {"id": wf["id"]})
+    assert view["steps"][0]["state"] == "running"
+    first.kill()  # the side effect is done, the step is not settled
+
+    await db.execute("INSERT INTO public.plg_test_flags VALUES ('release')")
+    procs.start("bc-engine")
+    await procs.wait_ready()
+    done = await wait_workflow(bc_api, wf["id"], timeout=30)
+    assert done["state"] == "succeeded"
+    runs = await db.fetch("SELECT step_key FROM public.plg_test_runs")
+    effects = await db.fetch("SELECT step_key, n FROM public.plg_test_effects")
+    key = f"wf:{wf['id']}:0#1"
+    assert [r["step_key"] for r in runs] == [key, key]  # it ran twice, under one key
+    assert [(e["step_key"], e["n"]) for e in effects] == [(key, 1)]  # the effect happened once
+    assert done["steps"][0]["attempt"] == 1
+    assert done["steps"][0]["result"] == {"effect": 1, "key": key}
+
+
+async def test_two_engines_share_the_shards_and_survive_losing_one(
+    procs: ServiceProcesses, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    a = procs.start("bc-engine")
+    procs.start("bc-engine")
+    await procs.wait_ready()
+
+    async def split() -> bool:
+        owners = await db.fetch(
+            "SELECT owner, count(*) AS n FROM engine.shard_leases WHERE expires_at > now() GROUP BY owner"
+        )
+        return sorted(r["n"] for r in owners) == [32, 32]
+
+    await wait_for(split)
+    await bc_api.call(
+        "engine",
+        "profiles.create",
+        {"document": {"id": "gate", "version": 1, "target": "metal", "role": "host",
+                      "steps": [{"use": "test.noop"}, {"use": "test.waitFlag", "with": {"flag": "go"}},
+                                {"use": "test.sideEffect"}]}},
+    )  # fmt: skip
+    ids = [(await bc_api.call("engine", "workflows.start", {"profileId": "gate"}))["id"] for _ in range(40)]
+
+    async def all_waiting() -> bool:
+        n = await db.fetchval(
+            "SELECT count(*) FROM engine.workflow_steps WHERE idx = 1 AND state = 'running'"
+        )
+        return bool(n == 40)
+
+    await wait_for(all_waiting)
+    a.kill()
+    await db.execute("INSERT INTO public.plg_test_flags VALUES ('go')")
+    done = await wait_workflows(bc_api, ids, timeout=60)
+    assert [d["state"] for d in done] == ["succeeded"] * 40
+    # every side effect happened exactly once
+    assert await db.fetchval("SELECT count(*) FROM public.plg_test_effects") == 40
+
+    async def one_owner() -> bool:
+        owners = await db.fetch("SELECT DISTINCT owner FROM engine.shard_leases WHERE expires_at > now()")
+        return len(owners) == 1
+
+    await wait_for(one_owner)
