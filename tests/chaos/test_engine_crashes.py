@@ -55,7 +55,8 @@ async def test_sigkill_between_mark_running_and_settle_reruns_with_the_same_key(
         "engine",
         "profiles.create",
         {"document": {"id": "effect", "version": 1, "target": "metal", "role": "host",
-                      "steps": [{"use": "test.sideEffect", "with": {"holdMs": 60000}}, {"use": "test.noop"}]}},
+                      "steps": [{"use": "test.sideEffect", "with": {"holdMs": 60000}},
+                                {"use": "test.noop"}]}},
     )  # fmt: skip
     wf = await bc_api.call("engine", "workflows.start", {"profileId": "effect"})
 

@@ -46,9 +46,7 @@ async def test_dev_up_status_down_and_up_again_reuses_state(state: Path) -> None
     # something written now must be there after a full restart
     conn = await asyncpg.connect(urls["database"])
     try:
-        await conn.execute(
-            "CREATE TABLE public.kept (v text); INSERT INTO public.kept VALUES ('x')"
-        )
+        await conn.execute("CREATE TABLE public.kept (v text); INSERT INTO public.kept VALUES ('x')")
     finally:
         await conn.close()
     nc = await nats.connect(urls["nats"])

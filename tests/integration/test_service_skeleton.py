@@ -44,9 +44,7 @@ class EchoService(Service):
         raise BcError("CONFLICT", "already there", {"path": "id"})
 
 
-async def test_routes_answer_results_and_typed_errors(
-    bc_settings: Settings, bc_api: ApiClient
-) -> None:
+async def test_routes_answer_results_and_typed_errors(bc_settings: Settings, bc_api: ApiClient) -> None:
     async with EchoService(bc_settings):
         assert await bc_api.call("echo", "echo.say", {"text": "hi"}) == {"text": "hi"}
         with pytest.raises(BcError) as e:
@@ -64,9 +62,7 @@ async def test_routes_answer_results_and_typed_errors(
         assert (e.value.code, e.value.path) == (ErrorCode.CONFLICT, "id")
 
 
-async def test_slow_requests_do_not_serialise_the_process(
-    bc_settings: Settings, bc_api: ApiClient
-) -> None:
+async def test_slow_requests_do_not_serialise_the_process(bc_settings: Settings, bc_api: ApiClient) -> None:
     async with EchoService(bc_settings):
         loop = asyncio.get_running_loop()
         t0 = loop.time()

@@ -279,9 +279,7 @@ def test_refusals(document: Any, path: str) -> None:
 
 def test_define_profile_reports_document_paths() -> None:
     assert refusal(
-        lambda: define_profile(
-            id="p", version=1, target="metal", role="host", user_data={"kind": "Bad Kind"}
-        )
+        lambda: define_profile(id="p", version=1, target="metal", role="host", user_data={"kind": "Bad Kind"})
     ) == (INVALID_CONFIG, "userData.kind")
     assert refusal(
         lambda: define_profile(

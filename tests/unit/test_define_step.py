@@ -160,9 +160,7 @@ CTX = SimpleNamespace(workflow_id="wf_01J0000000000000000000000A", step=3, attem
 
 def test_step_command_key_is_per_attempt() -> None:
     assert step_command_key(CTX) == "wf:wf_01J0000000000000000000000A:3#2"
-    assert (
-        step_command_key(CTX, "boot-device") == "wf:wf_01J0000000000000000000000A:3#2:boot-device"
-    )
+    assert step_command_key(CTX, "boot-device") == "wf:wf_01J0000000000000000000000A:3#2:boot-device"
     retried = SimpleNamespace(workflow_id=CTX.workflow_id, step=3, attempt=3)
     assert step_command_key(retried, "boot-device") != step_command_key(CTX, "boot-device")
 

@@ -21,9 +21,7 @@ def log_lines() -> io.StringIO:
 
 
 def test_sensitive_keys_are_redacted(log_lines: io.StringIO) -> None:
-    get_logger(workflow_id="wf_1").info(
-        "token_issued", join_token="abc.def.ghi", password="hunter22"
-    )
+    get_logger(workflow_id="wf_1").info("token_issued", join_token="abc.def.ghi", password="hunter22")
     line = json.loads(log_lines.getvalue())
     assert line["event"] == "token_issued"
     assert line["workflow_id"] == "wf_1"
@@ -34,9 +32,7 @@ def test_sensitive_keys_are_redacted(log_lines: io.StringIO) -> None:
 def test_registered_secret_values_are_cut_from_any_string(log_lines: io.StringIO) -> None:
     secret = "s3cr3t-value-0b5e1f"
     register_secret(secret)
-    get_logger().error(
-        "render_failed", message=f"template failed near {secret}!", nested={"x": [secret]}
-    )
+    get_logger().error("render_failed", message=f"template failed near {secret}!", nested={"x": [secret]})
     out = log_lines.getvalue()
     assert secret not in out
     assert "template failed near [redacted]!" in out

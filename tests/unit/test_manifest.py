@@ -117,9 +117,7 @@ def test_secret_ref_is_normalised_to_the_id_in_both_forms() -> None:
 
 def test_json_field_takes_any_json_but_refuses_other_values() -> None:
     args = manifest({"args": field.json()})
-    assert args.validate({"args": {"a": [1, "x", None, 2.5]}}) == {
-        "args": {"a": [1, "x", None, 2.5]}
-    }
+    assert args.validate({"args": {"a": [1, "x", None, 2.5]}}) == {"args": {"a": [1, "x", None, 2.5]}}
     assert refusal(lambda: args.validate({"args": {"a": {1, 2}}})) == (INVALID_INPUT, "args.a")
     assert refusal(lambda: args.validate({"args": [b"raw"]})) == (INVALID_INPUT, "args[0]")
 

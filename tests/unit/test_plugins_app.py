@@ -51,9 +51,7 @@ async def run(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 
 def control_plane_step(id: str, **options: Any) -> Step:
-    return define_step(
-        id=id, runs_on="control-plane", timeout="1m", input=manifest({}), run=run, **options
-    )
+    return define_step(id=id, runs_on="control-plane", timeout="1m", input=manifest({}), run=run, **options)
 
 
 def agent_step(id: str, command: str) -> Step:
@@ -61,9 +59,7 @@ def agent_step(id: str, command: str) -> Step:
 
 
 TALOS_READY = control_plane_step("wait.talosReady", relays=["site"], sends=["site.httpProxy"])
-TALOS = define_profile(
-    id="talos", version=1, target="metal", role="host", steps=[{"use": "wait.talosReady"}]
-)
+TALOS = define_profile(id="talos", version=1, target="metal", role="host", steps=[{"use": "wait.talosReady"}])
 RENDER_ISO = control_plane_step("autoinstall.renderIso")
 UBUNTU = define_profile(
     id="ubuntu-24.04-autoinstall",
@@ -190,26 +186,23 @@ def test_a_registered_plugin_that_provision_does_not_borrow_is_not_resolved() ->
 
 
 def test_a_borrowed_plugin_must_also_be_registered() -> None:
-    assert refusal(
-        lambda: better_compute(modules=[metal(), provision_module(modules=[metal(), ACME])])
-    ) == (INVALID_CONFIG, "modules[1].modules[1]")
+    assert refusal(lambda: better_compute(modules=[metal(), provision_module(modules=[metal(), ACME])])) == (
+        INVALID_CONFIG,
+        "modules[1].modules[1]",
+    )
 
 
 def test_a_borrowed_plugin_must_lend_the_registered_steps() -> None:
     impostor = define_plugin(id="acme-autoinstall", extensions=[OTHER_RENDER_ISO])
     assert refusal(
-        lambda: better_compute(
-            modules=[metal(), provision_module(modules=[impostor])], plugins=[ACME]
-        )
+        lambda: better_compute(modules=[metal(), provision_module(modules=[impostor])], plugins=[ACME])
     ) == (INVALID_CONFIG, "modules[1].modules[0].extensions[0]")
 
 
 def test_an_extension_registered_twice_is_refused() -> None:
     # Once as provision's own step, once through the plugin.
     assert refusal(
-        lambda: better_compute(
-            modules=[metal(), provision_module(steps=[RENDER_ISO])], plugins=[ACME]
-        )
+        lambda: better_compute(modules=[metal(), provision_module(steps=[RENDER_ISO])], plugins=[ACME])
     ) == (INVALID_CONFIG, "plugins[0].extensions[0]")
     # Provision's own and borrowed at once.
     assert refusal(lambda: provision_module(modules=[ACME], steps=[RENDER_ISO])) == (
@@ -237,9 +230,10 @@ def test_duplicate_plugins_and_modules_are_refused() -> None:
         INVALID_CONFIG,
         "modules[1].id",
     )
-    assert refusal(
-        lambda: better_compute(modules=[metal(), provision_module(), provision_module()])
-    ) == (INVALID_CONFIG, "modules[2].id")
+    assert refusal(lambda: better_compute(modules=[metal(), provision_module(), provision_module()])) == (
+        INVALID_CONFIG,
+        "modules[2].id",
+    )
 
 
 def test_provision_cannot_borrow_from_provision() -> None:
@@ -262,9 +256,10 @@ def test_an_agent_step_must_send_a_registered_kind() -> None:
 
 def test_declared_sends_must_be_registered_kinds() -> None:
     relaying = control_plane_step("acme.poll", relays=["site"], sends=["site.httpProxy", "acme.x"])
-    assert refusal(
-        lambda: better_compute(modules=[metal(), provision_module(steps=[relaying])])
-    ) == (INVALID_CONFIG, "modules[1].steps[0].sends[1]")
+    assert refusal(lambda: better_compute(modules=[metal(), provision_module(steps=[relaying])])) == (
+        INVALID_CONFIG,
+        "modules[1].steps[0].sends[1]",
+    )
 
 
 def test_unknown_command_kind_lookup_is_invalid_config() -> None:
@@ -305,9 +300,7 @@ def test_discovered_plugins_are_registered(monkeypatch: pytest.MonkeyPatch) -> N
         groups.append(group)
         return [
             fake_entry_point("acme", lambda: ACME),
-            fake_entry_point(
-                "flash", lambda: lambda: define_plugin(id="flash", command_kinds=[KIND])
-            ),
+            fake_entry_point("flash", lambda: lambda: define_plugin(id="flash", command_kinds=[KIND])),
         ]
 
     monkeypatch.setattr(app_module, "_entry_points", entry_points)
@@ -324,9 +317,7 @@ def test_discovered_plugins_are_registered(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_broken_entry_point_is_invalid_config(
     monkeypatch: pytest.MonkeyPatch, loaded: Callable[[], Any]
 ) -> None:
-    monkeypatch.setattr(
-        app_module, "_entry_points", lambda group: [fake_entry_point("broken", loaded)]
-    )
+    monkeypatch.setattr(app_module, "_entry_points", lambda group: [fake_entry_point("broken", loaded)])
     assert refusal(lambda: better_compute(discover=True)) == (INVALID_CONFIG, "entry_points.broken")
 
 
@@ -423,9 +414,10 @@ def test_resolving_the_host_section_checks_settings_and_fills_defaults() -> None
 
 def test_an_unknown_unit_or_bad_settings_is_invalid_input_when_resolved() -> None:
     units = provision_module().config_units
-    assert refusal(
-        lambda: resolve_host_config(host_config({"name": "acme-nic-firmware"}), units=units)
-    ) == (INVALID_INPUT, "hostConfig.units[0].name")
+    assert refusal(lambda: resolve_host_config(host_config({"name": "acme-nic-firmware"}), units=units)) == (
+        INVALID_INPUT,
+        "hostConfig.units[0].name",
+    )
     assert refusal(
         lambda: resolve_host_config(
             host_config({"name": "sysctl", "settings": {"values": {}}}, {"name": "hugepages"}),

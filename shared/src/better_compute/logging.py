@@ -52,9 +52,7 @@ def _scrub(value: Any, depth: int = 0) -> Any:
     if isinstance(value, bytes):
         return _scrub(value.decode("utf-8", "replace"), depth + 1)
     if isinstance(value, Mapping):
-        return {
-            k: (REDACTED if k in SENSITIVE_KEYS else _scrub(v, depth + 1)) for k, v in value.items()
-        }
+        return {k: (REDACTED if k in SENSITIVE_KEYS else _scrub(v, depth + 1)) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_scrub(v, depth + 1) for v in value]
     if isinstance(value, BaseException):
@@ -62,9 +60,7 @@ def _scrub(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def redact(
-    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
-) -> MutableMapping[str, Any]:
+def redact(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: replaces sensitive keys and registered secret values."""
     for key in list(event_dict):
         if key in SENSITIVE_KEYS:
@@ -74,9 +70,7 @@ def redact(
     return event_dict
 
 
-def configure_logging(
-    *, level: str = "info", json: bool | None = None, stream: TextIO | None = None
-) -> None:
+def configure_logging(*, level: str = "info", json: bool | None = None, stream: TextIO | None = None) -> None:
     """Configure structlog for this process.
 
     Args:
@@ -94,15 +88,11 @@ def configure_logging(
         redact,
     ]
     processors.append(
-        structlog.processors.JSONRenderer()
-        if as_json
-        else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
         processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )

@@ -31,9 +31,7 @@ def print_table(
     cells = [[_cell(row.get(key)) for key, _ in columns] for row in rows]
     headers = [h for _, h in columns]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    stream.write(
-        "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip() + "\n"
-    )
+    stream.write("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip() + "\n")
     for c in cells:
         stream.write("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)).rstrip() + "\n")
 
@@ -48,8 +46,6 @@ def _cell(value: Any) -> str:
 
 def print_error(err: BcError, *, as_json: bool) -> None:
     if as_json:
-        print_json(
-            {"error": {"code": err.code.value, "message": err.message, "details": err.details}}
-        )
+        print_json({"error": {"code": err.code.value, "message": err.message, "details": err.details}})
     else:
         sys.stderr.write(f"error: {err}\n")

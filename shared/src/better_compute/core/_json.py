@@ -43,15 +43,11 @@ def _freeze(value: object, path: str, code: ErrorCode, depth: int) -> Any:
         frozen: dict[str, Any] = {}
         for key, item in value.items():
             if not isinstance(key, str):
-                raise BcError(
-                    code, f"object keys must be strings, got {type(key).__name__}", {"path": path}
-                )
+                raise BcError(code, f"object keys must be strings, got {type(key).__name__}", {"path": path})
             frozen[key] = _freeze(item, join_path(path, key), code, depth + 1)
         return MappingProxyType(frozen)
     if isinstance(value, (list, tuple)):
-        return tuple(
-            _freeze(item, f"{path}[{index}]", code, depth + 1) for index, item in enumerate(value)
-        )
+        return tuple(_freeze(item, f"{path}[{index}]", code, depth + 1) for index, item in enumerate(value))
     raise BcError(code, f"{type(value).__name__} is not a JSON value", {"path": path})
 
 

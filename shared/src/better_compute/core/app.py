@@ -77,11 +77,7 @@ class App:
         if version is not None:
             matching = [p for p in matching if p.version == version]
         if not matching:
-            path = (
-                "version"
-                if version is not None and any(p.id == id for p in self.profiles)
-                else "id"
-            )
+            path = "version" if version is not None and any(p.id == id for p in self.profiles) else "id"
             raise BcError(ErrorCode.NOT_FOUND, f"no shipped profile {id!r}", {"path": path})
         return max(matching, key=lambda p: p.version)
 

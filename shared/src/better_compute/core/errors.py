@@ -44,9 +44,7 @@ class BcError(Exception):
             (``steps[2].with.port``), ``reason`` for state errors (``batch-required``).
     """
 
-    def __init__(
-        self, code: ErrorCode | str, message: str, details: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, code: ErrorCode | str, message: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message

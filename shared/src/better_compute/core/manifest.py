@@ -66,9 +66,7 @@ def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def parse_duration(
-    value: object, *, path: str = "", code: ErrorCode = ErrorCode.INVALID_INPUT
-) -> int:
+def parse_duration(value: object, *, path: str = "", code: ErrorCode = ErrorCode.INVALID_INPUT) -> int:
     """Milliseconds in a duration string: ``"500ms"``, ``"30s"``, ``"5m"``, ``"2h"``, ``"1d"``.
 
     Raises:
@@ -98,9 +96,7 @@ class Field:
         try:
             normalised = self._check(thaw_json(checked), "default")
         except BcError as exc:
-            raise _bad_config(
-                exc.path or "default", f"default does not fit: {exc.message}"
-            ) from exc
+            raise _bad_config(exc.path or "default", f"default does not fit: {exc.message}") from exc
         frozen = freeze_json(normalised, path="default", code=ErrorCode.INVALID_CONFIG)
         return dataclasses.replace(self, _default=frozen)
 
@@ -235,9 +231,7 @@ def _check_bounds(value: float, minimum: float | None, maximum: float | None, pa
         raise _invalid(path, f"must be at most {maximum}")
 
 
-def _bounds_schema(
-    schema: dict[str, Any], minimum: float | None, maximum: float | None
-) -> dict[str, Any]:
+def _bounds_schema(schema: dict[str, Any], minimum: float | None, maximum: float | None) -> dict[str, Any]:
     if minimum is not None:
         schema["minimum"] = minimum
     if maximum is not None:
@@ -514,9 +508,7 @@ def _number(*, min: float | None = None, max: float | None = None) -> NumberFiel
     """A number field."""
     for name, bound in (("min", min), ("max", max)):
         if bound is not None and (
-            isinstance(bound, bool)
-            or not isinstance(bound, (int, float))
-            or not math.isfinite(bound)
+            isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound)
         ):
             raise _bad_config(name, "must be a finite number")
     if min is not None and max is not None and min > max:
@@ -534,9 +526,7 @@ def _enum(values: Sequence[str], /) -> EnumField:
     return EnumField(values=_string_set(values, "values"))
 
 
-def _list(
-    item: Field, /, *, min_items: int | None = None, max_items: int | None = None
-) -> ListField:
+def _list(item: Field, /, *, min_items: int | None = None, max_items: int | None = None) -> ListField:
     """A list field whose items fit ``item``."""
     if not isinstance(item, Field):
         raise _bad_config("item", "expected a field.* value")

@@ -268,9 +268,7 @@ class Registry:
     def _once(self, obj: object, path: str) -> None:
         seen = self._seen.get(id(obj))
         if seen is not None:
-            raise _bad_config(
-                path, f"registered twice: already registered at {seen[1] or 'top level'}"
-            )
+            raise _bad_config(path, f"registered twice: already registered at {seen[1] or 'top level'}")
         self._seen[id(obj)] = (obj, path)
 
     def _where(self, obj: object) -> str:

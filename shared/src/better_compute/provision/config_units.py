@@ -205,9 +205,7 @@ def resolve_host_config(
                 {"path": join_path(path, "name")},
             )
         settings_path = join_path(path, "settings")
-        settings: dict[str, Any] = unit.settings.validate(
-            thaw_json(entry.settings), path=settings_path
-        )
+        settings: dict[str, Any] = unit.settings.validate(thaw_json(entry.settings), path=settings_path)
         resolved.append(
             HostUnit(
                 name=entry.name,

@@ -262,9 +262,7 @@ def profile_from_document(document: Mapping[str, Any]) -> Profile:
     doc = _object(document, "", _FIELDS)
     profile_id: Any = doc.get("id")
     if not matches(PROFILE_ID_PATTERN, profile_id):
-        raise _bad(
-            "id", f"profile ids are lowercase like ubuntu-24.04-autoinstall, got {profile_id!r}"
-        )
+        raise _bad("id", f"profile ids are lowercase like ubuntu-24.04-autoinstall, got {profile_id!r}")
     version = doc.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise _bad("version", f"version must be a positive integer, got {version!r}")
@@ -370,9 +368,7 @@ def _user_data(value: object) -> ProfileUserData:
         raise _bad("userData.kind", f"kind is a lowercase name like cloud-init, got {kind!r}")
     template = raw.get("template")
     if template is not None and not matches(TEMPLATE_NAME_PATTERN, template):
-        raise _bad(
-            "userData.template", f"template names a template like acme.yaml, got {template!r}"
-        )
+        raise _bad("userData.template", f"template names a template like acme.yaml, got {template!r}")
     ttl = raw.get("tokenTtlSeconds")
     if ttl is not None and (
         isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 < ttl <= MAX_TOKEN_TTL_SECONDS
@@ -392,17 +388,13 @@ def _host_config(value: object) -> HostConfig:
         unit = _object(item, path, _UNIT_FIELDS)
         name: Any = unit.get("name")
         if not matches(UNIT_NAME_PATTERN, name):
-            raise _bad(
-                join_path(path, "name"), f"unit names are kebab-case like sysctl, got {name!r}"
-            )
+            raise _bad(join_path(path, "name"), f"unit names are kebab-case like sysctl, got {name!r}")
         settings = unit.get("settings", {})
         if not isinstance(settings, Mapping):
             raise _bad(join_path(path, "settings"), "settings must be an object")
         when = unit.get("when")
         if when is not None and (not isinstance(when, str) or not when.strip()):
             raise _bad(join_path(path, "when"), "when is a non-empty label expression")
-        frozen = freeze_json(
-            settings, path=join_path(path, "settings"), code=ErrorCode.INVALID_CONFIG
-        )
+        frozen = freeze_json(settings, path=join_path(path, "settings"), code=ErrorCode.INVALID_CONFIG)
         units.append(HostUnit(name=name, settings=frozen, when=when))
     return HostConfig(units=tuple(units))

@@ -134,22 +134,16 @@ def define_step(
 
     if runs_on == CONTROL_PLANE:
         if command is not None:
-            raise _bad(
-                "command", "a control-plane step runs `run`; only agent steps name a command"
-            )
+            raise _bad("command", "a control-plane step runs `run`; only agent steps name a command")
         if run is None:
             raise _bad("run", "a control-plane step needs `run`")
         if not _is_async_callable(run):
             raise _bad("run", "run must be an async function: async def run(input, ctx)")
-        _check_distinct(
-            relay_list, "relays", lambda agent: agent in AGENTS, "an agent: site or node"
-        )
+        _check_distinct(relay_list, "relays", lambda agent: agent in AGENTS, "an agent: site or node")
         _check_distinct(send_list, "sends", is_dotted_name, "a command kind like site.httpProxy")
     else:
         if run is not None:
-            raise _bad(
-                "run", "an agent step sends its command; only control-plane steps have `run`"
-            )
+            raise _bad("run", "an agent step sends its command; only control-plane steps have `run`")
         if not is_dotted_name(command):
             raise _bad("command", f"an agent step names its command kind, got {command!r}")
         if relay_list:
@@ -172,9 +166,7 @@ def define_step(
     )
 
 
-def _check_distinct(
-    items: tuple[Any, ...], name: str, valid: Callable[[Any], bool], expected: str
-) -> None:
+def _check_distinct(items: tuple[Any, ...], name: str, valid: Callable[[Any], bool], expected: str) -> None:
     for index, item in enumerate(items):
         if not valid(item):
             raise _bad(f"{name}[{index}]", f"expected {expected}, got {item!r}")

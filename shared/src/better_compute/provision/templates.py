@@ -67,13 +67,9 @@ def render_template(template: Template, variables: Mapping[str, str | None]) -> 
         if value is None:
             continue
         if not isinstance(name, str) or not isinstance(value, str):
-            raise BcError(
-                ErrorCode.INVALID_INPUT, "template values must be strings", {"path": path}
-            )
+            raise BcError(ErrorCode.INVALID_INPUT, "template values must be strings", {"path": path})
         if _LINE_BREAK.search(value):
-            raise BcError(
-                ErrorCode.INVALID_INPUT, "a value must not hold a line break", {"path": path}
-            )
+            raise BcError(ErrorCode.INVALID_INPUT, "a value must not hold a line break", {"path": path})
         if "{{" in value:
             raise BcError(ErrorCode.INVALID_INPUT, "a value must not hold '{{'", {"path": path})
         values[name] = value

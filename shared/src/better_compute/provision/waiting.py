@@ -23,11 +23,7 @@ class StepNotReady(Exception):  # noqa: N818 - the page's name; a signal to wait
     """
 
     def __init__(self, retry_after_ms: int = DEFAULT_NOT_READY_MS) -> None:
-        if (
-            isinstance(retry_after_ms, bool)
-            or not isinstance(retry_after_ms, int)
-            or retry_after_ms <= 0
-        ):
+        if isinstance(retry_after_ms, bool) or not isinstance(retry_after_ms, int) or retry_after_ms <= 0:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 f"step_not_ready takes positive whole milliseconds, got {retry_after_ms!r}",

@@ -89,9 +89,7 @@ class DevStack:
                     self.say(f"{service:<17} running   pid {rec.pid}")
                     continue
                 log_path = self.logs / f"{name}.log"
-                pid = spawn_detached(
-                    [sys.executable, "-m", module, "--instance", name], log_path, env=env
-                )
+                pid = spawn_detached([sys.executable, "-m", module, "--instance", name], log_path, env=env)
                 rec = ProcRecord(name, service, pid, time.time(), str(log_path))
                 (self.procs / f"{name}.json").write_text(json.dumps(rec.__dict__))
                 self.say(f"{service:<17} started   pid {pid}")

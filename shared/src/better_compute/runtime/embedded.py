@@ -262,9 +262,7 @@ class EmbeddedPostgres:
             os.chown(root, entry.pw_uid, entry.pw_gid)
             for name in dirs + files:
                 with contextlib.suppress(FileNotFoundError):
-                    os.chown(
-                        os.path.join(root, name), entry.pw_uid, entry.pw_gid, follow_symlinks=False
-                    )
+                    os.chown(os.path.join(root, name), entry.pw_uid, entry.pw_gid, follow_symlinks=False)
         # the wheel's binaries and libraries must be readable and runnable by that user
         for parent in [self.bin, *self.bin.parents]:
             parent.chmod(parent.stat().st_mode | stat.S_IXOTH | stat.S_IROTH)

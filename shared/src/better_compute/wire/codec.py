@@ -32,9 +32,7 @@ def decode(data: bytes, typ: type[T]) -> T:
     try:
         return msgspec.json.decode(data or b"{}", type=typ)
     except msgspec.ValidationError as exc:
-        raise BcError(
-            ErrorCode.INVALID_INPUT, _message(exc), {"path": validation_path(exc)}
-        ) from exc
+        raise BcError(ErrorCode.INVALID_INPUT, _message(exc), {"path": validation_path(exc)}) from exc
     except msgspec.DecodeError as exc:
         raise BcError(ErrorCode.INVALID_INPUT, f"malformed JSON: {exc}", {"path": ""}) from exc
 
@@ -44,9 +42,7 @@ def convert(value: Any, typ: type[T], *, strict: bool = True) -> T:
     try:
         return msgspec.convert(value, typ, strict=strict)
     except msgspec.ValidationError as exc:
-        raise BcError(
-            ErrorCode.INVALID_INPUT, _message(exc), {"path": validation_path(exc)}
-        ) from exc
+        raise BcError(ErrorCode.INVALID_INPUT, _message(exc), {"path": validation_path(exc)}) from exc
 
 
 def encode(value: Any) -> bytes:
