@@ -1,0 +1,139 @@
+"""The engine as its own process, driven through bcx as an operator would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import msgspec
+import pytest
+
+from better_compute.config import Settings
+from better_compute.testing import ServiceProcesses
+from engine_test_app import TABLES
+
+
+async def bcx(settings: Settings, *args: str) -> tuple[int, str, str]:
+    env = {
+        **os.environ,
+        "BC_NATS_URL": settings.nats_url or "",
+        "BC_SUBJECT_ROOT": settings.subject_root,
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "better_compute.cli", *args,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+@pytest.fixture
+def settings(bc_settings: Settings) -> Settings:
+    return msgspec.structs.replace(bc_settings, app="engine_test_app:app")
+
+
+async def start_engine(settings: Settings, procs: ServiceProcesses) -> None:
+    procs.settings = settings
+    procs.start("bc-engine")
+    await procs.wait_ready()
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await conn.execute(TABLES)
+    finally:
+        await conn.close()
+
+
+def write(tmp_path: Path, name: str, doc: dict[str, Any]) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+async def test_profiles_through_bcx(
+    settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path
+) -> None:
+    await start_engine(settings, bc_processes)
+    good = write(tmp_path, "good.json", {"id": "web", "version": 1, "target": "metal", "role": "host",
+                                         "steps": [{"use": "test.noop"}, {"use": "power.setPower", "on": "site"}]})  # fmt: skip
+    bad = write(tmp_path, "bad.json", {"id": "web", "version": 2, "target": "metal", "role": "host",
+                                       "steps": [{"use": "test.nope"}, {"use": "test.waitFlag", "with": {}}]})  # fmt: skip
+
+    code, out, err = await bcx(settings, "profiles", "validate", bad)
+    assert code == 1
+    assert "steps[0].use" in out
+    assert "steps[1].with.flag" in out
+
+    code, out, _ = await bcx(settings, "profiles", "create", good)
+    assert (code, out.strip()) == (0, "stored web version 1 for tenant root")
+    code, out, _ = await bcx(settings, "profiles", "render", "--id", "web")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["#", "ACTION", "ON", "MODE"]
+    assert "driver.invoke" in lines[2]
+    code, out, _ = await bcx(settings, "profiles", "list", "--json")
+    ids = {(p["id"], p["tenantId"]) for p in json.loads(out)["profiles"]}
+    assert {("web", "root"), ("test-chain", "builtin")} <= ids
+
+    code, out, err = await bcx(settings, "profiles", "create", good)
+    assert code == 1
+    assert "error: CONFLICT" in err
+    code, out, _ = await bcx(settings, "profiles", "create", good, "--json")
+    assert json.loads(out)["error"]["details"]["path"] == "document.version"
+
+
+async def test_workflows_through_bcx(
+    settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path
+) -> None:
+    await start_engine(settings, bc_processes)
+    code, node, _ = await bcx(settings, "nodes", "create", "--site", "eu1", "--label", "rack=r7")
+    node = node.strip()
+    assert code == 0
+    assert node.startswith("node_")
+
+    # start --wait shows each step as it happens and exits 0 on success
+    code, out, err = await bcx(
+        settings, "workflows", "start", "--profile", "test-chain", "--node", node, "--wait"
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    assert sum(" succeeded " in line for line in lines) == 6
+    assert lines[-1].endswith("succeeded")
+
+    # a failing workflow: watch --json prints one event a line and exits 1
+    doc = {"id": "flaky", "version": 1, "target": "metal", "role": "host",
+           "steps": [{"use": "test.failUnlessFlag", "with": {"flag": "ok"}}]}  # fmt: skip
+    await bcx(settings, "profiles", "create", write(tmp_path, "flaky.json", doc))
+    code, out, _ = await bcx(settings, "workflows", "start", "--profile", "flaky", "--json")
+    wf_id = json.loads(out)["id"]
+    code, out, _ = await bcx(settings, "workflows", "watch", wf_id, "--json")
+    assert code == 1
+    events = [json.loads(line) for line in out.splitlines()]
+    assert events[-1] == {"workflowId": wf_id, "workflowState": "failed"}
+    assert any(e.get("step", {}).get("state") == "failed" for e in events)
+
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await conn.execute("INSERT INTO public.plg_test_flags VALUES ('ok')")
+    finally:
+        await conn.close()
+    code, out, _ = await bcx(settings, "workflows", "retry", wf_id)
+    assert (code, out.strip()) == (0, f"{wf_id} is running")
+    code, out, _ = await bcx(settings, "workflows", "watch", wf_id)
+    assert code == 0
+    code, out, _ = await bcx(settings, "workflows", "get", wf_id)
+    assert "attempt" not in out.splitlines()[0]
+    assert out.splitlines()[2].split()[:4] == ["0", "test.failUnlessFlag", "succeeded", "2"]
+
+    code, out, _ = await bcx(settings, "workflows", "list", "--node", node)
+    assert len(out.splitlines()) == 2  # header and the one workflow of that node
+    code, out, _ = await bcx(settings, "workflows", "list", "--state", "succeeded", "--json")
+    assert len(json.loads(out)["workflows"]) == 2
+
+    code, _out, err = await bcx(settings, "workflows", "abort", wf_id)
+    assert code == 1
+    assert "INVALID_STATE" in err
