@@ -58,10 +58,15 @@ async def test_profiles_through_bcx(
     settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> None:
     await start_engine(settings, bc_processes)
-    good = write(tmp_path, "good.json", {"id": "web", "version": 1, "target": "metal", "role": "host",
-                                         "steps": [{"use": "test.noop"}, {"use": "power.setPower", "on": "site"}]})  # fmt: skip
-    bad = write(tmp_path, "bad.json", {"id": "web", "version": 2, "target": "metal", "role": "host",
-                                       "steps": [{"use": "test.nope"}, {"use": "test.waitFlag", "with": {}}]})  # fmt: skip
+    base = {"id": "web", "target": "metal", "role": "host"}
+    good = write(
+        tmp_path, "good.json",
+        {**base, "version": 1, "steps": [{"use": "test.noop"}, {"use": "power.setPower", "on": "site"}]},
+    )  # fmt: skip
+    bad = write(
+        tmp_path, "bad.json",
+        {**base, "version": 2, "steps": [{"use": "test.nope"}, {"use": "test.waitFlag", "with": {}}]},
+    )  # fmt: skip
 
     code, out, err = await bcx(settings, "profiles", "validate", bad)
     assert code == 1

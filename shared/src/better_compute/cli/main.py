@@ -15,6 +15,7 @@ from ..core.errors import BcError
 from ..runtime.dev import SERVICES, DevStack
 from ..runtime.urls import resolve_nats_url
 from ..service.client import connect, discover
+from . import engine_commands
 from .output import print_error, print_json, print_table
 
 __all__ = ["main"]
@@ -130,9 +131,7 @@ async def cmd_dev_ps(args: argparse.Namespace, settings: Settings) -> int:
             "alive": bool(stack.pg.running_pid()),
         },
     ]
-    rows += [
-        {"name": r.name, "pid": r.pid, "alive": r.alive, "log": r.log} for r in stack.records()
-    ]
+    rows += [{"name": r.name, "pid": r.pid, "alive": r.alive, "log": r.log} for r in stack.records()]
     if args.json:
         print_json({"state": str(stack.state), "processes": rows})
     else:
@@ -167,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dev_down)
     p = dsub.add_parser("ps", parents=[common], help="processes of the embedded stack")
     p.set_defaults(func=cmd_dev_ps)
+    engine_commands.register(sub, common)
     return parser
 
 
