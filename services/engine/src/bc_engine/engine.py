@@ -204,8 +204,8 @@ class Engine:
                         return time.time() + QUEUE_RETRY_S
                 row = await self.db.fetchrow(
                     "UPDATE workflow_steps SET state = 'running', attempt = attempt + 1,"
-                    " started_at = now(),"
-                    " deadline = now() + make_interval(secs => timeout_ms / 1000.0),"
+                    " started_at = clock_timestamp(),"
+                    " deadline = clock_timestamp() + make_interval(secs => timeout_ms / 1000.0),"
                     " finished_at = NULL, sent_commands = false, result = NULL, error = NULL,"
                     " command_id = NULL"
                     " WHERE workflow_id = $1 AND idx = $2 AND state = 'pending' AND attempt = $3"
@@ -267,7 +267,8 @@ class Engine:
     ) -> bool:
         async with self.db.transaction() as conn:
             done = await conn.fetchval(
-                "UPDATE workflow_steps SET state = $4, result = $5, error = $6, finished_at = now()"
+                "UPDATE workflow_steps SET state = $4, result = $5, error = $6,"
+                " finished_at = clock_timestamp()"
                 " WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3"
                 f" AND {self._fence(7)} RETURNING true",
                 wf["id"], step["idx"], step["attempt"], state,

@@ -1,12 +1,41 @@
-"""The bc-secrets service process."""
+"""The bc-secrets service process: sealed values, and the gate agents fetch them through."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, NoReturn
 
-from better_compute.service import Service
+from better_compute.cmdq_client import CommandQueueClient
+from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id, parse_id
+from better_compute.keyring import Keyring, key_file_path
+from better_compute.logging import register_secret
+from better_compute.pki_client import PkiClient, Verified, signing_payload
+from better_compute.secrets_client import (
+    FETCH_PURPOSE,
+    FetchAuditList,
+    FetchSecretRequest,
+    ListFetchesRequest,
+    ListSecretsRequest,
+    PutSecretRequest,
+    RefRequest,
+    SecretInfo,
+    SecretList,
+    SecretsRewrapResult,
+    SecretValue,
+    fetch_document,
+)
+from better_compute.service import ApiRequest, Handler, Service
+
+from . import store
 
 __all__ = ["SecretsService"]
+
+_REWRAP_BATCH = 500
+# One message for every refusal after authentication, so an agent cannot tell an unknown
+# ref from one it may not read; the audit row keeps the real reason.
+_DENIED = "no live command for this agent carries this reference"
 
 
 class SecretsService(Service):
@@ -17,3 +46,263 @@ class SecretsService(Service):
     schema: ClassVar[str | None] = "secrets"
     migrations_package: ClassVar[str | None] = "bc_secrets.migrations"
     description: ClassVar[str] = "Secrets: encrypted values behind SecretRefs"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.keyring: Keyring | None = None
+
+    async def on_start(self) -> None:
+        path = key_file_path(self.settings, "BC_SECRETS_KEY_FILE", "secrets")
+        self.keyring, created = Keyring.load_or_create(path)
+        if created:
+            self.log.info("key_file_created", path=str(path), key_id=self.keyring.current_key_id)
+        if self.keyring.loose_permissions():
+            self.log.warning("key_file_readable_by_others", path=str(path))
+        self.log.info(
+            "keyring_loaded",
+            current_key_id=self.keyring.current_key_id,
+            keys=len(self.keyring.key_ids),
+        )
+
+    def routes(self) -> Mapping[str, Handler]:
+        return {
+            "secrets.put": self.put,
+            "secrets.get": self.get,
+            "secrets.fetch": self.fetch,
+            "secrets.describe": self.describe,
+            "secrets.list": self.list_secrets,
+            "fetches.list": self.list_fetches,
+            "keys.rewrap": self.rewrap,
+        }
+
+    @property
+    def _ring(self) -> Keyring:
+        if self.keyring is None:
+            raise BcError(ErrorCode.UNAVAILABLE, "the keyring is not loaded yet")
+        return self.keyring
+
+    # -- control plane ------------------------------------------------------------
+
+    async def put(self, req: ApiRequest) -> SecretInfo:
+        assert self.db is not None
+        body = req.decode(PutSecretRequest)
+        register_secret(body.value)
+        workflow_id = parse_id(body.workflow_id, "wf", path="workflowId")
+        ref = new_id("sec")
+        ring = self._ring
+        row = await self.db.fetchrow(
+            store.SECRET_INSERT,
+            ref,
+            body.tenant_id,
+            workflow_id,
+            body.step,
+            body.idempotency_key,
+            body.label,
+            len(body.value),
+            ring.current_key_id,
+            ring.seal(body.value, aad=ref.encode()),
+        )
+        again = row is None
+        if again:
+            # First write wins: a re-run gets the ref the first run may already have sent.
+            row = await self.db.fetchrow(store.SECRET_SELECT_BY_IDEMPOTENCY_KEY, body.idempotency_key)
+            if row is None:
+                raise BcError(ErrorCode.CONFLICT, "secret ref collision; put again")
+            first = (row["tenant_id"], row["workflow_id"], row["step"])
+            if first != (body.tenant_id, workflow_id, body.step):
+                raise BcError(
+                    ErrorCode.CONFLICT,
+                    "idempotency key already used for another workflow step's secret",
+                    {"path": "idempotencyKey"},
+                )
+        info = store.secret_info(row)
+        self.log.info(
+            "secret_stored",
+            ref=info.ref,
+            tenant_id=info.tenant_id,
+            workflow_id=info.workflow_id,
+            step_index=info.step,
+            size=info.size,
+            again=again,
+        )
+        return info
+
+    async def _row(self, ref: str) -> Any:
+        assert self.db is not None
+        row = await self.db.fetchrow(store.SECRET_SELECT, ref)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, "no such secret", {"path": "ref"})
+        return row
+
+    def _open(self, row: Any) -> bytes:
+        value = self._ring.open(row["sealed"], aad=row["ref"].encode())
+        register_secret(value)
+        return value
+
+    async def get(self, req: ApiRequest) -> SecretValue:
+        ref = parse_id(req.decode(RefRequest).ref, "sec", path="ref")
+        row = await self._row(ref)
+        value = self._open(row)
+        self.log.info("secret_read", ref=ref, workflow_id=row["workflow_id"])
+        return SecretValue(ref=ref, value=value)
+
+    async def describe(self, req: ApiRequest) -> SecretInfo:
+        ref = parse_id(req.decode(RefRequest).ref, "sec", path="ref")
+        return store.secret_info(await self._row(ref))
+
+    async def list_secrets(self, req: ApiRequest) -> SecretList:
+        assert self.db is not None
+        body = req.decode(ListSecretsRequest)
+        rows = await self.db.fetch(store.SECRET_LIST, body.tenant_id, body.workflow_id, body.limit)
+        return SecretList(secrets=[store.secret_info(r) for r in rows])
+
+    async def list_fetches(self, req: ApiRequest) -> FetchAuditList:
+        assert self.db is not None
+        body = req.decode(ListFetchesRequest)
+        rows = await self.db.fetch(store.FETCH_AUDIT_LIST, body.ref, body.outcome, body.limit)
+        return FetchAuditList(fetches=[store.fetch_audit(r) for r in rows])
+
+    async def rewrap(self, _req: ApiRequest) -> SecretsRewrapResult:
+        """Re-seal every value sealed under an older key with the current one."""
+        assert self.db is not None
+        ring = self._ring
+        total = 0
+        while True:
+            async with self.db.transaction() as conn:
+                rows = await conn.fetch(store.SECRET_SELECT_STALE_KEY, ring.current_key_id, _REWRAP_BATCH)
+                for row in rows:
+                    sealed = ring.reseal(row["sealed"], aad=row["ref"].encode())
+                    await conn.execute(store.SECRET_RESEAL, row["ref"], sealed, ring.current_key_id)
+            total += len(rows)
+            if len(rows) < _REWRAP_BATCH:
+                break
+        self.log.info("secrets_rewrapped", key_id=ring.current_key_id, rewrapped=total)
+        return SecretsRewrapResult(key_id=ring.current_key_id, rewrapped=total)
+
+    # -- agents -------------------------------------------------------------------
+
+    async def fetch(self, req: ApiRequest) -> SecretValue:
+        """An agent's fetch: signed by its certificate key, gated on a live command.
+
+        Every refusal is audited before it is returned.
+        """
+        try:
+            body = req.decode(FetchSecretRequest)
+            ref = parse_id(body.ref, "sec", path="ref")
+        except BcError as err:
+            await self._deny(err, reason="malformed")
+        verified = await self._authenticate(body, ref)
+        assert self.db is not None
+        row = await self.db.fetchrow(store.SECRET_SELECT, ref)
+        if row is None:
+            await self._deny(
+                BcError(ErrorCode.PERMISSION_DENIED, _DENIED, {"reason": "no-live-command"}),
+                reason="unknown-ref",
+                ref=ref,
+                body=body,
+                verified=verified,
+            )
+        command_id = await self._live_command(row, ref, body, verified)
+        value = self._open(row)
+        await self._audit("granted", ref=ref, body=body, verified=verified, command_id=command_id)
+        self.log.info("secret_fetched", ref=ref, agent_id=verified.agent_id, command_id=command_id)
+        return SecretValue(ref=ref, value=value)
+
+    async def _authenticate(self, body: FetchSecretRequest, ref: str) -> Verified:
+        assert self.api is not None
+        doc = fetch_document(
+            ref=ref, signer_id=body.signer_id, signed_at_ms=body.signed_at_ms, nonce=body.nonce
+        )
+        try:
+            return await PkiClient(self.api, timeout=5.0).verify(
+                signer_id=body.signer_id,
+                data=signing_payload(FETCH_PURPOSE, doc),
+                signature=body.signature,
+                once=True,
+                signed_at_ms=body.signed_at_ms,
+            )
+        except BcError as err:
+            if err.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.INVALID_INPUT):
+                refusal = BcError(err.code, f"fetch refused: {err.message}", err.details)
+                await self._deny(refusal, reason=err.reason or "invalid", ref=ref, body=body)
+            await self._deny(
+                BcError(ErrorCode.UNAVAILABLE, "cannot check the agent's signature now"),
+                reason="pki-unavailable",
+                ref=ref,
+                body=body,
+            )
+
+    async def _live_command(
+        self, row: Any, ref: str, body: FetchSecretRequest, verified: Verified
+    ) -> str | None:
+        assert self.api is not None
+        try:
+            answer = await CommandQueueClient(self.api, timeout=5.0).live_with_ref(
+                agent_id=verified.agent_id,
+                ref=ref,
+                key_prefix=f"wf:{row['workflow_id']}:{row['step']}",
+            )
+        except BcError:
+            # Fail closed: without the command queue's word, nobody reads the value.
+            await self._deny(
+                BcError(ErrorCode.UNAVAILABLE, "cannot check the agent's commands now"),
+                reason="command-queue-unavailable",
+                ref=ref,
+                body=body,
+                verified=verified,
+            )
+        if not answer.live:
+            await self._deny(
+                BcError(ErrorCode.PERMISSION_DENIED, _DENIED, {"reason": "no-live-command"}),
+                reason="no-live-command",
+                ref=ref,
+                body=body,
+                verified=verified,
+            )
+        return answer.command_id
+
+    async def _audit(
+        self,
+        outcome: str,
+        *,
+        ref: str | None,
+        body: FetchSecretRequest | None,
+        verified: Verified | None = None,
+        code: str | None = None,
+        reason: str | None = None,
+        command_id: str | None = None,
+    ) -> None:
+        assert self.db is not None
+        await self.db.execute(
+            store.FETCH_AUDIT_INSERT,
+            outcome,
+            ref,
+            code,
+            reason,
+            body.signer_id[:64] if body is not None else None,
+            verified.agent_id if verified is not None else None,
+            command_id,
+            self.instance,
+        )
+
+    async def _deny(
+        self,
+        error: BcError,
+        *,
+        reason: str,
+        ref: str | None = None,
+        body: FetchSecretRequest | None = None,
+        verified: Verified | None = None,
+    ) -> NoReturn:
+        """Audit a refused fetch, log it, and raise ``error``."""
+        await self._audit(
+            "denied", ref=ref, body=body, verified=verified, code=error.code.value, reason=reason
+        )
+        self.log.warning(
+            "secret_fetch_denied",
+            ref=ref,
+            reason=reason,
+            code=error.code.value,
+            agent_id=verified.agent_id if verified is not None else None,
+        )
+        raise error

@@ -1,0 +1,91 @@
+"""Join tokens: how they are made, hashed and matched against a machine's claims.
+
+A token is ``bcjt_`` and 43 base64url characters (256 bits). Without an idempotency key it
+is random. With one it is ``HMAC-SHA256(token key, idempotency key)``: the service can make
+the same token again for a re-run without ever storing it. Only ``sha256(token)`` is stored;
+the token key is stored sealed under the key file.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+import secrets
+
+from better_compute.pki_client import JoinClaims, JoinExpect
+
+__all__ = [
+    "derived_token",
+    "mismatched_claims",
+    "normalize_claims",
+    "normalize_expect",
+    "random_token",
+    "token_hash",
+    "well_formed",
+]
+
+_PREFIX = "bcjt_"
+_TOKEN_RE = re.compile(r"^bcjt_[A-Za-z0-9_-]{43}$")
+
+
+def _encode(raw: bytes) -> str:
+    return _PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def random_token() -> str:
+    return _encode(secrets.token_bytes(32))
+
+
+def derived_token(token_key: bytes, idempotency_key: str) -> str:
+    """The token for ``idempotency_key``: the same key always gives the same token."""
+    mac = hmac.new(token_key, b"bc-join-token\x00" + idempotency_key.encode(), hashlib.sha256)
+    return _encode(mac.digest())
+
+
+def token_hash(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def well_formed(token: str) -> bool:
+    return bool(_TOKEN_RE.match(token))
+
+
+def _mac(value: str) -> str:
+    hexdigits = re.sub(r"[^0-9a-f]", "", value.lower())
+    return ":".join(hexdigits[i : i + 2] for i in range(0, 12, 2))
+
+
+def normalize_expect(expect: JoinExpect) -> JoinExpect:
+    """MACs as ``aa:bb:…``, UUIDs in lower case, surrounding blanks dropped."""
+    return JoinExpect(
+        mac=_mac(expect.mac) if expect.mac else None,
+        product_uuid=expect.product_uuid.strip().lower() if expect.product_uuid else None,
+        serial=expect.serial.strip() if expect.serial else None,
+        gpu_uuid=expect.gpu_uuid.strip().lower() if expect.gpu_uuid else None,
+    )
+
+
+def normalize_claims(claims: JoinClaims) -> JoinClaims:
+    return JoinClaims(
+        macs=sorted({_mac(m) for m in claims.macs}),
+        product_uuid=claims.product_uuid.strip().lower() if claims.product_uuid else None,
+        serial=claims.serial.strip() if claims.serial else None,
+        gpu_uuids=sorted({g.strip().lower() for g in claims.gpu_uuids}),
+        hostname=claims.hostname,
+    )
+
+
+def mismatched_claims(expect: JoinExpect, claims: JoinClaims) -> list[str]:
+    """The expected claims (camelCase names) that ``claims`` does not show; both normalized."""
+    wrong: list[str] = []
+    if expect.mac is not None and expect.mac not in claims.macs:
+        wrong.append("mac")
+    if expect.product_uuid is not None and expect.product_uuid != claims.product_uuid:
+        wrong.append("productUuid")
+    if expect.serial is not None and expect.serial != claims.serial:
+        wrong.append("serial")
+    if expect.gpu_uuid is not None and expect.gpu_uuid not in claims.gpu_uuids:
+        wrong.append("gpuUuid")
+    return wrong

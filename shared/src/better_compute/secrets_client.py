@@ -1,0 +1,267 @@
+"""The secrets service over NATS: its messages and a client.
+
+``SecretsClient`` is what ``ctx.secrets`` is (through ``SecretsClient.for_step``). Every
+route is ``bc.api.secrets.<resource>.<verb>``:
+
+=====================  ======================  ==========================================
+route                  request                 result
+=====================  ======================  ==========================================
+``secrets.put``        ``PutSecretRequest``    ``SecretInfo``
+``secrets.get``        ``RefRequest``          ``SecretValue`` (control plane only)
+``secrets.fetch``      ``FetchSecretRequest``  ``SecretValue`` (an agent, signed request)
+``secrets.describe``   ``RefRequest``          ``SecretInfo``
+``secrets.list``       ``ListSecretsRequest``  ``SecretList`` (metadata only)
+``fetches.list``       ``ListFetchesRequest``  ``FetchAuditList``
+``keys.rewrap``        ``{}``                  ``SecretsRewrapResult``
+=====================  ======================  ==========================================
+
+``secrets.get`` trusts the caller to be the control plane: deployments deny agents that
+subject with NATS permissions. Agents use ``secrets.fetch``, which proves who asks (a
+signature by the agent's certificate key) and is answered only while a live command of the
+secret's workflow step for that agent carries the reference.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgspec
+
+from .core.errors import BcError, ErrorCode
+from .logging import register_secret
+from .pki_client import AgentIdentity, IdempotencyKey, Limit, Name
+from .service.client import ApiClient
+
+__all__ = [
+    "FETCH_PURPOSE",
+    "MAX_SECRET_BYTES",
+    "FetchAudit",
+    "FetchAuditList",
+    "FetchSecretRequest",
+    "ListFetchesRequest",
+    "ListSecretsRequest",
+    "PutSecretRequest",
+    "RefRequest",
+    "SecretInfo",
+    "SecretList",
+    "SecretValue",
+    "SecretsClient",
+    "SecretsRewrapResult",
+    "StepSecrets",
+    "fetch_document",
+]
+
+T = TypeVar("T")
+
+FETCH_PURPOSE: Final = "secrets.fetch"
+MAX_SECRET_BYTES: Final = 512 * 1024
+"""Base64 on the wire makes this about 700 KB: under NATS's default 1 MB payload."""
+
+Label = Annotated[str, msgspec.Meta(max_length=200)]
+
+
+class PutSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    tenant_id: Name
+    workflow_id: str
+    step: Annotated[int, msgspec.Meta(ge=0, le=511)]
+    """Index of the creating step in its workflow: agents read the value only while a live
+    command keyed ``wf:<workflowId>:<step>…`` carries the reference."""
+    value: Annotated[bytes, msgspec.Meta(max_length=MAX_SECRET_BYTES)]
+    idempotency_key: IdempotencyKey | None = None
+    label: Label | None = None
+
+    def __repr__(self) -> str:
+        return f"PutSecretRequest(workflow_id={self.workflow_id!r}, value=[redacted])"
+
+
+class RefRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    ref: str
+
+
+class FetchSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """An agent's signed request for a value; the signature covers ``fetch_document``."""
+
+    ref: str
+    signer_id: str
+    signed_at_ms: int
+    nonce: Annotated[str, msgspec.Meta(min_length=16, max_length=64)]
+    signature: Annotated[bytes, msgspec.Meta(max_length=512)]
+
+
+class ListSecretsRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    tenant_id: Name | None = None
+    workflow_id: str | None = None
+    limit: Limit = 100
+
+
+class ListFetchesRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    ref: str | None = None
+    outcome: Literal["granted", "denied"] | None = None
+    limit: Limit = 100
+
+
+class SecretInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """What is known about a secret without its value."""
+
+    ref: str
+    tenant_id: str
+    workflow_id: str
+    step: int
+    size: int
+    key_id: str
+    created_at: datetime
+    label: str | None = None
+    idempotency_key: str | None = None
+
+
+class SecretList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    secrets: list[SecretInfo]
+
+
+class SecretValue(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    ref: str
+    value: bytes
+
+    def __repr__(self) -> str:
+        return f"SecretValue(ref={self.ref!r}, value=[redacted])"
+
+
+class FetchAudit(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    id: int
+    at: datetime
+    outcome: Literal["granted", "denied"]
+    ref: str | None = None
+    code: str | None = None
+    reason: str | None = None
+    signer_id: str | None = None
+    agent_id: str | None = None
+    command_id: str | None = None
+
+
+class FetchAuditList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    fetches: list[FetchAudit]
+
+
+class SecretsRewrapResult(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    key_id: str
+    rewrapped: int
+
+
+def fetch_document(*, ref: str, signer_id: str, signed_at_ms: int, nonce: str) -> dict[str, Any]:
+    """The document an agent signs (under ``FETCH_PURPOSE``) to fetch ``ref``."""
+    return {"ref": ref, "signerId": signer_id, "signedAtMs": signed_at_ms, "nonce": nonce}
+
+
+def _as(value: Any, typ: type[T]) -> T:
+    try:
+        return msgspec.convert(value, typ, strict=False)
+    except msgspec.ValidationError as exc:
+        raise BcError(ErrorCode.INTERNAL, f"malformed reply from bc-secrets: {exc}") from exc
+
+
+class SecretsClient:
+    """Calls to bc-secrets over NATS; raises the service's ``BcError``s.
+
+    Values that pass through are registered with the log redactor of this process.
+    """
+
+    service: Final = "secrets"
+
+    def __init__(self, api: ApiClient, *, timeout: float = 10.0) -> None:
+        self.api = api
+        self.timeout = timeout
+
+    async def _call(self, route: str, payload: Any, typ: type[T]) -> T:
+        return _as(await self.api.call(self.service, route, payload, timeout=self.timeout), typ)
+
+    def for_step(self, *, tenant_id: str, workflow_id: str, step: int) -> StepSecrets:
+        """The client a step sees as ``ctx.secrets``: values belong to that workflow step."""
+        return StepSecrets(self, tenant_id=tenant_id, workflow_id=workflow_id, step=step)
+
+    async def put(
+        self,
+        value: bytes,
+        *,
+        tenant_id: str,
+        workflow_id: str,
+        step: int,
+        idempotency_key: str | None = None,
+        label: str | None = None,
+    ) -> SecretInfo:
+        """Store ``value``; the same ``idempotency_key`` returns the first call's ref."""
+        register_secret(value)
+        req = PutSecretRequest(
+            tenant_id=tenant_id,
+            workflow_id=workflow_id,
+            step=step,
+            value=value,
+            idempotency_key=idempotency_key,
+            label=label,
+        )
+        return await self._call("secrets.put", req, SecretInfo)
+
+    async def get(self, ref: str) -> bytes:
+        """The value behind ``ref``: control plane only."""
+        got = await self._call("secrets.get", RefRequest(ref=ref), SecretValue)
+        register_secret(got.value)
+        return got.value
+
+    async def fetch(self, ref: str, *, identity: AgentIdentity) -> bytes:
+        """The value behind ``ref``, asked for as the agent ``identity`` (signed afresh)."""
+        request = identity.signed_request(FETCH_PURPOSE, ref=ref)
+        got = await self._call("secrets.fetch", request, SecretValue)
+        register_secret(got.value)
+        return got.value
+
+    async def describe(self, ref: str) -> SecretInfo:
+        return await self._call("secrets.describe", RefRequest(ref=ref), SecretInfo)
+
+    async def list_secrets(
+        self, *, tenant_id: str | None = None, workflow_id: str | None = None, limit: int = 100
+    ) -> list[SecretInfo]:
+        req = ListSecretsRequest(tenant_id=tenant_id, workflow_id=workflow_id, limit=limit)
+        return (await self._call("secrets.list", req, SecretList)).secrets
+
+    async def list_fetches(
+        self,
+        *,
+        ref: str | None = None,
+        outcome: Literal["granted", "denied"] | None = None,
+        limit: int = 100,
+    ) -> list[FetchAudit]:
+        req = ListFetchesRequest(ref=ref, outcome=outcome, limit=limit)
+        return (await self._call("fetches.list", req, FetchAuditList)).fetches
+
+    async def rewrap_keys(self) -> SecretsRewrapResult:
+        """Re-seal every stored value under the key file's current key."""
+        return await self._call(
+            "keys.rewrap",
+            {},
+            SecretsRewrapResult,
+        )
+
+
+class StepSecrets:
+    """``ctx.secrets``: a ``SecretsClient`` bound to one workflow step."""
+
+    def __init__(self, client: SecretsClient, *, tenant_id: str, workflow_id: str, step: int) -> None:
+        self.client = client
+        self.tenant_id = tenant_id
+        self.workflow_id = workflow_id
+        self.step = step
+
+    async def put(self, value: bytes, *, idempotency_key: str | None = None, label: str | None = None) -> str:
+        """Store ``value`` for this workflow step and return its SecretRef (``sec_…``).
+
+        The same ``idempotency_key`` returns the same ref, so a re-run stores nothing twice.
+        """
+        info = await self.client.put(
+            value,
+            tenant_id=self.tenant_id,
+            workflow_id=self.workflow_id,
+            step=self.step,
+            idempotency_key=idempotency_key,
+            label=label,
+        )
+        return info.ref

@@ -1,0 +1,289 @@
+"""bc-pki and bc-secrets as their own processes: two instances each, restarts, and bcx."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import msgspec
+from cryptography import x509
+from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from better_compute.config import Settings
+from better_compute.core.ids import new_id
+from better_compute.pki_client import AgentIdentity, JoinClaims, PkiClient, make_csr, new_agent_key
+from better_compute.secrets_client import SecretsClient
+from better_compute.service import ApiClient, discover
+from better_compute.testing import ServiceProcesses
+from better_compute.wire import Subjects, encode_ok
+from better_compute.wire.cmdq import LiveWithRef, LiveWithRefReply
+
+
+class FakeCommandQueueResponder:
+    """Plays bc-command-queue's ``commands.live_with_ref`` on the real bus.
+
+    It stands in for issue 4 (the command-queue service) until that lands; then these tests
+    start ``bc-command-queue`` and enqueue real commands instead. It answers as
+    ``wire.cmdq.LiveWithRef`` says: a live command for the agent, whose key is the prefix or
+    continues it with ``#``/``:``, and whose payload holds the ref as a string value.
+    """
+
+    def __init__(self, nc: Nats, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subject = subjects.api("command-queue", "commands", "live_with_ref")
+        self.commands: dict[str, dict[str, Any]] = {}
+        self._sub: Subscription | None = None
+        self._ids = itertools.count(1)
+
+    async def __aenter__(self) -> FakeCommandQueueResponder:
+        self._sub = await self.nc.subscribe(self.subject, cb=self._answer)
+        await self.nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    def add(self, *, agent_id: str, key: str, payload: Any, state: str = "running") -> str:
+        command_id = f"cmd_fake{next(self._ids)}"
+        self.commands[command_id] = {
+            "agent_id": agent_id, "key": key, "payload": payload, "state": state,
+        }  # fmt: skip
+        return command_id
+
+    def settle(self, command_id: str, state: str = "succeeded") -> None:
+        self.commands[command_id]["state"] = state
+
+    async def _answer(self, msg: Msg) -> None:
+        ask = msgspec.json.decode(msg.data, type=LiveWithRef)
+        live = next(
+            (
+                cid
+                for cid, c in self.commands.items()
+                if c["agent_id"] == ask.agent_id
+                and c["state"] in ("pending", "dispatched", "acked", "running")
+                and (c["key"] == ask.key_prefix or c["key"][: len(ask.key_prefix) + 1]
+                     in (ask.key_prefix + "#", ask.key_prefix + ":"))
+                and ask.ref in json.dumps(c["payload"])
+            ),
+            None,
+        )  # fmt: skip
+        await msg.respond(encode_ok(LiveWithRefReply(live=live is not None, command_id=live)))
+
+
+def bcx(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "BC_NATS_URL": settings.nats_url or "",
+        "BC_SUBJECT_ROOT": settings.subject_root,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "better_compute.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+async def new_agent(pki: PkiClient, token: str) -> AgentIdentity:
+    key = new_agent_key()
+    return AgentIdentity.from_join(await pki.join(token=token, csr=make_csr(key)), key)
+
+
+def served(found: list[dict[str, Any]], name: str) -> list[int]:
+    """Requests each instance of ``name`` answered, health checks aside."""
+    return [
+        sum(int(e.get("num_requests", 0)) for e in d.get("endpoints") or [] if e.get("name") != "health-get")
+        for d in found
+        if d.get("name") == name
+    ]
+
+
+async def test_two_instances_of_each_service_serve_at_once_over_one_ca(
+    bc_processes: ServiceProcesses,
+    bc_settings: Settings,
+    bc_api: ApiClient,
+    bc_nats: Nats,
+    bc_subjects: Subjects,
+) -> None:
+    # all four start together on an empty database: exactly one CA comes out of it
+    procs = [bc_processes.start(s) for s in ("bc-pki", "bc-pki", "bc-secrets", "bc-secrets")]
+    await bc_processes.wait_ready()
+    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    wf = new_id("wf")
+    async with FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq:
+        token = await pki.issue_join_token(
+            tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=12
+        )
+        agents = await asyncio.gather(*(new_agent(pki, token.token) for _ in range(12)))
+        values = [f"value-{i}-{new_id('sec')}".encode() for i in range(12)]
+        infos = await asyncio.gather(
+            *(secrets.put(v, tenant_id="root", workflow_id=wf, step=i) for i, v in enumerate(values))
+        )
+        for i, (agent, info) in enumerate(zip(agents, infos, strict=True)):
+            cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:{i}#1", payload={"ref": info.ref})
+        fetched = await asyncio.gather(
+            *(secrets.fetch(info.ref, identity=a) for a, info in zip(agents, infos, strict=True))
+        )
+        fingerprints = {(await pki.ca()).fingerprint_sha256 for _ in range(8)}
+        certs = await pki.list_certificates(join_token_id=token.id)
+        ca_pem = (await pki.ca()).certificate_pem
+
+    assert fetched == values
+    assert len(fingerprints) == 1
+    assert len({a.agent_id for a in agents}) == 12
+    ca = x509.load_pem_x509_certificate(ca_pem.encode())
+    for cert in certs:
+        x509.load_pem_x509_certificate(cert.certificate_pem.encode()).verify_directly_issued_by(ca)
+    # both instances of each service answered some of those requests
+    found = await discover(bc_nats, root=bc_settings.subject_root)
+    assert all(n > 0 for n in served(found, "bc-pki")), served(found, "bc-pki")
+    assert all(n > 0 for n in served(found, "bc-secrets")), served(found, "bc-secrets")
+    assert len(served(found, "bc-pki")) == len(served(found, "bc-secrets")) == 2
+    conn = await asyncpg.connect(bc_settings.database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM pki.ca") == 1
+    finally:
+        await conn.close()
+    for p in procs:
+        assert p.alive()
+
+
+async def test_a_restart_of_either_service_loses_nothing(
+    bc_processes: ServiceProcesses, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
+) -> None:
+    pki_proc, secrets_proc = bc_processes.start("bc-pki"), bc_processes.start("bc-secrets")
+    await bc_processes.wait_ready()
+    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    wf = new_id("wf")
+    value = b"survives-restarts-" + new_id("sec").encode()
+    async with FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq:
+        fingerprint = (await pki.ca()).fingerprint_sha256
+        token = await pki.issue_join_token(
+            tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
+            idempotency_key=f"wf:{wf}:0#1",
+        )  # fmt: skip
+        agent = await new_agent(pki, token.token)
+        ref = (await secrets.put(value, tenant_id="root", workflow_id=wf, step=1)).ref
+        cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:1#1:media", payload={"ref": ref})
+        assert await secrets.fetch(ref, identity=agent) == value
+
+        # SIGKILL both: nothing gets to clean up
+        for proc in (pki_proc, secrets_proc):
+            proc.kill()
+            bc_processes.procs.remove(proc)  # wait_ready would take the kill for a crash
+            proc.close()
+        bc_processes.start("bc-pki")
+        bc_processes.start("bc-secrets")
+        await bc_processes.wait_ready()
+
+        assert (await pki.ca()).fingerprint_sha256 == fingerprint
+        again = await pki.issue_join_token(
+            tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
+            idempotency_key=f"wf:{wf}:0#1",
+        )  # fmt: skip
+        assert (again.id, again.token) == (token.id, token.token)
+        second = await new_agent(pki, token.token)  # the token's second use
+        data, signature = agent.sign("agent.event", {"kind": "heartbeat"})
+        assert (await pki.verify(signer_id=agent.agent_id, data=data, signature=signature)).cert_id
+        assert await secrets.fetch(ref, identity=agent) == value
+        assert await secrets.get(ref) == value
+        tokens = await pki.list_join_tokens()
+        audit = await secrets.list_fetches(ref=ref)
+    assert [(t.join_token_id, t.uses, t.state) for t in tokens] == [(token.id, 2, "used")]
+    assert second.agent_id != agent.agent_id
+    assert [a.outcome for a in audit] == ["granted", "granted"]
+
+
+async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_asked(
+    bc_processes: ServiceProcesses, bc_settings: Settings, bc_api: ApiClient, tmp_path: Path
+) -> None:
+    procs = [bc_processes.start("bc-pki"), bc_processes.start("bc-secrets")]
+    await bc_processes.wait_ready()
+    s = bc_settings
+
+    refused = bcx(s, "tokens", "issue", "--role", "node", "--site", "site-a", "--json")
+    assert refused.returncode == 1
+    assert json.loads(refused.stdout)["error"]["code"] == "INVALID_INPUT"
+    assert "--show-token" in json.loads(refused.stdout)["error"]["message"]
+
+    out = bcx(s, "tokens", "issue", "--role", "node", "--site", "site-a", "--ttl", "10m",
+              "--expect-mac", "aa:bb:cc:dd:ee:01", "--show-token", "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    issued = json.loads(out.stdout)
+    token, token_id = issued["token"], issued["joinTokenId"]
+    assert token.startswith("bcjt_")
+
+    token_file = tmp_path / "token"
+    out = bcx(s, "tokens", "issue", "--role", "site", "--site", "site-a", "--token-file",
+              str(token_file))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    file_token = token_file.read_text().strip()
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert file_token.startswith("bcjt_")
+    assert file_token not in out.stdout
+    assert "written to" in out.stdout
+
+    listed = bcx(s, "tokens", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[0].split()[:4] == ["ID", "TENANT", "ROLE", "SITE"]
+    assert token_id in listed.stdout
+    listed_json = bcx(s, "tokens", "list", "--json")
+    assert {t["joinTokenId"] for t in json.loads(listed_json.stdout)["tokens"]} >= {token_id}
+    for output in (listed.stdout, listed_json.stdout):
+        assert token not in output
+        assert file_token not in output
+
+    pki = PkiClient(bc_api)
+    key = new_agent_key()
+    joined = await pki.join(token=token, csr=make_csr(key), claims=JoinClaims(macs=["aa:bb:cc:dd:ee:01"]))
+    certs = json.loads(bcx(s, "certs", "list", "--json").stdout)["certificates"]
+    assert [c["certId"] for c in certs] == [joined.cert_id]
+    out = bcx(s, "certs", "revoke", joined.cert_id, "--reason", "lost laptop")
+    assert out.returncode == 0, out.stderr
+    assert "revoked" in out.stdout
+    assert bcx(s, "certs", "list").stdout.strip() == "no certificates"
+    everything = bcx(s, "certs", "list", "--all")
+    assert joined.cert_id in everything.stdout
+    assert "revoked" in everything.stdout
+    out = bcx(s, "tokens", "revoke", token_id, "--json")
+    assert json.loads(out.stdout)["state"] == "revoked"
+    missing = bcx(s, "certs", "revoke", new_id("cert"), "--json")
+    assert missing.returncode == 1
+    assert json.loads(missing.stdout)["error"]["code"] == "NOT_FOUND"
+
+    value = b"bcx-must-not-print-" + new_id("sec").encode()
+    wf = new_id("wf")
+    ref = (await SecretsClient(bc_api).put(value, tenant_id="acme", workflow_id=wf, step=4)).ref
+    table = bcx(s, "secrets", "list")
+    as_json = bcx(s, "secrets", "list", "--workflow", wf, "--json")
+    shown = bcx(s, "secrets", "show", ref)
+    assert table.returncode == as_json.returncode == shown.returncode == 0
+    assert ref in table.stdout
+    assert [x["ref"] for x in json.loads(as_json.stdout)["secrets"]] == [ref]
+    assert ref in shown.stdout
+    for output in (table.stdout, as_json.stdout, shown.stdout, table.stderr):
+        assert value.decode() not in output
+        assert base64.b64encode(value).decode() not in output
+    revealed = bcx(s, "secrets", "show", ref, "--reveal")
+    assert revealed.stdout.encode() == value
+    revealed_json = json.loads(bcx(s, "secrets", "show", ref, "--reveal", "--json").stdout)
+    assert base64.b64decode(revealed_json["value"]) == value
+
+    for p in procs:
+        log = p.output()
+        assert "service_started" in log
+        for secret in (token, file_token, value.decode(), base64.b64encode(value).decode()):
+            assert secret not in log

@@ -1,0 +1,416 @@
+"""bc-pki on a real nats-server and PostgreSQL: tokens, joins, certificates, signatures, keys."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import msgspec
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bc_pki.service import PkiService
+from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id
+from better_compute.keyring import rotate_key_file
+from better_compute.pki_client import (
+    AgentIdentity,
+    IssuedJoinToken,
+    JoinClaims,
+    JoinResult,
+    PkiClient,
+    make_csr,
+    new_agent_key,
+    sign_bytes,
+    signing_payload,
+)
+from better_compute.service import ApiClient
+
+MACHINE = JoinClaims(macs=["AA-BB-CC-00-11-22", "aa:bb:cc:00:11:23"], product_uuid="P-1", serial="S1")
+OTHER_MACHINE = JoinClaims(macs=["aa:bb:cc:99:99:99"], product_uuid="p-2", serial="S2")
+
+
+async def issue(pki: PkiClient, **kw: Any) -> IssuedJoinToken:
+    args: dict[str, Any] = {
+        "tenant_id": "root",
+        "role": "node",
+        "site_id": "site-a",
+        "ttl_seconds": 600,
+    }
+    args.update(kw)
+    return await pki.issue_join_token(**args)
+
+
+async def join(
+    pki: PkiClient, token: str, claims: JoinClaims = MACHINE, kind: Any = "ed25519"
+) -> tuple[JoinResult, AgentIdentity]:
+    key = new_agent_key(kind)
+    result = await pki.join(token=token, csr=make_csr(key), claims=claims)
+    return result, AgentIdentity.from_join(result, key)
+
+
+async def refused(coro: Any) -> BcError:
+    with pytest.raises(BcError) as info:
+        await coro
+    return info.value
+
+
+@pytest.fixture
+def pki(bc_api: ApiClient) -> PkiClient:
+    return PkiClient(bc_api)
+
+
+async def test_a_token_is_shown_once_and_only_its_hash_is_stored(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    async with PkiService(bc_settings):
+        issued = await issue(pki, max_uses=2, expect={"mac": "AA:BB:CC:00:11:22"})
+        assert issued.token.startswith("bcjt_")
+        assert issued.id == issued.join_token_id
+        assert issued.id.startswith("tok_")
+        assert issued.token not in repr(issued)
+        listed = await pki.list_join_tokens(tenant_id="root")
+        assert [t.join_token_id for t in listed] == [issued.id]
+        assert issued.token not in msgspec.json.encode(listed).decode()
+        info = await pki.get_join_token(issued.id)
+        assert (info.state, info.uses, info.max_uses) == ("active", 0, 2)
+        assert info.expect.mac == "aa:bb:cc:00:11:22"
+
+    conn = await asyncpg.connect(bc_settings.database_url)
+    try:
+        row = await conn.fetchrow("SELECT * FROM pki.join_tokens")
+    finally:
+        await conn.close()
+    assert row["token_hash"] == hashlib.sha256(issued.token.encode()).digest()
+    assert all(issued.token not in str(value) for value in dict(row).values())
+
+
+async def test_issue_under_an_idempotency_key_gives_the_same_token_even_after_a_restart(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    async with PkiService(bc_settings):
+        first = await issue(pki, idempotency_key="wf:wf_1:0#1")
+        again = await issue(pki, idempotency_key="wf:wf_1:0#1")
+        other = await issue(pki, idempotency_key="wf:wf_1:0#2")
+        plain = [await issue(pki), await issue(pki)]
+        err = await refused(issue(pki, idempotency_key="wf:wf_1:0#1", role="site"))
+    assert (again.id, again.token) == (first.id, first.token)
+    assert other.token != first.token
+    assert plain[0].token != plain[1].token
+    assert (err.code, err.path) == (ErrorCode.CONFLICT, "idempotencyKey")
+
+    async with PkiService(bc_settings):
+        after_restart = await issue(pki, idempotency_key="wf:wf_1:0#1")
+        assert (after_restart.id, after_restart.token) == (first.id, first.token)
+        assert len(await pki.list_join_tokens()) == 4
+
+
+async def test_a_join_earns_a_certificate_signed_by_the_ca_and_is_audited(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    async with PkiService(bc_settings):
+        ca = await pki.ca()
+        issued = await issue(pki, max_uses=2, expect={"mac": "aa:bb:cc:00:11:22", "serial": "S1"})
+        first, _ = await join(pki, issued.token)
+        second, _ = await join(pki, issued.token, kind="p256")
+        info = await pki.get_join_token(issued.id)
+        certs = await pki.list_certificates(join_token_id=issued.id)
+        audit = await pki.list_joins(join_token_id=issued.id)
+
+    assert (info.uses, info.state) == (2, "used")
+    assert {c.cert_id for c in certs} == {first.cert_id, second.cert_id}
+    assert [a.outcome for a in audit] == ["joined", "joined"]
+    assert audit[0].claims is not None
+    assert "aa:bb:cc:00:11:22" in audit[0].claims.macs
+    ca_cert = x509.load_pem_x509_certificate(ca.certificate_pem.encode())
+    assert first.ca_pem == ca.certificate_pem
+    for result in (first, second):
+        cert = x509.load_pem_x509_certificate(result.certificate_pem.encode())
+        cert.verify_directly_issued_by(ca_cert)
+        assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == (result.agent_id)
+        assert result.agent_id.startswith("agent_")
+        assert (result.role, result.site_id, result.tenant_id) == ("node", "site-a", "root")
+    assert first.agent_id != second.agent_id
+    ca_key = ca_cert.public_key()
+    assert isinstance(ca_key, ec.EllipticCurvePublicKey)
+    assert ca.fingerprint_sha256 == ca_cert.fingerprint(hashes.SHA256()).hex()
+
+
+async def test_refused_joins_say_why_spend_nothing_and_are_audited(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    async with PkiService(bc_settings):
+        issued = await issue(pki, expect={"mac": "aa:bb:cc:00:11:22", "productUuid": "p-1"})
+        # another machine's claims: refused, and the token is not spent
+        err = await refused(join(pki, issued.token, claims=OTHER_MACHINE))
+        assert err.code is ErrorCode.PERMISSION_DENIED
+        assert err.details == {"reason": "claims-mismatch", "claims": ["mac", "productUuid"]}
+        assert (await pki.get_join_token(issued.id)).uses == 0
+        # the right machine still joins, once
+        await join(pki, issued.token)
+        err = await refused(join(pki, issued.token))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-used-up")
+
+        unknown = "bcjt_" + "A" * 43
+        err = await refused(join(pki, unknown))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-unknown")
+
+        revoked = await issue(pki)
+        assert (await pki.revoke_join_token(revoked.id, reason="lost")).state == "revoked"
+        err = await refused(join(pki, revoked.token))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-revoked")
+
+        short = await issue(pki, ttl_seconds=1)
+        await asyncio.sleep(1.5)
+        err = await refused(join(pki, short.token))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-expired")
+        assert (await pki.get_join_token(short.id)).state == "expired"
+
+        fresh = await issue(pki)
+        err = await refused(pki.join(token=fresh.token, csr="not a csr"))
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "csr")
+        rsa_like = make_csr(ec.generate_private_key(ec.SECP384R1()))
+        err = await refused(pki.join(token=fresh.token, csr=rsa_like))
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "csr")
+        err = await refused(pki.join(token="guess", csr=make_csr(new_agent_key())))
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "token")
+        assert (await pki.get_join_token(fresh.id)).uses == 0
+
+        outcomes = [a.outcome for a in await pki.list_joins(limit=20)]
+    assert sorted(outcomes) == sorted(
+        [
+            "claims-mismatch", "joined", "token-used-up", "token-unknown", "token-revoked",
+            "token-expired", "malformed", "malformed", "malformed",
+        ]
+    )  # fmt: skip
+
+
+async def test_malformed_requests_are_invalid_input_with_a_path(
+    bc_settings: Settings, bc_api: ApiClient
+) -> None:
+    cases = [
+        ("tokens.issue", {"tenantId": "root", "role": "admin", "siteId": "a", "ttlSeconds": 5},
+         "role"),
+        ("tokens.issue", {"tenantId": "root", "role": "node", "siteId": "a", "ttlSeconds": 0},
+         "ttlSeconds"),
+        ("tokens.issue", {"tenantId": "root", "role": "node", "siteId": "a.b", "ttlSeconds": 5},
+         "siteId"),
+        ("tokens.issue", {"tenantId": "root", "role": "node", "siteId": "a", "ttlSeconds": 5,
+                          "expect": {"mac": "zz"}}, "expect.mac"),
+        ("tokens.issue", {"tenantId": "root", "role": "site", "siteId": "a", "ttlSeconds": 5,
+                          "nodeId": "node_01JAAAAAAAAAAAAAAAAAAAAAAA"}, "nodeId"),
+        ("tokens.issue", {"tenantId": "root", "role": "node", "siteId": "a", "ttlSeconds": 5,
+                          "nodeId": "bogus"}, "nodeId"),
+        ("tokens.revoke", {"joinTokenId": "cert_01JAAAAAAAAAAAAAAAAAAAAAAA"}, "joinTokenId"),
+        ("agents.join", {"token": 7, "csr": "x"}, "token"),
+        ("agents.join", {"token": "t", "csr": "x", "claims": {"macs": ["nope"]}},
+         "claims.macs[0]"),
+        ("signatures.verify", {"signerId": "x", "data": "AA==", "signature": "AA=="},
+         "signerId"),
+        ("signatures.verify", {"signerId": "cert_01JAAAAAAAAAAAAAAAAAAAAAAA", "data": "@@"},
+         "data"),
+        ("certs.get", {"certId": "tok_01JAAAAAAAAAAAAAAAAAAAAAAA"}, "certId"),
+        ("certs.list", {"limit": 0}, "limit"),
+    ]  # fmt: skip
+    async with PkiService(bc_settings):
+        for route, payload, path in cases:
+            with pytest.raises(BcError) as info:
+                await bc_api.call("pki", route, payload)
+            assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, path), route
+        with pytest.raises(BcError) as info:
+            await bc_api.call("pki", "tokens.issue", b"{oops")
+        assert info.value.code is ErrorCode.INVALID_INPUT
+        for route, payload in [
+            ("tokens.get", {"joinTokenId": new_id("tok")}),
+            ("certs.get", {"certId": new_id("cert")}),
+            ("certs.revoke", {"certId": new_id("cert")}),
+        ]:
+            with pytest.raises(BcError) as info:
+                await bc_api.call("pki", route, payload)
+            assert info.value.code is ErrorCode.NOT_FOUND
+
+
+async def test_a_node_bound_token_makes_the_node_id_the_agent_id(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    node_id = new_id("node")
+    async with PkiService(bc_settings):
+        step = pki.for_step("wf:wf_1:0#1", node_id=node_id)
+        token = await step.issue_join_token(
+            tenant_id="root", role="provisioned", site_id="site-a", ttl_seconds=60
+        )
+        site_token = await step.issue_join_token(
+            tenant_id="root", role="site", site_id="site-a", ttl_seconds=60, key="site"
+        )
+        err = await refused(
+            step.issue_join_token(tenant_id="root", role="provisioned", site_id="a", ttl_seconds=60)
+        )
+        assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "idempotency-key-reused")
+        # a re-run of the step: a new StepPki under the same key finds the same token
+        rerun = await pki.for_step("wf:wf_1:0#1", node_id=node_id).issue_join_token(
+            tenant_id="root", role="provisioned", site_id="site-a", ttl_seconds=60
+        )
+        assert (rerun.id, rerun.token) == (token.id, token.token)
+        joined, identity = await join(pki, token.token)
+        site_agent, _ = await join(pki, site_token.token)
+        data, signature = identity.sign("agent.event", {"kind": "hello"})
+        verified = await pki.verify(signer_id=node_id, data=data, signature=signature)
+    assert joined.agent_id == node_id
+    assert site_agent.agent_id.startswith("agent_")
+    assert (verified.cert_id, verified.role) == (joined.cert_id, "provisioned")
+
+
+async def test_verify_checks_the_signer_certificate_and_freshness(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    async with PkiService(bc_settings):
+        token = await issue(pki, max_uses=3)
+        ed, ed_id = await join(pki, token.token)
+        p256, p256_id = await join(pki, token.token, kind="p256")
+
+        for result, ident in ((ed, ed_id), (p256, p256_id)):
+            data, sig = ident.sign("agent.event", {"kind": "result", "commandId": "cmd_1"})
+            by_cert = await pki.verify(signer_id=result.cert_id, data=data, signature=sig)
+            by_agent = await pki.verify(signer_id=result.agent_id, data=data, signature=sig)
+            assert by_cert == by_agent
+            assert (by_cert.agent_id, by_cert.site_id) == (result.agent_id, "site-a")
+            # the same bytes with one changed, or another signer's key: forged
+            err = await refused(pki.verify(signer_id=result.cert_id, data=data + b" ", signature=sig))
+            assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
+        forged = sign_bytes(new_agent_key(), b"hello")
+        err = await refused(pki.verify(signer_id=ed.cert_id, data=b"hello", signature=forged))
+        assert err.reason == "bad-signature"
+
+        # once: the second verification of the same signed data is a replay
+        now = time.time_ns() // 1_000_000
+        data, sig = ed_id.sign("secrets.fetch", {"ref": "sec_x", "signedAtMs": now})
+        await pki.verify(signer_id=ed.cert_id, data=data, signature=sig, once=True, signed_at_ms=now)
+        err = await refused(
+            pki.verify(signer_id=ed.cert_id, data=data, signature=sig, once=True, signed_at_ms=now)
+        )
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "signature-replayed")
+        # ECDSA signatures are malleable: a replay with (r, n - s) is still the same data
+        pdata, psig = p256_id.sign("secrets.fetch", {"ref": "sec_y", "signedAtMs": now})
+        await pki.verify(signer_id=p256.agent_id, data=pdata, signature=psig, once=True,
+                         signed_at_ms=now)  # fmt: skip
+        err = await refused(
+            pki.verify(signer_id=p256.cert_id, data=pdata, signature=_malleate(psig), once=True,
+                       signed_at_ms=now)
+        )  # fmt: skip
+        assert err.reason == "signature-replayed"
+        old = now - 10 * 60 * 1000
+        data, sig = ed_id.sign("secrets.fetch", {"ref": "sec_z", "signedAtMs": old})
+        err = await refused(
+            pki.verify(signer_id=ed.cert_id, data=data, signature=sig, once=True, signed_at_ms=old)
+        )
+        assert err.reason == "stale-signature"
+        err = await refused(pki.verify(signer_id=ed.cert_id, data=data, signature=sig, once=True))
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "signedAtMs")
+
+        revoked = await pki.revoke_certificate(ed.cert_id, reason="stolen")
+        assert revoked.state == "revoked"
+        assert (await pki.revoke_certificate(ed.cert_id)).revoke_reason == "stolen"
+        data, sig = ed_id.sign("agent.event", {"kind": "heartbeat"})
+        err = await refused(pki.verify(signer_id=ed.cert_id, data=data, signature=sig))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "cert-revoked")
+        # by agent id, the revoked certificate is simply not among the usable ones
+        err = await refused(pki.verify(signer_id=ed.agent_id, data=data, signature=sig))
+        assert err.reason == "cert-revoked"
+        err = await refused(pki.verify(signer_id=new_id("cert"), data=data, signature=sig))
+        assert err.reason == "unknown-signer"
+
+        assert [c.cert_id for c in await pki.list_certificates()] == [p256.cert_id]
+        everything = await pki.list_certificates(include_revoked=True)
+        assert {c.cert_id for c in everything} == {ed.cert_id, p256.cert_id}
+
+
+def _malleate(der_signature: bytes) -> bytes:
+    from cryptography.hazmat.primitives.asymmetric.utils import (
+        decode_dss_signature,
+        encode_dss_signature,
+    )
+
+    n = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551  # P-256 order
+    r, s = decode_dss_signature(der_signature)
+    return encode_dss_signature(r, n - s)
+
+
+async def test_signatures_for_one_purpose_do_not_verify_for_another(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    async with PkiService(bc_settings):
+        result, ident = await join(pki, (await issue(pki)).token)
+        doc = {"ref": "sec_1"}
+        _data, sig = ident.sign("agent.event", doc)
+        err = await refused(
+            pki.verify(signer_id=result.cert_id, data=signing_payload("secrets.fetch", doc), signature=sig)
+        )
+    assert err.reason == "bad-signature"
+
+
+async def test_two_instances_starting_together_share_one_ca_sealed_at_rest(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    first, second = PkiService(bc_settings), PkiService(bc_settings)
+    try:
+        await asyncio.gather(first.start(), second.start())
+        assert first.ca is not None
+        assert second.ca is not None
+        assert first.ca.fingerprint == second.ca.fingerprint
+        token = await issue(pki, max_uses=10, idempotency_key="k1")
+        results = await asyncio.gather(*(join(pki, token.token) for _ in range(6)))
+        assert len({r.cert_id for r, _ in results}) == 6
+        again = await asyncio.gather(*(issue(pki, max_uses=10, idempotency_key="k1") for _ in range(4)))
+        assert {t.token for t in again} == {token.token}
+    finally:
+        await asyncio.gather(first.stop(), second.stop())
+
+    key_file = Path(bc_settings.state_dir) / "keys" / "pki.key"
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    conn = await asyncpg.connect(bc_settings.database_url)
+    try:
+        rows = await conn.fetch("SELECT key_sealed, token_key_sealed FROM pki.ca")
+    finally:
+        await conn.close()
+    assert len(rows) == 1
+    assert b"PRIVATE KEY" not in rows[0]["key_sealed"]
+    assert first.ca.key_pem() not in rows[0]["key_sealed"]
+
+
+async def test_the_ca_survives_key_rotation_and_refuses_a_foreign_key_file(
+    bc_settings: Settings, pki: PkiClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with PkiService(bc_settings):
+        fingerprint = (await pki.ca()).fingerprint_sha256
+        token = await issue(pki, idempotency_key="rotating")
+
+    key_file = Path(bc_settings.state_dir) / "keys" / "pki.key"
+    old_line = next(ln for ln in key_file.read_text().splitlines() if ln.startswith("bck1:"))
+    new_kid = rotate_key_file(key_file)
+    async with PkiService(bc_settings) as svc:
+        assert svc.keyring is not None
+        assert svc.keyring.current_key_id == new_kid
+        assert (await pki.ca()).fingerprint_sha256 == fingerprint
+        rewrapped = await pki.rewrap_keys()
+        assert (rewrapped.key_id, rewrapped.rewrapped) == (new_kid, 2)
+        assert (await pki.rewrap_keys()).rewrapped == 0
+
+    # the old key can go now; tokens derived before rotation are still the same
+    key_file.write_text("\n".join(ln for ln in key_file.read_text().splitlines() if ln != old_line))
+    async with PkiService(bc_settings):
+        assert (await issue(pki, idempotency_key="rotating")).token == token.token
+
+    monkeypatch.setenv("BC_PKI_KEY_FILE", str(tmp_path / "foreign.key"))
+    with pytest.raises(BcError) as info:
+        async with PkiService(bc_settings):
+            pass
+    assert info.value.code is ErrorCode.INVALID_CONFIG

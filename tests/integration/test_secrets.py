@@ -1,0 +1,317 @@
+"""bc-secrets on a real nats-server and PostgreSQL: sealed values and the agent fetch gate."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import msgspec
+import pytest
+from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from bc_pki.service import PkiService
+from bc_secrets.service import SecretsService
+from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id
+from better_compute.keyring import rotate_key_file
+from better_compute.pki_client import AgentIdentity, PkiClient, make_csr, new_agent_key
+from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
+from better_compute.service import ApiClient
+from better_compute.wire import Subjects, encode_ok
+from better_compute.wire.cmdq import LiveWithRef, LiveWithRefReply
+
+VALUE = b"#cloud-config\npassword: hunter2-the-real-one\n"
+
+
+class FakeCommandQueueResponder:
+    """Plays bc-command-queue's ``commands.live_with_ref`` on the real bus.
+
+    It stands in for issue 4 (the command-queue service) until that lands; then these tests
+    enqueue real commands instead. It answers exactly as ``wire.cmdq.LiveWithRef`` says: a
+    live command for the agent, whose key is the prefix or continues it with ``#``/``:``,
+    and whose payload holds the ref as a string value.
+    """
+
+    def __init__(self, nc: Nats, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subject = subjects.api("command-queue", "commands", "live_with_ref")
+        self.commands: dict[str, dict[str, Any]] = {}
+        self.asked: list[LiveWithRef] = []
+        self._sub: Subscription | None = None
+        self._ids = itertools.count(1)
+
+    async def __aenter__(self) -> FakeCommandQueueResponder:
+        self._sub = await self.nc.subscribe(self.subject, cb=self._answer)
+        await self.nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    def add(self, *, agent_id: str, key: str, payload: Any, state: str = "running") -> str:
+        command_id = f"cmd_fake{next(self._ids)}"
+        self.commands[command_id] = {
+            "agent_id": agent_id, "key": key, "payload": payload, "state": state,
+        }  # fmt: skip
+        return command_id
+
+    def settle(self, command_id: str, state: str = "succeeded") -> None:
+        self.commands[command_id]["state"] = state
+
+    async def _answer(self, msg: Msg) -> None:
+        ask = msgspec.json.decode(msg.data, type=LiveWithRef)
+        self.asked.append(ask)
+        live = next(
+            (
+                cid
+                for cid, c in self.commands.items()
+                if c["agent_id"] == ask.agent_id
+                and c["state"] in ("pending", "dispatched", "acked", "running")
+                and (c["key"] == ask.key_prefix or c["key"][: len(ask.key_prefix) + 1]
+                     in (ask.key_prefix + "#", ask.key_prefix + ":"))
+                and _carries(c["payload"], ask.ref)
+            ),
+            None,
+        )  # fmt: skip
+        await msg.respond(encode_ok(LiveWithRefReply(live=live is not None, command_id=live)))
+
+
+def _carries(payload: Any, ref: str) -> bool:
+    if isinstance(payload, str):
+        return payload == ref
+    if isinstance(payload, dict):
+        return any(_carries(v, ref) for v in payload.values())
+    if isinstance(payload, list):
+        return any(_carries(v, ref) for v in payload)
+    return False
+
+
+async def refused(coro: Any) -> BcError:
+    with pytest.raises(BcError) as info:
+        await coro
+    return info.value
+
+
+async def new_agent(pki: PkiClient, *, site: str = "site-a") -> AgentIdentity:
+    token = await pki.issue_join_token(tenant_id="root", role="node", site_id=site, ttl_seconds=60)
+    key = new_agent_key()
+    return AgentIdentity.from_join(await pki.join(token=token.token, csr=make_csr(key)), key)
+
+
+@pytest.fixture
+def secrets(bc_api: ApiClient) -> SecretsClient:
+    return SecretsClient(bc_api)
+
+
+async def test_values_are_sealed_at_rest_and_listed_without_them(
+    bc_settings: Settings, secrets: SecretsClient
+) -> None:
+    wf = new_id("wf")
+    async with SecretsService(bc_settings):
+        info = await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=3, label="userdata")
+        assert info.ref.startswith("sec_")
+        assert (info.size, info.step, info.label) == (len(VALUE), 3, "userdata")
+        assert await secrets.get(info.ref) == VALUE
+        listed = await secrets.list_secrets(workflow_id=wf)
+        assert [s.ref for s in listed] == [info.ref]
+        assert await secrets.describe(info.ref) == info
+        encoded = msgspec.json.encode(listed)
+        assert b"hunter2" not in encoded
+        assert base64.b64encode(VALUE) not in encoded
+
+    conn = await asyncpg.connect(bc_settings.database_url)
+    try:
+        row = await conn.fetchrow("SELECT * FROM secrets.secrets")
+    finally:
+        await conn.close()
+    assert b"hunter2" not in row["sealed"]
+    assert all(b"hunter2" not in str(v).encode() for v in dict(row).values())
+
+
+async def test_put_under_an_idempotency_key_keeps_the_first_ref(
+    bc_settings: Settings, secrets: SecretsClient
+) -> None:
+    wf = new_id("wf")
+    async with SecretsService(bc_settings):
+        step = secrets.for_step(tenant_id="acme", workflow_id=wf, step=1)
+        first = await step.put(VALUE, idempotency_key="wf:k#1")
+        again = await step.put(b"re-rendered", idempotency_key="wf:k#1")
+        other = await step.put(VALUE)
+        err = await refused(
+            secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=2, idempotency_key="wf:k#1")
+        )
+        assert await secrets.get(again) == VALUE
+    assert again == first
+    assert other != first
+    assert (err.code, err.path) == (ErrorCode.CONFLICT, "idempotencyKey")
+
+
+async def test_malformed_requests_are_invalid_input_with_a_path(
+    bc_settings: Settings, bc_api: ApiClient
+) -> None:
+    wf = new_id("wf")
+    put = {"tenantId": "acme", "workflowId": wf, "step": 0, "value": "aGk="}
+    cases = [
+        ("secrets.put", {**put, "step": -1}, "step"),
+        ("secrets.put", {**put, "workflowId": "nope"}, "workflowId"),
+        ("secrets.put", {**put, "value": "***"}, "value"),
+        ("secrets.put", {**put, "tenantId": "a b"}, "tenantId"),
+        ("secrets.put", {**put, "value": base64.b64encode(b"x" * (512 * 1024 + 1)).decode()},
+         "value"),
+        ("secrets.get", {"ref": "tok_01JAAAAAAAAAAAAAAAAAAAAAAA"}, "ref"),
+        ("secrets.get", {}, ""),
+        ("secrets.fetch", {"ref": "sec_x"}, ""),
+        ("secrets.list", {"limit": 5000}, "limit"),
+    ]  # fmt: skip
+    async with SecretsService(bc_settings):
+        for route, payload, path in cases:
+            with pytest.raises(BcError) as info:
+                await bc_api.call("secrets", route, payload)
+            assert info.value.code is ErrorCode.INVALID_INPUT, route
+            assert info.value.path == path or (path == "" and info.value.path is not None), route
+        with pytest.raises(BcError) as info:
+            await bc_api.call("secrets", "secrets.get", {"ref": new_id("sec")})
+        assert info.value.code is ErrorCode.NOT_FOUND
+
+
+async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step(
+    bc_settings: Settings, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
+) -> None:
+    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    wf = new_id("wf")
+    async with (
+        PkiService(bc_settings),
+        SecretsService(bc_settings),
+        FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq,
+    ):
+        agent, stranger = await new_agent(pki), await new_agent(pki)
+        ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=2)).ref
+        other_ref = (await secrets.put(b"other-value", tenant_id="acme", workflow_id=wf, step=2)).ref
+
+        # no command at all
+        err = await refused(secrets.fetch(ref, identity=agent))
+        assert (err.code, err.reason) == (ErrorCode.PERMISSION_DENIED, "no-live-command")
+
+        # a live command of step 2, for this agent, carrying the ref
+        cmd = cmdq.add(
+            agent_id=agent.agent_id,
+            key=f"wf:{wf}:2#1:media",
+            payload={"url": "x", "userData": {"secretRef": ref}},
+        )
+        assert await secrets.fetch(ref, identity=agent) == VALUE
+        assert cmdq.asked[-1] == LiveWithRef(agent_id=agent.agent_id, ref=ref, key_prefix=f"wf:{wf}:2")
+        # ... which opens only the ref it carries, and only for its own agent
+        err = await refused(secrets.fetch(other_ref, identity=agent))
+        assert err.code is ErrorCode.PERMISSION_DENIED
+        err = await refused(secrets.fetch(ref, identity=stranger))
+        assert err.code is ErrorCode.PERMISSION_DENIED
+        # a command of step 20 (same digits first) or of another workflow opens nothing
+        cmdq.settle(cmd)
+        cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:20#1", payload={"ref": ref})
+        cmdq.add(agent_id=agent.agent_id, key=f"wf:{new_id('wf')}:2#1", payload={"ref": ref})
+        err = await refused(secrets.fetch(ref, identity=agent))
+        assert err.code is ErrorCode.PERMISSION_DENIED
+        # a bare step key (no #attempt) is the step too
+        bare = cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:2", payload=[ref])
+        assert await secrets.fetch(ref, identity=agent) == VALUE
+        cmdq.settle(bare, "cancelled")
+        err = await refused(secrets.fetch(ref, identity=agent))
+        assert err.code is ErrorCode.PERMISSION_DENIED
+        # an unknown ref looks exactly like one the agent may not read
+        unknown = await refused(secrets.fetch(new_id("sec"), identity=agent))
+        assert (unknown.code, unknown.message, unknown.details) == (
+            err.code, err.message, err.details,
+        )  # fmt: skip
+
+        audit = await secrets.list_fetches(limit=50)
+    granted = [a for a in audit if a.outcome == "granted"]
+    assert [(a.ref, a.agent_id) for a in granted] == [(ref, agent.agent_id)] * 2
+    assert granted[-1].command_id == cmd
+    denied = [a.reason for a in audit if a.outcome == "denied"]
+    assert sorted(denied) == sorted(["no-live-command"] * 5 + ["unknown-ref"])
+    assert all(a.code == "PERMISSION_DENIED" for a in audit if a.outcome == "denied")
+
+
+async def test_fetches_are_refused_without_a_valid_fresh_signature(
+    bc_settings: Settings, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
+) -> None:
+    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    wf = new_id("wf")
+    async with (
+        PkiService(bc_settings),
+        SecretsService(bc_settings),
+        FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq,
+    ):
+        agent = await new_agent(pki)
+        ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
+        cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:0#1", payload={"ref": ref})
+
+        signed = agent.signed_request(FETCH_PURPOSE, ref=ref)
+        got = await bc_api.call("secrets", "secrets.fetch", signed)
+        assert base64.b64decode(got["value"]) == VALUE
+        err = await refused(bc_api.call("secrets", "secrets.fetch", signed))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "signature-replayed")
+
+        # signed by a key that is not the certificate's
+        impostor = AgentIdentity(cert_id=agent.cert_id, agent_id=agent.agent_id, private_key=new_agent_key())
+        err = await refused(secrets.fetch(ref, identity=impostor))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
+        # a signed request for another ref, with the ref swapped
+        swapped = {**agent.signed_request(FETCH_PURPOSE, ref=new_id("sec")), "ref": ref}
+        err = await refused(bc_api.call("secrets", "secrets.fetch", swapped))
+        assert err.reason == "bad-signature"
+
+        await pki.revoke_certificate(agent.cert_id)
+        err = await refused(secrets.fetch(ref, identity=agent))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "cert-revoked")
+
+        audit = await secrets.list_fetches(outcome="denied")
+    assert sorted(a.reason or "" for a in audit) == [
+        "bad-signature", "bad-signature", "cert-revoked", "signature-replayed",
+    ]  # fmt: skip
+
+
+async def test_fetch_fails_closed_when_pki_or_the_command_queue_is_away(
+    bc_settings: Settings, bc_api: ApiClient
+) -> None:
+    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    wf = new_id("wf")
+    async with SecretsService(bc_settings):
+        async with PkiService(bc_settings):
+            agent = await new_agent(pki)
+            ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
+            # pki answers, no command queue does
+            err = await refused(secrets.fetch(ref, identity=agent))
+            assert err.code is ErrorCode.UNAVAILABLE
+        err = await refused(secrets.fetch(ref, identity=agent))
+        assert err.code is ErrorCode.UNAVAILABLE
+        reasons = [a.reason for a in await secrets.list_fetches(ref=ref)]
+    assert reasons == ["pki-unavailable", "command-queue-unavailable"]
+
+
+async def test_values_survive_key_rotation_and_rewrap(bc_settings: Settings, secrets: SecretsClient) -> None:
+    wf = new_id("wf")
+    async with SecretsService(bc_settings):
+        old = await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)
+    key_file = Path(bc_settings.state_dir) / "keys" / "secrets.key"
+    old_line = next(ln for ln in key_file.read_text().splitlines() if ln.startswith("bck1:"))
+    new_kid = rotate_key_file(key_file)
+
+    async with SecretsService(bc_settings):
+        assert await secrets.get(old.ref) == VALUE
+        new = await secrets.put(b"second-value", tenant_id="acme", workflow_id=wf, step=0)
+        assert (new.key_id, (await secrets.describe(old.ref)).key_id) == (new_kid, old.key_id)
+        assert (await secrets.rewrap_keys()).rewrapped == 1
+        assert (await secrets.describe(old.ref)).key_id == new_kid
+
+    key_file.write_text("\n".join(ln for ln in key_file.read_text().splitlines() if ln != old_line))
+    async with SecretsService(bc_settings):
+        assert await secrets.get(old.ref) == VALUE
+        assert await secrets.get(new.ref) == b"second-value"
