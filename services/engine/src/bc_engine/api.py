@@ -18,6 +18,30 @@ from .resolve import Resolution, resolve_profile
 
 __all__ = ["EngineApi"]
 
+# A workflow, its steps and its work-queue entry in one statement.
+START_WORKFLOW = """
+WITH wf AS (
+    INSERT INTO workflows (id, tenant_id, node_id, rkey, profile_tenant, profile_id, profile_version,
+                           state, owner, command_kinds)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, 'running', $8, $9)
+    RETURNING *
+), steps AS (
+    INSERT INTO workflow_steps (workflow_id, idx, action, runs_on, mode, command, input, timeout_ms,
+                                state, sends)
+    SELECT $1, s.idx, s.action, s.runs_on, s.mode, s.command, s.input, s.timeout_ms, 'pending',
+           ARRAY(SELECT jsonb_array_elements_text(s.sends))
+    FROM unnest($10::int[], $11::text[], $12::text[], $13::text[], $14::text[], $15::jsonb[],
+                $16::bigint[], $17::jsonb[])
+         AS s(idx, action, runs_on, mode, command, input, timeout_ms, sends)
+    RETURNING 1
+), queued AS (
+    INSERT INTO work_queue (rkey, shard, not_before) VALUES ($4, $18, now())
+    ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')
+    RETURNING 1
+)
+SELECT wf.*, (SELECT count(*) FROM steps) AS step_count FROM wf
+"""
+
 
 def _iso(value: Any) -> str | None:
     return value.isoformat() if value is not None else None
@@ -252,7 +276,8 @@ class EngineApi:
                 owner=body.owner,
             )
         await self.wake(wf["rkey"])
-        return await self._get(wf["id"])
+        doc: dict[str, Any] = wf["doc"]
+        return doc
 
     async def start_in(
         self,
@@ -266,8 +291,9 @@ class EngineApi:
     ) -> dict[str, Any]:
         """Start a workflow inside the caller's transaction (steps start children this way)."""
         found = await self.profiles.find(
-            conn, tenant_id=tenant_id, profile_id=profile_id, version=profile_version, lock=True
+            conn, tenant_id=tenant_id, profile_id=profile_id, version=profile_version
         )
+        found = await self.profiles.pin(conn, found)
         if node_id is not None:
             node = await conn.fetchrow("SELECT id FROM nodes WHERE id = $1 FOR UPDATE", node_id)
             if node is None:
@@ -286,25 +312,23 @@ class EngineApi:
             raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
         wf_id = new_id("wf")
         rkey = node_id or wf_id
-        await conn.execute(
-            "INSERT INTO workflows (id, tenant_id, node_id, rkey, profile_tenant, profile_id,"
-            " profile_version, state, owner, command_kinds)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, 'running', $8, $9)",
-            wf_id, tenant_id, node_id, rkey, found.tenant_id, found.profile.id,
-            found.profile.version, owner, res.command_kinds,
+        steps = [
+            {"workflow_id": wf_id, "idx": s.idx, "action": s.action, "runs_on": s.runs_on, "mode": s.mode,
+             "command": s.command, "input": s.input, "timeout_ms": s.timeout_ms, "state": "pending",
+             "attempt": 0, "started_at": None, "deadline": None, "finished_at": None, "result": None,
+             "error": None, "command_id": None, "sends": list(s.sends)}
+            for s in res.steps
+        ]  # fmt: skip
+        row = await conn.fetchrow(
+            START_WORKFLOW,
+            wf_id, tenant_id, node_id, rkey, found.tenant_id, found.profile.id, found.profile.version,
+            owner, res.command_kinds,
+            [st["idx"] for st in steps], [st["action"] for st in steps], [st["runs_on"] for st in steps],
+            [st["mode"] for st in steps], [st["command"] for st in steps],
+            [json.dumps(st["input"]) for st in steps], [st["timeout_ms"] for st in steps],
+            [json.dumps(st["sends"]) for st in steps], queue.shard_of(rkey),
         )  # fmt: skip
-        await conn.executemany(
-            "INSERT INTO workflow_steps (workflow_id, idx, action, runs_on, mode, command, input,"
-            " timeout_ms, state, sends) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9)",
-            [
-                (wf_id, s.idx, s.action, s.runs_on, s.mode, s.command, json.dumps(s.input),
-                 s.timeout_ms, list(s.sends))
-                for s in res.steps
-            ],
-        )  # fmt: skip
-        await self.profiles.mark_used(conn, found)
-        await queue.queue_now(conn, rkey)
-        return {"id": wf_id, "rkey": rkey}
+        return {"id": wf_id, "rkey": rkey, "doc": workflow_doc(row, steps)}
 
     async def _get(self, workflow_id: str) -> dict[str, Any]:
         row = await self.db.fetchrow("SELECT * FROM workflows WHERE id = $1", workflow_id)

@@ -43,6 +43,71 @@ FENCE = (
 
 OwnerReconciler = Callable[[Any, str], Awaitable[None]]
 
+_RUNNING_SET = (
+    "state = 'running', attempt = attempt + 1, started_at = clock_timestamp(),"
+    " deadline = clock_timestamp() + make_interval(secs => timeout_ms / 1000.0),"
+    " finished_at = NULL, sent_commands = false, result = NULL, error = NULL, command_id = NULL"
+)
+MARK_RUNNING = (
+    f"UPDATE workflow_steps SET {_RUNNING_SET}"
+    " WHERE workflow_id = $1 AND idx = $2 AND state = 'pending' AND attempt = $3"
+    " AND {fence} RETURNING *"
+)
+SETTLE = (
+    "UPDATE workflow_steps SET state = $4, result = $5, error = $6, finished_at = clock_timestamp()"
+    " WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3"
+    " AND {fence} RETURNING true"
+)
+# The next step starts in the settle's transaction, unless an earlier attempt of it sent
+# commands that must be cancelled first (the pass does that outside any transaction).
+START_NEXT = (
+    f"UPDATE workflow_steps SET {_RUNNING_SET}"
+    " WHERE workflow_id = $1 AND state = 'pending' AND NOT (sent_commands AND attempt > 0)"
+    " AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1 AND idx > $2"
+    "   AND state <> 'succeeded')"
+    " RETURNING *"
+)
+# Settle a success, start the next step, or finish the workflow (and queue its owner): one
+# statement, so one round trip and one commit per step. $1 workflow, $2 idx, $3 attempt,
+# $4 result, $5-$7 fence, $8 owner's work-queue key (or NULL), $9 its shard.
+SETTLE_OK = f"""
+WITH settled AS (
+    UPDATE workflow_steps SET state = 'succeeded', result = $4, finished_at = clock_timestamp()
+    WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3
+      AND {FENCE.format(s="$5", o="$6", e="$7")}
+    RETURNING idx
+), following AS (
+    SELECT min(idx) AS idx FROM workflow_steps WHERE workflow_id = $1 AND idx > $2 AND state <> 'succeeded'
+), started AS (
+    UPDATE workflow_steps SET {_RUNNING_SET}
+    WHERE workflow_id = $1 AND state = 'pending' AND NOT (sent_commands AND attempt > 0)
+      AND idx = (SELECT idx FROM following) AND EXISTS (SELECT 1 FROM settled)
+    RETURNING *
+), finished AS (
+    UPDATE workflows SET state = 'succeeded', finished_at = now(), updated_at = now()
+    WHERE id = $1 AND state = 'running' AND EXISTS (SELECT 1 FROM settled)
+      AND (SELECT idx FROM following) IS NULL
+    RETURNING owner
+), owner_queued AS (
+    INSERT INTO work_queue (rkey, shard, not_before)
+    SELECT $8, $9, now() FROM finished WHERE $8::text IS NOT NULL
+    ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM settled) AS settled,
+       EXISTS (SELECT 1 FROM finished) AS finished,
+       (SELECT row_to_json(started) FROM started) AS next,
+       (SELECT count(*) FROM owner_queued) AS owner_queued
+"""
+START_FIRST = (
+    f"UPDATE workflow_steps SET {_RUNNING_SET}"
+    " WHERE workflow_id = $1 AND state = 'pending' AND NOT (sent_commands AND attempt > 0)"
+    " AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1 AND state <> 'succeeded')"
+    " AND {fence} RETURNING *"
+)
+_LOST = object()
+_FINISHED = object()
+
 
 class FencedError(Exception):
     """This process no longer holds the shard: stop, the new owner carries on."""
@@ -61,6 +126,17 @@ class _Fail:
 @dataclass(frozen=True)
 class _Wait:
     at: float
+
+
+def _step_row(doc: Any) -> dict[str, Any]:
+    """A step row that came back as JSON (``row_to_json``) with the types of a fetched row."""
+    from datetime import datetime
+
+    row = dict(doc)
+    for key in ("started_at", "deadline", "finished_at"):
+        if isinstance(row.get(key), str):
+            row[key] = datetime.fromisoformat(row[key])
+    return row
 
 
 def _error_doc(err: BcError) -> str:
@@ -138,26 +214,27 @@ class Engine:
         epoch = self.leases.owns(shard)
         if epoch is None:
             raise FencedError(rkey)
-        seen = await queue.read_seq(self.db.pool, rkey)
         if ":" in rkey:
+            seen = await queue.read_seq(self.db.pool, rkey)
             nxt = await self._reconcile_owner(rkey)
         else:
+            # the queue entry's seq comes along with the workflows: one round trip
             wfs = await self.db.fetch(
-                "SELECT * FROM workflows WHERE rkey = $1 AND (state = 'running' OR cancel_commands)"
-                " ORDER BY created_at",
+                "SELECT (SELECT seq FROM work_queue WHERE rkey = $1) AS queue_seq, * FROM workflows"
+                " WHERE rkey = $1 AND (state = 'running' OR cancel_commands) ORDER BY created_at",
                 rkey,
             )
+            seen = wfs[0]["queue_seq"] if wfs else await queue.read_seq(self.db.pool, rkey)
             times = []
             for wf in wfs:
                 t = await self._advance(dict(wf), shard, epoch)
                 if t is not None:
                     times.append(t)
             nxt = min(times) if times else None
-        async with self.db.transaction() as conn:
-            if nxt is None:
-                await queue.done(conn, rkey, seen)
-            else:
-                await queue.queue_at(conn, rkey, nxt, seen)
+        if nxt is None:
+            await queue.done(self.db.pool, rkey, seen)
+        else:
+            await queue.queue_at(self.db.pool, rkey, nxt, seen)
         return nxt
 
     async def _reconcile_owner(self, rkey: str) -> float | None:
@@ -180,18 +257,26 @@ class Engine:
 
     async def _advance(self, wf: dict[str, Any], shard: int, epoch: int) -> float | None:
         fence = (shard, self.instance, epoch)
+        step: dict[str, Any] | None = None  # known from the previous settle, else read
         while True:
             if wf["state"] != "running":
                 return await self._cleanup_aborted(wf)
-            step = await self.db.fetchrow(
-                "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND state <> 'succeeded'"
-                " ORDER BY idx LIMIT 1",
-                wf["id"],
-            )
             if step is None:
-                await self._finish(wf, "succeeded", None, fence)
-                return None
-            step = dict(step)
+                # the usual case, a first step to start, in one statement
+                row = await self.db.fetchrow(START_FIRST.format(fence=self._fence(2)), wf["id"], *fence)
+                if row is not None:
+                    step = dict(row)
+                    await self._event(wf, "running", step)
+                    continue
+                row = await self.db.fetchrow(
+                    "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND state <> 'succeeded'"
+                    " ORDER BY idx LIMIT 1",
+                    wf["id"],
+                )
+                if row is None:
+                    await self._finish(wf, "succeeded", None, fence)
+                    return None
+                step = dict(row)
             if step["state"] == "pending":
                 if step["sent_commands"] and step["attempt"] > 0:
                     # never issue attempt N+1 while commands of attempt N may still run
@@ -203,26 +288,18 @@ class Engine:
                         self.log.warning("cancel_previous_failed", code=err.code.value)
                         return time.time() + QUEUE_RETRY_S
                 row = await self.db.fetchrow(
-                    "UPDATE workflow_steps SET state = 'running', attempt = attempt + 1,"
-                    " started_at = clock_timestamp(),"
-                    " deadline = clock_timestamp() + make_interval(secs => timeout_ms / 1000.0),"
-                    " finished_at = NULL, sent_commands = false, result = NULL, error = NULL,"
-                    " command_id = NULL"
-                    " WHERE workflow_id = $1 AND idx = $2 AND state = 'pending' AND attempt = $3"
-                    f" AND {self._fence(4)} RETURNING *",
-                    wf["id"], step["idx"], step["attempt"], *fence,
-                )  # fmt: skip
+                    MARK_RUNNING.format(fence=self._fence(4)), wf["id"], step["idx"], step["attempt"], *fence
+                )
                 if row is None:
-                    wf = await self._reload(wf, fence)
+                    wf, step = await self._reload(wf, fence), None
                     continue
                 step = dict(row)
                 await self._event(wf, "running", step)
             if step["state"] != "running":
-                # failed or cancelled while the workflow still says running: settle it
+                # failed or cancelled while the workflow still says running: a verb will settle it
                 return None
             deadline = step["deadline"].timestamp()
-            now = time.time()
-            if now >= deadline:
+            if time.time() >= deadline:
                 outcome: _Ok | _Fail | _Wait = _Fail(
                     BcError(
                         ErrorCode.TIMEOUT,
@@ -238,15 +315,22 @@ class Engine:
                 case _Wait(at=at):
                     return float(min(at, deadline))
                 case _Ok(result=result):
-                    if not await self._settle(wf, step, "succeeded", result, None, fence):
-                        wf = await self._reload(wf, fence)
+                    settled = await self._settle_ok(wf, step, result, fence)
+                    if settled is _LOST:
+                        wf, step = await self._reload(wf, fence), None
                         continue
                     await self._event(wf, "succeeded", step, result=result)
+                    if settled is _FINISHED:
+                        await self._event(wf, "succeeded", None)
+                        return None
+                    step = settled if isinstance(settled, dict) else None
+                    if step is not None:
+                        await self._event(wf, "running", step)
                 case _Fail(error=error):
-                    if await self._settle(wf, step, "failed", None, error, fence):
+                    if await self._settle_failed(wf, step, error, fence):
                         await self._event(wf, "failed", step, error=error)
                         return None
-                    wf = await self._reload(wf, fence)
+                    wf, step = await self._reload(wf, fence), None
 
     async def _reload(self, wf: dict[str, Any], fence: tuple[int, str, int]) -> dict[str, Any]:
         """A settle found nothing to settle: either we were fenced off, or a verb moved it."""
@@ -256,29 +340,42 @@ class Engine:
         row = await self.db.fetchrow("SELECT * FROM workflows WHERE id = $1", wf["id"])
         return dict(row)
 
-    async def _settle(
-        self,
-        wf: dict[str, Any],
-        step: dict[str, Any],
-        state: str,
-        result: Any,
-        error: BcError | None,
-        fence: tuple[int, str, int],
+    async def _settle_ok(
+        self, wf: dict[str, Any], step: dict[str, Any], result: Any, fence: tuple[int, str, int]
+    ) -> Any:
+        """Settle a success and, in the same statement (one transaction, one round trip),
+        start the next step or finish the workflow and queue its owner.
+
+        Returns ``_LOST`` (nothing to settle: fenced or moved by a verb), ``_FINISHED``, the
+        next step's row when it was started, or ``None`` when the next step needs more care
+        (commands of an earlier attempt to cancel first).
+        """
+        owner_rkey = queue.owner_key(wf["owner"], wf["id"]) if wf["owner"] else None
+        row = await self.db.fetchrow(
+            SETTLE_OK,
+            wf["id"], step["idx"], step["attempt"], json.dumps(result), *fence,
+            owner_rkey, queue.shard_of(owner_rkey) if owner_rkey else None,
+        )  # fmt: skip
+        if not row["settled"]:
+            return _LOST
+        if row["next"] is not None:
+            return _step_row(row["next"])
+        if row["finished"]:
+            wf["state"] = "succeeded"
+            return _FINISHED
+        return None
+
+    async def _settle_failed(
+        self, wf: dict[str, Any], step: dict[str, Any], error: BcError, fence: tuple[int, str, int]
     ) -> bool:
         async with self.db.transaction() as conn:
             done = await conn.fetchval(
-                "UPDATE workflow_steps SET state = $4, result = $5, error = $6,"
-                " finished_at = clock_timestamp()"
-                " WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3"
-                f" AND {self._fence(7)} RETURNING true",
-                wf["id"], step["idx"], step["attempt"], state,
-                None if result is None and state != "succeeded" else json.dumps(result),
-                _error_doc(error) if error else None, *fence,
+                SETTLE.format(fence=self._fence(7)),
+                wf["id"], step["idx"], step["attempt"], "failed", None, _error_doc(error), *fence,
             )  # fmt: skip
             if not done:
                 return False
-            if state == "failed":
-                await self._finish_in(conn, wf, "failed", error)
+            await self._finish_in(conn, wf, "failed", error)
         return True
 
     async def _finish(
@@ -316,7 +413,14 @@ class Engine:
 
     # -- running steps --------------------------------------------------------------
 
-    async def _node(self, node_id: str | None) -> NodeInfo | None:
+    async def _node(self, wf: dict[str, Any]) -> NodeInfo | None:
+        """The workflow's node, read once per pass."""
+        if "_node" not in wf:
+            wf["_node"] = await self._read_node(wf["node_id"])
+        node: NodeInfo | None = wf["_node"]
+        return node
+
+    async def _read_node(self, node_id: str | None) -> NodeInfo | None:
         if node_id is None:
             return None
         row = await self.db.fetchrow("SELECT * FROM nodes WHERE id = $1", node_id)
@@ -346,7 +450,7 @@ class Engine:
         log = self.log.bind(
             workflow_id=wf["id"], step=step["idx"], action=step["action"], attempt=step["attempt"]
         )
-        node = await self._node(wf["node_id"])
+        node = await self._node(wf)
         ctx = RunContext(
             workflow_id=wf["id"],
             step=step["idx"],
@@ -408,7 +512,7 @@ class Engine:
     async def _run_agent_step(
         self, wf: dict[str, Any], step: dict[str, Any], deadline: float
     ) -> _Ok | _Fail | _Wait:
-        node = await self._node(wf["node_id"])
+        node = await self._node(wf)
         if node is None:
             return _Fail(BcError(ErrorCode.NOT_FOUND, f"node {wf['node_id']} is gone", {"path": "nodeId"}))
         kind = self.app.command_kinds.get(step["command"])

@@ -104,25 +104,20 @@ class ProfileStore:
             )  # fmt: skip
         return FoundProfile(profile, tenant_id, public, None)
 
-    async def find(
-        self, conn: Any, *, tenant_id: str, profile_id: str, version: int | None, lock: bool = False
-    ) -> FoundProfile:
+    async def find(self, conn: Any, *, tenant_id: str, profile_id: str, version: int | None) -> FoundProfile:
         """The tenant's own, then a public stored one, then a shipped one."""
-        lock_sql = " FOR UPDATE" if lock else ""
         for where, args in (
             ("tenant_id = $1 AND id = $2", (tenant_id, profile_id)),
             ("public AND tenant_id <> $1 AND id = $2", (tenant_id, profile_id)),
         ):
             if version is None:
                 row = await conn.fetchrow(
-                    f"SELECT * FROM profiles WHERE {where} ORDER BY version DESC, tenant_id"
-                    f" LIMIT 1{lock_sql}",
+                    f"SELECT * FROM profiles WHERE {where} ORDER BY version DESC, tenant_id LIMIT 1",
                     *args,
                 )
             else:
                 row = await conn.fetchrow(
-                    f"SELECT * FROM profiles WHERE {where} AND version = $3"
-                    f" ORDER BY tenant_id LIMIT 1{lock_sql}",
+                    f"SELECT * FROM profiles WHERE {where} AND version = $3 ORDER BY tenant_id LIMIT 1",
                     *args,
                     version,
                 )
@@ -137,14 +132,30 @@ class ProfileStore:
         what = profile_id if version is None else f"{profile_id} version {version}"
         raise BcError(ErrorCode.NOT_FOUND, f"no profile {what}", {"path": "profileId"})
 
-    async def mark_used(self, conn: Any, found: FoundProfile) -> None:
+    async def pin(self, conn: Any, found: FoundProfile) -> FoundProfile:
+        """Make the version immutable (first use) and return the document that is pinned.
+
+        Only the first use takes the row lock; later starts read an immutable row and lock
+        nothing, so many workflows of one profile start in parallel. A replace that raced
+        the read is caught here: the first use pins whatever the row holds under the lock.
+        """
         if found.shipped or found.first_used_at is not None:
-            return
-        await conn.execute(
+            return found
+        row = await conn.fetchrow(
             "UPDATE profiles SET first_used_at = now() WHERE tenant_id = $1 AND id = $2"
-            " AND version = $3 AND first_used_at IS NULL",
+            " AND version = $3 AND first_used_at IS NULL RETURNING *",
             found.tenant_id, found.profile.id, found.profile.version,
         )  # fmt: skip
+        if row is None:  # someone else used it first: it is immutable now, read it again
+            row = await conn.fetchrow(
+                "SELECT * FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3",
+                found.tenant_id, found.profile.id, found.profile.version,
+            )  # fmt: skip
+            if row is None:
+                raise BcError(
+                    ErrorCode.NOT_FOUND, f"profile {found.profile.id} was deleted", {"path": "profileId"}
+                )
+        return self._row(row)
 
     async def list(self, conn: Any, *, tenant_id: str) -> list[FoundProfile]:
         rows = await conn.fetch(

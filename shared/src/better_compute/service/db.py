@@ -80,6 +80,16 @@ async def apply_migrations(conn: Any, schema: str, migrations: list[Migration]) 
     return applied_now
 
 
+async def _keep_session(_conn: Any) -> None:
+    """Return a connection to the pool without asyncpg's reset query.
+
+    The default reset (UNLISTEN, RESET ALL, advisory unlock …) costs a round trip on every
+    release, which is most of a short query's cost. Services keep no session state: no
+    LISTEN, no SET outside a transaction (``SET LOCAL`` only), advisory locks released
+    explicitly, so there is nothing to reset.
+    """
+
+
 class Database:
     """An asyncpg pool whose connections see ``schema`` first on the search path."""
 
@@ -107,6 +117,7 @@ class Database:
                 max_size=self.max_size,
                 server_settings={"search_path": f'"{self.schema}", public'},
                 init=self.init,
+                reset=_keep_session,
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise BcError(ErrorCode.UNAVAILABLE, f"cannot reach PostgreSQL: {type(exc).__name__}") from exc
