@@ -249,3 +249,18 @@ async def test_malformed_requests_are_invalid_input_with_a_path(
     with pytest.raises(BcError) as e:
         await bc_api.call("engine", "workflows.get", {"id": "wf_nope"})
     assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "id")
+
+
+async def test_a_step_starts_a_child_workflow_in_its_own_transaction(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    await create_profile(bc_api, [{"use": "test.startChild", "with": {"profileId": "test-chain"}}])
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
+    done = await wait_workflow(bc_api, wf["id"])
+    assert done["state"] == "succeeded"
+    child_id = done["steps"][0]["result"]["child"]
+    assert done["steps"][0]["result"]["state"] == "succeeded"
+    child = await bc_api.call("engine", "workflows.get", {"id": child_id})
+    assert (child["state"], child["owner"]) == ("succeeded", "test-owner")
+    # the step ran several times (not ready while the child ran) and started one child
+    assert await db.fetchval("SELECT count(*) FROM public.plg_test_children") == 1

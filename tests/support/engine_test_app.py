@@ -19,6 +19,7 @@ TABLES = """
 CREATE TABLE IF NOT EXISTS public.plg_test_effects (step_key text PRIMARY KEY, n serial);
 CREATE TABLE IF NOT EXISTS public.plg_test_runs (step_key text, at timestamptz DEFAULT now());
 CREATE TABLE IF NOT EXISTS public.plg_test_flags (name text PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS public.plg_test_children (step_key text PRIMARY KEY, child text NOT NULL);
 """
 
 
@@ -61,6 +62,22 @@ async def _fail_unless_flag(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     raise BcError("CONFLICT", "the flag is not set", {"path": "flag", "flag": input["flag"]})
 
 
+async def _start_child(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    async with ctx.sql.transaction() as tx:
+        rows = await tx.query("SELECT child FROM plg_test_children WHERE step_key = $1", ctx.idempotency_key)
+        if rows:
+            child = rows[0]["child"]
+        else:
+            child = await ctx.workflows.start(tx, profile_id=input["profileId"], owner="test-owner")
+            await tx.query(
+                "INSERT INTO plg_test_children (step_key, child) VALUES ($1, $2)", ctx.idempotency_key, child
+            )
+    state = (await ctx.sql.query("SELECT state FROM workflows WHERE id = $1", child))[0]["state"]
+    if state == "running":
+        raise step_not_ready(100)
+    return {"child": child, "state": state}
+
+
 noop = define_step(id="test.noop", runs_on="control-plane", timeout="1m", input=manifest({}), run=_noop)
 side_effect = define_step(
     id="test.sideEffect",
@@ -82,6 +99,14 @@ fail_unless_flag = define_step(
     timeout="1m",
     input=manifest({"flag": field.string(), "crash": field.bool().default(False)}),
     run=_fail_unless_flag,
+)
+
+start_child = define_step(
+    id="test.startChild",
+    runs_on="control-plane",
+    timeout="1m",
+    input=manifest({"profileId": field.string()}),
+    run=_start_child,
 )
 
 chain = define_profile(
@@ -109,7 +134,7 @@ class OwnerModule:
 
 provision = provision_module(
     modules=[metal()],
-    steps=[noop, side_effect, wait_flag, fail_unless_flag],
+    steps=[noop, side_effect, wait_flag, fail_unless_flag, start_child],
     profiles=[chain],
 )
 app = better_compute(modules=[metal(), provision], plugins=[OwnerModule()])

@@ -111,6 +111,47 @@ class StepCommands:
         return agent
 
 
+class StepWorkflows:
+    """``ctx.workflows``: start child workflows inside the step's own transaction.
+
+    ``start(tx, ...)`` must be given a transaction from ``ctx.sql.transaction()``, so the
+    child exists exactly when the step's own writes commit. Children are woken once the
+    step's run returns; the work queue's poll would find them anyway.
+    """
+
+    def __init__(self, start_in: Any, *, tenant_id: str) -> None:
+        self._start_in = start_in
+        self._tenant_id = tenant_id
+        self.started: list[str] = []  # reconciler keys to wake
+
+    async def start(
+        self,
+        tx: Any,
+        *,
+        profile_id: str,
+        profile_version: int | None = None,
+        node_id: str | None = None,
+        owner: str | None = None,
+    ) -> str:
+        conn = getattr(tx, "connection", None)
+        if conn is None:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                "ctx.workflows.start needs a transaction: async with ctx.sql.transaction() as tx",
+                {"path": "tx"},
+            )
+        wf = await self._start_in(
+            conn,
+            tenant_id=self._tenant_id,
+            profile_id=profile_id,
+            profile_version=profile_version,
+            node_id=node_id,
+            owner=owner,
+        )
+        self.started.append(wf["rkey"])
+        return str(wf["id"])
+
+
 @dataclass
 class RunContext:
     """One run of one control-plane step."""
@@ -124,7 +165,7 @@ class RunContext:
     sql: EngineSql
     pki: Any
     secrets: Any
-    workflows: Any
+    workflows: StepWorkflows
     commands: StepCommands
     log: Any
     tenant_id: str = "root"

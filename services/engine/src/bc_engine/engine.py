@@ -29,7 +29,7 @@ from better_compute.wire.cmdq import LIVE_STATES, CancelCommands, CommandView, E
 from better_compute.wire.codec import convert
 
 from . import queue
-from .context import EngineSql, NodeInfo, RunContext, StepCommands
+from .context import EngineSql, NodeInfo, RunContext, StepCommands, StepWorkflows
 from .shards import ShardLeases
 
 __all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
@@ -168,6 +168,8 @@ class Engine:
         pki_factory: Callable[[str, str | None], Any] | None = None,
         secrets_factory: Callable[[str, str, int], Any] | None = None,
         owners: Mapping[str, OwnerReconciler] | None = None,
+        start_in: Any = None,
+        wake: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.app = app
         self.db = db
@@ -179,6 +181,8 @@ class Engine:
         self.pki_factory = pki_factory
         self.secrets_factory = secrets_factory
         self.owners = dict(owners or {})
+        self.start_in = start_in
+        self.wake = wake
 
     # -- helpers used by the step context ---------------------------------------
 
@@ -451,6 +455,7 @@ class Engine:
             workflow_id=wf["id"], step=step["idx"], action=step["action"], attempt=step["attempt"]
         )
         node = await self._node(wf)
+        children = StepWorkflows(self.start_in, tenant_id=wf["tenant_id"])
         ctx = RunContext(
             workflow_id=wf["id"],
             step=step["idx"],
@@ -463,7 +468,7 @@ class Engine:
             secrets=(
                 self.secrets_factory(wf["tenant_id"], wf["id"], step["idx"]) if self.secrets_factory else None
             ),
-            workflows=None,
+            workflows=children,
             commands=StepCommands(self, workflow=wf, step=step),
             log=log,
             tenant_id=wf["tenant_id"],
@@ -471,8 +476,13 @@ class Engine:
         inp = step["input"]
         inp = json.loads(inp) if isinstance(inp, str) else inp
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.time())):
-                result = await definition.run(inp, ctx)
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.time())):
+                    result = await definition.run(inp, ctx)
+            finally:
+                if self.wake is not None:
+                    for rkey in children.started:
+                        await self.wake(rkey)
         except StepNotReady as nr:
             return _Wait(time.time() + nr.retry_after_ms / 1000)
         except TimeoutError:

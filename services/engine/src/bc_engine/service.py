@@ -78,6 +78,8 @@ class EngineService(Service):
         )
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
         self.engine_api = EngineApi(app=self.app, db=self.db, wake=self.wake, publish=self.publish_event)
+        self.engine.start_in = self.engine_api.start_in
+        self.engine.wake = self.wake
         self._poll_soon = asyncio.Event()
         self._rkeys: dict[str, str] = {}
         root = self.subjects.root
