@@ -13,7 +13,7 @@ from better_compute.core import field, manifest
 from better_compute.core.app import better_compute
 from better_compute.core.errors import BcError
 from better_compute.metal import metal
-from better_compute.provision import define_profile, define_step, provision_module, step_not_ready
+from better_compute.provision import UserData, define_profile, define_step, provision_module, step_not_ready
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS public.plg_test_effects (step_key text PRIMARY KEY, n serial);
@@ -136,5 +136,11 @@ provision = provision_module(
     modules=[metal()],
     steps=[noop, side_effect, wait_flag, fail_unless_flag, start_child],
     profiles=[chain],
+    user_data=UserData(
+        control_plane_url="https://bc.test.example",
+        bcd_url="https://downloads.test.example/bcd/0.1.0/bcd-linux-amd64",
+        bcd_sha256="ab" * 32,
+        templates={"plain.txt": "node={{nodeId}} host={{hostname}} token={{joinToken}}"},
+    ),
 )
 app = better_compute(modules=[metal(), provision], plugins=[OwnerModule()])

@@ -33,11 +33,13 @@ from better_compute.provision import (
     provision_module,
     resolve_host_config,
 )
+from better_compute.provision.userdata import SHIPPED_STEPS
 
 pytestmark = pytest.mark.unit
 
 INVALID_CONFIG = ErrorCode.INVALID_CONFIG
 INVALID_INPUT = ErrorCode.INVALID_INPUT
+SHIPPED = {step.id: step for step in SHIPPED_STEPS}  # provision ships these in every app
 
 
 def refusal(fn: Callable[[], object]) -> tuple[ErrorCode, str | None]:
@@ -164,7 +166,7 @@ def test_metal_payloads_are_checked() -> None:
 
 def test_steps_given_to_provision_directly_are_resolved() -> None:
     app = better_compute(modules=[metal(), provision_module(steps=[TALOS_READY], profiles=[TALOS])])
-    assert dict(app.steps) == {"wait.talosReady": TALOS_READY}
+    assert dict(app.steps) == {"wait.talosReady": TALOS_READY, **SHIPPED}
     assert app.profiles == (TALOS,)
     assert app.command_kind("site.httpProxy").destructive
 
@@ -174,7 +176,7 @@ def test_a_plugin_listed_in_provision_and_in_plugins_is_registered_once_and_reso
         modules=[metal(), provision_module(modules=[metal(), ACME], steps=[TALOS_READY])],
         plugins=[ACME],
     )
-    assert set(app.steps) == {"wait.talosReady", "autoinstall.renderIso"}
+    assert set(app.steps) == {"wait.talosReady", "autoinstall.renderIso", *SHIPPED}
     assert app.steps["autoinstall.renderIso"] is RENDER_ISO
     assert app.profile("ubuntu-24.04-autoinstall") is UBUNTU
 

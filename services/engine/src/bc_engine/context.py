@@ -169,6 +169,8 @@ class RunContext:
     commands: StepCommands
     log: Any
     tenant_id: str = "root"
+    profile: Any = None  # the pinned Profile the workflow runs
+    provision: Any = None  # the app's ProvisionModule (user-data settings, config units)
 
     async def from_step(self, action: str) -> Any:
         """The latest succeeded result of ``action`` in this workflow."""

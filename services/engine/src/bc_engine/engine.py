@@ -23,13 +23,15 @@ import msgspec
 
 from better_compute.core.app import App
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.provision import StepNotReady
+from better_compute.provision import Profile, StepNotReady, profile_from_document
 from better_compute.service.client import ApiClient
+from better_compute.service.db import Database
 from better_compute.wire.cmdq import LIVE_STATES, CancelCommands, CommandView, EnqueueCommand
 from better_compute.wire.codec import convert
 
 from . import queue
 from .context import EngineSql, NodeInfo, RunContext, StepCommands, StepWorkflows
+from .profiles import BUILTIN_TENANT
 from .shards import ShardLeases
 
 __all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
@@ -159,7 +161,7 @@ class Engine:
         self,
         *,
         app: App,
-        db: Any,
+        db: Database,
         api: ApiClient,
         leases: ShardLeases,
         instance: str,
@@ -183,6 +185,7 @@ class Engine:
         self.owners = dict(owners or {})
         self.start_in = start_in
         self.wake = wake
+        self._profiles: dict[tuple[str, str, int], Profile] = {}  # pinned versions never change
 
     # -- helpers used by the step context ---------------------------------------
 
@@ -417,6 +420,24 @@ class Engine:
 
     # -- running steps --------------------------------------------------------------
 
+    async def _profile(self, wf: dict[str, Any]) -> Profile | None:
+        """The workflow's pinned profile version (immutable, so cached for good)."""
+        key = (wf["profile_tenant"], wf["profile_id"], wf["profile_version"])
+        if key not in self._profiles:
+            if key[0] == BUILTIN_TENANT:
+                shipped = {p.key: p for p in self.app.profiles}.get((key[1], key[2]))
+                if shipped is None:
+                    return None
+                self._profiles[key] = shipped
+            else:
+                doc = await self.db.fetchval(
+                    "SELECT document FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3", *key
+                )
+                if doc is None:
+                    return None
+                self._profiles[key] = profile_from_document(doc)
+        return self._profiles[key]
+
     async def _node(self, wf: dict[str, Any]) -> NodeInfo | None:
         """The workflow's node, read once per pass."""
         if "_node" not in wf:
@@ -472,6 +493,8 @@ class Engine:
             commands=StepCommands(self, workflow=wf, step=step),
             log=log,
             tenant_id=wf["tenant_id"],
+            profile=await self._profile(wf),
+            provision=self.app.provision,
         )
         inp = step["input"]
         inp = json.loads(inp) if isinstance(inp, str) else inp

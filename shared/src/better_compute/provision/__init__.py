@@ -1,6 +1,7 @@
 """Provision: steps, profiles, user-data templates and config units, and the module that
 hands them to the engine."""
 
+from .commands import CommandQueueAccess, CommandResult, await_command, site_agent_for
 from .config_units import BUILTIN_CONFIG_UNITS, ConfigUnit, resolve_host_config
 from .context import Log, Pki, Secrets, Sql, StepContext, StepNode, Workflows, step_command_key
 from .module import ImageVerifier, ProvisionModule, provision_module
@@ -17,6 +18,8 @@ from .waiting import StepNotReady, step_not_ready
 __all__ = [
     "BUILTIN_CONFIG_UNITS",
     "TEMPLATE_VARIABLES",
+    "CommandQueueAccess",
+    "CommandResult",
     "ConfigUnit",
     "ImageVerifier",
     "Log",
@@ -32,12 +35,14 @@ __all__ = [
     "StepNotReady",
     "UserData",
     "Workflows",
+    "await_command",
     "define_profile",
     "define_step",
     "profile_from_document",
     "provision_module",
     "render_template",
     "resolve_host_config",
+    "site_agent_for",
     "step_command_key",
     "step_not_ready",
     "template_variables",

@@ -85,6 +85,12 @@ def provision_module(
 
     # One namespace for everything the engine resolves: own and borrowed may not clash.
     registry = Registry()
+    # Shipped steps (userdata.render) resolve in every deployment; a step of yours with the
+    # same id is a duplicate (INVALID_CONFIG at path shipped).
+    from .userdata import SHIPPED_STEPS
+
+    for step in SHIPPED_STEPS:
+        registry.add_step(step, path="shipped")
     for index, step in enumerate(own_steps):
         registry.add_step(step, path=f"steps[{index}]")
     for index, profile in enumerate(own_profiles):

@@ -143,6 +143,9 @@ class Database:
     async def fetchrow(self, sql: str, *args: Any) -> Any:
         return await self.pool.fetchrow(sql, *args)
 
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        return await self.pool.fetchval(sql, *args)
+
     async def execute(self, sql: str, *args: Any) -> str:
         return str(await self.pool.execute(sql, *args))
 

@@ -56,7 +56,8 @@ class ServiceProcess:
         return None
 
     def output(self) -> str:
-        self._handle.flush()
+        if not self._handle.closed:
+            self._handle.flush()
         return self.log.read_text(errors="replace")
 
     def close(self) -> None:

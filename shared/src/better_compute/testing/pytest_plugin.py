@@ -90,3 +90,7 @@ def bc_processes(bc_settings: Settings, tmp_path: Path) -> Iterator[ServiceProce
     procs = ServiceProcesses(bc_settings, log_dir)
     yield procs
     procs.close()
+    # pytest shows this only for a failed test: the tail of what each service said
+    for p in procs.procs:
+        tail = p.output().splitlines()[-40:]
+        print(f"--- {p.service} (pid {p.pid}) last {len(tail)} lines ---", *tail, sep="\n")
