@@ -154,7 +154,8 @@ async def profiles_validate(args: argparse.Namespace, settings: Settings) -> int
     if args.json:
         print_json(got)
     elif got["valid"]:
-        print(f"valid: {len(got.get('commandKinds', []))} command kinds ({', '.join(got['commandKinds'])})")
+        kinds = got.get("commandKinds") or []
+        print("valid; " + (f"sends {', '.join(kinds)}" if kinds else "sends no commands"))
     else:
         print_table(got["problems"], [("path", "PATH"), ("code", "CODE"), ("message", "PROBLEM")])
     return 0 if got["valid"] else 1
