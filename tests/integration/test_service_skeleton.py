@@ -146,3 +146,20 @@ async def test_stop_is_safe_twice_and_in_flight_requests_finish(
     await svc.stop()
     await svc.stop()
     assert (await pending) == {"text": "late"}
+
+
+async def test_http_health_endpoint_for_probes(bc_settings: Settings) -> None:
+    from better_compute.runtime.embedded import free_port
+
+    port = free_port()
+    async with EngineService(msgspec.structs.replace(bc_settings, health_port=port)):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        raw = await reader.read()
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK")
+    health = json.loads(body)
+    assert health["service"] == "bc-engine"
+    assert health["checks"] == {"nats": True, "postgres": True}
