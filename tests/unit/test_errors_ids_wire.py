@@ -112,3 +112,11 @@ def test_subjects_follow_the_design() -> None:
     assert s.agent_event("eu1", "agent7", "heartbeat") == "bc.agent.eu1.agent7.heartbeat"
     assert s.event("workflow", "wf_1") == "bc.events.workflow.wf_1"
     assert Subjects(root="t1").event("command", "c") == "t1.events.command.c"
+
+
+def test_urls_in_messages_lose_their_credentials() -> None:
+    from better_compute.service.client import safe_url
+
+    assert safe_url("nats://engine:hunter22@nats-1:4222") == "nats://nats-1:4222"
+    assert safe_url("postgresql://bc:pw@db/bc") == "postgresql://db/bc"
+    assert safe_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"

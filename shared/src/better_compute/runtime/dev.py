@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
+from ..service.client import safe_url
 from .embedded import EmbeddedNats, EmbeddedPostgres, pid_alive, spawn_detached, stop_pid
 
 __all__ = ["SERVICES", "DevStack", "ProcRecord"]
@@ -60,7 +61,7 @@ class DevStack:
         self.logs.mkdir(parents=True, exist_ok=True)
         if self.settings.nats_url:
             nats_url = self.settings.nats_url
-            self.say(f"nats-server       external  {nats_url}")
+            self.say(f"nats-server       external  {safe_url(nats_url)}")
         else:
             was = self.nats.running_pid()
             nats_url = self.nats.start()

@@ -15,7 +15,19 @@ from ..wire import Subjects, unwrap
 from ..wire.codec import encode
 from ..wire.subjects import SERVICE_NAMES
 
-__all__ = ["ApiClient", "connect", "discover"]
+__all__ = ["ApiClient", "connect", "discover", "safe_url"]
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its user and password, for messages and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 async def connect(url: str, *, name: str, **kwargs: Any) -> Nats:
@@ -31,7 +43,7 @@ async def connect(url: str, *, name: str, **kwargs: Any) -> Nats:
             **kwargs,
         )
     except (OSError, nats.errors.Error) as exc:
-        raise BcError(ErrorCode.UNAVAILABLE, f"cannot reach NATS at {url}") from exc
+        raise BcError(ErrorCode.UNAVAILABLE, f"cannot reach NATS at {safe_url(url)}") from exc
     return nc
 
 

@@ -1,0 +1,463 @@
+"""deploy/nats: a 3-node hub cluster and a site leaf node, run from the committed files.
+
+Each nats-server runs as its own process with ``-c deploy/nats/<file>``; the test supplies
+only what the files read from the environment (addresses, store folders, passwords), so
+what is checked here is what an operator installs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import api
+
+from better_compute.runtime.embedded import free_port, nats_server_binary, wait_port
+from better_compute.wire import Subjects
+
+T = TypeVar("T")
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats"
+SUBJECTS = Subjects()  # the configs are written for the default root, "bc"
+EU1 = SUBJECTS.site_stream("eu1")
+PASSWORD_VARS = [
+    "ROUTE", "SYS", "ENGINE", "COMMAND_QUEUE", "PKI", "SECRETS", "BCX", "LEAF_EU1",
+    "SITE_AGENT", "NODE",
+]  # fmt: skip
+WAIT = 15.0  # upper bound for anything the cluster has to settle
+
+
+@dataclass
+class Server:
+    name: str
+    conf: Path
+    env: dict[str, str]
+    log: Path
+    client_port: int
+    monitor_port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [str(nats_server_binary()), "-c", str(self.conf)],
+                env={**os.environ, **self.env},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        wait_port(self.client_port, timeout=WAIT, pid=self.proc.pid)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=WAIT)
+
+    def monitor(self, path: str) -> tuple[int, Any]:
+        url = f"http://127.0.0.1:{self.monitor_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            with contextlib.closing(err):
+                return err.code, None
+
+
+@dataclass
+class Stack:
+    """The hub cluster, the eu1 leaf node, and a way to connect as any of their users."""
+
+    hub: list[Server]
+    leaf: Server
+    passwords: dict[str, str]
+    clients: list[Nats] = field(default_factory=list)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+
+    async def connect(self, user: str, *servers: Server) -> Nats:
+        """Connect as ``user`` (to ``servers``, or to every hub node); permission errors are kept
+        in ``self.errors[user]``."""
+        password = self.passwords[user.upper().replace("-", "_")]
+        seen = self.errors.setdefault(user, [])
+
+        async def on_error(err: Exception) -> None:
+            seen.append(str(err))
+
+        nc = await nats.connect(
+            servers=[f"nats://127.0.0.1:{s.client_port}" for s in servers or self.hub],
+            user=user,
+            password=password,
+            name=f"test-{user}",
+            error_cb=on_error,
+            connect_timeout=2,
+            reconnect_time_wait=0.2,
+            max_reconnect_attempts=-1,
+        )
+        self.clients.append(nc)
+        return nc
+
+    async def close(self) -> None:
+        for nc in self.clients:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), timeout=2)
+        for server in [self.leaf, *self.hub]:
+            server.kill()
+
+
+def _env(**values: object) -> dict[str, str]:
+    return {f"BC_NATS_{k}": str(v) for k, v in values.items()}
+
+
+async def eventually(what: str, probe: Callable[[], Awaitable[T | None]], *, timeout: float = WAIT) -> T:
+    """``probe()`` until it returns something other than None (exceptions count as not yet)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last: BaseException | None = None
+    while loop.time() < deadline:
+        try:
+            got = await probe()
+        except Exception as exc:  # whatever a settling cluster answers: try again
+            last = exc
+        else:
+            if got is not None:
+                return got
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{what}: not within {timeout}s (last error: {last!r})")
+
+
+async def _healthy(server: Server) -> bool | None:
+    status, _ = await asyncio.to_thread(server.monitor, "/healthz")
+    return True if status == 200 else None
+
+
+async def _leaf_connected(leaf: Server) -> bool | None:
+    _, body = await asyncio.to_thread(leaf.monitor, "/leafz")
+    return True if body and body.get("leafnodes") else None
+
+
+@contextlib.asynccontextmanager
+async def run_stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    """Start the hub cluster and the eu1 leaf from deploy/nats; kill them all on the way out."""
+    passwords = {name: f"p{secrets.token_hex(12)}" for name in PASSWORD_VARS}
+    shared = _env(**{f"{name}_PASSWORD": value for name, value in passwords.items()})
+    route_ports = [free_port() for _ in range(3)]
+    leaf_ports = [free_port() for _ in range(3)]
+    for n, port in enumerate(route_ports, 1):
+        shared |= _env(**{f"ROUTE_{n}": f"nats-route://route:{passwords['ROUTE']}@127.0.0.1:{port}"})
+    for n, port in enumerate(leaf_ports, 1):
+        shared |= _env(**{f"HUB_{n}": f"nats-leaf://leaf-eu1:{passwords['LEAF_EU1']}@127.0.0.1:{port}"})
+
+    def server(name: str, conf: str, **env: object) -> Server:
+        client, monitor = free_port(), free_port()
+        env |= {"CLIENT_LISTEN": f"127.0.0.1:{client}", "MONITOR_LISTEN": f"127.0.0.1:{monitor}"}
+        log = tmp_path / f"{name}.log"
+        return Server(name, DEPLOY / conf, shared | _env(**env), log, client, monitor)
+
+    hub = [
+        server(
+            f"bc-nats-{n}",
+            f"cluster-{n}.conf",
+            CLUSTER_LISTEN=f"127.0.0.1:{route_ports[n - 1]}",
+            LEAF_LISTEN=f"127.0.0.1:{leaf_ports[n - 1]}",
+            STORE_DIR=tmp_path / f"store-{n}",
+        )
+        for n in (1, 2, 3)
+    ]
+    leaf = server("bc-leaf-eu1", "leaf-site.conf")
+    st = Stack(hub=hub, leaf=leaf, passwords=passwords)
+    try:
+        for node in [*hub, leaf]:
+            node.start()
+        for node in hub:
+            await eventually(f"{node.name} healthy", functools.partial(_healthy, node))
+        await eventually("leaf node connected", functools.partial(_leaf_connected, leaf))
+        yield st
+    finally:
+        await st.close()
+        for node in [*hub, leaf]:  # pytest shows this only when a test failed
+            tail = node.log.read_text(errors="replace").splitlines()[-30:] if node.log.exists() else []
+            print(f"--- {node.name} ---", *tail, sep="\n")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    async with run_stack(tmp_path) as st:
+        yield st
+
+
+async def _site_stream(nc: Nats, site: str) -> str:
+    """The site's stream, R3, as the command queue makes it (bc_command_queue.delivery)."""
+    name = SUBJECTS.site_stream(site)
+    js = nc.jetstream(timeout=5)
+    config = api.StreamConfig(
+        name=name,
+        subjects=[SUBJECTS.site_cmd_all(site)],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE,
+        num_replicas=3,
+        duplicate_window=120.0,
+    )
+    await eventually(f"stream {name}", lambda: js.add_stream(config))
+    return name
+
+
+async def _agent_consumer(nc: Nats, site: str, agent: str) -> None:
+    """The agent's durable pull consumer, as the command queue makes it on the agent's hello."""
+    config = api.ConsumerConfig(
+        durable_name=agent,
+        filter_subject=SUBJECTS.site_cmd(site, agent),
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=30.0,
+    )
+    await nc.jetstream(timeout=5).add_consumer(SUBJECTS.site_stream(site), config)
+
+
+async def _fetch_one(nc: Nats, stream: str, consumer: str, *, timeout: float = 3.0) -> Msg:
+    psub = await nc.jetstream(timeout=5).pull_subscribe_bind(durable=consumer, stream=stream)
+    try:
+        (msg,) = await psub.fetch(1, timeout=timeout)
+        return msg
+    finally:
+        await psub.unsubscribe()
+
+
+async def _drain(sub: Subscription, *, wait: float = 0.5) -> list[str]:
+    """Subjects of whatever ``sub`` receives until it has been quiet for ``wait`` seconds."""
+    got: list[str] = []
+    with contextlib.suppress(TimeoutError):
+        while len(got) < 100:
+            got.append((await sub.next_msg(timeout=wait)).subject)
+    return got
+
+
+def _variables(*confs: str) -> set[str]:
+    text = "\n".join((DEPLOY / c).read_text() for c in confs)
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    return set(re.findall(r"\$(BC_NATS_\w+)", code))
+
+
+def _example(name: str) -> set[str]:
+    lines = (DEPLOY / name).read_text().splitlines()
+    return {line.split("=", 1)[0] for line in lines if line and not line.startswith("#")}
+
+
+def test_env_examples_set_exactly_what_the_configs_read() -> None:
+    # nats-server refuses to start on a variable the environment lacks
+    hub = _variables("hub.conf", "accounts.conf", "hub-site-eu1.conf")
+    assert "BC_NATS_ENGINE_PASSWORD" in hub
+    assert _example("nats.env.example") == hub
+    assert _example("nats-leaf.env.example") == _variables("leaf-site.conf")
+
+
+async def test_cluster_forms_and_replicates_a_stream_across_nodes(stack: Stack) -> None:
+    n1, n2, n3 = stack.hub
+    for node in stack.hub:  # every write reaches the disk before JetStream acknowledges it
+        _, varz = await asyncio.to_thread(node.monitor, "/varz")
+        assert varz["jetstream"]["config"].get("sync_always") is True, node.name
+    cmdq_1 = await stack.connect("command-queue", n1)
+    cmdq_2 = await stack.connect("command-queue", n2)
+    stream = await _site_stream(cmdq_1, "eu1")
+    info = await cmdq_2.jetstream().stream_info(stream)
+    assert info.config.num_replicas == 3
+    assert info.cluster is not None
+    assert info.cluster.leader in {s.name for s in stack.hub}
+    assert len(info.cluster.replicas or []) == 2
+
+    ack = await cmdq_1.jetstream().publish(
+        SUBJECTS.site_cmd("eu1", "agent1"), b"power-on", headers={"Nats-Msg-Id": "c1:agent1"}
+    )
+    assert (ack.stream, ack.seq) == (stream, 1)
+    await _agent_consumer(cmdq_2, "eu1", "agent1")
+    msg = await _fetch_one(cmdq_2, stream, "agent1")
+    assert msg.data == b"power-on"  # left unacknowledged: only agents ack (see the next test)
+
+    # core messages cross the routes too: an event published on node 1 reaches bcx on node 3
+    bcx = await stack.connect("bcx", n3)
+    sub = await bcx.subscribe(SUBJECTS.events_all("workflow"))
+    await bcx.flush()
+    engine = await stack.connect("engine", n1)
+
+    async def delivered() -> Msg | None:
+        await engine.publish(SUBJECTS.event("workflow", "wf1"), b"changed")
+        with contextlib.suppress(nats.errors.TimeoutError):
+            return await sub.next_msg(timeout=0.5)
+        return None
+
+    got = await eventually("event across nodes", delivered)
+    assert got.data == b"changed"
+    assert not any(stack.errors.values()), stack.errors
+
+
+async def test_site_agent_pulls_its_commands_and_reaches_the_control_plane_through_the_leaf(
+    stack: Stack,
+) -> None:
+    cmdq = await stack.connect("command-queue")
+    secrets_svc = await stack.connect("secrets")
+    stream = await _site_stream(cmdq, "eu1")
+    await _agent_consumer(cmdq, "eu1", "agent1")
+    await cmdq.jetstream().publish(SUBJECTS.site_cmd("eu1", "agent1"), b"boot-pxe")
+
+    # the control plane's side: agent events, and the three requests an agent makes
+    events = await cmdq.subscribe("bc.agent.>")
+    pki = await stack.connect("pki")
+
+    def answer(text: bytes) -> Callable[[Msg], Awaitable[None]]:
+        async def respond(msg: Msg) -> None:
+            await msg.respond(text + b" " + msg.subject.encode())
+
+        return respond
+
+    await cmdq.subscribe("bc.agent.*.*.hello", queue="cmdq", cb=answer(b"welcome"))
+    await pki.subscribe("bc.api.pki.agents.join", queue="pki", cb=answer(b"joined"))
+    await secrets_svc.subscribe("bc.api.secrets.secrets.fetch", queue="secrets", cb=answer(b"secret"))
+    for nc in (cmdq, pki, secrets_svc):
+        await nc.flush()
+
+    agent = await stack.connect("site-agent", stack.leaf)
+    hello = SUBJECTS.agent_event("eu1", "agent1", "hello")
+    reply = await eventually("hello answered", lambda: agent.request(hello, b"hi", timeout=1))
+    assert reply.data == b"welcome " + hello.encode()
+    for subject, text in [("bc.api.pki.agents.join", b"joined"), ("bc.api.secrets.secrets.fetch", b"secret")]:
+        reply = await agent.request(subject, b"{}", timeout=5)
+        assert reply.data == text + b" " + subject.encode()
+
+    # its commands: pulled from the hub's JetStream through the leaf, and acknowledged
+    msg = await _fetch_one(agent, stream, "agent1", timeout=5)
+    assert (msg.subject, msg.data) == (SUBJECTS.site_cmd("eu1", "agent1"), b"boot-pxe")
+    await msg.ack()
+    info = await agent.jetstream().consumer_info(stream, "agent1")
+    assert info.name == "agent1"
+
+    async def drained() -> bool | None:
+        state = (await cmdq.jetstream().stream_info(stream)).state
+        return True if state.messages == 0 else None  # work queue: gone once acknowledged
+
+    await eventually("ack reached the hub", drained)
+
+    heartbeat = SUBJECTS.agent_event("eu1", "agent1", "heartbeat")
+    await agent.publish(heartbeat, b"alive")
+
+    async def heard() -> Msg | None:
+        msg = await events.next_msg(timeout=1)
+        return msg if msg.subject == heartbeat else None  # skips the hello seen before
+
+    assert (await eventually("heartbeat on the hub", heard, timeout=5)).data == b"alive"
+    assert not stack.errors["site-agent"], stack.errors
+
+
+async def test_site_agent_is_confined_to_its_site(stack: Stack) -> None:
+    cmdq = await stack.connect("command-queue")
+    bcx = await stack.connect("bcx")
+    secrets_svc = await stack.connect("secrets")
+    await _site_stream(cmdq, "eu1")
+    us1 = await _site_stream(cmdq, "us1")
+    await _agent_consumer(cmdq, "us1", "agent9")
+    await cmdq.jetstream().publish(SUBJECTS.site_cmd("us1", "agent9"), b"wipe")
+    events = await cmdq.subscribe("bc.agent.>")
+
+    async def get(msg: Msg) -> None:
+        await msg.respond(b"control-plane-secret")
+
+    await secrets_svc.subscribe("bc.api.secrets.secrets.get", cb=get)
+    await secrets_svc.flush()
+    await cmdq.flush()
+
+    agent = await stack.connect("site-agent", stack.leaf)
+    inboxes = await agent.subscribe("_INBOX.>")  # allowed: its own replies come there
+    await agent.subscribe(SUBJECTS.site_cmd_all("us1"))
+    await agent.subscribe(SUBJECTS.site_cmd_all("eu1"))  # commands come only by pulling
+    await agent.publish(SUBJECTS.agent_event("us1", "agent1", "heartbeat"), b"forged")
+    await agent.publish("bc.api.secrets.secrets.get", b"ref", reply="_INBOX.x")
+    psub = await agent.jetstream().pull_subscribe_bind(durable="agent9", stream=us1)
+    with pytest.raises(TimeoutError):  # the pull request never leaves the leaf
+        await psub.fetch(1, timeout=1)
+    with pytest.raises(TimeoutError):
+        await agent.jetstream(timeout=1).add_consumer(
+            EU1, api.ConsumerConfig(durable_name="agent2", filter_subject=SUBJECTS.site_cmd("eu1", "agent2"))
+        )
+    await agent.publish(SUBJECTS.agent_event("eu1", "agent1", "heartbeat"), b"marker")
+    await agent.flush()
+
+    # the server said no to each of them ...
+    async def refusals() -> list[str] | None:
+        errs = stack.errors["site-agent"]
+        return errs if len(errs) >= 6 else None
+
+    errs = "\n".join(await eventually("permission errors", refusals, timeout=5))
+    for refused in [
+        'publish to "bc.agent.us1.agent1.heartbeat"',
+        'subscription to "bc.site.us1.cmd.>"',
+        'subscription to "bc.site.eu1.cmd.>"',
+        'publish to "bc.api.secrets.secrets.get"',
+        f'publish to "$js.api.consumer.msg.next.{us1}.agent9"',
+        f"create.{EU1}.agent2",  # nats-py picks CONSUMER.CREATE or CONSUMER.DURABLE.CREATE
+    ]:
+        assert refused.lower() in errs, (refused, errs)  # nats-py lower-cases the server's text
+
+    # ... and nothing of it reached the control plane: the marker sent after them arrives alone
+    first = await events.next_msg(timeout=5)
+    assert (first.subject, first.data) == (SUBJECTS.agent_event("eu1", "agent1", "heartbeat"), b"marker")
+    assert await _drain(events) == []
+    assert (await cmdq.jetstream().stream_info(us1)).state.messages == 1  # the us1 command is still there
+
+    # replies to the control plane's own requests never reach a site, even on _INBOX.>
+    got = await bcx.request("bc.api.secrets.secrets.get", b"ref", timeout=5)
+    assert got.data == b"control-plane-secret"
+    assert await _drain(inboxes) == []
+
+
+async def test_stream_survives_losing_its_leader(stack: Stack) -> None:
+    cmdq = await stack.connect("command-queue")
+    stream = await _site_stream(cmdq, "eu1")
+    await _agent_consumer(cmdq, "eu1", "agent1")
+    js = cmdq.jetstream(timeout=2)
+    await js.publish(SUBJECTS.site_cmd("eu1", "agent1"), b"before")
+    info = await js.stream_info(stream)
+    assert info.cluster is not None
+    leader = next(s for s in stack.hub if s.name == info.cluster.leader)
+    leader.kill()
+
+    async def new_leader() -> str | None:
+        cluster = (await js.stream_info(stream)).cluster
+        return cluster.leader if cluster and cluster.leader not in (None, leader.name) else None
+
+    assert await eventually("a new stream leader", new_leader) != leader.name
+    # retried until a new leader takes it; the message id keeps a retry from adding a copy
+    after = functools.partial(
+        js.publish, SUBJECTS.site_cmd("eu1", "agent1"), b"after", headers={"Nats-Msg-Id": "after"}
+    )
+    assert (await eventually("publish after the kill", after)).seq == 2
+
+    # the agent, through the leaf (which moves to a surviving hub node if it has to), reads both
+    agent = await stack.connect("site-agent", stack.leaf)
+    psub = await agent.jetstream(timeout=5).pull_subscribe_bind(durable="agent1", stream=stream)
+    got: list[bytes] = []
+
+    async def read_both() -> bool | None:
+        for msg in await psub.fetch(2 - len(got), timeout=1):
+            got.append(msg.data)
+            await msg.ack()
+        return True if len(got) == 2 else None
+
+    await eventually("both commands through the leaf", read_both)
+    assert got == [b"before", b"after"]
