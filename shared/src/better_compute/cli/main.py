@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine_commands.register(sub, common)
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
+    from . import cmdq_commands
+
+    cmdq_commands.register(sub, common)
     return parser
 
 

@@ -28,9 +28,7 @@ CommandState = Literal[
     "cancelled",
 ]  # fmt: skip
 LIVE_STATES: frozenset[str] = frozenset({"pending", "dispatched", "acked", "running"})
-TERMINAL_STATES: frozenset[str] = frozenset(
-    {"succeeded", "failed", "rejected", "expired", "cancelled"}
-)
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "rejected", "expired", "cancelled"})
 DEFAULT_COMMAND_TIMEOUT_MS = 600_000
 
 
@@ -83,6 +81,13 @@ class CommandView(_Msg, frozen=True, kw_only=True):
     created_at: float = 0.0
     updated_at: float = 0.0
     not_after: float = 0.0
+    # Added with the command-queue service (issue 4); defaults keep older readers working.
+    target: Literal["site", "node"] = "site"
+    tenant_id: str = "root"
+    payload: Any = None
+    """The validated payload as stored (SecretRefs as ``sec_…``); absent from list pages."""
+    progress: str | None = None
+    """The agent's last progress message."""
 
 
 class CancelCommands(_Msg, frozen=True, kw_only=True):

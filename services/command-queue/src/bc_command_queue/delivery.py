@@ -1,0 +1,146 @@
+"""Delivery: a JetStream stream per site, a durable pull consumer per agent.
+
+Streams are created on demand (an idempotent ``add_stream``), with work-queue retention: a
+message leaves the stream once its agent acknowledged it. Every publication carries
+``Nats-Msg-Id: <command>:<agent>:<n>``, where ``n`` counts the publications recorded in
+PostgreSQL: publishing again what may not have reached the stream (same ``n``) adds nothing
+if it did, while a deliberate new delivery (``n + 1``) is not swallowed by the stream's
+duplicate window even when the first one was consumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Final
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as Nats
+from nats.js import api
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire import Subjects
+
+__all__ = ["Streams", "consumer_name"]
+
+_DUPLICATE_WINDOW_S: Final = 120.0
+_STREAM_IN_USE: Final = 10058  # "stream name already in use with a different configuration"
+
+
+def consumer_name(agent_id: str) -> str:
+    """The durable consumer of an agent (agent ids are already valid consumer names)."""
+    return agent_id
+
+
+class Streams:
+    """Creates streams and consumers and publishes deliveries."""
+
+    def __init__(
+        self,
+        nc: Nats,
+        subjects: Subjects,
+        *,
+        replicas: int = 1,
+        max_age_seconds: int = 7 * 24 * 3600,
+        ack_wait_seconds: float = 30.0,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=5.0)
+        self.subjects = subjects
+        self.replicas = replicas
+        self.max_age = float(max_age_seconds)
+        self.ack_wait = ack_wait_seconds
+        self._known: set[str] = set()
+
+    async def ensure_stream(self, site_id: str) -> str:
+        name = self.subjects.site_stream(site_id)
+        if name in self._known:
+            return name
+        config = api.StreamConfig(
+            name=name,
+            subjects=[self.subjects.site_cmd_all(site_id)],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE,
+            num_replicas=self.replicas,
+            max_age=self.max_age,
+            duplicate_window=_DUPLICATE_WINDOW_S,
+            discard=api.DiscardPolicy.OLD,
+        )
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            # Another instance made it first, maybe with settings of an older version: use it.
+            if exc.err_code != _STREAM_IN_USE:
+                raise _unavailable("cannot create the site's stream", exc) from exc
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _unavailable("cannot create the site's stream", exc) from exc
+        self._known.add(name)
+        return name
+
+    def forget(self, site_id: str) -> None:
+        """Check the site's stream again before the next publication (it may be gone)."""
+        self._known.discard(self.subjects.site_stream(site_id))
+
+    async def ensure_consumer(self, site_id: str, agent_id: str) -> tuple[str, str]:
+        """The site's stream and the agent's durable consumer on it, created when missing."""
+        stream = await self.ensure_stream(site_id)
+        durable = consumer_name(agent_id)
+        config = api.ConsumerConfig(
+            durable_name=durable,
+            filter_subject=self.subjects.site_cmd(site_id, agent_id),
+            ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_wait=self.ack_wait,
+            max_deliver=-1,
+            max_ack_pending=1024,
+        )
+        try:
+            await self.js.add_consumer(stream, config)
+        except nats.js.errors.NotFoundError:
+            self.forget(site_id)
+            stream = await self.ensure_stream(site_id)
+            await self._add_consumer(stream, config)
+        except nats.js.errors.BadRequestError:
+            # It exists with other settings (an older version made it): keep using it.
+            with contextlib.suppress(nats.errors.Error):
+                await self.js.consumer_info(stream, durable)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _unavailable("cannot create the agent's consumer", exc) from exc
+        return stream, durable
+
+    async def _add_consumer(self, stream: str, config: api.ConsumerConfig) -> None:
+        try:
+            await self.js.add_consumer(stream, config)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _unavailable("cannot create the agent's consumer", exc) from exc
+
+    async def publish(
+        self, *, site_id: str, agent_id: str, command_id: str, body: bytes, generation: int
+    ) -> int:
+        """Publish a delivery; returns its stream sequence.
+
+        Raises:
+            BcError: ``UNAVAILABLE`` when the stream does not take it (it is published again
+                later: the command stays ``dispatched`` without ``published_at``).
+        """
+        stream = await self.ensure_stream(site_id)
+        subject = self.subjects.site_cmd(site_id, agent_id)
+        headers = {"Nats-Msg-Id": f"{command_id}:{agent_id}:{generation}"}
+        try:
+            ack: Any = await self.js.publish(subject, body, timeout=3.0, stream=stream, headers=headers)
+        except nats.js.errors.NoStreamResponseError:
+            # The stream is gone (deleted, or the server lost it): make it again, once.
+            self.forget(site_id)
+            stream = await self.ensure_stream(site_id)
+            try:
+                ack = await self.js.publish(subject, body, timeout=3.0, stream=stream, headers=headers)
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise _unavailable("the site's stream did not take the command", exc) from exc
+        except (nats.errors.Error, TimeoutError) as exc:
+            self.forget(site_id)
+            raise _unavailable("the site's stream did not take the command", exc) from exc
+        return int(ack.seq)
+
+
+def _unavailable(message: str, exc: BaseException) -> BcError:
+    return BcError(ErrorCode.UNAVAILABLE, f"{message}: {type(exc).__name__}")

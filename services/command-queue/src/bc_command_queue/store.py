@@ -1,0 +1,426 @@
+"""SQL of the cmdq schema, as named statements, and rows turned into views.
+
+Every state change is a compare-and-set: an ``UPDATE … WHERE state IN (…)`` that returns the
+row it changed, so a duplicate or late event changes nothing. Loops that several instances
+run at once take their rows with ``FOR UPDATE SKIP LOCKED``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+
+from better_compute.cmdq_client import AgentView
+from better_compute.wire.cmdq import CommandEvent, CommandView
+
+__all__ = [
+    "ACK",
+    "AGENTS_LIST",
+    "AGENT_AGAIN",
+    "AGENT_COMMANDS_TO_REPUBLISH",
+    "AGENT_HEARTBEAT",
+    "AGENT_LEAVE",
+    "AGENT_SEEN",
+    "AGENT_UPSERT",
+    "APPROVALS_OF",
+    "APPROVAL_INSERT",
+    "BATCHES_LIST",
+    "BATCHES_UNEXPIRED",
+    "BATCH_BY_ID",
+    "BATCH_BY_ID_FOR_UPDATE",
+    "BATCH_BY_KEY",
+    "BATCH_INSERT",
+    "BATCH_SET_APPROVED",
+    "CANCEL_BY_ID",
+    "CANCEL_BY_PREFIX",
+    "COMMAND_BY_ID",
+    "COMMAND_BY_NODE_KEY",
+    "COMMAND_INSERT",
+    "COMMAND_STATE",
+    "DISPATCH",
+    "EXPIRE_BATCH_EXPIRED",
+    "EXPIRE_DUE",
+    "FAIL_LOST",
+    "LEASE_RELEASE",
+    "LEASE_RENEW",
+    "LIST_COMMANDS",
+    "LIVE_WITH_PREFIX",
+    "PENDING_TO_DISPATCH",
+    "PICK_SITE_AGENT",
+    "PROGRESS",
+    "PUBLISHED",
+    "REASSIGN_SILENT",
+    "REPUBLISH_DUE",
+    "RESULT",
+    "SITE_OF_NODE",
+    "agent_view",
+    "command_event",
+    "command_view",
+]
+
+_COLS: Final = (
+    "c.id, c.node_id, c.site_id, c.tenant_id, c.key, c.kind, c.destructive, c.target,"
+    " c.payload, c.agent_id, c.state, c.reason, c.progress, c.batch_id, c.workflow_id, c.step,"
+    " c.result, c.attested, c.created_at, c.updated_at, c.not_after, c.dispatched_at, c.publishes"
+)
+_LIVE: Final = "('pending', 'dispatched', 'acked', 'running')"
+_KEY_UNDER: Final = "(c.key = {p} OR starts_with(c.key, {p} || ':') OR starts_with(c.key, {p} || '#'))"
+_SECS: Final = "make_interval(secs => {p}::double precision / 1000)"
+
+# -- commands -------------------------------------------------------------------------
+
+COMMAND_BY_ID: Final = f"SELECT {_COLS} FROM commands c WHERE c.id = $1"
+COMMAND_BY_NODE_KEY: Final = f"SELECT {_COLS} FROM commands c WHERE c.node_id = $1 AND c.key = $2"
+COMMAND_STATE: Final = (
+    "SELECT id, node_id, kind, state, agent_id, digest, not_after > now() AS live FROM commands WHERE id = $1"
+)
+
+# A site agent to deliver to: connected, implementing the kind when it said which it runs,
+# the boot-lease holder first.
+_PICK: Final = (
+    "SELECT a.id FROM agents a"
+    " LEFT JOIN boot_leases l ON l.site_id = a.site_id AND l.agent_id = a.id"
+    "  AND l.expires_at > now()"
+    " WHERE a.site_id = {site} AND a.role = 'site'"
+    f"  AND a.last_seen > now() - {_SECS.format(p='{silent}')}"
+    "  AND ({kind}::text IS NULL OR a.kinds IS NULL OR {kind} = ANY (a.kinds))"
+    " ORDER BY (l.agent_id IS NOT NULL) DESC, a.last_seen DESC LIMIT 1"
+)
+PICK_SITE_AGENT: Final = _PICK.format(site="$1", silent="$2", kind="$3")
+
+# $1 id … $13 step, $14 not_after_ms, $15 may_dispatch, $16 silent_after_ms. A site command goes out at
+# once when it may and an agent is there; a node command always has its agent (the node id).
+COMMAND_INSERT: Final = f"""
+WITH pick AS (
+    SELECT CASE WHEN $8 = 'node' THEN $2
+                ELSE ({_PICK.format(site="$3", silent="$16", kind="$6")}) END AS agent_id
+)
+INSERT INTO commands AS c (id, node_id, site_id, tenant_id, key, kind, destructive, target,
+                           payload, digest, batch_id, workflow_id, step, not_after,
+                           agent_id, state, dispatched_at)
+SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,
+       to_timestamp($14::bigint / 1000.0),
+       CASE WHEN $15::bool OR $8 = 'node' THEN pick.agent_id END,
+       CASE WHEN $15::bool AND pick.agent_id IS NOT NULL THEN 'dispatched' ELSE 'pending' END,
+       CASE WHEN $15::bool AND pick.agent_id IS NOT NULL THEN now() END
+FROM pick
+ON CONFLICT (node_id, key) DO NOTHING
+RETURNING {_COLS}
+"""
+
+PUBLISHED: Final = (
+    "UPDATE commands SET published_at = now(), publishes = publishes + 1, stream_seq = $3"
+    " WHERE id = $1 AND agent_id = $2 AND state IN ('dispatched', 'acked')"
+)
+
+# $1 quorum on, $2 site (or NULL), $3 batch (or NULL), $4 limit, $5 silent_after_ms. Site
+# commands of a site without a connected agent are left out, so they never starve the others.
+PENDING_TO_DISPATCH: Final = f"""
+SELECT c.id, c.site_id, c.target, c.kind, c.node_id FROM commands c
+LEFT JOIN batches b ON b.id = c.batch_id
+WHERE c.state = 'pending' AND c.not_after > now()
+  AND (NOT c.destructive OR NOT $1::bool
+       OR (b.approved_at IS NOT NULL AND b.expires_at > now()))
+  AND ($2::text IS NULL OR c.site_id = $2)
+  AND ($3::text IS NULL OR c.batch_id = $3)
+  AND (c.target = 'node' OR EXISTS (
+      SELECT 1 FROM agents a WHERE a.site_id = c.site_id AND a.role = 'site'
+        AND a.last_seen > now() - {_SECS.format(p="$5")}))
+ORDER BY c.created_at LIMIT $4
+FOR UPDATE OF c SKIP LOCKED
+"""
+DISPATCH: Final = f"""
+UPDATE commands c SET state = 'dispatched', agent_id = $2, dispatched_at = now(),
+    published_at = NULL, reason = NULL, updated_at = now()
+WHERE c.id = $1 AND c.state = 'pending'
+RETURNING {_COLS}
+"""
+
+# Dispatched and never published (the stream did not take it, or the instance died before),
+# or published long ago and still not claimed although its agent is connected.
+REPUBLISH_DUE: Final = f"""
+SELECT {_COLS} FROM commands c LEFT JOIN agents a ON a.id = c.agent_id
+WHERE c.state = 'dispatched' AND (
+    (c.published_at IS NULL AND c.dispatched_at < now() - interval '2 seconds')
+    OR (c.published_at < now() - {_SECS.format(p="$1")}
+        AND a.last_seen > now() - {_SECS.format(p="$2")}))
+ORDER BY c.dispatched_at LIMIT 200
+FOR UPDATE OF c SKIP LOCKED
+"""
+AGENT_COMMANDS_TO_REPUBLISH: Final = (
+    f"SELECT {_COLS} FROM commands c"
+    " WHERE c.agent_id = $1 AND c.state IN ('dispatched', 'acked') ORDER BY c.dispatched_at"
+)
+
+# $1 quorum on
+EXPIRE_DUE: Final = f"""
+WITH due AS (
+    SELECT id FROM commands WHERE state IN {_LIVE} AND not_after <= now()
+    ORDER BY not_after LIMIT 500 FOR UPDATE SKIP LOCKED
+)
+UPDATE commands c SET state = 'expired', finished_at = now(), updated_at = now(),
+    reason = CASE c.state
+        WHEN 'pending' THEN CASE
+            WHEN c.destructive AND $1::bool AND NOT EXISTS (
+                SELECT 1 FROM batches b WHERE b.id = c.batch_id AND b.approved_at IS NOT NULL)
+            THEN 'quorum-not-reached'
+            ELSE 'not-dispatched' END
+        WHEN 'dispatched' THEN 'not-claimed'
+        ELSE 'not-finished' END
+FROM due WHERE c.id = due.id
+RETURNING {_COLS}
+"""
+EXPIRE_BATCH_EXPIRED: Final = f"""
+WITH due AS (
+    SELECT c.id FROM commands c JOIN batches b ON b.id = c.batch_id
+    WHERE c.state = 'pending' AND c.destructive AND b.expires_at <= now()
+    LIMIT 500 FOR UPDATE OF c SKIP LOCKED
+)
+UPDATE commands c SET state = 'expired', reason = 'batch-expired', finished_at = now(),
+    updated_at = now()
+FROM due WHERE c.id = due.id
+RETURNING {_COLS}
+"""
+# $1 silent_after_ms: unclaimed, non-destructive site commands of a silent agent go back to
+# pending for another agent (the old one can no longer claim them).
+REASSIGN_SILENT: Final = f"""
+WITH due AS (
+    SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
+    WHERE c.state = 'dispatched' AND c.target = 'site' AND NOT c.destructive
+      AND a.last_seen < now() - {_SECS.format(p="$1")}
+    LIMIT 500 FOR UPDATE OF c SKIP LOCKED
+)
+UPDATE commands c SET state = 'pending', agent_id = NULL, published_at = NULL,
+    reason = 'agent-silent', updated_at = now()
+FROM due WHERE c.id = due.id
+RETURNING {_COLS}
+"""
+# $1 lost_after_ms: claimed commands of an agent silent that long (and untouched since) fail;
+# their outcome is unknown. Unclaimed ones wait for the agent (a node's bcd may be rebooting
+# into its new OS) until their not_after.
+FAIL_LOST: Final = f"""
+WITH due AS (
+    SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
+    WHERE c.state IN ('acked', 'running')
+      AND a.last_seen < now() - {_SECS.format(p="$1")}
+      AND c.updated_at < now() - {_SECS.format(p="$1")}
+    LIMIT 500 FOR UPDATE OF c SKIP LOCKED
+)
+UPDATE commands c SET state = 'failed', reason = 'agent-lost', finished_at = now(),
+    updated_at = now()
+FROM due WHERE c.id = due.id
+RETURNING {_COLS}
+"""
+
+# $1 id, $2 agent, $3 digest: the claim
+ACK: Final = f"""
+UPDATE commands c SET state = 'acked', acked_at = now(), updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2 AND c.state = 'dispatched' AND c.not_after > now()
+  AND c.digest = $3
+RETURNING {_COLS}
+"""
+PROGRESS: Final = f"""
+WITH old AS (
+    SELECT id, state FROM commands
+    WHERE id = $1 AND agent_id = $2 AND state IN ('acked', 'running') FOR UPDATE
+)
+UPDATE commands c SET state = 'running', progress = coalesce($3, c.progress),
+    updated_at = now()
+FROM old WHERE c.id = old.id
+RETURNING {_COLS}, old.state AS old_state
+"""
+RESULT: Final = f"""
+UPDATE commands c SET state = $3, reason = $4, result = $5, result_signature = $6,
+    attested = $7, finished_at = now(), updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running')
+RETURNING {_COLS}
+"""
+
+CANCEL_BY_ID: Final = f"""
+UPDATE commands c SET state = 'cancelled', reason = $2, finished_at = now(), updated_at = now()
+WHERE c.id = $1 AND c.state IN {_LIVE}
+RETURNING {_COLS}
+"""
+CANCEL_BY_PREFIX: Final = f"""
+UPDATE commands c SET state = 'cancelled', reason = $3, finished_at = now(), updated_at = now()
+WHERE ($1::text IS NULL OR c.node_id = $1) AND c.state IN {_LIVE}
+  AND {_KEY_UNDER.format(p="$2")}
+RETURNING {_COLS}
+"""
+LIVE_WITH_PREFIX: Final = f"""
+SELECT c.id, c.payload FROM commands c
+WHERE c.agent_id = $1 AND c.state IN ('dispatched', 'acked', 'running')
+  AND {_KEY_UNDER.format(p="$2")}
+ORDER BY c.id
+"""
+LIST_COMMANDS: Final = f"""
+SELECT {_COLS} FROM commands c
+WHERE ($1::text IS NULL OR c.node_id = $1)
+  AND ($2::text IS NULL OR c.workflow_id = $2)
+  AND ($3::text IS NULL OR c.state = $3)
+  AND ($4::text IS NULL OR c.kind = $4)
+  AND ($5::text IS NULL OR c.site_id = $5)
+  AND ($6::text IS NULL OR c.agent_id = $6)
+  AND ($7::text IS NULL OR c.batch_id = $7)
+  AND ($8::text IS NULL OR c.id < $8)
+ORDER BY c.id DESC LIMIT $9
+"""
+
+# -- agents and boot leases ---------------------------------------------------------
+
+# $1 id … $8 kinds, $9 signed_at_ms; a replayed (older) hello changes nothing
+AGENT_UPSERT: Final = """
+INSERT INTO agents AS a (id, site_id, tenant_id, role, cert_id, incarnation, version, kinds,
+                         connected_at, last_seen, last_signed_ms)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now(), now(), $9)
+ON CONFLICT (id) DO UPDATE SET site_id = EXCLUDED.site_id, tenant_id = EXCLUDED.tenant_id,
+    role = EXCLUDED.role, cert_id = EXCLUDED.cert_id, incarnation = EXCLUDED.incarnation,
+    version = EXCLUDED.version, kinds = EXCLUDED.kinds, connected_at = now(),
+    last_seen = now(), last_signed_ms = EXCLUDED.last_signed_ms
+WHERE a.last_signed_ms < EXCLUDED.last_signed_ms
+RETURNING a.id
+"""
+AGENT_HEARTBEAT: Final = """
+UPDATE agents SET last_seen = now(), last_signed_ms = $2, cert_id = $3
+WHERE id = $1 AND last_signed_ms < $2
+RETURNING site_id, role
+"""
+AGENT_AGAIN: Final = "SELECT site_id, role FROM agents WHERE id = $1"
+# $2 signed_at_ms, $3 silent_after_ms: shown disconnected at once
+AGENT_LEAVE: Final = f"""
+UPDATE agents SET last_seen = now() - {_SECS.format(p="$3")} - interval '1 second',
+    last_signed_ms = $2
+WHERE id = $1 AND last_signed_ms < $2
+RETURNING site_id, role
+"""
+AGENT_SEEN: Final = "UPDATE agents SET last_seen = now() WHERE id = $1"
+# The site a node is known in here: its own agent's certificate, else its latest command.
+SITE_OF_NODE: Final = """
+SELECT coalesce(
+    (SELECT site_id FROM agents WHERE id = $1),
+    (SELECT site_id FROM commands WHERE node_id = $1 ORDER BY id DESC LIMIT 1))
+"""
+# $1 site, $2 agent, $3 ttl ms: renew when ours or free
+LEASE_RENEW: Final = f"""
+INSERT INTO boot_leases AS l (site_id, agent_id, expires_at)
+VALUES ($1, $2, now() + {_SECS.format(p="$3")})
+ON CONFLICT (site_id) DO UPDATE SET agent_id = EXCLUDED.agent_id,
+    expires_at = EXCLUDED.expires_at
+WHERE l.agent_id = EXCLUDED.agent_id OR l.expires_at <= now()
+RETURNING agent_id
+"""
+LEASE_RELEASE: Final = "DELETE FROM boot_leases WHERE site_id = $1 AND agent_id = $2"
+# $1 site, $2 role, $3 connected, $4 silent_after_ms, $5 limit
+AGENTS_LIST: Final = f"""
+SELECT a.id, a.site_id, a.tenant_id, a.role, a.cert_id, a.version, a.kinds, a.connected_at,
+       a.last_seen, a.last_seen > now() - {_SECS.format(p="$4")} AS connected,
+       l.agent_id IS NOT NULL AS boot_lease,
+       (SELECT count(*) FROM commands c
+        WHERE c.agent_id = a.id AND c.state IN ('dispatched', 'acked', 'running')) AS live
+FROM agents a
+LEFT JOIN boot_leases l ON l.site_id = a.site_id AND l.agent_id = a.id AND l.expires_at > now()
+WHERE ($1::text IS NULL OR a.site_id = $1) AND ($2::text IS NULL OR a.role = $2)
+  AND ($3::bool IS NULL OR (a.last_seen > now() - {_SECS.format(p="$4")}) = $3)
+ORDER BY a.site_id, a.id LIMIT $5
+"""
+
+# -- batches ------------------------------------------------------------------------
+
+_BATCH_COLS: Final = (
+    "id, tenant_id, kinds, nodes, workflow_id, note, idempotency_key, document, threshold,"
+    " created_at, expires_at, expires_at_ms, approved_at, expires_at <= now() AS expired"
+)
+BATCH_INSERT: Final = f"""
+INSERT INTO batches (id, tenant_id, kinds, nodes, workflow_id, note, idempotency_key, document,
+                     threshold, expires_at, expires_at_ms)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, to_timestamp($10::bigint / 1000.0), $10)
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING {_BATCH_COLS}
+"""
+BATCH_BY_ID: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE id = $1"
+BATCH_BY_ID_FOR_UPDATE: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE id = $1 FOR UPDATE"
+BATCH_BY_KEY: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE idempotency_key = $1"
+BATCHES_UNEXPIRED: Final = "SELECT id FROM batches WHERE expires_at > now()"
+BATCH_SET_APPROVED: Final = (
+    "UPDATE batches SET approved_at = CASE WHEN $2 THEN coalesce(approved_at, now()) END"
+    " WHERE id = $1 RETURNING approved_at"
+)
+# $1 workflow, $2 state, $3 limit
+BATCHES_LIST: Final = f"""
+SELECT {_BATCH_COLS} FROM batches
+WHERE ($1::text IS NULL OR workflow_id = $1)
+  AND ($2::text IS NULL OR $2 = CASE WHEN expires_at <= now() THEN 'expired'
+                                     WHEN approved_at IS NOT NULL THEN 'approved'
+                                     ELSE 'open' END)
+ORDER BY id DESC LIMIT $3
+"""
+APPROVAL_INSERT: Final = (
+    "INSERT INTO approvals (batch_id, approver_id, signature) VALUES ($1, $2, $3)"
+    " ON CONFLICT (batch_id, approver_id) DO NOTHING RETURNING approver_id"
+)
+APPROVALS_OF: Final = (
+    "SELECT approver_id, signature, created_at FROM approvals WHERE batch_id = $1"
+    " ORDER BY created_at, approver_id"
+)
+
+
+# -- rows to views -----------------------------------------------------------------
+
+
+def command_view(row: Any, *, created: bool = False, full: bool = True) -> CommandView:
+    """A ``commands`` row as the wire's ``CommandView``; list pages leave out payload and
+    result (``full=False``)."""
+    return CommandView(
+        id=row["id"],
+        node_id=row["node_id"],
+        site_id=row["site_id"],
+        tenant_id=row["tenant_id"],
+        agent_id=row["agent_id"],
+        kind=row["kind"],
+        key=row["key"],
+        target=row["target"],
+        state=row["state"],
+        reason=row["reason"],
+        progress=row["progress"],
+        destructive=row["destructive"],
+        batch_id=row["batch_id"],
+        workflow_id=row["workflow_id"],
+        step=row["step"],
+        payload=msgspec.json.decode(row["payload"]) if full else None,
+        result=bytes(row["result"]) if full and row["result"] is not None else None,
+        attested=row["attested"],
+        created=created,
+        created_at=row["created_at"].timestamp(),
+        updated_at=row["updated_at"].timestamp(),
+        not_after=row["not_after"].timestamp(),
+    )
+
+
+def command_event(row: Any) -> CommandEvent:
+    return CommandEvent(
+        id=row["id"],
+        key=row["key"],
+        node_id=row["node_id"],
+        workflow_id=row["workflow_id"],
+        step=row["step"],
+        state=row["state"],
+        reason=row["reason"],
+    )
+
+
+def agent_view(row: Any) -> AgentView:
+    return AgentView(
+        id=row["id"],
+        site_id=row["site_id"],
+        tenant_id=row["tenant_id"],
+        role=row["role"],
+        cert_id=row["cert_id"],
+        version=row["version"],
+        kinds=list(row["kinds"]) if row["kinds"] is not None else None,
+        connected=row["connected"],
+        boot_lease=row["boot_lease"],
+        live_commands=int(row["live"]),
+        connected_at=row["connected_at"].timestamp(),
+        last_seen=row["last_seen"].timestamp(),
+    )

@@ -1,0 +1,217 @@
+"""The agent protocol: what travels between the command queue and its agents.
+
+* Deliveries: the command queue publishes a ``CommandDelivery`` on the agent's subject
+  ``bc.site.<site>.cmd.<agent>`` of the site's JetStream stream; the agent pulls it from its
+  durable consumer.
+* Events: the agent reports on ``bc.agent.<site>.<agent>.<kind>`` (``hello``, ``heartbeat``,
+  ``ack``, ``progress``, ``result``). Each event is a JSON object signed by the agent's
+  certificate key: the object's fields plus ``signature`` (base64) over
+  ``signing_payload("agent.<kind>", <the object without signature>)``. The command queue
+  checks that the signer's certificate belongs to the agent and site of the subject.
+* ``hello``, ``heartbeat``, ``ack`` and ``result`` are requests (the reply is an ``Ok``/``Err``
+  envelope); ``progress`` is fire-and-forget.
+
+An ``ack`` is a claim: the agent runs a command only after the command queue answered
+``proceed``. The claim names the digest of the delivered kind and payload, so a delivery that
+was forged or altered on the way is refused, and so is a command that was cancelled, expired
+or handed to another agent in the meantime.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from typing import Any, Final, Literal
+
+import msgspec
+
+from ..core.errors import BcError, ErrorCode
+from ..pki_client import AgentIdentity, signing_payload
+
+__all__ = [
+    "EVENT_KINDS",
+    "FRESHNESS_MS",
+    "RESULT_PURPOSE",
+    "Ack",
+    "AckReply",
+    "AgentEvent",
+    "CommandDelivery",
+    "EventKind",
+    "Heartbeat",
+    "HeartbeatReply",
+    "Hello",
+    "HelloReply",
+    "Progress",
+    "Result",
+    "ResultReply",
+    "ResultStatus",
+    "event_purpose",
+    "open_event",
+    "payload_digest",
+    "result_document",
+    "sign_event",
+]
+
+EventKind = Literal["hello", "heartbeat", "ack", "progress", "result"]
+EVENT_KINDS: Final[tuple[str, ...]] = ("hello", "heartbeat", "ack", "progress", "result")
+ResultStatus = Literal["succeeded", "failed", "rejected"]
+
+FRESHNESS_MS: Final = 120_000
+"""An event signed further than this from the command queue's clock is refused."""
+RESULT_PURPOSE: Final = "command.result"
+_DIGEST_DOMAIN: Final = b"bc-cmd-v1"
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=False):
+    pass
+
+
+class CommandDelivery(_Msg, frozen=True, kw_only=True):
+    """One command, as published on the agent's subject of its site's stream.
+
+    ``payload`` is kept raw: the claim's digest is over exactly these bytes.
+    """
+
+    id: str
+    kind: str
+    payload: msgspec.Raw
+    node_id: str
+    site_id: str
+    agent_id: str
+    key: str
+    destructive: bool = False
+    not_after_ms: int
+    batch_id: str | None = None
+    workflow_id: str | None = None
+    step: int | None = None
+
+
+class AgentEvent(_Msg, frozen=True, kw_only=True):
+    """Fields every event carries and signs."""
+
+    site: str
+    agent: str
+    signer_id: str
+    """The certificate id (``cert_…``) whose key signed the event."""
+    signed_at_ms: int
+
+
+class Hello(AgentEvent, frozen=True, kw_only=True):
+    """An agent (re)connects. ``kinds`` lists the command kinds it implements."""
+
+    version: str = ""
+    kinds: list[str] | None = None
+    incarnation: str = ""
+    """Changes at every process start."""
+
+
+class Heartbeat(AgentEvent, frozen=True, kw_only=True):
+    incarnation: str = ""
+    running: int = 0
+    leaving: bool = False
+    """The agent stops: it is shown disconnected at once and gives up its boot lease."""
+
+
+class Ack(AgentEvent, frozen=True, kw_only=True):
+    """A claim on a delivered command; run it only after ``AckReply.proceed``."""
+
+    command_id: str
+    digest: str
+    """``payload_digest(kind, payload)`` of the delivery, hex."""
+
+
+class Progress(AgentEvent, frozen=True, kw_only=True):
+    command_id: str
+    message: str | None = None
+    percent: float | None = None
+
+
+class Result(AgentEvent, frozen=True, kw_only=True):
+    command_id: str
+    status: ResultStatus
+    reason: str | None = None
+    result: bytes = b""
+    """The raw result bytes (base64 in JSON)."""
+    result_signature: bytes | None = None
+    """A node's signature over ``result_document(...)``: the result then counts as attested
+    once the command queue checked it against the node's certificate."""
+
+
+class HelloReply(_Msg, frozen=True, kw_only=True):
+    heartbeat_ms: int
+    silent_after_ms: int
+    stream: str
+    consumer: str
+    boot_lease: bool = False
+    ack_wait_ms: int = 30_000
+    """The consumer's ack wait: a running command's message is kept in progress within it."""
+
+
+class HeartbeatReply(_Msg, frozen=True, kw_only=True):
+    boot_lease: bool = False
+
+
+class AckReply(_Msg, frozen=True, kw_only=True):
+    proceed: bool
+    state: str | None = None
+    reason: str | None = None
+
+
+class ResultReply(_Msg, frozen=True, kw_only=True):
+    recorded: bool
+    """False when the command had already settled (a duplicate or late result)."""
+    state: str | None = None
+    attested: bool = False
+
+
+def event_purpose(kind: str) -> str:
+    """The signing purpose of an event kind: ``agent.ack`` and so on."""
+    return f"agent.{kind}"
+
+
+def sign_event(identity: AgentIdentity, kind: str, event: AgentEvent) -> bytes:
+    """The event as JSON with its ``signature``, ready to publish on its subject."""
+    doc: dict[str, Any] = msgspec.to_builtins(event)
+    _data, signature = identity.sign(event_purpose(kind), doc)
+    doc["signature"] = base64.b64encode(signature).decode()
+    return msgspec.json.encode(doc)
+
+
+def open_event(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """Split a signed event into its document and signature (nothing is checked yet).
+
+    Raises:
+        BcError: ``INVALID_INPUT`` for anything but a JSON object with a base64 ``signature``.
+    """
+    try:
+        doc = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BcError(ErrorCode.INVALID_INPUT, "event is not JSON", {"path": ""}) from exc
+    if not isinstance(doc, dict):
+        raise BcError(ErrorCode.INVALID_INPUT, "event is not an object", {"path": ""})
+    sig = doc.pop("signature", None)
+    if not isinstance(sig, str):
+        raise BcError(ErrorCode.INVALID_INPUT, "event is not signed", {"path": "signature"})
+    try:
+        signature = base64.b64decode(sig, validate=True)
+    except ValueError as exc:
+        raise BcError(ErrorCode.INVALID_INPUT, "signature is not base64", {"path": "signature"}) from exc
+    return doc, signature
+
+
+def payload_digest(kind: str, payload: bytes) -> str:
+    """sha256 over a command's kind and its payload bytes as delivered, hex."""
+    return hashlib.sha256(b"\x00".join((_DIGEST_DOMAIN, kind.encode(), payload))).hexdigest()
+
+
+def result_document(*, command_id: str, node_id: str, status: str, result: bytes) -> bytes:
+    """The bytes a node signs over its result: command, node, status and the result's sha256."""
+    return signing_payload(
+        RESULT_PURPOSE,
+        {
+            "commandId": command_id,
+            "nodeId": node_id,
+            "status": status,
+            "resultSha256": hashlib.sha256(result).hexdigest(),
+        },
+    )

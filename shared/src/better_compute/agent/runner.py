@@ -1,0 +1,626 @@
+"""The agent runtime: connect, announce, pull commands, run each at most once, report, sign.
+
+>>> agent = Agent(enrollment=enrollment, handlers={"power.setPower": set_power},
+...               journal="/var/lib/bc-site-agent/journal.db", nats_url=url)
+>>> async with agent:
+...     await agent.run()
+
+A handler is ``async def handler(cmd: Command) -> bytes | str | dict | list | None``. Its return
+value becomes the result bytes (``str`` as UTF-8, ``dict``/``list`` as JSON). Raise
+``CommandRejected(reason)`` to refuse a command (state ``rejected``); any other exception fails
+it (state ``failed``, reason ``<ExceptionType>: <message>``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
+
+from .. import __version__
+from ..core.errors import BcError, ErrorCode
+from ..logging import get_logger
+from ..pki_client import sign_bytes
+from ..service.client import connect
+from ..wire import Subjects, unwrap
+from ..wire.codec import encode
+from .identity import Enrollment
+from .journal import Journal
+from .protocol import (
+    Ack,
+    AckReply,
+    AgentEvent,
+    CommandDelivery,
+    Heartbeat,
+    HeartbeatReply,
+    Hello,
+    HelloReply,
+    Progress,
+    Result,
+    ResultReply,
+    payload_digest,
+    result_document,
+    sign_event,
+)
+
+__all__ = ["MAX_RESULT_BYTES", "Agent", "Command", "CommandHandler", "CommandRejected"]
+
+MAX_RESULT_BYTES: Final = 512 * 1024
+"""A larger result fails the command with reason ``result-too-large``."""
+
+_WAIT_FOR: Final = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+"""The command queue is not there now: ask again until it is (or the agent stops)."""
+_INTERNAL_TRIES: Final = 5
+
+
+class _Stopping(Exception):  # noqa: N818 - control flow, never leaves this module
+    """The agent stops while waiting for the command queue: leave the work for the next run."""
+
+
+class _Later(Exception):  # noqa: N818 - control flow, never leaves this module
+    """The command queue keeps failing on this one: leave the message for JetStream to bring
+    back after its ack wait."""
+
+
+class CommandRejected(Exception):  # noqa: N818 - an outcome ("rejected"), not a program error
+    """Raised by a handler that refuses a command; its state becomes ``rejected``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class Command:
+    """One command as a handler sees it."""
+
+    id: str
+    kind: str
+    payload: Any
+    node_id: str
+    site_id: str
+    key: str
+    destructive: bool
+    not_after: float
+    """Seconds since the epoch after which the command queue no longer takes its result."""
+    batch_id: str | None
+    workflow_id: str | None
+    step: int | None
+    _agent: Agent = field(repr=False)
+
+    async def progress(self, message: str | None = None, *, percent: float | None = None) -> None:
+        """Tell the command queue how far the command got (fire-and-forget)."""
+        await self._agent._progress(self.id, message, percent)
+
+
+CommandHandler = Callable[[Command], Awaitable[Any]]
+
+
+class Agent:
+    """An agent of the command queue: a site agent, or a node's bcd.
+
+    Args:
+        enrollment: who the agent is (``enroll`` / ``load_enrollment``).
+        handlers: command kind -> handler.
+        journal: a ``Journal`` or its file path; keep it on the agent's own disk.
+        nats_url: connect to NATS here (the agent owns that connection); or pass ``nc``.
+        nc: an open connection to use instead (the caller closes it).
+        subjects: the deployment's subject root.
+        max_concurrency: commands run at once.
+        sign_results: sign results with the node key (default: when the agent is a node's
+            bcd, role ``node`` or ``provisioned``); the result then counts as attested.
+        request_timeout: seconds to wait for each answer of the command queue.
+    """
+
+    def __init__(
+        self,
+        *,
+        enrollment: Enrollment,
+        handlers: Mapping[str, CommandHandler],
+        journal: Journal | str | Path,
+        nats_url: str | None = None,
+        nc: Nats | None = None,
+        subjects: Subjects | None = None,
+        version: str = __version__,
+        max_concurrency: int = 16,
+        sign_results: bool | None = None,
+        request_timeout: float = 5.0,
+        fetch_timeout: float = 1.0,
+        stop_grace: float = 10.0,
+    ) -> None:
+        if nc is None and nats_url is None:
+            raise BcError(ErrorCode.INVALID_CONFIG, "give nats_url or nc", {"path": "nats_url"})
+        self.enrollment = enrollment
+        self.identity = enrollment.identity
+        self.agent_id = enrollment.agent_id
+        self.site_id = enrollment.site_id
+        self.handlers = dict(handlers)
+        self._journal_arg = journal
+        self.journal: Journal | None = journal if isinstance(journal, Journal) else None
+        self.nats_url = nats_url
+        self.nc = nc
+        self._own_nc = nc is None
+        self.subjects = subjects or Subjects()
+        self.version = version
+        self.max_concurrency = max_concurrency
+        self.sign_results = (
+            enrollment.role in ("node", "provisioned") if sign_results is None else sign_results
+        )
+        self.request_timeout = request_timeout
+        self.fetch_timeout = fetch_timeout
+        self.stop_grace = stop_grace
+        self.incarnation = secrets.token_hex(8)
+        self.log = get_logger(agent_id=self.agent_id, site_id=self.site_id)
+        self.ready = asyncio.Event()
+        """Set once the command queue answered hello and the agent pulls its commands."""
+        self.boot_lease = False
+        """Whether this agent holds its site's boot lease (as of the last heartbeat)."""
+        self.heartbeat_ms = 5_000
+        self.ack_wait_s = 30.0
+        self._hello: HelloReply | None = None
+        self._psub: Any = None
+        self._stop = asyncio.Event()
+        self._rehello = asyncio.Event()
+        self._active: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._stopped = False
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Open the journal and the NATS connection; ``run()`` does the rest."""
+        if self.journal is None:
+            self.journal = Journal(self._journal_arg)  # type: ignore[arg-type]
+        if self.nc is None:
+            assert self.nats_url is not None
+            self.nc = await connect(
+                self.nats_url,
+                name=f"bc-agent:{self.agent_id}",
+                reconnected_cb=self._on_reconnect,
+            )
+
+    async def _on_reconnect(self) -> None:
+        # The server may have come back without our consumer (or stream): say hello again.
+        self._rehello.set()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until ``request_stop()`` or ``stop()``."""
+        try:
+            await self._connect_commands()
+        except BcError:
+            if self._stop.is_set():
+                return
+            raise
+        await self._settle_journal()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._heartbeats(), name="agent-heartbeats")
+            tg.create_task(self._pull(), name="agent-pull")
+            await self._stop.wait()
+
+    async def stop(self) -> None:
+        """Let running commands finish within the grace, say goodbye, close. Safe twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        if self._tasks:
+            _done, pending = await asyncio.wait(set(self._tasks), timeout=self.stop_grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=2.0)
+        if self.nc is not None and self.nc.is_connected and self._hello is not None:
+            with contextlib.suppress(Exception):
+                await self._request("heartbeat", self._heartbeat(leaving=True), timeout=1.0)
+        if self._psub is not None:
+            with contextlib.suppress(Exception):
+                await self._psub.unsubscribe()
+        if self._own_nc and self.nc is not None and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), timeout=2.0)
+        if self.journal is not None and not isinstance(self._journal_arg, Journal):
+            self.journal.close()
+        self.log.info("agent_stopped")
+
+    # -- talking to the command queue --------------------------------------------------
+
+    def _base(self) -> dict[str, Any]:
+        return {
+            "site": self.site_id,
+            "agent": self.agent_id,
+            "signer_id": self.identity.cert_id,
+            "signed_at_ms": time.time_ns() // 1_000_000,
+        }
+
+    def _heartbeat(self, *, leaving: bool = False) -> Heartbeat:
+        return Heartbeat(
+            **self._base(),
+            incarnation=self.incarnation,
+            running=len(self._active),
+            leaving=leaving,
+        )
+
+    async def _request(self, kind: str, event: AgentEvent, *, timeout: float | None = None) -> Any:
+        """Send a signed event and return the reply's result; raises ``BcError``."""
+        assert self.nc is not None
+        subject = self.subjects.agent_event(self.site_id, self.agent_id, kind)
+        try:
+            msg = await self.nc.request(
+                subject, sign_event(self.identity, kind, event), timeout=timeout or self.request_timeout
+            )
+        except nats.errors.NoRespondersError as exc:
+            raise BcError(ErrorCode.UNAVAILABLE, "no command queue answers") from exc
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            raise BcError(ErrorCode.TIMEOUT, f"no answer to {kind}") from exc
+        except nats.errors.Error as exc:
+            raise BcError(ErrorCode.UNAVAILABLE, f"NATS: {type(exc).__name__}") from exc
+        return unwrap(msg.data)
+
+    async def _publish(self, kind: str, event: AgentEvent) -> None:
+        assert self.nc is not None
+        subject = self.subjects.agent_event(self.site_id, self.agent_id, kind)
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(subject, sign_event(self.identity, kind, event))
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """``call()`` until it answers. Waits out an absent command queue; gives up with
+        ``_Later`` after a few ``INTERNAL`` answers; raises any other refusal."""
+        delay = 0.1
+        internal = 0
+        while True:
+            try:
+                return await call()
+            except BcError as err:
+                if err.code is ErrorCode.INTERNAL:
+                    internal += 1
+                    if internal >= _INTERNAL_TRIES:
+                        raise _Later from err
+                elif err.code not in _WAIT_FOR:
+                    raise
+                if self._stop.is_set():
+                    raise _Stopping from err
+                self.log.debug("agent_request_retry", what=what, code=err.code.value)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _connect_commands(self) -> None:
+        """Say hello until the command queue answers, then bind to our consumer."""
+
+        async def hello() -> HelloReply:
+            event = Hello(
+                **self._base(),
+                version=self.version,
+                kinds=sorted(self.handlers),
+                incarnation=self.incarnation,
+            )
+            return msgspec.convert(await self._request("hello", event), HelloReply)
+
+        try:
+            reply: HelloReply = await self._retrying("hello", hello)
+        except (_Stopping, _Later) as exc:
+            raise BcError(ErrorCode.UNAVAILABLE, "stopped before the command queue answered") from exc
+        self._hello = reply
+        self.heartbeat_ms = reply.heartbeat_ms
+        self.ack_wait_s = reply.ack_wait_ms / 1000
+        self.boot_lease = reply.boot_lease
+        assert self.nc is not None
+        if self._psub is not None:
+            with contextlib.suppress(Exception):
+                await self._psub.unsubscribe()
+        js = self.nc.jetstream()
+        self._psub = await js.pull_subscribe_bind(durable=reply.consumer, stream=reply.stream)
+        self._rehello.clear()
+        if not self.ready.is_set():
+            self.log.info("agent_connected", stream=reply.stream, boot_lease=reply.boot_lease)
+        self.ready.set()
+
+    async def _heartbeats(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=self.heartbeat_ms / 1000)
+            if self._stop.is_set():
+                return
+            try:
+                got = await self._request("heartbeat", self._heartbeat())
+                self.boot_lease = msgspec.convert(got, HeartbeatReply).boot_lease
+            except BcError as err:
+                self.log.debug("heartbeat_failed", code=err.code.value)
+                if err.code is ErrorCode.NOT_FOUND:
+                    self._rehello.set()  # the command queue forgot us: announce again
+
+    # -- pulling and running commands ------------------------------------------------
+
+    async def _pull(self) -> None:
+        idle = 0.0
+        while not self._stop.is_set():
+            if self._rehello.is_set():
+                try:
+                    await self._connect_commands()
+                except BcError:
+                    await asyncio.sleep(0.5)
+                    continue
+            free = self.max_concurrency - len(self._tasks)
+            if free <= 0:
+                await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                msgs = await self._psub.fetch(batch=min(free, 32), timeout=self.fetch_timeout)
+            except (TimeoutError, nats.errors.TimeoutError):
+                idle += self.fetch_timeout
+                if idle >= 30.0:
+                    idle = 0.0
+                    await self._check_consumer()
+                continue
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                if self._stop.is_set():
+                    return
+                self.log.info("agent_pull_failed", error=type(exc).__name__)
+                self._rehello.set()
+                await asyncio.sleep(0.5)
+                continue
+            idle = 0.0
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(msg), name="agent-command")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _check_consumer(self) -> None:
+        try:
+            await self._psub.consumer_info()
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            self._rehello.set()
+
+    async def _handle(self, msg: Msg) -> None:
+        journal = self.journal
+        assert journal is not None
+        try:
+            delivery = msgspec.json.decode(msg.data, type=CommandDelivery)
+        except msgspec.MsgspecError:
+            self.log.warning("delivery_malformed")
+            await _ack(msg)
+            return
+        if delivery.agent_id != self.agent_id or delivery.site_id != self.site_id:
+            self.log.warning("delivery_not_ours", command_id=delivery.id)
+            await _ack(msg)
+            return
+        if delivery.id in self._active:
+            await _in_progress(msg)  # another delivery of it is being handled right here
+            return
+        self._active.add(delivery.id)
+        try:
+            await self._handle_once(delivery, msg, journal)
+        except Exception:
+            # Unacknowledged, the message comes again after the ack wait; the journal decides.
+            self.log.exception("command_handling_failed", command_id=delivery.id)
+        finally:
+            self._active.discard(delivery.id)
+
+    async def _handle_once(self, delivery: CommandDelivery, msg: Msg, journal: Journal) -> None:
+        log = self.log.bind(command_id=delivery.id, kind=delivery.kind)
+        entry = journal.get(delivery.id)
+        if entry is not None and entry.state in ("reported", "refused"):
+            await _ack(msg)  # a duplicate delivery: done already
+            return
+        if entry is not None and entry.state == "started":
+            # Started by an earlier process of this agent, which died while running it.
+            if await self._interrupted(delivery.id):
+                await _ack(msg)
+            return
+        if entry is not None and entry.state == "finished":
+            if await self._report_entry(delivery.id):
+                await _ack(msg)
+            return
+        not_after = delivery.not_after_ms / 1000
+        if time.time() >= not_after:
+            await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason="expired")
+            await _ack(msg)
+            return
+        try:
+            refusal = await self._claim(delivery, msg)
+        except (_Stopping, _Later):
+            return  # neither journaled nor acknowledged: it is claimed again later
+        if refusal is not None:
+            await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason=refusal)
+            await _ack(msg)
+            return
+        # Durable before the handler runs: from here on, this command never runs again.
+        if not await journal.started(delivery.id, kind=delivery.kind, not_after=not_after):
+            return
+        await self._execute(delivery, msg, log)
+        if await self._report_entry(delivery.id):
+            await _ack(msg)
+
+    async def _claim(self, delivery: CommandDelivery, msg: Msg) -> str | None:
+        """Ask the command queue whether to run it: None to proceed, else why not."""
+
+        async def ack() -> AckReply:
+            event = Ack(
+                **self._base(),
+                command_id=delivery.id,
+                digest=payload_digest(delivery.kind, bytes(delivery.payload)),
+            )
+            return msgspec.convert(await self._request("ack", event), AckReply)
+
+        async def keep_message() -> None:
+            # Claims can wait on an unreachable command queue; keep JetStream from
+            # redelivering the message meanwhile.
+            while True:
+                await asyncio.sleep(max(self.ack_wait_s / 3, 1.0))
+                await _in_progress(msg)
+
+        keeper = asyncio.create_task(keep_message())
+        try:
+            reply: AckReply = await self._retrying("ack", ack)
+        except BcError as err:
+            self.log.warning("command_claim_refused", command_id=delivery.id, code=err.code.value)
+            return f"claim refused: {err.code.value}"
+        finally:
+            keeper.cancel()
+        if reply.proceed:
+            return None
+        self.log.info("command_not_claimed", command_id=delivery.id, state=reply.state, reason=reply.reason)
+        return reply.reason or reply.state or "refused"
+
+    async def _execute(self, delivery: CommandDelivery, msg: Msg, log: Any) -> None:
+        assert self.journal is not None
+        await self._progress(delivery.id, None, None)
+        handler = self.handlers.get(delivery.kind)
+        status = "succeeded"
+        reason: str | None = None
+        result = b""
+        keeper = asyncio.create_task(self._keep_in_progress(msg))
+        t0 = time.monotonic()
+        try:
+            if handler is None:
+                raise CommandRejected(f"unsupported-kind: this agent does not run {delivery.kind}")
+            command = Command(
+                id=delivery.id,
+                kind=delivery.kind,
+                payload=msgspec.json.decode(delivery.payload),
+                node_id=delivery.node_id,
+                site_id=delivery.site_id,
+                key=delivery.key,
+                destructive=delivery.destructive,
+                not_after=delivery.not_after_ms / 1000,
+                batch_id=delivery.batch_id,
+                workflow_id=delivery.workflow_id,
+                step=delivery.step,
+                _agent=self,
+            )
+            result = _as_bytes(await handler(command))
+            if len(result) > MAX_RESULT_BYTES:
+                status, reason, result = "failed", "result-too-large", b""
+        except CommandRejected as exc:
+            status, reason = "rejected", exc.reason[:500]
+        except asyncio.CancelledError:
+            raise
+        except BcError as exc:
+            status, reason = "failed", f"{exc.code.value}: {exc.message}"[:500]
+        except Exception as exc:
+            status, reason = "failed", f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            keeper.cancel()
+        signature = None
+        if self.sign_results and delivery.node_id == self.agent_id:
+            signature = sign_bytes(
+                self.identity.private_key,
+                result_document(
+                    command_id=delivery.id, node_id=delivery.node_id, status=status, result=result
+                ),
+            )
+        await self.journal.finished(
+            delivery.id, status=status, reason=reason, result=result, signature=signature
+        )
+        log.info(
+            "command_finished",
+            status=status,
+            reason=reason,
+            ms=round((time.monotonic() - t0) * 1000, 1),
+        )
+
+    async def _keep_in_progress(self, msg: Msg) -> None:
+        while True:
+            await asyncio.sleep(max(self.ack_wait_s / 3, 1.0))
+            await _in_progress(msg)
+
+    async def _progress(self, command_id: str, message: str | None, percent: float | None) -> None:
+        await self._publish(
+            "progress",
+            Progress(**self._base(), command_id=command_id, message=message, percent=percent),
+        )
+
+    async def _interrupted(self, command_id: str) -> bool:
+        """A command an earlier process started and never finished: never run it again."""
+        assert self.journal is not None
+        await self.journal.finished(
+            command_id,
+            status="failed",
+            reason="interrupted: the agent stopped while the command ran",
+            result=b"",
+            signature=None,
+        )
+        self.log.warning("command_interrupted", command_id=command_id)
+        return await self._report_entry(command_id)
+
+    async def _report_entry(self, command_id: str) -> bool:
+        """Report a finished command's result; False when it must be reported later."""
+        assert self.journal is not None
+        entry = self.journal.get(command_id)
+        if entry is None or entry.state != "finished":
+            return entry is not None and entry.state == "reported"
+
+        async def report() -> ResultReply:
+            event = Result(
+                **self._base(),
+                command_id=command_id,
+                status=entry.status or "failed",  # type: ignore[arg-type]
+                reason=entry.reason,
+                result=entry.result or b"",
+                result_signature=entry.signature,
+            )
+            return msgspec.convert(await self._request("result", event), ResultReply)
+
+        try:
+            reply: ResultReply = await self._retrying("result", report)
+        except (_Stopping, _Later):
+            return False  # still "finished" in the journal: its next delivery or start reports it
+        except BcError as err:
+            # Refused for good (the command is unknown there, or not ours): nobody to tell.
+            self.log.warning("result_refused", command_id=command_id, code=err.code.value)
+            await self.journal.reported(command_id)
+            return True
+        await self.journal.reported(command_id)
+        if not reply.recorded:
+            self.log.info("result_not_recorded", command_id=command_id, state=reply.state)
+        return True
+
+    async def _settle_journal(self) -> None:
+        """At start: report what an earlier process finished, and fail what it left running."""
+        assert self.journal is not None
+        for entry in self.journal.unsettled():
+            if entry.state == "started":
+                await self._interrupted(entry.id)
+            else:
+                await self._report_entry(entry.id)
+
+
+def _as_bytes(value: Any) -> bytes:
+    if value is None:
+        return b""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    return encode(value)
+
+
+async def _ack(msg: Msg) -> None:
+    with contextlib.suppress(Exception):
+        await msg.ack()
+
+
+async def _in_progress(msg: Msg) -> None:
+    with contextlib.suppress(Exception):
+        await msg.in_progress()

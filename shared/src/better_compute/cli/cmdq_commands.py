@@ -1,0 +1,368 @@
+"""``bcx commands list|get|cancel``, ``bcx agents list`` and
+``bcx batches create|list|get|approve|keygen``.
+
+``batches approve`` signs on this machine with the approver's key file (``batches keygen`` makes
+one): the batch's document is rebuilt from the scope shown, checked against what the service
+sent, signed here, and only the signature is sent. The private key never leaves the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from ..cmdq_client import AgentView, BatchView, CommandQueueClient, sign_batch
+from ..config import Settings
+from ..core.errors import BcError, ErrorCode
+from ..wire.cmdq import CommandView
+from .common import api_client
+from .output import print_json, print_table
+from .pki_commands import parse_seconds
+
+__all__ = ["load_approver_key", "register"]
+
+_STATES = [
+    "pending",
+    "dispatched",
+    "acked",
+    "running",
+    "succeeded",
+    "failed",
+    "rejected",
+    "expired",
+    "cancelled",
+]
+
+
+def _at(seconds: float | None) -> str | None:
+    if not seconds:
+        return None
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _json(value: Any) -> Any:
+    return msgspec.to_builtins(value)
+
+
+def _command_row(c: CommandView) -> dict[str, Any]:
+    return {
+        "id": c.id,
+        "node": c.node_id,
+        "kind": c.kind,
+        "state": c.state,
+        "agent": c.agent_id,
+        "reason": c.reason,
+        "updated": _at(c.updated_at),
+    }
+
+
+def _agent_row(a: AgentView) -> dict[str, Any]:
+    return {
+        "id": a.id,
+        "site": a.site_id,
+        "role": a.role,
+        "connected": a.connected,
+        "bootLease": a.boot_lease,
+        "live": a.live_commands,
+        "version": a.version,
+        "lastSeen": _at(a.last_seen),
+    }
+
+
+def _batch_row(b: BatchView) -> dict[str, Any]:
+    counted = sum(1 for a in b.approvals if a.counted)
+    return {
+        "id": b.id,
+        "state": b.state,
+        "approvals": f"{counted}/{b.threshold}",
+        "kinds": ",".join(b.kinds),
+        "nodes": len(b.nodes),
+        "workflow": b.workflow_id,
+        "expires": _at(b.expires_at_ms / 1000),
+    }
+
+
+def _show_result(result: bytes | None) -> str | None:
+    if result is None:
+        return None
+    try:
+        return result.decode()
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(result).decode()
+
+
+# -- commands -------------------------------------------------------------------------
+
+
+async def cmd_commands_list(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        page = await CommandQueueClient(api).list_commands(
+            node_id=args.node,
+            workflow_id=args.workflow,
+            state=args.state,
+            kind=args.kind,
+            site_id=args.site,
+            agent_id=args.agent,
+            batch_id=args.batch,
+            before=args.before,
+            limit=args.limit,
+        )
+    if args.json:
+        print_json(_json(page))
+        return 0
+    print_table(
+        [_command_row(c) for c in page.commands],
+        [("id", "ID"), ("node", "NODE"), ("kind", "KIND"), ("state", "STATE"), ("agent", "AGENT"),
+         ("reason", "REASON"), ("updated", "UPDATED")],
+        empty="no commands",
+    )  # fmt: skip
+    if page.next:
+        print(f"more: --before {page.next}")
+    return 0
+
+
+async def cmd_commands_get(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        view = await CommandQueueClient(api).get(args.id)
+    if args.json:
+        print_json(_json(view))
+        return 0
+    rows = [
+        ("id", view.id), ("kind", view.kind), ("state", view.state), ("reason", view.reason),
+        ("node", view.node_id), ("site", view.site_id), ("target", view.target),
+        ("agent", view.agent_id), ("key", view.key), ("workflow", view.workflow_id),
+        ("step", view.step), ("destructive", view.destructive), ("batch", view.batch_id),
+        ("progress", view.progress), ("attested", view.attested),
+        ("created", _at(view.created_at)), ("updated", _at(view.updated_at)),
+        ("notAfter", _at(view.not_after)), ("payload", msgspec.json.encode(view.payload).decode()),
+        ("result", _show_result(view.result)),
+    ]  # fmt: skip
+    print_table([{"field": k, "value": v} for k, v in rows], [("field", "FIELD"), ("value", "VALUE")])
+    return 0
+
+
+async def cmd_commands_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    if (args.id is None) == (args.key_prefix is None):
+        raise BcError(ErrorCode.INVALID_INPUT, "give a command id, or --key-prefix", {"path": "id"})
+    async with api_client(settings) as api:
+        cancelled = await CommandQueueClient(api).cancel(
+            id=args.id, node_id=args.node, key_prefix=args.key_prefix, reason=args.reason
+        )
+    if args.json:
+        print_json({"cancelled": cancelled})
+    elif cancelled:
+        for ident in cancelled:
+            print(f"cancelled {ident}")
+    else:
+        print("nothing live to cancel")
+    return 0
+
+
+# -- agents -----------------------------------------------------------------------------
+
+
+async def cmd_agents_list(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        agents = await CommandQueueClient(api).agents(
+            site_id=args.site, role=args.role, connected=args.connected, limit=args.limit
+        )
+    if args.json:
+        print_json({"agents": _json(agents)})
+        return 0
+    print_table(
+        [_agent_row(a) for a in agents],
+        [("id", "ID"), ("site", "SITE"), ("role", "ROLE"), ("connected", "CONNECTED"),
+         ("bootLease", "BOOT LEASE"), ("live", "LIVE"), ("version", "VERSION"),
+         ("lastSeen", "LAST SEEN")],
+        empty="no agents",
+    )  # fmt: skip
+    return 0
+
+
+# -- batches ----------------------------------------------------------------------------
+
+
+def _print_batch(batch: BatchView, *, as_json: bool) -> None:
+    if as_json:
+        print_json(_json(batch))
+        return
+    print_table([_batch_row(batch)], [(k, k.upper()) for k in _batch_row(batch)])
+    print(f"kinds: {', '.join(batch.kinds)}")
+    print(f"nodes: {', '.join(batch.nodes)}")
+    if batch.note:
+        print(f"note:  {batch.note}")
+    for a in batch.approvals:
+        counted = "" if a.counted else " (not counted: approver no longer configured)"
+        print(f"approved by {a.approver_id} at {_at(a.at)}{counted}")
+
+
+async def cmd_batches_create(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        batch = await CommandQueueClient(api).create_batch(
+            kinds=args.kind,
+            nodes=args.node,
+            tenant_id=args.tenant,
+            ttl_seconds=args.ttl,
+            workflow_id=args.workflow,
+            note=args.note,
+            idempotency_key=args.idempotency_key,
+        )
+    _print_batch(batch, as_json=args.json)
+    return 0
+
+
+async def cmd_batches_list(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        batches = await CommandQueueClient(api).list_batches(
+            workflow_id=args.workflow, state=args.state, limit=args.limit
+        )
+    if args.json:
+        print_json({"batches": _json(batches)})
+        return 0
+    rows = [_batch_row(b) for b in batches]
+    print_table(
+        rows,
+        [("id", "ID"), ("state", "STATE"), ("approvals", "APPROVALS"), ("kinds", "KINDS"),
+         ("nodes", "NODES"), ("workflow", "WORKFLOW"), ("expires", "EXPIRES")],
+        empty="no batches",
+    )  # fmt: skip
+    return 0
+
+
+async def cmd_batches_get(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        batch = await CommandQueueClient(api).get_batch(args.id)
+    _print_batch(batch, as_json=args.json)
+    return 0
+
+
+def load_approver_key(path: str) -> ed25519.Ed25519PrivateKey:
+    """An approver's Ed25519 private key from a PEM (PKCS#8) file.
+
+    Raises:
+        BcError: ``INVALID_INPUT`` at ``--key-file`` when it cannot be read or is not one.
+    """
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except OSError as exc:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, f"cannot read the key file: {exc.strerror}", {"path": "--key-file"}
+        ) from exc
+    except (ValueError, TypeError) as exc:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, "the key file holds no unencrypted PEM key", {"path": "--key-file"}
+        ) from exc
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise BcError(ErrorCode.INVALID_INPUT, "an approver key is Ed25519", {"path": "--key-file"})
+    return key
+
+
+async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> int:
+    key = load_approver_key(args.key_file)
+    async with api_client(settings) as api:
+        cq = CommandQueueClient(api)
+        batch = await cq.get_batch(args.id)
+        signature = sign_batch(batch, key)  # refuses a document that is not the scope shown
+        approved = await cq.approve_batch(batch.id, approver_id=args.approver, signature=signature)
+    _print_batch(approved, as_json=args.json)
+    return 0
+
+
+async def cmd_batches_keygen(args: argparse.Namespace, _settings: Settings) -> int:
+    key = ed25519.Ed25519PrivateKey.generate()
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    try:
+        fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise BcError(ErrorCode.CONFLICT, "the key file already exists", {"path": "--key-file"}) from None
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(pem)
+    public = base64.b64encode(
+        key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    ).decode()
+    if args.json:
+        print_json({"keyFile": args.key_file, "publicKey": public})
+    else:
+        print(f"wrote {args.key_file} (keep it on this machine)")
+        print("add to the command queue's approvers file:")
+        print(f'[[approvers]]\nid = "{args.approver or "<your-name>"}"\npublicKey = "{public}"')
+    return 0
+
+
+# -- the parser -----------------------------------------------------------------------
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``commands``, ``agents`` and ``batches`` to bcx."""
+    commands = sub.add_parser("commands", help="commands sent to agents")
+    csub = commands.add_subparsers(dest="commands_command", required=True, metavar="COMMAND")
+    p = csub.add_parser("list", parents=[common], help="commands, newest first")
+    p.add_argument("--node", help="node id")
+    p.add_argument("--workflow", help="workflow id")
+    p.add_argument("--state", choices=_STATES)
+    p.add_argument("--kind", help="command kind (power.setPower)")
+    p.add_argument("--site", help="site id")
+    p.add_argument("--agent", help="agent id")
+    p.add_argument("--batch", help="batch id")
+    p.add_argument("--before", help="the 'more' cursor of the previous page")
+    p.add_argument("--limit", type=int, default=50)
+    p.set_defaults(func=cmd_commands_list)
+    p = csub.add_parser("get", parents=[common], help="one command, with payload and result")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_commands_get)
+    p = csub.add_parser("cancel", parents=[common], help="cancel a live command, or those under a key")
+    p.add_argument("id", nargs="?", help="command id")
+    p.add_argument("--key-prefix", help="every live command whose key starts so (wf:<id>:<step>)")
+    p.add_argument("--node", help="with --key-prefix: only this node's")
+    p.add_argument("--reason", default="cancelled by an operator")
+    p.set_defaults(func=cmd_commands_cancel)
+
+    agents = sub.add_parser("agents", help="site agents and node agents")
+    asub = agents.add_subparsers(dest="agents_command", required=True, metavar="COMMAND")
+    p = asub.add_parser("list", parents=[common], help="agents, with presence and boot leases")
+    p.add_argument("--site", help="site id")
+    p.add_argument("--role", choices=["site", "node", "provisioned", "discovery"])
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--connected", action="store_const", const=True, dest="connected")
+    group.add_argument("--silent", action="store_const", const=False, dest="connected")
+    p.add_argument("--limit", type=int, default=100)
+    p.set_defaults(func=cmd_agents_list, connected=None)
+
+    batches = sub.add_parser("batches", help="destructive batches and their approvals")
+    bsub = batches.add_subparsers(dest="batches_command", required=True, metavar="COMMAND")
+    p = bsub.add_parser("create", parents=[common], help="a batch: command kinds and nodes, until expiry")
+    p.add_argument("--kind", action="append", required=True, help="a destructive kind (repeat)")
+    p.add_argument("--node", action="append", required=True, help="a node id (repeat)")
+    p.add_argument("--ttl", type=parse_seconds, default=24 * 3600, help="lifetime (90m, 24h, 7d)")
+    p.add_argument("--tenant", default="root")
+    p.add_argument("--workflow", help="the workflow the batch is for")
+    p.add_argument("--note", help="why, for the approvers")
+    p.add_argument("--idempotency-key", help="asking again with it returns the same batch")
+    p.set_defaults(func=cmd_batches_create)
+    p = bsub.add_parser("list", parents=[common], help="batches, newest first")
+    p.add_argument("--workflow")
+    p.add_argument("--state", choices=["open", "approved", "expired"])
+    p.add_argument("--limit", type=int, default=50)
+    p.set_defaults(func=cmd_batches_list)
+    p = bsub.add_parser("get", parents=[common], help="one batch with its approvals")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_batches_get)
+    p = bsub.add_parser("approve", parents=[common], help="sign a batch here with your key file")
+    p.add_argument("id")
+    p.add_argument("--approver", required=True, help="your approver id, as configured")
+    p.add_argument("--key-file", required=True, help="your Ed25519 private key (PEM)")
+    p.set_defaults(func=cmd_batches_approve)
+    p = bsub.add_parser("keygen", parents=[common], help="make an approver key file (0600)")
+    p.add_argument("--key-file", required=True, help="where to write the new private key")
+    p.add_argument("--approver", help="your approver id, for the snippet printed")
+    p.set_defaults(func=cmd_batches_keygen)

@@ -1,0 +1,227 @@
+"""The destructive-batch quorum: batches, approvals, refusals and dispatch once M signed."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from bc_command_queue.config import CmdqConfig, load_quorum
+from bc_command_queue.service import CommandQueueService
+from better_compute.agent import Agent
+from better_compute.agent.sim import join_agent, sim_handlers
+from better_compute.cmdq_client import BatchView, CommandQueueClient, sign_batch
+from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses
+from better_compute.wire.cmdq import EnqueueCommand
+
+APPROVERS = ("alice", "bob", "carol")
+
+
+def public_b64(key: ed25519.Ed25519PrivateKey) -> str:
+    return base64.b64encode(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()
+
+
+def write_approvers(path: Path, keys: dict[str, ed25519.Ed25519PrivateKey], threshold: int) -> Path:
+    lines = [f"threshold = {threshold}"]
+    for name, key in keys.items():
+        lines += ["[[approvers]]", f'id = "{name}"', f'publicKey = "{public_b64(key)}"']
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@dataclass
+class Quorum:
+    cq: CommandQueueClient
+    keys: dict[str, ed25519.Ed25519PrivateKey]
+    node: str
+    agent: Agent
+
+    def wipe(self, **kw: Any) -> EnqueueCommand:
+        args: dict[str, Any] = {
+            "node_id": self.node,
+            "site_id": "site-q",
+            "kind": "node.wipe",
+            "payload": {},
+            "key": new_id("cmd"),
+            "target": "node",
+        }
+        args.update(kw)
+        return EnqueueCommand(**args)
+
+    async def approve(self, batch: BatchView, name: str) -> BatchView:
+        return await self.cq.approve_batch(
+            batch.id, approver_id=name, signature=sign_batch(batch, self.keys[name])
+        )
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def quorum(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[Quorum]:
+    keys = {name: ed25519.Ed25519PrivateKey.generate() for name in APPROVERS}
+    config = CmdqConfig(
+        quorum=load_quorum(write_approvers(tmp_path / "approvers.toml", keys, 2)), sweep_ms=100
+    )
+    bc_processes.start("bc-pki")
+    await bc_processes.wait_ready()
+    node = new_id("node")
+    async with CommandQueueService(bc_settings, config=config) as svc:
+        run = asyncio.create_task(svc.run())
+        enrollment = await join_agent(bc_api, site_id="site-q", role="node", node_id=node)
+        agent = Agent(
+            enrollment=enrollment,
+            handlers=sim_handlers(["node.wipe", "node.inventory", "node.imageWrite"]),
+            journal=tmp_path / "journal.db",
+            nc=bc_api.nc,
+            subjects=bc_api.subjects,
+        )
+        await agent.start()
+        agent_run = asyncio.create_task(agent.run())
+        await asyncio.wait_for(agent.ready.wait(), 10)
+        try:
+            yield Quorum(cq=CommandQueueClient(bc_api), keys=keys, node=node, agent=agent)
+        finally:
+            await agent.stop()
+            with contextlib.suppress(Exception):
+                await agent_run
+            svc.request_stop()
+            await run
+
+
+async def refused(coro: Any) -> BcError:
+    with pytest.raises(BcError) as info:
+        await coro
+    return info.value
+
+
+async def test_destructive_commands_need_a_batch_in_scope(quorum: Quorum) -> None:
+    cq = quorum.cq
+    err = await refused(cq.enqueue(quorum.wipe()))
+    assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "batch-required")
+    batch = await cq.create_batch(kinds=["node.imageWrite"], nodes=[quorum.node])
+    err = await refused(cq.enqueue(quorum.wipe(batch_id=batch.id)))
+    assert (err.code, err.path, err.reason) == (ErrorCode.INVALID_INPUT, "kind", "outside-batch-scope")
+    wide = await cq.create_batch(kinds=["node.wipe"], nodes=[new_id("node")])
+    err = await refused(cq.enqueue(quorum.wipe(batch_id=wide.id)))
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "nodeId")
+    err = await refused(cq.enqueue(quorum.wipe(batch_id=new_id("batch"))))
+    assert (err.code, err.path) == (ErrorCode.NOT_FOUND, "batchId")
+    # not destructive: no batch needed, and a batch id given anyway is not kept
+    inventory = await cq.enqueue(quorum.wipe(kind="node.inventory", batch_id=batch.id))
+    assert inventory.batch_id is None
+    assert (await cq.wait(inventory.id, timeout=20)).state == "succeeded"
+    # creating batches checks kinds and nodes
+    err = await refused(cq.create_batch(kinds=["node.wipe", "acme.nope"], nodes=[quorum.node]))
+    assert (err.code, err.path) == (ErrorCode.INVALID_CONFIG, "kinds[1]")
+    err = await refused(cq.create_batch(kinds=["node.wipe"], nodes=["node-1"]))
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "nodes[0]")
+
+
+async def test_a_destructive_command_goes_out_only_once_m_approvers_signed(quorum: Quorum) -> None:
+    cq = quorum.cq
+    batch = await cq.create_batch(kinds=["node.wipe", "node.imageWrite"], nodes=[quorum.node], note="rebuild")
+    assert (batch.state, batch.threshold, batch.approvals) == ("open", 2, [])
+    wipe = await cq.enqueue(quorum.wipe(batch_id=batch.id))
+    assert (wipe.state, wipe.batch_id, wipe.destructive) == ("pending", batch.id, True)
+    once = await quorum.approve(batch, "alice")
+    assert once.state == "open"
+    assert [a.approver_id for a in once.approvals] == ["alice"]
+    assert (await cq.get(wipe.id)).state == "pending"
+    twice = await quorum.approve(batch, "carol")
+    assert twice.state == "approved"
+    done = await cq.wait(wipe.id, timeout=20)
+    assert (done.state, done.attested) == ("succeeded", True)
+    # later commands of an approved batch go out at once
+    later = await cq.enqueue(quorum.wipe(batch_id=batch.id))
+    assert later.state == "dispatched"
+    assert (await cq.get_batch(batch.id)).state == "approved"
+    assert [b.id for b in await cq.list_batches(state="approved")] == [batch.id]
+
+
+async def test_without_m_approvals_the_command_expires(quorum: Quorum) -> None:
+    cq = quorum.cq
+    batch = await cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node])
+    await quorum.approve(batch, "bob")
+    wipe = await cq.enqueue(quorum.wipe(batch_id=batch.id, timeout_ms=1_000))
+    done = await cq.wait(wipe.id, timeout=20)
+    assert (done.state, done.reason) == ("expired", "quorum-not-reached")
+    assert quorum.agent.journal is not None
+    assert quorum.agent.journal.get(wipe.id) is None  # never delivered
+
+
+async def test_batches_are_idempotent_by_key_and_listed(quorum: Quorum) -> None:
+    cq = quorum.cq
+    wf = new_id("wf")
+    first = await cq.create_batch(
+        kinds=["node.wipe"], nodes=[quorum.node], workflow_id=wf, idempotency_key=f"wf:{wf}"
+    )
+    again = await cq.create_batch(
+        kinds=["node.wipe"], nodes=[quorum.node], workflow_id=wf, idempotency_key=f"wf:{wf}"
+    )
+    assert first.created
+    assert not again.created
+    assert again.id == first.id
+    err = await refused(
+        cq.create_batch(
+            kinds=["node.imageWrite"], nodes=[quorum.node], workflow_id=wf, idempotency_key=f"wf:{wf}"
+        )
+    )
+    assert (err.code, err.path) == (ErrorCode.CONFLICT, "idempotencyKey")
+    assert [b.id for b in await cq.list_batches(workflow_id=wf)] == [first.id]
+    view = await cq.quorum()
+    assert (view.enabled, view.threshold) == (True, 2)
+    assert [a.id for a in view.approvers] == list(APPROVERS)
+
+
+def test_a_bad_approvers_file_is_invalid_config_and_the_service_will_not_start(
+    bc_settings: Settings, tmp_path: Path
+) -> None:
+    good = public_b64(ed25519.Ed25519PrivateKey.generate())
+    other = public_b64(ed25519.Ed25519PrivateKey.generate())
+    cases = {
+        f'threshold = 2\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n': "threshold",
+        f'threshold = 0\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n': "threshold",
+        'threshold = 1\n[[approvers]]\nid = "a"\npublicKey = "bm9wZQ=="\n': "approvers[0].publicKey",
+        "threshold = 1\napprovers = []\n": "approvers",
+        f'threshold = 1\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n'
+        f'[[approvers]]\nid = "a"\npublicKey = "{other}"\n': "approvers[1].id",
+        f'threshold = 1\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n'
+        f'[[approvers]]\nid = "b"\npublicKey = "{good}"\n': "approvers[1].publicKey",
+        "threshold = [": "BC_CMDQ_APPROVERS",
+    }
+    for text, path in cases.items():
+        file = tmp_path / "approvers.toml"
+        file.write_text(text)
+        with pytest.raises(BcError) as info:
+            load_quorum(file)
+        assert (info.value.code, info.value.path) == (ErrorCode.INVALID_CONFIG, path), text
+    with pytest.raises(BcError) as info:
+        load_quorum(tmp_path / "missing.toml")
+    assert info.value.path == "BC_CMDQ_APPROVERS"
+    env = {
+        **os.environ,
+        "BC_NATS_URL": bc_settings.nats_url or "",
+        "BC_DATABASE_URL": bc_settings.database_url or "",
+        "BC_CMDQ_APPROVERS": str(tmp_path / "approvers.toml"),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "bc_command_queue"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 1
+    assert "INVALID_CONFIG" in out.stdout + out.stderr
