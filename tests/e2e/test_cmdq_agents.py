@@ -7,15 +7,11 @@ every execution to its own log, so a test counts how often a command really ran.
 from __future__ import annotations
 
 import asyncio
-import inspect
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 import pytest_asyncio
@@ -27,6 +23,7 @@ from better_compute.core.ids import new_id
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient, discover
 from better_compute.testing import ServiceProcesses
+from better_compute.testing.agents import SimAgent, start_sim_agent, until
 from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
 
 T = TypeVar("T")
@@ -37,73 +34,6 @@ FAST_ENV = {
     "BC_CMDQ_REDELIVER_AFTER_MS": "1000",
     "BC_CMDQ_SWEEP_MS": "100",
 }
-
-
-async def until(check: Callable[[], Any]) -> Any:
-    """Poll ``check`` (plain or async) until it gives something truthy; the test timeout
-    bounds the wait."""
-    while True:
-        got = check()
-        if inspect.isawaitable(got):
-            got = await got
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-
-
-@dataclass
-class SimAgent:
-    """One simulated agent process; its state dir keeps enrollment, journal and exec log."""
-
-    state: Path
-    env: dict[str, str]
-    args: list[str]
-    proc: subprocess.Popen[bytes] | None = None
-    logs: list[Path] = field(default_factory=list)
-
-    def start(self, token: str | None = None) -> None:
-        log = self.state / f"agent-{len(self.logs)}.log"
-        self.logs.append(log)
-        extra = ["--token", token] if token else []
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "better_compute.agent.sim",
-                    "--state-dir",
-                    str(self.state),
-                    *extra,
-                    *self.args,
-                ],
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
-    async def wait_exit(self) -> int:
-        assert self.proc is not None
-        proc = self.proc
-        await until(lambda: proc.poll() is not None)
-        return proc.returncode
-
-    def executions(self) -> list[str]:
-        log = self.state / "exec.log"
-        return log.read_text().split("\n")[:-1] if log.exists() else []
-
-    def output(self) -> str:
-        return "\n".join(p.read_text(errors="replace") for p in self.logs)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @dataclass
@@ -118,27 +48,12 @@ class Cluster:
 
     async def agent(self, *, site_id: str, args: list[str] | None = None) -> tuple[SimAgent, str]:
         """Start a site agent process; returns it and its agent id once it is connected."""
-        state = self.tmp / f"agent-{len(self.agents)}"
-        state.mkdir()
-        env = {
-            **os.environ,
-            "BC_NATS_URL": self.settings.nats_url or "",
-            "BC_SUBJECT_ROOT": self.settings.subject_root,
-        }
-        sim = SimAgent(state=state, env=env, args=args or [])
+        sim, agent_id = await start_sim_agent(
+            self.settings, self.tmp / f"agent-{len(self.agents)}", site_id=site_id, pki=self.pki,
+            cq=self.cq, args=args,
+        )  # fmt: skip
         self.agents.append(sim)
-        before = {a.id for a in await self.cq.agents(site_id=site_id)}
-        token = await self.pki.issue_join_token(
-            tenant_id="root", role="site", site_id=site_id, ttl_seconds=600
-        )
-        sim.start(token.token)
-        while True:
-            new = [a.id for a in await self.cq.agents(site_id=site_id, connected=True) if a.id not in before]
-            if new:
-                return sim, new[0]
-            assert sim.proc is not None
-            assert sim.proc.poll() is None, sim.output()
-            await asyncio.sleep(0.1)
+        return sim, agent_id
 
 
 @pytest.fixture

@@ -7,13 +7,21 @@ The steps keep their state in ``public.plg_test_*`` tables that the tests create
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from better_compute.core import field, manifest
 from better_compute.core.app import better_compute
 from better_compute.core.errors import BcError
 from better_compute.metal import metal
-from better_compute.provision import UserData, define_profile, define_step, provision_module, step_not_ready
+from better_compute.provision import (
+    UserData,
+    await_command,
+    define_profile,
+    define_step,
+    provision_module,
+    step_not_ready,
+)
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS public.plg_test_effects (step_key text PRIMARY KEY, n serial);
@@ -78,6 +86,13 @@ async def _start_child(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     return {"child": child, "state": state}
 
 
+async def _await_power(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    got = await await_command(
+        ctx, node_id=ctx.node.id, kind="power.setPower", payload={"action": input["action"]}, key="power"
+    )
+    return {"commandId": got["command_id"], "result": json.loads(got["result"]), "attested": got["attested"]}
+
+
 noop = define_step(id="test.noop", runs_on="control-plane", timeout="1m", input=manifest({}), run=_noop)
 side_effect = define_step(
     id="test.sideEffect",
@@ -109,6 +124,22 @@ start_child = define_step(
     run=_start_child,
 )
 
+power = define_step(
+    id="test.power",
+    runs_on="site",
+    timeout="1m",
+    input=manifest({"action": field.enum(["on", "off", "cycle"]).default("cycle")}),
+    command="power.setPower",
+)
+await_power = define_step(
+    id="test.awaitPower",
+    runs_on="control-plane",
+    relays=["site"],
+    timeout="1m",
+    input=manifest({"action": field.enum(["on", "off", "cycle"]).default("cycle")}),
+    run=_await_power,
+)
+
 chain = define_profile(
     id="test-chain", version=1, target="metal", role="host", steps=[{"use": "test.noop"}] * 6
 )
@@ -134,7 +165,7 @@ class OwnerModule:
 
 provision = provision_module(
     modules=[metal()],
-    steps=[noop, side_effect, wait_flag, fail_unless_flag, start_child],
+    steps=[noop, side_effect, wait_flag, fail_unless_flag, start_child, power, await_power],
     profiles=[chain],
     user_data=UserData(
         control_plane_url="https://bc.test.example",

@@ -103,6 +103,9 @@ def test_decode_gives_invalid_input_with_the_path() -> None:
     with pytest.raises(BcError) as e:
         decode(b'{"node_id": ', _Req)
     assert e.value.code is ErrorCode.INVALID_INPUT
+    with pytest.raises(BcError) as e:
+        decode(b'{"node_id": "n"}', _Req)
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "port")
 
 
 def test_subjects_follow_the_design() -> None:

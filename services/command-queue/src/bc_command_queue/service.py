@@ -14,7 +14,7 @@ import contextlib
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Final, TypeVar
+from typing import Any, ClassVar, Final
 
 import asyncpg
 import msgspec
@@ -60,7 +60,7 @@ from better_compute.cmdq_client import (
 )
 from better_compute.config import Settings
 from better_compute.core.app import App, load_app
-from better_compute.core.errors import BcError, ErrorCode, join_path
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.core.plugins import CommandKind
 from better_compute.pki_client import PkiClient
@@ -100,21 +100,6 @@ def _name(value: str, path: str) -> str:
     if not isinstance(value, str) or len(value) > 64 or not valid_token(value):
         raise _invalid(path, "expected 1-64 letters, digits, '_' or '-'")
     return value
-
-
-_MISSING_RE: Final = re.compile(r"missing required field `([^`]+)`")
-T = TypeVar("T")
-
-
-def _decode(req: ApiRequest, typ: type[T]) -> T:
-    """``req.decode``, with ``details.path`` naming a missing field rather than its object."""
-    try:
-        return req.decode(typ)
-    except BcError as err:
-        missing = _MISSING_RE.search(err.message)
-        if err.code is ErrorCode.INVALID_INPUT and missing is not None:
-            err.details["path"] = join_path(err.path or "", missing.group(1))
-        raise
 
 
 def _carries(value: Any, ref: str) -> bool:
@@ -294,7 +279,7 @@ class CommandQueueService(Service):
         return store.command_view(row)
 
     async def enqueue(self, req: ApiRequest) -> CommandView:
-        body = _decode(req, EnqueueCommand)
+        body = req.decode(EnqueueCommand)
         kind, canonical = self._check_enqueue(body)
         batch_id: str | None = None
         may_dispatch = True
@@ -346,14 +331,14 @@ class CommandQueueService(Service):
         return store.command_view(row, created=True)
 
     async def get_command(self, req: ApiRequest) -> CommandView:
-        ident = parse_id(_decode(req, CommandIdRequest).id, "cmd", path="id")
+        ident = parse_id(req.decode(CommandIdRequest).id, "cmd", path="id")
         row = await self._db.fetchrow(store.COMMAND_BY_ID, ident)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
         return store.command_view(row)
 
     async def list_commands(self, req: ApiRequest) -> CommandList:
-        body = _decode(req, ListCommands)
+        body = req.decode(ListCommands)
         if body.before is not None:
             parse_id(body.before, "cmd", path="before")
         rows = await self._db.fetch(
@@ -373,7 +358,7 @@ class CommandQueueService(Service):
         return CommandList(commands=views, next=views[-1].id if more and views else None)
 
     async def cancel(self, req: ApiRequest) -> CancelReply:
-        body = _decode(req, CancelCommands)
+        body = req.decode(CancelCommands)
         if len(body.reason) > 200:
             raise _invalid("reason", "at most 200 characters")
         if body.id is not None:
@@ -395,7 +380,7 @@ class CommandQueueService(Service):
         return CancelReply(cancelled=[r["id"] for r in rows])
 
     async def live_with_ref(self, req: ApiRequest) -> LiveWithRefReply:
-        body = _decode(req, LiveWithRef)
+        body = req.decode(LiveWithRef)
         if not body.key_prefix:
             raise _invalid("keyPrefix", "a key prefix is required")
         for row in await self._db.fetch(store.LIVE_WITH_PREFIX, body.agent_id, body.key_prefix):
@@ -738,7 +723,7 @@ class CommandQueueService(Service):
         return verified.agent_id == node_id
 
     async def list_agents(self, req: ApiRequest) -> AgentList:
-        body = _decode(req, ListAgents)
+        body = req.decode(ListAgents)
         rows = await self._db.fetch(
             store.AGENTS_LIST,
             body.site_id,
@@ -750,7 +735,7 @@ class CommandQueueService(Service):
         return AgentList(agents=[store.agent_view(r) for r in rows])
 
     async def site_agent(self, req: ApiRequest) -> SiteAgentReply:
-        body = _decode(req, SiteAgentRequest)
+        body = req.decode(SiteAgentRequest)
         site = body.site_id
         if site is not None:
             _name(site, "siteId")
@@ -801,7 +786,7 @@ class CommandQueueService(Service):
         )
 
     async def create_batch(self, req: ApiRequest) -> BatchView:
-        body = _decode(req, CreateBatch)
+        body = req.decode(CreateBatch)
         for index, kind in enumerate(body.kinds):
             self._app.command_kind(kind, path=f"kinds[{index}]")
         for index, node in enumerate(body.nodes):
@@ -861,19 +846,19 @@ class CommandQueueService(Service):
         return await self._batch_view(found)
 
     async def get_batch(self, req: ApiRequest) -> BatchView:
-        ident = parse_id(_decode(req, BatchIdRequest).id, "batch", path="id")
+        ident = parse_id(req.decode(BatchIdRequest).id, "batch", path="id")
         row = await self._db.fetchrow(store.BATCH_BY_ID, ident)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "id"})
         return await self._batch_view(row)
 
     async def list_batches(self, req: ApiRequest) -> BatchList:
-        body = _decode(req, ListBatches)
+        body = req.decode(ListBatches)
         rows = await self._db.fetch(store.BATCHES_LIST, body.workflow_id, body.state, body.limit)
         return BatchList(batches=[await self._batch_view(r) for r in rows])
 
     async def approve_batch(self, req: ApiRequest) -> BatchView:
-        body = _decode(req, ApproveBatch)
+        body = req.decode(ApproveBatch)
         ident = parse_id(body.batch_id, "batch", path="batchId")
         quorum = self.config.quorum
         newly_approved = False

@@ -209,7 +209,9 @@ class Engine:
         )
 
     async def site_agent_for(self, node_id: str) -> str | None:
-        got = await self.api.call("command-queue", "agents.site_agent_for", {"nodeId": node_id})
+        site = await self.db.fetchval("SELECT site_id FROM nodes WHERE id = $1", node_id)
+        query = {"siteId": site} if site else {"nodeId": node_id}
+        got = await self.api.call("command-queue", "agents.site_agent_for", query)
         agent = got.get("agentId") if isinstance(got, dict) else None
         return agent if isinstance(agent, str) else None
 

@@ -44,7 +44,10 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
+    """Free to listen on, as a server would: SO_REUSEADDR, so a port in TIME_WAIT after our own
+    server stopped counts as free and a restarted server keeps its address for its clients."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -14,13 +14,20 @@ __all__ = ["convert", "decode", "encode", "validation_path"]
 T = TypeVar("T")
 
 _PATH_RE = re.compile(r" - at `\$(.*)`$")
+_MISSING_RE = re.compile(r"^Object missing required field `([^`]+)`")
 _encoder = msgspec.json.Encoder()
 
 
 def validation_path(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
-    """``$.steps[2].port`` in msgspec's message becomes ``steps[2].port``."""
-    m = _PATH_RE.search(str(exc))
-    return m.group(1).lstrip(".") if m else ""
+    """``$.steps[2].port`` in msgspec's message becomes ``steps[2].port``; a missing field's
+    path names the field itself (``profileId``, ``steps[2].use``)."""
+    text = str(exc)
+    m = _PATH_RE.search(text)
+    where = m.group(1).lstrip(".") if m else ""
+    missing = _MISSING_RE.match(text)
+    if missing:
+        return f"{where}.{missing.group(1)}" if where else missing.group(1)
+    return where
 
 
 def _message(exc: Exception) -> str:
