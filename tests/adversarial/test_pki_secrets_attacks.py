@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
-import json
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,10 +18,10 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
     decode_dss_signature,
     encode_dss_signature,
 )
-from nats.aio.client import Client as Nats
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
+from better_compute.agent import Enrollment, enroll
+from better_compute.cmdq_client import CommandQueueClient
+from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.pki_client import (
@@ -37,65 +36,13 @@ from better_compute.pki_client import (
 from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses
-from better_compute.wire import Subjects, encode_ok
-from better_compute.wire.cmdq import LiveWithRef, LiveWithRefReply
+from better_compute.wire.cmdq import CommandView
+from secrets_test_app import APP, enqueue_ref, settle
 
 MACHINE_A = JoinClaims(macs=["aa:bb:cc:00:00:0a"], product_uuid="uuid-a", serial="SER-A")
 MACHINE_B = JoinClaims(macs=["aa:bb:cc:00:00:0b"], product_uuid="uuid-b", serial="SER-B")
 EXPECT_A = {"mac": "AA:BB:CC:00:00:0A", "productUuid": "UUID-A", "serial": "SER-A"}
 P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
-
-
-class FakeCommandQueueResponder:
-    """Plays bc-command-queue's ``commands.live_with_ref`` on the real bus.
-
-    It stands in for issue 4 (the command-queue service) until that lands; then these tests
-    start ``bc-command-queue`` and enqueue real commands instead. It answers as
-    ``wire.cmdq.LiveWithRef`` says: a live command for the agent, whose key is the prefix or
-    continues it with ``#``/``:``, and whose payload holds the ref as a string value.
-    """
-
-    def __init__(self, nc: Nats, subjects: Subjects) -> None:
-        self.nc = nc
-        self.subject = subjects.api("command-queue", "commands", "live_with_ref")
-        self.commands: dict[str, dict[str, Any]] = {}
-        self._sub: Subscription | None = None
-        self._ids = itertools.count(1)
-
-    async def __aenter__(self) -> FakeCommandQueueResponder:
-        self._sub = await self.nc.subscribe(self.subject, cb=self._answer)
-        await self.nc.flush()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-
-    def add(self, *, agent_id: str, key: str, payload: Any, state: str = "running") -> str:
-        command_id = f"cmd_fake{next(self._ids)}"
-        self.commands[command_id] = {
-            "agent_id": agent_id, "key": key, "payload": payload, "state": state,
-        }  # fmt: skip
-        return command_id
-
-    def settle(self, command_id: str, state: str = "succeeded") -> None:
-        self.commands[command_id]["state"] = state
-
-    async def _answer(self, msg: Msg) -> None:
-        ask = msgspec.json.decode(msg.data, type=LiveWithRef)
-        live = next(
-            (
-                cid
-                for cid, c in self.commands.items()
-                if c["agent_id"] == ask.agent_id
-                and c["state"] in ("pending", "dispatched", "acked", "running")
-                and (c["key"] == ask.key_prefix or c["key"][: len(ask.key_prefix) + 1]
-                     in (ask.key_prefix + "#", ask.key_prefix + ":"))
-                and ask.ref in json.dumps(c["payload"])
-            ),
-            None,
-        )  # fmt: skip
-        await msg.respond(encode_ok(LiveWithRefReply(live=live is not None, command_id=live)))
 
 
 async def refused(coro: Any) -> BcError:
@@ -194,72 +141,82 @@ async def test_join_token_attacks(bc_processes: ServiceProcesses, bc_api: ApiCli
 
 
 async def test_secret_fetch_attacks(
-    bc_processes: ServiceProcesses, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
+    bc_processes: ServiceProcesses, bc_settings: Settings, bc_api: ApiClient, tmp_path: Path
 ) -> None:
-    procs = [bc_processes.start("bc-pki"), bc_processes.start("bc-secrets")]
+    bc_processes.settings = msgspec.structs.replace(bc_settings, app=APP)  # a kind carrying a ref
+    procs = [bc_processes.start(s) for s in ("bc-pki", "bc-secrets", "bc-command-queue")]
     await bc_processes.wait_ready()
-    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    pki, secrets, cq = PkiClient(bc_api), SecretsClient(bc_api), CommandQueueClient(bc_api)
     wf = new_id("wf")
     value = b"root-password: " + new_id("sec").encode()
     tokens: list[str] = []
 
-    async def agent(site: str = "site-a") -> AgentIdentity:
-        t = await pki.issue_join_token(tenant_id="root", role="node", site_id=site, ttl_seconds=60)
+    async def agent(site: str = "site-a") -> Enrollment:
+        """A node's bcd (agent id = node id), joined with a token minted for that node."""
+        t = await pki.issue_join_token(
+            tenant_id="root", role="node", site_id=site, ttl_seconds=60, node_id=new_id("node")
+        )
         tokens.append(t.token)
-        return await join(pki, t.token)
+        return await enroll(pki, token=t.token, claims=MACHINE_A)
 
-    async with FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq:
-        owner, other, elsewhere = await agent(), await agent(), await agent("site-b")
-        ref = (await secrets.put(value, tenant_id="acme", workflow_id=wf, step=3)).ref
-        unsent = (await secrets.put(value + b"!", tenant_id="acme", workflow_id=wf, step=3)).ref
-        errors: list[BcError] = []
+    async def command(key: str) -> CommandView:
+        return await enqueue_ref(
+            cq, node_id=bcd.agent_id, site_id="site-a", key=key, payload={"ref": ref}, workflow_id=wf, step=3
+        )
 
-        async def denied(identity: AgentIdentity, what: str, code: ErrorCode) -> BcError:
-            err = await refused(secrets.fetch(what, identity=identity))
-            assert err.code is code, (err, what)
-            errors.append(err)
-            return err
+    bcd, other_bcd, elsewhere_bcd = await agent(), await agent(), await agent("site-b")
+    owner, other, elsewhere = bcd.identity, other_bcd.identity, elsewhere_bcd.identity
+    ref = (await secrets.put(value, tenant_id="acme", workflow_id=wf, step=3)).ref
+    unsent = (await secrets.put(value + b"!", tenant_id="acme", workflow_id=wf, step=3)).ref
+    errors: list[BcError] = []
 
-        # a fetch with no command at all
-        await denied(owner, ref, ErrorCode.PERMISSION_DENIED)
-        command = cmdq.add(agent_id=owner.agent_id, key=f"wf:{wf}:3#1", payload={"ref": ref})
-        assert await secrets.fetch(ref, identity=owner) == value
-        # a fetch by another agent, of this site or another
-        await denied(other, ref, ErrorCode.PERMISSION_DENIED)
-        await denied(elsewhere, ref, ErrorCode.PERMISSION_DENIED)
-        # a ref of the same step that the command does not carry
-        await denied(owner, unsent, ErrorCode.PERMISSION_DENIED)
-        # the same signed request again
-        signed = owner.signed_request(FETCH_PURPOSE, ref=ref)
-        await bc_api.call("secrets", "secrets.fetch", signed)
-        err = await refused(bc_api.call("secrets", "secrets.fetch", signed))
-        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "signature-replayed")
+    async def denied(identity: AgentIdentity, what: str, code: ErrorCode) -> BcError:
+        err = await refused(secrets.fetch(what, identity=identity))
+        assert err.code is code, (err, what)
         errors.append(err)
-        # another agent presenting the owner's certificate id, signing with its own key
-        forged = AgentIdentity(cert_id=owner.cert_id, agent_id=owner.agent_id, private_key=other.private_key)
-        err = await denied(forged, ref, ErrorCode.UNAUTHENTICATED)
-        assert err.reason == "bad-signature"
-        garbage = {**owner.signed_request(FETCH_PURPOSE, ref=ref), "signature": "AAAA"}
-        err = await refused(bc_api.call("secrets", "secrets.fetch", garbage))
-        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
-        # a fetch after the command settled
-        cmdq.settle(command)
-        await denied(owner, ref, ErrorCode.PERMISSION_DENIED)
-        # a revoked certificate, even with a live command
-        cmdq.add(agent_id=owner.agent_id, key=f"wf:{wf}:3#2", payload={"ref": ref})
-        assert await secrets.fetch(ref, identity=owner) == value
-        await pki.revoke_certificate(owner.cert_id, reason="disk stolen")
-        err = await denied(owner, ref, ErrorCode.UNAUTHENTICATED)
-        assert err.reason == "cert-revoked"
+        return err
 
-        audit = await secrets.list_fetches(limit=100)
+    # a fetch with no command at all
+    await denied(owner, ref, ErrorCode.PERMISSION_DENIED)
+    first = await command(f"wf:{wf}:3#1")
+    assert await secrets.fetch(ref, identity=owner) == value
+    # a fetch by another agent, of this site or another
+    await denied(other, ref, ErrorCode.PERMISSION_DENIED)
+    await denied(elsewhere, ref, ErrorCode.PERMISSION_DENIED)
+    # a ref of the same step that the command does not carry
+    await denied(owner, unsent, ErrorCode.PERMISSION_DENIED)
+    # the same signed request again
+    signed = owner.signed_request(FETCH_PURPOSE, ref=ref)
+    await bc_api.call("secrets", "secrets.fetch", signed)
+    err = await refused(bc_api.call("secrets", "secrets.fetch", signed))
+    assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "signature-replayed")
+    errors.append(err)
+    # another agent presenting the owner's certificate id, signing with its own key
+    forged = AgentIdentity(cert_id=owner.cert_id, agent_id=owner.agent_id, private_key=other.private_key)
+    err = await denied(forged, ref, ErrorCode.UNAUTHENTICATED)
+    assert err.reason == "bad-signature"
+    garbage = {**owner.signed_request(FETCH_PURPOSE, ref=ref), "signature": "AAAA"}
+    err = await refused(bc_api.call("secrets", "secrets.fetch", garbage))
+    assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
+    # a fetch after the command settled: the owner's agent ran it to its end
+    settled = await settle(bc_api, bcd, first.id, tmp_path)
+    assert (settled.state, settled.agent_id, settled.attested) == ("succeeded", bcd.agent_id, True)
+    await denied(owner, ref, ErrorCode.PERMISSION_DENIED)
+    # a revoked certificate, even with a live command
+    second = await command(f"wf:{wf}:3#2")
+    assert await secrets.fetch(ref, identity=owner) == value
+    await pki.revoke_certificate(owner.cert_id, reason="disk stolen")
+    err = await denied(owner, ref, ErrorCode.UNAUTHENTICATED)
+    assert err.reason == "cert-revoked"
+    assert (await cq.get(second.id)).state == "dispatched"
 
+    audit = await secrets.list_fetches(limit=100)
     reasons = sorted(a.reason or "" for a in audit if a.outcome == "denied")
     assert reasons == sorted(
         ["no-live-command"] * 5 + ["signature-replayed", "bad-signature", "bad-signature",
                                     "cert-revoked"]
     )  # fmt: skip
-    assert [a.outcome for a in audit].count("granted") == 3
+    assert [a.command_id for a in audit if a.outcome == "granted"] == [second.id, first.id, first.id]
     for e in errors:
         assert value.decode() not in f"{e.message} {e.details}"
     assert_nothing_leaked(procs, value, value + b"!", *tokens)

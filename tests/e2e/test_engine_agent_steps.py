@@ -108,13 +108,13 @@ async def test_a_failed_command_fails_the_step_with_driver_error(stack: Stack) -
 
 async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(stack: Stack) -> None:
     node = await stack.api.call("engine", "nodes.create", {"siteId": "lab3"})
-    # no agent in lab3 yet: the command waits, the step times out with it still pending
-    await stack.profile("slow", [{"use": "test.power", "on": "site", "timeout": "2s"}])
+    # no agent in lab3 yet: the step times out while its command (10 minutes to live) still waits
+    await stack.profile("slow", [{"use": "test.awaitPower", "timeout": "2s"}])
     wf_id = await stack.start("slow", node["id"])
     done = await wait_workflow(stack.api, wf_id, timeout=30)
     assert (done["state"], done["steps"][0]["error"]["code"]) == ("failed", "TIMEOUT")
-    first = await stack.cq.get(done["steps"][0]["commandId"])
-    assert first.state == "pending"
+    [first] = (await stack.cq.list_commands(workflow_id=wf_id)).commands
+    assert (first.key, first.state) == (f"wf:{wf_id}:0#1:power", "pending")
 
     await stack.api.call("engine", "workflows.retry", {"id": wf_id})
     sim, _ = await stack.agent("lab3")
@@ -122,10 +122,10 @@ async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(s
     assert done["state"] == "succeeded", done
     assert done["steps"][0]["attempt"] == 2
     assert (await stack.cq.get(first.id)).state == "cancelled"
-    second = await stack.cq.get(done["steps"][0]["commandId"])
-    assert second.key == f"wf:{wf_id}:0#2"
+    second = await stack.cq.get(done["steps"][0]["result"]["commandId"])
+    assert second.key == f"wf:{wf_id}:0#2:power"
     ran = sim.executions()
-    assert len(ran) == 1
+    assert len(ran) == 1  # attempt 1's command never ran
     assert first.id not in ran[0]
 
 

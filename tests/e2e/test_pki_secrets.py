@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
 import json
 import os
 import stat
@@ -15,71 +14,25 @@ from typing import Any
 
 import asyncpg
 import msgspec
+import pytest
 from cryptography import x509
 from nats.aio.client import Client as Nats
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
+from better_compute.agent.sim import join_agent
+from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.pki_client import AgentIdentity, JoinClaims, PkiClient, make_csr, new_agent_key
 from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient, discover
 from better_compute.testing import ServiceProcesses
-from better_compute.wire import Subjects, encode_ok
-from better_compute.wire.cmdq import LiveWithRef, LiveWithRefReply
+from secrets_test_app import APP, enqueue_ref
 
 
-class FakeCommandQueueResponder:
-    """Plays bc-command-queue's ``commands.live_with_ref`` on the real bus.
-
-    It stands in for issue 4 (the command-queue service) until that lands; then these tests
-    start ``bc-command-queue`` and enqueue real commands instead. It answers as
-    ``wire.cmdq.LiveWithRef`` says: a live command for the agent, whose key is the prefix or
-    continues it with ``#``/``:``, and whose payload holds the ref as a string value.
-    """
-
-    def __init__(self, nc: Nats, subjects: Subjects) -> None:
-        self.nc = nc
-        self.subject = subjects.api("command-queue", "commands", "live_with_ref")
-        self.commands: dict[str, dict[str, Any]] = {}
-        self._sub: Subscription | None = None
-        self._ids = itertools.count(1)
-
-    async def __aenter__(self) -> FakeCommandQueueResponder:
-        self._sub = await self.nc.subscribe(self.subject, cb=self._answer)
-        await self.nc.flush()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-
-    def add(self, *, agent_id: str, key: str, payload: Any, state: str = "running") -> str:
-        command_id = f"cmd_fake{next(self._ids)}"
-        self.commands[command_id] = {
-            "agent_id": agent_id, "key": key, "payload": payload, "state": state,
-        }  # fmt: skip
-        return command_id
-
-    def settle(self, command_id: str, state: str = "succeeded") -> None:
-        self.commands[command_id]["state"] = state
-
-    async def _answer(self, msg: Msg) -> None:
-        ask = msgspec.json.decode(msg.data, type=LiveWithRef)
-        live = next(
-            (
-                cid
-                for cid, c in self.commands.items()
-                if c["agent_id"] == ask.agent_id
-                and c["state"] in ("pending", "dispatched", "acked", "running")
-                and (c["key"] == ask.key_prefix or c["key"][: len(ask.key_prefix) + 1]
-                     in (ask.key_prefix + "#", ask.key_prefix + ":"))
-                and ask.ref in json.dumps(c["payload"])
-            ),
-            None,
-        )  # fmt: skip
-        await msg.respond(encode_ok(LiveWithRefReply(live=live is not None, command_id=live)))
+@pytest.fixture
+def bc_settings(bc_settings: Settings) -> Settings:
+    """Every process here loads the app with ``test.useSecret``, a kind carrying a ref."""
+    return msgspec.structs.replace(bc_settings, app=APP)
 
 
 def bcx(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
@@ -112,38 +65,41 @@ def served(found: list[dict[str, Any]], name: str) -> list[int]:
 
 
 async def test_two_instances_of_each_service_serve_at_once_over_one_ca(
-    bc_processes: ServiceProcesses,
-    bc_settings: Settings,
-    bc_api: ApiClient,
-    bc_nats: Nats,
-    bc_subjects: Subjects,
+    bc_processes: ServiceProcesses, bc_settings: Settings, bc_api: ApiClient, bc_nats: Nats
 ) -> None:
     # all four start together on an empty database: exactly one CA comes out of it
     procs = [bc_processes.start(s) for s in ("bc-pki", "bc-pki", "bc-secrets", "bc-secrets")]
+    procs.append(bc_processes.start("bc-command-queue"))
     await bc_processes.wait_ready()
-    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    pki, secrets, cq = PkiClient(bc_api), SecretsClient(bc_api), CommandQueueClient(bc_api)
     wf = new_id("wf")
-    async with FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq:
-        token = await pki.issue_join_token(
-            tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=12
+    nodes = [new_id("node") for _ in range(12)]
+    # twelve nodes' bcds join at once, each with its own token
+    agents = await asyncio.gather(
+        *(join_agent(bc_api, site_id="site-a", role="node", node_id=node) for node in nodes)
+    )
+    values = [f"value-{i}-{new_id('sec')}".encode() for i in range(12)]
+    infos = await asyncio.gather(
+        *(secrets.put(v, tenant_id="root", workflow_id=wf, step=i) for i, v in enumerate(values))
+    )
+    await asyncio.gather(
+        *(
+            enqueue_ref(cq, node_id=node, site_id="site-a", key=f"wf:{wf}:{i}#1", payload={"ref": info.ref},
+                        workflow_id=wf, step=i)
+            for i, (node, info) in enumerate(zip(nodes, infos, strict=True))
         )
-        agents = await asyncio.gather(*(new_agent(pki, token.token) for _ in range(12)))
-        values = [f"value-{i}-{new_id('sec')}".encode() for i in range(12)]
-        infos = await asyncio.gather(
-            *(secrets.put(v, tenant_id="root", workflow_id=wf, step=i) for i, v in enumerate(values))
-        )
-        for i, (agent, info) in enumerate(zip(agents, infos, strict=True)):
-            cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:{i}#1", payload={"ref": info.ref})
-        fetched = await asyncio.gather(
-            *(secrets.fetch(info.ref, identity=a) for a, info in zip(agents, infos, strict=True))
-        )
-        fingerprints = {(await pki.ca()).fingerprint_sha256 for _ in range(8)}
-        certs = await pki.list_certificates(join_token_id=token.id)
-        ca_pem = (await pki.ca()).certificate_pem
+    )  # fmt: skip
+    fetched = await asyncio.gather(
+        *(secrets.fetch(info.ref, identity=a.identity) for a, info in zip(agents, infos, strict=True))
+    )
+    fingerprints = {(await pki.ca()).fingerprint_sha256 for _ in range(8)}
+    certs = await pki.list_certificates(site_id="site-a")
+    ca_pem = (await pki.ca()).certificate_pem
 
     assert fetched == values
     assert len(fingerprints) == 1
-    assert len({a.agent_id for a in agents}) == 12
+    assert [a.agent_id for a in agents] == nodes
+    assert sorted(c.cert_id for c in certs) == sorted(a.cert_id for a in agents)
     ca = x509.load_pem_x509_certificate(ca_pem.encode())
     for cert in certs:
         x509.load_pem_x509_certificate(cert.certificate_pem.encode()).verify_directly_issued_by(ca)
@@ -162,49 +118,56 @@ async def test_two_instances_of_each_service_serve_at_once_over_one_ca(
 
 
 async def test_a_restart_of_either_service_loses_nothing(
-    bc_processes: ServiceProcesses, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
+    bc_processes: ServiceProcesses, bc_api: ApiClient
 ) -> None:
     pki_proc, secrets_proc = bc_processes.start("bc-pki"), bc_processes.start("bc-secrets")
+    cmdq_proc = bc_processes.start("bc-command-queue")
     await bc_processes.wait_ready()
-    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
-    wf = new_id("wf")
+    pki, secrets, cq = PkiClient(bc_api), SecretsClient(bc_api), CommandQueueClient(bc_api)
+    wf, node = new_id("wf"), new_id("node")
     value = b"survives-restarts-" + new_id("sec").encode()
-    async with FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq:
-        fingerprint = (await pki.ca()).fingerprint_sha256
-        token = await pki.issue_join_token(
-            tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
-            idempotency_key=f"wf:{wf}:0#1",
-        )  # fmt: skip
-        agent = await new_agent(pki, token.token)
-        ref = (await secrets.put(value, tenant_id="root", workflow_id=wf, step=1)).ref
-        cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:1#1:media", payload={"ref": ref})
-        assert await secrets.fetch(ref, identity=agent) == value
+    fingerprint = (await pki.ca()).fingerprint_sha256
+    # the node's join token, as a step mints it: found again under its idempotency key
+    token = await pki.issue_join_token(
+        tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
+        idempotency_key=f"wf:{wf}:0#1", node_id=node,
+    )  # fmt: skip
+    agent = await new_agent(pki, token.token)
+    ref = (await secrets.put(value, tenant_id="root", workflow_id=wf, step=1)).ref
+    command = await enqueue_ref(
+        cq, node_id=node, site_id="site-a", key=f"wf:{wf}:1#1:media", payload={"ref": ref},
+        workflow_id=wf, step=1,
+    )  # fmt: skip
+    assert await secrets.fetch(ref, identity=agent) == value
 
-        # SIGKILL both: nothing gets to clean up
-        for proc in (pki_proc, secrets_proc):
-            proc.kill()
-            bc_processes.procs.remove(proc)  # wait_ready would take the kill for a crash
-            proc.close()
-        bc_processes.start("bc-pki")
-        bc_processes.start("bc-secrets")
-        await bc_processes.wait_ready()
+    # SIGKILL both: nothing gets to clean up
+    for proc in (pki_proc, secrets_proc):
+        proc.kill()
+        bc_processes.procs.remove(proc)  # wait_ready would take the kill for a crash
+        proc.close()
+    bc_processes.start("bc-pki")
+    bc_processes.start("bc-secrets")
+    await bc_processes.wait_ready()
 
-        assert (await pki.ca()).fingerprint_sha256 == fingerprint
-        again = await pki.issue_join_token(
-            tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
-            idempotency_key=f"wf:{wf}:0#1",
-        )  # fmt: skip
-        assert (again.id, again.token) == (token.id, token.token)
-        second = await new_agent(pki, token.token)  # the token's second use
-        data, signature = agent.sign("agent.event", {"kind": "heartbeat"})
-        assert (await pki.verify(signer_id=agent.agent_id, data=data, signature=signature)).cert_id
-        assert await secrets.fetch(ref, identity=agent) == value
-        assert await secrets.get(ref) == value
-        tokens = await pki.list_join_tokens()
-        audit = await secrets.list_fetches(ref=ref)
+    assert (await pki.ca()).fingerprint_sha256 == fingerprint
+    again = await pki.issue_join_token(
+        tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
+        idempotency_key=f"wf:{wf}:0#1", node_id=node,
+    )  # fmt: skip
+    assert (again.id, again.token) == (token.id, token.token)
+    second = await new_agent(pki, token.token)  # the token's second use: the node enrolls again
+    data, signature = agent.sign("agent.event", {"kind": "heartbeat"})
+    verified = await pki.verify(signer_id=agent.agent_id, data=data, signature=signature)
+    assert verified.cert_id == agent.cert_id
+    assert await secrets.fetch(ref, identity=agent) == value
+    assert await secrets.get(ref) == value
+    tokens = await pki.list_join_tokens()
+    audit = await secrets.list_fetches(ref=ref)
     assert [(t.join_token_id, t.uses, t.state) for t in tokens] == [(token.id, 2, "used")]
-    assert second.agent_id != agent.agent_id
-    assert [a.outcome for a in audit] == ["granted", "granted"]
+    assert (second.agent_id, agent.agent_id) == (node, node)
+    assert second.cert_id != agent.cert_id
+    assert [(a.outcome, a.command_id) for a in audit] == [("granted", command.id)] * 2
+    assert cmdq_proc.alive()
 
 
 async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_asked(

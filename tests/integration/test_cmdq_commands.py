@@ -423,15 +423,20 @@ async def test_await_command_waits_then_returns_or_fails_as_the_reference_says(s
     assert msgspec.json.decode(done["result"])["ok"] is True
     assert done["attested"] is False
     # a failed command is DRIVER_ERROR with its state and reason
-    failing = _Ctx(node=ctx.node, commands=ctx.commands, attempt=2)
+    # (in a site with no agent, so nothing can run it before the cancel)
+    failing = _Ctx(node=_Node(id=new_id("node"), site_id="site-none"), commands=ctx.commands, attempt=2)
     with pytest.raises(StepNotReady):
         await await_command(
-            failing, node_id=ctx.node.id, kind="power.setPower", payload={"action": "on"}, timeout_ms=1_000
+            failing,
+            node_id=failing.node.id,
+            kind="power.setPower",
+            payload={"action": "on"},
+            timeout_ms=60_000,
         )
-    [mine] = (await stack.cq.list_commands(node_id=ctx.node.id, kind="power.setPower", limit=1)).commands
+    [mine] = (await stack.cq.list_commands(node_id=failing.node.id, kind="power.setPower", limit=1)).commands
     await stack.cq.cancel(id=mine.id, reason="operator said no")
     err = await refused(
-        await_command(failing, node_id=ctx.node.id, kind="power.setPower", payload={"action": "on"})
+        await_command(failing, node_id=failing.node.id, kind="power.setPower", payload={"action": "on"})
     )
     assert err.code is ErrorCode.DRIVER_ERROR
     assert (err.details["state"], err.details["reason"]) == ("cancelled", "operator said no")

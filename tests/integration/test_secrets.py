@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -14,83 +13,24 @@ from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from bc_command_queue.service import CommandQueueService
 from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
+from better_compute.agent import Enrollment
+from better_compute.agent.sim import join_agent
+from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.keyring import rotate_key_file
-from better_compute.pki_client import AgentIdentity, PkiClient, make_csr, new_agent_key
+from better_compute.pki_client import AgentIdentity, PkiClient, new_agent_key
 from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
 from better_compute.service import ApiClient
-from better_compute.wire import Subjects, encode_ok
-from better_compute.wire.cmdq import LiveWithRef, LiveWithRefReply
+from better_compute.wire import Subjects
+from better_compute.wire.cmdq import CommandView, LiveWithRef
+from secrets_test_app import APP, enqueue_ref, settle
 
 VALUE = b"#cloud-config\npassword: hunter2-the-real-one\n"
-
-
-class FakeCommandQueueResponder:
-    """Plays bc-command-queue's ``commands.live_with_ref`` on the real bus.
-
-    It stands in for issue 4 (the command-queue service) until that lands; then these tests
-    enqueue real commands instead. It answers exactly as ``wire.cmdq.LiveWithRef`` says: a
-    live command for the agent, whose key is the prefix or continues it with ``#``/``:``,
-    and whose payload holds the ref as a string value.
-    """
-
-    def __init__(self, nc: Nats, subjects: Subjects) -> None:
-        self.nc = nc
-        self.subject = subjects.api("command-queue", "commands", "live_with_ref")
-        self.commands: dict[str, dict[str, Any]] = {}
-        self.asked: list[LiveWithRef] = []
-        self._sub: Subscription | None = None
-        self._ids = itertools.count(1)
-
-    async def __aenter__(self) -> FakeCommandQueueResponder:
-        self._sub = await self.nc.subscribe(self.subject, cb=self._answer)
-        await self.nc.flush()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-
-    def add(self, *, agent_id: str, key: str, payload: Any, state: str = "running") -> str:
-        command_id = f"cmd_fake{next(self._ids)}"
-        self.commands[command_id] = {
-            "agent_id": agent_id, "key": key, "payload": payload, "state": state,
-        }  # fmt: skip
-        return command_id
-
-    def settle(self, command_id: str, state: str = "succeeded") -> None:
-        self.commands[command_id]["state"] = state
-
-    async def _answer(self, msg: Msg) -> None:
-        ask = msgspec.json.decode(msg.data, type=LiveWithRef)
-        self.asked.append(ask)
-        live = next(
-            (
-                cid
-                for cid, c in self.commands.items()
-                if c["agent_id"] == ask.agent_id
-                and c["state"] in ("pending", "dispatched", "acked", "running")
-                and (c["key"] == ask.key_prefix or c["key"][: len(ask.key_prefix) + 1]
-                     in (ask.key_prefix + "#", ask.key_prefix + ":"))
-                and _carries(c["payload"], ask.ref)
-            ),
-            None,
-        )  # fmt: skip
-        await msg.respond(encode_ok(LiveWithRefReply(live=live is not None, command_id=live)))
-
-
-def _carries(payload: Any, ref: str) -> bool:
-    if isinstance(payload, str):
-        return payload == ref
-    if isinstance(payload, dict):
-        return any(_carries(v, ref) for v in payload.values())
-    if isinstance(payload, list):
-        return any(_carries(v, ref) for v in payload)
-    return False
 
 
 async def refused(coro: Any) -> BcError:
@@ -99,10 +39,38 @@ async def refused(coro: Any) -> BcError:
     return info.value
 
 
-async def new_agent(pki: PkiClient, *, site: str = "site-a") -> AgentIdentity:
-    token = await pki.issue_join_token(tenant_id="root", role="node", site_id=site, ttl_seconds=60)
-    key = new_agent_key()
-    return AgentIdentity.from_join(await pki.join(token=token.token, csr=make_csr(key)), key)
+async def new_node_agent(api: ApiClient, *, site: str = "site-a") -> Enrollment:
+    """A node's bcd, joined through bc-pki: its agent id is the node id."""
+    return await join_agent(api, site_id=site, role="node", node_id=new_id("node"))
+
+
+class AskedForRefs:
+    """Listens (without answering) to what bc-secrets asks bc-command-queue's
+    ``commands.live_with_ref``: the service answers, this only records the questions."""
+
+    def __init__(self, nc: Nats, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subject = subjects.api("command-queue", "commands", "live_with_ref")
+        self.asked: list[LiveWithRef] = []
+        self._sub: Subscription | None = None
+
+    async def __aenter__(self) -> AskedForRefs:
+        self._sub = await self.nc.subscribe(self.subject, cb=self._record)
+        await self.nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _record(self, msg: Msg) -> None:
+        self.asked.append(msgspec.json.decode(msg.data, type=LiveWithRef))
+
+
+@pytest.fixture
+def bc_settings(bc_settings: Settings) -> Settings:
+    """Every service here loads the app with ``test.useSecret``, a kind carrying a ref."""
+    return msgspec.structs.replace(bc_settings, app=APP)
 
 
 @pytest.fixture
@@ -182,16 +150,24 @@ async def test_malformed_requests_are_invalid_input_with_a_path(
 
 
 async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step(
-    bc_settings: Settings, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
+    bc_settings: Settings, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects, tmp_path: Path
 ) -> None:
-    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    cq, secrets = CommandQueueClient(bc_api), SecretsClient(bc_api)
     wf = new_id("wf")
     async with (
         PkiService(bc_settings),
         SecretsService(bc_settings),
-        FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq,
+        CommandQueueService(bc_settings),
+        AskedForRefs(bc_nats, bc_subjects) as tap,
     ):
-        agent, stranger = await new_agent(pki), await new_agent(pki)
+        bcd, stranger = await new_node_agent(bc_api), await new_node_agent(bc_api)
+        node, agent = bcd.agent_id, bcd.identity
+
+        async def command(key: str, payload: Any, *, workflow: str = wf, step: int = 2) -> CommandView:
+            return await enqueue_ref(
+                cq, node_id=node, site_id="site-a", key=key, payload=payload, workflow_id=workflow, step=step
+            )
+
         ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=2)).ref
         other_ref = (await secrets.put(b"other-value", tenant_id="acme", workflow_id=wf, step=2)).ref
 
@@ -200,28 +176,25 @@ async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step
         assert (err.code, err.reason) == (ErrorCode.PERMISSION_DENIED, "no-live-command")
 
         # a live command of step 2, for this agent, carrying the ref
-        cmd = cmdq.add(
-            agent_id=agent.agent_id,
-            key=f"wf:{wf}:2#1:media",
-            payload={"url": "x", "userData": {"secretRef": ref}},
-        )
+        cmd = await command(f"wf:{wf}:2#1:media", {"ref": {"secretRef": ref}, "note": "user data"})
         assert await secrets.fetch(ref, identity=agent) == VALUE
-        assert cmdq.asked[-1] == LiveWithRef(agent_id=agent.agent_id, ref=ref, key_prefix=f"wf:{wf}:2")
+        assert tap.asked[-1] == LiveWithRef(agent_id=node, ref=ref, key_prefix=f"wf:{wf}:2")
         # ... which opens only the ref it carries, and only for its own agent
         err = await refused(secrets.fetch(other_ref, identity=agent))
         assert err.code is ErrorCode.PERMISSION_DENIED
-        err = await refused(secrets.fetch(ref, identity=stranger))
+        err = await refused(secrets.fetch(ref, identity=stranger.identity))
         assert err.code is ErrorCode.PERMISSION_DENIED
-        # a command of step 20 (same digits first) or of another workflow opens nothing
-        cmdq.settle(cmd)
-        cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:20#1", payload={"ref": ref})
-        cmdq.add(agent_id=agent.agent_id, key=f"wf:{new_id('wf')}:2#1", payload={"ref": ref})
+        # the agent runs the command to its end; then a command of step 20 (same digits
+        # first) or of another workflow opens nothing
+        assert (await settle(bc_api, bcd, cmd.id, tmp_path)).state == "succeeded"
+        await command(f"wf:{wf}:20#1", {"ref": ref}, step=20)
+        await command(f"wf:{new_id('wf')}:2#1", {"ref": ref}, workflow=new_id("wf"))
         err = await refused(secrets.fetch(ref, identity=agent))
         assert err.code is ErrorCode.PERMISSION_DENIED
-        # a bare step key (no #attempt) is the step too
-        bare = cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:2", payload=[ref])
+        # a bare step key (no #attempt) is the step too, until it is cancelled
+        bare = await command(f"wf:{wf}:2", {"ref": ref})
         assert await secrets.fetch(ref, identity=agent) == VALUE
-        cmdq.settle(bare, "cancelled")
+        assert await cq.cancel(id=bare.id, reason="step cancelled") == [bare.id]
         err = await refused(secrets.fetch(ref, identity=agent))
         assert err.code is ErrorCode.PERMISSION_DENIED
         # an unknown ref looks exactly like one the agent may not read
@@ -232,26 +205,30 @@ async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step
 
         audit = await secrets.list_fetches(limit=50)
     granted = [a for a in audit if a.outcome == "granted"]
-    assert [(a.ref, a.agent_id) for a in granted] == [(ref, agent.agent_id)] * 2
-    assert granted[-1].command_id == cmd
+    assert [(a.ref, a.agent_id) for a in granted] == [(ref, node)] * 2
+    assert [a.command_id for a in granted] == [bare.id, cmd.id]
     denied = [a.reason for a in audit if a.outcome == "denied"]
     assert sorted(denied) == sorted(["no-live-command"] * 5 + ["unknown-ref"])
     assert all(a.code == "PERMISSION_DENIED" for a in audit if a.outcome == "denied")
 
 
 async def test_fetches_are_refused_without_a_valid_fresh_signature(
-    bc_settings: Settings, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
+    bc_settings: Settings, bc_api: ApiClient
 ) -> None:
     pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
     wf = new_id("wf")
     async with (
         PkiService(bc_settings),
         SecretsService(bc_settings),
-        FakeCommandQueueResponder(bc_nats, bc_subjects) as cmdq,
+        CommandQueueService(bc_settings),
     ):
-        agent = await new_agent(pki)
+        bcd = await new_node_agent(bc_api)
+        agent = bcd.identity
         ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
-        cmdq.add(agent_id=agent.agent_id, key=f"wf:{wf}:0#1", payload={"ref": ref})
+        await enqueue_ref(
+            CommandQueueClient(bc_api), node_id=bcd.agent_id, site_id="site-a", key=f"wf:{wf}:0#1",
+            payload={"ref": ref}, workflow_id=wf, step=0,
+        )  # fmt: skip
 
         signed = agent.signed_request(FETCH_PURPOSE, ref=ref)
         got = await bc_api.call("secrets", "secrets.fetch", signed)
@@ -281,11 +258,11 @@ async def test_fetches_are_refused_without_a_valid_fresh_signature(
 async def test_fetch_fails_closed_when_pki_or_the_command_queue_is_away(
     bc_settings: Settings, bc_api: ApiClient
 ) -> None:
-    pki, secrets = PkiClient(bc_api), SecretsClient(bc_api)
+    secrets = SecretsClient(bc_api)
     wf = new_id("wf")
     async with SecretsService(bc_settings):
         async with PkiService(bc_settings):
-            agent = await new_agent(pki)
+            agent = (await new_node_agent(bc_api)).identity
             ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
             # pki answers, no command queue does
             err = await refused(secrets.fetch(ref, identity=agent))

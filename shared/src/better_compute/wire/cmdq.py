@@ -114,9 +114,10 @@ class CommandEvent(_Msg, frozen=True, kw_only=True):
 
 class LiveWithRef(_Msg, frozen=True, kw_only=True):
     """``commands.live_with_ref``, asked by bc-secrets before an agent may fetch a value:
-    is there a live command for ``agent_id`` whose key starts with ``key_prefix``
+    is there a command delivered to ``agent_id`` and not finished (dispatched, acked or
+    running, and before its ``notAfter``) whose key starts with ``key_prefix``
     (``wf:<workflow>:<step>``, followed by end, ``#`` or ``:``) and whose payload carries
-    ``ref``?"""
+    ``ref``? A pending command (not yet delivered, or waiting for its quorum) opens nothing."""
 
     agent_id: str
     ref: str
