@@ -47,6 +47,9 @@ async def connect(url: str, *, name: str, **kwargs: Any) -> Nats:
     return nc
 
 
+NO_RESPONDERS_RETRY = (0.05, 0.2, 0.5)  # seconds between tries when no instance listens
+
+
 class ApiClient:
     """Request/reply calls to ``bc.api.<service>.<resource>.<verb>``."""
 
@@ -63,14 +66,23 @@ class ApiClient:
         resource, _, verb = route.partition(".")
         subject = self.subjects.api(service, resource, verb)
         data = payload if isinstance(payload, bytes) else encode(payload if payload is not None else {})
-        try:
-            msg = await self.nc.request(subject, data, timeout=timeout)
-        except nats.errors.NoRespondersError as exc:
-            name = SERVICE_NAMES.get(service, service)
-            raise BcError(ErrorCode.UNAVAILABLE, f"no {name} instance is running", {"service": name}) from exc
-        except nats.errors.TimeoutError as exc:
-            raise BcError(ErrorCode.TIMEOUT, f"{subject} did not answer within {timeout}s") from exc
-        return unwrap(msg.data)
+        # "No responders" means nobody received the request, so asking again is always safe;
+        # a short retry rides over an instance restarting (a rolling deploy) before giving up.
+        for pause in (*NO_RESPONDERS_RETRY, None):
+            try:
+                msg = await self.nc.request(subject, data, timeout=timeout)
+            except nats.errors.NoRespondersError as exc:
+                if pause is not None:
+                    await asyncio.sleep(pause)
+                    continue
+                name = SERVICE_NAMES.get(service, service)
+                raise BcError(
+                    ErrorCode.UNAVAILABLE, f"no {name} instance is running", {"service": name}
+                ) from exc
+            except nats.errors.TimeoutError as exc:
+                raise BcError(ErrorCode.TIMEOUT, f"{subject} did not answer within {timeout}s") from exc
+            return unwrap(msg.data)
+        raise AssertionError("unreachable")
 
 
 async def discover(nc: Nats, *, root: str | None = None, wait: float = 0.5) -> list[dict[str, Any]]:
