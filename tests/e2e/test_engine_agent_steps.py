@@ -148,3 +148,30 @@ async def test_abort_cancels_the_workflows_live_commands(stack: Stack) -> None:
     view = await stack.api.call("engine", "workflows.get", {"id": wf_id})
     assert view["state"] == "aborted"
     assert json.dumps(view).count("cancelled") >= 1
+
+
+async def test_a_command_that_settles_while_the_engine_is_down_is_still_picked_up(
+    stack: Stack, bc_processes: ServiceProcesses
+) -> None:
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab5"})
+    await stack.profile("later", [{"use": "test.power", "on": "site"}, {"use": "test.noop"}])
+    wf_id = await stack.start("later", node["id"])
+
+    async def command_id() -> str | None:
+        view = await stack.api.call("engine", "workflows.get", {"id": wf_id})
+        return view["steps"][0]["commandId"]  # type: ignore[no-any-return]
+
+    cmd = await until(command_id)
+    [engine] = [p for p in bc_processes.procs if p.service == "bc-engine"]
+    engine.kill()  # its settle event will go to nobody
+    await stack.agent("lab5")
+
+    async def settled() -> bool:
+        return (await stack.cq.get(cmd)).state == "succeeded"
+
+    await until(settled)
+    bc_processes.start("bc-engine")  # nothing wakes it for this key: only the safety net can
+    await bc_processes.wait_ready()
+    done = await wait_workflow(stack.api, wf_id, timeout=60)
+    assert done["state"] == "succeeded"
+    assert done["steps"][0]["result"]["commandId"] == cmd

@@ -67,8 +67,11 @@ from better_compute.pki_client import PkiClient
 from better_compute.service import ApiRequest, Database, Handler, Service
 from better_compute.wire import encode_error, encode_ok
 from better_compute.wire.cmdq import (
+    MAX_STATE_QUERY,
     TERMINAL_STATES,
     CancelCommands,
+    CommandStates,
+    CommandStatesReply,
     CommandView,
     EnqueueCommand,
     LiveWithRef,
@@ -165,6 +168,7 @@ class CommandQueueService(Service):
         return {
             "commands.enqueue": self.enqueue,
             "commands.get": self.get_command,
+            "commands.states": self.command_states,
             "commands.list": self.list_commands,
             "commands.cancel": self.cancel,
             "commands.live_with_ref": self.live_with_ref,
@@ -336,6 +340,15 @@ class CommandQueueService(Service):
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
         return store.command_view(row)
+
+    async def command_states(self, req: ApiRequest) -> CommandStatesReply:
+        body = req.decode(CommandStates)
+        if len(body.ids) > MAX_STATE_QUERY:
+            raise BcError(
+                ErrorCode.INVALID_INPUT, f"at most {MAX_STATE_QUERY} ids a request", {"path": "ids"}
+            )
+        rows = await self._db.fetch("SELECT id, state FROM commands WHERE id = ANY($1::text[])", body.ids)
+        return CommandStatesReply(states={r["id"]: r["state"] for r in rows})
 
     async def list_commands(self, req: ApiRequest) -> CommandList:
         body = req.decode(ListCommands)

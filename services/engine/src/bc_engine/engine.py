@@ -36,7 +36,7 @@ from .shards import ShardLeases
 
 __all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
 
-AGENT_POLL_S = 10.0  # workflowPollMs: an agent step looks at its command at least this often
+AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at least this often
 QUEUE_RETRY_S = 2.0  # the command-queue did not answer: try again this soon
 FENCE = (
     "EXISTS (SELECT 1 FROM shard_leases WHERE shard = {s} AND owner = {o} AND epoch = {e}"
@@ -581,7 +581,10 @@ class Engine:
                 wf["id"], step["idx"], view.id,
             )  # fmt: skip
         if view.state in LIVE_STATES:
-            return _Wait(time.time() + AGENT_POLL_S)
+            # The command's settle event wakes this key at once; the safety net is the bulk
+            # look at every waiting command every AGENT_POLL_S (EngineService._command_watch),
+            # so a waiting workflow costs no pass of its own until its deadline.
+            return _Wait(deadline)
         if view.state == "succeeded":
             return _Ok(
                 {

@@ -12,13 +12,14 @@ import msgspec
 from nats.aio.msg import Msg
 
 from better_compute.core.app import App, load_app
+from better_compute.core.errors import BcError
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
-from better_compute.wire.cmdq import CommandEvent
+from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, CommandStates
 
 from . import queue
 from .api import EngineApi
-from .engine import Engine, OwnerReconciler
+from .engine import AGENT_POLL_S, Engine, OwnerReconciler
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -110,7 +111,11 @@ class EngineService(Service):
         return self.engine_api.routes()
 
     def side_loops(self) -> Mapping[str, SideLoop]:
-        return {"shard_leases": self.leases.run, "work_poll": self._poll_loop}
+        return {
+            "shard_leases": self.leases.run,
+            "work_poll": self._poll_loop,
+            "command_watch": self._command_watch,
+        }
 
     def _owns_key(self, rkey: str) -> bool:
         return self.leases.owns(queue.shard_of(rkey)) is not None
@@ -171,6 +176,31 @@ class EngineService(Service):
             self._poll_soon.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poll_soon.wait(), timeout=POLL_EVERY)
+
+    async def _command_watch(self) -> None:
+        """The safety net for lost command events: every AGENT_POLL_S, one look at the state of
+        every command a step of ours waits on (in bulk), waking the keys whose command settled."""
+        assert self.db is not None
+        assert self.api is not None
+        while True:
+            await asyncio.sleep(AGENT_POLL_S)
+            rows = await self.db.fetch(
+                "SELECT s.command_id, w.rkey FROM workflow_steps s JOIN workflows w ON w.id = s.workflow_id"
+                " WHERE s.state = 'running' AND s.command_id IS NOT NULL AND w.state = 'running'"
+            )
+            waiting = {r["command_id"]: r["rkey"] for r in rows if self._owns_key(r["rkey"])}
+            ids = list(waiting)
+            for start in range(0, len(ids), MAX_STATE_QUERY):
+                chunk = ids[start : start + MAX_STATE_QUERY]
+                try:
+                    got = await self.api.call("command-queue", "commands.states", CommandStates(ids=chunk))
+                except BcError as err:
+                    self.log.warning("command_watch_failed", code=err.code.value)
+                    break
+                states = got.get("states", {}) if isinstance(got, dict) else {}
+                for cid in chunk:
+                    if states.get(cid) not in LIVE_STATES:  # settled, or unknown to the queue
+                        self.scheduler.now(waiting[cid])
 
     async def on_stop(self) -> None:
         for sub in getattr(self, "_subs", []):

@@ -13,10 +13,13 @@ import msgspec
 __all__ = [
     "DEFAULT_COMMAND_TIMEOUT_MS",
     "LIVE_STATES",
+    "MAX_STATE_QUERY",
     "TERMINAL_STATES",
     "CancelCommands",
     "CommandEvent",
     "CommandState",
+    "CommandStates",
+    "CommandStatesReply",
     "CommandView",
     "EnqueueCommand",
     "LiveWithRef",
@@ -127,3 +130,22 @@ class LiveWithRef(_Msg, frozen=True, kw_only=True):
 class LiveWithRefReply(_Msg, frozen=True, kw_only=True):
     live: bool
     command_id: str | None = None
+
+
+MAX_STATE_QUERY = 5000
+
+
+class CommandStates(_Msg, frozen=True, kw_only=True):
+    """``commands.states``: the states of many commands at once (at most 5000 ids).
+
+    The engine's safety net: one request every poll interval for every command its waiting
+    steps wait on, instead of one request per workflow.
+    """
+
+    ids: list[str]
+
+
+class CommandStatesReply(_Msg, frozen=True, kw_only=True):
+    """``id -> state`` of the commands that exist; unknown ids are left out."""
+
+    states: dict[str, str]
