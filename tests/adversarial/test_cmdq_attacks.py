@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import inspect
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from better_compute.core.ids import new_id
 from better_compute.pki_client import PkiClient, sign_bytes
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses
+from better_compute.testing.agents import until
 from better_compute.wire import unwrap
 from better_compute.wire.cmdq import EnqueueCommand
 
@@ -77,18 +77,6 @@ async def attack(bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Pa
     yield Attack(
         api=bc_api, cq=CommandQueueClient(bc_api), pki=PkiClient(bc_api), keys=keys, cmdq=cmdq, tmp=tmp_path
     )
-
-
-async def until(check: Callable[[], Any]) -> Any:
-    """Poll ``check`` (plain or async) until it gives something truthy; the test timeout
-    bounds the wait."""
-    while True:
-        got = check()
-        if inspect.isawaitable(got):
-            got = await got
-        if got:
-            return got
-        await asyncio.sleep(0.05)
 
 
 async def _state_is(cq: CommandQueueClient, command_id: str, state: str) -> bool:

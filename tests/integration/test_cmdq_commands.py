@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from better_compute.core.ids import new_id
 from better_compute.provision import StepNotReady, await_command, site_agent_for
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
+from better_compute.testing.agents import until
 from better_compute.wire.cmdq import CommandEvent, CommandView, EnqueueCommand
 
 FAST = CmdqConfig(
@@ -109,18 +109,6 @@ async def stack(
                     await asyncio.wait_for(task, 5)
             svc.request_stop()
             await run
-
-
-async def until(check: Callable[[], Any]) -> Any:
-    """Poll ``check`` (plain or async) until it gives something truthy; the test timeout
-    bounds the wait."""
-    while True:
-        got = check()
-        if inspect.isawaitable(got):
-            got = await got
-        if got:
-            return got
-        await asyncio.sleep(0.05)
 
 
 async def refused(coro: Awaitable[Any]) -> BcError:
