@@ -37,6 +37,7 @@ from .shards import ShardLeases
 __all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
 
 AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at least this often
+BATCH_TTL_S = 24 * 3600  # how long approvers have for a workflow's destructive batch
 QUEUE_RETRY_S = 2.0  # the command-queue did not answer: try again this soon
 FENCE = (
     "EXISTS (SELECT 1 FROM shard_leases WHERE shard = {s} AND owner = {o} AND epoch = {e}"
@@ -186,6 +187,7 @@ class Engine:
         self.start_in = start_in
         self.wake = wake
         self._profiles: dict[tuple[str, str, int], Profile] = {}  # pinned versions never change
+        self._quorum: tuple[bool, float] | None = None
 
     # -- helpers used by the step context ---------------------------------------
 
@@ -264,9 +266,56 @@ class Engine:
     def _fence(self, base: int) -> str:
         return FENCE.format(s=f"${base}", o=f"${base + 1}", e=f"${base + 2}")
 
+    async def _quorum_enabled(self) -> bool:
+        """Whether the command-queue has approvers configured (asked at most once a minute)."""
+        now = time.time()
+        if self._quorum is None or now - self._quorum[1] > 60.0:
+            got = await self.api.call("command-queue", "quorum.get", {})
+            self._quorum = (bool(got.get("enabled")) if isinstance(got, dict) else False, now)
+        return self._quorum[0]
+
+    async def _ensure_batch(self, wf: dict[str, Any]) -> float | None:
+        """Under the quorum, a workflow that can send destructive commands gets its batch before it
+        sends anything: scope = its destructive kinds and its node, found by the workflow's key."""
+        if wf["batch_id"] is not None or wf["state"] != "running":
+            return None
+        kinds = [
+            k for k in wf["command_kinds"] if (kind := self.app.command_kinds.get(k)) and kind.destructive
+        ]
+        if not kinds:
+            return None
+        try:
+            if not await self._quorum_enabled():
+                return None
+            got = await self.api.call(
+                "command-queue",
+                "batches.create",
+                {"tenantId": wf["tenant_id"], "kinds": kinds,
+                 "nodes": [wf["node_id"]] if wf["node_id"] else [], "ttlSeconds": BATCH_TTL_S,
+                 "workflowId": wf["id"], "idempotencyKey": f"wf:{wf['id']}",
+                 "note": f"workflow {wf['id']} ({wf['profile_id']}@{wf['profile_version']})"},
+            )  # fmt: skip
+        except BcError as err:
+            self.log.warning("batch_create_failed", workflow_id=wf["id"], code=err.code.value)
+            return time.time() + QUEUE_RETRY_S
+        batch_id = got["id"]
+        await self.db.execute(
+            "UPDATE workflows SET batch_id = $2, updated_at = now() WHERE id = $1 AND batch_id IS NULL",
+            wf["id"],
+            batch_id,
+        )
+        wf["batch_id"] = batch_id
+        await self.publish(
+            "workflow", wf["id"], {"workflowId": wf["id"], "batchId": batch_id, "at": time.time()}
+        )
+        return None
+
     async def _advance(self, wf: dict[str, Any], shard: int, epoch: int) -> float | None:
         fence = (shard, self.instance, epoch)
         step: dict[str, Any] | None = None  # known from the previous settle, else read
+        retry_at = await self._ensure_batch(wf)
+        if retry_at is not None:
+            return retry_at
         while True:
             if wf["state"] != "running":
                 return await self._cleanup_aborted(wf)

@@ -1,0 +1,91 @@
+"""A workflow that sends destructive commands under the quorum: its batch, its approvals."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest_asyncio
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from better_compute.cmdq_client import CommandQueueClient, sign_batch
+from better_compute.config import Settings
+from better_compute.pki_client import PkiClient
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses
+from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing.workflows import wait_workflow
+
+APPROVERS = ("alice", "bob", "carol")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def keys(
+    bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[dict[str, ed25519.Ed25519PrivateKey]]:
+    made = {name: ed25519.Ed25519PrivateKey.generate() for name in APPROVERS}
+    lines = ["threshold = 2"]
+    for name, key in made.items():
+        raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        lines += ["[[approvers]]", f'id = "{name}"', f'publicKey = "{base64.b64encode(raw).decode()}"']
+    (tmp_path / "approvers.toml").write_text("\n".join(lines) + "\n")
+    bc_processes.settings = msgspec.structs.replace(bc_settings, app="engine_test_app:app")
+    bc_processes.extra_env.update(
+        BC_CMDQ_APPROVERS=str(tmp_path / "approvers.toml"), BC_CMDQ_HEARTBEAT_MS="200", BC_CMDQ_SWEEP_MS="100"
+    )
+    for name in ("bc-pki", "bc-command-queue", "bc-engine"):
+        bc_processes.start(name)
+    await bc_processes.wait_ready()
+    yield made
+
+
+async def test_destructive_steps_wait_for_m_of_n_approvals_of_the_workflows_batch(
+    keys: dict[str, ed25519.Ed25519PrivateKey],
+    bc_api: ApiClient,
+    bc_processes: ServiceProcesses,
+    tmp_path: Path,
+) -> None:
+    cq = CommandQueueClient(bc_api)
+    sim: SimAgent
+    sim, _agent = await start_sim_agent(
+        bc_processes.settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=cq
+    )
+    try:
+        node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
+        doc = {"id": "wipe-ish", "version": 1, "target": "metal", "role": "host",
+               "steps": [{"use": "test.power", "on": "site"},
+                         {"use": "bmc.eraseDisks", "on": "site", "with": {"all": True}}]}  # fmt: skip
+        await bc_api.call("engine", "profiles.create", {"document": doc})
+        wf = await bc_api.call("engine", "workflows.start", {"profileId": "wipe-ish", "nodeId": node["id"]})
+
+        async def batch_id() -> str | None:
+            view = await bc_api.call("engine", "workflows.get", {"id": wf["id"]})
+            return view["batchId"]  # type: ignore[no-any-return]
+
+        batch = await cq.get_batch(await until(batch_id))
+        # the scope was fixed from what the workflow can send, before it sent anything destructive
+        assert (batch.kinds, batch.nodes, batch.workflow_id) == (["driver.invoke"], [node["id"]], wf["id"])
+
+        async def destructive_command() -> object:
+            listed = (await cq.list_commands(workflow_id=wf["id"], kind="driver.invoke")).commands
+            return listed[0] if listed else None
+
+        cmd = await until(destructive_command)
+        assert cmd.batch_id == batch.id  # type: ignore[attr-defined]
+        # the non-destructive step ran and carries no batch; the destructive one waits
+        [power] = (await cq.list_commands(workflow_id=wf["id"], kind="power.setPower")).commands
+        assert (power.state, power.batch_id) == ("succeeded", None)
+        await cq.approve_batch(batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"]))
+        assert (await cq.get(cmd.id)).state == "pending"  # type: ignore[attr-defined]
+        assert (await bc_api.call("engine", "workflows.get", {"id": wf["id"]}))["state"] == "running"
+
+        await cq.approve_batch(batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"]))
+        done = await wait_workflow(bc_api, wf["id"], timeout=60)
+        assert done["state"] == "succeeded", done
+        assert done["steps"][1]["result"]["result"]["kind"] == "driver.invoke"
+        assert len(sim.executions()) == 2
+    finally:
+        sim.close()
