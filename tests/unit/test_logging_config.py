@@ -68,3 +68,19 @@ def test_bad_settings_are_invalid_config(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(BcError) as e:
         load_settings(cfg)
     assert e.value.path == str(cfg)
+
+
+def test_the_registry_keeps_the_most_recent_values(log_lines: io.StringIO) -> None:
+    from better_compute import logging as bc_logging
+
+    first = "tok-first-0000000000"
+    register_secret(first)
+    for i in range(bc_logging.MAX_REGISTERED_SECRETS):
+        register_secret(f"tok-filler-{i:010d}")
+    latest = "tok-latest-9999999999"
+    register_secret(latest)
+    assert len(bc_logging._secrets) == bc_logging.MAX_REGISTERED_SECRETS
+    get_logger().info("x", a=f"{first} {latest}")
+    line = log_lines.getvalue()
+    assert latest not in line
+    assert first in line  # aged out: bounded, as documented

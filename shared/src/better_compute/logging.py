@@ -28,7 +28,12 @@ SENSITIVE_KEYS = frozenset(
 )  # fmt: skip
 
 _secrets_lock = threading.Lock()
-_secrets: set[str] = set()
+# The most recent values, oldest first. Bounded: a service that mints a token per workflow for
+# months must not scan millions of strings per log line. Values older than this stay protected by
+# the sensitive-key rule and by never being logged on purpose.
+MAX_REGISTERED_SECRETS = 4096
+_secrets: dict[str, None] = {}
+_snapshot: tuple[str, ...] = ()  # what log lines scan: replaced whole on register, never mutated
 _MIN_SECRET_LEN = 6  # shorter strings would redact ordinary words
 
 
@@ -37,15 +42,20 @@ def register_secret(value: str | bytes) -> None:
     text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
     if len(text) >= _MIN_SECRET_LEN:
         with _secrets_lock:
-            _secrets.add(text)
+            _secrets.pop(text, None)
+            _secrets[text] = None
+            while len(_secrets) > MAX_REGISTERED_SECRETS:
+                del _secrets[next(iter(_secrets))]
+            global _snapshot
+            _snapshot = tuple(_secrets)
 
 
 def _scrub(value: Any, depth: int = 0) -> Any:
     if depth > 8:
         return value
     if isinstance(value, str):
-        if _secrets:
-            for s in _secrets:
+        if _snapshot and len(value) >= _MIN_SECRET_LEN:
+            for s in _snapshot:
                 if s in value:
                     value = value.replace(s, REDACTED)
         return value
