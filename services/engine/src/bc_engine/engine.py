@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 import msgspec
 
 from better_compute.core.app import App
@@ -675,7 +674,3 @@ class Engine:
             if error is not None:
                 payload["step"]["error"] = {"code": error.code.value, "message": error.message}
         await self.publish("workflow", wf["id"], payload)
-
-
-def is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError)

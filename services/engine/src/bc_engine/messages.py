@@ -7,7 +7,6 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
-    "AbortWorkflow",
     "CreateNode",
     "CreateProfile",
     "DeleteProfile",
@@ -91,9 +90,6 @@ class GetWorkflow(_Req, frozen=True, kw_only=True):
 class WorkflowVerb(_Req, frozen=True, kw_only=True):
     id: str
     reason: str | None = None
-
-
-AbortWorkflow = WorkflowVerb
 
 
 class ListWorkflows(_Req, frozen=True, kw_only=True):

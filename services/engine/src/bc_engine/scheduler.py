@@ -85,10 +85,6 @@ class Scheduler:
         elif nxt is not None:
             self.at(key, nxt)
 
-    @property
-    def busy(self) -> int:
-        return len(self._running)
-
     async def close(self, grace: float) -> None:
         self._closed = True
         for _when, handle in self._timers.values():
