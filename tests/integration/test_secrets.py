@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
@@ -177,7 +179,23 @@ async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step
 
         # a live command of step 2, for this agent, carrying the ref
         cmd = await command(f"wf:{wf}:2#1:media", {"ref": {"secretRef": ref}, "note": "user data"})
+        # another client on the bus that reads every reply (as agents of one site sharing a NATS
+        # user could) sees the value only sealed to the fetching agent's one-time key
+        spy = await nats.connect(bc_settings.nats_url)
+        seen: list[bytes] = []
+
+        async def tap_replies(msg: Any) -> None:
+            seen.append(msg.data)
+
+        await spy.subscribe("_INBOX.>", cb=tap_replies)
+        await spy.flush()
         assert await secrets.fetch(ref, identity=agent) == VALUE
+        await spy.flush()
+        await spy.close()
+        replies = [json.loads(d) for d in seen if b"sealed" in d]
+        assert replies, "the spy saw the reply"
+        assert all(VALUE not in d and base64.b64encode(VALUE) not in d for d in seen)
+        assert replies[0]["result"]["value"] == ""
         assert tap.asked[-1] == LiveWithRef(agent_id=node, ref=ref, key_prefix=f"wf:{wf}:2")
         # ... which opens only the ref it carries, and only for its own agent
         err = await refused(secrets.fetch(other_ref, identity=agent))

@@ -23,10 +23,18 @@ secret's workflow step for that agent carries the reference.
 
 from __future__ import annotations
 
+import base64
+import os
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from .core.errors import BcError, ErrorCode
 from .logging import register_secret
@@ -43,6 +51,7 @@ __all__ = [
     "ListSecretsRequest",
     "PutSecretRequest",
     "RefRequest",
+    "SealedValue",
     "SecretInfo",
     "SecretList",
     "SecretValue",
@@ -50,6 +59,8 @@ __all__ = [
     "SecretsRewrapResult",
     "StepSecrets",
     "fetch_document",
+    "open_sealed",
+    "seal_value",
 ]
 
 T = TypeVar("T")
@@ -80,13 +91,19 @@ class RefRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 
 class FetchSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    """An agent's signed request for a value; the signature covers ``fetch_document``."""
+    """An agent's signed request for a value; the signature covers ``fetch_document``.
+
+    ``reply_key`` (base64 of a raw X25519 public key, fresh for each fetch, inside the signed
+    document) asks for the value sealed to that key: another subscriber that sees the reply on
+    the bus (an agent of the same site sharing ``_INBOX``) sees only ciphertext.
+    """
 
     ref: str
     signer_id: str
     signed_at_ms: int
     nonce: Annotated[str, msgspec.Meta(min_length=16, max_length=64)]
     signature: Annotated[bytes, msgspec.Meta(max_length=512)]
+    reply_key: Annotated[str, msgspec.Meta(min_length=40, max_length=48)] | None = None
 
 
 class ListSecretsRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -119,9 +136,19 @@ class SecretList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     secrets: list[SecretInfo]
 
 
+class SealedValue(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A value sealed to a fetch's reply key: X25519 with a one-time server key, HKDF-SHA256,
+    AES-256-GCM with the ref as associated data."""
+
+    ephemeral_key: bytes
+    nonce: bytes
+    ciphertext: bytes
+
+
 class SecretValue(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     ref: str
-    value: bytes
+    value: bytes = b""
+    sealed: SealedValue | None = None
 
     def __repr__(self) -> str:
         return f"SecretValue(ref={self.ref!r}, value=[redacted])"
@@ -148,9 +175,51 @@ class SecretsRewrapResult(msgspec.Struct, frozen=True, kw_only=True, rename="cam
     rewrapped: int
 
 
-def fetch_document(*, ref: str, signer_id: str, signed_at_ms: int, nonce: str) -> dict[str, Any]:
+def fetch_document(
+    *, ref: str, signer_id: str, signed_at_ms: int, nonce: str, reply_key: str | None = None
+) -> dict[str, Any]:
     """The document an agent signs (under ``FETCH_PURPOSE``) to fetch ``ref``."""
-    return {"ref": ref, "signerId": signer_id, "signedAtMs": signed_at_ms, "nonce": nonce}
+    doc: dict[str, Any] = {"ref": ref, "signerId": signer_id, "signedAtMs": signed_at_ms, "nonce": nonce}
+    if reply_key is not None:
+        doc["replyKey"] = reply_key
+    return doc
+
+
+_SEAL_INFO: Final = b"bc-secrets-fetch-v1:"
+
+
+def _seal_key(shared: bytes, ref: str) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_SEAL_INFO + ref.encode()).derive(
+        shared
+    )
+
+
+def seal_value(reply_key: str, ref: str, value: bytes) -> SealedValue:
+    """Seal ``value`` so that only the holder of ``reply_key``'s private half can open it."""
+    try:
+        peer = X25519PublicKey.from_public_bytes(base64.b64decode(reply_key, validate=True))
+    except ValueError as exc:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, "replyKey is not an X25519 public key", {"path": "replyKey"}
+        ) from exc
+    mine = X25519PrivateKey.generate()
+    nonce = os.urandom(12)
+    ciphertext = AESGCM(_seal_key(mine.exchange(peer), ref)).encrypt(nonce, value, ref.encode())
+    return SealedValue(
+        ephemeral_key=mine.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw),
+        nonce=nonce,
+        ciphertext=ciphertext,
+    )
+
+
+def open_sealed(private_key: X25519PrivateKey, ref: str, sealed: SealedValue) -> bytes:
+    """The value inside ``sealed``, with the fetch's X25519 private key."""
+    try:
+        shared = private_key.exchange(X25519PublicKey.from_public_bytes(sealed.ephemeral_key))
+        value: bytes = AESGCM(_seal_key(shared, ref)).decrypt(sealed.nonce, sealed.ciphertext, ref.encode())
+    except (ValueError, InvalidTag) as exc:
+        raise BcError(ErrorCode.INTERNAL, "the sealed value from bc-secrets does not open") from exc
+    return value
 
 
 def _as(value: Any, typ: type[T]) -> T:
@@ -208,11 +277,18 @@ class SecretsClient:
         return got.value
 
     async def fetch(self, ref: str, *, identity: AgentIdentity) -> bytes:
-        """The value behind ``ref``, asked for as the agent ``identity`` (signed afresh)."""
-        request = identity.signed_request(FETCH_PURPOSE, ref=ref)
+        """The value behind ``ref``, asked for as the agent ``identity`` (signed afresh), sealed
+        on the way to a key made for this one fetch."""
+        reply = X25519PrivateKey.generate()
+        raw = reply.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        reply_key = base64.b64encode(raw).decode()
+        request = identity.signed_request(FETCH_PURPOSE, ref=ref, replyKey=reply_key)
         got = await self._call("secrets.fetch", request, SecretValue)
-        register_secret(got.value)
-        return got.value
+        if got.sealed is None:
+            raise BcError(ErrorCode.INTERNAL, "bc-secrets answered a sealed fetch in the clear")
+        value = open_sealed(reply, ref, got.sealed)
+        register_secret(value)
+        return value
 
     async def describe(self, ref: str) -> SecretInfo:
         return await self._call("secrets.describe", RefRequest(ref=ref), SecretInfo)

@@ -25,6 +25,7 @@ from better_compute.secrets_client import (
     SecretsRewrapResult,
     SecretValue,
     fetch_document,
+    seal_value,
 )
 from better_compute.service import ApiRequest, Handler, Service
 
@@ -206,12 +207,19 @@ class SecretsService(Service):
         value = self._open(row)
         await self._audit("granted", ref=ref, body=body, verified=verified, command_id=command_id)
         self.log.info("secret_fetched", ref=ref, agent_id=verified.agent_id, command_id=command_id)
+        if body.reply_key is not None:
+            # sealed to the key the agent signed into its request: others on the bus see ciphertext
+            return SecretValue(ref=ref, sealed=seal_value(body.reply_key, ref, value))
         return SecretValue(ref=ref, value=value)
 
     async def _authenticate(self, body: FetchSecretRequest, ref: str) -> Verified:
         assert self.api is not None
         doc = fetch_document(
-            ref=ref, signer_id=body.signer_id, signed_at_ms=body.signed_at_ms, nonce=body.nonce
+            ref=ref,
+            signer_id=body.signer_id,
+            signed_at_ms=body.signed_at_ms,
+            nonce=body.nonce,
+            reply_key=body.reply_key,
         )
         try:
             return await PkiClient(self.api, timeout=5.0).verify(
