@@ -434,3 +434,23 @@ async def test_await_command_waits_then_returns_or_fails_as_the_reference_says(s
         await_command(declared, node_id=ctx.node.id, kind="power.setPower", payload={"action": "on"})
     )
     assert (err.code, err.reason) == (ErrorCode.INVALID_CONFIG, "undeclared-kind")
+
+
+async def test_finished_commands_older_than_the_retention_are_purged(stack: Stack) -> None:
+    old_done = await stack.cq.enqueue(stack.command(key="old-done"))
+    old_live = await stack.cq.enqueue(stack.command(key="old-live", site_id="site-nobody"))
+    recent_done = await stack.cq.enqueue(stack.command(key="recent-done"))
+    for cmd in (old_done, recent_done):
+        await stack.cq.cancel(id=cmd.id, reason="done with it")
+    db = stack.svc.db
+    assert db is not None
+    await db.execute(
+        "UPDATE commands SET updated_at = now() - interval '40 days' WHERE id = ANY($1::text[])",
+        [old_done.id, old_live.id],
+    )
+    assert await stack.svc.purge() == 1
+    with pytest.raises(BcError) as e:
+        await stack.cq.get(old_done.id)
+    assert e.value.code is ErrorCode.NOT_FOUND
+    assert (await stack.cq.get(old_live.id)).state == "pending"  # never purged while live
+    assert (await stack.cq.get(recent_done.id)).state == "cancelled"

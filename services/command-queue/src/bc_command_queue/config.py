@@ -147,6 +147,9 @@ class CmdqConfig:
     ack_wait_ms: int = 30_000
     stream_replicas: int = 1
     stream_max_age_seconds: int = 7 * 24 * 3600
+    retention_days: int = 30
+    """Finished commands (succeeded, failed, rejected, expired, cancelled) untouched this many
+    days are deleted; 0 keeps them for ever. Batches and approvals are kept as the audit trail."""
 
     @classmethod
     def from_env(cls) -> CmdqConfig:
@@ -161,6 +164,7 @@ class CmdqConfig:
             cert_cache_seconds=_env_int("BC_CMDQ_CERT_CACHE_SECONDS", 30, minimum=0),
             stream_replicas=_env_int("BC_CMDQ_STREAM_REPLICAS", 1),
             stream_max_age_seconds=_env_int("BC_CMDQ_STREAM_MAX_AGE_SECONDS", 7 * 24 * 3600),
+            retention_days=_env_int("BC_CMDQ_RETENTION_DAYS", 30, minimum=0),
         )
 
     def with_quorum(self, quorum: Quorum) -> CmdqConfig:

@@ -182,7 +182,37 @@ class CommandQueueService(Service):
         }
 
     def side_loops(self) -> Mapping[str, Any]:
-        return {"sweeper": self._sweeper}
+        return {"sweeper": self._sweeper, "retention": self._retention}
+
+    async def _retention(self) -> None:
+        while True:
+            try:
+                purged = await self.purge()
+                if purged:
+                    self.log.info("commands_purged", count=purged, older_than_days=self.config.retention_days)
+            except (BcError, *_DB_ERRORS) as exc:
+                self.log.warning("purge_failed", error=type(exc).__name__)
+            await asyncio.sleep(600)
+
+    async def purge(self) -> int:
+        """Delete finished commands older than the retention, a thousand at a time, so the table
+        does not grow for ever; safe in several instances at once."""
+        if self.config.retention_days <= 0:
+            return 0
+        total = 0
+        while True:
+            deleted = await self._db.fetchval(
+                "WITH gone AS (DELETE FROM commands WHERE id IN ("
+                "  SELECT id FROM commands WHERE state = ANY($1::text[])"
+                "   AND updated_at < now() - make_interval(days => $2)"
+                "  LIMIT 1000 FOR UPDATE SKIP LOCKED) RETURNING 1)"
+                " SELECT count(*) FROM gone",
+                sorted(TERMINAL_STATES),
+                self.config.retention_days,
+            )
+            total += int(deleted)
+            if deleted < 1000:
+                return total
 
     @property
     def _db(self) -> Database:
