@@ -41,6 +41,8 @@ from .wire.cmdq import (
     TERMINAL_STATES,
     CancelCommands,
     CommandState,
+    CommandStates,
+    CommandStatesReply,
     CommandView,
     EnqueueCommand,
     LiveWithRef,
@@ -289,13 +291,6 @@ def sign_batch(batch: BatchView, private_key: ed25519.Ed25519PrivateKey) -> byte
 # -- the client -----------------------------------------------------------------------
 
 
-def _as(value: Any, typ: type[T]) -> T:
-    try:
-        return msgspec.convert(value, typ, strict=False)
-    except msgspec.ValidationError as exc:
-        raise BcError(ErrorCode.INTERNAL, f"malformed reply from bc-command-queue: {exc}") from exc
-
-
 class CommandQueueClient:
     """Calls to bc-command-queue over NATS; raises the service's ``BcError``s."""
 
@@ -306,7 +301,7 @@ class CommandQueueClient:
         self.timeout = timeout
 
     async def _call(self, route: str, payload: Any, typ: type[T]) -> T:
-        return _as(await self.api.call(self.service, route, payload, timeout=self.timeout), typ)
+        return await self.api.call_as(self.service, route, payload, typ, timeout=self.timeout)
 
     async def enqueue(self, command: EnqueueCommand) -> CommandView:
         """Find the command by (node, key), or create it."""
@@ -352,6 +347,10 @@ class CommandQueueClient:
         """Cancel one live command, or every live one under ``key_prefix``; returns their ids."""
         req = CancelCommands(id=id, node_id=node_id, key_prefix=key_prefix, reason=reason)
         return (await self._call("commands.cancel", req, CancelReply)).cancelled
+
+    async def states(self, ids: list[str]) -> dict[str, str]:
+        """``id -> state`` of the commands that exist (at most ``MAX_STATE_QUERY`` ids)."""
+        return (await self._call("commands.states", CommandStates(ids=ids), CommandStatesReply)).states
 
     async def live_with_ref(self, *, agent_id: str, ref: str, key_prefix: str) -> LiveWithRefReply:
         req = LiveWithRef(agent_id=agent_id, ref=ref, key_prefix=key_prefix)

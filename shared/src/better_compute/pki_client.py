@@ -389,13 +389,6 @@ class AgentIdentity:
 # -- the client ---------------------------------------------------------------
 
 
-def _as(value: Any, typ: type[T]) -> T:
-    try:
-        return msgspec.convert(value, typ, strict=False)
-    except msgspec.ValidationError as exc:
-        raise BcError(ErrorCode.INTERNAL, f"malformed reply from bc-pki: {exc}") from exc
-
-
 class PkiClient:
     """Calls to bc-pki over NATS; raises the service's ``BcError``s.
 
@@ -411,7 +404,7 @@ class PkiClient:
         self.timeout = timeout
 
     async def _call(self, route: str, payload: Any, typ: type[T]) -> T:
-        return _as(await self.api.call(self.service, route, payload, timeout=self.timeout), typ)
+        return await self.api.call_as(self.service, route, payload, typ, timeout=self.timeout)
 
     def for_step(self, idempotency_key: str, *, node_id: str | None = None) -> StepPki:
         """The client a step sees as ``ctx.pki``: tokens keyed by the step's idempotency key,

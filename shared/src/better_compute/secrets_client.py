@@ -222,13 +222,6 @@ def open_sealed(private_key: X25519PrivateKey, ref: str, sealed: SealedValue) ->
     return value
 
 
-def _as(value: Any, typ: type[T]) -> T:
-    try:
-        return msgspec.convert(value, typ, strict=False)
-    except msgspec.ValidationError as exc:
-        raise BcError(ErrorCode.INTERNAL, f"malformed reply from bc-secrets: {exc}") from exc
-
-
 class SecretsClient:
     """Calls to bc-secrets over NATS; raises the service's ``BcError``s.
 
@@ -242,7 +235,7 @@ class SecretsClient:
         self.timeout = timeout
 
     async def _call(self, route: str, payload: Any, typ: type[T]) -> T:
-        return _as(await self.api.call(self.service, route, payload, timeout=self.timeout), typ)
+        return await self.api.call_as(self.service, route, payload, typ, timeout=self.timeout)
 
     def for_step(self, *, tenant_id: str, workflow_id: str, step: int) -> StepSecrets:
         """The client a step sees as ``ctx.secrets``: values belong to that workflow step."""

@@ -16,17 +16,20 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import msgspec
 
+from better_compute.cmdq_client import CommandQueueClient
 from better_compute.core.app import App
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.pki_client import PkiClient
 from better_compute.provision import Profile, StepNotReady, profile_from_document
+from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
-from better_compute.wire.cmdq import LIVE_STATES, CancelCommands, CommandView, EnqueueCommand
-from better_compute.wire.codec import convert
+from better_compute.wire.cmdq import LIVE_STATES, CommandView, EnqueueCommand
 
 from . import queue
 from .context import EngineSql, NodeInfo, RunContext, StepCommands, StepWorkflows
@@ -132,8 +135,6 @@ class _Wait:
 
 def _step_row(doc: Any) -> dict[str, Any]:
     """A step row that came back as JSON (``row_to_json``) with the types of a fetched row."""
-    from datetime import datetime
-
     row = dict(doc)
     for key in ("started_at", "deadline", "finished_at"):
         if isinstance(row.get(key), str):
@@ -167,8 +168,6 @@ class Engine:
         instance: str,
         log: Any,
         publish: Callable[[str, str, Any], Awaitable[None]],
-        pki_factory: Callable[[str, str | None], Any] | None = None,
-        secrets_factory: Callable[[str, str, int], Any] | None = None,
         owners: Mapping[str, OwnerReconciler] | None = None,
         start_in: Any = None,
         wake: Callable[[str], Awaitable[None]] | None = None,
@@ -180,8 +179,9 @@ class Engine:
         self.instance = instance
         self.log = log
         self.publish = publish
-        self.pki_factory = pki_factory
-        self.secrets_factory = secrets_factory
+        self.cmdq = CommandQueueClient(api)
+        self.pki = PkiClient(api)
+        self.secrets = SecretsClient(api)
         self.owners = dict(owners or {})
         self.start_in = start_in
         self.wake = wake
@@ -198,23 +198,16 @@ class Engine:
         )
 
     async def cmdq_enqueue(self, cmd: EnqueueCommand) -> CommandView:
-        got = await self.api.call("command-queue", "commands.enqueue", cmd, timeout=10.0)
-        return convert(got, CommandView)
+        return await self.cmdq.enqueue(cmd)
 
     async def cmdq_cancel(self, node_id: str | None, key_prefix: str) -> None:
-        await self.api.call(
-            "command-queue",
-            "commands.cancel",
-            CancelCommands(node_id=node_id, key_prefix=key_prefix, reason="workflow moved on"),
-            timeout=10.0,
-        )
+        await self.cmdq.cancel(node_id=node_id, key_prefix=key_prefix, reason="workflow moved on")
 
     async def site_agent_for(self, node_id: str) -> str | None:
         site = await self.db.fetchval("SELECT site_id FROM nodes WHERE id = $1", node_id)
-        query = {"siteId": site} if site else {"nodeId": node_id}
-        got = await self.api.call("command-queue", "agents.site_agent_for", query)
-        agent = got.get("agentId") if isinstance(got, dict) else None
-        return agent if isinstance(agent, str) else None
+        return (
+            await self.cmdq.site_agent(site_id=site) if site else await self.cmdq.site_agent(node_id=node_id)
+        )
 
     # -- one pass -----------------------------------------------------------------
 
@@ -269,8 +262,7 @@ class Engine:
         """Whether the command-queue has approvers configured (asked at most once a minute)."""
         now = time.time()
         if self._quorum is None or now - self._quorum[1] > 60.0:
-            got = await self.api.call("command-queue", "quorum.get", {})
-            self._quorum = (bool(got.get("enabled")) if isinstance(got, dict) else False, now)
+            self._quorum = ((await self.cmdq.quorum()).enabled, now)
         return self._quorum[0]
 
     async def _ensure_batch(self, wf: dict[str, Any]) -> float | None:
@@ -286,18 +278,19 @@ class Engine:
         try:
             if not await self._quorum_enabled():
                 return None
-            got = await self.api.call(
-                "command-queue",
-                "batches.create",
-                {"tenantId": wf["tenant_id"], "kinds": kinds,
-                 "nodes": [wf["node_id"]] if wf["node_id"] else [], "ttlSeconds": BATCH_TTL_S,
-                 "workflowId": wf["id"], "idempotencyKey": f"wf:{wf['id']}",
-                 "note": f"workflow {wf['id']} ({wf['profile_id']}@{wf['profile_version']})"},
-            )  # fmt: skip
+            batch = await self.cmdq.create_batch(
+                tenant_id=wf["tenant_id"],
+                kinds=kinds,
+                nodes=[wf["node_id"]] if wf["node_id"] else [],
+                ttl_seconds=BATCH_TTL_S,
+                workflow_id=wf["id"],
+                idempotency_key=f"wf:{wf['id']}",
+                note=f"workflow {wf['id']} ({wf['profile_id']}@{wf['profile_version']})",
+            )
         except BcError as err:
             self.log.warning("batch_create_failed", workflow_id=wf["id"], code=err.code.value)
             return time.time() + QUEUE_RETRY_S
-        batch_id = got["id"]
+        batch_id = batch.id
         await self.db.execute(
             "UPDATE workflows SET batch_id = $2, updated_at = now() WHERE id = $1 AND batch_id IS NULL",
             wf["id"],
@@ -535,10 +528,8 @@ class Engine:
             batch_id=wf["batch_id"],
             node=node,
             sql=EngineSql(self.db.pool),
-            pki=self.pki_factory(idempotency_key, wf["node_id"]) if self.pki_factory else None,
-            secrets=(
-                self.secrets_factory(wf["tenant_id"], wf["id"], step["idx"]) if self.secrets_factory else None
-            ),
+            pki=self.pki.for_step(idempotency_key, node_id=wf["node_id"]),
+            secrets=self.secrets.for_step(tenant_id=wf["tenant_id"], workflow_id=wf["id"], step=step["idx"]),
             workflows=children,
             commands=StepCommands(self, workflow=wf, step=step),
             log=log,

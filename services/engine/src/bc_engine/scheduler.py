@@ -12,6 +12,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .engine import FencedError
+
 __all__ = ["Scheduler"]
 
 
@@ -76,7 +78,7 @@ class Scheduler:
             raise
         except Exception as exc:
             self._log.warning("pass_failed", rkey=key, error=f"{type(exc).__name__}: {exc}")
-            nxt = None if type(exc).__name__ == "FencedError" else time.time() + 2.0
+            nxt = None if isinstance(exc, FencedError) else time.time() + 2.0
         finally:
             self._running.discard(key)
         if key in self._dirty:

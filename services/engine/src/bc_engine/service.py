@@ -15,7 +15,7 @@ from better_compute.core.app import App, load_app
 from better_compute.core.errors import BcError
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
-from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, CommandStates
+from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent
 
 from . import queue
 from .api import EngineApi
@@ -73,8 +73,6 @@ class EngineService(Service):
             instance=self.instance,
             log=self.log,
             publish=self.publish_event,
-            pki_factory=self._pki_factory(),
-            secrets_factory=self._secrets_factory(),
             owners=_owner_reconcilers(self.app),
         )
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
@@ -88,24 +86,6 @@ class EngineService(Service):
             await self.nc.subscribe(f"{root}.engine.wake", cb=self._on_wake),
             await self.nc.subscribe(self.subjects.events_all("command"), cb=self._on_command),
         ]
-
-    def _pki_factory(self) -> Any:
-        try:
-            from better_compute.pki_client import PkiClient, StepPki
-        except ImportError:  # pragma: no cover - the pki client ships with the SDK
-            return None
-        assert self.api is not None
-        client = PkiClient(self.api)
-        return lambda key, node_id: StepPki(client, key, node_id=node_id)
-
-    def _secrets_factory(self) -> Any:
-        try:
-            from better_compute.secrets_client import SecretsClient, StepSecrets
-        except ImportError:  # pragma: no cover
-            return None
-        assert self.api is not None
-        client = SecretsClient(self.api)
-        return lambda tenant, wf, step: StepSecrets(client, tenant_id=tenant, workflow_id=wf, step=step)
 
     def routes(self) -> Mapping[str, Handler]:
         return self.engine_api.routes()
@@ -193,11 +173,10 @@ class EngineService(Service):
             for start in range(0, len(ids), MAX_STATE_QUERY):
                 chunk = ids[start : start + MAX_STATE_QUERY]
                 try:
-                    got = await self.api.call("command-queue", "commands.states", CommandStates(ids=chunk))
+                    states = await self.engine.cmdq.states(chunk)
                 except BcError as err:
                     self.log.warning("command_watch_failed", code=err.code.value)
                     break
-                states = got.get("states", {}) if isinstance(got, dict) else {}
                 for cid in chunk:
                     if states.get(cid) not in LIVE_STATES:  # settled, or unknown to the queue
                         self.scheduler.now(waiting[cid])

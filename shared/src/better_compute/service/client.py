@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as Nats
@@ -47,6 +48,8 @@ async def connect(url: str, *, name: str, **kwargs: Any) -> Nats:
     return nc
 
 
+T = TypeVar("T")
+
 NO_RESPONDERS_RETRY = (0.05, 0.2, 0.5)  # seconds between tries when no instance listens
 
 
@@ -83,6 +86,18 @@ class ApiClient:
                 raise BcError(ErrorCode.TIMEOUT, f"{subject} did not answer within {timeout}s") from exc
             return unwrap(msg.data)
         raise AssertionError("unreachable")
+
+    async def call_as(
+        self, service: str, route: str, payload: Any, typ: type[T], *, timeout: float = 10.0
+    ) -> T:
+        """``call``, with the result converted to ``typ``; a reply that does not fit is the
+        service's fault (``INTERNAL``), never the caller's input."""
+        got = await self.call(service, route, payload, timeout=timeout)
+        try:
+            return msgspec.convert(got, typ, strict=False)
+        except msgspec.ValidationError as exc:
+            name = SERVICE_NAMES.get(service, service)
+            raise BcError(ErrorCode.INTERNAL, f"malformed reply from {name}: {exc}") from exc
 
 
 async def discover(nc: Nats, *, root: str | None = None, wait: float = 0.5) -> list[dict[str, Any]]:
