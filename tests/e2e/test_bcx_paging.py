@@ -7,11 +7,11 @@ import re
 
 import msgspec
 import pytest
+from test_engine_bcx import bcx, start_engine
 
 from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
-from test_engine_bcx import bcx, start_engine
 
 
 @pytest.fixture

@@ -121,6 +121,27 @@ async def test_a_1mb_label_is_refused_with_its_path_and_the_bounds_hold(
     assert got["next"] is None
 
 
+async def test_profile_documents_step_inputs_and_reasons_are_bounded(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    def doc(**kw: Any) -> dict[str, Any]:
+        return {"id": "big", "version": 1, "target": "metal", "role": "host",
+                "steps": [{"use": "test.noop"}], **kw}  # fmt: skip
+
+    # each step's input within its bound, the document beyond its own
+    huge = doc(steps=[{"use": "test.noop", "with": {"x": "w" * 40_000}} for _ in range(8)])
+    err = await refused(bc_api.call("engine", "profiles.create", {"document": huge}))
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "document")
+    err = await refused(bc_api.call("engine", "profiles.validate", {"document": huge}))
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "document")
+    wide = doc(steps=[{"use": "test.noop"}, {"use": "test.noop", "with": {"x": "w" * 70_000}}])
+    err = await refused(bc_api.call("engine", "profiles.create", {"document": wide}))
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "document.steps[1].with")
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain"})
+    err = await refused(bc_api.call("engine", "workflows.abort", {"id": wf["id"], "reason": "r" * 2000}))
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "reason")
+
+
 # -- pagination: every item exactly once, with inserts while walking ------------------------
 
 
