@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 
-# Bounds of free fields, checked where they enter (docs/engine.md lists them).
+# Bounds of free fields, checked where they enter (docs/lists-and-limits.md lists them).
 MAX_LABELS: Final = 64
 MAX_LABEL_KEY: Final = 63
 MAX_LABEL_VALUE: Final = 256
