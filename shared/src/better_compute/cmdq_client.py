@@ -48,6 +48,7 @@ from .wire.cmdq import (
     LiveWithRef,
     LiveWithRefReply,
 )
+from .wire.paging import DEFAULT_LIMIT, Cursor
 
 __all__ = [
     "BATCH_PURPOSE",
@@ -133,7 +134,9 @@ class ListAgents(_Req, frozen=True, kw_only=True):
     role: str | None = None
     connected: bool | None = None
     """True: connected only; False: silent only; unset: every agent."""
-    limit: Limit = 100
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (by site, then id)."""
 
 
 class AgentView(_Msg, frozen=True, kw_only=True):
@@ -153,6 +156,8 @@ class AgentView(_Msg, frozen=True, kw_only=True):
 
 class AgentList(_Msg, frozen=True, kw_only=True):
     agents: list[AgentView]
+    next: str | None = None
+    """The cursor of the next page; None after the last."""
 
 
 class SiteAgentRequest(_Req, frozen=True, kw_only=True):
@@ -190,7 +195,9 @@ class BatchIdRequest(_Req, frozen=True, kw_only=True):
 class ListBatches(_Req, frozen=True, kw_only=True):
     workflow_id: str | None = None
     state: BatchState | None = None
-    limit: Limit = 100
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (newest first)."""
 
 
 class ApprovalView(_Msg, frozen=True, kw_only=True):
@@ -220,6 +227,9 @@ class BatchView(_Msg, frozen=True, kw_only=True):
 
 class BatchList(_Msg, frozen=True, kw_only=True):
     batches: list[BatchView]
+    next: str | None = None
+    """The cursor of the next page; None after the last. A page of big batches (many
+    nodes) holds fewer than ``limit``."""
 
 
 class ApproveBatch(_Req, frozen=True, kw_only=True):
@@ -362,10 +372,23 @@ class CommandQueueClient:
         site_id: str | None = None,
         role: str | None = None,
         connected: bool | None = None,
-        limit: int = 100,
+        limit: int = DEFAULT_LIMIT,
     ) -> list[AgentView]:
-        req = ListAgents(site_id=site_id, role=role, connected=connected, limit=limit)
-        return (await self._call("agents.list", req, AgentList)).agents
+        """The first page; ``agents_page`` gives the cursor of the rest."""
+        return (await self.agents_page(site_id=site_id, role=role, connected=connected, limit=limit)).agents
+
+    async def agents_page(
+        self,
+        *,
+        site_id: str | None = None,
+        role: str | None = None,
+        connected: bool | None = None,
+        limit: int = DEFAULT_LIMIT,
+        cursor: str | None = None,
+    ) -> AgentList:
+        """One page of agents (by site, then id); pass its ``next`` as ``cursor`` for the next."""
+        req = ListAgents(site_id=site_id, role=role, connected=connected, limit=limit, cursor=cursor)
+        return await self._call("agents.list", req, AgentList)
 
     async def site_agent(self, *, site_id: str | None = None, node_id: str | None = None) -> str | None:
         """A connected site agent of the site (or the node's site), the boot-lease holder
@@ -399,10 +422,22 @@ class CommandQueueClient:
         return await self._call("batches.get", BatchIdRequest(id=batch_id), BatchView)
 
     async def list_batches(
-        self, *, workflow_id: str | None = None, state: BatchState | None = None, limit: int = 100
+        self, *, workflow_id: str | None = None, state: BatchState | None = None, limit: int = DEFAULT_LIMIT
     ) -> list[BatchView]:
-        req = ListBatches(workflow_id=workflow_id, state=state, limit=limit)
-        return (await self._call("batches.list", req, BatchList)).batches
+        """The first page; ``batches_page`` gives the cursor of the rest."""
+        return (await self.batches_page(workflow_id=workflow_id, state=state, limit=limit)).batches
+
+    async def batches_page(
+        self,
+        *,
+        workflow_id: str | None = None,
+        state: BatchState | None = None,
+        limit: int = DEFAULT_LIMIT,
+        cursor: str | None = None,
+    ) -> BatchList:
+        """One page of batches, newest first; pass its ``next`` as ``cursor`` for the next."""
+        req = ListBatches(workflow_id=workflow_id, state=state, limit=limit, cursor=cursor)
+        return await self._call("batches.list", req, BatchList)
 
     async def approve_batch(self, batch_id: str, *, approver_id: str, signature: bytes) -> BatchView:
         req = ApproveBatch(batch_id=batch_id, approver_id=approver_id, signature=signature)

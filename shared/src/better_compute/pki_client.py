@@ -41,6 +41,7 @@ from cryptography.x509.oid import NameOID
 from .core.errors import BcError, ErrorCode
 from .logging import register_secret
 from .service.client import ApiClient
+from .wire.paging import DEFAULT_LIMIT, Cursor
 
 __all__ = [
     "AgentIdentity",
@@ -140,7 +141,9 @@ class ListJoinTokensRequest(msgspec.Struct, frozen=True, kw_only=True, rename="c
     tenant_id: Name | None = None
     site_id: Name | None = None
     state: TokenState | None = None
-    limit: Limit = 100
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (newest first)."""
 
 
 class JoinTokenIdRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -162,7 +165,8 @@ class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 class ListJoinsRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     join_token_id: str | None = None
     outcome: Annotated[str, msgspec.Meta(max_length=64)] | None = None
-    limit: Limit = 100
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
 
 
 class VerifyRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -187,7 +191,8 @@ class ListCertificatesRequest(msgspec.Struct, frozen=True, kw_only=True, rename=
     agent_id: str | None = None
     join_token_id: str | None = None
     include_revoked: bool = False
-    limit: Limit = 100
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
 
 
 class RevokeCertificateRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -238,6 +243,8 @@ class JoinTokenInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 class JoinTokenList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     tokens: list[JoinTokenInfo]
+    next: str | None = None
+    """The cursor of the next page; None after the last."""
 
 
 class JoinResult(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -269,6 +276,7 @@ class JoinAudit(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 class JoinAuditList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     joins: list[JoinAudit]
+    next: str | None = None
 
 
 class CertificateInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -291,6 +299,7 @@ class CertificateInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel")
 
 class CertificateList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     certificates: list[CertificateInfo]
+    next: str | None = None
 
 
 class Verified(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -453,10 +462,27 @@ class PkiClient:
         tenant_id: str | None = None,
         site_id: str | None = None,
         state: TokenState | None = None,
-        limit: int = 100,
+        limit: int = DEFAULT_LIMIT,
     ) -> list[JoinTokenInfo]:
-        req = ListJoinTokensRequest(tenant_id=tenant_id, site_id=site_id, state=state, limit=limit)
-        return (await self._call("tokens.list", req, JoinTokenList)).tokens
+        """The first page; ``join_tokens_page`` gives the cursor of the rest."""
+        return (
+            await self.join_tokens_page(tenant_id=tenant_id, site_id=site_id, state=state, limit=limit)
+        ).tokens
+
+    async def join_tokens_page(
+        self,
+        *,
+        tenant_id: str | None = None,
+        site_id: str | None = None,
+        state: TokenState | None = None,
+        limit: int = DEFAULT_LIMIT,
+        cursor: str | None = None,
+    ) -> JoinTokenList:
+        """One page of join tokens, newest first; pass its ``next`` as ``cursor`` for the next."""
+        req = ListJoinTokensRequest(
+            tenant_id=tenant_id, site_id=site_id, state=state, limit=limit, cursor=cursor
+        )
+        return await self._call("tokens.list", req, JoinTokenList)
 
     async def get_join_token(self, join_token_id: str) -> JoinTokenInfo:
         req = JoinTokenIdRequest(join_token_id=join_token_id)
@@ -512,9 +538,10 @@ class PkiClient:
         agent_id: str | None = None,
         join_token_id: str | None = None,
         include_revoked: bool = False,
-        limit: int = 100,
+        limit: int = DEFAULT_LIMIT,
     ) -> list[CertificateInfo]:
-        req = ListCertificatesRequest(
+        """The first page; ``certificates_page`` gives the cursor of the rest."""
+        page = await self.certificates_page(
             tenant_id=tenant_id,
             site_id=site_id,
             agent_id=agent_id,
@@ -522,7 +549,30 @@ class PkiClient:
             include_revoked=include_revoked,
             limit=limit,
         )
-        return (await self._call("certs.list", req, CertificateList)).certificates
+        return page.certificates
+
+    async def certificates_page(
+        self,
+        *,
+        tenant_id: str | None = None,
+        site_id: str | None = None,
+        agent_id: str | None = None,
+        join_token_id: str | None = None,
+        include_revoked: bool = False,
+        limit: int = DEFAULT_LIMIT,
+        cursor: str | None = None,
+    ) -> CertificateList:
+        """One page of certificates, newest first; pass its ``next`` as ``cursor`` for the next."""
+        req = ListCertificatesRequest(
+            tenant_id=tenant_id,
+            site_id=site_id,
+            agent_id=agent_id,
+            join_token_id=join_token_id,
+            include_revoked=include_revoked,
+            limit=limit,
+            cursor=cursor,
+        )
+        return await self._call("certs.list", req, CertificateList)
 
     async def revoke_certificate(self, cert_id: str, *, reason: str | None = None) -> CertificateInfo:
         req = RevokeCertificateRequest(cert_id=cert_id, reason=reason)

@@ -40,6 +40,7 @@ from .core.errors import BcError, ErrorCode
 from .logging import register_secret
 from .pki_client import AgentIdentity, IdempotencyKey, Limit, Name
 from .service.client import ApiClient
+from .wire.paging import DEFAULT_LIMIT, Cursor
 
 __all__ = [
     "FETCH_PURPOSE",
@@ -109,13 +110,16 @@ class FetchSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="came
 class ListSecretsRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     tenant_id: Name | None = None
     workflow_id: str | None = None
-    limit: Limit = 100
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (newest first)."""
 
 
 class ListFetchesRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     ref: str | None = None
     outcome: Literal["granted", "denied"] | None = None
-    limit: Limit = 100
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
 
 
 class SecretInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -134,6 +138,8 @@ class SecretInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 class SecretList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     secrets: list[SecretInfo]
+    next: str | None = None
+    """The cursor of the next page; None after the last."""
 
 
 class SealedValue(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -168,6 +174,7 @@ class FetchAudit(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 class FetchAuditList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     fetches: list[FetchAudit]
+    next: str | None = None
 
 
 class SecretsRewrapResult(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -287,10 +294,22 @@ class SecretsClient:
         return await self._call("secrets.describe", RefRequest(ref=ref), SecretInfo)
 
     async def list_secrets(
-        self, *, tenant_id: str | None = None, workflow_id: str | None = None, limit: int = 100
+        self, *, tenant_id: str | None = None, workflow_id: str | None = None, limit: int = DEFAULT_LIMIT
     ) -> list[SecretInfo]:
-        req = ListSecretsRequest(tenant_id=tenant_id, workflow_id=workflow_id, limit=limit)
-        return (await self._call("secrets.list", req, SecretList)).secrets
+        """The first page; ``secrets_page`` gives the cursor of the rest."""
+        return (await self.secrets_page(tenant_id=tenant_id, workflow_id=workflow_id, limit=limit)).secrets
+
+    async def secrets_page(
+        self,
+        *,
+        tenant_id: str | None = None,
+        workflow_id: str | None = None,
+        limit: int = DEFAULT_LIMIT,
+        cursor: str | None = None,
+    ) -> SecretList:
+        """One page of secrets (metadata only), newest first; pass its ``next`` as ``cursor``."""
+        req = ListSecretsRequest(tenant_id=tenant_id, workflow_id=workflow_id, limit=limit, cursor=cursor)
+        return await self._call("secrets.list", req, SecretList)
 
     async def list_fetches(
         self,

@@ -78,6 +78,7 @@ from better_compute.wire.cmdq import (
     LiveWithRefReply,
 )
 from better_compute.wire.codec import convert, encode
+from better_compute.wire.paging import decode_cursor, take_page
 from better_compute.wire.subjects import valid_token
 
 from . import store
@@ -767,15 +768,22 @@ class CommandQueueService(Service):
 
     async def list_agents(self, req: ApiRequest) -> AgentList:
         body = req.decode(ListAgents)
+        site, ident = decode_cursor(body.cursor, str, str) or (None, None)
         rows = await self._db.fetch(
             store.AGENTS_LIST,
             body.site_id,
             body.role,
             body.connected,
             self.config.silent_after_ms,
-            body.limit,
+            body.limit + 1,
+            site,
+            ident,
         )
-        return AgentList(agents=[store.agent_view(r) for r in rows])
+        agents, next_ = take_page(
+            [store.agent_view(r) for r in rows], limit=body.limit, key=lambda a: (a.site_id, a.id),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return AgentList(agents=agents, next=next_)
 
     async def site_agent(self, req: ApiRequest) -> SiteAgentReply:
         body = req.decode(SiteAgentRequest)
@@ -897,8 +905,16 @@ class CommandQueueService(Service):
 
     async def list_batches(self, req: ApiRequest) -> BatchList:
         body = req.decode(ListBatches)
-        rows = await self._db.fetch(store.BATCHES_LIST, body.workflow_id, body.state, body.limit)
-        return BatchList(batches=[await self._batch_view(r) for r in rows])
+        (before,) = decode_cursor(body.cursor, str) or (None,)
+        sizes = await self._db.fetch(store.BATCHES_LIST, body.workflow_id, body.state, before, body.limit + 1)
+        # A view carries the node list and the signed document (base64): about 2.5 times
+        # the document's size.
+        page, next_ = take_page(
+            list(sizes), limit=body.limit, key=lambda r: (r["id"],), budget=req.page_budget,
+            size=lambda r: 1024 + 3 * int(r["size"]),
+        )  # fmt: skip
+        rows = await self._db.fetch(store.BATCHES_BY_IDS, [r["id"] for r in page]) if page else []
+        return BatchList(batches=[await self._batch_view(r) for r in rows], next=next_)
 
     async def approve_batch(self, req: ApiRequest) -> BatchView:
         body = req.decode(ApproveBatch)

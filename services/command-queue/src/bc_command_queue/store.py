@@ -25,6 +25,7 @@ __all__ = [
     "AGENT_UPSERT",
     "APPROVALS_OF",
     "APPROVAL_INSERT",
+    "BATCHES_BY_IDS",
     "BATCHES_LIST",
     "BATCHES_UNEXPIRED",
     "BATCH_BY_ID",
@@ -323,6 +324,7 @@ FROM agents a
 LEFT JOIN boot_leases l ON l.site_id = a.site_id AND l.agent_id = a.id AND l.expires_at > now()
 WHERE ($1::text IS NULL OR a.site_id = $1) AND ($2::text IS NULL OR a.role = $2)
   AND ($3::bool IS NULL OR (a.last_seen > now() - {_SECS.format(p="$4")}) = $3)
+  AND ($6::text IS NULL OR (a.site_id, a.id) > ($6, $7::text))
 ORDER BY a.site_id, a.id LIMIT $5
 """
 
@@ -348,14 +350,18 @@ BATCH_SET_APPROVED: Final = (
     " WHERE id = $1 RETURNING approved_at"
 )
 # $1 workflow, $2 state, $3 limit
-BATCHES_LIST: Final = f"""
-SELECT {_BATCH_COLS} FROM batches
+# A page of batches in two steps: ids and sizes (a batch may name 10,000 nodes), then the
+# rows of the ids that fit in the page.
+BATCHES_LIST: Final = """
+SELECT id, octet_length(document) AS size FROM batches
 WHERE ($1::text IS NULL OR workflow_id = $1)
   AND ($2::text IS NULL OR $2 = CASE WHEN expires_at <= now() THEN 'expired'
                                      WHEN approved_at IS NOT NULL THEN 'approved'
                                      ELSE 'open' END)
-ORDER BY id DESC LIMIT $3
+  AND ($3::text IS NULL OR id < $3)
+ORDER BY id DESC LIMIT $4
 """
+BATCHES_BY_IDS: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE id = ANY($1::text[]) ORDER BY id DESC"
 APPROVAL_INSERT: Final = (
     "INSERT INTO approvals (batch_id, approver_id, signature) VALUES ($1, $2, $3)"
     " ON CONFLICT (batch_id, approver_id) DO NOTHING RETURNING approver_id"

@@ -3,20 +3,75 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
 
 from better_compute.core.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
+from better_compute.provision.profiles import MAX_PROFILE_STEPS
 from better_compute.service import ApiRequest
+from better_compute.wire.codec import encode
+from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
 from . import messages as m
 from . import queue
 from .profiles import FoundProfile, ProfileStore, parse_document
 from .resolve import Resolution, resolve_profile
 
-__all__ = ["EngineApi"]
+__all__ = ["EngineApi", "check_document", "check_labels"]
+
+_LABEL_KEY_RE: Final = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$")
+_CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _too_big(path: str, message: str) -> BcError:
+    return BcError(ErrorCode.INVALID_INPUT, message, {"path": path})
+
+
+def check_labels(labels: Mapping[str, str], path: str = "labels") -> None:
+    """Refuse labels beyond their bounds, naming the label (``labels.rack``).
+
+    At most ``MAX_LABELS``; keys of letters, digits and ``._/-`` (starting and ending with a
+    letter or digit, at most ``MAX_LABEL_KEY``); values of at most ``MAX_LABEL_VALUE``
+    characters without control characters.
+    """
+    if len(labels) > m.MAX_LABELS:
+        raise _too_big(path, f"a node has at most {m.MAX_LABELS} labels, got {len(labels)}")
+    for key, value in labels.items():
+        if not _LABEL_KEY_RE.match(key):
+            raise _too_big(
+                path,
+                f"label key {key[:80]!r} is not 1 to {m.MAX_LABEL_KEY} letters, digits and ._/-"
+                " (starting and ending with a letter or digit)",
+            )
+        if len(value) > m.MAX_LABEL_VALUE or _CONTROL_RE.search(value):
+            raise _too_big(
+                f"{path}.{key}",
+                f"label {key} must be at most {m.MAX_LABEL_VALUE} characters without control"
+                f" characters (got {len(value)})",
+            )
+
+
+def check_document(document: Mapping[str, Any], path: str = "document") -> None:
+    """Refuse a profile document beyond ``MAX_DOCUMENT_BYTES``, or a step whose ``with``
+    is beyond ``MAX_STEP_INPUT_BYTES`` (as JSON), before it is parsed or stored."""
+    size = len(encode(document))
+    if size > m.MAX_DOCUMENT_BYTES:
+        raise _too_big(path, f"a profile document is at most {m.MAX_DOCUMENT_BYTES} bytes, got {size}")
+    steps = document.get("steps")
+    if not isinstance(steps, list):
+        return
+    for i, step in enumerate(steps):
+        if isinstance(step, Mapping) and step.get("with") is not None:
+            size = len(encode(step["with"]))
+            if size > m.MAX_STEP_INPUT_BYTES:
+                raise _too_big(
+                    f"{path}.steps[{i}].with",
+                    f"a step's with is at most {m.MAX_STEP_INPUT_BYTES} bytes, got {size}",
+                )
+
 
 # A workflow, its steps and its work-queue entry in one statement.
 START_WORKFLOW = """
@@ -141,6 +196,7 @@ class EngineApi:
 
     async def nodes_create(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.CreateNode)
+        check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
         row = await self.db.fetchrow(
             "INSERT INTO nodes (id, tenant_id, site_id, labels) VALUES ($1, $2, $3, $4)"
@@ -160,17 +216,23 @@ class EngineApi:
 
     async def nodes_list(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.ListNodes)
+        after = decode_cursor(body.cursor, str)
         rows = await self.db.fetch(
             "SELECT * FROM nodes WHERE ($1::text IS NULL OR site_id = $1)"
-            " AND ($2::text IS NULL OR tenant_id = $2) ORDER BY id LIMIT $3",
-            body.site_id, body.tenant_id, min(max(body.limit, 1), 1000),
+            " AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR id > $3)"
+            " ORDER BY id LIMIT $4",
+            body.site_id, body.tenant_id, after[0] if after else None, body.limit + 1,
         )  # fmt: skip
-        return {"nodes": [node_doc(r) for r in rows]}
+        docs, next_ = take_page(
+            [node_doc(r) for r in rows], limit=body.limit, key=lambda d: (d["id"],), budget=req.page_budget
+        )
+        return {"nodes": docs, "next": next_}
 
     # -- profiles -------------------------------------------------------------
 
     async def profiles_create(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.CreateProfile)
+        check_document(body.document)
         try:
             async with self.db.transaction() as conn:
                 found = await self.profiles.create(
@@ -196,8 +258,11 @@ class EngineApi:
 
     async def profiles_list(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.ListProfiles)
+        after = decode_cursor(body.cursor, str, int, str)
         async with self.db.transaction() as conn:
-            found = await self.profiles.list(conn, tenant_id=body.tenant_id)
+            found = await self.profiles.list(
+                conn, tenant_id=body.tenant_id, after=after, limit=body.limit + 1
+            )
         docs = []
         for f in found:
             d = f.to_document()
@@ -205,7 +270,11 @@ class EngineApi:
             d["steps"] = len(f.profile.steps)
             d["target"] = f.profile.target
             docs.append(d)
-        return {"profiles": docs}
+        page, next_ = take_page(
+            docs, limit=body.limit, key=lambda d: (d["id"], d["version"], d["tenantId"]),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return {"profiles": page, "next": next_}
 
     async def profiles_delete(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.DeleteProfile)
@@ -217,6 +286,7 @@ class EngineApi:
 
     async def _profile_for(self, body: m.ProfileRef) -> FoundProfile:
         if body.document is not None:
+            check_document(body.document)
             try:
                 profile = parse_document(body.document)
             except BcError as err:
@@ -330,30 +400,57 @@ class EngineApi:
         )  # fmt: skip
         return {"id": wf_id, "rkey": rkey, "doc": workflow_doc(row, steps)}
 
-    async def _get(self, workflow_id: str) -> dict[str, Any]:
+    async def _get(
+        self, workflow_id: str, *, steps_cursor: str | None = None, budget: int | None = None
+    ) -> dict[str, Any]:
+        """The workflow with as many of its steps (from ``steps_cursor`` on) as fit in
+        ``budget`` bytes; ``stepsNext`` is the cursor of the rest, or None."""
+        after = decode_cursor(steps_cursor, int, path="stepsCursor")
         row = await self.db.fetchrow("SELECT * FROM workflows WHERE id = $1", workflow_id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
-        steps = await self.db.fetch(
-            "SELECT * FROM workflow_steps WHERE workflow_id = $1 ORDER BY idx", workflow_id
-        )
-        return workflow_doc(row, list(steps))
+        # Sizes first, rows second: 512 steps with big results never sit in memory at once.
+        sizes = await self.db.fetch(
+            "SELECT idx, 512 + coalesce(octet_length(result::text), 0)"
+            " + coalesce(octet_length(error::text), 0) AS size"
+            " FROM workflow_steps WHERE workflow_id = $1 AND idx > $2 ORDER BY idx",
+            workflow_id, after[0] if after else -1,
+        )  # fmt: skip
+        page, next_ = take_page(
+            list(sizes), limit=MAX_PROFILE_STEPS, key=lambda r: (r["idx"],),
+            budget=budget or PAGE_BUDGET, size=lambda r: int(r["size"]),
+        )  # fmt: skip
+        steps = []
+        if page:
+            steps = await self.db.fetch(
+                "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND idx BETWEEN $2 AND $3"
+                " ORDER BY idx",
+                workflow_id, page[0]["idx"], page[-1]["idx"],
+            )  # fmt: skip
+        doc = workflow_doc(row, list(steps))
+        doc["stepsNext"] = next_
+        return doc
 
     async def workflows_get(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.GetWorkflow)
-        return await self._get(body.id)
+        return await self._get(body.id, steps_cursor=body.steps_cursor, budget=req.page_budget)
 
     async def workflows_list(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.ListWorkflows)
+        after = decode_cursor(body.cursor, str)
         rows = await self.db.fetch(
             "SELECT * FROM workflows WHERE ($1::text IS NULL OR node_id = $1)"
             " AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR profile_id = $3)"
             " AND ($4::text IS NULL OR tenant_id = $4) AND ($5::text IS NULL OR id < $5)"
             " ORDER BY id DESC LIMIT $6",
-            body.node_id, body.state, body.profile_id, body.tenant_id, body.before,
-            min(max(body.limit, 1), 1000),
+            body.node_id, body.state, body.profile_id, body.tenant_id,
+            after[0] if after else body.before, body.limit + 1,
         )  # fmt: skip
-        return {"workflows": [workflow_doc(r) for r in rows]}
+        docs, next_ = take_page(
+            [workflow_doc(r) for r in rows], limit=body.limit, key=lambda d: (d["id"],),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return {"workflows": docs, "next": next_}
 
     async def _verb(
         self, workflow_id: str, *, allowed: tuple[str, ...], verb: str, apply: Any

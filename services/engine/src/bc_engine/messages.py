@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from better_compute.wire.paging import DEFAULT_LIMIT, Cursor, Limit
+
 __all__ = [
+    "MAX_DOCUMENT_BYTES",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY",
+    "MAX_LABEL_VALUE",
+    "MAX_REASON",
+    "MAX_STEP_INPUT_BYTES",
     "CreateNode",
     "CreateProfile",
     "DeleteProfile",
@@ -22,15 +30,31 @@ __all__ = [
 ]
 
 
+# Bounds of free fields, checked where they enter (docs/lists-and-limits.md lists them).
+MAX_LABELS: Final = 64
+MAX_LABEL_KEY: Final = 63
+MAX_LABEL_VALUE: Final = 256
+MAX_DOCUMENT_BYTES: Final = 256 * 1024
+"""A profile document, as JSON."""
+MAX_STEP_INPUT_BYTES: Final = 64 * 1024
+"""One step's ``with``, as JSON."""
+MAX_REASON: Final = 1024
+
+Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
+"""A tenant or site id: it may stand as one subject token."""
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
+
+
 class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
     pass
 
 
 class CreateNode(_Req, frozen=True, kw_only=True):
-    site_id: str
+    site_id: Name
     id: str | None = None
-    tenant_id: str = "root"
+    tenant_id: Name = "root"
     labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """Checked by ``check_labels``: key syntax, value size and count."""
 
 
 class GetNode(_Req, frozen=True, kw_only=True):
@@ -38,9 +62,12 @@ class GetNode(_Req, frozen=True, kw_only=True):
 
 
 class ListNodes(_Req, frozen=True, kw_only=True):
+    """By id; ``cursor`` is the ``next`` of the page before."""
+
     site_id: str | None = None
     tenant_id: str | None = None
-    limit: int = 100
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
 
 
 class CreateProfile(_Req, frozen=True, kw_only=True):
@@ -63,7 +90,11 @@ class DeleteProfile(_Req, frozen=True, kw_only=True):
 
 
 class ListProfiles(_Req, frozen=True, kw_only=True):
+    """By id, version and tenant; ``cursor`` is the ``next`` of the page before."""
+
     tenant_id: str = "root"
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
 
 
 class ProfileRef(_Req, frozen=True, kw_only=True):
@@ -84,12 +115,16 @@ class StartWorkflow(_Req, frozen=True, kw_only=True):
 
 
 class GetWorkflow(_Req, frozen=True, kw_only=True):
+    """The workflow and its steps from the first; when the steps' results outgrow one
+    reply, ``stepsNext`` in the reply is the ``steps_cursor`` of the rest."""
+
     id: str
+    steps_cursor: Cursor | None = None
 
 
 class WorkflowVerb(_Req, frozen=True, kw_only=True):
     id: str
-    reason: str | None = None
+    reason: Reason | None = None
 
 
 class ListWorkflows(_Req, frozen=True, kw_only=True):
@@ -97,5 +132,7 @@ class ListWorkflows(_Req, frozen=True, kw_only=True):
     state: Literal["running", "succeeded", "failed", "aborted"] | None = None
     profile_id: str | None = None
     tenant_id: str | None = None
-    limit: int = 100
-    before: str | None = None  # workflow id: page backwards from there
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (newest first)."""
+    before: str | None = None  # workflow id: page backwards from there (before ``cursor``)

@@ -157,15 +157,29 @@ class ProfileStore:
                 )
         return self._row(row)
 
-    async def list(self, conn: Any, *, tenant_id: str) -> list[FoundProfile]:
+    async def list(
+        self, conn: Any, *, tenant_id: str, after: tuple[Any, ...] | None = None, limit: int | None = None
+    ) -> list[FoundProfile]:
+        """By (id, version, tenant): the first ``limit`` after the key ``after``.
+
+        Text compares bytewise (``COLLATE "C"``), as Python does: the shipped profiles are
+        merged in here, so both sides must agree on the order.
+        """
         rows = await conn.fetch(
-            "SELECT * FROM profiles WHERE tenant_id = $1 OR public ORDER BY id, version, tenant_id",
-            tenant_id,
-        )
+            "SELECT * FROM profiles WHERE (tenant_id = $1 OR public)"
+            ' AND ($2::text IS NULL OR (id COLLATE "C", version, tenant_id COLLATE "C")'
+            " > ($2, $3::int, $4::text))"
+            ' ORDER BY id COLLATE "C", version, tenant_id COLLATE "C" LIMIT $5',
+            tenant_id, *(after or (None, None, None)), limit,
+        )  # fmt: skip
         found = [self._row(r) for r in rows]
-        found += [FoundProfile(p, BUILTIN_TENANT, True, None) for p in self.shipped.values()]
+        found += [
+            FoundProfile(p, BUILTIN_TENANT, True, None)
+            for p in self.shipped.values()
+            if after is None or (p.id, p.version, BUILTIN_TENANT) > after
+        ]
         found.sort(key=lambda f: (f.profile.id, f.profile.version, f.tenant_id))
-        return found
+        return found[:limit]
 
     async def delete(self, conn: Any, *, tenant_id: str, profile_id: str, version: int) -> None:
         if tenant_id == BUILTIN_TENANT:

@@ -42,6 +42,7 @@ from better_compute.pki_client import (
     VerifyRequest,
 )
 from better_compute.service import ApiRequest, Handler, Service
+from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
 from .ca import CertificateAuthority, parse_csr, signature_valid
@@ -238,8 +239,15 @@ class PkiService(Service):
     async def list_tokens(self, req: ApiRequest) -> JoinTokenList:
         assert self.db is not None
         body = req.decode(ListJoinTokensRequest)
-        rows = await self.db.fetch(store.TOKEN_LIST, body.tenant_id, body.site_id, body.state, body.limit)
-        return JoinTokenList(tokens=[store.token_info(r) for r in rows])
+        at, ident = decode_cursor(body.cursor, dt.datetime, str) or (None, None)
+        rows = await self.db.fetch(
+            store.TOKEN_LIST, body.tenant_id, body.site_id, body.state, at, ident, body.limit + 1
+        )
+        tokens, next_ = take_page(
+            [store.token_info(r) for r in rows], limit=body.limit,
+            key=lambda t: (t.created_at, t.join_token_id), budget=req.page_budget,
+        )  # fmt: skip
+        return JoinTokenList(tokens=tokens, next=next_)
 
     async def get_token(self, req: ApiRequest) -> JoinTokenInfo:
         assert self.db is not None
@@ -410,8 +418,15 @@ class PkiService(Service):
     async def list_joins(self, req: ApiRequest) -> JoinAuditList:
         assert self.db is not None
         body = req.decode(ListJoinsRequest)
-        rows = await self.db.fetch(store.JOIN_AUDIT_LIST, body.join_token_id, body.outcome, body.limit)
-        return JoinAuditList(joins=[store.join_audit(r) for r in rows])
+        (before,) = decode_cursor(body.cursor, int) or (None,)
+        rows = await self.db.fetch(
+            store.JOIN_AUDIT_LIST, body.join_token_id, body.outcome, before, body.limit + 1
+        )
+        joins, next_ = take_page(
+            [store.join_audit(r) for r in rows], limit=body.limit, key=lambda j: (j.id,),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return JoinAuditList(joins=joins, next=next_)
 
     # -- signatures ---------------------------------------------------------------
 
@@ -482,6 +497,7 @@ class PkiService(Service):
     async def list_certs(self, req: ApiRequest) -> CertificateList:
         assert self.db is not None
         b = req.decode(ListCertificatesRequest)
+        at, ident = decode_cursor(b.cursor, dt.datetime, str) or (None, None)
         rows = await self.db.fetch(
             store.CERT_SELECT_LIST,
             b.tenant_id,
@@ -489,9 +505,15 @@ class PkiService(Service):
             b.agent_id,
             b.join_token_id,
             b.include_revoked,
-            b.limit,
+            at,
+            ident,
+            b.limit + 1,
         )
-        return CertificateList(certificates=[store.cert_info(r) for r in rows])
+        certs, next_ = take_page(
+            [store.cert_info(r) for r in rows], limit=b.limit, key=lambda c: (c.created_at, c.cert_id),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return CertificateList(certificates=certs, next=next_)
 
     async def revoke_cert(self, req: ApiRequest) -> CertificateInfo:
         assert self.db is not None

@@ -83,7 +83,9 @@ TOKEN_REVOKE: Final = (
 TOKEN_LIST: Final = (
     f"SELECT * FROM (SELECT {TOKEN_COLUMNS} FROM join_tokens"
     " WHERE ($1::text IS NULL OR tenant_id = $1) AND ($2::text IS NULL OR site_id = $2)) t"
-    " WHERE ($3::text IS NULL OR state = $3) ORDER BY created_at DESC, id DESC LIMIT $4"
+    " WHERE ($3::text IS NULL OR state = $3)"
+    " AND ($4::timestamptz IS NULL OR (created_at, id) < ($4, $5::text))"
+    " ORDER BY created_at DESC, id DESC LIMIT $6"
 )
 
 CERT_COLUMNS: Final = (
@@ -105,7 +107,9 @@ CERT_SELECT_LIST: Final = (
     f"SELECT {CERT_COLUMNS} FROM certificates"
     " WHERE ($1::text IS NULL OR tenant_id = $1) AND ($2::text IS NULL OR site_id = $2)"
     " AND ($3::text IS NULL OR agent_id = $3) AND ($4::text IS NULL OR join_token_id = $4)"
-    " AND ($5 OR revoked_at IS NULL) ORDER BY created_at DESC, id DESC LIMIT $6"
+    " AND ($5 OR revoked_at IS NULL)"
+    " AND ($6::timestamptz IS NULL OR (created_at, id) < ($6, $7::text))"
+    " ORDER BY created_at DESC, id DESC LIMIT $8"
 )
 CERT_REVOKE: Final = (
     "UPDATE certificates SET revoked_at = now(), revoke_reason = $2"
@@ -119,7 +123,8 @@ JOIN_AUDIT_INSERT: Final = (
 JOIN_AUDIT_LIST: Final = (
     "SELECT id, at, outcome, code, join_token_id, cert_id, agent_id, claims, detail"
     " FROM join_audit WHERE ($1::text IS NULL OR join_token_id = $1)"
-    " AND ($2::text IS NULL OR outcome = $2) ORDER BY id DESC LIMIT $3"
+    " AND ($2::text IS NULL OR outcome = $2) AND ($3::bigint IS NULL OR id < $3)"
+    " ORDER BY id DESC LIMIT $4"
 )
 
 SEEN_INSERT: Final = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, ClassVar, NoReturn
 
 from better_compute.cmdq_client import CommandQueueClient
@@ -28,6 +29,7 @@ from better_compute.secrets_client import (
     seal_value,
 )
 from better_compute.service import ApiRequest, Handler, Service
+from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
 
@@ -154,14 +156,26 @@ class SecretsService(Service):
     async def list_secrets(self, req: ApiRequest) -> SecretList:
         assert self.db is not None
         body = req.decode(ListSecretsRequest)
-        rows = await self.db.fetch(store.SECRET_LIST, body.tenant_id, body.workflow_id, body.limit)
-        return SecretList(secrets=[store.secret_info(r) for r in rows])
+        at, ref = decode_cursor(body.cursor, datetime, str) or (None, None)
+        rows = await self.db.fetch(
+            store.SECRET_LIST, body.tenant_id, body.workflow_id, at, ref, body.limit + 1
+        )
+        found, next_ = take_page(
+            [store.secret_info(r) for r in rows], limit=body.limit, key=lambda s: (s.created_at, s.ref),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return SecretList(secrets=found, next=next_)
 
     async def list_fetches(self, req: ApiRequest) -> FetchAuditList:
         assert self.db is not None
         body = req.decode(ListFetchesRequest)
-        rows = await self.db.fetch(store.FETCH_AUDIT_LIST, body.ref, body.outcome, body.limit)
-        return FetchAuditList(fetches=[store.fetch_audit(r) for r in rows])
+        (before,) = decode_cursor(body.cursor, int) or (None,)
+        rows = await self.db.fetch(store.FETCH_AUDIT_LIST, body.ref, body.outcome, before, body.limit + 1)
+        fetches, next_ = take_page(
+            [store.fetch_audit(r) for r in rows], limit=body.limit, key=lambda f: (f.id,),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return FetchAuditList(fetches=fetches, next=next_)
 
     async def rewrap(self, _req: ApiRequest) -> SecretsRewrapResult:
         """Re-seal every value sealed under an older key with the current one."""

@@ -31,7 +31,8 @@ SECRET_SELECT: Final = f"SELECT {SECRET_COLUMNS}, sealed FROM secrets WHERE ref 
 SECRET_LIST: Final = (
     f"SELECT {SECRET_COLUMNS} FROM secrets"
     " WHERE ($1::text IS NULL OR tenant_id = $1) AND ($2::text IS NULL OR workflow_id = $2)"
-    " ORDER BY created_at DESC, ref DESC LIMIT $3"
+    " AND ($3::timestamptz IS NULL OR (created_at, ref) < ($3, $4::text))"
+    " ORDER BY created_at DESC, ref DESC LIMIT $5"
 )
 SECRET_SELECT_STALE_KEY: Final = (
     "SELECT ref, sealed FROM secrets WHERE key_id <> $1 LIMIT $2 FOR UPDATE SKIP LOCKED"
@@ -45,7 +46,8 @@ FETCH_AUDIT_INSERT: Final = (
 FETCH_AUDIT_LIST: Final = (
     "SELECT id, at, outcome, ref, code, reason, signer_id, agent_id, command_id"
     " FROM fetch_audit WHERE ($1::text IS NULL OR ref = $1)"
-    " AND ($2::text IS NULL OR outcome = $2) ORDER BY id DESC LIMIT $3"
+    " AND ($2::text IS NULL OR outcome = $2) AND ($3::bigint IS NULL OR id < $3)"
+    " ORDER BY id DESC LIMIT $4"
 )
 
 

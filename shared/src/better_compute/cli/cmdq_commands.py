@@ -25,6 +25,7 @@ from ..core.errors import BcError, ErrorCode
 from ..wire.cmdq import CommandView
 from .common import api_client
 from .output import print_json, print_table
+from .paging import add_paging, collect, print_more
 from .pki_commands import parse_seconds
 
 __all__ = ["load_approver_key", "register"]
@@ -104,28 +105,33 @@ def _show_result(result: bytes | None) -> str | None:
 
 async def cmd_commands_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        page = await CommandQueueClient(api).list_commands(
-            node_id=args.node,
-            workflow_id=args.workflow,
-            state=args.state,
-            kind=args.kind,
-            site_id=args.site,
-            agent_id=args.agent,
-            batch_id=args.batch,
-            before=args.before,
-            limit=args.limit,
-        )
+        cq = CommandQueueClient(api)
+
+        async def fetch(cursor: str | None) -> tuple[list[CommandView], str | None]:
+            page = await cq.list_commands(
+                node_id=args.node,
+                workflow_id=args.workflow,
+                state=args.state,
+                kind=args.kind,
+                site_id=args.site,
+                agent_id=args.agent,
+                batch_id=args.batch,
+                before=cursor,
+                limit=args.limit,
+            )
+            return page.commands, page.next
+
+        commands, next_ = await collect(fetch, args)
     if args.json:
-        print_json(_json(page))
+        print_json({"commands": _json(commands), "next": next_})
         return 0
     print_table(
-        [_command_row(c) for c in page.commands],
+        [_command_row(c) for c in commands],
         [("id", "ID"), ("node", "NODE"), ("kind", "KIND"), ("state", "STATE"), ("agent", "AGENT"),
          ("reason", "REASON"), ("updated", "UPDATED")],
         empty="no commands",
     )  # fmt: skip
-    if page.next:
-        print(f"more: --before {page.next}")
+    print_more(next_)
     return 0
 
 
@@ -171,11 +177,17 @@ async def cmd_commands_cancel(args: argparse.Namespace, settings: Settings) -> i
 
 async def cmd_agents_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        agents = await CommandQueueClient(api).agents(
-            site_id=args.site, role=args.role, connected=args.connected, limit=args.limit
-        )
+        cq = CommandQueueClient(api)
+
+        async def fetch(cursor: str | None) -> tuple[list[AgentView], str | None]:
+            page = await cq.agents_page(
+                site_id=args.site, role=args.role, connected=args.connected, limit=args.limit, cursor=cursor
+            )
+            return page.agents, page.next
+
+        agents, next_ = await collect(fetch, args)
     if args.json:
-        print_json({"agents": _json(agents)})
+        print_json({"agents": _json(agents), "next": next_})
         return 0
     print_table(
         [_agent_row(a) for a in agents],
@@ -184,6 +196,7 @@ async def cmd_agents_list(args: argparse.Namespace, settings: Settings) -> int:
          ("lastSeen", "LAST SEEN")],
         empty="no agents",
     )  # fmt: skip
+    print_more(next_)
     return 0
 
 
@@ -221,11 +234,17 @@ async def cmd_batches_create(args: argparse.Namespace, settings: Settings) -> in
 
 async def cmd_batches_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        batches = await CommandQueueClient(api).list_batches(
-            workflow_id=args.workflow, state=args.state, limit=args.limit
-        )
+        cq = CommandQueueClient(api)
+
+        async def fetch(cursor: str | None) -> tuple[list[BatchView], str | None]:
+            page = await cq.batches_page(
+                workflow_id=args.workflow, state=args.state, limit=args.limit, cursor=cursor
+            )
+            return page.batches, page.next
+
+        batches, next_ = await collect(fetch, args)
     if args.json:
-        print_json({"batches": _json(batches)})
+        print_json({"batches": _json(batches), "next": next_})
         return 0
     rows = [_batch_row(b) for b in batches]
     print_table(
@@ -234,6 +253,7 @@ async def cmd_batches_list(args: argparse.Namespace, settings: Settings) -> int:
          ("nodes", "NODES"), ("workflow", "WORKFLOW"), ("expires", "EXPIRES")],
         empty="no batches",
     )  # fmt: skip
+    print_more(next_)
     return 0
 
 
@@ -314,8 +334,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--site", help="site id")
     p.add_argument("--agent", help="agent id")
     p.add_argument("--batch", help="batch id")
-    p.add_argument("--before", help="the 'more' cursor of the previous page")
-    p.add_argument("--limit", type=int, default=50)
+    add_paging(p, default_limit=50)
+    p.add_argument("--before", dest="cursor", help=argparse.SUPPRESS)  # the name before --cursor
     p.set_defaults(func=cmd_commands_list)
     p = csub.add_parser("get", parents=[common], help="one command, with payload and result")
     p.add_argument("id")
@@ -335,7 +355,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--connected", action="store_const", const=True, dest="connected")
     group.add_argument("--silent", action="store_const", const=False, dest="connected")
-    p.add_argument("--limit", type=int, default=100)
+    add_paging(p, default_limit=100)
     p.set_defaults(func=cmd_agents_list, connected=None)
 
     batches = sub.add_parser("batches", help="destructive batches and their approvals")
@@ -352,7 +372,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = bsub.add_parser("list", parents=[common], help="batches, newest first")
     p.add_argument("--workflow")
     p.add_argument("--state", choices=["open", "approved", "expired"])
-    p.add_argument("--limit", type=int, default=50)
+    add_paging(p, default_limit=50)
     p.set_defaults(func=cmd_batches_list)
     p = bsub.add_parser("get", parents=[common], help="one batch with its approvals")
     p.add_argument("id")

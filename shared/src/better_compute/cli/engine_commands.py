@@ -15,6 +15,7 @@ from ..core.errors import BcError, ErrorCode
 from ..service.client import ApiClient
 from .common import api_client, read_document
 from .output import print_json, print_table
+from .paging import add_paging, collect, print_more
 
 __all__ = ["register"]
 
@@ -64,18 +65,29 @@ async def nodes_create(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def _pages(
+    api: ApiClient, route: str, field: str, request: dict[str, Any], args: argparse.Namespace
+) -> tuple[list[Any], str | None]:
+    async def fetch(cursor: str | None) -> tuple[list[Any], str | None]:
+        got = await api.call("engine", route, {**request, "limit": args.limit, "cursor": cursor})
+        return list(got[field]), got.get("next")
+
+    return await collect(fetch, args)
+
+
 async def nodes_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        got = await api.call("engine", "nodes.list", {"siteId": args.site, "limit": args.limit})
+        nodes, next_ = await _pages(api, "nodes.list", "nodes", {"siteId": args.site}, args)
     if args.json:
-        print_json(got)
+        print_json({"nodes": nodes, "next": next_})
         return 0
-    rows = [{**n, "labels": ",".join(f"{k}={v}" for k, v in n["labels"].items())} for n in got["nodes"]]
+    rows = [{**n, "labels": ",".join(f"{k}={v}" for k, v in n["labels"].items())} for n in nodes]
     print_table(
         rows,
         [("id", "NODE"), ("siteId", "SITE"), ("tenantId", "TENANT"), ("labels", "LABELS")],
         empty="no nodes",
     )
+    print_more(next_)
     return 0
 
 
@@ -115,16 +127,17 @@ async def profiles_get(args: argparse.Namespace, settings: Settings) -> int:
 
 async def profiles_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        got = await api.call("engine", "profiles.list", {"tenantId": args.tenant})
+        profiles, next_ = await _pages(api, "profiles.list", "profiles", {"tenantId": args.tenant}, args)
     if args.json:
-        print_json(got)
+        print_json({"profiles": profiles, "next": next_})
         return 0
     print_table(
-        got["profiles"],
+        profiles,
         [("id", "PROFILE"), ("version", "VERSION"), ("tenantId", "FROM"), ("target", "TARGET"),
          ("steps", "STEPS"), ("public", "PUBLIC"), ("immutable", "IMMUTABLE")],
         empty="no profiles",
     )  # fmt: skip
+    print_more(next_)
     return 0
 
 
@@ -214,9 +227,21 @@ async def workflows_start(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def get_workflow(api: ApiClient, workflow_id: str) -> dict[str, Any]:
+    """The workflow with every step: its steps' results may take several replies."""
+    wf: dict[str, Any] = await api.call("engine", "workflows.get", {"id": workflow_id})
+    steps = list(wf["steps"])
+    cursor = wf.get("stepsNext")
+    while cursor is not None:
+        more = await api.call("engine", "workflows.get", {"id": workflow_id, "stepsCursor": cursor})
+        steps += more["steps"]
+        cursor = more.get("stepsNext")
+    return {**wf, "steps": steps, "stepsNext": None}
+
+
 async def workflows_get(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        wf = await api.call("engine", "workflows.get", {"id": args.id})
+        wf = await get_workflow(api, args.id)
     if args.json:
         print_json(wf)
         return 0
@@ -231,13 +256,10 @@ async def workflows_get(args: argparse.Namespace, settings: Settings) -> int:
 
 async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        got = await api.call(
-            "engine",
-            "workflows.list",
-            {"nodeId": args.node, "state": args.state, "profileId": args.profile, "limit": args.limit},
-        )
+        filters = {"nodeId": args.node, "state": args.state, "profileId": args.profile}
+        workflows, next_ = await _pages(api, "workflows.list", "workflows", filters, args)
     if args.json:
-        print_json(got)
+        print_json({"workflows": workflows, "next": next_})
         return 0
     rows = [
         {
@@ -245,7 +267,7 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
             "profileRef": f"{w['profile']['id']}@{w['profile']['version']}",
             "created": _clock(w["createdAt"]),
         }
-        for w in got["workflows"]
+        for w in workflows
     ]
     print_table(
         rows,
@@ -253,6 +275,7 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
          ("created", "CREATED")],
         empty="no workflows",
     )  # fmt: skip
+    print_more(next_)
     return 0
 
 
@@ -298,7 +321,7 @@ async def _watch(api: ApiClient, settings: Settings, workflow_id: str, *, as_jso
     try:
         while True:
             changed.clear()
-            wf = await api.call("engine", "workflows.get", {"id": workflow_id})
+            wf = await get_workflow(api, workflow_id)
             for s in wf["steps"]:
                 now = (s["state"], s["attempt"])
                 if seen.get(s["index"]) == now or s["state"] == "pending":
@@ -351,7 +374,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=nodes_create)
     p = nodes.add_parser("list", parents=[common], help="list nodes")
     p.add_argument("--site")
-    p.add_argument("--limit", type=int, default=100)
+    add_paging(p, default_limit=100)
     p.set_defaults(func=nodes_list)
     p = nodes.add_parser("get", parents=[common], help="one node")
     p.add_argument("id")
@@ -370,6 +393,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--version", type=int)
     p.set_defaults(func=profiles_get)
     p = profiles.add_parser("list", parents=[common, tenant], help="profiles a tenant can use")
+    add_paging(p, default_limit=100)
     p.set_defaults(func=profiles_list)
     p = profiles.add_parser("delete", parents=[common, tenant], help="delete a version no workflow used")
     p.add_argument("id")
@@ -402,7 +426,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--node")
     p.add_argument("--state", choices=["running", "succeeded", "failed", "aborted"])
     p.add_argument("--profile")
-    p.add_argument("--limit", type=int, default=50)
+    add_paging(p, default_limit=50)
     p.set_defaults(func=workflows_list)
     for name, fn, what in (
         ("abort", workflows_abort, "stop a running workflow, cancelling its live commands"),

@@ -19,6 +19,7 @@ from ..core.errors import BcError, ErrorCode
 from ..pki_client import CertificateInfo, JoinTokenInfo, PkiClient
 from .common import api_client
 from .output import print_json, print_table
+from .paging import add_paging, collect, print_more
 
 __all__ = ["parse_seconds", "register", "when"]
 
@@ -120,11 +121,17 @@ async def cmd_tokens_issue(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_tokens_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        tokens = await PkiClient(api).list_join_tokens(
-            tenant_id=args.tenant, site_id=args.site, state=args.state, limit=args.limit
-        )
+        pki = PkiClient(api)
+
+        async def fetch(cursor: str | None) -> tuple[list[JoinTokenInfo], str | None]:
+            page = await pki.join_tokens_page(
+                tenant_id=args.tenant, site_id=args.site, state=args.state, limit=args.limit, cursor=cursor
+            )
+            return page.tokens, page.next
+
+        tokens, next_ = await collect(fetch, args)
     if args.json:
-        print_json({"tokens": msgspec.to_builtins(tokens)})
+        print_json({"tokens": msgspec.to_builtins(tokens), "next": next_})
         return 0
     print_table(
         [_token_row(t) for t in tokens],
@@ -132,6 +139,7 @@ async def cmd_tokens_list(args: argparse.Namespace, settings: Settings) -> int:
          ("node", "NODE"), ("uses", "USES"), ("state", "STATE"), ("expires", "EXPIRES")],
         empty="no join tokens",
     )  # fmt: skip
+    print_more(next_)
     return 0
 
 
@@ -147,16 +155,23 @@ async def cmd_tokens_revoke(args: argparse.Namespace, settings: Settings) -> int
 
 async def cmd_certs_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        certs = await PkiClient(api).list_certificates(
-            tenant_id=args.tenant,
-            site_id=args.site,
-            agent_id=args.agent,
-            join_token_id=args.token,
-            include_revoked=args.all,
-            limit=args.limit,
-        )
+        pki = PkiClient(api)
+
+        async def fetch(cursor: str | None) -> tuple[list[CertificateInfo], str | None]:
+            page = await pki.certificates_page(
+                tenant_id=args.tenant,
+                site_id=args.site,
+                agent_id=args.agent,
+                join_token_id=args.token,
+                include_revoked=args.all,
+                limit=args.limit,
+                cursor=cursor,
+            )
+            return page.certificates, page.next
+
+        certs, next_ = await collect(fetch, args)
     if args.json:
-        print_json({"certificates": msgspec.to_builtins(certs)})
+        print_json({"certificates": msgspec.to_builtins(certs), "next": next_})
         return 0
     print_table(
         [_cert_row(c) for c in certs],
@@ -164,6 +179,7 @@ async def cmd_certs_list(args: argparse.Namespace, settings: Settings) -> int:
          ("site", "SITE"), ("state", "STATE"), ("key", "KEY"), ("notAfter", "NOT AFTER")],
         empty="no certificates",
     )  # fmt: skip
+    print_more(next_)
     return 0
 
 
@@ -204,7 +220,7 @@ def register(
     p.add_argument("--tenant")
     p.add_argument("--site")
     p.add_argument("--state", choices=["active", "expired", "used", "revoked"])
-    p.add_argument("--limit", type=int, default=100)
+    add_paging(p, default_limit=100)
     p.set_defaults(func=cmd_tokens_list)
     p = tsub.add_parser("revoke", parents=[common], help="revoke a join token")
     p.add_argument("id", help="join token id (tok_…)")
@@ -219,7 +235,7 @@ def register(
     p.add_argument("--agent", help="agent id")
     p.add_argument("--token", help="join token id the certificate was earned with")
     p.add_argument("--all", action="store_true", help="include revoked certificates")
-    p.add_argument("--limit", type=int, default=100)
+    add_paging(p, default_limit=100, short_all=False)
     p.set_defaults(func=cmd_certs_list)
     p = csub.add_parser("revoke", parents=[common], help="revoke a certificate")
     p.add_argument("id", help="certificate id (cert_…)")

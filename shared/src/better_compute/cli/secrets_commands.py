@@ -17,6 +17,7 @@ from ..config import Settings
 from ..secrets_client import SecretInfo, SecretsClient
 from .common import api_client
 from .output import print_json, print_table
+from .paging import add_paging, collect, print_more
 from .pki_commands import when
 
 __all__ = ["register"]
@@ -37,11 +38,17 @@ def _row(s: SecretInfo) -> dict[str, Any]:
 
 async def cmd_secrets_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        found = await SecretsClient(api).list_secrets(
-            tenant_id=args.tenant, workflow_id=args.workflow, limit=args.limit
-        )
+        client = SecretsClient(api)
+
+        async def fetch(cursor: str | None) -> tuple[list[SecretInfo], str | None]:
+            page = await client.secrets_page(
+                tenant_id=args.tenant, workflow_id=args.workflow, limit=args.limit, cursor=cursor
+            )
+            return page.secrets, page.next
+
+        found, next_ = await collect(fetch, args)
     if args.json:
-        print_json({"secrets": msgspec.to_builtins(found)})
+        print_json({"secrets": msgspec.to_builtins(found), "next": next_})
         return 0
     print_table(
         [_row(s) for s in found],
@@ -49,6 +56,7 @@ async def cmd_secrets_list(args: argparse.Namespace, settings: Settings) -> int:
          ("size", "BYTES"), ("key", "KEY"), ("created", "CREATED"), ("label", "LABEL")],
         empty="no secrets",
     )  # fmt: skip
+    print_more(next_)
     return 0
 
 
@@ -81,7 +89,7 @@ def register(
     p = ssub.add_parser("list", parents=[common], help="secrets, metadata only")
     p.add_argument("--tenant")
     p.add_argument("--workflow", help="workflow id")
-    p.add_argument("--limit", type=int, default=100)
+    add_paging(p, default_limit=100)
     p.set_defaults(func=cmd_secrets_list)
     p = ssub.add_parser("show", parents=[common], help="one secret's metadata")
     p.add_argument("ref", help="SecretRef (sec_…)")

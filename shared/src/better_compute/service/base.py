@@ -32,6 +32,7 @@ from ..logging import get_logger
 from ..runtime.urls import resolve_database_url, resolve_nats_url
 from ..wire import Subjects, encode_error, encode_ok
 from ..wire.codec import decode, encode
+from ..wire.paging import PAGE_BUDGET
 from .client import ApiClient, connect
 from .db import Database, load_migrations
 
@@ -43,10 +44,22 @@ T = TypeVar("T")
 class ApiRequest:
     """One request to a route: its raw bytes, headers and a typed decoder."""
 
-    def __init__(self, subject: str, data: bytes, headers: Mapping[str, str] | None) -> None:
+    def __init__(
+        self, subject: str, data: bytes, headers: Mapping[str, str] | None, *, max_reply: int | None = None
+    ) -> None:
         self.subject = subject
         self.data = data
         self.headers = dict(headers or {})
+        self.max_reply = max_reply
+        """The largest reply the bus carries (the connection's max_payload), when known."""
+
+    @property
+    def page_budget(self) -> int:
+        """Bytes of items one page of a list may hold: ``PAGE_BUDGET``, or half the
+        largest reply when the bus carries less, so the page and its envelope fit."""
+        if self.max_reply is None:
+            return PAGE_BUDGET
+        return max(1, min(PAGE_BUDGET, self.max_reply // 2))
 
     def decode(self, typ: type[T]) -> T:
         """The payload as ``typ``; ``INVALID_INPUT`` with ``details.path`` when it does not fit."""
@@ -245,7 +258,8 @@ class Service:
         return dispatch
 
     async def _serve(self, route: str, handler: Handler, req: Request) -> None:
-        request = ApiRequest(req.subject, req.data, req.headers)
+        max_reply = self.nc.max_payload if self.nc is not None else None
+        request = ApiRequest(req.subject, req.data, req.headers, max_reply=max_reply)
         try:
             result = await handler(request)
             body = encode_ok(result)
@@ -261,6 +275,20 @@ class Service:
             self.log.exception("request_failed", route=route)
             body = encode_error(
                 BcError(ErrorCode.INTERNAL, f"internal error in {route}: {type(exc).__name__}")
+            )
+        if max_reply is not None and len(body) > max_reply:
+            # nats-py would refuse to publish it and the caller would wait for its timeout:
+            # say what happened instead. INTERNAL, not INVALID_INPUT: the request was fine,
+            # the service made something the bus cannot carry (lists page by size, so only
+            # one item beyond the bus's limit gets here).
+            self.log.warning("reply_too_large", route=route, size=len(body), max_payload=max_reply)
+            body = encode_error(
+                BcError(
+                    ErrorCode.INTERNAL,
+                    f"the reply of {route} ({len(body)} bytes) is larger than the bus carries"
+                    f" ({max_reply} bytes); ask for less (a smaller limit, or follow the cursor)",
+                    {"reason": "reply-too-large", "route": route, "size": len(body), "maxPayload": max_reply},
+                )
             )
         # a request published without a reply subject gets no answer (ValueError)
         with contextlib.suppress(ValueError, nats.errors.ConnectionClosedError):

@@ -69,6 +69,15 @@ class ApiClient:
         resource, _, verb = route.partition(".")
         subject = self.subjects.api(service, resource, verb)
         data = payload if isinstance(payload, bytes) else encode(payload if payload is not None else {})
+        if len(data) > self.nc.max_payload:
+            # nats-py would raise MaxPayloadError; the caller wants to know which limit, typed.
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"the request to {route} ({len(data)} bytes) is larger than the bus carries"
+                f" ({self.nc.max_payload} bytes)",
+                {"path": "", "reason": "request-too-large", "size": len(data),
+                 "maxPayload": self.nc.max_payload},
+            )  # fmt: skip
         # "No responders" means nobody received the request, so asking again is always safe;
         # a short retry rides over an instance restarting (a rolling deploy) before giving up.
         for pause in (*NO_RESPONDERS_RETRY, None):

@@ -1,0 +1,65 @@
+"""Paging for bcx list commands: ``--limit``, ``--cursor`` and ``--all``.
+
+A list command shows one page (``--limit`` items, from ``--cursor`` on) and, when more
+follow, says on stderr how to get them: ``more: --cursor <next>``. ``--all`` (or
+``--all-pages``; only the latter for ``bcx certs list``, whose ``--all`` includes revoked
+certificates) follows the cursors itself to the end. Paging is explicit, not automatic: a
+plain ``list`` costs one request and prints at most ``--limit`` rows, however long the list
+is. With ``--json`` the output is ``{"<items>": [...], "next": <cursor or null>}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from ..wire.paging import MAX_LIMIT
+
+__all__ = ["add_paging", "collect", "print_more"]
+
+T = TypeVar("T")
+
+Fetch = Callable[[str | None], Awaitable[tuple[list[T], str | None]]]
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"a whole number from 1 to {MAX_LIMIT}, got {text!r}")
+    return value
+
+
+def add_paging(parser: argparse.ArgumentParser, *, default_limit: int, short_all: bool = True) -> None:
+    """``--limit N`` (a page), ``--cursor C`` (where a page starts), ``--all``/``--all-pages``
+    (every page; ``short_all=False`` where ``--all`` means something else)."""
+    parser.add_argument(
+        "--limit", type=_limit, default=default_limit, help=f"items a page (default {default_limit})"
+    )
+    parser.add_argument("--cursor", help="start at this page (the 'more' of the page before)")
+    flags = ["--all", "--all-pages"] if short_all else ["--all-pages"]
+    parser.add_argument(
+        *flags, dest="all_pages", action="store_true", help="follow the pages to the end of the list"
+    )
+
+
+async def collect(fetch: Fetch[T], args: argparse.Namespace) -> tuple[list[T], str | None]:
+    """One page from ``args.cursor``, or with ``args.all_pages`` every page; and the cursor after
+    what was fetched (None at the end). ``fetch(cursor)`` asks for one page."""
+    cursor: str | None = args.cursor
+    items: list[T] = []
+    while True:
+        page, cursor = await fetch(cursor)
+        items += page
+        if cursor is None or not args.all_pages:
+            return items, cursor
+
+
+def print_more(next_: str | None) -> None:
+    """Tell on stderr how to see the next page (stdout keeps only the table)."""
+    if next_ is not None:
+        sys.stderr.write(f"more: --cursor {next_}  (or --all-pages for every page)\n")

@@ -1,0 +1,54 @@
+"""bcx list commands page: ``--limit`` rows, ``more: --cursor …`` on stderr, ``--all`` to the end."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import msgspec
+import pytest
+from test_engine_bcx import bcx, start_engine
+
+from better_compute.config import Settings
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses
+
+
+@pytest.fixture
+def settings(bc_settings: Settings) -> Settings:
+    return msgspec.structs.replace(bc_settings, app="engine_test_app:app")
+
+
+def _ids(table: str) -> list[str]:
+    return [line.split()[0] for line in table.splitlines()[1:]]
+
+
+async def test_bcx_lists_a_page_says_how_to_go_on_and_follows_every_page(
+    settings: Settings, bc_processes: ServiceProcesses, bc_api: ApiClient
+) -> None:
+    await start_engine(settings, bc_processes)
+    made = sorted([(await bc_api.call("engine", "nodes.create", {"siteId": "eu1"}))["id"] for _ in range(5)])
+
+    code, out, err = await bcx(settings, "nodes", "list", "--limit", "2")
+    assert code == 0, err
+    assert _ids(out) == made[:2]
+    more = re.search(r"more: --cursor (\S+)", err)
+    assert more is not None, err
+
+    code, out, err = await bcx(settings, "nodes", "list", "--limit", "2", "--cursor", more.group(1))
+    assert code == 0, err
+    assert _ids(out) == made[2:4]
+
+    code, out, err = await bcx(settings, "nodes", "list", "--limit", "2", "--all")
+    assert code == 0, err
+    assert _ids(out) == made
+    assert "more:" not in err
+
+    code, out, err = await bcx(settings, "nodes", "list", "--limit", "2", "--all-pages", "--json")
+    got = json.loads(out)
+    assert [n["id"] for n in got["nodes"]] == made
+    assert got["next"] is None
+
+    code, _, err = await bcx(settings, "nodes", "list", "--limit", "5000")
+    assert code == 2
+    assert "--limit" in err
