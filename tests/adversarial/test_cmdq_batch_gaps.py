@@ -115,6 +115,16 @@ async def site(
     )  # fmt: skip
 
 
+async def expire_now(settings: Settings, batch_id: str) -> None:
+    """The batch's time is up: its expiry moves to now, as if its 24 hours had passed (the
+    signed document keeps the original expiry; the queue goes by the row)."""
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await conn.execute("UPDATE cmdq.batches SET expires_at = now() WHERE id = $1", batch_id)
+    finally:
+        await conn.close()
+
+
 async def all_settled(cq: CommandQueueClient, views: list[CommandView]) -> list[CommandView] | None:
     now = [await cq.get(v.id) for v in views]
     return now if all(v.state in TERMINAL_STATES for v in now) else None
@@ -128,12 +138,8 @@ async def test_commands_of_a_batch_that_expired_after_dispatch_never_run(
     wipes = [await cq.enqueue(wipe(node, f"w{i}", batch_id=batch.id)) for i in range(COMMANDS)]
     await site.approve(batch, "alice", "bob")
     assert {(await cq.get(w.id)).state for w in wipes} == {"dispatched"}
-    # the node's agent is away; meanwhile the batch's 24 hours pass (its expiry is moved to now)
-    conn = await asyncpg.connect(bc_settings.database_url)
-    try:
-        await conn.execute("UPDATE cmdq.batches SET expires_at = now() WHERE id = $1", batch.id)
-    finally:
-        await conn.close()
+    # the node's agent is away; meanwhile the batch's 24 hours pass
+    await expire_now(bc_settings, batch.id)
     assert (await cq.get_batch(batch.id)).state == "expired"
     sim = await site.node_agent(node)  # it finds every delivery in its stream and claims each
 
@@ -143,6 +149,24 @@ async def test_commands_of_a_batch_that_expired_after_dispatch_never_run(
     settled = await until(settled_or_ran)
     assert sim.executions() == []
     assert {(v.state, v.reason) for v in settled} == {("expired", "batch-expired")}
+
+
+async def test_the_sweeper_expires_unclaimed_commands_of_an_expired_batch(
+    site: Site, bc_settings: Settings
+) -> None:
+    cq, node = site.cq, new_id("node")
+    batch = await cq.create_batch(kinds=["node.wipe"], nodes=[node])
+    wipes = [await cq.enqueue(wipe(node, f"w{i}", batch_id=batch.id)) for i in range(COMMANDS)]
+    await site.approve(batch, "alice", "bob")
+    await expire_now(bc_settings, batch.id)
+    site.procs.extra_env["BC_CMDQ_SWEEP_MS"] = "100"
+    await site.restart_cmdq()
+    settled = await until(lambda: all_settled(cq, wipes))
+    assert {(v.state, v.reason) for v in settled} == {("expired", "batch-expired")}
+    # the agent comes back to deliveries of commands that are over
+    sim = await site.node_agent(node)
+    await until(lambda: sim.output().count('"command_not_claimed"') >= COMMANDS or sim.executions())
+    assert sim.executions() == []
 
 
 async def test_commands_dispatched_before_an_approver_was_withdrawn_never_run_until_approved_again(
@@ -191,10 +215,11 @@ async def test_a_batch_admits_only_commands_of_the_workflow_it_was_signed_for(si
     operators = await site.approve(await cq.create_batch(kinds=["node.wipe"], nodes=[node]), "alice", "bob")
     # another workflow, or no workflow at all, under the workflow's batch; any workflow under
     # the operator's batch: each refused, however many are tried
+    outside = (ErrorCode.INVALID_INPUT, "workflowId", "outside-batch-scope")
     for i in range(COMMANDS):
         for batch, workflow in ((signed_for_wf, new_id("wf")), (signed_for_wf, None), (operators, wf)):
             err = await refused(cq.enqueue(wipe(node, f"x{i}", batch_id=batch.id, workflow_id=workflow)))
-            assert (err.code, err.path, err.reason) == (ErrorCode.INVALID_INPUT, "workflowId", "outside-batch-scope")
+            assert (err.code, err.path, err.reason) == outside
     # what each batch was signed for goes through and runs
     ok = [
         await cq.enqueue(wipe(node, "mine", batch_id=signed_for_wf.id, workflow_id=wf, step=0)),
