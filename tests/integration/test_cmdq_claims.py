@@ -122,3 +122,9 @@ async def test_the_same_journal_may_claim_again_and_an_older_claim_changes_nothi
     assert (stale["proceed"], stale["state"]) == (False, "acked")
     assert (await node.cq.get(wipe.id)).state == "acked"
     assert (await node.claim(wipe, "journal-a"))["proceed"] is True
+    # once it runs, the journal has it started and never asks again: a copy of its claim (or a
+    # journal restored from an older copy) does not make it run again, and changes nothing
+    await node.send("progress", {"commandId": wipe.id})
+    late = await node.claim(wipe, "journal-a")
+    assert (late["proceed"], late["state"]) == (False, "running")
+    assert (await node.cq.get(wipe.id)).state == "running"

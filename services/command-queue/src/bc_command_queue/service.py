@@ -718,9 +718,10 @@ class CommandQueueService(Service):
             return AckReply(proceed=False, state=state, reason="expired")
         same_journal = journal is not None and cur["claim_journal"] == journal
         if state == "running" and same_journal:
-            # A late copy of this journal's own claim: the journal started it and never runs
-            # it again, so the answer changes nothing.
-            return AckReply(proceed=True, state=state)
+            # The journal started it (it reported running), so it never claims it again: this
+            # is a late copy of its claim, or the journal was restored from an older copy.
+            # Either way it must not run now; what runs, if anything, reports as before.
+            return AckReply(proceed=False, state=state, reason="running")
         if state in ("acked", "running") and not same_journal:
             return await self._interrupt(ev, journal, cur)
         if state in ("dispatched", "acked") and cur["destructive"]:
