@@ -145,6 +145,8 @@ class CmdqConfig:
     """Certificates used to check agent events are cached this long at most; a revocation
     event from bc-pki evicts one at once."""
     ack_wait_ms: int = 30_000
+    """A delivery its agent neither acknowledged nor kept in progress this long is delivered
+    again (the agent died with it, or lost it)."""
     stream_replicas: int = 1
     stream_max_age_seconds: int = 7 * 24 * 3600
     retention_days: int = 30
@@ -162,6 +164,7 @@ class CmdqConfig:
             redeliver_after_ms=_env_int("BC_CMDQ_REDELIVER_AFTER_MS", 60_000, minimum=100),
             sweep_ms=_env_int("BC_CMDQ_SWEEP_MS", 1_000, minimum=50),
             cert_cache_seconds=_env_int("BC_CMDQ_CERT_CACHE_SECONDS", 30, minimum=0),
+            ack_wait_ms=_env_int("BC_CMDQ_ACK_WAIT_MS", 30_000, minimum=1_000),
             stream_replicas=_env_int("BC_CMDQ_STREAM_REPLICAS", 1),
             stream_max_age_seconds=_env_int("BC_CMDQ_STREAM_MAX_AGE_SECONDS", 7 * 24 * 3600),
             retention_days=_env_int("BC_CMDQ_RETENTION_DAYS", 30, minimum=0),

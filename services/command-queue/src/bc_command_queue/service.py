@@ -293,6 +293,17 @@ class CommandQueueService(Service):
                 "the node is outside the batch's scope",
                 {"path": "nodeId", "reason": "outside-batch-scope"},
             )
+        # The approvers signed the batch's workflowId. A workflow's batch admits that workflow's
+        # commands only; an operator's batch (no workflowId) admits only commands sent directly,
+        # by no workflow: approving a job by hand approves nothing a workflow may send. (A bulk
+        # verb's batch will name the set of workflows it started: a membership test here.)
+        if body.workflow_id != batch["workflow_id"]:
+            signed_for = f"workflow {batch['workflow_id']}" if batch["workflow_id"] else "no workflow"
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"the batch was signed for {signed_for}",
+                {"path": "workflowId", "reason": "outside-batch-scope"},
+            )
         if batch["expired"]:
             raise BcError(
                 ErrorCode.INVALID_STATE,
@@ -676,15 +687,24 @@ class CommandQueueService(Service):
         return HeartbeatReply(boot_lease=lease)
 
     async def _ack(self, ev: Ack) -> AckReply:
+        """A claim. Taken when the command is dispatched to this agent, its digest matches and,
+        for a destructive command, its batch is unexpired and approved under the approvers
+        configured now; or when this very journal claimed it already (its answer was lost).
+        Another journal's claim of a command that may have started settles it ``interrupted``."""
         try:
             digest = bytes.fromhex(ev.digest)
         except ValueError as exc:
             raise _invalid("digest", "expected hex") from exc
-        row = await self._db.fetchrow(store.ACK, ev.command_id, ev.agent, digest)
+        if not isinstance(ev.journal_id, str) or len(ev.journal_id) > 64:
+            raise _invalid("journalId", "a journal id is at most 64 characters")
+        journal = ev.journal_id or None
+        quorum = self.config.quorum.enabled
+        claim = (ev.command_id, ev.agent, digest, journal, ev.signed_at_ms, quorum)
+        row = await self._db.fetchrow(store.ACK, *claim)
         if row is not None:
             await self._changed([row])
             return AckReply(proceed=True, state="acked")
-        cur = await self._db.fetchrow(store.COMMAND_STATE, ev.command_id)
+        cur = await self._db.fetchrow(store.CLAIM_STATE, ev.command_id)
         if cur is None:
             return AckReply(proceed=False, reason="unknown-command")
         if cur["agent_id"] != ev.agent:
@@ -693,11 +713,54 @@ class CommandQueueService(Service):
             self.log.warning("claim_digest_mismatch", command_id=ev.command_id, agent_id=ev.agent)
             return AckReply(proceed=False, reason="digest-mismatch")
         state = cur["state"]
-        if state in ("acked", "running") and cur["live"]:
-            return AckReply(proceed=True, state=state)  # the same agent claims again
         if state in TERMINAL_STATES:
             return AckReply(proceed=False, state=state, reason=state)
-        return AckReply(proceed=False, state=state, reason="expired" if not cur["live"] else state)
+        if not cur["live"]:
+            return AckReply(proceed=False, state=state, reason="expired")
+        same_journal = journal is not None and cur["claim_journal"] == journal
+        if state == "running" and same_journal:
+            # The journal started it (it reported running), so it never claims it again: this
+            # is a late copy of its claim, or the journal was restored from an older copy.
+            # Either way it must not run now; what runs, if anything, reports as before.
+            return AckReply(proceed=False, state=state, reason="running")
+        if state in ("acked", "running") and not same_journal:
+            return await self._interrupt(ev, journal, cur)
+        if state in ("dispatched", "acked") and cur["destructive"]:
+            batch_valid = (
+                cur["has_batch"] and not cur["batch_expired"] and (not quorum or cur["batch_approved"])
+            ) or (not cur["has_batch"] and not quorum)
+            if not batch_valid:
+                return await self._refuse_for_batch(ev, journal, cur)
+        # pending, or changed meanwhile: it comes again in a later delivery
+        return AckReply(proceed=False, state=state, reason=state, again=True)
+
+    async def _interrupt(self, ev: Ack, journal: str | None, cur: Any) -> AckReply:
+        """Another journal of the agent claims a command that may have started: settle it
+        ``failed`` (``interrupted``); it never runs again."""
+        row = await self._db.fetchrow(
+            store.CLAIM_INTERRUPTED, ev.command_id, ev.agent, journal, ev.signed_at_ms
+        )
+        if row is None:
+            # A claim signed before the recorded one: a late copy from an earlier journal.
+            self.log.info("claim_superseded", command_id=ev.command_id, agent_id=ev.agent)
+            return AckReply(proceed=False, state=cur["state"], reason="claimed-by-another-journal")
+        self.log.warning("command_interrupted", command_id=ev.command_id, agent_id=ev.agent, was=cur["state"])
+        await self._changed([row])
+        return AckReply(proceed=False, state="failed", reason="interrupted")
+
+    async def _refuse_for_batch(self, ev: Ack, journal: str | None, cur: Any) -> AckReply:
+        """A destructive command claimed outside a valid batch: it expires with its batch, or
+        goes back to pending until the batch is approved again."""
+        expired = cur["has_batch"] and cur["batch_expired"]
+        sql = store.CLAIM_BATCH_EXPIRED if expired else store.CLAIM_BACK_TO_PENDING
+        row = await self._db.fetchrow(sql, ev.command_id, ev.agent, journal)
+        if row is None:  # changed meanwhile
+            return AckReply(proceed=False, state=cur["state"], reason=cur["state"], again=True)
+        self.log.warning(
+            "claim_refused_batch", command_id=ev.command_id, state=row["state"], reason=row["reason"]
+        )
+        await self._changed([row])
+        return AckReply(proceed=False, state=row["state"], reason=row["reason"], again=not expired)
 
     async def _progress(self, ev: Progress) -> None:
         message = ev.message[:500] if ev.message is not None else None
@@ -982,12 +1045,17 @@ class CommandQueueService(Service):
         return approved
 
     async def _recount_batches(self) -> None:
-        """At start: approvals count under the approvers configured now (one may be gone)."""
+        """At start: approvals count under the approvers configured now (one may be gone). The
+        dispatched, unclaimed commands of a batch no longer approved go back to pending."""
+        withdrawn: list[Any] = []
         for ident in [r["id"] for r in await self._db.fetch(store.BATCHES_UNEXPIRED)]:
             async with self._db.transaction() as conn:
                 row = await conn.fetchrow(store.BATCH_BY_ID_FOR_UPDATE, ident)
-                if row is not None:
-                    await self._recount(conn, row)
+                if row is not None and not await self._recount(conn, row) and self.config.quorum.enabled:
+                    withdrawn += await conn.fetch(store.BATCH_UNDISPATCH, ident)
+        for row in withdrawn:
+            self.log.info("command_undispatched", command_id=row["id"], reason=row["reason"])
+        await self._changed(withdrawn)
 
     async def get_quorum(self, _req: ApiRequest) -> QuorumView:
         quorum = self.config.quorum

@@ -33,8 +33,13 @@ __all__ = [
     "BATCH_BY_KEY",
     "BATCH_INSERT",
     "BATCH_SET_APPROVED",
+    "BATCH_UNDISPATCH",
     "CANCEL_BY_ID",
     "CANCEL_BY_PREFIX",
+    "CLAIM_BACK_TO_PENDING",
+    "CLAIM_BATCH_EXPIRED",
+    "CLAIM_INTERRUPTED",
+    "CLAIM_STATE",
     "COMMAND_BY_ID",
     "COMMAND_BY_NODE_KEY",
     "COMMAND_INSERT",
@@ -172,10 +177,11 @@ UPDATE commands c SET state = 'expired', finished_at = now(), updated_at = now()
 FROM due WHERE c.id = due.id
 RETURNING {_COLS}
 """
+# Pending or dispatched but unclaimed: a destructive command of an expired batch never runs.
 EXPIRE_BATCH_EXPIRED: Final = f"""
 WITH due AS (
     SELECT c.id FROM commands c JOIN batches b ON b.id = c.batch_id
-    WHERE c.state = 'pending' AND c.destructive AND b.expires_at <= now()
+    WHERE c.state IN ('pending', 'dispatched') AND c.destructive AND b.expires_at <= now()
     LIMIT 500 FOR UPDATE OF c SKIP LOCKED
 )
 UPDATE commands c SET state = 'expired', reason = 'batch-expired', finished_at = now(),
@@ -214,11 +220,59 @@ FROM due WHERE c.id = due.id
 RETURNING {_COLS}
 """
 
-# $1 id, $2 agent, $3 digest: the claim
+# $1 id, $2 agent, $3 digest, $4 journal (NULL: not named), $5 signed_at_ms, $6 quorum on: the
+# claim. Taken when the command is dispatched, or acked by this very journal (its answer was lost:
+# the journal has not started it, or it would not ask). A destructive command's batch must be
+# unexpired and, under the quorum, approved; without a batch it needs the quorum off.
 ACK: Final = f"""
-UPDATE commands c SET state = 'acked', acked_at = now(), updated_at = now()
-WHERE c.id = $1 AND c.agent_id = $2 AND c.state = 'dispatched' AND c.not_after > now()
-  AND c.digest = $3
+UPDATE commands c SET state = 'acked', acked_at = coalesce(c.acked_at, now()), updated_at = now(),
+    claim_journal = $4,
+    claim_signed_ms = CASE WHEN c.state = 'dispatched' THEN $5 ELSE c.claim_signed_ms END
+WHERE c.id = $1 AND c.agent_id = $2 AND c.not_after > now() AND c.digest = $3
+  AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $4))
+  AND (NOT c.destructive OR CASE
+      WHEN c.batch_id IS NULL THEN NOT $6::bool
+      ELSE EXISTS (SELECT 1 FROM batches b WHERE b.id = c.batch_id AND b.expires_at > now()
+                   AND (NOT $6::bool OR b.approved_at IS NOT NULL)) END)
+RETURNING {_COLS}
+"""
+# Why a claim was not taken: the command as its claim sees it, with its batch.
+CLAIM_STATE: Final = """
+SELECT c.id, c.state, c.agent_id, c.digest, c.not_after > now() AS live, c.destructive,
+       c.claim_journal, c.claim_signed_ms, b.id IS NOT NULL AS has_batch,
+       coalesce(b.expires_at <= now(), false) AS batch_expired,
+       coalesce(b.approved_at IS NOT NULL, false) AS batch_approved
+FROM commands c LEFT JOIN batches b ON b.id = c.batch_id
+WHERE c.id = $1
+"""
+# $1 id, $2 agent, $3 journal (NULL: not named), $4 signed_at_ms: another journal of the agent
+# (or one that does not say which it is) claims a command that may have started. It fails as
+# interrupted and never runs again. A claim signed before the recorded one is a late copy from
+# an earlier journal and changes nothing.
+CLAIM_INTERRUPTED: Final = f"""
+UPDATE commands c SET state = 'failed', reason = 'interrupted', finished_at = now(),
+    updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running')
+  AND ($3::text IS NULL OR c.claim_journal IS DISTINCT FROM $3)
+  AND coalesce(c.claim_signed_ms, 0) < $4
+RETURNING {_COLS}
+"""
+# $1 id, $2 agent, $3 journal: a destructive command claimed while its batch is not approved
+# (an approver was withdrawn) goes back to pending; a new approval dispatches it again.
+CLAIM_BACK_TO_PENDING: Final = f"""
+UPDATE commands c SET state = 'pending', reason = 'batch-not-approved', published_at = NULL,
+    agent_id = CASE WHEN c.target = 'node' THEN c.agent_id END, claim_journal = NULL,
+    claim_signed_ms = NULL, updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2
+  AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $3))
+RETURNING {_COLS}
+"""
+# $1 id, $2 agent, $3 journal: claimed after its batch expired; it never can run now.
+CLAIM_BATCH_EXPIRED: Final = f"""
+UPDATE commands c SET state = 'expired', reason = 'batch-expired', finished_at = now(),
+    updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2
+  AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $3))
 RETURNING {_COLS}
 """
 PROGRESS: Final = f"""
@@ -349,6 +403,14 @@ BATCH_SET_APPROVED: Final = (
     "UPDATE batches SET approved_at = CASE WHEN $2 THEN coalesce(approved_at, now()) END"
     " WHERE id = $1 RETURNING approved_at"
 )
+# $1 batch, no longer approved (an approver was withdrawn): its dispatched, unclaimed commands
+# go back to pending until the batch is approved again.
+BATCH_UNDISPATCH: Final = f"""
+UPDATE commands c SET state = 'pending', reason = 'batch-not-approved', published_at = NULL,
+    agent_id = CASE WHEN c.target = 'node' THEN c.agent_id END, updated_at = now()
+WHERE c.batch_id = $1 AND c.state = 'dispatched' AND c.destructive
+RETURNING {_COLS}
+"""
 # $1 workflow, $2 state, $3 limit
 # A page of batches in two steps: ids and sizes (a batch may name 10,000 nodes), then the
 # rows of the ids that fit in the page.

@@ -3,7 +3,9 @@
 It is what makes execution at most once. A command is journaled ``started`` (synced to disk)
 before its handler runs; a delivery of a command the journal knows is never run again: a
 finished one is reported again, one that was started by an earlier process (which died while
-running it) is reported failed with reason ``interrupted``.
+running it) is reported failed with reason ``interrupted``. The journal has a random id, made
+with the file, that the agent's claims carry: when the journal is lost, the command queue sees
+claims from another journal and settles what the lost one may have started as ``interrupted``.
 
 SQLite in WAL mode with ``synchronous=FULL``: a journaled state survives a crash of the process
 and of the machine. Writes go through one writer thread that commits whatever is waiting in one
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import secrets
 import sqlite3
 import threading
 import time
@@ -43,6 +46,7 @@ CREATE TABLE IF NOT EXISTS commands (
     updated_at  REAL NOT NULL
 )
 """
+_META: Final = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 _COLUMNS: Final = "id, kind, state, status, reason, result, signature, not_after"
 
 Op = Callable[[sqlite3.Connection], Any]
@@ -76,6 +80,14 @@ class Journal:
         writer.execute("PRAGMA journal_mode=WAL")
         writer.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         writer.execute(_SCHEMA)
+        writer.execute(_META)
+        # The journal's id, made once with the file: claims carry it, so the command queue tells
+        # this journal from one that replaced it (the state folder was wiped, the disk was a RAM
+        # disk) and never lets a command that may have started here run again.
+        writer.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('journal_id', ?)", (secrets.token_hex(16),)
+        )
+        self.id: str = str(writer.execute("SELECT value FROM meta WHERE key = 'journal_id'").fetchone()[0])
         writer.execute(
             "DELETE FROM commands WHERE state IN ('reported', 'refused') AND updated_at < ?",
             (time.time() - _RETENTION_S,),

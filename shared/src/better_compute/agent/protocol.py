@@ -14,7 +14,10 @@
 An ``ack`` is a claim: the agent runs a command only after the command queue answered
 ``proceed``. The claim names the digest of the delivered kind and payload, so a delivery that
 was forged or altered on the way is refused, and so is a command that was cancelled, expired
-or handed to another agent in the meantime.
+or handed to another agent in the meantime, or a destructive one whose batch expired or lost
+its approval. It also names the agent's journal: a command claimed by another journal of the
+same agent may have started and been forgotten, so it is settled ``interrupted``, never run
+again.
 """
 
 from __future__ import annotations
@@ -118,6 +121,11 @@ class Ack(AgentEvent, frozen=True, kw_only=True):
     command_id: str
     digest: str
     """``payload_digest(kind, payload)`` of the delivery, hex."""
+    journal_id: str = ""
+    """The id of the agent's journal (kept in it from its creation). A command already claimed
+    by another journal of the same agent may have started there and been forgotten: the claim
+    settles it ``failed`` (``interrupted``) instead of letting it run again. Empty: the agent
+    does not say, and is treated as another journal."""
 
 
 class Progress(AgentEvent, frozen=True, kw_only=True):
@@ -155,6 +163,9 @@ class AckReply(_Msg, frozen=True, kw_only=True):
     proceed: bool
     state: str | None = None
     reason: str | None = None
+    again: bool = False
+    """Not now, but not for good: the command waits (for its batch's approval) and is delivered
+    again when it may run. The agent forgets this delivery instead of journaling a refusal."""
 
 
 class ResultReply(_Msg, frozen=True, kw_only=True):

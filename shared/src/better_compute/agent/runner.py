@@ -438,11 +438,14 @@ class Agent:
             await _ack(msg)
             return
         try:
-            refusal = await self._claim(delivery, msg)
+            refusal = await self._claim(delivery, msg, journal)
         except (_Stopping, _Later):
             return  # neither journaled nor acknowledged: it is claimed again later
         if refusal is not None:
-            await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason=refusal)
+            reason, final = refusal
+            if final:
+                await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason=reason)
+            # Not final: the command waits (for its batch's approval) and comes in a new delivery.
             await _ack(msg)
             return
         # Durable before the handler runs: from here on, this command never runs again.
@@ -452,14 +455,16 @@ class Agent:
         if await self._report_entry(delivery.id):
             await _ack(msg)
 
-    async def _claim(self, delivery: CommandDelivery, msg: Msg) -> str | None:
-        """Ask the command queue whether to run it: None to proceed, else why not."""
+    async def _claim(self, delivery: CommandDelivery, msg: Msg, journal: Journal) -> tuple[str, bool] | None:
+        """Ask the command queue whether to run it: None to proceed, else why not and whether
+        that is final (journaled) or only for now."""
 
         async def ack() -> AckReply:
             event = Ack(
                 **self._base(),
                 command_id=delivery.id,
                 digest=payload_digest(delivery.kind, bytes(delivery.payload)),
+                journal_id=journal.id,
             )
             return msgspec.convert(await self._request("ack", event), AckReply)
 
@@ -475,13 +480,19 @@ class Agent:
             reply: AckReply = await self._retrying("ack", ack)
         except BcError as err:
             self.log.warning("command_claim_refused", command_id=delivery.id, code=err.code.value)
-            return f"claim refused: {err.code.value}"
+            return f"claim refused: {err.code.value}", True
         finally:
             keeper.cancel()
         if reply.proceed:
             return None
-        self.log.info("command_not_claimed", command_id=delivery.id, state=reply.state, reason=reply.reason)
-        return reply.reason or reply.state or "refused"
+        self.log.info(
+            "command_not_claimed",
+            command_id=delivery.id,
+            state=reply.state,
+            reason=reply.reason,
+            again=reply.again,
+        )
+        return reply.reason or reply.state or "refused", not reply.again
 
     async def _execute(self, delivery: CommandDelivery, msg: Msg, log: Any) -> None:
         assert self.journal is not None

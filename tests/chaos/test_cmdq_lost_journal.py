@@ -1,0 +1,132 @@
+"""An agent that loses its journal never runs a command a second time.
+
+A node's bcd comes back in its new OS, a RAM-disk agent reboots, an operator wipes a state
+folder: the agent keeps its identity (enrollment, key, certificate) but its journal, which is
+what made execution at most once, is gone. The command queue recognises the claim as coming
+from another journal and settles the command ``failed`` (``interrupted``) instead of letting it
+run again. Executions are counted at the agent (its own exec log), not from the queue's view.
+
+``BC_STRESS_ROUNDS`` sets how many times the journal is lost (8 by default).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from better_compute.cmdq_client import CommandQueueClient
+from better_compute.config import Settings
+from better_compute.core.ids import new_id
+from better_compute.pki_client import PkiClient
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses
+from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
+
+ROUNDS = int(os.environ.get("BC_STRESS_ROUNDS", "8"))
+FAST_ENV = {
+    "BC_CMDQ_HEARTBEAT_MS": "200",
+    "BC_CMDQ_SILENT_AFTER_MS": "1500",
+    "BC_CMDQ_LOST_AFTER_MS": "600000",  # the queue must not settle it by itself meanwhile
+    "BC_CMDQ_REDELIVER_AFTER_MS": "1000",
+    "BC_CMDQ_SWEEP_MS": "100",
+    "BC_CMDQ_ACK_WAIT_MS": "2000",  # the dead agent's delivery comes again after 2 s
+}
+
+
+@dataclass
+class Stack:
+    api: ApiClient
+    cq: CommandQueueClient
+    pki: PkiClient
+    settings: Settings
+    tmp: Path
+
+
+@pytest.fixture
+def sims() -> Iterator[list[SimAgent]]:
+    made: list[SimAgent] = []
+    yield made
+    for sim in made:
+        sim.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[Stack]:
+    bc_processes.extra_env.update(FAST_ENV)
+    bc_processes.start("bc-pki")
+    bc_processes.start("bc-command-queue")
+    await bc_processes.wait_ready()
+    yield Stack(
+        api=bc_api,
+        cq=CommandQueueClient(bc_api, timeout=3.0),
+        pki=PkiClient(bc_api),
+        settings=bc_settings,
+        tmp=tmp_path,
+    )
+
+
+def lose_journal(state: Path) -> None:
+    """What a wiped state folder leaves: the enrollment (identity, key, certificate) and the
+    test's exec log, and no journal. The crash marker goes too, so the next command crashes."""
+    for path in [*state.glob("journal.db*"), state / "crashed"]:
+        path.unlink(missing_ok=True)
+    assert (state / "enrollment.json").exists()
+
+
+def wipe(node: str, key: str) -> EnqueueCommand:
+    return EnqueueCommand(node_id=node, site_id="site-j", kind="node.wipe", key=key, target="node")
+
+
+async def test_an_agent_that_lost_its_journal_never_runs_a_command_twice(
+    stack: Stack, sims: list[SimAgent]
+) -> None:
+    cq = stack.cq
+    node = new_id("node")
+    state = stack.tmp / "bcd"
+    # the crash point alternates: while the wipe runs, and after its result was journaled
+    # but before it was reported (the result is lost with the journal)
+    points = ["started", "executed"]
+    sim, agent_id = await start_sim_agent(
+        stack.settings, state, site_id="site-j", pki=stack.pki, cq=cq, role="node", node_id=node,
+        args=["--crash", f"node.wipe={points[0]}"],
+    )  # fmt: skip
+    sims.append(sim)
+    assert agent_id == node
+
+    def runs(command_id: str) -> int:
+        return sum(line.split()[0] == command_id for line in sim.executions())
+
+    interrupted: list[CommandView] = []
+    for i in range(ROUNDS):
+        view = await cq.enqueue(wipe(node, f"wipe-{i}"))
+        assert await sim.wait_exit() == -signal.SIGKILL
+        assert runs(view.id) == 1
+        assert (await cq.get(view.id)).state in ("acked", "running")
+        lose_journal(state)
+        last_round = i + 1 == ROUNDS
+        sim.args = [] if last_round else ["--crash", f"node.wipe={points[(i + 1) % 2]}"]
+        sim.start()  # the same identity, a new (empty) journal
+
+        async def settled_or_ran_again(command_id: str = view.id) -> CommandView | None:
+            got = await cq.get(command_id)
+            if got.state in TERMINAL_STATES or runs(command_id) > 1:
+                return got
+            return None
+
+        done = await until(settled_or_ran_again)
+        assert runs(view.id) == 1, f"round {i}: {view.id} ran twice"
+        assert (done.state, done.reason) == ("failed", "interrupted")
+        interrupted.append(done)
+    # the agent with its new journal runs new commands as before
+    last = await cq.wait((await cq.enqueue(wipe(node, "wipe-last"))).id, timeout=30)
+    assert (last.state, last.attested) == ("succeeded", True)
+    assert sorted(sim.executions()) == sorted(f"{v.id} node.wipe" for v in [*interrupted, last])

@@ -1,0 +1,130 @@
+"""Claims name the agent's journal: a command that may have started is never claimed again by
+another journal of the same agent (a wiped state folder, a RAM-disk agent, a node's bcd back in
+its new OS), while the same journal asking again is answered as before.
+
+The claims are signed by hand with the agent's real key, so each rule is seen on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest_asyncio
+
+from bc_command_queue.config import CmdqConfig
+from bc_command_queue.service import CommandQueueService
+from better_compute.agent import Enrollment
+from better_compute.agent.protocol import payload_digest
+from better_compute.agent.sim import join_agent
+from better_compute.cmdq_client import CommandQueueClient
+from better_compute.config import Settings
+from better_compute.core.ids import new_id
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses
+from better_compute.wire import unwrap
+from better_compute.wire.cmdq import CommandView, EnqueueCommand
+
+
+@dataclass
+class Node:
+    api: ApiClient
+    cq: CommandQueueClient
+    enrollment: Enrollment
+
+    @property
+    def id(self) -> str:
+        return self.enrollment.agent_id
+
+    async def wipe(self, key: str) -> CommandView:
+        view = await self.cq.enqueue(
+            EnqueueCommand(node_id=self.id, site_id="site-c", kind="node.wipe", key=key, target="node")
+        )
+        assert view.state == "dispatched"
+        return view
+
+    async def send(self, kind: str, doc: dict[str, Any]) -> Any:
+        """Sign ``doc`` (camelCase, as on the wire) with the node's key and send it."""
+        doc = {
+            "site": "site-c",
+            "agent": self.id,
+            "signerId": self.enrollment.cert_id,
+            "signedAtMs": time.time_ns() // 1_000_000,
+            **doc,
+        }
+        _data, signature = self.enrollment.identity.sign(f"agent.{kind}", doc)
+        data = msgspec.json.encode({**doc, "signature": base64.b64encode(signature).decode()})
+        subject = self.api.subjects.agent_event("site-c", self.id, kind)
+        return unwrap((await self.api.nc.request(subject, data, timeout=5)).data)
+
+    async def claim(self, view: CommandView, journal: str | None, **over: Any) -> Any:
+        canonical = msgspec.json.encode(view.payload, order="sorted")
+        doc: dict[str, Any] = {"commandId": view.id, "digest": payload_digest(view.kind, canonical)}
+        if journal is not None:
+            doc["journalId"] = journal
+        return await self.send("ack", {**doc, **over})
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def node(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses
+) -> AsyncIterator[Node]:
+    bc_processes.start("bc-pki")
+    await bc_processes.wait_ready()
+    async with CommandQueueService(bc_settings, config=CmdqConfig(sweep_ms=100)) as svc:
+        run = asyncio.create_task(svc.run())
+        enrollment = await join_agent(bc_api, site_id="site-c", role="node", node_id=new_id("node"))
+        try:
+            yield Node(api=bc_api, cq=CommandQueueClient(bc_api), enrollment=enrollment)
+        finally:
+            svc.request_stop()
+            await run
+
+
+async def test_a_claim_from_another_journal_settles_the_command_interrupted(node: Node) -> None:
+    wipe = await node.wipe("w1")
+    first = await node.claim(wipe, "journal-a")
+    assert (first["proceed"], first["state"]) == (True, "acked")
+    # the agent comes back with an empty journal: the wipe may have started, it never runs again
+    again = await node.claim(wipe, "journal-b")
+    assert (again["proceed"], again["state"], again["reason"]) == (False, "failed", "interrupted")
+    settled = await node.cq.get(wipe.id)
+    assert (settled.state, settled.reason) == ("failed", "interrupted")
+    # nor by the first journal, and its late result is not taken
+    late = await node.claim(wipe, "journal-a")
+    assert (late["proceed"], late["state"]) == (False, "failed")
+    result = await node.send("result", {"commandId": wipe.id, "status": "succeeded", "result": ""})
+    assert result["recorded"] is False
+    # a running command, and a claim that names no journal (it cannot show it is the same one)
+    running = await node.wipe("w2")
+    assert (await node.claim(running, "journal-a"))["proceed"] is True
+    await node.send("progress", {"commandId": running.id, "message": "erasing"})
+    assert (await node.cq.get(running.id)).state == "running"
+    unnamed = await node.claim(running, None)
+    assert (unnamed["proceed"], unnamed["reason"]) == (False, "interrupted")
+
+
+async def test_the_same_journal_may_claim_again_and_an_older_claim_changes_nothing(node: Node) -> None:
+    wipe = await node.wipe("w1")
+    before = time.time_ns() // 1_000_000 - 5_000
+    assert (await node.claim(wipe, "journal-a"))["proceed"] is True
+    # the answer was lost and the agent asks again, or its process restarted with the journal
+    # intact (the journal has not started it, or it would not ask)
+    again = await node.claim(wipe, "journal-a")
+    assert (again["proceed"], again["state"]) == (True, "acked")
+    # a claim signed before the first one, by an earlier journal, arriving late
+    stale = await node.claim(wipe, "journal-old", signedAtMs=before)
+    assert (stale["proceed"], stale["state"]) == (False, "acked")
+    assert (await node.cq.get(wipe.id)).state == "acked"
+    assert (await node.claim(wipe, "journal-a"))["proceed"] is True
+    # once it runs, the journal has it started and never asks again: a copy of its claim (or a
+    # journal restored from an older copy) does not make it run again, and changes nothing
+    await node.send("progress", {"commandId": wipe.id})
+    late = await node.claim(wipe, "journal-a")
+    assert (late["proceed"], late["state"]) == (False, "running")
+    assert (await node.cq.get(wipe.id)).state == "running"
