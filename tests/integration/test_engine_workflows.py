@@ -264,3 +264,32 @@ async def test_a_step_starts_a_child_workflow_in_its_own_transaction(
     assert (child["state"], child["owner"]) == ("succeeded", "test-owner")
     # the step ran several times (not ready while the child ran) and started one child
     assert await db.fetchval("SELECT count(*) FROM public.plg_test_children") == 1
+
+
+async def test_a_step_waits_for_our_own_services_until_its_deadline(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    # no bc-pki runs here: userdata.render's token waits for it, and at the deadline the step
+    # fails TIMEOUT saying what it waited for
+    node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
+    doc = {"id": "render", "version": 1, "target": "metal", "role": "host",
+           "userData": {"kind": "cloud-init"},
+           "steps": [{"use": "userdata.render", "timeout": "3s"}]}  # fmt: skip
+    await bc_api.call("engine", "profiles.create", {"document": doc})
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "render", "nodeId": node["id"]})
+    done = await wait_workflow(bc_api, wf["id"], timeout=20)
+    err = done["steps"][0]["error"]
+    assert (done["state"], err["code"]) == ("failed", "TIMEOUT"), err
+    assert err["details"]["waitingFor"]["service"] == "bc-pki"
+    assert err["details"]["waitingFor"]["tries"] >= 2
+
+
+async def test_a_steps_own_unavailable_error_still_fails_it_at_once(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    await create_profile(bc_api, [{"use": "test.raiseUnavailable"}])
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
+    done = await wait_workflow(bc_api, wf["id"], timeout=10)
+    assert done["state"] == "failed"
+    assert done["steps"][0]["error"]["code"] == "UNAVAILABLE"
+    assert done["steps"][0]["attempt"] == 1

@@ -93,6 +93,36 @@ async def _await_power(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     return {"commandId": got["command_id"], "result": json.loads(got["result"]), "attested": got["attested"]}
 
 
+async def _mint_then_fail(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    # mints a join token and stores a secret, then fails (or waits) until a flag is set
+    node = ctx.node
+    token = await ctx.pki.issue_join_token(
+        tenant_id=node.tenant_id, role="provisioned", site_id=node.site_id, ttl_seconds=3600
+    )
+    ref = await ctx.secrets.put(b"rendered with " + token.token.encode(), idempotency_key=ctx.idempotency_key)
+    minted = {"joinTokenId": token.join_token_id, "secretRef": ref, "attempt": ctx.attempt}
+    rows = await ctx.sql.query("SELECT 1 FROM plg_test_flags WHERE name = $1", input["flag"])
+    if rows:
+        return minted
+    if input["wait"]:
+        raise step_not_ready(200)
+    raise BcError("CONFLICT", "the flag is not set", {"path": "flag", **minted})
+
+
+async def _raise_unavailable(_input: dict[str, Any], _ctx: Any) -> dict[str, Any]:
+    # the step's own verdict: its device is unavailable (not one of our services)
+    raise BcError("UNAVAILABLE", "the test device does not answer", {"path": "device"})
+
+
+async def _await_power_on(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    # a command for another node than the workflow's
+    got = await await_command(
+        ctx, node_id=input["nodeId"], site_id=input["siteId"], kind="power.setPower",
+        payload={"action": "on"}, key="power",
+    )  # fmt: skip
+    return {"commandId": got["command_id"]}
+
+
 noop = define_step(id="test.noop", runs_on="control-plane", timeout="1m", input=manifest({}), run=_noop)
 side_effect = define_step(
     id="test.sideEffect",
@@ -140,6 +170,29 @@ await_power = define_step(
     run=_await_power,
 )
 
+mint_then_fail = define_step(
+    id="test.mintThenFail",
+    runs_on="control-plane",
+    timeout="1m",
+    input=manifest({"flag": field.string(), "wait": field.bool().default(False)}),
+    run=_mint_then_fail,
+)
+raise_unavailable = define_step(
+    id="test.raiseUnavailable",
+    runs_on="control-plane",
+    timeout="1m",
+    input=manifest({}),
+    run=_raise_unavailable,
+)
+await_power_on = define_step(
+    id="test.awaitPowerOn",
+    runs_on="control-plane",
+    relays=["site"],
+    timeout="1m",
+    input=manifest({"nodeId": field.string(), "siteId": field.string()}),
+    run=_await_power_on,
+)
+
 chain = define_profile(
     id="test-chain", version=1, target="metal", role="host", steps=[{"use": "test.noop"}] * 6
 )
@@ -165,7 +218,18 @@ class OwnerModule:
 
 provision = provision_module(
     modules=[metal()],
-    steps=[noop, side_effect, wait_flag, fail_unless_flag, start_child, power, await_power],
+    steps=[
+        noop,
+        side_effect,
+        wait_flag,
+        fail_unless_flag,
+        start_child,
+        power,
+        await_power,
+        mint_then_fail,
+        raise_unavailable,
+        await_power_on,
+    ],
     profiles=[chain],
     user_data=UserData(
         control_plane_url="https://bc.test.example",

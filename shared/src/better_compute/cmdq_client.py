@@ -124,6 +124,10 @@ class CommandList(_Msg, frozen=True, kw_only=True):
 
 class CancelReply(_Msg, frozen=True, kw_only=True):
     cancelled: list[str]
+    running: list[str] = []
+    """Commands under the prefix an agent claimed and may still be running: cancelling does
+    not recall them. One leaves this list with its agent's result (even a late one, which
+    no longer counts), or when its agent is lost."""
 
 
 # -- agents -------------------------------------------------------------------------
@@ -357,6 +361,23 @@ class CommandQueueClient:
         """Cancel one live command, or every live one under ``key_prefix``; returns their ids."""
         req = CancelCommands(id=id, node_id=node_id, key_prefix=key_prefix, reason=reason)
         return (await self._call("commands.cancel", req, CancelReply)).cancelled
+
+    async def cancel_under(
+        self,
+        *,
+        key_prefix: str,
+        workflow_id: str | None = None,
+        node_id: str | None = None,
+        fence: bool = False,
+        reason: str = "cancelled",
+    ) -> CancelReply:
+        """Cancel every live command under ``key_prefix`` of ``workflow_id`` (on any node) or
+        on ``node_id``; with ``fence``, refuse later enqueues under it. The reply also names
+        the claimed commands that may still run at their agents."""
+        req = CancelCommands(
+            key_prefix=key_prefix, workflow_id=workflow_id, node_id=node_id, fence=fence, reason=reason
+        )
+        return await self._call("commands.cancel", req, CancelReply)
 
     async def states(self, ids: list[str]) -> dict[str, str]:
         """``id -> state`` of the commands that exist (at most ``MAX_STATE_QUERY`` ids)."""

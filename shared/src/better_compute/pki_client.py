@@ -27,7 +27,7 @@ import base64
 import re
 import secrets as _random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, TypeAlias, TypeVar
@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 
-from .core.errors import BcError, ErrorCode
+from .core.errors import BcError, ErrorCode, ServiceUnavailableError
 from .logging import register_secret
 from .service.client import ApiClient
 from .wire.paging import DEFAULT_LIMIT, Cursor
@@ -66,16 +66,20 @@ __all__ = [
     "ListJoinTokensRequest",
     "ListJoinsRequest",
     "PkiClient",
+    "RevokeAttempt",
     "RevokeCertificateRequest",
     "RevokeJoinTokenRequest",
+    "RevokedAttempt",
     "RewrapResult",
     "StepPki",
     "Verified",
     "VerifyRequest",
+    "attempt_key",
     "make_csr",
     "new_agent_key",
     "sign_bytes",
     "signing_payload",
+    "unavailable",
 ]
 
 T = TypeVar("T")
@@ -95,6 +99,24 @@ Limit = Annotated[int, msgspec.Meta(ge=1, le=1000)]
 MAX_TTL_SECONDS: Final = 30 * 24 * 3600
 SIGNATURE_DOMAIN: Final = b"bc-sig-v1"
 _PURPOSE_RE: Final = re.compile(r"^[a-z][a-z0-9._-]{0,63}$")
+_WAIT_CODES: Final = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+
+
+def attempt_key(workflow_id: str, step: int, attempt: int) -> str:
+    """The idempotency key of one attempt of a workflow step: ``wf:<workflow>:<step>#<attempt>``.
+
+    What the attempt mints is keyed by it or by a key under it (``…#2:<name>``: the next
+    character is ``:`` or ``#``), so ``wf:X:3#1`` never covers ``wf:X:3#12``.
+    """
+    return f"wf:{workflow_id}:{step}#{attempt}"
+
+
+def unavailable(err: BcError, service: str) -> ServiceUnavailableError | None:
+    """``err`` marked as our own ``service``'s unavailability, when it is one (``UNAVAILABLE``
+    or ``TIMEOUT``, see ``ServiceUnavailableError``); None for any other error."""
+    if err.code in _WAIT_CODES and not isinstance(err, ServiceUnavailableError):
+        return ServiceUnavailableError(err, service=service)
+    return None
 
 
 # -- claims -------------------------------------------------------------------
@@ -153,6 +175,23 @@ class JoinTokenIdRequest(msgspec.Struct, frozen=True, kw_only=True, rename="came
 class RevokeJoinTokenRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     join_token_id: str
     reason: Reason | None = None
+
+
+class RevokeAttempt(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """Revoke what one attempt of a workflow step minted (its idempotency key is
+    ``attempt_key(...)`` or under it), and refuse anything minted under it from now on: the
+    engine supersedes the attempt (a retry, a resume, an abort)."""
+
+    workflow_id: Annotated[str, msgspec.Meta(pattern=r"^wf_[0-9A-Za-z]{1,40}$")]
+    step: Annotated[int, msgspec.Meta(ge=0, le=511)]
+    attempt: Annotated[int, msgspec.Meta(ge=1)]
+    reason: Reason | None = None
+
+
+class RevokedAttempt(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """What a ``RevokeAttempt`` revoked now (ids); none when it was done before."""
+
+    revoked: list[str]
 
 
 class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -413,12 +452,24 @@ class PkiClient:
         self.timeout = timeout
 
     async def _call(self, route: str, payload: Any, typ: type[T]) -> T:
-        return await self.api.call_as(self.service, route, payload, typ, timeout=self.timeout)
+        try:
+            return await self.api.call_as(self.service, route, payload, typ, timeout=self.timeout)
+        except BcError as err:
+            if (marked := unavailable(err, "bc-pki")) is not None:
+                raise marked from err
+            raise
 
-    def for_step(self, idempotency_key: str, *, node_id: str | None = None) -> StepPki:
+    def for_step(
+        self,
+        idempotency_key: str,
+        *,
+        node_id: str | None = None,
+        before_mint: Callable[[], Awaitable[None]] | None = None,
+    ) -> StepPki:
         """The client a step sees as ``ctx.pki``: tokens keyed by the step's idempotency key,
-        and ``node``/``provisioned`` tokens bound to the workflow's node."""
-        return StepPki(self, idempotency_key, node_id=node_id)
+        and ``node``/``provisioned`` tokens bound to the workflow's node. ``before_mint`` runs
+        before the first token is minted (the engine records that the attempt minted)."""
+        return StepPki(self, idempotency_key, node_id=node_id, before_mint=before_mint)
 
     async def issue_join_token(
         self,
@@ -491,6 +542,14 @@ class PkiClient:
     async def revoke_join_token(self, join_token_id: str, *, reason: str | None = None) -> JoinTokenInfo:
         req = RevokeJoinTokenRequest(join_token_id=join_token_id, reason=reason)
         return await self._call("tokens.revoke", req, JoinTokenInfo)
+
+    async def revoke_attempt(
+        self, *, workflow_id: str, step: int, attempt: int, reason: str | None = None
+    ) -> RevokedAttempt:
+        """Revoke the tokens one step attempt minted and refuse new ones under its key
+        (``tokens.revoke_attempt``); safe to repeat."""
+        req = RevokeAttempt(workflow_id=workflow_id, step=step, attempt=attempt, reason=reason)
+        return await self._call("tokens.revoke_attempt", req, RevokedAttempt)
 
     async def join(self, *, token: str, csr: str, claims: JoinClaims | None = None) -> JoinResult:
         """Trade a join token and hardware claims for a certificate (``agents.join``)."""
@@ -595,10 +654,18 @@ class StepPki:
     that node, so the agent that joins with one is addressed by the node id.
     """
 
-    def __init__(self, client: PkiClient, idempotency_key: str, *, node_id: str | None = None):
+    def __init__(
+        self,
+        client: PkiClient,
+        idempotency_key: str,
+        *,
+        node_id: str | None = None,
+        before_mint: Callable[[], Awaitable[None]] | None = None,
+    ):
         self.client = client
         self.idempotency_key = idempotency_key
         self.node_id = node_id
+        self._before_mint = before_mint
         self._used: set[str] = set()
 
     async def issue_join_token(
@@ -621,6 +688,9 @@ class StepPki:
                 {"path": "key", "reason": "idempotency-key-reused"},
             )
         self._used.add(ikey)
+        if self._before_mint is not None:
+            before, self._before_mint = self._before_mint, None
+            await before()
         return await self.client.issue_join_token(
             tenant_id=tenant_id,
             role=role,

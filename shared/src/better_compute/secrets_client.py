@@ -13,6 +13,7 @@ route                  request                 result
 ``secrets.list``       ``ListSecretsRequest``  ``SecretList`` (metadata only)
 ``fetches.list``       ``ListFetchesRequest``  ``FetchAuditList``
 ``keys.rewrap``        ``{}``                  ``SecretsRewrapResult``
+``secrets.revoke_attempt````RevokeAttempt``     ``RevokedAttempt`` (control plane only)
 =====================  ======================  ==========================================
 
 ``secrets.get`` trusts the caller to be the control plane: deployments deny agents that
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, TypeVar
 
@@ -38,7 +40,16 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from .core.errors import BcError, ErrorCode
 from .logging import register_secret
-from .pki_client import AgentIdentity, IdempotencyKey, Limit, Name
+from .pki_client import (
+    AgentIdentity,
+    IdempotencyKey,
+    Limit,
+    Name,
+    RevokeAttempt,
+    RevokedAttempt,
+    attempt_key,
+    unavailable,
+)
 from .service.client import ApiClient
 from .wire.paging import DEFAULT_LIMIT, Cursor
 
@@ -134,6 +145,8 @@ class SecretInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     created_at: datetime
     label: str | None = None
     idempotency_key: str | None = None
+    revoked_at: datetime | None = None
+    """Set once the step attempt that stored it was superseded: nobody reads it any more."""
 
 
 class SecretList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -242,11 +255,37 @@ class SecretsClient:
         self.timeout = timeout
 
     async def _call(self, route: str, payload: Any, typ: type[T]) -> T:
-        return await self.api.call_as(self.service, route, payload, typ, timeout=self.timeout)
+        try:
+            return await self.api.call_as(self.service, route, payload, typ, timeout=self.timeout)
+        except BcError as err:
+            if (marked := unavailable(err, "bc-secrets")) is not None:
+                raise marked from err
+            raise
 
-    def for_step(self, *, tenant_id: str, workflow_id: str, step: int) -> StepSecrets:
-        """The client a step sees as ``ctx.secrets``: values belong to that workflow step."""
-        return StepSecrets(self, tenant_id=tenant_id, workflow_id=workflow_id, step=step)
+    def for_step(
+        self,
+        *,
+        tenant_id: str,
+        workflow_id: str,
+        step: int,
+        attempt: int | None = None,
+        before_put: Callable[[], Awaitable[None]] | None = None,
+    ) -> StepSecrets:
+        """The client a step sees as ``ctx.secrets``: values belong to that workflow step and,
+        with ``attempt``, are keyed under that attempt (so a later attempt can revoke them).
+        ``before_put`` runs before the first value is stored."""
+        return StepSecrets(
+            self, tenant_id=tenant_id, workflow_id=workflow_id, step=step, attempt=attempt,
+            before_put=before_put,
+        )  # fmt: skip
+
+    async def revoke_attempt(
+        self, *, workflow_id: str, step: int, attempt: int, reason: str | None = None
+    ) -> RevokedAttempt:
+        """Revoke the values one step attempt stored and refuse new ones under its key
+        (``secrets.revoke_attempt``); safe to repeat."""
+        req = RevokeAttempt(workflow_id=workflow_id, step=step, attempt=attempt, reason=reason)
+        return await self._call("secrets.revoke_attempt", req, RevokedAttempt)
 
     async def put(
         self,
@@ -331,25 +370,53 @@ class SecretsClient:
 
 
 class StepSecrets:
-    """``ctx.secrets``: a ``SecretsClient`` bound to one workflow step."""
+    """``ctx.secrets``: a ``SecretsClient`` bound to one workflow step (and attempt)."""
 
-    def __init__(self, client: SecretsClient, *, tenant_id: str, workflow_id: str, step: int) -> None:
+    def __init__(
+        self,
+        client: SecretsClient,
+        *,
+        tenant_id: str,
+        workflow_id: str,
+        step: int,
+        attempt: int | None = None,
+        before_put: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.client = client
         self.tenant_id = tenant_id
         self.workflow_id = workflow_id
         self.step = step
+        self.attempt = attempt
+        self._before_put = before_put
+
+    def _key(self, idempotency_key: str | None) -> str | None:
+        """Keys live under the attempt's key (``wf:<id>:<step>#<attempt>``), so what an attempt
+        stored is revoked with it; an unkeyed value gets a key of its own there."""
+        if self.attempt is None:
+            return idempotency_key
+        base = attempt_key(self.workflow_id, self.step, self.attempt)
+        if idempotency_key is None:
+            return f"{base}:~{os.urandom(8).hex()}"
+        if idempotency_key == base or idempotency_key.startswith(base + ":"):
+            return idempotency_key
+        return f"{base}:{idempotency_key}"
 
     async def put(self, value: bytes, *, idempotency_key: str | None = None, label: str | None = None) -> str:
         """Store ``value`` for this workflow step and return its SecretRef (``sec_…``).
 
-        The same ``idempotency_key`` returns the same ref, so a re-run stores nothing twice.
+        The same ``idempotency_key`` returns the same ref within one attempt of the step, so a
+        re-run stores nothing twice; a new attempt (retry, resume) stores anew, and the values
+        of the attempt it superseded are revoked.
         """
+        if self._before_put is not None:
+            before, self._before_put = self._before_put, None
+            await before()
         info = await self.client.put(
             value,
             tenant_id=self.tenant_id,
             workflow_id=self.workflow_id,
             step=self.step,
-            idempotency_key=idempotency_key,
+            idempotency_key=self._key(idempotency_key),
             label=label,
         )
         return info.ref

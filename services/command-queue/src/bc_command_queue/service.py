@@ -362,6 +362,7 @@ class CommandQueueService(Service):
             if found is None:  # removed in between: never happens, rows are kept
                 raise BcError(ErrorCode.CONFLICT, "command changed meanwhile; enqueue again")
             return found
+        await self._refuse_superseded(body, row)
         self.log.info(
             "command_enqueued",
             command_id=command_id,
@@ -416,6 +417,7 @@ class CommandQueueService(Service):
         body = req.decode(CancelCommands)
         if len(body.reason) > 200:
             raise _invalid("reason", "at most 200 characters")
+        running: list[str] = []
         if body.id is not None:
             ident = parse_id(body.id, "cmd", path="id")
             rows = await self._db.fetch(store.CANCEL_BY_ID, ident, body.reason)
@@ -426,13 +428,53 @@ class CommandQueueService(Service):
                 raise _invalid("keyPrefix", f"1 to {MAX_KEY_LENGTH} characters")
             if body.node_id is not None:
                 parse_id(body.node_id, "node", path="nodeId")
-            rows = await self._db.fetch(store.CANCEL_BY_PREFIX, body.node_id, body.key_prefix, body.reason)
+            if body.workflow_id is not None:
+                parse_id(body.workflow_id, "wf", path="workflowId")
+            if body.fence:
+                await self._fence(body)
+            args = (body.node_id, body.key_prefix, body.reason, body.workflow_id)
+            rows = await self._db.fetch(store.CANCEL_BY_PREFIX, *args)
+            claimed = (body.node_id, body.key_prefix, self.config.lost_after_ms, body.workflow_id)
+            running = [r["id"] for r in await self._db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)]
         else:
-            raise _invalid("id", "give id, or keyPrefix (with nodeId)")
+            raise _invalid("id", "give id, or keyPrefix (with nodeId or workflowId)")
         for row in rows:
             self.log.info("command_cancelled", command_id=row["id"], reason=body.reason)
         await self._changed(rows)
-        return CancelReply(cancelled=[r["id"] for r in rows])
+        return CancelReply(cancelled=[r["id"] for r in rows], running=running)
+
+    async def _fence(self, body: CancelCommands) -> None:
+        """From now on refuse every enqueue under a superseded step attempt's key prefix.
+
+        The fence commits before the cancel looks for live commands: a command created
+        meanwhile is either cancelled by it or sees the fence itself (``_refuse_superseded``).
+        """
+        assert body.key_prefix is not None
+        if body.workflow_id is None or not body.key_prefix.startswith(f"wf:{body.workflow_id}:"):
+            raise _invalid("keyPrefix", "a fence is for one workflow: wf:<workflowId>:<step>#<attempt>")
+        await self._db.execute(store.KEY_FENCE_INSERT, body.key_prefix, body.workflow_id, body.reason)
+
+    async def _refuse_superseded(self, body: EnqueueCommand, row: Any) -> None:
+        """A command just created under the key of a superseded step attempt (an engine that
+        lost its shard still runs it) is cancelled before it goes out, and refused."""
+        if body.workflow_id is None or not await self._db.fetchval(store.KEY_FENCED, body.key):
+            return
+        rows = await self._db.fetch(store.CANCEL_SUPERSEDED, row["id"])
+        await self._changed(rows)
+        self.log.warning("command_refused_superseded", command_id=row["id"], workflow_id=body.workflow_id)
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            "this workflow step attempt was superseded: it sends nothing any more",
+            {"path": "key", "reason": "attempt-superseded"},
+        )
+
+    async def _late_end(self, ev: Result) -> None:
+        """The agent ran a command to its end after it was cancelled or expired: the result no
+        longer counts, but a step attempt waiting for the run to end may go on now."""
+        rows = await self._db.fetch(store.LATE_END, ev.command_id, ev.agent)
+        if rows:
+            self.log.info("command_ended_late", command_id=ev.command_id, status=ev.status)
+            await self._changed(rows)
 
     async def live_with_ref(self, req: ApiRequest) -> LiveWithRefReply:
         body = req.decode(LiveWithRef)
@@ -774,6 +816,7 @@ class CommandQueueService(Service):
         if ev.result_signature is not None:
             cur = await self._command_of(ev)
             if cur["state"] not in ("acked", "running"):
+                await self._late_end(ev)
                 return ResultReply(recorded=False, state=cur["state"])
             attested = await self._attest(cur["node_id"], ev)
         row = await self._db.fetchrow(
@@ -788,6 +831,7 @@ class CommandQueueService(Service):
         )
         if row is None:  # settled already (a duplicate or late result), or not this agent's
             cur = await self._command_of(ev)
+            await self._late_end(ev)
             return ResultReply(recorded=False, state=cur["state"])
         self.log.info(
             "command_settled",

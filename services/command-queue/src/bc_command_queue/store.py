@@ -36,6 +36,8 @@ __all__ = [
     "BATCH_UNDISPATCH",
     "CANCEL_BY_ID",
     "CANCEL_BY_PREFIX",
+    "CANCEL_SUPERSEDED",
+    "CLAIMED_UNDER_PREFIX",
     "CLAIM_BACK_TO_PENDING",
     "CLAIM_BATCH_EXPIRED",
     "CLAIM_INTERRUPTED",
@@ -48,6 +50,9 @@ __all__ = [
     "EXPIRE_BATCH_EXPIRED",
     "EXPIRE_DUE",
     "FAIL_LOST",
+    "KEY_FENCED",
+    "KEY_FENCE_INSERT",
+    "LATE_END",
     "LEASE_RELEASE",
     "LEASE_RENEW",
     "LIST_COMMANDS",
@@ -297,10 +302,48 @@ UPDATE commands c SET state = 'cancelled', reason = $2, finished_at = now(), upd
 WHERE c.id = $1 AND c.state IN {_LIVE}
 RETURNING {_COLS}
 """
+# $1 node (or NULL), $2 prefix, $3 reason, $4 workflow (or NULL): every node it sent to
 CANCEL_BY_PREFIX: Final = f"""
 UPDATE commands c SET state = 'cancelled', reason = $3, finished_at = now(), updated_at = now()
-WHERE ($1::text IS NULL OR c.node_id = $1) AND c.state IN {_LIVE}
+WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_id = $4)
+  AND c.state IN {_LIVE} AND {_KEY_UNDER.format(p="$2")}
+RETURNING {_COLS}
+"""
+# Claimed commands under a prefix that may still run at their agents: cancel and expiry do not
+# recall a claimed command; its agent's result (even a late one: ended_at) or the agent's loss
+# ends it. Same parameters as CANCEL_BY_PREFIX, $3 lost_after_ms.
+CLAIMED_UNDER_PREFIX: Final = f"""
+SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
+WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_id = $4)
+  AND c.acked_at IS NOT NULL AND c.ended_at IS NULL
+  AND c.state IN ('acked', 'running', 'cancelled', 'expired')
+  AND a.last_seen > now() - {_SECS.format(p="$3")}
   AND {_KEY_UNDER.format(p="$2")}
+ORDER BY c.id
+"""
+# $1 id, $2 agent: the end of a claimed command's run, reported after it was cancelled or expired
+LATE_END: Final = f"""
+UPDATE commands c SET ended_at = now(), updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('cancelled', 'expired')
+  AND c.acked_at IS NOT NULL AND c.ended_at IS NULL
+RETURNING {_COLS}
+"""
+# $1 prefix, $2 workflow, $3 reason
+KEY_FENCE_INSERT: Final = (
+    "INSERT INTO key_fences (prefix, workflow_id, reason) VALUES ($1, $2, $3) ON CONFLICT (prefix) DO NOTHING"
+)
+# Whether the key $1 is under a fenced prefix: the key itself or one of its prefixes that end
+# before a ':' or '#' is in key_fences (primary-key lookups).
+KEY_FENCED: Final = (
+    "SELECT EXISTS (SELECT 1 FROM key_fences WHERE prefix = ANY (ARRAY("
+    " SELECT left($1::text, i - 1) FROM generate_series(1, length($1::text)) AS i"
+    " WHERE substr($1::text, i, 1) IN (':', '#')) || $1::text))"
+)
+# A command created under a fenced key (it raced with the fence): cancelled before it goes out
+CANCEL_SUPERSEDED: Final = f"""
+UPDATE commands c SET state = 'cancelled', reason = 'attempt-superseded', finished_at = now(),
+    updated_at = now()
+WHERE c.id = $1 AND c.state IN {_LIVE}
 RETURNING {_COLS}
 """
 LIVE_WITH_PREFIX: Final = f"""

@@ -152,6 +152,7 @@ def workflow_doc(row: Any, steps: list[Any] | None = None) -> dict[str, Any]:
                 "result": _json(s["result"]),
                 "error": _json(s["error"]),
                 "commandId": s["command_id"],
+                "waitingFor": _json(s.get("waiting_for")) if s["state"] in ("pending", "running") else None,
             }
             for s in steps
         ]
@@ -492,8 +493,11 @@ class EngineApi:
         reason = body.reason or "aborted by an operator"
 
         async def apply(conn: Any, wf: Any) -> None:
+            # commands to cancel, or tokens and secrets the cancelled attempt minted to revoke
             sent = await conn.fetchval(
-                "SELECT bool_or(sent_commands) FROM workflow_steps WHERE workflow_id = $1", wf["id"]
+                "SELECT bool_or(sent_commands OR (state IN ('pending', 'running')"
+                " AND cardinality(minted) > 0)) FROM workflow_steps WHERE workflow_id = $1",
+                wf["id"],
             )
             error = json.dumps({"code": "INVALID_STATE", "message": reason, "details": {"reason": "aborted"}})
             await conn.execute(

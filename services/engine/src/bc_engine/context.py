@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.pki_client import unavailable
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
@@ -91,6 +92,14 @@ class StepCommands:
         self._step = step
 
     async def enqueue(self, cmd: EnqueueCommand) -> CommandView:
+        base = f"wf:{self._wf['id']}:{self._step['idx']}#{self._step['attempt']}"
+        if cmd.key != base and not cmd.key.startswith(base + ":"):
+            # what an attempt sends is found (cancelled, waited for, fenced) by its key prefix
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"a command of this step attempt is keyed {base} or {base}:<name> (step_command_key)",
+                {"path": "key"},
+            )
         sends = list(self._step["sends"] or [])
         kind = self._engine.app.command_kinds.get(cmd.kind)
         batch = self._wf["batch_id"] if (kind is not None and kind.destructive) else None
@@ -102,12 +111,22 @@ class StepCommands:
             sends=sends or None,
             tenant_id=self._wf["tenant_id"],
         )
-        await self._engine.mark_sent(self._wf["id"], self._step["idx"])
-        view: CommandView = await self._engine.cmdq_enqueue(full)
+        await self._engine.mark_sent(self._wf["id"], self._step["idx"], self._step["attempt"])
+        try:
+            view: CommandView = await self._engine.cmdq_enqueue(full)
+        except BcError as err:
+            if (marked := unavailable(err, "bc-command-queue")) is not None:
+                raise marked from err  # the engine waits for the command queue
+            raise
         return view
 
     async def site_agent_for(self, node_id: str) -> str | None:
-        agent: str | None = await self._engine.site_agent_for(node_id)
+        try:
+            agent: str | None = await self._engine.site_agent_for(node_id)
+        except BcError as err:
+            if (marked := unavailable(err, "bc-command-queue")) is not None:
+                raise marked from err  # the engine waits for the command queue
+            raise
         return agent
 
 

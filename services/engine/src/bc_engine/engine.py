@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ import msgspec
 
 from better_compute.cmdq_client import CommandQueueClient
 from better_compute.core.app import App
-from better_compute.core.errors import BcError, ErrorCode
-from better_compute.pki_client import PkiClient
+from better_compute.core.errors import BcError, ErrorCode, ServiceUnavailableError
+from better_compute.pki_client import PkiClient, attempt_key
 from better_compute.provision import Profile, StepNotReady, profile_from_document
 from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient
@@ -41,6 +42,8 @@ __all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
 AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at least this often
 BATCH_TTL_S = 24 * 3600  # how long approvers have for a workflow's destructive batch
 QUEUE_RETRY_S = 2.0  # the command-queue did not answer: try again this soon
+SUPERSEDED_POLL_S = 2.0  # a previous attempt's command still runs: look again this soon
+SERVICE_WAIT_S = (0.25, 5.0)  # backoff while one of our services is away: first, longest
 FENCE = (
     "EXISTS (SELECT 1 FROM shard_leases WHERE shard = {s} AND owner = {o} AND epoch = {e}"
     " AND expires_at > now())"
@@ -51,23 +54,39 @@ OwnerReconciler = Callable[[Any, str], Awaitable[None]]
 _RUNNING_SET = (
     "state = 'running', attempt = attempt + 1, started_at = clock_timestamp(),"
     " deadline = clock_timestamp() + make_interval(secs => timeout_ms / 1000.0),"
-    " finished_at = NULL, sent_commands = false, result = NULL, error = NULL, command_id = NULL"
+    " finished_at = NULL, sent_commands = false, minted = ARRAY[]::text[], waiting_for = NULL, result = NULL,"
+    " error = NULL, command_id = NULL"
 )
+# A new attempt starts only if what the previous one sent or minted is what the pass saw (and
+# dealt with): an engine that lost its shard may still run the previous attempt meanwhile.
 MARK_RUNNING = (
     f"UPDATE workflow_steps SET {_RUNNING_SET}"
     " WHERE workflow_id = $1 AND idx = $2 AND state = 'pending' AND attempt = $3"
-    " AND {fence} RETURNING *"
+    " AND sent_commands = $4 AND minted = $5::text[] AND {fence} RETURNING *"
 )
+# No earlier attempt of the step sent commands or minted tokens or secrets: it may start at once.
+_FRESH = "(attempt = 0 OR NOT (sent_commands OR cardinality(minted) > 0))"
 SETTLE = (
-    "UPDATE workflow_steps SET state = $4, result = $5, error = $6, finished_at = clock_timestamp()"
+    "UPDATE workflow_steps SET state = $4, result = $5, error = $6, finished_at = clock_timestamp(),"
+    " waiting_for = NULL"
     " WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3"
     " AND {fence} RETURNING true"
 )
+# Both record what an attempt did, and only for that attempt (a superseded one learns so).
+MARK_SENT = (
+    "UPDATE workflow_steps SET sent_commands = true"
+    " WHERE workflow_id = $1 AND idx = $2 AND attempt = $3 RETURNING true"
+)
+MARK_MINTED = (
+    "UPDATE workflow_steps SET minted = CASE WHEN $4 = ANY (minted) THEN minted ELSE minted || $4 END"
+    " WHERE workflow_id = $1 AND idx = $2 AND attempt = $3 RETURNING true"
+)
 # The next step starts in the settle's transaction, unless an earlier attempt of it sent
-# commands that must be cancelled first (the pass does that outside any transaction).
+# commands or minted what must be cancelled or revoked first (the pass does that outside any
+# transaction).
 START_NEXT = (
     f"UPDATE workflow_steps SET {_RUNNING_SET}"
-    " WHERE workflow_id = $1 AND state = 'pending' AND NOT (sent_commands AND attempt > 0)"
+    f" WHERE workflow_id = $1 AND state = 'pending' AND {_FRESH}"
     " AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1 AND idx > $2"
     "   AND state <> 'succeeded')"
     " RETURNING *"
@@ -77,7 +96,8 @@ START_NEXT = (
 # $4 result, $5-$7 fence, $8 owner's work-queue key (or NULL), $9 its shard.
 SETTLE_OK = f"""
 WITH settled AS (
-    UPDATE workflow_steps SET state = 'succeeded', result = $4, finished_at = clock_timestamp()
+    UPDATE workflow_steps SET state = 'succeeded', result = $4, finished_at = clock_timestamp(),
+        waiting_for = NULL
     WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3
       AND {FENCE.format(s="$5", o="$6", e="$7")}
     RETURNING idx
@@ -85,7 +105,7 @@ WITH settled AS (
     SELECT min(idx) AS idx FROM workflow_steps WHERE workflow_id = $1 AND idx > $2 AND state <> 'succeeded'
 ), started AS (
     UPDATE workflow_steps SET {_RUNNING_SET}
-    WHERE workflow_id = $1 AND state = 'pending' AND NOT (sent_commands AND attempt > 0)
+    WHERE workflow_id = $1 AND state = 'pending' AND {_FRESH}
       AND idx = (SELECT idx FROM following) AND EXISTS (SELECT 1 FROM settled)
     RETURNING *
 ), finished AS (
@@ -106,7 +126,7 @@ SELECT EXISTS (SELECT 1 FROM settled) AS settled,
 """
 START_FIRST = (
     f"UPDATE workflow_steps SET {_RUNNING_SET}"
-    " WHERE workflow_id = $1 AND state = 'pending' AND NOT (sent_commands AND attempt > 0)"
+    f" WHERE workflow_id = $1 AND state = 'pending' AND {_FRESH}"
     " AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1 AND state <> 'succeeded')"
     " AND {fence} RETURNING *"
 )
@@ -116,6 +136,31 @@ _FINISHED = object()
 
 class FencedError(Exception):
     """This process no longer holds the shard: stop, the new owner carries on."""
+
+
+def _superseded() -> BcError:
+    return BcError(
+        ErrorCode.INVALID_STATE,
+        "this step attempt was superseded by a later one: it sends and mints nothing any more",
+        {"reason": "attempt-superseded"},
+    )
+
+
+def _timed_out(step: Mapping[str, Any]) -> BcError:
+    """The step's deadline passed; ``details.waitingFor`` says what it waited for, if anything."""
+    details: dict[str, Any] = {"path": f"steps[{step['idx']}]"}
+    if step.get("waiting_for"):
+        details["waitingFor"] = _json(step["waiting_for"])
+    return BcError(
+        ErrorCode.TIMEOUT, f"step {step['action']} did not finish within {step['timeout_ms']} ms", details
+    )
+
+
+def _backoff(tries: int) -> float:
+    """Seconds to wait before the ``tries``-th look at a service that is away, with jitter."""
+    first, longest = SERVICE_WAIT_S
+    delay: float = min(first * 2.0 ** max(tries - 1, 0), longest)
+    return delay * random.uniform(0.5, 1.5)
 
 
 @dataclass(frozen=True)
@@ -144,6 +189,10 @@ def _step_row(doc: Any) -> dict[str, Any]:
 
 def _error_doc(err: BcError) -> str:
     return json.dumps({"code": err.code.value, "message": err.message, "details": err.details})
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def _agent_result(raw: bytes | None) -> Any:
@@ -190,18 +239,19 @@ class Engine:
 
     # -- helpers used by the step context ---------------------------------------
 
-    async def mark_sent(self, workflow_id: str, idx: int) -> None:
-        await self.db.execute(
-            "UPDATE workflow_steps SET sent_commands = true WHERE workflow_id = $1 AND idx = $2",
-            workflow_id,
-            idx,
-        )
+    async def mark_sent(self, workflow_id: str, idx: int, attempt: int) -> None:
+        """Record that this attempt sends commands (before it does); refused once the attempt
+        was superseded, so a late run of it sends nothing."""
+        if not await self.db.fetchval(MARK_SENT, workflow_id, idx, attempt):
+            raise _superseded()
+
+    async def mark_minted(self, workflow_id: str, idx: int, attempt: int, service: str) -> None:
+        """Record that this attempt mints tokens (``pki``) or stores secrets (``secrets``)."""
+        if not await self.db.fetchval(MARK_MINTED, workflow_id, idx, attempt, service):
+            raise _superseded()
 
     async def cmdq_enqueue(self, cmd: EnqueueCommand) -> CommandView:
         return await self.cmdq.enqueue(cmd)
-
-    async def cmdq_cancel(self, node_id: str | None, key_prefix: str) -> None:
-        await self.cmdq.cancel(node_id=node_id, key_prefix=key_prefix, reason="workflow moved on")
 
     async def site_agent_for(self, node_id: str) -> str | None:
         site = await self.db.fetchval("SELECT site_id FROM nodes WHERE id = $1", node_id)
@@ -328,18 +378,17 @@ class Engine:
                     return None
                 step = dict(row)
             if step["state"] == "pending":
-                if step["sent_commands"] and step["attempt"] > 0:
-                    # never issue attempt N+1 while commands of attempt N may still run
-                    try:
-                        await self.cmdq_cancel(
-                            wf["node_id"], f"wf:{wf['id']}:{step['idx']}#{step['attempt']}"
-                        )
-                    except BcError as err:
-                        self.log.warning("cancel_previous_failed", code=err.code.value)
-                        return time.time() + QUEUE_RETRY_S
+                if step["attempt"] > 0 and (step["sent_commands"] or step["minted"]):
+                    # never issue attempt N+1 while attempt N's commands may still run, nor
+                    # leave its tokens and secrets usable
+                    wait = await self._supersede(wf, step)
+                    if wait is not None:
+                        return wait
                 row = await self.db.fetchrow(
-                    MARK_RUNNING.format(fence=self._fence(4)), wf["id"], step["idx"], step["attempt"], *fence
-                )
+                    MARK_RUNNING.format(fence=self._fence(6)),
+                    wf["id"], step["idx"], step["attempt"], step["sent_commands"], list(step["minted"]),
+                    *fence,
+                )  # fmt: skip
                 if row is None:
                     wf, step = await self._reload(wf, fence), None
                     continue
@@ -350,13 +399,7 @@ class Engine:
                 return None
             deadline = step["deadline"].timestamp()
             if time.time() >= deadline:
-                outcome: _Ok | _Fail | _Wait = _Fail(
-                    BcError(
-                        ErrorCode.TIMEOUT,
-                        f"step {step['action']} did not finish within {step['timeout_ms']} ms",
-                        {"path": f"steps[{step['idx']}]"},
-                    )
-                )
+                outcome: _Ok | _Fail | _Wait = _Fail(_timed_out(step))
             elif step["mode"] == "control-plane":
                 outcome = await self._run_control_plane(wf, step, deadline)
             else:
@@ -451,15 +494,93 @@ class Engine:
         wf["state"] = state
 
     async def _cleanup_aborted(self, wf: dict[str, Any]) -> float | None:
+        """After an abort: revoke what the cancelled attempt minted, fence it, and cancel the
+        workflow's live commands on every node it sent to (retried until the services answer)."""
         if not wf.get("cancel_commands"):
             return None
+        step = await self.db.fetchrow(
+            "SELECT idx, attempt, sent_commands, minted FROM workflow_steps"
+            " WHERE workflow_id = $1 AND state = 'cancelled' ORDER BY idx LIMIT 1",
+            wf["id"],
+        )
+        sent = await self.db.fetchval(
+            "SELECT bool_or(sent_commands) FROM workflow_steps WHERE workflow_id = $1", wf["id"]
+        )
         try:
-            await self.cmdq_cancel(wf["node_id"], f"wf:{wf['id']}")
+            if step is not None and step["attempt"] > 0:
+                await self._revoke_attempt(wf, dict(step), reason="its workflow was aborted")
+            if sent:
+                await self.cmdq.cancel_under(
+                    key_prefix=f"wf:{wf['id']}", workflow_id=wf["id"], reason="workflow aborted"
+                )
         except BcError as err:
-            self.log.warning("abort_cancel_failed", workflow_id=wf["id"], code=err.code.value)
+            self.log.warning("abort_cleanup_deferred", workflow_id=wf["id"], code=err.code.value)
             return time.time() + QUEUE_RETRY_S
         await self.db.execute("UPDATE workflows SET cancel_commands = false WHERE id = $1", wf["id"])
         return None
+
+    async def _revoke_attempt(self, wf: dict[str, Any], step: dict[str, Any], *, reason: str) -> list[str]:
+        """Revoke what attempt ``step["attempt"]`` minted and fence its key in every service it
+        used; returns the commands of it that may still run at their agents."""
+        coords = {"workflow_id": wf["id"], "step": step["idx"], "attempt": step["attempt"]}
+        minted = set(step["minted"] or ())
+        if "pki" in minted:
+            await self.pki.revoke_attempt(**coords, reason=reason)
+        if "secrets" in minted:
+            await self.secrets.revoke_attempt(**coords, reason=reason)
+        if not step["sent_commands"]:
+            return []
+        reply = await self.cmdq.cancel_under(
+            key_prefix=attempt_key(wf["id"], step["idx"], step["attempt"]),
+            workflow_id=wf["id"],
+            fence=True,
+            reason=reason,
+        )
+        return reply.running
+
+    async def _supersede(self, wf: dict[str, Any], step: dict[str, Any]) -> float | None:
+        """Before attempt N+1 of a step: attempt N's tokens and secrets revoked, its commands
+        cancelled on every node and fenced, and none of them still running at an agent.
+        Returns when to look again, or None once attempt N+1 may start."""
+        try:
+            running = await self._revoke_attempt(wf, step, reason="superseded by a later attempt")
+        except BcError as err:
+            service = err.service if isinstance(err, ServiceUnavailableError) else None
+            self.log.warning(
+                "supersede_deferred", workflow_id=wf["id"], step=step["idx"], code=err.code.value,
+                service=service,
+            )  # fmt: skip
+            await self._waiting(
+                wf, step, {"reason": "service-unavailable", "service": service, "code": err.code.value}
+            )
+            return time.time() + QUEUE_RETRY_S
+        if not running:
+            return None
+        # A claimed command cannot be recalled: attempt N+1 waits until it ends at its agent
+        # (its result, even a late one, or the agent's loss); its event wakes us sooner.
+        await self._waiting(
+            wf, step, {"reason": "previous-attempt-running", "attempt": step["attempt"], "commands": running}
+        )
+        return time.time() + SUPERSEDED_POLL_S
+
+    async def _waiting(self, wf: dict[str, Any], step: dict[str, Any], what: dict[str, Any] | None) -> None:
+        """Show what the step waits for (``waitingFor`` in workflows.get), if that changed."""
+        if _json(step.get("waiting_for")) == what:
+            return
+        await self.db.execute(
+            "UPDATE workflow_steps SET waiting_for = $4 WHERE workflow_id = $1 AND idx = $2 AND attempt = $3",
+            wf["id"], step["idx"], step["attempt"], json.dumps(what) if what is not None else None,
+        )  # fmt: skip
+        step["waiting_for"] = what
+        if what is not None:
+            self.log.info(
+                "step_waiting",
+                workflow_id=wf["id"],
+                step=step["idx"],
+                attempt=step["attempt"],
+                waiting_for=what,
+            )
+            await self._event(wf, step["state"], step)
 
     # -- running steps --------------------------------------------------------------
 
@@ -520,6 +641,14 @@ class Engine:
         )
         node = await self._node(wf)
         children = StepWorkflows(self.start_in, tenant_id=wf["tenant_id"])
+        wf_id, idx, attempt = wf["id"], step["idx"], step["attempt"]
+
+        async def minting_tokens() -> None:
+            await self.mark_minted(wf_id, idx, attempt, "pki")
+
+        async def storing_secrets() -> None:
+            await self.mark_minted(wf_id, idx, attempt, "secrets")
+
         ctx = RunContext(
             workflow_id=wf["id"],
             step=step["idx"],
@@ -528,8 +657,14 @@ class Engine:
             batch_id=wf["batch_id"],
             node=node,
             sql=EngineSql(self.db.pool),
-            pki=self.pki.for_step(idempotency_key, node_id=wf["node_id"]),
-            secrets=self.secrets.for_step(tenant_id=wf["tenant_id"], workflow_id=wf["id"], step=step["idx"]),
+            pki=self.pki.for_step(idempotency_key, node_id=wf["node_id"], before_mint=minting_tokens),
+            secrets=self.secrets.for_step(
+                tenant_id=wf["tenant_id"],
+                workflow_id=wf_id,
+                step=idx,
+                attempt=attempt,
+                before_put=storing_secrets,
+            ),
             workflows=children,
             commands=StepCommands(self, workflow=wf, step=step),
             log=log,
@@ -548,15 +683,15 @@ class Engine:
                     for rkey in children.started:
                         await self.wake(rkey)
         except StepNotReady as nr:
+            if step.get("waiting_for"):
+                await self._waiting(wf, step, None)  # it got past what it waited for
             return _Wait(time.time() + nr.retry_after_ms / 1000)
+        except ServiceUnavailableError as err:
+            # One of our own services is away (not the step's verdict): run the step again
+            # later, with backoff, until it answers or the step's deadline passes.
+            return await self._service_wait(wf, step, err)
         except TimeoutError:
-            return _Fail(
-                BcError(
-                    ErrorCode.TIMEOUT,
-                    f"step {step['action']} did not finish within {step['timeout_ms']} ms",
-                    {"path": f"steps[{step['idx']}]"},
-                )
-            )
+            return _Fail(_timed_out(step))
         except BcError as err:
             return _Fail(err)
         except asyncio.CancelledError:
@@ -583,6 +718,17 @@ class Engine:
         log.debug("step_ran")
         return _Ok(result)
 
+    async def _service_wait(
+        self, wf: dict[str, Any], step: dict[str, Any], err: ServiceUnavailableError
+    ) -> _Wait:
+        before = _json(step.get("waiting_for")) or {}
+        same = before.get("reason") == "service-unavailable" and before.get("service") == err.service
+        tries = int(before.get("tries", 0)) + 1 if same else 1
+        what = {"reason": "service-unavailable", "service": err.service, "code": err.code.value,
+                "message": err.message, "tries": tries}  # fmt: skip
+        await self._waiting(wf, step, what)
+        return _Wait(time.time() + _backoff(tries))
+
     async def _run_agent_step(
         self, wf: dict[str, Any], step: dict[str, Any], deadline: float
     ) -> _Ok | _Fail | _Wait:
@@ -606,7 +752,11 @@ class Engine:
             tenant_id=wf["tenant_id"],
         )
         if not step["sent_commands"]:
-            await self.mark_sent(wf["id"], step["idx"])
+            try:
+                await self.mark_sent(wf["id"], step["idx"], step["attempt"])
+            except BcError as err:
+                return _Fail(err)  # superseded: the settle finds nothing and the pass reloads
+            step["sent_commands"] = True
         try:
             view = await self.cmdq_enqueue(cmd)
         except BcError as err:
@@ -664,4 +814,6 @@ class Engine:
             }
             if error is not None:
                 payload["step"]["error"] = {"code": error.code.value, "message": error.message}
+            if step.get("waiting_for") and state in ("pending", "running"):
+                payload["step"]["waitingFor"] = _json(step["waiting_for"])
         await self.publish("workflow", wf["id"], payload)

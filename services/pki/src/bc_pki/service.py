@@ -35,11 +35,14 @@ from better_compute.pki_client import (
     ListCertificatesRequest,
     ListJoinsRequest,
     ListJoinTokensRequest,
+    RevokeAttempt,
     RevokeCertificateRequest,
+    RevokedAttempt,
     RevokeJoinTokenRequest,
     RewrapResult,
     Verified,
     VerifyRequest,
+    attempt_key,
 )
 from better_compute.service import ApiRequest, Handler, Service
 from better_compute.wire.paging import decode_cursor, take_page
@@ -143,6 +146,7 @@ class PkiService(Service):
             "tokens.list": self.list_tokens,
             "tokens.get": self.get_token,
             "tokens.revoke": self.revoke_token,
+            "tokens.revoke_attempt": self.revoke_attempt,
             "agents.join": self.join,
             "joins.list": self.list_joins,
             "signatures.verify": self.verify,
@@ -205,6 +209,8 @@ class PkiService(Service):
             if row is None:  # a random 256-bit token collided: never in practice
                 raise BcError(ErrorCode.CONFLICT, "token collision; issue again")
             self._same_parameters(store.token_info(row), body, expect)
+        if ikey is not None:
+            await self._refuse_superseded(ikey, row["id"])
         info = store.token_info(row)
         self.log.info(
             "join_token_issued",
@@ -270,6 +276,34 @@ class PkiService(Service):
         else:
             self.log.info("join_token_revoked", join_token_id=tok_id)
         return store.token_info(row)
+
+    async def revoke_attempt(self, req: ApiRequest) -> RevokedAttempt:
+        """Revoke every token one workflow step attempt minted, and fence its key."""
+        assert self.db is not None
+        body = req.decode(RevokeAttempt)
+        prefix = attempt_key(body.workflow_id, body.step, body.attempt)
+        reason = body.reason or "superseded by a later attempt of its workflow step"
+        # The fence commits before the revoke looks: a token minted meanwhile is either seen
+        # by the revoke or sees the fence itself (issue_token checks after its insert).
+        await self.db.execute(store.KEY_FENCE_INSERT, prefix, reason)
+        rows = await self.db.fetch(store.TOKENS_REVOKE_UNDER_KEY, prefix, reason)
+        if rows:
+            self.log.info("join_tokens_revoked", key=prefix, join_token_ids=[r["id"] for r in rows])
+        return RevokedAttempt(revoked=[r["id"] for r in rows])
+
+    async def _refuse_superseded(self, ikey: str, token_id: str) -> None:
+        """A token minted under the key of a superseded step attempt (a late run of it) is
+        revoked at once and refused."""
+        assert self.db is not None
+        if not await self.db.fetchval(store.KEY_FENCED, ikey):
+            return
+        await self.db.execute(store.TOKEN_REVOKE, token_id, "minted by a superseded step attempt")
+        self.log.warning("join_token_refused_superseded", join_token_id=token_id)
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            "this workflow step attempt was superseded: it mints nothing any more",
+            {"path": "idempotencyKey", "reason": "attempt-superseded"},
+        )
 
     # -- joins --------------------------------------------------------------------
 

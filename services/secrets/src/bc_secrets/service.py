@@ -12,7 +12,14 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.keyring import Keyring, key_file_path
 from better_compute.logging import register_secret
-from better_compute.pki_client import PkiClient, Verified, signing_payload
+from better_compute.pki_client import (
+    PkiClient,
+    RevokeAttempt,
+    RevokedAttempt,
+    Verified,
+    attempt_key,
+    signing_payload,
+)
 from better_compute.secrets_client import (
     FETCH_PURPOSE,
     FetchAuditList,
@@ -76,6 +83,7 @@ class SecretsService(Service):
             "secrets.list": self.list_secrets,
             "fetches.list": self.list_fetches,
             "keys.rewrap": self.rewrap,
+            "secrets.revoke_attempt": self.revoke_attempt,
         }
 
     @property
@@ -118,6 +126,8 @@ class SecretsService(Service):
                     "idempotency key already used for another workflow step's secret",
                     {"path": "idempotencyKey"},
                 )
+        if body.idempotency_key is not None:
+            await self._refuse_superseded(body.idempotency_key, row["ref"])
         info = store.secret_info(row)
         self.log.info(
             "secret_stored",
@@ -129,6 +139,34 @@ class SecretsService(Service):
             again=again,
         )
         return info
+
+    async def revoke_attempt(self, req: ApiRequest) -> RevokedAttempt:
+        """Revoke every value one workflow step attempt stored, and fence its key."""
+        assert self.db is not None
+        body = req.decode(RevokeAttempt)
+        prefix = attempt_key(body.workflow_id, body.step, body.attempt)
+        reason = body.reason or "superseded by a later attempt of its workflow step"
+        # The fence commits before the revoke looks: a value stored meanwhile is either seen by
+        # the revoke or sees the fence itself (put checks after its insert).
+        await self.db.execute(store.KEY_FENCE_INSERT, prefix, reason)
+        rows = await self.db.fetch(store.SECRETS_REVOKE_UNDER_KEY, prefix, reason)
+        if rows:
+            self.log.info("secrets_revoked", key=prefix, refs=[r["ref"] for r in rows])
+        return RevokedAttempt(revoked=[r["ref"] for r in rows])
+
+    async def _refuse_superseded(self, ikey: str, ref: str) -> None:
+        """A value stored under the key of a superseded step attempt (a late run of it) is
+        revoked at once and refused."""
+        assert self.db is not None
+        if not await self.db.fetchval(store.KEY_FENCED, ikey):
+            return
+        await self.db.execute(store.SECRET_REVOKE, ref, "stored by a superseded step attempt")
+        self.log.warning("secret_refused_superseded", ref=ref)
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            "this workflow step attempt was superseded: it stores nothing any more",
+            {"path": "idempotencyKey", "reason": "attempt-superseded"},
+        )
 
     async def _row(self, ref: str) -> Any:
         assert self.db is not None
@@ -145,6 +183,12 @@ class SecretsService(Service):
     async def get(self, req: ApiRequest) -> SecretValue:
         ref = parse_id(req.decode(RefRequest).ref, "sec", path="ref")
         row = await self._row(ref)
+        if row["revoked_at"] is not None:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                "the secret was revoked: the step attempt that stored it was superseded",
+                {"path": "ref", "reason": "secret-revoked"},
+            )
         value = self._open(row)
         self.log.info("secret_read", ref=ref, workflow_id=row["workflow_id"])
         return SecretValue(ref=ref, value=value)
@@ -213,6 +257,14 @@ class SecretsService(Service):
             await self._deny(
                 BcError(ErrorCode.PERMISSION_DENIED, _DENIED, {"reason": "no-live-command"}),
                 reason="unknown-ref",
+                ref=ref,
+                body=body,
+                verified=verified,
+            )
+        if row["revoked_at"] is not None:
+            await self._deny(
+                BcError(ErrorCode.PERMISSION_DENIED, _DENIED, {"reason": "no-live-command"}),
+                reason="revoked",
                 ref=ref,
                 body=body,
                 verified=verified,

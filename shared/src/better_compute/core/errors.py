@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["BcError", "ErrorCode", "ErrorInfo", "join_path"]
+__all__ = ["BcError", "ErrorCode", "ErrorInfo", "ServiceUnavailableError", "join_path"]
 
 
 class ErrorCode(StrEnum):
@@ -85,6 +85,23 @@ class BcError(Exception):
     def __str__(self) -> str:
         where = f" (at {self.path})" if self.path else ""
         return f"{self.code.value}: {self.message}{where}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BcError, (self.code.value, self.message, self.details))
+
+
+class ServiceUnavailableError(BcError):
+    """``UNAVAILABLE`` or ``TIMEOUT`` because one of our own services (``bc-pki``,
+    ``bc-secrets``, ``bc-command-queue``) did not answer, or answered that it cannot now.
+
+    Raised by the service clients, never by a step on its own: the engine waits for the
+    service (within the step's deadline) instead of failing the step. A step that wants to
+    fail on it catches it and raises its own error.
+    """
+
+    def __init__(self, error: BcError, *, service: str) -> None:
+        super().__init__(error.code, error.message, error.details)
+        self.service = service
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (BcError, (self.code.value, self.message, self.details))

@@ -94,13 +94,20 @@ class CommandView(_Msg, frozen=True, kw_only=True):
 
 
 class CancelCommands(_Msg, frozen=True, kw_only=True):
-    """``commands.cancel``: one command by id, or every live command whose key starts
-    with ``key_prefix`` (``wf:<id>:<step>#<attempt>``) on ``node_id``."""
+    """``commands.cancel``: one command by id, or every live command whose key is under
+    ``key_prefix`` (``wf:<id>:<step>#<attempt>``: the prefix, then end, ``:`` or ``#``) on
+    ``node_id`` and/or of ``workflow_id`` (every node the workflow sent to).
+
+    ``fence`` (with ``workflow_id``, and a prefix under ``wf:<workflow_id>:``): also refuse
+    every later enqueue under the prefix (reason ``attempt-superseded``), for a step attempt
+    that was superseded and may still run in an engine that lost its shard."""
 
     id: str | None = None
     node_id: str | None = None
     key_prefix: str | None = None
     reason: str = "cancelled"
+    workflow_id: str | None = None
+    fence: bool = False
 
 
 class CommandEvent(_Msg, frozen=True, kw_only=True):

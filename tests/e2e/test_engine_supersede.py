@@ -1,0 +1,326 @@
+"""A new attempt of a step never overlaps the previous one: retry and resume wait for attempt N's
+commands to end at the agent, cancel them on every node, fence attempt N's late enqueues, and
+revoke the join tokens and secrets attempt N minted.
+
+Executions are counted at the agent (its own exec log, start and end of every run), not from
+the command queue's view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import msgspec
+import pytest
+import pytest_asyncio
+
+from better_compute.agent import Agent, Command
+from better_compute.agent.sim import join_agent
+from better_compute.cmdq_client import CommandQueueClient
+from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.pki_client import PkiClient
+from better_compute.secrets_client import SecretsClient
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses
+from better_compute.testing.agents import until
+from better_compute.testing.workflows import wait_workflow
+from better_compute.wire import Subjects
+from better_compute.wire.cmdq import EnqueueCommand
+from engine_test_app import TABLES
+
+ROUNDS = int(os.environ.get("BC_SUPERSEDE_ROUNDS", "3"))  # of each verb; raise it for a longer sweep
+FAST = {"BC_CMDQ_HEARTBEAT_MS": "200", "BC_CMDQ_SILENT_AFTER_MS": "1500", "BC_CMDQ_SWEEP_MS": "100"}
+
+
+@dataclass(frozen=True)
+class Run:
+    command_id: str
+    key: str
+    start: float
+    end: float | None
+
+
+class ExecLog:
+    """The agent's own record: a line at the start and at the end of every execution.
+
+    Commands of a first attempt (key ``…#1``) hold until ``release()``: a destructive
+    operation that takes a while, still running when the operator retries or resumes.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.released = asyncio.Event()
+
+    def _write(self, what: str, command: Command) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(f"{time.time():.6f} {what} {command.id} {command.key}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    async def handle(self, command: Command) -> dict[str, Any]:
+        self._write("start", command)
+        if command.key.endswith("#1"):
+            await self.released.wait()
+        else:
+            await asyncio.sleep(0.2)
+        self._write("end", command)
+        return {"ok": True}
+
+    def release(self) -> None:
+        self.released.set()
+
+    def hold(self) -> None:
+        self.released = asyncio.Event()
+
+    def runs(self) -> list[Run]:
+        if not self.path.exists():
+            return []
+        starts: list[tuple[str, str, float]] = []
+        ends: dict[str, list[float]] = {}
+        for line in self.path.read_text().splitlines():
+            at, what, command_id, key = line.split(" ")
+            if what == "start":
+                starts.append((command_id, key, float(at)))
+            else:
+                ends.setdefault(command_id, []).append(float(at))
+        runs = []
+        for command_id, key, at in starts:
+            done = ends.get(command_id) or []
+            runs.append(Run(command_id, key, at, done.pop(0) if done else None))
+        return runs
+
+    def started(self, key: str) -> bool:
+        return any(r.key == key for r in self.runs())
+
+
+def overlaps(runs: list[Run]) -> list[tuple[Run, Run]]:
+    """Pairs of runs of the same workflow step (any attempts) that ran at the same time."""
+    found = []
+    for i, a in enumerate(runs):
+        for b in runs[i + 1 :]:
+            if a.key.split("#")[0] != b.key.split("#")[0]:
+                continue
+            a_end = a.end if a.end is not None else float("inf")
+            b_end = b.end if b.end is not None else float("inf")
+            if a.start < b_end and b.start < a_end:
+                found.append((a, b))
+    return found
+
+
+class Stack:
+    def __init__(self, api: ApiClient, settings: Settings) -> None:
+        self.api = api
+        self.settings = settings
+        self.cq = CommandQueueClient(api)
+        self.pki = PkiClient(api)
+        self.secrets = SecretsClient(api)
+
+    async def profile(self, pid: str, steps: list[dict[str, Any]]) -> None:
+        doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "steps": steps}
+        await self.api.call("engine", "profiles.create", {"document": doc})
+
+    async def start(self, pid: str, node: str) -> str:
+        wf = await self.api.call("engine", "workflows.start", {"profileId": pid, "nodeId": node})
+        return str(wf["id"])
+
+    async def step(self, wf_id: str, idx: int = 0) -> dict[str, Any]:
+        view = await self.api.call("engine", "workflows.get", {"id": wf_id})
+        step: dict[str, Any] = view["steps"][idx]
+        return step
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[Stack]:
+    settings = msgspec.structs.replace(bc_settings, app="engine_test_app:app")
+    conn = await asyncpg.connect(bc_settings.database_url)
+    try:
+        await conn.execute(TABLES)
+    finally:
+        await conn.close()
+    bc_processes.settings = settings
+    bc_processes.extra_env.update(
+        FAST,
+        BC_PKI_KEY_FILE=str(tmp_path / "pki.key"),
+        BC_SECRETS_KEY_FILE=str(tmp_path / "secrets.key"),
+    )
+    for name in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
+        bc_processes.start(name)
+    await bc_processes.wait_ready()
+    yield Stack(bc_api, settings)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def agent(stack: Stack, bc_subjects: Subjects, tmp_path: Path) -> AsyncIterator[ExecLog]:
+    """A site agent of site ``lab1`` on the agent SDK, in this process, with its own exec log."""
+    log = ExecLog(tmp_path / "exec.log")
+    enrollment = await join_agent(stack.api, site_id="lab1")
+    agent = Agent(
+        enrollment=enrollment,
+        handlers={"driver.invoke": log.handle},
+        journal=tmp_path / "journal.db",
+        nats_url=stack.settings.nats_url,
+        subjects=bc_subjects,
+        stop_grace=0.5,
+    )
+    async with agent:
+        task = asyncio.create_task(agent.run())
+        await agent.ready.wait()
+        yield log
+        log.release()
+        agent.request_stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def _superseded_while_running(stack: Stack, log: ExecLog, wf_id: str) -> None:
+    """Attempt 1 still runs at the agent, attempt 2 was asked for: until the step waits for
+    attempt 1 (or, wrongly, attempt 2 started), then let attempt 1 end."""
+
+    async def waits_or_overlaps() -> bool:
+        step = await stack.step(wf_id)
+        waiting = (step.get("waitingFor") or {}).get("reason") == "previous-attempt-running"
+        return waiting or log.started(f"wf:{wf_id}:0#2")
+
+    await until(waits_or_overlaps)
+    log.release()
+    done = await wait_workflow(stack.api, wf_id, timeout=60)
+    assert done["state"] == "succeeded", done
+    assert done["steps"][0]["attempt"] == 2
+
+
+async def test_retry_and_resume_never_overlap_a_destructive_command_still_running(
+    stack: Stack, agent: ExecLog
+) -> None:
+    await stack.profile("erase", [{"use": "bmc.eraseDisks", "on": "site", "with": {"all": True}}])
+    await stack.profile(
+        "erase-slowly", [{"use": "bmc.eraseDisks", "on": "site", "with": {"all": True}, "timeout": "2s"}]
+    )
+    workflows = []
+    for _ in range(ROUNDS):
+        # abort -> resume while attempt 1's command runs at the agent
+        agent.hold()
+        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+        wf_id = await stack.start("erase", node["id"])
+        await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
+        await stack.api.call("engine", "workflows.abort", {"id": wf_id})
+        await stack.api.call("engine", "workflows.resume", {"id": wf_id})
+        await _superseded_while_running(stack, agent, wf_id)
+        workflows.append(wf_id)
+
+        # timeout -> retry while attempt 1's command runs at the agent
+        agent.hold()
+        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+        wf_id = await stack.start("erase-slowly", node["id"])
+        await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
+        failed = await wait_workflow(stack.api, wf_id, timeout=30)
+        assert (failed["state"], failed["steps"][0]["error"]["code"]) == ("failed", "TIMEOUT")
+        await stack.api.call("engine", "workflows.retry", {"id": wf_id})
+        await _superseded_while_running(stack, agent, wf_id)
+        workflows.append(wf_id)
+
+    runs = agent.runs()
+    assert all(r.end is not None for r in runs), runs
+    twice = [r.command_id for r in runs if sum(o.command_id == r.command_id for o in runs) > 1]
+    assert twice == [], f"commands run twice at the agent: {twice}"
+    overlapping = overlaps(runs)
+    assert overlapping == [], (
+        f"{len({a.key.split('#')[0] for a, _ in overlapping})} of {len(workflows)} workflows ran"
+        f" attempt 2 while attempt 1 still ran: {overlapping}"
+    )
+    # each round: attempt 1 ran to its end, then attempt 2 ran once
+    assert len(runs) == 2 * len(workflows)
+
+
+async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enqueues(stack: Stack) -> None:
+    # no agent in these sites: every command stays pending
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab7"})
+    other = await stack.api.call("engine", "nodes.create", {"siteId": "lab8"})
+    await stack.profile(
+        "other-node",
+        [{"use": "test.awaitPowerOn", "with": {"nodeId": other["id"], "siteId": "lab8"}, "timeout": "2s"}],
+    )
+    wf_id = await stack.start("other-node", node["id"])
+    failed = await wait_workflow(stack.api, wf_id, timeout=30)
+    assert (failed["state"], failed["steps"][0]["error"]["code"]) == ("failed", "TIMEOUT")
+    [first] = (await stack.cq.list_commands(workflow_id=wf_id)).commands
+    assert (first.node_id, first.key, first.state) == (other["id"], f"wf:{wf_id}:0#1:power", "pending")
+
+    await stack.api.call("engine", "workflows.retry", {"id": wf_id})
+
+    async def second_attempt_sent() -> bool:
+        keys = {c.key for c in (await stack.cq.list_commands(workflow_id=wf_id)).commands}
+        return f"wf:{wf_id}:0#2:power" in keys
+
+    await until(second_attempt_sent)
+    # attempt 1's command was on another node than the workflow's: cancelled all the same
+    assert (await stack.cq.get(first.id)).state == "cancelled"
+
+    # an engine that lost its shard but still runs attempt 1 cannot send anything for it now
+    def late(key: str) -> EnqueueCommand:
+        return EnqueueCommand(
+            node_id=other["id"], site_id="lab8", kind="power.setPower", payload={"action": "on"},
+            key=key, target="site", workflow_id=wf_id, step=0,
+        )  # fmt: skip
+
+    with pytest.raises(BcError) as refused:
+        await stack.cq.enqueue(late(f"wf:{wf_id}:0#1:late"))
+    assert refused.value.code is ErrorCode.INVALID_STATE
+    assert refused.value.reason == "attempt-superseded"
+    # the fence is attempt 1's and nothing else's: #12 is another attempt
+    assert (await stack.cq.enqueue(late(f"wf:{wf_id}:0#12"))).state == "pending"
+
+
+async def test_a_new_attempt_revokes_the_tokens_and_secrets_of_the_one_it_supersedes(
+    stack: Stack,
+) -> None:
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+    await stack.profile("mints", [{"use": "test.mintThenFail", "with": {"flag": f"go-{uuid.uuid4().hex}"}}])
+    wf_id = await stack.start("mints", node["id"])
+    failed = await wait_workflow(stack.api, wf_id, timeout=30)
+    assert failed["state"] == "failed", failed
+    first = failed["steps"][0]["error"]["details"]
+    assert (await stack.pki.get_join_token(first["joinTokenId"])).state == "active"
+
+    await stack.api.call("engine", "workflows.retry", {"id": wf_id})
+
+    async def revoked() -> bool:
+        return (await stack.pki.get_join_token(first["joinTokenId"])).state == "revoked"
+
+    await asyncio.wait_for(until(revoked), 30)  # attempt 1's token cannot join any more
+    with pytest.raises(BcError) as gone:
+        await stack.secrets.get(first["secretRef"])
+    assert gone.value.reason == "secret-revoked"
+    failed = await wait_workflow(stack.api, wf_id, timeout=30)
+    second = failed["steps"][0]["error"]["details"]
+    assert second["attempt"] == 2
+    assert second["joinTokenId"] != first["joinTokenId"]
+    assert (await stack.pki.get_join_token(second["joinTokenId"])).state == "active"
+    assert (await stack.secrets.get(second["secretRef"])).startswith(b"rendered with ")
+
+
+async def test_an_abort_revokes_what_the_cancelled_attempt_minted(stack: Stack) -> None:
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+    flag = f"go-{uuid.uuid4().hex}"
+    await stack.profile("mints-waits", [{"use": "test.mintThenFail", "with": {"flag": flag, "wait": True}}])
+    wf_id = await stack.start("mints-waits", node["id"])
+
+    async def minted() -> list[Any]:
+        return [t for t in await stack.pki.list_join_tokens(site_id="lab1") if t.node_id == node["id"]]
+
+    [token] = await until(minted)
+    await stack.api.call("engine", "workflows.abort", {"id": wf_id})
+
+    async def revoked() -> bool:
+        return (await stack.pki.get_join_token(token.join_token_id)).state == "revoked"
+
+    await asyncio.wait_for(until(revoked), 30)
