@@ -70,7 +70,7 @@ class EngineService(Service):
             db=self.db,
             api=self.api,
             leases=self.leases,
-            instance=self.instance,
+            instance=self.leases.owner,  # settles are fenced on this life's leases
             log=self.log,
             publish=self.publish_event,
             owners=_owner_reconcilers(self.app),
