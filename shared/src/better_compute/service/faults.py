@@ -26,6 +26,9 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,  # the connection was closed under us, the pool is closing
     asyncpg.exceptions.OperatorInterventionError,  # the server is shutting down or starting up
     asyncpg.exceptions.TooManyConnectionsError,
+    # a pooled connection the server shut down in the middle of an operation, handed out again
+    # before asyncpg noticed it closed ("cannot switch to state …; another operation is in progress")
+    asyncpg.exceptions.InternalClientError,
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.ConnectionDrainingError,
