@@ -15,6 +15,7 @@ from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.agents import until
 from better_compute.testing.workflows import wait_workflows
+from chaos_stack import Stack
 from engine_test_app import TABLES
 
 
@@ -102,3 +103,75 @@ async def test_a_paused_earlier_life_of_the_same_name_never_settles(
     # the older life stepped aside for good: it holds no shard and counts as no member
     assert await db.fetchval("SELECT count(*) FROM engine.members WHERE expires_at > now()") == 1
     assert old.alive()
+
+
+# -- the acceptance test: every process killed and restarted while workflows run ---------------
+
+WAVE = 4  # workflows started before each kill, so every kill lands in the middle of some
+STEPS: list[dict[str, object]] = [
+    {"use": "test.sideEffect"},
+    {"use": "test.power", "on": "site", "timeout": "10m", "with": {"action": "on"}},
+    {"use": "test.sideEffect"},
+    {"use": "test.power", "on": "site", "timeout": "10m", "with": {"action": "off"}},
+    {"use": "test.sideEffect"},
+]
+
+
+async def test_kill_and_restart_each_process_while_workflows_run(stack: Stack) -> None:
+    procs = stack.procs
+    running = {s: procs.start(s) for s in ("bc-pki", "bc-command-queue", "bc-secrets", "bc-engine")}
+    await procs.wait_ready()
+    sim, _agent = await stack.agent("lab", "--delay", "power.setPower=700")
+    await stack.profile("restarts", STEPS)
+    ids: list[str] = []
+
+    async def wave() -> None:
+        """Start a few workflows and return once the agent runs one of their commands."""
+        ran = len(sim.executions())
+        for _ in range(WAVE):
+            node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"})
+            wf = await stack.api.call(
+                "engine", "workflows.start", {"profileId": "restarts", "nodeId": node["id"]}
+            )
+            ids.append(wf["id"])
+        await until(lambda: len(sim.executions()) > ran)
+
+    def kill_and_restart(service: str) -> None:
+        running[service].kill()
+        running[service] = procs.restart(running[service])  # same instance name, at once
+
+    for service in ("bc-engine", "bc-command-queue", "bc-pki", "bc-secrets"):
+        await wave()
+        kill_and_restart(service)
+        await procs.wait_ready()
+
+    # nats-server crashes; bc-pki crashes too and starts while NATS is still away
+    await wave()
+    stack.servers.kill_nats()
+    kill_and_restart("bc-pki")
+    await until(lambda: "waiting_for_dependency" in running["bc-pki"].output())
+    stack.servers.start_nats()
+    await procs.wait_ready()
+
+    # PostgreSQL crashes; bc-command-queue crashes too and starts while PostgreSQL is still away
+    await wave()
+    stack.servers.kill_pg()
+    kill_and_restart("bc-command-queue")
+    await until(lambda: "waiting_for_dependency" in running["bc-command-queue"].output())
+    stack.servers.start_pg()
+    await procs.wait_ready()
+
+    done = await stack.finished(ids)
+    assert [d["state"] for d in done] == ["succeeded"] * len(ids), [d["error"] for d in done]
+    db = await stack.db()
+    try:
+        effects = await db.fetchval("SELECT count(*) FROM public.plg_test_effects")
+    finally:
+        await db.close()
+    assert effects == 3 * len(ids)  # each control-plane side effect happened once
+    runs = [line.split()[0] for line in sim.executions()]
+    assert len(runs) == 2 * len(ids)
+    assert len(set(runs)) == len(runs)  # no command ran twice at the agent
+    assert all(p.alive() for p in running.values())
+    assert sim.proc is not None
+    assert sim.proc.poll() is None

@@ -32,7 +32,7 @@ class PrivateServers:
 
     def __init__(self, state: Path) -> None:
         self.nats = EmbeddedNats(state)
-        self.pg = EmbeddedPostgres(state, durable=False)
+        self.pg = EmbeddedPostgres(state)  # durable: a SIGKILL must not lose a commit
         self.nats_url = self.nats.start()
         self.database_url = self.pg.start()
 

@@ -93,7 +93,12 @@ MIN_TIMEOUT_MS: Final = 1_000
 MAX_PAYLOAD_BYTES: Final = 256 * 1024
 MAX_KEY_LENGTH: Final = 256
 _KEY_RE: Final = re.compile(r"^[\x21-\x7e]{1,256}$")
-_DB_ERRORS: Final = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+_DB_ERRORS: Final = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+)
 
 
 def _invalid(path: str, message: str) -> BcError:

@@ -324,6 +324,13 @@ class EmbeddedPostgres:
                  "--auth=trust", "--encoding=UTF8", "--locale=C", "--no-sync"],
                 **run_as,
             )  # fmt: skip
+        # A crashed server leaves its lock files. PostgreSQL ignores those whose pid is gone, but
+        # not those whose pid is a zombie (a container's init that reaps no orphans), which
+        # running_pid() already counts as dead.
+        if self.running_pid() is None:
+            (self.data / "postmaster.pid").unlink(missing_ok=True)
+            for lock in (self.dir / "sock").glob(".s.PGSQL.*.lock"):
+                lock.unlink(missing_ok=True)
         port = self._meta().get("port")
         if not isinstance(port, int) or not port_free(port):
             port = free_port()
