@@ -84,8 +84,8 @@ class ApiClient:
     async def call(self, service: str, route: str, payload: Any = None, *, timeout: float = 10.0) -> Any:
         """Call ``route`` (``resource.verb``) of ``service`` and return its result.
 
-        Raises the service's ``BcError``; ``UNAVAILABLE`` when no instance listens,
-        ``TIMEOUT`` when none answers in time.
+        Raises the service's ``BcError``; ``UNAVAILABLE`` when no instance listens or NATS is
+        away, ``TIMEOUT`` when none answers in time.
         """
         resource, _, verb = route.partition(".")
         subject = self.subjects.api(service, resource, verb)
@@ -105,6 +105,8 @@ class ApiClient:
                 ) from exc
             except nats.errors.TimeoutError as exc:
                 raise BcError(ErrorCode.TIMEOUT, f"{subject} did not answer within {timeout}s") from exc
+            except nats.errors.Error as exc:  # the connection is closed, or reconnecting and full
+                raise BcError(ErrorCode.UNAVAILABLE, f"NATS: {type(exc).__name__}") from exc
             return unwrap(msg.data)
         raise AssertionError("unreachable")
 
