@@ -155,9 +155,12 @@ class Service:
     async def start(self) -> None:
         """Connect, migrate, ``on_start``, serve. Waits for NATS and PostgreSQL as long as they
         are away (returns early, serving nothing, when asked to stop meanwhile)."""
-        if not await self._patiently("nats", self._connect_nats):
+        # Where the servers are is configuration: without it, fail now with what to do.
+        nats_url = resolve_nats_url(self.settings)
+        db_url = resolve_database_url(self.settings) if self.schema is not None else None
+        if not await self._patiently("nats", lambda: self._connect_nats(nats_url)):
             return
-        if self.schema is not None and not await self._patiently("postgres", self._open_database):
+        if db_url is not None and not await self._patiently("postgres", lambda: self._open_database(db_url)):
             return
         if not await self._patiently("on_start", self.on_start):
             return
@@ -194,9 +197,9 @@ class Service:
         self._serving = True
         self.log.info("service_started", version=__version__, routes=sorted(routes))
 
-    async def _connect_nats(self) -> None:
+    async def _connect_nats(self, url: str) -> None:
         self.nc = await connect(
-            resolve_nats_url(self.settings),
+            url,
             name=f"{self.name}:{self.instance}",
             error_cb=self._nats_error,
             disconnected_cb=self._nats_disconnected,
@@ -204,8 +207,8 @@ class Service:
         )
         self.api = ApiClient(self.nc, self.subjects)
 
-    async def _open_database(self) -> None:
-        db = self.make_database(resolve_database_url(self.settings))
+    async def _open_database(self, url: str) -> None:
+        db = self.make_database(url)
         try:
             await db.open()
             if self.migrations_package:
