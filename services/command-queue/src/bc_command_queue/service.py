@@ -65,6 +65,7 @@ from better_compute.core.ids import new_id, parse_id
 from better_compute.core.plugins import CommandKind
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiRequest, Database, Handler, Service
+from better_compute.service.faults import Backoff, describe, is_transient
 from better_compute.wire import encode_error, encode_ok
 from better_compute.wire.cmdq import (
     MAX_STATE_QUERY,
@@ -93,7 +94,12 @@ MIN_TIMEOUT_MS: Final = 1_000
 MAX_PAYLOAD_BYTES: Final = 256 * 1024
 MAX_KEY_LENGTH: Final = 256
 _KEY_RE: Final = re.compile(r"^[\x21-\x7e]{1,256}$")
-_DB_ERRORS: Final = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+_DB_ERRORS: Final = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+)
 
 
 def _invalid(path: str, message: str) -> BcError:
@@ -133,6 +139,7 @@ class CommandQueueService(Service):
         self.pki: PkiClient | None = None
         self.signers: Signers | None = None
         self.streams: Streams | None = None
+        self._heard_since: float | None = None  # monotonic; see _heard_for_ms
 
     # -- start ------------------------------------------------------------------------
 
@@ -191,8 +198,10 @@ class CommandQueueService(Service):
                 purged = await self.purge()
                 if purged:
                     self.log.info("commands_purged", count=purged, older_than_days=self.config.retention_days)
-            except (BcError, *_DB_ERRORS) as exc:
-                self.log.warning("purge_failed", error=type(exc).__name__)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self.log.warning("purge_failed", error=describe(exc))
             await asyncio.sleep(600)
 
     async def purge(self) -> int:
@@ -569,12 +578,30 @@ class CommandQueueService(Service):
     # -- the sweeper --------------------------------------------------------------------
 
     async def _sweeper(self) -> None:
+        backoff = Backoff(first=self.config.sweep_ms / 1000, cap=5.0)
         while True:
+            delay = self.config.sweep_ms / 1000
             try:
                 await self.sweep()
-            except (BcError, *_DB_ERRORS) as exc:
-                self.log.warning("sweep_failed", error=type(exc).__name__)
-            await asyncio.sleep(self.config.sweep_ms / 1000)
+                backoff.reset()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self._heard_since = None
+                delay = max(delay, backoff.next())  # a store or bus outage: fewer tries, fewer lines
+                self.log.warning("sweep_failed", error=describe(exc), retry_in_s=round(delay, 2))
+            await asyncio.sleep(delay)
+
+    def _heard_for_ms(self) -> float:
+        """How long agents have been able to reach us without a break: NATS connected and the
+        store answering (heartbeats need both). An agent counts as silent or lost only after it
+        was silent that long while we could hear it, never because of our own outage."""
+        now = time.monotonic()
+        if self.nc is None or not self.nc.is_connected:
+            self._heard_since = None
+        elif self._heard_since is None:
+            self._heard_since = now
+        return 0.0 if self._heard_since is None else (now - self._heard_since) * 1000
 
     async def sweep(self) -> None:
         """One pass of every timed duty; safe in several instances at once."""
@@ -582,8 +609,15 @@ class CommandQueueService(Service):
         expired = await self._db.fetch(store.EXPIRE_DUE, cfg.quorum.enabled)
         if cfg.quorum.enabled:
             expired += await self._db.fetch(store.EXPIRE_BATCH_EXPIRED)
-        reassigned = await self._db.fetch(store.REASSIGN_SILENT, cfg.silent_after_ms)
-        lost = await self._db.fetch(store.FAIL_LOST, cfg.lost_after_ms)
+        heard_ms = self._heard_for_ms()
+        reassigned = (
+            await self._db.fetch(store.REASSIGN_SILENT, cfg.silent_after_ms)
+            if heard_ms >= cfg.silent_after_ms
+            else []
+        )
+        lost = (
+            await self._db.fetch(store.FAIL_LOST, cfg.lost_after_ms) if heard_ms >= cfg.lost_after_ms else []
+        )
         for row in expired:
             self.log.info("command_expired", command_id=row["id"], reason=row["reason"])
         for row in reassigned:

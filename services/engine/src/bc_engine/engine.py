@@ -30,6 +30,7 @@ from better_compute.provision import Profile, StepNotReady, profile_from_documen
 from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
+from better_compute.service.faults import describe, is_transient
 from better_compute.wire.cmdq import LIVE_STATES, CommandView, EnqueueCommand
 
 from . import queue
@@ -697,6 +698,10 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if is_transient(exc):
+                # the database or the bus went away under the step: run it again soon
+                log.warning("step_interrupted", error=describe(exc))
+                return _Wait(time.time() + QUEUE_RETRY_S)
             log.exception("step_raised")
             return _Fail(
                 BcError(

@@ -12,9 +12,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from better_compute.service.faults import Backoff
+
 from .engine import FencedError
 
 __all__ = ["Scheduler"]
+
+RETRY_FIRST_S = 2.0  # a failed pass runs again after about this long …
+RETRY_CAP_S = 10.0  # … doubling while it keeps failing, up to this
 
 
 class Scheduler:
@@ -33,6 +38,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(concurrency)
         self._closed = False
+        self._failing: dict[str, Backoff] = {}  # keys whose last pass raised
 
     def at(self, key: str, when: float, *, from_poll: bool = False) -> None:
         """Run ``key`` at ``when`` (epoch seconds); the earliest request wins."""
@@ -58,6 +64,8 @@ class Scheduler:
         """Forget timers of keys this process no longer owns."""
         for key in [k for k in self._timers if not keep(k)]:
             self._timers.pop(key)[1].cancel()
+        for key in [k for k in self._failing if not keep(k)]:
+            del self._failing[key]
 
     def _fire(self, key: str) -> None:
         self._timers.pop(key, None)
@@ -78,7 +86,16 @@ class Scheduler:
             raise
         except Exception as exc:
             self._log.warning("pass_failed", rkey=key, error=f"{type(exc).__name__}: {exc}")
-            nxt = None if isinstance(exc, FencedError) else time.time() + 2.0
+            if isinstance(exc, FencedError):
+                nxt = None
+            else:
+                # Again soon, backing off (jittered) while it keeps failing: during a database
+                # outage every key fails, and they must not all come back in step. The poll of
+                # the work queue brings due keys back at once when the database is there again.
+                backoff = self._failing.setdefault(key, Backoff(first=RETRY_FIRST_S, cap=RETRY_CAP_S))
+                nxt = time.time() + backoff.next()
+        else:
+            self._failing.pop(key, None)
         finally:
             self._running.discard(key)
         if key in self._dirty:

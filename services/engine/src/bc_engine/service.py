@@ -15,6 +15,7 @@ from better_compute.core.app import App, load_app
 from better_compute.core.errors import BcError
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
+from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent
 
 from . import queue
@@ -70,7 +71,7 @@ class EngineService(Service):
             db=self.db,
             api=self.api,
             leases=self.leases,
-            instance=self.instance,
+            instance=self.leases.owner,  # settles are fenced on this life's leases
             log=self.log,
             publish=self.publish_event,
             owners=_owner_reconcilers(self.app),
@@ -131,7 +132,12 @@ class EngineService(Service):
 
     async def _wake_workflow(self, workflow_id: str) -> None:
         assert self.db is not None
-        rkey = await self.db.pool.fetchval("SELECT rkey FROM workflows WHERE id = $1", workflow_id)
+        try:
+            rkey = await self.db.pool.fetchval("SELECT rkey FROM workflows WHERE id = $1", workflow_id)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return  # the database is away: the command watch wakes the key later
         if rkey is None:
             return
         if len(self._rkeys) > 100_000:

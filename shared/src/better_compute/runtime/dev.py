@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..config import Settings
 from ..service.client import safe_url
@@ -55,18 +56,30 @@ class DevStack:
         self.nats = EmbeddedNats(self.state)
         self.pg = EmbeddedPostgres(self.state)
 
+    def _embedded_nats(self) -> bool:
+        """Whether NATS is ours to start and stop: no URL set, or the URL ``bcx dev up`` printed for
+        our own server (exported from its output), which a dead server must not turn external."""
+        return not self.settings.nats_url or _points_at(self.settings.nats_url, self.nats.recorded_port())
+
+    def _embedded_pg(self) -> bool:
+        return not self.settings.database_url or _points_at(
+            self.settings.database_url, self.pg.recorded_port()
+        )
+
     def up(self, *, services: Iterable[str] = SERVICES, instances: int = 1) -> dict[str, str]:
         """Start what is not running; returns the URLs in use."""
         self.procs.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
-        if self.settings.nats_url:
+        if not self._embedded_nats():
+            assert self.settings.nats_url is not None
             nats_url = self.settings.nats_url
             self.say(f"nats-server       external  {safe_url(nats_url)}")
         else:
             was = self.nats.running_pid()
             nats_url = self.nats.start()
             self.say(f"nats-server       {'running ' if was else 'started '}  {nats_url}")
-        if self.settings.database_url:
+        if not self._embedded_pg():
+            assert self.settings.database_url is not None
             db_url = self.settings.database_url
             self.say("postgresql        external")
         else:
@@ -119,9 +132,20 @@ class DevStack:
             (self.procs / f"{rec.name}.json").unlink(missing_ok=True)
         if keep_servers:
             return
-        if not self.settings.nats_url and self.nats.running_pid():
+        if self._embedded_nats() and self.nats.running_pid():
             self.nats.stop()
             self.say("nats-server       stopped")
-        if not self.settings.database_url and self.pg.running_pid():
+        if self._embedded_pg() and self.pg.running_pid():
             self.pg.stop()
             self.say("postgresql        stopped")
+
+
+def _points_at(url: str, port: int | None) -> bool:
+    """Whether ``url`` names the local server of ours that listens (or listened) on ``port``."""
+    if port is None:
+        return False
+    try:
+        parts = urlsplit(url)
+        return parts.hostname in ("127.0.0.1", "localhost") and parts.port == port
+    except ValueError:
+        return False

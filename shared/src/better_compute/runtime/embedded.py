@@ -194,6 +194,11 @@ class EmbeddedNats:
     def _meta(self) -> dict[str, Any]:
         return _read_json(self.meta)
 
+    def recorded_port(self) -> int | None:
+        """The port of this server's last start, or None before its first."""
+        port = self._meta().get("port")
+        return port if isinstance(port, int) else None
+
     def running_pid(self) -> int | None:
         pid = self._meta().get("pid")
         return pid if isinstance(pid, int) and pid_alive(pid) else None
@@ -242,6 +247,11 @@ class EmbeddedPostgres:
     @property
     def port(self) -> int:
         return int(self._meta()["port"])
+
+    def recorded_port(self) -> int | None:
+        """The port of this cluster's last start, or None before its first."""
+        port = self._meta().get("port")
+        return port if isinstance(port, int) else None
 
     def url(self, database: str | None = None) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database or self.database}"
@@ -314,6 +324,13 @@ class EmbeddedPostgres:
                  "--auth=trust", "--encoding=UTF8", "--locale=C", "--no-sync"],
                 **run_as,
             )  # fmt: skip
+        # A crashed server leaves its lock files. PostgreSQL ignores those whose pid is gone, but
+        # not those whose pid is a zombie (a container's init that reaps no orphans), which
+        # running_pid() already counts as dead.
+        if self.running_pid() is None:
+            (self.data / "postmaster.pid").unlink(missing_ok=True)
+            for lock in (self.dir / "sock").glob(".s.PGSQL.*.lock"):
+                lock.unlink(missing_ok=True)
         port = self._meta().get("port")
         if not isinstance(port, int) or not port_free(port):
             port = free_port()

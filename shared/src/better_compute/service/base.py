@@ -4,6 +4,12 @@
 PostgreSQL, applies the service's migrations, serves its routes as a NATS micro
 service (so ``$SRV.PING/INFO/STATS`` answer), runs its side loops in a TaskGroup and
 stops gracefully: in-flight requests get a grace period, then are cancelled.
+
+Outages of NATS or PostgreSQL, of any length, never end a service (``faults``): start-up
+waits for both with a jittered, capped backoff; a side loop that fails on a transient fault
+is logged and started again after a backoff; a request that meets one is answered
+``UNAVAILABLE``; NATS reconnects for ever and nats-py subscribes again by itself. Only a
+bug (an error retrying cannot fix) stops the service, for its supervisor to restart.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from ..runtime.urls import resolve_database_url, resolve_nats_url
 from ..wire import Subjects, encode_error, encode_ok
 from ..wire.codec import decode, encode
 from ..wire.paging import PAGE_BUDGET
-from .client import ApiClient, connect
+from .client import ApiClient, connect, safe_url
 from .db import Database, load_migrations
+from .faults import Backoff, describe, is_transient
 
 __all__ = ["ApiRequest", "Handler", "Service"]
 
@@ -93,6 +100,7 @@ class Service:
         self._stop_event = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
         self._stopped = False
+        self._serving = False
         self._health_server: asyncio.Server | None = None
 
     # -- hooks for subclasses -------------------------------------------------
@@ -102,7 +110,8 @@ class Service:
         return {}
 
     def side_loops(self) -> Mapping[str, SideLoop]:
-        """Named background loops; the first one to fail stops the service."""
+        """Named background loops. One that fails on a transient fault starts again after a
+        backoff; one that fails on anything else stops the service."""
         return {}
 
     def _all_side_loops(self) -> Mapping[str, SideLoop]:
@@ -135,7 +144,10 @@ class Service:
         return Database(url, self.schema)
 
     async def on_start(self) -> None:
-        """After connections and migrations, before serving."""
+        """After connections and migrations, before serving.
+
+        Runs again when it fails on a transient fault: do database work before subscribing.
+        """
 
     async def on_stop(self) -> None:
         """After serving stopped, before connections close."""
@@ -154,17 +166,18 @@ class Service:
         await self.stop()
 
     async def start(self) -> None:
+        """Connect, migrate, ``on_start``, serve. Waits for NATS and PostgreSQL as long as they
+        are away (returns early, serving nothing, when asked to stop meanwhile)."""
+        # Where the servers are is configuration: without it, fail now with what to do.
         nats_url = resolve_nats_url(self.settings)
-        self.nc = await connect(nats_url, name=f"{self.name}:{self.instance}")
-        self.api = ApiClient(self.nc, self.subjects)
-        if self.schema is not None:
-            self.db = self.make_database(resolve_database_url(self.settings))
-            await self.db.open()
-            if self.migrations_package:
-                applied = await self.db.migrate(load_migrations(self.migrations_package))
-                if applied:
-                    self.log.info("migrations_applied", schema=self.schema, versions=applied)
-        await self.on_start()
+        db_url = resolve_database_url(self.settings) if self.schema is not None else None
+        if not await self._patiently("nats", lambda: self._connect_nats(nats_url)):
+            return
+        if db_url is not None and not await self._patiently("postgres", lambda: self._open_database(db_url)):
+            return
+        if not await self._patiently("on_start", self.on_start):
+            return
+        assert self.nc is not None
         self.micro = await add_service(
             self.nc,
             name=self.name,
@@ -184,7 +197,7 @@ class Service:
                 EndpointConfig(
                     name=route.replace(".", "-"),
                     subject=self.subjects.api(self.api_name, resource, verb),
-                    handler=self._dispatcher(route, handler),
+                    handler=self._dispatcher(route, self._unavailable_on_fault(route, handler)),
                     queue_group=f"{self.subjects.root}.{self.api_name}",
                 )
             )
@@ -194,10 +207,68 @@ class Service:
             )
         await self.nc.flush()
         self.started_at = time.time()
+        self._serving = True
         self.log.info("service_started", version=__version__, routes=sorted(routes))
+
+    async def _connect_nats(self, url: str) -> None:
+        self.nc = await connect(
+            url,
+            name=f"{self.name}:{self.instance}",
+            error_cb=self._nats_error,
+            disconnected_cb=self._nats_disconnected,
+            reconnected_cb=self._nats_reconnected,
+        )
+        self.api = ApiClient(self.nc, self.subjects)
+
+    async def _open_database(self, url: str) -> None:
+        db = self.make_database(url)
+        try:
+            await db.open()
+            if self.migrations_package:
+                applied = await db.migrate(load_migrations(self.migrations_package))
+                if applied:
+                    self.log.info("migrations_applied", schema=self.schema, versions=applied)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await db.close()
+            raise
+        self.db = db
+
+    async def _patiently(self, what: str, step: Callable[[], Awaitable[None]]) -> bool:
+        """``step()`` until it gets through a transient fault; False when asked to stop first."""
+        backoff = Backoff(first=0.2, cap=5.0)
+        while not self._stop_event.is_set():
+            try:
+                await step()
+                if backoff.failures:
+                    self.log.info("dependency_reachable", waited_for=what)
+                return True
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                delay = backoff.next()
+                self.log.warning(
+                    "waiting_for_dependency", waited_for=what, error=describe(exc), retry_in_s=round(delay, 2)
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_event.wait(), timeout=delay)
+        return False
+
+    async def _nats_error(self, exc: Exception) -> None:
+        self.log.debug("nats_error", error=type(exc).__name__)
+
+    async def _nats_disconnected(self) -> None:
+        if not self._stopped:
+            self.log.warning("nats_disconnected")
+
+    async def _nats_reconnected(self) -> None:
+        url = self.nc.connected_url if self.nc is not None else None
+        self.log.info("nats_reconnected", url=safe_url(url.geturl()) if url is not None else None)
 
     async def run(self) -> None:
         """Serve until ``request_stop()`` (or SIGTERM via ``run_service``) or a side loop fails."""
+        if not self._serving:
+            return  # asked to stop while waiting for NATS or PostgreSQL
         loops = self._all_side_loops()
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(self._guard(name, fn), name=name) for name, fn in loops.items()]
@@ -206,14 +277,56 @@ class Service:
                 task.cancel()
 
     async def _guard(self, name: str, fn: SideLoop) -> None:
-        try:
-            await fn()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            self.log.exception("side_loop_failed", loop=name)
-            self._stop_event.set()
-            raise
+        """Run a side loop; start it again after a backoff when a transient fault ends it."""
+        backoff = Backoff(first=0.2, cap=5.0)
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            try:
+                await fn()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not await self._transient(exc):
+                    self.log.exception("side_loop_failed", loop=name)
+                    self._stop_event.set()
+                    raise
+                if loop.time() - began > 60.0:
+                    backoff.reset()  # it ran fine for a while: this is a new outage
+                delay = backoff.next()
+                self.log.warning(
+                    "side_loop_interrupted", loop=name, error=describe(exc), retry_in_s=round(delay, 2)
+                )
+            await asyncio.sleep(delay)
+
+    async def _transient(self, exc: Exception) -> bool:
+        """A transient fault, or any error while NATS or PostgreSQL is away (its likely cause)."""
+        if is_transient(exc):
+            return True
+        if self.nc is not None and not self.nc.is_connected:
+            return True
+        return self.db is not None and not await self.db.ping()
+
+    def _unavailable_on_fault(self, route: str, handler: Handler) -> Handler:
+        """A request that meets a transient fault is answered ``UNAVAILABLE`` (try again), not
+        ``INTERNAL``."""
+
+        async def guarded(request: ApiRequest) -> Any:
+            try:
+                return await handler(request)
+            except (BcError, msgspec.ValidationError):
+                raise
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self.log.warning("request_unavailable", route=route, error=describe(exc))
+                raise BcError(
+                    ErrorCode.UNAVAILABLE,
+                    f"{route} cannot be served now: a server it needs is away; try again",
+                ) from exc
+
+        return guarded
 
     def request_stop(self) -> None:
         self._stop_event.set()

@@ -31,20 +31,41 @@ def safe_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+CONNECT_TRIES = 2  # a first connection gives up after this many tries (seconds, not minutes)
+
+
+async def _quiet(_exc: Exception) -> None:
+    """nats-py's default error callback logs a traceback for every failed (re)connect try;
+    callers get a typed error (or a reconnect) instead, and services log through their own."""
+
+
 async def connect(url: str, *, name: str, **kwargs: Any) -> Nats:
-    """Connect to NATS; ``UNAVAILABLE`` when nothing answers."""
+    """Connect to NATS; ``UNAVAILABLE`` naming ``url`` (without credentials) when nothing answers.
+
+    The first connection is bounded (``CONNECT_TRIES`` tries of ``connect_timeout`` seconds), so a
+    caller never hangs on a wrong or dead URL; a service that must wait for NATS retries this
+    itself. Once connected, a connection with ``allow_reconnect`` (the default) reconnects for
+    ever (``max_reconnect_attempts=-1``) and nats-py subscribes again by itself.
+    """
+    reconnects = kwargs.pop("max_reconnect_attempts", -1)
+    kwargs.setdefault("error_cb", _quiet)
     try:
         nc: Nats = await nats.connect(
             url,
             name=name,
             connect_timeout=kwargs.pop("connect_timeout", 2),
-            max_reconnect_attempts=kwargs.pop("max_reconnect_attempts", -1),
+            # nats-py uses the same limit for the first connection, where -1 (or 0) means trying
+            # for ever: bound it here, and lift it once connected.
+            max_reconnect_attempts=CONNECT_TRIES - 1,
             reconnect_time_wait=kwargs.pop("reconnect_time_wait", 0.5),
             allow_reconnect=kwargs.pop("allow_reconnect", True),
             **kwargs,
         )
     except (OSError, nats.errors.Error) as exc:
-        raise BcError(ErrorCode.UNAVAILABLE, f"cannot reach NATS at {safe_url(url)}") from exc
+        raise BcError(
+            ErrorCode.UNAVAILABLE, f"cannot reach NATS at {safe_url(url)}", {"url": safe_url(url)}
+        ) from exc
+    nc.options["max_reconnect_attempts"] = reconnects
     return nc
 
 
@@ -63,8 +84,8 @@ class ApiClient:
     async def call(self, service: str, route: str, payload: Any = None, *, timeout: float = 10.0) -> Any:
         """Call ``route`` (``resource.verb``) of ``service`` and return its result.
 
-        Raises the service's ``BcError``; ``UNAVAILABLE`` when no instance listens,
-        ``TIMEOUT`` when none answers in time.
+        Raises the service's ``BcError``; ``UNAVAILABLE`` when no instance listens or NATS is
+        away, ``TIMEOUT`` when none answers in time.
         """
         resource, _, verb = route.partition(".")
         subject = self.subjects.api(service, resource, verb)
@@ -93,6 +114,8 @@ class ApiClient:
                 ) from exc
             except nats.errors.TimeoutError as exc:
                 raise BcError(ErrorCode.TIMEOUT, f"{subject} did not answer within {timeout}s") from exc
+            except nats.errors.Error as exc:  # the connection is closed, or reconnecting and full
+                raise BcError(ErrorCode.UNAVAILABLE, f"NATS: {type(exc).__name__}") from exc
             return unwrap(msg.data)
         raise AssertionError("unreachable")
 

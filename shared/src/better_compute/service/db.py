@@ -7,7 +7,9 @@ each file once) and recorded in ``<schema>.schema_migrations``.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.resources
+import logging
 import re
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,9 +19,11 @@ from typing import Any
 import asyncpg
 
 from ..core.errors import BcError, ErrorCode
+from .faults import describe, is_transient
 
 __all__ = ["Database", "Migration", "apply_migrations", "load_migrations"]
 
+CONNECT_TIMEOUT = 10.0  # seconds for one new connection (asyncpg's default is 60)
 _NAME_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
@@ -80,6 +84,21 @@ async def apply_migrations(conn: Any, schema: str, migrations: list[Migration]) 
     return applied_now
 
 
+class _OutageWithoutTraceback(logging.Filter):
+    """asyncpg's pool logs a traceback each time it fails to reconnect its minimum of
+    connections; during a PostgreSQL outage that is one line, not a stack, per try."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and is_transient(exc):
+            record.msg = f"{record.msg} ({describe(exc)})"
+            record.exc_info = None
+        return True
+
+
+logging.getLogger("asyncpg.pool").addFilter(_OutageWithoutTraceback())
+
+
 async def _keep_session(_conn: Any) -> None:
     """Return a connection to the pool without asyncpg's reset query.
 
@@ -118,9 +137,20 @@ class Database:
                 server_settings={"search_path": f'"{self.schema}", public'},
                 init=self.init,
                 reset=_keep_session,
+                timeout=CONNECT_TIMEOUT,
             )
-        except (OSError, asyncpg.PostgresError) as exc:
-            raise BcError(ErrorCode.UNAVAILABLE, f"cannot reach PostgreSQL: {type(exc).__name__}") from exc
+        except Exception as exc:
+            if is_transient(exc):
+                raise BcError(
+                    ErrorCode.UNAVAILABLE, f"cannot reach PostgreSQL: {type(exc).__name__}"
+                ) from exc
+            if isinstance(exc, asyncpg.PostgresError):  # a wrong database, user or password
+                raise BcError(
+                    ErrorCode.INVALID_CONFIG,
+                    f"PostgreSQL refused the connection: {type(exc).__name__}",
+                    {"path": "database_url"},
+                ) from exc
+            raise
 
     async def migrate(self, migrations: list[Migration]) -> list[int]:
         async with self.pool.acquire() as conn:
@@ -150,10 +180,13 @@ class Database:
         return str(await self.pool.execute(sql, *args))
 
     async def ping(self) -> bool:
+        """Whether PostgreSQL answers within a couple of seconds."""
         try:
-            return bool(await self.pool.fetchval("SELECT true"))
-        except (OSError, asyncpg.PostgresError):
-            return False
+            return bool(await asyncio.wait_for(self.pool.fetchval("SELECT true"), timeout=2.0))
+        except Exception as exc:
+            if is_transient(exc):
+                return False
+            raise
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -22,8 +22,19 @@ __all__ = ["ServiceProcess", "ServiceProcesses"]
 class ServiceProcess:
     """One running service process, its output captured to a file."""
 
-    def __init__(self, service: str, proc: subprocess.Popen[bytes], log: Path, handle: IO[bytes]) -> None:
+    def __init__(
+        self,
+        service: str,
+        proc: subprocess.Popen[bytes],
+        log: Path,
+        handle: IO[bytes],
+        *,
+        instance: str = "",
+        args: tuple[str, ...] = (),
+    ) -> None:
         self.service = service
+        self.instance = instance
+        self.args = args
         self.proc = proc
         self.log = log
         self._handle = handle
@@ -77,8 +88,10 @@ class ServiceProcesses:
         self.procs: list[ServiceProcess] = []
         self._n = 0
 
-    def start(self, service: str, *args: str) -> ServiceProcess:
+    def start(self, service: str, *args: str, instance: str | None = None) -> ServiceProcess:
+        """Start ``service`` as instance ``instance`` (default ``<service>-<n>``, a new name each time)."""
         self._n += 1
+        instance = instance or f"{service}-{self._n}"
         env = dict(os.environ)
         env.update(
             BC_NATS_URL=self.settings.nats_url or "",
@@ -92,15 +105,19 @@ class ServiceProcesses:
         log = self.log_dir / f"{service}-{self._n}.log"
         handle = open(log, "wb")  # noqa: SIM115 -- closed by ServiceProcess.close
         proc = subprocess.Popen(
-            [sys.executable, "-m", SERVICES[service], "--instance", f"{service}-{self._n}", *args],
+            [sys.executable, "-m", SERVICES[service], "--instance", instance, *args],
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-        sp = ServiceProcess(service, proc, log, handle)
+        sp = ServiceProcess(service, proc, log, handle, instance=instance, args=args)
         self.procs.append(sp)
         return sp
+
+    def restart(self, old: ServiceProcess) -> ServiceProcess:
+        """Start ``old``'s service again under the same instance name, as a supervisor does."""
+        return self.start(old.service, *old.args, instance=old.instance)
 
     async def wait_ready(self, *, timeout: float = 30.0) -> list[dict[str, Any]]:
         """Wait until every live process answers ``$SRV.STATS``; returns what answered."""

@@ -1,0 +1,90 @@
+"""Transient faults (PostgreSQL or NATS away for a while) and the backoff that rides them out.
+
+A service never exits on a transient fault: it logs, waits a jittered, capped, growing delay
+and tries again. Anything else is a bug, which retrying cannot fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import socket
+
+import asyncpg
+import nats.errors
+import nats.js.errors
+
+from ..core.errors import BcError, ErrorCode
+
+__all__ = ["Backoff", "describe", "is_transient"]
+
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    ConnectionError,  # refused, reset, aborted, broken pipe
+    TimeoutError,  # asyncio's and nats-py's too
+    socket.gaierror,  # the server's name does not resolve (DNS away)
+    asyncpg.PostgresConnectionError,  # the connection broke or was never made
+    asyncpg.InterfaceError,  # the connection was closed under us, the pool is closing
+    asyncpg.exceptions.OperatorInterventionError,  # the server is shutting down or starting up
+    asyncpg.exceptions.TooManyConnectionsError,
+    # a pooled connection the server shut down in the middle of an operation, handed out again
+    # before asyncpg noticed it closed ("cannot switch to state …; another operation is in progress")
+    asyncpg.exceptions.InternalClientError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionDrainingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.FlushTimeoutError,
+    nats.errors.NoServersError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)
+_TRANSIENT_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+# A connect() that fails on the network raises a plain OSError with one of these (or, for
+# several addresses at once, with none); a missing or unreadable file is not transient.
+_NETWORK_ERRNOS = frozenset(
+    {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN, errno.EADDRNOTAVAIL, None}
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says a server is away for now, not that we are wrong."""
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        if isinstance(cur, BcError):
+            if cur.code in _TRANSIENT_CODES:
+                return True
+        elif isinstance(cur, _TRANSIENT) or (type(cur) is OSError and cur.errno in _NETWORK_ERRNOS):
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
+
+
+def describe(exc: BaseException) -> str:
+    """A short, secret-free description for a log line: the type and, for our errors, the code."""
+    if isinstance(exc, BcError):
+        return f"{exc.code.value}: {exc.message}"
+    return type(exc).__name__
+
+
+class Backoff:
+    """Exponential delays with "equal jitter": each is ``d/2 + random(0, d/2)``, ``d`` doubling
+    from ``first`` up to ``cap``. Jitter keeps many processes that lost the same server from
+    coming back in step."""
+
+    def __init__(self, *, first: float = 0.1, cap: float = 5.0) -> None:
+        self.first = first
+        self.cap = cap
+        self.failures = 0
+
+    def next(self) -> float:
+        """The delay before the next try, counting this failure."""
+        ceiling = min(self.cap, self.first * (2 ** min(self.failures, 32)))
+        self.failures += 1
+        return float(ceiling / 2 + random.uniform(0, ceiling / 2))  # jitter, not a secret
+
+    def reset(self) -> None:
+        self.failures = 0

@@ -1,0 +1,54 @@
+"""Fixtures for tests that stop, kill and restart the servers: a private nats-server and
+PostgreSQL per test (the session's servers are shared by every test and must stay up)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import msgspec
+import pytest
+import pytest_asyncio
+
+from better_compute.config import Settings
+from better_compute.service import ApiClient, connect
+from better_compute.testing import ServiceProcesses
+from better_compute.wire import Subjects
+from chaos_stack import FAST, PrivateServers, Stack
+from engine_test_app import TABLES
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[PrivateServers]:
+    srv = PrivateServers(tmp_path / "servers")
+    yield srv
+    srv.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(
+    servers: PrivateServers, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path
+) -> AsyncIterator[Stack]:
+    settings = msgspec.structs.replace(
+        bc_settings,
+        nats_url=servers.nats_url,
+        database_url=servers.database_url,
+        app="engine_test_app:app",
+    )
+    conn = await asyncpg.connect(servers.database_url)
+    try:
+        await conn.execute(TABLES)
+    finally:
+        await conn.close()
+    bc_processes.settings = settings
+    bc_processes.extra_env.update(FAST)
+    nc = await connect(servers.nats_url, name="bc-test")
+    api = ApiClient(nc, Subjects(root=settings.subject_root))
+    s = Stack(servers, bc_processes, api, tmp_path)
+    try:
+        yield s
+    finally:
+        for sim in s.agents:
+            sim.close()
+        await nc.close()

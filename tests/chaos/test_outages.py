@@ -1,0 +1,99 @@
+"""PostgreSQL and nats-server outages, short and long, while workflows run: every service rides
+them out (same process, same pid), every workflow finishes, nothing runs twice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from better_compute.testing.agents import SimAgent, until
+from chaos_stack import Stack
+
+SERVICES = ("bc-pki", "bc-command-queue", "bc-secrets", "bc-engine")
+# control-plane side effects (counted in plg_test_effects) and site commands (counted at the agent)
+STEPS: list[dict[str, Any]] = [
+    {"use": "test.sideEffect"},
+    {"use": "test.waitFlag", "with": {"flag": "go"}},
+    {"use": "test.power", "on": "site", "timeout": "10m", "with": {"action": "on"}},
+    {"use": "test.sideEffect"},
+    {"use": "test.power", "on": "site", "timeout": "10m", "with": {"action": "off"}},
+    {"use": "test.sideEffect"},
+]
+WORKFLOWS = 10
+
+
+async def outage(stop: Callable[[], None], start: Callable[[], None], seconds: float) -> None:
+    stop()
+    await asyncio.sleep(seconds)  # the length of the fault under test, not a wait for a condition
+    start()
+
+
+async def start_workflows(stack: Stack) -> tuple[SimAgent, list[str], dict[str, int]]:
+    for service in SERVICES:
+        stack.procs.start(service)
+    await stack.procs.wait_ready()
+    sim, _agent = await stack.agent("lab", "--delay", "power.setPower=300")
+    await stack.profile("busy", STEPS)
+    ids = []
+    for _ in range(WORKFLOWS):
+        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"})
+        wf = await stack.api.call("engine", "workflows.start", {"profileId": "busy", "nodeId": node["id"]})
+        ids.append(wf["id"])
+    db = await stack.db()
+    try:
+
+        async def all_waiting() -> bool:
+            n = await db.fetchval(
+                "SELECT count(*) FROM engine.workflow_steps WHERE idx = 1 AND state = 'running'"
+            )
+            return bool(n == WORKFLOWS)
+
+        await until(all_waiting)
+        await db.execute("INSERT INTO public.plg_test_flags VALUES ('go')")
+    finally:
+        await db.close()
+    await until(lambda: len(sim.executions()) >= 1)  # commands are flowing
+    return sim, ids, stack.pids()
+
+
+async def check_all_done_once(stack: Stack, sim: SimAgent, ids: list[str], pids: dict[str, int]) -> None:
+    done = await stack.finished(ids)
+    assert [d["state"] for d in done] == ["succeeded"] * WORKFLOWS, [d["error"] for d in done]
+    db = await stack.db()
+    try:
+        assert await db.fetchval("SELECT count(*) FROM public.plg_test_effects") == 3 * WORKFLOWS
+    finally:
+        await db.close()
+    runs = [line.split()[0] for line in sim.executions()]
+    assert len(runs) == 2 * WORKFLOWS
+    assert len(set(runs)) == len(runs)  # no command ran twice at the agent
+    assert stack.pids() == pids  # every service is the process it was: none exited
+    assert sim.proc is not None
+    assert sim.proc.poll() is None
+
+
+async def test_two_second_outages_of_postgres_then_nats(stack: Stack) -> None:
+    sim, ids, pids = await start_workflows(stack)
+    await outage(stack.servers.stop_pg, stack.servers.start_pg, 2.0)
+    ran = len(sim.executions())
+    await until(lambda: len(sim.executions()) > ran)  # work goes on before the next fault
+    await outage(stack.servers.stop_nats, stack.servers.start_nats, 2.0)
+    await check_all_done_once(stack, sim, ids, pids)
+
+
+@pytest.mark.timeout(300)
+async def test_sixty_second_outages_of_postgres_and_nats_overlapping(stack: Stack) -> None:
+    # PostgreSQL away for 60 s, NATS for 60 s, overlapping by 30 s: the services see the store
+    # gone, then both, then the bus gone; leases lapse and must be taken again after.
+    sim, ids, pids = await start_workflows(stack)
+    stack.servers.stop_pg()
+    await asyncio.sleep(30.0)  # the fault's length, as above
+    stack.servers.stop_nats()
+    await asyncio.sleep(30.0)
+    stack.servers.start_pg()
+    await asyncio.sleep(30.0)
+    stack.servers.start_nats()
+    await check_all_done_once(stack, sim, ids, pids)
