@@ -109,7 +109,8 @@ async def test_a_failed_command_fails_the_step_with_driver_error(stack: Stack) -
 async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(stack: Stack) -> None:
     node = await stack.api.call("engine", "nodes.create", {"siteId": "lab3"})
     # no agent in lab3 yet: the step times out while its command (10 minutes to live) still waits
-    await stack.profile("slow", [{"use": "test.awaitPower", "timeout": "2s"}])
+    # (5 s: attempt 2 has as long, and it must outlast the agent's start on a loaded machine)
+    await stack.profile("slow", [{"use": "test.awaitPower", "timeout": "5s"}])
     wf_id = await stack.start("slow", node["id"])
     done = await wait_workflow(stack.api, wf_id, timeout=30)
     assert (done["state"], done["steps"][0]["error"]["code"]) == ("failed", "TIMEOUT")
@@ -117,6 +118,11 @@ async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(s
     assert (first.key, first.state) == (f"wf:{wf_id}:0#1:power", "pending")
 
     await stack.api.call("engine", "workflows.retry", {"id": wf_id})
+
+    async def first_cancelled() -> bool:
+        return (await stack.cq.get(first.id)).state == "cancelled"
+
+    await until(first_cancelled)  # only then may an agent appear in lab3
     sim, _ = await stack.agent("lab3")
     done = await wait_workflow(stack.api, wf_id, timeout=60)
     assert done["state"] == "succeeded", done

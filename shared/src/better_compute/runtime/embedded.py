@@ -103,10 +103,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def stop_pid(pid: int, *, grace: float = 5.0) -> bool:
-    """SIGTERM, then SIGKILL after ``grace`` seconds. True when it stopped within the grace."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
+def stop_pid(pid: int, *, grace: float = 5.0, first: int | None = signal.SIGTERM) -> bool:
+    """``first`` (SIGTERM; None sends nothing), then SIGKILL after ``grace`` seconds. True when
+    it stopped within the grace."""
+    if first is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, first)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
@@ -366,10 +368,20 @@ class EmbeddedPostgres:
                  self.database],
             )  # fmt: skip
 
-    def stop(self) -> None:
-        if self.running_pid() is None:
+    def stop(self, *, timeout: float = 120.0) -> None:
+        """Fast shutdown, waited for; on a loaded machine pg_ctl can give up before the server
+        is gone, so the postmaster itself is watched (and signalled) until it has exited."""
+        pid = self.running_pid()
+        if pid is None:
             return
         subprocess.run(
-            [str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"],
+            [str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w",
+             "-t", str(int(timeout)), "stop"],
             check=False, capture_output=True, **self._run_as(),
         )  # fmt: skip
+        if self.running_pid() is not None:
+            # SIGINT is PostgreSQL's fast shutdown; SIGKILL only if it will not go.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+            if not stop_pid(pid, grace=timeout, first=None):
+                stop_pid(pid, grace=5.0, first=None)
