@@ -18,7 +18,7 @@ from better_compute.logging import configure_logging
 
 from .daemon import MODES, detect_mode, serve
 from .hardware import claims, inventory
-from .join import DEFAULT_STATE_DIR, BcdState, join, read_cmdline
+from .join import DEFAULT_STATE_DIR, BcdState, install_service, join, read_cmdline
 from .system import Machine
 
 __all__ = ["main"]
@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--control-plane", help="https://, wss:// or nats:// URL (else bcd.control_plane=)")
     j.add_argument("--token-file", help="the join token's file (else bcd.token= on the kernel command line)")
     j.add_argument("--node", help="the node id the token was minted for")
+    j.add_argument("--no-service", action="store_true", help="do not install and start bcd.service")
     r = sub.add_parser("run", help="serve commands")
     r.add_argument("--mode", choices=MODES, default=os.environ.get("BCD_MODE"))
     r.add_argument("--control-plane", help="default: the one bcd joined")
@@ -77,6 +78,8 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
     )
     if token_path is not None:
         token_path.unlink(missing_ok=True)  # spent: nothing left to steal
+    if not args.no_service:
+        install_service(machine)
     print(json.dumps({"nodeId": enrollment.agent_id, "certId": enrollment.cert_id, "role": enrollment.role,
                       "siteId": enrollment.site_id}))  # fmt: skip
     return 0

@@ -24,7 +24,12 @@ from .system import Machine
 __all__ = ["SUPPORTED_UNITS", "Converger", "UnitFailed"]
 
 SecretFetcher = Callable[[str], Awaitable[bytes]]
-log = get_logger(component="bcd")
+
+
+def log() -> Any:
+    """bcd's logger, as configured when it logs (never bound before ``configure_logging``)."""
+    return get_logger(component="bcd")
+
 
 _SYSCTL_KEY: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./-]{0,255}$")
 _HUGEPAGE_KB: Final = {"2M": 2048, "1G": 1048576}
@@ -379,7 +384,7 @@ class Converger:
         _Unit(self.machine, None, []).write(
             f"{_STATE}/converge.json", json.dumps(doc, indent=2) + "\n", 0o600
         )
-        log.info("host_converged", generation=generation, observed_generation=observed,
+        log().info("host_converged", generation=generation, observed_generation=observed,
                  units={r["name"]: r["status"] for r in reports})  # fmt: skip
         if problems:
             summary = ", ".join(f"{r['name']} {r['status']}" for r in reports)

@@ -35,7 +35,10 @@ MODES: Final = ("ramdisk", "installed")
 RAMDISK_KINDS: Final = ("node.inventory", "node.wipe", "node.imageWrite")
 INSTALLED_KINDS: Final = ("node.inventory", "node.converge")
 
-log = get_logger(component="bcd")
+
+def log() -> Any:
+    """bcd's logger, as configured when it logs (never bound before ``configure_logging``)."""
+    return get_logger(component="bcd")
 
 
 def detect_mode(machine: Machine, given: str | None = None) -> Mode:
@@ -129,7 +132,7 @@ async def serve(
             if err.code is not ErrorCode.UNAVAILABLE:
                 raise
             wait = delay * (0.5 + random.random())  # jitter: a site's machines do not retry in step
-            log.warning("control_plane_unreachable", retry_in_s=round(wait, 1))
+            log().warning("control_plane_unreachable", retry_in_s=round(wait, 1))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
             delay = min(delay * 2, 30.0)
@@ -161,7 +164,7 @@ async def _serve_on(
         sign_results=True,
         max_concurrency=4,
     )
-    log.info("bcd_serving", node_id=enrollment.agent_id, mode=mode, kinds=sorted(handlers))
+    log().info("bcd_serving", node_id=enrollment.agent_id, mode=mode, kinds=sorted(handlers))
     async with agent:
         runner = asyncio.create_task(agent.run(), name="bcd-agent")
         stopper = asyncio.create_task(stop.wait(), name="bcd-stop")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
@@ -26,13 +27,25 @@ from better_compute.wire import Subjects
 from .hardware import claims as read_claims
 from .system import Machine
 
-__all__ = ["DEFAULT_STATE_DIR", "BcdState", "join", "nats_url", "read_cmdline"]
+__all__ = [
+    "DEFAULT_STATE_DIR",
+    "SERVICE_UNIT",
+    "BcdState",
+    "install_service",
+    "join",
+    "nats_url",
+    "read_cmdline",
+]
 
 DEFAULT_STATE_DIR: Final = "/var/lib/bcd"
+SERVICE_UNIT: Final = "/etc/systemd/system/bcd.service"
 _NATS_SCHEMES: Final = frozenset({"nats", "tls", "ws", "wss"})
 _WEB: Final = {"http": "ws", "https": "wss"}
 
-log = get_logger(component="bcd")
+
+def log() -> Any:
+    """bcd's logger, as configured when it logs (never bound before ``configure_logging``)."""
+    return get_logger(component="bcd")
 
 
 def nats_url(control_plane: str) -> str:
@@ -147,7 +160,7 @@ async def join(
             {"path": "node", "reason": "other-node"},
         )
     state.save(enrollment, control_plane=control_plane, subject_root=subject_root)
-    log.info(
+    log().info(
         "bcd_joined",
         node_id=enrollment.agent_id,
         cert_id=enrollment.cert_id,
@@ -156,3 +169,23 @@ async def join(
         rekeyed=before is not None and before.agent_id == enrollment.agent_id,
     )
     return enrollment
+
+
+def install_service(machine: Machine) -> bool:
+    """Install ``bcd.service`` (the unit in deploy/systemd) after a join, and start it.
+
+    The unit file goes under the root; ``systemctl`` runs only on the real machine (root
+    ``/``), so a test's tree never starts anything. Returns whether systemctl started it.
+    """
+    unit = resources.files("bcd").joinpath("bcd.service").read_text()
+    target = machine.path(SERVICE_UNIT)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(unit)
+    if machine.root != Path("/") or not machine.has("systemctl"):
+        return False
+    for argv in (("systemctl", "daemon-reload"), ("systemctl", "enable", "--now", "bcd.service")):
+        done = machine.run(*argv, timeout=60)
+        if done.returncode != 0:
+            log().warning("bcd_service_not_started", command=" ".join(argv), said=done.stderr.strip()[-200:])
+            return False
+    return True
