@@ -55,11 +55,18 @@ class BcdProcess:
     log: Path
 
     @classmethod
-    def start(cls, settings: Settings, root: Path, *args: str, log: Path) -> BcdProcess:
+    def start(
+        cls,
+        settings: Settings,
+        root: Path,
+        *args: str,
+        log: Path,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> BcdProcess:
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bcd", "run", *args],
-                env=bcd_env(settings, root),
+                env=bcd_env(settings, root, extra_env),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -6,6 +6,7 @@ built-in user data runs, and node commands whose results the command-queue check
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import http.server
@@ -13,13 +14,14 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import stat
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 import pytest
 import pytest_asyncio
@@ -314,3 +316,59 @@ async def test_the_installed_os_converges_and_reports_its_generation(
 
     wipe = await cq.wait((await cq.enqueue(command(node, "node.wipe", {}, "w"))).id, timeout=30)
     assert wipe.state == "rejected"  # the installed OS does not wipe disks
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        writer.close()
+
+
+async def test_bcd_waits_out_a_control_plane_that_is_not_there_yet(
+    stack: Stack, bcds: list[BcdProcess]
+) -> None:
+    node = new_id("node")
+    root = stack.tree("late")
+    token = await stack.token(node_id=node, productUuid=UUID)
+    assert (await stack.join(root, token.token, "--node", node)).returncode == 0
+    # bcd starts while nothing answers at its control plane's address
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    bcd = BcdProcess.start(
+        stack.settings, root, "--mode", "ramdisk", log=root.parent / "late.log",
+        extra_env={"BC_NATS_URL": f"nats://127.0.0.1:{port}"},
+    )  # fmt: skip
+    bcds.append(bcd)
+    await until(lambda: bcd.output().count("control_plane_unreachable") >= 2)
+    assert bcd.proc.poll() is None, bcd.output()
+    # then the gateway comes up (a loopback relay to the real NATS): bcd connects by itself
+    assert stack.settings.nats_url is not None
+    target = urlsplit(stack.settings.nats_url)
+
+    open_writers: list[asyncio.StreamWriter] = []
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(target.hostname, target.port)
+        open_writers.extend((writer, up_writer))
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+    server = await asyncio.start_server(relay, "127.0.0.1", port)
+    try:
+        await until(lambda: _connected(stack.cq, node))
+    finally:
+        bcd.close()
+        server.close()
+        for writer in open_writers:
+            writer.close()
+        await server.wait_closed()
+
+
+async def _connected(cq: CommandQueueClient, node: str) -> bool:
+    return any(a.id == node and a.connected for a in await cq.agents(site_id=SITE))
