@@ -213,6 +213,23 @@ def test_image_write_streams_verifies_and_reads_back(
     assert seen[-1][0] == "verifying"
 
 
+@pytest.mark.parametrize("fmt", ["raw.gz", "raw.zst"])
+def test_an_image_of_several_members_or_frames_is_written_whole(
+    tmp_path: Path, cache: tuple[Path, str], fmt: str
+) -> None:
+    # pigz and zstd -T write several gzip members / zstd frames; gzip -d and zstd -d read them all
+    folder, base = cache
+    raw = _image(3 * MIB)
+    parts = [raw[: MIB + 5], raw[MIB + 5 : 2 * MIB], raw[2 * MIB :]]
+    pack = gzip.compress if fmt == "raw.gz" else zstandard.ZstdCompressor().compress
+    packed = b"".join(pack(p) for p in parts)
+    (folder / f"multi-{fmt}").write_bytes(packed)
+    m = machine(tmp_path, disks=(DiskSpec("vdb", size=8 << 20),))
+    got = image_write(m, url=f"{base}/multi-{fmt}", sha256=hashlib.sha256(packed).hexdigest(), fmt=fmt)
+    assert got["bytesWritten"] == len(raw)
+    assert (m.root / "dev/vdb").read_bytes()[: len(raw)] == raw
+
+
 def test_a_corrupted_image_fails_with_both_digests_and_leaves_the_disk_unbootable(
     tmp_path: Path, cache: tuple[Path, str]
 ) -> None:

@@ -226,24 +226,63 @@ def wipe(machine: Machine, *, disks: list[str] | None, mode: str = "quick") -> d
 # -- image write --------------------------------------------------------------------
 
 
+class _Stream(Protocol):
+    @property
+    def eof(self) -> bool: ...
+
+    @property
+    def unused_data(self) -> bytes: ...
+
+    def decompress(self, data: bytes, /) -> bytes: ...
+
+
 class _Decoder(Protocol):
+    @property
+    def eof(self) -> bool: ...
+
     def decompress(self, data: bytes, /) -> bytes: ...
 
 
 class _Raw:
+    @property
+    def eof(self) -> bool:
+        return True
+
     def decompress(self, data: bytes, /) -> bytes:
         return data
+
+
+class _Members:
+    """Compressed members (gzip) or frames (zstd, xz streams) one after another, read whole as
+    ``gzip -d`` and ``zstd -d`` do: pigz and ``zstd -T`` write several."""
+
+    def __init__(self, make: Callable[[], _Stream]) -> None:
+        self._make = make
+        self._current = make()
+
+    @property
+    def eof(self) -> bool:
+        return self._current.eof
+
+    def decompress(self, data: bytes, /) -> bytes:
+        out = []
+        while data:
+            if self._current.eof:
+                self._current = self._make()
+            out.append(self._current.decompress(data))
+            data = self._current.unused_data if self._current.eof else b""
+        return b"".join(out)
 
 
 def _decoder(fmt: str) -> _Decoder:
     if fmt == "raw":
         return _Raw()
     if fmt == "raw.gz":
-        return zlib.decompressobj(wbits=47)  # gzip or zlib header
+        return _Members(lambda: zlib.decompressobj(wbits=47))  # gzip or zlib header
     if fmt == "raw.zst":
-        return zstandard.ZstdDecompressor().decompressobj()
+        return _Members(lambda: zstandard.ZstdDecompressor().decompressobj())
     if fmt == "raw.xz":
-        return lzma.LZMADecompressor()
+        return _Members(lzma.LZMADecompressor)
     raise CommandRejected(f"unsupported-format: image format {fmt} is not supported by this daemon")
 
 
@@ -314,10 +353,7 @@ def image_write(
 
         try:
             total = _stream(url, timeout, artifact, decoder, put, count, progress)
-            tail = getattr(decoder, "flush", None)
-            if callable(tail):
-                put(tail())
-            if fmt != "raw" and not getattr(decoder, "eof", True):
+            if not decoder.eof:
                 raise _BadImage("the compressed image ends early", "image-truncated")
         except _BadImage as bad:
             _unbootable(fd, size)
