@@ -270,13 +270,14 @@ def test_image_write_refuses_the_boot_disk_and_unknown_formats(
 
 # -- the host converger ----------------------------------------------------------------------
 
+REF = "sec_01M8R2PJRBNHM27WE1SRZ01H3G"
 UNITS: list[dict[str, Any]] = [
     {"name": "sysctl", "settings": {"values": {"net.ipv4.ip_forward": "1", "vm.swappiness": "10"}}},
     {"name": "kernel-modules", "settings": {"load": ["br_netfilter"], "blacklist": ["nouveau"],
                                             "options": {"nvidia": "NVreg_EnableGpuFirmware=0"}}},
     {"name": "hugepages", "settings": {"size": "2M", "count": 512}},
     {"name": "container-toolkit", "settings": {"runtime": "containerd", "setAsDefault": True}},
-    {"name": "k8s-join", "settings": {"apiServer": "https://k8s.example.test:6443", "tokenRef": "sec_x",
+    {"name": "k8s-join", "settings": {"apiServer": "https://k8s.example.test:6443", "tokenRef": REF,
                                       "caCertHash": "sha256:" + "a" * 64, "role": "worker",
                                       "labels": {"zone": "a"}, "taints": ["gpu=true:NoSchedule"]}},
     {"name": "nvidia-driver", "settings": {"version": "550.54.15", "kernelModule": "open"}},
@@ -341,7 +342,7 @@ async def test_every_built_in_unit_applies_once_then_reports_unchanged(tmp_path:
     assert ["nvidia-ctk", "runtime", "configure", "--runtime=containerd", "--set-as-default"] in runner.ran
     (join,) = runner.commands("kubeadm")
     assert join[:3] == ["kubeadm", "join", "k8s.example.test:6443"]
-    assert fetched == ["sec_x"]
+    assert fetched == [REF]
     k8s = next(u for u in first["units"] if u["name"] == "k8s-join")
     assert "abcdef.0123456789abcdef" not in str(k8s) + str(first)  # the token never reaches the report
     assert "--node-labels=zone=a" in (m.root / "etc/default/kubelet").read_text()
@@ -379,6 +380,17 @@ async def test_an_unsupported_unit_fails_the_host_section_after_the_known_units(
     assert info.value.reason == "host-section-failed"
     assert (m.root / "etc/sysctl.d/90-bc.conf").exists()  # the known unit still had its turn
     assert conv.observed_generation() == 1  # not advanced
+
+
+async def test_settings_a_unit_does_not_understand_fail_it_with_their_path(tmp_path: Path) -> None:
+    runner = RecordingRunner(programs={"sysctl"})
+    conv = Converger(machine(tmp_path, runner))
+    bad = {"name": "hugepages", "settings": {"size": "3M", "count": 1}}
+    with pytest.raises(BcError) as info:
+        await conv.converge(generation=1, units=[UNITS[0], bad])
+    assert "units[1].settings.size" in info.value.message
+    assert runner.commands("sysctl")  # the good unit still applied
+    assert not (conv.machine.root / "etc/systemd/system/bc-hugepages.service").exists()
 
 
 async def test_a_failing_command_fails_its_unit_with_what_it_said(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger, register_secret
+from better_compute.provision.config_units import BUILTIN_CONFIG_UNITS
 
 from .system import Machine
 
@@ -359,6 +360,15 @@ class Converger:
                 reports.append({"name": name, "status": "unsupported", "detail": problems[-1]})
                 continue
             apply, needs_gpu = known
+            try:
+                # bcd applies what its own units understand: their settings, defaults filled
+                settings = BUILTIN_CONFIG_UNITS[name].settings.validate(
+                    settings, path=f"units[{index}].settings"
+                )
+            except BcError as err:
+                problems.append(f"unit {name} failed: {err.message} (at {err.path})")
+                reports.append({"name": name, "status": "failed", "detail": problems[-1], "path": err.path})
+                continue
             if needs_gpu:
                 gpu = self._gpu() if gpu is None else gpu
                 if not gpu:
