@@ -20,7 +20,7 @@ import zstandard
 from bcd.converger import SUPPORTED_UNITS, Converger
 from bcd.daemon import detect_mode, node_handlers
 from bcd.disks import MIB, image_write, signatures, wipe
-from bcd.hardware import boot_disk, claims, inventory
+from bcd.hardware import boot_disk, boot_disks, claims, inventory
 from bcd.system import Machine
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
@@ -154,6 +154,22 @@ def test_wipe_refuses_the_disk_bcd_runs_from_and_skips_it_when_wiping_all(tmp_pa
     assert report["disks"][1] == {"disk": "/dev/vda", "skipped": "bcd runs from this disk"}
     assert (m.root / "dev/vda").read_bytes()[:11] == b"\xffbootloader"
     assert (m.root / "dev/vdb").read_bytes()[:11] == bytes(11)
+
+
+def test_a_root_on_lvm_over_raid_protects_every_disk_beneath_it(tmp_path: Path) -> None:
+    m = machine(tmp_path, disks=(DiskSpec("vda"), DiskSpec("vdb"), DiskSpec("vdc")))
+    (m.root / "proc/mounts").write_text("/dev/mapper/vg-root / ext4 rw 0 0\n")
+    (m.root / "dev/mapper").mkdir()
+    (m.root / "dev/mapper/vg-root").symlink_to("../dm-0")
+    for holder, parts in {"dm-0": ["md0"], "md0": ["vda2", "vdb2"]}.items():
+        for part in parts:
+            (m.root / f"sys/class/block/{holder}/slaves/{part}").mkdir(parents=True)
+    assert boot_disks(m) == {"vda", "vdb"}
+    for disk in ("/dev/vda", "/dev/vdb"):
+        with pytest.raises(CommandRejected, match="boot-disk"):
+            wipe(m, disks=[disk])
+    report = wipe(m, disks=None)
+    assert [d["disk"] for d in report["disks"] if "skipped" not in d] == ["/dev/vdc"]
 
 
 def test_wipe_of_a_disk_that_is_not_there_names_it(tmp_path: Path) -> None:

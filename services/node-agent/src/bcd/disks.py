@@ -24,7 +24,7 @@ import zstandard
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
 
-from .hardware import block_disks, boot_disk
+from .hardware import block_disks, boot_disks
 from .system import Machine
 
 __all__ = ["MIB", "image_write", "signatures", "wipe"]
@@ -50,7 +50,7 @@ def _target(machine: Machine, disk: str, *, where: str) -> str:
     name = _disk_name(disk)
     if "/" in name or name in ("", ".", ".."):
         raise BcError(ErrorCode.INVALID_INPUT, f"{disk} is not a disk", {"path": where})
-    if name == boot_disk(machine):
+    if name in boot_disks(machine):
         raise CommandRejected(f"boot-disk: bcd runs from {disk}; it does not erase or overwrite it")
     path = machine.path(f"/dev/{name}")
     if not path.exists():
@@ -177,14 +177,14 @@ def wipe(machine: Machine, *, disks: list[str] | None, mode: str = "quick") -> d
     mirrors), ``discard`` first discards the whole device where it can, ``secure`` zeroes all
     of it.
     """
-    boot = boot_disk(machine)
+    boot = boot_disks(machine)
     if disks:
         targets = [(d, _target(machine, d, where=f"disks[{i}]")) for i, d in enumerate(disks)]
         skipped: list[dict[str, Any]] = []
     else:
         names = block_disks(machine)
-        targets = [(f"/dev/{n}", str(machine.path(f"/dev/{n}"))) for n in names if n != boot]
-        skipped = [{"disk": f"/dev/{boot}", "skipped": "bcd runs from this disk"}] if boot in names else []
+        targets = [(f"/dev/{n}", str(machine.path(f"/dev/{n}"))) for n in names if n not in boot]
+        skipped = [{"disk": f"/dev/{n}", "skipped": "bcd runs from this disk"} for n in names if n in boot]
     reports = []
     for disk, path in targets:
         t0 = time.monotonic()
@@ -300,9 +300,9 @@ def _unbootable(fd: int, size: int) -> None:
 
 
 def _pick_disk(machine: Machine) -> str:
-    boot = boot_disk(machine)
+    boot = boot_disks(machine)
     for name in block_disks(machine):
-        if name != boot and machine.read(f"/sys/block/{name}/removable") != "1":
+        if name not in boot and machine.read(f"/sys/block/{name}/removable") != "1":
             return f"/dev/{name}"
     raise CommandRejected("no-disk: this machine has no disk to write the image to")
 

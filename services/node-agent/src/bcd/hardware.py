@@ -17,7 +17,7 @@ from better_compute.pki_client import JoinClaims
 
 from .system import Machine
 
-__all__ = ["block_disks", "boot_disk", "claims", "gpu_uuids", "inventory", "macs"]
+__all__ = ["block_disks", "boot_disk", "boot_disks", "claims", "gpu_uuids", "inventory", "macs"]
 
 _JUNK: Final = frozenset(
     {"", "none", "0", "default string", "to be filled by o.e.m.", "not specified", "not applicable",
@@ -105,14 +105,44 @@ def _parent_disk(machine: Machine, device: str) -> str:
     return match.group(1) if match else name
 
 
-def boot_disk(machine: Machine) -> str | None:
-    """The disk bcd runs from (the one mounted at ``/``); None in a ramdisk (tmpfs root)."""
-    mounts = machine.read("/proc/mounts") or ""
-    for line in mounts.splitlines():
+def _beneath(machine: Machine, name: str, depth: int = 0) -> set[str]:
+    """The disks under block device ``name``: through device-mapper, LVM and MD ``slaves``."""
+    holders = _listdir(machine.path(f"/sys/class/block/{name}/slaves"))
+    if not holders or depth > 8:
+        return {_parent_disk(machine, name)}
+    found: set[str] = set()
+    for holder in holders:
+        found |= _beneath(machine, holder, depth + 1)
+    return found
+
+
+def _root_device(machine: Machine) -> str | None:
+    """The block device mounted at ``/`` (``dm-0``, ``sda2``); None for a tmpfs root."""
+    for line in (machine.read("/proc/self/mountinfo") or "").splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == "/":
+            link = machine.path(f"/sys/dev/block/{fields[2]}")
+            if link.exists():
+                return link.resolve().name
+    for line in (machine.read("/proc/mounts") or "").splitlines():
         fields = line.split()
         if len(fields) >= 2 and fields[1] == "/" and fields[0].startswith("/dev/"):
-            return _parent_disk(machine, fields[0])
+            device = machine.path(fields[0])
+            # /dev/mapper/vg-root and /dev/disk/by-uuid/… are links to the kernel's name
+            return device.resolve().name if device.is_symlink() else fields[0].rsplit("/", 1)[-1]
     return None
+
+
+def boot_disks(machine: Machine) -> set[str]:
+    """The disks bcd runs from: every disk beneath the device mounted at ``/`` (several for a
+    root on RAID or LVM); none in a ramdisk (tmpfs root)."""
+    device = _root_device(machine)
+    return _beneath(machine, device) if device is not None else set()
+
+
+def boot_disk(machine: Machine) -> str | None:
+    """One disk bcd runs from (the first of ``boot_disks``), or None."""
+    return min(boot_disks(machine), default=None)
 
 
 def _lsblk(machine: Machine) -> dict[str, dict[str, Any]]:
@@ -131,7 +161,7 @@ def _lsblk(machine: Machine) -> dict[str, dict[str, Any]]:
 
 def _disks(machine: Machine) -> list[dict[str, Any]]:
     extra = _lsblk(machine)
-    boot = boot_disk(machine)
+    boot = boot_disks(machine)
     disks = []
     for name in block_disks(machine):
         base = f"/sys/block/{name}"
@@ -151,7 +181,7 @@ def _disks(machine: Machine) -> list[dict[str, Any]]:
                 "removable": machine.read(f"{base}/removable") == "1",
                 "transport": more.get("tran"),
                 "wwn": _value(machine, f"{base}/wwid") or more.get("wwn"),
-                "boot": name == boot,
+                "boot": name in boot,
             }
         )
     return disks
