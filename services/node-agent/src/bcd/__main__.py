@@ -1,2 +1,125 @@
-def main() -> None:
-    raise SystemExit("not built yet")
+"""bcd, the node agent: ``bcd join``, ``bcd run``, ``bcd inventory``.
+
+Every machine path (the token file, the state folder, /sys, /proc, /dev, /etc) is read under
+``--root`` (``BCD_ROOT``, default ``/``), so tests point bcd at a prepared tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.logging import configure_logging
+
+from .daemon import MODES, detect_mode, serve
+from .hardware import claims, inventory
+from .join import DEFAULT_STATE_DIR, BcdState, install_service, join, read_cmdline
+from .system import Machine
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bcd", description="Better Compute node agent")
+    parser.add_argument("--root", default=os.environ.get("BCD_ROOT", "/"), help="the machine's root folder")
+    parser.add_argument("--state-dir", default=os.environ.get("BCD_STATE_DIR", DEFAULT_STATE_DIR))
+    parser.add_argument("--subject-root", default=os.environ.get("BC_SUBJECT_ROOT"))
+    parser.add_argument("--log-level", default=os.environ.get("BCD_LOG_LEVEL", "info"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    j = sub.add_parser("join", help="join the control plane with a single-use token")
+    j.add_argument("--control-plane", help="https://, wss:// or nats:// URL (else bcd.control_plane=)")
+    j.add_argument("--token-file", help="the join token's file (else bcd.token= on the kernel command line)")
+    j.add_argument("--node", help="the node id the token was minted for")
+    j.add_argument("--no-service", action="store_true", help="do not install and start bcd.service")
+    r = sub.add_parser("run", help="serve commands")
+    r.add_argument("--mode", choices=MODES, default=os.environ.get("BCD_MODE"))
+    r.add_argument("--control-plane", help="default: the one bcd joined")
+    sub.add_parser("inventory", help="print the machine's inventory as JSON")
+    sub.add_parser("claims", help="print the hardware claims a join shows")
+    return parser
+
+
+def _join(args: argparse.Namespace, state: BcdState) -> int:
+    machine = state.machine
+    cmdline = read_cmdline(machine)
+    control_plane = args.control_plane or cmdline.get("control_plane")
+    if not control_plane:
+        raise BcError(ErrorCode.INVALID_INPUT, "give --control-plane", {"path": "control-plane"})
+    if args.token_file:
+        token_path = (
+            machine.path(args.token_file) if args.token_file.startswith("/") else Path(args.token_file)
+        )
+        try:
+            token = token_path.read_text().strip()
+        except OSError as exc:
+            raise BcError(
+                ErrorCode.INVALID_INPUT, f"cannot read the token file: {exc.strerror}", {"path": "token-file"}
+            ) from None
+    else:
+        token_path = None
+        token = cmdline.get("token", "")
+    if not token:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, "no join token (--token-file or bcd.token=)", {"path": "token-file"}
+        )
+    enrollment = asyncio.run(
+        join(
+            state,
+            control_plane=control_plane,
+            token=token,
+            node_id=args.node,
+            subject_root=args.subject_root or "bc",
+        )
+    )
+    if token_path is not None:
+        token_path.unlink(missing_ok=True)  # spent: nothing left to steal
+    if not args.no_service:
+        install_service(machine)
+    print(json.dumps({"nodeId": enrollment.agent_id, "certId": enrollment.cert_id, "role": enrollment.role,
+                      "siteId": enrollment.site_id}))  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    configure_logging(level=args.log_level, stream=sys.stderr)
+    machine = Machine(root=Path(args.root))
+    state = BcdState(machine, args.state_dir)
+    try:
+        if args.command == "join":
+            code = _join(args, state)
+        elif args.command == "run":
+            asyncio.run(
+                serve(state, mode=detect_mode(machine, args.mode), control_plane=args.control_plane,
+                      subject_root=args.subject_root)
+            )  # fmt: skip
+            code = 0
+        elif args.command == "claims":
+            print(json.dumps({k: v for k, v in _claims_doc(machine).items() if v}))
+            code = 0
+        else:
+            print(json.dumps(inventory(machine), indent=2))
+            code = 0
+    except BcError as err:
+        where = f" (at {err.path})" if err.path else ""
+        extra = f" {json.dumps(err.details['claims'])}" if "claims" in err.details else ""
+        print(f"bcd: error: {err.code.value}: {err.message}{where}{extra}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    raise SystemExit(code)
+
+
+def _claims_doc(machine: Machine) -> dict[str, object]:
+    found = claims(machine)
+    return {"macs": found.macs, "productUuid": found.product_uuid, "serial": found.serial,
+            "gpuUuids": found.gpu_uuids, "hostname": found.hostname}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -22,6 +22,7 @@ __all__ = [
     "MANAGEMENT_SET_BOOT_DEVICE",
     "MEDIA_EJECT",
     "MEDIA_INSERT",
+    "NODE_CONVERGE",
     "NODE_IMAGE_WRITE",
     "NODE_INVENTORY",
     "NODE_WIPE",
@@ -129,6 +130,26 @@ NODE_IMAGE_WRITE: Final = CommandKind(
     ),
 )
 
+NODE_CONVERGE: Final = CommandKind(
+    name="node.converge",
+    destructive=False,
+    description="Applies the node's host section (config units) and reports each unit and the generation",
+    payload=manifest(
+        {
+            "generation": field.int(min=0),
+            "units": field.list(
+                field.object(
+                    {
+                        "name": field.string(pattern=r"^[a-z][a-z0-9-]{0,63}$"),
+                        "settings": field.json().default({}),
+                    }
+                ),
+                max_items=256,
+            ).default([]),
+        }
+    ),
+)
+
 COMMAND_KINDS: Final[Mapping[str, CommandKind]] = MappingProxyType(
     {
         kind.name: kind
@@ -142,6 +163,7 @@ COMMAND_KINDS: Final[Mapping[str, CommandKind]] = MappingProxyType(
             NODE_INVENTORY,
             NODE_WIPE,
             NODE_IMAGE_WRITE,
+            NODE_CONVERGE,
         )
     }
 )

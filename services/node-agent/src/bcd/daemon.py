@@ -1,0 +1,177 @@
+"""``bcd run``: serve node commands through the agent SDK, each result signed with the node key.
+
+The same program serves in the ramdisk (inventory, wipe, image write; no converger) and in the
+installed OS (inventory and the host converger). A kind the mode does not serve is rejected by
+the SDK as unsupported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import signal
+from collections.abc import Mapping
+from typing import Any, Final, Literal
+
+from better_compute.agent import Agent, Command, CommandHandler, CommandRejected, Enrollment
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.logging import get_logger
+from better_compute.metal.commands import NODE_CONVERGE, NODE_IMAGE_WRITE, NODE_WIPE
+from better_compute.secrets_client import SecretsClient
+from better_compute.service.client import ApiClient, connect
+from better_compute.wire import Subjects
+
+from .converger import Converger
+from .disks import image_write, wipe
+from .hardware import inventory
+from .join import BcdState, nats_url, read_cmdline
+from .system import Machine
+
+__all__ = ["MODES", "Mode", "detect_mode", "node_handlers", "serve"]
+
+Mode = Literal["ramdisk", "installed"]
+MODES: Final = ("ramdisk", "installed")
+RAMDISK_KINDS: Final = ("node.inventory", "node.wipe", "node.imageWrite")
+INSTALLED_KINDS: Final = ("node.inventory", "node.converge")
+
+
+def log() -> Any:
+    """bcd's logger, as configured when it logs (never bound before ``configure_logging``)."""
+    return get_logger(component="bcd")
+
+
+def detect_mode(machine: Machine, given: str | None = None) -> Mode:
+    """``given``, else ``bcd.mode=`` on the kernel command line, else ``ramdisk`` when
+    ``/etc/bcd/ramdisk`` exists, else ``installed``."""
+    choice = given or read_cmdline(machine).get("mode")
+    if choice is None:
+        choice = "ramdisk" if machine.path("/etc/bcd/ramdisk").exists() else "installed"
+    if choice not in MODES:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, f"mode is ramdisk or installed, got {choice!r}", {"path": "mode"}
+        )
+    return "ramdisk" if choice == "ramdisk" else "installed"
+
+
+def node_handlers(
+    machine: Machine, mode: Mode, *, converger: Converger | None = None
+) -> dict[str, CommandHandler]:
+    """The command handlers bcd serves in ``mode``."""
+
+    async def node_inventory(cmd: Command) -> Any:
+        return await asyncio.to_thread(inventory, machine)
+
+    async def node_wipe(cmd: Command) -> Any:
+        payload = NODE_WIPE.payload.validate(cmd.payload, path="payload")
+        return await asyncio.to_thread(wipe, machine, disks=payload.get("disks"), mode=payload["mode"])
+
+    async def node_image_write(cmd: Command) -> Any:
+        payload = NODE_IMAGE_WRITE.payload.validate(cmd.payload, path="payload")
+        if payload.get("userDataRef"):
+            raise CommandRejected(
+                "unsupported: writing user data into the image is not supported by this daemon"
+            )
+        loop = asyncio.get_running_loop()
+
+        def progress(message: str, percent: float | None) -> None:
+            asyncio.run_coroutine_threadsafe(cmd.progress(message, percent=percent), loop)
+
+        return await asyncio.to_thread(
+            image_write,
+            machine,
+            url=payload["url"],
+            sha256=payload["sha256"],
+            fmt=payload["format"],
+            disk=payload.get("disk"),
+            progress=progress,
+        )
+
+    async def node_converge(cmd: Command) -> Any:
+        assert converger is not None
+        payload = NODE_CONVERGE.payload.validate(cmd.payload, path="payload")
+        return await converger.converge(generation=payload["generation"], units=payload["units"])
+
+    if mode == "ramdisk":
+        return {"node.inventory": node_inventory, "node.wipe": node_wipe, "node.imageWrite": node_image_write}
+    return {
+        "node.inventory": node_inventory,
+        "node.converge": node_converge,
+    }
+
+
+async def serve(
+    state: BcdState,
+    *,
+    mode: Mode,
+    control_plane: str | None = None,
+    subject_root: str | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT); rides out control-plane outages."""
+    enrollment: Enrollment | None = state.enrollment()
+    if enrollment is None:
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            "this machine has not joined: run bcd join first",
+            {"path": str(state.enrollment_file), "reason": "not-joined"},
+        )
+    saved = state.settings()
+    url = nats_url(control_plane or str(saved.get("controlPlane") or ""))
+    subjects = Subjects(root=subject_root or str(saved.get("subjectRoot") or "bc"))
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            nc = await connect(url, name=f"bcd:{enrollment.agent_id}")
+        except BcError as err:
+            if err.code is not ErrorCode.UNAVAILABLE:
+                raise
+            wait = delay * (0.5 + random.random())  # jitter: a site's machines do not retry in step
+            log().warning("control_plane_unreachable", retry_in_s=round(wait, 1))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+            delay = min(delay * 2, 30.0)
+            continue
+        try:
+            await _serve_on(nc, state, enrollment, mode, subjects, stop)
+        finally:
+            await nc.close()
+        return
+
+
+async def _serve_on(
+    nc: Any, state: BcdState, enrollment: Enrollment, mode: Mode, subjects: Subjects, stop: asyncio.Event
+) -> None:
+    api = ApiClient(nc, subjects)
+    secrets = SecretsClient(api)
+
+    async def fetch_secret(ref: str) -> bytes:
+        return await secrets.fetch(ref, identity=enrollment.identity)
+
+    converger = Converger(state.machine, fetch_secret=fetch_secret) if mode == "installed" else None
+    handlers: Mapping[str, CommandHandler] = node_handlers(state.machine, mode, converger=converger)
+    agent = Agent(
+        enrollment=enrollment,
+        handlers=handlers,
+        journal=state.journal_file,
+        nc=nc,
+        subjects=subjects,
+        sign_results=True,
+        max_concurrency=4,
+    )
+    log().info("bcd_serving", node_id=enrollment.agent_id, mode=mode, kinds=sorted(handlers))
+    async with agent:
+        runner = asyncio.create_task(agent.run(), name="bcd-agent")
+        stopper = asyncio.create_task(stop.wait(), name="bcd-stop")
+        done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        agent.request_stop()
+        stopper.cancel()
+        if runner in done:
+            runner.result()
+        else:
+            await runner

@@ -1,0 +1,439 @@
+"""bcd on prepared machine trees: claims, inventory, wipe, image write, the host converger."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.server
+import os
+import shutil
+import struct
+import subprocess
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zstandard
+
+from bcd.converger import SUPPORTED_UNITS, Converger
+from bcd.daemon import detect_mode, node_handlers
+from bcd.disks import MIB, image_write, signatures, wipe
+from bcd.hardware import boot_disk, boot_disks, claims, inventory
+from bcd.system import Machine
+from better_compute.agent import CommandRejected
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.provision.config_units import BUILTIN_CONFIG_UNITS
+from better_compute.testing.machines import DiskSpec, RecordingRunner, RunAnswer, prepare_machine
+
+pytestmark = pytest.mark.unit
+
+
+def machine(tmp_path: Path, runner: RecordingRunner | None = None, **kw: Any) -> Machine:
+    return Machine(root=prepare_machine(tmp_path / "root", **kw), runner=runner or RecordingRunner())  # type: ignore[arg-type]
+
+
+# -- claims and inventory -----------------------------------------------------------------
+
+
+def test_claims_come_from_dmi_and_the_physical_nics(tmp_path: Path) -> None:
+    runner = RecordingRunner(
+        programs={"nvidia-smi"},
+        answers={"nvidia-smi": lambda argv: RunAnswer(stdout="GPU-bbb\nGPU-aaa\n")},
+    )
+    m = machine(tmp_path, runner, macs=("52:54:00:AA:00:02", "52:54:00:aa:00:01"), serial="SER-9")
+    got = claims(m)
+    assert got.product_uuid == "4c4c4544-0042-3510-8052-b4c04f4e3432"
+    assert got.serial == "SER-9"
+    assert got.macs == ["52:54:00:aa:00:01", "52:54:00:aa:00:02"]  # lo is not a claim
+    assert got.gpu_uuids == ["GPU-aaa", "GPU-bbb"]
+    assert got.hostname == "sim-node"
+
+
+def test_a_board_without_a_real_serial_claims_none(tmp_path: Path) -> None:
+    m = machine(tmp_path, serial="To Be Filled By O.E.M.")
+    assert claims(m).serial is None
+
+
+def test_inventory_of_a_prepared_tree(tmp_path: Path) -> None:
+    m = machine(
+        tmp_path,
+        disks=(DiskSpec("sda", size=64 << 20, rotational=True, serial="WD-1"), DiskSpec("nvme0n1")),
+        root_disk="sda",
+        cpus=8,
+    )
+    (m.root / "sys/block/loop0/device").mkdir(parents=True)  # not a disk
+    inv = inventory(m)
+    assert inv["cpus"]["threads"] == 8
+    assert inv["cpus"]["virtualization"] is True
+    assert inv["memory"]["totalBytes"] == 16 << 30
+    disks = {d["name"]: d for d in inv["disks"]}
+    assert set(disks) == {"sda", "nvme0n1"}
+    assert (
+        disks["sda"].items()
+        >= {"sizeBytes": 64 << 20, "serial": "WD-1", "rotational": True, "boot": True}.items()
+    )
+    assert disks["nvme0n1"]["rotational"] is False
+    assert inv["nics"][0].items() >= {"mac": "52:54:00:12:34:56", "link": True, "speedMbps": 25000}.items()
+    assert inv["firmware"]["biosVersion"] == "1.2.3"
+
+
+def test_inventory_of_this_machine_reads_only() -> None:
+    inv = inventory(Machine())
+    assert inv["cpus"]["threads"] == os.cpu_count()
+    assert inv["memory"]["totalBytes"] > 0
+    assert inv["nics"], "this machine has a NIC"
+    if shutil.which("lsblk"):
+        assert inv["disks"], "lsblk sees a disk here, so must bcd"
+        assert all(d["sizeBytes"] for d in inv["disks"])
+
+
+# -- wipe ---------------------------------------------------------------------------------
+
+
+def _mbr(path: Path, start_sector: int, sectors: int) -> None:
+    entry = struct.pack("<B3sB3sII", 0x80, b"\x00" * 3, 0x83, b"\x00" * 3, start_sector, sectors)
+    with open(path, "r+b") as fh:
+        fh.seek(446)
+        fh.write(entry)
+        fh.seek(510)
+        fh.write(b"\x55\xaa")
+
+
+def _sigs(path: Path) -> list[str]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return signatures(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="needs mkfs.ext4")
+def test_wipe_erases_every_table_and_superblock_wipefs_would_find(tmp_path: Path) -> None:
+    m = machine(tmp_path, disks=(DiskSpec("vdb", size=96 << 20), DiskSpec("vdc", size=96 << 20)))
+    vdb, vdc = m.root / "dev/vdb", m.root / "dev/vdc"
+    # vdb: a DOS table with an ext4 partition at 1 MiB, and a stray btrfs mirror superblock at 64 MiB
+    _mbr(vdb, 2048, (90 << 20) // 512)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "offset=1048576", str(vdb), "40M"], check=True)
+    with open(vdb, "r+b") as fh:
+        fh.seek((64 << 20) + 0x40)
+        fh.write(b"_BHRfS_M")
+    # vdc: ext4 on the whole disk
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(vdc)], check=True)
+    assert _sigs(vdb) == ["dos", "ext4@1048576"]
+    if shutil.which("wipefs"):
+        assert "ext4" in subprocess.run(["wipefs", "-n", str(vdc)], capture_output=True, text=True).stdout
+    report = wipe(m, disks=["/dev/vdb", "/dev/vdc"])
+    assert [d["disk"] for d in report["disks"]] == ["/dev/vdb", "/dev/vdc"]
+    assert report["disks"][0]["signaturesErased"] == ["dos", "ext4@1048576"]
+    assert report["disks"][0]["partitions"] == 1
+    assert _sigs(vdb) == []
+    assert _sigs(vdc) == []
+    data = vdb.read_bytes()
+    assert b"_BHRfS_M" not in data
+    assert data[-MIB:] == bytes(MIB)
+    if shutil.which("wipefs"):
+        for disk in (vdb, vdc):
+            shown = subprocess.run(["wipefs", "-n", str(disk)], capture_output=True, text=True).stdout
+            assert shown.strip() == "", shown
+
+
+def test_wipe_refuses_the_disk_bcd_runs_from_and_skips_it_when_wiping_all(tmp_path: Path) -> None:
+    m = machine(tmp_path, disks=(DiskSpec("vda"), DiskSpec("vdb")), root_disk="vda")
+    for name in ("vda", "vdb"):
+        with open(m.root / f"dev/{name}", "r+b") as fh:
+            fh.write(b"\xffbootloader")
+    assert boot_disk(m) == "vda"
+    with pytest.raises(CommandRejected) as info:
+        wipe(m, disks=["/dev/vdb", "/dev/vda"])
+    assert info.value.reason.startswith("boot-disk")
+    assert (m.root / "dev/vdb").read_bytes()[:11] == b"\xffbootloader"  # refused before touching any
+    report = wipe(m, disks=None)
+    assert report["disks"][0]["disk"] == "/dev/vdb"
+    assert report["disks"][1] == {"disk": "/dev/vda", "skipped": "bcd runs from this disk"}
+    assert (m.root / "dev/vda").read_bytes()[:11] == b"\xffbootloader"
+    assert (m.root / "dev/vdb").read_bytes()[:11] == bytes(11)
+
+
+def test_a_root_on_lvm_over_raid_protects_every_disk_beneath_it(tmp_path: Path) -> None:
+    m = machine(tmp_path, disks=(DiskSpec("vda"), DiskSpec("vdb"), DiskSpec("vdc")))
+    (m.root / "proc/mounts").write_text("/dev/mapper/vg-root / ext4 rw 0 0\n")
+    (m.root / "dev/mapper").mkdir()
+    (m.root / "dev/mapper/vg-root").symlink_to("../dm-0")
+    for holder, parts in {"dm-0": ["md0"], "md0": ["vda2", "vdb2"]}.items():
+        for part in parts:
+            (m.root / f"sys/class/block/{holder}/slaves/{part}").mkdir(parents=True)
+    assert boot_disks(m) == {"vda", "vdb"}
+    for disk in ("/dev/vda", "/dev/vdb"):
+        with pytest.raises(CommandRejected, match="boot-disk"):
+            wipe(m, disks=[disk])
+    report = wipe(m, disks=None)
+    assert [d["disk"] for d in report["disks"] if "skipped" not in d] == ["/dev/vdc"]
+
+
+def test_wipe_of_a_disk_that_is_not_there_names_it(tmp_path: Path) -> None:
+    with pytest.raises(BcError) as info:
+        wipe(machine(tmp_path), disks=["/dev/sdz"])
+    assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, "disks[0]")
+
+
+# -- image write ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache() -> Iterator[tuple[Path, str]]:
+    """A site cache stand-in: files served over HTTP on loopback."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="bcd-cache-"))
+    handler = lambda *a, **kw: http.server.SimpleHTTPRequestHandler(*a, directory=str(folder), **kw)  # noqa: E731
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None  # type: ignore[method-assign]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    shutil.rmtree(folder)
+
+
+def _image(size: int) -> bytes:
+    block = hashlib.sha256(b"image").digest() * 64  # 2 KiB
+    head = b"\xeb\x63\x90" + bytes(507) + b"\x55\xaa"  # a boot sector
+    return (head + block * (size // len(block) + 1))[:size]
+
+
+@pytest.mark.parametrize("fmt", ["raw", "raw.gz", "raw.zst"])
+def test_image_write_streams_verifies_and_reads_back(
+    tmp_path: Path, cache: tuple[Path, str], fmt: str
+) -> None:
+    folder, base = cache
+    raw = _image(3 * MIB + 12345)
+    packed = {"raw": raw, "raw.gz": gzip.compress(raw), "raw.zst": zstandard.ZstdCompressor().compress(raw)}[
+        fmt
+    ]
+    (folder / f"img-{fmt}").write_bytes(packed)
+    m = machine(
+        tmp_path, disks=(DiskSpec("vda", size=16 << 20), DiskSpec("vdb", size=16 << 20)), root_disk="vda"
+    )
+    seen: list[tuple[str, float | None]] = []
+    got = image_write(
+        m, url=f"{base}/img-{fmt}", sha256=hashlib.sha256(packed).hexdigest(), fmt=fmt,
+        progress=lambda msg, pct: seen.append((msg, pct)),
+    )  # fmt: skip
+    assert got.items() >= {"disk": "/dev/vdb", "verified": True, "bytesWritten": len(raw)}.items()
+    assert got["writtenSha256"] == hashlib.sha256(raw).hexdigest()
+    assert (m.root / "dev/vdb").read_bytes()[: len(raw)] == raw
+    assert seen
+    assert seen[-1][0] == "verifying"
+
+
+@pytest.mark.parametrize("fmt", ["raw.gz", "raw.zst"])
+def test_an_image_of_several_members_or_frames_is_written_whole(
+    tmp_path: Path, cache: tuple[Path, str], fmt: str
+) -> None:
+    # pigz and zstd -T write several gzip members / zstd frames; gzip -d and zstd -d read them all
+    folder, base = cache
+    raw = _image(3 * MIB)
+    parts = [raw[: MIB + 5], raw[MIB + 5 : 2 * MIB], raw[2 * MIB :]]
+    pack = gzip.compress if fmt == "raw.gz" else zstandard.ZstdCompressor().compress
+    packed = b"".join(pack(p) for p in parts)
+    (folder / f"multi-{fmt}").write_bytes(packed)
+    m = machine(tmp_path, disks=(DiskSpec("vdb", size=8 << 20),))
+    got = image_write(m, url=f"{base}/multi-{fmt}", sha256=hashlib.sha256(packed).hexdigest(), fmt=fmt)
+    assert got["bytesWritten"] == len(raw)
+    assert (m.root / "dev/vdb").read_bytes()[: len(raw)] == raw
+
+
+def test_a_corrupted_image_fails_with_both_digests_and_leaves_the_disk_unbootable(
+    tmp_path: Path, cache: tuple[Path, str]
+) -> None:
+    folder, base = cache
+    raw = _image(2 * MIB)
+    expected = hashlib.sha256(raw).hexdigest()
+    corrupted = bytearray(raw)
+    corrupted[MIB + 7] ^= 0xFF
+    (folder / "corrupt.img").write_bytes(bytes(corrupted))
+    m = machine(tmp_path, disks=(DiskSpec("vdb", size=8 << 20),))
+    disk = m.root / "dev/vdb"
+    with open(disk, "r+b") as fh:  # what a previous install left: a bootable disk
+        fh.write(_image(MIB))
+    with pytest.raises(BcError) as info:
+        image_write(m, url=f"{base}/corrupt.img", sha256=expected, disk="/dev/vdb")
+    actual = hashlib.sha256(bytes(corrupted)).hexdigest()
+    assert expected in info.value.message
+    assert actual in info.value.message
+    assert (
+        info.value.details.items()
+        >= {"expected": expected, "actual": actual, "reason": "digest-mismatch"}.items()
+    )
+    data = disk.read_bytes()
+    assert data[:MIB] == bytes(MIB)
+    assert data[-MIB:] == bytes(MIB)
+
+
+def test_image_write_refuses_the_boot_disk_and_unknown_formats(
+    tmp_path: Path, cache: tuple[Path, str]
+) -> None:
+    _, base = cache
+    m = machine(tmp_path, disks=(DiskSpec("vda"), DiskSpec("vdb")), root_disk="vda")
+    with pytest.raises(CommandRejected, match="boot-disk"):
+        image_write(m, url=f"{base}/x", sha256="0" * 64, disk="/dev/vda")
+    with pytest.raises(CommandRejected, match="qcow2 is not supported"):
+        image_write(m, url=f"{base}/x", sha256="0" * 64, fmt="qcow2", disk="/dev/vdb")
+
+
+# -- the host converger ----------------------------------------------------------------------
+
+REF = "sec_01M8R2PJRBNHM27WE1SRZ01H3G"
+UNITS: list[dict[str, Any]] = [
+    {"name": "sysctl", "settings": {"values": {"net.ipv4.ip_forward": "1", "vm.swappiness": "10"}}},
+    {"name": "kernel-modules", "settings": {"load": ["br_netfilter"], "blacklist": ["nouveau"],
+                                            "options": {"nvidia": "NVreg_EnableGpuFirmware=0"}}},
+    {"name": "hugepages", "settings": {"size": "2M", "count": 512}},
+    {"name": "container-toolkit", "settings": {"runtime": "containerd", "setAsDefault": True}},
+    {"name": "k8s-join", "settings": {"apiServer": "https://k8s.example.test:6443", "tokenRef": REF,
+                                      "caCertHash": "sha256:" + "a" * 64, "role": "worker",
+                                      "labels": {"zone": "a"}, "taints": ["gpu=true:NoSchedule"]}},
+    {"name": "nvidia-driver", "settings": {"version": "550.54.15", "kernelModule": "open"}},
+    {"name": "fabric-manager", "settings": {"enabled": True}},
+    {"name": "mig-layout", "settings": {"layout": "all-1g.10gb"}},
+    {"name": "gpu-sharing", "settings": {"strategy": "time-slicing", "replicas": 4}},
+]  # fmt: skip
+
+
+def _gpu_machine(tmp_path: Path) -> tuple[Machine, RecordingRunner]:
+    root_holder: list[Path] = []
+
+    def modprobe(argv: Sequence[str]) -> RunAnswer:
+        (root_holder[0] / "sys/module" / argv[-1]).mkdir(parents=True)
+        return RunAnswer()
+
+    def kubeadm(argv: Sequence[str]) -> RunAnswer:
+        (root_holder[0] / "etc/kubernetes").mkdir(parents=True)
+        (root_holder[0] / "etc/kubernetes/kubelet.conf").write_text("joined\n")
+        return RunAnswer()
+
+    runner = RecordingRunner(
+        programs={
+            "nvidia-ctk",
+            "kubeadm",
+            "apt-get",
+            "nvidia-mig-parted",
+            "nvidia-smi",
+            "sysctl",
+            "modprobe",
+        },
+        answers={"modprobe": modprobe, "kubeadm": kubeadm},
+    )
+    m = machine(tmp_path, runner, nvidia_gpus=2)
+    root_holder.append(m.root)
+    sysfs = m.root / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
+    sysfs.parent.mkdir(parents=True)
+    sysfs.write_text("0\n")
+    return m, runner
+
+
+async def test_every_built_in_unit_applies_once_then_reports_unchanged(tmp_path: Path) -> None:
+    assert {u["name"] for u in UNITS} == set(BUILTIN_CONFIG_UNITS) == SUPPORTED_UNITS
+    m, runner = _gpu_machine(tmp_path)
+    fetched: list[str] = []
+
+    async def fetch(ref: str) -> bytes:
+        fetched.append(ref)
+        return b"abcdef.0123456789abcdef\n"
+
+    conv = Converger(m, fetch_secret=fetch)
+    first = await conv.converge(generation=3, units=UNITS)
+    assert {u["name"]: u["status"] for u in first["units"]} == {u["name"]: "changed" for u in UNITS}
+    assert first["observedGeneration"] == 3 == conv.observed_generation()
+    sysctl_conf = (m.root / "etc/sysctl.d/90-bc.conf").read_text()
+    assert "net.ipv4.ip_forward = 1\n" in sysctl_conf
+    assert runner.commands("sysctl") == [["sysctl", "-p", str(m.root / "etc/sysctl.d/90-bc.conf")]]
+    assert (m.root / "etc/modules-load.d/bc.conf").read_text().endswith("br_netfilter\n")
+    assert "blacklist nouveau\n" in (m.root / "etc/modprobe.d/bc.conf").read_text()
+    assert runner.commands("modprobe") == [["modprobe", "br_netfilter"]]
+    assert (m.root / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages").read_text().strip() == "512"
+    assert ["nvidia-ctk", "runtime", "configure", "--runtime=containerd", "--set-as-default"] in runner.ran
+    (join,) = runner.commands("kubeadm")
+    assert join[:3] == ["kubeadm", "join", "k8s.example.test:6443"]
+    assert fetched == [REF]
+    k8s = next(u for u in first["units"] if u["name"] == "k8s-join")
+    assert "abcdef.0123456789abcdef" not in str(k8s) + str(first)  # the token never reaches the report
+    assert "--node-labels=zone=a" in (m.root / "etc/default/kubelet").read_text()
+    assert ["apt-get", "install", "-y", "nvidia-driver-550-open"] in runner.ran
+    assert ["systemctl", "enable", "--now", "nvidia-fabricmanager.service"] in runner.ran
+    assert '"replicas": 4' in (m.root / "etc/nvidia-device-plugin/sharing.yaml").read_text()
+
+    runner.ran.clear()
+    second = await conv.converge(generation=4, units=UNITS)
+    assert {u["name"]: u["status"] for u in second["units"]} == {u["name"]: "unchanged" for u in UNITS}
+    assert runner.ran == []
+    assert second["observedGeneration"] == 4
+
+
+async def test_gpu_units_are_skipped_where_there_is_no_gpu(tmp_path: Path) -> None:
+    runner = RecordingRunner(programs={"nvidia-ctk"})
+    conv = Converger(machine(tmp_path, runner))
+    got = await conv.converge(generation=1, units=[{"name": "nvidia-driver", "settings": {"version": "550"}}])
+    assert got["units"] == [
+        {"name": "nvidia-driver", "status": "skipped", "detail": "no NVIDIA GPU on this machine"}
+    ]
+    assert runner.ran == []
+
+
+async def test_an_unsupported_unit_fails_the_host_section_after_the_known_units(tmp_path: Path) -> None:
+    m, _runner = _gpu_machine(tmp_path)
+    conv = Converger(m)
+    await conv.converge(generation=1, units=[])
+    with pytest.raises(BcError) as info:
+        await conv.converge(
+            generation=2,
+            units=[{"name": "acme-nic-firmware", "settings": {"branch": "1.2"}}, UNITS[0]],
+        )
+    assert "unit acme-nic-firmware is not supported by this daemon" in info.value.message
+    assert info.value.reason == "host-section-failed"
+    assert (m.root / "etc/sysctl.d/90-bc.conf").exists()  # the known unit still had its turn
+    assert conv.observed_generation() == 1  # not advanced
+
+
+async def test_settings_a_unit_does_not_understand_fail_it_with_their_path(tmp_path: Path) -> None:
+    runner = RecordingRunner(programs={"sysctl"})
+    conv = Converger(machine(tmp_path, runner))
+    bad = {"name": "hugepages", "settings": {"size": "3M", "count": 1}}
+    with pytest.raises(BcError) as info:
+        await conv.converge(generation=1, units=[UNITS[0], bad])
+    assert "units[1].settings.size" in info.value.message
+    assert runner.commands("sysctl")  # the good unit still applied
+    assert not (conv.machine.root / "etc/systemd/system/bc-hugepages.service").exists()
+
+
+async def test_a_failing_command_fails_its_unit_with_what_it_said(tmp_path: Path) -> None:
+    runner = RecordingRunner(
+        programs={"sysctl"},
+        answers={"sysctl": lambda argv: RunAnswer(returncode=255, stderr="sysctl: permission denied")},
+    )
+    conv = Converger(machine(tmp_path, runner))
+    with pytest.raises(
+        BcError, match=r"unit sysctl failed: sysctl -p .* exited 255: sysctl: permission denied"
+    ):
+        await conv.converge(generation=1, units=[UNITS[0]])
+
+
+# -- modes --------------------------------------------------------------------------------------
+
+
+def test_the_ramdisk_serves_disks_and_the_installed_os_the_converger(tmp_path: Path) -> None:
+    m = machine(tmp_path)
+    assert detect_mode(m) == "installed"
+    (m.root / "proc/cmdline").write_text("console=ttyS0 bcd.mode=ramdisk\n")
+    assert detect_mode(m) == "ramdisk"
+    assert sorted(node_handlers(m, "ramdisk")) == ["node.imageWrite", "node.inventory", "node.wipe"]
+    assert sorted(node_handlers(m, "installed", converger=Converger(m))) == [
+        "node.converge",
+        "node.inventory",
+    ]
+    with pytest.raises(BcError) as info:
+        detect_mode(m, "rescue")
+    assert info.value.path == "mode"
