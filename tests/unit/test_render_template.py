@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ from better_compute.provision import (
     render_template,
     template_variables,
 )
+from better_compute.provision.userdata import BUILTIN_TEMPLATES
 
 pytestmark = pytest.mark.unit
 
@@ -174,3 +176,13 @@ def test_user_data_templates_are_frozen() -> None:
     assert list(settings.templates) == ["acme-talos.yaml"]
     with pytest.raises(TypeError):
         settings.templates["x"] = "y"  # type: ignore[index]
+
+
+def test_the_ignition_install_unit_runs_only_while_a_join_token_waits() -> None:
+    # bcd join removes the token file: on every later boot the oneshot unit must be skipped,
+    # not fail (it would rerun `bcd join` with no token).
+    doc = json.loads(BUILTIN_TEMPLATES["ignition"](VARIABLES))
+    [unit] = [u for u in doc["systemd"]["units"] if u["name"] == "bcd-install.service"]
+    lines = unit["contents"].splitlines()
+    assert "ConditionPathExists=/etc/bcd/join-token" in lines
+    assert "Wants=network-online.target" in lines

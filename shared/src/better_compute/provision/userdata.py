@@ -82,7 +82,10 @@ def ignition(v: Mapping[str, str]) -> str:
                 {
                     "name": "bcd-install.service",
                     "enabled": True,
-                    "contents": "[Unit]\nDescription=Install and join bcd\nAfter=network-online.target\n"
+                    # Runs only while a join token waits (bcd join removes it), so later boots skip it.
+                    "contents": "[Unit]\nDescription=Install and join bcd\n"
+                    "Wants=network-online.target\nAfter=network-online.target\n"
+                    "ConditionPathExists=/etc/bcd/join-token\n"
                     "[Service]\nType=oneshot\nExecStart=/usr/local/sbin/bcd-install\n"
                     "[Install]\nWantedBy=multi-user.target\n",
                 }
