@@ -4,11 +4,13 @@ them out (same process, same pid), every workflow finishes, nothing runs twice."
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from better_compute.core.errors import BcError
 from better_compute.testing.agents import SimAgent, until
 from chaos_stack import Stack
 
@@ -97,3 +99,35 @@ async def test_sixty_second_outages_of_postgres_and_nats_overlapping(stack: Stac
     await asyncio.sleep(30.0)
     stack.servers.start_nats()
     await check_all_done_once(stack, sim, ids, pids)
+
+
+async def test_an_agent_that_starts_while_nats_is_down_waits_and_then_serves(stack: Stack) -> None:
+    for service in SERVICES:
+        stack.procs.start(service)
+    await stack.procs.wait_ready()
+    sim, _agent = await stack.agent("lab")  # enrolled while NATS is up
+    sim.signal(signal.SIGTERM)
+    assert await sim.wait_exit() == 0
+    stack.servers.stop_nats()
+    sim.start()  # the same enrollment, no NATS to talk to
+    await until(lambda: "nats_unreachable" in sim.output())
+    assert sim.proc is not None
+    assert sim.proc.poll() is None  # waiting, not gone
+    stack.servers.start_nats()
+
+    await stack.profile("one", [{"use": "test.power", "on": "site", "with": {"action": "on"}}])
+
+    async def started() -> str | None:
+        try:
+            node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"}, timeout=2.0)
+            wf = await stack.api.call(
+                "engine", "workflows.start", {"profileId": "one", "nodeId": node["id"]}, timeout=2.0
+            )
+        except BcError:
+            return None  # the services are still reconnecting
+        return str(wf["id"])
+
+    wf_id = await until(started)
+    [done] = await stack.finished([wf_id])
+    assert done["state"] == "succeeded", done["error"]
+    assert done["steps"][0]["result"]["commandId"] in sim.executions()[0]

@@ -33,6 +33,7 @@ from ..core.errors import BcError, ErrorCode
 from ..logging import get_logger
 from ..pki_client import sign_bytes
 from ..service.client import connect
+from ..service.faults import Backoff
 from ..wire import Subjects, unwrap
 from ..wire.codec import encode
 from .identity import Enrollment
@@ -54,7 +55,7 @@ from .protocol import (
     sign_event,
 )
 
-__all__ = ["MAX_RESULT_BYTES", "Agent", "Command", "CommandHandler", "CommandRejected"]
+__all__ = ["MAX_RESULT_BYTES", "Agent", "Command", "CommandHandler", "CommandRejected", "connect_waiting"]
 
 MAX_RESULT_BYTES: Final = 512 * 1024
 """A larger result fails the command with reason ``result-too-large``."""
@@ -105,6 +106,28 @@ class Command:
 
 
 CommandHandler = Callable[[Command], Awaitable[Any]]
+
+
+async def connect_waiting(
+    url: str, *, name: str, log: Any, stop: asyncio.Event | None = None, **kwargs: Any
+) -> Nats:
+    """Connect to NATS, waiting out a server that is away with a jittered backoff: an agent
+    never exits on an outage, however long. Only ``stop`` being set ends the wait
+    (``UNAVAILABLE``); anything but an unreachable server is raised at once."""
+    backoff = Backoff(first=0.5, cap=10.0)
+    stop = stop or asyncio.Event()
+    while True:
+        try:
+            return await connect(url, name=name, **kwargs)
+        except BcError as err:
+            if err.code is not ErrorCode.UNAVAILABLE or stop.is_set():
+                raise
+            delay = backoff.next()
+            log.warning("nats_unreachable", error=err.message, retry_in_s=round(delay, 2))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+        if stop.is_set():
+            raise BcError(ErrorCode.UNAVAILABLE, "stopped before NATS answered")
 
 
 class Agent:
@@ -192,11 +215,13 @@ class Agent:
             self.journal = Journal(self._journal_arg)  # type: ignore[arg-type]
         if self.nc is None:
             assert self.nats_url is not None
-            self.nc = await connect(
-                self.nats_url,
-                name=f"bc-agent:{self.agent_id}",
-                reconnected_cb=self._on_reconnect,
-            )
+            self.nc = await self._connect_nats(self.nats_url)
+
+    async def _connect_nats(self, url: str) -> Nats:
+        return await connect_waiting(
+            url, name=f"bc-agent:{self.agent_id}", log=self.log, stop=self._stop,
+            reconnected_cb=self._on_reconnect,
+        )  # fmt: skip
 
     async def _on_reconnect(self) -> None:
         # The server may have come back without our consumer (or stream): say hello again.

@@ -22,12 +22,12 @@ from typing import Any
 
 from ..core.app import load_app
 from ..core.errors import BcError
-from ..logging import configure_logging
+from ..logging import configure_logging, get_logger
 from ..pki_client import PkiClient
-from ..service.client import ApiClient, connect
+from ..service.client import ApiClient
 from ..wire import Subjects
 from .identity import Enrollment, enroll, load_enrollment, save_enrollment
-from .runner import Agent, Command, CommandHandler, CommandRejected
+from .runner import Agent, Command, CommandHandler, CommandRejected, connect_waiting
 
 __all__ = ["SimAgent", "join_agent", "main", "sim_handlers"]
 
@@ -137,7 +137,11 @@ async def _main(args: argparse.Namespace) -> None:
     state = Path(args.state_dir)
     enrollment_file = state / "enrollment.json"
     enrollment = args.enrollment
-    nc = await connect(args.nats_url, name="bc-agent-sim")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    nc = await connect_waiting(args.nats_url, name="bc-agent-sim", log=get_logger(agent="sim"), stop=stop)
     try:
         if enrollment is None:
             token = args.token or os.environ.get("BC_JOIN_TOKEN")
