@@ -70,7 +70,7 @@ async def attack(bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Pa
     }
     path = tmp_path / "approvers.json"
     path.write_bytes(msgspec.json.encode(approvers))
-    bc_processes.extra_env.update(BC_CMDQ_APPROVERS=str(path), BC_CMDQ_SWEEP_MS="100")
+    bc_processes.extra_env.update(BC_CMDQ_QUORUM_FILE=str(path), BC_CMDQ_SWEEP="100ms")
     bc_processes.start("bc-pki")
     cmdq = bc_processes.start("bc-command-queue")
     await bc_processes.wait_ready()

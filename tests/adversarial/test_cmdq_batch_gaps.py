@@ -105,7 +105,7 @@ async def site(
     approvers = tmp_path / "approvers.toml"
     write_approvers(approvers, keys)
     bc_processes.extra_env.update(
-        BC_CMDQ_APPROVERS=str(approvers), BC_CMDQ_HEARTBEAT_MS="200", BC_CMDQ_SWEEP_MS="60000"
+        BC_CMDQ_QUORUM_FILE=str(approvers), BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="60000ms"
     )
     bc_processes.start("bc-pki")
     cmdq = bc_processes.start("bc-command-queue")
@@ -160,7 +160,7 @@ async def test_the_sweeper_expires_unclaimed_commands_of_an_expired_batch(
     wipes = [await cq.enqueue(wipe(node, f"w{i}", batch_id=batch.id)) for i in range(COMMANDS)]
     await site.approve(batch, "alice", "bob")
     await expire_now(bc_settings, batch.id)
-    site.procs.extra_env["BC_CMDQ_SWEEP_MS"] = "100"
+    site.procs.extra_env["BC_CMDQ_SWEEP"] = "100ms"
     await site.restart_cmdq()
     try:  # a few sweeps are plenty
         settled = await asyncio.wait_for(until(lambda: all_settled(cq, wipes)), 10)

@@ -276,7 +276,7 @@ async def test_forged_reused_and_revoked_signatures(
 async def test_an_expired_certificate_signs_nothing(
     bc_processes: ServiceProcesses, bc_api: ApiClient
 ) -> None:
-    bc_processes.extra_env["BC_PKI_CERT_TTL_SECONDS"] = "1"
+    bc_processes.extra_env["BC_PKI_CERT_TTL"] = "1s"
     bc_processes.start("bc-pki")
     await bc_processes.wait_ready()
     pki = PkiClient(bc_api)

@@ -28,11 +28,11 @@ from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueComman
 
 T = TypeVar("T")
 FAST_ENV = {
-    "BC_CMDQ_HEARTBEAT_MS": "200",
-    "BC_CMDQ_SILENT_AFTER_MS": "1500",
-    "BC_CMDQ_LOST_AFTER_MS": "60000",
-    "BC_CMDQ_REDELIVER_AFTER_MS": "1000",
-    "BC_CMDQ_SWEEP_MS": "100",
+    "BC_CMDQ_HEARTBEAT": "200ms",
+    "BC_CMDQ_SILENT_AFTER": "1500ms",
+    "BC_CMDQ_LOST_AFTER": "60000ms",
+    "BC_CMDQ_REDELIVER_AFTER": "1000ms",
+    "BC_CMDQ_SWEEP": "100ms",
 }
 
 

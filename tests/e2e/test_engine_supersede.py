@@ -38,7 +38,7 @@ from better_compute.wire.cmdq import EnqueueCommand
 from engine_test_app import TABLES
 
 ROUNDS = int(os.environ.get("BC_SUPERSEDE_ROUNDS", "3"))  # of each verb; raise it for a longer sweep
-FAST = {"BC_CMDQ_HEARTBEAT_MS": "200", "BC_CMDQ_SILENT_AFTER_MS": "1500", "BC_CMDQ_SWEEP_MS": "100"}
+FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bc_pki.service import PkiService
-from better_compute.config import Settings
+from better_compute.config import PkiSettings, Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.keyring import rotate_key_file
@@ -387,7 +387,7 @@ async def test_two_instances_starting_together_share_one_ca_sealed_at_rest(
 
 
 async def test_the_ca_survives_key_rotation_and_refuses_a_foreign_key_file(
-    bc_settings: Settings, pki: PkiClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bc_settings: Settings, pki: PkiClient, tmp_path: Path
 ) -> None:
     async with PkiService(bc_settings):
         fingerprint = (await pki.ca()).fingerprint_sha256
@@ -409,8 +409,8 @@ async def test_the_ca_survives_key_rotation_and_refuses_a_foreign_key_file(
     async with PkiService(bc_settings):
         assert (await issue(pki, idempotency_key="rotating")).token == token.token
 
-    monkeypatch.setenv("BC_PKI_KEY_FILE", str(tmp_path / "foreign.key"))
+    foreign = msgspec.structs.replace(bc_settings, pki=PkiSettings(key_file=str(tmp_path / "foreign.key")))
     with pytest.raises(BcError) as info:
-        async with PkiService(bc_settings):
+        async with PkiService(foreign):
             pass
     assert info.value.code is ErrorCode.INVALID_CONFIG

@@ -14,19 +14,19 @@ __all__ = ["convert", "decode", "encode", "validation_path"]
 T = TypeVar("T")
 
 _PATH_RE = re.compile(r" - at `\$(.*)`$")
-_MISSING_RE = re.compile(r"^Object missing required field `([^`]+)`")
+_FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _encoder = msgspec.json.Encoder()
 
 
 def validation_path(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
-    """``$.steps[2].port`` in msgspec's message becomes ``steps[2].port``; a missing field's
-    path names the field itself (``profileId``, ``steps[2].use``)."""
+    """``$.steps[2].port`` in msgspec's message becomes ``steps[2].port``; a missing or unknown
+    field's path names the field itself (``profileId``, ``steps[2].use``, ``cmdq.heartbeat_ms``)."""
     text = str(exc)
     m = _PATH_RE.search(text)
     where = m.group(1).lstrip(".") if m else ""
-    missing = _MISSING_RE.match(text)
-    if missing:
-        return f"{where}.{missing.group(1)}" if where else missing.group(1)
+    field = _FIELD_RE.match(text)
+    if field:
+        return f"{where}.{field.group(1)}" if where else field.group(1)
     return where
 
 
