@@ -1,4 +1,11 @@
-"""Decoding bus payloads into structs, with ``INVALID_INPUT`` and ``details.path`` on bad input."""
+"""Decoding bus payloads into structs, with ``INVALID_INPUT`` and ``details.path`` on bad input.
+
+The compatibility rule (docs/compatibility.md): a message on the bus ignores fields it does not
+know, and every field added to a message has a default. An old client is then understood by a
+new service (the new field takes its default) and a new client by an old service (the new field
+is dropped), so services are upgraded one at a time. Only settings files, written by people,
+refuse unknown keys (``better_compute.config``). Build messages on :class:`Message`.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +16,18 @@ import msgspec
 
 from ..core.errors import BcError, ErrorCode
 
-__all__ = ["convert", "decode", "encode", "validation_path"]
+__all__ = ["Message", "convert", "decode", "encode", "validation_path"]
 
 T = TypeVar("T")
 
 _PATH_RE = re.compile(r" - at `\$(.*)`$")
 _FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _encoder = msgspec.json.Encoder()
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """Base of a message on the bus: frozen, keyword-only, camelCase on the wire, unknown fields
+    ignored. A field added later must have a default."""
 
 
 def validation_path(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
