@@ -25,8 +25,8 @@ from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
 
 ROUNDS = int(os.environ.get("BC_STRESS_ROUNDS", "8"))

@@ -15,8 +15,8 @@ from better_compute.cmdq_client import CommandQueueClient, sign_batch
 from better_compute.config import Settings
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import wait_workflow
 
 APPROVERS = ("alice", "bob", "carol")

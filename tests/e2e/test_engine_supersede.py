@@ -30,8 +30,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.pki_client import PkiClient
 from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import until
+from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import EnqueueCommand

@@ -27,7 +27,7 @@ from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, refused
 from better_compute.wire.cmdq import EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
@@ -102,12 +102,6 @@ async def quorum(
                 await agent_run
             svc.request_stop()
             await run
-
-
-async def refused(coro: Any) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 async def test_destructive_commands_need_a_batch_in_scope(quorum: Quorum) -> None:

@@ -17,8 +17,8 @@ from better_compute.core.errors import BcError
 from better_compute.pki_client import PkiClient
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres, pid_alive
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import FINISHED
 
 __all__ = ["FAST", "PrivateServers", "Stack"]
