@@ -13,7 +13,7 @@ import os
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, get_origin
 
 import msgspec
 
@@ -179,18 +179,18 @@ def env_var(path: str) -> str:
     return ENV_PREFIX + path.replace(".", "_").upper()
 
 
-def _scalar_fields(typ: type[msgspec.Struct], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def _scalar_fields(typ: type[msgspec.Struct], prefix: str = "") -> Iterator[str]:
     for f in msgspec.structs.fields(typ):
         path = f"{prefix}{f.name}"
         if isinstance(f.type, type) and issubclass(f.type, msgspec.Struct):
             yield from _scalar_fields(f.type, f"{path}.")
-        elif f.name != "approvers":  # a list: bc.toml or a quorum file only
-            yield path, f.default
+        elif get_origin(f.type) is not list:  # a list has no variable: bc.toml or a quorum file
+            yield path
 
 
 def setting_paths() -> list[str]:
     """Every setting an environment variable can set, as a dotted path (``cmdq.sweep``)."""
-    return [path for path, _ in _scalar_fields(Settings)]
+    return list(_scalar_fields(Settings))
 
 
 def _dec_hook(typ: type, value: object) -> object:
