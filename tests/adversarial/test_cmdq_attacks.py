@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -39,8 +38,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.pki_client import PkiClient, sign_bytes
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcess, ServiceProcesses
-from better_compute.testing.agents import until
+from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
 from better_compute.wire import unwrap
 from better_compute.wire.cmdq import EnqueueCommand
 
@@ -70,7 +68,7 @@ async def attack(bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Pa
     }
     path = tmp_path / "approvers.json"
     path.write_bytes(msgspec.json.encode(approvers))
-    bc_processes.extra_env.update(BC_CMDQ_APPROVERS=str(path), BC_CMDQ_SWEEP_MS="100")
+    bc_processes.extra_env.update(BC_CMDQ_QUORUM_FILE=str(path), BC_CMDQ_SWEEP="100ms")
     bc_processes.start("bc-pki")
     cmdq = bc_processes.start("bc-command-queue")
     await bc_processes.wait_ready()
@@ -81,12 +79,6 @@ async def attack(bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Pa
 
 async def _state_is(cq: CommandQueueClient, command_id: str, state: str) -> bool:
     return (await cq.get(command_id)).state == state
-
-
-async def refused(coro: Any) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 async def test_forged_duplicate_and_foreign_approvals_are_not_counted(attack: Attack) -> None:
@@ -333,15 +325,18 @@ async def test_a_revoked_certificate_stops_counting_and_results_stay_out_of_logs
         assert (done.result, done.attested) == (secret_result, True)
         await attack.pki.revoke_certificate(enrollment.cert_id, reason="stolen laptop")
         ident = Ident(enrollment)
+
         # bc-pki's revocation event evicts the cached certificate; the cache's lifetime bounds it
-        while True:
-            with contextlib.suppress(BcError):
+        async def heartbeat_refused() -> bool:
+            try:
                 await send(api, ident.site, ident.agent, "heartbeat", sign_event(
                     enrollment.identity, "heartbeat", Heartbeat(**ident.base())
                 ))  # fmt: skip
-                await asyncio.sleep(0.05)
-                continue
-            break
+            except BcError:
+                return True
+            return False
+
+        await until(heartbeat_refused)
         err = await refused(
             send(
                 api,

@@ -23,12 +23,12 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from better_compute.cmdq_client import BatchView, CommandQueueClient, sign_batch
 from better_compute.config import Settings
-from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcess, ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
@@ -105,7 +105,7 @@ async def site(
     approvers = tmp_path / "approvers.toml"
     write_approvers(approvers, keys)
     bc_processes.extra_env.update(
-        BC_CMDQ_APPROVERS=str(approvers), BC_CMDQ_HEARTBEAT_MS="200", BC_CMDQ_SWEEP_MS="60000"
+        BC_CMDQ_QUORUM_FILE=str(approvers), BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="60000ms"
     )
     bc_processes.start("bc-pki")
     cmdq = bc_processes.start("bc-command-queue")
@@ -160,7 +160,7 @@ async def test_the_sweeper_expires_unclaimed_commands_of_an_expired_batch(
     wipes = [await cq.enqueue(wipe(node, f"w{i}", batch_id=batch.id)) for i in range(COMMANDS)]
     await site.approve(batch, "alice", "bob")
     await expire_now(bc_settings, batch.id)
-    site.procs.extra_env["BC_CMDQ_SWEEP_MS"] = "100"
+    site.procs.extra_env["BC_CMDQ_SWEEP"] = "100ms"
     await site.restart_cmdq()
     try:  # a few sweeps are plenty
         settled = await asyncio.wait_for(until(lambda: all_settled(cq, wipes)), 10)
@@ -201,12 +201,6 @@ async def test_commands_dispatched_before_an_approver_was_withdrawn_never_run_un
     settled = await until(lambda: all_settled(cq, wipes))
     assert {v.state for v in settled} == {"succeeded"}
     assert sorted(sim.executions()) == sorted(f"{w.id} node.wipe" for w in wipes)
-
-
-async def refused(coro: Any) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 async def test_a_batch_admits_only_commands_of_the_workflow_it_was_signed_for(site: Site) -> None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime as dt
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 from cryptography.hazmat.primitives.asymmetric.utils import (
     decode_dss_signature,
     encode_dss_signature,
@@ -35,20 +35,15 @@ from better_compute.pki_client import (
 )
 from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcess, ServiceProcesses
+from better_compute.testing import ServiceProcess, ServiceProcesses, refused
 from better_compute.wire.cmdq import CommandView
+from pki_time import expire
 from secrets_test_app import APP, enqueue_ref, settle
 
 MACHINE_A = JoinClaims(macs=["aa:bb:cc:00:00:0a"], product_uuid="uuid-a", serial="SER-A")
 MACHINE_B = JoinClaims(macs=["aa:bb:cc:00:00:0b"], product_uuid="uuid-b", serial="SER-B")
 EXPECT_A = {"mac": "AA:BB:CC:00:00:0A", "productUuid": "UUID-A", "serial": "SER-A"}
 P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
-
-
-async def refused(coro: Any) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 def assert_nothing_leaked(procs: list[ServiceProcess], *secrets: str | bytes) -> None:
@@ -73,7 +68,9 @@ async def join(pki: PkiClient, token: str, claims: JoinClaims = MACHINE_A) -> Ag
     return AgentIdentity.from_join(await pki.join(token=token, csr=make_csr(key), claims=claims), key)
 
 
-async def test_join_token_attacks(bc_processes: ServiceProcesses, bc_api: ApiClient) -> None:
+async def test_join_token_attacks(
+    bc_processes: ServiceProcesses, bc_api: ApiClient, bc_settings: Settings
+) -> None:
     proc = bc_processes.start("bc-pki")
     await bc_processes.wait_ready()
     pki = PkiClient(bc_api)
@@ -116,8 +113,8 @@ async def test_join_token_attacks(bc_processes: ServiceProcesses, bc_api: ApiCli
     assert len(winners) == 1
     assert {(e.code, e.reason) for e in losers} == {(ErrorCode.UNAUTHENTICATED, "token-used-up")}
 
-    expired = await mint(ttl_seconds=1)
-    await asyncio.sleep(1.5)
+    expired = await mint(ttl_seconds=60)
+    await expire(bc_settings, "token", expired.id)  # a minute on: moved, not slept
     err = await refused(join(pki, expired.token))
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-expired")
 
@@ -274,15 +271,18 @@ async def test_forged_reused_and_revoked_signatures(
 
 
 async def test_an_expired_certificate_signs_nothing(
-    bc_processes: ServiceProcesses, bc_api: ApiClient
+    bc_processes: ServiceProcesses, bc_api: ApiClient, bc_settings: Settings
 ) -> None:
-    bc_processes.extra_env["BC_PKI_CERT_TTL_SECONDS"] = "1"
+    bc_processes.extra_env["BC_PKI_CERT_TTL"] = "2h"
     bc_processes.start("bc-pki")
     await bc_processes.wait_ready()
     pki = PkiClient(bc_api)
     token = await pki.issue_join_token(tenant_id="root", role="site", site_id="s", ttl_seconds=60)
     agent = await join(pki, token.token)
-    await asyncio.sleep(1.5)
+    cert = await pki.get_certificate(agent.cert_id)
+    lifetime = cert.not_after - dt.datetime.now(dt.UTC)
+    assert dt.timedelta(minutes=119) < lifetime <= dt.timedelta(hours=2)  # the setting
+    await expire(bc_settings, "certificate", agent.cert_id)  # two hours on: moved, not slept
     data, sig = agent.sign("agent.event", {"kind": "heartbeat"})
     err = await refused(pki.verify(signer_id=agent.cert_id, data=data, signature=sig))
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "cert-expired")

@@ -25,18 +25,18 @@ from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
 
 ROUNDS = int(os.environ.get("BC_STRESS_ROUNDS", "8"))
 FAST_ENV = {
-    "BC_CMDQ_HEARTBEAT_MS": "200",
-    "BC_CMDQ_SILENT_AFTER_MS": "1500",
-    "BC_CMDQ_LOST_AFTER_MS": "600000",  # the queue must not settle it by itself meanwhile
-    "BC_CMDQ_REDELIVER_AFTER_MS": "1000",
-    "BC_CMDQ_SWEEP_MS": "100",
-    "BC_CMDQ_ACK_WAIT_MS": "2000",  # the dead agent's delivery comes again after 2 s
+    "BC_CMDQ_HEARTBEAT": "200ms",
+    "BC_CMDQ_SILENT_AFTER": "1500ms",
+    "BC_CMDQ_LOST_AFTER": "600000ms",  # the queue must not settle it by itself meanwhile
+    "BC_CMDQ_REDELIVER_AFTER": "1000ms",
+    "BC_CMDQ_SWEEP": "100ms",
+    "BC_CMDQ_ACK_WAIT": "2000ms",  # the dead agent's delivery comes again after 2 s
 }
 
 

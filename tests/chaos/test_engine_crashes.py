@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -12,7 +11,7 @@ import pytest_asyncio
 
 from better_compute.config import Settings
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow, wait_workflows
 from engine_test_app import TABLES
 
@@ -36,16 +35,6 @@ async def db(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
     await conn.close()
 
 
-async def wait_for(predicate: object, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if await predicate():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError("condition not met")
-
-
 async def test_sigkill_between_mark_running_and_settle_reruns_with_the_same_key(
     procs: ServiceProcesses, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
@@ -63,7 +52,7 @@ async def test_sigkill_between_mark_running_and_settle_reruns_with_the_same_key(
     async def ran_once() -> bool:
         return bool(await db.fetchval("SELECT count(*) FROM public.plg_test_runs") == 1)
 
-    await wait_for(ran_once)
+    await until(ran_once, timeout=20)
     view = await bc_api.call("engine", "workflows.get", {"id": wf["id"]})
     assert view["steps"][0]["state"] == "running"
     first.kill()  # the side effect is done, the step is not settled
@@ -95,7 +84,7 @@ async def test_two_engines_share_the_shards_and_survive_losing_one(
         )
         return sorted(r["n"] for r in owners) == [32, 32]
 
-    await wait_for(split)
+    await until(split, timeout=20)
     await bc_api.call(
         "engine",
         "profiles.create",
@@ -111,7 +100,7 @@ async def test_two_engines_share_the_shards_and_survive_losing_one(
         )
         return bool(n == 40)
 
-    await wait_for(all_waiting)
+    await until(all_waiting, timeout=20)
     a.kill()
     await db.execute("INSERT INTO public.plg_test_flags VALUES ('go')")
     done = await wait_workflows(bc_api, ids, timeout=60)
@@ -123,4 +112,4 @@ async def test_two_engines_share_the_shards_and_survive_losing_one(
         owners = await db.fetch("SELECT DISTINCT owner FROM engine.shard_leases WHERE expires_at > now()")
         return len(owners) == 1
 
-    await wait_for(one_owner)
+    await until(one_owner, timeout=20)

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from better_compute.core.errors import BcError
-from better_compute.testing.agents import SimAgent, until
+from better_compute.testing import until
+from better_compute.testing.agents import SimAgent
 from chaos_stack import Stack
 
 SERVICES = ("bc-pki", "bc-command-queue", "bc-secrets", "bc-engine")

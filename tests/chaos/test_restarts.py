@@ -12,8 +12,7 @@ import pytest_asyncio
 
 from better_compute.config import Settings
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import until
+from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflows
 from chaos_stack import Stack
 from engine_test_app import TABLES

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.e2e
 
 SITE = "site-a"
 UUID = "4c4c4544-0042-3510-8052-b4c04f4e3432"
-FAST_ENV = {"BC_CMDQ_HEARTBEAT_MS": "200", "BC_CMDQ_SWEEP_MS": "100", "BC_CMDQ_REDELIVER_AFTER_MS": "1000"}
+FAST_ENV = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SWEEP": "100ms", "BC_CMDQ_REDELIVER_AFTER": "1s"}
 
 
 @dataclass

@@ -22,17 +22,17 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient, discover
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
 
 T = TypeVar("T")
 FAST_ENV = {
-    "BC_CMDQ_HEARTBEAT_MS": "200",
-    "BC_CMDQ_SILENT_AFTER_MS": "1500",
-    "BC_CMDQ_LOST_AFTER_MS": "60000",
-    "BC_CMDQ_REDELIVER_AFTER_MS": "1000",
-    "BC_CMDQ_SWEEP_MS": "100",
+    "BC_CMDQ_HEARTBEAT": "200ms",
+    "BC_CMDQ_SILENT_AFTER": "1500ms",
+    "BC_CMDQ_LOST_AFTER": "60000ms",
+    "BC_CMDQ_REDELIVER_AFTER": "1000ms",
+    "BC_CMDQ_SWEEP": "100ms",
 }
 
 
@@ -97,11 +97,11 @@ async def retrying(call: Callable[[], Awaitable[T]]) -> T:
 
 
 async def settled(cq: CommandQueueClient, command_id: str) -> CommandView:
-    while True:
+    async def finished() -> CommandView | None:
         view = await retrying(lambda: cq.get(command_id))
-        if view.state in TERMINAL_STATES:
-            return view
-        await asyncio.sleep(0.05)
+        return view if view.state in TERMINAL_STATES else None
+
+    return await until(finished)
 
 
 async def state_is(cq: CommandQueueClient, command_id: str, state: str) -> bool:

@@ -59,7 +59,7 @@ async def test_bcx_drives_commands_agents_and_the_batch_quorum(
         "threshold = 2\n"
         + "".join(f'[[approvers]]\nid = "{n}"\npublicKey = "{k}"\n' for n, k in keys.items())
     )
-    bc_processes.extra_env.update(BC_CMDQ_APPROVERS=str(approvers), BC_CMDQ_SWEEP_MS="100")
+    bc_processes.extra_env.update(BC_CMDQ_QUORUM_FILE=str(approvers), BC_CMDQ_SWEEP="100ms")
     bc_processes.start("bc-pki")
     cmdq = bc_processes.start("bc-command-queue")
     await bc_processes.wait_ready()

@@ -14,11 +14,11 @@ from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import wait_workflow
 
-FAST = {"BC_CMDQ_HEARTBEAT_MS": "200", "BC_CMDQ_SILENT_AFTER_MS": "1500", "BC_CMDQ_SWEEP_MS": "100"}
+FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 
 
 class Stack:

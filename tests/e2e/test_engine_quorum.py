@@ -15,8 +15,8 @@ from better_compute.cmdq_client import CommandQueueClient, sign_batch
 from better_compute.config import Settings
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import wait_workflow
 
 APPROVERS = ("alice", "bob", "carol")
@@ -34,7 +34,7 @@ async def keys(
     (tmp_path / "approvers.toml").write_text("\n".join(lines) + "\n")
     bc_processes.settings = msgspec.structs.replace(bc_settings, app="engine_test_app:app")
     bc_processes.extra_env.update(
-        BC_CMDQ_APPROVERS=str(tmp_path / "approvers.toml"), BC_CMDQ_HEARTBEAT_MS="200", BC_CMDQ_SWEEP_MS="100"
+        BC_CMDQ_QUORUM_FILE=str(tmp_path / "approvers.toml"), BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms"
     )
     for name in ("bc-pki", "bc-command-queue", "bc-engine"):
         bc_processes.start(name)

@@ -10,8 +10,7 @@ import pytest
 
 from better_compute.config import Settings
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import until
+from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
 
 

@@ -30,15 +30,14 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.pki_client import PkiClient
 from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import until
+from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import EnqueueCommand
 from engine_test_app import TABLES
 
 ROUNDS = int(os.environ.get("BC_SUPERSEDE_ROUNDS", "3"))  # of each verb; raise it for a longer sweep
-FAST = {"BC_CMDQ_HEARTBEAT_MS": "200", "BC_CMDQ_SILENT_AFTER_MS": "1500", "BC_CMDQ_SWEEP_MS": "100"}
+FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 
 
 @dataclass(frozen=True)

@@ -4,28 +4,20 @@ sent on every node and refuses more. ``wf:X:0#1`` covers ``wf:X:0#1:name``, neve
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
-import pytest
 
 from bc_command_queue.service import CommandQueueService
 from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
 from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
-from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.pki_client import PkiClient, attempt_key
 from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
+from better_compute.testing import refused
 from better_compute.wire.cmdq import EnqueueCommand
-
-
-async def refused(coro: Any) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 async def test_pki_revokes_a_step_attempts_tokens_and_refuses_late_ones(

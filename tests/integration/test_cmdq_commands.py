@@ -27,8 +27,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.provision import StepNotReady, await_command, site_agent_for
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import until
+from better_compute.testing import ServiceProcesses, refused, until
 from better_compute.wire.cmdq import CommandEvent, CommandView, EnqueueCommand
 
 FAST = CmdqConfig(
@@ -111,19 +110,14 @@ async def stack(
             await run
 
 
-async def refused(coro: Awaitable[Any]) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
-
-
 async def wait_state(cq: CommandQueueClient, command_id: str, *states: str) -> CommandView:
-    """Poll until the command is in one of ``states`` (bounded by the test timeout)."""
-    while True:
+    """The command once it is in one of ``states`` (bounded by the test timeout)."""
+
+    async def in_state() -> CommandView | None:
         view = await cq.get(command_id)
-        if view.state in states:
-            return view
-        await asyncio.sleep(0.05)
+        return view if view.state in states else None
+
+    return await until(in_state)
 
 
 async def test_every_refusal_of_enqueue_has_its_code_and_path(stack: Stack) -> None:

@@ -27,7 +27,7 @@ from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, refused
 from better_compute.wire.cmdq import EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
@@ -102,12 +102,6 @@ async def quorum(
                 await agent_run
             svc.request_stop()
             await run
-
-
-async def refused(coro: Any) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 async def test_destructive_commands_need_a_batch_in_scope(quorum: Quorum) -> None:
@@ -195,15 +189,17 @@ def test_a_bad_approvers_file_is_invalid_config_and_the_service_will_not_start(
     good = public_b64(ed25519.Ed25519PrivateKey.generate())
     other = public_b64(ed25519.Ed25519PrivateKey.generate())
     cases = {
-        f'threshold = 2\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n': "threshold",
-        f'threshold = 0\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n': "threshold",
-        'threshold = 1\n[[approvers]]\nid = "a"\npublicKey = "bm9wZQ=="\n': "approvers[0].publicKey",
-        "threshold = 1\napprovers = []\n": "approvers",
+        f'threshold = 2\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n': "cmdq.quorum.threshold",
+        f'threshold = 0\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n': "cmdq.quorum.threshold",
+        'threshold = 1\n[[approvers]]\nid = "a"\npublicKey = "bm9wZQ=="\n': (
+            "cmdq.quorum.approvers[0].publicKey"
+        ),
+        "threshold = 1\napprovers = []\n": "cmdq.quorum.approvers",
         f'threshold = 1\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n'
-        f'[[approvers]]\nid = "a"\npublicKey = "{other}"\n': "approvers[1].id",
+        f'[[approvers]]\nid = "a"\npublicKey = "{other}"\n': "cmdq.quorum.approvers[1].id",
         f'threshold = 1\n[[approvers]]\nid = "a"\npublicKey = "{good}"\n'
-        f'[[approvers]]\nid = "b"\npublicKey = "{good}"\n': "approvers[1].publicKey",
-        "threshold = [": "BC_CMDQ_APPROVERS",
+        f'[[approvers]]\nid = "b"\npublicKey = "{good}"\n': "cmdq.quorum.approvers[1].publicKey",
+        "threshold = [": "cmdq.quorum.file",
     }
     for text, path in cases.items():
         file = tmp_path / "approvers.toml"
@@ -213,12 +209,12 @@ def test_a_bad_approvers_file_is_invalid_config_and_the_service_will_not_start(
         assert (info.value.code, info.value.path) == (ErrorCode.INVALID_CONFIG, path), text
     with pytest.raises(BcError) as info:
         load_quorum(tmp_path / "missing.toml")
-    assert info.value.path == "BC_CMDQ_APPROVERS"
+    assert info.value.path == "cmdq.quorum.file"
     env = {
         **os.environ,
         "BC_NATS_URL": bc_settings.nats_url or "",
         "BC_DATABASE_URL": bc_settings.database_url or "",
-        "BC_CMDQ_APPROVERS": str(tmp_path / "approvers.toml"),
+        "BC_CMDQ_QUORUM_FILE": str(tmp_path / "approvers.toml"),
     }
     out = subprocess.run(
         [sys.executable, "-m", "bc_command_queue"], capture_output=True, text=True, env=env, timeout=60

@@ -33,6 +33,7 @@ from nats.aio.subscription import Subscription
 from nats.js import api
 
 from better_compute.runtime.embedded import free_port, nats_server_binary, wait_port
+from better_compute.testing import until
 from better_compute.wire import Subjects
 
 T = TypeVar("T")
@@ -129,20 +130,9 @@ def _env(**values: object) -> dict[str, str]:
 
 
 async def eventually(what: str, probe: Callable[[], Awaitable[T | None]], *, timeout: float = WAIT) -> T:
-    """``probe()`` until it returns something other than None (exceptions count as not yet)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    last: BaseException | None = None
-    while loop.time() < deadline:
-        try:
-            got = await probe()
-        except Exception as exc:  # whatever a settling cluster answers: try again
-            last = exc
-        else:
-            if got is not None:
-                return got
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout}s (last error: {last!r})")
+    """``until()`` as this file uses it: ``probe()`` until it returns something other than None;
+    whatever a settling cluster answers meanwhile (an exception) counts as not yet."""
+    return await until(probe, timeout=timeout, interval=0.2, ignore=(Exception,), what=what)
 
 
 async def _healthy(server: Server) -> bool | None:

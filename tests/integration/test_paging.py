@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 
 import asyncpg
 import msgspec
-import pytest
 import pytest_asyncio
 
 from bc_command_queue.service import CommandQueueService
@@ -22,11 +21,12 @@ from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
 from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
-from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.pki_client import JoinClaims, PkiClient, make_csr, new_agent_key
 from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient, ApiRequest, Handler, Service
+from better_compute.testing import refused
 from better_compute.testing.workflows import wait_workflow
 from engine_test_app import TABLES
 
@@ -67,12 +67,6 @@ async def walk(
         if cursor is None:
             return items, pages
         assert pages < 1000, "the cursor never ends"
-
-
-async def refused(coro: Awaitable[Any]) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 # -- the case: nine nodes with a 1 MB label ----------------------------------------

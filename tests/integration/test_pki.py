@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import os
 import stat
@@ -18,7 +19,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bc_pki.service import PkiService
-from better_compute.config import Settings
+from better_compute.config import PkiSettings, Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.keyring import rotate_key_file
@@ -34,6 +35,8 @@ from better_compute.pki_client import (
     signing_payload,
 )
 from better_compute.service import ApiClient
+from better_compute.testing import refused
+from pki_time import expire
 
 MACHINE = JoinClaims(macs=["AA-BB-CC-00-11-22", "aa:bb:cc:00:11:23"], product_uuid="P-1", serial="S1")
 OTHER_MACHINE = JoinClaims(macs=["aa:bb:cc:99:99:99"], product_uuid="p-2", serial="S2")
@@ -56,12 +59,6 @@ async def join(
     key = new_agent_key(kind)
     result = await pki.join(token=token, csr=make_csr(key), claims=claims)
     return result, AgentIdentity.from_join(result, key)
-
-
-async def refused(coro: Any) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 @pytest.fixture
@@ -169,8 +166,10 @@ async def test_refused_joins_say_why_spend_nothing_and_are_audited(
         err = await refused(join(pki, revoked.token))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-revoked")
 
-        short = await issue(pki, ttl_seconds=1)
-        await asyncio.sleep(1.5)
+        short = await issue(pki, ttl_seconds=90)
+        info = await pki.get_join_token(short.id)
+        assert info.expires_at - info.created_at == dt.timedelta(seconds=90)
+        await expire(bc_settings, "token", short.id)  # 90 s on: moved, not slept
         err = await refused(join(pki, short.token))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-expired")
         assert (await pki.get_join_token(short.id)).state == "expired"
@@ -387,7 +386,7 @@ async def test_two_instances_starting_together_share_one_ca_sealed_at_rest(
 
 
 async def test_the_ca_survives_key_rotation_and_refuses_a_foreign_key_file(
-    bc_settings: Settings, pki: PkiClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bc_settings: Settings, pki: PkiClient, tmp_path: Path
 ) -> None:
     async with PkiService(bc_settings):
         fingerprint = (await pki.ca()).fingerprint_sha256
@@ -409,8 +408,8 @@ async def test_the_ca_survives_key_rotation_and_refuses_a_foreign_key_file(
     async with PkiService(bc_settings):
         assert (await issue(pki, idempotency_key="rotating")).token == token.token
 
-    monkeypatch.setenv("BC_PKI_KEY_FILE", str(tmp_path / "foreign.key"))
+    foreign = msgspec.structs.replace(bc_settings, pki=PkiSettings(key_file=str(tmp_path / "foreign.key")))
     with pytest.raises(BcError) as info:
-        async with PkiService(bc_settings):
+        async with PkiService(foreign):
             pass
     assert info.value.code is ErrorCode.INVALID_CONFIG

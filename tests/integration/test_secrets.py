@@ -28,17 +28,12 @@ from better_compute.keyring import rotate_key_file
 from better_compute.pki_client import AgentIdentity, PkiClient, new_agent_key
 from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
 from better_compute.service import ApiClient
+from better_compute.testing import refused
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import CommandView, LiveWithRef
 from secrets_test_app import APP, enqueue_ref, settle
 
 VALUE = b"#cloud-config\npassword: hunter2-the-real-one\n"
-
-
-async def refused(coro: Any) -> BcError:
-    with pytest.raises(BcError) as info:
-        await coro
-    return info.value
 
 
 async def new_node_agent(api: ApiClient, *, site: str = "site-a") -> Enrollment:

@@ -16,7 +16,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.runtime.embedded import EmbeddedNats
 from better_compute.service import ApiClient, ApiRequest, Handler, Service, connect
 from better_compute.service.client import CONNECT_TRIES
-from better_compute.testing.agents import until
+from better_compute.testing import until
 from better_compute.wire import Subjects
 
 

@@ -16,6 +16,7 @@ from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import ApiClient, ApiRequest, Handler, Service, discover
 from better_compute.service.db import Migration, apply_migrations
+from better_compute.testing import until
 
 
 class _Echo(msgspec.Struct, kw_only=True):
@@ -32,9 +33,16 @@ class EchoService(Service):
     def routes(self) -> dict[str, Handler]:
         return {"echo.say": self.say, "echo.boom": self.boom, "echo.refuse": self.refuse}
 
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.serving = 0
+        """Requests being answered right now."""
+
     async def say(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(_Echo)
+        self.serving += 1
         await asyncio.sleep(body.delay)
+        self.serving -= 1
         return {"text": body.text}
 
     async def boom(self, _req: ApiRequest) -> None:
@@ -95,10 +103,9 @@ async def test_micro_discovery_health_and_migrations(
         ping = await bc_nats.request("$SRV.PING.bc-engine." + found[0]["id"], b"", timeout=2)
         assert json.loads(ping.data)["name"] == "bc-engine"
         run = asyncio.create_task(svc.run())
-        await asyncio.sleep(0.3)
         conn = await asyncpg.connect(bc_settings.database_url)
         try:
-            row = await conn.fetchrow("SELECT instance, pid FROM engine.instances")
+            row = await until(lambda: conn.fetchrow("SELECT instance, pid FROM engine.instances"), timeout=10)
         finally:
             await conn.close()
         assert row["instance"] == svc.instance
@@ -142,7 +149,7 @@ async def test_stop_is_safe_twice_and_in_flight_requests_finish(
     svc = EchoService(bc_settings)
     await svc.start()
     pending = asyncio.create_task(bc_api.call("echo", "echo.say", {"text": "late", "delay": 0.5}))
-    await asyncio.sleep(0.1)
+    await until(lambda: svc.serving, timeout=5, interval=0.01, what="the request in flight")
     await svc.stop()
     await svc.stop()
     assert (await pending) == {"text": "late"}

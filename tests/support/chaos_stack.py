@@ -17,14 +17,14 @@ from better_compute.core.errors import BcError
 from better_compute.pki_client import PkiClient
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres, pid_alive
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import SimAgent, start_sim_agent, until
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import FINISHED
 
 __all__ = ["FAST", "PrivateServers", "Stack"]
 
 # agents answer fast and are judged silent soon, so the tests see recoveries quickly
-FAST = {"BC_CMDQ_HEARTBEAT_MS": "200", "BC_CMDQ_SILENT_AFTER_MS": "1500", "BC_CMDQ_SWEEP_MS": "100"}
+FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 
 
 class PrivateServers:

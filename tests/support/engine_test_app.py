@@ -28,6 +28,7 @@ CREATE TABLE IF NOT EXISTS public.plg_test_effects (step_key text PRIMARY KEY, n
 CREATE TABLE IF NOT EXISTS public.plg_test_runs (step_key text, at timestamptz DEFAULT now());
 CREATE TABLE IF NOT EXISTS public.plg_test_flags (name text PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS public.plg_test_children (step_key text PRIMARY KEY, child text NOT NULL);
+CREATE TABLE IF NOT EXISTS public.plg_test_checks (flag text PRIMARY KEY, n int NOT NULL);
 """
 
 
@@ -57,6 +58,12 @@ async def _side_effect(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
 async def _wait_flag(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     rows = await ctx.sql.query("SELECT 1 FROM plg_test_flags WHERE name = $1", input["flag"])
     if not rows:
+        # counted, so a test waits on "checked twice" rather than sleeping
+        await ctx.sql.query(
+            "INSERT INTO plg_test_checks VALUES ($1, 1) ON CONFLICT (flag) DO UPDATE"
+            " SET n = plg_test_checks.n + 1",
+            input["flag"],
+        )
         raise step_not_ready(input["pollMs"])
     return {"flag": input["flag"], "attempt": ctx.attempt}
 

@@ -92,7 +92,7 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unk
     pass
 
 
-class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
+class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pass
 
 

@@ -1,35 +1,139 @@
-"""Process settings: ``bc.toml``, then ``BC_*`` environment variables, then flags."""
+"""Process settings: ``bc.toml``, then ``BC_*`` environment variables, then flags.
+
+One loader for every service. A setting's TOML key is its dotted path (``[cmdq] heartbeat``) and
+its environment variable is that path in capitals behind ``BC_`` (``BC_CMDQ_HEARTBEAT``). Durations
+use the manifest grammar of :func:`better_compute.core.manifest.parse_duration` (``"500ms"``,
+``"30s"``, ``"5m"``, ``"2h"``, ``"7d"``). Anything wrong is ``INVALID_CONFIG`` with ``details.path``
+(``cmdq.sweep``). docs/settings.md lists every setting.
+"""
 
 from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, get_origin
 
 import msgspec
 
 from .core.errors import BcError, ErrorCode
+from .core.manifest import parse_duration
 from .wire.codec import validation_path
 
-__all__ = ["DEFAULT_APP", "Settings", "load_settings"]
+__all__ = [
+    "DEFAULT_APP",
+    "ApproverSetting",
+    "CmdqSettings",
+    "Duration",
+    "PkiSettings",
+    "QuorumSettings",
+    "SecretsSettings",
+    "Settings",
+    "env_var",
+    "load_settings",
+    "parse_settings",
+    "setting_paths",
+]
 
 DEFAULT_APP = "better_compute.metal.app:app"
-
-_ENV = {
-    "nats_url": "BC_NATS_URL",
-    "database_url": "BC_DATABASE_URL",
-    "subject_root": "BC_SUBJECT_ROOT",
-    "app": "BC_APP",
-    "state_dir": "BC_STATE_DIR",
-    "log_level": "BC_LOG_LEVEL",
-    "health_port": "BC_HEALTH_PORT",
-    "instance": "BC_INSTANCE",
-}
+ENV_PREFIX: Final = "BC_"
 
 
-class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where a process finds the bus, the store and the app.
+class Duration:
+    """A length of time, written ``"30s"`` in ``bc.toml`` and in the environment."""
+
+    __slots__ = ("ms",)
+
+    ms: int
+
+    def __init__(self, ms: int) -> None:
+        object.__setattr__(self, "ms", ms)
+
+    @classmethod
+    def parse(cls, text: object) -> Duration:
+        """``"5m"`` (any unit of the manifest grammar) as a Duration; ValueError otherwise."""
+        try:
+            return cls(parse_duration(text))
+        except BcError as exc:
+            raise ValueError(exc.message) from None
+
+    @property
+    def seconds(self) -> float:
+        return self.ms / 1000
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Duration is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Duration) and other.ms == self.ms
+
+    def __hash__(self) -> int:
+        return hash(self.ms)
+
+    def __repr__(self) -> str:
+        return f"Duration({self.ms}ms)"
+
+    def __str__(self) -> str:
+        for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+            if self.ms and self.ms % size == 0:
+                return f"{self.ms // size}{unit}"
+        return f"{self.ms}ms"
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings are written by people: an unknown key is a typo, refused with its path."""
+
+
+class ApproverSetting(_Section, frozen=True, kw_only=True, rename={"public_key": "publicKey"}):
+    """One quorum approver: ``{id, publicKey}`` (base64 of the raw 32-byte Ed25519 public key)."""
+
+    id: str
+    public_key: str
+
+
+class QuorumSettings(_Section, frozen=True, kw_only=True):
+    """M-of-N approvers of destructive batches, inline or in ``file`` (same keys, TOML or JSON).
+
+    No approvers and no file: no quorum.
+    """
+
+    file: str | None = None
+    threshold: int = 0
+    approvers: list[ApproverSetting] = msgspec.field(default_factory=list)
+
+
+class CmdqSettings(_Section, frozen=True, kw_only=True):
+    """``[cmdq]``: the command queue's timings, streams and quorum."""
+
+    heartbeat: Duration = Duration(5_000)
+    silent_after: Duration = Duration(15_000)
+    lost_after: Duration = Duration(120_000)
+    redeliver_after: Duration = Duration(60_000)
+    sweep: Duration = Duration(1_000)
+    ack_wait: Duration = Duration(30_000)
+    cert_cache: Duration = Duration(30_000)
+    stream_replicas: int = 1
+    stream_max_age: Duration = Duration(7 * 86_400_000)
+    retention: Duration = Duration(30 * 86_400_000)
+    quorum: QuorumSettings = msgspec.field(default_factory=QuorumSettings)
+
+
+class PkiSettings(_Section, frozen=True, kw_only=True):
+    """``[pki]``: the CA's key file and certificate lifetime."""
+
+    key_file: str | None = None
+    cert_ttl: Duration = Duration(30 * 86_400_000)
+
+
+class SecretsSettings(_Section, frozen=True, kw_only=True):
+    """``[secrets]``: the key file that seals stored secrets."""
+
+    key_file: str | None = None
+
+
+class Settings(_Section, frozen=True, kw_only=True):
+    """Where a process finds the bus, the store and the app, and each service's own section.
 
     ``nats_url`` / ``database_url`` unset means: the embedded servers recorded in
     ``state_dir`` (``bcx dev up`` writes them there).
@@ -43,34 +147,127 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     log_level: str = "info"
     health_port: int = 0
     instance: str | None = None
+    cmdq: CmdqSettings = msgspec.field(default_factory=CmdqSettings)
+    pki: PkiSettings = msgspec.field(default_factory=PkiSettings)
+    secrets: SecretsSettings = msgspec.field(default_factory=SecretsSettings)
+
+
+# Lower bounds, checked after decoding; a value below one is INVALID_CONFIG at its path.
+_MINIMUM_MS: Final = {
+    "cmdq.heartbeat": 100,
+    "cmdq.silent_after": 300,
+    "cmdq.lost_after": 300,
+    "cmdq.redeliver_after": 100,
+    "cmdq.sweep": 50,
+    "cmdq.ack_wait": 1_000,
+    "cmdq.stream_max_age": 1_000,
+    "pki.cert_ttl": 1_000,
+}
+
+
+# Settings the services keep in coarser units: a value must be a whole number of them.
+_UNIT_MS: Final = {
+    "cmdq.cert_cache": 1_000,
+    "cmdq.stream_max_age": 1_000,
+    "cmdq.retention": 86_400_000,
+    "pki.cert_ttl": 1_000,
+}
+
+
+def env_var(path: str) -> str:
+    """The environment variable of a setting: ``cmdq.sweep`` is ``BC_CMDQ_SWEEP``."""
+    return ENV_PREFIX + path.replace(".", "_").upper()
+
+
+def _scalar_fields(typ: type[msgspec.Struct], prefix: str = "") -> Iterator[str]:
+    for f in msgspec.structs.fields(typ):
+        path = f"{prefix}{f.name}"
+        if isinstance(f.type, type) and issubclass(f.type, msgspec.Struct):
+            yield from _scalar_fields(f.type, f"{path}.")
+        elif get_origin(f.type) is not list:  # a list has no variable: bc.toml or a quorum file
+            yield path
+
+
+def setting_paths() -> list[str]:
+    """Every setting an environment variable can set, as a dotted path (``cmdq.sweep``)."""
+    return list(_scalar_fields(Settings))
+
+
+def _dec_hook(typ: type, value: object) -> object:
+    if typ is Duration:
+        return Duration.parse(value)
+    raise NotImplementedError
+
+
+def _bad(path: str, message: str) -> BcError:
+    return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise _bad(str(path), f"cannot read config file: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise _bad(str(path), f"config file is not TOML: {exc}") from exc
+
+
+def _set(data: dict[str, Any], path: str, value: str) -> None:
+    *parents, leaf = path.split(".")
+    node = data
+    for key in parents:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = node[key] = {}
+        node = child
+    node[leaf] = value
+
+
+def _get(settings: Settings, path: str) -> Any:
+    value: Any = settings
+    for key in path.split("."):
+        value = getattr(value, key)
+    return value
+
+
+def _check_bounds(settings: Settings) -> None:
+    for path, minimum in _MINIMUM_MS.items():
+        if (value := _get(settings, path)).ms < minimum:
+            raise _bad(path, f"{path} must be at least {Duration(minimum)}, got {value}")
+    for path, unit in _UNIT_MS.items():
+        if (value := _get(settings, path)).ms % unit:
+            raise _bad(path, f"{path} must be a whole number of {Duration(unit)}, got {value}")
+    if settings.cmdq.stream_replicas < 1:
+        raise _bad("cmdq.stream_replicas", "cmdq.stream_replicas must be at least 1")
+
+
+def parse_settings(data: dict[str, Any]) -> Settings:
+    """Settings from a ``bc.toml``-shaped mapping (values may be strings, as from the environment).
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` with ``details.path`` (``cmdq.sweep``) for a bad value or key.
+    """
+    try:
+        settings = msgspec.convert(data, Settings, strict=False, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        raise _bad(validation_path(exc), f"bad setting: {exc}") from exc
+    _check_bounds(settings)
+    return settings
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
     """Settings from ``config_file`` (or ``$BC_CONFIG``, or ``./bc.toml`` when present),
-    the environment, and ``overrides`` (``None`` values are ignored)."""
+    the environment, and ``overrides`` (top-level settings; ``None`` values are ignored)."""
     data: dict[str, Any] = {}
     path = config_file or os.environ.get("BC_CONFIG")
     if path is None and Path("bc.toml").is_file():
         path = "bc.toml"
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                data.update(tomllib.load(fh))
-        except OSError as exc:
-            raise BcError(
-                ErrorCode.INVALID_CONFIG, f"cannot read config file: {exc}", {"path": str(path)}
-            ) from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise BcError(
-                ErrorCode.INVALID_CONFIG, f"config file is not TOML: {exc}", {"path": str(path)}
-            ) from exc
-    for key, env in _ENV.items():
-        if env in os.environ and os.environ[env] != "":
-            data[key] = os.environ[env]
+        data.update(_read_toml(path))
+    for setting in setting_paths():
+        value = os.environ.get(env_var(setting))
+        if value:
+            _set(data, setting, value)
     data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return msgspec.convert(data, Settings, strict=False)
-    except msgspec.ValidationError as exc:
-        raise BcError(
-            ErrorCode.INVALID_CONFIG, f"bad setting: {exc}", {"path": validation_path(exc)}
-        ) from exc
+    return parse_settings(data)

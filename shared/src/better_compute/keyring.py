@@ -47,9 +47,8 @@ def generate_key_line() -> str:
     return f"{_PREFIX}:{_key_id(key)}:{base64.urlsafe_b64encode(key).decode().rstrip('=')}"
 
 
-def key_file_path(settings: Settings, env_var: str, name: str) -> Path:
-    """``$env_var`` when set, else ``<state_dir>/keys/<name>.key``."""
-    explicit = os.environ.get(env_var)
+def key_file_path(settings: Settings, explicit: str | None, name: str) -> Path:
+    """``explicit`` (a service's ``key_file`` setting) when set, else ``<state_dir>/keys/<name>.key``."""
     if explicit:
         return Path(explicit)
     return Path(settings.state_dir) / "keys" / f"{name}.key"

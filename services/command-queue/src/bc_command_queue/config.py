@@ -1,13 +1,7 @@
-"""The command queue's own settings: timings, and the destructive-batch quorum.
+"""The command queue's own settings, resolved: timings in milliseconds and the quorum's keys.
 
-Read from the environment (the service's settings file is shared by every service):
-
-* ``BC_CMDQ_APPROVERS``: a TOML or JSON file with ``threshold`` (M) and ``approvers``, a list of
-  ``{id, publicKey}`` (base64 of the raw 32-byte Ed25519 public key). Unset: no quorum.
-* ``BC_CMDQ_HEARTBEAT_MS`` (5000), ``BC_CMDQ_SILENT_AFTER_MS`` (15000),
-  ``BC_CMDQ_LOST_AFTER_MS`` (120000), ``BC_CMDQ_REDELIVER_AFTER_MS`` (60000),
-  ``BC_CMDQ_SWEEP_MS`` (1000), ``BC_CMDQ_CERT_CACHE_SECONDS`` (30),
-  ``BC_CMDQ_STREAM_REPLICAS`` (1), ``BC_CMDQ_STREAM_MAX_AGE_SECONDS`` (7 days).
+They come from the ``[cmdq]`` section of the process settings (``better_compute.config``;
+docs/settings.md lists them): ``CmdqConfig.from_settings(settings.cmdq)``.
 """
 
 from __future__ import annotations
@@ -15,20 +9,22 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from better_compute.config import ApproverSetting, CmdqSettings, QuorumSettings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire.codec import validation_path
 
-__all__ = ["APPROVERS_ENV", "Approver", "CmdqConfig", "Quorum", "load_quorum"]
+__all__ = ["Approver", "CmdqConfig", "Quorum", "load_quorum", "quorum_from_settings"]
 
-APPROVERS_ENV: Final = "BC_CMDQ_APPROVERS"
+_AT: Final = "cmdq.quorum"
 
 
 def _bad(path: str, message: str) -> BcError:
@@ -61,8 +57,25 @@ class Quorum:
         return bool(self.approvers)
 
 
+def quorum_from_settings(settings: QuorumSettings) -> Quorum:
+    """The quorum of ``[cmdq.quorum]``: its inline approvers, or those of its ``file``.
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` with ``details.path`` (``cmdq.quorum.threshold``) for anything
+            wrong in it.
+    """
+    if settings.file is not None:
+        if settings.approvers or settings.threshold:
+            raise _bad(f"{_AT}.file", "give the approvers inline or in a file, not both")
+        return load_quorum(settings.file)
+    if not settings.approvers and not settings.threshold:
+        return Quorum()
+    return _quorum(settings.threshold, settings.approvers)
+
+
 def load_quorum(path: str | Path) -> Quorum:
-    """Read the approvers file (TOML, or JSON when it ends in ``.json``).
+    """Read an approvers file (TOML, or JSON when it ends in ``.json``): ``threshold`` and
+    ``approvers``, as in ``[cmdq.quorum]``.
 
     Raises:
         BcError: ``INVALID_CONFIG`` with ``details.path`` for anything wrong in it.
@@ -71,31 +84,36 @@ def load_quorum(path: str | Path) -> Quorum:
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
-        raise _bad(APPROVERS_ENV, f"cannot read approvers file {where}: {exc.strerror}") from exc
+        raise _bad(f"{_AT}.file", f"cannot read approvers file {where}: {exc.strerror}") from exc
     try:
         doc: Any = json.loads(raw) if where.endswith(".json") else tomllib.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise _bad(APPROVERS_ENV, f"approvers file {where} does not parse: {exc}") from exc
+        raise _bad(f"{_AT}.file", f"approvers file {where} does not parse: {exc}") from exc
     if not isinstance(doc, dict):
-        raise _bad("approvers", "the approvers file holds an object")
-    entries = doc.get("approvers")
-    if not isinstance(entries, list) or not entries:
-        raise _bad("approvers", "list at least one approver")
+        raise _bad(_AT, "the approvers file holds an object")
+    try:
+        parsed = msgspec.convert(
+            {"threshold": doc.get("threshold", 0), "approvers": doc.get("approvers", [])}, QuorumSettings
+        )
+    except msgspec.ValidationError as exc:
+        raise _bad(f"{_AT}.{validation_path(exc)}", f"approvers file {where}: {exc}") from exc
+    return _quorum(parsed.threshold, parsed.approvers)
+
+
+def _quorum(threshold: int, entries: list[ApproverSetting]) -> Quorum:
+    if not entries:
+        raise _bad(f"{_AT}.approvers", "list at least one approver")
     approvers: dict[str, Approver] = {}
     keys: set[str] = set()
     for index, entry in enumerate(entries):
-        at = f"approvers[{index}]"
-        if not isinstance(entry, dict):
-            raise _bad(at, "an approver is {id, publicKey}")
-        ident = entry.get("id")
-        if not isinstance(ident, str) or not 1 <= len(ident) <= 64:
+        at = f"{_AT}.approvers[{index}]"
+        ident = entry.id
+        if not 1 <= len(ident) <= 64:
             raise _bad(f"{at}.id", "an approver id is 1 to 64 characters")
         if ident in approvers:
             raise _bad(f"{at}.id", f"approver {ident!r} is listed twice")
-        b64 = entry.get("publicKey")
+        b64 = entry.public_key
         try:
-            if not isinstance(b64, str):
-                raise ValueError
             raw_key = base64.b64decode(b64, validate=True)
             public = ed25519.Ed25519PublicKey.from_public_bytes(raw_key)
         except (ValueError, binascii.Error) as exc:
@@ -104,30 +122,14 @@ def load_quorum(path: str | Path) -> Quorum:
             raise _bad(f"{at}.publicKey", "two approvers share one key")
         keys.add(b64)
         approvers[ident] = Approver(id=ident, public_key=public, public_key_b64=b64)
-    threshold = doc.get("threshold")
-    if isinstance(threshold, bool) or not isinstance(threshold, int):
-        raise _bad("threshold", "threshold (M) is a whole number")
     if not 1 <= threshold <= len(approvers):
-        raise _bad("threshold", f"threshold must be between 1 and {len(approvers)}")
+        raise _bad(f"{_AT}.threshold", f"threshold must be between 1 and {len(approvers)}")
     return Quorum(threshold=threshold, approvers=approvers)
-
-
-def _env_int(name: str, default: int, *, minimum: int = 1) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise _bad(name, f"{name} must be a whole number of at least {minimum}")
-    return value
 
 
 @dataclass(frozen=True, kw_only=True)
 class CmdqConfig:
-    """Timings and the quorum. ``from_env()`` is what the service process uses."""
+    """Timings and the quorum. ``from_settings()`` is what the service process uses."""
 
     quorum: Quorum = field(default_factory=Quorum)
     heartbeat_ms: int = 5_000
@@ -154,20 +156,20 @@ class CmdqConfig:
     days are deleted; 0 keeps them for ever. Batches and approvals are kept as the audit trail."""
 
     @classmethod
-    def from_env(cls) -> CmdqConfig:
-        path = os.environ.get(APPROVERS_ENV)
+    def from_settings(cls, settings: CmdqSettings) -> CmdqConfig:
+        """The ``[cmdq]`` section of the process settings, with its quorum loaded."""
         return cls(
-            quorum=load_quorum(path) if path else Quorum(),
-            heartbeat_ms=_env_int("BC_CMDQ_HEARTBEAT_MS", 5_000, minimum=100),
-            silent_after_ms=_env_int("BC_CMDQ_SILENT_AFTER_MS", 15_000, minimum=300),
-            lost_after_ms=_env_int("BC_CMDQ_LOST_AFTER_MS", 120_000, minimum=300),
-            redeliver_after_ms=_env_int("BC_CMDQ_REDELIVER_AFTER_MS", 60_000, minimum=100),
-            sweep_ms=_env_int("BC_CMDQ_SWEEP_MS", 1_000, minimum=50),
-            cert_cache_seconds=_env_int("BC_CMDQ_CERT_CACHE_SECONDS", 30, minimum=0),
-            ack_wait_ms=_env_int("BC_CMDQ_ACK_WAIT_MS", 30_000, minimum=1_000),
-            stream_replicas=_env_int("BC_CMDQ_STREAM_REPLICAS", 1),
-            stream_max_age_seconds=_env_int("BC_CMDQ_STREAM_MAX_AGE_SECONDS", 7 * 24 * 3600),
-            retention_days=_env_int("BC_CMDQ_RETENTION_DAYS", 30, minimum=0),
+            quorum=quorum_from_settings(settings.quorum),
+            heartbeat_ms=settings.heartbeat.ms,
+            silent_after_ms=settings.silent_after.ms,
+            lost_after_ms=settings.lost_after.ms,
+            redeliver_after_ms=settings.redeliver_after.ms,
+            sweep_ms=settings.sweep.ms,
+            cert_cache_seconds=settings.cert_cache.ms // 1000,
+            ack_wait_ms=settings.ack_wait.ms,
+            stream_replicas=settings.stream_replicas,
+            stream_max_age_seconds=settings.stream_max_age.ms // 1000,
+            retention_days=settings.retention.ms // 86_400_000,
         )
 
     def with_quorum(self, quorum: Quorum) -> CmdqConfig:

@@ -134,7 +134,7 @@ class CommandQueueService(Service):
 
     def __init__(self, settings: Settings, *, config: CmdqConfig | None = None) -> None:
         super().__init__(settings)
-        self.config = config if config is not None else CmdqConfig.from_env()
+        self.config = config if config is not None else CmdqConfig.from_settings(settings.cmdq)
         self.app: App | None = None
         self.pki: PkiClient | None = None
         self.signers: Signers | None = None

@@ -45,7 +45,7 @@ Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
 
 
-class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
+class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pass
 
 

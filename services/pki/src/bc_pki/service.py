@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
-import os
 import secrets
 import time
 from collections.abc import Mapping
@@ -70,19 +69,6 @@ SEEN_RETENTION_S = 2 * FRESHNESS_MS // 1000 + 60
 """Seen signed data is remembered past the freshness window, so no replay gets through."""
 
 
-def _env_seconds(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise BcError(ErrorCode.INVALID_CONFIG, f"{name} must be a positive integer", {"path": name})
-    return value
-
-
 def _unauthenticated(reason: str, message: str) -> BcError:
     return BcError(ErrorCode.UNAUTHENTICATED, message, {"reason": reason})
 
@@ -102,12 +88,12 @@ class PkiService(Service):
         self.ca: CertificateAuthority | None = None
         self.ca_created_at: dt.datetime | None = None
         self._token_key = b""
-        self.cert_lifetime = dt.timedelta(seconds=_env_seconds("BC_PKI_CERT_TTL_SECONDS", 30 * 24 * 3600))
+        self.cert_lifetime = dt.timedelta(milliseconds=settings.pki.cert_ttl.ms)
 
     # -- start ------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        path = key_file_path(self.settings, "BC_PKI_KEY_FILE", "pki")
+        path = key_file_path(self.settings, self.settings.pki.key_file, "pki")
         self.keyring, created = Keyring.load_or_create(path)
         if created:
             self.log.info("key_file_created", path=str(path), key_id=self.keyring.current_key_id)

@@ -62,7 +62,7 @@ class SecretsService(Service):
         self.keyring: Keyring | None = None
 
     async def on_start(self) -> None:
-        path = key_file_path(self.settings, "BC_SECRETS_KEY_FILE", "secrets")
+        path = key_file_path(self.settings, self.settings.secrets.key_file, "secrets")
         self.keyring, created = Keyring.load_or_create(path)
         if created:
             self.log.info("key_file_created", path=str(path), key_id=self.keyring.current_key_id)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..config import load_settings
 from ..core.app import load_app
 from ..core.errors import BcError
 from ..logging import configure_logging, get_logger
@@ -179,9 +180,13 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bc-agent-sim", description=__doc__)
-    parser.add_argument("--nats-url", default=os.environ.get("BC_NATS_URL"), required=False)
-    parser.add_argument("--subject-root", default=os.environ.get("BC_SUBJECT_ROOT", "bc"))
-    parser.add_argument("--app", default=os.environ.get("BC_APP", "better_compute.metal.app:app"))
+    try:
+        settings = load_settings()  # bc.toml and BC_* variables, as every process; flags win
+    except BcError as err:
+        raise SystemExit(f"bc-agent-sim: {err}") from None
+    parser.add_argument("--nats-url", default=settings.nats_url, required=False)
+    parser.add_argument("--subject-root", default=settings.subject_root)
+    parser.add_argument("--app", default=settings.app)
     parser.add_argument("--state-dir", required=True, help="enrollment, journal and logs")
     parser.add_argument("--token", help="join token, used once when not enrolled yet")
     parser.add_argument("--exec-log", help="append each execution here")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from datetime import datetime
 from typing import Any
 
@@ -16,6 +15,7 @@ import msgspec
 
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
+from ..core.manifest import parse_duration
 from ..pki_client import CertificateInfo, JoinTokenInfo, PkiClient
 from .common import api_client
 from .output import print_json, print_table
@@ -23,16 +23,16 @@ from .paging import add_paging, collect, print_more
 
 __all__ = ["parse_seconds", "register", "when"]
 
-_DURATION_RE = re.compile(r"^(\d+)([smhd]?)$")
-_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
 
 def parse_seconds(text: str) -> int:
-    """``90``, ``90s``, ``30m``, ``2h`` or ``7d`` in seconds."""
-    m = _DURATION_RE.match(text.strip())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use 90s, 30m, 2h, 7d)")
-    return int(m.group(1)) * _UNIT[m.group(2)]
+    """A duration flag (``90s``, ``30m``, ``2h``, ``7d``: the manifest grammar) in whole seconds."""
+    try:
+        ms = parse_duration(text.strip())
+    except BcError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    if ms < 1000 or ms % 1000:
+        raise argparse.ArgumentTypeError(f"not a whole number of seconds: {text!r}")
+    return ms // 1000
 
 
 def when(value: datetime | None) -> str | None:

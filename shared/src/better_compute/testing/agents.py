@@ -7,33 +7,19 @@ count how many times a command really ran, kill the agent and start it again.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..cmdq_client import CommandQueueClient
 from ..config import Settings
 from ..pki_client import PkiClient
+from .waiting import until
 
 __all__ = ["SimAgent", "start_sim_agent", "until"]
-
-
-async def until(check: Callable[[], Any]) -> Any:
-    """Poll ``check`` (plain or async) until it gives something truthy; the test's own
-    timeout bounds the wait."""
-    while True:
-        got = check()
-        if inspect.isawaitable(got):
-            got = await got
-        if got:
-            return got
-        await asyncio.sleep(0.05)
 
 
 @dataclass

@@ -1,4 +1,11 @@
-"""Decoding bus payloads into structs, with ``INVALID_INPUT`` and ``details.path`` on bad input."""
+"""Decoding bus payloads into structs, with ``INVALID_INPUT`` and ``details.path`` on bad input.
+
+The compatibility rule (docs/compatibility.md): a message on the bus ignores fields it does not
+know, and every field added to a message has a default. An old client is then understood by a
+new service (the new field takes its default) and a new client by an old service (the new field
+is dropped), so services are upgraded one at a time. Only settings files, written by people,
+refuse unknown keys (``better_compute.config``). Build messages on :class:`Message`.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +16,29 @@ import msgspec
 
 from ..core.errors import BcError, ErrorCode
 
-__all__ = ["convert", "decode", "encode", "validation_path"]
+__all__ = ["Message", "convert", "decode", "encode", "validation_path"]
 
 T = TypeVar("T")
 
 _PATH_RE = re.compile(r" - at `\$(.*)`$")
-_MISSING_RE = re.compile(r"^Object missing required field `([^`]+)`")
+_FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _encoder = msgspec.json.Encoder()
 
 
+class Message(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """Base of a message on the bus: frozen, keyword-only, camelCase on the wire, unknown fields
+    ignored. A field added later must have a default."""
+
+
 def validation_path(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
-    """``$.steps[2].port`` in msgspec's message becomes ``steps[2].port``; a missing field's
-    path names the field itself (``profileId``, ``steps[2].use``)."""
+    """``$.steps[2].port`` in msgspec's message becomes ``steps[2].port``; a missing or unknown
+    field's path names the field itself (``profileId``, ``steps[2].use``, ``cmdq.heartbeat_ms``)."""
     text = str(exc)
     m = _PATH_RE.search(text)
     where = m.group(1).lstrip(".") if m else ""
-    missing = _MISSING_RE.match(text)
-    if missing:
-        return f"{where}.{missing.group(1)}" if where else missing.group(1)
+    field = _FIELD_RE.match(text)
+    if field:
+        return f"{where}.{field.group(1)}" if where else field.group(1)
     return where
 
 
