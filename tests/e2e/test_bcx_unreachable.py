@@ -107,7 +107,7 @@ def test_dev_up_restarts_a_dead_nats_even_with_its_own_urls_exported(tmp_path: P
         assert again.returncode == 0, again.stderr
         assert nats.running_pid() is not None
         assert json.loads(again.stdout)["nats"] == urls["nats"]  # same port: clients find it again
-        status = bcx("status", "--json", env=exported)
+        status = bcx("status", "--json", "--service", "bc-pki", env=exported)
         assert status.returncode == 0, status.stderr
         assert [s["service"] for s in json.loads(status.stdout)["services"]] == ["bc-pki"]
     finally:

@@ -9,9 +9,9 @@ sent, signed here, and only the signature is sent. The private key never leaves 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import os
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,11 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from ..cmdq_client import AgentView, BatchView, CommandQueueClient, sign_batch
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
+from ..pki_client import PkiClient
+from ..service.client import ApiClient
 from ..wire.cmdq import CommandView
 from .common import api_client
-from .output import print_json, print_table
+from .output import iso, print_json, print_table
 from .paging import add_paging, collect, print_more
 from .pki_commands import parse_seconds
 
@@ -44,9 +46,7 @@ _STATES = [
 
 
 def _at(seconds: float | None) -> str | None:
-    if not seconds:
-        return None
-    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return iso(seconds)
 
 
 def _json(value: Any) -> Any:
@@ -65,11 +65,12 @@ def _command_row(c: CommandView) -> dict[str, Any]:
     }
 
 
-def _agent_row(a: AgentView) -> dict[str, Any]:
+def _agent_row(a: AgentView, cert_state: str | None) -> dict[str, Any]:
     return {
         "id": a.id,
         "site": a.site_id,
         "role": a.role,
+        "cert": cert_state,
         "connected": a.connected,
         "bootLease": a.boot_lease,
         "live": a.live_commands,
@@ -186,18 +187,36 @@ async def cmd_agents_list(args: argparse.Namespace, settings: Settings) -> int:
             return page.agents, page.next
 
         agents, next_ = await collect(fetch, args)
+        states = await _cert_states(api, agents)
     if args.json:
-        print_json({"agents": _json(agents), "next": next_})
+        shown = [{**_json(a), "certState": states.get(a.cert_id)} for a in agents]
+        print_json({"agents": shown, "next": next_})
         return 0
     print_table(
-        [_agent_row(a) for a in agents],
-        [("id", "ID"), ("site", "SITE"), ("role", "ROLE"), ("connected", "CONNECTED"),
+        [_agent_row(a, states.get(a.cert_id)) for a in agents],
+        [("id", "ID"), ("site", "SITE"), ("role", "ROLE"), ("cert", "CERT"), ("connected", "CONNECTED"),
          ("bootLease", "BOOT LEASE"), ("live", "LIVE"), ("version", "VERSION"),
          ("lastSeen", "LAST SEEN")],
         empty="no agents",
     )  # fmt: skip
     print_more(next_)
     return 0
+
+
+async def _cert_states(api: ApiClient, agents: list[AgentView]) -> dict[str, str]:
+    """Each agent certificate's state as bc-pki has it (``valid``, ``revoked``, ``expired``): the
+    command queue lists an agent by presence, and a revoked one may still look connected. A
+    certificate bc-pki cannot tell about now is left out (shown as ``-``)."""
+    pki = PkiClient(api, timeout=3.0)
+
+    async def state(cert_id: str) -> tuple[str, str | None]:
+        try:
+            return cert_id, (await pki.get_certificate(cert_id)).state
+        except BcError:
+            return cert_id, None
+
+    found = await asyncio.gather(*(state(c) for c in {a.cert_id for a in agents}))
+    return {cert_id: s for cert_id, s in found if s is not None}
 
 
 # -- batches ----------------------------------------------------------------------------

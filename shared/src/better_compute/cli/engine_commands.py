@@ -7,28 +7,18 @@ import asyncio
 import contextlib
 import json
 import sys
-from datetime import datetime
 from typing import Any
 
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..service.client import ApiClient
 from .common import api_client, read_document
-from .output import print_json, print_table
+from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect, print_more
 
 __all__ = ["register"]
 
 FINISHED = ("succeeded", "failed", "aborted")
-
-
-def _clock(iso: str | None) -> str:
-    if not iso:
-        return "-"
-    try:
-        return datetime.fromisoformat(iso).strftime("%H:%M:%S")
-    except ValueError:
-        return iso
 
 
 def _short(value: Any, width: int = 60) -> str:
@@ -196,7 +186,7 @@ def _print_steps(wf: dict[str, Any]) -> None:
     rows = [
         {
             **s,
-            "started": _clock(s["startedAt"]),
+            "started": iso(s["startedAt"]),
             "outcome": (
                 f"{s['error']['code']}: {s['error']['message']}" if s["error"] else _short(s["result"], 50)
             ),
@@ -219,6 +209,8 @@ async def workflows_start(args: argparse.Namespace, settings: Settings) -> int:
              "nodeId": args.node, "owner": args.owner},
         )  # fmt: skip
         if args.wait:
+            # the id first: a reader (or `| head -1`) has it before the first step ends
+            print(json_line(wf) if args.json else wf["id"], flush=True)
             return await _watch(api, settings, wf["id"], as_json=args.json)
     if args.json:
         print_json(wf)
@@ -265,7 +257,7 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
         {
             **w,
             "profileRef": f"{w['profile']['id']}@{w['profile']['version']}",
-            "created": _clock(w["createdAt"]),
+            "created": iso(w["createdAt"]),
         }
         for w in workflows
     ]
@@ -284,6 +276,9 @@ async def _verb(args: argparse.Namespace, settings: Settings, verb: str) -> int:
         wf = await api.call(
             "engine", f"workflows.{verb}", {"id": args.id, "reason": getattr(args, "reason", None)}
         )
+        if getattr(args, "wait", False):
+            print(json_line(wf) if args.json else f"{wf['id']} is {wf['state']}", flush=True)
+            return await _watch(api, settings, wf["id"], as_json=args.json)
     if args.json:
         print_json(wf)
     else:
@@ -328,22 +323,23 @@ async def _watch(api: ApiClient, settings: Settings, workflow_id: str, *, as_jso
                     continue
                 seen[s["index"]] = now
                 if as_json:
-                    print(json.dumps({"workflowId": workflow_id, "workflowState": wf["state"], "step": s}))
+                    print(json_line({"workflowId": workflow_id, "workflowState": wf["state"], "step": s}))
                 else:
                     tail = ""
                     if s["error"]:
                         tail = f"  {s['error']['code']}: {s['error']['message']}"
                     elif s["state"] == "succeeded":
                         tail = f"  {_short(s['result'], 50)}"
+                    at = iso(s["finishedAt"] or s["startedAt"]) or "-"
                     print(
-                        f"{_clock(s['finishedAt'] or s['startedAt'])}  step {s['index']:>3} {s['action']:<28}"
+                        f"{at}  step {s['index']:>3} {s['action']:<28}"
                         f" {s['state']:<10} attempt {s['attempt']}{tail}",
                         flush=True,
                     )
             if wf["state"] != state:
                 state = wf["state"]
                 if as_json:
-                    print(json.dumps({"workflowId": workflow_id, "workflowState": state}), flush=True)
+                    print(json_line({"workflowId": workflow_id, "workflowState": state}), flush=True)
                 elif state in FINISHED:
                     err = wf["error"]
                     print(
@@ -437,6 +433,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         p.add_argument("id")
         if name == "abort":
             p.add_argument("--reason")
+        else:
+            p.add_argument("--wait", action="store_true", help="watch it until it ends")
         p.set_defaults(func=fn)
     p = wfs.add_parser("watch", parents=[common], help="show each step live until the workflow ends")
     p.add_argument("id")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -11,12 +13,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..config import Settings, load_settings
-from ..core.errors import BcError
+from ..core.errors import BcError, ErrorCode
 from ..runtime.dev import SERVICES, DevStack
 from ..runtime.urls import resolve_nats_url
 from ..service.client import connect, discover
 from . import engine_commands, pki_commands, secrets_commands
-from .output import print_error, print_json, print_table
+from .output import iso, print_error, print_json, print_table
 
 __all__ = ["main"]
 
@@ -55,22 +57,28 @@ async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
             "version": d.get("version"),
             "host": (d.get("metadata") or {}).get("host"),
             "pid": (d.get("metadata") or {}).get("pid"),
-            "started": d.get("started"),
+            "started": iso(d.get("started")),
             "uptime": _uptime(d.get("started")),
             "requests": sum(int(e.get("num_requests", 0)) for e in d.get("endpoints") or []),
             "errors": sum(int(e.get("num_errors", 0)) for e in d.get("endpoints") or []),
         }
         for d in found
     ]
+    # a known service with no instance is an outage, whatever else answers
+    answering = {row["service"] for row in rows}
+    missing = [s for s in (args.service or SERVICES) if s not in answering]
     if args.json:
-        print_json({"services": rows})
-        return 0
+        print_json({"services": rows, "missing": missing})
+        return 1 if missing else 0
     print_table(
         rows,
         [("service", "SERVICE"), ("instance", "INSTANCE"), ("version", "VERSION"),
          ("uptime", "UPTIME"), ("pid", "PID"), ("requests", "REQUESTS"), ("errors", "ERRORS")],
         empty="no services answer on this NATS",
     )  # fmt: skip
+    if missing:
+        sys.stderr.write(f"error: no instance answers: {', '.join(missing)}\n")
+        return 1
     return 0
 
 
@@ -92,11 +100,23 @@ async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
             missing = {s: n for s, n in want.items() if have.get(s, 0) < n}
             if not missing:
                 break
+            # a process that exited will not answer: say so now, with its log, not at the timeout
+            for name in (f"{s}-{n}" for s in missing for n in range(1, args.instances + 1)):
+                rec = stack.record(name)
+                if rec is not None and not rec.alive:
+                    raise BcError(
+                        ErrorCode.UNAVAILABLE,
+                        stack.start_failure(name, "exited at start"),
+                        {"path": "service", "service": rec.service, "log": rec.log},
+                    )
             if time.monotonic() > deadline:
-                logs = ", ".join(str(stack.logs / f"{s}-1.log") for s in missing)
+                names = [f"{s}-{n}" for s in missing for n in range(1, args.instances + 1)]
                 raise BcError(
-                    "UNAVAILABLE",
-                    f"not answering after {args.timeout}s: {', '.join(missing)}; see {logs}",
+                    ErrorCode.UNAVAILABLE,
+                    "\n".join(
+                        stack.start_failure(n, f"is not answering after {args.timeout}s") for n in names
+                    ),
+                    {"path": "service", "service": next(iter(missing))},
                 )
     finally:
         await nc.close()
@@ -139,19 +159,39 @@ async def cmd_dev_ps(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The flags every bcx command takes, wherever they stand on the line. Only the top parser
+    sets their defaults: a subcommand's copy that is not given leaves what came before."""
+    given: dict[str, Any] = {} if defaults else {"default": argparse.SUPPRESS}
+    parser.add_argument("--json", action="store_true", help="machine-readable output", **given)
+    parser.add_argument("--config", help="bc.toml path", **given)
+    parser.add_argument("--nats-url", help="NATS URL (default: $BC_NATS_URL or the embedded one)", **given)
+    parser.add_argument("--state-dir", help="state directory of the embedded stack", **given)
+    parser.add_argument("--subject-root", help="root of every subject (default bc)", **given)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found: list[argparse.ArgumentParser] = []
+    for action in parser._actions:  # argparse offers no public walk of its tree
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += [child, *_subparsers(child)]
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="machine-readable output")
-    common.add_argument("--config", help="bc.toml path")
-    common.add_argument("--nats-url", help="NATS URL (default: $BC_NATS_URL or the embedded one)")
-    common.add_argument("--state-dir", help="state directory of the embedded stack")
-    common.add_argument("--subject-root", help="root of every subject (default bc)")
+    _global_flags(common, defaults=False)
 
     parser = argparse.ArgumentParser(prog="bcx", description="Better Compute admin CLI")
+    _global_flags(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("status", parents=[common], help="running services and instances")
     p.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
+    p.add_argument(
+        "--service", action="append", choices=list(SERVICES), help="expect only these (default all)"
+    )
     p.set_defaults(func=cmd_status)
 
     dev = sub.add_parser("dev", help="the embedded stack on this machine")
@@ -172,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import cmdq_commands
 
     cmdq_commands.register(sub, common)
+    # `bcx nodes --json list` too: the command groups take the global flags as well
+    for child in _subparsers(parser):
+        if "--json" not in child._option_string_actions:
+            _global_flags(child, defaults=False)
     return parser
 
 
@@ -192,4 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        # The reader went away (`bcx workflows watch --json | head -1`): end as a pipeline
+        # expects, quietly. Python's own flush at exit must not meet the closed pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 128 + signal.SIGPIPE
     sys.exit(code)

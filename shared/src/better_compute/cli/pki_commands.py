@@ -18,7 +18,7 @@ from ..core.errors import BcError, ErrorCode
 from ..core.manifest import parse_duration
 from ..pki_client import CertificateInfo, JoinTokenInfo, PkiClient
 from .common import api_client
-from .output import print_json, print_table
+from .output import iso, print_json, print_table
 from .paging import add_paging, collect, print_more
 
 __all__ = ["parse_seconds", "register", "when"]
@@ -36,8 +36,8 @@ def parse_seconds(text: str) -> int:
 
 
 def when(value: datetime | None) -> str | None:
-    """A timestamp for a table cell: UTC, to the second."""
-    return value.strftime("%Y-%m-%d %H:%M:%SZ") if value is not None else None
+    """A timestamp for a table cell: ISO 8601, UTC, to the second."""
+    return iso(value)
 
 
 def _token_row(t: JoinTokenInfo) -> dict[str, Any]:

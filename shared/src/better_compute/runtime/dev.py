@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -29,6 +30,9 @@ SERVICES: dict[str, str] = {
     "bc-pki": "bc_pki",
     "bc-secrets": "bc_secrets",
 }
+
+
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@")
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,21 @@ class DevStack:
             return ProcRecord(**data)
         except (OSError, ValueError, TypeError):
             return None
+
+    def start_failure(self, name: str, why: str, *, lines: int = 12) -> str:
+        """What to tell about the service process ``name`` that is not up: ``why``, its log file
+        and the log's last lines."""
+        rec = self.record(name)
+        log = Path(rec.log) if rec is not None else self.logs / f"{name}.log"
+        try:
+            # a traceback may print a URL with its password: never pass that on
+            tail = [
+                _USERINFO.sub(r"\1", line) for line in log.read_text(errors="replace").splitlines()[-lines:]
+            ]
+        except OSError:
+            tail = []
+        ends = ", which ends:\n" + "\n".join(f"  | {line}" for line in tail) if tail else " (empty)"
+        return f"{name} {why}; its log is {log}{ends}"
 
     def records(self) -> list[ProcRecord]:
         if not self.procs.is_dir():

@@ -1,0 +1,88 @@
+"""bcx's argument parsing and time formatting (pure: no services)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from better_compute.cli.main import build_parser
+from better_compute.cli.output import iso, with_iso_times
+from better_compute.config import Settings
+from better_compute.runtime.dev import DevStack
+
+URL = "nats://127.0.0.1:4999"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--json", "--nats-url", URL, "nodes", "list"],
+        ["nodes", "--json", "list", "--nats-url", URL],
+        ["nodes", "list", "--json", f"--nats-url={URL}"],
+        ["--nats-url", URL, "nodes", "list", "--json"],
+    ],
+    ids=["before", "between", "after", "split"],
+)
+def test_global_flags_anywhere_on_the_line(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert (args.json, args.nats_url, args.nodes_command) == (True, URL, "list")
+
+
+def test_global_flags_default_when_absent() -> None:
+    args = build_parser().parse_args(["status"])
+    assert (args.json, args.nats_url, args.config, args.state_dir, args.subject_root) == (
+        False, None, None, None, None,
+    )  # fmt: skip
+
+
+def test_a_global_flag_after_the_subcommand_is_not_overridden_by_a_default() -> None:
+    args = build_parser().parse_args(["--state-dir", "/s", "dev", "ps"])
+    assert args.state_dir == "/s"
+
+
+def test_times_are_iso_8601_utc_to_the_second() -> None:
+    want = "2026-12-01T06:30:00Z"
+    moment = datetime(2026, 12, 1, 6, 30, 0, 123456, tzinfo=UTC)
+    assert iso(moment) == want
+    assert iso(moment.astimezone(timezone(timedelta(hours=2)))) == want
+    assert iso(moment.timestamp()) == want
+    assert iso("2026-12-01T06:30:00.123456+00:00") == want
+    assert iso("2026-12-01T06:30:00.123456789Z") == want  # NATS micro's `started`
+    assert iso(None) is None
+    assert iso("soon") == "soon"
+
+
+def test_json_documents_carry_iso_times() -> None:
+    doc = {
+        "id": "x",
+        "createdAt": 1796106600.5,
+        "lastSeen": 1796106600,
+        "expiresAtMs": 1796106600000,
+        "steps": [{"startedAt": "2026-12-01T06:30:00.5+00:00", "deadline": None, "attempt": 1}],
+    }
+    assert with_iso_times(doc) == {
+        "id": "x",
+        "createdAt": "2026-12-01T06:30:00Z",
+        "lastSeen": "2026-12-01T06:30:00Z",
+        "expiresAt": "2026-12-01T06:30:00Z",
+        "steps": [{"startedAt": "2026-12-01T06:30:00Z", "deadline": None, "attempt": 1}],
+    }
+
+
+def test_a_failed_start_names_the_log_and_shows_its_end_without_passwords(tmp_path: Path) -> None:
+    stack = DevStack(Settings(state_dir=str(tmp_path)))
+    stack.logs.mkdir(parents=True)
+    lines = [f"line {n}" for n in range(30)] + [
+        "asyncpg.InvalidPasswordError: postgresql://bc:hunter2-pw@127.0.0.1:5499/bc refused",
+        "ModuleNotFoundError: No module named 'no_such_plugin_module'",
+    ]
+    (stack.logs / "bc-engine-1.log").write_text("\n".join(lines) + "\n")
+    said = stack.start_failure("bc-engine-1", "exited at start")
+    assert said.startswith(f"bc-engine-1 exited at start; its log is {stack.logs / 'bc-engine-1.log'}")
+    assert said.endswith("  | ModuleNotFoundError: No module named 'no_such_plugin_module'")
+    assert "line 19" not in said  # only the end of it
+    assert "line 20" in said
+    assert "postgresql://127.0.0.1:5499/bc" in said
+    assert "hunter2" not in said
