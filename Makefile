@@ -4,4 +4,4 @@ demo:
 test:
 	bash scripts/test.sh
 lint:
-	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run ruff check . && "$${UV[@]}" run ruff format --check . && "$${UV[@]}" run mypy'
+	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run ruff check . && "$${UV[@]}" run ruff format --check . && "$${UV[@]}" run mypy && "$${UV[@]}" run lint-imports'

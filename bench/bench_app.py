@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from better_compute.app import better_compute
 from better_compute.core import manifest
-from better_compute.core.app import better_compute
 from better_compute.metal import metal
 from better_compute.provision import define_step, provision_module
 

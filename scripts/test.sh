@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: lint, format check, mypy --strict, then pytest.
+# The whole test suite: lint, format check, mypy --strict, import contracts, then pytest.
 # Extra arguments go to pytest (e.g. scripts/test.sh -m unit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,6 +7,7 @@ source scripts/bootstrap.sh
 echo "== ruff check" && "${UV[@]}" run --frozen ruff check .
 echo "== ruff format --check" && "${UV[@]}" run --frozen ruff format --check .
 echo "== mypy --strict" && "${UV[@]}" run --frozen mypy
+echo "== import contracts (layers, services independent)" && "${UV[@]}" run --frozen lint-imports
 echo "== pytest"
 set +e
 "${UV[@]}" run --frozen pytest "$@"

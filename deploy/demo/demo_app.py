@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from better_compute.app import better_compute
 from better_compute.core import field, manifest
-from better_compute.core.app import better_compute
 from better_compute.metal import metal
 from better_compute.provision import UserData, define_step, provision_module, step_not_ready
 

@@ -10,8 +10,8 @@ import asyncio
 import json
 from typing import Any
 
+from better_compute.app import better_compute
 from better_compute.core import field, manifest
-from better_compute.core.app import better_compute
 from better_compute.core.errors import BcError
 from better_compute.metal import metal
 from better_compute.provision import (

@@ -118,7 +118,7 @@ def test_subjects_follow_the_design() -> None:
 
 
 def test_urls_in_messages_lose_their_credentials() -> None:
-    from better_compute.service.client import safe_url
+    from better_compute.logging import safe_url
 
     assert safe_url("nats://engine:hunter22@nats-1:4222") == "nats://nats-1:4222"
     assert safe_url("postgresql://bc:pw@db/bc") == "postgresql://db/bc"

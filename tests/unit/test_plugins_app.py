@@ -9,20 +9,18 @@ from typing import Any
 
 import pytest
 
+from better_compute.app import PLUGIN_ENTRY_POINT_GROUP, better_compute, load_app
+from better_compute.app import composition as app_module
+from better_compute.app.default import app as default_app_object
 from better_compute.core import (
-    PLUGIN_ENTRY_POINT_GROUP,
     BcError,
     CommandKind,
     ErrorCode,
-    better_compute,
     define_plugin,
     field,
-    load_app,
     manifest,
 )
-from better_compute.core import app as app_module
 from better_compute.metal import COMMAND_KINDS, metal
-from better_compute.metal.app import app as default_app_object
 from better_compute.provision import (
     BUILTIN_CONFIG_UNITS,
     ConfigUnit,
@@ -325,19 +323,19 @@ def test_a_broken_entry_point_is_invalid_config(
 
 
 def test_load_app_loads_the_default_app_and_factories() -> None:
-    assert load_app("better_compute.metal.app:app") is default_app_object
-    assert set(load_app("better_compute.metal.app:default_app").command_kinds) == set(COMMAND_KINDS)
+    assert load_app("better_compute.app.default:app") is default_app_object
+    assert set(load_app("better_compute.app.default:default_app").command_kinds) == set(COMMAND_KINDS)
 
 
 @pytest.mark.parametrize(
     "spec",
     [
-        "better_compute.metal.app",
-        "better_compute.metal.app:",
-        "better_compute.metal.app:app:x",
+        "better_compute.app.default",
+        "better_compute.app.default:",
+        "better_compute.app.default:app:x",
         "better_compute/metal:app",
         "no_such_package_xyz.app:app",
-        "better_compute.metal.app:nope",
+        "better_compute.app.default:nope",
         "better_compute.metal:metal",
         "better_compute.metal:COMMAND_KINDS",
     ],

@@ -36,7 +36,7 @@ __all__ = [
     "setting_paths",
 ]
 
-DEFAULT_APP = "better_compute.metal.app:app"
+DEFAULT_APP = "better_compute.app.default:app"
 ENV_PREFIX: Final = "BC_"
 
 

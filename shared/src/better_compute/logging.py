@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["REDACTED", "configure_logging", "get_logger", "redact", "register_secret"]
+__all__ = ["REDACTED", "configure_logging", "get_logger", "redact", "register_secret", "safe_url"]
 
 REDACTED = "[redacted]"
 
@@ -78,6 +78,18 @@ def redact(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> 
         else:
             event_dict[key] = _scrub(event_dict[key])
     return event_dict
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its user and password, for messages and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def configure_logging(*, level: str = "info", json: bool | None = None, stream: TextIO | None = None) -> None:

@@ -37,6 +37,7 @@ from better_compute.agent.protocol import (
     payload_digest,
     result_document,
 )
+from better_compute.app import App, load_app
 from better_compute.cmdq_client import (
     AgentList,
     ApprovalView,
@@ -59,7 +60,6 @@ from better_compute.cmdq_client import (
     batch_document,
 )
 from better_compute.config import Settings
-from better_compute.core.app import App, load_app
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.core.plugins import CommandKind

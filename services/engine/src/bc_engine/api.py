@@ -7,7 +7,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
-from better_compute.core.app import App
+from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.provision.profiles import MAX_PROFILE_STEPS

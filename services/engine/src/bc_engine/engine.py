@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
+from better_compute.app import App
 from better_compute.cmdq_client import CommandQueueClient
-from better_compute.core.app import App
 from better_compute.core.errors import BcError, ErrorCode, ServiceUnavailableError
 from better_compute.pki_client import PkiClient, attempt_key
 from better_compute.provision import Profile, StepNotReady, profile_from_document

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from better_compute.core.app import App
+from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import Profile, profile_from_document
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from better_compute.core.app import App
+from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode, join_path
 from better_compute.provision import Profile, ProfileStep, Step
 

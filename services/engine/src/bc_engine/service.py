@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import msgspec
 from nats.aio.msg import Msg
 
-from better_compute.core.app import App, load_app
+from better_compute.app import App, load_app
 from better_compute.core.errors import BcError
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..app.composition import load_app
 from ..config import load_settings
-from ..core.app import load_app
 from ..core.errors import BcError
 from ..logging import configure_logging, get_logger
 from ..pki_client import PkiClient

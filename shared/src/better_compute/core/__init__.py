@@ -1,14 +1,16 @@
-"""Core of the SDK: errors, ids, the manifest DSL, plugins and app composition."""
+"""Core of the SDK: errors, ids, the manifest DSL, and the definitions of plugins and command kinds.
 
-from .app import PLUGIN_ENTRY_POINT_GROUP, App, better_compute, discover_plugins, load_app
+Core imports nothing else of ``better_compute``. Composing a deployment (``better_compute()``,
+``App``, ``load_app``) builds on ``provision`` and ``metal``, so it lives above them in
+``better_compute.app``.
+"""
+
 from .errors import BcError, ErrorCode, join_path
 from .ids import new_id, parse_id
 from .manifest import Field, Manifest, field, manifest, parse_duration
 from .plugins import CommandKind, ComputeModule, Plugin, Registry, define_plugin
 
 __all__ = [
-    "PLUGIN_ENTRY_POINT_GROUP",
-    "App",
     "BcError",
     "CommandKind",
     "ComputeModule",
@@ -17,12 +19,9 @@ __all__ = [
     "Manifest",
     "Plugin",
     "Registry",
-    "better_compute",
     "define_plugin",
-    "discover_plugins",
     "field",
     "join_path",
-    "load_app",
     "manifest",
     "new_id",
     "parse_duration",

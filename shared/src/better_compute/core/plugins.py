@@ -5,6 +5,12 @@ steps and profiles. The ``Registry`` takes each module's own contributions once:
 object registered twice, two steps with one id, two command kinds with one name, two profiles
 with one id and version, or two modules/plugins with one id is ``INVALID_CONFIG`` with
 ``details.path`` naming the second registration (``plugins[0].extensions[1].id``).
+
+Core sits below ``provision``, so it names no step or profile class: a step is anything with
+``extension == "step"`` and an ``id`` (``StepDefinition``), a profile anything with
+``extension == "profile"``, an ``id`` and a ``version`` (``ProfileDefinition``). ``define_step``
+and ``define_profile`` make them; the registry is generic over the concrete classes so
+``provision`` and the app get their own types back.
 """
 
 from __future__ import annotations
@@ -13,14 +19,10 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
 from .errors import BcError, ErrorCode, join_path
 from .manifest import Manifest
-
-if TYPE_CHECKING:
-    from better_compute.provision.profiles import Profile
-    from better_compute.provision.steps import Step
 
 __all__ = [
     "DOTTED_NAME_PATTERN",
@@ -28,7 +30,9 @@ __all__ = [
     "CommandKind",
     "ComputeModule",
     "Plugin",
+    "ProfileDefinition",
     "Registry",
+    "StepDefinition",
     "define_plugin",
 ]
 
@@ -94,6 +98,36 @@ class CommandKind:
             raise _bad_config("description", "must be a string")
 
 
+class StepDefinition(Protocol):
+    """What core needs of a step: ``better_compute.provision.define_step`` makes them."""
+
+    @property
+    def extension(self) -> Literal["step"]: ...
+
+    @property
+    def id(self) -> str: ...
+
+
+class ProfileDefinition(Protocol):
+    """What core needs of a profile: ``better_compute.provision.define_profile`` makes them."""
+
+    @property
+    def extension(self) -> Literal["profile"]: ...
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def key(self) -> tuple[str, int]: ...
+
+
+StepT = TypeVar("StepT", bound=StepDefinition)
+ProfileT = TypeVar("ProfileT", bound=ProfileDefinition)
+
+
 class ComputeModule(Protocol):
     """What a module or plugin contributes: command kinds, steps and profiles it registers."""
 
@@ -104,10 +138,10 @@ class ComputeModule(Protocol):
     def command_kinds(self) -> Sequence[CommandKind]: ...
 
     @property
-    def steps(self) -> Sequence[Step]: ...
+    def steps(self) -> Sequence[StepDefinition]: ...
 
     @property
-    def profiles(self) -> Sequence[Profile]: ...
+    def profiles(self) -> Sequence[ProfileDefinition]: ...
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -115,13 +149,13 @@ class Plugin:
     """A bundle of extensions shipped outside the project's packages. Made by ``define_plugin``."""
 
     id: str
-    extensions: tuple[Step, ...]
-    profiles: tuple[Profile, ...]
+    extensions: tuple[StepDefinition, ...]
+    profiles: tuple[ProfileDefinition, ...]
     command_kinds: tuple[CommandKind, ...]
     description: str = ""
 
     @property
-    def steps(self) -> tuple[Step, ...]:
+    def steps(self) -> tuple[StepDefinition, ...]:
         """The plugin's steps (every extension is a step today)."""
         return self.extensions
 
@@ -129,8 +163,8 @@ class Plugin:
 def define_plugin(
     *,
     id: str,
-    extensions: Sequence[Step] = (),
-    profiles: Sequence[Profile] = (),
+    extensions: Sequence[StepDefinition] = (),
+    profiles: Sequence[ProfileDefinition] = (),
     command_kinds: Sequence[CommandKind] = (),
     description: str = "",
 ) -> Plugin:
@@ -158,22 +192,23 @@ def define_plugin(
         description=description,
     )
     # The same checks the app makes, so a broken plugin fails where it is defined.
-    Registry().add_module(plugin, path="")
+    Registry[StepDefinition, ProfileDefinition]().add_module(plugin, path="")
     return plugin
 
 
-class Registry:
+class Registry(Generic[StepT, ProfileT]):
     """Collects modules' contributions, refusing anything registered twice.
 
     Every ``add_*`` takes the ``path`` the object was reached by, used in refusals.
+    ``Registry[Step, Profile]()`` keeps ``provision``'s classes in ``steps`` and ``profiles``.
     """
 
     def __init__(self) -> None:
         # id() -> (object, path); the object is kept so its id cannot be reused.
         self._seen: dict[int, tuple[object, str]] = {}
         self._modules: dict[str, ComputeModule] = {}
-        self._steps: dict[str, Step] = {}
-        self._profiles: dict[tuple[str, int], Profile] = {}
+        self._steps: dict[str, StepT] = {}
+        self._profiles: dict[tuple[str, int], ProfileT] = {}
         self._kinds: dict[str, CommandKind] = {}
 
     @property
@@ -182,12 +217,12 @@ class Registry:
         return MappingProxyType(self._modules)
 
     @property
-    def steps(self) -> Mapping[str, Step]:
+    def steps(self) -> Mapping[str, StepT]:
         """Registered steps by id."""
         return MappingProxyType(self._steps)
 
     @property
-    def profiles(self) -> Mapping[tuple[str, int], Profile]:
+    def profiles(self) -> Mapping[tuple[str, int], ProfileT]:
         """Registered profiles by ``(id, version)``."""
         return MappingProxyType(self._profiles)
 
@@ -238,7 +273,7 @@ class Registry:
             )
         self._kinds[kind.name] = kind
 
-    def add_step(self, step: Step, *, path: str) -> None:
+    def add_step(self, step: StepT, *, path: str) -> None:
         """Register a step; step ids share one namespace."""
         if getattr(step, "extension", None) != "step":
             raise _bad_config(path, "not a step (make one with define_step)")
@@ -251,7 +286,7 @@ class Registry:
             )
         self._steps[step.id] = step
 
-    def add_profile(self, profile: Profile, *, path: str) -> None:
+    def add_profile(self, profile: ProfileT, *, path: str) -> None:
         """Register a profile; ``(id, version)`` pairs are unique."""
         if getattr(profile, "extension", None) != "profile":
             raise _bad_config(path, "not a profile (make one with define_profile)")

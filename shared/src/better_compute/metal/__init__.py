@@ -1,6 +1,7 @@
 """Bare metal: the ``metal()`` module and the command kinds its agents implement.
 
-The default app is ``better_compute.metal.app:app`` (imported on demand, not from here).
+The default app, metal plus provision, is ``better_compute.app.default:app``: composing a
+deployment is the layer above metal.
 """
 
 from .commands import COMMAND_KINDS

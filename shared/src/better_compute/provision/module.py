@@ -84,7 +84,7 @@ def provision_module(
     borrowed = as_tuple(modules, "modules")
 
     # One namespace for everything the engine resolves: own and borrowed may not clash.
-    registry = Registry()
+    registry = Registry[Step, Profile]()
     # Shipped steps (userdata.render) resolve in every deployment; a step of yours with the
     # same id is a duplicate (INVALID_CONFIG at path shipped).
     from .userdata import SHIPPED_STEPS

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..config import Settings
-from ..service.client import safe_url
+from ..logging import safe_url
 from .embedded import EmbeddedNats, EmbeddedPostgres, pid_alive, spawn_detached, stop_pid
 
 __all__ = ["SERVICES", "DevStack", "ProcRecord"]

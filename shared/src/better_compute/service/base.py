@@ -34,12 +34,12 @@ from nats.micro.service import Service as MicroService
 from .. import __version__
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
-from ..logging import get_logger
+from ..logging import get_logger, safe_url
 from ..runtime.urls import resolve_database_url, resolve_nats_url
 from ..wire import Subjects, encode_error, encode_ok
 from ..wire.codec import decode, encode
 from ..wire.paging import PAGE_BUDGET
-from .client import ApiClient, connect, safe_url
+from .client import ApiClient, connect
 from .db import Database, load_migrations
 from .faults import Backoff, describe, is_transient
 

@@ -12,23 +12,12 @@ import nats.errors
 from nats.aio.client import Client as Nats
 
 from ..core.errors import BcError, ErrorCode
+from ..logging import safe_url
 from ..wire import Subjects, unwrap
 from ..wire.codec import encode
 from ..wire.subjects import SERVICE_NAMES
 
-__all__ = ["ApiClient", "connect", "discover", "safe_url"]
-
-
-def safe_url(url: str) -> str:
-    """``url`` without its user and password, for messages and logs."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+__all__ = ["ApiClient", "connect", "discover"]
 
 
 CONNECT_TRIES = 2  # a first connection gives up after this many tries (seconds, not minutes)

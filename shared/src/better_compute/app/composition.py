@@ -4,7 +4,7 @@
 ...                      plugins=[acme])
 
 Services load it with ``--app package.module:attr`` (``load_app``); the default one is
-``better_compute.metal.app:app``. Each service takes what it needs: the engine ``app.steps`` and
+``better_compute.app.default:app``. Each service takes what it needs: the engine ``app.steps`` and
 ``app.profiles`` (what the provision module can resolve), the command queue
 ``app.command_kinds``.
 """
@@ -18,15 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from .errors import BcError, ErrorCode, join_path
-from .plugins import CommandKind, ComputeModule, Plugin, Registry, as_tuple
-
-if TYPE_CHECKING:
-    from better_compute.provision.module import ProvisionModule
-    from better_compute.provision.profiles import Profile
-    from better_compute.provision.steps import Step
+from better_compute.core.errors import BcError, ErrorCode, join_path
+from better_compute.core.plugins import CommandKind, ComputeModule, Plugin, Registry, as_tuple
+from better_compute.provision.module import ProvisionModule
+from better_compute.provision.profiles import Profile
+from better_compute.provision.steps import Step
 
 __all__ = [
     "PLUGIN_ENTRY_POINT_GROUP",
@@ -103,15 +101,12 @@ def better_compute(
             duplicate id, an agent step whose ``command`` (or a ``sends`` entry) no module
             registers, a borrowed module that is not registered.
     """
-    # Imported here: provision builds on core, so core may only reach it at call time.
-    from better_compute.provision.module import ProvisionModule
-
     module_list = as_tuple(modules, "modules")
     plugin_list = as_tuple(plugins, "plugins")
     if not isinstance(discover, bool):
         raise _bad("discover", "discover must be a boolean")
 
-    registry = Registry()
+    registry = Registry[Step, Profile]()
     for index, module in enumerate(module_list):
         registry.add_module(module, path=f"modules[{index}]")
     for index, plugin in enumerate(plugin_list):
@@ -145,7 +140,7 @@ def _steps_field(module: ComputeModule) -> str:
     return "extensions" if isinstance(module, Plugin) else "steps"
 
 
-def _check_borrowed(provision: ProvisionModule, path: str, registry: Registry) -> None:
+def _check_borrowed(provision: ProvisionModule, path: str, registry: Registry[Step, Profile]) -> None:
     """A borrowed module must be registered, with the very steps and profiles it lends."""
     for index, module in enumerate(provision.modules):
         module_path = join_path(path, f"modules[{index}]")
@@ -169,7 +164,7 @@ def _check_borrowed(provision: ProvisionModule, path: str, registry: Registry) -
                 )
 
 
-def _check_command_kinds(registry: Registry) -> None:
+def _check_command_kinds(registry: Registry[Step, Profile]) -> None:
     """Every kind a step sends must be registered, or the command queue would refuse it."""
     kinds = registry.command_kinds
     for step in registry.steps.values():

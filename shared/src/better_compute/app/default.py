@@ -1,14 +1,14 @@
 """The default app: metal and provision, nothing else.
 
-Services load it as ``better_compute.metal.app:app``.
+Services load it as ``better_compute.app.default:app`` (``DEFAULT_APP`` in the settings).
 """
 
 from __future__ import annotations
 
-from better_compute.core.app import App, better_compute
+from better_compute.metal.module import metal
 from better_compute.provision.module import provision_module
 
-from .module import metal
+from .composition import App, better_compute
 
 __all__ = ["app", "default_app"]
 
