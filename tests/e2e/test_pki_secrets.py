@@ -250,3 +250,29 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
         assert "service_started" in log
         for secret in (token, file_token, value.decode(), base64.b64encode(value).decode()):
             assert secret not in log
+
+
+async def test_bcx_refuses_an_existing_token_file_before_minting_anything(
+    bc_processes: ServiceProcesses, bc_settings: Settings, bc_api: ApiClient, tmp_path: Path
+) -> None:
+    """Issue 10 item 6: a CONFLICT on --token-file leaves no active token behind."""
+    bc_processes.start("bc-pki")
+    await bc_processes.wait_ready()
+    taken = tmp_path / "join-token"
+    taken.write_text("someone else's\n")
+
+    out = bcx(bc_settings, "tokens", "issue", "--role", "site", "--site", "site-a",
+              "--token-file", str(taken), "--json")  # fmt: skip
+    # a mint the service refuses leaves no (empty) token file behind either
+    bad = tmp_path / "bad-token"
+    wrong = bcx(bc_settings, "tokens", "issue", "--role", "site", "--site", "site-a",
+                "--node", new_id("node"), "--token-file", str(bad), "--json")  # fmt: skip
+
+    assert out.returncode == 1
+    error = json.loads(out.stdout)["error"]
+    assert (error["code"], error["details"]["path"]) == ("CONFLICT", "--token-file")
+    assert taken.read_text() == "someone else's\n"
+    assert await PkiClient(bc_api).list_join_tokens() == []
+    assert wrong.returncode == 1
+    assert json.loads(wrong.stdout)["error"]["code"] == "INVALID_INPUT"
+    assert not bad.exists()
