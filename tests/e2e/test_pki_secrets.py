@@ -127,10 +127,12 @@ async def test_a_restart_of_either_service_loses_nothing(
     wf, node = new_id("wf"), new_id("node")
     value = b"survives-restarts-" + new_id("sec").encode()
     fingerprint = (await pki.ca()).fingerprint_sha256
-    # the node's join token, as a step mints it: found again under its idempotency key
+    # the node's join token, as a step mints it: found again under its idempotency key and
+    # its attempt's mint secret
+    mint_secret = os.urandom(32)
     token = await pki.issue_join_token(
         tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
-        idempotency_key=f"wf:{wf}:0#1", node_id=node,
+        idempotency_key=f"wf:{wf}:0#1", node_id=node, mint_secret=mint_secret,
     )  # fmt: skip
     agent = await new_agent(pki, token.token)
     ref = (await secrets.put(value, tenant_id="root", workflow_id=wf, step=1)).ref
@@ -152,7 +154,7 @@ async def test_a_restart_of_either_service_loses_nothing(
     assert (await pki.ca()).fingerprint_sha256 == fingerprint
     again = await pki.issue_join_token(
         tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
-        idempotency_key=f"wf:{wf}:0#1", node_id=node,
+        idempotency_key=f"wf:{wf}:0#1", node_id=node, mint_secret=mint_secret,
     )  # fmt: skip
     assert (again.id, again.token) == (token.id, token.token)
     second = await new_agent(pki, token.token)  # the token's second use: the node enrolls again
