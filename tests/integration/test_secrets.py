@@ -298,15 +298,21 @@ async def test_a_fetch_without_a_reply_key_is_refused_never_answered_in_clear(
         # signed exactly as an agent signs it, only without asking for a sealed reply
         clear = bcd.identity.signed_request(FETCH_PURPOSE, ref=ref)
         err = await refused(bc_api.call("secrets", "secrets.fetch", clear))
+        # nor with a reply key nothing can be sealed to
+        junk = bcd.identity.signed_request(FETCH_PURPOSE, ref=ref, replyKey="!" * 44)
+        junk_err = await refused(bc_api.call("secrets", "secrets.fetch", junk))
         await bc_nats.flush()
         await spy.unsubscribe()
         # the agent's own (sealed) fetch still works
         assert await secrets.fetch(ref, identity=bcd.identity) == VALUE
         audit = await secrets.list_fetches()
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "replyKey")
-    assert seen, "the spy saw the reply"
+    assert (junk_err.code, junk_err.path) == (ErrorCode.INVALID_INPUT, "replyKey")
+    assert seen, "the spy saw the replies"
     assert all(b"hunter2" not in d and base64.b64encode(VALUE) not in d for d in seen)
-    assert [(a.outcome, a.reason) for a in audit] == [("granted", None), ("denied", "malformed")]
+    assert [(a.outcome, a.reason) for a in audit] == [
+        ("granted", None), ("denied", "malformed"), ("denied", "malformed"),
+    ]  # fmt: skip
 
 
 async def test_fetch_fails_closed_when_pki_or_the_command_queue_is_away(
