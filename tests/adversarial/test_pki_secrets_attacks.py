@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime as dt
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,8 @@ async def test_secret_fetch_attacks(
     # a ref of the same step that the command does not carry
     await denied(owner, unsent, ErrorCode.PERMISSION_DENIED)
     # the same signed request again
-    signed = owner.signed_request(FETCH_PURPOSE, ref=ref)
+    reply_key = base64.b64encode(os.urandom(32)).decode()
+    signed = owner.signed_request(FETCH_PURPOSE, ref=ref, replyKey=reply_key)
     await bc_api.call("secrets", "secrets.fetch", signed)
     err = await refused(bc_api.call("secrets", "secrets.fetch", signed))
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "signature-replayed")
@@ -192,7 +194,7 @@ async def test_secret_fetch_attacks(
     forged = AgentIdentity(cert_id=owner.cert_id, agent_id=owner.agent_id, private_key=other.private_key)
     err = await denied(forged, ref, ErrorCode.UNAUTHENTICATED)
     assert err.reason == "bad-signature"
-    garbage = {**owner.signed_request(FETCH_PURPOSE, ref=ref), "signature": "AAAA"}
+    garbage = {**owner.signed_request(FETCH_PURPOSE, ref=ref, replyKey=reply_key), "signature": "AAAA"}
     err = await refused(bc_api.call("secrets", "secrets.fetch", garbage))
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
     # a fetch after the command settled: the owner's agent ran it to its end

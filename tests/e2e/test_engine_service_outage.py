@@ -52,6 +52,12 @@ async def _render_while_down(stack: ServiceProcesses, api: ApiClient, service: s
     assert done["state"] == "succeeded", done
     assert done["steps"][0]["attempt"] == 1  # the same attempt, run again: one token, one document
     assert done["steps"][0].get("waitingFor") is None
+    # the run after the outage got its own token back (the engine's mint secret for the
+    # attempt): the document holds the one token minted, and it is still good
+    tokens = (await api.call("pki", "tokens.list", {}))["tokens"]
+    assert [(t["joinTokenId"], t["state"]) for t in tokens] == [
+        (done["steps"][0]["result"]["joinTokenId"], "active")
+    ]
 
 
 async def test_a_step_waits_while_bc_pki_is_down(stack: ServiceProcesses, bc_api: ApiClient) -> None:

@@ -127,10 +127,12 @@ async def test_a_restart_of_either_service_loses_nothing(
     wf, node = new_id("wf"), new_id("node")
     value = b"survives-restarts-" + new_id("sec").encode()
     fingerprint = (await pki.ca()).fingerprint_sha256
-    # the node's join token, as a step mints it: found again under its idempotency key
+    # the node's join token, as a step mints it: found again under its idempotency key and
+    # its attempt's mint secret
+    mint_secret = os.urandom(32)
     token = await pki.issue_join_token(
         tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
-        idempotency_key=f"wf:{wf}:0#1", node_id=node,
+        idempotency_key=f"wf:{wf}:0#1", node_id=node, mint_secret=mint_secret,
     )  # fmt: skip
     agent = await new_agent(pki, token.token)
     ref = (await secrets.put(value, tenant_id="root", workflow_id=wf, step=1)).ref
@@ -152,7 +154,7 @@ async def test_a_restart_of_either_service_loses_nothing(
     assert (await pki.ca()).fingerprint_sha256 == fingerprint
     again = await pki.issue_join_token(
         tenant_id="root", role="node", site_id="site-a", ttl_seconds=300, max_uses=2,
-        idempotency_key=f"wf:{wf}:0#1", node_id=node,
+        idempotency_key=f"wf:{wf}:0#1", node_id=node, mint_secret=mint_secret,
     )  # fmt: skip
     assert (again.id, again.token) == (token.id, token.token)
     second = await new_agent(pki, token.token)  # the token's second use: the node enrolls again
@@ -250,3 +252,29 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
         assert "service_started" in log
         for secret in (token, file_token, value.decode(), base64.b64encode(value).decode()):
             assert secret not in log
+
+
+async def test_bcx_refuses_an_existing_token_file_before_minting_anything(
+    bc_processes: ServiceProcesses, bc_settings: Settings, bc_api: ApiClient, tmp_path: Path
+) -> None:
+    """Issue 10 item 6: a CONFLICT on --token-file leaves no active token behind."""
+    bc_processes.start("bc-pki")
+    await bc_processes.wait_ready()
+    taken = tmp_path / "join-token"
+    taken.write_text("someone else's\n")
+
+    out = bcx(bc_settings, "tokens", "issue", "--role", "site", "--site", "site-a",
+              "--token-file", str(taken), "--json")  # fmt: skip
+    # a mint the service refuses leaves no (empty) token file behind either
+    bad = tmp_path / "bad-token"
+    wrong = bcx(bc_settings, "tokens", "issue", "--role", "site", "--site", "site-a",
+                "--node", new_id("node"), "--token-file", str(bad), "--json")  # fmt: skip
+
+    assert out.returncode == 1
+    error = json.loads(out.stdout)["error"]
+    assert (error["code"], error["details"]["path"]) == ("CONFLICT", "--token-file")
+    assert taken.read_text() == "someone else's\n"
+    assert await PkiClient(bc_api).list_join_tokens() == []
+    assert wrong.returncode == 1
+    assert json.loads(wrong.stdout)["error"]["code"] == "INVALID_INPUT"
+    assert not bad.exists()

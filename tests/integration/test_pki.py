@@ -94,21 +94,67 @@ async def test_a_token_is_shown_once_and_only_its_hash_is_stored(
 async def test_issue_under_an_idempotency_key_gives_the_same_token_even_after_a_restart(
     bc_settings: Settings, pki: PkiClient
 ) -> None:
+    secret = os.urandom(32)
     async with PkiService(bc_settings):
-        first = await issue(pki, idempotency_key="wf:wf_1:0#1")
-        again = await issue(pki, idempotency_key="wf:wf_1:0#1")
-        other = await issue(pki, idempotency_key="wf:wf_1:0#2")
+        first = await issue(pki, idempotency_key="wf:wf_1:0#1", mint_secret=secret)
+        again = await issue(pki, idempotency_key="wf:wf_1:0#1", mint_secret=secret)
+        other = await issue(pki, idempotency_key="wf:wf_1:0#2", mint_secret=secret)
         plain = [await issue(pki), await issue(pki)]
-        err = await refused(issue(pki, idempotency_key="wf:wf_1:0#1", role="site"))
+        err = await refused(issue(pki, idempotency_key="wf:wf_1:0#1", role="site", mint_secret=secret))
+        # keyed without a mint secret: minted once, shown once
+        shown = await issue(pki, idempotency_key="by-hand")
+        once = await refused(issue(pki, idempotency_key="by-hand"))
+        alone = await refused(issue(pki, mint_secret=secret))
     assert (again.id, again.token) == (first.id, first.token)
     assert other.token != first.token
     assert plain[0].token != plain[1].token
     assert (err.code, err.path) == (ErrorCode.CONFLICT, "idempotencyKey")
+    assert (once.code, once.reason, once.details["joinTokenId"]) == (
+        ErrorCode.CONFLICT,
+        "already-issued",
+        shown.id,
+    )
+    assert (alone.code, alone.path) == (ErrorCode.INVALID_INPUT, "mintSecret")
 
     async with PkiService(bc_settings):
-        after_restart = await issue(pki, idempotency_key="wf:wf_1:0#1")
+        after_restart = await issue(pki, idempotency_key="wf:wf_1:0#1", mint_secret=secret)
         assert (after_restart.id, after_restart.token) == (first.id, first.token)
-        assert len(await pki.list_join_tokens()) == 4
+        assert len(await pki.list_join_tokens()) == 5
+
+
+async def test_a_keyed_token_is_given_again_only_to_the_step_that_minted_it(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    """Issue 10 item 4: the idempotency key a listing shows must not give the token to anyone."""
+    attempt_secret = os.urandom(32)  # what the engine keeps for the step attempt
+
+    async def engine_step() -> bytes:
+        return attempt_secret
+
+    async def other_engine() -> bytes:
+        return os.urandom(32)
+
+    token_args: dict[str, Any] = {
+        "tenant_id": "root", "role": "provisioned", "site_id": "site-a", "ttl_seconds": 600,
+    }  # fmt: skip
+    async with PkiService(bc_settings):
+        minted = await pki.for_step("wf:wf_1:0#1", before_mint=engine_step).issue_join_token(**token_args)
+        # the step runs again (an engine crash, a service outage): it gets its token back
+        rerun = await pki.for_step("wf:wf_1:0#1", before_mint=engine_step).issue_join_token(**token_args)
+        listed = await pki.list_join_tokens()
+        # anyone else, with everything the listing shows, gets no token
+        stolen = await refused(pki.issue_join_token(**token_args, idempotency_key=listed[0].idempotency_key))
+        forged = await refused(
+            pki.for_step("wf:wf_1:0#1", before_mint=other_engine).issue_join_token(**token_args)
+        )
+        after = await pki.list_join_tokens()
+    assert (rerun.id, rerun.token) == (minted.id, minted.token)
+    for err in (stolen, forged):
+        assert (err.code, err.reason, err.path) == (ErrorCode.CONFLICT, "already-issued", "idempotencyKey")
+        assert err.details["joinTokenId"] == minted.id
+        assert minted.token not in str(err.details) + err.message
+    assert minted.token not in msgspec.json.encode(listed).decode()
+    assert [t.join_token_id for t in after] == [minted.id]
 
 
 async def test_a_join_earns_a_certificate_signed_by_the_ca_and_is_audited(
@@ -242,8 +288,13 @@ async def test_a_node_bound_token_makes_the_node_id_the_agent_id(
     bc_settings: Settings, pki: PkiClient
 ) -> None:
     node_id = new_id("node")
+    secret = os.urandom(32)
+
+    async def attempt_secret() -> bytes:
+        return secret
+
     async with PkiService(bc_settings):
-        step = pki.for_step("wf:wf_1:0#1", node_id=node_id)
+        step = pki.for_step("wf:wf_1:0#1", node_id=node_id, before_mint=attempt_secret)
         token = await step.issue_join_token(
             tenant_id="root", role="provisioned", site_id="site-a", ttl_seconds=60
         )
@@ -255,9 +306,9 @@ async def test_a_node_bound_token_makes_the_node_id_the_agent_id(
         )
         assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "idempotency-key-reused")
         # a re-run of the step: a new StepPki under the same key finds the same token
-        rerun = await pki.for_step("wf:wf_1:0#1", node_id=node_id).issue_join_token(
-            tenant_id="root", role="provisioned", site_id="site-a", ttl_seconds=60
-        )
+        rerun = await pki.for_step(
+            "wf:wf_1:0#1", node_id=node_id, before_mint=attempt_secret
+        ).issue_join_token(tenant_id="root", role="provisioned", site_id="site-a", ttl_seconds=60)
         assert (rerun.id, rerun.token) == (token.id, token.token)
         joined, identity = await join(pki, token.token)
         site_agent, _ = await join(pki, site_token.token)
@@ -365,10 +416,13 @@ async def test_two_instances_starting_together_share_one_ca_sealed_at_rest(
         assert first.ca is not None
         assert second.ca is not None
         assert first.ca.fingerprint == second.ca.fingerprint
-        token = await issue(pki, max_uses=10, idempotency_key="k1")
+        secret = os.urandom(32)
+        token = await issue(pki, max_uses=10, idempotency_key="k1", mint_secret=secret)
         results = await asyncio.gather(*(join(pki, token.token) for _ in range(6)))
         assert len({r.cert_id for r, _ in results}) == 6
-        again = await asyncio.gather(*(issue(pki, max_uses=10, idempotency_key="k1") for _ in range(4)))
+        again = await asyncio.gather(
+            *(issue(pki, max_uses=10, idempotency_key="k1", mint_secret=secret) for _ in range(4))
+        )
         assert {t.token for t in again} == {token.token}
     finally:
         await asyncio.gather(first.stop(), second.stop())
@@ -390,7 +444,8 @@ async def test_the_ca_survives_key_rotation_and_refuses_a_foreign_key_file(
 ) -> None:
     async with PkiService(bc_settings):
         fingerprint = (await pki.ca()).fingerprint_sha256
-        token = await issue(pki, idempotency_key="rotating")
+        secret = os.urandom(32)
+        token = await issue(pki, idempotency_key="rotating", mint_secret=secret)
 
     key_file = Path(bc_settings.state_dir) / "keys" / "pki.key"
     old_line = next(ln for ln in key_file.read_text().splitlines() if ln.startswith("bck1:"))
@@ -406,7 +461,7 @@ async def test_the_ca_survives_key_rotation_and_refuses_a_foreign_key_file(
     # the old key can go now; tokens derived before rotation are still the same
     key_file.write_text("\n".join(ln for ln in key_file.read_text().splitlines() if ln != old_line))
     async with PkiService(bc_settings):
-        assert (await issue(pki, idempotency_key="rotating")).token == token.token
+        assert (await issue(pki, idempotency_key="rotating", mint_secret=secret)).token == token.token
 
     foreign = msgspec.structs.replace(bc_settings, pki=PkiSettings(key_file=str(tmp_path / "foreign.key")))
     with pytest.raises(BcError) as info:

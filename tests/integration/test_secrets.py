@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -243,9 +244,11 @@ async def test_fetches_are_refused_without_a_valid_fresh_signature(
             payload={"ref": ref}, workflow_id=wf, step=0,
         )  # fmt: skip
 
-        signed = agent.signed_request(FETCH_PURPOSE, ref=ref)
+        signed = agent.signed_request(
+            FETCH_PURPOSE, ref=ref, replyKey=base64.b64encode(os.urandom(32)).decode()
+        )
         got = await bc_api.call("secrets", "secrets.fetch", signed)
-        assert base64.b64decode(got["value"]) == VALUE
+        assert (got["value"], sorted(got["sealed"])) == ("", ["ciphertext", "ephemeralKey", "nonce"])
         err = await refused(bc_api.call("secrets", "secrets.fetch", signed))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "signature-replayed")
 
@@ -254,7 +257,8 @@ async def test_fetches_are_refused_without_a_valid_fresh_signature(
         err = await refused(secrets.fetch(ref, identity=impostor))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
         # a signed request for another ref, with the ref swapped
-        swapped = {**agent.signed_request(FETCH_PURPOSE, ref=new_id("sec")), "ref": ref}
+        reply_key = base64.b64encode(os.urandom(32)).decode()
+        swapped = {**agent.signed_request(FETCH_PURPOSE, ref=new_id("sec"), replyKey=reply_key), "ref": ref}
         err = await refused(bc_api.call("secrets", "secrets.fetch", swapped))
         assert err.reason == "bad-signature"
 
@@ -265,6 +269,49 @@ async def test_fetches_are_refused_without_a_valid_fresh_signature(
         audit = await secrets.list_fetches(outcome="denied")
     assert sorted(a.reason or "" for a in audit) == [
         "bad-signature", "bad-signature", "cert-revoked", "signature-replayed",
+    ]  # fmt: skip
+
+
+async def test_a_fetch_without_a_reply_key_is_refused_never_answered_in_clear(
+    bc_settings: Settings, bc_api: ApiClient, bc_nats: Nats
+) -> None:
+    """Issue 10 item 5: sealing is mandatory, even for a well-signed request of the right agent."""
+    secrets = SecretsClient(bc_api)
+    wf = new_id("wf")
+    async with (
+        PkiService(bc_settings),
+        SecretsService(bc_settings),
+        CommandQueueService(bc_settings),
+    ):
+        bcd = await new_node_agent(bc_api)
+        ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
+        await enqueue_ref(
+            CommandQueueClient(bc_api), node_id=bcd.agent_id, site_id="site-a", key=f"wf:{wf}:0#1",
+            payload={"ref": ref}, workflow_id=wf, step=0,
+        )  # fmt: skip
+        seen: list[bytes] = []
+
+        async def tap_replies(msg: Msg) -> None:
+            seen.append(msg.data)
+
+        spy = await bc_nats.subscribe("_INBOX.>", cb=tap_replies)
+        # signed exactly as an agent signs it, only without asking for a sealed reply
+        clear = bcd.identity.signed_request(FETCH_PURPOSE, ref=ref)
+        err = await refused(bc_api.call("secrets", "secrets.fetch", clear))
+        # nor with a reply key nothing can be sealed to
+        junk = bcd.identity.signed_request(FETCH_PURPOSE, ref=ref, replyKey="!" * 44)
+        junk_err = await refused(bc_api.call("secrets", "secrets.fetch", junk))
+        await bc_nats.flush()
+        await spy.unsubscribe()
+        # the agent's own (sealed) fetch still works
+        assert await secrets.fetch(ref, identity=bcd.identity) == VALUE
+        audit = await secrets.list_fetches()
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "replyKey")
+    assert (junk_err.code, junk_err.path) == (ErrorCode.INVALID_INPUT, "replyKey")
+    assert seen, "the spy saw the replies"
+    assert all(b"hunter2" not in d and base64.b64encode(VALUE) not in d for d in seen)
+    assert [(a.outcome, a.reason) for a in audit] == [
+        ("granted", None), ("denied", "malformed"), ("denied", "malformed"),
     ]  # fmt: skip
 
 

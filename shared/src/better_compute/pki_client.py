@@ -157,6 +157,14 @@ class IssueJoinTokenRequest(msgspec.Struct, frozen=True, kw_only=True, rename="c
     """Roles ``node`` and ``provisioned`` only: the node the token is for. The agent that
     joins with it gets the node id as its agent id (commands for a node's bcd are
     addressed to the node id); without it a join mints a new ``agent_…`` id."""
+    mint_secret: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)] | None = None
+    """With ``idempotency_key``: a secret only the caller keeps (the engine keeps one per step
+    attempt). The token is derived from it and bc-pki's token key, so issuing again under the
+    same key gives the token back only to a caller with the same mint secret; anyone else gets
+    ``CONFLICT`` (``already-issued``). Without it a keyed token is shown once, never again."""
+
+    def __repr__(self) -> str:
+        return f"IssueJoinTokenRequest(idempotency_key={self.idempotency_key!r}, mint_secret=[redacted])"
 
 
 class ListJoinTokensRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -464,11 +472,13 @@ class PkiClient:
         idempotency_key: str,
         *,
         node_id: str | None = None,
-        before_mint: Callable[[], Awaitable[None]] | None = None,
+        before_mint: Callable[[], Awaitable[bytes | None]] | None = None,
     ) -> StepPki:
         """The client a step sees as ``ctx.pki``: tokens keyed by the step's idempotency key,
         and ``node``/``provisioned`` tokens bound to the workflow's node. ``before_mint`` runs
-        before the first token is minted (the engine records that the attempt minted)."""
+        before the first token is minted (the engine records that the attempt minted) and
+        returns the attempt's mint secret: the same one on every run of the attempt, kept
+        where only the engine reads it. Only with it does a re-run get its tokens back."""
         return StepPki(self, idempotency_key, node_id=node_id, before_mint=before_mint)
 
     async def issue_join_token(
@@ -483,11 +493,14 @@ class PkiClient:
         idempotency_key: str | None = None,
         note: str | None = None,
         node_id: str | None = None,
+        mint_secret: bytes | None = None,
     ) -> IssuedJoinToken:
         """Mint a join token (``tokens.issue``).
 
-        The same ``idempotency_key`` gives back the same token and id, so a step re-run
-        after a crash does not mint a second one; with other parameters it is ``CONFLICT``.
+        The same ``idempotency_key`` mints nothing new: with the same ``mint_secret`` (a
+        step re-run after a crash) it gives back the same token and id; without it, or with
+        another, it is ``CONFLICT`` with ``details.reason`` ``already-issued`` and the
+        ``joinTokenId``, never the token. With other parameters it is ``CONFLICT`` too.
         """
         payload: dict[str, Any] = {
             "tenantId": tenant_id,
@@ -499,6 +512,9 @@ class PkiClient:
             "note": note,
             "nodeId": node_id,
         }
+        if mint_secret is not None:
+            register_secret(base64.b64encode(mint_secret).decode())
+            payload["mintSecret"] = mint_secret
         if isinstance(expect, JoinExpect):
             payload["expect"] = expect
         elif expect is not None:
@@ -648,8 +664,10 @@ class PkiClient:
 class StepPki:
     """``ctx.pki``: a ``PkiClient`` whose tokens are keyed by one step run's idempotency key.
 
-    A re-run of the step gets the same tokens back. A step that mints several tokens tells
-    them apart with ``key=``; minting twice under one key in a run is ``INVALID_STATE``.
+    A re-run of the step gets the same tokens back: they are derived from the attempt's mint
+    secret (``before_mint`` returns it), which no other caller has. A step that mints several
+    tokens tells them apart with ``key=``; minting twice under one key in a run is
+    ``INVALID_STATE``.
     With ``node_id`` (the workflow's node), ``node`` and ``provisioned`` tokens are bound to
     that node, so the agent that joins with one is addressed by the node id.
     """
@@ -660,12 +678,13 @@ class StepPki:
         idempotency_key: str,
         *,
         node_id: str | None = None,
-        before_mint: Callable[[], Awaitable[None]] | None = None,
+        before_mint: Callable[[], Awaitable[bytes | None]] | None = None,
     ):
         self.client = client
         self.idempotency_key = idempotency_key
         self.node_id = node_id
         self._before_mint = before_mint
+        self._mint_secret: bytes | None = None
         self._used: set[str] = set()
 
     async def issue_join_token(
@@ -690,7 +709,7 @@ class StepPki:
         self._used.add(ikey)
         if self._before_mint is not None:
             before, self._before_mint = self._before_mint, None
-            await before()
+            self._mint_secret = await before()
         return await self.client.issue_join_token(
             tenant_id=tenant_id,
             role=role,
@@ -700,4 +719,5 @@ class StepPki:
             expect=expect,
             idempotency_key=ikey,
             node_id=self.node_id if role in ("node", "provisioned") else None,
+            mint_secret=self._mint_secret,
         )

@@ -72,6 +72,7 @@ __all__ = [
     "StepSecrets",
     "fetch_document",
     "open_sealed",
+    "reply_public_key",
     "seal_value",
 ]
 
@@ -106,8 +107,10 @@ class FetchSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="came
     """An agent's signed request for a value; the signature covers ``fetch_document``.
 
     ``reply_key`` (base64 of a raw X25519 public key, fresh for each fetch, inside the signed
-    document) asks for the value sealed to that key: another subscriber that sees the reply on
-    the bus (an agent of the same site sharing ``_INBOX``) sees only ciphertext.
+    document) is required: the value goes back sealed to that key, so another subscriber that
+    sees the reply on the bus (an agent of the same site sharing ``_INBOX``) sees only
+    ciphertext. A request without it is ``INVALID_INPUT`` at ``replyKey``; nothing is ever
+    answered in the clear.
     """
 
     ref: str
@@ -115,7 +118,7 @@ class FetchSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="came
     signed_at_ms: int
     nonce: Annotated[str, msgspec.Meta(min_length=16, max_length=64)]
     signature: Annotated[bytes, msgspec.Meta(max_length=512)]
-    reply_key: Annotated[str, msgspec.Meta(min_length=40, max_length=48)] | None = None
+    reply_key: Annotated[str, msgspec.Meta(min_length=40, max_length=48)]
 
 
 class ListSecretsRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -196,13 +199,16 @@ class SecretsRewrapResult(msgspec.Struct, frozen=True, kw_only=True, rename="cam
 
 
 def fetch_document(
-    *, ref: str, signer_id: str, signed_at_ms: int, nonce: str, reply_key: str | None = None
+    *, ref: str, signer_id: str, signed_at_ms: int, nonce: str, reply_key: str
 ) -> dict[str, Any]:
     """The document an agent signs (under ``FETCH_PURPOSE``) to fetch ``ref``."""
-    doc: dict[str, Any] = {"ref": ref, "signerId": signer_id, "signedAtMs": signed_at_ms, "nonce": nonce}
-    if reply_key is not None:
-        doc["replyKey"] = reply_key
-    return doc
+    return {
+        "ref": ref,
+        "signerId": signer_id,
+        "signedAtMs": signed_at_ms,
+        "nonce": nonce,
+        "replyKey": reply_key,
+    }
 
 
 _SEAL_INFO: Final = b"bc-secrets-fetch-v1:"
@@ -214,14 +220,19 @@ def _seal_key(shared: bytes, ref: str) -> bytes:
     )
 
 
-def seal_value(reply_key: str, ref: str, value: bytes) -> SealedValue:
-    """Seal ``value`` so that only the holder of ``reply_key``'s private half can open it."""
+def reply_public_key(reply_key: str) -> X25519PublicKey:
+    """``replyKey`` as an X25519 public key; ``INVALID_INPUT`` at ``replyKey`` when it is not one."""
     try:
-        peer = X25519PublicKey.from_public_bytes(base64.b64decode(reply_key, validate=True))
+        return X25519PublicKey.from_public_bytes(base64.b64decode(reply_key, validate=True))
     except ValueError as exc:
         raise BcError(
             ErrorCode.INVALID_INPUT, "replyKey is not an X25519 public key", {"path": "replyKey"}
         ) from exc
+
+
+def seal_value(reply_key: str, ref: str, value: bytes) -> SealedValue:
+    """Seal ``value`` so that only the holder of ``reply_key``'s private half can open it."""
+    peer = reply_public_key(reply_key)
     mine = X25519PrivateKey.generate()
     nonce = os.urandom(12)
     ciphertext = AESGCM(_seal_key(mine.exchange(peer), ref)).encrypt(nonce, value, ref.encode())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -79,8 +80,9 @@ MARK_SENT = (
     " WHERE workflow_id = $1 AND idx = $2 AND attempt = $3 RETURNING true"
 )
 MARK_MINTED = (
-    "UPDATE workflow_steps SET minted = CASE WHEN $4 = ANY (minted) THEN minted ELSE minted || $4 END"
-    " WHERE workflow_id = $1 AND idx = $2 AND attempt = $3 RETURNING true"
+    "UPDATE workflow_steps SET minted = CASE WHEN $4 = ANY (minted) THEN minted ELSE minted || $4 END,"
+    " mint_secret = COALESCE(mint_secret, $5)"
+    " WHERE workflow_id = $1 AND idx = $2 AND attempt = $3 RETURNING mint_secret"
 )
 # The next step starts in the settle's transaction, unless an earlier attempt of it sent
 # commands or minted what must be cancelled or revoked first (the pass does that outside any
@@ -246,10 +248,15 @@ class Engine:
         if not await self.db.fetchval(MARK_SENT, workflow_id, idx, attempt):
             raise _superseded()
 
-    async def mark_minted(self, workflow_id: str, idx: int, attempt: int, service: str) -> None:
-        """Record that this attempt mints tokens (``pki``) or stores secrets (``secrets``)."""
-        if not await self.db.fetchval(MARK_MINTED, workflow_id, idx, attempt, service):
+    async def mark_minted(self, workflow_id: str, idx: int, attempt: int, service: str) -> bytes:
+        """Record that this attempt mints tokens (``pki``) or stores secrets (``secrets``);
+        returns the step's mint secret (see ``StepPki``), the same on every run."""
+        secret: bytes | None = await self.db.fetchval(
+            MARK_MINTED, workflow_id, idx, attempt, service, os.urandom(32)
+        )
+        if secret is None:
             raise _superseded()
+        return secret
 
     async def cmdq_enqueue(self, cmd: EnqueueCommand) -> CommandView:
         return await self.cmdq.enqueue(cmd)
@@ -644,8 +651,8 @@ class Engine:
         children = StepWorkflows(self.start_in, tenant_id=wf["tenant_id"])
         wf_id, idx, attempt = wf["id"], step["idx"], step["attempt"]
 
-        async def minting_tokens() -> None:
-            await self.mark_minted(wf_id, idx, attempt, "pki")
+        async def minting_tokens() -> bytes:
+            return await self.mark_minted(wf_id, idx, attempt, "pki")
 
         async def storing_secrets() -> None:
             await self.mark_minted(wf_id, idx, attempt, "secrets")

@@ -54,6 +54,7 @@ from .tokens import (
     normalize_claims,
     normalize_expect,
     random_token,
+    same_token,
     token_hash,
     well_formed,
 )
@@ -172,8 +173,14 @@ class PkiService(Service):
                 )
             parse_id(body.node_id, "node", path="nodeId")
         expect = normalize_expect(body.expect)
-        ikey = body.idempotency_key
-        token = derived_token(self._token_key, ikey) if ikey else random_token()
+        ikey, mint_secret = body.idempotency_key, body.mint_secret
+        if mint_secret is not None and ikey is None:
+            raise BcError(
+                ErrorCode.INVALID_INPUT, "mintSecret goes with an idempotencyKey", {"path": "mintSecret"}
+            )
+        # Derived only from the token key (here) and the caller's mint secret (there): the
+        # idempotency key a listing shows gives nobody the token.
+        token = derived_token(self._token_key, ikey, mint_secret) if ikey and mint_secret else random_token()
         register_secret(token)
         row = await self.db.fetchrow(
             store.TOKEN_INSERT,
@@ -197,6 +204,16 @@ class PkiService(Service):
             self._same_parameters(store.token_info(row), body, expect)
         if ikey is not None:
             await self._refuse_superseded(ikey, row["id"])
+        if found and not same_token(token, row["token_hash"]):
+            # Issued before, and this caller cannot make the same token: it is not the step
+            # attempt that minted it (another mint secret, or none). It gets the id, never the token.
+            self.log.warning("join_token_refused_already_issued", join_token_id=row["id"])
+            raise BcError(
+                ErrorCode.CONFLICT,
+                "a join token was already issued under this idempotency key; it is shown once,"
+                " and again only to the workflow step attempt that minted it",
+                {"path": "idempotencyKey", "reason": "already-issued", "joinTokenId": row["id"]},
+            )
         info = store.token_info(row)
         self.log.info(
             "join_token_issued",

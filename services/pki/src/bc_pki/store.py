@@ -72,7 +72,9 @@ TOKEN_INSERT: Final = (
     " $11)"
     f" ON CONFLICT DO NOTHING RETURNING {TOKEN_COLUMNS}"
 )
-TOKEN_SELECT_BY_IDEMPOTENCY_KEY: Final = f"SELECT {TOKEN_COLUMNS} FROM join_tokens WHERE idempotency_key = $1"
+TOKEN_SELECT_BY_IDEMPOTENCY_KEY: Final = (
+    f"SELECT {TOKEN_COLUMNS}, token_hash FROM join_tokens WHERE idempotency_key = $1"
+)
 TOKEN_SELECT_BY_ID: Final = f"SELECT {TOKEN_COLUMNS} FROM join_tokens WHERE id = $1"
 TOKEN_SELECT_FOR_JOIN: Final = (
     f"SELECT {TOKEN_COLUMNS}, expires_at <= now() AS expired"

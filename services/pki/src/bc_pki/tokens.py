@@ -1,9 +1,11 @@
 """Join tokens: how they are made, hashed and matched against a machine's claims.
 
-A token is ``bcjt_`` and 43 base64url characters (256 bits). Without an idempotency key it
-is random. With one it is ``HMAC-SHA256(token key, idempotency key)``: the service can make
-the same token again for a re-run without ever storing it. Only ``sha256(token)`` is stored;
-the token key is stored sealed under the key file.
+A token is ``bcjt_`` and 43 base64url characters (256 bits). It is random, unless the caller
+gives an idempotency key *and* a mint secret: then it is
+``HMAC-SHA256(token key, idempotency key, mint secret)``, so the caller that holds the mint
+secret (the engine, for one step attempt) gets the same token again on a re-run, and nobody
+else can: the token key never leaves bc-pki, the mint secret never reaches it at rest. Only
+``sha256(token)`` is stored; the token key is stored sealed under the key file.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "normalize_claims",
     "normalize_expect",
     "random_token",
+    "same_token",
     "token_hash",
     "well_formed",
 ]
@@ -38,10 +41,21 @@ def random_token() -> str:
     return _encode(secrets.token_bytes(32))
 
 
-def derived_token(token_key: bytes, idempotency_key: str) -> str:
-    """The token for ``idempotency_key``: the same key always gives the same token."""
-    mac = hmac.new(token_key, b"bc-join-token\x00" + idempotency_key.encode(), hashlib.sha256)
+def derived_token(token_key: bytes, idempotency_key: str, mint_secret: bytes) -> str:
+    """The token for ``idempotency_key`` and ``mint_secret``: the same pair always gives the
+    same token; the key alone gives nothing."""
+    key = idempotency_key.encode()
+    mac = hmac.new(
+        token_key,
+        b"bc-join-token-v2\x00" + len(key).to_bytes(4, "big") + key + mint_secret,
+        hashlib.sha256,
+    )
     return _encode(mac.digest())
+
+
+def same_token(token: str, stored_hash: bytes) -> bool:
+    """Whether ``token`` is the one whose hash is stored (constant time)."""
+    return hmac.compare_digest(token_hash(token), stored_hash)
 
 
 def token_hash(token: str) -> bytes:

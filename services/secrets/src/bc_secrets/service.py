@@ -33,6 +33,7 @@ from better_compute.secrets_client import (
     SecretsRewrapResult,
     SecretValue,
     fetch_document,
+    reply_public_key,
     seal_value,
 )
 from better_compute.service import ApiRequest, Handler, Service
@@ -248,6 +249,7 @@ class SecretsService(Service):
         try:
             body = req.decode(FetchSecretRequest)
             ref = parse_id(body.ref, "sec", path="ref")
+            reply_public_key(body.reply_key)  # the answer is sealed to it: check it first
         except BcError as err:
             await self._deny(err, reason="malformed")
         verified = await self._authenticate(body, ref)
@@ -273,10 +275,8 @@ class SecretsService(Service):
         value = self._open(row)
         await self._audit("granted", ref=ref, body=body, verified=verified, command_id=command_id)
         self.log.info("secret_fetched", ref=ref, agent_id=verified.agent_id, command_id=command_id)
-        if body.reply_key is not None:
-            # sealed to the key the agent signed into its request: others on the bus see ciphertext
-            return SecretValue(ref=ref, sealed=seal_value(body.reply_key, ref, value))
-        return SecretValue(ref=ref, value=value)
+        # sealed to the key the agent signed into its request: others on the bus see ciphertext
+        return SecretValue(ref=ref, sealed=seal_value(body.reply_key, ref, value))
 
     async def _authenticate(self, body: FetchSecretRequest, ref: str) -> Verified:
         assert self.api is not None

@@ -66,13 +66,19 @@ def _cert_row(c: CertificateInfo) -> dict[str, Any]:
     }
 
 
-def _write_token_file(path: str, token: str) -> None:
+def _open_token_file(path: str) -> int:
+    """Create the token file (new, 0600) before anything is minted: a file that is already
+    there is ``CONFLICT`` and no token exists that nobody holds."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise BcError(ErrorCode.CONFLICT, "the token file already exists", {"path": "--token-file"}) from None
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
+    except OSError as exc:
+        raise BcError(
+            ErrorCode.INVALID_INPUT,
+            f"cannot create the token file: {exc.strerror}",
+            {"path": "--token-file"},
+        ) from None
 
 
 async def cmd_tokens_issue(args: argparse.Namespace, settings: Settings) -> int:
@@ -88,20 +94,28 @@ async def cmd_tokens_issue(args: argparse.Namespace, settings: Settings) -> int:
         "serial": args.expect_serial,
         "gpuUuid": args.expect_gpu_uuid,
     }
-    async with api_client(settings) as api:
-        issued = await PkiClient(api).issue_join_token(
-            tenant_id=args.tenant,
-            role=args.role,
-            site_id=args.site,
-            ttl_seconds=args.ttl,
-            max_uses=args.max_uses,
-            expect={k: v for k, v in expect.items() if v is not None},
-            idempotency_key=args.idempotency_key,
-            note=args.note,
-            node_id=args.node,
-        )
-    if args.token_file:
-        _write_token_file(args.token_file, issued.token)
+    fd = _open_token_file(args.token_file) if args.token_file else None
+    try:
+        async with api_client(settings) as api:
+            issued = await PkiClient(api).issue_join_token(
+                tenant_id=args.tenant,
+                role=args.role,
+                site_id=args.site,
+                ttl_seconds=args.ttl,
+                max_uses=args.max_uses,
+                expect={k: v for k, v in expect.items() if v is not None},
+                idempotency_key=args.idempotency_key,
+                note=args.note,
+                node_id=args.node,
+            )
+    except BaseException:
+        if fd is not None:  # nothing was minted for it: leave no empty file behind
+            os.close(fd)
+            os.unlink(args.token_file)
+        raise
+    if fd is not None:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(issued.token + "\n")
     doc = msgspec.to_builtins(issued)
     if not args.show_token:
         del doc["token"]
@@ -211,7 +225,9 @@ def register(
     p.add_argument("--expect-serial", help="refuse joins without this serial number")
     p.add_argument("--expect-gpu-uuid", help="refuse joins without this GPU UUID")
     p.add_argument("--node", help="node id the token is for (roles node and provisioned)")
-    p.add_argument("--idempotency-key", help="issuing again with it gives the same token")
+    p.add_argument(
+        "--idempotency-key", help="issuing again with it mints nothing new (the token is shown only once)"
+    )
     p.add_argument("--note", help="a note kept with the token")
     p.add_argument("--show-token", action="store_true", help="print the token")
     p.add_argument("--token-file", help="write the token to this new file (0600)")
