@@ -40,6 +40,7 @@ from cryptography.x509.oid import NameOID
 
 from .core.errors import BcError, ErrorCode, ServiceUnavailableError
 from .logging import register_secret
+from .provision.context import StepAttempt, step_command_key
 from .service.client import ApiClient
 from .wire.paging import DEFAULT_LIMIT, Cursor
 
@@ -108,7 +109,7 @@ def attempt_key(workflow_id: str, step: int, attempt: int) -> str:
     What the attempt mints is keyed by it or by a key under it (``…#2:<name>``: the next
     character is ``:`` or ``#``), so ``wf:X:3#1`` never covers ``wf:X:3#12``.
     """
-    return f"wf:{workflow_id}:{step}#{attempt}"
+    return step_command_key(StepAttempt(workflow_id, step, attempt))
 
 
 def unavailable(err: BcError, service: str) -> ServiceUnavailableError | None:

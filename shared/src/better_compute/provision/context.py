@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
 from better_compute.core.errors import BcError, ErrorCode
@@ -20,11 +21,13 @@ __all__ = [
     "Pki",
     "Secrets",
     "Sql",
+    "StepAttempt",
     "StepContext",
     "StepCoordinates",
     "StepNode",
     "Workflows",
     "step_command_key",
+    "workflow_command_prefix",
 ]
 
 JoinRole = Literal["node", "site", "provisioned", "discovery"]
@@ -177,6 +180,22 @@ class StepContext(StepCoordinates, Protocol):
 _KEY_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
+@dataclass(frozen=True)
+class StepAttempt:
+    """The coordinates of one step attempt, where no step context is at hand (the services that
+    fence an attempt's key: ``step_command_key(StepAttempt(workflow_id, step, attempt))``)."""
+
+    workflow_id: str
+    step: int
+    attempt: int
+
+
+def workflow_command_prefix(workflow_id: str) -> str:
+    """``wf:<workflow_id>``: what every command key of the workflow starts with (the workflow's
+    destructive batch is keyed by it, and an abort cancels every command under it)."""
+    return f"wf:{workflow_id}"
+
+
 def step_command_key(ctx: StepCoordinates, key: str | None = None) -> str:
     """The command key of this step attempt: ``wf:<workflow_id>:<step>#<attempt>[:<key>]``.
 
@@ -190,7 +209,7 @@ def step_command_key(ctx: StepCoordinates, key: str | None = None) -> str:
     Raises:
         BcError: ``INVALID_INPUT`` at ``key`` for a malformed key.
     """
-    base = f"wf:{ctx.workflow_id}:{ctx.step}#{ctx.attempt}"
+    base = f"{workflow_command_prefix(ctx.workflow_id)}:{ctx.step}#{ctx.attempt}"
     if key is None:
         return base
     if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
