@@ -19,7 +19,7 @@ from .documents import check_document, check_labels, node_doc, workflow_doc
 from .profiles import FoundProfile, ProfileStore, parse_document
 from .resolve import Resolution, resolve_profile
 
-__all__ = ["EngineApi", "check_document", "check_labels"]
+__all__ = ["EngineApi"]
 
 
 class EngineApi:

@@ -33,7 +33,7 @@ CREATE TABLE workflows (
     tenant_id       text NOT NULL,
     node_id         text REFERENCES nodes (id),
     rkey            text NOT NULL,        -- reconciler key: node id, else workflow id
-    shard           int NOT NULL,         -- the key's shard (bc_engine.queue.shard_of)
+    shard           int NOT NULL,         -- rkey's shard: each engine's command watch reads its own
     profile_tenant  text NOT NULL,
     profile_id      text NOT NULL,
     profile_version int NOT NULL,
@@ -50,8 +50,6 @@ CREATE TABLE workflows (
 -- A reconciler pass reads the running workflows of its key and the aborted ones that still
 -- have commands to cancel.
 CREATE INDEX workflows_rkey_live ON workflows (rkey) WHERE state = 'running' OR cancel_commands;
--- The command watch of each engine process: the running workflows of its own shards.
-CREATE INDEX workflows_shard_running ON workflows (shard) WHERE state = 'running';
 -- workflows.list: newest first (ids sort by time), optionally by node, state, profile or tenant.
 CREATE INDEX workflows_node ON workflows (node_id, id);
 CREATE INDEX workflows_state ON workflows (state, id);
