@@ -7,7 +7,8 @@ A process that dies in between leaves the step running; the next owner runs it a
 under the same idempotency key. Agent steps enqueue their command through the
 command-queue (find-before-create by key) and wait for its settle event.
 
-The statements are in ``store``, the step runners in ``runners``, the quorum batch in ``quorum``.
+The statements are in ``store``, the step runners in ``runners``, the quorum batch in ``quorum``,
+the clean-up of earlier attempts and aborts in ``attempts``.
 """
 
 from __future__ import annotations
@@ -19,27 +20,26 @@ from typing import Any
 
 from better_compute.cmdq_client import CommandQueueClient
 from better_compute.core.app import App
-from better_compute.core.errors import BcError, ErrorCode, ServiceUnavailableError
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.pki_client import PkiClient
-from better_compute.provision import Profile, StepNotReady, profile_from_document, step_command_key
-from better_compute.provision.context import workflow_command_prefix
+from better_compute.provision import Profile, StepNotReady, profile_from_document
 from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 from . import queue, store
+from .attempts import cleanup_aborted, supersede
 from .context import NodeInfo
 from .profiles import BUILTIN_TENANT
 from .quorum import QuorumBatches
-from .runners import QUEUE_RETRY_S, Fail, Ok, Outcome, Wait, run_agent_step, run_control_plane, timed_out
+from .runners import Fail, Ok, Outcome, Wait, run_agent_step, run_control_plane, timed_out
 from .shards import ShardLeases
 from .store import StepRow, WorkflowRow
 
 __all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
 
 AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at least this often
-SUPERSEDED_POLL_S = 2.0  # a previous attempt's command still runs: look again this soon
 
 OwnerReconciler = Callable[[Any, str], Awaitable[None]]
 Fence = tuple[int, str, int]  # shard, owner (this process life), epoch
@@ -219,7 +219,7 @@ class Engine:
             return retry_at
         while True:
             if wf.state != "running":
-                return await self._cleanup_aborted(wf)
+                return await cleanup_aborted(self, wf)
             if step is None:
                 # the usual case, a first step to start, in one statement
                 row = await self.db.fetchrow(store.START_FIRST, wf.id, *fence)
@@ -236,7 +236,7 @@ class Engine:
                 if step.attempt > 0 and (step.sent_commands or step.minted):
                     # never issue attempt N+1 while attempt N's commands may still run, nor
                     # leave its tokens and secrets usable
-                    wait = await self._supersede(wf, step)
+                    wait = await supersede(self, wf, step)
                     if wait is not None:
                         return wait
                 row = await self.db.fetchrow(
@@ -332,69 +332,6 @@ class Engine:
         if updated and wf.owner:
             await queue.queue_now(conn, queue.owner_key(wf.owner, wf.id))
         wf.state = state
-
-    # -- what earlier attempts left behind ------------------------------------------
-
-    async def _cleanup_aborted(self, wf: WorkflowRow) -> float | None:
-        """After an abort: revoke what the cancelled attempt minted, fence it, and cancel the
-        workflow's live commands on every node it sent to (retried until the services answer)."""
-        if not wf.cancel_commands:
-            return None
-        row = await self.db.fetchrow(store.CANCELLED_STEP, wf.id)
-        sent = await self.db.fetchval(store.ANY_SENT, wf.id)
-        try:
-            if row is not None and row["attempt"] > 0:
-                await self._revoke_attempt(wf, store.step_row(row), reason="its workflow was aborted")
-            if sent:
-                await self.cmdq.cancel_under(
-                    key_prefix=workflow_command_prefix(wf.id), workflow_id=wf.id, reason="workflow aborted"
-                )
-        except BcError as err:
-            self.log.warning("abort_cleanup_deferred", workflow_id=wf.id, code=err.code.value)
-            return time.time() + QUEUE_RETRY_S
-        await self.db.execute(store.CLEANED_UP, wf.id)
-        return None
-
-    async def _revoke_attempt(self, wf: WorkflowRow, step: StepRow, *, reason: str) -> list[str]:
-        """Revoke what attempt ``step.attempt`` minted and fence its key in every service it
-        used; returns the commands of it that may still run at their agents."""
-        coords: dict[str, Any] = {"workflow_id": wf.id, "step": step.idx, "attempt": step.attempt}
-        minted = set(step.minted or ())
-        if "pki" in minted:
-            await self.pki.revoke_attempt(**coords, reason=reason)
-        if "secrets" in minted:
-            await self.secrets.revoke_attempt(**coords, reason=reason)
-        if not step.sent_commands:
-            return []
-        reply = await self.cmdq.cancel_under(
-            key_prefix=step_command_key(step), workflow_id=wf.id, fence=True, reason=reason
-        )
-        return reply.running
-
-    async def _supersede(self, wf: WorkflowRow, step: StepRow) -> float | None:
-        """Before attempt N+1 of a step: attempt N's tokens and secrets revoked, its commands
-        cancelled on every node and fenced, and none of them still running at an agent.
-        Returns when to look again, or None once attempt N+1 may start."""
-        try:
-            running = await self._revoke_attempt(wf, step, reason="superseded by a later attempt")
-        except BcError as err:
-            service = err.service if isinstance(err, ServiceUnavailableError) else None
-            self.log.warning(
-                "supersede_deferred", workflow_id=wf.id, step=step.idx, code=err.code.value,
-                service=service,
-            )  # fmt: skip
-            await self.waiting(
-                wf, step, {"reason": "service-unavailable", "service": service, "code": err.code.value}
-            )
-            return time.time() + QUEUE_RETRY_S
-        if not running:
-            return None
-        # A claimed command cannot be recalled: attempt N+1 waits until it ends at its agent
-        # (its result, even a late one, or the agent's loss); its event wakes us sooner.
-        await self.waiting(
-            wf, step, {"reason": "previous-attempt-running", "attempt": step.attempt, "commands": running}
-        )
-        return time.time() + SUPERSEDED_POLL_S
 
     async def _event(
         self,

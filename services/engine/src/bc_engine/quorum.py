@@ -17,13 +17,13 @@ from better_compute.core.errors import BcError
 from better_compute.provision.context import workflow_command_prefix
 
 from . import store
+from .runners import QUEUE_RETRY_S
 from .store import WorkflowRow
 
 __all__ = ["BATCH_TTL_S", "QUORUM_CACHE_S", "QuorumBatches"]
 
 BATCH_TTL_S = 24 * 3600  # how long approvers have for a workflow's destructive batch
 QUORUM_CACHE_S = 60.0  # whether approvers are configured is asked at most this often
-RETRY_S = 2.0  # the command-queue did not answer: try again this soon
 
 
 class QuorumBatches:
@@ -72,7 +72,7 @@ class QuorumBatches:
             )
         except BcError as err:
             self.log.warning("batch_create_failed", workflow_id=wf.id, code=err.code.value)
-            return time.time() + RETRY_S
+            return time.time() + QUEUE_RETRY_S
         await self.db.execute(store.SET_BATCH, wf.id, batch.id)
         wf.batch_id = batch.id
         await self.publish("workflow", wf.id, {"workflowId": wf.id, "batchId": batch.id, "at": time.time()})
