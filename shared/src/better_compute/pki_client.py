@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 
 from .core.errors import BcError, ErrorCode, ServiceUnavailableError
+from .core.keys import attempt_key
 from .logging import register_secret
 from .service.client import ApiClient
 from .wire.paging import DEFAULT_LIMIT, Cursor
@@ -100,15 +101,6 @@ MAX_TTL_SECONDS: Final = 30 * 24 * 3600
 SIGNATURE_DOMAIN: Final = b"bc-sig-v1"
 _PURPOSE_RE: Final = re.compile(r"^[a-z][a-z0-9._-]{0,63}$")
 _WAIT_CODES: Final = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
-
-
-def attempt_key(workflow_id: str, step: int, attempt: int) -> str:
-    """The idempotency key of one attempt of a workflow step: ``wf:<workflow>:<step>#<attempt>``.
-
-    What the attempt mints is keyed by it or by a key under it (``…#2:<name>``: the next
-    character is ``:`` or ``#``), so ``wf:X:3#1`` never covers ``wf:X:3#12``.
-    """
-    return f"wf:{workflow_id}:{step}#{attempt}"
 
 
 def unavailable(err: BcError, service: str) -> ServiceUnavailableError | None:

@@ -3,160 +3,23 @@
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.provision.profiles import MAX_PROFILE_STEPS
 from better_compute.service import ApiRequest
-from better_compute.wire.codec import encode
 from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
 from . import messages as m
-from . import queue
+from . import queue, store
+from .documents import check_document, check_labels, node_doc, workflow_doc
 from .profiles import FoundProfile, ProfileStore, parse_document
 from .resolve import Resolution, resolve_profile
 
-__all__ = ["EngineApi", "check_document", "check_labels"]
-
-_LABEL_KEY_RE: Final = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$")
-_CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def _too_big(path: str, message: str) -> BcError:
-    return BcError(ErrorCode.INVALID_INPUT, message, {"path": path})
-
-
-def check_labels(labels: Mapping[str, str], path: str = "labels") -> None:
-    """Refuse labels beyond their bounds, naming the label (``labels.rack``).
-
-    At most ``MAX_LABELS``; keys of letters, digits and ``._/-`` (starting and ending with a
-    letter or digit, at most ``MAX_LABEL_KEY``); values of at most ``MAX_LABEL_VALUE``
-    characters without control characters.
-    """
-    if len(labels) > m.MAX_LABELS:
-        raise _too_big(path, f"a node has at most {m.MAX_LABELS} labels, got {len(labels)}")
-    for key, value in labels.items():
-        if not _LABEL_KEY_RE.match(key):
-            raise _too_big(
-                path,
-                f"label key {key[:80]!r} is not 1 to {m.MAX_LABEL_KEY} letters, digits and ._/-"
-                " (starting and ending with a letter or digit)",
-            )
-        if len(value) > m.MAX_LABEL_VALUE or _CONTROL_RE.search(value):
-            raise _too_big(
-                f"{path}.{key}",
-                f"label {key} must be at most {m.MAX_LABEL_VALUE} characters without control"
-                f" characters (got {len(value)})",
-            )
-
-
-def check_document(document: Mapping[str, Any], path: str = "document") -> None:
-    """Refuse a profile document beyond ``MAX_DOCUMENT_BYTES``, or a step whose ``with``
-    is beyond ``MAX_STEP_INPUT_BYTES`` (as JSON), before it is parsed or stored."""
-    size = len(encode(document))
-    if size > m.MAX_DOCUMENT_BYTES:
-        raise _too_big(path, f"a profile document is at most {m.MAX_DOCUMENT_BYTES} bytes, got {size}")
-    steps = document.get("steps")
-    if not isinstance(steps, list):
-        return
-    for i, step in enumerate(steps):
-        if isinstance(step, Mapping) and step.get("with") is not None:
-            size = len(encode(step["with"]))
-            if size > m.MAX_STEP_INPUT_BYTES:
-                raise _too_big(
-                    f"{path}.steps[{i}].with",
-                    f"a step's with is at most {m.MAX_STEP_INPUT_BYTES} bytes, got {size}",
-                )
-
-
-# A workflow, its steps and its work-queue entry in one statement.
-START_WORKFLOW = """
-WITH wf AS (
-    INSERT INTO workflows (id, tenant_id, node_id, rkey, profile_tenant, profile_id, profile_version,
-                           state, owner, command_kinds)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, 'running', $8, $9)
-    RETURNING *
-), steps AS (
-    INSERT INTO workflow_steps (workflow_id, idx, action, runs_on, mode, command, input, timeout_ms,
-                                state, sends)
-    SELECT $1, s.idx, s.action, s.runs_on, s.mode, s.command, s.input, s.timeout_ms, 'pending',
-           ARRAY(SELECT jsonb_array_elements_text(s.sends))
-    FROM unnest($10::int[], $11::text[], $12::text[], $13::text[], $14::text[], $15::jsonb[],
-                $16::bigint[], $17::jsonb[])
-         AS s(idx, action, runs_on, mode, command, input, timeout_ms, sends)
-    RETURNING 1
-), queued AS (
-    INSERT INTO work_queue (rkey, shard, not_before) VALUES ($4, $18, now())
-    ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')
-    RETURNING 1
-)
-SELECT wf.*, (SELECT count(*) FROM steps) AS step_count FROM wf
-"""
-
-
-def _iso(value: Any) -> str | None:
-    return value.isoformat() if value is not None else None
-
-
-def _json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
-
-
-def node_doc(row: Any) -> dict[str, Any]:
-    return {
-        "id": row["id"],
-        "tenantId": row["tenant_id"],
-        "siteId": row["site_id"],
-        "labels": _json(row["labels"]),
-        "generation": row["generation"],
-        "observedGeneration": row["observed_generation"],
-        "createdAt": _iso(row["created_at"]),
-    }
-
-
-def workflow_doc(row: Any, steps: list[Any] | None = None) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "id": row["id"],
-        "tenantId": row["tenant_id"],
-        "nodeId": row["node_id"],
-        "profile": {
-            "tenantId": row["profile_tenant"],
-            "id": row["profile_id"],
-            "version": row["profile_version"],
-        },
-        "state": row["state"],
-        "owner": row["owner"],
-        "commandKinds": list(row["command_kinds"]),
-        "batchId": row["batch_id"],
-        "error": _json(row["error"]),
-        "createdAt": _iso(row["created_at"]),
-        "finishedAt": _iso(row["finished_at"]),
-    }
-    if steps is not None:
-        doc["steps"] = [
-            {
-                "index": s["idx"],
-                "action": s["action"],
-                "runsOn": s["runs_on"],
-                "mode": s["mode"],
-                "command": s["command"],
-                "state": s["state"],
-                "attempt": s["attempt"],
-                "startedAt": _iso(s["started_at"]),
-                "deadline": _iso(s["deadline"]),
-                "finishedAt": _iso(s["finished_at"]),
-                "result": _json(s["result"]),
-                "error": _json(s["error"]),
-                "commandId": s["command_id"],
-                "waitingFor": _json(s.get("waiting_for")) if s["state"] in ("pending", "running") else None,
-            }
-            for s in steps
-        ]
-    return doc
+__all__ = ["EngineApi"]
 
 
 class EngineApi:
@@ -200,17 +63,15 @@ class EngineApi:
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
         row = await self.db.fetchrow(
-            "INSERT INTO nodes (id, tenant_id, site_id, labels) VALUES ($1, $2, $3, $4)"
-            " ON CONFLICT (id) DO NOTHING RETURNING *",
-            node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
-        )  # fmt: skip
+            store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels)
+        )
         if row is None:
             raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists", {"path": "id"})
         return node_doc(row)
 
     async def nodes_get(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.GetNode)
-        row = await self.db.fetchrow("SELECT * FROM nodes WHERE id = $1", body.id)
+        row = await self.db.fetchrow(store.NODE, body.id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no node {body.id}", {"path": "id"})
         return node_doc(row)
@@ -219,9 +80,7 @@ class EngineApi:
         body = req.decode(m.ListNodes)
         after = decode_cursor(body.cursor, str)
         rows = await self.db.fetch(
-            "SELECT * FROM nodes WHERE ($1::text IS NULL OR site_id = $1)"
-            " AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR id > $3)"
-            " ORDER BY id LIMIT $4",
+            store.LIST_NODES,
             body.site_id, body.tenant_id, after[0] if after else None, body.limit + 1,
         )  # fmt: skip
         docs, next_ = take_page(
@@ -366,12 +225,10 @@ class EngineApi:
         )
         found = await self.profiles.pin(conn, found)
         if node_id is not None:
-            node = await conn.fetchrow("SELECT id FROM nodes WHERE id = $1 FOR UPDATE", node_id)
+            node = await conn.fetchrow(store.LOCK_NODE, node_id)
             if node is None:
                 raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
-            busy = await conn.fetchval(
-                "SELECT id FROM workflows WHERE node_id = $1 AND state = 'running'", node_id
-            )
+            busy = await conn.fetchval(store.NODE_BUSY, node_id, None)
             if busy:
                 raise BcError(
                     ErrorCode.CONFLICT,
@@ -391,7 +248,7 @@ class EngineApi:
             for s in res.steps
         ]  # fmt: skip
         row = await conn.fetchrow(
-            START_WORKFLOW,
+            store.START_WORKFLOW,
             wf_id, tenant_id, node_id, rkey, found.tenant_id, found.profile.id, found.profile.version,
             owner, res.command_kinds,
             [st["idx"] for st in steps], [st["action"] for st in steps], [st["runs_on"] for st in steps],
@@ -407,27 +264,18 @@ class EngineApi:
         """The workflow with as many of its steps (from ``steps_cursor`` on) as fit in
         ``budget`` bytes; ``stepsNext`` is the cursor of the rest, or None."""
         after = decode_cursor(steps_cursor, int, path="stepsCursor")
-        row = await self.db.fetchrow("SELECT * FROM workflows WHERE id = $1", workflow_id)
+        row = await self.db.fetchrow(store.WORKFLOW, workflow_id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
         # Sizes first, rows second: 512 steps with big results never sit in memory at once.
-        sizes = await self.db.fetch(
-            "SELECT idx, 512 + coalesce(octet_length(result::text), 0)"
-            " + coalesce(octet_length(error::text), 0) AS size"
-            " FROM workflow_steps WHERE workflow_id = $1 AND idx > $2 ORDER BY idx",
-            workflow_id, after[0] if after else -1,
-        )  # fmt: skip
+        sizes = await self.db.fetch(store.STEP_SIZES, workflow_id, after[0] if after else -1)
         page, next_ = take_page(
             list(sizes), limit=MAX_PROFILE_STEPS, key=lambda r: (r["idx"],),
             budget=budget or PAGE_BUDGET, size=lambda r: int(r["size"]),
         )  # fmt: skip
         steps = []
         if page:
-            steps = await self.db.fetch(
-                "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND idx BETWEEN $2 AND $3"
-                " ORDER BY idx",
-                workflow_id, page[0]["idx"], page[-1]["idx"],
-            )  # fmt: skip
+            steps = await self.db.fetch(store.STEPS_BETWEEN, workflow_id, page[0]["idx"], page[-1]["idx"])
         doc = workflow_doc(row, list(steps))
         doc["stepsNext"] = next_
         return doc
@@ -440,10 +288,7 @@ class EngineApi:
         body = req.decode(m.ListWorkflows)
         after = decode_cursor(body.cursor, str)
         rows = await self.db.fetch(
-            "SELECT * FROM workflows WHERE ($1::text IS NULL OR node_id = $1)"
-            " AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR profile_id = $3)"
-            " AND ($4::text IS NULL OR tenant_id = $4) AND ($5::text IS NULL OR id < $5)"
-            " ORDER BY id DESC LIMIT $6",
+            store.LIST_WORKFLOWS,
             body.node_id, body.state, body.profile_id, body.tenant_id,
             after[0] if after else body.before, body.limit + 1,
         )  # fmt: skip
@@ -457,7 +302,7 @@ class EngineApi:
         self, workflow_id: str, *, allowed: tuple[str, ...], verb: str, apply: Any
     ) -> dict[str, Any]:
         async with self.db.transaction() as conn:
-            wf = await conn.fetchrow("SELECT * FROM workflows WHERE id = $1 FOR UPDATE", workflow_id)
+            wf = await conn.fetchrow(store.LOCK_WORKFLOW, workflow_id)
             if wf is None:
                 raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
             if wf["state"] not in allowed:
@@ -467,10 +312,7 @@ class EngineApi:
                     {"reason": f"workflow-{wf['state']}", "path": "id"},
                 )
             if verb != "abort" and wf["node_id"] is not None:
-                busy = await conn.fetchval(
-                    "SELECT id FROM workflows WHERE node_id = $1 AND state = 'running' AND id <> $2",
-                    wf["node_id"], workflow_id,
-                )  # fmt: skip
+                busy = await conn.fetchval(store.NODE_BUSY, wf["node_id"], workflow_id)
                 if busy:
                     raise BcError(
                         ErrorCode.CONFLICT,
@@ -494,25 +336,10 @@ class EngineApi:
 
         async def apply(conn: Any, wf: Any) -> None:
             # commands to cancel, or tokens and secrets the cancelled attempt minted to revoke
-            sent = await conn.fetchval(
-                "SELECT bool_or(sent_commands OR (state IN ('pending', 'running')"
-                " AND cardinality(minted) > 0)) FROM workflow_steps WHERE workflow_id = $1",
-                wf["id"],
-            )
+            sent = await conn.fetchval(store.ABORT_LEAVES_WORK, wf["id"])
             error = json.dumps({"code": "INVALID_STATE", "message": reason, "details": {"reason": "aborted"}})
-            await conn.execute(
-                "UPDATE workflow_steps SET state = 'cancelled', finished_at = now(),"
-                " error = $2 WHERE workflow_id = $1 AND state IN ('pending', 'running')"
-                " AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1"
-                "   AND state IN ('pending', 'running'))",
-                wf["id"],
-                json.dumps({"code": "INVALID_STATE", "message": reason, "details": {"reason": "aborted"}}),
-            )
-            await conn.execute(
-                "UPDATE workflows SET state = 'aborted', finished_at = now(), updated_at = now(),"
-                " cancel_commands = $2, error = $3 WHERE id = $1",
-                wf["id"], bool(sent), error,
-            )  # fmt: skip
+            await conn.execute(store.ABORT_STEP, wf["id"], error)
+            await conn.execute(store.ABORT_WORKFLOW, wf["id"], bool(sent), error)
             if wf["owner"]:
                 await queue.queue_now(conn, queue.owner_key(wf["owner"], wf["id"]))
 
@@ -520,17 +347,8 @@ class EngineApi:
 
     async def _reopen(self, conn: Any, wf: Any, from_states: tuple[str, ...]) -> None:
         """The step that stopped the workflow goes back to pending; its next run is a new attempt."""
-        await conn.execute(
-            "UPDATE workflow_steps SET state = 'pending', finished_at = NULL"
-            " WHERE workflow_id = $1 AND idx = (SELECT min(idx) FROM workflow_steps"
-            "   WHERE workflow_id = $1 AND state = ANY($2::text[]))",
-            wf["id"], list(from_states),
-        )  # fmt: skip
-        await conn.execute(
-            "UPDATE workflows SET state = 'running', finished_at = NULL, error = NULL,"
-            " cancel_commands = false, updated_at = now() WHERE id = $1",
-            wf["id"],
-        )
+        await conn.execute(store.REOPEN_STEP, wf["id"], list(from_states))
+        await conn.execute(store.REOPEN_WORKFLOW, wf["id"])
 
     async def workflows_retry(self, req: ApiRequest) -> dict[str, Any]:
         """A failed workflow runs its failed step again, as a new attempt."""

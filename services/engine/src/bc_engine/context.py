@@ -12,7 +12,10 @@ import msgspec
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.pki_client import unavailable
+from better_compute.provision import step_command_key
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
+
+from . import store
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
 
@@ -62,12 +65,7 @@ async def latest_result(sql: Any, workflow_id: str, action: str) -> Any:
 
     Later steps read earlier results from the store, never from memory.
     """
-    rows = await sql.query(
-        "SELECT result FROM workflow_steps WHERE workflow_id = $1 AND action = $2"
-        " AND state = 'succeeded' ORDER BY idx DESC LIMIT 1",
-        workflow_id,
-        action,
-    )
+    rows = await sql.query(store.LATEST_RESULT, workflow_id, action)
     if not rows:
         raise BcError(
             ErrorCode.NOT_FOUND,
@@ -86,13 +84,13 @@ class StepCommands:
     or an abort knows to cancel what is still live.
     """
 
-    def __init__(self, engine: Any, *, workflow: Mapping[str, Any], step: Mapping[str, Any]) -> None:
+    def __init__(self, engine: Any, *, workflow: store.WorkflowRow, step: store.StepRow) -> None:
         self._engine = engine
         self._wf = workflow
         self._step = step
 
     async def enqueue(self, cmd: EnqueueCommand) -> CommandView:
-        base = f"wf:{self._wf['id']}:{self._step['idx']}#{self._step['attempt']}"
+        base = step_command_key(self._step)
         if cmd.key != base and not cmd.key.startswith(base + ":"):
             # what an attempt sends is found (cancelled, waited for, fenced) by its key prefix
             raise BcError(
@@ -100,18 +98,18 @@ class StepCommands:
                 f"a command of this step attempt is keyed {base} or {base}:<name> (step_command_key)",
                 {"path": "key"},
             )
-        sends = list(self._step["sends"] or [])
+        sends = list(self._step.sends or [])
         kind = self._engine.app.command_kinds.get(cmd.kind)
-        batch = self._wf["batch_id"] if (kind is not None and kind.destructive) else None
+        batch = self._wf.batch_id if (kind is not None and kind.destructive) else None
         full = msgspec.structs.replace(
             cmd,
-            workflow_id=self._wf["id"],
-            step=self._step["idx"],
+            workflow_id=self._wf.id,
+            step=self._step.idx,
             batch_id=batch,
             sends=sends or None,
-            tenant_id=self._wf["tenant_id"],
+            tenant_id=self._wf.tenant_id,
         )
-        await self._engine.mark_sent(self._wf["id"], self._step["idx"], self._step["attempt"])
+        await self._engine.mark_sent(self._wf.id, self._step.idx, self._step.attempt)
         try:
             view: CommandView = await self._engine.cmdq_enqueue(full)
         except BcError as err:

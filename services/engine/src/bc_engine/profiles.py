@@ -14,6 +14,8 @@ from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import Profile, profile_from_document
 
+from . import store
+
 __all__ = ["BUILTIN_TENANT", "FoundProfile", "ProfileStore"]
 
 BUILTIN_TENANT = "builtin"
@@ -71,11 +73,7 @@ class ProfileStore:
             )
         profile = parse_document(document)
         doc = json.dumps(profile.to_document())
-        existing = await conn.fetchrow(
-            "SELECT first_used_at FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
-            " FOR UPDATE",
-            tenant_id, profile.id, profile.version,
-        )  # fmt: skip
+        existing = await conn.fetchrow(store.LOCK_PROFILE, tenant_id, profile.id, profile.version)
         if existing is not None:
             if existing["first_used_at"] is not None:
                 raise BcError(
@@ -91,36 +89,21 @@ class ProfileStore:
                     " replace=true while no workflow has used it)",
                     {"path": "document.version"},
                 )
-            await conn.execute(
-                "UPDATE profiles SET document = $4, public = $5, created_at = now()"
-                " WHERE tenant_id = $1 AND id = $2 AND version = $3",
-                tenant_id, profile.id, profile.version, doc, public,
-            )  # fmt: skip
+            await conn.execute(store.REPLACE_PROFILE, tenant_id, profile.id, profile.version, doc, public)
         else:
-            await conn.execute(
-                "INSERT INTO profiles (tenant_id, id, version, document, public)"
-                " VALUES ($1, $2, $3, $4, $5)",
-                tenant_id, profile.id, profile.version, doc, public,
-            )  # fmt: skip
+            await conn.execute(store.INSERT_PROFILE, tenant_id, profile.id, profile.version, doc, public)
         return FoundProfile(profile, tenant_id, public, None)
 
     async def find(self, conn: Any, *, tenant_id: str, profile_id: str, version: int | None) -> FoundProfile:
         """The tenant's own, then a public stored one, then a shipped one."""
-        for where, args in (
-            ("tenant_id = $1 AND id = $2", (tenant_id, profile_id)),
-            ("public AND tenant_id <> $1 AND id = $2", (tenant_id, profile_id)),
+        for latest, of_version in (
+            (store.OWN_PROFILE_LATEST, store.OWN_PROFILE_VERSION),
+            (store.PUBLIC_PROFILE_LATEST, store.PUBLIC_PROFILE_VERSION),
         ):
             if version is None:
-                row = await conn.fetchrow(
-                    f"SELECT * FROM profiles WHERE {where} ORDER BY version DESC, tenant_id LIMIT 1",
-                    *args,
-                )
+                row = await conn.fetchrow(latest, tenant_id, profile_id)
             else:
-                row = await conn.fetchrow(
-                    f"SELECT * FROM profiles WHERE {where} AND version = $3 ORDER BY tenant_id LIMIT 1",
-                    *args,
-                    version,
-                )
+                row = await conn.fetchrow(of_version, tenant_id, profile_id, version)
             if row is not None:
                 return self._row(row)
         shipped = [p for (pid, _v), p in self.shipped.items() if pid == profile_id]
@@ -141,16 +124,10 @@ class ProfileStore:
         """
         if found.shipped or found.first_used_at is not None:
             return found
-        row = await conn.fetchrow(
-            "UPDATE profiles SET first_used_at = now() WHERE tenant_id = $1 AND id = $2"
-            " AND version = $3 AND first_used_at IS NULL RETURNING *",
-            found.tenant_id, found.profile.id, found.profile.version,
-        )  # fmt: skip
+        key = (found.tenant_id, found.profile.id, found.profile.version)
+        row = await conn.fetchrow(store.PIN_PROFILE, *key)
         if row is None:  # someone else used it first: it is immutable now, read it again
-            row = await conn.fetchrow(
-                "SELECT * FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3",
-                found.tenant_id, found.profile.id, found.profile.version,
-            )  # fmt: skip
+            row = await conn.fetchrow(store.PROFILE, *key)
             if row is None:
                 raise BcError(
                     ErrorCode.NOT_FOUND, f"profile {found.profile.id} was deleted", {"path": "profileId"}
@@ -165,13 +142,7 @@ class ProfileStore:
         Text compares bytewise (``COLLATE "C"``), as Python does: the shipped profiles are
         merged in here, so both sides must agree on the order.
         """
-        rows = await conn.fetch(
-            "SELECT * FROM profiles WHERE (tenant_id = $1 OR public)"
-            ' AND ($2::text IS NULL OR (id COLLATE "C", version, tenant_id COLLATE "C")'
-            " > ($2, $3::int, $4::text))"
-            ' ORDER BY id COLLATE "C", version, tenant_id COLLATE "C" LIMIT $5',
-            tenant_id, *(after or (None, None, None)), limit,
-        )  # fmt: skip
+        rows = await conn.fetch(store.LIST_PROFILES, tenant_id, *(after or (None, None, None)), limit)
         found = [self._row(r) for r in rows]
         found += [
             FoundProfile(p, BUILTIN_TENANT, True, None)
@@ -188,11 +159,7 @@ class ProfileStore:
                 "shipped profiles cannot be deleted",
                 {"path": "tenantId"},
             )
-        row = await conn.fetchrow(
-            "SELECT first_used_at FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
-            " FOR UPDATE",
-            tenant_id, profile_id, version,
-        )  # fmt: skip
+        row = await conn.fetchrow(store.LOCK_PROFILE, tenant_id, profile_id, version)
         if row is None:
             raise BcError(
                 ErrorCode.NOT_FOUND,
@@ -205,7 +172,4 @@ class ProfileStore:
                 f"profile {profile_id} version {version} was used by a workflow and is kept",
                 {"reason": "profile-in-use", "path": "version"},
             )
-        await conn.execute(
-            "DELETE FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3",
-            tenant_id, profile_id, version,
-        )  # fmt: skip
+        await conn.execute(store.DELETE_PROFILE, tenant_id, profile_id, version)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from . import store
+
 __all__ = ["SHARDS", "done", "owner_key", "queue_at", "queue_now", "read_seq", "shard_of"]
 
-SHARDS = 64  # also seeded by migration 0002; every engine process must agree
+SHARDS = 64  # also seeded by migration 0001; every engine process must agree
 
 
 def shard_of(rkey: str) -> int:
@@ -25,39 +27,23 @@ def owner_key(owner: str, workflow_id: str) -> str:
 
 async def queue_now(conn: Any, rkey: str) -> None:
     """Ask for a pass of ``rkey`` at once (within the caller's transaction)."""
-    await conn.execute(
-        "INSERT INTO work_queue (rkey, shard, not_before) VALUES ($1, $2, now())"
-        " ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')",
-        rkey,
-        shard_of(rkey),
-    )
+    await conn.execute(store.QUEUE_NOW, rkey, shard_of(rkey))
 
 
 async def read_seq(conn: Any, rkey: str) -> int | None:
-    seq = await conn.fetchval("SELECT seq FROM work_queue WHERE rkey = $1", rkey)
+    seq = await conn.fetchval(store.QUEUE_SEQ, rkey)
     return int(seq) if seq is not None else None
 
 
 async def queue_at(conn: Any, rkey: str, at: float, seen_seq: int | None) -> None:
     """After a pass: the next moment the key cares about, unless a wake came meanwhile."""
     if seen_seq is None:
-        await conn.execute(
-            "INSERT INTO work_queue (rkey, shard, not_before) VALUES ($1, $2, to_timestamp($3))"
-            " ON CONFLICT (rkey) DO NOTHING",
-            rkey,
-            shard_of(rkey),
-            at,
-        )
+        await conn.execute(store.QUEUE_NEW_AT, rkey, shard_of(rkey), at)
     else:
-        await conn.execute(
-            "UPDATE work_queue SET not_before = to_timestamp($2) WHERE rkey = $1 AND seq = $3",
-            rkey,
-            at,
-            seen_seq,
-        )
+        await conn.execute(store.QUEUE_MOVE, rkey, at, seen_seq)
 
 
 async def done(conn: Any, rkey: str, seen_seq: int | None) -> None:
     """After a pass that needs nothing more: drop the entry, unless a wake came meanwhile."""
     if seen_seq is not None:
-        await conn.execute("DELETE FROM work_queue WHERE rkey = $1 AND seq = $2", rkey, seen_seq)
+        await conn.execute(store.QUEUE_DONE, rkey, seen_seq)

@@ -18,13 +18,13 @@ from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent
 
-from . import queue
+from . import queue, store
 from .api import EngineApi
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
-__all__ = ["EngineService"]
+__all__ = ["EngineService", "waiting_commands"]
 
 POLL_EVERY = 1.0  # the safety net; wake-ups do the real work
 
@@ -32,6 +32,13 @@ POLL_EVERY = 1.0  # the safety net; wake-ups do the real work
 async def _init_connection(conn: Any) -> None:
     for typ in ("json", "jsonb"):
         await conn.set_type_codec(typ, encoder=lambda v: v, decoder=json.loads, schema="pg_catalog")
+
+
+async def waiting_commands(db: Database, shards: list[int]) -> dict[str, str]:
+    """The command each running step of a workflow in ``shards`` waits on, with its workflow's
+    reconciler key: what the command watch of the process that holds those shards looks at."""
+    rows = await db.fetch(store.WAITING_COMMANDS, shards)
+    return {r["command_id"]: r["rkey"] for r in rows}
 
 
 def _owner_reconcilers(app: App) -> dict[str, OwnerReconciler]:
@@ -133,7 +140,7 @@ class EngineService(Service):
     async def _wake_workflow(self, workflow_id: str) -> None:
         assert self.db is not None
         try:
-            rkey = await self.db.pool.fetchval("SELECT rkey FROM workflows WHERE id = $1", workflow_id)
+            rkey = await self.db.pool.fetchval(store.WORKFLOW_RKEY, workflow_id)
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -151,12 +158,7 @@ class EngineService(Service):
         while True:
             mine = [s for s in range(queue.SHARDS) if self.leases.owns(s) is not None]
             if mine:
-                rows = await self.db.fetch(
-                    "SELECT rkey, extract(epoch FROM not_before) AS at FROM work_queue"
-                    " WHERE shard = ANY($1::int[]) AND not_before <= now() + make_interval(secs => $2)",
-                    mine,
-                    POLL_EVERY,
-                )
+                rows = await self.db.fetch(store.DUE_KEYS, mine, POLL_EVERY)
                 for r in rows:
                     self.scheduler.at(r["rkey"], float(r["at"]), from_poll=True)
             self._poll_soon.clear()
@@ -170,11 +172,10 @@ class EngineService(Service):
         assert self.api is not None
         while True:
             await asyncio.sleep(AGENT_POLL_S)
-            rows = await self.db.fetch(
-                "SELECT s.command_id, w.rkey FROM workflow_steps s JOIN workflows w ON w.id = s.workflow_id"
-                " WHERE s.state = 'running' AND s.command_id IS NOT NULL AND w.state = 'running'"
-            )
-            waiting = {r["command_id"]: r["rkey"] for r in rows if self._owns_key(r["rkey"])}
+            mine = [s for s in range(queue.SHARDS) if self.leases.owns(s) is not None]
+            found = await waiting_commands(self.db, mine) if mine else {}
+            # a shard lost since the look is not ours to wake any more
+            waiting = {cid: rkey for cid, rkey in found.items() if self._owns_key(rkey)}
             ids = list(waiting)
             for start in range(0, len(ids), MAX_STATE_QUERY):
                 chunk = ids[start : start + MAX_STATE_QUERY]

@@ -25,29 +25,13 @@ from typing import Any
 
 from better_compute.service.faults import is_transient
 
+from . import store
 from .queue import SHARDS
 
 __all__ = ["LEASE_TTL", "RENEW_EVERY", "ShardLeases", "new_incarnation"]
 
 LEASE_TTL = 6.0
 RENEW_EVERY = 1.5
-
-_MEMBER = (
-    "INSERT INTO members (instance, expires_at) VALUES ($1, now() + make_interval(secs => $2))"
-    " ON CONFLICT (instance) DO UPDATE SET expires_at = EXCLUDED.expires_at"
-)
-# An earlier (or later) life of our name: same "<instance>#" prefix, an incarnation of the same
-# length, ordered by the incarnation's leading start time. $1 us, $2 "<instance>#".
-_SAME_NAME = "starts_with({col}, $2) AND length({col}) = length($1)"
-_LATER_LIFE = (
-    f"SELECT true FROM members WHERE {_SAME_NAME.format(col='instance')}"
-    " AND instance > $1 AND expires_at > now()"
-)
-_FORGET_EARLIER = f"DELETE FROM members WHERE {_SAME_NAME.format(col='instance')} AND instance < $1"
-_ADOPT = (
-    "UPDATE shard_leases SET owner = $1, epoch = epoch + 1, expires_at = now() + make_interval(secs => $3)"
-    f" WHERE {_SAME_NAME.format(col='owner')} AND owner < $1 RETURNING shard, epoch"
-)
 
 
 def new_incarnation() -> str:
@@ -92,24 +76,18 @@ class ShardLeases:
         started = time.monotonic()
         prefix = f"{self.instance}#"
         async with self.db.transaction() as conn:
-            later = await conn.fetchval(_LATER_LIFE, self.owner, prefix)
+            later = await conn.fetchval(store.LATER_LIFE, self.owner, prefix)
             if later:
                 adopted: dict[int, int] = {}
                 members = 0
                 renewed = []
             else:
-                await conn.execute(_MEMBER, self.owner, LEASE_TTL)
-                await conn.execute(_FORGET_EARLIER, self.owner, prefix)
-                adopted = {
-                    r["shard"]: r["epoch"] for r in await conn.fetch(_ADOPT, self.owner, prefix, LEASE_TTL)
-                }
-                members = await conn.fetchval("SELECT count(*) FROM members WHERE expires_at > now()")
-                renewed = await conn.fetch(
-                    "UPDATE shard_leases SET expires_at = now() + make_interval(secs => $2)"
-                    " WHERE owner = $1 AND expires_at > now() RETURNING shard, epoch",
-                    self.owner,
-                    LEASE_TTL,
-                )
+                await conn.execute(store.MEMBER, self.owner, LEASE_TTL)
+                await conn.execute(store.FORGET_EARLIER, self.owner, prefix)
+                taken = await conn.fetch(store.ADOPT, self.owner, prefix, LEASE_TTL)
+                adopted = {r["shard"]: r["epoch"] for r in taken}
+                members = await conn.fetchval(store.LIVE_MEMBERS)
+                renewed = await conn.fetch(store.RENEW, self.owner, LEASE_TTL)
         if later:
             self._step_aside()
             return
@@ -123,12 +101,7 @@ class ShardLeases:
         if len(held) + len(gained) < target:
             async with self.db.transaction() as conn:
                 rows = await conn.fetch(
-                    "UPDATE shard_leases SET owner = $1, epoch = epoch + 1,"
-                    " expires_at = now() + make_interval(secs => $3)"
-                    " WHERE shard IN (SELECT shard FROM shard_leases"
-                    "   WHERE owner IS NULL OR expires_at <= now()"
-                    "   ORDER BY shard LIMIT $2 FOR UPDATE SKIP LOCKED)"
-                    " RETURNING shard, epoch",
+                    store.TAKE,
                     self.owner,
                     target - len(held) - len(gained),
                     LEASE_TTL,
@@ -138,12 +111,7 @@ class ShardLeases:
             # Give back the surplus so a newcomer gets its share.
             mine = {**held, **gained}
             extra = sorted(mine)[target:]
-            await self.db.execute(
-                "UPDATE shard_leases SET owner = NULL, expires_at = now()"
-                " WHERE owner = $1 AND shard = ANY($2::int[])",
-                self.owner,
-                extra,
-            )
+            await self.db.execute(store.GIVE_BACK, self.owner, extra)
             for s in extra:
                 if held.pop(s, None) is not None:
                     lost.add(s)
@@ -187,8 +155,5 @@ class ShardLeases:
     async def release_all(self) -> None:
         """On a clean stop: hand every shard back at once and leave the members."""
         self.epochs = {}
-        await self.db.execute(
-            "UPDATE shard_leases SET owner = NULL, expires_at = now() WHERE owner = $1",
-            self.owner,
-        )
-        await self.db.execute("DELETE FROM members WHERE instance = $1", self.owner)
+        await self.db.execute(store.RELEASE_ALL, self.owner)
+        await self.db.execute(store.LEAVE, self.owner)

@@ -6,12 +6,11 @@ declared here, so tests can pass small fakes.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.keys import attempt_key
 
 __all__ = [
     "JoinRole",
@@ -174,9 +173,6 @@ class StepContext(StepCoordinates, Protocol):
     def log(self) -> Log: ...
 
 
-_KEY_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
 def step_command_key(ctx: StepCoordinates, key: str | None = None) -> str:
     """The command key of this step attempt: ``wf:<workflow_id>:<step>#<attempt>[:<key>]``.
 
@@ -190,13 +186,4 @@ def step_command_key(ctx: StepCoordinates, key: str | None = None) -> str:
     Raises:
         BcError: ``INVALID_INPUT`` at ``key`` for a malformed key.
     """
-    base = f"wf:{ctx.workflow_id}:{ctx.step}#{ctx.attempt}"
-    if key is None:
-        return base
-    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
-        raise BcError(
-            ErrorCode.INVALID_INPUT,
-            "command keys are 1-64 letters, digits, '.', '_' or '-'",
-            {"path": "key"},
-        )
-    return f"{base}:{key}"
+    return attempt_key(ctx.workflow_id, ctx.step, ctx.attempt, key)

@@ -12,6 +12,8 @@ CREATE TABLE nodes (
     created_at          timestamptz NOT NULL DEFAULT now(),
     updated_at          timestamptz NOT NULL DEFAULT now()
 );
+-- nodes.list of one site, by id.
+CREATE INDEX nodes_site ON nodes (site_id, id);
 
 -- Stored profiles of tenants. Shipped profiles live in code (tenant 'builtin'), never here.
 CREATE TABLE profiles (
@@ -31,6 +33,7 @@ CREATE TABLE workflows (
     tenant_id       text NOT NULL,
     node_id         text REFERENCES nodes (id),
     rkey            text NOT NULL,        -- reconciler key: node id, else workflow id
+    shard           int NOT NULL,         -- rkey's shard: each engine's command watch reads its own
     profile_tenant  text NOT NULL,
     profile_id      text NOT NULL,
     profile_version int NOT NULL,
@@ -44,10 +47,14 @@ CREATE TABLE workflows (
     updated_at      timestamptz NOT NULL DEFAULT now(),
     finished_at     timestamptz
 );
-CREATE INDEX workflows_rkey_running ON workflows (rkey) WHERE state = 'running';
-CREATE INDEX workflows_node ON workflows (node_id, created_at);
-CREATE INDEX workflows_state ON workflows (state, created_at);
-CREATE INDEX workflows_profile ON workflows (profile_id, created_at);
+-- A reconciler pass reads the running workflows of its key and the aborted ones that still
+-- have commands to cancel.
+CREATE INDEX workflows_rkey_live ON workflows (rkey) WHERE state = 'running' OR cancel_commands;
+-- workflows.list: newest first (ids sort by time), optionally by node, state, profile or tenant.
+CREATE INDEX workflows_node ON workflows (node_id, id);
+CREATE INDEX workflows_state ON workflows (state, id);
+CREATE INDEX workflows_profile ON workflows (profile_id, id);
+CREATE INDEX workflows_tenant ON workflows (tenant_id, id);
 -- One running workflow per node: two workflows driving one machine at once is never right.
 CREATE UNIQUE INDEX workflows_one_running_per_node ON workflows (node_id)
     WHERE state = 'running' AND node_id IS NOT NULL;
@@ -71,8 +78,21 @@ CREATE TABLE workflow_steps (
     command_id  text,
     sends       text[] NOT NULL DEFAULT '{}',  -- kinds a control-plane step declared
     sent_commands boolean NOT NULL DEFAULT false, -- this attempt enqueued commands
+    -- What this attempt minted through ctx.pki / ctx.secrets ('pki', 'secrets'): the next
+    -- attempt (or an abort) revokes it first.
+    minted      text[] NOT NULL DEFAULT '{}',
+    -- What the step waits for now, shown in workflows.get: one of our services that does not
+    -- answer, or the previous attempt's commands that still run at their agents.
+    waiting_for jsonb,
+    -- A random secret per step, made the first time a run of it mints a join token through
+    -- ctx.pki: its tokens are derived from it and bc-pki's token key, so a re-run of the attempt
+    -- (on any engine) gets them back and no other caller of tokens.issue can. Never shown.
+    mint_secret bytea,
     PRIMARY KEY (workflow_id, idx)
 );
+-- Steps waiting on a command, for the engine's bulk look at their commands every poll interval.
+CREATE INDEX workflow_steps_waiting ON workflow_steps (workflow_id)
+    WHERE state = 'running' AND command_id IS NOT NULL;
 
 -- The reconciler work queue: one entry per key, the earliest not_before wins.
 -- seq changes on every wake-up so a pass never overwrites a wake that came during it.
@@ -93,6 +113,8 @@ CREATE TABLE shard_leases (
     epoch      bigint NOT NULL DEFAULT 0,
     expires_at timestamptz NOT NULL DEFAULT 'epoch'
 );
+-- A fixed number of shards (bc_engine.queue.SHARDS); every engine process must agree on it.
+INSERT INTO shard_leases (shard) SELECT generate_series(0, 63);
 
 -- Engine processes that are alive, so each knows how many shards are its fair share.
 CREATE TABLE members (

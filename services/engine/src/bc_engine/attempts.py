@@ -1,0 +1,87 @@
+"""What an earlier attempt of a step, or an aborted workflow, left behind: tokens and secrets it
+minted are revoked, its key is fenced in every service it used, and its commands are cancelled,
+before a new attempt starts (or once the abort is recorded)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from better_compute.core.errors import BcError, ServiceUnavailableError
+from better_compute.core.keys import workflow_command_prefix
+from better_compute.provision import step_command_key
+
+from . import store
+from .runners import QUEUE_RETRY_S
+from .store import StepRow, WorkflowRow
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["SUPERSEDED_POLL_S", "cleanup_aborted", "supersede"]
+
+SUPERSEDED_POLL_S = 2.0  # a previous attempt's command still runs: look again this soon
+
+
+async def cleanup_aborted(engine: Engine, wf: WorkflowRow) -> float | None:
+    """After an abort: revoke what the cancelled attempt minted, fence it, and cancel the
+    workflow's live commands on every node it sent to (retried until the services answer)."""
+    if not wf.cancel_commands:
+        return None
+    row = await engine.db.fetchrow(store.CANCELLED_STEP, wf.id)
+    sent = await engine.db.fetchval(store.ANY_SENT, wf.id)
+    try:
+        if row is not None and row["attempt"] > 0:
+            await _revoke_attempt(engine, wf, store.step_row(row), reason="its workflow was aborted")
+        if sent:
+            await engine.cmdq.cancel_under(
+                key_prefix=workflow_command_prefix(wf.id), workflow_id=wf.id, reason="workflow aborted"
+            )
+    except BcError as err:
+        engine.log.warning("abort_cleanup_deferred", workflow_id=wf.id, code=err.code.value)
+        return time.time() + QUEUE_RETRY_S
+    await engine.db.execute(store.CLEANED_UP, wf.id)
+    return None
+
+
+async def _revoke_attempt(engine: Engine, wf: WorkflowRow, step: StepRow, *, reason: str) -> list[str]:
+    """Revoke what attempt ``step.attempt`` minted and fence its key in every service it
+    used; returns the commands of it that may still run at their agents."""
+    coords: dict[str, Any] = {"workflow_id": wf.id, "step": step.idx, "attempt": step.attempt}
+    minted = set(step.minted or ())
+    if "pki" in minted:
+        await engine.pki.revoke_attempt(**coords, reason=reason)
+    if "secrets" in minted:
+        await engine.secrets.revoke_attempt(**coords, reason=reason)
+    if not step.sent_commands:
+        return []
+    reply = await engine.cmdq.cancel_under(
+        key_prefix=step_command_key(step), workflow_id=wf.id, fence=True, reason=reason
+    )
+    return reply.running
+
+
+async def supersede(engine: Engine, wf: WorkflowRow, step: StepRow) -> float | None:
+    """Before attempt N+1 of a step: attempt N's tokens and secrets revoked, its commands
+    cancelled on every node and fenced, and none of them still running at an agent.
+    Returns when to look again, or None once attempt N+1 may start."""
+    try:
+        running = await _revoke_attempt(engine, wf, step, reason="superseded by a later attempt")
+    except BcError as err:
+        service = err.service if isinstance(err, ServiceUnavailableError) else None
+        engine.log.warning(
+            "supersede_deferred", workflow_id=wf.id, step=step.idx, code=err.code.value,
+            service=service,
+        )  # fmt: skip
+        await engine.waiting(
+            wf, step, {"reason": "service-unavailable", "service": service, "code": err.code.value}
+        )
+        return time.time() + QUEUE_RETRY_S
+    if not running:
+        return None
+    # A claimed command cannot be recalled: attempt N+1 waits until it ends at its agent
+    # (its result, even a late one, or the agent's loss); its event wakes us sooner.
+    await engine.waiting(
+        wf, step, {"reason": "previous-attempt-running", "attempt": step.attempt, "commands": running}
+    )
+    return time.time() + SUPERSEDED_POLL_S

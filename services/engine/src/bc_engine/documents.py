@@ -1,0 +1,128 @@
+"""What enters and leaves ``bc.api.engine.*`` besides the request Structs: the bounds of free
+fields (labels, profile documents), checked before anything is parsed or stored, and the reply
+documents of nodes and workflows."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire.codec import encode
+
+from . import messages as m
+
+__all__ = ["check_document", "check_labels", "node_doc", "workflow_doc"]
+
+_LABEL_KEY_RE: Final = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$")
+_CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _too_big(path: str, message: str) -> BcError:
+    return BcError(ErrorCode.INVALID_INPUT, message, {"path": path})
+
+
+def check_labels(labels: Mapping[str, str], path: str = "labels") -> None:
+    """Refuse labels beyond their bounds, naming the label (``labels.rack``).
+
+    At most ``MAX_LABELS``; keys of letters, digits and ``._/-`` (starting and ending with a
+    letter or digit, at most ``MAX_LABEL_KEY``); values of at most ``MAX_LABEL_VALUE``
+    characters without control characters.
+    """
+    if len(labels) > m.MAX_LABELS:
+        raise _too_big(path, f"a node has at most {m.MAX_LABELS} labels, got {len(labels)}")
+    for key, value in labels.items():
+        if not _LABEL_KEY_RE.match(key):
+            raise _too_big(
+                path,
+                f"label key {key[:80]!r} is not 1 to {m.MAX_LABEL_KEY} letters, digits and ._/-"
+                " (starting and ending with a letter or digit)",
+            )
+        if len(value) > m.MAX_LABEL_VALUE or _CONTROL_RE.search(value):
+            raise _too_big(
+                f"{path}.{key}",
+                f"label {key} must be at most {m.MAX_LABEL_VALUE} characters without control"
+                f" characters (got {len(value)})",
+            )
+
+
+def check_document(document: Mapping[str, Any], path: str = "document") -> None:
+    """Refuse a profile document beyond ``MAX_DOCUMENT_BYTES``, or a step whose ``with``
+    is beyond ``MAX_STEP_INPUT_BYTES`` (as JSON), before it is parsed or stored."""
+    size = len(encode(document))
+    if size > m.MAX_DOCUMENT_BYTES:
+        raise _too_big(path, f"a profile document is at most {m.MAX_DOCUMENT_BYTES} bytes, got {size}")
+    steps = document.get("steps")
+    if not isinstance(steps, list):
+        return
+    for i, step in enumerate(steps):
+        if isinstance(step, Mapping) and step.get("with") is not None:
+            size = len(encode(step["with"]))
+            if size > m.MAX_STEP_INPUT_BYTES:
+                raise _too_big(
+                    f"{path}.steps[{i}].with",
+                    f"a step's with is at most {m.MAX_STEP_INPUT_BYTES} bytes, got {size}",
+                )
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def node_doc(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "tenantId": row["tenant_id"],
+        "siteId": row["site_id"],
+        "labels": _json(row["labels"]),
+        "generation": row["generation"],
+        "observedGeneration": row["observed_generation"],
+        "createdAt": _iso(row["created_at"]),
+    }
+
+
+def workflow_doc(row: Any, steps: list[Any] | None = None) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "id": row["id"],
+        "tenantId": row["tenant_id"],
+        "nodeId": row["node_id"],
+        "profile": {
+            "tenantId": row["profile_tenant"],
+            "id": row["profile_id"],
+            "version": row["profile_version"],
+        },
+        "state": row["state"],
+        "owner": row["owner"],
+        "commandKinds": list(row["command_kinds"]),
+        "batchId": row["batch_id"],
+        "error": _json(row["error"]),
+        "createdAt": _iso(row["created_at"]),
+        "finishedAt": _iso(row["finished_at"]),
+    }
+    if steps is not None:
+        doc["steps"] = [
+            {
+                "index": s["idx"],
+                "action": s["action"],
+                "runsOn": s["runs_on"],
+                "mode": s["mode"],
+                "command": s["command"],
+                "state": s["state"],
+                "attempt": s["attempt"],
+                "startedAt": _iso(s["started_at"]),
+                "deadline": _iso(s["deadline"]),
+                "finishedAt": _iso(s["finished_at"]),
+                "result": _json(s["result"]),
+                "error": _json(s["error"]),
+                "commandId": s["command_id"],
+                "waitingFor": _json(s.get("waiting_for")) if s["state"] in ("pending", "running") else None,
+            }
+            for s in steps
+        ]
+    return doc

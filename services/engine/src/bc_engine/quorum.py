@@ -1,0 +1,79 @@
+"""The destructive batch of a workflow under the quorum.
+
+When the command-queue has approvers configured, a workflow that can send destructive commands
+gets its batch before it sends anything: scope = its destructive kinds and its node, found by the
+workflow's key, so creating it again after a crash finds the same batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from better_compute.app import App
+from better_compute.cmdq_client import CommandQueueClient
+from better_compute.core.errors import BcError
+from better_compute.core.keys import workflow_command_prefix
+
+from . import store
+from .runners import QUEUE_RETRY_S
+from .store import WorkflowRow
+
+__all__ = ["BATCH_TTL_S", "QUORUM_CACHE_S", "QuorumBatches"]
+
+BATCH_TTL_S = 24 * 3600  # how long approvers have for a workflow's destructive batch
+QUORUM_CACHE_S = 60.0  # whether approvers are configured is asked at most this often
+
+
+class QuorumBatches:
+    def __init__(
+        self,
+        *,
+        app: App,
+        db: Any,
+        cmdq: CommandQueueClient,
+        publish: Callable[[str, str, Any], Awaitable[None]],
+        log: Any,
+    ) -> None:
+        self.app = app
+        self.db = db
+        self.cmdq = cmdq
+        self.publish = publish
+        self.log = log
+        self._enabled: tuple[bool, float] | None = None
+
+    async def enabled(self) -> bool:
+        """Whether the command-queue has approvers configured (asked at most once a minute)."""
+        now = time.time()
+        if self._enabled is None or now - self._enabled[1] > QUORUM_CACHE_S:
+            self._enabled = ((await self.cmdq.quorum()).enabled, now)
+        return self._enabled[0]
+
+    async def ensure(self, wf: WorkflowRow) -> float | None:
+        """Give ``wf`` its batch if it needs one; returns when to try again, or None (done, or
+        not needed). Sets ``wf.batch_id``."""
+        if wf.batch_id is not None or wf.state != "running":
+            return None
+        kinds = [k for k in wf.command_kinds if (kind := self.app.command_kinds.get(k)) and kind.destructive]
+        if not kinds:
+            return None
+        try:
+            if not await self.enabled():
+                return None
+            batch = await self.cmdq.create_batch(
+                tenant_id=wf.tenant_id,
+                kinds=kinds,
+                nodes=[wf.node_id] if wf.node_id else [],
+                ttl_seconds=BATCH_TTL_S,
+                workflow_id=wf.id,
+                idempotency_key=workflow_command_prefix(wf.id),
+                note=f"workflow {wf.id} ({wf.profile_id}@{wf.profile_version})",
+            )
+        except BcError as err:
+            self.log.warning("batch_create_failed", workflow_id=wf.id, code=err.code.value)
+            return time.time() + QUEUE_RETRY_S
+        await self.db.execute(store.SET_BATCH, wf.id, batch.id)
+        wf.batch_id = batch.id
+        await self.publish("workflow", wf.id, {"workflowId": wf.id, "batchId": batch.id, "at": time.time()})
+        return None

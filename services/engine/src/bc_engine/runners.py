@@ -1,0 +1,238 @@
+"""Running one attempt of one step: a control-plane step in this process, an agent step as a
+command through the command-queue.
+
+Each runner returns an outcome for the reconciler pass to settle: ``Ok`` (the result), ``Fail``
+(the error) or ``Wait`` (look again at that time: a command still runs, a step is not ready, one of
+our services is away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from better_compute.core.errors import BcError, ErrorCode, ServiceUnavailableError
+from better_compute.provision import StepNotReady, step_command_key
+from better_compute.service.faults import Backoff, describe, is_transient
+from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
+
+from . import store
+from .context import EngineSql, RunContext, StepCommands, StepWorkflows
+from .store import StepRow, WorkflowRow
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = [
+    "QUEUE_RETRY_S",
+    "Fail",
+    "Ok",
+    "Outcome",
+    "Wait",
+    "run_agent_step",
+    "run_control_plane",
+    "timed_out",
+]
+
+QUEUE_RETRY_S = 2.0  # the command-queue did not answer: try again this soon
+SERVICE_WAIT_FIRST_S = 0.25  # backoff while one of our services is away: the first wait …
+SERVICE_WAIT_CAP_S = 5.0  # … doubling up to this (jittered: faults.Backoff)
+
+
+@dataclass(frozen=True)
+class Ok:
+    result: Any
+
+
+@dataclass(frozen=True)
+class Fail:
+    error: BcError
+
+
+@dataclass(frozen=True)
+class Wait:
+    at: float
+
+
+Outcome = Ok | Fail | Wait
+
+
+def timed_out(step: StepRow) -> BcError:
+    """The step's deadline passed; ``details.waitingFor`` says what it waited for, if anything."""
+    details: dict[str, Any] = {"path": f"steps[{step.idx}]"}
+    if step.waiting_for:
+        details["waitingFor"] = step.waiting_for
+    return BcError(
+        ErrorCode.TIMEOUT, f"step {step.action} did not finish within {step.timeout_ms} ms", details
+    )
+
+
+def _agent_result(raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {"base64": base64.b64encode(raw).decode()}
+
+
+def _input(step: StepRow) -> Any:
+    return json.loads(step.input) if isinstance(step.input, str) else step.input
+
+
+async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
+    definition = engine.app.steps.get(step.action)
+    if definition is None or definition.run is None:
+        return Fail(
+            BcError(
+                ErrorCode.INVALID_CONFIG,
+                f"step {step.action} is not registered with this engine any more",
+                {"path": f"steps[{step.idx}].use"},
+            )
+        )
+    idempotency_key = step_command_key(step)
+    log = engine.log.bind(workflow_id=wf.id, step=step.idx, action=step.action, attempt=step.attempt)
+    node = await engine.node(wf)
+    children = StepWorkflows(engine.start_in, tenant_id=wf.tenant_id)
+    wf_id, idx, attempt = wf.id, step.idx, step.attempt
+
+    async def minting_tokens() -> bytes:
+        return await engine.mark_minted(wf_id, idx, attempt, "pki")
+
+    async def storing_secrets() -> None:
+        await engine.mark_minted(wf_id, idx, attempt, "secrets")
+
+    ctx = RunContext(
+        workflow_id=wf.id,
+        step=step.idx,
+        attempt=step.attempt,
+        idempotency_key=idempotency_key,
+        batch_id=wf.batch_id,
+        node=node,
+        sql=EngineSql(engine.db.pool),
+        pki=engine.pki.for_step(idempotency_key, node_id=wf.node_id, before_mint=minting_tokens),
+        secrets=engine.secrets.for_step(
+            tenant_id=wf.tenant_id, workflow_id=wf_id, step=idx, attempt=attempt, before_put=storing_secrets
+        ),
+        workflows=children,
+        commands=StepCommands(engine, workflow=wf, step=step),
+        log=log,
+        tenant_id=wf.tenant_id,
+        profile=await engine.profile(wf),
+        provision=engine.app.provision,
+    )
+    try:
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                result = await definition.run(_input(step), ctx)
+        finally:
+            if engine.wake is not None:
+                for rkey in children.started:
+                    await engine.wake(rkey)
+    except StepNotReady as nr:
+        if step.waiting_for:
+            await engine.waiting(wf, step, None)  # it got past what it waited for
+        return Wait(time.time() + nr.retry_after_ms / 1000)
+    except ServiceUnavailableError as err:
+        # One of our own services is away (not the step's verdict): run the step again
+        # later, with backoff, until it answers or the step's deadline passes.
+        return await _service_wait(engine, wf, step, err)
+    except TimeoutError:
+        return Fail(timed_out(step))
+    except BcError as err:
+        return Fail(err)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if is_transient(exc):
+            # the database or the bus went away under the step: run it again soon
+            log.warning("step_interrupted", error=describe(exc))
+            return Wait(time.time() + QUEUE_RETRY_S)
+        log.exception("step_raised")
+        return Fail(
+            BcError(
+                ErrorCode.INTERNAL,
+                f"step {step.action} raised {type(exc).__name__}; see the engine log",
+                {"path": f"steps[{step.idx}]"},
+            )
+        )
+    try:
+        msgspec.json.encode(result)
+    except (TypeError, msgspec.EncodeError):
+        return Fail(
+            BcError(
+                ErrorCode.INTERNAL,
+                f"step {step.action} returned a value that is not JSON",
+                {"path": f"steps[{step.idx}]"},
+            )
+        )
+    log.debug("step_ran")
+    return Ok(result)
+
+
+async def _service_wait(engine: Engine, wf: WorkflowRow, step: StepRow, err: ServiceUnavailableError) -> Wait:
+    before = step.waiting_for or {}
+    same = before.get("reason") == "service-unavailable" and before.get("service") == err.service
+    tries = int(before.get("tries", 0)) + 1 if same else 1
+    what = {"reason": "service-unavailable", "service": err.service, "code": err.code.value,
+            "message": err.message, "tries": tries}  # fmt: skip
+    await engine.waiting(wf, step, what)
+    # the count of tries lives in the step row (waitingFor), so any engine process backs off alike
+    backoff = Backoff(first=SERVICE_WAIT_FIRST_S, cap=SERVICE_WAIT_CAP_S)
+    backoff.failures = tries - 1
+    return Wait(time.time() + backoff.next())
+
+
+async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
+    node = await engine.node(wf)
+    if node is None:
+        return Fail(BcError(ErrorCode.NOT_FOUND, f"node {wf.node_id} is gone", {"path": "nodeId"}))
+    kind = engine.app.command_kinds.get(step.command) if step.command else None
+    cmd = EnqueueCommand(
+        node_id=node.id,
+        site_id=node.site_id,
+        kind=step.command or "",
+        payload=_input(step),
+        key=step_command_key(step),
+        target="node" if step.runs_on == "node" else "site",
+        workflow_id=wf.id,
+        step=step.idx,
+        batch_id=wf.batch_id if kind is not None and kind.destructive else None,
+        timeout_ms=max(1000, int((deadline - time.time()) * 1000)),
+        tenant_id=wf.tenant_id,
+    )
+    if not step.sent_commands:
+        try:
+            await engine.mark_sent(wf.id, step.idx, step.attempt)
+        except BcError as err:
+            return Fail(err)  # superseded: the settle finds nothing and the pass reloads
+        step.sent_commands = True
+    try:
+        view = await engine.cmdq_enqueue(cmd)
+    except BcError as err:
+        if err.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INTERNAL):
+            engine.log.warning("command_queue_unavailable", code=err.code.value)
+            return Wait(time.time() + QUEUE_RETRY_S)
+        return Fail(err)
+    if step.command_id != view.id:
+        await engine.db.execute(store.SET_COMMAND, wf.id, step.idx, view.id)
+    if view.state in LIVE_STATES:
+        # The command's settle event wakes this key at once; the safety net is the bulk
+        # look at every waiting command every AGENT_POLL_S (EngineService._command_watch),
+        # so a waiting workflow costs no pass of its own until its deadline.
+        return Wait(deadline)
+    if view.state == "succeeded":
+        return Ok({"commandId": view.id, "result": _agent_result(view.result), "attested": view.attested})
+    return Fail(
+        BcError(
+            ErrorCode.DRIVER_ERROR,
+            f"command {view.kind} {view.state}" + (f": {view.reason}" if view.reason else ""),
+            {"state": view.state, "reason": view.reason, "commandId": view.id},
+        )
+    )

@@ -1,0 +1,392 @@
+"""The engine's schema as the code sees it: every SQL statement of the service, and the typed rows
+the reconciler reads.
+
+Each statement is written out once, here, with ``$n`` parameters, and never assembled at run time.
+The fence (``this life still holds the key's shard under the epoch it started with``) is spelled
+out in each statement that needs it so that it commits in the same statement as the write.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+__all__ = ["NodeRow", "StepRow", "WorkflowRow", "step_row", "workflow_row"]
+
+
+class WorkflowRow(msgspec.Struct, kw_only=True):
+    """A row of ``workflows``; the reconciler updates ``state`` and ``batch_id`` as it goes."""
+
+    id: str
+    tenant_id: str
+    node_id: str | None
+    rkey: str
+    profile_tenant: str
+    profile_id: str
+    profile_version: int
+    state: str
+    owner: str | None
+    command_kinds: list[str]
+    batch_id: str | None
+    cancel_commands: bool
+    error: Any = None
+
+
+class StepRow(msgspec.Struct, kw_only=True):
+    """A row of ``workflow_steps``; JSON columns come decoded."""
+
+    workflow_id: str
+    idx: int
+    action: str
+    runs_on: str
+    mode: str
+    command: str | None
+    input: Any
+    timeout_ms: int
+    state: str
+    attempt: int
+    started_at: datetime | None
+    deadline: datetime | None
+    finished_at: datetime | None
+    result: Any = None
+    error: Any = None
+    command_id: str | None = None
+    sends: list[str] = []
+    sent_commands: bool = False
+    minted: list[str] = []
+    waiting_for: Any = None
+
+    @property
+    def step(self) -> int:
+        """The step's index, so a row stands for its attempt's coordinates (``step_command_key``)."""
+        return self.idx
+
+
+class NodeRow(msgspec.Struct, kw_only=True):
+    id: str
+    tenant_id: str
+    site_id: str
+    labels: dict[str, str]
+
+
+def workflow_row(record: Any) -> WorkflowRow:
+    """A fetched ``workflows`` row (extra columns are ignored)."""
+    return msgspec.convert(dict(record), WorkflowRow)
+
+
+def step_row(record: Any) -> StepRow:
+    """A fetched ``workflow_steps`` row, or one that came back as JSON (``row_to_json``)."""
+    return msgspec.convert(record if isinstance(record, dict) else dict(record), StepRow)
+
+
+def node_row(record: Any) -> NodeRow:
+    return msgspec.convert(dict(record), NodeRow)
+
+
+# -- the reconciler pass (engine.py) --------------------------------------------------------
+
+# The workflows a pass over a key looks at, with the key's work-queue seq: one round trip.
+PASS_WORKFLOWS = (
+    "SELECT (SELECT seq FROM work_queue WHERE rkey = $1) AS queue_seq, * FROM workflows"
+    " WHERE rkey = $1 AND (state = 'running' OR cancel_commands) ORDER BY created_at"
+)
+WORKFLOW = "SELECT * FROM workflows WHERE id = $1"
+SET_BATCH = "UPDATE workflows SET batch_id = $2, updated_at = now() WHERE id = $1 AND batch_id IS NULL"
+# $1-$3: shard, owner, epoch.
+HOLDS_SHARD = (
+    "SELECT EXISTS (SELECT 1 FROM shard_leases WHERE shard = $1 AND owner = $2 AND epoch = $3"
+    " AND expires_at > now())"
+)
+# The usual case, the first step to start, in one statement; only if no earlier attempt of it sent
+# commands or minted tokens or secrets (those are dealt with first). $2-$4 the fence.
+START_FIRST = """
+UPDATE workflow_steps SET state = 'running', attempt = attempt + 1, started_at = clock_timestamp(),
+    deadline = clock_timestamp() + make_interval(secs => timeout_ms / 1000.0), finished_at = NULL,
+    sent_commands = false, minted = ARRAY[]::text[], waiting_for = NULL, result = NULL, error = NULL,
+    command_id = NULL
+WHERE workflow_id = $1 AND state = 'pending'
+  AND (attempt = 0 OR NOT (sent_commands OR cardinality(minted) > 0))
+  AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1 AND state <> 'succeeded')
+  AND EXISTS (SELECT 1 FROM shard_leases WHERE shard = $2 AND owner = $3 AND epoch = $4
+              AND expires_at > now())
+RETURNING *
+"""
+NEXT_STEP = (
+    "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND state <> 'succeeded' ORDER BY idx LIMIT 1"
+)
+# A new attempt starts only if what the previous one sent or minted is what the pass saw (and
+# dealt with): an engine that lost its shard may still run the previous attempt meanwhile.
+# $1 workflow, $2 idx, $3 attempt seen, $4 sent_commands seen, $5 minted seen, $6-$8 the fence.
+MARK_RUNNING = """
+UPDATE workflow_steps SET state = 'running', attempt = attempt + 1, started_at = clock_timestamp(),
+    deadline = clock_timestamp() + make_interval(secs => timeout_ms / 1000.0), finished_at = NULL,
+    sent_commands = false, minted = ARRAY[]::text[], waiting_for = NULL, result = NULL, error = NULL,
+    command_id = NULL
+WHERE workflow_id = $1 AND idx = $2 AND state = 'pending' AND attempt = $3
+  AND sent_commands = $4 AND minted = $5::text[]
+  AND EXISTS (SELECT 1 FROM shard_leases WHERE shard = $6 AND owner = $7 AND epoch = $8
+              AND expires_at > now())
+RETURNING *
+"""
+# Settle a success, start the next step, or finish the workflow (and queue its owner): one
+# statement, so one round trip and one commit per step. $1 workflow, $2 idx, $3 attempt,
+# $4 result, $5-$7 fence, $8 owner's work-queue key (or NULL), $9 its shard.
+SETTLE_OK = """
+WITH settled AS (
+    UPDATE workflow_steps SET state = 'succeeded', result = $4, finished_at = clock_timestamp(),
+        waiting_for = NULL
+    WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3
+      AND EXISTS (SELECT 1 FROM shard_leases WHERE shard = $5 AND owner = $6 AND epoch = $7
+                  AND expires_at > now())
+    RETURNING idx
+), following AS (
+    SELECT min(idx) AS idx FROM workflow_steps WHERE workflow_id = $1 AND idx > $2 AND state <> 'succeeded'
+), started AS (
+    UPDATE workflow_steps SET state = 'running', attempt = attempt + 1, started_at = clock_timestamp(),
+        deadline = clock_timestamp() + make_interval(secs => timeout_ms / 1000.0), finished_at = NULL,
+        sent_commands = false, minted = ARRAY[]::text[], waiting_for = NULL, result = NULL,
+        error = NULL, command_id = NULL
+    WHERE workflow_id = $1 AND state = 'pending'
+      AND (attempt = 0 OR NOT (sent_commands OR cardinality(minted) > 0))
+      AND idx = (SELECT idx FROM following) AND EXISTS (SELECT 1 FROM settled)
+    RETURNING *
+), finished AS (
+    UPDATE workflows SET state = 'succeeded', finished_at = now(), updated_at = now()
+    WHERE id = $1 AND state = 'running' AND EXISTS (SELECT 1 FROM settled)
+      AND (SELECT idx FROM following) IS NULL
+    RETURNING owner
+), owner_queued AS (
+    INSERT INTO work_queue (rkey, shard, not_before)
+    SELECT $8, $9, now() FROM finished WHERE $8::text IS NOT NULL
+    ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM settled) AS settled,
+       EXISTS (SELECT 1 FROM finished) AS finished,
+       (SELECT row_to_json(started) FROM started) AS next,
+       (SELECT count(*) FROM owner_queued) AS owner_queued
+"""
+# $1 workflow, $2 idx, $3 attempt, $4 error, $5-$7 the fence.
+SETTLE_FAILED = """
+UPDATE workflow_steps SET state = 'failed', result = NULL, error = $4, finished_at = clock_timestamp(),
+    waiting_for = NULL
+WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3
+  AND EXISTS (SELECT 1 FROM shard_leases WHERE shard = $5 AND owner = $6 AND epoch = $7
+              AND expires_at > now())
+RETURNING true
+"""
+FINISH_WORKFLOW = (
+    "UPDATE workflows SET state = $2, error = $3, finished_at = now(), updated_at = now()"
+    " WHERE id = $1 AND state = 'running' RETURNING true"
+)
+# Both record what an attempt did, and only for that attempt (a superseded one learns so).
+MARK_SENT = (
+    "UPDATE workflow_steps SET sent_commands = true"
+    " WHERE workflow_id = $1 AND idx = $2 AND attempt = $3 RETURNING true"
+)
+MARK_MINTED = (
+    "UPDATE workflow_steps SET minted = CASE WHEN $4 = ANY (minted) THEN minted ELSE minted || $4 END,"
+    " mint_secret = COALESCE(mint_secret, $5)"
+    " WHERE workflow_id = $1 AND idx = $2 AND attempt = $3 RETURNING mint_secret"
+)
+SET_WAITING = (
+    "UPDATE workflow_steps SET waiting_for = $4 WHERE workflow_id = $1 AND idx = $2 AND attempt = $3"
+)
+SET_COMMAND = "UPDATE workflow_steps SET command_id = $3 WHERE workflow_id = $1 AND idx = $2"
+# After an abort: the step it cancelled, and whether any attempt sent commands.
+CANCELLED_STEP = (
+    "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND state = 'cancelled' ORDER BY idx LIMIT 1"
+)
+ANY_SENT = "SELECT bool_or(sent_commands) FROM workflow_steps WHERE workflow_id = $1"
+CLEANED_UP = "UPDATE workflows SET cancel_commands = false WHERE id = $1"
+STORED_PROFILE = "SELECT document FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
+NODE = "SELECT * FROM nodes WHERE id = $1"
+NODE_SITE = "SELECT site_id FROM nodes WHERE id = $1"
+# ctx.from_step: later steps read earlier results from the store, never from memory.
+LATEST_RESULT = (
+    "SELECT result FROM workflow_steps WHERE workflow_id = $1 AND action = $2"
+    " AND state = 'succeeded' ORDER BY idx DESC LIMIT 1"
+)
+
+# -- the service (service.py) ----------------------------------------------------------------
+
+WORKFLOW_RKEY = "SELECT rkey FROM workflows WHERE id = $1"
+# The work-queue poll of this process's shards. $1 shards, $2 how far ahead (seconds).
+DUE_KEYS = (
+    "SELECT rkey, extract(epoch FROM not_before) AS at FROM work_queue"
+    " WHERE shard = ANY($1::int[]) AND not_before <= now() + make_interval(secs => $2)"
+)
+# The command watch: every command a running step of a workflow in these shards waits on.
+WAITING_COMMANDS = (
+    "SELECT s.command_id, w.rkey FROM workflows w JOIN workflow_steps s ON s.workflow_id = w.id"
+    " WHERE w.state = 'running' AND w.shard = ANY($1::int[])"
+    " AND s.state = 'running' AND s.command_id IS NOT NULL"
+)
+
+# -- the work queue (queue.py) ---------------------------------------------------------------
+
+QUEUE_NOW = (
+    "INSERT INTO work_queue (rkey, shard, not_before) VALUES ($1, $2, now())"
+    " ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')"
+)
+QUEUE_SEQ = "SELECT seq FROM work_queue WHERE rkey = $1"
+QUEUE_NEW_AT = (
+    "INSERT INTO work_queue (rkey, shard, not_before) VALUES ($1, $2, to_timestamp($3))"
+    " ON CONFLICT (rkey) DO NOTHING"
+)
+QUEUE_MOVE = "UPDATE work_queue SET not_before = to_timestamp($2) WHERE rkey = $1 AND seq = $3"
+QUEUE_DONE = "DELETE FROM work_queue WHERE rkey = $1 AND seq = $2"
+
+# -- shard leases (shards.py) ----------------------------------------------------------------
+# An earlier (or later) life of our name: same "<instance>#" prefix, an incarnation of the same
+# length, ordered by the incarnation's leading start time. $1 us, $2 "<instance>#".
+
+MEMBER = (
+    "INSERT INTO members (instance, expires_at) VALUES ($1, now() + make_interval(secs => $2))"
+    " ON CONFLICT (instance) DO UPDATE SET expires_at = EXCLUDED.expires_at"
+)
+LATER_LIFE = (
+    "SELECT true FROM members WHERE starts_with(instance, $2) AND length(instance) = length($1)"
+    " AND instance > $1 AND expires_at > now()"
+)
+FORGET_EARLIER = (
+    "DELETE FROM members WHERE starts_with(instance, $2) AND length(instance) = length($1) AND instance < $1"
+)
+ADOPT = (
+    "UPDATE shard_leases SET owner = $1, epoch = epoch + 1, expires_at = now() + make_interval(secs => $3)"
+    " WHERE starts_with(owner, $2) AND length(owner) = length($1) AND owner < $1 RETURNING shard, epoch"
+)
+LIVE_MEMBERS = "SELECT count(*) FROM members WHERE expires_at > now()"
+RENEW = (
+    "UPDATE shard_leases SET expires_at = now() + make_interval(secs => $2)"
+    " WHERE owner = $1 AND expires_at > now() RETURNING shard, epoch"
+)
+TAKE = (
+    "UPDATE shard_leases SET owner = $1, epoch = epoch + 1, expires_at = now() + make_interval(secs => $3)"
+    " WHERE shard IN (SELECT shard FROM shard_leases WHERE owner IS NULL OR expires_at <= now()"
+    "   ORDER BY shard LIMIT $2 FOR UPDATE SKIP LOCKED)"
+    " RETURNING shard, epoch"
+)
+GIVE_BACK = (
+    "UPDATE shard_leases SET owner = NULL, expires_at = now() WHERE owner = $1 AND shard = ANY($2::int[])"
+)
+RELEASE_ALL = "UPDATE shard_leases SET owner = NULL, expires_at = now() WHERE owner = $1"
+LEAVE = "DELETE FROM members WHERE instance = $1"
+
+# -- nodes and workflows (api.py) --------------------------------------------------------------
+
+CREATE_NODE = (
+    "INSERT INTO nodes (id, tenant_id, site_id, labels) VALUES ($1, $2, $3, $4)"
+    " ON CONFLICT (id) DO NOTHING RETURNING *"
+)
+# By id, optionally of one site or tenant. $3 the last id of the page before.
+LIST_NODES = (
+    "SELECT * FROM nodes WHERE ($1::text IS NULL OR site_id = $1)"
+    " AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR id > $3)"
+    " ORDER BY id LIMIT $4"
+)
+LOCK_NODE = "SELECT id FROM nodes WHERE id = $1 FOR UPDATE"
+# The workflow running on a node, other than $2 (NULL: any).
+NODE_BUSY = "SELECT id FROM workflows WHERE node_id = $1 AND state = 'running' AND id IS DISTINCT FROM $2"
+# A workflow, its steps and its work-queue entry in one statement. $18 the key's shard.
+START_WORKFLOW = """
+WITH wf AS (
+    INSERT INTO workflows (id, tenant_id, node_id, rkey, shard, profile_tenant, profile_id,
+                           profile_version, state, owner, command_kinds)
+    VALUES ($1, $2, $3, $4, $18, $5, $6, $7, 'running', $8, $9)
+    RETURNING *
+), steps AS (
+    INSERT INTO workflow_steps (workflow_id, idx, action, runs_on, mode, command, input, timeout_ms,
+                                state, sends)
+    SELECT $1, s.idx, s.action, s.runs_on, s.mode, s.command, s.input, s.timeout_ms, 'pending',
+           ARRAY(SELECT jsonb_array_elements_text(s.sends))
+    FROM unnest($10::int[], $11::text[], $12::text[], $13::text[], $14::text[], $15::jsonb[],
+                $16::bigint[], $17::jsonb[])
+         AS s(idx, action, runs_on, mode, command, input, timeout_ms, sends)
+    RETURNING 1
+), queued AS (
+    INSERT INTO work_queue (rkey, shard, not_before) VALUES ($4, $18, now())
+    ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')
+    RETURNING 1
+)
+SELECT wf.*, (SELECT count(*) FROM steps) AS step_count FROM wf
+"""
+# Sizes first, rows second: 512 steps with big results never sit in memory at once.
+STEP_SIZES = (
+    "SELECT idx, 512 + coalesce(octet_length(result::text), 0) + coalesce(octet_length(error::text), 0)"
+    " AS size FROM workflow_steps WHERE workflow_id = $1 AND idx > $2 ORDER BY idx"
+)
+STEPS_BETWEEN = "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND idx BETWEEN $2 AND $3 ORDER BY idx"
+# Newest first; $5 the last id of the page before.
+LIST_WORKFLOWS = (
+    "SELECT * FROM workflows WHERE ($1::text IS NULL OR node_id = $1)"
+    " AND ($2::text IS NULL OR state = $2) AND ($3::text IS NULL OR profile_id = $3)"
+    " AND ($4::text IS NULL OR tenant_id = $4) AND ($5::text IS NULL OR id < $5)"
+    " ORDER BY id DESC LIMIT $6"
+)
+LOCK_WORKFLOW = "SELECT * FROM workflows WHERE id = $1 FOR UPDATE"
+# An abort has commands to cancel, or tokens and secrets the cancelled attempt minted to revoke.
+ABORT_LEAVES_WORK = (
+    "SELECT bool_or(sent_commands OR (state IN ('pending', 'running') AND cardinality(minted) > 0))"
+    " FROM workflow_steps WHERE workflow_id = $1"
+)
+ABORT_STEP = (
+    "UPDATE workflow_steps SET state = 'cancelled', finished_at = now(), error = $2"
+    " WHERE workflow_id = $1 AND state IN ('pending', 'running')"
+    " AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1"
+    "   AND state IN ('pending', 'running'))"
+)
+ABORT_WORKFLOW = (
+    "UPDATE workflows SET state = 'aborted', finished_at = now(), updated_at = now(),"
+    " cancel_commands = $2, error = $3 WHERE id = $1"
+)
+# Retry and resume: the step that stopped the workflow goes back to pending.
+REOPEN_STEP = (
+    "UPDATE workflow_steps SET state = 'pending', finished_at = NULL"
+    " WHERE workflow_id = $1 AND idx = (SELECT min(idx) FROM workflow_steps"
+    "   WHERE workflow_id = $1 AND state = ANY($2::text[]))"
+)
+REOPEN_WORKFLOW = (
+    "UPDATE workflows SET state = 'running', finished_at = NULL, error = NULL,"
+    " cancel_commands = false, updated_at = now() WHERE id = $1"
+)
+
+# -- stored profiles (profiles.py) -------------------------------------------------------------
+
+LOCK_PROFILE = (
+    "SELECT first_used_at FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3 FOR UPDATE"
+)
+REPLACE_PROFILE = (
+    "UPDATE profiles SET document = $4, public = $5, created_at = now()"
+    " WHERE tenant_id = $1 AND id = $2 AND version = $3"
+)
+INSERT_PROFILE = "INSERT INTO profiles (tenant_id, id, version, document, public) VALUES ($1, $2, $3, $4, $5)"
+# A lookup: the tenant's own, then a public one of another tenant; the latest, or version $3.
+OWN_PROFILE_LATEST = (
+    "SELECT * FROM profiles WHERE tenant_id = $1 AND id = $2 ORDER BY version DESC, tenant_id LIMIT 1"
+)
+OWN_PROFILE_VERSION = (
+    "SELECT * FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3 ORDER BY tenant_id LIMIT 1"
+)
+PUBLIC_PROFILE_LATEST = (
+    "SELECT * FROM profiles WHERE public AND tenant_id <> $1 AND id = $2"
+    " ORDER BY version DESC, tenant_id LIMIT 1"
+)
+PUBLIC_PROFILE_VERSION = (
+    "SELECT * FROM profiles WHERE public AND tenant_id <> $1 AND id = $2 AND version = $3"
+    " ORDER BY tenant_id LIMIT 1"
+)
+PIN_PROFILE = (
+    "UPDATE profiles SET first_used_at = now() WHERE tenant_id = $1 AND id = $2 AND version = $3"
+    " AND first_used_at IS NULL RETURNING *"
+)
+PROFILE = "SELECT * FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
+# Text compares bytewise (COLLATE "C"), as Python does: the shipped profiles are merged in.
+LIST_PROFILES = (
+    "SELECT * FROM profiles WHERE (tenant_id = $1 OR public)"
+    ' AND ($2::text IS NULL OR (id COLLATE "C", version, tenant_id COLLATE "C") > ($2, $3::int, $4::text))'
+    ' ORDER BY id COLLATE "C", version, tenant_id COLLATE "C" LIMIT $5'
+)
+DELETE_PROFILE = "DELETE FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
