@@ -1,0 +1,147 @@
+"""The command handlers of the site agent: BMC commands through a driver, boot entries.
+
+A BMC command carries ``bmc`` (driver, address, credentialsRef, …). The credential is fetched
+for that one command through the secrets fetch gate (bc-secrets answers only while the command
+is live and carries the reference), parsed, handed to the driver, and dropped when the call
+returns: never logged (registered with the log redactor at once), never written anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from better_compute.agent import Command, CommandHandler
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.logging import get_logger, register_secret
+from better_compute.pki_client import AgentIdentity
+from better_compute.secrets_client import SecretsClient
+
+from .drivers import BmcCredentials, BmcTarget, Driver, make_driver
+from .netboot import BootEntries
+
+__all__ = ["SiteHandlers"]
+
+_WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+
+
+class SiteHandlers:
+    """Handlers by command kind, plus what ``/healthz`` reports about them."""
+
+    def __init__(self, *, secrets: SecretsClient, identity: AgentIdentity, entries: BootEntries) -> None:
+        self.secrets = secrets
+        self.identity = identity
+        self.entries = entries
+        self.log = get_logger(component="handlers")
+        self.last_error: str | None = None
+        self.commands_run = 0
+
+    def handlers(self) -> dict[str, CommandHandler]:
+        return {
+            "power.setPower": self._bmc(self._power),
+            "management.setBootDevice": self._bmc(self._boot),
+            "media.insert": self._bmc(self._insert),
+            "media.eject": self._bmc(self._eject),
+            "management.inventory": self._bmc(self._inventory),
+            "netboot.setEntry": self._set_entry,
+            "netboot.clearEntry": self._clear_entry,
+        }
+
+    # -- credentials -------------------------------------------------------------------
+
+    async def _credentials(self, target: BmcTarget, deadline: float) -> BmcCredentials | None:
+        if target.credentials_ref is None:
+            return None
+        delay = 0.2
+        while True:
+            try:
+                raw = await self.secrets.fetch(target.credentials_ref, identity=self.identity)
+                break
+            except BcError as err:
+                if err.code not in _WAIT_FOR or time.time() + delay >= deadline:
+                    raise BcError(
+                        err.code,
+                        f"cannot fetch the BMC credentials: {err.message}",
+                        {"path": "bmc.credentialsRef", "reason": err.reason or "secrets-fetch"},
+                    ) from None
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, 3.0)
+        try:
+            doc = msgspec.json.decode(raw)
+            username, password = doc["username"], doc["password"]
+            if not isinstance(username, str) or not isinstance(password, str):
+                raise TypeError
+        except (msgspec.DecodeError, KeyError, TypeError):
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                'the BMC credential is not JSON {"username": ..., "password": ...}',
+                {"path": "bmc.credentialsRef"},
+            ) from None
+        finally:
+            del raw
+        register_secret(password)
+        return BmcCredentials(username=username, password=password)
+
+    def _bmc(
+        self, op: Callable[[Driver, Command], Awaitable[dict[str, Any]]]
+    ) -> Callable[[Command], Awaitable[dict[str, Any]]]:
+        async def handle(cmd: Command) -> dict[str, Any]:
+            self.commands_run += 1
+            try:
+                payload = cmd.payload if isinstance(cmd.payload, dict) else {}
+                target = BmcTarget.from_payload(payload.get("bmc"))
+                credentials = await self._credentials(target, cmd.not_after)
+                driver = make_driver(target, credentials)
+                del credentials
+                try:
+                    result = await op(driver, cmd)
+                finally:
+                    await driver.close()
+                    del driver
+                return {"driver": target.driver, **result}
+            except BcError as err:
+                self.last_error = f"{cmd.kind}: {err.code.value}: {err.message}"[:300]
+                raise
+
+        return handle
+
+    # -- BMC operations ----------------------------------------------------------------
+
+    async def _power(self, driver: Driver, cmd: Command) -> dict[str, Any]:
+        return await driver.set_power(str(cmd.payload["action"]), deadline=cmd.not_after)
+
+    async def _boot(self, driver: Driver, cmd: Command) -> dict[str, Any]:
+        p = cmd.payload
+        return await driver.set_boot_device(
+            str(p["device"]),
+            persistent=bool(p.get("persistent", False)),
+            mode=p.get("mode"),
+            deadline=cmd.not_after,
+        )
+
+    async def _insert(self, driver: Driver, cmd: Command) -> dict[str, Any]:
+        p = cmd.payload
+        return await driver.media_insert(
+            str(p["url"]), device=str(p.get("device", "cd")), deadline=cmd.not_after
+        )
+
+    async def _eject(self, driver: Driver, cmd: Command) -> dict[str, Any]:
+        return await driver.media_eject(device=str(cmd.payload.get("device", "cd")), deadline=cmd.not_after)
+
+    async def _inventory(self, driver: Driver, cmd: Command) -> dict[str, Any]:
+        return await driver.inventory(deadline=cmd.not_after)
+
+    # -- boot entries ------------------------------------------------------------------
+
+    async def _set_entry(self, cmd: Command) -> dict[str, Any]:
+        entry = self.entries.set(cmd.payload, command_id=cmd.id)
+        return {"mac": entry.mac, "oneTime": entry.one_time}
+
+    async def _clear_entry(self, cmd: Command) -> dict[str, Any]:
+        removed = self.entries.clear(str(cmd.payload.get("mac", "")))
+        return {"removed": removed}
