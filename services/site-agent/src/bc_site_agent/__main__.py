@@ -31,6 +31,7 @@ from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 
 from . import __version__
+from .cache import SiteCache
 from .config import SiteAgentConfig, load_config
 from .drivers import DRIVERS
 from .handlers import SiteHandlers
@@ -118,7 +119,15 @@ async def run(config: SiteAgentConfig) -> None:
         if enrollment is None:
             return
         entries = BootEntries(config.netboot_dir)
-        site = SiteHandlers(secrets=SecretsClient(api), identity=enrollment.identity, entries=entries)
+        cache = SiteCache(config.cache_dir, max_bytes=config.cache_max_bytes)
+        public_url = config.public_url or f"http://{config.http_host}:{config.http_port}"
+        site = SiteHandlers(
+            secrets=SecretsClient(api),
+            identity=enrollment.identity,
+            entries=entries,
+            cache=cache,
+            public_url=public_url,
+        )
         agent = Agent(
             enrollment=enrollment,
             handlers=site.handlers(),
@@ -140,12 +149,13 @@ async def run(config: SiteAgentConfig) -> None:
                 "ready": agent.ready.is_set(),
                 "bootLease": agent.boot_lease,
                 "bootEntries": entries.count(),
+                "cache": cache.stats(),
                 "commandsRun": site.commands_run,
                 "lastError": site.last_error,
                 "uptimeSeconds": round(time.time() - started, 1),
             }
 
-        runner = web.AppRunner(make_app(config, entries, health), access_log=None)
+        runner = web.AppRunner(make_app(config, entries, cache, health), access_log=None)
         await runner.setup()
         http_site = web.TCPSite(runner, config.http_host, config.http_port)
         await http_site.start()
@@ -160,6 +170,7 @@ async def run(config: SiteAgentConfig) -> None:
                 stop_task.cancel()
         finally:
             await runner.cleanup()
+            cache.close()
         log.info("site_agent_stopped")
     finally:
         if not nc.is_closed:

@@ -22,6 +22,7 @@ from better_compute.logging import get_logger, register_secret
 from better_compute.pki_client import AgentIdentity
 from better_compute.secrets_client import SecretsClient
 
+from .cache import SiteCache
 from .drivers import BmcCredentials, BmcTarget, Driver, make_driver
 from .netboot import BootEntries
 
@@ -33,10 +34,20 @@ _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 class SiteHandlers:
     """Handlers by command kind, plus what ``/healthz`` reports about them."""
 
-    def __init__(self, *, secrets: SecretsClient, identity: AgentIdentity, entries: BootEntries) -> None:
+    def __init__(
+        self,
+        *,
+        secrets: SecretsClient,
+        identity: AgentIdentity,
+        entries: BootEntries,
+        cache: SiteCache,
+        public_url: str,
+    ) -> None:
         self.secrets = secrets
         self.identity = identity
         self.entries = entries
+        self.cache = cache
+        self.public_url = public_url.rstrip("/")
         self.log = get_logger(component="handlers")
         self.last_error: str | None = None
         self.commands_run = 0
@@ -124,11 +135,18 @@ class SiteHandlers:
             deadline=cmd.not_after,
         )
 
+    async def _cached(self, url: str, sha256: str | None) -> str:
+        """The site cache's URL for the object (filled from ``url`` once), or ``url``."""
+        if not sha256:
+            return url
+        await self.cache.ensure(sha256, url, pin=True)
+        return f"{self.public_url}/cache/{sha256}"
+
     async def _insert(self, driver: Driver, cmd: Command) -> dict[str, Any]:
         p = cmd.payload
-        return await driver.media_insert(
-            str(p["url"]), device=str(p.get("device", "cd")), deadline=cmd.not_after
-        )
+        device = str(p.get("device", "cd"))
+        url = await self._cached(str(p["url"]), p.get("sha256"))
+        return await driver.media_insert(url, device=device, deadline=cmd.not_after)
 
     async def _eject(self, driver: Driver, cmd: Command) -> dict[str, Any]:
         return await driver.media_eject(device=str(cmd.payload.get("device", "cd")), deadline=cmd.not_after)
@@ -139,8 +157,12 @@ class SiteHandlers:
     # -- boot entries ------------------------------------------------------------------
 
     async def _set_entry(self, cmd: Command) -> dict[str, Any]:
-        entry = self.entries.set(cmd.payload, command_id=cmd.id)
-        return {"mac": entry.mac, "oneTime": entry.one_time}
+        payload = dict(cmd.payload)
+        for key in ("kernel", "initrd"):
+            if payload.get(key):
+                payload[key] = await self._cached(str(payload[key]), payload.get(f"{key}Sha256"))
+        entry = self.entries.set(payload, command_id=cmd.id)
+        return {"mac": entry.mac, "oneTime": entry.one_time, "kernel": entry.kernel, "initrd": entry.initrd}
 
     async def _clear_entry(self, cmd: Command) -> dict[str, Any]:
         removed = self.entries.clear(str(cmd.payload.get("mac", "")))

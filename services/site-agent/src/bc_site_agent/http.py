@@ -10,6 +10,7 @@ from aiohttp import web
 from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
 
+from .cache import SiteCache
 from .config import SiteAgentConfig
 from .netboot import (
     LOCAL_BOOT_SCRIPT,
@@ -28,10 +29,19 @@ _IPXE = "text/plain"
 def make_app(
     config: SiteAgentConfig,
     entries: BootEntries,
+    cache: SiteCache,
     health: Callable[[], dict[str, Any]],
-    extra_routes: list[web.RouteDef] | None = None,
 ) -> web.Application:
     log = get_logger(component="http")
+
+    async def cached(request: web.Request) -> web.StreamResponse:
+        sha = request.match_info["sha256"]
+        path = await cache.open_for_serving(sha)
+        if path is None:
+            return web.Response(status=404, text="not in the site cache\n")
+        log.info("cache_served", sha256=sha, range=request.headers.get("Range"))
+        # FileResponse answers Range requests (206) and HEAD
+        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
     async def healthz(_request: web.Request) -> web.Response:
         doc = health()
@@ -64,7 +74,7 @@ def make_app(
             web.get("/healthz", healthz),
             web.get("/boot.ipxe", boot_ipxe),
             web.get("/boot/mac/{mac}", boot_mac),
-            *(extra_routes or []),
+            web.get("/cache/{sha256}", cached),
         ]
     )
     return app

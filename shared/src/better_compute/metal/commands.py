@@ -69,6 +69,9 @@ NETBOOT_SET_ENTRY: Final = CommandKind(
             "mac": _MAC,
             "kernel": _URL.optional(),
             "initrd": _URL.optional(),
+            # With these, the machine gets them from the site cache (filled once from the URL).
+            "kernelSha256": _SHA256.optional(),
+            "initrdSha256": _SHA256.optional(),
             "cmdline": field.string(max_length=4096).default(""),
             "script": field.string(max_length=65536).optional(),
             "oneTime": field.bool().default(True),
@@ -139,7 +142,15 @@ MEDIA_INSERT: Final = CommandKind(
     name="media.insert",
     destructive=False,
     description="Inserts a virtual medium (an ISO or disk image URL) through the BMC",
-    payload=manifest({"url": _URL, "device": _MEDIA_DEVICE, "bmc": BMC.optional()}),
+    payload=manifest(
+        {
+            "url": _URL,
+            "device": _MEDIA_DEVICE,
+            "bmc": BMC.optional(),
+            # With it, the site agent fills its cache from url and hands the BMC its own copy.
+            "sha256": _SHA256.optional(),
+        }
+    ),
 )
 
 MEDIA_EJECT: Final = CommandKind(
