@@ -153,3 +153,36 @@ async def test_an_object_changed_on_disk_is_not_served(source: Source, tmp_path:
         assert await again.open_for_serving(sha(a)) is not None
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("discovery", [True, False])
+async def test_an_unknown_mac_gets_discovery_only_when_the_site_has_it_on(
+    tmp_path: Path, discovery: bool
+) -> None:
+    port = free_port()
+    cfg = tmp_path / "site-agent.toml"
+    cfg.write_text(
+        f'site_id = "s"\nnats_url = "nats://127.0.0.1:1"\nstate_dir = "{tmp_path}/state"\n'
+        f'http_listen = "127.0.0.1:{port}"\n[netboot]\ndiscovery = {str(discovery).lower()}\n'
+        'discovery_kernel = "http://10.0.2.2:1/cache/discovery-kernel"\ndiscovery_cmdline = "bc.discover=1"\n'
+    )
+    config = load_config(cfg)
+    cache = SiteCache(config.cache_dir, max_bytes=1000)
+    runner = web.AppRunner(make_app(config, BootEntries(config.netboot_dir), cache, lambda: {"status": "ok"}))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/boot/mac/52-54-00-00-00-99") as resp:
+                script = await resp.text()
+            async with http.get(f"http://127.0.0.1:{port}/boot/mac/not-a-mac") as resp:
+                assert resp.status == 400
+    finally:
+        await runner.cleanup()
+        cache.close()
+    assert script.startswith("#!ipxe")
+    if discovery:
+        assert "kernel http://10.0.2.2:1/cache/discovery-kernel bc.discover=1" in script
+    else:
+        assert "kernel" not in script
+        assert script.rstrip().endswith("exit")

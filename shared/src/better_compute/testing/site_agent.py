@@ -22,6 +22,8 @@ class SiteAgentProcess:
     site_id: str
     discovery: bool = False
     extra_config: str = ""
+    public_url: str | None = None
+    """How machines reach the agent's HTTP (``http://10.0.2.2:<port>`` from a QEMU guest)."""
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
@@ -55,7 +57,9 @@ class SiteAgentProcess:
             f'state_dir = "{self.state_dir}"\n'
             f'join_token_file = "{self.token_file}"\n'
             f'http_listen = "127.0.0.1:{self.port}"\n'
-            f"[netboot]\ndiscovery = {'true' if self.discovery else 'false'}\n" + self.extra_config
+            + (f'public_url = "{self.public_url}"\n' if self.public_url else "")
+            + f"[netboot]\ndiscovery = {'true' if self.discovery else 'false'}\n"
+            + self.extra_config
         )
 
     def start(self) -> None:
