@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -37,8 +40,19 @@ from .drivers import DRIVERS
 from .handlers import SiteHandlers
 from .http import make_app
 from .netboot import BootEntries
+from .relay import HttpRelay
 
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+
+
+def _control_plane(config: SiteAgentConfig) -> list[str]:
+    """Addresses never relayed to: the configured ones and the NATS server's."""
+    addresses = list(config.control_plane_addresses)
+    host = urlsplit(config.nats_url.split(",")[0]).hostname
+    if host:
+        with contextlib.suppress(OSError):
+            addresses += [str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    return list(dict.fromkeys(a.split("%")[0] for a in addresses))
 
 
 async def _backoff(attempt: int) -> None:
@@ -127,6 +141,7 @@ async def run(config: SiteAgentConfig) -> None:
             entries=entries,
             cache=cache,
             public_url=public_url,
+            relay=HttpRelay(control_plane=_control_plane(config)),
         )
         agent = Agent(
             enrollment=enrollment,

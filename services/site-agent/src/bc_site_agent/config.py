@@ -14,6 +14,8 @@
     dir = "/var/cache/bc-site-agent"        # default: <state_dir>/cache
     max_bytes = 50_000_000_000
 
+    control_plane_addresses = ["10.0.0.2"]  # never relayed to (nor the NATS server's address)
+
     [netboot]
     discovery = false                       # unknown MACs: discovery ramdisk, else local boot
     discovery_kernel = "http://…/vmlinuz"
@@ -25,6 +27,7 @@ Every problem is ``INVALID_CONFIG`` with ``details.path`` naming the key.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -55,6 +58,7 @@ class SiteAgentConfig:
     discovery_kernel: str | None
     discovery_initrd: str | None
     discovery_cmdline: str
+    control_plane_addresses: tuple[str, ...] = ()
 
     @property
     def enrollment_file(self) -> Path:
@@ -120,6 +124,14 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
     discovery = netboot.get("discovery", False)
     if not isinstance(discovery, bool):
         raise _bad("netboot.discovery", "expected true or false")
+    control_plane = doc.get("control_plane_addresses", [])
+    if not isinstance(control_plane, list) or not all(isinstance(a, str) for a in control_plane):
+        raise _bad("control_plane_addresses", "expected a list of IP addresses")
+    for i, address in enumerate(control_plane):
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise _bad(f"control_plane_addresses[{i}]", "expected an IP address") from None
     return SiteAgentConfig(
         site_id=site_id,
         nats_url=nats_url,
@@ -135,4 +147,5 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
         discovery_kernel=_str(netboot, "discovery_kernel", "netboot.discovery_kernel"),
         discovery_initrd=_str(netboot, "discovery_initrd", "netboot.discovery_initrd"),
         discovery_cmdline=_str(netboot, "discovery_cmdline", "netboot.discovery_cmdline", "") or "",
+        control_plane_addresses=tuple(control_plane),
     )

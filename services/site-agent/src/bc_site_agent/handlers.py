@@ -25,6 +25,7 @@ from better_compute.secrets_client import SecretsClient
 from .cache import SiteCache
 from .drivers import BmcCredentials, BmcTarget, Driver, make_driver
 from .netboot import BootEntries
+from .relay import HttpRelay
 
 __all__ = ["SiteHandlers"]
 
@@ -42,7 +43,9 @@ class SiteHandlers:
         entries: BootEntries,
         cache: SiteCache,
         public_url: str,
+        relay: HttpRelay,
     ) -> None:
+        self.relay = relay
         self.secrets = secrets
         self.identity = identity
         self.entries = entries
@@ -61,6 +64,7 @@ class SiteHandlers:
             "management.inventory": self._bmc(self._inventory),
             "netboot.setEntry": self._set_entry,
             "netboot.clearEntry": self._clear_entry,
+            "site.httpProxy": self._http_proxy,
         }
 
     # -- credentials -------------------------------------------------------------------
@@ -167,3 +171,8 @@ class SiteHandlers:
     async def _clear_entry(self, cmd: Command) -> dict[str, Any]:
         removed = self.entries.clear(str(cmd.payload.get("mac", "")))
         return {"removed": removed}
+
+    # -- relayed HTTP ------------------------------------------------------------------
+
+    async def _http_proxy(self, cmd: Command) -> dict[str, Any]:
+        return await self.relay.request(dict(cmd.payload), deadline=cmd.not_after)

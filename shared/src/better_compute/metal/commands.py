@@ -111,6 +111,11 @@ SITE_HTTP_PROXY: Final = CommandKind(
             "headers": field.map(field.string(max_length=8192)).default({}),
             "body": field.string().optional(),
             "poll": field.bool().default(False),
+            # The node's recorded addresses (the site agent relays only to these); the control
+            # plane fills them from the node record. And TLS verification off, for machines
+            # whose API has a self-signed certificate.
+            "nodeAddresses": field.list(field.string(min_length=1, max_length=255), max_items=64).optional(),
+            "insecure": field.bool().default(False),
         }
     ),
 )
