@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(run(config))
     except BcError as err:
         print(f"bc-site-agent: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
+        # 2: a bad config file or state folder, which a restart cannot fix (deploy/systemd)
+        raise SystemExit(2 if err.code is ErrorCode.INVALID_CONFIG else 1) from None
     except KeyboardInterrupt:
         pass
 

@@ -9,6 +9,7 @@ returns: never logged (registered with the log redactor at once), never written 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -16,9 +17,10 @@ from typing import Any
 
 import msgspec
 
-from better_compute.agent import Command, CommandHandler
+from better_compute.agent import Command, CommandHandler, CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger, register_secret
+from better_compute.metal.commands import COMMAND_KINDS
 from better_compute.pki_client import AgentIdentity
 from better_compute.secrets_client import SecretsClient
 
@@ -56,6 +58,12 @@ class SiteHandlers:
         self.commands_run = 0
 
     def handlers(self) -> dict[str, CommandHandler]:
+        ops = self._operations()
+        return {**ops, "driver.invoke": self._driver_invoke, "site.httpProxy": self._http_proxy}
+
+    def _operations(self) -> dict[str, CommandHandler]:
+        """The driver operations, by ``<concern>.<operation>``: each a command kind of its own,
+        and also what ``driver.invoke`` runs (a profile step's ``use`` on a site agent)."""
         return {
             "power.setPower": self._bmc(self._power),
             "management.setBootDevice": self._bmc(self._boot),
@@ -64,8 +72,21 @@ class SiteHandlers:
             "management.inventory": self._bmc(self._inventory),
             "netboot.setEntry": self._set_entry,
             "netboot.clearEntry": self._clear_entry,
-            "site.httpProxy": self._http_proxy,
         }
+
+    async def _driver_invoke(self, cmd: Command) -> Any:
+        payload = cmd.payload if isinstance(cmd.payload, dict) else {}
+        operation = str(payload.get("operation", ""))
+        handler = self._operations().get(operation)
+        if handler is None:
+            raise CommandRejected(f"unsupported-operation: this site agent has no {operation or '?'}")
+        kind = COMMAND_KINDS.get(operation)
+        raw = payload.get("input") or {}
+        try:
+            value = kind.payload.validate(raw) if kind is not None else raw
+        except BcError as err:
+            raise err.with_path_prefix("input") from None
+        return await handler(dataclasses.replace(cmd, kind=operation, payload=value))
 
     # -- credentials -------------------------------------------------------------------
 

@@ -80,8 +80,11 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes] | None, output: object, t
 class RedfishEmulator(_Proc):
     """``sushy-emulator --fake`` on 127.0.0.1 with one system and Basic auth."""
 
-    def __init__(self, folder: Path, *, username: str = "admin", password: str = "s3cret-bmc-pw") -> None:
+    def __init__(
+        self, folder: Path, *, username: str = "admin", password: str = "s3cret-bmc-pw", auth: bool = True
+    ) -> None:
         super().__init__(folder)
+        self.auth = auth
         self.username = username
         self.password = password
         self.port = free_port()
@@ -111,7 +114,7 @@ class RedfishEmulator(_Proc):
                 SUSHY_EMULATOR_FAKE_DRIVER = True
                 SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}
                 SUSHY_EMULATOR_STATE_DIR = {str(self.folder / "state")!r}
-                SUSHY_EMULATOR_AUTH_FILE = {str(htpasswd)!r}
+                SUSHY_EMULATOR_AUTH_FILE = {str(htpasswd) if self.auth else None!r}
                 EXTERNAL_NOTIFICATION_URL = "http://127.0.0.1:9"
                 """
             )

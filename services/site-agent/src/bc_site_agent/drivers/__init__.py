@@ -15,12 +15,13 @@ def make_driver(target: BmcTarget, credentials: BmcCredentials | None) -> Driver
         from .sim import SimDriver
 
         return SimDriver(target, credentials)
-    if credentials is None:
-        raise driver_error(f"{target.driver} login", "the command carries no bmc.credentialsRef")
     if target.driver == "redfish":
         from .redfish import RedfishDriver
 
-        return RedfishDriver(target, credentials)
+        # A BMC without authentication (a lab's emulator) needs no credentialsRef.
+        return RedfishDriver(target, credentials or BmcCredentials(username="", password=""))
+    if credentials is None:
+        raise driver_error(f"{target.driver} login", "the command carries no bmc.credentialsRef")
     from .ipmi import IpmiDriver
 
     return IpmiDriver(target, credentials)
