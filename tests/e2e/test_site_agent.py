@@ -195,6 +195,23 @@ async def test_the_site_agent_drives_a_redfish_bmc_and_keeps_its_secrets(site: S
     assert failed.reason.startswith("DRIVER_ERROR")
     assert "401" in failed.reason
 
+    # site.httpProxy to the cloud metadata address: refused, even when recorded as the node's.
+    proxied = await site.cq.enqueue(
+        EnqueueCommand(
+            node_id=site.node,
+            site_id=SITE,
+            kind="site.httpProxy",
+            key=f"wf:{site.wf}:99#1:proxy",
+            workflow_id=site.wf,
+            step=99,
+            payload={"url": "http://169.254.169.254/latest/meta-data/", "nodeAddresses": ["169.254.169.254"]},
+        )
+    )
+    refused = await site.settled(proxied.id)
+    assert refused.state == "rejected"
+    assert refused.reason is not None
+    assert "ssrf-refused" in refused.reason
+
     # SIGTERM: a clean stop; a restart does not need the join token again.
     site.agent.signal(signal.SIGTERM)
     assert site.agent.proc is not None

@@ -93,3 +93,10 @@ def test_boot_entries_refuse_line_breaks_in_the_command_line(tmp_path: Path) -> 
     with pytest.raises(BcError) as exc:
         entries.set({"mac": "52:54:00:aa:bb:01", "kernel": "http://h/k", "cmdline": "a\nshell"})
     assert exc.value.path == "cmdline"
+
+
+def test_the_deploy_example_config_loads() -> None:
+    example = Path(__file__).parents[2] / "deploy" / "site-agent.example.toml"
+    config = load_config(example, env={})
+    assert config.site_id == "eu1"
+    assert config.control_plane_addresses == ("10.20.0.2",)
