@@ -137,6 +137,7 @@ async def test_a_bcx_workflow_power_cycles_pxe_boots_and_reads_inventory(
     assert f"{lab.agent.url}/cache/{sha}" in inserts[0]  # the BMC was handed the site cache's copy
     health = await asyncio.to_thread(_get_json, f"{lab.agent.url}/healthz")
     assert health["cache"]["objects"] == 1
+    assert health["cache"]["pinned"] == 0  # ejected: the image may be evicted again
     code, out, err = await bcx(bc_settings, "workflows", "get", last["workflowId"], "--json")
     assert code == 0, err
     steps = json.loads(out)["steps"]

@@ -126,7 +126,7 @@ async def test_lru_eviction_spares_pinned_and_recent_objects(
 ) -> None:
     cache, _url = served
     a, b, c = source.blobs["a"], source.blobs["b"], source.blobs["c"]
-    await cache.ensure(sha(a), source.url("a"), pin=True)
+    await cache.ensure(sha(a), source.url("a"), holder="netboot:52:54:00:aa:bb:01:kernel")
     await cache.ensure(sha(b), source.url("b"))
     await cache.ensure(sha(c), source.url("c"))  # 3500 > 3000: b (unpinned, least recent) goes
     assert cache.has(sha(a))
@@ -137,6 +137,11 @@ async def test_lru_eviction_spares_pinned_and_recent_objects(
     with pytest.raises(BcError) as exc:  # only c may go, and that is not enough
         await cache.ensure(sha(source.blobs["d"]), source.url("d"))
     assert exc.value.details["reason"] == "cache-full"
+    assert cache.stats()["pinned"] == 1
+    cache.release("netboot:52:54:00:aa:bb:01:", prefix=True)  # the entry was consumed
+    await cache.ensure(sha(source.blobs["d"]), source.url("d"))  # now a may go too
+    assert not cache.has(sha(a))
+    assert cache.used_bytes() <= 3000
 
 
 async def test_an_object_changed_on_disk_is_not_served(source: Source, tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
 """The site cache: content-addressed by sha256, filled once from a source URL, verified before
-it is served, bounded in size with LRU eviction of unpinned entries.
+it is served, bounded in size with LRU eviction of unpinned entries. An object is pinned while
+something holds it: a boot entry (until it is consumed or cleared), a BMC's virtual medium
+(until it is ejected); ``ensure(..., holder=…)`` takes a hold, ``release`` lets go.
 
 Objects live in ``<dir>/objects/<sha256>``; what is known about them (size, source, last use)
 in ``<dir>/index.db`` (SQLite). A fill streams the source into a temporary file while hashing
@@ -46,8 +48,9 @@ class SiteCache:
         self._db = sqlite3.connect(folder / "index.db", isolation_level=None, check_same_thread=False)
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS objects (sha256 TEXT PRIMARY KEY, size INTEGER NOT NULL,"
-            " source TEXT NOT NULL, last_used REAL NOT NULL, pinned INTEGER NOT NULL DEFAULT 0)"
+            " source TEXT NOT NULL, last_used REAL NOT NULL)"
         )
+        self._db.execute("CREATE TABLE IF NOT EXISTS holds (holder TEXT PRIMARY KEY, sha256 TEXT NOT NULL)")
         self._fills: dict[str, asyncio.Task[Path]] = {}
         self._verified: set[str] = set()
         self._serving: dict[str, int] = {}
@@ -74,24 +77,40 @@ class SiteCache:
 
     def stats(self) -> dict[str, Any]:
         count = self._db.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
-        return {"usedBytes": self.used_bytes(), "maxBytes": self.max_bytes, "objects": int(count)}
+        pinned = self._db.execute("SELECT COUNT(DISTINCT sha256) FROM holds").fetchone()[0]
+        return {
+            "usedBytes": self.used_bytes(),
+            "maxBytes": self.max_bytes,
+            "objects": int(count),
+            "pinned": int(pinned),
+        }
 
     def has(self, sha256: str) -> bool:
         row = self._db.execute("SELECT 1 FROM objects WHERE sha256 = ?", (sha256,)).fetchone()
         return row is not None
 
-    def pin(self, sha256: str, pinned: bool = True) -> None:
-        self._db.execute("UPDATE objects SET pinned = ? WHERE sha256 = ?", (int(pinned), sha256))
+    def hold(self, holder: str, sha256: str) -> None:
+        """``holder`` (one boot entry's kernel, one BMC's CD drive) now pins ``sha256`` (and no
+        longer what it held before)."""
+        self._db.execute("INSERT OR REPLACE INTO holds (holder, sha256) VALUES (?, ?)", (holder, sha256))
+
+    def release(self, holder: str, *, prefix: bool = False) -> None:
+        """``holder`` (or every holder starting with it) pins nothing any more."""
+        if prefix:
+            escaped = holder.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            self._db.execute("DELETE FROM holds WHERE holder LIKE ? ESCAPE '\\'", (escaped + "%",))
+        else:
+            self._db.execute("DELETE FROM holds WHERE holder = ?", (holder,))
 
     # -- filling ---------------------------------------------------------------------------
 
-    async def ensure(self, sha256: str, source: str, *, pin: bool = False) -> Path:
+    async def ensure(self, sha256: str, source: str, *, holder: str | None = None) -> Path:
         """The object's file, downloaded from ``source`` first when it is not here yet."""
         _check_sha(sha256)
         if self.has(sha256):
             self._touch(sha256)
-            if pin:
-                self.pin(sha256)
+            if holder is not None:
+                self.hold(holder, sha256)
             return self.objects / sha256
         task = self._fills.get(sha256)
         if task is None:
@@ -99,8 +118,8 @@ class SiteCache:
             self._fills[sha256] = task
             task.add_done_callback(lambda _t: self._fills.pop(sha256, None))
         path = await asyncio.shield(task)
-        if pin:
-            self.pin(sha256)
+        if holder is not None:
+            self.hold(holder, sha256)
         return path
 
     async def _fill(self, sha256: str, source: str) -> Path:
@@ -152,8 +171,7 @@ class SiteCache:
             target = self.objects / sha256
             tmp.replace(target)
             self._db.execute(
-                "INSERT OR REPLACE INTO objects (sha256, size, source, last_used, pinned)"
-                " VALUES (?, ?, ?, ?, 0)",
+                "INSERT OR REPLACE INTO objects (sha256, size, source, last_used) VALUES (?, ?, ?, ?)",
                 (sha256, size, source, time.time()),
             )
             self._verified.add(sha256)
@@ -165,7 +183,8 @@ class SiteCache:
         if used + size <= self.max_bytes:
             return
         rows = self._db.execute(
-            "SELECT sha256, size FROM objects WHERE pinned = 0 ORDER BY last_used ASC"
+            "SELECT sha256, size FROM objects WHERE sha256 NOT IN (SELECT sha256 FROM holds)"
+            " ORDER BY last_used ASC"
         ).fetchall()
         for sha, obj_size in rows:
             if used + size <= self.max_bytes:

@@ -26,7 +26,7 @@ from better_compute.secrets_client import SecretsClient
 
 from .cache import SiteCache
 from .drivers import BmcCredentials, BmcTarget, Driver, make_driver
-from .netboot import BootEntries
+from .netboot import BootEntries, normalize_mac
 from .relay import HttpRelay
 
 __all__ = ["SiteHandlers"]
@@ -160,21 +160,26 @@ class SiteHandlers:
             deadline=cmd.not_after,
         )
 
-    async def _cached(self, url: str, sha256: str | None) -> str:
-        """The site cache's URL for the object (filled from ``url`` once), or ``url``."""
+    async def _cached(self, url: str, sha256: str | None, holder: str) -> str:
+        """The site cache's URL for the object (filled from ``url`` once, held by ``holder``),
+        or ``url`` itself without a digest."""
         if not sha256:
+            self.cache.release(holder)
             return url
-        await self.cache.ensure(sha256, url, pin=True)
+        await self.cache.ensure(sha256, url, holder=holder)
         return f"{self.public_url}/cache/{sha256}"
 
     async def _insert(self, driver: Driver, cmd: Command) -> dict[str, Any]:
         p = cmd.payload
         device = str(p.get("device", "cd"))
-        url = await self._cached(str(p["url"]), p.get("sha256"))
+        url = await self._cached(str(p["url"]), p.get("sha256"), _media_holder(p, device))
         return await driver.media_insert(url, device=device, deadline=cmd.not_after)
 
     async def _eject(self, driver: Driver, cmd: Command) -> dict[str, Any]:
-        return await driver.media_eject(device=str(cmd.payload.get("device", "cd")), deadline=cmd.not_after)
+        device = str(cmd.payload.get("device", "cd"))
+        got = await driver.media_eject(device=device, deadline=cmd.not_after)
+        self.cache.release(_media_holder(cmd.payload, device))
+        return got
 
     async def _inventory(self, driver: Driver, cmd: Command) -> dict[str, Any]:
         return await driver.inventory(deadline=cmd.not_after)
@@ -183,17 +188,28 @@ class SiteHandlers:
 
     async def _set_entry(self, cmd: Command) -> dict[str, Any]:
         payload = dict(cmd.payload)
+        mac = normalize_mac(str(payload.get("mac", "")))
+        self.cache.release(f"netboot:{mac}:", prefix=True)
         for key in ("kernel", "initrd"):
             if payload.get(key):
-                payload[key] = await self._cached(str(payload[key]), payload.get(f"{key}Sha256"))
+                holder = f"netboot:{mac}:{key}"
+                payload[key] = await self._cached(str(payload[key]), payload.get(f"{key}Sha256"), holder)
         entry = self.entries.set(payload, command_id=cmd.id)
         return {"mac": entry.mac, "oneTime": entry.one_time, "kernel": entry.kernel, "initrd": entry.initrd}
 
     async def _clear_entry(self, cmd: Command) -> dict[str, Any]:
-        removed = self.entries.clear(str(cmd.payload.get("mac", "")))
+        mac = normalize_mac(str(cmd.payload.get("mac", "")))
+        removed = self.entries.clear(mac)
+        self.cache.release(f"netboot:{mac}:", prefix=True)
         return {"removed": removed}
 
     # -- relayed HTTP ------------------------------------------------------------------
 
     async def _http_proxy(self, cmd: Command) -> dict[str, Any]:
         return await self.relay.request(dict(cmd.payload), deadline=cmd.not_after)
+
+
+def _media_holder(payload: Any, device: str) -> str:
+    bmc = payload.get("bmc") if isinstance(payload, dict) else None
+    bmc = bmc if isinstance(bmc, dict) else {}
+    return f"media:{bmc.get('address', '')}:{bmc.get('systemId') or ''}:{device}"

@@ -56,6 +56,8 @@ def make_app(
         except BcError:
             return web.Response(status=400, text="#!ipxe\necho bad MAC\nexit\n", content_type=_IPXE)
         entry = entries.take(mac)
+        if entry is not None and entry.one_time:
+            cache.release(f"netboot:{mac}:", prefix=True)  # its kernel may go once it is served
         if entry is not None:
             log.info("netboot_entry_served", mac=mac, one_time=entry.one_time)
             return web.Response(text=entry_script(entry), content_type=_IPXE)
