@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import stat
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -153,6 +154,17 @@ def _get(url: str) -> bytes:
         return data
 
 
+def _health(url: str) -> dict[str, Any] | None:
+    try:
+        doc: dict[str, Any] = json.loads(_get(url + "/healthz"))
+    except urllib.error.HTTPError as err:  # 503 while not ready
+        err.close()
+        if err.code != 503:
+            raise
+        return None
+    return doc
+
+
 def ok(view: CommandView) -> dict[str, Any]:
     assert view.state == "succeeded", (view.state, view.reason)
     assert view.result is not None
@@ -164,7 +176,8 @@ async def test_the_site_agent_drives_a_redfish_bmc_and_keeps_its_secrets(site: S
     state = site.agent.state_dir
     assert stat.S_IMODE((state / "enrollment.json").stat().st_mode) == 0o600
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
-    health = json.loads(await asyncio.to_thread(_get, site.agent.url + "/healthz"))
+    # ready once the agent pulls its commands, a moment after the command-queue saw its hello
+    health = await until(lambda: asyncio.to_thread(_health, site.agent.url))
     assert health["status"] == "ok"
     assert health["agentId"] == site.agent_id
     assert "redfish" in health["drivers"]
@@ -194,6 +207,7 @@ async def test_the_site_agent_drives_a_redfish_bmc_and_keeps_its_secrets(site: S
     assert failed.reason is not None
     assert failed.reason.startswith("DRIVER_ERROR")
     assert "401" in failed.reason
+    assert "not-the-password-123" not in failed.reason
 
     # site.httpProxy to the cloud metadata address: refused, even when recorded as the node's.
     proxied = await site.cq.enqueue(
