@@ -10,6 +10,7 @@ import signal
 import stat
 import urllib.error
 import urllib.request
+from base64 import b64encode
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +88,6 @@ class Site:
         return result
 
     def bmc(self, path: str = f"/redfish/v1/Systems/{SYSTEM_UUID}") -> dict[str, Any]:
-        from base64 import b64encode
-
         req = urllib.request.Request(self.emulator.url + path)
         auth = b64encode(f"{self.emulator.username}:{self.emulator.password}".encode()).decode()
         req.add_header("Authorization", f"Basic {auth}")
@@ -235,8 +234,11 @@ async def test_the_site_agent_drives_a_redfish_bmc_and_keeps_its_secrets(site: S
     assert ok(await site.run("power.setPower", {"action": "off"}))["powerState"] == "Off"
 
     for secret in (real, "not-the-password-123"):
+        basic = b64encode(f"{site.emulator.username}:{secret}".encode())  # an Authorization header
         for file in site.agent.files():
-            assert secret.encode() not in file.read_bytes(), file
+            data = file.read_bytes()
+            assert secret.encode() not in data, file
+            assert basic not in data, file
 
 
 async def test_a_site_agent_killed_mid_command_never_runs_it_twice(site: Site) -> None:
