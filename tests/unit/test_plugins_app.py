@@ -143,6 +143,9 @@ def test_metal_registers_the_pages_command_kinds_with_their_destructive_flags() 
         "node.wipe": True,
         "node.imageWrite": True,
         "node.converge": False,
+        "management.inventory": False,
+        "netboot.setEntry": False,
+        "netboot.clearEntry": False,
     }
     assert metal().steps == ()
     assert metal().profiles == ()

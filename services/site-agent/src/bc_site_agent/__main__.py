@@ -1,2 +1,213 @@
-def main() -> None:
-    raise SystemExit("not built yet")
+"""``bc-site-agent --config site-agent.toml``: the agent an operator installs in each site.
+
+On the first start it joins through bc-pki with the ``site`` join token read from
+``join_token_file`` and keeps its key and certificate in ``state_dir/enrollment.json`` (0600);
+later starts reuse them (the token is not read again). It then runs the agent SDK (at-most-once
+journal in ``state_dir/journal.db``, signed events) with the BMC and boot-entry handlers, serves
+network boot, the site cache and ``/healthz`` over HTTP, and stops cleanly on SIGTERM.
+A NATS or bc-pki outage at start is waited out with a jittered backoff, never an exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from better_compute.agent import Agent, Enrollment, enroll, load_enrollment, save_enrollment
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.logging import configure_logging, get_logger, register_secret
+from better_compute.pki_client import PkiClient
+from better_compute.secrets_client import SecretsClient
+from better_compute.service.client import ApiClient, connect
+from better_compute.wire import Subjects
+
+from . import __version__
+from .cache import SiteCache
+from .config import SiteAgentConfig, load_config
+from .drivers import DRIVERS
+from .handlers import SiteHandlers
+from .http import make_app
+from .netboot import BootEntries
+from .relay import HttpRelay
+
+_WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+
+
+def _control_plane(config: SiteAgentConfig) -> list[str]:
+    """Addresses never relayed to: the configured ones and the NATS server's."""
+    addresses = list(config.control_plane_addresses)
+    host = urlsplit(config.nats_url.split(",")[0]).hostname
+    if host:
+        with contextlib.suppress(OSError):
+            addresses += [str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    return list(dict.fromkeys(a.split("%")[0] for a in addresses))
+
+
+async def _backoff(attempt: int) -> None:
+    await asyncio.sleep(random.uniform(0, min(5.0, 0.2 * 2**attempt)))
+
+
+async def _enrollment(config: SiteAgentConfig, api: ApiClient, stop: asyncio.Event) -> Enrollment | None:
+    log = get_logger(site_id=config.site_id)
+    enrollment = load_enrollment(config.enrollment_file)
+    if enrollment is None:
+        if config.join_token_file is None:
+            raise BcError(
+                ErrorCode.INVALID_CONFIG, "not joined yet: set join_token_file", {"path": "join_token_file"}
+            )
+        try:
+            token = config.join_token_file.read_text().strip()
+        except OSError as exc:
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                f"cannot read the join token file: {type(exc).__name__}",
+                {"path": "join_token_file"},
+            ) from exc
+        register_secret(token)
+        attempt = 0
+        while enrollment is None:
+            try:
+                enrollment = await enroll(PkiClient(api), token=token)
+            except BcError as err:
+                if err.code not in _WAIT_FOR:
+                    raise
+                log.info("join_waiting_for_pki", code=err.code.value)
+                if stop.is_set():
+                    return None
+                await _backoff(attempt)
+                attempt += 1
+        save_enrollment(config.enrollment_file, enrollment)
+        log.info("joined", agent_id=enrollment.agent_id)
+    if enrollment.site_id != config.site_id:
+        raise BcError(
+            ErrorCode.INVALID_CONFIG,
+            f"this state folder belongs to site {enrollment.site_id}",
+            {"path": "site_id"},
+        )
+    if enrollment.role != "site":
+        raise BcError(
+            ErrorCode.INVALID_CONFIG, "the join token was not a site token", {"path": "join_token_file"}
+        )
+    return enrollment
+
+
+async def _connect(config: SiteAgentConfig, stop: asyncio.Event) -> Any:
+    log = get_logger(site_id=config.site_id)
+    attempt = 0
+    while True:
+        try:
+            return await connect(config.nats_url, name=f"bc-site-agent:{config.site_id}")
+        except BcError as err:
+            if err.code not in _WAIT_FOR or stop.is_set():
+                raise
+            log.info("nats_waiting", code=err.code.value)
+            await _backoff(attempt)
+            attempt += 1
+
+
+async def run(config: SiteAgentConfig) -> None:
+    log = get_logger(site_id=config.site_id)
+    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(config.state_dir, 0o700)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    nc = await _connect(config, stop)
+    try:
+        subjects = Subjects(root=config.subject_root)
+        api = ApiClient(nc, subjects)
+        enrollment = await _enrollment(config, api, stop)
+        if enrollment is None:
+            return
+        entries = BootEntries(config.netboot_dir)
+        cache = SiteCache(config.cache_dir, max_bytes=config.cache_max_bytes)
+        public_url = config.public_url or f"http://{config.http_host}:{config.http_port}"
+        site = SiteHandlers(
+            secrets=SecretsClient(api),
+            identity=enrollment.identity,
+            entries=entries,
+            cache=cache,
+            public_url=public_url,
+            relay=HttpRelay(control_plane=_control_plane(config)),
+        )
+        agent = Agent(
+            enrollment=enrollment,
+            handlers=site.handlers(),
+            journal=config.journal_file,
+            nc=nc,
+            subjects=subjects,
+            version=__version__,
+        )
+        started = time.time()
+
+        def health() -> dict[str, Any]:
+            return {
+                "status": "ok" if agent.ready.is_set() and nc.is_connected else "degraded",
+                "siteId": config.site_id,
+                "agentId": enrollment.agent_id,
+                "version": __version__,
+                "drivers": list(DRIVERS),
+                "connected": bool(nc.is_connected),
+                "ready": agent.ready.is_set(),
+                "bootLease": agent.boot_lease,
+                "bootEntries": entries.count(),
+                "cache": cache.stats(),
+                "commandsRun": site.commands_run,
+                "lastError": site.last_error,
+                "uptimeSeconds": round(time.time() - started, 1),
+            }
+
+        runner = web.AppRunner(make_app(config, entries, cache, health), access_log=None)
+        await runner.setup()
+        http_site = web.TCPSite(runner, config.http_host, config.http_port)
+        await http_site.start()
+        log.info("http_listening", host=config.http_host, port=config.http_port)
+        try:
+            async with agent:
+                run_task = asyncio.create_task(agent.run())
+                stop_task = asyncio.create_task(stop.wait())
+                await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+                agent.request_stop()
+                await run_task
+                stop_task.cancel()
+        finally:
+            await runner.cleanup()
+            cache.close()
+        log.info("site_agent_stopped")
+    finally:
+        if not nc.is_closed:
+            await nc.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bc-site-agent", description=__doc__)
+    parser.add_argument("--config", required=True, help="site-agent.toml")
+    parser.add_argument("--log-level", default=os.environ.get("BC_LOG_LEVEL", "info"))
+    args = parser.parse_args(argv)
+    configure_logging(level=args.log_level)
+    try:
+        config = load_config(Path(args.config))
+        asyncio.run(run(config))
+    except BcError as err:
+        print(f"bc-site-agent: {err}", file=sys.stderr)
+        # 2: a bad config file or state folder, which a restart cannot fix (deploy/systemd)
+        raise SystemExit(2 if err.code is ErrorCode.INVALID_CONFIG else 1) from None
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -17,11 +17,15 @@ from better_compute.core.manifest import field, manifest
 from better_compute.core.plugins import DOTTED_NAME_PATTERN, CommandKind
 
 __all__ = [
+    "BMC",
     "COMMAND_KINDS",
     "DRIVER_INVOKE",
+    "MANAGEMENT_INVENTORY",
     "MANAGEMENT_SET_BOOT_DEVICE",
     "MEDIA_EJECT",
     "MEDIA_INSERT",
+    "NETBOOT_CLEAR_ENTRY",
+    "NETBOOT_SET_ENTRY",
     "NODE_CONVERGE",
     "NODE_IMAGE_WRITE",
     "NODE_INVENTORY",
@@ -33,6 +37,56 @@ __all__ = [
 _URL = field.string(pattern=r"^https?://\S+$", max_length=4096)
 _SHA256 = field.string(pattern=r"^[0-9a-f]{64}$")
 _MEDIA_DEVICE = field.enum(["cd", "usb"]).default("cd")
+
+# -- site agent: which BMC a BMC command talks to, BMC inventory, network-boot entries ---------
+# (bc-site-agent, issue 12; docs/site-agent.md). Until the engine fills ``bmc`` from the node
+# record, a step passes it explicitly. The credential is a SecretRef whose value is the JSON
+# {"username": ..., "password": ...}; the agent fetches it through the secrets fetch gate.
+BMC: Final = field.object(
+    {
+        "driver": field.enum(["redfish", "ipmi", "sim"]),
+        "address": field.string(min_length=1, max_length=2048),
+        "credentialsRef": field.secret_ref().optional(),
+        "systemId": field.string(min_length=1, max_length=512).optional(),
+        "insecure": field.bool().default(False),
+        "caBundle": field.string(max_length=65536).optional(),
+    }
+)
+_MAC = field.string(pattern=r"^[0-9a-fA-F]{2}([:-][0-9a-fA-F]{2}){5}$")
+
+MANAGEMENT_INVENTORY: Final = CommandKind(
+    name="management.inventory",
+    destructive=False,
+    description="Reads the machine's inventory through its BMC (system, processors, memory, NICs)",
+    payload=manifest({"bmc": BMC}),
+)
+
+NETBOOT_SET_ENTRY: Final = CommandKind(
+    name="netboot.setEntry",
+    destructive=False,
+    description="Installs the iPXE boot entry the site agent serves to one MAC (once, when oneTime)",
+    payload=manifest(
+        {
+            "mac": _MAC,
+            "kernel": _URL.optional(),
+            "initrd": _URL.optional(),
+            # With these, the machine gets them from the site cache (filled once from the URL).
+            "kernelSha256": _SHA256.optional(),
+            "initrdSha256": _SHA256.optional(),
+            "cmdline": field.string(max_length=4096).default(""),
+            "script": field.string(max_length=65536).optional(),
+            "oneTime": field.bool().default(True),
+        }
+    ),
+)
+
+NETBOOT_CLEAR_ENTRY: Final = CommandKind(
+    name="netboot.clearEntry",
+    destructive=False,
+    description="Removes the iPXE boot entry of one MAC (it then boots as an unknown machine)",
+    payload=manifest({"mac": _MAC}),
+)
+# -- end of the site agent's block ---------------------------------------------------------
 
 DRIVER_INVOKE: Final = CommandKind(
     name="driver.invoke",
@@ -58,6 +112,11 @@ SITE_HTTP_PROXY: Final = CommandKind(
             "headers": field.map(field.string(max_length=8192)).default({}),
             "body": field.string().optional(),
             "poll": field.bool().default(False),
+            # The node's recorded addresses (the site agent relays only to these); the control
+            # plane fills them from the node record. And TLS verification off, for machines
+            # whose API has a self-signed certificate.
+            "nodeAddresses": field.list(field.string(min_length=1, max_length=255), max_items=64).optional(),
+            "insecure": field.bool().default(False),
         }
     ),
 )
@@ -66,7 +125,9 @@ POWER_SET_POWER: Final = CommandKind(
     name="power.setPower",
     destructive=False,
     description="Changes the machine's power state through its BMC",
-    payload=manifest({"action": field.enum(["on", "off", "softOff", "cycle", "reset"])}),
+    payload=manifest(
+        {"action": field.enum(["on", "off", "softOff", "cycle", "reset"]), "bmc": BMC.optional()}
+    ),
 )
 
 MANAGEMENT_SET_BOOT_DEVICE: Final = CommandKind(
@@ -78,6 +139,7 @@ MANAGEMENT_SET_BOOT_DEVICE: Final = CommandKind(
             "device": field.enum(["pxe", "disk", "cd", "usb", "bios"]),
             "persistent": field.bool().default(False),
             "mode": field.enum(["uefi", "legacy"]).optional(),
+            "bmc": BMC.optional(),
         }
     ),
 )
@@ -86,14 +148,22 @@ MEDIA_INSERT: Final = CommandKind(
     name="media.insert",
     destructive=False,
     description="Inserts a virtual medium (an ISO or disk image URL) through the BMC",
-    payload=manifest({"url": _URL, "device": _MEDIA_DEVICE}),
+    payload=manifest(
+        {
+            "url": _URL,
+            "device": _MEDIA_DEVICE,
+            "bmc": BMC.optional(),
+            # With it, the site agent fills its cache from url and hands the BMC its own copy.
+            "sha256": _SHA256.optional(),
+        }
+    ),
 )
 
 MEDIA_EJECT: Final = CommandKind(
     name="media.eject",
     destructive=False,
     description="Ejects a virtual medium through the BMC",
-    payload=manifest({"device": _MEDIA_DEVICE}),
+    payload=manifest({"device": _MEDIA_DEVICE, "bmc": BMC.optional()}),
 )
 
 NODE_INVENTORY: Final = CommandKind(
@@ -164,6 +234,9 @@ COMMAND_KINDS: Final[Mapping[str, CommandKind]] = MappingProxyType(
             NODE_WIPE,
             NODE_IMAGE_WRITE,
             NODE_CONVERGE,
+            MANAGEMENT_INVENTORY,
+            NETBOOT_SET_ENTRY,
+            NETBOOT_CLEAR_ENTRY,
         )
     }
 )

@@ -1,0 +1,244 @@
+"""The site cache: content-addressed by sha256, filled once from a source URL, verified before
+it is served, bounded in size with LRU eviction of unpinned entries. An object is pinned while
+something holds it: a boot entry (until it is consumed or cleared), a BMC's virtual medium
+(until it is ejected); ``ensure(..., holder=…)`` takes a hold, ``release`` lets go.
+
+Objects live in ``<dir>/objects/<sha256>``; what is known about them (size, source, last use)
+in ``<dir>/index.db`` (SQLite). A fill streams the source into a temporary file while hashing
+it and renames it into place only when the digest matches, so a partial or wrong download is
+never served. Concurrent fills of one digest share one download. Each object is hashed again
+before its first serving in a process life (a file changed on disk is dropped, not served).
+HTTP serving (with ranges) is ``http.py``'s, from ``path()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.logging import get_logger
+
+__all__ = ["SiteCache"]
+
+_SHA_RE: Final = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK: Final = 1 << 20
+
+
+def _check_sha(sha256: str, path: str = "sha256") -> str:
+    if not _SHA_RE.match(sha256):
+        raise BcError(ErrorCode.INVALID_INPUT, "expected a lowercase hex sha256", {"path": path})
+    return sha256
+
+
+class SiteCache:
+    def __init__(self, folder: Path, *, max_bytes: int) -> None:
+        self.folder = folder
+        self.objects = folder / "objects"
+        self.objects.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._db = sqlite3.connect(folder / "index.db", isolation_level=None, check_same_thread=False)
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS objects (sha256 TEXT PRIMARY KEY, size INTEGER NOT NULL,"
+            " source TEXT NOT NULL, last_used REAL NOT NULL)"
+        )
+        self._db.execute("CREATE TABLE IF NOT EXISTS holds (holder TEXT PRIMARY KEY, sha256 TEXT NOT NULL)")
+        self._fills: dict[str, asyncio.Task[Path]] = {}
+        self._verified: set[str] = set()
+        self._serving: dict[str, int] = {}
+        self._lock = asyncio.Lock()
+        self.fills = 0
+        """Downloads from a source in this process life (tests count them)."""
+        self.log = get_logger(component="cache")
+        self._drop_orphans()
+
+    def _drop_orphans(self) -> None:
+        known = {row[0] for row in self._db.execute("SELECT sha256 FROM objects")}
+        for file in self.objects.iterdir():
+            if file.name not in known:
+                file.unlink(missing_ok=True)
+        for sha in known:
+            if not (self.objects / sha).exists():
+                self._db.execute("DELETE FROM objects WHERE sha256 = ?", (sha,))
+
+    # -- what is there ---------------------------------------------------------------------
+
+    def used_bytes(self) -> int:
+        row = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM objects").fetchone()
+        return int(row[0])
+
+    def stats(self) -> dict[str, Any]:
+        count = self._db.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
+        pinned = self._db.execute("SELECT COUNT(DISTINCT sha256) FROM holds").fetchone()[0]
+        return {
+            "usedBytes": self.used_bytes(),
+            "maxBytes": self.max_bytes,
+            "objects": int(count),
+            "pinned": int(pinned),
+        }
+
+    def has(self, sha256: str) -> bool:
+        row = self._db.execute("SELECT 1 FROM objects WHERE sha256 = ?", (sha256,)).fetchone()
+        return row is not None
+
+    def hold(self, holder: str, sha256: str) -> None:
+        """``holder`` (one boot entry's kernel, one BMC's CD drive) now pins ``sha256`` (and no
+        longer what it held before)."""
+        self._db.execute("INSERT OR REPLACE INTO holds (holder, sha256) VALUES (?, ?)", (holder, sha256))
+
+    def release(self, holder: str, *, prefix: bool = False) -> None:
+        """``holder`` (or every holder starting with it) pins nothing any more."""
+        if prefix:
+            escaped = holder.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            self._db.execute("DELETE FROM holds WHERE holder LIKE ? ESCAPE '\\'", (escaped + "%",))
+        else:
+            self._db.execute("DELETE FROM holds WHERE holder = ?", (holder,))
+
+    # -- filling ---------------------------------------------------------------------------
+
+    async def ensure(self, sha256: str, source: str, *, holder: str | None = None) -> Path:
+        """The object's file, downloaded from ``source`` first when it is not here yet."""
+        _check_sha(sha256)
+        if self.has(sha256):
+            self._touch(sha256)
+            if holder is not None:
+                self.hold(holder, sha256)
+            return self.objects / sha256
+        task = self._fills.get(sha256)
+        if task is None:
+            task = asyncio.create_task(self._fill(sha256, source))
+            self._fills[sha256] = task
+            task.add_done_callback(lambda _t: self._fills.pop(sha256, None))
+        path = await asyncio.shield(task)
+        if holder is not None:
+            self.hold(holder, sha256)
+        return path
+
+    async def _fill(self, sha256: str, source: str) -> Path:
+        tmp = self.objects / f".{sha256}.{os.getpid()}.part"
+        digest = hashlib.sha256()
+        size = 0
+        self.fills += 1
+        try:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
+            async with aiohttp.ClientSession(timeout=timeout) as http, http.get(source) as resp:
+                if resp.status != 200:
+                    raise BcError(
+                        ErrorCode.DRIVER_ERROR,
+                        f"cache fill: the source answered HTTP {resp.status}",
+                        {"reason": "cache-source-error", "path": "url"},
+                    )
+                with open(tmp, "wb") as out:  # noqa: ASYNC230 - local disk, chunk by chunk
+                    async for chunk in resp.content.iter_chunked(_CHUNK):
+                        size += len(chunk)
+                        if size > self.max_bytes:
+                            raise BcError(
+                                ErrorCode.INVALID_STATE,
+                                "cache fill: the object is larger than the whole cache",
+                                {"reason": "cache-too-small"},
+                            )
+                        digest.update(chunk)
+                        out.write(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+        except aiohttp.ClientError as exc:
+            tmp.unlink(missing_ok=True)
+            raise BcError(
+                ErrorCode.DRIVER_ERROR,
+                f"cache fill: cannot download the source ({type(exc).__name__})",
+                {"reason": "cache-source-error", "path": "url"},
+            ) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if digest.hexdigest() != sha256:
+            tmp.unlink(missing_ok=True)
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                "cache fill: the source's content does not match its sha256",
+                {"path": "sha256", "reason": "digest-mismatch"},
+            )
+        async with self._lock:
+            self._make_room(size)
+            target = self.objects / sha256
+            tmp.replace(target)
+            self._db.execute(
+                "INSERT OR REPLACE INTO objects (sha256, size, source, last_used) VALUES (?, ?, ?, ?)",
+                (sha256, size, source, time.time()),
+            )
+            self._verified.add(sha256)
+        self.log.info("cache_filled", sha256=sha256, bytes=size)
+        return target
+
+    def _make_room(self, size: int) -> None:
+        used = self.used_bytes()
+        if used + size <= self.max_bytes:
+            return
+        rows = self._db.execute(
+            "SELECT sha256, size FROM objects WHERE sha256 NOT IN (SELECT sha256 FROM holds)"
+            " ORDER BY last_used ASC"
+        ).fetchall()
+        for sha, obj_size in rows:
+            if used + size <= self.max_bytes:
+                break
+            if self._serving.get(sha):
+                continue
+            self._remove(sha)
+            used -= obj_size
+            self.log.info("cache_evicted", sha256=sha, bytes=obj_size)
+        if used + size > self.max_bytes:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                "the site cache is full of pinned or busy objects",
+                {"reason": "cache-full"},
+            )
+
+    def _remove(self, sha256: str) -> None:
+        self._db.execute("DELETE FROM objects WHERE sha256 = ?", (sha256,))
+        (self.objects / sha256).unlink(missing_ok=True)
+        self._verified.discard(sha256)
+
+    def _touch(self, sha256: str) -> None:
+        self._db.execute("UPDATE objects SET last_used = ? WHERE sha256 = ?", (time.time(), sha256))
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def open_for_serving(self, sha256: str) -> Path | None:
+        """The file to serve, verified; None when it is not here (or failed its check)."""
+        if not _SHA_RE.match(sha256) or not self.has(sha256):
+            return None
+        path = self.objects / sha256
+        if sha256 not in self._verified:
+            actual = await asyncio.to_thread(_hash_file, path)
+            if actual != sha256:
+                self.log.warning("cache_object_corrupt", sha256=sha256)
+                self._remove(sha256)
+                return None
+            self._verified.add(sha256)
+        self._touch(sha256)
+        return path
+
+    def serving(self, sha256: str, delta: int) -> None:
+        self._serving[sha256] = self._serving.get(sha256, 0) + delta
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+    except OSError:
+        return ""
+    return digest.hexdigest()

@@ -1,0 +1,151 @@
+"""``site-agent.toml``: what an operator writes once per site agent.
+
+.. code-block:: toml
+
+    site_id = "site-a"                      # required: the site this agent serves
+    nats_url = "nats://127.0.0.1:4222"      # or BC_NATS_URL
+    subject_root = "bc"                     # or BC_SUBJECT_ROOT
+    state_dir = "/var/lib/bc-site-agent"    # enrollment (key + certificate, 0600), journal
+    join_token_file = "/etc/bc-site-agent/join-token"   # read once, on the first start only
+    http_listen = "0.0.0.0:8081"            # network boot, the site cache, /healthz
+    public_url = "http://10.0.0.5:8081"     # how machines reach http_listen (default: from it)
+
+    [cache]
+    dir = "/var/cache/bc-site-agent"        # default: <state_dir>/cache
+    max_bytes = 50_000_000_000
+
+    control_plane_addresses = ["10.0.0.2"]  # never relayed to (nor the NATS server's address)
+
+    [netboot]
+    discovery = false                       # unknown MACs: discovery ramdisk, else local boot
+    discovery_kernel = "http://…/vmlinuz"
+    discovery_initrd = "http://…/initrd"
+    discovery_cmdline = "console=ttyS0"
+
+Every problem is ``INVALID_CONFIG`` with ``details.path`` naming the key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from better_compute.core.errors import BcError, ErrorCode
+
+__all__ = ["SiteAgentConfig", "load_config"]
+
+_SITE_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteAgentConfig:
+    site_id: str
+    nats_url: str
+    subject_root: str
+    state_dir: Path
+    join_token_file: Path | None
+    http_host: str
+    http_port: int
+    public_url: str
+    cache_dir: Path
+    cache_max_bytes: int
+    discovery: bool
+    discovery_kernel: str | None
+    discovery_initrd: str | None
+    discovery_cmdline: str
+    control_plane_addresses: tuple[str, ...] = ()
+
+    @property
+    def enrollment_file(self) -> Path:
+        return self.state_dir / "enrollment.json"
+
+    @property
+    def journal_file(self) -> Path:
+        return self.state_dir / "journal.db"
+
+    @property
+    def netboot_dir(self) -> Path:
+        return self.state_dir / "netboot"
+
+
+def _bad(path: str, message: str) -> BcError:
+    return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
+
+
+def _str(doc: dict[str, Any], key: str, path: str, default: str | None = None) -> str | None:
+    value = doc.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise _bad(path, "expected a string")
+    return value
+
+
+def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgentConfig:
+    env = dict(os.environ) if env is None else env
+    path = Path(file)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise _bad(str(path), f"cannot read the config file: {type(exc).__name__}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise _bad(str(path), f"not TOML: {exc}") from exc
+    site_id = _str(doc, "site_id", "site_id")
+    if not site_id or not _SITE_RE.match(site_id):
+        raise _bad("site_id", "a site id (lowercase letters, digits, dashes) is required")
+    nats_url = _str(doc, "nats_url", "nats_url") or env.get("BC_NATS_URL")
+    if not nats_url:
+        raise _bad("nats_url", "give nats_url (or BC_NATS_URL)")
+    subject_root = _str(doc, "subject_root", "subject_root") or env.get("BC_SUBJECT_ROOT", "bc")
+    state_dir = _str(doc, "state_dir", "state_dir")
+    if not state_dir:
+        raise _bad("state_dir", "a state folder is required")
+    token_file = _str(doc, "join_token_file", "join_token_file")
+    listen = _str(doc, "http_listen", "http_listen", "127.0.0.1:8081") or ""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise _bad("http_listen", "expected host:port")
+    host = host.strip("[]") or "0.0.0.0"
+    port = int(port_text)
+    public_url = _str(doc, "public_url", "public_url") or ""
+    cache = doc.get("cache", {})
+    if not isinstance(cache, dict):
+        raise _bad("cache", "expected a table")
+    max_bytes = cache.get("max_bytes", 10 * 1024**3)
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise _bad("cache.max_bytes", "expected a positive integer")
+    cache_dir = _str(cache, "dir", "cache.dir") or str(Path(state_dir) / "cache")
+    netboot = doc.get("netboot", {})
+    if not isinstance(netboot, dict):
+        raise _bad("netboot", "expected a table")
+    discovery = netboot.get("discovery", False)
+    if not isinstance(discovery, bool):
+        raise _bad("netboot.discovery", "expected true or false")
+    control_plane = doc.get("control_plane_addresses", [])
+    if not isinstance(control_plane, list) or not all(isinstance(a, str) for a in control_plane):
+        raise _bad("control_plane_addresses", "expected a list of IP addresses")
+    for i, address in enumerate(control_plane):
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise _bad(f"control_plane_addresses[{i}]", "expected an IP address") from None
+    return SiteAgentConfig(
+        site_id=site_id,
+        nats_url=nats_url,
+        subject_root=subject_root,
+        state_dir=Path(state_dir),
+        join_token_file=Path(token_file) if token_file else None,
+        http_host=host,
+        http_port=port,
+        public_url=public_url.rstrip("/"),
+        cache_dir=Path(cache_dir),
+        cache_max_bytes=max_bytes,
+        discovery=discovery,
+        discovery_kernel=_str(netboot, "discovery_kernel", "netboot.discovery_kernel"),
+        discovery_initrd=_str(netboot, "discovery_initrd", "netboot.discovery_initrd"),
+        discovery_cmdline=_str(netboot, "discovery_cmdline", "netboot.discovery_cmdline", "") or "",
+        control_plane_addresses=tuple(control_plane),
+    )

@@ -1,0 +1,157 @@
+"""The driver protocol: one small surface every BMC driver implements.
+
+A driver is built per command from a ``BmcTarget`` (which BMC, how to trust it) and the
+credentials fetched for that command; it lives for the one call and is dropped with the
+credentials. Every operation takes the command's deadline (seconds since the epoch): a driver
+retries transient BMC errors with backoff and jitter until then, and verifies that power and
+boot changes converged (real BMCs apply them seconds later).
+
+Errors: a driver raises only ``BcError``; a BMC that refuses, answers nonsense or stays away is
+``DRIVER_ERROR`` with ``details.reason`` naming the BMC call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol, TypeVar
+
+from better_compute.core.errors import BcError, ErrorCode
+
+__all__ = [
+    "BOOT_DEVICES",
+    "POWER_ACTIONS",
+    "BmcCredentials",
+    "BmcTarget",
+    "Driver",
+    "Transient",
+    "driver_error",
+    "retry_transient",
+]
+
+T = TypeVar("T")
+
+PowerAction = Literal["on", "off", "softOff", "cycle", "reset"]
+POWER_ACTIONS: Final = ("on", "off", "softOff", "cycle", "reset")
+BOOT_DEVICES: Final = ("pxe", "disk", "cd", "usb", "bios")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BmcTarget:
+    """Which BMC a command talks to (the command's ``bmc`` field)."""
+
+    driver: Literal["redfish", "ipmi", "sim"]
+    address: str
+    credentials_ref: str | None = None
+    system_id: str | None = None
+    insecure: bool = False
+    ca_bundle: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_payload(cls, bmc: Any, *, path: str = "bmc") -> BmcTarget:
+        if not isinstance(bmc, dict):
+            raise BcError(ErrorCode.INVALID_INPUT, "the command names no BMC", {"path": path})
+        driver = bmc.get("driver")
+        if driver not in ("redfish", "ipmi", "sim"):
+            raise BcError(ErrorCode.INVALID_INPUT, "unknown BMC driver", {"path": f"{path}.driver"})
+        address = bmc.get("address")
+        if not isinstance(address, str) or not address:
+            raise BcError(ErrorCode.INVALID_INPUT, "the BMC has no address", {"path": f"{path}.address"})
+        return cls(
+            driver=driver,
+            address=address,
+            credentials_ref=bmc.get("credentialsRef"),
+            system_id=bmc.get("systemId"),
+            insecure=bool(bmc.get("insecure", False)),
+            ca_bundle=bmc.get("caBundle"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BmcCredentials:
+    """Held in memory for one call only; never logged (``repr`` hides the password)."""
+
+    username: str
+    password: str = field(repr=False)
+
+
+class Driver(Protocol):
+    """concern.operation -> coroutine; one instance per command."""
+
+    name: str
+
+    async def set_power(self, action: str, *, deadline: float) -> dict[str, Any]: ...
+
+    async def set_boot_device(
+        self, device: str, *, persistent: bool, mode: str | None, deadline: float
+    ) -> dict[str, Any]: ...
+
+    async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]: ...
+
+    async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]: ...
+
+    async def inventory(self, *, deadline: float) -> dict[str, Any]: ...
+
+    async def close(self) -> None:
+        """Drop the session (and with it the credentials)."""
+
+
+class Transient(Exception):  # noqa: N818 - a classification carried to the retry loop
+    """A BMC error worth trying again (5xx, connection refused, timeout)."""
+
+    def __init__(self, call: str, detail: str) -> None:
+        super().__init__(f"{call}: {detail}")
+        self.call = call
+        self.detail = detail
+
+
+def driver_error(call: str, detail: str, **extra: Any) -> BcError:
+    """``DRIVER_ERROR`` whose reason names the BMC call."""
+    reason = f"{call}: {detail}"
+    return BcError(ErrorCode.DRIVER_ERROR, f"BMC call failed: {reason}", {"reason": reason, **extra})
+
+
+async def retry_transient(
+    call: Callable[[], Awaitable[T]],
+    *,
+    deadline: float,
+    base: float = 0.2,
+    cap: float = 3.0,
+    on_retry: Callable[[Transient, float], None] | None = None,
+) -> T:
+    """``call()`` until it stops raising ``Transient``, with full-jitter backoff, until
+    ``deadline``; then ``DRIVER_ERROR`` naming the last call that failed."""
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except Transient as exc:
+            left = deadline - time.time()
+            delay = random.uniform(0, min(cap, base * 2**attempt))
+            if left <= delay:
+                raise driver_error(exc.call, f"{exc.detail} (gave up at the command's deadline)") from None
+            if on_retry is not None:
+                on_retry(exc, delay)
+            attempt += 1
+            await asyncio.sleep(delay)
+
+
+async def poll_until(
+    read: Callable[[], Awaitable[T]],
+    done: Callable[[T], bool],
+    *,
+    deadline: float,
+    what: str,
+    interval: float = 0.5,
+) -> T:
+    """Read until ``done`` (a converged state) or the deadline (``DRIVER_ERROR``)."""
+    while True:
+        got = await read()
+        if done(got):
+            return got
+        if time.time() + interval >= deadline:
+            raise driver_error(what, f"did not converge before the command's deadline (last seen {got!r})")
+        await asyncio.sleep(interval)

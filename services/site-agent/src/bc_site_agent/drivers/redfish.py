@@ -1,0 +1,326 @@
+"""The Redfish driver, on ``sushy`` (OpenStack's Redfish client).
+
+sushy is blocking: every BMC call runs in a worker thread and is mapped to our errors there.
+sushy's own server-side retries are off: we retry 5xx, refused connections and timeouts with
+backoff and jitter until the command's deadline, and give up at once on 401/403, 404, 400 and
+malformed answers. Power and boot changes are verified by reading them back until they match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import sushy
+import sushy.auth
+import sushy.exceptions
+from sushy.resources.constants import ResetType
+from sushy.resources.manager.constants import VirtualMediaType
+from sushy.resources.system.constants import (
+    BootSource,
+    BootSourceOverrideEnabled,
+    BootSourceOverrideMode,
+)
+
+from better_compute.logging import get_logger
+
+from .base import BmcCredentials, BmcTarget, Transient, driver_error, poll_until, retry_transient
+
+__all__ = ["RedfishDriver"]
+
+T = TypeVar("T")
+
+_BOOT: Final = {
+    "pxe": BootSource.PXE,
+    "disk": BootSource.HDD,
+    "cd": BootSource.CD,
+    "usb": BootSource.USB,
+    "bios": BootSource.BIOS_SETUP,
+}
+_MEDIA: Final = {
+    "cd": (VirtualMediaType.CD, VirtualMediaType.DVD),
+    "usb": (VirtualMediaType.USB_STICK, VirtualMediaType.FLOPPY),
+}
+_CALL_TIMEOUT: Final = 10.0
+"""At most this long for one HTTP exchange with the BMC (less when the deadline is nearer)."""
+
+
+def _ca_file(pem: str) -> str:
+    """A per-node CA bundle as a file requests can read (not a secret: a public certificate)."""
+    digest = hashlib.sha256(pem.encode()).hexdigest()[:32]
+    path = Path(tempfile.gettempdir()) / f"bc-site-agent-ca-{digest}.pem"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(pem)
+        tmp.replace(path)
+    return str(path)
+
+
+class RedfishDriver:
+    name = "redfish"
+
+    def __init__(self, target: BmcTarget, credentials: BmcCredentials) -> None:
+        self.target = target
+        self._credentials = credentials
+        address = target.address.rstrip("/")
+        if "://" not in address:
+            address = f"https://{address}"
+        self.base_url = address
+        self.verify: bool | str = True
+        if target.insecure:
+            self.verify = False
+        elif target.ca_bundle:
+            self.verify = _ca_file(target.ca_bundle)
+        self._root: Any = None
+        self.log = get_logger(driver="redfish", bmc=self.base_url)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    async def _call(self, call: str, fn: Callable[[], T], *, deadline: float) -> T:
+        """One BMC call in a thread, retried while transient, mapped to ``DRIVER_ERROR``."""
+
+        def run() -> T:
+            try:
+                with warnings.catch_warnings():
+                    # insecure=true was asked for explicitly; urllib3 would warn on every call
+                    warnings.simplefilter("ignore")
+                    return fn()
+            except sushy.exceptions.ServerSideError as exc:
+                raise Transient(call, f"HTTP {exc.status_code} from the BMC") from None
+            except sushy.exceptions.ConnectionError as exc:
+                cause = _cause(exc)
+                if cause.startswith("TLS"):
+                    raise driver_error(call, cause) from None
+                raise Transient(call, f"cannot reach the BMC ({cause})") from None
+            except sushy.exceptions.AccessError as exc:
+                raise driver_error(call, f"HTTP {exc.status_code}: the BMC refused the credentials") from None
+            except sushy.exceptions.ResourceNotFoundError:
+                raise driver_error(call, "HTTP 404: no such resource on the BMC") from None
+            except sushy.exceptions.HTTPError as exc:
+                raise driver_error(call, f"HTTP {exc.status_code}: {exc.detail or exc.code}") from None
+            except sushy.exceptions.SushyError as exc:
+                raise driver_error(call, f"unexpected answer: {type(exc).__name__}") from None
+            except ValueError as exc:  # requests' JSONDecodeError, sushy's mapping of odd values
+                raise driver_error(call, f"malformed answer ({type(exc).__name__})") from None
+            except (KeyError, TypeError, AttributeError) as exc:
+                raise driver_error(call, f"malformed answer ({type(exc).__name__})") from None
+
+        def on_retry(exc: Transient, delay: float) -> None:
+            self.log.info("bmc_call_retry", call=exc.call, detail=exc.detail, delay_s=round(delay, 2))
+
+        async def attempt() -> T:
+            return await asyncio.to_thread(run)
+
+        return await retry_transient(attempt, deadline=deadline, on_retry=on_retry)
+
+    def _timeout(self, deadline: float) -> float:
+        return max(0.5, min(_CALL_TIMEOUT, deadline - time.time()))
+
+    def _connect(self, deadline: float) -> Any:
+        if self._root is None:
+            self._root = sushy.Sushy(
+                self.base_url,
+                verify=self.verify,
+                auth=sushy.auth.BasicAuth(
+                    username=self._credentials.username, password=self._credentials.password
+                ),
+                # sushy retries connection errors (server_side_retries or 3) times with
+                # (delay or 2) s between: keep it to one try, our loop backs off with jitter.
+                server_side_retries=1,
+                server_side_retries_delay=0.05,
+                read_timeout=self._timeout(deadline),
+                connect_timeout=min(5.0, self._timeout(deadline)),
+            )
+        return self._root
+
+    def _system(self, deadline: float) -> Any:
+        root = self._connect(deadline)
+        if self.target.system_id:
+            sid = self.target.system_id
+            path = sid if sid.startswith("/") else f"{root.get_system_collection().path.rstrip('/')}/{sid}"
+            return root.get_system(path)
+        members = root.get_system_collection().get_members()
+        if len(members) != 1:
+            raise driver_error(
+                "GET Systems", f"the BMC has {len(members)} systems: say which one in bmc.systemId"
+            )
+        return members[0]
+
+    async def _power_state(self, deadline: float) -> str:
+        def read() -> str:
+            system = self._system(deadline)
+            return _enum_value(system.power_state)
+
+        return await self._call("GET System.PowerState", read, deadline=deadline)
+
+    async def close(self) -> None:
+        root, self._root = self._root, None
+        if root is not None:
+            conn = getattr(root, "_conn", None)
+            if conn is not None:
+                await asyncio.to_thread(conn.close)
+
+    # -- operations ------------------------------------------------------------------------
+
+    async def set_power(self, action: str, *, deadline: float) -> dict[str, Any]:
+        before = await self._power_state(deadline)
+        want = "Off" if action in ("off", "softOff") else "On"
+        if action == "on":
+            reset = ResetType.ON
+        elif action == "off":
+            reset = ResetType.FORCE_OFF
+        elif action == "softOff":
+            reset = ResetType.GRACEFUL_SHUTDOWN
+        elif action in ("cycle", "reset"):
+            reset = ResetType.FORCE_RESTART if before == "On" else ResetType.ON
+        else:
+            raise driver_error("power", f"unknown action {action!r}")
+        if action in ("on", "off", "softOff") and before == want:
+            return {"powerState": before, "changed": False}
+
+        def reset_system() -> None:
+            self._system(deadline).reset_system(reset)
+
+        await self._call(f"POST ComputerSystem.Reset({reset.value})", reset_system, deadline=deadline)
+        after = await poll_until(
+            lambda: self._power_state(deadline),
+            lambda state: state == want,
+            deadline=deadline,
+            what=f"power {action}: PowerState {want}",
+        )
+        return {"powerState": after, "changed": True}
+
+    async def set_boot_device(
+        self, device: str, *, persistent: bool, mode: str | None, deadline: float
+    ) -> dict[str, Any]:
+        target = _BOOT.get(device)
+        if target is None:
+            raise driver_error("PATCH System.Boot", f"boot device {device!r} is not supported")
+        enabled = BootSourceOverrideEnabled.CONTINUOUS if persistent else BootSourceOverrideEnabled.ONCE
+        boot_mode = {"uefi": BootSourceOverrideMode.UEFI, "legacy": BootSourceOverrideMode.LEGACY}.get(
+            mode or ""
+        )
+
+        def patch() -> None:
+            self._system(deadline).set_system_boot_options(target=target, enabled=enabled, mode=boot_mode)
+
+        await self._call("PATCH System.Boot", patch, deadline=deadline)
+
+        def read() -> tuple[str, str]:
+            boot = self._system(deadline).boot
+            return _enum_value(boot.target), _enum_value(boot.enabled)
+
+        async def read_boot() -> tuple[str, str]:
+            return await self._call("GET System.Boot", read, deadline=deadline)
+
+        got_target, got_enabled = await poll_until(
+            read_boot,
+            lambda got: got[0] == target.value,
+            deadline=deadline,
+            what=f"boot device {device}: BootSourceOverrideTarget {target.value}",
+        )
+        return {"device": device, "target": got_target, "enabled": got_enabled, "persistent": persistent}
+
+    def _media(self, device: str, deadline: float) -> Any:
+        types = _MEDIA.get(device, ())
+        system = self._system(deadline)
+        for manager in system.managers:
+            for medium in manager.virtual_media.get_members():
+                if any(t in types for t in medium.media_types or ()):
+                    return medium
+        raise driver_error("GET Manager.VirtualMedia", f"the BMC offers no virtual {device} device")
+
+    async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]:
+        def insert() -> dict[str, Any]:
+            medium = self._media(device, deadline)
+            medium.insert_media(url, inserted=True, write_protected=True)
+            medium.refresh()
+            return {"device": device, "inserted": bool(medium.inserted), "image": medium.image}
+
+        got = await self._call("POST VirtualMedia.InsertMedia", insert, deadline=deadline)
+        if not got["inserted"] or got["image"] != url:
+            raise driver_error("GET VirtualMedia", "the medium does not show as inserted after InsertMedia")
+        return got
+
+    async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]:
+        def eject() -> dict[str, Any]:
+            medium = self._media(device, deadline)
+            if medium.inserted:
+                medium.eject_media()
+                medium.refresh()
+            return {"device": device, "inserted": bool(medium.inserted)}
+
+        got = await self._call("POST VirtualMedia.EjectMedia", eject, deadline=deadline)
+        if got["inserted"]:
+            raise driver_error("GET VirtualMedia", "the medium still shows as inserted after EjectMedia")
+        return got
+
+    async def inventory(self, *, deadline: float) -> dict[str, Any]:
+        def read() -> dict[str, Any]:
+            system = self._system(deadline)
+            processors: list[dict[str, Any]] = []
+            for proc in _members(lambda: system.processors):
+                processors.append(
+                    {
+                        "id": proc.identity,
+                        "model": proc.model,
+                        "cores": proc.total_cores,
+                        "threads": proc.total_threads,
+                        "architecture": _enum_value(proc.processor_architecture),
+                    }
+                )
+            nics = [
+                {"id": nic.identity, "mac": (nic.mac_address or "").lower() or None}
+                for nic in _members(lambda: system.ethernet_interfaces)
+            ]
+            memory = _optional(lambda: system.memory_summary)
+            return {
+                "system": {
+                    "id": system.identity,
+                    "uuid": system.uuid,
+                    "name": system.name,
+                    "manufacturer": system.manufacturer,
+                    "model": system.model,
+                    "serial": system.serial_number,
+                    "biosVersion": system.bios_version,
+                    "powerState": _enum_value(system.power_state),
+                },
+                "processors": processors,
+                "memory": {"totalGiB": memory.size_gib if memory is not None else None},
+                "nics": nics,
+            }
+
+        return await self._call("GET System inventory", read, deadline=deadline)
+
+
+def _optional(read: Callable[[], Any]) -> Any:
+    """A part of the inventory the BMC may not offer (None then)."""
+    try:
+        return read()
+    except sushy.exceptions.MissingAttributeError:
+        return None
+
+
+def _members(read: Callable[[], Any]) -> list[Any]:
+    collection = _optional(read)
+    return list(collection.get_members()) if collection is not None else []
+
+
+def _enum_value(value: Any) -> str:
+    return str(getattr(value, "value", value)) if value is not None else ""
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc)
+    for marker in ("timed out", "Read timed out", "Connection refused", "Name or service not known"):
+        if marker.lower() in text.lower():
+            return marker.lower()
+    if "SSL" in text or "CERTIFICATE" in text.upper():
+        return "TLS verification failed"
+    return type(exc).__name__

@@ -1,0 +1,82 @@
+"""The agent's HTTP side: network boot scripts, the site cache, ``/healthz``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from better_compute.core.errors import BcError
+from better_compute.logging import get_logger
+
+from .cache import SiteCache
+from .config import SiteAgentConfig
+from .netboot import (
+    LOCAL_BOOT_SCRIPT,
+    BootEntries,
+    discovery_script,
+    entry_script,
+    first_stage,
+    normalize_mac,
+)
+
+__all__ = ["make_app"]
+
+_IPXE = "text/plain"
+
+
+def make_app(
+    config: SiteAgentConfig,
+    entries: BootEntries,
+    cache: SiteCache,
+    health: Callable[[], dict[str, Any]],
+) -> web.Application:
+    log = get_logger(component="http")
+
+    async def cached(request: web.Request) -> web.StreamResponse:
+        sha = request.match_info["sha256"]
+        path = await cache.open_for_serving(sha)
+        if path is None:
+            return web.Response(status=404, text="not in the site cache\n")
+        log.info("cache_served", sha256=sha, range=request.headers.get("Range"))
+        # FileResponse answers Range requests (206) and HEAD
+        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        doc = health()
+        return web.json_response(doc, status=200 if doc.get("status") == "ok" else 503)
+
+    async def boot_ipxe(_request: web.Request) -> web.Response:
+        return web.Response(text=first_stage(), content_type=_IPXE)
+
+    async def boot_mac(request: web.Request) -> web.Response:
+        try:
+            mac = normalize_mac(request.match_info["mac"])
+        except BcError:
+            return web.Response(status=400, text="#!ipxe\necho bad MAC\nexit\n", content_type=_IPXE)
+        entry = entries.take(mac)
+        if entry is not None and entry.one_time:
+            cache.release(f"netboot:{mac}:", prefix=True)  # its kernel may go once it is served
+        if entry is not None:
+            log.info("netboot_entry_served", mac=mac, one_time=entry.one_time)
+            return web.Response(text=entry_script(entry), content_type=_IPXE)
+        if config.discovery:
+            log.info("netboot_discovery_served", mac=mac)
+            script = discovery_script(
+                config.discovery_kernel, config.discovery_initrd, config.discovery_cmdline
+            )
+            return web.Response(text=script, content_type=_IPXE)
+        log.info("netboot_local_boot_served", mac=mac)
+        return web.Response(text=LOCAL_BOOT_SCRIPT, content_type=_IPXE)
+
+    app = web.Application()
+    app.add_routes(
+        [
+            web.get("/healthz", healthz),
+            web.get("/boot.ipxe", boot_ipxe),
+            web.get("/boot/mac/{mac}", boot_mac),
+            web.get("/cache/{sha256}", cached),
+        ]
+    )
+    return app

@@ -1,0 +1,165 @@
+"""Network boot: the iPXE entry per MAC that commands install, and the scripts served for it.
+
+A machine's iPXE (its NIC ROM, or chain-loaded) fetches ``/boot.ipxe``, which chains to
+``/boot/mac/${net0/mac:hexhyp}``. That answers the MAC's entry (kernel, initrd, command line, or
+a whole script); an entry marked one-time is consumed by the answer that serves it (durably,
+before the answer leaves). An unknown MAC gets the discovery ramdisk when discovery is on for
+the site, and otherwise a script that exits to the next (local) boot device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from better_compute.core.errors import BcError, ErrorCode
+
+__all__ = ["LOCAL_BOOT_SCRIPT", "BootEntries", "BootEntry", "entry_script", "first_stage", "normalize_mac"]
+
+_MAC_RE = re.compile(r"^[0-9a-f]{2}([:-][0-9a-f]{2}){5}$")
+
+LOCAL_BOOT_SCRIPT = (
+    "#!ipxe\necho bc-site-agent: no boot entry for this machine: booting from local disk\nexit\n"
+)
+
+
+def normalize_mac(mac: str, *, path: str = "mac") -> str:
+    low = mac.strip().lower()
+    if not _MAC_RE.match(low):
+        raise BcError(
+            ErrorCode.INVALID_INPUT, "expected a MAC address like 52:54:00:12:34:56", {"path": path}
+        )
+    return low.replace("-", ":")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BootEntry:
+    mac: str
+    kernel: str | None = None
+    initrd: str | None = None
+    cmdline: str = ""
+    script: str | None = None
+    one_time: bool = True
+    command_id: str = ""
+
+
+def _ipxe_safe(text: str, path: str) -> str:
+    if any(c in text for c in "\r\n"):
+        raise BcError(ErrorCode.INVALID_INPUT, "no line breaks allowed", {"path": path})
+    return text
+
+
+def entry_script(entry: BootEntry) -> str:
+    if entry.script is not None:
+        script = entry.script
+        return script if script.startswith("#!ipxe") else "#!ipxe\n" + script
+    lines = ["#!ipxe", f"echo bc-site-agent: boot entry for {entry.mac}"]
+    if entry.kernel:
+        lines.append(f"kernel {entry.kernel} {entry.cmdline}".rstrip())
+    if entry.initrd:
+        lines.append(f"initrd {entry.initrd}")
+    lines.append("boot")
+    return "\n".join(lines) + "\n"
+
+
+def first_stage() -> str:
+    return "#!ipxe\nchain --autofree boot/mac/${net0/mac:hexhyp}\n"
+
+
+def discovery_script(kernel: str | None, initrd: str | None, cmdline: str) -> str:
+    if not kernel:
+        return LOCAL_BOOT_SCRIPT
+    return entry_script(BootEntry(mac="discovery", kernel=kernel, initrd=initrd, cmdline=cmdline))
+
+
+class BootEntries:
+    """Entries on disk, one JSON file per MAC under ``folder`` (they survive restarts)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock = threading.Lock()
+
+    def _file(self, mac: str) -> Path:
+        return self.folder / (mac.replace(":", "-") + ".json")
+
+    def set(self, payload: dict[str, Any], *, command_id: str = "") -> BootEntry:
+        mac = normalize_mac(str(payload.get("mac", "")))
+        entry = BootEntry(
+            mac=mac,
+            kernel=_opt(payload, "kernel"),
+            initrd=_opt(payload, "initrd"),
+            cmdline=_ipxe_safe(str(payload.get("cmdline") or ""), "cmdline"),
+            script=payload.get("script"),
+            one_time=bool(payload.get("oneTime", True)),
+            command_id=command_id,
+        )
+        if entry.script is None and entry.kernel is None:
+            raise BcError(ErrorCode.INVALID_INPUT, "give kernel (and initrd) or script", {"path": "kernel"})
+        doc = {
+            "mac": entry.mac,
+            "kernel": entry.kernel,
+            "initrd": entry.initrd,
+            "cmdline": entry.cmdline,
+            "script": entry.script,
+            "oneTime": entry.one_time,
+            "commandId": command_id,
+        }
+        target = self._file(mac)
+        tmp = target.with_suffix(".tmp")
+        with self._lock:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(doc, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            tmp.replace(target)
+        return entry
+
+    def get(self, mac: str) -> BootEntry | None:
+        try:
+            doc = json.loads(self._file(normalize_mac(mac)).read_text())
+        except (OSError, ValueError):
+            return None
+        return BootEntry(
+            mac=doc["mac"],
+            kernel=doc.get("kernel"),
+            initrd=doc.get("initrd"),
+            cmdline=doc.get("cmdline") or "",
+            script=doc.get("script"),
+            one_time=bool(doc.get("oneTime", True)),
+            command_id=doc.get("commandId") or "",
+        )
+
+    def take(self, mac: str) -> BootEntry | None:
+        """The entry to serve now; a one-time entry is removed (durably) before it is served."""
+        with self._lock:
+            entry = self.get(mac)
+            if entry is not None and entry.one_time:
+                self._file(entry.mac).unlink(missing_ok=True)
+                fd = os.open(self.folder, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            return entry
+
+    def clear(self, mac: str) -> bool:
+        target = self._file(normalize_mac(mac))
+        with self._lock:
+            existed = target.exists()
+            target.unlink(missing_ok=True)
+        return existed
+
+    def count(self) -> int:
+        return sum(1 for _ in self.folder.glob("*.json"))
+
+
+def _opt(payload: dict[str, Any], key: str) -> str | None:
+    value = payload.get(key)
+    return _ipxe_safe(str(value), key) if value else None

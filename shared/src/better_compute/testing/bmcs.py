@@ -1,0 +1,340 @@
+"""Other people's BMCs for tests, each its own OS process on loopback.
+
+* ``RedfishEmulator``: ``sushy-emulator`` (sushy-tools) with its fake driver, whose power
+  changes land 1-11 s after the request, HTTP Basic auth from an htpasswd (bcrypt) file.
+* ``FaultyProxy``: a small HTTP proxy in front of a BMC that answers 500 (or malformed JSON, or
+  nothing) for a while, then forwards; it logs every request line so a test can count what
+  reached the BMC.
+* ``IpmiBmc``: a ``pyghmi.ipmi.bmc.Bmc`` subclass serving power and boot device on a UDP port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..runtime.embedded import free_port
+
+__all__ = ["SYSTEM_MACS", "SYSTEM_UUID", "FaultyProxy", "IpmiBmc", "RedfishEmulator"]
+
+SYSTEM_UUID = "27946b59-9e44-4fa7-8e91-f3527a1ef094"
+SYSTEM_MACS = ("52:54:00:aa:bb:01", "52:54:00:aa:bb:02")
+
+
+@dataclass
+class _Proc:
+    folder: Path
+    log: Path = field(init=False)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.log = self.folder / "process.log"
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                env={**os.environ, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes] | None, output: object, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited: {output() if callable(output) else ''}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers (401 without credentials)
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer in {timeout}s")
+
+
+class RedfishEmulator(_Proc):
+    """``sushy-emulator --fake`` on 127.0.0.1 with one system and Basic auth."""
+
+    def __init__(
+        self, folder: Path, *, username: str = "admin", password: str = "s3cret-bmc-pw", auth: bool = True
+    ) -> None:
+        super().__init__(folder)
+        self.auth = auth
+        self.username = username
+        self.password = password
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RedfishEmulator:
+        import bcrypt
+
+        htpasswd = self.folder / "htpasswd"
+        digest = bcrypt.hashpw(self.password.encode(), bcrypt.gensalt(rounds=4)).decode()
+        htpasswd.write_text(f"{self.username}:{digest}\n")
+        systems = [
+            {
+                "uuid": SYSTEM_UUID,
+                "name": "node-1",
+                "power_state": "Off",
+                "external_notifier": False,
+                "nics": [{"mac": mac, "ip": "192.0.2.10"} for mac in SYSTEM_MACS],
+            }
+        ]
+        config = self.folder / "emulator.conf"
+        config.write_text(
+            textwrap.dedent(
+                f"""\
+                SUSHY_EMULATOR_LISTEN_IP = "127.0.0.1"
+                SUSHY_EMULATOR_LISTEN_PORT = {self.port}
+                SUSHY_EMULATOR_FAKE_DRIVER = True
+                SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}
+                SUSHY_EMULATOR_STATE_DIR = {str(self.folder / "state")!r}
+                SUSHY_EMULATOR_AUTH_FILE = {str(htpasswd) if self.auth else None!r}
+                EXTERNAL_NOTIFICATION_URL = "http://127.0.0.1:9"
+                """
+            )
+        )
+        self._spawn(
+            [
+                sys.executable,
+                "-c",
+                "from sushy_tools.emulator.main import main; main()",
+                "--config",
+                str(config),
+            ]
+        )
+        _wait_http(self.url + "/redfish/v1/", self.proc, self.output)
+        return self
+
+
+_PROXY = r"""
+import http.client, http.server, json, sys, threading, time
+upstream_host, upstream_port = sys.argv[1], int(sys.argv[2])
+control_file, request_log, listen_port = sys.argv[3], sys.argv[4], int(sys.argv[5])
+lock = threading.Lock()
+
+def control():
+    try:
+        with open(control_file) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args):
+        pass
+    def _any(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        ctl = control()
+        mode = ctl.get("mode", "forward")
+        if mode == "error-count":
+            mode = "error" if ctl.get("left", 0) > 0 else "forward"
+        with lock, open(request_log, "a") as fh:
+            fh.write(f"{self.command} {self.path} {mode}\n")
+        if body:
+            with lock, open(request_log + ".bodies", "a") as fh:
+                fh.write(f"{self.command} {self.path} {body.decode(errors='replace')}\n")
+        if mode == "error":
+            if ctl.get("mode") == "error-count":
+                ctl["left"] -= 1
+                with open(control_file, "w") as fh:
+                    json.dump(ctl, fh)
+            data = b'{"error": {"code": "Base.1.0.GeneralError", "message": "injected"}}'
+            self.send_response(ctl.get("status", 500))
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        if mode == "malformed":
+            data = b'{"@odata.id": "/redfish/v1/", "Systems": {'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        if mode == "hang":
+            time.sleep(ctl.get("seconds", 30))
+        conn = http.client.HTTPConnection(upstream_host, upstream_port, timeout=30)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+        conn.request(self.command, self.path, body=body or None, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        conn.close()
+    do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _any
+
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+Server(("127.0.0.1", listen_port), Handler).serve_forever()
+"""
+
+
+class FaultyProxy(_Proc):
+    """Forwards to ``upstream`` (``http://127.0.0.1:port``) unless told to misbehave:
+    ``set(mode="error", status=500)``, ``set(mode="error-count", left=N)``, ``set(mode="malformed")``,
+    ``set(mode="hang", seconds=S)``, ``set(mode="forward")``."""
+
+    def __init__(self, folder: Path, upstream: str) -> None:
+        super().__init__(folder)
+        host_port = upstream.split("://", 1)[1].rstrip("/")
+        self.upstream_host, _, port = host_port.partition(":")
+        self.upstream_port = int(port)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.control = self.folder / "control.json"
+        self.requests_log = self.folder / "requests.log"
+
+    def set(self, **control: object) -> None:
+        tmp = self.control.with_suffix(".tmp")
+        tmp.write_text(json.dumps(control))
+        tmp.replace(self.control)
+
+    def start(self) -> FaultyProxy:
+        self.set(mode="forward")
+        script = self.folder / "proxy.py"
+        script.write_text(_PROXY)
+        self._spawn(
+            [
+                sys.executable,
+                str(script),
+                self.upstream_host,
+                str(self.upstream_port),
+                str(self.control),
+                str(self.requests_log),
+                str(self.port),
+            ]
+        )
+        _wait_http(self.url + "/redfish/v1/", self.proc, self.output)
+        return self
+
+    def bodies(self) -> list[str]:
+        """``METHOD path body`` of every request that had a body."""
+        log = Path(str(self.requests_log) + ".bodies")
+        return log.read_text().splitlines() if log.exists() else []
+
+    def requests(self) -> list[str]:
+        return self.requests_log.read_text().splitlines() if self.requests_log.exists() else []
+
+
+_IPMI_BMC = r"""
+import json, sys, threading
+import pyghmi.ipmi.bmc as bmc
+from pyghmi.ipmi.private import serversession
+
+# pyghmi's server always answers cipher suite 3 (HMAC-SHA1) while its own client asks for
+# SHA-256 first and falls back only when refused: refuse what we do not do, as a real BMC would.
+_open = serversession.ServerSession.create_open_session_response
+
+def _refusing_open(self, request):
+    if len(request) > 12 and request[12] != 1:
+        return bytearray([request[0], 0x11, 0, 0]) + request[4:8] + bytearray(4)
+    return _open(self, request)
+
+serversession.ServerSession.create_open_session_response = _refusing_open
+
+state_file, user, password, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
+class Bmc(bmc.Bmc):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.state = {"power": "off", "bootdev": "default", "calls": []}
+        self.save()
+    def save(self):
+        with open(state_file + ".tmp", "w") as fh:
+            json.dump(self.state, fh)
+        import os
+        os.replace(state_file + ".tmp", state_file)
+    def _later(self, power):
+        # real BMCs apply power changes late
+        threading.Timer(1.0, self._apply, args=(power,)).start()
+    def _apply(self, power):
+        self.state["power"] = power
+        self.save()
+    def get_power_state(self):
+        return self.state["power"]
+    def power_on(self):
+        self.state["calls"].append("on"); self.save(); self._later("on")
+    def power_off(self):
+        self.state["calls"].append("off"); self.save(); self._later("off")
+    def power_shutdown(self):
+        self.state["calls"].append("shutdown"); self.save(); self._later("off")
+    def power_reset(self):
+        self.state["calls"].append("reset"); self.save(); self._later("on")
+    def power_cycle(self):
+        self.state["calls"].append("cycle"); self.save(); self._later("on")
+    def get_boot_device(self):
+        return self.state["bootdev"]
+    def set_boot_device(self, bootdevice):
+        self.state["bootdev"] = bootdevice
+        self.state["calls"].append("bootdev:" + bootdevice)
+        self.save()
+
+Bmc({user: password}, port=port, address="127.0.0.1").listen()
+"""
+
+
+class IpmiBmc(_Proc):
+    """pyghmi's own IPMI BMC server, power and boot device, on a loopback UDP port."""
+
+    def __init__(self, folder: Path, *, username: str = "admin", password: str = "ipmi-pw-123") -> None:
+        super().__init__(folder)
+        self.username = username
+        self.password = password
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.state_file = self.folder / "bmc-state.json"
+
+    def start(self) -> IpmiBmc:
+        script = self.folder / "ipmi_bmc.py"
+        script.write_text(_IPMI_BMC)
+        self._spawn(
+            [sys.executable, str(script), str(self.state_file), self.username, self.password, str(self.port)]
+        )
+        end = time.monotonic() + 30
+        while not self.state_file.exists():
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(self.output())
+            if time.monotonic() > end:
+                raise RuntimeError("the IPMI BMC did not start")
+            time.sleep(0.05)
+        return self
+
+    def state(self) -> dict[str, object]:
+        result: dict[str, object] = json.loads(self.state_file.read_text())
+        return result

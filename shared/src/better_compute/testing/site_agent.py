@@ -1,0 +1,108 @@
+"""``bc-site-agent`` as an OS process for tests: its config, state folder and logs in one folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..runtime.embedded import free_port
+
+__all__ = ["SiteAgentProcess"]
+
+
+@dataclass
+class SiteAgentProcess:
+    folder: Path
+    nats_url: str
+    subject_root: str
+    site_id: str
+    discovery: bool = False
+    extra_config: str = ""
+    public_url: str | None = None
+    """How machines reach the agent's HTTP (``http://10.0.2.2:<port>`` from a QEMU guest)."""
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    logs: list[Path] = field(default_factory=list)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.folder / "state"
+
+    @property
+    def config_file(self) -> Path:
+        return self.folder / "site-agent.toml"
+
+    @property
+    def token_file(self) -> Path:
+        return self.folder / "join-token"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def write_config(self, token: str | None) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if token is not None:
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(token + "\n")
+        self.config_file.write_text(
+            f'site_id = "{self.site_id}"\n'
+            f'nats_url = "{self.nats_url}"\n'
+            f'subject_root = "{self.subject_root}"\n'
+            f'state_dir = "{self.state_dir}"\n'
+            f'join_token_file = "{self.token_file}"\n'
+            f'http_listen = "127.0.0.1:{self.port}"\n'
+            + (f'public_url = "{self.public_url}"\n' if self.public_url else "")
+            + f"[netboot]\ndiscovery = {'true' if self.discovery else 'false'}\n"
+            + self.extra_config
+        )
+
+    def start(self) -> None:
+        log = self.folder / f"agent-{len(self.logs)}.log"
+        self.logs.append(log)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bc_site_agent",
+                    "--config",
+                    str(self.config_file),
+                    "--log-level",
+                    "debug",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "BC_LOG_JSON": "1"},
+            )
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def output(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in self.logs)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def files(self) -> list[Path]:
+        """Every file the agent wrote (state folder, logs)."""
+        return [p for p in self.folder.rglob("*") if p.is_file()]

@@ -1,0 +1,259 @@
+"""bc-site-agent as an operator runs it: its own process, joined with a site token from a file,
+BMC commands through the real command-queue with credentials from the real bc-secrets fetch
+gate, against sushy-emulator (behind a proxy that counts what reached the BMC)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import stat
+import urllib.error
+import urllib.request
+from base64 import b64encode
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from better_compute.cmdq_client import CommandQueueClient
+from better_compute.config import Settings
+from better_compute.core.ids import new_id
+from better_compute.pki_client import PkiClient
+from better_compute.secrets_client import SecretsClient
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses
+from better_compute.testing.agents import until
+from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, RedfishEmulator
+from better_compute.testing.site_agent import SiteAgentProcess
+from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
+
+SITE = "site-e2e"
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedfishEmulator]:
+    emu = RedfishEmulator(tmp_path_factory.mktemp("redfish")).start()
+    yield emu
+    emu.close()
+
+
+@dataclass
+class Site:
+    api: ApiClient
+    cq: CommandQueueClient
+    secrets: SecretsClient
+    agent: SiteAgentProcess
+    agent_id: str
+    proxy: FaultyProxy
+    emulator: RedfishEmulator
+    wf: str
+    node: str
+    steps: int = 0
+
+    async def run(self, kind: str, payload: dict[str, Any], *, timeout_ms: int = 60_000) -> CommandView:
+        """One command of a new workflow step, with the BMC's credential stored for that step."""
+        view = await self.enqueue(kind, payload, timeout_ms=timeout_ms)
+        return await self.settled(view.id)
+
+    async def enqueue(self, kind: str, payload: dict[str, Any], *, timeout_ms: int = 60_000) -> CommandView:
+        self.steps += 1
+        creds = json.dumps({"username": self.emulator.username, "password": self.emulator.password})
+        ref = (
+            await self.secrets.put(creds.encode(), tenant_id="root", workflow_id=self.wf, step=self.steps)
+        ).ref
+        bmc = {"driver": "redfish", "address": self.proxy.url, "credentialsRef": ref}
+        return await self.cq.enqueue(
+            EnqueueCommand(
+                node_id=self.node,
+                site_id=SITE,
+                kind=kind,
+                key=f"wf:{self.wf}:{self.steps}#1:{kind}",
+                workflow_id=self.wf,
+                step=self.steps,
+                payload={**payload, "bmc": bmc},
+                timeout_ms=timeout_ms,
+            )
+        )
+
+    async def settled(self, command_id: str) -> CommandView:
+        async def done() -> CommandView | None:
+            view = await self.cq.get(command_id)
+            return view if view.state in TERMINAL_STATES else None
+
+        result: CommandView = await until(done)
+        return result
+
+    def bmc(self, path: str = f"/redfish/v1/Systems/{SYSTEM_UUID}") -> dict[str, Any]:
+        req = urllib.request.Request(self.emulator.url + path)
+        auth = b64encode(f"{self.emulator.username}:{self.emulator.password}".encode()).decode()
+        req.add_header("Authorization", f"Basic {auth}")
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            doc: dict[str, Any] = json.loads(resp.read())
+            return doc
+
+    def resets(self) -> int:
+        return sum("ComputerSystem.Reset" in line for line in self.proxy.requests())
+
+
+async def _agent_id(cq: CommandQueueClient, before: set[str]) -> str | None:
+    new = [a.id for a in await cq.agents(site_id=SITE, connected=True) if a.id not in before]
+    return new[0] if new else None
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def site(
+    bc_api: ApiClient,
+    bc_processes: ServiceProcesses,
+    bc_settings: Settings,
+    emulator: RedfishEmulator,
+    tmp_path: Path,
+) -> AsyncIterator[Site]:
+    for service in ("bc-pki", "bc-secrets", "bc-command-queue"):
+        bc_processes.start(service)
+    await bc_processes.wait_ready()
+    cq = CommandQueueClient(bc_api)
+    token = await PkiClient(bc_api).issue_join_token(
+        tenant_id="root", role="site", site_id=SITE, ttl_seconds=600
+    )
+    proxy = FaultyProxy(tmp_path / "proxy", emulator.url).start()
+    agent = SiteAgentProcess(
+        folder=tmp_path / "site-agent",
+        nats_url=bc_settings.nats_url or "",
+        subject_root=bc_settings.subject_root,
+        site_id=SITE,
+    )
+    agent.write_config(token.token)
+    agent.start()
+    try:
+        agent_id = await until(lambda: _agent_id(cq, set()))
+        yield Site(
+            api=bc_api,
+            cq=cq,
+            secrets=SecretsClient(bc_api),
+            agent=agent,
+            agent_id=agent_id,
+            proxy=proxy,
+            emulator=emulator,
+            wf=new_id("wf"),
+            node=new_id("node"),
+        )
+    finally:
+        agent.close()
+        proxy.close()
+        print("--- site agent ---", agent.output()[-6000:], sep="\n")
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        data: bytes = resp.read()
+        return data
+
+
+def _health(url: str) -> dict[str, Any] | None:
+    try:
+        doc: dict[str, Any] = json.loads(_get(url + "/healthz"))
+    except urllib.error.HTTPError as err:  # 503 while not ready
+        err.close()
+        if err.code != 503:
+            raise
+        return None
+    return doc
+
+
+def ok(view: CommandView) -> dict[str, Any]:
+    assert view.state == "succeeded", (view.state, view.reason)
+    assert view.result is not None
+    doc: dict[str, Any] = json.loads(view.result)
+    return doc
+
+
+async def test_the_site_agent_drives_a_redfish_bmc_and_keeps_its_secrets(site: Site) -> None:
+    state = site.agent.state_dir
+    assert stat.S_IMODE((state / "enrollment.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    # ready once the agent pulls its commands, a moment after the command-queue saw its hello
+    health = await until(lambda: asyncio.to_thread(_health, site.agent.url))
+    assert health["status"] == "ok"
+    assert health["agentId"] == site.agent_id
+    assert "redfish" in health["drivers"]
+
+    assert ok(await site.run("power.setPower", {"action": "on"}))["powerState"] == "On"
+    assert site.bmc()["PowerState"] == "On"
+    got = ok(await site.run("management.setBootDevice", {"device": "pxe"}))
+    assert got["target"] == "Pxe"
+    assert site.bmc()["Boot"]["BootSourceOverrideTarget"] == "Pxe"
+    resets = site.resets()
+    assert ok(await site.run("power.setPower", {"action": "cycle"})) == {
+        "driver": "redfish",
+        "powerState": "On",
+        "changed": True,
+    }
+    assert site.resets() == resets + 1
+    inventory = ok(await site.run("management.inventory", {}))
+    assert sorted(n["mac"] for n in inventory["nics"]) == sorted(SYSTEM_MACS)
+
+    # A wrong credential: a typed failure naming the BMC call, the password nowhere.
+    site.emulator.password, real = "not-the-password-123", site.emulator.password
+    try:
+        failed = await site.run("management.inventory", {})
+    finally:
+        site.emulator.password = real
+    assert failed.state == "failed"
+    assert failed.reason is not None
+    assert failed.reason.startswith("DRIVER_ERROR")
+    assert "401" in failed.reason
+    assert "not-the-password-123" not in failed.reason
+
+    # site.httpProxy to the cloud metadata address: refused, even when recorded as the node's.
+    proxied = await site.cq.enqueue(
+        EnqueueCommand(
+            node_id=site.node,
+            site_id=SITE,
+            kind="site.httpProxy",
+            key=f"wf:{site.wf}:99#1:proxy",
+            workflow_id=site.wf,
+            step=99,
+            payload={"url": "http://169.254.169.254/latest/meta-data/", "nodeAddresses": ["169.254.169.254"]},
+        )
+    )
+    refused = await site.settled(proxied.id)
+    assert refused.state == "rejected"
+    assert refused.reason is not None
+    assert "ssrf-refused" in refused.reason
+
+    # SIGTERM: a clean stop; a restart does not need the join token again.
+    site.agent.signal(signal.SIGTERM)
+    assert site.agent.proc is not None
+    assert await asyncio.wait_for(asyncio.to_thread(site.agent.proc.wait), 20) == 0
+    site.agent.token_file.unlink()
+    site.agent.start()
+    assert ok(await site.run("power.setPower", {"action": "off"}))["powerState"] == "Off"
+
+    for secret in (real, "not-the-password-123"):
+        basic = b64encode(f"{site.emulator.username}:{secret}".encode())  # an Authorization header
+        for file in site.agent.files():
+            data = file.read_bytes()
+            assert secret.encode() not in data, file
+            assert basic not in data, file
+
+
+async def test_a_site_agent_killed_mid_command_never_runs_it_twice(site: Site) -> None:
+    ok(await site.run("power.setPower", {"action": "on"}))
+    before = site.resets()
+    view = await site.enqueue("power.setPower", {"action": "cycle"})
+    await until(lambda: site.resets() > before)  # the BMC got the reset: the agent now polls
+    site.agent.kill()
+    site.agent.start()
+    final = await site.settled(view.id)
+    assert final.state == "failed"
+    assert final.reason is not None
+    assert "interrupted" in final.reason
+    # The agent is back and serves the next command; the cycle reached the BMC exactly once.
+    ok(await site.run("management.inventory", {}))
+    assert site.resets() == before + 1
+    for file in site.agent.files():
+        assert site.emulator.password.encode() not in file.read_bytes(), file

@@ -1,0 +1,216 @@
+"""The site agent's BMC drivers against other people's BMCs, each its own process:
+sushy-emulator (fake driver, power lands 1-11 s late) behind a proxy that can misbehave, and
+pyghmi's own IPMI BMC on a loopback UDP port. What a user notices: the BMC's state changed (read
+back from the BMC itself), or a DRIVER_ERROR whose reason names the BMC call."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from base64 import b64encode
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from bc_site_agent.drivers import BmcCredentials, BmcTarget, Driver, make_driver
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.runtime.embedded import free_port
+from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, IpmiBmc, RedfishEmulator
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedfishEmulator]:
+    emu = RedfishEmulator(tmp_path_factory.mktemp("redfish")).start()
+    yield emu
+    emu.close()
+
+
+@pytest.fixture
+def proxy(emulator: RedfishEmulator, tmp_path: Path) -> Iterator[FaultyProxy]:
+    p = FaultyProxy(tmp_path / "proxy", emulator.url).start()
+    yield p
+    p.close()
+
+
+def bmc_get(emulator: RedfishEmulator, path: str) -> dict[str, object]:
+    """Read the BMC's own view, as an operator would with curl."""
+    req = urllib.request.Request(emulator.url + path)
+    auth = b64encode(f"{emulator.username}:{emulator.password}".encode()).decode()
+    req.add_header("Authorization", f"Basic {auth}")
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        doc: dict[str, object] = json.loads(resp.read())
+        return doc
+
+
+def redfish(url: str, emulator: RedfishEmulator, *, password: str | None = None, **kw: object) -> Driver:
+    target = BmcTarget(driver="redfish", address=url, **kw)  # type: ignore[arg-type]
+    return make_driver(
+        target, BmcCredentials(username=emulator.username, password=password or emulator.password)
+    )
+
+
+def system_path() -> str:
+    return f"/redfish/v1/Systems/{SYSTEM_UUID}"
+
+
+async def test_redfish_power_boot_media_inventory_converge_at_the_bmc(
+    emulator: RedfishEmulator, proxy: FaultyProxy, tmp_path: Path
+) -> None:
+    iso = b"fake-iso-bytes" * 100
+    server = _serve_bytes(iso)
+    try:
+        driver = redfish(proxy.url, emulator)
+        deadline = time.time() + 60
+        got = await driver.set_power("on", deadline=deadline)
+        assert got["powerState"] == "On"
+        assert bmc_get(emulator, system_path())["PowerState"] == "On"
+
+        got = await driver.set_power("cycle", deadline=time.time() + 60)
+        assert got == {"powerState": "On", "changed": True}
+        assert (
+            sum(" ComputerSystem.Reset" in r or "Actions/ComputerSystem.Reset" in r for r in proxy.requests())
+            == 2
+        )
+
+        await driver.set_boot_device("pxe", persistent=False, mode=None, deadline=time.time() + 30)
+        boot = bmc_get(emulator, system_path())["Boot"]
+        assert boot["BootSourceOverrideTarget"] == "Pxe"  # type: ignore[index]
+        # sushy-emulator always shows "Continuous"; what the BMC was asked for is what we can see
+        patch = [b for b in proxy.bodies() if b.startswith("PATCH")][-1]
+        assert '"BootSourceOverrideEnabled": "Once"' in patch
+
+        url = f"http://127.0.0.1:{server.server_port}/media.iso"
+        got = await driver.media_insert(url, device="cd", deadline=time.time() + 30)
+        assert got["inserted"] is True
+        got = await driver.media_eject(device="cd", deadline=time.time() + 30)
+        assert got["inserted"] is False
+
+        inv = await driver.inventory(deadline=time.time() + 30)
+        assert inv["system"]["uuid"] == SYSTEM_UUID
+        assert sorted(n["mac"] for n in inv["nics"]) == sorted(SYSTEM_MACS)
+        await driver.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_bmc_that_answers_500_for_a_while_then_recovers(
+    emulator: RedfishEmulator, proxy: FaultyProxy
+) -> None:
+    proxy.set(mode="error-count", left=6, status=503)
+    driver = redfish(proxy.url, emulator)
+    got = await driver.set_boot_device("disk", persistent=True, mode=None, deadline=time.time() + 30)
+    assert got["target"] == "Hdd"
+    await driver.close()
+    modes = [line.rsplit(" ", 1)[1] for line in proxy.requests()]
+    assert modes.count("error") == 6  # six 503s answered, then it went through
+    assert modes[-1] == "forward"
+    patch = [b for b in proxy.bodies() if b.startswith("PATCH")][-1]
+    assert '"BootSourceOverrideEnabled": "Continuous"' in patch
+
+
+async def driver_error(call: object) -> BcError:
+    try:
+        await call  # type: ignore[misc]
+    except BcError as err:
+        return err
+    finally:
+        owner = getattr(call, "cr_frame", None)
+        driver = owner.f_locals.get("self") if owner is not None else None
+        if driver is not None:
+            await driver.close()
+    raise AssertionError("no error")
+
+
+async def test_bmc_errors_are_driver_errors_that_name_the_call(
+    emulator: RedfishEmulator, proxy: FaultyProxy
+) -> None:
+    err = await driver_error(
+        redfish(proxy.url, emulator, password="wrong-password").inventory(deadline=time.time() + 5)
+    )
+    assert err.code is ErrorCode.DRIVER_ERROR
+    assert "401" in err.details["reason"]
+    assert "GET System inventory" in err.details["reason"]
+    assert "wrong-password" not in str(err)
+    assert "wrong-password" not in json.dumps(err.details)
+
+    err = await driver_error(
+        redfish(proxy.url, emulator, system_id="no-such").inventory(deadline=time.time() + 5)
+    )
+    assert err.code is ErrorCode.DRIVER_ERROR
+    assert "404" in err.details["reason"]
+
+    proxy.set(mode="malformed")
+    err = await driver_error(redfish(proxy.url, emulator).set_power("on", deadline=time.time() + 5))
+    assert err.code is ErrorCode.DRIVER_ERROR
+    assert "malformed" in err.details["reason"]
+    assert "GET System.PowerState" in err.details["reason"]
+
+    proxy.set(mode="error", status=500)
+    t0 = time.monotonic()
+    err = await driver_error(redfish(proxy.url, emulator).set_power("on", deadline=time.time() + 3))
+    assert err.code is ErrorCode.DRIVER_ERROR
+    assert "HTTP 500" in err.details["reason"]
+    assert "deadline" in err.details["reason"]
+    assert time.monotonic() - t0 < 6
+    assert len(proxy.requests()) > 3  # retried, not given up at once
+
+    proxy.set(mode="hang", seconds=20)
+    t0 = time.monotonic()
+    err = await driver_error(redfish(proxy.url, emulator).set_power("on", deadline=time.time() + 3))
+    assert err.code is ErrorCode.DRIVER_ERROR
+    assert "timed out" in err.details["reason"]
+    assert time.monotonic() - t0 < 8
+
+
+async def test_tls_is_verified_by_default(emulator: RedfishEmulator) -> None:
+    # A plain-HTTP BMC spoken to as https:// fails the handshake: never silently downgraded.
+    port = emulator.url.rsplit(":", 1)[1]
+    err = await driver_error(
+        redfish(f"https://127.0.0.1:{port}", emulator).inventory(deadline=time.time() + 5)
+    )
+    assert err.code is ErrorCode.DRIVER_ERROR
+
+
+async def test_ipmi_power_and_boot_device_against_pyghmis_bmc(tmp_path: Path) -> None:
+    bmc = IpmiBmc(tmp_path / "ipmi").start()
+    try:
+        target = BmcTarget(driver="ipmi", address=bmc.address)
+        driver = make_driver(target, BmcCredentials(username=bmc.username, password=bmc.password))
+        got = await driver.set_power("on", deadline=time.time() + 30)
+        assert got["powerState"] == "on"
+        assert bmc.state()["power"] == "on"
+        got = await driver.set_boot_device("pxe", persistent=False, mode=None, deadline=time.time() + 30)
+        assert got["device"] == "pxe"
+        assert bmc.state()["bootdev"] == "network"
+        got = await driver.set_power("off", deadline=time.time() + 30)
+        assert bmc.state()["power"] == "off"
+
+        bad = make_driver(target, BmcCredentials(username=bmc.username, password="not-the-password"))
+        err = await driver_error(bad.set_power("on", deadline=time.time() + 5))
+        assert err.code is ErrorCode.DRIVER_ERROR
+        assert "not-the-password" not in json.dumps(err.details) + str(err)
+    finally:
+        bmc.close()
+
+
+def _serve_bytes(data: bytes) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_HEAD = do_GET  # noqa: N815
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

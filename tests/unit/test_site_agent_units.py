@@ -1,0 +1,102 @@
+"""Site agent pieces without servers: the ``bmc`` payload, site-agent.toml, boot entries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bc_site_agent.config import load_config
+from bc_site_agent.drivers import BmcCredentials
+from bc_site_agent.netboot import LOCAL_BOOT_SCRIPT, BootEntries, entry_script
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.metal.commands import COMMAND_KINDS
+
+REF = "sec_" + "A" * 26
+
+
+def refusal(call: object) -> tuple[ErrorCode, str | None]:
+    try:
+        call()  # type: ignore[operator]
+    except BcError as err:
+        return err.code, err.path
+    raise AssertionError("accepted")
+
+
+def test_bmc_commands_carry_which_bmc_and_bad_ones_name_the_field() -> None:
+    power = COMMAND_KINDS["power.setPower"].payload
+    bmc = {"driver": "redfish", "address": "https://10.0.0.9", "credentialsRef": REF}
+    got = power.validate({"action": "cycle", "bmc": bmc})
+    assert got["bmc"] == {**bmc, "insecure": False}
+    assert power.validate({"action": "on"}) == {"action": "on"}  # bmc stays optional for now
+    bad = {**bmc, "driver": "telnet"}
+    assert refusal(lambda: power.validate({"action": "on", "bmc": bad})) == (
+        ErrorCode.INVALID_INPUT,
+        "bmc.driver",
+    )
+    assert refusal(
+        lambda: COMMAND_KINDS["management.inventory"].payload.validate(
+            {"bmc": {**bmc, "credentialsRef": "pw"}}
+        )
+    ) == (ErrorCode.INVALID_INPUT, "bmc.credentialsRef")
+    entry = COMMAND_KINDS["netboot.setEntry"].payload
+    assert refusal(lambda: entry.validate({"mac": "nope", "kernel": "http://x/k"})) == (
+        ErrorCode.INVALID_INPUT,
+        "mac",
+    )
+
+
+def test_credentials_never_show_their_password() -> None:
+    creds = BmcCredentials(username="admin", password="hunter2-long")
+    assert "hunter2-long" not in repr(creds)
+
+
+def test_config_problems_name_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "site-agent.toml"
+    cfg.write_text('site_id = "Site A"\nstate_dir = "/x"\n')
+    assert refusal(lambda: load_config(cfg, env={"BC_NATS_URL": "nats://x"})) == (
+        ErrorCode.INVALID_CONFIG,
+        "site_id",
+    )
+    cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\nhttp_listen = "nope"\n')
+    assert refusal(lambda: load_config(cfg, env={"BC_NATS_URL": "nats://x"})) == (
+        ErrorCode.INVALID_CONFIG,
+        "http_listen",
+    )
+    cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\n[cache]\nmax_bytes = -1\n')
+    assert refusal(lambda: load_config(cfg, env={"BC_NATS_URL": "nats://x"})) == (
+        ErrorCode.INVALID_CONFIG,
+        "cache.max_bytes",
+    )
+    cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\n')
+    assert refusal(lambda: load_config(cfg, env={})) == (ErrorCode.INVALID_CONFIG, "nats_url")
+
+
+def test_a_one_time_entry_is_served_once_and_survives_a_restart(tmp_path: Path) -> None:
+    entries = BootEntries(tmp_path / "netboot")
+    entries.set(
+        {"mac": "52-54-00-AA-BB-01", "kernel": "http://h/k", "initrd": "http://h/i", "cmdline": "a=b"}
+    )
+    again = BootEntries(tmp_path / "netboot")  # another process life
+    entry = again.take("52:54:00:aa:bb:01")
+    assert entry is not None
+    script = entry_script(entry)
+    assert "kernel http://h/k a=b" in script
+    assert "initrd http://h/i" in script
+    assert again.take("52:54:00:aa:bb:01") is None
+    assert (tmp_path / "netboot").stat().st_mode & 0o077 == 0
+    assert LOCAL_BOOT_SCRIPT.rstrip().endswith("exit")
+
+
+def test_boot_entries_refuse_line_breaks_in_the_command_line(tmp_path: Path) -> None:
+    entries = BootEntries(tmp_path / "netboot")
+    with pytest.raises(BcError) as exc:
+        entries.set({"mac": "52:54:00:aa:bb:01", "kernel": "http://h/k", "cmdline": "a\nshell"})
+    assert exc.value.path == "cmdline"
+
+
+def test_the_deploy_example_config_loads() -> None:
+    example = Path(__file__).parents[2] / "deploy" / "site-agent.example.toml"
+    config = load_config(example, env={})
+    assert config.site_id == "eu1"
+    assert config.control_plane_addresses == ("10.20.0.2",)
