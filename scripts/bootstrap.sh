@@ -11,4 +11,3 @@ else
   UV=(python3 -m uv)
 fi
 "${UV[@]}" sync --frozen --all-packages --all-extras --quiet
-source "$(dirname "${BASH_SOURCE[0]}")/system-packages.sh"

@@ -1,19 +1,21 @@
-# Sourced by bootstrap.sh: the Debian packages the tests need that no wheel brings.
+# Sourced by scripts/test.sh: the Debian packages the tests need that no wheel brings.
 # QEMU with its iPXE network ROMs runs the site agent's network-boot test (a real iPXE client,
-# user-mode networking, no root network set-up). Installed as root with apt-get when missing;
-# without root, say what is missing and carry on (that test then fails, it is never skipped).
-_bc_need_qemu() {
-  ! command -v qemu-system-x86_64 >/dev/null 2>&1 || [ ! -e /usr/lib/ipxe/qemu/pxe-e1000.rom ]
-}
-if _bc_need_qemu; then
+# user-mode networking, no root network set-up); e2fsprogs and util-linux make and find the
+# file-system signatures bcd's wipe test erases. Installed as root with apt-get when missing;
+# without root, say what is missing and carry on (those tests then fail, they are never skipped).
+_bc_missing=()
+if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then _bc_missing+=(qemu-system-x86); fi
+if [ ! -e /usr/lib/ipxe/qemu/pxe-e1000.rom ]; then _bc_missing+=(ipxe-qemu); fi
+if ! command -v mkfs.ext4 >/dev/null 2>&1; then _bc_missing+=(e2fsprogs); fi
+if ! command -v wipefs >/dev/null 2>&1; then _bc_missing+=(util-linux); fi
+if [ "${#_bc_missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "bootstrap: installing qemu-system-x86 and ipxe-qemu with apt-get" >&2
+    echo "bootstrap: installing ${_bc_missing[*]} with apt-get" >&2
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      qemu-system-x86 ipxe-qemu >&2
+      "${_bc_missing[@]}" >&2
   else
-    echo "bootstrap: qemu-system-x86 and ipxe-qemu are missing (install them as root;" \
-      "the network-boot test needs them)" >&2
+    echo "bootstrap: missing ${_bc_missing[*]} (install them as root; tests need them)" >&2
   fi
 fi
-unset -f _bc_need_qemu
+unset _bc_missing

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
+source scripts/system-packages.sh
 echo "== ruff check" && "${UV[@]}" run --frozen ruff check .
 echo "== ruff format --check" && "${UV[@]}" run --frozen ruff format --check .
 echo "== mypy --strict" && "${UV[@]}" run --frozen mypy

@@ -109,7 +109,6 @@ def _sigs(path: Path) -> list[str]:
         os.close(fd)
 
 
-@pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="needs mkfs.ext4")
 def test_wipe_erases_every_table_and_superblock_wipefs_would_find(tmp_path: Path) -> None:
     m = machine(tmp_path, disks=(DiskSpec("vdb", size=96 << 20), DiskSpec("vdc", size=96 << 20)))
     vdb, vdc = m.root / "dev/vdb", m.root / "dev/vdc"
