@@ -783,11 +783,13 @@ class CommandQueueService(Service):
         cur = await self._db.fetchrow(store.CLAIM_STATE, ev.command_id)
         if cur is None:
             return AckReply(proceed=False, reason="unknown-command")
+        # Not for good: the command may be handed to this agent later (another agent fell
+        # silent), and a genuine delivery may follow one that was not what we sent.
         if cur["agent_id"] != ev.agent:
-            return AckReply(proceed=False, reason="not-yours")
+            return AckReply(proceed=False, reason="not-yours", again=True)
         if bytes(cur["digest"]) != digest:
             self.log.warning("claim_digest_mismatch", command_id=ev.command_id, agent_id=ev.agent)
-            return AckReply(proceed=False, reason="digest-mismatch")
+            return AckReply(proceed=False, reason="digest-mismatch", again=True)
         state = cur["state"]
         if state in TERMINAL_STATES:
             return AckReply(proceed=False, state=state, reason=state)
