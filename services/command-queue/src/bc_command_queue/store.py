@@ -182,13 +182,14 @@ AGENT_COMMANDS_TO_REPUBLISH: Final = (
 )
 
 # $1 retention in days: finished commands untouched that long go, a thousand at a time
-# (index commands_retention)
+# (index commands_retention; the ids as an array, so the delete probes the primary key rather
+# than joining against the whole table)
 PURGE_FINISHED: Final = f"""
 WITH gone AS (
-    DELETE FROM commands WHERE id IN (
+    DELETE FROM commands WHERE id = ANY (ARRAY(
         SELECT id FROM commands WHERE state IN {_TERMINAL}
            AND updated_at < now() - make_interval(days => $1)
-        LIMIT 1000 FOR UPDATE SKIP LOCKED)
+        LIMIT 1000 FOR UPDATE SKIP LOCKED))
     RETURNING 1)
 SELECT count(*) FROM gone
 """
