@@ -41,11 +41,11 @@ from better_compute.wire.codec import convert
 from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
-from .batches import DispatchPending
 from .commands import check_name, invalid
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries, Streams
 from .signers import Signer, Signers
+from .sweeper import DispatchPending
 
 __all__ = ["Agents"]
 

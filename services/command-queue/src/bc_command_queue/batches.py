@@ -9,7 +9,7 @@ again, and one no longer approved takes its dispatched, unclaimed commands back 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from better_compute.cmdq_client import (
@@ -34,10 +34,9 @@ from better_compute.wire.paging import decode_cursor, take_page
 from . import store
 from .config import CmdqConfig
 from .delivery import Changed
+from .sweeper import DispatchPending
 
 __all__ = ["Batches"]
-
-DispatchPending = Callable[..., Awaitable[int]]
 
 
 class Batches:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from better_compute.service import Database
@@ -20,10 +20,13 @@ from . import store
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries
 
-__all__ = ["Sweeper"]
+__all__ = ["DispatchPending", "Sweeper"]
 
 _DISPATCH_BATCH = 200
 _RETENTION_EVERY_S = 600.0
+
+DispatchPending = Callable[..., Awaitable[int]]
+"""``Sweeper.dispatch_pending``: dispatch what may go now (of one site, or of one batch)."""
 
 
 class Sweeper:
