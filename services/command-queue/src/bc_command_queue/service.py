@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from nats.aio.msg import Msg
 
@@ -38,6 +38,15 @@ from .sweeper import Sweeper
 __all__ = ["CommandQueueService"]
 
 
+class Parts(NamedTuple):
+    """The service's parts, made at start (they need the database, NATS and the app)."""
+
+    commands: Commands
+    agents: Agents
+    batches: Batches
+    sweeper: Sweeper
+
+
 class CommandQueueService(Service):
     """Command queue: commands, per-site streams, agents, destructive-batch quorum"""
 
@@ -51,7 +60,7 @@ class CommandQueueService(Service):
         super().__init__(settings)
         self.config = config if config is not None else CmdqConfig.from_env()
         self.signers: Signers | None = None
-        self._parts: tuple[Commands, Agents, Batches, Sweeper] | None = None
+        self._parts: Parts | None = None
 
     async def on_start(self) -> None:
         assert self.nc is not None
@@ -96,7 +105,7 @@ class CommandQueueService(Service):
         commands = Commands(
             db=db, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
-        self._parts = (commands, agents, batches, sweeper)
+        self._parts = Parts(commands, agents, batches, sweeper)
         await batches.recount_all()
         # One instance handles each agent event (queue group); every instance evicts a
         # revoked certificate from its own cache.
@@ -114,12 +123,12 @@ class CommandQueueService(Service):
         )
 
     @property
-    def parts(self) -> tuple[Commands, Agents, Batches, Sweeper]:
+    def parts(self) -> Parts:
         assert self._parts is not None, "the service has not started"
         return self._parts
 
     def routes(self) -> Mapping[str, Handler]:
-        commands, agents, batches, _sweeper = self.parts
+        commands, agents, batches = self.parts.commands, self.parts.agents, self.parts.batches
         return {
             "commands.enqueue": commands.enqueue,
             "commands.get": commands.get,
@@ -137,16 +146,16 @@ class CommandQueueService(Service):
         }
 
     def side_loops(self) -> Mapping[str, Any]:
-        sweeper = self.parts[3]
+        sweeper = self.parts.sweeper
         return {"sweeper": sweeper.run, "retention": sweeper.retention}
 
     async def sweep(self) -> None:
         """One pass of every timed duty; safe in several instances at once."""
-        await self.parts[3].sweep()
+        await self.parts.sweeper.sweep()
 
     async def purge(self) -> int:
         """Delete finished commands older than the retention (see ``Sweeper.purge``)."""
-        return await self.parts[3].purge()
+        return await self.parts.sweeper.purge()
 
     async def _changed(self, rows: Sequence[Any]) -> None:
         """Publish each changed command's event: the engine wakes on it."""
