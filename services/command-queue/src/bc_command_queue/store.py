@@ -24,7 +24,6 @@ __all__ = [
     "AGENT_COMMANDS_TO_REPUBLISH",
     "AGENT_HEARTBEAT",
     "AGENT_LEAVE",
-    "AGENT_SEEN",
     "AGENT_UPSERT",
     "APPROVALS_OF",
     "APPROVALS_OF_BATCHES",
@@ -423,7 +422,6 @@ UPDATE agents SET last_seen = now() - {_SECS.format(p="$3")} - interval '1 secon
 WHERE id = $1 AND last_signed_ms < $2
 RETURNING site_id, role
 """
-AGENT_SEEN: Final = "UPDATE agents SET last_seen = now() WHERE id = $1"
 # The site a node is known in here: its own agent's certificate, else its latest command.
 SITE_OF_NODE: Final = """
 SELECT coalesce(
