@@ -17,7 +17,15 @@ import msgspec
 from bc_command_queue.config import CmdqConfig
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Agent, Enrollment
-from better_compute.agent.protocol import Ack, Hello, Result, payload_digest, sign_event
+from better_compute.agent.protocol import (
+    Ack,
+    CommandDelivery,
+    Heartbeat,
+    Hello,
+    Result,
+    payload_digest,
+    sign_event,
+)
 from better_compute.agent.sim import join_agent, sim_handlers
 from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
@@ -26,6 +34,7 @@ from better_compute.core.ids import new_id
 from better_compute.runtime.embedded import EmbeddedNats, nats_server_binary, spawn_detached, wait_port
 from better_compute.service import ApiClient, connect
 from better_compute.testing import ServiceProcesses
+from better_compute.testing.agents import until
 from better_compute.wire import Subjects, unwrap
 from better_compute.wire.cmdq import EnqueueCommand
 
@@ -239,5 +248,71 @@ async def test_a_lost_agents_unfinished_command_fails_with_a_reason(
         # its result, should it ever come, changes nothing
         late = await send("result", Result(**base(), command_id=view.id, status="succeeded", result=b"{}"))
         assert late["recorded"] is False
+        svc.request_stop()
+        await run
+
+
+async def test_a_command_refused_as_not_yours_still_runs_when_it_is_dispatched_to_that_agent_later(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> None:
+    """An agent that claims a delivery of a command handed to another agent hears
+    ``not-yours``: not now, but not for good. When the command comes to it later (the other
+    agent fell silent), it runs it."""
+    bc_processes.start("bc-pki")
+    await bc_processes.wait_ready()
+    # the other agent never beats: long enough a silence that only its leaving reassigns
+    config = CmdqConfig(heartbeat_ms=200, silent_after_ms=3_000, redeliver_after_ms=1_000, sweep_ms=100)
+    cq = CommandQueueClient(bc_api)
+    async with CommandQueueService(bc_settings, config=config) as svc:
+        run = asyncio.create_task(svc.run())
+        site = "site-y"
+        # the other agent: it says hello (it holds the boot lease) and never claims anything
+        other = await join_agent(bc_api, site_id=site)
+
+        async def send(kind: str, event: Any) -> Any:
+            subject = bc_api.subjects.agent_event(site, other.agent_id, kind)
+            data = sign_event(other.identity, kind, event)
+            return unwrap((await bc_api.nc.request(subject, data, timeout=5)).data)
+
+        def base() -> dict[str, Any]:
+            now_ms = time.time_ns() // 1_000_000
+            return {"site": site, "agent": other.agent_id, "signer_id": other.cert_id, "signed_at_ms": now_ms}
+
+        assert (await send("hello", Hello(**base())))["bootLease"] is True
+        enrollment = await join_agent(bc_api, site_id=site)
+        async with running(make_agent(enrollment, tmp_path, bc_api)):
+            view = await cq.enqueue(
+                EnqueueCommand(
+                    node_id=new_id("node"),
+                    site_id=site,
+                    kind="power.setPower",
+                    payload={"action": "on"},
+                    key="p",
+                )
+            )
+            assert (view.state, view.agent_id) == ("dispatched", other.agent_id)
+            # a copy of its delivery reaches our agent (as an old one does after a reassignment)
+            payload = msgspec.Raw(msgspec.json.encode(view.payload, order="sorted"))
+            copy = CommandDelivery(
+                id=view.id, kind=view.kind, payload=payload,
+                node_id=view.node_id, site_id=site, agent_id=enrollment.agent_id, key=view.key,
+                not_after_ms=int(view.not_after * 1000),
+            )  # fmt: skip
+            js = bc_api.nc.jetstream()
+            await js.publish(bc_api.subjects.site_cmd(site, enrollment.agent_id), msgspec.json.encode(copy))
+            stream = bc_api.subjects.site_stream(site)
+
+            async def handled() -> bool:
+                info = await js.consumer_info(stream, enrollment.agent_id)
+                return (
+                    info.num_pending == 0 and info.num_ack_pending == 0 and info.delivered.consumer_seq >= 1
+                )
+
+            await asyncio.wait_for(until(handled), 10)
+            # the other agent leaves: the command comes to ours, which runs it
+            await send("heartbeat", Heartbeat(**base(), leaving=True))
+            done = await cq.wait(view.id, timeout=15)
+            assert (done.state, done.agent_id) == ("succeeded", enrollment.agent_id)
+            assert executions(tmp_path / "exec.log") == [f"{view.id} power.setPower"]
         svc.request_stop()
         await run

@@ -221,3 +221,22 @@ def test_a_bad_approvers_file_is_invalid_config_and_the_service_will_not_start(
     )
     assert out.returncode == 1
     assert "INVALID_CONFIG" in out.stdout + out.stderr
+
+
+async def test_listed_batches_show_each_its_own_approvals(quorum: Quorum) -> None:
+    cq = quorum.cq
+    wf = new_id("wf")
+    batches = [
+        await cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node], workflow_id=wf) for _ in range(3)
+    ]
+    await quorum.approve(batches[0], "alice")
+    await quorum.approve(batches[0], "bob")
+    await quorum.approve(batches[2], "carol")
+    listed = {b.id: b for b in await cq.list_batches(workflow_id=wf)}
+    assert {ident: [a.approver_id for a in b.approvals] for ident, b in listed.items()} == {
+        batches[0].id: ["alice", "bob"],
+        batches[1].id: [],
+        batches[2].id: ["carol"],
+    }
+    assert [listed[b.id].state for b in batches] == ["approved", "open", "open"]
+    assert all(a.counted for b in listed.values() for a in b.approvals)

@@ -6,22 +6,36 @@ message leaves the stream once its agent acknowledged it. Every publication carr
 PostgreSQL: publishing again what may not have reached the stream (same ``n``) adds nothing
 if it did, while a deliberate new delivery (``n + 1``) is not swallowed by the stream's
 duplicate window even when the first one was consumed.
+
+``Deliveries`` publishes commands only after their change committed, never while a row is
+locked: a publication that fails (or an instance that dies before it) leaves the command
+dispatched without ``published_at``, and the sweeper publishes it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as Nats
 from nats.js import api
 
+from better_compute.agent.protocol import CommandDelivery
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.service import Database
 from better_compute.wire import Subjects
+from better_compute.wire.codec import encode
 
-__all__ = ["Streams", "consumer_name"]
+from . import store
+
+__all__ = ["Changed", "Deliveries", "Streams", "consumer_name"]
+
+Changed = Callable[[Sequence[Any]], Awaitable[None]]
+"""Publishes the event of each changed command row (the engine wakes on it)."""
 
 _DUPLICATE_WINDOW_S: Final = 120.0
 _STREAM_IN_USE: Final = 10058  # "stream name already in use with a different configuration"
@@ -140,6 +154,61 @@ class Streams:
             self.forget(site_id)
             raise _unavailable("the site's stream did not take the command", exc) from exc
         return int(ack.seq)
+
+
+class Deliveries:
+    """Publishes dispatched commands on their sites' streams and records each publication."""
+
+    def __init__(self, db: Database, streams: Streams, log: Any) -> None:
+        self.db = db
+        self.streams = streams
+        self.log = log
+
+    async def publish(self, row: Any, *, again: bool = False) -> bool:
+        """Publish a delivery. ``again``: the same publication as the last recorded one (a
+        no-op while the stream's duplicate window remembers it); otherwise a new one."""
+        generation = max(row["publishes"] - 1, 0) if again else row["publishes"]
+        try:
+            seq = await self.streams.publish(
+                site_id=row["site_id"],
+                agent_id=row["agent_id"],
+                command_id=row["id"],
+                body=delivery_body(row),
+                generation=generation,
+            )
+        except BcError as err:
+            self.log.warning("delivery_deferred", command_id=row["id"], error=err.message)
+            return False
+        await self.db.execute(store.PUBLISHED, row["id"], row["agent_id"], seq)
+        return True
+
+    async def deliver(self, rows: Sequence[Any], *, again: bool = False) -> bool:
+        """Publish each row in turn; False when the stream is in trouble (the sweeper publishes
+        the rest later)."""
+        for row in rows:
+            if not await self.publish(row, again=again):
+                return False
+        return True
+
+
+def delivery_body(row: Any) -> bytes:
+    """A ``commands`` row as the delivery its agent receives."""
+    return encode(
+        CommandDelivery(
+            id=row["id"],
+            kind=row["kind"],
+            payload=msgspec.Raw(row["payload"].encode()),
+            node_id=row["node_id"],
+            site_id=row["site_id"],
+            agent_id=row["agent_id"],
+            key=row["key"],
+            destructive=row["destructive"],
+            not_after_ms=int(row["not_after"].timestamp() * 1000),
+            batch_id=row["batch_id"],
+            workflow_id=row["workflow_id"],
+            step=row["step"],
+        )
+    )
 
 
 def _unavailable(message: str, exc: BaseException) -> BcError:

@@ -1,8 +1,11 @@
 """SQL of the cmdq schema, as named statements, and rows turned into views.
 
-Every state change is a compare-and-set: an ``UPDATE … WHERE state IN (…)`` that returns the
-row it changed, so a duplicate or late event changes nothing. Loops that several instances
-run at once take their rows with ``FOR UPDATE SKIP LOCKED``.
+Every statement of the service is here, and only here (over 400 lines for that reason: one
+place to read and review every query the service runs). Every state change is a
+compare-and-set: an ``UPDATE … WHERE state IN (…)`` that returns the row it changed, so a
+duplicate or late event changes nothing. Loops that several instances run at once take their
+rows with ``FOR UPDATE SKIP LOCKED``, in one statement: no row stays locked while the service
+talks to NATS.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any, Final
 import msgspec
 
 from better_compute.cmdq_client import AgentView
-from better_compute.wire.cmdq import CommandEvent, CommandView
+from better_compute.wire.cmdq import TERMINAL_STATES, CommandEvent, CommandView
 
 __all__ = [
     "ACK",
@@ -21,9 +24,9 @@ __all__ = [
     "AGENT_COMMANDS_TO_REPUBLISH",
     "AGENT_HEARTBEAT",
     "AGENT_LEAVE",
-    "AGENT_SEEN",
     "AGENT_UPSERT",
     "APPROVALS_OF",
+    "APPROVALS_OF_BATCHES",
     "APPROVAL_INSERT",
     "BATCHES_BY_IDS",
     "BATCHES_LIST",
@@ -46,7 +49,8 @@ __all__ = [
     "COMMAND_BY_NODE_KEY",
     "COMMAND_INSERT",
     "COMMAND_STATE",
-    "DISPATCH",
+    "COMMAND_STATES",
+    "DISPATCH_PENDING",
     "EXPIRE_BATCH_EXPIRED",
     "EXPIRE_DUE",
     "FAIL_LOST",
@@ -57,10 +61,10 @@ __all__ = [
     "LEASE_RENEW",
     "LIST_COMMANDS",
     "LIVE_WITH_PREFIX",
-    "PENDING_TO_DISPATCH",
     "PICK_SITE_AGENT",
     "PROGRESS",
     "PUBLISHED",
+    "PURGE_FINISHED",
     "REASSIGN_SILENT",
     "REPUBLISH_DUE",
     "RESULT",
@@ -76,6 +80,7 @@ _COLS: Final = (
     " c.result, c.attested, c.created_at, c.updated_at, c.not_after, c.dispatched_at, c.publishes"
 )
 _LIVE: Final = "('pending', 'dispatched', 'acked', 'running')"
+_TERMINAL: Final = "(" + ", ".join(f"'{state}'" for state in sorted(TERMINAL_STATES)) + ")"
 _KEY_UNDER: Final = "(c.key = {p} OR starts_with(c.key, {p} || ':') OR starts_with(c.key, {p} || '#'))"
 _SECS: Final = "make_interval(secs => {p}::double precision / 1000)"
 
@@ -83,6 +88,7 @@ _SECS: Final = "make_interval(secs => {p}::double precision / 1000)"
 
 COMMAND_BY_ID: Final = f"SELECT {_COLS} FROM commands c WHERE c.id = $1"
 COMMAND_BY_NODE_KEY: Final = f"SELECT {_COLS} FROM commands c WHERE c.node_id = $1 AND c.key = $2"
+COMMAND_STATES: Final = "SELECT id, state FROM commands WHERE id = ANY($1::text[])"
 COMMAND_STATE: Final = (
     "SELECT id, node_id, kind, state, agent_id, digest, not_after > now() AS live FROM commands WHERE id = $1"
 )
@@ -125,31 +131,42 @@ PUBLISHED: Final = (
     " WHERE id = $1 AND agent_id = $2 AND state IN ('dispatched', 'acked')"
 )
 
-# $1 quorum on, $2 site (or NULL), $3 batch (or NULL), $4 limit, $5 silent_after_ms. Site
-# commands of a site without a connected agent are left out, so they never starve the others.
-PENDING_TO_DISPATCH: Final = f"""
-SELECT c.id, c.site_id, c.target, c.kind, c.node_id FROM commands c
-LEFT JOIN batches b ON b.id = c.batch_id
-WHERE c.state = 'pending' AND c.not_after > now()
-  AND (NOT c.destructive OR NOT $1::bool
-       OR (b.approved_at IS NOT NULL AND b.expires_at > now()))
-  AND ($2::text IS NULL OR c.site_id = $2)
-  AND ($3::text IS NULL OR c.batch_id = $3)
-  AND (c.target = 'node' OR EXISTS (
-      SELECT 1 FROM agents a WHERE a.site_id = c.site_id AND a.role = 'site'
-        AND a.last_seen > now() - {_SECS.format(p="$5")}))
-ORDER BY c.created_at LIMIT $4
-FOR UPDATE OF c SKIP LOCKED
-"""
-DISPATCH: Final = f"""
-UPDATE commands c SET state = 'dispatched', agent_id = $2, dispatched_at = now(),
+# $1 quorum on, $2 site (or NULL), $3 batch (or NULL), $4 limit, $5 silent_after_ms: pending
+# commands that may go now, dispatched in one statement, each site command to the agent picked
+# for its site and kind (a node command to its node). Site commands of a site without a
+# connected agent are left out, so they never starve the others.
+DISPATCH_PENDING: Final = f"""
+WITH due AS (
+    SELECT c.id, c.site_id, c.target, c.kind, c.node_id FROM commands c
+    LEFT JOIN batches b ON b.id = c.batch_id
+    WHERE c.state = 'pending' AND c.not_after > now()
+      AND (NOT c.destructive OR NOT $1::bool
+           OR (b.approved_at IS NOT NULL AND b.expires_at > now()))
+      AND ($2::text IS NULL OR c.site_id = $2)
+      AND ($3::text IS NULL OR c.batch_id = $3)
+      AND (c.target = 'node' OR EXISTS (
+          SELECT 1 FROM agents a WHERE a.site_id = c.site_id AND a.role = 'site'
+            AND a.last_seen > now() - {_SECS.format(p="$5")}))
+    ORDER BY c.created_at LIMIT $4
+    FOR UPDATE OF c SKIP LOCKED
+), pick AS (
+    SELECT s.site_id, s.kind, ({_PICK.format(site="s.site_id", silent="$5", kind="s.kind")}) AS agent_id
+    FROM (SELECT DISTINCT site_id, kind FROM due WHERE target = 'site') s
+), go AS (
+    SELECT due.id, CASE WHEN due.target = 'node' THEN due.node_id ELSE pick.agent_id END AS agent_id
+    FROM due LEFT JOIN pick
+      ON due.target = 'site' AND pick.site_id = due.site_id AND pick.kind = due.kind
+)
+UPDATE commands c SET state = 'dispatched', agent_id = go.agent_id, dispatched_at = now(),
     published_at = NULL, reason = NULL, updated_at = now()
-WHERE c.id = $1 AND c.state = 'pending'
+FROM go WHERE c.id = go.id AND go.agent_id IS NOT NULL AND c.state = 'pending'
 RETURNING {_COLS}
 """
 
 # Dispatched and never published (the stream did not take it, or the instance died before),
-# or published long ago and still not claimed although its agent is connected.
+# or published long ago and still not claimed although its agent is connected. Read without a
+# lock: instances that publish the same row at once publish the same message id, which the
+# stream keeps once; a row that changed meanwhile records nothing (PUBLISHED checks its agent).
 REPUBLISH_DUE: Final = f"""
 SELECT {_COLS} FROM commands c LEFT JOIN agents a ON a.id = c.agent_id
 WHERE c.state = 'dispatched' AND (
@@ -157,12 +174,24 @@ WHERE c.state = 'dispatched' AND (
     OR (c.published_at < now() - {_SECS.format(p="$1")}
         AND a.last_seen > now() - {_SECS.format(p="$2")}))
 ORDER BY c.dispatched_at LIMIT 200
-FOR UPDATE OF c SKIP LOCKED
 """
 AGENT_COMMANDS_TO_REPUBLISH: Final = (
     f"SELECT {_COLS} FROM commands c"
     " WHERE c.agent_id = $1 AND c.state IN ('dispatched', 'acked') ORDER BY c.dispatched_at"
 )
+
+# $1 retention in days: finished commands untouched that long go, a thousand at a time
+# (index commands_retention; the ids as an array, so the delete probes the primary key rather
+# than joining against the whole table)
+PURGE_FINISHED: Final = f"""
+WITH gone AS (
+    DELETE FROM commands WHERE id = ANY (ARRAY(
+        SELECT id FROM commands WHERE state IN {_TERMINAL}
+           AND updated_at < now() - make_interval(days => $1)
+        LIMIT 1000 FOR UPDATE SKIP LOCKED))
+    RETURNING 1)
+SELECT count(*) FROM gone
+"""
 
 # $1 quorum on
 EXPIRE_DUE: Final = f"""
@@ -393,7 +422,6 @@ UPDATE agents SET last_seen = now() - {_SECS.format(p="$3")} - interval '1 secon
 WHERE id = $1 AND last_signed_ms < $2
 RETURNING site_id, role
 """
-AGENT_SEEN: Final = "UPDATE agents SET last_seen = now() WHERE id = $1"
 # The site a node is known in here: its own agent's certificate, else its latest command.
 SITE_OF_NODE: Final = """
 SELECT coalesce(
@@ -474,6 +502,10 @@ APPROVAL_INSERT: Final = (
 APPROVALS_OF: Final = (
     "SELECT approver_id, signature, created_at FROM approvals WHERE batch_id = $1"
     " ORDER BY created_at, approver_id"
+)
+APPROVALS_OF_BATCHES: Final = (
+    "SELECT batch_id, approver_id, signature, created_at FROM approvals WHERE batch_id = ANY($1::text[])"
+    " ORDER BY batch_id, created_at, approver_id"
 )
 
 

@@ -63,6 +63,12 @@ MAX_RESULT_BYTES: Final = 512 * 1024
 _WAIT_FOR: Final = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 """The command queue is not there now: ask again until it is (or the agent stops)."""
 _INTERNAL_TRIES: Final = 5
+_NOT_FINAL: Final = frozenset({"not-yours", "digest-mismatch"})
+"""Claim refusals that hold for this delivery only, whatever the queue's ``again`` says: the
+command is another agent's now (it may be handed to this one later: journaled, that delivery
+would be dropped unrun), or this delivery is not what the queue sent (a genuine one may follow).
+Every other refusal (a settled or expired command, an unknown one, another journal's claim) holds
+for the command and is journaled."""
 
 
 class _Stopping(Exception):  # noqa: N818 - control flow, never leaves this module
@@ -470,7 +476,8 @@ class Agent:
             reason, final = refusal
             if final:
                 await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason=reason)
-            # Not final: the command waits (for its batch's approval) and comes in a new delivery.
+            # Not final: the command waits (for its batch's approval, or to be handed to this
+            # agent) and comes in a new delivery, which is claimed afresh.
             await _ack(msg)
             return
         # Durable before the handler runs: from here on, this command never runs again.
@@ -517,7 +524,8 @@ class Agent:
             reason=reply.reason,
             again=reply.again,
         )
-        return reply.reason or reply.state or "refused", not reply.again
+        reason = reply.reason or reply.state or "refused"
+        return reason, not reply.again and reason not in _NOT_FINAL
 
     async def _execute(self, delivery: CommandDelivery, msg: Msg, log: Any) -> None:
         assert self.journal is not None

@@ -1,0 +1,333 @@
+"""Commands: enqueue, read, cancel.
+
+A command is a row in PostgreSQL (the truth). Enqueue is find-before-create on the node's key;
+a site command goes out at once when an agent is there (and, for a destructive one, its batch
+was approved), else it waits ``pending`` for the sweeper's dispatch.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Final
+
+import msgspec
+
+from better_compute.agent.protocol import payload_digest
+from better_compute.app import App
+from better_compute.cmdq_client import CancelReply, CommandIdRequest, CommandList, ListCommands
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id, parse_id
+from better_compute.core.plugins import CommandKind
+from better_compute.service import ApiRequest, Database
+from better_compute.wire.cmdq import (
+    MAX_STATE_QUERY,
+    CancelCommands,
+    CommandStates,
+    CommandStatesReply,
+    CommandView,
+    EnqueueCommand,
+    LiveWithRef,
+    LiveWithRefReply,
+)
+from better_compute.wire.subjects import valid_token
+
+from . import store
+from .config import CmdqConfig
+from .delivery import Changed, Deliveries
+
+__all__ = ["Commands", "check_name", "invalid"]
+
+MAX_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
+MIN_TIMEOUT_MS: Final = 1_000
+MAX_PAYLOAD_BYTES: Final = 256 * 1024
+MAX_KEY_LENGTH: Final = 256
+_KEY_RE: Final = re.compile(r"^[\x21-\x7e]{1,256}$")
+
+
+def invalid(path: str, message: str) -> BcError:
+    return BcError(ErrorCode.INVALID_INPUT, message, {"path": path})
+
+
+def check_name(value: str, path: str) -> str:
+    """A site or tenant name."""
+    if not isinstance(value, str) or len(value) > 64 or not valid_token(value):
+        raise invalid(path, "expected 1-64 letters, digits, '_' or '-'")
+    return value
+
+
+def _carries(value: Any, ref: str) -> bool:
+    """Whether ``ref`` is one of the strings anywhere in a JSON value."""
+    if isinstance(value, str):
+        return value == ref
+    if isinstance(value, dict):
+        return any(_carries(v, ref) for v in value.values())
+    if isinstance(value, list):
+        return any(_carries(v, ref) for v in value)
+    return False
+
+
+class Commands:
+    """The ``commands.*`` routes."""
+
+    def __init__(
+        self,
+        *,
+        db: Database,
+        config: CmdqConfig,
+        app: App,
+        deliveries: Deliveries,
+        changed: Changed,
+        log: Any,
+    ) -> None:
+        self.db = db
+        self.config = config
+        self.app = app
+        self.deliveries = deliveries
+        self.changed = changed
+        self.log = log
+
+    def _check_enqueue(self, body: EnqueueCommand) -> tuple[CommandKind, bytes]:
+        """Everything about a new command that needs no database; returns the kind and the
+        canonical payload."""
+        parse_id(body.node_id, "node", path="nodeId")
+        check_name(body.site_id, "siteId")
+        check_name(body.tenant_id, "tenantId")
+        if not isinstance(body.key, str) or _KEY_RE.fullmatch(body.key) is None:
+            raise invalid("key", f"a key is 1-{MAX_KEY_LENGTH} printable characters")
+        if body.workflow_id is not None:
+            parse_id(body.workflow_id, "wf", path="workflowId")
+        if body.step is not None and not 0 <= body.step <= 511:
+            raise invalid("step", "a step index is 0 to 511")
+        if body.batch_id is not None:
+            parse_id(body.batch_id, "batch", path="batchId")
+        if not MIN_TIMEOUT_MS <= body.timeout_ms <= MAX_TIMEOUT_MS:
+            raise invalid("timeoutMs", f"between {MIN_TIMEOUT_MS} and {MAX_TIMEOUT_MS} ms")
+        kind = self.app.command_kind(body.kind, path="kind")
+        if body.sends is not None and body.kind not in body.sends:
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                f"the step declares sends {sorted(body.sends)}, not {body.kind!r}",
+                {"path": "kind", "reason": "undeclared-kind"},
+            )
+        payload = kind.payload.validate(body.payload, path="payload")
+        canonical = msgspec.json.encode(payload, order="sorted")
+        if len(canonical) > MAX_PAYLOAD_BYTES:
+            raise invalid("payload", f"payload is larger than {MAX_PAYLOAD_BYTES} bytes")
+        return kind, canonical
+
+    async def _check_batch(self, body: EnqueueCommand) -> tuple[str | None, bool]:
+        """The batch a destructive command carries, and whether it may be dispatched now."""
+        quorum = self.config.quorum
+        if body.batch_id is None:
+            if quorum.enabled:
+                raise BcError(
+                    ErrorCode.INVALID_STATE,
+                    f"{body.kind} is destructive: it needs a batch the approvers signed",
+                    {"path": "batchId", "reason": "batch-required"},
+                )
+            return None, True
+        batch = await self.db.fetchrow(store.BATCH_BY_ID, body.batch_id)
+        if batch is None:
+            raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "batchId"})
+        if batch["tenant_id"] != body.tenant_id:
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                "the batch belongs to another tenant",
+                {"path": "batchId", "reason": "outside-batch-scope"},
+            )
+        if body.kind not in batch["kinds"]:
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"{body.kind} is outside the batch's scope",
+                {"path": "kind", "reason": "outside-batch-scope"},
+            )
+        if body.node_id not in batch["nodes"]:
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                "the node is outside the batch's scope",
+                {"path": "nodeId", "reason": "outside-batch-scope"},
+            )
+        # The approvers signed the batch's workflowId. A workflow's batch admits that workflow's
+        # commands only; an operator's batch (no workflowId) admits only commands sent directly,
+        # by no workflow: approving a job by hand approves nothing a workflow may send. (A bulk
+        # verb's batch will name the set of workflows it started: a membership test here.)
+        if body.workflow_id != batch["workflow_id"]:
+            signed_for = f"workflow {batch['workflow_id']}" if batch["workflow_id"] else "no workflow"
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"the batch was signed for {signed_for}",
+                {"path": "workflowId", "reason": "outside-batch-scope"},
+            )
+        if batch["expired"]:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                "the batch has expired",
+                {"path": "batchId", "reason": "batch-expired"},
+            )
+        return body.batch_id, (not quorum.enabled) or batch["approved_at"] is not None
+
+    async def _existing(self, body: EnqueueCommand) -> CommandView | None:
+        row = await self.db.fetchrow(store.COMMAND_BY_NODE_KEY, body.node_id, body.key)
+        if row is None:
+            return None
+        if row["kind"] != body.kind:
+            raise BcError(
+                ErrorCode.CONFLICT,
+                f"key {body.key!r} of this node is already a {row['kind']} command",
+                {"path": "key", "commandId": row["id"]},
+            )
+        return store.command_view(row)
+
+    async def enqueue(self, req: ApiRequest) -> CommandView:
+        body = req.decode(EnqueueCommand)
+        kind, canonical = self._check_enqueue(body)
+        batch_id: str | None = None
+        may_dispatch = True
+        if kind.destructive:
+            # Find before checking the batch: a re-run finds its command even after the
+            # batch expired.
+            found = await self._existing(body)
+            if found is not None:
+                return found
+            batch_id, may_dispatch = await self._check_batch(body)
+        command_id = new_id("cmd")
+        not_after_ms = time.time_ns() // 1_000_000 + body.timeout_ms
+        row = await self.db.fetchrow(
+            store.COMMAND_INSERT,
+            command_id,
+            body.node_id,
+            body.site_id,
+            body.tenant_id,
+            body.key,
+            body.kind,
+            kind.destructive,
+            body.target,
+            canonical.decode(),
+            bytes.fromhex(payload_digest(body.kind, canonical)),
+            batch_id,
+            body.workflow_id,
+            body.step,
+            not_after_ms,
+            may_dispatch,
+            self.config.silent_after_ms,
+        )
+        if row is None:  # (node, key) exists: find-before-create
+            found = await self._existing(body)
+            if found is None:  # removed in between: never happens, rows are kept
+                raise BcError(ErrorCode.CONFLICT, "command changed meanwhile; enqueue again")
+            return found
+        await self._refuse_superseded(body, row)
+        self.log.info(
+            "command_enqueued",
+            command_id=command_id,
+            node_id=body.node_id,
+            kind=body.kind,
+            state=row["state"],
+            agent_id=row["agent_id"],
+            workflow_id=body.workflow_id,
+        )
+        await self.changed([row])
+        if row["state"] == "dispatched":
+            await self.deliveries.deliver([row])
+        return store.command_view(row, created=True)
+
+    async def get(self, req: ApiRequest) -> CommandView:
+        ident = parse_id(req.decode(CommandIdRequest).id, "cmd", path="id")
+        row = await self.db.fetchrow(store.COMMAND_BY_ID, ident)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
+        return store.command_view(row)
+
+    async def states(self, req: ApiRequest) -> CommandStatesReply:
+        body = req.decode(CommandStates)
+        if len(body.ids) > MAX_STATE_QUERY:
+            raise BcError(
+                ErrorCode.INVALID_INPUT, f"at most {MAX_STATE_QUERY} ids a request", {"path": "ids"}
+            )
+        rows = await self.db.fetch(store.COMMAND_STATES, body.ids)
+        return CommandStatesReply(states={r["id"]: r["state"] for r in rows})
+
+    async def list_commands(self, req: ApiRequest) -> CommandList:
+        body = req.decode(ListCommands)
+        if body.before is not None:
+            parse_id(body.before, "cmd", path="before")
+        rows = await self.db.fetch(
+            store.LIST_COMMANDS,
+            body.node_id,
+            body.workflow_id,
+            body.state,
+            body.kind,
+            body.site_id,
+            body.agent_id,
+            body.batch_id,
+            body.before,
+            body.limit,
+        )
+        views = [store.command_view(r, full=False) for r in rows]
+        more = len(views) == body.limit
+        return CommandList(commands=views, next=views[-1].id if more and views else None)
+
+    async def cancel(self, req: ApiRequest) -> CancelReply:
+        body = req.decode(CancelCommands)
+        if len(body.reason) > 200:
+            raise invalid("reason", "at most 200 characters")
+        running: list[str] = []
+        if body.id is not None:
+            ident = parse_id(body.id, "cmd", path="id")
+            rows = await self.db.fetch(store.CANCEL_BY_ID, ident, body.reason)
+            if not rows and await self.db.fetchrow(store.COMMAND_STATE, ident) is None:
+                raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
+        elif body.key_prefix is not None:
+            if not body.key_prefix or len(body.key_prefix) > MAX_KEY_LENGTH:
+                raise invalid("keyPrefix", f"1 to {MAX_KEY_LENGTH} characters")
+            if body.node_id is not None:
+                parse_id(body.node_id, "node", path="nodeId")
+            if body.workflow_id is not None:
+                parse_id(body.workflow_id, "wf", path="workflowId")
+            if body.fence:
+                await self._fence(body)
+            args = (body.node_id, body.key_prefix, body.reason, body.workflow_id)
+            rows = await self.db.fetch(store.CANCEL_BY_PREFIX, *args)
+            claimed = (body.node_id, body.key_prefix, self.config.lost_after_ms, body.workflow_id)
+            running = [r["id"] for r in await self.db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)]
+        else:
+            raise invalid("id", "give id, or keyPrefix (with nodeId or workflowId)")
+        for row in rows:
+            self.log.info("command_cancelled", command_id=row["id"], reason=body.reason)
+        await self.changed(rows)
+        return CancelReply(cancelled=[r["id"] for r in rows], running=running)
+
+    async def _fence(self, body: CancelCommands) -> None:
+        """From now on refuse every enqueue under a superseded step attempt's key prefix.
+
+        The fence commits before the cancel looks for live commands: a command created
+        meanwhile is either cancelled by it or sees the fence itself (``_refuse_superseded``).
+        """
+        assert body.key_prefix is not None
+        if body.workflow_id is None or not body.key_prefix.startswith(f"wf:{body.workflow_id}:"):
+            raise invalid("keyPrefix", "a fence is for one workflow: wf:<workflowId>:<step>#<attempt>")
+        await self.db.execute(store.KEY_FENCE_INSERT, body.key_prefix, body.workflow_id, body.reason)
+
+    async def _refuse_superseded(self, body: EnqueueCommand, row: Any) -> None:
+        """A command just created under the key of a superseded step attempt (an engine that
+        lost its shard still runs it) is cancelled before it goes out, and refused."""
+        if body.workflow_id is None or not await self.db.fetchval(store.KEY_FENCED, body.key):
+            return
+        rows = await self.db.fetch(store.CANCEL_SUPERSEDED, row["id"])
+        await self.changed(rows)
+        self.log.warning("command_refused_superseded", command_id=row["id"], workflow_id=body.workflow_id)
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            "this workflow step attempt was superseded: it sends nothing any more",
+            {"path": "key", "reason": "attempt-superseded"},
+        )
+
+    async def live_with_ref(self, req: ApiRequest) -> LiveWithRefReply:
+        body = req.decode(LiveWithRef)
+        if not body.key_prefix:
+            raise invalid("keyPrefix", "a key prefix is required")
+        for row in await self.db.fetch(store.LIVE_WITH_PREFIX, body.agent_id, body.key_prefix):
+            if _carries(msgspec.json.decode(row["payload"]), body.ref):
+                return LiveWithRefReply(live=True, command_id=row["id"])
+        return LiveWithRefReply(live=False)

@@ -1,0 +1,158 @@
+"""The sweeper: the command queue's timed duties, safe to run in every instance at once.
+
+It expires commands, hands silent agents' unclaimed commands to others, fails lost agents'
+commands, dispatches what became dispatchable and publishes again what was not delivered; a
+slower loop deletes finished commands past the retention. Each duty is one statement that
+takes its rows with ``FOR UPDATE SKIP LOCKED``; events and deliveries go out after it committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from better_compute.service import Database
+from better_compute.service.faults import Backoff, describe, is_transient
+
+from . import store
+from .config import CmdqConfig
+from .delivery import Changed, Deliveries
+
+__all__ = ["DispatchPending", "Sweeper"]
+
+_DISPATCH_BATCH = 200
+_RETENTION_EVERY_S = 600.0
+
+DispatchPending = Callable[..., Awaitable[int]]
+"""``Sweeper.dispatch_pending``: dispatch what may go now (of one site, or of one batch)."""
+
+
+class Sweeper:
+    """Timed duties and the dispatch of pending commands.
+
+    Args:
+        connected: whether the service's NATS connection is up now (agents can reach us).
+    """
+
+    def __init__(
+        self,
+        *,
+        db: Database,
+        config: CmdqConfig,
+        deliveries: Deliveries,
+        changed: Changed,
+        connected: Callable[[], bool],
+        log: Any,
+    ) -> None:
+        self.db = db
+        self.config = config
+        self.deliveries = deliveries
+        self.changed = changed
+        self.connected = connected
+        self.log = log
+        self._heard_since: float | None = None  # monotonic; see heard_for_ms
+
+    async def run(self) -> None:
+        """Sweep every ``sweep_ms``; a store or bus outage backs off and never ends the loop."""
+        backoff = Backoff(first=self.config.sweep_ms / 1000, cap=5.0)
+        while True:
+            delay = self.config.sweep_ms / 1000
+            try:
+                await self.sweep()
+                backoff.reset()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self._heard_since = None
+                delay = max(delay, backoff.next())  # a store or bus outage: fewer tries, fewer lines
+                self.log.warning("sweep_failed", error=describe(exc), retry_in_s=round(delay, 2))
+            await asyncio.sleep(delay)
+
+    def heard_for_ms(self) -> float:
+        """How long agents have been able to reach us without a break: NATS connected and the
+        store answering (heartbeats need both). An agent counts as silent or lost only after it
+        was silent that long while we could hear it, never because of our own outage."""
+        now = time.monotonic()
+        if not self.connected():
+            self._heard_since = None
+        elif self._heard_since is None:
+            self._heard_since = now
+        return 0.0 if self._heard_since is None else (now - self._heard_since) * 1000
+
+    async def sweep(self) -> None:
+        """One pass of every timed duty; safe in several instances at once."""
+        cfg = self.config
+        expired = await self.db.fetch(store.EXPIRE_DUE, cfg.quorum.enabled)
+        if cfg.quorum.enabled:
+            expired += await self.db.fetch(store.EXPIRE_BATCH_EXPIRED)
+        heard_ms = self.heard_for_ms()
+        reassigned = (
+            await self.db.fetch(store.REASSIGN_SILENT, cfg.silent_after_ms)
+            if heard_ms >= cfg.silent_after_ms
+            else []
+        )
+        lost = (
+            await self.db.fetch(store.FAIL_LOST, cfg.lost_after_ms) if heard_ms >= cfg.lost_after_ms else []
+        )
+        for row in expired:
+            self.log.info("command_expired", command_id=row["id"], reason=row["reason"])
+        for row in reassigned:
+            self.log.info("command_reassigned", command_id=row["id"], reason="agent-silent")
+        for row in lost:
+            self.log.info("command_failed", command_id=row["id"], reason="agent-lost")
+        await self.changed([*expired, *reassigned, *lost])
+        await self.dispatch_pending()
+        await self.republish_due()
+
+    async def dispatch_pending(self, *, site_id: str | None = None, batch_id: str | None = None) -> int:
+        """Dispatch pending commands that may go now (quorum reached, an agent connected), in
+        one statement; then publish their events and deliveries."""
+        rows = await self.db.fetch(
+            store.DISPATCH_PENDING,
+            self.config.quorum.enabled,
+            site_id,
+            batch_id,
+            _DISPATCH_BATCH,
+            self.config.silent_after_ms,
+        )
+        rows.sort(key=lambda r: r["created_at"])  # oldest first, as they were queued
+        await self.changed(rows)
+        await self.deliveries.deliver(rows)
+        return len(rows)
+
+    async def republish_due(self) -> None:
+        """Publish again what was dispatched and never published, or not claimed in time."""
+        rows = await self.db.fetch(
+            store.REPUBLISH_DUE, self.config.redeliver_after_ms, self.config.silent_after_ms
+        )
+        for row in rows:
+            if not await self.deliveries.publish(row):
+                return  # the stream is in trouble: next sweep
+            self.log.info("command_republished", command_id=row["id"])
+
+    async def retention(self) -> None:
+        """Purge every ten minutes; a store outage is logged and tried again next time."""
+        while True:
+            try:
+                purged = await self.purge()
+                if purged:
+                    self.log.info("commands_purged", count=purged, older_than_days=self.config.retention_days)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self.log.warning("purge_failed", error=describe(exc))
+            await asyncio.sleep(_RETENTION_EVERY_S)
+
+    async def purge(self) -> int:
+        """Delete finished commands older than the retention, a thousand at a time, so the table
+        does not grow for ever; safe in several instances at once."""
+        if self.config.retention_days <= 0:
+            return 0
+        total = 0
+        while True:
+            deleted = int(await self.db.fetchval(store.PURGE_FINISHED, self.config.retention_days))
+            total += deleted
+            if deleted < 1000:
+                return total
