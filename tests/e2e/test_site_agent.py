@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import stat
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from base64 import b64encode
@@ -257,3 +260,45 @@ async def test_a_site_agent_killed_mid_command_never_runs_it_twice(site: Site) -
     assert site.resets() == before + 1
     for file in site.agent.files():
         assert site.emulator.password.encode() not in file.read_bytes(), file
+
+
+def _bcx(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BC_NATS_URL": settings.nats_url or "", "BC_SUBJECT_ROOT": settings.subject_root}
+    return subprocess.run(
+        [sys.executable, "-m", "better_compute.cli", *args],
+        capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+async def test_bcx_agents_list_shows_the_site_agents_drivers_cache_and_last_error(
+    site: Site, bc_settings: Settings
+) -> None:
+    site.emulator.password, real = "not-the-password-456", site.emulator.password
+    try:
+        failed = await site.run("management.inventory", {})
+    finally:
+        site.emulator.password = real
+    assert failed.state == "failed"
+
+    async def listed() -> dict[str, Any] | None:
+        out = await asyncio.to_thread(_bcx, bc_settings, "agents", "list", "--site", SITE, "--json")
+        assert out.returncode == 0, out.stderr
+        [agent] = [a for a in json.loads(out.stdout)["agents"] if a["id"] == site.agent_id]
+        status = agent.get("status") or {}
+        return agent if "401" in (status.get("lastError") or "") else None  # the next heartbeat
+
+    agent = await until(listed)
+    status = agent["status"]
+    assert {"redfish", "ipmi", "sim"} <= set(status["drivers"])
+    assert status["cacheMaxBytes"] > 0
+    assert status["cacheUsedBytes"] >= 0
+    assert status["lastError"].startswith("management.inventory: DRIVER_ERROR")
+    assert "not-the-password-456" not in json.dumps(agent)
+
+    table = await asyncio.to_thread(_bcx, bc_settings, "agents", "list", "--site", SITE)
+    assert table.returncode == 0, table.stderr
+    header, *rows = table.stdout.splitlines()
+    assert all(col in header for col in ("DRIVERS", "CACHE", "LAST ERROR"))
+    [row] = [r for r in rows if r.startswith(site.agent_id)]
+    assert "redfish" in row
+    assert "DRIVER_ERROR" in row

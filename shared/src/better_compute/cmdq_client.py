@@ -39,6 +39,7 @@ from .pki_client import signing_payload
 from .service.client import ApiClient
 from .wire.cmdq import (
     TERMINAL_STATES,
+    AgentStatus,
     CancelCommands,
     CommandState,
     CommandStates,
@@ -156,6 +157,8 @@ class AgentView(_Msg, frozen=True, kw_only=True):
     live_commands: int = 0
     connected_at: float
     last_seen: float
+    status: AgentStatus | None = None
+    """What the agent last said of itself (drivers, cache use, last error)."""
 
 
 class AgentList(_Msg, frozen=True, kw_only=True):

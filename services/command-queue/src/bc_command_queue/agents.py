@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
 import asyncpg
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
@@ -36,7 +37,13 @@ from better_compute.core.ids import parse_id
 from better_compute.pki_client import PkiClient
 from better_compute.service import ApiRequest, Database
 from better_compute.wire import encode_error, encode_ok
-from better_compute.wire.cmdq import TERMINAL_STATES
+from better_compute.wire.cmdq import (
+    MAX_STATUS_DRIVER_CHARS,
+    MAX_STATUS_DRIVERS,
+    MAX_STATUS_ERROR_CHARS,
+    TERMINAL_STATES,
+    AgentStatus,
+)
 from better_compute.wire.codec import convert
 from better_compute.wire.paging import decode_cursor, take_page
 
@@ -159,6 +166,7 @@ class Agents:
             ev.version[:64],
             kinds,
             ev.signed_at_ms,
+            _status_doc(ev.status),
         )
         stream, consumer = await self.streams.ensure_consumer(signer.site_id, signer.agent_id)
         lease = signer.role == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
@@ -198,7 +206,9 @@ class Agents:
                 await self.db.execute(store.LEASE_RELEASE, signer.site_id, signer.agent_id)
                 self.log.info("agent_left", agent_id=signer.agent_id, site_id=signer.site_id)
             return HeartbeatReply(boot_lease=False)
-        row = await self.db.fetchrow(store.AGENT_HEARTBEAT, signer.agent_id, ev.signed_at_ms, signer.cert_id)
+        row = await self.db.fetchrow(
+            store.AGENT_HEARTBEAT, signer.agent_id, ev.signed_at_ms, signer.cert_id, _status_doc(ev.status)
+        )
         if row is None:
             if await self.db.fetchrow(store.AGENT_AGAIN, signer.agent_id) is None:
                 raise BcError(ErrorCode.NOT_FOUND, "unknown agent: say hello first")
@@ -399,3 +409,19 @@ class Agents:
             raise invalid("siteId", "give siteId or nodeId")
         agent = await self.db.fetchval(store.PICK_SITE_AGENT, site, self.config.silent_after_ms, None)
         return SiteAgentReply(agent_id=agent)
+
+
+def _status_doc(status: AgentStatus | None) -> str | None:
+    """An agent's word about itself, bounded before it is stored (it is the agent's to say, so
+    it is cut rather than refused: a heartbeat must never fail over it)."""
+    if status is None:
+        return None
+    error = status.last_error
+    bounded = AgentStatus(
+        drivers=[d[:MAX_STATUS_DRIVER_CHARS] for d in status.drivers[:MAX_STATUS_DRIVERS]],
+        cache_used_bytes=status.cache_used_bytes,
+        cache_max_bytes=status.cache_max_bytes,
+        last_error=error[:MAX_STATUS_ERROR_CHARS] if error is not None else None,
+        last_error_at_ms=status.last_error_at_ms,
+    )
+    return msgspec.json.encode(bounded).decode()

@@ -15,7 +15,7 @@ from typing import Any, Final
 import msgspec
 
 from better_compute.cmdq_client import AgentView
-from better_compute.wire.cmdq import TERMINAL_STATES, CommandEvent, CommandView
+from better_compute.wire.cmdq import TERMINAL_STATES, AgentStatus, CommandEvent, CommandView
 
 __all__ = [
     "ACK",
@@ -400,17 +400,18 @@ ORDER BY c.id DESC LIMIT $9
 # $1 id … $8 kinds, $9 signed_at_ms; a replayed (older) hello changes nothing
 AGENT_UPSERT: Final = """
 INSERT INTO agents AS a (id, site_id, tenant_id, role, cert_id, incarnation, version, kinds,
-                         connected_at, last_seen, last_signed_ms)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now(), now(), $9)
+                         connected_at, last_seen, last_signed_ms, status)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now(), now(), $9, $10::jsonb)
 ON CONFLICT (id) DO UPDATE SET site_id = EXCLUDED.site_id, tenant_id = EXCLUDED.tenant_id,
     role = EXCLUDED.role, cert_id = EXCLUDED.cert_id, incarnation = EXCLUDED.incarnation,
     version = EXCLUDED.version, kinds = EXCLUDED.kinds, connected_at = now(),
-    last_seen = now(), last_signed_ms = EXCLUDED.last_signed_ms
+    last_seen = now(), last_signed_ms = EXCLUDED.last_signed_ms, status = EXCLUDED.status
 WHERE a.last_signed_ms < EXCLUDED.last_signed_ms
 RETURNING a.id
 """
 AGENT_HEARTBEAT: Final = """
-UPDATE agents SET last_seen = now(), last_signed_ms = $2, cert_id = $3
+UPDATE agents SET last_seen = now(), last_signed_ms = $2, cert_id = $3,
+    status = COALESCE($4::jsonb, status)
 WHERE id = $1 AND last_signed_ms < $2
 RETURNING site_id, role
 """
@@ -441,7 +442,7 @@ LEASE_RELEASE: Final = "DELETE FROM boot_leases WHERE site_id = $1 AND agent_id 
 # $1 site, $2 role, $3 connected, $4 silent_after_ms, $5 limit
 AGENTS_LIST: Final = f"""
 SELECT a.id, a.site_id, a.tenant_id, a.role, a.cert_id, a.version, a.kinds, a.connected_at,
-       a.last_seen, a.last_seen > now() - {_SECS.format(p="$4")} AS connected,
+       a.status, a.last_seen, a.last_seen > now() - {_SECS.format(p="$4")} AS connected,
        l.agent_id IS NOT NULL AS boot_lease,
        (SELECT count(*) FROM commands c
         WHERE c.agent_id = a.id AND c.state IN ('dispatched', 'acked', 'running')) AS live
@@ -567,4 +568,16 @@ def agent_view(row: Any) -> AgentView:
         live_commands=int(row["live"]),
         connected_at=row["connected_at"].timestamp(),
         last_seen=row["last_seen"].timestamp(),
+        status=_agent_status(row["status"]),
     )
+
+
+def _agent_status(raw: Any) -> AgentStatus | None:
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(
+            raw if isinstance(raw, (str, bytes)) else msgspec.json.encode(raw), type=AgentStatus
+        )
+    except msgspec.MsgspecError:
+        return None

@@ -32,6 +32,7 @@ from better_compute.pki_client import PkiClient
 from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
+from better_compute.wire.cmdq import AgentStatus
 
 from . import __version__
 from .cache import SiteCache
@@ -150,6 +151,13 @@ async def run(config: SiteAgentConfig) -> None:
             nc=nc,
             subjects=subjects,
             version=__version__,
+            status=lambda: AgentStatus(
+                drivers=list(DRIVERS),
+                cache_used_bytes=cache.used_bytes(),
+                cache_max_bytes=cache.max_bytes,
+                last_error=site.last_error,
+                last_error_at_ms=site.last_error_at_ms,
+            ),
         )
         started = time.time()
 

@@ -55,6 +55,7 @@ class SiteHandlers:
         self.public_url = public_url.rstrip("/")
         self.log = get_logger(component="handlers")
         self.last_error: str | None = None
+        self.last_error_at_ms: int | None = None
         self.commands_run = 0
 
     def handlers(self) -> dict[str, CommandHandler]:
@@ -142,6 +143,7 @@ class SiteHandlers:
                 return {"driver": target.driver, **result}
             except BcError as err:
                 self.last_error = f"{cmd.kind}: {err.code.value}: {err.message}"[:300]
+                self.last_error_at_ms = time.time_ns() // 1_000_000
                 raise
 
         return handle

@@ -30,6 +30,7 @@ import msgspec
 
 from ..core.errors import BcError, ErrorCode
 from ..pki_client import AgentIdentity, signing_payload
+from ..wire.cmdq import AgentStatus
 
 __all__ = [
     "EVENT_KINDS",
@@ -106,11 +107,14 @@ class Hello(AgentEvent, frozen=True, kw_only=True):
     kinds: list[str] | None = None
     incarnation: str = ""
     """Changes at every process start."""
+    status: AgentStatus | None = None
 
 
 class Heartbeat(AgentEvent, frozen=True, kw_only=True):
     incarnation: str = ""
     running: int = 0
+    status: AgentStatus | None = None
+    """What the agent says of itself now (None: unchanged since the last one)."""
     leaving: bool = False
     """The agent stops: it is shown disconnected at once and gives up its boot lease."""
 

@@ -35,6 +35,7 @@ from ..pki_client import sign_bytes
 from ..service.client import connect
 from ..service.faults import Backoff
 from ..wire import Subjects, unwrap
+from ..wire.cmdq import AgentStatus
 from ..wire.codec import encode
 from .identity import Enrollment
 from .journal import Journal
@@ -150,6 +151,8 @@ class Agent:
         sign_results: sign results with the node key (default: when the agent is a node's
             bcd, role ``node`` or ``provisioned``); the result then counts as attested.
         request_timeout: seconds to wait for each answer of the command queue.
+        status: called for each hello and heartbeat: what the agent says of itself (drivers,
+            cache use, last error), shown by ``bcx agents list``.
     """
 
     def __init__(
@@ -167,6 +170,7 @@ class Agent:
         request_timeout: float = 5.0,
         fetch_timeout: float = 1.0,
         stop_grace: float = 10.0,
+        status: Callable[[], AgentStatus] | None = None,
     ) -> None:
         if nc is None and nats_url is None:
             raise BcError(ErrorCode.INVALID_CONFIG, "give nats_url or nc", {"path": "nats_url"})
@@ -189,6 +193,7 @@ class Agent:
         self.request_timeout = request_timeout
         self.fetch_timeout = fetch_timeout
         self.stop_grace = stop_grace
+        self.status = status
         self.incarnation = secrets.token_hex(8)
         self.log = get_logger(agent_id=self.agent_id, site_id=self.site_id)
         self.ready = asyncio.Event()
@@ -291,7 +296,18 @@ class Agent:
             incarnation=self.incarnation,
             running=len(self._active),
             leaving=leaving,
+            status=self._status(),
         )
+
+    def _status(self) -> AgentStatus | None:
+        """What the agent says of itself (its ``status`` callable); never fails a heartbeat."""
+        if self.status is None:
+            return None
+        try:
+            return self.status()
+        except Exception:
+            self.log.exception("agent_status_failed")
+            return None
 
     async def _request(self, kind: str, event: AgentEvent, *, timeout: float | None = None) -> Any:
         """Send a signed event and return the reply's result; raises ``BcError``."""
@@ -345,6 +361,7 @@ class Agent:
                 version=self.version,
                 kinds=sorted(self.handlers),
                 incarnation=self.incarnation,
+                status=self._status(),
             )
             return msgspec.convert(await self._request("hello", event), HelloReply)
 

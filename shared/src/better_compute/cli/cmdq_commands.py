@@ -75,8 +75,36 @@ def _agent_row(a: AgentView, cert_state: str | None) -> dict[str, Any]:
         "bootLease": a.boot_lease,
         "live": a.live_commands,
         "version": a.version,
+        "drivers": ",".join(a.status.drivers) if a.status and a.status.drivers else None,
+        "cache": _cache_use(a),
+        "lastError": _last_error(a),
         "lastSeen": _at(a.last_seen),
     }
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cache_use(a: AgentView) -> str | None:
+    s = a.status
+    if s is None or s.cache_used_bytes is None:
+        return None
+    used = _size(s.cache_used_bytes)
+    return f"{used} of {_size(s.cache_max_bytes)}" if s.cache_max_bytes else used
+
+
+def _last_error(a: AgentView) -> str | None:
+    s = a.status
+    if s is None or not s.last_error:
+        return None
+    at = f" ({iso(s.last_error_at_ms / 1000)})" if s.last_error_at_ms else ""
+    return f"{s.last_error[:80]}{at}"
 
 
 def _batch_row(b: BatchView) -> dict[str, Any]:
@@ -195,8 +223,8 @@ async def cmd_agents_list(args: argparse.Namespace, settings: Settings) -> int:
     print_table(
         [_agent_row(a, states.get(a.cert_id)) for a in agents],
         [("id", "ID"), ("site", "SITE"), ("role", "ROLE"), ("cert", "CERT"), ("connected", "CONNECTED"),
-         ("bootLease", "BOOT LEASE"), ("live", "LIVE"), ("version", "VERSION"),
-         ("lastSeen", "LAST SEEN")],
+         ("bootLease", "BOOT LEASE"), ("live", "LIVE"), ("version", "VERSION"), ("drivers", "DRIVERS"),
+         ("cache", "CACHE"), ("lastError", "LAST ERROR"), ("lastSeen", "LAST SEEN")],
         empty="no agents",
     )  # fmt: skip
     print_more(next_)

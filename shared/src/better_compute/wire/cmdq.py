@@ -14,7 +14,11 @@ __all__ = [
     "DEFAULT_COMMAND_TIMEOUT_MS",
     "LIVE_STATES",
     "MAX_STATE_QUERY",
+    "MAX_STATUS_DRIVERS",
+    "MAX_STATUS_DRIVER_CHARS",
+    "MAX_STATUS_ERROR_CHARS",
     "TERMINAL_STATES",
+    "AgentStatus",
     "CancelCommands",
     "CommandEvent",
     "CommandState",
@@ -156,3 +160,20 @@ class CommandStatesReply(_Msg, frozen=True, kw_only=True):
     """``id -> state`` of the commands that exist; unknown ids are left out."""
 
     states: dict[str, str]
+
+
+class AgentStatus(_Msg, frozen=True, kw_only=True):
+    """What an agent says of itself in its hello and heartbeats, shown by ``bcx agents list``:
+    its drivers (a site agent's BMC drivers), its cache use, its last error. Bounded by the
+    command-queue (``MAX_STATUS_*``); a longer error is cut."""
+
+    drivers: list[str] = []
+    cache_used_bytes: int | None = None
+    cache_max_bytes: int | None = None
+    last_error: str | None = None
+    last_error_at_ms: int | None = None
+
+
+MAX_STATUS_DRIVERS = 16
+MAX_STATUS_DRIVER_CHARS = 32
+MAX_STATUS_ERROR_CHARS = 300
