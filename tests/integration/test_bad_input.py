@@ -16,9 +16,12 @@ import msgspec
 import pytest_asyncio
 from nats.aio.client import Client as Nats
 
+from bc_command_queue.service import CommandQueueService
 from bc_engine.service import EngineService
+from bc_pki.service import PkiService
 from better_compute.config import Settings
 from better_compute.core.errors import ErrorCode
+from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import refused
 from better_compute.wire import Subjects
@@ -116,3 +119,43 @@ async def test_an_integer_beyond_int64_is_invalid_input_with_its_path(
         bc_api.call("engine", "profiles.get", {"id": "test-chain", "version": 2**31 - 1}, timeout=5)
     )
     assert err.code == ErrorCode.NOT_FOUND
+
+
+async def test_ids_and_names_are_refused_at_entry_with_the_field_and_an_example(
+    engine: EngineService, bc_settings: Settings, bc_api: ApiClient
+) -> None:
+    """Issue 10 item 2: ``nodes.create`` took these site ids, and the node failed only at its
+    first command. Every service refuses a bad name at entry with the same words."""
+    node = new_id("node")
+    async with PkiService(bc_settings), CommandQueueService(bc_settings):
+        for site in ("", "lab 1!", "s" * 1_000_000):
+            calls = {
+                "engine": ("nodes.create", {"siteId": site}),
+                "pki": ("tokens.issue", {"tenantId": "t", "role": "site", "siteId": site, "ttlSeconds": 60}),
+                "command-queue": (
+                    "commands.enqueue",
+                    {"nodeId": node, "siteId": site, "kind": "k", "key": "k"},
+                ),
+            }
+            messages = set()
+            for service, (route, payload) in calls.items():
+                err = await refused(bc_api.call(service, route, payload, timeout=5))
+                assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "siteId"), (service, err)
+                assert "siteId must be" in err.message
+                assert "e.g. 'lab-1'" in err.message
+                messages.add(err.message)
+            assert len(messages) == 1, messages
+        # an id names the field and shows one that would do
+        err = await refused(bc_api.call("engine", "nodes.create", {"siteId": "lab-1", "id": "n1"}, timeout=5))
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "id")
+        assert "e.g. node_" in err.message
+        err = await refused(
+            bc_api.call(
+                "command-queue",
+                "commands.enqueue",
+                {"nodeId": "lab 1!", "siteId": "lab-1", "kind": "k", "key": "k"},
+            )
+        )
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "nodeId")
+        assert "nodeId must be an id" in err.message
+        assert "e.g. node_" in err.message

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from better_compute.core.names import Name
 from better_compute.wire.paging import DEFAULT_LIMIT, Cursor, Limit
 
 __all__ = [
@@ -40,8 +41,6 @@ MAX_STEP_INPUT_BYTES: Final = 64 * 1024
 """One step's ``with``, as JSON."""
 MAX_REASON: Final = 1024
 
-Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
-"""A tenant or site id: it may stand as one subject token."""
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
 Version = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 """A profile's version: stored as a PostgreSQL ``int``."""

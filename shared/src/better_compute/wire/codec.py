@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from ..core.errors import BcError, ErrorCode, join_path
+from ..core.names import describe_pattern
 
 __all__ = [
     "INT64_MAX",
@@ -37,6 +38,7 @@ __all__ = [
 T = TypeVar("T")
 
 _PATH_RE = re.compile(r" - at `\$(.*)`$")
+_REGEX_RE = re.compile(r"^Expected `str` matching regex '(.*)'$")
 _FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _encoder = msgspec.json.Encoder()
 
@@ -66,7 +68,13 @@ def validation_path(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
 
 
 def _message(exc: Exception) -> str:
-    return _PATH_RE.sub("", str(exc))
+    text = _PATH_RE.sub("", str(exc))
+    pattern = _REGEX_RE.match(text)
+    rule = describe_pattern(pattern.group(1)) if pattern else None
+    if rule is not None and isinstance(exc, msgspec.ValidationError):
+        # a Name field: the same words, with an example, as parse_name gives
+        return f"{validation_path(exc) or 'the value'} must be {rule}"
+    return text
 
 
 def _invalid(message: str, path: str) -> BcError:
