@@ -352,3 +352,32 @@ async def test_values_survive_key_rotation_and_rewrap(bc_settings: Settings, sec
     async with SecretsService(bc_settings):
         assert await secrets.get(old.ref) == VALUE
         assert await secrets.get(new.ref) == b"second-value"
+
+
+async def test_refused_fetches_of_any_shape_are_typed_and_audited_with_what_they_name(
+    bc_settings: Settings, bc_nats: Nats, bc_subjects: Subjects, secrets: SecretsClient
+) -> None:
+    """Issue 10 item 1: a fetch that fails to decode still leaves an audit row, naming the ref
+    and the signer as far as the request names them well-formed."""
+    ref, cert = new_id("sec"), new_id("cert")
+    named = {"ref": ref, "signerId": cert, "signedAtMs": 1, "signature": "", "replyKey": "x"}
+    shapes = [
+        b"not json",
+        b'{"ref": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+        json.dumps({**named, "nonce": "n\x00" * 10}).encode(),
+        json.dumps({**named, "signedAtMs": 2**64, "nonce": "n" * 16}).encode(),
+        json.dumps({"ref": "sec_\x00", "signerId": cert}).encode(),
+    ]
+    async with SecretsService(bc_settings):
+        replies = []
+        for data in shapes:
+            msg = await bc_nats.request(bc_subjects.api("secrets", "secrets", "fetch"), data, timeout=5)
+            replies.append(msgspec.json.decode(msg.data)["error"])
+        audit = await secrets.list_fetches()
+    assert [r["code"] for r in replies] == ["INVALID_INPUT"] * len(shapes)
+    assert all("path" in r["details"] for r in replies)
+    assert [(a.outcome, a.reason) for a in audit] == [("denied", "malformed")] * len(shapes)
+    # newest first: the last two name a well-formed ref and signer, the NUL one only its signer
+    assert [(a.ref, a.signer_id) for a in audit] == [
+        (None, cert), (ref, cert), (ref, cert), (None, None), (None, None),
+    ]  # fmt: skip

@@ -8,6 +8,7 @@ import pytest
 
 from better_compute.core.errors import BcError, ErrorCode, join_path
 from better_compute.core.ids import id_time_ms, new_id, parse_id
+from better_compute.core.names import parse_name
 from better_compute.wire import Err, Ok, Subjects, decode_reply, encode_error, encode_ok, unwrap
 from better_compute.wire.codec import decode
 
@@ -123,3 +124,38 @@ def test_urls_in_messages_lose_their_credentials() -> None:
     assert safe_url("nats://engine:hunter22@nats-1:4222") == "nats://nats-1:4222"
     assert safe_url("postgresql://bc:pw@db/bc") == "postgresql://db/bc"
     assert safe_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+
+
+def test_decode_refuses_nul_depth_and_int64_with_the_path_even_in_unknown_fields() -> None:
+    class Req(msgspec.Struct):
+        a: int = 0
+
+    cases = {
+        b'{"a": 1, "zz": {"k": ["x\\u0000"]}}': "zz.k[0]",
+        b'{"zz": {"\\u0000": 1}}': "zz",
+        b'{"a": 9223372036854775808}': "a",
+        b'{"zz": [-9223372036854775809]}': "zz[0]",
+        b'{"q": {"r": ' + b"[" * 10_000 + b"]" * 10_000 + b"}}": "q.r" + "[0]" * 62,
+        b'{"q": ' + b"[" * 70 + b"]" * 70 + b"}": "q" + "[0]" * 63,
+    }
+    for data, path in cases.items():
+        with pytest.raises(BcError) as info:
+            decode(data, Req)
+        assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, path), data[:60]
+    # the bounds themselves, and nesting up to the limit, still decode
+    assert decode(b'{"a": 9223372036854775807}', Req).a == 2**63 - 1
+    assert decode(b'{"zz": ' + b"[" * 63 + b"]" * 63 + b"}", Req).a == 0
+
+
+def test_ids_and_names_are_refused_with_the_field_and_an_example() -> None:
+    with pytest.raises(BcError) as info:
+        parse_id("lab 1!", "node", path="nodeId")
+    assert info.value.path == "nodeId"
+    assert "e.g. node_" in info.value.message
+    parse_id(info.value.message.split("e.g. ")[1].split(";")[0], "node")  # the example is an id
+    for bad in ("", "lab 1!", "a.b", "-x", "s" * 65, None):
+        with pytest.raises(BcError) as info:
+            parse_name(bad, path="siteId")
+        assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, "siteId")
+        assert "e.g. 'lab-1'" in info.value.message
+    assert parse_name("lab-1", path="siteId") == "lab-1"

@@ -35,6 +35,7 @@ import nats.errors
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from .core.errors import BcError, ErrorCode
+from .core.names import Name
 from .pki_client import signing_payload
 from .service.client import ApiClient
 from .wire.cmdq import (
@@ -84,7 +85,6 @@ BatchState = Literal["open", "approved", "expired"]
 
 Limit = Annotated[int, msgspec.Meta(ge=1, le=1000)]
 Text = Annotated[str, msgspec.Meta(max_length=200)]
-Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
 KindName = Annotated[str, msgspec.Meta(max_length=128)]
 NodeIdText = Annotated[str, msgspec.Meta(max_length=64)]
 

@@ -40,6 +40,7 @@ from cryptography.x509.oid import NameOID
 
 from .core.errors import BcError, ErrorCode, ServiceUnavailableError
 from .core.keys import attempt_key
+from .core.names import Name
 from .logging import register_secret
 from .service.client import ApiClient
 from .wire.paging import DEFAULT_LIMIT, Cursor
@@ -89,8 +90,6 @@ JoinRole = Literal["node", "site", "provisioned", "discovery"]
 TokenState = Literal["active", "expired", "used", "revoked"]
 CertState = Literal["valid", "expired", "revoked"]
 
-Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
-"""A tenant, site or similar id: it may stand as one subject token."""
 Claim = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Mac = Annotated[str, msgspec.Meta(pattern=r"^[0-9A-Fa-f]{2}([:-]?[0-9A-Fa-f]{2}){5}$")]
 Reason = Annotated[str, msgspec.Meta(max_length=200)]

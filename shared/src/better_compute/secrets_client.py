@@ -39,12 +39,12 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from .core.errors import BcError, ErrorCode
+from .core.names import Name
 from .logging import register_secret
 from .pki_client import (
     AgentIdentity,
     IdempotencyKey,
     Limit,
-    Name,
     RevokeAttempt,
     RevokedAttempt,
     attempt_key,

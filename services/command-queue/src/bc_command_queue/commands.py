@@ -18,6 +18,7 @@ from better_compute.app import App
 from better_compute.cmdq_client import CancelReply, CommandIdRequest, CommandList, ListCommands
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
+from better_compute.core.names import parse_name
 from better_compute.core.plugins import CommandKind
 from better_compute.service import ApiRequest, Database
 from better_compute.wire.cmdq import (
@@ -30,7 +31,6 @@ from better_compute.wire.cmdq import (
     LiveWithRef,
     LiveWithRefReply,
 )
-from better_compute.wire.subjects import valid_token
 
 from . import store
 from .config import CmdqConfig
@@ -50,10 +50,8 @@ def invalid(path: str, message: str) -> BcError:
 
 
 def check_name(value: str, path: str) -> str:
-    """A site or tenant name."""
-    if not isinstance(value, str) or len(value) > 64 or not valid_token(value):
-        raise invalid(path, "expected 1-64 letters, digits, '_' or '-'")
-    return value
+    """A site or tenant name (``parse_name``: the same rule and words in every service)."""
+    return parse_name(value, path=path)
 
 
 def _carries(value: Any, ref: str) -> bool:

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from better_compute.core.names import Name
 from better_compute.wire.paging import DEFAULT_LIMIT, Cursor, Limit
 
 __all__ = [
@@ -40,9 +41,9 @@ MAX_STEP_INPUT_BYTES: Final = 64 * 1024
 """One step's ``with``, as JSON."""
 MAX_REASON: Final = 1024
 
-Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
-"""A tenant or site id: it may stand as one subject token."""
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
+Version = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+"""A profile's version: stored as a PostgreSQL ``int``."""
 
 
 class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -80,13 +81,13 @@ class CreateProfile(_Req, frozen=True, kw_only=True):
 class GetProfile(_Req, frozen=True, kw_only=True):
     tenant_id: str = "root"
     id: str
-    version: int | None = None
+    version: Version | None = None
 
 
 class DeleteProfile(_Req, frozen=True, kw_only=True):
     tenant_id: str = "root"
     id: str
-    version: int
+    version: Version
 
 
 class ListProfiles(_Req, frozen=True, kw_only=True):
@@ -102,14 +103,14 @@ class ProfileRef(_Req, frozen=True, kw_only=True):
 
     tenant_id: str = "root"
     id: str | None = None
-    version: int | None = None
+    version: Version | None = None
     document: dict[str, Any] | None = None
 
 
 class StartWorkflow(_Req, frozen=True, kw_only=True):
     tenant_id: str = "root"
     profile_id: str
-    profile_version: int | None = None
+    profile_version: Version | None = None
     node_id: str | None = None
     owner: str | None = None
 

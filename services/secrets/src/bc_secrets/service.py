@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, ClassVar, NoReturn
 
+import msgspec
+
 from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
@@ -251,7 +253,8 @@ class SecretsService(Service):
             ref = parse_id(body.ref, "sec", path="ref")
             reply_public_key(body.reply_key)  # the answer is sealed to it: check it first
         except BcError as err:
-            await self._deny(err, reason="malformed")
+            named_ref, named_signer = _named(req.data)
+            await self._deny(err, reason="malformed", ref=named_ref, signer_id=named_signer)
         verified = await self._authenticate(body, ref)
         assert self.db is not None
         row = await self.db.fetchrow(store.SECRET_SELECT, ref)
@@ -345,6 +348,7 @@ class SecretsService(Service):
         code: str | None = None,
         reason: str | None = None,
         command_id: str | None = None,
+        signer_id: str | None = None,
     ) -> None:
         assert self.db is not None
         await self.db.execute(
@@ -353,7 +357,7 @@ class SecretsService(Service):
             ref,
             code,
             reason,
-            body.signer_id[:64] if body is not None else None,
+            body.signer_id[:64] if body is not None else signer_id,
             verified.agent_id if verified is not None else None,
             command_id,
             self.instance,
@@ -367,10 +371,17 @@ class SecretsService(Service):
         ref: str | None = None,
         body: FetchSecretRequest | None = None,
         verified: Verified | None = None,
+        signer_id: str | None = None,
     ) -> NoReturn:
         """Audit a refused fetch, log it, and raise ``error``."""
         await self._audit(
-            "denied", ref=ref, body=body, verified=verified, code=error.code.value, reason=reason
+            "denied",
+            ref=ref,
+            body=body,
+            verified=verified,
+            code=error.code.value,
+            reason=reason,
+            signer_id=signer_id,
         )
         self.log.warning(
             "secret_fetch_denied",
@@ -380,3 +391,25 @@ class SecretsService(Service):
             agent_id=verified.agent_id if verified is not None else None,
         )
         raise error
+
+
+class _Names(msgspec.Struct, kw_only=True, rename="camel"):
+    ref: Any = None
+    signer_id: Any = None
+
+
+def _named(data: bytes) -> tuple[str | None, str | None]:
+    """What a fetch that failed to decode names, for its audit row: its ref and signer, each
+    only when it is a well-formed id (anything else would be the caller's text in the audit)."""
+    try:
+        names = msgspec.json.decode(data, type=_Names)
+    except (msgspec.DecodeError, RecursionError):
+        return None, None
+    return _well_formed(names.ref, "sec"), _well_formed(names.signer_id, "cert")
+
+
+def _well_formed(value: Any, prefix: str) -> str | None:
+    try:
+        return parse_id(value, prefix)
+    except BcError:
+        return None

@@ -8,6 +8,7 @@ Core imports nothing else of ``better_compute``. Composing a deployment (``bette
 from .errors import BcError, ErrorCode, join_path
 from .ids import new_id, parse_id
 from .manifest import Field, Manifest, field, manifest, parse_duration
+from .names import Name, parse_name
 from .plugins import CommandKind, ComputeModule, Plugin, Registry, define_plugin
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "ErrorCode",
     "Field",
     "Manifest",
+    "Name",
     "Plugin",
     "Registry",
     "define_plugin",
@@ -26,4 +28,5 @@ __all__ = [
     "new_id",
     "parse_duration",
     "parse_id",
+    "parse_name",
 ]

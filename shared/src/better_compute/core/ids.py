@@ -13,6 +13,7 @@ import threading
 import time
 
 from .errors import BcError, ErrorCode
+from .names import got
 
 __all__ = ["ID_PREFIXES", "id_time_ms", "new_id", "parse_id"]
 
@@ -26,6 +27,7 @@ ID_PREFIXES = frozenset(
     }
 )  # fmt: skip
 
+_EXAMPLE_BODY = "01JD8Q5X3N4V7W2K9M6R0T1B5C"
 _ID_RE = re.compile(r"^([a-z][a-z0-9]*)_([0-9A-HJKMNP-TV-Z]{26})$")
 
 _lock = threading.Lock()
@@ -57,12 +59,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{_encode(now, 10)}{_encode(rand, 16)}"
 
 
-def parse_id(value: str, prefix: str | None = None, *, path: str = "id") -> str:
-    """Return ``value`` if it is a well-formed id (with ``prefix`` when given)."""
+def parse_id(value: object, prefix: str | None = None, *, path: str = "id") -> str:
+    """Return ``value`` if it is a well-formed id (with ``prefix`` when given);
+    ``INVALID_INPUT`` at ``path``, with an example of the id expected, otherwise."""
     m = _ID_RE.match(value) if isinstance(value, str) else None
-    if m is None or (prefix is not None and m.group(1) != prefix):
-        want = f"{prefix}_…" if prefix else "<prefix>_…"
-        raise BcError(ErrorCode.INVALID_INPUT, f"malformed id, expected {want}", {"path": path})
+    if m is None or (prefix is not None and m.group(1) != prefix) or not isinstance(value, str):
+        example = f"{prefix or 'node'}_{_EXAMPLE_BODY}"
+        want = f"{prefix}_" if prefix else "a prefix such as node_"
+        raise BcError(
+            ErrorCode.INVALID_INPUT,
+            f"{path or 'the id'} must be an id: {want} and 26 characters of Crockford base32,"
+            f" e.g. {example}; got {got(value)}",
+            {"path": path},
+        )
     return value
 
 

@@ -75,6 +75,8 @@ TARGETS: Final = tuple(TARGET_FIELDS)
 MAX_PROFILE_STEPS: Final = 512
 MAX_TOKEN_TTL_SECONDS: Final = 7 * 24 * 3600
 _MAX_DESCRIPTION: Final = 1024
+_MAX_VERSION: Final = 2**31 - 1
+"""Versions are stored as a PostgreSQL ``int``."""
 
 _FIELDS: Final = (
     "id", "version", "target", "role", "description", "adopt",
@@ -264,8 +266,8 @@ def profile_from_document(document: Mapping[str, Any]) -> Profile:
     if not matches(PROFILE_ID_PATTERN, profile_id):
         raise _bad("id", f"profile ids are lowercase like ubuntu-24.04-autoinstall, got {profile_id!r}")
     version = doc.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise _bad("version", f"version must be a positive integer, got {version!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= _MAX_VERSION:
+        raise _bad("version", f"version must be an integer from 1 to {_MAX_VERSION}, got {version!r}")
     target: Any = doc.get("target")
     # A list is unhashable: look it up only when it is a string.
     if target not in (TARGETS if isinstance(target, str) else ()):

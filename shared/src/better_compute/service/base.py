@@ -37,7 +37,7 @@ from ..core.errors import BcError, ErrorCode
 from ..logging import get_logger, safe_url
 from ..runtime.urls import resolve_database_url, resolve_nats_url
 from ..wire import Subjects, encode_error, encode_ok
-from ..wire.codec import decode, encode
+from ..wire.codec import decode, encode, validation_path
 from ..wire.paging import PAGE_BUDGET
 from .client import ApiClient, connect
 from .db import Database, load_migrations
@@ -379,7 +379,8 @@ class Service:
         except BcError as err:
             body = encode_error(err)
         except msgspec.ValidationError as exc:
-            body = encode_error(BcError(ErrorCode.INVALID_INPUT, str(exc)))
+            # a handler's own msgspec.convert: still typed, still with the path
+            body = encode_error(BcError(ErrorCode.INVALID_INPUT, str(exc), {"path": validation_path(exc)}))
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await req.respond(encode_error(BcError(ErrorCode.UNAVAILABLE, "service is stopping")))

@@ -6,7 +6,7 @@ Payload field names are camelCase on the wire.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -59,7 +59,7 @@ class EnqueueCommand(_Msg, frozen=True, kw_only=True):
     key: str
     target: Literal["site", "node"] = "site"
     workflow_id: str | None = None
-    step: int | None = None
+    step: Annotated[int, msgspec.Meta(ge=0, le=511)] | None = None
     batch_id: str | None = None
     timeout_ms: int = DEFAULT_COMMAND_TIMEOUT_MS
     sends: list[str] | None = None

@@ -5,6 +5,12 @@ know, and every field added to a message has a default. An old client is then un
 new service (the new field takes its default) and a new client by an old service (the new field
 is dropped), so services are upgraded one at a time. Only settings files, written by people,
 refuse unknown keys (``better_compute.config``). Build messages on :class:`Message`.
+
+Every request is also checked as plain JSON before it meets its type, so what PostgreSQL or
+the interpreter cannot take is ``INVALID_INPUT`` with the path of the offending value, never
+``INTERNAL``: a string or key holding NUL (PostgreSQL refuses it), nesting deeper than
+``MAX_DEPTH``, an integer beyond int64. Unknown fields are checked too: they are skipped by
+the type, but a 10,000-deep one would still exhaust the decoder.
 """
 
 from __future__ import annotations
@@ -14,15 +20,34 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ..core.errors import BcError, ErrorCode
+from ..core.errors import BcError, ErrorCode, join_path
+from ..core.names import describe_pattern
 
-__all__ = ["Message", "convert", "decode", "encode", "validation_path"]
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_DEPTH",
+    "Message",
+    "check_json",
+    "convert",
+    "decode",
+    "encode",
+    "validation_path",
+]
 
 T = TypeVar("T")
 
 _PATH_RE = re.compile(r" - at `\$(.*)`$")
+_REGEX_RE = re.compile(r"^Expected `str` matching regex '(.*)'$")
 _FIELD_RE = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]+)`")
 _encoder = msgspec.json.Encoder()
+
+MAX_DEPTH = 64
+"""Arrays and objects nested in a request: deep enough for any real document."""
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+# A JSON token the depth scan cares about: a string (skipped whole), a bracket, a comma or colon.
+_TOKEN_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},:]')
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -43,21 +68,105 @@ def validation_path(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
 
 
 def _message(exc: Exception) -> str:
-    return _PATH_RE.sub("", str(exc))
+    text = _PATH_RE.sub("", str(exc))
+    pattern = _REGEX_RE.match(text)
+    rule = describe_pattern(pattern.group(1)) if pattern else None
+    if rule is not None and isinstance(exc, msgspec.ValidationError):
+        # a Name field: the same words, with an example, as parse_name gives
+        return f"{validation_path(exc) or 'the value'} must be {rule}"
+    return text
+
+
+def _invalid(message: str, path: str) -> BcError:
+    return BcError(ErrorCode.INVALID_INPUT, message, {"path": path})
+
+
+def check_json(value: Any, path: str = "") -> None:
+    """Refuse, with its path, a string or key holding NUL, nesting deeper than ``MAX_DEPTH``
+    or an integer beyond int64 anywhere in a decoded JSON value."""
+    _check(value, path, 0)
+
+
+def _check(value: Any, path: str, depth: int) -> None:
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise _invalid("a string may not hold a NUL character (\\u0000)", path)
+    elif isinstance(value, bool):
+        return
+    elif isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise _invalid(f"an integer must lie between {INT64_MIN} and {INT64_MAX} (int64)", path)
+    elif isinstance(value, (dict, list)):
+        if depth >= MAX_DEPTH:
+            raise _invalid(f"JSON may nest at most {MAX_DEPTH} levels", path)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if "\x00" in key:
+                    raise _invalid("an object key may not hold a NUL character (\\u0000)", path)
+                _check(item, join_path(path, key), depth + 1)
+        else:
+            for index, item in enumerate(value):
+                _check(item, f"{path}[{index}]", depth + 1)
+
+
+def _deep_path(data: bytes) -> str:
+    """Where ``data`` first nests deeper than ``MAX_DEPTH``, read from its tokens: for JSON the
+    decoder cannot even hold (it ran out of recursion)."""
+    stack: list[list[Any]] = []  # per open array or object: its bracket, then the current index or key
+    last_string = ""
+    for m in _TOKEN_RE.finditer(data):
+        tok = m.group()
+        if tok in (b"[", b"{"):
+            if len(stack) >= MAX_DEPTH:
+                break
+            stack.append([tok, 0 if tok == b"[" else ""])
+        elif tok in (b"]", b"}"):
+            if stack:
+                stack.pop()
+        elif tok == b",":
+            if stack and stack[-1][0] == b"[":
+                stack[-1][1] += 1
+        elif tok == b":":
+            if stack:
+                stack[-1][1] = last_string
+        else:
+            last_string = tok[1:-1].decode("utf-8", "replace")
+    path = ""
+    for bracket, where in stack:
+        path = f"{path}[{where}]" if bracket == b"[" else join_path(path, where)
+    return path
 
 
 def decode(data: bytes, typ: type[T]) -> T:
     """JSON bytes to ``typ``; malformed or invalid input is ``INVALID_INPUT``."""
+    raw = data or b"{}"
+    unchecked: msgspec.ValidationError | None = None
     try:
-        return msgspec.json.decode(data or b"{}", type=typ)
+        check_json(msgspec.json.decode(raw))
+    except RecursionError as exc:
+        raise _invalid(f"JSON may nest at most {MAX_DEPTH} levels", _deep_path(raw)) from exc
+    except msgspec.ValidationError as exc:
+        unchecked = exc  # a number beyond float: the typed decode below names its path
+    except msgspec.DecodeError as exc:
+        raise _invalid(f"malformed JSON: {exc}", "") from exc
+    try:
+        value = msgspec.json.decode(raw, type=typ)
     except msgspec.ValidationError as exc:
         raise BcError(ErrorCode.INVALID_INPUT, _message(exc), {"path": validation_path(exc)}) from exc
     except msgspec.DecodeError as exc:
         raise BcError(ErrorCode.INVALID_INPUT, f"malformed JSON: {exc}", {"path": ""}) from exc
+    if unchecked is not None:
+        # in a field the type skips, but the rest of the request was never checked
+        raise _invalid(_message(unchecked), "") from unchecked
+    return value
 
 
 def convert(value: Any, typ: type[T], *, strict: bool = True) -> T:
     """Python value (already decoded) to ``typ``; invalid input is ``INVALID_INPUT``."""
+    try:
+        check_json(value)
+    except RecursionError as exc:
+        raise _invalid(f"JSON may nest at most {MAX_DEPTH} levels", "") from exc
     try:
         return msgspec.convert(value, typ, strict=strict)
     except msgspec.ValidationError as exc:
