@@ -94,6 +94,10 @@ class EngineApi:
         body = req.decode(m.CreateProfile)
         check_document(body.document)
         try:
+            # A profile that does not validate is refused, every problem listed (as validate does).
+            res = resolve_profile(self.app, parse_document(body.document))
+            if res.problems:
+                raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
             async with self.db.transaction() as conn:
                 found = await self.profiles.create(
                     conn,

@@ -8,11 +8,12 @@ Core imports nothing else of ``better_compute``. Composing a deployment (``bette
 from .errors import BcError, ErrorCode, join_path
 from .ids import new_id, parse_id
 from .manifest import Field, Manifest, field, manifest, parse_duration
-from .plugins import CommandKind, ComputeModule, Plugin, Registry, define_plugin
+from .plugins import CommandKind, ComputeModule, DriverOperation, Plugin, Registry, define_plugin
 
 __all__ = [
     "BcError",
     "CommandKind",
+    "DriverOperation",
     "ComputeModule",
     "ErrorCode",
     "Field",
