@@ -142,9 +142,7 @@ def _unknown(app: App, ps: ProfileStep, path: str) -> Problem:
     if ps.use in app.driver_operations:
         what = f"{ps.use} is a driver operation: it needs on: site"
     else:
-        what = f"{ps.use} is not a registered step" + (
-            " or driver operation" if ps.on in AGENTS else ""
-        )
+        what = f"{ps.use} is not a registered step" + (" or driver operation" if ps.on in AGENTS else "")
         if ps.on is None:
             what += " (and no on: names an agent for a driver operation)"
         close = difflib.get_close_matches(ps.use, names, n=3, cutoff=0.75)

@@ -13,8 +13,8 @@ from .plugins import CommandKind, ComputeModule, DriverOperation, Plugin, Regist
 __all__ = [
     "BcError",
     "CommandKind",
-    "DriverOperation",
     "ComputeModule",
+    "DriverOperation",
     "ErrorCode",
     "Field",
     "Manifest",

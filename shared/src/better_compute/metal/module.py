@@ -30,8 +30,8 @@ class MetalModule:
 
 
 def metal() -> MetalModule:
-    """The metal module: its command kinds, the site agent's driver operations (and, in a later release, its lifecycle steps and
-    profiles).
+    """The metal module: its command kinds, the site agent's driver operations (and, in a later
+    release, its lifecycle steps and profiles).
 
     Every call shares the same kind objects, so ``metal()`` may be registered in
     ``better_compute(modules=…)`` and borrowed by ``provision_module(modules=[metal()])``.
