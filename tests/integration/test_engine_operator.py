@@ -69,6 +69,10 @@ async def test_nodes_update_label_and_delete(engine: EngineService, bc_api: ApiC
     with pytest.raises(BcError) as e:
         await bc_api.call("engine", "nodes.update", {"id": "node_01ARZ3NDEKTSV4RRFFQ69G5FAV", "siteId": "x"})
     assert e.value.code is ErrorCode.NOT_FOUND
+    for route in ("nodes.update", "nodes.label", "nodes.delete"):
+        with pytest.raises(BcError) as e:
+            await bc_api.call("engine", route, {"id": "node_\u0000 x"})
+        assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "id")
 
     # a node with a running workflow is not deleted; with only finished ones it is
     await bc_api.call(

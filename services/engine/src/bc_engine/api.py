@@ -93,6 +93,7 @@ class EngineApi:
         return {"nodes": docs, "next": next_}
 
     async def _locked_node(self, conn: Any, node_id: str) -> Any:
+        parse_id(node_id, "node", path="id")  # a malformed id never reaches the store
         row = await conn.fetchrow(store.NODE_FOR_UPDATE, node_id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "id"})
