@@ -100,6 +100,26 @@ async def test_bcx_drives_commands_agents_and_the_batch_quorum(
     assert "rebuild rack 4" in shown.stdout
     assert "approved" in shown.stdout
 
+    # several batches in one approval; one that is not there is named and does not stop the rest
+    more = [
+        (await ok_json(s, "batches", "create", "--kind", "node.wipe", "--node", node))["id"] for _ in range(2)
+    ]
+    ghost = new_id("batch")
+    for name in ("alice", "bob"):
+        both = await bcx(
+            s, "batches", "approve", *more, ghost, "--approver", name,
+            "--key-file", str(tmp_path / f"{name}.pem"), "--json",
+        )  # fmt: skip
+        assert both.returncode == 1, both.stderr
+        out = json.loads(both.stdout)
+        assert [b["id"] for b in out["batches"]] == more
+        assert [(e["id"], e["code"]) for e in out["errors"]] == [(ghost, "NOT_FOUND")]
+    assert [(await cq.get_batch(b)).state for b in more] == ["approved", "approved"]
+    quorum = await bcx(s, "quorum", "show")
+    assert quorum.returncode == 0, quorum.stderr
+    assert "threshold 2 of 2" in quorum.stdout
+    assert {"alice", "bob"} <= set(quorum.stdout.split())
+
     # the approved wipe went out to the node's (absent) bcd
     got = await ok_json(s, "commands", "get", wipe.id)
     assert (got["state"], got["batchId"], got["destructive"]) == ("dispatched", batch["id"], True)

@@ -90,3 +90,59 @@ def test_status_without_a_stack_says_what_to_do(tmp_path: Path) -> None:
     assert "bcx dev up" in out.stderr
     js = bcx(tmp_path / "empty", "status", "--json")
     assert json.loads(js.stdout)["error"]["code"] == "UNAVAILABLE"
+
+
+async def test_a_plain_restart_keeps_the_quorum_dev_up_was_given(state: Path, tmp_path: Path) -> None:
+    """Issue 10 item 8: the quorum came only from the environment of whoever ran `dev up`; a
+    plain `dev up` after `dev down` turned it off silently. The state folder keeps it now."""
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    from better_compute.cmdq_client import CommandQueueClient
+    from better_compute.service import ApiClient
+    from better_compute.wire.subjects import Subjects
+
+    raw = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    approvers = tmp_path / "approvers.toml"
+    approvers.write_text(
+        f'threshold = 1\n[[approvers]]\nid = "alice"\npublicKey = "{base64.b64encode(raw).decode()}"\n'
+    )
+
+    async def quorum(url: str) -> tuple[bool, int, list[str]]:
+        nc = await nats.connect(url)
+        try:
+            view = await CommandQueueClient(ApiClient(nc, Subjects(root="bc"))).quorum()
+            return view.enabled, view.threshold, [a.id for a in view.approvers]
+        finally:
+            await nc.close()
+
+    os.environ["BC_CMDQ_QUORUM_FILE"] = str(approvers)
+    try:
+        up = bcx(state, "dev", "up", "--json", "--service", "bc-command-queue")
+    finally:
+        del os.environ["BC_CMDQ_QUORUM_FILE"]
+    assert up.returncode == 0, up.stderr
+    assert await quorum(json.loads(up.stdout)["nats"]) == (True, 1, ["alice"])
+
+    assert bcx(state, "dev", "down").returncode == 0
+    approvers.unlink()  # the state folder holds its own copy
+    again = bcx(state, "dev", "up", "--json", "--service", "bc-command-queue")
+    assert again.returncode == 0, again.stderr
+    assert await quorum(json.loads(again.stdout)["nats"]) == (True, 1, ["alice"])
+    shown = bcx(state, "quorum", "show")
+    assert shown.returncode == 0, shown.stderr
+    assert "threshold 1 of 1" in shown.stdout
+    assert "alice" in shown.stdout.split()
+
+
+def test_the_command_queue_warns_when_the_quorum_is_off(state: Path) -> None:
+    up = bcx(state, "dev", "up", "--service", "bc-command-queue")
+    assert up.returncode == 0, up.stderr
+    lines = (state / "logs" / "bc-command-queue-1.log").read_text().splitlines()
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    [off] = [e for e in events if e["event"] == "quorum_off"]
+    assert off["level"] == "warning"
+    shown = bcx(state, "quorum", "show", "--json")
+    assert json.loads(shown.stdout)["enabled"] is False

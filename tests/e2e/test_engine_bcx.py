@@ -61,7 +61,9 @@ async def test_profiles_through_bcx(
     base = {"id": "web", "target": "metal", "role": "host"}
     good = write(
         tmp_path, "good.json",
-        {**base, "version": 1, "steps": [{"use": "test.noop"}, {"use": "power.setPower", "on": "site"}]},
+        {**base, "version": 1, "steps": [
+            {"use": "test.noop"}, {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
+        ]},
     )  # fmt: skip
     bad = write(
         tmp_path, "bad.json",
@@ -89,6 +91,37 @@ async def test_profiles_through_bcx(
     assert "error: CONFLICT" in err
     code, out, _ = await bcx(settings, "profiles", "create", good, "--json")
     assert json.loads(out)["error"]["details"]["path"] == "document.version"
+
+    # what a profile's use can name, with its inputs (issue 10 item 10)
+    code, out, err = await bcx(settings, "steps", "list")
+    assert code == 0, err
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "flag*" in rows["test.waitFlag"]
+    assert "action*: on|off|softOff|cycle|reset" in rows["power.setPower"]
+    assert "site (driver)" in rows["media.eject"]
+
+
+async def test_nodes_update_label_delete_through_bcx(
+    settings: Settings, bc_processes: ServiceProcesses
+) -> None:
+    await start_engine(settings, bc_processes)
+    code, out, err = await bcx(settings, "nodes", "create", "--site", "lab1", "--label", "rack=4")
+    assert code == 0, err
+    node = out.strip()
+    code, out, err = await bcx(settings, "nodes", "update", node, "--site", "lab2", "--json")
+    assert code == 0, err
+    assert (json.loads(out)["siteId"], json.loads(out)["labels"]) == ("lab2", {"rack": "4"})
+    code, out, err = await bcx(settings, "nodes", "label", node, "gpu=h100", "rack-", "--json")
+    assert code == 0, err
+    assert json.loads(out)["labels"] == {"gpu": "h100"}
+    code, out, err = await bcx(settings, "nodes", "update", node, "--site", "lab 1!")
+    assert code == 1
+    assert "INVALID_INPUT" in err
+    code, out, err = await bcx(settings, "nodes", "delete", node)
+    assert (code, out.strip()) == (0, f"deleted {node}")
+    code, out, err = await bcx(settings, "nodes", "get", node)
+    assert code == 1
+    assert "NOT_FOUND" in err
 
 
 async def test_workflows_through_bcx(

@@ -57,7 +57,7 @@ async def test_destructive_steps_wait_for_m_of_n_approvals_of_the_workflows_batc
         node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
         doc = {"id": "wipe-ish", "version": 1, "target": "metal", "role": "host",
                "steps": [{"use": "test.power", "on": "site"},
-                         {"use": "bmc.eraseDisks", "on": "site", "with": {"all": True}}]}  # fmt: skip
+                         {"use": "media.eject", "on": "site", "with": {"device": "usb"}}]}  # fmt: skip
         await bc_api.call("engine", "profiles.create", {"document": doc})
         wf = await bc_api.call("engine", "workflows.start", {"profileId": "wipe-ish", "nodeId": node["id"]})
 

@@ -95,3 +95,34 @@ async def test_named_templates_ignition_and_refusals(stack: ServiceProcesses, bc
     with pytest.raises(BcError) as e:
         await bc_api.call("engine", "workflows.start", {"profileId": "ci-none"})
     assert e.value.code is ErrorCode.NOT_FOUND
+
+
+async def test_user_data_settings_come_from_bc_toml(
+    bc_settings: Settings, bc_processes: ServiceProcesses, bc_api: ApiClient, tmp_path: Path
+) -> None:
+    """Issue 10 item 10: bcdUrl and the other user-data settings were settable only in Python.
+    A `[userdata]` section of bc.toml now sets them (over the app's UserData)."""
+    sha = "ab" * 32
+    config = tmp_path / "bc.toml"
+    config.write_text(
+        "[userdata]\n"
+        'bcd_url = "https://mirror.site.example/bcd/bcd-linux-amd64"\n'
+        f'bcd_sha256 = "{sha}"\n'
+        'control_plane_url = "https://cp.site.example"\n'
+    )
+    bc_processes.settings = msgspec.structs.replace(bc_settings, app="engine_test_app:app")
+    bc_processes.extra_env = {
+        "BC_CONFIG": str(config),
+        "BC_PKI_KEY_FILE": str(tmp_path / "pki.key"),
+        "BC_SECRETS_KEY_FILE": str(tmp_path / "secrets.key"),
+    }
+    for name in ("bc-engine", "bc-pki", "bc-secrets"):
+        bc_processes.start(name)
+    await bc_processes.wait_ready()
+    node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
+    done = await render(bc_api, node["id"], {"kind": "cloud-init"}, "from-toml")
+    assert done["state"] == "succeeded", done
+    document = (await SecretsClient(bc_api).get(done["steps"][0]["result"]["userDataRef"])).decode()
+    assert "https://mirror.site.example/bcd/bcd-linux-amd64" in document
+    assert sha in document
+    assert "downloads.test.example" not in document

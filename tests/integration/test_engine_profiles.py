@@ -181,3 +181,38 @@ async def test_the_512_step_cap(engine: EngineService, bc_api: ApiClient) -> Non
     done = await wait_workflow(bc_api, wf["id"], timeout=60)
     assert done["state"] == "succeeded"
     assert len(done["steps"]) == 512
+
+
+async def test_driver_operations_are_a_registry_validated_like_steps(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    """Issue 10 item 7: a misspelt operation, a driver step without `with` and a bad `with`
+    are all reported in one pass, with did-you-mean; `profiles.create` refuses the profile."""
+    document = doc(
+        "drivers",
+        1,
+        [
+            {"use": "power.setPowr", "on": "site", "with": {"action": "cycle"}},
+            {"use": "power.setPower", "on": "site"},
+            {"use": "power.setPower", "on": "site", "with": {"action": "explode"}},
+            {"use": "test.nop"},
+            {"use": "media.eject", "on": "site"},
+        ],
+    )
+    got = await bc_api.call("engine", "profiles.validate", {"document": document})
+    assert got["valid"] is False
+    assert [p["path"] for p in got["problems"]] == [
+        "steps[0].use",
+        "steps[1].with.action",
+        "steps[2].with.action",
+        "steps[3].use",
+    ]
+    assert "did you mean power.setPower" in got["problems"][0]["message"]
+    assert "did you mean test.noop" in got["problems"][3]["message"]
+    with pytest.raises(BcError) as e:
+        await create(bc_api, "acme", document)
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "steps[0].use")
+    assert len(e.value.details["problems"]) == 4
+    with pytest.raises(BcError) as e:
+        await get(bc_api, "acme", "drivers")
+    assert e.value.code is ErrorCode.NOT_FOUND

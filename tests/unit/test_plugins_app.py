@@ -428,3 +428,24 @@ def test_an_unknown_unit_or_bad_settings_is_invalid_input_when_resolved() -> Non
             units=units,
         )
     ) == (INVALID_INPUT, "hostConfig.units[1].settings.count")
+
+
+def test_metal_registers_the_site_agents_driver_operations_once() -> None:
+    from better_compute.core import DriverOperation, Registry, manifest
+
+    app = better_compute(modules=[metal()])
+    assert set(app.driver_operations) == {
+        "power.setPower", "management.setBootDevice", "media.insert", "media.eject",
+        "management.inventory", "netboot.setEntry", "netboot.clearEntry",
+    }  # fmt: skip
+    # an operation's input is the payload of the command kind of the same name
+    assert app.driver_operations["power.setPower"].input is COMMAND_KINDS["power.setPower"].payload
+    with pytest.raises(BcError) as e:
+        DriverOperation(name="power.set.power", input=manifest({}))
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_CONFIG, "name")
+    registry: Registry[Any, Any] = Registry()
+    op = DriverOperation(name="acme.reset", input=manifest({}))
+    registry.add_driver_operation(op, path="a")
+    with pytest.raises(BcError) as e:
+        registry.add_driver_operation(DriverOperation(name="acme.reset", input=manifest({})), path="b")
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_CONFIG, "b.name")

@@ -50,6 +50,9 @@ def test_sections_come_from_bc_toml_and_the_environment_wins(
         ('[cmdq]\nretention = "12h"\n', {}, "cmdq.retention"),  # kept in days
         ("[cmdq]\nstream_replicas = 0\n", {}, "cmdq.stream_replicas"),
         ("", {"BC_HEALTH_PORT": "eighty"}, "health_port"),
+        ('[userdata]\nbcd_url = "ftp://x"\n', {}, "userdata.bcd_url"),
+        ("", {"BC_USERDATA_BCD_SHA256": "ABC"}, "userdata.bcd_sha256"),
+        ('[userdata]\nbcdUrl = "https://x"\n', {}, "userdata.bcdUrl"),  # keys are snake_case
     ],
 )
 def test_a_bad_setting_is_invalid_config_at_its_path(

@@ -10,6 +10,7 @@ use the manifest grammar of :func:`better_compute.core.manifest.parse_duration` 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ __all__ = [
     "QuorumSettings",
     "SecretsSettings",
     "Settings",
+    "UserDataSettings",
     "env_var",
     "load_settings",
     "parse_settings",
@@ -132,6 +134,18 @@ class SecretsSettings(_Section, frozen=True, kw_only=True):
     key_file: str | None = None
 
 
+class UserDataSettings(_Section, frozen=True, kw_only=True):
+    """``[userdata]``: what ``userdata.render`` puts in a node's user data (the engine reads it).
+
+    A value set here (or in ``BC_USERDATA_*``) wins over the app's ``UserData(...)``; templates
+    stay in Python.
+    """
+
+    control_plane_url: str | None = None
+    bcd_url: str | None = None
+    bcd_sha256: str | None = None
+
+
 class Settings(_Section, frozen=True, kw_only=True):
     """Where a process finds the bus, the store and the app, and each service's own section.
 
@@ -150,6 +164,7 @@ class Settings(_Section, frozen=True, kw_only=True):
     cmdq: CmdqSettings = msgspec.field(default_factory=CmdqSettings)
     pki: PkiSettings = msgspec.field(default_factory=PkiSettings)
     secrets: SecretsSettings = msgspec.field(default_factory=SecretsSettings)
+    userdata: UserDataSettings = msgspec.field(default_factory=UserDataSettings)
 
 
 # Lower bounds, checked after decoding; a value below one is INVALID_CONFIG at its path.
@@ -171,6 +186,14 @@ _UNIT_MS: Final = {
     "cmdq.stream_max_age": 1_000,
     "cmdq.retention": 86_400_000,
     "pki.cert_ttl": 1_000,
+}
+
+
+# Shapes checked after decoding (the same ones ``UserData(...)`` checks), at their path.
+_PATTERNS: Final = {
+    "userdata.control_plane_url": (re.compile(r"https?://[^\s{}]+"), "an http(s) URL"),
+    "userdata.bcd_url": (re.compile(r"https?://[^\s{}]+"), "an http(s) URL"),
+    "userdata.bcd_sha256": (re.compile(r"[0-9a-f]{64}"), "64 lowercase hex digits"),
 }
 
 
@@ -238,6 +261,10 @@ def _check_bounds(settings: Settings) -> None:
     for path, unit in _UNIT_MS.items():
         if (value := _get(settings, path)).ms % unit:
             raise _bad(path, f"{path} must be a whole number of {Duration(unit)}, got {value}")
+    for path, (pattern, what) in _PATTERNS.items():
+        value = _get(settings, path)
+        if value is not None and (len(value) > 4096 or pattern.fullmatch(value) is None):
+            raise _bad(path, f"{path} must be {what}")
     if settings.cmdq.stream_replicas < 1:
         raise _bad("cmdq.stream_replicas", "cmdq.stream_replicas must be at least 1")
 

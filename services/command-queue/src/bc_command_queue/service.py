@@ -116,11 +116,15 @@ class CommandQueueService(Service):
         )
         await self.nc.subscribe(self.subjects.events_all("cert"), cb=self._on_cert_event)
         quorum = self.config.quorum
-        self.log.info(
-            "quorum_configured" if quorum.enabled else "quorum_off",
-            threshold=quorum.threshold,
-            approvers=sorted(quorum.approvers),
-        )
+        if quorum.enabled:
+            self.log.info("quorum_configured", threshold=quorum.threshold, approvers=sorted(quorum.approvers))
+        else:
+            # Loud: destructive commands (wipes, image writes, driver operations) then run unapproved.
+            self.log.warning(
+                "quorum_off",
+                detail="no approvers are configured: destructive commands run without approval;"
+                " set [cmdq.quorum] in bc.toml (or BC_CMDQ_QUORUM_FILE)",
+            )
 
     @property
     def parts(self) -> Parts:

@@ -42,6 +42,10 @@ class EngineApi:
             "nodes.create": self.nodes_create,
             "nodes.get": self.nodes_get,
             "nodes.list": self.nodes_list,
+            "nodes.update": self.nodes_update,
+            "nodes.label": self.nodes_label,
+            "nodes.delete": self.nodes_delete,
+            "steps.list": self.steps_list,
             "profiles.create": self.profiles_create,
             "profiles.get": self.profiles_get,
             "profiles.list": self.profiles_list,
@@ -88,12 +92,96 @@ class EngineApi:
         )
         return {"nodes": docs, "next": next_}
 
+    async def _locked_node(self, conn: Any, node_id: str) -> Any:
+        parse_id(node_id, "node", path="id")  # a malformed id never reaches the store
+        row = await conn.fetchrow(store.NODE_FOR_UPDATE, node_id)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "id"})
+        return row
+
+    async def _refuse_busy(self, conn: Any, node_id: str, what: str) -> None:
+        busy = await conn.fetchval(store.NODE_BUSY, node_id, None)
+        if busy is not None:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                f"node {node_id} runs workflow {busy}: {what} once it has finished (or abort it)",
+                {"path": "id", "reason": "node-busy", "workflowId": busy},
+            )
+
+    async def nodes_update(self, req: ApiRequest) -> dict[str, Any]:
+        """Replace the node's site and/or all its labels (the bounds of ``nodes.create``); the
+        site only while no workflow runs on the node (its commands go to that site)."""
+        body = req.decode(m.UpdateNode)
+        if body.labels is not None:
+            check_labels(body.labels)
+        async with self.db.transaction() as conn:
+            row = await self._locked_node(conn, body.id)
+            if body.site_id is not None and body.site_id != row["site_id"]:
+                await self._refuse_busy(conn, body.id, "change its site")
+            labels = json.dumps(body.labels) if body.labels is not None else None
+            row = await conn.fetchrow(store.UPDATE_NODE, body.id, body.site_id, labels)
+        return node_doc(row)
+
+    async def nodes_label(self, req: ApiRequest) -> dict[str, Any]:
+        """Set some labels and remove others, in one step; the result has the bounds of create."""
+        body = req.decode(m.LabelNode)
+        check_labels(body.set, "set")
+        async with self.db.transaction() as conn:
+            row = await self._locked_node(conn, body.id)
+            labels = row["labels"]
+            labels = dict(json.loads(labels) if isinstance(labels, str) else labels)
+            labels.update(body.set)
+            for key in body.remove:
+                labels.pop(key, None)
+            check_labels(labels)
+            row = await conn.fetchrow(store.UPDATE_NODE, body.id, None, json.dumps(labels))
+        return node_doc(row)
+
+    async def nodes_delete(self, req: ApiRequest) -> dict[str, Any]:
+        """Forget a node; refused while a workflow runs on it. Finished workflows are kept."""
+        body = req.decode(m.DeleteNode)
+        async with self.db.transaction() as conn:
+            await self._locked_node(conn, body.id)
+            await self._refuse_busy(conn, body.id, "delete it")
+            await conn.execute(store.DETACH_NODE_WORKFLOWS, body.id)
+            await conn.execute(store.DELETE_NODE, body.id)
+        return {"deleted": body.id}
+
+    # -- steps ----------------------------------------------------------------
+
+    async def steps_list(self, req: ApiRequest) -> dict[str, Any]:
+        """The steps a profile's ``use`` resolves to and the driver operations, with their inputs."""
+        req.decode(m.ListSteps)
+        steps = [
+            {
+                "id": s.id,
+                "runsOn": s.runs_on,
+                "relays": list(s.relays),
+                "command": s.command,
+                "sends": list(s.sends),
+                "timeoutMs": s.timeout_ms,
+                "retrySafe": s.retry_safe,
+                "description": s.description,
+                "input": s.input.json_schema(),
+            }
+            for s in sorted(self.app.steps.values(), key=lambda s: s.id)
+        ]
+        operations = [
+            {"name": o.name, "description": o.description, "input": o.input.json_schema()}
+            for o in sorted(self.app.driver_operations.values(), key=lambda o: o.name)
+        ]
+        return {"steps": steps, "driverOperations": operations}
+
     # -- profiles -------------------------------------------------------------
 
     async def profiles_create(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.CreateProfile)
         check_document(body.document)
         try:
+            # A profile that does not validate is refused, every problem listed (as validate does).
+            res = resolve_profile(self.app, parse_document(body.document))
+            if res.problems:
+                raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
             async with self.db.transaction() as conn:
                 found = await self.profiles.create(
                     conn,

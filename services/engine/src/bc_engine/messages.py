@@ -18,15 +18,19 @@ __all__ = [
     "MAX_STEP_INPUT_BYTES",
     "CreateNode",
     "CreateProfile",
+    "DeleteNode",
     "DeleteProfile",
     "GetNode",
     "GetProfile",
     "GetWorkflow",
+    "LabelNode",
     "ListNodes",
     "ListProfiles",
+    "ListSteps",
     "ListWorkflows",
     "ProfileRef",
     "StartWorkflow",
+    "UpdateNode",
     "WorkflowVerb",
 ]
 
@@ -60,6 +64,30 @@ class CreateNode(_Req, frozen=True, kw_only=True):
 
 class GetNode(_Req, frozen=True, kw_only=True):
     id: str
+
+
+class UpdateNode(_Req, frozen=True, kw_only=True):
+    """Fields given replace the node's (``labels`` all of them); the bounds of ``CreateNode``."""
+
+    id: str
+    site_id: Name | None = None
+    labels: dict[str, str] | None = None
+
+
+class LabelNode(_Req, frozen=True, kw_only=True):
+    """Set some labels and remove others; the result has the bounds of ``CreateNode``."""
+
+    id: str
+    set: dict[str, str] = msgspec.field(default_factory=dict)
+    remove: Annotated[list[str], msgspec.Meta(max_length=MAX_LABELS)] = msgspec.field(default_factory=list)
+
+
+class DeleteNode(_Req, frozen=True, kw_only=True):
+    id: str
+
+
+class ListSteps(_Req, frozen=True, kw_only=True):
+    """Every registered step and driver operation (a deployment has few: no paging)."""
 
 
 class ListNodes(_Req, frozen=True, kw_only=True):

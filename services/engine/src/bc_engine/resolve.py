@@ -4,15 +4,17 @@ Each ``use`` resolves once, when the workflow starts (or when ``profiles.validat
 ``profiles.render`` ask):
 
 1. a registered step with that id — an ``on:`` must match its ``runs_on`` or a relay;
-2. otherwise, with ``on:`` naming an agent, a driver operation ``<concern>.<operation>``
-   sent as one ``driver.invoke`` command;
+2. otherwise, with ``on:`` naming an agent, a registered driver operation
+   ``<concern>.<operation>`` (``app.driver_operations``), sent as one ``driver.invoke`` command;
 3. otherwise the ``fallback:``, resolved the same way.
 
-``with`` is validated against the step's input at the same moment.
+``with`` is validated against the step's (or the driver operation's) input at the same moment.
+An unknown name is reported with the closest registered names (did you mean).
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +113,12 @@ def _resolve_one(
             idx, ps.use, "control-plane", "control-plane", None, value, timeout_ms,
             prefix + "step", tuple(step.sends),
         )  # fmt: skip
-    if ps.on in AGENTS:
+    operation = app.driver_operations.get(ps.use)
+    if ps.on in AGENTS and operation is not None:
+        try:
+            with_ = operation.input.validate(with_)
+        except BcError as err:
+            return Problem(join_path(join_path(path, "with"), err.path or ""), err.code.value, err.message)
         kind = app.command_kinds.get(DRIVER_INVOKE)
         payload: dict[str, Any] = {"operation": ps.use, "input": with_}
         if kind is not None:
@@ -124,6 +131,26 @@ def _resolve_one(
             ps.timeout_ms or DEFAULT_DRIVER_TIMEOUT_MS, prefix + "driver",
         )  # fmt: skip
     return None
+
+
+def _unknown(app: App, ps: ProfileStep, path: str) -> Problem:
+    """``use`` names neither a step nor (with an agent ``on:``) a driver operation."""
+    if ps.on in AGENTS or (ps.on is None and ps.use in app.driver_operations):
+        names = [*app.steps, *app.driver_operations]
+    else:
+        names = list(app.steps)
+    if ps.use in app.driver_operations:
+        what = f"{ps.use} is a driver operation: it needs on: site"
+    else:
+        what = f"{ps.use} is not a registered step" + (" or driver operation" if ps.on in AGENTS else "")
+        if ps.on is None:
+            what += " (and no on: names an agent for a driver operation)"
+        close = difflib.get_close_matches(ps.use, names, n=3, cutoff=0.75)
+        if close:
+            what += "; did you mean " + " or ".join(close) + "?"
+    if ps.fallback is not None:
+        what += ", nor is its fallback"
+    return Problem(join_path(path, "use"), ErrorCode.INVALID_INPUT.value, what)
 
 
 def resolve_profile(app: App, profile: Profile, *, has_node: bool | None = None) -> Resolution:
@@ -147,13 +174,7 @@ def resolve_profile(app: App, profile: Profile, *, has_node: bool | None = None)
         if got is None and ps.fallback is not None:
             got = _resolve_one(app, ps.fallback, idx, join_path(path, "fallback"), fallback=True)
         if got is None:
-            where = "" if ps.on else " (and no on: names an agent for a driver operation)"
-            got = Problem(
-                join_path(path, "use"),
-                ErrorCode.INVALID_INPUT.value,
-                f"{ps.use} is not a registered step{where}"
-                + ("" if ps.fallback is None else ", nor is its fallback"),
-            )
+            got = _unknown(app, ps, path)
         if isinstance(got, Problem):
             out.problems.append(got)
             continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -12,7 +13,9 @@ import msgspec
 from nats.aio.msg import Msg
 
 from better_compute.app import App, load_app
-from better_compute.core.errors import BcError
+from better_compute.config import UserDataSettings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.provision import UserData
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
@@ -65,7 +68,7 @@ class EngineService(Service):
         assert self.db is not None
         assert self.api is not None
         assert self.nc is not None
-        self.app = load_app(self.settings.app)
+        self.app = with_user_data_settings(load_app(self.settings.app), self.settings.userdata)
         self.leases = ShardLeases(
             self.db,
             self.instance,
@@ -195,3 +198,21 @@ class EngineService(Service):
             await self.scheduler.close(grace=self.stop_grace)
         if hasattr(self, "leases"):
             await self.leases.release_all()
+
+
+def with_user_data_settings(app: App, settings: UserDataSettings) -> App:
+    """The app with ``[userdata]`` of bc.toml (or ``BC_USERDATA_*``) over its ``UserData(...)``."""
+    given = {k: v for k, v in msgspec.structs.asdict(settings).items() if v is not None}
+    if not given:
+        return app
+    if app.provision is None:
+        raise BcError(
+            ErrorCode.INVALID_CONFIG,
+            "[userdata] is set but the app has no provision module to render user data",
+            {"path": "userdata"},
+        )
+    try:
+        merged = dataclasses.replace(app.provision.user_data or UserData(), **given)
+    except BcError as err:
+        raise err.with_path_prefix("userdata") from None
+    return dataclasses.replace(app, provision=dataclasses.replace(app.provision, user_data=merged))

@@ -288,6 +288,15 @@ LIST_NODES = (
     " ORDER BY id LIMIT $4"
 )
 LOCK_NODE = "SELECT id FROM nodes WHERE id = $1 FOR UPDATE"
+# nodes.update / nodes.label: $2 site (NULL keeps it), $3 labels (NULL keeps them).
+UPDATE_NODE = (
+    "UPDATE nodes SET site_id = coalesce($2, site_id), labels = coalesce($3::jsonb, labels),"
+    " updated_at = now() WHERE id = $1 RETURNING *"
+)
+NODE_FOR_UPDATE = "SELECT * FROM nodes WHERE id = $1 FOR UPDATE"
+# nodes.delete: finished workflows are kept (their rkey still names the node).
+DETACH_NODE_WORKFLOWS = "UPDATE workflows SET node_id = NULL WHERE node_id = $1"
+DELETE_NODE = "DELETE FROM nodes WHERE id = $1"
 # The workflow running on a node, other than $2 (NULL: any).
 NODE_BUSY = "SELECT id FROM workflows WHERE node_id = $1 AND state = 'running' AND id IS DISTINCT FROM $2"
 # A workflow, its steps and its work-queue entry in one statement. $18 the key's shard.

@@ -15,13 +15,20 @@ import importlib
 import inspect
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from types import MappingProxyType
 from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode, join_path
-from better_compute.core.plugins import CommandKind, ComputeModule, Plugin, Registry, as_tuple
+from better_compute.core.plugins import (
+    CommandKind,
+    ComputeModule,
+    DriverOperation,
+    Plugin,
+    Registry,
+    as_tuple,
+)
 from better_compute.provision.module import ProvisionModule
 from better_compute.provision.profiles import Profile
 from better_compute.provision.steps import Step
@@ -57,6 +64,8 @@ class App:
     """Every registered command kind, by name."""
     provision: ProvisionModule | None
     """The provision module, when there is one (user data, config units, image verifier)."""
+    driver_operations: Mapping[str, DriverOperation] = field(default_factory=lambda: MappingProxyType({}))
+    """Every registered driver operation ``<concern>.<operation>``, by name."""
 
     def command_kind(self, name: str, *, path: str = "kind") -> CommandKind:
         """The registered kind ``name``, or ``INVALID_CONFIG`` at ``path``."""
@@ -133,6 +142,7 @@ def better_compute(
         profiles=provision.resolvable_profiles if provision else (),
         command_kinds=registry.command_kinds,
         provision=provision,
+        driver_operations=registry.driver_operations,
     )
 
 

@@ -1,5 +1,5 @@
-"""``bcx commands list|get|cancel``, ``bcx agents list`` and
-``bcx batches create|list|get|approve|keygen``.
+"""``bcx commands list|get|cancel``, ``bcx agents list``,
+``bcx batches create|list|get|approve|keygen`` and ``bcx quorum show``.
 
 ``batches approve`` signs on this machine with the approver's key file (``batches keygen`` makes
 one): the batch's document is rebuilt from the scope shown, checked against what the service
@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import base64
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -333,13 +334,51 @@ def load_approver_key(path: str) -> ed25519.Ed25519PrivateKey:
 
 
 async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> int:
+    """Sign each batch named; one refused does not stop the others (exit 1 if any was)."""
     key = load_approver_key(args.key_file)
+    approved: list[BatchView] = []
+    errors: list[dict[str, Any]] = []
     async with api_client(settings) as api:
         cq = CommandQueueClient(api)
-        batch = await cq.get_batch(args.id)
-        signature = sign_batch(batch, key)  # refuses a document that is not the scope shown
-        approved = await cq.approve_batch(batch.id, approver_id=args.approver, signature=signature)
-    _print_batch(approved, as_json=args.json)
+        for batch_id in args.id:
+            try:
+                batch = await cq.get_batch(batch_id)
+                signature = sign_batch(batch, key)  # refuses a document that is not the scope shown
+                approved.append(
+                    await cq.approve_batch(batch.id, approver_id=args.approver, signature=signature)
+                )
+            except BcError as err:
+                if err.code is ErrorCode.UNAVAILABLE:
+                    raise
+                errors.append({"id": batch_id, "code": err.code.value, "message": err.message})
+    if len(args.id) == 1 and not errors:
+        _print_batch(approved[0], as_json=args.json)
+    elif args.json:
+        print_json({"batches": _json(approved), "errors": errors})
+    else:
+        for b in approved:
+            _print_batch(b, as_json=False)
+        for e in errors:
+            print(f"error: {e['id']}: {e['code']}: {e['message']}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+async def cmd_quorum_show(args: argparse.Namespace, settings: Settings) -> int:
+    """The quorum the command queue enforces now (not what some file says)."""
+    async with api_client(settings) as api:
+        view = await CommandQueueClient(api).quorum()
+    if args.json:
+        print_json(_json(view))
+        return 0
+    if not view.enabled:
+        print("quorum: off: destructive commands run without approval")
+        print("set [cmdq.quorum] in bc.toml (threshold and approvers) and restart bc-command-queue")
+        return 0
+    print(f"quorum: on: threshold {view.threshold} of {len(view.approvers)}")
+    print_table(
+        [{"id": a.id, "publicKey": a.public_key} for a in view.approvers],
+        [("id", "APPROVER"), ("publicKey", "PUBLIC KEY")],
+    )
     return 0
 
 
@@ -425,7 +464,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("id")
     p.set_defaults(func=cmd_batches_get)
     p = bsub.add_parser("approve", parents=[common], help="sign a batch here with your key file")
-    p.add_argument("id")
+    p.add_argument("id", nargs="+", help="one or more batch ids")
     p.add_argument("--approver", required=True, help="your approver id, as configured")
     p.add_argument("--key-file", required=True, help="your Ed25519 private key (PEM)")
     p.set_defaults(func=cmd_batches_approve)
@@ -433,3 +472,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--key-file", required=True, help="where to write the new private key")
     p.add_argument("--approver", help="your approver id, for the snippet printed")
     p.set_defaults(func=cmd_batches_keygen)
+
+    quorum = sub.add_parser("quorum", help="the destructive-batch quorum in force")
+    qsub = quorum.add_subparsers(dest="quorum_command", required=True, metavar="COMMAND")
+    p = qsub.add_parser("show", parents=[common], help="whether the quorum is on, threshold and approvers")
+    p.set_defaults(func=cmd_quorum_show)

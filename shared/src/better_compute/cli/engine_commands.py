@@ -1,4 +1,4 @@
-"""``bcx nodes``, ``bcx profiles`` and ``bcx workflows``: the engine's API."""
+"""``bcx nodes``, ``bcx profiles``, ``bcx workflows`` and ``bcx steps``: the engine's API."""
 
 from __future__ import annotations
 
@@ -85,6 +85,81 @@ async def nodes_get(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         node = await api.call("engine", "nodes.get", {"id": args.id})
     print_json(node)
+    return 0
+
+
+def _print_node(node: dict[str, Any], *, as_json: bool) -> None:
+    if as_json:
+        print_json(node)
+        return
+    labels = ",".join(f"{k}={v}" for k, v in node["labels"].items()) or "-"
+    print(f"{node['id']}  site {node['siteId']}  labels {labels}")
+
+
+async def nodes_update(args: argparse.Namespace, settings: Settings) -> int:
+    request: dict[str, Any] = {"id": args.id}
+    if args.site is not None:
+        request["siteId"] = args.site
+    if args.label is not None or args.no_labels:
+        request["labels"] = _labels(args.label)
+    if len(request) == 1:
+        raise BcError(ErrorCode.INVALID_INPUT, "give --site, --label or --no-labels", {"path": "site"})
+    async with api_client(settings) as api:
+        node = await api.call("engine", "nodes.update", request)
+    _print_node(node, as_json=args.json)
+    return 0
+
+
+async def nodes_label(args: argparse.Namespace, settings: Settings) -> int:
+    """``key=value`` sets a label, ``key-`` removes it (as kubectl label does)."""
+    remove = [c[:-1] for c in args.change if c.endswith("-") and "=" not in c]
+    sets = _labels([c for c in args.change if not (c.endswith("-") and "=" not in c)])
+    async with api_client(settings) as api:
+        node = await api.call("engine", "nodes.label", {"id": args.id, "set": sets, "remove": remove})
+    _print_node(node, as_json=args.json)
+    return 0
+
+
+async def nodes_delete(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        got = await api.call("engine", "nodes.delete", {"id": args.id})
+    if args.json:
+        print_json(got)
+    else:
+        print(f"deleted {got['deleted']}")
+    return 0
+
+
+# -- steps --------------------------------------------------------------------------
+
+
+def _inputs(schema: dict[str, Any]) -> str:
+    """``action*: on|off, bmc`` — the input's fields, required ones starred, enums spelled out."""
+    required = set(schema.get("required", []))
+    parts = []
+    for name, prop in (schema.get("properties") or {}).items():
+        text = name + ("*" if name in required else "")
+        if isinstance(prop, dict) and "enum" in prop:
+            text += ": " + "|".join(str(v) for v in prop["enum"])
+        parts.append(text)
+    return ", ".join(parts) or "-"
+
+
+async def steps_list(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        got = await api.call("engine", "steps.list", {})
+    if args.json:
+        print_json(got)
+        return 0
+    rows = [
+        {"use": s["id"], "on": "/".join([s["runsOn"], *s["relays"]]), "with": _inputs(s["input"])}
+        for s in got["steps"]
+    ]
+    rows += [
+        {"use": o["name"], "on": "site (driver)", "with": _inputs(o["input"])}
+        for o in got["driverOperations"]
+    ]
+    print_table(rows, [("use", "USE"), ("on", "ON"), ("with", "WITH (* required)")], empty="no steps")
     return 0
 
 
@@ -375,6 +450,25 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = nodes.add_parser("get", parents=[common], help="one node")
     p.add_argument("id")
     p.set_defaults(func=nodes_get)
+    p = nodes.add_parser("update", parents=[common], help="change a node's site or replace its labels")
+    p.add_argument("id")
+    p.add_argument("--site", help="new site id (not while a workflow runs on the node)")
+    p.add_argument("--label", action="append", help="key=value, repeatable: replaces every label")
+    p.add_argument("--no-labels", action="store_true", help="remove every label")
+    p.set_defaults(func=nodes_update)
+    p = nodes.add_parser("label", parents=[common], help="set (key=value) or remove (key-) labels")
+    p.add_argument("id")
+    p.add_argument("change", nargs="+", help="key=value sets, key- removes")
+    p.set_defaults(func=nodes_label)
+    p = nodes.add_parser("delete", parents=[common], help="forget a node (not while a workflow runs on it)")
+    p.add_argument("id")
+    p.set_defaults(func=nodes_delete)
+
+    steps = sub.add_parser("steps", help="registered steps and driver operations").add_subparsers(
+        dest="steps_command", required=True, metavar="COMMAND"
+    )
+    p = steps.add_parser("list", parents=[common], help="what a profile's use can name, with its inputs")
+    p.set_defaults(func=steps_list)
 
     profiles = sub.add_parser("profiles", help="versioned documents of steps").add_subparsers(
         dest="profiles_command", required=True, metavar="COMMAND"

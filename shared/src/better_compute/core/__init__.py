@@ -9,12 +9,13 @@ from .errors import BcError, ErrorCode, join_path
 from .ids import new_id, parse_id
 from .manifest import Field, Manifest, field, manifest, parse_duration
 from .names import Name, parse_name
-from .plugins import CommandKind, ComputeModule, Plugin, Registry, define_plugin
+from .plugins import CommandKind, ComputeModule, DriverOperation, Plugin, Registry, define_plugin
 
 __all__ = [
     "BcError",
     "CommandKind",
     "ComputeModule",
+    "DriverOperation",
     "ErrorCode",
     "Field",
     "Manifest",

@@ -29,6 +29,7 @@ __all__ = [
     "PLUGIN_ID_PATTERN",
     "CommandKind",
     "ComputeModule",
+    "DriverOperation",
     "Plugin",
     "ProfileDefinition",
     "Registry",
@@ -94,6 +95,35 @@ class CommandKind:
             raise _bad_config("destructive", "must be a boolean")
         if not isinstance(self.payload, Manifest):
             raise _bad_config("payload", "must be a manifest")
+        if not isinstance(self.description, str):
+            raise _bad_config("description", "must be a string")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DriverOperation:
+    """An operation a site agent's driver runs, ``<concern>.<operation>``.
+
+    A profile step ``{use: 'power.setPower', on: 'site', with: {...}}`` that names no registered
+    step resolves to one: ``with`` is validated against ``input`` when the profile is validated,
+    created or started, and the step is sent as one ``driver.invoke`` command.
+
+    Args:
+        name: ``<concern>.<operation>`` such as ``power.setPower``.
+        input: the manifest the step's ``with`` must fit.
+        description: one line for people.
+    """
+
+    name: str
+    input: Manifest
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not is_dotted_name(self.name) or self.name.count(".") != 1:
+            raise _bad_config(
+                "name", f"driver operations are <concern>.<operation> like power.setPower, got {self.name!r}"
+            )
+        if not isinstance(self.input, Manifest):
+            raise _bad_config("input", "must be a manifest")
         if not isinstance(self.description, str):
             raise _bad_config("description", "must be a string")
 
@@ -210,6 +240,7 @@ class Registry(Generic[StepT, ProfileT]):
         self._steps: dict[str, StepT] = {}
         self._profiles: dict[tuple[str, int], ProfileT] = {}
         self._kinds: dict[str, CommandKind] = {}
+        self._operations: dict[str, DriverOperation] = {}
 
     @property
     def modules(self) -> Mapping[str, ComputeModule]:
@@ -230,6 +261,11 @@ class Registry(Generic[StepT, ProfileT]):
     def command_kinds(self) -> Mapping[str, CommandKind]:
         """Registered command kinds by name."""
         return MappingProxyType(self._kinds)
+
+    @property
+    def driver_operations(self) -> Mapping[str, DriverOperation]:
+        """Registered driver operations by ``<concern>.<operation>``."""
+        return MappingProxyType(self._operations)
 
     def path_of(self, obj: object) -> str | None:
         """The path ``obj`` was registered at, or ``None``."""
@@ -259,6 +295,10 @@ class Registry(Generic[StepT, ProfileT]):
             items = as_tuple(getattr(module, name, None), join_path(path, name))
             for index, item in enumerate(items):
                 add(item, path=join_path(path, f"{name}[{index}]"))
+        # Optional: only modules whose agents run driver operations have them (metal).
+        operations = as_tuple(getattr(module, "driver_operations", ()), join_path(path, "driver_operations"))
+        for index, operation in enumerate(operations):
+            self.add_driver_operation(operation, path=join_path(path, f"driver_operations[{index}]"))
 
     def add_command_kind(self, kind: CommandKind, *, path: str) -> None:
         """Register a command kind; names are unique."""
@@ -272,6 +312,19 @@ class Registry(Generic[StepT, ProfileT]):
                 f"command kind {kind.name!r} is already registered at {first}",
             )
         self._kinds[kind.name] = kind
+
+    def add_driver_operation(self, operation: DriverOperation, *, path: str) -> None:
+        """Register a driver operation; names are unique."""
+        if not isinstance(operation, DriverOperation):
+            raise _bad_config(path, "not a DriverOperation")
+        self._once(operation, path)
+        if operation.name in self._operations:
+            first = self._where(self._operations[operation.name])
+            raise _bad_config(
+                join_path(path, "name"),
+                f"driver operation {operation.name!r} is already registered at {first}",
+            )
+        self._operations[operation.name] = operation
 
     def add_step(self, step: StepT, *, path: str) -> None:
         """Register a step; step ids share one namespace."""

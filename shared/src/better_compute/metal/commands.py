@@ -14,12 +14,13 @@ from types import MappingProxyType
 from typing import Final
 
 from better_compute.core.manifest import field, manifest
-from better_compute.core.plugins import DOTTED_NAME_PATTERN, CommandKind
+from better_compute.core.plugins import DOTTED_NAME_PATTERN, CommandKind, DriverOperation
 
 __all__ = [
     "BMC",
     "COMMAND_KINDS",
     "DRIVER_INVOKE",
+    "DRIVER_OPERATIONS",
     "MANAGEMENT_INVENTORY",
     "MANAGEMENT_SET_BOOT_DEVICE",
     "MEDIA_EJECT",
@@ -234,6 +235,24 @@ COMMAND_KINDS: Final[Mapping[str, CommandKind]] = MappingProxyType(
             NODE_WIPE,
             NODE_IMAGE_WRITE,
             NODE_CONVERGE,
+            MANAGEMENT_INVENTORY,
+            NETBOOT_SET_ENTRY,
+            NETBOOT_CLEAR_ENTRY,
+        )
+    }
+)
+
+# What the site agent's ``driver.invoke`` runs (bc_site_agent.handlers): each operation's input is
+# the payload of the command kind of the same name, so a profile step's ``with`` is checked against
+# the very manifest the site agent checks it against.
+DRIVER_OPERATIONS: Final[Mapping[str, DriverOperation]] = MappingProxyType(
+    {
+        kind.name: DriverOperation(name=kind.name, input=kind.payload, description=kind.description)
+        for kind in (
+            POWER_SET_POWER,
+            MANAGEMENT_SET_BOOT_DEVICE,
+            MEDIA_INSERT,
+            MEDIA_EJECT,
             MANAGEMENT_INVENTORY,
             NETBOOT_SET_ENTRY,
             NETBOOT_CLEAR_ENTRY,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from better_compute.core.plugins import CommandKind
+from better_compute.core.plugins import CommandKind, DriverOperation
 
-from .commands import COMMAND_KINDS
+from .commands import COMMAND_KINDS, DRIVER_OPERATIONS
 
 if TYPE_CHECKING:
     from better_compute.provision.profiles import Profile
@@ -26,13 +26,19 @@ class MetalModule:
     command_kinds: tuple[CommandKind, ...]
     steps: tuple[Step, ...]
     profiles: tuple[Profile, ...]
+    driver_operations: tuple[DriverOperation, ...] = ()
 
 
 def metal() -> MetalModule:
-    """The metal module: its command kinds (and, in a later release, its lifecycle steps and
-    profiles).
+    """The metal module: its command kinds, the site agent's driver operations (and, in a later
+    release, its lifecycle steps and profiles).
 
     Every call shares the same kind objects, so ``metal()`` may be registered in
     ``better_compute(modules=…)`` and borrowed by ``provision_module(modules=[metal()])``.
     """
-    return MetalModule(command_kinds=tuple(COMMAND_KINDS.values()), steps=(), profiles=())
+    return MetalModule(
+        command_kinds=tuple(COMMAND_KINDS.values()),
+        steps=(),
+        profiles=(),
+        driver_operations=tuple(DRIVER_OPERATIONS.values()),
+    )

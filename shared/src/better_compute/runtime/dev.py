@@ -2,6 +2,11 @@
 
 Processes are detached (they outlive ``bcx dev up``); each is recorded in
 ``<state>/procs/<name>.json`` with its pid, and logs to ``<state>/logs/<name>.log``.
+
+The destructive-batch quorum ``dev up`` was given (``[cmdq.quorum]`` in ``bc.toml`` or
+``BC_CMDQ_QUORUM_*``) is kept in ``<state>/quorum.json``: a later ``dev up`` given none starts the
+command queue with that one, so a plain restart never turns the quorum off. Delete the file to
+turn it off.
 """
 
 from __future__ import annotations
@@ -11,17 +16,21 @@ import os
 import re
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..config import Settings
+from ..config import Settings, env_var
+from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from .embedded import EmbeddedNats, EmbeddedPostgres, pid_alive, spawn_detached, stop_pid
 
-__all__ = ["SERVICES", "DevStack", "ProcRecord"]
+__all__ = ["QUORUM_FILE", "SERVICES", "DevStack", "ProcRecord"]
+
+QUORUM_FILE = "quorum.json"
 
 # console name -> python module
 SERVICES: dict[str, str] = {
@@ -91,6 +100,9 @@ class DevStack:
             db_url = self.pg.start()
             self.say(f"postgresql        {'running ' if was else 'started '}  {db_url}")
         env = dict(os.environ)
+        kept = self._keep_quorum()
+        if kept is not None:
+            env[env_var("cmdq.quorum.file")] = str(kept)
         env.update(
             BC_NATS_URL=nats_url,
             BC_DATABASE_URL=db_url,
@@ -112,6 +124,45 @@ class DevStack:
                 (self.procs / f"{name}.json").write_text(json.dumps(rec.__dict__))
                 self.say(f"{service:<17} started   pid {pid}")
         return {"nats": nats_url, "database": db_url}
+
+    def _keep_quorum(self) -> Path | None:
+        """Save the quorum these settings carry in the state folder; with none, the saved one.
+
+        Returns the file the command queue must be given (only when the settings carry none,
+        so it never meets inline approvers from ``bc.toml``), else ``None``.
+        """
+        q = self.settings.cmdq.quorum
+        kept = self.state / QUORUM_FILE
+        if q.file is None and not q.approvers and not q.threshold:
+            if kept.is_file():
+                self.say(f"quorum            kept      {kept} (delete it to turn the quorum off)")
+                return kept
+            self.say("quorum            off       (no approvers: destructive commands need no approval)")
+            return None
+        if q.file is not None:
+            try:
+                raw = Path(q.file).read_bytes()
+                doc: Any = json.loads(raw) if q.file.endswith(".json") else tomllib.loads(raw.decode())
+            except (OSError, ValueError) as exc:
+                raise BcError(
+                    ErrorCode.INVALID_CONFIG,
+                    f"cannot read the approvers file {q.file}: {exc}",
+                    {"path": "cmdq.quorum.file"},
+                ) from exc
+            if not isinstance(doc, dict):
+                doc = {}
+            data = {"threshold": doc.get("threshold", 0), "approvers": doc.get("approvers", [])}
+        else:
+            data = {
+                "threshold": q.threshold,
+                "approvers": [{"id": a.id, "publicKey": a.public_key} for a in q.approvers],
+            }
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(kept)
+        self.say(f"quorum            saved     {kept}")
+        return None
 
     def record(self, name: str) -> ProcRecord | None:
         try:

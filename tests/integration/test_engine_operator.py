@@ -1,0 +1,96 @@
+"""The operator's engine routes: the registered steps and driver operations, node update, label
+and delete (issue 10 item 10)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import msgspec
+import pytest
+import pytest_asyncio
+
+from bc_engine.service import EngineService
+from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.service import ApiClient
+from engine_test_app import TABLES
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def engine(bc_settings: Settings) -> AsyncIterator[EngineService]:
+    conn = await asyncpg.connect(bc_settings.database_url)
+    try:
+        await conn.execute(TABLES)  # test.waitFlag's own tables
+    finally:
+        await conn.close()
+    svc = EngineService(msgspec.structs.replace(bc_settings, app="engine_test_app:app"))
+    async with svc:
+        run = asyncio.create_task(svc.run())
+        yield svc
+        svc.request_stop()
+        await asyncio.wait_for(run, 10)
+
+
+async def test_steps_list_shows_steps_and_driver_operations_with_their_inputs(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    got = await bc_api.call("engine", "steps.list", {})
+    steps = {s["id"]: s for s in got["steps"]}
+    assert steps["test.waitFlag"]["runsOn"] == "control-plane"
+    assert {"flag", "pollMs"} <= set(steps["test.waitFlag"]["input"]["properties"])
+    assert steps["userdata.render"]["runsOn"] == "control-plane"
+    ops = {o["name"]: o for o in got["driverOperations"]}
+    assert set(ops["power.setPower"]["input"]["properties"]["action"]["enum"]) >= {"on", "off", "cycle"}
+    assert "media.eject" in ops
+
+
+async def test_nodes_update_label_and_delete(engine: EngineService, bc_api: ApiClient) -> None:
+    node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1", "labels": {"rack": "4"}})
+    nid = node["id"]
+    got = await bc_api.call("engine", "nodes.update", {"id": nid, "siteId": "lab2", "labels": {"row": "b"}})
+    assert (got["siteId"], got["labels"]) == ("lab2", {"row": "b"})
+    got = await bc_api.call("engine", "nodes.label", {"id": nid, "set": {"gpu": "h100"}, "remove": ["row"]})
+    assert got["labels"] == {"gpu": "h100"}
+    assert (await bc_api.call("engine", "nodes.get", {"id": nid}))["labels"] == {"gpu": "h100"}
+    # the bounds of create
+    for request, path in (
+        ({"id": nid, "siteId": "lab 1!"}, "siteId"),
+        ({"id": nid, "labels": {"bad key!": "x"}}, "labels"),
+        ({"id": nid, "labels": {f"k{i}": "v" for i in range(65)}}, "labels"),
+    ):
+        with pytest.raises(BcError) as e:
+            await bc_api.call("engine", "nodes.update", request)
+        assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, path)
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "nodes.label", {"id": nid, "set": {f"k{i}": "v" for i in range(64)}})
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "labels")
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "nodes.update", {"id": "node_01ARZ3NDEKTSV4RRFFQ69G5FAV", "siteId": "x"})
+    assert e.value.code is ErrorCode.NOT_FOUND
+    for route in ("nodes.update", "nodes.label", "nodes.delete"):
+        with pytest.raises(BcError) as e:
+            await bc_api.call("engine", route, {"id": "node_\u0000 x"})
+        assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "id")
+
+    # a node with a running workflow is not deleted; with only finished ones it is
+    await bc_api.call(
+        "engine", "profiles.create",
+        {"document": {"id": "hold", "version": 1, "target": "metal", "role": "host",
+                      "steps": [{"use": "test.waitFlag", "with": {"flag": "never", "pollMs": 60000}}]}},
+    )  # fmt: skip
+    wf = await bc_api.call("engine", "workflows.start", {"profileId": "hold", "nodeId": nid})
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "nodes.delete", {"id": nid})
+    assert (e.value.code, e.value.details.get("reason")) == (ErrorCode.INVALID_STATE, "node-busy")
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "nodes.update", {"id": nid, "siteId": "lab3"})
+    assert (e.value.code, e.value.details.get("reason")) == (ErrorCode.INVALID_STATE, "node-busy")
+    await bc_api.call("engine", "workflows.abort", {"id": wf["id"]})
+    assert await bc_api.call("engine", "nodes.delete", {"id": nid}) == {"deleted": nid}
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "nodes.get", {"id": nid})
+    assert e.value.code is ErrorCode.NOT_FOUND
+    # the finished workflow is kept
+    assert (await bc_api.call("engine", "workflows.get", {"id": wf["id"]}))["state"] == "aborted"
