@@ -200,9 +200,9 @@ async def _superseded_while_running(stack: Stack, log: ExecLog, wf_id: str) -> N
 async def test_retry_and_resume_never_overlap_a_destructive_command_still_running(
     stack: Stack, agent: ExecLog
 ) -> None:
-    await stack.profile("erase", [{"use": "bmc.eraseDisks", "on": "site", "with": {"all": True}}])
+    await stack.profile("erase", [{"use": "media.eject", "on": "site", "with": {"device": "cd"}}])
     await stack.profile(
-        "erase-slowly", [{"use": "bmc.eraseDisks", "on": "site", "with": {"all": True}, "timeout": "2s"}]
+        "erase-slowly", [{"use": "media.eject", "on": "site", "with": {"device": "cd"}, "timeout": "2s"}]
     )
     workflows = []
     for _ in range(ROUNDS):
