@@ -17,9 +17,9 @@ import asyncpg
 import msgspec
 import pytest
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
-from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent

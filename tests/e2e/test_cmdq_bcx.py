@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient

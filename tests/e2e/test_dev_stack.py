@@ -100,7 +100,7 @@ async def test_a_plain_restart_keeps_the_quorum_dev_up_was_given(state: Path, tm
     from cryptography.hazmat.primitives.asymmetric import ed25519
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-    from better_compute.cmdq_client import CommandQueueClient
+    from better_compute.clients.cmdq import CommandQueueClient
     from better_compute.service import ApiClient
     from better_compute.wire.subjects import Subjects
 

@@ -11,9 +11,10 @@ import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from better_compute.cmdq_client import CommandQueueClient, sign_batch
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
-from better_compute.pki_client import PkiClient
+from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent

@@ -24,11 +24,11 @@ import pytest_asyncio
 
 from better_compute.agent import Agent, Command
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.pki_client import PkiClient
-from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow

@@ -19,13 +19,15 @@ from cryptography import x509
 from nats.aio.client import Client as Nats
 
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.pki_client import AgentIdentity, JoinClaims, PkiClient, make_csr, new_agent_key
-from better_compute.secrets_client import SecretsClient
+from better_compute.crypto import AgentIdentity, make_csr, new_agent_key
 from better_compute.service import ApiClient, discover
 from better_compute.testing import ServiceProcesses
+from better_compute.wire.pki import JoinClaims
 from secrets_test_app import APP, enqueue_ref
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.workflows import wait_workflow

@@ -19,15 +19,17 @@ from bc_command_queue.service import CommandQueueService
 from bc_engine.service import EngineService
 from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import JoinClaims, PkiClient, make_csr, new_agent_key
-from better_compute.secrets_client import SecretsClient
+from better_compute.crypto import make_csr, new_agent_key
 from better_compute.service import ApiClient, ApiRequest, Handler, Service
 from better_compute.testing import refused
 from better_compute.testing.workflows import wait_workflow
+from better_compute.wire.pki import JoinClaims
 from engine_test_app import TABLES
 
 ONE_MB = 1_000_000

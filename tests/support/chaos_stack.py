@@ -12,9 +12,9 @@ from typing import Any
 
 import asyncpg
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError
-from better_compute.pki_client import PkiClient
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres, pid_alive
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until

@@ -17,7 +17,13 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from better_compute.agent.protocol import (
+from better_compute.clients.pki import PkiClient
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import parse_id
+from better_compute.crypto import result_document
+from better_compute.service import ApiRequest, Database
+from better_compute.wire import encode_error, encode_ok
+from better_compute.wire.agent import (
     EVENT_KINDS,
     Ack,
     AckReply,
@@ -29,20 +35,17 @@ from better_compute.agent.protocol import (
     Result,
     ResultReply,
     open_event,
-    result_document,
 )
-from better_compute.cmdq_client import AgentList, ListAgents, SiteAgentReply, SiteAgentRequest
-from better_compute.core.errors import BcError, ErrorCode
-from better_compute.core.ids import parse_id
-from better_compute.pki_client import PkiClient
-from better_compute.service import ApiRequest, Database
-from better_compute.wire import encode_error, encode_ok
 from better_compute.wire.cmdq import (
     MAX_STATUS_DRIVER_CHARS,
     MAX_STATUS_DRIVERS,
     MAX_STATUS_ERROR_CHARS,
     TERMINAL_STATES,
+    AgentList,
     AgentStatus,
+    ListAgents,
+    SiteAgentReply,
+    SiteAgentRequest,
 )
 from better_compute.wire.codec import convert
 from better_compute.wire.paging import decode_cursor, take_page

@@ -22,8 +22,8 @@ from typing import Any, ClassVar, NamedTuple
 from nats.aio.msg import Msg
 
 from better_compute.app import load_app
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
-from better_compute.pki_client import PkiClient
 from better_compute.service import Handler, Service
 
 from . import store

@@ -11,9 +11,9 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.provision.profiles import MAX_PROFILE_STEPS
 from better_compute.service import ApiRequest
+from better_compute.wire import engine as m
 from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
-from . import messages as m
 from . import queue, store
 from .documents import check_document, check_labels, node_doc, workflow_doc
 from .profiles import FoundProfile, ProfileStore, parse_document

@@ -10,9 +10,8 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire import engine as m
 from better_compute.wire.codec import encode
-
-from . import messages as m
 
 __all__ = ["check_document", "check_labels", "node_doc", "workflow_doc"]
 

@@ -20,11 +20,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from better_compute.app import App
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.pki_client import PkiClient
 from better_compute.provision import Profile, StepNotReady, profile_from_document
-from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
 from better_compute.wire.cmdq import CommandView, EnqueueCommand

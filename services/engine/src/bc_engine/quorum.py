@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from better_compute.app import App
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.core.errors import BcError
 from better_compute.core.keys import workflow_command_prefix
 

@@ -6,8 +6,8 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from better_compute.core.names import Name
-from better_compute.wire.paging import DEFAULT_LIMIT, Cursor, Limit
+from ..core.names import Name
+from .paging import DEFAULT_LIMIT, Cursor, Limit
 
 __all__ = [
     "MAX_DOCUMENT_BYTES",

@@ -1,4 +1,5 @@
-"""The agent protocol: what travels between the command queue and its agents.
+"""The agent protocol: what travels between the command queue and its agents (signing an
+event or a result is ``better_compute.crypto.sign_event`` / ``result_document``).
 
 * Deliveries: the command queue publishes a ``CommandDelivery`` on the agent's subject
   ``bc.site.<site>.cmd.<agent>`` of the site's JetStream stream; the agent pulls it from its
@@ -29,8 +30,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from ..core.errors import BcError, ErrorCode
-from ..pki_client import AgentIdentity, signing_payload
-from ..wire.cmdq import AgentStatus
+from .cmdq import AgentStatus
 
 __all__ = [
     "EVENT_KINDS",
@@ -52,8 +52,6 @@ __all__ = [
     "event_purpose",
     "open_event",
     "payload_digest",
-    "result_document",
-    "sign_event",
 ]
 
 EventKind = Literal["hello", "heartbeat", "ack", "progress", "result"]
@@ -184,14 +182,6 @@ def event_purpose(kind: str) -> str:
     return f"agent.{kind}"
 
 
-def sign_event(identity: AgentIdentity, kind: str, event: AgentEvent) -> bytes:
-    """The event as JSON with its ``signature``, ready to publish on its subject."""
-    doc: dict[str, Any] = msgspec.to_builtins(event)
-    _data, signature = identity.sign(event_purpose(kind), doc)
-    doc["signature"] = base64.b64encode(signature).decode()
-    return msgspec.json.encode(doc)
-
-
 def open_event(data: bytes) -> tuple[dict[str, Any], bytes]:
     """Split a signed event into its document and signature (nothing is checked yet).
 
@@ -217,16 +207,3 @@ def open_event(data: bytes) -> tuple[dict[str, Any], bytes]:
 def payload_digest(kind: str, payload: bytes) -> str:
     """sha256 over a command's kind and its payload bytes as delivered, hex."""
     return hashlib.sha256(b"\x00".join((_DIGEST_DOMAIN, kind.encode(), payload))).hexdigest()
-
-
-def result_document(*, command_id: str, node_id: str, status: str, result: bytes) -> bytes:
-    """The bytes a node signs over its result: command, node, status and the result's sha256."""
-    return signing_payload(
-        RESULT_PURPOSE,
-        {
-            "commandId": command_id,
-            "nodeId": node_id,
-            "status": status,
-            "resultSha256": hashlib.sha256(result).hexdigest(),
-        },
-    )
