@@ -19,7 +19,7 @@ from better_compute.provision import UserData
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
-from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent
+from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
 
 from . import queue, store
 from .api import EngineApi
@@ -125,20 +125,17 @@ class EngineService(Service):
             self.scheduler.now(rkey)
 
     async def _on_command(self, msg: Msg) -> None:
-        try:
-            event = msgspec.json.decode(msg.data, type=CommandEvent)
-        except msgspec.MsgspecError:
-            return
-        if event.workflow_id is None:
-            return
-        rkey = self._rkeys.get(event.workflow_id)
-        if rkey is None:
-            task = asyncio.create_task(self._wake_workflow(event.workflow_id))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
-            return
-        if self._owns_key(rkey):
-            self.scheduler.now(rkey)
+        match decode_command_event(msg.data):
+            case CommandEvent(workflow_id=str() as workflow_id):
+                rkey = self._rkeys.get(workflow_id)
+                if rkey is None:
+                    task = asyncio.create_task(self._wake_workflow(workflow_id))
+                    self._inflight.add(task)
+                    task.add_done_callback(self._inflight.discard)
+                elif self._owns_key(rkey):
+                    self.scheduler.now(rkey)
+            case _:
+                return  # not a command of a workflow, or not an event
 
     async def _wake_workflow(self, workflow_id: str) -> None:
         assert self.db is not None

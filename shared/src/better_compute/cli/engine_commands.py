@@ -1,4 +1,5 @@
-"""``bcx nodes``, ``bcx profiles``, ``bcx workflows`` and ``bcx steps``: the engine's API."""
+"""``bcx nodes``, ``bcx profiles``, ``bcx workflows`` and ``bcx steps``: the engine's API,
+through ``EngineClient``."""
 
 from __future__ import annotations
 
@@ -7,11 +8,23 @@ import asyncio
 import contextlib
 import json
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
+from ..clients import EngineClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
-from ..service.client import ApiClient
+from ..wire.engine import (
+    BatchCreated,
+    NodeView,
+    StepChanged,
+    VerbApplied,
+    WorkflowFinished,
+    WorkflowView,
+    decode_workflow_event,
+)
 from .common import api_client, read_document
 from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect, print_more
@@ -19,6 +32,18 @@ from .paging import add_paging, collect, print_more
 __all__ = ["register"]
 
 FINISHED = ("succeeded", "failed", "aborted")
+
+
+@contextlib.asynccontextmanager
+async def engine_client(settings: Settings) -> AsyncIterator[EngineClient]:
+    async with api_client(settings) as api:
+        yield EngineClient(api)
+
+
+def _rows(items: list[Any]) -> list[dict[str, Any]]:
+    """Replies as camelCase dicts, the rows of a table."""
+    rows: list[dict[str, Any]] = msgspec.to_builtins(items)
+    return rows
 
 
 def _short(value: Any, width: int = 60) -> str:
@@ -38,40 +63,37 @@ def _labels(pairs: list[str] | None) -> dict[str, str]:
     return out
 
 
+def _label_text(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
 # -- nodes ----------------------------------------------------------------------
 
 
 async def nodes_create(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        node = await api.call(
-            "engine",
-            "nodes.create",
-            {"siteId": args.site, "id": args.id, "tenantId": args.tenant, "labels": _labels(args.label)},
+    async with engine_client(settings) as engine:
+        node = await engine.create_node(
+            site_id=args.site, id=args.id, tenant_id=args.tenant, labels=_labels(args.label)
         )
     if args.json:
         print_json(node)
     else:
-        print(node["id"])
+        print(node.id)
     return 0
 
 
-async def _pages(
-    api: ApiClient, route: str, field: str, request: dict[str, Any], args: argparse.Namespace
-) -> tuple[list[Any], str | None]:
-    async def fetch(cursor: str | None) -> tuple[list[Any], str | None]:
-        got = await api.call("engine", route, {**request, "limit": args.limit, "cursor": cursor})
-        return list(got[field]), got.get("next")
-
-    return await collect(fetch, args)
-
-
 async def nodes_list(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        nodes, next_ = await _pages(api, "nodes.list", "nodes", {"siteId": args.site}, args)
+    async with engine_client(settings) as engine:
+
+        async def fetch(cursor: str | None) -> tuple[list[NodeView], str | None]:
+            got = await engine.list_nodes(site_id=args.site, limit=args.limit, cursor=cursor)
+            return got.nodes, got.next
+
+        nodes, next_ = await collect(fetch, args)
     if args.json:
         print_json({"nodes": nodes, "next": next_})
         return 0
-    rows = [{**n, "labels": ",".join(f"{k}={v}" for k, v in n["labels"].items())} for n in nodes]
+    rows = [{**row, "labels": _label_text(n.labels)} for n, row in zip(nodes, _rows(nodes), strict=True)]
     print_table(
         rows,
         [("id", "NODE"), ("siteId", "SITE"), ("tenantId", "TENANT"), ("labels", "LABELS")],
@@ -82,30 +104,25 @@ async def nodes_list(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def nodes_get(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        node = await api.call("engine", "nodes.get", {"id": args.id})
+    async with engine_client(settings) as engine:
+        node = await engine.get_node(id=args.id)
     print_json(node)
     return 0
 
 
-def _print_node(node: dict[str, Any], *, as_json: bool) -> None:
+def _print_node(node: NodeView, *, as_json: bool) -> None:
     if as_json:
         print_json(node)
         return
-    labels = ",".join(f"{k}={v}" for k, v in node["labels"].items()) or "-"
-    print(f"{node['id']}  site {node['siteId']}  labels {labels}")
+    print(f"{node.id}  site {node.site_id}  labels {_label_text(node.labels) or '-'}")
 
 
 async def nodes_update(args: argparse.Namespace, settings: Settings) -> int:
-    request: dict[str, Any] = {"id": args.id}
-    if args.site is not None:
-        request["siteId"] = args.site
-    if args.label is not None or args.no_labels:
-        request["labels"] = _labels(args.label)
-    if len(request) == 1:
+    labels = _labels(args.label) if args.label is not None or args.no_labels else None
+    if args.site is None and labels is None:
         raise BcError(ErrorCode.INVALID_INPUT, "give --site, --label or --no-labels", {"path": "site"})
-    async with api_client(settings) as api:
-        node = await api.call("engine", "nodes.update", request)
+    async with engine_client(settings) as engine:
+        node = await engine.update_node(id=args.id, site_id=args.site, labels=labels)
     _print_node(node, as_json=args.json)
     return 0
 
@@ -114,19 +131,19 @@ async def nodes_label(args: argparse.Namespace, settings: Settings) -> int:
     """``key=value`` sets a label, ``key-`` removes it (as kubectl label does)."""
     remove = [c[:-1] for c in args.change if c.endswith("-") and "=" not in c]
     sets = _labels([c for c in args.change if not (c.endswith("-") and "=" not in c)])
-    async with api_client(settings) as api:
-        node = await api.call("engine", "nodes.label", {"id": args.id, "set": sets, "remove": remove})
+    async with engine_client(settings) as engine:
+        node = await engine.label_node(id=args.id, set=sets, remove=remove)
     _print_node(node, as_json=args.json)
     return 0
 
 
 async def nodes_delete(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        got = await api.call("engine", "nodes.delete", {"id": args.id})
+    async with engine_client(settings) as engine:
+        got = await engine.delete_node(id=args.id)
     if args.json:
         print_json(got)
     else:
-        print(f"deleted {got['deleted']}")
+        print(f"deleted {got.deleted}")
     return 0
 
 
@@ -146,19 +163,15 @@ def _inputs(schema: dict[str, Any]) -> str:
 
 
 async def steps_list(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        got = await api.call("engine", "steps.list", {})
+    async with engine_client(settings) as engine:
+        got = await engine.list_steps()
     if args.json:
         print_json(got)
         return 0
     rows = [
-        {"use": s["id"], "on": "/".join([s["runsOn"], *s["relays"]]), "with": _inputs(s["input"])}
-        for s in got["steps"]
+        {"use": s.id, "on": "/".join([s.runs_on, *s.relays]), "with": _inputs(s.input)} for s in got.steps
     ]
-    rows += [
-        {"use": o["name"], "on": "site (driver)", "with": _inputs(o["input"])}
-        for o in got["driverOperations"]
-    ]
+    rows += [{"use": o.name, "on": "site (driver)", "with": _inputs(o.input)} for o in got.driver_operations]
     print_table(rows, [("use", "USE"), ("on", "ON"), ("with", "WITH (* required)")], empty="no steps")
     return 0
 
@@ -168,36 +181,37 @@ async def steps_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def profiles_create(args: argparse.Namespace, settings: Settings) -> int:
     document = read_document(args.file)
-    async with api_client(settings) as api:
-        got = await api.call(
-            "engine",
-            "profiles.create",
-            {"tenantId": args.tenant, "document": document, "public": args.public, "replace": args.replace},
+    async with engine_client(settings) as engine:
+        got = await engine.create_profile(
+            tenant_id=args.tenant, document=document, public=args.public, replace=args.replace
         )
     if args.json:
         print_json(got)
     else:
-        print(f"stored {got['id']} version {got['version']} for tenant {got['tenantId']}")
+        print(f"stored {got.id} version {got.version} for tenant {got.tenant_id}")
     return 0
 
 
 async def profiles_get(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        got = await api.call(
-            "engine", "profiles.get", {"tenantId": args.tenant, "id": args.id, "version": args.version}
-        )
+    async with engine_client(settings) as engine:
+        got = await engine.get_profile(tenant_id=args.tenant, id=args.id, version=args.version)
     print_json(got)
     return 0
 
 
 async def profiles_list(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        profiles, next_ = await _pages(api, "profiles.list", "profiles", {"tenantId": args.tenant}, args)
+    async with engine_client(settings) as engine:
+
+        async def fetch(cursor: str | None) -> tuple[list[Any], str | None]:
+            got = await engine.list_profiles(tenant_id=args.tenant, limit=args.limit, cursor=cursor)
+            return list(got.profiles), got.next
+
+        profiles, next_ = await collect(fetch, args)
     if args.json:
         print_json({"profiles": profiles, "next": next_})
         return 0
     print_table(
-        profiles,
+        _rows(profiles),
         [("id", "PROFILE"), ("version", "VERSION"), ("tenantId", "FROM"), ("target", "TARGET"),
          ("steps", "STEPS"), ("public", "PUBLIC"), ("immutable", "IMMUTABLE")],
         empty="no profiles",
@@ -207,10 +221,8 @@ async def profiles_list(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def profiles_delete(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        await api.call(
-            "engine", "profiles.delete", {"tenantId": args.tenant, "id": args.id, "version": args.version}
-        )
+    async with engine_client(settings) as engine:
+        await engine.delete_profile(tenant_id=args.tenant, id=args.id, version=args.version)
     if args.json:
         print_json({"deleted": True})
     else:
@@ -219,33 +231,37 @@ async def profiles_delete(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _ref(args: argparse.Namespace) -> dict[str, Any]:
+    """The profile a command names: a file, or ``--id`` (and ``--version``)."""
     if args.file:
-        return {"tenantId": args.tenant, "document": read_document(args.file)}
+        return {"tenant_id": args.tenant, "document": read_document(args.file)}
     if args.id:
-        return {"tenantId": args.tenant, "id": args.id, "version": args.version}
+        return {"tenant_id": args.tenant, "id": args.id, "version": args.version}
     raise BcError(ErrorCode.INVALID_INPUT, "give a profile file or --id", {"path": "file"})
 
 
 async def profiles_validate(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        got = await api.call("engine", "profiles.validate", _ref(args))
+    async with engine_client(settings) as engine:
+        got = await engine.validate_profile(**_ref(args))
     if args.json:
         print_json(got)
-    elif got["valid"]:
-        kinds = got.get("commandKinds") or []
+    elif got.valid:
+        kinds = got.command_kinds or []
         print("valid; " + (f"sends {', '.join(kinds)}" if kinds else "sends no commands"))
     else:
-        print_table(got["problems"], [("path", "PATH"), ("code", "CODE"), ("message", "PROBLEM")])
-    return 0 if got["valid"] else 1
+        print_table(_rows(got.problems), [("path", "PATH"), ("code", "CODE"), ("message", "PROBLEM")])
+    return 0 if got.valid else 1
 
 
 async def profiles_render(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        got = await api.call("engine", "profiles.render", _ref(args))
+    async with engine_client(settings) as engine:
+        got = await engine.render_profile(**_ref(args))
     if args.json:
         print_json(got)
         return 0
-    rows = [{**s, "with": _short(s["with"]), "timeout": f"{s['timeoutMs'] // 1000}s"} for s in got["steps"]]
+    rows = [
+        {**row, "with": _short(s.input), "timeout": f"{s.timeout_ms // 1000}s"}
+        for s, row in zip(got.steps, _rows(got.steps), strict=True)
+    ]
     print_table(
         rows,
         [("index", "#"), ("action", "ACTION"), ("runsOn", "ON"), ("mode", "MODE"), ("command", "COMMAND"),
@@ -257,16 +273,19 @@ async def profiles_render(args: argparse.Namespace, settings: Settings) -> int:
 # -- workflows ----------------------------------------------------------------------
 
 
-def _print_steps(wf: dict[str, Any]) -> None:
+def _error_text(error: Any) -> str:
+    return f"{error['code']}: {error['message']}"
+
+
+def _print_steps(wf: WorkflowView) -> None:
+    steps = wf.steps or []
     rows = [
         {
-            **s,
-            "started": iso(s["startedAt"]),
-            "outcome": (
-                f"{s['error']['code']}: {s['error']['message']}" if s["error"] else _short(s["result"], 50)
-            ),
+            **row,
+            "started": iso(s.started_at),
+            "outcome": _error_text(s.error) if s.error else _short(s.result, 50),
         }
-        for s in wf["steps"]
+        for s, row in zip(steps, _rows(steps), strict=True)
     ]
     print_table(
         rows,
@@ -276,65 +295,56 @@ def _print_steps(wf: dict[str, Any]) -> None:
 
 
 async def workflows_start(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        wf = await api.call(
-            "engine",
-            "workflows.start",
-            {"tenantId": args.tenant, "profileId": args.profile, "profileVersion": args.version,
-             "nodeId": args.node, "owner": args.owner},
-        )  # fmt: skip
+    async with engine_client(settings) as engine:
+        wf = await engine.start_workflow(
+            tenant_id=args.tenant,
+            profile_id=args.profile,
+            profile_version=args.version,
+            node_id=args.node,
+            owner=args.owner,
+        )
         if args.wait:
             # the id first: a reader (or `| head -1`) has it before the first step ends
-            print(json_line(wf) if args.json else wf["id"], flush=True)
-            return await _watch(api, settings, wf["id"], as_json=args.json)
+            print(json_line(wf) if args.json else wf.id, flush=True)
+            return await _watch(engine, wf.id, as_json=args.json)
     if args.json:
         print_json(wf)
     else:
-        print(wf["id"])
+        print(wf.id)
     return 0
 
 
-async def get_workflow(api: ApiClient, workflow_id: str) -> dict[str, Any]:
-    """The workflow with every step: its steps' results may take several replies."""
-    wf: dict[str, Any] = await api.call("engine", "workflows.get", {"id": workflow_id})
-    steps = list(wf["steps"])
-    cursor = wf.get("stepsNext")
-    while cursor is not None:
-        more = await api.call("engine", "workflows.get", {"id": workflow_id, "stepsCursor": cursor})
-        steps += more["steps"]
-        cursor = more.get("stepsNext")
-    return {**wf, "steps": steps, "stepsNext": None}
-
-
 async def workflows_get(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        wf = await get_workflow(api, args.id)
+    async with engine_client(settings) as engine:
+        wf = await engine.workflow(id=args.id)
     if args.json:
         print_json(wf)
         return 0
-    p = wf["profile"]
-    where = f"profile {p['id']}@{p['version']} ({p['tenantId']})  node {wf['nodeId'] or '-'}"
-    print(f"{wf['id']}  {wf['state']}  {where}")
-    if wf["error"]:
-        print(f"error: {wf['error']['code']}: {wf['error']['message']}")
+    p = wf.profile
+    where = f"profile {p.id}@{p.version} ({p.tenant_id})  node {wf.node_id or '-'}"
+    print(f"{wf.id}  {wf.state}  {where}")
+    if wf.error:
+        print(f"error: {_error_text(wf.error)}")
     _print_steps(wf)
     return 0
 
 
 async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        filters = {"nodeId": args.node, "state": args.state, "profileId": args.profile}
-        workflows, next_ = await _pages(api, "workflows.list", "workflows", filters, args)
+    async with engine_client(settings) as engine:
+
+        async def fetch(cursor: str | None) -> tuple[list[WorkflowView], str | None]:
+            got = await engine.list_workflows(
+                node_id=args.node, state=args.state, profile_id=args.profile, limit=args.limit, cursor=cursor
+            )
+            return got.workflows, got.next
+
+        workflows, next_ = await collect(fetch, args)
     if args.json:
         print_json({"workflows": workflows, "next": next_})
         return 0
     rows = [
-        {
-            **w,
-            "profileRef": f"{w['profile']['id']}@{w['profile']['version']}",
-            "created": iso(w["createdAt"]),
-        }
-        for w in workflows
+        {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at)}
+        for w, row in zip(workflows, _rows(workflows), strict=True)
     ]
     print_table(
         rows,
@@ -347,17 +357,20 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _verb(args: argparse.Namespace, settings: Settings, verb: str) -> int:
-    async with api_client(settings) as api:
-        wf = await api.call(
-            "engine", f"workflows.{verb}", {"id": args.id, "reason": getattr(args, "reason", None)}
-        )
+    async with engine_client(settings) as engine:
+        call = {
+            "abort": engine.abort_workflow,
+            "retry": engine.retry_workflow,
+            "resume": engine.resume_workflow,
+        }[verb]
+        wf = await call(id=args.id, reason=getattr(args, "reason", None))
         if getattr(args, "wait", False):
-            print(json_line(wf) if args.json else f"{wf['id']} is {wf['state']}", flush=True)
-            return await _watch(api, settings, wf["id"], as_json=args.json)
+            print(json_line(wf) if args.json else f"{wf.id} is {wf.state}", flush=True)
+            return await _watch(engine, wf.id, as_json=args.json)
     if args.json:
         print_json(wf)
     else:
-        print(f"{wf['id']} is {wf['state']}")
+        print(f"{wf.id} is {wf.state}")
     return 0
 
 
@@ -374,53 +387,54 @@ async def workflows_resume(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def workflows_watch(args: argparse.Namespace, settings: Settings) -> int:
-    async with api_client(settings) as api:
-        return await _watch(api, settings, args.id, as_json=args.json)
+    async with engine_client(settings) as engine:
+        return await _watch(engine, args.id, as_json=args.json)
 
 
-async def _watch(api: ApiClient, settings: Settings, workflow_id: str, *, as_json: bool) -> int:
+async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> int:
     """Print each step change as it happens; exit 0 when the workflow succeeds, 1 otherwise."""
     changed = asyncio.Event()
 
-    async def on_event(_msg: Any) -> None:
-        changed.set()
+    async def on_event(msg: Any) -> None:
+        match decode_workflow_event(msg.data):
+            case StepChanged() | WorkflowFinished() | VerbApplied() | BatchCreated():
+                changed.set()  # the workflow moved: read it (its steps' results are not in events)
+            case None:
+                pass  # not an event; the poll below is the safety net
 
+    api = engine.api
     sub = await api.nc.subscribe(api.subjects.event("workflow", workflow_id), cb=on_event)
     seen: dict[int, tuple[str, int]] = {}
     state = ""
     try:
         while True:
             changed.clear()
-            wf = await get_workflow(api, workflow_id)
-            for s in wf["steps"]:
-                now = (s["state"], s["attempt"])
-                if seen.get(s["index"]) == now or s["state"] == "pending":
+            wf = await engine.workflow(id=workflow_id)
+            for s in wf.steps or []:
+                now = (s.state, s.attempt)
+                if seen.get(s.index) == now or s.state == "pending":
                     continue
-                seen[s["index"]] = now
+                seen[s.index] = now
                 if as_json:
-                    print(json_line({"workflowId": workflow_id, "workflowState": wf["state"], "step": s}))
+                    print(json_line({"workflowId": workflow_id, "workflowState": wf.state, "step": s}))
                 else:
                     tail = ""
-                    if s["error"]:
-                        tail = f"  {s['error']['code']}: {s['error']['message']}"
-                    elif s["state"] == "succeeded":
-                        tail = f"  {_short(s['result'], 50)}"
-                    at = iso(s["finishedAt"] or s["startedAt"]) or "-"
+                    if s.error:
+                        tail = f"  {_error_text(s.error)}"
+                    elif s.state == "succeeded":
+                        tail = f"  {_short(s.result, 50)}"
+                    at = iso(s.finished_at or s.started_at) or "-"
                     print(
-                        f"{at}  step {s['index']:>3} {s['action']:<28}"
-                        f" {s['state']:<10} attempt {s['attempt']}{tail}",
+                        f"{at}  step {s.index:>3} {s.action:<28} {s.state:<10} attempt {s.attempt}{tail}",
                         flush=True,
                     )
-            if wf["state"] != state:
-                state = wf["state"]
+            if wf.state != state:
+                state = wf.state
                 if as_json:
                     print(json_line({"workflowId": workflow_id, "workflowState": state}), flush=True)
                 elif state in FINISHED:
-                    err = wf["error"]
-                    print(
-                        f"workflow {workflow_id} {state}"
-                        + (f": {err['code']}: {err['message']}" if err else "")
-                    )
+                    err = wf.error
+                    print(f"workflow {workflow_id} {state}" + (f": {_error_text(err)}" if err else ""))
             sys.stdout.flush()
             if state in FINISHED:
                 return 0 if state == "succeeded" else 1

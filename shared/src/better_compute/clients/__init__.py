@@ -6,7 +6,16 @@ service's ``BcError``s.
 
 from ._base import ServiceClient
 from .cmdq import CommandQueueClient
+from .engine import EngineClient
 from .pki import PkiClient, StepPki
 from .secrets import SecretsClient, StepSecrets
 
-__all__ = ["CommandQueueClient", "PkiClient", "SecretsClient", "ServiceClient", "StepPki", "StepSecrets"]
+__all__ = [
+    "CommandQueueClient",
+    "EngineClient",
+    "PkiClient",
+    "SecretsClient",
+    "ServiceClient",
+    "StepPki",
+    "StepSecrets",
+]

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import msgspec
 
 from ..core.errors import BcError, ErrorCode
 from .cmdq import AgentStatus
+from .codec import convert
 
 __all__ = [
     "EVENT_KINDS",
@@ -39,6 +40,7 @@ __all__ = [
     "Ack",
     "AckReply",
     "AgentEvent",
+    "AnyAgentEvent",
     "CommandDelivery",
     "EventKind",
     "Heartbeat",
@@ -52,6 +54,7 @@ __all__ = [
     "event_purpose",
     "open_event",
     "payload_digest",
+    "read_event",
 ]
 
 EventKind = Literal["hello", "heartbeat", "ack", "progress", "result"]
@@ -88,8 +91,9 @@ class CommandDelivery(_Msg, frozen=True, kw_only=True):
     step: int | None = None
 
 
-class AgentEvent(_Msg, frozen=True, kw_only=True):
-    """Fields every event carries and signs."""
+class AgentEvent(_Msg, frozen=True, kw_only=True, tag_field="event"):
+    """Fields every event carries and signs. Its kind is the subject's last token; it travels
+    in ``event`` too (the tag of ``AnyAgentEvent``), but the subject is what counts."""
 
     site: str
     agent: str
@@ -98,7 +102,7 @@ class AgentEvent(_Msg, frozen=True, kw_only=True):
     signed_at_ms: int
 
 
-class Hello(AgentEvent, frozen=True, kw_only=True):
+class Hello(AgentEvent, frozen=True, kw_only=True, tag="hello"):
     """An agent (re)connects. ``kinds`` lists the command kinds it implements."""
 
     version: str = ""
@@ -108,7 +112,7 @@ class Hello(AgentEvent, frozen=True, kw_only=True):
     status: AgentStatus | None = None
 
 
-class Heartbeat(AgentEvent, frozen=True, kw_only=True):
+class Heartbeat(AgentEvent, frozen=True, kw_only=True, tag="heartbeat"):
     incarnation: str = ""
     running: int = 0
     status: AgentStatus | None = None
@@ -117,7 +121,7 @@ class Heartbeat(AgentEvent, frozen=True, kw_only=True):
     """The agent stops: it is shown disconnected at once and gives up its boot lease."""
 
 
-class Ack(AgentEvent, frozen=True, kw_only=True):
+class Ack(AgentEvent, frozen=True, kw_only=True, tag="ack"):
     """A claim on a delivered command; run it only after ``AckReply.proceed``."""
 
     command_id: str
@@ -130,13 +134,13 @@ class Ack(AgentEvent, frozen=True, kw_only=True):
     does not say, and is treated as another journal."""
 
 
-class Progress(AgentEvent, frozen=True, kw_only=True):
+class Progress(AgentEvent, frozen=True, kw_only=True, tag="progress"):
     command_id: str
     message: str | None = None
     percent: float | None = None
 
 
-class Result(AgentEvent, frozen=True, kw_only=True):
+class Result(AgentEvent, frozen=True, kw_only=True, tag="result"):
     command_id: str
     status: ResultStatus
     reason: str | None = None
@@ -145,6 +149,18 @@ class Result(AgentEvent, frozen=True, kw_only=True):
     result_signature: bytes | None = None
     """A node's signature over ``result_document(...)``: the result then counts as attested
     once the command queue checked it against the node's certificate."""
+
+
+AnyAgentEvent = Hello | Heartbeat | Ack | Progress | Result
+"""Every event an agent sends, told apart by its ``event`` tag."""
+
+
+def read_event(kind: str, doc: dict[str, Any]) -> AnyAgentEvent:
+    """``doc`` (an opened event) as the Struct of its ``kind``, the subject's last token: the
+    subject wins over any ``event`` the document names. ``INVALID_INPUT`` with the path of a
+    field that does not fit."""
+    event: AnyAgentEvent = convert({**doc, "event": kind}, cast(Any, AnyAgentEvent))
+    return event
 
 
 class HelloReply(_Msg, frozen=True, kw_only=True):

@@ -45,6 +45,7 @@ __all__ = [
     "AgentList",
     "AgentStatus",
     "AgentView",
+    "AnyCommandEvent",
     "ApprovalView",
     "ApproveBatch",
     "ApproverView",
@@ -71,6 +72,7 @@ __all__ = [
     "QuorumView",
     "SiteAgentReply",
     "SiteAgentRequest",
+    "decode_command_event",
 ]
 
 CommandState = Literal[
@@ -159,8 +161,10 @@ class CancelCommands(_Msg, frozen=True, kw_only=True):
     fence: bool = False
 
 
-class CommandEvent(_Msg, frozen=True, kw_only=True):
-    """Published on ``bc.events.command.<id>`` at every state change."""
+class CommandEvent(_Msg, frozen=True, kw_only=True, tag_field="event", tag="command"):
+    """Published on ``bc.events.command.<id>`` at every state change: a wake-up, never the
+    truth. It is the one member of ``AnyCommandEvent`` today; another kind of command event
+    joins that union with its own ``event`` tag, and readers ``match`` on what they decode."""
 
     id: str
     key: str
@@ -169,6 +173,21 @@ class CommandEvent(_Msg, frozen=True, kw_only=True):
     step: int | None = None
     state: CommandState
     reason: str | None = None
+
+
+AnyCommandEvent = CommandEvent
+"""Every event on ``bc.events.command.*`` (one kind so far)."""
+
+_command_events = msgspec.json.Decoder(AnyCommandEvent)
+
+
+def decode_command_event(data: bytes) -> AnyCommandEvent | None:
+    """The event in ``data``, or None for anything that is not one (a wake-up is never trusted
+    for more than waking)."""
+    try:
+        return _command_events.decode(data)
+    except msgspec.MsgspecError:
+        return None
 
 
 class LiveWithRef(_Msg, frozen=True, kw_only=True):
