@@ -405,7 +405,7 @@ class EngineApi:
         await self.wake(wf["rkey"])
         doc = await self._get(workflow_id)
         await self.publish(
-            "workflow",
+            m.EVENTS,
             workflow_id,
             m.VerbApplied(workflow_id=workflow_id, workflow_state=doc.state, verb=verb),
         )

@@ -370,4 +370,4 @@ class Engine:
             event = m.StepChanged(
                 workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time(), step=change
             )
-        await self.publish("workflow", wf.id, event)
+        await self.publish(m.EVENTS, wf.id, event)

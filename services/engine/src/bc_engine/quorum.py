@@ -77,6 +77,6 @@ class QuorumBatches:
         await self.db.execute(store.SET_BATCH, wf.id, batch.id)
         wf.batch_id = batch.id
         await self.publish(
-            "workflow", wf.id, m.BatchCreated(workflow_id=wf.id, batch_id=batch.id, at=time.time())
+            m.EVENTS, wf.id, m.BatchCreated(workflow_id=wf.id, batch_id=batch.id, at=time.time())
         )
         return None

@@ -19,6 +19,7 @@ from better_compute.provision import UserData
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
+from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
 
 from . import queue, store
@@ -95,7 +96,7 @@ class EngineService(Service):
         root = self.subjects.root
         self._subs = [
             await self.nc.subscribe(f"{root}.engine.wake", cb=self._on_wake),
-            await self.nc.subscribe(self.subjects.events_all("command"), cb=self._on_command),
+            await self.nc.subscribe(self.subjects.events_all(COMMAND_EVENTS), cb=self._on_command),
         ]
 
     def routes(self) -> Mapping[str, Handler]:

@@ -17,6 +17,7 @@ from ..clients import EngineClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..wire.engine import (
+    EVENTS,
     BatchCreated,
     NodeView,
     StepChanged,
@@ -403,7 +404,7 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
                 pass  # not an event; the poll below is the safety net
 
     api = engine.api
-    sub = await api.nc.subscribe(api.subjects.event("workflow", workflow_id), cb=on_event)
+    sub = await api.nc.subscribe(api.subjects.event(EVENTS, workflow_id), cb=on_event)
     seen: dict[int, tuple[str, int]] = {}
     state = ""
     try:

@@ -13,6 +13,7 @@ import nats.errors
 
 from ..core.errors import BcError, ErrorCode
 from ..wire.cmdq import (
+    EVENTS,
     SERVICE,
     TERMINAL_STATES,
     AgentList,
@@ -214,7 +215,7 @@ class CommandQueueClient(ServiceClient):
         async def wake(_msg: Any) -> None:
             woken.set()
 
-        sub = await nc.subscribe(self.api.subjects.event("command", command_id), cb=wake)
+        sub = await nc.subscribe(self.api.subjects.event(EVENTS, command_id), cb=wake)
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout

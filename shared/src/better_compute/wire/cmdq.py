@@ -35,6 +35,7 @@ from .paging import DEFAULT_LIMIT, Cursor
 __all__ = [
     "BATCH_PURPOSE",
     "DEFAULT_COMMAND_TIMEOUT_MS",
+    "EVENTS",
     "LIVE_STATES",
     "MAX_STATE_QUERY",
     "MAX_STATUS_DRIVERS",
@@ -84,6 +85,8 @@ TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "rejected", 
 DEFAULT_COMMAND_TIMEOUT_MS = 600_000
 SERVICE: Final = "command-queue"
 """The service token of every route: ``bc.api.command-queue.<resource>.<verb>``."""
+EVENTS: Final = "command"
+"""The kind of the queue's events: ``bc.events.command.<command id>`` (``AnyCommandEvent``)."""
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=False):

@@ -16,6 +16,7 @@ from ..core.names import Name
 from .paging import DEFAULT_LIMIT, Cursor, Limit
 
 __all__ = [
+    "EVENTS",
     "MAX_DOCUMENT_BYTES",
     "MAX_LABELS",
     "MAX_LABEL_KEY",
@@ -79,6 +80,8 @@ MAX_STEP_INPUT_BYTES: Final = 64 * 1024
 MAX_REASON: Final = 1024
 SERVICE: Final = "engine"
 """The service token of every route: ``bc.api.engine.<resource>.<verb>``."""
+EVENTS: Final = "workflow"
+"""The kind of the engine's events: ``bc.events.workflow.<workflow id>`` (``WorkflowEvent``)."""
 
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
 Version = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
