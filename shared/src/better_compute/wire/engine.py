@@ -4,6 +4,9 @@ wire). The client is ``better_compute.clients.EngineClient``.
 Moments in replies (``createdAt``, ``startedAt``, …) are ISO 8601 text as the engine writes it.
 Documents a user wrote or a step returned (a profile's ``document``, a step's ``with``,
 ``result``, ``error``, ``waitingFor``) stay plain JSON values.
+
+Over 400 lines on purpose: one service's whole bus contract (Structs and bounds only) is one
+module, so a reader finds every message of the engine in one place.
 """
 
 from __future__ import annotations
