@@ -23,23 +23,16 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from better_compute.agent import Agent, Command, CommandDelivery, Enrollment
-from better_compute.agent.protocol import (
-    Ack,
-    Heartbeat,
-    Hello,
-    Result,
-    payload_digest,
-    result_document,
-    sign_event,
-)
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient, batch_document, sign_batch
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient, sign_bytes
+from better_compute.crypto import batch_document, result_document, sign_batch, sign_bytes, sign_event
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
 from better_compute.wire import unwrap
+from better_compute.wire.agent import Ack, Heartbeat, Hello, Result, payload_digest
 from better_compute.wire.cmdq import EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")

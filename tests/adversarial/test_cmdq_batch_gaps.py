@@ -21,15 +21,16 @@ import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from better_compute.cmdq_client import BatchView, CommandQueueClient, sign_batch
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
+from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
-from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
+from better_compute.wire.cmdq import TERMINAL_STATES, BatchView, CommandView, EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
 COMMANDS = 12

@@ -21,23 +21,24 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 )
 
 from better_compute.agent import Enrollment, enroll
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import (
+from better_compute.crypto import (
     AgentIdentity,
-    JoinClaims,
-    PkiClient,
     make_csr,
     new_agent_key,
     sign_bytes,
     signing_payload,
 )
-from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused
 from better_compute.wire.cmdq import CommandView
+from better_compute.wire.pki import JoinClaims
+from better_compute.wire.secrets import FETCH_PURPOSE
 from pki_time import expire
 from secrets_test_app import APP, enqueue_ref, settle
 

@@ -26,10 +26,10 @@ from urllib.parse import unquote, urlsplit
 import pytest
 import pytest_asyncio
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
 from better_compute.provision.templates import UserData, template_variables
 from better_compute.provision.userdata import cloud_init, ignition
 from better_compute.service import ApiClient

@@ -16,11 +16,11 @@ from typing import TypeVar
 import pytest
 import pytest_asyncio
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient, discover
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent

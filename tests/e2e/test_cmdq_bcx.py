@@ -3,35 +3,16 @@ with approvals signed by key files that never leave the approver's machine."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, bcx
 from better_compute.wire.cmdq import EnqueueCommand
-
-
-def _bcx(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "better_compute.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=60,
-    )
-
-
-async def bcx(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {"BC_NATS_URL": settings.nats_url or "", "BC_SUBJECT_ROOT": settings.subject_root}
-    return await asyncio.to_thread(_bcx, env, *args)
 
 
 async def ok_json(settings: Settings, *args: str) -> Any:

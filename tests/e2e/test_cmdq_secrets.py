@@ -5,10 +5,10 @@ carries the reference."""
 from __future__ import annotations
 
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
 from better_compute.wire.cmdq import EnqueueCommand

@@ -9,12 +9,13 @@ import msgspec
 from bc_command_queue.service import CommandQueueService
 from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient, attempt_key
-from better_compute.secrets_client import SecretsClient
+from better_compute.core.keys import attempt_key
 from better_compute.service import ApiClient
 from better_compute.testing import refused
 from better_compute.wire.cmdq import EnqueueCommand

@@ -20,14 +20,14 @@ import pytest_asyncio
 from bc_command_queue.config import CmdqConfig
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Enrollment
-from better_compute.agent.protocol import payload_digest
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
 from better_compute.wire import unwrap
+from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 

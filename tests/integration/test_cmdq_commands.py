@@ -21,7 +21,7 @@ from bc_command_queue.config import CmdqConfig
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Agent, Command, Enrollment
 from better_compute.agent.sim import join_agent, sim_handlers
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id

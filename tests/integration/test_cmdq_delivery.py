@@ -17,25 +17,18 @@ import msgspec
 from bc_command_queue.config import CmdqConfig
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Agent, Enrollment
-from better_compute.agent.protocol import (
-    Ack,
-    CommandDelivery,
-    Heartbeat,
-    Hello,
-    Result,
-    payload_digest,
-    sign_event,
-)
 from better_compute.agent.sim import join_agent, sim_handlers
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
+from better_compute.crypto import sign_event
 from better_compute.runtime.embedded import EmbeddedNats, nats_server_binary, spawn_detached, wait_port
 from better_compute.service import ApiClient, connect
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.agents import until
 from better_compute.wire import Subjects, unwrap
+from better_compute.wire.agent import Ack, CommandDelivery, Heartbeat, Hello, Result, payload_digest
 from better_compute.wire.cmdq import EnqueueCommand
 
 T = TypeVar("T")

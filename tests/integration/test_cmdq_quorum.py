@@ -22,13 +22,14 @@ from bc_command_queue.config import CmdqConfig, load_quorum
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Agent
 from better_compute.agent.sim import join_agent, sim_handlers
-from better_compute.cmdq_client import BatchView, CommandQueueClient, sign_batch
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
+from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, refused
-from better_compute.wire.cmdq import EnqueueCommand
+from better_compute.wire.cmdq import BatchView, EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
 

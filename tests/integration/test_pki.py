@@ -19,23 +19,21 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bc_pki.service import PkiService
+from better_compute.clients.pki import PkiClient
 from better_compute.config import PkiSettings, Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.keyring import rotate_key_file
-from better_compute.pki_client import (
+from better_compute.crypto import (
     AgentIdentity,
-    IssuedJoinToken,
-    JoinClaims,
-    JoinResult,
-    PkiClient,
     make_csr,
     new_agent_key,
     sign_bytes,
     signing_payload,
 )
+from better_compute.keyring import rotate_key_file
 from better_compute.service import ApiClient
 from better_compute.testing import refused
+from better_compute.wire.pki import IssuedJoinToken, JoinClaims, JoinResult
 from pki_time import expire
 
 MACHINE = JoinClaims(macs=["AA-BB-CC-00-11-22", "aa:bb:cc:00:11:23"], product_uuid="P-1", serial="S1")

@@ -21,17 +21,19 @@ from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
 from better_compute.agent import Enrollment
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
+from better_compute.crypto import AgentIdentity, new_agent_key
 from better_compute.keyring import rotate_key_file
-from better_compute.pki_client import AgentIdentity, PkiClient, new_agent_key
-from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import refused
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import CommandView, LiveWithRef
+from better_compute.wire.secrets import FETCH_PURPOSE
 from secrets_test_app import APP, enqueue_ref, settle
 
 VALUE = b"#cloud-config\npassword: hunter2-the-real-one\n"

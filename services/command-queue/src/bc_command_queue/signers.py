@@ -19,9 +19,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from better_compute.agent.protocol import FRESHNESS_MS, event_purpose
+from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.pki_client import PkiClient, signing_payload
+from better_compute.crypto import signing_payload
+from better_compute.wire.agent import FRESHNESS_MS, event_purpose
 
 __all__ = ["Signer", "Signers"]
 

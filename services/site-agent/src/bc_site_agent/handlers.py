@@ -18,11 +18,11 @@ from typing import Any
 import msgspec
 
 from better_compute.agent import Command, CommandHandler, CommandRejected
+from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.crypto import AgentIdentity
 from better_compute.logging import get_logger, register_secret
 from better_compute.metal.commands import COMMAND_KINDS
-from better_compute.pki_client import AgentIdentity
-from better_compute.secrets_client import SecretsClient
 
 from .cache import SiteCache
 from .drivers import BmcCredentials, BmcTarget, Driver, make_driver

@@ -20,12 +20,13 @@ import msgspec
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from ..cmdq_client import AgentView, BatchView, CommandQueueClient, sign_batch
+from ..clients.cmdq import CommandQueueClient
+from ..clients.pki import PkiClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
-from ..pki_client import PkiClient
+from ..crypto import sign_batch
 from ..service.client import ApiClient
-from ..wire.cmdq import CommandView
+from ..wire.cmdq import AgentView, BatchView, CommandView
 from .common import api_client
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect, print_more

@@ -13,10 +13,11 @@ from typing import Any
 
 import msgspec
 
+from ..clients.pki import PkiClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.manifest import parse_duration
-from ..pki_client import CertificateInfo, JoinTokenInfo, PkiClient
+from ..wire.pki import CertificateInfo, JoinTokenInfo
 from .common import api_client
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect, print_more

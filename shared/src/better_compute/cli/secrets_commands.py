@@ -13,8 +13,9 @@ from typing import Any
 
 import msgspec
 
+from ..clients.secrets import SecretsClient
 from ..config import Settings
-from ..secrets_client import SecretInfo, SecretsClient
+from ..wire.secrets import SecretInfo
 from .common import api_client
 from .output import print_json, print_table
 from .paging import add_paging, collect, print_more
