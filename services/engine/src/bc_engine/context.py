@@ -26,6 +26,9 @@ class NodeInfo:
     site_id: str
     tenant_id: str
     labels: Mapping[str, str]
+    macs: Sequence[str] = ()
+    bmc: Mapping[str, Any] | None = None
+    state: str = "enrolled"
 
 
 class EngineSql:

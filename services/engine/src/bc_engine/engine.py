@@ -155,7 +155,7 @@ class Engine:
         if row is None:
             return None
         node = store.node_row(row)
-        return NodeInfo(node.id, node.site_id, node.tenant_id, node.labels)
+        return NodeInfo(node.id, node.site_id, node.tenant_id, node.labels, node.macs, node.bmc, node.state)
 
     async def waiting(self, wf: WorkflowRow, step: StepRow, what: dict[str, Any] | None) -> None:
         """Show what the step waits for (``waitingFor`` in workflows.get), if that changed."""

@@ -69,6 +69,9 @@ class NodeRow(msgspec.Struct, kw_only=True):
     tenant_id: str
     site_id: str
     labels: dict[str, str]
+    macs: list[str] = []
+    bmc: dict[str, Any] | None = None
+    state: str = "enrolled"
 
 
 def workflow_row(record: Any) -> WorkflowRow:
@@ -82,7 +85,12 @@ def step_row(record: Any) -> StepRow:
 
 
 def node_row(record: Any) -> NodeRow:
-    return msgspec.convert(dict(record), NodeRow)
+    """A fetched ``nodes`` row; JSON columns may come as text."""
+    raw = dict(record)
+    for key in ("labels", "bmc"):
+        if isinstance(raw.get(key), str):
+            raw[key] = msgspec.json.decode(raw[key])
+    return msgspec.convert(raw, NodeRow)
 
 
 # -- the reconciler pass (engine.py) --------------------------------------------------------

@@ -119,6 +119,27 @@ class StepNode(Protocol):
     @property
     def tenant_id(self) -> str: ...
 
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+
+    @property
+    def macs(self) -> Sequence[str]:
+        """The node's MAC addresses (lower case, ``aa:bb:…``)."""
+        ...
+
+    @property
+    def bmc(self) -> Mapping[str, Any] | None:
+        """``{driver, address, credentialsRef, systemId?, insecure?}``, or None without a BMC.
+
+        ``credentialsRef`` is a SecretRef (``sec_…``); the password is never here.
+        """
+        ...
+
+    @property
+    def state(self) -> str:
+        """The lifecycle state (``enrolled``, ``deploying``, …; DESIGN section 10)."""
+        ...
+
 
 class StepCoordinates(Protocol):
     """Where a step run sits: enough to build its command keys."""
