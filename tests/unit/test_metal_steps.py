@@ -26,7 +26,7 @@ from better_compute.wire.cmdq import CommandView, EnqueueCommand
 pytestmark = pytest.mark.unit
 
 STEPS = {step.id: step for step in metal().steps}
-BMC = {"driver": "redfish", "address": "https://10.0.0.9", "credentialsRef": "sec_0123456789abcdef"}
+BMC = {"driver": "redfish", "address": "https://10.0.0.9", "credentialsRef": "sec_00000000000000000000000000"}
 WF = "wf_0000000000000001"
 
 
