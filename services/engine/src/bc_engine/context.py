@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import msgspec
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.pki_client import unavailable
 from better_compute.provision import step_command_key
+from better_compute.provision.results import latest_result
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 from . import store
@@ -61,22 +61,6 @@ class EngineSql:
     def connection(self) -> Any:
         """The asyncpg connection of a transaction (None outside one)."""
         return self._conn
-
-
-async def latest_result(sql: Any, workflow_id: str, action: str) -> Any:
-    """The result of the latest succeeded step with ``action`` in the workflow.
-
-    Later steps read earlier results from the store, never from memory.
-    """
-    rows = await sql.query(store.LATEST_RESULT, workflow_id, action)
-    if not rows:
-        raise BcError(
-            ErrorCode.NOT_FOUND,
-            f"no succeeded step {action} in workflow {workflow_id}",
-            {"path": "fromStep"},
-        )
-    value = rows[0]["result"]
-    return json.loads(value) if isinstance(value, str) else value
 
 
 class StepCommands:

@@ -212,11 +212,6 @@ CLEANED_UP = "UPDATE workflows SET cancel_commands = false WHERE id = $1"
 STORED_PROFILE = "SELECT document FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
 NODE = "SELECT * FROM nodes WHERE id = $1"
 NODE_SITE = "SELECT site_id FROM nodes WHERE id = $1"
-# ctx.from_step: later steps read earlier results from the store, never from memory.
-LATEST_RESULT = (
-    "SELECT result FROM workflow_steps WHERE workflow_id = $1 AND action = $2"
-    " AND state = 'succeeded' ORDER BY idx DESC LIMIT 1"
-)
 
 # -- the service (service.py) ----------------------------------------------------------------
 
