@@ -396,8 +396,10 @@ class CommandQueueClient:
         """``id -> state`` of the commands that exist (at most ``MAX_STATE_QUERY`` ids)."""
         return (await self._call("commands.states", CommandStates(ids=ids), CommandStatesReply)).states
 
-    async def live_with_ref(self, *, agent_id: str, ref: str, key_prefix: str) -> LiveWithRefReply:
-        req = LiveWithRef(agent_id=agent_id, ref=ref, key_prefix=key_prefix)
+    async def live_with_ref(
+        self, *, agent_id: str, ref: str, key_prefix: str, node_id: str | None = None
+    ) -> LiveWithRefReply:
+        req = LiveWithRef(agent_id=agent_id, ref=ref, key_prefix=key_prefix, node_id=node_id)
         return await self._call("commands.live_with_ref", req, LiveWithRefReply)
 
     async def agents(

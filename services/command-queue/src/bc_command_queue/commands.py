@@ -331,7 +331,7 @@ class Commands:
         body = req.decode(LiveWithRef)
         if not body.key_prefix:
             raise invalid("keyPrefix", "a key prefix is required")
-        for row in await self.db.fetch(store.LIVE_WITH_PREFIX, body.agent_id, body.key_prefix):
+        for row in await self.db.fetch(store.LIVE_WITH_PREFIX, body.agent_id, body.key_prefix, body.node_id):
             if _carries(msgspec.json.decode(row["payload"]), body.ref):
                 return LiveWithRefReply(live=True, command_id=row["id"])
         return LiveWithRefReply(live=False)

@@ -379,6 +379,7 @@ LIVE_WITH_PREFIX: Final = f"""
 SELECT c.id, c.payload FROM commands c
 WHERE c.agent_id = $1 AND c.state IN ('dispatched', 'acked', 'running')
   AND c.not_after > now()  -- past its deadline it opens nothing, swept or not
+  AND ($3::text IS NULL OR c.node_id = $3)
   AND {_KEY_UNDER.format(p="$2")}
 ORDER BY c.id
 """
