@@ -17,7 +17,7 @@ from . import messages as m
 from . import queue, store
 from .documents import check_document, check_labels, node_doc, workflow_doc
 from .metal_api import MetalApi, bmc_json, check_macs, refuse_inline_secret
-from .metal_lifecycle import node_view_extra
+from .metal_lifecycle import node_view_extra, reopen_node
 from .node_events import node_event
 from .profiles import FoundProfile, ProfileStore, parse_document
 from .resolve import Resolution, resolve_profile
@@ -462,9 +462,13 @@ class EngineApi:
         return await self._verb(body.id, allowed=("running",), verb="abort", apply=apply)
 
     async def _reopen(self, conn: Any, wf: Any, from_states: tuple[str, ...]) -> None:
-        """The step that stopped the workflow goes back to pending; its next run is a new attempt."""
+        """The step that stopped the workflow goes back to pending; its next run is a new attempt.
+        A metal workflow's node goes back from failed to the verb's running state."""
         await conn.execute(store.REOPEN_STEP, wf["id"], list(from_states))
         await conn.execute(store.REOPEN_WORKFLOW, wf["id"])
+        node = await reopen_node(conn, wf)
+        if node is not None:
+            await node_event(self.publish, node, verb="retry")
 
     async def workflows_retry(self, req: ApiRequest) -> dict[str, Any]:
         """A failed workflow runs its failed step again, as a new attempt."""

@@ -194,16 +194,16 @@ class MetalApi:
         node_id = row["id"]
         if tenant_id is not None and row["tenant_id"] != tenant_id:
             return BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
-        if node_id in busy:
+        try:
+            check_verb(node_id, row["state"], verb)
+        except BcError as err:
+            return err
+        if node_id in busy:  # not metal's workflow (a metal one shows in the state)
             return BcError(
                 ErrorCode.INVALID_STATE,
                 f"node {node_id} runs workflow {busy[node_id]}: {verb} once it has finished (or abort it)",
                 {"path": "nodeId", "reason": "node-busy", "workflowId": busy[node_id]},
             )
-        try:
-            check_verb(node_id, row["state"], verb)
-        except BcError as err:
-            return err
         return None
 
     async def _screen(

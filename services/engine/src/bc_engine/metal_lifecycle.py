@@ -28,7 +28,7 @@ from .node_events import node_event
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["METAL_OWNER", "node_view_extra", "reconcile_metal", "record_command_result"]
+__all__ = ["METAL_OWNER", "node_view_extra", "reconcile_metal", "record_command_result", "reopen_node"]
 
 METAL_OWNER = "metal"
 _BY_RUNNING = {t.running: t for t in TRANSITIONS.values()}
@@ -87,6 +87,20 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
             row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
     engine.log.info("metal_node_moved", node_id=row["id"], state=row["state"], workflow_id=workflow_id)
     await node_event(engine.publish, row)
+
+
+async def reopen_node(conn: Any, wf: Any) -> Any:
+    """A retried or resumed metal workflow takes its node back from ``failed`` to the verb's
+    ``…ing`` state (returns the node row, or None when there is nothing to move)."""
+    if wf["owner"] != METAL_OWNER or wf["node_id"] is None:
+        return None
+    node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf["node_id"], wf["id"])
+    if node is None or node["state"] != "failed":
+        return None
+    transition = TRANSITIONS.get((_json(node["state_reason"]) or {}).get("verb", ""))
+    if transition is None:
+        return None
+    return await conn.fetchrow(metal_store.REOPEN_NODE, node["id"], wf["id"], transition.running)
 
 
 def host_section(app: App, profile: Any, labels: Mapping[str, str]) -> dict[str, Any]:

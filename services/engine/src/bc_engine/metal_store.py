@@ -35,6 +35,11 @@ UPDATE nodes SET state = $2, workflow_id = NULL, state_reason = NULL,
     image = CASE WHEN $4 THEN NULL ELSE image END, updated_at = now()
 WHERE id = $1 RETURNING *
 """
+# workflows.retry / resume of the workflow that failed the node: the node runs the verb again.
+REOPEN_NODE = (
+    "UPDATE nodes SET state = $3, workflow_id = $2, state_reason = NULL, updated_at = now()"
+    " WHERE id = $1 AND state = 'failed' AND state_reason ->> 'workflowId' = $2 RETURNING *"
+)
 FINISH_FAILED = (
     "UPDATE nodes SET state = 'failed', workflow_id = NULL, state_reason = $2, last_error = $2,"
     " updated_at = now() WHERE id = $1 RETURNING *"
