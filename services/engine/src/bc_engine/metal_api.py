@@ -266,9 +266,10 @@ class MetalApi:
                 {"path": "image"},
             )
         wf_ids = {row["id"]: new_id("wf") for row in ok}
-        run = _Run()
+        run = _Run(refused=refused)
         run.batch_id = await self._batch(res.command_kinds, tenant, wf_ids, verb, found.profile.id, bulk)
         async with db.transaction() as conn:
+            # again under the node locks: a node may have moved since the first look
             ok, refused = await self._screen(conn, verb, [row["id"] for row in ok], tenant, lock=True)
             moved = []
             for row in ok:
