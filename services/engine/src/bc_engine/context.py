@@ -16,6 +16,7 @@ from better_compute.provision.results import latest_result
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 from . import store
+from .relay import relay_bmc
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
 
@@ -86,6 +87,12 @@ class StepCommands:
                 {"path": "key"},
             )
         sends = list(self._step.sends or [])
+        if cmd.kind in self._engine.app.command_kinds:
+            node = await self._engine.node_info(cmd.node_id)
+            payload = relay_bmc(
+                self._engine.app, cmd.kind, cmd.payload, cmd.node_id, node.bmc if node is not None else None
+            )
+            cmd = msgspec.structs.replace(cmd, payload=payload)
         kind = self._engine.app.command_kinds.get(cmd.kind)
         batch = self._wf.batch_id if (kind is not None and kind.destructive) else None
         full = msgspec.structs.replace(

@@ -148,6 +148,10 @@ class Engine:
             self._nodes[wf.id] = await self._read_node(wf.node_id)
         return self._nodes[wf.id]
 
+    async def node_info(self, node_id: str) -> NodeInfo | None:
+        """A node as steps see it (a command a step sends may be for another node)."""
+        return await self._read_node(node_id)
+
     async def _read_node(self, node_id: str | None) -> NodeInfo | None:
         if node_id is None:
             return None

@@ -24,6 +24,7 @@ from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent
 from . import queue, store
 from .api import EngineApi
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
+from .metal_lifecycle import HOST_KEY_PREFIX, HOST_OWNER, METAL_OWNER, converge_host, reconcile_metal
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -84,10 +85,12 @@ class EngineService(Service):
             instance=self.leases.owner,  # settles are fenced on this life's leases
             log=self.log,
             publish=self.publish_event,
-            owners=_owner_reconcilers(self.app),
+            owners={METAL_OWNER: reconcile_metal, HOST_OWNER: converge_host, **_owner_reconcilers(self.app)},
         )
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
-        self.engine_api = EngineApi(app=self.app, db=self.db, wake=self.wake, publish=self.publish_event)
+        self.engine_api = EngineApi(
+            app=self.app, db=self.db, wake=self.wake, publish=self.publish_event, quorum=self.engine.quorum
+        )
         self.engine.start_in = self.engine_api.start_in
         self.engine.wake = self.wake
         self._poll_soon = asyncio.Event()
@@ -130,6 +133,8 @@ class EngineService(Service):
         except msgspec.MsgspecError:
             return
         if event.workflow_id is None:
+            if event.key.startswith(HOST_KEY_PREFIX):  # a host section's converge: its node's key
+                await self.wake(queue.owner_key(HOST_OWNER, event.node_id))
             return
         rkey = self._rkeys.get(event.workflow_id)
         if rkey is None:
