@@ -191,3 +191,68 @@ async def test_a_node_without_a_bmc_fails_the_bmc_step_with_its_reason(stack: St
     error = done["steps"][0]["error"]
     assert (done["state"], error["code"], error["details"]["reason"]) == ("failed", "INVALID_STATE", "no-bmc")
     assert await stack.commands(wf_id) == {}
+
+
+# -- the shipped lifecycle profiles, started by metal's verbs -----------------------------
+
+
+async def enrolled(stack: Stack, site: str) -> str:
+    node = await stack.api.call("engine", "metal.enroll", {"siteId": site, "macs": MACS[:1], "bmc": BMC})
+    return str(node["id"])
+
+
+async def bcd_joins_when_waited_for(stack: Stack, node: str, *args: str) -> SimAgent:
+    """Start the node's bcd once its workflow waits for the join (after the ramdisk boot)."""
+
+    async def waiting() -> bool:
+        doc = await stack.api.call("engine", "nodes.get", {"id": node})
+        assert doc["state"] != "failed", doc
+        wf = await stack.api.call("engine", "workflows.get", {"id": doc["workflowId"]})
+        return bool(wf["steps"][1]["state"] == "running")
+
+    await until(waiting, timeout=60, what="wait.agentJoined running")
+    return await stack.agent(_SITES[node], *args, node_id=node)
+
+
+_SITES: dict[str, str] = {}  # node id -> its site, as enrolled
+
+
+async def node_reaches(stack: Stack, node: str, *states: str) -> dict[str, Any]:
+    async def check() -> dict[str, Any] | None:
+        doc: dict[str, Any] = await stack.api.call("engine", "nodes.get", {"id": node})
+        return doc if doc["state"] in states else None
+
+    return await until(check, timeout=60, what=f"node {node} in {states}")
+
+
+async def test_inspect_with_the_shipped_profile_records_the_signed_inventory(stack: Stack) -> None:
+    site = await stack.agent("site-f")
+    node = await enrolled(stack, "site-f")
+    _SITES[node] = "site-f"
+    got = await stack.api.call("engine", "metal.inspect", {"nodeId": node})
+    assert got["state"] == "inspecting"
+    await bcd_joins_when_waited_for(stack, node)
+    doc = await node_reaches(stack, node, "inspected", "failed")
+    assert doc["state"] == "inspected", doc
+    wf = await stack.api.call("engine", "workflows.list", {"nodeId": node})
+    [workflow] = wf["workflows"]
+    assert workflow["profile"]["id"] == "metal.inspect"
+    # the ramdisk boot (boot device, an entry for the one MAC, a cycle) and the power-off, once each
+    assert sorted(line.split()[1] for line in site.executions()) == [
+        "management.setBootDevice", "netboot.setEntry", "power.setPower", "power.setPower",
+    ]  # fmt: skip
+    _, inventory = await stack.node_state(node)
+    assert inventory["kind"] == "node.inventory"
+
+
+async def test_retire_with_an_unattested_wipe_fails_and_the_node_is_never_retired(stack: Stack) -> None:
+    await stack.agent("site-g")
+    node = await enrolled(stack, "site-g")
+    _SITES[node] = "site-g"
+    await stack.api.call("engine", "metal.retire", {"nodeId": node})
+    bcd = await bcd_joins_when_waited_for(stack, node, "--unsigned")
+    doc = await node_reaches(stack, node, "retired", "failed")
+    assert doc["state"] == "failed", doc
+    reason = doc["stateReason"]
+    assert (reason["step"], reason["code"]) == ("disk.wipe", "UNAUTHENTICATED")
+    assert [line.split()[1] for line in bcd.executions()] == ["node.wipe"]  # ran, but does not count
