@@ -16,6 +16,7 @@ from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 from . import messages as m
 from . import queue, store
 from .documents import check_document, check_labels, node_doc, workflow_doc
+from .images_api import ImagesApi
 from .profiles import FoundProfile, ProfileStore, parse_document
 from .resolve import Resolution, resolve_profile
 
@@ -58,6 +59,7 @@ class EngineApi:
             "workflows.abort": self.workflows_abort,
             "workflows.retry": self.workflows_retry,
             "workflows.resume": self.workflows_resume,
+            **ImagesApi(app=self.app, db=self.db).routes(),
         }
 
     # -- nodes ------------------------------------------------------------------

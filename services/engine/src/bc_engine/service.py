@@ -24,6 +24,7 @@ from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent
 from . import queue, store
 from .api import EngineApi
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
+from .images_api import image_signers, write_image_signers
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -69,6 +70,7 @@ class EngineService(Service):
         assert self.api is not None
         assert self.nc is not None
         self.app = with_user_data_settings(load_app(self.settings.app), self.settings.userdata)
+        await write_image_signers(self.db, image_signers(self.settings.images))
         self.leases = ShardLeases(
             self.db,
             self.instance,
