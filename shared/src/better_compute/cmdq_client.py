@@ -190,6 +190,8 @@ class CreateBatch(_Req, frozen=True, kw_only=True):
     nodes: Annotated[list[NodeIdText], msgspec.Meta(min_length=1, max_length=10_000)]
     ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=30 * 24 * 3600)] = 24 * 3600
     workflow_id: str | None = None
+    workflow_ids: Annotated[list[str], msgspec.Meta(max_length=10_000)] = []
+    """A bulk verb's batch (``metal.bulk``): the workflows it admits, instead of ``workflow_id``."""
     note: Text | None = None
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     """The same key returns the first batch (``CONFLICT`` with another scope)."""
@@ -220,6 +222,8 @@ class BatchView(_Msg, frozen=True, kw_only=True):
     kinds: list[str]
     nodes: list[str]
     workflow_id: str | None = None
+    workflow_ids: list[str] = []
+    """A bulk verb's batch: the workflows it admits (signed, like ``workflow_id``)."""
     note: str | None = None
     state: BatchState
     threshold: int
@@ -265,19 +269,24 @@ def batch_document(
     nodes: list[str],
     expires_at_ms: int,
     workflow_id: str | None,
+    workflow_ids: list[str] | None = None,
 ) -> bytes:
-    """The canonical bytes approvers sign for a batch (scope and expiry included)."""
-    return signing_payload(
-        BATCH_PURPOSE,
-        {
-            "batchId": batch_id,
-            "tenantId": tenant_id,
-            "kinds": sorted(set(kinds)),
-            "nodes": sorted(set(nodes)),
-            "expiresAtMs": expires_at_ms,
-            "workflowId": workflow_id,
-        },
-    )
+    """The canonical bytes approvers sign for a batch (scope and expiry included).
+
+    A bulk verb's batch names its set of workflows (``workflowIds``); other batches' documents
+    have no such key, so they stay what they were.
+    """
+    scope: dict[str, Any] = {
+        "batchId": batch_id,
+        "tenantId": tenant_id,
+        "kinds": sorted(set(kinds)),
+        "nodes": sorted(set(nodes)),
+        "expiresAtMs": expires_at_ms,
+        "workflowId": workflow_id,
+    }
+    if workflow_ids:
+        scope["workflowIds"] = sorted(set(workflow_ids))
+    return signing_payload(BATCH_PURPOSE, scope)
 
 
 def sign_batch(batch: BatchView, private_key: ed25519.Ed25519PrivateKey) -> bytes:
@@ -295,6 +304,7 @@ def sign_batch(batch: BatchView, private_key: ed25519.Ed25519PrivateKey) -> byte
         nodes=batch.nodes,
         expires_at_ms=batch.expires_at_ms,
         workflow_id=batch.workflow_id,
+        workflow_ids=batch.workflow_ids,
     )
     if expected != batch.document:
         raise BcError(
@@ -386,8 +396,10 @@ class CommandQueueClient:
         """``id -> state`` of the commands that exist (at most ``MAX_STATE_QUERY`` ids)."""
         return (await self._call("commands.states", CommandStates(ids=ids), CommandStatesReply)).states
 
-    async def live_with_ref(self, *, agent_id: str, ref: str, key_prefix: str) -> LiveWithRefReply:
-        req = LiveWithRef(agent_id=agent_id, ref=ref, key_prefix=key_prefix)
+    async def live_with_ref(
+        self, *, agent_id: str, ref: str, key_prefix: str, node_id: str | None = None
+    ) -> LiveWithRefReply:
+        req = LiveWithRef(agent_id=agent_id, ref=ref, key_prefix=key_prefix, node_id=node_id)
         return await self._call("commands.live_with_ref", req, LiveWithRefReply)
 
     async def agents(
@@ -428,6 +440,7 @@ class CommandQueueClient:
         tenant_id: str = "root",
         ttl_seconds: int = 24 * 3600,
         workflow_id: str | None = None,
+        workflow_ids: list[str] | None = None,
         note: str | None = None,
         idempotency_key: str | None = None,
     ) -> BatchView:
@@ -437,6 +450,7 @@ class CommandQueueClient:
             nodes=nodes,
             ttl_seconds=ttl_seconds,
             workflow_id=workflow_id,
+            workflow_ids=list(workflow_ids or []),
             note=note,
             idempotency_key=idempotency_key,
         )

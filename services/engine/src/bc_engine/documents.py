@@ -14,7 +14,7 @@ from better_compute.wire.codec import encode
 
 from . import messages as m
 
-__all__ = ["check_document", "check_labels", "node_doc", "workflow_doc"]
+__all__ = ["check_document", "check_labels", "inventory_summary", "node_doc", "workflow_doc"]
 
 _LABEL_KEY_RE: Final = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$")
 _CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
@@ -75,16 +75,48 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-def node_doc(row: Any) -> dict[str, Any]:
-    return {
+def inventory_summary(inventory: Any) -> dict[str, Any] | None:
+    """CPUs, memory, and how many disks, NICs and GPUs: what a table shows of an inventory."""
+    if not isinstance(inventory, Mapping):
+        return None
+    cpus = inventory.get("cpus")
+    memory = inventory.get("memory")
+    out: dict[str, Any] = {
+        "cpuModel": cpus.get("model") if isinstance(cpus, Mapping) else None,
+        "cores": cpus.get("cores") if isinstance(cpus, Mapping) else None,
+        "memoryBytes": memory.get("totalBytes") if isinstance(memory, Mapping) else None,
+    }
+    for key in ("disks", "nics", "gpus"):
+        items = inventory.get(key)
+        out[key] = len(items) if isinstance(items, list) else None
+    return out
+
+
+def node_doc(row: Any, *, full: bool = False) -> dict[str, Any]:
+    """A node; ``full`` (nodes.get) adds its inventory and host section, lists show a summary."""
+    doc = {
         "id": row["id"],
         "tenantId": row["tenant_id"],
         "siteId": row["site_id"],
         "labels": _json(row["labels"]),
+        "macs": list(row["macs"]),
+        "bmc": _json(row["bmc"]),
+        "state": row["state"],
+        "stateReason": _json(row["state_reason"]),
+        "workflowId": row["workflow_id"],
+        "powerState": row["power_state"],
+        "image": row["image"],
+        "lastError": _json(row["last_error"]),
         "generation": row["generation"],
         "observedGeneration": row["observed_generation"],
+        "inventorySummary": inventory_summary(_json(row["inventory"])),
         "createdAt": _iso(row["created_at"]),
+        "updatedAt": _iso(row["updated_at"]),
     }
+    if full:
+        doc["inventory"] = _json(row["inventory"])
+        doc["hostSection"] = _json(row["host_section"])
+    return doc
 
 
 def workflow_doc(row: Any, steps: list[Any] | None = None) -> dict[str, Any]:

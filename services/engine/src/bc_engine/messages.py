@@ -7,6 +7,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from better_compute.core.names import Name
+from better_compute.wire.metal import MAX_MACS, Mac, NodeBmc
 from better_compute.wire.paging import DEFAULT_LIMIT, Cursor, Limit
 
 __all__ = [
@@ -60,6 +61,8 @@ class CreateNode(_Req, frozen=True, kw_only=True):
     tenant_id: Name = "root"
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     """Checked by ``check_labels``: key syntax, value size and count."""
+    macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] = msgspec.field(default_factory=list)
+    bmc: NodeBmc | None = None
 
 
 class GetNode(_Req, frozen=True, kw_only=True):
@@ -72,6 +75,8 @@ class UpdateNode(_Req, frozen=True, kw_only=True):
     id: str
     site_id: Name | None = None
     labels: dict[str, str] | None = None
+    macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] | None = None
+    bmc: NodeBmc | None = None
 
 
 class LabelNode(_Req, frozen=True, kw_only=True):

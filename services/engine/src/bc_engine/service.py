@@ -25,6 +25,7 @@ from . import queue, store
 from .api import EngineApi
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
 from .images_api import image_signers, write_image_signers
+from .metal_lifecycle import METAL_OWNER, reconcile_metal
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -86,10 +87,12 @@ class EngineService(Service):
             instance=self.leases.owner,  # settles are fenced on this life's leases
             log=self.log,
             publish=self.publish_event,
-            owners=_owner_reconcilers(self.app),
+            owners={METAL_OWNER: reconcile_metal, **_owner_reconcilers(self.app)},
         )
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
-        self.engine_api = EngineApi(app=self.app, db=self.db, wake=self.wake, publish=self.publish_event)
+        self.engine_api = EngineApi(
+            app=self.app, db=self.db, wake=self.wake, publish=self.publish_event, quorum=self.engine.quorum
+        )
         self.engine.start_in = self.engine_api.start_in
         self.engine.wake = self.wake
         self._poll_soon = asyncio.Event()

@@ -131,11 +131,14 @@ class LiveWithRef(_Msg, frozen=True, kw_only=True):
     is there a command delivered to ``agent_id`` and not finished (dispatched, acked or
     running, and before its ``notAfter``) whose key starts with ``key_prefix``
     (``wf:<workflow>:<step>``, followed by end, ``#`` or ``:``) and whose payload carries
-    ``ref``? A pending command (not yet delivered, or waiting for its quorum) opens nothing."""
+    ``ref``? A pending command (not yet delivered, or waiting for its quorum) opens nothing.
+    With ``node_id`` (a node's standing secret, such as its BMC credential) the command must
+    also be for that node; its ``key_prefix`` is then ``wf``: any workflow's command."""
 
     agent_id: str
     ref: str
     key_prefix: str
+    node_id: str | None = None
 
 
 class LiveWithRefReply(_Msg, frozen=True, kw_only=True):

@@ -7,6 +7,20 @@ CREATE TABLE nodes (
     site_id             text NOT NULL,
     labels              jsonb NOT NULL DEFAULT '{}',
     spec                jsonb NOT NULL DEFAULT '{}',
+    -- Metal (DESIGN section 10). The BMC is {driver, address, credentialsRef (a sec_… SecretRef),
+    -- systemId?, insecure?}: the password itself never enters the engine's tables.
+    macs                text[] NOT NULL DEFAULT '{}',
+    bmc                 jsonb,
+    state               text NOT NULL DEFAULT 'enrolled' CHECK (state IN (
+        'discovered', 'enrolled', 'inspecting', 'inspected', 'commissioning', 'ready', 'deploying',
+        'deployed', 'releasing', 'retiring', 'retired', 'adopting', 'failed')),
+    state_reason        jsonb,               -- failed: {workflowId, step, code, message}
+    workflow_id         text,                -- the lifecycle workflow moving the node now
+    host_section        jsonb,               -- the NodeSpec bcd converges to (generation)
+    inventory           jsonb,               -- the latest inventory
+    power_state         text,                -- the observed power state
+    last_error          jsonb,
+    image               text,                -- name@version deployed (or being deployed)
     generation          bigint NOT NULL DEFAULT 1,
     observed_generation bigint NOT NULL DEFAULT 0,
     created_at          timestamptz NOT NULL DEFAULT now(),
@@ -14,6 +28,8 @@ CREATE TABLE nodes (
 );
 -- nodes.list of one site, by id.
 CREATE INDEX nodes_site ON nodes (site_id, id);
+-- A MAC belongs to one node: discovery and enrolment find the node by it.
+CREATE INDEX nodes_macs ON nodes USING gin (macs);
 
 -- Stored profiles of tenants. Shipped profiles live in code (tenant 'builtin'), never here.
 CREATE TABLE profiles (
