@@ -83,7 +83,7 @@ async def engine(
             yield svc
         finally:
             svc.request_stop()
-            await asyncio.wait_for(run, 30)  # a stop right after start has taken 10 s+ on a busy machine
+            await asyncio.wait_for(run, 10)
 
 
 async def register(api: ApiClient, body: dict[str, Any], tenant: str = "acme") -> dict[str, Any]:

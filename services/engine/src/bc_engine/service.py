@@ -170,8 +170,11 @@ class EngineService(Service):
                 for r in rows:
                     self.scheduler.at(r["rkey"], float(r["at"]), from_poll=True)
             self._poll_soon.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that lands in
+            # the turn the event is set (shards gained), and the engine then never stopped.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poll_soon.wait(), timeout=POLL_EVERY)
+                async with asyncio.timeout(POLL_EVERY):
+                    await self._poll_soon.wait()
 
     async def _command_watch(self) -> None:
         """The safety net for lost command events: every AGENT_POLL_S, one look at the state of
