@@ -143,6 +143,7 @@ class Ctx:
     attempt: int = 1
     batch_id: str | None = None
     profile: Any = None
+    provision: Any = None
 
     @property
     def idempotency_key(self) -> str:
@@ -332,41 +333,45 @@ IMAGE = {"name": "ubuntu", "version": "24.04", "url": "https://img/u.raw.zst", "
 async def test_deploy_writes_the_resolved_image_with_the_rendered_user_data(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    asked: list[tuple[str, str]] = []
+    asked: list[tuple[str, str, Any]] = []
 
-    async def resolve(_tx: Any, tenant_id: str, ref: str) -> dict[str, Any]:
-        asked.append((tenant_id, ref))
+    async def resolve(_tx: Any, tenant_id: str, ref: str, *, verifier: Any = None) -> dict[str, Any]:
+        asked.append((tenant_id, ref, verifier))
+        if ref == "ubuntu@missing":
+            raise BcError(ErrorCode.NOT_FOUND, "no image", {"path": "image"})
         return IMAGE
 
-    monkeypatch.setattr(deploy_module, "image_resolver", lambda: resolve)
+    monkeypatch.setattr(deploy_module, "resolve_image_ref", resolve)
     ctx = Ctx()
     ctx.sql.nodes[Node().id] = {"image": "ubuntu@24.04"}
     ctx.sql.results["userdata.render"] = {"userDataRef": "sec_00000000000000aa", "kind": "cloud-init"}
     got = await run("deploy.deploy", {}, ctx)
     [cmd] = ctx.commands.sent
-    assert asked == [("root", "ubuntu@24.04")]
+    assert asked == [("root", "ubuntu@24.04", None)]
     assert (cmd.kind, cmd.target) == ("node.imageWrite", "node")
     assert cmd.payload == {"url": IMAGE["url"], "sha256": IMAGE["sha256"], "format": "raw.zst",
                            "userDataRef": "sec_00000000000000aa"}  # fmt: skip
     assert (got["image"], got["attested"]) == ("ubuntu@24.04", True)
 
-    # with.image wins over the node's; an unattested write does not count
-    ctx = Ctx(commands=Queue(attested=False))
+    # with.image wins over the node's, the app's image_verifier is handed on, and an
+    # unattested write does not count
+    verifier = object()
+    ctx = Ctx(commands=Queue(attested=False), profile=None)
+    ctx.provision = SimpleNamespace(image_verifier=verifier)
     err = await refused(lambda: run("deploy.deploy", {"image": "ubuntu@24.10"}, ctx))
-    assert (err.code, err.reason, asked[-1]) == (
-        ErrorCode.UNAUTHENTICATED,
-        "not-attested",
-        ("root", "ubuntu@24.10"),
-    )
+    assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "not-attested")
+    assert asked[-1] == ("root", "ubuntu@24.10", verifier)
+
+    # an image the catalog does not resolve: nothing is sent
+    ctx = Ctx()
+    err = await refused(lambda: run("deploy.deploy", {"image": "ubuntu@missing"}, ctx))
+    assert (err.code, err.path, ctx.commands.sent) == (ErrorCode.NOT_FOUND, "image", [])
 
 
-async def test_deploy_without_an_image_or_catalog_is_refused_before_sending() -> None:
+async def test_deploy_without_an_image_is_refused_before_sending() -> None:
     ctx = Ctx(profile=SimpleNamespace(image=None))
     err = await refused(lambda: run("deploy.deploy", {}, ctx))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "image")
-    ctx = Ctx(profile=SimpleNamespace(image="ubuntu@24.04"))
-    err = await refused(lambda: run("deploy.deploy", {}, ctx))
-    assert (err.code, err.path) == (ErrorCode.INVALID_CONFIG, "image")  # no image catalog here
     assert ctx.commands.sent == []
 
 
