@@ -60,7 +60,8 @@ async def test_destructive_steps_wait_for_m_of_n_approvals_of_the_workflows_batc
         node = await engine_api.create_node(site_id="lab1")
         doc = {"id": "wipe-ish", "version": 1, "target": "metal", "role": "host",
                "steps": [{"use": "test.power", "on": "site"},
-                         {"use": "media.eject", "on": "site", "with": {"device": "usb"}}]}  # fmt: skip
+                         {"use": "netboot.clearEntry", "on": "site",
+                          "with": {"mac": "52:54:00:00:00:01"}}]}  # fmt: skip
         await engine_api.create_profile(document=doc)
         wf = await engine_api.start_workflow(profile_id="wipe-ish", node_id=node.id)
 

@@ -147,8 +147,15 @@ def test_metal_registers_the_pages_command_kinds_with_their_destructive_flags() 
         "netboot.setEntry": False,
         "netboot.clearEntry": False,
     }
-    assert metal().steps == ()
-    assert metal().profiles == ()
+    # the shipped steps and lifecycle profiles (issue 11 item 4), the same objects every call
+    assert [s.id for s in metal().steps] == [
+        "power.setPower", "management.setBootDevice", "media.insert", "media.eject",
+        "metal.ensureRamdisk", "wait.agentJoined", "inspect.collect", "disk.wipe", "deploy.deploy",
+    ]  # fmt: skip
+    assert [p.id for p in metal().profiles] == [
+        "metal.inspect", "metal.commission", "metal.deploy", "metal.release", "metal.retire", "metal.adopt",
+    ]  # fmt: skip
+    assert metal().profiles[2] is metal().profiles[2]
 
 
 def test_metal_payloads_are_checked() -> None:
@@ -178,7 +185,8 @@ def test_a_plugin_listed_in_provision_and_in_plugins_is_registered_once_and_reso
         modules=[metal(), provision_module(modules=[metal(), ACME], steps=[TALOS_READY])],
         plugins=[ACME],
     )
-    assert set(app.steps) == {"wait.talosReady", "autoinstall.renderIso", *SHIPPED}
+    metal_steps = {step.id for step in metal().steps}
+    assert set(app.steps) == {"wait.talosReady", "autoinstall.renderIso", *SHIPPED, *metal_steps}
     assert app.steps["autoinstall.renderIso"] is RENDER_ISO
     assert app.profile("ubuntu-24.04-autoinstall") is UBUNTU
 

@@ -163,19 +163,24 @@ def batch_document(
     nodes: list[str],
     expires_at_ms: int,
     workflow_id: str | None,
+    workflow_ids: list[str] | None = None,
 ) -> bytes:
-    """The canonical bytes approvers sign for a batch (scope and expiry included)."""
-    return signing_payload(
-        BATCH_PURPOSE,
-        {
-            "batchId": batch_id,
-            "tenantId": tenant_id,
-            "kinds": sorted(set(kinds)),
-            "nodes": sorted(set(nodes)),
-            "expiresAtMs": expires_at_ms,
-            "workflowId": workflow_id,
-        },
-    )
+    """The canonical bytes approvers sign for a batch (scope and expiry included).
+
+    A bulk verb's batch names its set of workflows (``workflowIds``); other batches' documents
+    have no such key, so they stay what they were.
+    """
+    scope: dict[str, Any] = {
+        "batchId": batch_id,
+        "tenantId": tenant_id,
+        "kinds": sorted(set(kinds)),
+        "nodes": sorted(set(nodes)),
+        "expiresAtMs": expires_at_ms,
+        "workflowId": workflow_id,
+    }
+    if workflow_ids:
+        scope["workflowIds"] = sorted(set(workflow_ids))
+    return signing_payload(BATCH_PURPOSE, scope)
 
 
 def sign_batch(batch: BatchView, private_key: ed25519.Ed25519PrivateKey) -> bytes:
@@ -193,6 +198,7 @@ def sign_batch(batch: BatchView, private_key: ed25519.Ed25519PrivateKey) -> byte
         nodes=batch.nodes,
         expires_at_ms=batch.expires_at_ms,
         workflow_id=batch.workflow_id,
+        workflow_ids=batch.workflow_ids,
     )
     if expected != batch.document:
         raise BcError(

@@ -83,6 +83,7 @@ class Batches:
             kinds=list(row["kinds"]),
             nodes=list(row["nodes"]),
             workflow_id=row["workflow_id"],
+            workflow_ids=list(row["workflow_ids"]),
             note=row["note"],
             state=state,
             threshold=quorum.threshold,
@@ -104,6 +105,14 @@ class Batches:
             parse_id(node, "node", path=f"nodes[{index}]")
         if body.workflow_id is not None:
             parse_id(body.workflow_id, "wf", path="workflowId")
+        for index, wf in enumerate(body.workflow_ids):
+            parse_id(wf, "wf", path=f"workflowIds[{index}]")
+        if body.workflow_id is not None and body.workflow_ids:
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                "a batch admits one workflow (workflowId) or a bulk verb's set (workflowIds), not both",
+                {"path": "workflowIds"},
+            )
         kinds, nodes = sorted(set(body.kinds)), sorted(set(body.nodes))
         if body.idempotency_key is not None:
             found = await self.db.fetchrow(store.BATCH_BY_KEY, body.idempotency_key)
@@ -118,6 +127,7 @@ class Batches:
             nodes=nodes,
             expires_at_ms=expires_at_ms,
             workflow_id=body.workflow_id,
+            workflow_ids=body.workflow_ids,
         )
         row = await self.db.fetchrow(
             store.BATCH_INSERT,
@@ -131,6 +141,7 @@ class Batches:
             document,
             self.config.quorum.threshold,
             expires_at_ms,
+            sorted(set(body.workflow_ids)),
         )
         if row is None:  # another request with the same idempotency key won the race
             found = await self.db.fetchrow(store.BATCH_BY_KEY, body.idempotency_key)
@@ -148,7 +159,11 @@ class Batches:
         self, found: Any, body: CreateBatch, kinds: list[str], nodes: list[str]
     ) -> BatchView:
         first = (found["tenant_id"], list(found["kinds"]), list(found["nodes"]))
-        if first != (body.tenant_id, kinds, nodes) or found["workflow_id"] != body.workflow_id:
+        same_workflows = (found["workflow_id"], sorted(found["workflow_ids"])) == (
+            body.workflow_id,
+            sorted(set(body.workflow_ids)),
+        )
+        if first != (body.tenant_id, kinds, nodes) or not same_workflows:
             raise BcError(
                 ErrorCode.CONFLICT,
                 "idempotency key already used for a batch with another scope",

@@ -152,9 +152,15 @@ class Commands:
         # The approvers signed the batch's workflowId. A workflow's batch admits that workflow's
         # commands only; an operator's batch (no workflowId) admits only commands sent directly,
         # by no workflow: approving a job by hand approves nothing a workflow may send. (A bulk
-        # verb's batch will name the set of workflows it started: a membership test here.)
-        if body.workflow_id != batch["workflow_id"]:
-            signed_for = f"workflow {batch['workflow_id']}" if batch["workflow_id"] else "no workflow"
+        # verb's batch names the set of workflows it started: a membership test.)
+        bulk = list(batch["workflow_ids"] or [])
+        if (body.workflow_id not in bulk) if bulk else (body.workflow_id != batch["workflow_id"]):
+            if bulk:
+                signed_for = f"{len(bulk)} other workflows"
+            elif batch["workflow_id"]:
+                signed_for = f"workflow {batch['workflow_id']}"
+            else:
+                signed_for = "no workflow"
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 f"the batch was signed for {signed_for}",
@@ -328,7 +334,7 @@ class Commands:
         body = req.decode(LiveWithRef)
         if not body.key_prefix:
             raise invalid("keyPrefix", "a key prefix is required")
-        for row in await self.db.fetch(store.LIVE_WITH_PREFIX, body.agent_id, body.key_prefix):
+        for row in await self.db.fetch(store.LIVE_WITH_PREFIX, body.agent_id, body.key_prefix, body.node_id):
             if _carries(msgspec.json.decode(row["payload"]), body.ref):
                 return LiveWithRefReply(live=True, command_id=row["id"])
         return LiveWithRefReply(live=False)

@@ -378,6 +378,7 @@ LIVE_WITH_PREFIX: Final = f"""
 SELECT c.id, c.payload FROM commands c
 WHERE c.agent_id = $1 AND c.state IN ('dispatched', 'acked', 'running')
   AND c.not_after > now()  -- past its deadline it opens nothing, swept or not
+  AND ($3::text IS NULL OR c.node_id = $3)
   AND {_KEY_UNDER.format(p="$2")}
 ORDER BY c.id
 """
@@ -456,13 +457,13 @@ ORDER BY a.site_id, a.id LIMIT $5
 # -- batches ------------------------------------------------------------------------
 
 _BATCH_COLS: Final = (
-    "id, tenant_id, kinds, nodes, workflow_id, note, idempotency_key, document, threshold,"
+    "id, tenant_id, kinds, nodes, workflow_id, workflow_ids, note, idempotency_key, document, threshold,"
     " created_at, expires_at, expires_at_ms, approved_at, expires_at <= now() AS expired"
 )
 BATCH_INSERT: Final = f"""
 INSERT INTO batches (id, tenant_id, kinds, nodes, workflow_id, note, idempotency_key, document,
-                     threshold, expires_at, expires_at_ms)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, to_timestamp($10::bigint / 1000.0), $10)
+                     threshold, expires_at, expires_at_ms, workflow_ids)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, to_timestamp($10::bigint / 1000.0), $10, $11)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING {_BATCH_COLS}
 """

@@ -16,6 +16,10 @@ from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
 from . import queue, store
 from .documents import check_document, check_labels, node_doc, workflow_doc
+from .images_api import ImagesApi
+from .metal_api import MetalApi, bmc_json, check_macs, refuse_inline_secret
+from .metal_lifecycle import current_workflow, reopen_node
+from .node_events import node_event
 from .profiles import FoundProfile, ProfileStore, parse_document
 from .resolve import Resolution, resolve_profile
 
@@ -32,12 +36,14 @@ class EngineApi:
         db: Any,
         wake: Callable[[str], Awaitable[None]],
         publish: Callable[[str, str, Any], Awaitable[None]],
+        quorum: Any = None,
     ) -> None:
         self.app = app
         self.db = db
         self.profiles = ProfileStore(app)
         self.wake = wake
         self.publish = publish
+        self.metal = MetalApi(self, quorum)
 
     def routes(self) -> dict[str, Callable[[ApiRequest], Awaitable[Any]]]:
         return {
@@ -60,27 +66,36 @@ class EngineApi:
             "workflows.abort": self.workflows_abort,
             "workflows.retry": self.workflows_retry,
             "workflows.resume": self.workflows_resume,
+            **ImagesApi(app=self.app, db=self.db).routes(),
+            **self.metal.routes(),
         }
 
     # -- nodes ------------------------------------------------------------------
 
     async def nodes_create(self, req: ApiRequest) -> m.NodeView:
+        """A node in ``enrolled`` (``metal.enroll`` also enrolls a discovered one)."""
+        refuse_inline_secret(req)
         body = req.decode(m.CreateNode)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
-        row = await self.db.fetchrow(
-            store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels)
-        )
+        async with self.db.transaction() as conn:
+            macs = await check_macs(conn, body.macs, node_id)
+            row = await conn.fetchrow(
+                store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
+                macs, bmc_json(body.bmc),
+            )  # fmt: skip
         if row is None:
             raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists", {"path": "id"})
+        await node_event(self.publish, row, verb="create")
         return node_doc(row)
 
     async def nodes_get(self, req: ApiRequest) -> m.NodeView:
+        """The node with its inventory, host section and the workflow moving it now."""
         body = req.decode(m.GetNode)
         row = await self.db.fetchrow(store.NODE, body.id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no node {body.id}", {"path": "id"})
-        return node_doc(row)
+        return node_doc(row, full=True, current_workflow=await current_workflow(self.db, row))
 
     async def nodes_list(self, req: ApiRequest) -> m.NodeList:
         body = req.decode(m.ListNodes)
@@ -113,6 +128,7 @@ class EngineApi:
     async def nodes_update(self, req: ApiRequest) -> m.NodeView:
         """Replace the node's site and/or all its labels (the bounds of ``nodes.create``); the
         site only while no workflow runs on the node (its commands go to that site)."""
+        refuse_inline_secret(req)
         body = req.decode(m.UpdateNode)
         if body.labels is not None:
             check_labels(body.labels)
@@ -121,7 +137,11 @@ class EngineApi:
             if body.site_id is not None and body.site_id != row["site_id"]:
                 await self._refuse_busy(conn, body.id, "change its site")
             labels = json.dumps(body.labels) if body.labels is not None else None
-            row = await conn.fetchrow(store.UPDATE_NODE, body.id, body.site_id, labels)
+            macs = await check_macs(conn, body.macs, body.id) if body.macs is not None else None
+            row = await conn.fetchrow(
+                store.UPDATE_NODE, body.id, body.site_id, labels, macs, bmc_json(body.bmc)
+            )
+        await node_event(self.publish, row, verb="update")
         return node_doc(row)
 
     async def nodes_label(self, req: ApiRequest) -> m.NodeView:
@@ -136,7 +156,8 @@ class EngineApi:
             for key in body.remove:
                 labels.pop(key, None)
             check_labels(labels)
-            row = await conn.fetchrow(store.UPDATE_NODE, body.id, None, json.dumps(labels))
+            row = await conn.fetchrow(store.UPDATE_NODE, body.id, None, json.dumps(labels), None, None)
+        await node_event(self.publish, row, verb="label")
         return node_doc(row)
 
     async def nodes_delete(self, req: ApiRequest) -> m.NodeDeleted:
@@ -147,6 +168,7 @@ class EngineApi:
             await self._refuse_busy(conn, body.id, "delete it")
             await conn.execute(store.DETACH_NODE_WORKFLOWS, body.id)
             await conn.execute(store.DELETE_NODE, body.id)
+        await self.publish("node", body.id, {"nodeId": body.id, "deleted": True})
         return m.NodeDeleted(deleted=body.id)
 
     # -- steps ----------------------------------------------------------------
@@ -301,8 +323,14 @@ class EngineApi:
         profile_version: int | None,
         node_id: str | None,
         owner: str | None,
+        workflow_id: str | None = None,
+        batch_id: str | None = None,
     ) -> dict[str, Any]:
-        """Start a workflow inside the caller's transaction (steps start children this way)."""
+        """Start a workflow inside the caller's transaction (steps start children this way).
+
+        Metal gives the workflow's id and its destructive batch, made before the start (a bulk
+        verb's batch names every workflow it starts).
+        """
         found = await self.profiles.find(
             conn, tenant_id=tenant_id, profile_id=profile_id, version=profile_version
         )
@@ -321,7 +349,7 @@ class EngineApi:
         res: Resolution = resolve_profile(self.app, found.profile, has_node=node_id is not None)
         if res.problems:
             raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
-        wf_id = new_id("wf")
+        wf_id = workflow_id or new_id("wf")
         rkey = node_id or wf_id
         steps = [
             {"workflow_id": wf_id, "idx": s.idx, "action": s.action, "runs_on": s.runs_on, "mode": s.mode,
@@ -339,6 +367,8 @@ class EngineApi:
             [json.dumps(st["input"]) for st in steps], [st["timeout_ms"] for st in steps],
             [json.dumps(st["sends"]) for st in steps], queue.shard_of(rkey),
         )  # fmt: skip
+        if batch_id is not None:
+            row = await conn.fetchrow(store.SET_BATCH_RETURNING, wf_id, batch_id)
         return {"id": wf_id, "rkey": rkey, "doc": workflow_doc(row, steps)}
 
     async def _get(
@@ -427,9 +457,13 @@ class EngineApi:
         return await self._verb(body.id, allowed=("running",), verb="abort", apply=apply)
 
     async def _reopen(self, conn: Any, wf: Any, from_states: tuple[str, ...]) -> None:
-        """The step that stopped the workflow goes back to pending; its next run is a new attempt."""
+        """The step that stopped the workflow goes back to pending; its next run is a new attempt.
+        A metal workflow's node goes back from failed to the verb's running state."""
         await conn.execute(store.REOPEN_STEP, wf["id"], list(from_states))
         await conn.execute(store.REOPEN_WORKFLOW, wf["id"])
+        node = await reopen_node(conn, wf)
+        if node is not None:
+            await node_event(self.publish, node, verb="retry")
 
     async def workflows_retry(self, req: ApiRequest) -> m.WorkflowView:
         """A failed workflow runs its failed step again, as a new attempt."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -13,9 +12,11 @@ import msgspec
 from better_compute.clients._base import unavailable
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import step_command_key
+from better_compute.provision.results import latest_result
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 from . import store
+from .relay import relay_bmc
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
 
@@ -26,6 +27,9 @@ class NodeInfo:
     site_id: str
     tenant_id: str
     labels: Mapping[str, str]
+    macs: Sequence[str] = ()
+    bmc: Mapping[str, Any] | None = None
+    state: str = "enrolled"
 
 
 class EngineSql:
@@ -60,22 +64,6 @@ class EngineSql:
         return self._conn
 
 
-async def latest_result(sql: Any, workflow_id: str, action: str) -> Any:
-    """The result of the latest succeeded step with ``action`` in the workflow.
-
-    Later steps read earlier results from the store, never from memory.
-    """
-    rows = await sql.query(store.LATEST_RESULT, workflow_id, action)
-    if not rows:
-        raise BcError(
-            ErrorCode.NOT_FOUND,
-            f"no succeeded step {action} in workflow {workflow_id}",
-            {"path": "fromStep"},
-        )
-    value = rows[0]["result"]
-    return json.loads(value) if isinstance(value, str) else value
-
-
 class StepCommands:
     """``ctx.commands``: enqueue through the command-queue on behalf of this step run.
 
@@ -99,6 +87,12 @@ class StepCommands:
                 {"path": "key"},
             )
         sends = list(self._step.sends or [])
+        if cmd.kind in self._engine.app.command_kinds:
+            node = await self._engine.node_info(cmd.node_id)
+            payload = relay_bmc(
+                self._engine.app, cmd.kind, cmd.payload, cmd.node_id, node.bmc if node is not None else None
+            )
+            cmd = msgspec.structs.replace(cmd, payload=payload)
         kind = self._engine.app.command_kinds.get(cmd.kind)
         batch = self._wf.batch_id if (kind is not None and kind.destructive) else None
         full = msgspec.structs.replace(

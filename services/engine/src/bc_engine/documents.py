@@ -15,7 +15,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.wire import engine as m
 from better_compute.wire.codec import encode
 
-__all__ = ["check_document", "check_labels", "node_doc", "workflow_doc"]
+__all__ = ["check_document", "check_labels", "inventory_summary", "node_doc", "workflow_doc"]
 
 _LABEL_KEY_RE: Final = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$")
 _CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
@@ -76,15 +76,55 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-def node_doc(row: Any) -> m.NodeView:
+def inventory_summary(inventory: Any) -> m.InventorySummary | None:
+    """CPUs, memory, and how many disks, NICs and GPUs: what a table shows of an inventory."""
+    if not isinstance(inventory, Mapping):
+        return None
+    cpus = inventory.get("cpus")
+    memory = inventory.get("memory")
+
+    def count(key: str) -> int | None:
+        items = inventory.get(key)
+        return len(items) if isinstance(items, list) else None
+
+    return m.InventorySummary(
+        cpu_model=cpus.get("model") if isinstance(cpus, Mapping) else None,
+        cores=cpus.get("cores") if isinstance(cpus, Mapping) else None,
+        memory_bytes=memory.get("totalBytes") if isinstance(memory, Mapping) else None,
+        disks=count("disks"),
+        nics=count("nics"),
+        gpus=count("gpus"),
+    )
+
+
+def node_doc(
+    row: Any,
+    *,
+    full: bool = False,
+    current_workflow: m.CurrentWorkflow | msgspec.UnsetType | None = msgspec.UNSET,
+) -> m.NodeView:
+    """A node; ``full`` (nodes.get) adds its inventory and host section, lists show a summary."""
     return m.NodeView(
         id=row["id"],
         tenant_id=row["tenant_id"],
         site_id=row["site_id"],
         labels=_json(row["labels"]),
+        macs=list(row["macs"]),
+        bmc=_json(row["bmc"]),
+        state=row["state"],
+        state_reason=_json(row["state_reason"]),
+        workflow_id=row["workflow_id"],
+        power_state=row["power_state"],
+        image=row["image"],
+        last_error=_json(row["last_error"]),
         generation=row["generation"],
         observed_generation=row["observed_generation"],
+        inventory_summary=inventory_summary(_json(row["inventory"])),
         created_at=_iso(row["created_at"]),
+        updated_at=_iso(row["updated_at"]),
+        inventory=_json(row["inventory"]) if full else msgspec.UNSET,
+        host_section=_json(row["host_section"]) if full else msgspec.UNSET,
+        current_workflow=current_workflow,
     )
 
 

@@ -151,6 +151,10 @@ class Engine:
             self._nodes[wf.id] = await self._read_node(wf.node_id)
         return self._nodes[wf.id]
 
+    async def node_info(self, node_id: str) -> NodeInfo | None:
+        """A node as steps see it (a command a step sends may be for another node)."""
+        return await self._read_node(node_id)
+
     async def _read_node(self, node_id: str | None) -> NodeInfo | None:
         if node_id is None:
             return None
@@ -158,7 +162,7 @@ class Engine:
         if row is None:
             return None
         node = store.node_row(row)
-        return NodeInfo(node.id, node.site_id, node.tenant_id, node.labels)
+        return NodeInfo(node.id, node.site_id, node.tenant_id, node.labels, node.macs, node.bmc, node.state)
 
     async def waiting(self, wf: WorkflowRow, step: StepRow, what: dict[str, Any] | None) -> None:
         """Show what the step waits for (``waitingFor`` in workflows.get), if that changed."""

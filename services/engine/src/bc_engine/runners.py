@@ -24,6 +24,8 @@ from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 
 from . import store
 from .context import EngineSql, RunContext, StepCommands, StepWorkflows
+from .metal_lifecycle import record_command_result
+from .relay import relay_bmc
 from .store import StepRow, WorkflowRow
 
 if TYPE_CHECKING:
@@ -194,11 +196,15 @@ async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadlin
     if node is None:
         return Fail(BcError(ErrorCode.NOT_FOUND, f"node {wf.node_id} is gone", {"path": "nodeId"}))
     kind = engine.app.command_kinds.get(step.command) if step.command else None
+    try:
+        payload = relay_bmc(engine.app, step.command or "", _input(step), node.id, node.bmc)
+    except BcError as err:
+        return Fail(err)
     cmd = EnqueueCommand(
         node_id=node.id,
         site_id=node.site_id,
         kind=step.command or "",
-        payload=_input(step),
+        payload=payload,
         key=step_command_key(step),
         target="node" if step.runs_on == "node" else "site",
         workflow_id=wf.id,
@@ -228,7 +234,9 @@ async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadlin
         # so a waiting workflow costs no pass of its own until its deadline.
         return Wait(deadline)
     if view.state == "succeeded":
-        return Ok({"commandId": view.id, "result": _agent_result(view.result), "attested": view.attested})
+        result = _agent_result(view.result)
+        await record_command_result(engine, node.id, view.kind, payload, result)
+        return Ok({"commandId": view.id, "result": result, "attested": view.attested})
     return Fail(
         BcError(
             ErrorCode.DRIVER_ERROR,

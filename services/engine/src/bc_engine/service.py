@@ -25,6 +25,8 @@ from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent,
 from . import queue, store
 from .api import EngineApi
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
+from .images_api import image_signers, write_image_signers
+from .metal_lifecycle import HOST_KEY_PREFIX, HOST_OWNER, METAL_OWNER, converge_host, reconcile_metal
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -70,6 +72,7 @@ class EngineService(Service):
         assert self.api is not None
         assert self.nc is not None
         self.app = with_user_data_settings(load_app(self.settings.app), self.settings.userdata)
+        await write_image_signers(self.db, image_signers(self.settings.images))
         self.leases = ShardLeases(
             self.db,
             self.instance,
@@ -85,10 +88,12 @@ class EngineService(Service):
             instance=self.leases.owner,  # settles are fenced on this life's leases
             log=self.log,
             publish=self.publish_event,
-            owners=_owner_reconcilers(self.app),
+            owners={METAL_OWNER: reconcile_metal, HOST_OWNER: converge_host, **_owner_reconcilers(self.app)},
         )
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
-        self.engine_api = EngineApi(app=self.app, db=self.db, wake=self.wake, publish=self.publish_event)
+        self.engine_api = EngineApi(
+            app=self.app, db=self.db, wake=self.wake, publish=self.publish_event, quorum=self.engine.quorum
+        )
         self.engine.start_in = self.engine_api.start_in
         self.engine.wake = self.wake
         self._poll_soon = asyncio.Event()
@@ -135,6 +140,9 @@ class EngineService(Service):
                     task.add_done_callback(self._inflight.discard)
                 elif self._owns_key(rkey):
                     self.scheduler.now(rkey)
+            case CommandEvent(workflow_id=None, key=key, node_id=node_id) if key.startswith(HOST_KEY_PREFIX):
+                # a host section's converge: its node's key
+                await self.wake(queue.owner_key(HOST_OWNER, node_id))
             case _:
                 return  # not a command of a workflow, or not an event
 
@@ -163,8 +171,11 @@ class EngineService(Service):
                 for r in rows:
                     self.scheduler.at(r["rkey"], float(r["at"]), from_poll=True)
             self._poll_soon.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that lands in
+            # the turn the event is set (shards gained), and the engine then never stopped.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poll_soon.wait(), timeout=POLL_EVERY)
+                async with asyncio.timeout(POLL_EVERY):
+                    await self._poll_soon.wait()
 
     async def _command_watch(self) -> None:
         """The safety net for lost command events: every AGENT_POLL_S, one look at the state of

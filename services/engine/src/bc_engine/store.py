@@ -69,6 +69,9 @@ class NodeRow(msgspec.Struct, kw_only=True):
     tenant_id: str
     site_id: str
     labels: dict[str, str]
+    macs: list[str] = []
+    bmc: dict[str, Any] | None = None
+    state: str = "enrolled"
 
 
 def workflow_row(record: Any) -> WorkflowRow:
@@ -82,7 +85,12 @@ def step_row(record: Any) -> StepRow:
 
 
 def node_row(record: Any) -> NodeRow:
-    return msgspec.convert(dict(record), NodeRow)
+    """A fetched ``nodes`` row; JSON columns may come as text."""
+    raw = dict(record)
+    for key in ("labels", "bmc"):
+        if isinstance(raw.get(key), str):
+            raw[key] = msgspec.json.decode(raw[key])
+    return msgspec.convert(raw, NodeRow)
 
 
 # -- the reconciler pass (engine.py) --------------------------------------------------------
@@ -94,6 +102,7 @@ PASS_WORKFLOWS = (
 )
 WORKFLOW = "SELECT * FROM workflows WHERE id = $1"
 SET_BATCH = "UPDATE workflows SET batch_id = $2, updated_at = now() WHERE id = $1 AND batch_id IS NULL"
+SET_BATCH_RETURNING = "UPDATE workflows SET batch_id = $2 WHERE id = $1 RETURNING *"
 # $1-$3: shard, owner, epoch.
 HOLDS_SHARD = (
     "SELECT EXISTS (SELECT 1 FROM shard_leases WHERE shard = $1 AND owner = $2 AND epoch = $3"
@@ -204,11 +213,6 @@ CLEANED_UP = "UPDATE workflows SET cancel_commands = false WHERE id = $1"
 STORED_PROFILE = "SELECT document FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
 NODE = "SELECT * FROM nodes WHERE id = $1"
 NODE_SITE = "SELECT site_id FROM nodes WHERE id = $1"
-# ctx.from_step: later steps read earlier results from the store, never from memory.
-LATEST_RESULT = (
-    "SELECT result FROM workflow_steps WHERE workflow_id = $1 AND action = $2"
-    " AND state = 'succeeded' ORDER BY idx DESC LIMIT 1"
-)
 
 # -- the service (service.py) ----------------------------------------------------------------
 
@@ -278,9 +282,11 @@ LEAVE = "DELETE FROM members WHERE instance = $1"
 # -- nodes and workflows (api.py) --------------------------------------------------------------
 
 CREATE_NODE = (
-    "INSERT INTO nodes (id, tenant_id, site_id, labels) VALUES ($1, $2, $3, $4)"
+    "INSERT INTO nodes (id, tenant_id, site_id, labels, macs, bmc) VALUES ($1, $2, $3, $4, $5, $6)"
     " ON CONFLICT (id) DO NOTHING RETURNING *"
 )
+# A MAC belongs to one node: the node other than $2 that has one of $1.
+MAC_TAKEN = "SELECT id, macs FROM nodes WHERE macs && $1::text[] AND id IS DISTINCT FROM $2 LIMIT 1"
 # By id, optionally of one site or tenant. $3 the last id of the page before.
 LIST_NODES = (
     "SELECT * FROM nodes WHERE ($1::text IS NULL OR site_id = $1)"
@@ -288,9 +294,10 @@ LIST_NODES = (
     " ORDER BY id LIMIT $4"
 )
 LOCK_NODE = "SELECT id FROM nodes WHERE id = $1 FOR UPDATE"
-# nodes.update / nodes.label: $2 site (NULL keeps it), $3 labels (NULL keeps them).
+# nodes.update / nodes.label: $2 site, $3 labels, $4 MACs, $5 BMC (NULL keeps each).
 UPDATE_NODE = (
     "UPDATE nodes SET site_id = coalesce($2, site_id), labels = coalesce($3::jsonb, labels),"
+    " macs = coalesce($4::text[], macs), bmc = coalesce($5::jsonb, bmc),"
     " updated_at = now() WHERE id = $1 RETURNING *"
 )
 NODE_FOR_UPDATE = "SELECT * FROM nodes WHERE id = $1 FOR UPDATE"

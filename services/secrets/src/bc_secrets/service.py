@@ -94,7 +94,14 @@ class SecretsService(Service):
         assert self.db is not None
         body = req.decode(PutSecretRequest)
         register_secret(body.value)
-        workflow_id = parse_id(body.workflow_id, "wf", path="workflowId")
+        if (body.workflow_id is None) == (body.node_id is None):
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                "a secret belongs to a workflow step (workflowId) or to a node (nodeId), one of them",
+                {"path": "workflowId"},
+            )
+        workflow_id = parse_id(body.workflow_id, "wf", path="workflowId") if body.workflow_id else None
+        node_id = parse_id(body.node_id, "node", path="nodeId") if body.node_id else None
         ref = new_id("sec")
         ring = self._ring
         row = await self.db.fetchrow(
@@ -108,6 +115,7 @@ class SecretsService(Service):
             len(body.value),
             ring.current_key_id,
             ring.seal(body.value, aad=ref.encode()),
+            node_id,
         )
         again = row is None
         if again:
@@ -115,8 +123,8 @@ class SecretsService(Service):
             row = await self.db.fetchrow(store.SECRET_SELECT_BY_IDEMPOTENCY_KEY, body.idempotency_key)
             if row is None:
                 raise BcError(ErrorCode.CONFLICT, "secret ref collision; put again")
-            first = (row["tenant_id"], row["workflow_id"], row["step"])
-            if first != (body.tenant_id, workflow_id, body.step):
+            first = (row["tenant_id"], row["workflow_id"], row["step"], row["node_id"])
+            if first != (body.tenant_id, workflow_id, body.step, node_id):
                 raise BcError(
                     ErrorCode.CONFLICT,
                     "idempotency key already used for another workflow step's secret",
@@ -310,7 +318,9 @@ class SecretsService(Service):
             answer = await CommandQueueClient(self.api, timeout=5.0).live_with_ref(
                 agent_id=verified.agent_id,
                 ref=ref,
-                key_prefix=f"wf:{row['workflow_id']}:{row['step']}",
+                # a node's standing secret: any workflow's live command for that node
+                key_prefix=f"wf:{row['workflow_id']}:{row['step']}" if row["workflow_id"] else "wf",
+                node_id=row["node_id"],
             )
         except BcError:
             # Fail closed: without the command queue's word, nobody reads the value.

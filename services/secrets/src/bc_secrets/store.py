@@ -25,11 +25,11 @@ __all__ = [
 ]
 
 SECRET_COLUMNS: Final = (
-    "ref, tenant_id, workflow_id, step, idempotency_key, label, size, key_id, created_at, revoked_at"
+    "ref, tenant_id, workflow_id, step, idempotency_key, label, size, key_id, created_at, revoked_at, node_id"
 )
 SECRET_INSERT: Final = (
     "INSERT INTO secrets (ref, tenant_id, workflow_id, step, idempotency_key, label, size,"
-    " key_id, sealed) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+    " key_id, sealed, node_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
     f" ON CONFLICT DO NOTHING RETURNING {SECRET_COLUMNS}"
 )
 SECRET_SELECT_BY_IDEMPOTENCY_KEY: Final = f"SELECT {SECRET_COLUMNS} FROM secrets WHERE idempotency_key = $1"
@@ -94,6 +94,7 @@ def secret_info(row: Any) -> SecretInfo:
         label=row["label"],
         idempotency_key=row["idempotency_key"],
         revoked_at=row["revoked_at"],
+        node_id=row["node_id"],
     )
 
 

@@ -237,7 +237,8 @@ async def profiles_render(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: Any, common: argparse.ArgumentParser) -> Any:
+    """The engine's command groups; returns ``bcx nodes``'s subcommands (metal adds to them)."""
     tenant = argparse.ArgumentParser(add_help=False)
     tenant.add_argument("--tenant", default="root", help="tenant (default root)")
 
@@ -304,3 +305,4 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         p.add_argument("--id")
         p.add_argument("--version", type=int)
         p.set_defaults(func=fn)
+    return nodes

@@ -119,8 +119,10 @@ class CommandQueueClient(ServiceClient):
         """``id -> state`` of the commands that exist (at most ``MAX_STATE_QUERY`` ids)."""
         return (await self._call("commands.states", CommandStates(ids=ids), CommandStatesReply)).states
 
-    async def live_with_ref(self, *, agent_id: str, ref: str, key_prefix: str) -> LiveWithRefReply:
-        req = LiveWithRef(agent_id=agent_id, ref=ref, key_prefix=key_prefix)
+    async def live_with_ref(
+        self, *, agent_id: str, ref: str, key_prefix: str, node_id: str | None = None
+    ) -> LiveWithRefReply:
+        req = LiveWithRef(agent_id=agent_id, ref=ref, key_prefix=key_prefix, node_id=node_id)
         return await self._call("commands.live_with_ref", req, LiveWithRefReply)
 
     async def agents(
@@ -161,6 +163,7 @@ class CommandQueueClient(ServiceClient):
         tenant_id: str = "root",
         ttl_seconds: int = 24 * 3600,
         workflow_id: str | None = None,
+        workflow_ids: list[str] | None = None,
         note: str | None = None,
         idempotency_key: str | None = None,
     ) -> BatchView:
@@ -170,6 +173,7 @@ class CommandQueueClient(ServiceClient):
             nodes=nodes,
             ttl_seconds=ttl_seconds,
             workflow_id=workflow_id,
+            workflow_ids=list(workflow_ids or []),
             note=note,
             idempotency_key=idempotency_key,
         )

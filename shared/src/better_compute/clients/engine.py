@@ -1,7 +1,8 @@
-"""The client of bc-engine: nodes, steps, profiles and workflows.
+"""The client of bc-engine: nodes, steps, profiles, workflows, metal's verbs and images.
 
-The routes and their Structs are ``better_compute.wire.engine``; every method takes keyword
-arguments only and returns the reply as a Struct.
+The routes and their Structs are ``better_compute.wire.engine`` (metal's in ``wire.metal``, the
+image catalog's in ``wire.images``); every method takes keyword arguments only and returns the
+reply as a Struct.
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ from ..wire.engine import (
     WorkflowVerb,
     WorkflowView,
 )
+from ..wire.images import (
+    DeleteImage,
+    GetImage,
+    ImageDeleted,
+    ImageFormat,
+    ImageList,
+    ImageView,
+    ListImages,
+    RegisterImage,
+)
+from ..wire.metal import BulkRun, BulkVerb, EnrollNode, MetalVerb, NodeBmc, VerbName, VerbRun
 from ..wire.paging import DEFAULT_LIMIT
 from ._base import ServiceClient
 
@@ -64,8 +76,17 @@ class EngineClient(ServiceClient):
         id: str | None = None,
         tenant_id: str = "root",
         labels: Mapping[str, str] | None = None,
+        macs: list[str] | None = None,
+        bmc: NodeBmc | None = None,
     ) -> NodeView:
-        req = CreateNode(site_id=site_id, id=id, tenant_id=tenant_id, labels=dict(labels or {}))
+        req = CreateNode(
+            site_id=site_id,
+            id=id,
+            tenant_id=tenant_id,
+            labels=dict(labels or {}),
+            macs=list(macs or []),
+            bmc=bmc,
+        )
         return await self._call("nodes.create", req, NodeView)
 
     async def get_node(self, *, id: str) -> NodeView:
@@ -84,10 +105,22 @@ class EngineClient(ServiceClient):
         return await self._call("nodes.list", req, NodeList)
 
     async def update_node(
-        self, *, id: str, site_id: str | None = None, labels: Mapping[str, str] | None = None
+        self,
+        *,
+        id: str,
+        site_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        macs: list[str] | None = None,
+        bmc: NodeBmc | None = None,
     ) -> NodeView:
-        """Replace the node's site and/or all its labels (unset: unchanged)."""
-        req = UpdateNode(id=id, site_id=site_id, labels=dict(labels) if labels is not None else None)
+        """Replace the node's site, all its labels, its MACs and/or its BMC (unset: unchanged)."""
+        req = UpdateNode(
+            id=id,
+            site_id=site_id,
+            labels=dict(labels) if labels is not None else None,
+            macs=list(macs) if macs is not None else None,
+            bmc=bmc,
+        )
         return await self._call("nodes.update", req, NodeView)
 
     async def label_node(
@@ -227,6 +260,106 @@ class EngineClient(ServiceClient):
     async def resume_workflow(self, *, id: str, reason: str | None = None) -> WorkflowView:
         """An aborted workflow carries on from the step the abort cancelled."""
         return await self._call("workflows.resume", WorkflowVerb(id=id, reason=reason), WorkflowView)
+
+    # -- metal ----------------------------------------------------------------------
+
+    async def enroll_node(
+        self,
+        *,
+        site_id: str,
+        id: str | None = None,
+        tenant_id: str = "root",
+        labels: Mapping[str, str] | None = None,
+        macs: list[str] | None = None,
+        bmc: NodeBmc | None = None,
+    ) -> NodeView:
+        """A node in ``enrolled``: new, or the ``discovered`` node ``id`` given its BMC and MACs.
+        The BMC names its credential by reference (``credentials_ref``) only."""
+        req = EnrollNode(
+            site_id=site_id,
+            id=id,
+            tenant_id=tenant_id,
+            labels=dict(labels or {}),
+            macs=list(macs or []),
+            bmc=bmc,
+        )
+        return await self._call("metal.enroll", req, NodeView)
+
+    async def run_verb(
+        self,
+        verb: VerbName,
+        *,
+        node_id: str,
+        tenant_id: str | None = None,
+        image: str | None = None,
+        profile: str | None = None,
+    ) -> VerbRun:
+        """``metal.<verb>`` of one node: its workflow, and the batch its commands wait for."""
+        req = MetalVerb(node_id=node_id, tenant_id=tenant_id, image=image, profile=profile)
+        return await self._call(f"metal.{verb}", req, VerbRun)
+
+    async def bulk(
+        self,
+        verb: VerbName,
+        *,
+        node_ids: list[str] | None = None,
+        selector: Mapping[str, str] | None = None,
+        tenant_id: str | None = None,
+        image: str | None = None,
+        profile: str | None = None,
+    ) -> BulkRun:
+        """One verb over many nodes (``node_ids`` or a ``selector``), under one batch."""
+        req = BulkVerb(
+            verb=verb,
+            node_ids=list(node_ids) if node_ids is not None else None,
+            selector=dict(selector) if selector is not None else None,
+            tenant_id=tenant_id,
+            image=image,
+            profile=profile,
+        )
+        return await self._call("metal.bulk", req, BulkRun)
+
+    # -- images ---------------------------------------------------------------------
+
+    async def register_image(
+        self,
+        *,
+        name: str,
+        version: str,
+        url: str,
+        sha256: str,
+        signature: bytes,
+        signer: str | None = None,
+        format: ImageFormat = "raw",
+        size: int | None = None,
+        public: bool = False,
+        tenant_id: str = "root",
+    ) -> ImageView:
+        """Add ``name@version`` to the catalog (the same image again is a no-op)."""
+        req = RegisterImage(
+            tenant_id=tenant_id, name=name, version=version, url=url, sha256=sha256, format=format,
+            size=size, signer=signer, signature=signature, public=public,
+        )  # fmt: skip
+        return await self._call("images.register", req, ImageView)
+
+    async def get_image(self, *, ref: str, tenant_id: str = "root") -> ImageView:
+        """``name@version`` as the tenant resolves it, with its ``signer_status``."""
+        return await self._call("images.get", GetImage(tenant_id=tenant_id, ref=ref), ImageView)
+
+    async def list_images(
+        self,
+        *,
+        name: str | None = None,
+        tenant_id: str = "root",
+        limit: int = DEFAULT_LIMIT,
+        cursor: str | None = None,
+    ) -> ImageList:
+        """One page of the tenant's own and public images, by name and version."""
+        req = ListImages(tenant_id=tenant_id, name=name, limit=limit, cursor=cursor)
+        return await self._call("images.list", req, ImageList)
+
+    async def delete_image(self, *, ref: str, tenant_id: str = "root") -> ImageDeleted:
+        return await self._call("images.delete", DeleteImage(tenant_id=tenant_id, ref=ref), ImageDeleted)
 
 
 def _ref(

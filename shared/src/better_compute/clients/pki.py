@@ -306,3 +306,7 @@ class StepPki:
             node_id=self.node_id if role in ("node", "provisioned") else None,
             mint_secret=self._mint_secret,
         )
+
+    async def certificates(self, *, agent_id: str) -> list[CertificateInfo]:
+        """The agent's valid certificates, newest first (``wait.agentJoined`` reads them)."""
+        return await self.client.list_certificates(agent_id=agent_id)

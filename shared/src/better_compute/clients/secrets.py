@@ -97,6 +97,15 @@ class SecretsClient(ServiceClient):
         )
         return await self._call("secrets.put", req, SecretInfo)
 
+    async def put_for_node(
+        self, value: bytes, *, tenant_id: str, node_id: str, label: str | None = None
+    ) -> SecretInfo:
+        """Store a node's standing secret (its BMC credential): an agent reads it only while a
+        live command of some workflow for that node carries the reference."""
+        register_secret(value)
+        req = PutSecretRequest(tenant_id=tenant_id, node_id=node_id, value=value, label=label)
+        return await self._call("secrets.put", req, SecretInfo)
+
     async def get(self, ref: str) -> bytes:
         """The value behind ``ref``: control plane only."""
         got = await self._call("secrets.get", RefRequest(ref=ref), SecretValue)

@@ -309,9 +309,10 @@ class ObjectField(Field):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MapField(Field):
-    """An object with free string keys whose values all fit ``value``."""
+    """An object with free string keys whose values all fit ``value`` (and keys ``keys``)."""
 
     value: Field
+    keys: StringField | None = None
 
     def _check(self, value: object, path: str) -> Any:
         if not isinstance(value, Mapping):
@@ -320,11 +321,16 @@ class MapField(Field):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise _invalid(path, f"keys must be strings, got {_type_name(key)}")
+            if self.keys is not None:
+                self.keys._check(key, join_path(path, key))
             out[key] = self.value._check(item, join_path(path, key))
         return out
 
     def _schema(self) -> dict[str, Any]:
-        return {"type": "object", "additionalProperties": self.value.json_schema()}
+        schema = {"type": "object", "additionalProperties": self.value.json_schema()}
+        if self.keys is not None:
+            schema["propertyNames"] = self.keys._schema()
+        return schema
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -541,11 +547,14 @@ def _object(fields: Manifest | Mapping[str, Field], /) -> ObjectField:
     return ObjectField(manifest=nested)
 
 
-def _map(value: Field, /) -> MapField:
-    """An object with free string keys whose values fit ``value``."""
+def _map(value: Field, /, *, keys: StringField | None = None) -> MapField:
+    """An object with free string keys whose values fit ``value``; ``keys``, a
+    ``field.string(...)``, checks each key (at the key's path)."""
     if not isinstance(value, Field):
         raise _bad_config("value", "expected a field.* value")
-    return MapField(value=value)
+    if keys is not None and not isinstance(keys, StringField):
+        raise _bad_config("keys", "expected a field.string(...)")
+    return MapField(value=value, keys=keys)
 
 
 def _duration() -> DurationField:

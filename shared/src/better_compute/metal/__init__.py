@@ -6,5 +6,6 @@ deployment is the layer above metal.
 
 from .commands import COMMAND_KINDS
 from .module import MetalModule, metal
+from .steps import Ramdisk, http_via_site
 
-__all__ = ["COMMAND_KINDS", "MetalModule", "metal"]
+__all__ = ["COMMAND_KINDS", "MetalModule", "Ramdisk", "http_via_site", "metal"]

@@ -2,8 +2,9 @@
 hands them to the engine."""
 
 from .commands import CommandQueueAccess, CommandResult, await_command, site_agent_for
-from .config_units import BUILTIN_CONFIG_UNITS, ConfigUnit, resolve_host_config
+from .config_units import BUILTIN_CONFIG_UNITS, ConfigUnit, resolve_host_config, resolve_host_section
 from .context import Log, Pki, Secrets, Sql, StepContext, StepNode, Workflows, step_command_key
+from .labels import LabelExpression, parse_label_expression
 from .module import ImageVerifier, ProvisionModule, provision_module
 from .profiles import (
     Profile,
@@ -13,6 +14,7 @@ from .profiles import (
 )
 from .steps import Step, define_step
 from .templates import TEMPLATE_VARIABLES, UserData, render_template, template_variables
+from .userdata import ProvisionedTarget, provisioned_target_resolver
 from .waiting import StepNotReady, step_not_ready
 
 __all__ = [
@@ -22,11 +24,13 @@ __all__ = [
     "CommandResult",
     "ConfigUnit",
     "ImageVerifier",
+    "LabelExpression",
     "Log",
     "Pki",
     "Profile",
     "ProfileStep",
     "ProvisionModule",
+    "ProvisionedTarget",
     "Secrets",
     "Sql",
     "Step",
@@ -38,10 +42,13 @@ __all__ = [
     "await_command",
     "define_profile",
     "define_step",
+    "parse_label_expression",
     "profile_from_document",
     "provision_module",
+    "provisioned_target_resolver",
     "render_template",
     "resolve_host_config",
+    "resolve_host_section",
     "site_agent_for",
     "step_command_key",
     "step_not_ready",

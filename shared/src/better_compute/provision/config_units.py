@@ -1,8 +1,11 @@
 """Config units: the named pieces of a node's host section, and the built-in ones.
 
 A profile's ``hostConfig`` lists units by name with settings; when its workflow succeeds they
-become the node's host section, which bcd's host converger applies. A unit definition here is
-data for the control plane only: bcd applies the units it was built with.
+become the node's host section (``resolve_host_section``), which bcd's host converger applies. A
+unit definition here is data for the control plane only: bcd applies the units it was built
+with. The built-ins' settings are what bcd's converger (``bcd/converger.py``) applies, and they
+refuse what it would refuse (a sysctl key or a value with a line break), so a bad setting is
+``INVALID_INPUT`` when the section resolves, not a failed unit on the machine later.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from better_compute.core.manifest import Manifest, field, manifest
 from better_compute.core.plugins import as_tuple
 
 from ._names import UNIT_NAME_PATTERN, matches
+from .labels import parse_label_expression
 from .profiles import HostConfig, HostUnit
 
 __all__ = [
@@ -25,6 +29,7 @@ __all__ = [
     "ConfigUnit",
     "merge_config_units",
     "resolve_host_config",
+    "resolve_host_section",
 ]
 
 
@@ -59,11 +64,23 @@ class ConfigUnit:
             raise _bad("description", "description must be a string")
         if not isinstance(self.settings, Manifest):
             raise _bad("settings", "settings must be a manifest")
-        if self.when is not None and (not isinstance(self.when, str) or not self.when.strip()):
-            raise _bad("when", "when is a non-empty label expression")
+        if self.when is not None:
+            parse_label_expression(self.when, path="when", code=ErrorCode.INVALID_CONFIG)
 
 
 _MODULE_NAME = field.string(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+# One line of a file bcd writes (sysctl.d, modprobe.d, kubelet arguments): no line break, no NUL.
+_LINE = field.string(pattern=r"^[^\n\r\x00]*$", max_length=1024)
+_SYSCTL_KEY = field.string(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]{0,255}$")
+# Kubernetes: an optional DNS prefix and a name; a value; a taint key[=value]:Effect.
+_K8S_LABEL_KEY = field.string(
+    pattern=r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_K8S_LABEL_VALUE = field.string(pattern=r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+_K8S_TAINT = field.string(
+    pattern=r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,62}(=[-A-Za-z0-9_.]{0,63})?"
+    r":(NoSchedule|PreferNoSchedule|NoExecute)$"
+)
 
 _BUILTINS: Final = (
     ConfigUnit(
@@ -73,14 +90,14 @@ _BUILTINS: Final = (
             {
                 "load": field.list(_MODULE_NAME).default([]),
                 "blacklist": field.list(_MODULE_NAME).default([]),
-                "options": field.map(field.string(max_length=1024)).default({}),
+                "options": field.map(_LINE, keys=_MODULE_NAME).default({}),
             }
         ),
     ),
     ConfigUnit(
         name="sysctl",
         description="Sets kernel parameters",
-        settings=manifest({"values": field.map(field.string(max_length=1024))}),
+        settings=manifest({"values": field.map(_LINE, keys=_SYSCTL_KEY)}),
     ),
     ConfigUnit(
         name="hugepages",
@@ -88,7 +105,7 @@ _BUILTINS: Final = (
         settings=manifest(
             {
                 "size": field.enum(["2M", "1G"]).default("2M"),
-                "count": field.int(min=0),
+                "count": field.int(min=0, max=1_048_576),
             }
         ),
     ),
@@ -146,8 +163,8 @@ _BUILTINS: Final = (
                 "tokenRef": field.secret_ref(),
                 "caCertHash": field.string(pattern=r"^sha256:[0-9a-f]{64}$"),
                 "role": field.enum(["worker", "control-plane"]).default("worker"),
-                "labels": field.map(field.string(max_length=63)).default({}),
-                "taints": field.list(field.string(max_length=316)).default([]),
+                "labels": field.map(_K8S_LABEL_VALUE, keys=_K8S_LABEL_KEY).default({}),
+                "taints": field.list(_K8S_TAINT).default([]),
             }
         ),
     ),
@@ -214,3 +231,51 @@ def resolve_host_config(
             )
         )
     return tuple(resolved)
+
+
+def resolve_host_section(
+    host_config: HostConfig | Sequence[HostUnit] | None,
+    labels: Mapping[str, str],
+    *,
+    units: Mapping[str, ConfigUnit] = BUILTIN_CONFIG_UNITS,
+) -> list[dict[str, Any]]:
+    """The host section of one node: the units whose ``when:`` holds for its ``labels``.
+
+    Every unit is checked, whatever the labels (a profile is refused the same for every node);
+    then each ``when:`` (the entry's, else the unit's default) is evaluated against ``labels``.
+
+    Args:
+        host_config: the profile's ``hostConfig`` (or its units); ``None`` is an empty section.
+        labels: the node's labels.
+        units: known units, usually ``ProvisionModule.config_units`` (built-ins with yours).
+
+    Returns:
+        ``[{name, settings}]`` in the profile's order, settings with defaults filled: what bcd's
+        converger takes.
+
+    Raises:
+        BcError: ``INVALID_INPUT`` at ``hostConfig.units[i].name`` for an unknown unit, at the
+            bad setting, at ``….when`` for a malformed expression, and at ``….name`` for a unit
+            that two entries turn on for this node.
+    """
+    if host_config is None:
+        return []
+    config = host_config if isinstance(host_config, HostConfig) else HostConfig(units=tuple(host_config))
+    resolved = resolve_host_config(config, units=units)
+    section: list[dict[str, Any]] = []
+    chosen: set[str] = set()
+    for index, unit in enumerate(resolved):
+        path = f"hostConfig.units[{index}]"
+        if unit.when is not None:
+            expression = parse_label_expression(unit.when, path=join_path(path, "when"))
+            if not expression.matches(labels):
+                continue
+        if unit.name in chosen:
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"unit {unit.name} is turned on twice for this node: make their when: exclusive",
+                {"path": join_path(path, "name")},
+            )
+        chosen.add(unit.name)
+        section.append({"name": unit.name, "settings": thaw_json(unit.settings)})
+    return section

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from better_compute.core.keys import attempt_key
 
 __all__ = [
+    "AgentCertificate",
     "JoinRole",
     "JoinToken",
     "Log",
@@ -51,6 +53,21 @@ class JoinToken(Protocol):
     def token(self) -> str: ...
 
 
+class AgentCertificate(Protocol):
+    """A certificate an agent got when it joined."""
+
+    @property
+    def cert_id(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def created_at(self) -> datetime:
+        """When the agent joined (the certificate was issued)."""
+        ...
+
+
 class Pki(Protocol):
     """The certificate authority, as a step sees it."""
 
@@ -65,6 +82,10 @@ class Pki(Protocol):
         expect: Mapping[str, str] | None = None,
     ) -> JoinToken:
         """Mint a join token; ``expect`` holds hardware claims (``mac``, ``productUuid``, …)."""
+        ...
+
+    async def certificates(self, *, agent_id: str) -> Sequence[AgentCertificate]:
+        """The agent's valid certificates, newest first; a node's agent id is the node id."""
         ...
 
 
@@ -118,6 +139,27 @@ class StepNode(Protocol):
 
     @property
     def tenant_id(self) -> str: ...
+
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+
+    @property
+    def macs(self) -> Sequence[str]:
+        """The node's MAC addresses (lower case, ``aa:bb:…``)."""
+        ...
+
+    @property
+    def bmc(self) -> Mapping[str, Any] | None:
+        """``{driver, address, credentialsRef, systemId?, insecure?}``, or None without a BMC.
+
+        ``credentialsRef`` is a SecretRef (``sec_…``); the password is never here.
+        """
+        ...
+
+    @property
+    def state(self) -> str:
+        """The lifecycle state (``enrolled``, ``deploying``, …; DESIGN section 10)."""
+        ...
 
 
 class StepCoordinates(Protocol):

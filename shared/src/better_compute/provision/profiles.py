@@ -44,6 +44,7 @@ from ._names import (
     USER_DATA_KIND_PATTERN,
     matches,
 )
+from .labels import parse_label_expression
 from .steps import PLACES, Place
 
 __all__ = [
@@ -395,8 +396,8 @@ def _host_config(value: object) -> HostConfig:
         if not isinstance(settings, Mapping):
             raise _bad(join_path(path, "settings"), "settings must be an object")
         when = unit.get("when")
-        if when is not None and (not isinstance(when, str) or not when.strip()):
-            raise _bad(join_path(path, "when"), "when is a non-empty label expression")
+        if when is not None:
+            parse_label_expression(when, path=join_path(path, "when"), code=ErrorCode.INVALID_CONFIG)
         frozen = freeze_json(settings, path=join_path(path, "settings"), code=ErrorCode.INVALID_CONFIG)
         units.append(HostUnit(name=name, settings=frozen, when=when))
     return HostConfig(units=tuple(units))

@@ -198,11 +198,14 @@ class LiveWithRef(_Msg, frozen=True, kw_only=True):
     is there a command delivered to ``agent_id`` and not finished (dispatched, acked or
     running, and before its ``notAfter``) whose key starts with ``key_prefix``
     (``wf:<workflow>:<step>``, followed by end, ``#`` or ``:``) and whose payload carries
-    ``ref``? A pending command (not yet delivered, or waiting for its quorum) opens nothing."""
+    ``ref``? A pending command (not yet delivered, or waiting for its quorum) opens nothing.
+    With ``node_id`` (a node's standing secret, such as its BMC credential) the command must
+    also be for that node; its ``key_prefix`` is then ``wf``: any workflow's command."""
 
     agent_id: str
     ref: str
     key_prefix: str
+    node_id: str | None = None
 
 
 class LiveWithRefReply(_Msg, frozen=True, kw_only=True):
@@ -352,6 +355,8 @@ class CreateBatch(_Req, frozen=True, kw_only=True):
     nodes: Annotated[list[NodeIdText], msgspec.Meta(min_length=1, max_length=10_000)]
     ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=30 * 24 * 3600)] = 24 * 3600
     workflow_id: str | None = None
+    workflow_ids: Annotated[list[str], msgspec.Meta(max_length=10_000)] = []
+    """A bulk verb's batch (``metal.bulk``): the workflows it admits, instead of ``workflow_id``."""
     note: Text | None = None
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     """The same key returns the first batch (``CONFLICT`` with another scope)."""
@@ -382,6 +387,8 @@ class BatchView(_Msg, frozen=True, kw_only=True):
     kinds: list[str]
     nodes: list[str]
     workflow_id: str | None = None
+    workflow_ids: list[str] = []
+    """A bulk verb's batch: the workflows it admits (signed, like ``workflow_id``)."""
     note: str | None = None
     state: BatchState
     threshold: int

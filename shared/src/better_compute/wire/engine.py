@@ -16,6 +16,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from ..core.names import Name
+from .metal import MAX_MACS, Mac, NodeBmc
 from .paging import DEFAULT_LIMIT, Cursor, Limit
 
 __all__ = [
@@ -30,12 +31,15 @@ __all__ = [
     "BatchCreated",
     "CreateNode",
     "CreateProfile",
+    "CurrentStep",
+    "CurrentWorkflow",
     "DeleteNode",
     "DeleteProfile",
     "DriverOperationInfo",
     "GetNode",
     "GetProfile",
     "GetWorkflow",
+    "InventorySummary",
     "LabelNode",
     "ListNodes",
     "ListProfiles",
@@ -101,6 +105,8 @@ class CreateNode(_Req, frozen=True, kw_only=True):
     tenant_id: Name = "root"
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     """Checked by ``check_labels``: key syntax, value size and count."""
+    macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] = msgspec.field(default_factory=list)
+    bmc: NodeBmc | None = None
 
 
 class GetNode(_Req, frozen=True, kw_only=True):
@@ -113,6 +119,8 @@ class UpdateNode(_Req, frozen=True, kw_only=True):
     id: str
     site_id: Name | None = None
     labels: dict[str, str] | None = None
+    macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] | None = None
+    bmc: NodeBmc | None = None
 
 
 class LabelNode(_Req, frozen=True, kw_only=True):
@@ -215,16 +223,63 @@ class _Reply(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pass
 
 
+class InventorySummary(_Reply, frozen=True, kw_only=True):
+    """What a table shows of a node's inventory: CPUs, memory, and how many disks, NICs, GPUs.
+    The first three are what the node's agent reported, unchecked (any JSON value)."""
+
+    cpu_model: Any = None
+    cores: Any = None
+    memory_bytes: Any = None
+    disks: int | None = None
+    nics: int | None = None
+    gpus: int | None = None
+
+
+class CurrentStep(_Reply, frozen=True, kw_only=True):
+    index: int
+    action: str
+
+
+class CurrentWorkflow(_Reply, frozen=True, kw_only=True):
+    """``nodes.get``: the workflow moving the node now, its step and what that waits for."""
+
+    id: str
+    state: str
+    profile_id: str
+    batch_id: str | None
+    step: CurrentStep | None
+    waiting_for: Any
+
+
 class NodeView(_Reply, frozen=True, kw_only=True):
-    """``nodes.create``, ``nodes.get``, ``nodes.update``, ``nodes.label``."""
+    """``nodes.create``, ``nodes.get``, ``nodes.update``, ``nodes.label``, ``metal.enroll``.
+
+    Metal's part: ``state`` is the lifecycle state (``docs/metal.md``), ``stateReason`` why it
+    failed, ``workflowId`` the metal workflow moving it, ``bmc`` names its credential by
+    reference only. ``nodes.get`` adds ``inventory``, ``hostSection`` and ``currentWorkflow``
+    (absent elsewhere).
+    """
 
     id: str
     tenant_id: str
     site_id: str
     labels: dict[str, str]
+    macs: list[str] = msgspec.field(default_factory=list)
+    bmc: dict[str, Any] | None = None
+    state: str = "enrolled"
+    state_reason: Any = None
+    workflow_id: str | None = None
+    power_state: str | None = None
+    image: str | None = None
+    last_error: Any = None
     generation: int
     observed_generation: int
+    inventory_summary: InventorySummary | None = None
     created_at: str | None
+    updated_at: str | None = None
+    inventory: Any | msgspec.UnsetType = msgspec.UNSET
+    host_section: Any | msgspec.UnsetType = msgspec.UNSET
+    current_workflow: CurrentWorkflow | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class NodeList(_Reply, frozen=True, kw_only=True):

@@ -64,10 +64,13 @@ Label = Annotated[str, msgspec.Meta(max_length=200)]
 
 class PutSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     tenant_id: Name
-    workflow_id: str
-    step: Annotated[int, msgspec.Meta(ge=0, le=511)]
+    workflow_id: str | None = None
+    step: Annotated[int, msgspec.Meta(ge=0, le=511)] = 0
     """Index of the creating step in its workflow: agents read the value only while a live
     command keyed ``wf:<workflowId>:<step>…`` carries the reference."""
+    node_id: str | None = None
+    """Instead of a workflow step: a node's standing secret (its BMC credential), read only while
+    a live command of any workflow for that node carries the reference."""
     value: Annotated[bytes, msgspec.Meta(max_length=MAX_SECRET_BYTES)]
     idempotency_key: IdempotencyKey | None = None
     label: Label | None = None
@@ -118,7 +121,7 @@ class SecretInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
     ref: str
     tenant_id: str
-    workflow_id: str
+    workflow_id: str | None
     step: int
     size: int
     key_id: str
@@ -127,6 +130,8 @@ class SecretInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     idempotency_key: str | None = None
     revoked_at: datetime | None = None
     """Set once the step attempt that stored it was superseded: nobody reads it any more."""
+    node_id: str | None = None
+    """A node's standing secret (no workflow): its BMC credential."""
 
 
 class SecretList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -7,6 +7,7 @@ CREATE TABLE batches (
     kinds           text[] NOT NULL,
     nodes           text[] NOT NULL,
     workflow_id     text,
+    workflow_ids    text[] NOT NULL DEFAULT '{}', -- a bulk verb's batch: the workflows it admits
     note            text,
     idempotency_key text UNIQUE,
     -- the canonical document approvers sign (see cmdq_client.batch_document)

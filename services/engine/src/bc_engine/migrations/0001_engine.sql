@@ -7,6 +7,20 @@ CREATE TABLE nodes (
     site_id             text NOT NULL,
     labels              jsonb NOT NULL DEFAULT '{}',
     spec                jsonb NOT NULL DEFAULT '{}',
+    -- Metal (DESIGN section 10). The BMC is {driver, address, credentialsRef (a sec_… SecretRef),
+    -- systemId?, insecure?}: the password itself never enters the engine's tables.
+    macs                text[] NOT NULL DEFAULT '{}',
+    bmc                 jsonb,
+    state               text NOT NULL DEFAULT 'enrolled' CHECK (state IN (
+        'discovered', 'enrolled', 'inspecting', 'inspected', 'commissioning', 'ready', 'deploying',
+        'deployed', 'releasing', 'retiring', 'retired', 'adopting', 'failed')),
+    state_reason        jsonb,               -- failed: {workflowId, step, code, message}
+    workflow_id         text,                -- the lifecycle workflow moving the node now
+    host_section        jsonb,               -- the NodeSpec bcd converges to (generation)
+    inventory           jsonb,               -- the latest inventory
+    power_state         text,                -- the observed power state
+    last_error          jsonb,
+    image               text,                -- name@version deployed (or being deployed)
     generation          bigint NOT NULL DEFAULT 1,
     observed_generation bigint NOT NULL DEFAULT 0,
     created_at          timestamptz NOT NULL DEFAULT now(),
@@ -14,6 +28,8 @@ CREATE TABLE nodes (
 );
 -- nodes.list of one site, by id.
 CREATE INDEX nodes_site ON nodes (site_id, id);
+-- A MAC belongs to one node: discovery and enrolment find the node by it.
+CREATE INDEX nodes_macs ON nodes USING gin (macs);
 
 -- Stored profiles of tenants. Shipped profiles live in code (tenant 'builtin'), never here.
 CREATE TABLE profiles (
@@ -121,3 +137,37 @@ CREATE TABLE members (
     instance   text PRIMARY KEY,
     expires_at timestamptz NOT NULL
 );
+
+-- == Images (metal's catalog; bc_engine/images_api.py, better_compute/metal/images.py) ==========
+-- Signers allowed to sign images: [images] signers of bc.toml, written here by every engine at
+-- start, so a step resolving an image (resolve_image_ref) sees the allowlist in the database.
+-- A signer removed from the settings disappears here, and its images no longer resolve.
+CREATE TABLE image_signers (
+    id         text PRIMARY KEY,
+    algorithm  text NOT NULL CHECK (algorithm IN ('ed25519', 'ecdsa-p256-sha256')),
+    public_key bytea NOT NULL,            -- DER SubjectPublicKeyInfo
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- Images by name@version per tenant, registered by digest with the signature over it.
+-- signer is NULL when the app's image_verifier accepted the image instead of the allowlist.
+CREATE TABLE images (
+    tenant_id  text NOT NULL,
+    name       text NOT NULL,
+    version    text NOT NULL,
+    public     boolean NOT NULL DEFAULT false,
+    url        text NOT NULL,
+    sha256     text NOT NULL CHECK (sha256 ~ '^[0-9a-f]{64}$'),
+    format     text NOT NULL,
+    size       bigint CHECK (size IS NULL OR size >= 0),
+    signer     text,
+    signature  bytea NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, name, version)
+);
+CREATE INDEX images_public ON images (name, version) WHERE public;
+
+-- provisioned_target_resolver(): a provisioned join token back to the workflow (and node) whose
+-- userdata.render minted it.
+CREATE INDEX workflow_steps_join_token ON workflow_steps ((result->>'joinTokenId'))
+    WHERE action = 'userdata.render' AND state = 'succeeded';

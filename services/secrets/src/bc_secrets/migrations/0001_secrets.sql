@@ -3,8 +3,10 @@
 CREATE TABLE secrets (
     ref text PRIMARY KEY,
     tenant_id text NOT NULL,
-    workflow_id text NOT NULL,
+    workflow_id text,                     -- the workflow step that stored it, or …
     step int NOT NULL CHECK (step >= 0),
+    node_id text,                         -- … the node whose standing secret it is (its BMC credential)
+    CHECK ((workflow_id IS NULL) <> (node_id IS NULL)),
     idempotency_key text UNIQUE,
     label text,
     size int NOT NULL,

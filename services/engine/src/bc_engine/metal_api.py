@@ -1,0 +1,324 @@
+"""``bc.api.engine.metal.*``: enrolling nodes and the lifecycle verbs, one node or many.
+
+A verb checks the node's state (``INVALID_STATE`` with the reason otherwise), then starts the
+verb's profile as a workflow with ``owner='metal'`` and moves the node to the verb's ``…ing`` state
+in the same transaction. Metal, not the reconciler, makes the workflow's destructive batch from the
+profile's command kinds before it starts; ``metal.bulk`` makes one batch for all the workflows it
+starts, so approvers sign once for N machines. ``metal_lifecycle`` moves the node on when the
+workflow ends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from better_compute.app import App
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id, parse_id
+from better_compute.metal.lifecycle import DEFAULT_PROFILES, SELECTOR_SITE, TRANSITIONS, check_verb
+from better_compute.service import ApiRequest
+from better_compute.wire.engine import NodeView
+from better_compute.wire.metal import (
+    MAX_NODES_PER_BULK,
+    BulkRefusal,
+    BulkRun,
+    BulkVerb,
+    EnrollNode,
+    MetalVerb,
+    NodeBmc,
+    VerbProfile,
+    VerbRun,
+    VerbStarted,
+    find_inline_secret,
+    normal_mac,
+)
+
+from . import metal_store, store
+from .documents import check_labels, node_doc
+from .node_events import node_event
+from .quorum import BATCH_TTL_S
+from .resolve import resolve_profile
+
+__all__ = ["MetalApi", "bmc_json", "check_macs", "refuse_inline_secret", "verb_profiles"]
+
+
+def verb_profiles(app: App) -> dict[str, str]:
+    """Each verb's profile id: ``metal(profiles={…})`` over the shipped ``metal.<verb>``."""
+    for module in app.modules:
+        mapping = getattr(module, "verb_profiles", None)
+        if mapping is not None:
+            return {**DEFAULT_PROFILES, **mapping}
+    return dict(DEFAULT_PROFILES)
+
+
+def refuse_inline_secret(req: ApiRequest) -> None:
+    """A request carrying a credential inline (``bmc.password`` …) is ``INVALID_INPUT`` at its
+    path, before it is decoded, stored or logged. Labels are free text and not looked into."""
+    try:
+        raw = msgspec.json.decode(req.data)
+    except msgspec.DecodeError:
+        return  # decode reports it, with its path
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if k != "labels"}
+    found = find_inline_secret(raw)
+    if found is not None:
+        raise BcError(
+            ErrorCode.INVALID_INPUT,
+            "a credential is never given inline: store it with bc-secrets and give bmc.credentialsRef",
+            {"path": found, "reason": "inline-credential"},
+        )
+
+
+async def check_macs(conn: Any, macs: Sequence[str], node_id: str | None) -> list[str]:
+    """The MACs normalised (``aa:bb:…``); ``CONFLICT`` when another node has one of them."""
+    normal = sorted({normal_mac(m) for m in macs})
+    if normal:
+        other = await conn.fetchrow(store.MAC_TAKEN, normal, node_id)
+        if other is not None:
+            taken = sorted(set(normal) & set(other["macs"]))
+            raise BcError(
+                ErrorCode.CONFLICT,
+                f"MAC {taken[0] if taken else normal[0]} belongs to node {other['id']}",
+                {"path": "macs", "nodeId": other["id"]},
+            )
+    return normal
+
+
+def bmc_json(bmc: NodeBmc | None) -> str | None:
+    return json.dumps(bmc.to_document()) if bmc is not None else None
+
+
+@dataclass
+class _Run:
+    """What a verb over some nodes did: started workflows, refused nodes, the batch."""
+
+    started: list[VerbStarted] = field(default_factory=list)
+    refused: list[tuple[str, BcError]] = field(default_factory=list)
+    batch_id: str | None = None
+
+
+class MetalApi:
+    def __init__(self, engine_api: Any, quorum: Any) -> None:
+        self.api = engine_api
+        self.quorum = quorum  # QuorumBatches: whether approvers are configured, the cmdq client
+        self.profiles_of = verb_profiles(engine_api.app)
+
+    def routes(self) -> dict[str, Callable[[ApiRequest], Awaitable[Any]]]:
+        routes: dict[str, Callable[[ApiRequest], Awaitable[Any]]] = {
+            "metal.enroll": self.enroll,
+            "metal.bulk": self.bulk,
+        }
+        for verb in TRANSITIONS:
+            routes[f"metal.{verb}"] = self._one(verb)
+        return routes
+
+    # -- enroll -----------------------------------------------------------------------
+
+    async def enroll(self, req: ApiRequest) -> NodeView:
+        """A node in ``enrolled``: new, or a ``discovered`` one given its BMC and MACs."""
+        refuse_inline_secret(req)
+        body = req.decode(EnrollNode)
+        check_labels(body.labels)
+        node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
+        async with self.api.db.transaction() as conn:
+            macs = await check_macs(conn, body.macs, node_id)
+            row = await conn.fetchrow(
+                metal_store.ENROLL_DISCOVERED, node_id, bmc_json(body.bmc), macs, json.dumps(body.labels)
+            )
+            if row is None:
+                row = await conn.fetchrow(
+                    store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
+                    macs, bmc_json(body.bmc),
+                )  # fmt: skip
+            if row is None:
+                raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists and is enrolled", {"path": "id"})
+        await node_event(self.api.publish, row, verb="enroll")
+        return node_doc(row)
+
+    # -- verbs ------------------------------------------------------------------------
+
+    def _one(self, verb: str) -> Callable[[ApiRequest], Awaitable[Any]]:
+        async def handle(req: ApiRequest) -> VerbRun:
+            body = req.decode(MetalVerb)
+            node_id = parse_id(body.node_id, "node", path="nodeId")
+            run = await self.run(
+                verb, [node_id], tenant_id=body.tenant_id, image=body.image, profile_id=body.profile,
+                bulk=False,
+            )  # fmt: skip
+            if run.refused:
+                raise run.refused[0][1]
+            return VerbRun(**msgspec.structs.asdict(run.started[0]), batch_id=run.batch_id)
+
+        return handle
+
+    async def bulk(self, req: ApiRequest) -> BulkRun:
+        """One verb over many nodes under one batch; nodes in the wrong state are reported."""
+        body = req.decode(BulkVerb)
+        if (body.node_ids is None) == (body.selector is None):
+            raise BcError(ErrorCode.INVALID_INPUT, "give nodeIds or a selector", {"path": "selector"})
+        if body.node_ids is not None:
+            ids = [parse_id(n, "node", path=f"nodeIds[{i}]") for i, n in enumerate(body.node_ids)]
+        else:
+            ids = await self._select(body.selector or {}, body.tenant_id)
+        if not ids:
+            raise BcError(ErrorCode.NOT_FOUND, "no node matches", {"path": "selector"})
+        run = await self.run(
+            body.verb, sorted(set(ids)), tenant_id=body.tenant_id, image=body.image, profile_id=body.profile,
+            bulk=True,
+        )  # fmt: skip
+        return BulkRun(
+            verb=body.verb,
+            batch_id=run.batch_id,
+            started=run.started,
+            refused=[
+                BulkRefusal(node_id=n, code=e.code.value, message=e.message, reason=e.details.get("reason"))
+                for n, e in run.refused
+            ],
+        )
+
+    async def _select(self, selector: dict[str, str], tenant_id: str | None) -> list[str]:
+        labels = {k: v for k, v in selector.items() if k != SELECTOR_SITE}
+        check_labels(labels, "selector")
+        rows = await self.api.db.fetch(
+            metal_store.NODES_BY_SELECTOR,
+            selector.get(SELECTOR_SITE), json.dumps(labels), tenant_id, MAX_NODES_PER_BULK + 1,
+        )  # fmt: skip
+        if len(rows) > MAX_NODES_PER_BULK:
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"the selector matches more than {MAX_NODES_PER_BULK} nodes",
+                {"path": "selector"},
+            )
+        return [r["id"] for r in rows]
+
+    def _refusal(self, row: Any, verb: str, tenant_id: str | None, busy: dict[str, str]) -> BcError | None:
+        node_id = row["id"]
+        if tenant_id is not None and row["tenant_id"] != tenant_id:
+            return BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
+        try:
+            check_verb(node_id, row["state"], verb)
+        except BcError as err:
+            return err
+        if node_id in busy:  # not metal's workflow (a metal one shows in the state)
+            return BcError(
+                ErrorCode.INVALID_STATE,
+                f"node {node_id} runs workflow {busy[node_id]}: {verb} once it has finished (or abort it)",
+                {"path": "nodeId", "reason": "node-busy", "workflowId": busy[node_id]},
+            )
+        return None
+
+    async def _screen(
+        self, conn: Any, verb: str, ids: list[str], tenant_id: str | None, *, lock: bool
+    ) -> tuple[list[Any], list[tuple[str, BcError]]]:
+        """The nodes that may take ``verb`` now, and the refused ones with their reason."""
+        rows = await conn.fetch(metal_store.LOCK_NODES if lock else metal_store.NODES_BY_IDS, ids)
+        found = {r["id"]: r for r in rows}
+        running = await conn.fetch(metal_store.RUNNING_ON_NODES, ids)
+        busy = {r["node_id"]: r["id"] for r in running}
+        ok, refused = [], []
+        for node_id in ids:
+            row = found.get(node_id)
+            err = (
+                BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
+                if row is None
+                else self._refusal(row, verb, tenant_id, busy)
+            )
+            if err is None:
+                ok.append(row)
+            else:
+                refused.append((node_id, err))
+        return ok, refused
+
+    async def run(
+        self,
+        verb: str,
+        ids: list[str],
+        *,
+        tenant_id: str | None,
+        image: str | None,
+        profile_id: str | None,
+        bulk: bool,
+    ) -> _Run:
+        """Start ``verb`` on every node of ``ids`` that may take it, under one batch."""
+        transition = TRANSITIONS[verb]
+        profile_id = profile_id or self.profiles_of[verb]
+        db = self.api.db
+        async with db.transaction() as conn:
+            ok, refused = await self._screen(conn, verb, ids, tenant_id, lock=False)
+            if not ok:
+                return _Run(refused=refused)
+            tenant = ok[0]["tenant_id"]
+            for row in ok[1:]:
+                if row["tenant_id"] != tenant:
+                    raise BcError(
+                        ErrorCode.INVALID_INPUT,
+                        f"a bulk verb covers one tenant: node {row['id']} is not {tenant}'s",
+                        {"path": "nodeIds"},
+                    )
+            found = await self.api.profiles.find(conn, tenant_id=tenant, profile_id=profile_id, version=None)
+        res = resolve_profile(self.api.app, found.profile, has_node=True)
+        if res.problems:
+            raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
+        names_image = found.profile.image is not None or any("image" in s.with_ for s in found.profile.steps)
+        if verb == "deploy" and image is None and not names_image:
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"deploy needs an image (name@version): profile {found.profile.id} names none",
+                {"path": "image"},
+            )
+        wf_ids = {row["id"]: new_id("wf") for row in ok}
+        run = _Run(refused=refused)
+        run.batch_id = await self._batch(res.command_kinds, tenant, wf_ids, verb, found.profile.id, bulk)
+        async with db.transaction() as conn:
+            # again under the node locks: a node may have moved since the first look
+            ok, refused = await self._screen(conn, verb, [row["id"] for row in ok], tenant, lock=True)
+            moved = []
+            for row in ok:
+                wf = await self.api.start_in(
+                    conn, tenant_id=tenant, profile_id=found.profile.id,
+                    profile_version=found.profile.version, node_id=row["id"], owner="metal",
+                    workflow_id=wf_ids[row["id"]], batch_id=run.batch_id,
+                )  # fmt: skip
+                node = await conn.fetchrow(
+                    metal_store.BEGIN_VERB, row["id"], transition.running, wf["id"], image
+                )
+                moved.append(node)
+                run.started.append(
+                    VerbStarted(
+                        node_id=row["id"], state=transition.running, workflow_id=wf["id"],
+                        profile=VerbProfile(id=found.profile.id, version=found.profile.version),
+                    )
+                )  # fmt: skip
+        run.refused = sorted([*run.refused, *refused], key=lambda r: r[0])
+        for node in moved:
+            await self.api.wake(node["id"])
+            await node_event(self.api.publish, node, verb=verb)
+        return run
+
+    async def _batch(
+        self, kinds: list[str], tenant: str, wf_ids: dict[str, str], verb: str, profile_id: str, bulk: bool
+    ) -> str | None:
+        """The destructive batch of the workflows about to start, when the quorum is on and
+        the profile can send destructive kinds; created before the workflows, keyed by them."""
+        app = self.api.app
+        destructive = [k for k in kinds if (kind := app.command_kinds.get(k)) and kind.destructive]
+        if not destructive or self.quorum is None or not await self.quorum.enabled():
+            return None
+        first = min(wf_ids.values())
+        nodes = sorted(wf_ids)
+        batch = await self.quorum.cmdq.create_batch(
+            tenant_id=tenant,
+            kinds=destructive,
+            nodes=nodes,
+            ttl_seconds=BATCH_TTL_S,
+            workflow_id=None if bulk else first,
+            workflow_ids=sorted(wf_ids.values()) if bulk else None,
+            idempotency_key=f"metal:{first}",
+            note=f"metal {verb} of {len(nodes)} node{'s' if len(nodes) != 1 else ''} ({profile_id})",
+        )
+        return str(batch.id)

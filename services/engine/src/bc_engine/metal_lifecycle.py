@@ -1,0 +1,203 @@
+"""Metal's owner reconciler and the node facts the engine records.
+
+When a workflow started with ``owner='metal'`` ends, the engine queues ``metal:<workflow id>``
+and runs ``reconcile_metal``: success moves the node to the verb's next state (a deploy also
+writes the profile's host section, bumping ``generation``; an inspect keeps the inventory a
+step returned), failure or abort moves it to ``failed`` naming the workflow and the step. No
+polling: the end of the workflow is what queues it. A second run finds the node moved on and
+does nothing, so it is safe to repeat.
+
+A new host section also queues ``metal-host:<node id>`` in the same transaction (an outbox in the
+work queue): ``converge_host`` sends bcd a ``node.converge`` of that generation and keeps the
+``observedGeneration`` bcd reports. Facts reported by agents land here too: that generation (from
+any ``node.converge`` result) and the power state a ``power.setPower`` left.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from better_compute.app import App
+from better_compute.core.errors import BcError
+from better_compute.metal.lifecycle import TRANSITIONS
+from better_compute.provision import BUILTIN_CONFIG_UNITS, resolve_host_section, step_not_ready
+from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
+from better_compute.wire.engine import CurrentStep, CurrentWorkflow
+
+from . import metal_store, queue, store
+from .node_events import node_event
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = [
+    "HOST_KEY_PREFIX",
+    "HOST_OWNER",
+    "METAL_OWNER",
+    "converge_host",
+    "current_workflow",
+    "reconcile_metal",
+    "record_command_result",
+    "reopen_node",
+]
+
+METAL_OWNER = "metal"
+HOST_OWNER = "metal-host"
+HOST_KEY_PREFIX = "host:g"  # the node.converge of generation g: host:g<g>
+HOST_CONVERGE_S = 3600  # bcd has this long to come up and apply a host section
+HOST_LOOK_MS = 10_000  # a converge still live is looked at again this soon (its event is sooner)
+_BY_RUNNING = {t.running: t for t in TRANSITIONS.values()}
+_POWER = {"on": "on", "off": "off", "softOff": "off", "cycle": "on", "reset": "on"}
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
+    """Move the workflow's node on, once the workflow has ended."""
+    wf_row = await engine.db.fetchrow(store.WORKFLOW, workflow_id)
+    if wf_row is None or wf_row["state"] == "running" or wf_row["node_id"] is None:
+        return
+    profile = await engine.profile(store.workflow_row(wf_row))
+    async with engine.db.transaction() as conn:
+        node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf_row["node_id"], workflow_id)
+        if node is None:
+            return  # moved on already (or deleted)
+        if node["state"] == "failed":
+            verb = (_json(node["state_reason"]) or {}).get("verb")
+            transition = TRANSITIONS.get(verb) if verb else None
+        else:
+            transition = _BY_RUNNING.get(node["state"])
+        if transition is None:
+            engine.log.warning("metal_node_unexpected", node_id=node["id"], state=node["state"])
+            return
+        section, error = None, None
+        if wf_row["state"] == "succeeded" and profile is not None and profile.host_config is not None:
+            try:
+                section = host_section(engine.app, profile, _json(node["labels"]) or {})
+            except BcError as err:
+                error = {"code": err.code.value, "message": err.message, "path": err.path}
+        if wf_row["state"] == "succeeded" and error is None:
+            row = await conn.fetchrow(
+                metal_store.FINISH_OK,
+                node["id"], transition.done, json.dumps(section) if section is not None else None,
+                transition.verb in ("release", "retire"),
+            )  # fmt: skip
+            if section is not None:
+                await queue.queue_now(conn, queue.owner_key(HOST_OWNER, node["id"]))
+        else:
+            step = await conn.fetchrow(metal_store.STOPPED_STEP, workflow_id)
+            if error is None:
+                error = (_json(step["error"]) if step else None) or _json(wf_row["error"]) or {}
+            reason = {
+                "workflowId": workflow_id,
+                "verb": transition.verb,
+                "workflowState": wf_row["state"],
+                "step": "hostConfig" if step is None and wf_row["state"] == "succeeded" else None,
+                "stepIndex": None,
+                "code": error.get("code"),
+                "message": error.get("message"),
+            }
+            if step is not None:
+                reason.update(step=step["action"], stepIndex=step["idx"])
+            row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
+    engine.log.info("metal_node_moved", node_id=row["id"], state=row["state"], workflow_id=workflow_id)
+    await node_event(engine.publish, row)
+
+
+async def converge_host(engine: Engine, node_id: str) -> None:
+    """Send bcd the node's host section (``node.converge`` of its generation) until it reports
+    that generation applied; its settle event wakes this key, a live one is looked at again."""
+    node = await engine.db.fetchrow(store.NODE, node_id)
+    if node is None or node["host_section"] is None or node["observed_generation"] >= node["generation"]:
+        return
+    generation = node["generation"]
+    units = (_json(node["host_section"]) or {}).get("units") or []
+    view = await engine.cmdq.enqueue(
+        EnqueueCommand(
+            node_id=node_id,
+            site_id=node["site_id"],
+            kind="node.converge",
+            payload={"generation": generation, "units": units},
+            key=f"{HOST_KEY_PREFIX}{generation}",
+            target="node",
+            timeout_ms=HOST_CONVERGE_S * 1000,
+            tenant_id=node["tenant_id"],
+        )
+    )
+    if view.state in LIVE_STATES:
+        raise step_not_ready(HOST_LOOK_MS)
+    if view.state == "succeeded":
+        result = json.loads(view.result) if view.result else None
+        await record_command_result(engine, node_id, "node.converge", None, result)
+        return
+    message = f"node.converge {view.state}" + (f": {view.reason}" if view.reason else "")
+    error = {
+        "code": "DRIVER_ERROR",
+        "reason": "host-section-not-applied",
+        "generation": generation,
+        "commandId": view.id,
+        "message": message,
+    }
+    row = await engine.db.fetchrow(metal_store.SET_LAST_ERROR, node_id, json.dumps(error))
+    engine.log.warning("host_section_not_applied", node_id=node_id, generation=generation, state=view.state)
+    if row is not None:
+        await node_event(engine.publish, row)
+
+
+async def reopen_node(conn: Any, wf: Any) -> Any:
+    """A retried or resumed metal workflow takes its node back from ``failed`` to the verb's
+    ``…ing`` state (returns the node row, or None when there is nothing to move)."""
+    if wf["owner"] != METAL_OWNER or wf["node_id"] is None:
+        return None
+    node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf["node_id"], wf["id"])
+    if node is None or node["state"] != "failed":
+        return None
+    transition = TRANSITIONS.get((_json(node["state_reason"]) or {}).get("verb", ""))
+    if transition is None:
+        return None
+    return await conn.fetchrow(metal_store.REOPEN_NODE, node["id"], wf["id"], transition.running)
+
+
+def host_section(app: App, profile: Any, labels: Mapping[str, str]) -> dict[str, Any]:
+    """The node's host section: the profile's ``hostConfig`` units whose ``when:`` holds for its
+    labels, settings checked and defaulted (``INVALID_INPUT`` for an unknown unit)."""
+    units = app.provision.config_units if app.provision is not None else BUILTIN_CONFIG_UNITS
+    return {"units": resolve_host_section(profile.host_config, labels, units=units)}
+
+
+async def record_command_result(engine: Engine, node_id: str, kind: str, payload: Any, result: Any) -> None:
+    """Keep what a settled command says of its node: bcd's observed generation, the power."""
+    row = None
+    if kind == "node.converge" and isinstance(result, Mapping):
+        observed = result.get("observedGeneration")
+        if isinstance(observed, int) and not isinstance(observed, bool):
+            row = await engine.db.fetchrow(metal_store.OBSERVED_GENERATION, node_id, observed)
+    elif kind == "power.setPower" and isinstance(payload, Mapping):
+        power = _POWER.get(str(payload.get("action")))
+        if isinstance(result, Mapping) and isinstance(result.get("powerState"), str):
+            power = result["powerState"].lower()
+        if power is not None:
+            row = await engine.db.fetchrow(metal_store.POWER_STATE, node_id, power)
+    if row is not None:
+        await node_event(engine.publish, row)
+
+
+async def current_workflow(db: Any, row: Any) -> CurrentWorkflow | None:
+    """``nodes.get``: the workflow moving the node now, its step and what that waits for."""
+    if row["workflow_id"] is None:
+        return None
+    wf = await db.fetchrow(metal_store.RUNNING_STEP, row["workflow_id"])
+    if wf is None:
+        return None
+    return CurrentWorkflow(
+        id=row["workflow_id"],
+        state=wf["workflow_state"],
+        profile_id=wf["profile_id"],
+        batch_id=wf["batch_id"],
+        step=CurrentStep(index=wf["idx"], action=wf["action"]) if wf["idx"] is not None else None,
+        waiting_for=_json(wf["waiting_for"]),
+    )

@@ -1,0 +1,67 @@
+"""Metal's statements over ``nodes`` (the lifecycle, node facts) in the style of ``store``: each
+written once, with ``$n`` parameters."""
+
+from __future__ import annotations
+
+# Nodes of a bulk verb, locked in id order (two bulks over the same nodes never deadlock).
+LOCK_NODES = "SELECT * FROM nodes WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE"
+NODES_BY_IDS = "SELECT * FROM nodes WHERE id = ANY($1::text[])"
+RUNNING_ON_NODES = "SELECT node_id, id FROM workflows WHERE node_id = ANY($1::text[]) AND state = 'running'"
+# By selector: $1 site (NULL: any), $2 labels that must all match, $3 tenant (NULL: any).
+NODES_BY_SELECTOR = (
+    "SELECT id FROM nodes WHERE ($1::text IS NULL OR site_id = $1) AND labels @> $2::jsonb"
+    " AND ($3::text IS NULL OR tenant_id = $3) ORDER BY id LIMIT $4"
+)
+# A verb starts: the node's …ing state and its workflow; $4 the image (deploy; NULL keeps it).
+BEGIN_VERB = (
+    "UPDATE nodes SET state = $2, workflow_id = $3, state_reason = NULL, image = coalesce($4, image),"
+    " updated_at = now() WHERE id = $1 RETURNING *"
+)
+# enroll of a discovered node: its BMC, MACs and labels given.
+ENROLL_DISCOVERED = (
+    "UPDATE nodes SET state = 'enrolled', bmc = coalesce($2::jsonb, bmc), macs = $3::text[],"
+    " labels = labels || $4::jsonb, updated_at = now() WHERE id = $1 AND state = 'discovered' RETURNING *"
+)
+# The node a metal workflow moves: running it now, or failed by it (a retry may still succeed).
+NODE_OF_WORKFLOW = (
+    "SELECT * FROM nodes WHERE id = $1 AND (workflow_id = $2"
+    " OR (state = 'failed' AND state_reason ->> 'workflowId' = $2)) FOR UPDATE"
+)
+# Success: the next state; $3 a new host section (bumps generation) or NULL; $4 drop the image.
+FINISH_OK = """
+UPDATE nodes SET state = $2, workflow_id = NULL, state_reason = NULL,
+    host_section = coalesce($3::jsonb, host_section),
+    generation = generation + CASE WHEN $3::jsonb IS NULL THEN 0 ELSE 1 END,
+    image = CASE WHEN $4 THEN NULL ELSE image END, updated_at = now()
+WHERE id = $1 RETURNING *
+"""
+# workflows.retry / resume of the workflow that failed the node: the node runs the verb again.
+REOPEN_NODE = (
+    "UPDATE nodes SET state = $3, workflow_id = $2, state_reason = NULL, updated_at = now()"
+    " WHERE id = $1 AND state = 'failed' AND state_reason ->> 'workflowId' = $2 RETURNING *"
+)
+FINISH_FAILED = (
+    "UPDATE nodes SET state = 'failed', workflow_id = NULL, state_reason = $2, last_error = $2,"
+    " updated_at = now() WHERE id = $1 RETURNING *"
+)
+# The step that stopped a workflow: failed, else cancelled by an abort.
+STOPPED_STEP = (
+    "SELECT idx, action, state, error FROM workflow_steps WHERE workflow_id = $1"
+    " AND state IN ('failed', 'cancelled') ORDER BY state = 'failed' DESC, idx LIMIT 1"
+)
+# The running step of a workflow and what it waits for (nodes.get).
+RUNNING_STEP = (
+    "SELECT w.state AS workflow_state, w.profile_id, w.batch_id, s.idx, s.action, s.waiting_for"
+    " FROM workflows w LEFT JOIN workflow_steps s ON s.workflow_id = w.id AND s.state = 'running'"
+    " WHERE w.id = $1 ORDER BY s.idx LIMIT 1"
+)
+# bcd's report of a host section applied whole (never goes back).
+OBSERVED_GENERATION = (
+    "UPDATE nodes SET observed_generation = $2, updated_at = now()"
+    " WHERE id = $1 AND observed_generation < $2 AND $2 <= generation RETURNING *"
+)
+SET_LAST_ERROR = "UPDATE nodes SET last_error = $2, updated_at = now() WHERE id = $1 RETURNING *"
+POWER_STATE = (
+    "UPDATE nodes SET power_state = $2, updated_at = now()"
+    " WHERE id = $1 AND power_state IS DISTINCT FROM $2 RETURNING *"
+)

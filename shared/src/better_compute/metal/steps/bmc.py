@@ -1,0 +1,115 @@
+"""The BMC steps: ``power.setPower``, ``management.setBootDevice``, ``media.insert`` and
+``media.eject``.
+
+Each is a relaying step (``relays: ['site']``): it runs in the engine, where the node record
+is, and sends the BMC command kind of the same name to the node's site agent with the node's
+BMC (address and credential reference) added. None is destructive, so none waits for a quorum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.manifest import Manifest, field, manifest
+from better_compute.core.plugins import DOTTED_NAME_PATTERN
+from better_compute.provision.results import latest_result
+from better_compute.provision.steps import Step, define_step
+
+from ..commands import (
+    BMC,
+    MANAGEMENT_SET_BOOT_DEVICE,
+    MEDIA_EJECT,
+    MEDIA_INSERT,
+    POWER_SET_POWER,
+)
+from ._relay import node_bmc, relay
+
+__all__ = ["BMC_STEPS", "management_set_boot_device", "media_eject", "media_insert", "power_set_power"]
+
+BMC_TIMEOUT: Final = "10m"
+
+
+def _input(kind_payload: Manifest, **changes: Any) -> Manifest:
+    """The command kind's payload with ``bmc`` optional (the node's is used when absent)."""
+    fields = {**kind_payload.fields, "bmc": BMC.optional(), **changes}
+    return manifest(fields)
+
+
+def _bmc_step(kind: str, payload: Manifest, description: str) -> Step:
+    async def run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        command = {**step_input, "bmc": node_bmc(ctx, step_input, kind)}
+        done = await relay(ctx, kind=kind, payload=command)
+        return {**done, **{k: v for k, v in step_input.items() if k != "bmc"}}
+
+    return define_step(
+        id=kind,
+        runs_on="control-plane",
+        relays=["site"],
+        sends=[kind],
+        timeout=BMC_TIMEOUT,
+        input=_input(payload),
+        run=run,
+        retry_safe=True,
+        description=description,
+    )
+
+
+power_set_power = _bmc_step(
+    POWER_SET_POWER.name, POWER_SET_POWER.payload, "Change the node's power state through its BMC"
+)
+management_set_boot_device = _bmc_step(
+    MANAGEMENT_SET_BOOT_DEVICE.name,
+    MANAGEMENT_SET_BOOT_DEVICE.payload,
+    "Set the node's next boot device through its BMC",
+)
+media_eject = _bmc_step(MEDIA_EJECT.name, MEDIA_EJECT.payload, "Eject the node's virtual medium")
+
+
+async def _insert(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    url, sha256 = step_input.get("url"), step_input.get("sha256")
+    source = step_input.get("fromStep")
+    if source is not None:
+        if url is not None:
+            raise BcError(ErrorCode.INVALID_INPUT, "give url or fromStep, not both", {"path": "fromStep"})
+        # From the store, by workflow and action: a re-run on another engine finds the same.
+        earlier = await latest_result(ctx.sql, ctx.workflow_id, source, path="fromStep")
+        url = earlier.get("url") if isinstance(earlier, dict) else None
+        if not isinstance(url, str):
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"step {source} returned no url to insert",
+                {"path": "fromStep", "fromStep": source},
+            )
+        if sha256 is None and isinstance(earlier.get("sha256"), str):
+            sha256 = earlier["sha256"]
+    if url is None:
+        raise BcError(ErrorCode.INVALID_INPUT, "give url or fromStep", {"path": "url"})
+    command: dict[str, Any] = {
+        "url": url,
+        "device": step_input["device"],
+        "bmc": node_bmc(ctx, step_input, "media.insert"),
+    }
+    if sha256 is not None:
+        command["sha256"] = sha256
+    done = await relay(ctx, kind=MEDIA_INSERT.name, payload=command)
+    return {**done, "url": url, "device": step_input["device"]}
+
+
+media_insert = define_step(
+    id=MEDIA_INSERT.name,
+    runs_on="control-plane",
+    relays=["site"],
+    sends=[MEDIA_INSERT.name],
+    timeout=BMC_TIMEOUT,
+    input=_input(
+        MEDIA_INSERT.payload,
+        url=MEDIA_INSERT.payload.fields["url"].optional(),
+        fromStep=field.string(pattern=DOTTED_NAME_PATTERN).optional(),
+    ),
+    run=_insert,
+    retry_safe=True,
+    description="Insert a virtual medium: a url, or the url an earlier step (fromStep) returned",
+)
+
+BMC_STEPS: Final = (power_set_power, management_set_boot_device, media_insert, media_eject)

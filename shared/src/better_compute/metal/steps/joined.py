@@ -1,0 +1,74 @@
+"""``wait.agentJoined``: wait until the node's own agent (bcd) joined.
+
+A join is a certificate bc-pki issued for the node (a node's agent id is the node id, since
+tokens a step mints are bound to the workflow's node) with the asked role, issued after the
+step before this one finished: a join from an earlier boot (the ramdisk's, before the installed
+OS comes up) does not count. Role ``node`` also accepts ``provisioned``: the installed OS joins
+with the single-use ``provisioned`` token of ``userdata.render`` and re-keys the same node.
+
+The step reads bc-pki each time it runs (``step_not_ready`` between looks), so it holds nothing
+in memory and a re-run on another engine decides the same.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Final
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.manifest import field, manifest
+from better_compute.provision.steps import define_step
+from better_compute.provision.waiting import step_not_ready
+
+from ._relay import workflow_node
+
+__all__ = ["ACCEPTED_ROLES", "JOINED_SINCE", "wait_agent_joined"]
+
+STEP_ID: Final = "wait.agentJoined"
+POLL_MS: Final = 2_000
+ACCEPTED_ROLES: Final = {"node": ("node", "provisioned"), "provisioned": ("provisioned",)}
+# When the step before this one finished (or the workflow began, for the first step).
+JOINED_SINCE: Final = (
+    "SELECT coalesce((SELECT finished_at FROM workflow_steps WHERE workflow_id = $1 AND idx = $2 - 1),"
+    " (SELECT created_at FROM workflows WHERE id = $1)) AS since"
+)
+
+
+async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    node = workflow_node(ctx, STEP_ID)
+    if ctx.pki is None:
+        raise BcError(ErrorCode.INVALID_CONFIG, f"{STEP_ID} needs the pki service", {"path": "pki"})
+    roles = ACCEPTED_ROLES[step_input["role"]]
+    since: datetime | None = None
+    if step_input["fresh"]:
+        rows = await ctx.sql.query(JOINED_SINCE, ctx.workflow_id, ctx.step)
+        since = rows[0]["since"] if rows else None
+    for cert in await ctx.pki.certificates(agent_id=node.id):
+        if cert.role not in roles or getattr(cert, "state", "valid") != "valid":
+            continue
+        if since is not None and cert.created_at < since:
+            continue
+        return {
+            "agentId": node.id,
+            "certId": cert.cert_id,
+            "role": cert.role,
+            "joinedAt": cert.created_at.isoformat(),
+        }
+    raise step_not_ready(POLL_MS)
+
+
+wait_agent_joined = define_step(
+    id=STEP_ID,
+    runs_on="control-plane",
+    timeout="30m",
+    input=manifest(
+        {
+            "role": field.enum(list(ACCEPTED_ROLES)).default("node"),
+            # False: any valid join of the node counts (adopting a machine that runs already).
+            "fresh": field.bool().default(True),
+        }
+    ),
+    run=_run,
+    retry_safe=True,
+    description="Wait until the node's agent joined (since the step before this one finished)",
+)

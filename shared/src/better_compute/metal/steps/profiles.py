@@ -1,0 +1,126 @@
+"""Metal's shipped lifecycle profiles: one per transition, run as workflows with owner metal.
+
+===================  ====================================================================
+``metal.inspect``    ramdisk, the agent joins, inventory (node-signed), power off
+``metal.commission`` ramdisk, the agent joins, inventory, quick wipe, power off
+``metal.deploy``     ramdisk, the agent joins, user data, image write, boot from disk, power
+                     cycle, the installed OS's agent joins
+``metal.release``    ramdisk, the agent joins, quick wipe, power off
+``metal.retire``     ramdisk, the agent joins, secure wipe, power off
+``metal.adopt``      an adopt profile: no image, user data or steps (the machine runs already)
+===================  ====================================================================
+
+The ramdisk (kernel and initrd, or an iPXE script) is a deployment's own, so it goes into the
+profiles' ``metal.ensureRamdisk`` step from ``metal(ramdisk=Ramdisk(...))``. The same ramdisk
+gives the very same profile objects, so ``metal()`` may be called once for
+``better_compute(modules=…)`` and again for ``provision_module(modules=…)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Final
+
+from better_compute.provision.profiles import Profile, define_profile
+
+__all__ = ["LIFECYCLE_PROFILE_IDS", "Ramdisk", "lifecycle_profiles"]
+
+LIFECYCLE_PROFILE_IDS: Final = {
+    "inspect": "metal.inspect",
+    "commission": "metal.commission",
+    "deploy": "metal.deploy",
+    "release": "metal.release",
+    "retire": "metal.retire",
+    "adopt": "metal.adopt",
+}
+"""The shipped profile of each lifecycle verb."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ramdisk:
+    """The bcd ramdisk the site agent network-boots a node into (``metal.ensureRamdisk``).
+
+    Give ``kernel`` (and ``initrd``), with their sha256 to serve them from the site cache, or
+    a whole iPXE ``script``.
+    """
+
+    kernel: str | None = None
+    initrd: str | None = None
+    kernel_sha256: str | None = None
+    initrd_sha256: str | None = None
+    cmdline: str = ""
+    script: str | None = None
+
+    def to_with(self) -> dict[str, Any]:
+        """The ``with`` of a ``metal.ensureRamdisk`` profile step."""
+        doc = {
+            "kernel": self.kernel,
+            "initrd": self.initrd,
+            "kernelSha256": self.kernel_sha256,
+            "initrdSha256": self.initrd_sha256,
+            "cmdline": self.cmdline or None,
+            "script": self.script,
+        }
+        return {k: v for k, v in doc.items() if v is not None}
+
+
+def _profile(verb: str, description: str, steps: list[dict[str, Any]], **extra: Any) -> Profile:
+    return define_profile(
+        id=LIFECYCLE_PROFILE_IDS[verb],
+        version=1,
+        target="metal",
+        role="host",
+        description=description,
+        steps=steps,
+        **extra,
+    )
+
+
+@functools.cache
+def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
+    """The six lifecycle profiles, with ``ramdisk`` in their ``metal.ensureRamdisk`` steps."""
+    boot = {"use": "metal.ensureRamdisk", "on": "site", "with": ramdisk.to_with() if ramdisk else {}}
+    joined = {"use": "wait.agentJoined", "with": {"role": "node"}}
+    collect = {"use": "inspect.collect"}
+    off = {"use": "power.setPower", "on": "site", "with": {"action": "off"}}
+
+    def wipe(mode: str) -> dict[str, Any]:
+        return {"use": "disk.wipe", "with": {"mode": mode}}
+
+    return (
+        _profile("inspect", "Boot the ramdisk and record the node's inventory", [boot, joined, collect, off]),
+        _profile(
+            "commission",
+            "Inspect the node and wipe its disks: it is ready to deploy",
+            [boot, joined, collect, wipe("quick"), off],
+        ),
+        _profile(
+            "deploy",
+            "Write the image with cloud-init user data and boot the installed OS until its agent joins",
+            [
+                boot,
+                joined,
+                {"use": "userdata.render"},
+                {"use": "deploy.deploy"},
+                {
+                    "use": "management.setBootDevice",
+                    "on": "site",
+                    "with": {"device": "disk", "persistent": True},
+                },
+                {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
+                {"use": "wait.agentJoined", "with": {"role": "node"}},
+            ],
+            user_data={"kind": "cloud-init"},
+        ),
+        _profile("release", "Wipe the node's disks: it is ready again", [boot, joined, wipe("quick"), off]),
+        _profile(
+            "retire", "Erase the node's disks securely and power it off", [boot, joined, wipe("secure"), off]
+        ),
+        _profile(
+            "adopt",
+            "Take over a machine that already runs an OS: nothing is installed or wiped",
+            [],
+            adopt=True,
+        ),
+    )

@@ -1,0 +1,92 @@
+"""``metal.ensureRamdisk``: boot the node into the bcd ramdisk.
+
+Three things in sequence, each its own command of this step attempt with its own key, so a
+re-run (after a crash, or a wake-up while one still runs) finds the ones already done and sends
+nothing twice:
+
+1. ``management.setBootDevice`` ``pxe``, one time (key ``boot-device``);
+2. a ``netboot.setEntry`` per MAC of the node, one time (key ``netboot-<n>``);
+3. ``power.setPower`` ``cycle`` (key ``power-cycle``).
+
+The ramdisk (kernel and initrd, or an iPXE script) comes from the step's ``with``; metal's
+shipped profiles fill it from ``metal(ramdisk=Ramdisk(...))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.manifest import manifest
+from better_compute.provision.steps import define_step
+
+from ..commands import (
+    BMC,
+    MANAGEMENT_SET_BOOT_DEVICE,
+    NETBOOT_SET_ENTRY,
+    POWER_SET_POWER,
+)
+from ._relay import node_bmc, relay, workflow_node
+
+__all__ = ["RAMDISK_FIELDS", "ensure_ramdisk"]
+
+STEP_ID: Final = "metal.ensureRamdisk"
+RAMDISK_FIELDS: Final = ("kernel", "initrd", "kernelSha256", "initrdSha256", "cmdline", "script")
+_ENTRY = NETBOOT_SET_ENTRY.payload.fields
+
+
+async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    node = workflow_node(ctx, STEP_ID)
+    if not step_input.get("kernel") and not step_input.get("script"):
+        raise BcError(
+            ErrorCode.INVALID_CONFIG,
+            f"{STEP_ID} needs the ramdisk: give kernel (and initrd) or script,"
+            " or configure metal(ramdisk=Ramdisk(...)) for the shipped profiles",
+            {"path": "kernel"},
+        )
+    macs = list(getattr(node, "macs", ()) or ())
+    if not macs:
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            f"node {node.id} has no MAC address to network-boot",
+            {"path": "macs", "reason": "no-macs", "nodeId": node.id},
+        )
+    bmc = node_bmc(ctx, step_input, STEP_ID)
+    entry = {k: step_input[k] for k in RAMDISK_FIELDS if step_input.get(k) is not None}
+
+    boot = await relay(
+        ctx,
+        kind=MANAGEMENT_SET_BOOT_DEVICE.name,
+        payload={"device": "pxe", "persistent": False, "bmc": bmc},
+        key="boot-device",
+    )
+    entries = []
+    for index, mac in enumerate(macs):
+        done = await relay(
+            ctx,
+            kind=NETBOOT_SET_ENTRY.name,
+            payload={**entry, "mac": mac, "oneTime": True},
+            key=f"netboot-{index}",
+        )
+        entries.append({"mac": mac, "commandId": done["commandId"]})
+    cycle = await relay(
+        ctx, kind=POWER_SET_POWER.name, payload={"action": "cycle", "bmc": bmc}, key="power-cycle"
+    )
+    return {
+        "bootDeviceCommand": boot["commandId"],
+        "netbootEntries": entries,
+        "powerCycleCommand": cycle["commandId"],
+    }
+
+
+ensure_ramdisk = define_step(
+    id=STEP_ID,
+    runs_on="control-plane",
+    relays=["site"],
+    sends=[MANAGEMENT_SET_BOOT_DEVICE.name, NETBOOT_SET_ENTRY.name, POWER_SET_POWER.name],
+    timeout="15m",
+    input=manifest({**{k: _ENTRY[k] for k in RAMDISK_FIELDS}, "bmc": BMC.optional()}),
+    run=_run,
+    retry_safe=True,
+    description="Boot the node into the bcd ramdisk: one-time PXE, a boot entry per MAC, a power cycle",
+)

@@ -1,0 +1,178 @@
+"""Metal's part of the engine's contract: the node's BMC and MACs, the lifecycle verbs
+(``metal.<verb>``) and ``metal.bulk`` (camelCase on the wire).
+
+A BMC names its credential by reference only (``credentialsRef``, a ``sec_…`` SecretRef stored
+through bc-secrets). Every Struct here refuses unknown fields, so a password given inline
+(``bmc.password``) is ``INVALID_INPUT`` at its path and never reaches the engine's tables or logs;
+``find_inline_secret`` finds one anywhere else in a request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from better_compute.core.manifest import SECRET_REF_PATTERN
+from better_compute.core.names import Name
+
+__all__ = [
+    "MAC_PATTERN",
+    "MAX_MACS",
+    "MAX_NODES_PER_BULK",
+    "BulkRefusal",
+    "BulkRun",
+    "BulkVerb",
+    "EnrollNode",
+    "Mac",
+    "MetalVerb",
+    "NodeBmc",
+    "SecretRef",
+    "VerbName",
+    "VerbProfile",
+    "VerbRun",
+    "VerbStarted",
+    "find_inline_secret",
+    "normal_mac",
+]
+
+MAC_PATTERN: Final = r"^[0-9a-fA-F]{2}([:-][0-9a-fA-F]{2}){5}$"
+MAX_MACS: Final = 16
+MAX_NODES_PER_BULK: Final = 10_000
+"""A batch covers at most this many nodes (the command queue's bound)."""
+
+Mac = Annotated[str, msgspec.Meta(pattern=MAC_PATTERN)]
+SecretRef = Annotated[str, msgspec.Meta(pattern=SECRET_REF_PATTERN)]
+VerbName = Literal["inspect", "commission", "deploy", "release", "retire", "adopt"]
+IMAGE_REF_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}@[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
+ImageRef = Annotated[str, msgspec.Meta(pattern=IMAGE_REF_PATTERN)]
+ProfileId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class _Strict(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
+    pass
+
+
+class NodeBmc(_Strict, frozen=True, kw_only=True):
+    """The node's BMC: how the site agent reaches it. The password is behind ``credentials_ref``."""
+
+    driver: Literal["redfish", "ipmi", "sim"]
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
+    credentials_ref: SecretRef | None = None
+    system_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
+    insecure: bool = False
+
+    def to_document(self) -> dict[str, Any]:
+        """As stored in ``nodes.bmc`` and relayed in BMC commands (absent fields left out)."""
+        return {k: v for k, v in msgspec.to_builtins(self).items() if v is not None}
+
+
+class EnrollNode(_Strict, frozen=True, kw_only=True):
+    """``metal.enroll``: a new node in ``enrolled`` (or, with the id of a ``discovered`` node,
+    that node enrolled: its BMC, MACs and labels given)."""
+
+    site_id: Name
+    id: NodeId | None = None
+    tenant_id: Name = "root"
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] = msgspec.field(default_factory=list)
+    bmc: NodeBmc | None = None
+
+
+class MetalVerb(_Strict, frozen=True, kw_only=True):
+    """``metal.<verb>`` of one node; ``image`` for deploy, ``profile`` instead of the verb's."""
+
+    node_id: NodeId
+    tenant_id: Name | None = None
+    image: ImageRef | None = None
+    profile: ProfileId | None = None
+
+
+class BulkVerb(_Strict, frozen=True, kw_only=True):
+    """``metal.bulk``: one verb over many nodes (ids, or a selector: ``site`` and labels), under
+    one destructive batch. Nodes in the wrong state are reported, the rest go ahead."""
+
+    verb: VerbName
+    node_ids: Annotated[list[NodeId], msgspec.Meta(max_length=MAX_NODES_PER_BULK)] | None = None
+    selector: Annotated[dict[str, str], msgspec.Meta(max_length=64)] | None = None
+    tenant_id: Name | None = None
+    image: ImageRef | None = None
+    profile: ProfileId | None = None
+
+
+# -- replies --------------------------------------------------------------------------
+
+
+class _Reply(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    pass
+
+
+class VerbProfile(_Reply, frozen=True, kw_only=True):
+    id: str
+    version: int
+
+
+class VerbStarted(_Reply, frozen=True, kw_only=True):
+    """A node the verb started on: its new (``…ing``) state and the workflow moving it."""
+
+    node_id: str
+    state: str
+    workflow_id: str
+    profile: VerbProfile
+
+
+class VerbRun(VerbStarted, frozen=True, kw_only=True):
+    """``metal.<verb>`` (``metal.enroll`` answers the node, a ``NodeView``)."""
+
+    batch_id: str | None
+    """The destructive batch its commands wait for (quorum on), else None."""
+
+
+class BulkRefusal(_Reply, frozen=True, kw_only=True):
+    """A node ``metal.bulk`` left alone, and why (the ``BcError`` it would have raised)."""
+
+    node_id: str
+    code: str
+    message: str
+    reason: str | None
+
+
+class BulkRun(_Reply, frozen=True, kw_only=True):
+    """``metal.bulk``: the nodes started, the nodes refused, and their one batch."""
+
+    verb: str
+    batch_id: str | None
+    started: list[VerbStarted]
+    refused: list[BulkRefusal]
+
+
+_INLINE_SECRET: Final = re.compile(
+    r"^(pass(word|wd)?|secret|credentials?|private_?key|token)$", re.IGNORECASE
+)
+
+
+def find_inline_secret(value: Any, path: str = "") -> str | None:
+    """The path of the first key that would carry a credential inline (``password``,
+    ``secret``, ``credentials``, …), or None. ``credentialsRef`` is the allowed form."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _INLINE_SECRET.match(key):
+                return here
+            found = find_inline_secret(item, here)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = find_inline_secret(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def normal_mac(mac: str) -> str:
+    """``AA-BB-…`` as ``aa:bb:…``: how MACs are stored and compared."""
+    return mac.lower().replace("-", ":")

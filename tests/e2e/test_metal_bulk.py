@@ -1,0 +1,120 @@
+"""``metal.bulk``: one verb over 50 nodes under one batch of a 2-of-3 quorum, with engine,
+command-queue and PKI as processes and a simulated site agent counting what it ran."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest_asyncio
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from better_compute.clients import CommandQueueClient, PkiClient
+from better_compute.config import Settings
+from better_compute.crypto import sign_batch
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses, refused, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
+
+APPROVERS = ("alice", "bob", "carol")
+N = 50
+SELECTOR = {"site": "lab1", "rack": "r12"}
+BMC = {"driver": "sim", "address": "bmc-r12"}
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent]]:
+    keys = {name: ed25519.Ed25519PrivateKey.generate() for name in APPROVERS}
+    lines = ["threshold = 2"]
+    for name, key in keys.items():
+        raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        lines += ["[[approvers]]", f'id = "{name}"', f'publicKey = "{base64.b64encode(raw).decode()}"']
+    (tmp_path / "approvers.toml").write_text("\n".join(lines) + "\n")
+    bc_processes.settings = msgspec.structs.replace(bc_settings, app="metal_test_app:app")
+    bc_processes.extra_env.update(
+        BC_CMDQ_QUORUM_FILE=str(tmp_path / "approvers.toml"), BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms"
+    )
+    for name in ("bc-pki", "bc-command-queue", "bc-engine"):
+        bc_processes.start(name)
+    await bc_processes.wait_ready()
+    sim, _agent = await start_sim_agent(
+        bc_processes.settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api),
+        cq=CommandQueueClient(bc_api),
+    )  # fmt: skip
+    try:
+        yield keys, sim
+    finally:
+        sim.close()
+
+
+async def _states(api: ApiClient, ids: list[str]) -> dict[str, str]:
+    return {i: (await api.call("engine", "nodes.get", {"id": i}))["state"] for i in ids}
+
+
+def _destructive_runs(sim: SimAgent) -> int:
+    return sum(1 for line in sim.executions() if line.endswith(" driver.invoke"))
+
+
+async def test_a_bulk_release_of_50_nodes_needs_exactly_two_approvals(
+    stack: tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent], bc_api: ApiClient
+) -> None:
+    keys, sim = stack
+    cq = CommandQueueClient(bc_api)
+    ids = []
+    for _ in range(N):
+        body = {"siteId": "lab1", "labels": {"rack": "r12"}, "bmc": BMC}
+        node = await bc_api.call("engine", "metal.enroll", body)
+        ids.append(node["id"])
+    # adopt sends nothing destructive: no batch, all 50 deployed
+    adopted = await bc_api.call("engine", "metal.bulk", {"verb": "adopt", "selector": SELECTOR})
+    assert (len(adopted["started"]), adopted["refused"], adopted["batchId"]) == (N, [], None)
+    await until(lambda: _all(bc_api, ids, "deployed"), what="50 nodes deployed")
+
+    # two more in the rack that are not deployed: refused one by one, not fatal to the rest
+    late = [(await bc_api.call("engine", "metal.enroll", {"siteId": "lab1", "labels": {"rack": "r12"}}))["id"]
+            for _ in range(2)]  # fmt: skip
+    bulk = await bc_api.call("engine", "metal.bulk", {"verb": "release", "selector": SELECTOR})
+    assert sorted(s["nodeId"] for s in bulk["started"]) == sorted(ids)
+    assert [(r["nodeId"], r["code"], r["reason"]) for r in bulk["refused"]] == [
+        (n, "INVALID_STATE", "wrong-state") for n in sorted(late)
+    ]
+    # one batch for all 50 workflows, scoped before anything was sent
+    batch = await cq.get_batch(bulk["batchId"])
+    assert (batch.kinds, sorted(batch.nodes), batch.threshold) == (["driver.invoke"], sorted(ids), 2)
+    assert sorted(batch.workflow_ids) == sorted(s["workflowId"] for s in bulk["started"])
+
+    async def pending() -> bool:
+        listed = (await cq.list_commands(batch_id=batch.id, limit=N + 10)).commands
+        return len(listed) == N and all(c.state == "pending" for c in listed)
+
+    await until(pending, what="50 destructive commands enqueued, held for the quorum")
+    assert _destructive_runs(sim) == 0
+    await cq.approve_batch(batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"]))
+    assert (await cq.get_batch(batch.id)).state == "open"
+    assert await pending()  # one approval delivers nothing
+    assert _destructive_runs(sim) == 0
+    assert set((await _states(bc_api, ids)).values()) == {"releasing"}
+
+    await cq.approve_batch(batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"]))
+    await until(lambda: _all(bc_api, ids, "ready"), what="50 nodes released")
+    assert _destructive_runs(sim) == N
+    assert len((await cq.get_batch(batch.id)).approvals) == 2
+
+    # nodes in the wrong state only: nothing starts, no batch, each one said why
+    again = await bc_api.call("engine", "metal.bulk", {"verb": "release", "nodeIds": ids[:2]})
+    assert (again["started"], again["batchId"], len(again["refused"])) == ([], None, 2)
+    nobody = {"verb": "release", "selector": {"rack": "nope"}}
+    err = await refused(bc_api.call("engine", "metal.bulk", nobody))
+    assert (err.code.value, err.details["path"]) == ("NOT_FOUND", "selector")
+
+
+async def _all(api: ApiClient, ids: list[str], state: str) -> bool:
+    states: dict[str, Any] = await _states(api, ids)
+    assert "failed" not in states.values(), states
+    return set(states.values()) == {state}
