@@ -41,6 +41,13 @@ PROFILES = [
     _profile("t.release", [DESTRUCTIVE]),
     _profile("t.retire", [{"use": "test.power", "on": "site", "with": {"action": "off"}}]),
     _profile("t.adopt", [], adopt=True),
+    # adopt a running machine and give it a host section its bcd converges to
+    _profile(
+        "t.adopt-host",
+        [],
+        adopt=True,
+        host_config={"units": [{"name": "kernel-modules", "settings": {"blacklist": ["floppy"]}}]},
+    ),
     # inspect --profile t.failing: fails at its second step until the flag is set
     _profile("t.failing", [NOOP, {"use": "test.failUnlessFlag", "with": {"flag": "go"}}]),
     # holds the node in the verb's …ing state until the flag is set

@@ -7,8 +7,10 @@ step returned), failure or abort moves it to ``failed`` naming the workflow and 
 polling: the end of the workflow is what queues it. A second run finds the node moved on and
 does nothing, so it is safe to repeat.
 
-Facts reported by agents land here too: bcd's ``observedGeneration`` (a ``node.converge``
-result) and the power state a ``power.setPower`` left.
+A new host section also queues ``metal-host:<node id>`` in the same transaction (an outbox in the
+work queue): ``converge_host`` sends bcd a ``node.converge`` of that generation and keeps the
+``observedGeneration`` bcd reports. Facts reported by agents land here too: that generation (from
+any ``node.converge`` result) and the power state a ``power.setPower`` left.
 """
 
 from __future__ import annotations
@@ -20,17 +22,31 @@ from typing import TYPE_CHECKING, Any
 from better_compute.app import App
 from better_compute.core.errors import BcError
 from better_compute.metal.lifecycle import TRANSITIONS
-from better_compute.provision import BUILTIN_CONFIG_UNITS, resolve_host_section
+from better_compute.provision import BUILTIN_CONFIG_UNITS, resolve_host_section, step_not_ready
+from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 
-from . import metal_store, store
+from . import metal_store, queue, store
 from .node_events import node_event
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["METAL_OWNER", "node_view_extra", "reconcile_metal", "record_command_result", "reopen_node"]
+__all__ = [
+    "HOST_KEY_PREFIX",
+    "HOST_OWNER",
+    "METAL_OWNER",
+    "converge_host",
+    "node_view_extra",
+    "reconcile_metal",
+    "record_command_result",
+    "reopen_node",
+]
 
 METAL_OWNER = "metal"
+HOST_OWNER = "metal-host"
+HOST_KEY_PREFIX = "host:g"  # the node.converge of generation g: host:g<g>
+HOST_CONVERGE_S = 3600  # bcd has this long to come up and apply a host section
+HOST_LOOK_MS = 10_000  # a converge still live is looked at again this soon (its event is sooner)
 _BY_RUNNING = {t.running: t for t in TRANSITIONS.values()}
 _POWER = {"on": "on", "off": "off", "softOff": "off", "cycle": "on", "reset": "on"}
 
@@ -69,6 +85,8 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
                 node["id"], transition.done, json.dumps(section) if section is not None else None,
                 transition.verb in ("release", "retire"),
             )  # fmt: skip
+            if section is not None:
+                await queue.queue_now(conn, queue.owner_key(HOST_OWNER, node["id"]))
         else:
             step = await conn.fetchrow(metal_store.STOPPED_STEP, workflow_id)
             if error is None:
@@ -87,6 +105,41 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
             row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
     engine.log.info("metal_node_moved", node_id=row["id"], state=row["state"], workflow_id=workflow_id)
     await node_event(engine.publish, row)
+
+
+async def converge_host(engine: Engine, node_id: str) -> None:
+    """Send bcd the node's host section (``node.converge`` of its generation) until it reports
+    that generation applied; its settle event wakes this key, a live one is looked at again."""
+    node = await engine.db.fetchrow(store.NODE, node_id)
+    if node is None or node["host_section"] is None or node["observed_generation"] >= node["generation"]:
+        return
+    generation = node["generation"]
+    units = (_json(node["host_section"]) or {}).get("units") or []
+    view = await engine.cmdq.enqueue(
+        EnqueueCommand(
+            node_id=node_id,
+            site_id=node["site_id"],
+            kind="node.converge",
+            payload={"generation": generation, "units": units},
+            key=f"{HOST_KEY_PREFIX}{generation}",
+            target="node",
+            timeout_ms=HOST_CONVERGE_S * 1000,
+            tenant_id=node["tenant_id"],
+        )
+    )
+    if view.state in LIVE_STATES:
+        raise step_not_ready(HOST_LOOK_MS)
+    if view.state == "succeeded":
+        result = json.loads(view.result) if view.result else None
+        await record_command_result(engine, node_id, "node.converge", None, result)
+        return
+    message = f"node.converge {view.state}" + (f": {view.reason}" if view.reason else "")
+    error = {"code": "DRIVER_ERROR", "reason": "host-section-not-applied", "message": message,
+             "generation": generation, "commandId": view.id}  # fmt: skip
+    row = await engine.db.fetchrow(metal_store.SET_LAST_ERROR, node_id, json.dumps(error))
+    engine.log.warning("host_section_not_applied", node_id=node_id, generation=generation, state=view.state)
+    if row is not None:
+        await node_event(engine.publish, row)
 
 
 async def reopen_node(conn: Any, wf: Any) -> Any:

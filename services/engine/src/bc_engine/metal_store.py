@@ -60,6 +60,7 @@ OBSERVED_GENERATION = (
     "UPDATE nodes SET observed_generation = $2, updated_at = now()"
     " WHERE id = $1 AND observed_generation < $2 AND $2 <= generation RETURNING *"
 )
+SET_LAST_ERROR = "UPDATE nodes SET last_error = $2, updated_at = now() WHERE id = $1 RETURNING *"
 POWER_STATE = (
     "UPDATE nodes SET power_state = $2, updated_at = now()"
     " WHERE id = $1 AND power_state IS DISTINCT FROM $2 RETURNING *"

@@ -25,7 +25,7 @@ from . import queue, store
 from .api import EngineApi
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
 from .images_api import image_signers, write_image_signers
-from .metal_lifecycle import METAL_OWNER, reconcile_metal
+from .metal_lifecycle import HOST_KEY_PREFIX, HOST_OWNER, METAL_OWNER, converge_host, reconcile_metal
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -87,7 +87,7 @@ class EngineService(Service):
             instance=self.leases.owner,  # settles are fenced on this life's leases
             log=self.log,
             publish=self.publish_event,
-            owners={METAL_OWNER: reconcile_metal, **_owner_reconcilers(self.app)},
+            owners={METAL_OWNER: reconcile_metal, HOST_OWNER: converge_host, **_owner_reconcilers(self.app)},
         )
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
         self.engine_api = EngineApi(
@@ -135,6 +135,8 @@ class EngineService(Service):
         except msgspec.MsgspecError:
             return
         if event.workflow_id is None:
+            if event.key.startswith(HOST_KEY_PREFIX):  # a host section's converge: its node's key
+                await self.wake(queue.owner_key(HOST_OWNER, event.node_id))
             return
         rkey = self._rkeys.get(event.workflow_id)
         if rkey is None:

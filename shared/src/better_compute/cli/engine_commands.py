@@ -431,7 +431,8 @@ async def _watch(api: ApiClient, settings: Settings, workflow_id: str, *, as_jso
         await sub.unsubscribe()
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: Any, common: argparse.ArgumentParser) -> Any:
+    """The engine's command groups; returns ``bcx nodes``'s subcommands (metal adds to them)."""
     tenant = argparse.ArgumentParser(add_help=False)
     tenant.add_argument("--tenant", default="root", help="tenant (default root)")
 
@@ -533,3 +534,4 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = wfs.add_parser("watch", parents=[common], help="show each step live until the workflow ends")
     p.add_argument("id")
     p.set_defaults(func=workflows_watch)
+    return nodes

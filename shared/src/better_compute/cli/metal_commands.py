@@ -1,0 +1,286 @@
+"""``bcx nodes enroll|show`` and the lifecycle verbs: ``bcx inspect|commission|deploy|release|
+retire|adopt <node>`` and ``bcx bulk <verb> --selector site=lab1,rack=r12``.
+
+The BMC credential is read from a file (``--bmc-credentials-file``) or asked for at the terminal,
+never taken as an argument value (argument values end up in shell history and ``ps``); it is
+stored through bc-secrets as the node's standing secret and the node names it by reference only.
+Nothing here prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from ..core.errors import BcError, ErrorCode
+from ..core.ids import new_id, parse_id
+from ..logging import register_secret
+from ..metal.lifecycle import VERBS, parse_bmc_url, parse_selector
+from ..secrets_client import SecretsClient
+from .common import api_client
+from .output import print_json, print_table
+
+__all__ = ["read_credentials", "register"]
+
+
+def read_credentials(path: str | None, *, user: str | None, interactive: bool) -> bytes | None:
+    """The BMC credential as the site agent reads it: JSON ``{"username", "password"}``.
+
+    From ``path`` (that JSON, or one line ``username:password``), else asked at the terminal
+    when ``interactive``; None when there is none to give (a BMC without authentication).
+
+    Raises:
+        BcError: ``INVALID_INPUT`` at ``bmcCredentialsFile`` for an unreadable or malformed file
+            (the message never quotes it).
+    """
+    if path is not None:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as exc:
+            raise BcError(
+                ErrorCode.INVALID_INPUT, f"cannot read {path}: {exc.strerror}", {"path": "bmcCredentialsFile"}
+            ) from None
+        username, password = _parse_credentials(text, path)
+    elif interactive:
+        username = user or input("BMC username: ").strip()
+        password = getpass.getpass("BMC password: ")
+    else:
+        return None
+    register_secret(password)
+    return json.dumps({"username": username, "password": password}).encode()
+
+
+def _parse_credentials(text: str, path: str) -> tuple[str, str]:
+    bad = BcError(
+        ErrorCode.INVALID_INPUT,
+        f'{path} holds {{"username": …, "password": …}} or one line username:password',
+        {"path": "bmcCredentialsFile"},
+    )
+    if text.startswith("{"):
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            raise bad from None
+        username, password = doc.get("username"), doc.get("password")
+    else:
+        username, sep, password = text.partition(":")
+        if not sep or "\n" in text:
+            raise bad
+    if not isinstance(username, str) or not isinstance(password, str) or not username or not password:
+        raise bad
+    return username, password
+
+
+async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
+    node_id = parse_id(args.id, "node", path="id") if args.id else new_id("node")
+    request: dict[str, Any] = {"siteId": args.site, "id": node_id, "tenantId": args.tenant}
+    request["macs"] = list(args.mac or [])
+    request["labels"] = _pairs(args.label)
+    credential = None
+    if args.bmc is not None:
+        bmc = parse_bmc_url(args.bmc)
+        if args.bmc_insecure:
+            bmc["insecure"] = True
+        request["bmc"] = bmc
+        if bmc["driver"] != "sim":
+            interactive = not args.no_prompt and sys.stdin.isatty()
+            credential = read_credentials(
+                args.bmc_credentials_file, user=args.bmc_user, interactive=interactive
+            )
+    elif args.bmc_credentials_file is not None:
+        raise BcError(ErrorCode.INVALID_INPUT, "--bmc-credentials-file needs --bmc", {"path": "bmc"})
+    async with api_client(settings) as api:
+        if credential is not None:
+            info = await SecretsClient(api).put_for_node(
+                credential, tenant_id=args.tenant, node_id=node_id, label="bmc"
+            )
+            request["bmc"]["credentialsRef"] = info.ref
+        node = await api.call("engine", "metal.enroll", request)
+    if args.json:
+        print_json(node)
+        return 0
+    bmc_doc = node.get("bmc") or {}
+    print(f"{node['id']} {node['state']}  site {node['siteId']}")
+    if bmc_doc:
+        ref = bmc_doc.get("credentialsRef") or "no credential"
+        print(f"  bmc {bmc_doc['driver']} {bmc_doc['address']} ({ref})")
+    return 0
+
+
+def _pairs(items: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BcError(ErrorCode.INVALID_INPUT, f"labels are key=value, got {item!r}", {"path": "label"})
+        out[key] = value
+    return out
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, int):
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def show_lines(node: dict[str, Any]) -> list[str]:
+    """``bcx nodes show`` as text: state, power, inventory, host section, current workflow."""
+    lines = [
+        f"node        {node['id']}",
+        f"state       {node['state']}",
+        f"site        {node['siteId']}  (tenant {node['tenantId']})",
+        f"labels      {','.join(f'{k}={v}' for k, v in node['labels'].items()) or '-'}",
+        f"macs        {', '.join(node['macs']) or '-'}",
+        f"power       {node.get('powerState') or 'unknown'}",
+        f"image       {node.get('image') or '-'}",
+        f"generation  {node['generation']} (observed {node['observedGeneration']})",
+    ]
+    bmc = node.get("bmc")
+    if bmc:
+        system = f" {bmc['systemId']}" if bmc.get("systemId") else ""
+        lines.append(f"bmc         {bmc['driver']} {bmc['address']}{system}")
+    else:
+        lines.append("bmc         -")
+    reason = node.get("stateReason")
+    if reason:
+        lines.append(
+            f"failed      workflow {reason.get('workflowId')} ({reason.get('verb')}) at step "
+            f"{reason.get('step')}: {reason.get('code')}: {reason.get('message')}"
+        )
+    inv = node.get("inventorySummary")
+    if inv:
+        lines.append(
+            f"inventory   {inv.get('cpuModel') or '?'} ({inv.get('cores') or '?'} cores), "
+            f"{_size(inv.get('memoryBytes'))}, {inv.get('disks') or 0} disks, {inv.get('nics') or 0} NICs, "
+            f"{inv.get('gpus') or 0} GPUs"
+        )
+    section = node.get("hostSection") or {}
+    units = section.get("units") or []
+    lines.append(f"host        {', '.join(u['name'] for u in units) if units else '-'}")
+    wf = node.get("currentWorkflow")
+    if wf:
+        step = wf.get("step") or {}
+        lines.append(f"workflow    {wf['id']} {wf['state']} ({wf['profileId']})")
+        if step:
+            lines.append(f"  step      {step['index']} {step['action']}")
+        if wf.get("waitingFor"):
+            lines.append(f"  waits for {json.dumps(wf['waitingFor'], separators=(',', ':'))}")
+        if wf.get("batchId"):
+            lines.append(f"  batch     {wf['batchId']} (destructive commands wait for its approvals)")
+    return lines
+
+
+async def nodes_show(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        node = await api.call("engine", "nodes.get", {"id": args.id})
+    if args.json:
+        print_json(node)
+    else:
+        print("\n".join(show_lines(node)))
+    return 0
+
+
+def _verb_request(args: argparse.Namespace) -> dict[str, Any]:
+    request: dict[str, Any] = {}
+    if args.tenant is not None:
+        request["tenantId"] = args.tenant
+    if args.profile is not None:
+        request["profile"] = args.profile
+    if getattr(args, "image", None) is not None:
+        request["image"] = args.image
+    return request
+
+
+async def run_verb(args: argparse.Namespace, settings: Settings) -> int:
+    request = {"nodeId": args.node, **_verb_request(args)}
+    async with api_client(settings) as api:
+        got = await api.call("engine", f"metal.{args.verb}", request)
+    if args.json:
+        print_json(got)
+        return 0
+    profile = f"{got['profile']['id']}@{got['profile']['version']}"
+    print(f"{got['nodeId']} {got['state']}: workflow {got['workflowId']} ({profile})")
+    if got.get("batchId"):
+        print(f"  destructive commands wait for the approvals of batch {got['batchId']}")
+    return 0
+
+
+async def run_bulk(args: argparse.Namespace, settings: Settings) -> int:
+    request: dict[str, Any] = {"verb": args.verb, **_verb_request(args)}
+    if (args.selector is None) == (not args.node):
+        raise BcError(ErrorCode.INVALID_INPUT, "give --selector or --node (not both)", {"path": "selector"})
+    if args.selector is not None:
+        request["selector"] = parse_selector(args.selector)
+    else:
+        request["nodeIds"] = list(args.node)
+    async with api_client(settings) as api:
+        got = await api.call("engine", "metal.bulk", request)
+    if args.json:
+        print_json(got)
+        return 0
+    rows = [{"node": s["nodeId"], "outcome": s["state"], "detail": s["workflowId"]} for s in got["started"]]
+    rows += [{"node": r["nodeId"], "outcome": "refused", "detail": r["message"]} for r in got["refused"]]
+    print_table(rows, [("node", "NODE"), ("outcome", "OUTCOME"), ("detail", "WORKFLOW / REASON")])
+    print(f"{len(got['started'])} started, {len(got['refused'])} refused")
+    if got.get("batchId"):
+        print(f"one batch for all of them: {got['batchId']} (bcx batches approve {got['batchId']})")
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
+    """``nodes enroll|show`` under ``bcx nodes``; the verbs and ``bulk`` at the top."""
+    p = nodes.add_parser("enroll", parents=[common], help="enroll a machine: its MACs, BMC and credential")
+    p.add_argument("--site", required=True, help="site id")
+    p.add_argument("--id", help="node id (node_…); new one by default")
+    p.add_argument("--tenant", default="root", help="tenant (default root)")
+    p.add_argument("--mac", action="append", help="MAC address, repeatable")
+    p.add_argument("--label", action="append", help="key=value, repeatable")
+    p.add_argument("--bmc", help="redfish://host[:port]/redfish/v1/Systems/1, ipmi://host, sim://name")
+    p.add_argument(
+        "--bmc-credentials-file",
+        help='a file with {"username": …, "password": …} or username:password (else asked for)',
+    )
+    p.add_argument("--bmc-user", help="the BMC username when the password is asked for")
+    p.add_argument("--bmc-insecure", action="store_true", help="do not verify the BMC's TLS certificate")
+    p.add_argument("--no-prompt", action="store_true", help="never ask for a credential")
+    p.set_defaults(func=nodes_enroll)
+    p = nodes.add_parser("show", parents=[common], help="state, power, inventory, host section, workflow")
+    p.add_argument("id")
+    p.set_defaults(func=nodes_show)
+
+    helps = {
+        "inspect": "boot the node and record its inventory",
+        "commission": "inspect and wipe: the node becomes ready",
+        "deploy": "install an image on a ready node",
+        "release": "wipe a deployed node: it becomes ready again",
+        "retire": "erase the node for good",
+        "adopt": "take over a machine that already runs: it becomes deployed",
+    }
+    for verb in VERBS:
+        p = sub.add_parser(verb, parents=[common], help=helps[verb])
+        p.add_argument("node", help="node id")
+        _verb_flags(p, verb)
+        p.set_defaults(func=run_verb, verb=verb)
+    p = sub.add_parser("bulk", parents=[common], help="one verb over many nodes, under one batch")
+    p.add_argument("verb", choices=list(VERBS))
+    p.add_argument("--selector", help="site=lab1,rack=r12: site and labels that must all match")
+    p.add_argument("--node", action="append", help="node id, repeatable (instead of --selector)")
+    _verb_flags(p, "deploy")
+    p.set_defaults(func=run_bulk)
+
+
+def _verb_flags(p: argparse.ArgumentParser, verb: str) -> None:
+    p.add_argument("--tenant", help="the nodes' tenant (refuses others)")
+    p.add_argument("--profile", help="this profile instead of the verb's")
+    if verb == "deploy":
+        p.add_argument("--image", help="name@version from the image catalog")

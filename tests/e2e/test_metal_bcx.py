@@ -1,0 +1,129 @@
+"""bcx metal: enroll with a BMC credential from a file (stored through bc-secrets, never echoed),
+nodes show, the verbs and bulk; bcx a subprocess, every service its own process."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import msgspec
+import pytest_asyncio
+from test_bcx_operator import bcx, ok_json
+
+from better_compute.cmdq_client import CommandQueueClient
+from better_compute.config import Settings
+from better_compute.pki_client import PkiClient
+from better_compute.secrets_client import SecretsClient
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.agents import SimAgent, start_sim_agent
+from engine_test_app import TABLES
+
+PASSWORD = "pw-Zq8-never-shown"
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def settings(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[Settings]:
+    settings = msgspec.structs.replace(bc_settings, app="metal_test_app:app")
+    bc_processes.settings = settings
+    bc_processes.extra_env.update(BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms")
+    for name in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
+        bc_processes.start(name)
+    await bc_processes.wait_ready()
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await conn.execute(TABLES)
+    finally:
+        await conn.close()
+    sim: SimAgent
+    sim, _agent = await start_sim_agent(
+        settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=CommandQueueClient(bc_api)
+    )
+    try:
+        yield settings
+    finally:
+        sim.close()
+
+
+async def _state(api: ApiClient, node: str, state: str) -> bool:
+    doc = await api.call("engine", "nodes.get", {"id": node})
+    assert doc["state"] != "failed", doc["stateReason"]
+    return bool(doc["state"] == state)
+
+
+async def test_enroll_reads_the_credential_from_a_file_and_never_echoes_it(
+    settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> None:
+    creds = tmp_path / "bmc.json"
+    creds.write_text(json.dumps({"username": "admin", "password": PASSWORD}))
+    bmc = "redfish://10.9.8.7:8443/redfish/v1/Systems/1"
+    out = await bcx(settings, "nodes", "enroll", "--site", "lab1", "--mac", "52:54:00:12:34:56",
+                    "--label", "rack=r1", "--bmc", bmc, "--bmc-credentials-file", str(creds))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert PASSWORD not in out.stdout + out.stderr
+    node = re.match(r"^(node_\w+) enrolled  site lab1$", out.stdout.splitlines()[0])
+    assert node is not None, out.stdout
+    assert re.search(r"bmc redfish https://10\.9\.8\.7:8443 \(sec_\w+\)", out.stdout), out.stdout
+
+    doc = await ok_json(settings, "nodes", "show", node[1])
+    ref = doc["bmc"]["credentialsRef"]
+    assert doc["bmc"] == {
+        "driver": "redfish",
+        "address": "https://10.9.8.7:8443",
+        "systemId": "/redfish/v1/Systems/1",
+        "credentialsRef": ref,
+        "insecure": False,
+    }
+    # stored through bc-secrets as the node's own secret: the value the site agent will read
+    assert json.loads(await SecretsClient(bc_api).get(ref)) == {"username": "admin", "password": PASSWORD}
+
+    shown = await bcx(settings, "nodes", "show", node[1])
+    assert "state       enrolled" in shown.stdout
+    assert "bmc         redfish https://10.9.8.7:8443 /redfish/v1/Systems/1" in shown.stdout
+    # a credential inside the URL is refused, and not repeated back either
+    inline = f"redfish://admin:{PASSWORD}@10.0.0.1"
+    bad = await bcx(settings, "nodes", "enroll", "--site", "lab1", "--bmc", inline)
+    assert bad.returncode != 0
+    assert "INVALID_INPUT" in bad.stderr
+    assert PASSWORD not in bad.stdout + bad.stderr
+    for proc in bc_processes.procs:
+        assert PASSWORD not in proc.output(), proc.instance
+
+
+async def test_verbs_show_and_bulk_through_bcx(settings: Settings, bc_api: ApiClient) -> None:
+    made = await ok_json(settings, "nodes", "enroll", "--site", "lab1", "--bmc", "sim://bmc-1",
+                         "--label", "rack=r2")  # fmt: skip
+    node = made["id"]
+    refused = await bcx(settings, "deploy", node, "--image", "ubuntu@24.04")
+    assert refused.returncode != 0
+    assert f"node {node} is enrolled; deploy needs ready" in refused.stderr
+
+    out = await bcx(settings, "inspect", node)
+    assert out.returncode == 0, out.stderr
+    assert re.match(rf"^{node} inspecting: workflow wf_\w+ \(t\.inspect@1\)$", out.stdout.strip())
+    await until(lambda: _state(bc_api, node, "inspected"))
+    assert (await bcx(settings, "commission", node)).returncode == 0
+    await until(lambda: _state(bc_api, node, "ready"))
+    started = await ok_json(settings, "deploy", node, "--image", "ubuntu@24.04")
+    assert started["state"] == "deploying"
+    await until(lambda: _state(bc_api, node, "deployed"))
+    shown = (await bcx(settings, "nodes", "show", node)).stdout
+    for line in ("state       deployed", "power       on", "image       ubuntu@24.04", "host        sysctl",
+                 "generation  2 (observed 0)"):  # fmt: skip
+        assert line in shown, shown
+
+    others = [(await ok_json(settings, "nodes", "enroll", "--site", "lab1", "--label", "rack=r2"))["id"]
+              for _ in range(2)]  # fmt: skip
+    bulk = await bcx(settings, "bulk", "adopt", "--selector", "site=lab1,rack=r2")
+    assert bulk.returncode == 0, bulk.stderr
+    assert "2 started, 1 refused" in bulk.stdout
+    assert f"node {node} is deployed; adopt needs" in bulk.stdout
+    for other in others:
+        await until(lambda other=other: _state(bc_api, other, "deployed"))  # type: ignore[misc]
+    as_json = await ok_json(settings, "bulk", "release", "--node", others[0], "--node", node)
+    assert sorted(s["nodeId"] for s in as_json["started"]) == sorted([others[0], node])
