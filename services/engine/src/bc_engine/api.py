@@ -74,8 +74,8 @@ class EngineApi:
 
     async def nodes_create(self, req: ApiRequest) -> m.NodeView:
         """A node in ``enrolled`` (``metal.enroll`` also enrolls a discovered one)."""
-        refuse_inline_secret(req)
         body = req.decode(m.CreateNode)
+        refuse_inline_secret(req)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
         async with self.db.transaction() as conn:
@@ -128,8 +128,8 @@ class EngineApi:
     async def nodes_update(self, req: ApiRequest) -> m.NodeView:
         """Replace the node's site and/or all its labels (the bounds of ``nodes.create``); the
         site only while no workflow runs on the node (its commands go to that site)."""
-        refuse_inline_secret(req)
         body = req.decode(m.UpdateNode)
+        refuse_inline_secret(req)
         if body.labels is not None:
             check_labels(body.labels)
         async with self.db.transaction() as conn:
