@@ -19,7 +19,7 @@ from .documents import check_document, check_labels, node_doc, workflow_doc
 from .images_api import ImagesApi
 from .metal_api import MetalApi, bmc_json, check_macs, refuse_inline_secret
 from .metal_lifecycle import current_workflow, reopen_node
-from .node_events import node_event
+from .node_events import node_event, node_removed
 from .profiles import FoundProfile, ProfileStore, parse_document
 from .resolve import Resolution, resolve_profile
 
@@ -168,7 +168,7 @@ class EngineApi:
             await self._refuse_busy(conn, body.id, "delete it")
             await conn.execute(store.DETACH_NODE_WORKFLOWS, body.id)
             await conn.execute(store.DELETE_NODE, body.id)
-        await self.publish("node", body.id, {"nodeId": body.id, "deleted": True})
+        await node_removed(self.publish, body.id)
         return m.NodeDeleted(deleted=body.id)
 
     # -- steps ----------------------------------------------------------------

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_LABEL_VALUE",
     "MAX_REASON",
     "MAX_STEP_INPUT_BYTES",
+    "NODE_EVENTS",
     "SERVICE",
     "BatchCreated",
     "CreateNode",
@@ -45,8 +46,11 @@ __all__ = [
     "ListProfiles",
     "ListSteps",
     "ListWorkflows",
+    "NodeChanged",
     "NodeDeleted",
+    "NodeEvent",
     "NodeList",
+    "NodeRemoved",
     "NodeView",
     "Problem",
     "ProfileDeleted",
@@ -72,6 +76,7 @@ __all__ = [
     "WorkflowStep",
     "WorkflowVerb",
     "WorkflowView",
+    "decode_node_event",
     "decode_workflow_event",
 ]
 
@@ -89,6 +94,8 @@ SERVICE: Final = "engine"
 """The service token of every route: ``bc.api.engine.<resource>.<verb>``."""
 EVENTS: Final = "workflow"
 """The kind of the engine's events: ``bc.events.workflow.<workflow id>`` (``WorkflowEvent``)."""
+NODE_EVENTS: Final = "node"
+"""The kind of a node's events: ``bc.events.node.<node id>`` (``NodeEvent``)."""
 
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
 Version = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
@@ -509,5 +516,43 @@ def decode_workflow_event(data: bytes) -> WorkflowEvent | None:
     workflow then)."""
     try:
         return _workflow_events.decode(data)
+    except msgspec.MsgspecError:
+        return None
+
+
+# -- events on bc.events.node.<id> --------------------------------------------------------
+#
+# Every change of a node, as a wake-up: ``nodes.get`` is the truth.
+
+
+class NodeChanged(_Event, frozen=True, kw_only=True, tag="changed"):
+    """The node was created, updated, labelled, moved state, or has a new generation, observed
+    generation or power; ``verb`` names the request that changed it, when one did."""
+
+    node_id: str
+    state: str
+    workflow_id: str | None
+    generation: int
+    observed_generation: int
+    power_state: str | None
+    verb: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class NodeRemoved(_Event, frozen=True, kw_only=True, tag="deleted"):
+    """``nodes.delete`` forgot the node."""
+
+    node_id: str
+    deleted: bool = True
+
+
+NodeEvent = NodeChanged | NodeRemoved
+
+_node_events = msgspec.json.Decoder(NodeEvent)
+
+
+def decode_node_event(data: bytes) -> NodeEvent | None:
+    """The event in ``data``, or None for anything that is not one."""
+    try:
+        return _node_events.decode(data)
     except msgspec.MsgspecError:
         return None
