@@ -112,14 +112,14 @@ async def test_the_pages_autoinstall_profile_runs_to_succeeded(stack: Stack) -> 
     # the installed OS comes up and its bcd joins for this node
     await stack.agent("site-a", node_id=node)
     done = await wait_workflow(stack.api, wf_id, timeout=60)
-    assert done["state"] == "succeeded", done
-    assert [s["use"] if "use" in s else s["action"] for s in done["steps"]] == [
+    assert done.state == "succeeded", done
+    assert [s.action for s in done.steps] == [
         "autoinstall.renderIso", "media.insert", "management.setBootDevice", "power.setPower",
         "wait.agentJoined", "media.eject",
     ]  # fmt: skip
-    iso = done["steps"][0]["result"]["url"]
-    assert done["steps"][1]["result"]["url"] == iso  # fromStep, read from the store
-    assert done["steps"][4]["result"]["agentId"] == node
+    iso = done.steps[0].result["url"]
+    assert done.steps[1].result["url"] == iso  # fromStep, read from the store
+    assert done.steps[4].result["agentId"] == node
 
     commands = await stack.commands(wf_id)
     assert {k: (v.kind, v.target, v.state) for k, v in commands.items()} == {
@@ -141,7 +141,7 @@ async def test_ensure_ramdisk_woken_while_a_command_runs_sends_nothing_twice(sta
     ramdisk = {"kernel": "https://cache.site-b/vmlinuz", "initrd": "https://cache.site-b/initrd"}
     wf_id = await stack.run("ramdisk", node, [{"use": "metal.ensureRamdisk", "on": "site", "with": ramdisk}])
     done = await wait_workflow(stack.api, wf_id, timeout=60)
-    assert done["state"] == "succeeded", done
+    assert done.state == "succeeded", done
     commands = await stack.commands(wf_id)
     assert sorted(commands) == ["0#1:boot-device", "0#1:netboot-0", "0#1:netboot-1", "0#1:power-cycle"]
     entries = [await stack.cq.get(commands[f"0#1:netboot-{i}"].id) for i in (0, 1)]
@@ -156,8 +156,8 @@ async def test_an_unattested_wipe_fails_the_step_and_the_node_does_not_move(stac
     before = await stack.node_state(node)
     wf_id = await stack.run("wipe", node, [{"use": "disk.wipe", "with": {"mode": "quick"}}])
     done = await wait_workflow(stack.api, wf_id, timeout=60)
-    assert done["state"] == "failed", done
-    error = done["steps"][0]["error"]
+    assert done.state == "failed", done
+    error = done.steps[0].error
     assert (error["code"], error["details"]["reason"]) == ("UNAUTHENTICATED", "not-attested")
     [wipe] = (await stack.commands(wf_id)).values()
     assert (wipe.kind, wipe.state, wipe.attested) == ("node.wipe", "succeeded", False)
@@ -170,14 +170,14 @@ async def test_a_signed_inventory_is_stored_on_the_node(stack: Stack) -> None:
     await stack.agent("site-d", node_id=node)  # signs with the node's key
     wf_id = await stack.run("inspect", node, [{"use": "inspect.collect"}])
     done = await wait_workflow(stack.api, wf_id, timeout=60)
-    assert done["state"] == "succeeded", done
-    assert done["steps"][0]["result"]["attested"] is True
+    assert done.state == "succeeded", done
+    assert done.steps[0].result["attested"] is True
     _, inventory = await stack.node_state(node)
     # the simulated bcd's answer, as it signed it
     assert inventory == {
         "ok": True,
         "kind": "node.inventory",
-        "commandId": done["steps"][0]["result"]["commandId"],
+        "commandId": done.steps[0].result["commandId"],
     }
 
 
@@ -187,8 +187,8 @@ async def test_a_node_without_a_bmc_fails_the_bmc_step_with_its_reason(stack: St
         "power-off", node, [{"use": "power.setPower", "on": "site", "with": {"action": "off"}}]
     )
     done = await wait_workflow(stack.api, wf_id, timeout=60)
-    error = done["steps"][0]["error"]
-    assert (done["state"], error["code"], error["details"]["reason"]) == ("failed", "INVALID_STATE", "no-bmc")
+    error = done.steps[0].error
+    assert (done.state, error["code"], error["details"]["reason"]) == ("failed", "INVALID_STATE", "no-bmc")
     assert await stack.commands(wf_id) == {}
 
 
