@@ -95,7 +95,7 @@ async def test_bcx_drives_commands_agents_and_the_batch_quorum(
         out = json.loads(both.stdout)
         assert [b["id"] for b in out["batches"]] == more
         assert [(e["id"], e["code"]) for e in out["errors"]] == [(ghost, "NOT_FOUND")]
-    assert [(await cq.get_batch(b)).state for b in more] == ["approved", "approved"]
+    assert [(await cq.get_batch(id=b)).state for b in more] == ["approved", "approved"]
     quorum = await bcx(s, "quorum", "show")
     assert quorum.returncode == 0, quorum.stderr
     assert "threshold 2 of 2" in quorum.stdout
@@ -112,7 +112,7 @@ async def test_bcx_drives_commands_agents_and_the_batch_quorum(
     assert [c["id"] for c in page["commands"]] == [wipe.id]
     cancelled = await bcx(s, "commands", "cancel", wipe.id, "--reason", "wrong rack")
     assert cancelled.stdout.strip() == f"cancelled {wipe.id}"
-    assert (await cq.get(wipe.id)).reason == "wrong rack"
+    assert (await cq.get(id=wipe.id)).reason == "wrong rack"
     nothing = await ok_json(s, "commands", "cancel", wipe.id)
     assert nothing == {"cancelled": []}
     missing = await bcx(s, "commands", "get", new_id("cmd"), "--json")

@@ -87,15 +87,15 @@ async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(s
     await stack.engine.retry_workflow(id=wf_id)
 
     async def first_cancelled() -> bool:
-        return (await stack.cq.get(first.id)).state == "cancelled"
+        return (await stack.cq.get(id=first.id)).state == "cancelled"
 
     await until(first_cancelled)  # only then may an agent appear in lab3
     sim, _ = await stack.agent("lab3")
     done = await wait_workflow(stack.api, wf_id, timeout=60)
     assert done.state == "succeeded", done
     assert done.steps[0].attempt == 2
-    assert (await stack.cq.get(first.id)).state == "cancelled"
-    second = await stack.cq.get(done.steps[0].result["commandId"])
+    assert (await stack.cq.get(id=first.id)).state == "cancelled"
+    second = await stack.cq.get(id=done.steps[0].result["commandId"])
     assert second.key == f"wf:{wf_id}:0#2:power"
     ran = sim.executions()
     assert len(ran) == 1  # attempt 1's command never ran
@@ -115,7 +115,7 @@ async def test_abort_cancels_the_workflows_live_commands(stack: AgentStack) -> N
     await stack.engine.abort_workflow(id=wf_id)
 
     async def cancelled() -> bool:
-        return (await stack.cq.get(cmd)).state == "cancelled"
+        return (await stack.cq.get(id=cmd)).state == "cancelled"
 
     await until(cancelled)
     view = await stack.engine.get_workflow(id=wf_id)
@@ -140,7 +140,7 @@ async def test_a_command_that_settles_while_the_engine_is_down_is_still_picked_u
     await stack.agent("lab5")
 
     async def settled() -> bool:
-        return (await stack.cq.get(cmd)).state == "succeeded"
+        return (await stack.cq.get(id=cmd)).state == "succeeded"
 
     await until(settled)
     bc_processes.start("bc-engine")  # nothing wakes it for this key: only the safety net can

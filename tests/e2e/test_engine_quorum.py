@@ -69,7 +69,7 @@ async def test_destructive_steps_wait_for_m_of_n_approvals_of_the_workflows_batc
             view = await engine_api.get_workflow(id=wf.id)
             return view.batch_id  # type: ignore[no-any-return]
 
-        batch = await cq.get_batch(await until(batch_id))
+        batch = await cq.get_batch(id=await until(batch_id))
         # the scope was fixed from what the workflow can send, before it sent anything destructive
         assert (batch.kinds, batch.nodes, batch.workflow_id) == (["driver.invoke"], [node.id], wf.id)
 
@@ -82,11 +82,13 @@ async def test_destructive_steps_wait_for_m_of_n_approvals_of_the_workflows_batc
         # the non-destructive step ran and carries no batch; the destructive one waits
         [power] = (await cq.list_commands(workflow_id=wf.id, kind="power.setPower")).commands
         assert (power.state, power.batch_id) == ("succeeded", None)
-        await cq.approve_batch(batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"]))
-        assert (await cq.get(cmd.id)).state == "pending"  # type: ignore[attr-defined]
+        await cq.approve_batch(
+            batch_id=batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"])
+        )
+        assert (await cq.get(id=cmd.id)).state == "pending"  # type: ignore[attr-defined]
         assert (await engine_api.get_workflow(id=wf.id)).state == "running"
 
-        await cq.approve_batch(batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"]))
+        await cq.approve_batch(batch_id=batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"]))
         done = await wait_workflow(bc_api, wf.id, timeout=60)
         assert done.state == "succeeded", done
         assert done.steps[1].result["result"]["kind"] == "driver.invoke"

@@ -242,7 +242,7 @@ async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enque
 
     await until(second_attempt_sent)
     # attempt 1's command was on another node than the workflow's: cancelled all the same
-    assert (await stack.cq.get(first.id)).state == "cancelled"
+    assert (await stack.cq.get(id=first.id)).state == "cancelled"
 
     # an engine that lost its shard but still runs attempt 1 cannot send anything for it now
     def late(key: str) -> EnqueueCommand:
@@ -268,23 +268,23 @@ async def test_a_new_attempt_revokes_the_tokens_and_secrets_of_the_one_it_supers
     failed = await wait_workflow(stack.api, wf_id, timeout=30)
     assert failed.state == "failed", failed
     first = failed.steps[0].error["details"]
-    assert (await stack.pki.get_join_token(first["joinTokenId"])).state == "active"
+    assert (await stack.pki.get_join_token(join_token_id=first["joinTokenId"])).state == "active"
 
     await stack.engine.retry_workflow(id=wf_id)
 
     async def revoked() -> bool:
-        return (await stack.pki.get_join_token(first["joinTokenId"])).state == "revoked"
+        return (await stack.pki.get_join_token(join_token_id=first["joinTokenId"])).state == "revoked"
 
     await asyncio.wait_for(until(revoked), 30)  # attempt 1's token cannot join any more
     with pytest.raises(BcError) as gone:
-        await stack.secrets.get(first["secretRef"])
+        await stack.secrets.get(ref=first["secretRef"])
     assert gone.value.reason == "secret-revoked"
     failed = await wait_workflow(stack.api, wf_id, timeout=30)
     second = failed.steps[0].error["details"]
     assert second["attempt"] == 2
     assert second["joinTokenId"] != first["joinTokenId"]
-    assert (await stack.pki.get_join_token(second["joinTokenId"])).state == "active"
-    assert (await stack.secrets.get(second["secretRef"])).startswith(b"rendered with ")
+    assert (await stack.pki.get_join_token(join_token_id=second["joinTokenId"])).state == "active"
+    assert (await stack.secrets.get(ref=second["secretRef"])).startswith(b"rendered with ")
 
 
 async def test_an_abort_revokes_what_the_cancelled_attempt_minted(stack: AgentStack) -> None:
@@ -300,6 +300,6 @@ async def test_an_abort_revokes_what_the_cancelled_attempt_minted(stack: AgentSt
     await stack.engine.abort_workflow(id=wf_id)
 
     async def revoked() -> bool:
-        return (await stack.pki.get_join_token(token.join_token_id)).state == "revoked"
+        return (await stack.pki.get_join_token(join_token_id=token.join_token_id)).state == "revoked"
 
     await asyncio.wait_for(until(revoked), 30)

@@ -78,7 +78,7 @@ async def test_enroll_reads_the_credential_from_a_file_and_never_echoes_it(
         "insecure": False,
     }
     # stored through bc-secrets as the node's own secret: the value the site agent will read
-    assert json.loads(await SecretsClient(bc_api).get(ref)) == {"username": "admin", "password": PASSWORD}
+    assert json.loads(await SecretsClient(bc_api).get(ref=ref)) == {"username": "admin", "password": PASSWORD}
 
     shown = await bcx(settings, "nodes", "show", node[1])
     assert "state       enrolled" in shown.stdout

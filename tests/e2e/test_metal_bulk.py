@@ -85,7 +85,7 @@ async def test_a_bulk_release_of_50_nodes_needs_exactly_two_approvals(
         (n, "INVALID_STATE", "wrong-state") for n in sorted(late)
     ]
     # one batch for all 50 workflows, scoped before anything was sent
-    batch = await cq.get_batch(bulk["batchId"])
+    batch = await cq.get_batch(id=bulk["batchId"])
     assert (batch.kinds, sorted(batch.nodes), batch.threshold) == (["driver.invoke"], sorted(ids), 2)
     assert sorted(batch.workflow_ids) == sorted(s["workflowId"] for s in bulk["started"])
 
@@ -95,16 +95,16 @@ async def test_a_bulk_release_of_50_nodes_needs_exactly_two_approvals(
 
     await until(pending, what="50 destructive commands enqueued, held for the quorum")
     assert _destructive_runs(sim) == 0
-    await cq.approve_batch(batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"]))
-    assert (await cq.get_batch(batch.id)).state == "open"
+    await cq.approve_batch(batch_id=batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"]))
+    assert (await cq.get_batch(id=batch.id)).state == "open"
     assert await pending()  # one approval delivers nothing
     assert _destructive_runs(sim) == 0
     assert set((await _states(bc_api, ids)).values()) == {"releasing"}
 
-    await cq.approve_batch(batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"]))
+    await cq.approve_batch(batch_id=batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"]))
     await until(lambda: _all(bc_api, ids, "ready"), what="50 nodes released")
     assert _destructive_runs(sim) == N
-    assert len((await cq.get_batch(batch.id)).approvals) == 2
+    assert len((await cq.get_batch(id=batch.id)).approvals) == 2
 
     # nodes in the wrong state only: nothing starts, no batch, each one said why
     again = await bc_api.call("engine", "metal.bulk", {"verb": "release", "nodeIds": ids[:2]})

@@ -108,7 +108,7 @@ async def test_every_transition_with_agents_answering(metal: tuple[Metal, SimAge
     await m.reaches(node["id"], "inspected")
     # the power step's input had no bmc: the engine relayed the node's, credential by reference
     [power] = (await m.cq.list_commands(workflow_id=started["workflowId"], kind="power.setPower")).commands
-    full = await m.cq.get(power.id)
+    full = await m.cq.get(id=power.id)
     payload = full.payload if isinstance(full.payload, dict) else json.loads(full.payload)
     assert payload["bmc"] == STORED
     assert (await m.node(node["id"]))["powerState"] == "on"

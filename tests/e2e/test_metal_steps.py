@@ -128,7 +128,7 @@ async def test_the_pages_autoinstall_profile_runs_to_succeeded(stack: Stack) -> 
         "3#1": ("power.setPower", "site", "succeeded"),
         "5#1": ("media.eject", "site", "succeeded"),
     }
-    insert = await stack.cq.get(commands["1#1"].id)
+    insert = await stack.cq.get(id=commands["1#1"].id)
     assert insert.payload == {"url": iso, "device": "cd", "bmc": {**BMC, "insecure": False}}
     assert not any(v.destructive for v in commands.values())  # BMC steps wait for no quorum
     assert len(site.executions()) == 4  # each BMC command ran once
@@ -144,7 +144,7 @@ async def test_ensure_ramdisk_woken_while_a_command_runs_sends_nothing_twice(sta
     assert done.state == "succeeded", done
     commands = await stack.commands(wf_id)
     assert sorted(commands) == ["0#1:boot-device", "0#1:netboot-0", "0#1:netboot-1", "0#1:power-cycle"]
-    entries = [await stack.cq.get(commands[f"0#1:netboot-{i}"].id) for i in (0, 1)]
+    entries = [await stack.cq.get(id=commands[f"0#1:netboot-{i}"].id) for i in (0, 1)]
     assert [e.payload["mac"] for e in entries] == MACS
     assert len(site.executions()) == 4  # at the agent, too: one execution per command
 

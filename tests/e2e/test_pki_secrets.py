@@ -65,7 +65,7 @@ async def test_two_instances_of_each_service_serve_at_once_over_one_ca(
     )
     values = [f"value-{i}-{new_id('sec')}".encode() for i in range(12)]
     infos = await asyncio.gather(
-        *(secrets.put(v, tenant_id="root", workflow_id=wf, step=i) for i, v in enumerate(values))
+        *(secrets.put(value=v, tenant_id="root", workflow_id=wf, step=i) for i, v in enumerate(values))
     )
     await asyncio.gather(
         *(
@@ -75,7 +75,7 @@ async def test_two_instances_of_each_service_serve_at_once_over_one_ca(
         )
     )  # fmt: skip
     fetched = await asyncio.gather(
-        *(secrets.fetch(info.ref, identity=a.identity) for a, info in zip(agents, infos, strict=True))
+        *(secrets.fetch(ref=info.ref, identity=a.identity) for a, info in zip(agents, infos, strict=True))
     )
     fingerprints = {(await pki.ca()).fingerprint_sha256 for _ in range(8)}
     certs = await pki.list_certificates(site_id="site-a")
@@ -120,12 +120,12 @@ async def test_a_restart_of_either_service_loses_nothing(
         idempotency_key=f"wf:{wf}:0#1", node_id=node, mint_secret=mint_secret,
     )  # fmt: skip
     agent = await new_agent(pki, token.token)
-    ref = (await secrets.put(value, tenant_id="root", workflow_id=wf, step=1)).ref
+    ref = (await secrets.put(value=value, tenant_id="root", workflow_id=wf, step=1)).ref
     command = await enqueue_ref(
         cq, node_id=node, site_id="site-a", key=f"wf:{wf}:1#1:media", payload={"ref": ref},
         workflow_id=wf, step=1,
     )  # fmt: skip
-    assert await secrets.fetch(ref, identity=agent) == value
+    assert await secrets.fetch(ref=ref, identity=agent) == value
 
     # SIGKILL both: nothing gets to clean up
     for proc in (pki_proc, secrets_proc):
@@ -146,8 +146,8 @@ async def test_a_restart_of_either_service_loses_nothing(
     data, signature = agent.sign("agent.event", {"kind": "heartbeat"})
     verified = await pki.verify(signer_id=agent.agent_id, data=data, signature=signature)
     assert verified.cert_id == agent.cert_id
-    assert await secrets.fetch(ref, identity=agent) == value
-    assert await secrets.get(ref) == value
+    assert await secrets.fetch(ref=ref, identity=agent) == value
+    assert await secrets.get(ref=ref) == value
     tokens = await pki.list_join_tokens()
     audit = await secrets.list_fetches(ref=ref)
     assert [(t.join_token_id, t.uses, t.state) for t in tokens] == [(token.id, 2, "used")]
@@ -216,7 +216,7 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
 
     value = b"bcx-must-not-print-" + new_id("sec").encode()
     wf = new_id("wf")
-    ref = (await SecretsClient(bc_api).put(value, tenant_id="acme", workflow_id=wf, step=4)).ref
+    ref = (await SecretsClient(bc_api).put(value=value, tenant_id="acme", workflow_id=wf, step=4)).ref
     table = run_bcx(s, "secrets", "list")
     as_json = run_bcx(s, "secrets", "list", "--workflow", wf, "--json")
     shown = run_bcx(s, "secrets", "show", ref)

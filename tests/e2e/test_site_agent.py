@@ -63,7 +63,9 @@ class Site:
         self.steps += 1
         creds = json.dumps({"username": self.emulator.username, "password": self.emulator.password})
         ref = (
-            await self.secrets.put(creds.encode(), tenant_id="root", workflow_id=self.wf, step=self.steps)
+            await self.secrets.put(
+                value=creds.encode(), tenant_id="root", workflow_id=self.wf, step=self.steps
+            )
         ).ref
         bmc = {"driver": "redfish", "address": self.proxy.url, "credentialsRef": ref}
         return await self.cq.enqueue(
@@ -81,7 +83,7 @@ class Site:
 
     async def settled(self, command_id: str) -> CommandView:
         async def done() -> CommandView | None:
-            view = await self.cq.get(command_id)
+            view = await self.cq.get(id=command_id)
             return view if view.state in TERMINAL_STATES else None
 
         result: CommandView = await until(done)

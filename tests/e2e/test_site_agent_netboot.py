@@ -137,7 +137,7 @@ async def test_a_real_ipxe_client_boots_its_entry_once_then_local_disk(
     )
 
     async def settled() -> CommandView | None:
-        got = await cq.get(view.id)
+        got = await cq.get(id=view.id)
         return got if got.state in TERMINAL_STATES else None
 
     done: CommandView = await until(settled)

@@ -19,6 +19,7 @@ from better_compute.provision import ProvisionedTarget, provisioned_target_resol
 from better_compute.service import ApiClient, Database
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.workflows import wait_workflow
+from better_compute.wire.engine import WorkflowView
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ async def validate(*argv: str) -> subprocess.CompletedProcess[str]:
     return await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=120)
 
 
-async def render(api: ApiClient, node: str, user_data: dict[str, object], pid: str) -> dict[str, object]:
+async def render(api: ApiClient, node: str, user_data: dict[str, object], pid: str) -> WorkflowView:
     engine_api = EngineClient(api)
     doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "userData": user_data,
            "steps": [{"use": "userdata.render"}]}  # fmt: skip
@@ -62,7 +63,7 @@ async def test_renders_with_a_fresh_token_and_returns_only_references(
     assert result["joinTokenId"].startswith("tok_")
 
     # the control plane can read the document; the token in it is fresh, single-use, bound to the mac
-    document = (await SecretsClient(bc_api).get(result["userDataRef"])).decode()
+    document = (await SecretsClient(bc_api).get(ref=result["userDataRef"])).decode()
     assert document.startswith("#cloud-config\n")
     cfg = json.loads(document.split("\n", 1)[1])
     assert cfg["hostname"] == node.id.replace("_", "-")
@@ -105,12 +106,12 @@ async def test_named_templates_ignition_and_refusals(
     engine_api = EngineClient(bc_api)
     node = await engine_api.create_node(site_id="lab1")
     done = await render(bc_api, node.id, {"kind": "plain", "template": "plain.txt"}, "plain")
-    doc = (await SecretsClient(bc_api).get(done.steps[0].result["userDataRef"])).decode()
+    doc = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
     assert doc.startswith(f"node={node.id} host={node.id.replace('_', '-')} token=")
 
     node2 = await engine_api.create_node(site_id="lab1")
     done = await render(bc_api, node2.id, {"kind": "ignition"}, "ign")
-    doc = (await SecretsClient(bc_api).get(done.steps[0].result["userDataRef"])).decode()
+    doc = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
     assert json.loads(doc)["ignition"]["version"] == "3.3.0"
     (tmp_path / "config.ign").write_text(doc)
     checked = await validate("ignition-validate", str(tmp_path / "config.ign"))
@@ -152,7 +153,7 @@ async def test_user_data_settings_come_from_bc_toml(
     node = await EngineClient(bc_api).create_node(site_id="lab1")
     done = await render(bc_api, node.id, {"kind": "cloud-init"}, "from-toml")
     assert done.state == "succeeded", done
-    document = (await SecretsClient(bc_api).get(done.steps[0].result["userDataRef"])).decode()
+    document = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
     assert "https://mirror.site.example/bcd/bcd-linux-amd64" in document
     assert sha in document
     assert "downloads.test.example" not in document

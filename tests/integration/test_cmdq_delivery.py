@@ -106,7 +106,7 @@ async def test_a_duplicate_delivery_is_never_run_twice_even_after_a_restart(
             view = await cq.enqueue(
                 EnqueueCommand(node_id=node, site_id="site-d", kind="node.inventory", key="i", target="node")
             )
-            await cq.wait(view.id, timeout=20)
+            await cq.wait(id=view.id, timeout=20)
             # the same delivery again (a republication after the duplicate window)
             copy = msgspec.json.encode(
                 {"id": view.id, "kind": "node.inventory", "payload": {}, "nodeId": node, "siteId": "site-d",
@@ -116,14 +116,14 @@ async def test_a_duplicate_delivery_is_never_run_twice_even_after_a_restart(
             marker = await cq.enqueue(
                 EnqueueCommand(node_id=node, site_id="site-d", kind="node.inventory", key="j", target="node")
             )
-            await cq.wait(marker.id, timeout=20)
+            await cq.wait(id=marker.id, timeout=20)
         # a new process of the same agent, same journal, and the copy once more
         await js.publish(subject, copy)
         async with running(make_agent(enrollment, tmp_path, bc_api)):
             last = await cq.enqueue(
                 EnqueueCommand(node_id=node, site_id="site-d", kind="node.inventory", key="k", target="node")
             )
-            await cq.wait(last.id, timeout=20)
+            await cq.wait(id=last.id, timeout=20)
         assert executions(tmp_path / "exec.log") == [
             f"{view.id} node.inventory",
             f"{marker.id} node.inventory",
@@ -163,7 +163,7 @@ async def test_delivery_survives_a_nats_server_restart_that_lost_the_streams(
                         key="a",
                     )
                 )
-                await cq.wait(before.id, timeout=20)
+                await cq.wait(id=before.id, timeout=20)
                 # the node's bcd is away: its command waits in the stream…
                 waiting = await cq.enqueue(
                     EnqueueCommand(
@@ -186,9 +186,9 @@ async def test_delivery_survives_a_nats_server_restart_that_lost_the_streams(
                         )
                     )
                 )
-                assert (await cq.wait(after.id, timeout=60)).state == "succeeded"
+                assert (await cq.wait(id=after.id, timeout=60)).state == "succeeded"
                 async with running(make_agent(bcd, tmp_path, api, own_connection=url)):
-                    assert (await cq.wait(waiting.id, timeout=60)).state == "succeeded"
+                    assert (await cq.wait(id=waiting.id, timeout=60)).state == "succeeded"
             assert executions(site_dir / "exec.log") == [
                 f"{before.id} power.setPower",
                 f"{after.id} power.setPower",
@@ -236,7 +236,7 @@ async def test_a_lost_agents_unfinished_command_fails_with_a_reason(
             "ack", Ack(**base(), command_id=view.id, digest=payload_digest("node.inventory", b"{}"))
         )
         assert claim["proceed"] is True
-        done = await cq.wait(view.id, timeout=20)
+        done = await cq.wait(id=view.id, timeout=20)
         assert (done.state, done.reason) == ("failed", "agent-lost")
         # its result, should it ever come, changes nothing
         late = await send("result", Result(**base(), command_id=view.id, status="succeeded", result=b"{}"))
@@ -304,7 +304,7 @@ async def test_a_command_refused_as_not_yours_still_runs_when_it_is_dispatched_t
             await asyncio.wait_for(until(handled), 10)
             # the other agent leaves: the command comes to ours, which runs it
             await send("heartbeat", Heartbeat(**base(), leaving=True))
-            done = await cq.wait(view.id, timeout=15)
+            done = await cq.wait(id=view.id, timeout=15)
             assert (done.state, done.agent_id) == ("succeeded", enrollment.agent_id)
             assert executions(tmp_path / "exec.log") == [f"{view.id} power.setPower"]
         svc.request_stop()

@@ -302,7 +302,9 @@ async def test_secrets_page(bc_settings: Settings, bc_api: ApiClient) -> None:
     secrets = SecretsClient(bc_api)
     wf = new_id("wf")
     async with SecretsService(bc_settings):
-        refs = [(await secrets.put(b"v", tenant_id="root", workflow_id=wf, step=i)).ref for i in range(5)]
+        refs = [
+            (await secrets.put(value=b"v", tenant_id="root", workflow_id=wf, step=i)).ref for i in range(5)
+        ]
         listed, pages = await walk(lambda p: bc_api.call("secrets", "secrets.list", p), "secrets", 2)
         assert sorted(s["ref"] for s in listed) == sorted(refs)
         assert pages == 3

@@ -81,7 +81,7 @@ async def settle(api: ApiClient, enrollment: Enrollment, command_id: str, state_
     await agent.start()
     run = asyncio.create_task(agent.run())
     try:
-        return await CommandQueueClient(api).wait(command_id, timeout=30)
+        return await CommandQueueClient(api).wait(id=command_id, timeout=30)
     finally:
         await agent.stop()
         with contextlib.suppress(asyncio.CancelledError):

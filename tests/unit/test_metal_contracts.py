@@ -40,7 +40,7 @@ STARTED = {
     "workflowId": "wf_1",
     "profile": {"id": "metal.deploy", "version": 1},
 }
-IMAGE = {
+IMAGE: dict[str, Any] = {
     "tenantId": "root", "name": "ubuntu", "version": "24.04", "ref": "ubuntu@24.04", "public": False,
     "url": "https://images.example/u.raw", "sha256": "ab" * 32, "format": "raw", "size": None,
     "signer": "acme", "createdAt": "2026-12-01T09:00:00+00:00",

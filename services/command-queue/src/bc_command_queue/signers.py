@@ -119,7 +119,7 @@ class Signers:
 
     async def _load(self, cert_id: str) -> Signer:
         try:
-            info = await self.pki.get_certificate(cert_id)
+            info = await self.pki.get_certificate(cert_id=cert_id)
         except BcError as err:
             if err.code in (ErrorCode.NOT_FOUND, ErrorCode.INVALID_INPUT):
                 raise _refused("unknown-signer", "no certificate for this signer") from err

@@ -192,7 +192,7 @@ class EngineService(Service):
             for start in range(0, len(ids), MAX_STATE_QUERY):
                 chunk = ids[start : start + MAX_STATE_QUERY]
                 try:
-                    states = await self.engine.cmdq.states(chunk)
+                    states = await self.engine.cmdq.states(ids=chunk)
                 except BcError as err:
                     self.log.warning("command_watch_failed", code=err.code.value)
                     break

@@ -151,7 +151,7 @@ async def _serve_on(
     secrets = SecretsClient(api)
 
     async def fetch_secret(ref: str) -> bytes:
-        return await secrets.fetch(ref, identity=enrollment.identity)
+        return await secrets.fetch(ref=ref, identity=enrollment.identity)
 
     converger = Converger(state.machine, fetch_secret=fetch_secret) if mode == "installed" else None
     handlers: Mapping[str, CommandHandler] = node_handlers(state.machine, mode, converger=converger)

@@ -97,7 +97,7 @@ class SiteHandlers:
         delay = 0.2
         while True:
             try:
-                raw = await self.secrets.fetch(target.credentials_ref, identity=self.identity)
+                raw = await self.secrets.fetch(ref=target.credentials_ref, identity=self.identity)
                 break
             except BcError as err:
                 if err.code not in _WAIT_FOR or time.time() + delay >= deadline:

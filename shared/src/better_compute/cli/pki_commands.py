@@ -160,7 +160,7 @@ async def cmd_tokens_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_tokens_revoke(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        info = await PkiClient(api).revoke_join_token(args.id, reason=args.reason)
+        info = await PkiClient(api).revoke_join_token(join_token_id=args.id, reason=args.reason)
     if args.json:
         print_json(msgspec.to_builtins(info))
     else:
@@ -200,7 +200,7 @@ async def cmd_certs_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_certs_revoke(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        info = await PkiClient(api).revoke_certificate(args.id, reason=args.reason)
+        info = await PkiClient(api).revoke_certificate(cert_id=args.id, reason=args.reason)
     if args.json:
         print_json(msgspec.to_builtins(info))
     else:

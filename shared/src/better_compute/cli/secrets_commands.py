@@ -64,8 +64,8 @@ async def cmd_secrets_list(args: argparse.Namespace, settings: Settings) -> int:
 async def cmd_secrets_show(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         client = SecretsClient(api)
-        info = await client.describe(args.ref)
-        value = await client.get(args.ref) if args.reveal else None
+        info = await client.describe(ref=args.ref)
+        value = await client.get(ref=args.ref) if args.reveal else None
     if args.json:
         doc = msgspec.to_builtins(info)
         if value is not None:

@@ -57,8 +57,8 @@ class CommandQueueClient(ServiceClient):
         """Find the command by (node, key), or create it."""
         return await self._call("commands.enqueue", command, CommandView)
 
-    async def get(self, command_id: str) -> CommandView:
-        return await self._call("commands.get", CommandIdRequest(id=command_id), CommandView)
+    async def get(self, *, id: str) -> CommandView:
+        return await self._call("commands.get", CommandIdRequest(id=id), CommandView)
 
     async def list_commands(
         self,
@@ -115,7 +115,7 @@ class CommandQueueClient(ServiceClient):
         )
         return await self._call("commands.cancel", req, CancelReply)
 
-    async def states(self, ids: list[str]) -> dict[str, str]:
+    async def states(self, *, ids: list[str]) -> dict[str, str]:
         """``id -> state`` of the commands that exist (at most ``MAX_STATE_QUERY`` ids)."""
         return (await self._call("commands.states", CommandStates(ids=ids), CommandStatesReply)).states
 
@@ -179,8 +179,8 @@ class CommandQueueClient(ServiceClient):
         )
         return await self._call("batches.create", req, BatchView)
 
-    async def get_batch(self, batch_id: str) -> BatchView:
-        return await self._call("batches.get", BatchIdRequest(id=batch_id), BatchView)
+    async def get_batch(self, *, id: str) -> BatchView:
+        return await self._call("batches.get", BatchIdRequest(id=id), BatchView)
 
     async def list_batches(
         self, *, workflow_id: str | None = None, state: BatchState | None = None, limit: int = DEFAULT_LIMIT
@@ -200,14 +200,14 @@ class CommandQueueClient(ServiceClient):
         req = ListBatches(workflow_id=workflow_id, state=state, limit=limit, cursor=cursor)
         return await self._call("batches.list", req, BatchList)
 
-    async def approve_batch(self, batch_id: str, *, approver_id: str, signature: bytes) -> BatchView:
+    async def approve_batch(self, *, batch_id: str, approver_id: str, signature: bytes) -> BatchView:
         req = ApproveBatch(batch_id=batch_id, approver_id=approver_id, signature=signature)
         return await self._call("batches.approve", req, BatchView)
 
     async def quorum(self) -> QuorumView:
         return await self._call("quorum.get", {}, QuorumView)
 
-    async def wait(self, command_id: str, *, timeout: float = 60.0) -> CommandView:
+    async def wait(self, *, id: str, timeout: float = 60.0) -> CommandView:
         """Wait until the command settles (woken by its events; polled as a safety net).
 
         Raises:
@@ -219,20 +219,20 @@ class CommandQueueClient(ServiceClient):
         async def wake(_msg: Any) -> None:
             woken.set()
 
-        sub = await nc.subscribe(self.api.subjects.event(EVENTS, command_id), cb=wake)
+        sub = await nc.subscribe(self.api.subjects.event(EVENTS, id), cb=wake)
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while True:
                 woken.clear()
-                view = await self.get(command_id)
+                view = await self.get(id=id)
                 if view.state in TERMINAL_STATES:
                     return view
                 left = deadline - loop.time()
                 if left <= 0:
                     raise BcError(
                         ErrorCode.TIMEOUT,
-                        f"command {command_id} still {view.state} after {timeout}s",
+                        f"command {id} still {view.state} after {timeout}s",
                         {"state": view.state},
                     )
                 with contextlib.suppress(TimeoutError):

@@ -54,8 +54,8 @@ class PkiClient(ServiceClient):
 
     def for_step(
         self,
-        idempotency_key: str,
         *,
+        idempotency_key: str,
         node_id: str | None = None,
         before_mint: Callable[[], Awaitable[bytes | None]] | None = None,
     ) -> StepPki:
@@ -64,7 +64,7 @@ class PkiClient(ServiceClient):
         before the first token is minted (the engine records that the attempt minted) and
         returns the attempt's mint secret: the same one on every run of the attempt, kept
         where only the engine reads it. Only with it does a re-run get its tokens back."""
-        return StepPki(self, idempotency_key, node_id=node_id, before_mint=before_mint)
+        return StepPki(self, idempotency_key=idempotency_key, node_id=node_id, before_mint=before_mint)
 
     async def issue_join_token(
         self,
@@ -136,11 +136,11 @@ class PkiClient(ServiceClient):
         )
         return await self._call("tokens.list", req, JoinTokenList)
 
-    async def get_join_token(self, join_token_id: str) -> JoinTokenInfo:
+    async def get_join_token(self, *, join_token_id: str) -> JoinTokenInfo:
         req = JoinTokenIdRequest(join_token_id=join_token_id)
         return await self._call("tokens.get", req, JoinTokenInfo)
 
-    async def revoke_join_token(self, join_token_id: str, *, reason: str | None = None) -> JoinTokenInfo:
+    async def revoke_join_token(self, *, join_token_id: str, reason: str | None = None) -> JoinTokenInfo:
         req = RevokeJoinTokenRequest(join_token_id=join_token_id, reason=reason)
         return await self._call("tokens.revoke", req, JoinTokenInfo)
 
@@ -187,7 +187,7 @@ class PkiClient(ServiceClient):
         )
         return await self._call("signatures.verify", req, Verified)
 
-    async def get_certificate(self, cert_id: str) -> CertificateInfo:
+    async def get_certificate(self, *, cert_id: str) -> CertificateInfo:
         return await self._call("certs.get", CertIdRequest(cert_id=cert_id), CertificateInfo)
 
     async def list_certificates(
@@ -234,7 +234,7 @@ class PkiClient(ServiceClient):
         )
         return await self._call("certs.list", req, CertificateList)
 
-    async def revoke_certificate(self, cert_id: str, *, reason: str | None = None) -> CertificateInfo:
+    async def revoke_certificate(self, *, cert_id: str, reason: str | None = None) -> CertificateInfo:
         req = RevokeCertificateRequest(cert_id=cert_id, reason=reason)
         return await self._call("certs.revoke", req, CertificateInfo)
 
@@ -260,8 +260,8 @@ class StepPki:
     def __init__(
         self,
         client: PkiClient,
-        idempotency_key: str,
         *,
+        idempotency_key: str,
         node_id: str | None = None,
         before_mint: Callable[[], Awaitable[bytes | None]] | None = None,
     ):

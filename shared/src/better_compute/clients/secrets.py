@@ -77,8 +77,8 @@ class SecretsClient(ServiceClient):
 
     async def put(
         self,
-        value: bytes,
         *,
+        value: bytes,
         tenant_id: str,
         workflow_id: str,
         step: int,
@@ -106,13 +106,13 @@ class SecretsClient(ServiceClient):
         req = PutSecretRequest(tenant_id=tenant_id, node_id=node_id, value=value, label=label)
         return await self._call("secrets.put", req, SecretInfo)
 
-    async def get(self, ref: str) -> bytes:
+    async def get(self, *, ref: str) -> bytes:
         """The value behind ``ref``: control plane only."""
         got = await self._call("secrets.get", RefRequest(ref=ref), SecretValue)
         register_secret(got.value)
         return got.value
 
-    async def fetch(self, ref: str, *, identity: AgentIdentity) -> bytes:
+    async def fetch(self, *, ref: str, identity: AgentIdentity) -> bytes:
         """The value behind ``ref``, asked for as the agent ``identity`` (signed afresh), sealed
         on the way to a key made for this one fetch."""
         reply = X25519PrivateKey.generate()
@@ -126,7 +126,7 @@ class SecretsClient(ServiceClient):
         register_secret(value)
         return value
 
-    async def describe(self, ref: str) -> SecretInfo:
+    async def describe(self, *, ref: str) -> SecretInfo:
         return await self._call("secrets.describe", RefRequest(ref=ref), SecretInfo)
 
     async def list_secrets(
@@ -209,7 +209,7 @@ class StepSecrets:
             before, self._before_put = self._before_put, None
             await before()
         info = await self.client.put(
-            value,
+            value=value,
             tenant_id=self.tenant_id,
             workflow_id=self.workflow_id,
             step=self.step,
