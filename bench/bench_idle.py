@@ -3,7 +3,7 @@
     uv run python bench/bench_idle.py --workflows 10000 --seconds 30
 
 Starts bc-engine, bc-command-queue and bc-pki on the embedded servers, registers N nodes in a
-site with no agent, starts N workflows whose one step sends ``power.setPower`` (so every
+site with no agent, starts N workflows whose one step sends a driver operation (so every
 workflow waits on a pending command), waits until every step is running, then measures the CPU
 the engine, command-queue and PostgreSQL processes use over ``--seconds`` of rest, and the
 number of reconciler passes in that time.
@@ -77,7 +77,12 @@ async def main() -> None:
         while len(await discover(nc, root="bc", wait=0.2)) < 3:
             pass
         api = ApiClient(nc, Subjects())
-        step = {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}, "timeout": "1h"}
+        step = {
+            "use": "netboot.clearEntry",
+            "on": "site",
+            "with": {"mac": "52:54:00:00:00:01"},
+            "timeout": "1h",
+        }
         doc = {"id": "wait-agent", "version": 1, "target": "metal", "role": "host", "steps": [step]}
         await api.call("engine", "profiles.create", {"document": doc})
         sem = asyncio.Semaphore(64)

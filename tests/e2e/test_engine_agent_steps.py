@@ -70,7 +70,7 @@ async def test_agent_steps_driver_operations_and_await_command(stack: Stack) -> 
         "power",
         [
             {"use": "test.power", "on": "site", "with": {"action": "on"}},
-            {"use": "power.setPower", "on": "site", "with": {"action": "off"}},
+            {"use": "netboot.clearEntry", "on": "site", "with": {"mac": "52:54:00:00:00:01"}},
             {"use": "test.awaitPower", "with": {"action": "cycle"}},
         ],
     )

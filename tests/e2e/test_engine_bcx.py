@@ -62,7 +62,8 @@ async def test_profiles_through_bcx(
     good = write(
         tmp_path, "good.json",
         {**base, "version": 1, "steps": [
-            {"use": "test.noop"}, {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
+            {"use": "test.noop"},
+            {"use": "netboot.clearEntry", "on": "site", "with": {"mac": "52:54:00:00:00:01"}},
         ]},
     )  # fmt: skip
     bad = write(

@@ -57,7 +57,8 @@ async def test_destructive_steps_wait_for_m_of_n_approvals_of_the_workflows_batc
         node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
         doc = {"id": "wipe-ish", "version": 1, "target": "metal", "role": "host",
                "steps": [{"use": "test.power", "on": "site"},
-                         {"use": "media.eject", "on": "site", "with": {"device": "usb"}}]}  # fmt: skip
+                         {"use": "netboot.clearEntry", "on": "site",
+                          "with": {"mac": "52:54:00:00:00:01"}}]}  # fmt: skip
         await bc_api.call("engine", "profiles.create", {"document": doc})
         wf = await bc_api.call("engine", "workflows.start", {"profileId": "wipe-ish", "nodeId": node["id"]})
 

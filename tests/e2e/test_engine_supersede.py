@@ -197,12 +197,15 @@ async def _superseded_while_running(stack: Stack, log: ExecLog, wf_id: str) -> N
     assert done["steps"][0]["attempt"] == 2
 
 
+MAC = "52:54:00:00:00:01"  # any driver operation: driver.invoke is destructive
+
+
 async def test_retry_and_resume_never_overlap_a_destructive_command_still_running(
     stack: Stack, agent: ExecLog
 ) -> None:
-    await stack.profile("erase", [{"use": "media.eject", "on": "site", "with": {"device": "cd"}}])
+    await stack.profile("erase", [{"use": "netboot.clearEntry", "on": "site", "with": {"mac": MAC}}])
     await stack.profile(
-        "erase-slowly", [{"use": "media.eject", "on": "site", "with": {"device": "cd"}, "timeout": "2s"}]
+        "erase-slowly", [{"use": "netboot.clearEntry", "on": "site", "with": {"mac": MAC}, "timeout": "2s"}]
     )
     workflows = []
     for _ in range(ROUNDS):

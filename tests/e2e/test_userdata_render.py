@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import subprocess
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from bc_engine.context import EngineSql
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.provision import ProvisionedTarget, provisioned_target_resolver
 from better_compute.secrets_client import SecretsClient
-from better_compute.service import ApiClient
+from better_compute.service import ApiClient, Database
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.workflows import wait_workflow
 
@@ -30,6 +34,11 @@ async def stack(bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path:
     return bc_processes
 
 
+async def validate(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run a format's own validator (Debian's cloud-init and ignition packages)."""
+    return await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=120)
+
+
 async def render(api: ApiClient, node: str, user_data: dict[str, object], pid: str) -> dict[str, object]:
     doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "userData": user_data,
            "steps": [{"use": "userdata.render"}]}  # fmt: skip
@@ -39,7 +48,7 @@ async def render(api: ApiClient, node: str, user_data: dict[str, object], pid: s
 
 
 async def test_renders_with_a_fresh_token_and_returns_only_references(
-    stack: ServiceProcesses, bc_api: ApiClient
+    stack: ServiceProcesses, bc_api: ApiClient, tmp_path: Path
 ) -> None:
     node = await bc_api.call(
         "engine", "nodes.create", {"siteId": "lab1", "labels": {"mac": "52:54:00:12:34:56"}}
@@ -65,6 +74,21 @@ async def test_renders_with_a_fresh_token_and_returns_only_references(
     info = await bc_api.call("pki", "tokens.get", {"joinTokenId": result["joinTokenId"]})
     assert (info["role"], info["maxUses"], info["siteId"]) == ("provisioned", 1, "lab1")
     assert info["expect"]["mac"] == "52:54:00:12:34:56"
+    # the document as stored passes cloud-init's own validator
+    (tmp_path / "user-data").write_text(document)
+    checked = await validate("cloud-init", "schema", "--config-file", str(tmp_path / "user-data"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    # the token maps back to this node through the step result (provisioned_target_resolver)
+    db = Database(stack.settings.database_url or "", "engine")
+    await db.open()
+    try:
+        resolve = provisioned_target_resolver()
+        target = await resolve(EngineSql(db.pool), result["joinTokenId"])
+        assert target == ProvisionedTarget(node_id=node["id"], workflow_id=done["id"], tenant_id="root")
+        assert await resolve(EngineSql(db.pool), "tok_01J0000000000000000000000A") is None
+    finally:
+        await db.close()
 
     # nothing that was rendered leaked into the workflow or any service's log
     view = json.dumps(await bc_api.call("engine", "workflows.get", {"id": done["id"]}))
@@ -75,7 +99,9 @@ async def test_renders_with_a_fresh_token_and_returns_only_references(
         assert base64.b64encode(token.encode()).decode() not in out
 
 
-async def test_named_templates_ignition_and_refusals(stack: ServiceProcesses, bc_api: ApiClient) -> None:
+async def test_named_templates_ignition_and_refusals(
+    stack: ServiceProcesses, bc_api: ApiClient, tmp_path: Path
+) -> None:
     node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
     done = await render(bc_api, node["id"], {"kind": "plain", "template": "plain.txt"}, "plain")
     doc = (await SecretsClient(bc_api).get(done["steps"][0]["result"]["userDataRef"])).decode()
@@ -84,7 +110,10 @@ async def test_named_templates_ignition_and_refusals(stack: ServiceProcesses, bc
     node2 = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
     done = await render(bc_api, node2["id"], {"kind": "ignition"}, "ign")
     doc = (await SecretsClient(bc_api).get(done["steps"][0]["result"]["userDataRef"])).decode()
-    assert json.loads(doc)["ignition"]["version"] == "3.4.0"
+    assert json.loads(doc)["ignition"]["version"] == "3.3.0"
+    (tmp_path / "config.ign").write_text(doc)
+    checked = await validate("ignition-validate", str(tmp_path / "config.ign"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
     node3 = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
     done = await render(bc_api, node3["id"], {"kind": "talos"}, "talos")

@@ -153,7 +153,8 @@ async def test_render_expands_registered_steps_driver_operations_and_fallbacks(
         1,
         [
             {"use": "test.waitFlag", "with": {"flag": "f"}},
-            {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
+            # a driver operation (power.setPower is metal's relaying step, not a driver operation)
+            {"use": "netboot.clearEntry", "on": "site", "with": {"mac": "52:54:00:00:00:01"}},
             {"use": "acme.missing", "fallback": {"use": "test.noop"}},
         ],
     )
@@ -162,7 +163,7 @@ async def test_render_expands_registered_steps_driver_operations_and_fallbacks(
     assert steps[0]["with"] == {"flag": "f", "pollMs": 200}
     assert (steps[0]["mode"], steps[0]["via"], steps[0]["timeoutMs"]) == ("control-plane", "step", 3_600_000)
     assert (steps[1]["mode"], steps[1]["command"], steps[1]["runsOn"]) == ("driver", "driver.invoke", "site")
-    assert steps[1]["with"] == {"operation": "power.setPower", "input": {"action": "cycle"}}
+    assert steps[1]["with"] == {"operation": "netboot.clearEntry", "input": {"mac": "52:54:00:00:00:01"}}
     assert (steps[2]["action"], steps[2]["via"]) == ("test.noop", "fallback-step")
     assert got["commandKinds"] == ["driver.invoke"]
     # a workflow without a node cannot hold agent steps

@@ -27,6 +27,8 @@ __all__ = [
     "ApproverSetting",
     "CmdqSettings",
     "Duration",
+    "ImageSignerSetting",
+    "ImagesSettings",
     "PkiSettings",
     "QuorumSettings",
     "SecretsSettings",
@@ -146,6 +148,24 @@ class UserDataSettings(_Section, frozen=True, kw_only=True):
     bcd_sha256: str | None = None
 
 
+class ImageSignerSetting(_Section, frozen=True, kw_only=True, rename={"public_key": "publicKey"}):
+    """One allowlisted image signer: ``{id, publicKey}`` (Ed25519 or ECDSA P-256; PEM, base64
+    of the DER key, or base64 of the raw 32-byte Ed25519 key). The engine checks the key."""
+
+    id: str
+    public_key: str
+
+
+class ImagesSettings(_Section, frozen=True, kw_only=True):
+    """``[images]``: the signers whose signatures the image catalog accepts (the engine reads it).
+
+    Every engine writes this list to the catalog at start, so give them all the same one; a
+    signer removed here stops its images from resolving. An app's ``image_verifier`` replaces it.
+    """
+
+    signers: list[ImageSignerSetting] = msgspec.field(default_factory=list)
+
+
 class Settings(_Section, frozen=True, kw_only=True):
     """Where a process finds the bus, the store and the app, and each service's own section.
 
@@ -165,6 +185,7 @@ class Settings(_Section, frozen=True, kw_only=True):
     pki: PkiSettings = msgspec.field(default_factory=PkiSettings)
     secrets: SecretsSettings = msgspec.field(default_factory=SecretsSettings)
     userdata: UserDataSettings = msgspec.field(default_factory=UserDataSettings)
+    images: ImagesSettings = msgspec.field(default_factory=ImagesSettings)
 
 
 # Lower bounds, checked after decoding; a value below one is INVALID_CONFIG at its path.

@@ -16,6 +16,7 @@ from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 from . import messages as m
 from . import queue, store
 from .documents import check_document, check_labels, node_doc, workflow_doc
+from .images_api import ImagesApi
 from .metal_api import MetalApi, bmc_json, check_macs, refuse_inline_secret
 from .metal_lifecycle import node_view_extra, reopen_node
 from .node_events import node_event
@@ -63,6 +64,7 @@ class EngineApi:
             "workflows.abort": self.workflows_abort,
             "workflows.retry": self.workflows_retry,
             "workflows.resume": self.workflows_resume,
+            **ImagesApi(app=self.app, db=self.db).routes(),
             **self.metal.routes(),
         }
 

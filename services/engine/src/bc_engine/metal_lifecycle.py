@@ -134,8 +134,13 @@ async def converge_host(engine: Engine, node_id: str) -> None:
         await record_command_result(engine, node_id, "node.converge", None, result)
         return
     message = f"node.converge {view.state}" + (f": {view.reason}" if view.reason else "")
-    error = {"code": "DRIVER_ERROR", "reason": "host-section-not-applied", "message": message,
-             "generation": generation, "commandId": view.id}  # fmt: skip
+    error = {
+        "code": "DRIVER_ERROR",
+        "reason": "host-section-not-applied",
+        "generation": generation,
+        "commandId": view.id,
+        "message": message,
+    }
     row = await engine.db.fetchrow(metal_store.SET_LAST_ERROR, node_id, json.dumps(error))
     engine.log.warning("host_section_not_applied", node_id=node_id, generation=generation, state=view.state)
     if row is not None:

@@ -24,6 +24,7 @@ from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent
 from . import queue, store
 from .api import EngineApi
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
+from .images_api import image_signers, write_image_signers
 from .metal_lifecycle import HOST_KEY_PREFIX, HOST_OWNER, METAL_OWNER, converge_host, reconcile_metal
 from .scheduler import Scheduler
 from .shards import ShardLeases
@@ -70,6 +71,7 @@ class EngineService(Service):
         assert self.api is not None
         assert self.nc is not None
         self.app = with_user_data_settings(load_app(self.settings.app), self.settings.userdata)
+        await write_image_signers(self.db, image_signers(self.settings.images))
         self.leases = ShardLeases(
             self.db,
             self.instance,
@@ -170,8 +172,11 @@ class EngineService(Service):
                 for r in rows:
                     self.scheduler.at(r["rkey"], float(r["at"]), from_poll=True)
             self._poll_soon.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that lands in
+            # the turn the event is set (shards gained), and the engine then never stopped.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poll_soon.wait(), timeout=POLL_EVERY)
+                async with asyncio.timeout(POLL_EVERY):
+                    await self._poll_soon.wait()
 
     async def _command_watch(self) -> None:
         """The safety net for lost command events: every AGENT_POLL_S, one look at the state of

@@ -6,7 +6,8 @@ execution is appended to ``--exec-log`` (synced) before the handler returns, so 
 how many times each command really ran. ``--crash KIND=POINT`` kills the process once, with no
 cleanup, at ``started`` (while the handler runs) or ``executed`` (after the journal recorded the
 result, before it was reported); ``--fail KIND`` fails those commands and ``--reject KIND``
-rejects them.
+rejects them. ``--unsigned`` makes a node's agent report results without the node's signature
+(they then never count as attested).
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ async def _main(args: argparse.Namespace) -> None:
             subjects=subjects,
             crash=crash,
             crash_marker=state / "crashed",
+            sign_results=False if args.unsigned else None,
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail", action="append", help="KIND")
     parser.add_argument("--reject", action="append", help="KIND")
     parser.add_argument("--crash", action="append", help="KIND=started|executed (once)")
+    parser.add_argument("--unsigned", action="store_true", help="a node agent that does not sign its results")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if not args.nats_url:

@@ -17,7 +17,7 @@ from ..core.errors import BcError, ErrorCode
 from ..runtime.dev import SERVICES, DevStack
 from ..runtime.urls import resolve_nats_url
 from ..service.client import connect, discover
-from . import engine_commands, metal_commands, pki_commands, secrets_commands
+from . import engine_commands, images_commands, metal_commands, pki_commands, secrets_commands
 from .output import iso, print_error, print_json, print_table
 
 __all__ = ["main"]
@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dev_ps)
     nodes = engine_commands.register(sub, common)
     metal_commands.register(sub, common, nodes)
+    images_commands.register(sub, common)
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
     from . import cmdq_commands

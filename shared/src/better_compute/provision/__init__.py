@@ -14,6 +14,7 @@ from .profiles import (
 )
 from .steps import Step, define_step
 from .templates import TEMPLATE_VARIABLES, UserData, render_template, template_variables
+from .userdata import ProvisionedTarget, provisioned_target_resolver
 from .waiting import StepNotReady, step_not_ready
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Profile",
     "ProfileStep",
     "ProvisionModule",
+    "ProvisionedTarget",
     "Secrets",
     "Sql",
     "Step",
@@ -43,6 +45,7 @@ __all__ = [
     "parse_label_expression",
     "profile_from_document",
     "provision_module",
+    "provisioned_target_resolver",
     "render_template",
     "resolve_host_config",
     "resolve_host_section",

@@ -6,25 +6,43 @@ document through ``ctx.secrets`` and returns only references:
 ``{userDataRef, kind, joinTokenId}``. The token and the document never reach the result.
 
 Built-in templates exist for kinds ``cloud-init`` and ``ignition``; both are built as data
-and serialised (JSON is valid cloud-config YAML), never spliced. Kind ``talos`` ships no
+and serialised (JSON is valid cloud-config YAML), never spliced, and the tests run the formats'
+own validators on them (``cloud-init schema``, ``ignition-validate``). Kind ``talos`` ships no
 template: name one of yours with ``userData.template``.
+
+``provisioned_target_resolver()`` maps a ``provisioned`` join token back to the node (and
+workflow) whose ``userdata.render`` minted it, through the step result's ``joinTokenId``: the
+installed OS joins as the same node it was rendered for.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import manifest
 
+from .context import Sql
 from .steps import define_step
 from .templates import Template, render_template, template_variables
 
-__all__ = ["BUILTIN_TEMPLATES", "DEFAULT_TOKEN_TTL_SECONDS", "SHIPPED_STEPS", "userdata_render"]
+__all__ = [
+    "BUILTIN_TEMPLATES",
+    "DEFAULT_TOKEN_TTL_SECONDS",
+    "IGNITION_VERSION",
+    "SHIPPED_STEPS",
+    "ProvisionedTarget",
+    "provisioned_target_resolver",
+    "userdata_render",
+]
 
 DEFAULT_TOKEN_TTL_SECONDS: Final = 7200
+# The newest stable Ignition spec that every Ignition from 2.14 (Debian 12, Flatcar, Fedora
+# CoreOS since 2022) reads; the template uses nothing a later 3.x added.
+IGNITION_VERSION: Final = "3.3.0"
 _CLAIM_LABELS: Final = {
     "mac": "mac",
     "productUuid": "product_uuid",
@@ -60,7 +78,8 @@ def cloud_init(v: Mapping[str, str]) -> str:
 
 
 def ignition(v: Mapping[str, str]) -> str:
-    """An Ignition 3.4 config that writes the join token and a unit that installs bcd."""
+    """An Ignition 3.x config (``IGNITION_VERSION``) that writes the join token and a unit that
+    installs bcd."""
     from urllib.parse import quote
 
     script = "\n".join(["#!/bin/sh", "set -eu", *_install_commands(v)]) + "\n"
@@ -69,7 +88,7 @@ def ignition(v: Mapping[str, str]) -> str:
         return {"path": path, "mode": mode, "contents": {"source": "data:," + quote(text)}}
 
     doc = {
-        "ignition": {"version": "3.4.0"},
+        "ignition": {"version": IGNITION_VERSION},
         "storage": {
             "files": [
                 file("/etc/hostname", 0o644, v["hostname"]),
@@ -154,3 +173,43 @@ userdata_render = define_step(
 )
 
 SHIPPED_STEPS: Final = (userdata_render,)
+
+# $1 join token id: the latest succeeded userdata.render that minted it, with its workflow's node.
+RENDERED_FOR_TOKEN: Final = """
+SELECT w.node_id, w.id AS workflow_id, w.tenant_id
+FROM workflow_steps s JOIN workflows w ON w.id = s.workflow_id
+WHERE s.action = 'userdata.render' AND s.state = 'succeeded' AND s.result->>'joinTokenId' = $1
+ORDER BY s.finished_at DESC
+LIMIT 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ProvisionedTarget:
+    """The node a ``provisioned`` join token was rendered for."""
+
+    node_id: str
+    workflow_id: str
+    tenant_id: str
+
+
+ProvisionedTargetResolver = Callable[[Sql, str], Awaitable[ProvisionedTarget | None]]
+
+
+def provisioned_target_resolver() -> ProvisionedTargetResolver:
+    """``resolve(sql, join_token_id)``: the node whose rendered user data holds that token.
+
+    ``None`` when no succeeded ``userdata.render`` minted it (a token issued by hand, or one
+    whose workflow has no node); the join should then not re-key any node.
+    """
+
+    async def resolve(sql: Sql, join_token_id: str) -> ProvisionedTarget | None:
+        rows = await sql.query(RENDERED_FOR_TOKEN, join_token_id)
+        if not rows or rows[0]["node_id"] is None:
+            return None
+        row = rows[0]
+        return ProvisionedTarget(
+            node_id=row["node_id"], workflow_id=row["workflow_id"], tenant_id=row["tenant_id"]
+        )
+
+    return resolve

@@ -137,3 +137,37 @@ CREATE TABLE members (
     instance   text PRIMARY KEY,
     expires_at timestamptz NOT NULL
 );
+
+-- == Images (metal's catalog; bc_engine/images_api.py, better_compute/metal/images.py) ==========
+-- Signers allowed to sign images: [images] signers of bc.toml, written here by every engine at
+-- start, so a step resolving an image (resolve_image_ref) sees the allowlist in the database.
+-- A signer removed from the settings disappears here, and its images no longer resolve.
+CREATE TABLE image_signers (
+    id         text PRIMARY KEY,
+    algorithm  text NOT NULL CHECK (algorithm IN ('ed25519', 'ecdsa-p256-sha256')),
+    public_key bytea NOT NULL,            -- DER SubjectPublicKeyInfo
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- Images by name@version per tenant, registered by digest with the signature over it.
+-- signer is NULL when the app's image_verifier accepted the image instead of the allowlist.
+CREATE TABLE images (
+    tenant_id  text NOT NULL,
+    name       text NOT NULL,
+    version    text NOT NULL,
+    public     boolean NOT NULL DEFAULT false,
+    url        text NOT NULL,
+    sha256     text NOT NULL CHECK (sha256 ~ '^[0-9a-f]{64}$'),
+    format     text NOT NULL,
+    size       bigint CHECK (size IS NULL OR size >= 0),
+    signer     text,
+    signature  bytea NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, name, version)
+);
+CREATE INDEX images_public ON images (name, version) WHERE public;
+
+-- provisioned_target_resolver(): a provisioned join token back to the workflow (and node) whose
+-- userdata.render minted it.
+CREATE INDEX workflow_steps_join_token ON workflow_steps ((result->>'joinTokenId'))
+    WHERE action = 'userdata.render' AND state = 'succeeded';

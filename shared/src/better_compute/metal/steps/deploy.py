@@ -3,9 +3,10 @@
 The image is a catalog reference ``name@version``: the step's ``with.image``, else the node's
 (``bcx deploy --image``), else the profile's ``image``. It is resolved in the machine owner's
 tenant with ``resolve_image_ref`` (the tenant's image first, then a public one; refused if its
-signer was removed). The user data is the reference ``userdata.render`` stored earlier in the
-same workflow (``rendered_user_data``), read from the store; the document never travels, only
-its SecretRef, which bcd may fetch because the reference is in this step's own command.
+signer was removed; the app's ``image_verifier`` decides instead of the allowlist when set).
+The user data is the reference ``userdata.render`` stored earlier in the same workflow
+(``rendered_user_data``), read from the store; the document never travels, only its SecretRef,
+which bcd may fetch because the reference is in this step's own command.
 
 ``node.imageWrite`` is destructive and its result decides the deploy, so it counts only when
 attested (node-signed, checked against the node's certificate).
@@ -13,8 +14,7 @@ attested (node-signed, checked against the node's certificate).
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
@@ -24,33 +24,13 @@ from better_compute.provision.results import rendered_user_data
 from better_compute.provision.steps import define_step
 
 from ..commands import NODE_IMAGE_WRITE
+from ..images import resolve_image_ref
 from ._relay import attested_result, workflow_node
 
-__all__ = ["NODE_IMAGE", "deploy_deploy", "image_resolver"]
+__all__ = ["NODE_IMAGE", "deploy_deploy"]
 
 STEP_ID: Final = "deploy.deploy"
 NODE_IMAGE: Final = "SELECT image FROM nodes WHERE id = $1"
-# Where the image catalog's resolve_image_ref lives (the images work of issue 11 item 6).
-_RESOLVER_MODULES: Final = ("better_compute.metal.images", "better_compute.provision.images")
-
-ImageResolver = Callable[[Any, str, str], Awaitable[Mapping[str, Any]]]
-
-
-def image_resolver() -> ImageResolver:
-    """The catalog's ``resolve_image_ref(tx, tenant_id, 'name@version')``.
-
-    Raises:
-        BcError: ``INVALID_CONFIG`` when this deployment has no image catalog.
-    """
-    for name in _RESOLVER_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        found = getattr(module, "resolve_image_ref", None)
-        if found is not None:
-            return found  # type: ignore[no-any-return]
-    raise BcError(ErrorCode.INVALID_CONFIG, "this deployment has no image catalog", {"path": "image"})
 
 
 async def _image_ref(step_input: Mapping[str, Any], ctx: Any, node_id: str) -> str:
@@ -72,9 +52,9 @@ async def _image_ref(step_input: Mapping[str, Any], ctx: Any, node_id: str) -> s
 async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     node = workflow_node(ctx, STEP_ID)
     ref = await _image_ref(step_input, ctx, node.id)
-    resolve = image_resolver()
+    verifier = getattr(ctx.provision, "image_verifier", None)
     async with ctx.sql.transaction() as tx:
-        image = await resolve(tx, node.tenant_id, ref)
+        image = await resolve_image_ref(tx, node.tenant_id, ref, verifier=verifier)
     payload: dict[str, Any] = {"url": image["url"], "sha256": image["sha256"]}
     if image.get("format"):
         payload["format"] = image["format"]

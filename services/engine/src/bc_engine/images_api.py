@@ -1,0 +1,234 @@
+"""``bc.api.engine.images.*``: the image catalog (register, list, get, delete), and the signer
+allowlist every engine writes from ``[images] signers`` at start.
+
+A registration is checked where it enters: the signer must be allowlisted (``PERMISSION_DENIED``,
+reason ``unknown-signer``, at ``signer``) and its signature over the digest must verify
+(``PERMISSION_DENIED``, reason ``bad-signature``, at ``signature``); an app's ``image_verifier``
+decides instead when it has one. Resolving for a deploy checks again (better_compute.metal.images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime
+from typing import Any, Final
+
+from better_compute.app import App
+from better_compute.config import ImagesSettings
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.metal.images import RESOLVE_IMAGE, check_image_signer, parse_image_ref
+from better_compute.metal.signatures import ImageSigner, image_signer, verify_image_signature
+from better_compute.provision.module import ImageVerifier
+from better_compute.service import ApiRequest
+from better_compute.wire.images import DeleteImage, GetImage, ListImages, RegisterImage
+from better_compute.wire.paging import decode_cursor, take_page
+
+__all__ = ["ImagesApi", "image_signers", "write_image_signers"]
+
+# -- SQL ---------------------------------------------------------------------------------
+
+SIGNER = "SELECT id, algorithm, public_key FROM image_signers WHERE id = $1"
+# The allowlist of one engine's settings replaces the table's: $1 ids, $2 algorithms, $3 keys.
+DROP_OTHER_SIGNERS = "DELETE FROM image_signers WHERE NOT (id = ANY($1::text[]))"
+UPSERT_SIGNERS = """
+INSERT INTO image_signers (id, algorithm, public_key)
+SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[])
+ON CONFLICT (id) DO UPDATE SET algorithm = EXCLUDED.algorithm, public_key = EXCLUDED.public_key,
+    updated_at = now()
+WHERE (image_signers.algorithm, image_signers.public_key) IS DISTINCT FROM
+      (EXCLUDED.algorithm, EXCLUDED.public_key)
+"""
+# $1 tenant .. $10 public. Nothing when the tenant has that name and version already.
+INSERT_IMAGE = """
+INSERT INTO images (tenant_id, name, version, url, sha256, format, size, signer, signature, public)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (tenant_id, name, version) DO NOTHING
+RETURNING *
+"""
+OWN_IMAGE = "SELECT * FROM images WHERE tenant_id = $1 AND name = $2 AND version = $3"
+DELETE_IMAGE = "DELETE FROM images WHERE tenant_id = $1 AND name = $2 AND version = $3 RETURNING name"
+# $1 tenant, $2 name filter, $3-$5 the cursor (name, version, tenant), $6 limit.
+LIST_IMAGES = """
+SELECT i.*, (s.id IS NOT NULL) AS allowlisted FROM images i
+LEFT JOIN image_signers s ON s.id = i.signer
+WHERE (i.tenant_id = $1 OR i.public) AND ($2::text IS NULL OR i.name = $2)
+  AND ($3::text IS NULL OR (i.name COLLATE "C", i.version COLLATE "C", i.tenant_id COLLATE "C")
+                           > ($3, $4::text, $5::text))
+ORDER BY i.name COLLATE "C", i.version COLLATE "C", i.tenant_id COLLATE "C"
+LIMIT $6
+"""
+
+_IMMUTABLE: Final = ("url", "sha256", "format", "size", "signer", "signature", "public")
+
+
+def image_signers(settings: ImagesSettings) -> list[ImageSigner]:
+    """The allowlist of ``[images] signers``, each key checked.
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` at ``images.signers[i].publicKey`` (or ``.id``, or a
+            signer given twice).
+    """
+    found: list[ImageSigner] = []
+    for index, entry in enumerate(settings.signers):
+        path = f"images.signers[{index}]"
+        signer = image_signer(entry.id, entry.public_key, path=path)
+        if any(s.id == signer.id for s in found):
+            raise BcError(
+                ErrorCode.INVALID_CONFIG, f"signer {signer.id} is given twice", {"path": f"{path}.id"}
+            )
+        found.append(signer)
+    return found
+
+
+async def write_image_signers(db: Any, signers: list[ImageSigner]) -> None:
+    """Make the catalog's allowlist ``signers`` (one transaction)."""
+    async with db.transaction() as conn:
+        await conn.execute(DROP_OTHER_SIGNERS, [s.id for s in signers])
+        await conn.execute(
+            UPSERT_SIGNERS,
+            [s.id for s in signers],
+            [s.algorithm for s in signers],
+            [s.public_key for s in signers],
+        )
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if isinstance(value, datetime) else None
+
+
+def image_doc(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An image as the API shows it (the signature stays in the catalog)."""
+    return {
+        "tenantId": row["tenant_id"],
+        "name": row["name"],
+        "version": row["version"],
+        "ref": f"{row['name']}@{row['version']}",
+        "public": row["public"],
+        "url": row["url"],
+        "sha256": row["sha256"],
+        "format": row["format"],
+        "size": row["size"],
+        "signer": row["signer"],
+        "createdAt": _iso(row["created_at"]),
+    }
+
+
+def _verifier(app: App) -> ImageVerifier | None:
+    return app.provision.image_verifier if app.provision is not None else None
+
+
+class ImagesApi:
+    def __init__(self, *, app: App, db: Any) -> None:
+        self.app = app
+        self.db = db
+
+    def routes(self) -> dict[str, Callable[[ApiRequest], Awaitable[Any]]]:
+        return {
+            "images.register": self.register,
+            "images.list": self.list,
+            "images.get": self.get,
+            "images.delete": self.delete,
+        }
+
+    async def _check_signature(self, body: RegisterImage) -> str | None:
+        """The signer to record (``None`` when the app's verifier accepted the image)."""
+        verifier = _verifier(self.app)
+        if verifier is not None:
+            if not await verifier(tenant_id=body.tenant_id, digest=body.sha256, signature=body.signature):
+                raise BcError(
+                    ErrorCode.PERMISSION_DENIED,
+                    "the app's image_verifier refuses this image's signature",
+                    {"path": "signature", "reason": "bad-signature"},
+                )
+            return None
+        if body.signer is None:
+            raise BcError(ErrorCode.INVALID_INPUT, "name the allowlisted signer", {"path": "signer"})
+        row = await self.db.fetchrow(SIGNER, body.signer)
+        if row is None:
+            raise BcError(
+                ErrorCode.PERMISSION_DENIED,
+                f"{body.signer} is not an allowlisted image signer ([images] signers)",
+                {"path": "signer", "reason": "unknown-signer"},
+            )
+        signer = ImageSigner(row["id"], row["algorithm"], bytes(row["public_key"]))
+        if not verify_image_signature(signer, body.sha256, body.signature):
+            raise BcError(
+                ErrorCode.PERMISSION_DENIED,
+                f"the signature is not {signer.id}'s over sha256 {body.sha256}",
+                {"path": "signature", "reason": "bad-signature"},
+            )
+        return signer.id
+
+    async def register(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(RegisterImage)
+        signer = await self._check_signature(body)
+        values = (body.url, body.sha256, body.format, body.size, signer, body.signature, body.public)
+        key = (body.tenant_id, body.name, body.version)
+        row = await self.db.fetchrow(INSERT_IMAGE, *key, *values)
+        if row is None:
+            row = await self.db.fetchrow(OWN_IMAGE, *key)
+            if (
+                row is not None
+                and tuple(bytes(row[f]) if f == "signature" else row[f] for f in _IMMUTABLE) != values
+            ):
+                raise BcError(
+                    ErrorCode.CONFLICT,
+                    f"image {body.name}@{body.version} exists with other contents: images are"
+                    " immutable, register a new version",
+                    {"path": "version"},
+                )
+        if row is None:  # deleted in between: the caller may try again
+            raise BcError(ErrorCode.CONFLICT, "the image changed meanwhile, try again", {"path": "version"})
+        return image_doc(row)
+
+    async def get(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(GetImage)
+        name, version = parse_image_ref(body.ref, path="ref")
+        row = await self.db.fetchrow(RESOLVE_IMAGE, body.tenant_id, name, version)
+        if row is None:
+            raise BcError(
+                ErrorCode.NOT_FOUND,
+                f"no image {body.ref} in tenant {body.tenant_id} nor a public one",
+                {"path": "ref"},
+            )
+        doc = image_doc(row)
+        verifier = _verifier(self.app)
+        if verifier is not None:
+            doc["signerStatus"] = "verifier"
+            return doc
+        try:
+            await check_image_signer(row, tenant_id=body.tenant_id)
+            doc["signerStatus"] = "allowlisted"
+        except BcError as err:
+            doc["signerStatus"] = "removed" if err.reason == "signer-removed" else "bad-signature"
+        return doc
+
+    async def list(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(ListImages)
+        after = decode_cursor(body.cursor, str, str, str)
+        rows = await self.db.fetch(
+            LIST_IMAGES, body.tenant_id, body.name, *(after or (None, None, None)), body.limit + 1
+        )
+        docs = []
+        for row in rows:
+            doc = image_doc(row)
+            doc["signerStatus"] = "verifier" if _verifier(self.app) else (
+                "allowlisted" if row["allowlisted"] else "removed"
+            )  # fmt: skip
+            docs.append(doc)
+        page, next_ = take_page(
+            docs,
+            limit=body.limit,
+            key=lambda d: (d["name"], d["version"], d["tenantId"]),
+            budget=req.page_budget,
+        )
+        return {"images": page, "next": next_}
+
+    async def delete(self, req: ApiRequest) -> dict[str, Any]:
+        body = req.decode(DeleteImage)
+        name, version = parse_image_ref(body.ref, path="ref")
+        if await self.db.fetchrow(DELETE_IMAGE, body.tenant_id, name, version) is None:
+            raise BcError(
+                ErrorCode.NOT_FOUND, f"tenant {body.tenant_id} has no image {body.ref}", {"path": "ref"}
+            )
+        return {"deleted": True}

@@ -1,0 +1,194 @@
+"""``bcx images register|list|show|delete``: the engine's image catalog (docs/images.md)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from ..config import Settings
+from ..core.errors import BcError, ErrorCode
+from .common import api_client
+from .output import print_json, print_table
+from .paging import add_paging, collect, print_more
+
+__all__ = ["register"]
+
+FORMATS = ("raw", "raw.gz", "raw.xz", "raw.zst", "qcow2", "iso")
+
+
+def _bad(path: str, message: str) -> BcError:
+    return BcError(ErrorCode.INVALID_INPUT, message, {"path": path})
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise _bad(what, f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _signature(args: argparse.Namespace) -> str:
+    """The signature as base64: from ``--signature-file`` (raw bytes as openssl writes them,
+    or base64 text) or ``--signature`` (base64)."""
+    if args.signature_file is not None:
+        data = _read(args.signature_file, "signature-file")
+        try:
+            text = data.decode("ascii").strip()
+            if text and len(base64.b64decode(text, validate=True)) > 0:
+                return text
+        except (UnicodeDecodeError, ValueError):
+            pass
+        return base64.b64encode(data).decode()
+    if args.signature is None:
+        raise _bad("signature", "give --signature-file (or --signature with base64)")
+    return str(args.signature)
+
+
+def _digest(args: argparse.Namespace) -> tuple[str, int | None]:
+    if args.file is None:
+        if args.sha256 is None:
+            raise _bad("sha256", "give --sha256 (or --file to compute it from a local copy)")
+        return str(args.sha256), args.size
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with open(args.file, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+                size += len(chunk)
+    except OSError as exc:
+        raise _bad("file", f"cannot read {args.file}: {exc.strerror or exc}") from None
+    if args.sha256 is not None and args.sha256 != h.hexdigest():
+        raise _bad("sha256", f"{args.file} has sha256 {h.hexdigest()}, not the --sha256 given")
+    return h.hexdigest(), size
+
+
+def _split(ref: str) -> tuple[str, str]:
+    name, sep, version = ref.partition("@")
+    if not sep:
+        raise _bad("ref", "an image is name@version, like ubuntu-24.04@2024.06.1")
+    return name, version
+
+
+def _row(image: dict[str, Any]) -> dict[str, Any]:
+    size = image.get("size")
+    return {**image, "size": f"{size / 2**30:.1f} GiB" if isinstance(size, int) else "-"}
+
+
+async def images_register(args: argparse.Namespace, settings: Settings) -> int:
+    name, version = _split(args.ref)
+    sha256, size = _digest(args)
+    request = {
+        "tenantId": args.tenant,
+        "name": name,
+        "version": version,
+        "url": args.url,
+        "sha256": sha256,
+        "format": args.format,
+        "size": size,
+        "signer": args.signer,
+        "signature": _signature(args),
+        "public": args.public,
+    }
+    async with api_client(settings) as api:
+        image = await api.call("engine", "images.register", request)
+    if args.json:
+        print_json(image)
+    else:
+        print(f"image {image['ref']} registered in tenant {image['tenantId']} (sha256 {image['sha256']})")
+    return 0
+
+
+async def images_list(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+
+        async def fetch(cursor: str | None) -> tuple[list[Any], str | None]:
+            got = await api.call(
+                "engine",
+                "images.list",
+                {"tenantId": args.tenant, "name": args.name, "limit": args.limit, "cursor": cursor},
+            )
+            return list(got["images"]), got.get("next")
+
+        images, next_ = await collect(fetch, args)
+    if args.json:
+        print_json({"images": images, "next": next_})
+        return 0
+    print_table(
+        [_row(i) for i in images],
+        [("ref", "IMAGE"), ("tenantId", "FROM"), ("format", "FORMAT"), ("size", "SIZE"),
+         ("signer", "SIGNER"), ("signerStatus", "SIGNATURE"), ("public", "PUBLIC")],
+        empty="no images",
+    )  # fmt: skip
+    print_more(next_)
+    return 0
+
+
+async def images_show(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        image = await api.call("engine", "images.get", {"tenantId": args.tenant, "ref": args.ref})
+    if args.json:
+        print_json(image)
+        return 0
+    status = {
+        "allowlisted": "valid (allowlisted signer)",
+        "removed": "REFUSED at deploy: its signer is no longer allowlisted",
+        "bad-signature": "REFUSED at deploy: the signature does not verify with the signer's key",
+        "verifier": "decided by the app's image_verifier",
+    }.get(image.get("signerStatus"), image.get("signerStatus"))
+    for label, value in (
+        ("image", image["ref"]),
+        ("tenant", image["tenantId"] + ("  (public)" if image["public"] else "")),
+        ("url", image["url"]),
+        ("sha256", image["sha256"]),
+        ("format", image["format"]),
+        ("size", _row(image)["size"]),
+        ("signer", image["signer"] or "-"),
+        ("signature", status),
+        ("registered", image["createdAt"]),
+    ):
+        print(f"{label:<11} {value}")
+    return 0
+
+
+async def images_delete(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        await api.call("engine", "images.delete", {"tenantId": args.tenant, "ref": args.ref})
+    if args.json:
+        print_json({"deleted": True})
+    else:
+        print(f"image {args.ref} deleted from tenant {args.tenant}")
+    return 0
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    tenant = argparse.ArgumentParser(add_help=False)
+    tenant.add_argument("--tenant", default="root", help="tenant (default root)")
+    images = sub.add_parser("images", help="the image catalog").add_subparsers(
+        dest="images_command", required=True, metavar="COMMAND"
+    )
+    p = images.add_parser("register", parents=[common, tenant], help="add a signed image (name@version)")
+    p.add_argument("ref", metavar="NAME@VERSION")
+    p.add_argument("--url", required=True, help="http(s) URL the site fetches the image from")
+    p.add_argument("--sha256", help="hex SHA-256 of the image")
+    p.add_argument("--file", help="a local copy: computes --sha256 and --size")
+    p.add_argument("--size", type=int, help="bytes")
+    p.add_argument("--format", choices=FORMATS, default="raw")
+    p.add_argument("--signer", help="the allowlisted signer's id ([images] signers)")
+    p.add_argument("--signature-file", help="the signature over the digest (raw, as openssl writes it)")
+    p.add_argument("--signature", help="the signature, base64")
+    p.add_argument("--public", action="store_true", help="visible to every tenant")
+    p.set_defaults(func=images_register)
+    p = images.add_parser("list", parents=[common, tenant], help="the tenant's and public images")
+    p.add_argument("--name", help="only this image name")
+    add_paging(p, default_limit=100)
+    p.set_defaults(func=images_list)
+    p = images.add_parser("show", parents=[common, tenant], help="one image, as the tenant resolves it")
+    p.add_argument("ref", metavar="NAME@VERSION")
+    p.set_defaults(func=images_show)
+    p = images.add_parser("delete", parents=[common, tenant], help="remove one of the tenant's images")
+    p.add_argument("ref", metavar="NAME@VERSION")
+    p.set_defaults(func=images_delete)

@@ -1,0 +1,91 @@
+"""Requests of the engine's image catalog, ``bc.api.engine.images.*`` (camelCase on the wire).
+
+======================  =================  ===========================================
+route                   request            reply
+======================  =================  ===========================================
+``images.register``     ``RegisterImage``  the image (``images.get``'s document)
+``images.list``         ``ListImages``     ``{images: [...], next}``
+``images.get``          ``GetImage``       the image, with ``signerStatus``
+``images.delete``       ``DeleteImage``    ``{deleted: true}``
+======================  =================  ===========================================
+
+An image document: ``{tenantId, name, version, ref, public, url, sha256, format, size, signer,
+createdAt}``; ``images.get`` adds ``signerStatus``: ``allowlisted`` (it resolves),
+``removed`` (its signer left the allowlist: it does not resolve) or ``verifier`` (the app's
+``image_verifier`` decides).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+from ..core.names import Name
+from .paging import DEFAULT_LIMIT, Cursor, Limit
+
+__all__ = [
+    "MAX_IMAGE_URL",
+    "DeleteImage",
+    "GetImage",
+    "ImageFormat",
+    "ListImages",
+    "RegisterImage",
+]
+
+MAX_IMAGE_URL: Final = 2048
+ImageName = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
+"""``ubuntu-24.04``: lowercase letters, digits and ``._-``."""
+ImageVersion = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")]
+"""``2024.06.1``."""
+ImageFormat = Literal["raw", "raw.gz", "raw.xz", "raw.zst", "qcow2", "iso"]
+Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+SignerId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+$", max_length=MAX_IMAGE_URL)]
+
+
+class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    pass
+
+
+class RegisterImage(_Req, frozen=True, kw_only=True):
+    """Add ``name@version`` to a tenant's catalog; ``signature`` (base64 on the wire) is the
+    signer's over the digest (docs/images.md). Registering the same image again is a no-op;
+    another digest, URL or signature under the same name and version is ``CONFLICT``."""
+
+    tenant_id: Name = "root"
+    name: ImageName
+    version: ImageVersion
+    url: Url
+    sha256: Sha256
+    format: ImageFormat = "raw"
+    size: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    signer: SignerId | None = None
+    """The allowlisted signer; may be left out when the app's ``image_verifier`` decides."""
+    signature: Annotated[bytes, msgspec.Meta(min_length=1, max_length=512)]
+    public: bool = False
+    """Visible to every tenant (each tenant's own image of the same name and version wins)."""
+
+
+class GetImage(_Req, frozen=True, kw_only=True):
+    """``name@version`` as the tenant resolves it: its own, else a public one."""
+
+    tenant_id: Name = "root"
+    ref: Annotated[str, msgspec.Meta(max_length=260)]
+
+
+class DeleteImage(_Req, frozen=True, kw_only=True):
+    """Only the tenant's own image; workflows that resolved it already keep their URL."""
+
+    tenant_id: Name = "root"
+    ref: Annotated[str, msgspec.Meta(max_length=260)]
+
+
+class ListImages(_Req, frozen=True, kw_only=True):
+    """The tenant's own and public images, by name and version; ``cursor`` is the ``next`` of
+    the page before."""
+
+    tenant_id: Name = "root"
+    name: ImageName | None = None
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None

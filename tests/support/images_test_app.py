@@ -1,0 +1,18 @@
+"""An app whose provision module has its own ``image_verifier`` (tests of the image catalog).
+
+Services load it with ``--app images_test_app:app`` (tests/support is on PYTHONPATH). The
+verifier accepts a signature that reads ``ok:<digest>`` for tenants other than ``blocked``.
+"""
+
+from __future__ import annotations
+
+from better_compute.app import better_compute
+from better_compute.metal import metal
+from better_compute.provision import provision_module
+
+
+async def verifier(*, tenant_id: str, digest: str, signature: bytes) -> bool:
+    return tenant_id != "blocked" and signature == f"ok:{digest}".encode()
+
+
+app = better_compute(modules=[metal(), provision_module(modules=[metal()], image_verifier=verifier)])

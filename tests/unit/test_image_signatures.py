@@ -1,0 +1,120 @@
+"""Image signatures: Ed25519 and P-256 signers, key formats, and what is refused."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.metal.images import parse_image_ref
+from better_compute.metal.signatures import image_signer, sign_image_digest, verify_image_signature
+
+pytestmark = pytest.mark.unit
+
+DIGEST = hashlib.sha256(b"ubuntu-24.04 image").hexdigest()
+ED = ed25519.Ed25519PrivateKey.generate()
+P256 = ec.generate_private_key(ec.SECP256R1())
+
+
+def spki(key: object, encoding: serialization.Encoding) -> bytes:
+    return key.public_key().public_bytes(encoding, serialization.PublicFormat.SubjectPublicKeyInfo)  # type: ignore[attr-defined]
+
+
+def test_ed25519_signatures_verify_from_any_key_form() -> None:
+    raw = ED.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    forms = [
+        spki(ED, serialization.Encoding.PEM).decode(),
+        base64.b64encode(spki(ED, serialization.Encoding.DER)).decode(),
+        base64.b64encode(raw).decode(),
+    ]
+    signature = sign_image_digest(ED, DIGEST)
+    for form in forms:
+        signer = image_signer("acme-release", form)
+        assert signer.algorithm == "ed25519"
+        assert verify_image_signature(signer, DIGEST, signature)
+
+
+def test_p256_signatures_verify_in_der_and_raw_form() -> None:
+    signer = image_signer("acme-p256", spki(P256, serialization.Encoding.PEM).decode())
+    assert signer.algorithm == "ecdsa-p256-sha256"
+    der = sign_image_digest(P256, DIGEST)
+    r, s = decode_dss_signature(der)
+    raw = r.to_bytes(32) + s.to_bytes(32)
+    assert verify_image_signature(signer, DIGEST, der)
+    assert verify_image_signature(signer, DIGEST, raw)
+
+
+def test_p256_signs_the_sha256_of_the_digest_bytes_as_openssl_dgst_does() -> None:
+    from cryptography.hazmat.primitives import hashes
+
+    signature = P256.sign(bytes.fromhex(DIGEST), ec.ECDSA(hashes.SHA256()))  # openssl dgst -sha256 -sign
+    signer = image_signer("acme-p256", base64.b64encode(spki(P256, serialization.Encoding.DER)).decode())
+    assert verify_image_signature(signer, DIGEST, signature)
+
+
+@pytest.mark.parametrize("key", [ED, P256], ids=["ed25519", "p256"])
+def test_a_flipped_byte_anywhere_is_refused(
+    key: ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey,
+) -> None:
+    signer = image_signer("s", spki(key, serialization.Encoding.PEM).decode())
+    signature = sign_image_digest(key, DIGEST)
+    for i in range(len(signature)):
+        flipped = bytearray(signature)
+        flipped[i] ^= 0x01
+        assert not verify_image_signature(signer, DIGEST, bytes(flipped)), i
+    other = f"{int(DIGEST[0], 16) ^ 1:x}" + DIGEST[1:]
+    assert not verify_image_signature(signer, other, signature)
+    assert not verify_image_signature(signer, DIGEST, b"")
+
+
+def test_another_signers_signature_is_refused() -> None:
+    signer = image_signer("acme-release", spki(ED, serialization.Encoding.PEM).decode())
+    assert not verify_image_signature(
+        signer, DIGEST, sign_image_digest(ed25519.Ed25519PrivateKey.generate(), DIGEST)
+    )
+    assert not verify_image_signature(signer, DIGEST, sign_image_digest(P256, DIGEST))
+
+
+@pytest.mark.parametrize(
+    ("key", "path"),
+    [
+        (
+            spki(rsa.generate_private_key(65537, 2048), serialization.Encoding.PEM).decode(),
+            "signer.publicKey",
+        ),
+        (
+            spki(ec.generate_private_key(ec.SECP384R1()), serialization.Encoding.PEM).decode(),
+            "signer.publicKey",
+        ),
+        ("not base64!", "signer.publicKey"),
+        (base64.b64encode(b"short").decode(), "signer.publicKey"),
+        ("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n", "signer.publicKey"),
+    ],
+)
+def test_keys_other_than_ed25519_and_p256_are_refused(key: str, path: str) -> None:
+    with pytest.raises(BcError) as info:
+        image_signer("s", key)
+    assert (info.value.code, info.value.path) == (ErrorCode.INVALID_CONFIG, path)
+
+
+def test_signer_ids_and_digests_are_checked() -> None:
+    pem = spki(ED, serialization.Encoding.PEM).decode()
+    with pytest.raises(BcError) as info:
+        image_signer("bad id", pem, path="images.signers[0]")
+    assert info.value.path == "images.signers[0].id"
+    with pytest.raises(BcError) as info:
+        verify_image_signature(image_signer("s", pem), DIGEST.upper(), b"x")
+    assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, "sha256")
+
+
+@pytest.mark.parametrize("ref", ["ubuntu", "ubuntu@", "@1", "Ubuntu@1", "a@b@c", "a b@1", 3, None])
+def test_an_image_ref_is_name_at_version(ref: object) -> None:
+    with pytest.raises(BcError) as info:
+        parse_image_ref(ref)
+    assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, "image")
+    assert parse_image_ref("ubuntu-24.04@2024.06.1+b2") == ("ubuntu-24.04", "2024.06.1+b2")

@@ -1,0 +1,429 @@
+"""Metal's shipped steps, each with small fakes for the command queue, the store and bc-pki."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.metal import metal
+from better_compute.metal.steps import deploy as deploy_module
+from better_compute.metal.steps import http_via_site
+from better_compute.metal.steps.http import NODE_ADDRESSES
+from better_compute.metal.steps.inventory import STORE_INVENTORY
+from better_compute.metal.steps.joined import JOINED_SINCE
+from better_compute.provision import Step, StepNotReady
+from better_compute.provision.results import LATEST_RESULT
+from better_compute.wire.cmdq import CommandView, EnqueueCommand
+
+pytestmark = pytest.mark.unit
+
+STEPS = {step.id: step for step in metal().steps}
+BMC = {"driver": "redfish", "address": "https://10.0.0.9", "credentialsRef": "sec_00000000000000000000000000"}
+WF = "wf_0000000000000001"
+
+
+@dataclass
+class Node:
+    id: str = "node_0000000000000001"
+    site_id: str = "lab1"
+    tenant_id: str = "root"
+    labels: dict[str, str] = field(default_factory=dict)
+    macs: tuple[str, ...] = ("52:54:00:00:00:01", "52:54:00:00:00:02")
+    bmc: dict[str, Any] | None = field(default_factory=lambda: dict(BMC))
+    state: str = "enrolled"
+
+
+class Queue:
+    """The command queue: find-before-create by key; ``hold`` kinds stay pending."""
+
+    def __init__(self, *, attested: bool = True, results: dict[str, Any] | None = None) -> None:
+        self.views: dict[str, CommandView] = {}
+        self.sent: list[EnqueueCommand] = []
+        self.hold: set[str] = set()
+        self.attested = attested
+        self.results = results or {}
+
+    async def enqueue(self, cmd: EnqueueCommand) -> CommandView:
+        view = self.views.get(cmd.key)
+        if view is None:
+            self.sent.append(cmd)
+            result = json.dumps(self.results.get(cmd.kind, {"ok": True})).encode()
+            view = CommandView(
+                id=f"cmd_{len(self.sent)}", node_id=cmd.node_id, site_id=cmd.site_id, kind=cmd.kind,
+                key=cmd.key, state="pending", result=result, target=cmd.target, payload=cmd.payload,
+                attested=self.attested and cmd.target == "node",
+            )  # fmt: skip
+        if view.state == "pending" and view.kind not in self.hold:
+            view = CommandView(
+                **{**{f: getattr(view, f) for f in view.__struct_fields__}, "state": "succeeded"}
+            )
+        self.views[cmd.key] = view
+        return view
+
+    async def site_agent_for(self, node_id: str) -> str | None:
+        return "agent_site"
+
+    def keys(self) -> list[str]:
+        return [c.key.removeprefix(f"wf:{WF}:") for c in self.sent]
+
+
+class Sql:
+    """The statements metal's steps run, over a dict."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.since = datetime(2026, 1, 1, tzinfo=UTC)
+
+    async def query(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        if sql == LATEST_RESULT:
+            found = self.results.get(args[1])
+            return [] if found is None else [{"result": json.dumps(found)}]
+        if sql == STORE_INVENTORY:
+            self.nodes.setdefault(args[0], {})["inventory"] = json.loads(args[1])
+            return []
+        if sql == deploy_module.NODE_IMAGE:
+            return [{"image": self.nodes.get(args[0], {}).get("image")}]
+        if sql == JOINED_SINCE:
+            return [{"since": self.since}]
+        if sql == NODE_ADDRESSES:
+            node = self.nodes.get(args[0], {})
+            return [{"label": node.get("address"), "addresses": node.get("addresses")}]
+        raise AssertionError(f"unexpected statement {sql}")
+
+    @asynccontextmanager
+    async def _tx(self) -> AsyncIterator[Sql]:
+        yield self
+
+    def transaction(self) -> Any:
+        return self._tx()
+
+
+@dataclass
+class Cert:
+    cert_id: str
+    role: str
+    created_at: datetime
+    state: str = "valid"
+
+
+class Pki:
+    def __init__(self) -> None:
+        self.certs: list[Cert] = []
+
+    async def certificates(self, *, agent_id: str) -> list[Cert]:
+        return list(self.certs)
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def warning(self, event: str, **_kw: Any) -> None:
+        self.events.append(event)
+
+
+@dataclass
+class Ctx:
+    node: Node | None = field(default_factory=Node)
+    commands: Queue = field(default_factory=Queue)
+    sql: Sql = field(default_factory=Sql)
+    pki: Pki | None = field(default_factory=Pki)
+    log: Log = field(default_factory=Log)
+    workflow_id: str = WF
+    step: int = 3
+    attempt: int = 1
+    batch_id: str | None = None
+    profile: Any = None
+    provision: Any = None
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"wf:{self.workflow_id}:{self.step}#{self.attempt}"
+
+
+async def run(step_id: str, with_: dict[str, Any], ctx: Ctx) -> Any:
+    step: Step = STEPS[step_id]
+    assert step.run is not None
+    return await step.run(step.input.validate(with_), ctx)  # type: ignore[arg-type]
+
+
+async def refused(call: Callable[[], Coroutine[Any, Any, Any]]) -> BcError:
+    with pytest.raises(BcError) as info:
+        await call()
+    return info.value
+
+
+# -- the BMC steps ------------------------------------------------------------------------
+
+
+def test_bmc_steps_relay_to_the_site_and_declare_their_one_non_destructive_kind() -> None:
+    for name in ("power.setPower", "management.setBootDevice", "media.insert", "media.eject"):
+        step = STEPS[name]
+        assert (step.runs_on, step.relays, step.sends) == ("control-plane", ("site",), (name,))
+        assert not metal().command_kinds[[k.name for k in metal().command_kinds].index(name)].destructive
+
+
+async def test_power_sends_the_nodes_bmc_to_its_site_agent() -> None:
+    ctx = Ctx()
+    got = await run("power.setPower", {"action": "cycle"}, ctx)
+    [cmd] = ctx.commands.sent
+    assert (cmd.kind, cmd.target, cmd.site_id, cmd.key) == ("power.setPower", "site", "lab1", f"wf:{WF}:3#1")
+    assert cmd.payload == {"action": "cycle", "bmc": BMC}  # the reference, never a password
+    assert got == {"commandId": "cmd_1", "result": {"ok": True}, "action": "cycle"}
+
+
+async def test_a_node_without_a_bmc_is_invalid_state_and_nothing_is_sent() -> None:
+    ctx = Ctx(node=Node(bmc=None))
+    err = await refused(lambda: run("management.setBootDevice", {"device": "pxe"}, ctx))
+    assert (err.code, err.reason, err.path) == (ErrorCode.INVALID_STATE, "no-bmc", "bmc")
+    assert "has no BMC" in err.message
+    assert ctx.commands.sent == []
+
+
+async def test_media_insert_reads_from_steps_url_from_the_store() -> None:
+    ctx = Ctx()
+    ctx.sql.results["autoinstall.renderIso"] = {"url": "https://cache.site-a/a.iso", "sha256": "ab" * 32}
+    got = await run("media.insert", {"fromStep": "autoinstall.renderIso"}, ctx)
+    [cmd] = ctx.commands.sent
+    assert cmd.payload == {
+        "url": "https://cache.site-a/a.iso",
+        "device": "cd",
+        "bmc": BMC,
+        "sha256": "ab" * 32,
+    }
+    assert got["url"] == "https://cache.site-a/a.iso"
+
+
+@pytest.mark.parametrize(
+    ("with_", "code", "path"),
+    [
+        ({"fromStep": "autoinstall.renderIso"}, ErrorCode.NOT_FOUND, "fromStep"),  # not run (yet)
+        ({"fromStep": "other.step"}, ErrorCode.INVALID_INPUT, "fromStep"),  # returned no url
+        ({"fromStep": "other.step", "url": "https://x/a.iso"}, ErrorCode.INVALID_INPUT, "fromStep"),
+        ({}, ErrorCode.INVALID_INPUT, "url"),
+    ],
+)
+async def test_media_insert_refusals(with_: dict[str, Any], code: ErrorCode, path: str) -> None:
+    ctx = Ctx()
+    ctx.sql.results["other.step"] = {"ref": "sec_x"}
+    err = await refused(lambda: run("media.insert", with_, ctx))
+    assert (err.code, err.path) == (code, path)
+    assert ctx.commands.sent == []
+
+
+# -- metal.ensureRamdisk ------------------------------------------------------------------
+
+RAMDISK = {"kernel": "https://cache/vmlinuz", "initrd": "https://cache/initrd"}
+
+
+async def test_ensure_ramdisk_sends_each_command_once_across_re_runs() -> None:
+    ctx = Ctx()
+    ctx.commands.hold.add("netboot.setEntry")
+    for _ in range(2):  # woken twice while the first boot entry is still pending
+        with pytest.raises(StepNotReady):
+            await run("metal.ensureRamdisk", RAMDISK, ctx)
+    assert ctx.commands.keys() == ["3#1:boot-device", "3#1:netboot-0"]
+
+    ctx.commands.hold.clear()
+    got = await run("metal.ensureRamdisk", RAMDISK, ctx)
+    assert ctx.commands.keys() == ["3#1:boot-device", "3#1:netboot-0", "3#1:netboot-1", "3#1:power-cycle"]
+    boot, entry, _, cycle = ctx.commands.sent
+    assert boot.payload == {"device": "pxe", "persistent": False, "bmc": BMC}
+    assert entry.payload == {**RAMDISK, "cmdline": "", "mac": "52:54:00:00:00:01", "oneTime": True}
+    assert cycle.payload == {"action": "cycle", "bmc": BMC}
+    assert [e["mac"] for e in got["netbootEntries"]] == list(Node().macs)
+
+    await run("metal.ensureRamdisk", RAMDISK, ctx)  # a re-run after a crash sends nothing again
+    assert len(ctx.commands.sent) == 4
+
+
+@pytest.mark.parametrize(
+    ("ctx", "with_", "code", "path"),
+    [
+        (Ctx(), {}, ErrorCode.INVALID_CONFIG, "kernel"),
+        (Ctx(node=Node(macs=())), RAMDISK, ErrorCode.INVALID_STATE, "macs"),
+        (Ctx(node=Node(bmc=None)), RAMDISK, ErrorCode.INVALID_STATE, "bmc"),
+        (Ctx(node=None), RAMDISK, ErrorCode.INVALID_CONFIG, "nodeId"),
+    ],
+)
+async def test_ensure_ramdisk_refusals(ctx: Ctx, with_: dict[str, Any], code: ErrorCode, path: str) -> None:
+    err = await refused(lambda: run("metal.ensureRamdisk", with_, ctx))
+    assert (err.code, err.path) == (code, path)
+    assert ctx.commands.sent == []
+
+
+# -- wait.agentJoined ---------------------------------------------------------------------
+
+
+async def test_wait_agent_joined_counts_only_a_fresh_join_of_the_asked_role() -> None:
+    ctx = Ctx()
+    since = ctx.sql.since
+    with pytest.raises(StepNotReady):
+        await run("wait.agentJoined", {"role": "node"}, ctx)
+    # an earlier boot's join, and a site agent's certificate, do not count
+    ctx.pki.certs = [Cert("cert_old", "node", since - timedelta(minutes=5)),  # type: ignore[union-attr]
+                     Cert("cert_site", "site", since + timedelta(seconds=1)),
+                     Cert("cert_revoked", "node", since + timedelta(seconds=1), state="revoked")]  # fmt: skip
+    with pytest.raises(StepNotReady):
+        await run("wait.agentJoined", {"role": "node"}, ctx)
+    assert (await run("wait.agentJoined", {"fresh": False}, ctx))["certId"] == "cert_old"
+
+    # the installed OS re-keys the node with its provisioned token
+    ctx.pki.certs.insert(0, Cert("cert_new", "provisioned", since + timedelta(seconds=30)))  # type: ignore[union-attr]
+    got = await run("wait.agentJoined", {"role": "node"}, ctx)
+    assert (got["certId"], got["role"], got["agentId"]) == ("cert_new", "provisioned", Node().id)
+
+
+async def test_wait_agent_joined_needs_pki() -> None:
+    err = await refused(lambda: run("wait.agentJoined", {}, Ctx(pki=None)))
+    assert (err.code, err.path) == (ErrorCode.INVALID_CONFIG, "pki")
+
+
+# -- node commands: attested or nothing ---------------------------------------------------
+
+INVENTORY = {"cpus": [{"model": "x"}], "memoryBytes": 1 << 34, "disks": [], "nics": []}
+
+
+async def test_inspect_collect_stores_an_attested_inventory_on_the_node() -> None:
+    ctx = Ctx(commands=Queue(results={"node.inventory": INVENTORY}))
+    got = await run("inspect.collect", {}, ctx)
+    [cmd] = ctx.commands.sent
+    assert (cmd.kind, cmd.target) == ("node.inventory", "node")
+    assert ctx.sql.nodes[Node().id]["inventory"] == INVENTORY
+    assert got == {"commandId": "cmd_1", "attested": True, "inventory": sorted(INVENTORY)}
+
+
+@pytest.mark.parametrize(("step", "with_"), [("inspect.collect", {}), ("disk.wipe", {})])
+async def test_an_unattested_node_result_fails_the_step_and_changes_nothing(
+    step: str, with_: dict[str, Any]
+) -> None:
+    ctx = Ctx(commands=Queue(attested=False, results={"node.inventory": INVENTORY}))
+    err = await refused(lambda: run(step, with_, ctx))
+    assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "not-attested")
+    assert err.details["commandId"] == "cmd_1"
+    assert ctx.sql.nodes == {}
+    assert ctx.log.events == ["result_not_attested"]
+
+
+async def test_disk_wipe_is_a_declared_destructive_node_command() -> None:
+    step = STEPS["disk.wipe"]
+    assert step.sends == ("node.wipe",)
+    ctx = Ctx()
+    got = await run("disk.wipe", {"mode": "secure"}, ctx)
+    [cmd] = ctx.commands.sent
+    assert (cmd.kind, cmd.target, cmd.payload) == ("node.wipe", "node", {"mode": "secure"})
+    assert got == {"commandId": "cmd_1", "attested": True, "mode": "secure"}
+
+
+# -- deploy.deploy ------------------------------------------------------------------------
+
+IMAGE = {"name": "ubuntu", "version": "24.04", "url": "https://img/u.raw.zst", "sha256": "cd" * 32,
+         "format": "raw.zst", "size": 1, "signer": "ops"}  # fmt: skip
+
+
+async def test_deploy_writes_the_resolved_image_with_the_rendered_user_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[str, str, Any]] = []
+
+    async def resolve(_tx: Any, tenant_id: str, ref: str, *, verifier: Any = None) -> dict[str, Any]:
+        asked.append((tenant_id, ref, verifier))
+        if ref == "ubuntu@missing":
+            raise BcError(ErrorCode.NOT_FOUND, "no image", {"path": "image"})
+        return IMAGE
+
+    monkeypatch.setattr(deploy_module, "resolve_image_ref", resolve)
+    ctx = Ctx()
+    ctx.sql.nodes[Node().id] = {"image": "ubuntu@24.04"}
+    ctx.sql.results["userdata.render"] = {"userDataRef": "sec_00000000000000aa", "kind": "cloud-init"}
+    got = await run("deploy.deploy", {}, ctx)
+    [cmd] = ctx.commands.sent
+    assert asked == [("root", "ubuntu@24.04", None)]
+    assert (cmd.kind, cmd.target) == ("node.imageWrite", "node")
+    assert cmd.payload == {"url": IMAGE["url"], "sha256": IMAGE["sha256"], "format": "raw.zst",
+                           "userDataRef": "sec_00000000000000aa"}  # fmt: skip
+    assert (got["image"], got["attested"]) == ("ubuntu@24.04", True)
+
+    # with.image wins over the node's, the app's image_verifier is handed on, and an
+    # unattested write does not count
+    verifier = object()
+    ctx = Ctx(commands=Queue(attested=False), profile=None)
+    ctx.provision = SimpleNamespace(image_verifier=verifier)
+    err = await refused(lambda: run("deploy.deploy", {"image": "ubuntu@24.10"}, ctx))
+    assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "not-attested")
+    assert asked[-1] == ("root", "ubuntu@24.10", verifier)
+
+    # an image the catalog does not resolve: nothing is sent
+    ctx = Ctx()
+    err = await refused(lambda: run("deploy.deploy", {"image": "ubuntu@missing"}, ctx))
+    assert (err.code, err.path, ctx.commands.sent) == (ErrorCode.NOT_FOUND, "image", [])
+
+
+async def test_deploy_without_an_image_is_refused_before_sending() -> None:
+    ctx = Ctx(profile=SimpleNamespace(image=None))
+    err = await refused(lambda: run("deploy.deploy", {}, ctx))
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "image")
+    assert ctx.commands.sent == []
+
+
+# -- http_via_site ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://169.254.169.254/latest/meta-data",
+        "http://127.0.0.1:50000/",
+        "https://[::1]/",
+        "https://0.0.0.0/",
+        "https://10.0.0.99:50000/machine/version",  # not the node's
+        "https://user:pw@10.0.0.5/",
+        "ftp://10.0.0.5/",
+        "https://evil.example/",
+    ],
+)
+async def test_http_via_site_refuses_targets_that_are_not_the_nodes_own(url: str) -> None:
+    ctx = Ctx()
+    ctx.sql.nodes[Node().id] = {"address": "10.0.0.5", "addresses": ["fd00::5"]}
+    err = await refused(lambda: http_via_site(ctx, {"url": url}))
+    assert (err.code, err.reason) == (ErrorCode.INVALID_INPUT, "ssrf-refused")
+    assert ctx.commands.sent == []
+
+
+async def test_http_via_site_relays_with_the_nodes_addresses() -> None:
+    ctx = Ctx(commands=Queue(results={"site.httpProxy": {"status": 200, "body": "v1.7"}}))
+    ctx.sql.nodes[Node().id] = {"address": "10.0.0.5", "addresses": ["fd00::5"]}
+    got = await http_via_site(
+        ctx, {"url": "https://[fd00::5]:50000/machine/version", "poll": True}, key="version"
+    )
+    [cmd] = ctx.commands.sent
+    assert (cmd.kind, cmd.key) == ("site.httpProxy", f"wf:{WF}:3#1:version")
+    assert cmd.payload == {"url": "https://[fd00::5]:50000/machine/version",
+                           "nodeAddresses": ["10.0.0.5", "fd00::5"], "poll": True}  # fmt: skip
+    assert got == {"status": 200, "body": "v1.7"}
+    err = await refused(lambda: http_via_site(Ctx(), {"url": "https://10.0.0.5/"}))
+    assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "no-address")
+
+
+async def test_the_pages_talos_ready_waits_for_a_200() -> None:
+    from metal_steps_app import talos_ready
+
+    ctx = Ctx(commands=Queue(results={"site.httpProxy": {"status": 503}}))
+    ctx.sql.nodes[Node().id] = {"address": "10.0.0.5"}
+    assert talos_ready.run is not None
+    with pytest.raises(StepNotReady):
+        await talos_ready.run(talos_ready.input.validate({}), ctx)  # type: ignore[arg-type]
+    assert ctx.commands.sent[0].payload["url"] == "https://10.0.0.5:50000/machine/version"
+    ctx = Ctx(commands=Queue(results={"site.httpProxy": {"status": 200, "body": "v1.7"}}))
+    ctx.sql.nodes[Node().id] = {"address": "10.0.0.5"}
+    got = await talos_ready.run(talos_ready.input.validate({"port": 50001}), ctx)  # type: ignore[arg-type]
+    assert got == {"status": 200, "version": "v1.7"}
