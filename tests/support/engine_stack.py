@@ -11,11 +11,15 @@ from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.wire.engine import WorkflowStep
+from better_compute.wire.metal import NodeBmc
 
-__all__ = ["FAST", "AgentStack"]
+__all__ = ["FAST", "SIM_BMC", "AgentStack"]
 
 FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 """Command-queue timings that let a test see an agent come and go in seconds."""
+SIM_BMC = NodeBmc(driver="sim", address="sim-bmc")
+"""A node's BMC for tests whose nodes run BMC commands: the engine relays the node's BMC to
+them and fails a BMC step on a node without one (docs/metal.md)."""
 
 
 class AgentStack:

@@ -95,7 +95,8 @@ class EngineApi:
         row = await self.db.fetchrow(store.NODE, body.id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no node {body.id}", {"path": "id"})
-        return node_doc(row, full=True, current_workflow=await current_workflow(self.db, row))
+        cmdq = self.metal.quorum.cmdq if self.metal.quorum is not None else None
+        return node_doc(row, full=True, current_workflow=await current_workflow(self.db, row, cmdq))
 
     async def nodes_list(self, req: ApiRequest) -> m.NodeList:
         body = req.decode(m.ListNodes)

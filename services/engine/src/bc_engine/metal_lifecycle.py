@@ -186,18 +186,35 @@ async def record_command_result(engine: Engine, node_id: str, kind: str, payload
         await node_event(engine.publish, row)
 
 
-async def current_workflow(db: Any, row: Any) -> CurrentWorkflow | None:
-    """``nodes.get``: the workflow moving the node now, its step and what that waits for."""
+async def current_workflow(db: Any, row: Any, cmdq: Any = None) -> CurrentWorkflow | None:
+    """``nodes.get``: the workflow moving the node now, its step and what that waits for: what
+    the step says (a service, an earlier attempt's commands), else the approvals of its batch."""
     if row["workflow_id"] is None:
         return None
     wf = await db.fetchrow(metal_store.RUNNING_STEP, row["workflow_id"])
     if wf is None:
         return None
+    waiting = _json(wf["waiting_for"])
+    if waiting is None and wf["batch_id"] is not None and cmdq is not None:
+        waiting = await _batch_waits(cmdq, wf["batch_id"])
     return CurrentWorkflow(
         id=row["workflow_id"],
         state=wf["workflow_state"],
         profile_id=wf["profile_id"],
         batch_id=wf["batch_id"],
         step=CurrentStep(index=wf["idx"], action=wf["action"]) if wf["idx"] is not None else None,
-        waiting_for=_json(wf["waiting_for"]),
+        waiting_for=waiting,
     )
+
+
+async def _batch_waits(cmdq: Any, batch_id: str) -> dict[str, Any] | None:
+    """``{reason: batch-approval, batchId, approvals, threshold}`` while the batch is open."""
+    try:
+        batch = await cmdq.get_batch(id=batch_id)
+    except BcError:
+        return None  # the command queue is away: nodes.get still answers
+    if batch.state != "open":
+        return None
+    counted = sum(1 for a in batch.approvals if a.counted)
+    return {"reason": "batch-approval", "batchId": batch_id, "approvals": counted,
+            "threshold": batch.threshold}  # fmt: skip

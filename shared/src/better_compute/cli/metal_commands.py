@@ -184,10 +184,14 @@ def show_lines(node: NodeView) -> list[str]:
         lines.append(f"workflow    {wf.id} {wf.state} ({wf.profile_id})")
         if wf.step:
             lines.append(f"  step      {wf.step.index} {wf.step.action}")
-        if wf.waiting_for:
+        waits = wf.waiting_for if isinstance(wf.waiting_for, dict) else {}
+        if waits.get("reason") == "batch-approval":
+            count = f"{waits['approvals']} of {waits['threshold']}"
+            lines.append(f"  waits for approvals of batch {waits['batchId']}: {count}")
+        elif wf.waiting_for:
             lines.append(f"  waits for {json.dumps(wf.waiting_for, separators=(',', ':'))}")
         if wf.batch_id:
-            lines.append(f"  batch     {wf.batch_id} (destructive commands wait for its approvals)")
+            lines.append(f"  batch     {wf.batch_id} (destructive commands need its approvals)")
     return lines
 
 
