@@ -316,3 +316,22 @@ async def test_deploy_with_the_shipped_profile_writes_the_signed_image_and_the_o
                              "userDataRef": steps["userdata.render"]["result"]["userDataRef"]}  # fmt: skip
     joins = [s["result"]["certId"] for s in wf["steps"] if s["action"] == "wait.agentJoined"]
     assert len(set(joins)) == 2  # the ramdisk's join and the installed OS's, told apart
+
+
+async def test_the_pages_talos_ready_runs_through_http_via_site(stack: Stack) -> None:
+    answer = json.dumps({"status": 200, "headers": {}, "body": "Tag: v1.7.6"})
+    site = await stack.agent("site-i", "--answer", f"site.httpProxy={answer}")
+    node = await stack.api.call(
+        "engine", "nodes.create", {"siteId": "site-i", "labels": {"address": "10.0.0.5"}}
+    )
+    wf_id = await stack.run("talos", node["id"])
+    done = await wait_workflow(stack.api, wf_id, timeout=60)
+    assert done["state"] == "succeeded", done
+    assert done["steps"][0]["result"] == {"status": 200, "version": "Tag: v1.7.6"}
+    assert done["commandKinds"] == ["site.httpProxy"]  # declared in sends: in the batch's scope
+    [relay] = (await stack.commands(wf_id)).values()
+    relay = await stack.cq.get(relay.id)
+    assert (relay.kind, relay.destructive) == ("site.httpProxy", True)
+    assert relay.payload["url"] == "https://10.0.0.5:50000/machine/version"
+    assert relay.payload["nodeAddresses"] == ["10.0.0.5"]  # the site agent relays only to these
+    assert len(site.executions()) == 1
