@@ -15,6 +15,9 @@ from better_compute.testing import until
 from better_compute.testing.agents import SimAgent
 from chaos_stack import Stack
 
+# a node's BMC: the engine relays it to BMC commands (docs/metal.md)
+SIM_BMC = {"driver": "sim", "address": "sim-bmc"}
+
 SERVICES = ("bc-pki", "bc-command-queue", "bc-secrets", "bc-engine")
 # control-plane side effects (counted in plg_test_effects) and site commands (counted at the agent)
 STEPS: list[dict[str, Any]] = [
@@ -42,7 +45,7 @@ async def start_workflows(stack: Stack) -> tuple[SimAgent, list[str], dict[str, 
     await stack.profile("busy", STEPS)
     ids = []
     for _ in range(WORKFLOWS):
-        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"})
+        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab", "bmc": SIM_BMC})
         wf = await stack.api.call("engine", "workflows.start", {"profileId": "busy", "nodeId": node["id"]})
         ids.append(wf["id"])
     db = await stack.db()
@@ -120,7 +123,8 @@ async def test_an_agent_that_starts_while_nats_is_down_waits_and_then_serves(sta
 
     async def started() -> str | None:
         try:
-            node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"}, timeout=2.0)
+            body = {"siteId": "lab", "bmc": SIM_BMC}
+            node = await stack.api.call("engine", "nodes.create", body, timeout=2.0)
             wf = await stack.api.call(
                 "engine", "workflows.start", {"profileId": "one", "nodeId": node["id"]}, timeout=2.0
             )

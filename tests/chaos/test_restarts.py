@@ -17,6 +17,9 @@ from better_compute.testing.workflows import wait_workflows
 from chaos_stack import Stack
 from engine_test_app import TABLES
 
+# a node's BMC: the engine relays it to BMC commands (docs/metal.md)
+SIM_BMC = {"driver": "sim", "address": "sim-bmc"}
+
 
 @pytest.fixture
 def settings(bc_settings: Settings) -> Settings:
@@ -128,7 +131,7 @@ async def test_kill_and_restart_each_process_while_workflows_run(stack: Stack) -
         """Start a few workflows and return once the agent runs one of their commands."""
         ran = len(sim.executions())
         for _ in range(WAVE):
-            node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"})
+            node = await stack.api.call("engine", "nodes.create", {"siteId": "lab", "bmc": SIM_BMC})
             wf = await stack.api.call(
                 "engine", "workflows.start", {"profileId": "restarts", "nodeId": node["id"]}
             )

@@ -18,6 +18,9 @@ from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import wait_workflow
 
+# a node's BMC: the engine relays it to BMC commands (docs/metal.md)
+SIM_BMC = {"driver": "sim", "address": "sim-bmc"}
+
 FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 
 
@@ -65,7 +68,7 @@ async def stack(
 
 async def test_agent_steps_driver_operations_and_await_command(stack: Stack) -> None:
     sim, agent_id = await stack.agent("lab1")
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1", "bmc": SIM_BMC})
     await stack.profile(
         "power",
         [
@@ -96,7 +99,7 @@ async def test_agent_steps_driver_operations_and_await_command(stack: Stack) -> 
 
 async def test_a_failed_command_fails_the_step_with_driver_error(stack: Stack) -> None:
     await stack.agent("lab2", "--fail", "power.setPower")
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab2"})
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab2", "bmc": SIM_BMC})
     await stack.profile("fails", [{"use": "test.power", "on": "site"}])
     done = await wait_workflow(stack.api, await stack.start("fails", node["id"]), timeout=60)
     assert done["state"] == "failed"
@@ -107,7 +110,7 @@ async def test_a_failed_command_fails_the_step_with_driver_error(stack: Stack) -
 
 
 async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(stack: Stack) -> None:
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab3"})
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab3", "bmc": SIM_BMC})
     # no agent in lab3 yet: the step times out while its command (10 minutes to live) still waits
     # (5 s: attempt 2 has as long, and it must outlast the agent's start on a loaded machine)
     await stack.profile("slow", [{"use": "test.awaitPower", "timeout": "5s"}])
@@ -136,7 +139,7 @@ async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(s
 
 
 async def test_abort_cancels_the_workflows_live_commands(stack: Stack) -> None:
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab4"})
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab4", "bmc": SIM_BMC})
     await stack.profile("waits", [{"use": "test.power", "on": "site"}])
     wf_id = await stack.start("waits", node["id"])
 
@@ -159,7 +162,7 @@ async def test_abort_cancels_the_workflows_live_commands(stack: Stack) -> None:
 async def test_a_command_that_settles_while_the_engine_is_down_is_still_picked_up(
     stack: Stack, bc_processes: ServiceProcesses
 ) -> None:
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab5"})
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab5", "bmc": SIM_BMC})
     await stack.profile("later", [{"use": "test.power", "on": "site"}, {"use": "test.noop"}])
     wf_id = await stack.start("later", node["id"])
 

@@ -19,6 +19,9 @@ from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import wait_workflow
 
+# a node's BMC: the engine relays it to BMC commands (docs/metal.md)
+SIM_BMC = {"driver": "sim", "address": "sim-bmc"}
+
 APPROVERS = ("alice", "bob", "carol")
 
 
@@ -54,7 +57,7 @@ async def test_destructive_steps_wait_for_m_of_n_approvals_of_the_workflows_batc
         bc_processes.settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=cq
     )
     try:
-        node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
+        node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1", "bmc": SIM_BMC})
         doc = {"id": "wipe-ish", "version": 1, "target": "metal", "role": "host",
                "steps": [{"use": "test.power", "on": "site"},
                          {"use": "netboot.clearEntry", "on": "site",

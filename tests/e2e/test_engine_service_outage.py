@@ -13,6 +13,9 @@ from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
 
+# a node's BMC: the engine relays it to BMC commands (docs/metal.md)
+SIM_BMC = {"driver": "sim", "address": "sim-bmc"}
+
 
 @pytest.fixture
 async def stack(bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path) -> ServiceProcesses:
@@ -30,7 +33,7 @@ async def stack(bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path:
 async def _render_while_down(stack: ServiceProcesses, api: ApiClient, service: str, pid: str) -> None:
     [proc] = [p for p in stack.procs if p.service == service and p.alive()]
     proc.kill()
-    node = await api.call("engine", "nodes.create", {"siteId": "lab1"})
+    node = await api.call("engine", "nodes.create", {"siteId": "lab1", "bmc": SIM_BMC})
     doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "userData": {"kind": "cloud-init"},
            "steps": [{"use": "userdata.render"}]}  # fmt: skip
     await api.call("engine", "profiles.create", {"document": doc})

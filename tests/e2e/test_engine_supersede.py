@@ -36,6 +36,9 @@ from better_compute.wire import Subjects
 from better_compute.wire.cmdq import EnqueueCommand
 from engine_test_app import TABLES
 
+# a node's BMC: the engine relays it to BMC commands (docs/metal.md)
+SIM_BMC = {"driver": "sim", "address": "sim-bmc"}
+
 ROUNDS = int(os.environ.get("BC_SUPERSEDE_ROUNDS", "3"))  # of each verb; raise it for a longer sweep
 FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 
@@ -211,7 +214,7 @@ async def test_retry_and_resume_never_overlap_a_destructive_command_still_runnin
     for _ in range(ROUNDS):
         # abort -> resume while attempt 1's command runs at the agent
         agent.hold()
-        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1", "bmc": SIM_BMC})
         wf_id = await stack.start("erase", node["id"])
         await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
         await stack.api.call("engine", "workflows.abort", {"id": wf_id})
@@ -221,7 +224,7 @@ async def test_retry_and_resume_never_overlap_a_destructive_command_still_runnin
 
         # timeout -> retry while attempt 1's command runs at the agent
         agent.hold()
-        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1", "bmc": SIM_BMC})
         wf_id = await stack.start("erase-slowly", node["id"])
         await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
         failed = await wait_workflow(stack.api, wf_id, timeout=30)
@@ -245,8 +248,8 @@ async def test_retry_and_resume_never_overlap_a_destructive_command_still_runnin
 
 async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enqueues(stack: Stack) -> None:
     # no agent in these sites: every command stays pending
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab7"})
-    other = await stack.api.call("engine", "nodes.create", {"siteId": "lab8"})
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab7", "bmc": SIM_BMC})
+    other = await stack.api.call("engine", "nodes.create", {"siteId": "lab8", "bmc": SIM_BMC})
     await stack.profile(
         "other-node",
         [{"use": "test.awaitPowerOn", "with": {"nodeId": other["id"], "siteId": "lab8"}, "timeout": "2s"}],
@@ -285,7 +288,7 @@ async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enque
 async def test_a_new_attempt_revokes_the_tokens_and_secrets_of_the_one_it_supersedes(
     stack: Stack,
 ) -> None:
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1", "bmc": SIM_BMC})
     await stack.profile("mints", [{"use": "test.mintThenFail", "with": {"flag": f"go-{uuid.uuid4().hex}"}}])
     wf_id = await stack.start("mints", node["id"])
     failed = await wait_workflow(stack.api, wf_id, timeout=30)
@@ -311,7 +314,7 @@ async def test_a_new_attempt_revokes_the_tokens_and_secrets_of_the_one_it_supers
 
 
 async def test_an_abort_revokes_what_the_cancelled_attempt_minted(stack: Stack) -> None:
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1", "bmc": SIM_BMC})
     flag = f"go-{uuid.uuid4().hex}"
     await stack.profile("mints-waits", [{"use": "test.mintThenFail", "with": {"flag": flag, "wait": True}}])
     wf_id = await stack.start("mints-waits", node["id"])

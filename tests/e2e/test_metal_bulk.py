@@ -100,6 +100,9 @@ async def test_a_bulk_release_of_50_nodes_needs_exactly_two_approvals(
     assert await pending()  # one approval delivers nothing
     assert _destructive_runs(sim) == 0
     assert set((await _states(bc_api, ids)).values()) == {"releasing"}
+    shown = (await bc_api.call("engine", "nodes.get", {"id": ids[0]}))["currentWorkflow"]
+    waits = {"reason": "batch-approval", "batchId": batch.id, "approvals": 1, "threshold": 2}
+    assert shown["waitingFor"] == waits
 
     await cq.approve_batch(batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"]))
     await until(lambda: _all(bc_api, ids, "ready"), what="50 nodes released")

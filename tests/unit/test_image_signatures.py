@@ -118,3 +118,10 @@ def test_an_image_ref_is_name_at_version(ref: object) -> None:
         parse_image_ref(ref)
     assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, "image")
     assert parse_image_ref("ubuntu-24.04@2024.06.1+b2") == ("ubuntu-24.04", "2024.06.1+b2")
+
+
+def test_deploy_resolves_images_through_the_catalog() -> None:
+    from better_compute.metal.images import resolve_image_ref
+    from better_compute.metal.steps.deploy import image_resolver
+
+    assert image_resolver() is resolve_image_ref

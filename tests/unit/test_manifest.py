@@ -243,3 +243,14 @@ def test_json_schema_of_secret_ref_accepts_both_forms() -> None:
     schema = field.secret_ref().json_schema()
     assert [branch["type"] for branch in schema["oneOf"]] == ["string", "object"]
     assert schema["oneOf"][1]["required"] == ["secretRef"]
+
+
+def test_a_map_may_check_its_keys_at_the_keys_path() -> None:
+    values = manifest({"values": field.map(field.string(), keys=field.string(pattern=r"^[a-z.]+$"))})
+    assert values.validate({"values": {"vm.swappiness": "10"}}) == {"values": {"vm.swappiness": "10"}}
+    assert refusal(lambda: values.validate({"values": {"vm swappiness": "10"}})) == (
+        INVALID_INPUT, "values.vm swappiness",
+    )  # fmt: skip
+    schema = values.json_schema()["properties"]["values"]
+    assert schema["propertyNames"] == {"type": "string", "pattern": "^[a-z.]+$"}
+    assert refusal(lambda: field.map(field.string(), keys=field.int())) == (INVALID_CONFIG, "keys")  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import pytest
 from bc_engine.documents import node_doc
 from bc_engine.relay import relay_bmc
 from better_compute.app import better_compute
+from better_compute.cli.metal_commands import read_credentials, show_lines
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal import metal
 from better_compute.metal.lifecycle import (
@@ -135,3 +136,38 @@ def test_the_node_document_summarises_the_inventory() -> None:
     }  # fmt: skip
     assert "inventory" not in doc
     assert node_doc(row, full=True)["inventory"] == row["inventory"]
+
+
+def test_nodes_show_says_what_the_workflow_waits_for() -> None:
+    now = datetime(2026, 12, 1, tzinfo=UTC)
+    row = {
+        "id": "node_1", "tenant_id": "root", "site_id": "lab1", "labels": {}, "macs": [], "bmc": None,
+        "state": "releasing", "state_reason": None, "workflow_id": "wf_1", "power_state": None,
+        "image": None, "last_error": None, "generation": 1, "observed_generation": 0, "host_section": None,
+        "inventory": None, "created_at": now, "updated_at": now,
+    }  # fmt: skip
+    doc = node_doc(row, full=True)
+    doc["currentWorkflow"] = {
+        "id": "wf_1", "state": "running", "profileId": "metal.release", "batchId": "batch_1",
+        "step": {"index": 2, "action": "disk.wipe"},
+        "waitingFor": {"reason": "batch-approval", "batchId": "batch_1", "approvals": 1, "threshold": 2},
+    }  # fmt: skip
+    text = "\n".join(show_lines(doc))
+    assert "state       releasing" in text
+    assert "  step      2 disk.wipe" in text
+    assert "  waits for approvals of batch batch_1: 1 of 2" in text
+
+
+def test_credentials_come_from_a_file_and_a_bad_file_is_not_quoted(tmp_path: Any) -> None:
+    good = tmp_path / "c.txt"
+    good.write_text("admin:s3cret:with:colons\n")
+    assert read_credentials(str(good), user=None, interactive=False) == (
+        b'{"username": "admin", "password": "s3cret:with:colons"}'
+    )
+    assert read_credentials(None, user=None, interactive=False) is None
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"username": "admin", "pass": "s3cret"}')
+    with pytest.raises(BcError) as err:
+        read_credentials(str(bad), user=None, interactive=False)
+    assert (err.value.code, err.value.path) == (ErrorCode.INVALID_INPUT, "bmcCredentialsFile")
+    assert "s3cret" not in err.value.message

@@ -186,3 +186,29 @@ def test_the_ignition_install_unit_runs_only_while_a_join_token_waits() -> None:
     lines = unit["contents"].splitlines()
     assert "ConditionPathExists=/etc/bcd/join-token" in lines
     assert "Wants=network-online.target" in lines
+
+
+class _Rows:
+    """A fake ``Sql`` answering one query with fixed rows."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+        self.asked: list[tuple[Any, ...]] = []
+
+    async def query(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        self.asked.append(args)
+        return self.rows
+
+
+async def test_provisioned_target_resolver_maps_a_token_to_its_node_or_none() -> None:
+    from better_compute.provision import ProvisionedTarget, provisioned_target_resolver
+
+    resolve = provisioned_target_resolver()
+    found = _Rows([{"node_id": "node_1", "workflow_id": "wf_1", "tenant_id": "acme"}])
+    assert await resolve(found, "tok_1") == ProvisionedTarget(
+        node_id="node_1", workflow_id="wf_1", tenant_id="acme"
+    )  # type: ignore[arg-type]
+    assert found.asked == [("tok_1",)]
+    assert await resolve(_Rows([]), "tok_2") is None  # type: ignore[arg-type]
+    nodeless = _Rows([{"node_id": None, "workflow_id": "wf_2", "tenant_id": "acme"}])
+    assert await resolve(nodeless, "tok_3") is None  # type: ignore[arg-type]

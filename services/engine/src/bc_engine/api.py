@@ -72,8 +72,8 @@ class EngineApi:
 
     async def nodes_create(self, req: ApiRequest) -> dict[str, Any]:
         """A node in ``enrolled`` (``metal.enroll`` also enrolls a discovered one)."""
-        refuse_inline_secret(req)
         body = req.decode(m.CreateNode)
+        refuse_inline_secret(req)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
         async with self.db.transaction() as conn:
@@ -93,7 +93,8 @@ class EngineApi:
         row = await self.db.fetchrow(store.NODE, body.id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no node {body.id}", {"path": "id"})
-        return {**node_doc(row, full=True), **await node_view_extra(self.db, row)}
+        cmdq = self.metal.quorum.cmdq if self.metal.quorum is not None else None
+        return {**node_doc(row, full=True), **await node_view_extra(self.db, row, cmdq)}
 
     async def nodes_list(self, req: ApiRequest) -> dict[str, Any]:
         body = req.decode(m.ListNodes)
@@ -126,8 +127,8 @@ class EngineApi:
     async def nodes_update(self, req: ApiRequest) -> dict[str, Any]:
         """Replace the node's site and/or all its labels (the bounds of ``nodes.create``); the
         site only while no workflow runs on the node (its commands go to that site)."""
-        refuse_inline_secret(req)
         body = req.decode(m.UpdateNode)
+        refuse_inline_secret(req)
         if body.labels is not None:
             check_labels(body.labels)
         async with self.db.transaction() as conn:

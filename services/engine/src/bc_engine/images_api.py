@@ -28,6 +28,8 @@ __all__ = ["ImagesApi", "image_signers", "write_image_signers"]
 # -- SQL ---------------------------------------------------------------------------------
 
 SIGNER = "SELECT id, algorithm, public_key FROM image_signers WHERE id = $1"
+# Engines starting together write the allowlist one after the other, never interleaved.
+LOCK_SIGNERS = "LOCK TABLE image_signers IN SHARE ROW EXCLUSIVE MODE"
 # The allowlist of one engine's settings replaces the table's: $1 ids, $2 algorithms, $3 keys.
 DROP_OTHER_SIGNERS = "DELETE FROM image_signers WHERE NOT (id = ANY($1::text[]))"
 UPSERT_SIGNERS = """
@@ -83,6 +85,7 @@ def image_signers(settings: ImagesSettings) -> list[ImageSigner]:
 async def write_image_signers(db: Any, signers: list[ImageSigner]) -> None:
     """Make the catalog's allowlist ``signers`` (one transaction)."""
     async with db.transaction() as conn:
+        await conn.execute(LOCK_SIGNERS)
         await conn.execute(DROP_OTHER_SIGNERS, [s.id for s in signers])
         await conn.execute(
             UPSERT_SIGNERS,

@@ -52,11 +52,15 @@ def verb_profiles(app: App) -> dict[str, str]:
 
 def refuse_inline_secret(req: ApiRequest) -> None:
     """A request carrying a credential inline (``bmc.password`` …) is ``INVALID_INPUT`` at its
-    path, before it is decoded, stored or logged. Labels are free text and not looked into."""
+    path, before anything is stored or logged. Labels are free text and not looked into.
+
+    Call it after ``req.decode``, which has checked the request as plain JSON (nesting depth
+    bounded), so this second look at the raw JSON is bounded too.
+    """
     try:
         raw = msgspec.json.decode(req.data)
     except msgspec.DecodeError:
-        return  # decode reports it, with its path
+        return  # decode reported it, with its path
     if isinstance(raw, dict):
         raw = {k: v for k, v in raw.items() if k != "labels"}
     found = find_inline_secret(raw)
@@ -115,8 +119,8 @@ class MetalApi:
 
     async def enroll(self, req: ApiRequest) -> dict[str, Any]:
         """A node in ``enrolled``: new, or a ``discovered`` one given its BMC and MACs."""
-        refuse_inline_secret(req)
         body = req.decode(EnrollNode)
+        refuse_inline_secret(req)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
         async with self.api.db.transaction() as conn:
@@ -130,7 +134,11 @@ class MetalApi:
                     macs, bmc_json(body.bmc),
                 )  # fmt: skip
             if row is None:
-                raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists and is enrolled", {"path": "id"})
+                raise BcError(
+                    ErrorCode.CONFLICT,
+                    f"node {node_id} exists (only a discovered one is enrolled again)",
+                    {"path": "id"},
+                )
         await node_event(self.api.publish, row, verb="enroll")
         return node_doc(row)
 

@@ -103,6 +103,9 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
             if step is not None:
                 reason.update(step=step["action"], stepIndex=step["idx"])
             row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
+        power = _POWER.get(str(await conn.fetchval(metal_store.LAST_POWER_ACTION, workflow_id)))
+        if power is not None:
+            row = await conn.fetchrow(metal_store.POWER_STATE, node["id"], power) or row
     engine.log.info("metal_node_moved", node_id=row["id"], state=row["state"], workflow_id=workflow_id)
     await node_event(engine.publish, row)
 
@@ -185,13 +188,17 @@ async def record_command_result(engine: Engine, node_id: str, kind: str, payload
         await node_event(engine.publish, row)
 
 
-async def node_view_extra(db: Any, row: Any) -> dict[str, Any]:
-    """``nodes.get``: the workflow moving the node now, its step and what that waits for."""
+async def node_view_extra(db: Any, row: Any, cmdq: Any = None) -> dict[str, Any]:
+    """``nodes.get``: the workflow moving the node now, its step and what that waits for: what
+    the step says (a service, an earlier attempt's commands), else the approvals of its batch."""
     if row["workflow_id"] is None:
         return {"currentWorkflow": None}
     wf = await db.fetchrow(metal_store.RUNNING_STEP, row["workflow_id"])
     if wf is None:
         return {"currentWorkflow": None}
+    waiting = _json(wf["waiting_for"])
+    if waiting is None and wf["batch_id"] is not None and cmdq is not None:
+        waiting = await _batch_waits(cmdq, wf["batch_id"])
     return {
         "currentWorkflow": {
             "id": row["workflow_id"],
@@ -199,6 +206,19 @@ async def node_view_extra(db: Any, row: Any) -> dict[str, Any]:
             "profileId": wf["profile_id"],
             "batchId": wf["batch_id"],
             "step": {"index": wf["idx"], "action": wf["action"]} if wf["idx"] is not None else None,
-            "waitingFor": _json(wf["waiting_for"]),
+            "waitingFor": waiting,
         }
     }
+
+
+async def _batch_waits(cmdq: Any, batch_id: str) -> dict[str, Any] | None:
+    """``{reason: batch-approval, batchId, approvals, threshold}`` while the batch is open."""
+    try:
+        batch = await cmdq.get_batch(batch_id)
+    except BcError:
+        return None  # the command queue is away: nodes.get still answers
+    if batch.state != "open":
+        return None
+    counted = sum(1 for a in batch.approvals if a.counted)
+    return {"reason": "batch-approval", "batchId": batch_id, "approvals": counted,
+            "threshold": batch.threshold}  # fmt: skip

@@ -173,10 +173,14 @@ def show_lines(node: dict[str, Any]) -> list[str]:
         lines.append(f"workflow    {wf['id']} {wf['state']} ({wf['profileId']})")
         if step:
             lines.append(f"  step      {step['index']} {step['action']}")
-        if wf.get("waitingFor"):
-            lines.append(f"  waits for {json.dumps(wf['waitingFor'], separators=(',', ':'))}")
+        waits = wf.get("waitingFor") or {}
+        if waits.get("reason") == "batch-approval":
+            count = f"{waits['approvals']} of {waits['threshold']}"
+            lines.append(f"  waits for approvals of batch {waits['batchId']}: {count}")
+        elif waits:
+            lines.append(f"  waits for {json.dumps(waits, separators=(',', ':'))}")
         if wf.get("batchId"):
-            lines.append(f"  batch     {wf['batchId']} (destructive commands wait for its approvals)")
+            lines.append(f"  batch     {wf['batchId']} (destructive commands need its approvals)")
     return lines
 
 

@@ -2,9 +2,9 @@
 (``metal.<verb>``) and ``metal.bulk`` (camelCase on the wire).
 
 A BMC names its credential by reference only (``credentialsRef``, a ``sec_…`` SecretRef stored
-through bc-secrets). Every Struct here refuses unknown fields, so a password given inline
-(``bmc.password``) is ``INVALID_INPUT`` at its path and never reaches the engine's tables or logs;
-``find_inline_secret`` finds one anywhere else in a request.
+through bc-secrets). Unknown fields are ignored, as everywhere on the bus (docs/compatibility.md),
+so the engine looks for a credential given inline (``bmc.password``) with ``find_inline_secret``
+before it decodes a request: ``INVALID_INPUT`` at its path, never stored or logged.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ ProfileId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
-class _Strict(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pass
 
 
-class NodeBmc(_Strict, frozen=True, kw_only=True):
+class NodeBmc(_Msg, frozen=True, kw_only=True):
     """The node's BMC: how the site agent reaches it. The password is behind ``credentials_ref``."""
 
     driver: Literal["redfish", "ipmi", "sim"]
@@ -64,7 +64,7 @@ class NodeBmc(_Strict, frozen=True, kw_only=True):
         return {k: v for k, v in msgspec.to_builtins(self).items() if v is not None}
 
 
-class EnrollNode(_Strict, frozen=True, kw_only=True):
+class EnrollNode(_Msg, frozen=True, kw_only=True):
     """``metal.enroll``: a new node in ``enrolled`` (or, with the id of a ``discovered`` node,
     that node enrolled: its BMC, MACs and labels given)."""
 
@@ -76,7 +76,7 @@ class EnrollNode(_Strict, frozen=True, kw_only=True):
     bmc: NodeBmc | None = None
 
 
-class MetalVerb(_Strict, frozen=True, kw_only=True):
+class MetalVerb(_Msg, frozen=True, kw_only=True):
     """``metal.<verb>`` of one node; ``image`` for deploy, ``profile`` instead of the verb's."""
 
     node_id: NodeId
@@ -85,7 +85,7 @@ class MetalVerb(_Strict, frozen=True, kw_only=True):
     profile: ProfileId | None = None
 
 
-class BulkVerb(_Strict, frozen=True, kw_only=True):
+class BulkVerb(_Msg, frozen=True, kw_only=True):
     """``metal.bulk``: one verb over many nodes (ids, or a selector: ``site`` and labels), under
     one destructive batch. Nodes in the wrong state are reported, the rest go ahead."""
 
