@@ -122,6 +122,6 @@ def test_an_image_ref_is_name_at_version(ref: object) -> None:
 
 def test_deploy_resolves_images_through_the_catalog() -> None:
     from better_compute.metal.images import resolve_image_ref
-    from better_compute.metal.steps.deploy import image_resolver
+    from better_compute.metal.steps import deploy
 
-    assert image_resolver() is resolve_image_ref
+    assert deploy.resolve_image_ref is resolve_image_ref
