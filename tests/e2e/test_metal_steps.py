@@ -4,6 +4,8 @@ agent SDK, and the reference page's ``ubuntu-24.04-autoinstall`` profile as writ
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,9 +14,12 @@ from typing import Any
 import asyncpg
 import msgspec
 import pytest_asyncio
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from better_compute.clients import CommandQueueClient, PkiClient
 from better_compute.config import Settings
+from better_compute.metal.signatures import sign_image_digest
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
@@ -23,6 +28,7 @@ from better_compute.testing.workflows import wait_workflow
 FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 BMC = {"driver": "redfish", "address": "https://10.0.0.9", "credentialsRef": "sec_" + "0" * 26}
 MACS = ["52:54:00:00:00:01", "52:54:00:00:00:02"]
+SIGNER = ed25519.Ed25519PrivateKey.generate()  # the allowlisted image signer ([images] in bc.toml)
 
 
 class Stack:
@@ -82,11 +88,16 @@ async def stack(
 ) -> AsyncIterator[Stack]:
     settings = msgspec.structs.replace(bc_settings, app="metal_steps_app:app")
     bc_processes.settings = settings
+    raw = SIGNER.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    config = tmp_path / "bc.toml"
+    signer = f'{{ id = "acme-release", publicKey = "{base64.b64encode(raw).decode()}" }}'
+    config.write_text(f"[images]\nsigners = [{signer}]\n")
     bc_processes.extra_env.update(
         {
             **FAST,
             "BC_PKI_KEY_FILE": str(tmp_path / "pki.key"),
             "BC_SECRETS_KEY_FILE": str(tmp_path / "sec.key"),
+            "BC_CONFIG": str(config),
         }
     )
     for name in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
@@ -255,3 +266,71 @@ async def test_retire_with_an_unattested_wipe_fails_and_the_node_is_never_retire
     reason = doc["stateReason"]
     assert (reason["step"], reason["code"]) == ("disk.wipe", "UNAUTHENTICATED")
     assert [line.split()[1] for line in bcd.executions()] == ["node.wipe"]  # ran, but does not count
+
+
+async def step_running(stack: Stack, node: str, index: int) -> bool:
+    doc = await stack.api.call("engine", "nodes.get", {"id": node})
+    assert doc["state"] != "failed", doc
+    wf = await stack.api.call("engine", "workflows.get", {"id": doc["workflowId"]})
+    assert wf["state"] == "running", [(s["action"], s["state"], s.get("result")) for s in wf["steps"]]
+    return bool(wf["steps"][index]["state"] == "running")
+
+
+async def test_deploy_with_the_shipped_profile_writes_the_signed_image_and_the_os_joins(stack: Stack) -> None:
+    digest = hashlib.sha256(b"ubuntu 24.04 raw image").hexdigest()
+    image = {"name": "ubuntu", "version": "24.04", "url": "https://images.example.com/ubuntu-24.04.raw.zst",
+             "sha256": digest, "format": "raw.zst", "signer": "acme-release",
+             "signature": base64.b64encode(sign_image_digest(SIGNER, digest)).decode()}  # fmt: skip
+    await stack.api.call("engine", "images.register", image)
+    await stack.agent("site-h")
+    node = await enrolled(stack, "site-h")
+    _SITES[node] = "site-h"
+    conn = await asyncpg.connect(stack.settings.database_url)
+    try:  # commissioned already (metal.commission: the inspect test's steps and a wipe)
+        await conn.execute("UPDATE engine.nodes SET state = 'ready' WHERE id = $1", node)
+    finally:
+        await conn.close()
+
+    got = await stack.api.call("engine", "metal.deploy", {"nodeId": node, "image": "ubuntu@24.04"})
+    assert got["state"] == "deploying"
+    ramdisk = await bcd_joins_when_waited_for(stack, node)  # the ramdisk's bcd writes the image
+    await until(lambda: step_running(stack, node, 6), timeout=60, what="the installed OS awaited")
+    ramdisk.close()  # the machine reboots into the installed OS, whose bcd joins anew
+    await stack.agent("site-h", node_id=node)
+    doc = await node_reaches(stack, node, "deployed", "failed")
+    assert doc["state"] == "deployed", doc
+
+    [listed] = (await stack.api.call("engine", "workflows.list", {"nodeId": node}))["workflows"]
+    assert listed["profile"]["id"] == "metal.deploy"
+    wf = await stack.api.call("engine", "workflows.get", {"id": listed["id"]})
+    steps = {s["action"]: s for s in wf["steps"]}
+    write = await stack.cq.get(id=steps["deploy.deploy"]["result"]["commandId"])
+    assert (write.kind, write.target, write.attested, write.destructive) == (
+        "node.imageWrite",
+        "node",
+        True,
+        True,
+    )
+    assert write.payload == {"url": image["url"], "sha256": digest, "format": "raw.zst",
+                             "userDataRef": steps["userdata.render"]["result"]["userDataRef"]}  # fmt: skip
+    joins = [s["result"]["certId"] for s in wf["steps"] if s["action"] == "wait.agentJoined"]
+    assert len(set(joins)) == 2  # the ramdisk's join and the installed OS's, told apart
+
+
+async def test_the_pages_talos_ready_runs_through_http_via_site(stack: Stack) -> None:
+    answer = json.dumps({"status": 200, "headers": {}, "body": "Tag: v1.7.6"})
+    site = await stack.agent("site-i", "--answer", f"site.httpProxy={answer}")
+    node = await stack.api.call(
+        "engine", "nodes.create", {"siteId": "site-i", "labels": {"address": "10.0.0.5"}}
+    )
+    wf_id = await stack.run("talos", node["id"])
+    done = await wait_workflow(stack.api, wf_id, timeout=60)
+    assert done.state == "succeeded", done
+    assert done.steps[0].result == {"status": 200, "version": "Tag: v1.7.6"}
+    assert done.command_kinds == ["site.httpProxy"]  # declared in sends: in the batch's scope
+    [relay] = (await stack.commands(wf_id)).values()
+    relay = await stack.cq.get(id=relay.id)
+    assert (relay.kind, relay.destructive) == ("site.httpProxy", True)
+    assert relay.payload["url"] == "https://10.0.0.5:50000/machine/version"
+    assert relay.payload["nodeAddresses"] == ["10.0.0.5"]  # the site agent relays only to these
+    assert len(site.executions()) == 1

@@ -241,3 +241,34 @@ async def test_listed_batches_show_each_its_own_approvals(quorum: Quorum) -> Non
     }
     assert [listed[b.id].state for b in batches] == ["approved", "open", "open"]
     assert all(a.counted for b in listed.values() for a in b.approvals)
+
+
+async def test_a_bulk_batch_admits_the_workflows_it_names_and_no_other(quorum: Quorum) -> None:
+    cq = quorum.cq
+    mine, theirs = sorted([new_id("wf"), new_id("wf")]), new_id("wf")
+    err = await refused(
+        cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node], workflow_id=mine[0], workflow_ids=mine)
+    )
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "workflowIds")
+    batch = await cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node], workflow_ids=mine)
+    assert (batch.workflow_id, batch.workflow_ids) == (None, mine)
+    assert b"workflowIds" in batch.document  # the set is in what the approvers sign
+    await quorum.approve(batch, "alice")
+    done = await quorum.approve(batch, "bob")
+    assert done.state == "approved"
+    for wf in mine:
+        sent = await cq.enqueue(quorum.wipe(batch_id=batch.id, workflow_id=wf, step=0))
+        assert sent.batch_id == batch.id
+    for other in (theirs, None):
+        err = await refused(cq.enqueue(quorum.wipe(batch_id=batch.id, workflow_id=other, step=0)))
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "workflowId")
+        assert err.reason == "outside-batch-scope"
+    # the same idempotency key with another set is another scope
+    keyed = await cq.create_batch(
+        kinds=["node.wipe"], nodes=[quorum.node], workflow_ids=mine, idempotency_key="k"
+    )
+    assert keyed.id != batch.id
+    err = await refused(
+        cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node], workflow_ids=[theirs], idempotency_key="k")
+    )
+    assert err.code is ErrorCode.CONFLICT

@@ -39,7 +39,8 @@ PROFILES = [
         },
     ),
     _profile("t.release", [DESTRUCTIVE]),
-    _profile("t.retire", [{"use": "test.power", "on": "site", "with": {"action": "off"}}]),
+    # metal's own relaying step (control-plane): the power it left is read when the workflow ends
+    _profile("t.retire", [{"use": "power.setPower", "on": "site", "with": {"action": "off"}}]),
     _profile("t.adopt", [], adopt=True),
     # adopt a running machine and give it a host section its bcd converges to
     _profile(

@@ -124,5 +124,4 @@ def test_deploy_resolves_images_through_the_catalog() -> None:
     from better_compute.metal.images import resolve_image_ref
     from better_compute.metal.steps import deploy
 
-    # h/metal-steps replaced the lookup seam (image_resolver) by the catalog's own function
     assert deploy.resolve_image_ref is resolve_image_ref

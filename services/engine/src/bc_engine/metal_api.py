@@ -140,7 +140,11 @@ class MetalApi:
                     macs, bmc_json(body.bmc),
                 )  # fmt: skip
             if row is None:
-                raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists and is enrolled", {"path": "id"})
+                raise BcError(
+                    ErrorCode.CONFLICT,
+                    f"node {node_id} exists (only a discovered one is enrolled again)",
+                    {"path": "id"},
+                )
         await node_event(self.api.publish, row, verb="enroll")
         return node_doc(row)
 

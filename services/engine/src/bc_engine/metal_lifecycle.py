@@ -104,6 +104,9 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
             if step is not None:
                 reason.update(step=step["action"], stepIndex=step["idx"])
             row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
+        power = _POWER.get(str(await conn.fetchval(metal_store.LAST_POWER_ACTION, workflow_id)))
+        if power is not None:
+            row = await conn.fetchrow(metal_store.POWER_STATE, node["id"], power) or row
     engine.log.info("metal_node_moved", node_id=row["id"], state=row["state"], workflow_id=workflow_id)
     await node_event(engine.publish, row)
 

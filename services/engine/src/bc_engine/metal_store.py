@@ -19,7 +19,8 @@ BEGIN_VERB = (
 )
 # enroll of a discovered node: its BMC, MACs and labels given.
 ENROLL_DISCOVERED = (
-    "UPDATE nodes SET state = 'enrolled', bmc = coalesce($2::jsonb, bmc), macs = $3::text[],"
+    "UPDATE nodes SET state = 'enrolled', bmc = coalesce($2::jsonb, bmc),"
+    " macs = CASE WHEN cardinality($3::text[]) > 0 THEN $3::text[] ELSE macs END,"
     " labels = labels || $4::jsonb, updated_at = now() WHERE id = $1 AND state = 'discovered' RETURNING *"
 )
 # The node a metal workflow moves: running it now, or failed by it (a retry may still succeed).
@@ -48,6 +49,11 @@ FINISH_FAILED = (
 STOPPED_STEP = (
     "SELECT idx, action, state, error FROM workflow_steps WHERE workflow_id = $1"
     " AND state IN ('failed', 'cancelled') ORDER BY state = 'failed' DESC, idx LIMIT 1"
+)
+# The power the workflow's last succeeded power step left (an agent step or metal's relaying one).
+LAST_POWER_ACTION = (
+    "SELECT input ->> 'action' FROM workflow_steps WHERE workflow_id = $1 AND state = 'succeeded'"
+    " AND (action = 'power.setPower' OR command = 'power.setPower') ORDER BY idx DESC LIMIT 1"
 )
 # The running step of a workflow and what it waits for (nodes.get).
 RUNNING_STEP = (

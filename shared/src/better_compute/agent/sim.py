@@ -6,14 +6,16 @@ execution is appended to ``--exec-log`` (synced) before the handler returns, so 
 how many times each command really ran. ``--crash KIND=POINT`` kills the process once, with no
 cleanup, at ``started`` (while the handler runs) or ``executed`` (after the journal recorded the
 result, before it was reported); ``--fail KIND`` fails those commands and ``--reject KIND``
-rejects them. ``--unsigned`` makes a node's agent report results without the node's signature
-(they then never count as attested).
+rejects them. ``--answer KIND=JSON`` answers those commands with that JSON instead.
+``--unsigned`` makes a node's agent report results without the node's signature (they then
+never count as attested).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -61,6 +63,7 @@ def sim_handlers(
     delays_ms: Mapping[str, int] | None = None,
     fail: frozenset[str] = frozenset(),
     reject: frozenset[str] = frozenset(),
+    answers: Mapping[str, Any] | None = None,
     crash: Mapping[str, str] | None = None,
     crash_marker: Path | None = None,
 ) -> dict[str, CommandHandler]:
@@ -85,6 +88,8 @@ def sim_handlers(
             raise CommandRejected("sim-rejects-this-kind")
         if command.kind in fail:
             raise RuntimeError("sim fails this kind")
+        if answers and command.kind in answers:
+            return answers[command.kind]
         return {"ok": True, "kind": command.kind, "commandId": command.id}
 
     return dict.fromkeys(kinds, handle)
@@ -157,6 +162,7 @@ async def _main(args: argparse.Namespace) -> None:
             exec_log=Path(args.exec_log) if args.exec_log else state / "exec.log",
             delays_ms={k: int(v) for k, v in _pairs(args.delay, "--delay").items()},
             fail=frozenset(args.fail or ()),
+            answers={k: json.loads(v) for k, v in _pairs(args.answer, "--answer").items()},
             reject=frozenset(args.reject or ()),
             crash=crash,
             crash_marker=state / "crashed",
@@ -196,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail", action="append", help="KIND")
     parser.add_argument("--reject", action="append", help="KIND")
     parser.add_argument("--crash", action="append", help="KIND=started|executed (once)")
+    parser.add_argument("--answer", action="append", help="KIND=JSON: answer those commands with JSON")
     parser.add_argument("--unsigned", action="store_true", help="a node agent that does not sign its results")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)

@@ -12,6 +12,7 @@ from .profiles import (
     define_profile,
     profile_from_document,
 )
+from .results import latest_result, rendered_user_data
 from .steps import Step, define_step
 from .templates import TEMPLATE_VARIABLES, UserData, render_template, template_variables
 from .userdata import ProvisionedTarget, provisioned_target_resolver
@@ -42,11 +43,13 @@ __all__ = [
     "await_command",
     "define_profile",
     "define_step",
+    "latest_result",
     "parse_label_expression",
     "profile_from_document",
     "provision_module",
     "provisioned_target_resolver",
     "render_template",
+    "rendered_user_data",
     "resolve_host_config",
     "resolve_host_section",
     "site_agent_for",

@@ -88,7 +88,8 @@ async def start_sim_agent(
         "BC_APP": settings.app,
     }
     sim = SimAgent(state=state, env=env, args=args or [])
-    before = {a.id for a in await cq.agents(site_id=site_id)}
+    # by certificate: a node's agent that joins again (a reboot) keeps its id, with a new one
+    before = {(a.id, a.cert_id) for a in await cq.agents(site_id=site_id)}
     token = await pki.issue_join_token(
         tenant_id="root",
         role=role,  # type: ignore[arg-type]
@@ -98,7 +99,8 @@ async def start_sim_agent(
     )
     sim.start(token.token)
     while True:
-        new = [a.id for a in await cq.agents(site_id=site_id, connected=True) if a.id not in before]
+        connected = await cq.agents(site_id=site_id, connected=True)
+        new = [a.id for a in connected if (a.id, a.cert_id) not in before]
         if new:
             return sim, new[0]
         assert sim.proc is not None
