@@ -29,10 +29,10 @@ import msgspec
 
 from better_compute.agent import Agent, enroll
 from better_compute.agent.sim import sim_handlers
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.core.ids import new_id
 from better_compute.logging import configure_logging
-from better_compute.pki_client import PkiClient
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres
 from better_compute.service.client import ApiClient, connect, discover
 from better_compute.wire import Subjects

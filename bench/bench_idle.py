@@ -21,6 +21,7 @@ from pathlib import Path
 
 import asyncpg
 
+from better_compute.clients import EngineClient
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres
 from better_compute.service.client import ApiClient, connect, discover
 from better_compute.wire import Subjects
@@ -76,16 +77,16 @@ async def main() -> None:
         nc = await connect(nats_url, name="bench-idle")
         while len(await discover(nc, root="bc", wait=0.2)) < 3:
             pass
-        api = ApiClient(nc, Subjects())
+        engine = EngineClient(ApiClient(nc, Subjects()))
         step = {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}, "timeout": "1h"}
         doc = {"id": "wait-agent", "version": 1, "target": "metal", "role": "host", "steps": [step]}
-        await api.call("engine", "profiles.create", {"document": doc})
+        await engine.create_profile(document=doc)
         sem = asyncio.Semaphore(64)
 
         async def one() -> None:
             async with sem:
-                node = await api.call("engine", "nodes.create", {"siteId": "nowhere"})
-                await api.call("engine", "workflows.start", {"profileId": "wait-agent", "nodeId": node["id"]})
+                node = await engine.create_node(site_id="nowhere")
+                await engine.start_workflow(profile_id="wait-agent", node_id=node.id)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(args.workflows)))

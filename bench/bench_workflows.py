@@ -23,6 +23,7 @@ from typing import Any
 
 import asyncpg
 
+from better_compute.clients import EngineClient
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres
 from better_compute.service.client import ApiClient, connect, discover
 from better_compute.wire import Subjects
@@ -60,19 +61,17 @@ async def bench_engine(
         while len(await discover(nc, root="bc", wait=0.2)) < engines:
             pass
         await asyncio.sleep(2.0)  # let the engines split the shards
-        api = ApiClient(nc, Subjects())
+        engine = EngineClient(ApiClient(nc, Subjects()))
         doc = {"id": "bench-chain", "version": version, "target": "metal", "role": "host",
                "steps": [{"use": "bench.noop"}] * s}  # fmt: skip
-        await api.call("engine", "profiles.create", {"document": doc})
+        await engine.create_profile(document=doc)
         t0 = time.perf_counter()
         sem = asyncio.Semaphore(64)
 
         async def start() -> str:
             async with sem:
-                wf = await api.call(
-                    "engine", "workflows.start", {"profileId": "bench-chain", "profileVersion": version}
-                )
-                return str(wf["id"])
+                wf = await engine.start_workflow(profile_id="bench-chain", profile_version=version)
+                return str(wf.id)
 
         ids = await asyncio.gather(*(start() for _ in range(n)))
         t_started = time.perf_counter()

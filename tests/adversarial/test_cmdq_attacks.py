@@ -23,23 +23,16 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from better_compute.agent import Agent, Command, CommandDelivery, Enrollment
-from better_compute.agent.protocol import (
-    Ack,
-    Heartbeat,
-    Hello,
-    Result,
-    payload_digest,
-    result_document,
-    sign_event,
-)
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient, batch_document, sign_batch
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient, sign_bytes
+from better_compute.crypto import batch_document, result_document, sign_batch, sign_bytes, sign_event
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
 from better_compute.wire import unwrap
+from better_compute.wire.agent import Ack, Heartbeat, Hello, Result, payload_digest
 from better_compute.wire.cmdq import EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
@@ -78,7 +71,7 @@ async def attack(bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Pa
 
 
 async def _state_is(cq: CommandQueueClient, command_id: str, state: str) -> bool:
-    return (await cq.get(command_id)).state == state
+    return (await cq.get(id=command_id)).state == state
 
 
 async def test_forged_duplicate_and_foreign_approvals_are_not_counted(attack: Attack) -> None:
@@ -95,27 +88,31 @@ async def test_forged_duplicate_and_foreign_approvals_are_not_counted(attack: At
     mallory = ed25519.Ed25519PrivateKey.generate()
 
     # forged: alice's name, mallory's key
-    err = await refused(cq.approve_batch(batch.id, approver_id="alice", signature=sign_batch(batch, mallory)))
+    err = await refused(
+        cq.approve_batch(batch_id=batch.id, approver_id="alice", signature=sign_batch(batch, mallory))
+    )
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
     # forged: noise
-    err = await refused(cq.approve_batch(batch.id, approver_id="bob", signature=os.urandom(64)))
+    err = await refused(cq.approve_batch(batch_id=batch.id, approver_id="bob", signature=os.urandom(64)))
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
     # foreign: carol's real signature, over the other batch
     err = await refused(
-        cq.approve_batch(batch.id, approver_id="carol", signature=sign_batch(other, keys["carol"]))
+        cq.approve_batch(batch_id=batch.id, approver_id="carol", signature=sign_batch(other, keys["carol"]))
     )
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
     # foreign: a key nobody configured, signing the right document
     err = await refused(
-        cq.approve_batch(batch.id, approver_id="mallory", signature=sign_batch(batch, mallory))
+        cq.approve_batch(batch_id=batch.id, approver_id="mallory", signature=sign_batch(batch, mallory))
     )
     assert (err.code, err.reason) == (ErrorCode.PERMISSION_DENIED, "unknown-approver")
     # duplicate: alice twice is one approval
-    await cq.approve_batch(batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"]))
-    again = await cq.approve_batch(batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"]))
+    await cq.approve_batch(batch_id=batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"]))
+    again = await cq.approve_batch(
+        batch_id=batch.id, approver_id="alice", signature=sign_batch(batch, keys["alice"])
+    )
     assert again.state == "open"
     assert [(a.approver_id, a.counted) for a in again.approvals] == [("alice", True)]
-    assert (await cq.get(wipe.id)).state == "pending"
+    assert (await cq.get(id=wipe.id)).state == "pending"
     # a scope changed on the way is refused before anything is signed
     tampered = msgspec.structs.replace(batch, nodes=[node, new_id("node")])
     with pytest.raises(BcError) as info:
@@ -126,7 +123,9 @@ async def test_forged_duplicate_and_foreign_approvals_are_not_counted(attack: At
         expires_at_ms=batch.expires_at_ms, workflow_id=None,
     )  # fmt: skip
     # the second real approver reaches M
-    approved = await cq.approve_batch(batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"]))
+    approved = await cq.approve_batch(
+        batch_id=batch.id, approver_id="bob", signature=sign_batch(batch, keys["bob"])
+    )
     assert approved.state == "approved"
     await until(lambda: _state_is(cq, wipe.id, "dispatched"))
     assert "approval_refused" in attack.cmdq.output()
@@ -205,7 +204,7 @@ async def test_agent_events_that_do_not_check_out_change_nothing(attack: Attack)
     wrong = Ack(**node.base(), command_id=view.id, digest=payload_digest("node.inventory", b'{"x":1}'))
     got = await send(api, *subject, "ack", sign_event(node.enrollment.identity, "ack", wrong))
     assert (got["proceed"], got["reason"]) == (False, "digest-mismatch")
-    assert (await cq.get(view.id)).state == "dispatched"
+    assert (await cq.get(id=view.id)).state == "dispatched"
 
     # the real claim, then a result that names the node but is signed by another node's key
     got = await send(api, *subject, "ack", sign_event(node.enrollment.identity, "ack", ack(node)))
@@ -229,7 +228,7 @@ async def test_agent_events_that_do_not_check_out_change_nothing(attack: Attack)
     # replayed: nothing changes
     got = await send(api, *subject, "result", raw)
     assert got["recorded"] is False
-    settled = await cq.get(view.id)
+    settled = await cq.get(id=view.id)
     assert (settled.state, settled.attested, settled.result) == ("succeeded", False, data)
     # a replayed (older) heartbeat does not bring presence back
     now = time.time_ns() // 1_000_000
@@ -286,7 +285,7 @@ async def test_a_forged_delivery_is_never_run(attack: Attack) -> None:
                 key="p",
             )
         )
-        await cq.wait(real.id, timeout=20)
+        await cq.wait(id=real.id, timeout=20)
         assert agent.journal is not None
         journal = agent.journal
         entry = await until(
@@ -329,9 +328,9 @@ async def test_a_revoked_certificate_stops_counting_and_results_stay_out_of_logs
         view = await cq.enqueue(
             EnqueueCommand(node_id=node, site_id="site-r", kind="node.inventory", key="i", target="node")
         )
-        done = await cq.wait(view.id, timeout=20)
+        done = await cq.wait(id=view.id, timeout=20)
         assert (done.result, done.attested) == (secret_result, True)
-        await attack.pki.revoke_certificate(enrollment.cert_id, reason="stolen laptop")
+        await attack.pki.revoke_certificate(cert_id=enrollment.cert_id, reason="stolen laptop")
         ident = Ident(enrollment)
 
         # bc-pki's revocation event evicts the cached certificate; the cache's lifetime bounds it
@@ -363,7 +362,7 @@ async def test_a_revoked_certificate_stops_counting_and_results_stay_out_of_logs
         journal = agent.journal
         entry = await until(lambda: (e := journal.get(second.id)) is not None and e.state == "refused" and e)
         assert entry.reason == "claim refused: UNAUTHENTICATED"
-        assert (await cq.get(second.id)).state == "dispatched"
+        assert (await cq.get(id=second.id)).state == "dispatched"
         agent.request_stop()
         await task
     log = attack.cmdq.output()

@@ -21,15 +21,16 @@ import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from better_compute.cmdq_client import BatchView, CommandQueueClient, sign_batch
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
+from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
-from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
+from better_compute.wire.cmdq import TERMINAL_STATES, BatchView, CommandView, EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
 COMMANDS = 12
@@ -59,7 +60,7 @@ class Site:
     async def approve(self, batch: BatchView, *names: str) -> BatchView:
         for name in names:
             batch = await self.cq.approve_batch(
-                batch.id, approver_id=name, signature=sign_batch(batch, self.keys[name])
+                batch_id=batch.id, approver_id=name, signature=sign_batch(batch, self.keys[name])
             )
         return batch
 
@@ -127,7 +128,7 @@ async def expire_now(settings: Settings, batch_id: str) -> None:
 
 
 async def all_settled(cq: CommandQueueClient, views: list[CommandView]) -> list[CommandView] | None:
-    now = [await cq.get(v.id) for v in views]
+    now = [await cq.get(id=v.id) for v in views]
     return now if all(v.state in TERMINAL_STATES for v in now) else None
 
 
@@ -138,10 +139,10 @@ async def test_commands_of_a_batch_that_expired_after_dispatch_never_run(
     batch = await cq.create_batch(kinds=["node.wipe"], nodes=[node])
     wipes = [await cq.enqueue(wipe(node, f"w{i}", batch_id=batch.id)) for i in range(COMMANDS)]
     await site.approve(batch, "alice", "bob")
-    assert {(await cq.get(w.id)).state for w in wipes} == {"dispatched"}
+    assert {(await cq.get(id=w.id)).state for w in wipes} == {"dispatched"}
     # the node's agent is away; meanwhile the batch's 24 hours pass
     await expire_now(bc_settings, batch.id)
-    assert (await cq.get_batch(batch.id)).state == "expired"
+    assert (await cq.get_batch(id=batch.id)).state == "expired"
     sim = await site.node_agent(node)  # it finds every delivery in its stream and claims each
 
     async def settled_or_ran() -> list[CommandView] | None:
@@ -165,7 +166,7 @@ async def test_the_sweeper_expires_unclaimed_commands_of_an_expired_batch(
     try:  # a few sweeps are plenty
         settled = await asyncio.wait_for(until(lambda: all_settled(cq, wipes)), 10)
     except TimeoutError:
-        settled = [await cq.get(w.id) for w in wipes]
+        settled = [await cq.get(id=w.id) for w in wipes]
     assert {(v.state, v.reason) for v in settled} == {("expired", "batch-expired")}
     # the agent comes back to deliveries of commands that are over
     sim = await site.node_agent(node)
@@ -180,12 +181,14 @@ async def test_commands_dispatched_before_an_approver_was_withdrawn_never_run_un
     batch = await cq.create_batch(kinds=["node.wipe"], nodes=[node])
     wipes = [await cq.enqueue(wipe(node, f"w{i}", batch_id=batch.id)) for i in range(COMMANDS)]
     await site.approve(batch, "alice", "bob")
-    assert {(await cq.get(w.id)).state for w in wipes} == {"dispatched"}
+    assert {(await cq.get(id=w.id)).state for w in wipes} == {"dispatched"}
     # bob leaves: the approvers file loses him and the command queue restarts
     write_approvers(site.approvers, {k: v for k, v in site.keys.items() if k != "bob"})
     await site.restart_cmdq()
-    assert (await cq.get_batch(batch.id)).state == "open"
-    assert {((v := await cq.get(w.id)).state, v.reason) for w in wipes} == {("pending", "batch-not-approved")}
+    assert (await cq.get_batch(id=batch.id)).state == "open"
+    assert {((v := await cq.get(id=w.id)).state, v.reason) for w in wipes} == {
+        ("pending", "batch-not-approved")
+    }
     # the node's agent comes: its stream still holds every delivery, and it claims each
     sim = await site.node_agent(node)
 
@@ -194,7 +197,7 @@ async def test_commands_dispatched_before_an_approver_was_withdrawn_never_run_un
 
     await until(refused_or_ran)
     assert sim.executions() == []
-    assert {(await cq.get(w.id)).state for w in wipes} == {"pending"}
+    assert {(await cq.get(id=w.id)).state for w in wipes} == {"pending"}
     # carol signs: the batch is approved again under the approvers configured now, and each
     # wipe runs, once
     assert (await site.approve(batch, "carol")).state == "approved"

@@ -21,23 +21,24 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 )
 
 from better_compute.agent import Enrollment, enroll
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import (
+from better_compute.crypto import (
     AgentIdentity,
-    JoinClaims,
-    PkiClient,
     make_csr,
     new_agent_key,
     sign_bytes,
     signing_payload,
 )
-from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused
 from better_compute.wire.cmdq import CommandView
+from better_compute.wire.pki import JoinClaims
+from better_compute.wire.secrets import FETCH_PURPOSE
 from pki_time import expire
 from secrets_test_app import APP, enqueue_ref, settle
 
@@ -100,7 +101,7 @@ async def test_join_token_attacks(
     half_right = JoinClaims(macs=MACHINE_A.macs, product_uuid="uuid-a", serial="SER-B")
     err = await refused(join(pki, for_a.token, half_right))
     assert err.details["claims"] == ["serial"]
-    assert (await pki.get_join_token(for_a.id)).uses == 0
+    assert (await pki.get_join_token(join_token_id=for_a.id)).uses == 0
     machine_a = await join(pki, for_a.token)
     assert machine_a.agent_id
 
@@ -120,7 +121,7 @@ async def test_join_token_attacks(
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-expired")
 
     revoked = await mint()
-    await pki.revoke_join_token(revoked.id, reason="leaked in a ticket")
+    await pki.revoke_join_token(join_token_id=revoked.id, reason="leaked in a ticket")
     err = await refused(join(pki, revoked.token))
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-revoked")
 
@@ -164,12 +165,12 @@ async def test_secret_fetch_attacks(
 
     bcd, other_bcd, elsewhere_bcd = await agent(), await agent(), await agent("site-b")
     owner, other, elsewhere = bcd.identity, other_bcd.identity, elsewhere_bcd.identity
-    ref = (await secrets.put(value, tenant_id="acme", workflow_id=wf, step=3)).ref
-    unsent = (await secrets.put(value + b"!", tenant_id="acme", workflow_id=wf, step=3)).ref
+    ref = (await secrets.put(value=value, tenant_id="acme", workflow_id=wf, step=3)).ref
+    unsent = (await secrets.put(value=value + b"!", tenant_id="acme", workflow_id=wf, step=3)).ref
     errors: list[BcError] = []
 
     async def denied(identity: AgentIdentity, what: str, code: ErrorCode) -> BcError:
-        err = await refused(secrets.fetch(what, identity=identity))
+        err = await refused(secrets.fetch(ref=what, identity=identity))
         assert err.code is code, (err, what)
         errors.append(err)
         return err
@@ -177,7 +178,7 @@ async def test_secret_fetch_attacks(
     # a fetch with no command at all
     await denied(owner, ref, ErrorCode.PERMISSION_DENIED)
     first = await command(f"wf:{wf}:3#1")
-    assert await secrets.fetch(ref, identity=owner) == value
+    assert await secrets.fetch(ref=ref, identity=owner) == value
     # a fetch by another agent, of this site or another
     await denied(other, ref, ErrorCode.PERMISSION_DENIED)
     await denied(elsewhere, ref, ErrorCode.PERMISSION_DENIED)
@@ -203,11 +204,11 @@ async def test_secret_fetch_attacks(
     await denied(owner, ref, ErrorCode.PERMISSION_DENIED)
     # a revoked certificate, even with a live command
     second = await command(f"wf:{wf}:3#2")
-    assert await secrets.fetch(ref, identity=owner) == value
-    await pki.revoke_certificate(owner.cert_id, reason="disk stolen")
+    assert await secrets.fetch(ref=ref, identity=owner) == value
+    await pki.revoke_certificate(cert_id=owner.cert_id, reason="disk stolen")
     err = await denied(owner, ref, ErrorCode.UNAUTHENTICATED)
     assert err.reason == "cert-revoked"
-    assert (await cq.get(second.id)).state == "dispatched"
+    assert (await cq.get(id=second.id)).state == "dispatched"
 
     audit = await secrets.list_fetches(limit=100)
     reasons = sorted(a.reason or "" for a in audit if a.outcome == "denied")
@@ -264,7 +265,7 @@ async def test_forged_reused_and_revoked_signatures(
     malleated = encode_dss_signature(r, P256_ORDER - s)
     assert await bad(p256.agent_id, fresh, malleated, once=True, signed_at_ms=now) == ("signature-replayed")
     # a revoked certificate
-    await pki.revoke_certificate(victim.cert_id)
+    await pki.revoke_certificate(cert_id=victim.cert_id)
     assert await bad(victim.cert_id, data, sig) == "cert-revoked"
     assert await bad(victim.agent_id, data, sig) == "cert-revoked"
     assert await bad(new_id("agent"), data, sig) == "unknown-signer"
@@ -281,11 +282,11 @@ async def test_an_expired_certificate_signs_nothing(
     pki = PkiClient(bc_api)
     token = await pki.issue_join_token(tenant_id="root", role="site", site_id="s", ttl_seconds=60)
     agent = await join(pki, token.token)
-    cert = await pki.get_certificate(agent.cert_id)
+    cert = await pki.get_certificate(cert_id=agent.cert_id)
     lifetime = cert.not_after - dt.datetime.now(dt.UTC)
     assert dt.timedelta(minutes=119) < lifetime <= dt.timedelta(hours=2)  # the setting
     await expire(bc_settings, "certificate", agent.cert_id)  # two hours on: moved, not slept
     data, sig = agent.sign("agent.event", {"kind": "heartbeat"})
     err = await refused(pki.verify(signer_id=agent.cert_id, data=data, signature=sig))
     assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "cert-expired")
-    assert (await pki.get_certificate(agent.cert_id)).state == "expired"
+    assert (await pki.get_certificate(cert_id=agent.cert_id)).state == "expired"

@@ -49,6 +49,27 @@ async def stack(
     try:
         yield s
     finally:
-        for sim in s.agents:
-            sim.close()
+        s.close_agents()
         await nc.close()
+
+
+# The engine alone as processes on the session's servers (test_restarts, test_engine_crashes).
+
+
+@pytest.fixture
+def settings(bc_settings: Settings) -> Settings:
+    return msgspec.structs.replace(bc_settings, app="engine_test_app:app")
+
+
+@pytest.fixture
+def procs(settings: Settings, bc_processes: ServiceProcesses) -> ServiceProcesses:
+    bc_processes.settings = settings
+    return bc_processes
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def db(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(settings.database_url)
+    await conn.execute(TABLES)
+    yield conn
+    await conn.close()

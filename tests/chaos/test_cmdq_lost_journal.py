@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
@@ -110,14 +110,14 @@ async def test_an_agent_that_lost_its_journal_never_runs_a_command_twice(
         view = await cq.enqueue(wipe(node, f"wipe-{i}"))
         assert await sim.wait_exit() == -signal.SIGKILL
         assert runs(view.id) == 1
-        assert (await cq.get(view.id)).state in ("acked", "running")
+        assert (await cq.get(id=view.id)).state in ("acked", "running")
         lose_journal(state)
         last_round = i + 1 == ROUNDS
         sim.args = [] if last_round else ["--crash", f"node.wipe={points[(i + 1) % 2]}"]
         sim.start()  # the same identity, a new (empty) journal
 
         async def settled_or_ran_again(command_id: str = view.id) -> CommandView | None:
-            got = await cq.get(command_id)
+            got = await cq.get(id=command_id)
             if got.state in TERMINAL_STATES or runs(command_id) > 1:
                 return got
             return None
@@ -127,6 +127,6 @@ async def test_an_agent_that_lost_its_journal_never_runs_a_command_twice(
         assert (done.state, done.reason) == ("failed", "interrupted")
         interrupted.append(done)
     # the agent with its new journal runs new commands as before
-    last = await cq.wait((await cq.enqueue(wipe(node, "wipe-last"))).id, timeout=30)
+    last = await cq.wait(id=(await cq.enqueue(wipe(node, "wipe-last"))).id, timeout=30)
     assert (last.state, last.attested) == ("succeeded", True)
     assert sorted(sim.executions()) == sorted(f"{v.id} node.wipe" for v in [*interrupted, last])

@@ -2,78 +2,51 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import asyncpg
-import msgspec
-import pytest
-import pytest_asyncio
 
-from better_compute.config import Settings
+from better_compute.clients import EngineClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow, wait_workflows
-from engine_test_app import TABLES
-
-
-@pytest.fixture
-def settings(bc_settings: Settings) -> Settings:
-    return msgspec.structs.replace(bc_settings, app="engine_test_app:app")
-
-
-@pytest.fixture
-def procs(settings: Settings, bc_processes: ServiceProcesses) -> ServiceProcesses:
-    bc_processes.settings = settings
-    return bc_processes
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def db(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(settings.database_url)
-    await conn.execute(TABLES)
-    yield conn
-    await conn.close()
 
 
 async def test_sigkill_between_mark_running_and_settle_reruns_with_the_same_key(
     procs: ServiceProcesses, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
+    engine_api = EngineClient(bc_api)
     first = procs.start("bc-engine")
     await procs.wait_ready()
-    await bc_api.call(
-        "engine",
-        "profiles.create",
-        {"document": {"id": "effect", "version": 1, "target": "metal", "role": "host",
+    await engine_api.create_profile(document={"id": "effect", "version": 1, "target": "metal", "role": "host",
                       "steps": [{"use": "test.sideEffect", "with": {"holdMs": 60000}},
-                                {"use": "test.noop"}]}},
-    )  # fmt: skip
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "effect"})
+                                {"use": "test.noop"}]})  # fmt: skip
+    wf = await engine_api.start_workflow(profile_id="effect")
 
     async def ran_once() -> bool:
         return bool(await db.fetchval("SELECT count(*) FROM public.plg_test_runs") == 1)
 
     await until(ran_once, timeout=20)
-    view = await bc_api.call("engine", "workflows.get", {"id": wf["id"]})
-    assert view["steps"][0]["state"] == "running"
+    view = await engine_api.get_workflow(id=wf.id)
+    assert view.steps[0].state == "running"
     first.kill()  # the side effect is done, the step is not settled
 
     await db.execute("INSERT INTO public.plg_test_flags VALUES ('release')")
     procs.start("bc-engine")
     await procs.wait_ready()
-    done = await wait_workflow(bc_api, wf["id"], timeout=30)
-    assert done["state"] == "succeeded"
+    done = await wait_workflow(bc_api, wf.id, timeout=30)
+    assert done.state == "succeeded"
     runs = await db.fetch("SELECT step_key FROM public.plg_test_runs")
     effects = await db.fetch("SELECT step_key, n FROM public.plg_test_effects")
-    key = f"wf:{wf['id']}:0#1"
+    key = f"wf:{wf.id}:0#1"
     assert [r["step_key"] for r in runs] == [key, key]  # it ran twice, under one key
     assert [(e["step_key"], e["n"]) for e in effects] == [(key, 1)]  # the effect happened once
-    assert done["steps"][0]["attempt"] == 1
-    assert done["steps"][0]["result"] == {"effect": 1, "key": key}
+    assert done.steps[0].attempt == 1
+    assert done.steps[0].result == {"effect": 1, "key": key}
 
 
 async def test_two_engines_share_the_shards_and_survive_losing_one(
     procs: ServiceProcesses, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
+    engine_api = EngineClient(bc_api)
     a = procs.start("bc-engine")
     procs.start("bc-engine")
     await procs.wait_ready()
@@ -85,14 +58,10 @@ async def test_two_engines_share_the_shards_and_survive_losing_one(
         return sorted(r["n"] for r in owners) == [32, 32]
 
     await until(split, timeout=20)
-    await bc_api.call(
-        "engine",
-        "profiles.create",
-        {"document": {"id": "gate", "version": 1, "target": "metal", "role": "host",
+    await engine_api.create_profile(document={"id": "gate", "version": 1, "target": "metal", "role": "host",
                       "steps": [{"use": "test.noop"}, {"use": "test.waitFlag", "with": {"flag": "go"}},
-                                {"use": "test.sideEffect"}]}},
-    )  # fmt: skip
-    ids = [(await bc_api.call("engine", "workflows.start", {"profileId": "gate"}))["id"] for _ in range(40)]
+                                {"use": "test.sideEffect"}]})  # fmt: skip
+    ids = [(await engine_api.start_workflow(profile_id="gate")).id for _ in range(40)]
 
     async def all_waiting() -> bool:
         n = await db.fetchval(
@@ -104,7 +73,7 @@ async def test_two_engines_share_the_shards_and_survive_losing_one(
     a.kill()
     await db.execute("INSERT INTO public.plg_test_flags VALUES ('go')")
     done = await wait_workflows(bc_api, ids, timeout=60)
-    assert [d["state"] for d in done] == ["succeeded"] * 40
+    assert [d.state for d in done] == ["succeeded"] * 40
     # every side effect happened exactly once
     assert await db.fetchval("SELECT count(*) FROM public.plg_test_effects") == 40
 

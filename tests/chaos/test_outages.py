@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from better_compute.clients import EngineClient
 from better_compute.core.errors import BcError
 from better_compute.testing import until
 from better_compute.testing.agents import SimAgent
@@ -42,9 +43,9 @@ async def start_workflows(stack: Stack) -> tuple[SimAgent, list[str], dict[str, 
     await stack.profile("busy", STEPS)
     ids = []
     for _ in range(WORKFLOWS):
-        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"})
-        wf = await stack.api.call("engine", "workflows.start", {"profileId": "busy", "nodeId": node["id"]})
-        ids.append(wf["id"])
+        node = await EngineClient(stack.api).create_node(site_id="lab")
+        wf = await EngineClient(stack.api).start_workflow(profile_id="busy", node_id=node.id)
+        ids.append(wf.id)
     db = await stack.db()
     try:
 
@@ -64,7 +65,7 @@ async def start_workflows(stack: Stack) -> tuple[SimAgent, list[str], dict[str, 
 
 async def check_all_done_once(stack: Stack, sim: SimAgent, ids: list[str], pids: dict[str, int]) -> None:
     done = await stack.finished(ids)
-    assert [d["state"] for d in done] == ["succeeded"] * WORKFLOWS, [d["error"] for d in done]
+    assert [d.state for d in done] == ["succeeded"] * WORKFLOWS, [d.error for d in done]
     db = await stack.db()
     try:
         assert await db.fetchval("SELECT count(*) FROM public.plg_test_effects") == 3 * WORKFLOWS
@@ -120,15 +121,14 @@ async def test_an_agent_that_starts_while_nats_is_down_waits_and_then_serves(sta
 
     async def started() -> str | None:
         try:
-            node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"}, timeout=2.0)
-            wf = await stack.api.call(
-                "engine", "workflows.start", {"profileId": "one", "nodeId": node["id"]}, timeout=2.0
-            )
+            engine = EngineClient(stack.api, timeout=2.0)
+            node = await engine.create_node(site_id="lab")
+            wf = await engine.start_workflow(profile_id="one", node_id=node.id)
         except BcError:
             return None  # the services are still reconnecting
-        return str(wf["id"])
+        return str(wf.id)
 
     wf_id = await until(started)
     [done] = await stack.finished([wf_id])
-    assert done["state"] == "succeeded", done["error"]
-    assert done["steps"][0]["result"]["commandId"] in sim.executions()[0]
+    assert done.state == "succeeded", done.error
+    assert done.steps[0].result["commandId"] in sim.executions()[0]

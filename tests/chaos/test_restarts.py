@@ -3,43 +3,19 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
 
 import asyncpg
-import msgspec
-import pytest
-import pytest_asyncio
 
-from better_compute.config import Settings
+from better_compute.clients import EngineClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflows
 from chaos_stack import Stack
-from engine_test_app import TABLES
-
-
-@pytest.fixture
-def settings(bc_settings: Settings) -> Settings:
-    return msgspec.structs.replace(bc_settings, app="engine_test_app:app")
-
-
-@pytest.fixture
-def procs(settings: Settings, bc_processes: ServiceProcesses) -> ServiceProcesses:
-    bc_processes.settings = settings
-    return bc_processes
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def db(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(settings.database_url)
-    await conn.execute(TABLES)
-    yield conn
-    await conn.close()
 
 
 async def _profile(api: ApiClient, pid: str, steps: list[dict[str, object]]) -> None:
     doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "steps": steps}
-    await api.call("engine", "profiles.create", {"document": doc})
+    await EngineClient(api).create_profile(document=doc)
 
 
 async def test_engine_restarted_under_its_name_within_the_lease_ttl_takes_its_shards_back(
@@ -52,7 +28,7 @@ async def test_engine_restarted_under_its_name_within_the_lease_ttl_takes_its_sh
         "gate",
         [{"use": "test.noop"}, {"use": "test.waitFlag", "with": {"flag": "go"}}, {"use": "test.sideEffect"}],
     )
-    ids = [(await bc_api.call("engine", "workflows.start", {"profileId": "gate"}))["id"] for _ in range(10)]
+    ids = [(await EngineClient(bc_api).start_workflow(profile_id="gate")).id for _ in range(10)]
 
     async def all_waiting() -> bool:
         n = await db.fetchval(
@@ -66,7 +42,7 @@ async def test_engine_restarted_under_its_name_within_the_lease_ttl_takes_its_sh
     await procs.wait_ready()
     await db.execute("INSERT INTO public.plg_test_flags VALUES ('go')")
     done = await wait_workflows(bc_api, ids, timeout=30)
-    assert [d["state"] for d in done] == ["succeeded"] * 10
+    assert [d.state for d in done] == ["succeeded"] * 10
     assert await db.fetchval("SELECT count(*) FROM public.plg_test_effects") == 10
     owners = await db.fetch("SELECT DISTINCT owner FROM engine.shard_leases WHERE expires_at > now()")
     assert len(owners) == 1
@@ -80,7 +56,7 @@ async def test_a_paused_earlier_life_of_the_same_name_never_settles(
     old = procs.start("bc-engine")
     await procs.wait_ready()
     await _profile(bc_api, "held", [{"use": "test.sideEffect", "with": {"holdMs": 5000}}])
-    wf = (await bc_api.call("engine", "workflows.start", {"profileId": "held"}))["id"]
+    wf = (await EngineClient(bc_api).start_workflow(profile_id="held")).id
 
     async def runs(n: int) -> bool:
         return bool(await db.fetchval("SELECT count(*) FROM public.plg_test_runs") == n)
@@ -97,7 +73,7 @@ async def test_a_paused_earlier_life_of_the_same_name_never_settles(
     step = await db.fetchrow("SELECT state, attempt FROM engine.workflow_steps WHERE workflow_id = $1", wf)
     assert (step["state"], step["attempt"]) == ("running", 1)
     [done] = await wait_workflows(bc_api, [wf], timeout=30)
-    assert done["state"] == "succeeded"
+    assert done.state == "succeeded"
     assert await db.fetchval("SELECT count(*) FROM public.plg_test_effects") == 1
     # the older life stepped aside for good: it holds no shard and counts as no member
     assert await db.fetchval("SELECT count(*) FROM engine.members WHERE expires_at > now()") == 1
@@ -128,11 +104,9 @@ async def test_kill_and_restart_each_process_while_workflows_run(stack: Stack) -
         """Start a few workflows and return once the agent runs one of their commands."""
         ran = len(sim.executions())
         for _ in range(WAVE):
-            node = await stack.api.call("engine", "nodes.create", {"siteId": "lab"})
-            wf = await stack.api.call(
-                "engine", "workflows.start", {"profileId": "restarts", "nodeId": node["id"]}
-            )
-            ids.append(wf["id"])
+            node = await EngineClient(stack.api).create_node(site_id="lab")
+            wf = await EngineClient(stack.api).start_workflow(profile_id="restarts", node_id=node.id)
+            ids.append(wf.id)
         await until(lambda: len(sim.executions()) > ran)
 
     def kill_and_restart(service: str) -> None:
@@ -161,7 +135,7 @@ async def test_kill_and_restart_each_process_while_workflows_run(stack: Stack) -
     await procs.wait_ready()
 
     done = await stack.finished(ids)
-    assert [d["state"] for d in done] == ["succeeded"] * len(ids), [d["error"] for d in done]
+    assert [d.state for d in done] == ["succeeded"] * len(ids), [d.error for d in done]
     db = await stack.db()
     try:
         effects = await db.fetchval("SELECT count(*) FROM public.plg_test_effects")

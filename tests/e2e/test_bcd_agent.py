@@ -26,10 +26,10 @@ from urllib.parse import unquote, urlsplit
 import pytest
 import pytest_asyncio
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
 from better_compute.provision.templates import UserData, template_variables
 from better_compute.provision.userdata import cloud_init, ignition
 from better_compute.service import ApiClient
@@ -105,7 +105,7 @@ async def test_join_is_refused_with_other_claims_unspent_then_accepted_then_reke
     assert "PERMISSION_DENIED" in refused.stderr, refused.stderr
     assert '["productUuid"]' in refused.stderr, refused.stderr
     assert other.token not in refused.stderr + refused.stdout
-    assert (await stack.pki.get_join_token(other.join_token_id)).uses == 0  # not spent
+    assert (await stack.pki.get_join_token(join_token_id=other.join_token_id)).uses == 0  # not spent
     assert not (root / "var/lib/bcd/enrollment.json").exists()
     assert (root / "etc/bcd/join-token").exists()  # kept for the right machine
 
@@ -237,7 +237,7 @@ async def test_the_ramdisk_inventories_wipes_and_writes_with_node_signed_results
     await _serving(stack, root, node, "ramdisk", bcds)
     cq = stack.cq
 
-    inv = await cq.wait((await cq.enqueue(command(node, "node.inventory", {}, "inv"))).id, timeout=30)
+    inv = await cq.wait(id=(await cq.enqueue(command(node, "node.inventory", {}, "inv"))).id, timeout=30)
     assert (inv.state, inv.attested) == ("succeeded", True)
     found = json.loads(inv.result or b"{}")
     assert [d["name"] for d in found["disks"]] == ["vdb", "vdc"]
@@ -245,7 +245,7 @@ async def test_the_ramdisk_inventories_wipes_and_writes_with_node_signed_results
 
     (root / "dev/vdb").write_bytes(b"\x55" * (16 << 20))
     wipe = await cq.wait(
-        (await cq.enqueue(command(node, "node.wipe", {"disks": ["/dev/vdb"]}, "wipe"))).id, timeout=30
+        id=(await cq.enqueue(command(node, "node.wipe", {"disks": ["/dev/vdb"]}, "wipe"))).id, timeout=30
     )
     assert (wipe.state, wipe.attested) == ("succeeded", True), wipe.reason
     assert json.loads(wipe.result or b"{}")["disks"][0]["disk"] == "/dev/vdb"
@@ -256,7 +256,7 @@ async def test_the_ramdisk_inventories_wipes_and_writes_with_node_signed_results
     good = {"url": f"{base}/good.raw.gz", "sha256": hashlib.sha256(gzip.compress(raw)).hexdigest()}
     good["sha256"] = hashlib.sha256((folder / "good.raw.gz").read_bytes()).hexdigest()
     write = await cq.wait(
-        (
+        id=(
             await cq.enqueue(
                 command(node, "node.imageWrite", {**good, "format": "raw.gz", "disk": "/dev/vdc"}, "w1")
             )
@@ -270,7 +270,7 @@ async def test_the_ramdisk_inventories_wipes_and_writes_with_node_signed_results
     expected = hashlib.sha256(raw).hexdigest()
     actual = hashlib.sha256(raw[:-1] + b"\x00").hexdigest()
     bad = await cq.wait(
-        (await cq.enqueue(command(node, "node.imageWrite", {"url": f"{base}/bad.raw", "sha256": expected,
+        id=(await cq.enqueue(command(node, "node.imageWrite", {"url": f"{base}/bad.raw", "sha256": expected,
                                                             "disk": "/dev/vdc"}, "w2"))).id,
         timeout=60,
     )  # fmt: skip
@@ -280,7 +280,8 @@ async def test_the_ramdisk_inventories_wipes_and_writes_with_node_signed_results
     assert (root / "dev/vdc").read_bytes()[: 1 << 20] == bytes(1 << 20)  # not bootable
 
     converge = await cq.wait(
-        (await cq.enqueue(command(node, "node.converge", {"generation": 1, "units": []}, "c"))).id, timeout=30
+        id=(await cq.enqueue(command(node, "node.converge", {"generation": 1, "units": []}, "c"))).id,
+        timeout=30,
     )
     assert converge.state == "rejected"  # the ramdisk has no converger
     assert "unsupported-kind" in (converge.reason or "")
@@ -296,7 +297,7 @@ async def test_the_installed_os_converges_and_reports_its_generation(
     # kernel-modules with only a blacklist writes files and runs nothing on this machine
     unit = {"name": "kernel-modules", "settings": {"blacklist": ["floppy"]}}
     first = await cq.wait(
-        (await cq.enqueue(command(node, "node.converge", {"generation": 2, "units": [unit]}, "c1"))).id,
+        id=(await cq.enqueue(command(node, "node.converge", {"generation": 2, "units": [unit]}, "c1"))).id,
         timeout=30,
     )
     assert (first.state, first.attested) == ("succeeded", True), first.reason
@@ -307,14 +308,14 @@ async def test_the_installed_os_converges_and_reports_its_generation(
 
     units = [unit, {"name": "acme-nic-firmware", "settings": {"branch": "1.2"}}]
     second = await cq.wait(
-        (await cq.enqueue(command(node, "node.converge", {"generation": 3, "units": units}, "c2"))).id,
+        id=(await cq.enqueue(command(node, "node.converge", {"generation": 3, "units": units}, "c2"))).id,
         timeout=30,
     )
     assert second.state == "failed"
     assert "unit acme-nic-firmware is not supported by this daemon" in (second.reason or "")
     assert "kernel-modules unchanged" in (second.reason or "")
 
-    wipe = await cq.wait((await cq.enqueue(command(node, "node.wipe", {}, "w"))).id, timeout=30)
+    wipe = await cq.wait(id=(await cq.enqueue(command(node, "node.wipe", {}, "w"))).id, timeout=30)
     assert wipe.state == "rejected"  # the installed OS does not wipe disks
 
 

@@ -17,33 +17,15 @@ import asyncpg
 import msgspec
 import pytest
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
-from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, until
+from better_compute.testing import ServiceProcesses, bcx, bcx_env, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from engine_test_app import TABLES
 
 ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
-
-
-def env_of(settings: Settings) -> dict[str, str]:
-    return {
-        **os.environ,
-        "BC_NATS_URL": settings.nats_url or "",
-        "BC_SUBJECT_ROOT": settings.subject_root,
-    }
-
-
-async def bcx(
-    settings: Settings, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "better_compute.cli", *args],
-        capture_output=True, text=True, env={**env_of(settings), **(env or {})}, timeout=60,
-    )  # fmt: skip
 
 
 async def ok_json(settings: Settings, *args: str) -> Any:
@@ -169,7 +151,7 @@ async def test_watch_into_a_closed_pipe_ends_quietly(
     read_end, write_end = os.pipe()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "better_compute.cli", "workflows", "watch", wf["id"], "--json",
-        stdout=write_end, stderr=asyncio.subprocess.PIPE, env=env_of(settings),
+        stdout=write_end, stderr=asyncio.subprocess.PIPE, env=bcx_env(settings),
     )  # fmt: skip
     os.close(write_end)
     try:

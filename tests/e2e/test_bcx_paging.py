@@ -7,11 +7,12 @@ import re
 
 import msgspec
 import pytest
-from test_engine_bcx import bcx, start_engine
+from test_engine_bcx import start_engine
 
+from better_compute.clients import EngineClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, bcx
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ async def test_bcx_lists_a_page_says_how_to_go_on_and_follows_every_page(
     settings: Settings, bc_processes: ServiceProcesses, bc_api: ApiClient
 ) -> None:
     await start_engine(settings, bc_processes)
-    made = sorted([(await bc_api.call("engine", "nodes.create", {"siteId": "eu1"}))["id"] for _ in range(5)])
+    made = sorted([(await EngineClient(bc_api).create_node(site_id="eu1")).id for _ in range(5)])
 
     code, out, err = await bcx(settings, "nodes", "list", "--limit", "2")
     assert code == 0, err

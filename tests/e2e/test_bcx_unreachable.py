@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,21 +13,14 @@ from pathlib import Path
 import pytest
 
 from better_compute.runtime.embedded import EmbeddedNats, pid_alive, stop_pid
+from better_compute.testing import BcxRun, run_bcx
 
 SECRET = "hunter2-pw"
 
 
-def bcx(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("BC_NATS_URL", "BC_DATABASE_URL")}
-    return subprocess.run(
-        [sys.executable, "-m", "better_compute.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**base, **(env or {})},
-        timeout=timeout,
-    )
+def bcx(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> BcxRun:
+    """bcx with none of this process's deployment: only what a test gives it."""
+    return run_bcx(None, *args, env=env, isolated=True, timeout=timeout)
 
 
 @contextlib.contextmanager

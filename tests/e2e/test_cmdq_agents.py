@@ -16,11 +16,11 @@ from typing import TypeVar
 import pytest
 import pytest_asyncio
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient, discover
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
@@ -98,14 +98,14 @@ async def retrying(call: Callable[[], Awaitable[T]]) -> T:
 
 async def settled(cq: CommandQueueClient, command_id: str) -> CommandView:
     async def finished() -> CommandView | None:
-        view = await retrying(lambda: cq.get(command_id))
+        view = await retrying(lambda: cq.get(id=command_id))
         return view if view.state in TERMINAL_STATES else None
 
     return await until(finished)
 
 
 async def state_is(cq: CommandQueueClient, command_id: str, state: str) -> bool:
-    return (await cq.get(command_id)).state == state
+    return (await cq.get(id=command_id)).state == state
 
 
 async def connected(cq: CommandQueueClient, site_id: str, agent_id: str, want: bool) -> bool:
@@ -156,7 +156,7 @@ async def test_an_agent_killed_mid_command_never_runs_it_twice(cluster: Cluster)
     interrupted = await cq.enqueue(power("site-k", "k1"))
     assert await during.wait_exit() == -signal.SIGKILL
     # its claim went through; its "running" may or may not have left before it died
-    assert (await cq.get(interrupted.id)).state in ("acked", "running")
+    assert (await cq.get(id=interrupted.id)).state in ("acked", "running")
     during.start()  # same enrollment and journal
     view = await settled(cq, interrupted.id)
     assert (view.state, view.reason) == ("failed", "interrupted: the agent stopped while the command ran")
@@ -191,7 +191,7 @@ async def test_an_agent_that_goes_silent_mid_command_and_returns_finishes_it(clu
     await until(lambda: site_agent_is(cq, "site-s", spare_id))
     other = await cq.enqueue(power("site-s", "s2"))
     assert (await settled(cq, other.id)).agent_id == spare_id
-    assert (await cq.get(busy.id)).state == "running"  # destructive or not, never re-sent
+    assert (await cq.get(id=busy.id)).state == "running"  # destructive or not, never re-sent
     quiet.signal(signal.SIGCONT)
     done = await settled(cq, busy.id)
     assert (done.state, done.agent_id) == ("succeeded", quiet_id)

@@ -3,35 +3,16 @@ with approvals signed by key files that never leave the approver's machine."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, bcx
 from better_compute.wire.cmdq import EnqueueCommand
-
-
-def _bcx(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "better_compute.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=60,
-    )
-
-
-async def bcx(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {"BC_NATS_URL": settings.nats_url or "", "BC_SUBJECT_ROOT": settings.subject_root}
-    return await asyncio.to_thread(_bcx, env, *args)
 
 
 async def ok_json(settings: Settings, *args: str) -> Any:
@@ -114,7 +95,7 @@ async def test_bcx_drives_commands_agents_and_the_batch_quorum(
         out = json.loads(both.stdout)
         assert [b["id"] for b in out["batches"]] == more
         assert [(e["id"], e["code"]) for e in out["errors"]] == [(ghost, "NOT_FOUND")]
-    assert [(await cq.get_batch(b)).state for b in more] == ["approved", "approved"]
+    assert [(await cq.get_batch(id=b)).state for b in more] == ["approved", "approved"]
     quorum = await bcx(s, "quorum", "show")
     assert quorum.returncode == 0, quorum.stderr
     assert "threshold 2 of 2" in quorum.stdout
@@ -131,7 +112,7 @@ async def test_bcx_drives_commands_agents_and_the_batch_quorum(
     assert [c["id"] for c in page["commands"]] == [wipe.id]
     cancelled = await bcx(s, "commands", "cancel", wipe.id, "--reason", "wrong rack")
     assert cancelled.stdout.strip() == f"cancelled {wipe.id}"
-    assert (await cq.get(wipe.id)).reason == "wrong rack"
+    assert (await cq.get(id=wipe.id)).reason == "wrong rack"
     nothing = await ok_json(s, "commands", "cancel", wipe.id)
     assert nothing == {"cancelled": []}
     missing = await bcx(s, "commands", "get", new_id("cmd"), "--json")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import asyncpg
@@ -13,18 +11,12 @@ import nats
 import pytest
 
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres
+from better_compute.testing import BcxRun, run_bcx
 
 
-def bcx(state: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("BC_NATS_URL", "BC_DATABASE_URL")}
-    env["BC_STATE_DIR"] = str(state)
-    return subprocess.run(
-        [sys.executable, "-m", "better_compute.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+def bcx(state: Path, *args: str, timeout: float = 120) -> BcxRun:
+    """bcx on the dev deployment kept in ``state`` (none of this process's)."""
+    return run_bcx(None, *args, env={"BC_STATE_DIR": str(state)}, isolated=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -100,7 +92,7 @@ async def test_a_plain_restart_keeps_the_quorum_dev_up_was_given(state: Path, tm
     from cryptography.hazmat.primitives.asymmetric import ed25519
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-    from better_compute.cmdq_client import CommandQueueClient
+    from better_compute.clients.cmdq import CommandQueueClient
     from better_compute.service import ApiClient
     from better_compute.wire.subjects import Subjects
 

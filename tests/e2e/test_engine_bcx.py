@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,22 +11,8 @@ import msgspec
 import pytest
 
 from better_compute.config import Settings
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, bcx
 from engine_test_app import TABLES
-
-
-async def bcx(settings: Settings, *args: str) -> tuple[int, str, str]:
-    env = {
-        **os.environ,
-        "BC_NATS_URL": settings.nats_url or "",
-        "BC_SUBJECT_ROOT": settings.subject_root,
-    }
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "better_compute.cli", *args,
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode or 0, out.decode(), err.decode()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from better_compute.clients import EngineClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
@@ -28,35 +29,36 @@ async def stack(bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path:
 
 
 async def _render_while_down(stack: ServiceProcesses, api: ApiClient, service: str, pid: str) -> None:
+    engine_api = EngineClient(api)
     [proc] = [p for p in stack.procs if p.service == service and p.alive()]
     proc.kill()
-    node = await api.call("engine", "nodes.create", {"siteId": "lab1"})
+    node = await engine_api.create_node(site_id="lab1")
     doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "userData": {"kind": "cloud-init"},
            "steps": [{"use": "userdata.render"}]}  # fmt: skip
-    await api.call("engine", "profiles.create", {"document": doc})
-    wf = await api.call("engine", "workflows.start", {"profileId": pid, "nodeId": node["id"]})
+    await engine_api.create_profile(document=doc)
+    wf = await engine_api.start_workflow(profile_id=pid, node_id=node.id)
 
     async def waiting_or_finished() -> dict[str, Any] | None:
-        view: dict[str, Any] = await api.call("engine", "workflows.get", {"id": wf["id"]})
-        waiting = view["steps"][0].get("waitingFor")
-        return view if view["state"] != "running" or waiting else None
+        view = await engine_api.get_workflow(id=wf.id)
+        waiting = view.steps[0].waiting_for
+        return view if view.state != "running" or waiting else None
 
     view = await until(waiting_or_finished)
-    assert view["state"] == "running", view["steps"][0]["error"]
-    waiting = view["steps"][0]["waitingFor"]
+    assert view.state == "running", view.steps[0].error
+    waiting = view.steps[0].waiting_for
     assert (waiting["reason"], waiting["service"]) == ("service-unavailable", service)
 
     stack.start(service)
     await stack.wait_ready()
-    done = await wait_workflow(api, wf["id"], timeout=60)
-    assert done["state"] == "succeeded", done
-    assert done["steps"][0]["attempt"] == 1  # the same attempt, run again: one token, one document
-    assert done["steps"][0].get("waitingFor") is None
+    done = await wait_workflow(api, wf.id, timeout=60)
+    assert done.state == "succeeded", done
+    assert done.steps[0].attempt == 1  # the same attempt, run again: one token, one document
+    assert done.steps[0].waiting_for is None
     # the run after the outage got its own token back (the engine's mint secret for the
     # attempt): the document holds the one token minted, and it is still good
     tokens = (await api.call("pki", "tokens.list", {}))["tokens"]
     assert [(t["joinTokenId"], t["state"]) for t in tokens] == [
-        (done["steps"][0]["result"]["joinTokenId"], "active")
+        (done.steps[0].result["joinTokenId"], "active")
     ]
 
 

@@ -24,20 +24,17 @@ import pytest_asyncio
 
 from better_compute.agent import Agent, Command
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.pki_client import PkiClient
-from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import EnqueueCommand
+from engine_stack import FAST, AgentStack
 from engine_test_app import TABLES
 
 ROUNDS = int(os.environ.get("BC_SUPERSEDE_ROUNDS", "3"))  # of each verb; raise it for a longer sweep
-FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 
 
 @dataclass(frozen=True)
@@ -115,32 +112,10 @@ def overlaps(runs: list[Run]) -> list[tuple[Run, Run]]:
     return found
 
 
-class Stack:
-    def __init__(self, api: ApiClient, settings: Settings) -> None:
-        self.api = api
-        self.settings = settings
-        self.cq = CommandQueueClient(api)
-        self.pki = PkiClient(api)
-        self.secrets = SecretsClient(api)
-
-    async def profile(self, pid: str, steps: list[dict[str, Any]]) -> None:
-        doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "steps": steps}
-        await self.api.call("engine", "profiles.create", {"document": doc})
-
-    async def start(self, pid: str, node: str) -> str:
-        wf = await self.api.call("engine", "workflows.start", {"profileId": pid, "nodeId": node})
-        return str(wf["id"])
-
-    async def step(self, wf_id: str, idx: int = 0) -> dict[str, Any]:
-        view = await self.api.call("engine", "workflows.get", {"id": wf_id})
-        step: dict[str, Any] = view["steps"][idx]
-        return step
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def stack(
     bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
-) -> AsyncIterator[Stack]:
+) -> AsyncIterator[AgentStack]:
     settings = msgspec.structs.replace(bc_settings, app="engine_test_app:app")
     conn = await asyncpg.connect(bc_settings.database_url)
     try:
@@ -156,11 +131,11 @@ async def stack(
     for name in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
         bc_processes.start(name)
     await bc_processes.wait_ready()
-    yield Stack(bc_api, settings)
+    yield AgentStack(bc_api, settings, tmp_path)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def agent(stack: Stack, bc_subjects: Subjects, tmp_path: Path) -> AsyncIterator[ExecLog]:
+async def agent(stack: AgentStack, bc_subjects: Subjects, tmp_path: Path) -> AsyncIterator[ExecLog]:
     """A site agent of site ``lab1`` on the agent SDK, in this process, with its own exec log."""
     log = ExecLog(tmp_path / "exec.log")
     enrollment = await join_agent(stack.api, site_id="lab1")
@@ -181,24 +156,24 @@ async def agent(stack: Stack, bc_subjects: Subjects, tmp_path: Path) -> AsyncIte
         await asyncio.wait_for(task, 10)
 
 
-async def _superseded_while_running(stack: Stack, log: ExecLog, wf_id: str) -> None:
+async def _superseded_while_running(stack: AgentStack, log: ExecLog, wf_id: str) -> None:
     """Attempt 1 still runs at the agent, attempt 2 was asked for: until the step waits for
     attempt 1 (or, wrongly, attempt 2 started), then let attempt 1 end."""
 
     async def waits_or_overlaps() -> bool:
         step = await stack.step(wf_id)
-        waiting = (step.get("waitingFor") or {}).get("reason") == "previous-attempt-running"
+        waiting = (step.waiting_for or {}).get("reason") == "previous-attempt-running"
         return waiting or log.started(f"wf:{wf_id}:0#2")
 
     await until(waits_or_overlaps)
     log.release()
     done = await wait_workflow(stack.api, wf_id, timeout=60)
-    assert done["state"] == "succeeded", done
-    assert done["steps"][0]["attempt"] == 2
+    assert done.state == "succeeded", done
+    assert done.steps[0].attempt == 2
 
 
 async def test_retry_and_resume_never_overlap_a_destructive_command_still_running(
-    stack: Stack, agent: ExecLog
+    stack: AgentStack, agent: ExecLog
 ) -> None:
     await stack.profile("erase", [{"use": "media.eject", "on": "site", "with": {"device": "cd"}}])
     await stack.profile(
@@ -208,22 +183,22 @@ async def test_retry_and_resume_never_overlap_a_destructive_command_still_runnin
     for _ in range(ROUNDS):
         # abort -> resume while attempt 1's command runs at the agent
         agent.hold()
-        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
-        wf_id = await stack.start("erase", node["id"])
+        node = await stack.engine.create_node(site_id="lab1")
+        wf_id = await stack.start("erase", node.id)
         await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
-        await stack.api.call("engine", "workflows.abort", {"id": wf_id})
-        await stack.api.call("engine", "workflows.resume", {"id": wf_id})
+        await stack.engine.abort_workflow(id=wf_id)
+        await stack.engine.resume_workflow(id=wf_id)
         await _superseded_while_running(stack, agent, wf_id)
         workflows.append(wf_id)
 
         # timeout -> retry while attempt 1's command runs at the agent
         agent.hold()
-        node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
-        wf_id = await stack.start("erase-slowly", node["id"])
+        node = await stack.engine.create_node(site_id="lab1")
+        wf_id = await stack.start("erase-slowly", node.id)
         await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
         failed = await wait_workflow(stack.api, wf_id, timeout=30)
-        assert (failed["state"], failed["steps"][0]["error"]["code"]) == ("failed", "TIMEOUT")
-        await stack.api.call("engine", "workflows.retry", {"id": wf_id})
+        assert (failed.state, failed.steps[0].error["code"]) == ("failed", "TIMEOUT")
+        await stack.engine.retry_workflow(id=wf_id)
         await _superseded_while_running(stack, agent, wf_id)
         workflows.append(wf_id)
 
@@ -240,21 +215,23 @@ async def test_retry_and_resume_never_overlap_a_destructive_command_still_runnin
     assert len(runs) == 2 * len(workflows)
 
 
-async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enqueues(stack: Stack) -> None:
+async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enqueues(
+    stack: AgentStack,
+) -> None:
     # no agent in these sites: every command stays pending
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab7"})
-    other = await stack.api.call("engine", "nodes.create", {"siteId": "lab8"})
+    node = await stack.engine.create_node(site_id="lab7")
+    other = await stack.engine.create_node(site_id="lab8")
     await stack.profile(
         "other-node",
-        [{"use": "test.awaitPowerOn", "with": {"nodeId": other["id"], "siteId": "lab8"}, "timeout": "2s"}],
+        [{"use": "test.awaitPowerOn", "with": {"nodeId": other.id, "siteId": "lab8"}, "timeout": "2s"}],
     )
-    wf_id = await stack.start("other-node", node["id"])
+    wf_id = await stack.start("other-node", node.id)
     failed = await wait_workflow(stack.api, wf_id, timeout=30)
-    assert (failed["state"], failed["steps"][0]["error"]["code"]) == ("failed", "TIMEOUT")
+    assert (failed.state, failed.steps[0].error["code"]) == ("failed", "TIMEOUT")
     [first] = (await stack.cq.list_commands(workflow_id=wf_id)).commands
-    assert (first.node_id, first.key, first.state) == (other["id"], f"wf:{wf_id}:0#1:power", "pending")
+    assert (first.node_id, first.key, first.state) == (other.id, f"wf:{wf_id}:0#1:power", "pending")
 
-    await stack.api.call("engine", "workflows.retry", {"id": wf_id})
+    await stack.engine.retry_workflow(id=wf_id)
 
     async def second_attempt_sent() -> bool:
         keys = {c.key for c in (await stack.cq.list_commands(workflow_id=wf_id)).commands}
@@ -262,12 +239,12 @@ async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enque
 
     await until(second_attempt_sent)
     # attempt 1's command was on another node than the workflow's: cancelled all the same
-    assert (await stack.cq.get(first.id)).state == "cancelled"
+    assert (await stack.cq.get(id=first.id)).state == "cancelled"
 
     # an engine that lost its shard but still runs attempt 1 cannot send anything for it now
     def late(key: str) -> EnqueueCommand:
         return EnqueueCommand(
-            node_id=other["id"], site_id="lab8", kind="power.setPower", payload={"action": "on"},
+            node_id=other.id, site_id="lab8", kind="power.setPower", payload={"action": "on"},
             key=key, target="site", workflow_id=wf_id, step=0,
         )  # fmt: skip
 
@@ -280,46 +257,46 @@ async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enque
 
 
 async def test_a_new_attempt_revokes_the_tokens_and_secrets_of_the_one_it_supersedes(
-    stack: Stack,
+    stack: AgentStack,
 ) -> None:
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+    node = await stack.engine.create_node(site_id="lab1")
     await stack.profile("mints", [{"use": "test.mintThenFail", "with": {"flag": f"go-{uuid.uuid4().hex}"}}])
-    wf_id = await stack.start("mints", node["id"])
+    wf_id = await stack.start("mints", node.id)
     failed = await wait_workflow(stack.api, wf_id, timeout=30)
-    assert failed["state"] == "failed", failed
-    first = failed["steps"][0]["error"]["details"]
-    assert (await stack.pki.get_join_token(first["joinTokenId"])).state == "active"
+    assert failed.state == "failed", failed
+    first = failed.steps[0].error["details"]
+    assert (await stack.pki.get_join_token(join_token_id=first["joinTokenId"])).state == "active"
 
-    await stack.api.call("engine", "workflows.retry", {"id": wf_id})
+    await stack.engine.retry_workflow(id=wf_id)
 
     async def revoked() -> bool:
-        return (await stack.pki.get_join_token(first["joinTokenId"])).state == "revoked"
+        return (await stack.pki.get_join_token(join_token_id=first["joinTokenId"])).state == "revoked"
 
     await asyncio.wait_for(until(revoked), 30)  # attempt 1's token cannot join any more
     with pytest.raises(BcError) as gone:
-        await stack.secrets.get(first["secretRef"])
+        await stack.secrets.get(ref=first["secretRef"])
     assert gone.value.reason == "secret-revoked"
     failed = await wait_workflow(stack.api, wf_id, timeout=30)
-    second = failed["steps"][0]["error"]["details"]
+    second = failed.steps[0].error["details"]
     assert second["attempt"] == 2
     assert second["joinTokenId"] != first["joinTokenId"]
-    assert (await stack.pki.get_join_token(second["joinTokenId"])).state == "active"
-    assert (await stack.secrets.get(second["secretRef"])).startswith(b"rendered with ")
+    assert (await stack.pki.get_join_token(join_token_id=second["joinTokenId"])).state == "active"
+    assert (await stack.secrets.get(ref=second["secretRef"])).startswith(b"rendered with ")
 
 
-async def test_an_abort_revokes_what_the_cancelled_attempt_minted(stack: Stack) -> None:
-    node = await stack.api.call("engine", "nodes.create", {"siteId": "lab1"})
+async def test_an_abort_revokes_what_the_cancelled_attempt_minted(stack: AgentStack) -> None:
+    node = await stack.engine.create_node(site_id="lab1")
     flag = f"go-{uuid.uuid4().hex}"
     await stack.profile("mints-waits", [{"use": "test.mintThenFail", "with": {"flag": flag, "wait": True}}])
-    wf_id = await stack.start("mints-waits", node["id"])
+    wf_id = await stack.start("mints-waits", node.id)
 
     async def minted() -> list[Any]:
-        return [t for t in await stack.pki.list_join_tokens(site_id="lab1") if t.node_id == node["id"]]
+        return [t for t in await stack.pki.list_join_tokens(site_id="lab1") if t.node_id == node.id]
 
     [token] = await until(minted)
-    await stack.api.call("engine", "workflows.abort", {"id": wf_id})
+    await stack.engine.abort_workflow(id=wf_id)
 
     async def revoked() -> bool:
-        return (await stack.pki.get_join_token(token.join_token_id)).state == "revoked"
+        return (await stack.pki.get_join_token(join_token_id=token.join_token_id)).state == "revoked"
 
     await asyncio.wait_for(until(revoked), 30)

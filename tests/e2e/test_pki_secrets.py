@@ -7,8 +7,6 @@ import base64
 import json
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +17,15 @@ from cryptography import x509
 from nats.aio.client import Client as Nats
 
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.pki_client import AgentIdentity, JoinClaims, PkiClient, make_csr, new_agent_key
-from better_compute.secrets_client import SecretsClient
+from better_compute.crypto import AgentIdentity, make_csr, new_agent_key
 from better_compute.service import ApiClient, discover
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, run_bcx
+from better_compute.wire.pki import JoinClaims
 from secrets_test_app import APP, enqueue_ref
 
 
@@ -33,21 +33,6 @@ from secrets_test_app import APP, enqueue_ref
 def bc_settings(bc_settings: Settings) -> Settings:
     """Every process here loads the app with ``test.useSecret``, a kind carrying a ref."""
     return msgspec.structs.replace(bc_settings, app=APP)
-
-
-def bcx(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "BC_NATS_URL": settings.nats_url or "",
-        "BC_SUBJECT_ROOT": settings.subject_root,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "better_compute.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
 
 
 async def new_agent(pki: PkiClient, token: str) -> AgentIdentity:
@@ -80,7 +65,7 @@ async def test_two_instances_of_each_service_serve_at_once_over_one_ca(
     )
     values = [f"value-{i}-{new_id('sec')}".encode() for i in range(12)]
     infos = await asyncio.gather(
-        *(secrets.put(v, tenant_id="root", workflow_id=wf, step=i) for i, v in enumerate(values))
+        *(secrets.put(value=v, tenant_id="root", workflow_id=wf, step=i) for i, v in enumerate(values))
     )
     await asyncio.gather(
         *(
@@ -90,7 +75,7 @@ async def test_two_instances_of_each_service_serve_at_once_over_one_ca(
         )
     )  # fmt: skip
     fetched = await asyncio.gather(
-        *(secrets.fetch(info.ref, identity=a.identity) for a, info in zip(agents, infos, strict=True))
+        *(secrets.fetch(ref=info.ref, identity=a.identity) for a, info in zip(agents, infos, strict=True))
     )
     fingerprints = {(await pki.ca()).fingerprint_sha256 for _ in range(8)}
     certs = await pki.list_certificates(site_id="site-a")
@@ -135,12 +120,12 @@ async def test_a_restart_of_either_service_loses_nothing(
         idempotency_key=f"wf:{wf}:0#1", node_id=node, mint_secret=mint_secret,
     )  # fmt: skip
     agent = await new_agent(pki, token.token)
-    ref = (await secrets.put(value, tenant_id="root", workflow_id=wf, step=1)).ref
+    ref = (await secrets.put(value=value, tenant_id="root", workflow_id=wf, step=1)).ref
     command = await enqueue_ref(
         cq, node_id=node, site_id="site-a", key=f"wf:{wf}:1#1:media", payload={"ref": ref},
         workflow_id=wf, step=1,
     )  # fmt: skip
-    assert await secrets.fetch(ref, identity=agent) == value
+    assert await secrets.fetch(ref=ref, identity=agent) == value
 
     # SIGKILL both: nothing gets to clean up
     for proc in (pki_proc, secrets_proc):
@@ -161,8 +146,8 @@ async def test_a_restart_of_either_service_loses_nothing(
     data, signature = agent.sign("agent.event", {"kind": "heartbeat"})
     verified = await pki.verify(signer_id=agent.agent_id, data=data, signature=signature)
     assert verified.cert_id == agent.cert_id
-    assert await secrets.fetch(ref, identity=agent) == value
-    assert await secrets.get(ref) == value
+    assert await secrets.fetch(ref=ref, identity=agent) == value
+    assert await secrets.get(ref=ref) == value
     tokens = await pki.list_join_tokens()
     audit = await secrets.list_fetches(ref=ref)
     assert [(t.join_token_id, t.uses, t.state) for t in tokens] == [(token.id, 2, "used")]
@@ -179,12 +164,12 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
     await bc_processes.wait_ready()
     s = bc_settings
 
-    refused = bcx(s, "tokens", "issue", "--role", "node", "--site", "site-a", "--json")
+    refused = run_bcx(s, "tokens", "issue", "--role", "node", "--site", "site-a", "--json")
     assert refused.returncode == 1
     assert json.loads(refused.stdout)["error"]["code"] == "INVALID_INPUT"
     assert "--show-token" in json.loads(refused.stdout)["error"]["message"]
 
-    out = bcx(s, "tokens", "issue", "--role", "node", "--site", "site-a", "--ttl", "10m",
+    out = run_bcx(s, "tokens", "issue", "--role", "node", "--site", "site-a", "--ttl", "10m",
               "--expect-mac", "aa:bb:cc:dd:ee:01", "--show-token", "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     issued = json.loads(out.stdout)
@@ -192,7 +177,7 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
     assert token.startswith("bcjt_")
 
     token_file = tmp_path / "token"
-    out = bcx(s, "tokens", "issue", "--role", "site", "--site", "site-a", "--token-file",
+    out = run_bcx(s, "tokens", "issue", "--role", "site", "--site", "site-a", "--token-file",
               str(token_file))  # fmt: skip
     assert out.returncode == 0, out.stderr
     file_token = token_file.read_text().strip()
@@ -201,11 +186,11 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
     assert file_token not in out.stdout
     assert "written to" in out.stdout
 
-    listed = bcx(s, "tokens", "list")
+    listed = run_bcx(s, "tokens", "list")
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.splitlines()[0].split()[:4] == ["ID", "TENANT", "ROLE", "SITE"]
     assert token_id in listed.stdout
-    listed_json = bcx(s, "tokens", "list", "--json")
+    listed_json = run_bcx(s, "tokens", "list", "--json")
     assert {t["joinTokenId"] for t in json.loads(listed_json.stdout)["tokens"]} >= {token_id}
     for output in (listed.stdout, listed_json.stdout):
         assert token not in output
@@ -214,27 +199,27 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
     pki = PkiClient(bc_api)
     key = new_agent_key()
     joined = await pki.join(token=token, csr=make_csr(key), claims=JoinClaims(macs=["aa:bb:cc:dd:ee:01"]))
-    certs = json.loads(bcx(s, "certs", "list", "--json").stdout)["certificates"]
+    certs = json.loads(run_bcx(s, "certs", "list", "--json").stdout)["certificates"]
     assert [c["certId"] for c in certs] == [joined.cert_id]
-    out = bcx(s, "certs", "revoke", joined.cert_id, "--reason", "lost laptop")
+    out = run_bcx(s, "certs", "revoke", joined.cert_id, "--reason", "lost laptop")
     assert out.returncode == 0, out.stderr
     assert "revoked" in out.stdout
-    assert bcx(s, "certs", "list").stdout.strip() == "no certificates"
-    everything = bcx(s, "certs", "list", "--all")
+    assert run_bcx(s, "certs", "list").stdout.strip() == "no certificates"
+    everything = run_bcx(s, "certs", "list", "--all")
     assert joined.cert_id in everything.stdout
     assert "revoked" in everything.stdout
-    out = bcx(s, "tokens", "revoke", token_id, "--json")
+    out = run_bcx(s, "tokens", "revoke", token_id, "--json")
     assert json.loads(out.stdout)["state"] == "revoked"
-    missing = bcx(s, "certs", "revoke", new_id("cert"), "--json")
+    missing = run_bcx(s, "certs", "revoke", new_id("cert"), "--json")
     assert missing.returncode == 1
     assert json.loads(missing.stdout)["error"]["code"] == "NOT_FOUND"
 
     value = b"bcx-must-not-print-" + new_id("sec").encode()
     wf = new_id("wf")
-    ref = (await SecretsClient(bc_api).put(value, tenant_id="acme", workflow_id=wf, step=4)).ref
-    table = bcx(s, "secrets", "list")
-    as_json = bcx(s, "secrets", "list", "--workflow", wf, "--json")
-    shown = bcx(s, "secrets", "show", ref)
+    ref = (await SecretsClient(bc_api).put(value=value, tenant_id="acme", workflow_id=wf, step=4)).ref
+    table = run_bcx(s, "secrets", "list")
+    as_json = run_bcx(s, "secrets", "list", "--workflow", wf, "--json")
+    shown = run_bcx(s, "secrets", "show", ref)
     assert table.returncode == as_json.returncode == shown.returncode == 0
     assert ref in table.stdout
     assert [x["ref"] for x in json.loads(as_json.stdout)["secrets"]] == [ref]
@@ -242,9 +227,9 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
     for output in (table.stdout, as_json.stdout, shown.stdout, table.stderr):
         assert value.decode() not in output
         assert base64.b64encode(value).decode() not in output
-    revealed = bcx(s, "secrets", "show", ref, "--reveal")
+    revealed = run_bcx(s, "secrets", "show", ref, "--reveal")
     assert revealed.stdout.encode() == value
-    revealed_json = json.loads(bcx(s, "secrets", "show", ref, "--reveal", "--json").stdout)
+    revealed_json = json.loads(run_bcx(s, "secrets", "show", ref, "--reveal", "--json").stdout)
     assert base64.b64decode(revealed_json["value"]) == value
 
     for p in procs:
@@ -263,11 +248,11 @@ async def test_bcx_refuses_an_existing_token_file_before_minting_anything(
     taken = tmp_path / "join-token"
     taken.write_text("someone else's\n")
 
-    out = bcx(bc_settings, "tokens", "issue", "--role", "site", "--site", "site-a",
+    out = run_bcx(bc_settings, "tokens", "issue", "--role", "site", "--site", "site-a",
               "--token-file", str(taken), "--json")  # fmt: skip
     # a mint the service refuses leaves no (empty) token file behind either
     bad = tmp_path / "bad-token"
-    wrong = bcx(bc_settings, "tokens", "issue", "--role", "site", "--site", "site-a",
+    wrong = run_bcx(bc_settings, "tokens", "issue", "--role", "site", "--site", "site-a",
                 "--node", new_id("node"), "--token-file", str(bad), "--json")  # fmt: skip
 
     assert out.returncode == 1

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import stat
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from base64 import b64encode
@@ -22,13 +19,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
-from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, run_bcx
 from better_compute.testing.agents import until
 from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, RedfishEmulator
 from better_compute.testing.site_agent import SiteAgentProcess
@@ -66,7 +63,9 @@ class Site:
         self.steps += 1
         creds = json.dumps({"username": self.emulator.username, "password": self.emulator.password})
         ref = (
-            await self.secrets.put(creds.encode(), tenant_id="root", workflow_id=self.wf, step=self.steps)
+            await self.secrets.put(
+                value=creds.encode(), tenant_id="root", workflow_id=self.wf, step=self.steps
+            )
         ).ref
         bmc = {"driver": "redfish", "address": self.proxy.url, "credentialsRef": ref}
         return await self.cq.enqueue(
@@ -84,7 +83,7 @@ class Site:
 
     async def settled(self, command_id: str) -> CommandView:
         async def done() -> CommandView | None:
-            view = await self.cq.get(command_id)
+            view = await self.cq.get(id=command_id)
             return view if view.state in TERMINAL_STATES else None
 
         result: CommandView = await until(done)
@@ -262,14 +261,6 @@ async def test_a_site_agent_killed_mid_command_never_runs_it_twice(site: Site) -
         assert site.emulator.password.encode() not in file.read_bytes(), file
 
 
-def _bcx(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "BC_NATS_URL": settings.nats_url or "", "BC_SUBJECT_ROOT": settings.subject_root}
-    return subprocess.run(
-        [sys.executable, "-m", "better_compute.cli", *args],
-        capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
 async def test_bcx_agents_list_shows_the_site_agents_drivers_cache_and_last_error(
     site: Site, bc_settings: Settings
 ) -> None:
@@ -281,7 +272,7 @@ async def test_bcx_agents_list_shows_the_site_agents_drivers_cache_and_last_erro
     assert failed.state == "failed"
 
     async def listed() -> dict[str, Any] | None:
-        out = await asyncio.to_thread(_bcx, bc_settings, "agents", "list", "--site", SITE, "--json")
+        out = await asyncio.to_thread(run_bcx, bc_settings, "agents", "list", "--site", SITE, "--json")
         assert out.returncode == 0, out.stderr
         [agent] = [a for a in json.loads(out.stdout)["agents"] if a["id"] == site.agent_id]
         status = agent.get("status") or {}
@@ -295,7 +286,7 @@ async def test_bcx_agents_list_shows_the_site_agents_drivers_cache_and_last_erro
     assert status["lastError"].startswith("management.inventory: DRIVER_ERROR")
     assert "not-the-password-456" not in json.dumps(agent)
 
-    table = await asyncio.to_thread(_bcx, bc_settings, "agents", "list", "--site", SITE)
+    table = await asyncio.to_thread(run_bcx, bc_settings, "agents", "list", "--site", SITE)
     assert table.returncode == 0, table.stderr
     header, *rows = table.stdout.splitlines()
     assert all(col in header for col in ("DRIVERS", "CACHE", "LAST ERROR"))

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.agents import until
@@ -137,7 +137,7 @@ async def test_a_real_ipxe_client_boots_its_entry_once_then_local_disk(
     )
 
     async def settled() -> CommandView | None:
-        got = await cq.get(view.id)
+        got = await cq.get(id=view.id)
         return got if got.state in TERMINAL_STATES else None
 
     done: CommandView = await until(settled)

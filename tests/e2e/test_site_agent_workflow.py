@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
-import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,27 +17,18 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients import EngineClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
-from better_compute.pki_client import PkiClient
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, bcx
 from better_compute.testing.agents import until
 from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, RedfishEmulator
 from better_compute.testing.site_agent import SiteAgentProcess
 
 SITE = "lab-wf"
 ISO = b"an ISO image, small\n" * 64
-
-
-async def bcx(settings: Settings, *args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "BC_NATS_URL": settings.nats_url or "", "BC_SUBJECT_ROOT": settings.subject_root}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "better_compute.cli", *args,
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 100)
-    return proc.returncode or 0, out.decode(), err.decode()
 
 
 @dataclass
@@ -112,7 +101,7 @@ async def test_a_bcx_workflow_power_cycles_pxe_boots_and_reads_inventory(
     doc.write_text(json.dumps(profile))
     code, out, err = await bcx(bc_settings, "profiles", "create", str(doc))
     assert code == 0, err
-    node = await bc_api.call("engine", "nodes.create", {"siteId": SITE})
+    node = await EngineClient(bc_api).create_node(site_id=SITE)
     code, out, err = await bcx(
         bc_settings,
         "workflows",
@@ -120,9 +109,10 @@ async def test_a_bcx_workflow_power_cycles_pxe_boots_and_reads_inventory(
         "--profile",
         "redfish-lab",
         "--node",
-        node["id"],
+        node.id,
         "--wait",
         "--json",
+        timeout=100,
     )
     assert code == 0, out + err
     last = json.loads(out.strip().splitlines()[-1])

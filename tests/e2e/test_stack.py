@@ -13,21 +13,9 @@ from pathlib import Path
 import asyncpg
 
 from better_compute.config import Settings
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, run_bcx
 
 SERVICES = ["bc-engine", "bc-command-queue", "bc-pki", "bc-secrets"]
-
-
-def bcx(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "better_compute.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-    )
 
 
 def settings_env(s: Settings) -> dict[str, str]:
@@ -46,14 +34,14 @@ async def test_bcx_status_shows_the_four_services(
     bc_processes.start("bc-engine")  # a second instance of one service
     await bc_processes.wait_ready()
 
-    out = bcx("status", "--json", env=settings_env(bc_settings))
+    out = run_bcx(None, "status", "--json", env=settings_env(bc_settings))
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["services"]
     assert sorted(r["service"] for r in rows) == sorted([*SERVICES, "bc-engine"])
     assert {r["pid"] for r in rows} == {str(p.pid) for p in bc_processes.procs}
     assert all(r["version"] == "0.1.0" and r["uptime"] != "-" for r in rows)
 
-    table = bcx("status", env=settings_env(bc_settings))
+    table = run_bcx(None, "status", env=settings_env(bc_settings))
     assert table.returncode == 0
     lines = table.stdout.splitlines()
     assert lines[0].split()[:3] == ["SERVICE", "INSTANCE", "VERSION"]
@@ -84,7 +72,7 @@ async def test_sigterm_stops_each_service_cleanly_within_5s(
     assert codes == [0, 0, 0, 0], [p.output()[-2000:] for p in procs]
     for p in procs:
         assert '"event": "service_stopped"' in p.output()
-    out = bcx("status", "--json", env=settings_env(bc_settings))
+    out = run_bcx(None, "status", "--json", env=settings_env(bc_settings))
     assert json.loads(out.stdout)["services"] == []
 
 

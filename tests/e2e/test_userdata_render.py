@@ -9,9 +9,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from better_compute.clients import EngineClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.workflows import wait_workflow
@@ -31,32 +32,32 @@ async def stack(bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path:
 
 
 async def render(api: ApiClient, node: str, user_data: dict[str, object], pid: str) -> dict[str, object]:
+    engine_api = EngineClient(api)
     doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "userData": user_data,
            "steps": [{"use": "userdata.render"}]}  # fmt: skip
-    await api.call("engine", "profiles.create", {"document": doc})
-    wf = await api.call("engine", "workflows.start", {"profileId": pid, "nodeId": node})
-    return await wait_workflow(api, wf["id"], timeout=30)
+    await engine_api.create_profile(document=doc)
+    wf = await engine_api.start_workflow(profile_id=pid, node_id=node)
+    return await wait_workflow(api, wf.id, timeout=30)
 
 
 async def test_renders_with_a_fresh_token_and_returns_only_references(
     stack: ServiceProcesses, bc_api: ApiClient
 ) -> None:
-    node = await bc_api.call(
-        "engine", "nodes.create", {"siteId": "lab1", "labels": {"mac": "52:54:00:12:34:56"}}
-    )
-    done = await render(bc_api, node["id"], {"kind": "cloud-init", "tokenTtlSeconds": 900}, "ci")
-    assert done["state"] == "succeeded", done
-    result = done["steps"][0]["result"]
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="lab1", labels={"mac": "52:54:00:12:34:56"})
+    done = await render(bc_api, node.id, {"kind": "cloud-init", "tokenTtlSeconds": 900}, "ci")
+    assert done.state == "succeeded", done
+    result = done.steps[0].result
     assert set(result) == {"userDataRef", "kind", "joinTokenId"}
     assert result["kind"] == "cloud-init"
     assert result["userDataRef"].startswith("sec_")
     assert result["joinTokenId"].startswith("tok_")
 
     # the control plane can read the document; the token in it is fresh, single-use, bound to the mac
-    document = (await SecretsClient(bc_api).get(result["userDataRef"])).decode()
+    document = (await SecretsClient(bc_api).get(ref=result["userDataRef"])).decode()
     assert document.startswith("#cloud-config\n")
     cfg = json.loads(document.split("\n", 1)[1])
-    assert cfg["hostname"] == node["id"].replace("_", "-")
+    assert cfg["hostname"] == node.id.replace("_", "-")
     token = cfg["write_files"][0]["content"]
     assert (
         "curl -fsSL -o /usr/local/bin/bcd 'https://downloads.test.example/bcd/0.1.0/bcd-linux-amd64'"
@@ -67,7 +68,7 @@ async def test_renders_with_a_fresh_token_and_returns_only_references(
     assert info["expect"]["mac"] == "52:54:00:12:34:56"
 
     # nothing that was rendered leaked into the workflow or any service's log
-    view = json.dumps(await bc_api.call("engine", "workflows.get", {"id": done["id"]}))
+    view = msgspec.json.encode(await engine_api.get_workflow(id=done.id)).decode()
     assert token not in view
     for proc in stack.procs:
         out = proc.output()
@@ -76,24 +77,25 @@ async def test_renders_with_a_fresh_token_and_returns_only_references(
 
 
 async def test_named_templates_ignition_and_refusals(stack: ServiceProcesses, bc_api: ApiClient) -> None:
-    node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
-    done = await render(bc_api, node["id"], {"kind": "plain", "template": "plain.txt"}, "plain")
-    doc = (await SecretsClient(bc_api).get(done["steps"][0]["result"]["userDataRef"])).decode()
-    assert doc.startswith(f"node={node['id']} host={node['id'].replace('_', '-')} token=")
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="lab1")
+    done = await render(bc_api, node.id, {"kind": "plain", "template": "plain.txt"}, "plain")
+    doc = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
+    assert doc.startswith(f"node={node.id} host={node.id.replace('_', '-')} token=")
 
-    node2 = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
-    done = await render(bc_api, node2["id"], {"kind": "ignition"}, "ign")
-    doc = (await SecretsClient(bc_api).get(done["steps"][0]["result"]["userDataRef"])).decode()
+    node2 = await engine_api.create_node(site_id="lab1")
+    done = await render(bc_api, node2.id, {"kind": "ignition"}, "ign")
+    doc = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
     assert json.loads(doc)["ignition"]["version"] == "3.4.0"
 
-    node3 = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
-    done = await render(bc_api, node3["id"], {"kind": "talos"}, "talos")
-    assert done["state"] == "failed"
-    assert done["steps"][0]["error"]["code"] == "INVALID_CONFIG"
-    assert done["steps"][0]["error"]["details"]["path"] == "userData.template"
+    node3 = await engine_api.create_node(site_id="lab1")
+    done = await render(bc_api, node3.id, {"kind": "talos"}, "talos")
+    assert done.state == "failed"
+    assert done.steps[0].error["code"] == "INVALID_CONFIG"
+    assert done.steps[0].error["details"]["path"] == "userData.template"
 
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.start", {"profileId": "ci-none"})
+        await engine_api.start_workflow(profile_id="ci-none")
     assert e.value.code is ErrorCode.NOT_FOUND
 
 
@@ -119,10 +121,10 @@ async def test_user_data_settings_come_from_bc_toml(
     for name in ("bc-engine", "bc-pki", "bc-secrets"):
         bc_processes.start(name)
     await bc_processes.wait_ready()
-    node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
-    done = await render(bc_api, node["id"], {"kind": "cloud-init"}, "from-toml")
-    assert done["state"] == "succeeded", done
-    document = (await SecretsClient(bc_api).get(done["steps"][0]["result"]["userDataRef"])).decode()
+    node = await EngineClient(bc_api).create_node(site_id="lab1")
+    done = await render(bc_api, node.id, {"kind": "cloud-init"}, "from-toml")
+    assert done.state == "succeeded", done
+    document = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
     assert "https://mirror.site.example/bcd/bcd-linux-amd64" in document
     assert sha in document
     assert "downloads.test.example" not in document

@@ -9,12 +9,13 @@ import msgspec
 from bc_command_queue.service import CommandQueueService
 from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import PkiClient, attempt_key
-from better_compute.secrets_client import SecretsClient
+from better_compute.core.keys import attempt_key
 from better_compute.service import ApiClient
 from better_compute.testing import refused
 from better_compute.wire.cmdq import EnqueueCommand
@@ -37,8 +38,8 @@ async def test_pki_revokes_a_step_attempts_tokens_and_refuses_late_ones(
         others = [await issue(attempt_key(wf, 0, 12)), await issue(attempt_key(wf, 0, 2))]
         revoked = await pki.revoke_attempt(workflow_id=wf, step=0, attempt=1)
         assert sorted(revoked.revoked) == sorted(first)
-        assert [(await pki.get_join_token(t)).state for t in first] == ["revoked", "revoked"]
-        assert [(await pki.get_join_token(t)).state for t in others] == ["active", "active"]
+        assert [(await pki.get_join_token(join_token_id=t)).state for t in first] == ["revoked", "revoked"]
+        assert [(await pki.get_join_token(join_token_id=t)).state for t in others] == ["active", "active"]
         assert (await pki.revoke_attempt(workflow_id=wf, step=0, attempt=1)).revoked == []
 
         # a late run of attempt 1 (an engine that lost its shard) mints nothing usable
@@ -67,15 +68,15 @@ async def test_secrets_revokes_a_step_attempts_values_and_refuses_late_ones(
         unkeyed = await attempt1.put(b"three")
         attempt12 = secrets.for_step(tenant_id="acme", workflow_id=wf, step=0, attempt=12)
         kept = await attempt12.put(b"four", idempotency_key="userdata")
-        assert (await secrets.describe(named)).idempotency_key == f"{attempt_key(wf, 0, 1)}:userdata"
+        assert (await secrets.describe(ref=named)).idempotency_key == f"{attempt_key(wf, 0, 1)}:userdata"
 
         revoked = await secrets.revoke_attempt(workflow_id=wf, step=0, attempt=1)
         assert sorted(revoked.revoked) == sorted([keyed, named, unkeyed])
         for ref in (keyed, named, unkeyed):
-            err = await refused(secrets.get(ref))
+            err = await refused(secrets.get(ref=ref))
             assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "secret-revoked")
-            assert (await secrets.describe(ref)).revoked_at is not None
-        assert await secrets.get(kept) == b"four"
+            assert (await secrets.describe(ref=ref)).revoked_at is not None
+        assert await secrets.get(ref=kept) == b"four"
 
         err = await refused(attempt1.put(b"late"))
         assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "attempt-superseded")
@@ -106,7 +107,7 @@ async def test_the_command_queue_cancels_an_attempt_on_every_node_and_fences_it(
         reply = await cq.cancel_under(key_prefix=attempt_key(wf, 0, 1), workflow_id=wf, fence=True)
         assert sorted(reply.cancelled) == sorted(c.id for c in first)
         assert reply.running == []  # none was claimed
-        assert (await cq.get(kept.id)).state == "pending"
+        assert (await cq.get(id=kept.id)).state == "pending"
 
         err = await refused(cq.enqueue(command(nodes[1], f"{attempt_key(wf, 0, 1)}:late")))
         assert (err.code, err.reason, err.path) == (ErrorCode.INVALID_STATE, "attempt-superseded", "key")

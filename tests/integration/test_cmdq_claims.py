@@ -20,14 +20,14 @@ import pytest_asyncio
 from bc_command_queue.config import CmdqConfig
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Enrollment
-from better_compute.agent.protocol import payload_digest
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
 from better_compute.wire import unwrap
+from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 
@@ -93,7 +93,7 @@ async def test_a_claim_from_another_journal_settles_the_command_interrupted(node
     # the agent comes back with an empty journal: the wipe may have started, it never runs again
     again = await node.claim(wipe, "journal-b")
     assert (again["proceed"], again["state"], again["reason"]) == (False, "failed", "interrupted")
-    settled = await node.cq.get(wipe.id)
+    settled = await node.cq.get(id=wipe.id)
     assert (settled.state, settled.reason) == ("failed", "interrupted")
     # nor by the first journal, and its late result is not taken
     late = await node.claim(wipe, "journal-a")
@@ -104,7 +104,7 @@ async def test_a_claim_from_another_journal_settles_the_command_interrupted(node
     running = await node.wipe("w2")
     assert (await node.claim(running, "journal-a"))["proceed"] is True
     await node.send("progress", {"commandId": running.id, "message": "erasing"})
-    assert (await node.cq.get(running.id)).state == "running"
+    assert (await node.cq.get(id=running.id)).state == "running"
     unnamed = await node.claim(running, None)
     assert (unnamed["proceed"], unnamed["reason"]) == (False, "interrupted")
 
@@ -120,11 +120,11 @@ async def test_the_same_journal_may_claim_again_and_an_older_claim_changes_nothi
     # a claim signed before the first one, by an earlier journal, arriving late
     stale = await node.claim(wipe, "journal-old", signedAtMs=before)
     assert (stale["proceed"], stale["state"]) == (False, "acked")
-    assert (await node.cq.get(wipe.id)).state == "acked"
+    assert (await node.cq.get(id=wipe.id)).state == "acked"
     assert (await node.claim(wipe, "journal-a"))["proceed"] is True
     # once it runs, the journal has it started and never asks again: a copy of its claim (or a
     # journal restored from an older copy) does not make it run again, and changes nothing
     await node.send("progress", {"commandId": wipe.id})
     late = await node.claim(wipe, "journal-a")
     assert (late["proceed"], late["state"]) == (False, "running")
-    assert (await node.cq.get(wipe.id)).state == "running"
+    assert (await node.cq.get(id=wipe.id)).state == "running"

@@ -21,7 +21,7 @@ from bc_command_queue.config import CmdqConfig
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Agent, Command, Enrollment
 from better_compute.agent.sim import join_agent, sim_handlers
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
@@ -114,7 +114,7 @@ async def wait_state(cq: CommandQueueClient, command_id: str, *states: str) -> C
     """The command once it is in one of ``states`` (bounded by the test timeout)."""
 
     async def in_state() -> CommandView | None:
-        view = await cq.get(command_id)
+        view = await cq.get(id=command_id)
         return view if view.state in states else None
 
     return await until(in_state)
@@ -141,9 +141,9 @@ async def test_every_refusal_of_enqueue_has_its_code_and_path(stack: Stack) -> N
     assert err.path
     err = await refused(stack.api.call("command-queue", "commands.enqueue", b"[1,"))
     assert err.code is ErrorCode.INVALID_INPUT
-    err = await refused(cq.get(new_id("cmd")))
+    err = await refused(cq.get(id=new_id("cmd")))
     assert (err.code, err.path) == (ErrorCode.NOT_FOUND, "id")
-    err = await refused(cq.get("cmd_nope"))
+    err = await refused(cq.get(id="cmd_nope"))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "id")
     err = await refused(stack.api.call("command-queue", "commands.cancel", {}))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "id")
@@ -182,7 +182,7 @@ async def test_find_before_create_by_node_and_key_and_listing(stack: Stack) -> N
     rest = await cq.list_commands(node_id=node, limit=3, before=page.next)
     assert len(rest.commands) == 1
     assert rest.next is None
-    assert (await cq.get(first.id)).payload == {"action": "on"}
+    assert (await cq.get(id=first.id)).payload == {"action": "on"}
 
 
 async def test_an_agent_runs_commands_and_every_state_change_is_an_event(stack: Stack) -> None:
@@ -210,10 +210,12 @@ async def test_an_agent_runs_commands_and_every_state_change_is_an_event(stack: 
     await stack.agent({"power.setPower": power, "node.wipe": wipe, "media.eject": media})
     ok = await cq.enqueue(stack.command())
     assert ok.state == "dispatched"
-    done = await cq.wait(ok.id, timeout=20)
+    done = await cq.wait(id=ok.id, timeout=20)
     assert (done.state, done.result, done.attested) == ("succeeded", b"\x00raw-bytes\xff", False)
     assert done.progress == "halfway"
-    failed = await cq.wait((await cq.enqueue(stack.command(kind="media.eject", payload={}))).id, timeout=20)
+    failed = await cq.wait(
+        id=(await cq.enqueue(stack.command(kind="media.eject", payload={}))).id, timeout=20
+    )
     assert (failed.state, failed.reason) == ("rejected", "no virtual media on this BMC")
     await sub.unsubscribe()
     seen = [e.state for e in events if e.id == ok.id]
@@ -230,7 +232,7 @@ async def test_a_failing_handler_fails_the_command_with_its_reason(stack: Stack)
     view = await stack.cq.enqueue(
         stack.command(node_id=node, kind="node.wipe", payload={}, target="node", key="wipe")
     )
-    done = await stack.cq.wait(view.id, timeout=20)
+    done = await stack.cq.wait(id=view.id, timeout=20)
     assert (done.state, done.reason) == ("failed", "RuntimeError: disk on fire")
 
 
@@ -238,7 +240,7 @@ async def test_pending_without_an_agent_expires_and_cancel_is_by_id_or_key_prefi
     cq = stack.cq
     lonely = await cq.enqueue(stack.command(site_id="site-nobody", timeout_ms=1_000))
     assert lonely.state == "pending"
-    expired = await cq.wait(lonely.id, timeout=20)
+    expired = await cq.wait(id=lonely.id, timeout=20)
     assert (expired.state, expired.reason) == ("expired", "not-dispatched")
 
     node, wf = new_id("node"), new_id("wf")
@@ -246,9 +248,9 @@ async def test_pending_without_an_agent_expires_and_cancel_is_by_id_or_key_prefi
     views = {k: await cq.enqueue(stack.command(site_id="site-nobody", node_id=node, key=k)) for k in keys}
     cancelled = await cq.cancel(node_id=node, key_prefix=f"wf:{wf}:2#1", reason="attempt 2 starts")
     assert sorted(cancelled) == sorted([views[keys[0]].id, views[keys[1]].id])
-    got = await cq.get(views[keys[1]].id)
+    got = await cq.get(id=views[keys[1]].id)
     assert (got.state, got.reason) == ("cancelled", "attempt 2 starts")
-    assert (await cq.get(views[keys[2]].id)).state == "pending"
+    assert (await cq.get(id=views[keys[2]].id)).state == "pending"
     assert await cq.cancel(id=views[keys[2]].id) == [views[keys[2]].id]
     assert await cq.cancel(id=views[keys[2]].id) == []  # settled: nothing left to cancel
     err = await refused(cq.cancel(id=new_id("cmd")))
@@ -272,14 +274,14 @@ async def test_a_command_cancelled_while_waiting_in_the_stream_is_never_run(stac
     assert queued.state == "dispatched"  # in the agent's stream, not pulled yet
     assert await stack.cq.cancel(id=queued.id) == [queued.id]
     release.set()
-    await stack.cq.wait(busy.id, timeout=20)
+    await stack.cq.wait(id=busy.id, timeout=20)
     assert agent.journal is not None
     journal = agent.journal
     # pulled, claimed, refused
     entry = await until(lambda: (e := journal.get(queued.id)) is not None and e.state == "refused" and e)
     assert entry.reason == "cancelled"
     assert ran == [busy.id]
-    assert (await stack.cq.get(queued.id)).state == "cancelled"
+    assert (await stack.cq.get(id=queued.id)).state == "cancelled"
 
 
 async def test_site_agent_for_prefers_the_boot_lease_holder(stack: Stack) -> None:
@@ -318,9 +320,9 @@ async def test_a_node_signed_result_is_attested_and_a_site_agents_is_not(stack: 
     wipe = await stack.cq.enqueue(
         stack.command(node_id=node, kind="node.wipe", payload={"mode": "quick"}, target="node", key="w")
     )
-    done = await stack.cq.wait(wipe.id, timeout=20)
+    done = await stack.cq.wait(id=wipe.id, timeout=20)
     assert (done.state, done.attested, done.agent_id) == ("succeeded", True, node)
-    power = await stack.cq.wait((await stack.cq.enqueue(stack.command(node_id=node))).id, timeout=20)
+    power = await stack.cq.wait(id=(await stack.cq.enqueue(stack.command(node_id=node))).id, timeout=20)
     assert (power.state, power.attested) == ("succeeded", False)
 
 
@@ -397,7 +399,7 @@ async def test_await_command_waits_then_returns_or_fails_as_the_reference_says(s
     assert pending.workflow_id == ctx.workflow_id
     agent = await stack.agent(site_id="site-c")
     assert await site_agent_for(ctx, ctx.node.id) == agent.agent_id
-    await stack.cq.wait(pending.id, timeout=20)
+    await stack.cq.wait(id=pending.id, timeout=20)
     done = await await_command(
         ctx, node_id=ctx.node.id, kind="power.setPower", payload={"action": "cycle"}, key="pc"
     )
@@ -444,7 +446,7 @@ async def test_finished_commands_older_than_the_retention_are_purged(stack: Stac
     )
     assert await stack.svc.purge() == 1
     with pytest.raises(BcError) as e:
-        await stack.cq.get(old_done.id)
+        await stack.cq.get(id=old_done.id)
     assert e.value.code is ErrorCode.NOT_FOUND
-    assert (await stack.cq.get(old_live.id)).state == "pending"  # never purged while live
-    assert (await stack.cq.get(recent_done.id)).state == "cancelled"
+    assert (await stack.cq.get(id=old_live.id)).state == "pending"  # never purged while live
+    assert (await stack.cq.get(id=recent_done.id)).state == "cancelled"

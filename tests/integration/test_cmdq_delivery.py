@@ -17,25 +17,18 @@ import msgspec
 from bc_command_queue.config import CmdqConfig
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Agent, Enrollment
-from better_compute.agent.protocol import (
-    Ack,
-    CommandDelivery,
-    Heartbeat,
-    Hello,
-    Result,
-    payload_digest,
-    sign_event,
-)
 from better_compute.agent.sim import join_agent, sim_handlers
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
+from better_compute.crypto import sign_event
 from better_compute.runtime.embedded import EmbeddedNats, nats_server_binary, spawn_detached, wait_port
 from better_compute.service import ApiClient, connect
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.agents import until
 from better_compute.wire import Subjects, unwrap
+from better_compute.wire.agent import Ack, CommandDelivery, Heartbeat, Hello, Result, payload_digest
 from better_compute.wire.cmdq import EnqueueCommand
 
 T = TypeVar("T")
@@ -113,7 +106,7 @@ async def test_a_duplicate_delivery_is_never_run_twice_even_after_a_restart(
             view = await cq.enqueue(
                 EnqueueCommand(node_id=node, site_id="site-d", kind="node.inventory", key="i", target="node")
             )
-            await cq.wait(view.id, timeout=20)
+            await cq.wait(id=view.id, timeout=20)
             # the same delivery again (a republication after the duplicate window)
             copy = msgspec.json.encode(
                 {"id": view.id, "kind": "node.inventory", "payload": {}, "nodeId": node, "siteId": "site-d",
@@ -123,14 +116,14 @@ async def test_a_duplicate_delivery_is_never_run_twice_even_after_a_restart(
             marker = await cq.enqueue(
                 EnqueueCommand(node_id=node, site_id="site-d", kind="node.inventory", key="j", target="node")
             )
-            await cq.wait(marker.id, timeout=20)
+            await cq.wait(id=marker.id, timeout=20)
         # a new process of the same agent, same journal, and the copy once more
         await js.publish(subject, copy)
         async with running(make_agent(enrollment, tmp_path, bc_api)):
             last = await cq.enqueue(
                 EnqueueCommand(node_id=node, site_id="site-d", kind="node.inventory", key="k", target="node")
             )
-            await cq.wait(last.id, timeout=20)
+            await cq.wait(id=last.id, timeout=20)
         assert executions(tmp_path / "exec.log") == [
             f"{view.id} node.inventory",
             f"{marker.id} node.inventory",
@@ -170,7 +163,7 @@ async def test_delivery_survives_a_nats_server_restart_that_lost_the_streams(
                         key="a",
                     )
                 )
-                await cq.wait(before.id, timeout=20)
+                await cq.wait(id=before.id, timeout=20)
                 # the node's bcd is away: its command waits in the stream…
                 waiting = await cq.enqueue(
                     EnqueueCommand(
@@ -193,9 +186,9 @@ async def test_delivery_survives_a_nats_server_restart_that_lost_the_streams(
                         )
                     )
                 )
-                assert (await cq.wait(after.id, timeout=60)).state == "succeeded"
+                assert (await cq.wait(id=after.id, timeout=60)).state == "succeeded"
                 async with running(make_agent(bcd, tmp_path, api, own_connection=url)):
-                    assert (await cq.wait(waiting.id, timeout=60)).state == "succeeded"
+                    assert (await cq.wait(id=waiting.id, timeout=60)).state == "succeeded"
             assert executions(site_dir / "exec.log") == [
                 f"{before.id} power.setPower",
                 f"{after.id} power.setPower",
@@ -243,7 +236,7 @@ async def test_a_lost_agents_unfinished_command_fails_with_a_reason(
             "ack", Ack(**base(), command_id=view.id, digest=payload_digest("node.inventory", b"{}"))
         )
         assert claim["proceed"] is True
-        done = await cq.wait(view.id, timeout=20)
+        done = await cq.wait(id=view.id, timeout=20)
         assert (done.state, done.reason) == ("failed", "agent-lost")
         # its result, should it ever come, changes nothing
         late = await send("result", Result(**base(), command_id=view.id, status="succeeded", result=b"{}"))
@@ -311,7 +304,7 @@ async def test_a_command_refused_as_not_yours_still_runs_when_it_is_dispatched_t
             await asyncio.wait_for(until(handled), 10)
             # the other agent leaves: the command comes to ours, which runs it
             await send("heartbeat", Heartbeat(**base(), leaving=True))
-            done = await cq.wait(view.id, timeout=15)
+            done = await cq.wait(id=view.id, timeout=15)
             assert (done.state, done.agent_id) == ("succeeded", enrollment.agent_id)
             assert executions(tmp_path / "exec.log") == [f"{view.id} power.setPower"]
         svc.request_stop()

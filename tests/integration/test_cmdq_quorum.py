@@ -22,13 +22,14 @@ from bc_command_queue.config import CmdqConfig, load_quorum
 from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Agent
 from better_compute.agent.sim import join_agent, sim_handlers
-from better_compute.cmdq_client import BatchView, CommandQueueClient, sign_batch
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
+from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, refused
-from better_compute.wire.cmdq import EnqueueCommand
+from better_compute.wire.cmdq import BatchView, EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
 
@@ -66,7 +67,7 @@ class Quorum:
 
     async def approve(self, batch: BatchView, name: str) -> BatchView:
         return await self.cq.approve_batch(
-            batch.id, approver_id=name, signature=sign_batch(batch, self.keys[name])
+            batch_id=batch.id, approver_id=name, signature=sign_batch(batch, self.keys[name])
         )
 
 
@@ -119,7 +120,7 @@ async def test_destructive_commands_need_a_batch_in_scope(quorum: Quorum) -> Non
     # not destructive: no batch needed, and a batch id given anyway is not kept
     inventory = await cq.enqueue(quorum.wipe(kind="node.inventory", batch_id=batch.id))
     assert inventory.batch_id is None
-    assert (await cq.wait(inventory.id, timeout=20)).state == "succeeded"
+    assert (await cq.wait(id=inventory.id, timeout=20)).state == "succeeded"
     # creating batches checks kinds and nodes
     err = await refused(cq.create_batch(kinds=["node.wipe", "acme.nope"], nodes=[quorum.node]))
     assert (err.code, err.path) == (ErrorCode.INVALID_CONFIG, "kinds[1]")
@@ -136,15 +137,15 @@ async def test_a_destructive_command_goes_out_only_once_m_approvers_signed(quoru
     once = await quorum.approve(batch, "alice")
     assert once.state == "open"
     assert [a.approver_id for a in once.approvals] == ["alice"]
-    assert (await cq.get(wipe.id)).state == "pending"
+    assert (await cq.get(id=wipe.id)).state == "pending"
     twice = await quorum.approve(batch, "carol")
     assert twice.state == "approved"
-    done = await cq.wait(wipe.id, timeout=20)
+    done = await cq.wait(id=wipe.id, timeout=20)
     assert (done.state, done.attested) == ("succeeded", True)
     # later commands of an approved batch go out at once
     later = await cq.enqueue(quorum.wipe(batch_id=batch.id))
     assert later.state == "dispatched"
-    assert (await cq.get_batch(batch.id)).state == "approved"
+    assert (await cq.get_batch(id=batch.id)).state == "approved"
     assert [b.id for b in await cq.list_batches(state="approved")] == [batch.id]
 
 
@@ -153,7 +154,7 @@ async def test_without_m_approvals_the_command_expires(quorum: Quorum) -> None:
     batch = await cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node])
     await quorum.approve(batch, "bob")
     wipe = await cq.enqueue(quorum.wipe(batch_id=batch.id, timeout_ms=1_000))
-    done = await cq.wait(wipe.id, timeout=20)
+    done = await cq.wait(id=wipe.id, timeout=20)
     assert (done.state, done.reason) == ("expired", "quorum-not-reached")
     assert quorum.agent.journal is not None
     assert quorum.agent.journal.get(wipe.id) is None  # never delivered

@@ -12,9 +12,11 @@ import pytest
 import pytest_asyncio
 
 from bc_engine.service import EngineService
+from better_compute.clients import EngineClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import ApiClient
+from better_compute.wire.engine import NodeDeleted
 from engine_test_app import TABLES
 
 
@@ -36,24 +38,25 @@ async def engine(bc_settings: Settings) -> AsyncIterator[EngineService]:
 async def test_steps_list_shows_steps_and_driver_operations_with_their_inputs(
     engine: EngineService, bc_api: ApiClient
 ) -> None:
-    got = await bc_api.call("engine", "steps.list", {})
-    steps = {s["id"]: s for s in got["steps"]}
-    assert steps["test.waitFlag"]["runsOn"] == "control-plane"
-    assert {"flag", "pollMs"} <= set(steps["test.waitFlag"]["input"]["properties"])
-    assert steps["userdata.render"]["runsOn"] == "control-plane"
-    ops = {o["name"]: o for o in got["driverOperations"]}
-    assert set(ops["power.setPower"]["input"]["properties"]["action"]["enum"]) >= {"on", "off", "cycle"}
+    got = await EngineClient(bc_api).list_steps()
+    steps = {s.id: s for s in got.steps}
+    assert steps["test.waitFlag"].runs_on == "control-plane"
+    assert {"flag", "pollMs"} <= set(steps["test.waitFlag"].input["properties"])
+    assert steps["userdata.render"].runs_on == "control-plane"
+    ops = {o.name: o for o in got.driver_operations}
+    assert set(ops["power.setPower"].input["properties"]["action"]["enum"]) >= {"on", "off", "cycle"}
     assert "media.eject" in ops
 
 
 async def test_nodes_update_label_and_delete(engine: EngineService, bc_api: ApiClient) -> None:
-    node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1", "labels": {"rack": "4"}})
-    nid = node["id"]
-    got = await bc_api.call("engine", "nodes.update", {"id": nid, "siteId": "lab2", "labels": {"row": "b"}})
-    assert (got["siteId"], got["labels"]) == ("lab2", {"row": "b"})
-    got = await bc_api.call("engine", "nodes.label", {"id": nid, "set": {"gpu": "h100"}, "remove": ["row"]})
-    assert got["labels"] == {"gpu": "h100"}
-    assert (await bc_api.call("engine", "nodes.get", {"id": nid}))["labels"] == {"gpu": "h100"}
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="lab1", labels={"rack": "4"})
+    nid = node.id
+    got = await engine_api.update_node(id=nid, site_id="lab2", labels={"row": "b"})
+    assert (got.site_id, got.labels) == ("lab2", {"row": "b"})
+    got = await engine_api.label_node(id=nid, set={"gpu": "h100"}, remove=["row"])
+    assert got.labels == {"gpu": "h100"}
+    assert (await engine_api.get_node(id=nid)).labels == {"gpu": "h100"}
     # the bounds of create
     for request, path in (
         ({"id": nid, "siteId": "lab 1!"}, "siteId"),
@@ -64,10 +67,10 @@ async def test_nodes_update_label_and_delete(engine: EngineService, bc_api: ApiC
             await bc_api.call("engine", "nodes.update", request)
         assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, path)
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "nodes.label", {"id": nid, "set": {f"k{i}": "v" for i in range(64)}})
+        await engine_api.label_node(id=nid, set={f"k{i}": "v" for i in range(64)})
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "labels")
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "nodes.update", {"id": "node_01ARZ3NDEKTSV4RRFFQ69G5FAV", "siteId": "x"})
+        await engine_api.update_node(id="node_01ARZ3NDEKTSV4RRFFQ69G5FAV", site_id="x")
     assert e.value.code is ErrorCode.NOT_FOUND
     for route in ("nodes.update", "nodes.label", "nodes.delete"):
         with pytest.raises(BcError) as e:
@@ -75,22 +78,21 @@ async def test_nodes_update_label_and_delete(engine: EngineService, bc_api: ApiC
         assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "id")
 
     # a node with a running workflow is not deleted; with only finished ones it is
-    await bc_api.call(
-        "engine", "profiles.create",
-        {"document": {"id": "hold", "version": 1, "target": "metal", "role": "host",
-                      "steps": [{"use": "test.waitFlag", "with": {"flag": "never", "pollMs": 60000}}]}},
-    )  # fmt: skip
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "hold", "nodeId": nid})
+    hold = [{"use": "test.waitFlag", "with": {"flag": "never", "pollMs": 60000}}]
+    await engine_api.create_profile(
+        document={"id": "hold", "version": 1, "target": "metal", "role": "host", "steps": hold}
+    )
+    wf = await engine_api.start_workflow(profile_id="hold", node_id=nid)
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "nodes.delete", {"id": nid})
+        await engine_api.delete_node(id=nid)
     assert (e.value.code, e.value.details.get("reason")) == (ErrorCode.INVALID_STATE, "node-busy")
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "nodes.update", {"id": nid, "siteId": "lab3"})
+        await engine_api.update_node(id=nid, site_id="lab3")
     assert (e.value.code, e.value.details.get("reason")) == (ErrorCode.INVALID_STATE, "node-busy")
-    await bc_api.call("engine", "workflows.abort", {"id": wf["id"]})
-    assert await bc_api.call("engine", "nodes.delete", {"id": nid}) == {"deleted": nid}
+    await engine_api.abort_workflow(id=wf.id)
+    assert await engine_api.delete_node(id=nid) == NodeDeleted(deleted=nid)
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "nodes.get", {"id": nid})
+        await engine_api.get_node(id=nid)
     assert e.value.code is ErrorCode.NOT_FOUND
     # the finished workflow is kept
-    assert (await bc_api.call("engine", "workflows.get", {"id": wf["id"]}))["state"] == "aborted"
+    assert (await engine_api.get_workflow(id=wf.id)).state == "aborted"

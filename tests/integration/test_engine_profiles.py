@@ -11,10 +11,12 @@ import pytest
 import pytest_asyncio
 
 from bc_engine.service import EngineService
+from better_compute.clients import EngineClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import ApiClient
 from better_compute.testing.workflows import wait_workflow
+from better_compute.wire.engine import ProfileView, WorkflowProfile
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -31,28 +33,29 @@ def doc(pid: str, version: int, steps: list[dict[str, Any]], **extra: Any) -> di
     return {"id": pid, "version": version, "target": "metal", "role": "host", "steps": steps, **extra}
 
 
-async def create(api: ApiClient, tenant: str, document: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    return await api.call("engine", "profiles.create", {"tenantId": tenant, "document": document, **kw})
+async def create(api: ApiClient, tenant: str, document: dict[str, Any], **kw: Any) -> ProfileView:
+    return await EngineClient(api).create_profile(tenant_id=tenant, document=document, **kw)
 
 
-async def get(api: ApiClient, tenant: str, pid: str, version: int | None = None) -> dict[str, Any]:
-    return await api.call("engine", "profiles.get", {"tenantId": tenant, "id": pid, "version": version})
+async def get(api: ApiClient, tenant: str, pid: str, version: int | None = None) -> ProfileView:
+    return await EngineClient(api).get_profile(tenant_id=tenant, id=pid, version=version)
 
 
 async def test_lookup_prefers_own_then_public_then_shipped(engine: EngineService, bc_api: ApiClient) -> None:
+    engine_api = EngineClient(bc_api)
     one = [{"use": "test.noop"}]
     two = [{"use": "test.noop"}, {"use": "test.noop"}]
     # shipped only
     got = await get(bc_api, "acme", "test-chain")
-    assert (got["tenantId"], got["shipped"], got["immutable"]) == ("builtin", True, True)
+    assert (got.tenant_id, got.shipped, got.immutable) == ("builtin", True, True)
     # a public stored one beats the shipped one for every tenant
     await create(bc_api, "globex", doc("test-chain", 1, one), public=True)
-    assert (await get(bc_api, "acme", "test-chain"))["tenantId"] == "globex"
+    assert (await get(bc_api, "acme", "test-chain")).tenant_id == "globex"
     # the tenant's own beats both
     await create(bc_api, "acme", doc("test-chain", 1, two))
     got = await get(bc_api, "acme", "test-chain")
-    assert (got["tenantId"], len(got["document"]["steps"])) == ("acme", 2)
-    assert (await get(bc_api, "initech", "test-chain"))["tenantId"] == "globex"
+    assert (got.tenant_id, len(got.document["steps"])) == ("acme", 2)
+    assert (await get(bc_api, "initech", "test-chain")).tenant_id == "globex"
     # a private profile of another tenant is invisible
     await create(bc_api, "globex", doc("private-one", 1, one))
     with pytest.raises(BcError) as e:
@@ -61,40 +64,41 @@ async def test_lookup_prefers_own_then_public_then_shipped(engine: EngineService
     # no version: the latest of the first place that has the id
     await create(bc_api, "acme", doc("mine", 1, one))
     await create(bc_api, "acme", doc("mine", 3, two))
-    assert (await get(bc_api, "acme", "mine"))["version"] == 3
-    assert (await get(bc_api, "acme", "mine", 1))["version"] == 1
-    listed = await bc_api.call("engine", "profiles.list", {"tenantId": "acme"})
-    rows = {(p["tenantId"], p["id"], p["version"]) for p in listed["profiles"]}
+    assert (await get(bc_api, "acme", "mine")).version == 3
+    assert (await get(bc_api, "acme", "mine", 1)).version == 1
+    listed = await engine_api.list_profiles(tenant_id="acme")
+    rows = {(p.tenant_id, p.id, p.version) for p in listed.profiles}
     assert {("acme", "mine", 1), ("acme", "mine", 3), ("globex", "test-chain", 1),
             ("builtin", "test-chain", 1)} <= rows  # fmt: skip
     assert ("globex", "private-one", 1) not in rows
     # a workflow started by a tenant runs the profile its lookup found
-    wf = await bc_api.call("engine", "workflows.start", {"tenantId": "acme", "profileId": "test-chain"})
-    assert wf["profile"] == {"tenantId": "acme", "id": "test-chain", "version": 1}
-    assert len(wf["steps"]) == 2
+    wf = await engine_api.start_workflow(tenant_id="acme", profile_id="test-chain")
+    assert wf.profile == WorkflowProfile(tenant_id="acme", id="test-chain", version=1)
+    assert len(wf.steps) == 2
 
 
 async def test_a_used_version_is_immutable(engine: EngineService, bc_api: ApiClient) -> None:
+    engine_api = EngineClient(bc_api)
     await create(bc_api, "acme", doc("p", 1, [{"use": "test.noop"}]))
     # before any workflow used it, a version may be replaced (but not silently)
     with pytest.raises(BcError) as e:
         await create(bc_api, "acme", doc("p", 1, [{"use": "test.noop"}] * 2))
     assert (e.value.code, e.value.path) == (ErrorCode.CONFLICT, "document.version")
     await create(bc_api, "acme", doc("p", 1, [{"use": "test.noop"}] * 2), replace=True)
-    wf = await bc_api.call("engine", "workflows.start", {"tenantId": "acme", "profileId": "p"})
-    await wait_workflow(bc_api, wf["id"])
+    wf = await engine_api.start_workflow(tenant_id="acme", profile_id="p")
+    await wait_workflow(bc_api, wf.id)
     got = await get(bc_api, "acme", "p", 1)
-    assert got["immutable"] is True
-    assert got["firstUsedAt"] is not None
+    assert got.immutable is True
+    assert got.first_used_at is not None
     with pytest.raises(BcError) as e:
         await create(bc_api, "acme", doc("p", 1, [{"use": "test.noop"}]), replace=True)
     assert (e.value.code, e.value.reason) == (ErrorCode.INVALID_STATE, "profile-in-use")
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "profiles.delete", {"tenantId": "acme", "id": "p", "version": 1})
+        await engine_api.delete_profile(tenant_id="acme", id="p", version=1)
     assert (e.value.code, e.value.reason) == (ErrorCode.INVALID_STATE, "profile-in-use")
     # the next version is free to change, and an unused version can be deleted
     await create(bc_api, "acme", doc("p", 2, [{"use": "test.noop"}]))
-    assert await bc_api.call("engine", "profiles.delete", {"tenantId": "acme", "id": "p", "version": 2})
+    assert await engine_api.delete_profile(tenant_id="acme", id="p", version=2)
     with pytest.raises(BcError) as e:
         await get(bc_api, "acme", "p", 2)
     assert e.value.code is ErrorCode.NOT_FOUND
@@ -105,6 +109,7 @@ async def test_a_used_version_is_immutable(engine: EngineService, bc_api: ApiCli
 
 
 async def test_validate_reports_every_problem_with_its_path(engine: EngineService, bc_api: ApiClient) -> None:
+    engine_api = EngineClient(bc_api)
     document = doc(
         "bad",
         1,
@@ -117,9 +122,9 @@ async def test_validate_reports_every_problem_with_its_path(engine: EngineServic
             {"use": "test.waitFlag", "with": {"flag": "x", "colour": "red"}},
         ],
     )
-    got = await bc_api.call("engine", "profiles.validate", {"document": document})
-    assert got["valid"] is False
-    assert [(p["path"], p["code"]) for p in got["problems"]] == [
+    got = await engine_api.validate_profile(document=document)
+    assert got.valid is False
+    assert [(p.path, p.code) for p in got.problems] == [
         ("steps[1].use", "INVALID_INPUT"),
         ("steps[2].with.pollMs", "INVALID_INPUT"),
         ("steps[3].on", "INVALID_INPUT"),
@@ -127,27 +132,24 @@ async def test_validate_reports_every_problem_with_its_path(engine: EngineServic
         ("steps[5].with.colour", "INVALID_INPUT"),
     ]
     # a stored profile validates the same way, and a shape error is reported with its path
-    shape = await bc_api.call(
-        "engine", "profiles.validate", {"document": doc("bad", 1, [{"use": "test.noop", "wiht": {}}])}
-    )
-    assert shape["valid"] is False
-    assert shape["problems"][0]["path"].startswith("document.steps[0]")
+    shape = await engine_api.validate_profile(document=doc("bad", 1, [{"use": "test.noop", "wiht": {}}]))
+    assert shape.valid is False
+    assert shape.problems[0].path.startswith("document.steps[0]")
     with pytest.raises(BcError) as e:
-        await bc_api.call(
-            "engine", "profiles.create", {"document": doc("bad", 1, [{"use": "test.noop", "wiht": {}}])}
-        )
+        await engine_api.create_profile(document=doc("bad", 1, [{"use": "test.noop", "wiht": {}}]))
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_CONFIG, "document.steps[0].wiht")
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "profiles.render", {"document": document})
+        await engine_api.render_profile(document=document)
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "steps[1].use")
     assert len(e.value.details["problems"]) == 5
-    ok = await bc_api.call("engine", "profiles.validate", {"id": "test-chain"})
-    assert (ok["valid"], ok["problems"]) == (True, [])
+    ok = await engine_api.validate_profile(id="test-chain")
+    assert (ok.valid, ok.problems) == (True, [])
 
 
 async def test_render_expands_registered_steps_driver_operations_and_fallbacks(
     engine: EngineService, bc_api: ApiClient
 ) -> None:
+    engine_api = EngineClient(bc_api)
     document = doc(
         "r",
         1,
@@ -157,18 +159,18 @@ async def test_render_expands_registered_steps_driver_operations_and_fallbacks(
             {"use": "acme.missing", "fallback": {"use": "test.noop"}},
         ],
     )
-    got = await bc_api.call("engine", "profiles.render", {"document": document})
-    steps = got["steps"]
-    assert steps[0]["with"] == {"flag": "f", "pollMs": 200}
-    assert (steps[0]["mode"], steps[0]["via"], steps[0]["timeoutMs"]) == ("control-plane", "step", 3_600_000)
-    assert (steps[1]["mode"], steps[1]["command"], steps[1]["runsOn"]) == ("driver", "driver.invoke", "site")
-    assert steps[1]["with"] == {"operation": "power.setPower", "input": {"action": "cycle"}}
-    assert (steps[2]["action"], steps[2]["via"]) == ("test.noop", "fallback-step")
-    assert got["commandKinds"] == ["driver.invoke"]
+    got = await engine_api.render_profile(document=document)
+    steps = got.steps
+    assert steps[0].input == {"flag": "f", "pollMs": 200}
+    assert (steps[0].mode, steps[0].via, steps[0].timeout_ms) == ("control-plane", "step", 3_600_000)
+    assert (steps[1].mode, steps[1].command, steps[1].runs_on) == ("driver", "driver.invoke", "site")
+    assert steps[1].input == {"operation": "power.setPower", "input": {"action": "cycle"}}
+    assert (steps[2].action, steps[2].via) == ("test.noop", "fallback-step")
+    assert got.command_kinds == ["driver.invoke"]
     # a workflow without a node cannot hold agent steps
     await create(bc_api, "root", document)
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.start", {"profileId": "r"})
+        await engine_api.start_workflow(profile_id="r")
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "steps[1].on")
 
 
@@ -177,10 +179,10 @@ async def test_the_512_step_cap(engine: EngineService, bc_api: ApiClient) -> Non
         await create(bc_api, "root", doc("big", 1, [{"use": "test.noop"}] * 513))
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_CONFIG, "document.steps")
     await create(bc_api, "root", doc("big", 1, [{"use": "test.noop"}] * 512))
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "big"})
-    done = await wait_workflow(bc_api, wf["id"], timeout=60)
-    assert done["state"] == "succeeded"
-    assert len(done["steps"]) == 512
+    wf = await EngineClient(bc_api).start_workflow(profile_id="big")
+    done = await wait_workflow(bc_api, wf.id, timeout=60)
+    assert done.state == "succeeded"
+    assert len(done.steps) == 512
 
 
 async def test_driver_operations_are_a_registry_validated_like_steps(
@@ -199,16 +201,16 @@ async def test_driver_operations_are_a_registry_validated_like_steps(
             {"use": "media.eject", "on": "site"},
         ],
     )
-    got = await bc_api.call("engine", "profiles.validate", {"document": document})
-    assert got["valid"] is False
-    assert [p["path"] for p in got["problems"]] == [
+    got = await EngineClient(bc_api).validate_profile(document=document)
+    assert got.valid is False
+    assert [p.path for p in got.problems] == [
         "steps[0].use",
         "steps[1].with.action",
         "steps[2].with.action",
         "steps[3].use",
     ]
-    assert "did you mean power.setPower" in got["problems"][0]["message"]
-    assert "did you mean test.noop" in got["problems"][3]["message"]
+    assert "did you mean power.setPower" in got.problems[0].message
+    assert "did you mean test.noop" in got.problems[3].message
     with pytest.raises(BcError) as e:
         await create(bc_api, "acme", document)
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "steps[0].use")

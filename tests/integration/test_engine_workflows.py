@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,12 +13,21 @@ import pytest_asyncio
 from nats.aio.client import Client as Nats
 
 from bc_engine.service import EngineService
+from better_compute.clients import EngineClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import ApiClient
 from better_compute.testing import until
 from better_compute.testing.workflows import wait_workflow
 from better_compute.wire import Subjects
+from better_compute.wire.engine import (
+    ProfileView,
+    StepChanged,
+    WorkflowEvent,
+    WorkflowFinished,
+    WorkflowProfile,
+    decode_workflow_event,
+)
 from engine_test_app import TABLES
 
 
@@ -41,16 +49,16 @@ async def engine(bc_settings: Settings, db: asyncpg.Connection) -> AsyncIterator
         await asyncio.wait_for(run, 10)
 
 
-async def create_profile(api: ApiClient, steps: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+async def create_profile(api: ApiClient, steps: list[dict[str, Any]], **kw: Any) -> ProfileView:
     doc = {"id": kw.pop("id", "t-profile"), "version": kw.pop("version", 1), "target": "metal",
            "role": "host", "steps": steps}  # fmt: skip
-    return await api.call("engine", "profiles.create", {"document": doc, **kw})
+    return await EngineClient(api).create_profile(document=doc, **kw)
 
 
 async def wait_step_running(api: ApiClient, workflow_id: str, idx: int) -> None:
     async def running() -> bool:
-        view = await api.call("engine", "workflows.get", {"id": workflow_id})
-        return bool(view["steps"][idx]["state"] == "running")
+        view = await EngineClient(api).get_workflow(id=workflow_id)
+        return bool(view.steps[idx].state == "running")
 
     await until(running, timeout=4, interval=0.02, what=f"step {idx} running")
 
@@ -62,40 +70,45 @@ async def flag(db: asyncpg.Connection, name: str) -> None:
 async def test_a_chain_runs_in_order_and_publishes_each_change(
     engine: EngineService, bc_api: ApiClient, bc_nats: Nats, bc_subjects: Subjects
 ) -> None:
-    events: list[dict[str, Any]] = []
+    events: list[WorkflowEvent] = []
 
     async def collect(msg: Any) -> None:
-        events.append(json.loads(msg.data))
+        event = decode_workflow_event(msg.data)
+        assert event is not None, msg.data
+        events.append(event)
 
     sub = await bc_nats.subscribe(bc_subjects.events_all("workflow"), cb=collect)
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "owner": "test-owner"})
-    assert wf["profile"] == {"tenantId": "builtin", "id": "test-chain", "version": 1}
-    done = await wait_workflow(bc_api, wf["id"])
-    assert done["state"] == "succeeded"
-    assert [(s["index"], s["state"], s["attempt"]) for s in done["steps"]] == [
-        (i, "succeeded", 1) for i in range(6)
-    ]
-    starts = [s["startedAt"] for s in done["steps"]]
+    wf = await EngineClient(bc_api).start_workflow(profile_id="test-chain", owner="test-owner")
+    assert wf.profile == WorkflowProfile(tenant_id="builtin", id="test-chain", version=1)
+    done = await wait_workflow(bc_api, wf.id)
+    assert done.state == "succeeded"
+    assert [(s.index, s.state, s.attempt) for s in done.steps] == [(i, "succeeded", 1) for i in range(6)]
+    starts = [s.started_at for s in done.steps]
     assert starts == sorted(starts)
-    assert all(s["result"] == {"ok": True} for s in done["steps"])
+    assert all(s.result == {"ok": True} for s in done.steps)
 
     def all_heard() -> bool:
-        steps = [e for e in events if "step" in e]
-        return len(steps) >= 12 and any(e.get("workflowState") == "succeeded" for e in events)
+        return any(isinstance(e, WorkflowFinished) for e in events)
 
     await until(all_heard, timeout=5, what="every step's and the workflow's event")
     await sub.unsubscribe()
-    seen = [(e["step"]["index"], e["step"]["state"]) for e in events if "step" in e]
+    seen = []
+    for event in events:
+        match event:
+            case StepChanged(step=step):
+                seen.append((step.index, step.state))
+            case WorkflowFinished(workflow_state=state):
+                assert state == "succeeded"
     assert seen == [(i, st) for i in range(6) for st in ("running", "succeeded")]
-    assert events[-1]["workflowState"] == "succeeded"
+    assert isinstance(events[-1], WorkflowFinished)
 
 
 async def test_the_owner_hears_when_its_workflow_ends(
     engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "owner": "test-owner"})
-    await wait_workflow(bc_api, wf["id"])
-    heard = f"owner-heard:{wf['id']}"
+    wf = await EngineClient(bc_api).start_workflow(profile_id="test-chain", owner="test-owner")
+    await wait_workflow(bc_api, wf.id)
+    heard = f"owner-heard:{wf.id}"
     await until(
         lambda: db.fetchval("SELECT 1 FROM public.plg_test_flags WHERE name = $1", heard),
         timeout=5,
@@ -106,8 +119,9 @@ async def test_the_owner_hears_when_its_workflow_ends(
 async def test_step_not_ready_waits_then_succeeds_on_the_same_attempt(
     engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
+    engine_api = EngineClient(bc_api)
     await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "go", "pollMs": 100}}])
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
+    wf = await engine_api.start_workflow(profile_id="t-profile")
     checks = "SELECT coalesce(max(n), 0) FROM public.plg_test_checks WHERE flag = 'go'"
     # the step checked its flag twice and was told not ready each time: it waits, it did not fail
 
@@ -115,14 +129,14 @@ async def test_step_not_ready_waits_then_succeeds_on_the_same_attempt(
         return bool(await db.fetchval(checks) >= 2)
 
     await until(checked_twice, timeout=10, what="two checks of the flag")
-    view = await bc_api.call("engine", "workflows.get", {"id": wf["id"]})
-    assert view["state"] == "running"
-    assert view["steps"][0]["state"] == "running"
-    assert view["steps"][0]["deadline"] > view["steps"][0]["startedAt"]
+    view = await engine_api.get_workflow(id=wf.id)
+    assert view.state == "running"
+    assert view.steps[0].state == "running"
+    assert view.steps[0].deadline > view.steps[0].started_at
     await flag(db, "go")
-    done = await wait_workflow(bc_api, wf["id"])
-    assert done["state"] == "succeeded"
-    assert done["steps"][0]["result"] == {"flag": "go", "attempt": 1}
+    done = await wait_workflow(bc_api, wf.id)
+    assert done.state == "succeeded"
+    assert done.steps[0].result == {"flag": "go", "attempt": 1}
 
 
 async def test_a_step_that_never_gets_ready_fails_timeout_at_its_deadline(
@@ -131,19 +145,20 @@ async def test_a_step_that_never_gets_ready_fails_timeout_at_its_deadline(
     await create_profile(
         bc_api, [{"use": "test.waitFlag", "with": {"flag": "never", "pollMs": 60000}, "timeout": "1s"}]
     )
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
-    done = await wait_workflow(bc_api, wf["id"], timeout=15)
-    assert done["state"] == "failed"
-    step = done["steps"][0]
-    assert step["state"] == "failed"
-    assert step["error"]["code"] == "TIMEOUT"
-    assert step["error"]["details"]["path"] == "steps[0]"
-    assert done["error"]["code"] == "TIMEOUT"
+    wf = await EngineClient(bc_api).start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, wf.id, timeout=15)
+    assert done.state == "failed"
+    step = done.steps[0]
+    assert step.state == "failed"
+    assert step.error["code"] == "TIMEOUT"
+    assert step.error["details"]["path"] == "steps[0]"
+    assert done.error["code"] == "TIMEOUT"
 
 
 async def test_a_bc_error_fails_the_step_with_its_code_and_retry_runs_a_new_attempt(
     engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
+    engine_api = EngineClient(bc_api)
     await create_profile(
         bc_api,
         [
@@ -152,98 +167,97 @@ async def test_a_bc_error_fails_the_step_with_its_code_and_retry_runs_a_new_atte
             {"use": "test.noop"},
         ],
     )
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
-    done = await wait_workflow(bc_api, wf["id"])
-    assert done["state"] == "failed"
-    assert [s["state"] for s in done["steps"]] == ["succeeded", "failed", "pending"]
-    assert done["steps"][1]["error"] == {
+    wf = await engine_api.start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, wf.id)
+    assert done.state == "failed"
+    assert [s.state for s in done.steps] == ["succeeded", "failed", "pending"]
+    assert done.steps[1].error == {
         "code": "CONFLICT", "message": "the flag is not set", "details": {"path": "flag", "flag": "fixed"},
     }  # fmt: skip
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.resume", {"id": wf["id"]})
+        await engine_api.resume_workflow(id=wf.id)
     assert (e.value.code, e.value.reason) == (ErrorCode.INVALID_STATE, "workflow-failed")
 
     await flag(db, "fixed")
-    await bc_api.call("engine", "workflows.retry", {"id": wf["id"]})
-    done = await wait_workflow(bc_api, wf["id"])
-    assert done["state"] == "succeeded"
-    assert [s["attempt"] for s in done["steps"]] == [1, 2, 1]
-    assert done["steps"][1]["result"] == {"attempt": 2}
+    await engine_api.retry_workflow(id=wf.id)
+    done = await wait_workflow(bc_api, wf.id)
+    assert done.state == "succeeded"
+    assert [s.attempt for s in done.steps] == [1, 2, 1]
+    assert done.steps[1].result == {"attempt": 2}
 
 
 async def test_an_unexpected_exception_is_internal_without_its_text(
     engine: EngineService, bc_api: ApiClient
 ) -> None:
     await create_profile(bc_api, [{"use": "test.failUnlessFlag", "with": {"flag": "x", "crash": True}}])
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
-    done = await wait_workflow(bc_api, wf["id"])
-    err = done["steps"][0]["error"]
+    wf = await EngineClient(bc_api).start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, wf.id)
+    err = done.steps[0].error
     assert err["code"] == "INTERNAL"
     assert "RuntimeError" in err["message"]
-    assert "s3cr3t" not in json.dumps(done)
+    assert b"s3cr3t" not in msgspec.json.encode(done)
 
 
 async def test_abort_then_resume(engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection) -> None:
+    engine_api = EngineClient(bc_api)
     await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "later"}}, {"use": "test.noop"}])
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
-    await wait_step_running(bc_api, wf["id"], 0)
-    aborted = await bc_api.call("engine", "workflows.abort", {"id": wf["id"], "reason": "operator said so"})
-    assert aborted["state"] == "aborted"
-    assert [s["state"] for s in aborted["steps"]] == ["cancelled", "pending"]
-    assert aborted["error"]["message"] == "operator said so"
+    wf = await engine_api.start_workflow(profile_id="t-profile")
+    await wait_step_running(bc_api, wf.id, 0)
+    aborted = await engine_api.abort_workflow(id=wf.id, reason="operator said so")
+    assert aborted.state == "aborted"
+    assert [s.state for s in aborted.steps] == ["cancelled", "pending"]
+    assert aborted.error["message"] == "operator said so"
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.abort", {"id": wf["id"]})
+        await engine_api.abort_workflow(id=wf.id)
     assert e.value.reason == "workflow-aborted"
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.retry", {"id": wf["id"]})
+        await engine_api.retry_workflow(id=wf.id)
     assert e.value.code is ErrorCode.INVALID_STATE
 
     await flag(db, "later")
-    resumed = await bc_api.call("engine", "workflows.resume", {"id": wf["id"]})
-    assert resumed["state"] == "running"
-    done = await wait_workflow(bc_api, wf["id"])
-    assert done["state"] == "succeeded"
-    assert [s["attempt"] for s in done["steps"]] == [2, 1]
+    resumed = await engine_api.resume_workflow(id=wf.id)
+    assert resumed.state == "running"
+    done = await wait_workflow(bc_api, wf.id)
+    assert done.state == "succeeded"
+    assert [s.attempt for s in done.steps] == [2, 1]
 
 
 async def test_workflow_list_filters(engine: EngineService, bc_api: ApiClient) -> None:
-    node = await bc_api.call("engine", "nodes.create", {"siteId": "eu1"})
-    a = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "nodeId": node["id"]})
-    await wait_workflow(bc_api, a["id"])
-    b = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain"})
-    await wait_workflow(bc_api, b["id"])
-    by_node = await bc_api.call("engine", "workflows.list", {"nodeId": node["id"]})
-    assert [w["id"] for w in by_node["workflows"]] == [a["id"]]
-    ok = await bc_api.call("engine", "workflows.list", {"state": "succeeded", "profileId": "test-chain"})
-    assert [w["id"] for w in ok["workflows"]] == [b["id"], a["id"]]
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="eu1")
+    a = await engine_api.start_workflow(profile_id="test-chain", node_id=node.id)
+    await wait_workflow(bc_api, a.id)
+    b = await engine_api.start_workflow(profile_id="test-chain")
+    await wait_workflow(bc_api, b.id)
+    by_node = await engine_api.list_workflows(node_id=node.id)
+    assert [w.id for w in by_node.workflows] == [a.id]
+    ok = await engine_api.list_workflows(state="succeeded", profile_id="test-chain")
+    assert [w.id for w in ok.workflows] == [b.id, a.id]
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.list", {"state": "sideways"})
+        await engine_api.list_workflows(state="sideways")
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "state")
 
 
 async def test_one_running_workflow_per_node_and_unknown_nodes(
     engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
+    engine_api = EngineClient(bc_api)
     await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "free"}}])
-    node = await bc_api.call("engine", "nodes.create", {"siteId": "eu1"})
-    first = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile", "nodeId": node["id"]})
+    node = await engine_api.create_node(site_id="eu1")
+    first = await engine_api.start_workflow(profile_id="t-profile", node_id=node.id)
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "nodeId": node["id"]})
+        await engine_api.start_workflow(profile_id="test-chain", node_id=node.id)
     assert (e.value.code, e.value.reason, e.value.details["workflowId"]) == (
-        ErrorCode.CONFLICT, "node-busy", first["id"],
+        ErrorCode.CONFLICT, "node-busy", first.id,
     )  # fmt: skip
     with pytest.raises(BcError) as e:
-        await bc_api.call(
-            "engine",
-            "workflows.start",
-            {"profileId": "test-chain", "nodeId": "node_01M8KDF3AECW3VSXWF56ZQP5H1"},
-        )
+        await engine_api.start_workflow(profile_id="test-chain", node_id="node_01M8KDF3AECW3VSXWF56ZQP5H1")
     assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "nodeId")
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.start", {"profileId": "test-chain", "nodeId": "n1"})
+        await engine_api.start_workflow(profile_id="test-chain", node_id="n1")
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "nodeId")
     await flag(db, "free")
-    await wait_workflow(bc_api, first["id"])
+    await wait_workflow(bc_api, first.id)
 
 
 async def test_malformed_requests_are_invalid_input_with_a_path(
@@ -257,21 +271,22 @@ async def test_malformed_requests_are_invalid_input_with_a_path(
     # a field from a newer client is ignored (docs/compatibility.md): the request itself is served
     assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "profileId")
     with pytest.raises(BcError) as e:
-        await bc_api.call("engine", "workflows.get", {"id": "wf_nope"})
+        await EngineClient(bc_api).get_workflow(id="wf_nope")
     assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "id")
 
 
 async def test_a_step_starts_a_child_workflow_in_its_own_transaction(
     engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
+    engine_api = EngineClient(bc_api)
     await create_profile(bc_api, [{"use": "test.startChild", "with": {"profileId": "test-chain"}}])
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
-    done = await wait_workflow(bc_api, wf["id"])
-    assert done["state"] == "succeeded"
-    child_id = done["steps"][0]["result"]["child"]
-    assert done["steps"][0]["result"]["state"] == "succeeded"
-    child = await bc_api.call("engine", "workflows.get", {"id": child_id})
-    assert (child["state"], child["owner"]) == ("succeeded", "test-owner")
+    wf = await engine_api.start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, wf.id)
+    assert done.state == "succeeded"
+    child_id = done.steps[0].result["child"]
+    assert done.steps[0].result["state"] == "succeeded"
+    child = await engine_api.get_workflow(id=child_id)
+    assert (child.state, child.owner) == ("succeeded", "test-owner")
     # the step ran several times (not ready while the child ran) and started one child
     assert await db.fetchval("SELECT count(*) FROM public.plg_test_children") == 1
 
@@ -281,15 +296,16 @@ async def test_a_step_waits_for_our_own_services_until_its_deadline(
 ) -> None:
     # no bc-pki runs here: userdata.render's token waits for it, and at the deadline the step
     # fails TIMEOUT saying what it waited for
-    node = await bc_api.call("engine", "nodes.create", {"siteId": "lab1"})
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="lab1")
     doc = {"id": "render", "version": 1, "target": "metal", "role": "host",
            "userData": {"kind": "cloud-init"},
            "steps": [{"use": "userdata.render", "timeout": "3s"}]}  # fmt: skip
-    await bc_api.call("engine", "profiles.create", {"document": doc})
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "render", "nodeId": node["id"]})
-    done = await wait_workflow(bc_api, wf["id"], timeout=20)
-    err = done["steps"][0]["error"]
-    assert (done["state"], err["code"]) == ("failed", "TIMEOUT"), err
+    await engine_api.create_profile(document=doc)
+    wf = await engine_api.start_workflow(profile_id="render", node_id=node.id)
+    done = await wait_workflow(bc_api, wf.id, timeout=20)
+    err = done.steps[0].error
+    assert (done.state, err["code"]) == ("failed", "TIMEOUT"), err
     assert err["details"]["waitingFor"]["service"] == "bc-pki"
     assert err["details"]["waitingFor"]["tries"] >= 2
 
@@ -298,8 +314,8 @@ async def test_a_steps_own_unavailable_error_still_fails_it_at_once(
     engine: EngineService, bc_api: ApiClient
 ) -> None:
     await create_profile(bc_api, [{"use": "test.raiseUnavailable"}])
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "t-profile"})
-    done = await wait_workflow(bc_api, wf["id"], timeout=10)
-    assert done["state"] == "failed"
-    assert done["steps"][0]["error"]["code"] == "UNAVAILABLE"
-    assert done["steps"][0]["attempt"] == 1
+    wf = await EngineClient(bc_api).start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, wf.id, timeout=10)
+    assert done.state == "failed"
+    assert done.steps[0].error["code"] == "UNAVAILABLE"
+    assert done.steps[0].attempt == 1

@@ -19,15 +19,18 @@ from bc_command_queue.service import CommandQueueService
 from bc_engine.service import EngineService
 from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients import EngineClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.pki_client import JoinClaims, PkiClient, make_csr, new_agent_key
-from better_compute.secrets_client import SecretsClient
+from better_compute.crypto import make_csr, new_agent_key
 from better_compute.service import ApiClient, ApiRequest, Handler, Service
 from better_compute.testing import refused
 from better_compute.testing.workflows import wait_workflow
+from better_compute.wire.pki import JoinClaims
 from engine_test_app import TABLES
 
 ONE_MB = 1_000_000
@@ -83,9 +86,9 @@ async def test_nine_nodes_with_a_1mb_label_each_list_in_pages(
         "INSERT INTO engine.nodes (id, site_id, labels) VALUES ($1, 'site-a', $2)",
         [(i, json.dumps({"rack": "r" * ONE_MB})) for i in ids],
     )
-    first = await bc_api.call("engine", "nodes.list", {}, timeout=5)
-    assert first["nodes"]
-    assert first["next"] is not None
+    first = await EngineClient(bc_api).list_nodes()
+    assert first.nodes
+    assert first.next is not None
     listed, pages = await walk(lambda p: bc_api.call("engine", "nodes.list", p, timeout=5), "nodes", 100)
     assert [n["id"] for n in listed] == ids
     assert all(len(n["labels"]["rack"]) == ONE_MB for n in listed)
@@ -95,8 +98,10 @@ async def test_nine_nodes_with_a_1mb_label_each_list_in_pages(
 async def test_a_1mb_label_is_refused_with_its_path_and_the_bounds_hold(
     engine: EngineService, bc_api: ApiClient
 ) -> None:
+    engine_api = EngineClient(bc_api)
+
     async def create(labels: dict[str, str]) -> dict[str, Any]:
-        return await bc_api.call("engine", "nodes.create", {"siteId": "site-a", "labels": labels}, timeout=5)
+        return await engine_api.create_node(site_id="site-a", labels=labels)
 
     err = await refused(create({"rack": "r" * ONE_MB}))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "labels.rack")
@@ -104,35 +109,37 @@ async def test_a_1mb_label_is_refused_with_its_path_and_the_bounds_hold(
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "labels")
     err = await refused(create({f"k{i}": "v" for i in range(65)}))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "labels")
-    err = await refused(bc_api.call("engine", "nodes.create", {"siteId": "a.b"}, timeout=5))
+    err = await refused(engine_api.create_node(site_id="a.b"))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "siteId")
     # the largest labels allowed still list: nine nodes at the bounds
     big = {f"key{i:02d}": "v" * 256 for i in range(64)}
     for _ in range(9):
         await create(big)
-    got = await bc_api.call("engine", "nodes.list", {}, timeout=5)
-    assert len(got["nodes"]) == 9
-    assert got["next"] is None
+    got = await engine_api.list_nodes()
+    assert len(got.nodes) == 9
+    assert got.next is None
 
 
 async def test_profile_documents_step_inputs_and_reasons_are_bounded(
     engine: EngineService, bc_api: ApiClient
 ) -> None:
+    engine_api = EngineClient(bc_api)
+
     def doc(**kw: Any) -> dict[str, Any]:
         return {"id": "big", "version": 1, "target": "metal", "role": "host",
                 "steps": [{"use": "test.noop"}], **kw}  # fmt: skip
 
     # each step's input within its bound, the document beyond its own
     huge = doc(steps=[{"use": "test.noop", "with": {"x": "w" * 40_000}} for _ in range(8)])
-    err = await refused(bc_api.call("engine", "profiles.create", {"document": huge}))
+    err = await refused(engine_api.create_profile(document=huge))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "document")
-    err = await refused(bc_api.call("engine", "profiles.validate", {"document": huge}))
+    err = await refused(engine_api.validate_profile(document=huge))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "document")
     wide = doc(steps=[{"use": "test.noop"}, {"use": "test.noop", "with": {"x": "w" * 70_000}}])
-    err = await refused(bc_api.call("engine", "profiles.create", {"document": wide}))
+    err = await refused(engine_api.create_profile(document=wide))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "document.steps[1].with")
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain"})
-    err = await refused(bc_api.call("engine", "workflows.abort", {"id": wf["id"], "reason": "r" * 2000}))
+    wf = await engine_api.start_workflow(profile_id="test-chain")
+    err = await refused(engine_api.abort_workflow(id=wf.id, reason="r" * 2000))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "reason")
 
 
@@ -142,18 +149,20 @@ async def test_profile_documents_step_inputs_and_reasons_are_bounded(
 async def test_walking_nodes_sees_each_exactly_once_while_nodes_are_added(
     engine: EngineService, bc_api: ApiClient
 ) -> None:
+    engine_api = EngineClient(bc_api)
+
     async def create(node_id: str | None = None) -> str:
-        got = await bc_api.call("engine", "nodes.create", {"siteId": "site-a", "id": node_id})
-        return str(got["id"])
+        got = await engine_api.create_node(site_id="site-a", id=node_id)
+        return str(got.id)
 
     before = set(await asyncio.gather(*(create() for _ in range(45))))
     seen: list[str] = []
     added_ahead: set[str] = set()
     cursor: str | None = None
     while True:
-        got = await bc_api.call("engine", "nodes.list", {"limit": 7, "cursor": cursor})
-        seen += [n["id"] for n in got["nodes"]]
-        cursor = got["next"]
+        got = await engine_api.list_nodes(limit=7, cursor=cursor)
+        seen += [n.id for n in got.nodes]
+        cursor = got.next
         if cursor is None:
             break
         # between pages, others add nodes: some sort before the cursor (an old timestamp),
@@ -169,25 +178,24 @@ async def test_walking_nodes_sees_each_exactly_once_while_nodes_are_added(
 
 
 async def test_workflows_and_profiles_page_with_a_cursor(engine: EngineService, bc_api: ApiClient) -> None:
-    started = [
-        (await bc_api.call("engine", "workflows.start", {"profileId": "test-chain"}))["id"] for _ in range(5)
-    ]
+    engine_api = EngineClient(bc_api)
+    started = [(await engine_api.start_workflow(profile_id="test-chain")).id for _ in range(5)]
     listed, pages = await walk(lambda p: bc_api.call("engine", "workflows.list", p), "workflows", 2)
     assert [w["id"] for w in listed] == sorted(started, reverse=True)
     assert pages == 3
-    err = await refused(bc_api.call("engine", "workflows.list", {"cursor": "not-a-cursor"}))
+    err = await refused(engine_api.list_workflows(cursor="not-a-cursor"))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "cursor")
-    err = await refused(bc_api.call("engine", "nodes.list", {"limit": 100_000}))
+    err = await refused(engine_api.list_nodes(limit=100_000))
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "limit")
 
     for i in range(4):
         doc = {"id": f"p-{i}", "version": 1, "target": "metal", "role": "host",
                "steps": [{"use": "test.noop"}]}  # fmt: skip
-        await bc_api.call("engine", "profiles.create", {"document": doc})
-    everything = await bc_api.call("engine", "profiles.list", {"limit": 1000})
+        await engine_api.create_profile(document=doc)
+    everything = await engine_api.list_profiles(limit=1000)
     listed, pages = await walk(lambda p: bc_api.call("engine", "profiles.list", p), "profiles", 3)
     key = [(p["id"], p["version"], p["tenantId"]) for p in listed]
-    assert key == [(p["id"], p["version"], p["tenantId"]) for p in everything["profiles"]]
+    assert key == [(p.id, p.version, p.tenant_id) for p in everything.profiles]
     assert len(key) == len(set(key))
     assert {f"p-{i}" for i in range(4)} <= {k[0] for k in key}
     assert pages > 1
@@ -196,23 +204,22 @@ async def test_workflows_and_profiles_page_with_a_cursor(engine: EngineService, 
 async def test_a_workflow_whose_step_results_outgrow_the_bus_reads_in_pages(
     engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
 ) -> None:
-    wf = await bc_api.call("engine", "workflows.start", {"profileId": "test-chain"})
-    await wait_workflow(bc_api, wf["id"])
+    engine_api = EngineClient(bc_api)
+    wf = await engine_api.start_workflow(profile_id="test-chain")
+    await wait_workflow(bc_api, wf.id)
     # six results of 2 MB: 12 MB, more than one message carries
     await db.execute(
         "UPDATE engine.workflow_steps SET result = $2 WHERE workflow_id = $1",
-        wf["id"], json.dumps({"blob": "b" * 2 * ONE_MB}),
+        wf.id, json.dumps({"blob": "b" * 2 * ONE_MB}),
     )  # fmt: skip
-    got = await bc_api.call("engine", "workflows.get", {"id": wf["id"]}, timeout=5)
-    steps = list(got["steps"])
-    assert got["stepsNext"] is not None
-    while got["stepsNext"] is not None:
-        got = await bc_api.call(
-            "engine", "workflows.get", {"id": wf["id"], "stepsCursor": got["stepsNext"]}, timeout=5
-        )
-        steps += got["steps"]
-    assert [s["index"] for s in steps] == list(range(6))
-    assert all(len(s["result"]["blob"]) == 2 * ONE_MB for s in steps)
+    got = await engine_api.get_workflow(id=wf.id)
+    steps = list(got.steps)
+    assert got.steps_next is not None
+    while got.steps_next is not None:
+        got = await engine_api.get_workflow(id=wf.id, steps_cursor=got.steps_next)
+        steps += got.steps
+    assert [s.index for s in steps] == list(range(6))
+    assert all(len(s.result["blob"]) == 2 * ONE_MB for s in steps)
 
 
 # -- the skeleton: a reply or a request the bus cannot carry -----------------------------
@@ -295,7 +302,9 @@ async def test_secrets_page(bc_settings: Settings, bc_api: ApiClient) -> None:
     secrets = SecretsClient(bc_api)
     wf = new_id("wf")
     async with SecretsService(bc_settings):
-        refs = [(await secrets.put(b"v", tenant_id="root", workflow_id=wf, step=i)).ref for i in range(5)]
+        refs = [
+            (await secrets.put(value=b"v", tenant_id="root", workflow_id=wf, step=i)).ref for i in range(5)
+        ]
         listed, pages = await walk(lambda p: bc_api.call("secrets", "secrets.list", p), "secrets", 2)
         assert sorted(s["ref"] for s in listed) == sorted(refs)
         assert pages == 3

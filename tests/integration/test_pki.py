@@ -19,23 +19,21 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bc_pki.service import PkiService
+from better_compute.clients.pki import PkiClient
 from better_compute.config import PkiSettings, Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
-from better_compute.keyring import rotate_key_file
-from better_compute.pki_client import (
+from better_compute.crypto import (
     AgentIdentity,
-    IssuedJoinToken,
-    JoinClaims,
-    JoinResult,
-    PkiClient,
     make_csr,
     new_agent_key,
     sign_bytes,
     signing_payload,
 )
+from better_compute.keyring import rotate_key_file
 from better_compute.service import ApiClient
 from better_compute.testing import refused
+from better_compute.wire.pki import IssuedJoinToken, JoinClaims, JoinResult
 from pki_time import expire
 
 MACHINE = JoinClaims(macs=["AA-BB-CC-00-11-22", "aa:bb:cc:00:11:23"], product_uuid="P-1", serial="S1")
@@ -78,7 +76,7 @@ async def test_a_token_is_shown_once_and_only_its_hash_is_stored(
         listed = await pki.list_join_tokens(tenant_id="root")
         assert [t.join_token_id for t in listed] == [issued.id]
         assert issued.token not in msgspec.json.encode(listed).decode()
-        info = await pki.get_join_token(issued.id)
+        info = await pki.get_join_token(join_token_id=issued.id)
         assert (info.state, info.uses, info.max_uses) == ("active", 0, 2)
         assert info.expect.mac == "aa:bb:cc:00:11:22"
 
@@ -138,14 +136,20 @@ async def test_a_keyed_token_is_given_again_only_to_the_step_that_minted_it(
         "tenant_id": "root", "role": "provisioned", "site_id": "site-a", "ttl_seconds": 600,
     }  # fmt: skip
     async with PkiService(bc_settings):
-        minted = await pki.for_step("wf:wf_1:0#1", before_mint=engine_step).issue_join_token(**token_args)
+        minted = await pki.for_step(idempotency_key="wf:wf_1:0#1", before_mint=engine_step).issue_join_token(
+            **token_args
+        )
         # the step runs again (an engine crash, a service outage): it gets its token back
-        rerun = await pki.for_step("wf:wf_1:0#1", before_mint=engine_step).issue_join_token(**token_args)
+        rerun = await pki.for_step(idempotency_key="wf:wf_1:0#1", before_mint=engine_step).issue_join_token(
+            **token_args
+        )
         listed = await pki.list_join_tokens()
         # anyone else, with everything the listing shows, gets no token
         stolen = await refused(pki.issue_join_token(**token_args, idempotency_key=listed[0].idempotency_key))
         forged = await refused(
-            pki.for_step("wf:wf_1:0#1", before_mint=other_engine).issue_join_token(**token_args)
+            pki.for_step(idempotency_key="wf:wf_1:0#1", before_mint=other_engine).issue_join_token(
+                **token_args
+            )
         )
         after = await pki.list_join_tokens()
     assert (rerun.id, rerun.token) == (minted.id, minted.token)
@@ -165,7 +169,7 @@ async def test_a_join_earns_a_certificate_signed_by_the_ca_and_is_audited(
         issued = await issue(pki, max_uses=2, expect={"mac": "aa:bb:cc:00:11:22", "serial": "S1"})
         first, _ = await join(pki, issued.token)
         second, _ = await join(pki, issued.token, kind="p256")
-        info = await pki.get_join_token(issued.id)
+        info = await pki.get_join_token(join_token_id=issued.id)
         certs = await pki.list_certificates(join_token_id=issued.id)
         audit = await pki.list_joins(join_token_id=issued.id)
 
@@ -197,7 +201,7 @@ async def test_refused_joins_say_why_spend_nothing_and_are_audited(
         err = await refused(join(pki, issued.token, claims=OTHER_MACHINE))
         assert err.code is ErrorCode.PERMISSION_DENIED
         assert err.details == {"reason": "claims-mismatch", "claims": ["mac", "productUuid"]}
-        assert (await pki.get_join_token(issued.id)).uses == 0
+        assert (await pki.get_join_token(join_token_id=issued.id)).uses == 0
         # the right machine still joins, once
         await join(pki, issued.token)
         err = await refused(join(pki, issued.token))
@@ -208,17 +212,17 @@ async def test_refused_joins_say_why_spend_nothing_and_are_audited(
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-unknown")
 
         revoked = await issue(pki)
-        assert (await pki.revoke_join_token(revoked.id, reason="lost")).state == "revoked"
+        assert (await pki.revoke_join_token(join_token_id=revoked.id, reason="lost")).state == "revoked"
         err = await refused(join(pki, revoked.token))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-revoked")
 
         short = await issue(pki, ttl_seconds=90)
-        info = await pki.get_join_token(short.id)
+        info = await pki.get_join_token(join_token_id=short.id)
         assert info.expires_at - info.created_at == dt.timedelta(seconds=90)
         await expire(bc_settings, "token", short.id)  # 90 s on: moved, not slept
         err = await refused(join(pki, short.token))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-expired")
-        assert (await pki.get_join_token(short.id)).state == "expired"
+        assert (await pki.get_join_token(join_token_id=short.id)).state == "expired"
 
         fresh = await issue(pki)
         err = await refused(pki.join(token=fresh.token, csr="not a csr"))
@@ -228,7 +232,7 @@ async def test_refused_joins_say_why_spend_nothing_and_are_audited(
         assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "csr")
         err = await refused(pki.join(token="guess", csr=make_csr(new_agent_key())))
         assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "token")
-        assert (await pki.get_join_token(fresh.id)).uses == 0
+        assert (await pki.get_join_token(join_token_id=fresh.id)).uses == 0
 
         outcomes = [a.outcome for a in await pki.list_joins(limit=20)]
     assert sorted(outcomes) == sorted(
@@ -294,7 +298,7 @@ async def test_a_node_bound_token_makes_the_node_id_the_agent_id(
         return secret
 
     async with PkiService(bc_settings):
-        step = pki.for_step("wf:wf_1:0#1", node_id=node_id, before_mint=attempt_secret)
+        step = pki.for_step(idempotency_key="wf:wf_1:0#1", node_id=node_id, before_mint=attempt_secret)
         token = await step.issue_join_token(
             tenant_id="root", role="provisioned", site_id="site-a", ttl_seconds=60
         )
@@ -307,7 +311,7 @@ async def test_a_node_bound_token_makes_the_node_id_the_agent_id(
         assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "idempotency-key-reused")
         # a re-run of the step: a new StepPki under the same key finds the same token
         rerun = await pki.for_step(
-            "wf:wf_1:0#1", node_id=node_id, before_mint=attempt_secret
+            idempotency_key="wf:wf_1:0#1", node_id=node_id, before_mint=attempt_secret
         ).issue_join_token(tenant_id="root", role="provisioned", site_id="site-a", ttl_seconds=60)
         assert (rerun.id, rerun.token) == (token.id, token.token)
         joined, identity = await join(pki, token.token)
@@ -366,9 +370,9 @@ async def test_verify_checks_the_signer_certificate_and_freshness(
         err = await refused(pki.verify(signer_id=ed.cert_id, data=data, signature=sig, once=True))
         assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "signedAtMs")
 
-        revoked = await pki.revoke_certificate(ed.cert_id, reason="stolen")
+        revoked = await pki.revoke_certificate(cert_id=ed.cert_id, reason="stolen")
         assert revoked.state == "revoked"
-        assert (await pki.revoke_certificate(ed.cert_id)).revoke_reason == "stolen"
+        assert (await pki.revoke_certificate(cert_id=ed.cert_id)).revoke_reason == "stolen"
         data, sig = ed_id.sign("agent.event", {"kind": "heartbeat"})
         err = await refused(pki.verify(signer_id=ed.cert_id, data=data, signature=sig))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "cert-revoked")

@@ -21,17 +21,19 @@ from bc_pki.service import PkiService
 from bc_secrets.service import SecretsService
 from better_compute.agent import Enrollment
 from better_compute.agent.sim import join_agent
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
+from better_compute.crypto import AgentIdentity, new_agent_key
 from better_compute.keyring import rotate_key_file
-from better_compute.pki_client import AgentIdentity, PkiClient, new_agent_key
-from better_compute.secrets_client import FETCH_PURPOSE, SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import refused
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import CommandView, LiveWithRef
+from better_compute.wire.secrets import FETCH_PURPOSE
 from secrets_test_app import APP, enqueue_ref, settle
 
 VALUE = b"#cloud-config\npassword: hunter2-the-real-one\n"
@@ -81,13 +83,13 @@ async def test_values_are_sealed_at_rest_and_listed_without_them(
 ) -> None:
     wf = new_id("wf")
     async with SecretsService(bc_settings):
-        info = await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=3, label="userdata")
+        info = await secrets.put(value=VALUE, tenant_id="acme", workflow_id=wf, step=3, label="userdata")
         assert info.ref.startswith("sec_")
         assert (info.size, info.step, info.label) == (len(VALUE), 3, "userdata")
-        assert await secrets.get(info.ref) == VALUE
+        assert await secrets.get(ref=info.ref) == VALUE
         listed = await secrets.list_secrets(workflow_id=wf)
         assert [s.ref for s in listed] == [info.ref]
-        assert await secrets.describe(info.ref) == info
+        assert await secrets.describe(ref=info.ref) == info
         encoded = msgspec.json.encode(listed)
         assert b"hunter2" not in encoded
         assert base64.b64encode(VALUE) not in encoded
@@ -111,9 +113,9 @@ async def test_put_under_an_idempotency_key_keeps_the_first_ref(
         again = await step.put(b"re-rendered", idempotency_key="wf:k#1")
         other = await step.put(VALUE)
         err = await refused(
-            secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=2, idempotency_key="wf:k#1")
+            secrets.put(value=VALUE, tenant_id="acme", workflow_id=wf, step=2, idempotency_key="wf:k#1")
         )
-        assert await secrets.get(again) == VALUE
+        assert await secrets.get(ref=again) == VALUE
     assert again == first
     assert other != first
     assert (err.code, err.path) == (ErrorCode.CONFLICT, "idempotencyKey")
@@ -166,11 +168,11 @@ async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step
                 cq, node_id=node, site_id="site-a", key=key, payload=payload, workflow_id=workflow, step=step
             )
 
-        ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=2)).ref
-        other_ref = (await secrets.put(b"other-value", tenant_id="acme", workflow_id=wf, step=2)).ref
+        ref = (await secrets.put(value=VALUE, tenant_id="acme", workflow_id=wf, step=2)).ref
+        other_ref = (await secrets.put(value=b"other-value", tenant_id="acme", workflow_id=wf, step=2)).ref
 
         # no command at all
-        err = await refused(secrets.fetch(ref, identity=agent))
+        err = await refused(secrets.fetch(ref=ref, identity=agent))
         assert (err.code, err.reason) == (ErrorCode.PERMISSION_DENIED, "no-live-command")
 
         # a live command of step 2, for this agent, carrying the ref
@@ -185,7 +187,7 @@ async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step
 
         await spy.subscribe("_INBOX.>", cb=tap_replies)
         await spy.flush()
-        assert await secrets.fetch(ref, identity=agent) == VALUE
+        assert await secrets.fetch(ref=ref, identity=agent) == VALUE
         await spy.flush()
         await spy.close()
         replies = [json.loads(d) for d in seen if b"sealed" in d]
@@ -194,25 +196,25 @@ async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step
         assert replies[0]["result"]["value"] == ""
         assert tap.asked[-1] == LiveWithRef(agent_id=node, ref=ref, key_prefix=f"wf:{wf}:2")
         # ... which opens only the ref it carries, and only for its own agent
-        err = await refused(secrets.fetch(other_ref, identity=agent))
+        err = await refused(secrets.fetch(ref=other_ref, identity=agent))
         assert err.code is ErrorCode.PERMISSION_DENIED
-        err = await refused(secrets.fetch(ref, identity=stranger.identity))
+        err = await refused(secrets.fetch(ref=ref, identity=stranger.identity))
         assert err.code is ErrorCode.PERMISSION_DENIED
         # the agent runs the command to its end; then a command of step 20 (same digits
         # first) or of another workflow opens nothing
         assert (await settle(bc_api, bcd, cmd.id, tmp_path)).state == "succeeded"
         await command(f"wf:{wf}:20#1", {"ref": ref}, step=20)
         await command(f"wf:{new_id('wf')}:2#1", {"ref": ref}, workflow=new_id("wf"))
-        err = await refused(secrets.fetch(ref, identity=agent))
+        err = await refused(secrets.fetch(ref=ref, identity=agent))
         assert err.code is ErrorCode.PERMISSION_DENIED
         # a bare step key (no #attempt) is the step too, until it is cancelled
         bare = await command(f"wf:{wf}:2", {"ref": ref})
-        assert await secrets.fetch(ref, identity=agent) == VALUE
+        assert await secrets.fetch(ref=ref, identity=agent) == VALUE
         assert await cq.cancel(id=bare.id, reason="step cancelled") == [bare.id]
-        err = await refused(secrets.fetch(ref, identity=agent))
+        err = await refused(secrets.fetch(ref=ref, identity=agent))
         assert err.code is ErrorCode.PERMISSION_DENIED
         # an unknown ref looks exactly like one the agent may not read
-        unknown = await refused(secrets.fetch(new_id("sec"), identity=agent))
+        unknown = await refused(secrets.fetch(ref=new_id("sec"), identity=agent))
         assert (unknown.code, unknown.message, unknown.details) == (
             err.code, err.message, err.details,
         )  # fmt: skip
@@ -238,7 +240,7 @@ async def test_fetches_are_refused_without_a_valid_fresh_signature(
     ):
         bcd = await new_node_agent(bc_api)
         agent = bcd.identity
-        ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
+        ref = (await secrets.put(value=VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
         await enqueue_ref(
             CommandQueueClient(bc_api), node_id=bcd.agent_id, site_id="site-a", key=f"wf:{wf}:0#1",
             payload={"ref": ref}, workflow_id=wf, step=0,
@@ -254,7 +256,7 @@ async def test_fetches_are_refused_without_a_valid_fresh_signature(
 
         # signed by a key that is not the certificate's
         impostor = AgentIdentity(cert_id=agent.cert_id, agent_id=agent.agent_id, private_key=new_agent_key())
-        err = await refused(secrets.fetch(ref, identity=impostor))
+        err = await refused(secrets.fetch(ref=ref, identity=impostor))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "bad-signature")
         # a signed request for another ref, with the ref swapped
         reply_key = base64.b64encode(os.urandom(32)).decode()
@@ -262,8 +264,8 @@ async def test_fetches_are_refused_without_a_valid_fresh_signature(
         err = await refused(bc_api.call("secrets", "secrets.fetch", swapped))
         assert err.reason == "bad-signature"
 
-        await pki.revoke_certificate(agent.cert_id)
-        err = await refused(secrets.fetch(ref, identity=agent))
+        await pki.revoke_certificate(cert_id=agent.cert_id)
+        err = await refused(secrets.fetch(ref=ref, identity=agent))
         assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "cert-revoked")
 
         audit = await secrets.list_fetches(outcome="denied")
@@ -284,7 +286,7 @@ async def test_a_fetch_without_a_reply_key_is_refused_never_answered_in_clear(
         CommandQueueService(bc_settings),
     ):
         bcd = await new_node_agent(bc_api)
-        ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
+        ref = (await secrets.put(value=VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
         await enqueue_ref(
             CommandQueueClient(bc_api), node_id=bcd.agent_id, site_id="site-a", key=f"wf:{wf}:0#1",
             payload={"ref": ref}, workflow_id=wf, step=0,
@@ -304,7 +306,7 @@ async def test_a_fetch_without_a_reply_key_is_refused_never_answered_in_clear(
         await bc_nats.flush()
         await spy.unsubscribe()
         # the agent's own (sealed) fetch still works
-        assert await secrets.fetch(ref, identity=bcd.identity) == VALUE
+        assert await secrets.fetch(ref=ref, identity=bcd.identity) == VALUE
         audit = await secrets.list_fetches()
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "replyKey")
     assert (junk_err.code, junk_err.path) == (ErrorCode.INVALID_INPUT, "replyKey")
@@ -323,11 +325,11 @@ async def test_fetch_fails_closed_when_pki_or_the_command_queue_is_away(
     async with SecretsService(bc_settings):
         async with PkiService(bc_settings):
             agent = (await new_node_agent(bc_api)).identity
-            ref = (await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
+            ref = (await secrets.put(value=VALUE, tenant_id="acme", workflow_id=wf, step=0)).ref
             # pki answers, no command queue does
-            err = await refused(secrets.fetch(ref, identity=agent))
+            err = await refused(secrets.fetch(ref=ref, identity=agent))
             assert err.code is ErrorCode.UNAVAILABLE
-        err = await refused(secrets.fetch(ref, identity=agent))
+        err = await refused(secrets.fetch(ref=ref, identity=agent))
         assert err.code is ErrorCode.UNAVAILABLE
         reasons = [a.reason for a in await secrets.list_fetches(ref=ref)]
     assert reasons == ["pki-unavailable", "command-queue-unavailable"]
@@ -336,22 +338,22 @@ async def test_fetch_fails_closed_when_pki_or_the_command_queue_is_away(
 async def test_values_survive_key_rotation_and_rewrap(bc_settings: Settings, secrets: SecretsClient) -> None:
     wf = new_id("wf")
     async with SecretsService(bc_settings):
-        old = await secrets.put(VALUE, tenant_id="acme", workflow_id=wf, step=0)
+        old = await secrets.put(value=VALUE, tenant_id="acme", workflow_id=wf, step=0)
     key_file = Path(bc_settings.state_dir) / "keys" / "secrets.key"
     old_line = next(ln for ln in key_file.read_text().splitlines() if ln.startswith("bck1:"))
     new_kid = rotate_key_file(key_file)
 
     async with SecretsService(bc_settings):
-        assert await secrets.get(old.ref) == VALUE
-        new = await secrets.put(b"second-value", tenant_id="acme", workflow_id=wf, step=0)
-        assert (new.key_id, (await secrets.describe(old.ref)).key_id) == (new_kid, old.key_id)
+        assert await secrets.get(ref=old.ref) == VALUE
+        new = await secrets.put(value=b"second-value", tenant_id="acme", workflow_id=wf, step=0)
+        assert (new.key_id, (await secrets.describe(ref=old.ref)).key_id) == (new_kid, old.key_id)
         assert (await secrets.rewrap_keys()).rewrapped == 1
-        assert (await secrets.describe(old.ref)).key_id == new_kid
+        assert (await secrets.describe(ref=old.ref)).key_id == new_kid
 
     key_file.write_text("\n".join(ln for ln in key_file.read_text().splitlines() if ln != old_line))
     async with SecretsService(bc_settings):
-        assert await secrets.get(old.ref) == VALUE
-        assert await secrets.get(new.ref) == b"second-value"
+        assert await secrets.get(ref=old.ref) == VALUE
+        assert await secrets.get(ref=new.ref) == b"second-value"
 
 
 async def test_refused_fetches_of_any_shape_are_typed_and_audited_with_what_they_name(

@@ -8,25 +8,22 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients import EngineClient
 from better_compute.core.errors import BcError
-from better_compute.pki_client import PkiClient
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres, pid_alive
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
-from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import FINISHED
+from better_compute.wire.engine import WorkflowView
+from engine_stack import FAST, AgentStack
 
 __all__ = ["FAST", "PrivateServers", "Stack"]
 
+
 # agents answer fast and are judged silent soon, so the tests see recoveries quickly
-FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
-
-
 class PrivateServers:
     """One nats-server and one PostgreSQL under ``state``, restarted on the same ports and data."""
 
@@ -76,45 +73,28 @@ def _reap(pid: int) -> None:
         time.sleep(0.01)
 
 
-class Stack:
+class Stack(AgentStack):
     """The services as processes on the private servers, an API client and simulated agents."""
 
     def __init__(self, servers: PrivateServers, procs: ServiceProcesses, api: ApiClient, tmp: Path) -> None:
+        super().__init__(api, procs.settings, tmp)
         self.servers = servers
         self.procs = procs
-        self.settings = procs.settings
-        self.api = api
-        self.tmp = tmp
-        self.cq = CommandQueueClient(api)
-        self.pki = PkiClient(api)
-        self.agents: list[SimAgent] = []
-
-    async def agent(self, site: str, *args: str) -> tuple[SimAgent, str]:
-        sim, agent_id = await start_sim_agent(
-            self.settings, self.tmp / f"agent-{len(self.agents)}", site_id=site, pki=self.pki, cq=self.cq,
-            args=list(args),
-        )  # fmt: skip
-        self.agents.append(sim)
-        return sim, agent_id
-
-    async def profile(self, pid: str, steps: list[dict[str, Any]]) -> None:
-        doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "steps": steps}
-        await self.api.call("engine", "profiles.create", {"document": doc})
 
     async def db(self) -> asyncpg.Connection:
         return await asyncpg.connect(self.settings.database_url)
 
-    async def finished(self, ids: list[str]) -> list[dict[str, Any]]:
+    async def finished(self, ids: list[str]) -> list[WorkflowView]:
         """Every workflow once all are finished; asks again while a service is still coming back."""
 
-        async def views() -> list[dict[str, Any]] | None:
+        async def views() -> list[WorkflowView] | None:
             try:
-                got = [await self.api.call("engine", "workflows.get", {"id": i}, timeout=2.0) for i in ids]
+                got = [await EngineClient(self.api, timeout=2.0).get_workflow(id=i) for i in ids]
             except BcError:
                 return None  # UNAVAILABLE or TIMEOUT: a server or service is still away
-            return got if all(v["state"] in FINISHED for v in got) else None
+            return got if all(v.state in FINISHED for v in got) else None
 
-        result: list[dict[str, Any]] = await until(views)
+        result: list[WorkflowView] = await until(views)
         return result
 
     def pids(self) -> dict[str, int]:

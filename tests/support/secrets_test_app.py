@@ -17,7 +17,7 @@ from typing import Any, Final
 from better_compute.agent import Agent, Enrollment
 from better_compute.agent.sim import sim_handlers
 from better_compute.app import better_compute
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.core.manifest import field, manifest
 from better_compute.core.plugins import CommandKind, define_plugin
 from better_compute.metal import metal
@@ -81,7 +81,7 @@ async def settle(api: ApiClient, enrollment: Enrollment, command_id: str, state_
     await agent.start()
     run = asyncio.create_task(agent.run())
     try:
-        return await CommandQueueClient(api).wait(command_id, timeout=30)
+        return await CommandQueueClient(api).wait(id=command_id, timeout=30)
     finally:
         await agent.stop()
         with contextlib.suppress(asyncio.CancelledError):

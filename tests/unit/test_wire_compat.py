@@ -80,23 +80,23 @@ def test_no_message_of_any_service_refuses_an_unknown_field() -> None:
 @pytest.mark.parametrize(
     ("module", "name", "fields"),
     [
-        ("bc_engine.messages", "CreateNode", {"siteId": "site-a"}),
-        ("better_compute.cmdq_client", "CommandIdRequest", {"id": "cmd_1"}),
-        ("better_compute.cmdq_client", "ListCommands", {"limit": 5}),
+        ("better_compute.wire.engine", "CreateNode", {"siteId": "site-a"}),
+        ("better_compute.wire.cmdq", "CommandIdRequest", {"id": "cmd_1"}),
+        ("better_compute.wire.cmdq", "ListCommands", {"limit": 5}),
         (
             "better_compute.wire.cmdq",
             "EnqueueCommand",
             {"nodeId": "n", "siteId": "s", "kind": "k", "key": "k1"},
         ),
-        ("better_compute.pki_client", "JoinTokenIdRequest", {"joinTokenId": "tok_1"}),
-        ("better_compute.secrets_client", "RefRequest", {"ref": "secret://a"}),
+        ("better_compute.wire.pki", "JoinTokenIdRequest", {"joinTokenId": "tok_1"}),
+        ("better_compute.wire.secrets", "RefRequest", {"ref": "secret://a"}),
         (
-            "better_compute.agent.protocol",
+            "better_compute.wire.agent",
             "Heartbeat",
             {"site": "s", "agent": "a", "signerId": "c", "signedAtMs": 1},
         ),
         (
-            "better_compute.agent.protocol",
+            "better_compute.wire.agent",
             "HelloReply",
             {"heartbeatMs": 200, "silentAfterMs": 900, "stream": "st", "consumer": "co"},
         ),

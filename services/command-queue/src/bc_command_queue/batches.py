@@ -13,7 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from better_compute.app import App
-from better_compute.cmdq_client import (
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id, parse_id
+from better_compute.crypto import batch_document
+from better_compute.service import ApiRequest, Database
+from better_compute.wire.cmdq import (
     ApprovalView,
     ApproveBatch,
     ApproverView,
@@ -24,11 +28,7 @@ from better_compute.cmdq_client import (
     CreateBatch,
     ListBatches,
     QuorumView,
-    batch_document,
 )
-from better_compute.core.errors import BcError, ErrorCode
-from better_compute.core.ids import new_id, parse_id
-from better_compute.service import ApiRequest, Database
 from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store

@@ -13,21 +13,24 @@ from typing import Any, Final
 
 import msgspec
 
-from better_compute.agent.protocol import payload_digest
 from better_compute.app import App
-from better_compute.cmdq_client import CancelReply, CommandIdRequest, CommandList, ListCommands
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.core.names import parse_name
 from better_compute.core.plugins import CommandKind
 from better_compute.service import ApiRequest, Database
+from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import (
     MAX_STATE_QUERY,
     CancelCommands,
+    CancelReply,
+    CommandIdRequest,
+    CommandList,
     CommandStates,
     CommandStatesReply,
     CommandView,
     EnqueueCommand,
+    ListCommands,
     LiveWithRef,
     LiveWithRefReply,
 )

@@ -24,10 +24,10 @@ import nats.js.errors
 from nats.aio.client import Client as Nats
 from nats.js import api
 
-from better_compute.agent.protocol import CommandDelivery
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import Database
 from better_compute.wire import Subjects
+from better_compute.wire.agent import CommandDelivery
 from better_compute.wire.codec import encode
 
 from . import store

@@ -22,9 +22,10 @@ from typing import Any, ClassVar, NamedTuple
 from nats.aio.msg import Msg
 
 from better_compute.app import load_app
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
-from better_compute.pki_client import PkiClient
 from better_compute.service import Handler, Service
+from better_compute.wire.cmdq import EVENTS
 
 from . import store
 from .agents import Agents
@@ -164,7 +165,7 @@ class CommandQueueService(Service):
     async def _changed(self, rows: Sequence[Any]) -> None:
         """Publish each changed command's event: the engine wakes on it."""
         for row in rows:
-            await self.publish_event("command", row["id"], store.command_event(row))
+            await self.publish_event(EVENTS, row["id"], store.command_event(row))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)

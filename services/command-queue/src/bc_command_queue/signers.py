@@ -19,9 +19,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from better_compute.agent.protocol import FRESHNESS_MS, event_purpose
+from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.pki_client import PkiClient, signing_payload
+from better_compute.crypto import signing_payload
+from better_compute.wire.agent import FRESHNESS_MS, event_purpose
 
 __all__ = ["Signer", "Signers"]
 
@@ -118,7 +119,7 @@ class Signers:
 
     async def _load(self, cert_id: str) -> Signer:
         try:
-            info = await self.pki.get_certificate(cert_id)
+            info = await self.pki.get_certificate(cert_id=cert_id)
         except BcError as err:
             if err.code in (ErrorCode.NOT_FOUND, ErrorCode.INVALID_INPUT):
                 raise _refused("unknown-signer", "no certificate for this signer") from err

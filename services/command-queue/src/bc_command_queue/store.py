@@ -14,8 +14,7 @@ from typing import Any, Final
 
 import msgspec
 
-from better_compute.cmdq_client import AgentView
-from better_compute.wire.cmdq import TERMINAL_STATES, AgentStatus, CommandEvent, CommandView
+from better_compute.wire.cmdq import TERMINAL_STATES, AgentStatus, AgentView, CommandEvent, CommandView
 
 __all__ = [
     "ACK",

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.provision.profiles import MAX_PROFILE_STEPS
 from better_compute.service import ApiRequest
+from better_compute.wire import engine as m
 from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
-from . import messages as m
 from . import queue, store
 from .documents import check_document, check_labels, node_doc, workflow_doc
 from .profiles import FoundProfile, ProfileStore, parse_document
 from .resolve import Resolution, resolve_profile
 
 __all__ = ["EngineApi"]
+
+Verb = Literal["abort", "retry", "resume"]
 
 
 class EngineApi:
@@ -62,7 +64,7 @@ class EngineApi:
 
     # -- nodes ------------------------------------------------------------------
 
-    async def nodes_create(self, req: ApiRequest) -> dict[str, Any]:
+    async def nodes_create(self, req: ApiRequest) -> m.NodeView:
         body = req.decode(m.CreateNode)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
@@ -73,14 +75,14 @@ class EngineApi:
             raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists", {"path": "id"})
         return node_doc(row)
 
-    async def nodes_get(self, req: ApiRequest) -> dict[str, Any]:
+    async def nodes_get(self, req: ApiRequest) -> m.NodeView:
         body = req.decode(m.GetNode)
         row = await self.db.fetchrow(store.NODE, body.id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no node {body.id}", {"path": "id"})
         return node_doc(row)
 
-    async def nodes_list(self, req: ApiRequest) -> dict[str, Any]:
+    async def nodes_list(self, req: ApiRequest) -> m.NodeList:
         body = req.decode(m.ListNodes)
         after = decode_cursor(body.cursor, str)
         rows = await self.db.fetch(
@@ -88,9 +90,9 @@ class EngineApi:
             body.site_id, body.tenant_id, after[0] if after else None, body.limit + 1,
         )  # fmt: skip
         docs, next_ = take_page(
-            [node_doc(r) for r in rows], limit=body.limit, key=lambda d: (d["id"],), budget=req.page_budget
+            [node_doc(r) for r in rows], limit=body.limit, key=lambda d: (d.id,), budget=req.page_budget
         )
-        return {"nodes": docs, "next": next_}
+        return m.NodeList(nodes=docs, next=next_)
 
     async def _locked_node(self, conn: Any, node_id: str) -> Any:
         parse_id(node_id, "node", path="id")  # a malformed id never reaches the store
@@ -108,7 +110,7 @@ class EngineApi:
                 {"path": "id", "reason": "node-busy", "workflowId": busy},
             )
 
-    async def nodes_update(self, req: ApiRequest) -> dict[str, Any]:
+    async def nodes_update(self, req: ApiRequest) -> m.NodeView:
         """Replace the node's site and/or all its labels (the bounds of ``nodes.create``); the
         site only while no workflow runs on the node (its commands go to that site)."""
         body = req.decode(m.UpdateNode)
@@ -122,7 +124,7 @@ class EngineApi:
             row = await conn.fetchrow(store.UPDATE_NODE, body.id, body.site_id, labels)
         return node_doc(row)
 
-    async def nodes_label(self, req: ApiRequest) -> dict[str, Any]:
+    async def nodes_label(self, req: ApiRequest) -> m.NodeView:
         """Set some labels and remove others, in one step; the result has the bounds of create."""
         body = req.decode(m.LabelNode)
         check_labels(body.set, "set")
@@ -137,7 +139,7 @@ class EngineApi:
             row = await conn.fetchrow(store.UPDATE_NODE, body.id, None, json.dumps(labels))
         return node_doc(row)
 
-    async def nodes_delete(self, req: ApiRequest) -> dict[str, Any]:
+    async def nodes_delete(self, req: ApiRequest) -> m.NodeDeleted:
         """Forget a node; refused while a workflow runs on it. Finished workflows are kept."""
         body = req.decode(m.DeleteNode)
         async with self.db.transaction() as conn:
@@ -145,36 +147,36 @@ class EngineApi:
             await self._refuse_busy(conn, body.id, "delete it")
             await conn.execute(store.DETACH_NODE_WORKFLOWS, body.id)
             await conn.execute(store.DELETE_NODE, body.id)
-        return {"deleted": body.id}
+        return m.NodeDeleted(deleted=body.id)
 
     # -- steps ----------------------------------------------------------------
 
-    async def steps_list(self, req: ApiRequest) -> dict[str, Any]:
+    async def steps_list(self, req: ApiRequest) -> m.StepList:
         """The steps a profile's ``use`` resolves to and the driver operations, with their inputs."""
         req.decode(m.ListSteps)
         steps = [
-            {
-                "id": s.id,
-                "runsOn": s.runs_on,
-                "relays": list(s.relays),
-                "command": s.command,
-                "sends": list(s.sends),
-                "timeoutMs": s.timeout_ms,
-                "retrySafe": s.retry_safe,
-                "description": s.description,
-                "input": s.input.json_schema(),
-            }
+            m.StepInfo(
+                id=s.id,
+                runs_on=s.runs_on,
+                relays=list(s.relays),
+                command=s.command,
+                sends=list(s.sends),
+                timeout_ms=s.timeout_ms,
+                retry_safe=s.retry_safe,
+                description=s.description,
+                input=s.input.json_schema(),
+            )
             for s in sorted(self.app.steps.values(), key=lambda s: s.id)
         ]
         operations = [
-            {"name": o.name, "description": o.description, "input": o.input.json_schema()}
+            m.DriverOperationInfo(name=o.name, description=o.description, input=o.input.json_schema())
             for o in sorted(self.app.driver_operations.values(), key=lambda o: o.name)
         ]
-        return {"steps": steps, "driverOperations": operations}
+        return m.StepList(steps=steps, driver_operations=operations)
 
     # -- profiles -------------------------------------------------------------
 
-    async def profiles_create(self, req: ApiRequest) -> dict[str, Any]:
+    async def profiles_create(self, req: ApiRequest) -> m.ProfileView:
         body = req.decode(m.CreateProfile)
         check_document(body.document)
         try:
@@ -194,43 +196,36 @@ class EngineApi:
             if err.code is ErrorCode.INVALID_CONFIG:
                 raise err.with_path_prefix("document") from err
             raise
-        return found.to_document()
+        return found.view()
 
-    async def profiles_get(self, req: ApiRequest) -> dict[str, Any]:
+    async def profiles_get(self, req: ApiRequest) -> m.ProfileView:
         body = req.decode(m.GetProfile)
         async with self.db.transaction() as conn:
             found = await self.profiles.find(
                 conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
             )
-        return found.to_document()
+        return found.view()
 
-    async def profiles_list(self, req: ApiRequest) -> dict[str, Any]:
+    async def profiles_list(self, req: ApiRequest) -> m.ProfileList:
         body = req.decode(m.ListProfiles)
         after = decode_cursor(body.cursor, str, int, str)
         async with self.db.transaction() as conn:
             found = await self.profiles.list(
                 conn, tenant_id=body.tenant_id, after=after, limit=body.limit + 1
             )
-        docs = []
-        for f in found:
-            d = f.to_document()
-            d.pop("document")
-            d["steps"] = len(f.profile.steps)
-            d["target"] = f.profile.target
-            docs.append(d)
         page, next_ = take_page(
-            docs, limit=body.limit, key=lambda d: (d["id"], d["version"], d["tenantId"]),
+            [f.summary() for f in found], limit=body.limit, key=lambda d: (d.id, d.version, d.tenant_id),
             budget=req.page_budget,
         )  # fmt: skip
-        return {"profiles": page, "next": next_}
+        return m.ProfileList(profiles=page, next=next_)
 
-    async def profiles_delete(self, req: ApiRequest) -> dict[str, Any]:
+    async def profiles_delete(self, req: ApiRequest) -> m.ProfileDeleted:
         body = req.decode(m.DeleteProfile)
         async with self.db.transaction() as conn:
             await self.profiles.delete(
                 conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
             )
-        return {"deleted": True}
+        return m.ProfileDeleted(deleted=True)
 
     async def _profile_for(self, body: m.ProfileRef) -> FoundProfile:
         if body.document is not None:
@@ -247,7 +242,7 @@ class EngineApi:
                 conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
             )
 
-    async def profiles_validate(self, req: ApiRequest) -> dict[str, Any]:
+    async def profiles_validate(self, req: ApiRequest) -> m.ProfileValidation:
         """Every unresolved ``use`` and rejected ``with``, each with its path."""
         body = req.decode(m.ProfileRef)
         try:
@@ -255,32 +250,32 @@ class EngineApi:
         except BcError as err:
             if err.code is not ErrorCode.INVALID_CONFIG:
                 raise
-            problem = {"path": err.path or "", "code": err.code.value, "message": err.message}
-            return {"valid": False, "problems": [problem]}
+            problem = m.Problem(path=err.path or "", code=err.code.value, message=err.message)
+            return m.ProfileValidation(valid=False, problems=[problem])
         res = resolve_profile(self.app, found.profile)
-        return {
-            "valid": not res.problems,
-            "profile": {"id": found.profile.id, "version": found.profile.version},
-            "problems": [p.to_document() for p in res.problems],
-            "commandKinds": res.command_kinds,
-        }
+        return m.ProfileValidation(
+            valid=not res.problems,
+            profile=m.ProfileKey(id=found.profile.id, version=found.profile.version),
+            problems=[p.view() for p in res.problems],
+            command_kinds=res.command_kinds,
+        )
 
-    async def profiles_render(self, req: ApiRequest) -> dict[str, Any]:
+    async def profiles_render(self, req: ApiRequest) -> m.ProfileRendering:
         """The expanded steps, as a workflow would persist them."""
         body = req.decode(m.ProfileRef)
         found = await self._profile_for(body)
         res = resolve_profile(self.app, found.profile)
         if res.problems:
             raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
-        return {
-            "profile": {"id": found.profile.id, "version": found.profile.version},
-            "steps": [s.to_document() for s in res.steps],
-            "commandKinds": res.command_kinds,
-        }
+        return m.ProfileRendering(
+            profile=m.ProfileKey(id=found.profile.id, version=found.profile.version),
+            steps=[s.view() for s in res.steps],
+            command_kinds=res.command_kinds,
+        )
 
     # -- workflows ----------------------------------------------------------------
 
-    async def workflows_start(self, req: ApiRequest) -> dict[str, Any]:
+    async def workflows_start(self, req: ApiRequest) -> m.WorkflowView:
         body = req.decode(m.StartWorkflow)
         if body.node_id is not None:
             parse_id(body.node_id, "node", path="nodeId")
@@ -294,7 +289,7 @@ class EngineApi:
                 owner=body.owner,
             )
         await self.wake(wf["rkey"])
-        doc: dict[str, Any] = wf["doc"]
+        doc: m.WorkflowView = wf["doc"]
         return doc
 
     async def start_in(
@@ -348,7 +343,7 @@ class EngineApi:
 
     async def _get(
         self, workflow_id: str, *, steps_cursor: str | None = None, budget: int | None = None
-    ) -> dict[str, Any]:
+    ) -> m.WorkflowView:
         """The workflow with as many of its steps (from ``steps_cursor`` on) as fit in
         ``budget`` bytes; ``stepsNext`` is the cursor of the rest, or None."""
         after = decode_cursor(steps_cursor, int, path="stepsCursor")
@@ -364,15 +359,13 @@ class EngineApi:
         steps = []
         if page:
             steps = await self.db.fetch(store.STEPS_BETWEEN, workflow_id, page[0]["idx"], page[-1]["idx"])
-        doc = workflow_doc(row, list(steps))
-        doc["stepsNext"] = next_
-        return doc
+        return workflow_doc(row, list(steps), steps_next=next_)
 
-    async def workflows_get(self, req: ApiRequest) -> dict[str, Any]:
+    async def workflows_get(self, req: ApiRequest) -> m.WorkflowView:
         body = req.decode(m.GetWorkflow)
         return await self._get(body.id, steps_cursor=body.steps_cursor, budget=req.page_budget)
 
-    async def workflows_list(self, req: ApiRequest) -> dict[str, Any]:
+    async def workflows_list(self, req: ApiRequest) -> m.WorkflowList:
         body = req.decode(m.ListWorkflows)
         after = decode_cursor(body.cursor, str)
         rows = await self.db.fetch(
@@ -381,14 +374,14 @@ class EngineApi:
             after[0] if after else body.before, body.limit + 1,
         )  # fmt: skip
         docs, next_ = take_page(
-            [workflow_doc(r) for r in rows], limit=body.limit, key=lambda d: (d["id"],),
+            [workflow_doc(r) for r in rows], limit=body.limit, key=lambda d: (d.id,),
             budget=req.page_budget,
         )  # fmt: skip
-        return {"workflows": docs, "next": next_}
+        return m.WorkflowList(workflows=docs, next=next_)
 
     async def _verb(
-        self, workflow_id: str, *, allowed: tuple[str, ...], verb: str, apply: Any
-    ) -> dict[str, Any]:
+        self, workflow_id: str, *, allowed: tuple[str, ...], verb: Verb, apply: Any
+    ) -> m.WorkflowView:
         async with self.db.transaction() as conn:
             wf = await conn.fetchrow(store.LOCK_WORKFLOW, workflow_id)
             if wf is None:
@@ -412,13 +405,13 @@ class EngineApi:
         await self.wake(wf["rkey"])
         doc = await self._get(workflow_id)
         await self.publish(
-            "workflow",
+            m.EVENTS,
             workflow_id,
-            {"workflowId": workflow_id, "workflowState": doc["state"], "verb": verb},
+            m.VerbApplied(workflow_id=workflow_id, workflow_state=doc.state, verb=verb),
         )
         return doc
 
-    async def workflows_abort(self, req: ApiRequest) -> dict[str, Any]:
+    async def workflows_abort(self, req: ApiRequest) -> m.WorkflowView:
         body = req.decode(m.WorkflowVerb)
         reason = body.reason or "aborted by an operator"
 
@@ -438,7 +431,7 @@ class EngineApi:
         await conn.execute(store.REOPEN_STEP, wf["id"], list(from_states))
         await conn.execute(store.REOPEN_WORKFLOW, wf["id"])
 
-    async def workflows_retry(self, req: ApiRequest) -> dict[str, Any]:
+    async def workflows_retry(self, req: ApiRequest) -> m.WorkflowView:
         """A failed workflow runs its failed step again, as a new attempt."""
         body = req.decode(m.WorkflowVerb)
 
@@ -447,7 +440,7 @@ class EngineApi:
 
         return await self._verb(body.id, allowed=("failed",), verb="retry", apply=apply)
 
-    async def workflows_resume(self, req: ApiRequest) -> dict[str, Any]:
+    async def workflows_resume(self, req: ApiRequest) -> m.WorkflowView:
         """An aborted workflow carries on from the step the abort cancelled, as a new attempt."""
         body = req.decode(m.WorkflowVerb)
 

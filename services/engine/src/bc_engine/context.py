@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
+from better_compute.clients._base import unavailable
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.pki_client import unavailable
 from better_compute.provision import step_command_key
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 

@@ -1,6 +1,6 @@
 """What enters and leaves ``bc.api.engine.*`` besides the request Structs: the bounds of free
-fields (labels, profile documents), checked before anything is parsed or stored, and the reply
-documents of nodes and workflows."""
+fields (labels, profile documents), checked before anything is parsed or stored, and the
+replies of nodes and workflows built from their rows."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from better_compute.core.errors import BcError, ErrorCode
-from better_compute.wire.codec import encode
+import msgspec
 
-from . import messages as m
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire import engine as m
+from better_compute.wire.codec import encode
 
 __all__ = ["check_document", "check_labels", "node_doc", "workflow_doc"]
 
@@ -75,54 +76,55 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-def node_doc(row: Any) -> dict[str, Any]:
-    return {
-        "id": row["id"],
-        "tenantId": row["tenant_id"],
-        "siteId": row["site_id"],
-        "labels": _json(row["labels"]),
-        "generation": row["generation"],
-        "observedGeneration": row["observed_generation"],
-        "createdAt": _iso(row["created_at"]),
-    }
+def node_doc(row: Any) -> m.NodeView:
+    return m.NodeView(
+        id=row["id"],
+        tenant_id=row["tenant_id"],
+        site_id=row["site_id"],
+        labels=_json(row["labels"]),
+        generation=row["generation"],
+        observed_generation=row["observed_generation"],
+        created_at=_iso(row["created_at"]),
+    )
 
 
-def workflow_doc(row: Any, steps: list[Any] | None = None) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "id": row["id"],
-        "tenantId": row["tenant_id"],
-        "nodeId": row["node_id"],
-        "profile": {
-            "tenantId": row["profile_tenant"],
-            "id": row["profile_id"],
-            "version": row["profile_version"],
-        },
-        "state": row["state"],
-        "owner": row["owner"],
-        "commandKinds": list(row["command_kinds"]),
-        "batchId": row["batch_id"],
-        "error": _json(row["error"]),
-        "createdAt": _iso(row["created_at"]),
-        "finishedAt": _iso(row["finished_at"]),
-    }
-    if steps is not None:
-        doc["steps"] = [
-            {
-                "index": s["idx"],
-                "action": s["action"],
-                "runsOn": s["runs_on"],
-                "mode": s["mode"],
-                "command": s["command"],
-                "state": s["state"],
-                "attempt": s["attempt"],
-                "startedAt": _iso(s["started_at"]),
-                "deadline": _iso(s["deadline"]),
-                "finishedAt": _iso(s["finished_at"]),
-                "result": _json(s["result"]),
-                "error": _json(s["error"]),
-                "commandId": s["command_id"],
-                "waitingFor": _json(s.get("waiting_for")) if s["state"] in ("pending", "running") else None,
-            }
-            for s in steps
-        ]
-    return doc
+def _step(s: Any) -> m.WorkflowStep:
+    return m.WorkflowStep(
+        index=s["idx"],
+        action=s["action"],
+        runs_on=s["runs_on"],
+        mode=s["mode"],
+        command=s["command"],
+        state=s["state"],
+        attempt=s["attempt"],
+        started_at=_iso(s["started_at"]),
+        deadline=_iso(s["deadline"]),
+        finished_at=_iso(s["finished_at"]),
+        result=_json(s["result"]),
+        error=_json(s["error"]),
+        command_id=s["command_id"],
+        waiting_for=_json(s.get("waiting_for")) if s["state"] in ("pending", "running") else None,
+    )
+
+
+def workflow_doc(
+    row: Any, steps: list[Any] | None = None, *, steps_next: str | msgspec.UnsetType | None = msgspec.UNSET
+) -> m.WorkflowView:
+    """The workflow; with ``steps`` (rows) its steps, with ``steps_next`` the cursor of the rest."""
+    return m.WorkflowView(
+        id=row["id"],
+        tenant_id=row["tenant_id"],
+        node_id=row["node_id"],
+        profile=m.WorkflowProfile(
+            tenant_id=row["profile_tenant"], id=row["profile_id"], version=row["profile_version"]
+        ),
+        state=row["state"],
+        owner=row["owner"],
+        command_kinds=list(row["command_kinds"]),
+        batch_id=row["batch_id"],
+        error=_json(row["error"]),
+        created_at=_iso(row["created_at"]),
+        finished_at=_iso(row["finished_at"]),
+        steps=[_step(s) for s in steps] if steps is not None else msgspec.UNSET,
+        steps_next=steps_next,
+    )

@@ -19,14 +19,17 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import msgspec
+
 from better_compute.app import App
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.pki_client import PkiClient
 from better_compute.provision import Profile, StepNotReady, profile_from_document
-from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
+from better_compute.wire import engine as m
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 from . import queue, store
@@ -348,21 +351,23 @@ class Engine:
         result: Any = None,
         error: BcError | None = None,
     ) -> None:
-        payload: dict[str, Any] = {
-            "workflowId": wf.id,
-            "nodeId": wf.node_id,
-            "workflowState": wf.state,
-            "at": time.time(),
-        }
-        if step is not None:
-            payload["step"] = {
-                "index": step.idx,
-                "action": step.action,
-                "state": state,
-                "attempt": step.attempt,
-            }
-            if error is not None:
-                payload["step"]["error"] = {"code": error.code.value, "message": error.message}
-            if step.waiting_for and state in ("pending", "running"):
-                payload["step"]["waitingFor"] = step.waiting_for
-        await self.publish("workflow", wf.id, payload)
+        event: m.WorkflowEvent
+        if step is None:
+            event = m.WorkflowFinished(
+                workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time()
+            )
+        else:
+            failed = {"code": error.code.value, "message": error.message} if error is not None else None
+            waits = step.waiting_for if step.waiting_for and state in ("pending", "running") else None
+            change = m.StepChange(
+                index=step.idx,
+                action=step.action,
+                state=state,
+                attempt=step.attempt,
+                error=failed if failed is not None else msgspec.UNSET,
+                waiting_for=waits if waits is not None else msgspec.UNSET,
+            )
+            event = m.StepChanged(
+                workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time(), step=change
+            )
+        await self.publish(m.EVENTS, wf.id, event)

@@ -13,6 +13,7 @@ from typing import Any
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import Profile, profile_from_document
+from better_compute.wire import engine as m
 
 from . import store
 
@@ -32,17 +33,23 @@ class FoundProfile:
     def shipped(self) -> bool:
         return self.tenant_id == BUILTIN_TENANT
 
-    def to_document(self) -> dict[str, Any]:
+    def _head(self) -> dict[str, Any]:
         return {
-            "tenantId": self.tenant_id,
+            "tenant_id": self.tenant_id,
             "id": self.profile.id,
             "version": self.profile.version,
             "public": self.public or self.shipped,
             "shipped": self.shipped,
             "immutable": self.shipped or self.first_used_at is not None,
-            "firstUsedAt": self.first_used_at,
-            "document": self.profile.to_document(),
+            "first_used_at": self.first_used_at,
         }
+
+    def view(self) -> m.ProfileView:
+        return m.ProfileView(**self._head(), document=self.profile.to_document())
+
+    def summary(self) -> m.ProfileSummary:
+        """As ``profiles.list`` shows it: without the document, with its step count and target."""
+        return m.ProfileSummary(**self._head(), steps=len(self.profile.steps), target=self.profile.target)
 
 
 def parse_document(document: dict[str, Any]) -> Profile:

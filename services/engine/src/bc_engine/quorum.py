@@ -12,9 +12,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from better_compute.app import App
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.core.errors import BcError
 from better_compute.core.keys import workflow_command_prefix
+from better_compute.wire import engine as m
 
 from . import store
 from .runners import QUEUE_RETRY_S
@@ -75,5 +76,7 @@ class QuorumBatches:
             return time.time() + QUEUE_RETRY_S
         await self.db.execute(store.SET_BATCH, wf.id, batch.id)
         wf.batch_id = batch.id
-        await self.publish("workflow", wf.id, {"workflowId": wf.id, "batchId": batch.id, "at": time.time()})
+        await self.publish(
+            m.EVENTS, wf.id, m.BatchCreated(workflow_id=wf.id, batch_id=batch.id, at=time.time())
+        )
         return None

@@ -21,6 +21,7 @@ from typing import Any
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode, join_path
 from better_compute.provision import Profile, ProfileStep, Step
+from better_compute.wire import engine as m
 
 __all__ = ["MAX_STEPS", "Problem", "ResolvedStep", "resolve_profile"]
 
@@ -42,18 +43,18 @@ class ResolvedStep:
     via: str  # step, driver, fallback-step or fallback-driver
     sends: tuple[str, ...] = ()
 
-    def to_document(self) -> dict[str, Any]:
-        return {
-            "index": self.idx,
-            "action": self.action,
-            "runsOn": self.runs_on,
-            "mode": self.mode,
-            "command": self.command,
-            "with": self.input,
-            "timeoutMs": self.timeout_ms,
-            "via": self.via,
-            "sends": list(self.sends),
-        }
+    def view(self) -> m.RenderedStep:
+        return m.RenderedStep(
+            index=self.idx,
+            action=self.action,
+            runs_on=self.runs_on,
+            mode=self.mode,
+            command=self.command,
+            input=self.input,
+            timeout_ms=self.timeout_ms,
+            via=self.via,
+            sends=list(self.sends),
+        )
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,11 @@ class Problem:
     message: str
 
     def to_document(self) -> dict[str, Any]:
+        """As ``details.problems`` of an error."""
         return {"path": self.path, "code": self.code, "message": self.message}
+
+    def view(self) -> m.Problem:
+        return m.Problem(path=self.path, code=self.code, message=self.message)
 
     def to_error(self, **extra: Any) -> BcError:
         return BcError(self.code, self.message, {"path": self.path, **extra})

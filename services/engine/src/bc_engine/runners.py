@@ -116,7 +116,9 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
         batch_id=wf.batch_id,
         node=node,
         sql=EngineSql(engine.db.pool),
-        pki=engine.pki.for_step(idempotency_key, node_id=wf.node_id, before_mint=minting_tokens),
+        pki=engine.pki.for_step(
+            idempotency_key=idempotency_key, node_id=wf.node_id, before_mint=minting_tokens
+        ),
         secrets=engine.secrets.for_step(
             tenant_id=wf.tenant_id, workflow_id=wf_id, step=idx, attempt=attempt, before_put=storing_secrets
         ),

@@ -19,7 +19,8 @@ from better_compute.provision import UserData
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
-from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent
+from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
+from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
 
 from . import queue, store
 from .api import EngineApi
@@ -95,7 +96,7 @@ class EngineService(Service):
         root = self.subjects.root
         self._subs = [
             await self.nc.subscribe(f"{root}.engine.wake", cb=self._on_wake),
-            await self.nc.subscribe(self.subjects.events_all("command"), cb=self._on_command),
+            await self.nc.subscribe(self.subjects.events_all(COMMAND_EVENTS), cb=self._on_command),
         ]
 
     def routes(self) -> Mapping[str, Handler]:
@@ -125,20 +126,17 @@ class EngineService(Service):
             self.scheduler.now(rkey)
 
     async def _on_command(self, msg: Msg) -> None:
-        try:
-            event = msgspec.json.decode(msg.data, type=CommandEvent)
-        except msgspec.MsgspecError:
-            return
-        if event.workflow_id is None:
-            return
-        rkey = self._rkeys.get(event.workflow_id)
-        if rkey is None:
-            task = asyncio.create_task(self._wake_workflow(event.workflow_id))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
-            return
-        if self._owns_key(rkey):
-            self.scheduler.now(rkey)
+        match decode_command_event(msg.data):
+            case CommandEvent(workflow_id=str() as workflow_id):
+                rkey = self._rkeys.get(workflow_id)
+                if rkey is None:
+                    task = asyncio.create_task(self._wake_workflow(workflow_id))
+                    self._inflight.add(task)
+                    task.add_done_callback(self._inflight.discard)
+                elif self._owns_key(rkey):
+                    self.scheduler.now(rkey)
+            case _:
+                return  # not a command of a workflow, or not an event
 
     async def _wake_workflow(self, workflow_id: str) -> None:
         assert self.db is not None
@@ -183,7 +181,7 @@ class EngineService(Service):
             for start in range(0, len(ids), MAX_STATE_QUERY):
                 chunk = ids[start : start + MAX_STATE_QUERY]
                 try:
-                    states = await self.engine.cmdq.states(chunk)
+                    states = await self.engine.cmdq.states(ids=chunk)
                 except BcError as err:
                     self.log.warning("command_watch_failed", code=err.code.value)
                     break

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 from better_compute.agent import Agent, Command, CommandHandler, CommandRejected, Enrollment
+from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
 from better_compute.metal.commands import NODE_CONVERGE, NODE_IMAGE_WRITE, NODE_WIPE
-from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 
@@ -151,7 +151,7 @@ async def _serve_on(
     secrets = SecretsClient(api)
 
     async def fetch_secret(ref: str) -> bytes:
-        return await secrets.fetch(ref, identity=enrollment.identity)
+        return await secrets.fetch(ref=ref, identity=enrollment.identity)
 
     converger = Converger(state.machine, fetch_secret=fetch_secret) if mode == "installed" else None
     handlers: Mapping[str, CommandHandler] = node_handlers(state.machine, mode, converger=converger)

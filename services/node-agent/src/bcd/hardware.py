@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Final
 
-from better_compute.pki_client import JoinClaims
+from better_compute.wire.pki import JoinClaims
 
 from .system import Machine
 

@@ -18,11 +18,12 @@ from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 from better_compute.agent import Enrollment, enroll, load_enrollment, save_enrollment
+from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger, register_secret
-from better_compute.pki_client import JoinClaims, PkiClient
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
+from better_compute.wire.pki import JoinClaims
 
 from .hardware import claims as read_claims
 from .system import Machine

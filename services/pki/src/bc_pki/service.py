@@ -15,9 +15,12 @@ from cryptography.hazmat.primitives import serialization
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
+from better_compute.core.keys import attempt_key
 from better_compute.keyring import Keyring, key_file_path
 from better_compute.logging import register_secret
-from better_compute.pki_client import (
+from better_compute.service import ApiRequest, Handler, Service
+from better_compute.wire.paging import decode_cursor, take_page
+from better_compute.wire.pki import (
     CaInfo,
     CertIdRequest,
     CertificateInfo,
@@ -41,10 +44,7 @@ from better_compute.pki_client import (
     RewrapResult,
     Verified,
     VerifyRequest,
-    attempt_key,
 )
-from better_compute.service import ApiRequest, Handler, Service
-from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
 from .ca import CertificateAuthority, parse_csr, signature_valid

@@ -6,7 +6,7 @@ from typing import Any, Final
 
 import msgspec
 
-from better_compute.pki_client import (
+from better_compute.wire.pki import (
     CertificateInfo,
     JoinAudit,
     JoinClaims,

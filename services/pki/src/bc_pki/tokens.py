@@ -16,7 +16,7 @@ import hmac
 import re
 import secrets
 
-from better_compute.pki_client import JoinClaims, JoinExpect
+from better_compute.wire.pki import JoinClaims, JoinExpect
 
 __all__ = [
     "derived_token",

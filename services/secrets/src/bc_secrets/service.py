@@ -8,21 +8,19 @@ from typing import Any, ClassVar, NoReturn
 
 import msgspec
 
-from better_compute.cmdq_client import CommandQueueClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
+from better_compute.core.keys import attempt_key
+from better_compute.crypto import fetch_document, reply_public_key, seal_value, signing_payload
 from better_compute.keyring import Keyring, key_file_path
 from better_compute.logging import register_secret
-from better_compute.pki_client import (
-    PkiClient,
-    RevokeAttempt,
-    RevokedAttempt,
-    Verified,
-    attempt_key,
-    signing_payload,
-)
-from better_compute.secrets_client import (
+from better_compute.service import ApiRequest, Handler, Service
+from better_compute.wire.paging import decode_cursor, take_page
+from better_compute.wire.pki import RevokeAttempt, RevokedAttempt, Verified
+from better_compute.wire.secrets import (
     FETCH_PURPOSE,
     FetchAuditList,
     FetchSecretRequest,
@@ -34,12 +32,7 @@ from better_compute.secrets_client import (
     SecretList,
     SecretsRewrapResult,
     SecretValue,
-    fetch_document,
-    reply_public_key,
-    seal_value,
 )
-from better_compute.service import ApiRequest, Handler, Service
-from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from better_compute.secrets_client import FetchAudit, SecretInfo
+from better_compute.wire.secrets import FetchAudit, SecretInfo
 
 __all__ = [
     "FETCH_AUDIT_INSERT",

@@ -26,10 +26,10 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from better_compute.agent import Agent, Enrollment, enroll, load_enrollment, save_enrollment
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import configure_logging, get_logger, register_secret
-from better_compute.pki_client import PkiClient
-from better_compute.secrets_client import SecretsClient
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import AgentStatus

@@ -18,11 +18,11 @@ from typing import Any
 import msgspec
 
 from better_compute.agent import Command, CommandHandler, CommandRejected
+from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.crypto import AgentIdentity
 from better_compute.logging import get_logger, register_secret
 from better_compute.metal.commands import COMMAND_KINDS
-from better_compute.pki_client import AgentIdentity
-from better_compute.secrets_client import SecretsClient
 
 from .cache import SiteCache
 from .drivers import BmcCredentials, BmcTarget, Driver, make_driver
@@ -97,7 +97,7 @@ class SiteHandlers:
         delay = 0.2
         while True:
             try:
-                raw = await self.secrets.fetch(target.credentials_ref, identity=self.identity)
+                raw = await self.secrets.fetch(ref=target.credentials_ref, identity=self.identity)
                 break
             except BcError as err:
                 if err.code not in _WAIT_FOR or time.time() + delay >= deadline:

@@ -6,9 +6,10 @@ each before running it, runs each at most once (its ``Journal`` remembers across
 reports progress and results, and signs everything it sends.
 """
 
+from ..crypto import result_document
+from ..wire.agent import CommandDelivery, payload_digest
 from .identity import Enrollment, enroll, load_enrollment, save_enrollment
 from .journal import Journal, JournalEntry
-from .protocol import CommandDelivery, payload_digest, result_document
 from .runner import MAX_RESULT_BYTES, Agent, Command, CommandHandler, CommandRejected
 
 __all__ = [

@@ -11,8 +11,10 @@ from typing import Literal
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from ..clients.pki import PkiClient
 from ..core.errors import BcError, ErrorCode
-from ..pki_client import AgentIdentity, AgentKey, JoinClaims, PkiClient, make_csr, new_agent_key
+from ..crypto import AgentIdentity, AgentKey, make_csr, new_agent_key
+from ..wire.pki import JoinClaims
 
 __all__ = ["Enrollment", "enroll", "load_enrollment", "save_enrollment"]
 

@@ -30,16 +30,12 @@ from nats.aio.msg import Msg
 
 from .. import __version__
 from ..core.errors import BcError, ErrorCode
+from ..crypto import result_document, sign_bytes, sign_event
 from ..logging import get_logger
-from ..pki_client import sign_bytes
 from ..service.client import connect
 from ..service.faults import Backoff
 from ..wire import Subjects, unwrap
-from ..wire.cmdq import AgentStatus
-from ..wire.codec import encode
-from .identity import Enrollment
-from .journal import Journal
-from .protocol import (
+from ..wire.agent import (
     Ack,
     AckReply,
     AgentEvent,
@@ -52,9 +48,11 @@ from .protocol import (
     Result,
     ResultReply,
     payload_digest,
-    result_document,
-    sign_event,
 )
+from ..wire.cmdq import AgentStatus
+from ..wire.codec import encode
+from .identity import Enrollment
+from .journal import Journal
 
 __all__ = ["MAX_RESULT_BYTES", "Agent", "Command", "CommandHandler", "CommandRejected", "connect_waiting"]
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from ..app.composition import load_app
+from ..clients.pki import PkiClient
 from ..config import load_settings
 from ..core.errors import BcError
 from ..logging import configure_logging, get_logger
-from ..pki_client import PkiClient
 from ..service.client import ApiClient
 from ..wire import Subjects
 from .identity import Enrollment, enroll, load_enrollment, save_enrollment

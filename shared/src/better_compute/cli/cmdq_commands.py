@@ -20,12 +20,13 @@ import msgspec
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from ..cmdq_client import AgentView, BatchView, CommandQueueClient, sign_batch
+from ..clients.cmdq import CommandQueueClient
+from ..clients.pki import PkiClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
-from ..pki_client import PkiClient
+from ..crypto import sign_batch
 from ..service.client import ApiClient
-from ..wire.cmdq import CommandView
+from ..wire.cmdq import AgentView, BatchView, CommandView
 from .common import api_client
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect, print_more
@@ -167,7 +168,7 @@ async def cmd_commands_list(args: argparse.Namespace, settings: Settings) -> int
 
 async def cmd_commands_get(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        view = await CommandQueueClient(api).get(args.id)
+        view = await CommandQueueClient(api).get(id=args.id)
     if args.json:
         print_json(_json(view))
         return 0
@@ -240,7 +241,7 @@ async def _cert_states(api: ApiClient, agents: list[AgentView]) -> dict[str, str
 
     async def state(cert_id: str) -> tuple[str, str | None]:
         try:
-            return cert_id, (await pki.get_certificate(cert_id)).state
+            return cert_id, (await pki.get_certificate(cert_id=cert_id)).state
         except BcError:
             return cert_id, None
 
@@ -307,7 +308,7 @@ async def cmd_batches_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_batches_get(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        batch = await CommandQueueClient(api).get_batch(args.id)
+        batch = await CommandQueueClient(api).get_batch(id=args.id)
     _print_batch(batch, as_json=args.json)
     return 0
 
@@ -342,10 +343,10 @@ async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> i
         cq = CommandQueueClient(api)
         for batch_id in args.id:
             try:
-                batch = await cq.get_batch(batch_id)
+                batch = await cq.get_batch(id=batch_id)
                 signature = sign_batch(batch, key)  # refuses a document that is not the scope shown
                 approved.append(
-                    await cq.approve_batch(batch.id, approver_id=args.approver, signature=signature)
+                    await cq.approve_batch(batch_id=batch.id, approver_id=args.approver, signature=signature)
                 )
             except BcError as err:
                 if err.code is ErrorCode.UNAVAILABLE:

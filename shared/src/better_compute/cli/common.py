@@ -9,13 +9,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from ..clients import EngineClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..runtime.urls import resolve_nats_url
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
 
-__all__ = ["api_client", "read_document"]
+__all__ = ["api_client", "as_rows", "engine_client", "read_document", "short"]
 
 
 @asynccontextmanager
@@ -26,6 +29,27 @@ async def api_client(settings: Settings) -> AsyncIterator[ApiClient]:
         yield ApiClient(nc, Subjects(root=settings.subject_root))
     finally:
         await nc.close()
+
+
+@asynccontextmanager
+async def engine_client(settings: Settings) -> AsyncIterator[EngineClient]:
+    """An ``EngineClient`` on the deployment's NATS, closed on exit."""
+    async with api_client(settings) as api:
+        yield EngineClient(api)
+
+
+def as_rows(items: list[Any]) -> list[dict[str, Any]]:
+    """Replies (Structs) as camelCase dicts: the rows of a table."""
+    out: list[dict[str, Any]] = msgspec.to_builtins(items)
+    return out
+
+
+def short(value: Any, width: int = 60) -> str:
+    """``value`` on one line of at most ``width`` characters (JSON unless it is text)."""
+    if value is None:
+        return "-"
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def read_document(path: str) -> dict[str, Any]:

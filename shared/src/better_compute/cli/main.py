@@ -17,7 +17,7 @@ from ..core.errors import BcError, ErrorCode
 from ..runtime.dev import SERVICES, DevStack
 from ..runtime.urls import resolve_nats_url
 from ..service.client import connect, discover
-from . import engine_commands, pki_commands, secrets_commands
+from . import engine_commands, pki_commands, secrets_commands, workflow_commands
 from .output import iso, print_error, print_json, print_table
 
 __all__ = ["main"]
@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = dsub.add_parser("ps", parents=[common], help="processes of the embedded stack")
     p.set_defaults(func=cmd_dev_ps)
     engine_commands.register(sub, common)
+    workflow_commands.register(sub, common)
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
     from . import cmdq_commands

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+import msgspec
+
 from ..core.errors import BcError
 
 __all__ = ["iso", "json_line", "print_error", "print_json", "print_table", "with_iso_times"]
@@ -49,7 +51,10 @@ def iso(value: datetime | float | str | None) -> str | None:
 
 def with_iso_times(value: Any) -> Any:
     """``value`` with every moment it carries (``createdAt``, ``lastSeen``, ``expiresAtMs``, …)
-    as :func:`iso` text; documents inside it (``document``, ``payload``, ``result``) untouched."""
+    as :func:`iso` text; documents inside it (``document``, ``payload``, ``result``) untouched.
+    A Struct (a client's reply) is shown as it travels: camelCase JSON."""
+    if isinstance(value, msgspec.Struct):
+        value = msgspec.to_builtins(value)
     if isinstance(value, list):
         return [with_iso_times(v) for v in value]
     if not isinstance(value, dict):

@@ -13,10 +13,11 @@ from typing import Any
 
 import msgspec
 
+from ..clients.pki import PkiClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.manifest import parse_duration
-from ..pki_client import CertificateInfo, JoinTokenInfo, PkiClient
+from ..wire.pki import CertificateInfo, JoinTokenInfo
 from .common import api_client
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect, print_more
@@ -159,7 +160,7 @@ async def cmd_tokens_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_tokens_revoke(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        info = await PkiClient(api).revoke_join_token(args.id, reason=args.reason)
+        info = await PkiClient(api).revoke_join_token(join_token_id=args.id, reason=args.reason)
     if args.json:
         print_json(msgspec.to_builtins(info))
     else:
@@ -199,7 +200,7 @@ async def cmd_certs_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_certs_revoke(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        info = await PkiClient(api).revoke_certificate(args.id, reason=args.reason)
+        info = await PkiClient(api).revoke_certificate(cert_id=args.id, reason=args.reason)
     if args.json:
         print_json(msgspec.to_builtins(info))
     else:

@@ -13,8 +13,9 @@ from typing import Any
 
 import msgspec
 
+from ..clients.secrets import SecretsClient
 from ..config import Settings
-from ..secrets_client import SecretInfo, SecretsClient
+from ..wire.secrets import SecretInfo
 from .common import api_client
 from .output import print_json, print_table
 from .paging import add_paging, collect, print_more
@@ -63,8 +64,8 @@ async def cmd_secrets_list(args: argparse.Namespace, settings: Settings) -> int:
 async def cmd_secrets_show(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         client = SecretsClient(api)
-        info = await client.describe(args.ref)
-        value = await client.get(args.ref) if args.reveal else None
+        info = await client.describe(ref=args.ref)
+        value = await client.get(ref=args.ref) if args.reveal else None
     if args.json:
         doc = msgspec.to_builtins(info)
         if value is not None:

@@ -14,9 +14,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cmdq_client import CommandQueueClient
+from ..clients.cmdq import CommandQueueClient
+from ..clients.pki import PkiClient
 from ..config import Settings
-from ..pki_client import PkiClient
 from .waiting import until
 
 __all__ = ["SimAgent", "start_sim_agent", "until"]

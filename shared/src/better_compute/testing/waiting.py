@@ -2,7 +2,7 @@
 
 Part of the SDK, because plugin authors test with them too::
 
-    view = await until(lambda: cq.get(command_id), timeout=10)        # truthy: done
+    view = await until(lambda: cq.get(id=command_id), timeout=10)     # truthy: done
     err = await refused(cq.enqueue(bad))                               # a BcError, or it fails
     assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "kind")
 """

@@ -1,33 +1,79 @@
-"""The command-queue's contract with its callers (engine, secrets, bcx, agents' SDK).
+"""The command-queue's contract with its callers (engine, secrets, bcx, agents' SDK): its
+requests, replies, events and routes. The client is ``better_compute.clients.CommandQueueClient``;
+what agents and the queue say to each other is ``wire.agent``.
 
-Subjects: ``bc.api.command-queue.<resource>.<verb>``; events on ``bc.events.command.<id>``.
-Payload field names are camelCase on the wire.
+Events go on ``bc.events.command.<id>``; field names are camelCase on the wire. Every route is
+``bc.api.command-queue.<resource>.<verb>`` (``SERVICE``):
+
+========================  ========================  ====================================
+route                     request                   result
+========================  ========================  ====================================
+``commands.enqueue``      ``EnqueueCommand``        ``CommandView`` (``created`` says if new)
+``commands.get``          ``CommandIdRequest``      ``CommandView``
+``commands.list``         ``ListCommands``          ``CommandList`` (newest first, no results)
+``commands.cancel``       ``CancelCommands``        ``CancelReply``
+``commands.live_with_ref````LiveWithRef``           ``LiveWithRefReply``
+``agents.list``           ``ListAgents``            ``AgentList``
+``agents.site_agent_for`` ``SiteAgentRequest``      ``SiteAgentReply``
+``batches.create``        ``CreateBatch``           ``BatchView``
+``batches.get``           ``BatchIdRequest``        ``BatchView``
+``batches.list``          ``ListBatches``           ``BatchList``
+``batches.approve``       ``ApproveBatch``          ``BatchView``
+``quorum.get``            ``{}``                    ``QuorumView``
+========================  ========================  ====================================
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from ..core.names import Name
+from .paging import DEFAULT_LIMIT, Cursor
+
 __all__ = [
+    "BATCH_PURPOSE",
     "DEFAULT_COMMAND_TIMEOUT_MS",
+    "EVENTS",
     "LIVE_STATES",
     "MAX_STATE_QUERY",
     "MAX_STATUS_DRIVERS",
     "MAX_STATUS_DRIVER_CHARS",
     "MAX_STATUS_ERROR_CHARS",
+    "SERVICE",
     "TERMINAL_STATES",
+    "AgentList",
     "AgentStatus",
+    "AgentView",
+    "AnyCommandEvent",
+    "ApprovalView",
+    "ApproveBatch",
+    "ApproverView",
+    "BatchIdRequest",
+    "BatchList",
+    "BatchState",
+    "BatchView",
     "CancelCommands",
+    "CancelReply",
     "CommandEvent",
+    "CommandIdRequest",
+    "CommandList",
     "CommandState",
     "CommandStates",
     "CommandStatesReply",
     "CommandView",
+    "CreateBatch",
     "EnqueueCommand",
+    "ListAgents",
+    "ListBatches",
+    "ListCommands",
     "LiveWithRef",
     "LiveWithRefReply",
+    "QuorumView",
+    "SiteAgentReply",
+    "SiteAgentRequest",
+    "decode_command_event",
 ]
 
 CommandState = Literal[
@@ -37,6 +83,10 @@ CommandState = Literal[
 LIVE_STATES: frozenset[str] = frozenset({"pending", "dispatched", "acked", "running"})
 TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "rejected", "expired", "cancelled"})
 DEFAULT_COMMAND_TIMEOUT_MS = 600_000
+SERVICE: Final = "command-queue"
+"""The service token of every route: ``bc.api.command-queue.<resource>.<verb>``."""
+EVENTS: Final = "command"
+"""The kind of the queue's events: ``bc.events.command.<command id>`` (``AnyCommandEvent``)."""
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=False):
@@ -114,8 +164,10 @@ class CancelCommands(_Msg, frozen=True, kw_only=True):
     fence: bool = False
 
 
-class CommandEvent(_Msg, frozen=True, kw_only=True):
-    """Published on ``bc.events.command.<id>`` at every state change."""
+class CommandEvent(_Msg, frozen=True, kw_only=True, tag_field="event", tag="command"):
+    """Published on ``bc.events.command.<id>`` at every state change: a wake-up, never the
+    truth. It is the one member of ``AnyCommandEvent`` today; another kind of command event
+    joins that union with its own ``event`` tag, and readers ``match`` on what they decode."""
 
     id: str
     key: str
@@ -124,6 +176,21 @@ class CommandEvent(_Msg, frozen=True, kw_only=True):
     step: int | None = None
     state: CommandState
     reason: str | None = None
+
+
+AnyCommandEvent = CommandEvent
+"""Every event on ``bc.events.command.*`` (one kind so far)."""
+
+_command_events = msgspec.json.Decoder(AnyCommandEvent)
+
+
+def decode_command_event(data: bytes) -> AnyCommandEvent | None:
+    """The event in ``data``, or None for anything that is not one (a wake-up is never trusted
+    for more than waking)."""
+    try:
+        return _command_events.decode(data)
+    except msgspec.MsgspecError:
+        return None
 
 
 class LiveWithRef(_Msg, frozen=True, kw_only=True):
@@ -177,3 +244,176 @@ class AgentStatus(_Msg, frozen=True, kw_only=True):
 MAX_STATUS_DRIVERS = 16
 MAX_STATUS_DRIVER_CHARS = 32
 MAX_STATUS_ERROR_CHARS = 300
+
+
+BATCH_PURPOSE: Final = "cmdq.batch"
+BatchState = Literal["open", "approved", "expired"]
+
+Limit = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+Text = Annotated[str, msgspec.Meta(max_length=200)]
+KindName = Annotated[str, msgspec.Meta(max_length=128)]
+NodeIdText = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    pass
+
+
+# -- commands -----------------------------------------------------------------------
+
+
+class CommandIdRequest(_Req, frozen=True, kw_only=True):
+    id: str
+
+
+class ListCommands(_Req, frozen=True, kw_only=True):
+    """Filters combine with AND; ``before`` is the ``next`` of the previous page."""
+
+    node_id: str | None = None
+    workflow_id: str | None = None
+    state: CommandState | None = None
+    kind: KindName | None = None
+    site_id: str | None = None
+    agent_id: str | None = None
+    batch_id: str | None = None
+    before: str | None = None
+    limit: Limit = 100
+
+
+class CommandList(_Msg, frozen=True, kw_only=True):
+    commands: list[CommandView]
+    next: str | None = None
+
+
+class CancelReply(_Msg, frozen=True, kw_only=True):
+    cancelled: list[str]
+    running: list[str] = []
+    """Commands under the prefix an agent claimed and may still be running: cancelling does
+    not recall them. One leaves this list with its agent's result (even a late one, which
+    no longer counts), or when its agent is lost."""
+
+
+# -- agents -------------------------------------------------------------------------
+
+
+class ListAgents(_Req, frozen=True, kw_only=True):
+    site_id: str | None = None
+    role: str | None = None
+    connected: bool | None = None
+    """True: connected only; False: silent only; unset: every agent."""
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (by site, then id)."""
+
+
+class AgentView(_Msg, frozen=True, kw_only=True):
+    id: str
+    site_id: str
+    tenant_id: str
+    role: str
+    cert_id: str
+    version: str | None = None
+    kinds: list[str] | None = None
+    connected: bool
+    boot_lease: bool = False
+    live_commands: int = 0
+    connected_at: float
+    last_seen: float
+    status: AgentStatus | None = None
+    """What the agent last said of itself (drivers, cache use, last error)."""
+
+
+class AgentList(_Msg, frozen=True, kw_only=True):
+    agents: list[AgentView]
+    next: str | None = None
+    """The cursor of the next page; None after the last."""
+
+
+class SiteAgentRequest(_Req, frozen=True, kw_only=True):
+    """The site is ``site_id``; without it, the site the node is known in here (its own
+    agent's certificate, else its latest command). Give ``site_id`` when you know it."""
+
+    site_id: str | None = None
+    node_id: str | None = None
+
+
+class SiteAgentReply(_Msg, frozen=True, kw_only=True):
+    agent_id: str | None = None
+
+
+# -- batches and the quorum -------------------------------------------------------
+
+
+class CreateBatch(_Req, frozen=True, kw_only=True):
+    """A destructive batch's scope: the command kinds and nodes it covers, until it expires."""
+
+    tenant_id: Name = "root"
+    kinds: Annotated[list[KindName], msgspec.Meta(min_length=1, max_length=64)]
+    nodes: Annotated[list[NodeIdText], msgspec.Meta(min_length=1, max_length=10_000)]
+    ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=30 * 24 * 3600)] = 24 * 3600
+    workflow_id: str | None = None
+    note: Text | None = None
+    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    """The same key returns the first batch (``CONFLICT`` with another scope)."""
+
+
+class BatchIdRequest(_Req, frozen=True, kw_only=True):
+    id: str
+
+
+class ListBatches(_Req, frozen=True, kw_only=True):
+    workflow_id: str | None = None
+    state: BatchState | None = None
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (newest first)."""
+
+
+class ApprovalView(_Msg, frozen=True, kw_only=True):
+    approver_id: str
+    at: float
+    counted: bool
+    """False when the approver is no longer configured (the signature is kept, not counted)."""
+
+
+class BatchView(_Msg, frozen=True, kw_only=True):
+    id: str
+    tenant_id: str
+    kinds: list[str]
+    nodes: list[str]
+    workflow_id: str | None = None
+    note: str | None = None
+    state: BatchState
+    threshold: int
+    """Approvals needed (M), as configured now."""
+    approvals: list[ApprovalView] = []
+    created_at: float
+    expires_at_ms: int
+    document: bytes
+    """What approvers sign; ``batch_document`` rebuilds it from the fields above."""
+    created: bool = False
+
+
+class BatchList(_Msg, frozen=True, kw_only=True):
+    batches: list[BatchView]
+    next: str | None = None
+    """The cursor of the next page; None after the last. A page of big batches (many
+    nodes) holds fewer than ``limit``."""
+
+
+class ApproveBatch(_Req, frozen=True, kw_only=True):
+    batch_id: str
+    approver_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    signature: Annotated[bytes, msgspec.Meta(max_length=512)]
+    """Ed25519 over ``batch_document(...)`` of the batch."""
+
+
+class ApproverView(_Msg, frozen=True, kw_only=True):
+    id: str
+    public_key: str
+
+
+class QuorumView(_Msg, frozen=True, kw_only=True):
+    enabled: bool
+    threshold: int = 0
+    approvers: list[ApproverView] = []

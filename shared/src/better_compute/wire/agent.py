@@ -1,4 +1,5 @@
-"""The agent protocol: what travels between the command queue and its agents.
+"""The agent protocol: what travels between the command queue and its agents (signing an
+event or a result is ``better_compute.crypto.sign_event`` / ``result_document``).
 
 * Deliveries: the command queue publishes a ``CommandDelivery`` on the agent's subject
   ``bc.site.<site>.cmd.<agent>`` of the site's JetStream stream; the agent pulls it from its
@@ -24,13 +25,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import msgspec
 
 from ..core.errors import BcError, ErrorCode
-from ..pki_client import AgentIdentity, signing_payload
-from ..wire.cmdq import AgentStatus
+from .cmdq import AgentStatus
+from .codec import convert
 
 __all__ = [
     "EVENT_KINDS",
@@ -39,6 +40,7 @@ __all__ = [
     "Ack",
     "AckReply",
     "AgentEvent",
+    "AnyAgentEvent",
     "CommandDelivery",
     "EventKind",
     "Heartbeat",
@@ -52,8 +54,7 @@ __all__ = [
     "event_purpose",
     "open_event",
     "payload_digest",
-    "result_document",
-    "sign_event",
+    "read_event",
 ]
 
 EventKind = Literal["hello", "heartbeat", "ack", "progress", "result"]
@@ -90,8 +91,9 @@ class CommandDelivery(_Msg, frozen=True, kw_only=True):
     step: int | None = None
 
 
-class AgentEvent(_Msg, frozen=True, kw_only=True):
-    """Fields every event carries and signs."""
+class AgentEvent(_Msg, frozen=True, kw_only=True, tag_field="event"):
+    """Fields every event carries and signs. Its kind is the subject's last token; it travels
+    in ``event`` too (the tag of ``AnyAgentEvent``), but the subject is what counts."""
 
     site: str
     agent: str
@@ -100,7 +102,7 @@ class AgentEvent(_Msg, frozen=True, kw_only=True):
     signed_at_ms: int
 
 
-class Hello(AgentEvent, frozen=True, kw_only=True):
+class Hello(AgentEvent, frozen=True, kw_only=True, tag="hello"):
     """An agent (re)connects. ``kinds`` lists the command kinds it implements."""
 
     version: str = ""
@@ -110,7 +112,7 @@ class Hello(AgentEvent, frozen=True, kw_only=True):
     status: AgentStatus | None = None
 
 
-class Heartbeat(AgentEvent, frozen=True, kw_only=True):
+class Heartbeat(AgentEvent, frozen=True, kw_only=True, tag="heartbeat"):
     incarnation: str = ""
     running: int = 0
     status: AgentStatus | None = None
@@ -119,7 +121,7 @@ class Heartbeat(AgentEvent, frozen=True, kw_only=True):
     """The agent stops: it is shown disconnected at once and gives up its boot lease."""
 
 
-class Ack(AgentEvent, frozen=True, kw_only=True):
+class Ack(AgentEvent, frozen=True, kw_only=True, tag="ack"):
     """A claim on a delivered command; run it only after ``AckReply.proceed``."""
 
     command_id: str
@@ -132,13 +134,13 @@ class Ack(AgentEvent, frozen=True, kw_only=True):
     does not say, and is treated as another journal."""
 
 
-class Progress(AgentEvent, frozen=True, kw_only=True):
+class Progress(AgentEvent, frozen=True, kw_only=True, tag="progress"):
     command_id: str
     message: str | None = None
     percent: float | None = None
 
 
-class Result(AgentEvent, frozen=True, kw_only=True):
+class Result(AgentEvent, frozen=True, kw_only=True, tag="result"):
     command_id: str
     status: ResultStatus
     reason: str | None = None
@@ -147,6 +149,18 @@ class Result(AgentEvent, frozen=True, kw_only=True):
     result_signature: bytes | None = None
     """A node's signature over ``result_document(...)``: the result then counts as attested
     once the command queue checked it against the node's certificate."""
+
+
+AnyAgentEvent = Hello | Heartbeat | Ack | Progress | Result
+"""Every event an agent sends, told apart by its ``event`` tag."""
+
+
+def read_event(kind: str, doc: dict[str, Any]) -> AnyAgentEvent:
+    """``doc`` (an opened event) as the Struct of its ``kind``, the subject's last token: the
+    subject wins over any ``event`` the document names. ``INVALID_INPUT`` with the path of a
+    field that does not fit."""
+    event: AnyAgentEvent = convert({**doc, "event": kind}, cast(Any, AnyAgentEvent))
+    return event
 
 
 class HelloReply(_Msg, frozen=True, kw_only=True):
@@ -184,14 +198,6 @@ def event_purpose(kind: str) -> str:
     return f"agent.{kind}"
 
 
-def sign_event(identity: AgentIdentity, kind: str, event: AgentEvent) -> bytes:
-    """The event as JSON with its ``signature``, ready to publish on its subject."""
-    doc: dict[str, Any] = msgspec.to_builtins(event)
-    _data, signature = identity.sign(event_purpose(kind), doc)
-    doc["signature"] = base64.b64encode(signature).decode()
-    return msgspec.json.encode(doc)
-
-
 def open_event(data: bytes) -> tuple[dict[str, Any], bytes]:
     """Split a signed event into its document and signature (nothing is checked yet).
 
@@ -217,16 +223,3 @@ def open_event(data: bytes) -> tuple[dict[str, Any], bytes]:
 def payload_digest(kind: str, payload: bytes) -> str:
     """sha256 over a command's kind and its payload bytes as delivered, hex."""
     return hashlib.sha256(b"\x00".join((_DIGEST_DOMAIN, kind.encode(), payload))).hexdigest()
-
-
-def result_document(*, command_id: str, node_id: str, status: str, result: bytes) -> bytes:
-    """The bytes a node signs over its result: command, node, status and the result's sha256."""
-    return signing_payload(
-        RESULT_PURPOSE,
-        {
-            "commandId": command_id,
-            "nodeId": node_id,
-            "status": status,
-            "resultSha256": hashlib.sha256(result).hexdigest(),
-        },
-    )

@@ -1,0 +1,109 @@
+"""Claims: an agent's ``ack`` of a delivered command, taken or refused.
+
+A claim is taken only when the command is dispatched to this agent, its digest matches and,
+for a destructive command, its batch is valid under the approvers configured now; another
+journal's claim of a command that may have started settles it ``interrupted``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from better_compute.service import Database
+from better_compute.wire.agent import Ack, AckReply
+from better_compute.wire.cmdq import TERMINAL_STATES
+
+from . import store
+from .commands import invalid
+from .config import CmdqConfig
+from .delivery import Changed
+
+__all__ = ["Claims"]
+
+
+class Claims:
+    """Applies ``ack`` events by compare-and-set on the command's state."""
+
+    def __init__(self, *, db: Database, config: CmdqConfig, changed: Changed, log: Any) -> None:
+        self.db = db
+        self.config = config
+        self.changed = changed
+        self.log = log
+
+    async def ack(self, ev: Ack) -> AckReply:
+        """A claim. Taken when the command is dispatched to this agent, its digest matches and,
+        for a destructive command, its batch is unexpired and approved under the approvers
+        configured now; or when this very journal claimed it already (its answer was lost).
+        Another journal's claim of a command that may have started settles it ``interrupted``."""
+        try:
+            digest = bytes.fromhex(ev.digest)
+        except ValueError as exc:
+            raise invalid("digest", "expected hex") from exc
+        if not isinstance(ev.journal_id, str) or len(ev.journal_id) > 64:
+            raise invalid("journalId", "a journal id is at most 64 characters")
+        journal = ev.journal_id or None
+        quorum = self.config.quorum.enabled
+        claim = (ev.command_id, ev.agent, digest, journal, ev.signed_at_ms, quorum)
+        row = await self.db.fetchrow(store.ACK, *claim)
+        if row is not None:
+            await self.changed([row])
+            return AckReply(proceed=True, state="acked")
+        cur = await self.db.fetchrow(store.CLAIM_STATE, ev.command_id)
+        if cur is None:
+            return AckReply(proceed=False, reason="unknown-command")
+        # Not for good: the command may be handed to this agent later (another agent fell
+        # silent), and a genuine delivery may follow one that was not what we sent.
+        if cur["agent_id"] != ev.agent:
+            return AckReply(proceed=False, reason="not-yours", again=True)
+        if bytes(cur["digest"]) != digest:
+            self.log.warning("claim_digest_mismatch", command_id=ev.command_id, agent_id=ev.agent)
+            return AckReply(proceed=False, reason="digest-mismatch", again=True)
+        state = cur["state"]
+        if state in TERMINAL_STATES:
+            return AckReply(proceed=False, state=state, reason=state)
+        if not cur["live"]:
+            return AckReply(proceed=False, state=state, reason="expired")
+        same_journal = journal is not None and cur["claim_journal"] == journal
+        if state == "running" and same_journal:
+            # The journal started it (it reported running), so it never claims it again: this
+            # is a late copy of its claim, or the journal was restored from an older copy.
+            # Either way it must not run now; what runs, if anything, reports as before.
+            return AckReply(proceed=False, state=state, reason="running")
+        if state in ("acked", "running") and not same_journal:
+            return await self._interrupt(ev, journal, cur)
+        if state in ("dispatched", "acked") and cur["destructive"]:
+            batch_valid = (
+                cur["has_batch"] and not cur["batch_expired"] and (not quorum or cur["batch_approved"])
+            ) or (not cur["has_batch"] and not quorum)
+            if not batch_valid:
+                return await self._refuse_for_batch(ev, journal, cur)
+        # pending, or changed meanwhile: it comes again in a later delivery
+        return AckReply(proceed=False, state=state, reason=state, again=True)
+
+    async def _interrupt(self, ev: Ack, journal: str | None, cur: Any) -> AckReply:
+        """Another journal of the agent claims a command that may have started: settle it
+        ``failed`` (``interrupted``); it never runs again."""
+        row = await self.db.fetchrow(
+            store.CLAIM_INTERRUPTED, ev.command_id, ev.agent, journal, ev.signed_at_ms
+        )
+        if row is None:
+            # A claim signed before the recorded one: a late copy from an earlier journal.
+            self.log.info("claim_superseded", command_id=ev.command_id, agent_id=ev.agent)
+            return AckReply(proceed=False, state=cur["state"], reason="claimed-by-another-journal")
+        self.log.warning("command_interrupted", command_id=ev.command_id, agent_id=ev.agent, was=cur["state"])
+        await self.changed([row])
+        return AckReply(proceed=False, state="failed", reason="interrupted")
+
+    async def _refuse_for_batch(self, ev: Ack, journal: str | None, cur: Any) -> AckReply:
+        """A destructive command claimed outside a valid batch: it expires with its batch, or
+        goes back to pending until the batch is approved again."""
+        expired = cur["has_batch"] and cur["batch_expired"]
+        sql = store.CLAIM_BATCH_EXPIRED if expired else store.CLAIM_BACK_TO_PENDING
+        row = await self.db.fetchrow(sql, ev.command_id, ev.agent, journal)
+        if row is None:  # changed meanwhile
+            return AckReply(proceed=False, state=cur["state"], reason=cur["state"], again=True)
+        self.log.warning(
+            "claim_refused_batch", command_id=ev.command_id, state=row["state"], reason=row["reason"]
+        )
+        await self.changed([row])
+        return AckReply(proceed=False, state=row["state"], reason=row["reason"], again=not expired)

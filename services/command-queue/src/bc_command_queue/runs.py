@@ -1,0 +1,107 @@
+"""Runs: an agent's ``progress`` and ``result`` of a claimed command.
+
+A result settles the command by compare-and-set, so a duplicate or late one changes nothing
+(but a late end still lets a step attempt waiting for the run go on); a node's signed result
+is checked through bc-pki and counts as attested.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from better_compute.clients.pki import PkiClient
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.crypto import result_document
+from better_compute.service import Database
+from better_compute.wire.agent import Progress, Result, ResultReply
+
+from . import store
+from .delivery import Changed
+
+__all__ = ["Runs"]
+
+
+class Runs:
+    """Applies ``progress`` and ``result`` events."""
+
+    def __init__(self, *, db: Database, pki: PkiClient, changed: Changed, log: Any) -> None:
+        self.db = db
+        self.pki = pki
+        self.changed = changed
+        self.log = log
+
+    async def progress(self, ev: Progress) -> None:
+        message = ev.message[:500] if ev.message is not None else None
+        row = await self.db.fetchrow(store.PROGRESS, ev.command_id, ev.agent, message)
+        if row is not None and row["old_state"] != row["state"]:
+            await self.changed([row])
+
+    async def result(self, ev: Result) -> ResultReply:
+        reason = ev.reason[:500] if ev.reason is not None else None
+        attested = False
+        if ev.result_signature is not None:
+            cur = await self._command_of(ev)
+            if cur["state"] not in ("acked", "running"):
+                await self._late_end(ev)
+                return ResultReply(recorded=False, state=cur["state"])
+            attested = await self._attest(cur["node_id"], ev)
+        row = await self.db.fetchrow(
+            store.RESULT,
+            ev.command_id,
+            ev.agent,
+            ev.status,
+            reason,
+            ev.result,
+            ev.result_signature,
+            attested,
+        )
+        if row is None:  # settled already (a duplicate or late result), or not this agent's
+            cur = await self._command_of(ev)
+            await self._late_end(ev)
+            return ResultReply(recorded=False, state=cur["state"])
+        self.log.info(
+            "command_settled",
+            command_id=ev.command_id,
+            state=ev.status,
+            reason=reason,
+            attested=attested,
+            result_bytes=len(ev.result),
+        )
+        await self.changed([row])
+        return ResultReply(recorded=True, state=ev.status, attested=attested)
+
+    async def _command_of(self, ev: Result) -> Any:
+        """The command a result is about; ``NOT_FOUND`` or ``PERMISSION_DENIED`` if not the
+        reporting agent's."""
+        cur = await self.db.fetchrow(store.COMMAND_STATE, ev.command_id)
+        if cur is None:
+            raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "commandId"})
+        if cur["agent_id"] != ev.agent:
+            raise BcError(
+                ErrorCode.PERMISSION_DENIED,
+                "the command is not this agent's",
+                {"path": "commandId", "reason": "not-yours"},
+            )
+        return cur
+
+    async def _late_end(self, ev: Result) -> None:
+        """The agent ran a command to its end after it was cancelled or expired: the result no
+        longer counts, but a step attempt waiting for the run to end may go on now."""
+        rows = await self.db.fetch(store.LATE_END, ev.command_id, ev.agent)
+        if rows:
+            self.log.info("command_ended_late", command_id=ev.command_id, status=ev.status)
+            await self.changed(rows)
+
+    async def _attest(self, node_id: str, ev: Result) -> bool:
+        """Check the node's signature over the result through bc-pki."""
+        assert ev.result_signature is not None
+        data = result_document(command_id=ev.command_id, node_id=node_id, status=ev.status, result=ev.result)
+        try:
+            verified = await self.pki.verify(signer_id=node_id, data=data, signature=ev.result_signature)
+        except BcError as err:
+            if err.code is ErrorCode.UNAUTHENTICATED:
+                self.log.warning("result_signature_refused", command_id=ev.command_id, reason=err.reason)
+                return False
+            # bc-pki cannot answer now: the agent reports again later.
+            raise BcError(ErrorCode.UNAVAILABLE, "cannot check the result's signature now") from err
+        return verified.agent_id == node_id

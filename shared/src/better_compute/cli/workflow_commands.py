@@ -1,0 +1,241 @@
+"""``bcx workflows``: start, show, list, abort, retry, resume and watch workflows, through
+``EngineClient``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from typing import Any
+
+from ..clients import EngineClient
+from ..config import Settings
+from ..wire.engine import (
+    EVENTS,
+    BatchCreated,
+    StepChanged,
+    VerbApplied,
+    WorkflowFinished,
+    WorkflowView,
+    decode_workflow_event,
+)
+from .common import as_rows, engine_client, short
+from .output import iso, json_line, print_json, print_table
+from .paging import add_paging, collect, print_more
+
+__all__ = ["register"]
+
+FINISHED = ("succeeded", "failed", "aborted")
+
+
+def _error_text(error: Any) -> str:
+    return f"{error['code']}: {error['message']}"
+
+
+def _print_steps(wf: WorkflowView) -> None:
+    steps = wf.steps or []
+    rows = [
+        {
+            **row,
+            "started": iso(s.started_at),
+            "outcome": _error_text(s.error) if s.error else short(s.result, 50),
+        }
+        for s, row in zip(steps, as_rows(steps), strict=True)
+    ]
+    print_table(
+        rows,
+        [("index", "#"), ("action", "ACTION"), ("state", "STATE"), ("attempt", "ATTEMPT"),
+         ("started", "STARTED"), ("outcome", "RESULT / ERROR")],
+    )  # fmt: skip
+
+
+async def workflows_start(args: argparse.Namespace, settings: Settings) -> int:
+    async with engine_client(settings) as engine:
+        wf = await engine.start_workflow(
+            tenant_id=args.tenant,
+            profile_id=args.profile,
+            profile_version=args.version,
+            node_id=args.node,
+            owner=args.owner,
+        )
+        if args.wait:
+            # the id first: a reader (or `| head -1`) has it before the first step ends
+            print(json_line(wf) if args.json else wf.id, flush=True)
+            return await _watch(engine, wf.id, as_json=args.json)
+    if args.json:
+        print_json(wf)
+    else:
+        print(wf.id)
+    return 0
+
+
+async def workflows_get(args: argparse.Namespace, settings: Settings) -> int:
+    async with engine_client(settings) as engine:
+        wf = await engine.workflow(id=args.id)
+    if args.json:
+        print_json(wf)
+        return 0
+    p = wf.profile
+    where = f"profile {p.id}@{p.version} ({p.tenant_id})  node {wf.node_id or '-'}"
+    print(f"{wf.id}  {wf.state}  {where}")
+    if wf.error:
+        print(f"error: {_error_text(wf.error)}")
+    _print_steps(wf)
+    return 0
+
+
+async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
+    async with engine_client(settings) as engine:
+
+        async def fetch(cursor: str | None) -> tuple[list[WorkflowView], str | None]:
+            got = await engine.list_workflows(
+                node_id=args.node, state=args.state, profile_id=args.profile, limit=args.limit, cursor=cursor
+            )
+            return got.workflows, got.next
+
+        workflows, next_ = await collect(fetch, args)
+    if args.json:
+        print_json({"workflows": workflows, "next": next_})
+        return 0
+    rows = [
+        {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at)}
+        for w, row in zip(workflows, as_rows(workflows), strict=True)
+    ]
+    print_table(
+        rows,
+        [("id", "WORKFLOW"), ("state", "STATE"), ("profileRef", "PROFILE"), ("nodeId", "NODE"),
+         ("created", "CREATED")],
+        empty="no workflows",
+    )  # fmt: skip
+    print_more(next_)
+    return 0
+
+
+async def _verb(args: argparse.Namespace, settings: Settings, verb: str) -> int:
+    async with engine_client(settings) as engine:
+        call = {
+            "abort": engine.abort_workflow,
+            "retry": engine.retry_workflow,
+            "resume": engine.resume_workflow,
+        }[verb]
+        wf = await call(id=args.id, reason=getattr(args, "reason", None))
+        if getattr(args, "wait", False):
+            print(json_line(wf) if args.json else f"{wf.id} is {wf.state}", flush=True)
+            return await _watch(engine, wf.id, as_json=args.json)
+    if args.json:
+        print_json(wf)
+    else:
+        print(f"{wf.id} is {wf.state}")
+    return 0
+
+
+async def workflows_abort(args: argparse.Namespace, settings: Settings) -> int:
+    return await _verb(args, settings, "abort")
+
+
+async def workflows_retry(args: argparse.Namespace, settings: Settings) -> int:
+    return await _verb(args, settings, "retry")
+
+
+async def workflows_resume(args: argparse.Namespace, settings: Settings) -> int:
+    return await _verb(args, settings, "resume")
+
+
+async def workflows_watch(args: argparse.Namespace, settings: Settings) -> int:
+    async with engine_client(settings) as engine:
+        return await _watch(engine, args.id, as_json=args.json)
+
+
+async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> int:
+    """Print each step change as it happens; exit 0 when the workflow succeeds, 1 otherwise."""
+    changed = asyncio.Event()
+
+    async def on_event(msg: Any) -> None:
+        match decode_workflow_event(msg.data):
+            case StepChanged() | WorkflowFinished() | VerbApplied() | BatchCreated():
+                changed.set()  # the workflow moved: read it (its steps' results are not in events)
+            case None:
+                pass  # not an event; the poll below is the safety net
+
+    api = engine.api
+    sub = await api.nc.subscribe(api.subjects.event(EVENTS, workflow_id), cb=on_event)
+    seen: dict[int, tuple[str, int]] = {}
+    state = ""
+    try:
+        while True:
+            changed.clear()
+            wf = await engine.workflow(id=workflow_id)
+            for s in wf.steps or []:
+                now = (s.state, s.attempt)
+                if seen.get(s.index) == now or s.state == "pending":
+                    continue
+                seen[s.index] = now
+                if as_json:
+                    print(json_line({"workflowId": workflow_id, "workflowState": wf.state, "step": s}))
+                else:
+                    tail = ""
+                    if s.error:
+                        tail = f"  {_error_text(s.error)}"
+                    elif s.state == "succeeded":
+                        tail = f"  {short(s.result, 50)}"
+                    at = iso(s.finished_at or s.started_at) or "-"
+                    print(
+                        f"{at}  step {s.index:>3} {s.action:<28} {s.state:<10} attempt {s.attempt}{tail}",
+                        flush=True,
+                    )
+            if wf.state != state:
+                state = wf.state
+                if as_json:
+                    print(json_line({"workflowId": workflow_id, "workflowState": state}), flush=True)
+                elif state in FINISHED:
+                    err = wf.error
+                    print(f"workflow {workflow_id} {state}" + (f": {_error_text(err)}" if err else ""))
+            sys.stdout.flush()
+            if state in FINISHED:
+                return 0 if state == "succeeded" else 1
+            # events wake us at once; the timeout is the safety net for a lost event
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=2.0)
+    finally:
+        await sub.unsubscribe()
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    tenant = argparse.ArgumentParser(add_help=False)
+    tenant.add_argument("--tenant", default="root", help="tenant (default root)")
+
+    wfs = sub.add_parser("workflows", help="profiles running for nodes").add_subparsers(
+        dest="workflows_command", required=True, metavar="COMMAND"
+    )
+    p = wfs.add_parser("start", parents=[common, tenant], help="start a workflow")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--version", type=int)
+    p.add_argument("--node")
+    p.add_argument("--owner", help="reconciler that hears when it ends")
+    p.add_argument("--wait", action="store_true", help="watch it until it ends")
+    p.set_defaults(func=workflows_start)
+    p = wfs.add_parser("get", parents=[common], help="one workflow and its steps")
+    p.add_argument("id")
+    p.set_defaults(func=workflows_get)
+    p = wfs.add_parser("list", parents=[common], help="list workflows, newest first")
+    p.add_argument("--node")
+    p.add_argument("--state", choices=["running", "succeeded", "failed", "aborted"])
+    p.add_argument("--profile")
+    add_paging(p, default_limit=50)
+    p.set_defaults(func=workflows_list)
+    for name, fn, what in (
+        ("abort", workflows_abort, "stop a running workflow, cancelling its live commands"),
+        ("retry", workflows_retry, "run a failed workflow's failed step again"),
+        ("resume", workflows_resume, "carry on an aborted workflow"),
+    ):
+        p = wfs.add_parser(name, parents=[common], help=what)
+        p.add_argument("id")
+        if name == "abort":
+            p.add_argument("--reason")
+        else:
+            p.add_argument("--wait", action="store_true", help="watch it until it ends")
+        p.set_defaults(func=fn)
+    p = wfs.add_parser("watch", parents=[common], help="show each step live until the workflow ends")
+    p.add_argument("id")
+    p.set_defaults(func=workflows_watch)

@@ -1,0 +1,242 @@
+"""The client of bc-engine: nodes, steps, profiles and workflows.
+
+The routes and their Structs are ``better_compute.wire.engine``; every method takes keyword
+arguments only and returns the reply as a Struct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from ..wire.engine import (
+    SERVICE,
+    CreateNode,
+    CreateProfile,
+    DeleteNode,
+    DeleteProfile,
+    GetNode,
+    GetProfile,
+    GetWorkflow,
+    LabelNode,
+    ListNodes,
+    ListProfiles,
+    ListSteps,
+    ListWorkflows,
+    NodeDeleted,
+    NodeList,
+    NodeView,
+    ProfileDeleted,
+    ProfileList,
+    ProfileRef,
+    ProfileRendering,
+    ProfileValidation,
+    ProfileView,
+    StartWorkflow,
+    StepList,
+    UpdateNode,
+    WorkflowList,
+    WorkflowStep,
+    WorkflowVerb,
+    WorkflowView,
+)
+from ..wire.paging import DEFAULT_LIMIT
+from ._base import ServiceClient
+
+__all__ = ["EngineClient"]
+
+WorkflowState = Literal["running", "succeeded", "failed", "aborted"]
+
+
+class EngineClient(ServiceClient):
+    """Calls to bc-engine over NATS; raises the service's ``BcError``s."""
+
+    service = SERVICE
+
+    # -- nodes ------------------------------------------------------------------
+
+    async def create_node(
+        self,
+        *,
+        site_id: str,
+        id: str | None = None,
+        tenant_id: str = "root",
+        labels: Mapping[str, str] | None = None,
+    ) -> NodeView:
+        req = CreateNode(site_id=site_id, id=id, tenant_id=tenant_id, labels=dict(labels or {}))
+        return await self._call("nodes.create", req, NodeView)
+
+    async def get_node(self, *, id: str) -> NodeView:
+        return await self._call("nodes.get", GetNode(id=id), NodeView)
+
+    async def list_nodes(
+        self,
+        *,
+        site_id: str | None = None,
+        tenant_id: str | None = None,
+        limit: int = DEFAULT_LIMIT,
+        cursor: str | None = None,
+    ) -> NodeList:
+        """One page of nodes by id; pass its ``next`` as ``cursor`` for the next."""
+        req = ListNodes(site_id=site_id, tenant_id=tenant_id, limit=limit, cursor=cursor)
+        return await self._call("nodes.list", req, NodeList)
+
+    async def update_node(
+        self, *, id: str, site_id: str | None = None, labels: Mapping[str, str] | None = None
+    ) -> NodeView:
+        """Replace the node's site and/or all its labels (unset: unchanged)."""
+        req = UpdateNode(id=id, site_id=site_id, labels=dict(labels) if labels is not None else None)
+        return await self._call("nodes.update", req, NodeView)
+
+    async def label_node(
+        self, *, id: str, set: Mapping[str, str] | None = None, remove: list[str] | None = None
+    ) -> NodeView:
+        """Set some labels and remove others in one step."""
+        req = LabelNode(id=id, set=dict(set or {}), remove=list(remove or []))
+        return await self._call("nodes.label", req, NodeView)
+
+    async def delete_node(self, *, id: str) -> NodeDeleted:
+        return await self._call("nodes.delete", DeleteNode(id=id), NodeDeleted)
+
+    # -- steps and profiles ---------------------------------------------------------
+
+    async def list_steps(self) -> StepList:
+        """Every registered step and driver operation, with its input's JSON Schema."""
+        return await self._call("steps.list", ListSteps(), StepList)
+
+    async def create_profile(
+        self,
+        *,
+        document: Mapping[str, Any],
+        tenant_id: str = "root",
+        public: bool = False,
+        replace: bool = False,
+    ) -> ProfileView:
+        req = CreateProfile(tenant_id=tenant_id, document=dict(document), public=public, replace=replace)
+        return await self._call("profiles.create", req, ProfileView)
+
+    async def get_profile(
+        self, *, id: str, version: int | None = None, tenant_id: str = "root"
+    ) -> ProfileView:
+        """The profile (its latest version without ``version``), the tenant's or a public one."""
+        req = GetProfile(tenant_id=tenant_id, id=id, version=version)
+        return await self._call("profiles.get", req, ProfileView)
+
+    async def list_profiles(
+        self, *, tenant_id: str = "root", limit: int = DEFAULT_LIMIT, cursor: str | None = None
+    ) -> ProfileList:
+        req = ListProfiles(tenant_id=tenant_id, limit=limit, cursor=cursor)
+        return await self._call("profiles.list", req, ProfileList)
+
+    async def delete_profile(self, *, id: str, version: int, tenant_id: str = "root") -> ProfileDeleted:
+        req = DeleteProfile(tenant_id=tenant_id, id=id, version=version)
+        return await self._call("profiles.delete", req, ProfileDeleted)
+
+    async def validate_profile(
+        self,
+        *,
+        id: str | None = None,
+        version: int | None = None,
+        document: Mapping[str, Any] | None = None,
+        tenant_id: str = "root",
+    ) -> ProfileValidation:
+        """Every problem of a stored profile (``id``) or of a ``document``, each at its path."""
+        req = _ref(id=id, version=version, document=document, tenant_id=tenant_id)
+        return await self._call("profiles.validate", req, ProfileValidation)
+
+    async def render_profile(
+        self,
+        *,
+        id: str | None = None,
+        version: int | None = None,
+        document: Mapping[str, Any] | None = None,
+        tenant_id: str = "root",
+    ) -> ProfileRendering:
+        """The steps a workflow of the profile would run, expanded."""
+        req = _ref(id=id, version=version, document=document, tenant_id=tenant_id)
+        return await self._call("profiles.render", req, ProfileRendering)
+
+    # -- workflows ----------------------------------------------------------------
+
+    async def start_workflow(
+        self,
+        *,
+        profile_id: str,
+        profile_version: int | None = None,
+        node_id: str | None = None,
+        owner: str | None = None,
+        tenant_id: str = "root",
+    ) -> WorkflowView:
+        req = StartWorkflow(
+            tenant_id=tenant_id,
+            profile_id=profile_id,
+            profile_version=profile_version,
+            node_id=node_id,
+            owner=owner,
+        )
+        return await self._call("workflows.start", req, WorkflowView)
+
+    async def get_workflow(self, *, id: str, steps_cursor: str | None = None) -> WorkflowView:
+        """The workflow with the steps that fit in one reply (from ``steps_cursor`` on);
+        ``steps_next`` is the cursor of the rest. ``workflow`` fetches them all."""
+        return await self._call("workflows.get", GetWorkflow(id=id, steps_cursor=steps_cursor), WorkflowView)
+
+    async def workflow(self, *, id: str) -> WorkflowView:
+        """The workflow with every step, over as many replies as its steps' results take."""
+        first = await self.get_workflow(id=id)
+        steps = list(first.steps or [])
+        cursor = first.steps_next or None
+        while cursor is not None:
+            more = await self.get_workflow(id=id, steps_cursor=cursor)
+            steps += more.steps or []
+            cursor = more.steps_next or None
+        return _with_steps(first, steps)
+
+    async def list_workflows(
+        self,
+        *,
+        node_id: str | None = None,
+        state: WorkflowState | None = None,
+        profile_id: str | None = None,
+        tenant_id: str | None = None,
+        limit: int = DEFAULT_LIMIT,
+        cursor: str | None = None,
+        before: str | None = None,
+    ) -> WorkflowList:
+        """One page of workflows, newest first; pass its ``next`` as ``cursor`` for the next."""
+        req = ListWorkflows(
+            node_id=node_id,
+            state=state,
+            profile_id=profile_id,
+            tenant_id=tenant_id,
+            limit=limit,
+            cursor=cursor,
+            before=before,
+        )
+        return await self._call("workflows.list", req, WorkflowList)
+
+    async def abort_workflow(self, *, id: str, reason: str | None = None) -> WorkflowView:
+        return await self._call("workflows.abort", WorkflowVerb(id=id, reason=reason), WorkflowView)
+
+    async def retry_workflow(self, *, id: str, reason: str | None = None) -> WorkflowView:
+        """A failed workflow runs its failed step again, as a new attempt."""
+        return await self._call("workflows.retry", WorkflowVerb(id=id, reason=reason), WorkflowView)
+
+    async def resume_workflow(self, *, id: str, reason: str | None = None) -> WorkflowView:
+        """An aborted workflow carries on from the step the abort cancelled."""
+        return await self._call("workflows.resume", WorkflowVerb(id=id, reason=reason), WorkflowView)
+
+
+def _ref(
+    *, id: str | None, version: int | None, document: Mapping[str, Any] | None, tenant_id: str
+) -> ProfileRef:
+    """A stored profile (``id``, ``version``) or a ``document``."""
+    return ProfileRef(
+        tenant_id=tenant_id, id=id, version=version, document=dict(document) if document is not None else None
+    )
+
+
+def _with_steps(view: WorkflowView, steps: list[WorkflowStep]) -> WorkflowView:
+    return msgspec.structs.replace(view, steps=steps, steps_next=None)

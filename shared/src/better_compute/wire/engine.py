@@ -1,0 +1,458 @@
+"""The engine's contract: requests, replies and events of ``bc.api.engine.*`` (camelCase on the
+wire). The client is ``better_compute.clients.EngineClient``.
+
+Moments in replies (``createdAt``, ``startedAt``, …) are ISO 8601 text as the engine writes it.
+Documents a user wrote or a step returned (a profile's ``document``, a step's ``with``,
+``result``, ``error``, ``waitingFor``) stay plain JSON values.
+
+Over 400 lines on purpose: one service's whole bus contract (Structs and bounds only) is one
+module, so a reader finds every message of the engine in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from ..core.names import Name
+from .paging import DEFAULT_LIMIT, Cursor, Limit
+
+__all__ = [
+    "EVENTS",
+    "MAX_DOCUMENT_BYTES",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY",
+    "MAX_LABEL_VALUE",
+    "MAX_REASON",
+    "MAX_STEP_INPUT_BYTES",
+    "SERVICE",
+    "BatchCreated",
+    "CreateNode",
+    "CreateProfile",
+    "DeleteNode",
+    "DeleteProfile",
+    "DriverOperationInfo",
+    "GetNode",
+    "GetProfile",
+    "GetWorkflow",
+    "LabelNode",
+    "ListNodes",
+    "ListProfiles",
+    "ListSteps",
+    "ListWorkflows",
+    "NodeDeleted",
+    "NodeList",
+    "NodeView",
+    "Problem",
+    "ProfileDeleted",
+    "ProfileKey",
+    "ProfileList",
+    "ProfileRef",
+    "ProfileRendering",
+    "ProfileSummary",
+    "ProfileValidation",
+    "ProfileView",
+    "RenderedStep",
+    "StartWorkflow",
+    "StepChange",
+    "StepChanged",
+    "StepInfo",
+    "StepList",
+    "UpdateNode",
+    "VerbApplied",
+    "WorkflowEvent",
+    "WorkflowFinished",
+    "WorkflowList",
+    "WorkflowProfile",
+    "WorkflowStep",
+    "WorkflowVerb",
+    "WorkflowView",
+    "decode_workflow_event",
+]
+
+
+# Bounds of free fields, checked where they enter (docs/lists-and-limits.md lists them).
+MAX_LABELS: Final = 64
+MAX_LABEL_KEY: Final = 63
+MAX_LABEL_VALUE: Final = 256
+MAX_DOCUMENT_BYTES: Final = 256 * 1024
+"""A profile document, as JSON."""
+MAX_STEP_INPUT_BYTES: Final = 64 * 1024
+"""One step's ``with``, as JSON."""
+MAX_REASON: Final = 1024
+SERVICE: Final = "engine"
+"""The service token of every route: ``bc.api.engine.<resource>.<verb>``."""
+EVENTS: Final = "workflow"
+"""The kind of the engine's events: ``bc.events.workflow.<workflow id>`` (``WorkflowEvent``)."""
+
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
+Version = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+"""A profile's version: stored as a PostgreSQL ``int``."""
+
+
+class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    pass
+
+
+class CreateNode(_Req, frozen=True, kw_only=True):
+    site_id: Name
+    id: str | None = None
+    tenant_id: Name = "root"
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """Checked by ``check_labels``: key syntax, value size and count."""
+
+
+class GetNode(_Req, frozen=True, kw_only=True):
+    id: str
+
+
+class UpdateNode(_Req, frozen=True, kw_only=True):
+    """Fields given replace the node's (``labels`` all of them); the bounds of ``CreateNode``."""
+
+    id: str
+    site_id: Name | None = None
+    labels: dict[str, str] | None = None
+
+
+class LabelNode(_Req, frozen=True, kw_only=True):
+    """Set some labels and remove others; the result has the bounds of ``CreateNode``."""
+
+    id: str
+    set: dict[str, str] = msgspec.field(default_factory=dict)
+    remove: Annotated[list[str], msgspec.Meta(max_length=MAX_LABELS)] = msgspec.field(default_factory=list)
+
+
+class DeleteNode(_Req, frozen=True, kw_only=True):
+    id: str
+
+
+class ListSteps(_Req, frozen=True, kw_only=True):
+    """Every registered step and driver operation (a deployment has few: no paging)."""
+
+
+class ListNodes(_Req, frozen=True, kw_only=True):
+    """By id; ``cursor`` is the ``next`` of the page before."""
+
+    site_id: str | None = None
+    tenant_id: str | None = None
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+
+
+class CreateProfile(_Req, frozen=True, kw_only=True):
+    tenant_id: str = "root"
+    document: dict[str, Any]
+    public: bool = False
+    replace: bool = False
+
+
+class GetProfile(_Req, frozen=True, kw_only=True):
+    tenant_id: str = "root"
+    id: str
+    version: Version | None = None
+
+
+class DeleteProfile(_Req, frozen=True, kw_only=True):
+    tenant_id: str = "root"
+    id: str
+    version: Version
+
+
+class ListProfiles(_Req, frozen=True, kw_only=True):
+    """By id, version and tenant; ``cursor`` is the ``next`` of the page before."""
+
+    tenant_id: str = "root"
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+
+
+class ProfileRef(_Req, frozen=True, kw_only=True):
+    """``profiles.validate`` / ``profiles.render``: a stored profile, or a document."""
+
+    tenant_id: str = "root"
+    id: str | None = None
+    version: Version | None = None
+    document: dict[str, Any] | None = None
+
+
+class StartWorkflow(_Req, frozen=True, kw_only=True):
+    tenant_id: str = "root"
+    profile_id: str
+    profile_version: Version | None = None
+    node_id: str | None = None
+    owner: str | None = None
+
+
+class GetWorkflow(_Req, frozen=True, kw_only=True):
+    """The workflow and its steps from the first; when the steps' results outgrow one
+    reply, ``stepsNext`` in the reply is the ``steps_cursor`` of the rest."""
+
+    id: str
+    steps_cursor: Cursor | None = None
+
+
+class WorkflowVerb(_Req, frozen=True, kw_only=True):
+    id: str
+    reason: Reason | None = None
+
+
+class ListWorkflows(_Req, frozen=True, kw_only=True):
+    node_id: str | None = None
+    state: Literal["running", "succeeded", "failed", "aborted"] | None = None
+    profile_id: str | None = None
+    tenant_id: str | None = None
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (newest first)."""
+    before: str | None = None  # workflow id: page backwards from there (before ``cursor``)
+
+
+# -- replies --------------------------------------------------------------------------
+
+
+class _Reply(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    pass
+
+
+class NodeView(_Reply, frozen=True, kw_only=True):
+    """``nodes.create``, ``nodes.get``, ``nodes.update``, ``nodes.label``."""
+
+    id: str
+    tenant_id: str
+    site_id: str
+    labels: dict[str, str]
+    generation: int
+    observed_generation: int
+    created_at: str | None
+
+
+class NodeList(_Reply, frozen=True, kw_only=True):
+    nodes: list[NodeView]
+    next: str | None = None
+    """The cursor of the next page; None after the last."""
+
+
+class NodeDeleted(_Reply, frozen=True, kw_only=True):
+    deleted: str
+    """The id of the node."""
+
+
+class StepInfo(_Reply, frozen=True, kw_only=True):
+    """A registered step, as ``steps.list`` shows it; ``input`` is its JSON Schema."""
+
+    id: str
+    runs_on: str
+    relays: list[str]
+    command: str | None
+    sends: list[str]
+    timeout_ms: int
+    retry_safe: bool
+    description: str
+    input: dict[str, Any]
+
+
+class DriverOperationInfo(_Reply, frozen=True, kw_only=True):
+    name: str
+    description: str
+    input: dict[str, Any]
+
+
+class StepList(_Reply, frozen=True, kw_only=True):
+    steps: list[StepInfo]
+    driver_operations: list[DriverOperationInfo]
+
+
+class _ProfileHead(_Reply, frozen=True, kw_only=True):
+    tenant_id: str
+    id: str
+    version: int
+    public: bool
+    shipped: bool
+    immutable: bool
+    first_used_at: str | None
+
+
+class ProfileView(_ProfileHead, frozen=True, kw_only=True):
+    """``profiles.create``, ``profiles.get``: a stored or shipped profile."""
+
+    document: dict[str, Any]
+
+
+class ProfileSummary(_ProfileHead, frozen=True, kw_only=True):
+    """One profile of ``profiles.list``: its document left out, its step count and target."""
+
+    steps: int
+    target: str | None
+
+
+class ProfileList(_Reply, frozen=True, kw_only=True):
+    profiles: list[ProfileSummary]
+    next: str | None = None
+
+
+class ProfileDeleted(_Reply, frozen=True, kw_only=True):
+    deleted: bool
+
+
+class Problem(_Reply, frozen=True, kw_only=True):
+    """Why a profile does not resolve, at ``path`` in its document."""
+
+    path: str
+    code: str
+    message: str
+
+
+class ProfileKey(_Reply, frozen=True, kw_only=True):
+    id: str
+    version: int
+
+
+class ProfileValidation(_Reply, frozen=True, kw_only=True):
+    """``profiles.validate``; ``profile`` and ``commandKinds`` are absent when the document
+    did not even parse (its one problem says why)."""
+
+    valid: bool
+    profile: ProfileKey | msgspec.UnsetType = msgspec.UNSET
+    problems: list[Problem]
+    command_kinds: list[str] | msgspec.UnsetType = msgspec.UNSET
+
+
+class RenderedStep(_Reply, frozen=True, kw_only=True):
+    """One expanded step, as a workflow would persist it."""
+
+    index: int
+    action: str
+    runs_on: str
+    mode: str
+    command: str | None
+    input: dict[str, Any] = msgspec.field(name="with")
+    timeout_ms: int
+    via: str
+    sends: list[str]
+
+
+class ProfileRendering(_Reply, frozen=True, kw_only=True):
+    profile: ProfileKey
+    steps: list[RenderedStep]
+    command_kinds: list[str]
+
+
+class WorkflowProfile(_Reply, frozen=True, kw_only=True):
+    tenant_id: str
+    id: str
+    version: int
+
+
+class WorkflowStep(_Reply, frozen=True, kw_only=True):
+    index: int
+    action: str
+    runs_on: str
+    mode: str
+    command: str | None
+    state: str
+    attempt: int
+    started_at: str | None
+    deadline: str | None
+    finished_at: str | None
+    result: Any
+    error: Any
+    """``{code, message, details}`` of a failed step, else None."""
+    command_id: str | None
+    waiting_for: Any
+    """What a pending or running step waits for; None otherwise."""
+
+
+class WorkflowView(_Reply, frozen=True, kw_only=True):
+    """A workflow. ``steps`` is there in ``workflows.get``, ``workflows.start`` and the verbs,
+    absent in ``workflows.list``; ``stepsNext`` (``workflows.get``, the verbs) is the
+    ``stepsCursor`` of the steps that did not fit, or None."""
+
+    id: str
+    tenant_id: str
+    node_id: str | None
+    profile: WorkflowProfile
+    state: str
+    owner: str | None
+    command_kinds: list[str]
+    batch_id: str | None
+    error: Any
+    created_at: str | None
+    finished_at: str | None
+    steps: list[WorkflowStep] | msgspec.UnsetType = msgspec.UNSET
+    steps_next: str | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class WorkflowList(_Reply, frozen=True, kw_only=True):
+    workflows: list[WorkflowView]
+    next: str | None = None
+
+
+# -- events on bc.events.workflow.<id> ----------------------------------------------------
+#
+# A wake-up, never the truth: a reader that missed one reads the workflow. Each carries its
+# kind in ``event`` (the tag); readers decode ``WorkflowEvent`` once and ``match`` on it.
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field="event"):
+    pass
+
+
+class StepChange(_Reply, frozen=True, kw_only=True):
+    index: int
+    action: str
+    state: str
+    attempt: int
+    error: Any | msgspec.UnsetType = msgspec.UNSET
+    """``{code, message}`` when the step failed."""
+    waiting_for: Any | msgspec.UnsetType = msgspec.UNSET
+    """What a pending or running step waits for, when it waits."""
+
+
+class StepChanged(_Event, frozen=True, kw_only=True, tag="step"):
+    """A step started, settled or waits for something new."""
+
+    workflow_id: str
+    node_id: str | None
+    workflow_state: str
+    at: float
+    step: StepChange
+
+
+class WorkflowFinished(_Event, frozen=True, kw_only=True, tag="finished"):
+    """The workflow ended: ``workflow_state`` is succeeded, failed or aborted."""
+
+    workflow_id: str
+    node_id: str | None
+    workflow_state: str
+    at: float
+
+
+class BatchCreated(_Event, frozen=True, kw_only=True, tag="batch"):
+    """The workflow's destructive commands wait for the approval of ``batch_id``."""
+
+    workflow_id: str
+    batch_id: str
+    at: float
+
+
+class VerbApplied(_Event, frozen=True, kw_only=True, tag="verb"):
+    """An operator aborted, retried or resumed the workflow."""
+
+    workflow_id: str
+    workflow_state: str
+    verb: Literal["abort", "retry", "resume"]
+
+
+WorkflowEvent = StepChanged | WorkflowFinished | BatchCreated | VerbApplied
+
+_workflow_events = msgspec.json.Decoder(WorkflowEvent)
+
+
+def decode_workflow_event(data: bytes) -> WorkflowEvent | None:
+    """The event in ``data``, or None for anything that is not one (a reader just reads the
+    workflow then)."""
+    try:
+        return _workflow_events.decode(data)
+    except msgspec.MsgspecError:
+        return None

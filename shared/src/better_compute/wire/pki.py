@@ -1,0 +1,333 @@
+"""The PKI service's contract: its requests, replies and routes (the client is
+``better_compute.clients.PkiClient``; signing and keys are in ``better_compute.crypto``).
+
+Every route is ``bc.api.pki.<resource>.<verb>`` (``SERVICE``):
+
+=====================  ===========================  ================================
+route                  request                      result
+=====================  ===========================  ================================
+``tokens.issue``       ``IssueJoinTokenRequest``    ``IssuedJoinToken`` (token once)
+``tokens.list``        ``ListJoinTokensRequest``    ``JoinTokenList``
+``tokens.get``         ``JoinTokenIdRequest``       ``JoinTokenInfo``
+``tokens.revoke``      ``RevokeJoinTokenRequest``   ``JoinTokenInfo``
+``agents.join``        ``JoinRequest``              ``JoinResult``
+``joins.list``         ``ListJoinsRequest``         ``JoinAuditList``
+``signatures.verify``  ``VerifyRequest``            ``Verified``
+``certs.get``          ``CertIdRequest``            ``CertificateInfo``
+``certs.list``         ``ListCertificatesRequest``  ``CertificateList``
+``certs.revoke``       ``RevokeCertificateRequest`` ``CertificateInfo``
+``ca.get``             ``{}``                       ``CaInfo``
+``keys.rewrap``        ``{}``                       ``RewrapResult``
+=====================  ===========================  ================================
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+from ..core.names import Name
+from .paging import DEFAULT_LIMIT, Cursor
+
+__all__ = [
+    "MAX_TTL_SECONDS",
+    "SERVICE",
+    "CaInfo",
+    "CertIdRequest",
+    "CertState",
+    "CertificateInfo",
+    "CertificateList",
+    "IdempotencyKey",
+    "IssueJoinTokenRequest",
+    "IssuedJoinToken",
+    "JoinAudit",
+    "JoinAuditList",
+    "JoinClaims",
+    "JoinExpect",
+    "JoinRequest",
+    "JoinResult",
+    "JoinRole",
+    "JoinTokenIdRequest",
+    "JoinTokenInfo",
+    "JoinTokenList",
+    "ListCertificatesRequest",
+    "ListJoinTokensRequest",
+    "ListJoinsRequest",
+    "RevokeAttempt",
+    "RevokeCertificateRequest",
+    "RevokeJoinTokenRequest",
+    "RevokedAttempt",
+    "RewrapResult",
+    "TokenState",
+    "Verified",
+    "VerifyRequest",
+]
+
+SERVICE: Final = "pki"
+"""The service token of every route: ``bc.api.pki.<resource>.<verb>``."""
+
+JoinRole = Literal["node", "site", "provisioned", "discovery"]
+TokenState = Literal["active", "expired", "used", "revoked"]
+CertState = Literal["valid", "expired", "revoked"]
+
+Claim = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Mac = Annotated[str, msgspec.Meta(pattern=r"^[0-9A-Fa-f]{2}([:-]?[0-9A-Fa-f]{2}){5}$")]
+Reason = Annotated[str, msgspec.Meta(max_length=200)]
+IdempotencyKey = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Limit = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+
+MAX_TTL_SECONDS: Final = 30 * 24 * 3600
+
+
+# -- claims -------------------------------------------------------------------
+
+
+class JoinExpect(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """Hardware claims a join must show; unset fields are not checked."""
+
+    mac: Mac | None = None
+    product_uuid: Claim | None = None
+    serial: Claim | None = None
+    gpu_uuid: Claim | None = None
+
+
+class JoinClaims(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """What a joining machine says about itself."""
+
+    macs: Annotated[list[Mac], msgspec.Meta(max_length=64)] = []
+    product_uuid: Claim | None = None
+    serial: Claim | None = None
+    gpu_uuids: Annotated[list[Claim], msgspec.Meta(max_length=64)] = []
+    hostname: Claim | None = None
+
+
+# -- requests -----------------------------------------------------------------
+
+
+class IssueJoinTokenRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    tenant_id: Name
+    role: JoinRole
+    site_id: Name
+    ttl_seconds: Annotated[int, msgspec.Meta(ge=1, le=MAX_TTL_SECONDS)]
+    max_uses: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1
+    expect: JoinExpect = JoinExpect()
+    idempotency_key: IdempotencyKey | None = None
+    note: Reason | None = None
+    node_id: str | None = None
+    """Roles ``node`` and ``provisioned`` only: the node the token is for. The agent that
+    joins with it gets the node id as its agent id (commands for a node's bcd are
+    addressed to the node id); without it a join mints a new ``agent_…`` id."""
+    mint_secret: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)] | None = None
+    """With ``idempotency_key``: a secret only the caller keeps (the engine keeps one per step
+    attempt). The token is derived from it and bc-pki's token key, so issuing again under the
+    same key gives the token back only to a caller with the same mint secret; anyone else gets
+    ``CONFLICT`` (``already-issued``). Without it a keyed token is shown once, never again."""
+
+    def __repr__(self) -> str:
+        return f"IssueJoinTokenRequest(idempotency_key={self.idempotency_key!r}, mint_secret=[redacted])"
+
+
+class ListJoinTokensRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    tenant_id: Name | None = None
+    site_id: Name | None = None
+    state: TokenState | None = None
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+    """The ``next`` of the page before (newest first)."""
+
+
+class JoinTokenIdRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    join_token_id: str
+
+
+class RevokeJoinTokenRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    join_token_id: str
+    reason: Reason | None = None
+
+
+class RevokeAttempt(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """Revoke what one attempt of a workflow step minted (its idempotency key is
+    ``attempt_key(...)`` or under it), and refuse anything minted under it from now on: the
+    engine supersedes the attempt (a retry, a resume, an abort)."""
+
+    workflow_id: Annotated[str, msgspec.Meta(pattern=r"^wf_[0-9A-Za-z]{1,40}$")]
+    step: Annotated[int, msgspec.Meta(ge=0, le=511)]
+    attempt: Annotated[int, msgspec.Meta(ge=1)]
+    reason: Reason | None = None
+
+
+class RevokedAttempt(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """What a ``RevokeAttempt`` revoked now (ids); none when it was done before."""
+
+    revoked: list[str]
+
+
+class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    token: Annotated[str, msgspec.Meta(max_length=128)]
+    claims: JoinClaims = JoinClaims()
+    csr: Annotated[str, msgspec.Meta(min_length=1, max_length=16_384)]
+    """PKCS#10 request in PEM, Ed25519 or ECDSA P-256 key."""
+
+
+class ListJoinsRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    join_token_id: str | None = None
+    outcome: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+
+
+class VerifyRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    signer_id: str
+    """A certificate id (``cert_…``), or an agent id (``agent_…``, or ``node_…`` for a node's
+    bcd): then any valid certificate of that agent."""
+    data: Annotated[bytes, msgspec.Meta(max_length=1 << 20)]
+    signature: Annotated[bytes, msgspec.Meta(max_length=512)]
+    once: bool = False
+    """Refuse a second verification of the same signed data by the same signer."""
+    signed_at_ms: int | None = None
+    """With ``once``: when the data was signed (inside ``data``); must be recent."""
+
+
+class CertIdRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    cert_id: str
+
+
+class ListCertificatesRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    tenant_id: Name | None = None
+    site_id: Name | None = None
+    agent_id: str | None = None
+    join_token_id: str | None = None
+    include_revoked: bool = False
+    limit: Limit = DEFAULT_LIMIT
+    cursor: Cursor | None = None
+
+
+class RevokeCertificateRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    cert_id: str
+    reason: Reason | None = None
+
+
+# -- results ------------------------------------------------------------------
+
+
+class IssuedJoinToken(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A minted join token. ``token`` is the secret; it is shown here and never again."""
+
+    join_token_id: str
+    token: str
+    tenant_id: str
+    role: JoinRole
+    site_id: str
+    max_uses: int
+    expires_at: datetime
+
+    @property
+    def id(self) -> str:
+        """The token's id (``tok_…``): safe to store and to put in step results."""
+        return self.join_token_id
+
+    def __repr__(self) -> str:
+        return f"IssuedJoinToken(join_token_id={self.join_token_id!r}, token=[redacted])"
+
+
+class JoinTokenInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    join_token_id: str
+    tenant_id: str
+    role: JoinRole
+    site_id: str
+    node_id: str | None
+    max_uses: int
+    uses: int
+    state: TokenState
+    expires_at: datetime
+    created_at: datetime
+    expect: JoinExpect = JoinExpect()
+    idempotency_key: str | None = None
+    revoked_at: datetime | None = None
+    revoke_reason: str | None = None
+    note: str | None = None
+
+
+class JoinTokenList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    tokens: list[JoinTokenInfo]
+    next: str | None = None
+    """The cursor of the next page; None after the last."""
+
+
+class JoinResult(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """The certificate a join earned; ``agent_id`` is the agent's identity from now on."""
+
+    cert_id: str
+    agent_id: str
+    tenant_id: str
+    site_id: str
+    role: JoinRole
+    join_token_id: str
+    certificate_pem: str
+    ca_pem: str
+    not_after: datetime
+
+
+class JoinAudit(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    id: int
+    at: datetime
+    outcome: str
+    """``joined``, or why not: ``token-unknown``, ``token-expired``, ``claims-mismatch``, …"""
+    code: str | None = None
+    join_token_id: str | None = None
+    cert_id: str | None = None
+    agent_id: str | None = None
+    claims: JoinClaims | None = None
+    detail: str | None = None
+
+
+class JoinAuditList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    joins: list[JoinAudit]
+    next: str | None = None
+
+
+class CertificateInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    cert_id: str
+    agent_id: str
+    tenant_id: str
+    site_id: str
+    role: JoinRole
+    join_token_id: str | None
+    serial: str
+    key_type: str
+    state: CertState
+    not_before: datetime
+    not_after: datetime
+    created_at: datetime
+    certificate_pem: str
+    revoked_at: datetime | None = None
+    revoke_reason: str | None = None
+
+
+class CertificateList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    certificates: list[CertificateInfo]
+    next: str | None = None
+
+
+class Verified(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """Whose key made a signature that checked out."""
+
+    cert_id: str
+    agent_id: str
+    tenant_id: str
+    site_id: str
+    role: JoinRole
+    join_token_id: str | None = None
+
+
+class CaInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    certificate_pem: str
+    fingerprint_sha256: str
+    created_at: datetime
+
+
+class RewrapResult(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    key_id: str
+    rewrapped: int
