@@ -41,9 +41,9 @@ from better_compute.pki_client import (
     RewrapResult,
     Verified,
     VerifyRequest,
-    attempt_key,
 )
 from better_compute.service import ApiRequest, Handler, Service
+from better_compute.service.fences import attempt_superseded
 from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
@@ -202,8 +202,11 @@ class PkiService(Service):
             if row is None:  # a random 256-bit token collided: never in practice
                 raise BcError(ErrorCode.CONFLICT, "token collision; issue again")
             self._same_parameters(store.token_info(row), body, expect)
-        if ikey is not None:
-            await self._refuse_superseded(ikey, row["id"])
+        if ikey is not None and await store.FENCES.revoke_if_fenced(
+            self.db, ikey, row["id"], "minted by a superseded step attempt"
+        ):
+            self.log.warning("join_token_refused_superseded", join_token_id=row["id"])
+            raise attempt_superseded("mints")
         if found and not same_token(token, row["token_hash"]):
             # Issued before, and this caller cannot make the same token: it is not the step
             # attempt that minted it (another mint secret, or none). It gets the id, never the token.
@@ -284,29 +287,12 @@ class PkiService(Service):
         """Revoke every token one workflow step attempt minted, and fence its key."""
         assert self.db is not None
         body = req.decode(RevokeAttempt)
-        prefix = attempt_key(body.workflow_id, body.step, body.attempt)
-        reason = body.reason or "superseded by a later attempt of its workflow step"
-        # The fence commits before the revoke looks: a token minted meanwhile is either seen
-        # by the revoke or sees the fence itself (issue_token checks after its insert).
-        await self.db.execute(store.KEY_FENCE_INSERT, prefix, reason)
-        rows = await self.db.fetch(store.TOKENS_REVOKE_UNDER_KEY, prefix, reason)
-        if rows:
-            self.log.info("join_tokens_revoked", key=prefix, join_token_ids=[r["id"] for r in rows])
-        return RevokedAttempt(revoked=[r["id"] for r in rows])
-
-    async def _refuse_superseded(self, ikey: str, token_id: str) -> None:
-        """A token minted under the key of a superseded step attempt (a late run of it) is
-        revoked at once and refused."""
-        assert self.db is not None
-        if not await self.db.fetchval(store.KEY_FENCED, ikey):
-            return
-        await self.db.execute(store.TOKEN_REVOKE, token_id, "minted by a superseded step attempt")
-        self.log.warning("join_token_refused_superseded", join_token_id=token_id)
-        raise BcError(
-            ErrorCode.INVALID_STATE,
-            "this workflow step attempt was superseded: it mints nothing any more",
-            {"path": "idempotencyKey", "reason": "attempt-superseded"},
+        prefix, revoked = await store.FENCES.fence(
+            self.db, workflow_id=body.workflow_id, step=body.step, attempt=body.attempt, reason=body.reason
         )
+        if revoked:
+            self.log.info("join_tokens_revoked", key=prefix, join_token_ids=revoked)
+        return RevokedAttempt(revoked=revoked)
 
     # -- joins --------------------------------------------------------------------
 

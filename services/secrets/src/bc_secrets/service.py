@@ -19,7 +19,6 @@ from better_compute.pki_client import (
     RevokeAttempt,
     RevokedAttempt,
     Verified,
-    attempt_key,
     signing_payload,
 )
 from better_compute.secrets_client import (
@@ -39,6 +38,7 @@ from better_compute.secrets_client import (
     seal_value,
 )
 from better_compute.service import ApiRequest, Handler, Service
+from better_compute.service.fences import attempt_superseded
 from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
@@ -129,8 +129,11 @@ class SecretsService(Service):
                     "idempotency key already used for another workflow step's secret",
                     {"path": "idempotencyKey"},
                 )
-        if body.idempotency_key is not None:
-            await self._refuse_superseded(body.idempotency_key, row["ref"])
+        if body.idempotency_key is not None and await store.FENCES.revoke_if_fenced(
+            self.db, body.idempotency_key, row["ref"], "stored by a superseded step attempt"
+        ):
+            self.log.warning("secret_refused_superseded", ref=row["ref"])
+            raise attempt_superseded("stores")
         info = store.secret_info(row)
         self.log.info(
             "secret_stored",
@@ -147,29 +150,12 @@ class SecretsService(Service):
         """Revoke every value one workflow step attempt stored, and fence its key."""
         assert self.db is not None
         body = req.decode(RevokeAttempt)
-        prefix = attempt_key(body.workflow_id, body.step, body.attempt)
-        reason = body.reason or "superseded by a later attempt of its workflow step"
-        # The fence commits before the revoke looks: a value stored meanwhile is either seen by
-        # the revoke or sees the fence itself (put checks after its insert).
-        await self.db.execute(store.KEY_FENCE_INSERT, prefix, reason)
-        rows = await self.db.fetch(store.SECRETS_REVOKE_UNDER_KEY, prefix, reason)
-        if rows:
-            self.log.info("secrets_revoked", key=prefix, refs=[r["ref"] for r in rows])
-        return RevokedAttempt(revoked=[r["ref"] for r in rows])
-
-    async def _refuse_superseded(self, ikey: str, ref: str) -> None:
-        """A value stored under the key of a superseded step attempt (a late run of it) is
-        revoked at once and refused."""
-        assert self.db is not None
-        if not await self.db.fetchval(store.KEY_FENCED, ikey):
-            return
-        await self.db.execute(store.SECRET_REVOKE, ref, "stored by a superseded step attempt")
-        self.log.warning("secret_refused_superseded", ref=ref)
-        raise BcError(
-            ErrorCode.INVALID_STATE,
-            "this workflow step attempt was superseded: it stores nothing any more",
-            {"path": "idempotencyKey", "reason": "attempt-superseded"},
+        prefix, revoked = await store.FENCES.fence(
+            self.db, workflow_id=body.workflow_id, step=body.step, attempt=body.attempt, reason=body.reason
         )
+        if revoked:
+            self.log.info("secrets_revoked", key=prefix, refs=revoked)
+        return RevokedAttempt(revoked=revoked)
 
     async def _row(self, ref: str) -> Any:
         assert self.db is not None
