@@ -12,6 +12,7 @@ from better_compute.cmdq_client import CommandQueueClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
+from better_compute.core.keys import step_key_prefix
 from better_compute.keyring import Keyring, key_file_path
 from better_compute.logging import register_secret
 from better_compute.pki_client import (
@@ -303,7 +304,7 @@ class SecretsService(Service):
             answer = await CommandQueueClient(self.api, timeout=5.0).live_with_ref(
                 agent_id=verified.agent_id,
                 ref=ref,
-                key_prefix=f"wf:{row['workflow_id']}:{row['step']}",
+                key_prefix=step_key_prefix(row["workflow_id"], row["step"]),
             )
         except BcError:
             # Fail closed: without the command queue's word, nobody reads the value.

@@ -42,12 +42,13 @@ _UNDER_KEY: Final = (
 _SUPERSEDED_REASON: Final = "superseded by a later attempt of its workflow step"
 
 
-def attempt_superseded(verb: str) -> BcError:
-    """The refusal of what a superseded attempt sends late (``verb``: what it does, "mints")."""
+def attempt_superseded(verb: str, path: str = "idempotencyKey") -> BcError:
+    """The refusal of what a superseded attempt sends late (``verb``: what it does, "mints";
+    ``path``: the request field that carries its key)."""
     return BcError(
         ErrorCode.INVALID_STATE,
         f"this workflow step attempt was superseded: it {verb} nothing any more",
-        {"path": "idempotencyKey", "reason": "attempt-superseded"},
+        {"path": path, "reason": "attempt-superseded"},
     )
 
 
