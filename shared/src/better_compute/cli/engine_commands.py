@@ -14,7 +14,7 @@ from ..core.errors import BcError, ErrorCode
 from ..service.client import ApiClient
 from .common import api_client, read_document
 from .output import iso, json_line, print_json, print_table
-from .paging import add_paging, collect, print_more
+from .paging import add_paging, collect, show_page
 
 __all__ = ["register"]
 
@@ -68,17 +68,12 @@ async def _pages(
 async def nodes_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         nodes, next_ = await _pages(api, "nodes.list", "nodes", {"siteId": args.site}, args)
-    if args.json:
-        print_json({"nodes": nodes, "next": next_})
-        return 0
-    rows = [{**n, "labels": ",".join(f"{k}={v}" for k, v in n["labels"].items())} for n in nodes]
-    print_table(
-        rows,
-        [("id", "NODE"), ("siteId", "SITE"), ("tenantId", "TENANT"), ("labels", "LABELS")],
+    return show_page(
+        args, next_, key="nodes", found=nodes,
+        rows=[{**n, "labels": ",".join(f"{k}={v}" for k, v in n["labels"].items())} for n in nodes],
+        columns=[("id", "NODE"), ("siteId", "SITE"), ("tenantId", "TENANT"), ("labels", "LABELS")],
         empty="no nodes",
-    )
-    print_more(next_)
-    return 0
+    )  # fmt: skip
 
 
 async def nodes_get(args: argparse.Namespace, settings: Settings) -> int:
@@ -193,17 +188,12 @@ async def profiles_get(args: argparse.Namespace, settings: Settings) -> int:
 async def profiles_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         profiles, next_ = await _pages(api, "profiles.list", "profiles", {"tenantId": args.tenant}, args)
-    if args.json:
-        print_json({"profiles": profiles, "next": next_})
-        return 0
-    print_table(
-        profiles,
-        [("id", "PROFILE"), ("version", "VERSION"), ("tenantId", "FROM"), ("target", "TARGET"),
-         ("steps", "STEPS"), ("public", "PUBLIC"), ("immutable", "IMMUTABLE")],
+    return show_page(
+        args, next_, key="profiles", found=profiles, rows=profiles,
+        columns=[("id", "PROFILE"), ("version", "VERSION"), ("tenantId", "FROM"), ("target", "TARGET"),
+                 ("steps", "STEPS"), ("public", "PUBLIC"), ("immutable", "IMMUTABLE")],
         empty="no profiles",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def profiles_delete(args: argparse.Namespace, settings: Settings) -> int:
@@ -325,9 +315,6 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         filters = {"nodeId": args.node, "state": args.state, "profileId": args.profile}
         workflows, next_ = await _pages(api, "workflows.list", "workflows", filters, args)
-    if args.json:
-        print_json({"workflows": workflows, "next": next_})
-        return 0
     rows = [
         {
             **w,
@@ -336,14 +323,12 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
         }
         for w in workflows
     ]
-    print_table(
-        rows,
-        [("id", "WORKFLOW"), ("state", "STATE"), ("profileRef", "PROFILE"), ("nodeId", "NODE"),
-         ("created", "CREATED")],
+    return show_page(
+        args, next_, key="workflows", found=workflows, rows=rows,
+        columns=[("id", "WORKFLOW"), ("state", "STATE"), ("profileRef", "PROFILE"),
+                 ("nodeId", "NODE"), ("created", "CREATED")],
         empty="no workflows",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def _verb(args: argparse.Namespace, settings: Settings, verb: str) -> int:
