@@ -121,6 +121,19 @@ async def _raise_unavailable(_input: dict[str, Any], _ctx: Any) -> dict[str, Any
     raise BcError("UNAVAILABLE", "the test device does not answer", {"path": "device"})
 
 
+async def _raise_refused(_input: dict[str, Any], _ctx: Any) -> dict[str, Any]:
+    # the step's own call to its device was refused: looks transient, but it is the step's failure
+    raise ConnectionRefusedError(111, "Connection refused")
+
+
+async def _return_value(input: dict[str, Any], _ctx: Any) -> Any:
+    return input["value"]
+
+
+async def _previous(_input: dict[str, Any], ctx: Any) -> Any:
+    return {"previous": await ctx.from_step("test.returnValue")}
+
+
 async def _await_power_on(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     # a command for another node than the workflow's
     got = await await_command(
@@ -191,6 +204,23 @@ raise_unavailable = define_step(
     input=manifest({}),
     run=_raise_unavailable,
 )
+raise_refused = define_step(
+    id="test.raiseRefused",
+    runs_on="control-plane",
+    timeout="1m",
+    input=manifest({}),
+    run=_raise_refused,
+)
+return_value = define_step(
+    id="test.returnValue",
+    runs_on="control-plane",
+    timeout="1m",
+    input=manifest({"value": field.json()}),
+    run=_return_value,
+)
+previous = define_step(
+    id="test.previous", runs_on="control-plane", timeout="1m", input=manifest({}), run=_previous
+)
 await_power_on = define_step(
     id="test.awaitPowerOn",
     runs_on="control-plane",
@@ -235,6 +265,9 @@ provision = provision_module(
         await_power,
         mint_then_fail,
         raise_unavailable,
+        raise_refused,
+        return_value,
+        previous,
         await_power_on,
     ],
     profiles=[chain],

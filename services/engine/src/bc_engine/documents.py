@@ -1,10 +1,10 @@
 """What enters and leaves ``bc.api.engine.*`` besides the request Structs: the bounds of free
 fields (labels, profile documents), checked before anything is parsed or stored, and the reply
-documents of nodes and workflows."""
+documents of nodes and workflows. Their JSON columns arrive decoded (the engine pool's jsonb
+codec): a step's result that is a string is that string, never parsed again."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any, Final
@@ -71,16 +71,12 @@ def _iso(value: Any) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def _json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
-
-
 def node_doc(row: Any) -> dict[str, Any]:
     return {
         "id": row["id"],
         "tenantId": row["tenant_id"],
         "siteId": row["site_id"],
-        "labels": _json(row["labels"]),
+        "labels": row["labels"],
         "generation": row["generation"],
         "observedGeneration": row["observed_generation"],
         "createdAt": _iso(row["created_at"]),
@@ -101,7 +97,7 @@ def workflow_doc(row: Any, steps: list[Any] | None = None) -> dict[str, Any]:
         "owner": row["owner"],
         "commandKinds": list(row["command_kinds"]),
         "batchId": row["batch_id"],
-        "error": _json(row["error"]),
+        "error": row["error"],
         "createdAt": _iso(row["created_at"]),
         "finishedAt": _iso(row["finished_at"]),
     }
@@ -118,10 +114,10 @@ def workflow_doc(row: Any, steps: list[Any] | None = None) -> dict[str, Any]:
                 "startedAt": _iso(s["started_at"]),
                 "deadline": _iso(s["deadline"]),
                 "finishedAt": _iso(s["finished_at"]),
-                "result": _json(s["result"]),
-                "error": _json(s["error"]),
+                "result": s["result"],
+                "error": s["error"],
                 "commandId": s["command_id"],
-                "waitingFor": _json(s.get("waiting_for")) if s["state"] in ("pending", "running") else None,
+                "waitingFor": s.get("waiting_for") if s["state"] in ("pending", "running") else None,
             }
             for s in steps
         ]
