@@ -231,6 +231,8 @@ class ListCertificatesRequest(msgspec.Struct, frozen=True, kw_only=True, rename=
     include_revoked: bool = False
     limit: Limit = DEFAULT_LIMIT
     cursor: Cursor | None = None
+    # Only these certificates (one page of agents' certificates at most): one call, not one each.
+    cert_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)] | None = None
 
 
 class RevokeCertificateRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -627,8 +629,10 @@ class PkiClient:
         include_revoked: bool = False,
         limit: int = DEFAULT_LIMIT,
         cursor: str | None = None,
+        cert_ids: list[str] | None = None,
     ) -> CertificateList:
-        """One page of certificates, newest first; pass its ``next`` as ``cursor`` for the next."""
+        """One page of certificates, newest first; pass its ``next`` as ``cursor`` for the next.
+        ``cert_ids`` (at most 1000) keeps only those."""
         req = ListCertificatesRequest(
             tenant_id=tenant_id,
             site_id=site_id,
@@ -637,6 +641,7 @@ class PkiClient:
             include_revoked=include_revoked,
             limit=limit,
             cursor=cursor,
+            cert_ids=cert_ids,
         )
         return await self._call("certs.list", req, CertificateList)
 

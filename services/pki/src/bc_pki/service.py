@@ -520,6 +520,8 @@ class PkiService(Service):
     async def list_certs(self, req: ApiRequest) -> CertificateList:
         assert self.db is not None
         b = req.decode(ListCertificatesRequest)
+        for i, cert_id in enumerate(b.cert_ids or ()):
+            parse_id(cert_id, "cert", path=f"certIds[{i}]")
         at, ident = decode_cursor(b.cursor, dt.datetime, str) or (None, None)
         rows = await self.db.fetch(
             store.CERT_SELECT_LIST,
@@ -531,6 +533,7 @@ class PkiService(Service):
             at,
             ident,
             b.limit + 1,
+            b.cert_ids,
         )
         certs, next_ = take_page(
             [store.cert_info(r) for r in rows], limit=b.limit, key=lambda c: (c.created_at, c.cert_id),

@@ -9,7 +9,6 @@ sent, signed here, and only the signature is sent. The private key never leaves 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import os
 import sys
@@ -26,6 +25,7 @@ from ..core.errors import BcError, ErrorCode
 from ..pki_client import PkiClient
 from ..service.client import ApiClient
 from ..wire.cmdq import CommandView
+from ..wire.paging import MAX_LIMIT
 from .common import api_client
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
@@ -210,18 +210,26 @@ async def cmd_agents_list(args: argparse.Namespace, settings: Settings) -> int:
 
 async def _cert_states(api: ApiClient, agents: list[AgentView]) -> dict[str, str]:
     """Each agent certificate's state as bc-pki has it (``valid``, ``revoked``, ``expired``): the
-    command queue lists an agent by presence, and a revoked one may still look connected. A
-    certificate bc-pki cannot tell about now is left out (shown as ``-``)."""
+    command queue lists an agent by presence, and a revoked one may still look connected. One
+    ``certs.list`` call for the page of agents (more only if its reply is cut by size). When
+    bc-pki cannot tell now, the states are left out (shown as ``-``)."""
+    cert_ids = sorted({a.cert_id for a in agents})
     pki = PkiClient(api, timeout=3.0)
-
-    async def state(cert_id: str) -> tuple[str, str | None]:
-        try:
-            return cert_id, (await pki.get_certificate(cert_id)).state
-        except BcError:
-            return cert_id, None
-
-    found = await asyncio.gather(*(state(c) for c in {a.cert_id for a in agents}))
-    return {cert_id: s for cert_id, s in found if s is not None}
+    states: dict[str, str] = {}
+    try:
+        for at in range(0, len(cert_ids), MAX_LIMIT):  # --all-pages may list more agents
+            chunk = cert_ids[at : at + MAX_LIMIT]
+            cursor: str | None = None
+            while True:
+                page = await pki.certificates_page(
+                    cert_ids=chunk, include_revoked=True, limit=len(chunk), cursor=cursor
+                )
+                states.update((c.cert_id, c.state) for c in page.certificates)
+                if (cursor := page.next) is None:
+                    break
+    except BcError:
+        pass  # bc-pki cannot tell now: what it told stays, the rest shows as -
+    return states
 
 
 # -- batches ----------------------------------------------------------------------------
