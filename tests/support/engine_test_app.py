@@ -13,6 +13,7 @@ from typing import Any
 from better_compute.app import better_compute
 from better_compute.core import field, manifest
 from better_compute.core.errors import BcError
+from better_compute.core.plugins import DriverOperation, define_plugin
 from better_compute.metal import metal
 from better_compute.provision import (
     UserData,
@@ -278,4 +279,15 @@ provision = provision_module(
         templates={"plain.txt": "node={{nodeId}} host={{hostname}} token={{joinToken}}"},
     ),
 )
-app = better_compute(modules=[metal(), provision], plugins=[OwnerModule()])
+# A plugin's own driver operation: validated in profiles and listed like metal's.
+BIOS = define_plugin(
+    id="test-bios",
+    driver_operations=[
+        DriverOperation(
+            name="bios.flash",
+            input=manifest({"image": field.string(min_length=1), "slot": field.int(min=0, max=1).default(0)}),
+            description="Flashes a BIOS image",
+        )
+    ],
+)
+app = better_compute(modules=[metal(), provision], plugins=[OwnerModule(), BIOS])
