@@ -30,6 +30,7 @@ __all__ = [
     "Transient",
     "driver_error",
     "malformed_answer",
+    "power_converged",
     "retry_in_thread",
     "retry_transient",
 ]
@@ -176,3 +177,12 @@ async def poll_until(
         if time.time() + interval >= deadline:
             raise driver_error(what, f"did not converge before the command's deadline (last seen {got!r})")
         await asyncio.sleep(interval)
+
+
+async def power_converged(
+    read: Callable[[], Awaitable[str]], want: str, *, deadline: float, what: str
+) -> dict[str, Any]:
+    """After a power change: read the power state until it is ``want`` (``DRIVER_ERROR`` at the
+    deadline), and the operation's result."""
+    after = await poll_until(read, lambda state: state == want, deadline=deadline, what=what)
+    return {"powerState": after, "changed": True}

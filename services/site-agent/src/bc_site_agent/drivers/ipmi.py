@@ -23,6 +23,7 @@ from .base import (
     driver_error,
     malformed_answer,
     poll_until,
+    power_converged,
     retry_in_thread,
 )
 
@@ -123,13 +124,12 @@ class IpmiDriver:
         await self._call(
             f"Chassis Control ({verb})", lambda c: c.set_power(verb, wait=False), deadline=deadline
         )
-        after = await poll_until(
+        return await power_converged(
             lambda: self._power_state(deadline),
-            lambda state: state == want,
+            want,
             deadline=deadline,
             what=f"power {action}: power state {want}",
         )
-        return {"powerState": after, "changed": True}
 
     async def set_boot_device(
         self, device: str, *, persistent: bool, mode: str | None, deadline: float

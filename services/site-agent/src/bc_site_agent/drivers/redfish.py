@@ -37,6 +37,7 @@ from .base import (
     driver_error,
     malformed_answer,
     poll_until,
+    power_converged,
     retry_in_thread,
 )
 
@@ -190,13 +191,12 @@ class RedfishDriver:
             self._system(deadline).reset_system(reset)
 
         await self._call(f"POST ComputerSystem.Reset({reset.value})", reset_system, deadline=deadline)
-        after = await poll_until(
+        return await power_converged(
             lambda: self._power_state(deadline),
-            lambda state: state == want,
+            want,
             deadline=deadline,
             what=f"power {action}: PowerState {want}",
         )
-        return {"powerState": after, "changed": True}
 
     async def set_boot_device(
         self, device: str, *, persistent: bool, mode: str | None, deadline: float
