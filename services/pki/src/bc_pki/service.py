@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
-from better_compute.keyring import Keyring, key_file_path
+from better_compute.keyring import Keyring, load_service_keyring
 from better_compute.logging import register_secret
 from better_compute.pki_client import (
     CaInfo,
@@ -94,12 +94,7 @@ class PkiService(Service):
     # -- start ------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        path = key_file_path(self.settings, self.settings.pki.key_file, "pki")
-        self.keyring, created = Keyring.load_or_create(path)
-        if created:
-            self.log.info("key_file_created", path=str(path), key_id=self.keyring.current_key_id)
-        if self.keyring.loose_permissions():
-            self.log.warning("key_file_readable_by_others", path=str(path))
+        self.keyring = load_service_keyring(self.settings, self.settings.pki.key_file, "pki", self.log)
         await self._load_ca()
 
     async def _load_ca(self) -> None:

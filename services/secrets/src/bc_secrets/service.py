@@ -13,7 +13,7 @@ from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.core.keys import step_key_prefix
-from better_compute.keyring import Keyring, key_file_path
+from better_compute.keyring import Keyring, load_service_keyring
 from better_compute.logging import register_secret
 from better_compute.pki_client import (
     PkiClient,
@@ -66,12 +66,8 @@ class SecretsService(Service):
         self.keyring: Keyring | None = None
 
     async def on_start(self) -> None:
-        path = key_file_path(self.settings, self.settings.secrets.key_file, "secrets")
-        self.keyring, created = Keyring.load_or_create(path)
-        if created:
-            self.log.info("key_file_created", path=str(path), key_id=self.keyring.current_key_id)
-        if self.keyring.loose_permissions():
-            self.log.warning("key_file_readable_by_others", path=str(path))
+        key_file = self.settings.secrets.key_file
+        self.keyring = load_service_keyring(self.settings, key_file, "secrets", self.log)
         self.log.info(
             "keyring_loaded",
             current_key_id=self.keyring.current_key_id,
