@@ -258,7 +258,8 @@ async def test_malformed_requests_are_invalid_input_with_a_path(
     assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "profileId")
     with pytest.raises(BcError) as e:
         await bc_api.call("engine", "workflows.get", {"id": "wf_nope"})
-    assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "id")
+    # a malformed id is bad input, not a missing workflow (issue 10)
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "id")
 
 
 async def test_a_step_starts_a_child_workflow_in_its_own_transaction(
