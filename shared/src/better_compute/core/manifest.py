@@ -9,6 +9,11 @@ reduced to its id) and refuses unknown keys. A key whose value is ``None`` count
 Every refusal is ``INVALID_INPUT`` with ``details.path`` (``port``, ``disks[2].size``,
 ``labels.gpu``); a badly built field is ``INVALID_CONFIG`` when it is built. Fields and manifests
 are frozen: ``.default()``, ``.optional()`` and ``.describe()`` return new fields.
+``Manifest.problems`` finds every refusal at once (profile validation), with did-you-mean for
+unknown fields and enum values.
+
+Longer than the house's ~400 lines: each field kind is a small class whose check and JSON Schema
+belong together, and splitting the kinds over modules would only scatter one grammar.
 """
 
 from __future__ import annotations
