@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -72,8 +71,7 @@ async def latest_result(sql: Any, workflow_id: str, action: str) -> Any:
             f"no succeeded step {action} in workflow {workflow_id}",
             {"path": "fromStep"},
         )
-    value = rows[0]["result"]
-    return json.loads(value) if isinstance(value, str) else value
+    return rows[0]["result"]  # decoded by the pool's jsonb codec: a string result stays one
 
 
 class StepCommands:
