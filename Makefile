@@ -1,7 +1,9 @@
-.PHONY: demo test lint
+.PHONY: demo test test-long lint
 demo:
 	bash scripts/demo.sh
 test:
 	bash scripts/test.sh
+test-long:
+	BC_LONG=1 bash scripts/test.sh
 lint:
 	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run ruff check . && "$${UV[@]}" run ruff format --check . && "$${UV[@]}" run mypy && "$${UV[@]}" run lint-imports'

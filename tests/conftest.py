@@ -11,11 +11,21 @@ import pytest
 _TIERS = {"unit", "integration", "e2e", "chaos", "adversarial"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Long sweeps (minutes each) stay out of `make test` so it fits its budget; `make test-long`
+# (BC_LONG=1) runs them too. They are deselected, not skipped: a run says how many it left out.
+_LONG = os.environ.get("BC_LONG", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = Path(str(item.path)).relative_to(Path(__file__).parent).parts[0]
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+    if not _LONG:
+        long = [i for i in items if i.get_closest_marker("long")]
+        if long:
+            config.hook.pytest_deselected(items=long)
+            items[:] = [i for i in items if not i.get_closest_marker("long")]
 
 
 # Service processes started by tests load test apps from tests/support.

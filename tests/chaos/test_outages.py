@@ -89,6 +89,7 @@ async def test_two_second_outages_of_postgres_then_nats(stack: Stack) -> None:
     await check_all_done_once(stack, sim, ids, pids)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 async def test_sixty_second_outages_of_postgres_and_nats_overlapping(stack: Stack) -> None:
     # PostgreSQL away for 60 s, NATS for 60 s, overlapping by 30 s: the services see the store

@@ -159,3 +159,18 @@ async def test_ids_and_names_are_refused_at_entry_with_the_field_and_an_example(
         assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "nodeId")
         assert "nodeId must be an id" in err.message
         assert "e.g. node_" in err.message
+
+
+async def test_a_malformed_node_or_workflow_id_is_invalid_input_with_an_example(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    cases = [("nodes.get", "lab 1!"), ("nodes.get", "wf_01JAAAAAAAAAAAAAAAAAAAAAAA"),
+             ("workflows.get", "nope"), ("workflows.get", "node_01JAAAAAAAAAAAAAAAAAAAAAAA")]  # fmt: skip
+    for route, bad in cases:
+        err = await refused(bc_api.call("engine", route, {"id": bad}, timeout=5))
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "id"), (route, bad)
+        assert "e.g. " in err.message, err.message
+    # a well-formed id that names nothing is still NOT_FOUND
+    for route, prefix in (("nodes.get", "node"), ("workflows.get", "wf")):
+        err = await refused(bc_api.call("engine", route, {"id": new_id(prefix)}, timeout=5))
+        assert err.code is ErrorCode.NOT_FOUND, route

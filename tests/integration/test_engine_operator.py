@@ -46,6 +46,20 @@ async def test_steps_list_shows_steps_and_driver_operations_with_their_inputs(
     ops = {o.name: o for o in got.driver_operations}
     assert set(ops["power.setPower"].input["properties"]["action"]["enum"]) >= {"on", "off", "cycle"}
     assert "media.eject" in ops
+    # a plugin's driver operation (tests/support/engine_test_app.py), and it validates like metal's
+    assert set(ops["bios.flash"].input["properties"]) == {"image", "slot"}
+    doc = {"id": "bios", "version": 1, "target": "metal", "role": "host", "steps": [
+        {"use": "bios.flash", "on": "site", "with": {"image": "http://x/b.bin"}},
+        {"use": "bios.flash", "on": "site", "with": {"slot": 2}},
+        {"use": "bios.flsh", "on": "site", "with": {"image": "i"}},
+    ]}  # fmt: skip
+    checked = await EngineClient(bc_api).validate_profile(document=doc)
+    assert [p.path for p in checked.problems] == [
+        "steps[1].with.image",
+        "steps[1].with.slot",
+        "steps[2].use",
+    ]
+    assert "did you mean bios.flash" in checked.problems[2].message
 
 
 async def test_nodes_update_label_and_delete(engine: EngineService, bc_api: ApiClient) -> None:

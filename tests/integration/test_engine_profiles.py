@@ -186,6 +186,42 @@ async def test_the_512_step_cap(engine: EngineService, bc_api: ApiClient) -> Non
     assert len(done.steps) == 512
 
 
+async def test_every_problem_of_one_steps_with_is_reported_with_its_path(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    """Issue 10 item 7, the gap left: validation went on past a step, but stopped at the first
+    bad field of one step's ``with``."""
+    bmc = {"driver": "redfsh", "adress": "10.0.0.9", "insecure": "yes"}
+    document = doc(
+        "with-problems",
+        1,
+        [
+            {"use": "test.waitFlag", "with": {"flag": 5, "pollMs": "soon", "polMs": 3}},
+            {"use": "power.setPower", "on": "site", "with": {"action": "explode", "bmc": bmc}},
+        ],
+    )
+    got = await EngineClient(bc_api).validate_profile(document=document)
+    assert got.valid is False
+    assert [p.path for p in got.problems] == [
+        "steps[0].with.polMs",
+        "steps[0].with.flag",
+        "steps[0].with.pollMs",
+        "steps[1].with.action",
+        "steps[1].with.bmc.adress",
+        "steps[1].with.bmc.driver",
+        "steps[1].with.bmc.address",
+        "steps[1].with.bmc.insecure",
+    ]
+    messages = {p.path: p.message for p in got.problems}
+    assert "did you mean pollMs" in messages["steps[0].with.polMs"]
+    assert "did you mean address" in messages["steps[1].with.bmc.adress"]
+    assert "did you mean redfish" in messages["steps[1].with.bmc.driver"]
+    with pytest.raises(BcError) as e:
+        await create(bc_api, "acme", document)
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "steps[0].with.polMs")
+    assert len(e.value.details["problems"]) == 8
+
+
 async def test_driver_operations_are_a_registry_validated_like_steps(
     engine: EngineService, bc_api: ApiClient
 ) -> None:

@@ -272,7 +272,8 @@ async def test_malformed_requests_are_invalid_input_with_a_path(
     assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "profileId")
     with pytest.raises(BcError) as e:
         await EngineClient(bc_api).get_workflow(id="wf_nope")
-    assert (e.value.code, e.value.path) == (ErrorCode.NOT_FOUND, "id")
+    # a malformed id is bad input, not a missing workflow (issue 10)
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "id")
 
 
 async def test_a_step_starts_a_child_workflow_in_its_own_transaction(
@@ -319,3 +320,30 @@ async def test_a_steps_own_unavailable_error_still_fails_it_at_once(
     assert done.state == "failed"
     assert done.steps[0].error["code"] == "UNAVAILABLE"
     assert done.steps[0].attempt == 1
+
+
+async def test_a_transient_looking_exception_from_a_step_fails_it(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    # only our own clients' ServiceUnavailableError makes a step wait; a refused connection
+    # to the step's own device is the step's failure, at its first attempt
+    await create_profile(bc_api, [{"use": "test.raiseRefused"}])
+    wf = await EngineClient(bc_api).start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, wf.id, timeout=10)
+    assert done.state == "failed"
+    step = done.steps[0]
+    assert (step.error["code"], step.attempt) == ("INTERNAL", 1)
+    assert "ConnectionRefusedError" in step.error["message"]
+
+
+async def test_steps_returning_strings_show_them_as_strings(engine: EngineService, bc_api: ApiClient) -> None:
+    values = [{"a": "{}"}, '{"a":1}', "[1, 2]", "12", "ok"]
+    steps = [{"use": "test.returnValue", "with": {"value": v}} for v in values]
+    await create_profile(bc_api, [*steps, {"use": "test.previous"}])
+    engine_api = EngineClient(bc_api)
+    wf = await engine_api.start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, wf.id, timeout=10)
+    assert done.state == "succeeded", done
+    assert [s.result for s in done.steps] == [*values, {"previous": "ok"}]
+    listed = await engine_api.list_workflows(state="succeeded")
+    assert wf.id in [w.id for w in listed.workflows]

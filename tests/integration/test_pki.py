@@ -171,10 +171,21 @@ async def test_a_join_earns_a_certificate_signed_by_the_ca_and_is_audited(
         second, _ = await join(pki, issued.token, kind="p256")
         info = await pki.get_join_token(join_token_id=issued.id)
         certs = await pki.list_certificates(join_token_id=issued.id)
+        await pki.revoke_certificate(cert_id=second.cert_id, reason="test")
+        # several ids in one call (bcx agents list): only those, revoked ones on request
+        by_ids = await pki.certificates_page(cert_ids=[first.cert_id, second.cert_id, new_id("cert")])
+        with_revoked = await pki.certificates_page(
+            cert_ids=[first.cert_id, second.cert_id], include_revoked=True, limit=2
+        )
         audit = await pki.list_joins(join_token_id=issued.id)
 
     assert (info.uses, info.state) == (2, "used")
     assert {c.cert_id for c in certs} == {first.cert_id, second.cert_id}
+    assert [c.cert_id for c in by_ids.certificates] == [first.cert_id]
+    assert {(c.cert_id, c.state) for c in with_revoked.certificates} == {
+        (first.cert_id, "valid"),
+        (second.cert_id, "revoked"),
+    }
     assert [a.outcome for a in audit] == ["joined", "joined"]
     assert audit[0].claims is not None
     assert "aa:bb:cc:00:11:22" in audit[0].claims.macs
@@ -269,6 +280,9 @@ async def test_malformed_requests_are_invalid_input_with_a_path(
          "data"),
         ("certs.get", {"certId": "tok_01JAAAAAAAAAAAAAAAAAAAAAAA"}, "certId"),
         ("certs.list", {"limit": 0}, "limit"),
+        ("certs.list", {"certIds": ["cert_01JAAAAAAAAAAAAAAAAAAAAAAA", "x"]}, "certIds[1]"),
+        ("certs.list", {"certIds": []}, "certIds"),
+        ("certs.list", {"certIds": ["cert_01JAAAAAAAAAAAAAAAAAAAAAAA"] * 1001}, "certIds"),
     ]  # fmt: skip
     async with PkiService(bc_settings):
         for route, payload, path in cases:

@@ -13,6 +13,7 @@ from typing import Any
 from better_compute.app import better_compute
 from better_compute.core import field, manifest
 from better_compute.core.errors import BcError
+from better_compute.core.plugins import DriverOperation, define_plugin
 from better_compute.metal import metal
 from better_compute.provision import (
     UserData,
@@ -121,6 +122,19 @@ async def _raise_unavailable(_input: dict[str, Any], _ctx: Any) -> dict[str, Any
     raise BcError("UNAVAILABLE", "the test device does not answer", {"path": "device"})
 
 
+async def _raise_refused(_input: dict[str, Any], _ctx: Any) -> dict[str, Any]:
+    # the step's own call to its device was refused: looks transient, but it is the step's failure
+    raise ConnectionRefusedError(111, "Connection refused")
+
+
+async def _return_value(input: dict[str, Any], _ctx: Any) -> Any:
+    return input["value"]
+
+
+async def _previous(_input: dict[str, Any], ctx: Any) -> Any:
+    return {"previous": await ctx.from_step("test.returnValue")}
+
+
 async def _await_power_on(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     # a command for another node than the workflow's
     got = await await_command(
@@ -191,6 +205,23 @@ raise_unavailable = define_step(
     input=manifest({}),
     run=_raise_unavailable,
 )
+raise_refused = define_step(
+    id="test.raiseRefused",
+    runs_on="control-plane",
+    timeout="1m",
+    input=manifest({}),
+    run=_raise_refused,
+)
+return_value = define_step(
+    id="test.returnValue",
+    runs_on="control-plane",
+    timeout="1m",
+    input=manifest({"value": field.json()}),
+    run=_return_value,
+)
+previous = define_step(
+    id="test.previous", runs_on="control-plane", timeout="1m", input=manifest({}), run=_previous
+)
 await_power_on = define_step(
     id="test.awaitPowerOn",
     runs_on="control-plane",
@@ -235,6 +266,9 @@ provision = provision_module(
         await_power,
         mint_then_fail,
         raise_unavailable,
+        raise_refused,
+        return_value,
+        previous,
         await_power_on,
     ],
     profiles=[chain],
@@ -245,4 +279,15 @@ provision = provision_module(
         templates={"plain.txt": "node={{nodeId}} host={{hostname}} token={{joinToken}}"},
     ),
 )
-app = better_compute(modules=[metal(), provision], plugins=[OwnerModule()])
+# A plugin's own driver operation: validated in profiles and listed like metal's.
+BIOS = define_plugin(
+    id="test-bios",
+    driver_operations=[
+        DriverOperation(
+            name="bios.flash",
+            input=manifest({"image": field.string(min_length=1), "slot": field.int(min=0, max=1).default(0)}),
+            description="Flashes a BIOS image",
+        )
+    ],
+)
+app = better_compute(modules=[metal(), provision], plugins=[OwnerModule(), BIOS])

@@ -147,6 +147,32 @@ def test_decode_refuses_nul_depth_and_int64_with_the_path_even_in_unknown_fields
     assert decode(b'{"zz": ' + b"[" * 63 + b"]" * 63 + b"}", Req).a == 0
 
 
+def test_the_byte_gate_before_the_walk_lets_nothing_through() -> None:
+    """decode walks a request only when its bytes could fail the check (codec._suspect): brackets
+    and quotes inside strings, escaped quotes, exponents must not hide what the walk refuses."""
+
+    class Req(msgspec.Struct):
+        a: int = 0
+
+    # 70 deep, but brackets inside strings make the raw bytes look 60 deep at most
+    masked = b'{"zz": ' + b"[" * 60 + b'"' + b"]" * 60 + b'", ' + b"[" * 10 + b"]" * 10
+    masked += b', "' + b"[" * 60 + b'"' + b"]" * 60 + b"}"
+    cases = {
+        masked: "zz" + "[0]" * 59 + "[1]" + "[0]" * 3,
+        b'{"zz": ["\\"[[", ' + b"[" * 70 + b"]" * 70 + b"]}": "zz[1]" + "[0]" * 62,
+        b'{"zz": ' + b'[{"b": ' * 33 + b"1" + b"}]" * 33 + b"}": "zz" + "[0].b" * 31 + "[0]",
+        b'{"zz": ["x", 1.5e400]}': "",
+        b'{"zz": "x\\\\", "q": [123456789012345678901]}': "q[0]",
+    }
+    for data, path in cases.items():
+        with pytest.raises(BcError) as info:
+            decode(data, Req)
+        assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, path), data[:60]
+    # long digit runs, exponents and brackets inside strings are only text
+    fine = b'{"a": 5, "zz": ["12345678901234567890", "e+999", "[[[{{{", "]]]}}}", 1e300, -12345]}'
+    assert decode(fine, Req).a == 5
+
+
 def test_ids_and_names_are_refused_with_the_field_and_an_example() -> None:
     with pytest.raises(BcError) as info:
         parse_id("lab 1!", "node", path="nodeId")

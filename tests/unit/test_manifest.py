@@ -96,6 +96,44 @@ def test_refusals_name_the_first_bad_field(value: dict[object, object], path: st
     assert refusal(lambda: MACHINE.validate(value)) == (INVALID_INPUT, path)
 
 
+@pytest.mark.parametrize(
+    ("value", "path"),
+    [
+        ({"name": "web", "port": 0}, "port"),
+        ({}, "name"),
+        ({"name": "web", "color": "red"}, "color"),
+        ({"name": "web", "disks": [{"size": 1}, {"size": 2}, {"size": 0}]}, "disks[2].size"),
+        ({"name": "web", "disks": "sda"}, "disks"),
+        ({"name": "web", "labels": {"gpu": 1}}, "labels.gpu"),
+        ({"name": "web", "token": {"secretRef": SECRET, "extra": 1}}, "token.extra"),
+        ({1: "web"}, ""),
+    ],
+)
+def test_problems_finds_what_validate_refuses_and_nothing_when_it_passes(
+    value: dict[object, object], path: str
+) -> None:
+    assert [(p.code, p.path) for p in MACHINE.problems(value)][:1] == [(INVALID_INPUT, path)]
+    assert MACHINE.problems({"name": "web", "disks": [{"size": 3}], "labels": {"a": "b"}}) == []
+
+
+def test_problems_reports_every_bad_field_in_one_pass_with_did_you_mean() -> None:
+    value = {"nmae": "web", "port": 0, "mode": "ful", "disks": [{"size": 0}, {"sise": 2}]}
+    found = MACHINE.problems(value, path="steps[2].with")
+    assert [p.path for p in found] == [
+        "steps[2].with.nmae",
+        "steps[2].with.port",
+        "steps[2].with.name",
+        "steps[2].with.disks[0].size",
+        "steps[2].with.disks[1].sise",
+        "steps[2].with.disks[1].size",
+        "steps[2].with.mode",
+    ]
+    messages = {p.path: p.message for p in found}
+    assert messages["steps[2].with.nmae"] == "unknown field; did you mean name?"
+    assert messages["steps[2].with.mode"].endswith("did you mean full?")
+    assert refusal(lambda: MACHINE.validate(value)) == (INVALID_INPUT, "nmae")
+
+
 def test_a_non_object_is_refused_at_the_given_path() -> None:
     assert refusal(lambda: MACHINE.validate(["web"], path="steps[2].with")) == (
         INVALID_INPUT,

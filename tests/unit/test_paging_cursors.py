@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 from datetime import UTC, datetime
 
 import pytest
 
+from better_compute.cli.paging import collect_pages, show_page
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.wire.paging import decode_cursor, encode_cursor, take_page
 
@@ -41,3 +44,37 @@ def test_a_page_ends_at_the_limit_or_the_budget_but_never_empty() -> None:
     assert [r["id"] for r in page] == [0]  # one row over the budget still goes out alone
     assert next_ is not None
     assert take_page([], limit=10, key=lambda r: (r,)) == ([], None)
+
+
+async def test_bcx_follows_a_typed_clients_pages_and_prints_json_or_a_table(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pages = {None: (["a", "b"], "c1"), "c1": (["c"], None)}
+    asked: list[dict[str, object]] = []
+
+    class Page:
+        def __init__(self, items: list[str], next_: str | None) -> None:
+            self.things, self.next = items, next_
+
+    async def things_page(**kw: object) -> Page:
+        asked.append(kw)
+        return Page(*pages[kw["before"]])  # type: ignore[index]
+
+    args = argparse.Namespace(limit=2, cursor=None, all_pages=True, json=False)
+    found, next_ = await collect_pages(things_page, "things", args, cursor_param="before", site_id="s1")
+    assert (found, next_) == (["a", "b", "c"], None)
+    assert asked == [
+        {"site_id": "s1", "limit": 2, "before": None},
+        {"site_id": "s1", "limit": 2, "before": "c1"},
+    ]
+
+    args.all_pages = False
+    found, next_ = await collect_pages(things_page, "things", args, cursor_param="before")
+    assert show_page(args, next_, key="things", found=found, rows=[{"id": t} for t in found],
+                     columns=[("id", "ID")], empty="none") == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert out.split() == ["ID", "a", "b"]
+    assert "more: --cursor c1" in err
+    args.json = True
+    show_page(args, next_, key="things", found=found, rows=[], columns=[], empty="none")
+    assert json.loads(capsys.readouterr().out) == {"things": ["a", "b"], "next": "c1"}

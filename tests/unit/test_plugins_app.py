@@ -457,3 +457,32 @@ def test_metal_registers_the_site_agents_driver_operations_once() -> None:
     with pytest.raises(BcError) as e:
         registry.add_driver_operation(DriverOperation(name="acme.reset", input=manifest({})), path="b")
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_CONFIG, "b.name")
+
+
+def test_a_plugin_contributes_driver_operations_registered_like_steps() -> None:
+    from better_compute.core import DriverOperation
+
+    flash = DriverOperation(
+        name="bios.flash", input=manifest({"image": field.string(min_length=1)}), description="Flash"
+    )
+    plugin = define_plugin(id="acme-bios", driver_operations=[flash])
+    assert plugin.driver_operations == (flash,)
+    app = better_compute(modules=[metal()], plugins=[plugin])
+    assert app.driver_operations["bios.flash"] is flash
+    assert "power.setPower" in app.driver_operations
+    # a name taken by another module or plugin, twice in one plugin, or not an operation
+    taken = DriverOperation(name="power.setPower", input=manifest({}))
+    assert refusal(
+        lambda: better_compute(
+            modules=[metal()], plugins=[define_plugin(id="acme-power", driver_operations=[taken])]
+        )
+    ) == (INVALID_CONFIG, "plugins[0].driver_operations[0].name")
+    again = DriverOperation(name="bios.flash", input=manifest({}))
+    assert refusal(lambda: define_plugin(id="acme", driver_operations=[flash, again])) == (
+        INVALID_CONFIG,
+        "driver_operations[1].name",
+    )
+    assert refusal(lambda: define_plugin(id="acme", driver_operations=["bios.flash"])) == (
+        INVALID_CONFIG,
+        "driver_operations[0]",
+    )

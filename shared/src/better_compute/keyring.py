@@ -20,6 +20,7 @@ import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -27,7 +28,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 
-__all__ = ["Keyring", "generate_key_line", "key_file_path", "rotate_key_file"]
+__all__ = ["Keyring", "generate_key_line", "key_file_path", "load_service_keyring", "rotate_key_file"]
 
 _VERSION = 1
 _PREFIX = "bck1"
@@ -52,6 +53,19 @@ def key_file_path(settings: Settings, explicit: str | None, name: str) -> Path:
     if explicit:
         return Path(explicit)
     return Path(settings.state_dir) / "keys" / f"{name}.key"
+
+
+def load_service_keyring(settings: Settings, explicit: str | None, name: str, log: Any) -> Keyring:
+    """A service's keyring at ``key_file_path``, created on its first start; logs
+    ``key_file_created`` then, and warns ``key_file_readable_by_others`` when the file's
+    permissions are loose."""
+    path = key_file_path(settings, explicit, name)
+    ring, created = Keyring.load_or_create(path)
+    if created:
+        log.info("key_file_created", path=str(path), key_id=ring.current_key_id)
+    if ring.loose_permissions():
+        log.warning("key_file_readable_by_others", path=str(path))
+    return ring
 
 
 def _write_new(path: Path, text: str) -> bool:

@@ -110,7 +110,9 @@ def configure_logging(*, level: str = "info", json: bool | None = None, stream: 
         redact,
     ]
     processors.append(
-        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer()
+        if as_json
+        else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
     structlog.configure(
         processors=processors,

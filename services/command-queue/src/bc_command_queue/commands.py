@@ -16,9 +16,11 @@ import msgspec
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
+from better_compute.core.keys import workflow_command_prefix
 from better_compute.core.names import parse_name
 from better_compute.core.plugins import CommandKind
 from better_compute.service import ApiRequest, Database
+from better_compute.service.fences import attempt_superseded
 from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import (
     MAX_STATE_QUERY,
@@ -312,7 +314,9 @@ class Commands:
         meanwhile is either cancelled by it or sees the fence itself (``_refuse_superseded``).
         """
         assert body.key_prefix is not None
-        if body.workflow_id is None or not body.key_prefix.startswith(f"wf:{body.workflow_id}:"):
+        if body.workflow_id is None or not body.key_prefix.startswith(
+            f"{workflow_command_prefix(body.workflow_id)}:"
+        ):
             raise invalid("keyPrefix", "a fence is for one workflow: wf:<workflowId>:<step>#<attempt>")
         await self.db.execute(store.KEY_FENCE_INSERT, body.key_prefix, body.workflow_id, body.reason)
 
@@ -324,11 +328,7 @@ class Commands:
         rows = await self.db.fetch(store.CANCEL_SUPERSEDED, row["id"])
         await self.changed(rows)
         self.log.warning("command_refused_superseded", command_id=row["id"], workflow_id=body.workflow_id)
-        raise BcError(
-            ErrorCode.INVALID_STATE,
-            "this workflow step attempt was superseded: it sends nothing any more",
-            {"path": "key", "reason": "attempt-superseded"},
-        )
+        raise attempt_superseded("sends", path="key")
 
     async def live_with_ref(self, req: ApiRequest) -> LiveWithRefReply:
         body = req.decode(LiveWithRef)

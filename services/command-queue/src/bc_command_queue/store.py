@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import msgspec
 
+from better_compute.service import fences
 from better_compute.wire.cmdq import TERMINAL_STATES, AgentStatus, AgentView, CommandEvent, CommandView
 
 __all__ = [
@@ -360,13 +361,7 @@ RETURNING {_COLS}
 KEY_FENCE_INSERT: Final = (
     "INSERT INTO key_fences (prefix, workflow_id, reason) VALUES ($1, $2, $3) ON CONFLICT (prefix) DO NOTHING"
 )
-# Whether the key $1 is under a fenced prefix: the key itself or one of its prefixes that end
-# before a ':' or '#' is in key_fences (primary-key lookups).
-KEY_FENCED: Final = (
-    "SELECT EXISTS (SELECT 1 FROM key_fences WHERE prefix = ANY (ARRAY("
-    " SELECT left($1::text, i - 1) FROM generate_series(1, length($1::text)) AS i"
-    " WHERE substr($1::text, i, 1) IN (':', '#')) || $1::text))"
-)
+KEY_FENCED: Final = fences.KEY_FENCED
 # A command created under a fenced key (it raced with the fence): cancelled before it goes out
 CANCEL_SUPERSEDED: Final = f"""
 UPDATE commands c SET state = 'cancelled', reason = 'attempt-superseded', finished_at = now(),

@@ -92,6 +92,7 @@ class EngineApi:
     async def nodes_get(self, req: ApiRequest) -> m.NodeView:
         """The node with its inventory, host section and the workflow moving it now."""
         body = req.decode(m.GetNode)
+        parse_id(body.id, "node", path="id")  # a malformed id never reaches the store
         row = await self.db.fetchrow(store.NODE, body.id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no node {body.id}", {"path": "id"})
@@ -394,6 +395,7 @@ class EngineApi:
 
     async def workflows_get(self, req: ApiRequest) -> m.WorkflowView:
         body = req.decode(m.GetWorkflow)
+        parse_id(body.id, "wf", path="id")
         return await self._get(body.id, steps_cursor=body.steps_cursor, budget=req.page_budget)
 
     async def workflows_list(self, req: ApiRequest) -> m.WorkflowList:

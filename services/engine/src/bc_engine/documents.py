@@ -1,6 +1,7 @@
 """What enters and leaves ``bc.api.engine.*`` besides the request Structs: the bounds of free
 fields (labels, profile documents), checked before anything is parsed or stored, and the
-replies of nodes and workflows built from their rows."""
+replies of nodes and workflows built from their rows. Their JSON columns arrive decoded (the
+engine pool's jsonb codec): a step's result that is a string is that string, never parsed again."""
 
 from __future__ import annotations
 
@@ -140,10 +141,10 @@ def _step(s: Any) -> m.WorkflowStep:
         started_at=_iso(s["started_at"]),
         deadline=_iso(s["deadline"]),
         finished_at=_iso(s["finished_at"]),
-        result=_json(s["result"]),
-        error=_json(s["error"]),
+        result=s["result"],
+        error=s["error"],
         command_id=s["command_id"],
-        waiting_for=_json(s.get("waiting_for")) if s["state"] in ("pending", "running") else None,
+        waiting_for=s.get("waiting_for") if s["state"] in ("pending", "running") else None,
     )
 
 
@@ -162,7 +163,7 @@ def workflow_doc(
         owner=row["owner"],
         command_kinds=list(row["command_kinds"]),
         batch_id=row["batch_id"],
-        error=_json(row["error"]),
+        error=row["error"],
         created_at=_iso(row["created_at"]),
         finished_at=_iso(row["finished_at"]),
         steps=[_step(s) for s in steps] if steps is not None else msgspec.UNSET,

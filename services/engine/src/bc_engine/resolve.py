@@ -20,6 +20,7 @@ from typing import Any
 
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode, join_path
+from better_compute.core.manifest import Manifest
 from better_compute.provision import Profile, ProfileStep, Step
 from better_compute.wire import engine as m
 
@@ -89,25 +90,32 @@ class Resolution:
         return kinds
 
 
+def _with_problems(input: Manifest, with_: dict[str, Any], path: str) -> list[Problem]:
+    """Every problem of a step's ``with`` (not only the first), at ``<path>.with.<field>``."""
+    at = join_path(path, "with")
+    return [Problem(join_path(at, e.path or ""), e.code.value, e.message) for e in input.problems(with_)]
+
+
 def _resolve_one(
     app: App, ps: ProfileStep, idx: int, path: str, fallback: bool
-) -> ResolvedStep | Problem | None:
-    """A resolved step, a problem (resolution stops there), or None (try the fallback)."""
+) -> ResolvedStep | list[Problem] | None:
+    """A resolved step, its problems (resolution stops there), or None (try the fallback)."""
     prefix = "fallback-" if fallback else ""
     step: Step | None = app.steps.get(ps.use)
     with_ = dict(ps.with_)
     if step is not None:
         if ps.on is not None and not step.accepts(ps.on):
             allowed = [step.runs_on, *step.relays]
-            return Problem(
-                join_path(path, "on"),
-                ErrorCode.INVALID_INPUT.value,
-                f"step {ps.use} runs on {' or '.join(allowed)}, not {ps.on}",
-            )
-        try:
-            value = step.input.validate(with_)
-        except BcError as err:
-            return Problem(join_path(join_path(path, "with"), err.path or ""), err.code.value, err.message)
+            return [
+                Problem(
+                    join_path(path, "on"),
+                    ErrorCode.INVALID_INPUT.value,
+                    f"step {ps.use} runs on {' or '.join(allowed)}, not {ps.on}",
+                )
+            ]
+        if problems := _with_problems(step.input, with_, path):
+            return problems
+        value = step.input.validate(with_)
         timeout_ms = ps.timeout_ms or step.timeout_ms
         if step.is_agent_step:
             return ResolvedStep(
@@ -120,17 +128,16 @@ def _resolve_one(
         )  # fmt: skip
     operation = app.driver_operations.get(ps.use)
     if ps.on in AGENTS and operation is not None:
-        try:
-            with_ = operation.input.validate(with_)
-        except BcError as err:
-            return Problem(join_path(join_path(path, "with"), err.path or ""), err.code.value, err.message)
+        if problems := _with_problems(operation.input, with_, path):
+            return problems
+        with_ = operation.input.validate(with_)
         kind = app.command_kinds.get(DRIVER_INVOKE)
         payload: dict[str, Any] = {"operation": ps.use, "input": with_}
         if kind is not None:
             try:
                 payload = kind.payload.validate(payload)
             except BcError as err:
-                return Problem(join_path(path, "with"), err.code.value, err.message)
+                return [Problem(join_path(path, "with"), err.code.value, err.message)]
         return ResolvedStep(
             idx, ps.use, ps.on, "driver", DRIVER_INVOKE, payload,
             ps.timeout_ms or DEFAULT_DRIVER_TIMEOUT_MS, prefix + "driver",
@@ -179,9 +186,9 @@ def resolve_profile(app: App, profile: Profile, *, has_node: bool | None = None)
         if got is None and ps.fallback is not None:
             got = _resolve_one(app, ps.fallback, idx, join_path(path, "fallback"), fallback=True)
         if got is None:
-            got = _unknown(app, ps, path)
-        if isinstance(got, Problem):
-            out.problems.append(got)
+            got = [_unknown(app, ps, path)]
+        if isinstance(got, list):
+            out.problems.extend(got)
             continue
         if has_node is False and got.mode != "control-plane":
             out.problems.append(

@@ -19,7 +19,7 @@ import msgspec
 
 from better_compute.core.errors import BcError, ErrorCode, ServiceUnavailableError
 from better_compute.provision import StepNotReady, step_command_key
-from better_compute.service.faults import Backoff, describe, is_transient
+from better_compute.service.faults import Backoff
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 
 from . import store
@@ -154,10 +154,8 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        if is_transient(exc):
-            # the database or the bus went away under the step: run it again soon
-            log.warning("step_interrupted", error=describe(exc))
-            return Wait(time.time() + QUEUE_RETRY_S)
+        # Whatever else a step raises is its failure, even when it looks transient (a refused
+        # connection to its own device): only ServiceUnavailableError above makes it wait.
         log.exception("step_raised")
         return Fail(
             BcError(

@@ -15,10 +15,10 @@ from cryptography.hazmat.primitives import serialization
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
-from better_compute.core.keys import attempt_key
-from better_compute.keyring import Keyring, key_file_path
+from better_compute.keyring import Keyring, load_service_keyring
 from better_compute.logging import register_secret
 from better_compute.service import ApiRequest, Handler, Service
+from better_compute.service.fences import attempt_superseded
 from better_compute.wire.paging import decode_cursor, take_page
 from better_compute.wire.pki import (
     CaInfo,
@@ -94,12 +94,7 @@ class PkiService(Service):
     # -- start ------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        path = key_file_path(self.settings, self.settings.pki.key_file, "pki")
-        self.keyring, created = Keyring.load_or_create(path)
-        if created:
-            self.log.info("key_file_created", path=str(path), key_id=self.keyring.current_key_id)
-        if self.keyring.loose_permissions():
-            self.log.warning("key_file_readable_by_others", path=str(path))
+        self.keyring = load_service_keyring(self.settings, self.settings.pki.key_file, "pki", self.log)
         await self._load_ca()
 
     async def _load_ca(self) -> None:
@@ -202,8 +197,11 @@ class PkiService(Service):
             if row is None:  # a random 256-bit token collided: never in practice
                 raise BcError(ErrorCode.CONFLICT, "token collision; issue again")
             self._same_parameters(store.token_info(row), body, expect)
-        if ikey is not None:
-            await self._refuse_superseded(ikey, row["id"])
+        if ikey is not None and await store.FENCES.revoke_if_fenced(
+            self.db, ikey, row["id"], "minted by a superseded step attempt"
+        ):
+            self.log.warning("join_token_refused_superseded", join_token_id=row["id"])
+            raise attempt_superseded("mints")
         if found and not same_token(token, row["token_hash"]):
             # Issued before, and this caller cannot make the same token: it is not the step
             # attempt that minted it (another mint secret, or none). It gets the id, never the token.
@@ -284,29 +282,12 @@ class PkiService(Service):
         """Revoke every token one workflow step attempt minted, and fence its key."""
         assert self.db is not None
         body = req.decode(RevokeAttempt)
-        prefix = attempt_key(body.workflow_id, body.step, body.attempt)
-        reason = body.reason or "superseded by a later attempt of its workflow step"
-        # The fence commits before the revoke looks: a token minted meanwhile is either seen
-        # by the revoke or sees the fence itself (issue_token checks after its insert).
-        await self.db.execute(store.KEY_FENCE_INSERT, prefix, reason)
-        rows = await self.db.fetch(store.TOKENS_REVOKE_UNDER_KEY, prefix, reason)
-        if rows:
-            self.log.info("join_tokens_revoked", key=prefix, join_token_ids=[r["id"] for r in rows])
-        return RevokedAttempt(revoked=[r["id"] for r in rows])
-
-    async def _refuse_superseded(self, ikey: str, token_id: str) -> None:
-        """A token minted under the key of a superseded step attempt (a late run of it) is
-        revoked at once and refused."""
-        assert self.db is not None
-        if not await self.db.fetchval(store.KEY_FENCED, ikey):
-            return
-        await self.db.execute(store.TOKEN_REVOKE, token_id, "minted by a superseded step attempt")
-        self.log.warning("join_token_refused_superseded", join_token_id=token_id)
-        raise BcError(
-            ErrorCode.INVALID_STATE,
-            "this workflow step attempt was superseded: it mints nothing any more",
-            {"path": "idempotencyKey", "reason": "attempt-superseded"},
+        prefix, revoked = await store.FENCES.fence(
+            self.db, workflow_id=body.workflow_id, step=body.step, attempt=body.attempt, reason=body.reason
         )
+        if revoked:
+            self.log.info("join_tokens_revoked", key=prefix, join_token_ids=revoked)
+        return RevokedAttempt(revoked=revoked)
 
     # -- joins --------------------------------------------------------------------
 
@@ -534,6 +515,8 @@ class PkiService(Service):
     async def list_certs(self, req: ApiRequest) -> CertificateList:
         assert self.db is not None
         b = req.decode(ListCertificatesRequest)
+        for i, cert_id in enumerate(b.cert_ids or ()):
+            parse_id(cert_id, "cert", path=f"certIds[{i}]")
         at, ident = decode_cursor(b.cursor, dt.datetime, str) or (None, None)
         rows = await self.db.fetch(
             store.CERT_SELECT_LIST,
@@ -545,6 +528,7 @@ class PkiService(Service):
             at,
             ident,
             b.limit + 1,
+            b.cert_ids,
         )
         certs, next_ = take_page(
             [store.cert_info(r) for r in rows], limit=b.limit, key=lambda c: (c.created_at, c.cert_id),

@@ -6,6 +6,7 @@ from typing import Any, Final
 
 import msgspec
 
+from better_compute.service.fences import AttemptFences
 from better_compute.wire.pki import (
     CertificateInfo,
     JoinAudit,
@@ -25,13 +26,11 @@ __all__ = [
     "CERT_SELECT_BY_AGENT",
     "CERT_SELECT_BY_ID",
     "CERT_SELECT_LIST",
+    "FENCES",
     "JOIN_AUDIT_INSERT",
     "JOIN_AUDIT_LIST",
-    "KEY_FENCED",
-    "KEY_FENCE_INSERT",
     "SEEN_INSERT",
     "SEEN_PURGE",
-    "TOKENS_REVOKE_UNDER_KEY",
     "TOKEN_COLUMNS",
     "TOKEN_INSERT",
     "TOKEN_LIST",
@@ -85,27 +84,7 @@ TOKEN_REVOKE: Final = (
     "UPDATE join_tokens SET revoked_at = now(), revoke_reason = $2"
     f" WHERE id = $1 AND revoked_at IS NULL RETURNING {TOKEN_COLUMNS}"
 )
-# A key is under a prefix when it is the prefix or goes on with ':' or '#' after it, so
-# wf:X:3#1 covers wf:X:3#1:name but never wf:X:3#12. In byte order (COLLATE "C") the keys
-# going on with ':' lie in [p || ':', p || ';'), those with '#' in [p || '#', p || '$').
-_UNDER_KEY: Final = """(idempotency_key COLLATE "C" = {p}
-    OR (idempotency_key COLLATE "C" >= ({p} || ':') AND idempotency_key COLLATE "C" < ({p} || ';'))
-    OR (idempotency_key COLLATE "C" >= ({p} || '#') AND idempotency_key COLLATE "C" < ({p} || '$')))"""
-# $1 prefix, $2 reason
-TOKENS_REVOKE_UNDER_KEY: Final = (
-    "UPDATE join_tokens SET revoked_at = now(), revoke_reason = $2"
-    f" WHERE revoked_at IS NULL AND {_UNDER_KEY.format(p='$1::text')} RETURNING id"
-)
-KEY_FENCE_INSERT: Final = (
-    "INSERT INTO key_fences (prefix, reason) VALUES ($1, $2) ON CONFLICT (prefix) DO NOTHING"
-)
-# Whether $1 is under a fenced prefix: the key itself or one of its prefixes that end before
-# a ':' or '#' is in key_fences (primary-key lookups).
-KEY_FENCED: Final = (
-    "SELECT EXISTS (SELECT 1 FROM key_fences WHERE prefix = ANY (ARRAY("
-    " SELECT left($1::text, i - 1) FROM generate_series(1, length($1::text)) AS i"
-    " WHERE substr($1::text, i, 1) IN (':', '#')) || $1::text))"
-)
+FENCES: Final = AttemptFences(table="join_tokens", id_column="id")
 TOKEN_LIST: Final = (
     f"SELECT * FROM (SELECT {TOKEN_COLUMNS} FROM join_tokens"
     " WHERE ($1::text IS NULL OR tenant_id = $1) AND ($2::text IS NULL OR site_id = $2)) t"
@@ -135,6 +114,7 @@ CERT_SELECT_LIST: Final = (
     " AND ($3::text IS NULL OR agent_id = $3) AND ($4::text IS NULL OR join_token_id = $4)"
     " AND ($5 OR revoked_at IS NULL)"
     " AND ($6::timestamptz IS NULL OR (created_at, id) < ($6, $7::text))"
+    " AND ($9::text[] IS NULL OR id = ANY ($9::text[]))"
     " ORDER BY created_at DESC, id DESC LIMIT $8"
 )
 CERT_REVOKE: Final = (

@@ -13,11 +13,12 @@ from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
-from better_compute.core.keys import attempt_key
+from better_compute.core.keys import step_key_prefix
 from better_compute.crypto import fetch_document, reply_public_key, seal_value, signing_payload
-from better_compute.keyring import Keyring, key_file_path
+from better_compute.keyring import Keyring, load_service_keyring
 from better_compute.logging import register_secret
 from better_compute.service import ApiRequest, Handler, Service
+from better_compute.service.fences import attempt_superseded
 from better_compute.wire.paging import decode_cursor, take_page
 from better_compute.wire.pki import RevokeAttempt, RevokedAttempt, Verified
 from better_compute.wire.secrets import (
@@ -58,12 +59,8 @@ class SecretsService(Service):
         self.keyring: Keyring | None = None
 
     async def on_start(self) -> None:
-        path = key_file_path(self.settings, self.settings.secrets.key_file, "secrets")
-        self.keyring, created = Keyring.load_or_create(path)
-        if created:
-            self.log.info("key_file_created", path=str(path), key_id=self.keyring.current_key_id)
-        if self.keyring.loose_permissions():
-            self.log.warning("key_file_readable_by_others", path=str(path))
+        key_file = self.settings.secrets.key_file
+        self.keyring = load_service_keyring(self.settings, key_file, "secrets", self.log)
         self.log.info(
             "keyring_loaded",
             current_key_id=self.keyring.current_key_id,
@@ -130,8 +127,11 @@ class SecretsService(Service):
                     "idempotency key already used for another workflow step's secret",
                     {"path": "idempotencyKey"},
                 )
-        if body.idempotency_key is not None:
-            await self._refuse_superseded(body.idempotency_key, row["ref"])
+        if body.idempotency_key is not None and await store.FENCES.revoke_if_fenced(
+            self.db, body.idempotency_key, row["ref"], "stored by a superseded step attempt"
+        ):
+            self.log.warning("secret_refused_superseded", ref=row["ref"])
+            raise attempt_superseded("stores")
         info = store.secret_info(row)
         self.log.info(
             "secret_stored",
@@ -148,29 +148,12 @@ class SecretsService(Service):
         """Revoke every value one workflow step attempt stored, and fence its key."""
         assert self.db is not None
         body = req.decode(RevokeAttempt)
-        prefix = attempt_key(body.workflow_id, body.step, body.attempt)
-        reason = body.reason or "superseded by a later attempt of its workflow step"
-        # The fence commits before the revoke looks: a value stored meanwhile is either seen by
-        # the revoke or sees the fence itself (put checks after its insert).
-        await self.db.execute(store.KEY_FENCE_INSERT, prefix, reason)
-        rows = await self.db.fetch(store.SECRETS_REVOKE_UNDER_KEY, prefix, reason)
-        if rows:
-            self.log.info("secrets_revoked", key=prefix, refs=[r["ref"] for r in rows])
-        return RevokedAttempt(revoked=[r["ref"] for r in rows])
-
-    async def _refuse_superseded(self, ikey: str, ref: str) -> None:
-        """A value stored under the key of a superseded step attempt (a late run of it) is
-        revoked at once and refused."""
-        assert self.db is not None
-        if not await self.db.fetchval(store.KEY_FENCED, ikey):
-            return
-        await self.db.execute(store.SECRET_REVOKE, ref, "stored by a superseded step attempt")
-        self.log.warning("secret_refused_superseded", ref=ref)
-        raise BcError(
-            ErrorCode.INVALID_STATE,
-            "this workflow step attempt was superseded: it stores nothing any more",
-            {"path": "idempotencyKey", "reason": "attempt-superseded"},
+        prefix, revoked = await store.FENCES.fence(
+            self.db, workflow_id=body.workflow_id, step=body.step, attempt=body.attempt, reason=body.reason
         )
+        if revoked:
+            self.log.info("secrets_revoked", key=prefix, refs=revoked)
+        return RevokedAttempt(revoked=revoked)
 
     async def _row(self, ref: str) -> Any:
         assert self.db is not None
@@ -319,7 +302,7 @@ class SecretsService(Service):
                 agent_id=verified.agent_id,
                 ref=ref,
                 # a node's standing secret: any workflow's live command for that node
-                key_prefix=f"wf:{row['workflow_id']}:{row['step']}" if row["workflow_id"] else "wf",
+                key_prefix=(step_key_prefix(row["workflow_id"], row["step"]) if row["workflow_id"] else "wf"),
                 node_id=row["node_id"],
             )
         except BcError:

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from better_compute.service.fences import AttemptFences
 from better_compute.wire.secrets import FetchAudit, SecretInfo
 
 __all__ = [
+    "FENCES",
     "FETCH_AUDIT_INSERT",
     "FETCH_AUDIT_LIST",
-    "KEY_FENCED",
-    "KEY_FENCE_INSERT",
-    "SECRETS_REVOKE_UNDER_KEY",
     "SECRET_COLUMNS",
     "SECRET_INSERT",
     "SECRET_LIST",
     "SECRET_RESEAL",
-    "SECRET_REVOKE",
     "SECRET_SELECT",
     "SECRET_SELECT_BY_IDEMPOTENCY_KEY",
     "SECRET_SELECT_STALE_KEY",
@@ -45,30 +43,7 @@ SECRET_SELECT_STALE_KEY: Final = (
 )
 SECRET_RESEAL: Final = "UPDATE secrets SET sealed = $2, key_id = $3 WHERE ref = $1"
 
-# A key is under a prefix when it is the prefix or goes on with ':' or '#' after it, so
-# wf:X:3#1 covers wf:X:3#1:name but never wf:X:3#12. In byte order (COLLATE "C") the keys
-# going on with ':' lie in [p || ':', p || ';'), those with '#' in [p || '#', p || '$').
-_UNDER_KEY: Final = """(idempotency_key COLLATE "C" = {p}
-    OR (idempotency_key COLLATE "C" >= ({p} || ':') AND idempotency_key COLLATE "C" < ({p} || ';'))
-    OR (idempotency_key COLLATE "C" >= ({p} || '#') AND idempotency_key COLLATE "C" < ({p} || '$')))"""
-# $1 prefix, $2 reason
-SECRETS_REVOKE_UNDER_KEY: Final = (
-    "UPDATE secrets SET revoked_at = now(), revoke_reason = $2"
-    f" WHERE revoked_at IS NULL AND {_UNDER_KEY.format(p='$1::text')} RETURNING ref"
-)
-SECRET_REVOKE: Final = (
-    "UPDATE secrets SET revoked_at = now(), revoke_reason = $2 WHERE ref = $1 AND revoked_at IS NULL"
-)
-KEY_FENCE_INSERT: Final = (
-    "INSERT INTO key_fences (prefix, reason) VALUES ($1, $2) ON CONFLICT (prefix) DO NOTHING"
-)
-# Whether $1 is under a fenced prefix: the key itself or one of its prefixes that end before
-# a ':' or '#' is in key_fences (primary-key lookups).
-KEY_FENCED: Final = (
-    "SELECT EXISTS (SELECT 1 FROM key_fences WHERE prefix = ANY (ARRAY("
-    " SELECT left($1::text, i - 1) FROM generate_series(1, length($1::text)) AS i"
-    " WHERE substr($1::text, i, 1) IN (':', '#')) || $1::text))"
-)
+FENCES: Final = AttemptFences(table="secrets", id_column="ref")
 
 FETCH_AUDIT_INSERT: Final = (
     "INSERT INTO fetch_audit (outcome, ref, code, reason, signer_id, agent_id, command_id,"

@@ -9,7 +9,6 @@ sent, signed here, and only the signature is sent. The private key never leaves 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import os
 import sys
@@ -27,9 +26,10 @@ from ..core.errors import BcError, ErrorCode
 from ..crypto import sign_batch
 from ..service.client import ApiClient
 from ..wire.cmdq import AgentView, BatchView, CommandView
+from ..wire.paging import MAX_LIMIT
 from .common import api_client
 from .output import iso, print_json, print_table
-from .paging import add_paging, collect, print_more
+from .paging import add_paging, collect_pages, show_page
 from .pki_commands import parse_seconds
 
 __all__ = ["load_approver_key", "register"]
@@ -136,34 +136,18 @@ def _show_result(result: bytes | None) -> str | None:
 
 async def cmd_commands_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        cq = CommandQueueClient(api)
-
-        async def fetch(cursor: str | None) -> tuple[list[CommandView], str | None]:
-            page = await cq.list_commands(
-                node_id=args.node,
-                workflow_id=args.workflow,
-                state=args.state,
-                kind=args.kind,
-                site_id=args.site,
-                agent_id=args.agent,
-                batch_id=args.batch,
-                before=cursor,
-                limit=args.limit,
-            )
-            return page.commands, page.next
-
-        commands, next_ = await collect(fetch, args)
-    if args.json:
-        print_json({"commands": _json(commands), "next": next_})
-        return 0
-    print_table(
-        [_command_row(c) for c in commands],
-        [("id", "ID"), ("node", "NODE"), ("kind", "KIND"), ("state", "STATE"), ("agent", "AGENT"),
-         ("reason", "REASON"), ("updated", "UPDATED")],
+        commands, next_ = await collect_pages(
+            CommandQueueClient(api).list_commands, "commands", args, cursor_param="before",
+            node_id=args.node, workflow_id=args.workflow, state=args.state, kind=args.kind,
+            site_id=args.site, agent_id=args.agent, batch_id=args.batch,
+        )  # fmt: skip
+    return show_page(
+        args, next_, key="commands", found=_json(commands),
+        rows=[_command_row(c) for c in commands],
+        columns=[("id", "ID"), ("node", "NODE"), ("kind", "KIND"), ("state", "STATE"),
+                 ("agent", "AGENT"), ("reason", "REASON"), ("updated", "UPDATED")],
         empty="no commands",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def cmd_commands_get(args: argparse.Namespace, settings: Settings) -> int:
@@ -208,45 +192,45 @@ async def cmd_commands_cancel(args: argparse.Namespace, settings: Settings) -> i
 
 async def cmd_agents_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        cq = CommandQueueClient(api)
-
-        async def fetch(cursor: str | None) -> tuple[list[AgentView], str | None]:
-            page = await cq.agents_page(
-                site_id=args.site, role=args.role, connected=args.connected, limit=args.limit, cursor=cursor
-            )
-            return page.agents, page.next
-
-        agents, next_ = await collect(fetch, args)
+        agents, next_ = await collect_pages(
+            CommandQueueClient(api).agents_page, "agents", args,
+            site_id=args.site, role=args.role, connected=args.connected,
+        )  # fmt: skip
         states = await _cert_states(api, agents)
-    if args.json:
-        shown = [{**_json(a), "certState": states.get(a.cert_id)} for a in agents]
-        print_json({"agents": shown, "next": next_})
-        return 0
-    print_table(
-        [_agent_row(a, states.get(a.cert_id)) for a in agents],
-        [("id", "ID"), ("site", "SITE"), ("role", "ROLE"), ("cert", "CERT"), ("connected", "CONNECTED"),
-         ("bootLease", "BOOT LEASE"), ("live", "LIVE"), ("version", "VERSION"), ("drivers", "DRIVERS"),
-         ("cache", "CACHE"), ("lastError", "LAST ERROR"), ("lastSeen", "LAST SEEN")],
+    return show_page(
+        args, next_, key="agents",
+        found=[{**_json(a), "certState": states.get(a.cert_id)} for a in agents],
+        rows=[_agent_row(a, states.get(a.cert_id)) for a in agents],
+        columns=[("id", "ID"), ("site", "SITE"), ("role", "ROLE"), ("cert", "CERT"),
+                 ("connected", "CONNECTED"), ("bootLease", "BOOT LEASE"), ("live", "LIVE"),
+                 ("version", "VERSION"), ("drivers", "DRIVERS"), ("cache", "CACHE"),
+                 ("lastError", "LAST ERROR"), ("lastSeen", "LAST SEEN")],
         empty="no agents",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def _cert_states(api: ApiClient, agents: list[AgentView]) -> dict[str, str]:
     """Each agent certificate's state as bc-pki has it (``valid``, ``revoked``, ``expired``): the
-    command queue lists an agent by presence, and a revoked one may still look connected. A
-    certificate bc-pki cannot tell about now is left out (shown as ``-``)."""
+    command queue lists an agent by presence, and a revoked one may still look connected. One
+    ``certs.list`` call for the page of agents (more only if its reply is cut by size). When
+    bc-pki cannot tell now, the states are left out (shown as ``-``)."""
+    cert_ids = sorted({a.cert_id for a in agents})
     pki = PkiClient(api, timeout=3.0)
-
-    async def state(cert_id: str) -> tuple[str, str | None]:
-        try:
-            return cert_id, (await pki.get_certificate(cert_id=cert_id)).state
-        except BcError:
-            return cert_id, None
-
-    found = await asyncio.gather(*(state(c) for c in {a.cert_id for a in agents}))
-    return {cert_id: s for cert_id, s in found if s is not None}
+    states: dict[str, str] = {}
+    try:
+        for at in range(0, len(cert_ids), MAX_LIMIT):  # --all-pages may list more agents
+            chunk = cert_ids[at : at + MAX_LIMIT]
+            cursor: str | None = None
+            while True:
+                page = await pki.certificates_page(
+                    cert_ids=chunk, include_revoked=True, limit=len(chunk), cursor=cursor
+                )
+                states.update((c.cert_id, c.state) for c in page.certificates)
+                if (cursor := page.next) is None:
+                    break
+    except BcError:
+        pass  # bc-pki cannot tell now: what it told stays, the rest shows as -
+    return states
 
 
 # -- batches ----------------------------------------------------------------------------
@@ -283,27 +267,16 @@ async def cmd_batches_create(args: argparse.Namespace, settings: Settings) -> in
 
 async def cmd_batches_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        cq = CommandQueueClient(api)
-
-        async def fetch(cursor: str | None) -> tuple[list[BatchView], str | None]:
-            page = await cq.batches_page(
-                workflow_id=args.workflow, state=args.state, limit=args.limit, cursor=cursor
-            )
-            return page.batches, page.next
-
-        batches, next_ = await collect(fetch, args)
-    if args.json:
-        print_json({"batches": _json(batches), "next": next_})
-        return 0
-    rows = [_batch_row(b) for b in batches]
-    print_table(
-        rows,
-        [("id", "ID"), ("state", "STATE"), ("approvals", "APPROVALS"), ("kinds", "KINDS"),
-         ("nodes", "NODES"), ("workflow", "WORKFLOW"), ("expires", "EXPIRES")],
+        batches, next_ = await collect_pages(
+            CommandQueueClient(api).batches_page, "batches", args, workflow_id=args.workflow, state=args.state
+        )
+    return show_page(
+        args, next_, key="batches", found=_json(batches),
+        rows=[_batch_row(b) for b in batches],
+        columns=[("id", "ID"), ("state", "STATE"), ("approvals", "APPROVALS"), ("kinds", "KINDS"),
+                 ("nodes", "NODES"), ("workflow", "WORKFLOW"), ("expires", "EXPIRES")],
         empty="no batches",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def cmd_batches_get(args: argparse.Namespace, settings: Settings) -> int:

@@ -8,16 +8,12 @@ from typing import Any
 
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
-from ..wire.engine import (
-    NodeView,
-)
+from ..wire.engine import NodeView
 from .common import as_rows, engine_client, read_document, short
 from .output import print_json, print_table
-from .paging import add_paging, collect, print_more
+from .paging import add_paging, collect_pages, show_page
 
 __all__ = ["register"]
-
-FINISHED = ("succeeded", "failed", "aborted")
 
 
 def _labels(pairs: list[str] | None) -> dict[str, str]:
@@ -51,23 +47,13 @@ async def nodes_create(args: argparse.Namespace, settings: Settings) -> int:
 
 async def nodes_list(args: argparse.Namespace, settings: Settings) -> int:
     async with engine_client(settings) as engine:
-
-        async def fetch(cursor: str | None) -> tuple[list[NodeView], str | None]:
-            got = await engine.list_nodes(site_id=args.site, limit=args.limit, cursor=cursor)
-            return got.nodes, got.next
-
-        nodes, next_ = await collect(fetch, args)
-    if args.json:
-        print_json({"nodes": nodes, "next": next_})
-        return 0
-    rows = [{**row, "labels": _label_text(n.labels)} for n, row in zip(nodes, as_rows(nodes), strict=True)]
-    print_table(
-        rows,
-        [("id", "NODE"), ("siteId", "SITE"), ("tenantId", "TENANT"), ("labels", "LABELS")],
+        nodes, next_ = await collect_pages(engine.list_nodes, "nodes", args, site_id=args.site)
+    return show_page(
+        args, next_, key="nodes", found=nodes,
+        rows=[{**row, "labels": _label_text(n.labels)} for n, row in zip(nodes, as_rows(nodes), strict=True)],
+        columns=[("id", "NODE"), ("siteId", "SITE"), ("tenantId", "TENANT"), ("labels", "LABELS")],
         empty="no nodes",
-    )
-    print_more(next_)
-    return 0
+    )  # fmt: skip
 
 
 async def nodes_get(args: argparse.Namespace, settings: Settings) -> int:
@@ -168,23 +154,13 @@ async def profiles_get(args: argparse.Namespace, settings: Settings) -> int:
 
 async def profiles_list(args: argparse.Namespace, settings: Settings) -> int:
     async with engine_client(settings) as engine:
-
-        async def fetch(cursor: str | None) -> tuple[list[Any], str | None]:
-            got = await engine.list_profiles(tenant_id=args.tenant, limit=args.limit, cursor=cursor)
-            return list(got.profiles), got.next
-
-        profiles, next_ = await collect(fetch, args)
-    if args.json:
-        print_json({"profiles": profiles, "next": next_})
-        return 0
-    print_table(
-        as_rows(profiles),
-        [("id", "PROFILE"), ("version", "VERSION"), ("tenantId", "FROM"), ("target", "TARGET"),
-         ("steps", "STEPS"), ("public", "PUBLIC"), ("immutable", "IMMUTABLE")],
+        profiles, next_ = await collect_pages(engine.list_profiles, "profiles", args, tenant_id=args.tenant)
+    return show_page(
+        args, next_, key="profiles", found=profiles, rows=as_rows(profiles),
+        columns=[("id", "PROFILE"), ("version", "VERSION"), ("tenantId", "FROM"), ("target", "TARGET"),
+                 ("steps", "STEPS"), ("public", "PUBLIC"), ("immutable", "IMMUTABLE")],
         empty="no profiles",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def profiles_delete(args: argparse.Namespace, settings: Settings) -> int:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from ..wire.paging import MAX_LIMIT
+from .output import print_json, print_table
 
-__all__ = ["add_paging", "collect", "print_more"]
+__all__ = ["add_paging", "collect", "collect_pages", "print_more", "show_page"]
 
 T = TypeVar("T")
 
@@ -57,6 +58,45 @@ async def collect(fetch: Fetch[T], args: argparse.Namespace) -> tuple[list[T], s
         items += page
         if cursor is None or not args.all_pages:
             return items, cursor
+
+
+async def collect_pages(
+    page: Callable[..., Awaitable[Any]],
+    items: str,
+    args: argparse.Namespace,
+    *,
+    cursor_param: str = "cursor",
+    **filters: Any,
+) -> tuple[list[Any], str | None]:
+    """``collect`` over a typed client's page method: ``page(**filters, limit=, cursor=)``
+    answers a list with the page in its attribute ``items`` and the cursor after it in ``next``
+    (``cursor_param`` names the cursor keyword where it is not ``cursor``)."""
+
+    async def fetch(cursor: str | None) -> tuple[list[Any], str | None]:
+        got = await page(**filters, limit=args.limit, **{cursor_param: cursor})
+        return list(getattr(got, items)), got.next
+
+    return await collect(fetch, args)
+
+
+def show_page(
+    args: argparse.Namespace,
+    next_: str | None,
+    *,
+    key: str,
+    found: Any,
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[tuple[str, str]],
+    empty: str,
+) -> int:
+    """A list command's output: with ``--json`` ``{key: found, "next": next_}``, else the table
+    of ``rows`` and, when more follow, how to get them; exit status 0."""
+    if args.json:
+        print_json({key: found, "next": next_})
+        return 0
+    print_table(rows, columns, empty=empty)
+    print_more(next_)
+    return 0
 
 
 def print_more(next_: str | None) -> None:

@@ -19,8 +19,8 @@ from ..core.errors import BcError, ErrorCode
 from ..core.manifest import parse_duration
 from ..wire.pki import CertificateInfo, JoinTokenInfo
 from .common import api_client
-from .output import iso, print_json, print_table
-from .paging import add_paging, collect, print_more
+from .output import iso, print_json
+from .paging import add_paging, collect_pages, show_page
 
 __all__ = ["parse_seconds", "register", "when"]
 
@@ -136,26 +136,17 @@ async def cmd_tokens_issue(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_tokens_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        pki = PkiClient(api)
-
-        async def fetch(cursor: str | None) -> tuple[list[JoinTokenInfo], str | None]:
-            page = await pki.join_tokens_page(
-                tenant_id=args.tenant, site_id=args.site, state=args.state, limit=args.limit, cursor=cursor
-            )
-            return page.tokens, page.next
-
-        tokens, next_ = await collect(fetch, args)
-    if args.json:
-        print_json({"tokens": msgspec.to_builtins(tokens), "next": next_})
-        return 0
-    print_table(
-        [_token_row(t) for t in tokens],
-        [("id", "ID"), ("tenant", "TENANT"), ("role", "ROLE"), ("site", "SITE"),
-         ("node", "NODE"), ("uses", "USES"), ("state", "STATE"), ("expires", "EXPIRES")],
+        tokens, next_ = await collect_pages(
+            PkiClient(api).join_tokens_page, "tokens", args,
+            tenant_id=args.tenant, site_id=args.site, state=args.state,
+        )  # fmt: skip
+    return show_page(
+        args, next_, key="tokens", found=msgspec.to_builtins(tokens),
+        rows=[_token_row(t) for t in tokens],
+        columns=[("id", "ID"), ("tenant", "TENANT"), ("role", "ROLE"), ("site", "SITE"),
+                 ("node", "NODE"), ("uses", "USES"), ("state", "STATE"), ("expires", "EXPIRES")],
         empty="no join tokens",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def cmd_tokens_revoke(args: argparse.Namespace, settings: Settings) -> int:
@@ -170,32 +161,18 @@ async def cmd_tokens_revoke(args: argparse.Namespace, settings: Settings) -> int
 
 async def cmd_certs_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        pki = PkiClient(api)
-
-        async def fetch(cursor: str | None) -> tuple[list[CertificateInfo], str | None]:
-            page = await pki.certificates_page(
-                tenant_id=args.tenant,
-                site_id=args.site,
-                agent_id=args.agent,
-                join_token_id=args.token,
-                include_revoked=args.all,
-                limit=args.limit,
-                cursor=cursor,
-            )
-            return page.certificates, page.next
-
-        certs, next_ = await collect(fetch, args)
-    if args.json:
-        print_json({"certificates": msgspec.to_builtins(certs), "next": next_})
-        return 0
-    print_table(
-        [_cert_row(c) for c in certs],
-        [("id", "ID"), ("agent", "AGENT"), ("tenant", "TENANT"), ("role", "ROLE"),
-         ("site", "SITE"), ("state", "STATE"), ("key", "KEY"), ("notAfter", "NOT AFTER")],
+        certs, next_ = await collect_pages(
+            PkiClient(api).certificates_page, "certificates", args,
+            tenant_id=args.tenant, site_id=args.site, agent_id=args.agent,
+            join_token_id=args.token, include_revoked=args.all,
+        )  # fmt: skip
+    return show_page(
+        args, next_, key="certificates", found=msgspec.to_builtins(certs),
+        rows=[_cert_row(c) for c in certs],
+        columns=[("id", "ID"), ("agent", "AGENT"), ("tenant", "TENANT"), ("role", "ROLE"),
+                 ("site", "SITE"), ("state", "STATE"), ("key", "KEY"), ("notAfter", "NOT AFTER")],
         empty="no certificates",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def cmd_certs_revoke(args: argparse.Namespace, settings: Settings) -> int:

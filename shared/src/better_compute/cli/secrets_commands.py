@@ -18,7 +18,7 @@ from ..config import Settings
 from ..wire.secrets import SecretInfo
 from .common import api_client
 from .output import print_json, print_table
-from .paging import add_paging, collect, print_more
+from .paging import add_paging, collect_pages, show_page
 from .pki_commands import when
 
 __all__ = ["register"]
@@ -39,26 +39,16 @@ def _row(s: SecretInfo) -> dict[str, Any]:
 
 async def cmd_secrets_list(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
-        client = SecretsClient(api)
-
-        async def fetch(cursor: str | None) -> tuple[list[SecretInfo], str | None]:
-            page = await client.secrets_page(
-                tenant_id=args.tenant, workflow_id=args.workflow, limit=args.limit, cursor=cursor
-            )
-            return page.secrets, page.next
-
-        found, next_ = await collect(fetch, args)
-    if args.json:
-        print_json({"secrets": msgspec.to_builtins(found), "next": next_})
-        return 0
-    print_table(
-        [_row(s) for s in found],
-        [("ref", "REF"), ("tenant", "TENANT"), ("workflow", "WORKFLOW"), ("step", "STEP"),
-         ("size", "BYTES"), ("key", "KEY"), ("created", "CREATED"), ("label", "LABEL")],
+        found, next_ = await collect_pages(
+            SecretsClient(api).secrets_page, "secrets", args, tenant_id=args.tenant, workflow_id=args.workflow
+        )
+    return show_page(
+        args, next_, key="secrets", found=msgspec.to_builtins(found),
+        rows=[_row(s) for s in found],
+        columns=[("ref", "REF"), ("tenant", "TENANT"), ("workflow", "WORKFLOW"), ("step", "STEP"),
+                 ("size", "BYTES"), ("key", "KEY"), ("created", "CREATED"), ("label", "LABEL")],
         empty="no secrets",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def cmd_secrets_show(args: argparse.Namespace, settings: Settings) -> int:

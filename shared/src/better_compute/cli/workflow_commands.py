@@ -22,7 +22,7 @@ from ..wire.engine import (
 )
 from .common import as_rows, engine_client, short
 from .output import iso, json_line, print_json, print_table
-from .paging import add_paging, collect, print_more
+from .paging import add_paging, collect_pages, show_page
 
 __all__ = ["register"]
 
@@ -87,29 +87,20 @@ async def workflows_get(args: argparse.Namespace, settings: Settings) -> int:
 
 async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
     async with engine_client(settings) as engine:
-
-        async def fetch(cursor: str | None) -> tuple[list[WorkflowView], str | None]:
-            got = await engine.list_workflows(
-                node_id=args.node, state=args.state, profile_id=args.profile, limit=args.limit, cursor=cursor
-            )
-            return got.workflows, got.next
-
-        workflows, next_ = await collect(fetch, args)
-    if args.json:
-        print_json({"workflows": workflows, "next": next_})
-        return 0
+        workflows, next_ = await collect_pages(
+            engine.list_workflows, "workflows", args,
+            node_id=args.node, state=args.state, profile_id=args.profile,
+        )  # fmt: skip
     rows = [
         {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at)}
         for w, row in zip(workflows, as_rows(workflows), strict=True)
     ]
-    print_table(
-        rows,
-        [("id", "WORKFLOW"), ("state", "STATE"), ("profileRef", "PROFILE"), ("nodeId", "NODE"),
-         ("created", "CREATED")],
+    return show_page(
+        args, next_, key="workflows", found=workflows, rows=rows,
+        columns=[("id", "WORKFLOW"), ("state", "STATE"), ("profileRef", "PROFILE"),
+                 ("nodeId", "NODE"), ("created", "CREATED")],
         empty="no workflows",
     )  # fmt: skip
-    print_more(next_)
-    return 0
 
 
 async def _verb(args: argparse.Namespace, settings: Settings, verb: str) -> int:

@@ -221,8 +221,12 @@ class PkiClient(ServiceClient):
         include_revoked: bool = False,
         limit: int = DEFAULT_LIMIT,
         cursor: str | None = None,
+        cert_ids: list[str] | None = None,
     ) -> CertificateList:
-        """One page of certificates, newest first; pass its ``next`` as ``cursor`` for the next."""
+        """One page of certificates, newest first; pass its ``next`` as ``cursor`` for the next.
+
+        ``cert_ids`` (1 to 1000) keeps only those certificates: one call for a page of agents.
+        """
         req = ListCertificatesRequest(
             tenant_id=tenant_id,
             site_id=site_id,
@@ -231,6 +235,7 @@ class PkiClient(ServiceClient):
             include_revoked=include_revoked,
             limit=limit,
             cursor=cursor,
+            cert_ids=cert_ids,
         )
         return await self._call("certs.list", req, CertificateList)
 

@@ -13,7 +13,7 @@ from typing import Final
 
 from .errors import BcError, ErrorCode
 
-__all__ = ["attempt_key", "workflow_command_prefix"]
+__all__ = ["attempt_key", "step_key_prefix", "workflow_command_prefix"]
 
 _KEY_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -22,6 +22,11 @@ def workflow_command_prefix(workflow_id: str) -> str:
     """``wf:<workflow_id>``: what every command key of the workflow starts with (the workflow's
     destructive batch is keyed by it, and an abort cancels every command under it)."""
     return f"wf:{workflow_id}"
+
+
+def step_key_prefix(workflow_id: str, step: int) -> str:
+    """``wf:<workflow_id>:<step>``: what the keys of every attempt of one step start with."""
+    return f"{workflow_command_prefix(workflow_id)}:{step}"
 
 
 def attempt_key(workflow_id: str, step: int, attempt: int, key: str | None = None) -> str:
@@ -37,7 +42,7 @@ def attempt_key(workflow_id: str, step: int, attempt: int, key: str | None = Non
     Raises:
         BcError: ``INVALID_INPUT`` at ``key`` for a malformed key.
     """
-    base = f"{workflow_command_prefix(workflow_id)}:{step}#{attempt}"
+    base = f"{step_key_prefix(workflow_id, step)}#{attempt}"
     if key is None:
         return base
     if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:

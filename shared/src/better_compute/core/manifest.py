@@ -9,11 +9,17 @@ reduced to its id) and refuses unknown keys. A key whose value is ``None`` count
 Every refusal is ``INVALID_INPUT`` with ``details.path`` (``port``, ``disks[2].size``,
 ``labels.gpu``); a badly built field is ``INVALID_CONFIG`` when it is built. Fields and manifests
 are frozen: ``.default()``, ``.optional()`` and ``.describe()`` return new fields.
+``Manifest.problems`` finds every refusal at once (profile validation), with did-you-mean for
+unknown fields and enum values.
+
+Longer than the house's ~400 lines: each field kind is a small class whose check and JSON Schema
+belong together, and splitting the kinds over modules would only scatter one grammar.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -60,6 +66,12 @@ def _invalid(path: str, message: str) -> BcError:
 
 def _bad_config(path: str, message: str) -> BcError:
     return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
+
+
+def _did_you_mean(word: str, names: Sequence[str]) -> str:
+    """``"; did you mean x?"`` with the names close to ``word``, or nothing."""
+    close = difflib.get_close_matches(word, names, n=2, cutoff=0.7)
+    return "; did you mean " + " or ".join(close) + "?" if close else ""
 
 
 def _type_name(value: object) -> str:
@@ -260,7 +272,8 @@ class EnumField(Field):
 
     def _check(self, value: object, path: str) -> Any:
         if not isinstance(value, str) or value not in self.values:
-            raise _invalid(path, f"must be one of {', '.join(self.values)}, got {value!r}")
+            near = _did_you_mean(value, self.values) if isinstance(value, str) else ""
+            raise _invalid(path, f"must be one of {', '.join(self.values)}, got {value!r}{near}")
         return value
 
     def _schema(self) -> dict[str, Any]:
@@ -407,7 +420,7 @@ class Manifest:
             if not isinstance(key, str):
                 raise _invalid(path, f"keys must be strings, got {_type_name(key)}")
             if key not in self.fields:
-                raise _invalid(join_path(path, key), "unknown field")
+                raise self._unknown(path, key)
         out: dict[str, Any] = {}
         for name, spec in self.fields.items():
             item_path = join_path(path, name)
@@ -419,6 +432,30 @@ class Manifest:
             elif not spec.is_optional:
                 raise _invalid(item_path, "is required")
         return out
+
+    def problems(self, value: object, *, path: str = "") -> list[BcError]:
+        """Every problem of ``value``, each an ``INVALID_INPUT`` with its path, in nested objects,
+        list items and map values too (``validate`` stops at the first); empty when it validates.
+        Unknown fields come first, then the fields in their declared order."""
+        if not isinstance(value, Mapping):
+            return [_invalid(path, f"expected an object, got {_type_name(value)}")]
+        found: list[BcError] = []
+        for key in value:
+            if not isinstance(key, str):
+                found.append(_invalid(path, f"keys must be strings, got {_type_name(key)}"))
+            elif key not in self.fields:
+                found.append(self._unknown(path, key))
+        for name, spec in self.fields.items():
+            item_path = join_path(path, name)
+            item = value.get(name)
+            if item is not None:
+                found += _field_problems(spec, item, item_path)
+            elif spec.required:
+                found.append(_invalid(item_path, "is required"))
+        return found
+
+    def _unknown(self, path: str, key: str) -> BcError:
+        return _invalid(join_path(path, key), "unknown field" + _did_you_mean(key, list(self.fields)))
 
     def json_schema(self) -> dict[str, Any]:
         """This manifest as a JSON Schema document (draft 2020-12)."""
@@ -436,6 +473,28 @@ class Manifest:
         if self.description:
             schema["description"] = self.description
         return schema
+
+
+def _field_problems(spec: Field, value: object, path: str) -> list[BcError]:
+    """Every problem of one field's value: containers look into each item, the rest is its
+    ``_check``."""
+    if isinstance(spec, ObjectField) and isinstance(value, Mapping):
+        return spec.manifest.problems(value, path=path)
+    if (
+        isinstance(spec, ListField)
+        and isinstance(value, Sequence)
+        and not isinstance(value, (str, bytes))
+        and (spec.min_items is None or len(value) >= spec.min_items)
+        and (spec.max_items is None or len(value) <= spec.max_items)
+    ):
+        return [p for i, item in enumerate(value) for p in _field_problems(spec.item, item, f"{path}[{i}]")]
+    if isinstance(spec, MapField) and isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return [p for k, item in value.items() for p in _field_problems(spec.value, item, join_path(path, k))]
+    try:
+        spec._check(value, path)
+    except BcError as err:
+        return [err]
+    return []
 
 
 def manifest(fields: Mapping[str, Field], /, *, description: str = "") -> Manifest:

@@ -183,6 +183,7 @@ class Plugin:
     profiles: tuple[ProfileDefinition, ...]
     command_kinds: tuple[CommandKind, ...]
     description: str = ""
+    driver_operations: tuple[DriverOperation, ...] = ()
 
     @property
     def steps(self) -> tuple[StepDefinition, ...]:
@@ -196,6 +197,7 @@ def define_plugin(
     extensions: Sequence[StepDefinition] = (),
     profiles: Sequence[ProfileDefinition] = (),
     command_kinds: Sequence[CommandKind] = (),
+    driver_operations: Sequence[DriverOperation] = (),
     description: str = "",
 ) -> Plugin:
     """A frozen plugin.
@@ -205,6 +207,9 @@ def define_plugin(
         extensions: the plugin's steps.
         profiles: the plugin's profiles.
         command_kinds: command kinds the plugin's agents implement.
+        driver_operations: ``<concern>.<operation>`` operations its site-agent drivers run
+            (``DriverOperation``); names are unique across modules and plugins, and profile
+            steps that use one are validated against its input like steps.
         description: one line for people.
 
     Raises:
@@ -220,6 +225,7 @@ def define_plugin(
         profiles=as_tuple(profiles, "profiles"),
         command_kinds=as_tuple(command_kinds, "command_kinds"),
         description=description,
+        driver_operations=as_tuple(driver_operations, "driver_operations"),
     )
     # The same checks the app makes, so a broken plugin fails where it is defined.
     Registry[StepDefinition, ProfileDefinition]().add_module(plugin, path="")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
 
-from better_compute.core.manifest import field, manifest
+from better_compute.core.manifest import Field, field, manifest
 from better_compute.core.plugins import DOTTED_NAME_PATTERN, CommandKind, DriverOperation
 
 __all__ = [
@@ -55,11 +55,25 @@ BMC: Final = field.object(
 )
 _MAC = field.string(pattern=r"^[0-9a-fA-F]{2}([:-][0-9a-fA-F]{2}){5}$")
 
-MANAGEMENT_INVENTORY: Final = CommandKind(
-    name="management.inventory",
-    destructive=False,
-    description="Reads the machine's inventory through its BMC (system, processors, memory, NICs)",
-    payload=manifest({"bmc": BMC}),
+
+def _bmc_command(
+    name: str, description: str, fields: Mapping[str, Field] | None = None, *, bmc_required: bool = False
+) -> CommandKind:
+    """A command the site agent runs through a machine's BMC: ``fields`` and the ``bmc`` it
+    talks to. None of them is destructive (they interrupt a machine at worst)."""
+    bmc = BMC if bmc_required else BMC.optional()
+    return CommandKind(
+        name=name,
+        destructive=False,
+        description=description,
+        payload=manifest({**(fields or {}), "bmc": bmc}),
+    )
+
+
+MANAGEMENT_INVENTORY: Final = _bmc_command(
+    "management.inventory",
+    "Reads the machine's inventory through its BMC (system, processors, memory, NICs)",
+    bmc_required=True,
 )
 
 NETBOOT_SET_ENTRY: Final = CommandKind(
@@ -122,49 +136,35 @@ SITE_HTTP_PROXY: Final = CommandKind(
     ),
 )
 
-POWER_SET_POWER: Final = CommandKind(
-    name="power.setPower",
-    destructive=False,
-    description="Changes the machine's power state through its BMC",
-    payload=manifest(
-        {"action": field.enum(["on", "off", "softOff", "cycle", "reset"]), "bmc": BMC.optional()}
-    ),
+POWER_SET_POWER: Final = _bmc_command(
+    "power.setPower",
+    "Changes the machine's power state through its BMC",
+    {"action": field.enum(["on", "off", "softOff", "cycle", "reset"])},
 )
 
-MANAGEMENT_SET_BOOT_DEVICE: Final = CommandKind(
-    name="management.setBootDevice",
-    destructive=False,
-    description="Sets the next boot device through the BMC (once, unless persistent)",
-    payload=manifest(
-        {
-            "device": field.enum(["pxe", "disk", "cd", "usb", "bios"]),
-            "persistent": field.bool().default(False),
-            "mode": field.enum(["uefi", "legacy"]).optional(),
-            "bmc": BMC.optional(),
-        }
-    ),
+MANAGEMENT_SET_BOOT_DEVICE: Final = _bmc_command(
+    "management.setBootDevice",
+    "Sets the next boot device through the BMC (once, unless persistent)",
+    {
+        "device": field.enum(["pxe", "disk", "cd", "usb", "bios"]),
+        "persistent": field.bool().default(False),
+        "mode": field.enum(["uefi", "legacy"]).optional(),
+    },
 )
 
-MEDIA_INSERT: Final = CommandKind(
-    name="media.insert",
-    destructive=False,
-    description="Inserts a virtual medium (an ISO or disk image URL) through the BMC",
-    payload=manifest(
-        {
-            "url": _URL,
-            "device": _MEDIA_DEVICE,
-            "bmc": BMC.optional(),
-            # With it, the site agent fills its cache from url and hands the BMC its own copy.
-            "sha256": _SHA256.optional(),
-        }
-    ),
+MEDIA_INSERT: Final = _bmc_command(
+    "media.insert",
+    "Inserts a virtual medium (an ISO or disk image URL) through the BMC",
+    {
+        "url": _URL,
+        "device": _MEDIA_DEVICE,
+        # With it, the site agent fills its cache from url and hands the BMC its own copy.
+        "sha256": _SHA256.optional(),
+    },
 )
 
-MEDIA_EJECT: Final = CommandKind(
-    name="media.eject",
-    destructive=False,
-    description="Ejects a virtual medium through the BMC",
-    payload=manifest({"device": _MEDIA_DEVICE, "bmc": BMC.optional()}),
+MEDIA_EJECT: Final = _bmc_command(
+    "media.eject", "Ejects a virtual medium through the BMC", {"device": _MEDIA_DEVICE}
 )
 
 NODE_INVENTORY: Final = CommandKind(

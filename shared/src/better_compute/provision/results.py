@@ -16,7 +16,7 @@ from .context import Sql
 __all__ = ["LATEST_RESULT", "latest_result", "rendered_user_data"]
 
 LATEST_RESULT: Final = (
-    "SELECT result FROM workflow_steps WHERE workflow_id = $1 AND action = $2"
+    "SELECT result::text AS result FROM workflow_steps WHERE workflow_id = $1 AND action = $2"
     " AND state = 'succeeded' ORDER BY idx DESC LIMIT 1"
 )
 
@@ -25,6 +25,8 @@ async def _latest(sql: Sql, workflow_id: str, action: str) -> tuple[bool, Any]:
     rows = await sql.query(LATEST_RESULT, workflow_id, action)
     if not rows:
         return False, None
+    # the result as JSON text, parsed once here: a step that returned a plain string ("ok")
+    # gets that string back, whatever the connection's jsonb codec does
     value = rows[0]["result"]
     return True, json.loads(value) if isinstance(value, str) else value
 

@@ -167,6 +167,19 @@ def _run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         ) from exc
 
 
+_PG_START_TRIES = 3
+
+
+def _log_since(log: Path, offset: int) -> str:
+    """What a server wrote to its log after ``offset`` (bytes), for an error message."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            return f.read()[-4000:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -333,15 +346,33 @@ class EmbeddedPostgres:
             (self.data / "postmaster.pid").unlink(missing_ok=True)
             for lock in (self.dir / "sock").glob(".s.PGSQL.*.lock"):
                 lock.unlink(missing_ok=True)
-        port = self._meta().get("port")
-        if not isinstance(port, int) or not port_free(port):
-            port = free_port()
-        _write_json(self.meta, {"port": port})
         sock = self.dir / "sock"
         sock.mkdir(exist_ok=True)
         self._grant(self.dir)
+        port = self._meta().get("port")
+        if not isinstance(port, int) or not port_free(port):
+            port = free_port()
+        # A port found free can be taken by another program before the postmaster binds it (a
+        # busy test machine, another stack starting): then start again on a fresh port.
+        for left in range(_PG_START_TRIES - 1, -1, -1):
+            _write_json(self.meta, {"port": port})
+            log = self.dir / "postgres.log"
+            seen = log.stat().st_size if log.exists() else 0
+            try:
+                self._pg_ctl_start(port, timeout, run_as)
+                break
+            except BcError as exc:
+                said = _log_since(log, seen)
+                if left and "Address already in use" in said:
+                    port = free_port()
+                    continue
+                raise BcError(exc.code, f"{exc.message}; postgres.log: {said.strip()[-400:]}") from exc
+        self._create_database(port)
+        return self.url()
+
+    def _pg_ctl_start(self, port: int, timeout: float, run_as: dict[str, Any]) -> None:
         opts = [
-            f"-p {port}", "-h 127.0.0.1", f"-k {sock}", "-c max_connections=300",
+            f"-p {port}", "-h 127.0.0.1", f"-k {self.dir / 'sock'}", "-c max_connections=300",
             "-c shared_buffers=128MB",
         ]  # fmt: skip
         if not self.durable:
@@ -352,8 +383,6 @@ class EmbeddedPostgres:
             stdin=subprocess.DEVNULL, start_new_session=True,
             **run_as,
         )  # fmt: skip
-        self._create_database(port)
-        return self.url()
 
     def _create_database(self, port: int) -> None:
         out = _run(

@@ -17,6 +17,7 @@ import pytest_asyncio
 from nats.aio.client import Client as Nats
 
 from ..config import Settings
+from ..logging import configure_logging
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
 from .databases import DatabaseFactory
@@ -24,6 +25,13 @@ from .processes import ServiceProcesses
 from .servers import TestServers, test_servers
 
 _roots = itertools.count(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Services run in the test process log as they do in their own (redacted, plain
+    tracebacks): structlog's defaults would render every local variable of a traceback, which
+    is slow (seconds for one step failure) and could show a secret."""
+    configure_logging(level="debug", json=False)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,11 @@ the interpreter cannot take is ``INVALID_INPUT`` with the path of the offending 
 ``INTERNAL``: a string or key holding NUL (PostgreSQL refuses it), nesting deeper than
 ``MAX_DEPTH``, an integer beyond int64. Unknown fields are checked too: they are skipped by
 the type, but a 10,000-deep one would still exhaust the decoder.
+
+The full check walks the decoded value in Python, several times the cost of decoding it. So the
+raw bytes are looked at first, at C speed (``_suspect``): only a request that holds a NUL escape,
+a run of 19 digits or a 3-digit exponent, or that nests deeper than ``MAX_DEPTH`` once its
+strings are set aside, is walked; any other cannot fail the check (``bench/bench_codec.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,13 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 # A JSON token the depth scan cares about: a string (skipped whole), a bracket, a comma or colon.
 _TOKEN_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},:]')
+# Every digit as 0 and E as e, so one substring search finds a long number or a 3-digit exponent.
+_NUMBERS = bytes.maketrans(b"123456789E", b"000000000e")
+_LONG_NUMBER: tuple[bytes, ...] = (b"0" * 19, b"e000", b"e+000", b"e-000")
+# Brackets of both kinds as one: nesting counts them alike (a '[' closed by '}' is malformed,
+# which the typed decode refuses).
+_PARENS = bytes.maketrans(b"[{]}", b"(())")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -137,12 +149,38 @@ def _deep_path(data: bytes) -> str:
     return path
 
 
+def _too_deep(structure: bytes) -> bool:
+    """Whether JSON whose strings are cut out (``structure``) may nest deeper than ``MAX_DEPTH``:
+    its brackets lose their innermost pairs once a round (one ``replace``: a pair it makes is
+    left for the next round); what is left after ``MAX_DEPTH`` rounds nests deeper (or does not
+    pair up: malformed, which the full check reports)."""
+    brackets = structure.translate(_PARENS, _NOT_BRACKET)
+    for done in range(MAX_DEPTH + 1):
+        if len(brackets) <= 2 * (MAX_DEPTH - done):
+            return False  # too few brackets left to nest past the limit
+        brackets = brackets.replace(b"()", b"")
+    return True
+
+
+def _suspect(raw: bytes) -> bool:
+    """Whether the full check could refuse ``raw``. It cannot without a NUL (raw or escaped),
+    an integer of 19 digits or more, a 3-digit exponent (beyond float) and deep nesting; the
+    numbers and brackets are looked for outside strings."""
+    if b"\\u0000" in raw or b"\x00" in raw or b'\\"' in raw:
+        return True  # an escaped quote would make the cut below wrong: walk it
+    # With no escaped quote, every '"' opens or closes a string: the even pieces lie outside.
+    structure = b"".join(raw.split(b'"')[::2])
+    numbers = structure.translate(_NUMBERS)
+    return any(n in numbers for n in _LONG_NUMBER) or _too_deep(structure)
+
+
 def decode(data: bytes, typ: type[T]) -> T:
     """JSON bytes to ``typ``; malformed or invalid input is ``INVALID_INPUT``."""
     raw = data or b"{}"
     unchecked: msgspec.ValidationError | None = None
     try:
-        check_json(msgspec.json.decode(raw))
+        if _suspect(raw):
+            check_json(msgspec.json.decode(raw))
     except RecursionError as exc:
         raise _invalid(f"JSON may nest at most {MAX_DEPTH} levels", _deep_path(raw)) from exc
     except msgspec.ValidationError as exc:
@@ -155,6 +193,8 @@ def decode(data: bytes, typ: type[T]) -> T:
         raise BcError(ErrorCode.INVALID_INPUT, _message(exc), {"path": validation_path(exc)}) from exc
     except msgspec.DecodeError as exc:
         raise BcError(ErrorCode.INVALID_INPUT, f"malformed JSON: {exc}", {"path": ""}) from exc
+    except RecursionError as exc:  # never passed the check above; refused all the same
+        raise _invalid(f"JSON may nest at most {MAX_DEPTH} levels", _deep_path(raw)) from exc
     if unchecked is not None:
         # in a field the type skips, but the rest of the request was never checked
         raise _invalid(_message(unchecked), "") from unchecked

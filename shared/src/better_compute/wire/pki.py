@@ -202,6 +202,8 @@ class ListCertificatesRequest(msgspec.Struct, frozen=True, kw_only=True, rename=
     include_revoked: bool = False
     limit: Limit = DEFAULT_LIMIT
     cursor: Cursor | None = None
+    # Only these certificates (one page of agents' certificates at most): one call, not one each.
+    cert_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)] | None = None
 
 
 class RevokeCertificateRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -29,6 +29,9 @@ __all__ = [
     "Driver",
     "Transient",
     "driver_error",
+    "malformed_answer",
+    "power_converged",
+    "retry_in_thread",
     "retry_transient",
 ]
 
@@ -114,6 +117,11 @@ def driver_error(call: str, detail: str, **extra: Any) -> BcError:
     return BcError(ErrorCode.DRIVER_ERROR, f"BMC call failed: {reason}", {"reason": reason, **extra})
 
 
+def malformed_answer(call: str, exc: Exception) -> BcError:
+    """``DRIVER_ERROR`` for a BMC answer the client library could not make sense of."""
+    return driver_error(call, f"malformed answer ({type(exc).__name__})")
+
+
 async def retry_transient(
     call: Callable[[], Awaitable[T]],
     *,
@@ -139,6 +147,20 @@ async def retry_transient(
             await asyncio.sleep(delay)
 
 
+async def retry_in_thread(run: Callable[[], T], *, deadline: float, log: Any) -> T:
+    """``run`` (one blocking BMC call that raises ``Transient`` when worth trying again and
+    ``BcError`` otherwise) in a worker thread, retried as ``retry_transient`` does; each retry
+    is logged as ``bmc_call_retry``."""
+
+    def on_retry(exc: Transient, delay: float) -> None:
+        log.info("bmc_call_retry", call=exc.call, detail=exc.detail, delay_s=round(delay, 2))
+
+    async def attempt() -> T:
+        return await asyncio.to_thread(run)
+
+    return await retry_transient(attempt, deadline=deadline, on_retry=on_retry)
+
+
 async def poll_until(
     read: Callable[[], Awaitable[T]],
     done: Callable[[T], bool],
@@ -155,3 +177,12 @@ async def poll_until(
         if time.time() + interval >= deadline:
             raise driver_error(what, f"did not converge before the command's deadline (last seen {got!r})")
         await asyncio.sleep(interval)
+
+
+async def power_converged(
+    read: Callable[[], Awaitable[str]], want: str, *, deadline: float, what: str
+) -> dict[str, Any]:
+    """After a power change: read the power state until it is ``want`` (``DRIVER_ERROR`` at the
+    deadline), and the operation's result."""
+    after = await poll_until(read, lambda state: state == want, deadline=deadline, what=what)
+    return {"powerState": after, "changed": True}

@@ -16,7 +16,16 @@ from typing import Any, Final, TypeVar
 from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
 
-from .base import BmcCredentials, BmcTarget, Transient, driver_error, poll_until, retry_transient
+from .base import (
+    BmcCredentials,
+    BmcTarget,
+    Transient,
+    driver_error,
+    malformed_answer,
+    poll_until,
+    power_converged,
+    retry_in_thread,
+)
 
 __all__ = ["IpmiDriver"]
 
@@ -90,17 +99,11 @@ class IpmiDriver:
                 self._cmd = None
                 raise driver_error(call, "the BMC refused the login (wrong credentials?)") from None
             except (KeyError, TypeError, ValueError, AssertionError, IndexError) as exc:
-                raise driver_error(call, f"malformed answer ({type(exc).__name__})") from None
+                raise malformed_answer(call, exc) from None
             except Exception as exc:
                 raise driver_error(call, f"IPMI failure ({type(exc).__name__})") from None
 
-        def on_retry(exc: Transient, delay: float) -> None:
-            self.log.info("bmc_call_retry", call=exc.call, detail=exc.detail, delay_s=round(delay, 2))
-
-        async def attempt() -> T:
-            return await asyncio.to_thread(run)
-
-        return await retry_transient(attempt, deadline=deadline, on_retry=on_retry)
+        return await retry_in_thread(run, deadline=deadline, log=self.log)
 
     async def _power_state(self, deadline: float) -> str:
         got = await self._call(
@@ -121,13 +124,12 @@ class IpmiDriver:
         await self._call(
             f"Chassis Control ({verb})", lambda c: c.set_power(verb, wait=False), deadline=deadline
         )
-        after = await poll_until(
+        return await power_converged(
             lambda: self._power_state(deadline),
-            lambda state: state == want,
+            want,
             deadline=deadline,
             what=f"power {action}: power state {want}",
         )
-        return {"powerState": after, "changed": True}
 
     async def set_boot_device(
         self, device: str, *, persistent: bool, mode: str | None, deadline: float

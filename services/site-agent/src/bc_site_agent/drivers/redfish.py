@@ -30,7 +30,16 @@ from sushy.resources.system.constants import (
 
 from better_compute.logging import get_logger
 
-from .base import BmcCredentials, BmcTarget, Transient, driver_error, poll_until, retry_transient
+from .base import (
+    BmcCredentials,
+    BmcTarget,
+    Transient,
+    driver_error,
+    malformed_answer,
+    poll_until,
+    power_converged,
+    retry_in_thread,
+)
 
 __all__ = ["RedfishDriver"]
 
@@ -107,17 +116,11 @@ class RedfishDriver:
             except sushy.exceptions.SushyError as exc:
                 raise driver_error(call, f"unexpected answer: {type(exc).__name__}") from None
             except ValueError as exc:  # requests' JSONDecodeError, sushy's mapping of odd values
-                raise driver_error(call, f"malformed answer ({type(exc).__name__})") from None
+                raise malformed_answer(call, exc) from None
             except (KeyError, TypeError, AttributeError) as exc:
-                raise driver_error(call, f"malformed answer ({type(exc).__name__})") from None
+                raise malformed_answer(call, exc) from None
 
-        def on_retry(exc: Transient, delay: float) -> None:
-            self.log.info("bmc_call_retry", call=exc.call, detail=exc.detail, delay_s=round(delay, 2))
-
-        async def attempt() -> T:
-            return await asyncio.to_thread(run)
-
-        return await retry_transient(attempt, deadline=deadline, on_retry=on_retry)
+        return await retry_in_thread(run, deadline=deadline, log=self.log)
 
     def _timeout(self, deadline: float) -> float:
         return max(0.5, min(_CALL_TIMEOUT, deadline - time.time()))
@@ -188,13 +191,12 @@ class RedfishDriver:
             self._system(deadline).reset_system(reset)
 
         await self._call(f"POST ComputerSystem.Reset({reset.value})", reset_system, deadline=deadline)
-        after = await poll_until(
+        return await power_converged(
             lambda: self._power_state(deadline),
-            lambda state: state == want,
+            want,
             deadline=deadline,
             what=f"power {action}: PowerState {want}",
         )
-        return {"powerState": after, "changed": True}
 
     async def set_boot_device(
         self, device: str, *, persistent: bool, mode: str | None, deadline: float
