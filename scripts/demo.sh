@@ -43,9 +43,10 @@ for _ in $(seq 1 100); do
   sleep 0.2
 done
 bcx agents list
-step "bcx nodes create --site lab1 --label mac=52:54:00:ab:cd:01"
-NODE=$(bcx nodes create --site lab1 --label mac=52:54:00:ab:cd:01)
-echo "$NODE"
+step "bcx nodes enroll --site lab1 --mac 52:54:00:ab:cd:01 --bmc sim://demo-1"
+NODE=$(bcx --json nodes enroll --site lab1 --mac 52:54:00:ab:cd:01 --bmc sim://demo-1 --no-prompt \
+  | python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])')
+bcx nodes show "$NODE"
 step "bcx profiles create deploy/demo/ubuntu-cloud-init.json"
 bcx profiles create deploy/demo/ubuntu-cloud-init.json
 step "bcx profiles validate --id ubuntu-cloud-init"
