@@ -19,8 +19,9 @@ import zstandard
 
 from bcd.converger import SUPPORTED_UNITS, Converger
 from bcd.daemon import detect_mode, node_handlers
-from bcd.disks import MIB, image_write, signatures, wipe
+from bcd.disks import MIB, signatures, wipe
 from bcd.hardware import boot_disk, boot_disks, claims, inventory
+from bcd.image import image_write
 from bcd.system import Machine
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode

@@ -23,8 +23,9 @@ from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 
 from .converger import Converger
-from .disks import image_write, wipe
+from .disks import wipe
 from .hardware import inventory
+from .image import image_write
 from .join import BcdState, nats_url, read_cmdline
 from .system import Machine
 
