@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bcd.converger import Converger
+from bcd.hardware import claims, inventory
 from bcd_gpu_host import PROFILE_UNITS, changing, gpu_machine
 from better_compute.core.errors import BcError
 from better_compute.provision.config_units import resolve_host_section
@@ -80,3 +81,18 @@ async def test_mig_on_gpus_without_mig_or_a_gpu_not_there_fails_with_why(tmp_pat
         await Converger(m).converge(
             generation=1, units=[{"name": "mig-layout", "settings": {"layout": "a", "gpus": [7]}}]
         )
+
+
+def test_inventory_and_claims_see_the_gpus_nvidia_smi_lists(tmp_path: Path) -> None:
+    m, _host, _runner = gpu_machine(tmp_path)
+    gpus = inventory(m)["gpus"]
+    assert [(g["pciAddress"], g["uuid"], g["driverVersion"]) for g in gpus] == [
+        ("0000:17:00.0", "GPU-00000000-0000-0000-0000-000000000000", "535.161.08"),
+        ("0000:18:00.0", "GPU-10000000-0000-0000-0000-000000000000", "535.161.08"),
+    ]
+    assert claims(m).gpu_uuids == [g["uuid"] for g in gpus]
+    m, _host, _runner = gpu_machine(tmp_path / "b", driver=None)  # on PCI, no driver loaded yet
+    assert [(g["pciAddress"], g.get("uuid")) for g in inventory(m)["gpus"]] == [
+        ("0000:17:00.0", None),
+        ("0000:18:00.0", None),
+    ]
