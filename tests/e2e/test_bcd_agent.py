@@ -1,7 +1,9 @@
 """bcd as its own OS process against bc-pki and bc-command-queue processes, on prepared trees.
 
 Joins with hardware claims (refused, accepted, re-keyed, discovered), the command line the
-built-in user data runs, and node commands whose results the command-queue checks (attested).
+built-in user data runs, and node commands whose results the command-queue checks (attested):
+the ramdisk and the installed OS serve different kinds and sign every result, a refusal too, the
+same way (each signature checked here against the node's certificate as well).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import shlex
 import shutil
 import socket
+import sqlite3
 import stat
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -25,7 +28,9 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 import pytest_asyncio
+from cryptography import x509
 
+from better_compute.agent import result_document
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
@@ -214,6 +219,20 @@ def command(node: str, kind: str, payload: dict[str, Any], key: str) -> EnqueueC
     return EnqueueCommand(node_id=node, site_id=SITE, kind=kind, payload=payload, key=key, target="node")
 
 
+def _signed_by_the_node(root: Path, node: str, view: Any) -> bool:
+    """The result bcd journaled for ``view`` carries the node key's signature over what the
+    command-queue recorded (the same document in every mode)."""
+    with sqlite3.connect(root / "var/lib/bcd/journal.db") as db:
+        status, result, signature = db.execute(
+            "SELECT status, result, signature FROM commands WHERE id = ?", (view.id,)
+        ).fetchone()
+    assert (status, bytes(result or b"")) == (view.state, view.result or b"")
+    cert = x509.load_pem_x509_certificate((root / "var/lib/bcd/node.crt").read_bytes())
+    document = result_document(command_id=view.id, node_id=node, status=status, result=bytes(result or b""))
+    cert.public_key().verify(signature, document)  # type: ignore[union-attr,call-arg]
+    return True
+
+
 async def _serving(stack: Stack, root: Path, node: str, mode: str, bcds: list[BcdProcess]) -> None:
     token = await stack.token(node_id=node, productUuid=UUID)
     done = await stack.join(root, token.token, "--node", node)
@@ -283,8 +302,10 @@ async def test_the_ramdisk_inventories_wipes_and_writes_with_node_signed_results
         id=(await cq.enqueue(command(node, "node.converge", {"generation": 1, "units": []}, "c"))).id,
         timeout=30,
     )
-    assert converge.state == "rejected"  # the ramdisk has no converger
-    assert "unsupported-kind" in (converge.reason or "")
+    assert (converge.state, converge.attested) == ("rejected", True)  # the ramdisk has no converger
+    assert converge.reason == "unsupported-kind: this agent does not run node.converge"
+    for view in (inv, wipe, write, bad, converge):
+        assert _signed_by_the_node(root, node, view)
 
 
 async def test_the_installed_os_converges_and_reports_its_generation(
@@ -294,16 +315,27 @@ async def test_the_installed_os_converges_and_reports_its_generation(
     root = stack.tree("inst", root_disk="vda", disks=(DiskSpec("vda"),))
     await _serving(stack, root, node, "installed", bcds)
     cq = stack.cq
-    # kernel-modules with only a blacklist writes files and runs nothing on this machine
+    inv = await cq.wait(id=(await cq.enqueue(command(node, "node.inventory", {}, "inv"))).id, timeout=30)
+    assert (inv.state, inv.attested) == ("succeeded", True)
+    # kernel-modules with only a blacklist writes files and runs nothing on this machine; a GPU
+    # unit on a tree without a GPU is skipped (only where this machine has no nvidia-smi either:
+    # bcd runs the real programs here)
     unit = {"name": "kernel-modules", "settings": {"blacklist": ["floppy"]}}
+    gpu = (
+        [{"name": "nvidia-driver", "settings": {"version": "550"}}] if not shutil.which("nvidia-smi") else []
+    )
     first = await cq.wait(
-        id=(await cq.enqueue(command(node, "node.converge", {"generation": 2, "units": [unit]}, "c1"))).id,
+        id=(
+            await cq.enqueue(command(node, "node.converge", {"generation": 2, "units": [unit, *gpu]}, "c1"))
+        ).id,
         timeout=30,
     )
     assert (first.state, first.attested) == ("succeeded", True), first.reason
     report = json.loads(first.result or b"{}")
     assert report["observedGeneration"] == 2
-    assert report["units"] == [{"name": "kernel-modules", "status": "changed"}]
+    assert report["units"] == [{"name": "kernel-modules", "status": "changed"}] + [
+        {"name": "nvidia-driver", "status": "skipped", "detail": "no NVIDIA GPU on this machine"} for _ in gpu
+    ]
     assert "blacklist floppy" in (root / "etc/modprobe.d/bc.conf").read_text()
 
     units = [unit, {"name": "acme-nic-firmware", "settings": {"branch": "1.2"}}]
@@ -311,12 +343,15 @@ async def test_the_installed_os_converges_and_reports_its_generation(
         id=(await cq.enqueue(command(node, "node.converge", {"generation": 3, "units": units}, "c2"))).id,
         timeout=30,
     )
-    assert second.state == "failed"
+    assert (second.state, second.attested) == ("failed", True)
     assert "unit acme-nic-firmware is not supported by this daemon" in (second.reason or "")
     assert "kernel-modules unchanged" in (second.reason or "")
 
     wipe = await cq.wait(id=(await cq.enqueue(command(node, "node.wipe", {}, "w"))).id, timeout=30)
-    assert wipe.state == "rejected"  # the installed OS does not wipe disks
+    assert (wipe.state, wipe.attested) == ("rejected", True)  # the installed OS does not wipe disks
+    assert wipe.reason == "unsupported-kind: this agent does not run node.wipe"
+    for view in (inv, first, second, wipe):
+        assert _signed_by_the_node(root, node, view)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -1,4 +1,4 @@
-"""bcd on prepared machine trees: claims, inventory, wipe, image write, the host converger."""
+"""bcd on prepared machine trees: claims, inventory, wipe, image write, modes (units: test_bcd_units.py)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ import shutil
 import struct
 import subprocess
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zstandard
 
-from bcd.converger import SUPPORTED_UNITS, Converger
+from bcd.converger import Converger
 from bcd.daemon import detect_mode, node_handlers
-from bcd.disks import MIB, image_write, signatures, wipe
+from bcd.disks import MIB, signatures, wipe
 from bcd.hardware import boot_disk, boot_disks, claims, inventory
+from bcd.image import image_write
 from bcd.system import Machine
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.provision.config_units import BUILTIN_CONFIG_UNITS
 from better_compute.testing.machines import DiskSpec, RecordingRunner, RunAnswer, prepare_machine
 
 pytestmark = pytest.mark.unit
@@ -281,143 +281,6 @@ def test_image_write_refuses_the_boot_disk_and_unknown_formats(
         image_write(m, url=f"{base}/x", sha256="0" * 64, disk="/dev/vda")
     with pytest.raises(CommandRejected, match="qcow2 is not supported"):
         image_write(m, url=f"{base}/x", sha256="0" * 64, fmt="qcow2", disk="/dev/vdb")
-
-
-# -- the host converger ----------------------------------------------------------------------
-
-REF = "sec_01M8R2PJRBNHM27WE1SRZ01H3G"
-UNITS: list[dict[str, Any]] = [
-    {"name": "sysctl", "settings": {"values": {"net.ipv4.ip_forward": "1", "vm.swappiness": "10"}}},
-    {"name": "kernel-modules", "settings": {"load": ["br_netfilter"], "blacklist": ["nouveau"],
-                                            "options": {"nvidia": "NVreg_EnableGpuFirmware=0"}}},
-    {"name": "hugepages", "settings": {"size": "2M", "count": 512}},
-    {"name": "container-toolkit", "settings": {"runtime": "containerd", "setAsDefault": True}},
-    {"name": "k8s-join", "settings": {"apiServer": "https://k8s.example.test:6443", "tokenRef": REF,
-                                      "caCertHash": "sha256:" + "a" * 64, "role": "worker",
-                                      "labels": {"zone": "a"}, "taints": ["gpu=true:NoSchedule"]}},
-    {"name": "nvidia-driver", "settings": {"version": "550.54.15", "kernelModule": "open"}},
-    {"name": "fabric-manager", "settings": {"enabled": True}},
-    {"name": "mig-layout", "settings": {"layout": "all-1g.10gb"}},
-    {"name": "gpu-sharing", "settings": {"strategy": "time-slicing", "replicas": 4}},
-]  # fmt: skip
-
-
-def _gpu_machine(tmp_path: Path) -> tuple[Machine, RecordingRunner]:
-    root_holder: list[Path] = []
-
-    def modprobe(argv: Sequence[str]) -> RunAnswer:
-        (root_holder[0] / "sys/module" / argv[-1]).mkdir(parents=True)
-        return RunAnswer()
-
-    def kubeadm(argv: Sequence[str]) -> RunAnswer:
-        (root_holder[0] / "etc/kubernetes").mkdir(parents=True)
-        (root_holder[0] / "etc/kubernetes/kubelet.conf").write_text("joined\n")
-        return RunAnswer()
-
-    runner = RecordingRunner(
-        programs={
-            "nvidia-ctk",
-            "kubeadm",
-            "apt-get",
-            "nvidia-mig-parted",
-            "nvidia-smi",
-            "sysctl",
-            "modprobe",
-        },
-        answers={"modprobe": modprobe, "kubeadm": kubeadm},
-    )
-    m = machine(tmp_path, runner, nvidia_gpus=2)
-    root_holder.append(m.root)
-    sysfs = m.root / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
-    sysfs.parent.mkdir(parents=True)
-    sysfs.write_text("0\n")
-    return m, runner
-
-
-async def test_every_built_in_unit_applies_once_then_reports_unchanged(tmp_path: Path) -> None:
-    assert {u["name"] for u in UNITS} == set(BUILTIN_CONFIG_UNITS) == SUPPORTED_UNITS
-    m, runner = _gpu_machine(tmp_path)
-    fetched: list[str] = []
-
-    async def fetch(ref: str) -> bytes:
-        fetched.append(ref)
-        return b"abcdef.0123456789abcdef\n"
-
-    conv = Converger(m, fetch_secret=fetch)
-    first = await conv.converge(generation=3, units=UNITS)
-    assert {u["name"]: u["status"] for u in first["units"]} == {u["name"]: "changed" for u in UNITS}
-    assert first["observedGeneration"] == 3 == conv.observed_generation()
-    sysctl_conf = (m.root / "etc/sysctl.d/90-bc.conf").read_text()
-    assert "net.ipv4.ip_forward = 1\n" in sysctl_conf
-    assert runner.commands("sysctl") == [["sysctl", "-p", str(m.root / "etc/sysctl.d/90-bc.conf")]]
-    assert (m.root / "etc/modules-load.d/bc.conf").read_text().endswith("br_netfilter\n")
-    assert "blacklist nouveau\n" in (m.root / "etc/modprobe.d/bc.conf").read_text()
-    assert runner.commands("modprobe") == [["modprobe", "br_netfilter"]]
-    assert (m.root / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages").read_text().strip() == "512"
-    assert ["nvidia-ctk", "runtime", "configure", "--runtime=containerd", "--set-as-default"] in runner.ran
-    (join,) = runner.commands("kubeadm")
-    assert join[:3] == ["kubeadm", "join", "k8s.example.test:6443"]
-    assert fetched == [REF]
-    k8s = next(u for u in first["units"] if u["name"] == "k8s-join")
-    assert "abcdef.0123456789abcdef" not in str(k8s) + str(first)  # the token never reaches the report
-    assert "--node-labels=zone=a" in (m.root / "etc/default/kubelet").read_text()
-    assert ["apt-get", "install", "-y", "nvidia-driver-550-open"] in runner.ran
-    assert ["systemctl", "enable", "--now", "nvidia-fabricmanager.service"] in runner.ran
-    assert '"replicas": 4' in (m.root / "etc/nvidia-device-plugin/sharing.yaml").read_text()
-
-    runner.ran.clear()
-    second = await conv.converge(generation=4, units=UNITS)
-    assert {u["name"]: u["status"] for u in second["units"]} == {u["name"]: "unchanged" for u in UNITS}
-    assert runner.ran == []
-    assert second["observedGeneration"] == 4
-
-
-async def test_gpu_units_are_skipped_where_there_is_no_gpu(tmp_path: Path) -> None:
-    runner = RecordingRunner(programs={"nvidia-ctk"})
-    conv = Converger(machine(tmp_path, runner))
-    got = await conv.converge(generation=1, units=[{"name": "nvidia-driver", "settings": {"version": "550"}}])
-    assert got["units"] == [
-        {"name": "nvidia-driver", "status": "skipped", "detail": "no NVIDIA GPU on this machine"}
-    ]
-    assert runner.ran == []
-
-
-async def test_an_unsupported_unit_fails_the_host_section_after_the_known_units(tmp_path: Path) -> None:
-    m, _runner = _gpu_machine(tmp_path)
-    conv = Converger(m)
-    await conv.converge(generation=1, units=[])
-    with pytest.raises(BcError) as info:
-        await conv.converge(
-            generation=2,
-            units=[{"name": "acme-nic-firmware", "settings": {"branch": "1.2"}}, UNITS[0]],
-        )
-    assert "unit acme-nic-firmware is not supported by this daemon" in info.value.message
-    assert info.value.reason == "host-section-failed"
-    assert (m.root / "etc/sysctl.d/90-bc.conf").exists()  # the known unit still had its turn
-    assert conv.observed_generation() == 1  # not advanced
-
-
-async def test_settings_a_unit_does_not_understand_fail_it_with_their_path(tmp_path: Path) -> None:
-    runner = RecordingRunner(programs={"sysctl"})
-    conv = Converger(machine(tmp_path, runner))
-    bad = {"name": "hugepages", "settings": {"size": "3M", "count": 1}}
-    with pytest.raises(BcError) as info:
-        await conv.converge(generation=1, units=[UNITS[0], bad])
-    assert "units[1].settings.size" in info.value.message
-    assert runner.commands("sysctl")  # the good unit still applied
-    assert not (conv.machine.root / "etc/systemd/system/bc-hugepages.service").exists()
-
-
-async def test_a_failing_command_fails_its_unit_with_what_it_said(tmp_path: Path) -> None:
-    runner = RecordingRunner(
-        programs={"sysctl"},
-        answers={"sysctl": lambda argv: RunAnswer(returncode=255, stderr="sysctl: permission denied")},
-    )
-    conv = Converger(machine(tmp_path, runner))
-    with pytest.raises(
-        BcError, match=r"unit sysctl failed: sysctl -p .* exited 255: sysctl: permission denied"
-    ):
-        await conv.converge(generation=1, units=[UNITS[0]])
 
 
 # -- modes --------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """``bcd run``: serve node commands through the agent SDK, each result signed with the node key.
 
 The same program serves in the ramdisk (inventory, wipe, image write; no converger) and in the
-installed OS (inventory and the host converger). A kind the mode does not serve is rejected by
-the SDK as unsupported.
+installed OS (inventory and the host converger). A kind the mode does not serve is rejected
+by the SDK (``unsupported-kind: this agent does not run node.converge``); the kinds a mode serves
+are what the agent announces, so the ramdisk never claims ``node.converge``. Both modes sign
+every result, a rejection too, with the node key.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 
 from .converger import Converger
-from .disks import image_write, wipe
+from .disks import wipe
 from .hardware import inventory
+from .image import image_write
 from .join import BcdState, nats_url, read_cmdline
 from .system import Machine
 

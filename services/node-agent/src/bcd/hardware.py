@@ -17,7 +17,7 @@ from better_compute.wire.pki import JoinClaims
 
 from .system import Machine
 
-__all__ = ["block_disks", "boot_disk", "boot_disks", "claims", "gpu_uuids", "inventory", "macs"]
+__all__ = ["block_disks", "boot_disk", "boot_disks", "claims", "gpu_uuids", "inventory", "macs", "nvidia_pci"]
 
 _JUNK: Final = frozenset(
     {"", "none", "0", "default string", "to be filled by o.e.m.", "not specified", "not applicable",
@@ -246,14 +246,27 @@ def _nics(machine: Machine) -> list[dict[str, Any]]:
     return nics
 
 
-def _gpus(machine: Machine) -> list[dict[str, Any]]:
-    gpus: list[dict[str, Any]] = []
+def nvidia_pci(machine: Machine) -> tuple[list[str], list[str]]:
+    """The PCI addresses of the NVIDIA GPUs (display controllers) and NVSwitches (bridges)."""
+    gpus: list[str] = []
+    switches: list[str] = []
     for dev in _listdir(machine.path("/sys/bus/pci/devices")):
         base = f"/sys/bus/pci/devices/{dev}"
-        vendor = machine.read(f"{base}/vendor")
+        if machine.read(f"{base}/vendor") != "0x10de":
+            continue
         klass = machine.read(f"{base}/class") or ""
-        if vendor == "0x10de" and klass.startswith("0x03"):
-            gpus.append({"pciAddress": dev, "vendor": "nvidia", "deviceId": machine.read(f"{base}/device")})
+        if klass.startswith("0x03"):
+            gpus.append(dev)
+        elif klass.startswith("0x0680"):
+            switches.append(dev)
+    return gpus, switches
+
+
+def _gpus(machine: Machine) -> list[dict[str, Any]]:
+    gpus: list[dict[str, Any]] = []
+    for dev in nvidia_pci(machine)[0]:
+        device = machine.read(f"/sys/bus/pci/devices/{dev}/device")
+        gpus.append({"pciAddress": dev, "vendor": "nvidia", "deviceId": device})
     if machine.has("nvidia-smi"):
         done = machine.run(
             "nvidia-smi",
