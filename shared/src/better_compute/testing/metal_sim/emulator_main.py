@@ -1,0 +1,60 @@
+"""``python -m better_compute.testing.metal_sim.emulator_main --config FILE``: sushy-emulator
+with its fake driver, whose power changes land after a delay the simulator chooses.
+
+sushy-tools' fake driver applies a power change 1-11 s (at random) after the request, which is
+what real BMCs do but too slow for some tests and for a fleet benchmark. This launcher reads
+``SIM_POWER_DELAYS_FILE`` (JSON ``{"default": [lo, hi], "<uuid>": [lo, hi]}``, re-read on each
+change, so a test can slow one machine down while it runs) and otherwise runs sushy-emulator's
+own ``main``. Everything else (the Redfish API, late application on the next read, the
+``external_notifier`` PUT on every change) is sushy-tools' code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from typing import Any
+
+
+def _delay(config: dict[str, Any], uuid: str) -> float:
+    lo, hi = 1.0, 11.0  # sushy-tools' own
+    path = config.get("SIM_POWER_DELAYS_FILE")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+            lo, hi = doc.get(uuid) or doc.get("default") or (lo, hi)
+        except (OSError, ValueError, TypeError):
+            pass
+    return random.uniform(float(lo), float(hi))
+
+
+def main() -> int:
+    from sushy_tools import error
+    from sushy_tools.emulator import main as emulator
+    from sushy_tools.emulator.resources.systems import fakedriver
+
+    def set_power_state(self: Any, identity: str, state: str) -> None:
+        system = self._get(identity)
+        apply_time = time.time() + _delay(self._config, system["uuid"])
+        if "On" in state:
+            pending_state = "On"
+        elif state in ("ForceOff", "GracefulShutdown"):
+            pending_state = "Off"
+        elif "Restart" in state:
+            system["power_state"] = "Off"
+            pending_state = state
+        else:
+            raise error.NotSupportedError(f"Power state {state} is not supported")
+        if system["power_state"] != pending_state:
+            self._update(system, pending_power={"power_state": pending_state, "apply_time": apply_time})
+
+    fakedriver.FakeDriver.set_power_state = set_power_state
+    result: int = emulator.main()
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
