@@ -11,7 +11,9 @@ power change, once.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +29,8 @@ from better_compute.pki_client import PkiClient
 from better_compute.secrets_client import SecretsClient
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
-from better_compute.testing.metal_sim import Faults, MetalSim, SimMachine
+from better_compute.testing.metal_sim import Faults, MetalSim, SiteDriver, TcpGate
 from better_compute.testing.site_agent import SiteAgentProcess
-from better_compute.wire.cmdq import EnqueueCommand
 
 pytestmark = pytest.mark.e2e
 
@@ -41,42 +42,9 @@ FAST_ENV = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SWEEP": "100ms", "BC_CMDQ_RED
 class Fleet:
     sim: MetalSim
     agent: SiteAgentProcess
+    agent_link: TcpGate
+    drive: SiteDriver
     cq: CommandQueueClient
-    pki: PkiClient
-    secrets: SecretsClient
-    wf: str
-    steps: int = 0
-
-    async def site(self, m: SimMachine, node: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """One site-agent command for machine ``m`` (its BMC credential stored for that step);
-        its result, once it succeeded."""
-        self.steps += 1
-        creds = json.dumps(self.sim.emulator.credentials).encode()
-        ref = (await self.secrets.put(creds, tenant_id="root", workflow_id=self.wf, step=self.steps)).ref
-        if kind.startswith(("power.", "management.", "media.")):
-            payload = {**payload, "bmc": m.bmc(ref)}
-        view = await self.cq.enqueue(
-            EnqueueCommand(node_id=node, site_id=SITE, kind=kind, key=f"wf:{self.wf}:{self.steps}#1:{kind}",
-                           workflow_id=self.wf, step=self.steps, payload=payload, timeout_ms=60_000)
-        )  # fmt: skip
-        done = await self.cq.wait(view.id, timeout=60)
-        assert done.state == "succeeded", (kind, done.state, done.reason)
-        result: dict[str, Any] = json.loads(done.result or "{}")
-        return result
-
-    async def network_boot(self, m: SimMachine, node: str) -> None:
-        """What the engine does to boot a node's ramdisk: a join token bound to the node and its
-        hardware, a one-time iPXE entry whose command line carries it, PXE once, power on."""
-        token = await self.pki.issue_join_token(
-            tenant_id="root", role="provisioned", site_id=SITE, ttl_seconds=600, node_id=node,
-            expect={"productUuid": m.uuid},
-        )  # fmt: skip
-        await self.site(m, node, "netboot.setEntry", {
-            "mac": m.macs[0], "kernel": "http://127.0.0.1:9/bcd-ramdisk/vmlinuz",
-            "cmdline": f"bcd.token={token.token} bcd.control_plane=nats://gw.invalid:4222",
-        })  # fmt: skip
-        await self.site(m, node, "management.setBootDevice", {"device": "pxe"})
-        assert (await self.site(m, node, "power.setPower", {"action": "on"}))["powerState"] == "On"
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -92,17 +60,18 @@ async def fleet(
     sim = MetalSim(
         tmp_path / "sim",
         settings=bc_settings,
-        machines=2,
+        machines=3,
         site_id=SITE,
         seed=7,
         power_delay=(0.2, 1.0),
-        faults={1: Faults(never_boots=True, bmc_proxy=True)},
+        faults={
+            1: Faults(never_boots=True, bmc_proxy=True),
+            2: Faults(flaky_link=True, power_delay=(2.0, 2.5)),
+        },
     )
+    link = sim.nats_gate()  # the site agent's route to NATS, which a test can cut
     agent = SiteAgentProcess(
-        folder=tmp_path / "site-agent",
-        nats_url=bc_settings.nats_url or "",
-        subject_root=bc_settings.subject_root,
-        site_id=SITE,
+        folder=tmp_path / "site-agent", nats_url=link.url, subject_root=bc_settings.subject_root, site_id=SITE
     )
     sim.boot_url = agent.url
     site_token = await pki.issue_join_token(tenant_id="root", role="site", site_id=SITE, ttl_seconds=600)
@@ -111,7 +80,8 @@ async def fleet(
     agent.start()
     try:
         await until(lambda: _connected(cq, role="site"))
-        yield Fleet(sim=sim, agent=agent, cq=cq, pki=pki, secrets=SecretsClient(bc_api), wf=new_id("wf"))
+        drive = SiteDriver(sim=sim, cq=cq, pki=pki, secrets=SecretsClient(bc_api))
+        yield Fleet(sim=sim, agent=agent, agent_link=link, drive=drive, cq=cq)
     finally:
         agent.close()
         await asyncio.to_thread(sim.close)
@@ -129,27 +99,25 @@ async def _connected(cq: CommandQueueClient, *, role: str | None = None, agent_i
 
 async def test_a_network_booted_machine_joins_and_reports_its_own_inventory(fleet: Fleet) -> None:
     m, node = fleet.sim.machine(0), new_id("node")
-    await fleet.network_boot(m, node)
+    await fleet.drive.network_boot(m, node)
 
     await until(lambda: _connected(fleet.cq, agent_id=node), timeout=30)
-    view = await fleet.cq.enqueue(
-        EnqueueCommand(node_id=node, site_id=SITE, kind="node.inventory", payload={}, key="inv",
-                       target="node")
-    )  # fmt: skip
-    inv = await fleet.cq.wait(view.id, timeout=30)
+    inv = await fleet.drive.node_command(node, "node.inventory", {}, "inv")
     assert (inv.state, inv.attested) == ("succeeded", True), inv.reason
     doc = json.loads(inv.result or "{}")
     assert (doc["productUuid"], doc["serial"]) == (m.uuid, m.serial)
     assert sorted(n["mac"] for n in doc["nics"]) == sorted(m.macs)
 
     # A wipe runs once, and the disk (not bcd's log) counts it.
-    view = await fleet.cq.enqueue(
-        EnqueueCommand(node_id=node, site_id=SITE, kind="node.wipe", payload={"mode": "quick"}, key="wipe",
-                       target="node")
-    )  # fmt: skip
-    wipe = await fleet.cq.wait(view.id, timeout=30)
+    wipe = await fleet.drive.node_command(node, "node.wipe", {"mode": "quick"}, "wipe")
     assert (wipe.state, wipe.attested) == ("succeeded", True), wipe.reason
     assert m.ledger.count("disk.write", disk="vda", kind="node.wipe", commandId=wipe.id) == 1
+
+    # A disk that fails writes: the next wipe fails, and the hardware saw the attempt.
+    m.fail_writes("vda")
+    failed = await fleet.drive.node_command(node, "node.wipe", {"mode": "quick"}, "wipe-2")
+    assert failed.state == "failed", failed.state
+    assert m.ledger.count("disk.write", disk="vda", kind="node.wipe", commandId=failed.id, failed=True) == 1
 
     ledger = m.ledger
     assert ledger.count("power", to="On") == 1
@@ -159,7 +127,7 @@ async def test_a_network_booted_machine_joins_and_reports_its_own_inventory(flee
     assert token_words == []  # the ledger keeps no token
 
     # Power off pulls the plug: that bcd is gone, its node disconnected.
-    await fleet.site(m, node, "power.setPower", {"action": "off"})
+    await fleet.drive.ok(m, node, "power.setPower", {"action": "off"})
     await until(lambda: m.ledger.count("bcd.stopped", reason="power-off") == 1)
     await until(lambda: _not(_connected(fleet.cq, agent_id=node)), timeout=30)
     assert ledger.count("power", to="Off") == 1
@@ -173,7 +141,7 @@ async def test_knobs_a_machine_that_never_boots_behind_a_bmc_that_500s_then_reco
     m, node = fleet.sim.machine(1), new_id("node")
     assert m.proxy is not None
     m.proxy.set(mode="error-count", left=3)
-    await fleet.network_boot(m, node)
+    await fleet.drive.network_boot(m, node)
 
     # The BMC answered 500 three times; the site agent retried and the power change reached it once.
     answered = [line.split()[-1] for line in m.proxy.requests()]
@@ -186,3 +154,55 @@ async def test_knobs_a_machine_that_never_boots_behind_a_bmc_that_500s_then_reco
     assert m.ledger.count("bcd.started") == 0
     assert not await _connected(fleet.cq, agent_id=node)
     assert m.boots == 1
+
+
+async def test_knobs_a_media_boot_through_slow_power_a_flaky_link_and_a_site_cut_off(fleet: Fleet) -> None:
+    m, node = fleet.sim.machine(2), new_id("node")
+    assert m.gate is not None
+    medium = _Medium((await fleet.drive.boot_cmdline(m, node)).encode())  # the ISO's boot command line
+    try:
+        await fleet.drive.media_boot(m, node, medium.url)
+    finally:
+        medium.close()
+    await until(lambda: _connected(fleet.cq, agent_id=node), timeout=30)
+    assert m.ledger.count("media.insert", device="Cd") == 1
+    assert m.ledger.count("boot.media", bootable=True) == 1
+    requested, landed = m.ledger.events("power.requested", to="On"), m.ledger.events("power", to="On")
+    assert len(requested) == len(landed) == 1
+    assert landed[0]["t"] - requested[0]["t"] >= 2.0  # this machine's power changes land late
+
+    # Its bcd loses the connection for a while, gets it back, and answers.
+    m.gate.cut(2.0)
+    inv = await fleet.drive.node_command(node, "node.inventory", {}, "inv-after-cut")
+    assert (inv.state, inv.attested) == ("succeeded", True), inv.reason
+    assert json.loads(inv.result or "{}")["productUuid"] == m.uuid
+
+    # The site agent is cut off from NATS: a power-off sent meanwhile lands once it is back.
+    fleet.agent_link.cut(3.0)
+    await fleet.drive.ok(m, node, "power.setPower", {"action": "off"})
+    assert fleet.agent_link.cuts == 1
+    assert m.ledger.count("power", to="Off") == 1
+    await until(lambda: m.ledger.count("bcd.stopped", reason="power-off") == 1)
+
+
+class _Medium:
+    """A one-file HTTP server for a virtual medium's content."""
+
+    def __init__(self, body: bytes) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ramdisk.iso"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
