@@ -54,7 +54,6 @@ async def fleet(
     bc_processes.extra_env.update(FAST_ENV)
     for service in ("bc-pki", "bc-secrets", "bc-command-queue"):
         bc_processes.start(service)
-    await bc_processes.wait_ready()
     cq = CommandQueueClient(bc_api, timeout=5.0)
     pki = PkiClient(bc_api)
     sim = MetalSim(
@@ -74,11 +73,11 @@ async def fleet(
         folder=tmp_path / "site-agent", nats_url=link.url, subject_root=bc_settings.subject_root, site_id=SITE
     )
     sim.boot_url = agent.url
-    site_token = await pki.issue_join_token(tenant_id="root", role="site", site_id=SITE, ttl_seconds=600)
-    agent.write_config(site_token.token)
-    await asyncio.to_thread(sim.start)
-    agent.start()
     try:
+        await asyncio.gather(bc_processes.wait_ready(), asyncio.to_thread(sim.start))  # both take seconds
+        site_token = await pki.issue_join_token(tenant_id="root", role="site", site_id=SITE, ttl_seconds=600)
+        agent.write_config(site_token.token)
+        agent.start()
         await until(lambda: _connected(cq, role="site"))
         drive = SiteDriver(sim=sim, cq=cq, pki=pki, secrets=SecretsClient(bc_api))
         yield Fleet(sim=sim, agent=agent, agent_link=link, drive=drive, cq=cq)

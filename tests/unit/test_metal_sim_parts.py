@@ -51,11 +51,17 @@ def test_the_ledger_counts_and_skips_a_torn_line(tmp_path: Path) -> None:
     assert ledger.events() == []
     ledger.append("power", to="On")
     ledger.append("disk.write", disk="vda", kind="node.wipe")
-    with open(ledger.path, "a") as fh:
-        fh.write('{"event": "pow')  # a line being written right now
     assert ledger.count("power") == 1
     assert ledger.count("disk.write", disk="vda", kind="node.wipe") == 1
     assert ledger.count("disk.write", kind="node.imageWrite") == 0
+    assert ledger.counts() == {"power:On": 1, "disk.write:vda:node.wipe": 1}
+    assert ledger.repeated_writes() == {}
+    ledger.append("disk.write", disk="vda", kind="node.imageWrite", commandId="cmd_a")
+    ledger.append("disk.write", disk="vda", kind="node.imageWrite", commandId="cmd_a")
+    assert ledger.repeated_writes() == {"cmd_a": 2}
+    with open(ledger.path, "a") as fh:
+        fh.write('{"event": "pow')  # a line being written right now
+    assert ledger.count("power") == 1
 
 
 _WIPE = textwrap.dedent(

@@ -109,6 +109,26 @@ class Ledger:
     def count(self, event: str, **match: Any) -> int:
         return len(self.events(event, **match))
 
+    def counts(self) -> dict[str, int]:
+        """A summary: ``power:On``, ``power.requested:Off``, ``media.insert:Cd``,
+        ``disk.write:vda:node.wipe``, ``boot.network``… and how often each happened."""
+        summary: dict[str, int] = {}
+        for doc in self.events():
+            parts = [str(doc.get("event"))]
+            parts += [str(doc[k]) for k in ("to", "device", "disk", "kind") if doc.get(k) is not None]
+            key = ":".join(parts)
+            summary[key] = summary.get(key, 0) + 1
+        return summary
+
+    def repeated_writes(self) -> dict[str, int]:
+        """Commands that opened a disk for writing more than once (by command id): what "ran
+        twice" means for a wipe or an image write."""
+        seen: dict[str, int] = {}
+        for doc in self.events("disk.write"):
+            if doc.get("commandId"):
+                seen[doc["commandId"]] = seen.get(doc["commandId"], 0) + 1
+        return {cid: n for cid, n in seen.items() if n > 1}
+
 
 @dataclass
 class SimMachine:
