@@ -5,7 +5,10 @@ sushy-tools' fake driver applies a power change 1-11 s (at random) after the req
 what real BMCs do but too slow for some tests and for a fleet benchmark. This launcher reads
 ``SIM_POWER_DELAYS_FILE`` (JSON ``{"default": [lo, hi], "<uuid>": [lo, hi]}``, re-read on each
 change, so a test can slow one machine down while it runs) and otherwise runs sushy-emulator's
-own ``main``. Everything else (the Redfish API, late application on the next read, the
+own ``main``. The emulator's state lives in its memory: sushy-tools' store is a SQLite file
+opened, written and fsynced on every read and change, which at 1,000 systems made it answer 500
+("database is locked") under concurrent requests; the simulated BMCs outlive no emulator
+restart anyway. Everything else (the Redfish API, late application on the next read, the
 ``external_notifier`` PUT on every change) is sushy-tools' code.
 """
 
@@ -34,6 +37,7 @@ def _delay(config: dict[str, Any], uuid: str) -> float:
 def main() -> int:
     from sushy_tools import error
     from sushy_tools.emulator import main as emulator
+    from sushy_tools.emulator import memoize
     from sushy_tools.emulator.resources.systems import fakedriver
 
     def set_power_state(self: Any, identity: str, state: str) -> None:
@@ -52,6 +56,7 @@ def main() -> int:
             self._update(system, pending_power={"power_state": pending_state, "apply_time": apply_time})
 
     fakedriver.FakeDriver.set_power_state = set_power_state
+    memoize.PersistentDict = dict  # no make_permanent: every store stays in memory
     result: int = emulator.main()
     return result
 
