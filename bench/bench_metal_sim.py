@@ -69,8 +69,9 @@ def main() -> None:
             with ThreadPoolExecutor(args.concurrency) as pool:
                 list(pool.map(lambda m: power_on(sim, m), sim.machines))
             t3 = time.monotonic()
-            while sum(m.ledger.count("power", to="On") for m in sim.machines) < args.machines:
+            while sum(m.power == "On" for m in sim.machines) < args.machines:  # what the notifier saw
                 time.sleep(0.1)
+            assert sum(m.ledger.count("power", to="On") for m in sim.machines) == args.machines
             t4 = time.monotonic()
             cpu = cpu_seconds(sim.emulator.proc.pid) - cpu0
         except BaseException:

@@ -11,8 +11,10 @@ power change, once.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.server
 import json
+import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -112,6 +114,21 @@ async def test_a_network_booted_machine_joins_and_reports_its_own_inventory(flee
     assert (wipe.state, wipe.attested) == ("succeeded", True), wipe.reason
     assert m.ledger.count("disk.write", disk="vda", kind="node.wipe", commandId=wipe.id) == 1
 
+    # An image write, counted at the disk too; the disk then holds the image.
+    image = os.urandom(3 << 20)
+    served = _Served(image)
+    try:
+        written = await fleet.drive.node_command(node, "node.imageWrite", {
+            "url": served.url, "sha256": hashlib.sha256(image).hexdigest(), "format": "raw",
+            "disk": "/dev/vda",
+        }, "image")  # fmt: skip
+    finally:
+        served.close()
+    assert (written.state, written.attested) == ("succeeded", True), written.reason
+    assert m.ledger.count("disk.write", disk="vda", kind="node.imageWrite", commandId=written.id) == 1
+    assert m.disk("vda").read_bytes()[: len(image)] == image
+    assert m.ledger.repeated_writes() == {}
+
     # A disk that fails writes: the next wipe fails, and the hardware saw the attempt.
     m.fail_writes("vda")
     failed = await fleet.drive.node_command(node, "node.wipe", {"mode": "quick"}, "wipe-2")
@@ -158,7 +175,7 @@ async def test_knobs_a_machine_that_never_boots_behind_a_bmc_that_500s_then_reco
 async def test_knobs_a_media_boot_through_slow_power_a_flaky_link_and_a_site_cut_off(fleet: Fleet) -> None:
     m, node = fleet.sim.machine(2), new_id("node")
     assert m.gate is not None
-    medium = _Medium((await fleet.drive.boot_cmdline(m, node)).encode())  # the ISO's boot command line
+    medium = _Served((await fleet.drive.boot_cmdline(m, node)).encode())  # the ISO's boot command line
     try:
         await fleet.drive.media_boot(m, node, medium.url)
     finally:
@@ -184,8 +201,8 @@ async def test_knobs_a_media_boot_through_slow_power_a_flaky_link_and_a_site_cut
     await until(lambda: m.ledger.count("bcd.stopped", reason="power-off") == 1)
 
 
-class _Medium:
-    """A one-file HTTP server for a virtual medium's content."""
+class _Served:
+    """A one-file HTTP server (a virtual medium's content, an image)."""
 
     def __init__(self, body: bytes) -> None:
         class Handler(http.server.BaseHTTPRequestHandler):

@@ -8,7 +8,10 @@ change, so a test can slow one machine down while it runs) and otherwise runs su
 own ``main``. The emulator's state lives in its memory: sushy-tools' store is a SQLite file
 opened, written and fsynced on every read and change, which at 1,000 systems made it answer 500
 ("database is locked") under concurrent requests; the simulated BMCs outlive no emulator
-restart anyway. Everything else (the Redfish API, late application on the next read, the
+restart anyway. The memory store is one per file the SQLite store would use, shared by every
+instance: sushy-tools builds its drivers lazily without a lock, so concurrent first requests
+can build two (with SQLite they shared the file; with private dicts one machine's power change
+was lost). Everything else (the Redfish API, late application on the next read, the
 ``external_notifier`` PUT on every change) is sushy-tools' code.
 """
 
@@ -18,6 +21,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 
@@ -32,6 +36,35 @@ def _delay(config: dict[str, Any], uuid: str) -> float:
         except (OSError, ValueError, TypeError):
             pass
     return random.uniform(float(lo), float(hi))
+
+
+_STORES: dict[str, dict[Any, Any]] = {}
+
+
+class _MemoryStore(MutableMapping[Any, Any]):
+    """sushy-tools' ``PersistentDict`` in memory: ``make_permanent`` joins the process-wide
+    store of that name."""
+
+    def __init__(self) -> None:
+        self._data: dict[Any, Any] = {}
+
+    def make_permanent(self, dbpath: str | None, dbfile: str) -> None:
+        self._data = _STORES.setdefault(f"{dbpath}/{dbfile}", self._data)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._data[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._data[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._data))
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 def main() -> int:
@@ -56,7 +89,7 @@ def main() -> int:
             self._update(system, pending_power={"power_state": pending_state, "apply_time": apply_time})
 
     fakedriver.FakeDriver.set_power_state = set_power_state
-    memoize.PersistentDict = dict  # no make_permanent: every store stays in memory
+    memoize.PersistentDict = _MemoryStore
     result: int = emulator.main()
     return result
 
