@@ -312,10 +312,10 @@ def _notifier(on_state: Any) -> http.server.ThreadingHTTPServer:
                 doc = json.loads(self.rfile.read(length) or b"{}")
             except ValueError:
                 doc = None
+            if isinstance(doc, dict):
+                on_state(doc)  # before answering: the emulator sends a system's changes in order
             self.send_response(204)
             self.end_headers()
-            if isinstance(doc, dict):
-                on_state(doc)
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
