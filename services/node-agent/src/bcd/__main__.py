@@ -19,6 +19,7 @@ from better_compute.logging import configure_logging
 from .daemon import MODES, detect_mode, serve
 from .hardware import claims, inventory
 from .join import DEFAULT_STATE_DIR, BcdState, install_service, join, read_cmdline
+from .simulation import SimRunner, install_disk_hook
 from .system import Machine
 
 __all__ = ["main"]
@@ -30,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--state-dir", default=os.environ.get("BCD_STATE_DIR", DEFAULT_STATE_DIR))
     parser.add_argument("--subject-root", default=os.environ.get("BC_SUBJECT_ROOT"))
     parser.add_argument("--log-level", default=os.environ.get("BCD_LOG_LEVEL", "info"))
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        default=os.environ.get("BCD_SIMULATE") == "1",
+        help="a simulated machine: record programs, count disk writes (docs/metal-sim.md)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     j = sub.add_parser("join", help="join the control plane with a single-use token")
     j.add_argument("--control-plane", help="https://, wss:// or nats:// URL (else bcd.control_plane=)")
@@ -89,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     configure_logging(level=args.log_level, stream=sys.stderr)
     machine = Machine(root=Path(args.root))
+    if args.simulate:
+        machine = Machine(root=machine.root, runner=SimRunner(machine.root))
+        install_disk_hook(
+            machine, ledger=os.environ.get("BCD_SIM_LEDGER"), faults=os.environ.get("BCD_SIM_FAULTS")
+        )
     state = BcdState(machine, args.state_dir)
     try:
         if args.command == "join":
@@ -96,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "run":
             asyncio.run(
                 serve(state, mode=detect_mode(machine, args.mode), control_plane=args.control_plane,
-                      subject_root=args.subject_root)
+                      subject_root=args.subject_root, simulate=args.simulate)
             )  # fmt: skip
             code = 0
         elif args.command == "claims":

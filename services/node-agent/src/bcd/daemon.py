@@ -29,6 +29,7 @@ from .disks import wipe
 from .hardware import inventory
 from .image import image_write
 from .join import BcdState, nats_url, read_cmdline
+from .simulation import tagged
 from .system import Machine
 
 __all__ = ["MODES", "Mode", "detect_mode", "node_handlers", "serve"]
@@ -110,6 +111,7 @@ async def serve(
     control_plane: str | None = None,
     subject_root: str | None = None,
     stop: asyncio.Event | None = None,
+    simulate: bool = False,
 ) -> None:
     """Serve until ``stop`` is set (or SIGTERM/SIGINT); rides out control-plane outages."""
     enrollment: Enrollment | None = state.enrollment()
@@ -141,14 +143,21 @@ async def serve(
             delay = min(delay * 2, 30.0)
             continue
         try:
-            await _serve_on(nc, state, enrollment, mode, subjects, stop)
+            await _serve_on(nc, state, enrollment, mode, subjects, stop, simulate=simulate)
         finally:
             await nc.close()
         return
 
 
 async def _serve_on(
-    nc: Any, state: BcdState, enrollment: Enrollment, mode: Mode, subjects: Subjects, stop: asyncio.Event
+    nc: Any,
+    state: BcdState,
+    enrollment: Enrollment,
+    mode: Mode,
+    subjects: Subjects,
+    stop: asyncio.Event,
+    *,
+    simulate: bool = False,
 ) -> None:
     api = ApiClient(nc, subjects)
     secrets = SecretsClient(api)
@@ -158,6 +167,8 @@ async def _serve_on(
 
     converger = Converger(state.machine, fetch_secret=fetch_secret) if mode == "installed" else None
     handlers: Mapping[str, CommandHandler] = node_handlers(state.machine, mode, converger=converger)
+    if simulate:
+        handlers = tagged(handlers)  # the simulated disks see which command writes them
     agent = Agent(
         enrollment=enrollment,
         handlers=handlers,

@@ -1,0 +1,84 @@
+"""The fleet's BMC: one ``sushy-emulator`` (fake driver) holding every simulated system, with
+Basic auth, the ``external_notifier`` on for each system, and per-machine power delays."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ...runtime.embedded import free_port
+from ..bmcs import _Proc, _wait_http
+from .hardware import SimMachine
+
+__all__ = ["FleetEmulator"]
+
+
+class FleetEmulator(_Proc):
+    def __init__(self, folder: Path, *, username: str = "admin", password: str = "sim-bmc-pw-1") -> None:
+        super().__init__(folder)
+        self.username = username
+        self.password = password
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.delays_file = self.folder / "power-delays.json"
+
+    @property
+    def credentials(self) -> dict[str, str]:
+        """The BMC credential as the site agent reads it from bc-secrets."""
+        return {"username": self.username, "password": self.password}
+
+    def start(self, machines: Sequence[SimMachine], *, notifier: str) -> FleetEmulator:
+        import bcrypt
+
+        htpasswd = self.folder / "htpasswd"
+        digest = bcrypt.hashpw(self.password.encode(), bcrypt.gensalt(rounds=4)).decode()
+        htpasswd.write_text(f"{self.username}:{digest}\n")
+        systems = [
+            {
+                "uuid": m.uuid,
+                "name": m.name,
+                "power_state": "Off",
+                "external_notifier": True,
+                "nics": [{"mac": mac, "ip": f"192.0.2.{(m.index % 250) + 2}"} for mac in m.macs],
+            }
+            for m in machines
+        ]
+        config = self.folder / "emulator.conf"
+        config.write_text(
+            textwrap.dedent(
+                f"""\
+                SUSHY_EMULATOR_LISTEN_IP = "127.0.0.1"
+                SUSHY_EMULATOR_LISTEN_PORT = {self.port}
+                SUSHY_EMULATOR_FAKE_DRIVER = True
+                SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}
+                SUSHY_EMULATOR_STATE_DIR = {str(self.folder / "state")!r}
+                SUSHY_EMULATOR_AUTH_FILE = {str(htpasswd)!r}
+                EXTERNAL_NOTIFICATION_URL = {notifier!r}
+                SIM_POWER_DELAYS_FILE = {str(self.delays_file)!r}
+                """
+            )
+        )
+        self._spawn(
+            [sys.executable, "-m", "better_compute.testing.metal_sim.emulator_main", "--config", str(config)]
+        )
+        _wait_http(self.url + "/redfish/v1/", self.proc, self.output)
+        return self
+
+    def read_system(self, system_id: str) -> dict[str, Any] | None:
+        """GET the system (the fake driver applies a due power change on a read)."""
+        req = urllib.request.Request(f"{self.url}/redfish/v1/Systems/{system_id}")
+        auth = base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
+        req.add_header("Authorization", f"Basic {auth}")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                doc: dict[str, Any] = json.loads(resp.read())
+                return doc
+        except (OSError, urllib.error.URLError, ValueError):
+            return None

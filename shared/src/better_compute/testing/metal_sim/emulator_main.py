@@ -1,0 +1,98 @@
+"""``python -m better_compute.testing.metal_sim.emulator_main --config FILE``: sushy-emulator
+with its fake driver, whose power changes land after a delay the simulator chooses.
+
+sushy-tools' fake driver applies a power change 1-11 s (at random) after the request, which is
+what real BMCs do but too slow for some tests and for a fleet benchmark. This launcher reads
+``SIM_POWER_DELAYS_FILE`` (JSON ``{"default": [lo, hi], "<uuid>": [lo, hi]}``, re-read on each
+change, so a test can slow one machine down while it runs) and otherwise runs sushy-emulator's
+own ``main``. The emulator's state lives in its memory: sushy-tools' store is a SQLite file
+opened, written and fsynced on every read and change, which at 1,000 systems made it answer 500
+("database is locked") under concurrent requests; the simulated BMCs outlive no emulator
+restart anyway. The memory store is one per file the SQLite store would use, shared by every
+instance: sushy-tools builds its drivers lazily without a lock, so concurrent first requests
+can build two (with SQLite they shared the file; with private dicts one machine's power change
+was lost). Everything else (the Redfish API, late application on the next read, the
+``external_notifier`` PUT on every change) is sushy-tools' code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+
+def _delay(config: dict[str, Any], uuid: str) -> float:
+    lo, hi = 1.0, 11.0  # sushy-tools' own
+    path = config.get("SIM_POWER_DELAYS_FILE")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+            lo, hi = doc.get(uuid) or doc.get("default") or (lo, hi)
+        except (OSError, ValueError, TypeError):
+            pass
+    return random.uniform(float(lo), float(hi))
+
+
+_STORES: dict[str, dict[Any, Any]] = {}
+
+
+class _MemoryStore(MutableMapping[Any, Any]):
+    """sushy-tools' ``PersistentDict`` in memory: ``make_permanent`` joins the process-wide
+    store of that name."""
+
+    def __init__(self) -> None:
+        self._data: dict[Any, Any] = {}
+
+    def make_permanent(self, dbpath: str | None, dbfile: str) -> None:
+        self._data = _STORES.setdefault(f"{dbpath}/{dbfile}", self._data)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._data[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._data[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._data))
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def main() -> int:
+    from sushy_tools import error
+    from sushy_tools.emulator import main as emulator
+    from sushy_tools.emulator import memoize
+    from sushy_tools.emulator.resources.systems import fakedriver
+
+    def set_power_state(self: Any, identity: str, state: str) -> None:
+        system = self._get(identity)
+        apply_time = time.time() + _delay(self._config, system["uuid"])
+        if "On" in state:
+            pending_state = "On"
+        elif state in ("ForceOff", "GracefulShutdown"):
+            pending_state = "Off"
+        elif "Restart" in state:
+            system["power_state"] = "Off"
+            pending_state = state
+        else:
+            raise error.NotSupportedError(f"Power state {state} is not supported")
+        if system["power_state"] != pending_state:
+            self._update(system, pending_power={"power_state": pending_state, "apply_time": apply_time})
+
+    fakedriver.FakeDriver.set_power_state = set_power_state
+    memoize.PersistentDict = _MemoryStore
+    result: int = emulator.main()
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""``MetalSim``: N simulated machines behind one real Redfish endpoint (sushy-emulator's fake
+driver), each booting a real ``bcd`` process when it powers on from the network or a medium.
+
+The emulator PUTs a system's whole state to our notifier on every change; that is how the
+simulator sees power land, the boot override and inserted media. A power-on that lands with
+a ``Pxe`` override network-boots: the simulator asks the site agent's HTTP for ``/boot.ipxe``
+and the MAC's entry, as iPXE would, and takes the kernel command line of the entry it gets
+(``bcd.token=… bcd.control_plane=…``). A ``Cd`` override with a medium inserted boots the
+medium: its first KiB, when it is a command line with ``bcd.`` settings, stands for the ISO's
+boot command line. Either boots a ramdisk: bcd (``--simulate``) joins with the token of that
+command line and serves in ramdisk mode. Power off kills that bcd (a pulled plug) and the
+ramdisk's state is gone.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ...config import Settings
+from ..bcd import bcd_env
+from ..bmcs import FaultyProxy
+from ..machines import DiskSpec, prepare_machine
+from .emulator import FleetEmulator
+from .gate import TcpGate
+from .hardware import FaultFractions, Faults, SimMachine, identity
+
+__all__ = ["MetalSim"]
+
+_CHAIN = re.compile(r"^chain\s+(?:--\S+\s+)*(\S+)", re.M)
+_KERNEL = re.compile(r"^kernel\s+\S+\s*(.*)$", re.M)
+
+
+class MetalSim:
+    """The fleet. ``start()`` it, give it the site agent's URL (``boot_url``), ``close()`` it."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        settings: Settings,
+        machines: int = 1,
+        site_id: str = "lab1",
+        seed: int = 0,
+        power_delay: tuple[float, float] = (1.0, 11.0),
+        faults: Mapping[int, Faults] | None = None,
+        fractions: FaultFractions | None = None,
+        disks: Sequence[DiskSpec] = (DiskSpec("vda", 32 << 20),),
+        boot_url: str | None = None,
+    ) -> None:
+        self.folder = folder
+        self.settings = settings
+        self.site_id = site_id
+        self.seed = seed
+        self.power_delay = power_delay
+        self.boot_url = boot_url
+        self.emulator = FleetEmulator(folder / "bmc")
+        self._lock = threading.Lock()
+        self._gates: list[TcpGate] = []
+        rng = random.Random(seed)
+        self.machines: list[SimMachine] = []
+        for i in range(machines):
+            product_uuid, serial, macs = identity(rng, seed, i)
+            drawn = (fractions or FaultFractions()).draw(rng, disks[0].name)
+            m = SimMachine(
+                index=i,
+                name=f"{site_id}-m{i:03d}",
+                uuid=product_uuid,
+                serial=serial,
+                macs=macs,
+                folder=folder / f"m{i:03d}",
+                disks=tuple(d.name for d in disks),
+                faults=(faults or {}).get(i, drawn),
+            )
+            prepare_machine(m.tree, product_uuid=product_uuid, serial=serial, macs=macs, disks=disks,
+                            hostname=m.name)  # fmt: skip
+            m.fail_writes(*m.faults.fail_writes)
+            self.machines.append(m)
+        self._by_uuid = {m.uuid: m for m in self.machines}
+        self._server: http.server.ThreadingHTTPServer | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> MetalSim:
+        self._server = _notifier(self._on_state)
+        threading.Thread(target=self._server.serve_forever, name="metal-sim-notifier", daemon=True).start()
+        self.write_power_delays()
+        self.emulator.start(
+            self.machines, notifier=f"http://127.0.0.1:{self._server.server_address[1]}/notify"
+        )
+        for m in self.machines:
+            m.bmc_url = self.emulator.url
+            if m.faults.bmc_proxy:
+                m.proxy = FaultyProxy(m.folder / "bmc-proxy", self.emulator.url).start()
+                m.bmc_url = m.proxy.url
+            if m.faults.flaky_link:
+                m.gate = self.nats_gate()
+        return self
+
+    def close(self) -> None:
+        for m in self.machines:
+            m.generation += 1
+            self._stop_bcd(m, "sim-closed")
+            if m.proxy is not None:
+                m.proxy.close()
+        for gate in self._gates:
+            gate.close()
+        self.emulator.close()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def __enter__(self) -> MetalSim:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def nats_gate(self) -> TcpGate:
+        """A cuttable link to this test's nats-server (for a site agent cut off from NATS)."""
+        gate = TcpGate(self.settings.nats_url or "").start()
+        self._gates.append(gate)
+        return gate
+
+    def write_power_delays(self) -> None:
+        """Tell the emulator each machine's power delay (re-read on every power change)."""
+        doc: dict[str, Any] = {"default": list(self.power_delay)}
+        for m in self.machines:
+            if m.faults.power_delay is not None:
+                doc[m.uuid] = list(m.faults.power_delay)
+        self.emulator.delays_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.emulator.delays_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(self.emulator.delays_file)
+
+    def machine(self, key: int | str) -> SimMachine:
+        """By index, product UUID or name."""
+        if isinstance(key, int):
+            return self.machines[key]
+        found = self._by_uuid.get(key) or next((m for m in self.machines if m.name == key), None)
+        if found is None:
+            raise KeyError(key)
+        return found
+
+    # -- what the BMC tells us ------------------------------------------------------------
+
+    def _on_state(self, doc: dict[str, Any]) -> None:
+        m = self._by_uuid.get(str(doc.get("uuid")))
+        if m is None:
+            return
+        boot_now = False
+        with self._lock:
+            pending = doc.get("pending_power") or None
+            if pending and pending.get("apply_time") != m.pending_apply:
+                m.pending_apply = pending.get("apply_time")
+                m.ledger.append("power.requested", to=pending.get("power_state"))
+                wait = max(0.0, float(pending.get("apply_time", 0)) - time.time()) + 0.05
+                threading.Timer(wait, self.emulator.read_system, args=(m.uuid,)).start()
+            if not pending:
+                m.pending_apply = None
+            if doc.get("boot_device", "Hdd") != m.boot_device:
+                m.boot_device = str(doc.get("boot_device", "Hdd"))
+                m.ledger.append("boot.device", device=m.boot_device)
+            media = {dev: bool(info and info[2]) for dev, info in (doc.get("boot_image") or {}).items()}
+            for dev, inserted in media.items():
+                if inserted != bool(m.media.get(dev)):
+                    m.ledger.append("media.insert" if inserted else "media.eject", device=dev)
+            m.media = {dev: (doc.get("boot_image") or {}).get(dev) if media[dev] else None for dev in media}
+            power = str(doc.get("power_state", "Off"))
+            if power != m.power:
+                m.ledger.append("power", to=power)
+                m.power = power
+                m.generation += 1
+                if power == "On":
+                    boot_now = True
+                else:
+                    self._stop_bcd(m, "power-off")
+            generation = m.generation
+        if boot_now:
+            threading.Thread(target=self._boot, args=(m, generation), daemon=True).start()
+
+    # -- booting ---------------------------------------------------------------------------
+
+    def _boot(self, m: SimMachine, generation: int) -> None:
+        m.boots += 1
+        if m.faults.never_boots:
+            m.ledger.append("boot.none", reason="never-boots")
+            return
+        cmdline: str | None = None
+        if m.boot_device == "Pxe":
+            cmdline = self._netboot(m)
+        elif m.boot_device == "Cd" and m.media.get("Cd"):
+            cmdline = _media_cmdline(m.media["Cd"])
+            m.ledger.append("boot.media", device="Cd", bootable=cmdline is not None)
+        if cmdline is None:
+            m.ledger.append("boot.local", device=m.boot_device)
+            return  # no OS on the disk the simulator runs (yet): the machine sits at a prompt
+        self._ramdisk(m, generation, cmdline)
+
+    def _netboot(self, m: SimMachine) -> str | None:
+        if not self.boot_url:
+            m.ledger.append("boot.network", served="none", reason="no-boot-server")
+            return None
+        try:
+            first = _get(self.boot_url + "/boot.ipxe")
+            found = _CHAIN.search(first)
+            mac = m.macs[0].replace(":", "-")
+            target = (found.group(1) if found else "").replace("${net0/mac:hexhyp}", mac)
+            script = _get(f"{self.boot_url}/{target.lstrip('/')}")
+        except (OSError, urllib.error.URLError) as exc:
+            m.ledger.append("boot.network", served="none", reason=type(exc).__name__)
+            return None
+        kernel = _KERNEL.search(script)
+        m.ledger.append("boot.network", served="kernel" if kernel else "exit")
+        return kernel.group(1).strip() if kernel else None
+
+    def _ramdisk(self, m: SimMachine, generation: int, cmdline: str) -> None:
+        shutil.rmtree(m.tree / "var/lib/bcd", ignore_errors=True)  # a ramdisk starts empty
+        (m.tree / "etc/bcd").mkdir(parents=True, exist_ok=True)
+        (m.tree / "etc/bcd/ramdisk").touch()
+        (m.tree / "proc/cmdline").write_text(f"console=ttyS0 {cmdline}\n")
+        env = bcd_env(
+            self.settings,
+            m.tree,
+            {
+                "BCD_SIMULATE": "1",
+                "BCD_SIM_LEDGER": str(m.ledger.path),
+                "BCD_SIM_FAULTS": str(m.faults_file),
+                **({"BC_NATS_URL": m.gate.url} if m.gate is not None else {}),
+            },
+        )
+        settings = {w.partition("=")[0] for w in cmdline.split()}
+        extra = [] if "bcd.control_plane" in settings else ["--control-plane", env["BC_NATS_URL"]]
+        log = m.folder / f"bcd-{m.boots:03d}.log"
+        with open(log, "ab") as out:
+            joined = subprocess.run(
+                [sys.executable, "-m", "bcd", "join", "--no-service", *extra],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                timeout=60, check=False,
+            )  # fmt: skip
+        if joined.returncode != 0:
+            m.ledger.append("bcd.join-failed", returncode=joined.returncode)
+            return
+        with self._lock:
+            if m.generation != generation:
+                return  # powered off while it joined
+            with open(log, "ab") as out:
+                m.bcd = subprocess.Popen(
+                    [sys.executable, "-m", "bcd", "run", "--mode", "ramdisk"],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+            m.ledger.append("bcd.started", mode="ramdisk", pid=m.bcd.pid)
+
+    def _stop_bcd(self, m: SimMachine, why: str) -> None:
+        proc, m.bcd = m.bcd, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)  # power off: no shutdown, no goodbye
+            proc.wait(10)
+        m.ledger.append("bcd.stopped", reason=why, pid=proc.pid)
+        shutil.rmtree(m.tree / "var/lib/bcd", ignore_errors=True)
+
+    def kill_bcd(self, key: int | str) -> None:
+        """SIGKILL a machine's bcd while the machine stays on (a crash, not a power off)."""
+        m = self.machine(key)
+        if m.bcd is not None and m.bcd.poll() is None:
+            m.bcd.send_signal(signal.SIGKILL)
+            m.bcd.wait(10)
+            m.ledger.append("bcd.killed", pid=m.bcd.pid)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text: str = resp.read().decode("utf-8", "replace")
+        return text
+
+
+def _media_cmdline(info: Any) -> str | None:
+    path = info[0] if isinstance(info, list | tuple) and info else None
+    if not path:
+        return None
+    try:
+        head = Path(str(path)).read_bytes()[:1024].decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    words = head.split()
+    return " ".join(words) if any(w.startswith("bcd.") for w in words) else None
+
+
+def _notifier(on_state: Any) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_PUT(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                doc = json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict):
+                on_state(doc)  # before answering: the emulator sends a system's changes in order
+            self.send_response(204)
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    return server
