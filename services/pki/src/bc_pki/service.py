@@ -46,7 +46,7 @@ from better_compute.wire.pki import (
     VerifyRequest,
 )
 
-from . import store
+from . import discovery, store
 from .ca import CertificateAuthority, parse_csr, signature_valid
 from .tokens import (
     derived_token,
@@ -334,7 +334,7 @@ class PkiService(Service):
             row = await conn.fetchrow(store.TOKEN_SELECT_FOR_JOIN, token_hash(body.token))
             if row is not None:
                 tok_id = row["id"]
-            refusal = self._refusal(row, claims)
+            refusal = self._refusal(row, claims) or discovery.refusal(row, claims, body.site_id)
             if refusal is None:
                 register_secret(body.token)
                 result = await self._issue_cert(conn, row, csr, claims)
@@ -394,7 +394,7 @@ class PkiService(Service):
 
     async def _issue_cert(self, conn: Any, token: Any, csr: Any, claims: JoinClaims) -> JoinResult:
         ca = self._ca
-        agent_id = token["node_id"] or new_id("agent")
+        agent_id = await discovery.agent_id_for(conn, token, claims)
         cert_id = new_id("cert")
         cert = ca.issue(
             csr,

@@ -95,7 +95,7 @@ TOKEN_LIST: Final = (
 
 CERT_COLUMNS: Final = (
     "id, agent_id, tenant_id, site_id, role, join_token_id, serial, key_type, public_key,"
-    " certificate_pem, not_before, not_after, revoked_at, revoke_reason, created_at,"
+    " certificate_pem, not_before, not_after, revoked_at, revoke_reason, created_at, claims,"
     " CASE WHEN revoked_at IS NOT NULL THEN 'revoked' WHEN not_after <= now() THEN 'expired'"
     " ELSE 'valid' END AS state"
 )
@@ -184,6 +184,7 @@ def cert_info(row: Any) -> CertificateInfo:
         certificate_pem=row["certificate_pem"],
         revoked_at=row["revoked_at"],
         revoke_reason=row["revoke_reason"],
+        claims=msgspec.json.decode(row["claims"], type=JoinClaims) if row["claims"] else None,
     )
 
 

@@ -152,10 +152,13 @@ class PkiClient(ServiceClient):
         req = RevokeAttempt(workflow_id=workflow_id, step=step, attempt=attempt, reason=reason)
         return await self._call("tokens.revoke_attempt", req, RevokedAttempt)
 
-    async def join(self, *, token: str, csr: str, claims: JoinClaims | None = None) -> JoinResult:
-        """Trade a join token and hardware claims for a certificate (``agents.join``)."""
+    async def join(
+        self, *, token: str, csr: str, claims: JoinClaims | None = None, site_id: str | None = None
+    ) -> JoinResult:
+        """Trade a join token and hardware claims for a certificate (``agents.join``);
+        ``site_id``: the site the machine boots in (a token of another site is refused)."""
         register_secret(token)
-        req = JoinRequest(token=token, csr=csr, claims=claims or JoinClaims())
+        req = JoinRequest(token=token, csr=csr, claims=claims or JoinClaims(), site_id=site_id)
         return await self._call("agents.join", req, JoinResult)
 
     async def list_joins(
