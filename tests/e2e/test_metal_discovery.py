@@ -127,6 +127,10 @@ async def test_an_unknown_machine_is_discovered_once_trusted_with_nothing_then_e
             await engine.run_verb(verb, node_id=node_id, image="ubuntu@24.04")  # type: ignore[arg-type]
         assert refused.value.code.value == "INVALID_STATE", refused.value
         assert f"node {node_id} is discovered" in refused.value.message
+    # nor does a workflow of its own reach it (t.release sends a destructive command)
+    with pytest.raises(BcError) as started:
+        await bc_api.call("engine", "workflows.start", {"profileId": "t.release", "nodeId": node_id})
+    assert (started.value.code.value, started.value.reason) == ("INVALID_STATE", "node-discovered")
     shown = await bcx(settings, "nodes", "show", node_id)
     assert "state       discovered" in shown.stdout, shown.stdout
     assert f"hardware    uuid {UUID}  serial DISC-1" in shown.stdout, shown.stdout

@@ -30,7 +30,7 @@ from typing import Any, Final
 
 from nats.aio.msg import Msg
 
-from better_compute.core.errors import BcError
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import step_not_ready
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 from better_compute.wire.pki import CertificateInfo, JoinClaims
@@ -47,6 +47,7 @@ __all__ = [
     "inventory_discovered",
     "on_join",
     "record_discovery",
+    "refuse_discovered",
 ]
 
 JOIN_EVENTS: Final = "join"  # bc-pki's event kind: bc.events.join.<join token id>
@@ -75,6 +76,16 @@ _SET_INVENTORY = (
     " WHERE id = $1 AND state = 'discovered' RETURNING *"
 )
 _SET_LAST_ERROR = "UPDATE nodes SET last_error = $2::jsonb, updated_at = now() WHERE id = $1 RETURNING *"
+
+
+def refuse_discovered(node: Any) -> None:
+    """No workflow runs on a discovered node (``INVALID_STATE``, reason ``node-discovered``)."""
+    if node["state"] == "discovered":
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            f"node {node['id']} is discovered: enroll it before anything runs on it",
+            {"path": "nodeId", "reason": "node-discovered"},
+        )
 
 
 def discovery_key(cert_id: str) -> str:
