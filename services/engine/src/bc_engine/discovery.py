@@ -104,12 +104,15 @@ def _hardware(claims: JoinClaims, cert_id: str) -> dict[str, Any]:
 
 
 async def on_join(engine: Engine, msg: Msg) -> None:
-    """A ``join`` event of bc-pki: the certificate it names, read back, may be a discovery."""
+    """A ``join`` event of bc-pki: the certificate of a discovery join, read back (the event's
+    ``role`` only spares reading the others; the certificate's role is what counts)."""
     try:
         event = json.loads(msg.data)
-        cert_id = event.get("certId") if isinstance(event, dict) else None
     except ValueError:
-        cert_id = None
+        return
+    if not isinstance(event, dict) or event.get("role", "discovery") != "discovery":
+        return  # another role's join: no certificate to read back
+    cert_id = event.get("certId")
     if not isinstance(cert_id, str) or not cert_id.startswith("cert_"):
         return
     try:

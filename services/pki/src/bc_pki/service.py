@@ -369,6 +369,7 @@ class PkiService(Service):
                 "joinTokenId": result.join_token_id,
                 "agentId": result.agent_id,
                 "certId": result.cert_id,
+                "role": result.role,
             },
         )
         return result
