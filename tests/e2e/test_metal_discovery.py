@@ -170,3 +170,27 @@ async def test_a_discovery_token_of_another_site_is_refused_and_not_spent(
     assert not (root / "var/lib/bcd/enrollment.json").exists()
     (audit,) = await PkiClient(bc_api).list_joins(join_token_id=token.join_token_id)
     assert audit.outcome == "site-mismatch"
+
+
+async def test_a_discovery_made_while_the_engine_was_away_is_recorded_when_it_is_back(
+    settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> None:
+    (engine,) = [p for p in bc_processes.procs if p.service == "bc-engine" and p.alive()]
+    engine.kill()  # the join event goes to nobody
+    token = await _discovery_token(bc_api)
+    root = prepare_machine(
+        tmp_path / "m", product_uuid="5a1e0000-d15c-4000-8000-0000000000a3", macs=("52:54:00:d1:5c:a3",)
+    )
+    joined = await _boot_discovery(settings, root, token.token)
+    assert joined.returncode == 0, joined.stderr
+    node_id = json.loads(joined.stdout)["nodeId"]
+    bc_processes.restart(engine)
+    await bc_processes.wait_ready()
+
+    async def discovered() -> bool:
+        try:
+            return (await _node(bc_api, node_id))["state"] == "discovered"
+        except BcError:
+            return False
+
+    await until(discovered, timeout=60)

@@ -12,6 +12,10 @@ reads the certificate back from bc-pki (the event is a wake-up, bc-pki is the tr
 * hardware that another node already has (its product UUID, serial or a MAC) is not recorded
   again: the join is logged (``discovery_known_hardware``) and nothing changes.
 
+A lost event delays a discovery, never loses it: ``discovery_sweep`` (an engine side loop) looks
+at bc-pki's discovery certificates of the last hour every 30 s, from the engine's start, and
+records those whose node is missing.
+
 ``metal-discovery:<node>`` then asks the node's bcd for ``node.inventory`` (not destructive; key
 ``discovery:<cert id>``, so each discovery inventories once) and keeps the result as the node's
 inventory. Once the node is enrolled, the same key revokes the node's discovery certificates in
@@ -25,6 +29,8 @@ its bcd gets only the inventory command.
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import json
 from typing import Any, Final
 
@@ -44,6 +50,7 @@ __all__ = [
     "DISCOVERY_OWNER",
     "JOIN_EVENTS",
     "discovery_key",
+    "discovery_sweep",
     "inventory_discovered",
     "on_join",
     "record_discovery",
@@ -55,6 +62,9 @@ DISCOVERY_OWNER: Final = "metal-discovery"
 DISCOVERY_KEY_PREFIX: Final = "discovery:"  # node.inventory of one discovery: discovery:<cert id>
 INVENTORY_TIMEOUT_S: Final = 900  # the ramdisk's bcd has this long to answer
 INVENTORY_LOOK_MS: Final = 10_000  # a live inventory is looked at again this soon (its event is sooner)
+SWEEP_S: Final = 30.0  # the look for discovery joins whose event was lost
+SWEEP_WINDOW_S: Final = 3600.0  # ... among the certificates of the last hour
+SWEEP_LIMIT: Final = 200
 
 # Another node with this hardware: its product UUID, serial or one of its MACs.
 _OTHER_NODE_WITH = """
@@ -71,6 +81,8 @@ ON CONFLICT (id) DO UPDATE SET macs = EXCLUDED.macs, hardware = EXCLUDED.hardwar
     WHERE nodes.state = 'discovered'
 RETURNING *
 """
+# What the engine has of the nodes of some discovery certificates (the sweep).
+_NODES_OF = "SELECT id, state, hardware ->> 'certId' AS cert_id FROM nodes WHERE id = ANY($1::text[])"
 _SET_INVENTORY = (
     "UPDATE nodes SET inventory = $2::jsonb, updated_at = now()"
     " WHERE id = $1 AND state = 'discovered' RETURNING *"
@@ -197,6 +209,37 @@ async def inventory_discovered(engine: Engine, node_id: str) -> None:
     if row is not None:
         engine.log.info("discovered_node_inventoried", node_id=node_id, state=view.state)
         await node_event(engine.publish, row)
+
+
+async def discovery_sweep(engine: Engine) -> None:
+    """The safety net for lost ``join`` events (an engine away, a NATS hiccup): every
+    ``SWEEP_S``, from the start, bc-pki's valid discovery certificates of the last hour whose node
+    the engine lacks (or has, still discovered, from an older discovery) are recorded."""
+    while True:
+        try:
+            await sweep_once(engine)
+        except BcError as err:
+            engine.log.warning("discovery_sweep_failed", code=err.code.value)
+        await asyncio.sleep(SWEEP_S)
+
+
+async def sweep_once(engine: Engine) -> int:
+    """One look (see ``discovery_sweep``); returns how many nodes it recorded."""
+    certs = await engine.pki.list_certificates(role="discovery", limit=SWEEP_LIMIT)
+    since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=SWEEP_WINDOW_S)
+    newest: dict[str, CertificateInfo] = {}
+    for cert in certs:  # newest first: the first of an agent is its latest discovery
+        if cert.state == "valid" and cert.created_at >= since and cert.agent_id.startswith("node_"):
+            newest.setdefault(cert.agent_id, cert)
+    if not newest:
+        return 0
+    known = {r["id"]: r for r in await engine.db.fetch(_NODES_OF, list(newest))}
+    recorded = 0
+    for node_id, cert in newest.items():
+        row = known.get(node_id)
+        if row is None or (row["state"] == "discovered" and row["cert_id"] != cert.cert_id):
+            recorded += await record_discovery(engine, cert) is not None
+    return recorded
 
 
 def _json_object(raw: bytes | None) -> dict[str, Any] | None:

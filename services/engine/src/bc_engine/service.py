@@ -24,7 +24,14 @@ from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent,
 
 from . import queue, store
 from .api import EngineApi
-from .discovery import DISCOVERY_KEY_PREFIX, DISCOVERY_OWNER, JOIN_EVENTS, inventory_discovered, on_join
+from .discovery import (
+    DISCOVERY_KEY_PREFIX,
+    DISCOVERY_OWNER,
+    JOIN_EVENTS,
+    discovery_sweep,
+    inventory_discovered,
+    on_join,
+)
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
 from .images_api import image_signers, write_image_signers
 from .metal_lifecycle import HOST_KEY_PREFIX, HOST_OWNER, METAL_OWNER, converge_host, reconcile_metal
@@ -121,6 +128,7 @@ class EngineService(Service):
             "shard_leases": self.leases.run,
             "work_poll": self._poll_loop,
             "command_watch": self._command_watch,
+            "discovery_sweep": lambda: discovery_sweep(self.engine),
         }
 
     def _owns_key(self, rkey: str) -> bool:

@@ -530,6 +530,7 @@ class PkiService(Service):
             ident,
             b.limit + 1,
             b.cert_ids,
+            b.role,
         )
         certs, next_ = take_page(
             [store.cert_info(r) for r in rows], limit=b.limit, key=lambda c: (c.created_at, c.cert_id),

@@ -114,7 +114,7 @@ CERT_SELECT_LIST: Final = (
     " AND ($3::text IS NULL OR agent_id = $3) AND ($4::text IS NULL OR join_token_id = $4)"
     " AND ($5 OR revoked_at IS NULL)"
     " AND ($6::timestamptz IS NULL OR (created_at, id) < ($6, $7::text))"
-    " AND ($9::text[] IS NULL OR id = ANY ($9::text[]))"
+    " AND ($9::text[] IS NULL OR id = ANY ($9::text[])) AND ($10::text IS NULL OR role = $10)"
     " ORDER BY created_at DESC, id DESC LIMIT $8"
 )
 CERT_REVOKE: Final = (

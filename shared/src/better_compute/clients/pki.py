@@ -202,6 +202,7 @@ class PkiClient(ServiceClient):
         join_token_id: str | None = None,
         include_revoked: bool = False,
         limit: int = DEFAULT_LIMIT,
+        role: JoinRole | None = None,
     ) -> list[CertificateInfo]:
         """The first page; ``certificates_page`` gives the cursor of the rest."""
         page = await self.certificates_page(
@@ -211,6 +212,7 @@ class PkiClient(ServiceClient):
             join_token_id=join_token_id,
             include_revoked=include_revoked,
             limit=limit,
+            role=role,
         )
         return page.certificates
 
@@ -225,6 +227,7 @@ class PkiClient(ServiceClient):
         limit: int = DEFAULT_LIMIT,
         cursor: str | None = None,
         cert_ids: list[str] | None = None,
+        role: JoinRole | None = None,
     ) -> CertificateList:
         """One page of certificates, newest first; pass its ``next`` as ``cursor`` for the next.
 
@@ -239,6 +242,7 @@ class PkiClient(ServiceClient):
             limit=limit,
             cursor=cursor,
             cert_ids=cert_ids,
+            role=role,
         )
         return await self._call("certs.list", req, CertificateList)
 

@@ -207,6 +207,8 @@ class ListCertificatesRequest(msgspec.Struct, frozen=True, kw_only=True, rename=
     cursor: Cursor | None = None
     # Only these certificates (one page of agents' certificates at most): one call, not one each.
     cert_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)] | None = None
+    role: JoinRole | None = None
+    """Only certificates of this role (the engine's look for discovery joins)."""
 
 
 class RevokeCertificateRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
