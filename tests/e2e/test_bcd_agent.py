@@ -145,7 +145,7 @@ async def test_a_discovery_token_registers_an_unknown_machine(stack: Stack) -> N
     assert done.returncode == 0, done.stderr
     joined = json.loads(done.stdout)
     assert joined["role"] == "discovery"
-    assert joined["nodeId"].startswith("agent_")
+    assert joined["nodeId"].startswith("node_")  # node commands reach it by that id
     (audit,) = await stack.pki.list_joins(join_token_id=token.join_token_id)
     assert audit.claims is not None
     assert audit.claims.product_uuid == UUID  # the discovered machine's claims are on record

@@ -170,7 +170,10 @@ async def test_an_unknown_mac_gets_discovery_only_when_the_site_has_it_on(
         f'site_id = "s"\nnats_url = "nats://127.0.0.1:1"\nstate_dir = "{tmp_path}/state"\n'
         f'http_listen = "127.0.0.1:{port}"\n[netboot]\ndiscovery = {str(discovery).lower()}\n'
         'discovery_kernel = "http://10.0.2.2:1/cache/discovery-kernel"\ndiscovery_cmdline = "bc.discover=1"\n'
+        f'discovery_token_file = "{tmp_path}/discovery-token"\ndiscovery_control_plane = "nats://10.0.2.2:4222"\n'
     )
+    token = "bcjt_" + "A" * 43
+    (tmp_path / "discovery-token").write_text(token + "\n")
     config = load_config(cfg)
     cache = SiteCache(config.cache_dir, max_bytes=1000)
     runner = web.AppRunner(make_app(config, BootEntries(config.netboot_dir), cache, lambda: {"status": "ok"}))
@@ -187,7 +190,12 @@ async def test_an_unknown_mac_gets_discovery_only_when_the_site_has_it_on(
         cache.close()
     assert script.startswith("#!ipxe")
     if discovery:
-        assert "kernel http://10.0.2.2:1/cache/discovery-kernel bc.discover=1" in script
+        # the site's discovery token, its site and the control plane ride on the kernel command line
+        assert (
+            "kernel http://10.0.2.2:1/cache/discovery-kernel bc.discover=1 bcd.site=s"
+            f" bcd.token={token} bcd.control_plane=nats://10.0.2.2:4222\n"
+        ) in script
     else:
         assert "kernel" not in script
+        assert token not in script
         assert script.rstrip().endswith("exit")

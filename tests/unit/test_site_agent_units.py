@@ -8,7 +8,7 @@ import pytest
 
 from bc_site_agent.config import load_config
 from bc_site_agent.drivers import BmcCredentials
-from bc_site_agent.netboot import LOCAL_BOOT_SCRIPT, BootEntries, entry_script
+from bc_site_agent.netboot import LOCAL_BOOT_SCRIPT, BootEntries, discovery_cmdline, entry_script
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal.commands import COMMAND_KINDS
 
@@ -100,3 +100,17 @@ def test_the_deploy_example_config_loads() -> None:
     config = load_config(example, env={})
     assert config.site_id == "eu1"
     assert config.control_plane_addresses == ("10.20.0.2",)
+
+
+def test_the_discovery_command_line_carries_site_token_and_control_plane(tmp_path: Path) -> None:
+    token = "bcjt_" + "Z" * 43
+    file = tmp_path / "discovery-token"
+    file.write_text(token + "\n")
+    line = discovery_cmdline("console=ttyS0", site_id="lab1", token_file=file, control_plane="wss://gw")
+    assert line == f"console=ttyS0 bcd.site=lab1 bcd.token={token} bcd.control_plane=wss://gw"
+    # a missing token file adds no token; the site is always said
+    gone = discovery_cmdline("", site_id="lab1", token_file=tmp_path / "nope", control_plane=None)
+    assert gone == "bcd.site=lab1"
+    # a file that is not one token is not pasted into the script
+    file.write_text("bcjt_x\n#!ipxe\nshell\n")
+    assert "bcd.token" not in discovery_cmdline("", site_id="lab1", token_file=file, control_plane=None)

@@ -15,6 +15,7 @@ from better_compute.wire import engine as m
 from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
 from . import queue, store
+from .discovery import refuse_discovered
 from .documents import check_document, check_labels, node_doc, workflow_doc
 from .images_api import ImagesApi
 from .metal_api import MetalApi, bmc_json, check_macs, refuse_inline_secret
@@ -341,6 +342,7 @@ class EngineApi:
             node = await conn.fetchrow(store.LOCK_NODE, node_id)
             if node is None:
                 raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
+            refuse_discovered(node)
             busy = await conn.fetchval(store.NODE_BUSY, node_id, None)
             if busy:
                 raise BcError(

@@ -121,6 +121,7 @@ def node_doc(
         generation=row["generation"],
         observed_generation=row["observed_generation"],
         inventory_summary=inventory_summary(_json(row["inventory"])),
+        hardware=_json(row.get("hardware")),
         created_at=_iso(row["created_at"]),
         updated_at=_iso(row["updated_at"]),
         inventory=_json(row["inventory"]) if full else msgspec.UNSET,

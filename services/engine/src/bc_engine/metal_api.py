@@ -38,7 +38,8 @@ from better_compute.wire.metal import (
     normal_mac,
 )
 
-from . import metal_store, store
+from . import metal_store, queue, store
+from .discovery import DISCOVERY_OWNER
 from .documents import check_labels, node_doc
 from .node_events import node_event
 from .quorum import BATCH_TTL_S
@@ -134,7 +135,9 @@ class MetalApi:
             row = await conn.fetchrow(
                 metal_store.ENROLL_DISCOVERED, node_id, bmc_json(body.bmc), macs, json.dumps(body.labels)
             )
-            if row is None:
+            if row is not None:  # discovered: its discovery certificates go (metal-discovery)
+                await queue.queue_now(conn, queue.owner_key(DISCOVERY_OWNER, node_id))
+            else:
                 row = await conn.fetchrow(
                     store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
                     macs, bmc_json(body.bmc),
@@ -145,6 +148,8 @@ class MetalApi:
                     f"node {node_id} exists (only a discovered one is enrolled again)",
                     {"path": "id"},
                 )
+        if row["hardware"] is not None:
+            await self.api.wake(queue.owner_key(DISCOVERY_OWNER, node_id))
         await node_event(self.api.publish, row, verb="enroll")
         return node_doc(row)
 

@@ -24,6 +24,14 @@ from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent,
 
 from . import queue, store
 from .api import EngineApi
+from .discovery import (
+    DISCOVERY_KEY_PREFIX,
+    DISCOVERY_OWNER,
+    JOIN_EVENTS,
+    discovery_sweep,
+    inventory_discovered,
+    on_join,
+)
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
 from .images_api import image_signers, write_image_signers
 from .metal_lifecycle import HOST_KEY_PREFIX, HOST_OWNER, METAL_OWNER, converge_host, reconcile_metal
@@ -88,7 +96,12 @@ class EngineService(Service):
             instance=self.leases.owner,  # settles are fenced on this life's leases
             log=self.log,
             publish=self.publish_event,
-            owners={METAL_OWNER: reconcile_metal, HOST_OWNER: converge_host, **_owner_reconcilers(self.app)},
+            owners={
+                METAL_OWNER: reconcile_metal,
+                HOST_OWNER: converge_host,
+                DISCOVERY_OWNER: inventory_discovered,
+                **_owner_reconcilers(self.app),
+            },
         )
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
         self.engine_api = EngineApi(
@@ -102,6 +115,9 @@ class EngineService(Service):
         self._subs = [
             await self.nc.subscribe(f"{root}.engine.wake", cb=self._on_wake),
             await self.nc.subscribe(self.subjects.events_all(COMMAND_EVENTS), cb=self._on_command),
+            await self.nc.subscribe(
+                self.subjects.events_all(JOIN_EVENTS), cb=self.on_message(lambda m: on_join(self.engine, m))
+            ),
         ]
 
     def routes(self) -> Mapping[str, Handler]:
@@ -112,6 +128,7 @@ class EngineService(Service):
             "shard_leases": self.leases.run,
             "work_poll": self._poll_loop,
             "command_watch": self._command_watch,
+            "discovery_sweep": lambda: discovery_sweep(self.engine),
         }
 
     def _owns_key(self, rkey: str) -> bool:
@@ -143,6 +160,10 @@ class EngineService(Service):
             case CommandEvent(workflow_id=None, key=key, node_id=node_id) if key.startswith(HOST_KEY_PREFIX):
                 # a host section's converge: its node's key
                 await self.wake(queue.owner_key(HOST_OWNER, node_id))
+            case CommandEvent(workflow_id=None, key=key, node_id=node_id) if key.startswith(
+                DISCOVERY_KEY_PREFIX
+            ):
+                await self.wake(queue.owner_key(DISCOVERY_OWNER, node_id))  # a discovered node's inventory
             case _:
                 return  # not a command of a workflow, or not an event
 

@@ -293,7 +293,7 @@ LIST_NODES = (
     " AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR id > $3)"
     " ORDER BY id LIMIT $4"
 )
-LOCK_NODE = "SELECT id FROM nodes WHERE id = $1 FOR UPDATE"
+LOCK_NODE = "SELECT id, state FROM nodes WHERE id = $1 FOR UPDATE"
 # nodes.update / nodes.label: $2 site, $3 labels, $4 MACs, $5 BMC (NULL keeps each).
 UPDATE_NODE = (
     "UPDATE nodes SET site_id = coalesce($2, site_id), labels = coalesce($3::jsonb, labels),"

@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--control-plane", help="https://, wss:// or nats:// URL (else bcd.control_plane=)")
     j.add_argument("--token-file", help="the join token's file (else bcd.token= on the kernel command line)")
     j.add_argument("--node", help="the node id the token was minted for")
+    j.add_argument("--site", help="the site this machine boots in (else bcd.site=)")
     j.add_argument("--no-service", action="store_true", help="do not install and start bcd.service")
     r = sub.add_parser("run", help="serve commands")
     r.add_argument("--mode", choices=MODES, default=os.environ.get("BCD_MODE"))
@@ -81,6 +82,7 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
             token=token,
             node_id=args.node,
             subject_root=args.subject_root or "bc",
+            site_id=args.site or cmdline.get("site"),
         )
     )
     if token_path is not None:

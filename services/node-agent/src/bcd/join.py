@@ -136,6 +136,7 @@ async def join(
     node_id: str | None = None,
     subject_root: str = "bc",
     claims: JoinClaims | None = None,
+    site_id: str | None = None,
 ) -> Enrollment:
     """Join through bc-pki and store the enrollment; returns it.
 
@@ -143,7 +144,9 @@ async def join(
         BcError: bc-pki's refusal (``PERMISSION_DENIED`` with reason ``claims-mismatch`` and the
             claims that differ; ``UNAUTHENTICATED`` for a token that is unknown, spent or
             expired), ``UNAVAILABLE`` when the control plane does not answer, or
-            ``INVALID_STATE`` when the token is bound to another node than ``node_id``.
+            ``INVALID_STATE`` when the token is bound to another node than ``node_id``;
+            ``PERMISSION_DENIED`` (``site-mismatch``) for a token of another site than ``site_id``
+            (the discovery ramdisk's ``bcd.site=``).
     """
     register_secret(token)
     shown = claims if claims is not None else read_claims(state.machine)
@@ -151,7 +154,7 @@ async def join(
     nc = await connect(nats_url(control_plane), name="bcd-join")
     try:
         pki = PkiClient(ApiClient(nc, Subjects(root=subject_root)))
-        enrollment = await enroll(pki, token=token, claims=shown)
+        enrollment = await enroll(pki, token=token, claims=shown, site_id=site_id)
     finally:
         await nc.close()
     if node_id is not None and enrollment.role in ("node", "provisioned") and enrollment.agent_id != node_id:

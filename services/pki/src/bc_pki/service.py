@@ -46,7 +46,7 @@ from better_compute.wire.pki import (
     VerifyRequest,
 )
 
-from . import store
+from . import discovery, store
 from .ca import CertificateAuthority, parse_csr, signature_valid
 from .tokens import (
     derived_token,
@@ -334,7 +334,7 @@ class PkiService(Service):
             row = await conn.fetchrow(store.TOKEN_SELECT_FOR_JOIN, token_hash(body.token))
             if row is not None:
                 tok_id = row["id"]
-            refusal = self._refusal(row, claims)
+            refusal = self._refusal(row, claims) or discovery.refusal(row, claims, body.site_id)
             if refusal is None:
                 register_secret(body.token)
                 result = await self._issue_cert(conn, row, csr, claims)
@@ -369,6 +369,7 @@ class PkiService(Service):
                 "joinTokenId": result.join_token_id,
                 "agentId": result.agent_id,
                 "certId": result.cert_id,
+                "role": result.role,
             },
         )
         return result
@@ -394,7 +395,7 @@ class PkiService(Service):
 
     async def _issue_cert(self, conn: Any, token: Any, csr: Any, claims: JoinClaims) -> JoinResult:
         ca = self._ca
-        agent_id = token["node_id"] or new_id("agent")
+        agent_id = await discovery.agent_id_for(conn, token, claims)
         cert_id = new_id("cert")
         cert = ca.issue(
             csr,
@@ -529,6 +530,7 @@ class PkiService(Service):
             ident,
             b.limit + 1,
             b.cert_ids,
+            b.role,
         )
         certs, next_ = take_page(
             [store.cert_info(r) for r in rows], limit=b.limit, key=lambda c: (c.created_at, c.cert_id),

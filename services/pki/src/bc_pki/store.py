@@ -95,7 +95,7 @@ TOKEN_LIST: Final = (
 
 CERT_COLUMNS: Final = (
     "id, agent_id, tenant_id, site_id, role, join_token_id, serial, key_type, public_key,"
-    " certificate_pem, not_before, not_after, revoked_at, revoke_reason, created_at,"
+    " certificate_pem, not_before, not_after, revoked_at, revoke_reason, created_at, claims,"
     " CASE WHEN revoked_at IS NOT NULL THEN 'revoked' WHEN not_after <= now() THEN 'expired'"
     " ELSE 'valid' END AS state"
 )
@@ -114,7 +114,7 @@ CERT_SELECT_LIST: Final = (
     " AND ($3::text IS NULL OR agent_id = $3) AND ($4::text IS NULL OR join_token_id = $4)"
     " AND ($5 OR revoked_at IS NULL)"
     " AND ($6::timestamptz IS NULL OR (created_at, id) < ($6, $7::text))"
-    " AND ($9::text[] IS NULL OR id = ANY ($9::text[]))"
+    " AND ($9::text[] IS NULL OR id = ANY ($9::text[])) AND ($10::text IS NULL OR role = $10)"
     " ORDER BY created_at DESC, id DESC LIMIT $8"
 )
 CERT_REVOKE: Final = (
@@ -184,6 +184,7 @@ def cert_info(row: Any) -> CertificateInfo:
         certificate_pem=row["certificate_pem"],
         revoked_at=row["revoked_at"],
         revoke_reason=row["revoke_reason"],
+        claims=msgspec.json.decode(row["claims"], type=JoinClaims) if row["claims"] else None,
     )
 
 

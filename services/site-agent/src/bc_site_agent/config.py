@@ -21,6 +21,8 @@
     discovery_kernel = "http://…/vmlinuz"
     discovery_initrd = "http://…/initrd"
     discovery_cmdline = "console=ttyS0"
+    discovery_token_file = "/etc/bc-site-agent/discovery-token"   # the site's discovery token
+    discovery_control_plane = "https://gw.example.com"            # what the ramdisk's bcd joins
 
 Every problem is ``INVALID_CONFIG`` with ``details.path`` naming the key.
 """
@@ -58,6 +60,8 @@ class SiteAgentConfig:
     discovery_kernel: str | None
     discovery_initrd: str | None
     discovery_cmdline: str
+    discovery_token_file: Path | None = None
+    discovery_control_plane: str | None = None
     control_plane_addresses: tuple[str, ...] = ()
 
     @property
@@ -147,5 +151,12 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
         discovery_kernel=_str(netboot, "discovery_kernel", "netboot.discovery_kernel"),
         discovery_initrd=_str(netboot, "discovery_initrd", "netboot.discovery_initrd"),
         discovery_cmdline=_str(netboot, "discovery_cmdline", "netboot.discovery_cmdline", "") or "",
+        discovery_token_file=_path(netboot, "discovery_token_file", "netboot.discovery_token_file"),
+        discovery_control_plane=_str(netboot, "discovery_control_plane", "netboot.discovery_control_plane"),
         control_plane_addresses=tuple(control_plane),
     )
+
+
+def _path(doc: dict[str, Any], key: str, path: str) -> Path | None:
+    text = _str(doc, key, path)
+    return Path(text) if text else None

@@ -15,6 +15,7 @@ from .config import SiteAgentConfig
 from .netboot import (
     LOCAL_BOOT_SCRIPT,
     BootEntries,
+    discovery_cmdline,
     discovery_script,
     entry_script,
     first_stage,
@@ -63,9 +64,11 @@ def make_app(
             return web.Response(text=entry_script(entry), content_type=_IPXE)
         if config.discovery:
             log.info("netboot_discovery_served", mac=mac)
-            script = discovery_script(
-                config.discovery_kernel, config.discovery_initrd, config.discovery_cmdline
-            )
+            cmdline = discovery_cmdline(
+                config.discovery_cmdline, site_id=config.site_id,
+                token_file=config.discovery_token_file, control_plane=config.discovery_control_plane,
+            )  # fmt: skip
+            script = discovery_script(config.discovery_kernel, config.discovery_initrd, cmdline)
             return web.Response(text=script, content_type=_IPXE)
         log.info("netboot_local_boot_served", mac=mac)
         return web.Response(text=LOCAL_BOOT_SCRIPT, content_type=_IPXE)

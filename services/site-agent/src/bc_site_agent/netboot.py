@@ -18,8 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.logging import register_secret
 
-__all__ = ["LOCAL_BOOT_SCRIPT", "BootEntries", "BootEntry", "entry_script", "first_stage", "normalize_mac"]
+__all__ = [
+    "LOCAL_BOOT_SCRIPT",
+    "BootEntries",
+    "BootEntry",
+    "discovery_cmdline",
+    "discovery_script",
+    "entry_script",
+    "first_stage",
+    "normalize_mac",
+]
 
 _MAC_RE = re.compile(r"^[0-9a-f]{2}([:-][0-9a-f]{2}){5}$")
 
@@ -75,6 +85,26 @@ def discovery_script(kernel: str | None, initrd: str | None, cmdline: str) -> st
     if not kernel:
         return LOCAL_BOOT_SCRIPT
     return entry_script(BootEntry(mac="discovery", kernel=kernel, initrd=initrd, cmdline=cmdline))
+
+
+def discovery_cmdline(base: str, *, site_id: str, token_file: Path | None, control_plane: str | None) -> str:
+    """The discovery ramdisk's kernel command line: the configured one, then what its bcd joins
+    with: ``bcd.site=`` (this agent's site, so a token of another site is refused),
+    ``bcd.token=`` (the site's discovery token, read from its file at each boot so a new one
+    needs no restart) and ``bcd.control_plane=``. A token file that cannot be read or holds no
+    token adds no token (bcd then has nothing to join with) and is logged without its content."""
+    words = [base.strip(), f"bcd.site={site_id}"]
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError:
+            token = ""
+        if token and not any(c.isspace() for c in token):
+            register_secret(token)
+            words.append(f"bcd.token={token}")
+    if control_plane:
+        words.append(f"bcd.control_plane={control_plane}")
+    return _ipxe_safe(" ".join(w for w in words if w), "netboot.discovery_cmdline")
 
 
 class BootEntries:

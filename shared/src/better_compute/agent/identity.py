@@ -42,10 +42,12 @@ async def enroll(
     token: str,
     claims: JoinClaims | None = None,
     key_kind: Literal["ed25519", "p256"] = "ed25519",
+    site_id: str | None = None,
 ) -> Enrollment:
-    """Join through bc-pki with a join token; the private key never leaves this process."""
+    """Join through bc-pki with a join token; the private key never leaves this process.
+    ``site_id``: the site the machine boots in, when it knows (a token of another site is refused)."""
     key = new_agent_key(key_kind)
-    joined = await pki.join(token=token, csr=make_csr(key), claims=claims)
+    joined = await pki.join(token=token, csr=make_csr(key), claims=claims, site_id=site_id)
     return Enrollment(
         agent_id=joined.agent_id,
         cert_id=joined.cert_id,

@@ -88,7 +88,10 @@ def _node_bmc(bmc: dict[str, object], credentials_ref: str | None) -> NodeBmc:
 
 
 async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
-    node_id = parse_id(args.id, "node", path="id") if args.id else new_id("node")
+    given = args.node or args.id
+    node_id = parse_id(given, "node", path="id") if given else new_id("node")
+    if not args.site and not given:
+        raise BcError(ErrorCode.INVALID_INPUT, "give --site for a new node", {"path": "site"})
     labels = _pairs(args.label)
     credential = None
     bmc: dict[str, object] | None = None
@@ -111,8 +114,10 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
                 credential, tenant_id=args.tenant, node_id=node_id, label="bmc"
             )
             ref = info.ref
-        node = await EngineClient(api).enroll_node(
-            site_id=args.site, id=node_id, tenant_id=args.tenant, labels=labels, macs=list(args.mac or []),
+        engine = EngineClient(api)
+        site = args.site or (await engine.get_node(id=node_id)).site_id  # a discovered node's own
+        node = await engine.enroll_node(
+            site_id=site, id=node_id, tenant_id=args.tenant, labels=labels, macs=list(args.mac or []),
             bmc=_node_bmc(bmc, ref) if bmc is not None else None,
         )  # fmt: skip
     if args.json:
@@ -170,6 +175,9 @@ def show_lines(node: NodeView) -> list[str]:
             f"failed      workflow {reason.get('workflowId')} ({reason.get('verb')}) at step "
             f"{reason.get('step')}: {reason.get('code')}: {reason.get('message')}"
         )
+    hw = node.hardware
+    if hw:
+        lines.append(f"hardware    uuid {hw.get('productUuid') or '-'}  serial {hw.get('serial') or '-'}")
     inv = node.inventory_summary
     if inv:
         lines.append(
@@ -247,7 +255,8 @@ async def run_bulk(args: argparse.Namespace, settings: Settings) -> int:
 def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     """``nodes enroll|show`` under ``bcx nodes``; the verbs and ``bulk`` at the top."""
     p = nodes.add_parser("enroll", parents=[common], help="enroll a machine: its MACs, BMC and credential")
-    p.add_argument("--site", required=True, help="site id")
+    p.add_argument("node", nargs="?", help="a discovered node's id (node_…) to enroll")
+    p.add_argument("--site", help="site id (a new node; a discovered one keeps its own)")
     p.add_argument("--id", help="node id (node_…); new one by default")
     p.add_argument("--tenant", default="root", help="tenant (default root)")
     p.add_argument("--mac", action="append", help="MAC address, repeatable")

@@ -152,10 +152,13 @@ class PkiClient(ServiceClient):
         req = RevokeAttempt(workflow_id=workflow_id, step=step, attempt=attempt, reason=reason)
         return await self._call("tokens.revoke_attempt", req, RevokedAttempt)
 
-    async def join(self, *, token: str, csr: str, claims: JoinClaims | None = None) -> JoinResult:
-        """Trade a join token and hardware claims for a certificate (``agents.join``)."""
+    async def join(
+        self, *, token: str, csr: str, claims: JoinClaims | None = None, site_id: str | None = None
+    ) -> JoinResult:
+        """Trade a join token and hardware claims for a certificate (``agents.join``);
+        ``site_id``: the site the machine boots in (a token of another site is refused)."""
         register_secret(token)
-        req = JoinRequest(token=token, csr=csr, claims=claims or JoinClaims())
+        req = JoinRequest(token=token, csr=csr, claims=claims or JoinClaims(), site_id=site_id)
         return await self._call("agents.join", req, JoinResult)
 
     async def list_joins(
@@ -199,6 +202,7 @@ class PkiClient(ServiceClient):
         join_token_id: str | None = None,
         include_revoked: bool = False,
         limit: int = DEFAULT_LIMIT,
+        role: JoinRole | None = None,
     ) -> list[CertificateInfo]:
         """The first page; ``certificates_page`` gives the cursor of the rest."""
         page = await self.certificates_page(
@@ -208,6 +212,7 @@ class PkiClient(ServiceClient):
             join_token_id=join_token_id,
             include_revoked=include_revoked,
             limit=limit,
+            role=role,
         )
         return page.certificates
 
@@ -222,6 +227,7 @@ class PkiClient(ServiceClient):
         limit: int = DEFAULT_LIMIT,
         cursor: str | None = None,
         cert_ids: list[str] | None = None,
+        role: JoinRole | None = None,
     ) -> CertificateList:
         """One page of certificates, newest first; pass its ``next`` as ``cursor`` for the next.
 
@@ -236,6 +242,7 @@ class PkiClient(ServiceClient):
             limit=limit,
             cursor=cursor,
             cert_ids=cert_ids,
+            role=role,
         )
         return await self._call("certs.list", req, CertificateList)
 

@@ -282,6 +282,9 @@ class NodeView(_Reply, frozen=True, kw_only=True):
     generation: int
     observed_generation: int
     inventory_summary: InventorySummary | None = None
+    hardware: dict[str, Any] | None = None
+    """What a discovered machine's bcd showed when it joined: ``productUuid``, ``serial``,
+    ``macs``, ``gpuUuids``, ``hostname``, ``certId`` (docs/metal.md, Discovery)."""
     created_at: str | None
     updated_at: str | None = None
     inventory: Any | msgspec.UnsetType = msgspec.UNSET

@@ -169,6 +169,9 @@ class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     claims: JoinClaims = JoinClaims()
     csr: Annotated[str, msgspec.Meta(min_length=1, max_length=16_384)]
     """PKCS#10 request in PEM, Ed25519 or ECDSA P-256 key."""
+    site_id: Name | None = None
+    """The site the machine boots in (the discovery ramdisk's ``bcd.site=``, which the site
+    agent that served it adds): a token of another site is refused (``site-mismatch``)."""
 
 
 class ListJoinsRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -204,6 +207,8 @@ class ListCertificatesRequest(msgspec.Struct, frozen=True, kw_only=True, rename=
     cursor: Cursor | None = None
     # Only these certificates (one page of agents' certificates at most): one call, not one each.
     cert_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)] | None = None
+    role: JoinRole | None = None
+    """Only certificates of this role (the engine's look for discovery joins)."""
 
 
 class RevokeCertificateRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -306,6 +311,8 @@ class CertificateInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel")
     certificate_pem: str
     revoked_at: datetime | None = None
     revoke_reason: str | None = None
+    claims: JoinClaims | None = None
+    """The hardware claims the agent showed when it joined."""
 
 
 class CertificateList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
