@@ -9,7 +9,6 @@ not the periodic pass.
 from __future__ import annotations
 
 import asyncio
-import base64
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,6 @@ import asyncpg
 import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
@@ -30,18 +28,11 @@ from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
+from better_compute.testing.approvers import approver_keys, write_approvers
 from better_compute.wire.cmdq import TERMINAL_STATES, BatchView, CommandView, EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
 COMMANDS = 12
-
-
-def write_approvers(path: Path, keys: dict[str, ed25519.Ed25519PrivateKey]) -> None:
-    lines = ["threshold = 2"]
-    for name, key in keys.items():
-        raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        lines += ["[[approvers]]", f'id = "{name}"', f'publicKey = "{base64.b64encode(raw).decode()}"']
-    path.write_text("\n".join(lines) + "\n")
 
 
 @dataclass
@@ -102,7 +93,7 @@ async def site(
     tmp_path: Path,
     sims: list[SimAgent],
 ) -> AsyncIterator[Site]:
-    keys = {name: ed25519.Ed25519PrivateKey.generate() for name in APPROVERS}
+    keys = approver_keys(APPROVERS)
     approvers = tmp_path / "approvers.toml"
     write_approvers(approvers, keys)
     bc_processes.extra_env.update(

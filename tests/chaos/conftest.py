@@ -16,7 +16,7 @@ from better_compute.service import ApiClient, connect
 from better_compute.testing import ServiceProcesses
 from better_compute.wire import Subjects
 from chaos_stack import FAST, PrivateServers, Stack
-from engine_test_app import TABLES
+from engine_test_app import TABLES, create_tables
 
 
 @pytest.fixture
@@ -36,11 +36,7 @@ async def stack(
         database_url=servers.database_url,
         app="engine_test_app:app",
     )
-    conn = await asyncpg.connect(servers.database_url)
-    try:
-        await conn.execute(TABLES)
-    finally:
-        await conn.close()
+    await create_tables(servers.database_url)
     bc_processes.settings = settings
     bc_processes.extra_env.update(FAST)
     nc = await connect(servers.nats_url, name="bc-test")

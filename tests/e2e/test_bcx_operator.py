@@ -23,7 +23,7 @@ from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx, bcx_env, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
-from engine_test_app import TABLES
+from engine_test_app import create_tables
 
 ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 
@@ -52,11 +52,7 @@ async def engine(settings: Settings, bc_processes: ServiceProcesses) -> ServiceP
     bc_processes.settings = settings
     bc_processes.start("bc-engine")
     await bc_processes.wait_ready()
-    conn = await asyncpg.connect(settings.database_url)
-    try:
-        await conn.execute(TABLES)
-    finally:
-        await conn.close()
+    await create_tables(settings.database_url)
     return bc_processes
 
 

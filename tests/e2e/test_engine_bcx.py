@@ -12,7 +12,7 @@ import pytest
 
 from better_compute.config import Settings
 from better_compute.testing import ServiceProcesses, bcx
-from engine_test_app import TABLES
+from engine_test_app import create_tables
 
 
 @pytest.fixture
@@ -24,11 +24,7 @@ async def start_engine(settings: Settings, procs: ServiceProcesses) -> None:
     procs.settings = settings
     procs.start("bc-engine")
     await procs.wait_ready()
-    conn = await asyncpg.connect(settings.database_url)
-    try:
-        await conn.execute(TABLES)
-    finally:
-        await conn.close()
+    await create_tables(settings.database_url)
 
 
 def write(tmp_path: Path, name: str, doc: dict[str, Any]) -> str:

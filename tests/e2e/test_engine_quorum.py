@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from better_compute.clients import EngineClient
 from better_compute.clients.cmdq import CommandQueueClient
@@ -19,6 +17,7 @@ from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
+from better_compute.testing.approvers import approver_keys, write_approvers
 from better_compute.testing.workflows import wait_workflow
 from engine_stack import SIM_BMC
 
@@ -29,12 +28,8 @@ APPROVERS = ("alice", "bob", "carol")
 async def keys(
     bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> AsyncIterator[dict[str, ed25519.Ed25519PrivateKey]]:
-    made = {name: ed25519.Ed25519PrivateKey.generate() for name in APPROVERS}
-    lines = ["threshold = 2"]
-    for name, key in made.items():
-        raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        lines += ["[[approvers]]", f'id = "{name}"', f'publicKey = "{base64.b64encode(raw).decode()}"']
-    (tmp_path / "approvers.toml").write_text("\n".join(lines) + "\n")
+    made = approver_keys(APPROVERS)
+    write_approvers(tmp_path / "approvers.toml", made)
     bc_processes.settings = msgspec.structs.replace(bc_settings, app="engine_test_app:app")
     bc_processes.extra_env.update(
         BC_CMDQ_QUORUM_FILE=str(tmp_path / "approvers.toml"), BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms"

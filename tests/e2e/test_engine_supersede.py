@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import msgspec
 import pytest
 import pytest_asyncio
@@ -32,7 +31,7 @@ from better_compute.testing.workflows import wait_workflow
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import EnqueueCommand
 from engine_stack import FAST, SIM_BMC, AgentStack
-from engine_test_app import TABLES
+from engine_test_app import create_tables
 
 ROUNDS = int(os.environ.get("BC_SUPERSEDE_ROUNDS", "3"))  # of each verb; raise it for a longer sweep
 
@@ -117,11 +116,7 @@ async def stack(
     bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> AsyncIterator[AgentStack]:
     settings = msgspec.structs.replace(bc_settings, app="engine_test_app:app")
-    conn = await asyncpg.connect(bc_settings.database_url)
-    try:
-        await conn.execute(TABLES)
-    finally:
-        await conn.close()
+    await create_tables(bc_settings.database_url)
     bc_processes.settings = settings
     bc_processes.extra_env.update(
         FAST,

@@ -8,7 +8,6 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import asyncpg
 import msgspec
 import pytest_asyncio
 from test_bcx_operator import bcx, ok_json
@@ -18,7 +17,7 @@ from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
-from engine_test_app import TABLES
+from engine_test_app import create_tables
 
 PASSWORD = "pw-Zq8-never-shown"
 
@@ -33,11 +32,7 @@ async def settings(
     for name in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
         bc_processes.start(name)
     await bc_processes.wait_ready()
-    conn = await asyncpg.connect(settings.database_url)
-    try:
-        await conn.execute(TABLES)
-    finally:
-        await conn.close()
+    await create_tables(settings.database_url)
     sim: SimAgent
     sim, _agent = await start_sim_agent(
         settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=CommandQueueClient(bc_api)

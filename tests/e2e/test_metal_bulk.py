@@ -3,7 +3,6 @@ command-queue and PKI as processes and a simulated site agent counting what it r
 
 from __future__ import annotations
 
-import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,6 @@ from typing import Any
 import msgspec
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from better_compute.clients import CommandQueueClient, PkiClient
 from better_compute.config import Settings
@@ -19,6 +17,7 @@ from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, refused, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
+from better_compute.testing.approvers import approver_keys, write_approvers
 
 APPROVERS = ("alice", "bob", "carol")
 N = 50
@@ -30,12 +29,8 @@ BMC = {"driver": "sim", "address": "bmc-r12"}
 async def stack(
     bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> AsyncIterator[tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent]]:
-    keys = {name: ed25519.Ed25519PrivateKey.generate() for name in APPROVERS}
-    lines = ["threshold = 2"]
-    for name, key in keys.items():
-        raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        lines += ["[[approvers]]", f'id = "{name}"', f'publicKey = "{base64.b64encode(raw).decode()}"']
-    (tmp_path / "approvers.toml").write_text("\n".join(lines) + "\n")
+    keys = approver_keys(APPROVERS)
+    write_approvers(tmp_path / "approvers.toml", keys)
     bc_processes.settings = msgspec.structs.replace(bc_settings, app="metal_test_app:app")
     bc_processes.extra_env.update(
         BC_CMDQ_QUORUM_FILE=str(tmp_path / "approvers.toml"), BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms"

@@ -19,7 +19,7 @@ from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, refused, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.wire import Subjects
-from engine_test_app import TABLES
+from engine_test_app import create_tables
 
 FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 REF = "sec_01JB0000000000000000000000"  # the BMC's credential, by reference only
@@ -77,11 +77,7 @@ async def metal(
     for name in ("bc-pki", "bc-command-queue", "bc-engine"):
         bc_processes.start(name)
     await bc_processes.wait_ready()
-    conn = await asyncpg.connect(settings.database_url)
-    try:
-        await conn.execute(TABLES)
-    finally:
-        await conn.close()
+    await create_tables(settings.database_url)
     m = Metal(bc_api, settings)
     sim, _agent = await start_sim_agent(
         settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=m.cq

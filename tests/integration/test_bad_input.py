@@ -11,7 +11,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import msgspec
 import pytest_asyncio
 from nats.aio.client import Client as Nats
@@ -25,18 +24,14 @@ from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import refused
 from better_compute.wire import Subjects
-from engine_test_app import TABLES
+from engine_test_app import create_tables
 
 DEEP = 10_000
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def engine(bc_settings: Settings) -> AsyncIterator[EngineService]:
-    conn = await asyncpg.connect(bc_settings.database_url)
-    try:
-        await conn.execute(TABLES)
-    finally:
-        await conn.close()
+    await create_tables(bc_settings.database_url)
     svc = EngineService(msgspec.structs.replace(bc_settings, app="engine_test_app:app"))
     async with svc:
         run = asyncio.create_task(svc.run())

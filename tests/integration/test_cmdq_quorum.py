@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import os
 import subprocess
@@ -16,7 +15,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from bc_command_queue.config import CmdqConfig, load_quorum
 from bc_command_queue.service import CommandQueueService
@@ -29,21 +27,10 @@ from better_compute.core.ids import new_id
 from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, refused
+from better_compute.testing.approvers import approver_keys, public_b64, write_approvers
 from better_compute.wire.cmdq import BatchView, EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
-
-
-def public_b64(key: ed25519.Ed25519PrivateKey) -> str:
-    return base64.b64encode(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()
-
-
-def write_approvers(path: Path, keys: dict[str, ed25519.Ed25519PrivateKey], threshold: int) -> Path:
-    lines = [f"threshold = {threshold}"]
-    for name, key in keys.items():
-        lines += ["[[approvers]]", f'id = "{name}"', f'publicKey = "{public_b64(key)}"']
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @dataclass
@@ -75,10 +62,8 @@ class Quorum:
 async def quorum(
     bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> AsyncIterator[Quorum]:
-    keys = {name: ed25519.Ed25519PrivateKey.generate() for name in APPROVERS}
-    config = CmdqConfig(
-        quorum=load_quorum(write_approvers(tmp_path / "approvers.toml", keys, 2)), sweep_ms=100
-    )
+    keys = approver_keys(APPROVERS)
+    config = CmdqConfig(quorum=load_quorum(write_approvers(tmp_path / "approvers.toml", keys)), sweep_ms=100)
     bc_processes.start("bc-pki")
     await bc_processes.wait_ready()
     node = new_id("node")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import asyncpg
 import msgspec
 import pytest
 import pytest_asyncio
@@ -17,16 +16,12 @@ from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import ApiClient
 from better_compute.wire.engine import NodeDeleted
-from engine_test_app import TABLES
+from engine_test_app import create_tables
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def engine(bc_settings: Settings) -> AsyncIterator[EngineService]:
-    conn = await asyncpg.connect(bc_settings.database_url)
-    try:
-        await conn.execute(TABLES)  # test.waitFlag's own tables
-    finally:
-        await conn.close()
+    await create_tables(bc_settings.database_url)  # test.waitFlag's own tables
     svc = EngineService(msgspec.structs.replace(bc_settings, app="engine_test_app:app"))
     async with svc:
         run = asyncio.create_task(svc.run())

@@ -10,6 +10,8 @@ import asyncio
 import json
 from typing import Any
 
+import asyncpg
+
 from better_compute.app import better_compute
 from better_compute.core import field, manifest
 from better_compute.core.errors import BcError
@@ -31,6 +33,15 @@ CREATE TABLE IF NOT EXISTS public.plg_test_flags (name text PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS public.plg_test_children (step_key text PRIMARY KEY, child text NOT NULL);
 CREATE TABLE IF NOT EXISTS public.plg_test_checks (flag text PRIMARY KEY, n int NOT NULL);
 """
+
+
+async def create_tables(database_url: str) -> None:
+    """Create the steps' tables (``TABLES``) in the test's database, before a service runs them."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(TABLES)
+    finally:
+        await conn.close()
 
 
 async def _noop(_input: dict[str, Any], _ctx: Any) -> dict[str, Any]:

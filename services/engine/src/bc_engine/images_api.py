@@ -34,42 +34,9 @@ from better_compute.wire.images import (
 )
 from better_compute.wire.paging import decode_cursor, take_page
 
+from . import images_store
+
 __all__ = ["ImagesApi", "image_signers", "write_image_signers"]
-
-# -- SQL ---------------------------------------------------------------------------------
-
-SIGNER = "SELECT id, algorithm, public_key FROM image_signers WHERE id = $1"
-# Engines starting together write the allowlist one after the other, never interleaved.
-LOCK_SIGNERS = "LOCK TABLE image_signers IN SHARE ROW EXCLUSIVE MODE"
-# The allowlist of one engine's settings replaces the table's: $1 ids, $2 algorithms, $3 keys.
-DROP_OTHER_SIGNERS = "DELETE FROM image_signers WHERE NOT (id = ANY($1::text[]))"
-UPSERT_SIGNERS = """
-INSERT INTO image_signers (id, algorithm, public_key)
-SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[])
-ON CONFLICT (id) DO UPDATE SET algorithm = EXCLUDED.algorithm, public_key = EXCLUDED.public_key,
-    updated_at = now()
-WHERE (image_signers.algorithm, image_signers.public_key) IS DISTINCT FROM
-      (EXCLUDED.algorithm, EXCLUDED.public_key)
-"""
-# $1 tenant .. $10 public. Nothing when the tenant has that name and version already.
-INSERT_IMAGE = """
-INSERT INTO images (tenant_id, name, version, url, sha256, format, size, signer, signature, public)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-ON CONFLICT (tenant_id, name, version) DO NOTHING
-RETURNING *
-"""
-OWN_IMAGE = "SELECT * FROM images WHERE tenant_id = $1 AND name = $2 AND version = $3"
-DELETE_IMAGE = "DELETE FROM images WHERE tenant_id = $1 AND name = $2 AND version = $3 RETURNING name"
-# $1 tenant, $2 name filter, $3-$5 the cursor (name, version, tenant), $6 limit.
-LIST_IMAGES = """
-SELECT i.*, (s.id IS NOT NULL) AS allowlisted FROM images i
-LEFT JOIN image_signers s ON s.id = i.signer
-WHERE (i.tenant_id = $1 OR i.public) AND ($2::text IS NULL OR i.name = $2)
-  AND ($3::text IS NULL OR (i.name COLLATE "C", i.version COLLATE "C", i.tenant_id COLLATE "C")
-                           > ($3, $4::text, $5::text))
-ORDER BY i.name COLLATE "C", i.version COLLATE "C", i.tenant_id COLLATE "C"
-LIMIT $6
-"""
 
 _IMMUTABLE: Final = ("url", "sha256", "format", "size", "signer", "signature", "public")
 
@@ -96,10 +63,10 @@ def image_signers(settings: ImagesSettings) -> list[ImageSigner]:
 async def write_image_signers(db: Any, signers: list[ImageSigner]) -> None:
     """Make the catalog's allowlist ``signers`` (one transaction)."""
     async with db.transaction() as conn:
-        await conn.execute(LOCK_SIGNERS)
-        await conn.execute(DROP_OTHER_SIGNERS, [s.id for s in signers])
+        await conn.execute(images_store.LOCK_SIGNERS)
+        await conn.execute(images_store.DROP_OTHER_SIGNERS, [s.id for s in signers])
         await conn.execute(
-            UPSERT_SIGNERS,
+            images_store.UPSERT_SIGNERS,
             [s.id for s in signers],
             [s.algorithm for s in signers],
             [s.public_key for s in signers],
@@ -160,7 +127,7 @@ class ImagesApi:
             return None
         if body.signer is None:
             raise BcError(ErrorCode.INVALID_INPUT, "name the allowlisted signer", {"path": "signer"})
-        row = await self.db.fetchrow(SIGNER, body.signer)
+        row = await self.db.fetchrow(images_store.SIGNER, body.signer)
         if row is None:
             raise BcError(
                 ErrorCode.PERMISSION_DENIED,
@@ -181,9 +148,9 @@ class ImagesApi:
         signer = await self._check_signature(body)
         values = (body.url, body.sha256, body.format, body.size, signer, body.signature, body.public)
         key = (body.tenant_id, body.name, body.version)
-        row = await self.db.fetchrow(INSERT_IMAGE, *key, *values)
+        row = await self.db.fetchrow(images_store.INSERT_IMAGE, *key, *values)
         if row is None:
-            row = await self.db.fetchrow(OWN_IMAGE, *key)
+            row = await self.db.fetchrow(images_store.OWN_IMAGE, *key)
             if (
                 row is not None
                 and tuple(bytes(row[f]) if f == "signature" else row[f] for f in _IMMUTABLE) != values
@@ -220,7 +187,11 @@ class ImagesApi:
         body = req.decode(ListImages)
         after = decode_cursor(body.cursor, str, str, str)
         rows = await self.db.fetch(
-            LIST_IMAGES, body.tenant_id, body.name, *(after or (None, None, None)), body.limit + 1
+            images_store.LIST_IMAGES,
+            body.tenant_id,
+            body.name,
+            *(after or (None, None, None)),
+            body.limit + 1,
         )
         verifier = _verifier(self.app) is not None
         docs = [
@@ -235,7 +206,7 @@ class ImagesApi:
     async def delete(self, req: ApiRequest) -> ImageDeleted:
         body = req.decode(DeleteImage)
         name, version = parse_image_ref(body.ref, path="ref")
-        if await self.db.fetchrow(DELETE_IMAGE, body.tenant_id, name, version) is None:
+        if await self.db.fetchrow(images_store.DELETE_IMAGE, body.tenant_id, name, version) is None:
             raise BcError(
                 ErrorCode.NOT_FOUND, f"tenant {body.tenant_id} has no image {body.ref}", {"path": "ref"}
             )

@@ -1,5 +1,8 @@
 """The engine's schema as the code sees it: every SQL statement of the service, and the typed rows
-the reconciler reads.
+the reconciler reads. Metal's statements over nodes are in ``metal_store`` and the image catalog's
+in ``images_store``, in the same style; everything else is here (over 400 lines for that reason:
+one place to read and review every query the reconciler, the work queue, the shard leases and the
+routes run).
 
 Each statement is written out once, here, with ``$n`` parameters, and never assembled at run time.
 The fence (``this life still holds the key's shard under the epoch it started with``) is spelled
@@ -279,7 +282,7 @@ GIVE_BACK = (
 RELEASE_ALL = "UPDATE shard_leases SET owner = NULL, expires_at = now() WHERE owner = $1"
 LEAVE = "DELETE FROM members WHERE instance = $1"
 
-# -- nodes and workflows (api.py) --------------------------------------------------------------
+# -- nodes and workflows (nodes_api.py, workflows_api.py) -----------------------------------
 
 CREATE_NODE = (
     "INSERT INTO nodes (id, tenant_id, site_id, labels, macs, bmc) VALUES ($1, $2, $3, $4, $5, $6)"

@@ -18,7 +18,7 @@ from ..runtime.urls import resolve_nats_url
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
 
-__all__ = ["api_client", "as_rows", "engine_client", "read_document", "short"]
+__all__ = ["api_client", "as_rows", "engine_client", "parse_labels", "read_document", "short"]
 
 
 @asynccontextmanager
@@ -72,3 +72,14 @@ def read_document(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BcError(ErrorCode.INVALID_INPUT, f"{path} must hold one object", {"path": "file"})
     return data
+
+
+def parse_labels(pairs: list[str] | None) -> dict[str, str]:
+    """``--label key=value`` options as a dict; ``INVALID_INPUT`` at ``label`` for one without ``=``."""
+    out: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise BcError(ErrorCode.INVALID_INPUT, f"labels are key=value, got {pair!r}", {"path": "label"})
+        out[key] = value
+    return out

@@ -9,21 +9,11 @@ from typing import Any
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..wire.engine import NodeView
-from .common import as_rows, engine_client, read_document, short
+from .common import as_rows, engine_client, parse_labels, read_document, short
 from .output import print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 
 __all__ = ["register"]
-
-
-def _labels(pairs: list[str] | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise BcError(ErrorCode.INVALID_INPUT, f"labels are key=value, got {pair!r}", {"path": "label"})
-        out[key] = value
-    return out
 
 
 def _label_text(labels: dict[str, str]) -> str:
@@ -36,7 +26,7 @@ def _label_text(labels: dict[str, str]) -> str:
 async def nodes_create(args: argparse.Namespace, settings: Settings) -> int:
     async with engine_client(settings) as engine:
         node = await engine.create_node(
-            site_id=args.site, id=args.id, tenant_id=args.tenant, labels=_labels(args.label)
+            site_id=args.site, id=args.id, tenant_id=args.tenant, labels=parse_labels(args.label)
         )
     if args.json:
         print_json(node)
@@ -71,7 +61,7 @@ def _print_node(node: NodeView, *, as_json: bool) -> None:
 
 
 async def nodes_update(args: argparse.Namespace, settings: Settings) -> int:
-    labels = _labels(args.label) if args.label is not None or args.no_labels else None
+    labels = parse_labels(args.label) if args.label is not None or args.no_labels else None
     if args.site is None and labels is None:
         raise BcError(ErrorCode.INVALID_INPUT, "give --site, --label or --no-labels", {"path": "site"})
     async with engine_client(settings) as engine:
@@ -83,7 +73,7 @@ async def nodes_update(args: argparse.Namespace, settings: Settings) -> int:
 async def nodes_label(args: argparse.Namespace, settings: Settings) -> int:
     """``key=value`` sets a label, ``key-`` removes it (as kubectl label does)."""
     remove = [c[:-1] for c in args.change if c.endswith("-") and "=" not in c]
-    sets = _labels([c for c in args.change if not (c.endswith("-") and "=" not in c)])
+    sets = parse_labels([c for c in args.change if not (c.endswith("-") and "=" not in c)])
     async with engine_client(settings) as engine:
         node = await engine.label_node(id=args.id, set=sets, remove=remove)
     _print_node(node, as_json=args.json)

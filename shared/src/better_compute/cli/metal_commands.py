@@ -25,7 +25,7 @@ from ..metal.lifecycle import VERBS, parse_bmc_url, parse_selector
 from ..wire.codec import convert
 from ..wire.engine import NodeView
 from ..wire.metal import NodeBmc, VerbName
-from .common import api_client, engine_client
+from .common import api_client, engine_client, parse_labels
 from .output import print_json, print_table
 
 __all__ = ["read_credentials", "register"]
@@ -92,7 +92,7 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
     node_id = parse_id(given, "node", path="id") if given else new_id("node")
     if not args.site and not given:
         raise BcError(ErrorCode.INVALID_INPUT, "give --site for a new node", {"path": "site"})
-    labels = _pairs(args.label)
+    labels = parse_labels(args.label)
     credential = None
     bmc: dict[str, object] | None = None
     if args.bmc is not None:
@@ -128,16 +128,6 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
         ref = node.bmc.get("credentialsRef") or "no credential"
         print(f"  bmc {node.bmc['driver']} {node.bmc['address']} ({ref})")
     return 0
-
-
-def _pairs(items: list[str] | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise BcError(ErrorCode.INVALID_INPUT, f"labels are key=value, got {item!r}", {"path": "label"})
-        out[key] = value
-    return out
 
 
 def _size(n: Any) -> str:

@@ -1,0 +1,132 @@
+"""``nodes.*``: create, read, list, update, label and delete nodes (``metal.enroll`` enrolls them
+through ``metal_api``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id, parse_id
+from better_compute.service import ApiRequest, Database
+from better_compute.wire import engine as m
+from better_compute.wire.paging import decode_cursor, take_page
+
+from . import store
+from .documents import check_labels, node_doc
+from .metal_api import bmc_json, check_macs, refuse_inline_secret
+from .metal_lifecycle import current_workflow
+from .node_events import Publish, node_event, node_removed
+
+__all__ = ["NodesApi"]
+
+
+class NodesApi:
+    """The ``nodes.*`` routes; ``quorum`` (when approvers are configured) has the cmdq client a
+    node's current workflow is read with."""
+
+    def __init__(self, *, db: Database, publish: Publish, quorum: Any = None) -> None:
+        self.db = db
+        self.publish = publish
+        self.quorum = quorum
+
+    async def nodes_create(self, req: ApiRequest) -> m.NodeView:
+        """A node in ``enrolled`` (``metal.enroll`` also enrolls a discovered one)."""
+        body = req.decode(m.CreateNode)
+        refuse_inline_secret(req)
+        check_labels(body.labels)
+        node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
+        async with self.db.transaction() as conn:
+            macs = await check_macs(conn, body.macs, node_id)
+            row = await conn.fetchrow(
+                store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
+                macs, bmc_json(body.bmc),
+            )  # fmt: skip
+        if row is None:
+            raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists", {"path": "id"})
+        await node_event(self.publish, row, verb="create")
+        return node_doc(row)
+
+    async def nodes_get(self, req: ApiRequest) -> m.NodeView:
+        """The node with its inventory, host section and the workflow moving it now."""
+        body = req.decode(m.GetNode)
+        parse_id(body.id, "node", path="id")  # a malformed id never reaches the store
+        row = await self.db.fetchrow(store.NODE, body.id)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, f"no node {body.id}", {"path": "id"})
+        cmdq = self.quorum.cmdq if self.quorum is not None else None
+        return node_doc(row, full=True, current_workflow=await current_workflow(self.db, row, cmdq))
+
+    async def nodes_list(self, req: ApiRequest) -> m.NodeList:
+        body = req.decode(m.ListNodes)
+        after = decode_cursor(body.cursor, str)
+        rows = await self.db.fetch(
+            store.LIST_NODES,
+            body.site_id, body.tenant_id, after[0] if after else None, body.limit + 1,
+        )  # fmt: skip
+        docs, next_ = take_page(
+            [node_doc(r) for r in rows], limit=body.limit, key=lambda d: (d.id,), budget=req.page_budget
+        )
+        return m.NodeList(nodes=docs, next=next_)
+
+    async def _locked_node(self, conn: Any, node_id: str) -> Any:
+        parse_id(node_id, "node", path="id")  # a malformed id never reaches the store
+        row = await conn.fetchrow(store.NODE_FOR_UPDATE, node_id)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "id"})
+        return row
+
+    async def _refuse_busy(self, conn: Any, node_id: str, what: str) -> None:
+        busy = await conn.fetchval(store.NODE_BUSY, node_id, None)
+        if busy is not None:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                f"node {node_id} runs workflow {busy}: {what} once it has finished (or abort it)",
+                {"path": "id", "reason": "node-busy", "workflowId": busy},
+            )
+
+    async def nodes_update(self, req: ApiRequest) -> m.NodeView:
+        """Replace the node's site and/or all its labels (the bounds of ``nodes.create``); the
+        site only while no workflow runs on the node (its commands go to that site)."""
+        body = req.decode(m.UpdateNode)
+        refuse_inline_secret(req)
+        if body.labels is not None:
+            check_labels(body.labels)
+        async with self.db.transaction() as conn:
+            row = await self._locked_node(conn, body.id)
+            if body.site_id is not None and body.site_id != row["site_id"]:
+                await self._refuse_busy(conn, body.id, "change its site")
+            labels = json.dumps(body.labels) if body.labels is not None else None
+            macs = await check_macs(conn, body.macs, body.id) if body.macs is not None else None
+            row = await conn.fetchrow(
+                store.UPDATE_NODE, body.id, body.site_id, labels, macs, bmc_json(body.bmc)
+            )
+        await node_event(self.publish, row, verb="update")
+        return node_doc(row)
+
+    async def nodes_label(self, req: ApiRequest) -> m.NodeView:
+        """Set some labels and remove others, in one step; the result has the bounds of create."""
+        body = req.decode(m.LabelNode)
+        check_labels(body.set, "set")
+        async with self.db.transaction() as conn:
+            row = await self._locked_node(conn, body.id)
+            labels = row["labels"]
+            labels = dict(json.loads(labels) if isinstance(labels, str) else labels)
+            labels.update(body.set)
+            for key in body.remove:
+                labels.pop(key, None)
+            check_labels(labels)
+            row = await conn.fetchrow(store.UPDATE_NODE, body.id, None, json.dumps(labels), None, None)
+        await node_event(self.publish, row, verb="label")
+        return node_doc(row)
+
+    async def nodes_delete(self, req: ApiRequest) -> m.NodeDeleted:
+        """Forget a node; refused while a workflow runs on it. Finished workflows are kept."""
+        body = req.decode(m.DeleteNode)
+        async with self.db.transaction() as conn:
+            await self._locked_node(conn, body.id)
+            await self._refuse_busy(conn, body.id, "delete it")
+            await conn.execute(store.DETACH_NODE_WORKFLOWS, body.id)
+            await conn.execute(store.DELETE_NODE, body.id)
+        await node_removed(self.publish, body.id)
+        return m.NodeDeleted(deleted=body.id)

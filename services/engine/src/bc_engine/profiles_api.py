@@ -1,0 +1,147 @@
+"""``profiles.*`` and ``steps.list``: stored profiles, their validation and rendering, and the
+steps and driver operations a profile can use."""
+
+from __future__ import annotations
+
+from better_compute.app import App
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.service import ApiRequest, Database
+from better_compute.wire import engine as m
+from better_compute.wire.paging import decode_cursor, take_page
+
+from .documents import check_document
+from .profiles import FoundProfile, ProfileStore, parse_document
+from .resolve import resolve_profile
+
+__all__ = ["ProfilesApi"]
+
+
+class ProfilesApi:
+    """The ``profiles.*`` and ``steps.list`` routes."""
+
+    def __init__(self, *, app: App, db: Database, profiles: ProfileStore) -> None:
+        self.app = app
+        self.db = db
+        self.profiles = profiles
+
+    async def steps_list(self, req: ApiRequest) -> m.StepList:
+        """The steps a profile's ``use`` resolves to and the driver operations, with their inputs."""
+        req.decode(m.ListSteps)
+        steps = [
+            m.StepInfo(
+                id=s.id,
+                runs_on=s.runs_on,
+                relays=list(s.relays),
+                command=s.command,
+                sends=list(s.sends),
+                timeout_ms=s.timeout_ms,
+                retry_safe=s.retry_safe,
+                description=s.description,
+                input=s.input.json_schema(),
+            )
+            for s in sorted(self.app.steps.values(), key=lambda s: s.id)
+        ]
+        operations = [
+            m.DriverOperationInfo(name=o.name, description=o.description, input=o.input.json_schema())
+            for o in sorted(self.app.driver_operations.values(), key=lambda o: o.name)
+        ]
+        return m.StepList(steps=steps, driver_operations=operations)
+
+    # -- profiles -------------------------------------------------------------
+
+    async def profiles_create(self, req: ApiRequest) -> m.ProfileView:
+        body = req.decode(m.CreateProfile)
+        check_document(body.document)
+        try:
+            # A profile that does not validate is refused, every problem listed (as validate does).
+            res = resolve_profile(self.app, parse_document(body.document))
+            if res.problems:
+                raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
+            async with self.db.transaction() as conn:
+                found = await self.profiles.create(
+                    conn,
+                    tenant_id=body.tenant_id,
+                    document=body.document,
+                    public=body.public,
+                    replace=body.replace,
+                )
+        except BcError as err:
+            if err.code is ErrorCode.INVALID_CONFIG:
+                raise err.with_path_prefix("document") from err
+            raise
+        return found.view()
+
+    async def profiles_get(self, req: ApiRequest) -> m.ProfileView:
+        body = req.decode(m.GetProfile)
+        async with self.db.transaction() as conn:
+            found = await self.profiles.find(
+                conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
+            )
+        return found.view()
+
+    async def profiles_list(self, req: ApiRequest) -> m.ProfileList:
+        body = req.decode(m.ListProfiles)
+        after = decode_cursor(body.cursor, str, int, str)
+        async with self.db.transaction() as conn:
+            found = await self.profiles.list(
+                conn, tenant_id=body.tenant_id, after=after, limit=body.limit + 1
+            )
+        page, next_ = take_page(
+            [f.summary() for f in found], limit=body.limit, key=lambda d: (d.id, d.version, d.tenant_id),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return m.ProfileList(profiles=page, next=next_)
+
+    async def profiles_delete(self, req: ApiRequest) -> m.ProfileDeleted:
+        body = req.decode(m.DeleteProfile)
+        async with self.db.transaction() as conn:
+            await self.profiles.delete(
+                conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
+            )
+        return m.ProfileDeleted(deleted=True)
+
+    async def _profile_for(self, body: m.ProfileRef) -> FoundProfile:
+        if body.document is not None:
+            check_document(body.document)
+            try:
+                profile = parse_document(body.document)
+            except BcError as err:
+                raise err.with_path_prefix("document") from err
+            return FoundProfile(profile, body.tenant_id, False, None)
+        if body.id is None:
+            raise BcError(ErrorCode.INVALID_INPUT, "give a profile id or a document", {"path": "id"})
+        async with self.db.transaction() as conn:
+            return await self.profiles.find(
+                conn, tenant_id=body.tenant_id, profile_id=body.id, version=body.version
+            )
+
+    async def profiles_validate(self, req: ApiRequest) -> m.ProfileValidation:
+        """Every unresolved ``use`` and rejected ``with``, each with its path."""
+        body = req.decode(m.ProfileRef)
+        try:
+            found = await self._profile_for(body)
+        except BcError as err:
+            if err.code is not ErrorCode.INVALID_CONFIG:
+                raise
+            problem = m.Problem(path=err.path or "", code=err.code.value, message=err.message)
+            return m.ProfileValidation(valid=False, problems=[problem])
+        res = resolve_profile(self.app, found.profile)
+        return m.ProfileValidation(
+            valid=not res.problems,
+            profile=m.ProfileKey(id=found.profile.id, version=found.profile.version),
+            problems=[p.view() for p in res.problems],
+            command_kinds=res.command_kinds,
+        )
+
+    async def profiles_render(self, req: ApiRequest) -> m.ProfileRendering:
+        """The expanded steps, as a workflow would persist them."""
+        body = req.decode(m.ProfileRef)
+        found = await self._profile_for(body)
+        res = resolve_profile(self.app, found.profile)
+        if res.problems:
+            raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
+        return m.ProfileRendering(
+            profile=m.ProfileKey(id=found.profile.id, version=found.profile.version),
+            steps=[s.view() for s in res.steps],
+            command_kinds=res.command_kinds,
+        )

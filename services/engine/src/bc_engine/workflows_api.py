@@ -1,0 +1,235 @@
+"""``workflows.*``: start, read, list, and the operator's verbs (abort, retry, resume); and
+``start_in``, which starts a workflow inside a caller's transaction (steps, metal)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from better_compute.app import App
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id, parse_id
+from better_compute.provision.profiles import MAX_PROFILE_STEPS
+from better_compute.service import ApiRequest, Database
+from better_compute.wire import engine as m
+from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
+
+from . import queue, store
+from .discovery import refuse_discovered
+from .documents import workflow_doc
+from .metal_lifecycle import reopen_node
+from .node_events import Publish, node_event
+from .profiles import ProfileStore
+from .resolve import Resolution, resolve_profile
+
+__all__ = ["WorkflowsApi"]
+
+Verb = Literal["abort", "retry", "resume"]
+
+
+class WorkflowsApi:
+    """The ``workflows.*`` routes."""
+
+    def __init__(
+        self,
+        *,
+        app: App,
+        db: Database,
+        profiles: ProfileStore,
+        wake: Callable[[str], Awaitable[None]],
+        publish: Publish,
+    ) -> None:
+        self.app = app
+        self.db = db
+        self.profiles = profiles
+        self.wake = wake
+        self.publish = publish
+
+    async def workflows_start(self, req: ApiRequest) -> m.WorkflowView:
+        body = req.decode(m.StartWorkflow)
+        if body.node_id is not None:
+            parse_id(body.node_id, "node", path="nodeId")
+        async with self.db.transaction() as conn:
+            wf = await self.start_in(
+                conn,
+                tenant_id=body.tenant_id,
+                profile_id=body.profile_id,
+                profile_version=body.profile_version,
+                node_id=body.node_id,
+                owner=body.owner,
+            )
+        await self.wake(wf["rkey"])
+        doc: m.WorkflowView = wf["doc"]
+        return doc
+
+    async def start_in(
+        self,
+        conn: Any,
+        *,
+        tenant_id: str,
+        profile_id: str,
+        profile_version: int | None,
+        node_id: str | None,
+        owner: str | None,
+        workflow_id: str | None = None,
+        batch_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Start a workflow inside the caller's transaction (steps start children this way).
+
+        Metal gives the workflow's id and its destructive batch, made before the start (a bulk
+        verb's batch names every workflow it starts).
+        """
+        found = await self.profiles.find(
+            conn, tenant_id=tenant_id, profile_id=profile_id, version=profile_version
+        )
+        found = await self.profiles.pin(conn, found)
+        if node_id is not None:
+            node = await conn.fetchrow(store.LOCK_NODE, node_id)
+            if node is None:
+                raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
+            refuse_discovered(node)
+            busy = await conn.fetchval(store.NODE_BUSY, node_id, None)
+            if busy:
+                raise BcError(
+                    ErrorCode.CONFLICT,
+                    f"node {node_id} already runs workflow {busy}",
+                    {"path": "nodeId", "reason": "node-busy", "workflowId": busy},
+                )
+        res: Resolution = resolve_profile(self.app, found.profile, has_node=node_id is not None)
+        if res.problems:
+            raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
+        wf_id = workflow_id or new_id("wf")
+        rkey = node_id or wf_id
+        steps = [
+            {"workflow_id": wf_id, "idx": s.idx, "action": s.action, "runs_on": s.runs_on, "mode": s.mode,
+             "command": s.command, "input": s.input, "timeout_ms": s.timeout_ms, "state": "pending",
+             "attempt": 0, "started_at": None, "deadline": None, "finished_at": None, "result": None,
+             "error": None, "command_id": None, "sends": list(s.sends)}
+            for s in res.steps
+        ]  # fmt: skip
+        row = await conn.fetchrow(
+            store.START_WORKFLOW,
+            wf_id, tenant_id, node_id, rkey, found.tenant_id, found.profile.id, found.profile.version,
+            owner, res.command_kinds,
+            [st["idx"] for st in steps], [st["action"] for st in steps], [st["runs_on"] for st in steps],
+            [st["mode"] for st in steps], [st["command"] for st in steps],
+            [json.dumps(st["input"]) for st in steps], [st["timeout_ms"] for st in steps],
+            [json.dumps(st["sends"]) for st in steps], queue.shard_of(rkey),
+        )  # fmt: skip
+        if batch_id is not None:
+            row = await conn.fetchrow(store.SET_BATCH_RETURNING, wf_id, batch_id)
+        return {"id": wf_id, "rkey": rkey, "doc": workflow_doc(row, steps)}
+
+    async def _get(
+        self, workflow_id: str, *, steps_cursor: str | None = None, budget: int | None = None
+    ) -> m.WorkflowView:
+        """The workflow with as many of its steps (from ``steps_cursor`` on) as fit in
+        ``budget`` bytes; ``stepsNext`` is the cursor of the rest, or None."""
+        after = decode_cursor(steps_cursor, int, path="stepsCursor")
+        row = await self.db.fetchrow(store.WORKFLOW, workflow_id)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
+        # Sizes first, rows second: 512 steps with big results never sit in memory at once.
+        sizes = await self.db.fetch(store.STEP_SIZES, workflow_id, after[0] if after else -1)
+        page, next_ = take_page(
+            list(sizes), limit=MAX_PROFILE_STEPS, key=lambda r: (r["idx"],),
+            budget=budget or PAGE_BUDGET, size=lambda r: int(r["size"]),
+        )  # fmt: skip
+        steps = []
+        if page:
+            steps = await self.db.fetch(store.STEPS_BETWEEN, workflow_id, page[0]["idx"], page[-1]["idx"])
+        return workflow_doc(row, list(steps), steps_next=next_)
+
+    async def workflows_get(self, req: ApiRequest) -> m.WorkflowView:
+        body = req.decode(m.GetWorkflow)
+        parse_id(body.id, "wf", path="id")
+        return await self._get(body.id, steps_cursor=body.steps_cursor, budget=req.page_budget)
+
+    async def workflows_list(self, req: ApiRequest) -> m.WorkflowList:
+        body = req.decode(m.ListWorkflows)
+        after = decode_cursor(body.cursor, str)
+        rows = await self.db.fetch(
+            store.LIST_WORKFLOWS,
+            body.node_id, body.state, body.profile_id, body.tenant_id,
+            after[0] if after else body.before, body.limit + 1,
+        )  # fmt: skip
+        docs, next_ = take_page(
+            [workflow_doc(r) for r in rows], limit=body.limit, key=lambda d: (d.id,),
+            budget=req.page_budget,
+        )  # fmt: skip
+        return m.WorkflowList(workflows=docs, next=next_)
+
+    async def _verb(
+        self, workflow_id: str, *, allowed: tuple[str, ...], verb: Verb, apply: Any
+    ) -> m.WorkflowView:
+        async with self.db.transaction() as conn:
+            wf = await conn.fetchrow(store.LOCK_WORKFLOW, workflow_id)
+            if wf is None:
+                raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
+            if wf["state"] not in allowed:
+                raise BcError(
+                    ErrorCode.INVALID_STATE,
+                    f"cannot {verb} a workflow that is {wf['state']}",
+                    {"reason": f"workflow-{wf['state']}", "path": "id"},
+                )
+            if verb != "abort" and wf["node_id"] is not None:
+                busy = await conn.fetchval(store.NODE_BUSY, wf["node_id"], workflow_id)
+                if busy:
+                    raise BcError(
+                        ErrorCode.CONFLICT,
+                        f"node {wf['node_id']} runs workflow {busy} now",
+                        {"reason": "node-busy", "workflowId": busy},
+                    )
+            await apply(conn, wf)
+            await queue.queue_now(conn, wf["rkey"])
+        await self.wake(wf["rkey"])
+        doc = await self._get(workflow_id)
+        await self.publish(
+            m.EVENTS,
+            workflow_id,
+            m.VerbApplied(workflow_id=workflow_id, workflow_state=doc.state, verb=verb),
+        )
+        return doc
+
+    async def workflows_abort(self, req: ApiRequest) -> m.WorkflowView:
+        body = req.decode(m.WorkflowVerb)
+        reason = body.reason or "aborted by an operator"
+
+        async def apply(conn: Any, wf: Any) -> None:
+            # commands to cancel, or tokens and secrets the cancelled attempt minted to revoke
+            sent = await conn.fetchval(store.ABORT_LEAVES_WORK, wf["id"])
+            error = json.dumps({"code": "INVALID_STATE", "message": reason, "details": {"reason": "aborted"}})
+            await conn.execute(store.ABORT_STEP, wf["id"], error)
+            await conn.execute(store.ABORT_WORKFLOW, wf["id"], bool(sent), error)
+            if wf["owner"]:
+                await queue.queue_now(conn, queue.owner_key(wf["owner"], wf["id"]))
+
+        return await self._verb(body.id, allowed=("running",), verb="abort", apply=apply)
+
+    async def _reopen(self, conn: Any, wf: Any, from_states: tuple[str, ...]) -> None:
+        """The step that stopped the workflow goes back to pending; its next run is a new attempt.
+        A metal workflow's node goes back from failed to the verb's running state."""
+        await conn.execute(store.REOPEN_STEP, wf["id"], list(from_states))
+        await conn.execute(store.REOPEN_WORKFLOW, wf["id"])
+        node = await reopen_node(conn, wf)
+        if node is not None:
+            await node_event(self.publish, node, verb="retry")
+
+    async def workflows_retry(self, req: ApiRequest) -> m.WorkflowView:
+        """A failed workflow runs its failed step again, as a new attempt."""
+        body = req.decode(m.WorkflowVerb)
+
+        async def apply(conn: Any, wf: Any) -> None:
+            await self._reopen(conn, wf, ("failed",))
+
+        return await self._verb(body.id, allowed=("failed",), verb="retry", apply=apply)
+
+    async def workflows_resume(self, req: ApiRequest) -> m.WorkflowView:
+        """An aborted workflow carries on from the step the abort cancelled, as a new attempt."""
+        body = req.decode(m.WorkflowVerb)
+
+        async def apply(conn: Any, wf: Any) -> None:
+            await self._reopen(conn, wf, ("cancelled", "pending"))
+
+        return await self._verb(body.id, allowed=("aborted",), verb="resume", apply=apply)
