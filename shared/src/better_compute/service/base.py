@@ -270,11 +270,22 @@ class Service:
         if not self._serving:
             return  # asked to stop while waiting for NATS or PostgreSQL
         loops = self._all_side_loops()
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self._guard(name, fn), name=name) for name, fn in loops.items()]
+        tasks = [asyncio.create_task(self._guard(name, fn), name=name) for name, fn in loops.items()]
+        try:
             await self._stop_event.wait()
-            for task in tasks:
-                task.cancel()
+        finally:
+            # Cancel until every loop has ended: on 3.11 a cancellation that lands as an inner
+            # ``asyncio.wait_for`` times out (nats-py's requests) is dropped, and the loop would
+            # carry on (a discovery sweep's 30 s sleep held a stop for that long).
+            pending = {t for t in tasks if not t.done()}
+            while pending:
+                for task in pending:
+                    task.cancel()
+                _, pending = await asyncio.wait(pending, timeout=1.0)
+        failed = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+        if failed:  # a side loop's real bug (it set the stop event): the service stops, as a
+            # TaskGroup would have said it
+            raise BaseExceptionGroup("a side loop failed", failed)  # an ExceptionGroup for Exceptions
 
     async def _guard(self, name: str, fn: SideLoop) -> None:
         """Run a side loop; start it again after a backoff when a transient fault ends it."""
