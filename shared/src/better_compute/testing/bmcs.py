@@ -158,9 +158,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
             mode = "error" if ctl.get("left", 0) > 0 else "forward"
         with lock, open(request_log, "a") as fh:
             fh.write(f"{self.command} {self.path} {mode}\n")
-        if body:
-            with lock, open(request_log + ".bodies", "a") as fh:
-                fh.write(f"{self.command} {self.path} {body.decode(errors='replace')}\n")
         if mode == "error":
             if ctl.get("mode") == "error-count":
                 ctl["left"] -= 1
@@ -188,6 +185,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         conn.request(self.command, self.path, body=body or None, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
+        if body:  # what reached the BMC and was answered: a request lost on the way is not counted
+            with lock, open(request_log + ".bodies", "a") as fh:
+                fh.write(f"{self.command} {self.path} {body.decode(errors='replace')}\n")
         self.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -244,7 +244,8 @@ class FaultyProxy(_Proc):
         return self
 
     def bodies(self) -> list[str]:
-        """``METHOD path body`` of every request that had a body."""
+        """``METHOD path body`` of every request with a body that reached the BMC and was answered
+        (what the BMC applied; an injected error or a request lost before the BMC is not here)."""
         log = Path(str(self.requests_log) + ".bodies")
         return log.read_text().splitlines() if log.exists() else []
 
