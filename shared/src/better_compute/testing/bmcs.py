@@ -20,10 +20,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..runtime.embedded import free_port
 
-__all__ = ["SYSTEM_MACS", "SYSTEM_UUID", "FaultyProxy", "IpmiBmc", "RedfishEmulator"]
+__all__ = ["SYSTEM_MACS", "SYSTEM_UUID", "FaultyProxy", "IpmiBmc", "RedfishEmulator", "write_emulator_config"]
 
 SYSTEM_UUID = "27946b59-9e44-4fa7-8e91-f3527a1ef094"
 SYSTEM_MACS = ("52:54:00:aa:bb:01", "52:54:00:aa:bb:02")
@@ -91,11 +92,6 @@ class RedfishEmulator(_Proc):
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> RedfishEmulator:
-        import bcrypt
-
-        htpasswd = self.folder / "htpasswd"
-        digest = bcrypt.hashpw(self.password.encode(), bcrypt.gensalt(rounds=4)).decode()
-        htpasswd.write_text(f"{self.username}:{digest}\n")
         systems = [
             {
                 "uuid": SYSTEM_UUID,
@@ -105,20 +101,10 @@ class RedfishEmulator(_Proc):
                 "nics": [{"mac": mac, "ip": "192.0.2.10"} for mac in SYSTEM_MACS],
             }
         ]
-        config = self.folder / "emulator.conf"
-        config.write_text(
-            textwrap.dedent(
-                f"""\
-                SUSHY_EMULATOR_LISTEN_IP = "127.0.0.1"
-                SUSHY_EMULATOR_LISTEN_PORT = {self.port}
-                SUSHY_EMULATOR_FAKE_DRIVER = True
-                SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}
-                SUSHY_EMULATOR_STATE_DIR = {str(self.folder / "state")!r}
-                SUSHY_EMULATOR_AUTH_FILE = {str(htpasswd) if self.auth else None!r}
-                EXTERNAL_NOTIFICATION_URL = "http://127.0.0.1:9"
-                """
-            )
-        )
+        config = write_emulator_config(
+            self.folder, port=self.port, systems=systems, username=self.username, password=self.password,
+            auth=self.auth, notifier="http://127.0.0.1:9",
+        )  # fmt: skip
         self._spawn(
             [
                 sys.executable,
@@ -130,6 +116,42 @@ class RedfishEmulator(_Proc):
         )
         _wait_http(self.url + "/redfish/v1/", self.proc, self.output)
         return self
+
+
+def write_emulator_config(
+    folder: Path,
+    *,
+    port: int,
+    systems: list[dict[str, Any]],
+    username: str,
+    password: str,
+    auth: bool = True,
+    notifier: str,
+    extra: str = "",
+) -> Path:
+    """sushy-emulator's config (fake driver, ``systems``, state under ``folder``) and its htpasswd
+    (bcrypt); ``extra`` lines are appended for a launcher of ours. Returns the config's path."""
+    import bcrypt
+
+    htpasswd = folder / "htpasswd"
+    digest = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+    htpasswd.write_text(f"{username}:{digest}\n")
+    config = folder / "emulator.conf"
+    config.write_text(
+        textwrap.dedent(
+            f"""\
+            SUSHY_EMULATOR_LISTEN_IP = "127.0.0.1"
+            SUSHY_EMULATOR_LISTEN_PORT = {port}
+            SUSHY_EMULATOR_FAKE_DRIVER = True
+            SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}
+            SUSHY_EMULATOR_STATE_DIR = {str(folder / "state")!r}
+            SUSHY_EMULATOR_AUTH_FILE = {str(htpasswd) if auth else None!r}
+            EXTERNAL_NOTIFICATION_URL = {notifier!r}
+            """
+        )
+        + extra
+    )
+    return config
 
 
 _PROXY = r"""

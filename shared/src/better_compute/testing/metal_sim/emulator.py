@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import sys
-import textwrap
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...runtime.embedded import free_port
-from ..bmcs import _Proc, _wait_http
+from ..bmcs import _Proc, _wait_http, write_emulator_config
 from .hardware import SimMachine
 
 __all__ = ["FleetEmulator"]
@@ -35,11 +34,6 @@ class FleetEmulator(_Proc):
         return {"username": self.username, "password": self.password}
 
     def start(self, machines: Sequence[SimMachine], *, notifier: str) -> FleetEmulator:
-        import bcrypt
-
-        htpasswd = self.folder / "htpasswd"
-        digest = bcrypt.hashpw(self.password.encode(), bcrypt.gensalt(rounds=4)).decode()
-        htpasswd.write_text(f"{self.username}:{digest}\n")
         systems = [
             {
                 "uuid": m.uuid,
@@ -50,21 +44,10 @@ class FleetEmulator(_Proc):
             }
             for m in machines
         ]
-        config = self.folder / "emulator.conf"
-        config.write_text(
-            textwrap.dedent(
-                f"""\
-                SUSHY_EMULATOR_LISTEN_IP = "127.0.0.1"
-                SUSHY_EMULATOR_LISTEN_PORT = {self.port}
-                SUSHY_EMULATOR_FAKE_DRIVER = True
-                SUSHY_EMULATOR_FAKE_SYSTEMS = {systems!r}
-                SUSHY_EMULATOR_STATE_DIR = {str(self.folder / "state")!r}
-                SUSHY_EMULATOR_AUTH_FILE = {str(htpasswd)!r}
-                EXTERNAL_NOTIFICATION_URL = {notifier!r}
-                SIM_POWER_DELAYS_FILE = {str(self.delays_file)!r}
-                """
-            )
-        )
+        config = write_emulator_config(
+            self.folder, port=self.port, systems=systems, username=self.username, password=self.password,
+            notifier=notifier, extra=f"SIM_POWER_DELAYS_FILE = {str(self.delays_file)!r}\n",
+        )  # fmt: skip
         self._spawn(
             [sys.executable, "-m", "better_compute.testing.metal_sim.emulator_main", "--config", str(config)]
         )
