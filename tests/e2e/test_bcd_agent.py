@@ -76,15 +76,6 @@ class Stack:
         )  # fmt: skip
 
 
-@pytest.fixture
-def bcds() -> Iterator[list[BcdProcess]]:
-    made: list[BcdProcess] = []
-    yield made
-    for bcd in made:
-        bcd.close()
-        print(f"--- bcd (pid {bcd.proc.pid}) ---", *bcd.output().splitlines()[-30:], sep="\n")
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def stack(
     bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path

@@ -9,7 +9,7 @@ bc-pki, bc-secrets, bc-command-queue and bc-engine are processes; bcd is a real 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +31,6 @@ pytestmark = pytest.mark.e2e
 SITE = "lab1"
 UUID = "5a1e0000-d15c-4000-8000-00000000c0de"
 MACS = ("52:54:00:d1:5c:01", "52:54:00:d1:5c:02")
-
-
-@pytest.fixture
-def bcds() -> Iterator[list[BcdProcess]]:
-    made: list[BcdProcess] = []
-    yield made
-    for bcd in made:
-        bcd.close()
-        print(f"--- bcd (pid {bcd.proc.pid}) ---", *bcd.output().splitlines()[-30:], sep="\n")
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -3,11 +3,10 @@ node's bcd (a real ``bcd run`` on a prepared machine tree) and keeps the generat
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
-import pytest
 import pytest_asyncio
 
 from better_compute.clients import CommandQueueClient, PkiClient
@@ -18,15 +17,6 @@ from better_compute.testing.bcd import BcdProcess, run_bcd
 from better_compute.testing.machines import prepare_machine
 
 UUID = "4c4c4544-0042-3510-8052-b4c04f4e3432"
-
-
-@pytest.fixture
-def bcds() -> Iterator[list[BcdProcess]]:
-    made: list[BcdProcess] = []
-    yield made
-    for bcd in made:
-        bcd.close()
-        print(f"--- bcd (pid {bcd.proc.pid}) ---", *bcd.output().splitlines()[-30:], sep="\n")
 
 
 @pytest_asyncio.fixture(loop_scope="session")

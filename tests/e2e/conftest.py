@@ -1,0 +1,19 @@
+"""Fixtures the end-to-end files share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from better_compute.testing.bcd import BcdProcess
+
+
+@pytest.fixture
+def bcds() -> Iterator[list[BcdProcess]]:
+    """bcd processes a test starts; each is closed after it, its last lines shown on failure."""
+    made: list[BcdProcess] = []
+    yield made
+    for bcd in made:
+        bcd.close()
+        print(f"--- bcd (pid {bcd.proc.pid}) ---", *bcd.output().splitlines()[-30:], sep="\n")
