@@ -81,8 +81,16 @@ def pct(values: list[float], p: float) -> float:
 
 
 async def bench_engine(
-    nats_url: str, db_url: str, n: int, s: int, engines: int, logs: Path, version: int, pg_pid: int | None
+    nats_url: str,
+    db_url: str,
+    n: int,
+    s: int,
+    engines: int,
+    version: int,
+    pg_pid: int | None,
+    nodes: list[str] | None,
 ) -> dict[str, Any]:
+    """``nodes``: run each workflow on its own node (created on first use, ``--on-nodes``)."""
     env = {
         **os.environ,
         "BC_NATS_URL": nats_url,
@@ -117,18 +125,24 @@ async def bench_engine(
         doc = {"id": "bench-chain", "version": version, "target": "metal", "role": "host",
                "steps": [{"use": "bench.noop"}] * s}  # fmt: skip
         await engine.create_profile(document=doc)
+        if nodes is not None and not nodes:
+            for _ in range(n):
+                node = await engine.create_node(site_id="bench-site")
+                nodes.append(node.id)
         own, pg = CpuMeter(*(p.pid for p in procs)), CpuMeter(pg_pid)
         own.start(), pg.start()
         pg0 = await pg_counters(db_url)
         t0 = time.perf_counter()
         sem = asyncio.Semaphore(64)
 
-        async def start() -> str:
+        async def start(i: int) -> str:
             async with sem:
-                wf = await engine.start_workflow(profile_id="bench-chain", profile_version=version)
+                wf = await engine.start_workflow(
+                    profile_id="bench-chain", profile_version=version, node_id=nodes[i] if nodes else None
+                )
                 return str(wf.id)
 
-        ids = await asyncio.gather(*(start() for _ in range(n)))
+        ids = await asyncio.gather(*(start(i) for i in range(n)))
         t_started = time.perf_counter()
         conn = await asyncpg.connect(db_url)
         try:
@@ -160,7 +174,7 @@ async def bench_engine(
             await conn.close()
         gaps = [float(r["gap_ms"]) for r in rows]
         return {
-            "name": f"bc-engine x{engines}",
+            "name": f"bc-engine x{engines}" + (" nodes" if nodes else ""),
             "steps": n * s,
             "elapsed": elapsed,
             "start_phase": t_started - t0,
@@ -244,23 +258,29 @@ async def main() -> None:
     ap.add_argument("--engines", type=int, default=1, help="engine processes")
     ap.add_argument("--rounds", type=int, default=3, help="alternate engine and pgqueuer runs")
     ap.add_argument("--skip-pgqueuer", action="store_true")
+    ap.add_argument(
+        "--on-nodes",
+        action="store_true",
+        help="each workflow on a node of its own (the node is read per pass)",
+    )
     args = ap.parse_args()
     state = Path(tempfile.mkdtemp(prefix="bc-bench-"))
     nats, pg = EmbeddedNats(state), EmbeddedPostgres(state, durable=True)
     try:
         nats_url, db_url = nats.start(), pg.start()
         print(f"embedded servers under {state}; {args.workflows} workflows x {args.steps} steps", flush=True)
+        nodes: list[str] | None = [] if args.on_nodes else None
         engine_runs: list[dict[str, Any]] = []
         pgq_runs: list[dict[str, Any]] = []
         header = (
-            f"{'runner':<16}{'round':>6}{'steps':>8}{'seconds':>9}{'steps/s':>10}"
+            f"{'runner':<22}{'round':>6}{'steps':>8}{'seconds':>9}{'steps/s':>10}"
             f"{'p50 ms':>9}{'p99 ms':>9}{'cpu ms':>8}{'pg ms':>7}{'xacts':>7}{'wal B':>7}{'failed':>8}"
         )
         print("\n" + header, flush=True)
         for rnd in range(1, args.rounds + 1):
             runs = [
                 await bench_engine(
-                    nats_url, db_url, args.workflows, args.steps, args.engines, state, rnd, pg.running_pid()
+                    nats_url, db_url, args.workflows, args.steps, args.engines, rnd, pg.running_pid(), nodes
                 )
             ]
             engine_runs.append(runs[0])
@@ -269,7 +289,7 @@ async def main() -> None:
                 pgq_runs.append(runs[1])
             for r in runs:
                 print(
-                    f"{r['name']:<16}{rnd:>6}{r['steps']:>8}{r['elapsed']:>9.2f}{r['rate']:>10.1f}"
+                    f"{r['name']:<22}{rnd:>6}{r['steps']:>8}{r['elapsed']:>9.2f}{r['rate']:>10.1f}"
                     f"{r['p50']:>9.2f}{r['p99']:>9.2f}{r['cpu']:>8.2f}{r['pg_cpu']:>7.2f}"
                     f"{r['xacts']:>7.2f}{r['wal']:>7.0f}{r['failed']:>8}",
                     flush=True,
