@@ -380,3 +380,24 @@ async def test_steps_see_their_workflows_node(engine: EngineService, bc_api: Api
     bare = await engine_api.start_workflow(profile_id="t-profile")
     done = await wait_workflow(bc_api, bare.id, timeout=10)
     assert [s.result for s in done.steps] == [None, None]
+
+
+async def test_a_nodes_json_columns_are_shown_as_stored(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    # the pool's codec decodes jsonb once; a value that is a JSON string stays that string (it
+    # used to be parsed again: text that looks like JSON became an object, other text INTERNAL)
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="eu8")
+    await db.execute(
+        "UPDATE engine.nodes SET last_error = to_jsonb($2::text), inventory = to_jsonb($3::text) WHERE id = $1",
+        node.id, "disk full", '{"cpus": {"cores": 8}}',
+    )  # fmt: skip
+    got = await engine_api.get_node(id=node.id)
+    assert (got.last_error, got.inventory, got.inventory_summary) == (
+        "disk full",
+        '{"cpus": {"cores": 8}}',
+        None,
+    )
+    listed = await engine_api.list_nodes(site_id="eu8")
+    assert [n.last_error for n in listed.nodes] == ["disk full"]
