@@ -390,7 +390,8 @@ async def test_a_nodes_json_columns_are_shown_as_stored(
     engine_api = EngineClient(bc_api)
     node = await engine_api.create_node(site_id="eu8")
     await db.execute(
-        "UPDATE engine.nodes SET last_error = to_jsonb($2::text), inventory = to_jsonb($3::text) WHERE id = $1",
+        "UPDATE engine.nodes SET last_error = to_jsonb($2::text), inventory = to_jsonb($3::text)"
+        " WHERE id = $1",
         node.id, "disk full", '{"cpus": {"cores": 8}}',
     )  # fmt: skip
     got = await engine_api.get_node(id=node.id)
