@@ -93,6 +93,12 @@ async def test_a_used_version_is_immutable(engine: EngineService, bc_api: ApiCli
     with pytest.raises(BcError) as e:
         await create(bc_api, "acme", doc("p", 1, [{"use": "test.noop"}]), replace=True)
     assert (e.value.code, e.value.reason) == (ErrorCode.INVALID_STATE, "profile-in-use")
+    # later starts of the pinned version (parsed once, started without a transaction of their
+    # own) run what was pinned
+    again = await wait_workflow(
+        bc_api, (await engine_api.start_workflow(tenant_id="acme", profile_id="p")).id
+    )
+    assert (again.state, len(again.steps), again.profile.version) == ("succeeded", 2, 1)
     with pytest.raises(BcError) as e:
         await engine_api.delete_profile(tenant_id="acme", id="p", version=1)
     assert (e.value.code, e.value.reason) == (ErrorCode.INVALID_STATE, "profile-in-use")

@@ -28,6 +28,7 @@ from better_compute.wire.engine import (
     WorkflowProfile,
     decode_workflow_event,
 )
+from better_compute.wire.metal import NodeBmc
 from engine_test_app import TABLES
 
 
@@ -347,3 +348,57 @@ async def test_steps_returning_strings_show_them_as_strings(engine: EngineServic
     assert [s.result for s in done.steps] == [*values, {"previous": "ok"}]
     listed = await engine_api.list_workflows(state="succeeded")
     assert wf.id in [w.id for w in listed.workflows]
+
+
+async def test_a_result_that_is_json_only_once_encoded_is_stored_as_that_json(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    # a datetime passes the step's JSON check (msgspec writes it as an ISO string); the settle
+    # stores that same text (it used to encode again with json.dumps, which refused it, and the
+    # workflow stayed running, its pass failing over and over)
+    await create_profile(bc_api, [{"use": "test.returnDatetime"}, {"use": "test.noop"}])
+    wf = await EngineClient(bc_api).start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, wf.id, timeout=10)
+    assert done.state == "succeeded", done
+    assert done.steps[0].result == {"at": "2026-01-02T03:04:05Z"}
+
+
+async def test_steps_see_their_workflows_node(engine: EngineService, bc_api: ApiClient) -> None:
+    engine_api = EngineClient(bc_api)
+    bmc = NodeBmc(driver="sim", address="sim-bmc-7", system_id="sys-1")
+    node = await engine_api.create_node(
+        site_id="eu7", labels={"rack": "r7"}, macs=["52:54:00:00:00:07"], bmc=bmc
+    )
+    await create_profile(bc_api, [{"use": "test.nodeSeen"}, {"use": "test.nodeSeen"}])
+    wf = await engine_api.start_workflow(profile_id="t-profile", node_id=node.id)
+    done = await wait_workflow(bc_api, wf.id, timeout=10)
+    assert done.state == "succeeded", done
+    seen = {"id": node.id, "siteId": "eu7", "tenantId": "root", "labels": {"rack": "r7"},
+            "macs": ["52:54:00:00:00:07"], "bmc": bmc.to_document(), "state": "enrolled"}  # fmt: skip
+    assert [s.result for s in done.steps] == [seen, seen]
+    # without a node, ctx.node is None
+    bare = await engine_api.start_workflow(profile_id="t-profile")
+    done = await wait_workflow(bc_api, bare.id, timeout=10)
+    assert [s.result for s in done.steps] == [None, None]
+
+
+async def test_a_nodes_json_columns_are_shown_as_stored(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    # the pool's codec decodes jsonb once; a value that is a JSON string stays that string (it
+    # used to be parsed again: text that looks like JSON became an object, other text INTERNAL)
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="eu8")
+    await db.execute(
+        "UPDATE engine.nodes SET last_error = to_jsonb($2::text), inventory = to_jsonb($3::text)"
+        " WHERE id = $1",
+        node.id, "disk full", '{"cpus": {"cores": 8}}',
+    )  # fmt: skip
+    got = await engine_api.get_node(id=node.id)
+    assert (got.last_error, got.inventory, got.inventory_summary) == (
+        "disk full",
+        '{"cpus": {"cores": 8}}',
+        None,
+    )
+    listed = await engine_api.list_nodes(site_id="eu8")
+    assert [n.last_error for n in listed.nodes] == ["disk full"]

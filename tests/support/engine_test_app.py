@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -146,6 +147,19 @@ async def _previous(_input: dict[str, Any], ctx: Any) -> Any:
     return {"previous": await ctx.from_step("test.returnValue")}
 
 
+async def _return_datetime(_input: dict[str, Any], _ctx: Any) -> Any:
+    # not plain JSON types, but JSON all the same (an ISO string), as msgspec encodes it
+    return {"at": datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)}
+
+
+async def _node_seen(_input: dict[str, Any], ctx: Any) -> Any:
+    node = ctx.node
+    if node is None:
+        return None
+    return {"id": node.id, "siteId": node.site_id, "tenantId": node.tenant_id, "labels": dict(node.labels),
+            "macs": list(node.macs), "bmc": node.bmc, "state": node.state}  # fmt: skip
+
+
 async def _await_power_on(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     # a command for another node than the workflow's
     got = await await_command(
@@ -233,6 +247,12 @@ return_value = define_step(
 previous = define_step(
     id="test.previous", runs_on="control-plane", timeout="1m", input=manifest({}), run=_previous
 )
+return_datetime = define_step(
+    id="test.returnDatetime", runs_on="control-plane", timeout="1m", input=manifest({}), run=_return_datetime
+)
+node_seen = define_step(
+    id="test.nodeSeen", runs_on="control-plane", timeout="1m", input=manifest({}), run=_node_seen
+)
 await_power_on = define_step(
     id="test.awaitPowerOn",
     runs_on="control-plane",
@@ -281,6 +301,8 @@ provision = provision_module(
         return_value,
         previous,
         await_power_on,
+        return_datetime,
+        node_seen,
     ],
     profiles=[chain],
     user_data=UserData(

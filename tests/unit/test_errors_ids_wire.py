@@ -8,6 +8,7 @@ import pytest
 
 from better_compute.core.errors import BcError, ErrorCode, join_path
 from better_compute.core.ids import id_time_ms, new_id, parse_id
+from better_compute.core.keys import any_workflow_command_prefix, attempt_key, workflow_command_prefix
 from better_compute.core.names import parse_name
 from better_compute.wire import Err, Ok, Subjects, decode_reply, encode_error, encode_ok, unwrap
 from better_compute.wire.codec import decode
@@ -185,3 +186,20 @@ def test_ids_and_names_are_refused_with_the_field_and_an_example() -> None:
         assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, "siteId")
         assert "e.g. 'lab-1'" in info.value.message
     assert parse_name("lab-1", path="siteId") == "lab-1"
+
+
+def _under(key: str, prefix: str) -> bool:
+    # the command queue's "key under a prefix" (the prefix itself, or it then ':' or '#')
+    return key == prefix or key.startswith(prefix + ":") or key.startswith(prefix + "#")
+
+
+def test_every_workflows_command_keys_are_under_one_prefix() -> None:
+    # bc-secrets opens a node's standing secret to any workflow's live command for the node
+    wf = new_id("wf")
+    every = any_workflow_command_prefix()
+    assert _under(workflow_command_prefix(wf), every)
+    assert _under(attempt_key(wf, 3, 1), every)
+    assert _under(attempt_key(wf, 0, 2, "boot-device"), every)
+    # the engine's own node commands (host section, discovery inventory) are not a workflow's
+    assert not _under("host:g3", every)
+    assert not _under("discovery:cert_1", every)

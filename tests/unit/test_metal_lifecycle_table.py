@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from bc_engine.documents import node_doc
-from bc_engine.relay import relay_bmc
+from bc_engine.relay import needs_bmc, relay_bmc
 from better_compute.app import better_compute
 from better_compute.cli.metal_commands import read_credentials, show_lines
 from better_compute.core.errors import BcError, ErrorCode
@@ -120,6 +120,13 @@ def test_the_engine_relays_the_nodes_bmc_to_bmc_commands_only() -> None:
         relay_bmc(app, "management.setBootDevice", {"device": "pxe"}, "node_9", None)
     assert (err.value.code, err.value.details["reason"]) == (ErrorCode.INVALID_STATE, "no-bmc")
     assert err.value.message.startswith("node node_9 has no BMC")
+    # the engine reads a node for a command only when it fills its BMC
+    assert needs_bmc(app, "power.setPower", {"action": "on"})
+    assert not needs_bmc(app, "power.setPower", given)
+    assert needs_bmc(app, "driver.invoke", invoke)
+    assert not needs_bmc(app, "driver.invoke", netboot)
+    assert not needs_bmc(app, "node.wipe", {})
+    assert not needs_bmc(app, "no.suchKind", {})
 
 
 def test_the_node_document_summarises_the_inventory() -> None:

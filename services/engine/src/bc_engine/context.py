@@ -16,7 +16,7 @@ from better_compute.provision.results import latest_result
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 from . import store
-from .relay import relay_bmc
+from .relay import needs_bmc, relay_bmc
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
 
@@ -87,8 +87,12 @@ class StepCommands:
                 {"path": "key"},
             )
         sends = list(self._step.sends or [])
-        if cmd.kind in self._engine.app.command_kinds:
-            node = await self._engine.node_info(cmd.node_id)
+        if needs_bmc(self._engine.app, cmd.kind, cmd.payload):
+            # the workflow's own node as the pass read it (ctx.node); another node read now
+            if cmd.node_id == self._wf.node_id:
+                node = await self._engine.node(self._wf)
+            else:
+                node = await self._engine.node_info(cmd.node_id)
             payload = relay_bmc(
                 self._engine.app, cmd.kind, cmd.payload, cmd.node_id, node.bmc if node is not None else None
             )

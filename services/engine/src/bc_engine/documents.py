@@ -1,11 +1,11 @@
 """What enters and leaves ``bc.api.engine.*`` besides the request Structs: the bounds of free
 fields (labels, profile documents), checked before anything is parsed or stored, and the
 replies of nodes and workflows built from their rows. Their JSON columns arrive decoded (the
-engine pool's jsonb codec): a step's result that is a string is that string, never parsed again."""
+engine pool's jsonb codec): a step's result or a node's column that is a string is that string,
+never parsed again."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any, Final
@@ -73,10 +73,6 @@ def _iso(value: Any) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def _json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
-
-
 def inventory_summary(inventory: Any) -> m.InventorySummary | None:
     """CPUs, memory, and how many disks, NICs and GPUs: what a table shows of an inventory."""
     if not isinstance(inventory, Mapping):
@@ -104,28 +100,31 @@ def node_doc(
     full: bool = False,
     current_workflow: m.CurrentWorkflow | msgspec.UnsetType | None = msgspec.UNSET,
 ) -> m.NodeView:
-    """A node; ``full`` (nodes.get) adds its inventory and host section, lists show a summary."""
+    """A node; ``full`` (nodes.get) adds its inventory and host section, lists show a summary.
+
+    Its jsonb columns come decoded once by the pool's codec: a JSON string is that string."""
+    inventory = row["inventory"]
     return m.NodeView(
         id=row["id"],
         tenant_id=row["tenant_id"],
         site_id=row["site_id"],
-        labels=_json(row["labels"]),
+        labels=row["labels"],
         macs=list(row["macs"]),
-        bmc=_json(row["bmc"]),
+        bmc=row["bmc"],
         state=row["state"],
-        state_reason=_json(row["state_reason"]),
+        state_reason=row["state_reason"],
         workflow_id=row["workflow_id"],
         power_state=row["power_state"],
         image=row["image"],
-        last_error=_json(row["last_error"]),
+        last_error=row["last_error"],
         generation=row["generation"],
         observed_generation=row["observed_generation"],
-        inventory_summary=inventory_summary(_json(row["inventory"])),
-        hardware=_json(row.get("hardware")),
+        inventory_summary=inventory_summary(inventory),
+        hardware=row.get("hardware"),
         created_at=_iso(row["created_at"]),
         updated_at=_iso(row["updated_at"]),
-        inventory=_json(row["inventory"]) if full else msgspec.UNSET,
-        host_section=_json(row["host_section"]) if full else msgspec.UNSET,
+        inventory=inventory if full else msgspec.UNSET,
+        host_section=row["host_section"] if full else msgspec.UNSET,
         current_workflow=current_workflow,
     )
 

@@ -64,6 +64,11 @@ def _superseded() -> BcError:
     )
 
 
+def _node_info(record: Any) -> NodeInfo:
+    node = store.node_row(record)
+    return NodeInfo(node.id, node.site_id, node.tenant_id, node.labels, node.macs, node.bmc, node.state)
+
+
 def _error_doc(err: BcError) -> str:
     return json.dumps({"code": err.code.value, "message": err.message, "details": err.details})
 
@@ -146,7 +151,7 @@ class Engine:
         return self._profiles[key]
 
     async def node(self, wf: WorkflowRow) -> NodeInfo | None:
-        """The workflow's node, read once per pass."""
+        """The workflow's node, read once per pass (with the pass's workflows, ``PASS_WORKFLOWS``)."""
         if wf.id not in self._nodes:
             self._nodes[wf.id] = await self._read_node(wf.node_id)
         return self._nodes[wf.id]
@@ -159,10 +164,7 @@ class Engine:
         if node_id is None:
             return None
         row = await self.db.fetchrow(store.NODE, node_id)
-        if row is None:
-            return None
-        node = store.node_row(row)
-        return NodeInfo(node.id, node.site_id, node.tenant_id, node.labels, node.macs, node.bmc, node.state)
+        return _node_info(row) if row is not None else None
 
     async def waiting(self, wf: WorkflowRow, step: StepRow, what: dict[str, Any] | None) -> None:
         """Show what the step waits for (``waitingFor`` in workflows.get), if that changed."""
@@ -197,6 +199,8 @@ class Engine:
             times = []
             for row in rows:
                 wf = store.workflow_row(row)
+                info = row["node_info"]
+                self._nodes[wf.id] = _node_info(info) if info is not None else None
                 try:
                     t = await self._advance(wf, (shard, self.instance, epoch))
                 finally:
@@ -274,8 +278,8 @@ class Engine:
             match outcome:
                 case Wait(at=at):
                     return float(min(at, deadline))
-                case Ok(result=result):
-                    settled = await self._settle_ok(wf, step, result, fence)
+                case Ok(result=result) as ok:
+                    settled = await self._settle_ok(wf, step, ok.json(), fence)
                     if settled is _LOST:
                         wf, step = await self._reload(wf, fence), None
                         continue
@@ -298,7 +302,7 @@ class Engine:
             raise FencedError(wf.id)
         return store.workflow_row(await self.db.fetchrow(store.WORKFLOW, wf.id))
 
-    async def _settle_ok(self, wf: WorkflowRow, step: StepRow, result: Any, fence: Fence) -> Any:
+    async def _settle_ok(self, wf: WorkflowRow, step: StepRow, result_json: str, fence: Fence) -> Any:
         """Settle a success and, in the same statement (one transaction, one round trip),
         start the next step or finish the workflow and queue its owner.
 
@@ -309,7 +313,7 @@ class Engine:
         owner_rkey = queue.owner_key(wf.owner, wf.id) if wf.owner else None
         row = await self.db.fetchrow(
             store.SETTLE_OK,
-            wf.id, step.idx, step.attempt, json.dumps(result), *fence,
+            wf.id, step.idx, step.attempt, result_json, *fence,
             owner_rkey, queue.shard_of(owner_rkey) if owner_rkey else None,
         )  # fmt: skip
         if not row["settled"]:

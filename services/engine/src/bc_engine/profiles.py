@@ -7,8 +7,9 @@ A stored version is immutable from the first time a workflow uses it.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
@@ -20,6 +21,7 @@ from . import store
 __all__ = ["BUILTIN_TENANT", "FoundProfile", "ProfileStore"]
 
 BUILTIN_TENANT = "builtin"
+PARSED_CACHE: Final = 256  # pinned (immutable) stored versions kept parsed, the latest used
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,11 @@ class FoundProfile:
     def shipped(self) -> bool:
         return self.tenant_id == BUILTIN_TENANT
 
+    @property
+    def immutable(self) -> bool:
+        """Shipped, or a stored version a workflow used: ``pin`` has nothing to do."""
+        return self.shipped or self.first_used_at is not None
+
     def _head(self) -> dict[str, Any]:
         return {
             "tenant_id": self.tenant_id,
@@ -40,7 +47,7 @@ class FoundProfile:
             "version": self.profile.version,
             "public": self.public or self.shipped,
             "shipped": self.shipped,
-            "immutable": self.shipped or self.first_used_at is not None,
+            "immutable": self.immutable,
             "first_used_at": self.first_used_at,
         }
 
@@ -60,14 +67,24 @@ def parse_document(document: dict[str, Any]) -> Profile:
 class ProfileStore:
     def __init__(self, app: App) -> None:
         self.shipped: dict[tuple[str, int], Profile] = {p.key: p for p in app.profiles}
+        # A pinned version never changes, so it is parsed once (every workflows.start reads it).
+        # Its first use is in the key: a version deleted and stored again is parsed anew.
+        self._parsed: OrderedDict[tuple[str, str, int, Any], Profile] = OrderedDict()
 
     def _row(self, row: Any) -> FoundProfile:
-        doc = row["document"]
-        doc = json.loads(doc) if isinstance(doc, str) else doc
         used = row["first_used_at"]
-        return FoundProfile(
-            parse_document(doc), row["tenant_id"], row["public"], used.isoformat() if used else None
-        )
+        key = (row["tenant_id"], row["id"], row["version"], used)
+        profile = self._parsed.get(key) if used is not None else None
+        if profile is None:
+            doc = row["document"]
+            profile = parse_document(json.loads(doc) if isinstance(doc, str) else doc)
+            if used is not None:
+                self._parsed[key] = profile
+                if len(self._parsed) > PARSED_CACHE:
+                    self._parsed.popitem(last=False)
+        else:
+            self._parsed.move_to_end(key)
+        return FoundProfile(profile, row["tenant_id"], row["public"], used.isoformat() if used else None)
 
     async def create(
         self, conn: Any, *, tenant_id: str, document: dict[str, Any], public: bool, replace: bool

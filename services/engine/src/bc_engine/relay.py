@@ -14,7 +14,7 @@ from typing import Any
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 
-__all__ = ["DRIVER_INVOKE", "relay_bmc"]
+__all__ = ["DRIVER_INVOKE", "needs_bmc", "relay_bmc"]
 
 DRIVER_INVOKE = "driver.invoke"
 
@@ -31,31 +31,37 @@ def _no_bmc(node_id: str) -> BcError:
     )
 
 
+def needs_bmc(app: App, kind: str, payload: Any) -> bool:
+    """Whether ``relay_bmc`` would fill in the node's BMC (so the node must be read for it)."""
+    if not isinstance(payload, Mapping):
+        return False
+    definition = app.command_kinds.get(kind)
+    if definition is None:
+        return False
+    if _takes_bmc(definition.payload.fields):
+        return payload.get("bmc") is None
+    if kind == DRIVER_INVOKE:
+        operation = app.driver_operations.get(str(payload.get("operation")))
+        given = payload.get("input")
+        return (
+            operation is not None
+            and _takes_bmc(operation.input.fields)
+            and isinstance(given, Mapping)
+            and given.get("bmc") is None
+        )
+    return False
+
+
 def relay_bmc(app: App, kind: str, payload: Any, node_id: str, bmc: Mapping[str, Any] | None) -> Any:
     """``payload`` with the node's ``bmc`` filled in where the kind takes one and it is absent.
 
     Raises:
         BcError: ``INVALID_STATE`` (reason ``no-bmc``) when the node has no BMC to relay to.
     """
-    if not isinstance(payload, Mapping):
+    if not needs_bmc(app, kind, payload):
         return payload
-    definition = app.command_kinds.get(kind)
-    if definition is None:
-        return payload
-    if _takes_bmc(definition.payload.fields):
-        if payload.get("bmc") is not None:
-            return payload
-        if bmc is None:
-            raise _no_bmc(node_id)
-        return {**payload, "bmc": dict(bmc)}
+    if bmc is None:
+        raise _no_bmc(node_id)
     if kind == DRIVER_INVOKE:
-        operation = app.driver_operations.get(str(payload.get("operation")))
-        given = payload.get("input")
-        if operation is None or not _takes_bmc(operation.input.fields) or not isinstance(given, Mapping):
-            return payload
-        if given.get("bmc") is not None:
-            return payload
-        if bmc is None:
-            raise _no_bmc(node_id)
-        return {**payload, "input": {**given, "bmc": dict(bmc)}}
-    return payload
+        return {**payload, "input": {**payload["input"], "bmc": dict(bmc)}}
+    return {**payload, "bmc": dict(bmc)}

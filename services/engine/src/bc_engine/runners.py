@@ -50,6 +50,11 @@ SERVICE_WAIT_CAP_S = 5.0  # … doubling up to this (jittered: faults.Backoff)
 @dataclass(frozen=True)
 class Ok:
     result: Any
+    encoded: str | None = None  # the result as JSON, when the runner already encoded it
+
+    def json(self) -> str:
+        """The result as JSON text, encoded once (the settle stores it)."""
+        return self.encoded if self.encoded is not None else msgspec.json.encode(self.result).decode()
 
 
 @dataclass(frozen=True)
@@ -165,8 +170,8 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
             )
         )
     try:
-        msgspec.json.encode(result)
-    except (TypeError, msgspec.EncodeError):
+        encoded = msgspec.json.encode(result).decode()  # the settle stores this text
+    except (TypeError, msgspec.EncodeError, OverflowError):
         return Fail(
             BcError(
                 ErrorCode.INTERNAL,
@@ -175,7 +180,7 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
             )
         )
     log.debug("step_ran")
-    return Ok(result)
+    return Ok(result, encoded)
 
 
 async def _service_wait(engine: Engine, wf: WorkflowRow, step: StepRow, err: ServiceUnavailableError) -> Wait:

@@ -88,7 +88,8 @@ def step_row(record: Any) -> StepRow:
 
 
 def node_row(record: Any) -> NodeRow:
-    """A fetched ``nodes`` row; JSON columns may come as text."""
+    """A fetched ``nodes`` row, or the ``node_info`` object of ``PASS_WORKFLOWS``; JSON columns may
+    come as text."""
     raw = dict(record)
     for key in ("labels", "bmc"):
         if isinstance(raw.get(key), str):
@@ -98,10 +99,14 @@ def node_row(record: Any) -> NodeRow:
 
 # -- the reconciler pass (engine.py) --------------------------------------------------------
 
-# The workflows a pass over a key looks at, with the key's work-queue seq: one round trip.
+# The workflows a pass over a key looks at, with the key's work-queue seq and each workflow's node
+# as its steps see it (``node_info``, NULL without one): one round trip.
 PASS_WORKFLOWS = (
-    "SELECT (SELECT seq FROM work_queue WHERE rkey = $1) AS queue_seq, * FROM workflows"
-    " WHERE rkey = $1 AND (state = 'running' OR cancel_commands) ORDER BY created_at"
+    "SELECT (SELECT seq FROM work_queue WHERE rkey = $1) AS queue_seq,"
+    " (SELECT json_build_object('id', n.id, 'tenant_id', n.tenant_id, 'site_id', n.site_id,"
+    "   'labels', n.labels, 'macs', n.macs, 'bmc', n.bmc, 'state', n.state)"
+    "  FROM nodes n WHERE n.id = w.node_id) AS node_info, w.* FROM workflows w"
+    " WHERE w.rkey = $1 AND (w.state = 'running' OR w.cancel_commands) ORDER BY w.created_at"
 )
 WORKFLOW = "SELECT * FROM workflows WHERE id = $1"
 SET_BATCH = "UPDATE workflows SET batch_id = $2, updated_at = now() WHERE id = $1 AND batch_id IS NULL"

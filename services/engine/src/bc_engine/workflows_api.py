@@ -20,7 +20,7 @@ from .discovery import refuse_discovered
 from .documents import workflow_doc
 from .metal_lifecycle import reopen_node
 from .node_events import Publish, node_event
-from .profiles import ProfileStore
+from .profiles import FoundProfile, ProfileStore
 from .resolve import Resolution, resolve_profile
 
 __all__ = ["WorkflowsApi"]
@@ -50,15 +50,24 @@ class WorkflowsApi:
         body = req.decode(m.StartWorkflow)
         if body.node_id is not None:
             parse_id(body.node_id, "node", path="nodeId")
-        async with self.db.transaction() as conn:
-            wf = await self.start_in(
-                conn,
-                tenant_id=body.tenant_id,
-                profile_id=body.profile_id,
-                profile_version=body.profile_version,
-                node_id=body.node_id,
-                owner=body.owner,
+        start: dict[str, Any] = {
+            "tenant_id": body.tenant_id,
+            "profile_id": body.profile_id,
+            "profile_version": body.profile_version,
+            "node_id": body.node_id,
+            "owner": body.owner,
+        }
+        async with self.db.pool.acquire() as conn:
+            found = await self.profiles.find(
+                conn, tenant_id=body.tenant_id, profile_id=body.profile_id, version=body.profile_version
             )
+            if body.node_id is None and found.immutable:
+                # Nothing to pin and no node to lock: the one statement that writes
+                # (START_WORKFLOW) is atomic alone, and a BEGIN and a COMMIT are two round trips.
+                wf = await self.start_in(conn, **start, found=found)
+            else:
+                async with conn.transaction():
+                    wf = await self.start_in(conn, **start, found=found)
         await self.wake(wf["rkey"])
         doc: m.WorkflowView = wf["doc"]
         return doc
@@ -74,15 +83,18 @@ class WorkflowsApi:
         owner: str | None,
         workflow_id: str | None = None,
         batch_id: str | None = None,
+        found: FoundProfile | None = None,
     ) -> dict[str, Any]:
         """Start a workflow inside the caller's transaction (steps start children this way).
 
         Metal gives the workflow's id and its destructive batch, made before the start (a bulk
-        verb's batch names every workflow it starts).
+        verb's batch names every workflow it starts). ``found``: the profile, when the caller
+        looked it up already.
         """
-        found = await self.profiles.find(
-            conn, tenant_id=tenant_id, profile_id=profile_id, version=profile_version
-        )
+        if found is None:
+            found = await self.profiles.find(
+                conn, tenant_id=tenant_id, profile_id=profile_id, version=profile_version
+            )
         found = await self.profiles.pin(conn, found)
         if node_id is not None:
             node = await conn.fetchrow(store.LOCK_NODE, node_id)

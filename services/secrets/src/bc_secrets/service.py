@@ -13,7 +13,7 @@ from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
-from better_compute.core.keys import step_key_prefix
+from better_compute.core.keys import any_workflow_command_prefix, step_key_prefix
 from better_compute.crypto import fetch_document, reply_public_key, seal_value, signing_payload
 from better_compute.keyring import Keyring, load_service_keyring
 from better_compute.logging import register_secret
@@ -302,7 +302,11 @@ class SecretsService(Service):
                 agent_id=verified.agent_id,
                 ref=ref,
                 # a node's standing secret: any workflow's live command for that node
-                key_prefix=(step_key_prefix(row["workflow_id"], row["step"]) if row["workflow_id"] else "wf"),
+                key_prefix=(
+                    step_key_prefix(row["workflow_id"], row["step"])
+                    if row["workflow_id"]
+                    else any_workflow_command_prefix()
+                ),
                 node_id=row["node_id"],
             )
         except BcError:

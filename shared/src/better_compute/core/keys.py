@@ -13,15 +13,23 @@ from typing import Final
 
 from .errors import BcError, ErrorCode
 
-__all__ = ["attempt_key", "step_key_prefix", "workflow_command_prefix"]
+__all__ = ["any_workflow_command_prefix", "attempt_key", "step_key_prefix", "workflow_command_prefix"]
 
 _KEY_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_WORKFLOWS: Final = "wf"
+
+
+def any_workflow_command_prefix() -> str:
+    """``wf``: every workflow's command keys are under it (``wf:<workflow_id>…``), and no other
+    command's (the engine's host-section and discovery commands are keyed apart). bc-secrets
+    opens a node's standing secret to any workflow's live command for that node by it."""
+    return _WORKFLOWS
 
 
 def workflow_command_prefix(workflow_id: str) -> str:
     """``wf:<workflow_id>``: what every command key of the workflow starts with (the workflow's
     destructive batch is keyed by it, and an abort cancels every command under it)."""
-    return f"wf:{workflow_id}"
+    return f"{_WORKFLOWS}:{workflow_id}"
 
 
 def step_key_prefix(workflow_id: str, step: int) -> str:
