@@ -34,7 +34,8 @@ def test_a_profile_step_keeps_its_retry_policy_and_writes_it_back() -> None:
     assert profile.to_document()["steps"][2]["retry"] == retry
     # the backoff doubles per failure, never above maxBackoff
     assert [policy.delay_ms(n) for n in (1, 2, 3, 4)] == [1000, 2000, 4000, 4000]
-    assert policy.retries("CONFLICT", 2) and not policy.retries("CONFLICT", 3)
+    assert policy.retries("CONFLICT", 2)
+    assert not policy.retries("CONFLICT", 3)
     assert not policy.retries("INVALID_INPUT", 1)
 
 
@@ -55,7 +56,7 @@ def test_defaults_fill_max_backoff_and_codes() -> None:
         ({"attempts": 101, "backoff": "1s"}, "steps[2].retry.attempts"),
         ({"attempts": 2, "backoff": "10s", "maxBackoff": "1s"}, "steps[2].retry.maxBackoff"),
         ({"attempts": 2, "backoff": "1s", "on": []}, "steps[2].retry.on"),
-        ({"attempts": 2, "backoff": "1s", "on": ["UNAVAILABLE", "TIMEOUT"] * 1 + ["TIMOUT"]}, "steps[2].retry.on[2]"),
+        ({"attempts": 2, "backoff": "1s", "on": ["TIMEOUT", "TIMOUT"]}, "steps[2].retry.on[1]"),
         ({"attempts": 2, "backoff": "1s", "on": ["TIMEOUT", "TIMEOUT"]}, "steps[2].retry.on[1]"),
         ({"attempts": 2, "backoff": "1s", "max_backoff": "2s"}, "steps[2].retry.max_backoff"),
     ],
@@ -77,7 +78,9 @@ def test_a_step_definition_carries_a_default_policy_only_when_retry_safe() -> No
         id="a.b", runs_on="control-plane", timeout="1m", input=manifest({}), run=_run,
         retry_safe=True, retry={"attempts": 4, "backoff": "500ms", "on": ["DRIVER_ERROR"]},
     )  # fmt: skip
-    assert step.retry is not None and step.retry.attempts == 4 and step.retry.on == ("DRIVER_ERROR",)
+    assert step.retry is not None
+    assert step.retry.attempts == 4
+    assert step.retry.on == ("DRIVER_ERROR",)
     with pytest.raises(BcError) as exc:
         define_step(
             id="a.b", runs_on="control-plane", timeout="1m", input=manifest({}), run=_run,
