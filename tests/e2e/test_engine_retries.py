@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
 from better_compute.clients import EngineClient
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx, refused
+from better_compute.testing.agents import start_sim_agent
 from better_compute.testing.workflows import wait_workflow
+from engine_stack import SIM_BMC
 
 
 @pytest.fixture
@@ -142,3 +147,37 @@ async def test_a_retry_policy_is_validated_with_paths_and_only_for_retry_safe_st
     ok = _profile("ok", {"use": "test.flaky", "with": {"times": 0}})
     rendered = await engine.render_profile(document=ok)
     assert rendered.steps[1].retry["attempts"] == 3
+
+
+async def test_a_retried_agent_step_sends_a_new_command_under_its_new_attempts_key(
+    settings: Settings, bc_processes: ServiceProcesses, bc_api: ApiClient, tmp_path: Path
+) -> None:
+    bc_processes.settings = settings
+    bc_processes.extra_env.update(BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms")
+    for name in ("bc-pki", "bc-command-queue", "bc-engine"):
+        bc_processes.start(name)
+    await bc_processes.wait_ready()
+    engine, cq = EngineClient(bc_api), CommandQueueClient(bc_api)
+    sim, _agent = await start_sim_agent(
+        settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=cq,
+        args=["--fail", "driver.invoke"],
+    )  # fmt: skip
+    try:
+        node = await engine.create_node(site_id="lab1", bmc=SIM_BMC)
+        step = {"use": "netboot.clearEntry", "on": "site", "with": {"mac": "52:54:00:00:00:01"},
+                "retry": {"attempts": 2, "backoff": "500ms", "on": ["DRIVER_ERROR"]}}  # fmt: skip
+        await engine.create_profile(document=_profile("retry-agent", step))
+        wf = await engine.start_workflow(profile_id="retry-agent", node_id=node.id)
+        done = await wait_workflow(engine, wf.id, timeout=60)
+        assert done.state == "failed"
+        assert done.steps[1].attempt == 2
+        assert [a["error"]["code"] for a in done.steps[1].attempts] == ["DRIVER_ERROR", "DRIVER_ERROR"]
+        # each attempt its own command, under its own key; the second only after the first ended
+        listed = (await cq.list_commands(workflow_id=wf.id, kind="driver.invoke")).commands
+        first, second = sorted(listed, key=lambda c: c.created_at)
+        assert (first.key, second.key) == (f"wf:{wf.id}:1#1", f"wf:{wf.id}:1#2")
+        assert (first.state, second.state) == ("failed", "failed")
+        assert second.created_at >= first.updated_at + 0.5
+        assert len([line for line in sim.executions() if "driver.invoke" in line]) == 2
+    finally:
+        sim.close()

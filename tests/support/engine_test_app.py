@@ -76,7 +76,7 @@ async def _wait_flag(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             " SET n = plg_test_checks.n + 1",
             input["flag"],
         )
-        raise step_not_ready(input["pollMs"], reason=input["reason"] or None)
+        raise step_not_ready(input["pollMs"], reason=input.get("reason"))
     return {"flag": input["flag"], "attempt": ctx.attempt}
 
 
@@ -178,7 +178,7 @@ wait_flag = define_step(
         {
             "flag": field.string(),
             "pollMs": field.int(min=1).default(200),
-            "reason": field.string().default(""),
+            "reason": field.string(min_length=1).optional(),
         }
     ),
     run=_wait_flag,

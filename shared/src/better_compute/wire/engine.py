@@ -318,6 +318,8 @@ class StepInfo(_Reply, frozen=True, kw_only=True):
     retry_safe: bool
     description: str
     input: dict[str, Any]
+    retry: Any = None
+    """The step's default retry policy (``{attempts, backoff, maxBackoff, on}``), or None."""
 
 
 class DriverOperationInfo(_Reply, frozen=True, kw_only=True):
