@@ -59,12 +59,28 @@ async def test_listed_codes_are_retried_after_a_growing_backoff_and_others_fail_
         "default": {"use": "test.flaky", "with": {"times": 2}},
         # no policy at all: fails on attempt 1
         "none": {"use": "test.failTimes", "with": {"times": 1, "code": "UNAVAILABLE"}},
+        # a long backoff: `why` names it while the step waits
+        "waiting": {
+            "use": "test.failTimes",
+            "with": {"times": 1, "code": "CONFLICT"},
+            "retry": {**policy, "backoff": "10m", "maxBackoff": "10m"},
+        },
     }
     started = {}
     for name, step in cases.items():
         await engine.create_profile(document=_profile(f"retry-{name}", step))
         started[name] = (await engine.start_workflow(profile_id=f"retry-{name}")).id
+    waiting = started.pop("waiting")
     done = {name: await wait_workflow(engine, wf_id, timeout=30) for name, wf_id in started.items()}
+
+    view = await engine.get_workflow(id=waiting)
+    assert (view.state, view.steps[1].state, view.steps[1].attempt) == ("running", "pending", 1)
+    assert view.steps[1].retry_at is not None
+    why = await engine.why(id=waiting)
+    assert "attempt 1 failed (CONFLICT: attempt 1 fails on purpose)" in why.answer
+    assert "its retry policy starts attempt 2 in 9m" in why.answer
+    assert why.reasons[0].kind == "retry-backoff"
+    await engine.abort_workflow(id=waiting)
 
     retried = done["retried"]
     assert retried.state == "succeeded", retried

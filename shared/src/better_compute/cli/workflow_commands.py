@@ -187,7 +187,8 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
             wf = await engine.workflow(id=workflow_id)
             for s in wf.steps or []:
                 now = (s.state, s.attempt)
-                if seen.get(s.index) == now or s.state == "pending":
+                retrying = s.state == "pending" and s.retry_at is not None and s.error
+                if seen.get(s.index) == now or (s.state == "pending" and not retrying):
                     continue
                 seen[s.index] = now
                 if as_json:
@@ -196,6 +197,8 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
                     tail = ""
                     if s.error:
                         tail = f"  {_error_text(s.error)}"
+                        if retrying:
+                            tail += f"; retried at {iso(s.retry_at)}"
                     elif s.state == "succeeded":
                         tail = f"  {short(s.result, 50)}"
                     at = iso(s.finished_at or s.started_at) or "-"
