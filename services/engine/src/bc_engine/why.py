@@ -227,10 +227,23 @@ class WhyApi:
                 f" (connected at site {cmd.site_id}: {names})",
                 since=_at(cmd.created_at), siteId=cmd.site_id, **facts,
             )  # fmt: skip
+        # a node's own agent (bcd) has the node's id
+        try:
+            own = [a for a in await self.cmdq.agents(site_id=cmd.site_id, limit=1000) if a.id == cmd.node_id]
+        except BcError:
+            own = []
+        if not any(a.connected for a in own):
+            seen = f"last seen {_at(own[0].last_seen)}" if own else "it never joined"
+            return _reason(
+                "no-agent",
+                f"node {cmd.node_id}'s own agent is not connected ({seen}); command {cmd.kind}"
+                f" {cmd.id} pending since {_at(cmd.created_at)}",
+                siteId=cmd.site_id, lastSeen=_at(own[0].last_seen) if own else None, **facts,
+            )  # fmt: skip
         return _reason(
             "command",
-            f"command {cmd.kind} {cmd.id} pending since {_at(cmd.created_at)}"
-            f" for node {cmd.node_id}'s own agent",
+            f"command {cmd.kind} {cmd.id} pending since {_at(cmd.created_at)} for node {cmd.node_id}'s"
+            " own agent (connected)",
             since=_at(cmd.created_at), **facts,
         )  # fmt: skip
 
