@@ -77,7 +77,7 @@ async def _wait_flag(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             " SET n = plg_test_checks.n + 1",
             input["flag"],
         )
-        raise step_not_ready(input["pollMs"])
+        raise step_not_ready(input["pollMs"], reason=input.get("reason"))
     return {"flag": input["flag"], "attempt": ctx.attempt}
 
 
@@ -127,6 +127,13 @@ async def _mint_then_fail(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     if input["wait"]:
         raise step_not_ready(200)
     raise BcError("CONFLICT", "the flag is not set", {"path": "flag", **minted})
+
+
+async def _fail_times(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    # fails its first `times` attempts with `code`, then succeeds
+    if ctx.attempt <= input["times"]:
+        raise BcError(input["code"], f"attempt {ctx.attempt} fails on purpose", {"path": "times"})
+    return {"attempt": ctx.attempt}
 
 
 async def _raise_unavailable(_input: dict[str, Any], _ctx: Any) -> dict[str, Any]:
@@ -181,7 +188,13 @@ wait_flag = define_step(
     id="test.waitFlag",
     runs_on="control-plane",
     timeout="1h",
-    input=manifest({"flag": field.string(), "pollMs": field.int(min=1).default(200)}),
+    input=manifest(
+        {
+            "flag": field.string(),
+            "pollMs": field.int(min=1).default(200),
+            "reason": field.string(min_length=1).optional(),
+        }
+    ),
     run=_wait_flag,
 )
 fail_unless_flag = define_step(
@@ -262,6 +275,25 @@ await_power_on = define_step(
     run=_await_power_on,
 )
 
+fail_times = define_step(
+    id="test.failTimes",
+    runs_on="control-plane",
+    timeout="1m",
+    retry_safe=True,
+    input=manifest({"times": field.int(min=0), "code": field.string().default("UNAVAILABLE")}),
+    run=_fail_times,
+)
+# the same, with a default retry policy of its own
+flaky = define_step(
+    id="test.flaky",
+    runs_on="control-plane",
+    timeout="1m",
+    retry_safe=True,
+    retry={"attempts": 3, "backoff": "300ms", "on": ["UNAVAILABLE"]},
+    input=manifest({"times": field.int(min=0), "code": field.string().default("UNAVAILABLE")}),
+    run=_fail_times,
+)
+
 chain = define_profile(
     id="test-chain", version=1, target="metal", role="host", steps=[{"use": "test.noop"}] * 6
 )
@@ -303,6 +335,8 @@ provision = provision_module(
         await_power_on,
         return_datetime,
         node_seen,
+        fail_times,
+        flaky,
     ],
     profiles=[chain],
     user_data=UserData(

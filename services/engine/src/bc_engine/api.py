@@ -4,7 +4,8 @@
 * ``profiles_api``: ``profiles.*`` and ``steps.list``;
 * ``workflows_api``: ``workflows.*``, and ``start_in`` (steps and metal start workflows with it);
 * ``metal_api``: ``metal.*``, enrolling and the lifecycle verbs;
-* ``images_api``: ``images.*``, the image catalog.
+* ``images_api``: ``images.*``, the image catalog;
+* ``why``: ``workflows.why``, what a node's or workflow's current step waits for.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .node_events import Publish
 from .nodes_api import NodesApi
 from .profiles import ProfileStore
 from .profiles_api import ProfilesApi
+from .why import WhyApi
 from .workflows_api import WorkflowsApi
 
 __all__ = ["EngineApi"]
@@ -46,6 +48,7 @@ class EngineApi:
         self.workflows = WorkflowsApi(app=app, db=db, profiles=self.profiles, wake=wake, publish=publish)
         self.start_in = self.workflows.start_in
         self.metal = MetalApi(self, quorum)
+        self.why = WhyApi(db=db, cmdq=quorum.cmdq) if quorum is not None else None
 
     def routes(self) -> dict[str, Callable[[ApiRequest], Awaitable[Any]]]:
         nodes, profiles, workflows = self.nodes, self.profiles_api, self.workflows
@@ -69,6 +72,7 @@ class EngineApi:
             "workflows.abort": workflows.workflows_abort,
             "workflows.retry": workflows.workflows_retry,
             "workflows.resume": workflows.workflows_resume,
+            **({"workflows.why": self.why.workflows_why} if self.why is not None else {}),
             **ImagesApi(app=self.app, db=self.db).routes(),
             **self.metal.routes(),
         }

@@ -37,6 +37,7 @@ from .attempts import cleanup_aborted, supersede
 from .context import NodeInfo
 from .profiles import BUILTIN_TENANT
 from .quorum import QuorumBatches
+from .retries import retry_delay_s
 from .runners import Fail, Ok, Outcome, Wait, run_agent_step, run_control_plane, timed_out
 from .shards import ShardLeases
 from .store import StepRow, WorkflowRow
@@ -250,6 +251,8 @@ class Engine:
                     return None
                 step = store.step_row(row)
             if step.state == "pending":
+                if step.retry_at is not None and step.retry_at.timestamp() > time.time():
+                    return step.retry_at.timestamp()  # its retry policy's backoff
                 if step.attempt > 0 and (step.sent_commands or step.minted):
                     # never issue attempt N+1 while attempt N's commands may still run, nor
                     # leave its tokens and secrets usable
@@ -291,6 +294,14 @@ class Engine:
                     if step is not None:
                         await self._event(wf, "running", step)
                 case Fail(error=error):
+                    delay = retry_delay_s(step, error)
+                    if delay is not None:
+                        retry_at = await self._settle_retry(wf, step, error, delay, fence)
+                        if retry_at is None:
+                            wf, step = await self._reload(wf, fence), None
+                            continue
+                        await self._event(wf, "pending", step, error=error)
+                        return retry_at
                     if await self._settle_failed(wf, step, error, fence):
                         await self._event(wf, "failed", step, error=error)
                         return None
@@ -334,6 +345,22 @@ class Engine:
                 return False
             await self._finish_in(conn, wf, "failed", error)
         return True
+
+    async def _settle_retry(
+        self, wf: WorkflowRow, step: StepRow, error: BcError, delay: float, fence: Fence
+    ) -> float | None:
+        """Settle a failed attempt its retry policy retries: back to pending, the next attempt
+        not before ``delay`` seconds (``retries``). Returns that moment, None when fenced."""
+        at = await self.db.fetchval(
+            store.SETTLE_RETRY, wf.id, step.idx, step.attempt, _error_doc(error), *fence, delay
+        )
+        if at is None:
+            return None
+        self.log.info(
+            "step_retry", workflow_id=wf.id, step=step.idx, attempt=step.attempt,
+            code=error.code.value, delay_s=delay,
+        )  # fmt: skip
+        return float(at.timestamp())
 
     async def _finish(self, wf: WorkflowRow, state: str, error: BcError | None, fence: Fence) -> None:
         async with self.db.transaction() as conn:

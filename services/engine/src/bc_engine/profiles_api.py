@@ -38,6 +38,7 @@ class ProfilesApi:
                 retry_safe=s.retry_safe,
                 description=s.description,
                 input=s.input.json_schema(),
+                retry=s.retry.to_document() if s.retry is not None else None,
             )
             for s in sorted(self.app.steps.values(), key=lambda s: s.id)
         ]

@@ -21,7 +21,7 @@ from typing import Any
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode, join_path
 from better_compute.core.manifest import Manifest
-from better_compute.provision import Profile, ProfileStep, Step
+from better_compute.provision import Profile, ProfileStep, RetryPolicy, Step
 from better_compute.wire import engine as m
 
 __all__ = ["MAX_STEPS", "Problem", "ResolvedStep", "resolve_profile"]
@@ -43,6 +43,7 @@ class ResolvedStep:
     timeout_ms: int
     via: str  # step, driver, fallback-step or fallback-driver
     sends: tuple[str, ...] = ()
+    retry: dict[str, Any] | None = None  # the policy, as stored (RetryPolicy.to_stored)
 
     def view(self) -> m.RenderedStep:
         return m.RenderedStep(
@@ -55,6 +56,7 @@ class ResolvedStep:
             timeout_ms=self.timeout_ms,
             via=self.via,
             sends=list(self.sends),
+            retry=self.retry,
         )
 
 
@@ -97,9 +99,13 @@ def _with_problems(input: Manifest, with_: dict[str, Any], path: str) -> list[Pr
 
 
 def _resolve_one(
-    app: App, ps: ProfileStep, idx: int, path: str, fallback: bool
+    app: App, ps: ProfileStep, idx: int, path: str, fallback: bool, retry: RetryPolicy | None = None
 ) -> ResolvedStep | list[Problem] | None:
-    """A resolved step, its problems (resolution stops there), or None (try the fallback)."""
+    """A resolved step, its problems (resolution stops there), or None (try the fallback).
+
+    ``retry`` is the profile step's own policy (a fallback resolves under its step's); a
+    registered step that is not ``retry_safe`` refuses one. A driver operation has no definition
+    to say so: the profile's policy holds (its command settled, so a retry never overlaps it)."""
     prefix = "fallback-" if fallback else ""
     step: Step | None = app.steps.get(ps.use)
     with_ = dict(ps.with_)
@@ -115,16 +121,27 @@ def _resolve_one(
             ]
         if problems := _with_problems(step.input, with_, path):
             return problems
+        if retry is not None and not step.retry_safe:
+            return [
+                Problem(
+                    join_path(path, "retry"),
+                    ErrorCode.INVALID_INPUT.value,
+                    f"step {ps.use} is not retry-safe: a failed attempt may have done part of its"
+                    " work, so it is retried only by an operator (bcx workflows retry)",
+                )
+            ]
+        policy = retry or step.retry
+        stored = policy.to_stored() if policy is not None else None
         value = step.input.validate(with_)
         timeout_ms = ps.timeout_ms or step.timeout_ms
         if step.is_agent_step:
             return ResolvedStep(
                 idx, ps.use, step.runs_on, "agent", step.command, value, timeout_ms,
-                prefix + "step",
+                prefix + "step", retry=stored,
             )  # fmt: skip
         return ResolvedStep(
             idx, ps.use, "control-plane", "control-plane", None, value, timeout_ms,
-            prefix + "step", tuple(step.sends),
+            prefix + "step", tuple(step.sends), stored,
         )  # fmt: skip
     operation = app.driver_operations.get(ps.use)
     if ps.on in AGENTS and operation is not None:
@@ -141,6 +158,7 @@ def _resolve_one(
         return ResolvedStep(
             idx, ps.use, ps.on, "driver", DRIVER_INVOKE, payload,
             ps.timeout_ms or DEFAULT_DRIVER_TIMEOUT_MS, prefix + "driver",
+            retry=retry.to_stored() if retry is not None else None,
         )  # fmt: skip
     return None
 
@@ -182,9 +200,11 @@ def resolve_profile(app: App, profile: Profile, *, has_node: bool | None = None)
         return out
     for idx, ps in enumerate(profile.steps):
         path = f"steps[{idx}]"
-        got = _resolve_one(app, ps, idx, path, fallback=False)
+        got = _resolve_one(app, ps, idx, path, fallback=False, retry=ps.retry)
         if got is None and ps.fallback is not None:
-            got = _resolve_one(app, ps.fallback, idx, join_path(path, "fallback"), fallback=True)
+            got = _resolve_one(
+                app, ps.fallback, idx, join_path(path, "fallback"), fallback=True, retry=ps.retry
+            )
         if got is None:
             got = [_unknown(app, ps, path)]
         if isinstance(got, list):

@@ -145,8 +145,10 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
                 for rkey in children.started:
                     await engine.wake(rkey)
     except StepNotReady as nr:
-        if step.waiting_for:
-            await engine.waiting(wf, step, None)  # it got past what it waited for
+        # what the step says it waits for (its own reason), else it got past what it waited for
+        what = {"reason": "step-not-ready", "message": nr.reason} if nr.reason else None
+        if step.waiting_for != what:
+            await engine.waiting(wf, step, what)
         return Wait(time.time() + nr.retry_after_ms / 1000)
     except ServiceUnavailableError as err:
         # One of our own services is away (not the step's verdict): run the step again

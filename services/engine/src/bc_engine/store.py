@@ -60,6 +60,10 @@ class StepRow(msgspec.Struct, kw_only=True):
     sent_commands: bool = False
     minted: list[str] = []
     waiting_for: Any = None
+    retry: Any = None
+    retry_at: datetime | None = None
+    attempts: list[Any] = []
+    retry_base: int = 0
 
     @property
     def step(self) -> int:
@@ -125,6 +129,7 @@ UPDATE workflow_steps SET state = 'running', attempt = attempt + 1, started_at =
     command_id = NULL
 WHERE workflow_id = $1 AND state = 'pending'
   AND (attempt = 0 OR NOT (sent_commands OR cardinality(minted) > 0))
+  AND (retry_at IS NULL OR retry_at <= clock_timestamp())
   AND idx = (SELECT min(idx) FROM workflow_steps WHERE workflow_id = $1 AND state <> 'succeeded')
   AND EXISTS (SELECT 1 FROM shard_leases WHERE shard = $2 AND owner = $3 AND epoch = $4
               AND expires_at > now())
@@ -185,14 +190,30 @@ SELECT EXISTS (SELECT 1 FROM settled) AS settled,
        (SELECT row_to_json(started) FROM started) AS next,
        (SELECT count(*) FROM owner_queued) AS owner_queued
 """
-# $1 workflow, $2 idx, $3 attempt, $4 error, $5-$7 the fence.
+# $1 workflow, $2 idx, $3 attempt, $4 error, $5-$7 the fence. The failed attempt joins the step's
+# attempts (its error and times), so an operator's retry still shows it.
 SETTLE_FAILED = """
 UPDATE workflow_steps SET state = 'failed', result = NULL, error = $4, finished_at = clock_timestamp(),
-    waiting_for = NULL
+    waiting_for = NULL,
+    attempts = attempts || jsonb_build_array(jsonb_build_object('attempt', attempt,
+        'startedAt', started_at, 'finishedAt', clock_timestamp(), 'error', $4::jsonb))
 WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3
   AND EXISTS (SELECT 1 FROM shard_leases WHERE shard = $5 AND owner = $6 AND epoch = $7
               AND expires_at > now())
 RETURNING true
+"""
+# A failed attempt its retry policy retries: the step goes back to pending, its next attempt not
+# before $8 seconds from now. $1 workflow, $2 idx, $3 attempt, $4 error, $5-$7 the fence, $8 delay.
+SETTLE_RETRY = """
+UPDATE workflow_steps SET state = 'pending', result = NULL, error = $4, finished_at = clock_timestamp(),
+    waiting_for = NULL, retry_at = clock_timestamp() + make_interval(secs => $8),
+    attempts = attempts || jsonb_build_array(jsonb_build_object('attempt', attempt,
+        'startedAt', started_at, 'finishedAt', clock_timestamp(), 'error', $4::jsonb,
+        'retryAt', clock_timestamp() + make_interval(secs => $8)))
+WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3
+  AND EXISTS (SELECT 1 FROM shard_leases WHERE shard = $5 AND owner = $6 AND epoch = $7
+              AND expires_at > now())
+RETURNING retry_at
 """
 FINISH_WORKFLOW = (
     "UPDATE workflows SET state = $2, error = $3, finished_at = now(), updated_at = now()"
@@ -314,7 +335,8 @@ DETACH_NODE_WORKFLOWS = "UPDATE workflows SET node_id = NULL WHERE node_id = $1"
 DELETE_NODE = "DELETE FROM nodes WHERE id = $1"
 # The workflow running on a node, other than $2 (NULL: any).
 NODE_BUSY = "SELECT id FROM workflows WHERE node_id = $1 AND state = 'running' AND id IS DISTINCT FROM $2"
-# A workflow, its steps and its work-queue entry in one statement. $18 the key's shard.
+# A workflow, its steps and its work-queue entry in one statement. $18 the key's shard, $19 each
+# step's retry policy (JSON null for none).
 START_WORKFLOW = """
 WITH wf AS (
     INSERT INTO workflows (id, tenant_id, node_id, rkey, shard, profile_tenant, profile_id,
@@ -323,12 +345,12 @@ WITH wf AS (
     RETURNING *
 ), steps AS (
     INSERT INTO workflow_steps (workflow_id, idx, action, runs_on, mode, command, input, timeout_ms,
-                                state, sends)
+                                state, sends, retry)
     SELECT $1, s.idx, s.action, s.runs_on, s.mode, s.command, s.input, s.timeout_ms, 'pending',
-           ARRAY(SELECT jsonb_array_elements_text(s.sends))
+           ARRAY(SELECT jsonb_array_elements_text(s.sends)), s.retry
     FROM unnest($10::int[], $11::text[], $12::text[], $13::text[], $14::text[], $15::jsonb[],
-                $16::bigint[], $17::jsonb[])
-         AS s(idx, action, runs_on, mode, command, input, timeout_ms, sends)
+                $16::bigint[], $17::jsonb[], $19::jsonb[])
+         AS s(idx, action, runs_on, mode, command, input, timeout_ms, sends, retry)
     RETURNING 1
 ), queued AS (
     INSERT INTO work_queue (rkey, shard, not_before) VALUES ($4, $18, now())
@@ -367,8 +389,9 @@ ABORT_WORKFLOW = (
     " cancel_commands = $2, error = $3 WHERE id = $1"
 )
 # Retry and resume: the step that stopped the workflow goes back to pending.
+# Its retry policy counts attempts afresh from there (retry_base).
 REOPEN_STEP = (
-    "UPDATE workflow_steps SET state = 'pending', finished_at = NULL"
+    "UPDATE workflow_steps SET state = 'pending', finished_at = NULL, retry_base = attempt, retry_at = NULL"
     " WHERE workflow_id = $1 AND idx = (SELECT min(idx) FROM workflow_steps"
     "   WHERE workflow_id = $1 AND state = ANY($2::text[]))"
 )

@@ -117,7 +117,7 @@ class WorkflowsApi:
             {"workflow_id": wf_id, "idx": s.idx, "action": s.action, "runs_on": s.runs_on, "mode": s.mode,
              "command": s.command, "input": s.input, "timeout_ms": s.timeout_ms, "state": "pending",
              "attempt": 0, "started_at": None, "deadline": None, "finished_at": None, "result": None,
-             "error": None, "command_id": None, "sends": list(s.sends)}
+             "error": None, "command_id": None, "sends": list(s.sends), "retry": s.retry}
             for s in res.steps
         ]  # fmt: skip
         row = await conn.fetchrow(
@@ -128,6 +128,7 @@ class WorkflowsApi:
             [st["mode"] for st in steps], [st["command"] for st in steps],
             [json.dumps(st["input"]) for st in steps], [st["timeout_ms"] for st in steps],
             [json.dumps(st["sends"]) for st in steps], queue.shard_of(rkey),
+            [json.dumps(st["retry"]) for st in steps],
         )  # fmt: skip
         if batch_id is not None:
             row = await conn.fetchrow(store.SET_BATCH_RETURNING, wf_id, batch_id)

@@ -25,8 +25,9 @@ from ..metal.lifecycle import VERBS, parse_bmc_url, parse_selector
 from ..wire.codec import convert
 from ..wire.engine import NodeView
 from ..wire.metal import NodeBmc, VerbName
-from .common import api_client, engine_client, parse_labels
+from .common import api_client, as_rows, engine_client, parse_labels
 from .output import print_json, print_table
+from .why_commands import why_line
 
 __all__ = ["read_credentials", "register"]
 
@@ -196,10 +197,13 @@ def show_lines(node: NodeView) -> list[str]:
 async def nodes_show(args: argparse.Namespace, settings: Settings) -> int:
     async with engine_client(settings) as engine:
         node = await engine.get_node(id=args.id)
+        why = await why_line(engine, node.id)
     if args.json:
-        print_json(node)
+        print_json({**as_rows([node])[0], "why": why} if why is not None else node)
     else:
         print("\n".join(show_lines(node)))
+        if why is not None:
+            print(f"why         {why.answer}")
     return 0
 
 

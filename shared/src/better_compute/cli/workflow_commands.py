@@ -23,6 +23,7 @@ from ..wire.engine import (
 from .common import as_rows, engine_client, short
 from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
+from .why_commands import why_line
 
 __all__ = ["register"]
 
@@ -30,7 +31,7 @@ FINISHED = ("succeeded", "failed", "aborted")
 
 
 def _error_text(error: Any) -> str:
-    return f"{error['code']}: {error['message']}"
+    return f"{error.get('code')}: {error.get('message')}"
 
 
 def _print_steps(wf: WorkflowView) -> None:
@@ -73,16 +74,43 @@ async def workflows_start(args: argparse.Namespace, settings: Settings) -> int:
 async def workflows_get(args: argparse.Namespace, settings: Settings) -> int:
     async with engine_client(settings) as engine:
         wf = await engine.workflow(id=args.id)
+        why = await why_line(engine, wf.id) if wf.state == "running" else None
     if args.json:
-        print_json(wf)
+        print_json({**as_rows([wf])[0], "why": why} if why is not None else wf)
         return 0
     p = wf.profile
     where = f"profile {p.id}@{p.version} ({p.tenant_id})  node {wf.node_id or '-'}"
     print(f"{wf.id}  {wf.state}  {where}")
     if wf.error:
         print(f"error: {_error_text(wf.error)}")
+    if why is not None:
+        print(f"why: {why.answer}")
     _print_steps(wf)
+    _print_attempts(wf)
     return 0
+
+
+def _print_attempts(wf: WorkflowView) -> None:
+    """Each step's earlier failed attempts and its retry policy, under the steps' table."""
+    for s in wf.steps or []:
+        if not s.attempts and not s.retry:
+            continue
+        policy = s.retry or {}
+        head = f"step {s.index} {s.action}"
+        if policy:
+            head += (
+                f"  retry: {policy.get('attempts')} attempts, backoff {policy.get('backoff')}"
+                f" to {policy.get('maxBackoff')}, on {','.join(policy.get('on') or [])}"
+            )
+        print(head)
+        for a in s.attempts:
+            line = f"  attempt {a.get('attempt')}  {iso(a.get('startedAt')) or '-'}  failed"
+            line += f" {iso(a.get('finishedAt')) or '-'}  {_error_text(a.get('error') or {})}"
+            if a.get("retryAt"):
+                line += f"  retried {iso(a['retryAt'])}"
+            print(line)
+        if s.state == "pending" and s.retry_at:
+            print(f"  attempt {s.attempt + 1} not before {iso(s.retry_at)}")
 
 
 async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -159,7 +187,8 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
             wf = await engine.workflow(id=workflow_id)
             for s in wf.steps or []:
                 now = (s.state, s.attempt)
-                if seen.get(s.index) == now or s.state == "pending":
+                retrying = s.state == "pending" and s.retry_at is not None and s.error
+                if seen.get(s.index) == now or (s.state == "pending" and not retrying):
                     continue
                 seen[s.index] = now
                 if as_json:
@@ -168,6 +197,8 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
                     tail = ""
                     if s.error:
                         tail = f"  {_error_text(s.error)}"
+                        if retrying:
+                            tail += f"; retried at {iso(s.retry_at)}"
                     elif s.state == "succeeded":
                         tail = f"  {short(s.result, 50)}"
                     at = iso(s.finished_at or s.started_at) or "-"

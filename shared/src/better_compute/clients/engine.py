@@ -38,6 +38,8 @@ from ..wire.engine import (
     StartWorkflow,
     StepList,
     UpdateNode,
+    Why,
+    WhyAnswer,
     WorkflowList,
     WorkflowStep,
     WorkflowVerb,
@@ -249,6 +251,11 @@ class EngineClient(ServiceClient):
             before=before,
         )
         return await self._call("workflows.list", req, WorkflowList)
+
+    async def why(self, *, id: str) -> WhyAnswer:
+        """What the current step of a node's workflow (``node_…``: its running one, else its
+        latest) or of a workflow (``wf_…``) waits for: one sentence and its parts."""
+        return await self._call("workflows.why", Why(id=id), WhyAnswer)
 
     async def abort_workflow(self, *, id: str, reason: str | None = None) -> WorkflowView:
         return await self._call("workflows.abort", WorkflowVerb(id=id, reason=reason), WorkflowView)

@@ -13,6 +13,7 @@ from .profiles import (
     profile_from_document,
 )
 from .results import latest_result, rendered_user_data
+from .retry import RetryPolicy, parse_retry
 from .steps import Step, define_step
 from .templates import TEMPLATE_VARIABLES, UserData, render_template, template_variables
 from .userdata import ProvisionedTarget, provisioned_target_resolver
@@ -32,6 +33,7 @@ __all__ = [
     "ProfileStep",
     "ProvisionModule",
     "ProvisionedTarget",
+    "RetryPolicy",
     "Secrets",
     "Sql",
     "Step",
@@ -45,6 +47,7 @@ __all__ = [
     "define_step",
     "latest_result",
     "parse_label_expression",
+    "parse_retry",
     "profile_from_document",
     "provision_module",
     "provisioned_target_resolver",

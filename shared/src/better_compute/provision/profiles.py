@@ -16,10 +16,12 @@ Document fields::
     image        "name@version"               catalog reference
     userData     {kind, template?, tokenTtlSeconds?}
     hostConfig   {units: [{name, settings?, when?}]}
-    steps        [{use, on?, with?, timeout?, fallback?: {use, on?, with?, timeout?}}]
+    steps        [{use, on?, with?, timeout?, retry?, fallback?: {use, on?, with?, timeout?}}]
 
 ``timeout`` on a profile step overrides the step's own deadline, and gives one to a driver
 operation (``use: bmc.reset, on: site``), which has no step definition to take it from.
+``retry`` (``{attempts, backoff, maxBackoff?, on?}``, ``provision.retry``) replaces the step's
+own default retry policy.
 Every refusal is ``INVALID_CONFIG`` with ``details.path`` (``steps[2].with``, ``userData.kind``).
 """
 
@@ -45,6 +47,7 @@ from ._names import (
     matches,
 )
 from .labels import parse_label_expression
+from .retry import RetryPolicy, parse_retry
 from .steps import PLACES, Place
 
 __all__ = [
@@ -83,7 +86,7 @@ _FIELDS: Final = (
     "id", "version", "target", "role", "description", "adopt",
     "image", "userData", "hostConfig", "steps",
 )  # fmt: skip
-_STEP_FIELDS: Final = ("use", "on", "with", "timeout", "fallback")
+_STEP_FIELDS: Final = ("use", "on", "with", "timeout", "retry", "fallback")
 _FALLBACK_FIELDS: Final = ("use", "on", "with", "timeout")
 _USER_DATA_FIELDS: Final = ("kind", "template", "tokenTtlSeconds")
 _UNIT_FIELDS: Final = ("name", "settings", "when")
@@ -96,13 +99,14 @@ def _bad(path: str, message: str) -> BcError:
 
 @dataclass(frozen=True, kw_only=True)
 class ProfileStep:
-    """One ``{use, on?, with?, timeout?, fallback?}`` entry of a profile, frozen."""
+    """One ``{use, on?, with?, timeout?, retry?, fallback?}`` entry of a profile, frozen."""
 
     use: str
     on: Place | None
     with_: Mapping[str, Any]
     timeout: str | None
     fallback: ProfileStep | None
+    retry: RetryPolicy | None = None
 
     @property
     def timeout_ms(self) -> int | None:
@@ -118,6 +122,8 @@ class ProfileStep:
             doc["with"] = thaw_json(self.with_)
         if self.timeout is not None:
             doc["timeout"] = self.timeout
+        if self.retry is not None:
+            doc["retry"] = self.retry.to_document()
         if self.fallback is not None:
             doc["fallback"] = self.fallback.to_document()
         return doc
@@ -358,10 +364,11 @@ def _step(value: object, path: str, allowed: tuple[str, ...]) -> ProfileStep:
         timeout_path = join_path(path, "timeout")
         if parse_duration(timeout, path=timeout_path, code=ErrorCode.INVALID_CONFIG) <= 0:
             raise _bad(timeout_path, "timeout must be longer than zero")
+    retry = parse_retry(raw["retry"], join_path(path, "retry")) if "retry" in raw else None
     fallback = None
     if "fallback" in raw:
         fallback = _step(raw["fallback"], join_path(path, "fallback"), _FALLBACK_FIELDS)
-    return ProfileStep(use=use, on=on, with_=frozen_with, timeout=timeout, fallback=fallback)
+    return ProfileStep(use=use, on=on, with_=frozen_with, timeout=timeout, fallback=fallback, retry=retry)
 
 
 def _user_data(value: object) -> ProfileUserData:

@@ -11,13 +11,15 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import Manifest, parse_duration
 from better_compute.core.plugins import DOTTED_NAME_PATTERN, as_tuple, is_dotted_name
+
+from .retry import RetryPolicy, parse_retry
 
 if TYPE_CHECKING:
     from .context import StepContext
@@ -64,6 +66,7 @@ class Step:
     sends: tuple[str, ...]
     retry_safe: bool
     description: str
+    retry: RetryPolicy | None = None
 
     @property
     def is_agent_step(self) -> bool:
@@ -94,6 +97,7 @@ def define_step(
     sends: tuple[str, ...] | list[str] = (),
     retry_safe: bool = False,
     description: str = "",
+    retry: RetryPolicy | Mapping[str, Any] | None = None,
 ) -> Step:
     """Check a step's shape and return it frozen (``step.extension == "step"``).
 
@@ -110,8 +114,11 @@ def define_step(
             in ``on:`` for this step.
         sends: control-plane steps only; command kinds the step enqueues, so the workflow's
             destructive batch covers them.
-        retry_safe: whether a failed attempt may simply be retried (not read by the engine yet).
+        retry_safe: whether a failed attempt may simply be run again as a new attempt. Only a
+            retry-safe step may have a retry policy (its own default or a profile's).
         description: one line for people.
+        retry: the default retry policy of the step (``{"attempts": 3, "backoff": "2s",
+            "maxBackoff": "30s", "on": ["UNAVAILABLE"]}``); a profile step's ``retry`` replaces it.
 
     Raises:
         BcError: ``INVALID_CONFIG`` with ``details.path`` naming the bad argument.
@@ -129,6 +136,9 @@ def define_step(
         raise _bad("retry_safe", "retry_safe must be a boolean")
     if not isinstance(description, str):
         raise _bad("description", "description must be a string")
+    policy = parse_retry(retry, "retry") if retry is not None else None
+    if policy is not None and not retry_safe:
+        raise _bad("retry", "only a retry_safe step retries on its own: set retry_safe=True or drop retry")
     relay_list = as_tuple(relays, "relays")
     send_list = as_tuple(sends, "sends")
 
@@ -163,6 +173,7 @@ def define_step(
         sends=send_list,
         retry_safe=retry_safe,
         description=description,
+        retry=policy,
     )
 
 

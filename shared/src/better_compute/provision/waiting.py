@@ -6,9 +6,10 @@ from typing import Final
 
 from better_compute.core.errors import BcError, ErrorCode
 
-__all__ = ["DEFAULT_NOT_READY_MS", "StepNotReady", "step_not_ready"]
+__all__ = ["DEFAULT_NOT_READY_MS", "MAX_REASON_CHARS", "StepNotReady", "step_not_ready"]
 
 DEFAULT_NOT_READY_MS: Final = 5_000
+MAX_REASON_CHARS: Final = 300
 
 
 class StepNotReady(Exception):  # noqa: N818 - the page's name; a signal to wait, not an error
@@ -17,25 +18,37 @@ class StepNotReady(Exception):  # noqa: N818 - the page's name; a signal to wait
 
     Args:
         retry_after_ms: positive whole milliseconds.
+        reason: what the step waits for, in a few words (``"no DHCP lease for 52:54:…"``);
+            the engine keeps it as the step's ``waitingFor`` and ``bcx why`` says it. Never a
+            secret: it is shown to operators.
 
     Raises:
-        BcError: ``INVALID_INPUT`` at ``ms`` for anything but a positive int.
+        BcError: ``INVALID_INPUT`` at ``ms`` for anything but a positive int, at ``reason`` for
+        anything but a string of at most ``MAX_REASON_CHARS``.
     """
 
-    def __init__(self, retry_after_ms: int = DEFAULT_NOT_READY_MS) -> None:
+    def __init__(self, retry_after_ms: int = DEFAULT_NOT_READY_MS, reason: str | None = None) -> None:
         if isinstance(retry_after_ms, bool) or not isinstance(retry_after_ms, int) or retry_after_ms <= 0:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 f"step_not_ready takes positive whole milliseconds, got {retry_after_ms!r}",
                 {"path": "ms"},
             )
-        super().__init__(f"step not ready, retry in {retry_after_ms} ms")
+        if reason is not None and (not isinstance(reason, str) or not 0 < len(reason) <= MAX_REASON_CHARS):
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"step_not_ready's reason is a string of 1 to {MAX_REASON_CHARS} characters",
+                {"path": "reason"},
+            )
+        super().__init__(f"step not ready, retry in {retry_after_ms} ms" + (f": {reason}" if reason else ""))
         self.retry_after_ms = retry_after_ms
+        self.reason = reason
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (StepNotReady, (self.retry_after_ms,))
+        return (StepNotReady, (self.retry_after_ms, self.reason))
 
 
-def step_not_ready(ms: int = DEFAULT_NOT_READY_MS) -> StepNotReady:
-    """The exception to raise when a step must wait: ``raise step_not_ready(2000)``."""
-    return StepNotReady(ms)
+def step_not_ready(ms: int = DEFAULT_NOT_READY_MS, *, reason: str | None = None) -> StepNotReady:
+    """The exception to raise when a step must wait: ``raise step_not_ready(2000)``, or with
+    what it waits for: ``raise step_not_ready(2000, reason="no lease for 52:54:00:00:00:01")``."""
+    return StepNotReady(ms, reason)

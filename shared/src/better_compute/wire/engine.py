@@ -69,6 +69,9 @@ __all__ = [
     "StepList",
     "UpdateNode",
     "VerbApplied",
+    "Why",
+    "WhyAnswer",
+    "WhyReason",
     "WorkflowEvent",
     "WorkflowFinished",
     "WorkflowList",
@@ -315,6 +318,8 @@ class StepInfo(_Reply, frozen=True, kw_only=True):
     retry_safe: bool
     description: str
     input: dict[str, Any]
+    retry: Any = None
+    """The step's default retry policy (``{attempts, backoff, maxBackoff, on}``), or None."""
 
 
 class DriverOperationInfo(_Reply, frozen=True, kw_only=True):
@@ -395,6 +400,9 @@ class RenderedStep(_Reply, frozen=True, kw_only=True):
     timeout_ms: int
     via: str
     sends: list[str]
+    retry: Any = None
+    """The retry policy the step would run under (``{attempts, backoff, maxBackoff, on,
+    backoffMs, maxBackoffMs}``), or None."""
 
 
 class ProfileRendering(_Reply, frozen=True, kw_only=True):
@@ -426,6 +434,13 @@ class WorkflowStep(_Reply, frozen=True, kw_only=True):
     command_id: str | None
     waiting_for: Any
     """What a pending or running step waits for; None otherwise."""
+    retry: Any = None
+    """The step's retry policy (``{attempts, backoff, maxBackoff, on, …}``), or None."""
+    retry_at: str | None = None
+    """When a step its policy retries starts its next attempt (while it is pending)."""
+    attempts: list[Any] = msgspec.field(default_factory=list)
+    """Its earlier failed attempts, oldest first: ``{attempt, startedAt, finishedAt, error,
+    retryAt?}`` (``retryAt`` when the policy retried it)."""
 
 
 class WorkflowView(_Reply, frozen=True, kw_only=True):
@@ -451,6 +466,40 @@ class WorkflowView(_Reply, frozen=True, kw_only=True):
 class WorkflowList(_Reply, frozen=True, kw_only=True):
     workflows: list[WorkflowView]
     next: str | None = None
+
+
+class Why(_Req, frozen=True, kw_only=True):
+    """``workflows.why``: what a node's or a workflow's current step waits for. ``id`` is a
+    node id (its running workflow, else its latest) or a workflow id."""
+
+    id: str
+
+
+class WhyReason(_Reply, frozen=True, kw_only=True):
+    """One thing the step waits for, read from the stores.
+
+    ``kind``: ``no-agent`` (no connected agent at the command's site), ``command`` (a command
+    pending, dispatched or running), ``batch-approval``, ``step-not-ready`` (the step's own
+    reason), ``service-unavailable``, ``previous-attempt-running``, ``retry-backoff``,
+    ``running`` (a control-plane step running in the engine), ``deadline``, ``bmc-error`` (the
+    node's last failed command, as its agent reported it), ``finished``, ``idle``."""
+
+    kind: str
+    text: str
+    facts: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class WhyAnswer(_Reply, frozen=True, kw_only=True):
+    """``workflows.why``: ``answer`` is the one sentence; ``reasons`` its parts."""
+
+    node_id: str | None
+    workflow_id: str | None
+    workflow_state: str | None
+    step: CurrentStep | None = None
+    attempt: int | None = None
+    waiting: bool
+    answer: str
+    reasons: list[WhyReason]
 
 
 # -- events on bc.events.workflow.<id> ----------------------------------------------------

@@ -54,7 +54,8 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             "role": cert.role,
             "joinedAt": cert.created_at.isoformat(),
         }
-    raise step_not_ready(POLL_MS)
+    after = f" since {since.strftime('%Y-%m-%dT%H:%M:%SZ')}" if since is not None else ""
+    raise step_not_ready(POLL_MS, reason=f"no {' or '.join(roles)} agent of node {node.id} joined{after} yet")
 
 
 wait_agent_joined = define_step(

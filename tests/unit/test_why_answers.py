@@ -1,0 +1,77 @@
+"""The parts of a ``workflows.why`` answer built from the command-queue's views (a fake queue:
+the end-to-end tests in tests/e2e/test_engine_why.py drive the real one)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bc_engine.why import WhyApi, _in
+from better_compute.core.errors import BcError
+from better_compute.wire.cmdq import AgentView, BatchView, CommandView
+
+
+class FakeQueue:
+    def __init__(self, agents: list[AgentView], batch: BatchView | None = None) -> None:
+        self._agents = agents
+        self._batch = batch
+
+    async def agents(self, **_: Any) -> list[AgentView]:
+        return self._agents
+
+    async def get_batch(self, *, id: str) -> BatchView:
+        if self._batch is None:
+            raise BcError("NOT_FOUND", f"no batch {id}")
+        return self._batch
+
+    async def quorum(self) -> Any:
+        raise BcError("UNAVAILABLE", "away")
+
+
+def _cmd(**over: Any) -> CommandView:
+    base: dict[str, Any] = dict(
+        id="cmd_1", node_id="node_1", site_id="lab1", kind="node.converge", key="wf:wf_1:0#1",
+        state="pending", target="node", created_at=time.time() - 5, updated_at=time.time() - 5,
+    )  # fmt: skip
+    return CommandView(**{**base, **over})
+
+
+def _agent(id: str, *, connected: bool, role: str = "node", last_seen: float = 1_764_570_000.0) -> AgentView:
+    return AgentView(
+        id=id, site_id="lab1", tenant_id="root", role=role, cert_id="cert_1", connected=connected,
+        connected_at=last_seen, last_seen=last_seen,
+    )  # fmt: skip
+
+
+async def test_a_command_for_a_nodes_own_agent_names_that_agent_missing_or_there() -> None:
+    why = WhyApi(db=None, cmdq=FakeQueue([_agent("node_1", connected=False)]))  # type: ignore[arg-type]
+    part = await why._command(_cmd())
+    assert part.kind == "no-agent"
+    assert part.text.startswith("node node_1's own agent is not connected (last seen 2025-12-01T06:20:00Z)")
+    never = WhyApi(db=None, cmdq=FakeQueue([]))  # type: ignore[arg-type]
+    assert "(it never joined)" in (await never._command(_cmd())).text
+    there = WhyApi(db=None, cmdq=FakeQueue([_agent("node_1", connected=True)]))  # type: ignore[arg-type]
+    part = await there._command(_cmd())
+    assert (part.kind, part.text.endswith("own agent (connected)")) == ("command", True)
+
+
+async def test_a_site_command_names_the_connected_agents_or_the_last_one_seen() -> None:
+    cmd = _cmd(kind="power.setPower", target="site")
+    gone = [_agent("agent_a", connected=False, role="site", last_seen=1_764_570_000.0),
+            _agent("agent_b", connected=False, role="site", last_seen=1_764_570_060.0)]  # fmt: skip
+    part = await WhyApi(db=None, cmdq=FakeQueue(gone))._command(cmd)  # type: ignore[arg-type]
+    assert part.text.startswith("no connected agent at site lab1 (last seen 2025-12-01T06:21:00Z: agent_b)")
+    assert part.facts["agentId"] == "agent_b"
+    here = [_agent("agent_c", connected=True, role="site")]
+    part = await WhyApi(db=None, cmdq=FakeQueue(here))._command(cmd)  # type: ignore[arg-type]
+    assert "(connected at site lab1: agent_c)" in part.text
+    running = _cmd(kind="power.setPower", target="site", state="running", agent_id="agent_c", progress="50%")
+    part = await WhyApi(db=None, cmdq=FakeQueue(here))._command(running)  # type: ignore[arg-type]
+    assert "running since " in part.text
+    assert part.text.endswith("on agent agent_c (50%)")
+
+
+def test_durations_read_as_people_say_them() -> None:
+    assert [_in(s) for s in (0, 59.6, 119, 120, 3599, 7200, 90000)] == [
+        "0s", "60s", "119s", "2m00s", "59m59s", "2h00m", "25h00m",
+    ]  # fmt: skip
