@@ -147,7 +147,7 @@ def _step(s: Any) -> m.WorkflowStep:
         waiting_for=s.get("waiting_for") if s["state"] in ("pending", "running") else None,
         retry=s.get("retry"),
         retry_at=_iso(s.get("retry_at")) if s["state"] == "pending" else None,
-        attempts=list(_json(s.get("attempts")) or []),
+        attempts=list(s.get("attempts") or []),
     )
 
 
