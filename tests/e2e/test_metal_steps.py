@@ -285,11 +285,19 @@ async def test_deploy_with_the_shipped_profile_writes_the_signed_image_and_the_o
     await stack.agent("site-h")
     node = await enrolled(stack, "site-h")
     _SITES[node] = "site-h"
-    conn = await asyncpg.connect(stack.settings.database_url)
-    try:  # commissioned already (metal.commission: the inspect test's steps and a wipe)
-        await conn.execute("UPDATE engine.nodes SET state = 'ready' WHERE id = $1", node)
-    finally:
-        await conn.close()
+    # enrolled -> inspected -> ready through the verbs, each booting the ramdisk anew
+    for verb, done in (("inspect", "inspected"), ("commission", "ready")):
+        got = await stack.api.call("engine", f"metal.{verb}", {"nodeId": node})
+        assert got["profile"]["id"] == f"metal.{verb}"
+        booted = await bcd_joins_when_waited_for(stack, node)
+        doc = await node_reaches(stack, node, done, "failed")
+        assert doc["state"] == done, doc
+        booted.close()  # powered off at the end of the profile
+    assert doc["inventory"]["kind"] == "node.inventory"
+    runs = (await stack.api.call("engine", "workflows.list", {"nodeId": node}))["workflows"]
+    [commission] = [w for w in runs if w["profile"]["id"] == "metal.commission"]
+    wiped = (await stack.cq.list_commands(workflow_id=commission["id"], kind="node.wipe")).commands
+    assert [(c.state, c.attested) for c in wiped] == [("succeeded", True)]
 
     got = await stack.api.call("engine", "metal.deploy", {"nodeId": node, "image": "ubuntu@24.04"})
     assert got["state"] == "deploying"
@@ -300,8 +308,8 @@ async def test_deploy_with_the_shipped_profile_writes_the_signed_image_and_the_o
     doc = await node_reaches(stack, node, "deployed", "failed")
     assert doc["state"] == "deployed", doc
 
-    [listed] = (await stack.api.call("engine", "workflows.list", {"nodeId": node}))["workflows"]
-    assert listed["profile"]["id"] == "metal.deploy"
+    listed = (await stack.api.call("engine", "workflows.list", {"nodeId": node}))["workflows"]
+    [listed] = [w for w in listed if w["profile"]["id"] == "metal.deploy"]
     wf = await stack.api.call("engine", "workflows.get", {"id": listed["id"]})
     steps = {s["action"]: s for s in wf["steps"]}
     write = await stack.cq.get(id=steps["deploy.deploy"]["result"]["commandId"])

@@ -37,7 +37,8 @@ LOG = get_logger(test="bmc-retries")
 
 
 async def test_an_action_that_may_have_reached_the_bmc_is_not_repeated() -> None:
-    run = Flaky(Transient("POST ComputerSystem.Reset(ForceRestart)", "cannot reach the BMC (ConnectionError)"))
+    lost = Transient("POST ComputerSystem.Reset(ForceRestart)", "cannot reach the BMC (ConnectionError)")
+    run = Flaky(lost)
     with pytest.raises(BcError) as caught:
         await retry_in_thread(run, deadline=time.time() + 10, log=LOG, idempotent=False)
     assert caught.value.code is ErrorCode.DRIVER_ERROR
@@ -49,7 +50,9 @@ async def test_an_action_that_may_have_reached_the_bmc_is_not_repeated() -> None
 
 
 async def test_an_action_that_never_left_is_repeated() -> None:
-    refused = Transient("POST VirtualMedia.InsertMedia", "cannot reach the BMC (refused)", maybe_applied=False)
+    refused = Transient(
+        "POST VirtualMedia.InsertMedia", "cannot reach the BMC (refused)", maybe_applied=False
+    )
     run = Flaky(refused, refused)
     assert await retry_in_thread(run, deadline=time.time() + 10, log=LOG, idempotent=False) == "done"
     assert run.calls == 3
