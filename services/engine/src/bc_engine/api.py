@@ -17,6 +17,7 @@ from better_compute.service import ApiRequest
 
 from .images_api import ImagesApi
 from .metal_api import MetalApi
+from .metal_rules import EnrollmentRulesApi
 from .node_events import Publish
 from .nodes_api import NodesApi
 from .profiles import ProfileStore
@@ -71,4 +72,5 @@ class EngineApi:
             "workflows.resume": workflows.workflows_resume,
             **ImagesApi(app=self.app, db=self.db).routes(),
             **self.metal.routes(),
+            **EnrollmentRulesApi(self.db).routes(),
         }
