@@ -206,8 +206,8 @@ async def test_a_node_without_a_bmc_fails_the_bmc_step_with_its_reason(stack: St
 # -- the shipped lifecycle profiles, started by metal's verbs -----------------------------
 
 
-async def enrolled(stack: Stack, site: str) -> str:
-    node = await stack.api.call("engine", "metal.enroll", {"siteId": site, "macs": MACS[:1], "bmc": BMC})
+async def enrolled(stack: Stack, site: str, macs: list[str] = MACS[:1]) -> str:
+    node = await stack.api.call("engine", "metal.enroll", {"siteId": site, "macs": macs, "bmc": BMC})
     return str(node["id"])
 
 
@@ -285,11 +285,19 @@ async def test_deploy_with_the_shipped_profile_writes_the_signed_image_and_the_o
     await stack.agent("site-h")
     node = await enrolled(stack, "site-h")
     _SITES[node] = "site-h"
-    conn = await asyncpg.connect(stack.settings.database_url)
-    try:  # commissioned already (metal.commission: the inspect test's steps and a wipe)
-        await conn.execute("UPDATE engine.nodes SET state = 'ready' WHERE id = $1", node)
-    finally:
-        await conn.close()
+    # enrolled -> inspected -> ready through the verbs, each booting the ramdisk anew
+    for verb, done in (("inspect", "inspected"), ("commission", "ready")):
+        got = await stack.api.call("engine", f"metal.{verb}", {"nodeId": node})
+        assert got["profile"]["id"] == f"metal.{verb}"
+        booted = await bcd_joins_when_waited_for(stack, node)
+        doc = await node_reaches(stack, node, done, "failed")
+        assert doc["state"] == done, doc
+        booted.close()  # powered off at the end of the profile
+    assert doc["inventory"]["kind"] == "node.inventory"
+    runs = (await stack.api.call("engine", "workflows.list", {"nodeId": node}))["workflows"]
+    [commission] = [w for w in runs if w["profile"]["id"] == "metal.commission"]
+    wiped = (await stack.cq.list_commands(workflow_id=commission["id"], kind="node.wipe")).commands
+    assert [(c.state, c.attested) for c in wiped] == [("succeeded", True)]
 
     got = await stack.api.call("engine", "metal.deploy", {"nodeId": node, "image": "ubuntu@24.04"})
     assert got["state"] == "deploying"
@@ -300,8 +308,8 @@ async def test_deploy_with_the_shipped_profile_writes_the_signed_image_and_the_o
     doc = await node_reaches(stack, node, "deployed", "failed")
     assert doc["state"] == "deployed", doc
 
-    [listed] = (await stack.api.call("engine", "workflows.list", {"nodeId": node}))["workflows"]
-    assert listed["profile"]["id"] == "metal.deploy"
+    listed = (await stack.api.call("engine", "workflows.list", {"nodeId": node}))["workflows"]
+    [listed] = [w for w in listed if w["profile"]["id"] == "metal.deploy"]
     wf = await stack.api.call("engine", "workflows.get", {"id": listed["id"]})
     steps = {s["action"]: s for s in wf["steps"]}
     write = await stack.cq.get(id=steps["deploy.deploy"]["result"]["commandId"])
@@ -334,3 +342,31 @@ async def test_the_pages_talos_ready_runs_through_http_via_site(stack: Stack) ->
     assert relay.payload["url"] == "https://10.0.0.5:50000/machine/version"
     assert relay.payload["nodeAddresses"] == ["10.0.0.5"]  # the site agent relays only to these
     assert len(site.executions()) == 1
+
+
+async def test_adopt_with_the_shipped_profile_reads_the_bmc_and_destroys_nothing(stack: Stack) -> None:
+    on = json.dumps({"system": {"powerState": "On"}})
+    site = await stack.agent("site-j", "--answer", f"management.inventory={on}")
+    node = await enrolled(stack, "site-j")
+    bcd = await stack.agent("site-j", node_id=node)  # the installed OS's bcd, joined before the adopt
+    got = await stack.api.call("engine", "metal.adopt", {"nodeId": node})
+    assert (got["state"], got["profile"]["id"]) == ("adopting", "metal.adopt")
+    doc = await node_reaches(stack, node, "deployed", "failed")
+    assert doc["state"] == "deployed", doc
+    assert doc["powerState"] == "on"  # what the BMC said
+    assert doc["inventory"]["kind"] == "node.inventory"  # collected from the running OS, node-signed
+    wf = await stack.api.call("engine", "workflows.get", {"id": got["workflowId"]})
+    assert [s["action"] for s in wf["steps"]] == ["power.getPower", "wait.agentJoined", "inspect.collect"]
+    commands = await stack.commands(got["workflowId"])
+    assert sorted(v.kind for v in commands.values()) == ["management.inventory", "node.inventory"]
+    assert not any(v.destructive for v in commands.values())  # no wipe, no image write, no boot
+    assert [line.split()[1] for line in site.executions()] == ["management.inventory"]
+    assert [line.split()[1] for line in bcd.executions()] == ["node.inventory"]
+
+    # a BMC that does not say whether the machine is on fails the adopt at its first step
+    await stack.agent("site-k")
+    mute = await enrolled(stack, "site-k", ["52:54:00:00:00:0b"])
+    await stack.api.call("engine", "metal.adopt", {"nodeId": mute})
+    doc = await node_reaches(stack, mute, "deployed", "failed")
+    reason = doc["stateReason"]
+    assert (doc["state"], reason["step"], reason["code"]) == ("failed", "power.getPower", "DRIVER_ERROR")

@@ -383,3 +383,28 @@ async def test_refused_fetches_of_any_shape_are_typed_and_audited_with_what_they
     assert [(a.ref, a.signer_id) for a in audit] == [
         (None, cert), (ref, cert), (ref, cert), (None, None), (None, None),
     ]  # fmt: skip
+
+
+async def test_a_template_secret_is_read_by_the_control_plane_never_fetched_by_an_agent(
+    bc_settings: Settings, bc_api: ApiClient
+) -> None:
+    """An enrollment rule's BMC credential: the engine copies it into each enrolled node's own
+    standing secret; even a live command for the agent that carries its ref opens nothing."""
+    cq, secrets = CommandQueueClient(bc_api), SecretsClient(bc_api)
+    async with PkiService(bc_settings), SecretsService(bc_settings), CommandQueueService(bc_settings):
+        bcd = await new_node_agent(bc_api)
+        template = (await secrets.put_template(VALUE, tenant_id="acme", label="bmc (rule)")).ref
+        assert await secrets.get(ref=template) == VALUE
+        await enqueue_ref(
+            cq, node_id=bcd.agent_id, site_id="site-a", key=f"wf:{new_id('wf')}:0#1",
+            payload={"ref": template}, workflow_id=None, step=0,
+        )  # fmt: skip
+        err = await refused(secrets.fetch(ref=template, identity=bcd.identity))
+        assert (err.code, err.reason) == (ErrorCode.PERMISSION_DENIED, "no-live-command")
+        audit = await secrets.list_fetches(limit=10)
+        assert [(a.ref, a.reason) for a in audit if a.outcome == "denied"] == [(template, "template")]
+        # one owner at most: a template is neither a workflow step's nor a node's
+        both = {"tenantId": "acme", "template": True, "nodeId": bcd.agent_id, "value": "aGk="}
+        with pytest.raises(BcError) as info:
+            await bc_api.call("secrets", "secrets.put", both)
+        assert (info.value.code, info.value.path) == (ErrorCode.INVALID_INPUT, "workflowId")

@@ -214,3 +214,42 @@ def _serve_bytes(data: bytes) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+async def test_an_action_whose_answer_was_lost_is_not_sent_twice(
+    emulator: RedfishEmulator, proxy: FaultyProxy
+) -> None:
+    """A POST that reached the BMC but whose answer was lost may have been applied: repeating it
+    would insert a medium twice or reset the machine twice. An idempotent PATCH is repeated."""
+    iso = b"fake-iso-bytes" * 100
+    server = _serve_bytes(iso)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/lost.iso"
+        await redfish(proxy.url, emulator).media_eject(device="cd", deadline=time.time() + 30)
+        proxy.set(mode="lose-answer", left=1, methods=["POST"])
+        err = await driver_error(
+            redfish(proxy.url, emulator).media_insert(url, device="cd", deadline=time.time() + 30)
+        )
+        assert err.code is ErrorCode.DRIVER_ERROR
+        assert "POST VirtualMedia.InsertMedia" in err.details["reason"]
+        assert "may have applied it" in err.details["reason"]
+        inserts = [b for b in proxy.bodies() if "InsertMedia" in b]
+        assert len(inserts) == 1, inserts  # sent once: the BMC has it, nobody sent it again
+
+        proxy.set(mode="lose-answer", left=1, methods=["POST"])
+        err = await driver_error(redfish(proxy.url, emulator).set_power("cycle", deadline=time.time() + 30))
+        assert "POST ComputerSystem.Reset" in err.details["reason"], err.details
+        assert len([b for b in proxy.bodies() if "ComputerSystem.Reset" in b]) == 1
+
+        proxy.set(mode="lose-answer", left=1, methods=["PATCH"])
+        driver = redfish(proxy.url, emulator)
+        got = await driver.set_boot_device("cd", persistent=False, mode=None, deadline=time.time() + 30)
+        await driver.close()
+        assert got["target"] == "Cd"
+        patches = [b for b in proxy.bodies() if b.startswith("PATCH") and '"Cd"' in b]
+        assert len(patches) == 2  # the lost one and its repeat: setting a boot device twice is harmless
+    finally:
+        proxy.set(mode="forward")
+        await redfish(proxy.url, emulator).media_eject(device="cd", deadline=time.time() + 30)
+        server.shutdown()
+        server.server_close()

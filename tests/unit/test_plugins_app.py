@@ -149,7 +149,7 @@ def test_metal_registers_the_pages_command_kinds_with_their_destructive_flags() 
     }
     # the shipped steps and lifecycle profiles (issue 11 item 4), the same objects every call
     assert [s.id for s in metal().steps] == [
-        "power.setPower", "management.setBootDevice", "media.insert", "media.eject",
+        "power.setPower", "management.setBootDevice", "media.insert", "media.eject", "power.getPower",
         "metal.ensureRamdisk", "wait.agentJoined", "inspect.collect", "disk.wipe", "deploy.deploy",
     ]  # fmt: skip
     assert [p.id for p in metal().profiles] == [

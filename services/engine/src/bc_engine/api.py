@@ -18,6 +18,7 @@ from better_compute.service import ApiRequest
 
 from .images_api import ImagesApi
 from .metal_api import MetalApi
+from .metal_rules import EnrollmentRulesApi
 from .node_events import Publish
 from .nodes_api import NodesApi
 from .profiles import ProfileStore
@@ -75,4 +76,5 @@ class EngineApi:
             **({"workflows.why": self.why.workflows_why} if self.why is not None else {}),
             **ImagesApi(app=self.app, db=self.db).routes(),
             **self.metal.routes(),
+            **EnrollmentRulesApi(self.db).routes(),
         }

@@ -18,7 +18,8 @@ records those whose node is missing.
 
 ``metal-discovery:<node>`` then asks the node's bcd for ``node.inventory`` (not destructive; key
 ``discovery:<cert id>``, so each discovery inventories once) and keeps the result as the node's
-inventory. Once the node is enrolled, the same key revokes the node's discovery certificates in
+inventory; with it, the first enrollment rule that matches the node enrolls it
+(``metal_rules``). Once the node is enrolled, the same key revokes the node's discovery certificates in
 bc-pki (``enroll`` queues it): the discovery ramdisk's key is trusted with nothing from then on;
 the lifecycle's own ramdisk joins with a token bound to the node.
 
@@ -43,6 +44,7 @@ from better_compute.wire.pki import CertificateInfo, JoinClaims
 
 from . import queue, store
 from .engine import Engine
+from .metal_rules import enroll_by_rules
 from .node_events import node_event
 
 __all__ = [
@@ -197,6 +199,11 @@ async def inventory_discovered(engine: Engine, node_id: str) -> None:
         raise step_not_ready(INVENTORY_LOOK_MS)
     inventory = _json_object(view.result) if view.state == "succeeded" else None
     if inventory is not None:
+        # its facts are known now: the first enrollment rule that matches enrolls it, the
+        # inventory written with the enrolment (never seen discovered with it in between)
+        if await enroll_by_rules(engine, node, DISCOVERY_OWNER, inventory) is not None:
+            engine.log.info("discovered_node_inventoried", node_id=node_id, state=view.state)
+            return
         row = await engine.db.fetchrow(_SET_INVENTORY, node_id, json.dumps(inventory))
     else:
         error = {

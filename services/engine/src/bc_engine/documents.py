@@ -121,6 +121,7 @@ def node_doc(
         observed_generation=row["observed_generation"],
         inventory_summary=inventory_summary(inventory),
         hardware=row.get("hardware"),
+        enrolled_by_rule=row.get("enrolled_by_rule"),
         created_at=_iso(row["created_at"]),
         updated_at=_iso(row["updated_at"]),
         inventory=inventory if full else msgspec.UNSET,

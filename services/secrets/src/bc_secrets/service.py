@@ -91,10 +91,12 @@ class SecretsService(Service):
         assert self.db is not None
         body = req.decode(PutSecretRequest)
         register_secret(body.value)
-        if (body.workflow_id is None) == (body.node_id is None):
+        owners = (body.workflow_id is not None) + (body.node_id is not None) + body.template
+        if owners != 1:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
-                "a secret belongs to a workflow step (workflowId) or to a node (nodeId), one of them",
+                "a secret belongs to a workflow step (workflowId), a node (nodeId) or is a template"
+                " (an enrollment rule's credential), one of them",
                 {"path": "workflowId"},
             )
         workflow_id = parse_id(body.workflow_id, "wf", path="workflowId") if body.workflow_id else None
@@ -254,6 +256,15 @@ class SecretsService(Service):
             await self._deny(
                 BcError(ErrorCode.PERMISSION_DENIED, _DENIED, {"reason": "no-live-command"}),
                 reason="revoked",
+                ref=ref,
+                body=body,
+                verified=verified,
+            )
+        if row["workflow_id"] is None and row["node_id"] is None:
+            # a template (an enrollment rule's credential): the engine copies it, agents never read it
+            await self._deny(
+                BcError(ErrorCode.PERMISSION_DENIED, _DENIED, {"reason": "no-live-command"}),
+                reason="template",
                 ref=ref,
                 body=body,
                 verified=verified,

@@ -19,6 +19,7 @@ from ..runtime.urls import resolve_nats_url
 from ..service.client import connect, discover
 from . import (
     engine_commands,
+    enrollment_commands,
     images_commands,
     metal_commands,
     pki_commands,
@@ -217,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = engine_commands.register(sub, common)
     workflow_commands.register(sub, common)
     metal_commands.register(sub, common, nodes)
+    enrollment_commands.register(sub, common)
     images_commands.register(sub, common)
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)

@@ -166,6 +166,8 @@ def show_lines(node: NodeView) -> list[str]:
             f"failed      workflow {reason.get('workflowId')} ({reason.get('verb')}) at step "
             f"{reason.get('step')}: {reason.get('code')}: {reason.get('message')}"
         )
+    if node.enrolled_by_rule:
+        lines.append(f"enrolled    by rule {node.enrolled_by_rule}")
     hw = node.hardware
     if hw:
         lines.append(f"hardware    uuid {hw.get('productUuid') or '-'}  serial {hw.get('serial') or '-'}")

@@ -55,7 +55,21 @@ from ..wire.images import (
     ListImages,
     RegisterImage,
 )
-from ..wire.metal import BulkRun, BulkVerb, EnrollNode, MetalVerb, NodeBmc, VerbName, VerbRun
+from ..wire.metal import (
+    BulkRun,
+    BulkVerb,
+    CreateEnrollmentRule,
+    DeleteEnrollmentRule,
+    EnrollmentRuleBmc,
+    EnrollmentRuleList,
+    EnrollmentRuleView,
+    EnrollNode,
+    ListEnrollmentRules,
+    MetalVerb,
+    NodeBmc,
+    VerbName,
+    VerbRun,
+)
 from ..wire.paging import DEFAULT_LIMIT
 from ._base import ServiceClient
 
@@ -325,6 +339,36 @@ class EngineClient(ServiceClient):
             profile=profile,
         )
         return await self._call("metal.bulk", req, BulkRun)
+
+    # -- enrollment rules -----------------------------------------------------------------
+
+    async def create_enrollment_rule(
+        self,
+        *,
+        name: str,
+        selector: str,
+        tenant_id: str = "root",
+        site_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        bmc: EnrollmentRuleBmc | None = None,
+        priority: int = 100,
+    ) -> EnrollmentRuleView:
+        """A rule that enrolls the discovered nodes it matches (docs/metal.md)."""
+        req = CreateEnrollmentRule(
+            name=name, selector=selector, tenant_id=tenant_id, site_id=site_id,
+            labels=dict(labels or {}), bmc=bmc, priority=priority,
+        )  # fmt: skip
+        return await self._call("enrollmentRules.create", req, EnrollmentRuleView)
+
+    async def list_enrollment_rules(self, *, tenant_id: str | None = None) -> EnrollmentRuleList:
+        """The rules, in the order they are tried (priority, then name)."""
+        return await self._call(
+            "enrollmentRules.list", ListEnrollmentRules(tenant_id=tenant_id), EnrollmentRuleList
+        )
+
+    async def delete_enrollment_rule(self, *, id: str) -> EnrollmentRuleView:
+        """Delete a rule (nodes it enrolled stay enrolled); answers the rule as it was."""
+        return await self._call("enrollmentRules.delete", DeleteEnrollmentRule(id=id), EnrollmentRuleView)
 
     # -- images ---------------------------------------------------------------------
 

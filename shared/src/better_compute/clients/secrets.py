@@ -98,12 +98,27 @@ class SecretsClient(ServiceClient):
         return await self._call("secrets.put", req, SecretInfo)
 
     async def put_for_node(
-        self, value: bytes, *, tenant_id: str, node_id: str, label: str | None = None
+        self,
+        value: bytes,
+        *,
+        tenant_id: str,
+        node_id: str,
+        label: str | None = None,
+        idempotency_key: str | None = None,
     ) -> SecretInfo:
         """Store a node's standing secret (its BMC credential): an agent reads it only while a
         live command of some workflow for that node carries the reference."""
         register_secret(value)
-        req = PutSecretRequest(tenant_id=tenant_id, node_id=node_id, value=value, label=label)
+        req = PutSecretRequest(
+            tenant_id=tenant_id, node_id=node_id, value=value, label=label, idempotency_key=idempotency_key
+        )
+        return await self._call("secrets.put", req, SecretInfo)
+
+    async def put_template(self, value: bytes, *, tenant_id: str, label: str | None = None) -> SecretInfo:
+        """Store an enrollment rule's BMC credential: no agent reads it; the engine copies it into
+        the standing secret of each node the rule enrolls."""
+        register_secret(value)
+        req = PutSecretRequest(tenant_id=tenant_id, template=True, value=value, label=label)
         return await self._call("secrets.put", req, SecretInfo)
 
     async def get(self, *, ref: str) -> bytes:

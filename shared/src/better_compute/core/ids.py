@@ -23,7 +23,7 @@ _DECODE = {c: i for i, c in enumerate(_ALPHABET)}
 ID_PREFIXES = frozenset(
     {
         "node", "wf", "step", "cmd", "batch", "agent", "site", "tok", "cert", "sec",
-        "prof", "img", "svc", "tenant", "appr", "evt", "lease",
+        "prof", "img", "svc", "tenant", "appr", "evt", "lease", "rule",
     }
 )  # fmt: skip
 

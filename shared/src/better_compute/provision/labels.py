@@ -9,12 +9,15 @@ The grammar is Kubernetes' label selectors, with ``and`` as well as ``,`` betwee
                  | key "notin" "(" values ")"     the label is absent or none of values
                  | key "exists" | key             the label is there (any value)
                  | "!" key                        the label is absent
+                 | key (">" | ">=" | "<" | "<=") number
+                                                  the label is there, is a number, and compares so
     values      := value ("," value)*
     key         := letters, digits and ._/- (a label key: ``nvidia.com/gpu.product``)
     value       := letters, digits and ._/:+- , or a "double-quoted" string (``\\"`` inside)
 
-``gpu.vendor=nvidia and rack in (r1, r2) and !maintenance``. An empty expression is refused;
-so is anything else, with the character where it went wrong.
+``gpu.vendor=nvidia and rack in (r1, r2) and !maintenance``; ``inventory.memory_gib>=512``
+(a number: digits with an optional sign and decimal point). An empty expression is refused; so is
+anything else, with the character where it went wrong.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from better_compute.core.errors import BcError, ErrorCode
 __all__ = ["MAX_EXPRESSION", "LabelExpression", "Requirement", "parse_label_expression"]
 
 MAX_EXPRESSION: Final = 4096
-Operator = Literal["=", "!=", "in", "notin", "exists", "!exists"]
+Operator = Literal["=", "!=", "in", "notin", "exists", "!exists", ">", ">=", "<", "<="]
+_COMPARISONS: Final = (">=", "<=", ">", "<")
+_NUMBER: Final = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)$")
 
 _TOKEN: Final = re.compile(
     r"""\s*(?:
-      (?P<op>==|!=|=|\(|\)|,|!)
+      (?P<op>==|!=|>=|<=|=|>|<|\(|\)|,|!)
     | "(?P<quoted>(?:[^"\\]|\\.)*)"
     | (?P<word>[A-Za-z0-9._/:+-]+)
     )""",
@@ -61,6 +66,19 @@ class Requirement:
                 return value is not None and value in self.values
             case "!=" | "notin":
                 return value is None or value not in self.values
+            case ">" | ">=" | "<" | "<=":
+                if value is None or not _NUMBER.match(value.strip()):
+                    return False
+                have, want = float(value), float(self.values[0])
+                match self.operator:
+                    case ">":
+                        return have > want
+                    case ">=":
+                        return have >= want
+                    case "<":
+                        return have < want
+                    case _:
+                        return have <= want
 
     def __str__(self) -> str:
         vals = [_show(v) for v in self.values]
@@ -69,7 +87,7 @@ class Requirement:
                 return f"{self.key} exists"
             case "!exists":
                 return f"!{self.key}"
-            case "=" | "!=":
+            case "=" | "!=" | ">" | ">=" | "<" | "<=":
                 return f"{self.key}{self.operator}{vals[0]}"
             case _:
                 return f"{self.key} {self.operator} ({', '.join(vals)})"
@@ -183,6 +201,13 @@ class _Parser:
             return Requirement(self.key(), "!exists")
         key = self.key()
         tok = self.peek()
+        if tok.kind == "op" and tok.text in _COMPARISONS:
+            self.take()
+            at = self.peek().at
+            number = self.value()
+            if not _NUMBER.match(number):
+                self.fail(at, f"expected a number after {tok.text}")
+            return Requirement(key, tok.text, (number,))  # type: ignore[arg-type]
         if tok.kind == "op" and tok.text in ("=", "==", "!="):
             self.take()
             return Requirement(key, "!=" if tok.text == "!=" else "=", (self.value(),))

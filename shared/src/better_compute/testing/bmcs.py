@@ -178,13 +178,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
         mode = ctl.get("mode", "forward")
         if mode == "error-count":
             mode = "error" if ctl.get("left", 0) > 0 else "forward"
+        if mode == "lose-answer":
+            lose = ctl.get("left", 0) > 0 and self.command in ctl.get("methods", [self.command])
+            mode = "lose-answer" if lose else "forward"
         with lock, open(request_log, "a") as fh:
             fh.write(f"{self.command} {self.path} {mode}\n")
-        if mode == "error":
-            if ctl.get("mode") == "error-count":
+        if mode == "error" or mode == "lose-answer":
+            if ctl.get("mode") in ("error-count", "lose-answer"):
                 ctl["left"] -= 1
                 with open(control_file, "w") as fh:
                     json.dump(ctl, fh)
+        if mode == "error":
             data = b'{"error": {"code": "Base.1.0.GeneralError", "message": "injected"}}'
             self.send_response(ctl.get("status", 500))
             self.send_header("Content-Type", "application/json")
@@ -210,6 +214,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if body:  # what reached the BMC and was answered: a request lost on the way is not counted
             with lock, open(request_log + ".bodies", "a") as fh:
                 fh.write(f"{self.command} {self.path} {body.decode(errors='replace')}\n")
+        if mode == "lose-answer":  # the BMC applied it; the answer is lost on the way back
+            conn.close()
+            self.close_connection = True
+            return
         self.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -230,7 +238,9 @@ Server(("127.0.0.1", listen_port), Handler).serve_forever()
 class FaultyProxy(_Proc):
     """Forwards to ``upstream`` (``http://127.0.0.1:port``) unless told to misbehave:
     ``set(mode="error", status=500)``, ``set(mode="error-count", left=N)``, ``set(mode="malformed")``,
-    ``set(mode="hang", seconds=S)``, ``set(mode="forward")``."""
+    ``set(mode="hang", seconds=S)``, ``set(mode="forward")``, and
+    ``set(mode="lose-answer", left=N, methods=["POST"])``: the next N such requests reach the BMC
+    (which applies them) but the connection closes before the answer comes back."""
 
     def __init__(self, folder: Path, upstream: str) -> None:
         super().__init__(folder)

@@ -288,6 +288,9 @@ class NodeView(_Reply, frozen=True, kw_only=True):
     hardware: dict[str, Any] | None = None
     """What a discovered machine's bcd showed when it joined: ``productUuid``, ``serial``,
     ``macs``, ``gpuUuids``, ``hostname``, ``certId`` (docs/metal.md, Discovery)."""
+    enrolled_by_rule: str | None = None
+    """The enrollment rule (``rule_…``) that enrolled this discovered node; None when an
+    operator did, or nobody yet."""
     created_at: str | None
     updated_at: str | None = None
     inventory: Any | msgspec.UnsetType = msgspec.UNSET

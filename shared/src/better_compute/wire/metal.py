@@ -25,7 +25,13 @@ __all__ = [
     "BulkRefusal",
     "BulkRun",
     "BulkVerb",
+    "CreateEnrollmentRule",
+    "DeleteEnrollmentRule",
     "EnrollNode",
+    "EnrollmentRuleBmc",
+    "EnrollmentRuleList",
+    "EnrollmentRuleView",
+    "ListEnrollmentRules",
     "Mac",
     "MetalVerb",
     "NodeBmc",
@@ -103,6 +109,43 @@ class BulkVerb(_Msg, frozen=True, kw_only=True):
     profile: ProfileId | None = None
 
 
+class EnrollmentRuleBmc(_Msg, frozen=True, kw_only=True):
+    """The BMC a rule gives the nodes it enrolls. ``address`` may hold ``{fact}`` placeholders
+    (``{inventory.bmc_address}``); then ``address_cidrs`` must say where such a BMC may be, and
+    the address filled in must be an IP inside one of them. ``credentials_ref`` is a template
+    secret (``bcx enrollment-rules create --bmc-credentials-file``); each node gets its own copy."""
+
+    driver: Literal["redfish", "ipmi", "sim"]
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
+    credentials_ref: SecretRef | None = None
+    system_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
+    insecure: bool = False
+    address_cidrs: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=64)
+    ] = msgspec.field(default_factory=list)
+
+
+class CreateEnrollmentRule(_Msg, frozen=True, kw_only=True):
+    """``enrollmentRules.create``: a discovered node of ``tenant_id`` (at ``site_id`` when given)
+    whose labels and inventory facts match ``selector`` is enrolled with ``labels`` and ``bmc``."""
+
+    name: Name
+    selector: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    tenant_id: Name = "root"
+    site_id: Name | None = None
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    bmc: EnrollmentRuleBmc | None = None
+    priority: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 100
+
+
+class ListEnrollmentRules(_Msg, frozen=True, kw_only=True):
+    tenant_id: Name | None = None
+
+
+class DeleteEnrollmentRule(_Msg, frozen=True, kw_only=True):
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
 # -- replies --------------------------------------------------------------------------
 
 
@@ -176,3 +219,21 @@ def find_inline_secret(value: Any, path: str = "") -> str | None:
 def normal_mac(mac: str) -> str:
     """``AA-BB-…`` as ``aa:bb:…``: how MACs are stored and compared."""
     return mac.lower().replace("-", ":")
+
+
+class EnrollmentRuleView(_Reply, frozen=True, kw_only=True):
+    """An enrollment rule (``enrollmentRules.create`` and ``delete`` answer it)."""
+
+    id: str
+    name: str
+    tenant_id: str
+    site_id: str | None
+    selector: str
+    labels: dict[str, str]
+    bmc: dict[str, Any] | None
+    priority: int
+    created_at: str | None
+
+
+class EnrollmentRuleList(_Reply, frozen=True, kw_only=True):
+    rules: list[EnrollmentRuleView]

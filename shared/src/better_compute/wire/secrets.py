@@ -71,6 +71,9 @@ class PutSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"
     node_id: str | None = None
     """Instead of a workflow step: a node's standing secret (its BMC credential), read only while
     a live command of any workflow for that node carries the reference."""
+    template: bool = False
+    """Instead of either: a credential the engine copies into the standing secret of each node an
+    enrollment rule enrolls (the rule's BMC credential). No agent ever fetches it itself."""
     value: Annotated[bytes, msgspec.Meta(max_length=MAX_SECRET_BYTES)]
     idempotency_key: IdempotencyKey | None = None
     label: Label | None = None

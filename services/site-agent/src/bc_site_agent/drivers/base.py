@@ -103,12 +103,19 @@ class Driver(Protocol):
 
 
 class Transient(Exception):  # noqa: N818 - a classification carried to the retry loop
-    """A BMC error worth trying again (5xx, connection refused, timeout)."""
+    """A BMC error worth trying again (5xx, connection refused, timeout).
 
-    def __init__(self, call: str, detail: str) -> None:
+    ``maybe_applied``: whether the BMC may have received (and acted on) the request. False only
+    when it provably did not: the connection was never made (refused, name not resolved,
+    connect timeout), or the BMC answered 503 (it did not take the request). A connection lost
+    or a read timing out after the request went out, or any other 5xx, may have applied it.
+    """
+
+    def __init__(self, call: str, detail: str, *, maybe_applied: bool = True) -> None:
         super().__init__(f"{call}: {detail}")
         self.call = call
         self.detail = detail
+        self.maybe_applied = maybe_applied
 
 
 def driver_error(call: str, detail: str, **extra: Any) -> BcError:
@@ -129,14 +136,24 @@ async def retry_transient(
     base: float = 0.2,
     cap: float = 3.0,
     on_retry: Callable[[Transient, float], None] | None = None,
+    idempotent: bool = True,
 ) -> T:
     """``call()`` until it stops raising ``Transient``, with full-jitter backoff, until
-    ``deadline``; then ``DRIVER_ERROR`` naming the last call that failed."""
+    ``deadline``; then ``DRIVER_ERROR`` naming the last call that failed.
+
+    A call that is not ``idempotent`` (a POST action: Reset, InsertMedia) is repeated only
+    after a ``Transient`` that provably did not reach the BMC (``maybe_applied`` false);
+    otherwise it is ``DRIVER_ERROR`` at once, saying the BMC may have applied it. Sending it
+    twice could reset a machine twice or fail on a medium the first request inserted."""
     attempt = 0
     while True:
         try:
             return await call()
         except Transient as exc:
+            if not idempotent and exc.maybe_applied:
+                raise driver_error(
+                    exc.call, f"{exc.detail}; not repeated: the BMC may have applied it"
+                ) from None
             left = deadline - time.time()
             delay = random.uniform(0, min(cap, base * 2**attempt))
             if left <= delay:
@@ -147,10 +164,11 @@ async def retry_transient(
             await asyncio.sleep(delay)
 
 
-async def retry_in_thread(run: Callable[[], T], *, deadline: float, log: Any) -> T:
+async def retry_in_thread(run: Callable[[], T], *, deadline: float, log: Any, idempotent: bool = True) -> T:
     """``run`` (one blocking BMC call that raises ``Transient`` when worth trying again and
-    ``BcError`` otherwise) in a worker thread, retried as ``retry_transient`` does; each retry
-    is logged as ``bmc_call_retry``."""
+    ``BcError`` otherwise) in a worker thread, retried as ``retry_transient`` does (a call that
+    is not ``idempotent`` only when it never reached the BMC); each retry is logged as
+    ``bmc_call_retry``."""
 
     def on_retry(exc: Transient, delay: float) -> None:
         log.info("bmc_call_retry", call=exc.call, detail=exc.detail, delay_s=round(delay, 2))
@@ -158,7 +176,7 @@ async def retry_in_thread(run: Callable[[], T], *, deadline: float, log: Any) ->
     async def attempt() -> T:
         return await asyncio.to_thread(run)
 
-    return await retry_transient(attempt, deadline=deadline, on_retry=on_retry)
+    return await retry_transient(attempt, deadline=deadline, on_retry=on_retry, idempotent=idempotent)
 
 
 async def poll_until(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import struct
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
@@ -74,18 +75,27 @@ class IpmiDriver:
             )
         return self._cmd
 
-    async def _call(self, call: str, fn: Callable[[Any], T], *, deadline: float) -> T:
+    async def _call(
+        self, call: str, fn: Callable[[Any], T], *, deadline: float, idempotent: bool = True
+    ) -> T:
+        """One IPMI exchange in a thread. The session (login) is opened first: a failure there
+        never sent ``fn``'s request, so even a call that is not ``idempotent`` (a power cycle)
+        is repeated after it; a timeout after the request went out may have applied it."""
+
         def run() -> T:
             from pyghmi import exceptions as pyghmi_exc
 
+            sent = False
             try:
-                return fn(self._command())
+                cmd = self._command()
+                sent = True
+                return fn(cmd)
             except pyghmi_exc.IpmiException as exc:
                 text = str(exc)
                 low = text.lower()
                 if "timeout" in low or "timed out" in low or "session no longer connected" in low:
                     self._cmd = None
-                    raise Transient(call, "the BMC did not answer in time") from None
+                    raise Transient(call, "the BMC did not answer in time", maybe_applied=sent) from None
                 if "password" in low or "unauthorized" in low or "user" in low or "auth" in low:
                     raise driver_error(call, "the BMC refused the credentials") from None
                 raise driver_error(call, f"IPMI error: {text[:200]}") from None
@@ -93,7 +103,11 @@ class IpmiDriver:
                 raise
             except OSError as exc:
                 self._cmd = None
-                raise Transient(call, f"cannot reach the BMC ({type(exc).__name__})") from None
+                # refused (an ICMP port unreachable) or a name not resolved: nothing was taken
+                unsent = not sent or isinstance(exc, ConnectionRefusedError | socket.gaierror)
+                raise Transient(
+                    call, f"cannot reach the BMC ({type(exc).__name__})", maybe_applied=not unsent
+                ) from None
             except struct.error:
                 # pyghmi fails this way in RAKP 2 when the BMC's key hash does not match ours
                 self._cmd = None
@@ -103,7 +117,7 @@ class IpmiDriver:
             except Exception as exc:
                 raise driver_error(call, f"IPMI failure ({type(exc).__name__})") from None
 
-        return await retry_in_thread(run, deadline=deadline, log=self.log)
+        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent)
 
     async def _power_state(self, deadline: float) -> str:
         got = await self._call(
@@ -121,8 +135,12 @@ class IpmiDriver:
         before = await self._power_state(deadline)
         if action in ("on", "off", "softOff") and before == want:
             return {"powerState": before, "changed": False}
+        # on, off and a soft off ask for a state (twice is the same); a cycle or reset twice is not
         await self._call(
-            f"Chassis Control ({verb})", lambda c: c.set_power(verb, wait=False), deadline=deadline
+            f"Chassis Control ({verb})",
+            lambda c: c.set_power(verb, wait=False),
+            deadline=deadline,
+            idempotent=action in ("on", "off", "softOff"),
         )
         return await power_converged(
             lambda: self._power_state(deadline),

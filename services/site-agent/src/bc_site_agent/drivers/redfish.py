@@ -17,9 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+import requests.exceptions
 import sushy
 import sushy.auth
 import sushy.exceptions
+import urllib3.exceptions
 from sushy.resources.constants import ResetType
 from sushy.resources.manager.constants import VirtualMediaType
 from sushy.resources.system.constants import (
@@ -91,8 +93,11 @@ class RedfishDriver:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    async def _call(self, call: str, fn: Callable[[], T], *, deadline: float) -> T:
-        """One BMC call in a thread, retried while transient, mapped to ``DRIVER_ERROR``."""
+    async def _call(self, call: str, fn: Callable[[], T], *, deadline: float, idempotent: bool = True) -> T:
+        """One BMC call in a thread, retried while transient, mapped to ``DRIVER_ERROR``.
+
+        ``idempotent=False`` (a POST action): ``fn`` sends that one request and nothing else, and
+        it is repeated only when it never reached the BMC (``base.retry_transient``)."""
 
         def run() -> T:
             try:
@@ -101,12 +106,17 @@ class RedfishDriver:
                     warnings.simplefilter("ignore")
                     return fn()
             except sushy.exceptions.ServerSideError as exc:
-                raise Transient(call, f"HTTP {exc.status_code} from the BMC") from None
+                # 503: the BMC did not take the request; another 5xx may have half-applied it
+                raise Transient(
+                    call, f"HTTP {exc.status_code} from the BMC", maybe_applied=exc.status_code != 503
+                ) from None
             except sushy.exceptions.ConnectionError as exc:
                 cause = _cause(exc)
                 if cause.startswith("TLS"):
                     raise driver_error(call, cause) from None
-                raise Transient(call, f"cannot reach the BMC ({cause})") from None
+                raise Transient(
+                    call, f"cannot reach the BMC ({cause})", maybe_applied=not _never_sent(exc)
+                ) from None
             except sushy.exceptions.AccessError as exc:
                 raise driver_error(call, f"HTTP {exc.status_code}: the BMC refused the credentials") from None
             except sushy.exceptions.ResourceNotFoundError:
@@ -120,7 +130,7 @@ class RedfishDriver:
             except (KeyError, TypeError, AttributeError) as exc:
                 raise malformed_answer(call, exc) from None
 
-        return await retry_in_thread(run, deadline=deadline, log=self.log)
+        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent)
 
     def _timeout(self, deadline: float) -> float:
         return max(0.5, min(_CALL_TIMEOUT, deadline - time.time()))
@@ -187,10 +197,13 @@ class RedfishDriver:
         if action in ("on", "off", "softOff") and before == want:
             return {"powerState": before, "changed": False}
 
-        def reset_system() -> None:
-            self._system(deadline).reset_system(reset)
-
-        await self._call(f"POST ComputerSystem.Reset({reset.value})", reset_system, deadline=deadline)
+        system = await self._call("GET System", lambda: self._system(deadline), deadline=deadline)
+        await self._call(
+            f"POST ComputerSystem.Reset({reset.value})",
+            lambda: system.reset_system(reset),
+            deadline=deadline,
+            idempotent=False,
+        )
         return await power_converged(
             lambda: self._power_state(deadline),
             want,
@@ -239,26 +252,41 @@ class RedfishDriver:
         raise driver_error("GET Manager.VirtualMedia", f"the BMC offers no virtual {device} device")
 
     async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]:
-        def insert() -> dict[str, Any]:
-            medium = self._media(device, deadline)
-            medium.insert_media(url, inserted=True, write_protected=True)
+        medium = await self._call(
+            "GET Manager.VirtualMedia", lambda: self._media(device, deadline), deadline=deadline
+        )
+        await self._call(
+            "POST VirtualMedia.InsertMedia",
+            lambda: medium.insert_media(url, inserted=True, write_protected=True),
+            deadline=deadline,
+            idempotent=False,
+        )
+
+        def read() -> dict[str, Any]:
             medium.refresh()
             return {"device": device, "inserted": bool(medium.inserted), "image": medium.image}
 
-        got = await self._call("POST VirtualMedia.InsertMedia", insert, deadline=deadline)
+        got = await self._call("GET VirtualMedia", read, deadline=deadline)
         if not got["inserted"] or got["image"] != url:
             raise driver_error("GET VirtualMedia", "the medium does not show as inserted after InsertMedia")
         return got
 
     async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]:
-        def eject() -> dict[str, Any]:
-            medium = self._media(device, deadline)
-            if medium.inserted:
-                medium.eject_media()
-                medium.refresh()
-            return {"device": device, "inserted": bool(medium.inserted)}
+        medium = await self._call(
+            "GET Manager.VirtualMedia", lambda: self._media(device, deadline), deadline=deadline
+        )
+        if medium.inserted:
+            await self._call(
+                "POST VirtualMedia.EjectMedia", medium.eject_media, deadline=deadline, idempotent=False
+            )
 
-        got = await self._call("POST VirtualMedia.EjectMedia", eject, deadline=deadline)
+            def read() -> dict[str, Any]:
+                medium.refresh()
+                return {"device": device, "inserted": bool(medium.inserted)}
+
+            got = await self._call("GET VirtualMedia", read, deadline=deadline)
+        else:
+            got = {"device": device, "inserted": False}
         if got["inserted"]:
             raise driver_error("GET VirtualMedia", "the medium still shows as inserted after EjectMedia")
         return got
@@ -316,6 +344,29 @@ def _members(read: Callable[[], Any]) -> list[Any]:
 
 def _enum_value(value: Any) -> str:
     return str(getattr(value, "value", value)) if value is not None else ""
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """Whether a connection error happened before the request left: refused, the name not
+    resolved, the connect timing out. A connection lost or a read timing out afterwards is not.
+    (sushy raises its ConnectionError inside the ``except`` of the requests error, which
+    requests raised from urllib3's: the chain holds the cause.)"""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, requests.exceptions.ConnectTimeout | urllib3.exceptions.NewConnectionError):
+            return True  # NameResolutionError is a NewConnectionError
+        if isinstance(e, urllib3.exceptions.ConnectTimeoutError):
+            return True
+        if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None:
+            todo.append(e.reason)
+        todo.extend(a for a in e.args if isinstance(a, BaseException))
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return False
 
 
 def _cause(exc: BaseException) -> str:

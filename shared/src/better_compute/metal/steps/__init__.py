@@ -1,7 +1,8 @@
 """Metal's shipped steps, contributed through ``metal()``.
 
-* ``power.setPower``*, ``management.setBootDevice``*, ``media.insert``* (a ``url``, or the
-  ``url`` of ``fromStep``'s result), ``media.eject``*: BMC commands with the node's BMC added;
+* ``power.getPower``* (a BMC read: the power state), ``power.setPower``*,
+  ``management.setBootDevice``*, ``media.insert``* (a ``url``, or the ``url`` of ``fromStep``'s
+  result), ``media.eject``*: BMC commands with the node's BMC added;
 * ``metal.ensureRamdisk``*: one-time PXE, a boot entry per MAC, a power cycle, each keyed;
 * ``wait.agentJoined``: until the node's agent joined, after the previous step finished;
 * ``inspect.collect``*: the inventory, node-signed, stored on the node;
@@ -16,7 +17,14 @@ from typing import Final
 
 from better_compute.provision.steps import Step
 
-from .bmc import BMC_STEPS, management_set_boot_device, media_eject, media_insert, power_set_power
+from .bmc import (
+    BMC_STEPS,
+    management_set_boot_device,
+    media_eject,
+    media_insert,
+    power_get_power,
+    power_set_power,
+)
 from .deploy import deploy_deploy
 from .http import http_via_site, node_addresses
 from .inventory import inspect_collect
@@ -39,6 +47,7 @@ __all__ = [
     "media_eject",
     "media_insert",
     "node_addresses",
+    "power_get_power",
     "power_set_power",
     "wait_agent_joined",
 ]

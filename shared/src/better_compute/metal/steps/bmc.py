@@ -1,5 +1,5 @@
-"""The BMC steps: ``power.setPower``, ``management.setBootDevice``, ``media.insert`` and
-``media.eject``.
+"""The BMC steps: ``power.setPower``, ``management.setBootDevice``, ``media.insert``,
+``media.eject`` and ``power.getPower`` (a read: the BMC answers, and with what power state).
 
 Each is a relaying step (``relays: ['site']``): it runs in the engine, where the node record
 is, and sends the BMC command kind of the same name to the node's site agent with the node's
@@ -18,14 +18,22 @@ from better_compute.provision.steps import Step, define_step
 
 from ..commands import (
     BMC,
+    MANAGEMENT_INVENTORY,
     MANAGEMENT_SET_BOOT_DEVICE,
     MEDIA_EJECT,
     MEDIA_INSERT,
     POWER_SET_POWER,
 )
-from ._relay import node_bmc, relay
+from ._relay import node_bmc, relay, workflow_node
 
-__all__ = ["BMC_STEPS", "management_set_boot_device", "media_eject", "media_insert", "power_set_power"]
+__all__ = [
+    "BMC_STEPS",
+    "management_set_boot_device",
+    "media_eject",
+    "media_insert",
+    "power_get_power",
+    "power_set_power",
+]
 
 BMC_TIMEOUT: Final = "10m"
 
@@ -112,4 +120,38 @@ media_insert = define_step(
     description="Insert a virtual medium: a url, or the url an earlier step (fromStep) returned",
 )
 
-BMC_STEPS: Final = (power_set_power, management_set_boot_device, media_insert, media_eject)
+STORE_POWER: Final = (
+    "UPDATE nodes SET power_state = $2, updated_at = now() WHERE id = $1 AND power_state IS DISTINCT FROM $2"
+)
+
+
+async def _get_power(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    node = workflow_node(ctx, "power.getPower")
+    command = {"bmc": node_bmc(ctx, step_input, "power.getPower")}
+    done = await relay(ctx, kind=MANAGEMENT_INVENTORY.name, payload=command)
+    answer = done["result"]
+    system = answer.get("system") if isinstance(answer, dict) else None
+    power = system.get("powerState") if isinstance(system, dict) else None
+    if not isinstance(power, str) or power.lower() not in ("on", "off"):
+        raise BcError(
+            ErrorCode.DRIVER_ERROR,
+            f"the BMC of node {node.id} did not say whether the machine is on",
+            {"path": "result.system.powerState", "commandId": done["commandId"], "reason": "no-power-state"},
+        )
+    await ctx.sql.query(STORE_POWER, node.id, power.lower())
+    return {"commandId": done["commandId"], "powerState": power.lower()}
+
+
+power_get_power = define_step(
+    id="power.getPower",
+    runs_on="control-plane",
+    relays=["site"],
+    sends=[MANAGEMENT_INVENTORY.name],
+    timeout=BMC_TIMEOUT,
+    input=manifest({"bmc": BMC.optional()}),
+    run=_get_power,
+    retry_safe=True,
+    description="Read the node's power state through its BMC (management.inventory): the BMC answers",
+)
+
+BMC_STEPS: Final = (power_set_power, management_set_boot_device, media_insert, media_eject, power_get_power)

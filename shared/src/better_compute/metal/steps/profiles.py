@@ -7,7 +7,8 @@
                      cycle, the installed OS's agent joins
 ``metal.release``    ramdisk, the agent joins, quick wipe, power off
 ``metal.retire``     ramdisk, the agent joins, secure wipe, power off
-``metal.adopt``      an adopt profile: no image, user data or steps (the machine runs already)
+``metal.adopt``      the BMC answers (power state read), the installed OS's agent joined (any
+                     valid join), inventory (node-signed): nothing booted, wiped or written
 ===================  ====================================================================
 
 The ramdisk (kernel and initrd, or an iPXE script) is a deployment's own, so it goes into the
@@ -117,10 +118,15 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
         _profile(
             "retire", "Erase the node's disks securely and power it off", [boot, joined, wipe("secure"), off]
         ),
+        # Not an ``adopt: true`` profile (those have no steps): no image, no user data, and no
+        # step that boots, wipes or writes; the machine keeps running what it runs.
         _profile(
             "adopt",
-            "Take over a machine that already runs an OS: nothing is installed or wiped",
-            [],
-            adopt=True,
+            "Take over a machine that already runs an OS: nothing is booted, installed or wiped",
+            [
+                {"use": "power.getPower", "on": "site"},
+                {"use": "wait.agentJoined", "with": {"role": "node", "fresh": False}},
+                collect,
+            ],
         ),
     )

@@ -1,0 +1,182 @@
+"""Enrollment rules: a discovered machine whose inventory and labels match a rule is enrolled by it
+when its discovery inventory arrives; one that matches none stays discovered.
+
+bc-pki, bc-secrets, bc-command-queue and bc-engine are processes; bcd is a real ``bcd join`` /
+``bcd run`` against prepared machine trees (their inventory is what the rules see); bcx is its
+own process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from better_compute.clients import EngineClient, PkiClient, SecretsClient
+from better_compute.config import Settings
+from better_compute.core.errors import BcError
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses, bcx, until
+from better_compute.testing.bcd import BcdProcess, run_bcd
+from better_compute.testing.machines import prepare_machine
+
+pytestmark = pytest.mark.e2e
+
+SITE = "lab1"
+PASSWORD = "rule-bmc-s3cret"
+GIB_KIB = 1024 * 1024
+BIG = 'inventory.vendor="Better Compute" and inventory.memory_gib>=32 and inventory.cpu_cores>=8'
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def settings(bc_settings: Settings, bc_processes: ServiceProcesses) -> AsyncIterator[Settings]:
+    settings = msgspec.structs.replace(bc_settings, app="metal_test_app:app")
+    bc_processes.settings = settings
+    bc_processes.extra_env.update(BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms")
+    for name in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
+        bc_processes.start(name)
+    await bc_processes.wait_ready(timeout=90)  # four services starting on a loaded machine
+    yield settings
+
+
+async def rules(settings: Settings, *args: str) -> Any:
+    out = await bcx(settings, "enrollment-rules", *args, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert PASSWORD not in out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+async def refused(settings: Settings, *args: str) -> dict[str, Any]:
+    out = await bcx(settings, "enrollment-rules", "create", *args, "--no-prompt", "--json")
+    assert out.returncode != 0, out.stdout
+    assert PASSWORD not in out.stdout + out.stderr
+    err: dict[str, Any] = json.loads(out.stdout or out.stderr)["error"]
+    return err
+
+
+async def discover(settings: Settings, api: ApiClient, root: Path, bcds: list[BcdProcess], log: Path) -> str:
+    """What the discovery ramdisk does: ``bcd join`` with the site's discovery token, then bcd runs."""
+    token = await PkiClient(api).issue_join_token(
+        tenant_id="root", role="discovery", site_id=SITE, ttl_seconds=900, max_uses=5
+    )
+    (root / "proc/cmdline").write_text(
+        f"console=ttyS0 bcd.site={SITE} bcd.token={token.token} bcd.control_plane=nats://gw.example.test\n"
+    )
+    joined = await run_bcd(settings, root, "join", "--no-service")
+    assert joined.returncode == 0, joined.stderr
+    bcds.append(BcdProcess.start(settings, root, "--mode", "ramdisk", log=log))
+    return str(json.loads(joined.stdout)["nodeId"])
+
+
+async def inventoried(api: ApiClient, node_id: str) -> dict[str, Any]:
+    async def check() -> dict[str, Any] | None:
+        try:
+            doc: dict[str, Any] = await api.call("engine", "nodes.get", {"id": node_id})
+        except Exception:
+            return None
+        return doc if doc.get("inventory") is not None else None
+
+    return await until(check, timeout=60, what=f"{node_id} inventoried")
+
+
+@pytest.mark.timeout(240)  # two discovery boots and bcx processes on a loaded machine
+async def test_a_discovered_machine_matching_a_rule_is_enrolled_by_it(
+    settings: Settings, bc_api: ApiClient, bcds: list[BcdProcess], tmp_path: Path
+) -> None:
+    creds = tmp_path / "bmc.json"
+    creds.write_text(json.dumps({"username": "admin", "password": PASSWORD}))
+    big = await rules(
+        settings, "create", "big-sim", "--site", SITE, "--priority", "10",
+        "--selector", BIG,
+        "--label", "pool=big", "--label", "rack=r7",
+        "--bmc", "redfish://10.9.0.7/redfish/v1/Systems/1", "--bmc-credentials-file", str(creds),
+    )  # fmt: skip
+    assert (big["name"], big["siteId"], big["labels"]) == ("big-sim", SITE, {"pool": "big", "rack": "r7"})
+    template_ref = big["bmc"]["credentialsRef"]
+    # a rule of another site is never tried for lab1's machines
+    engine = EngineClient(bc_api)
+    await engine.create_enrollment_rule(name="elsewhere", site_id="lab9", selector="inventory.cpu_cores>=1")
+    listed = await engine.list_enrollment_rules()
+    assert [r.name for r in listed.rules] == ["big-sim", "elsewhere"]
+
+    machine = prepare_machine(
+        tmp_path / "big", product_uuid="5a1e0000-0001-4000-8000-00000000b16a", serial="BIG-1",
+        macs=("52:54:00:e1:00:01",), cpus=8, memory_kib=32 * GIB_KIB,
+    )  # fmt: skip
+    node_id = await discover(settings, bc_api, machine, bcds, tmp_path / "big.log")
+    doc = await inventoried(bc_api, node_id)
+    assert (doc["state"], doc["enrolledByRule"]) == ("enrolled", big["id"]), doc
+    assert doc["labels"] == {"pool": "big", "rack": "r7"}
+    assert doc["macs"] == ["52:54:00:e1:00:01"]  # the MACs it showed
+    bmc = doc["bmc"]
+    assert (bmc["driver"], bmc["address"], bmc["systemId"]) == (
+        "redfish",
+        "https://10.9.0.7",
+        "/redfish/v1/Systems/1",
+    )
+    # the node has its own copy of the credential, bound to it, never the rule's template
+    assert bmc["credentialsRef"].startswith("sec_")
+    assert bmc["credentialsRef"] != template_ref
+    secrets = SecretsClient(bc_api)
+    assert json.loads(await secrets.get(ref=bmc["credentialsRef"]))["password"] == PASSWORD
+    shown = await bcx(settings, "nodes", "show", node_id)
+    assert f"enrolled    by rule {big['id']}" in shown.stdout, shown.stdout
+    assert PASSWORD not in shown.stdout
+
+    async def discovery_keys_revoked() -> bool:
+        certs = await PkiClient(bc_api).list_certificates(agent_id=node_id, include_revoked=True)
+        return bool(certs) and all(c.state == "revoked" for c in certs if c.role == "discovery")
+
+    await until(discovery_keys_revoked, timeout=30)
+
+    # a smaller machine matches no rule: it appears with its inventory and stays discovered
+    small = prepare_machine(
+        tmp_path / "small", product_uuid="5a1e0000-0001-4000-8000-0000000005a1", serial="SMALL-1",
+        macs=("52:54:00:e1:00:02",), cpus=4, memory_kib=16 * GIB_KIB,
+    )  # fmt: skip
+    small_id = await discover(settings, bc_api, small, bcds, tmp_path / "small.log")
+    doc = await inventoried(bc_api, small_id)
+    assert (doc["state"], doc["enrolledByRule"], doc["bmc"]) == ("discovered", None, None), doc
+
+    # deleting a rule leaves what it enrolled as it is
+    deleted = await engine.delete_enrollment_rule(id=big["id"])
+    assert deleted.id == big["id"]
+    assert [r.name for r in (await engine.list_enrollment_rules()).rules] == ["elsewhere"]
+    assert (await bc_api.call("engine", "nodes.get", {"id": node_id}))["state"] == "enrolled"
+
+
+async def test_bad_rules_are_refused_with_their_path(settings: Settings, bc_api: ApiClient) -> None:
+    ipmi = {"driver": "ipmi", "address": "ipmi-{inventory.bmc_address}"}
+    cases = [
+        ({"selector": "inventory.memory_gib>=lots"}, "selector"),
+        ({"bmc": {"driver": "ipmi", "address": "{inventory.bmc_address}"}}, "bmc.addressCidrs"),
+        ({"bmc": {"driver": "ipmi", "address": "{inventory.colour}", "addressCidrs": ["10.0.0.0/8"]}},
+         "bmc.address"),
+        ({"bmc": {**ipmi, "addressCidrs": ["10.0.0.0/33"]}}, "bmc.addressCidrs[0]"),
+        ({"labels": {"bad key": "x"}}, "labels"),
+        ({"bmc": {"driver": "ipmi", "address": "10.0.0.1", "password": PASSWORD}}, "bmc.password"),
+    ]  # fmt: skip
+    for body, path in cases:
+        err = await refusal(bc_api, {"name": "bad", "selector": "a=b", **body})
+        assert (err.code.value, err.details["path"]) == ("INVALID_INPUT", path), (body, err)
+        assert PASSWORD not in err.message
+    # through bcx: the same refusal, and a name is unique in its tenant
+    err = await refused(settings, "bad", "--selector", "a=b", "--bmc", "ipmi://{inventory.bmc_address}")
+    assert (err["code"], err["details"]["path"]) == ("INVALID_INPUT", "bmc.addressCidrs")
+    await rules(settings, "create", "twice", "--selector", "a=b")
+    err = await refused(settings, "twice", "--selector", "a=c")
+    assert (err["code"], err["details"]["path"]) == ("CONFLICT", "name")
+    with pytest.raises(BcError) as caught:
+        await bc_api.call("engine", "enrollmentRules.delete", {"id": "rule_01JB0000000000000000000000"})
+    assert caught.value.code.value == "NOT_FOUND"
+
+
+async def refusal(api: ApiClient, body: dict[str, Any]) -> Any:
+    with pytest.raises(BcError) as caught:
+        await api.call("engine", "enrollmentRules.create", body)
+    return caught.value

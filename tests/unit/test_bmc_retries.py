@@ -1,0 +1,112 @@
+"""Which BMC calls the site agent's drivers repeat: a non-idempotent action only when it never
+reached the BMC, a read or an idempotent change on any transient error."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+import sushy.connector
+import sushy.exceptions
+
+from bc_site_agent.drivers.base import Transient, retry_in_thread
+from bc_site_agent.drivers.redfish import _never_sent
+from better_compute.core.errors import BcError, ErrorCode
+from better_compute.logging import get_logger
+
+
+class Flaky:
+    """Raises the given errors one per call, then answers."""
+
+    def __init__(self, *errors: Transient) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return "done"
+
+
+LOG = get_logger(test="bmc-retries")
+
+
+async def test_an_action_that_may_have_reached_the_bmc_is_not_repeated() -> None:
+    lost = Transient("POST ComputerSystem.Reset(ForceRestart)", "cannot reach the BMC (ConnectionError)")
+    run = Flaky(lost)
+    with pytest.raises(BcError) as caught:
+        await retry_in_thread(run, deadline=time.time() + 10, log=LOG, idempotent=False)
+    assert caught.value.code is ErrorCode.DRIVER_ERROR
+    assert caught.value.details["reason"] == (
+        "POST ComputerSystem.Reset(ForceRestart): cannot reach the BMC (ConnectionError);"
+        " not repeated: the BMC may have applied it"
+    )
+    assert run.calls == 1
+
+
+async def test_an_action_that_never_left_is_repeated() -> None:
+    refused = Transient(
+        "POST VirtualMedia.InsertMedia", "cannot reach the BMC (refused)", maybe_applied=False
+    )
+    run = Flaky(refused, refused)
+    assert await retry_in_thread(run, deadline=time.time() + 10, log=LOG, idempotent=False) == "done"
+    assert run.calls == 3
+
+
+async def test_reads_and_idempotent_changes_are_repeated_after_any_transient_error() -> None:
+    run = Flaky(Transient("GET System.PowerState", "read timed out"), Transient("GET System", "HTTP 500"))
+    assert await retry_in_thread(run, deadline=time.time() + 10, log=LOG) == "done"
+    assert run.calls == 3
+
+
+@pytest.fixture
+def closing_server() -> Iterator[int]:
+    """A port that accepts a connection, reads the request, and closes without an answer."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            conn.recv(65536)
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join()
+    srv.close()
+
+
+def sushy_error(url: str) -> sushy.exceptions.ConnectionError:
+    conn = sushy.connector.Connector(url, verify=False, server_side_retries=1, server_side_retries_delay=0.01)
+    try:
+        conn.post("/redfish/v1/Systems/1/Actions/ComputerSystem.Reset", data={"ResetType": "On"})
+    except sushy.exceptions.ConnectionError as exc:
+        return exc
+    finally:
+        conn.close()
+    raise AssertionError("the request went through")
+
+
+def test_refused_and_unresolved_connections_never_sent_the_request(closing_server: int) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert _never_sent(sushy_error(f"http://127.0.0.1:{closed}"))
+    assert _never_sent(sushy_error("http://no-such-bmc.invalid"))
+    # the request went out and the connection closed before the answer: it may have been applied
+    assert not _never_sent(sushy_error(f"http://127.0.0.1:{closing_server}"))
+    assert not _never_sent(sushy.exceptions.ConnectionError(url="x", error=requests.ReadTimeout("read")))
