@@ -12,6 +12,7 @@ count of power changes, media, wipes and installs; and no token or password in a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -178,3 +179,60 @@ async def test_a_machine_through_its_whole_life_on_the_simulator(one: FleetStack
     assert m.ledger.count("bcd.join-failed") == 0
     workflows = (await stack.engine.list_workflows(node_id=node_id)).workflows
     await no_secret_anywhere(stack, [w.id for w in workflows])
+
+
+async def _loops(stack: FleetStack, loops: int) -> None:
+    """Every enrolled machine to ready, then ``loops`` deploy-and-release loops on each, all
+    machines at once; per-loop times printed."""
+    machines = sorted(stack.nodes)
+
+    async def ready(i: int) -> None:
+        await stack.verb("inspect", i)
+        await stack.reaches(i, "inspected", timeout=180)
+        await stack.verb("commission", i)
+        await stack.reaches(i, "ready", timeout=180)
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(ready(i) for i in machines))
+    print(f"{len(machines)} machines inspected and commissioned in {time.monotonic() - t0:.1f} s")
+
+    times: list[tuple[int, int, float, float]] = []
+
+    async def loop(i: int) -> None:
+        for n in range(loops):
+            deploy_s, release_s = await lifecycle_deploy_release(stack, i)
+            times.append((i, n, deploy_s, release_s))
+            print(f"machine {i} loop {n + 1}: deploy {deploy_s:.1f} s, release {release_s:.1f} s")
+
+    t1 = time.monotonic()
+    await asyncio.gather(*(loop(i) for i in machines))
+    took = time.monotonic() - t1
+    assert len(times) == loops * len(machines)
+    per = sorted(d + r for _, _, d, r in times)
+    print(f"{len(times)} deploy+release loops in {took:.1f} s on {len(machines)} machines at once;"
+          f" per loop p50 {per[len(per) // 2]:.1f} s, max {per[-1]:.1f} s")  # fmt: skip
+    for i in machines:
+        m = stack.machine(i)
+        assert m.ledger.count("install") == loops
+        assert m.ledger.count("disk.write", kind="node.wipe") == loops + 1  # and commission's
+        assert m.ledger.repeated_writes() == {}
+        assert m.ledger.count("bcd.join-failed") == 0
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def four(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[FleetStack]:
+    async for stack in _stack(tmp_path / "fleet", bc_settings, bc_api, bc_processes, machines=4):
+        yield stack
+
+
+@pytest.mark.timeout(300)
+async def test_four_machines_deploy_and_release_at_once(four: FleetStack) -> None:
+    await _loops(four, loops=1)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+async def test_twenty_deploy_and_release_loops_of_the_pages_profile(four: FleetStack) -> None:
+    await _loops(four, loops=5)
