@@ -152,6 +152,7 @@ async def lifecycle_deploy_release(stack: FleetStack, index: int) -> tuple[float
     return t1 - t0, t2 - t1
 
 
+@pytest.mark.timeout(400)  # the stack alone takes 30-90 s to start on the loaded 2-core machine
 async def test_a_machine_through_its_whole_life_on_the_simulator(one: FleetStack) -> None:
     stack, m, node_id = one, one.machine(0), one.nodes[0]
     node = await stack.engine.get_node(id=node_id)
