@@ -20,6 +20,7 @@ from ..service.client import connect, discover
 from . import (
     engine_commands,
     images_commands,
+    keys_commands,
     metal_commands,
     pki_commands,
     secrets_commands,
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     images_commands.register(sub, common)
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
+    keys_commands.register(sub, common)
     from . import cmdq_commands
 
     cmdq_commands.register(sub, common)
