@@ -214,7 +214,7 @@ class Keyring:
 
 def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("rotate", "create"):
-        print("usage: python -m bc_pki.keyring {create|rotate} KEY_FILE", file=sys.stderr)
+        print("usage: python -m better_compute.keyring {create|rotate} KEY_FILE", file=sys.stderr)
         return 2
     path = Path(argv[1])
     if argv[0] == "create":

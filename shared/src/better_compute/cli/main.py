@@ -21,6 +21,7 @@ from . import (
     engine_commands,
     enrollment_commands,
     images_commands,
+    keys_commands,
     metal_commands,
     pki_commands,
     secrets_commands,
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     images_commands.register(sub, common)
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
+    keys_commands.register(sub, common)
     from . import cmdq_commands
 
     cmdq_commands.register(sub, common)

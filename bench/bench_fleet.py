@@ -1,0 +1,337 @@
+"""Fleet benchmark: N simulated machines over S sites deployed by one bulk verb.
+
+    uv run --group bench python bench/bench_fleet.py --machines 1000 --sites 10
+    uv run --group bench python bench/bench_fleet.py --machines 100 --sites 2 --power-delay 1-11
+
+Everything as it runs in production, on this machine: the embedded nats-server and PostgreSQL
+(fsync on), bc-engine, bc-command-queue, bc-pki and bc-secrets as their own processes, one real
+bc-site-agent per site driving that site's simulator (one sushy-emulator per site) through its
+Redfish driver, and the ``bcd --simulate`` processes the simulators boot (the ramdisk's, then
+the installed OS's). The app is the metal simulator's (``metal_sim.app``): the page's
+``ubuntu-24.04-autoinstall`` profile.
+
+The machines are enrolled, inspected and commissioned first (bulk verbs, timed as the prelude);
+then one ``metal.bulk deploy`` over every node. Prints the time from that verb to the last
+machine ``deployed``, machines per second, commands per second in that window, the p50/p99 of
+each machine's deploy workflow (created to finished), and the CPU seconds each kind of process
+used during the deploy (where the time goes). ``--power-delay 0`` (the default) is a BMC that
+answers at once; ``1-11`` is sushy-tools' own fake driver (a power change lands 1-11 s late).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.engine import EngineClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
+from better_compute.config import Settings
+from better_compute.core.ids import new_id
+from better_compute.logging import configure_logging
+from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres
+from better_compute.service.client import ApiClient, connect
+from better_compute.testing import ServiceProcesses
+from better_compute.testing.metal_sim import MetalSim
+from better_compute.testing.metal_sim.stack import APP, FAST_ENV, SERVICES, MediaServer
+from better_compute.testing.site_agent import SiteAgentProcess
+from better_compute.wire import Subjects
+from better_compute.wire.engine import decode_node_event
+from better_compute.wire.metal import NodeBmc, VerbName
+
+PROFILE = "ubuntu-24.04-autoinstall"
+IMAGE = "ubuntu@24.04"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds of ``pid`` and its reaped children (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime + cutime + cstime) / CLK_TCK
+
+
+def process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process."""
+    out: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out[int(entry.name)] = (ppid, cmd)
+    return out
+
+
+def classify(cmd: str) -> str:
+    for needle, name in (
+        ("bc_engine", "bc-engine"), ("bc-engine", "bc-engine"),
+        ("bc_command_queue", "bc-command-queue"), ("bc-command-queue", "bc-command-queue"),
+        ("bc_pki", "bc-pki"), ("bc-pki", "bc-pki"), ("bc_secrets", "bc-secrets"),
+        ("bc-secrets", "bc-secrets"), ("bc_site_agent", "site agents"), ("bc-site-agent", "site agents"),
+        ("sushy", "sushy emulators"), ("emulator_main", "sushy emulators"), ("zygote", "bcd (simulated)"),
+        ("bcd", "bcd (simulated)"), ("nats-server", "nats-server"), ("postgres", "PostgreSQL"),
+    ):  # fmt: skip
+        if needle in cmd:
+            return name
+    return "other"
+
+
+class CpuMeter:
+    """CPU seconds per kind of process, from a snapshot before to one after (children counted)."""
+
+    def __init__(self, *roots: int) -> None:
+        self.roots = roots
+
+    def _descendants(self) -> dict[int, str]:
+        table = process_table()
+        kids: dict[int, list[int]] = {}
+        for pid, (ppid, _) in table.items():
+            kids.setdefault(ppid, []).append(pid)
+        out: dict[int, str] = {}
+        todo = [pid for root in self.roots for pid in (root, *kids.get(root, [])) if pid in table]
+        todo = [pid for pid in todo if pid != os.getpid()]
+        while todo:
+            pid = todo.pop()
+            out[pid] = classify(table[pid][1])
+            todo.extend(kids.get(pid, []))
+        return out
+
+    def snapshot(self) -> dict[int, tuple[str, float]]:
+        return {pid: (kind, cpu_of(pid)) for pid, kind in self._descendants().items()}
+
+    @staticmethod
+    def delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, (kind, cpu) in after.items():
+            out[kind] = out.get(kind, 0.0) + cpu - (before[pid][1] if pid in before else 0.0)
+        return out
+
+
+async def until_states(
+    counts: Callable[[], dict[str, int]], want: str, n: int, *, timeout: float, what: str
+) -> None:
+    t0 = time.monotonic()
+    last = -100.0
+    while True:
+        got = counts()
+        if got.get(want, 0) >= n:
+            return
+        if got.get("failed", 0):
+            raise RuntimeError(f"{what}: {got.get('failed')} node(s) failed: {got}")
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{what}: {got} after {timeout:.0f} s")
+        if time.monotonic() - last > 5:
+            print(f"  {what}: {dict(sorted(got.items()))}", flush=True)
+            last = time.monotonic()
+        await asyncio.sleep(0.2)
+
+
+async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
+    nats, pg = EmbeddedNats(state / "servers"), EmbeddedPostgres(state / "servers")
+    nats_url, db_url = nats.start(), pg.start()
+    lo, _, hi = args.power_delay.partition("-")
+    delay = (float(lo), float(hi or lo))
+    settings = Settings(
+        nats_url=nats_url, database_url=db_url, state_dir=str(state / "state"), log_level="warning", app=APP
+    )
+    logs = state / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    media = MediaServer(state / "media")
+    processes = ServiceProcesses(settings, logs)
+    processes.extra_env.update(
+        {**FAST_ENV, "BC_SIM_MEDIA_DIR": str(media.folder), "BC_SIM_MEDIA_URL": media.url}
+    )
+    nc = await connect(nats_url, name="bench-fleet")
+    api = ApiClient(nc, Subjects(settings.subject_root))
+    engine, cq = EngineClient(api, timeout=60.0), CommandQueueClient(api, timeout=30.0)
+    pki, secrets = PkiClient(api), SecretsClient(api)
+    per_site = [
+        args.machines // args.sites + (1 if i < args.machines % args.sites else 0) for i in range(args.sites)
+    ]
+    sims: list[MetalSim] = []
+    agents: list[SiteAgentProcess] = []
+    states: dict[str, str] = {}
+    node_site: dict[str, tuple[MetalSim, int]] = {}
+    try:
+        t = time.monotonic()
+        for service in SERVICES:
+            processes.start(service)
+        for s, n in enumerate(per_site):
+            site = f"site{s:02d}"
+            sim = MetalSim(state / f"sim-{site}", settings=settings, machines=n, site_id=site, seed=s,
+                           power_delay=delay)  # fmt: skip
+            agent = SiteAgentProcess(folder=state / f"agent-{site}", nats_url=nats_url,
+                                     subject_root=settings.subject_root, site_id=site)  # fmt: skip
+            sim.boot_url = agent.url
+            sims.append(sim)
+            agents.append(agent)
+        await asyncio.gather(
+            processes.wait_ready(timeout=120), *(asyncio.to_thread(sim.start) for sim in sims)
+        )
+        for sim, agent in zip(sims, agents, strict=True):
+            token = await pki.issue_join_token(
+                tenant_id="root", role="site", site_id=sim.site_id, ttl_seconds=900
+            )
+            agent.write_config(token.token)
+            agent.start()
+        for _ in range(3000):  # the agents connect: up to 10 minutes
+            if len({a.site_id for a in await cq.agents(connected=True) if a.role == "site"}) == args.sites:
+                break
+            await asyncio.sleep(0.2)
+        print(
+            f"{args.machines} machines on {args.sites} sites, stack up in {time.monotonic() - t:.1f} s",
+            flush=True,
+        )
+
+        async def on_node(msg: Any) -> None:
+            event = decode_node_event(msg.data)
+            if event is not None and hasattr(event, "state"):
+                states[event.node_id] = event.state
+
+        await nc.subscribe(f"{settings.subject_root}.events.node.>", cb=on_node)
+
+        def counts() -> dict[str, int]:
+            return dict(Counter(states.values()))
+
+        gate = asyncio.Semaphore(32)
+
+        async def enroll(sim: MetalSim, index: int) -> None:
+            async with gate:
+                m = sim.machine(index)
+                node_id = new_id("node")
+                credential = json.dumps(sim.emulator.credentials).encode()
+                info = await secrets.put_for_node(credential, tenant_id="root", node_id=node_id, label="bmc")
+                bmc = NodeBmc(driver="redfish", address=m.bmc_url, credentials_ref=info.ref, system_id=m.uuid)
+                await engine.enroll_node(site_id=sim.site_id, id=node_id, macs=list(m.macs), bmc=bmc)
+                node_site[node_id] = (sim, index)
+                states.setdefault(node_id, "enrolled")
+
+        t = time.monotonic()
+        await asyncio.gather(*(enroll(sim, i) for sim in sims for i in range(len(sim.machines))))
+        prelude = {"enroll": time.monotonic() - t}
+        print(f"enrolled in {prelude['enroll']:.1f} s", flush=True)
+        phases: list[tuple[VerbName, str]] = [("inspect", "inspected"), ("commission", "ready")]
+        for verb, want in phases:
+            t = time.monotonic()
+            run = await engine.bulk(verb, node_ids=list(node_site))
+            if run.refused:
+                raise RuntimeError(f"bulk {verb} refused {len(run.refused)}: {run.refused[:3]}")
+            await until_states(counts, want, args.machines, timeout=args.timeout, what=verb)
+            prelude[verb] = time.monotonic() - t
+            print(f"{verb}: {args.machines} machines {want} in {prelude[verb]:.1f} s", flush=True)
+
+        # the servers run detached (their own sessions): count them from their own pids
+        meter = CpuMeter(os.getpid(), *(p for p in (nats.running_pid(), pg.running_pid()) if p))
+        cpu_before = meter.snapshot()
+        since = time.time()
+        t0 = time.monotonic()
+        run = await engine.bulk("deploy", node_ids=list(node_site), image=IMAGE, profile=PROFILE)
+        if run.refused:
+            raise RuntimeError(f"bulk deploy refused {len(run.refused)}: {run.refused[:3]}")
+        verb_s = time.monotonic() - t0
+        await until_states(counts, "deployed", args.machines, timeout=args.timeout, what="deploy")
+        elapsed = time.monotonic() - t0
+        cpu = CpuMeter.delta(cpu_before, meter.snapshot())
+
+        # each machine's deploy workflow: created -> finished, from the engine
+        durations: list[float] = []
+        for started in run.started:
+            wf = await engine.get_workflow(id=started.workflow_id)
+            if wf.finished_at and wf.created_at:
+                took = datetime.fromisoformat(wf.finished_at) - datetime.fromisoformat(wf.created_at)
+                durations.append(took.total_seconds())
+        commands = 0
+        before = None
+        while True:
+            page = await cq.list_commands(limit=1000, before=before)
+            commands += sum(1 for c in page.commands if c.created_at >= since)
+            before = page.next
+            if not before or (page.commands and page.commands[-1].created_at < since):
+                break
+        twice = {
+            f"{sim.site_id}/{m.name}": m.ledger.repeated_writes()
+            for sim in sims for m in sim.machines if m.ledger.repeated_writes()
+        }  # fmt: skip
+        installs = sum(m.ledger.count("install") for sim in sims for m in sim.machines)
+        return {
+            "machines": args.machines, "sites": args.sites,
+            "bmc": "answers at once" if delay == (0.0, 0.0) else f"power lands {args.power_delay} s late",
+            "prelude_s": {k: round(v, 1) for k, v in prelude.items()},
+            "bulk_deploy_request_s": round(verb_s, 2),
+            "deploy_s": round(elapsed, 1), "machines_per_s": round(args.machines / elapsed, 1),
+            "commands": commands, "commands_per_s": round(commands / elapsed, 1),
+            "workflow_p50_s": round(pct(durations, 50), 1), "workflow_p99_s": round(pct(durations, 99), 1),
+            "installs_at_the_hardware": installs, "repeated_writes": twice,
+            "cpu_s": {k: round(v, 1) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
+            "cpu_total_s": round(sum(cpu.values()), 1),
+        }  # fmt: skip
+    finally:
+        for agent in agents:
+            agent.close()
+        await asyncio.gather(*(asyncio.to_thread(sim.close) for sim in sims))
+        media.close()
+        processes.close()
+        with contextlib.suppress(Exception):
+            await nc.close()
+        pg.stop()
+        nats.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--machines", type=int, default=100)
+    p.add_argument("--sites", type=int, default=2)
+    p.add_argument("--power-delay", default="0", help="seconds a power change lands late: 0, or 1-11")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds each phase may take")
+    p.add_argument("--keep", action="store_true", help="keep the state folder (logs) afterwards")
+    args = p.parse_args()
+    configure_logging(level="warning", json=False)
+    folder = Path(tempfile.mkdtemp(prefix="bc-fleet-"))
+    print(f"state under {folder}", flush=True)
+    try:
+        out = asyncio.run(bench(args, folder))
+    finally:
+        if not args.keep:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+    print(json.dumps(out, indent=2))
+    print(
+        f"\n{out['machines']} machines on {out['sites']} sites ({out['bmc']}):"
+        f" deployed in {out['deploy_s']} s"
+        f" ({out['machines_per_s']}/s), {out['commands_per_s']} commands/s,"
+        f" per-machine workflow p50 {out['workflow_p50_s']} s p99 {out['workflow_p99_s']} s,"
+        f" {out['cpu_total_s']} CPU s in all"
+    )
+    sys.exit(1 if out["repeated_writes"] else 0)
+
+
+if __name__ == "__main__":
+    main()
