@@ -27,7 +27,7 @@ from better_compute.config import Settings
 from better_compute.service import Handler, Service
 from better_compute.wire.cmdq import EVENTS
 
-from . import store
+from . import metrics, store
 from .agents import Agents
 from .batches import Batches
 from .commands import Commands
@@ -150,6 +150,10 @@ class CommandQueueService(Service):
             "quorum.get": batches.quorum,
         }
 
+    async def collect_metrics(self) -> None:
+        if self.db is not None:
+            await metrics.collect(self.db, silent_after_ms=self.config.silent_after_ms)
+
     def side_loops(self) -> Mapping[str, Any]:
         sweeper = self.parts.sweeper
         return {"sweeper": sweeper.run, "retention": sweeper.retention}
@@ -164,6 +168,7 @@ class CommandQueueService(Service):
 
     async def _changed(self, rows: Sequence[Any]) -> None:
         """Publish each changed command's event: the engine wakes on it."""
+        metrics.observe_changes(rows)
         for row in rows:
             await self.publish_event(EVENTS, row["id"], store.command_event(row))
 

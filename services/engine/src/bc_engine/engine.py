@@ -32,7 +32,7 @@ from better_compute.service.db import Database
 from better_compute.wire import engine as m
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
-from . import queue, store
+from . import metrics, queue, store
 from .attempts import cleanup_aborted, supersede
 from .context import NodeInfo
 from .profiles import BUILTIN_TENANT
@@ -361,6 +361,8 @@ class Engine:
                 workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time()
             )
         else:
+            if state in ("succeeded", "failed"):
+                metrics.observe_step(step.action, state, step.started_at, time.time())
             failed = {"code": error.code.value, "message": error.message} if error is not None else None
             waits = step.waiting_for if step.waiting_for and state in ("pending", "running") else None
             change = m.StepChange(

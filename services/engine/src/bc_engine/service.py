@@ -22,7 +22,7 @@ from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
 
-from . import queue, store
+from . import metrics, queue, store
 from .api import EngineApi
 from .discovery import (
     DISCOVERY_KEY_PREFIX,
@@ -122,6 +122,10 @@ class EngineService(Service):
 
     def routes(self) -> Mapping[str, Handler]:
         return self.engine_api.routes()
+
+    async def collect_metrics(self) -> None:
+        if self.db is not None:
+            await metrics.collect(self.db)
 
     def side_loops(self) -> Mapping[str, SideLoop]:
         return {

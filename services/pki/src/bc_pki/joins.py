@@ -16,7 +16,7 @@ from better_compute.service import ApiRequest, Database
 from better_compute.wire.paging import decode_cursor, take_page
 from better_compute.wire.pki import JoinAuditList, JoinClaims, JoinRequest, JoinResult, ListJoinsRequest
 
-from . import discovery, store
+from . import discovery, metrics, store
 from ._errors import unauthenticated
 from .ca import CertificateAuthority, parse_csr
 from .tokens import mismatched_claims, normalize_claims, token_hash, well_formed
@@ -56,6 +56,7 @@ class Joins:
         detail: str | None = None,
         conn: Any = None,
     ) -> None:
+        metrics.JOINS.labels("accepted" if outcome == "joined" else "refused", outcome).inc()
         await (conn or self.db).execute(
             store.JOIN_AUDIT_INSERT,
             outcome,

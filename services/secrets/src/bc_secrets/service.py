@@ -35,7 +35,7 @@ from better_compute.wire.secrets import (
     SecretValue,
 )
 
-from . import store
+from . import metrics, store
 
 __all__ = ["SecretsService"]
 
@@ -337,6 +337,7 @@ class SecretsService(Service):
         signer_id: str | None = None,
     ) -> None:
         assert self.db is not None
+        metrics.FETCHES.labels(outcome, reason or "").inc()
         await self.db.execute(
             store.FETCH_AUDIT_INSERT,
             outcome,

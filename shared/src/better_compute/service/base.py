@@ -39,6 +39,7 @@ from ..runtime.urls import resolve_database_url, resolve_nats_url
 from ..wire import Subjects, encode_error, encode_ok
 from ..wire.codec import decode, encode, validation_path
 from ..wire.paging import PAGE_BUDGET
+from . import metrics
 from .client import ApiClient, connect
 from .db import Database, load_migrations
 from .faults import Backoff, describe, is_transient
@@ -435,14 +436,31 @@ class Service:
     async def _health(self, _req: ApiRequest) -> dict[str, Any]:
         return await self.health()
 
+    async def collect_metrics(self) -> None:
+        """Before a scrape of ``/metrics``: set the gauges read from the store (override)."""
+
+    async def _metrics_text(self) -> bytes:
+        try:
+            await asyncio.wait_for(self.collect_metrics(), timeout=5.0)
+        except Exception as exc:  # the store is away: serve the counters, say so in the log
+            self.log.warning("metrics_collect_failed", error=describe(exc))
+        return metrics.render()
+
     async def _health_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=2.0)
-            body = await self.health()
-            data = encode(body)
-            status = "200 OK" if body["ok"] else "503 Service Unavailable"
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=2.0)
+            parts = head.split(b"\r\n", 1)[0].split(b" ")
+            path = parts[1].split(b"?", 1)[0] if len(parts) > 1 else b"/"
+            if path == b"/metrics":
+                data = await self._metrics_text()
+                status, content_type = "200 OK", metrics.CONTENT_TYPE
+            else:
+                body = await self.health()
+                data = encode(body)
+                status = "200 OK" if body["ok"] else "503 Service Unavailable"
+                content_type = "application/json"
             writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
                 + data
             )
