@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,53 +14,23 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from better_compute.clients import EngineClient
-from better_compute.clients.cmdq import CommandQueueClient
-from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
-from better_compute.runtime.embedded import free_port
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
-from better_compute.testing.agents import until
-from better_compute.testing.site_agent import SiteAgentProcess
 from better_compute.testing.workflows import wait_workflows
+from ops_stack import PROFILE, SERVICES, OpsStack, create_power_profile, ops_stack
 
 SITE = "lab-metrics"
-SERVICES = ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine")
 N_WORKFLOWS = 3
 ACTIONS = ("on", "cycle")
-
-
-@dataclass
-class Stack:
-    ports: dict[str, int]
-    agent: SiteAgentProcess
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def stack(
     bc_api: ApiClient, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path
-) -> AsyncIterator[Stack]:
-    ports = {service: free_port() for service in SERVICES}
-    for service, port in ports.items():
-        bc_processes.start(service, "--health-port", str(port))
-    await bc_processes.wait_ready()
-    token = await PkiClient(bc_api).issue_join_token(
-        tenant_id="root", role="site", site_id=SITE, ttl_seconds=600
-    )
-    agent = SiteAgentProcess(
-        folder=tmp_path / "site-agent",
-        nats_url=bc_settings.nats_url or "",
-        subject_root=bc_settings.subject_root,
-        site_id=SITE,
-    )
-    agent.write_config(token.token)
-    agent.start()
-    try:
-        await until(lambda: CommandQueueClient(bc_api).agents(site_id=SITE, connected=True))
-        yield Stack(ports=ports, agent=agent)
-    finally:
-        agent.close()
-        print("--- site agent ---", agent.output()[-4000:], sep="\n")
+) -> AsyncIterator[OpsStack]:
+    async with ops_stack(bc_api, bc_processes, bc_settings, tmp_path, site=SITE) as made:
+        yield made
 
 
 def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -81,28 +50,16 @@ def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: s
 
 
 @pytest.mark.timeout(120)
-async def test_every_service_metrics_count_a_small_rollout(stack: Stack, bc_api: ApiClient) -> None:
+async def test_every_service_metrics_count_a_small_rollout(stack: OpsStack, bc_api: ApiClient) -> None:
     engine = EngineClient(bc_api)
-    bmc = {"driver": "sim", "address": "sim-metrics"}
-    await engine.create_profile(
-        document={
-            "id": "metrics-lab",
-            "version": 1,
-            "target": "metal",
-            "role": "host",
-            "steps": [
-                {"use": "power.setPower", "on": "site", "with": {"action": action, "bmc": bmc}}
-                for action in ACTIONS
-            ],
-        }
-    )
+    await create_power_profile(engine, ACTIONS, address="sim-metrics")
     nodes = [await engine.create_node(site_id=SITE) for _ in range(N_WORKFLOWS)]
-    started = [await engine.start_workflow(profile_id="metrics-lab", node_id=n.id) for n in nodes]
+    started = [await engine.start_workflow(profile_id=PROFILE, node_id=n.id) for n in nodes]
     done = await wait_workflows(engine, [w.id for w in started], timeout=60)
     assert [w.state for w in done] == ["succeeded"] * N_WORKFLOWS
     commands = N_WORKFLOWS * len(ACTIONS)
 
-    url = {s: f"http://127.0.0.1:{p}/metrics" for s, p in stack.ports.items()}
+    url = {s: stack.metrics_url(s) for s in (*SERVICES, "site-agent")}
     cmdq = await asyncio.to_thread(_scrape, url["bc-command-queue"])
     kind = {"kind": "power.setPower"}
     assert _value(cmdq, "bc_command_results_total", **kind, state="succeeded") == commands
@@ -113,8 +70,8 @@ async def test_every_service_metrics_count_a_small_rollout(stack: Stack, bc_api:
     assert ("bc_batches_awaiting_approval", frozenset()) in cmdq
 
     eng = await asyncio.to_thread(_scrape, url["bc-engine"])
-    assert _value(eng, "bc_workflows", state="succeeded", profile="metrics-lab") == N_WORKFLOWS
-    assert _value(eng, "bc_workflows", state="running", profile="metrics-lab") == 0
+    assert _value(eng, "bc_workflows", state="succeeded", profile=PROFILE) == N_WORKFLOWS
+    assert _value(eng, "bc_workflows", state="running", profile=PROFILE) == 0
     steps = _value(eng, "bc_step_duration_seconds_count", action="power.setPower", outcome="succeeded")
     assert steps == commands
     assert _value(eng, "bc_reconciler_lag_seconds_count") >= N_WORKFLOWS
@@ -126,7 +83,7 @@ async def test_every_service_metrics_count_a_small_rollout(stack: Stack, bc_api:
     secrets = await asyncio.to_thread(_scrape, url["bc-secrets"])
     assert not [k for k in secrets if k[0] == "bc_secret_fetches_total"]  # none was asked for
 
-    site = await asyncio.to_thread(_scrape, f"{stack.agent.url}/metrics")
+    site = await asyncio.to_thread(_scrape, url["site-agent"])
     labels = {"driver": "sim", "operation": "power.setPower"}
     assert _value(site, "bc_bmc_call_duration_seconds_count", **labels, outcome="ok") == commands
     assert not [k for k in site if k[0] == "bc_bmc_call_errors_total"]

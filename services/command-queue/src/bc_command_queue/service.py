@@ -25,6 +25,7 @@ from better_compute.app import load_app
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.service import Handler, Service
+from better_compute.service.events import ensure_events_stream
 from better_compute.wire.cmdq import EVENTS
 
 from . import metrics, store
@@ -37,6 +38,8 @@ from .signers import Signers
 from .sweeper import Sweeper
 
 __all__ = ["CommandQueueService"]
+
+EVENTS_STREAM_CHECK_S = 60.0
 
 
 class Parts(NamedTuple):
@@ -89,8 +92,9 @@ class CommandQueueService(Service):
         )
         dispatch = sweeper.dispatch_pending
         batches = Batches(
-            db=db, config=config, app=app, changed=self._changed, dispatch_pending=dispatch, log=log
-        )
+            db=db, config=config, app=app, changed=self._changed, dispatch_pending=dispatch, log=log,
+            publish=self.publish_event,
+        )  # fmt: skip
         agents = Agents(
             db=db,
             config=config,
@@ -107,6 +111,9 @@ class CommandQueueService(Service):
             db=db, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
         self._parts = Parts(commands, agents, batches, sweeper)
+        # The durable event feed: this service creates the stream (it holds the JetStream
+        # rights); the others publish plain NATS on bc.events.> and the stream keeps it all.
+        await self._ensure_events_stream()
         await batches.recount_all()
         # One instance handles each agent event (queue group); every instance evicts a
         # revoked certificate from its own cache.
@@ -156,7 +163,24 @@ class CommandQueueService(Service):
 
     def side_loops(self) -> Mapping[str, Any]:
         sweeper = self.parts.sweeper
-        return {"sweeper": sweeper.run, "retention": sweeper.retention}
+        return {"sweeper": sweeper.run, "retention": sweeper.retention, "events_stream": self._events_stream}
+
+    async def _ensure_events_stream(self) -> bool:
+        """The feed is for readers outside the control plane: a stream JetStream refuses (no
+        room, no rights) is logged and tried again, never a reason to stop serving commands."""
+        assert self.nc is not None
+        try:
+            await ensure_events_stream(self.nc, self.subjects, self.settings.events, self.log)
+            return True
+        except Exception as exc:
+            self.log.warning("events_stream_unavailable", error=f"{type(exc).__name__}: {exc}")
+            return False
+
+    async def _events_stream(self) -> None:
+        """Look again now and then: a stream deleted by hand, or refused at start, comes back."""
+        while True:
+            ok = await self._ensure_events_stream()
+            await asyncio.sleep(EVENTS_STREAM_CHECK_S if ok else 5.0)
 
     async def sweep(self) -> None:
         """One pass of every timed duty; safe in several instances at once."""

@@ -21,6 +21,7 @@ from . import (
     engine_commands,
     images_commands,
     metal_commands,
+    ops_commands,
     pki_commands,
     secrets_commands,
     workflow_commands,
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     images_commands.register(sub, common)
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
+    ops_commands.register(sub, common)
     from . import cmdq_commands
 
     cmdq_commands.register(sub, common)
