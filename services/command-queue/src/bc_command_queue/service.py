@@ -59,6 +59,11 @@ class CommandQueueService(Service):
     schema: ClassVar[str | None] = "cmdq"
     migrations_package: ClassVar[str | None] = "bc_command_queue.migrations"
     description: ClassVar[str] = "Command queue: commands, per-site streams, agents, destructive-batch quorum"
+    audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "commands.cancel": ("nodeId", "workflowId", "keyPrefix", "reason"),
+        "batches.create": ("tenantId", "kinds", "nodes", "workflowId", "ttlSeconds", "note"),
+        "batches.approve": ("batchId", "approverId"),  # approverId: the identity the signature proves
+    }
 
     def __init__(self, settings: Settings, *, config: CmdqConfig | None = None) -> None:
         super().__init__(settings)

@@ -53,6 +53,12 @@ class SecretsService(Service):
     schema: ClassVar[str | None] = "secrets"
     migrations_package: ClassVar[str | None] = "bc_secrets.migrations"
     description: ClassVar[str] = "Secrets: encrypted values behind SecretRefs"
+    audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        # never "value": the whitelist keeps what was stored out of the audit
+        "secrets.put": ("tenantId", "workflowId", "step", "nodeId", "label"),
+        "secrets.get": ("ref",),  # an operator's reveal (bcx secrets show --reveal)
+        "keys.rewrap": (),
+    }
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -13,6 +14,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api as js_api
 
+from ..clients.audit import AuditClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.manifest import parse_duration
@@ -30,7 +32,8 @@ from ..wire.engine import (
 )
 from ..wire.events import FEED_KINDS, decode_feed_event, event_node, event_workflow
 from ..wire.pki import CertRevoked, JoinAccepted, JoinRefused
-from .output import iso, json_line
+from .common import api_client, as_rows, short
+from .output import iso, json_line, print_json, print_table
 
 __all__ = ["describe_event", "parse_since", "register"]
 
@@ -187,6 +190,40 @@ def _show(msg: Any, subjects: Subjects, kinds: list[str], args: argparse.Namespa
     return True
 
 
+async def audit_list(args: argparse.Namespace, settings: Settings) -> int:
+    """Operator actions of every service, newest first."""
+    since = parse_since(args.since)
+    if args.limit < 1 or args.limit > 1000:
+        raise BcError(ErrorCode.INVALID_INPUT, "--limit is 1 to 1000", {"path": "limit"})
+    async with api_client(settings) as api:
+        entries, failed = await AuditClient(api).merged(
+            since=since.timestamp() if since is not None else None, who=args.who, limit=args.limit
+        )
+    for service, err in failed.items():
+        sys.stderr.write(f"warning: the audit of {service} is missing: {err.code.value}: {err.message}\n")
+    if args.json:
+        print_json({"entries": as_rows(entries), "missing": sorted(failed)})
+        return 0
+    rows = [
+        {
+            "at": iso(e.at),
+            "who": e.actor or "(not said)",
+            "service": e.service,
+            "action": e.action,
+            "target": e.target or "-",
+            "detail": short(e.detail, 70) if e.detail else "",
+        }
+        for e in entries
+    ]
+    print_table(
+        rows,
+        [("at", "AT"), ("who", "WHO"), ("service", "SERVICE"), ("action", "ACTION"), ("target", "TARGET"),
+         ("detail", "DETAIL")],
+        empty="no audited actions",
+    )  # fmt: skip
+    return 0
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     events = sub.add_parser("events", help="the event feed (stream BC_EVENTS)").add_subparsers(
         dest="events_command", required=True, metavar="COMMAND"
@@ -201,3 +238,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--no-follow", action="store_true", help="print what is stored and exit")
     p.add_argument("--limit", type=int, default=0, help="exit after this many events")
     p.set_defaults(func=events_tail)
+
+    p = sub.add_parser("audit", parents=[common], help="operator actions that changed state, newest first")
+    p.add_argument("--since", help="from this long ago (10m, 2h), an ISO 8601 time, or 'all' (default all)")
+    p.add_argument(
+        "--who", help="only this actor (as bcx sends it: $BC_ACTOR or login@host); a* for a prefix"
+    )
+    p.add_argument("--limit", type=int, default=100, help="at most this many (1 to 1000, default 100)")
+    p.set_defaults(func=audit_list)
