@@ -36,7 +36,7 @@ async def keys(
     bc_processes.extra_env.update(BC_CMDQ_QUORUM_FILE=str(tmp_path / "approvers.toml"))
     for name in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
         bc_processes.start(name)
-    await bc_processes.wait_ready()
+    await bc_processes.wait_ready(timeout=60)
     yield made
 
 

@@ -42,7 +42,7 @@ async def ops_stack(
     ports = {service: free_port() for service in SERVICES}
     for service, port in ports.items():
         processes.start(service, "--health-port", str(port))
-    await processes.wait_ready()
+    await processes.wait_ready(timeout=60)
     token = await PkiClient(api).issue_join_token(
         tenant_id="root", role="site", site_id=site, ttl_seconds=600
     )

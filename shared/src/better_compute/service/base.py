@@ -436,8 +436,10 @@ class Service:
         if self.db is None or (actor or "").startswith(audit.SERVICE_ACTOR_PREFIX):
             return
         try:
+            # the handler took the request, so it is JSON within bounds; a route that reads no
+            # body (keys.rewrap) may have been sent anything, kept as no detail
             body = msgspec.json.decode(request.data) if request.data else {}
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             body = {}
         try:
             await self.db.execute(

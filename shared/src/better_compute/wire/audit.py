@@ -25,7 +25,8 @@ class ListAudit(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """``audit.list``: the newest entries first, at or after ``since`` (epoch seconds), of one
     actor when ``who`` is given (``who`` ending in ``*`` matches a prefix)."""
 
-    since: float | None = None
+    since: Annotated[float, msgspec.Meta(ge=0, le=32_503_680_000)] | None = None
+    """Epoch seconds (up to the year 3000)."""
     who: Annotated[str, msgspec.Meta(max_length=MAX_ACTOR + 1)] | None = None
     limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
     cursor: Cursor | None = None
