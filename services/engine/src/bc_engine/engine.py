@@ -289,6 +289,7 @@ class Engine:
                 case Fail(error=error):
                     if await self._settle_failed(wf, step, error, fence):
                         await self._event(wf, "failed", step, error=error)
+                        await self._event(wf, "failed", None)  # every end has its `finished`
                         return None
                     wf, step = await self._reload(wf, fence), None
 
@@ -357,6 +358,7 @@ class Engine:
     ) -> None:
         event: m.WorkflowEvent
         if step is None:
+            metrics.WORKFLOWS_FINISHED.labels(wf.profile_id, wf.state).inc()
             event = m.WorkflowFinished(
                 workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time()
             )

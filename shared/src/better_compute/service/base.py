@@ -40,7 +40,7 @@ from ..wire import Subjects, encode_error, encode_ok
 from ..wire.audit import AuditList, ListAudit
 from ..wire.codec import decode, encode, validation_path
 from ..wire.paging import PAGE_BUDGET, decode_cursor, take_page
-from . import audit, metrics
+from . import audit
 from .client import ApiClient, connect
 from .db import Database, load_migrations
 from .faults import Backoff, describe, is_transient
@@ -486,12 +486,15 @@ class Service:
     async def collect_metrics(self) -> None:
         """Before a scrape of ``/metrics``: set the gauges read from the store (override)."""
 
-    async def _metrics_text(self) -> bytes:
+    async def _metrics_text(self) -> tuple[bytes, str]:
+        # imported here: bcx imports this module, and it never serves metrics
+        from . import metrics
+
         try:
             await asyncio.wait_for(self.collect_metrics(), timeout=5.0)
         except Exception as exc:  # the store is away: serve the counters, say so in the log
             self.log.warning("metrics_collect_failed", error=describe(exc))
-        return metrics.render()
+        return metrics.render(), metrics.CONTENT_TYPE
 
     async def _health_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -499,8 +502,8 @@ class Service:
             parts = head.split(b"\r\n", 1)[0].split(b" ")
             path = parts[1].split(b"?", 1)[0] if len(parts) > 1 else b"/"
             if path == b"/metrics":
-                data = await self._metrics_text()
-                status, content_type = "200 OK", metrics.CONTENT_TYPE
+                data, content_type = await self._metrics_text()
+                status = "200 OK"
             else:
                 body = await self.health()
                 data = encode(body)
