@@ -32,8 +32,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
+from better_compute.config import EventsSettings
+from better_compute.logging import get_logger
 from better_compute.runtime.embedded import free_port, nats_server_binary, wait_port
-from better_compute.testing import until
+from better_compute.service.events import ensure_events_stream
+from better_compute.testing import bcx, until
 from better_compute.wire import Subjects
 
 T = TypeVar("T")
@@ -451,3 +454,38 @@ async def test_stream_survives_losing_its_leader(stack: Stack) -> None:
 
     await eventually("both commands through the leaf", read_both)
     assert got == [b"before", b"after"]
+
+
+async def test_the_event_feed_works_under_the_deployed_permissions(stack: Stack) -> None:
+    n1, n2, n3 = stack.hub
+    cmdq = await stack.connect("command-queue", n1)
+
+    async def created() -> bool:
+        await ensure_events_stream(cmdq, SUBJECTS, EventsSettings(replicas=3), get_logger())
+        return True
+
+    await eventually("events stream", created)
+    info = await cmdq.jetstream().stream_info(SUBJECTS.events_stream())
+    assert (info.config.name, info.config.num_replicas) == ("BC_EVENTS", 3)
+    engine = await stack.connect("engine", n2)
+    await engine.publish(SUBJECTS.event("workflow", "wf_1"), b'{"event":"finished","workflowId":"wf_1"}')
+    await cmdq.publish(SUBJECTS.event("batch", "batch_1"), b'{"event":"batch","id":"batch_1"}')
+    await engine.flush()
+    await cmdq.flush()
+
+    async def stored() -> bool | None:
+        return True if (await cmdq.jetstream().stream_info("BC_EVENTS")).state.messages == 2 else None
+
+    await eventually("both events kept", stored)
+    # bcx, as the operator user, tails the feed through an ephemeral consumer
+    url = f"nats://bcx:{stack.passwords['BCX']}@127.0.0.1:{n3.client_port}"
+    code, out, err = await bcx(
+        None, "events", "tail", "--since", "all", "--no-follow", "--json", "--nats-url", url, isolated=True
+    )
+    assert code == 0, err
+    # two publishers on two nodes: the stream's order between them is not theirs to choose
+    assert sorted((e["kind"], e["id"]) for e in map(json.loads, out.splitlines())) == [
+        ("batch", "batch_1"),
+        ("workflow", "wf_1"),
+    ]
+    assert not any(stack.errors.values()), stack.errors

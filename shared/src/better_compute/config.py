@@ -27,6 +27,7 @@ __all__ = [
     "ApproverSetting",
     "CmdqSettings",
     "Duration",
+    "EventsSettings",
     "ImageSignerSetting",
     "ImagesSettings",
     "PkiSettings",
@@ -166,6 +167,15 @@ class ImagesSettings(_Section, frozen=True, kw_only=True):
     signers: list[ImageSignerSetting] = msgspec.field(default_factory=list)
 
 
+class EventsSettings(_Section, frozen=True, kw_only=True):
+    """``[events]``: the durable event feed, JetStream stream ``BC_EVENTS`` on ``bc.events.>``
+    (docs/events.md); bc-command-queue creates it and applies these bounds at start."""
+
+    max_age: Duration = Duration(7 * 86_400_000)
+    max_bytes: int = 1 << 30
+    replicas: int = 1
+
+
 class Settings(_Section, frozen=True, kw_only=True):
     """Where a process finds the bus, the store and the app, and each service's own section.
 
@@ -186,6 +196,7 @@ class Settings(_Section, frozen=True, kw_only=True):
     secrets: SecretsSettings = msgspec.field(default_factory=SecretsSettings)
     userdata: UserDataSettings = msgspec.field(default_factory=UserDataSettings)
     images: ImagesSettings = msgspec.field(default_factory=ImagesSettings)
+    events: EventsSettings = msgspec.field(default_factory=EventsSettings)
 
 
 # Lower bounds, checked after decoding; a value below one is INVALID_CONFIG at its path.
@@ -198,6 +209,7 @@ _MINIMUM_MS: Final = {
     "cmdq.ack_wait": 1_000,
     "cmdq.stream_max_age": 1_000,
     "pki.cert_ttl": 1_000,
+    "events.max_age": 1_000,
 }
 
 
@@ -207,6 +219,7 @@ _UNIT_MS: Final = {
     "cmdq.stream_max_age": 1_000,
     "cmdq.retention": 86_400_000,
     "pki.cert_ttl": 1_000,
+    "events.max_age": 1_000,
 }
 
 
@@ -288,6 +301,10 @@ def _check_bounds(settings: Settings) -> None:
             raise _bad(path, f"{path} must be {what}")
     if settings.cmdq.stream_replicas < 1:
         raise _bad("cmdq.stream_replicas", "cmdq.stream_replicas must be at least 1")
+    if settings.events.replicas < 1:
+        raise _bad("events.replicas", "events.replicas must be at least 1")
+    if settings.events.max_bytes < 1 << 20:
+        raise _bad("events.max_bytes", "events.max_bytes must be at least 1048576 (1 MiB)")
 
 
 def parse_settings(data: dict[str, Any]) -> Settings:

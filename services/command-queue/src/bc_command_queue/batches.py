@@ -9,7 +9,7 @@ again, and one no longer approved takes its dispatched, unclaimed commands back 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from better_compute.app import App
@@ -18,9 +18,11 @@ from better_compute.core.ids import new_id, parse_id
 from better_compute.crypto import batch_document
 from better_compute.service import ApiRequest, Database
 from better_compute.wire.cmdq import (
+    BATCH_EVENTS,
     ApprovalView,
     ApproveBatch,
     ApproverView,
+    BatchEvent,
     BatchIdRequest,
     BatchList,
     BatchState,
@@ -51,6 +53,7 @@ class Batches:
         changed: Changed,
         dispatch_pending: DispatchPending,
         log: Any,
+        publish: Callable[[str, str, Any], Awaitable[None]] | None = None,
     ) -> None:
         self.db = db
         self.config = config
@@ -58,6 +61,22 @@ class Batches:
         self.changed = changed
         self.dispatch_pending = dispatch_pending
         self.log = log
+        self.publish = publish
+
+    async def _event(self, view: BatchView, *, approver_id: str | None = None) -> None:
+        """``bc.events.batch.<id>``: created, an approval, approved (docs/events.md)."""
+        if self.publish is None:
+            return
+        event = BatchEvent(
+            id=view.id,
+            state=view.state,
+            approvals=sum(1 for a in view.approvals if a.counted),
+            threshold=view.threshold,
+            workflow_id=view.workflow_id,
+            approver_id=approver_id,
+            at=time.time(),
+        )
+        await self.publish(BATCH_EVENTS, view.id, event)
 
     def view(self, row: Any, approvals: Sequence[Any], *, created: bool = False) -> BatchView:
         """A ``batches`` row and its approvals as the wire's ``BatchView``."""
@@ -153,7 +172,9 @@ class Batches:
             nodes=len(nodes),
             workflow_id=body.workflow_id,
         )
-        return self.view(row, [], created=True)
+        view = self.view(row, [], created=True)
+        await self._event(view)
+        return view
 
     async def _same_batch(
         self, found: Any, body: CreateBatch, kinds: list[str], nodes: list[str]
@@ -245,6 +266,8 @@ class Batches:
             duplicate=inserted is None,
             approved=approved,
         )
+        if inserted is not None or newly_approved:
+            await self._event(view, approver_id=body.approver_id)
         if newly_approved:
             await self.dispatch_pending(batch_id=ident)
         return view

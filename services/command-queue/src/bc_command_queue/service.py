@@ -25,9 +25,10 @@ from better_compute.app import load_app
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.service import Handler, Service
+from better_compute.service.events import ensure_events_stream
 from better_compute.wire.cmdq import EVENTS
 
-from . import store
+from . import metrics, store
 from .agents import Agents
 from .batches import Batches
 from .commands import Commands
@@ -37,6 +38,8 @@ from .signers import Signers
 from .sweeper import Sweeper
 
 __all__ = ["CommandQueueService"]
+
+EVENTS_STREAM_CHECK_S = 60.0
 
 
 class Parts(NamedTuple):
@@ -56,6 +59,11 @@ class CommandQueueService(Service):
     schema: ClassVar[str | None] = "cmdq"
     migrations_package: ClassVar[str | None] = "bc_command_queue.migrations"
     description: ClassVar[str] = "Command queue: commands, per-site streams, agents, destructive-batch quorum"
+    audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "commands.cancel": ("nodeId", "workflowId", "keyPrefix", "reason"),
+        "batches.create": ("tenantId", "kinds", "nodes", "workflowId", "ttlSeconds", "note"),
+        "batches.approve": ("batchId", "approverId"),  # approverId: the identity the signature proves
+    }
 
     def __init__(self, settings: Settings, *, config: CmdqConfig | None = None) -> None:
         super().__init__(settings)
@@ -89,8 +97,9 @@ class CommandQueueService(Service):
         )
         dispatch = sweeper.dispatch_pending
         batches = Batches(
-            db=db, config=config, app=app, changed=self._changed, dispatch_pending=dispatch, log=log
-        )
+            db=db, config=config, app=app, changed=self._changed, dispatch_pending=dispatch, log=log,
+            publish=self.publish_event,
+        )  # fmt: skip
         agents = Agents(
             db=db,
             config=config,
@@ -107,6 +116,9 @@ class CommandQueueService(Service):
             db=db, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
         self._parts = Parts(commands, agents, batches, sweeper)
+        # The durable event feed: this service creates the stream (it holds the JetStream
+        # rights); the others publish plain NATS on bc.events.> and the stream keeps it all.
+        await self._ensure_events_stream()
         await batches.recount_all()
         # One instance handles each agent event (queue group); every instance evicts a
         # revoked certificate from its own cache.
@@ -150,9 +162,30 @@ class CommandQueueService(Service):
             "quorum.get": batches.quorum,
         }
 
+    async def collect_metrics(self) -> None:
+        if self.db is not None:
+            await metrics.collect(self.db, silent_after_ms=self.config.silent_after_ms)
+
     def side_loops(self) -> Mapping[str, Any]:
         sweeper = self.parts.sweeper
-        return {"sweeper": sweeper.run, "retention": sweeper.retention}
+        return {"sweeper": sweeper.run, "retention": sweeper.retention, "events_stream": self._events_stream}
+
+    async def _ensure_events_stream(self) -> bool:
+        """The feed is for readers outside the control plane: a stream JetStream refuses (no
+        room, no rights) is logged and tried again, never a reason to stop serving commands."""
+        assert self.nc is not None
+        try:
+            await ensure_events_stream(self.nc, self.subjects, self.settings.events, self.log)
+            return True
+        except Exception as exc:
+            self.log.warning("events_stream_unavailable", error=f"{type(exc).__name__}: {exc}")
+            return False
+
+    async def _events_stream(self) -> None:
+        """Look again now and then: a stream deleted by hand, or refused at start, comes back."""
+        while True:
+            ok = await self._ensure_events_stream()
+            await asyncio.sleep(EVENTS_STREAM_CHECK_S if ok else 5.0)
 
     async def sweep(self) -> None:
         """One pass of every timed duty; safe in several instances at once."""
@@ -164,6 +197,7 @@ class CommandQueueService(Service):
 
     async def _changed(self, rows: Sequence[Any]) -> None:
         """Publish each changed command's event: the engine wakes on it."""
+        metrics.observe_changes(rows)
         for row in rows:
             await self.publish_event(EVENTS, row["id"], store.command_event(row))
 

@@ -10,6 +10,7 @@ talks to NATS.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Final
 
 import msgspec
@@ -546,6 +547,9 @@ def command_event(row: Any) -> CommandEvent:
         step=row["step"],
         state=row["state"],
         reason=row["reason"],
+        kind=row["kind"],
+        site_id=row["site_id"],
+        at=time.time(),
     )
 
 

@@ -32,7 +32,7 @@ from better_compute.service.db import Database
 from better_compute.wire import engine as m
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
-from . import queue, store
+from . import metrics, queue, store
 from .attempts import cleanup_aborted, supersede
 from .context import NodeInfo
 from .profiles import BUILTIN_TENANT
@@ -304,6 +304,7 @@ class Engine:
                         return retry_at
                     if await self._settle_failed(wf, step, error, fence):
                         await self._event(wf, "failed", step, error=error)
+                        await self._event(wf, "failed", None)  # every end has its `finished`
                         return None
                     wf, step = await self._reload(wf, fence), None
 
@@ -388,10 +389,13 @@ class Engine:
     ) -> None:
         event: m.WorkflowEvent
         if step is None:
+            metrics.WORKFLOWS_FINISHED.labels(wf.profile_id, wf.state).inc()
             event = m.WorkflowFinished(
                 workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time()
             )
         else:
+            if state in ("succeeded", "failed"):
+                metrics.observe_step(step.action, state, step.started_at, time.time())
             failed = {"code": error.code.value, "message": error.message} if error is not None else None
             waits = step.waiting_for if step.waiting_for and state in ("pending", "running") else None
             change = m.StepChange(

@@ -14,6 +14,7 @@ from typing import Any
 
 from better_compute.service.faults import Backoff
 
+from . import metrics
 from .engine import FencedError
 
 __all__ = ["Scheduler"]
@@ -68,19 +69,21 @@ class Scheduler:
             del self._failing[key]
 
     def _fire(self, key: str) -> None:
-        self._timers.pop(key, None)
+        timer = self._timers.pop(key, None)
         if key in self._running:
             self._dirty.add(key)
             return
         self._running.add(key)
-        task = asyncio.create_task(self._pass(key), name=f"pass:{key}")
+        due = timer[0] if timer is not None else time.time()
+        task = asyncio.create_task(self._pass(key, due), name=f"pass:{key}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _pass(self, key: str) -> None:
+    async def _pass(self, key: str, due: float) -> None:
         nxt: float | None = None
         try:
             async with self._sem:
+                metrics.RECONCILER_LAG.observe(max(0.0, time.time() - due))
                 nxt = await self._run_pass(key)
         except asyncio.CancelledError:
             raise

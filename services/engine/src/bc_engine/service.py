@@ -22,7 +22,7 @@ from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
 
-from . import queue, store
+from . import metrics, queue, store
 from .api import EngineApi
 from .discovery import (
     DISCOVERY_KEY_PREFIX,
@@ -71,6 +71,25 @@ class EngineService(Service):
     schema: ClassVar[str | None] = "engine"
     migrations_package: ClassVar[str | None] = "bc_engine.migrations"
     description: ClassVar[str] = "Provision engine: profiles, workflows, the reconciler, step execution"
+    audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "nodes.create": ("siteId", "tenantId", "labels"),
+        "nodes.update": ("siteId", "labels"),
+        "nodes.label": ("set", "remove"),
+        "nodes.delete": (),
+        "profiles.create": ("tenantId", "document.id", "document.version", "public", "replace"),
+        "profiles.delete": ("tenantId", "id", "version"),
+        "workflows.start": ("tenantId", "profileId", "profileVersion", "nodeId"),
+        "workflows.abort": ("reason",),
+        "workflows.retry": ("reason",),
+        "workflows.resume": ("reason",),
+        "images.register": ("tenantId", "name", "version", "url", "format", "signer", "public"),
+        "images.delete": ("tenantId", "ref"),
+        **{
+            f"metal.{verb}": ("nodeId", "tenantId", "image", "profile")
+            for verb in ("adopt", "commission", "deploy", "enroll", "inspect", "release", "retire")
+        },
+        "metal.bulk": ("verb", "nodeIds", "selector", "tenantId", "image", "profile"),
+    }
 
     def make_database(self, url: str) -> Database:
         return Database(url, "engine", min_size=2, max_size=20, init=_init_connection)
@@ -122,6 +141,10 @@ class EngineService(Service):
 
     def routes(self) -> Mapping[str, Handler]:
         return self.engine_api.routes()
+
+    async def collect_metrics(self) -> None:
+        if self.db is not None:
+            await metrics.collect(self.db)
 
     def side_loops(self) -> Mapping[str, SideLoop]:
         return {

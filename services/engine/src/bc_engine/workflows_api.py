@@ -15,7 +15,7 @@ from better_compute.service import ApiRequest, Database
 from better_compute.wire import engine as m
 from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
-from . import queue, store
+from . import metrics, queue, store
 from .discovery import refuse_discovered
 from .documents import workflow_doc
 from .metal_lifecycle import reopen_node
@@ -198,6 +198,8 @@ class WorkflowsApi:
             await queue.queue_now(conn, wf["rkey"])
         await self.wake(wf["rkey"])
         doc = await self._get(workflow_id)
+        if verb == "abort":
+            metrics.WORKFLOWS_FINISHED.labels(doc.profile.id, "aborted").inc()
         await self.publish(
             m.EVENTS,
             workflow_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,9 +12,11 @@ from better_compute.core.ids import parse_id
 from better_compute.service import ApiRequest, Database
 from better_compute.wire.paging import decode_cursor, take_page
 from better_compute.wire.pki import (
+    CERT_EVENTS,
     CertIdRequest,
     CertificateInfo,
     CertificateList,
+    CertRevoked,
     ListCertificatesRequest,
     RevokeCertificateRequest,
 )
@@ -75,5 +78,5 @@ class Certificates:
             return store.cert_info(row)
         info = store.cert_info(row)
         self.log.info("certificate_revoked", cert_id=cert_id, agent_id=info.agent_id)
-        await self.publish_event("cert", cert_id, {"certId": cert_id, "state": "revoked"})
+        await self.publish_event(CERT_EVENTS, cert_id, CertRevoked(cert_id=cert_id, at=time.time()))
         return info

@@ -4,6 +4,7 @@ joined or refused, is audited."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,9 +15,18 @@ from better_compute.core.ids import new_id
 from better_compute.logging import register_secret
 from better_compute.service import ApiRequest, Database
 from better_compute.wire.paging import decode_cursor, take_page
-from better_compute.wire.pki import JoinAuditList, JoinClaims, JoinRequest, JoinResult, ListJoinsRequest
+from better_compute.wire.pki import (
+    JOIN_EVENTS,
+    JoinAccepted,
+    JoinAuditList,
+    JoinClaims,
+    JoinRefused,
+    JoinRequest,
+    JoinResult,
+    ListJoinsRequest,
+)
 
-from . import discovery, store
+from . import discovery, metrics, store
 from ._errors import unauthenticated
 from .ca import CertificateAuthority, parse_csr
 from .tokens import mismatched_claims, normalize_claims, token_hash, well_formed
@@ -56,6 +66,7 @@ class Joins:
         detail: str | None = None,
         conn: Any = None,
     ) -> None:
+        metrics.JOINS.labels("accepted" if outcome == "joined" else "refused", outcome).inc()
         await (conn or self.db).execute(
             store.JOIN_AUDIT_INSERT,
             outcome,
@@ -77,6 +88,9 @@ class Joins:
         except BcError as err:
             await self._audit_join("malformed", code=err.code.value, detail=err.path)
             self.log.info("join_refused", outcome="malformed", path=err.path)
+            await self.publish_event(
+                JOIN_EVENTS, "unknown", JoinRefused(reason="malformed", code=err.code.value, at=time.time())
+            )
             raise
         claims = normalize_claims(body.claims)
         refusal: BcError | None = None
@@ -104,6 +118,13 @@ class Joins:
                 str(refusal.reason), code=refusal.code.value, join_token_id=tok_id, claims=claims
             )
             self.log.info("join_refused", outcome=refusal.reason, join_token_id=tok_id, code=refusal.code)
+            await self.publish_event(
+                JOIN_EVENTS,
+                tok_id or "unknown",
+                JoinRefused(
+                    join_token_id=tok_id, reason=str(refusal.reason), code=refusal.code.value, at=time.time()
+                ),
+            )
             raise refusal
         self.log.info(
             "agent_joined",
@@ -114,14 +135,16 @@ class Joins:
             site_id=result.site_id,
         )
         await self.publish_event(
-            "join",
+            JOIN_EVENTS,
             result.join_token_id,
-            {
-                "joinTokenId": result.join_token_id,
-                "agentId": result.agent_id,
-                "certId": result.cert_id,
-                "role": result.role,
-            },
+            JoinAccepted(
+                join_token_id=result.join_token_id,
+                agent_id=result.agent_id,
+                cert_id=result.cert_id,
+                role=result.role,
+                site_id=result.site_id,
+                at=time.time(),
+            ),
         )
         return result
 

@@ -53,6 +53,12 @@ class PkiService(Service):
     schema: ClassVar[str | None] = "pki"
     migrations_package: ClassVar[str | None] = "bc_pki.migrations"
     description: ClassVar[str] = "PKI: certificate authority, join tokens, joins, signature verification"
+    audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "tokens.issue": ("tenantId", "role", "siteId", "ttlSeconds", "maxUses", "note"),
+        "tokens.revoke": ("joinTokenId", "reason"),
+        "certs.revoke": ("certId", "reason"),
+        "keys.rewrap": (),
+    }
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)

@@ -35,7 +35,7 @@ from better_compute.wire.secrets import (
     SecretValue,
 )
 
-from . import store
+from . import metrics, store
 
 __all__ = ["SecretsService"]
 
@@ -53,6 +53,12 @@ class SecretsService(Service):
     schema: ClassVar[str | None] = "secrets"
     migrations_package: ClassVar[str | None] = "bc_secrets.migrations"
     description: ClassVar[str] = "Secrets: encrypted values behind SecretRefs"
+    audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        # never "value": the whitelist keeps what was stored out of the audit
+        "secrets.put": ("tenantId", "workflowId", "step", "nodeId", "label"),
+        "secrets.get": ("ref",),  # an operator's reveal (bcx secrets show --reveal)
+        "keys.rewrap": (),
+    }
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -352,6 +358,7 @@ class SecretsService(Service):
         signer_id: str | None = None,
     ) -> None:
         assert self.db is not None
+        metrics.FETCHES.labels(outcome, reason or "").inc()
         await self.db.execute(
             store.FETCH_AUDIT_INSERT,
             outcome,

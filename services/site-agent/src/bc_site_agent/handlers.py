@@ -24,6 +24,7 @@ from better_compute.crypto import AgentIdentity
 from better_compute.logging import get_logger, register_secret
 from better_compute.metal.commands import COMMAND_KINDS
 
+from . import metrics
 from .cache import SiteCache
 from .drivers import BmcCredentials, BmcTarget, Driver, make_driver
 from .netboot import BootEntries, normalize_mac
@@ -135,9 +136,12 @@ class SiteHandlers:
     ) -> Callable[[Command], Awaitable[dict[str, Any]]]:
         async def handle(cmd: Command) -> dict[str, Any]:
             self.commands_run += 1
+            driver_name = "unknown"  # until the payload names a known one (bounded labels)
+            began = time.monotonic()
             try:
                 payload = cmd.payload if isinstance(cmd.payload, dict) else {}
                 target = BmcTarget.from_payload(payload.get("bmc"))
+                driver_name = target.driver
                 credentials = await self._credentials(target, cmd.not_after)
                 driver = make_driver(target, credentials)
                 del credentials
@@ -146,8 +150,13 @@ class SiteHandlers:
                 finally:
                     await driver.close()
                     del driver
+                metrics.BMC_CALL_SECONDS.labels(driver_name, cmd.kind, "ok").observe(time.monotonic() - began)
                 return {"driver": target.driver, **result}
             except BcError as err:
+                metrics.BMC_CALL_SECONDS.labels(driver_name, cmd.kind, "error").observe(
+                    time.monotonic() - began
+                )
+                metrics.BMC_CALL_ERRORS.labels(driver_name, cmd.kind, err.code.value).inc()
                 self.last_error = f"{cmd.kind}: {err.code.value}: {err.message}"[:300]
                 self.last_error_at_ms = time.time_ns() // 1_000_000
                 raise

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
+from better_compute.service.metrics import CONTENT_TYPE, render
 
 from .cache import SiteCache
 from .config import SiteAgentConfig
@@ -48,6 +49,9 @@ def make_app(
         doc = health()
         return web.json_response(doc, status=200 if doc.get("status") == "ok" else 503)
 
+    async def metrics_text(_request: web.Request) -> web.Response:
+        return web.Response(body=render(), headers={"Content-Type": CONTENT_TYPE})
+
     async def boot_ipxe(_request: web.Request) -> web.Response:
         return web.Response(text=first_stage(), content_type=_IPXE)
 
@@ -77,6 +81,7 @@ def make_app(
     app.add_routes(
         [
             web.get("/healthz", healthz),
+            web.get("/metrics", metrics_text),
             web.get("/boot.ipxe", boot_ipxe),
             web.get("/boot/mac/{mac}", boot_mac),
             web.get("/cache/{sha256}", cached),

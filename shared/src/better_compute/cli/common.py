@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
 import json
+import os
+import socket
 import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +21,20 @@ from ..runtime.urls import resolve_nats_url
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
 
-__all__ = ["api_client", "as_rows", "engine_client", "parse_labels", "read_document", "short"]
+__all__ = ["actor", "api_client", "as_rows", "engine_client", "parse_labels", "read_document", "short"]
+
+
+def actor() -> str:
+    """Who runs this bcx, as the services' audit records it: ``$BC_ACTOR``, else
+    ``<login>@<host>`` (a claim: docs/audit.md)."""
+    given = os.environ.get("BC_ACTOR", "").strip()
+    if given:
+        return given
+    try:
+        login = getpass.getuser()
+    except (KeyError, OSError):
+        login = f"uid{os.getuid()}"
+    return f"{login}@{socket.gethostname()}"
 
 
 @asynccontextmanager
@@ -26,7 +42,7 @@ async def api_client(settings: Settings) -> AsyncIterator[ApiClient]:
     """An ``ApiClient`` on the deployment's NATS, closed on exit."""
     nc = await connect(resolve_nats_url(settings), name="bcx", allow_reconnect=False)
     try:
-        yield ApiClient(nc, Subjects(root=settings.subject_root))
+        yield ApiClient(nc, Subjects(root=settings.subject_root), actor=actor())
     finally:
         await nc.close()
 

@@ -23,6 +23,7 @@ from . import (
     images_commands,
     keys_commands,
     metal_commands,
+    ops_commands,
     pki_commands,
     secrets_commands,
     why_commands,
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
     keys_commands.register(sub, common)
+    ops_commands.register(sub, common)
     from . import cmdq_commands
 
     cmdq_commands.register(sub, common)

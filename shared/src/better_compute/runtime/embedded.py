@@ -229,9 +229,12 @@ class EmbeddedNats:
             port = free_port()
         conf = self.dir / "nats.conf"
         sync = "\n  sync_interval: always" if self.sync_always else ""
+        # max_file_store: nats-server reserves each stream's max_bytes against it (by default
+        # 75% of the free disk), and a test session makes a bounded event stream (BC_EVENTS,
+        # 1 GiB) per subject root: without a larger figure the 58th stream is refused.
         conf.write_text(
             f'listen: "127.0.0.1:{port}"\n'
-            f'jetstream {{\n  store_dir: "{self.dir / "jetstream"}"{sync}\n}}\n'
+            f'jetstream {{\n  store_dir: "{self.dir / "jetstream"}"{sync}\n  max_file_store: 1T\n}}\n'
             "max_payload: 8MB\n"
         )
         pid = spawn_detached([str(nats_server_binary()), "-c", str(conf)], self.dir / "nats.log")

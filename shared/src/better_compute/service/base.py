@@ -37,8 +37,10 @@ from ..core.errors import BcError, ErrorCode
 from ..logging import get_logger, safe_url
 from ..runtime.urls import resolve_database_url, resolve_nats_url
 from ..wire import Subjects, encode_error, encode_ok
+from ..wire.audit import AuditList, ListAudit
 from ..wire.codec import decode, encode, validation_path
-from ..wire.paging import PAGE_BUDGET
+from ..wire.paging import PAGE_BUDGET, decode_cursor, take_page
+from . import audit
 from .client import ApiClient, connect
 from .db import Database, load_migrations
 from .faults import Backoff, describe, is_transient
@@ -86,6 +88,10 @@ class Service:
     migrations_package: ClassVar[str | None] = None
     description: ClassVar[str] = ""
     stop_grace: ClassVar[float] = 3.0
+    audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    """Routes whose success is an operator action to record (docs/audit.md), each with the
+    request fields (dotted paths) the record keeps: a whitelist, never a secret. A service that
+    names any serves ``audit.list`` and needs the ``audit`` table in its schema."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -191,6 +197,8 @@ class Service:
             },
         )
         routes = {"health.get": self._health, **self.routes()}
+        if self.audit_routes and self.db is not None:
+            routes["audit.list"] = self._audit_list
         for route, handler in routes.items():
             resource, _, verb = route.partition(".")
             await self.micro.add_endpoint(
@@ -218,7 +226,7 @@ class Service:
             disconnected_cb=self._nats_disconnected,
             reconnected_cb=self._nats_reconnected,
         )
-        self.api = ApiClient(self.nc, self.subjects)
+        self.api = ApiClient(self.nc, self.subjects, actor=f"{audit.SERVICE_ACTOR_PREFIX}{self.name}")
 
     async def _open_database(self, url: str) -> None:
         db = self.make_database(url)
@@ -386,6 +394,8 @@ class Service:
         request = ApiRequest(req.subject, req.data, req.headers, max_reply=max_reply)
         try:
             result = await handler(request)
+            if route in self.audit_routes:
+                await self._record_action(route, request, result)
             body = encode_ok(result)
         except BcError as err:
             body = encode_error(err)
@@ -419,6 +429,44 @@ class Service:
         with contextlib.suppress(ValueError, nats.errors.ConnectionClosedError):
             await req.respond(body)
 
+    async def _record_action(self, route: str, request: ApiRequest, result: Any) -> None:
+        """Record an operator action that succeeded. A failure to record is logged, not
+        answered: the change is made, and the caller must learn that it was."""
+        actor = audit.actor_of(request.headers)
+        if self.db is None or (actor or "").startswith(audit.SERVICE_ACTOR_PREFIX):
+            return
+        try:
+            # the handler took the request, so it is JSON within bounds; a route that reads no
+            # body (keys.rewrap) may have been sent anything, kept as no detail
+            body = msgspec.json.decode(request.data) if request.data else {}
+        except (msgspec.DecodeError, RecursionError):
+            body = {}
+        try:
+            await self.db.execute(
+                audit.AUDIT_INSERT,
+                actor,
+                route,
+                audit.audit_target(body, audit.builtins(result)),
+                encode(audit.audit_detail(body, self.audit_routes[route])).decode(),
+                self.instance,
+            )
+        except Exception as exc:
+            self.log.error("audit_write_failed", route=route, actor=actor, error=describe(exc))
+
+    async def _audit_list(self, request: ApiRequest) -> AuditList:
+        assert self.db is not None
+        body = request.decode(ListAudit)
+        (before,) = decode_cursor(body.cursor, int) or (None,)
+        who = body.who
+        prefix = who[:-1] if who is not None and who.endswith("*") else None
+        exact = who if prefix is None else None
+        rows = await self.db.fetch(audit.AUDIT_LIST, body.since, exact, prefix, before, body.limit + 1)
+        entries, next_ = take_page(
+            [audit.audit_entry(r, self.name) for r in rows], limit=body.limit, key=lambda e: (e.id,),
+            budget=request.page_budget,
+        )  # fmt: skip
+        return AuditList(entries=entries, next=next_)
+
     async def health(self) -> dict[str, Any]:
         checks: dict[str, bool] = {"nats": bool(self.nc and self.nc.is_connected)}
         if self.db is not None:
@@ -435,14 +483,34 @@ class Service:
     async def _health(self, _req: ApiRequest) -> dict[str, Any]:
         return await self.health()
 
+    async def collect_metrics(self) -> None:
+        """Before a scrape of ``/metrics``: set the gauges read from the store (override)."""
+
+    async def _metrics_text(self) -> tuple[bytes, str]:
+        # imported here: bcx imports this module, and it never serves metrics
+        from . import metrics
+
+        try:
+            await asyncio.wait_for(self.collect_metrics(), timeout=5.0)
+        except Exception as exc:  # the store is away: serve the counters, say so in the log
+            self.log.warning("metrics_collect_failed", error=describe(exc))
+        return metrics.render(), metrics.CONTENT_TYPE
+
     async def _health_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=2.0)
-            body = await self.health()
-            data = encode(body)
-            status = "200 OK" if body["ok"] else "503 Service Unavailable"
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=2.0)
+            parts = head.split(b"\r\n", 1)[0].split(b" ")
+            path = parts[1].split(b"?", 1)[0] if len(parts) > 1 else b"/"
+            if path == b"/metrics":
+                data, content_type = await self._metrics_text()
+                status = "200 OK"
+            else:
+                body = await self.health()
+                data = encode(body)
+                status = "200 OK" if body["ok"] else "503 Service Unavailable"
+                content_type = "application/json"
             writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
                 + data
             )

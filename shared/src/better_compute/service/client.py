@@ -14,6 +14,7 @@ from nats.aio.client import Client as Nats
 from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..wire import Subjects, unwrap
+from ..wire.audit import ACTOR_HEADER
 from ..wire.codec import encode
 from ..wire.subjects import SERVICE_NAMES
 
@@ -66,9 +67,13 @@ NO_RESPONDERS_RETRY = (0.05, 0.2, 0.5)  # seconds between tries when no instance
 class ApiClient:
     """Request/reply calls to ``bc.api.<service>.<resource>.<verb>``."""
 
-    def __init__(self, nc: Nats, subjects: Subjects | None = None) -> None:
+    def __init__(self, nc: Nats, subjects: Subjects | None = None, *, actor: str | None = None) -> None:
         self.nc = nc
         self.subjects = subjects or Subjects()
+        self.actor = actor
+        """Who asks: sent in the ``Bc-Actor`` header of every request, kept in the services'
+        audit of the actions it takes (docs/audit.md). A claim: nothing verifies it yet."""
+        self._headers = {ACTOR_HEADER: actor} if actor else None
 
     async def call(self, service: str, route: str, payload: Any = None, *, timeout: float = 10.0) -> Any:
         """Call ``route`` (``resource.verb``) of ``service`` and return its result.
@@ -92,7 +97,7 @@ class ApiClient:
         # a short retry rides over an instance restarting (a rolling deploy) before giving up.
         for pause in (*NO_RESPONDERS_RETRY, None):
             try:
-                msg = await self.nc.request(subject, data, timeout=timeout)
+                msg = await self.nc.request(subject, data, timeout=timeout, headers=self._headers)
             except nats.errors.NoRespondersError as exc:
                 if pause is not None:
                     await asyncio.sleep(pause)

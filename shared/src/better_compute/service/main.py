@@ -24,7 +24,7 @@ def run_service(cls: type[Service], argv: list[str] | None = None) -> None:
     parser.add_argument("--app", help="package.module:attr of the deployment's App")
     parser.add_argument("--subject-root", help="root of every subject (default bc)")
     parser.add_argument("--state-dir", help="state directory of the embedded servers")
-    parser.add_argument("--health-port", type=int, help="serve GET /healthz on 127.0.0.1:PORT")
+    parser.add_argument("--health-port", type=int, help="serve GET /healthz and /metrics on 127.0.0.1:PORT")
     parser.add_argument("--instance", help="instance name (default host-pid)")
     parser.add_argument("--log-level", help="debug, info, warning, error")
     args = parser.parse_args(argv)

@@ -33,6 +33,7 @@ from ..core.names import Name
 from .paging import DEFAULT_LIMIT, Cursor
 
 __all__ = [
+    "BATCH_EVENTS",
     "BATCH_PURPOSE",
     "DEFAULT_COMMAND_TIMEOUT_MS",
     "EVENTS",
@@ -46,10 +47,12 @@ __all__ = [
     "AgentList",
     "AgentStatus",
     "AgentView",
+    "AnyBatchEvent",
     "AnyCommandEvent",
     "ApprovalView",
     "ApproveBatch",
     "ApproverView",
+    "BatchEvent",
     "BatchIdRequest",
     "BatchList",
     "BatchState",
@@ -73,6 +76,7 @@ __all__ = [
     "QuorumView",
     "SiteAgentReply",
     "SiteAgentRequest",
+    "decode_batch_event",
     "decode_command_event",
 ]
 
@@ -87,6 +91,8 @@ SERVICE: Final = "command-queue"
 """The service token of every route: ``bc.api.command-queue.<resource>.<verb>``."""
 EVENTS: Final = "command"
 """The kind of the queue's events: ``bc.events.command.<command id>`` (``AnyCommandEvent``)."""
+BATCH_EVENTS: Final = "batch"
+"""The kind of a batch's events: ``bc.events.batch.<batch id>`` (``AnyBatchEvent``)."""
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=False):
@@ -176,6 +182,11 @@ class CommandEvent(_Msg, frozen=True, kw_only=True, tag_field="event", tag="comm
     step: int | None = None
     state: CommandState
     reason: str | None = None
+    kind: str | None = None
+    """The command's kind (``power.setPower``); None from a queue older than the event feed."""
+    site_id: str | None = None
+    at: float | None = None
+    """When the state changed (epoch seconds); None from a queue older than the event feed."""
 
 
 AnyCommandEvent = CommandEvent
@@ -189,6 +200,34 @@ def decode_command_event(data: bytes) -> AnyCommandEvent | None:
     for more than waking)."""
     try:
         return _command_events.decode(data)
+    except msgspec.MsgspecError:
+        return None
+
+
+class BatchEvent(_Msg, frozen=True, kw_only=True, tag_field="event", tag="batch"):
+    """Published on ``bc.events.batch.<id>`` when a destructive batch is created, gets an
+    approval, is approved (its quorum reached) or expires: ``state`` is ``awaiting``,
+    ``approved`` or ``expired``; ``approver_id`` names whose approval this one is, when it is."""
+
+    id: str
+    state: str
+    approvals: int
+    threshold: int
+    workflow_id: str | None = None
+    approver_id: str | None = None
+    at: float
+
+
+AnyBatchEvent = BatchEvent
+"""Every event on ``bc.events.batch.*`` (one kind so far)."""
+
+_batch_events = msgspec.json.Decoder(AnyBatchEvent)
+
+
+def decode_batch_event(data: bytes) -> AnyBatchEvent | None:
+    """The event in ``data``, or None for anything that is not one."""
+    try:
+        return _batch_events.decode(data)
     except msgspec.MsgspecError:
         return None
 

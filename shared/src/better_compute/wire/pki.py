@@ -32,20 +32,27 @@ from ..core.names import Name
 from .paging import DEFAULT_LIMIT, Cursor
 
 __all__ = [
+    "CERT_EVENTS",
+    "JOIN_EVENTS",
     "MAX_TTL_SECONDS",
     "SERVICE",
     "CaInfo",
+    "CertEvent",
     "CertIdRequest",
+    "CertRevoked",
     "CertState",
     "CertificateInfo",
     "CertificateList",
     "IdempotencyKey",
     "IssueJoinTokenRequest",
     "IssuedJoinToken",
+    "JoinAccepted",
     "JoinAudit",
     "JoinAuditList",
     "JoinClaims",
+    "JoinEvent",
     "JoinExpect",
+    "JoinRefused",
     "JoinRequest",
     "JoinResult",
     "JoinRole",
@@ -63,10 +70,18 @@ __all__ = [
     "TokenState",
     "Verified",
     "VerifyRequest",
+    "decode_cert_event",
+    "decode_join_event",
 ]
 
 SERVICE: Final = "pki"
 """The service token of every route: ``bc.api.pki.<resource>.<verb>``."""
+
+JOIN_EVENTS: Final = "join"
+"""The kind of join events: ``bc.events.join.<join token id>`` (``unknown`` when the token is not
+known) (``JoinEvent``)."""
+CERT_EVENTS: Final = "cert"
+"""The kind of certificate events: ``bc.events.cert.<cert id>`` (``CertEvent``)."""
 
 JoinRole = Literal["node", "site", "provisioned", "discovery"]
 TokenState = Literal["active", "expired", "used", "revoked"]
@@ -340,3 +355,64 @@ class CaInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 class RewrapResult(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     key_id: str
     rewrapped: int
+
+
+# -- events on bc.events.join.<token id> and bc.events.cert.<cert id> --------------------------
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field="event"):
+    pass
+
+
+class JoinAccepted(_Event, frozen=True, kw_only=True, tag="joined"):
+    """An agent joined with the token: its certificate was issued."""
+
+    join_token_id: str
+    agent_id: str
+    cert_id: str
+    role: str
+    site_id: str | None = None
+    at: float | None = None
+
+
+class JoinRefused(_Event, frozen=True, kw_only=True, tag="refused"):
+    """A join was refused (the token was not spent): ``reason`` is the join audit's outcome
+    (``token-unknown``, ``token-expired``, ``claims-mismatch``, ``malformed``, …)."""
+
+    join_token_id: str | None = None
+    reason: str
+    code: str
+    at: float | None = None
+
+
+JoinEvent = JoinAccepted | JoinRefused
+
+
+class CertRevoked(_Event, frozen=True, kw_only=True, tag="revoked"):
+    """The certificate was revoked: its agent is refused from now on."""
+
+    cert_id: str
+    state: str = "revoked"
+    at: float | None = None
+
+
+CertEvent = CertRevoked
+
+_join_events = msgspec.json.Decoder(JoinEvent)
+_cert_events = msgspec.json.Decoder(CertEvent)
+
+
+def decode_join_event(data: bytes) -> JoinEvent | None:
+    """The event in ``data``, or None for anything that is not one."""
+    try:
+        return _join_events.decode(data)
+    except msgspec.MsgspecError:
+        return None
+
+
+def decode_cert_event(data: bytes) -> CertEvent | None:
+    """The event in ``data``, or None for anything that is not one."""
+    try:
+        return _cert_events.decode(data)
+    except msgspec.MsgspecError:
+        return None

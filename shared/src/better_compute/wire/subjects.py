@@ -57,8 +57,16 @@ class Subjects(msgspec.Struct, frozen=True):
         return f"{self.root}.agent.*.*.*"
 
     def event(self, kind: str, ident: str) -> str:
-        """kind: workflow, command or node."""
+        """kind: workflow, node, command, batch, join or cert (docs/events.md)."""
         return f"{self.root}.events.{kind}.{ident}"
 
     def events_all(self, kind: str) -> str:
         return f"{self.root}.events.{kind}.*"
+
+    def events_feed(self) -> str:
+        """Every event of every kind: what the ``BC_EVENTS`` stream holds."""
+        return f"{self.root}.events.>"
+
+    def events_stream(self) -> str:
+        """JetStream stream name of the event feed (``BC_EVENTS`` under the root ``bc``)."""
+        return f"{self.root.upper().replace('.', '_')}_EVENTS"

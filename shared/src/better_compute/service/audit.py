@@ -1,0 +1,107 @@
+"""The audit trail of operator actions (docs/audit.md): one ``audit`` table in each service's
+schema, written by the service skeleton after an audited route succeeded, read by ``audit.list``.
+
+Each service names its audited routes and, for each, the request fields worth keeping
+(``Service.audit_routes``): a whitelist, so a secret value in a request (``secrets.put``) never
+reaches the table. Requests from the control plane's own services (actor ``service:…``) are not
+recorded: they carry out an operator's action already recorded where the operator asked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import msgspec
+
+from ..wire.audit import ACTOR_HEADER, MAX_ACTOR, AuditEntry
+
+__all__ = [
+    "AUDIT_INSERT",
+    "AUDIT_LIST",
+    "SERVICE_ACTOR_PREFIX",
+    "actor_of",
+    "audit_detail",
+    "audit_entry",
+    "audit_target",
+]
+
+SERVICE_ACTOR_PREFIX: Final = "service:"
+
+AUDIT_INSERT: Final = (
+    "INSERT INTO audit (actor, action, target, detail, instance) VALUES ($1, $2, $3, $4::text::json, $5)"
+)
+# $1 since (epoch s), $2 actor, $3 actor prefix, $4 before id (cursor), $5 limit
+AUDIT_LIST: Final = """
+SELECT id, extract(epoch FROM at)::float8 AS at, actor, action, target, detail::text AS detail FROM audit
+WHERE ($1::float8 IS NULL OR at >= to_timestamp($1))
+  AND ($2::text IS NULL OR actor = $2) AND ($3::text IS NULL OR starts_with(actor, $3))
+  AND ($4::bigint IS NULL OR id < $4)
+ORDER BY id DESC LIMIT $5
+"""
+
+_TARGET_KEYS: Final = ("id", "ref", "joinTokenId", "certId", "workflowId", "batchId", "nodeId")
+_MAX_DETAIL_VALUE: Final = 512
+
+
+def actor_of(headers: Mapping[str, str]) -> str | None:
+    """The requester's claimed identity from the ``Bc-Actor`` header, cleaned of control
+    characters and cut to ``MAX_ACTOR``; None when absent."""
+    raw = headers.get(ACTOR_HEADER)
+    if not raw:
+        return None
+    clean = "".join(ch for ch in raw if ch.isprintable()).strip()
+    return clean[:MAX_ACTOR] or None
+
+
+def _get(doc: Any, path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(key)
+    return doc
+
+
+def audit_detail(body: Any, keys: Sequence[str]) -> dict[str, Any]:
+    """The whitelisted request fields (dotted paths into the JSON body), each kept short."""
+    detail: dict[str, Any] = {}
+    for key in keys:
+        value = _get(body, key)
+        if value is None:
+            continue
+        text = json.dumps(value, separators=(",", ":"), default=str)
+        detail[key] = value if len(text) <= _MAX_DETAIL_VALUE else text[: _MAX_DETAIL_VALUE - 1] + "…"
+    return detail
+
+
+def audit_target(body: Any, result: Any) -> str | None:
+    """What the action was about: an id in the reply, else one in the request."""
+    for doc in (result, body):
+        for key in _TARGET_KEYS:
+            value = _get(doc, key)
+            if isinstance(value, str) and value:
+                return value[:200]
+    doc_id = _get(body, "document.id")
+    return doc_id[:200] if isinstance(doc_id, str) else None
+
+
+def audit_entry(row: Any, service: str) -> AuditEntry:
+    detail = json.loads(row["detail"]) if row["detail"] else {}
+    return AuditEntry(
+        id=row["id"],
+        at=row["at"],
+        service=service,
+        actor=row["actor"],
+        action=row["action"],
+        target=row["target"],
+        detail=detail if isinstance(detail, dict) else {},
+    )
+
+
+def builtins(value: Any) -> Any:
+    """A reply (a Struct or builtins) as plain JSON-like data."""
+    try:
+        return msgspec.to_builtins(value)
+    except (TypeError, msgspec.MsgspecError):
+        return None
