@@ -182,3 +182,30 @@ def test_the_emulators_memory_store_keeps_each_machines_state_apart() -> None:
     shared = _MemoryStore()
     shared.make_permanent("/nowhere", "vmedia-test")  # another driver instance, the same store
     assert shared[("m1", "Cd")] == {"Inserted": True}
+
+
+def test_the_fork_server_runs_each_bcd_as_a_process_of_its_own(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from better_compute.testing.metal_sim.zygote import BcdZygote
+
+    root = prepare_machine(tmp_path / "tree", product_uuid="4c4c4544-0000-1111-2222-333344445555")
+    env = {**os.environ, "BCD_ROOT": str(root)}
+    zygote = BcdZygote(str(tmp_path / "server.log"))
+    try:
+        # the arguments `python -m bcd` would get, with this environment and this log file
+        assert zygote.run(["claims"], env=env, log=str(tmp_path / "claims.log")) == 0
+        claims = json.loads((tmp_path / "claims.log").read_text().splitlines()[-1])
+        assert claims["productUuid"] == "4c4c4544-0000-1111-2222-333344445555"
+        # its exit code: a join without a token fails
+        assert zygote.run(["join", "--control-plane", "nats://127.0.0.1:9"], env=env,
+                          log=str(tmp_path / "join.log")) == 1  # fmt: skip
+        assert "no join token" in (tmp_path / "join.log").read_text()
+        # a pid of its own, which SIGKILL ends (a pulled plug)
+        run = zygote.spawn(["run", "--mode", "ramdisk"], env=env, log=str(tmp_path / "run.log"))
+        assert run.pid not in (os.getpid(), zygote.proc.pid)
+        run.send_signal(signal.SIGKILL)
+        assert run.wait(30) in (-signal.SIGKILL, 1)  # killed, or it had already found no enrollment
+    finally:
+        zygote.close()

@@ -73,7 +73,8 @@ class BcdZygote:
         self._exits: dict[int, int] = {}
         self._n = 0
         self._write_lock = threading.Lock()
-        threading.Thread(target=self._read, name="bcd-zygote", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="bcd-zygote", daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -136,4 +137,9 @@ class BcdZygote:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        self._reader.join(10)  # it ends at the pipe's end
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
         self._log.close()
