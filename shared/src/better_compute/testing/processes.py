@@ -119,7 +119,7 @@ class ServiceProcesses:
         """Start ``old``'s service again under the same instance name, as a supervisor does."""
         return self.start(old.service, *old.args, instance=old.instance)
 
-    async def wait_ready(self, *, timeout: float = 30.0) -> list[dict[str, Any]]:
+    async def wait_ready(self, *, timeout: float = 90.0) -> list[dict[str, Any]]:
         """Wait until every live process answers ``$SRV.STATS``; returns what answered."""
         assert self.settings.nats_url
         nc = await connect(self.settings.nats_url, name="bc-test", allow_reconnect=False)
