@@ -23,6 +23,7 @@ from . import (
     metal_commands,
     pki_commands,
     secrets_commands,
+    sim_commands,
     workflow_commands,
 )
 from .output import iso, print_error, print_json, print_table
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import cmdq_commands
 
     cmdq_commands.register(sub, common)
+    sim_commands.register(sub, common)
     # `bcx nodes --json list` too: the command groups take the global flags as well
     for child in _subparsers(parser):
         if "--json" not in child._option_string_actions:
