@@ -30,6 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,10 @@ __all__ = ["register"]
 SIM_MODULE = "better_compute.testing.metal_sim.serve"
 MACHINES_FILE = "machines.json"
 NODES_FILE = "nodes.json"
+
+
+def _say(quiet: bool) -> Callable[[str], None]:
+    return (lambda _m: None) if quiet else (lambda m: print(m, flush=True))
 
 
 def _site_folder(stack: DevStack, site: str) -> Path:
@@ -79,14 +84,15 @@ def _record(stack: DevStack, name: str, service: str, pid: int, log: Path) -> No
     (stack.procs / f"{name}.json").write_text(json.dumps(rec.__dict__))
 
 
-def _stop(stack: DevStack, name: str, say: Any) -> bool:
+def _stop(stack: DevStack, name: str, say: Callable[[str], None]) -> bool:
     rec = stack.record(name)
     if rec is None:
         return False
     if rec.alive:
         t0 = time.monotonic()
         clean = stop_pid(rec.pid, grace=15.0)
-        say(f"{rec.service:<17} {'stopped' if clean else 'killed '}   pid {rec.pid} in {time.monotonic() - t0:.1f}s")
+        how = "stopped" if clean else "killed "
+        say(f"{rec.service:<17} {how}   pid {rec.pid} in {time.monotonic() - t0:.1f}s")
     # what it started (the emulator, bcds) is in its process group: none of it outlives it
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(rec.pid, signal.SIGKILL)
@@ -94,7 +100,9 @@ def _stop(stack: DevStack, name: str, say: Any) -> bool:
     return True
 
 
-def _agent_config(folder: Path, *, site: str, nats_url: str, settings: Settings, port: int, discovery: bool) -> Path:
+def _agent_config(
+    folder: Path, *, site: str, nats_url: str, settings: Settings, port: int, discovery: bool
+) -> Path:
     state = folder / "site-agent"
     state.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -142,7 +150,8 @@ async def _wait_machines(folder: Path, pid: int, log: Path, timeout: float) -> d
             )  # fmt: skip
         if time.monotonic() > deadline:
             raise BcError(
-                ErrorCode.UNAVAILABLE, f"the simulator is not up after {timeout:.0f}s; its log is {log}{_tail(log)}",
+                ErrorCode.UNAVAILABLE,
+                f"the simulator is not up after {timeout:.0f}s; its log is {log}{_tail(log)}",
                 {"path": "sim", "log": str(log)},
             )  # fmt: skip
         await asyncio.sleep(0.2)
@@ -163,7 +172,8 @@ async def _wait_agent(cq: CommandQueueClient, site: str, pid: int, log: Path, ti
         if time.monotonic() > deadline:
             raise BcError(
                 ErrorCode.UNAVAILABLE,
-                f"the site agent of {site} is not connected after {timeout:.0f}s; its log is {log}{_tail(log)}",
+                f"the site agent of {site} is not connected after {timeout:.0f}s; "
+                f"its log is {log}{_tail(log)}",
                 {"path": "siteAgent", "log": str(log)},
             )  # fmt: skip
         await asyncio.sleep(0.2)
@@ -179,9 +189,11 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
     try:
         delay = (float(lo), float(hi or lo))
     except ValueError:
-        raise BcError(ErrorCode.INVALID_INPUT, "--power-delay is lo,hi in seconds", {"path": "powerDelay"}) from None
+        raise BcError(
+            ErrorCode.INVALID_INPUT, "--power-delay is lo,hi in seconds", {"path": "powerDelay"}
+        ) from None
     labels = parse_labels(args.label)
-    say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
+    say = _say(args.json)
     stack = DevStack(settings)
     nats_url = resolve_nats_url(settings)
     sim_name, agent_name = _names(site)
@@ -189,7 +201,8 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
         rec = stack.record(name)
         if rec is not None and rec.alive:
             raise BcError(
-                ErrorCode.INVALID_STATE, f"the simulator of site {site} is up already (bcx sim down --site {site})",
+                ErrorCode.INVALID_STATE,
+                f"the simulator of site {site} is up already (bcx sim down --site {site})",
                 {"path": "site", "reason": "already-up"},
             )  # fmt: skip
     folder = _site_folder(stack, site)
@@ -248,14 +261,15 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             raise
         nodes: dict[str, str] = {}
         if args.enroll:
-            nodes = await _enroll(api, doc["machines"][: args.machines], creds_file, site, args.tenant, labels)
+            credential = creds_file.read_bytes().strip()
+            chosen = doc["machines"][: args.machines]
+            nodes = await _enroll(api, chosen, credential, site, args.tenant, labels)
             _write_private(folder / NODES_FILE, json.dumps(nodes, indent=2) + "\n")
 
     machines = [
         {
             "name": m["name"], "mac": m["macs"][0], "macs": m["macs"], "bmc": m["bmc"], "uuid": m["uuid"],
             "serial": m["serial"], "node": nodes.get(m["name"]),
-            "role": "enrolled" if m["name"] in nodes else ("unenrolled" if m["index"] >= args.machines else "-"),
             "power": "on (network boot)" if m["index"] >= args.machines else "off",
         }
         for m in doc["machines"]
@@ -277,16 +291,23 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
     if not args.enroll:
         print("nothing enrolled (--enroll enrolls the machines as nodes)")
     if args.unenrolled and args.discovery:
-        print(f"{args.unenrolled} machine(s) nobody enrolled boot from the network: watch them with bcx nodes list --site {site}")
+        print(
+            f"{args.unenrolled} machine(s) nobody enrolled boot from the network and show up as "
+            f"discovered: bcx nodes list --site {site}"
+        )
     return 0
 
 
 async def _enroll(
-    api: Any, machines: list[dict[str, Any]], creds_file: Path, site: str, tenant: str, labels: dict[str, str]
+    api: Any,
+    machines: list[dict[str, Any]],
+    credential: bytes,
+    site: str,
+    tenant: str,
+    labels: dict[str, str],
 ) -> dict[str, str]:
     """Each machine as a node: its MACs, its Redfish BMC, the credential as its standing secret."""
     engine, store = EngineClient(api), SecretsClient(api)
-    credential = creds_file.read_bytes().strip()
     nodes: dict[str, str] = {}
     for m in machines:
         node_id = new_id("node")
@@ -301,7 +322,7 @@ async def _enroll(
 
 
 async def sim_down(args: argparse.Namespace, settings: Settings) -> int:
-    say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
+    say = _say(args.json)
     stack = DevStack(settings)
     sites = [_check_site(args.site)] if args.site else _sites(stack)
     stopped = []
@@ -318,7 +339,11 @@ async def sim_down(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _sites(stack: DevStack) -> list[str]:
-    found = {r.name.removeprefix("sim-").removesuffix("-site-agent") for r in stack.records() if r.name.startswith("sim-")}
+    found = {
+        r.name.removeprefix("sim-").removesuffix("-site-agent")
+        for r in stack.records()
+        if r.name.startswith("sim-")
+    }
     return sorted(found)
 
 
@@ -376,7 +401,9 @@ async def sim_status(args: argparse.Namespace, settings: Settings) -> int:
         out.append({
             "site": site,
             "simulator": {"pid": sim_rec.pid if sim_rec else None, "alive": alive},
-            "siteAgent": {"pid": agent_rec.pid if agent_rec else None, "alive": bool(agent_rec and agent_rec.alive)},
+            "siteAgent": {
+                "pid": agent_rec.pid if agent_rec else None, "alive": bool(agent_rec and agent_rec.alive)
+            },
             "bmcUrl": doc.get("bmcUrl"), "machines": machines,
         })  # fmt: skip
     if args.json:
@@ -389,7 +416,8 @@ async def sim_status(args: argparse.Namespace, settings: Settings) -> int:
         sim, agent = s["simulator"], s["siteAgent"]
         print(
             f"site {s['site']}: metal-sim pid {sim['pid']} ({'up' if sim['alive'] else 'down'}), "
-            f"bc-site-agent pid {agent['pid']} ({'up' if agent['alive'] else 'down'}), BMC {s['bmcUrl'] or '-'}"
+            f"bc-site-agent pid {agent['pid']} ({'up' if agent['alive'] else 'down'}), "
+            f"BMC {s['bmcUrl'] or '-'}"
         )
         print_table(
             s["machines"],

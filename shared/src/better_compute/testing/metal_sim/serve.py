@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(describe(sim, args.credentials_file), indent=2) + "\n")
         tmp.replace(out)
-        print(f"metal-sim: {len(sim.machines)} machines of site {args.site} up, BMC {sim.emulator.url}", flush=True)
+        print(
+            f"metal-sim: {len(sim.machines)} machines of site {args.site} up, BMC {sim.emulator.url}",
+            flush=True,
+        )
         stop.wait()
     finally:
         print("metal-sim: closing", flush=True)
