@@ -271,6 +271,7 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             "name": m["name"], "mac": m["macs"][0], "macs": m["macs"], "bmc": m["bmc"], "uuid": m["uuid"],
             "serial": m["serial"], "node": nodes.get(m["name"]),
             "power": "on (network boot)" if m["index"] >= args.machines else "off",
+            "folder": m["folder"],
         }
         for m in doc["machines"]
     ]  # fmt: skip
