@@ -162,3 +162,23 @@ def test_a_cut_gate_drops_connections_and_refuses_until_it_ends() -> None:
     finally:
         gate.close()
         upstream.close()
+
+
+def test_the_emulators_memory_store_keeps_each_machines_state_apart() -> None:
+    # sushy-tools' virtual media driver gives every system the same default device dict; its
+    # SQLite store copied values, so a memory store must too, or one machine's inserted
+    # medium shows in (and an eject clears) every other's
+    from better_compute.testing.metal_sim.emulator_main import _MemoryStore
+
+    store = _MemoryStore()
+    store.make_permanent("/nowhere", "vmedia-test")
+    default = {"Inserted": False}
+    store.update({("m1", "Cd"): default, ("m2", "Cd"): default})
+    first = store[("m1", "Cd")]
+    first["Inserted"] = True
+    store.update({("m1", "Cd"): first})
+    assert store[("m2", "Cd")] == {"Inserted": False}
+    assert store[("m1", "Cd")] == {"Inserted": True}
+    shared = _MemoryStore()
+    shared.make_permanent("/nowhere", "vmedia-test")  # another driver instance, the same store
+    assert shared[("m1", "Cd")] == {"Inserted": True}

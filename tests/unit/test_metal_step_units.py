@@ -122,9 +122,25 @@ class Cert:
 class Pki:
     def __init__(self) -> None:
         self.certs: list[Cert] = []
+        self.issued: list[dict[str, Any]] = []
+
+    async def issue_join_token(self, **kw: Any) -> Any:
+        """``ctx.pki`` (StepPki): keyed by the attempt, so every run gets the same token back."""
+        self.issued.append(kw)
+        return SimpleNamespace(join_token_id="tok_1", token="bcjt_" + "t" * 43)
 
     async def certificates(self, *, agent_id: str) -> list[Cert]:
         return list(self.certs)
+
+
+class Secrets:
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    async def put(self, value: bytes, *, idempotency_key: str | None = None, label: str | None = None) -> str:
+        ref = f"sec_{idempotency_key or len(self.values)}"
+        self.values.setdefault(ref, value)  # the first write wins
+        return ref
 
 
 class Log:
@@ -141,6 +157,7 @@ class Ctx:
     commands: Queue = field(default_factory=Queue)
     sql: Sql = field(default_factory=Sql)
     pki: Pki | None = field(default_factory=Pki)
+    secrets: Secrets | None = field(default_factory=Secrets)
     log: Log = field(default_factory=Log)
     workflow_id: str = WF
     step: int = 3
@@ -242,9 +259,22 @@ async def test_ensure_ramdisk_sends_each_command_once_across_re_runs() -> None:
     assert ctx.commands.keys() == ["3#1:boot-device", "3#1:netboot-0", "3#1:netboot-1", "3#1:power-cycle"]
     boot, entry, _, cycle = ctx.commands.sent
     assert boot.payload == {"device": "pxe", "persistent": False, "bmc": BMC}
-    assert entry.payload == {**RAMDISK, "cmdline": "", "mac": "52:54:00:00:00:01", "oneTime": True}
+    ref = "sec_ramdisk-join-token"
+    assert entry.payload == {
+        **RAMDISK, "cmdline": "", "mac": "52:54:00:00:00:01", "oneTime": True, "joinTokenRef": ref,
+    }  # fmt: skip
     assert cycle.payload == {"action": "cycle", "bmc": BMC}
     assert [e["mac"] for e in got["netbootEntries"]] == list(Node().macs)
+    # the ramdisk's join token: single use, a node token of the node's site, bound to the MAC
+    # it boots from, stored as a secret; only its id is in the result, only its ref in commands
+    assert ctx.pki is not None
+    assert ctx.secrets is not None
+    assert {(t["role"], t["max_uses"], t["site_id"], t["expect"]["mac"]) for t in ctx.pki.issued} == {
+        ("node", 1, "lab1", "52:54:00:00:00:01")
+    }
+    assert ctx.secrets.values == {ref: ("bcjt_" + "t" * 43).encode()}
+    assert got["joinTokenId"] == "tok_1"
+    assert "bcjt_" not in json.dumps(got) + "".join(json.dumps(c.payload) for c in ctx.commands.sent)
 
     await run("metal.ensureRamdisk", RAMDISK, ctx)  # a re-run after a crash sends nothing again
     assert len(ctx.commands.sent) == 4
@@ -257,6 +287,7 @@ async def test_ensure_ramdisk_sends_each_command_once_across_re_runs() -> None:
         (Ctx(node=Node(macs=())), RAMDISK, ErrorCode.INVALID_STATE, "macs"),
         (Ctx(node=Node(bmc=None)), RAMDISK, ErrorCode.INVALID_STATE, "bmc"),
         (Ctx(node=None), RAMDISK, ErrorCode.INVALID_CONFIG, "nodeId"),
+        (Ctx(secrets=None), RAMDISK, ErrorCode.INVALID_CONFIG, "pki"),
     ],
 )
 async def test_ensure_ramdisk_refusals(ctx: Ctx, with_: dict[str, Any], code: ErrorCode, path: str) -> None:

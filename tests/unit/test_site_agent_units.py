@@ -88,6 +88,20 @@ def test_a_one_time_entry_is_served_once_and_survives_a_restart(tmp_path: Path) 
     assert LOCAL_BOOT_SCRIPT.rstrip().endswith("exit")
 
 
+def test_an_entrys_join_token_is_served_on_its_kernel_line_once(tmp_path: Path) -> None:
+    token = "bcjt_" + "k" * 43
+    entries = BootEntries(tmp_path / "netboot")
+    payload = {"mac": "52:54:00:aa:bb:02", "kernel": "http://h/k", "cmdline": "a=b"}
+    entry = entries.set(payload, join_token=token)
+    assert token not in repr(entry)
+    [stored] = (tmp_path / "netboot").glob("*.json")
+    assert stored.stat().st_mode & 0o077 == 0  # only the agent reads it, until it is served
+    served = BootEntries(tmp_path / "netboot").take("52:54:00:aa:bb:02")  # after a restart too
+    assert served is not None
+    assert f"kernel http://h/k a=b bcd.token={token}\n" in entry_script(served)
+    assert list((tmp_path / "netboot").glob("*.json")) == []  # consumed: the token is gone
+
+
 def test_boot_entries_refuse_line_breaks_in_the_command_line(tmp_path: Path) -> None:
     entries = BootEntries(tmp_path / "netboot")
     with pytest.raises(BcError) as exc:

@@ -91,23 +91,29 @@ class SiteHandlers:
 
     # -- credentials -------------------------------------------------------------------
 
-    async def _credentials(self, target: BmcTarget, deadline: float) -> BmcCredentials | None:
-        if target.credentials_ref is None:
-            return None
+    async def _fetch(self, ref: str, deadline: float, *, what: str, path: str) -> bytes:
+        """The value behind ``ref`` through the secrets gate (sealed), while this command is live;
+        UNAVAILABLE and TIMEOUT are tried again until the command's deadline."""
         delay = 0.2
         while True:
             try:
-                raw = await self.secrets.fetch(ref=target.credentials_ref, identity=self.identity)
-                break
+                return await self.secrets.fetch(ref=ref, identity=self.identity)
             except BcError as err:
                 if err.code not in _WAIT_FOR or time.time() + delay >= deadline:
                     raise BcError(
                         err.code,
-                        f"cannot fetch the BMC credentials: {err.message}",
-                        {"path": "bmc.credentialsRef", "reason": err.reason or "secrets-fetch"},
+                        f"cannot fetch {what}: {err.message}",
+                        {"path": path, "reason": err.reason or "secrets-fetch"},
                     ) from None
             await asyncio.sleep(random.uniform(0, delay))
             delay = min(delay * 2, 3.0)
+
+    async def _credentials(self, target: BmcTarget, deadline: float) -> BmcCredentials | None:
+        if target.credentials_ref is None:
+            return None
+        raw = await self._fetch(
+            target.credentials_ref, deadline, what="the BMC credentials", path="bmc.credentialsRef"
+        )
         try:
             doc = msgspec.json.decode(raw)
             username, password = doc["username"], doc["password"]
@@ -196,7 +202,19 @@ class SiteHandlers:
             if payload.get(key):
                 holder = f"netboot:{mac}:{key}"
                 payload[key] = await self._cached(str(payload[key]), payload.get(f"{key}Sha256"), holder)
-        entry = self.entries.set(payload, command_id=cmd.id)
+        token = None
+        if payload.get("joinTokenRef"):
+            # Resolved now, while this command is live: the gate opens to no one later.
+            raw = await self._fetch(
+                str(payload["joinTokenRef"]), cmd.not_after, what="the join token", path="joinTokenRef"
+            )
+            token = raw.decode("utf-8", "replace").strip()
+            register_secret(token)
+            if not token or any(c.isspace() for c in token):
+                raise BcError(
+                    ErrorCode.INVALID_INPUT, "the join token is not one word", {"path": "joinTokenRef"}
+                )
+        entry = self.entries.set(payload, command_id=cmd.id, join_token=token)
         return {"mac": entry.mac, "oneTime": entry.one_time, "kernel": entry.kernel, "initrd": entry.initrd}
 
     async def _clear_entry(self, cmd: Command) -> dict[str, Any]:

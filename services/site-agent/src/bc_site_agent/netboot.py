@@ -13,7 +13,7 @@ import json
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,9 @@ class BootEntry:
     script: str | None = None
     one_time: bool = True
     command_id: str = ""
+    join_token: str | None = field(default=None, repr=False)
+    """The ramdisk's join token (resolved from the command's ``joinTokenRef``), served as
+    ``bcd.token=`` on the kernel line; kept in the 0600 entry file until the entry is served."""
 
 
 def _ipxe_safe(text: str, path: str) -> str:
@@ -70,7 +73,10 @@ def entry_script(entry: BootEntry) -> str:
         return script if script.startswith("#!ipxe") else "#!ipxe\n" + script
     lines = ["#!ipxe", f"echo bc-site-agent: boot entry for {entry.mac}"]
     if entry.kernel:
-        lines.append(f"kernel {entry.kernel} {entry.cmdline}".rstrip())
+        cmdline = entry.cmdline
+        if entry.join_token is not None:
+            cmdline = f"{cmdline} bcd.token={entry.join_token}"
+        lines.append(f"kernel {entry.kernel} {cmdline.strip()}".rstrip())
     if entry.initrd:
         lines.append(f"initrd {entry.initrd}")
     lines.append("boot")
@@ -118,7 +124,11 @@ class BootEntries:
     def _file(self, mac: str) -> Path:
         return self.folder / (mac.replace(":", "-") + ".json")
 
-    def set(self, payload: dict[str, Any], *, command_id: str = "") -> BootEntry:
+    def set(
+        self, payload: dict[str, Any], *, command_id: str = "", join_token: str | None = None
+    ) -> BootEntry:
+        """Install the entry of ``payload`` (a ``netboot.setEntry``) with the join token its
+        ``joinTokenRef`` resolved to, if any."""
         mac = normalize_mac(str(payload.get("mac", "")))
         entry = BootEntry(
             mac=mac,
@@ -128,6 +138,7 @@ class BootEntries:
             script=payload.get("script"),
             one_time=bool(payload.get("oneTime", True)),
             command_id=command_id,
+            join_token=join_token,
         )
         if entry.script is None and entry.kernel is None:
             raise BcError(ErrorCode.INVALID_INPUT, "give kernel (and initrd) or script", {"path": "kernel"})
@@ -139,6 +150,7 @@ class BootEntries:
             "script": entry.script,
             "oneTime": entry.one_time,
             "commandId": command_id,
+            "joinToken": join_token,
         }
         target = self._file(mac)
         tmp = target.with_suffix(".tmp")
@@ -164,6 +176,7 @@ class BootEntries:
             script=doc.get("script"),
             one_time=bool(doc.get("oneTime", True)),
             command_id=doc.get("commandId") or "",
+            join_token=_registered(doc.get("joinToken")),
         )
 
     def take(self, mac: str) -> BootEntry | None:
@@ -188,6 +201,12 @@ class BootEntries:
 
     def count(self) -> int:
         return sum(1 for _ in self.folder.glob("*.json"))
+
+
+def _registered(token: str | None) -> str | None:
+    if token:
+        register_secret(token)  # read back after a restart: still kept out of every log
+    return token or None
 
 
 def _opt(payload: dict[str, Any], key: str) -> str | None:

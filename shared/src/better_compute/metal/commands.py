@@ -91,6 +91,10 @@ NETBOOT_SET_ENTRY: Final = CommandKind(
             "cmdline": field.string(max_length=4096).default(""),
             "script": field.string(max_length=65536).optional(),
             "oneTime": field.bool().default(True),
+            # The ramdisk's join token, by reference: the site agent fetches it through the
+            # secrets gate while it installs the entry and adds ``bcd.token=`` to the command
+            # line it serves; the token itself never travels in the command.
+            "joinTokenRef": field.secret_ref().optional(),
         }
     ),
 )

@@ -8,6 +8,15 @@ nothing twice:
 2. a ``netboot.setEntry`` per MAC of the node, one time (key ``netboot-<n>``);
 3. ``power.setPower`` ``cycle`` (key ``power-cycle``).
 
+The ramdisk's bcd joins with a single-use ``node`` join token bound to the node (its agent id is
+the node id) and to the MAC it boots from. The step mints it under its attempt's key
+(``ctx.pki``, so a re-run gets the same token back through the attempt's mint secret), stores it
+through ``ctx.secrets`` and sends only the reference: each boot entry carries ``joinTokenRef``,
+which the site agent resolves through the secrets gate (sealed) while it installs the entry, and
+it adds ``bcd.token=`` to the command line it serves that MAC. The token is in no command payload,
+step result or log. A retry's new attempt mints a new token; the superseded attempt's token and
+secret are revoked by the engine.
+
 The ramdisk (kernel and initrd, or an iPXE script) comes from the step's ``with``; metal's
 shipped profiles fill it from ``metal(ramdisk=Ramdisk(...))``.
 """
@@ -31,6 +40,7 @@ from ._relay import node_bmc, relay, workflow_node
 __all__ = ["RAMDISK_FIELDS", "ensure_ramdisk"]
 
 STEP_ID: Final = "metal.ensureRamdisk"
+TOKEN_TTL_SECONDS: Final = 3600  # the step's own deadline is 15 minutes; the join follows it
 RAMDISK_FIELDS: Final = ("kernel", "initrd", "kernelSha256", "initrdSha256", "cmdline", "script")
 _ENTRY = NETBOOT_SET_ENTRY.payload.fields
 
@@ -53,6 +63,24 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         )
     bmc = node_bmc(ctx, step_input, STEP_ID)
     entry = {k: step_input[k] for k in RAMDISK_FIELDS if step_input.get(k) is not None}
+    if ctx.pki is None or ctx.secrets is None:
+        raise BcError(
+            ErrorCode.INVALID_CONFIG, f"{STEP_ID} needs the pki and secrets services", {"path": "pki"}
+        )
+    token = await ctx.pki.issue_join_token(
+        tenant_id=node.tenant_id,
+        role="node",
+        site_id=node.site_id,
+        ttl_seconds=TOKEN_TTL_SECONDS,
+        max_uses=1,
+        expect={"mac": macs[0]},  # a machine's claims show every NIC's MAC
+    )
+    token_ref = await ctx.secrets.put(
+        token.token.encode(), idempotency_key="ramdisk-join-token", label="ramdisk join token"
+    )
+    cmdline = _with_control_plane(entry.get("cmdline", ""), ctx)
+    if cmdline:
+        entry["cmdline"] = cmdline
 
     boot = await relay(
         ctx,
@@ -65,7 +93,7 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         done = await relay(
             ctx,
             kind=NETBOOT_SET_ENTRY.name,
-            payload={**entry, "mac": mac, "oneTime": True},
+            payload={**entry, "mac": mac, "oneTime": True, "joinTokenRef": token_ref},
             key=f"netboot-{index}",
         )
         entries.append({"mac": mac, "commandId": done["commandId"]})
@@ -73,10 +101,21 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         ctx, kind=POWER_SET_POWER.name, payload={"action": "cycle", "bmc": bmc}, key="power-cycle"
     )
     return {
+        "joinTokenId": token.join_token_id,
         "bootDeviceCommand": boot["commandId"],
         "netbootEntries": entries,
         "powerCycleCommand": cycle["commandId"],
     }
+
+
+def _with_control_plane(cmdline: str, ctx: Any) -> str:
+    """The command line with ``bcd.control_plane=`` (the user data's control-plane URL) when the
+    ramdisk's own does not say where bcd joins."""
+    settings = getattr(getattr(ctx, "provision", None), "user_data", None)
+    url = getattr(settings, "control_plane_url", None)
+    if not url or "bcd.control_plane=" in cmdline:
+        return cmdline
+    return f"{cmdline} bcd.control_plane={url}".strip()
 
 
 ensure_ramdisk = define_step(

@@ -5,5 +5,16 @@ from .driving import SiteDriver
 from .fleet import MetalSim
 from .gate import TcpGate
 from .hardware import FaultFractions, Faults, Ledger, SimMachine
+from .stack import FleetStack, fleet_stack
 
-__all__ = ["FaultFractions", "Faults", "Ledger", "MetalSim", "SimMachine", "SiteDriver", "TcpGate"]
+__all__ = [
+    "FaultFractions",
+    "Faults",
+    "FleetStack",
+    "Ledger",
+    "MetalSim",
+    "SimMachine",
+    "SiteDriver",
+    "TcpGate",
+    "fleet_stack",
+]

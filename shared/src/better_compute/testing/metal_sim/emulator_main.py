@@ -18,6 +18,7 @@ was lost). Everything else (the Redfish API, late application on the next read, 
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import sys
 import time
@@ -43,7 +44,9 @@ _STORES: dict[str, dict[Any, Any]] = {}
 
 class _MemoryStore(MutableMapping[Any, Any]):
     """sushy-tools' ``PersistentDict`` in memory: ``make_permanent`` joins the process-wide
-    store of that name."""
+    store of that name. Values go in and come out as copies, as through SQLite: the virtual
+    media driver gives every system the very same default device dict, so storing it as is
+    made one machine's inserted medium every machine's (and an eject cleared them all)."""
 
     def __init__(self) -> None:
         self._data: dict[Any, Any] = {}
@@ -52,10 +55,10 @@ class _MemoryStore(MutableMapping[Any, Any]):
         self._data = _STORES.setdefault(f"{dbpath}/{dbfile}", self._data)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._data[key]
+        return pickle.loads(self._data[key])
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._data[key] = value
+        self._data[key] = pickle.dumps(value)
 
     def __delitem__(self, key: Any) -> None:
         del self._data[key]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import random
 import re
 import shutil
@@ -42,6 +43,11 @@ __all__ = ["MetalSim"]
 
 _CHAIN = re.compile(r"^chain\s+(?:--\S+\s+)*(\S+)", re.M)
 _KERNEL = re.compile(r"^kernel\s+\S+\s*(.*)$", re.M)
+_ECHO = re.compile(r"^\s*-\s*echo\s+(\S+)\s*>\s*/target(/\S+)\s*$", re.M)
+_OS_MARK = b"BCSIM-OS\n"  # what the simulated installer writes at the start of the disk
+OS_STATE = "/var/lib/bcd-os"
+"""The installed OS's bcd state folder (under the machine's root): on its disk, so it survives
+a power cycle (the ramdisk's ``/var/lib/bcd`` does not) and goes with a wipe."""
 
 
 class MetalSim:
@@ -203,12 +209,108 @@ class MetalSim:
         if m.boot_device == "Pxe":
             cmdline = self._netboot(m)
         elif m.boot_device == "Cd" and m.media.get("Cd"):
+            autoinstall = _media_autoinstall(m.media["Cd"])
+            if autoinstall is not None:
+                m.ledger.append("boot.media", device="Cd", bootable=True, kind="autoinstall")
+                self._autoinstall(m, generation, autoinstall)
+                return
             cmdline = _media_cmdline(m.media["Cd"])
             m.ledger.append("boot.media", device="Cd", bootable=cmdline is not None)
         if cmdline is None:
-            m.ledger.append("boot.local", device=m.boot_device)
-            return  # no OS on the disk the simulator runs (yet): the machine sits at a prompt
+            self._local_boot(m, generation)
+            return
         self._ramdisk(m, generation, cmdline)
+
+    # -- the installed OS --------------------------------------------------------------------
+
+    def _autoinstall(self, m: SimMachine, generation: int, document: str) -> None:
+        """What Ubuntu's installer does with an autoinstall document: write the OS to the first
+        disk, run ``late-commands`` of the form ``echo VALUE > /target/PATH`` (the join token
+        into ``/etc/bcd/join-token``), and reboot into the installed OS."""
+        disk = m.disks[0]
+        try:
+            with open(m.disk(disk), "r+b") as fh:
+                fh.write(_OS_MARK + b"ubuntu-24.04\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            m.ledger.append("disk.write", disk=disk, kind="autoinstall", failed=True, error=exc.strerror)
+            return
+        m.ledger.append("disk.write", disk=disk, kind="autoinstall", failed=False)
+        shutil.rmtree(m.tree / OS_STATE.lstrip("/"), ignore_errors=True)  # a fresh OS: no enrollment
+        for target, value in _late_commands(document):
+            path = m.tree / target.lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(value + "\n")
+        m.ledger.append("install", disk=disk)
+        self._installed(m, generation)
+
+    def _local_boot(self, m: SimMachine, generation: int) -> None:
+        """Boot the first disk: the installed OS when one is there, else nothing (a prompt)."""
+        try:
+            with open(m.disk(), "rb") as fh:
+                installed = fh.read(len(_OS_MARK)) == _OS_MARK
+        except OSError:
+            installed = False
+        if not installed:
+            shutil.rmtree(m.tree / OS_STATE.lstrip("/"), ignore_errors=True)  # wiped with its disk
+            m.ledger.append("boot.local", device=m.boot_device, os=False)
+            return
+        m.ledger.append("boot.local", device=m.boot_device, os=True)
+        self._installed(m, generation)
+
+    def _installed(self, m: SimMachine, generation: int) -> None:
+        """The installed OS's bcd: it joins with ``/etc/bcd/join-token`` on its first boot (the
+        token the user data carried), then serves in installed mode; its state is on the disk
+        (``OS_STATE``), so later boots reuse the enrollment."""
+        (m.tree / "etc/bcd/ramdisk").unlink(missing_ok=True)
+        (m.tree / "proc/cmdline").write_text(f"console=ttyS0 root=/dev/{m.disks[0]}1\n")
+        env = self._bcd_env(m)
+        log = m.folder / f"bcd-{m.boots:03d}.log"
+        state = ["--state-dir", OS_STATE]
+        if not (m.tree / OS_STATE.lstrip("/") / "enrollment.json").exists():
+            token = m.tree / "etc/bcd/join-token"
+            if not token.exists():
+                m.ledger.append("bcd.join-failed", mode="installed", reason="no-token")
+                return
+            with open(log, "ab") as out:
+                joined = subprocess.run(
+                    [sys.executable, "-m", "bcd", *state, "join", "--no-service", "--token-file",
+                     "/etc/bcd/join-token", "--control-plane", env["BC_NATS_URL"]],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    timeout=60, check=False,
+                )  # fmt: skip
+            if joined.returncode != 0:
+                m.ledger.append("bcd.join-failed", mode="installed", returncode=joined.returncode)
+                return
+        self._run_bcd(m, generation, env, log, [*state, "run", "--mode", "installed"], mode="installed")
+
+    def _bcd_env(self, m: SimMachine) -> dict[str, str]:
+        return bcd_env(
+            self.settings,
+            m.tree,
+            {
+                "BCD_SIMULATE": "1",
+                "BCD_SIM_LEDGER": str(m.ledger.path),
+                "BCD_SIM_FAULTS": str(m.faults_file),
+                **({"BC_NATS_URL": m.gate.url} if m.gate is not None else {}),
+            },
+        )
+
+    def _run_bcd(
+        self, m: SimMachine, generation: int, env: dict[str, str], log: Path, args: list[str], *, mode: str
+    ) -> None:
+        with self._lock:
+            if m.generation != generation:
+                return  # powered off meanwhile
+            with open(log, "ab") as out:
+                m.bcd = subprocess.Popen(
+                    [sys.executable, "-m", "bcd", *args],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+            m.ledger.append("bcd.started", mode=mode, pid=m.bcd.pid)
 
     def _netboot(self, m: SimMachine) -> str | None:
         if not self.boot_url:
@@ -232,16 +334,7 @@ class MetalSim:
         (m.tree / "etc/bcd").mkdir(parents=True, exist_ok=True)
         (m.tree / "etc/bcd/ramdisk").touch()
         (m.tree / "proc/cmdline").write_text(f"console=ttyS0 {cmdline}\n")
-        env = bcd_env(
-            self.settings,
-            m.tree,
-            {
-                "BCD_SIMULATE": "1",
-                "BCD_SIM_LEDGER": str(m.ledger.path),
-                "BCD_SIM_FAULTS": str(m.faults_file),
-                **({"BC_NATS_URL": m.gate.url} if m.gate is not None else {}),
-            },
-        )
+        env = self._bcd_env(m)
         settings = {w.partition("=")[0] for w in cmdline.split()}
         extra = [] if "bcd.control_plane" in settings else ["--control-plane", env["BC_NATS_URL"]]
         log = m.folder / f"bcd-{m.boots:03d}.log"
@@ -254,15 +347,7 @@ class MetalSim:
         if joined.returncode != 0:
             m.ledger.append("bcd.join-failed", returncode=joined.returncode)
             return
-        with self._lock:
-            if m.generation != generation:
-                return  # powered off while it joined
-            with open(log, "ab") as out:
-                m.bcd = subprocess.Popen(
-                    [sys.executable, "-m", "bcd", "run", "--mode", "ramdisk"],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                )  # fmt: skip
-            m.ledger.append("bcd.started", mode="ramdisk", pid=m.bcd.pid)
+        self._run_bcd(m, generation, env, log, ["run", "--mode", "ramdisk"], mode="ramdisk")
 
     def _stop_bcd(self, m: SimMachine, why: str) -> None:
         proc, m.bcd = m.bcd, None
@@ -287,6 +372,23 @@ def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as resp:
         text: str = resp.read().decode("utf-8", "replace")
         return text
+
+
+def _media_autoinstall(info: Any) -> str | None:
+    """The medium's autoinstall document (``#cloud-config`` with ``autoinstall:``), if it is one."""
+    path = info[0] if isinstance(info, list | tuple) and info else None
+    if not path:
+        return None
+    try:
+        text = Path(str(path)).read_bytes()[:65536].decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text.startswith("#cloud-config") and "\nautoinstall:" in text else None
+
+
+def _late_commands(document: str) -> list[tuple[str, str]]:
+    """``(path, value)`` of each ``echo VALUE > /target/PATH`` line of the document."""
+    return [(match.group(2), match.group(1)) for match in _ECHO.finditer(document)]
 
 
 def _media_cmdline(info: Any) -> str | None:

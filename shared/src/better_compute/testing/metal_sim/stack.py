@@ -1,0 +1,236 @@
+"""``fleet_stack()``: the whole system around a simulated fleet, every part its own process.
+
+bc-pki, bc-secrets, bc-command-queue and bc-engine (loading ``metal_sim.app``), the metal
+simulator (one sushy-emulator for N machines), the site agent of the fleet's site with its real
+Redfish driver, and a media server for the autoinstall ISOs. Each machine is enrolled as a node
+with its MACs and a ``redfish`` BMC whose credential is the node's standing secret in bc-secrets
+(``credentialsRef``), through the typed clients. For tests, the demo, benchmarks and chaos runs;
+see docs/metal-sim.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import http.server
+import json
+import threading
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ...clients import CommandQueueClient, EngineClient, PkiClient, SecretsClient
+from ...config import Settings
+from ...core.ids import new_id
+from ...service import ApiClient
+from ...service.client import connect
+from ...wire import Subjects
+from ...wire.engine import NodeView
+from ...wire.metal import NodeBmc, VerbRun
+from ..processes import ServiceProcesses
+from ..site_agent import SiteAgentProcess
+from ..waiting import until
+from .fleet import MetalSim
+from .hardware import Faults, SimMachine
+
+__all__ = ["APP", "FAST_ENV", "SERVICES", "FleetStack", "MediaServer", "fleet_stack"]
+
+APP = "better_compute.testing.metal_sim.app:app"
+SERVICES = ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine")
+# Agents judged silent and commands redelivered in about a second, not tens of seconds.
+FAST_ENV = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SWEEP": "100ms", "BC_CMDQ_REDELIVER_AFTER": "1s"}
+
+
+class MediaServer:
+    """Serves a folder over HTTP on loopback: the autoinstall ISOs the BMC inserts."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+
+        class Quiet(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+        handler = functools.partial(Quiet, directory=str(folder))
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, name="fleet-media", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclass
+class FleetStack:
+    """A running fleet: its clients, processes, simulator and the node id of each machine."""
+
+    folder: Path
+    settings: Settings
+    api: ApiClient
+    processes: ServiceProcesses
+    sim: MetalSim
+    agent: SiteAgentProcess
+    media: MediaServer
+    nodes: dict[int, str] = field(default_factory=dict)
+    """Machine index -> node id, for the enrolled machines."""
+
+    @property
+    def site_id(self) -> str:
+        return self.sim.site_id
+
+    @functools.cached_property
+    def engine(self) -> EngineClient:
+        return EngineClient(self.api)
+
+    @functools.cached_property
+    def cq(self) -> CommandQueueClient:
+        return CommandQueueClient(self.api, timeout=5.0)
+
+    @functools.cached_property
+    def pki(self) -> PkiClient:
+        return PkiClient(self.api)
+
+    @functools.cached_property
+    def secrets(self) -> SecretsClient:
+        return SecretsClient(self.api)
+
+    def machine(self, key: int | str) -> SimMachine:
+        """By index, product UUID, name, or the node id it was enrolled as."""
+        if isinstance(key, str) and key.startswith("node_"):
+            key = next(i for i, n in self.nodes.items() if n == key)
+        return self.sim.machine(key)
+
+    async def enroll(self, index: int, *, labels: Mapping[str, str] | None = None) -> NodeView:
+        """Enroll machine ``index``: its MACs, and its BMC with the credential stored first as the
+        node's standing secret (what ``bcx nodes enroll --bmc redfish://…`` does)."""
+        m = self.sim.machine(index)
+        node_id = new_id("node")
+        credential = json.dumps(self.sim.emulator.credentials).encode()
+        info = await self.secrets.put_for_node(credential, tenant_id="root", node_id=node_id, label="bmc")
+        bmc = NodeBmc(driver="redfish", address=m.bmc_url, credentials_ref=info.ref, system_id=m.uuid)
+        node = await self.engine.enroll_node(
+            site_id=self.site_id, id=node_id, macs=list(m.macs), bmc=bmc, labels=dict(labels or {})
+        )
+        self.nodes[index] = node.id
+        return node
+
+    async def verb(self, verb: Any, index: int, **kw: Any) -> VerbRun:
+        """Run a lifecycle verb on machine ``index``'s node (``deploy`` takes ``image``, ``profile``)."""
+        run: VerbRun = await self.engine.run_verb(verb, node_id=self.nodes[index], **kw)
+        return run
+
+    async def reaches(self, index: int, *states: str, timeout: float = 120.0) -> NodeView:
+        """Wait until the node is in one of ``states``; a ``failed`` node not asked for is an
+        ``AssertionError`` naming its reason."""
+
+        async def look() -> NodeView | None:
+            node = await self.engine.get_node(id=self.nodes[index])
+            if node.state == "failed" and "failed" not in states:
+                raise AssertionError(f"machine {index} ({node.id}) failed: {node.state_reason}")
+            return node if node.state in states else None
+
+        return await until(look, timeout=timeout, what=f"machine {index} in {states}")
+
+    def log_files(self) -> list[Path]:
+        """Every log the system wrote: services, site agent, emulator, each machine's bcd."""
+        found = [p.log for p in self.processes.procs] + list(self.agent.logs)
+        found += sorted((self.folder / "sim").rglob("*.log"))
+        return found
+
+    def tails(self, lines: int = 40) -> str:
+        """The last lines of each process's log: what a failing test prints."""
+        out = []
+        for path in self.log_files():
+            with contextlib.suppress(OSError):
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {path.relative_to(self.folder.parent)} ---\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+def _folders(folder: Path) -> Path:
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    return folder / "logs"
+
+
+async def _agent_connected(cq: CommandQueueClient, site_id: str) -> bool:
+    agents = await cq.agents(site_id=site_id, connected=True)
+    return any(a.role == "site" for a in agents)
+
+
+@contextlib.asynccontextmanager
+async def fleet_stack(
+    folder: Path,
+    settings: Settings,
+    *,
+    machines: int = 4,
+    enroll: int | None = None,
+    site_id: str = "lab1",
+    seed: int = 0,
+    power_delay: tuple[float, float] = (0.0, 0.0),
+    faults: Mapping[int, Faults] | None = None,
+    processes: ServiceProcesses | None = None,
+    api: ApiClient | None = None,
+    env: Mapping[str, str] | None = None,
+) -> AsyncIterator[FleetStack]:
+    """Start the fleet and everything around it; stop all of it on the way out.
+
+    ``settings`` point at NATS and PostgreSQL (the test's, or ``bcx dev``'s); the services load
+    ``APP``. ``enroll`` machines (all by default) are enrolled in index order; the rest are
+    powered-off machines nobody enrolled. ``power_delay`` is the BMC's (0: it answers at once;
+    sushy-tools' own is 1-11 s). Pass the test's ``processes`` and ``api`` to share them;
+    otherwise they are made here (logs under ``folder/logs``).
+    """
+    logs = _folders(folder)
+    settings = msgspec.structs.replace(settings, app=APP)
+    own_processes = processes is None
+    if processes is None:
+        processes = ServiceProcesses(settings, logs)
+    processes.settings = settings
+    own_nc = None
+    if api is None:
+        own_nc = await connect(settings.nats_url or "", name="bc-fleet")
+        api = ApiClient(own_nc, Subjects(settings.subject_root))
+    media = MediaServer(folder / "media")
+    processes.extra_env.update(
+        {**FAST_ENV, "BC_SIM_MEDIA_DIR": str(media.folder), "BC_SIM_MEDIA_URL": media.url, **(env or {})}
+    )
+    sim = MetalSim(
+        folder / "sim", settings=settings, machines=machines, site_id=site_id, seed=seed,
+        power_delay=power_delay, faults=faults,
+    )  # fmt: skip
+    agent = SiteAgentProcess(
+        folder=folder / "site-agent", nats_url=settings.nats_url or "", subject_root=settings.subject_root,
+        site_id=site_id,
+    )  # fmt: skip
+    sim.boot_url = agent.url
+    stack = FleetStack(
+        folder=folder, settings=settings, api=api, processes=processes, sim=sim, agent=agent, media=media
+    )
+    try:
+        for service in SERVICES:
+            processes.start(service)
+        await asyncio.gather(processes.wait_ready(timeout=60), asyncio.to_thread(sim.start))
+        token = await stack.pki.issue_join_token(
+            tenant_id="root", role="site", site_id=site_id, ttl_seconds=600
+        )
+        agent.write_config(token.token)
+        agent.start()
+        await until(lambda: _agent_connected(stack.cq, site_id), timeout=60, what="the site agent connected")
+        for index in range(machines if enroll is None else enroll):
+            await stack.enroll(index)
+        yield stack
+    finally:
+        agent.close()
+        await asyncio.to_thread(sim.close)
+        media.close()
+        if own_processes:
+            processes.close()
+        if own_nc is not None:
+            await own_nc.close()
