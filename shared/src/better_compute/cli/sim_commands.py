@@ -249,6 +249,10 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
         ]  # fmt: skip
         for index in range(args.machines, total):
             argv += ["--power-on", str(index)]
+        # the fleet app's engine writes autoinstall ISOs there: the simulator serves them to its BMC
+        media_dir, media_url = os.environ.get("BC_SIM_MEDIA_DIR"), os.environ.get("BC_SIM_MEDIA_URL")
+        if media_dir and media_url:
+            argv += ["--media-dir", media_dir, "--media-url", media_url]
         sim_pid = spawn_detached(argv, sim_log, env=env)
         _record(stack, sim_name, "metal-sim", sim_pid, sim_log)
         say(f"{'metal-sim':<17} started   pid {sim_pid}  {total} machines")

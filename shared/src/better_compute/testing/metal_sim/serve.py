@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
+import http.server
 import json
 import os
 import signal
 import sys
 import threading
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,24 @@ def power_on_network(sim: MetalSim, index: int) -> None:
     system = f"/redfish/v1/Systems/{m.uuid}"
     _redfish(sim, "PATCH", system, {"Boot": {"BootSourceOverrideTarget": "Pxe"}})
     _redfish(sim, "POST", f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "On"})
+
+
+def _media_server(folder: Path, url: str) -> http.server.ThreadingHTTPServer:
+    """``folder`` over HTTP at ``url``'s port on loopback: where the simulated BMC fetches the
+    autoinstall ISOs the fleet app's engine writes (``BC_SIM_MEDIA_DIR``/``BC_SIM_MEDIA_URL``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = urllib.parse.urlsplit(url).port or 80
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", port), functools.partial(Quiet, directory=str(folder))
+    )
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metal-sim-media", daemon=True).start()
+    return server
 
 
 def describe(sim: MetalSim, credentials_file: str) -> dict[str, Any]:
@@ -88,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--boot-url", required=True, help="the site agent's HTTP (iPXE scripts)")
     p.add_argument("--credentials-file", required=True, help='the BMC credential: {"username", "password"}')
     p.add_argument("--power-on", type=int, action="append", default=[], help="machine index, repeatable")
+    p.add_argument("--media-dir", type=Path, help="serve this folder (the fleet app's ISOs) at --media-url")
+    p.add_argument("--media-url", help="http://127.0.0.1:PORT the engine was told (BC_SIM_MEDIA_URL)")
     args = p.parse_args(argv)
 
     creds = json.loads(Path(args.credentials_file).read_text())
@@ -102,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     sim.emulator.username = str(creds["username"])
     sim.emulator.password = str(creds["password"])
+    media: http.server.ThreadingHTTPServer | None = None
     try:
+        if args.media_dir is not None and args.media_url:
+            media = _media_server(args.media_dir, args.media_url)
         sim.start()
         for index in args.power_on:
             power_on_network(sim, index)
@@ -118,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         print("metal-sim: closing", flush=True)
         sim.close()
+        if media is not None:
+            media.shutdown()
+            media.server_close()
         (args.folder / MACHINES_FILE).unlink(missing_ok=True)
     return 0
 
