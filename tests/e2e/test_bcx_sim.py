@@ -31,7 +31,7 @@ async def stack(bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path:
     bc_processes.extra_env.update(BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms")
     for name in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
         bc_processes.start(name)
-    await bc_processes.wait_ready()
+    await bc_processes.wait_ready(timeout=60)  # a loaded machine starts four services slowly
     state = tmp_path / "state"
     try:
         yield state

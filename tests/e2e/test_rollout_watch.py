@@ -38,7 +38,7 @@ async def settings(
     bc_processes.extra_env.update(BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms")
     for name in ("bc-pki", "bc-command-queue", "bc-engine"):
         bc_processes.start(name)
-    await bc_processes.wait_ready()
+    await bc_processes.wait_ready(timeout=60)  # a loaded machine starts four services slowly
     await create_tables(settings.database_url)
     sim: SimAgent
     sim, _agent = await start_sim_agent(
