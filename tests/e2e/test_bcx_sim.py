@@ -60,6 +60,7 @@ def _bcd_pids(ledger: Path) -> list[int]:
     return [json.loads(x)["pid"] for x in ledger.read_text().splitlines() if '"bcd.started"' in x]
 
 
+@pytest.mark.timeout(300)  # a simulator, a site agent and a discovery boot: slow on a loaded machine
 async def test_sim_up_enrolls_its_machines_shows_a_stranger_as_discovered_and_down_leaves_nothing(
     stack: Path, bc_settings: Settings, bc_api: ApiClient
 ) -> None:

@@ -56,6 +56,7 @@ async def _lines(proc: subprocess.Popen[str], until_count: int) -> list[str]:
     return [await asyncio.to_thread(proc.stdout.readline) for _ in range(until_count)]
 
 
+@pytest.mark.timeout(240)
 async def test_the_watch_follows_each_node_to_its_end_and_sums_up_naming_the_failed_step(
     settings: Settings, bc_api: ApiClient
 ) -> None:

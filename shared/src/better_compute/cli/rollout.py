@@ -273,7 +273,13 @@ class _Live:
         for col in ("NODE", "STATE", "STEP", "ELAPSED"):
             table.add_column(col)
         style = {"failed": "red", "deployed": "green", "ready": "green", "inspected": "green"}
-        for r in progress.rows.values():
+        rows = list(progress.rows.values())
+        room = max(5, self.console.height - 8 - len(progress.counts()))
+        if len(rows) > room:  # a big fleet: the machines still moving, the bars count the rest
+            moving = [r for r in rows if r.state not in progress.finals]
+            table.caption = f"{len(rows) - min(len(moving), room)} more not shown"
+            rows = moving[:room]
+        for r in rows:
             table.add_row(
                 r.node,
                 Text(r.state, style=style.get(r.state, "yellow" if r.state in RUNNING_STATES else "")),
