@@ -2,9 +2,11 @@
 
 A join is a certificate bc-pki issued for the node (a node's agent id is the node id, since
 tokens a step mints are bound to the workflow's node) with the asked role, issued after the
-step before this one finished: a join from an earlier boot (the ramdisk's, before the installed
-OS comes up) does not count. Role ``node`` also accepts ``provisioned``: the installed OS joins
-with the single-use ``provisioned`` token of ``userdata.render`` and re-keys the same node.
+attempt of the step before this one started (the step that boots the machine): a join from an
+earlier boot (the ramdisk's, before the installed OS comes up) does not count, and a join that
+beats the engine's settling of the booting step does. Role ``node`` also accepts
+``provisioned``: the installed OS joins with the single-use ``provisioned`` token of
+``userdata.render`` and re-keys the same node.
 
 The step reads bc-pki each time it runs (``step_not_ready`` between looks), so it holds nothing
 in memory and a re-run on another engine decides the same.
@@ -27,9 +29,13 @@ __all__ = ["ACCEPTED_ROLES", "JOINED_SINCE", "wait_agent_joined"]
 STEP_ID: Final = "wait.agentJoined"
 POLL_MS: Final = 2_000
 ACCEPTED_ROLES: Final = {"node": ("node", "provisioned"), "provisioned": ("provisioned",)}
-# When the step before this one finished (or the workflow began, for the first step).
+# When the attempt of the step before this one started (or the workflow began, for the first
+# step): that step is what boots the machine (a power cycle, the ramdisk), and a fast machine
+# joins before the engine has settled it, so its finish would come after the very join it waits
+# for (seen on the metal simulator: the ramdisk joined 40 ms before metal.ensureRamdisk settled,
+# and wait.agentJoined then waited for a join that had happened).
 JOINED_SINCE: Final = (
-    "SELECT coalesce((SELECT finished_at FROM workflow_steps WHERE workflow_id = $1 AND idx = $2 - 1),"
+    "SELECT coalesce((SELECT started_at FROM workflow_steps WHERE workflow_id = $1 AND idx = $2 - 1),"
     " (SELECT created_at FROM workflows WHERE id = $1)) AS since"
 )
 

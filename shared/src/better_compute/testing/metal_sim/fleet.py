@@ -38,6 +38,7 @@ from ..machines import DiskSpec, prepare_machine
 from .emulator import FleetEmulator
 from .gate import TcpGate
 from .hardware import FaultFractions, Faults, SimMachine, identity
+from .zygote import BcdZygote
 
 __all__ = ["MetalSim"]
 
@@ -66,6 +67,7 @@ class MetalSim:
         fractions: FaultFractions | None = None,
         disks: Sequence[DiskSpec] = (DiskSpec("vda", 32 << 20),),
         boot_url: str | None = None,
+        fork_server: bool = True,
     ) -> None:
         self.folder = folder
         self.settings = settings
@@ -97,10 +99,15 @@ class MetalSim:
             self.machines.append(m)
         self._by_uuid = {m.uuid: m for m in self.machines}
         self._server: http.server.ThreadingHTTPServer | None = None
+        self.fork_server = fork_server
+        self.zygote: BcdZygote | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> MetalSim:
+        if self.fork_server:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.zygote = BcdZygote(str(self.folder / "bcd-fork-server.log"))
         self._server = _notifier(self._on_state)
         threading.Thread(target=self._server.serve_forever, name="metal-sim-notifier", daemon=True).start()
         self.write_power_delays()
@@ -125,6 +132,8 @@ class MetalSim:
         for gate in self._gates:
             gate.close()
         self.emulator.close()
+        if self.zygote is not None:
+            self.zygote.close()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -275,15 +284,11 @@ class MetalSim:
             if not token.exists():
                 m.ledger.append("bcd.join-failed", mode="installed", reason="no-token")
                 return
-            with open(log, "ab") as out:
-                joined = subprocess.run(
-                    [sys.executable, "-m", "bcd", *state, "join", "--no-service", "--token-file",
-                     "/etc/bcd/join-token", "--control-plane", env["BC_NATS_URL"]],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    timeout=60, check=False,
-                )  # fmt: skip
-            if joined.returncode != 0:
-                m.ledger.append("bcd.join-failed", mode="installed", returncode=joined.returncode)
+            args = [*state, "join", "--no-service", "--token-file", "/etc/bcd/join-token",
+                    "--control-plane", env["BC_NATS_URL"]]  # fmt: skip
+            returncode = self._bcd_once(args, env, log)
+            if returncode != 0:
+                m.ledger.append("bcd.join-failed", mode="installed", returncode=returncode)
                 return
         self._run_bcd(m, generation, env, log, [*state, "run", "--mode", "installed"], mode="installed")
 
@@ -305,12 +310,27 @@ class MetalSim:
         with self._lock:
             if m.generation != generation:
                 return  # powered off meanwhile
-            with open(log, "ab") as out:
-                m.bcd = subprocess.Popen(
-                    [sys.executable, "-m", "bcd", *args],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                )  # fmt: skip
+            if self.zygote is not None:
+                m.bcd = self.zygote.spawn(args, env=env, log=str(log))
+            else:
+                with open(log, "ab") as out:
+                    m.bcd = subprocess.Popen(
+                        [sys.executable, "-m", "bcd", *args],
+                        env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    )  # fmt: skip
             m.ledger.append("bcd.started", mode=mode, pid=m.bcd.pid)
+
+    def _bcd_once(self, args: list[str], env: dict[str, str], log: Path) -> int:
+        """Run one bcd command (``join``) to its end; its exit code."""
+        if self.zygote is not None:
+            return self.zygote.run(args, env=env, log=str(log), timeout=60)
+        with open(log, "ab") as out:
+            done = subprocess.run(
+                [sys.executable, "-m", "bcd", *args],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                timeout=60, check=False,
+            )  # fmt: skip
+        return done.returncode
 
     def _netboot(self, m: SimMachine) -> str | None:
         if not self.boot_url:
@@ -338,14 +358,9 @@ class MetalSim:
         settings = {w.partition("=")[0] for w in cmdline.split()}
         extra = [] if "bcd.control_plane" in settings else ["--control-plane", env["BC_NATS_URL"]]
         log = m.folder / f"bcd-{m.boots:03d}.log"
-        with open(log, "ab") as out:
-            joined = subprocess.run(
-                [sys.executable, "-m", "bcd", "join", "--no-service", *extra],
-                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                timeout=60, check=False,
-            )  # fmt: skip
-        if joined.returncode != 0:
-            m.ledger.append("bcd.join-failed", returncode=joined.returncode)
+        returncode = self._bcd_once(["join", "--no-service", *extra], env, log)
+        if returncode != 0:
+            m.ledger.append("bcd.join-failed", returncode=returncode)
             return
         self._run_bcd(m, generation, env, log, ["run", "--mode", "ramdisk"], mode="ramdisk")
 

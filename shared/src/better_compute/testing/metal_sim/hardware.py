@@ -21,6 +21,7 @@ from typing import Any
 
 from ..bmcs import FaultyProxy
 from .gate import TcpGate
+from .zygote import ZygoteProc
 
 __all__ = ["FaultFractions", "Faults", "Ledger", "SimMachine", "identity"]
 
@@ -151,7 +152,9 @@ class SimMachine:
     pending_apply: float | None = None
     generation: int = 0
     boots: int = 0
-    bcd: subprocess.Popen[bytes] | None = None
+    bcd: subprocess.Popen[bytes] | ZygoteProc | None = None
+    """Its running bcd: a process of its own (forked by the simulator's fork server, or
+    ``python -m bcd``); ``bcd.pid`` is a real pid a test may signal."""
 
     @property
     def tree(self) -> Path:

@@ -130,13 +130,14 @@ class FleetStack:
         """Wait until the node is in one of ``states``; a ``failed`` node not asked for is an
         ``AssertionError`` naming its reason."""
 
-        async def look() -> NodeView | None:
+        async def look() -> Any:  # the node, or None while it is not there yet
             node = await self.engine.get_node(id=self.nodes[index])
             if node.state == "failed" and "failed" not in states:
                 raise AssertionError(f"machine {index} ({node.id}) failed: {node.state_reason}")
             return node if node.state in states else None
 
-        return await until(look, timeout=timeout, what=f"machine {index} in {states}")
+        node: NodeView = await until(look, timeout=timeout, what=f"machine {index} in {states}")
+        return node
 
     def log_files(self) -> list[Path]:
         """Every log the system wrote: services, site agent, emulator, each machine's bcd."""
@@ -157,11 +158,6 @@ class FleetStack:
 def _folders(folder: Path) -> Path:
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     return folder / "logs"
-
-
-async def _agent_connected(cq: CommandQueueClient, site_id: str) -> bool:
-    agents = await cq.agents(site_id=site_id, connected=True)
-    return any(a.role == "site" for a in agents)
 
 
 @contextlib.asynccontextmanager
@@ -216,13 +212,19 @@ async def fleet_stack(
     try:
         for service in SERVICES:
             processes.start(service)
-        await asyncio.gather(processes.wait_ready(timeout=60), asyncio.to_thread(sim.start))
+        await asyncio.gather(processes.wait_ready(timeout=180), asyncio.to_thread(sim.start))
         token = await stack.pki.issue_join_token(
             tenant_id="root", role="site", site_id=site_id, ttl_seconds=600
         )
         agent.write_config(token.token)
         agent.start()
-        await until(lambda: _agent_connected(stack.cq, site_id), timeout=60, what="the site agent connected")
+
+        async def connected() -> bool:
+            agents = await stack.cq.agents(site_id=site_id, connected=True)
+            return any(a.role == "site" for a in agents)
+
+        up: bool = await until(connected, timeout=60, what="the site agent connected")
+        assert up
         for index in range(machines if enroll is None else enroll):
             await stack.enroll(index)
         yield stack

@@ -1,0 +1,229 @@
+"""A fork server for the simulated machines' bcd processes.
+
+Each boot of a simulated machine runs ``bcd join`` then ``bcd run``: two Python start-ups that
+import the agent SDK, nats, cryptography… (2.3 s of CPU each, and 40 s of wall time each when
+four machines boot at once on the loaded 2-core test machine). The fork server imports bcd once
+and forks a child per command: every bcd is still its own OS process (its own pid, killable with
+SIGKILL, its own environment, log file and exit code) running ``bcd.__main__.main`` with the
+given arguments, the very code ``python -m bcd`` runs, without the start-up.
+
+Protocol on the server's stdin/stdout, one JSON document a line:
+``{"id": n, "argv": [...], "env": {...}, "log": path}`` → ``{"id": n, "pid": pid}``, and
+``{"exit": pid, "code": code}`` when a child ends (a negative code: killed by that signal).
+The server forks only from its one thread. ``MetalSim(fork_server=False)`` runs
+``python -m bcd`` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any
+
+__all__ = ["BcdZygote", "ZygoteProc"]
+
+
+class ZygoteProc:
+    """A forked bcd, as much of ``subprocess.Popen`` as the simulator uses."""
+
+    def __init__(self, zygote: BcdZygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self.zygote.cond:
+            while self.returncode is None:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(f"bcd pid {self.pid}", timeout or 0)
+                self.zygote.cond.wait(left if left is not None else 1.0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class BcdZygote:
+    """The simulator's side: starts the server, forks bcds through it."""
+
+    def __init__(self, log: str) -> None:
+        self._log = open(log, "ab")  # noqa: SIM115 -- closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "better_compute.testing.metal_sim.zygote"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+        )  # fmt: skip
+        self.cond = threading.Condition()
+        self._pids: dict[int, int] = {}
+        self._procs: dict[int, ZygoteProc] = {}
+        self._exits: dict[int, int] = {}
+        self._n = 0
+        self._write_lock = threading.Lock()
+        threading.Thread(target=self._read, name="bcd-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            with self.cond:
+                if "pid" in doc:
+                    self._pids[int(doc["id"])] = int(doc["pid"])
+                elif "exit" in doc:
+                    found = self._procs.get(int(doc["exit"]))
+                    if found is not None:
+                        found.returncode = int(doc["code"])
+                    else:  # ended before spawn() took its pid
+                        self._exits[int(doc["exit"])] = int(doc["code"])
+                self.cond.notify_all()
+        with self.cond:  # the server is gone: so are its children (they share its session)
+            for p in self._procs.values():
+                if p.returncode is None:
+                    p.returncode = -signal.SIGKILL
+            self.cond.notify_all()
+
+    def spawn(self, argv: list[str], *, env: dict[str, str], log: str, timeout: float = 30.0) -> ZygoteProc:
+        """Fork a bcd with ``argv`` (what follows ``python -m bcd``)."""
+        with self._write_lock:
+            self._n += 1
+            n = self._n
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(
+                (json.dumps({"id": n, "argv": argv, "env": env, "log": log}) + "\n").encode()
+            )
+            self.proc.stdin.flush()
+        end = time.monotonic() + timeout
+        with self.cond:
+            while n not in self._pids:
+                if self.proc.poll() is not None or time.monotonic() > end:
+                    raise RuntimeError("the bcd fork server did not answer")
+                self.cond.wait(0.5)
+            proc = ZygoteProc(self, self._pids.pop(n))
+            proc.returncode = self._exits.pop(proc.pid, None)
+            self._procs[proc.pid] = proc
+            return proc
+
+    def run(self, argv: list[str], *, env: dict[str, str], log: str, timeout: float = 60.0) -> int:
+        """``spawn`` and wait for its exit code."""
+        proc = self.spawn(argv, env=env, log=log)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+
+    def close(self) -> None:
+        with self.cond:
+            live = [p for p in self._procs.values() if p.returncode is None]
+        for p in live:
+            p.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+def _child(doc: dict[str, Any]) -> None:
+    """In the forked child: become that bcd, then exit with its code."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        fd = os.open(doc["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(doc["env"])
+        import random
+
+        random.seed()  # not the server's sequence
+        from bcd.__main__ import main
+
+        sys.argv = ["bcd", *doc["argv"]]
+        main(doc["argv"])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
+def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
+    import bcd.__main__
+    import bcd.daemon  # noqa: F401
+
+    def say(doc: dict[str, Any]) -> None:
+        out.write((json.dumps(doc) + "\n").encode())
+        out.flush()
+
+    buffer = b""
+    fd = inp.fileno()
+    while True:
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break  # the simulator is gone
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                doc = json.loads(line)
+                out.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(doc)
+                say({"id": doc["id"], "pid": pid})
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+    for pid in _children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children() -> list[int]:
+    try:
+        text = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read()  # noqa: SIM115
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+if __name__ == "__main__":
+    _serve(sys.stdin.buffer, sys.stdout.buffer)
