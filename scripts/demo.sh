@@ -14,10 +14,11 @@ unset BC_NATS_URL BC_DATABASE_URL BC_CONFIG
 # agents judged silent and commands redelivered within a second (docs/settings.md)
 export BC_CMDQ_HEARTBEAT=200ms BC_CMDQ_SWEEP=100ms BC_CMDQ_REDELIVER_AFTER=1s
 SITE=lab1
+T0=$(date +%s)
 FLEET="site=$SITE,sim=1"
 bcx() { "${UV[@]}" run --frozen bcx "$@"; }
 py() { "${UV[@]}" run --frozen python -c "$@"; }
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+step() { printf '\n\033[1m== [%3ss] %s\033[0m\n' "$(($(date +%s) - T0))" "$*"; }
 json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
 cleanup() {
@@ -35,7 +36,7 @@ bcx sim down >/dev/null 2>&1 || true
 bcx dev down >/dev/null 2>&1 || true
 rm -rf "$BC_STATE_DIR"
 mkdir -p "$BC_STATE_DIR"
-T0=$(date +%s)
+T0=$(date +%s)  # the story starts here
 
 # The destructive-batch quorum is on: one approver, whose key stays in this folder. Wipes (and
 # every other destructive command) run only inside a batch that key signed.
@@ -52,31 +53,32 @@ bcx dev up
 step "bcx sim up --machines 5 --unenrolled 1 --site $SITE --enroll"
 bcx sim up --machines 5 --unenrolled 1 --site "$SITE" --enroll --power-delay 0.1,0.3
 
-step "the sixth machine, which nobody enrolled, booted the discovery ramdisk"
-for _ in $(seq 1 150); do
-  DISCOVERED=$(bcx --json nodes list --site "$SITE" --all \
-    | json '" ".join(n["id"] for n in d["nodes"] if n["state"] == "discovered")')
-  [ -n "$DISCOVERED" ] && break
-  sleep 0.2
-done
+step "the sixth machine, which nobody enrolled, booted the discovery ramdisk: a discovered node"
 bcx nodes watch --selector "site=$SITE"
+DISCOVERED=$(bcx --json nodes list --site "$SITE" --all \
+  | json '" ".join(n["id"] for n in d["nodes"] if n["state"] == "discovered")')
 [ -n "$DISCOVERED" ] && bcx nodes show $DISCOVERED
 
 # One verb over the five, then the live view until each rests. A verb whose workflows send a
-# destructive command gets one batch for all five: the approver signs it once, here.
+# destructive command gets one batch for all five: when the machines reach their wipe they wait
+# for it, and the approver signs it once, here, for all five.
 rollout() {
   local verb=$1
   shift
-  local batch
+  local batch log="$BC_STATE_DIR/watch-$verb.log"
   step "bcx bulk $verb --selector $FLEET $*"
   batch=$(bcx --json bulk "$verb" --selector "$FLEET" "$@" | json 'd["batchId"] or ""')
-  if [ -n "$batch" ]; then
-    echo "its wipes wait for batch $batch"
-    step "bcx batches approve $batch   (one signature for the five machines)"
-    bcx batches approve "$batch" --approver demo --key-file "$BC_STATE_DIR/approver.pem"
-  fi
-  step "bcx nodes watch --selector $FLEET --verb $verb"
-  bcx nodes watch --selector "$FLEET" --verb "$verb" --timeout 180
+  echo "5 started; their destructive commands wait for one batch: $batch"
+  step "bcx nodes watch --selector $FLEET --verb $verb   (and bcx batches approve $batch once they wait)"
+  bcx nodes watch --selector "$FLEET" --verb "$verb" --timeout 180 | tee "$log" &
+  local watch=$!
+  for _ in $(seq 1 600); do
+    grep -q "waits for approvals" "$log" 2>/dev/null && break
+    sleep 0.2
+  done
+  echo "        >> bcx batches approve $batch --approver demo: one signature, five machines"
+  bcx batches approve "$batch" --approver demo --key-file "$BC_STATE_DIR/approver.pem" > /dev/null
+  wait "$watch"
 }
 
 step "bcx bulk inspect --selector $FLEET --watch   (the ramdisk boots, bcd reports the inventory)"
@@ -89,4 +91,4 @@ rollout release
 step "bcx sim status   (what the simulated hardware saw last)"
 bcx sim status
 echo
-echo "the fleet's life in $(($(date +%s) - T0)) s"
+echo "the fleet's whole story (stack, simulator, four rollouts) in $(($(date +%s) - T0)) s"

@@ -19,7 +19,7 @@ from better_compute.clients import EngineClient
 from better_compute.config import Settings
 from better_compute.runtime.embedded import pid_alive
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, bcx, until
+from better_compute.testing import ServiceProcesses, bcx
 
 pytestmark = pytest.mark.e2e
 
@@ -94,16 +94,14 @@ async def test_sim_up_enrolls_its_machines_shows_a_stranger_as_discovered_and_do
             machines[0]["bmc"].replace("redfish+http", "http"), {"username": "admin", "password": "x"}
         )
 
-    # the third, nobody's, was switched on from the network: discovery makes it a node
+    # the third, nobody's, was switched on from the network: discovery made it a node, which
+    # sim up waited for and shows
     stranger = machines[2]
-    assert stranger["node"] is None
-
-    async def discovered() -> Any:
-        nodes = (await engine.list_nodes(site_id=SITE)).nodes
-        return next((n for n in nodes if n.state == "discovered" and n.macs == stranger["macs"]), None)
-
-    found = await until(discovered, timeout=60, what="the unenrolled machine discovered")
-    assert (await engine.get_node(id=found.id)).hardware["productUuid"] == stranger["uuid"]
+    assert stranger["power"] == "on (discovered)"
+    found = await engine.get_node(id=stranger["node"])
+    assert (found.state, found.macs) == ("discovered", stranger["macs"])
+    assert found.hardware is not None
+    assert found.hardware["productUuid"] == stranger["uuid"]
 
     status = await bcx(bc_settings, "sim", "status", "--json", "--state-dir", state)
     assert status.returncode == 0, status.stderr

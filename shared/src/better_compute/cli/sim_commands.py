@@ -268,13 +268,20 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             credential = creds_file.read_bytes().strip()
             chosen = doc["machines"][: args.machines]
             nodes = await _enroll(api, chosen, credential, site, args.tenant, labels)
-            _write_private(folder / NODES_FILE, json.dumps(nodes, indent=2) + "\n")
+        discovered: dict[str, str] = {}
+        strangers = doc["machines"][args.machines :]
+        if strangers and args.discovery and args.wait_discovered:
+            discovered = await _wait_discovered(EngineClient(api), site, strangers, args.timeout)
+        nodes.update(discovered)
+        _write_private(folder / NODES_FILE, json.dumps(nodes, indent=2) + "\n")
 
     machines = [
         {
             "name": m["name"], "mac": m["macs"][0], "macs": m["macs"], "bmc": m["bmc"], "uuid": m["uuid"],
             "serial": m["serial"], "node": nodes.get(m["name"]),
-            "power": "on (network boot)" if m["index"] >= args.machines else "off",
+            "power": "off" if m["index"] < args.machines else (
+                "on (discovered)" if m["name"] in discovered else "on (network boot)"
+            ),
             "folder": m["folder"],
         }
         for m in doc["machines"]
@@ -297,10 +304,34 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
         print("nothing enrolled (--enroll enrolls the machines as nodes)")
     if args.unenrolled and args.discovery:
         print(
-            f"{args.unenrolled} machine(s) nobody enrolled boot from the network and show up as "
-            f"discovered: bcx nodes list --site {site}"
+            f"{len(discovered)} of {args.unenrolled} machine(s) nobody enrolled booted the discovery ramdisk "
+            f"and are discovered nodes (bcx nodes show <NODE>; bcx nodes enroll <NODE> --bmc …)"
         )
     return 0
+
+
+async def _wait_discovered(
+    engine: EngineClient, site: str, machines: list[dict[str, Any]], timeout: float
+) -> dict[str, str]:
+    """Until each of ``machines`` (switched on, nobody's) is a discovered node of the site, found by
+    its product UUID; those found by ``timeout`` (a discovery is no condition of ``up``)."""
+    want = {m["uuid"]: m["name"] for m in machines}
+    found: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(found) < len(want) and time.monotonic() < deadline:
+        cursor: str | None = None
+        while True:
+            page = await engine.list_nodes(site_id=site, cursor=cursor, limit=500)
+            for n in page.nodes:
+                uuid = (n.hardware or {}).get("productUuid")
+                if n.state == "discovered" and uuid in want:
+                    found[want[uuid]] = n.id
+            cursor = page.next
+            if not cursor:
+                break
+        if len(found) < len(want):
+            await asyncio.sleep(0.3)
+    return found
 
 
 async def _enroll(
@@ -445,6 +476,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--label", action="append", help="key=value on each enrolled node, repeatable")
     p.add_argument("--tenant", default="root", help="tenant of the tokens and nodes (default root)")
     p.add_argument("--no-discovery", dest="discovery", action="store_false", help="no discovery ramdisk")
+    p.add_argument(
+        "--no-wait", dest="wait_discovered", action="store_false",
+        help="return before the --unenrolled machines show up as discovered",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=1, help="the same seed gives the same machines")
     p.add_argument("--power-delay", default="0.2,1.0", help="lo,hi seconds before a power change lands")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness")
