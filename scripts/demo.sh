@@ -17,14 +17,12 @@ SITE=lab1
 T0=$(date +%s)
 FLEET="site=$SITE,sim=1"
 bcx() { "${UV[@]}" run --frozen bcx "$@"; }
-py() { "${UV[@]}" run --frozen python -c "$@"; }
 step() { printf '\n\033[1m== [%3ss] %s\033[0m\n' "$(($(date +%s) - T0))" "$*"; }
 json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
 cleanup() {
   if [ "${KEEP:-0}" != "1" ]; then
-    step "bcx sim down; bcx dev down"
-    bcx sim down || true
+    step "bcx dev down   (the simulator and its site agent too)"
     bcx dev down || true
   fi
 }
@@ -32,7 +30,6 @@ trap cleanup EXIT
 
 # The demo starts from a clean slate (its own state folder only), so it tells the same story
 # every time.
-bcx sim down >/dev/null 2>&1 || true
 bcx dev down >/dev/null 2>&1 || true
 rm -rf "$BC_STATE_DIR"
 mkdir -p "$BC_STATE_DIR"
@@ -45,19 +42,19 @@ bcx batches keygen --key-file "$BC_STATE_DIR/approver.pem" --approver demo > "$B
 export BC_CMDQ_QUORUM_FILE="$BC_STATE_DIR/approvers.toml"
 # The autoinstall ISOs the engine renders: written there, served there by the simulator.
 export BC_SIM_MEDIA_DIR="$BC_STATE_DIR/media"
-BC_SIM_MEDIA_URL="http://127.0.0.1:$(py 'from better_compute.runtime.embedded import free_port; print(free_port())')"
+BC_SIM_MEDIA_URL="http://127.0.0.1:$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 export BC_SIM_MEDIA_URL
 
 step "bcx dev up   (state in $BC_STATE_DIR; quorum on: 1 of approver demo)"
 bcx dev up
 step "bcx sim up --machines 5 --unenrolled 1 --site $SITE --enroll"
-bcx sim up --machines 5 --unenrolled 1 --site "$SITE" --enroll --power-delay 0.1,0.3
+bcx sim up --machines 5 --unenrolled 1 --site "$SITE" --enroll --power-delay 0.1,0.3 | tee "$BC_STATE_DIR/sim-up.txt"
 
-step "the sixth machine, which nobody enrolled, booted the discovery ramdisk: a discovered node"
-bcx nodes watch --selector "site=$SITE"
-DISCOVERED=$(bcx --json nodes list --site "$SITE" --all \
-  | json '" ".join(n["id"] for n in d["nodes"] if n["state"] == "discovered")')
-[ -n "$DISCOVERED" ] && bcx nodes show $DISCOVERED
+DISCOVERED=$(awk '/on \(discovered\)/ {print $NF}' "$BC_STATE_DIR/sim-up.txt")
+if [ -n "$DISCOVERED" ]; then
+  step "bcx nodes show $DISCOVERED   (the sixth machine: nobody enrolled it, it booted discovery)"
+  bcx nodes show $DISCOVERED
+fi
 
 # One verb over the five, then the live view until each rests. A verb whose workflows send a
 # destructive command gets one batch for all five: when the machines reach their wipe they wait
