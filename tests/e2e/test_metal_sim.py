@@ -76,7 +76,8 @@ async def fleet(
     )
     sim.boot_url = agent.url
     try:
-        await asyncio.gather(bc_processes.wait_ready(), asyncio.to_thread(sim.start))  # both take seconds
+        # both take seconds (up to a minute or more on the loaded 2-core machine)
+        await asyncio.gather(bc_processes.wait_ready(timeout=180), asyncio.to_thread(sim.start))
         site_token = await pki.issue_join_token(tenant_id="root", role="site", site_id=SITE, ttl_seconds=600)
         agent.write_config(site_token.token)
         agent.start()

@@ -10,8 +10,8 @@ given arguments, the very code ``python -m bcd`` runs, without the start-up.
 Protocol on the server's stdin/stdout, one JSON document a line:
 ``{"id": n, "argv": [...], "env": {...}, "log": path}`` → ``{"id": n, "pid": pid}``, and
 ``{"exit": pid, "code": code}`` when a child ends (a negative code: killed by that signal).
-The server forks only from its one thread. ``MetalSim(fork_server=False)`` runs
-``python -m bcd`` instead.
+The server is bcd's own (``python -m bcd.forkserver``: the SDK imports no service); it forks
+only from its one thread. ``MetalSim(fork_server=False)`` runs ``python -m bcd`` instead.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any
 
 __all__ = ["BcdZygote", "ZygoteProc"]
 
@@ -66,7 +64,7 @@ class BcdZygote:
     def __init__(self, log: str) -> None:
         self._log = open(log, "ab")  # noqa: SIM115 -- closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "better_compute.testing.metal_sim.zygote"],
+            [sys.executable, "-m", "bcd.forkserver"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
         )  # fmt: skip
         self.cond = threading.Condition()
@@ -139,91 +137,3 @@ class BcdZygote:
             self.proc.kill()
             self.proc.wait(10)
         self._log.close()
-
-
-# -- the server ----------------------------------------------------------------------------
-
-
-def _child(doc: dict[str, Any]) -> None:
-    """In the forked child: become that bcd, then exit with its code."""
-    code = 1
-    try:
-        os.setpgid(0, 0)
-        fd = os.open(doc["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        os.environ.clear()
-        os.environ.update(doc["env"])
-        import random
-
-        random.seed()  # not the server's sequence
-        from bcd.__main__ import main
-
-        sys.argv = ["bcd", *doc["argv"]]
-        main(doc["argv"])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
-
-
-def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
-    import bcd.__main__
-    import bcd.daemon  # noqa: F401
-
-    def say(doc: dict[str, Any]) -> None:
-        out.write((json.dumps(doc) + "\n").encode())
-        out.flush()
-
-    buffer = b""
-    fd = inp.fileno()
-    while True:
-        ready, _, _ = select.select([fd], [], [], 0.05)
-        if ready:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break  # the simulator is gone
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                doc = json.loads(line)
-                out.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child(doc)
-                say({"id": doc["id"], "pid": pid})
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
-    for pid in _children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _children() -> list[int]:
-    try:
-        text = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read()  # noqa: SIM115
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
-
-
-if __name__ == "__main__":
-    _serve(sys.stdin.buffer, sys.stdout.buffer)
