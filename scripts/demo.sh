@@ -1,66 +1,91 @@
 #!/usr/bin/env bash
-# The demo: the whole stack on the embedded NATS and PostgreSQL, each service its own
-# process, then what an operator does and sees. KEEP=1 leaves it running
-# (stop it with: BC_STATE_DIR=.state/demo uv run bcx dev down).
+# The demo: a fleet's story on the embedded NATS and PostgreSQL, each service its own process.
+# Five simulated machines (and a sixth nobody enrolled) behind a real Redfish endpoint, a real
+# site agent, bcd processes booting on them; enroll -> inspect -> commission -> deploy ->
+# release with the live progress of all five. KEEP=1 leaves it running (stop it with:
+# BC_STATE_DIR=.state/demo uv run bcx sim down && BC_STATE_DIR=.state/demo uv run bcx dev down).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
 export BC_STATE_DIR="${BC_STATE_DIR:-$PWD/.state/demo}"
-export BC_APP="demo_app:app"
-export PYTHONPATH="$PWD/deploy/demo${PYTHONPATH:+:$PYTHONPATH}"
-unset BC_NATS_URL BC_DATABASE_URL
+# the fleet app: metal with a (simulated) bcd ramdisk and the ubuntu-24.04-autoinstall profile
+export BC_APP="better_compute.testing.metal_sim.app:app"
+unset BC_NATS_URL BC_DATABASE_URL BC_CONFIG
+# agents judged silent and commands redelivered within a second (docs/settings.md)
+export BC_CMDQ_HEARTBEAT=200ms BC_CMDQ_SWEEP=100ms BC_CMDQ_REDELIVER_AFTER=1s
+SITE=lab1
+T0=$(date +%s)
+FLEET="site=$SITE,sim=1"
 bcx() { "${UV[@]}" run --frozen bcx "$@"; }
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+step() { printf '\n\033[1m== [%3ss] %s\033[0m\n' "$(($(date +%s) - T0))" "$*"; }
+json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
-AGENT_PID=""
 cleanup() {
-  [ -n "$AGENT_PID" ] && kill "$AGENT_PID" 2>/dev/null || true
-  [ "${KEEP:-0}" = "1" ] || { step "bcx dev down"; bcx dev down; }
+  if [ "${KEEP:-0}" != "1" ]; then
+    step "bcx dev down   (the simulator and its site agent too)"
+    bcx dev down || true
+  fi
 }
 trap cleanup EXIT
 
 # The demo starts from a clean slate (its own state folder only), so it tells the same story
-# every time; `bcx dev up` on an existing state keeps everything, as an operator expects.
+# every time.
 bcx dev down >/dev/null 2>&1 || true
 rm -rf "$BC_STATE_DIR"
+mkdir -p "$BC_STATE_DIR"
+T0=$(date +%s)  # the story starts here
 
-step "bcx dev up   (state in $BC_STATE_DIR)"
-UP=$(bcx dev up)
-echo "$UP"
-NATS_URL=$(printf '%s\n' "$UP" | sed -n 's/.*export BC_NATS_URL=//p')
-step "bcx status"
-bcx status
+# The destructive-batch quorum is on: one approver, whose key stays in this folder. Wipes (and
+# every other destructive command) run only inside a batch that key signed.
+bcx batches keygen --key-file "$BC_STATE_DIR/approver.pem" --approver demo > "$BC_STATE_DIR/keygen.txt"
+{ echo "threshold = 1"; sed -n '/^\[\[approvers\]\]/,$p' "$BC_STATE_DIR/keygen.txt"; } > "$BC_STATE_DIR/approvers.toml"
+export BC_CMDQ_QUORUM_FILE="$BC_STATE_DIR/approvers.toml"
+# The autoinstall ISOs the engine renders: written there, served there by the simulator.
+export BC_SIM_MEDIA_DIR="$BC_STATE_DIR/media"
+BC_SIM_MEDIA_URL="http://127.0.0.1:$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+export BC_SIM_MEDIA_URL
 
-step "a site agent for lab1 joins with a single-use token (the SDK's simulated BMC driver)"
-rm -rf "$BC_STATE_DIR/agent-lab1" && mkdir -p "$BC_STATE_DIR/agent-lab1"
-bcx tokens issue --role site --site lab1 --ttl 10m --token-file "$BC_STATE_DIR/agent-lab1/token"
-"${UV[@]}" run --frozen python -m better_compute.agent.sim --nats-url "$NATS_URL" \
-  --state-dir "$BC_STATE_DIR/agent-lab1" --token "$(cat "$BC_STATE_DIR/agent-lab1/token")" \
-  --delay driver.invoke=400 > "$BC_STATE_DIR/agent-lab1/agent.log" 2>&1 &
-AGENT_PID=$!
-for _ in $(seq 1 100); do
-  bcx agents list --json | grep -q '"connected": *true' && break
-  sleep 0.2
-done
-bcx agents list
-step "bcx nodes enroll --site lab1 --mac 52:54:00:ab:cd:01 --bmc sim://demo-1"
-NODE=$(bcx --json nodes enroll --site lab1 --mac 52:54:00:ab:cd:01 --bmc sim://demo-1 --no-prompt \
-  | python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])')
-bcx nodes show "$NODE"
-step "bcx profiles create deploy/demo/ubuntu-cloud-init.json"
-bcx profiles create deploy/demo/ubuntu-cloud-init.json
-step "bcx profiles validate --id ubuntu-cloud-init"
-bcx profiles validate --id ubuntu-cloud-init
-step "bcx profiles render --id ubuntu-cloud-init"
-bcx profiles render --id ubuntu-cloud-init
-step "bcx workflows start --profile ubuntu-cloud-init --node $NODE --wait"
-bcx workflows start --profile ubuntu-cloud-init --node "$NODE" --wait
-WF=$(bcx workflows list --node "$NODE" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["workflows"][0]["id"])')
-step "bcx workflows get $WF   (results hold references, never the token or the document)"
-bcx workflows get "$WF"
-step "bcx commands list --workflow $WF   (what the site agent ran for it)"
-bcx commands list --workflow "$WF"
-step "bcx tokens list   (the agent's spent token, and the one userdata.render minted, bound to the node's MAC)"
-bcx tokens list
-step "bcx secrets list   (metadata only)"
-bcx secrets list
+step "bcx dev up   (state in $BC_STATE_DIR; quorum on: 1 of approver demo)"
+bcx dev up
+step "bcx sim up --machines 5 --unenrolled 1 --site $SITE --enroll"
+bcx sim up --machines 5 --unenrolled 1 --site "$SITE" --enroll --power-delay 0.1,0.3 | tee "$BC_STATE_DIR/sim-up.txt"
+
+DISCOVERED=$(awk '/on \(discovered\)/ {print $NF}' "$BC_STATE_DIR/sim-up.txt")
+if [ -n "$DISCOVERED" ]; then
+  step "bcx nodes show $DISCOVERED   (the sixth machine: nobody enrolled it, it booted discovery)"
+  bcx nodes show $DISCOVERED
+fi
+
+# One verb over the five, then the live view until each rests. A verb whose workflows send a
+# destructive command gets one batch for all five: when the machines reach their wipe they wait
+# for it, and the approver signs it once, here, for all five.
+rollout() {
+  local verb=$1
+  shift
+  local batch log="$BC_STATE_DIR/watch-$verb.log"
+  step "bcx bulk $verb --selector $FLEET $*"
+  batch=$(bcx --json bulk "$verb" --selector "$FLEET" "$@" | json 'd["batchId"] or ""')
+  echo "5 started; their destructive commands wait for one batch: $batch"
+  step "bcx nodes watch --selector $FLEET --verb $verb   (and bcx batches approve $batch once they wait)"
+  bcx nodes watch --selector "$FLEET" --verb "$verb" --timeout 180 | tee "$log" &
+  local watch=$!
+  for _ in $(seq 1 600); do
+    grep -q "waits for approvals" "$log" 2>/dev/null && break
+    sleep 0.2
+  done
+  echo "        >> bcx batches approve $batch --approver demo: one signature, five machines"
+  bcx batches approve "$batch" --approver demo --key-file "$BC_STATE_DIR/approver.pem" > /dev/null
+  wait "$watch"
+}
+
+step "bcx bulk inspect --selector $FLEET --watch   (the ramdisk boots, bcd reports the inventory)"
+bcx bulk inspect --selector "$FLEET" --watch --timeout 180
+rollout commission
+step "bcx bulk deploy --selector $FLEET --profile ubuntu-24.04-autoinstall --image ubuntu@24.04 --watch"
+bcx bulk deploy --selector "$FLEET" --profile ubuntu-24.04-autoinstall --image ubuntu@24.04 --watch --timeout 180
+rollout release
+
+step "bcx sim status   (what the simulated hardware saw last)"
+bcx sim status
+echo
+echo "the fleet's whole story (stack, simulator, four rollouts) in $(($(date +%s) - T0)) s"

@@ -26,6 +26,7 @@ from . import (
     ops_commands,
     pki_commands,
     secrets_commands,
+    sim_commands,
     why_commands,
     workflow_commands,
 )
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmdq_commands.register(sub, common)
     why_commands.register(sub, common)
+    sim_commands.register(sub, common)
     # `bcx nodes --json list` too: the command groups take the global flags as well
     for child in _subparsers(parser):
         if "--json" not in child._option_string_actions:

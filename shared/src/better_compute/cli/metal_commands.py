@@ -13,6 +13,7 @@ import argparse
 import getpass
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,9 +25,11 @@ from ..logging import register_secret
 from ..metal.lifecycle import VERBS, parse_bmc_url, parse_selector
 from ..wire.codec import convert
 from ..wire.engine import NodeView
-from ..wire.metal import NodeBmc, VerbName
+from ..wire.metal import BulkRun, NodeBmc, VerbName
+from . import rollout
 from .common import api_client, as_rows, engine_client, parse_labels
-from .output import print_json, print_table
+from .output import json_line, print_json, print_table
+from .rollout import watch_nodes
 from .why_commands import why_line
 
 __all__ = ["read_credentials", "register"]
@@ -233,19 +236,42 @@ async def run_bulk(args: argparse.Namespace, settings: Settings) -> int:
     selector = parse_selector(args.selector) if args.selector is not None else None
     node_ids = list(args.node) if args.selector is None else None
     async with engine_client(settings) as engine:
+        t0 = time.time()
         got = await engine.bulk(
             cast(VerbName, args.verb), node_ids=node_ids, selector=selector, **_verb_options(args)
         )
+        if args.watch:
+            return await _bulk_watch(engine, got, args, t0)
     if args.json:
         print_json(got)
         return 0
+    _print_bulk(got)
+    return 0
+
+
+async def _bulk_watch(engine: EngineClient, got: BulkRun, args: argparse.Namespace, t0: float) -> int:
+    """``bulk --watch``: what started (and the batch), then the live view of those nodes."""
+    if args.json:
+        print(json_line(got), flush=True)
+    else:
+        _print_bulk(got)
+        sys.stdout.flush()
+    if not got.started:
+        return 1
+    nodes = [await engine.get_node(id=s.node_id) for s in got.started]
+    return await watch_nodes(
+        engine, nodes, verb=args.verb, as_json=args.json, started=t0, timeout=args.timeout,
+        title=f"{args.verb} · {len(nodes)} nodes",
+    )  # fmt: skip
+
+
+def _print_bulk(got: BulkRun) -> None:
     rows = [{"node": s.node_id, "outcome": s.state, "detail": s.workflow_id} for s in got.started]
     rows += [{"node": r.node_id, "outcome": "refused", "detail": r.message} for r in got.refused]
     print_table(rows, [("node", "NODE"), ("outcome", "OUTCOME"), ("detail", "WORKFLOW / REASON")])
     print(f"{len(got.started)} started, {len(got.refused)} refused")
     if got.batch_id:
         print(f"one batch for all of them: {got.batch_id} (bcx batches approve {got.batch_id})")
-    return 0
 
 
 def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
@@ -288,7 +314,10 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p.add_argument("--selector", help="site=lab1,rack=r12: site and labels that must all match")
     p.add_argument("--node", action="append", help="node id, repeatable (instead of --selector)")
     _verb_flags(p, "deploy")
+    p.add_argument("--watch", action="store_true", help="live progress until each node rests, then a summary")
+    p.add_argument("--timeout", type=float, help="with --watch: give up after this many seconds (exit 1)")
     p.set_defaults(func=run_bulk)
+    rollout.register(nodes, common)
 
 
 def _verb_flags(p: argparse.ArgumentParser, verb: str) -> None:

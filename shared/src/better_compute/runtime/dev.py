@@ -11,9 +11,11 @@ turn it off.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 import tomllib
@@ -199,6 +201,10 @@ class DevStack:
                 clean = stop_pid(rec.pid, grace=5.0)
                 how = "stopped" if clean else "killed "
                 self.say(f"{rec.service:<17} {how}   pid {rec.pid} in {time.monotonic() - t0:.1f}s")
+            # each was spawned as a session (and group) leader: what it started goes with it
+            # (the simulator of `bcx sim up` holds an emulator and bcds)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec.pid, signal.SIGKILL)
             (self.procs / f"{rec.name}.json").unlink(missing_ok=True)
         if keep_servers:
             return

@@ -1,0 +1,155 @@
+"""``python -m better_compute.testing.metal_sim.serve``: the simulated fleet as a process of its
+own, for ``bcx sim up`` (docs/metal-sim.md, "bcx sim").
+
+It builds a ``MetalSim`` in ``--folder`` (machines, sushy-emulator, notifier), points the
+machines' network boot at ``--boot-url`` (the site agent's HTTP), writes ``machines.json``
+(who the machines are and where their BMC answers) once everything is up, and runs until
+SIGTERM or SIGINT, when it closes the simulator (every bcd it booted, the emulator).
+
+``--power-on I`` (repeatable) switches machine I on with a network boot once the fleet is up:
+what a person does to a machine nobody enrolled, so that it shows up by discovery.
+
+The BMC password is read from ``--credentials-file`` (JSON ``{"username", "password"}``), never
+from the command line; ``machines.json`` names the file, not the password.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import http.server
+import json
+import os
+import signal
+import sys
+import threading
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ...config import load_settings
+from .fleet import MetalSim
+
+__all__ = ["main"]
+
+MACHINES_FILE = "machines.json"
+
+
+def _redfish(sim: MetalSim, method: str, path: str, body: dict[str, Any]) -> None:
+    emulator = sim.emulator
+    req = urllib.request.Request(
+        f"{emulator.url}{path}", data=json.dumps(body).encode(), method=method,
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    auth = base64.b64encode(f"{emulator.username}:{emulator.password}".encode()).decode()
+    req.add_header("Authorization", f"Basic {auth}")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        resp.read()
+
+
+def power_on_network(sim: MetalSim, index: int) -> None:
+    """Boot machine ``index`` from the network, as its owner would with the power button."""
+    m = sim.machine(index)
+    system = f"/redfish/v1/Systems/{m.uuid}"
+    _redfish(sim, "PATCH", system, {"Boot": {"BootSourceOverrideTarget": "Pxe"}})
+    _redfish(sim, "POST", f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "On"})
+
+
+def _media_server(folder: Path, url: str) -> http.server.ThreadingHTTPServer:
+    """``folder`` over HTTP at ``url``'s port on loopback: where the simulated BMC fetches the
+    autoinstall ISOs the fleet app's engine writes (``BC_SIM_MEDIA_DIR``/``BC_SIM_MEDIA_URL``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = urllib.parse.urlsplit(url).port or 80
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", port), functools.partial(Quiet, directory=str(folder))
+    )
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metal-sim-media", daemon=True).start()
+    return server
+
+
+def describe(sim: MetalSim, credentials_file: str) -> dict[str, Any]:
+    host_port = sim.emulator.url.split("://", 1)[1]
+    return {
+        "site": sim.site_id,
+        "seed": sim.seed,
+        "pid": os.getpid(),
+        "bmcUrl": sim.emulator.url,
+        "credentialsFile": credentials_file,
+        "bootUrl": sim.boot_url,
+        "machines": [
+            {
+                "index": m.index,
+                "name": m.name,
+                "uuid": m.uuid,
+                "serial": m.serial,
+                "macs": list(m.macs),
+                "bmc": f"redfish+http://{host_port}/redfish/v1/Systems/{m.uuid}",
+                "folder": str(m.folder),
+            }
+            for m in sim.machines
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="metal-sim", description=__doc__)
+    p.add_argument("--folder", required=True, type=Path)
+    p.add_argument("--site", required=True)
+    p.add_argument("--machines", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--power-delay", default="0.2,1.0", help="lo,hi seconds before a power change lands")
+    p.add_argument("--boot-url", required=True, help="the site agent's HTTP (iPXE scripts)")
+    p.add_argument("--credentials-file", required=True, help='the BMC credential: {"username", "password"}')
+    p.add_argument("--power-on", type=int, action="append", default=[], help="machine index, repeatable")
+    p.add_argument("--media-dir", type=Path, help="serve this folder (the fleet app's ISOs) at --media-url")
+    p.add_argument("--media-url", help="http://127.0.0.1:PORT the engine was told (BC_SIM_MEDIA_URL)")
+    args = p.parse_args(argv)
+
+    creds = json.loads(Path(args.credentials_file).read_text())
+    lo, _, hi = args.power_delay.partition(",")
+    settings = load_settings(None)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    sim = MetalSim(
+        args.folder, settings=settings, machines=args.machines, site_id=args.site, seed=args.seed,
+        power_delay=(float(lo), float(hi or lo)), boot_url=args.boot_url,
+    )  # fmt: skip
+    sim.emulator.username = str(creds["username"])
+    sim.emulator.password = str(creds["password"])
+    media: http.server.ThreadingHTTPServer | None = None
+    try:
+        if args.media_dir is not None and args.media_url:
+            media = _media_server(args.media_dir, args.media_url)
+        sim.start()
+        for index in args.power_on:
+            power_on_network(sim, index)
+        out = args.folder / MACHINES_FILE
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(describe(sim, args.credentials_file), indent=2) + "\n")
+        tmp.replace(out)
+        print(
+            f"metal-sim: {len(sim.machines)} machines of site {args.site} up, BMC {sim.emulator.url}",
+            flush=True,
+        )
+        stop.wait()
+    finally:
+        print("metal-sim: closing", flush=True)
+        sim.close()
+        if media is not None:
+            media.shutdown()
+            media.server_close()
+        (args.folder / MACHINES_FILE).unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Live rollout progress (``bcx nodes watch``, ``bcx bulk … --watch``) as an operator sees it in a
+pipe: bcx a subprocess, every service its own process, a simulated site agent answering, the
+verbs mapped onto test profiles (``metal_test_app``). The view follows the nodes through their
+``…ing`` state to the end and closes with a summary naming the step that failed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from better_compute.clients import CommandQueueClient, PkiClient
+from better_compute.config import Settings
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses, bcx, bcx_env
+from better_compute.testing.agents import SimAgent, start_sim_agent
+from engine_test_app import create_tables
+
+pytestmark = pytest.mark.e2e
+
+BMC = {"driver": "sim", "address": "bmc-watch"}
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def settings(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[Settings]:
+    settings = msgspec.structs.replace(bc_settings, app="metal_test_app:app")
+    bc_processes.settings = settings
+    bc_processes.extra_env.update(BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms")
+    for name in ("bc-pki", "bc-command-queue", "bc-engine"):
+        bc_processes.start(name)
+    await bc_processes.wait_ready(timeout=60)  # a loaded machine starts four services slowly
+    await create_tables(settings.database_url)
+    sim: SimAgent
+    sim, _agent = await start_sim_agent(
+        settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=CommandQueueClient(bc_api)
+    )
+    try:
+        yield settings
+    finally:
+        sim.close()
+
+
+async def _lines(proc: subprocess.Popen[str], until_count: int) -> list[str]:
+    """The first ``until_count`` lines the process printed."""
+    assert proc.stdout is not None
+    return [await asyncio.to_thread(proc.stdout.readline) for _ in range(until_count)]
+
+
+@pytest.mark.timeout(240)
+async def test_the_watch_follows_each_node_to_its_end_and_sums_up_naming_the_failed_step(
+    settings: Settings, bc_api: ApiClient
+) -> None:
+    ids = []
+    for _ in range(3):
+        node = await bc_api.call(
+            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "1"}, "bmc": BMC}
+        )
+        ids.append(node["id"])
+    watch = subprocess.Popen(  # noqa: ASYNC220 (read line by line from a thread below)
+        [sys.executable, "-m", "better_compute.cli", "nodes", "watch", "--selector", "site=lab1,w=1",
+         "--verb", "inspect", "--json", "--timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bcx_env(settings),
+    )  # fmt: skip
+    try:
+        # where each one stands first; then the operator starts the rollout
+        first = [json.loads(line) for line in await _lines(watch, 3)]
+        assert sorted((d["node"], d["state"]) for d in first) == sorted((i, "enrolled") for i in ids)
+        for node in ids[:2]:
+            await bc_api.call("engine", "metal.inspect", {"nodeId": node})
+        await bc_api.call("engine", "metal.inspect", {"nodeId": ids[2], "profile": "t.failing"})
+        out, err = await asyncio.to_thread(watch.communicate, timeout=90)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 1, err  # one failed
+    events = [json.loads(line) for line in out.splitlines()]
+    *changes, last = events
+    # it showed them moving, live: each was seen inspecting, with the step it ran
+    assert {d["node"] for d in changes if d["state"] == "inspecting"} == set(ids)
+    assert any(d["step"] and "test.failUnlessFlag" in d["step"] for d in changes if d["node"] == ids[2])
+    summary = {r["node"]: r for r in last["summary"]}
+    assert {n: r["state"] for n, r in summary.items()} == {
+        ids[0]: "inspected",
+        ids[1]: "inspected",
+        ids[2]: "failed",
+    }
+    assert last["counts"] == {"inspected": 2, "failed": 1}
+    failed = summary[ids[2]]
+    assert failed["failedStep"] == "test.failUnlessFlag"
+    assert ": " in failed["error"]  # CODE: message
+    assert all(r["seconds"] is not None and r["seconds"] >= 0 for r in summary.values())
+    assert (summary[ids[0]]["failedStep"], summary[ids[0]]["error"]) == (None, None)
+
+    # bulk --watch, in a pipe: plain lines while it runs, then the summary table
+    ids = []
+    for _ in range(2):
+        node = await bc_api.call(
+            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "2"}, "bmc": BMC}
+        )
+        ids.append(node["id"])
+    got = await bcx(settings, "bulk", "inspect", "--selector", "site=lab1,w=2", "--watch", "--timeout", "60",
+                    timeout=90)  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    lines = got.stdout.splitlines()
+    assert "2 started, 0 refused" in lines
+    # plain lines while it ran (no terminal codes in a pipe), then the summary table
+    assert not any("\x1b[" in line for line in lines)
+    assert any(ids[0] in line and "inspecting" in line for line in lines)
+    head = lines.index(next(line for line in lines if line.startswith("NODE") and "FINAL STATE" in line))
+    table: dict[str, Any] = {line.split()[0]: line.split()[1:] for line in lines[head + 1 : head + 3]}
+    assert {n: row[0] for n, row in table.items()} == {ids[0]: "inspected", ids[1]: "inspected"}
+    assert all(row[-1] == "-" for row in table.values())  # no failed step
+    assert lines[-1].startswith("2 nodes in ")
+    assert lines[-1].endswith(": 2 inspected")
