@@ -110,3 +110,38 @@ def test_refused_and_unresolved_connections_never_sent_the_request(closing_serve
     # the request went out and the connection closed before the answer: it may have been applied
     assert not _never_sent(sushy_error(f"http://127.0.0.1:{closing_server}"))
     assert not _never_sent(sushy.exceptions.ConnectionError(url="x", error=requests.ReadTimeout("read")))
+
+
+async def test_ipmi_repeats_a_power_cycle_only_when_its_session_never_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pyghmi.exceptions import IpmiException
+
+    from bc_site_agent.drivers.base import BmcCredentials, BmcTarget
+    from bc_site_agent.drivers.ipmi import IpmiDriver
+
+    driver = IpmiDriver(
+        BmcTarget(driver="ipmi", address="127.0.0.1:6230"), BmcCredentials(username="u", password="p")
+    )
+    sent: list[str] = []
+    logins = iter([IpmiException("timeout"), None, None])
+
+    class Session:
+        def set_power(self, verb: str, wait: bool) -> dict[str, str]:
+            sent.append(verb)
+            raise IpmiException("Session no longer connected")  # sent; the answer never came
+
+    def command() -> Session:
+        failure = next(logins)
+        if failure is not None:
+            raise failure  # the login timed out: nothing was sent
+        return Session()
+
+    monkeypatch.setattr(driver, "_command", command)
+    with pytest.raises(BcError) as caught:
+        await driver._call(
+            "Chassis Control (boot)", lambda c: c.set_power("boot", wait=False),
+            deadline=time.time() + 10, idempotent=False,
+        )  # fmt: skip
+    assert sent == ["boot"]  # after the failed login it was sent once, and not again
+    assert "may have applied it" in caught.value.details["reason"]
