@@ -63,7 +63,7 @@ class _Proc:
                 self.proc.wait(5)
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes] | None, output: object, timeout: float = 30.0) -> None:
+def _wait_http(url: str, proc: subprocess.Popen[bytes] | None, output: object, timeout: float = 90.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
