@@ -14,8 +14,11 @@ from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
+from bc_engine.relay import relay_bmc
+from better_compute.app import better_compute
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal import metal
 from better_compute.metal.steps import deploy as deploy_module
@@ -29,6 +32,7 @@ from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 pytestmark = pytest.mark.unit
 
+APP = better_compute(modules=[metal()])
 STEPS = {step.id: step for step in metal().steps}
 BMC = {"driver": "redfish", "address": "https://10.0.0.9", "credentialsRef": "sec_00000000000000000000000000"}
 WF = "wf_0000000000000001"
@@ -46,9 +50,11 @@ class Node:
 
 
 class Queue:
-    """The command queue: find-before-create by key; ``hold`` kinds stay pending."""
+    """``ctx.commands`` and the command queue behind it: the engine's BMC relay (``relay_bmc``,
+    from ``node``), then find-before-create by key; ``hold`` kinds stay pending."""
 
     def __init__(self, *, attested: bool = True, results: dict[str, Any] | None = None) -> None:
+        self.node: Node | None = None
         self.views: dict[str, CommandView] = {}
         self.sent: list[EnqueueCommand] = []
         self.hold: set[str] = set()
@@ -56,6 +62,8 @@ class Queue:
         self.results = results or {}
 
     async def enqueue(self, cmd: EnqueueCommand) -> CommandView:
+        bmc = self.node.bmc if self.node is not None and self.node.id == cmd.node_id else None
+        cmd = msgspec.structs.replace(cmd, payload=relay_bmc(APP, cmd.kind, cmd.payload, cmd.node_id, bmc))
         view = self.views.get(cmd.key)
         if view is None:
             self.sent.append(cmd)
@@ -165,6 +173,9 @@ class Ctx:
     batch_id: str | None = None
     profile: Any = None
     provision: Any = None
+
+    def __post_init__(self) -> None:
+        self.commands.node = self.node  # as the engine relays the workflow's node's BMC
 
     @property
     def idempotency_key(self) -> str:

@@ -1,5 +1,6 @@
-"""What metal's steps share: the workflow's node, its BMC, sending a command and reading its
-result, and the attestation check of node-signed results."""
+"""What metal's steps share: the workflow's node, sending a command and reading its result, and
+the attestation check of node-signed results. A BMC command's ``bmc`` is the engine's to add
+(``bc_engine.relay``) when the step gives none."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision.commands import CommandResult, await_command
 from better_compute.provision.context import StepNode
 
-__all__ = ["attested_result", "node_bmc", "relay", "result_json", "workflow_node"]
+__all__ = ["attested_result", "relay", "result_json", "workflow_node"]
 
 
 def workflow_node(ctx: Any, step: str) -> StepNode:
@@ -24,30 +25,6 @@ def workflow_node(ctx: Any, step: str) -> StepNode:
             {"path": "nodeId"},
         )
     return node
-
-
-def node_bmc(ctx: Any, step_input: Mapping[str, Any], step: str) -> dict[str, Any]:
-    """The BMC a BMC command talks to: the step's ``with.bmc`` when given, else the node's.
-
-    The node record holds ``credentialsRef`` (a SecretRef), never the password; the site agent
-    fetches the credential through the secrets gate because the reference travels in the
-    command's own body.
-
-    Raises:
-        BcError: ``INVALID_STATE`` (reason ``no-bmc``) when the node has no BMC.
-    """
-    given = step_input.get("bmc")
-    if given:
-        return dict(given)
-    node = workflow_node(ctx, step)
-    bmc = getattr(node, "bmc", None)
-    if not bmc:
-        raise BcError(
-            ErrorCode.INVALID_STATE,
-            f"node {node.id} has no BMC: add one to the node before {step}",
-            {"path": "bmc", "reason": "no-bmc", "nodeId": node.id},
-        )
-    return {key: value for key, value in bmc.items() if value is not None}
 
 
 def result_json(done: CommandResult) -> Any:

@@ -2,8 +2,10 @@
 ``media.eject`` and ``power.getPower`` (a read: the BMC answers, and with what power state).
 
 Each is a relaying step (``relays: ['site']``): it runs in the engine, where the node record
-is, and sends the BMC command kind of the same name to the node's site agent with the node's
-BMC (address and credential reference) added. None is destructive, so none waits for a quorum.
+is, and sends the BMC command kind of the same name to the node's site agent. The step's own
+``with.bmc`` goes as given; without one the engine adds the node's BMC (address and credential
+reference) to the command, as it does for every BMC command (``bc_engine.relay``, the one place
+that does). None is destructive, so none waits for a quorum.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..commands import (
     MEDIA_INSERT,
     POWER_SET_POWER,
 )
-from ._relay import node_bmc, relay, workflow_node
+from ._relay import relay, workflow_node
 
 __all__ = [
     "BMC_STEPS",
@@ -46,8 +48,7 @@ def _input(kind_payload: Manifest, **changes: Any) -> Manifest:
 
 def _bmc_step(kind: str, payload: Manifest, description: str) -> Step:
     async def run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
-        command = {**step_input, "bmc": node_bmc(ctx, step_input, kind)}
-        done = await relay(ctx, kind=kind, payload=command)
+        done = await relay(ctx, kind=kind, payload=step_input)  # the engine adds the node's BMC
         return {**done, **{k: v for k, v in step_input.items() if k != "bmc"}}
 
     return define_step(
@@ -93,11 +94,9 @@ async def _insert(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             sha256 = earlier["sha256"]
     if url is None:
         raise BcError(ErrorCode.INVALID_INPUT, "give url or fromStep", {"path": "url"})
-    command: dict[str, Any] = {
-        "url": url,
-        "device": step_input["device"],
-        "bmc": node_bmc(ctx, step_input, "media.insert"),
-    }
+    command: dict[str, Any] = {"url": url, "device": step_input["device"]}
+    if step_input.get("bmc") is not None:
+        command["bmc"] = step_input["bmc"]  # else the engine adds the node's
     if sha256 is not None:
         command["sha256"] = sha256
     done = await relay(ctx, kind=MEDIA_INSERT.name, payload=command)
@@ -127,7 +126,9 @@ STORE_POWER: Final = (
 
 async def _get_power(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     node = workflow_node(ctx, "power.getPower")
-    command = {"bmc": node_bmc(ctx, step_input, "power.getPower")}
+    command: dict[str, Any] = {}
+    if step_input.get("bmc") is not None:
+        command["bmc"] = step_input["bmc"]  # else the engine adds the node's
     done = await relay(ctx, kind=MANAGEMENT_INVENTORY.name, payload=command)
     answer = done["result"]
     system = answer.get("system") if isinstance(answer, dict) else None

@@ -35,7 +35,7 @@ from ..commands import (
     NETBOOT_SET_ENTRY,
     POWER_SET_POWER,
 )
-from ._relay import node_bmc, relay, workflow_node
+from ._relay import relay, workflow_node
 
 __all__ = ["RAMDISK_FIELDS", "ensure_ramdisk"]
 
@@ -61,7 +61,7 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             f"node {node.id} has no MAC address to network-boot",
             {"path": "macs", "reason": "no-macs", "nodeId": node.id},
         )
-    bmc = node_bmc(ctx, step_input, STEP_ID)
+    given = {"bmc": step_input["bmc"]} if step_input.get("bmc") is not None else {}  # else the node's
     entry = {k: step_input[k] for k in RAMDISK_FIELDS if step_input.get(k) is not None}
     if ctx.pki is None or ctx.secrets is None:
         raise BcError(
@@ -85,7 +85,7 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     boot = await relay(
         ctx,
         kind=MANAGEMENT_SET_BOOT_DEVICE.name,
-        payload={"device": "pxe", "persistent": False, "bmc": bmc},
+        payload={"device": "pxe", "persistent": False, **given},
         key="boot-device",
     )
     entries = []
@@ -98,7 +98,7 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         )
         entries.append({"mac": mac, "commandId": done["commandId"]})
     cycle = await relay(
-        ctx, kind=POWER_SET_POWER.name, payload={"action": "cycle", "bmc": bmc}, key="power-cycle"
+        ctx, kind=POWER_SET_POWER.name, payload={"action": "cycle", **given}, key="power-cycle"
     )
     return {
         "joinTokenId": token.join_token_id,
