@@ -29,6 +29,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import Profile, StepNotReady, profile_from_document
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
+from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire import engine as m
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
@@ -47,6 +48,14 @@ AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at lea
 
 OwnerReconciler = Callable[[Any, str], Awaitable[None]]
 Fence = tuple[int, str, int]  # shard, owner (this process life), epoch
+
+# Where a chaos test may SIGKILL the engine (better_compute.service.killpoints, docs/chaos.md).
+BEFORE_MARK_RUNNING = declare("engine.before-mark-running", "engine", "a step is due, not yet marked running")
+AFTER_MARK_RUNNING = declare("engine.after-mark-running", "engine", "a step is marked running, has not run")
+BEFORE_SETTLE = declare("engine.before-settle", "engine", "a step's outcome is known, not settled")
+AFTER_SETTLE = declare("engine.after-settle", "engine", "a step is settled (the next one started)")
+BEFORE_ENQUEUE = declare("engine.before-enqueue", "engine", "a step sends a command, not yet enqueued")
+AFTER_ENQUEUE = declare("engine.after-enqueue", "engine", "a command is enqueued, its step does not know")
 
 _LOST = object()
 _FINISHED = object()
@@ -121,7 +130,10 @@ class Engine:
         return secret
 
     async def cmdq_enqueue(self, cmd: EnqueueCommand) -> CommandView:
-        return await self.cmdq.enqueue(cmd)
+        kill_point(BEFORE_ENQUEUE)
+        view = await self.cmdq.enqueue(cmd)
+        kill_point(AFTER_ENQUEUE)
+        return view
 
     async def site_agent_for(self, node_id: str) -> str | None:
         site = await self.db.fetchval(store.NODE_SITE, node_id)
@@ -235,8 +247,10 @@ class Engine:
                 return await cleanup_aborted(self, wf)
             if step is None:
                 # the usual case, a first step to start, in one statement
+                kill_point(BEFORE_MARK_RUNNING)
                 row = await self.db.fetchrow(store.START_FIRST, wf.id, *fence)
                 if row is not None:
+                    kill_point(AFTER_MARK_RUNNING)
                     step = store.step_row(row)
                     await self._event(wf, "running", step)
                     continue
@@ -252,6 +266,7 @@ class Engine:
                     wait = await supersede(self, wf, step)
                     if wait is not None:
                         return wait
+                kill_point(BEFORE_MARK_RUNNING)
                 row = await self.db.fetchrow(
                     store.MARK_RUNNING,
                     wf.id, step.idx, step.attempt, step.sent_commands, list(step.minted), *fence,
@@ -259,6 +274,7 @@ class Engine:
                 if row is None:
                     wf, step = await self._reload(wf, fence), None
                     continue
+                kill_point(AFTER_MARK_RUNNING)
                 step = store.step_row(row)
                 await self._event(wf, "running", step)
             if step.state != "running" or step.deadline is None:
@@ -275,7 +291,9 @@ class Engine:
                 case Wait(at=at):
                     return float(min(at, deadline))
                 case Ok(result=result):
+                    kill_point(BEFORE_SETTLE)
                     settled = await self._settle_ok(wf, step, result, fence)
+                    kill_point(AFTER_SETTLE)
                     if settled is _LOST:
                         wf, step = await self._reload(wf, fence), None
                         continue
@@ -287,7 +305,9 @@ class Engine:
                     if step is not None:
                         await self._event(wf, "running", step)
                 case Fail(error=error):
+                    kill_point(BEFORE_SETTLE)
                     if await self._settle_failed(wf, step, error, fence):
+                        kill_point(AFTER_SETTLE)
                         await self._event(wf, "failed", step, error=error)
                         return None
                     wf, step = await self._reload(wf, fence), None

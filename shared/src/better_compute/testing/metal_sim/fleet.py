@@ -60,8 +60,14 @@ class MetalSim:
         fractions: FaultFractions | None = None,
         disks: Sequence[DiskSpec] = (DiskSpec("vda", 32 << 20),),
         boot_url: str | None = None,
+        supervise_bcd: bool = False,
     ) -> None:
         self.folder = folder
+        self.supervise_bcd = supervise_bcd
+        """Start a machine's bcd again when it dies while the machine stays on (systemd's
+        ``Restart=always`` in the ramdisk); the ledger says ``bcd.exited`` and ``bcd.restarted``."""
+        self.bcd_env: dict[str, str] = {}
+        """More environment for every bcd started from now on (``BC_KILL_AT``…)."""
         self.settings = settings
         self.site_id = site_id
         self.seed = seed
@@ -240,6 +246,7 @@ class MetalSim:
                 "BCD_SIM_LEDGER": str(m.ledger.path),
                 "BCD_SIM_FAULTS": str(m.faults_file),
                 **({"BC_NATS_URL": m.gate.url} if m.gate is not None else {}),
+                **self.bcd_env,
             },
         )
         settings = {w.partition("=")[0] for w in cmdline.split()}
@@ -257,12 +264,34 @@ class MetalSim:
         with self._lock:
             if m.generation != generation:
                 return  # powered off while it joined
-            with open(log, "ab") as out:
-                m.bcd = subprocess.Popen(
-                    [sys.executable, "-m", "bcd", "run", "--mode", "ramdisk"],
-                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                )  # fmt: skip
+            m.bcd = self._run_bcd(env, log)
             m.ledger.append("bcd.started", mode="ramdisk", pid=m.bcd.pid)
+        if self.supervise_bcd:
+            threading.Thread(target=self._supervise, args=(m, generation, env, log), daemon=True).start()
+
+    @staticmethod
+    def _run_bcd(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "bcd", "run", "--mode", "ramdisk"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+
+    def _supervise(self, m: SimMachine, generation: int, env: dict[str, str], log: Path) -> None:
+        """Restart the machine's bcd each time it dies while the machine stays on."""
+        while True:
+            with self._lock:
+                proc = m.bcd
+            if proc is None or m.generation != generation:
+                return
+            code = proc.wait()
+            time.sleep(0.2)  # systemd's RestartSec, short
+            with self._lock:
+                if m.bcd is not proc or m.generation != generation:
+                    return  # powered off (or the simulator closed): nothing to restart
+                m.ledger.append("bcd.exited", pid=proc.pid, returncode=code)
+                m.bcd = self._run_bcd(env, log)
+                m.ledger.append("bcd.restarted", mode="ramdisk", pid=m.bcd.pid)
 
     def _stop_bcd(self, m: SimMachine, why: str) -> None:
         proc, m.bcd = m.bcd, None

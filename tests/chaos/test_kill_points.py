@@ -1,0 +1,74 @@
+"""A crash at every point of a deploy (issue 14 item 5): each process SIGKILLed at a named kill
+point (better_compute.service.killpoints) while a deploy-like workflow drives a simulated
+machine, restarted by the test's supervisor, and the machine's ledger (what its BMC and disk
+saw, not what our services logged) checked: the workflow ends (succeeded, or failed with a
+reason), and no power change, media insert or wipe happened twice.
+
+The fast subset runs in ``make test``; the full sweep of every point, and nats-server and
+PostgreSQL restarted mid-rollout, only with ``make test-long``. Each prints its table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from better_compute.config import Settings
+from better_compute.testing import ServiceProcesses
+from killpoint_sweep import Case, Outcome, SweepStack, all_points, table
+
+# The N-th hit of a point lands it on a chosen command: the 3rd command is the power-on, the
+# 5th (after the wait for the join) the wipe; bcd's points are the wipe's disk write.
+FAST = [
+    Case("engine.after-enqueue@3", "engine"),
+    Case("command-queue.after-claim@3", "command-queue"),
+    Case("agent.after-claim@3", "site-agent"),
+    Case("bcd.after-disk-write", "bcd"),
+]
+
+
+def full_sweep() -> list[Case]:
+    cases = []
+    for p in all_points():
+        if p.process == "engine":
+            nth = {"engine.before-mark-running": 1, "engine.after-mark-running": 1}.get(p.name, 3)
+            cases.append(Case(f"{p.name}@{nth}", "engine"))
+        elif p.process == "command-queue":
+            cases.append(Case(f"{p.name}@3", "command-queue"))
+        elif p.process == "agent":
+            cases.append(Case(f"{p.name}@3", "site-agent"))  # the power-on
+            cases.append(Case(p.name, "bcd"))  # bcd's first command is the wipe
+        else:
+            cases.append(Case(p.name, "bcd"))
+    return cases
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def sweep(
+    request: pytest.FixtureRequest, bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[SweepStack]:
+    cases = request.param
+    stack = SweepStack(tmp_path, bc_settings, bc_processes, machines=cases + 2)
+    try:
+        await stack.start()
+        yield stack
+    finally:
+        await stack.close()
+        print("--- site agent ---", stack.agent.output()[-3000:], sep="\n")
+
+
+def _report(outcomes: list[Outcome], capsys: pytest.CaptureFixture[str], title: str) -> None:
+    with capsys.disabled():
+        print(f"\n{title}\n{table(outcomes)}")
+    problems = [f"{o.case.point} ({o.case.target}): {p}" for o in outcomes for p in o.problems]
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sweep", [len(FAST)], indirect=True)
+async def test_fast_subset_of_kill_points(sweep: SweepStack, capsys: pytest.CaptureFixture[str]) -> None:
+    outcomes = [await sweep.run(case) for case in FAST]
+    _report(outcomes, capsys, "kill points (fast subset)")
