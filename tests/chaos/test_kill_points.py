@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from better_compute.config import Settings
 from better_compute.testing import ServiceProcesses
-from killpoint_sweep import Case, Outcome, SweepStack, all_points, table
+from killpoint_sweep import Case, Round, SweepStack, all_points, table
 
 # The N-th hit of a point lands it on a chosen command: the 3rd command is the power-on, the
 # 5th (after the wait for the join) the wipe; bcd's points are the wipe's disk write.
@@ -50,8 +50,7 @@ def full_sweep() -> list[Case]:
 async def sweep(
     request: pytest.FixtureRequest, bc_settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> AsyncIterator[SweepStack]:
-    cases = request.param
-    stack = SweepStack(tmp_path, bc_settings, bc_processes, machines=cases + 2)
+    stack = SweepStack(tmp_path, bc_settings, bc_processes, machines=request.param)
     try:
         await stack.start()
         yield stack
@@ -60,15 +59,31 @@ async def sweep(
         print("--- site agent ---", stack.agent.output()[-3000:], sep="\n")
 
 
-def _report(outcomes: list[Outcome], capsys: pytest.CaptureFixture[str], title: str) -> None:
+def _report(rounds: list[Round], capsys: pytest.CaptureFixture[str], title: str) -> None:
     with capsys.disabled():
-        print(f"\n{title}\n{table(outcomes)}")
-    problems = [f"{o.case.point} ({o.case.target}): {p}" for o in outcomes for p in o.problems]
+        print(f"\n{title}\n{table(rounds)}")
+    problems = [p for r in rounds for p in r.problems()]
     assert problems == [], "\n".join(problems)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sweep", [len(FAST)], indirect=True)
-async def test_fast_subset_of_kill_points(sweep: SweepStack, capsys: pytest.CaptureFixture[str]) -> None:
-    outcomes = [await sweep.run(case) for case in FAST]
-    _report(outcomes, capsys, "kill points (fast subset)")
+async def test_a_rollout_survives_a_kill_in_each_process(
+    sweep: SweepStack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # one point armed in each process, four machines rolled out at once: each process dies once
+    rnd = await sweep.run(FAST, machines=len(FAST))
+    _report([rnd], capsys, "kill points, one per process, during one rollout of four machines")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("sweep", [len(full_sweep()) + 3], indirect=True)
+async def test_every_kill_point_one_at_a_time(sweep: SweepStack, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = full_sweep()
+    with capsys.disabled():
+        print("\nkill points:", *(f"  {p.name} ({p.process}): {p.what}" for p in all_points()), sep="\n")
+    rounds = [await sweep.run([case]) for case in cases]
+    # and the servers: nats-server, then PostgreSQL, killed and restarted while three deploy
+    rounds.append(await sweep.run_with_server_restarts(machines=3))
+    _report(rounds, capsys, "kill points, one per workflow")

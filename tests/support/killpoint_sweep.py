@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import importlib
 import json
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from better_compute.config import Settings
 from better_compute.core.errors import BcError
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient, connect
-from better_compute.service.killpoints import REGISTRY, KillPoint
+from better_compute.service.killpoints import REGISTRY, KillPoint, marker_name
 from better_compute.testing import ServiceProcess, ServiceProcesses, until
 from better_compute.testing.metal_sim import MetalSim, SimMachine
 from better_compute.testing.site_agent import SiteAgentProcess
@@ -38,7 +40,7 @@ from better_compute.wire.engine import WorkflowView
 from better_compute.wire.metal import NodeBmc
 from chaos_stack import PrivateServers
 
-__all__ = ["Case", "Outcome", "SweepStack", "all_points", "table"]
+__all__ = ["Case", "Outcome", "Round", "SweepStack", "all_points", "table"]
 
 SITE = "chaos1"
 ENV = {
@@ -53,15 +55,21 @@ SERVICES = {"engine": "bc-engine", "command-queue": "bc-command-queue"}
 ONCE = ("power.requested:On", "power.requested:Off", "media.insert:Cd", "disk.write:vda:node.wipe")
 
 
+DECLARING = (
+    "bc_engine.engine",
+    "bc_command_queue.delivery",
+    "bc_command_queue.claims",
+    "bc_command_queue.runs",
+    "better_compute.agent.runner",
+    "bcd.disks",
+)
+"""The modules that declare kill points (each on import)."""
+
+
 def all_points() -> list[KillPoint]:
     """Every declared kill point (importing the modules that declare them)."""
-    import bc_command_queue.claims
-    import bc_command_queue.delivery
-    import bc_command_queue.runs
-    import bc_engine.engine
-    import bcd.disks
-
-    import better_compute.agent.runner  # noqa: F401 - they declare their points on import
+    for module in DECLARING:
+        importlib.import_module(module)
 
     return sorted((p for p in REGISTRY.values() if p.process != "unit"), key=lambda p: p.name)
 
@@ -76,25 +84,46 @@ class Case:
 
 @dataclass
 class Outcome:
-    case: Case
-    fired: bool = False
+    """One workflow of a round: how it ended and what its machine's hardware saw."""
+
+    machine: str
     state: str = "?"
     reason: str = ""
     effects: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    restarts: int = 0
     problems: list[str] = field(default_factory=list)
 
 
-def table(outcomes: list[Outcome]) -> str:
-    """The per-point outcome table the sweep prints."""
-    rows = [("point", "process", "killed", "outcome", "at the hardware", "s")]
-    for o in outcomes:
-        effects = " ".join(f"{k.split(':', 1)[1] if ':' in k else k}={o.effects.get(k, 0)}" for k in ONCE)
-        outcome = o.state + (f" ({o.reason})" if o.reason else "")
-        rows.append((o.case.point, o.case.target, "yes" if o.fired else "NO", outcome[:60], effects,
-                     f"{o.seconds:.1f}"))  # fmt: skip
-        rows.extend(("", "", "", f"PROBLEM: {p}", "", "") for p in o.problems)
+@dataclass
+class Round:
+    """Points armed together, the workflows run meanwhile, and which points fired."""
+
+    cases: list[Case]
+    fired: dict[str, bool] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    outcomes: list[Outcome] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def problems(self) -> list[str]:
+        found = [f"{c.point} ({c.target}): never hit" for c in self.cases if not self.fired.get(c.point)]
+        where = ", ".join(c.point for c in self.cases) or "no kill point"
+        return found + [f"{where}: {o.machine}: {p}" for o in self.outcomes for p in o.problems]
+
+
+def table(rounds: list[Round]) -> str:
+    """The per-point outcome table the sweep prints: the points of each round (killed or not,
+    restarts), then each workflow of the round (outcome, counts at the hardware, seconds)."""
+    rows = [("point", "process", "killed", "outcome", "at the hardware (" + " ".join(ONCE) + ")", "s")]
+    for r in rounds:
+        for i, c in enumerate(r.cases):
+            killed = "yes" if r.fired.get(c.point) else "NO"
+            restarts = f"restarts {r.restarts}" if i == 0 and r.restarts else ""
+            rows.append((c.point, c.target, killed, restarts, "", f"{r.seconds:.1f}" if i == 0 else ""))
+        for o in r.outcomes:
+            effects = " ".join(str(o.effects.get(k, 0)) for k in ONCE)
+            outcome = o.state + (f" ({o.reason})" if o.reason else "")
+            rows.append(("", o.machine, "", outcome[:70], effects, f"{o.seconds:.1f}"))
+            rows.extend(("", "", "", f"PROBLEM: {p}", "", "") for p in o.problems)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
@@ -157,11 +186,13 @@ class SweepStack:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
+        # the emulator first: under load, its start competing with four services' took >30 s
+        await asyncio.to_thread(self.sim.start)
         for service in ("bc-pki", "bc-secrets"):
             self.procs.start(service)
         for name in SERVICES:
             self._start(name)
-        await asyncio.gather(self.procs.wait_ready(), asyncio.to_thread(self.sim.start))
+        await self.procs.wait_ready(timeout=90)
         self._nc = await connect(self.servers.nats_url, name="bc-test")
         self.api = ApiClient(self._nc, Subjects(root=self.settings.subject_root))
         token = await PkiClient(self.api).issue_join_token(
@@ -221,7 +252,7 @@ class SweepStack:
             if await old.wait_exit(15) is None:
                 old.kill()
             self._start(target)
-            await self.procs.wait_ready()
+            await self.procs.wait_ready(timeout=90)
         elif target == "site-agent":
             proc = self.agent.proc
             self.agent.env = env
@@ -296,42 +327,111 @@ class SweepStack:
         result: list[WorkflowView] = await until(views, timeout=timeout, what="the workflows finished")
         return result
 
-    async def run(self, case: Case) -> Outcome:
-        """One case: arm the point, deploy a machine, wait for the end, count at the hardware."""
-        marker_dir = self.tmp / "kill" / f"{self._next:02d}"
-        out = Outcome(case)
+    async def run(self, cases: list[Case], machines: int = 1) -> Round:
+        """Arm ``cases`` (each in its process), deploy ``machines`` machines at once, wait for
+        every workflow's end, and count at the hardware. A point that fired stays armed (its
+        marker keeps it from firing again); one that did not is disarmed."""
+        marker_dir = self.tmp / "kill" / f"{self._next:03d}"
+        rnd = Round(cases)
         before = dict(self.restarts)
-        await self.arm(case.target, {"BC_KILL_AT": case.point, "BC_KILL_MARKER_DIR": str(marker_dir)})
+        env = {"BC_KILL_MARKER_DIR": str(marker_dir)}
+        await asyncio.gather(*(self.arm(c.target, {**env, "BC_KILL_AT": c.point}) for c in cases))
         t0 = time.monotonic()
-        m, wf_id, medium = await self.deploy()
+        deployed = await asyncio.gather(*(self.deploy() for _ in range(machines)))
         try:
-            [view] = await self.finished([wf_id])
+            views: list[WorkflowView | None] = list(await self.finished([wf for _, wf, _ in deployed]))
+            stalled = ""
         except AssertionError as exc:
-            out.state, out.problems = "stalled", [str(exc).splitlines()[0]]
-            view = None
+            views, stalled = [None] * machines, str(exc).splitlines()[0]
         finally:
-            medium.close()
-        out.seconds = time.monotonic() - t0
-        await self.arm(case.target, {})
-        out.fired = any(marker_dir.glob("*.fired"))
-        out.restarts = sum(self.restarts.values()) - sum(before.values())
-        out.effects = m.ledger.counts()
-        if view is not None:
-            out.state = view.state
-            failed = next((s for s in view.steps or [] if s.state == "failed"), None)
-            if view.state == "failed":
-                error = (failed.error if failed is not None else None) or view.error or {}
-                out.reason = f"{failed.action if failed else '?'}: {error.get('message', '')}"
-                if not error:
-                    out.problems.append("failed without a reason")
+            for _, _, medium in deployed:
+                medium.close()
+        rnd.seconds = time.monotonic() - t0
+        rnd.fired = {c.point: (marker_dir / _marker(c.point)).exists() for c in cases}
+        rnd.restarts = {k: n - before.get(k, 0) for k, n in self.restarts.items() if n > before.get(k, 0)}
+        for (m, _, _), view in zip(deployed, views, strict=True):
+            rnd.outcomes.append(self._outcome(m, view, stalled))
+        await asyncio.gather(*(self.arm(c.target, {}) for c in cases if not rnd.fired[c.point]))
+        return rnd
+
+    async def run_with_server_restarts(self, machines: int = 3) -> Round:
+        """Deploy ``machines`` at once; SIGKILL nats-server and start it again once each has
+        begun, then PostgreSQL (postmaster and backends) once one waits for its join or later."""
+        rnd = Round(
+            [
+                Case("nats-server SIGKILL + start", "nats-server"),
+                Case("PostgreSQL SIGKILL + start", "postgres"),
+            ]
+        )
+        t0 = time.monotonic()
+        deployed = await asyncio.gather(*(self.deploy() for _ in range(machines)))
+        ids = [wf for _, wf, _ in deployed]
+
+        async def reached(idx: int) -> bool:
+            try:
+                views = [await EngineClient(self.need_api(), timeout=2.0).get_workflow(id=i) for i in ids]
+            except BcError:
+                return False
+            return any(isinstance(v.steps, list) and v.steps[idx].state != "pending" for v in views)
+
+        try:
+            await until(lambda: reached(1), timeout=60, what="a workflow past its first step")
+            await asyncio.to_thread(self.servers.kill_nats)
+            await asyncio.to_thread(self.servers.start_nats)
+            rnd.fired[rnd.cases[0].point] = True
+            await until(lambda: reached(3), timeout=90, what="a workflow waiting for its join")
+            await asyncio.to_thread(self.servers.kill_pg)
+            await asyncio.to_thread(self.servers.start_pg)
+            rnd.fired[rnd.cases[1].point] = True
+            views: list[WorkflowView | None] = list(await self.finished(ids, timeout=180))
+            stalled = ""
+        except AssertionError as exc:
+            views, stalled = [None] * machines, str(exc).splitlines()[0]
+        finally:
+            for _, _, medium in deployed:
+                medium.close()
+        rnd.seconds = time.monotonic() - t0
+        for (m, _, _), view in zip(deployed, views, strict=True):
+            rnd.outcomes.append(self._outcome(m, view, stalled))
+        return rnd
+
+    def _outcome(self, m: SimMachine, view: WorkflowView | None, stalled: str) -> Outcome:
+        out = Outcome(m.name, effects=m.ledger.counts())
+        if view is None:
+            out.state, out.problems = "stalled", [stalled]
+        else:
+            out.state, out.reason = view.state, _reason(view)
+            out.seconds = _seconds(view)
+            if view.state == "failed" and not out.reason:
+                out.problems.append("failed without a reason")
         judge(out, m)
         return out
 
 
+def _marker(point: str) -> str:
+    name, _, nth = point.partition("@")
+    return marker_name(name, int(nth or 1))
+
+
+def _reason(view: WorkflowView) -> str:
+    steps = view.steps if isinstance(view.steps, list) else []
+    failed = next((s for s in steps if s.state == "failed"), None)
+    if view.state != "failed":
+        return ""
+    error = (failed.error if failed is not None else None) or view.error or {}
+    return f"{failed.action if failed else 'workflow'}: {error.get('message', '')}" if error else ""
+
+
+def _seconds(view: WorkflowView) -> float:
+    if not view.created_at or not view.finished_at:
+        return 0.0
+    return (
+        datetime.fromisoformat(view.finished_at) - datetime.fromisoformat(view.created_at)
+    ).total_seconds()
+
+
 def judge(out: Outcome, m: SimMachine) -> None:
-    """What a user would notice: a point that never fired, a destructive change twice."""
-    if not out.fired:
-        out.problems.append("the kill point was never hit")
+    """What a user would notice: a destructive change twice, a success that did not wipe."""
     for key in ONCE:
         if out.effects.get(key, 0) > 1:
             out.problems.append(f"{key} happened {out.effects[key]} times at the hardware")
