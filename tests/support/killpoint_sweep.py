@@ -18,6 +18,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -182,6 +183,8 @@ class SweepStack:
         self._nc: Any = None
         self._supervisor: asyncio.Task[None] | None = None
         self._next = 0
+        self.hold_agent: Callable[[], bool] = lambda: False
+        """While true, a dead site agent stays dead (a slow restart, made deterministic)."""
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -236,8 +239,10 @@ class SweepStack:
                     sp.killed = True  # seen: wait_ready does not count it as failed
                     self.restarts[name] = self.restarts.get(name, 0) + 1
                     self._start(name)
-            if self.agent.proc is not None and self.agent.proc.poll() is not None:
-                if self.agent.proc.returncode == -signal.SIGKILL:
+            code = self.agent.proc.poll() if self.agent.proc is not None else None
+            killed = code == -signal.SIGKILL
+            if code is not None and not (killed and self.hold_agent()):
+                if killed:
                     self.restarts["site-agent"] = self.restarts.get("site-agent", 0) + 1
                 self.agent.start()
             await asyncio.sleep(0.1)
@@ -291,7 +296,7 @@ class SweepStack:
         node = new_id("node")
         creds = json.dumps(self.sim.emulator.credentials).encode()
         ref = await SecretsClient(api).put_for_node(creds, tenant_id="root", node_id=node, label="bmc")
-        engine = EngineClient(api, timeout=10.0)
+        engine = EngineClient(api, timeout=30.0)  # an engine just restarted answers late under load
         bmc = NodeBmc(driver="redfish", address=m.bmc_url, credentials_ref=ref.ref, system_id=m.uuid)
         await engine.enroll_node(site_id=SITE, id=node, macs=list(m.macs), bmc=bmc)
         token = await PkiClient(api).issue_join_token(

@@ -27,9 +27,13 @@ __all__ = ["ACCEPTED_ROLES", "JOINED_SINCE", "wait_agent_joined"]
 STEP_ID: Final = "wait.agentJoined"
 POLL_MS: Final = 2_000
 ACCEPTED_ROLES: Final = {"node": ("node", "provisioned"), "provisioned": ("provisioned",)}
-# When the step before this one finished (or the workflow began, for the first step).
+# When the step before this one started (or the workflow began, for the first step): the
+# machine may boot and join as soon as that step's command ran, long before the step is
+# settled when a process between the two died (a site agent killed after the power-on ran
+# and before it reported it: the join came first, and counting from the step's end made
+# the step wait for a join that had already happened, until its timeout).
 JOINED_SINCE: Final = (
-    "SELECT coalesce((SELECT finished_at FROM workflow_steps WHERE workflow_id = $1 AND idx = $2 - 1),"
+    "SELECT coalesce((SELECT started_at FROM workflow_steps WHERE workflow_id = $1 AND idx = $2 - 1),"
     " (SELECT created_at FROM workflows WHERE id = $1)) AS since"
 )
 
