@@ -356,6 +356,9 @@ class SweepStack:
         rnd.restarts = {k: n - before.get(k, 0) for k, n in self.restarts.items() if n > before.get(k, 0)}
         for (m, _, _), view in zip(deployed, views, strict=True):
             rnd.outcomes.append(self._outcome(m, view, stalled))
+        bcds = sum(m.ledger.count("bcd.restarted") for m, _, _ in deployed)
+        if bcds:
+            rnd.restarts["bcd"] = bcds  # the simulator restarts them (supervise_bcd)
         await asyncio.gather(*(self.arm(c.target, {}) for c in cases if not rnd.fired[c.point]))
         return rnd
 
