@@ -66,23 +66,25 @@ def _report(rounds: list[Round], capsys: pytest.CaptureFixture[str], title: str)
     assert problems == [], "\n".join(problems)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("sweep", [len(FAST) + 1], indirect=True)
 async def test_a_rollout_survives_a_kill_in_each_process(
     sweep: SweepStack, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # One point armed in each process, four machines rolled out at once: each process dies once.
-    rounds = [await sweep.run(FAST, machines=len(FAST))]
+    # Regression, first (alone, so the point's third hit is this machine's power-on): the site
+    # agent dies after running the power-on and before reporting it, and comes back only once
+    # the machine booted and its bcd joined. The join step counted only joins after the
+    # power-on step *settled*, and waited for one that had already happened (a stall until its
+    # 30-minute timeout; found by the full sweep).
+    m = sweep.sim.machine(0)
+    sweep.hold_agent = lambda: m.ledger.count("power", to="On") == 1 and m.ledger.count("bcd.started") == 0
+    rounds = [await sweep.run([Case("agent.after-run@3", "site-agent")])]
+    sweep.hold_agent = lambda: False
 
-    # Regression: the site agent dies after running a power-on and before reporting it, and
-    # comes back only once the machine booted and its bcd joined. The join step counted only
-    # joins after the power-on step *settled*, and waited for one that had already happened
-    # (a stall until its 30-minute timeout; found by the full sweep).
-    m = sweep.sim.machine(len(FAST))
-    sweep.hold_agent = lambda: m.ledger.count("bcd.started") == 0
-    rounds.append(await sweep.run([Case("agent.after-run@3", "site-agent")]))
-    _report(rounds, capsys, "kill points: one per process during a rollout of four; a join before its report")
-    assert [o.state for o in rounds[1].outcomes] == ["succeeded"]
+    # One point armed in each process, four machines rolled out at once: each process dies once.
+    rounds.append(await sweep.run(FAST, machines=len(FAST)))
+    _report(rounds, capsys, "kill points: a join before its report; one per process during a rollout")
+    assert [o.state for o in rounds[0].outcomes] == ["succeeded"]
 
 
 @pytest.mark.long

@@ -319,7 +319,7 @@ class SweepStack:
         wf = await engine.start_workflow(profile_id=pid, node_id=node)
         return m, wf.id, medium
 
-    async def finished(self, ids: list[str], timeout: float = 120.0) -> list[WorkflowView]:
+    async def finished(self, ids: list[str], timeout: float = 300.0) -> list[WorkflowView]:
         """Every workflow once all are finished; asks again while a service is still away."""
 
         async def views() -> list[WorkflowView] | None:
