@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from better_compute.service import Database
+from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Ack, AckReply
 from better_compute.wire.cmdq import TERMINAL_STATES
 
@@ -19,6 +20,11 @@ from .config import CmdqConfig
 from .delivery import Changed
 
 __all__ = ["Claims"]
+
+BEFORE_CLAIM = declare("command-queue.before-claim", "command-queue", "an agent's claim arrived, not applied")
+AFTER_CLAIM = declare(
+    "command-queue.after-claim", "command-queue", "a claim is committed, the agent has no answer"
+)
 
 
 class Claims:
@@ -44,8 +50,10 @@ class Claims:
         journal = ev.journal_id or None
         quorum = self.config.quorum.enabled
         claim = (ev.command_id, ev.agent, digest, journal, ev.signed_at_ms, quorum)
+        kill_point(BEFORE_CLAIM)
         row = await self.db.fetchrow(store.ACK, *claim)
         if row is not None:
+            kill_point(AFTER_CLAIM)
             await self.changed([row])
             return AckReply(proceed=True, state="acked")
         cur = await self.db.fetchrow(store.CLAIM_STATE, ev.command_id)

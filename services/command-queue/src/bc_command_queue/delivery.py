@@ -26,6 +26,7 @@ from nats.js import api
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import Database
+from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire import Subjects
 from better_compute.wire.agent import CommandDelivery
 from better_compute.wire.codec import encode
@@ -36,6 +37,13 @@ __all__ = ["Changed", "Deliveries", "Streams", "consumer_name"]
 
 Changed = Callable[[Sequence[Any]], Awaitable[None]]
 """Publishes the event of each changed command row (the engine wakes on it)."""
+
+BEFORE_PUBLISH = declare(
+    "command-queue.before-publish", "command-queue", "a command is dispatched in PostgreSQL, not published"
+)
+AFTER_PUBLISH = declare(
+    "command-queue.after-publish", "command-queue", "a delivery is on the site's stream, not recorded"
+)
 
 _DUPLICATE_WINDOW_S: Final = 120.0
 _STREAM_IN_USE: Final = 10058  # "stream name already in use with a different configuration"
@@ -168,6 +176,7 @@ class Deliveries:
         """Publish a delivery. ``again``: the same publication as the last recorded one (a
         no-op while the stream's duplicate window remembers it); otherwise a new one."""
         generation = max(row["publishes"] - 1, 0) if again else row["publishes"]
+        kill_point(BEFORE_PUBLISH)
         try:
             seq = await self.streams.publish(
                 site_id=row["site_id"],
@@ -179,6 +188,7 @@ class Deliveries:
         except BcError as err:
             self.log.warning("delivery_deferred", command_id=row["id"], error=err.message)
             return False
+        kill_point(AFTER_PUBLISH)
         await self.db.execute(store.PUBLISHED, row["id"], row["agent_id"], seq)
         return True
 

@@ -13,12 +13,18 @@ from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import result_document
 from better_compute.service import Database
+from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Progress, Result, ResultReply
 
 from . import store
 from .delivery import Changed
 
 __all__ = ["Runs"]
+
+BEFORE_RESULT = declare("command-queue.before-result", "command-queue", "a result arrived, not recorded")
+AFTER_RESULT = declare(
+    "command-queue.after-result", "command-queue", "a result is settled, the agent and the engine do not know"
+)
 
 
 class Runs:
@@ -45,6 +51,7 @@ class Runs:
                 await self._late_end(ev)
                 return ResultReply(recorded=False, state=cur["state"])
             attested = await self._attest(cur["node_id"], ev)
+        kill_point(BEFORE_RESULT)
         row = await self.db.fetchrow(
             store.RESULT,
             ev.command_id,
@@ -59,6 +66,7 @@ class Runs:
             cur = await self._command_of(ev)
             await self._late_end(ev)
             return ResultReply(recorded=False, state=cur["state"])
+        kill_point(AFTER_RESULT)
         self.log.info(
             "command_settled",
             command_id=ev.command_id,

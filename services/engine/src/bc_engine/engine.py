@@ -29,6 +29,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import Profile, StepNotReady, profile_from_document
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
+from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire import engine as m
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
@@ -48,6 +49,14 @@ AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at lea
 
 OwnerReconciler = Callable[[Any, str], Awaitable[None]]
 Fence = tuple[int, str, int]  # shard, owner (this process life), epoch
+
+# Where a chaos test may SIGKILL the engine (better_compute.service.killpoints, docs/chaos.md).
+BEFORE_MARK_RUNNING = declare("engine.before-mark-running", "engine", "a step is due, not yet marked running")
+AFTER_MARK_RUNNING = declare("engine.after-mark-running", "engine", "a step is marked running, has not run")
+BEFORE_SETTLE = declare("engine.before-settle", "engine", "a step's outcome is known, not settled")
+AFTER_SETTLE = declare("engine.after-settle", "engine", "a step is settled (the next one started)")
+BEFORE_ENQUEUE = declare("engine.before-enqueue", "engine", "a step sends a command, not yet enqueued")
+AFTER_ENQUEUE = declare("engine.after-enqueue", "engine", "a command is enqueued, its step does not know")
 
 _LOST = object()
 _FINISHED = object()
@@ -127,7 +136,10 @@ class Engine:
         return secret
 
     async def cmdq_enqueue(self, cmd: EnqueueCommand) -> CommandView:
-        return await self.cmdq.enqueue(cmd)
+        kill_point(BEFORE_ENQUEUE)
+        view = await self.cmdq.enqueue(cmd)
+        kill_point(AFTER_ENQUEUE)
+        return view
 
     async def site_agent_for(self, node_id: str) -> str | None:
         site = await self.db.fetchval(store.NODE_SITE, node_id)
@@ -240,8 +252,10 @@ class Engine:
                 return await cleanup_aborted(self, wf)
             if step is None:
                 # the usual case, a first step to start, in one statement
+                kill_point(BEFORE_MARK_RUNNING)
                 row = await self.db.fetchrow(store.START_FIRST, wf.id, *fence)
                 if row is not None:
+                    kill_point(AFTER_MARK_RUNNING)
                     step = store.step_row(row)
                     await self._event(wf, "running", step)
                     continue
@@ -259,6 +273,7 @@ class Engine:
                     wait = await supersede(self, wf, step)
                     if wait is not None:
                         return wait
+                kill_point(BEFORE_MARK_RUNNING)
                 row = await self.db.fetchrow(
                     store.MARK_RUNNING,
                     wf.id, step.idx, step.attempt, step.sent_commands, list(step.minted), *fence,
@@ -266,6 +281,7 @@ class Engine:
                 if row is None:
                     wf, step = await self._reload(wf, fence), None
                     continue
+                kill_point(AFTER_MARK_RUNNING)
                 step = store.step_row(row)
                 await self._event(wf, "running", step)
             if step.state != "running" or step.deadline is None:
@@ -282,7 +298,9 @@ class Engine:
                 case Wait(at=at):
                     return float(min(at, deadline))
                 case Ok(result=result) as ok:
+                    kill_point(BEFORE_SETTLE)
                     settled = await self._settle_ok(wf, step, ok.json(), fence)
+                    kill_point(AFTER_SETTLE)
                     if settled is _LOST:
                         wf, step = await self._reload(wf, fence), None
                         continue
@@ -295,14 +313,17 @@ class Engine:
                         await self._event(wf, "running", step)
                 case Fail(error=error):
                     delay = retry_delay_s(step, error)
+                    kill_point(BEFORE_SETTLE)
                     if delay is not None:
                         retry_at = await self._settle_retry(wf, step, error, delay, fence)
                         if retry_at is None:
                             wf, step = await self._reload(wf, fence), None
                             continue
+                        kill_point(AFTER_SETTLE)
                         await self._event(wf, "pending", step, error=error)
                         return retry_at
                     if await self._settle_failed(wf, step, error, fence):
+                        kill_point(AFTER_SETTLE)
                         await self._event(wf, "failed", step, error=error)
                         await self._event(wf, "failed", None)  # every end has its `finished`
                         return None

@@ -15,11 +15,19 @@ from typing import Any, Final
 
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.service.killpoints import declare, kill_point
 
 from .hardware import block_disks, boot_disks
 from .system import Machine
 
-__all__ = ["CHUNK", "MIB", "Progress", "device_size", "disk_path", "signatures", "wipe", "zero"]
+__all__ = [
+    "AFTER_DISK_WRITE", "BEFORE_DISK_WRITE", "CHUNK", "MIB", "Progress", "device_size", "disk_path",
+    "signatures", "wipe", "zero",
+]  # fmt: skip
+
+# Where a chaos test may SIGKILL bcd (a wipe's or an image write's, docs/chaos.md).
+BEFORE_DISK_WRITE = declare("bcd.before-disk-write", "bcd", "a disk write is due, the disk is untouched")
+AFTER_DISK_WRITE = declare("bcd.after-disk-write", "bcd", "the disk is written and synced, bcd has no result")
 
 MIB: Final = 1 << 20
 CHUNK: Final = 4 * MIB
@@ -180,6 +188,7 @@ def wipe(machine: Machine, *, disks: list[str] | None, mode: str = "quick") -> d
     reports = []
     for disk, path in targets:
         t0 = time.monotonic()
+        kill_point(BEFORE_DISK_WRITE)
         fd = os.open(path, os.O_RDWR)
         try:
             size = device_size(fd)
@@ -190,6 +199,7 @@ def wipe(machine: Machine, *, disks: list[str] | None, mode: str = "quick") -> d
             for start, length in regions:
                 zero(fd, start, length)
             os.fsync(fd)
+            kill_point(AFTER_DISK_WRITE)
             after = signatures(fd, size)
         finally:
             os.close(fd)

@@ -36,6 +36,10 @@ def _child(doc: dict[str, Any]) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(doc["env"])
+        from better_compute.service import killpoints
+
+        # read at import, in the server: this bcd's own BC_KILL_AT (or none) from its environment
+        killpoints.configure(os.environ.get("BC_KILL_AT"), os.environ.get("BC_KILL_MARKER_DIR"))
         import random
 
         random.seed()  # not the server's sequence

@@ -22,8 +22,9 @@ import zstandard
 
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.service.killpoints import kill_point
 
-from .disks import CHUNK, MIB, Progress, device_size, disk_path, zero
+from .disks import AFTER_DISK_WRITE, BEFORE_DISK_WRITE, CHUNK, MIB, Progress, device_size, disk_path, zero
 from .hardware import block_disks, boot_disks
 from .system import Machine
 
@@ -135,6 +136,7 @@ def image_write(
     raw = hashlib.sha256()
     head = bytearray()
     count = _Written()
+    kill_point(BEFORE_DISK_WRITE)
     fd = os.open(path, os.O_RDWR)
     try:
         size = device_size(fd)
@@ -183,6 +185,7 @@ def image_write(
         os.fsync(fd)
         os.pwrite(fd, bytes(head), 0)
         os.fsync(fd)
+        kill_point(AFTER_DISK_WRITE)
         written = raw.hexdigest()
         if progress is not None:
             progress("verifying", 99.0)

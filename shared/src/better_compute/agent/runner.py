@@ -34,6 +34,7 @@ from ..crypto import result_document, sign_bytes, sign_event
 from ..logging import get_logger
 from ..service.client import connect
 from ..service.faults import Backoff
+from ..service.killpoints import declare, kill_point
 from ..wire import Subjects, unwrap
 from ..wire.agent import (
     Ack,
@@ -68,6 +69,12 @@ command is another agent's now (it may be handed to this one later: journaled, t
 would be dropped unrun), or this delivery is not what the queue sent (a genuine one may follow).
 Every other refusal (a settled or expired command, an unknown one, another journal's claim) holds
 for the command and is journaled."""
+
+
+# Where a chaos test may SIGKILL an agent (site agent or bcd; docs/chaos.md).
+CLAIMED = declare("agent.after-claim", "agent", "the command queue took the claim, the journal has no entry")
+JOURNALED = declare("agent.after-journal", "agent", "the journal says started, the handler has not run")
+RAN = declare("agent.after-run", "agent", "the handler ran and the journal holds its result, not reported")
 
 
 class _Stopping(Exception):  # noqa: N818 - control flow, never leaves this module
@@ -495,10 +502,13 @@ class Agent:
             # agent) and comes in a new delivery, which is claimed afresh.
             await _ack(msg)
             return
+        kill_point(CLAIMED)
         # Durable before the handler runs: from here on, this command never runs again.
         if not await journal.started(delivery.id, kind=delivery.kind, not_after=not_after):
             return
+        kill_point(JOURNALED)
         await self._execute(delivery, msg, log)
+        kill_point(RAN)
         if await self._report_entry(delivery.id):
             await _ack(msg)
 

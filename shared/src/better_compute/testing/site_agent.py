@@ -27,6 +27,8 @@ class SiteAgentProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """More environment for the process (``BC_KILL_AT``…), from its next start."""
 
     @property
     def state_dir(self) -> Path:
@@ -79,7 +81,7 @@ class SiteAgentProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "BC_LOG_JSON": "1"},
+                env={**os.environ, "BC_LOG_JSON": "1", **self.env},
             )
 
     def signal(self, sig: int) -> None:

@@ -30,10 +30,12 @@ STEP_ID: Final = "wait.agentJoined"
 POLL_MS: Final = 2_000
 ACCEPTED_ROLES: Final = {"node": ("node", "provisioned"), "provisioned": ("provisioned",)}
 # When the attempt of the step before this one started (or the workflow began, for the first
-# step): that step is what boots the machine (a power cycle, the ramdisk), and a fast machine
-# joins before the engine has settled it, so its finish would come after the very join it waits
-# for (seen on the metal simulator: the ramdisk joined 40 ms before metal.ensureRamdisk settled,
-# and wait.agentJoined then waited for a join that had happened).
+# step): that step is what boots the machine (a power cycle, the ramdisk), and the machine may
+# join as soon as that step's command ran, before the engine has settled the step. Seen twice:
+# on the metal simulator a fast ramdisk joined 40 ms before metal.ensureRamdisk settled, and in
+# the kill-point sweep a site agent killed after running the power-on and before reporting it
+# let the join come first; counting from the step's end made the step wait for a join that had
+# already happened, until its timeout.
 JOINED_SINCE: Final = (
     "SELECT coalesce((SELECT started_at FROM workflow_steps WHERE workflow_id = $1 AND idx = $2 - 1),"
     " (SELECT created_at FROM workflows WHERE id = $1)) AS since"

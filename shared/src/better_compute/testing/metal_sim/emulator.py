@@ -51,7 +51,8 @@ class FleetEmulator(_Proc):
         self._spawn(
             [sys.executable, "-m", "better_compute.testing.metal_sim.emulator_main", "--config", str(config)]
         )
-        _wait_http(self.url + "/redfish/v1/", self.proc, self.output, timeout=90.0)  # a loaded machine
+        # a condition, not a sleep: on a loaded 2-core machine its start took over 30 s
+        _wait_http(self.url + "/redfish/v1/", self.proc, self.output, timeout=90.0)
         return self
 
     def read_system(self, system_id: str) -> dict[str, Any] | None:

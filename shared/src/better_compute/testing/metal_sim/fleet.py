@@ -68,8 +68,14 @@ class MetalSim:
         disks: Sequence[DiskSpec] = (DiskSpec("vda", 32 << 20),),
         boot_url: str | None = None,
         fork_server: bool = True,
+        supervise_bcd: bool = False,
     ) -> None:
         self.folder = folder
+        self.supervise_bcd = supervise_bcd
+        """Start a machine's bcd again when it dies while the machine stays on (systemd's
+        ``Restart=always`` in the ramdisk); the ledger says ``bcd.exited`` and ``bcd.restarted``."""
+        self.bcd_env: dict[str, str] = {}
+        """More environment for every bcd started from now on (``BC_KILL_AT``…)."""
         self.settings = settings
         self.site_id = site_id
         self.seed = seed
@@ -301,6 +307,7 @@ class MetalSim:
                 "BCD_SIM_LEDGER": str(m.ledger.path),
                 "BCD_SIM_FAULTS": str(m.faults_file),
                 **({"BC_NATS_URL": m.gate.url} if m.gate is not None else {}),
+                **self.bcd_env,
             },
         )
 
@@ -363,6 +370,26 @@ class MetalSim:
             m.ledger.append("bcd.join-failed", returncode=returncode)
             return
         self._run_bcd(m, generation, env, log, ["run", "--mode", "ramdisk"], mode="ramdisk")
+        if self.supervise_bcd:
+            threading.Thread(target=self._supervise, args=(m, generation, env, log), daemon=True).start()
+
+    def _supervise(self, m: SimMachine, generation: int, env: dict[str, str], log: Path) -> None:
+        """Restart the machine's ramdisk bcd each time it dies while the machine stays on."""
+        while True:
+            with self._lock:
+                proc = m.bcd
+            if proc is None or m.generation != generation:
+                return
+            code = proc.wait()
+            time.sleep(0.2)  # systemd's RestartSec, short
+            with self._lock:
+                if m.bcd is not proc or m.generation != generation:
+                    return  # powered off (or the simulator closed): nothing to restart
+                m.ledger.append("bcd.exited", pid=proc.pid, returncode=code)
+            self._run_bcd(m, generation, env, log, ["run", "--mode", "ramdisk"], mode="ramdisk")
+            with self._lock:
+                if m.bcd is not None and m.bcd is not proc:
+                    m.ledger.append("bcd.restarted", mode="ramdisk", pid=m.bcd.pid)
 
     def _stop_bcd(self, m: SimMachine, why: str) -> None:
         proc, m.bcd = m.bcd, None
