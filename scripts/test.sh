@@ -14,7 +14,7 @@ set +e
 # Two workers (pytest-xdist), a test file per worker at a time (module fixtures stay whole):
 # most tests wait on service processes, so two cores run two files side by side. Each worker
 # brings its own embedded nats-server and PostgreSQL. BC_TEST_WORKERS=0 runs in one process.
-"${UV[@]}" run --frozen pytest -n "${BC_TEST_WORKERS:-2}" --dist loadfile "$@"
+"${UV[@]}" run --frozen pytest -n "${BC_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
