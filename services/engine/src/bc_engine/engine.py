@@ -8,7 +8,9 @@ under the same idempotency key. Agent steps enqueue their command through the
 command-queue (find-before-create by key) and wait for its settle event.
 
 The statements are in ``store``, the step runners in ``runners``, the quorum batch in ``quorum``,
-the clean-up of earlier attempts and aborts in ``attempts``.
+the clean-up of earlier attempts and aborts in ``attempts``, retry policies in ``retries``. What is
+left (over 400 lines) is one state machine, the pass with its mark-running, settles, retries and
+events, kept in one file so its crash-safety argument reads top to bottom.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""The bc-secrets service process: sealed values, and the gate agents fetch them through."""
+"""The bc-secrets service process: sealed values, and the gate agents fetch them through.
+
+Over 400 lines on purpose: every path that turns a sealed value into plaintext (an operator's
+``get``, an agent's ``fetch`` with its signature check, live-command check and audit) is in this
+one file, so a security review reads them side by side; the SQL is in ``store``.
+"""
 
 from __future__ import annotations
 
