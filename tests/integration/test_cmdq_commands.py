@@ -217,10 +217,14 @@ async def test_an_agent_runs_commands_and_every_state_change_is_an_event(stack: 
         id=(await cq.enqueue(stack.command(kind="media.eject", payload={}))).id, timeout=20
     )
     assert (failed.state, failed.reason) == ("rejected", "no virtual media on this BMC")
+
+    def rejected_seen() -> bool:  # cq.wait read the row; its event may still be on the way
+        return [e.state for e in events if e.id == failed.id][-1:] == ["rejected"]
+
+    await until(rejected_seen, timeout=10, what="the rejected command's event")
     await sub.unsubscribe()
     seen = [e.state for e in events if e.id == ok.id]
     assert seen == ["dispatched", "acked", "running", "succeeded"]
-    assert [e.state for e in events if e.id == failed.id][-1] == "rejected"
 
 
 async def test_a_failing_handler_fails_the_command_with_its_reason(stack: Stack) -> None:
