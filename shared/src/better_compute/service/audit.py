@@ -20,6 +20,7 @@ from ..wire.audit import ACTOR_HEADER, MAX_ACTOR, AuditEntry
 __all__ = [
     "AUDIT_INSERT",
     "AUDIT_LIST",
+    "AUDIT_TABLE",
     "SERVICE_ACTOR_PREFIX",
     "actor_of",
     "audit_detail",
@@ -28,6 +29,22 @@ __all__ = [
 ]
 
 SERVICE_ACTOR_PREFIX: Final = "service:"
+
+# One definition for every service: the skeleton writes and reads the table, so the skeleton
+# creates it in each service's schema (``apply_migrations``), beside schema_migrations.
+AUDIT_TABLE: Final = """
+CREATE TABLE IF NOT EXISTS "{schema}".audit (
+    id       bigserial PRIMARY KEY,
+    at       timestamptz NOT NULL DEFAULT now(),
+    actor    text,
+    action   text NOT NULL,
+    target   text,
+    detail   json NOT NULL DEFAULT '{{}}',
+    instance text
+);
+CREATE INDEX IF NOT EXISTS audit_at ON "{schema}".audit (at);
+CREATE INDEX IF NOT EXISTS audit_actor ON "{schema}".audit (actor, id);
+"""
 
 AUDIT_INSERT: Final = (
     "INSERT INTO audit (actor, action, target, detail, instance) VALUES ($1, $2, $3, $4::text::json, $5)"

@@ -19,6 +19,7 @@ from typing import Any
 import asyncpg
 
 from ..core.errors import BcError, ErrorCode
+from .audit import AUDIT_TABLE
 from .faults import describe, is_transient
 
 __all__ = ["Database", "Migration", "apply_migrations", "load_migrations"]
@@ -66,6 +67,7 @@ async def apply_migrations(conn: Any, schema: str, migrations: list[Migration]) 
             " version text NOT NULL, started_at timestamptz NOT NULL,"
             " last_seen timestamptz NOT NULL)"
         )
+        await conn.execute(AUDIT_TABLE.format(schema=schema))
         done = {r["version"] for r in await conn.fetch(f'SELECT version FROM "{schema}".schema_migrations')}
         for mig in migrations:
             if mig.version in done:
