@@ -22,6 +22,7 @@ from better_compute.provision import (
     render_template,
     step_not_ready,
 )
+from better_compute.testing.metal_sim.app import AUTOINSTALL_STEPS
 
 AUTOINSTALL_TEMPLATE = (
     "#cloud-config\nautoinstall:\n  version: 1\n  identity:\n    hostname: {{hostname}}\n"
@@ -84,14 +85,7 @@ ubuntu_autoinstall = define_profile(
     version=1,
     target="metal",
     role="host",
-    steps=[
-        {"use": "autoinstall.renderIso"},
-        {"use": "media.insert", "on": "site", "with": {"fromStep": "autoinstall.renderIso"}},
-        {"use": "management.setBootDevice", "on": "site", "with": {"device": "cd"}},
-        {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
-        {"use": "wait.agentJoined", "with": {"role": "node"}},
-        {"use": "media.eject", "on": "site"},
-    ],
+    steps=AUTOINSTALL_STEPS,
 )
 talos = define_profile(
     id="talos", version=1, target="metal", role="host", steps=[{"use": "wait.talosReady", "on": "site"}]

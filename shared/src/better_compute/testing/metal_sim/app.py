@@ -80,19 +80,22 @@ render_autoinstall_iso = define_step(
     run=_render_iso,
 )
 
+# The reference page's ``ubuntu-24.04-autoinstall`` steps, as written there (snake_case aside).
+AUTOINSTALL_STEPS: Final[list[dict[str, Any]]] = [
+    {"use": "autoinstall.renderIso"},
+    {"use": "media.insert", "on": "site", "with": {"fromStep": "autoinstall.renderIso"}},
+    {"use": "management.setBootDevice", "on": "site", "with": {"device": "cd"}},
+    {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
+    {"use": "wait.agentJoined", "with": {"role": "node"}},
+    {"use": "media.eject", "on": "site"},
+]
+
 ubuntu_autoinstall = define_profile(
     id="ubuntu-24.04-autoinstall",
     version=1,
     target="metal",
     role="host",
-    steps=[
-        {"use": "autoinstall.renderIso"},
-        {"use": "media.insert", "on": "site", "with": {"fromStep": "autoinstall.renderIso"}},
-        {"use": "management.setBootDevice", "on": "site", "with": {"device": "cd"}},
-        {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
-        {"use": "wait.agentJoined", "with": {"role": "node"}},
-        {"use": "media.eject", "on": "site"},
-    ],
+    steps=AUTOINSTALL_STEPS,
     host_config=HOST_CONFIG,
 )
 
