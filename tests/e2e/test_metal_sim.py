@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import http.server
 import json
 import os
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.metal_sim import Faults, MetalSim, SiteDriver, TcpGate
+from better_compute.testing.metal_sim.stack import MediaServer
 from better_compute.testing.site_agent import SiteAgentProcess
 
 pytestmark = pytest.mark.e2e
@@ -117,10 +116,11 @@ async def test_a_network_booted_machine_joins_and_reports_its_own_inventory(flee
 
     # An image write, counted at the disk too; the disk then holds the image.
     image = os.urandom(3 << 20)
-    served = _Served(image)
+    served = MediaServer()
+    image_url = served.add("image.raw", image)
     try:
         written = await fleet.drive.node_command(node, "node.imageWrite", {
-            "url": served.url, "sha256": hashlib.sha256(image).hexdigest(), "format": "raw",
+            "url": image_url, "sha256": hashlib.sha256(image).hexdigest(), "format": "raw",
             "disk": "/dev/vda",
         }, "image")  # fmt: skip
     finally:
@@ -176,9 +176,12 @@ async def test_knobs_a_machine_that_never_boots_behind_a_bmc_that_500s_then_reco
 async def test_knobs_a_media_boot_through_slow_power_a_flaky_link_and_a_site_cut_off(fleet: Fleet) -> None:
     m, node = fleet.sim.machine(2), new_id("node")
     assert m.gate is not None
-    medium = _Served((await fleet.drive.boot_cmdline(m, node)).encode())  # the ISO's boot command line
+    medium = MediaServer()  # the ISO: its first bytes are its boot command line
+    medium_url = medium.add(
+        "ramdisk.iso", (await fleet.drive.boot_cmdline(m, node)).encode()
+    )  # its boot line
     try:
-        await fleet.drive.media_boot(m, node, medium.url)
+        await fleet.drive.media_boot(m, node, medium_url)
     finally:
         medium.close()
     await until(lambda: _connected(fleet.cq, agent_id=node), timeout=30)
@@ -200,26 +203,3 @@ async def test_knobs_a_media_boot_through_slow_power_a_flaky_link_and_a_site_cut
     assert fleet.agent_link.cuts == 1
     assert m.ledger.count("power", to="Off") == 1
     await until(lambda: m.ledger.count("bcd.stopped", reason="power-off") == 1)
-
-
-class _Served:
-    """A one-file HTTP server (a virtual medium's content, an image)."""
-
-    def __init__(self, body: bytes) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ramdisk.iso"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()

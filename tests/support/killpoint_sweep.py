@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.server
 import importlib
 import json
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from better_compute.service import ApiClient, connect
 from better_compute.service.killpoints import REGISTRY, KillPoint, marker_name
 from better_compute.testing import ServiceProcess, ServiceProcesses, until
 from better_compute.testing.metal_sim import MetalSim, SimMachine
+from better_compute.testing.metal_sim.stack import MediaServer
 from better_compute.testing.site_agent import SiteAgentProcess
 from better_compute.testing.workflows import FINISHED
 from better_compute.wire import Subjects
@@ -127,30 +126,6 @@ def table(rounds: list[Round]) -> str:
             rows.extend(("", "", "", f"PROBLEM: {p}", "", "") for p in o.problems)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
-
-
-class _Served:
-    """One file over HTTP (the virtual medium whose first bytes are its boot command line)."""
-
-    def __init__(self, body: bytes) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ramdisk.iso"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class SweepStack:
@@ -288,7 +263,7 @@ class SweepStack:
 
     # -- one deploy-like workflow ------------------------------------------------------
 
-    async def deploy(self) -> tuple[SimMachine, str, _Served]:
+    async def deploy(self) -> tuple[SimMachine, str, MediaServer]:
         """Enroll the next machine as a node and start the workflow; (machine, workflow, medium)."""
         api = self.need_api()
         m = self.sim.machine(self._next)
@@ -303,10 +278,13 @@ class SweepStack:
             tenant_id="root", role="provisioned", site_id=SITE, ttl_seconds=900, node_id=node,
             expect={"productUuid": m.uuid},
         )  # fmt: skip
-        medium = _Served(f"bcd.token={token.token} bcd.control_plane=nats://gw.invalid:4222".encode())
+        medium = MediaServer()
+        medium_url = medium.add(
+            "ramdisk.iso", f"bcd.token={token.token} bcd.control_plane=nats://gw.invalid:4222".encode()
+        )
         pid = f"chaos-deploy-{m.index}"
         steps: list[dict[str, Any]] = [
-            {"use": "media.insert", "on": "site", "with": {"url": medium.url, "device": "cd"}},
+            {"use": "media.insert", "on": "site", "with": {"url": medium_url, "device": "cd"}},
             {"use": "management.setBootDevice", "on": "site", "with": {"device": "cd"}},
             {"use": "power.setPower", "on": "site", "with": {"action": "on"}},
             {"use": "wait.agentJoined"},

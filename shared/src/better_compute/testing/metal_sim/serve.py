@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import functools
-import http.server
 import json
 import os
 import signal
@@ -31,6 +29,7 @@ from typing import Any
 
 from ...config import load_settings
 from .fleet import MetalSim
+from .stack import MediaServer
 
 __all__ = ["main"]
 
@@ -55,24 +54,6 @@ def power_on_network(sim: MetalSim, index: int) -> None:
     system = f"/redfish/v1/Systems/{m.uuid}"
     _redfish(sim, "PATCH", system, {"Boot": {"BootSourceOverrideTarget": "Pxe"}})
     _redfish(sim, "POST", f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "On"})
-
-
-def _media_server(folder: Path, url: str) -> http.server.ThreadingHTTPServer:
-    """``folder`` over HTTP at ``url``'s port on loopback: where the simulated BMC fetches the
-    autoinstall ISOs the fleet app's engine writes (``BC_SIM_MEDIA_DIR``/``BC_SIM_MEDIA_URL``)."""
-    folder.mkdir(parents=True, exist_ok=True)
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-    port = urllib.parse.urlsplit(url).port or 80
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", port), functools.partial(Quiet, directory=str(folder))
-    )
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="metal-sim-media", daemon=True).start()
-    return server
 
 
 def describe(sim: MetalSim, credentials_file: str) -> dict[str, Any]:
@@ -125,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     sim.emulator.username = str(creds["username"])
     sim.emulator.password = str(creds["password"])
-    media: http.server.ThreadingHTTPServer | None = None
+    media: MediaServer | None = None
     try:
-        if args.media_dir is not None and args.media_url:
-            media = _media_server(args.media_dir, args.media_url)
+        if args.media_dir is not None and args.media_url:  # at the port the engine was told
+            media = MediaServer(args.media_dir, port=urllib.parse.urlsplit(args.media_url).port or 80)
         sim.start()
         for index in args.power_on:
             power_on_network(sim, index)
@@ -145,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print("metal-sim: closing", flush=True)
         sim.close()
         if media is not None:
-            media.shutdown()
-            media.server_close()
+            media.close()
         (args.folder / MACHINES_FILE).unlink(missing_ok=True)
     return 0
 

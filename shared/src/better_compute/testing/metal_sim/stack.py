@@ -15,6 +15,8 @@ import contextlib
 import functools
 import http.server
 import json
+import shutil
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -46,9 +48,13 @@ FAST_ENV = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SWEEP": "100ms", "BC_CMDQ_RED
 
 
 class MediaServer:
-    """Serves a folder over HTTP on loopback: the autoinstall ISOs the BMC inserts."""
+    """Serves a folder over HTTP on loopback: the autoinstall ISOs the BMC inserts, or a file a
+    test puts there with ``add`` (a medium, an image). Without a folder, a temporary one that
+    ``close`` removes; ``port`` 0 picks a free port."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path | None = None, *, port: int = 0) -> None:
+        self._own = folder is None
+        folder = Path(tempfile.mkdtemp(prefix="bc-media-")) if folder is None else folder
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
 
@@ -57,14 +63,21 @@ class MediaServer:
                 pass
 
         handler = functools.partial(Quiet, directory=str(folder))
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, name="fleet-media", daemon=True).start()
 
+    def add(self, name: str, body: bytes) -> str:
+        """Serve ``body`` as ``name``; its URL."""
+        (self.folder / name).write_bytes(body)
+        return f"{self.url}/{name}"
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        if self._own:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclass
