@@ -21,7 +21,7 @@ from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx
 from better_compute.testing.approvers import approver_keys, write_approvers
-from better_compute.wire import Subjects
+from better_compute.wire import Subjects, unwrap
 
 SITE = "lab-audit"
 SECRET = b"hunter2-never-in-the-audit"
@@ -97,6 +97,17 @@ async def test_bcx_audit_shows_who_did_what_to_which_thing(
     # secrets: a value stored by bob; and one request that says nobody
     stored = await SecretsClient(bob_api).put_for_node(SECRET, tenant_id="root", node_id=node.id)
     await EngineClient(ApiClient(bc_nats, bc_subjects)).label_node(id=node.id, set={"rack": "r1"})
+    # a request as nats-server delivers it from the operators' account (deploy/nats: OPS imports
+    # the API with share: true, and the server writes Nats-Request-Info, tests/integration/
+    # test_deploy_nats.py): the user it names is who asked, whatever Bc-Actor claims
+    stamped = {"Nats-Request-Info": '{"acc":"OPS","user":"dave","kind":"Client"}', "Bc-Actor": "mallory"}
+    reply = await bc_nats.request(
+        bc_subjects.api("engine", "nodes", "label"),
+        json.dumps({"id": node.id, "set": {"rack": "r2"}}).encode(),
+        headers=stamped,
+        timeout=10,
+    )
+    unwrap(reply.data)  # answered, not refused
 
     code, out, err = await bcx(bc_settings, "audit", "--json", env=alice)
     assert code == 0, err
@@ -116,8 +127,12 @@ async def test_bcx_audit_shows_who_did_what_to_which_thing(
         ("carol@sec", "bc-command-queue", "batches.approve", batch.id),
         ("bob@lab", "bc-secrets", "secrets.put", stored.ref),
         (None, "bc-engine", "nodes.label", node.id),
+        ("dave", "bc-engine", "nodes.label", node.id),
     ]
     assert got == expected[::-1]  # newest first
+    # only the server's word is proven; the claim it overrode is kept beside it
+    assert [e["verified"] for e in doc["entries"]] == [True] + [False] * (len(expected) - 1)
+    assert doc["entries"][0]["detail"]["claimedActor"] == "mallory"
     by_action = {e["action"]: e for e in doc["entries"]}
     assert by_action["batches.approve"]["detail"]["approverId"] == "carol"
     assert by_action["tokens.revoke"]["detail"]["reason"] == "lost"

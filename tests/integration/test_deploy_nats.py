@@ -35,9 +35,11 @@ from nats.js import api
 from better_compute.config import EventsSettings
 from better_compute.logging import get_logger
 from better_compute.runtime.embedded import free_port, nats_server_binary, wait_port
+from better_compute.service.audit import requester
 from better_compute.service.events import ensure_events_stream
 from better_compute.testing import bcx, until
 from better_compute.wire import Subjects
+from better_compute.wire.subjects import OPERATOR_INBOX_PREFIX
 
 T = TypeVar("T")
 
@@ -45,9 +47,10 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats"
 SUBJECTS = Subjects()  # the configs are written for the default root, "bc"
 EU1 = SUBJECTS.site_stream("eu1")
 PASSWORD_VARS = [
-    "ROUTE", "SYS", "ENGINE", "COMMAND_QUEUE", "PKI", "SECRETS", "BCX", "LEAF_EU1",
+    "ROUTE", "SYS", "ENGINE", "COMMAND_QUEUE", "PKI", "SECRETS", "BCX", "ALICE", "LEAF_EU1",
     "SITE_AGENT", "NODE",
 ]  # fmt: skip
+OPERATORS = ("bcx", "alice")  # the users of account OPS
 WAIT = 15.0  # upper bound for anything the cluster has to settle
 
 
@@ -116,6 +119,8 @@ class Stack:
             connect_timeout=2,
             reconnect_time_wait=0.2,
             max_reconnect_attempts=-1,
+            # the operators' account (OPS) hears only on the inbox prefix it imports, as bcx does
+            inbox_prefix=OPERATOR_INBOX_PREFIX if user in OPERATORS else "_INBOX",
         )
         self.clients.append(nc)
         return nc
@@ -489,3 +494,45 @@ async def test_the_event_feed_works_under_the_deployed_permissions(stack: Stack)
         ("workflow", "wf_1"),
     ]
     assert not any(stack.errors.values()), stack.errors
+
+
+async def test_an_operator_is_named_by_the_server_not_by_what_they_say(stack: Stack) -> None:
+    """An operator's request reaches the services through the OPS account's shared import, so
+    nats-server names its user in Nats-Request-Info, over whatever header the sender wrote:
+    the audit's "who" is the credential's identity, not a claim."""
+    engine = await stack.connect("engine")
+    seen: list[dict[str, str]] = []
+
+    async def respond(msg: Msg) -> None:
+        seen.append(dict(msg.headers or {}))
+        await msg.respond(b"{}")
+
+    await engine.subscribe("bc.api.engine.>", queue="engine", cb=respond)
+    await engine.flush()
+    alice = await stack.connect("alice")
+    forged = {
+        "Nats-Request-Info": json.dumps({"acc": "BC", "user": "engine"}),
+        "Bc-Actor": "service:bc-engine",
+    }
+    await eventually(
+        "alice reaches the engine",
+        lambda: alice.request("bc.api.engine.workflows.abort", b"{}", headers=forged, timeout=1),
+    )
+    who = requester(seen[-1])
+    assert (who.actor, who.verified, who.claimed, who.is_service) == (
+        "alice",
+        True,
+        "service:bc-engine",
+        False,
+    )
+    assert json.loads(seen[-1]["Nats-Request-Info"])["acc"] == "OPS"
+
+    # the services' own replies stay in BC: an operator cannot listen on BC's _INBOX.>
+    await alice.subscribe("_INBOX.>")
+    await alice.flush()
+    await eventually("the refusal", lambda: _refused(stack, "alice", "_INBOX.>"))
+
+
+async def _refused(stack: Stack, user: str, subject: str) -> bool | None:
+    said = [e.lower() for e in stack.errors[user]]
+    return True if any(subject.lower() in e and "permissions violation" in e for e in said) else None

@@ -16,6 +16,7 @@ from bc_engine.service import EngineService
 from better_compute.clients import EngineClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import until
 from better_compute.testing.workflows import wait_workflow
@@ -402,3 +403,33 @@ async def test_a_nodes_json_columns_are_shown_as_stored(
     )
     listed = await engine_api.list_nodes(site_id="eu8")
     assert [n.last_error for n in listed.nodes] == ["disk full"]
+
+
+async def test_a_start_sent_again_with_its_id_returns_the_workflow_it_made(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    """A caller whose answer never came (the engine died after its commit) asks again with the
+    same id: the first start's workflow comes back, and nothing runs twice."""
+    engine_api = EngineClient(bc_api)
+    await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "again"}}], id="t-again")
+    node = await engine_api.create_node(site_id="eu1")
+    wf_id = new_id("wf")
+    first = await engine_api.start_workflow(profile_id="t-again", node_id=node.id, id=wf_id)
+    again = await engine_api.start_workflow(profile_id="t-again", node_id=node.id, id=wf_id)
+    assert (first.id, again.id, again.state) == (wf_id, wf_id, "running")
+    both = await asyncio.gather(
+        *(engine_api.start_workflow(profile_id="test-chain", id=same) for same in [new_id("wf")] * 2)
+    )
+    assert both[0].id == both[1].id  # two at once with one id: one workflow
+    listed = await engine_api.list_workflows(profile_id="test-chain")
+    assert [w.id for w in listed.workflows].count(both[0].id) == 1
+    assert [w.id for w in (await engine_api.list_workflows(node_id=node.id)).workflows] == [wf_id]
+
+    with pytest.raises(BcError) as e:  # the id of another start: not this one's to take
+        await engine_api.start_workflow(profile_id="test-chain", node_id=node.id, id=wf_id)
+    assert (e.value.code, e.value.path, e.value.reason) == (ErrorCode.CONFLICT, "id", "id-taken")
+    with pytest.raises(BcError) as e:
+        await engine_api.start_workflow(profile_id="t-again", id="wf_1")
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "id")
+    await flag(db, "again")
+    await wait_workflow(bc_api, wf_id)

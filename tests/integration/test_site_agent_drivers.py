@@ -89,6 +89,15 @@ async def test_redfish_power_boot_media_inventory_converge_at_the_bmc(
         got = await driver.media_eject(device="cd", deadline=time.time() + 30)
         assert got["inserted"] is False
 
+        # each POST action went out on a connection of its own (sushy sends "Connection: close"):
+        # on a keep-alive one the BMC closed while idle, a POST that never left would look like
+        # one whose answer was lost, and would not be repeated
+        taken = [line.split() for line in proxy.requests()]
+        actions = [i for i, (method, *_rest) in enumerate(taken) if method == "POST"]
+        assert len(actions) == 4  # the two Resets, InsertMedia, EjectMedia
+        for i in actions:
+            assert all(earlier[2] != taken[i][2] for earlier in taken[:i]), (taken[i], taken[:i])
+
         inv = await driver.inventory(deadline=time.time() + 30)
         assert inv["system"]["uuid"] == SYSTEM_UUID
         assert sorted(n["mac"] for n in inv["nics"]) == sorted(SYSTEM_MACS)
@@ -239,7 +248,8 @@ async def test_an_action_whose_answer_was_lost_is_not_sent_twice(
         proxy.set(mode="lose-answer", left=1, methods=["POST"])
         err = await driver_error(redfish(proxy.url, emulator).set_power("cycle", deadline=time.time() + 30))
         assert "POST ComputerSystem.Reset" in err.details["reason"], err.details
-        assert len([b for b in proxy.bodies() if "ComputerSystem.Reset" in b]) == 1
+        resets = [b for b in proxy.bodies() if "ComputerSystem.Reset" in b]
+        assert len(resets) == 1, (err.details, proxy.requests()[-6:])
 
         proxy.set(mode="lose-answer", left=1, methods=["PATCH"])
         driver = redfish(proxy.url, emulator)

@@ -37,13 +37,15 @@ class PrivateServers:
         self.nats.stop()
 
     def start_nats(self) -> None:
-        assert self.nats.start() == self.nats_url
+        url = self.nats.start()
+        assert url == self.nats_url, f"nats-server came back on {url}, not {self.nats_url}"
 
     def stop_pg(self) -> None:
         self.pg.stop()
 
     def start_pg(self) -> None:
-        assert self.pg.start() == self.database_url
+        url = self.pg.start()
+        assert url == self.database_url, f"PostgreSQL came back on {url}, not {self.database_url}"
 
     def kill_nats(self) -> None:
         pid = self.nats.running_pid()

@@ -325,7 +325,7 @@ class SweepStack:
             views: list[WorkflowView | None] = list(await self.finished([wf for _, wf, _ in deployed]))
             stalled = ""
         except AssertionError as exc:
-            views, stalled = [None] * machines, str(exc).splitlines()[0]
+            views, stalled = [None] * machines, (str(exc).splitlines() or [repr(exc)])[0]
         finally:
             for _, _, medium in deployed:
                 medium.close()
@@ -372,7 +372,7 @@ class SweepStack:
             views: list[WorkflowView | None] = list(await self.finished(ids, timeout=180))
             stalled = ""
         except AssertionError as exc:
-            views, stalled = [None] * machines, str(exc).splitlines()[0]
+            views, stalled = [None] * machines, (str(exc).splitlines() or [repr(exc)])[0]
         finally:
             for _, _, medium in deployed:
                 medium.close()

@@ -82,11 +82,41 @@ async def test_the_engine_client_sends_what_the_dicts_sent_and_returns_structs()
     assert wf.profile == WorkflowProfile(tenant_id="builtin", id="p", version=1)
     assert wf.steps == []
     await engine.abort_workflow(id="wf_1", reason="no")
+    sent_id = api.sent[0][2].pop("id")
+    assert sent_id.startswith("wf_")  # chosen by the client, so a retry can say it again
     assert api.sent[0] == (
         "engine", "workflows.start",
         {"tenantId": "root", "profileId": "p", "profileVersion": None, "nodeId": "node_1", "owner": "me"},
     )  # fmt: skip
     assert api.sent[1][2] == {"id": "wf_1", "reason": "no"}
+
+
+class LosingApi(FakeApi):
+    """The first ``lose`` calls get no answer (TIMEOUT), as when the engine dies mid-reply."""
+
+    def __init__(self, replies: dict[str, Any], lose: int) -> None:
+        super().__init__(replies)
+        self.lose = lose
+
+    async def call_as(self, service: str, route: str, payload: Any, typ: type[Any], **kw: Any) -> Any:
+        got = await super().call_as(service, route, payload, typ, **kw)
+        if self.lose:
+            self.lose -= 1
+            raise BcError(ErrorCode.TIMEOUT, f"{route} did not answer")
+        return got
+
+
+async def test_a_start_whose_answer_is_lost_is_asked_again_with_the_same_id() -> None:
+    api = LosingApi({"workflows.start": {**WORKFLOW, "steps": []}}, lose=2)
+    wf = await EngineClient(api).start_workflow(profile_id="p")  # type: ignore[arg-type]
+    assert wf.id == "wf_1"
+    assert len(api.sent) == 3
+    assert len({sent["id"] for _, _, sent in api.sent}) == 1
+    api = LosingApi({"workflows.start": {**WORKFLOW, "steps": []}}, lose=3)
+    with pytest.raises(BcError) as e:  # three tries, then the caller hears of it
+        await EngineClient(api).start_workflow(profile_id="p", id="wf_01M8S3TDWXXK9J7GZ70BD5587P")  # type: ignore[arg-type]
+    assert e.value.code is ErrorCode.TIMEOUT
+    assert [sent["id"] for _, _, sent in api.sent] == ["wf_01M8S3TDWXXK9J7GZ70BD5587P"] * 3
 
 
 def test_workflow_events_decode_once_into_their_union() -> None:

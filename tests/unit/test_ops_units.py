@@ -9,7 +9,7 @@ import pytest
 
 from better_compute.cli.ops_commands import describe_event, parse_since
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.service.audit import actor_of, audit_detail, audit_target
+from better_compute.service.audit import actor_of, audit_detail, audit_target, requester
 from better_compute.wire.cmdq import BatchEvent, CommandEvent
 from better_compute.wire.engine import StepChange, StepChanged
 from better_compute.wire.events import FEED_KINDS, decode_feed_event
@@ -54,6 +54,29 @@ def test_the_actor_is_a_cleaned_bounded_claim() -> None:
     assert actor_of({}) is None
     assert actor_of({"Bc-Actor": "  alice@ops\x1b[31m "}) == "alice@ops[31m"
     assert actor_of({"Bc-Actor": "x" * 500}) == "x" * 128
+
+
+def test_the_requester_is_the_user_the_server_named_else_a_claim() -> None:
+    info = '{"acc":"OPS","user":"alice","rtt":3000,"kind":"Client"}'
+    who = requester({"Nats-Request-Info": info, "Bc-Actor": "service:bc-engine"})
+    # the server's word wins, the claim is kept beside it, and it is never a service's own
+    assert (who.actor, who.verified, who.claimed, who.is_service) == (
+        "alice",
+        True,
+        "service:bc-engine",
+        False,
+    )
+    who = requester({"Nats-Request-Info": info, "Bc-Actor": "alice"})
+    assert (who.actor, who.verified, who.claimed) == ("alice", True, None)
+    # through an import without share (a site): the account only, so the claim, still recorded
+    who = requester({"Nats-Request-Info": '{"acc":"SITE_EU1","rtt":1}', "Bc-Actor": "service:bc-pki"})
+    assert (who.actor, who.verified, who.is_service) == ("service:bc-pki", False, False)
+    # inside the services' account: the claim, and a service's own request is one
+    who = requester({"Bc-Actor": "service:bc-engine"})
+    assert (who.actor, who.verified, who.is_service) == ("service:bc-engine", False, True)
+    assert requester(None) == requester({})
+    assert requester({"Nats-Request-Info": "not json", "Bc-Actor": "bob"}).actor == "bob"
+    assert audit_detail({"nodeId": "n"}, ("nodeId",), claimed="bob") == {"claimedActor": "bob", "nodeId": "n"}
 
 
 def test_the_detail_keeps_only_whitelisted_fields_and_the_target_is_an_id() -> None:

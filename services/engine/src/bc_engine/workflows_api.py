@@ -7,6 +7,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
+import asyncpg
+
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
@@ -50,12 +52,55 @@ class WorkflowsApi:
         body = req.decode(m.StartWorkflow)
         if body.node_id is not None:
             parse_id(body.node_id, "node", path="nodeId")
+        if body.id is not None:
+            parse_id(body.id, "wf", path="id")
+            again = await self._started_before(body)
+            if again is not None:
+                return again
+        try:
+            return await self._start(body)
+        except asyncpg.UniqueViolationError:
+            # the same start, sent twice at once: the other one made it
+            again = await self._started_before(body)
+            if again is None:
+                raise
+            return again
+        except BcError as err:
+            if body.id is None or err.details.get("workflowId") != body.id:
+                raise
+            again = await self._started_before(body)  # node-busy with this very workflow
+            if again is None:
+                raise
+            return again
+
+    async def _started_before(self, body: m.StartWorkflow) -> m.WorkflowView | None:
+        """The workflow an earlier start with ``body.id`` made; CONFLICT when it was another
+        start (other profile, node or tenant) that took the id."""
+        assert body.id is not None
+        if await self.db.fetchrow(store.WORKFLOW, body.id) is None:
+            return None
+        view = await self._get(body.id)
+        same = (view.tenant_id, view.profile.id, view.node_id) == (
+            body.tenant_id,
+            body.profile_id,
+            body.node_id,
+        )
+        if not same or body.profile_version not in (None, view.profile.version):
+            raise BcError(
+                ErrorCode.CONFLICT,
+                f"workflow {body.id} exists, started with other fields",
+                {"path": "id", "reason": "id-taken", "workflowId": body.id},
+            )
+        return view
+
+    async def _start(self, body: m.StartWorkflow) -> m.WorkflowView:
         start: dict[str, Any] = {
             "tenant_id": body.tenant_id,
             "profile_id": body.profile_id,
             "profile_version": body.profile_version,
             "node_id": body.node_id,
             "owner": body.owner,
+            "workflow_id": body.id,
         }
         async with self.db.pool.acquire() as conn:
             found = await self.profiles.find(

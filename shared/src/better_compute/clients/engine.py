@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from ..core.errors import BcError, ErrorCode
+from ..core.ids import new_id
 from ..wire.engine import (
     SERVICE,
     CreateNode,
@@ -76,6 +78,9 @@ from ._base import ServiceClient
 __all__ = ["EngineClient"]
 
 WorkflowState = Literal["running", "succeeded", "failed", "aborted"]
+
+START_TRIES = 3
+"""How often ``start_workflow`` asks when no answer comes (each waits the client's timeout)."""
 
 
 class EngineClient(ServiceClient):
@@ -217,15 +222,27 @@ class EngineClient(ServiceClient):
         node_id: str | None = None,
         owner: str | None = None,
         tenant_id: str = "root",
+        id: str | None = None,
     ) -> WorkflowView:
+        """Start a workflow with id ``id`` (a new one when not given). An answer that does not
+        come (``TIMEOUT``: the engine may have died after its commit) is asked again with the
+        same id, which the engine answers with the workflow the first start made: a start is
+        never lost and never made twice."""
         req = StartWorkflow(
+            id=id or new_id("wf"),
             tenant_id=tenant_id,
             profile_id=profile_id,
             profile_version=profile_version,
             node_id=node_id,
             owner=owner,
         )
-        return await self._call("workflows.start", req, WorkflowView)
+        for tries_left in reversed(range(START_TRIES)):
+            try:
+                return await self._call("workflows.start", req, WorkflowView)
+            except BcError as err:
+                if err.code is not ErrorCode.TIMEOUT or not tries_left:
+                    raise
+        raise AssertionError("unreachable")
 
     async def get_workflow(self, *, id: str, steps_cursor: str | None = None) -> WorkflowView:
         """The workflow with the steps that fit in one reply (from ``steps_cursor`` on);

@@ -55,6 +55,26 @@ def port_free(port: int) -> bool:
         return True
 
 
+PORT_WAIT = 10.0
+"""How long a restarted server waits for its old port before it takes another."""
+
+
+def _port_frees(port: int, *, within: float) -> bool:
+    """Whether ``port`` is free, or becomes free ``within`` seconds.
+
+    A server restarted after a crash wants its old port: every client reconnects to that
+    address. For a moment it may be held by a client's own reconnect: on loopback, a connect
+    to a port in the ephemeral range where nothing listens can pick that very port as its
+    source and connect to itself (seen in the chaos sweep), until the client gives up on an
+    answer. Such a socket goes within the client's connect timeout."""
+    end = time.monotonic() + within
+    while not port_free(port):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def spawn_detached(argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> int:
     """Start a process in its own session that outlives us; returns its pid.
 
@@ -225,7 +245,7 @@ class EmbeddedNats:
         if self.running_pid() is not None:
             return self.url
         port = meta.get("port")
-        if not isinstance(port, int) or not port_free(port):
+        if not isinstance(port, int) or not _port_frees(port, within=PORT_WAIT):
             port = free_port()
         conf = self.dir / "nats.conf"
         sync = "\n  sync_interval: always" if self.sync_always else ""

@@ -432,8 +432,9 @@ class Service:
     async def _record_action(self, route: str, request: ApiRequest, result: Any) -> None:
         """Record an operator action that succeeded. A failure to record is logged, not
         answered: the change is made, and the caller must learn that it was."""
-        actor = audit.actor_of(request.headers)
-        if self.db is None or (actor or "").startswith(audit.SERVICE_ACTOR_PREFIX):
+        who = audit.requester(request.headers)
+        actor = who.actor
+        if self.db is None or who.is_service:
             return
         try:
             # the handler took the request, so it is JSON within bounds; a route that reads no
@@ -447,8 +448,9 @@ class Service:
                 actor,
                 route,
                 audit.audit_target(body, audit.builtins(result)),
-                encode(audit.audit_detail(body, self.audit_routes[route])).decode(),
+                encode(audit.audit_detail(body, self.audit_routes[route], claimed=who.claimed)).decode(),
                 self.instance,
+                who.verified,
             )
         except Exception as exc:
             self.log.error("audit_write_failed", route=route, actor=actor, error=describe(exc))

@@ -182,7 +182,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             lose = ctl.get("left", 0) > 0 and self.command in ctl.get("methods", [self.command])
             mode = "lose-answer" if lose else "forward"
         with lock, open(request_log, "a") as fh:
-            fh.write(f"{self.command} {self.path} {mode}\n")
+            # the client's port names its connection: which requests shared one keep-alive socket
+            fh.write(f"{self.command} {self.path} conn={self.client_address[1]} {mode}\n")
         if mode == "error" or mode == "lose-answer":
             if ctl.get("mode") in ("error-count", "lose-answer"):
                 ctl["left"] -= 1
@@ -208,9 +209,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             time.sleep(ctl.get("seconds", 30))
         conn = http.client.HTTPConnection(upstream_host, upstream_port, timeout=30)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-        conn.request(self.command, self.path, body=body or None, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()
+        try:
+            conn.request(self.command, self.path, body=body or None, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        except Exception as exc:  # the BMC itself failed: say so in the log, answer nothing
+            with lock, open(request_log, "a") as fh:
+                fh.write(f"{self.command} {self.path} conn={self.client_address[1]} upstream-{type(exc).__name__}\n")
+            self.close_connection = True
+            return
         if body:  # what reached the BMC and was answered: a request lost on the way is not counted
             with lock, open(request_log + ".bodies", "a") as fh:
                 fh.write(f"{self.command} {self.path} {body.decode(errors='replace')}\n")
@@ -282,6 +289,7 @@ class FaultyProxy(_Proc):
         return log.read_text().splitlines() if log.exists() else []
 
     def requests(self) -> list[str]:
+        """``METHOD path conn=<client port> mode`` of every request the proxy took, in order."""
         return self.requests_log.read_text().splitlines() if self.requests_log.exists() else []
 
 

@@ -1,8 +1,8 @@
 """The audit contract every service with a store serves: ``bc.api.<service>.audit.list``.
 
-An audit entry is one operator action that changed state (docs/audit.md): who asked (the
-requester's claimed identity, the ``Bc-Actor`` header), when, the route, its target and a short,
-whitelisted detail (never a secret value).
+An audit entry is one operator action that changed state (docs/audit.md): who asked (the NATS
+user the server named, or the requester's claimed identity, the ``Bc-Actor`` header), when, the
+route, its target and a short, whitelisted detail (never a secret value).
 """
 
 from __future__ import annotations
@@ -37,11 +37,15 @@ class AuditEntry(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     at: float
     service: str
     actor: str | None
-    """Who asked, as the request said; None when it did not say (an SDK client without one)."""
+    """Who asked: the NATS user when ``verified``, else what the request said (its
+    ``Bc-Actor`` header); None when it did not say (an SDK client without one)."""
     action: str
     """The route: ``workflows.abort``, ``tokens.issue``, ``batches.approve``, …"""
     target: str | None
     detail: dict[str, Any] = msgspec.field(default_factory=dict)
+    verified: bool = False
+    """``actor`` is the NATS user nats-server named for the request (an operator's own user in
+    the deployed OPS account), not a claim."""
 
 
 class AuditList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

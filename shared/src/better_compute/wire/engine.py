@@ -195,6 +195,13 @@ class ProfileRef(_Req, frozen=True, kw_only=True):
 
 
 class StartWorkflow(_Req, frozen=True, kw_only=True):
+    """``id``: the workflow's id, chosen by the caller (``new_id("wf")``). A start sent again
+    with the same id (a retry after an answer that never came: the engine may have died between
+    its commit and its reply) returns the workflow the first one made, and starts nothing;
+    with other fields than the first, it is ``CONFLICT``. Without an id the engine picks one,
+    and a retry would start a second workflow."""
+
+    id: str | None = None
     tenant_id: str = "root"
     profile_id: str
     profile_version: Version | None = None

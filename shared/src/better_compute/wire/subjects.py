@@ -10,7 +10,12 @@ import re
 
 import msgspec
 
-__all__ = ["SERVICE_NAMES", "Subjects", "valid_token"]
+__all__ = ["OPERATOR_INBOX_PREFIX", "SERVICE_NAMES", "Subjects", "valid_token"]
+
+OPERATOR_INBOX_PREFIX = "_INBOX_OPS"
+"""bcx's inbox prefix: its replies and its JetStream consumers' deliveries come on
+``_INBOX_OPS.>``, the one inbox prefix the services' account exports to the operators' account
+(deploy/nats/accounts.conf); its own ``_INBOX.>`` carries the services' replies, never exported."""
 
 SERVICE_NAMES = {
     "engine": "bc-engine",

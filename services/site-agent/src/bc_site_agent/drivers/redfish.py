@@ -349,6 +349,9 @@ def _enum_value(value: Any) -> str:
 def _never_sent(exc: BaseException) -> bool:
     """Whether a connection error happened before the request left: refused, the name not
     resolved, the connect timing out. A connection lost or a read timing out afterwards is not.
+    This holds because sushy's session sends ``Connection: close``: every request opens its own
+    connection, so none is written to a keep-alive socket the BMC closed while it sat idle (which
+    would fail like a lost answer); tests/integration/test_site_agent_drivers.py checks it.
     (sushy raises its ConnectionError inside the ``except`` of the requests error, which
     requests raised from urllib3's: the chain holds the cause.)"""
     seen: set[int] = set()
