@@ -187,6 +187,9 @@ def save_config(config: BcxConfig) -> None:
             if value is not None:
                 lines.append(f"{key} = {_toml_str(value)}")
         lines.append("")
+    if config.path.exists() and not config.path.is_file():
+        # BCX_CONFIG=/dev/null reads as no contexts; replacing it would replace /dev/null
+        raise _bad(config.path, "", "is not a regular file: bcx does not write it")
     config.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = config.path.with_name(config.path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
