@@ -12,7 +12,7 @@ import yaml
 
 from better_compute.cli import contexts
 from better_compute.cli.completion import script, walk
-from better_compute.cli.hints import HintContext, hint_for
+from better_compute.cli.hints import HintContext, hint_for, site_of
 from better_compute.cli.main import build_parser, main, resolve_output, settings_for
 from better_compute.cli.output import json_line, use_format
 from better_compute.config import Settings, env_var, setting_paths
@@ -228,6 +228,8 @@ def test_errors_in_yaml_carry_the_hint(capsys: pytest.CaptureFixture[str], two: 
          HintContext(command=("nodes", "create")), "fix label; bcx nodes create --help"),
         (BcError("INVALID_CONFIG", "bad", {"path": "contexts.eu-1.nats_url", "file": "/h/config.toml"}),
          HintContext(), "fix contexts.eu-1.nats_url in /h/config.toml"),
+        (BcError("TIMEOUT", "bc.api.engine.nodes.list did not answer within 10.0s", {}),
+         HintContext(command=("nodes", "list")), "bcx status shows what answers"),
         (BcError("CONFLICT", "exists", {}), HintContext(command=("nodes", "create")), None),
     ],
 )  # fmt: skip
@@ -272,3 +274,11 @@ def test_bash_completes_commands_subcommands_flags_and_choices() -> None:
     assert _complete_in_bash(completion, "-o", "y") == ["yaml"]
     assert _complete_in_bash(completion, "completion", "") == ["bash", "fish", "zsh"]
     assert set(_complete_in_bash(completion, "")) == set(walk(build_parser()).words["bcx"])
+
+
+def test_a_selector_site_is_the_hint_site() -> None:
+    assert site_of(None, "site=lab1,rack=r12") == "lab1"
+    assert site_of(None, "rack=r12, site = lab2") == "lab2"
+    assert site_of("lab3", "site=lab1") == "lab3"
+    assert site_of(None, "rack=r12") is None
+    assert site_of(None, "campsite=x") is None

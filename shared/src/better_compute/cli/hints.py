@@ -15,7 +15,18 @@ from typing import Final
 
 from ..core.errors import BcError, ErrorCode
 
-__all__ = ["HintContext", "hint_for"]
+__all__ = ["HintContext", "hint_for", "site_of"]
+
+_SELECTOR_SITE = re.compile(r"(?:^|,)\s*site\s*=\s*([A-Za-z0-9_.-]+)")
+
+
+def site_of(site: object, selector: object) -> str | None:
+    """The site a command names: its ``--site``, else the ``site=`` term of its ``--selector``."""
+    if isinstance(site, str) and site:
+        return site
+    if isinstance(selector, str) and (m := _SELECTOR_SITE.search(selector)):
+        return m.group(1)
+    return None
 
 
 @dataclass(frozen=True)
@@ -31,7 +42,8 @@ class HintContext:
     creds: str | None = None
     """The credentials file in force (its path)."""
     site: str | None = None
-    """The command's ``--site``, carried into a ``nodes list`` hint."""
+    """The command's site (``--site``, or ``site=`` of ``--selector``), carried into a
+    ``nodes list`` hint."""
 
 
 # What a NOT_FOUND message names → the list that shows what exists, most specific first.
@@ -100,6 +112,8 @@ def _unavailable(err: BcError, ctx: HintContext) -> str | None:
         return f"is NATS up there? check {_nats_source(ctx)}"
     if err.path == "nats_url":
         return "bcx dev up, or bcx context use NAME (bcx context list)"
+    if err.code is ErrorCode.TIMEOUT and "did not answer" in err.message:
+        return "bcx status shows what answers"
     return None
 
 

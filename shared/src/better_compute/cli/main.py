@@ -35,7 +35,7 @@ from . import (
     workflow_commands,
 )
 from .common import connect_bus
-from .hints import HintContext, hint_for
+from .hints import HintContext, hint_for, site_of
 from .output import FORMATS, iso, print_error, print_json, print_table, use_format
 
 __all__ = ["main"]
@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     resolve_output(args)
-    hint = HintContext(command=command_words(args), site=getattr(args, "site", None))
+    site = site_of(getattr(args, "site", None), getattr(args, "selector", None))
+    hint = HintContext(command=command_words(args), site=site)
     try:
         selection = contexts.select(args.context)
         args.selection = selection
