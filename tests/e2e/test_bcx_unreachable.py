@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from better_compute.runtime.embedded import EmbeddedNats, pid_alive, stop_pid
+from better_compute.runtime.embedded import (
+    EmbeddedNats,
+    free_port,
+    nats_server_binary,
+    pid_alive,
+    stop_pid,
+    wait_port,
+)
 from better_compute.testing import BcxRun, run_bcx
 
 SECRET = "hunter2-pw"
@@ -102,3 +110,38 @@ def test_dev_up_restarts_a_dead_nats_even_with_its_own_urls_exported(tmp_path: P
         assert [s["service"] for s in json.loads(status.stdout)["services"]] == ["bc-pki"]
     finally:
         bcx("dev", "down", env=env)
+
+
+def test_refused_credentials_are_unauthenticated_and_the_hint_names_the_context(tmp_path: Path) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port), "--user", "bcx", "--pass", SECRET],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_port(port, timeout=10, pid=server.pid)
+        config = tmp_path / "bcx.toml"
+        env = {"BCX_CONFIG": str(config)}
+        wrong = f"nats://bcx:not-{SECRET}@127.0.0.1:{port}"
+        assert bcx("context", "add", "lab", "--nats-url", wrong, env=env).returncode == 0
+        out = bcx("status", env=env, timeout=30)
+        assert out.returncode == 1
+        assert out.stderr == (
+            f"error: UNAUTHENTICATED: NATS at nats://127.0.0.1:{port} refused this connection's credentials"
+            " (hint: check the credentials of context lab (it has none): bcx context show lab)\n"
+        )
+        assert SECRET not in out.stderr + out.stdout
+        right = f"nats://bcx:{SECRET}@127.0.0.1:{port}"
+        ok = bcx("status", "--json", "--nats-url", right, env=env)  # the flag wins over the context
+        assert "error" not in json.loads(ok.stdout), ok.stdout
+        assert len(json.loads(ok.stdout)["missing"]) == 4  # connected: only no services run there
+        # a credentials file that is not there: its path and the setting, before any connection
+        gone = tmp_path / "gone.creds"
+        out = bcx("status", "--json", "--creds", str(gone), env=env)
+        err = json.loads(out.stdout)["error"]
+        assert (err["code"], err["details"]["path"], err["details"]["file"]) == (
+            "INVALID_CONFIG", "nats_creds", str(gone),
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

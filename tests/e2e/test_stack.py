@@ -47,6 +47,16 @@ async def test_bcx_status_shows_the_four_services(
     assert lines[0].split()[:3] == ["SERVICE", "INSTANCE", "VERSION"]
     assert sum(line.startswith("bc-engine ") for line in lines) == 2
 
+    # bcx version: the client's, and each service's as its instances report it
+    out = run_bcx(None, "version", "--json", env=settings_env(bc_settings))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["client"]["version"] == "0.1.0"
+    versions = {s["service"]: s["versions"] for s in doc["services"]}
+    assert sorted(versions) == sorted(SERVICES)
+    assert all(list(v) == ["0.1.0"] for v in versions.values())
+    assert len(versions["bc-engine"]["0.1.0"]) == 2
+
     # each service applied its own migrations into its own schema
     conn = await asyncpg.connect(bc_settings.database_url)
     try:
@@ -59,6 +69,20 @@ async def test_bcx_status_shows_the_four_services(
     finally:
         await conn.close()
     assert {"engine", "cmdq", "pki", "secrets"} <= schemas
+
+
+async def test_bcx_version_shows_a_service_that_does_not_answer(
+    bc_processes: ServiceProcesses, bc_settings: Settings
+) -> None:
+    bc_processes.start("bc-pki")
+    await bc_processes.wait_ready()
+    out = run_bcx(None, "version", env=settings_env(bc_settings))
+    assert out.returncode == 1, out.stderr  # like bcx status: a known service has no instance
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[1:]}
+    assert rows["bcx"][:2] == ["(client)", "0.1.0"]
+    assert rows["bc-pki"][:2] == ["0.1.0", "1"]
+    for name in ("bc-engine", "bc-command-queue", "bc-secrets"):
+        assert rows[name] == ["-", "not", "answering"], out.stdout
 
 
 async def test_sigterm_stops_each_service_cleanly_within_5s(

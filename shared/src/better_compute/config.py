@@ -184,6 +184,7 @@ class Settings(_Section, frozen=True, kw_only=True):
     """
 
     nats_url: str | None = None
+    nats_creds: str | None = None
     database_url: str | None = None
     subject_root: str = "bc"
     app: str = DEFAULT_APP
@@ -321,10 +322,13 @@ def parse_settings(data: dict[str, Any]) -> Settings:
     return settings
 
 
-def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
-    """Settings from ``config_file`` (or ``$BC_CONFIG``, or ``./bc.toml`` when present),
-    the environment, and ``overrides`` (top-level settings; ``None`` values are ignored)."""
-    data: dict[str, Any] = {}
+def load_settings(
+    config_file: str | Path | None = None, *, defaults: dict[str, Any] | None = None, **overrides: Any
+) -> Settings:
+    """Settings from ``defaults`` (top-level settings under everything else: bcx's current
+    context), ``config_file`` (or ``$BC_CONFIG``, or ``./bc.toml`` when present), the environment,
+    and ``overrides`` (top-level settings); ``None`` values are ignored."""
+    data: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if v is not None}
     path = config_file or os.environ.get("BC_CONFIG")
     if path is None and Path("bc.toml").is_file():
         path = "bc.toml"

@@ -27,7 +27,7 @@ from ..crypto import sign_batch
 from ..service.client import ApiClient
 from ..wire.cmdq import AgentView, BatchView, CommandView
 from ..wire.paging import MAX_LIMIT
-from .common import api_client
+from .common import add_tenant_flag, api_client
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .pki_commands import parse_seconds
@@ -424,7 +424,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", action="append", required=True, help="a destructive kind (repeat)")
     p.add_argument("--node", action="append", required=True, help="a node id (repeat)")
     p.add_argument("--ttl", type=parse_seconds, default=24 * 3600, help="lifetime (90m, 24h, 7d)")
-    p.add_argument("--tenant", default="root")
+    add_tenant_flag(p)
     p.add_argument("--workflow", help="the workflow the batch is for")
     p.add_argument("--note", help="why, for the approvers")
     p.add_argument("--idempotency-key", help="asking again with it returns the same batch")

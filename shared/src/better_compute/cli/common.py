@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import getpass
 import json
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.aio.client import Client as Nats
 
 from ..clients import EngineClient
 from ..config import Settings
@@ -21,7 +23,17 @@ from ..runtime.urls import resolve_nats_url
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
 
-__all__ = ["actor", "api_client", "as_rows", "engine_client", "parse_labels", "read_document", "short"]
+__all__ = [
+    "actor",
+    "add_tenant_flag",
+    "api_client",
+    "as_rows",
+    "connect_bus",
+    "engine_client",
+    "parse_labels",
+    "read_document",
+    "short",
+]
 
 
 def actor() -> str:
@@ -37,10 +49,17 @@ def actor() -> str:
     return f"{login}@{socket.gethostname()}"
 
 
+async def connect_bus(settings: Settings) -> Nats:
+    """bcx's NATS connection to the deployment of ``settings`` (its URL and credentials file)."""
+    return await connect(
+        resolve_nats_url(settings), name="bcx", allow_reconnect=False, creds=settings.nats_creds
+    )
+
+
 @asynccontextmanager
 async def api_client(settings: Settings) -> AsyncIterator[ApiClient]:
     """An ``ApiClient`` on the deployment's NATS, closed on exit."""
-    nc = await connect(resolve_nats_url(settings), name="bcx", allow_reconnect=False)
+    nc = await connect_bus(settings)
     try:
         yield ApiClient(nc, Subjects(root=settings.subject_root), actor=actor())
     finally:
@@ -52,6 +71,15 @@ async def engine_client(settings: Settings) -> AsyncIterator[EngineClient]:
     """An ``EngineClient`` on the deployment's NATS, closed on exit."""
     async with api_client(settings) as api:
         yield EngineClient(api)
+
+
+TENANT_HELP = "tenant (default: $BC_TENANT, the context's, else root)"
+
+
+def add_tenant_flag(parser: argparse.ArgumentParser, help: str = TENANT_HELP) -> None:
+    """``--tenant``, whose default main fills in: ``$BC_TENANT``, the context's tenant, else root."""
+    parser.add_argument("--tenant", help=help)
+    parser.set_defaults(context_tenant=True)
 
 
 def as_rows(items: list[Any]) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from typing import Any
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..wire.engine import NodeView
-from .common import as_rows, engine_client, parse_labels, read_document, short
+from .common import add_tenant_flag, as_rows, engine_client, parse_labels, read_document, short
 from .output import print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 
@@ -206,7 +206,7 @@ async def profiles_render(args: argparse.Namespace, settings: Settings) -> int:
 def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     """The engine's command groups; returns ``bcx nodes``'s subcommands (metal adds to them)."""
     tenant = argparse.ArgumentParser(add_help=False)
-    tenant.add_argument("--tenant", default="root", help="tenant (default root)")
+    add_tenant_flag(tenant)
 
     nodes = sub.add_parser("nodes", help="nodes the engine knows").add_subparsers(
         dest="nodes_command", required=True, metavar="COMMAND"

@@ -19,7 +19,7 @@ from ..core.errors import BcError, ErrorCode
 from ..metal.lifecycle import parse_bmc_url
 from ..wire.codec import convert
 from ..wire.metal import EnrollmentRuleBmc, EnrollmentRuleView
-from .common import api_client, engine_client, parse_labels
+from .common import add_tenant_flag, api_client, engine_client, parse_labels
 from .metal_commands import read_credentials
 from .output import print_json, print_table
 
@@ -152,7 +152,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="label expression over the facts: "
         "'inventory.vendor=\"Dell Inc.\" and inventory.memory_gib>=512'",
     )
-    p.add_argument("--tenant", default="root", help="the tenant whose discovered nodes it enrolls")
+    add_tenant_flag(
+        p, "the tenant whose discovered nodes it enrolls (default: $BC_TENANT, the context's, else root)"
+    )
     p.add_argument("--site", help="only nodes discovered at this site (default any)")
     p.add_argument("--label", action="append", help="key=value given to the node, repeatable")
     p.add_argument("--priority", type=int, default=100, help="lower is tried first (default 100)")

@@ -11,7 +11,7 @@ from typing import Any, cast
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..wire.images import ImageFormat, ImageView
-from .common import as_rows, engine_client
+from .common import add_tenant_flag, as_rows, engine_client
 from .output import print_json, print_table
 from .paging import add_paging, collect, print_more
 
@@ -159,7 +159,7 @@ async def images_delete(args: argparse.Namespace, settings: Settings) -> int:
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     tenant = argparse.ArgumentParser(add_help=False)
-    tenant.add_argument("--tenant", default="root", help="tenant (default root)")
+    add_tenant_flag(tenant)
     images = sub.add_parser("images", help="the image catalog").add_subparsers(
         dest="images_command", required=True, metavar="COMMAND"
     )

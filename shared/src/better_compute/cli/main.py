@@ -9,15 +9,19 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+from .. import __version__
 from ..config import Settings, load_settings
 from ..core.errors import BcError, ErrorCode
+from ..logging import safe_url
 from ..runtime.dev import SERVICES, DevStack
-from ..runtime.urls import resolve_nats_url
 from ..service.client import connect, discover
 from . import (
+    completion,
+    contexts,
     engine_commands,
     enrollment_commands,
     images_commands,
@@ -30,7 +34,9 @@ from . import (
     why_commands,
     workflow_commands,
 )
-from .output import iso, print_error, print_json, print_table
+from .common import connect_bus
+from .hints import HintContext, hint_for, site_of
+from .output import FORMATS, iso, print_error, print_json, print_table, use_format
 
 __all__ = ["main"]
 
@@ -56,7 +62,7 @@ def _uptime(started: str | None) -> str:
 
 async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     """Running services and instances, found over NATS ($SRV.STATS)."""
-    nc = await connect(resolve_nats_url(settings), name="bcx", allow_reconnect=False)
+    nc = await connect_bus(settings)
     try:
         found = await discover(nc, root=settings.subject_root, wait=args.wait)
     finally:
@@ -94,6 +100,53 @@ async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def cmd_version(args: argparse.Namespace, settings: Settings) -> int:
+    """bcx's version, and each service's as its instances report it (``$SRV.STATS``); a known
+    service with no instance answering is shown as such. The client's version is printed even
+    when NATS cannot be reached."""
+    client = {"component": "bcx", "version": __version__, "python": sys.version.split()[0]}
+    services: list[dict[str, Any]] = []
+    problem: BcError | None = None
+    try:
+        nc = await connect_bus(settings)
+        try:
+            found = await discover(nc, root=settings.subject_root, wait=args.wait)
+        finally:
+            await nc.close()
+    except BcError as err:
+        found, problem = [], err
+    by_service: dict[str, dict[str, list[str]]] = {}
+    for d in found:
+        instance = str((d.get("metadata") or {}).get("instance") or d.get("id"))
+        versions = by_service.setdefault(str(d.get("name")), {})
+        versions.setdefault(str(d.get("version") or "?"), []).append(instance)
+    for name in [*SERVICES, *sorted(set(by_service) - set(SERVICES))]:
+        versions = by_service.get(name, {})
+        services.append({"service": name, "answering": bool(versions), "versions": versions})
+    missing = [s["service"] for s in services if not s["answering"]]
+    if args.json:
+        print_json({
+            "client": client,
+            "context": args.selection.name,
+            "natsUrl": safe_url(settings.nats_url) if settings.nats_url else None,
+            "services": services,
+            "error": None if problem is None else {"code": problem.code.value, "message": problem.message},
+        })  # fmt: skip
+    else:
+        rows: list[dict[str, Any]] = [{"component": "bcx (client)", "version": __version__, "instances": "-"}]
+        for svc in services:
+            if not svc["answering"]:
+                state = "unknown: NATS unreachable" if problem else "not answering"
+                rows.append({"component": svc["service"], "version": "-", "instances": state})
+            for version, instances in svc["versions"].items():
+                rows.append({"component": svc["service"], "version": version,
+                             "instances": f"{len(instances)} ({', '.join(sorted(instances))})"})  # fmt: skip
+        print_table(rows, [("component", "COMPONENT"), ("version", "VERSION"), ("instances", "INSTANCES")])
+    if problem is not None:
+        raise problem
+    return 1 if missing else 0
+
+
 async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
     say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
     stack = DevStack(settings, say=say)
@@ -101,7 +154,7 @@ async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
     urls = stack.up(services=services, instances=args.instances)
     # Wait until every started service answers, so `bcx status` right after shows them.
     want = {s: args.instances for s in services}
-    nc = await connect(urls["nats"], name="bcx", allow_reconnect=False)
+    nc = await connect(urls["nats"], name="bcx", allow_reconnect=False, creds=settings.nats_creds)
     try:
         deadline = time.monotonic() + args.timeout
         while True:
@@ -175,9 +228,20 @@ def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     """The flags every bcx command takes, wherever they stand on the line. Only the top parser
     sets their defaults: a subcommand's copy that is not given leaves what came before."""
     given: dict[str, Any] = {} if defaults else {"default": argparse.SUPPRESS}
-    parser.add_argument("--json", action="store_true", help="machine-readable output", **given)
+    parser.add_argument(
+        "--json", action="store_true", help="machine-readable output (--output json)", **given
+    )
+    parser.add_argument("-o", "--output", choices=FORMATS, help="table (default), json or yaml", **given)
+    parser.add_argument(
+        "--context", help="a bcx context (bcx context list) instead of the current one", **given
+    )
     parser.add_argument("--config", help="bc.toml path", **given)
-    parser.add_argument("--nats-url", help="NATS URL (default: $BC_NATS_URL or the embedded one)", **given)
+    parser.add_argument(
+        "--nats-url", help="NATS URL (default: $BC_NATS_URL, the context's, or the embedded one)", **given
+    )
+    parser.add_argument(
+        "--creds", help="NATS credentials file (default: $BC_NATS_CREDS or the context's)", **given
+    )
     parser.add_argument("--state-dir", help="state directory of the embedded stack", **given)
     parser.add_argument("--subject-root", help="root of every subject (default bc)", **given)
 
@@ -232,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmdq_commands.register(sub, common)
     why_commands.register(sub, common)
     sim_commands.register(sub, common)
+    contexts.register(sub, common)
+    completion.register(sub, common)
+    p = sub.add_parser("version", parents=[common], help="bcx's version and every running service's")
+    p.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
+    p.set_defaults(func=cmd_version)
     # `bcx nodes --json list` too: the command groups take the global flags as well
     for child in _subparsers(parser):
         if "--json" not in child._option_string_actions:
@@ -239,20 +308,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_output(args: argparse.Namespace) -> str:
+    """``--output``, else ``json`` for ``--json``, else ``table``; sets ``args.json`` (any
+    structured output) and the format ``print_json`` writes."""
+    output = str(getattr(args, "output", None) or ("json" if getattr(args, "json", False) else "table"))
+    args.output = output
+    args.json = output != "table"
+    use_format(output)
+    return output
+
+
+def command_words(args: argparse.Namespace) -> tuple[str, ...]:
+    """The words of the command that ran (``("nodes", "show")``), from the subparsers' dests."""
+    words = [str(args.command)]
+    for key, value in vars(args).items():
+        if key.endswith("_command") and key != "command" and isinstance(value, str):
+            words.append(value)
+    return tuple(words)
+
+
+def settings_for(args: argparse.Namespace, selection: contexts.Selection) -> Settings:
+    """Settings with a context's place in the precedence (docs/bcx.md): flags, then the
+    ``--context`` one, then the environment and ``bc.toml``, then the current context."""
+    flags = {
+        "nats_url": args.nats_url,
+        "nats_creds": args.creds,
+        "state_dir": args.state_dir,
+        "subject_root": args.subject_root,
+    }
+    given = {k: v for k, v in flags.items() if v is not None}
+    ctx = {k: v for k, v in selection.settings().items() if v is not None}
+    if selection.chosen_by == "flag":
+        return load_settings(args.config, **{**ctx, **given})
+    return load_settings(args.config, defaults=ctx, **given)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    as_json = bool(getattr(args, "json", False))
+    resolve_output(args)
+    site = site_of(getattr(args, "site", None), getattr(args, "selector", None))
+    hint = HintContext(command=command_words(args), site=site)
     try:
-        settings = load_settings(
-            args.config,
-            nats_url=args.nats_url,
-            state_dir=args.state_dir,
-            subject_root=args.subject_root,
-        )
+        selection = contexts.select(args.context)
+        args.selection = selection
+        hint = replace(hint, context=selection.name, creds=selection.settings().get("nats_creds"))
+        settings = settings_for(args, selection)
+        origins = {o["setting"]: o["from"] for o in contexts.origins(args, selection, settings)}
+        nats_from = {"flag": "--nats-url", "default": None}.get(origins["nats_url"], origins["nats_url"])
+        hint = replace(hint, nats_from=nats_from, creds=settings.nats_creds)
+        if getattr(args, "context_tenant", False):
+            args.tenant = contexts.tenant_for(args, selection)
         code = asyncio.run(args.func(args, settings))
     except BcError as err:
-        print_error(err, as_json=as_json)
+        print_error(err, as_json=args.json, hint=hint_for(err, hint))
         code = 1
     except KeyboardInterrupt:
         code = 130

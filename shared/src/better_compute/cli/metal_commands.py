@@ -27,7 +27,7 @@ from ..wire.codec import convert
 from ..wire.engine import NodeView
 from ..wire.metal import BulkRun, NodeBmc, VerbName
 from . import rollout
-from .common import api_client, as_rows, engine_client, parse_labels
+from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels
 from .output import json_line, print_json, print_table
 from .rollout import watch_nodes
 from .why_commands import why_line
@@ -280,7 +280,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p.add_argument("node", nargs="?", help="a discovered node's id (node_…) to enroll")
     p.add_argument("--site", help="site id (a new node; a discovered one keeps its own)")
     p.add_argument("--id", help="node id (node_…); new one by default")
-    p.add_argument("--tenant", default="root", help="tenant (default root)")
+    add_tenant_flag(p)
     p.add_argument("--mac", action="append", help="MAC address, repeatable")
     p.add_argument("--label", action="append", help="key=value, repeatable")
     p.add_argument("--bmc", help="redfish://host[:port]/redfish/v1/Systems/1, ipmi://host, sim://name")

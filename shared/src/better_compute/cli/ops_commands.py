@@ -18,8 +18,6 @@ from ..clients.audit import AuditClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.manifest import parse_duration
-from ..runtime.urls import resolve_nats_url
-from ..service.client import connect
 from ..wire import Subjects
 from ..wire.cmdq import BatchEvent, CommandEvent
 from ..wire.engine import (
@@ -32,7 +30,7 @@ from ..wire.engine import (
 )
 from ..wire.events import FEED_KINDS, decode_feed_event, event_node, event_workflow
 from ..wire.pki import CertRevoked, JoinAccepted, JoinRefused
-from .common import api_client, as_rows, short
+from .common import api_client, as_rows, connect_bus, short
 from .output import iso, json_line, print_json, print_table
 
 __all__ = ["describe_event", "parse_since", "register"]
@@ -104,7 +102,7 @@ async def events_tail(args: argparse.Namespace, settings: Settings) -> int:
     if since is None and not follow:
         since = datetime.fromtimestamp(0, UTC)  # what is stored: all of it
     subjects = Subjects(root=settings.subject_root)
-    nc = await connect(resolve_nats_url(settings), name="bcx", allow_reconnect=False)
+    nc = await connect_bus(settings)
     try:
         js = nc.jetstream(timeout=5.0)
         stream = subjects.events_stream()

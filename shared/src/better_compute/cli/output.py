@@ -1,4 +1,9 @@
-"""Human tables and ``--json`` output for bcx."""
+"""Human tables and structured output for bcx: ``--output json`` (``--json``) or ``yaml``.
+
+Commands print their documents with :func:`print_json` and streams with :func:`json_line`; both
+write the format ``main`` chose with :func:`use_format` (JSON unless ``--output yaml``): YAML is
+the same document, and a stream is a stream of YAML documents (``---`` before each).
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,33 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import msgspec
+import yaml
 
 from ..core.errors import BcError
 
-__all__ = ["iso", "json_line", "print_error", "print_json", "print_table", "with_iso_times"]
+__all__ = [
+    "FORMATS",
+    "iso",
+    "json_line",
+    "print_error",
+    "print_json",
+    "print_table",
+    "use_format",
+    "with_iso_times",
+]
+
+FORMATS = ("table", "json", "yaml")
+# The structured format of this process (one bcx command per process): set once by main.
+_structured = "json"
+
+
+def use_format(output: str) -> None:
+    """Print structured output (``print_json``, ``json_line``) as ``json`` or ``yaml`` from now on."""
+    global _structured
+    if output not in FORMATS:
+        raise ValueError(output)
+    _structured = "yaml" if output == "yaml" else "json"
+
 
 # Keys that hold a moment in what the services answer (camelCase). ``…AtMs`` keys hold epoch
 # milliseconds and are shown as ``…At``.
@@ -72,15 +100,26 @@ def with_iso_times(value: Any) -> Any:
     return out
 
 
+def _yaml(value: Any) -> str:
+    # through JSON first: YAML shows exactly what --json shows (types, ISO times, str fallbacks)
+    plain = json.loads(json.dumps(with_iso_times(value), default=str))
+    return yaml.safe_dump(plain, sort_keys=False, allow_unicode=True, default_flow_style=False)
+
+
 def print_json(value: Any, *, out: TextIO | None = None) -> None:
-    """``value`` as indented JSON, its moments in ISO 8601."""
-    (out or sys.stdout).write(
-        json.dumps(with_iso_times(value), indent=2, sort_keys=False, default=str) + "\n"
-    )
+    """``value`` as indented JSON (YAML with ``--output yaml``), its moments in ISO 8601."""
+    if _structured == "yaml":
+        text = _yaml(value)
+    else:
+        text = json.dumps(with_iso_times(value), indent=2, sort_keys=False, default=str) + "\n"
+    (out or sys.stdout).write(text)
 
 
 def json_line(value: Any) -> str:
-    """``value`` as one line of JSON (a stream of events), its moments in ISO 8601."""
+    """``value`` as one line of JSON (a stream of events), its moments in ISO 8601; with
+    ``--output yaml``, one YAML document of the stream (``---`` first), without the last newline."""
+    if _structured == "yaml":
+        return "---\n" + _yaml(value).rstrip("\n")
     return json.dumps(with_iso_times(value), default=str)
 
 
@@ -112,8 +151,12 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def print_error(err: BcError, *, as_json: bool) -> None:
+def print_error(err: BcError, *, as_json: bool, hint: str | None = None) -> None:
+    """``error: CODE: message (at path) (hint: …)`` on stderr; structured, on stdout, an
+    ``error`` document with ``code``, ``message``, ``details`` and ``hint`` (null without one)."""
     if as_json:
-        print_json({"error": {"code": err.code.value, "message": err.message, "details": err.details}})
+        print_json(
+            {"error": {"code": err.code.value, "message": err.message, "details": err.details, "hint": hint}}
+        )
     else:
-        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.write(f"error: {err}" + (f" (hint: {hint})" if hint else "") + "\n")

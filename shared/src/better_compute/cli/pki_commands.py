@@ -18,7 +18,7 @@ from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.manifest import parse_duration
 from ..wire.pki import CertificateInfo, JoinTokenInfo
-from .common import api_client
+from .common import add_tenant_flag, api_client
 from .output import iso, print_json
 from .paging import add_paging, collect_pages, show_page
 
@@ -193,7 +193,7 @@ def register(
     tokens = subparsers.add_parser("tokens", help="join tokens")
     tsub = tokens.add_subparsers(dest="tokens_command", required=True, metavar="COMMAND")
     p = tsub.add_parser("issue", parents=[common], help="mint a join token (shown once)")
-    p.add_argument("--tenant", default="root", help="tenant id (default root)")
+    add_tenant_flag(p)
     p.add_argument("--role", required=True, choices=["node", "site", "provisioned", "discovery"])
     p.add_argument("--site", required=True, help="site id")
     p.add_argument("--ttl", type=parse_seconds, default=3600, help="lifetime: 90s, 30m, 2h")

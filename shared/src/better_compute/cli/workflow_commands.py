@@ -20,7 +20,7 @@ from ..wire.engine import (
     WorkflowView,
     decode_workflow_event,
 )
-from .common import as_rows, engine_client, short
+from .common import add_tenant_flag, as_rows, engine_client, short
 from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .why_commands import why_line
@@ -225,7 +225,7 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     tenant = argparse.ArgumentParser(add_help=False)
-    tenant.add_argument("--tenant", default="root", help="tenant (default root)")
+    add_tenant_flag(tenant)
 
     wfs = sub.add_parser("workflows", help="profiles running for nodes").add_subparsers(
         dest="workflows_command", required=True, metavar="COMMAND"

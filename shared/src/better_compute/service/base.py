@@ -222,6 +222,7 @@ class Service:
         self.nc = await connect(
             url,
             name=f"{self.name}:{self.instance}",
+            creds=self.settings.nats_creds,
             error_cb=self._nats_error,
             disconnected_cb=self._nats_disconnected,
             reconnected_cb=self._nats_reconnected,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any, TypeVar
 
 import msgspec
@@ -21,6 +22,7 @@ from ..wire.subjects import SERVICE_NAMES
 __all__ = ["ApiClient", "connect", "discover"]
 
 
+_REFUSED = re.compile(r"authorization violation|authentication", re.IGNORECASE)
 CONNECT_TRIES = 2  # a first connection gives up after this many tries (seconds, not minutes)
 
 
@@ -29,16 +31,34 @@ async def _quiet(_exc: Exception) -> None:
     callers get a typed error (or a reconnect) instead, and services log through their own."""
 
 
-async def connect(url: str, *, name: str, **kwargs: Any) -> Nats:
+def _check_creds(creds: str) -> None:
+    try:
+        with open(creds, "rb"):
+            pass
+    except OSError as exc:
+        raise BcError(
+            ErrorCode.INVALID_CONFIG,
+            f"cannot read the NATS credentials file {creds}: {exc.strerror}",
+            {"path": "nats_creds", "file": creds},
+        ) from exc
+
+
+async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: Any) -> Nats:
     """Connect to NATS; ``UNAVAILABLE`` naming ``url`` (without credentials) when nothing answers.
 
     The first connection is bounded (``CONNECT_TRIES`` tries of ``connect_timeout`` seconds), so a
     caller never hangs on a wrong or dead URL; a service that must wait for NATS retries this
     itself. Once connected, a connection with ``allow_reconnect`` (the default) reconnects for
     ever (``max_reconnect_attempts=-1``) and nats-py subscribes again by itself.
+
+    ``creds`` is a NATS credentials file (the ``nats_creds`` setting): ``INVALID_CONFIG`` at
+    ``nats_creds`` when it cannot be read, ``UNAUTHENTICATED`` when the server refuses it.
     """
     reconnects = kwargs.pop("max_reconnect_attempts", -1)
     kwargs.setdefault("error_cb", _quiet)
+    if creds:
+        _check_creds(creds)
+        kwargs["user_credentials"] = creds
     try:
         nc: Nats = await nats.connect(
             url,
@@ -52,6 +72,13 @@ async def connect(url: str, *, name: str, **kwargs: Any) -> Nats:
             **kwargs,
         )
     except (OSError, nats.errors.Error) as exc:
+        # nats-py reports the server's refusal as a plain Error carrying the server's words
+        if isinstance(exc, nats.errors.AuthorizationError) or _REFUSED.search(str(exc)):
+            raise BcError(
+                ErrorCode.UNAUTHENTICATED,
+                f"NATS at {safe_url(url)} refused this connection's credentials",
+                {"url": safe_url(url)},
+            ) from exc
         raise BcError(
             ErrorCode.UNAVAILABLE, f"cannot reach NATS at {safe_url(url)}", {"url": safe_url(url)}
         ) from exc

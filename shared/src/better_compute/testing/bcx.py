@@ -32,8 +32,11 @@ def bcx_env(
     settings: Settings | None = None, *, env: Mapping[str, str] | None = None, isolated: bool = False
 ) -> dict[str, str]:
     """This process's environment for a bcx run: with the deployment of ``settings``, without
-    any ``BC_NATS_URL``/``BC_DATABASE_URL`` of ours when ``isolated``, then ``env`` on top."""
+    any ``BC_NATS_URL``/``BC_DATABASE_URL`` of ours when ``isolated``, then ``env`` on top.
+    The bcx contexts file is empty (``BCX_CONFIG``) unless ``env`` names one: a test never
+    talks to the deployment of the current context of whoever runs it."""
     out = {k: v for k, v in os.environ.items() if not (isolated and k in _DEPLOYMENT_VARS)}
+    out["BCX_CONFIG"] = os.devnull
     if settings is not None:
         out["BC_NATS_URL"] = settings.nats_url or ""
         out["BC_SUBJECT_ROOT"] = settings.subject_root
