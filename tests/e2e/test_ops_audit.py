@@ -145,7 +145,8 @@ async def test_bcx_audit_shows_who_did_what_to_which_thing(
     code, out, err = await bcx(bc_settings, "audit", "--who", "alice@ops", "--since", "1h")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["AT", "WHO", "SERVICE", "ACTION", "TARGET", "DETAIL"]
+    assert lines[0].split() == ["AT", "WHO", "PROVEN", "SERVICE", "ACTION", "TARGET", "DETAIL"]
+    assert all(line.split()[2] == "no" for line in lines[1:])  # claims, on the dev stack's NATS
     assert len(lines) == 1 + 4
     assert all("alice@ops" in line for line in lines[1:])
     assert "workflows.abort" in lines[1]

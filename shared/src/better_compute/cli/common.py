@@ -22,6 +22,7 @@ from ..core.errors import BcError, ErrorCode
 from ..runtime.urls import resolve_nats_url
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
+from ..wire.subjects import OPERATOR_INBOX_PREFIX
 
 __all__ = [
     "actor",
@@ -50,9 +51,14 @@ def actor() -> str:
 
 
 async def connect_bus(settings: Settings) -> Nats:
-    """bcx's NATS connection to the deployment of ``settings`` (its URL and credentials file)."""
+    """bcx's NATS connection to the deployment of ``settings`` (its URL and credentials file),
+    with the operators' inbox prefix (deploy/nats: the one BC exports to the OPS account)."""
     return await connect(
-        resolve_nats_url(settings), name="bcx", allow_reconnect=False, creds=settings.nats_creds
+        resolve_nats_url(settings),
+        name="bcx",
+        allow_reconnect=False,
+        creds=settings.nats_creds,
+        inbox_prefix=OPERATOR_INBOX_PREFIX,
     )
 
 

@@ -19,6 +19,7 @@ from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..runtime.dev import SERVICES, DevStack
 from ..service.client import connect, discover
+from ..wire.subjects import OPERATOR_INBOX_PREFIX
 from . import (
     completion,
     contexts,
@@ -154,7 +155,10 @@ async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
     urls = stack.up(services=services, instances=args.instances)
     # Wait until every started service answers, so `bcx status` right after shows them.
     want = {s: args.instances for s in services}
-    nc = await connect(urls["nats"], name="bcx", allow_reconnect=False, creds=settings.nats_creds)
+    nc = await connect(
+        urls["nats"], name="bcx", allow_reconnect=False, creds=settings.nats_creds,
+        inbox_prefix=OPERATOR_INBOX_PREFIX,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + args.timeout
         while True:

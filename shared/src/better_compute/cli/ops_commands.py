@@ -206,6 +206,8 @@ async def audit_list(args: argparse.Namespace, settings: Settings) -> int:
         {
             "at": iso(e.at),
             "who": e.actor or "(not said)",
+            # yes: the NATS user nats-server named; no: what the request said (docs/audit.md)
+            "proven": "yes" if e.verified else "no",
             "service": e.service,
             "action": e.action,
             "target": e.target or "-",
@@ -215,8 +217,8 @@ async def audit_list(args: argparse.Namespace, settings: Settings) -> int:
     ]
     print_table(
         rows,
-        [("at", "AT"), ("who", "WHO"), ("service", "SERVICE"), ("action", "ACTION"), ("target", "TARGET"),
-         ("detail", "DETAIL")],
+        [("at", "AT"), ("who", "WHO"), ("proven", "PROVEN"), ("service", "SERVICE"), ("action", "ACTION"),
+         ("target", "TARGET"), ("detail", "DETAIL")],
         empty="no audited actions",
     )  # fmt: skip
     return 0
