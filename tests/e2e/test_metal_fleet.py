@@ -17,8 +17,8 @@ import itertools
 import json
 import re
 import time
-from datetime import datetime
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 

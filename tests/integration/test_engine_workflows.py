@@ -153,7 +153,9 @@ async def test_a_nodes_join_wakes_its_workflows_key(
         await bc_nats.publish(bc_subjects.event(JOIN_EVENTS, f"jt_{agent_id}"), msgspec.json.encode(event))
     refused = JoinRefused(join_token_id="jt_bad", reason="token-used-up", code="UNAUTHENTICATED")
     await bc_nats.publish(bc_subjects.event(JOIN_EVENTS, "jt_bad"), msgspec.json.encode(refused))
-    await until(lambda: {"node_joined", "node_ramdisk"} <= set(woken), timeout=5, what="the nodes' keys woken")
+    await until(
+        lambda: {"node_joined", "node_ramdisk"} <= set(woken), timeout=5, what="the nodes' keys woken"
+    )
     assert "agt_site" not in woken  # its event came first
 
 
