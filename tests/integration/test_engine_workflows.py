@@ -129,6 +129,7 @@ def spy_wakes(engine: EngineService, monkeypatch: pytest.MonkeyPatch) -> list[st
 
     monkeypatch.setattr(engine, "wake", spy)
     monkeypatch.setattr(engine.engine, "wake", spy)
+    monkeypatch.setattr(engine.engine_api.workflows, "wake", spy)
     return woken
 
 
@@ -139,6 +140,18 @@ async def test_the_owner_is_woken_when_its_workflow_ends_not_left_to_the_poll(
     woken = spy_wakes(engine, monkeypatch)
     wf = await EngineClient(bc_api).start_workflow(profile_id="test-chain", owner="test-owner")
     assert (await wait_workflow(bc_api, wf.id)).state == "succeeded"
+    await until(lambda: f"test-owner:{wf.id}" in woken, timeout=5, what="the owner's key woken")
+
+
+async def test_an_aborted_workflows_owner_is_woken(
+    engine: EngineService, bc_api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's abort moves a metal node to failed at once, not at the next poll."""
+    woken = spy_wakes(engine, monkeypatch)
+    await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "never"}}], id="t-abort-owner")
+    wf = await EngineClient(bc_api).start_workflow(profile_id="t-abort-owner", owner="test-owner")
+    await wait_step_running(bc_api, wf.id, 0)
+    assert (await EngineClient(bc_api).abort_workflow(id=wf.id)).state == "aborted"
     await until(lambda: f"test-owner:{wf.id}" in woken, timeout=5, what="the owner's key woken")
 
 
