@@ -30,6 +30,7 @@ from better_compute.wire.engine import (
     decode_workflow_event,
 )
 from better_compute.wire.metal import NodeBmc
+from better_compute.wire.pki import JOIN_EVENTS, JoinAccepted, JoinRefused
 from engine_test_app import TABLES
 
 
@@ -116,6 +117,60 @@ async def test_the_owner_hears_when_its_workflow_ends(
         timeout=5,
         what="the owner reconciler ran",
     )
+
+
+def spy_wakes(engine: EngineService, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The reconciler keys the engine wakes from now on (it still wakes them)."""
+    woken: list[str] = []
+    wake = engine.wake
+
+    async def spy(rkey: str) -> None:
+        woken.append(rkey)
+        await wake(rkey)
+
+    monkeypatch.setattr(engine, "wake", spy)
+    monkeypatch.setattr(engine.engine, "wake", spy)
+    monkeypatch.setattr(engine.engine_api.workflows, "wake", spy)
+    return woken
+
+
+async def test_the_owner_is_woken_when_its_workflow_ends_not_left_to_the_poll(
+    engine: EngineService, bc_api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A metal node moves on (deployed, ready) as its workflow ends, not up to a poll later."""
+    woken = spy_wakes(engine, monkeypatch)
+    wf = await EngineClient(bc_api).start_workflow(profile_id="test-chain", owner="test-owner")
+    assert (await wait_workflow(bc_api, wf.id)).state == "succeeded"
+    await until(lambda: f"test-owner:{wf.id}" in woken, timeout=5, what="the owner's key woken")
+
+
+async def test_an_aborted_workflows_owner_is_woken(
+    engine: EngineService, bc_api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's abort moves a metal node to failed at once, not at the next poll."""
+    woken = spy_wakes(engine, monkeypatch)
+    await create_profile(bc_api, [{"use": "test.waitFlag", "with": {"flag": "never"}}], id="t-abort-owner")
+    wf = await EngineClient(bc_api).start_workflow(profile_id="t-abort-owner", owner="test-owner")
+    await wait_step_running(bc_api, wf.id, 0)
+    assert (await EngineClient(bc_api).abort_workflow(id=wf.id)).state == "aborted"
+    await until(lambda: f"test-owner:{wf.id}" in woken, timeout=5, what="the owner's key woken")
+
+
+async def test_a_nodes_join_wakes_its_workflows_key(
+    engine: EngineService, bc_nats: Nats, bc_subjects: Subjects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait.agentJoined`` of the node's workflow looks again when the node's agent joins (its
+    workflows' key is the node id), not at its next poll; other joins wake no node's key."""
+    woken = spy_wakes(engine, monkeypatch)
+    for agent_id, role in [("agt_site", "site"), ("node_joined", "provisioned"), ("node_ramdisk", "node")]:
+        event = JoinAccepted(join_token_id=f"jt_{agent_id}", agent_id=agent_id, cert_id="cert_x", role=role)
+        await bc_nats.publish(bc_subjects.event(JOIN_EVENTS, f"jt_{agent_id}"), msgspec.json.encode(event))
+    refused = JoinRefused(join_token_id="jt_bad", reason="token-used-up", code="UNAUTHENTICATED")
+    await bc_nats.publish(bc_subjects.event(JOIN_EVENTS, "jt_bad"), msgspec.json.encode(refused))
+    await until(
+        lambda: {"node_joined", "node_ramdisk"} <= set(woken), timeout=5, what="the nodes' keys woken"
+    )
+    assert "agt_site" not in woken  # its event came first
 
 
 async def test_step_not_ready_waits_then_succeeds_on_the_same_attempt(

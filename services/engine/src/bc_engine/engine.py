@@ -309,6 +309,7 @@ class Engine:
                     await self._event(wf, "succeeded", step, result=result)
                     if settled is _FINISHED:
                         await self._event(wf, "succeeded", None)
+                        await self._wake_owner(wf)
                         return None
                     step = settled if isinstance(settled, StepRow) else None
                     if step is not None:
@@ -328,6 +329,7 @@ class Engine:
                         kill_point(AFTER_SETTLE)
                         await self._event(wf, "failed", step, error=error)
                         await self._event(wf, "failed", None)  # every end has its `finished`
+                        await self._wake_owner(wf)
                         return None
                     wf, step = await self._reload(wf, fence), None
 
@@ -392,6 +394,13 @@ class Engine:
                 raise FencedError(wf.id)
             await self._finish_in(conn, wf, state, error)
         await self._event(wf, state, None)
+        await self._wake_owner(wf)
+
+    async def _wake_owner(self, wf: WorkflowRow) -> None:
+        """The workflow's end queued its owner's key; look at it now, not at the next poll of the
+        work queue (a metal node moves to deployed or ready as its workflow ends)."""
+        if wf.owner and self.wake is not None:
+            await self.wake(queue.owner_key(wf.owner, wf.id))
 
     async def _finish_in(self, conn: Any, wf: WorkflowRow, state: str, error: BcError | None) -> None:
         updated = await conn.fetchval(

@@ -109,6 +109,8 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
             row = await conn.fetchrow(metal_store.POWER_STATE, node["id"], power) or row
     engine.log.info("metal_node_moved", node_id=row["id"], state=row["state"], workflow_id=workflow_id)
     await node_event(engine.publish, row)
+    if section is not None and engine.wake is not None:  # the new host section goes to bcd now
+        await engine.wake(queue.owner_key(HOST_OWNER, row["id"]))
 
 
 async def converge_host(engine: Engine, node_id: str) -> None:

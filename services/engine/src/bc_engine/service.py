@@ -21,6 +21,7 @@ from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
+from better_compute.wire.pki import JoinAccepted, decode_join_event
 
 from . import metrics, queue, store
 from .api import EngineApi
@@ -134,9 +135,7 @@ class EngineService(Service):
         self._subs = [
             await self.nc.subscribe(f"{root}.engine.wake", cb=self._on_wake),
             await self.nc.subscribe(self.subjects.events_all(COMMAND_EVENTS), cb=self._on_command),
-            await self.nc.subscribe(
-                self.subjects.events_all(JOIN_EVENTS), cb=self.on_message(lambda m: on_join(self.engine, m))
-            ),
+            await self.nc.subscribe(self.subjects.events_all(JOIN_EVENTS), cb=self.on_message(self._on_join)),
         ]
 
     def routes(self) -> Mapping[str, Handler]:
@@ -189,6 +188,18 @@ class EngineService(Service):
                 await self.wake(queue.owner_key(DISCOVERY_OWNER, node_id))  # a discovered node's inventory
             case _:
                 return  # not a command of a workflow, or not an event
+
+    async def _on_join(self, msg: Msg) -> None:
+        """A node's agent joined: the key of the node's workflows (the node id) is looked at now,
+        so a ``wait.agentJoined`` settles at once, not at its next look. A discovery join is
+        recorded as a discovered node."""
+        match decode_join_event(msg.data):
+            case JoinAccepted(agent_id=agent_id, role=role) if role != "discovery" and agent_id.startswith(
+                "node_"
+            ):
+                await self.wake(agent_id)
+            case _:
+                await on_join(self.engine, msg)
 
     async def _wake_workflow(self, workflow_id: str) -> None:
         assert self.db is not None

@@ -242,6 +242,8 @@ class WorkflowsApi:
             await apply(conn, wf)
             await queue.queue_now(conn, wf["rkey"])
         await self.wake(wf["rkey"])
+        if verb == "abort" and wf["owner"]:  # it ended: its owner looks now (a metal node fails)
+            await self.wake(queue.owner_key(wf["owner"], wf["id"]))
         doc = await self._get(workflow_id)
         if verb == "abort":
             metrics.WORKFLOWS_FINISHED.labels(doc.profile.id, "aborted").inc()

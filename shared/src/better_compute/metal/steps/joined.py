@@ -9,7 +9,9 @@ beats the engine's settling of the booting step does. Role ``node`` also accepts
 ``userdata.render`` and re-keys the same node.
 
 The step reads bc-pki each time it runs (``step_not_ready`` between looks), so it holds nothing
-in memory and a re-run on another engine decides the same.
+in memory and a re-run on another engine decides the same. The engine runs it again as soon as
+the node joins (bc-pki's join event wakes the node's workflows); ``POLL_MS`` is the net under a
+lost event.
 """
 
 from __future__ import annotations
