@@ -215,7 +215,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             data = resp.read()
         except Exception as exc:  # the BMC itself failed: say so in the log, answer nothing
             with lock, open(request_log, "a") as fh:
-                fh.write(f"{self.command} {self.path} conn={self.client_address[1]} upstream-{type(exc).__name__}\n")
+                port, failed = self.client_address[1], type(exc).__name__
+                fh.write(f"{self.command} {self.path} conn={port} upstream-{failed}\n")
             self.close_connection = True
             return
         if body:  # what reached the BMC and was answered: a request lost on the way is not counted
