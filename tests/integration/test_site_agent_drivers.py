@@ -107,6 +107,35 @@ async def test_redfish_power_boot_media_inventory_converge_at_the_bmc(
         server.server_close()
 
 
+async def test_an_action_never_goes_on_a_connection_the_bmc_is_closing(
+    emulator: RedfishEmulator, proxy: FaultyProxy
+) -> None:
+    """sushy asks every BMC to close each connection; a BMC that does so late, without saying
+    so, leaves a pooled connection that looks reusable. A POST action written into it is lost
+    unread, and then looks like one whose answer was lost: refused as "may have applied". An
+    action gets a connection of its own (a GET there is simply repeated)."""
+    iso = b"fake-iso-bytes" * 100
+    server = _serve_bytes(iso)
+    try:
+        proxy.set(mode="linger-close", seconds=1.0)
+        driver = redfish(proxy.url, emulator)
+        url = f"http://127.0.0.1:{server.server_port}/linger.iso"
+        got = await driver.media_insert(url, device="cd", deadline=time.time() + 60)
+        assert (got["inserted"], got["image"]) == (True, url)
+        got = await driver.set_power("cycle", deadline=time.time() + 60)
+        assert got["changed"] is True
+        await driver.media_eject(device="cd", deadline=time.time() + 60)
+        await driver.close()
+        taken = [line.split() for line in proxy.requests()]
+        actions = [path.rsplit("/", 1)[1] for method, path, *_ in taken if method == "POST"]
+        assert actions == ["VirtualMedia.InsertMedia", "ComputerSystem.Reset", "VirtualMedia.EjectMedia"]
+        assert len({conn for _, _, conn, _ in taken}) == len(taken)  # one connection a request
+    finally:
+        proxy.set(mode="forward")
+        server.shutdown()
+        server.server_close()
+
+
 async def test_a_bmc_that_answers_500_for_a_while_then_recovers(
     emulator: RedfishEmulator, proxy: FaultyProxy
 ) -> None:

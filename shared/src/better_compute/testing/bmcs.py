@@ -234,6 +234,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
         conn.close()
+        if mode == "linger-close" and self.close_connection:
+            # asked to close (Connection: close) but said nothing of it in the answer, and slow
+            # to do it, as some BMCs' HTTP stacks are: a client that takes the connection for
+            # keep-alive writes its next request into a socket about to be closed unread
+            self.wfile.flush()
+            time.sleep(ctl.get("seconds", 0.3))
     do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _any
 
 class Server(http.server.ThreadingHTTPServer):
@@ -248,7 +254,9 @@ class FaultyProxy(_Proc):
     ``set(mode="error", status=500)``, ``set(mode="error-count", left=N)``, ``set(mode="malformed")``,
     ``set(mode="hang", seconds=S)``, ``set(mode="forward")``, and
     ``set(mode="lose-answer", left=N, methods=["POST"])``: the next N such requests reach the BMC
-    (which applies them) but the connection closes before the answer comes back."""
+    (which applies them) but the connection closes before the answer comes back;
+    ``set(mode="linger-close", seconds=S)``: requests are forwarded, and a connection the client
+    asked to close is closed S seconds after the answer, which did not say it would be."""
 
     def __init__(self, folder: Path, upstream: str) -> None:
         super().__init__(folder)

@@ -21,6 +21,7 @@ import requests.exceptions
 import sushy
 import sushy.auth
 import sushy.exceptions
+import urllib3
 import urllib3.exceptions
 from sushy.resources.constants import ResetType
 from sushy.resources.manager.constants import VirtualMediaType
@@ -150,6 +151,7 @@ class RedfishDriver:
                 read_timeout=self._timeout(deadline),
                 connect_timeout=min(5.0, self._timeout(deadline)),
             )
+            _one_request_per_connection(self._root)
         return self._root
 
     def _system(self, deadline: float) -> Any:
@@ -329,6 +331,41 @@ class RedfishDriver:
         return await self._call("GET System inventory", read, deadline=deadline)
 
 
+class _OneShotHTTP(urllib3.HTTPConnectionPool):
+    """A pool that never hands a connection out twice: one request, one connection."""
+
+    def _put_conn(self, conn: Any) -> None:
+        if conn is not None:
+            conn.close()
+        super()._put_conn(None)  # the slot stays; the next request opens a new connection
+
+
+class _OneShotHTTPS(urllib3.HTTPSConnectionPool):
+    def _put_conn(self, conn: Any) -> None:
+        if conn is not None:
+            conn.close()
+        super()._put_conn(None)
+
+
+def _one_request_per_connection(root: Any) -> None:
+    """Make sushy's session open a connection per request, as its ``Connection: close`` asks.
+
+    A BMC that closes as asked but late, without ``Connection: close`` in its answer, leaves a
+    connection that urllib3 takes for keep-alive. The next request, written into it while the
+    BMC closes it unread, fails like a request whose answer was lost: a POST action then counts
+    as "may have applied" and is not repeated (seen against a BMC proxy under load). On a
+    connection of its own, a request that never left fails at connect (``_never_sent``).
+    """
+    session = getattr(getattr(root, "_conn", None), "_session", None)  # sushy has no public handle
+    if session is None:
+        return
+    for adapter in session.adapters.values():
+        manager = getattr(adapter, "poolmanager", None)
+        if manager is not None:
+            manager.pool_classes_by_scheme = {"http": _OneShotHTTP, "https": _OneShotHTTPS}
+            manager.clear()  # the pool of sushy's first GET (the service root) goes too
+
+
 def _optional(read: Callable[[], Any]) -> Any:
     """A part of the inventory the BMC may not offer (None then)."""
     try:
@@ -349,9 +386,9 @@ def _enum_value(value: Any) -> str:
 def _never_sent(exc: BaseException) -> bool:
     """Whether a connection error happened before the request left: refused, the name not
     resolved, the connect timing out. A connection lost or a read timing out afterwards is not.
-    This holds because sushy's session sends ``Connection: close``: every request opens its own
-    connection, so none is written to a keep-alive socket the BMC closed while it sat idle (which
-    would fail like a lost answer); tests/integration/test_site_agent_drivers.py checks it.
+    This holds because every request opens its own connection (``_one_request_per_connection``),
+    so none is written into a keep-alive socket the BMC is closing (which would fail like a lost
+    answer); tests/integration/test_site_agent_drivers.py checks it.
     (sushy raises its ConnectionError inside the ``except`` of the requests error, which
     requests raised from urllib3's: the chain holds the cause.)"""
     seen: set[int] = set()
