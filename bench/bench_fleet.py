@@ -73,6 +73,18 @@ def cpu_of(pid: int) -> float:
     return (utime + stime + cutime + cstime) / CLK_TCK
 
 
+def pss_of(pid: int) -> float:
+    """Proportional set size of ``pid`` in MiB (shared pages split among their sharers: a
+    thousand forked bcds are not counted a thousand times), 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
 def process_table() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, command line) of every process."""
     out: dict[int, tuple[int, str]] = {}
@@ -125,6 +137,13 @@ class CpuMeter:
 
     def snapshot(self) -> dict[int, tuple[str, float]]:
         return {pid: (kind, cpu_of(pid)) for pid, kind in self._descendants().items()}
+
+    def memory(self) -> dict[str, float]:
+        """MiB (PSS) per kind of process now."""
+        out: dict[str, float] = {}
+        for pid, kind in self._descendants().items():
+            out[kind] = out.get(kind, 0.0) + pss_of(pid)
+        return out
 
     @staticmethod
     def delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
@@ -259,6 +278,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         await until_states(counts, "deployed", args.machines, timeout=args.timeout, what="deploy")
         elapsed = time.monotonic() - t0
         cpu = CpuMeter.delta(cpu_before, meter.snapshot())
+        memory = meter.memory()  # every machine deployed: each runs its installed OS's bcd
 
         # each machine's deploy workflow: created -> finished, from the engine
         durations: list[float] = []
@@ -291,6 +311,8 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "installs_at_the_hardware": installs, "repeated_writes": twice,
             "cpu_s": {k: round(v, 1) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
             "cpu_total_s": round(sum(cpu.values()), 1),
+            "memory_mib": {k: round(v) for k, v in sorted(memory.items(), key=lambda kv: -kv[1])},
+            "memory_total_mib": round(sum(memory.values())),
         }  # fmt: skip
     finally:
         for agent in agents:
@@ -328,7 +350,7 @@ def main() -> None:
         f" deployed in {out['deploy_s']} s"
         f" ({out['machines_per_s']}/s), {out['commands_per_s']} commands/s,"
         f" per-machine workflow p50 {out['workflow_p50_s']} s p99 {out['workflow_p99_s']} s,"
-        f" {out['cpu_total_s']} CPU s in all"
+        f" {out['cpu_total_s']} CPU s in all, {out['memory_total_mib']} MiB (PSS) at the end"
     )
     sys.exit(1 if out["repeated_writes"] else 0)
 
