@@ -7,14 +7,17 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+import msgspec
 import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from nats.aio.msg import Msg
 
 from bc_command_queue.config import CmdqConfig, load_quorum
 from bc_command_queue.service import CommandQueueService
@@ -26,9 +29,9 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, refused
+from better_compute.testing import ServiceProcesses, refused, until
 from better_compute.testing.approvers import approver_keys, public_b64, write_approvers
-from better_compute.wire.cmdq import BatchView, EnqueueCommand
+from better_compute.wire.cmdq import BatchEvent, BatchView, EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
 
@@ -257,3 +260,43 @@ async def test_a_bulk_batch_admits_the_workflows_it_names_and_no_other(quorum: Q
         cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node], workflow_ids=[theirs], idempotency_key="k")
     )
     assert err.code is ErrorCode.CONFLICT
+
+
+async def test_a_batch_whose_time_ran_out_says_so_once_on_the_event_feed(
+    quorum: Quorum, bc_api: ApiClient, bc_settings: Settings
+) -> None:
+    """A batch's expiry is an event like its creation and approvals (docs/events.md), published
+    once by the sweeper, so an external consumer sees a batch's whole life."""
+    cq = quorum.cq
+    first = await cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node])
+    second = await cq.create_batch(kinds=["node.wipe"], nodes=[quorum.node])
+    await quorum.approve(first, "bob")
+    seen: list[BatchEvent] = []
+
+    async def on_event(msg: Msg) -> None:
+        event = msgspec.json.decode(msg.data, type=BatchEvent)
+        if event.id in (first.id, second.id):
+            seen.append(event)
+
+    sub = await bc_api.nc.subscribe(bc_api.subjects.event("batch", "*"), cb=on_event)
+    db = await asyncpg.connect(bc_settings.database_url)
+    try:
+
+        async def run_out(batch: BatchView) -> None:  # the TTL is a minute at least: its time passes
+            await db.execute("UPDATE cmdq.batches SET expires_at = now() WHERE id = $1", batch.id)
+
+        def expired(batch: BatchView) -> Callable[[], bool]:
+            return lambda: any(e.id == batch.id and e.state == "expired" for e in seen)
+
+        await run_out(first)
+        await until(expired(first), timeout=10, what="the first batch's expiry on the feed")
+        await run_out(second)
+        # by the second one's event, the sweeper has passed the first again: it said it once
+        await until(expired(second), timeout=10, what="the second batch's expiry on the feed")
+        ended = [e for e in seen if e.id == first.id and e.state == "expired"]
+        assert len(ended) == 1
+        assert (ended[0].approvals, ended[0].threshold) == (1, 2)
+        assert (await cq.get_batch(id=first.id)).state == "expired"
+    finally:
+        await sub.unsubscribe()
+        await db.close()

@@ -63,8 +63,23 @@ class Batches:
         self.log = log
         self.publish = publish
 
+    async def publish_expiries(self) -> int:
+        """``expired`` on ``bc.events.batch.<id>``, once for each batch whose time ran out (a
+        sweeper's duty). Published, then marked, in one transaction that holds the rows: two
+        instances never both publish one, and a crash before the mark publishes it again."""
+        if self.publish is None:
+            return 0
+        async with self.db.transaction() as conn:
+            rows = await conn.fetch(store.BATCHES_EXPIRY_DUE)
+            for row in rows:
+                await self._event(await self._view_of(row, conn=conn))
+                self.log.info("batch_expired", batch_id=row["id"])
+            if rows:
+                await conn.execute(store.BATCHES_EXPIRY_PUBLISHED, [r["id"] for r in rows])
+        return len(rows)
+
     async def _event(self, view: BatchView, *, approver_id: str | None = None) -> None:
-        """``bc.events.batch.<id>``: created, an approval, approved (docs/events.md)."""
+        """``bc.events.batch.<id>``: created, an approval, approved, expired (docs/events.md)."""
         if self.publish is None:
             return
         event = BatchEvent(

@@ -100,6 +100,7 @@ class CommandQueueService(Service):
             db=db, config=config, app=app, changed=self._changed, dispatch_pending=dispatch, log=log,
             publish=self.publish_event,
         )  # fmt: skip
+        sweeper.duties.append(batches.publish_expiries)
         agents = Agents(
             db=db,
             config=config,

@@ -30,6 +30,8 @@ __all__ = [
     "APPROVALS_OF_BATCHES",
     "APPROVAL_INSERT",
     "BATCHES_BY_IDS",
+    "BATCHES_EXPIRY_DUE",
+    "BATCHES_EXPIRY_PUBLISHED",
     "BATCHES_LIST",
     "BATCHES_UNEXPIRED",
     "BATCH_BY_ID",
@@ -467,6 +469,12 @@ BATCH_BY_ID: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE id = $1"
 BATCH_BY_ID_FOR_UPDATE: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE id = $1 FOR UPDATE"
 BATCH_BY_KEY: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE idempotency_key = $1"
 BATCHES_UNEXPIRED: Final = "SELECT id FROM batches WHERE expires_at > now()"
+# Expired batches whose expiry is not published yet, held by one sweeper until it marked them.
+BATCHES_EXPIRY_DUE: Final = f"""
+SELECT {_BATCH_COLS} FROM batches WHERE expiry_published_at IS NULL AND expires_at <= now()
+ORDER BY expires_at LIMIT 100 FOR UPDATE SKIP LOCKED
+"""
+BATCHES_EXPIRY_PUBLISHED: Final = "UPDATE batches SET expiry_published_at = now() WHERE id = ANY($1::text[])"
 BATCH_SET_APPROVED: Final = (
     "UPDATE batches SET approved_at = CASE WHEN $2 THEN coalesce(approved_at, now()) END"
     " WHERE id = $1 RETURNING approved_at"

@@ -53,6 +53,8 @@ class Sweeper:
         self.connected = connected
         self.log = log
         self._heard_since: float | None = None  # monotonic; see heard_for_ms
+        self.duties: list[Callable[[], Awaitable[object]]] = []
+        """More timed duties, run after the sweep's own (publishing batches' expiries)."""
 
     async def run(self) -> None:
         """Sweep every ``sweep_ms``; a store or bus outage backs off and never ends the loop."""
@@ -105,6 +107,8 @@ class Sweeper:
         await self.changed([*expired, *reassigned, *lost])
         await self.dispatch_pending()
         await self.republish_due()
+        for duty in self.duties:
+            await duty()
 
     async def dispatch_pending(self, *, site_id: str | None = None, batch_id: str | None = None) -> int:
         """Dispatch pending commands that may go now (quorum reached, an agent connected), in
