@@ -33,6 +33,7 @@ from nats.aio.subscription import Subscription
 from nats.js import api
 
 from better_compute.config import EventsSettings
+from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
 from better_compute.runtime.embedded import free_port, nats_server_binary, wait_port
 from better_compute.service.audit import requester
@@ -153,9 +154,8 @@ async def _leaf_connected(leaf: Server) -> bool | None:
     return True if body and body.get("leafnodes") else None
 
 
-@contextlib.asynccontextmanager
-async def run_stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    """Start the hub cluster and the eu1 leaf from deploy/nats; kill them all on the way out."""
+def _build(tmp_path: Path) -> Stack:
+    """The hub's three nodes and the eu1 leaf on fresh ports, not started."""
     passwords = {name: f"p{secrets.token_hex(12)}" for name in PASSWORD_VARS}
     shared = _env(**{f"{name}_PASSWORD": value for name, value in passwords.items()})
     route_ports = [free_port() for _ in range(3)]
@@ -181,18 +181,40 @@ async def run_stack(tmp_path: Path) -> AsyncIterator[Stack]:
         )
         for n in (1, 2, 3)
     ]
-    leaf = server("bc-leaf-eu1", "leaf-site.conf")
-    st = Stack(hub=hub, leaf=leaf, passwords=passwords)
+    return Stack(hub=hub, leaf=server("bc-leaf-eu1", "leaf-site.conf"), passwords=passwords)
+
+
+def _port_taken(st: Stack) -> bool:
+    """A node died because a port picked for it was taken before it listened: another process,
+    or a node's own route dial, whose loopback source port can be any free port."""
+    logs = [n.log.read_text(errors="replace") for n in [*st.hub, st.leaf] if n.log.exists()]
+    return any("address already in use" in text for text in logs)
+
+
+@contextlib.asynccontextmanager
+async def run_stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    """Start the hub cluster and the eu1 leaf from deploy/nats; kill them all on the way out.
+    Ports are picked free, then bound by nats-server: one taken meanwhile means new ports."""
+    for attempt in range(3):
+        st = _build(tmp_path / f"try-{attempt}")
+        (tmp_path / f"try-{attempt}").mkdir()
+        try:
+            for node in [*st.hub, st.leaf]:
+                node.start()
+        except BcError:
+            await st.close()
+            if _port_taken(st) and attempt < 2:
+                continue
+            raise
+        break
     try:
-        for node in [*hub, leaf]:
-            node.start()
-        for node in hub:
+        for node in st.hub:
             await eventually(f"{node.name} healthy", functools.partial(_healthy, node))
-        await eventually("leaf node connected", functools.partial(_leaf_connected, leaf))
+        await eventually("leaf node connected", functools.partial(_leaf_connected, st.leaf))
         yield st
     finally:
         await st.close()
-        for node in [*hub, leaf]:  # pytest shows this only when a test failed
+        for node in [*st.hub, st.leaf]:  # pytest shows this only when a test failed
             tail = node.log.read_text(errors="replace").splitlines()[-30:] if node.log.exists() else []
             print(f"--- {node.name} ---", *tail, sep="\n")
 
