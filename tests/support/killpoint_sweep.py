@@ -16,7 +16,7 @@ import importlib
 import json
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -321,19 +321,9 @@ class SweepStack:
         await asyncio.gather(*(self.arm(c.target, {**env, "BC_KILL_AT": c.point}) for c in cases))
         t0 = time.monotonic()
         deployed = await asyncio.gather(*(self.deploy() for _ in range(machines)))
-        try:
-            views: list[WorkflowView | None] = list(await self.finished([wf for _, wf, _ in deployed]))
-            stalled = ""
-        except AssertionError as exc:
-            views, stalled = [None] * machines, (str(exc).splitlines() or [repr(exc)])[0]
-        finally:
-            for _, _, medium in deployed:
-                medium.close()
-        rnd.seconds = time.monotonic() - t0
+        await self._judge(rnd, deployed, t0, self.finished([wf for _, wf, _ in deployed]))
         rnd.fired = {c.point: (marker_dir / _marker(c.point)).exists() for c in cases}
         rnd.restarts = {k: n - before.get(k, 0) for k, n in self.restarts.items() if n > before.get(k, 0)}
-        for (m, _, _), view in zip(deployed, views, strict=True):
-            rnd.outcomes.append(self._outcome(m, view, stalled))
         bcds = sum(m.ledger.count("bcd.restarted") for m, _, _ in deployed)
         if bcds:
             rnd.restarts["bcd"] = bcds  # the simulator restarts them (supervise_bcd)
@@ -360,7 +350,7 @@ class SweepStack:
                 return False
             return any(isinstance(v.steps, list) and v.steps[idx].state != "pending" for v in views)
 
-        try:
+        async def restart_servers_then_finish() -> list[WorkflowView]:
             await until(lambda: reached(1), timeout=60, what="a workflow past its first step")
             await asyncio.to_thread(self.servers.kill_nats)
             await asyncio.to_thread(self.servers.start_nats)
@@ -369,17 +359,31 @@ class SweepStack:
             await asyncio.to_thread(self.servers.kill_pg)
             await asyncio.to_thread(self.servers.start_pg)
             rnd.fired[rnd.cases[1].point] = True
-            views: list[WorkflowView | None] = list(await self.finished(ids, timeout=180))
+            return await self.finished(ids, timeout=180)
+
+        await self._judge(rnd, deployed, t0, restart_servers_then_finish())
+        return rnd
+
+    async def _judge(
+        self,
+        rnd: Round,
+        deployed: list[tuple[SimMachine, str, MediaServer]],
+        t0: float,
+        finish: Awaitable[list[WorkflowView]],
+    ) -> None:
+        """Await ``finish`` (the round's workflows at their end; a stall is its AssertionError),
+        close the media, and add each machine's outcome and the round's time to ``rnd``."""
+        try:
+            views: list[WorkflowView | None] = list(await finish)
             stalled = ""
         except AssertionError as exc:
-            views, stalled = [None] * machines, (str(exc).splitlines() or [repr(exc)])[0]
+            views, stalled = [None] * len(deployed), (str(exc).splitlines() or [repr(exc)])[0]
         finally:
             for _, _, medium in deployed:
                 medium.close()
         rnd.seconds = time.monotonic() - t0
         for (m, _, _), view in zip(deployed, views, strict=True):
             rnd.outcomes.append(self._outcome(m, view, stalled))
-        return rnd
 
     def _outcome(self, m: SimMachine, view: WorkflowView | None, stalled: str) -> Outcome:
         out = Outcome(m.name, effects=m.ledger.counts())

@@ -20,7 +20,7 @@ from ..metal.lifecycle import parse_bmc_url
 from ..wire.codec import convert
 from ..wire.metal import EnrollmentRuleBmc, EnrollmentRuleView
 from .common import add_tenant_flag, api_client, engine_client, parse_labels
-from .metal_commands import read_credentials
+from .metal_commands import add_bmc_credential_flags, read_credentials
 from .output import print_json, print_table
 
 __all__ = ["register"]
@@ -164,13 +164,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "{inventory.bmc_address} (then give --bmc-cidr)",
     )
     p.add_argument("--bmc-cidr", action="append", help="a network a BMC address from facts must be in")
-    p.add_argument(
-        "--bmc-credentials-file",
-        help='a file with {"username": …, "password": …} or username:password (else asked for)',
-    )
-    p.add_argument("--bmc-user", help="the BMC username when the password is asked for")
-    p.add_argument("--bmc-insecure", action="store_true", help="do not verify the BMC's TLS certificate")
-    p.add_argument("--no-prompt", action="store_true", help="never ask for a credential")
+    add_bmc_credential_flags(p)
     p.set_defaults(func=rules_create)
     p = rsub.add_parser("list", parents=[common], help="the rules, in the order they are tried")
     p.add_argument("--tenant", help="one tenant's")

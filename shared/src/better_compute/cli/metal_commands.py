@@ -35,6 +35,17 @@ from .why_commands import why_line
 __all__ = ["read_credentials", "register"]
 
 
+def add_bmc_credential_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``read_credentials`` reads, and ``--bmc-insecure``."""
+    p.add_argument(
+        "--bmc-credentials-file",
+        help='a file with {"username": …, "password": …} or username:password (else asked for)',
+    )
+    p.add_argument("--bmc-user", help="the BMC username when the password is asked for")
+    p.add_argument("--bmc-insecure", action="store_true", help="do not verify the BMC's TLS certificate")
+    p.add_argument("--no-prompt", action="store_true", help="never ask for a credential")
+
+
 def read_credentials(path: str | None, *, user: str | None, interactive: bool) -> bytes | None:
     """The BMC credential as the site agent reads it: JSON ``{"username", "password"}``.
 
@@ -284,13 +295,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p.add_argument("--mac", action="append", help="MAC address, repeatable")
     p.add_argument("--label", action="append", help="key=value, repeatable")
     p.add_argument("--bmc", help="redfish://host[:port]/redfish/v1/Systems/1, ipmi://host, sim://name")
-    p.add_argument(
-        "--bmc-credentials-file",
-        help='a file with {"username": …, "password": …} or username:password (else asked for)',
-    )
-    p.add_argument("--bmc-user", help="the BMC username when the password is asked for")
-    p.add_argument("--bmc-insecure", action="store_true", help="do not verify the BMC's TLS certificate")
-    p.add_argument("--no-prompt", action="store_true", help="never ask for a credential")
+    add_bmc_credential_flags(p)
     p.set_defaults(func=nodes_enroll)
     p = nodes.add_parser("show", parents=[common], help="state, power, inventory, host section, workflow")
     p.add_argument("id")

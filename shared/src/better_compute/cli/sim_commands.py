@@ -30,9 +30,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..clients import CommandQueueClient, EngineClient, PkiClient, SecretsClient
 from ..config import Settings
@@ -136,47 +136,63 @@ def _tail(path: Path, lines: int = 12) -> str:
     return ", which ends:\n" + "\n".join(f"  | {line}" for line in text)
 
 
-async def _wait_machines(folder: Path, pid: int, log: Path, timeout: float) -> dict[str, Any]:
+T = TypeVar("T")
+
+
+async def _started(
+    probe: Callable[[], Awaitable[T | None]],
+    *,
+    pid: int,
+    log: Path,
+    timeout: float,
+    what: str,
+    not_up: str,
+    path: str,
+) -> T:
+    """``probe()`` every 0.2 s until it returns something; ``UNAVAILABLE`` naming the log (and
+    its last lines) when process ``pid`` exits first or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
-    path = folder / MACHINES_FILE
     while True:
-        with contextlib.suppress(OSError, ValueError):
-            doc: dict[str, Any] = json.loads(path.read_text())
-            return doc
+        got = await probe()
+        if got is not None:
+            return got
         if not pid_alive(pid):
-            raise BcError(
-                ErrorCode.UNAVAILABLE, f"the simulator exited at start; its log is {log}{_tail(log)}",
-                {"path": "sim", "log": str(log)},
-            )  # fmt: skip
-        if time.monotonic() > deadline:
-            raise BcError(
-                ErrorCode.UNAVAILABLE,
-                f"the simulator is not up after {timeout:.0f}s; its log is {log}{_tail(log)}",
-                {"path": "sim", "log": str(log)},
-            )  # fmt: skip
-        await asyncio.sleep(0.2)
+            message = f"{what} exited at start"
+        elif time.monotonic() > deadline:
+            message = f"{not_up} after {timeout:.0f}s"
+        else:
+            await asyncio.sleep(0.2)
+            continue
+        raise BcError(
+            ErrorCode.UNAVAILABLE, f"{message}; its log is {log}{_tail(log)}", {"path": path, "log": str(log)}
+        )
+
+
+async def _wait_machines(folder: Path, pid: int, log: Path, timeout: float) -> dict[str, Any]:
+    async def machines() -> dict[str, Any] | None:
+        with contextlib.suppress(OSError, ValueError):
+            doc: dict[str, Any] = json.loads((folder / MACHINES_FILE).read_text())
+            return doc
+        return None
+
+    return await _started(
+        machines, pid=pid, log=log, timeout=timeout, what="the simulator", not_up="the simulator is not up",
+        path="sim",
+    )  # fmt: skip
 
 
 async def _wait_agent(cq: CommandQueueClient, site: str, pid: int, log: Path, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def connected() -> str | None:
         with contextlib.suppress(BcError):
             found = await cq.agents(site_id=site, role="site", connected=True)
             if found:
                 return found[0].id
-        if not pid_alive(pid):
-            raise BcError(
-                ErrorCode.UNAVAILABLE, f"the site agent exited at start; its log is {log}{_tail(log)}",
-                {"path": "siteAgent", "log": str(log)},
-            )  # fmt: skip
-        if time.monotonic() > deadline:
-            raise BcError(
-                ErrorCode.UNAVAILABLE,
-                f"the site agent of {site} is not connected after {timeout:.0f}s; "
-                f"its log is {log}{_tail(log)}",
-                {"path": "siteAgent", "log": str(log)},
-            )  # fmt: skip
-        await asyncio.sleep(0.2)
+        return None
+
+    return await _started(
+        connected, pid=pid, log=log, timeout=timeout, what="the site agent",
+        not_up=f"the site agent of {site} is not connected", path="siteAgent",
+    )  # fmt: skip
 
 
 async def sim_up(args: argparse.Namespace, settings: Settings) -> int:

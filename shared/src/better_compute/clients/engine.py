@@ -236,13 +236,13 @@ class EngineClient(ServiceClient):
             node_id=node_id,
             owner=owner,
         )
-        for tries_left in reversed(range(START_TRIES)):
+        for _ in range(START_TRIES - 1):
             try:
                 return await self._call("workflows.start", req, WorkflowView)
             except BcError as err:
-                if err.code is not ErrorCode.TIMEOUT or not tries_left:
+                if err.code is not ErrorCode.TIMEOUT:
                     raise
-        raise AssertionError("unreachable")
+        return await self._call("workflows.start", req, WorkflowView)
 
     async def get_workflow(self, *, id: str, steps_cursor: str | None = None) -> WorkflowView:
         """The workflow with the steps that fit in one reply (from ``steps_cursor`` on);

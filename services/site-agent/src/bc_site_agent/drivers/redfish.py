@@ -331,7 +331,7 @@ class RedfishDriver:
         return await self._call("GET System inventory", read, deadline=deadline)
 
 
-class _OneShotHTTP(urllib3.HTTPConnectionPool):
+class _OneShot(urllib3.HTTPConnectionPool):
     """A pool that never hands a connection out twice: one request, one connection."""
 
     def _put_conn(self, conn: Any) -> None:
@@ -340,11 +340,8 @@ class _OneShotHTTP(urllib3.HTTPConnectionPool):
         super()._put_conn(None)  # the slot stays; the next request opens a new connection
 
 
-class _OneShotHTTPS(urllib3.HTTPSConnectionPool):
-    def _put_conn(self, conn: Any) -> None:
-        if conn is not None:
-            conn.close()
-        super()._put_conn(None)
+class _OneShotHTTPS(_OneShot, urllib3.HTTPSConnectionPool):
+    pass
 
 
 def _one_request_per_connection(root: Any) -> None:
@@ -362,7 +359,7 @@ def _one_request_per_connection(root: Any) -> None:
     for adapter in session.adapters.values():
         manager = getattr(adapter, "poolmanager", None)
         if manager is not None:
-            manager.pool_classes_by_scheme = {"http": _OneShotHTTP, "https": _OneShotHTTPS}
+            manager.pool_classes_by_scheme = {"http": _OneShot, "https": _OneShotHTTPS}
             manager.clear()  # the pool of sushy's first GET (the service root) goes too
 
 
