@@ -41,7 +41,7 @@ from ..core.ids import new_id
 from ..core.names import parse_name
 from ..logging import register_secret
 from ..metal.lifecycle import parse_bmc_url
-from ..runtime.dev import DevStack, ProcRecord
+from ..runtime.dev import DevStack, ProcRecord, log_tail
 from ..runtime.embedded import free_port, pid_alive, spawn_detached, stop_pid
 from ..runtime.urls import resolve_nats_url
 from ..wire.codec import convert
@@ -128,14 +128,6 @@ def _agent_config(
     return config
 
 
-def _tail(path: Path, lines: int = 12) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return " (no log)"
-    return ", which ends:\n" + "\n".join(f"  | {line}" for line in text)
-
-
 T = TypeVar("T")
 
 
@@ -163,9 +155,8 @@ async def _started(
         else:
             await asyncio.sleep(0.2)
             continue
-        raise BcError(
-            ErrorCode.UNAVAILABLE, f"{message}; its log is {log}{_tail(log)}", {"path": path, "log": str(log)}
-        )
+        said = f"{message}; its log is {log}{log_tail(log)}"
+        raise BcError(ErrorCode.UNAVAILABLE, said, {"path": path, "log": str(log)})
 
 
 async def _wait_machines(folder: Path, pid: int, log: Path, timeout: float) -> dict[str, Any]:

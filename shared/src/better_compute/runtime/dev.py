@@ -30,7 +30,7 @@ from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from .embedded import EmbeddedNats, EmbeddedPostgres, pid_alive, spawn_detached, stop_pid
 
-__all__ = ["QUORUM_FILE", "SERVICES", "DevStack", "ProcRecord"]
+__all__ = ["QUORUM_FILE", "SERVICES", "DevStack", "ProcRecord", "log_tail"]
 
 QUORUM_FILE = "quorum.json"
 
@@ -44,6 +44,16 @@ SERVICES: dict[str, str] = {
 
 
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@")
+
+
+def log_tail(log: Path, *, lines: int = 12) -> str:
+    """``, which ends:`` and the last ``lines`` lines of a process's log, to follow "its log is
+    <path>" in an error; passwords in URLs taken out (a traceback may print one)."""
+    try:
+        tail = [_USERINFO.sub(r"\1", line) for line in log.read_text(errors="replace").splitlines()[-lines:]]
+    except OSError:
+        tail = []
+    return ", which ends:\n" + "\n".join(f"  | {line}" for line in tail) if tail else " (empty)"
 
 
 @dataclass(frozen=True)
@@ -178,15 +188,7 @@ class DevStack:
         and the log's last lines."""
         rec = self.record(name)
         log = Path(rec.log) if rec is not None else self.logs / f"{name}.log"
-        try:
-            # a traceback may print a URL with its password: never pass that on
-            tail = [
-                _USERINFO.sub(r"\1", line) for line in log.read_text(errors="replace").splitlines()[-lines:]
-            ]
-        except OSError:
-            tail = []
-        ends = ", which ends:\n" + "\n".join(f"  | {line}" for line in tail) if tail else " (empty)"
-        return f"{name} {why}; its log is {log}{ends}"
+        return f"{name} {why}; its log is {log}{log_tail(log, lines=lines)}"
 
     def records(self) -> list[ProcRecord]:
         if not self.procs.is_dir():
