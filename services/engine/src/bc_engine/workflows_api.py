@@ -54,21 +54,14 @@ class WorkflowsApi:
             parse_id(body.node_id, "node", path="nodeId")
         if body.id is not None:
             parse_id(body.id, "wf", path="id")
-            again = await self._started_before(body)
-            if again is not None:
-                return again
         try:
             return await self._start(body)
-        except asyncpg.UniqueViolationError:
-            # the same start, sent twice at once: the other one made it
-            again = await self._started_before(body)
-            if again is None:
-                raise
-            return again
-        except BcError as err:
-            if body.id is None or err.details.get("workflowId") != body.id:
-                raise
-            again = await self._started_before(body)  # node-busy with this very workflow
+        except (asyncpg.UniqueViolationError, BcError):
+            # Asked before with this id (a retry after a lost answer, or the same start twice
+            # at once)? Then the id is taken, or its node busy with it, or its profile gone
+            # since: answer with the workflow it made. Looked up only on this error path, so a
+            # first start costs no extra read.
+            again = await self._started_before(body) if body.id is not None else None
             if again is None:
                 raise
             return again
