@@ -6,10 +6,12 @@ table (node, final state, duration, failed step). On a terminal it is a ``rich``
 a pipe or a file it prints one plain line per change (``--json``: one JSON object per change, then
 the summary as one object).
 
-It is driven by the engine's events: ``bc.events.node.<id>`` (a node moved: read it) and
-``bc.events.workflow.<id>`` (a step started, settled or waits: the event carries the step). The
-events are wake-ups, not the truth, so every node is also read again every few seconds, which
-covers an event lost or sent while the view was connecting.
+It is driven by the engine's events: ``bc.events.node.<id>`` (a node moved: the event carries the
+state it moved to, shown at once, then the node is read) and ``bc.events.workflow.<id>`` (a step
+started, settled or waits: the event carries the step). A node that passes through ``inspecting``
+faster than a read is shown passing through it, in the order the events came. The events are
+wake-ups, not the truth, so every node is also read again every few seconds, which covers an event
+lost or sent while the view was connecting.
 
 Final states: for a verb, its resting state (``deploy`` → ``deployed``) and ``failed``; without
 one, any state no workflow is moving (not ``…ing``).
@@ -178,6 +180,22 @@ class Progress:
             row.step = _step_text(node) or row.step
         return (row.state, row.step) != before
 
+    def apply_passing(self, event: NodeChanged, now: float) -> bool:
+        """Show a state the event says the node moved to, before the read that follows it: the
+        read may already find the node past it. A late event never moves a node back from where
+        a read put it for the same workflow. True when what a user sees of it changed."""
+        row = self.rows.get(event.node_id)
+        if row is None or event.state not in RUNNING_STATES or event.state == row.state:
+            return False
+        if row.state in self.finals and (event.workflow_id is None or event.workflow_id == row.workflow):
+            return False
+        if event.workflow_id and event.workflow_id != row.workflow:
+            row.workflow = event.workflow_id
+            row.since, row.ended = now, None
+        row.since = row.since or now
+        row.state, row.seen_running = event.state, True
+        return True
+
     def apply_step(self, event: StepChanged) -> bool:
         row = self.rows.get(event.node_id or "")
         if row is None or row.state in self.finals or (row.workflow and row.workflow != event.workflow_id):
@@ -315,11 +333,16 @@ async def watch_nodes(
     wanted = set(progress.rows)
     dirty: set[str] = set(wanted)  # everyone is read once at the start
     step_events: list[StepChanged] = []
+    node_events: list[NodeChanged] = []
     woken = asyncio.Event()
 
     async def on_node(msg: Any) -> None:
         match decode_node_event(msg.data):
-            case NodeChanged(node_id=node_id) | NodeRemoved(node_id=node_id) if node_id in wanted:
+            case NodeChanged(node_id=node_id) as event if node_id in wanted:
+                node_events.append(event)
+                dirty.add(node_id)
+                woken.set()
+            case NodeRemoved(node_id=node_id) if node_id in wanted:
                 dirty.add(node_id)
                 woken.set()
             case _:
@@ -351,6 +374,12 @@ async def watch_nodes(
             while True:
                 now = time.time()
                 changed: list[str] = []
+                if not first:
+                    # states the events say each node passed through, each shown before the reads
+                    for node_event in node_events:
+                        if progress.apply_passing(node_event, now):
+                            view.show(progress, [node_event.node_id], now)
+                node_events.clear()
                 for event in step_events:
                     if progress.apply_step(event):
                         changed.append(str(event.node_id))
