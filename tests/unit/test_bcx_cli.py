@@ -86,3 +86,24 @@ def test_a_failed_start_names_the_log_and_shows_its_end_without_passwords(tmp_pa
     assert "line 20" in said
     assert "postgresql://127.0.0.1:5499/bc" in said
     assert "hunter2" not in said
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["nodes", "list", "--bogus"], "bcx nodes list"),
+        (["workflows", "retry", "wf_1", "--nope"], "bcx workflows retry"),
+        (["status", "extra"], "bcx status"),
+    ],
+)
+def test_an_unknown_argument_is_reported_with_the_subcommands_own_usage(
+    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from better_compute.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {usage} ")
+    assert f"{usage}: error: unrecognized arguments: {argv[-1]}" in err
