@@ -107,3 +107,18 @@ def test_an_unknown_argument_is_reported_with_the_subcommands_own_usage(
     err = capsys.readouterr().err
     assert err.startswith(f"usage: {usage} ")
     assert f"{usage}: error: unrecognized arguments: {argv[-1]}" in err
+
+
+def test_every_flag_and_argument_of_every_command_has_help_text() -> None:
+    import argparse
+
+    from better_compute.cli.main import _subparsers
+
+    parser = build_parser()
+    missing = [
+        f"{p.prog} {a.option_strings or a.dest}"
+        for p in [parser, *_subparsers(parser)]
+        for a in p._actions  # argparse offers no public walk of its tree
+        if a.help is None and not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+    ]
+    assert missing == []

@@ -298,7 +298,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     add_bmc_credential_flags(p)
     p.set_defaults(func=nodes_enroll)
     p = nodes.add_parser("show", parents=[common], help="state, power, inventory, host section, workflow")
-    p.add_argument("id")
+    p.add_argument("id", help="node id")
     p.set_defaults(func=nodes_show)
 
     helps = {
@@ -315,7 +315,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
         _verb_flags(p, verb)
         p.set_defaults(func=run_verb, verb=verb)
     p = sub.add_parser("bulk", parents=[common], help="one verb over many nodes, under one batch")
-    p.add_argument("verb", choices=list(VERBS))
+    p.add_argument("verb", choices=list(VERBS), help="the lifecycle verb to run on every node")
     p.add_argument("--selector", help="site=lab1,rack=r12: site and labels that must all match")
     p.add_argument("--node", action="append", help="node id, repeatable (instead of --selector)")
     _verb_flags(p, "deploy")
