@@ -234,7 +234,8 @@ async def test_a_bc_error_fails_the_step_with_its_code_and_retry_runs_a_new_atte
     with pytest.raises(BcError) as e:
         await engine_api.resume_workflow(id=wf.id)
     assert (e.value.code, e.value.reason) == (ErrorCode.INVALID_STATE, "workflow-failed")
-    assert e.value.message.endswith(f"retry runs a failed workflow's failed step again (bcx workflows retry {wf.id})")
+    instead = f"retry runs a failed workflow's failed step again (bcx workflows retry {wf.id})"
+    assert e.value.message.endswith(instead)
 
     await flag(db, "fixed")
     await engine_api.retry_workflow(id=wf.id)
