@@ -322,10 +322,10 @@ async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> i
                     await cq.approve_batch(batch_id=batch.id, approver_id=args.approver, signature=signature)
                 )
             except BcError as err:
-                if err.code is ErrorCode.UNAVAILABLE:
-                    raise
+                if err.code is ErrorCode.UNAVAILABLE or len(args.id) == 1:
+                    raise  # one batch: the usual error line, with its path and hint
                 errors.append({"id": batch_id, "code": err.code.value, "message": err.message})
-    if len(args.id) == 1 and not errors:
+    if len(args.id) == 1:
         _print_batch(approved[0], as_json=args.json)
     elif args.json:
         print_json({"batches": _json(approved), "errors": errors})
