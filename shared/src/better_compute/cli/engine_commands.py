@@ -40,16 +40,32 @@ async def nodes_list(args: argparse.Namespace, settings: Settings) -> int:
         nodes, next_ = await collect_pages(engine.list_nodes, "nodes", args, site_id=args.site)
     return show_page(
         args, next_, key="nodes", found=nodes,
-        rows=[{**row, "labels": _label_text(n.labels)} for n, row in zip(nodes, as_rows(nodes), strict=True)],
-        columns=[("id", "NODE"), ("siteId", "SITE"), ("tenantId", "TENANT"), ("labels", "LABELS")],
-        empty="no nodes",
+        rows=_node_rows(nodes), columns=NODE_COLUMNS, empty="no nodes",
     )  # fmt: skip
 
 
+NODE_COLUMNS = [
+    ("id", "NODE"), ("siteId", "SITE"), ("state", "STATE"), ("power", "POWER"), ("tenantId", "TENANT"),
+    ("labels", "LABELS"),
+]  # fmt: skip
+
+
+def _node_rows(nodes: list[NodeView]) -> list[dict[str, Any]]:
+    return [
+        {**row, "labels": _label_text(n.labels), "power": n.power_state or "unknown"}
+        for n, row in zip(nodes, as_rows(nodes), strict=True)
+    ]
+
+
 async def nodes_get(args: argparse.Namespace, settings: Settings) -> int:
+    """One node: a table row as ``nodes list`` shows it (``--json``/``-o yaml``: the whole
+    document; ``nodes show`` describes it)."""
     async with engine_client(settings) as engine:
         node = await engine.get_node(id=args.id)
-    print_json(node)
+    if args.json:
+        print_json(node)
+    else:
+        print_table(_node_rows([node]), NODE_COLUMNS)
     return 0
 
 

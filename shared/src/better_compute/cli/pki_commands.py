@@ -164,7 +164,7 @@ async def cmd_certs_list(args: argparse.Namespace, settings: Settings) -> int:
         certs, next_ = await collect_pages(
             PkiClient(api).certificates_page, "certificates", args,
             tenant_id=args.tenant, site_id=args.site, agent_id=args.agent,
-            join_token_id=args.token, include_revoked=args.all,
+            join_token_id=args.token, include_revoked=args.include_revoked,
         )  # fmt: skip
     return show_page(
         args, next_, key="certificates", found=msgspec.to_builtins(certs),
@@ -230,8 +230,8 @@ def register(
     p.add_argument("--site", help="only this site's")
     p.add_argument("--agent", help="agent id")
     p.add_argument("--token", help="join token id the certificate was earned with")
-    p.add_argument("--all", action="store_true", help="include revoked certificates")
-    add_paging(p, default_limit=100, short_all=False)
+    p.add_argument("--include-revoked", action="store_true", help="revoked certificates too")
+    add_paging(p, default_limit=100)
     p.set_defaults(func=cmd_certs_list)
     p = csub.add_parser("revoke", parents=[common], help="revoke a certificate")
     p.add_argument("id", help="certificate id (cert_…)")
