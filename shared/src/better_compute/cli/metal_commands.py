@@ -229,16 +229,26 @@ def _verb_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_verb(args: argparse.Namespace, settings: Settings) -> int:
+    """One node's verb; with ``--watch`` its live progress, with ``--wait`` only its end (both
+    then a summary, exit 1 when it failed or the ``--timeout`` passed)."""
     async with engine_client(settings) as engine:
+        t0 = time.time()
         got = await engine.run_verb(cast(VerbName, args.verb), node_id=args.node, **_verb_options(args))
-    if args.json:
-        print_json(got)
-        return 0
-    profile = f"{got.profile.id}@{got.profile.version}"
-    print(f"{got.node_id} {got.state}: workflow {got.workflow_id} ({profile})")
-    if got.batch_id:
-        print(f"  destructive commands wait for the approvals of batch {got.batch_id}")
-    return 0
+        if args.json:
+            print(json_line(got), flush=True)
+        else:
+            profile = f"{got.profile.id}@{got.profile.version}"
+            print(f"{got.node_id} {got.state}: workflow {got.workflow_id} ({profile})")
+            if got.batch_id:
+                print(f"  destructive commands wait for the approvals of batch {got.batch_id}")
+            sys.stdout.flush()
+        if not (args.watch or args.wait):
+            return 0
+        node = await engine.get_node(id=got.node_id)
+        return await watch_nodes(
+            engine, [node], verb=args.verb, as_json=args.json, started=t0, timeout=args.timeout,
+            title=f"{args.verb} · {got.node_id}", live=args.watch,
+        )  # fmt: skip
 
 
 async def run_bulk(args: argparse.Namespace, settings: Settings) -> int:
@@ -313,6 +323,14 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
         p = sub.add_parser(verb, parents=[common], help=helps[verb])
         p.add_argument("node", help="node id")
         _verb_flags(p, verb)
+        until = p.add_mutually_exclusive_group()
+        until.add_argument(
+            "--watch", action="store_true", help="live progress until the node rests, then a summary"
+        )
+        until.add_argument("--wait", action="store_true", help="wait until the node rests, then a summary")
+        p.add_argument(
+            "--timeout", type=float, help="with --watch or --wait: give up after this many seconds"
+        )
         p.set_defaults(func=run_verb, verb=verb)
     p = sub.add_parser("bulk", parents=[common], help="one verb over many nodes, under one batch")
     p.add_argument("verb", choices=list(VERBS), help="the lifecycle verb to run on every node")

@@ -263,6 +263,19 @@ class _Plain:
         self.out.flush()
 
 
+class _Quiet:
+    """No line per change (``--wait``): only the summary at the end."""
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def show(self, progress: Progress, changed: Iterable[str], now: float) -> None:
+        pass
+
+
 class _Live:
     """A ``rich`` live view on a terminal: the machines, then a bar per state."""
 
@@ -325,8 +338,11 @@ async def watch_nodes(
     started: float | None = None,
     timeout: float | None = None,
     title: str = "rollout",
+    live: bool = True,
 ) -> int:
-    """Follow ``nodes`` until each is in a final state; print the summary. 0 when none failed."""
+    """Follow ``nodes`` until each is in a final state (``live=False``: without a line per
+    change); print the summary. 0 when none failed. Past ``timeout`` the summary shows where each
+    stands, then ``TIMEOUT`` is raised."""
     out = out or sys.stdout
     finals = final_states(verb)
     progress = Progress(nodes, finals, started=started or time.time())
@@ -364,9 +380,12 @@ async def watch_nodes(
         await api.nc.subscribe(api.subjects.events_all(NODE_EVENTS), cb=on_node),
         await api.nc.subscribe(api.subjects.events_all(EVENTS), cb=on_workflow),
     ]
-    interactive = out.isatty() and not as_json
-    view: _Live | _Plain = _Live(out, title) if interactive else _Plain(out, as_json=as_json)
+    interactive = out.isatty() and not as_json and live
+    view: _Live | _Plain | _Quiet = (
+        _Live(out, title) if interactive else _Plain(out, as_json=as_json) if live else _Quiet()
+    )
     deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
     last_read = time.monotonic()
     first = True
     try:
@@ -400,9 +419,8 @@ async def watch_nodes(
                 if progress.done:
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    raise BcError(
-                        ErrorCode.TIMEOUT, f"the rollout did not end in {timeout:.0f}s", {"path": "timeout"}
-                    )
+                    timed_out = True
+                    break
                 woken.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), timeout=1.0 if interactive else REREAD_SECONDS)
@@ -434,6 +452,13 @@ async def watch_nodes(
         counts = ", ".join(f"{n} {s}" for s, n in progress.counts().items())
         out.write(f"{len(rows)} nodes in {_fmt_elapsed(now - progress.started)}: {counts}\n")
     out.flush()
+    if timed_out:
+        moving = sum(1 for r in rows if r["state"] not in finals)
+        raise BcError(
+            ErrorCode.TIMEOUT,
+            f"the rollout did not end in {timeout:.0f}s: {moving} of {len(rows)} still moving",
+            {"path": "timeout"},
+        )
     return 1 if failed else 0
 
 
