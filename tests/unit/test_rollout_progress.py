@@ -129,3 +129,22 @@ def test_a_state_the_events_say_a_node_passed_through_is_shown_though_the_read_f
     again = msgspec.structs.replace(passing, workflow_id="wf_10")
     assert p.apply_passing(again, 6.0)
     assert p.rows["n1"].state == "inspecting"
+
+
+def test_the_line_says_what_the_step_waits_for_as_why_does() -> None:
+    p = Progress([node("n1", "ready", wf=None)], final_states("inspect"), started=0.0)
+    waits = {"reason": "step-not-ready", "message": "no agent at site lab1 (last seen 12s ago)"}
+    assert p.apply_node(
+        node("n1", "inspecting", step=(1, "wait.agentJoined"), waiting=waits), (0.0, None), 1.0
+    )
+    assert p.rows["n1"].step == "1 wait.agentJoined (waits: no agent at site lab1 (last seen 12s ago))"
+    same = StepChanged(
+        workflow_id="wf_1", node_id="n1", workflow_state="running", at=2.0,
+        step=StepChange(index=1, action="wait.agentJoined", state="running", attempt=1),
+    )  # fmt: skip
+    assert not p.apply_step(same)  # the same step: the reason stays on the line
+    away = {"reason": "service-unavailable", "service": "pki", "code": "UNAVAILABLE", "tries": 4}
+    assert p.apply_node(
+        node("n1", "inspecting", step=(1, "wait.agentJoined"), waiting=away), (0.0, None), 3.0
+    )
+    assert p.rows["n1"].step == "1 wait.agentJoined (waits: pki unavailable (4 tries))"

@@ -119,8 +119,14 @@ def _step_text(node: NodeView) -> str:
         return ""
     waits = wf.waiting_for if isinstance(wf.waiting_for, dict) else {}
     step = f"{wf.step.index} {wf.step.action}" if wf.step else ""
-    if waits.get("reason") == "batch-approval":
+    reason = waits.get("reason")
+    if reason == "batch-approval":
         return f"{step} (waits for approvals: {waits.get('approvals')} of {waits.get('threshold')})".strip()
+    if reason:  # what the step waits for, as bcx why words it first
+        said = waits.get("message") or str(reason).replace("-", " ")
+        if reason == "service-unavailable" and waits.get("service"):
+            said = f"{waits['service']} unavailable ({waits.get('tries', 1)} tries)"
+        return f"{step} (waits: {short(str(said), 70)})".strip()
     return step
 
 
@@ -204,8 +210,8 @@ class Progress:
         text = f"{s.index} {s.action}"
         if s.state not in ("running", "succeeded"):
             text += f" ({s.state})"
-        if text == row.step:
-            return False
+        if text == row.step or (s.state == "running" and row.step.startswith(f"{text} (waits")):
+            return False  # the same step: what a read said it waits for stays shown
         row.step = text
         return True
 
