@@ -122,3 +122,26 @@ def test_every_flag_and_argument_of_every_command_has_help_text() -> None:
         if a.help is None and not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
     ]
     assert missing == []
+
+
+def test_a_yaml_profile_reads_as_its_author_means_it(tmp_path: Path) -> None:
+    from better_compute.cli.common import read_document
+    from better_compute.core.errors import BcError
+
+    doc = tmp_path / "p.yaml"
+    doc.write_text(
+        "id: acme.reboot\nversion: 1\ntarget: metal\nsteps:\n"
+        "  - use: power.setPower\n    on: site\n    with: {action: off}\n"
+        "  - use: power.setPower\n    with: {action: on, force: true}\n"
+        "released: 2026-01-02\n"
+    )
+    got = read_document(str(doc))
+    # YAML 1.2: `off`, `on` and keys named `on` stay strings; only true/false are booleans
+    assert got["steps"][0] == {"use": "power.setPower", "on": "site", "with": {"action": "off"}}
+    assert got["steps"][1]["with"] == {"action": "on", "force": True}
+    assert got["released"] == "2026-01-02"
+    bad = tmp_path / "bad.yml"
+    bad.write_text("steps: [\n")
+    with pytest.raises(BcError) as e:
+        read_document(str(bad))
+    assert (e.value.code.value, e.value.path) == ("INVALID_INPUT", "file")

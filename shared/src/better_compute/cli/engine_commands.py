@@ -262,8 +262,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     profiles = sub.add_parser("profiles", help="versioned documents of steps").add_subparsers(
         dest="profiles_command", required=True, metavar="COMMAND"
     )
-    p = profiles.add_parser("create", parents=[common, tenant], help="store a profile (JSON or TOML file)")
-    p.add_argument("file", help="the profile document (JSON or TOML)")
+    p = profiles.add_parser("create", parents=[common, tenant], help="store a profile (JSON, YAML, TOML)")
+    p.add_argument("file", help="the profile document (.json, .yaml, .toml; - for stdin)")
     p.add_argument("--public", action="store_true", help="visible to every tenant")
     p.add_argument("--replace", action="store_true", help="replace a version no workflow has used")
     p.set_defaults(func=profiles_create)
