@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..clients import EngineClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..wire.engine import NodeView
-from .common import add_tenant_flag, as_rows, engine_client, parse_labels, read_document, short
+from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels, read_document, short
+from .metal_commands import add_bmc_credential_flags, update_bmc
 from .output import print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 
@@ -77,12 +79,26 @@ def _print_node(node: NodeView, *, as_json: bool) -> None:
 
 
 async def nodes_update(args: argparse.Namespace, settings: Settings) -> int:
+    """A node's site, labels or BMC (``--bmc URL``, or a new credential for its BMC)."""
     labels = parse_labels(args.label) if args.label is not None or args.no_labels else None
-    if args.site is None and labels is None:
-        raise BcError(ErrorCode.INVALID_INPUT, "give --site, --label or --no-labels", {"path": "site"})
-    async with engine_client(settings) as engine:
-        node = await engine.update_node(id=args.id, site_id=args.site, labels=labels)
+    bmc_given = any(
+        (args.bmc, args.bmc_credentials_file, args.bmc_user, args.bmc_insecure)
+    )  # fmt: skip
+    if args.site is None and labels is None and not bmc_given:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, "give --site, --label, --no-labels, --bmc or --bmc-credentials-file",
+            {"path": "site"},
+        )  # fmt: skip
+    async with api_client(settings) as api:
+        engine = EngineClient(api)
+        bmc = None
+        if bmc_given:
+            bmc = await update_bmc(api, args, await engine.get_node(id=args.id))
+        node = await engine.update_node(id=args.id, site_id=args.site, labels=labels, bmc=bmc)
     _print_node(node, as_json=args.json)
+    if not args.json and bmc is not None and node.bmc:
+        ref = node.bmc.get("credentialsRef") or "no credential"
+        print(f"  bmc {node.bmc['driver']} {node.bmc['address']} ({ref})")
     return 0
 
 
@@ -244,6 +260,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     p.add_argument("--site", help="new site id (not while a workflow runs on the node)")
     p.add_argument("--label", action="append", help="key=value, repeatable: replaces every label")
     p.add_argument("--no-labels", action="store_true", help="remove every label")
+    p.add_argument(
+        "--bmc", help="a new BMC: redfish://host[:port]/redfish/v1/Systems/1, ipmi://host, sim://name"
+    )
+    add_bmc_credential_flags(p)
     p.set_defaults(func=nodes_update)
     p = nodes.add_parser("label", parents=[common], help="set (key=value) or remove (key-) labels")
     p.add_argument("id", help="node id")

@@ -32,7 +32,7 @@ from .output import json_line, print_json, print_table
 from .rollout import watch_nodes
 from .why_commands import why_line
 
-__all__ = ["read_credentials", "register"]
+__all__ = ["add_bmc_credential_flags", "read_credentials", "register", "update_bmc"]
 
 
 def add_bmc_credential_flags(p: argparse.ArgumentParser) -> None:
@@ -100,6 +100,36 @@ def _node_bmc(bmc: dict[str, object], credentials_ref: str | None) -> NodeBmc:
         return convert({**bmc, "credentialsRef": credentials_ref}, NodeBmc)
     except BcError as err:
         raise err.with_path_prefix("bmc") from err
+
+
+async def update_bmc(api: Any, args: argparse.Namespace, node: NodeView) -> NodeBmc | None:
+    """``nodes update``'s new BMC: ``--bmc URL`` (a new address, and a credential read as enroll
+    reads it), or only a new credential for the BMC the node has (``--bmc-credentials-file`` /
+    ``--bmc-user``). The credential goes to bc-secrets as the node's; the node keeps only its
+    reference. None when neither was given."""
+    new_credential = args.bmc_credentials_file is not None or args.bmc_user is not None
+    if args.bmc is None and not new_credential and not args.bmc_insecure:
+        return None
+    if args.bmc is not None:
+        bmc: dict[str, object] = parse_bmc_url(args.bmc)
+        ref: Any = None
+    elif node.bmc is None:
+        raise BcError(ErrorCode.INVALID_INPUT, f"node {node.id} has no BMC: give --bmc", {"path": "bmc"})
+    else:
+        bmc = {k: v for k, v in node.bmc.items() if k != "credentialsRef"}
+        ref = node.bmc.get("credentialsRef")
+    if args.bmc_insecure:
+        bmc["insecure"] = True
+    _node_bmc(bmc, None)  # a bad BMC is refused before a credential is stored for it
+    if bmc["driver"] != "sim" and (args.bmc is not None or new_credential):
+        interactive = not args.no_prompt and sys.stdin.isatty()
+        credential = read_credentials(args.bmc_credentials_file, user=args.bmc_user, interactive=interactive)
+        if credential is not None:
+            info = await SecretsClient(api).put_for_node(
+                credential, tenant_id=node.tenant_id, node_id=node.id, label="bmc"
+            )
+            ref = info.ref
+    return _node_bmc(bmc, ref)
 
 
 async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
