@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _global_flags(common, defaults=False)
 
-    parser = BcxParser(prog="bcx", description="Better Compute admin CLI")
+    parser: argparse.ArgumentParser = BcxParser(prog="bcx", description="Better Compute admin CLI")
     _global_flags(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
