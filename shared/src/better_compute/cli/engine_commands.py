@@ -9,6 +9,7 @@ from typing import Any
 from ..clients import EngineClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
+from ..metal.lifecycle import NODE_STATES, SELECTOR_SITE, parse_selector
 from ..wire.engine import NodeView
 from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels, read_document, short
 from .metal_commands import add_bmc_credential_flags, update_bmc
@@ -38,11 +39,24 @@ async def nodes_create(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def nodes_list(args: argparse.Namespace, settings: Settings) -> int:
+    """Nodes by id, filtered on the server (site, state, labels); ``-o wide`` adds MACs, BMC,
+    image and workflow."""
+    selector = parse_selector(args.selector) if args.selector else {}
+    site = selector.pop(SELECTOR_SITE, None)
+    if args.site and site and args.site != site:
+        raise BcError(ErrorCode.INVALID_INPUT, "--site and the selector's site= differ", {"path": "selector"})
     async with engine_client(settings) as engine:
-        nodes, next_ = await collect_pages(engine.list_nodes, "nodes", args, site_id=args.site)
+        nodes, next_ = await collect_pages(
+            engine.list_nodes,
+            "nodes",
+            args,
+            site_id=args.site or site,
+            state=args.state,
+            labels=selector or None,
+        )
+    columns = NODE_COLUMNS + (WIDE_COLUMNS if getattr(args, "wide", False) else [])
     return show_page(
-        args, next_, key="nodes", found=nodes,
-        rows=_node_rows(nodes), columns=NODE_COLUMNS, empty="no nodes",
+        args, next_, key="nodes", found=nodes, rows=_node_rows(nodes), columns=columns, empty="no nodes",
     )  # fmt: skip
 
 
@@ -52,11 +66,19 @@ NODE_COLUMNS = [
 ]  # fmt: skip
 
 
+WIDE_COLUMNS = [("macs", "MACS"), ("bmcText", "BMC"), ("image", "IMAGE"), ("workflowId", "WORKFLOW")]
+
+
 def _node_rows(nodes: list[NodeView]) -> list[dict[str, Any]]:
     return [
-        {**row, "labels": _label_text(n.labels), "power": n.power_state or "unknown"}
+        {
+            **row, "labels": _label_text(n.labels), "power": n.power_state or "unknown",
+            "macs": ",".join(n.macs) or "-",
+            "bmcText": f"{n.bmc['driver']} {n.bmc['address']}" if n.bmc else "-",
+            "image": n.image or "-", "workflowId": n.workflow_id or "-",
+        }
         for n, row in zip(nodes, as_rows(nodes), strict=True)
-    ]
+    ]  # fmt: skip
 
 
 async def nodes_get(args: argparse.Namespace, settings: Settings) -> int:
@@ -250,6 +272,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     p.set_defaults(func=nodes_create)
     p = nodes.add_parser("list", parents=[common], help="list nodes")
     p.add_argument("--site", help="only nodes of this site")
+    p.add_argument("--state", choices=NODE_STATES, help="only nodes in this lifecycle state")
+    p.add_argument("-l", "--selector", help="site=lab1,rack=r12: the site and labels that must all match")
     add_paging(p, default_limit=100)
     p.set_defaults(func=nodes_list)
     p = nodes.add_parser("get", parents=[common], help="one node")

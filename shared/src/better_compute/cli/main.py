@@ -235,7 +235,10 @@ def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     parser.add_argument(
         "--json", action="store_true", help="machine-readable output (--output json)", **given
     )
-    parser.add_argument("-o", "--output", choices=FORMATS, help="table (default), json or yaml", **given)
+    parser.add_argument(
+        "-o", "--output", choices=(*FORMATS, "wide"), help="table (default), wide (more columns), json, yaml",
+        **given,
+    )  # fmt: skip
     parser.add_argument(
         "--context", help="a bcx context (bcx context list) instead of the current one", **given
     )
@@ -326,6 +329,8 @@ def resolve_output(args: argparse.Namespace) -> str:
     """``--output``, else ``json`` for ``--json``, else ``table``; sets ``args.json`` (any
     structured output) and the format ``print_json`` writes."""
     output = str(getattr(args, "output", None) or ("json" if getattr(args, "json", False) else "table"))
+    args.wide = output == "wide"  # a table with more columns, where a command has them
+    output = "table" if args.wide else output
     args.output = output
     args.json = output != "table"
     use_format(output)
