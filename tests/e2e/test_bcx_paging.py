@@ -46,7 +46,7 @@ async def test_bcx_lists_a_page_says_how_to_go_on_and_follows_every_page(
     await EngineClient(bc_api).label_node(id=made[3], set={"rack": "r7"})
     code, out, err = await bcx(settings, "nodes", "list", "-l", "site=eu1,rack=r7", "--limit", "1")
     assert (code, _ids(out), "more:" in err) == (0, [made[3]], False), err
-    code, out, err = await bcx(settings, "nodes", "list", "--state", "enrolled", "--site", "eu1", "-o", "wide")
+    code, out, err = await bcx(settings, "nodes", "list", "--state", "enrolled", "--site=eu1", "-o", "wide")
     assert _ids(out) == made
     assert out.splitlines()[0].split()[-4:] == ["MACS", "BMC", "IMAGE", "WORKFLOW"]
     code, out, err = await bcx(settings, "nodes", "list", "--state", "deployed")
