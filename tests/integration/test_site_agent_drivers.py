@@ -236,6 +236,38 @@ async def test_ipmi_power_and_boot_device_against_pyghmis_bmc(tmp_path: Path) ->
         bmc.close()
 
 
+async def test_ipmi_says_cipher_suite_mismatch_not_wrong_credentials(tmp_path: Path) -> None:
+    """A BMC that refuses every cipher suite pyghmi proposes, and one that accepts a suite and
+    answers with another: each says it is the cipher suite, not the password; a wrong password
+    says that. Regression: both were "the BMC refused the credentials"/"wrong credentials?"."""
+    for cipher in ("none", "stock"):
+        bmc = IpmiBmc(tmp_path / f"ipmi-{cipher}", cipher=cipher).start()
+        try:
+            driver = make_driver(
+                BmcTarget(driver="ipmi", address=bmc.address),
+                BmcCredentials(username=bmc.username, password=bmc.password),
+            )
+            err = await driver_error(driver.inventory(deadline=time.time() + 10))
+            reason = err.details["reason"].lower()
+            assert "cipher suite" in reason, (cipher, reason)
+            assert "credentials" not in reason, (cipher, reason)
+            assert any(line.startswith("open-session") for line in bmc.requests())
+        finally:
+            bmc.close()
+
+    bmc = IpmiBmc(tmp_path / "ipmi-password").start()
+    try:
+        driver = make_driver(
+            BmcTarget(driver="ipmi", address=bmc.address),
+            BmcCredentials(username=bmc.username, password="not-the-password"),
+        )
+        err = await driver_error(driver.inventory(deadline=time.time() + 10))
+        assert "refused the credentials" in err.details["reason"], err.details
+        assert "cipher" not in err.details["reason"]
+    finally:
+        bmc.close()
+
+
 def _serve_bytes(data: bytes) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
