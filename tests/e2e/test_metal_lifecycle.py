@@ -13,11 +13,12 @@ import msgspec
 import pytest_asyncio
 from nats.aio.msg import Msg
 
-from better_compute.clients import CommandQueueClient, PkiClient
+from better_compute.clients import CommandQueueClient, EngineClient, PkiClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, refused, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
+from better_compute.testing.images import register_sim_image
 from better_compute.wire import Subjects
 from engine_test_app import create_tables
 
@@ -78,6 +79,7 @@ async def metal(
         bc_processes.start(name)
     await bc_processes.wait_ready()
     await create_tables(settings.database_url)
+    await register_sim_image(EngineClient(bc_api))  # the image the deploys name
     m = Metal(bc_api, settings)
     sim, _agent = await start_sim_agent(
         settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=m.cq

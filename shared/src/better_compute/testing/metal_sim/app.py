@@ -11,6 +11,9 @@ medium as the installer would: it writes the OS to the disk, runs the document's
 ``late-commands`` (which put the token in ``/etc/bcd/join-token``) and starts the installed OS's
 bcd, which joins with it and re-keys the node.
 
+Catalog images are trusted when ``testing.images.SIM_IMAGE_SIGNER`` signed them (the app's
+``image_verifier``); ``fleet_stack`` registers ``ubuntu@24.04`` so signed.
+
 The profile is the page's, plus a ``hostConfig`` (one ``sysctl`` unit) so that a deploy also
 gives the node a host section for the installed bcd to converge.
 """
@@ -27,6 +30,7 @@ from ...core import define_plugin, manifest
 from ...core.errors import BcError, ErrorCode
 from ...metal import Ramdisk, metal
 from ...provision import UserData, define_profile, define_step, provision_module, render_template
+from ..images import sim_image_verifier
 
 __all__ = ["AUTOINSTALL_TEMPLATE", "HOST_CONFIG", "RAMDISK", "app"]
 
@@ -110,5 +114,6 @@ provision = provision_module(
         bcd_url="https://downloads.sim.invalid/bcd/bcd-linux-amd64",
         bcd_sha256="ab" * 32,
     ),
+    image_verifier=sim_image_verifier,  # images signed by the simulator's test key (testing.images)
 )
 app = better_compute(modules=[metal(ramdisk=RAMDISK), provision], plugins=[acme_autoinstall])
