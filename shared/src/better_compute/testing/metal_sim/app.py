@@ -32,11 +32,24 @@ from ...metal import Ramdisk, metal
 from ...provision import UserData, define_profile, define_step, provision_module, render_template
 from ..images import sim_image_verifier
 
-__all__ = ["AUTOINSTALL_TEMPLATE", "HOST_CONFIG", "RAMDISK", "app"]
+__all__ = ["AUTOINSTALL_PASSWORD_HASH", "AUTOINSTALL_TEMPLATE", "HOST_CONFIG", "RAMDISK", "app"]
 
+# Subiquity requires identity.username and identity.password (a crypt(3) hash): this is the
+# SHA-512 hash of a random password nobody kept, so the account has no usable password (give it
+# an SSH key to log in). The late-commands run in the installer with the new system at /target,
+# where nothing of ours exists yet: the folder first, then the token, readable by root only.
+_SALT, _HASH = (
+    ".F1bWZWCDE2bgYG9",
+    "4KCTt12Cyf/iNPrRG5O6o93taRZ3TyJTT1YJPjN4jHcQJ4HrsMly1QLEdS7uSXai7SSkIqUrjGZLXuUCe43sg.",
+)
+AUTOINSTALL_PASSWORD_HASH: Final = f"$6${_SALT}${_HASH}"
 AUTOINSTALL_TEMPLATE: Final = (
     "#cloud-config\nautoinstall:\n  version: 1\n  identity:\n    hostname: {{hostname}}\n"
-    "  late-commands:\n    - echo {{joinToken}} > /target/etc/bcd/join-token\n"
+    f"    username: ubuntu\n    password: '{AUTOINSTALL_PASSWORD_HASH}'\n"
+    "  late-commands:\n"
+    "    - mkdir -p /target/etc/bcd\n"
+    "    - echo {{joinToken}} > /target/etc/bcd/join-token\n"
+    "    - chmod 600 /target/etc/bcd/join-token\n"
 )
 HOST_CONFIG: Final = {"units": [{"name": "sysctl", "settings": {"values": {"vm.swappiness": "10"}}}]}
 # The simulator reads no kernel: the URL only has to be one (the site agent serves it as written).
