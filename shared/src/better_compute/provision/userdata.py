@@ -24,6 +24,7 @@ from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import manifest
+from better_compute.wire.pki import JoinExpect
 
 from .context import Sql
 from .steps import define_step
@@ -43,12 +44,16 @@ DEFAULT_TOKEN_TTL_SECONDS: Final = 7200
 # The newest stable Ignition spec that every Ignition from 2.14 (Debian 12, Flatcar, Fedora
 # CoreOS since 2022) reads; the template uses nothing a later 3.x added.
 IGNITION_VERSION: Final = "3.3.0"
+# The node labels that bind a claim, by JoinExpect field; the label and the wire use one
+# spelling (``productUuid``), so the expectation goes out as bc-pki reads it.
 _CLAIM_LABELS: Final = {
     "mac": "mac",
-    "productUuid": "product_uuid",
+    "product_uuid": "productUuid",
     "serial": "serial",
-    "gpuUuid": "gpu_uuid",
+    "gpu_uuid": "gpuUuid",
 }
+# $1 node id: its latest inventory (inspect.collect keeps the node-signed node.inventory there)
+NODE_INVENTORY: Final = "SELECT inventory FROM nodes WHERE id = $1"
 
 
 def _install_commands(v: Mapping[str, str]) -> list[str]:
@@ -121,6 +126,26 @@ def _config(message: str, path: str) -> BcError:
     return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
 
 
+async def _expect(ctx: Any, node: Any) -> JoinExpect | None:
+    """The hardware the installed OS must show to join: a label of the claim's name wins, else
+    the node's first enrolled MAC, and the product UUID and serial of its latest inventory."""
+    labels = getattr(node, "labels", {}) or {}
+    claims: dict[str, str] = {f: labels[label] for f, label in _CLAIM_LABELS.items() if label in labels}
+    macs = getattr(node, "macs", ()) or ()
+    if "mac" not in claims and macs:
+        claims["mac"] = str(macs[0]).lower()
+    rows = await ctx.sql.query(NODE_INVENTORY, node.id)
+    inventory = rows[0]["inventory"] if rows else None
+    if isinstance(inventory, str):
+        inventory = json.loads(inventory)
+    if isinstance(inventory, Mapping):
+        for claim, key in (("product_uuid", "productUuid"), ("serial", "serial")):
+            value = inventory.get(key)
+            if claim not in claims and isinstance(value, str) and value:
+                claims[claim] = value
+    return JoinExpect(**claims) if claims else None
+
+
 async def _render(_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     if ctx.pki is None or ctx.secrets is None:
         raise _config("userdata.render needs the pki and secrets services", "pki")
@@ -145,15 +170,13 @@ async def _render(_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
                 f"kind {ud.kind} ships no template: name one with userData.template", "userData.template"
             )
         template = found
-    labels = getattr(node, "labels", {}) or {}
-    expect = {claim: labels[label] for label, claim in _CLAIM_LABELS.items() if label in labels}
     token = await ctx.pki.issue_join_token(
         tenant_id=node.tenant_id,
         role="provisioned",
         site_id=node.site_id,
         ttl_seconds=ud.token_ttl_seconds or DEFAULT_TOKEN_TTL_SECONDS,
         max_uses=1,
-        expect=expect or None,
+        expect=await _expect(ctx, node),
     )
     variables = template_variables(node_id=node.id, join_token=token.token, user_data=settings)
     document = render_template(template, variables)
