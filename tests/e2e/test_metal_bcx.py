@@ -109,7 +109,7 @@ async def test_verbs_show_and_bulk_through_bcx(settings: Settings, bc_api: ApiCl
     await until(lambda: _state(bc_api, node, "deployed"))
     shown = (await bcx(settings, "nodes", "show", node)).stdout
     for line in ("state       deployed", "power       on", "image       ubuntu@24.04", "host        sysctl",
-                 "generation  2 (observed 0)"):  # fmt: skip
+                 "generation  2 (observed 1)"):  # fmt: skip
         assert line in shown, shown
 
     others = [(await ok_json(settings, "nodes", "enroll", "--site", "lab1", "--label", "rack=r2"))["id"]

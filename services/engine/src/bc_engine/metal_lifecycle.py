@@ -64,8 +64,18 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
     profile = await engine.profile(store.workflow_row(wf_row))
     async with engine.db.transaction() as conn:
         node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf_row["node_id"], workflow_id)
+        if node is None:  # moved on already (or deleted), or a workflow that was no verb
+            applied = await _workflow_host_config(engine, conn, wf_row, profile)
+    if node is None:
+        if applied is not None:
+            await node_event(engine.publish, applied)
+            if engine.wake is not None:
+                await engine.wake(queue.owner_key(HOST_OWNER, applied["id"]))
+        return
+    async with engine.db.transaction() as conn:
+        node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf_row["node_id"], workflow_id)
         if node is None:
-            return  # moved on already (or deleted)
+            return
         if node["state"] == "failed":
             verb = (_json(node["state_reason"]) or {}).get("verb")
             transition = TRANSITIONS.get(verb) if verb else None
@@ -111,6 +121,28 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
     await node_event(engine.publish, row)
     if section is not None and engine.wake is not None:  # the new host section goes to bcd now
         await engine.wake(queue.owner_key(HOST_OWNER, row["id"]))
+
+
+async def _workflow_host_config(engine: Engine, conn: Any, wf_row: Any, profile: Any) -> Any:
+    """A succeeded workflow that was no lifecycle verb (started with ``workflows.start``): its
+    profile's ``hostConfig`` becomes the node's host section all the same (generation + 1, and
+    ``metal-host`` sends it). One that does not resolve for the node is its ``lastError``; the
+    node's state is not the workflow's to change. Returns the node's row when it changed."""
+    if wf_row["state"] != "succeeded" or profile is None or profile.host_config is None:
+        return None
+    node = await conn.fetchrow(metal_store.LOCK_NODE, wf_row["node_id"])
+    if node is None or await conn.fetchval(metal_store.NEWER_WORKFLOW, node["id"], wf_row["id"]):
+        return None  # gone, or a later workflow had its say (this is a late second run)
+    try:
+        section = host_section(engine.app, profile, _json(node["labels"]) or {})
+    except BcError as err:
+        error = {"code": err.code.value, "message": err.message, "path": err.path,
+                 "reason": "host-config", "workflowId": wf_row["id"]}  # fmt: skip
+        return await conn.fetchrow(metal_store.SET_LAST_ERROR, node["id"], json.dumps(error))
+    row = await conn.fetchrow(metal_store.SET_HOST_SECTION, node["id"], json.dumps(section))
+    if row is not None:
+        await queue.queue_now(conn, queue.owner_key(HOST_OWNER, node["id"]))
+    return row
 
 
 async def converge_host(engine: Engine, node_id: str) -> None:
@@ -175,7 +207,9 @@ def host_section(app: App, profile: Any, labels: Mapping[str, str]) -> dict[str,
 
 
 async def record_command_result(engine: Engine, node_id: str, kind: str, payload: Any, result: Any) -> None:
-    """Keep what a settled command says of its node: bcd's observed generation, the power."""
+    """Keep what a settled command says of its node: bcd's observed generation, the power a
+    ``power.setPower`` left or a BMC read (``management.inventory``) showed. Agent steps and
+    every command a control-plane step sends (``ctx.commands``) come here when they succeed."""
     row = None
     if kind == "node.converge" and isinstance(result, Mapping):
         observed = result.get("observedGeneration")
@@ -187,6 +221,11 @@ async def record_command_result(engine: Engine, node_id: str, kind: str, payload
             power = result["powerState"].lower()
         if power is not None:
             row = await engine.db.fetchrow(metal_store.POWER_STATE, node_id, power)
+    elif kind == "management.inventory" and isinstance(result, Mapping):
+        system = result.get("system")
+        power = system.get("powerState") if isinstance(system, Mapping) else None
+        if isinstance(power, str) and power.lower() in ("on", "off"):
+            row = await engine.db.fetchrow(metal_store.POWER_STATE, node_id, power.lower())
     if row is not None:
         await node_event(engine.publish, row)
 
