@@ -119,6 +119,11 @@ async def test_named_templates_ignition_and_refusals(
 
     node3 = await engine_api.create_node(site_id="lab1")
     done = await render(bc_api, node3.id, {"kind": "talos"}, "talos")
+    doc = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
+    assert '"kind": "ExtensionServiceConfig"' in doc  # the built-in Talos documents
+
+    node4 = await engine_api.create_node(site_id="lab1")
+    done = await render(bc_api, node4.id, {"kind": "butane"}, "butane")  # a kind nothing ships
     assert done.state == "failed"
     assert done.steps[0].error["code"] == "INVALID_CONFIG"
     assert done.steps[0].error["details"]["path"] == "userData.template"

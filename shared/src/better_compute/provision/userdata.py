@@ -5,10 +5,10 @@ It mints a fresh single-use ``provisioned`` join token (2 hours, or the profile'
 document through ``ctx.secrets`` and returns only references:
 ``{userDataRef, kind, joinTokenId}``. The token and the document never reach the result.
 
-Built-in templates exist for kinds ``cloud-init`` and ``ignition``; both are built as data
-and serialised (JSON is valid cloud-config YAML), never spliced, and the tests run the formats'
-own validators on them (``cloud-init schema``, ``ignition-validate``). Kind ``talos`` ships no
-template: name one of yours with ``userData.template``.
+Built-in templates exist for kinds ``cloud-init``, ``ignition`` and ``talos``; all are built as
+data and serialised (JSON is valid YAML), never spliced, and the tests run the formats' own
+validators on them (``cloud-init schema``, ``ignition-validate``; for Talos, whose ``talosctl``
+no package registry here carries, Talos' published machine configuration JSON schema).
 
 ``provisioned_target_resolver()`` maps a ``provisioned`` join token back to the node (and
 workflow) whose ``userdata.render`` minted it, through the step result's ``joinTokenId``: the
@@ -119,7 +119,30 @@ def ignition(v: Mapping[str, str]) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-BUILTIN_TEMPLATES: Final[Mapping[str, Template]] = {"cloud-init": cloud_init, "ignition": ignition}
+def talos(v: Mapping[str, str]) -> str:
+    """Talos machine configuration documents to apply with the cluster's own machine config (a
+    config patch: Talos keeps no shell to install bcd with): the node's hostname, and the
+    ``bcd`` extension service's configuration, whose config file is the join token. The Talos
+    image must carry bcd as a system extension named ``bcd``. Each document is JSON, which is
+    YAML; documents are separated by ``---``."""
+    documents: list[dict[str, Any]] = [
+        {"apiVersion": "v1alpha1", "kind": "HostnameConfig", "auto": "off", "hostname": v["hostname"]},
+        {
+            "apiVersion": "v1alpha1",
+            "kind": "ExtensionServiceConfig",
+            "name": "bcd",
+            "configFiles": [{"content": v["joinToken"], "mountPath": "/etc/bcd/join-token"}],
+            "environment": [f"BCD_CONTROL_PLANE={v['controlPlaneUrl']}", f"BCD_NODE={v['nodeId']}"],
+        },
+    ]
+    return "---\n".join(json.dumps(doc, indent=2) + "\n" for doc in documents)
+
+
+BUILTIN_TEMPLATES: Final[Mapping[str, Template]] = {
+    "cloud-init": cloud_init,
+    "ignition": ignition,
+    "talos": talos,
+}
 
 
 def _config(message: str, path: str) -> BcError:
