@@ -322,11 +322,16 @@ async def test_the_site_agent_runs_any_number_of_ipmi_commands_on_one_bmc(site: 
         # closed at its end (a BMC has few session slots).
         # (pyghmi cycles a machine that is off by powering it on)
         assert site.ipmi.state()["calls"] == ["bootdev:network", "on", "bootdev:hd", "off"]
-        log = site.ipmi.requests()
-        opened = [line for line in log if line.startswith("open-session") and line.endswith("accepted")]
-        closed = {line.split("session=")[1] for line in log if line.startswith("close-session")}
-        used = {line.split("session=")[1] for line in log if "session=" in line}
-        assert len(opened) == len(used) == len(closed) >= 7, log
+        ipmi = site.ipmi
+
+        def all_closed() -> list[str] | None:
+            log = ipmi.requests()  # a logout's close-session may land just after the command
+            opened = [line for line in log if line.startswith("open-session") and line.endswith("accepted")]
+            closed = {line.split("session=")[1] for line in log if line.startswith("close-session")}
+            used = {line.split("session=")[1] for line in log if "session=" in line}
+            return log if len(opened) == len(used) == len(closed) >= 7 else None
+
+        log = await until(all_closed, timeout=10, what="every session opened was closed")
         assert sum(line.startswith("chassis-control") for line in log) == 2, log
     finally:
         site.ipmi.close()
