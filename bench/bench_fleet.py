@@ -44,6 +44,7 @@ from better_compute.logging import configure_logging
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres
 from better_compute.service.client import ApiClient, connect
 from better_compute.testing import ServiceProcesses
+from better_compute.testing.images import register_sim_image
 from better_compute.testing.metal_sim import MetalSim
 from better_compute.testing.metal_sim.stack import APP, SERVICES, MediaServer
 from better_compute.testing.site_agent import SiteAgentProcess
@@ -253,6 +254,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 node_site[node_id] = (sim, index)
                 states.setdefault(node_id, "enrolled")
 
+        await register_sim_image(engine, IMAGE)  # a deploy verifies its image in the catalog first
         t = time.monotonic()
         await asyncio.gather(*(enroll(sim, i) for sim in sims for i in range(len(sim.machines))))
         prelude = {"enroll": time.monotonic() - t}

@@ -55,6 +55,9 @@ bcx dev up
 step "bcx sim up --machines 5 --unenrolled 1 --site $SITE --enroll"
 bcx sim up --machines 5 --unenrolled 1 --site "$SITE" --enroll --power-delay 0.1,0.3 | tee "$BC_STATE_DIR/sim-up.txt"
 
+# every deploy resolves and verifies its image in the catalog first: register the one deployed below
+"${UV[@]}" run --frozen python -m better_compute.testing.images ubuntu@24.04
+
 DISCOVERED=$(awk '/on \(discovered\)/ {print $NF}' "$BC_STATE_DIR/sim-up.txt")
 if [ -n "$DISCOVERED" ]; then
   step "bcx nodes show $DISCOVERED   (the sixth machine: nobody enrolled it, it booted discovery)"

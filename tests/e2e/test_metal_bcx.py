@@ -12,11 +12,12 @@ import msgspec
 import pytest_asyncio
 from test_bcx_operator import bcx, ok_json
 
-from better_compute.clients import CommandQueueClient, PkiClient, SecretsClient
+from better_compute.clients import CommandQueueClient, EngineClient, PkiClient, SecretsClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
+from better_compute.testing.images import register_sim_image
 from engine_test_app import create_tables
 
 PASSWORD = "pw-Zq8-never-shown"
@@ -33,6 +34,7 @@ async def settings(
         bc_processes.start(name)
     await bc_processes.wait_ready()
     await create_tables(settings.database_url)
+    await register_sim_image(EngineClient(bc_api))  # the image the deploys name
     sim: SimAgent
     sim, _agent = await start_sim_agent(
         settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=CommandQueueClient(bc_api)
@@ -127,7 +129,7 @@ async def test_verbs_show_and_bulk_through_bcx(settings: Settings, bc_api: ApiCl
     await until(lambda: _state(bc_api, node, "deployed"))
     shown = (await bcx(settings, "nodes", "show", node)).stdout
     for line in ("state       deployed", "power       on", "image       ubuntu@24.04", "host        sysctl",
-                 "generation  2 (observed 0)"):  # fmt: skip
+                 "generation  2 (observed 1)"):  # fmt: skip
         assert line in shown, shown
 
     others = [(await ok_json(settings, "nodes", "enroll", "--site", "lab1", "--label", "rack=r2"))["id"]

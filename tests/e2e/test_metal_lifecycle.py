@@ -13,11 +13,12 @@ import msgspec
 import pytest_asyncio
 from nats.aio.msg import Msg
 
-from better_compute.clients import CommandQueueClient, PkiClient
+from better_compute.clients import CommandQueueClient, EngineClient, PkiClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, refused, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
+from better_compute.testing.images import register_sim_image
 from better_compute.wire import Subjects
 from engine_test_app import create_tables
 
@@ -78,6 +79,7 @@ async def metal(
         bc_processes.start(name)
     await bc_processes.wait_ready()
     await create_tables(settings.database_url)
+    await register_sim_image(EngineClient(bc_api))  # the image the deploys name
     m = Metal(bc_api, settings)
     sim, _agent = await start_sim_agent(
         settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=m.cq
@@ -225,3 +227,67 @@ async def test_a_bmc_step_on_a_node_without_a_bmc_fails_it(metal: tuple[Metal, S
     reason = (await m.reaches(node, "failed"))["stateReason"]
     assert (reason["step"], reason["code"]) == ("test.power", "INVALID_STATE")
     assert reason["message"].startswith(f"node {node} has no BMC")
+
+
+async def _run_profile(m: Metal, node: str, document: dict[str, Any]) -> dict[str, Any]:
+    """Store ``document`` and run it on ``node`` with workflows.start (no lifecycle verb)."""
+    await m.api.call("engine", "profiles.create", {"document": document})
+    started = await m.api.call("engine", "workflows.start", {"profileId": document["id"], "nodeId": node})
+
+    async def done() -> dict[str, Any] | None:
+        wf: dict[str, Any] = await m.api.call("engine", "workflows.get", {"id": started["id"]})
+        return wf if wf["state"] != "running" else None
+
+    wf = await until(done, what=f"workflow {started['id']} ended")
+    assert wf["state"] == "succeeded", wf
+    return wf
+
+
+async def test_a_new_nodes_generation_is_observed(metal: tuple[Metal, SimAgent]) -> None:
+    """Regression: a node started at generation 1 observed 0 and nothing ever observed it (there
+    is no host section to apply), so the page's wait for observedGeneration >= generation never
+    ended."""
+    m, _ = metal
+    node = await m.enroll()
+    assert (node["generation"], node["observedGeneration"], node.get("hostSection")) == (1, 1, None)
+    created = await m.api.call("engine", "nodes.create", {"siteId": "lab1"})
+    assert (created["generation"], created["observedGeneration"]) == (1, 1)
+
+
+async def test_the_host_config_of_any_succeeded_workflow_becomes_the_host_section(
+    metal: tuple[Metal, SimAgent],
+) -> None:
+    """Regression: only workflows started by a metal verb gave the node their hostConfig."""
+    m, _ = metal
+    node = (await m.enroll(labels={"rack": "r1"}))["id"]
+    doc = {"id": "t.host-only", "version": 1, "target": "metal", "role": "host",
+           "steps": [{"use": "test.noop"}], "hostConfig": {"units": [SYSCTL]}}  # fmt: skip
+    await _run_profile(m, node, doc)
+
+    async def applied() -> dict[str, Any] | None:
+        got = await m.node(node)
+        return got if got["generation"] == 2 else None
+
+    got = await until(applied, timeout=30, what="the workflow's host section on the node")
+    assert got["hostSection"] == {"units": [SYSCTL]}
+    assert got["state"] == "enrolled"  # not a lifecycle verb: the state is not the workflow's
+    # and it went to the node's bcd: a node.converge of that generation
+    sent = await until(lambda: _converges(m, node), timeout=30, what="node.converge of generation 2")
+    assert sent[0].payload == {"generation": 2, "units": [SYSCTL]}
+
+
+async def _converges(m: Metal, node: str) -> list[Any] | None:
+    listed = (await m.cq.list_commands(node_id=node, kind="node.converge")).commands
+    return [await m.cq.get(id=c.id) for c in listed] or None
+
+
+async def test_power_is_the_last_state_a_bmc_command_left(metal: tuple[Metal, SimAgent]) -> None:
+    """Regression: a power.setPower sent by metal's relaying step of a workflow that was no
+    lifecycle verb (and any during a verb) left the node's power unknown."""
+    m, _ = metal
+    node = (await m.enroll(bmc=BMC))["id"]
+    assert (await m.node(node))["powerState"] is None
+    doc = {"id": "t.power-on", "version": 1, "target": "metal", "role": "host",
+           "steps": [{"use": "power.setPower", "on": "site", "with": {"action": "on"}}]}  # fmt: skip
+    await _run_profile(m, node, doc)
+    assert (await m.node(node))["powerState"] == "on"

@@ -1,6 +1,7 @@
 """bc-site-agent as an operator runs it: its own process, joined with a site token from a file,
 BMC commands through the real command-queue with credentials from the real bc-secrets fetch
-gate, against sushy-emulator (behind a proxy that counts what reached the BMC)."""
+gate, against sushy-emulator (behind a proxy that counts what reached the BMC) and pyghmi's IPMI
+BMC (whose request log counts the sessions and requests that reached it)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, run_bcx
 from better_compute.testing.agents import until
-from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, RedfishEmulator
+from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, IpmiBmc, RedfishEmulator
 from better_compute.testing.site_agent import SiteAgentProcess
 from better_compute.wire.cmdq import TERMINAL_STATES, CommandView, EnqueueCommand
 
@@ -53,6 +54,8 @@ class Site:
     wf: str
     node: str
     steps: int = 0
+    ipmi: IpmiBmc | None = None
+    """Commands go to this IPMI BMC instead of the Redfish one."""
 
     async def run(self, kind: str, payload: dict[str, Any], *, timeout_ms: int = 60_000) -> CommandView:
         """One command of a new workflow step, with the BMC's credential stored for that step."""
@@ -61,13 +64,18 @@ class Site:
 
     async def enqueue(self, kind: str, payload: dict[str, Any], *, timeout_ms: int = 60_000) -> CommandView:
         self.steps += 1
-        creds = json.dumps({"username": self.emulator.username, "password": self.emulator.password})
+        user, password = self.emulator.username, self.emulator.password
+        if self.ipmi is not None:
+            user, password = self.ipmi.username, self.ipmi.password
+        creds = json.dumps({"username": user, "password": password})
         ref = (
             await self.secrets.put(
                 value=creds.encode(), tenant_id="root", workflow_id=self.wf, step=self.steps
             )
         ).ref
         bmc = {"driver": "redfish", "address": self.proxy.url, "credentialsRef": ref}
+        if self.ipmi is not None:
+            bmc = {"driver": "ipmi", "address": self.ipmi.address, "credentialsRef": ref}
         return await self.cq.enqueue(
             EnqueueCommand(
                 node_id=self.node,
@@ -293,3 +301,37 @@ async def test_bcx_agents_list_shows_the_site_agents_drivers_cache_and_last_erro
     [row] = [r for r in rows if r.startswith(site.agent_id)]
     assert "redfish" in row
     assert "DRIVER_ERROR" in row
+
+
+async def test_the_site_agent_runs_any_number_of_ipmi_commands_on_one_bmc(site: Site, tmp_path: Path) -> None:
+    """Inspect's path over IPMI: a power read, the boot device, a power cycle, more reads, a power
+    off, each its own command (a fresh driver and session). Regression: the driver logged out
+    after each command and pyghmi handed that dead session to the next, which failed
+    ``malformed answer (TypeError)`` without reaching the BMC."""
+    site.ipmi = IpmiBmc(tmp_path / "ipmi").start()
+    try:
+        assert ok(await site.run("management.inventory", {}))["system"]["powerState"] == "off"
+        assert ok(await site.run("management.setBootDevice", {"device": "pxe"}))["device"] == "pxe"
+        assert ok(await site.run("power.setPower", {"action": "cycle"}))["powerState"] == "on"
+        assert ok(await site.run("management.inventory", {}))["system"]["powerState"] == "on"
+        assert ok(await site.run("management.setBootDevice", {"device": "disk", "persistent": True}))
+        assert ok(await site.run("power.setPower", {"action": "off"}))["powerState"] == "off"
+        assert ok(await site.run("management.inventory", {}))["system"]["powerState"] == "off"
+
+        # Counted at the BMC: each change arrived once, and every command had its own session,
+        # closed at its end (a BMC has few session slots).
+        # (pyghmi cycles a machine that is off by powering it on)
+        assert site.ipmi.state()["calls"] == ["bootdev:network", "on", "bootdev:hd", "off"]
+        ipmi = site.ipmi
+
+        def all_closed() -> list[str] | None:
+            log = ipmi.requests()  # a logout's close-session may land just after the command
+            opened = [line for line in log if line.startswith("open-session") and line.endswith("accepted")]
+            closed = {line.split("session=")[1] for line in log if line.startswith("close-session")}
+            used = {line.split("session=")[1] for line in log if "session=" in line}
+            return log if len(opened) == len(used) == len(closed) >= 7 else None
+
+        log = await until(all_closed, timeout=10, what="every session opened was closed")
+        assert sum(line.startswith("chassis-control") for line in log) == 2, log
+    finally:
+        site.ipmi.close()

@@ -119,6 +119,11 @@ async def test_named_templates_ignition_and_refusals(
 
     node3 = await engine_api.create_node(site_id="lab1")
     done = await render(bc_api, node3.id, {"kind": "talos"}, "talos")
+    doc = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
+    assert '"kind": "ExtensionServiceConfig"' in doc  # the built-in Talos documents
+
+    node4 = await engine_api.create_node(site_id="lab1")
+    done = await render(bc_api, node4.id, {"kind": "butane"}, "butane")  # a kind nothing ships
     assert done.state == "failed"
     assert done.steps[0].error["code"] == "INVALID_CONFIG"
     assert done.steps[0].error["details"]["path"] == "userData.template"
@@ -157,3 +162,49 @@ async def test_user_data_settings_come_from_bc_toml(
     assert "https://mirror.site.example/bcd/bcd-linux-amd64" in document
     assert sha in document
     assert "downloads.test.example" not in document
+
+
+async def test_the_rendered_token_binds_the_nodes_hardware_in_the_wires_spelling(
+    stack: ServiceProcesses, bc_api: ApiClient
+) -> None:
+    """The installed OS's token is bound to the node's enrolled MAC and to the product UUID and
+    serial its (node-signed) inventory showed, and bc-pki enforces them: a join with another
+    product UUID is refused without spending the token. Regression: the claims went out in
+    snake_case (``product_uuid``), which bc-pki's decoder ignores, and no MAC was bound."""
+    from better_compute.clients import PkiClient
+    from better_compute.crypto import make_csr, new_agent_key
+    from better_compute.wire.pki import JoinClaims
+
+    engine_api, pki = EngineClient(bc_api), PkiClient(bc_api)
+    uuid, serial, mac = "4c4c4544-0042-3510-8052-b4c04f4d3232", "SRV-0042", "52:54:00:ab:cd:42"
+    gpu = "GPU-8f5a3b1e-52b4-4c4f-9d32-0042abcdef01"
+    node = await engine_api.create_node(site_id="lab1", macs=[mac.upper()], labels={"gpuUuid": gpu})
+    db = Database(stack.settings.database_url or "", "engine")
+    await db.open()
+    try:  # what inspect.collect keeps from the node's signed node.inventory
+        inventory = {"productUuid": uuid, "serial": serial, "kind": "node.inventory"}
+        await db.pool.execute("UPDATE nodes SET inventory = $2 WHERE id = $1", node.id, json.dumps(inventory))
+    finally:
+        await db.close()
+    done = await render(bc_api, node.id, {"kind": "cloud-init"}, "ci-claims")
+    assert done.state == "succeeded", done
+    info = await bc_api.call("pki", "tokens.get", {"joinTokenId": done.steps[0].result["joinTokenId"]})
+    expect = {k: v for k, v in info["expect"].items() if v is not None}
+    assert expect == {"mac": mac, "productUuid": uuid, "serial": serial, "gpuUuid": gpu.lower()}
+    document = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
+    token = json.loads(document.split("\n", 1)[1])["write_files"][0]["content"]
+
+    key = new_agent_key()
+    other = JoinClaims(
+        macs=[mac], product_uuid="00000000-0000-4000-8000-000000000001", serial=serial, gpu_uuids=[gpu]
+    )
+    with pytest.raises(BcError) as refused:
+        await pki.join(token=token, csr=make_csr(key), claims=other)
+    assert refused.value.code is ErrorCode.PERMISSION_DENIED, refused.value
+    # the machine itself joins with the same token: the refusal spent nothing
+    joined = await pki.join(
+        token=token,
+        csr=make_csr(key),
+        claims=JoinClaims(macs=[mac], product_uuid=uuid, serial=serial, gpu_uuids=[gpu]),
+    )
+    assert joined.role == "provisioned"

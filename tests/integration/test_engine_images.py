@@ -257,3 +257,24 @@ async def test_a_key_that_is_not_ed25519_or_p256_stops_the_engine(bc_settings: S
         async with engine(bc_settings, signers=bad):
             pass
     assert (info.value.code, info.value.path) == (ErrorCode.INVALID_CONFIG, "images.signers[1].publicKey")
+
+
+async def test_a_deploy_of_an_image_whose_signer_was_removed_starts_nothing(
+    bc_settings: Settings, bc_api: ApiClient
+) -> None:
+    """Every deploy verifies its image before it starts: an image whose signer left the allowlist
+    fails the verb (INVALID_STATE at image), the node stays ready and no workflow starts."""
+    async with engine(bc_settings, signers=SIGNERS):
+        await register(bc_api, image("ubuntu-24.04", "2024.06.1"))
+    async with engine(bc_settings, signers=SIGNERS[1:]) as svc:
+        node = await bc_api.call("engine", "metal.enroll", {"siteId": "lab1", "tenantId": "acme"})
+        await svc.db.pool.execute("UPDATE nodes SET state = 'ready' WHERE id = $1", node["id"])
+        for profile in ("metal.deploy", None):
+            body = {"nodeId": node["id"], "image": "ubuntu-24.04@2024.06.1", "profile": profile}
+            err = await refused(bc_api.call("engine", "metal.deploy", body))
+            assert (err.code, err.path, err.reason) == (ErrorCode.INVALID_STATE, "image", "signer-removed")
+            assert "nothing was started" in err.message
+        shown = await bc_api.call("engine", "nodes.get", {"id": node["id"]})
+        assert (shown["state"], shown.get("workflowId"), shown.get("image")) == ("ready", None, None)
+        listed = await bc_api.call("engine", "workflows.list", {"nodeId": node["id"]})
+        assert listed["workflows"] == []

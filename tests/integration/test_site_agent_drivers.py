@@ -5,6 +5,7 @@ back from the BMC itself), or a DRIVER_ERROR whose reason names the BMC call."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -13,12 +14,14 @@ from base64 import b64encode
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bc_site_agent.drivers import BmcCredentials, BmcTarget, Driver, make_driver
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.runtime.embedded import free_port
+from better_compute.testing import until
 from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, IpmiBmc, RedfishEmulator
 
 
@@ -232,6 +235,73 @@ async def test_ipmi_power_and_boot_device_against_pyghmis_bmc(tmp_path: Path) ->
         err = await driver_error(bad.set_power("on", deadline=time.time() + 5))
         assert err.code is ErrorCode.DRIVER_ERROR
         assert "not-the-password" not in json.dumps(err.details) + str(err)
+    finally:
+        bmc.close()
+
+
+async def test_ipmi_says_cipher_suite_mismatch_not_wrong_credentials(tmp_path: Path) -> None:
+    """A BMC that refuses every cipher suite pyghmi proposes, and one that accepts a suite and
+    answers with another: each says it is the cipher suite, not the password; a wrong password
+    says that. Regression: both were "the BMC refused the credentials"/"wrong credentials?"."""
+    for cipher in ("none", "stock"):
+        bmc = IpmiBmc(tmp_path / f"ipmi-{cipher}", cipher=cipher).start()
+        try:
+            driver = make_driver(
+                BmcTarget(driver="ipmi", address=bmc.address),
+                BmcCredentials(username=bmc.username, password=bmc.password),
+            )
+            err = await driver_error(driver.inventory(deadline=time.time() + 10))
+            reason = err.details["reason"].lower()
+            assert "cipher suite" in reason, (cipher, reason)
+            assert "credentials" not in reason, (cipher, reason)
+            assert any(line.startswith("open-session") for line in bmc.requests())
+        finally:
+            bmc.close()
+
+    bmc = IpmiBmc(tmp_path / "ipmi-password").start()
+    try:
+        driver = make_driver(
+            BmcTarget(driver="ipmi", address=bmc.address),
+            BmcCredentials(username=bmc.username, password="not-the-password"),
+        )
+        err = await driver_error(driver.inventory(deadline=time.time() + 10))
+        assert "refused the credentials" in err.details["reason"], err.details
+        assert "cipher" not in err.details["reason"]
+    finally:
+        bmc.close()
+
+
+async def test_ipmi_commands_at_once_on_one_bmc_each_have_their_own_session(tmp_path: Path) -> None:
+    """Two commands for one BMC at the same time (two workflows' steps): each its own session,
+    each logged out at its end, and neither fails for the other's logout."""
+    bmc = IpmiBmc(tmp_path / "ipmi").start()
+    try:
+        target = BmcTarget(driver="ipmi", address=bmc.address)
+        creds = BmcCredentials(username=bmc.username, password=bmc.password)
+
+        async def command(i: int) -> Any:
+            driver = make_driver(target, creds)
+            try:
+                if i % 2:
+                    return await driver.set_boot_device(
+                        "pxe", persistent=False, mode=None, deadline=time.time() + 30
+                    )
+                return await driver.inventory(deadline=time.time() + 30)
+            finally:
+                await driver.close()
+
+        for _ in range(2):
+            results: list[Any] = await asyncio.gather(*(command(i) for i in range(4)))
+            got = [r["device"] if "device" in r else r["system"]["powerState"] for r in results]
+            assert got == ["off", "pxe", "off", "pxe"]
+
+        def all_closed() -> list[str] | None:
+            log = bmc.requests()  # a logout's close-session may land just after the call returned
+            used = {line.split("session=")[1] for line in log if "session=" in line}
+            closed = {line.split("session=")[1] for line in log if line.startswith("close-session")}
+            return log if len(used) == 8 and closed == used else None
+
+        await until(all_closed, timeout=10, what="eight sessions, each closed")
     finally:
         bmc.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from better_compute.app import better_compute
 from better_compute.metal import metal
 from better_compute.provision import define_profile, provision_module
+from better_compute.testing.images import sim_image_verifier
 from engine_test_app import fail_unless_flag, noop, power, wait_flag
 
 VERBS = ("inspect", "commission", "deploy", "release", "retire", "adopt")
@@ -59,5 +60,6 @@ provision = provision_module(
     modules=[metal(profiles=VERB_PROFILES)],
     steps=[noop, power, fail_unless_flag, wait_flag],
     profiles=PROFILES,  # type: ignore[arg-type]
+    image_verifier=sim_image_verifier,  # a deploy's image must be in the catalog, signed by it
 )
 app = better_compute(modules=[metal(profiles=VERB_PROFILES), provision])

@@ -209,3 +209,34 @@ def test_the_fork_server_runs_each_bcd_as_a_process_of_its_own(tmp_path: Path) -
         assert run.wait(30) in (-signal.SIGKILL, 1)  # killed, or it had already found no enrollment
     finally:
         zygote.close()
+
+
+def test_the_simulated_installer_runs_late_commands_as_sh_would(tmp_path: Path) -> None:
+    """The new system at /target has no /etc/bcd: a document that writes there without making
+    it first fails, as Subiquity's sh would (it did not, before: the simulator made folders)."""
+    from better_compute.provision import render_template
+    from better_compute.testing.metal_sim.app import AUTOINSTALL_TEMPLATE
+    from better_compute.testing.metal_sim.fleet import MetalSim, _late_commands
+    from better_compute.testing.metal_sim.hardware import Faults, SimMachine
+
+    m = SimMachine(
+        index=0, name="m0", uuid="u", serial="s", macs=(), folder=tmp_path, disks=("vda",), faults=Faults()
+    )
+    m.tree.mkdir()
+    old = (
+        "#cloud-config\nautoinstall:\n  version: 1\n"
+        "  late-commands:\n    - echo bcjt_x > /target/etc/bcd/join-token\n"
+    )
+    [command] = _late_commands(old)
+    assert (
+        MetalSim._late_command(m, command)
+        == "cannot create /target/etc/bcd/join-token: Directory nonexistent"
+    )
+
+    doc = render_template(AUTOINSTALL_TEMPLATE, {"hostname": "h", "joinToken": "bcjt_y"})
+    commands = _late_commands(doc)
+    assert len(commands) == 3
+    assert [MetalSim._late_command(m, c) for c in commands] == [None, None, None]
+    token = m.tree / "etc/bcd/join-token"
+    assert token.read_text() == "bcjt_y\n"
+    assert token.stat().st_mode & 0o777 == 0o600

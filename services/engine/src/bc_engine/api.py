@@ -18,6 +18,7 @@ from better_compute.service import ApiRequest
 
 from .images_api import ImagesApi
 from .metal_api import MetalApi
+from .metal_lifecycle import METAL_OWNER
 from .metal_rules import EnrollmentRulesApi
 from .node_events import Publish
 from .nodes_api import NodesApi
@@ -46,7 +47,9 @@ class EngineApi:
         self.publish = publish
         self.nodes = NodesApi(db=db, publish=publish, quorum=quorum)
         self.profiles_api = ProfilesApi(app=app, db=db, profiles=self.profiles)
-        self.workflows = WorkflowsApi(app=app, db=db, profiles=self.profiles, wake=wake, publish=publish)
+        self.workflows = WorkflowsApi(
+            app=app, db=db, profiles=self.profiles, wake=wake, publish=publish, host_config_owner=METAL_OWNER
+        )
         self.start_in = self.workflows.start_in
         self.metal = MetalApi(self, quorum)
         self.why = WhyApi(db=db, cmdq=quorum.cmdq) if quorum is not None else None

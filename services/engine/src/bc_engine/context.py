@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from better_compute.provision.results import latest_result
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
 from . import store
+from .metal_lifecycle import record_command_result
 from .relay import needs_bmc, relay_bmc
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
@@ -114,6 +116,12 @@ class StepCommands:
             if (marked := unavailable(err, "bc-command-queue")) is not None:
                 raise marked from err  # the engine waits for the command queue
             raise
+        if view.state == "succeeded":  # what it says of the node: the power a BMC showed
+            try:
+                result = json.loads(view.result) if view.result else None
+            except ValueError:
+                result = None
+            await record_command_result(self._engine, full.node_id, view.kind, full.payload, result)
         return view
 
     async def site_agent_for(self, node_id: str) -> str | None:

@@ -77,8 +77,8 @@ SELECT id FROM nodes WHERE id <> $1 AND (
 """
 # A discovered node, new or the same hardware again (only while it is still discovered).
 _UPSERT_DISCOVERED = """
-INSERT INTO nodes (id, tenant_id, site_id, state, macs, hardware)
-VALUES ($1, $2, $3, 'discovered', $4::text[], $5::jsonb)
+INSERT INTO nodes (id, tenant_id, site_id, state, macs, hardware, observed_generation)
+VALUES ($1, $2, $3, 'discovered', $4::text[], $5::jsonb, 1)
 ON CONFLICT (id) DO UPDATE SET macs = EXCLUDED.macs, hardware = EXCLUDED.hardware, updated_at = now()
     WHERE nodes.state = 'discovered'
 RETURNING *

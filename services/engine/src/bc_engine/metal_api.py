@@ -20,7 +20,9 @@ import msgspec
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
+from better_compute.metal.images import resolve_image_ref
 from better_compute.metal.lifecycle import DEFAULT_PROFILES, SELECTOR_SITE, TRANSITIONS, check_verb
+from better_compute.provision import Profile
 from better_compute.service import ApiRequest
 from better_compute.wire.engine import NodeView
 from better_compute.wire.metal import (
@@ -39,6 +41,7 @@ from better_compute.wire.metal import (
 )
 
 from . import metal_store, queue, store
+from .context import EngineSql
 from .discovery import DISCOVERY_OWNER
 from .documents import check_labels, node_doc
 from .node_events import node_event
@@ -92,6 +95,22 @@ async def check_macs(conn: Any, macs: Sequence[str], node_id: str | None) -> lis
                 {"path": "macs", "nodeId": other["id"]},
             )
     return normal
+
+
+def deploy_image_refs(profile: Profile, image: str | None) -> list[tuple[str, str]]:
+    """Every catalog image a deploy of ``profile`` can use, with the path to blame: the verb's
+    ``image`` (else the profile's), which the node records, and each ``deploy.deploy`` step's
+    own ``with.image``, which wins over it there."""
+    refs: list[tuple[str, str]] = []
+    if image is not None:
+        refs.append((image, "image"))
+    elif profile.image is not None:
+        refs.append((profile.image, "profile.image"))
+    for i, step in enumerate(profile.steps):
+        ref = step.with_.get("image") if step.use == "deploy.deploy" else None
+        if isinstance(ref, str) and ref not in [r for r, _ in refs]:
+            refs.append((ref, f"profile.steps[{i}].with.image"))
+    return refs
 
 
 def bmc_json(bmc: NodeBmc | None) -> str | None:
@@ -274,6 +293,8 @@ class MetalApi:
                         {"path": "nodeIds"},
                     )
             found = await self.api.profiles.find(conn, tenant_id=tenant, profile_id=profile_id, version=None)
+            if verb == "deploy":
+                await self._check_images(conn, tenant, found.profile, image)
         res = resolve_profile(self.api.app, found.profile, has_node=True)
         if res.problems:
             raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
@@ -312,6 +333,22 @@ class MetalApi:
             await self.api.wake(node["id"])
             await node_event(self.api.publish, node, verb=verb)
         return run
+
+    async def _check_images(self, conn: Any, tenant: str, profile: Profile, image: str | None) -> None:
+        """A deploy's images resolve and verify in the catalog before anything is started, so a
+        missing or no longer trusted image fails the verb, not the machine after its power cycle
+        (and a profile that never runs ``deploy.deploy`` checks its image all the same)."""
+        provision = self.api.app.provision
+        verifier = provision.image_verifier if provision is not None else None
+        for ref, path in deploy_image_refs(profile, image):
+            try:
+                await resolve_image_ref(EngineSql(None, conn), tenant, ref, verifier=verifier)
+            except BcError as err:
+                raise BcError(
+                    err.code,
+                    f"deploy refused, nothing was started: {err.message}",
+                    {**err.details, "path": path},
+                ) from None
 
     async def _batch(
         self, kinds: list[str], tenant: str, wf_ids: dict[str, str], verb: str, profile_id: str, bulk: bool

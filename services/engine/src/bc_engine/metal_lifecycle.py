@@ -62,55 +62,93 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
     if wf_row is None or wf_row["state"] == "running" or wf_row["node_id"] is None:
         return
     profile = await engine.profile(store.workflow_row(wf_row))
+    applied, moved = None, None
     async with engine.db.transaction() as conn:
         node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf_row["node_id"], workflow_id)
-        if node is None:
-            return  # moved on already (or deleted)
-        if node["state"] == "failed":
-            verb = (_json(node["state_reason"]) or {}).get("verb")
-            transition = TRANSITIONS.get(verb) if verb else None
+        if node is None:  # moved on already (or deleted), or a workflow that was no verb
+            applied = await _workflow_host_config(engine, conn, wf_row, profile)
         else:
-            transition = _BY_RUNNING.get(node["state"])
-        if transition is None:
-            engine.log.warning("metal_node_unexpected", node_id=node["id"], state=node["state"])
-            return
-        section, error = None, None
-        if wf_row["state"] == "succeeded" and profile is not None and profile.host_config is not None:
-            try:
-                section = host_section(engine.app, profile, _json(node["labels"]) or {})
-            except BcError as err:
-                error = {"code": err.code.value, "message": err.message, "path": err.path}
-        if wf_row["state"] == "succeeded" and error is None:
-            row = await conn.fetchrow(
-                metal_store.FINISH_OK,
-                node["id"], transition.done, json.dumps(section) if section is not None else None,
-                transition.verb in ("release", "retire"),
-            )  # fmt: skip
-            if section is not None:
-                await queue.queue_now(conn, queue.owner_key(HOST_OWNER, node["id"]))
-        else:
-            step = await conn.fetchrow(metal_store.STOPPED_STEP, workflow_id)
-            if error is None:
-                error = (_json(step["error"]) if step else None) or _json(wf_row["error"]) or {}
-            reason = {
-                "workflowId": workflow_id,
-                "verb": transition.verb,
-                "workflowState": wf_row["state"],
-                "step": "hostConfig" if step is None and wf_row["state"] == "succeeded" else None,
-                "stepIndex": None,
-                "code": error.get("code"),
-                "message": error.get("message"),
-            }
-            if step is not None:
-                reason.update(step=step["action"], stepIndex=step["idx"])
-            row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
-        power = _POWER.get(str(await conn.fetchval(metal_store.LAST_POWER_ACTION, workflow_id)))
-        if power is not None:
-            row = await conn.fetchrow(metal_store.POWER_STATE, node["id"], power) or row
+            moved = await _move_node(engine, conn, node, wf_row, profile)
+    if applied is not None:
+        await node_event(engine.publish, applied)
+        if engine.wake is not None:
+            await engine.wake(queue.owner_key(HOST_OWNER, applied["id"]))
+    if moved is None:
+        return
+    row, section = moved
     engine.log.info("metal_node_moved", node_id=row["id"], state=row["state"], workflow_id=workflow_id)
     await node_event(engine.publish, row)
     if section is not None and engine.wake is not None:  # the new host section goes to bcd now
         await engine.wake(queue.owner_key(HOST_OWNER, row["id"]))
+
+
+async def _move_node(engine: Engine, conn: Any, node: Any, wf_row: Any, profile: Any) -> Any:
+    """A lifecycle verb's workflow ended: the node's next state (or failed), its host section
+    and power. Returns ``(row, section)``, or None when the node is in no state to move."""
+    if node["state"] == "failed":
+        verb = (_json(node["state_reason"]) or {}).get("verb")
+        transition = TRANSITIONS.get(verb) if verb else None
+    else:
+        transition = _BY_RUNNING.get(node["state"])
+    if transition is None:
+        engine.log.warning("metal_node_unexpected", node_id=node["id"], state=node["state"])
+        return None
+    section, error = None, None
+    if wf_row["state"] == "succeeded" and profile is not None and profile.host_config is not None:
+        try:
+            section = host_section(engine.app, profile, _json(node["labels"]) or {})
+        except BcError as err:
+            error = {"code": err.code.value, "message": err.message, "path": err.path}
+    if wf_row["state"] == "succeeded" and error is None:
+        row = await conn.fetchrow(
+            metal_store.FINISH_OK,
+            node["id"], transition.done, json.dumps(section) if section is not None else None,
+            transition.verb in ("release", "retire"),
+        )  # fmt: skip
+        if section is not None:
+            await queue.queue_now(conn, queue.owner_key(HOST_OWNER, node["id"]))
+    else:
+        step = await conn.fetchrow(metal_store.STOPPED_STEP, wf_row["id"])
+        if error is None:
+            error = (_json(step["error"]) if step else None) or _json(wf_row["error"]) or {}
+        reason = {
+            "workflowId": wf_row["id"],
+            "verb": transition.verb,
+            "workflowState": wf_row["state"],
+            "step": "hostConfig" if step is None and wf_row["state"] == "succeeded" else None,
+            "stepIndex": None,
+            "code": error.get("code"),
+            "message": error.get("message"),
+        }
+        if step is not None:
+            reason.update(step=step["action"], stepIndex=step["idx"])
+        row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
+    power = _POWER.get(str(await conn.fetchval(metal_store.LAST_POWER_ACTION, wf_row["id"])))
+    if power is not None:
+        row = await conn.fetchrow(metal_store.POWER_STATE, node["id"], power) or row
+    return row, section
+
+
+async def _workflow_host_config(engine: Engine, conn: Any, wf_row: Any, profile: Any) -> Any:
+    """A succeeded workflow that was no lifecycle verb (started with ``workflows.start``): its
+    profile's ``hostConfig`` becomes the node's host section all the same (generation + 1, and
+    ``metal-host`` sends it). One that does not resolve for the node is its ``lastError``; the
+    node's state is not the workflow's to change. Returns the node's row when it changed."""
+    if wf_row["state"] != "succeeded" or profile is None or profile.host_config is None:
+        return None
+    node = await conn.fetchrow(metal_store.LOCK_NODE, wf_row["node_id"])
+    if node is None or await conn.fetchval(metal_store.NEWER_WORKFLOW, node["id"], wf_row["id"]):
+        return None  # gone, or a later workflow had its say (this is a late second run)
+    try:
+        section = host_section(engine.app, profile, _json(node["labels"]) or {})
+    except BcError as err:
+        error = {"code": err.code.value, "message": err.message, "path": err.path,
+                 "reason": "host-config", "workflowId": wf_row["id"]}  # fmt: skip
+        return await conn.fetchrow(metal_store.SET_LAST_ERROR, node["id"], json.dumps(error))
+    row = await conn.fetchrow(metal_store.SET_HOST_SECTION, node["id"], json.dumps(section))
+    if row is not None:
+        await queue.queue_now(conn, queue.owner_key(HOST_OWNER, node["id"]))
+    return row
 
 
 async def converge_host(engine: Engine, node_id: str) -> None:
@@ -175,7 +213,9 @@ def host_section(app: App, profile: Any, labels: Mapping[str, str]) -> dict[str,
 
 
 async def record_command_result(engine: Engine, node_id: str, kind: str, payload: Any, result: Any) -> None:
-    """Keep what a settled command says of its node: bcd's observed generation, the power."""
+    """Keep what a settled command says of its node: bcd's observed generation, the power a
+    ``power.setPower`` left or a BMC read (``management.inventory``) showed. Agent steps and
+    every command a control-plane step sends (``ctx.commands``) come here when they succeed."""
     row = None
     if kind == "node.converge" and isinstance(result, Mapping):
         observed = result.get("observedGeneration")
@@ -187,6 +227,11 @@ async def record_command_result(engine: Engine, node_id: str, kind: str, payload
             power = result["powerState"].lower()
         if power is not None:
             row = await engine.db.fetchrow(metal_store.POWER_STATE, node_id, power)
+    elif kind == "management.inventory" and isinstance(result, Mapping):
+        system = result.get("system")
+        power = system.get("powerState") if isinstance(system, Mapping) else None
+        if isinstance(power, str) and power.lower() in ("on", "off"):
+            row = await engine.db.fetchrow(metal_store.POWER_STATE, node_id, power.lower())
     if row is not None:
         await node_event(engine.publish, row)
 

@@ -71,3 +71,15 @@ POWER_STATE = (
     "UPDATE nodes SET power_state = $2, updated_at = now()"
     " WHERE id = $1 AND power_state IS DISTINCT FROM $2 RETURNING *"
 )
+# The hostConfig of a workflow that was no lifecycle verb: a new host section, when it differs
+# (so a second run for the same workflow bumps nothing).
+SET_HOST_SECTION = """
+UPDATE nodes SET host_section = $2::jsonb, generation = generation + 1, updated_at = now()
+WHERE id = $1 AND host_section IS DISTINCT FROM $2::jsonb RETURNING *
+"""
+LOCK_NODE = "SELECT * FROM nodes WHERE id = $1 FOR UPDATE"
+# A workflow started on the node after $2: the hostConfig of $2 is no longer the latest word.
+NEWER_WORKFLOW = (
+    "SELECT id FROM workflows WHERE node_id = $1 AND id <> $2"
+    " AND created_at > (SELECT created_at FROM workflows WHERE id = $2) LIMIT 1"
+)

@@ -310,9 +310,11 @@ LEAVE = "DELETE FROM members WHERE instance = $1"
 
 # -- nodes and workflows (nodes_api.py, workflows_api.py) -----------------------------------
 
+# A new node's generation 1 is the empty host section: nothing for bcd to apply, so it is
+# observed from the start (a wait for observed >= generation must not wait for nothing).
 CREATE_NODE = (
-    "INSERT INTO nodes (id, tenant_id, site_id, labels, macs, bmc) VALUES ($1, $2, $3, $4, $5, $6)"
-    " ON CONFLICT (id) DO NOTHING RETURNING *"
+    "INSERT INTO nodes (id, tenant_id, site_id, labels, macs, bmc, observed_generation)"
+    " VALUES ($1, $2, $3, $4, $5, $6, 1) ON CONFLICT (id) DO NOTHING RETURNING *"
 )
 # A MAC belongs to one node: the node other than $2 that has one of $1.
 MAC_TAKEN = "SELECT id, macs FROM nodes WHERE macs && $1::text[] AND id IS DISTINCT FROM $2 LIMIT 1"

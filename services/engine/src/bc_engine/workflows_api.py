@@ -46,12 +46,16 @@ class WorkflowsApi:
         profiles: ProfileStore,
         wake: Callable[[str], Awaitable[None]],
         publish: Publish,
+        host_config_owner: str | None = None,
     ) -> None:
         self.app = app
         self.db = db
         self.profiles = profiles
         self.wake = wake
         self.publish = publish
+        # the owner of a workflow on a node started without one whose profile has a hostConfig:
+        # metal, which makes the hostConfig the node's host section when it succeeds
+        self.host_config_owner = host_config_owner
 
     async def workflows_start(self, req: ApiRequest) -> m.WorkflowView:
         body = req.decode(m.StartWorkflow)
@@ -104,6 +108,8 @@ class WorkflowsApi:
             found = await self.profiles.find(
                 conn, tenant_id=body.tenant_id, profile_id=body.profile_id, version=body.profile_version
             )
+            if body.owner is None and body.node_id is not None and found.profile.host_config is not None:
+                start["owner"] = self.host_config_owner
             if body.node_id is None and found.immutable:
                 # Nothing to pin and no node to lock: the one statement that writes
                 # (START_WORKFLOW) is atomic alone, and a BEGIN and a COMMIT are two round trips.

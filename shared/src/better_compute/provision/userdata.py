@@ -5,10 +5,10 @@ It mints a fresh single-use ``provisioned`` join token (2 hours, or the profile'
 document through ``ctx.secrets`` and returns only references:
 ``{userDataRef, kind, joinTokenId}``. The token and the document never reach the result.
 
-Built-in templates exist for kinds ``cloud-init`` and ``ignition``; both are built as data
-and serialised (JSON is valid cloud-config YAML), never spliced, and the tests run the formats'
-own validators on them (``cloud-init schema``, ``ignition-validate``). Kind ``talos`` ships no
-template: name one of yours with ``userData.template``.
+Built-in templates exist for kinds ``cloud-init``, ``ignition`` and ``talos``; all are built as
+data and serialised (JSON is valid YAML), never spliced, and the tests run the formats' own
+validators on them (``cloud-init schema``, ``ignition-validate``; for Talos, whose ``talosctl``
+no package registry here carries, Talos' published machine configuration JSON schema).
 
 ``provisioned_target_resolver()`` maps a ``provisioned`` join token back to the node (and
 workflow) whose ``userdata.render`` minted it, through the step result's ``joinTokenId``: the
@@ -24,6 +24,7 @@ from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import manifest
+from better_compute.wire.pki import JoinExpect
 
 from .context import Sql
 from .steps import define_step
@@ -43,12 +44,16 @@ DEFAULT_TOKEN_TTL_SECONDS: Final = 7200
 # The newest stable Ignition spec that every Ignition from 2.14 (Debian 12, Flatcar, Fedora
 # CoreOS since 2022) reads; the template uses nothing a later 3.x added.
 IGNITION_VERSION: Final = "3.3.0"
+# The node labels that bind a claim, by JoinExpect field; the label and the wire use one
+# spelling (``productUuid``), so the expectation goes out as bc-pki reads it.
 _CLAIM_LABELS: Final = {
     "mac": "mac",
-    "productUuid": "product_uuid",
+    "product_uuid": "productUuid",
     "serial": "serial",
-    "gpuUuid": "gpu_uuid",
+    "gpu_uuid": "gpuUuid",
 }
+# $1 node id: its latest inventory (inspect.collect keeps the node-signed node.inventory there)
+NODE_INVENTORY: Final = "SELECT inventory FROM nodes WHERE id = $1"
 
 
 def _install_commands(v: Mapping[str, str]) -> list[str]:
@@ -114,11 +119,54 @@ def ignition(v: Mapping[str, str]) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-BUILTIN_TEMPLATES: Final[Mapping[str, Template]] = {"cloud-init": cloud_init, "ignition": ignition}
+def talos(v: Mapping[str, str]) -> str:
+    """Talos machine configuration documents to apply with the cluster's own machine config (a
+    config patch: Talos keeps no shell to install bcd with): the node's hostname, and the
+    ``bcd`` extension service's configuration, whose config file is the join token. The Talos
+    image must carry bcd as a system extension named ``bcd``. Each document is JSON, which is
+    YAML; documents are separated by ``---``."""
+    documents: list[dict[str, Any]] = [
+        {"apiVersion": "v1alpha1", "kind": "HostnameConfig", "auto": "off", "hostname": v["hostname"]},
+        {
+            "apiVersion": "v1alpha1",
+            "kind": "ExtensionServiceConfig",
+            "name": "bcd",
+            "configFiles": [{"content": v["joinToken"], "mountPath": "/etc/bcd/join-token"}],
+            "environment": [f"BCD_CONTROL_PLANE={v['controlPlaneUrl']}", f"BCD_NODE={v['nodeId']}"],
+        },
+    ]
+    return "---\n".join(json.dumps(doc, indent=2) + "\n" for doc in documents)
+
+
+BUILTIN_TEMPLATES: Final[Mapping[str, Template]] = {
+    "cloud-init": cloud_init,
+    "ignition": ignition,
+    "talos": talos,
+}
 
 
 def _config(message: str, path: str) -> BcError:
     return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
+
+
+async def _expect(ctx: Any, node: Any) -> JoinExpect | None:
+    """The hardware the installed OS must show to join: a label of the claim's name wins, else
+    the node's first enrolled MAC, and the product UUID and serial of its latest inventory."""
+    labels = getattr(node, "labels", {}) or {}
+    claims: dict[str, str] = {f: labels[label] for f, label in _CLAIM_LABELS.items() if label in labels}
+    macs = getattr(node, "macs", ()) or ()
+    if "mac" not in claims and macs:
+        claims["mac"] = str(macs[0]).lower()
+    rows = await ctx.sql.query(NODE_INVENTORY, node.id)
+    inventory = rows[0]["inventory"] if rows else None
+    if isinstance(inventory, str):
+        inventory = json.loads(inventory)
+    if isinstance(inventory, Mapping):
+        for claim, key in (("product_uuid", "productUuid"), ("serial", "serial")):
+            value = inventory.get(key)
+            if claim not in claims and isinstance(value, str) and value:
+                claims[claim] = value
+    return JoinExpect(**claims) if claims else None
 
 
 async def _render(_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -145,15 +193,13 @@ async def _render(_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
                 f"kind {ud.kind} ships no template: name one with userData.template", "userData.template"
             )
         template = found
-    labels = getattr(node, "labels", {}) or {}
-    expect = {claim: labels[label] for label, claim in _CLAIM_LABELS.items() if label in labels}
     token = await ctx.pki.issue_join_token(
         tenant_id=node.tenant_id,
         role="provisioned",
         site_id=node.site_id,
         ttl_seconds=ud.token_ttl_seconds or DEFAULT_TOKEN_TTL_SECONDS,
         max_uses=1,
-        expect=expect or None,
+        expect=await _expect(ctx, node),
     )
     variables = template_variables(node_id=node.id, join_token=token.token, user_data=settings)
     document = render_template(template, variables)

@@ -307,18 +307,41 @@ import json, sys, threading
 import pyghmi.ipmi.bmc as bmc
 from pyghmi.ipmi.private import serversession
 
+state_file, user, password, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+cipher, request_log = sys.argv[5], sys.argv[6]
+log_lock = threading.Lock()
+
+def log(line):
+    with log_lock, open(request_log, "a") as fh:
+        fh.write(line + "\n")
+
 # pyghmi's server always answers cipher suite 3 (HMAC-SHA1) while its own client asks for
-# SHA-256 first and falls back only when refused: refuse what we do not do, as a real BMC would.
+# SHA-256 (suite 17) first and falls back only when refused. cipher "3": refuse what we do not
+# do, as a real BMC would; "none": refuse every proposal (a BMC whose suites the client lacks);
+# "stock": pyghmi's own answer, suite 3 whatever was asked (a BMC that disagrees with itself).
 _open = serversession.ServerSession.create_open_session_response
 
-def _refusing_open(self, request):
-    if len(request) > 12 and request[12] != 1:
+def _open_session(self, request):
+    auth = request[12] if len(request) > 12 else None
+    refuse = cipher == "none" or (cipher == "3" and auth != 1)
+    log(f"open-session auth={auth} {'refused' if refuse else 'accepted'}")
+    if refuse:
         return bytearray([request[0], 0x11, 0, 0]) + request[4:8] + bytearray(4)
     return _open(self, request)
 
-serversession.ServerSession.create_open_session_response = _refusing_open
+serversession.ServerSession.create_open_session_response = _open_session
 
-state_file, user, password, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+_request = serversession.ServerSession.handle_client_request
+
+def _logged_request(self, request):
+    netfn, command = request["netfn"], request["command"]
+    name = {(6, 0x3b): "set-session-privilege", (6, 0x3c): "close-session", (6, 1): "get-device-id",
+            (0, 1): "get-chassis-status", (0, 2): "chassis-control", (0, 8): "set-boot-options",
+            (0, 9): "get-boot-options"}.get((netfn, command), f"netfn={netfn:#x} cmd={command:#x}")
+    log(f"{name} session={bytes(self.managedsessionid).hex()}")
+    return _request(self, request)
+
+serversession.ServerSession.handle_client_request = _logged_request
 
 class Bmc(bmc.Bmc):
     def __init__(self, *args, **kwargs):
@@ -360,21 +383,41 @@ Bmc({user: password}, port=port, address="127.0.0.1").listen()
 
 
 class IpmiBmc(_Proc):
-    """pyghmi's own IPMI BMC server, power and boot device, on a loopback UDP port."""
+    """pyghmi's own IPMI BMC server, power and boot device, on a loopback UDP port.
 
-    def __init__(self, folder: Path, *, username: str = "admin", password: str = "ipmi-pw-123") -> None:
+    ``cipher``: ``"3"`` (the default) accepts cipher suite 3 only and refuses suite 17 as a real
+    BMC without it would; ``"none"`` refuses every proposal; ``"stock"`` is pyghmi's own server,
+    which answers suite 3 whatever the client asked for. ``requests()`` is the BMC's request log:
+    every session opened (``open-session auth=<algorithm> accepted|refused``) and every IPMI
+    request a logged-in session made (``get-chassis-status session=<id>``, ``close-session …``).
+    """
+
+    def __init__(
+        self, folder: Path, *, username: str = "admin", password: str = "ipmi-pw-123", cipher: str = "3"
+    ) -> None:
         super().__init__(folder)
         self.username = username
         self.password = password
+        self.cipher = cipher
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.state_file = self.folder / "bmc-state.json"
+        self.requests_log = self.folder / "requests.log"
 
     def start(self) -> IpmiBmc:
         script = self.folder / "ipmi_bmc.py"
         script.write_text(_IPMI_BMC)
         self._spawn(
-            [sys.executable, str(script), str(self.state_file), self.username, self.password, str(self.port)]
+            [
+                sys.executable,
+                str(script),
+                str(self.state_file),
+                self.username,
+                self.password,
+                str(self.port),
+                self.cipher,
+                str(self.requests_log),
+            ]
         )
         end = time.monotonic() + 30
         while not self.state_file.exists():
@@ -388,3 +431,7 @@ class IpmiBmc(_Proc):
     def state(self) -> dict[str, object]:
         result: dict[str, object] = json.loads(self.state_file.read_text())
         return result
+
+    def requests(self) -> list[str]:
+        """The BMC's request log, in order (see the class)."""
+        return self.requests_log.read_text().splitlines() if self.requests_log.exists() else []

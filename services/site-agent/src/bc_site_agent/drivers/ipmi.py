@@ -3,6 +3,14 @@
 pyghmi is blocking (it runs its own UDP session loop): each call runs in a worker thread.
 Timeouts and lost sessions are transient (retried with backoff and jitter until the deadline);
 an IPMI completion code or a refused login is a ``DRIVER_ERROR`` at once.
+
+Each driver (one command) opens its own session and logs it out at ``close`` (a BMC has a few
+session slots). pyghmi looks sessions up in class-wide caches, and one of them,
+``Session.initting_sessions``, is keyed by the credentials as given (``str``) but cleaned with
+them encoded (``bytes``): a session never leaves it, and the next ``Command`` to that BMC was
+handed the logged-out one (``malformed answer (TypeError)``, nothing sent). ``_open_session``
+takes that entry out itself, with one login at a time per BMC and user, so no other command
+ever gets a session of ours.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
@@ -35,6 +44,39 @@ T = TypeVar("T")
 _BOOT: Final = {"pxe": "network", "disk": "hd", "cd": "optical", "usb": "usb", "bios": "setup"}
 _BOOT_BACK: Final = {v: k for k, v in _BOOT.items()}
 _POWER: Final = {"on": "on", "off": "off", "softOff": "shutdown", "cycle": "boot", "reset": "reset"}
+
+# pyghmi's words (rmcp_codes) when the BMC refuses every cipher suite it proposes
+_NO_CIPHER: Final = (
+    "no cipher suite match",
+    "invalid authentication algorithm",
+    "invalid integrity algorithm",
+    "invalid confidentiality algorithm",
+    "no matching integrity payload",
+)
+_OFFERED: Final = "pyghmi offers cipher suites 17 (HMAC-SHA256, AES) and 3 (HMAC-SHA1, AES)"
+_REFUSED_LOGIN: Final = ("incorrect password", "unauthorized name", "password", "unauthorized")
+
+_logins_lock = threading.Lock()
+_logins: dict[tuple[str, int, str], threading.Lock] = {}
+
+
+def _login_lock(host: str, port: int, username: str) -> threading.Lock:
+    with _logins_lock:
+        return _logins.setdefault((host, port, username), threading.Lock())
+
+
+def _open_session(host: str, port: int, username: str, password: str) -> Any:
+    """A logged-in pyghmi ``Command`` on a session of its own (see the module's docstring)."""
+    from pyghmi.ipmi.command import Command  # imported late: it starts no thread until used
+    from pyghmi.ipmi.private.session import Session
+
+    key = (host, username, password, port, None)
+    with _login_lock(host, port, username):
+        Session.initting_sessions.pop(key, None)  # a leftover of a login that failed
+        try:
+            return Command(bmc=host, userid=username, password=password, port=port, keepalive=False)
+        finally:
+            Session.initting_sessions.pop(key, None)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -64,14 +106,8 @@ class IpmiDriver:
 
     def _command(self) -> Any:
         if self._cmd is None:
-            from pyghmi.ipmi.command import Command  # imported late: it starts no thread until used
-
-            self._cmd = Command(
-                bmc=self.host,
-                userid=self._credentials.username,
-                password=self._credentials.password,
-                port=self.port,
-                keepalive=False,
+            self._cmd = _open_session(
+                self.host, self.port, self._credentials.username, self._credentials.password
             )
         return self._cmd
 
@@ -96,7 +132,11 @@ class IpmiDriver:
                 if "timeout" in low or "timed out" in low or "session no longer connected" in low:
                     self._cmd = None
                     raise Transient(call, "the BMC did not answer in time", maybe_applied=sent) from None
-                if "password" in low or "unauthorized" in low or "user" in low or "auth" in low:
+                if any(words in low for words in _NO_CIPHER):
+                    raise driver_error(
+                        call, f"no cipher suite in common with the BMC ({text[:120]}; {_OFFERED})"
+                    ) from None
+                if any(words in low for words in _REFUSED_LOGIN):
                     raise driver_error(call, "the BMC refused the credentials") from None
                 raise driver_error(call, f"IPMI error: {text[:200]}") from None
             except BcError:
@@ -109,9 +149,15 @@ class IpmiDriver:
                     call, f"cannot reach the BMC ({type(exc).__name__})", maybe_applied=not unsent
                 ) from None
             except struct.error:
-                # pyghmi fails this way in RAKP 2 when the BMC's key hash does not match ours
+                # pyghmi fails this way in RAKP 2 when the BMC's key exchange hash is not as long
+                # as the agreed algorithm's: the BMC uses another cipher suite than it accepted
+                # (wrong credentials give a hash of the right length that does not match)
                 self._cmd = None
-                raise driver_error(call, "the BMC refused the login (wrong credentials?)") from None
+                raise driver_error(
+                    call,
+                    "cipher suite mismatch: the BMC accepted one and answered with another "
+                    f"(its RAKP 2 hash has the wrong length; {_OFFERED})",
+                ) from None
             except (KeyError, TypeError, ValueError, AssertionError, IndexError) as exc:
                 raise malformed_answer(call, exc) from None
             except Exception as exc:

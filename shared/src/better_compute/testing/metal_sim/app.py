@@ -11,6 +11,9 @@ medium as the installer would: it writes the OS to the disk, runs the document's
 ``late-commands`` (which put the token in ``/etc/bcd/join-token``) and starts the installed OS's
 bcd, which joins with it and re-keys the node.
 
+Catalog images are trusted when ``testing.images.SIM_IMAGE_SIGNER`` signed them (the app's
+``image_verifier``); ``fleet_stack`` registers ``ubuntu@24.04`` so signed.
+
 The profile is the page's, plus a ``hostConfig`` (one ``sysctl`` unit) so that a deploy also
 gives the node a host section for the installed bcd to converge.
 """
@@ -27,12 +30,26 @@ from ...core import define_plugin, manifest
 from ...core.errors import BcError, ErrorCode
 from ...metal import Ramdisk, metal
 from ...provision import UserData, define_profile, define_step, provision_module, render_template
+from ..images import sim_image_verifier
 
-__all__ = ["AUTOINSTALL_TEMPLATE", "HOST_CONFIG", "RAMDISK", "app"]
+__all__ = ["AUTOINSTALL_PASSWORD_HASH", "AUTOINSTALL_TEMPLATE", "HOST_CONFIG", "RAMDISK", "app"]
 
+# Subiquity requires identity.username and identity.password (a crypt(3) hash): this is the
+# SHA-512 hash of a random password nobody kept, so the account has no usable password (give it
+# an SSH key to log in). The late-commands run in the installer with the new system at /target,
+# where nothing of ours exists yet: the folder first, then the token, readable by root only.
+_SALT, _HASH = (
+    ".F1bWZWCDE2bgYG9",
+    "4KCTt12Cyf/iNPrRG5O6o93taRZ3TyJTT1YJPjN4jHcQJ4HrsMly1QLEdS7uSXai7SSkIqUrjGZLXuUCe43sg.",
+)
+AUTOINSTALL_PASSWORD_HASH: Final = f"$6${_SALT}${_HASH}"
 AUTOINSTALL_TEMPLATE: Final = (
     "#cloud-config\nautoinstall:\n  version: 1\n  identity:\n    hostname: {{hostname}}\n"
-    "  late-commands:\n    - echo {{joinToken}} > /target/etc/bcd/join-token\n"
+    f"    username: ubuntu\n    password: '{AUTOINSTALL_PASSWORD_HASH}'\n"
+    "  late-commands:\n"
+    "    - mkdir -p /target/etc/bcd\n"
+    "    - echo {{joinToken}} > /target/etc/bcd/join-token\n"
+    "    - chmod 600 /target/etc/bcd/join-token\n"
 )
 HOST_CONFIG: Final = {"units": [{"name": "sysctl", "settings": {"values": {"vm.swappiness": "10"}}}]}
 # The simulator reads no kernel: the URL only has to be one (the site agent serves it as written).
@@ -110,5 +127,6 @@ provision = provision_module(
         bcd_url="https://downloads.sim.invalid/bcd/bcd-linux-amd64",
         bcd_sha256="ab" * 32,
     ),
+    image_verifier=sim_image_verifier,  # images signed by the simulator's test key (testing.images)
 )
 app = better_compute(modules=[metal(ramdisk=RAMDISK), provision], plugins=[acme_autoinstall])

@@ -44,7 +44,10 @@ __all__ = ["MetalSim"]
 
 _CHAIN = re.compile(r"^chain\s+(?:--\S+\s+)*(\S+)", re.M)
 _KERNEL = re.compile(r"^kernel\s+\S+\s*(.*)$", re.M)
-_ECHO = re.compile(r"^\s*-\s*echo\s+(\S+)\s*>\s*/target(/\S+)\s*$", re.M)
+_LATE_COMMANDS = re.compile(r"^  late-commands:\n((?:    - .*\n?)+)", re.M)
+_ECHO = re.compile(r"^echo\s+(\S+)\s*>\s*/target(/\S+)$")
+_MKDIR = re.compile(r"^mkdir\s+-p\s+/target(/\S+)$")
+_CHMOD = re.compile(r"^chmod\s+([0-7]{3,4})\s+/target(/\S+)$")
 _OS_MARK = b"BCSIM-OS\n"  # what the simulated installer writes at the start of the disk
 OS_STATE = "/var/lib/bcd-os"
 """The installed OS's bcd state folder (under the machine's root): on its disk, so it survives
@@ -240,8 +243,11 @@ class MetalSim:
 
     def _autoinstall(self, m: SimMachine, generation: int, document: str) -> None:
         """What Ubuntu's installer does with an autoinstall document: write the OS to the first
-        disk, run ``late-commands`` of the form ``echo VALUE > /target/PATH`` (the join token
-        into ``/etc/bcd/join-token``), and reboot into the installed OS."""
+        disk, run its ``late-commands`` against the new system at ``/target`` (this simulator
+        knows ``mkdir -p``, ``echo VALUE > PATH`` and ``chmod MODE PATH``), and reboot into the
+        installed OS. The new system has no ``/etc/bcd`` until a command makes it: an ``echo``
+        into a folder nobody made fails the install as ``sh`` would (ledger ``install.failed``),
+        and the machine sits in the installer."""
         disk = m.disks[0]
         try:
             with open(m.disk(disk), "r+b") as fh:
@@ -253,14 +259,34 @@ class MetalSim:
             return
         m.ledger.append("disk.write", disk=disk, kind="autoinstall", failed=False)
         shutil.rmtree(m.tree / OS_STATE.lstrip("/"), ignore_errors=True)  # a fresh OS: no enrollment
-        for target, value in _late_commands(document):
-            path = m.tree / target.lstrip("/")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(value + "\n")
+        shutil.rmtree(m.tree / "etc/bcd", ignore_errors=True)  # nor any of the ramdisk's /etc/bcd
+        for index, command in enumerate(_late_commands(document)):
+            failure = self._late_command(m, command)
+            if failure is not None:  # the token (an echo's value) never goes into the ledger
+                m.ledger.append("install.failed", disk=disk, lateCommand=index, error=failure)
+                return
         m.ledger.append("install", disk=disk)
         self._installed(m, generation)
+
+    @staticmethod
+    def _late_command(m: SimMachine, command: str) -> str | None:
+        """Run one late-command against the machine's tree as ``/target``; why it failed."""
+        if found := _MKDIR.match(command):
+            (m.tree / found.group(1).lstrip("/")).mkdir(parents=True, exist_ok=True)
+        elif found := _ECHO.match(command):
+            path = m.tree / found.group(2).lstrip("/")
+            if not path.parent.is_dir():
+                return f"cannot create /target{found.group(2)}: Directory nonexistent"
+            with open(path, "w") as fh:
+                fh.write(found.group(1) + "\n")
+        elif found := _CHMOD.match(command):
+            path = m.tree / found.group(2).lstrip("/")
+            if not path.exists():
+                return f"chmod: cannot access /target{found.group(2)}: No such file or directory"
+            path.chmod(int(found.group(1), 8))
+        else:
+            return "a late-command this simulator does not run (mkdir -p, echo > PATH, chmod)"
+        return None
 
     def _local_boot(self, m: SimMachine, generation: int) -> None:
         """Boot the first disk: the installed OS when one is there, else nothing (a prompt)."""
@@ -428,9 +454,12 @@ def _media_autoinstall(info: Any) -> str | None:
     return text if text.startswith("#cloud-config") and "\nautoinstall:" in text else None
 
 
-def _late_commands(document: str) -> list[tuple[str, str]]:
-    """``(path, value)`` of each ``echo VALUE > /target/PATH`` line of the document."""
-    return [(match.group(2), match.group(1)) for match in _ECHO.finditer(document)]
+def _late_commands(document: str) -> list[str]:
+    """The ``late-commands`` of an autoinstall document, in order (plain strings)."""
+    found = _LATE_COMMANDS.search(document)
+    if found is None:
+        return []
+    return [line.strip()[2:].strip() for line in found.group(1).splitlines() if line.strip()]
 
 
 def _media_cmdline(info: Any) -> str | None:

@@ -33,6 +33,7 @@ from ...service.client import connect
 from ...wire import Subjects
 from ...wire.engine import NodeView
 from ...wire.metal import NodeBmc, VerbRun
+from ..images import register_sim_image
 from ..processes import ServiceProcesses
 from ..site_agent import SiteAgentProcess
 from ..waiting import until
@@ -238,6 +239,7 @@ async def fleet_stack(
 
         up: bool = await until(connected, timeout=60, what="the site agent connected")
         assert up
+        await register_sim_image(stack.engine)  # what the tests and the demo deploy
         for index in range(machines if enroll is None else enroll):
             await stack.enroll(index)
         yield stack
