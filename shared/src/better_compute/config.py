@@ -226,7 +226,10 @@ _UNIT_MS: Final = {
 
 # Shapes checked after decoding (the same ones ``UserData(...)`` checks), at their path.
 _PATTERNS: Final = {
-    "userdata.control_plane_url": (re.compile(r"https?://[^\s{}]+"), "an http(s) URL"),
+    "userdata.control_plane_url": (
+        re.compile(r"(https?|nats|tls)://[^\s{}]+"),
+        "an http(s), nats:// or tls:// URL",
+    ),
     "userdata.bcd_url": (re.compile(r"https?://[^\s{}]+"), "an http(s) URL"),
     "userdata.bcd_sha256": (re.compile(r"[0-9a-f]{64}"), "64 lowercase hex digits"),
 }

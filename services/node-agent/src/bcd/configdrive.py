@@ -127,17 +127,17 @@ def _span(start: int, isobytes: int, disk_bytes: int, reserved_tail: int) -> tup
 def _mbr(fd: int, mbr: bytes, iso: bytes, *, disk_bytes: int, image_bytes: int) -> dict[str, Any]:
     table = bytearray(mbr)
     used: list[tuple[int, int, int]] = []  # (slot, first sector, sectors)
-    free = None
-    mine = None
-    for slot in range(4):
-        _status, _chs0, kind, _chs1, first, count = struct.unpack_from("<B3sB3sII", table, 446 + 16 * slot)
+    free: int | None = None
+    mine: int | None = None
+    for index in range(4):
+        _status, _chs0, kind, _chs1, first, count = struct.unpack_from("<B3sB3sII", table, 446 + 16 * index)
         if kind == 0 or count == 0:
-            free = slot if free is None else free
+            free = index if free is None else free
             continue
         if kind == _MBR_LINUX and _ours(fd, first):
-            mine = slot
+            mine = index
             continue
-        used.append((slot, first, count))
+        used.append((index, first, count))
     slot = mine if mine is not None else free
     if slot is None:
         raise _refuse(
