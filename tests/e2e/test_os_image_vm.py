@@ -1,5 +1,6 @@
-"""The test OS image on a real (virtual) machine: QEMU boots it from its virtio disk, after bcd's
-own ``image_write`` put it there with a NoCloud config drive holding the project's cloud-init
+"""The test OS image on a real (virtual) machine: built, signed into the image catalog (Ed25519),
+and booted by QEMU from its virtio disk, after bcd's own ``image_write`` put it there (from what the
+catalog says) with a NoCloud config drive holding the project's cloud-init
 template rendered for a node (a single-use ``provisioned`` token bound to the node and the VM's
 DMI product UUID). The installed OS's init runs the template's ``write_files`` and ``runcmd`` (curl
 downloads bcd from this test's HTTP server, ``sha256sum -c`` checks it, ``bcd join`` joins), then
@@ -12,6 +13,7 @@ pki and command queue (each its own process); KVM when it works here, TCG otherw
 from __future__ import annotations
 
 import asyncio
+import base64
 import ctypes
 import functools
 import hashlib
@@ -26,16 +28,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from bcd.configdrive import ConfigDrive
 from bcd.image import image_write
 from bcd.system import Machine
-from better_compute.clients import CommandQueueClient, PkiClient
+from better_compute.clients import CommandQueueClient, EngineClient, PkiClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
+from better_compute.metal.signatures import sign_image_digest
 from better_compute.provision.templates import UserData, template_variables
 from better_compute.provision.userdata import cloud_init
-from better_compute.runtime.os_image import build_os_image
+from better_compute.runtime.os_image import DEFAULT_OS_CMDLINE, build_os_image
 from better_compute.runtime.ramdisk import default_cache_dir
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
@@ -47,6 +52,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(1800)]
 SITE = "lab-vm"
 UUID = "7d1a4c52-9e0b-4c7e-8f3a-2b6d5e4f1a09"
 SERIAL = "BC-TOS-0001"
+SIGNER = ed25519.Ed25519PrivateKey.generate()
 TOKEN = re.compile(r"bcjt_[A-Za-z0-9_-]{43}")
 # what the template's runcmd downloads as bcd: the image carries bcd (PyInstaller --onedir under
 # /opt/bcd, the ramdisk's part); this is its launcher, as the ramdisk's /bin/bcd is
@@ -90,9 +96,9 @@ class VM:
                 "-drive", f"file={self.disk},if=virtio,format=raw",
                 "-netdev", "user,id=n0", "-device", "virtio-net-pci,netdev=n0,mac=52:54:00:7e:57:01",
                 "-device", "virtio-rng-pci", "-smbios", f"type=1,uuid={UUID},serial={SERIAL}"]  # fmt: skip
-        log = open(self.folder / f"qemu-{self.boots}.log", "wb")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=die_with_parent)  # fmt: skip
+        with open(self.folder / f"qemu-{self.boots}.log", "wb") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=die_with_parent)  # fmt: skip
 
     def text(self) -> str:
         return self.console.read_text(errors="replace") if self.console.exists() else ""
@@ -122,15 +128,33 @@ async def test_the_test_os_boots_from_its_disk_reads_its_config_drive_and_its_bc
     www: tuple[Path, int],
 ) -> None:  # fmt: skip
     t0 = time.monotonic()
-    for service in ("bc-pki", "bc-secrets", "bc-command-queue"):
+    raw = SIGNER.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    config = tmp_path / "bc.toml"  # the catalog's allowlisted signer
+    config.write_text(
+        f'[images]\nsigners = [{{ id = "t-os", publicKey = "{base64.b64encode(raw).decode()}" }}]\n'
+    )
+    bc_processes.extra_env["BC_CONFIG"] = str(config)
+    for service in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
         bc_processes.start(service)
-    built = await asyncio.to_thread(build_os_image, tmp_path / "os", cache_dir=default_cache_dir())
+    # this test's services answer under its own subject root: the image says so on its kernel line
+    cmdline = f"{DEFAULT_OS_CMDLINE} bcd.subject_root={bc_settings.subject_root}"
+    built = await asyncio.to_thread(
+        build_os_image, tmp_path / "os", cache_dir=default_cache_dir(), cmdline=cmdline
+    )
     await bc_processes.wait_ready()
     t_built = time.monotonic()
     folder, port = www
     (folder / "os.raw").write_bytes(built.image.read_bytes())
     (folder / "bcd").write_bytes(LAUNCHER)
     pki, cq = PkiClient(bc_api), CommandQueueClient(bc_api)
+    # signed into the catalog like any image, and written from what the catalog says
+    signature = base64.b64encode(sign_image_digest(SIGNER, built.sha256)).decode()
+    await bc_api.call("engine", "images.register", {
+        "name": "bc-test-os", "version": "1", "url": f"http://127.0.0.1:{port}/os.raw",
+        "sha256": built.sha256, "format": "raw", "signer": "t-os", "signature": signature,
+    })  # fmt: skip
+    image = await EngineClient(bc_api).get_image(ref="bc-test-os@1")
+    assert (image.sha256, image.signer_status) == (built.sha256, "allowlisted")
 
     node = new_id("node")
     token = await pki.issue_join_token(tenant_id="root", role="provisioned", site_id=SITE, ttl_seconds=1800,
@@ -145,7 +169,7 @@ async def test_the_test_os_boots_from_its_disk_reads_its_config_drive_and_its_bc
     root = prepare_machine(tmp_path / "ramdisk-root", disks=[DiskSpec("vda", 512 << 20)])
     machine = Machine(root=root, runner=RecordingRunner())  # type: ignore[arg-type]
     written = await asyncio.to_thread(
-        image_write, machine, url=f"http://127.0.0.1:{port}/os.raw", sha256=built.sha256, disk="/dev/vda",
+        image_write, machine, url=image.url, sha256=image.sha256, disk="/dev/vda",
         config_drive=ConfigDrive(user_data=user_data.encode(), node_id=node),
     )  # fmt: skip
     assert written["configDrive"]["partition"] == 3  # after the image's boot and state partitions

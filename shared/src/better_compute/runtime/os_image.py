@@ -93,7 +93,9 @@ def disk_image(
     if "\n" in cmdline or "\r" in cmdline:
         raise BcError(ErrorCode.INVALID_INPUT, "the kernel command line is one line", {"path": "cmdline"})
     if not MBR_BIN.exists():
-        raise BcError(ErrorCode.UNAVAILABLE, f"{MBR_BIN} is missing: install syslinux-common", {"path": "mbr"})
+        raise BcError(
+            ErrorCode.UNAVAILABLE, f"{MBR_BIN} is missing: install syslinux-common", {"path": "mbr"}
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bc-os-image-") as tmp_name:
         tmp = Path(tmp_name)

@@ -223,12 +223,21 @@ mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 mount -t tmpfs -o mode=0755 tmpfs /run
 exec </dev/console >/dev/console 2>&1
 echo "bc-os: $(cat /etc/bc-ramdisk/release) on $(uname -r)"
+# a deployment whose NATS subjects are not under "bc" says so on the kernel line (its image's)
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in bcd.subject_root=*) export BC_SUBJECT_ROOT="${arg#bcd.subject_root=}" ;; esac
+done
+# drivers by modalias as the ramdisk loads them (runtime.ramdisk_init): twice, for the devices
+# the first drivers bring (the virtio disk and NIC behind virtio_pci)
+for pass in 1 2; do
+    for alias in $(cat /sys/bus/*/devices/*/modalias 2>/dev/null | sort -u); do
+        modprobe -q "$alias" 2>/dev/null
+    done
+done
 for module in $(cat /etc/bc-ramdisk/modules); do
     modprobe -q "$module" 2>/dev/null
 done
-for alias in $(cat /sys/bus/*/devices/*/modalias 2>/dev/null | sort -u); do
-    modprobe -q "$alias" 2>/dev/null
-done
+echo "bc-os: $(wc -l < /proc/modules) modules loaded"
 hostname bc-os
 # the disk's partitions appear once its driver probed it
 find_label() {
