@@ -1,7 +1,7 @@
 """The ramdisk the project builds boots a QEMU VM into bcd, which joins and answers.
 
-``bcx ramdisk build``'s kernel and initramfs (built once per run; the build cache makes a second
-run a copy) boot a VM straight from QEMU's ``-kernel``/``-initrd``: a blank virtio disk file, a
+``bcx ramdisk build``'s kernel and initramfs (built by the command, once per run; the build cache
+makes a second run a copy) boot a VM straight from QEMU's ``-kernel``/``-initrd``: a blank virtio disk file, a
 virtio NIC on user-mode networking (the guest reaches this machine's loopback, where the test's
 nats-server listens, as 10.0.2.2), DMI product UUID and serial from ``-smbios``. KVM where it
 works, TCG otherwise (never skipped). bc-pki and bc-command-queue run as processes. The VM's bcd
@@ -25,9 +25,9 @@ from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.runtime.ramdisk import RamdiskArtifacts
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, run_bcx
 from better_compute.testing.agents import until
-from better_compute.testing.ramdisk import RamdiskVM, built_ramdisk, qemu_accel
+from better_compute.testing.ramdisk import RamdiskVM, qemu_accel
 from better_compute.wire.cmdq import EnqueueCommand
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -41,8 +41,18 @@ FAST_ENV = {"BC_CMDQ_HEARTBEAT": "500ms", "BC_CMDQ_SWEEP": "200ms"}
 
 
 @pytest.fixture(scope="session")
-def ramdisk() -> RamdiskArtifacts:
-    return built_ramdisk()
+def ramdisk(tmp_path_factory: pytest.TempPathFactory) -> RamdiskArtifacts:
+    """What a user's ``bcx ramdisk build`` makes (once per run; the build cache makes a second
+    run a copy)."""
+    out = tmp_path_factory.mktemp("ramdisk")
+    t0 = time.monotonic()
+    done = run_bcx(None, "ramdisk", "build", "--out", str(out), "--json", timeout=900)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    print(f"\nbcx ramdisk build: {time.monotonic() - t0:.1f}s ({done.stderr.strip().splitlines()[-1]})")
+    made = RamdiskArtifacts(kernel=out / "vmlinuz", initrd=out / "initrd.img", manifest=out / "manifest.json")
+    assert made.read_manifest()["initrd"]["sha256"] == shown["initrd"]["sha256"]
+    return made
 
 
 @pytest_asyncio.fixture(loop_scope="session")

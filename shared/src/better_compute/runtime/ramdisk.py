@@ -21,6 +21,7 @@ Python API (``better_compute.runtime.ramdisk``)::
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import importlib.metadata
@@ -224,7 +225,7 @@ def write_cpio(tree: Tree, out: Path, *, compress: Literal["zstd", "gzip", "none
             cctx = zstandard.ZstdCompressor(level=9, threads=-1)
             raw = cctx.stream_writer(fh, closefd=False)
         elif compress == "gzip":
-            raw = gzip.GzipFile(fileobj=fh, mode="wb", compresslevel=6, mtime=0)
+            raw = gzip.GzipFile(filename="", fileobj=fh, mode="wb", compresslevel=6, mtime=0)
         else:
             raw = fh
         try:
@@ -768,6 +769,24 @@ def build(
     """
     started = time.monotonic()
     cache = (cache_dir or default_cache_dir()).resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "a+b") as lock:
+        # one builder at a time per cache: a second (another test worker) waits, then copies
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(out_dir, cache, init, extra, modules, compress, say, started)
+
+
+def _build_locked(
+    out_dir: Path,
+    cache: Path,
+    init: str,
+    extra: Mapping[str, bytes | Path] | None,
+    modules: Iterable[str],
+    compress: Literal["zstd", "gzip"],
+    say: Callable[[str], None],
+    started: float,
+) -> RamdiskArtifacts:
+    modules = tuple(modules)
     parts = prepare_parts(cache_dir=cache, modules=modules, say=say)
     digest = hashlib.sha256(f"{parts.key}:{compress}:{init}".encode())
     for path in sorted(extra or {}):
