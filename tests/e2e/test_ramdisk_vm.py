@@ -5,13 +5,21 @@ makes a second run a copy) boot a VM straight from QEMU's ``-kernel``/``-initrd`
 virtio NIC on user-mode networking (the guest reaches this machine's loopback, where the test's
 nats-server listens, as 10.0.2.2), DMI product UUID and serial from ``-smbios``. KVM where it
 works, TCG otherwise (never skipped). bc-pki and bc-command-queue run as processes. The VM's bcd
-joins with a single-use node token bound to the VM's product UUID and MAC, and answers
-``node.inventory`` (node-signed, attested) with what the VM really has. The VM dies with the test.
+joins with a single-use node token bound to the VM's product UUID and MAC, answers
+``node.inventory`` (node-signed, attested) with what the VM really has, writes an image onto its
+disk and wipes it (both read off the VM's disk file). The VM dies with the test.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import http.server
 import json
+import os
+import shutil
+import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -65,11 +73,31 @@ async def services(bc_api: ApiClient, bc_processes: ServiceProcesses) -> AsyncIt
 
 
 @pytest.fixture
+def image_server() -> Iterator[tuple[Path, int]]:
+    """A folder served over HTTP on this machine's loopback (the VM's 10.0.2.2)."""
+    folder = Path(tempfile.mkdtemp(prefix="vm-images-"))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield folder, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+    shutil.rmtree(folder)
+
+
+@pytest.fixture
 def vms() -> Iterator[list[RamdiskVM]]:
     started: list[RamdiskVM] = []
     yield started
     for vm in started:
         vm.close()
+
+
+def _read(disk: Path, offset: int, size: int) -> bytes:
+    """Bytes of the VM's disk file, as the host sees them."""
+    with open(disk, "rb") as fh:
+        fh.seek(offset)
+        return fh.read(size)
 
 
 def _guest_nats(settings: Settings) -> str:
@@ -85,6 +113,7 @@ async def test_the_built_ramdisk_boots_a_vm_whose_bcd_joins_and_inventories_the_
     services: ApiClient,
     bc_settings: Settings,
     vms: list[RamdiskVM],
+    image_server: tuple[Path, int],
     tmp_path: Path,
 ) -> None:
     manifest = ramdisk.read_manifest()
@@ -138,6 +167,30 @@ async def test_the_built_ramdisk_boots_a_vm_whose_bcd_joins_and_inventories_the_
     assert [(n["mac"], n["driver"]) for n in found["nics"]] == [(MAC, "virtio_net")]
     assert found["kernel"] == manifest["kernelRelease"]
     assert found["firmware"]["vendor"] == "QEMU"
+
+    # the VM's bcd writes an image onto its virtio disk and wipes it: read off the disk file
+    folder, port = image_server
+    image = b"\xeb\x63\x90" + os.urandom((4 << 20) - 3)
+    (folder / "image.raw").write_bytes(image)
+    payload = {"url": f"http://10.0.2.2:{port}/image.raw", "sha256": hashlib.sha256(image).hexdigest(),
+               "format": "raw", "disk": "/dev/vda"}  # fmt: skip
+    view = await cq.enqueue(
+        EnqueueCommand(node_id=node, site_id=SITE, kind="node.imageWrite", payload=payload, key="w",
+                       target="node")
+    )  # fmt: skip
+    done = await cq.wait(id=view.id, timeout=180)
+    assert (done.state, done.attested) == ("succeeded", True), done.reason
+    assert _read(vm.disk, 0, len(image)) == image
+    assert _read(vm.disk, len(image), 1 << 20) == bytes(1 << 20)  # nothing past the image
+    view = await cq.enqueue(
+        EnqueueCommand(node_id=node, site_id=SITE, kind="node.wipe", payload={"mode": "quick"}, key="wipe",
+                       target="node")
+    )  # fmt: skip
+    done = await cq.wait(id=view.id, timeout=180)
+    assert (done.state, done.attested) == ("succeeded", True), done.reason
+    assert _read(vm.disk, 0, 1 << 20) == bytes(1 << 20)  # no boot sector, no table left
+    assert _read(vm.disk, DISK_BYTES - (1 << 20), 1 << 20) == bytes(1 << 20)
+
     accel = "kvm" if "-enable-kvm" in qemu_accel() else "tcg"
     print(
         f"\nramdisk VM ({accel}): boot to join {boot_to_join:.1f}s; kernel {manifest['kernel']['size']} B,"

@@ -97,6 +97,8 @@ DEFAULT_MODULES: Final = HARDWARE_MODULES + tuple(m for m in ALWAYS_MODULES if m
 """Every module put into the ramdisk (with everything it depends on)."""
 
 _CHUNK: Final = 1 << 20
+KEEP_BUILDS: Final = 6
+"""Initramfs builds and bcd executables the cache keeps (the most recently used)."""
 
 
 def _bad(message: str, path: str, **details: Any) -> BcError:
@@ -837,10 +839,25 @@ def _build_locked(
             tmp.replace(out_dir / name)
     except OSError as exc:
         raise _bad(f"cannot write {out_dir}: {exc.strerror or exc}", "out") from None
+    _prune(cache / "builds", keep=KEEP_BUILDS, used=built)
+    _prune(cache / "parts", keep=KEEP_BUILDS, used=parts.bcd.parent, prefix="bcd-")
     say(f"done in {time.monotonic() - started:.1f}s: {out_dir}")
     return RamdiskArtifacts(
         kernel=out_dir / "vmlinuz", initrd=out_dir / "initrd.img", manifest=out_dir / "manifest.json"
     )
+
+
+def _prune(folder: Path, *, keep: int, used: Path, prefix: str = "") -> None:
+    """Keep the ``keep`` most recently used entries of ``folder`` (``used`` is one now): every
+    change to bcd's sources makes a new 100 MB bcd and a new initramfs."""
+    now = time.time()
+    os.utime(used, (now, now))
+    entries = [
+        e for e in folder.iterdir() if e.is_dir() and e.name.startswith(prefix) and not e.name.startswith(".")
+    ]
+    entries.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _dist_version(name: str) -> str | None:

@@ -102,7 +102,7 @@ class RamdiskVM:
             "-kernel", str(self.kernel), "-initrd", str(self.initrd), "-append", self.cmdline,
             "-nographic", "-monitor", "none", "-serial", f"file:{self.console}", "-no-reboot",
             "-netdev", "user,id=n0", "-device", f"virtio-net-pci,netdev=n0,mac={self.mac}",
-            "-drive", f"file={self.disk},if=virtio,format=raw,cache=unsafe",
+            "-drive", f"file={self.disk},if=virtio,format=raw,cache=writeback",
             "-device", "virtio-rng-pci",
             "-smbios", f"type=1,uuid={self.product_uuid},serial={self.serial}",
         ]  # fmt: skip
