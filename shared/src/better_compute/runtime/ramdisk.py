@@ -21,6 +21,7 @@ Python API (``better_compute.runtime.ramdisk``)::
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import importlib.metadata
@@ -96,6 +97,8 @@ DEFAULT_MODULES: Final = HARDWARE_MODULES + tuple(m for m in ALWAYS_MODULES if m
 """Every module put into the ramdisk (with everything it depends on)."""
 
 _CHUNK: Final = 1 << 20
+KEEP_BUILDS: Final = 6
+"""Initramfs builds and bcd executables the cache keeps (the most recently used)."""
 
 
 def _bad(message: str, path: str, **details: Any) -> BcError:
@@ -224,7 +227,7 @@ def write_cpio(tree: Tree, out: Path, *, compress: Literal["zstd", "gzip", "none
             cctx = zstandard.ZstdCompressor(level=9, threads=-1)
             raw = cctx.stream_writer(fh, closefd=False)
         elif compress == "gzip":
-            raw = gzip.GzipFile(fileobj=fh, mode="wb", compresslevel=6, mtime=0)
+            raw = gzip.GzipFile(filename="", fileobj=fh, mode="wb", compresslevel=6, mtime=0)
         else:
             raw = fh
         try:
@@ -768,6 +771,24 @@ def build(
     """
     started = time.monotonic()
     cache = (cache_dir or default_cache_dir()).resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "a+b") as lock:
+        # one builder at a time per cache: a second (another test worker) waits, then copies
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(out_dir, cache, init, extra, modules, compress, say, started)
+
+
+def _build_locked(
+    out_dir: Path,
+    cache: Path,
+    init: str,
+    extra: Mapping[str, bytes | Path] | None,
+    modules: Iterable[str],
+    compress: Literal["zstd", "gzip"],
+    say: Callable[[str], None],
+    started: float,
+) -> RamdiskArtifacts:
+    modules = tuple(modules)
     parts = prepare_parts(cache_dir=cache, modules=modules, say=say)
     digest = hashlib.sha256(f"{parts.key}:{compress}:{init}".encode())
     for path in sorted(extra or {}):
@@ -818,10 +839,25 @@ def build(
             tmp.replace(out_dir / name)
     except OSError as exc:
         raise _bad(f"cannot write {out_dir}: {exc.strerror or exc}", "out") from None
+    _prune(cache / "builds", keep=KEEP_BUILDS, used=built)
+    _prune(cache / "parts", keep=KEEP_BUILDS, used=parts.bcd.parent, prefix="bcd-")
     say(f"done in {time.monotonic() - started:.1f}s: {out_dir}")
     return RamdiskArtifacts(
         kernel=out_dir / "vmlinuz", initrd=out_dir / "initrd.img", manifest=out_dir / "manifest.json"
     )
+
+
+def _prune(folder: Path, *, keep: int, used: Path, prefix: str = "") -> None:
+    """Keep the ``keep`` most recently used entries of ``folder`` (``used`` is one now): every
+    change to bcd's sources makes a new 100 MB bcd and a new initramfs."""
+    now = time.time()
+    os.utime(used, (now, now))
+    entries = [
+        e for e in folder.iterdir() if e.is_dir() and e.name.startswith(prefix) and not e.name.startswith(".")
+    ]
+    entries.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _dist_version(name: str) -> str | None:
