@@ -14,9 +14,11 @@ from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres
 from better_compute.testing import BcxRun, run_bcx
 
 
-def bcx(state: Path, *args: str, timeout: float = 120) -> BcxRun:
-    """bcx on the dev deployment kept in ``state`` (none of this process's)."""
-    return run_bcx(None, *args, env={"BC_STATE_DIR": str(state)}, isolated=True, timeout=timeout)
+def bcx(state: Path, *args: str, timeout: float = 120, ramdisk: Path | None = None) -> BcxRun:
+    """bcx on the dev deployment kept in ``state`` (none of this process's), with the built
+    ramdisk in ``ramdisk`` (default: none, whatever ``make ramdisk`` left in the checkout)."""
+    env = {"BC_STATE_DIR": str(state), "BC_RAMDISK_DIR": str(ramdisk or state / "no-ramdisk")}
+    return run_bcx(None, *args, env=env, isolated=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -138,3 +140,40 @@ def test_the_command_queue_warns_when_the_quorum_is_off(state: Path) -> None:
     assert off["level"] == "warning"
     shown = bcx(state, "quorum", "show", "--json")
     assert json.loads(shown.stdout)["enabled"] is False
+
+
+def test_dev_up_serves_the_built_ramdisk_to_the_shipped_profiles(state: Path, tmp_path: Path) -> None:
+    """What ``bcx ramdisk build`` left in ``[ramdisk] dir`` becomes the ramdisk of the default
+    app's lifecycle profiles: URLs by sha256 on a file server of the stack, which the site
+    agent's cache fills from, and the sha256s it checks."""
+    import hashlib
+    import urllib.error
+    import urllib.request
+
+    built = tmp_path / "ramdisk"
+    built.mkdir()
+    files = {"kernel": ("vmlinuz", b"kernel bytes" * 100), "initrd": ("initrd.img", b"initrd bytes" * 300)}
+    manifest: dict[str, object] = {"cmdline": "console=ttyS0,115200n8"}
+    for part, (name, data) in files.items():
+        (built / name).write_bytes(data)
+        manifest[part] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (built / "manifest.json").write_text(json.dumps(manifest))
+
+    up = bcx(state, "dev", "up", "--service", "bc-engine", ramdisk=built)
+    assert up.returncode == 0, up.stderr
+    assert "ramdisk           served" in up.stdout
+    got = bcx(state, "profiles", "get", "metal.inspect", "--json", ramdisk=built)
+    assert got.returncode == 0, got.stderr
+    steps = json.loads(got.stdout)["document"]["steps"]
+    boot = next(s for s in steps if s["use"] == "metal.ensureRamdisk")["with"]
+    assert boot["cmdline"] == "console=ttyS0,115200n8"
+    for part, (_name, data) in files.items():
+        assert boot[f"{part}Sha256"] == hashlib.sha256(data).hexdigest()
+        with urllib.request.urlopen(boot[part], timeout=10) as resp:  # what the site agent fetches
+            assert resp.read() == data
+    ps = json.loads(bcx(state, "dev", "ps", "--json").stdout)["processes"]
+    assert "bc-ramdisk-http" in {p["name"] for p in ps if p["alive"]}
+    down = bcx(state, "dev", "down")
+    assert down.returncode == 0, down.stderr
+    with pytest.raises(urllib.error.URLError):  # the file server went with the stack
+        urllib.request.urlopen(boot["kernel"], timeout=5)

@@ -144,10 +144,19 @@ class Pki:
 class Secrets:
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
+        self.for_node: dict[str, bool] = {}
 
-    async def put(self, value: bytes, *, idempotency_key: str | None = None, label: str | None = None) -> str:
+    async def put(
+        self,
+        value: bytes,
+        *,
+        idempotency_key: str | None = None,
+        label: str | None = None,
+        for_node: bool = False,
+    ) -> str:
         ref = f"sec_{idempotency_key or len(self.values)}"
         self.values.setdefault(ref, value)  # the first write wins
+        self.for_node[ref] = for_node
         return ref
 
 

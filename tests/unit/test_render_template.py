@@ -142,6 +142,17 @@ def test_a_template_that_gives_no_string_is_invalid_config(template: Any) -> Non
     assert refusal(lambda: render_template(template, VARIABLES)) == (INVALID_CONFIG, "template")
 
 
+@pytest.mark.parametrize(
+    "url", ["https://gw.example.com", "nats://10.0.2.2:4222", "tls://gw.example.com:4222"]
+)
+def test_the_control_plane_may_be_nats_itself(url: str) -> None:
+    # bcd takes nats:// and tls:// as they are (a VM reaches a test's NATS as nats://10.0.2.2:<port>)
+    variables = template_variables(
+        node_id="node_x", join_token="t", user_data=UserData(control_plane_url=url)
+    )
+    assert variables["controlPlaneUrl"] == url
+
+
 def test_template_variables_derive_the_hostname_from_the_node_id() -> None:
     settings = UserData(control_plane_url="https://gw.example.com", bcd_sha256=SHA)
     variables = template_variables(
@@ -157,6 +168,8 @@ def test_template_variables_derive_the_hostname_from_the_node_id() -> None:
     ("settings", "path"),
     [
         ({"control_plane_url": "gw.example.com"}, "control_plane_url"),
+        ({"control_plane_url": "ftp://gw.example.com"}, "control_plane_url"),
+        ({"bcd_url": "nats://10.0.2.2:4222"}, "bcd_url"),
         ({"bcd_url": "https://x/\nevil"}, "bcd_url"),
         ({"bcd_sha256": "AB" * 32}, "bcd_sha256"),
         ({"bcd_sha256": "ab"}, "bcd_sha256"),

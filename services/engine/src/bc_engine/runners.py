@@ -127,7 +127,12 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
             idempotency_key=idempotency_key, node_id=wf.node_id, before_mint=minting_tokens
         ),
         secrets=engine.secrets.for_step(
-            tenant_id=wf.tenant_id, workflow_id=wf_id, step=idx, attempt=attempt, before_put=storing_secrets
+            tenant_id=wf.tenant_id,
+            workflow_id=wf_id,
+            step=idx,
+            attempt=attempt,
+            before_put=storing_secrets,
+            node_id=wf.node_id,
         ),
         workflows=children,
         commands=StepCommands(engine, workflow=wf, step=step),

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import signal
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal
 
 from better_compute.agent import Agent, Command, CommandHandler, CommandRejected, Enrollment
@@ -24,6 +24,7 @@ from better_compute.metal.commands import NODE_CONVERGE, NODE_IMAGE_WRITE, NODE_
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 
+from .configdrive import ConfigDrive
 from .converger import Converger
 from .disks import wipe
 from .hardware import inventory
@@ -59,9 +60,16 @@ def detect_mode(machine: Machine, given: str | None = None) -> Mode:
 
 
 def node_handlers(
-    machine: Machine, mode: Mode, *, converger: Converger | None = None
+    machine: Machine,
+    mode: Mode,
+    *,
+    converger: Converger | None = None,
+    fetch_secret: Callable[[str], Awaitable[bytes]] | None = None,
+    node_id: str | None = None,
 ) -> dict[str, CommandHandler]:
-    """The command handlers bcd serves in ``mode``."""
+    """The command handlers bcd serves in ``mode``. ``fetch_secret`` reads a value through the
+    secrets gate (an image write's ``userDataRef``); ``node_id`` is this node's (the config
+    drive's instance id)."""
 
     async def node_inventory(cmd: Command) -> Any:
         return await asyncio.to_thread(inventory, machine)
@@ -72,10 +80,14 @@ def node_handlers(
 
     async def node_image_write(cmd: Command) -> Any:
         payload = NODE_IMAGE_WRITE.payload.validate(cmd.payload, path="payload")
+        drive = None
         if payload.get("userDataRef"):
-            raise CommandRejected(
-                "unsupported: writing user data into the image is not supported by this daemon"
-            )
+            if fetch_secret is None or node_id is None:
+                raise CommandRejected("unsupported: this daemon cannot fetch user data")
+            # Fetched before anything is written: a refused fetch leaves the disk as it was.
+            # The gate opens it while this command is live (docs/pki-and-secrets.md).
+            user_data = await fetch_secret(payload["userDataRef"])
+            drive = ConfigDrive(user_data=user_data, node_id=node_id)
         loop = asyncio.get_running_loop()
 
         def progress(message: str, percent: float | None) -> None:
@@ -89,6 +101,7 @@ def node_handlers(
             fmt=payload["format"],
             disk=payload.get("disk"),
             progress=progress,
+            config_drive=drive,
         )
 
     async def node_converge(cmd: Command) -> Any:
@@ -166,7 +179,9 @@ async def _serve_on(
         return await secrets.fetch(ref=ref, identity=enrollment.identity)
 
     converger = Converger(state.machine, fetch_secret=fetch_secret) if mode == "installed" else None
-    handlers: Mapping[str, CommandHandler] = node_handlers(state.machine, mode, converger=converger)
+    handlers: Mapping[str, CommandHandler] = node_handlers(
+        state.machine, mode, converger=converger, fetch_secret=fetch_secret, node_id=enrollment.agent_id
+    )
     if simulate:
         handlers = tagged(handlers)  # the simulated disks see which command writes them
     agent = Agent(

@@ -24,6 +24,7 @@ from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service.killpoints import kill_point
 
+from .configdrive import ConfigDrive, write_config_drive
 from .disks import AFTER_DISK_WRITE, BEFORE_DISK_WRITE, CHUNK, MIB, Progress, device_size, disk_path, zero
 from .hardware import block_disks, boot_disks
 from .system import Machine
@@ -121,12 +122,15 @@ def image_write(
     disk: str | None = None,
     progress: Progress | None = None,
     timeout: float = 60.0,
+    config_drive: ConfigDrive | None = None,
 ) -> dict[str, Any]:
     """Stream the image at ``url`` onto ``disk``, checking its sha256 while writing.
 
     The image's first MiB is written last, once the digest matched, so an interrupted or
     corrupted write never leaves a bootable disk; a mismatch zeroes the first and last MiB and
-    fails with both digests. After an fsync the disk is read back and checked again.
+    fails with both digests. After an fsync the disk is read back and checked again. Then, with
+    ``config_drive``, the NoCloud config drive goes on a new partition after the image's
+    (``configdrive``); if it cannot, the disk is left not bootable.
     """
     target_disk = disk or _pick_disk(machine)
     path = disk_path(machine, target_disk, where="disk")
@@ -200,6 +204,14 @@ def image_write(
                 "it was left not bootable",
                 {"path": "disk", "reason": "readback-mismatch", "expected": written, "actual": reread},
             )
+        drive = None
+        if config_drive is not None:
+            try:
+                drive = write_config_drive(fd, config_drive, image_bytes=count.written)
+            except BcError as err:
+                _unbootable(fd, size)
+                raise BcError(err.code, f"{err.message}; {target_disk} was left not bootable",
+                              {**err.details, "disk": target_disk}) from None  # fmt: skip
     finally:
         os.close(fd)
     return {
@@ -211,6 +223,7 @@ def image_write(
         "writtenSha256": written,
         "verified": True,
         "bootable": True,
+        **({"configDrive": drive} if drive is not None else {}),
         "ms": round((time.monotonic() - t0) * 1000, 1),
     }
 

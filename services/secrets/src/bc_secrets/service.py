@@ -18,12 +18,13 @@ from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
-from better_compute.core.keys import any_workflow_command_prefix, step_key_prefix
+from better_compute.core.keys import any_workflow_command_prefix, step_key_prefix, workflow_command_prefix
 from better_compute.crypto import fetch_document, reply_public_key, seal_value, signing_payload
 from better_compute.keyring import Keyring, load_service_keyring
 from better_compute.logging import register_secret
 from better_compute.service import ApiRequest, Handler, Service
 from better_compute.service.fences import attempt_superseded
+from better_compute.wire.cmdq import LiveWithRefReply
 from better_compute.wire.paging import decode_cursor, take_page
 from better_compute.wire.pki import RevokeAttempt, RevokedAttempt, Verified
 from better_compute.wire.secrets import (
@@ -112,6 +113,13 @@ class SecretsService(Service):
             )
         workflow_id = parse_id(body.workflow_id, "wf", path="workflowId") if body.workflow_id else None
         node_id = parse_id(body.node_id, "node", path="nodeId") if body.node_id else None
+        if body.for_node is not None and workflow_id is None:
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                "forNode names the node a workflow step's value is for: give workflowId with it",
+                {"path": "forNode"},
+            )
+        for_node = parse_id(body.for_node, "node", path="forNode") if body.for_node else None
         ref = new_id("sec")
         ring = self._ring
         row = await self.db.fetchrow(
@@ -126,6 +134,7 @@ class SecretsService(Service):
             ring.current_key_id,
             ring.seal(body.value, aad=ref.encode()),
             node_id,
+            for_node,
         )
         again = row is None
         if again:
@@ -133,8 +142,8 @@ class SecretsService(Service):
             row = await self.db.fetchrow(store.SECRET_SELECT_BY_IDEMPOTENCY_KEY, body.idempotency_key)
             if row is None:
                 raise BcError(ErrorCode.CONFLICT, "secret ref collision; put again")
-            first = (row["tenant_id"], row["workflow_id"], row["step"], row["node_id"])
-            if first != (body.tenant_id, workflow_id, body.step, node_id):
+            first = (row["tenant_id"], row["workflow_id"], row["step"], row["node_id"], row["for_node"])
+            if first != (body.tenant_id, workflow_id, body.step, node_id, for_node):
                 raise BcError(
                     ErrorCode.CONFLICT,
                     "idempotency key already used for another workflow step's secret",
@@ -319,24 +328,29 @@ class SecretsService(Service):
         self, row: Any, ref: str, body: FetchSecretRequest, verified: Verified
     ) -> str | None:
         assert self.api is not None
-        try:
-            answer = await CommandQueueClient(self.api, timeout=5.0).live_with_ref(
+        answer = await self._ask_live(
+            agent_id=verified.agent_id,
+            ref=ref,
+            # a node's standing secret: any workflow's live command for that node
+            key_prefix=(
+                step_key_prefix(row["workflow_id"], row["step"])
+                if row["workflow_id"]
+                else any_workflow_command_prefix()
+            ),
+            node_id=row["node_id"],
+            body=body,
+            verified=verified,
+        )
+        if not answer.live and row["for_node"] is not None and verified.agent_id == row["for_node"]:
+            # A value meant for the workflow's node (its user data): another step of the same
+            # workflow may hand the reference to that node, in a command delivered to the node
+            # itself (the deploy step's image write). Never to another agent, a site agent that
+            # acts for the node included, and never from another workflow's command.
+            answer = await self._ask_live(
                 agent_id=verified.agent_id,
                 ref=ref,
-                # a node's standing secret: any workflow's live command for that node
-                key_prefix=(
-                    step_key_prefix(row["workflow_id"], row["step"])
-                    if row["workflow_id"]
-                    else any_workflow_command_prefix()
-                ),
-                node_id=row["node_id"],
-            )
-        except BcError:
-            # Fail closed: without the command queue's word, nobody reads the value.
-            await self._deny(
-                BcError(ErrorCode.UNAVAILABLE, "cannot check the agent's commands now"),
-                reason="command-queue-unavailable",
-                ref=ref,
+                key_prefix=workflow_command_prefix(row["workflow_id"]),
+                node_id=row["for_node"],
                 body=body,
                 verified=verified,
             )
@@ -349,6 +363,31 @@ class SecretsService(Service):
                 verified=verified,
             )
         return answer.command_id
+
+    async def _ask_live(
+        self,
+        *,
+        agent_id: str,
+        ref: str,
+        key_prefix: str,
+        node_id: str | None,
+        body: FetchSecretRequest,
+        verified: Verified,
+    ) -> LiveWithRefReply:
+        assert self.api is not None
+        try:
+            return await CommandQueueClient(self.api, timeout=5.0).live_with_ref(
+                agent_id=agent_id, ref=ref, key_prefix=key_prefix, node_id=node_id
+            )
+        except BcError:
+            # Fail closed: without the command queue's word, nobody reads the value.
+            await self._deny(
+                BcError(ErrorCode.UNAVAILABLE, "cannot check the agent's commands now"),
+                reason="command-queue-unavailable",
+                ref=ref,
+                body=body,
+                verified=verified,
+            )
 
     async def _audit(
         self,

@@ -23,11 +23,12 @@ __all__ = [
 ]
 
 SECRET_COLUMNS: Final = (
-    "ref, tenant_id, workflow_id, step, idempotency_key, label, size, key_id, created_at, revoked_at, node_id"
+    "ref, tenant_id, workflow_id, step, idempotency_key, label, size, key_id, created_at, revoked_at,"
+    " node_id, for_node"
 )
 SECRET_INSERT: Final = (
     "INSERT INTO secrets (ref, tenant_id, workflow_id, step, idempotency_key, label, size,"
-    " key_id, sealed, node_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+    " key_id, sealed, node_id, for_node) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
     f" ON CONFLICT DO NOTHING RETURNING {SECRET_COLUMNS}"
 )
 SECRET_SELECT_BY_IDEMPOTENCY_KEY: Final = f"SELECT {SECRET_COLUMNS} FROM secrets WHERE idempotency_key = $1"
@@ -70,6 +71,7 @@ def secret_info(row: Any) -> SecretInfo:
         idempotency_key=row["idempotency_key"],
         revoked_at=row["revoked_at"],
         node_id=row["node_id"],
+        for_node=row["for_node"],
     )
 
 

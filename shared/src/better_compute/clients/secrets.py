@@ -58,13 +58,15 @@ class SecretsClient(ServiceClient):
         step: int,
         attempt: int | None = None,
         before_put: Callable[[], Awaitable[None]] | None = None,
+        node_id: str | None = None,
     ) -> StepSecrets:
         """The client a step sees as ``ctx.secrets``: values belong to that workflow step and,
         with ``attempt``, are keyed under that attempt (so a later attempt can revoke them).
-        ``before_put`` runs before the first value is stored."""
+        ``before_put`` runs before the first value is stored; ``node_id`` is the workflow's node
+        (what ``put(for_node=True)`` stores a value for)."""
         return StepSecrets(
             self, tenant_id=tenant_id, workflow_id=workflow_id, step=step, attempt=attempt,
-            before_put=before_put,
+            before_put=before_put, node_id=node_id,
         )  # fmt: skip
 
     async def revoke_attempt(
@@ -84,8 +86,11 @@ class SecretsClient(ServiceClient):
         step: int,
         idempotency_key: str | None = None,
         label: str | None = None,
+        for_node: str | None = None,
     ) -> SecretInfo:
-        """Store ``value``; the same ``idempotency_key`` returns the first call's ref."""
+        """Store ``value``; the same ``idempotency_key`` returns the first call's ref. With
+        ``for_node`` (the workflow's node) the value is meant for that node: a live command of
+        any step of the workflow delivered to the node opens it to the node."""
         register_secret(value)
         req = PutSecretRequest(
             tenant_id=tenant_id,
@@ -94,6 +99,7 @@ class SecretsClient(ServiceClient):
             value=value,
             idempotency_key=idempotency_key,
             label=label,
+            for_node=for_node,
         )
         return await self._call("secrets.put", req, SecretInfo)
 
@@ -193,8 +199,10 @@ class StepSecrets:
         step: int,
         attempt: int | None = None,
         before_put: Callable[[], Awaitable[None]] | None = None,
+        node_id: str | None = None,
     ) -> None:
         self.client = client
+        self.node_id = node_id
         self.tenant_id = tenant_id
         self.workflow_id = workflow_id
         self.step = step
@@ -213,13 +221,28 @@ class StepSecrets:
             return idempotency_key
         return f"{base}:{idempotency_key}"
 
-    async def put(self, value: bytes, *, idempotency_key: str | None = None, label: str | None = None) -> str:
+    async def put(
+        self,
+        value: bytes,
+        *,
+        idempotency_key: str | None = None,
+        label: str | None = None,
+        for_node: bool = False,
+    ) -> str:
         """Store ``value`` for this workflow step and return its SecretRef (``sec_…``).
 
         The same ``idempotency_key`` returns the same ref within one attempt of the step, so a
         re-run stores nothing twice; a new attempt (retry, resume) stores anew, and the values
-        of the attempt it superseded are revoked.
+        of the attempt it superseded are revoked. With ``for_node`` the value is meant for the
+        workflow's node (its user data): another step's command to that node may carry the
+        reference, and the node, and only it, may then fetch it.
         """
+        if for_node and self.node_id is None:
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                "a value for the workflow's node needs a workflow with a node",
+                {"path": "nodeId"},
+            )
         if self._before_put is not None:
             before, self._before_put = self._before_put, None
             await before()
@@ -230,5 +253,6 @@ class StepSecrets:
             step=self.step,
             idempotency_key=self._key(idempotency_key),
             label=label,
+            for_node=self.node_id if for_node else None,
         )
         return info.ref

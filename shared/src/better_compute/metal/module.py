@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from better_compute.config import RamdiskSettings, load_settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.plugins import CommandKind, DriverOperation
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from better_compute.provision.profiles import Profile
     from better_compute.provision.steps import Step
 
-__all__ = ["METAL_MODULE_ID", "MetalModule", "metal"]
+__all__ = ["METAL_MODULE_ID", "MetalModule", "configured_ramdisk", "metal"]
 
 METAL_MODULE_ID = "metal"
 
@@ -45,8 +46,9 @@ def metal(*, ramdisk: Ramdisk | None = None, profiles: Mapping[str, str] | None 
     and borrowed by ``provision_module(modules=[metal()])``.
 
     Args:
-        ramdisk: the bcd ramdisk the lifecycle profiles network-boot nodes into; without it
-            their ``metal.ensureRamdisk`` step fails ``INVALID_CONFIG``.
+        ramdisk: the bcd ramdisk the lifecycle profiles network-boot nodes into; by default the
+            one ``[ramdisk]`` of bc.toml (``BC_RAMDISK_*``) names (``configured_ramdisk()``);
+            without either their ``metal.ensureRamdisk`` step fails ``INVALID_CONFIG``.
         profiles: the profile a lifecycle verb starts instead of the shipped one, e.g.
             ``{"deploy": "acme.deploy"}`` (verbs: inspect, commission, deploy, release,
             retire, adopt).
@@ -68,7 +70,27 @@ def metal(*, ramdisk: Ramdisk | None = None, profiles: Mapping[str, str] | None 
     return MetalModule(
         command_kinds=tuple(COMMAND_KINDS.values()),
         steps=METAL_STEPS,
-        profiles=lifecycle_profiles(ramdisk),
+        profiles=lifecycle_profiles(ramdisk if ramdisk is not None else configured_ramdisk()),
         driver_operations=tuple(DRIVER_OPERATIONS.values()),
         verb_profiles=MappingProxyType(verb_profiles),
+    )
+
+
+def configured_ramdisk(settings: RamdiskSettings | None = None) -> Ramdisk | None:
+    """The ramdisk ``[ramdisk]`` names (``settings``, else this process's bc.toml and
+    ``BC_RAMDISK_*``): a ``Ramdisk`` when it sets ``kernel`` or ``script``, else None.
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` at ``ramdisk.<key>`` for a bad value (as every setting).
+    """
+    given = settings if settings is not None else load_settings().ramdisk
+    if not given.kernel and not given.script:
+        return None
+    return Ramdisk(
+        kernel=given.kernel,
+        initrd=given.initrd,
+        kernel_sha256=given.kernel_sha256,
+        initrd_sha256=given.initrd_sha256,
+        cmdline=given.cmdline or "",
+        script=given.script,
     )

@@ -92,10 +92,19 @@ class Pki(Protocol):
 class Secrets(Protocol):
     """Encrypted values behind ``SecretRef``s (``sec_…``)."""
 
-    async def put(self, value: bytes, *, idempotency_key: str | None = None) -> str:
+    async def put(
+        self,
+        value: bytes,
+        *,
+        idempotency_key: str | None = None,
+        label: str | None = None,
+        for_node: bool = False,
+    ) -> str:
         """Store ``value`` for this workflow step and return its SecretRef (``sec_…``).
 
         The same ``idempotency_key`` returns the same ref, so a re-run stores nothing twice.
+        With ``for_node`` the value is meant for the workflow's node (its user data): a later
+        step's command to that node may carry the reference, and only the node may fetch it.
         """
         ...
 

@@ -43,6 +43,10 @@ _PLACEHOLDER: Final = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # Everything str.splitlines() breaks on.
 _LINE_BREAK: Final = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 _URL: Final = r"^https?://[^\s{}]+$"
+# Where the installed OS's bcd reaches the control plane: https:// (NATS over WebSocket at that
+# address) or NATS itself (nats://, tls://), which bcd uses as it is (a VM reaches a test's NATS as
+# nats://10.0.2.2:<port>).
+_CONTROL_PLANE_URL: Final = r"^(https?|nats|tls)://[^\s{}]+$"
 _SHA256: Final = r"^[0-9a-f]{64}$"
 
 
@@ -135,10 +139,13 @@ class UserData:
     templates: Mapping[str, Template] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("control_plane_url", "bcd_url"):
+        for name, pattern, what in (
+            ("control_plane_url", _CONTROL_PLANE_URL, "an http(s), nats:// or tls:// URL"),
+            ("bcd_url", _URL, "an http(s) URL"),
+        ):
             value = getattr(self, name)
-            if value is not None and not matches(_URL, value):
-                raise BcError(ErrorCode.INVALID_CONFIG, "expected an http(s) URL", {"path": name})
+            if value is not None and not matches(pattern, value):
+                raise BcError(ErrorCode.INVALID_CONFIG, f"expected {what}", {"path": name})
         if self.bcd_sha256 is not None and not matches(_SHA256, self.bcd_sha256):
             raise BcError(
                 ErrorCode.INVALID_CONFIG,

@@ -203,8 +203,10 @@ async def _render(_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     )
     variables = template_variables(node_id=node.id, join_token=token.token, user_data=settings)
     document = render_template(template, variables)
+    # for the node: the deploy step's image write hands the reference to the node's bcd, which
+    # fetches the document through the gate and writes it onto the config drive
     ref = await ctx.secrets.put(
-        document.encode(), idempotency_key=ctx.idempotency_key, label=f"userdata {ud.kind}"
+        document.encode(), idempotency_key=ctx.idempotency_key, label=f"userdata {ud.kind}", for_node=True
     )
     return {"userDataRef": ref, "kind": ud.kind, "joinTokenId": token.join_token_id}
 

@@ -28,11 +28,22 @@ from urllib.parse import urlsplit
 from ..config import Settings, env_var
 from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
-from .embedded import EmbeddedNats, EmbeddedPostgres, pid_alive, spawn_detached, stop_pid
+from .embedded import (
+    EmbeddedNats,
+    EmbeddedPostgres,
+    free_port,
+    pid_alive,
+    port_free,
+    spawn_detached,
+    stop_pid,
+    wait_port,
+)
 
-__all__ = ["QUORUM_FILE", "SERVICES", "DevStack", "ProcRecord", "log_tail"]
+__all__ = ["QUORUM_FILE", "RAMDISK_SERVER", "SERVICES", "DevStack", "ProcRecord", "log_tail"]
 
 QUORUM_FILE = "quorum.json"
+RAMDISK_SERVER = "bc-ramdisk-http"
+"""The process that serves the built ramdisk to the site agent (``<state>/ramdisk-http/``)."""
 
 # console name -> python module
 SERVICES: dict[str, str] = {
@@ -122,6 +133,7 @@ class DevStack:
             BC_APP=self.settings.app,
             BC_STATE_DIR=str(self.state),
         )
+        env.update(self._ramdisk())
         for service in services:
             module = SERVICES[service]
             for n in range(1, instances + 1):
@@ -136,6 +148,67 @@ class DevStack:
                 (self.procs / f"{name}.json").write_text(json.dumps(rec.__dict__))
                 self.say(f"{service:<17} started   pid {pid}")
         return {"nats": nats_url, "database": db_url}
+
+    def _ramdisk(self) -> dict[str, str]:
+        """The ``BC_RAMDISK_*`` the services get: none when ``[ramdisk]`` names one already or
+        nothing is built; else the ramdisk ``bcx ramdisk build`` wrote into ``[ramdisk] dir``,
+        served by sha256 on loopback (a file server of the stack), for the site agent's cache."""
+        given = self.settings.ramdisk
+        if given.kernel or given.script:
+            self.say(f"ramdisk           set       {given.kernel or 'an iPXE script'}")
+            return {}
+        folder = Path(given.dir)
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text())
+            parts = {part: manifest[part] for part in ("kernel", "initrd")}
+            shas = {part: str(doc["sha256"]) for part, doc in parts.items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            self.say(f"ramdisk           none      (bcx ramdisk build writes one into {folder})")
+            return {}
+        served = self.state / "ramdisk-http"
+        served.mkdir(parents=True, exist_ok=True)
+        for part, doc in parts.items():
+            target = served / shas[part]
+            if not target.exists():
+                tmp = served / f".{shas[part]}.tmp"
+                tmp.unlink(missing_ok=True)
+                try:
+                    os.link(folder / str(doc["file"]), tmp)
+                except OSError:
+                    tmp.write_bytes((folder / str(doc["file"])).read_bytes())
+                tmp.replace(target)
+        port = self._ramdisk_server(served)
+        base = f"http://127.0.0.1:{port}"
+        self.say(f"ramdisk           served    {base}/ ({folder}, kernel {shas['kernel'][:12]})")
+        return {
+            env_var("ramdisk.kernel"): f"{base}/{shas['kernel']}",
+            env_var("ramdisk.kernel_sha256"): shas["kernel"],
+            env_var("ramdisk.initrd"): f"{base}/{shas['initrd']}",
+            env_var("ramdisk.initrd_sha256"): shas["initrd"],
+            env_var("ramdisk.cmdline"): str(given.cmdline or manifest.get("cmdline") or ""),
+        }
+
+    def _ramdisk_server(self, folder: Path) -> int:
+        """The port of the stack's ramdisk file server, started when it is not running (on the
+        port it had, so the URLs a running engine holds stay good)."""
+        rec = self.record(RAMDISK_SERVER)
+        port_file = self.state / "ramdisk-http.port"
+        try:
+            port = int(port_file.read_text())
+        except (OSError, ValueError):
+            port = 0
+        if rec is not None and rec.alive and port:
+            return port
+        if not port or not port_free(port):
+            port = free_port()
+        log = self.logs / f"{RAMDISK_SERVER}.log"
+        argv = [sys.executable, "-m", "better_compute.runtime.fileserver", "--dir", str(folder)]
+        pid = spawn_detached([*argv, "--port", str(port)], log)
+        wait_port(port, timeout=10.0, pid=pid)
+        rec = ProcRecord(RAMDISK_SERVER, RAMDISK_SERVER, pid, time.time(), str(log))
+        (self.procs / f"{RAMDISK_SERVER}.json").write_text(json.dumps(rec.__dict__))
+        port_file.write_text(str(port))
+        return port
 
     def _keep_quorum(self) -> Path | None:
         """Save the quorum these settings carry in the state folder; with none, the saved one.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -28,6 +29,9 @@ def run_service(cls: type[Service], argv: list[str] | None = None) -> None:
     parser.add_argument("--instance", help="instance name (default host-pid)")
     parser.add_argument("--log-level", help="debug, info, warning, error")
     args = parser.parse_args(argv)
+    if args.config:
+        # the app (``metal()`` reads ``[ramdisk]``) loads the same file as the service
+        os.environ["BC_CONFIG"] = args.config
     try:
         settings = load_settings(
             args.config,

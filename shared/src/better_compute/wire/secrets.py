@@ -71,6 +71,10 @@ class PutSecretRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"
     node_id: str | None = None
     """Instead of a workflow step: a node's standing secret (its BMC credential), read only while
     a live command of any workflow for that node carries the reference."""
+    for_node: str | None = None
+    """With ``workflowId``: the node the workflow runs on, when the value is meant for it (its
+    rendered user data). Then a live command of *any* step of that workflow, delivered to that
+    node itself and carrying the reference, opens it to that node too, and to no other agent."""
     template: bool = False
     """Instead of either: a credential the engine copies into the standing secret of each node an
     enrollment rule enrolls (the rule's BMC credential). No agent ever fetches it itself."""
@@ -135,6 +139,9 @@ class SecretInfo(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """Set once the step attempt that stored it was superseded: nobody reads it any more."""
     node_id: str | None = None
     """A node's standing secret (no workflow): its BMC credential."""
+    for_node: str | None = None
+    """A workflow step's value meant for that workflow's node (its user data): see
+    ``PutSecretRequest.for_node``."""
 
 
 class SecretList(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -5,8 +5,10 @@ The image is a catalog reference ``name@version``: the step's ``with.image``, el
 tenant with ``resolve_image_ref`` (the tenant's image first, then a public one; refused if its
 signer was removed; the app's ``image_verifier`` decides instead of the allowlist when set).
 The user data is the reference ``userdata.render`` stored earlier in the same workflow
-(``rendered_user_data``), read from the store; the document never travels, only its SecretRef,
-which bcd may fetch because the reference is in this step's own command.
+(``rendered_user_data``), read from the store; the document never travels, only its SecretRef.
+``userdata.render`` stored it for the workflow's node, so the secrets gate opens it to that node
+while this step's live command to it carries the reference; bcd fetches it and writes it onto a
+NoCloud config drive after the image (docs/bcd.md).
 
 ``node.imageWrite`` is destructive and its result decides the deploy, so it counts only when
 attested (node-signed, checked against the node's certificate).

@@ -14,6 +14,7 @@ ramdisk's state is gone.
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import os
@@ -38,6 +39,7 @@ from ..machines import DiskSpec, prepare_machine
 from .emulator import FleetEmulator
 from .gate import TcpGate
 from .hardware import FaultFractions, Faults, SimMachine, identity
+from .nocloud import OS_MARK, apply_write_files, config_drive, has_os
 from .zygote import BcdZygote
 
 __all__ = ["MetalSim"]
@@ -48,7 +50,7 @@ _LATE_COMMANDS = re.compile(r"^  late-commands:\n((?:    - .*\n?)+)", re.M)
 _ECHO = re.compile(r"^echo\s+(\S+)\s*>\s*/target(/\S+)$")
 _MKDIR = re.compile(r"^mkdir\s+-p\s+/target(/\S+)$")
 _CHMOD = re.compile(r"^chmod\s+([0-7]{3,4})\s+/target(/\S+)$")
-_OS_MARK = b"BCSIM-OS\n"  # what the simulated installer writes at the start of the disk
+_OS_MARK = OS_MARK  # what the simulated installer writes at the start of the disk
 OS_STATE = "/var/lib/bcd-os"
 """The installed OS's bcd state folder (under the machine's root): on its disk, so it survives
 a power cycle (the ramdisk's ``/var/lib/bcd`` does not) and goes with a wipe."""
@@ -289,18 +291,38 @@ class MetalSim:
         return None
 
     def _local_boot(self, m: SimMachine, generation: int) -> None:
-        """Boot the first disk: the installed OS when one is there, else nothing (a prompt)."""
-        try:
-            with open(m.disk(), "rb") as fh:
-                installed = fh.read(len(_OS_MARK)) == _OS_MARK
-        except OSError:
-            installed = False
-        if not installed:
+        """Boot the first disk: the installed OS when one is there, else nothing (a prompt).
+
+        An OS from an image bcd wrote reads its NoCloud config drive as cloud-init does."""
+        if not has_os(m.disk()):
             shutil.rmtree(m.tree / OS_STATE.lstrip("/"), ignore_errors=True)  # wiped with its disk
             m.ledger.append("boot.local", device=m.boot_device, os=False)
             return
         m.ledger.append("boot.local", device=m.boot_device, os=True)
+        self._cloud_init(m)
         self._installed(m, generation)
+
+    def _cloud_init(self, m: SimMachine) -> None:
+        """cloud-init's NoCloud datasource: the ``cidata`` partition's ``user-data``, once per
+        instance. A new instance (another deploy's user data) is a freshly written OS: the bcd
+        state of the one before is gone with it, and ``write_files`` runs (the join token into
+        ``/etc/bcd/join-token``; the template's ``runcmd`` installs and joins bcd, which the
+        installed OS below does with that token)."""
+        files = config_drive(m.disk())
+        if files is None or "user-data" not in files:
+            m.ledger.append("cloud-init", datasource=None)
+            return
+        instance = hashlib.sha256(files["user-data"] + files.get("meta-data", b"")).hexdigest()
+        seen = m.tree / "var/lib/cloud/instance-id"
+        if seen.exists() and seen.read_text() == instance:
+            m.ledger.append("cloud-init", datasource="NoCloud", new_instance=False)
+            return
+        shutil.rmtree(m.tree / OS_STATE.lstrip("/"), ignore_errors=True)
+        written = apply_write_files(files["user-data"], m.tree)
+        seen.parent.mkdir(parents=True, exist_ok=True)
+        seen.write_text(instance)
+        meta = files.get("meta-data", b"").decode(errors="replace")
+        m.ledger.append("cloud-init", datasource="NoCloud", new_instance=True, files=written, meta_data=meta)
 
     def _installed(self, m: SimMachine, generation: int) -> None:
         """The installed OS's bcd: it joins with ``/etc/bcd/join-token`` on its first boot (the
