@@ -629,14 +629,21 @@ def _is_elf(path: Path) -> bool:
 def _system_libs(bundle: Path) -> list[str]:
     """The libraries outside ``bundle`` its programs and extensions load (glibc's, mostly)."""
     found: set[str] = set()
+    # what the bundle brings itself (libssl, libpython…) its extension modules find there
+    bundled = {f.name for f in bundle.rglob("*.so*")}
     for file in bundle.rglob("*"):
         if not file.is_file() or file.is_symlink() or not _is_elf(file):
             continue
         done = subprocess.run(["ldd", str(file)], capture_output=True, text=True, check=False)
         for line in done.stdout.splitlines():
             match = re.search(r"(/\S+)\s+\(0x", line)
-            if match and not match.group(1).startswith(str(bundle)):
-                found.add(match.group(1))
+            lib = match.group(1) if match else None
+            if lib is None or lib.startswith(str(bundle)):
+                continue
+            # the executable loads before PyInstaller points the loader at the bundle: it gets
+            # every library from here; extension modules load later and find the bundle's own
+            if file.parent == bundle or Path(lib).name not in bundled:
+                found.add(lib)
     return sorted(found)
 
 
