@@ -60,6 +60,8 @@ def ramdisk_from_env() -> Ramdisk:
 
 _ramdisk = ramdisk_from_env()
 _provision = provision_module(
-    modules=[metal(ramdisk=_ramdisk), acme_autoinstall], user_data=provision.user_data
+    modules=[metal(ramdisk=_ramdisk), acme_autoinstall],
+    user_data=provision.user_data,
+    image_verifier=provision.image_verifier,
 )
 app = better_compute(modules=[metal(ramdisk=_ramdisk), _provision], plugins=[acme_autoinstall])
