@@ -1,4 +1,4 @@
-.PHONY: demo test test-long lint
+.PHONY: demo test test-long lint ramdisk
 demo:
 	bash scripts/demo.sh
 test:
@@ -7,3 +7,5 @@ test-long:
 	BC_LONG=1 bash scripts/test.sh
 lint:
 	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run ruff check . && "$${UV[@]}" run ruff format --check . && "$${UV[@]}" run mypy && "$${UV[@]}" run lint-imports'
+ramdisk:
+	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run bcx ramdisk build'

@@ -24,6 +24,7 @@ from .wire.codec import validation_path
 
 __all__ = [
     "DEFAULT_APP",
+    "DEFAULT_RAMDISK_DIR",
     "ApproverSetting",
     "CmdqSettings",
     "Duration",
@@ -32,6 +33,7 @@ __all__ = [
     "ImagesSettings",
     "PkiSettings",
     "QuorumSettings",
+    "RamdiskSettings",
     "SecretsSettings",
     "Settings",
     "UserDataSettings",
@@ -42,6 +44,7 @@ __all__ = [
 ]
 
 DEFAULT_APP = "better_compute.app.default:app"
+DEFAULT_RAMDISK_DIR: Final = ".state/ramdisk"
 ENV_PREFIX: Final = "BC_"
 
 
@@ -167,6 +170,24 @@ class ImagesSettings(_Section, frozen=True, kw_only=True):
     signers: list[ImageSignerSetting] = msgspec.field(default_factory=list)
 
 
+class RamdiskSettings(_Section, frozen=True, kw_only=True):
+    """``[ramdisk]``: the bcd ramdisk the shipped lifecycle profiles network-boot
+    (``metal.ensureRamdisk``), and where ``bcx ramdisk build`` writes it (docs/real-machines.md).
+
+    ``kernel`` (with ``initrd``) or ``script`` set here is what ``metal()`` gives its profiles
+    when the app names no ``Ramdisk(...)``; with the sha256s the site agent serves them from its
+    cache. ``bcx dev up`` fills them from the ramdisk built in ``dir`` when none is set.
+    """
+
+    dir: str = DEFAULT_RAMDISK_DIR
+    kernel: str | None = None
+    initrd: str | None = None
+    kernel_sha256: str | None = None
+    initrd_sha256: str | None = None
+    cmdline: str | None = None
+    script: str | None = None
+
+
 class EventsSettings(_Section, frozen=True, kw_only=True):
     """``[events]``: the durable event feed, JetStream stream ``BC_EVENTS`` on ``bc.events.>``
     (docs/events.md); bc-command-queue creates it and applies these bounds at start."""
@@ -198,6 +219,7 @@ class Settings(_Section, frozen=True, kw_only=True):
     userdata: UserDataSettings = msgspec.field(default_factory=UserDataSettings)
     images: ImagesSettings = msgspec.field(default_factory=ImagesSettings)
     events: EventsSettings = msgspec.field(default_factory=EventsSettings)
+    ramdisk: RamdiskSettings = msgspec.field(default_factory=RamdiskSettings)
 
 
 # Lower bounds, checked after decoding; a value below one is INVALID_CONFIG at its path.
@@ -229,6 +251,10 @@ _PATTERNS: Final = {
     "userdata.control_plane_url": (re.compile(r"https?://[^\s{}]+"), "an http(s) URL"),
     "userdata.bcd_url": (re.compile(r"https?://[^\s{}]+"), "an http(s) URL"),
     "userdata.bcd_sha256": (re.compile(r"[0-9a-f]{64}"), "64 lowercase hex digits"),
+    "ramdisk.kernel": (re.compile(r"https?://[^\s{}]+"), "an http(s) URL"),
+    "ramdisk.initrd": (re.compile(r"https?://[^\s{}]+"), "an http(s) URL"),
+    "ramdisk.kernel_sha256": (re.compile(r"[0-9a-f]{64}"), "64 lowercase hex digits"),
+    "ramdisk.initrd_sha256": (re.compile(r"[0-9a-f]{64}"), "64 lowercase hex digits"),
 }
 
 

@@ -30,6 +30,7 @@ from . import (
     metal_commands,
     ops_commands,
     pki_commands,
+    ramdisk_commands,
     secrets_commands,
     sim_commands,
     why_commands,
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmdq_commands.register(sub, common)
     why_commands.register(sub, common)
     sim_commands.register(sub, common)
+    ramdisk_commands.register(sub, common)
     contexts.register(sub, common)
     completion.register(sub, common)
     p = sub.add_parser("version", parents=[common], help="bcx's version and every running service's")
