@@ -81,7 +81,7 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
             control_plane=control_plane,
             token=token,
             node_id=args.node,
-            subject_root=args.subject_root or "bc",
+            subject_root=args.subject_root or cmdline.get("subject_root") or "bc",
             site_id=args.site or cmdline.get("site"),
         )
     )

@@ -227,6 +227,7 @@ async def fleet_stack(
     vms: int = 0,
     vm_bmc: Literal["redfish", "ipmi"] = "redfish",
     enroll_vms: bool = True,
+    vm_disk_bytes: int = 2 << 30,
 ) -> AsyncIterator[FleetStack]:
     """Start the fleet and everything around it; stop all of it on the way out.
 
@@ -266,7 +267,11 @@ async def fleet_stack(
     sim.boot_url = agent.url
     from ..vmlab import VmLab, guest_url
 
-    lab = VmLab(folder / "vms", vms=vms, boot_url=agent.url, bmc=vm_bmc, seed=seed) if vms else None
+    lab = (
+        VmLab(folder / "vms", vms=vms, boot_url=agent.url, bmc=vm_bmc, seed=seed, disk_bytes=vm_disk_bytes)
+        if vms
+        else None
+    )
     if lab is not None:
         agent.public_url = guest_url(agent.url)
     stack = FleetStack(

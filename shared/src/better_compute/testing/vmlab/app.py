@@ -34,9 +34,13 @@ def ramdisk_env(
     kernel_sha256: str | None = None,
     initrd_sha256: str | None = None,
     cmdline: str = "console=ttyS0",
+    subject_root: str | None = None,
 ) -> dict[str, str]:
     """The environment that makes this app boot ``kernel``/``initrd``, its bcd joining the NATS
-    server at ``nats_url`` (this machine's loopback) as the guests reach it."""
+    server at ``nats_url`` (this machine's loopback) as the guests reach it, under
+    ``subject_root`` (a test's own; ``bc`` when not given)."""
+    if subject_root:
+        cmdline = f"{cmdline} bcd.subject_root={subject_root}"
     doc: dict[str, Any] = {
         "kernel": kernel, "initrd": initrd, "kernelSha256": kernel_sha256, "initrdSha256": initrd_sha256,
         "cmdline": f"{cmdline} bcd.control_plane={guest_url(nats_url)}".strip(),
