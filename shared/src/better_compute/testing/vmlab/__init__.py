@@ -3,7 +3,7 @@ Redfish, pyghmi's BMC server for IPMI), network-booting through QEMU's iPXE from
 See docs/vm-lab.md."""
 
 from .lab import GUEST_HOST, IpmiVmBmc, LabVm, VmLab, guest_url, vm_identity
-from .qemu import VirtualMachine, VmSpec, kvm_available
+from .qemu import VirtualMachine, VmSpec, kvm_available, kvm_runs_real_mode
 from .redfish import RedfishVmBmc
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "VmSpec",
     "guest_url",
     "kvm_available",
+    "kvm_runs_real_mode",
     "vm_identity",
 ]
