@@ -101,7 +101,14 @@ def _stop(stack: DevStack, name: str, say: Callable[[str], None]) -> bool:
 
 
 def _agent_config(
-    folder: Path, *, site: str, nats_url: str, settings: Settings, port: int, discovery: bool
+    folder: Path,
+    *,
+    site: str,
+    nats_url: str,
+    settings: Settings,
+    port: int,
+    discovery: bool,
+    vms: bool = False,
 ) -> Path:
     state = folder / "site-agent"
     state.mkdir(parents=True, exist_ok=True)
@@ -112,6 +119,8 @@ def _agent_config(
         f"state_dir = {json.dumps(str(state / 'state'))}",
         f"join_token_file = {json.dumps(str(state / 'join-token'))}",
         f'http_listen = "127.0.0.1:{port}"',
+        # VMs reach this machine's loopback as 10.0.2.2: their scripts and cache URLs say so
+        *([f'public_url = "http://10.0.2.2:{port}"'] if vms else []),
         "[netboot]",
         f"discovery = {'true' if discovery else 'false'}",
     ]
@@ -188,7 +197,9 @@ async def _wait_agent(cq: CommandQueueClient, site: str, pid: int, log: Path, ti
 
 async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
     site = _check_site(args.site)
-    if args.machines < 0 or args.unenrolled < 0 or args.machines + args.unenrolled < 1:
+    if args.vms < 0 or args.vms > 16:
+        raise BcError(ErrorCode.INVALID_INPUT, "--vms is 0 to 16", {"path": "vms"})
+    if args.machines < 0 or args.unenrolled < 0 or args.machines + args.unenrolled + args.vms < 1:
         raise BcError(ErrorCode.INVALID_INPUT, "give at least one machine", {"path": "machines"})
     if args.machines + args.unenrolled > 1000:
         raise BcError(ErrorCode.INVALID_INPUT, "at most 1000 machines per site", {"path": "machines"})
@@ -233,8 +244,9 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             tenant_id=args.tenant, role="site", site_id=site, ttl_seconds=600, note=f"bcx sim up {site}"
         )
         config = _agent_config(
-            folder, site=site, nats_url=nats_url, settings=settings, port=port, discovery=args.discovery
-        )
+            folder, site=site, nats_url=nats_url, settings=settings, port=port, discovery=args.discovery,
+            vms=args.vms > 0,
+        )  # fmt: skip
         _write_private(folder / "site-agent" / "join-token", token.token + "\n")
         if args.discovery:
             disc = await pki.issue_join_token(
@@ -252,7 +264,7 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
         argv = [
             sys.executable, "-m", SIM_MODULE, "--folder", str(folder), "--site", site,
             "--machines", str(total), "--seed", str(args.seed), "--power-delay", f"{delay[0]},{delay[1]}",
-            "--boot-url", boot_url, "--credentials-file", str(creds_file),
+            "--boot-url", boot_url, "--credentials-file", str(creds_file), "--vms", str(args.vms),
         ]  # fmt: skip
         for index in range(args.machines, total):
             argv += ["--power-on", str(index)]
@@ -262,7 +274,7 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             argv += ["--media-dir", media_dir, "--media-url", media_url]
         sim_pid = spawn_detached(argv, sim_log, env=env)
         _record(stack, sim_name, "metal-sim", sim_pid, sim_log)
-        say(f"{'metal-sim':<17} started   pid {sim_pid}  {total} machines")
+        say(f"{'metal-sim':<17} started   pid {sim_pid}  {total} machines, {args.vms} VMs")
         try:
             doc = await _wait_machines(folder, sim_pid, sim_log, args.timeout)
             await _wait_agent(cq, site, agent_pid, agent_log, args.timeout)
@@ -275,6 +287,8 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             credential = creds_file.read_bytes().strip()
             chosen = doc["machines"][: args.machines]
             nodes = await _enroll(api, chosen, credential, site, args.tenant, labels)
+            vms = doc.get("vms") or []
+            nodes.update(await _enroll(api, vms, credential, site, args.tenant, {"vm": "1", **labels}))
         discovered: dict[str, str] = {}
         strangers = doc["machines"][args.machines :]
         if strangers and args.discovery and args.wait_discovered:
@@ -292,6 +306,12 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             "folder": m["folder"],
         }
         for m in doc["machines"]
+    ] + [
+        {
+            "name": v["name"], "mac": v["macs"][0], "macs": v["macs"], "bmc": v["bmc"], "uuid": v["uuid"],
+            "serial": v["serial"], "node": nodes.get(v["name"]), "power": "off (VM)", "folder": v["folder"],
+        }
+        for v in doc.get("vms") or []
     ]  # fmt: skip
     if args.json:
         print_json({
@@ -479,6 +499,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--machines", type=int, required=True, help="machines (enrolled with --enroll)")
     p.add_argument("--site", required=True, help="site id")
     p.add_argument("--unenrolled", type=int, default=0, help="more machines nobody enrolls, switched on")
+    p.add_argument(
+        "--vms",
+        type=int,
+        default=0,
+        help="QEMU VMs behind sushy-emulator too (docs/vm-lab.md; enrolled with --enroll)",
+    )
     p.add_argument("--enroll", action="store_true", help="enroll the --machines as nodes with their BMC")
     p.add_argument("--label", action="append", help="key=value on each enrolled node, repeatable")
     p.add_argument("--tenant", default="root", help="tenant of the tokens and nodes (default root)")

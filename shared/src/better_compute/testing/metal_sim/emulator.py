@@ -4,19 +4,32 @@ Basic auth, the ``external_notifier`` on for each system, and per-machine power 
 from __future__ import annotations
 
 import base64
+import http.server
 import json
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ...runtime.embedded import free_port
 from ..bmcs import _Proc, _wait_http, write_emulator_config
-from .hardware import SimMachine
 
-__all__ = ["FleetEmulator"]
+__all__ = ["EmulatedSystem", "FleetEmulator", "notifier_server"]
+
+
+class EmulatedSystem(Protocol):
+    """What the emulator holds of a machine (a ``SimMachine``, a VM)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def macs(self) -> tuple[str, ...]: ...
 
 
 class FleetEmulator(_Proc):
@@ -33,7 +46,7 @@ class FleetEmulator(_Proc):
         """The BMC credential as the site agent reads it from bc-secrets."""
         return {"username": self.username, "password": self.password}
 
-    def start(self, machines: Sequence[SimMachine], *, notifier: str) -> FleetEmulator:
+    def start(self, machines: Sequence[EmulatedSystem], *, notifier: str) -> FleetEmulator:
         systems = [
             {
                 "uuid": m.uuid,
@@ -66,3 +79,27 @@ class FleetEmulator(_Proc):
                 return doc
         except (OSError, urllib.error.URLError, ValueError):
             return None
+
+
+def notifier_server(on_state: Callable[[dict[str, Any]], None]) -> http.server.ThreadingHTTPServer:
+    """The HTTP server sushy-emulator's ``external_notifier`` PUTs each system's whole state to
+    (on every change); ``on_state`` gets it before the answer goes back. Serve it in a thread."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_PUT(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                doc = json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict):
+                on_state(doc)  # before answering: the emulator sends a system's changes in order
+            self.send_response(204)
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    return server

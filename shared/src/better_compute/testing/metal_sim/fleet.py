@@ -36,7 +36,7 @@ from ...config import Settings
 from ..bcd import bcd_env
 from ..bmcs import FaultyProxy
 from ..machines import DiskSpec, prepare_machine
-from .emulator import FleetEmulator
+from .emulator import FleetEmulator, notifier_server
 from .gate import TcpGate
 from .hardware import FaultFractions, Faults, SimMachine, identity
 from .nocloud import OS_MARK, apply_write_files, config_drive, has_os
@@ -119,7 +119,7 @@ class MetalSim:
         if self.fork_server:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.zygote = BcdZygote(str(self.folder / "bcd-fork-server.log"))
-        self._server = _notifier(self._on_state)
+        self._server = notifier_server(self._on_state)
         threading.Thread(target=self._server.serve_forever, name="metal-sim-notifier", daemon=True).start()
         self.write_power_delays()
         self.emulator.start(
@@ -494,24 +494,3 @@ def _media_cmdline(info: Any) -> str | None:
         return None
     words = head.split()
     return " ".join(words) if any(w.startswith("bcd.") for w in words) else None
-
-
-def _notifier(on_state: Any) -> http.server.ThreadingHTTPServer:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_PUT(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            try:
-                doc = json.loads(self.rfile.read(length) or b"{}")
-            except ValueError:
-                doc = None
-            if isinstance(doc, dict):
-                on_state(doc)  # before answering: the emulator sends a system's changes in order
-            self.send_response(204)
-            self.end_headers()
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    return server

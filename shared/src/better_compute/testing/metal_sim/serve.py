@@ -6,6 +6,10 @@ machines' network boot at ``--boot-url`` (the site agent's HTTP), writes ``machi
 (who the machines are and where their BMC answers) once everything is up, and runs until
 SIGTERM or SIGINT, when it closes the simulator (every bcd it booted, the emulator).
 
+``--vms N`` starts N QEMU VMs next to the simulated machines (``better_compute.testing.vmlab``),
+behind a sushy-emulator of their own with the same credential, network-booting from the same
+site agent as the guests reach it (10.0.2.2); ``machines.json`` lists them under ``vms``.
+
 ``--power-on I`` (repeatable) switches machine I on with a network boot once the fleet is up:
 what a person does to a machine nobody enrolled, so that it shows up by discovery.
 
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ...config import load_settings
+from ..vmlab import VmLab
 from .fleet import MetalSim
 from .stack import MediaServer
 
@@ -56,8 +61,20 @@ def power_on_network(sim: MetalSim, index: int) -> None:
     _redfish(sim, "POST", f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "On"})
 
 
-def describe(sim: MetalSim, credentials_file: str) -> dict[str, Any]:
+def describe(sim: MetalSim, credentials_file: str, lab: VmLab | None = None) -> dict[str, Any]:
     host_port = sim.emulator.url.split("://", 1)[1]
+    vms = []
+    if lab is not None and lab.redfish is not None:
+        vm_host_port = lab.redfish.url.split("://", 1)[1]
+        vms = [
+            {
+                "index": v.index, "name": v.spec.name, "uuid": v.uuid, "serial": v.serial,
+                "macs": list(v.macs),
+                "bmc": f"redfish+http://{vm_host_port}/redfish/v1/Systems/{v.uuid}", "folder": str(v.folder),
+                "disk": str(v.disk), "console": str(v.console),
+            }
+            for v in lab.vms
+        ]  # fmt: skip
     return {
         "site": sim.site_id,
         "seed": sim.seed,
@@ -77,6 +94,7 @@ def describe(sim: MetalSim, credentials_file: str) -> dict[str, Any]:
             }
             for m in sim.machines
         ],
+        "vms": vms,
     }
 
 
@@ -89,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--power-delay", default="0.2,1.0", help="lo,hi seconds before a power change lands")
     p.add_argument("--boot-url", required=True, help="the site agent's HTTP (iPXE scripts)")
     p.add_argument("--credentials-file", required=True, help='the BMC credential: {"username", "password"}')
+    p.add_argument("--vms", type=int, default=0, help="QEMU VMs next to the simulated machines")
     p.add_argument("--power-on", type=int, action="append", default=[], help="machine index, repeatable")
     p.add_argument("--media-dir", type=Path, help="serve this folder (the fleet app's ISOs) at --media-url")
     p.add_argument("--media-url", help="http://127.0.0.1:PORT the engine was told (BC_SIM_MEDIA_URL)")
@@ -106,25 +125,36 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     sim.emulator.username = str(creds["username"])
     sim.emulator.password = str(creds["password"])
+    lab: VmLab | None = None
+    if args.vms > 0:
+        lab = VmLab(args.folder / "vms", vms=args.vms, boot_url=args.boot_url, seed=args.seed)
+        assert lab.redfish is not None
+        lab.redfish.emulator.username = str(creds["username"])
+        lab.redfish.emulator.password = str(creds["password"])
     media: MediaServer | None = None
     try:
         if args.media_dir is not None and args.media_url:  # at the port the engine was told
             media = MediaServer(args.media_dir, port=urllib.parse.urlsplit(args.media_url).port or 80)
         sim.start()
+        if lab is not None:
+            lab.start()
         for index in args.power_on:
             power_on_network(sim, index)
         out = args.folder / MACHINES_FILE
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(describe(sim, args.credentials_file), indent=2) + "\n")
+        tmp.write_text(json.dumps(describe(sim, args.credentials_file, lab), indent=2) + "\n")
         tmp.replace(out)
         print(
-            f"metal-sim: {len(sim.machines)} machines of site {args.site} up, BMC {sim.emulator.url}",
+            f"metal-sim: {len(sim.machines)} machines and {args.vms} VMs of site {args.site} up, "
+            f"BMC {sim.emulator.url}",
             flush=True,
         )
         stop.wait()
     finally:
         print("metal-sim: closing", flush=True)
         sim.close()
+        if lab is not None:
+            lab.close()
         if media is not None:
             media.close()
         (args.folder / MACHINES_FILE).unlink(missing_ok=True)

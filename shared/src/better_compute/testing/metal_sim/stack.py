@@ -21,7 +21,7 @@ import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -39,6 +39,9 @@ from ..site_agent import SiteAgentProcess
 from ..waiting import until
 from .fleet import MetalSim
 from .hardware import Faults, SimMachine
+
+if TYPE_CHECKING:  # vmlab builds on metal_sim's emulator: imported where the VMs start
+    from ..vmlab import LabVm, VmLab
 
 __all__ = ["APP", "FAST_ENV", "SERVICES", "FleetStack", "MediaServer", "fleet_stack"]
 
@@ -94,6 +97,10 @@ class FleetStack:
     media: MediaServer
     nodes: dict[int, str] = field(default_factory=dict)
     """Machine index -> node id, for the enrolled machines."""
+    lab: VmLab | None = None
+    """The VMs (``vms=N``), behind their BMCs, booting from the same site agent."""
+    vm_nodes: dict[int, str] = field(default_factory=dict)
+    """VM index -> node id, for the enrolled VMs."""
 
     @property
     def site_id(self) -> str:
@@ -135,6 +142,28 @@ class FleetStack:
         self.nodes[index] = node.id
         return node
 
+    def vm(self, index: int) -> LabVm:
+        assert self.lab is not None, "fleet_stack(vms=N) starts the VMs"
+        return self.lab.vms[index]
+
+    async def enroll_vm(self, index: int, *, labels: Mapping[str, str] | None = None) -> NodeView:
+        """Enroll VM ``index`` with its MAC and its BMC (Redfish: the emulator and the VM's
+        system id; IPMI: its pyghmi BMC), the credential stored first as the node's secret."""
+        v = self.vm(index)
+        assert self.lab is not None
+        node_id = new_id("node")
+        credential = json.dumps(self.lab.credentials(index)).encode()
+        info = await self.secrets.put_for_node(credential, tenant_id="root", node_id=node_id, label="bmc")
+        system_id = v.uuid if v.bmc_protocol == "redfish" else None
+        bmc = NodeBmc(
+            driver=v.bmc_protocol, address=v.bmc_address, credentials_ref=info.ref, system_id=system_id
+        )
+        node = await self.engine.enroll_node(
+            site_id=self.site_id, id=node_id, macs=list(v.macs), bmc=bmc, labels={"vm": "1", **(labels or {})}
+        )
+        self.vm_nodes[index] = node.id
+        return node
+
     async def verb(self, verb: Any, index: int, **kw: Any) -> VerbRun:
         """Run a lifecycle verb on machine ``index``'s node (``deploy`` takes ``image``, ``profile``)."""
         run: VerbRun = await self.engine.run_verb(verb, node_id=self.nodes[index], **kw)
@@ -143,20 +172,27 @@ class FleetStack:
     async def reaches(self, index: int, *states: str, timeout: float = 120.0) -> NodeView:
         """Wait until the node is in one of ``states``; a ``failed`` node not asked for is an
         ``AssertionError`` naming its reason."""
+        return await self.node_reaches(self.nodes[index], *states, timeout=timeout, what=f"machine {index}")
+
+    async def node_reaches(
+        self, node_id: str, *states: str, timeout: float = 120.0, what: str = "node"
+    ) -> NodeView:
+        """``reaches`` for any node (a VM's: ``stack.vm_nodes[i]``)."""
 
         async def look() -> Any:  # the node, or None while it is not there yet
-            node = await self.engine.get_node(id=self.nodes[index])
+            node = await self.engine.get_node(id=node_id)
             if node.state == "failed" and "failed" not in states:
-                raise AssertionError(f"machine {index} ({node.id}) failed: {node.state_reason}")
+                raise AssertionError(f"{what} ({node.id}) failed: {node.state_reason}")
             return node if node.state in states else None
 
-        node: NodeView = await until(look, timeout=timeout, what=f"machine {index} in {states}")
+        node: NodeView = await until(look, timeout=timeout, what=f"{what} in {states}")
         return node
 
     def log_files(self) -> list[Path]:
         """Every log the system wrote: services, site agent, emulator, each machine's bcd."""
         found = [p.log for p in self.processes.procs] + list(self.agent.logs)
         found += sorted((self.folder / "sim").rglob("*.log"))
+        found += sorted((self.folder / "vms").rglob("*.log"))
         return found
 
     def tails(self, lines: int = 40) -> str:
@@ -188,6 +224,11 @@ async def fleet_stack(
     processes: ServiceProcesses | None = None,
     api: ApiClient | None = None,
     env: Mapping[str, str] | None = None,
+    app: str = APP,
+    vms: int = 0,
+    vm_bmc: Literal["redfish", "ipmi"] = "redfish",
+    enroll_vms: bool = True,
+    vm_disk_bytes: int = 2 << 30,
 ) -> AsyncIterator[FleetStack]:
     """Start the fleet and everything around it; stop all of it on the way out.
 
@@ -196,9 +237,14 @@ async def fleet_stack(
     powered-off machines nobody enrolled. ``power_delay`` is the BMC's (0: it answers at once;
     sushy-tools' own is 1-11 s). Pass the test's ``processes`` and ``api`` to share them;
     otherwise they are made here (logs under ``folder/logs``).
+
+    ``vms`` QEMU VMs (``better_compute.testing.vmlab``) start next to the simulated machines,
+    behind ``vm_bmc`` BMCs, and are enrolled (``enroll_vms``) like them; the site agent then
+    serves its scripts and cache at 10.0.2.2 (what the guests reach), so the engine's app
+    (``app``) must boot a ramdisk they can run (``better_compute.testing.vmlab.app``).
     """
     logs = _folders(folder)
-    settings = msgspec.structs.replace(settings, app=APP)
+    settings = msgspec.structs.replace(settings, app=app)
     own_processes = processes is None
     if processes is None:
         processes = ServiceProcesses(settings, logs)
@@ -220,13 +266,27 @@ async def fleet_stack(
         site_id=site_id,
     )  # fmt: skip
     sim.boot_url = agent.url
-    stack = FleetStack(
-        folder=folder, settings=settings, api=api, processes=processes, sim=sim, agent=agent, media=media
+    from ..vmlab import VmLab, guest_url
+
+    lab = (
+        VmLab(folder / "vms", vms=vms, boot_url=agent.url, bmc=vm_bmc, seed=seed, disk_bytes=vm_disk_bytes)
+        if vms
+        else None
     )
+    if lab is not None:
+        agent.public_url = guest_url(agent.url)
+    stack = FleetStack(
+        folder=folder, settings=settings, api=api, processes=processes, sim=sim, agent=agent, media=media,
+        lab=lab,
+    )  # fmt: skip
     try:
         for service in SERVICES:
             processes.start(service)
-        await asyncio.gather(processes.wait_ready(timeout=180), asyncio.to_thread(sim.start))
+        await asyncio.gather(
+            processes.wait_ready(timeout=180),
+            asyncio.to_thread(sim.start),
+            *([asyncio.to_thread(lab.start)] if lab is not None else []),
+        )
         token = await stack.pki.issue_join_token(
             tenant_id="root", role="site", site_id=site_id, ttl_seconds=600
         )
@@ -242,9 +302,13 @@ async def fleet_stack(
         await register_sim_image(stack.engine)  # what the tests and the demo deploy
         for index in range(machines if enroll is None else enroll):
             await stack.enroll(index)
+        for index in range(vms if enroll_vms else 0):
+            await stack.enroll_vm(index)
         yield stack
     finally:
         agent.close()
+        if lab is not None:
+            await asyncio.to_thread(lab.close)
         await asyncio.to_thread(sim.close)
         media.close()
         if own_processes:

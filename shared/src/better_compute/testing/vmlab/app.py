@@ -1,0 +1,71 @@
+"""The deployment the VM lab runs: the fleet app (``metal_sim.app``: metal, the reference page's
+``ubuntu-24.04-autoinstall``) with a ramdisk the VMs really boot.
+
+Services load it with ``BC_APP=better_compute.testing.vmlab.app:app``; the ramdisk comes from
+``$BC_VMLAB_RAMDISK``, JSON ``{"kernel", "initrd", "kernelSha256", "initrdSha256", "cmdline"}``
+(URLs the site agent fills its cache from; the VMs get them from the cache at 10.0.2.2). The
+command line names the control plane as the guests reach it (``bcd.control_plane=nats://
+10.0.2.2:<port>``: ``ramdisk_env`` writes it). The simulated machines of the same site boot
+the same entries and ignore the kernel, as with the fleet app.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ...app import better_compute
+from ...metal import Ramdisk, metal
+from ...provision import provision_module
+from ..metal_sim.app import RAMDISK, acme_autoinstall, provision
+from .lab import guest_url
+
+__all__ = ["app", "ramdisk_env", "ramdisk_from_env"]
+
+ENV = "BC_VMLAB_RAMDISK"
+
+
+def ramdisk_env(
+    *,
+    kernel: str,
+    nats_url: str,
+    initrd: str | None = None,
+    kernel_sha256: str | None = None,
+    initrd_sha256: str | None = None,
+    cmdline: str = "console=ttyS0",
+    subject_root: str | None = None,
+) -> dict[str, str]:
+    """The environment that makes this app boot ``kernel``/``initrd``, its bcd joining the NATS
+    server at ``nats_url`` (this machine's loopback) as the guests reach it, under
+    ``subject_root`` (a test's own; ``bc`` when not given)."""
+    if subject_root:
+        cmdline = f"{cmdline} bcd.subject_root={subject_root}"
+    doc: dict[str, Any] = {
+        "kernel": kernel, "initrd": initrd, "kernelSha256": kernel_sha256, "initrdSha256": initrd_sha256,
+        "cmdline": f"{cmdline} bcd.control_plane={guest_url(nats_url)}".strip(),
+    }  # fmt: skip
+    return {ENV: json.dumps({k: v for k, v in doc.items() if v is not None})}
+
+
+def ramdisk_from_env() -> Ramdisk:
+    raw = os.environ.get(ENV)
+    if not raw:
+        return RAMDISK
+    doc = json.loads(raw)
+    return Ramdisk(
+        kernel=doc["kernel"],
+        initrd=doc.get("initrd"),
+        kernel_sha256=doc.get("kernelSha256"),
+        initrd_sha256=doc.get("initrdSha256"),
+        cmdline=doc.get("cmdline", ""),
+    )
+
+
+_ramdisk = ramdisk_from_env()
+_provision = provision_module(
+    modules=[metal(ramdisk=_ramdisk), acme_autoinstall],
+    user_data=provision.user_data,
+    image_verifier=provision.image_verifier,
+)
+app = better_compute(modules=[metal(ramdisk=_ramdisk), _provision], plugins=[acme_autoinstall])
