@@ -35,6 +35,7 @@ from better_compute.wire.cmdq import (
     ListCommands,
     LiveWithRef,
     LiveWithRefReply,
+    RunningAt,
 )
 
 from . import store
@@ -281,7 +282,7 @@ class Commands:
         body = req.decode(CancelCommands)
         if len(body.reason) > 200:
             raise invalid("reason", "at most 200 characters")
-        running: list[str] = []
+        running: list[Any] = []
         if body.id is not None:
             ident = parse_id(body.id, "cmd", path="id")
             rows = await self.db.fetch(store.CANCEL_BY_ID, ident, body.reason)
@@ -299,13 +300,20 @@ class Commands:
             args = (body.node_id, body.key_prefix, body.reason, body.workflow_id)
             rows = await self.db.fetch(store.CANCEL_BY_PREFIX, *args)
             claimed = (body.node_id, body.key_prefix, self.config.lost_after_ms, body.workflow_id)
-            running = [r["id"] for r in await self.db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)]
+            running = await self.db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)
         else:
             raise invalid("id", "give id, or keyPrefix (with nodeId or workflowId)")
         for row in rows:
             self.log.info("command_cancelled", command_id=row["id"], reason=body.reason)
         await self.changed(rows)
-        return CancelReply(cancelled=[r["id"] for r in rows], running=running)
+        return CancelReply(
+            cancelled=[r["id"] for r in rows],
+            running=[r["id"] for r in running],
+            running_at=[
+                RunningAt(command_id=r["id"], agent_id=r["agent_id"], journal_id=r["claim_journal"])
+                for r in running
+            ],
+        )
 
     async def _fence(self, body: CancelCommands) -> None:
         """From now on refuse every enqueue under a superseded step attempt's key prefix.

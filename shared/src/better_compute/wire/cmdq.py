@@ -74,6 +74,7 @@ __all__ = [
     "LiveWithRef",
     "LiveWithRefReply",
     "QuorumView",
+    "RunningAt",
     "SiteAgentReply",
     "SiteAgentRequest",
     "decode_batch_event",
@@ -327,12 +328,23 @@ class CommandList(_Msg, frozen=True, kw_only=True):
     next: str | None = None
 
 
+class RunningAt(_Msg, frozen=True, kw_only=True):
+    """Where a claimed command may still run: its agent and the journal that claimed it."""
+
+    command_id: str
+    agent_id: str | None = None
+    journal_id: str | None = None
+
+
 class CancelReply(_Msg, frozen=True, kw_only=True):
     cancelled: list[str]
     running: list[str] = []
     """Commands under the prefix an agent claimed and may still be running: cancelling does
-    not recall them. One leaves this list with its agent's result (even a late one, which
-    no longer counts), or when its agent is lost."""
+    not recall them, nor does another journal's claim (``failed``, ``interrupted``). One leaves
+    this list with the result of the journal that claimed it (even a late one, which no longer
+    counts), or when that journal is lost (silent for ``cmdq.lost_after``)."""
+    running_at: list[RunningAt] = []
+    """``running`` with the agent and journal each waits on, in the same order."""
 
 
 # -- agents -------------------------------------------------------------------------
