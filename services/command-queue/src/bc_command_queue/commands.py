@@ -194,7 +194,10 @@ class Commands:
         kind, canonical = self._check_enqueue(body)
         batch_id: str | None = None
         may_dispatch = True
-        if kind.destructive:
+        # A workflow's boot command inside its batch (its profile writes disks) is held and
+        # checked as a destructive one: what it boots writes the disk.
+        destructive = kind.destructive or body.in_batch
+        if destructive:
             # Find before checking the batch: a re-run finds its command even after the
             # batch expired.
             found = await self._existing(body)
@@ -211,7 +214,7 @@ class Commands:
             body.tenant_id,
             body.key,
             body.kind,
-            kind.destructive,
+            destructive,
             body.target,
             canonical.decode(),
             bytes.fromhex(payload_digest(body.kind, canonical)),

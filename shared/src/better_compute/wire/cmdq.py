@@ -121,6 +121,10 @@ class EnqueueCommand(_Msg, frozen=True, kw_only=True):
     timeout_ms: int = DEFAULT_COMMAND_TIMEOUT_MS
     sends: list[str] | None = None
     tenant_id: str = "root"
+    in_batch: bool = False
+    """The workflow's batch covers this command although its kind is not destructive (a boot
+    command of a profile that writes disks): it is held, checked at its claim and expired with
+    its batch exactly like a destructive command, and shown ``destructive``."""
 
 
 class CommandView(_Msg, frozen=True, kw_only=True):
