@@ -20,9 +20,11 @@ from better_compute.core.keys import workflow_command_prefix
 from better_compute.core.names import parse_name
 from better_compute.core.plugins import CommandKind
 from better_compute.service import ApiRequest, Database
+from better_compute.service.audit import requester
 from better_compute.service.fences import attempt_superseded
 from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import (
+    ENGINE_PROOF_MAX_AGE_MS,
     MAX_STATE_QUERY,
     CancelCommands,
     CancelReply,
@@ -36,6 +38,7 @@ from better_compute.wire.cmdq import (
     LiveWithRef,
     LiveWithRefReply,
     RunningAt,
+    enqueue_proof_document,
 )
 
 from . import store
@@ -189,8 +192,37 @@ class Commands:
             )
         return store.command_view(row)
 
+    def _check_sender(self, req: ApiRequest, body: EnqueueCommand) -> None:
+        """Only the engine enqueues commands under a workflow (they run under the workflow's
+        batch). In a deployment nats-server says who sent it: a request that crossed an import
+        (the operators' account, a site's) carries its ``Nats-Request-Info`` and is not the
+        engine's, whatever it claims; inside the services' account only the engine may publish
+        here (deploy/nats). In a stack without accounts, the engine's proof under
+        ``cmdq.engine_key_file``. Never a header the sender writes (``Bc-Actor``)."""
+        if body.workflow_id is None:
+            return
+        denied = BcError(
+            ErrorCode.PERMISSION_DENIED,
+            "only the engine enqueues commands under a workflow; an operator's command names no"
+            " workflow and runs under a batch of its own",
+            {"path": "workflowId", "reason": "not-the-engine"},
+        )
+        if requester(req.headers).imported:
+            self.log.warning("enqueue_not_the_engine", workflow_id=body.workflow_id, why="imported")
+            raise denied
+        key = self.config.engine_key
+        if key is None:
+            return
+        at, _, mac = (body.engine_proof or "").partition(":")
+        now_ms = time.time_ns() // 1_000_000
+        fresh = at.isdigit() and abs(now_ms - int(at)) <= ENGINE_PROOF_MAX_AGE_MS
+        if not fresh or not key.check_mac(enqueue_proof_document(body, int(at)), mac):
+            self.log.warning("enqueue_not_the_engine", workflow_id=body.workflow_id, why="no-proof")
+            raise denied
+
     async def enqueue(self, req: ApiRequest) -> CommandView:
         body = req.decode(EnqueueCommand)
+        self._check_sender(req, body)
         kind, canonical = self._check_enqueue(body)
         batch_id: str | None = None
         may_dispatch = True

@@ -28,12 +28,13 @@ from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.keyring import Keyring
 from better_compute.provision import Profile, StepNotReady, profile_from_document
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire import engine as m
-from better_compute.wire.cmdq import CommandView, EnqueueCommand
+from better_compute.wire.cmdq import CommandView, EnqueueCommand, engine_proof
 
 from . import metrics, queue, store
 from .attempts import cleanup_aborted, supersede
@@ -118,6 +119,8 @@ class Engine:
         self.quorum = QuorumBatches(
             app=app, db=db, cmdq=self.cmdq, publish=publish, log=log, writes_disk=self.writes_disk
         )
+        self.engine_key: Keyring | None = None
+        """``cmdq.engine_key_file``: the proof of the commands it sends under its workflows."""
         self._profiles: dict[tuple[str, str, int], Profile] = {}  # pinned versions never change
         self._nodes: dict[str, NodeInfo | None] = {}  # each running pass's workflow's node
 
@@ -141,6 +144,8 @@ class Engine:
 
     async def cmdq_enqueue(self, cmd: EnqueueCommand) -> CommandView:
         kill_point(BEFORE_ENQUEUE)
+        if self.engine_key is not None:  # a stack without NATS accounts: prove it is ours
+            cmd = engine_proof(cmd, self.engine_key)
         view = await self.cmdq.enqueue(cmd)
         kill_point(AFTER_ENQUEUE)
         return view
