@@ -40,8 +40,9 @@ rm -rf "$BC_STATE_DIR"
 mkdir -p "$BC_STATE_DIR"
 T0=$(date +%s)  # the story starts here
 
-# The destructive-batch quorum is on: one approver, whose key stays in this folder. Wipes (and
-# every other destructive command) run only inside a batch that key signed.
+# The destructive-batch quorum is on: one approver, whose key stays in this folder. Nothing
+# writes a disk without a batch that key signed: the wipes and image writes, and the boot
+# commands of every profile that writes disks (the installer's medium, the power cycle into it).
 bcx batches keygen --key-file "$BC_STATE_DIR/approver.pem" --approver demo > "$BC_STATE_DIR/keygen.txt"
 { echo "threshold = 1"; sed -n '/^\[\[approvers\]\]/,$p' "$BC_STATE_DIR/keygen.txt"; } > "$BC_STATE_DIR/approvers.toml"
 export BC_CMDQ_QUORUM_FILE="$BC_STATE_DIR/approvers.toml"
@@ -64,9 +65,9 @@ if [ -n "$DISCOVERED" ]; then
   bcx nodes show $DISCOVERED
 fi
 
-# One verb over the five, then the live view until each rests. A verb whose workflows send a
-# destructive command gets one batch for all five: when the machines reach their wipe they wait
-# for it, and the approver signs it once, here, for all five.
+# One verb over the five, then the live view until each rests. A verb whose workflows write
+# disks gets one batch for all five: the machines wait for it before their first boot command
+# reaches them, and the approver signs it once, here, for all five.
 rollout() {
   local verb=$1
   shift
@@ -89,8 +90,9 @@ rollout() {
 step "bcx bulk inspect --selector $FLEET --watch   (the ramdisk boots, bcd reports the inventory)"
 bcx bulk inspect --selector "$FLEET" --watch --timeout 180
 rollout commission
-step "bcx bulk deploy --selector $FLEET --profile ubuntu-24.04-autoinstall --image ubuntu@24.04 --watch"
-bcx bulk deploy --selector "$FLEET" --profile ubuntu-24.04-autoinstall --image ubuntu@24.04 --watch --timeout 180
+# The installer writes the disks with nothing destructive sent: its profile says writesDisk, so
+# its medium, boot device and power cycle wait for the batch too.
+rollout deploy --profile ubuntu-24.04-autoinstall --image ubuntu@24.04
 rollout release
 
 step "bcx sim status   (what the simulated hardware saw last)"

@@ -9,6 +9,7 @@ the command queue's view.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import time
 import uuid
@@ -21,14 +22,15 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from better_compute.agent import Agent, Command
+from better_compute.agent import Agent, Command, Enrollment
 from better_compute.agent.sim import join_agent
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
-from better_compute.wire import Subjects
+from better_compute.wire import Subjects, unwrap
+from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import EnqueueCommand
 from engine_stack import FAST, SIM_BMC, AgentStack
 from engine_test_app import create_tables
@@ -54,6 +56,8 @@ class ExecLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.released = asyncio.Event()
+        self.enrollment: Enrollment | None = None
+        """The agent's enrollment: a second process with it may claim as the same agent."""
 
     def _write(self, what: str, command: Command) -> None:
         with open(self.path, "a") as fh:
@@ -134,6 +138,7 @@ async def agent(stack: AgentStack, bc_subjects: Subjects, tmp_path: Path) -> Asy
     """A site agent of site ``lab1`` on the agent SDK, in this process, with its own exec log."""
     log = ExecLog(tmp_path / "exec.log")
     enrollment = await join_agent(stack.api, site_id="lab1")
+    log.enrollment = enrollment
     agent = Agent(
         enrollment=enrollment,
         handlers={"driver.invoke": log.handle},
@@ -210,6 +215,67 @@ async def test_retry_and_resume_never_overlap_a_destructive_command_still_runnin
         f" attempt 2 while attempt 1 still ran: {overlapping}"
     )
     # each round: attempt 1 ran to its end, then attempt 2 ran once
+    assert len(runs) == 2 * len(workflows)
+
+
+async def _as_second_process(
+    stack: AgentStack, enrollment: Enrollment, kind: str, doc: dict[str, Any]
+) -> Any:
+    """An event of another process with the same enrollment and a fresh journal (a second
+    site agent started with a copy of the first one's state folder, minus its journal), signed
+    with the agent's real key, as that process's SDK sends it."""
+    doc = {
+        "site": enrollment.site_id, "agent": enrollment.agent_id, "signerId": enrollment.cert_id,
+        "signedAtMs": time.time_ns() // 1_000_000, "journalId": "journal-of-the-second-process", **doc,
+    }  # fmt: skip
+    _data, signature = enrollment.identity.sign(f"agent.{kind}", doc)
+    data = msgspec.json.encode({**doc, "signature": base64.b64encode(signature).decode()})
+    subject = stack.api.subjects.agent_event(enrollment.site_id, enrollment.agent_id, kind)
+    return unwrap((await stack.api.nc.request(subject, data, timeout=5)).data)
+
+
+async def test_a_retry_waits_for_a_run_another_journal_interrupted(stack: AgentStack, agent: ExecLog) -> None:
+    # Issue 22 gap 4. Attempt 1 runs at the site agent (held: a long wipe); a second process
+    # with the same enrollment and a fresh journal claims the command (JetStream redelivered it
+    # while the first was cut off), which settles it failed (interrupted) and fails the step.
+    # The operator retries: attempt 2 must not start while attempt 1 still runs at the first
+    # process. Counted at the agent's exec log.
+    assert agent.enrollment is not None
+    await stack.profile("erase-once", [{"use": "netboot.clearEntry", "on": "site", "with": {"mac": MAC}}])
+    workflows = []
+    for _ in range(2):
+        agent.hold()
+        node = await stack.engine.create_node(site_id="lab1", bmc=SIM_BMC)
+        wf_id = await stack.start("erase-once", node.id)
+        await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
+        [first] = (await stack.cq.list_commands(workflow_id=wf_id)).commands
+        first = await stack.cq.get(id=first.id)
+        await _as_second_process(stack, agent.enrollment, "hello", {"incarnation": "second"})
+        canonical = msgspec.json.encode(first.payload, order="sorted")
+        claim = {"commandId": first.id, "digest": payload_digest(first.kind, canonical)}
+        taken = await _as_second_process(stack, agent.enrollment, "ack", claim)
+        assert (taken["proceed"], taken["reason"]) == (False, "interrupted")
+        failed = await wait_workflow(stack.api, wf_id, timeout=30)
+        assert failed.state == "failed", failed
+        await stack.engine.retry_workflow(id=wf_id)
+
+        async def waits_or_overlaps() -> bool:
+            step = await stack.step(wf_id)  # noqa: B023 - awaited at once
+            waiting = (step.waiting_for or {}).get("reason") == "previous-attempt-running"
+            return waiting or agent.started(f"wf:{wf_id}:0#2")  # noqa: B023
+
+        await until(waits_or_overlaps)
+        if not agent.started(f"wf:{wf_id}:0#2"):  # why names the journal it waits for
+            why = await stack.engine.why(id=wf_id)
+            assert f"{first.id} on journal " in why.answer, why.answer
+        await _superseded_while_running(stack, agent, wf_id)
+        workflows.append(wf_id)
+    runs = agent.runs()
+    overlapping = overlaps(runs)
+    assert overlapping == [], (
+        f"{len({a.key.split('#')[0] for a, _ in overlapping})} of {len(workflows)} workflows ran"
+        f" attempt 2 while attempt 1 still ran: {overlapping}"
+    )
     assert len(runs) == 2 * len(workflows)
 
 

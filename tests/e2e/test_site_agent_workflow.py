@@ -88,6 +88,7 @@ async def test_a_bcx_workflow_power_cycles_pxe_boots_and_reads_inventory(
         "version": 1,
         "target": "metal",
         "role": "host",
+        "writesDisk": False,  # the medium is a few bytes nothing boots
         "steps": [
             {"use": "media.insert", "on": "site", "with": {"url": source, "sha256": sha, "bmc": bmc}},
             {"use": "management.setBootDevice", "on": "site", "with": {"device": "pxe", "bmc": bmc}},

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import msgspec
 import pytest_asyncio
 
@@ -36,6 +37,7 @@ class Node:
     api: ApiClient
     cq: CommandQueueClient
     enrollment: Enrollment
+    database_url: str
 
     @property
     def id(self) -> str:
@@ -80,7 +82,10 @@ async def node(
         run = asyncio.create_task(svc.run())
         enrollment = await join_agent(bc_api, site_id="site-c", role="node", node_id=new_id("node"))
         try:
-            yield Node(api=bc_api, cq=CommandQueueClient(bc_api), enrollment=enrollment)
+            yield Node(
+                api=bc_api, cq=CommandQueueClient(bc_api), enrollment=enrollment,
+                database_url=bc_settings.database_url,
+            )  # fmt: skip
         finally:
             svc.request_stop()
             await run
@@ -128,3 +133,78 @@ async def test_the_same_journal_may_claim_again_and_an_older_claim_changes_nothi
     late = await node.claim(wipe, "journal-a")
     assert (late["proceed"], late["state"]) == (False, "running")
     assert (await node.cq.get(id=wipe.id)).state == "running"
+
+
+async def test_a_late_claim_from_an_older_journal_never_breaks_a_newer_journals_run(node: Node) -> None:
+    # Issue 22 gap 3. Process A (journal a) says hello, receives a wipe and is cut off before
+    # its claim gets through; process B (same enrollment, a fresh journal) starts, claims the
+    # redelivered wipe and runs it. A comes back and sends its claim again, signed afresh, so
+    # later than B's: it must change nothing, and B's real result must count. Four tries.
+    dropped = 0
+    for i in range(4):
+        old, new = f"journal-a{i}", f"journal-b{i}"
+        await node.send("hello", {"journalId": old, "incarnation": f"a{i}"})
+        wipe = await node.wipe(f"late{i}")
+        await node.send("hello", {"journalId": new, "incarnation": f"b{i}"})
+        assert (await node.claim(wipe, new))["proceed"] is True
+        await node.send("progress", {"commandId": wipe.id, "message": "erasing"})
+        late = await node.claim(wipe, old)  # signed now: later than B's claim
+        assert late["proceed"] is False
+        done = await node.send(
+            "result",
+            {"commandId": wipe.id, "status": "succeeded", "result": base64.b64encode(b"wiped").decode()},
+        )
+        settled = await node.cq.get(id=wipe.id)
+        if not done["recorded"] or (settled.state, settled.result) != ("succeeded", b"wiped"):
+            dropped += 1
+    assert dropped == 0
+
+
+async def test_an_interrupted_command_stays_in_the_running_list_until_its_journal_ends_it(node: Node) -> None:
+    # Issue 22 gap 4. Journal a claims and starts a wipe, then goes quiet (a partition); a second
+    # process with the same enrollment and a fresh journal claims the redelivered wipe, which
+    # settles it failed (interrupted). The wipe still runs at journal a: the next attempt must
+    # wait for it, and `why` must say which journal it waits for.
+    wf = new_id("wf")
+    await node.send("hello", {"journalId": "journal-a", "incarnation": "a"})
+    view = await node.cq.enqueue(
+        EnqueueCommand(
+            node_id=node.id, site_id="site-c", kind="node.wipe", key=f"wf:{wf}:0#1", target="node",
+            workflow_id=wf, step=0,
+        )
+    )  # fmt: skip
+    assert (await node.claim(view, "journal-a"))["proceed"] is True
+    await node.send("progress", {"commandId": view.id, "message": "erasing"})
+    await node.send("hello", {"journalId": "journal-b", "incarnation": "b"})
+    taken = await node.claim(view, "journal-b")
+    assert (taken["proceed"], taken["reason"]) == (False, "interrupted")
+    fence = await node.cq.cancel_under(key_prefix=f"wf:{wf}:0#1", workflow_id=wf, fence=True)
+    assert fence.running == [view.id]
+    assert [(r.command_id, r.journal_id) for r in fence.running_at] == [(view.id, "journal-a")]
+    # journal a comes back and reports the end of its run: the wipe no longer holds anything up
+    late = await node.send("result", {"commandId": view.id, "status": "succeeded", "result": ""})
+    assert late["recorded"] is False
+    assert (await node.cq.cancel_under(key_prefix=f"wf:{wf}:0#1", workflow_id=wf)).running == []
+
+    # the same, but journal a never comes back: the wait ends when a is lost (silent for
+    # cmdq.lost_after), although journal b of the same agent keeps heartbeating
+    again = await node.cq.enqueue(
+        EnqueueCommand(
+            node_id=node.id, site_id="site-c", kind="node.wipe", key=f"wf:{wf}:1#1", target="node",
+            workflow_id=wf, step=1,
+        )
+    )  # fmt: skip
+    assert (await node.claim(again, "journal-a"))["proceed"] is True
+    await node.send("hello", {"journalId": "journal-c", "incarnation": "c"})
+    assert (await node.claim(again, "journal-c"))["reason"] == "interrupted"
+    assert (await node.cq.cancel_under(key_prefix=f"wf:{wf}:1#1", workflow_id=wf)).running == [again.id]
+    conn = await asyncpg.connect(node.database_url)
+    try:  # two minutes pass without a word from journal a
+        await conn.execute(
+            "UPDATE cmdq.journals SET last_seen = now() - interval '121 seconds'"
+            " WHERE journal_id = 'journal-a'"
+        )
+    finally:
+        await conn.close()
+    await node.send("heartbeat", {"journalId": "journal-c", "incarnation": "c"})
+    assert (await node.cq.cancel_under(key_prefix=f"wf:{wf}:1#1", workflow_id=wf)).running == []

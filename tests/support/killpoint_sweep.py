@@ -292,7 +292,8 @@ class SweepStack:
             {"use": "media.eject", "on": "site", "with": {"device": "cd"}},
             {"use": "power.setPower", "on": "site", "with": {"action": "off"}},
         ]
-        doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "steps": steps}
+        # the medium boots the ramdisk that wipes: it writes a disk
+        doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "writesDisk": True, "steps": steps}
         await engine.create_profile(document=doc)
         wf = await engine.start_workflow(profile_id=pid, node_id=node)
         return m, wf.id, medium

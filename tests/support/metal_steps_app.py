@@ -86,6 +86,7 @@ ubuntu_autoinstall = define_profile(
     target="metal",
     role="host",
     steps=AUTOINSTALL_STEPS,
+    writes_disk=True,  # the installer it boots writes the disk
 )
 talos = define_profile(
     id="talos", version=1, target="metal", role="host", steps=[{"use": "wait.talosReady", "on": "site"}]

@@ -75,3 +75,18 @@ def test_durations_read_as_people_say_them() -> None:
     assert [_in(s) for s in (0, 59.6, 119, 120, 3599, 7200, 90000)] == [
         "0s", "60s", "119s", "2m00s", "59m59s", "2h00m", "25h00m",
     ]  # fmt: skip
+
+
+def test_a_wait_for_a_previous_attempt_names_the_journal_it_waits_for() -> None:
+    part = WhyApi._waiting_for(
+        {
+            "reason": "previous-attempt-running",
+            "attempt": 1,
+            "commands": ["cmd_1"],
+            "journals": [{"commandId": "cmd_1", "agentId": "agent_a", "journalId": "j1"}],
+        }
+    )
+    assert part.text == "attempt 1's commands still run at their agent (cmd_1 on journal j1 of agent agent_a)"
+    assert part.facts["journals"] == [{"commandId": "cmd_1", "agentId": "agent_a", "journalId": "j1"}]
+    older = WhyApi._waiting_for({"reason": "previous-attempt-running", "attempt": 2, "commands": ["cmd_2"]})
+    assert older.text == "attempt 2's commands still run at their agent (cmd_2)"

@@ -125,6 +125,11 @@ class CmdqSettings(_Section, frozen=True, kw_only=True):
     stream_max_age: Duration = Duration(7 * 86_400_000)
     retention: Duration = Duration(30 * 86_400_000)
     quorum: QuorumSettings = msgspec.field(default_factory=QuorumSettings)
+    engine_key_file: str | None = None
+    """A stack without NATS accounts: the key file (``bck1`` lines) with which the engine proves
+    to the command queue that a command naming a workflow is its own; both read it, the first
+    to start creates it. ``bcx dev up`` sets it. Unset, only nats-server's word counts (a
+    request through an import is not the engine's)."""
 
 
 class PkiSettings(_Section, frozen=True, kw_only=True):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import os
 import secrets
 import stat
@@ -165,6 +166,21 @@ class Keyring:
     @property
     def key_ids(self) -> list[str]:
         return list(self._keys)
+
+    def mac(self, data: bytes) -> str:
+        """``<key id>:<base64url HMAC-SHA256>`` of ``data`` under the current key: a proof of
+        holding the key file (``check_mac`` with any key of it)."""
+        tag = hmac.new(self._keys[self._current], data, hashlib.sha256).digest()
+        return f"{self._current}:{base64.urlsafe_b64encode(tag).decode().rstrip('=')}"
+
+    def check_mac(self, data: bytes, mac: str) -> bool:
+        """Whether ``mac`` (from ``mac``) was made over ``data`` with a key of this file."""
+        kid, _, _tag = mac.partition(":")
+        key = self._keys.get(kid)
+        if key is None:
+            return False
+        expected = hmac.new(key, data, hashlib.sha256).digest()
+        return hmac.compare_digest(f"{kid}:{base64.urlsafe_b64encode(expected).decode().rstrip('=')}", mac)
 
     def loose_permissions(self) -> bool:
         """Whether group or others may read the key file."""

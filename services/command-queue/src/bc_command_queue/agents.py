@@ -172,6 +172,7 @@ class Agents:
             ev.signed_at_ms,
             _status_doc(ev.status),
         )
+        await self._journal_seen(signer.agent_id, ev.journal_id)
         stream, consumer = await self.streams.ensure_consumer(signer.site_id, signer.agent_id)
         lease = signer.role == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
         self.log.info(
@@ -217,8 +218,18 @@ class Agents:
             if await self.db.fetchrow(store.AGENT_AGAIN, signer.agent_id) is None:
                 raise BcError(ErrorCode.NOT_FOUND, "unknown agent: say hello first")
             return HeartbeatReply(boot_lease=False)  # older than one already applied
+        await self._journal_seen(signer.agent_id, ev.journal_id)
         lease = row["role"] == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
         return HeartbeatReply(boot_lease=lease)
+
+    async def _journal_seen(self, agent_id: str, journal_id: str) -> None:
+        """The process of this journal is there: its generation is given at its first hello
+        (before it can have received a delivery), and what it claimed may still run there."""
+        if not journal_id:
+            return
+        if len(journal_id) > 64:
+            raise invalid("journalId", "a journal id is at most 64 characters")
+        await self.db.fetchval(store.JOURNAL_SEEN, agent_id, journal_id, True)
 
     # -- routes -----------------------------------------------------------------------------
 

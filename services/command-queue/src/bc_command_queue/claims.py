@@ -2,7 +2,9 @@
 
 A claim is taken only when the command is dispatched to this agent, its digest matches and,
 for a destructive command, its batch is valid under the approvers configured now; another
-journal's claim of a command that may have started settles it ``interrupted``.
+journal's claim of a command that may have started settles it ``interrupted``, unless that
+journal is older than the one that claimed it (journals are numbered by the queue at first sight:
+``generation``, which a retried, re-signed claim cannot change).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class Claims:
         quorum = self.config.quorum.enabled
         claim = (ev.command_id, ev.agent, digest, journal, ev.signed_at_ms, quorum)
         kill_point(BEFORE_CLAIM)
+        generation, present = 0, False
+        if journal is not None:
+            seen = await self.db.fetchrow(store.JOURNAL_SEEN, ev.agent, journal, False)
+            generation, present = int(seen["generation"]), bool(seen["present"])
         row = await self.db.fetchrow(store.ACK, *claim)
         if row is not None:
             kill_point(AFTER_CLAIM)
@@ -78,7 +84,7 @@ class Claims:
             # Either way it must not run now; what runs, if anything, reports as before.
             return AckReply(proceed=False, state=state, reason="running")
         if state in ("acked", "running") and not same_journal:
-            return await self._interrupt(ev, journal, cur)
+            return await self._interrupt(ev, journal, (generation, present), cur)
         if state in ("dispatched", "acked") and cur["destructive"]:
             batch_valid = (
                 cur["has_batch"] and not cur["batch_expired"] and (not quorum or cur["batch_approved"])
@@ -88,14 +94,17 @@ class Claims:
         # pending, or changed meanwhile: it comes again in a later delivery
         return AckReply(proceed=False, state=state, reason=state, again=True)
 
-    async def _interrupt(self, ev: Ack, journal: str | None, cur: Any) -> AckReply:
-        """Another journal of the agent claims a command that may have started: settle it
+    async def _interrupt(
+        self, ev: Ack, journal: str | None, generation: tuple[int, bool], cur: Any
+    ) -> AckReply:
+        """A newer journal of the agent claims a command that may have started: settle it
         ``failed`` (``interrupted``); it never runs again."""
         row = await self.db.fetchrow(
-            store.CLAIM_INTERRUPTED, ev.command_id, ev.agent, journal, ev.signed_at_ms
+            store.CLAIM_INTERRUPTED, ev.command_id, ev.agent, journal, ev.signed_at_ms, *generation
         )
         if row is None:
-            # A claim signed before the recorded one: a late copy from an earlier journal.
+            # From a journal older than the one that claimed it (a late claim of a process that
+            # was replaced, however recently it signed it), or a late unnamed copy.
             self.log.info("claim_superseded", command_id=ev.command_id, agent_id=ev.agent)
             return AckReply(proceed=False, state=cur["state"], reason="claimed-by-another-journal")
         self.log.warning("command_interrupted", command_id=ev.command_id, agent_id=ev.agent, was=cur["state"])

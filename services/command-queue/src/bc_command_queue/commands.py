@@ -20,9 +20,11 @@ from better_compute.core.keys import workflow_command_prefix
 from better_compute.core.names import parse_name
 from better_compute.core.plugins import CommandKind
 from better_compute.service import ApiRequest, Database
+from better_compute.service.audit import requester
 from better_compute.service.fences import attempt_superseded
 from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import (
+    ENGINE_PROOF_MAX_AGE_MS,
     MAX_STATE_QUERY,
     CancelCommands,
     CancelReply,
@@ -35,6 +37,8 @@ from better_compute.wire.cmdq import (
     ListCommands,
     LiveWithRef,
     LiveWithRefReply,
+    RunningAt,
+    enqueue_proof_document,
 )
 
 from . import store
@@ -188,12 +192,44 @@ class Commands:
             )
         return store.command_view(row)
 
+    def _check_sender(self, req: ApiRequest, body: EnqueueCommand) -> None:
+        """Only the engine enqueues commands under a workflow (they run under the workflow's
+        batch). In a deployment nats-server says who sent it: a request that crossed an import
+        (the operators' account, a site's) carries its ``Nats-Request-Info`` and is not the
+        engine's, whatever it claims; inside the services' account only the engine may publish
+        here (deploy/nats). In a stack without accounts, the engine's proof under
+        ``cmdq.engine_key_file``. Never a header the sender writes (``Bc-Actor``)."""
+        if body.workflow_id is None:
+            return
+        denied = BcError(
+            ErrorCode.PERMISSION_DENIED,
+            "only the engine enqueues commands under a workflow; an operator's command names no"
+            " workflow and runs under a batch of its own",
+            {"path": "workflowId", "reason": "not-the-engine"},
+        )
+        if requester(req.headers).imported:
+            self.log.warning("enqueue_not_the_engine", workflow_id=body.workflow_id, why="imported")
+            raise denied
+        key = self.config.engine_key
+        if key is None:
+            return
+        at, _, mac = (body.engine_proof or "").partition(":")
+        now_ms = time.time_ns() // 1_000_000
+        fresh = at.isdigit() and abs(now_ms - int(at)) <= ENGINE_PROOF_MAX_AGE_MS
+        if not fresh or not key.check_mac(enqueue_proof_document(body, int(at)), mac):
+            self.log.warning("enqueue_not_the_engine", workflow_id=body.workflow_id, why="no-proof")
+            raise denied
+
     async def enqueue(self, req: ApiRequest) -> CommandView:
         body = req.decode(EnqueueCommand)
+        self._check_sender(req, body)
         kind, canonical = self._check_enqueue(body)
         batch_id: str | None = None
         may_dispatch = True
-        if kind.destructive:
+        # A workflow's boot command inside its batch (its profile writes disks) is held and
+        # checked as a destructive one: what it boots writes the disk.
+        destructive = kind.destructive or body.in_batch
+        if destructive:
             # Find before checking the batch: a re-run finds its command even after the
             # batch expired.
             found = await self._existing(body)
@@ -210,7 +246,7 @@ class Commands:
             body.tenant_id,
             body.key,
             body.kind,
-            kind.destructive,
+            destructive,
             body.target,
             canonical.decode(),
             bytes.fromhex(payload_digest(body.kind, canonical)),
@@ -281,7 +317,7 @@ class Commands:
         body = req.decode(CancelCommands)
         if len(body.reason) > 200:
             raise invalid("reason", "at most 200 characters")
-        running: list[str] = []
+        running: list[Any] = []
         if body.id is not None:
             ident = parse_id(body.id, "cmd", path="id")
             rows = await self.db.fetch(store.CANCEL_BY_ID, ident, body.reason)
@@ -299,13 +335,20 @@ class Commands:
             args = (body.node_id, body.key_prefix, body.reason, body.workflow_id)
             rows = await self.db.fetch(store.CANCEL_BY_PREFIX, *args)
             claimed = (body.node_id, body.key_prefix, self.config.lost_after_ms, body.workflow_id)
-            running = [r["id"] for r in await self.db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)]
+            running = await self.db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)
         else:
             raise invalid("id", "give id, or keyPrefix (with nodeId or workflowId)")
         for row in rows:
             self.log.info("command_cancelled", command_id=row["id"], reason=body.reason)
         await self.changed(rows)
-        return CancelReply(cancelled=[r["id"] for r in rows], running=running)
+        return CancelReply(
+            cancelled=[r["id"] for r in rows],
+            running=[r["id"] for r in running],
+            running_at=[
+                RunningAt(command_id=r["id"], agent_id=r["agent_id"], journal_id=r["claim_journal"])
+                for r in running
+            ],
+        )
 
     async def _fence(self, body: CancelCommands) -> None:
         """From now on refuse every enqueue under a superseded step attempt's key prefix.

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from better_compute.config import ApproverSetting, CmdqSettings, QuorumSettings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.keyring import Keyring
 from better_compute.wire.codec import validation_path
 
 __all__ = ["Approver", "CmdqConfig", "Quorum", "load_quorum", "quorum_from_settings"]
@@ -154,6 +155,9 @@ class CmdqConfig:
     retention_days: int = 30
     """Finished commands (succeeded, failed, rejected, expired, cancelled) untouched this many
     days are deleted; 0 keeps them for ever. Batches and approvals are kept as the audit trail."""
+    engine_key: Keyring | None = None
+    """``cmdq.engine_key_file``'s keys: a command naming a workflow must carry the engine's
+    proof made with one (a stack without NATS accounts). None: nats-server's word only."""
 
     @classmethod
     def from_settings(cls, settings: CmdqSettings) -> CmdqConfig:
@@ -170,6 +174,11 @@ class CmdqConfig:
             stream_replicas=settings.stream_replicas,
             stream_max_age_seconds=settings.stream_max_age.ms // 1000,
             retention_days=settings.retention.ms // 86_400_000,
+            engine_key=(
+                Keyring.load_or_create(Path(settings.engine_key_file))[0]
+                if settings.engine_key_file
+                else None
+            ),
         )
 
     def with_quorum(self, quorum: Quorum) -> CmdqConfig:

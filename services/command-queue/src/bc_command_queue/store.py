@@ -57,6 +57,7 @@ __all__ = [
     "EXPIRE_BATCH_EXPIRED",
     "EXPIRE_DUE",
     "FAIL_LOST",
+    "JOURNAL_SEEN",
     "KEY_FENCED",
     "KEY_FENCE_INSERT",
     "LATE_END",
@@ -282,16 +283,25 @@ SELECT c.id, c.state, c.agent_id, c.digest, c.not_after > now() AS live, c.destr
 FROM commands c LEFT JOIN batches b ON b.id = c.batch_id
 WHERE c.id = $1
 """
-# $1 id, $2 agent, $3 journal (NULL: not named), $4 signed_at_ms: another journal of the agent
-# (or one that does not say which it is) claims a command that may have started. It fails as
-# interrupted and never runs again. A claim signed before the recorded one is a late copy from
-# an earlier journal and changes nothing.
+# $1 id, $2 agent, $3 journal (NULL: not named), $4 signed_at_ms, $5 the journal's generation,
+# $6 whether the journal said hello itself: another journal of the agent (or one that does not
+# say which it is) claims a command that may have started. It fails as interrupted and never
+# runs again. A claim from a journal older than the one that claimed it (a late copy from a
+# journal that was replaced, signed again by its retry) changes nothing: journals are ordered
+# by generation, which a retry cannot change. A journal that never said hello (an older SDK
+# names it in claims only) got its generation from this very claim, so a claim of it signed
+# before the recorded one counts as older as well; a claim that names no journal is ordered by
+# signing time only. ``ended_at`` stays NULL: the journal that claimed it may still be running
+# it (CLAIMED_UNDER_PREFIX).
 CLAIM_INTERRUPTED: Final = f"""
 UPDATE commands c SET state = 'failed', reason = 'interrupted', finished_at = now(),
     updated_at = now()
 WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running')
   AND ($3::text IS NULL OR c.claim_journal IS DISTINCT FROM $3)
-  AND coalesce(c.claim_signed_ms, 0) < $4
+  AND CASE WHEN $3::text IS NULL THEN coalesce(c.claim_signed_ms, 0) < $4
+      ELSE coalesce((SELECT j.generation FROM journals j
+                     WHERE j.agent_id = c.agent_id AND j.journal_id = c.claim_journal), 0) < $5
+           AND ($6::bool OR coalesce(c.claim_signed_ms, 0) < $4) END
 RETURNING {_COLS}
 """
 # $1 id, $2 agent, $3 journal: a destructive command claimed while its batch is not approved
@@ -342,21 +352,28 @@ WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_i
 RETURNING {_COLS}
 """
 # Claimed commands under a prefix that may still run at their agents: cancel and expiry do not
-# recall a claimed command; its agent's result (even a late one: ended_at) or the agent's loss
-# ends it. Same parameters as CANCEL_BY_PREFIX, $3 lost_after_ms.
+# recall a claimed command, and a claim from another journal of its agent (interrupted) does not
+# stop the journal that claimed it. It ends with that journal's result (even a late one: ended_at)
+# or when that journal is lost: silent for lost_after (its own presence when it reports it, else
+# its agent's). Same parameters as CANCEL_BY_PREFIX, $3 lost_after_ms.
 CLAIMED_UNDER_PREFIX: Final = f"""
-SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
+SELECT c.id, c.agent_id, c.claim_journal FROM commands c JOIN agents a ON a.id = c.agent_id
+LEFT JOIN journals j ON j.agent_id = c.agent_id AND j.journal_id = c.claim_journal
 WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_id = $4)
   AND c.acked_at IS NOT NULL AND c.ended_at IS NULL
-  AND c.state IN ('acked', 'running', 'cancelled', 'expired')
-  AND a.last_seen > now() - {_SECS.format(p="$3")}
+  AND (c.state IN ('acked', 'running', 'cancelled', 'expired')
+       OR (c.state = 'failed' AND c.reason = 'interrupted'))
+  AND CASE WHEN j.present THEN j.last_seen ELSE a.last_seen END
+      > now() - {_SECS.format(p="$3")}
   AND {_KEY_UNDER.format(p="$2")}
 ORDER BY c.id
 """
-# $1 id, $2 agent: the end of a claimed command's run, reported after it was cancelled or expired
+# $1 id, $2 agent: the end of a claimed command's run, reported after it was cancelled, expired
+# or interrupted (claimed by another journal meanwhile)
 LATE_END: Final = f"""
 UPDATE commands c SET ended_at = now(), updated_at = now()
-WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('cancelled', 'expired')
+WHERE c.id = $1 AND c.agent_id = $2
+  AND (c.state IN ('cancelled', 'expired') OR (c.state = 'failed' AND c.reason = 'interrupted'))
   AND c.acked_at IS NOT NULL AND c.ended_at IS NULL
 RETURNING {_COLS}
 """
@@ -394,6 +411,22 @@ ORDER BY c.id DESC LIMIT $9
 """
 
 # -- agents and boot leases ---------------------------------------------------------
+
+# $1 agent, $2 journal, $3 presence (a hello or heartbeat, not a claim): the journal's
+# generation, given at its first sight and never changed; its last_seen is now.
+JOURNAL_SEEN: Final = """
+WITH seen AS (
+    UPDATE journals SET last_seen = now(), present = present OR $3
+    WHERE agent_id = $1 AND journal_id = $2
+    RETURNING generation, present
+), made AS (
+    INSERT INTO journals (agent_id, journal_id, present)
+    SELECT $1, $2, $3 WHERE NOT EXISTS (SELECT 1 FROM seen)
+    ON CONFLICT (agent_id, journal_id) DO UPDATE SET last_seen = now()
+    RETURNING generation, present
+)
+SELECT generation, present FROM seen UNION ALL SELECT generation, present FROM made
+"""
 
 # $1 id … $8 kinds, $9 signed_at_ms; a replayed (older) hello changes nothing
 AGENT_UPSERT: Final = """

@@ -44,9 +44,13 @@ async def cleanup_aborted(engine: Engine, wf: WorkflowRow) -> float | None:
     return None
 
 
-async def _revoke_attempt(engine: Engine, wf: WorkflowRow, step: StepRow, *, reason: str) -> list[str]:
+async def _revoke_attempt(
+    engine: Engine, wf: WorkflowRow, step: StepRow, *, reason: str
+) -> list[dict[str, Any]]:
     """Revoke what attempt ``step.attempt`` minted and fence its key in every service it
-    used; returns the commands of it that may still run at their agents."""
+    used; returns the commands of it that may still run at their agents (``commandId``, and the
+    ``agentId`` and ``journalId`` that claimed it: interrupted ones too, until that journal
+    reports their end or is lost)."""
     coords: dict[str, Any] = {"workflow_id": wf.id, "step": step.idx, "attempt": step.attempt}
     minted = set(step.minted or ())
     if "pki" in minted:
@@ -58,7 +62,12 @@ async def _revoke_attempt(engine: Engine, wf: WorkflowRow, step: StepRow, *, rea
     reply = await engine.cmdq.cancel_under(
         key_prefix=step_command_key(step), workflow_id=wf.id, fence=True, reason=reason
     )
-    return reply.running
+    if reply.running and not reply.running_at:  # an older command-queue: ids only
+        return [{"commandId": ident} for ident in reply.running]
+    return [
+        {"commandId": r.command_id, "agentId": r.agent_id, "journalId": r.journal_id}
+        for r in reply.running_at
+    ]
 
 
 async def supersede(engine: Engine, wf: WorkflowRow, step: StepRow) -> float | None:
@@ -82,6 +91,13 @@ async def supersede(engine: Engine, wf: WorkflowRow, step: StepRow) -> float | N
     # A claimed command cannot be recalled: attempt N+1 waits until it ends at its agent
     # (its result, even a late one, or the agent's loss); its event wakes us sooner.
     await engine.waiting(
-        wf, step, {"reason": "previous-attempt-running", "attempt": step.attempt, "commands": running}
+        wf,
+        step,
+        {
+            "reason": "previous-attempt-running",
+            "attempt": step.attempt,
+            "commands": [r["commandId"] for r in running],
+            "journals": running,
+        },
     )
     return time.time() + SUPERSEDED_POLL_S

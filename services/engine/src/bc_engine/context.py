@@ -69,7 +69,7 @@ class EngineSql:
 class StepCommands:
     """``ctx.commands``: enqueue through the command-queue on behalf of this step run.
 
-    Fills in the workflow coordinates and its batch for destructive kinds, checks the
+    Fills in the workflow coordinates and its batch for the kinds it covers (``quorum.in_batch``), checks the
     step's declared ``sends``, and records that the attempt sent something, so a retry
     or an abort knows to cancel what is still live.
     """
@@ -99,13 +99,13 @@ class StepCommands:
                 self._engine.app, cmd.kind, cmd.payload, cmd.node_id, node.bmc if node is not None else None
             )
             cmd = msgspec.structs.replace(cmd, payload=payload)
-        kind = self._engine.app.command_kinds.get(cmd.kind)
-        batch = self._wf.batch_id if (kind is not None and kind.destructive) else None
+        batched = await self._engine.in_batch(self._wf, cmd.kind)
         full = msgspec.structs.replace(
             cmd,
             workflow_id=self._wf.id,
             step=self._step.idx,
-            batch_id=batch,
+            batch_id=self._wf.batch_id if batched else None,
+            in_batch=batched,
             sends=sends or None,
             tenant_id=self._wf.tenant_id,
         )

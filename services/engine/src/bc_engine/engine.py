@@ -28,18 +28,19 @@ from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.keyring import Keyring
 from better_compute.provision import Profile, StepNotReady, profile_from_document
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire import engine as m
-from better_compute.wire.cmdq import CommandView, EnqueueCommand
+from better_compute.wire.cmdq import CommandView, EnqueueCommand, engine_proof
 
 from . import metrics, queue, store
 from .attempts import cleanup_aborted, supersede
 from .context import NodeInfo
 from .profiles import BUILTIN_TENANT
-from .quorum import QuorumBatches
+from .quorum import QuorumBatches, in_batch
 from .retries import retry_delay_s
 from .runners import Fail, Ok, Outcome, Wait, run_agent_step, run_control_plane, timed_out
 from .shards import ShardLeases
@@ -115,7 +116,11 @@ class Engine:
         self.owners = dict(owners or {})
         self.start_in = start_in
         self.wake = wake
-        self.quorum = QuorumBatches(app=app, db=db, cmdq=self.cmdq, publish=publish, log=log)
+        self.quorum = QuorumBatches(
+            app=app, db=db, cmdq=self.cmdq, publish=publish, log=log, writes_disk=self.writes_disk
+        )
+        self.engine_key: Keyring | None = None
+        """``cmdq.engine_key_file``: the proof of the commands it sends under its workflows."""
         self._profiles: dict[tuple[str, str, int], Profile] = {}  # pinned versions never change
         self._nodes: dict[str, NodeInfo | None] = {}  # each running pass's workflow's node
 
@@ -139,6 +144,8 @@ class Engine:
 
     async def cmdq_enqueue(self, cmd: EnqueueCommand) -> CommandView:
         kill_point(BEFORE_ENQUEUE)
+        if self.engine_key is not None:  # a stack without NATS accounts: prove it is ours
+            cmd = engine_proof(cmd, self.engine_key)
         view = await self.cmdq.enqueue(cmd)
         kill_point(AFTER_ENQUEUE)
         return view
@@ -164,6 +171,20 @@ class Engine:
                     return None
                 self._profiles[key] = profile_from_document(doc)
         return self._profiles[key]
+
+    async def writes_disk(self, wf: WorkflowRow) -> bool | None:
+        """Whether the workflow's profile says what it boots writes a disk (``writesDisk``)."""
+        profile = await self.profile(wf)
+        return profile.writes_disk if profile is not None else None
+
+    async def in_batch(self, wf: WorkflowRow, kind: str) -> bool:
+        """Whether a command of ``kind`` of this workflow goes inside its batch (``quorum.in_batch``).
+        A boot command only when the workflow has a batch (the quorum is on): otherwise it is
+        an ordinary command, handed to another site agent when its own falls silent."""
+        if wf.batch_id is None:
+            known = self.app.command_kinds.get(kind)
+            return known is not None and known.destructive
+        return in_batch(self.app, kind, writes_disk=await self.writes_disk(wf))
 
     async def node(self, wf: WorkflowRow) -> NodeInfo | None:
         """The workflow's node, read once per pass (with the pass's workflows, ``PASS_WORKFLOWS``)."""

@@ -45,7 +45,7 @@ from .context import EngineSql
 from .discovery import DISCOVERY_OWNER
 from .documents import check_labels, node_doc
 from .node_events import node_event
-from .quorum import BATCH_TTL_S
+from .quorum import BATCH_TTL_S, batch_kinds
 from .resolve import resolve_profile
 
 __all__ = ["MetalApi", "bmc_json", "check_macs", "refuse_inline_secret", "verb_profiles"]
@@ -307,7 +307,8 @@ class MetalApi:
             )
         wf_ids = {row["id"]: new_id("wf") for row in ok}
         run = _Run(refused=refused)
-        run.batch_id = await self._batch(res.command_kinds, tenant, wf_ids, verb, found.profile.id, bulk)
+        scope = batch_kinds(self.api.app, res.command_kinds, writes_disk=found.profile.writes_disk)
+        run.batch_id = await self._batch(scope, tenant, wf_ids, verb, found.profile.id, bulk)
         async with db.transaction() as conn:
             # again under the node locks: a node may have moved since the first look
             ok, refused = await self._screen(conn, verb, [row["id"] for row in ok], tenant, lock=True)
@@ -354,9 +355,9 @@ class MetalApi:
         self, kinds: list[str], tenant: str, wf_ids: dict[str, str], verb: str, profile_id: str, bulk: bool
     ) -> str | None:
         """The destructive batch of the workflows about to start, when the quorum is on and
-        the profile can send destructive kinds; created before the workflows, keyed by them."""
-        app = self.api.app
-        destructive = [k for k in kinds if (kind := app.command_kinds.get(k)) and kind.destructive]
+        the profile can send kinds a batch covers (``kinds``: ``quorum.batch_kinds``); created
+        before the workflows, keyed by them."""
+        destructive = kinds
         if not destructive or self.quorum is None or not await self.quorum.enabled():
             return None
         first = min(wf_ids.values())

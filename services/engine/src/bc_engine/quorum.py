@@ -1,7 +1,8 @@
 """The destructive batch of a workflow under the quorum.
 
 When the command-queue has approvers configured, a workflow that can send destructive commands
-gets its batch before it sends anything: scope = its destructive kinds and its node, found by the
+gets its batch before it sends anything: scope = its destructive kinds (and, for a profile that
+writes disks, every boot command it sends: ``batch_kinds``) and its node, found by the
 workflow's key, so creating it again after a crash finds the same batch.
 """
 
@@ -21,10 +22,26 @@ from . import store
 from .runners import QUEUE_RETRY_S
 from .store import WorkflowRow
 
-__all__ = ["BATCH_TTL_S", "QUORUM_CACHE_S", "QuorumBatches"]
+__all__ = ["BATCH_TTL_S", "QUORUM_CACHE_S", "QuorumBatches", "batch_kinds", "in_batch"]
 
 BATCH_TTL_S = 24 * 3600  # how long approvers have for a workflow's destructive batch
 QUORUM_CACHE_S = 60.0  # whether approvers are configured is asked at most this often
+
+
+def in_batch(app: App, kind_name: str, *, writes_disk: bool | None) -> bool:
+    """Whether a workflow's command of this kind goes inside its batch: a destructive kind
+    always; a boot command (power, boot device, media, boot entries) when the workflow's
+    profile writes disks, since it leads to the disk being written (an installer it boots, the
+    power cycle into it, the ramdisk about to wipe)."""
+    kind = app.command_kinds.get(kind_name)
+    if kind is None:
+        return False
+    return kind.destructive or (writes_disk is True and kind.boot is not None)
+
+
+def batch_kinds(app: App, kinds: list[str], *, writes_disk: bool | None) -> list[str]:
+    """The batch scope of a workflow that can send ``kinds``: those ``in_batch``."""
+    return [k for k in kinds if in_batch(app, k, writes_disk=writes_disk)]
 
 
 class QuorumBatches:
@@ -36,7 +53,9 @@ class QuorumBatches:
         cmdq: CommandQueueClient,
         publish: Callable[[str, str, Any], Awaitable[None]],
         log: Any,
+        writes_disk: Callable[[WorkflowRow], Awaitable[bool | None]],
     ) -> None:
+        self.writes_disk = writes_disk
         self.app = app
         self.db = db
         self.cmdq = cmdq
@@ -56,7 +75,7 @@ class QuorumBatches:
         not needed). Sets ``wf.batch_id``."""
         if wf.batch_id is not None or wf.state != "running":
             return None
-        kinds = [k for k in wf.command_kinds if (kind := self.app.command_kinds.get(k)) and kind.destructive]
+        kinds = batch_kinds(self.app, wf.command_kinds, writes_disk=await self.writes_disk(wf))
         if not kinds:
             return None
         try:

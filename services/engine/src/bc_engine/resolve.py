@@ -220,4 +220,30 @@ def resolve_profile(app: App, profile: Profile, *, has_node: bool | None = None)
             )
             continue
         out.steps.append(got)
+    if profile.writes_disk is None and not out.problems:
+        out.problems.extend(_undeclared_boot(app, out.steps))
     return out
+
+
+def _undeclared_boot(app: App, steps: list[ResolvedStep]) -> list[Problem]:
+    """A profile whose own steps give the machine a medium or boot entry to boot (an installer,
+    perhaps, which writes the disk with nothing destructive sent) must say whether it writes
+    disks; a control-plane step that sends such a kind (``metal.ensureRamdisk``: the bcd
+    ramdisk, which writes only when a node command tells it) is that step's own business."""
+    for step in steps:
+        # the step's own command, or the kind it is named after and sends (a relaying BMC
+        # step, ``use: media.insert, on: site``; a driver operation)
+        names = [step.command or ""]
+        if step.command == DRIVER_INVOKE or step.action in step.sends:
+            names.append(step.action)
+        if any((kind := app.command_kinds.get(n)) is not None and kind.boot == "medium" for n in names):
+            return [
+                Problem(
+                    "writesDisk",
+                    ErrorCode.INVALID_CONFIG.value,
+                    f"steps[{step.idx}] ({step.action}) gives the machine something to boot: say whether"
+                    " it writes a disk (writesDisk: true puts the workflow's boot commands under the"
+                    " destructive-batch quorum, false says it boots nothing that writes)",
+                )
+            ]
+    return []

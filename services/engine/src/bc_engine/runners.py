@@ -207,7 +207,7 @@ async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadlin
     node = await engine.node(wf)
     if node is None:
         return Fail(BcError(ErrorCode.NOT_FOUND, f"node {wf.node_id} is gone", {"path": "nodeId"}))
-    kind = engine.app.command_kinds.get(step.command) if step.command else None
+    batched = bool(step.command) and await engine.in_batch(wf, step.command or "")
     try:
         payload = relay_bmc(engine.app, step.command or "", _input(step), node.id, node.bmc)
     except BcError as err:
@@ -221,7 +221,8 @@ async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadlin
         target="node" if step.runs_on == "node" else "site",
         workflow_id=wf.id,
         step=step.idx,
-        batch_id=wf.batch_id if kind is not None and kind.destructive else None,
+        batch_id=wf.batch_id if batched else None,
+        in_batch=batched,
         timeout_ms=max(1000, int((deadline - time.time()) * 1000)),
         tenant_id=wf.tenant_id,
     )

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
@@ -15,6 +16,7 @@ from nats.aio.msg import Msg
 from better_compute.app import App, load_app
 from better_compute.config import UserDataSettings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.keyring import Keyring
 from better_compute.provision import UserData
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
@@ -123,6 +125,8 @@ class EngineService(Service):
                 **_owner_reconcilers(self.app),
             },
         )
+        if self.settings.cmdq.engine_key_file:  # a stack without NATS accounts (bcx dev up)
+            self.engine.engine_key, _ = Keyring.load_or_create(Path(self.settings.cmdq.engine_key_file))
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
         self.engine_api = EngineApi(
             app=self.app, db=self.db, wake=self.wake, publish=self.publish_event, quorum=self.engine.quorum

@@ -63,6 +63,17 @@ def _reason(kind: str, text: str, /, **facts: Any) -> m.WhyReason:
     return m.WhyReason(kind=kind, text=text, facts={k: v for k, v in facts.items() if v is not None})
 
 
+def _running_at(where: dict[str, Any]) -> str:
+    """``cmd_… on journal J of agent A``: a previous attempt's command and the journal whose
+    end (or loss) the next attempt waits for."""
+    text = str(where.get("commandId"))
+    if where.get("journalId"):
+        text += f" on journal {where['journalId']}"
+    if where.get("agentId"):
+        text += f" of agent {where['agentId']}"
+    return text
+
+
 class WhyApi:
     """The ``workflows.why`` route."""
 
@@ -163,11 +174,12 @@ class WhyApi:
             text = f"{service} does not answer ({what.get('code')}" + (f", {tries} tries)" if tries else ")")
             return _reason(kind, text, service=what.get("service"), code=what.get("code"))
         if kind == "previous-attempt-running":
-            commands = ", ".join(what.get("commands") or [])
+            where = what.get("journals") or [{"commandId": c} for c in what.get("commands") or []]
+            commands = ", ".join(_running_at(r) for r in where if isinstance(r, dict))
             return _reason(
                 kind,
                 f"attempt {what.get('attempt')}'s commands still run at their agent ({commands})",
-                attempt=what.get("attempt"), commands=what.get("commands"),
+                attempt=what.get("attempt"), commands=what.get("commands"), journals=what.get("journals"),
             )  # fmt: skip
         if kind == "batch-approval":
             return _reason(kind, f"batch {what.get('batchId')} awaits approvals", batchId=what.get("batchId"))

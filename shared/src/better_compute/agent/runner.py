@@ -302,6 +302,7 @@ class Agent:
             running=len(self._active),
             leaving=leaving,
             status=self._status(),
+            journal_id=self.journal.id if self.journal is not None else "",
         )
 
     def _status(self) -> AgentStatus | None:
@@ -367,6 +368,7 @@ class Agent:
                 kinds=sorted(self.handlers),
                 incarnation=self.incarnation,
                 status=self._status(),
+                journal_id=self.journal.id if self.journal is not None else "",
             )
             return msgspec.convert(await self._request("hello", event), HelloReply)
 

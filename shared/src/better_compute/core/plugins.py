@@ -79,12 +79,20 @@ class CommandKind:
             destructive commands need a signed batch when the quorum is on.
         payload: the manifest the command's JSON payload must fit.
         description: one line for people.
+        boot: whether the command decides what a machine boots, and how: ``"medium"`` gives it
+            something new to boot (a virtual medium, a network-boot entry: an installer is one),
+            ``"control"`` starts or steers a boot (power, the boot device, ejecting a medium,
+            removing a boot entry). Neither destroys anything on its own; in a workflow of a
+            profile that writes disks (``writesDisk: true``) they lead to a disk being written,
+            so they go inside that workflow's batch (docs/command-queue.md). A profile whose
+            own steps send a ``"medium"`` kind must say whether it writes disks.
     """
 
     name: str
     destructive: bool
     payload: Manifest
     description: str = ""
+    boot: Literal["medium", "control"] | None = None
 
     def __post_init__(self) -> None:
         if not is_dotted_name(self.name):
@@ -97,6 +105,8 @@ class CommandKind:
             raise _bad_config("payload", "must be a manifest")
         if not isinstance(self.description, str):
             raise _bad_config("description", "must be a string")
+        if self.boot not in (None, "medium", "control"):
+            raise _bad_config("boot", "must be None, 'medium' or 'control'")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

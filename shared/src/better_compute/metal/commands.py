@@ -3,15 +3,17 @@
 ``destructive`` marks commands that can destroy data or state that cannot be rebuilt (disk
 contents, or anything an arbitrary driver operation or HTTP request to the machine might do).
 With the destructive-batch quorum on, those run only inside a batch the approvers signed.
-Power, boot-device, virtual-media and inventory commands interrupt a machine at worst and are
-not destructive.
+Power, boot-device, virtual-media, boot-entry and inventory commands interrupt a machine at worst
+and are not destructive on their own; but the boot ones (``boot``) lead to a disk being written
+when what they boot is an installer, or a ramdisk that is about to wipe or write: in the workflow
+of a profile that says ``writesDisk: true`` they run inside its batch too (docs/command-queue.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Final, Literal
 
 from better_compute.core.manifest import Field, field, manifest
 from better_compute.core.plugins import DOTTED_NAME_PATTERN, CommandKind, DriverOperation
@@ -57,16 +59,23 @@ _MAC = field.string(pattern=r"^[0-9a-fA-F]{2}([:-][0-9a-fA-F]{2}){5}$")
 
 
 def _bmc_command(
-    name: str, description: str, fields: Mapping[str, Field] | None = None, *, bmc_required: bool = False
+    name: str,
+    description: str,
+    fields: Mapping[str, Field] | None = None,
+    *,
+    bmc_required: bool = False,
+    boot: Literal["medium", "control"] | None = None,
 ) -> CommandKind:
     """A command the site agent runs through a machine's BMC: ``fields`` and the ``bmc`` it
-    talks to. None of them is destructive (they interrupt a machine at worst)."""
+    talks to. None of them is destructive (they interrupt a machine at worst); ``boot`` says
+    which decide what the machine boots."""
     bmc = BMC if bmc_required else BMC.optional()
     return CommandKind(
         name=name,
         destructive=False,
         description=description,
         payload=manifest({**(fields or {}), "bmc": bmc}),
+        boot=boot,
     )
 
 
@@ -79,6 +88,7 @@ MANAGEMENT_INVENTORY: Final = _bmc_command(
 NETBOOT_SET_ENTRY: Final = CommandKind(
     name="netboot.setEntry",
     destructive=False,
+    boot="medium",
     description="Installs the iPXE boot entry the site agent serves to one MAC (once, when oneTime)",
     payload=manifest(
         {
@@ -102,6 +112,7 @@ NETBOOT_SET_ENTRY: Final = CommandKind(
 NETBOOT_CLEAR_ENTRY: Final = CommandKind(
     name="netboot.clearEntry",
     destructive=False,
+    boot="control",
     description="Removes the iPXE boot entry of one MAC (it then boots as an unknown machine)",
     payload=manifest({"mac": _MAC}),
 )
@@ -144,6 +155,7 @@ POWER_SET_POWER: Final = _bmc_command(
     "power.setPower",
     "Changes the machine's power state through its BMC",
     {"action": field.enum(["on", "off", "softOff", "cycle", "reset"])},
+    boot="control",
 )
 
 MANAGEMENT_SET_BOOT_DEVICE: Final = _bmc_command(
@@ -154,6 +166,7 @@ MANAGEMENT_SET_BOOT_DEVICE: Final = _bmc_command(
         "persistent": field.bool().default(False),
         "mode": field.enum(["uefi", "legacy"]).optional(),
     },
+    boot="control",
 )
 
 MEDIA_INSERT: Final = _bmc_command(
@@ -165,10 +178,11 @@ MEDIA_INSERT: Final = _bmc_command(
         # With it, the site agent fills its cache from url and hands the BMC its own copy.
         "sha256": _SHA256.optional(),
     },
+    boot="medium",
 )
 
 MEDIA_EJECT: Final = _bmc_command(
-    "media.eject", "Ejects a virtual medium through the BMC", {"device": _MEDIA_DEVICE}
+    "media.eject", "Ejects a virtual medium through the BMC", {"device": _MEDIA_DEVICE}, boot="control"
 )
 
 NODE_INVENTORY: Final = CommandKind(

@@ -13,6 +13,9 @@ Document fields::
     description  str
     adopt        bool                         take over a running machine: no image,
                                               userData or steps
+    writesDisk   bool                         what its workflow boots writes a disk (an
+                                              installer, a wipe, an image write): its boot
+                                              commands then run inside its destructive batch
     image        "name@version"               catalog reference
     userData     {kind, template?, tokenTtlSeconds?}
     hostConfig   {units: [{name, settings?, when?}]}
@@ -83,14 +86,14 @@ _MAX_VERSION: Final = 2**31 - 1
 """Versions are stored as a PostgreSQL ``int``."""
 
 _FIELDS: Final = (
-    "id", "version", "target", "role", "description", "adopt",
+    "id", "version", "target", "role", "description", "adopt", "writesDisk",
     "image", "userData", "hostConfig", "steps",
 )  # fmt: skip
 _STEP_FIELDS: Final = ("use", "on", "with", "timeout", "retry", "fallback")
 _FALLBACK_FIELDS: Final = ("use", "on", "with", "timeout")
 _USER_DATA_FIELDS: Final = ("kind", "template", "tokenTtlSeconds")
 _UNIT_FIELDS: Final = ("name", "settings", "when")
-_SNAKE_HINTS: Final = {"user_data": "userData", "host_config": "hostConfig"}
+_SNAKE_HINTS: Final = {"user_data": "userData", "host_config": "hostConfig", "writes_disk": "writesDisk"}
 
 
 def _bad(path: str, message: str) -> BcError:
@@ -192,6 +195,12 @@ class Profile:
     user_data: ProfileUserData | None
     host_config: HostConfig | None
     steps: tuple[ProfileStep, ...]
+    writes_disk: bool | None = None
+    """Whether what its workflows boot writes a disk: ``True`` puts every boot command of them
+    (power, boot device, media, boot entries) in the workflow's destructive batch, with the
+    wipes and image writes; ``False`` says what it boots writes nothing (a diagnostics medium);
+    ``None``: not said, which the engine refuses for a profile whose own steps insert a medium
+    or set a boot entry (it may boot an installer)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -210,6 +219,8 @@ class Profile:
             doc["description"] = self.description
         if self.adopt:
             doc["adopt"] = True
+        if self.writes_disk is not None:
+            doc["writesDisk"] = self.writes_disk
         if self.image is not None:
             doc["image"] = self.image
         if self.user_data is not None:
@@ -232,6 +243,7 @@ def define_profile(
     image: str | None = None,
     adopt: bool = False,
     description: str = "",
+    writes_disk: bool | None = None,
 ) -> Profile:
     """Check a profile and return it deeply frozen.
 
@@ -249,6 +261,7 @@ def define_profile(
         "role": role,
         "description": description,
         "adopt": adopt,
+        "writesDisk": writes_disk,
         "image": image,
         "userData": user_data,
         "hostConfig": host_config,
@@ -288,6 +301,9 @@ def profile_from_document(document: Mapping[str, Any]) -> Profile:
     adopt = doc.get("adopt", False)
     if not isinstance(adopt, bool):
         raise _bad("adopt", "adopt must be a boolean")
+    writes_disk = doc.get("writesDisk")
+    if writes_disk is not None and not isinstance(writes_disk, bool):
+        raise _bad("writesDisk", "writesDisk must be a boolean")
 
     for name in ("image", "userData", "hostConfig"):
         if name in doc and name not in TARGET_FIELDS[target]:
@@ -320,6 +336,7 @@ def profile_from_document(document: Mapping[str, Any]) -> Profile:
         user_data=user_data,
         host_config=host_config,
         steps=steps,
+        writes_disk=writes_disk,
     )
 
 

@@ -134,6 +134,12 @@ class DevStack:
             BC_STATE_DIR=str(self.state),
         )
         env.update(self._ramdisk())
+        # The embedded NATS has no accounts, so nats-server cannot tell the engine from anyone
+        # else on the bus: the engine proves the commands it sends under a workflow with a key
+        # only the stack's own processes read (its state folder is its user's alone).
+        key_var = env_var("cmdq.engine_key_file")
+        if not env.get(key_var) and not self.settings.cmdq.engine_key_file:
+            env[key_var] = str(self.state / "keys" / "engine-commands.key")
         for service in services:
             module = SERVICES[service]
             for n in range(1, instances + 1):

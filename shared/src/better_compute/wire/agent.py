@@ -110,6 +110,10 @@ class Hello(AgentEvent, frozen=True, kw_only=True, tag="hello"):
     incarnation: str = ""
     """Changes at every process start."""
     status: AgentStatus | None = None
+    journal_id: str = ""
+    """The agent's journal (as in ``Ack``): the queue numbers journals in the order it first
+    hears of them, so a late claim from a journal that was replaced meanwhile is known as older,
+    however recently it was signed."""
 
 
 class Heartbeat(AgentEvent, frozen=True, kw_only=True, tag="heartbeat"):
@@ -119,6 +123,9 @@ class Heartbeat(AgentEvent, frozen=True, kw_only=True, tag="heartbeat"):
     """What the agent says of itself now (None: unchanged since the last one)."""
     leaving: bool = False
     """The agent stops: it is shown disconnected at once and gives up its boot lease."""
+    journal_id: str = ""
+    """The agent's journal: what it claimed may run there while it heartbeats (a command another
+    journal interrupted stays live until this one reports its end or falls silent)."""
 
 
 class Ack(AgentEvent, frozen=True, kw_only=True, tag="ack"):

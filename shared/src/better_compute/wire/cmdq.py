@@ -25,7 +25,8 @@ route                     request                   result
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Literal
+import time
+from typing import Annotated, Any, Final, Literal, Protocol
 
 import msgspec
 
@@ -36,6 +37,7 @@ __all__ = [
     "BATCH_EVENTS",
     "BATCH_PURPOSE",
     "DEFAULT_COMMAND_TIMEOUT_MS",
+    "ENGINE_PROOF_MAX_AGE_MS",
     "EVENTS",
     "LIVE_STATES",
     "MAX_STATE_QUERY",
@@ -73,11 +75,15 @@ __all__ = [
     "ListCommands",
     "LiveWithRef",
     "LiveWithRefReply",
+    "Mac",
     "QuorumView",
+    "RunningAt",
     "SiteAgentReply",
     "SiteAgentRequest",
     "decode_batch_event",
     "decode_command_event",
+    "engine_proof",
+    "enqueue_proof_document",
 ]
 
 CommandState = Literal[
@@ -120,6 +126,38 @@ class EnqueueCommand(_Msg, frozen=True, kw_only=True):
     timeout_ms: int = DEFAULT_COMMAND_TIMEOUT_MS
     sends: list[str] | None = None
     tenant_id: str = "root"
+    in_batch: bool = False
+    """The workflow's batch covers this command although its kind is not destructive (a boot
+    command of a profile that writes disks): it is held, checked at its claim and expired with
+    its batch exactly like a destructive command, and shown ``destructive``."""
+    engine_proof: str | None = None
+    """In a stack without NATS accounts, that the engine sent it: ``<unix ms>:<key id>:<mac>``,
+    an HMAC-SHA256 of ``enqueue_proof_document`` under the key the engine and the command queue
+    both read from ``cmdq.engine_key_file`` (``engine_proof``). Only the engine may enqueue a
+    command naming a workflow (docs/command-queue.md, *Who may send under a workflow*)."""
+
+
+ENGINE_PROOF_MAX_AGE_MS: Final = 300_000
+"""An engine proof older than this (or this far in the future) proves nothing: a copy of an
+enqueue seen on the bus cannot be sent again later, after the command it made is gone."""
+
+
+class Mac(Protocol):
+    """A key that MACs bytes (``better_compute.keyring.Keyring``)."""
+
+    def mac(self, data: bytes) -> str: ...
+
+
+def enqueue_proof_document(cmd: EnqueueCommand, at_ms: int) -> bytes:
+    """What an engine proof covers: the whole request but the proof, canonical, and its time."""
+    body = msgspec.json.encode(msgspec.structs.replace(cmd, engine_proof=None), order="sorted")
+    return b"bc-engine-enqueue\x00" + str(at_ms).encode() + b"\x00" + body
+
+
+def engine_proof(cmd: EnqueueCommand, key: Mac, *, at_ms: int | None = None) -> EnqueueCommand:
+    """``cmd`` with the engine's proof under ``key`` (the stack's ``cmdq.engine_key_file``)."""
+    at = time.time_ns() // 1_000_000 if at_ms is None else at_ms
+    return msgspec.structs.replace(cmd, engine_proof=f"{at}:{key.mac(enqueue_proof_document(cmd, at))}")
 
 
 class CommandView(_Msg, frozen=True, kw_only=True):
@@ -327,12 +365,23 @@ class CommandList(_Msg, frozen=True, kw_only=True):
     next: str | None = None
 
 
+class RunningAt(_Msg, frozen=True, kw_only=True):
+    """Where a claimed command may still run: its agent and the journal that claimed it."""
+
+    command_id: str
+    agent_id: str | None = None
+    journal_id: str | None = None
+
+
 class CancelReply(_Msg, frozen=True, kw_only=True):
     cancelled: list[str]
     running: list[str] = []
     """Commands under the prefix an agent claimed and may still be running: cancelling does
-    not recall them. One leaves this list with its agent's result (even a late one, which
-    no longer counts), or when its agent is lost."""
+    not recall them, nor does another journal's claim (``failed``, ``interrupted``). One leaves
+    this list with the result of the journal that claimed it (even a late one, which no longer
+    counts), or when that journal is lost (silent for ``cmdq.lost_after``)."""
+    running_at: list[RunningAt] = []
+    """``running`` with the agent and journal each waits on, in the same order."""
 
 
 # -- agents -------------------------------------------------------------------------

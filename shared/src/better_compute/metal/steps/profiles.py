@@ -90,11 +90,19 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
         return {"use": "disk.wipe", "with": {"mode": mode}}
 
     return (
-        _profile("inspect", "Boot the ramdisk and record the node's inventory", [boot, joined, collect, off]),
+        # Only inspect and adopt write no disk: the others boot the ramdisk to wipe or write,
+        # so under the quorum each of their boot commands waits for the batch with the wipe.
+        _profile(
+            "inspect",
+            "Boot the ramdisk and record the node's inventory",
+            [boot, joined, collect, off],
+            writes_disk=False,
+        ),
         _profile(
             "commission",
             "Inspect the node and wipe its disks: it is ready to deploy",
             [boot, joined, collect, wipe("quick"), off],
+            writes_disk=True,
         ),
         _profile(
             "deploy",
@@ -113,10 +121,19 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
                 {"use": "wait.agentJoined", "with": {"role": "node"}},
             ],
             user_data={"kind": "cloud-init"},
+            writes_disk=True,
         ),
-        _profile("release", "Wipe the node's disks: it is ready again", [boot, joined, wipe("quick"), off]),
         _profile(
-            "retire", "Erase the node's disks securely and power it off", [boot, joined, wipe("secure"), off]
+            "release",
+            "Wipe the node's disks: it is ready again",
+            [boot, joined, wipe("quick"), off],
+            writes_disk=True,
+        ),
+        _profile(
+            "retire",
+            "Erase the node's disks securely and power it off",
+            [boot, joined, wipe("secure"), off],
+            writes_disk=True,
         ),
         # Not an ``adopt: true`` profile (those have no steps): no image, no user data, and no
         # step that boots, wipes or writes; the machine keeps running what it runs.

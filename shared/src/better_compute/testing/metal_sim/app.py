@@ -14,8 +14,11 @@ bcd, which joins with it and re-keys the node.
 Catalog images are trusted when ``testing.images.SIM_IMAGE_SIGNER`` signed them (the app's
 ``image_verifier``); ``fleet_stack`` registers ``ubuntu@24.04`` so signed.
 
-The profile is the page's, plus a ``hostConfig`` (one ``sysctl`` unit) so that a deploy also
-gives the node a host section for the installed bcd to converge.
+The profile is the page's, plus ``writes_disk=True`` (the installer it boots writes the disk: under
+the destructive-batch quorum its medium, boot device and power cycle wait for the approvers, a
+declaration the engine requires of a profile that inserts a medium; the page's example predates
+it) and a ``hostConfig`` (one ``sysctl`` unit) so that a deploy also gives the node a host section
+for the installed bcd to converge.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ ubuntu_autoinstall = define_profile(
     role="host",
     steps=AUTOINSTALL_STEPS,
     host_config=HOST_CONFIG,
+    writes_disk=True,
 )
 
 acme_autoinstall = define_plugin(
