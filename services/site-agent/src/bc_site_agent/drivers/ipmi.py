@@ -9,8 +9,10 @@ session slots). pyghmi looks sessions up in class-wide caches, and one of them,
 ``Session.initting_sessions``, is keyed by the credentials as given (``str``) but cleaned with
 them encoded (``bytes``): a session never leaves it, and the next ``Command`` to that BMC was
 handed the logged-out one (``malformed answer (TypeError)``, nothing sent). ``_open_session``
-takes that entry out itself, with one login at a time per BMC and user, so no other command
-ever gets a session of ours.
+takes that entry out itself, so no other command ever gets a session of ours. pyghmi's
+``Session.__new__`` also prunes its ``bmc_handlers`` while a logout in another thread removes
+from them (``KeyError`` with two commands at once on one BMC), so logins and logouts of one BMC
+take turns (``_bmc_lock``); calls on open sessions do not wait for each other.
 """
 
 from __future__ import annotations
@@ -56,13 +58,14 @@ _NO_CIPHER: Final = (
 _OFFERED: Final = "pyghmi offers cipher suites 17 (HMAC-SHA256, AES) and 3 (HMAC-SHA1, AES)"
 _REFUSED_LOGIN: Final = ("incorrect password", "unauthorized name", "password", "unauthorized")
 
-_logins_lock = threading.Lock()
-_logins: dict[tuple[str, int, str], threading.Lock] = {}
+_locks_lock = threading.Lock()
+_locks: dict[tuple[str, int], threading.Lock] = {}
 
 
-def _login_lock(host: str, port: int, username: str) -> threading.Lock:
-    with _logins_lock:
-        return _logins.setdefault((host, port, username), threading.Lock())
+def _bmc_lock(host: str, port: int) -> threading.Lock:
+    """One login or logout at a time per BMC (see the module's docstring)."""
+    with _locks_lock:
+        return _locks.setdefault((host, port), threading.Lock())
 
 
 def _open_session(host: str, port: int, username: str, password: str) -> Any:
@@ -71,7 +74,7 @@ def _open_session(host: str, port: int, username: str, password: str) -> Any:
     from pyghmi.ipmi.private.session import Session
 
     key = (host, username, password, port, None)
-    with _login_lock(host, port, username):
+    with _bmc_lock(host, port):
         Session.initting_sessions.pop(key, None)  # a leftover of a login that failed
         try:
             return Command(bmc=host, userid=username, password=password, port=port, keepalive=False)
@@ -220,11 +223,15 @@ class IpmiDriver:
 
     async def close(self) -> None:
         cmd, self._cmd = self._cmd, None
-        if cmd is not None:
-            ipmi_session = getattr(cmd, "ipmi_session", None)
-            if ipmi_session is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(ipmi_session.logout)
+        ipmi_session = getattr(cmd, "ipmi_session", None) if cmd is not None else None
+        if ipmi_session is not None:
+
+            def logout() -> None:
+                with _bmc_lock(self.host, self.port):
+                    ipmi_session.logout()
+
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(logout)
 
     async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]:
         raise driver_error("virtual media", "the IPMI driver has no virtual media (use Redfish)")
