@@ -558,3 +558,39 @@ async def test_an_operator_is_named_by_the_server_not_by_what_they_say(stack: St
 async def _refused(stack: Stack, user: str, subject: str) -> bool | None:
     said = [e.lower() for e in stack.errors[user]]
     return True if any(subject.lower() in e and "permissions violation" in e for e in said) else None
+
+
+async def test_only_the_engine_reaches_the_command_queues_enqueue_unmarked(stack: Stack) -> None:
+    """Issue 22 gap 6, the deployed half: the command queue takes a command naming a workflow
+    only from the engine, and judges it from what nats-server says. An operator's enqueue comes
+    through OPS's import, stamped with Nats-Request-Info (whatever the sender wrote), which the
+    queue refuses; inside BC only the engine's user may publish an enqueue at all (bc-secrets
+    may ask live_with_ref, nothing more)."""
+    cmdq = await stack.connect("command-queue")
+    seen: dict[str, list[dict[str, str]]] = {}
+
+    async def respond(msg: Msg) -> None:
+        seen.setdefault(msg.subject, []).append(dict(msg.headers or {}))
+        await msg.respond(b"{}")
+
+    await cmdq.subscribe("bc.api.command-queue.>", queue="command-queue", cb=respond)
+    await cmdq.flush()
+    enqueue = "bc.api.command-queue.commands.enqueue"
+    engine = await stack.connect("engine")
+    await eventually("the engine's enqueue", lambda: engine.request(enqueue, b"{}", timeout=1))
+    assert requester(seen[enqueue][-1]).imported is False  # the engine's: taken
+    alice = await stack.connect("alice")
+    unstamped = {"Bc-Actor": "service:bc-engine"}  # says it is the engine, writes no Nats-Request-Info
+    await eventually("alice's enqueue", lambda: alice.request(enqueue, b"{}", headers=unstamped, timeout=1))
+    assert requester(seen[enqueue][-1]).imported is True  # stamped by the server: refused
+    assert json.loads(seen[enqueue][-1]["Nats-Request-Info"])["acc"] == "OPS"
+
+    secrets_svc = await stack.connect("secrets")
+    live = "bc.api.command-queue.commands.live_with_ref"
+    await eventually("secrets asks live_with_ref", lambda: secrets_svc.request(live, b"{}", timeout=1))
+    before = len(seen[enqueue])
+    await secrets_svc.publish(enqueue, b"{}")
+    await secrets_svc.flush()
+    await eventually("the refusal", lambda: _refused(stack, "secrets", enqueue))
+    await engine.request(enqueue, b"{}", timeout=5)  # a marker after it: it arrives alone
+    assert len(seen[enqueue]) == before + 1
