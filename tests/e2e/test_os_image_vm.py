@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ctypes
 import functools
 import hashlib
 import http.server
 import json
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -45,6 +43,7 @@ from better_compute.runtime.ramdisk import default_cache_dir
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.machines import DiskSpec, RecordingRunner, prepare_machine
+from better_compute.testing.ramdisk import die_with_parent, kvm_works, qemu_accel
 from better_compute.wire.cmdq import EnqueueCommand
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(1800)]
@@ -59,25 +58,11 @@ TOKEN = re.compile(r"bcjt_[A-Za-z0-9_-]{43}")
 LAUNCHER = b'#!/bin/sh\nexec /opt/bcd/bcd "$@"\n'
 
 
-def die_with_parent() -> None:
-    """For ``preexec_fn``: the VM gets SIGKILL when the test process dies (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def kvm_works() -> bool:
-    """KVM only where /dev/kvm opens and the CPU shows virtualisation: in a nested guest without
-    it, syslinux's real-mode code stops with a KVM emulation failure."""
-    try:
-        with open("/dev/kvm", "rb"):
-            pass
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " vmx" in flags or " svm" in flags
-
-
 class VM:
-    """QEMU booting its virtio disk file (no -kernel: the BIOS, syslinux's MBR, the disk)."""
+    """QEMU booting its virtio disk file (no -kernel: the BIOS, syslinux's MBR, the disk); the
+    ramdisk's ``RamdiskVM`` boots a kernel and initramfs instead. KVM only where the CPU shows
+    vmx/svm (``qemu_accel``): here /dev/kvm opens but syslinux's real-mode code stops with a KVM
+    emulation failure."""
 
     def __init__(self, folder: Path, disk: Path) -> None:
         self.folder, self.disk = folder, disk
@@ -90,8 +75,7 @@ class VM:
 
     def start(self) -> None:
         self.boots += 1
-        accel = ["-enable-kvm"] if kvm_works() else ["-accel", "tcg"]
-        argv = ["qemu-system-x86_64", *accel, "-m", "1024", "-smp", "2", "-display", "none",
+        argv = ["qemu-system-x86_64", *qemu_accel(), "-m", "1024", "-smp", "2", "-display", "none",
                 "-monitor", "none", "-serial", f"file:{self.console}", "-no-reboot",
                 "-drive", f"file={self.disk},if=virtio,format=raw",
                 "-netdev", "user,id=n0", "-device", "virtio-net-pci,netdev=n0,mac=52:54:00:7e:57:01",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import http.server
+import json
 import os
 import shutil
 import struct
@@ -17,14 +18,16 @@ from typing import Any
 import pytest
 import zstandard
 
+from bcd.configdrive import ConfigDrive
 from bcd.converger import Converger
 from bcd.daemon import detect_mode, node_handlers
 from bcd.disks import MIB, signatures, wipe
 from bcd.hardware import boot_disk, boot_disks, claims, inventory
 from bcd.image import image_write
 from bcd.system import Machine
-from better_compute.agent import CommandRejected
+from better_compute.agent import Command, CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id
 from better_compute.testing.machines import DiskSpec, RecordingRunner, RunAnswer, prepare_machine
 
 pytestmark = pytest.mark.unit
@@ -299,3 +302,51 @@ def test_the_ramdisk_serves_disks_and_the_installed_os_the_converger(tmp_path: P
     with pytest.raises(BcError) as info:
         detect_mode(m, "rescue")
     assert info.value.path == "mode"
+
+
+def test_user_data_goes_on_a_config_drive_and_a_drive_that_cannot_be_added_leaves_no_bootable_disk(
+    tmp_path: Path, cache: tuple[Path, str]
+) -> None:
+    folder, base = cache
+    m = machine(
+        tmp_path, disks=(DiskSpec("vda", size=8 << 20), DiskSpec("vdb", size=16 << 20)), root_disk="vda"
+    )
+    drive = ConfigDrive(user_data=b"#cloud-config\n{}\n", node_id="node_01J0000000000000000000000A")
+    raw = _image(2 * MIB)  # a boot sector and an empty MBR: the drive takes slot 1
+    (folder / "mbr.img").write_bytes(raw)
+    got = image_write(m, url=f"{base}/mbr.img", sha256=hashlib.sha256(raw).hexdigest(), config_drive=drive)
+    assert got["configDrive"]["partition"] == 1
+    assert got["configDrive"]["offset"] == 2 * MIB
+    assert "cloud-config" not in json.dumps(got)  # where it went, never what it holds
+    bare = bytes(range(256)) * (8 * 1024)  # no partition table at all
+    (folder / "bare.img").write_bytes(bare)
+    with pytest.raises(BcError) as info:
+        image_write(m, url=f"{base}/bare.img", sha256=hashlib.sha256(bare).hexdigest(), config_drive=drive)
+    assert (info.value.code, info.value.details["reason"]) == (ErrorCode.DRIVER_ERROR, "no-partition-table")
+    assert "left not bootable" in info.value.message
+    assert (m.root / "dev/vdb").read_bytes()[:MIB] == bytes(MIB)
+
+
+async def test_a_refused_user_data_fetch_leaves_the_disk_as_it_was(tmp_path: Path) -> None:
+    m = machine(
+        tmp_path, disks=(DiskSpec("vda", size=8 << 20), DiskSpec("vdb", size=8 << 20)), root_disk="vda"
+    )
+    before = os.urandom(4096)
+    (m.root / "dev/vdb").write_bytes(before + bytes((8 << 20) - 4096))
+    fetched: list[str] = []
+
+    async def refuse(ref: str) -> bytes:
+        fetched.append(ref)
+        raise BcError(ErrorCode.PERMISSION_DENIED, "no live command for this agent carries this reference")
+
+    handler = node_handlers(m, "ramdisk", fetch_secret=refuse, node_id="node_01J0000000000000000000000A")
+    ref = new_id("sec")
+    cmd = Command(id="cmd_1", kind="node.imageWrite", node_id="node_01J0000000000000000000000A", site_id="s",
+                  key="k", destructive=True, not_after=0.0, batch_id=None, workflow_id=None, step=None,
+                  payload={"url": "http://127.0.0.1:9/never", "sha256": "0" * 64, "userDataRef": ref},
+                  _agent=None)  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(BcError) as info:
+        await handler["node.imageWrite"](cmd)
+    assert info.value.code is ErrorCode.PERMISSION_DENIED
+    assert fetched == [ref]
+    assert (m.root / "dev/vdb").read_bytes()[:4096] == before  # nothing written: fetched first

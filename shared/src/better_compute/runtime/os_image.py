@@ -32,6 +32,7 @@ from typing import Any, Final
 
 from ..core.errors import BcError, ErrorCode
 from .os_image_init import CLOUD_INIT, CURL, JSON_AWK, OS_INIT, STATE_LABEL, SYSLINUX_CFG
+from .ramdisk import prepare_parts, ramdisk_tree, write_cpio
 
 __all__ = ["DEFAULT_OS_CMDLINE", "MBR_BIN", "OsImage", "build_os_image", "disk_image", "os_image_extra"]
 
@@ -162,8 +163,6 @@ def build_os_image(
     Raises:
         BcError: as ``ramdisk.prepare_parts`` and ``disk_image``.
     """
-    from .ramdisk import prepare_parts, ramdisk_tree, write_cpio
-
     started = time.monotonic()
     parts = prepare_parts(cache_dir=cache_dir, say=say)
     out_dir.mkdir(parents=True, exist_ok=True)

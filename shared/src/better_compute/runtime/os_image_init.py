@@ -223,10 +223,6 @@ mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 mount -t tmpfs -o mode=0755 tmpfs /run
 exec </dev/console >/dev/console 2>&1
 echo "bc-os: $(cat /etc/bc-ramdisk/release) on $(uname -r)"
-# a deployment whose NATS subjects are not under "bc" says so on the kernel line (its image's)
-for arg in $(cat /proc/cmdline); do
-    case "$arg" in bcd.subject_root=*) export BC_SUBJECT_ROOT="${arg#bcd.subject_root=}" ;; esac
-done
 # drivers by modalias as the ramdisk loads them (runtime.ramdisk_init): twice, for the devices
 # the first drivers bring (the virtio disk and NIC behind virtio_pci)
 for pass in 1 2; do
