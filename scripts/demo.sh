@@ -24,6 +24,11 @@ cleanup() {
   if [ "${KEEP:-0}" != "1" ]; then
     step "bcx dev down   (the simulator and its site agent too)"
     bcx dev down || true
+  else
+    step "KEEP=1: the stack goes on running. In this folder:"
+    echo "  export BC_STATE_DIR=$BC_STATE_DIR   # bcx finds the kept stack through it"
+    echo "  uv run bcx status; uv run bcx nodes list --site $SITE; uv run bcx sim status"
+    echo "  uv run bcx dev down                   # stops all of it (the simulator and its site agent too)"
   fi
 }
 trap cleanup EXIT

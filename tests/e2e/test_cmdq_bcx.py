@@ -63,7 +63,8 @@ async def test_bcx_drives_commands_agents_and_the_batch_quorum(
         s, "batches", "approve", batch["id"], "--approver", "bob", "--key-file", str(tmp_path / "alice.pem")
     )
     assert wrong.returncode == 1
-    assert "UNAUTHENTICATED" in wrong.stderr
+    # the usual error line: error: CODE: message (at path), as every other command prints it
+    assert wrong.stderr.startswith("error: UNAUTHENTICATED: "), wrong.stderr
     first = await bcx(
         s, "batches", "approve", batch["id"], "--approver", "alice", "--key-file", str(tmp_path / "alice.pem")
     )

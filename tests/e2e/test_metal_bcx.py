@@ -78,6 +78,26 @@ async def test_enroll_reads_the_credential_from_a_file_and_never_echoes_it(
     shown = await bcx(settings, "nodes", "show", node[1])
     assert "state       enrolled" in shown.stdout
     assert "bmc         redfish https://10.9.8.7:8443 /redfish/v1/Systems/1" in shown.stdout
+
+    # a wrong password is fixed in place: a new credential for the same BMC, then a new BMC
+    creds.write_text(json.dumps({"username": "admin", "password": PASSWORD + "-2"}))
+    fixed = await bcx(settings, "nodes", "update", node[1], "--bmc-credentials-file", str(creds))
+    assert fixed.returncode == 0, fixed.stderr
+    assert PASSWORD not in fixed.stdout + fixed.stderr
+    doc = await ok_json(settings, "nodes", "get", node[1])
+    assert doc["bmc"]["address"] == "https://10.9.8.7:8443"  # the same BMC
+    assert doc["bmc"]["systemId"] == "/redfish/v1/Systems/1"
+    assert doc["bmc"]["credentialsRef"] != ref
+    got = json.loads(await SecretsClient(bc_api).get(ref=doc["bmc"]["credentialsRef"]))
+    assert got["password"] == PASSWORD + "-2"
+    moved = await bcx(settings, "nodes", "update", node[1], "--bmc", "ipmi://10.9.8.8:623",
+                      "--bmc-credentials-file", str(creds))  # fmt: skip
+    assert moved.returncode == 0, moved.stderr
+    assert re.search(r"bmc ipmi 10\.9\.8\.8:623 \(sec_\w+\)", moved.stdout), moved.stdout
+    assert (await ok_json(settings, "nodes", "get", node[1]))["bmc"]["driver"] == "ipmi"
+    nothing = await bcx(settings, "nodes", "update", node[1])
+    assert nothing.returncode == 1
+    assert "INVALID_INPUT" in nothing.stderr
     # a credential inside the URL is refused, and not repeated back either
     inline = f"redfish://admin:{PASSWORD}@10.0.0.1"
     bad = await bcx(settings, "nodes", "enroll", "--site", "lab1", "--bmc", inline)

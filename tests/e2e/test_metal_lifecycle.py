@@ -214,7 +214,7 @@ async def test_a_failed_workflow_fails_the_node_naming_the_step(metal: tuple[Met
     assert (aborted["workflowState"], aborted["step"], aborted["message"]) == (
         "aborted",
         "test.waitFlag",
-        "changed my mind",
+        "aborted by an operator: changed my mind",
     )
 
 

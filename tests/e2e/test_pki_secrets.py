@@ -205,7 +205,7 @@ async def test_bcx_manages_tokens_certs_and_secrets_and_shows_values_only_when_a
     assert out.returncode == 0, out.stderr
     assert "revoked" in out.stdout
     assert run_bcx(s, "certs", "list").stdout.strip() == "no certificates"
-    everything = run_bcx(s, "certs", "list", "--all")
+    everything = run_bcx(s, "certs", "list", "--include-revoked")
     assert joined.cert_id in everything.stdout
     assert "revoked" in everything.stdout
     out = run_bcx(s, "tokens", "revoke", token_id, "--json")

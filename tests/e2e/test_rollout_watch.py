@@ -124,3 +124,41 @@ async def test_the_watch_follows_each_node_to_its_end_and_sums_up_naming_the_fai
     assert all(row[-1] == "-" for row in table.values())  # no failed step
     assert lines[-1].startswith("2 nodes in ")
     assert lines[-1].endswith(": 2 inspected")
+
+
+@pytest.mark.timeout(180)
+async def test_a_single_nodes_verb_waits_or_watches_and_a_timeout_still_sums_up(
+    settings: Settings, bc_api: ApiClient
+) -> None:
+    ids = []
+    for _ in range(2):
+        node = await bc_api.call(
+            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "3"}, "bmc": BMC}
+        )
+        ids.append(node["id"])
+    # --wait: the start line, then only the summary once the node rests
+    got = await bcx(settings, "inspect", ids[0], "--wait", "--timeout", "60", timeout=90)
+    assert got.returncode == 0, got.stdout + got.stderr
+    lines = got.stdout.splitlines()
+    assert lines[0].startswith(f"{ids[0]} inspecting: workflow wf_")
+    head = next(i for i, line in enumerate(lines) if line.startswith("NODE") and "FINAL STATE" in line)
+    assert head == 1  # no progress lines with --wait
+    assert lines[head + 1].split()[:2] == [ids[0], "inspected"]
+    assert lines[-1].endswith(": 1 inspected")
+    # --watch --json: the start, each change, the summary
+    got = await bcx(settings, "inspect", ids[0], "--watch", "--json", "--timeout", "60", timeout=90)
+    assert got.returncode == 0, got.stdout + got.stderr
+    events = [json.loads(line) for line in got.stdout.splitlines()]
+    assert events[0]["nodeId"] == ids[0]
+    assert events[-1]["counts"] == {"inspected": 1}
+    # a verb that does not end in time: the summary says where it stands, then TIMEOUT, exit 1
+    got = await bcx(
+        settings, "inspect", ids[1], "--profile", "t.hold", "--wait", "--timeout", "2", timeout=60
+    )
+    assert got.returncode == 1
+    lines = got.stdout.splitlines()
+    assert lines[-2].split()[:2] == [ids[1], "inspecting"]
+    assert lines[-1].endswith(": 1 inspecting")
+    assert got.stderr.startswith("error: TIMEOUT: the rollout did not end in 2s: 1 of 1 still moving"), (
+        got.stderr
+    )

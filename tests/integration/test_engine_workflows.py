@@ -234,6 +234,8 @@ async def test_a_bc_error_fails_the_step_with_its_code_and_retry_runs_a_new_atte
     with pytest.raises(BcError) as e:
         await engine_api.resume_workflow(id=wf.id)
     assert (e.value.code, e.value.reason) == (ErrorCode.INVALID_STATE, "workflow-failed")
+    instead = f"retry runs a failed workflow's failed step again (bcx workflows retry {wf.id})"
+    assert e.value.message.endswith(instead)
 
     await flag(db, "fixed")
     await engine_api.retry_workflow(id=wf.id)
@@ -263,13 +265,15 @@ async def test_abort_then_resume(engine: EngineService, bc_api: ApiClient, db: a
     aborted = await engine_api.abort_workflow(id=wf.id, reason="operator said so")
     assert aborted.state == "aborted"
     assert [s.state for s in aborted.steps] == ["cancelled", "pending"]
-    assert aborted.error["message"] == "operator said so"
+    assert aborted.error["message"] == "aborted by an operator: operator said so"
     with pytest.raises(BcError) as e:
         await engine_api.abort_workflow(id=wf.id)
     assert e.value.reason == "workflow-aborted"
     with pytest.raises(BcError) as e:
         await engine_api.retry_workflow(id=wf.id)
     assert e.value.code is ErrorCode.INVALID_STATE
+    # the operator meant resume: the error says so, with the command
+    assert e.value.message.endswith(f"resume carries on an aborted workflow (bcx workflows resume {wf.id})")
 
     await flag(db, "later")
     resumed = await engine_api.resume_workflow(id=wf.id)

@@ -86,3 +86,62 @@ def test_a_failed_start_names_the_log_and_shows_its_end_without_passwords(tmp_pa
     assert "line 20" in said
     assert "postgresql://127.0.0.1:5499/bc" in said
     assert "hunter2" not in said
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["nodes", "list", "--bogus"], "bcx nodes list"),
+        (["workflows", "retry", "wf_1", "--nope"], "bcx workflows retry"),
+        (["status", "extra"], "bcx status"),
+    ],
+)
+def test_an_unknown_argument_is_reported_with_the_subcommands_own_usage(
+    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from better_compute.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {usage} ")
+    assert f"{usage}: error: unrecognized arguments: {argv[-1]}" in err
+
+
+def test_every_flag_and_argument_of_every_command_has_help_text() -> None:
+    import argparse
+
+    from better_compute.cli.main import _subparsers
+
+    parser = build_parser()
+    missing = [
+        f"{p.prog} {a.option_strings or a.dest}"
+        for p in [parser, *_subparsers(parser)]
+        for a in p._actions  # argparse offers no public walk of its tree
+        if a.help is None and not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+    ]
+    assert missing == []
+
+
+def test_a_yaml_profile_reads_as_its_author_means_it(tmp_path: Path) -> None:
+    from better_compute.cli.common import read_document
+    from better_compute.core.errors import BcError
+
+    doc = tmp_path / "p.yaml"
+    doc.write_text(
+        "id: acme.reboot\nversion: 1\ntarget: metal\nsteps:\n"
+        "  - use: power.setPower\n    on: site\n    with: {action: off}\n"
+        "  - use: power.setPower\n    with: {action: on, force: true}\n"
+        "released: 2026-01-02\n"
+    )
+    got = read_document(str(doc))
+    # YAML 1.2: `off`, `on` and keys named `on` stay strings; only true/false are booleans
+    assert got["steps"][0] == {"use": "power.setPower", "on": "site", "with": {"action": "off"}}
+    assert got["steps"][1]["with"] == {"action": "on", "force": True}
+    assert got["released"] == "2026-01-02"
+    bad = tmp_path / "bad.yml"
+    bad.write_text("steps: [\n")
+    with pytest.raises(BcError) as e:
+        read_document(str(bad))
+    assert (e.value.code.value, e.value.path) == ("INVALID_INPUT", "file")

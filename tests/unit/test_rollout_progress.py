@@ -4,13 +4,22 @@ shows, and the summary's durations and failed steps, from node reads and step ev
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
+import msgspec
 import pytest
 
 from better_compute.cli.rollout import Progress, _Plain, final_states
 from better_compute.core.errors import BcError
-from better_compute.wire.engine import CurrentStep, CurrentWorkflow, NodeView, StepChange, StepChanged
+from better_compute.wire.engine import (
+    CurrentStep,
+    CurrentWorkflow,
+    NodeChanged,
+    NodeView,
+    StepChange,
+    StepChanged,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -95,3 +104,47 @@ def test_plain_lines_show_each_change_and_the_counts_when_they_change() -> None:
     lines = out.getvalue().splitlines()
     assert lines[0].split() == ["2.0s", "a", "deploying", "1", "media.insert"]
     assert lines[1].strip() == "ready 1, deploying 1"  # in lifecycle order
+
+
+def test_a_state_the_events_say_a_node_passed_through_is_shown_though_the_read_finds_it_past_it() -> None:
+    """The race of the e2e watch test: the engine moved the node to inspecting and on to inspected
+    before the watch read it. The event carried ``inspecting``; the watch shows it, then the read,
+    and a late event never moves the node back."""
+    p = Progress([node("n1", "enrolled", wf=None)], final_states("inspect"), started=0.0)
+    out = io.StringIO()
+    view = _Plain(out, as_json=True)
+    passing = NodeChanged(
+        node_id="n1", state="inspecting", workflow_id="wf_9", generation=1, observed_generation=1,
+        power_state=None,
+    )  # fmt: skip
+    assert p.apply_passing(passing, 1.0)
+    view.show(p, ["n1"], 1.0)
+    assert p.apply_node(node("n1", "inspected", wf="wf_9"), (1.0, 2.0), 2.0)
+    view.show(p, ["n1"], 2.0)
+    assert [json.loads(line)["state"] for line in out.getvalue().splitlines()] == ["inspecting", "inspected"]
+    assert not p.apply_passing(passing, 3.0)  # late: the read already put it at its end
+    assert p.rows["n1"].state == "inspected"
+    assert p.summary(5.0)[0]["seconds"] == 1.0
+    # the next verb's workflow is new: its running state shows again
+    again = msgspec.structs.replace(passing, workflow_id="wf_10")
+    assert p.apply_passing(again, 6.0)
+    assert p.rows["n1"].state == "inspecting"
+
+
+def test_the_line_says_what_the_step_waits_for_as_why_does() -> None:
+    p = Progress([node("n1", "ready", wf=None)], final_states("inspect"), started=0.0)
+    waits = {"reason": "step-not-ready", "message": "no agent at site lab1 (last seen 12s ago)"}
+    assert p.apply_node(
+        node("n1", "inspecting", step=(1, "wait.agentJoined"), waiting=waits), (0.0, None), 1.0
+    )
+    assert p.rows["n1"].step == "1 wait.agentJoined (waits: no agent at site lab1 (last seen 12s ago))"
+    same = StepChanged(
+        workflow_id="wf_1", node_id="n1", workflow_state="running", at=2.0,
+        step=StepChange(index=1, action="wait.agentJoined", state="running", attempt=1),
+    )  # fmt: skip
+    assert not p.apply_step(same)  # the same step: the reason stays on the line
+    away = {"reason": "service-unavailable", "service": "pki", "code": "UNAVAILABLE", "tries": 4}
+    assert p.apply_node(
+        node("n1", "inspecting", step=(1, "wait.agentJoined"), waiting=away), (0.0, None), 3.0
+    )
+    assert p.rows["n1"].step == "1 wait.agentJoined (waits: pki unavailable (4 tries))"

@@ -62,7 +62,8 @@ class NodesApi:
         after = decode_cursor(body.cursor, str)
         rows = await self.db.fetch(
             store.LIST_NODES,
-            body.site_id, body.tenant_id, after[0] if after else None, body.limit + 1,
+            body.site_id, body.tenant_id, after[0] if after else None, body.limit + 1, body.state,
+            json.dumps(body.labels) if body.labels else None,
         )  # fmt: skip
         docs, next_ = take_page(
             [node_doc(r) for r in rows], limit=body.limit, key=lambda d: (d.id,), budget=req.page_budget

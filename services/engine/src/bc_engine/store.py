@@ -320,6 +320,7 @@ MAC_TAKEN = "SELECT id, macs FROM nodes WHERE macs && $1::text[] AND id IS DISTI
 LIST_NODES = (
     "SELECT * FROM nodes WHERE ($1::text IS NULL OR site_id = $1)"
     " AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR id > $3)"
+    " AND ($5::text IS NULL OR state = $5) AND ($6::jsonb IS NULL OR labels @> $6::jsonb)"
     " ORDER BY id LIMIT $4"
 )
 LOCK_NODE = "SELECT id, state FROM nodes WHERE id = $1 FOR UPDATE"

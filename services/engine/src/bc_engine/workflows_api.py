@@ -28,6 +28,11 @@ from .resolve import Resolution, resolve_profile
 __all__ = ["WorkflowsApi"]
 
 Verb = Literal["abort", "retry", "resume"]
+_INSTEAD: dict[tuple[str, str], str] = {
+    ("retry", "aborted"): "resume carries on an aborted workflow",
+    ("resume", "failed"): "retry runs a failed workflow's failed step again",
+}
+"""The verb that does what the operator meant, for a verb refused in a state."""
 
 
 class WorkflowsApi:
@@ -219,9 +224,11 @@ class WorkflowsApi:
             if wf is None:
                 raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
             if wf["state"] not in allowed:
+                instead = _INSTEAD.get((verb, wf["state"]))
                 raise BcError(
                     ErrorCode.INVALID_STATE,
-                    f"cannot {verb} a workflow that is {wf['state']}",
+                    f"cannot {verb} a workflow that is {wf['state']}"
+                    + (f"; {instead} (bcx workflows {instead.split()[0]} {workflow_id})" if instead else ""),
                     {"reason": f"workflow-{wf['state']}", "path": "id"},
                 )
             if verb != "abort" and wf["node_id"] is not None:
@@ -249,7 +256,7 @@ class WorkflowsApi:
 
     async def workflows_abort(self, req: ApiRequest) -> m.WorkflowView:
         body = req.decode(m.WorkflowVerb)
-        reason = body.reason or "aborted by an operator"
+        reason = f"aborted by an operator: {body.reason}" if body.reason else "aborted by an operator"
 
         async def apply(conn: Any, wf: Any) -> None:
             # commands to cancel, or tokens and secrets the cancelled attempt minted to revoke

@@ -322,10 +322,10 @@ async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> i
                     await cq.approve_batch(batch_id=batch.id, approver_id=args.approver, signature=signature)
                 )
             except BcError as err:
-                if err.code is ErrorCode.UNAVAILABLE:
-                    raise
+                if err.code is ErrorCode.UNAVAILABLE or len(args.id) == 1:
+                    raise  # one batch: the usual error line, with its path and hint
                 errors.append({"id": batch_id, "code": err.code.value, "message": err.message})
-    if len(args.id) == 1 and not errors:
+    if len(args.id) == 1:
         _print_batch(approved[0], as_json=args.json)
     elif args.json:
         print_json({"batches": _json(approved), "errors": errors})
@@ -389,7 +389,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = csub.add_parser("list", parents=[common], help="commands, newest first")
     p.add_argument("--node", help="node id")
     p.add_argument("--workflow", help="workflow id")
-    p.add_argument("--state", choices=_STATES)
+    p.add_argument("--state", choices=_STATES, help="only commands in this state")
     p.add_argument("--kind", help="command kind (power.setPower)")
     p.add_argument("--site", help="site id")
     p.add_argument("--agent", help="agent id")
@@ -398,23 +398,27 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--before", dest="cursor", help=argparse.SUPPRESS)  # the name before --cursor
     p.set_defaults(func=cmd_commands_list)
     p = csub.add_parser("get", parents=[common], help="one command, with payload and result")
-    p.add_argument("id")
+    p.add_argument("id", help="command id (cmd_…)")
     p.set_defaults(func=cmd_commands_get)
     p = csub.add_parser("cancel", parents=[common], help="cancel a live command, or those under a key")
     p.add_argument("id", nargs="?", help="command id")
     p.add_argument("--key-prefix", help="every live command whose key starts so (wf:<id>:<step>)")
     p.add_argument("--node", help="with --key-prefix: only this node's")
-    p.add_argument("--reason", default="cancelled by an operator")
+    p.add_argument("--reason", default="cancelled by an operator", help="recorded with the cancel")
     p.set_defaults(func=cmd_commands_cancel)
 
     agents = sub.add_parser("agents", help="site agents and node agents")
     asub = agents.add_subparsers(dest="agents_command", required=True, metavar="COMMAND")
     p = asub.add_parser("list", parents=[common], help="agents, with presence and boot leases")
     p.add_argument("--site", help="site id")
-    p.add_argument("--role", choices=["site", "node", "provisioned", "discovery"])
+    p.add_argument("--role", choices=["site", "node", "provisioned", "discovery"], help="only this role")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--connected", action="store_const", const=True, dest="connected")
-    group.add_argument("--silent", action="store_const", const=False, dest="connected")
+    group.add_argument(
+        "--connected", action="store_const", const=True, dest="connected", help="only agents connected now"
+    )
+    group.add_argument(
+        "--silent", action="store_const", const=False, dest="connected", help="only agents not heard from"
+    )
     add_paging(p, default_limit=100)
     p.set_defaults(func=cmd_agents_list, connected=None)
 
@@ -430,12 +434,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--idempotency-key", help="asking again with it returns the same batch")
     p.set_defaults(func=cmd_batches_create)
     p = bsub.add_parser("list", parents=[common], help="batches, newest first")
-    p.add_argument("--workflow")
-    p.add_argument("--state", choices=["open", "approved", "expired"])
+    p.add_argument("--workflow", help="only the batch of this workflow")
+    p.add_argument("--state", choices=["open", "approved", "expired"], help="only batches in this state")
     add_paging(p, default_limit=50)
     p.set_defaults(func=cmd_batches_list)
     p = bsub.add_parser("get", parents=[common], help="one batch with its approvals")
-    p.add_argument("id")
+    p.add_argument("id", help="batch id (batch_…)")
     p.set_defaults(func=cmd_batches_get)
     p = bsub.add_parser("approve", parents=[common], help="sign a batch here with your key file")
     p.add_argument("id", nargs="+", help="one or more batch ids")

@@ -6,6 +6,7 @@ import argparse
 import getpass
 import json
 import os
+import re
 import socket
 import tomllib
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import yaml
 from nats.aio.client import Client as Nats
 
 from ..clients import EngineClient
@@ -102,22 +104,46 @@ def short(value: Any, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML as a profile author means it: ``true``/``false`` are the only booleans (YAML 1.2), so
+    ``action: off`` stays the string ``off`` (PyYAML's 1.1 rules made it False), and dates stay
+    strings."""
+
+
+_YAML11_ONLY = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML11_ONLY]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def load_yaml(text: str) -> Any:
+    """A YAML document by YAML 1.2's booleans (``_Yaml12Loader``)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: no object tags
+
+
 def read_document(path: str) -> dict[str, Any]:
-    """A JSON (``.json``) or TOML (``.toml``) document from a file, ``-`` for JSON on stdin."""
+    """A JSON (``.json``), TOML (``.toml``) or YAML (``.yaml``/``.yml``) document from a file;
+    ``-`` reads JSON or YAML from stdin."""
     try:
         if path == "-":
             import sys
 
-            data: Any = json.load(sys.stdin)
+            data: Any = load_yaml(sys.stdin.read())  # JSON is YAML
         elif path.endswith(".toml"):
             data = tomllib.loads(Path(path).read_text())
+        elif path.endswith((".yaml", ".yml")):
+            data = load_yaml(Path(path).read_text())
         else:
             data = json.loads(Path(path).read_text())
     except OSError as exc:
         raise BcError(
             ErrorCode.INVALID_INPUT, f"cannot read {path}: {exc.strerror}", {"path": "file"}
         ) from exc
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
+    except (ValueError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
         raise BcError(ErrorCode.INVALID_INPUT, f"{path} is not valid: {exc}", {"path": "file"}) from exc
     if not isinstance(data, dict):
         raise BcError(ErrorCode.INVALID_INPUT, f"{path} must hold one object", {"path": "file"})

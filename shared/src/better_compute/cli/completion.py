@@ -209,7 +209,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help='print a shell completion script: eval "$(bcx completion bash)"',
     )
-    p.add_argument("shell", choices=SHELLS)
+    p.add_argument("shell", choices=SHELLS, help="the shell to complete for")
 
     async def run(args: argparse.Namespace, settings: Settings) -> int:
         from .main import build_parser

@@ -422,14 +422,14 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", help="a context (default: what this run uses)")
     p.set_defaults(func=cmd_show)
     p = csub.add_parser("use", parents=[common], help="make a context the current one")
-    p.add_argument("name")
+    p.add_argument("name", help="the context's name")
     p.set_defaults(func=cmd_use)
     # Not the common flags: --nats-url, --creds, --tenant and --subject-root here are the
     # context's, not this run's (argparse's "resolve" would strip them from the shared parent).
     p = csub.add_parser("add", help="add a context (the first one added becomes current)")
     p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     p.add_argument("-o", "--output", choices=FORMATS, default=argparse.SUPPRESS, help="table, json or yaml")
-    p.add_argument("name")
+    p.add_argument("name", help="the context's name")
     p.add_argument("--nats-url", dest="context_nats_url", required=True, help="the deployment's NATS URL")
     p.add_argument("--creds", dest="context_creds", help="a NATS credentials file (its path is kept)")
     p.add_argument("--tenant", dest="context_tenant", help="the tenant commands use by default")
@@ -438,5 +438,5 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--replace", action="store_true", help="overwrite a context of that name")
     p.set_defaults(func=cmd_add)
     p = csub.add_parser("remove", parents=[common], help="remove a context")
-    p.add_argument("name")
+    p.add_argument("name", help="the context's name")
     p.set_defaults(func=cmd_remove)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..clients import EngineClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
+from ..metal.lifecycle import NODE_STATES, SELECTOR_SITE, parse_selector
 from ..wire.engine import NodeView
-from .common import add_tenant_flag, as_rows, engine_client, parse_labels, read_document, short
+from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels, read_document, short
+from .metal_commands import add_bmc_credential_flags, update_bmc
 from .output import print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 
@@ -36,20 +39,57 @@ async def nodes_create(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def nodes_list(args: argparse.Namespace, settings: Settings) -> int:
+    """Nodes by id, filtered on the server (site, state, labels); ``-o wide`` adds MACs, BMC,
+    image and workflow."""
+    selector = parse_selector(args.selector) if args.selector else {}
+    site = selector.pop(SELECTOR_SITE, None)
+    if args.site and site and args.site != site:
+        raise BcError(ErrorCode.INVALID_INPUT, "--site and the selector's site= differ", {"path": "selector"})
     async with engine_client(settings) as engine:
-        nodes, next_ = await collect_pages(engine.list_nodes, "nodes", args, site_id=args.site)
+        nodes, next_ = await collect_pages(
+            engine.list_nodes,
+            "nodes",
+            args,
+            site_id=args.site or site,
+            state=args.state,
+            labels=selector or None,
+        )
+    columns = NODE_COLUMNS + (WIDE_COLUMNS if getattr(args, "wide", False) else [])
     return show_page(
-        args, next_, key="nodes", found=nodes,
-        rows=[{**row, "labels": _label_text(n.labels)} for n, row in zip(nodes, as_rows(nodes), strict=True)],
-        columns=[("id", "NODE"), ("siteId", "SITE"), ("tenantId", "TENANT"), ("labels", "LABELS")],
-        empty="no nodes",
+        args, next_, key="nodes", found=nodes, rows=_node_rows(nodes), columns=columns, empty="no nodes",
     )  # fmt: skip
 
 
+NODE_COLUMNS = [
+    ("id", "NODE"), ("siteId", "SITE"), ("state", "STATE"), ("power", "POWER"), ("tenantId", "TENANT"),
+    ("labels", "LABELS"),
+]  # fmt: skip
+
+
+WIDE_COLUMNS = [("macs", "MACS"), ("bmcText", "BMC"), ("image", "IMAGE"), ("workflowId", "WORKFLOW")]
+
+
+def _node_rows(nodes: list[NodeView]) -> list[dict[str, Any]]:
+    return [
+        {
+            **row, "labels": _label_text(n.labels), "power": n.power_state or "unknown",
+            "macs": ",".join(n.macs) or "-",
+            "bmcText": f"{n.bmc['driver']} {n.bmc['address']}" if n.bmc else "-",
+            "image": n.image or "-", "workflowId": n.workflow_id or "-",
+        }
+        for n, row in zip(nodes, as_rows(nodes), strict=True)
+    ]  # fmt: skip
+
+
 async def nodes_get(args: argparse.Namespace, settings: Settings) -> int:
+    """One node: a table row as ``nodes list`` shows it (``--json``/``-o yaml``: the whole
+    document; ``nodes show`` describes it)."""
     async with engine_client(settings) as engine:
         node = await engine.get_node(id=args.id)
-    print_json(node)
+    if args.json:
+        print_json(node)
+    else:
+        print_table(_node_rows([node]), NODE_COLUMNS)
     return 0
 
 
@@ -61,12 +101,26 @@ def _print_node(node: NodeView, *, as_json: bool) -> None:
 
 
 async def nodes_update(args: argparse.Namespace, settings: Settings) -> int:
+    """A node's site, labels or BMC (``--bmc URL``, or a new credential for its BMC)."""
     labels = parse_labels(args.label) if args.label is not None or args.no_labels else None
-    if args.site is None and labels is None:
-        raise BcError(ErrorCode.INVALID_INPUT, "give --site, --label or --no-labels", {"path": "site"})
-    async with engine_client(settings) as engine:
-        node = await engine.update_node(id=args.id, site_id=args.site, labels=labels)
+    bmc_given = any(
+        (args.bmc, args.bmc_credentials_file, args.bmc_user, args.bmc_insecure)
+    )  # fmt: skip
+    if args.site is None and labels is None and not bmc_given:
+        raise BcError(
+            ErrorCode.INVALID_INPUT, "give --site, --label, --no-labels, --bmc or --bmc-credentials-file",
+            {"path": "site"},
+        )  # fmt: skip
+    async with api_client(settings) as api:
+        engine = EngineClient(api)
+        bmc = None
+        if bmc_given:
+            bmc = await update_bmc(api, args, await engine.get_node(id=args.id))
+        node = await engine.update_node(id=args.id, site_id=args.site, labels=labels, bmc=bmc)
     _print_node(node, as_json=args.json)
+    if not args.json and bmc is not None and node.bmc:
+        ref = node.bmc.get("credentialsRef") or "no credential"
+        print(f"  bmc {node.bmc['driver']} {node.bmc['address']} ({ref})")
     return 0
 
 
@@ -217,24 +271,30 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     p.add_argument("--label", action="append", help="key=value, repeatable")
     p.set_defaults(func=nodes_create)
     p = nodes.add_parser("list", parents=[common], help="list nodes")
-    p.add_argument("--site")
+    p.add_argument("--site", help="only nodes of this site")
+    p.add_argument("--state", choices=NODE_STATES, help="only nodes in this lifecycle state")
+    p.add_argument("-l", "--selector", help="site=lab1,rack=r12: the site and labels that must all match")
     add_paging(p, default_limit=100)
     p.set_defaults(func=nodes_list)
     p = nodes.add_parser("get", parents=[common], help="one node")
-    p.add_argument("id")
+    p.add_argument("id", help="node id")
     p.set_defaults(func=nodes_get)
     p = nodes.add_parser("update", parents=[common], help="change a node's site or replace its labels")
-    p.add_argument("id")
+    p.add_argument("id", help="node id")
     p.add_argument("--site", help="new site id (not while a workflow runs on the node)")
     p.add_argument("--label", action="append", help="key=value, repeatable: replaces every label")
     p.add_argument("--no-labels", action="store_true", help="remove every label")
+    p.add_argument(
+        "--bmc", help="a new BMC: redfish://host[:port]/redfish/v1/Systems/1, ipmi://host, sim://name"
+    )
+    add_bmc_credential_flags(p)
     p.set_defaults(func=nodes_update)
     p = nodes.add_parser("label", parents=[common], help="set (key=value) or remove (key-) labels")
-    p.add_argument("id")
+    p.add_argument("id", help="node id")
     p.add_argument("change", nargs="+", help="key=value sets, key- removes")
     p.set_defaults(func=nodes_label)
     p = nodes.add_parser("delete", parents=[common], help="forget a node (not while a workflow runs on it)")
-    p.add_argument("id")
+    p.add_argument("id", help="node id")
     p.set_defaults(func=nodes_delete)
 
     steps = sub.add_parser("steps", help="registered steps and driver operations").add_subparsers(
@@ -246,21 +306,21 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     profiles = sub.add_parser("profiles", help="versioned documents of steps").add_subparsers(
         dest="profiles_command", required=True, metavar="COMMAND"
     )
-    p = profiles.add_parser("create", parents=[common, tenant], help="store a profile (JSON or TOML file)")
-    p.add_argument("file")
+    p = profiles.add_parser("create", parents=[common, tenant], help="store a profile (JSON, YAML, TOML)")
+    p.add_argument("file", help="the profile document (.json, .yaml, .toml; - for stdin)")
     p.add_argument("--public", action="store_true", help="visible to every tenant")
     p.add_argument("--replace", action="store_true", help="replace a version no workflow has used")
     p.set_defaults(func=profiles_create)
     p = profiles.add_parser("get", parents=[common, tenant], help="one profile, as the lookup finds it")
-    p.add_argument("id")
-    p.add_argument("--version", type=int)
+    p.add_argument("id", help="profile id")
+    p.add_argument("--version", type=int, help="this version (default: the newest)")
     p.set_defaults(func=profiles_get)
     p = profiles.add_parser("list", parents=[common, tenant], help="profiles a tenant can use")
     add_paging(p, default_limit=100)
     p.set_defaults(func=profiles_list)
     p = profiles.add_parser("delete", parents=[common, tenant], help="delete a version no workflow used")
-    p.add_argument("id")
-    p.add_argument("--version", type=int, required=True)
+    p.add_argument("id", help="profile id")
+    p.add_argument("--version", type=int, required=True, help="the version to delete")
     p.set_defaults(func=profiles_delete)
     for name, fn, what in (
         ("validate", profiles_validate, "every unresolved use and rejected with, with its path"),
@@ -268,7 +328,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     ):
         p = profiles.add_parser(name, parents=[common, tenant], help=what)
         p.add_argument("file", nargs="?", help="a profile document (or --id for a stored one)")
-        p.add_argument("--id")
-        p.add_argument("--version", type=int)
+        p.add_argument("--id", help="a stored profile instead of a file")
+        p.add_argument("--version", type=int, help="with --id: this version (default: the newest)")
         p.set_defaults(func=fn)
     return nodes

@@ -67,12 +67,14 @@ def register(
     p = ksub.add_parser(
         "rotate", parents=[common], help="put a new key on top of a service's key file (this machine)"
     )
-    p.add_argument("--service", required=True, choices=list(KEYED_SERVICES))
+    p.add_argument("--service", required=True, choices=list(KEYED_SERVICES), help="whose key to rotate")
     p.add_argument("--file", help="the key file (default: the service's key_file setting, else "
                    "<state_dir>/keys/<service>.key)")  # fmt: skip
     p.set_defaults(func=cmd_keys_rotate)
     p = ksub.add_parser(
         "rewrap", parents=[common], help="re-seal stored secrets under each service's current key"
     )
-    p.add_argument("--service", default="all", choices=[*KEYED_SERVICES, "all"])
+    p.add_argument(
+        "--service", default="all", choices=[*KEYED_SERVICES, "all"], help="whose rows (default all)"
+    )
     p.set_defaults(func=cmd_keys_rewrap)

@@ -236,7 +236,10 @@ def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     parser.add_argument(
         "--json", action="store_true", help="machine-readable output (--output json)", **given
     )
-    parser.add_argument("-o", "--output", choices=FORMATS, help="table (default), json or yaml", **given)
+    parser.add_argument(
+        "-o", "--output", choices=(*FORMATS, "wide"), help="table (default), wide (more columns), json, yaml",
+        **given,
+    )  # fmt: skip
     parser.add_argument(
         "--context", help="a bcx context (bcx context list) instead of the current one", **given
     )
@@ -260,11 +263,21 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
     return found
 
 
+class BcxParser(argparse.ArgumentParser):
+    """bcx's parsers (every subcommand's too: argparse makes subparsers of the parent's class).
+    Each records itself in the namespace, so the deepest one chosen reports an unknown argument
+    with its own usage (``bcx nodes list --bogus`` shows ``bcx nodes list``'s, not ``bcx``'s)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(_bcx_parser=self)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _global_flags(common, defaults=False)
 
-    parser = argparse.ArgumentParser(prog="bcx", description="Better Compute admin CLI")
+    parser: argparse.ArgumentParser = BcxParser(prog="bcx", description="Better Compute admin CLI")
     _global_flags(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -318,6 +331,8 @@ def resolve_output(args: argparse.Namespace) -> str:
     """``--output``, else ``json`` for ``--json``, else ``table``; sets ``args.json`` (any
     structured output) and the format ``print_json`` writes."""
     output = str(getattr(args, "output", None) or ("json" if getattr(args, "json", False) else "table"))
+    args.wide = output == "wide"  # a table with more columns, where a command has them
+    output = "table" if args.wide else output
     args.output = output
     args.json = output != "table"
     use_format(output)
@@ -351,7 +366,9 @@ def settings_for(args: argparse.Namespace, selection: contexts.Selection) -> Set
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "_bcx_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     resolve_output(args)
     site = site_of(getattr(args, "site", None), getattr(args, "selector", None))
     hint = HintContext(command=command_words(args), site=site)

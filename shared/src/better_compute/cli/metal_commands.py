@@ -32,7 +32,7 @@ from .output import json_line, print_json, print_table
 from .rollout import watch_nodes
 from .why_commands import why_line
 
-__all__ = ["read_credentials", "register"]
+__all__ = ["add_bmc_credential_flags", "read_credentials", "register", "update_bmc"]
 
 
 def add_bmc_credential_flags(p: argparse.ArgumentParser) -> None:
@@ -100,6 +100,36 @@ def _node_bmc(bmc: dict[str, object], credentials_ref: str | None) -> NodeBmc:
         return convert({**bmc, "credentialsRef": credentials_ref}, NodeBmc)
     except BcError as err:
         raise err.with_path_prefix("bmc") from err
+
+
+async def update_bmc(api: Any, args: argparse.Namespace, node: NodeView) -> NodeBmc | None:
+    """``nodes update``'s new BMC: ``--bmc URL`` (a new address, and a credential read as enroll
+    reads it), or only a new credential for the BMC the node has (``--bmc-credentials-file`` /
+    ``--bmc-user``). The credential goes to bc-secrets as the node's; the node keeps only its
+    reference. None when neither was given."""
+    new_credential = args.bmc_credentials_file is not None or args.bmc_user is not None
+    if args.bmc is None and not new_credential and not args.bmc_insecure:
+        return None
+    if args.bmc is not None:
+        bmc: dict[str, object] = parse_bmc_url(args.bmc)
+        ref: Any = None
+    elif node.bmc is None:
+        raise BcError(ErrorCode.INVALID_INPUT, f"node {node.id} has no BMC: give --bmc", {"path": "bmc"})
+    else:
+        bmc = {k: v for k, v in node.bmc.items() if k != "credentialsRef"}
+        ref = node.bmc.get("credentialsRef")
+    if args.bmc_insecure:
+        bmc["insecure"] = True
+    _node_bmc(bmc, None)  # a bad BMC is refused before a credential is stored for it
+    if bmc["driver"] != "sim" and (args.bmc is not None or new_credential):
+        interactive = not args.no_prompt and sys.stdin.isatty()
+        credential = read_credentials(args.bmc_credentials_file, user=args.bmc_user, interactive=interactive)
+        if credential is not None:
+            info = await SecretsClient(api).put_for_node(
+                credential, tenant_id=node.tenant_id, node_id=node.id, label="bmc"
+            )
+            ref = info.ref
+    return _node_bmc(bmc, ref)
 
 
 async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
@@ -229,16 +259,26 @@ def _verb_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_verb(args: argparse.Namespace, settings: Settings) -> int:
+    """One node's verb; with ``--watch`` its live progress, with ``--wait`` only its end (both
+    then a summary, exit 1 when it failed or the ``--timeout`` passed)."""
     async with engine_client(settings) as engine:
+        t0 = time.time()
         got = await engine.run_verb(cast(VerbName, args.verb), node_id=args.node, **_verb_options(args))
-    if args.json:
-        print_json(got)
-        return 0
-    profile = f"{got.profile.id}@{got.profile.version}"
-    print(f"{got.node_id} {got.state}: workflow {got.workflow_id} ({profile})")
-    if got.batch_id:
-        print(f"  destructive commands wait for the approvals of batch {got.batch_id}")
-    return 0
+        if args.json:
+            print(json_line(got), flush=True)
+        else:
+            profile = f"{got.profile.id}@{got.profile.version}"
+            print(f"{got.node_id} {got.state}: workflow {got.workflow_id} ({profile})")
+            if got.batch_id:
+                print(f"  destructive commands wait for the approvals of batch {got.batch_id}")
+            sys.stdout.flush()
+        if not (args.watch or args.wait):
+            return 0
+        node = await engine.get_node(id=got.node_id)
+        return await watch_nodes(
+            engine, [node], verb=args.verb, as_json=args.json, started=t0, timeout=args.timeout,
+            title=f"{args.verb} · {got.node_id}", live=args.watch,
+        )  # fmt: skip
 
 
 async def run_bulk(args: argparse.Namespace, settings: Settings) -> int:
@@ -298,7 +338,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     add_bmc_credential_flags(p)
     p.set_defaults(func=nodes_enroll)
     p = nodes.add_parser("show", parents=[common], help="state, power, inventory, host section, workflow")
-    p.add_argument("id")
+    p.add_argument("id", help="node id")
     p.set_defaults(func=nodes_show)
 
     helps = {
@@ -313,9 +353,17 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
         p = sub.add_parser(verb, parents=[common], help=helps[verb])
         p.add_argument("node", help="node id")
         _verb_flags(p, verb)
+        until = p.add_mutually_exclusive_group()
+        until.add_argument(
+            "--watch", action="store_true", help="live progress until the node rests, then a summary"
+        )
+        until.add_argument("--wait", action="store_true", help="wait until the node rests, then a summary")
+        p.add_argument(
+            "--timeout", type=float, help="with --watch or --wait: give up after this many seconds"
+        )
         p.set_defaults(func=run_verb, verb=verb)
     p = sub.add_parser("bulk", parents=[common], help="one verb over many nodes, under one batch")
-    p.add_argument("verb", choices=list(VERBS))
+    p.add_argument("verb", choices=list(VERBS), help="the lifecycle verb to run on every node")
     p.add_argument("--selector", help="site=lab1,rack=r12: site and labels that must all match")
     p.add_argument("--node", action="append", help="node id, repeatable (instead of --selector)")
     _verb_flags(p, "deploy")

@@ -35,16 +35,15 @@ def _limit(text: str) -> int:
     return value
 
 
-def add_paging(parser: argparse.ArgumentParser, *, default_limit: int, short_all: bool = True) -> None:
+def add_paging(parser: argparse.ArgumentParser, *, default_limit: int) -> None:
     """``--limit N`` (a page), ``--cursor C`` (where a page starts), ``--all``/``--all-pages``
-    (every page; ``short_all=False`` where ``--all`` means something else)."""
+    (every page)."""
     parser.add_argument(
         "--limit", type=_limit, default=default_limit, help=f"items a page (default {default_limit})"
     )
     parser.add_argument("--cursor", help="start at this page (the 'more' of the page before)")
-    flags = ["--all", "--all-pages"] if short_all else ["--all-pages"]
     parser.add_argument(
-        *flags, dest="all_pages", action="store_true", help="follow the pages to the end of the list"
+        "--all", "--all-pages", dest="all_pages", action="store_true", help="every page, to the end"
     )
 
 

@@ -164,7 +164,7 @@ async def cmd_certs_list(args: argparse.Namespace, settings: Settings) -> int:
         certs, next_ = await collect_pages(
             PkiClient(api).certificates_page, "certificates", args,
             tenant_id=args.tenant, site_id=args.site, agent_id=args.agent,
-            join_token_id=args.token, include_revoked=args.all,
+            join_token_id=args.token, include_revoked=args.include_revoked,
         )  # fmt: skip
     return show_page(
         args, next_, key="certificates", found=msgspec.to_builtins(certs),
@@ -194,7 +194,9 @@ def register(
     tsub = tokens.add_subparsers(dest="tokens_command", required=True, metavar="COMMAND")
     p = tsub.add_parser("issue", parents=[common], help="mint a join token (shown once)")
     add_tenant_flag(p)
-    p.add_argument("--role", required=True, choices=["node", "site", "provisioned", "discovery"])
+    p.add_argument(
+        "--role", required=True, choices=["node", "site", "provisioned", "discovery"], help="who joins"
+    )
     p.add_argument("--site", required=True, help="site id")
     p.add_argument("--ttl", type=parse_seconds, default=3600, help="lifetime: 90s, 30m, 2h")
     p.add_argument("--max-uses", type=int, default=1, help="joins it allows (default 1)")
@@ -211,27 +213,27 @@ def register(
     p.add_argument("--token-file", help="write the token to this new file (0600)")
     p.set_defaults(func=cmd_tokens_issue)
     p = tsub.add_parser("list", parents=[common], help="join tokens, without their secrets")
-    p.add_argument("--tenant")
-    p.add_argument("--site")
-    p.add_argument("--state", choices=["active", "expired", "used", "revoked"])
+    p.add_argument("--tenant", help="only this tenant's")
+    p.add_argument("--site", help="only this site's")
+    p.add_argument("--state", choices=["active", "expired", "used", "revoked"], help="only in this state")
     add_paging(p, default_limit=100)
     p.set_defaults(func=cmd_tokens_list)
     p = tsub.add_parser("revoke", parents=[common], help="revoke a join token")
     p.add_argument("id", help="join token id (tok_…)")
-    p.add_argument("--reason")
+    p.add_argument("--reason", help="recorded with the revocation")
     p.set_defaults(func=cmd_tokens_revoke)
 
     certs = subparsers.add_parser("certs", help="agent certificates")
     csub = certs.add_subparsers(dest="certs_command", required=True, metavar="COMMAND")
     p = csub.add_parser("list", parents=[common], help="certificates (valid ones by default)")
-    p.add_argument("--tenant")
-    p.add_argument("--site")
+    p.add_argument("--tenant", help="only this tenant's")
+    p.add_argument("--site", help="only this site's")
     p.add_argument("--agent", help="agent id")
     p.add_argument("--token", help="join token id the certificate was earned with")
-    p.add_argument("--all", action="store_true", help="include revoked certificates")
-    add_paging(p, default_limit=100, short_all=False)
+    p.add_argument("--include-revoked", action="store_true", help="revoked certificates too")
+    add_paging(p, default_limit=100)
     p.set_defaults(func=cmd_certs_list)
     p = csub.add_parser("revoke", parents=[common], help="revoke a certificate")
     p.add_argument("id", help="certificate id (cert_…)")
-    p.add_argument("--reason")
+    p.add_argument("--reason", help="recorded with the revocation")
     p.set_defaults(func=cmd_certs_revoke)

@@ -6,10 +6,12 @@ table (node, final state, duration, failed step). On a terminal it is a ``rich``
 a pipe or a file it prints one plain line per change (``--json``: one JSON object per change, then
 the summary as one object).
 
-It is driven by the engine's events: ``bc.events.node.<id>`` (a node moved: read it) and
-``bc.events.workflow.<id>`` (a step started, settled or waits: the event carries the step). The
-events are wake-ups, not the truth, so every node is also read again every few seconds, which
-covers an event lost or sent while the view was connecting.
+It is driven by the engine's events: ``bc.events.node.<id>`` (a node moved: the event carries the
+state it moved to, shown at once, then the node is read) and ``bc.events.workflow.<id>`` (a step
+started, settled or waits: the event carries the step). A node that passes through ``inspecting``
+faster than a read is shown passing through it, in the order the events came. The events are
+wake-ups, not the truth, so every node is also read again every few seconds, which covers an event
+lost or sent while the view was connecting.
 
 Final states: for a verb, its resting state (``deploy`` → ``deployed``) and ``failed``; without
 one, any state no workflow is moving (not ``…ing``).
@@ -117,8 +119,14 @@ def _step_text(node: NodeView) -> str:
         return ""
     waits = wf.waiting_for if isinstance(wf.waiting_for, dict) else {}
     step = f"{wf.step.index} {wf.step.action}" if wf.step else ""
-    if waits.get("reason") == "batch-approval":
+    reason = waits.get("reason")
+    if reason == "batch-approval":
         return f"{step} (waits for approvals: {waits.get('approvals')} of {waits.get('threshold')})".strip()
+    if reason:  # what the step waits for, as bcx why words it first
+        said = waits.get("message") or str(reason).replace("-", " ")
+        if reason == "service-unavailable" and waits.get("service"):
+            said = f"{waits['service']} unavailable ({waits.get('tries', 1)} tries)"
+        return f"{step} (waits: {short(str(said), 70)})".strip()
     return step
 
 
@@ -178,6 +186,22 @@ class Progress:
             row.step = _step_text(node) or row.step
         return (row.state, row.step) != before
 
+    def apply_passing(self, event: NodeChanged, now: float) -> bool:
+        """Show a state the event says the node moved to, before the read that follows it: the
+        read may already find the node past it. A late event never moves a node back from where
+        a read put it for the same workflow. True when what a user sees of it changed."""
+        row = self.rows.get(event.node_id)
+        if row is None or event.state not in RUNNING_STATES or event.state == row.state:
+            return False
+        if row.state in self.finals and (event.workflow_id is None or event.workflow_id == row.workflow):
+            return False
+        if event.workflow_id and event.workflow_id != row.workflow:
+            row.workflow = event.workflow_id
+            row.since, row.ended = now, None
+        row.since = row.since or now
+        row.state, row.seen_running = event.state, True
+        return True
+
     def apply_step(self, event: StepChanged) -> bool:
         row = self.rows.get(event.node_id or "")
         if row is None or row.state in self.finals or (row.workflow and row.workflow != event.workflow_id):
@@ -186,8 +210,8 @@ class Progress:
         text = f"{s.index} {s.action}"
         if s.state not in ("running", "succeeded"):
             text += f" ({s.state})"
-        if text == row.step:
-            return False
+        if text == row.step or (s.state == "running" and row.step.startswith(f"{text} (waits")):
+            return False  # the same step: what a read said it waits for stays shown
         row.step = text
         return True
 
@@ -243,6 +267,19 @@ class _Plain:
             self.out.write("        " + ", ".join(f"{s} {n}" for s, n in counts.items()) + "\n")
         self._counts = counts
         self.out.flush()
+
+
+class _Quiet:
+    """No line per change (``--wait``): only the summary at the end."""
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def show(self, progress: Progress, changed: Iterable[str], now: float) -> None:
+        pass
 
 
 class _Live:
@@ -307,19 +344,27 @@ async def watch_nodes(
     started: float | None = None,
     timeout: float | None = None,
     title: str = "rollout",
+    live: bool = True,
 ) -> int:
-    """Follow ``nodes`` until each is in a final state; print the summary. 0 when none failed."""
+    """Follow ``nodes`` until each is in a final state (``live=False``: without a line per
+    change); print the summary. 0 when none failed. Past ``timeout`` the summary shows where each
+    stands, then ``TIMEOUT`` is raised."""
     out = out or sys.stdout
     finals = final_states(verb)
     progress = Progress(nodes, finals, started=started or time.time())
     wanted = set(progress.rows)
     dirty: set[str] = set(wanted)  # everyone is read once at the start
     step_events: list[StepChanged] = []
+    node_events: list[NodeChanged] = []
     woken = asyncio.Event()
 
     async def on_node(msg: Any) -> None:
         match decode_node_event(msg.data):
-            case NodeChanged(node_id=node_id) | NodeRemoved(node_id=node_id) if node_id in wanted:
+            case NodeChanged(node_id=node_id) as event if node_id in wanted:
+                node_events.append(event)
+                dirty.add(node_id)
+                woken.set()
+            case NodeRemoved(node_id=node_id) if node_id in wanted:
                 dirty.add(node_id)
                 woken.set()
             case _:
@@ -341,9 +386,12 @@ async def watch_nodes(
         await api.nc.subscribe(api.subjects.events_all(NODE_EVENTS), cb=on_node),
         await api.nc.subscribe(api.subjects.events_all(EVENTS), cb=on_workflow),
     ]
-    interactive = out.isatty() and not as_json
-    view: _Live | _Plain = _Live(out, title) if interactive else _Plain(out, as_json=as_json)
+    interactive = out.isatty() and not as_json and live
+    view: _Live | _Plain | _Quiet = (
+        _Live(out, title) if interactive else _Plain(out, as_json=as_json) if live else _Quiet()
+    )
     deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
     last_read = time.monotonic()
     first = True
     try:
@@ -351,6 +399,12 @@ async def watch_nodes(
             while True:
                 now = time.time()
                 changed: list[str] = []
+                if not first:
+                    # states the events say each node passed through, each shown before the reads
+                    for node_event in node_events:
+                        if progress.apply_passing(node_event, now):
+                            view.show(progress, [node_event.node_id], now)
+                node_events.clear()
                 for event in step_events:
                     if progress.apply_step(event):
                         changed.append(str(event.node_id))
@@ -371,9 +425,8 @@ async def watch_nodes(
                 if progress.done:
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    raise BcError(
-                        ErrorCode.TIMEOUT, f"the rollout did not end in {timeout:.0f}s", {"path": "timeout"}
-                    )
+                    timed_out = True
+                    break
                 woken.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), timeout=1.0 if interactive else REREAD_SECONDS)
@@ -405,6 +458,13 @@ async def watch_nodes(
         counts = ", ".join(f"{n} {s}" for s, n in progress.counts().items())
         out.write(f"{len(rows)} nodes in {_fmt_elapsed(now - progress.started)}: {counts}\n")
     out.flush()
+    if timed_out:
+        moving = sum(1 for r in rows if r["state"] not in finals)
+        raise BcError(
+            ErrorCode.TIMEOUT,
+            f"the rollout did not end in {timeout:.0f}s: {moving} of {len(rows)} still moving",
+            {"path": "timeout"},
+        )
     return 1 if failed else 0
 
 

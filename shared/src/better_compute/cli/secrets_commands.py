@@ -78,7 +78,7 @@ def register(
     secrets = subparsers.add_parser("secrets", help="stored secrets (metadata)")
     ssub = secrets.add_subparsers(dest="secrets_command", required=True, metavar="COMMAND")
     p = ssub.add_parser("list", parents=[common], help="secrets, metadata only")
-    p.add_argument("--tenant")
+    p.add_argument("--tenant", help="only this tenant's")
     p.add_argument("--workflow", help="workflow id")
     add_paging(p, default_limit=100)
     p.set_defaults(func=cmd_secrets_list)

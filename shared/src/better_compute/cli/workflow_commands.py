@@ -231,19 +231,19 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         dest="workflows_command", required=True, metavar="COMMAND"
     )
     p = wfs.add_parser("start", parents=[common, tenant], help="start a workflow")
-    p.add_argument("--profile", required=True)
-    p.add_argument("--version", type=int)
-    p.add_argument("--node")
+    p.add_argument("--profile", required=True, help="profile id")
+    p.add_argument("--version", type=int, help="profile version (default: the newest)")
+    p.add_argument("--node", help="the node it runs for")
     p.add_argument("--owner", help="reconciler that hears when it ends")
     p.add_argument("--wait", action="store_true", help="watch it until it ends")
     p.set_defaults(func=workflows_start)
     p = wfs.add_parser("get", parents=[common], help="one workflow and its steps")
-    p.add_argument("id")
+    p.add_argument("id", help="workflow id (wf_…)")
     p.set_defaults(func=workflows_get)
     p = wfs.add_parser("list", parents=[common], help="list workflows, newest first")
-    p.add_argument("--node")
-    p.add_argument("--state", choices=["running", "succeeded", "failed", "aborted"])
-    p.add_argument("--profile")
+    p.add_argument("--node", help="only this node's")
+    p.add_argument("--state", choices=["running", "succeeded", "failed", "aborted"], help="only this state")
+    p.add_argument("--profile", help="only of this profile")
     add_paging(p, default_limit=50)
     p.set_defaults(func=workflows_list)
     for name, fn, what in (
@@ -252,12 +252,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         ("resume", workflows_resume, "carry on an aborted workflow"),
     ):
         p = wfs.add_parser(name, parents=[common], help=what)
-        p.add_argument("id")
+        p.add_argument("id", help="workflow id (wf_…)")
         if name == "abort":
-            p.add_argument("--reason")
+            p.add_argument("--reason", help="recorded with the abort")
         else:
             p.add_argument("--wait", action="store_true", help="watch it until it ends")
         p.set_defaults(func=fn)
     p = wfs.add_parser("watch", parents=[common], help="show each step live until the workflow ends")
-    p.add_argument("id")
+    p.add_argument("id", help="workflow id (wf_…)")
     p.set_defaults(func=workflows_watch)

@@ -118,11 +118,16 @@ class EngineClient(ServiceClient):
         *,
         site_id: str | None = None,
         tenant_id: str | None = None,
+        state: str | None = None,
+        labels: dict[str, str] | None = None,
         limit: int = DEFAULT_LIMIT,
         cursor: str | None = None,
     ) -> NodeList:
-        """One page of nodes by id; pass its ``next`` as ``cursor`` for the next."""
-        req = ListNodes(site_id=site_id, tenant_id=tenant_id, limit=limit, cursor=cursor)
+        """One page of nodes by id (of a site, tenant, state, with labels); pass its ``next`` as
+        ``cursor`` for the next."""
+        req = ListNodes(
+            site_id=site_id, tenant_id=tenant_id, state=state, labels=labels, limit=limit, cursor=cursor
+        )
         return await self._call("nodes.list", req, NodeList)
 
     async def update_node(

@@ -150,10 +150,13 @@ class ListSteps(_Req, frozen=True, kw_only=True):
 
 
 class ListNodes(_Req, frozen=True, kw_only=True):
-    """By id; ``cursor`` is the ``next`` of the page before."""
+    """By id; ``cursor`` is the ``next`` of the page before. ``state`` and ``labels`` (every pair
+    must match) filter on the server, so a page holds only matches."""
 
     site_id: str | None = None
     tenant_id: str | None = None
+    state: Name | None = None
+    labels: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_LABELS)] | None = None
     limit: Limit = DEFAULT_LIMIT
     cursor: Cursor | None = None
 
