@@ -4,7 +4,8 @@
 # file-system signatures bcd's wipe test erases; cloud-init and ignition bring the formats' own
 # validators (`cloud-init schema`, `ignition-validate`) the user-data tests run; openssl signs
 # images as docs/images.md shows, in the catalog's bcx test; GNU cpio reads back the initramfs
-# archives the ramdisk builder writes (the builder itself needs apt-get and dpkg-deb, which Debian has). Installed as root with apt-get when missing;
+# archives the ramdisk builder writes (the builder itself needs apt-get and dpkg-deb, which Debian has,
+# and binutils' strip for the libraries PyInstaller packs). Installed as root with apt-get when missing;
 # without root, say what is missing and carry on (those tests then fail, they are never skipped).
 _bc_missing=()
 if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then _bc_missing+=(qemu-system-x86); fi
@@ -24,6 +25,7 @@ if ! command -v mcopy >/dev/null 2>&1; then _bc_missing+=(mtools); fi
 if ! command -v mkfs.vfat >/dev/null 2>&1; then _bc_missing+=(dosfstools); fi
 if [ ! -x /bin/busybox ]; then _bc_missing+=(busybox-static); fi
 if ! command -v cpio >/dev/null 2>&1; then _bc_missing+=(cpio); fi
+if ! command -v strip >/dev/null 2>&1; then _bc_missing+=(binutils); fi
 if [ "${#_bc_missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing ${_bc_missing[*]} with apt-get" >&2

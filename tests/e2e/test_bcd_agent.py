@@ -399,3 +399,39 @@ async def test_bcd_waits_out_a_control_plane_that_is_not_there_yet(
 
 async def _connected(cq: CommandQueueClient, node: str) -> bool:
     return any(a.id == node and a.connected for a in await cq.agents(site_id=SITE))
+
+
+async def test_run_join_joins_once_with_the_kernel_line_token_and_keeps_its_enrollment_after_a_restart(
+    stack: Stack, bcds: list[BcdProcess]
+) -> None:
+    """What the ramdisk's init runs (``bcd run --join``, again whenever it exits): the first start
+    joins with ``bcd.token=`` and serves in the same process; a restart serves with the stored
+    enrollment and never spends a token again."""
+    node = new_id("node")
+    root = stack.tree("ramdisk-init", product_uuid=UUID, macs=("52:54:00:00:00:07",))
+    token = await stack.token(role="node", node_id=node, productUuid=UUID)
+    (root / "proc/cmdline").write_text(f"console=ttyS0 bcd.token={token.token} bcd.control_plane=nats://x\n")
+    (root / "etc/bcd").mkdir(parents=True, exist_ok=True)
+    (root / "etc/bcd/ramdisk").touch()
+
+    async def connected(bcd: BcdProcess) -> bool:
+        assert bcd.proc.poll() is None, bcd.output()
+        return any(a.id == node and a.connected for a in await stack.cq.agents(site_id=SITE))
+
+    first = BcdProcess.start(stack.settings, root, "--join", log=root.parent / "first.log")
+    bcds.append(first)
+    await until(lambda: connected(first))
+    assert _enrollment(root)["agentId"] == node
+    assert "bcd_joined" in first.output()
+    first.proc.kill()
+    first.proc.wait(10)
+    again = BcdProcess.start(stack.settings, root, "--join", log=root.parent / "again.log")
+    bcds.append(again)
+    await until(lambda: connected(again))
+    assert "bcd_joined" not in again.output()  # the token is spent: a second join would fail
+    joins = await stack.pki.list_joins(join_token_id=token.join_token_id)
+    assert [j.outcome for j in joins] == ["joined"]
+    done = await stack.cq.wait(
+        id=(await stack.cq.enqueue(command(node, "node.inventory", {}, "i"))).id, timeout=30
+    )
+    assert (done.state, done.attested) == ("succeeded", True)

@@ -18,6 +18,8 @@ import http.server
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,7 +33,7 @@ from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.runtime.ramdisk import RamdiskArtifacts
+from better_compute.runtime.ramdisk import RamdiskArtifacts, prepare_parts
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, run_bcx
 from better_compute.testing.agents import until
@@ -106,6 +108,27 @@ def _guest_nats(settings: Settings) -> str:
     url = settings.nats_url or ""
     assert url.startswith("nats://127.0.0.1:"), url
     return url.replace("127.0.0.1", "10.0.2.2")
+
+
+def test_the_packed_bcd_runs_on_this_machine_too(ramdisk: RamdiskArtifacts) -> None:
+    """bcd as PyInstaller packed it into the ramdisk answers --help, claims and inventory here."""
+    bcd = prepare_parts().bcd / "bcd"  # from the cache the build filled
+    assert (bcd.parent / "_internal").is_dir()  # --onedir: nothing unpacked at each start
+    helped = subprocess.run([str(bcd), "--help"], capture_output=True, text=True, timeout=60, check=False)
+    assert helped.returncode == 0, helped.stderr
+    assert "join" in helped.stdout
+    assert "inventory" in helped.stdout
+    claims = subprocess.run([str(bcd), "claims"], capture_output=True, text=True, timeout=60, check=False)
+    assert claims.returncode == 0, claims.stderr
+    source = subprocess.run(
+        [sys.executable, "-m", "bcd", "claims"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert json.loads(claims.stdout) == json.loads(source.stdout)  # the same as bcd from its sources
+    inv = subprocess.run([str(bcd), "inventory"], capture_output=True, text=True, timeout=60, check=False)
+    assert inv.returncode == 0, inv.stderr
+    found = json.loads(inv.stdout)
+    assert found["kernel"] == os.uname().release
+    assert found["cpus"]["threads"] == os.cpu_count()
 
 
 async def test_the_built_ramdisk_boots_a_vm_whose_bcd_joins_and_inventories_the_vm(

@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="serve commands")
     r.add_argument("--mode", choices=MODES, default=os.environ.get("BCD_MODE"))
     r.add_argument("--control-plane", help="default: the one bcd joined")
+    r.add_argument(
+        "--join",
+        action="store_true",
+        help="not joined yet: join first with bcd.token= of the kernel line (the ramdisk's init)",
+    )
     sub.add_parser("inventory", help="print the machine's inventory as JSON")
     sub.add_parser("claims", help="print the hardware claims a join shows")
     return parser
@@ -108,6 +113,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "join":
             code = _join(args, state)
         elif args.command == "run":
+            if args.join and state.enrollment() is None:
+                # one process for both: a second Python start costs the ramdisk seconds
+                joining = argparse.Namespace(
+                    control_plane=args.control_plane, token_file=None, node=None, site=None,
+                    no_service=True, subject_root=args.subject_root,
+                )  # fmt: skip
+                _join(joining, state)
             asyncio.run(
                 serve(state, mode=detect_mode(machine, args.mode), control_plane=args.control_plane,
                       subject_root=args.subject_root, simulate=args.simulate)

@@ -596,9 +596,16 @@ def _bcd_part(cache: Path, sources: str) -> Path:
         (work / "bcd_entry.py").write_text(_ENTRY)
         argv = [sys.executable, "-m", "PyInstaller", "--noconfirm", "--onedir", "--name", "bcd",
                 "--distpath", str(tmp / "dist"), "--workpath", str(work / "build"), "--specpath", str(work),
-                "--log-level", "WARN", "--collect-submodules", "bcd", "--collect-data", "bcd"]  # fmt: skip
+                "--log-level", "WARN", "--collect-submodules", "bcd", "--collect-data", "bcd",
+                "--strip"]  # fmt: skip
         for module in _EXCLUDES:
             argv += ["--exclude-module", module]
+        if shutil.which("strip") is None:
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                "strip is missing (Debian binutils): the packed libraries' symbols go (libpython 23 -> 6 MB)",
+                {"path": "strip"},
+            )
         if importlib.util.find_spec("PyInstaller") is None:
             raise BcError(
                 ErrorCode.INVALID_CONFIG,

@@ -52,8 +52,8 @@ exit 0
 """
 
 INIT: Final = r"""#!/bin/sh
-# bc-ramdisk /init (PID 1): mount, load drivers, DHCP on every NIC, then bcd join and bcd run,
-# restarting bcd whenever it exits (systemd's Restart=always). Everything goes to the console.
+# bc-ramdisk /init (PID 1): mount, load drivers, DHCP on every NIC, then bcd (join, then run, in
+# one process), started again whenever it exits (systemd's Restart=always). All on the console.
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 mkdir -p /proc /sys /dev /run /tmp /var/lib/bcd /etc/bcd
 mount -t proc proc /proc
@@ -83,19 +83,18 @@ touch /etc/bcd/ramdisk
 if [ -x /etc/bc-ramdisk/local ]; then /etc/bc-ramdisk/local; fi
 delay=1
 while true; do
-    if [ ! -f /var/lib/bcd/enrollment.json ]; then
-        say "bcd join"
-        if ! bcd join --no-service; then
-            say "join failed; again in ${delay}s"
-            sleep "$delay"
-            [ "$delay" -lt 30 ] && delay=$((delay * 2))
-            continue
-        fi
+    # joins first (bcd.token= of the kernel line) unless /var/lib/bcd holds an enrollment
+    say "bcd run --join"
+    bcd run --join
+    code=$?
+    if [ -f /var/lib/bcd/enrollment.json ]; then
+        delay=1
+        say "bcd exited ($code); restarting"
+    else
+        say "bcd did not join ($code); again in ${delay}s"
+        sleep "$((delay - 1))"
+        [ "$delay" -lt 30 ] && delay=$((delay * 2))
     fi
-    delay=1
-    say "bcd run"
-    bcd run
-    say "bcd exited ($?); restarting"
     sleep 1
 done
 """
