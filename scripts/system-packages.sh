@@ -1,6 +1,7 @@
 # Sourced by scripts/test.sh: the Debian packages the tests need that no wheel brings.
 # QEMU with its iPXE network ROMs runs the site agent's network-boot test (a real iPXE client,
-# user-mode networking, no root network set-up); e2fsprogs and util-linux make and find the
+# user-mode networking, no root network set-up) and the VM lab's machines (docs/vm-lab.md; QEMU
+# started under util-linux's setpriv --pdeathsig); e2fsprogs and util-linux make and find the
 # file-system signatures bcd's wipe test erases; cloud-init and ignition bring the formats' own
 # validators (`cloud-init schema`, `ignition-validate`) the user-data tests run; openssl signs
 # images as docs/images.md shows, in the catalog's bcx test; GNU cpio reads back the initramfs

@@ -33,12 +33,14 @@ def ramdisk_env(
     initrd: str | None = None,
     kernel_sha256: str | None = None,
     initrd_sha256: str | None = None,
-    cmdline: str = "console=ttyS0",
+    cmdline: str = "console=ttyS0 quiet",
     subject_root: str | None = None,
 ) -> dict[str, str]:
     """The environment that makes this app boot ``kernel``/``initrd``, its bcd joining the NATS
     server at ``nats_url`` (this machine's loopback) as the guests reach it, under
-    ``subject_root`` (a test's own; ``bc`` when not given)."""
+    ``subject_root`` (a test's own; ``bc`` when not given). ``quiet`` keeps the kernel from
+    printing its command line, which ends with the site agent's ``bcd.token=``, on the VM's
+    console."""
     if subject_root:
         cmdline = f"{cmdline} bcd.subject_root={subject_root}"
     doc: dict[str, Any] = {
