@@ -47,7 +47,7 @@ class Runs:
         attested = False
         if ev.result_signature is not None:
             cur = await self._command_of(ev)
-            if cur["state"] not in ("acked", "running"):
+            if cur["state"] not in ("acked", "running", "cancelling"):
                 await self._late_end(ev)
                 return ResultReply(recorded=False, state=cur["state"])
             attested = await self._attest(cur["node_id"], ev)

@@ -22,6 +22,7 @@ __all__ = [
     "ACK",
     "AGENTS_LIST",
     "AGENT_AGAIN",
+    "AGENT_CANCELLING",
     "AGENT_COMMANDS_TO_REPUBLISH",
     "AGENT_HEARTBEAT",
     "AGENT_LEAVE",
@@ -47,6 +48,7 @@ __all__ = [
     "CLAIM_BACK_TO_PENDING",
     "CLAIM_BATCH_EXPIRED",
     "CLAIM_INTERRUPTED",
+    "CLAIM_RERUN",
     "CLAIM_STATE",
     "COMMAND_BY_ID",
     "COMMAND_BY_NODE_KEY",
@@ -64,6 +66,7 @@ __all__ = [
     "LEASE_RENEW",
     "LIST_COMMANDS",
     "LIVE_WITH_PREFIX",
+    "MUST_STOP",
     "PICK_SITE_AGENT",
     "PROGRESS",
     "PUBLISHED",
@@ -92,6 +95,15 @@ _SECS: Final = "make_interval(secs => {p}::double precision / 1000)"
 COMMAND_BY_ID: Final = f"SELECT {_COLS} FROM commands c WHERE c.id = $1"
 COMMAND_BY_NODE_KEY: Final = f"SELECT {_COLS} FROM commands c WHERE c.node_id = $1 AND c.key = $2"
 COMMAND_STATES: Final = "SELECT id, state FROM commands WHERE id = ANY($1::text[])"
+# $1 ids, $2 agent: which of the commands an agent runs must stop (a check before a try)
+MUST_STOP: Final = """
+SELECT id FROM commands
+WHERE id = ANY($1::text[]) AND (agent_id IS DISTINCT FROM $2 OR state NOT IN ('acked', 'running'))
+"""
+# $1 agent: its commands cancelled after it claimed them (told in each heartbeat's reply)
+AGENT_CANCELLING: Final = (
+    "SELECT id FROM commands WHERE agent_id = $1 AND state = 'cancelling' ORDER BY id LIMIT 256"
+)
 COMMAND_STATE: Final = (
     "SELECT id, node_id, kind, state, agent_id, digest, not_after > now() AS live FROM commands WHERE id = $1"
 )
@@ -246,7 +258,7 @@ RETURNING {_COLS}
 FAIL_LOST: Final = f"""
 WITH due AS (
     SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
-    WHERE c.state IN ('acked', 'running')
+    WHERE c.state IN ('acked', 'running', 'cancelling')
       AND a.last_seen < now() - {_SECS.format(p="$1")}
       AND c.updated_at < now() - {_SECS.format(p="$1")}
     LIMIT 500 FOR UPDATE OF c SKIP LOCKED
@@ -275,7 +287,7 @@ RETURNING {_COLS}
 """
 # Why a claim was not taken: the command as its claim sees it, with its batch.
 CLAIM_STATE: Final = """
-SELECT c.id, c.state, c.agent_id, c.digest, c.not_after > now() AS live, c.destructive,
+SELECT c.id, c.state, c.kind, c.payload, c.agent_id, c.digest, c.not_after > now() AS live, c.destructive,
        c.claim_journal, c.claim_signed_ms, b.id IS NOT NULL AS has_batch,
        coalesce(b.expires_at <= now(), false) AS batch_expired,
        coalesce(b.approved_at IS NOT NULL, false) AS batch_approved
@@ -292,6 +304,14 @@ UPDATE commands c SET state = 'failed', reason = 'interrupted', finished_at = no
 WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running')
   AND ($3::text IS NULL OR c.claim_journal IS DISTINCT FROM $3)
   AND coalesce(c.claim_signed_ms, 0) < $4
+RETURNING {_COLS}
+"""
+# $1 id, $2 agent, $3 journal: the journal that claimed an idempotent command and died while
+# running it runs it again (claims.py checks the kind); nothing else may.
+CLAIM_RERUN: Final = f"""
+UPDATE commands c SET updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running') AND c.claim_journal = $3
+  AND c.not_after > now()
 RETURNING {_COLS}
 """
 # $1 id, $2 agent, $3 journal: a destructive command claimed while its batch is not approved
@@ -315,28 +335,46 @@ RETURNING {_COLS}
 PROGRESS: Final = f"""
 WITH old AS (
     SELECT id, state FROM commands
-    WHERE id = $1 AND agent_id = $2 AND state IN ('acked', 'running') FOR UPDATE
+    WHERE id = $1 AND agent_id = $2 AND state IN ('acked', 'running', 'cancelling') FOR UPDATE
 )
-UPDATE commands c SET state = 'running', progress = coalesce($3, c.progress),
+UPDATE commands c SET state = CASE old.state WHEN 'cancelling' THEN 'cancelling' ELSE 'running' END,
+    progress = coalesce($3, c.progress),
     updated_at = now()
 FROM old WHERE c.id = old.id
 RETURNING {_COLS}, old.state AS old_state
 """
+# A cancelling command's result is the agent's word that it stopped it (or never started it):
+# it becomes cancelled, its outcome is kept in progress, and its result counts for nothing.
 RESULT: Final = f"""
-UPDATE commands c SET state = $3, reason = $4, result = $5, result_signature = $6,
-    attested = $7, finished_at = now(), updated_at = now()
-WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running')
+UPDATE commands c SET
+    state = CASE c.state WHEN 'cancelling' THEN 'cancelled' ELSE $3::text END,
+    reason = CASE c.state WHEN 'cancelling' THEN c.reason ELSE $4::text END,
+    progress = CASE c.state WHEN 'cancelling'
+        THEN left(coalesce(c.progress || '; ', '') || 'the agent stopped: ' || $3::text
+                  || coalesce(' (' || $4::text || ')', ''), 500)
+        ELSE c.progress END,
+    result = CASE c.state WHEN 'cancelling' THEN NULL ELSE $5::bytea END,
+    result_signature = CASE c.state WHEN 'cancelling' THEN NULL ELSE $6::bytea END,
+    attested = c.state <> 'cancelling' AND $7::bool,
+    ended_at = CASE c.state WHEN 'cancelling' THEN now() ELSE c.ended_at END,
+    finished_at = now(), updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running', 'cancelling')
 RETURNING {_COLS}
 """
 
+# A command its agent claimed may run there: it is cancelling until the agent says it stopped.
+_CANCEL_SET: Final = """
+    state = CASE WHEN c.state IN ('acked', 'running') THEN 'cancelling' ELSE 'cancelled' END,
+    finished_at = CASE WHEN c.state IN ('acked', 'running') THEN NULL ELSE now() END,
+    updated_at = now()"""
 CANCEL_BY_ID: Final = f"""
-UPDATE commands c SET state = 'cancelled', reason = $2, finished_at = now(), updated_at = now()
+UPDATE commands c SET reason = $2, {_CANCEL_SET}
 WHERE c.id = $1 AND c.state IN {_LIVE}
 RETURNING {_COLS}
 """
 # $1 node (or NULL), $2 prefix, $3 reason, $4 workflow (or NULL): every node it sent to
 CANCEL_BY_PREFIX: Final = f"""
-UPDATE commands c SET state = 'cancelled', reason = $3, finished_at = now(), updated_at = now()
+UPDATE commands c SET reason = $3, {_CANCEL_SET}
 WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_id = $4)
   AND c.state IN {_LIVE} AND {_KEY_UNDER.format(p="$2")}
 RETURNING {_COLS}
@@ -348,7 +386,7 @@ CLAIMED_UNDER_PREFIX: Final = f"""
 SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
 WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_id = $4)
   AND c.acked_at IS NOT NULL AND c.ended_at IS NULL
-  AND c.state IN ('acked', 'running', 'cancelled', 'expired')
+  AND c.state IN ('acked', 'running', 'cancelling', 'cancelled', 'expired')
   AND a.last_seen > now() - {_SECS.format(p="$3")}
   AND {_KEY_UNDER.format(p="$2")}
 ORDER BY c.id
@@ -367,8 +405,7 @@ KEY_FENCE_INSERT: Final = (
 KEY_FENCED: Final = fences.KEY_FENCED
 # A command created under a fenced key (it raced with the fence): cancelled before it goes out
 CANCEL_SUPERSEDED: Final = f"""
-UPDATE commands c SET state = 'cancelled', reason = 'attempt-superseded', finished_at = now(),
-    updated_at = now()
+UPDATE commands c SET reason = 'attempt-superseded', {_CANCEL_SET}
 WHERE c.id = $1 AND c.state IN {_LIVE}
 RETURNING {_COLS}
 """

@@ -16,7 +16,7 @@ and ``define_profile`` make them; the registry is generic over the concrete clas
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Generic, Literal, Protocol, TypeVar
@@ -79,12 +79,29 @@ class CommandKind:
             destructive commands need a signed batch when the quorum is on.
         payload: the manifest the command's JSON payload must fit.
         description: one line for people.
+        idempotent: whether running the command twice leaves the machine as running it once
+            (a boot-device PATCH, power on, an eject): ``True``, or a predicate over the
+            validated payload (``power.setPower`` is for ``on``/``off``, not ``cycle``). An
+            idempotent command whose agent died while running it runs again when the agent
+            comes back, instead of failing ``interrupted``. A destructive kind never does.
     """
 
     name: str
     destructive: bool
     payload: Manifest
     description: str = ""
+    idempotent: bool | Callable[[Any], bool] = False
+
+    def reruns(self, payload: Any) -> bool:
+        """Whether a command of this kind with ``payload`` may run again after an interruption."""
+        if self.destructive:
+            return False
+        if callable(self.idempotent):
+            try:
+                return bool(self.idempotent(payload))
+            except Exception:  # a predicate that cannot judge the payload: not idempotent
+                return False
+        return self.idempotent is True
 
     def __post_init__(self) -> None:
         if not is_dotted_name(self.name):
@@ -97,6 +114,8 @@ class CommandKind:
             raise _bad_config("payload", "must be a manifest")
         if not isinstance(self.description, str):
             raise _bad_config("description", "must be a string")
+        if not (isinstance(self.idempotent, bool) or callable(self.idempotent)):
+            raise _bad_config("idempotent", "must be a boolean or a predicate over the payload")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

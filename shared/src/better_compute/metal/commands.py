@@ -9,9 +9,9 @@ not destructive.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
 from better_compute.core.manifest import Field, field, manifest
 from better_compute.core.plugins import DOTTED_NAME_PATTERN, CommandKind, DriverOperation
@@ -57,7 +57,12 @@ _MAC = field.string(pattern=r"^[0-9a-fA-F]{2}([:-][0-9a-fA-F]{2}){5}$")
 
 
 def _bmc_command(
-    name: str, description: str, fields: Mapping[str, Field] | None = None, *, bmc_required: bool = False
+    name: str,
+    description: str,
+    fields: Mapping[str, Field] | None = None,
+    *,
+    bmc_required: bool = False,
+    idempotent: bool | Callable[[Any], bool] = False,
 ) -> CommandKind:
     """A command the site agent runs through a machine's BMC: ``fields`` and the ``bmc`` it
     talks to. None of them is destructive (they interrupt a machine at worst)."""
@@ -67,13 +72,21 @@ def _bmc_command(
         destructive=False,
         description=description,
         payload=manifest({**(fields or {}), "bmc": bmc}),
+        idempotent=idempotent,
     )
+
+
+def _power_reruns(payload: Any) -> bool:
+    """On and off end where they end however often they run; a cycle or reset run twice
+    interrupts the machine twice (and may cut short the boot the first one started)."""
+    return isinstance(payload, dict) and payload.get("action") in ("on", "off", "softOff")
 
 
 MANAGEMENT_INVENTORY: Final = _bmc_command(
     "management.inventory",
     "Reads the machine's inventory through its BMC (system, processors, memory, NICs)",
     bmc_required=True,
+    idempotent=True,
 )
 
 NETBOOT_SET_ENTRY: Final = CommandKind(
@@ -104,6 +117,7 @@ NETBOOT_CLEAR_ENTRY: Final = CommandKind(
     destructive=False,
     description="Removes the iPXE boot entry of one MAC (it then boots as an unknown machine)",
     payload=manifest({"mac": _MAC}),
+    idempotent=True,
 )
 # -- end of the site agent's block ---------------------------------------------------------
 
@@ -144,6 +158,7 @@ POWER_SET_POWER: Final = _bmc_command(
     "power.setPower",
     "Changes the machine's power state through its BMC",
     {"action": field.enum(["on", "off", "softOff", "cycle", "reset"])},
+    idempotent=_power_reruns,
 )
 
 MANAGEMENT_SET_BOOT_DEVICE: Final = _bmc_command(
@@ -154,6 +169,7 @@ MANAGEMENT_SET_BOOT_DEVICE: Final = _bmc_command(
         "persistent": field.bool().default(False),
         "mode": field.enum(["uefi", "legacy"]).optional(),
     },
+    idempotent=True,
 )
 
 MEDIA_INSERT: Final = _bmc_command(
@@ -168,7 +184,7 @@ MEDIA_INSERT: Final = _bmc_command(
 )
 
 MEDIA_EJECT: Final = _bmc_command(
-    "media.eject", "Ejects a virtual medium through the BMC", {"device": _MEDIA_DEVICE}
+    "media.eject", "Ejects a virtual medium through the BMC", {"device": _MEDIA_DEVICE}, idempotent=True
 )
 
 NODE_INVENTORY: Final = CommandKind(
