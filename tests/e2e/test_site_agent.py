@@ -304,7 +304,7 @@ async def test_nothing_reaches_the_bmc_after_a_cancel_reached_the_site_agent(sit
     """Issue 22, gap 1: with the BMC down, a cancelled boot-device command used to be retried by
     the agent and applied once the BMC came back. Counted at the BMC's request log: no PATCH
     after the cancel; the command is `cancelling` until the agent confirms, then `cancelled`."""
-    ok(await site.run("power.setPower", {"action": "on"}))
+    ok(await site.run("management.setBootDevice", {"device": "disk"}))  # the BMC works; not PXE
     site.proxy.set(mode="error", status=500)  # the BMC is down
     start = len(site.proxy.requests())
     view = await site.enqueue("management.setBootDevice", {"device": "pxe"}, timeout_ms=120_000)
@@ -321,7 +321,7 @@ async def test_nothing_reaches_the_bmc_after_a_cancel_reached_the_site_agent(sit
     after = site.proxy.requests()[at_cancel:]
     patches = [line for line in after if line.startswith("PATCH")]
     assert patches == [], after
-    assert site.bmc()["Boot"]["BootSourceOverrideTarget"] != "Pxe"
+    assert site.bmc()["Boot"]["BootSourceOverrideTarget"] == "Hdd"
     assert state_after_cancel == "cancelling"
     assert final.state == "cancelled", (final.state, final.reason)
     assert final.reason == "workflow aborted"

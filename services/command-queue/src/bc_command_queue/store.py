@@ -344,21 +344,31 @@ FROM old WHERE c.id = old.id
 RETURNING {_COLS}, old.state AS old_state
 """
 # A cancelling command's result is the agent's word that it stopped it (or never started it):
-# it becomes cancelled, its outcome is kept in progress, and its result counts for nothing.
+# it becomes cancelled, its outcome is kept in progress, and its result counts for nothing. Only
+# the journal that claimed it can say so ($8, '' when the agent does not name its journal);
+# another journal's word leaves its outcome unknown: failed, interrupted.
 RESULT: Final = f"""
+WITH cur AS (
+    SELECT id, state = 'cancelling' AS cancelling,
+           state = 'cancelling' AND ($8::text = '' OR claim_journal IS NULL OR claim_journal = $8)
+               AS confirmed
+    FROM commands WHERE id = $1 AND agent_id = $2 AND state IN ('acked', 'running', 'cancelling')
+    FOR UPDATE
+)
 UPDATE commands c SET
-    state = CASE c.state WHEN 'cancelling' THEN 'cancelled' ELSE $3::text END,
-    reason = CASE c.state WHEN 'cancelling' THEN c.reason ELSE $4::text END,
-    progress = CASE c.state WHEN 'cancelling'
+    state = CASE WHEN cur.confirmed THEN 'cancelled' WHEN cur.cancelling THEN 'failed' ELSE $3::text END,
+    reason = CASE WHEN cur.confirmed THEN c.reason WHEN cur.cancelling THEN 'interrupted'
+                  ELSE $4::text END,
+    progress = CASE WHEN cur.cancelling
         THEN left(coalesce(c.progress || '; ', '') || 'the agent stopped: ' || $3::text
                   || coalesce(' (' || $4::text || ')', ''), 500)
         ELSE c.progress END,
-    result = CASE c.state WHEN 'cancelling' THEN NULL ELSE $5::bytea END,
-    result_signature = CASE c.state WHEN 'cancelling' THEN NULL ELSE $6::bytea END,
-    attested = c.state <> 'cancelling' AND $7::bool,
-    ended_at = CASE c.state WHEN 'cancelling' THEN now() ELSE c.ended_at END,
+    result = CASE WHEN cur.cancelling THEN NULL ELSE $5::bytea END,
+    result_signature = CASE WHEN cur.cancelling THEN NULL ELSE $6::bytea END,
+    attested = NOT cur.cancelling AND $7::bool,
+    ended_at = CASE WHEN cur.confirmed THEN now() ELSE c.ended_at END,
     finished_at = now(), updated_at = now()
-WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running', 'cancelling')
+FROM cur WHERE c.id = cur.id
 RETURNING {_COLS}
 """
 

@@ -832,6 +832,7 @@ class Agent:
                 reason=entry.reason,
                 result=entry.result or b"",
                 result_signature=entry.signature,
+                journal_id=self.journal.id if self.journal is not None else "",
             )
             return msgspec.convert(await self._request("result", event), ResultReply)
 

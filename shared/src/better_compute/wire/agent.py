@@ -161,6 +161,10 @@ class Result(AgentEvent, frozen=True, kw_only=True, tag="result"):
     result_signature: bytes | None = None
     """A node's signature over ``result_document(...)``: the result then counts as attested
     once the command queue checked it against the node's certificate."""
+    journal_id: str = ""
+    """The reporting agent's journal. A ``cancelling`` command is ``cancelled`` only on the word
+    of the journal that claimed it (or an agent that does not say); another journal of the same
+    agent cannot vouch for what the first one sent: the command then fails ``interrupted``."""
 
 
 class Check(AgentEvent, frozen=True, kw_only=True, tag="check"):
