@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import stat
 import urllib.error
@@ -327,6 +328,7 @@ async def test_nothing_reaches_the_bmc_after_a_cancel_reached_the_site_agent(sit
     assert final.reason == "workflow aborted"
     assert final.progress is not None
     assert "the agent stopped: rejected" in final.progress, final.progress
+    assert re.match(r"try \d+: ", final.progress), final.progress  # the agent's last try
 
 
 async def test_a_site_agent_killed_while_running_an_idempotent_command_runs_it_again(site: Site) -> None:
