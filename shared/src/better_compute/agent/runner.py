@@ -786,12 +786,21 @@ class Agent:
             return False
         log = self.log.bind(command_id=delivery.id, kind=delivery.kind)
         log.warning("command_rerun", reason="the agent stopped while it ran; the kind is idempotent")
-        self._active.add(delivery.id)
-        try:
-            await self._execute(delivery, None, log)
-        finally:
-            self._active.discard(delivery.id)
+        await self._execute(delivery, None, log)
         return True
+
+    async def _rerun_or_interrupt(self, entry: JournalEntry) -> None:
+        """At start, beside the heartbeats (a re-run may wait on its BMC until its deadline):
+        run it again if the command queue lets it, else report it interrupted."""
+        try:
+            if await self._rerun(entry):
+                await self._report_entry(entry.id)
+            else:
+                await self._interrupted(entry.id)
+        except Exception:
+            self.log.exception("command_rerun_failed", command_id=entry.id)
+        finally:
+            self._active.discard(entry.id)
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         while True:
@@ -855,11 +864,11 @@ class Agent:
         """At start: report what an earlier process finished, and fail what it left running."""
         assert self.journal is not None
         for entry in self.journal.unsettled():
-            if entry.state == "started":
-                if entry.delivery is not None and await self._rerun(entry):
-                    await self._report_entry(entry.id)
-                else:
-                    await self._interrupted(entry.id)
+            if entry.state == "started" and entry.delivery is not None:
+                self._active.add(entry.id)  # a delivery of it meanwhile waits for this
+                self._spawn(self._rerun_or_interrupt(entry))
+            elif entry.state == "started":
+                await self._interrupted(entry.id)
             else:
                 await self._report_entry(entry.id)
 
