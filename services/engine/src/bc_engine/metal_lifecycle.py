@@ -178,7 +178,8 @@ def _undo_plan(views: list[Any]) -> dict[str, tuple[str, dict[str, Any]]]:
 async def undo_aborted(engine: Engine, workflow_id: str) -> None:
     """After an abort, once every command of the workflow ended at its agent: clear its boot
     entries, eject its media, set a boot override back to the disk and power off a machine it
-    powered on. Each is keyed (``wf:<workflow>:undo:<what>``), so a second run sends nothing new."""
+    powered on. Each is keyed (``wf:<workflow>:undo:<abort ms>:<what>``), so a second run of
+    this reconciler sends nothing new, and a resumed workflow aborted again undoes again."""
     wf = await engine.db.fetchrow(store.WORKFLOW, workflow_id)
     if wf is None or wf["state"] != "aborted" or wf["node_id"] is None:
         return
@@ -193,6 +194,8 @@ async def undo_aborted(engine: Engine, workflow_id: str) -> None:
     plan = _undo_plan(views)
     if not plan:
         return
+    # per abort (a resumed workflow aborted again undoes again): the abort's time names it
+    abort_ms = int(wf["finished_at"].timestamp() * 1000) if wf["finished_at"] is not None else 0
     node = await engine.db.fetchrow(store.NODE, wf["node_id"])
     if node is None:
         return
@@ -204,7 +207,7 @@ async def undo_aborted(engine: Engine, workflow_id: str) -> None:
                     site_id=node["site_id"],
                     kind=kind,
                     payload=payload,
-                    key=f"{undo_prefix}{what}",
+                    key=f"{undo_prefix}{abort_ms}:{what}",
                     workflow_id=workflow_id,
                     timeout_ms=UNDO_TIMEOUT_MS,
                     tenant_id=node["tenant_id"],
