@@ -95,10 +95,12 @@ _SECS: Final = "make_interval(secs => {p}::double precision / 1000)"
 COMMAND_BY_ID: Final = f"SELECT {_COLS} FROM commands c WHERE c.id = $1"
 COMMAND_BY_NODE_KEY: Final = f"SELECT {_COLS} FROM commands c WHERE c.node_id = $1 AND c.key = $2"
 COMMAND_STATES: Final = "SELECT id, state FROM commands WHERE id = ANY($1::text[])"
-# $1 ids, $2 agent: which of the commands an agent runs must stop (a check before a try)
+# $1 ids, $2 agent: which of the commands an agent runs must stop (a check before a try):
+# all but those still acked or running for it (an unknown id stops too, and says nothing more)
 MUST_STOP: Final = """
-SELECT id FROM commands
-WHERE id = ANY($1::text[]) AND (agent_id IS DISTINCT FROM $2 OR state NOT IN ('acked', 'running'))
+SELECT x.id FROM unnest($1::text[]) AS x (id)
+WHERE NOT EXISTS (SELECT 1 FROM commands c WHERE c.id = x.id AND c.agent_id = $2
+                  AND c.state IN ('acked', 'running'))
 """
 # $1 agent: its commands cancelled after it claimed them (told in each heartbeat's reply)
 AGENT_CANCELLING: Final = (
