@@ -183,7 +183,7 @@ async def test_only_the_claiming_journal_may_run_an_idempotent_command_again(nod
     other = await node.claim(on, "journal-b", rerun=True)
     assert (other["proceed"], other["reason"]) == (False, "claimed-by-another-journal")
     rerun = await node.claim(on, "journal-a", rerun=True)
-    assert (rerun["proceed"], rerun["state"]) == (True, "running")
+    assert (rerun["proceed"], rerun["state"], rerun["rerun"]) == (True, "running", True)
     refused = await node.claim(cycle, "journal-a", rerun=True)
     assert (refused["proceed"], refused["reason"]) == (False, "not-idempotent")
     assert (await node.cq.get(id=cycle.id)).state == "running"  # the agent reports it interrupted

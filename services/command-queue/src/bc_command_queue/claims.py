@@ -130,7 +130,7 @@ class Claims:
         if row is None:
             return AckReply(proceed=False, state=state, reason="expired")
         self.log.info("command_rerun", command_id=ev.command_id, agent_id=ev.agent, kind=cur["kind"])
-        return AckReply(proceed=True, state=row["state"])
+        return AckReply(proceed=True, state=row["state"], rerun=True)
 
     async def _interrupt(self, ev: Ack, journal: str | None, cur: Any) -> AckReply:
         """Another journal of the agent claims a command that may have started: settle it

@@ -747,10 +747,11 @@ class Agent:
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
 
-    async def _rerun(self, entry: JournalEntry) -> bool:
+    async def _rerun(self, entry: JournalEntry) -> bool | None:
         """A command an earlier process started and never finished, whose delivery the journal
         kept: when the command queue says it may (an idempotent kind, still this journal's,
-        live, not cancelled), run it again; False when it may not."""
+        live, not cancelled), run it again; False when it may not; None when the queue could
+        not say before the agent stopped (the next start asks again)."""
         assert self.journal is not None
         assert entry.delivery is not None
         try:
@@ -770,9 +771,11 @@ class Agent:
 
         try:
             reply: AckReply = await self._retrying("rerun", ack)
-        except (_Stopping, _Later, BcError):
+        except (_Stopping, _Later):
+            return None
+        except BcError:
             return False
-        if not reply.proceed:
+        if not reply.proceed or not reply.rerun:
             if reply.reason == "cancelling":
                 await self.journal.finished(
                     delivery.id,
@@ -793,9 +796,10 @@ class Agent:
         """At start, beside the heartbeats (a re-run may wait on its BMC until its deadline):
         run it again if the command queue lets it, else report it interrupted."""
         try:
-            if await self._rerun(entry):
+            ran = await self._rerun(entry)
+            if ran:
                 await self._report_entry(entry.id)
-            else:
+            elif ran is False:
                 await self._interrupted(entry.id)
         except Exception:
             self.log.exception("command_rerun_failed", command_id=entry.id)

@@ -215,6 +215,9 @@ class AckReply(_Msg, frozen=True, kw_only=True):
     again: bool = False
     """Not now, but not for good: the command waits (for its batch's approval) and is delivered
     again when it may run. The agent forgets this delivery instead of journaling a refusal."""
+    rerun: bool = False
+    """The answer to a ``rerun`` claim, from a queue that knows them: only then may the agent
+    run the command again (an older queue would take it for a plain claim)."""
 
 
 class ResultReply(_Msg, frozen=True, kw_only=True):
