@@ -236,7 +236,7 @@ async def test_agent_events_that_do_not_check_out_change_nothing(attack: Attack)
     beat = sign_event(node.enrollment.identity, "heartbeat", Heartbeat(**node.base(signed_at_ms=now + 1)))
     leave = Heartbeat(**node.base(signed_at_ms=now + 2), leaving=True)
     await send(api, *subject, "heartbeat", sign_event(node.enrollment.identity, "heartbeat", leave))
-    assert (await send(api, *subject, "heartbeat", beat)) == {"bootLease": False}
+    assert (await send(api, *subject, "heartbeat", beat)) == {"bootLease": False, "cancel": []}
     [listed] = [a for a in await cq.agents(site_id="site-a") if a.id == node.agent]
     assert not listed.connected
 

@@ -147,6 +147,21 @@ async def test_a_command_running_at_its_agent_names_the_agent_and_since_when(sta
     await stack.engine.abort_workflow(id=wf_id)
 
 
+async def test_an_aborted_workflows_command_still_running_at_its_agent_is_named_cancelling(
+    stack: Stack,
+) -> None:
+    """Issue 22, gap 1: a cancel is a handshake. After the abort, the command its agent still
+    runs is `cancelling`, and why says so, naming the agent that has not confirmed yet."""
+    _sim, agent_id = await stack.agent("held", "--delay", "power.setPower=60000")
+    _node_id, wf_id = await stack.start([{"use": "test.power", "on": "site"}])
+    await stack.why_says(wf_id, "command power.setPower", "running since 20")
+    await stack.engine.abort_workflow(id=wf_id)
+    out = await stack.why_says(
+        wf_id, "aborted", "command power.setPower", "cancelling since 20", f"agent {agent_id} has not yet"
+    )
+    assert "no try reported" in out  # the simulated agent's handler makes no BMC call
+
+
 async def test_a_step_not_ready_says_its_own_reason_and_its_deadline(stack: Stack) -> None:
     reason = "waiting for rack r12's top-of-rack switch"
     _node, wf_id = await stack.start(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import stat
 import urllib.error
@@ -335,3 +336,92 @@ async def test_the_site_agent_runs_any_number_of_ipmi_commands_on_one_bmc(site: 
         assert sum(line.startswith("chassis-control") for line in log) == 2, log
     finally:
         site.ipmi.close()
+
+
+def _finished_at_agent(site: Site, command_id: str) -> bool:
+    """The agent's own log says the command's handler ended (whatever its outcome)."""
+    return any("command_finished" in line and command_id in line for line in site.agent.output().splitlines())
+
+
+async def test_nothing_reaches_the_bmc_after_a_cancel_reached_the_site_agent(site: Site) -> None:
+    """Issue 22, gap 1: with the BMC down, a cancelled boot-device command used to be retried by
+    the agent and applied once the BMC came back. Counted at the BMC's request log: no PATCH
+    after the cancel; the command is `cancelling` until the agent confirms, then `cancelled`."""
+    ok(await site.run("management.setBootDevice", {"device": "disk"}))  # the BMC works; not PXE
+    site.proxy.set(mode="error", status=500)  # the BMC is down
+    start = len(site.proxy.requests())
+    view = await site.enqueue("management.setBootDevice", {"device": "pxe"}, timeout_ms=120_000)
+    await until(lambda: len(site.proxy.requests()) >= start + 2)  # the agent retries
+    site.proxy.set(mode="hang", seconds=3)  # its next try is at the BMC while the cancel comes
+    await until(lambda: any(line.endswith(" hang") for line in site.proxy.requests()[start:]))
+    await site.cq.cancel(id=view.id, reason="workflow aborted")
+    at_cancel = len(site.proxy.requests())
+    state_after_cancel = (await site.cq.get(id=view.id)).state
+    final = await site.settled(view.id)
+    site.proxy.set(mode="forward")  # the BMC is back
+    await until(lambda: _finished_at_agent(site, view.id), what="the agent ends the command")
+    ok(await site.run("management.inventory", {}))
+    after = site.proxy.requests()[at_cancel:]
+    patches = [line for line in after if line.startswith("PATCH")]
+    assert patches == [], after
+    assert site.bmc()["Boot"]["BootSourceOverrideTarget"] == "Hdd"
+    assert state_after_cancel == "cancelling"
+    assert final.state == "cancelled", (final.state, final.reason)
+    assert final.reason == "workflow aborted"
+    assert final.progress is not None
+    assert "the agent stopped: rejected" in final.progress, final.progress
+    assert re.match(r"try \d+: ", final.progress), final.progress  # the agent's last try
+
+
+async def test_a_site_agent_killed_while_running_an_idempotent_command_runs_it_again(site: Site) -> None:
+    """Issue 22, gap 7: a boot-device command whose agent was killed while it ran is run again
+    at the agent's restart (its kind is idempotent), and succeeds; counted at the BMC."""
+    ok(await site.run("power.setPower", {"action": "on"}))
+    site.proxy.set(mode="hang", seconds=3)
+    start = len(site.proxy.requests())
+    view = await site.enqueue("management.setBootDevice", {"device": "pxe"})
+    await until(lambda: any(line.endswith(" hang") for line in site.proxy.requests()[start:]))
+    site.agent.kill()  # journaled started, at the BMC
+    site.proxy.set(mode="forward")
+    site.agent.start()
+    final = await site.settled(view.id)
+    assert final.state == "succeeded", (final.state, final.reason)
+    assert site.bmc()["Boot"]["BootSourceOverrideTarget"] == "Pxe"
+    patches = [line for line in site.proxy.requests()[start:] if line.startswith("PATCH")]
+    assert len(patches) == 1, patches  # the killed run never got to its PATCH
+
+
+async def test_a_site_agent_killed_while_running_a_destructive_command_fails_it_interrupted(
+    site: Site,
+) -> None:
+    """Issue 22, gap 7: a destructive kind (driver.invoke) is never run again after a kill."""
+    ok(await site.run("power.setPower", {"action": "on"}))
+    site.steps += 1
+    creds = json.dumps({"username": site.emulator.username, "password": site.emulator.password})
+    ref = (
+        await site.secrets.put(value=creds.encode(), tenant_id="root", workflow_id=site.wf, step=site.steps)
+    ).ref
+    bmc = {"driver": "redfish", "address": site.proxy.url, "credentialsRef": ref}
+    site.proxy.set(mode="hang", seconds=3)
+    start = len(site.proxy.requests())
+    view = await site.cq.enqueue(
+        EnqueueCommand(
+            node_id=site.node,
+            site_id=SITE,
+            kind="driver.invoke",
+            key=f"wf:{site.wf}:{site.steps}#1:driver.invoke",
+            workflow_id=site.wf,
+            step=site.steps,
+            payload={"operation": "management.setBootDevice", "input": {"device": "cd", "bmc": bmc}},
+            timeout_ms=60_000,
+        )
+    )
+    await until(lambda: any(line.endswith(" hang") for line in site.proxy.requests()[start:]))
+    site.agent.kill()
+    site.proxy.set(mode="forward")
+    site.agent.start()
+    final = await site.settled(view.id)
+    assert final.state == "failed", (final.state, final.reason)
+    assert final.reason is not None
+    assert "interrupted" in final.reason
+    assert [line for line in site.proxy.requests()[start:] if line.startswith("PATCH")] == []

@@ -208,3 +208,62 @@ async def test_an_interrupted_command_stays_in_the_running_list_until_its_journa
         await conn.close()
     await node.send("heartbeat", {"journalId": "journal-c", "incarnation": "c"})
     assert (await node.cq.cancel_under(key_prefix=f"wf:{wf}:1#1", workflow_id=wf)).running == []
+
+
+async def _command(node: Node, kind: str, key: str, payload: dict[str, Any] | None = None) -> CommandView:
+    view = await node.cq.enqueue(
+        EnqueueCommand(
+            node_id=node.id, site_id="site-c", kind=kind, key=key, target="node", payload=payload or {}
+        )
+    )
+    assert view.state == "dispatched"
+    return view
+
+
+async def test_a_cancel_after_a_claim_waits_for_the_word_of_the_journal_that_claimed_it(node: Node) -> None:
+    """Issue 22, gap 1: a claimed command is cancelling until its agent says it stopped it; the
+    agent hears of it in its heartbeat's reply and in a check; only the claiming journal's word
+    makes it cancelled."""
+    await node.send("hello", {"incarnation": "i1", "kinds": None})
+    confirmed = await _command(node, "node.inventory", "c1")
+    doubted = await _command(node, "node.inventory", "c2")
+    for view in (confirmed, doubted):
+        assert (await node.claim(view, "journal-a"))["proceed"] is True
+        await node.cq.cancel(id=view.id, reason="workflow aborted")
+        assert (await node.cq.get(id=view.id)).state == "cancelling"
+    beat = await node.send("heartbeat", {"incarnation": "i1"})
+    assert sorted(beat["cancel"]) == sorted([confirmed.id, doubted.id])
+    check = await node.send("check", {"commandIds": [confirmed.id]})
+    assert check["stop"] == [confirmed.id]
+    # a claim of a cancelling command is answered so: the agent says it never started it
+    again = await node.claim(confirmed, "journal-a")
+    assert (again["proceed"], again["reason"]) == (False, "cancelling")
+    word = {"status": "rejected", "reason": "cancelled: the agent never started it", "result": ""}
+    said = await node.send("result", {"commandId": confirmed.id, "journalId": "journal-a", **word})
+    assert (said["recorded"], said["state"]) == (True, "cancelled")
+    done = await node.cq.get(id=confirmed.id)
+    assert (done.state, done.reason) == ("cancelled", "workflow aborted")
+    assert done.progress is not None
+    assert "the agent stopped: rejected" in done.progress
+    # another journal of the agent cannot vouch for what journal-a sent: outcome unknown
+    other = await node.send("result", {"commandId": doubted.id, "journalId": "journal-b", **word})
+    assert (other["recorded"], other["state"]) == (True, "failed")
+    assert (await node.cq.get(id=doubted.id)).reason == "interrupted"
+    assert (await node.send("heartbeat", {"incarnation": "i1"}))["cancel"] == []
+
+
+async def test_only_the_claiming_journal_may_run_an_idempotent_command_again(node: Node) -> None:
+    """Issue 22, gap 7: a rerun claim proceeds for an idempotent kind and payload, from the
+    journal that claimed it; a power cycle or another journal is refused."""
+    on = await _command(node, "power.setPower", "p-on", {"action": "on"})
+    cycle = await _command(node, "power.setPower", "p-cycle", {"action": "cycle"})
+    for view in (on, cycle):
+        assert (await node.claim(view, "journal-a"))["proceed"] is True
+        await node.send("progress", {"commandId": view.id, "message": "try 1: GET System"})
+    other = await node.claim(on, "journal-b", rerun=True)
+    assert (other["proceed"], other["reason"]) == (False, "claimed-by-another-journal")
+    rerun = await node.claim(on, "journal-a", rerun=True)
+    assert (rerun["proceed"], rerun["state"], rerun["rerun"]) == (True, "running", True)
+    refused = await node.claim(cycle, "journal-a", rerun=True)
+    assert (refused["proceed"], refused["reason"]) == (False, "not-idempotent")
+    assert (await node.cq.get(id=cycle.id)).state == "running"  # the agent reports it interrupted

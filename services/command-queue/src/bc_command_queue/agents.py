@@ -2,7 +2,8 @@
 
 Each event is checked against its signer's certificate, decoded once into the event union
 (``wire.agent.AnyAgentEvent``) and dispatched with ``match``: presence (hello, heartbeat) is
-here, claims (ack) in ``claims.py``, runs (progress, result) in ``runs.py``. Each is applied by
+here with the checks before an agent's tries (check), claims (ack) in ``claims.py``, runs
+(progress, result) in ``runs.py``. Each is applied by
 compare-and-set on the command's state, so a duplicate or late event changes nothing.
 """
 
@@ -26,6 +27,8 @@ from better_compute.wire.agent import (
     EVENT_KINDS,
     Ack,
     AnyAgentEvent,
+    Check,
+    CheckReply,
     Heartbeat,
     HeartbeatReply,
     Hello,
@@ -85,6 +88,7 @@ class Agents:
         dispatch_pending: DispatchPending,
         spawn: Spawn,
         log: Any,
+        reruns: Callable[[str, Any], bool] = lambda _kind, _payload: False,
     ) -> None:
         self.db = db
         self.config = config
@@ -96,7 +100,7 @@ class Agents:
         self.dispatch_pending = dispatch_pending
         self.spawn = spawn
         self.log = log
-        self.claims = Claims(db=db, config=config, changed=changed, log=log)
+        self.claims = Claims(db=db, config=config, changed=changed, log=log, reruns=reruns)
         self.runs = Runs(db=db, pki=pki, changed=changed, log=log)
 
     async def on_event(self, msg: Msg) -> None:
@@ -148,6 +152,15 @@ class Agents:
                 return None
             case Result():
                 return await self.runs.result(event)
+            case Check():
+                return await self._check(event, signer)
+
+    async def _check(self, ev: Check, signer: Signer) -> CheckReply:
+        """Before a try of a call to a machine: which of these commands must stop now."""
+        if len(ev.command_ids) > 256:
+            raise invalid("commandIds", "at most 256 commands a check")
+        rows = await self.db.fetch(store.MUST_STOP, ev.command_ids, signer.agent_id)
+        return CheckReply(stop=[r["id"] for r in rows])
 
     # -- presence ---------------------------------------------------------------------------
 
@@ -220,7 +233,8 @@ class Agents:
             return HeartbeatReply(boot_lease=False)  # older than one already applied
         await self._journal_seen(signer.agent_id, ev.journal_id)
         lease = row["role"] == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
-        return HeartbeatReply(boot_lease=lease)
+        cancel = [r["id"] for r in await self.db.fetch(store.AGENT_CANCELLING, signer.agent_id)]
+        return HeartbeatReply(boot_lease=lease, cancel=cancel)
 
     async def _journal_seen(self, agent_id: str, journal_id: str) -> None:
         """The process of this journal is there: its generation is given at its first hello

@@ -4,12 +4,16 @@ A claim is taken only when the command is dispatched to this agent, its digest m
 for a destructive command, its batch is valid under the approvers configured now; another
 journal's claim of a command that may have started settles it ``interrupted``, unless that
 journal is older than the one that claimed it (journals are numbered by the queue at first sight:
-``generation``, which a retried, re-signed claim cannot change).
+``generation``, which a retried, re-signed claim cannot change). A ``rerun`` claim lets the
+journal that started an idempotent command and died run it again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from better_compute.service import Database
 from better_compute.service.killpoints import declare, kill_point
@@ -32,7 +36,18 @@ AFTER_CLAIM = declare(
 class Claims:
     """Applies ``ack`` events by compare-and-set on the command's state."""
 
-    def __init__(self, *, db: Database, config: CmdqConfig, changed: Changed, log: Any) -> None:
+    def __init__(
+        self,
+        *,
+        db: Database,
+        config: CmdqConfig,
+        changed: Changed,
+        log: Any,
+        reruns: Callable[[str, Any], bool] = lambda _kind, _payload: False,
+    ) -> None:
+        self.reruns = reruns
+        """Whether a command of a kind, with a payload, may run again after an interruption
+        (the kind's manifest says it is idempotent)."""
         self.db = db
         self.config = config
         self.changed = changed
@@ -52,6 +67,8 @@ class Claims:
         journal = ev.journal_id or None
         quorum = self.config.quorum.enabled
         claim = (ev.command_id, ev.agent, digest, journal, ev.signed_at_ms, quorum)
+        if ev.rerun:
+            return await self._rerun(ev, digest, journal)
         kill_point(BEFORE_CLAIM)
         generation, present = 0, False
         if journal is not None:
@@ -75,6 +92,9 @@ class Claims:
         state = cur["state"]
         if state in TERMINAL_STATES:
             return AckReply(proceed=False, state=state, reason=state)
+        if state == "cancelling":
+            # Cancelled after a claim: the agent says it never started it with a result.
+            return AckReply(proceed=False, state=state, reason="cancelling")
         if not cur["live"]:
             return AckReply(proceed=False, state=state, reason="expired")
         same_journal = journal is not None and cur["claim_journal"] == journal
@@ -93,6 +113,30 @@ class Claims:
                 return await self._refuse_for_batch(ev, journal, cur)
         # pending, or changed meanwhile: it comes again in a later delivery
         return AckReply(proceed=False, state=state, reason=state, again=True)
+
+    async def _rerun(self, ev: Ack, digest: bytes, journal: str | None) -> AckReply:
+        """The journal that claimed a command started it and its process died: it runs again
+        only when the kind is idempotent for the payload and nothing else changed meanwhile."""
+        cur = await self.db.fetchrow(store.CLAIM_STATE, ev.command_id)
+        if cur is None:
+            return AckReply(proceed=False, reason="unknown-command")
+        if cur["agent_id"] != ev.agent or bytes(cur["digest"]) != digest:
+            return AckReply(proceed=False, reason="not-yours")
+        state = cur["state"]
+        if state == "cancelling":
+            return AckReply(proceed=False, state=state, reason="cancelling")
+        if state not in ("acked", "running"):
+            return AckReply(proceed=False, state=state, reason=state)
+        if journal is None or cur["claim_journal"] != journal:
+            return AckReply(proceed=False, state=state, reason="claimed-by-another-journal")
+        payload = msgspec.json.decode(cur["payload"]) if isinstance(cur["payload"], str) else cur["payload"]
+        if cur["destructive"] or not self.reruns(cur["kind"], payload):
+            return AckReply(proceed=False, state=state, reason="not-idempotent")
+        row = await self.db.fetchrow(store.CLAIM_RERUN, ev.command_id, ev.agent, journal)
+        if row is None:
+            return AckReply(proceed=False, state=state, reason="expired")
+        self.log.info("command_rerun", command_id=ev.command_id, agent_id=ev.agent, kind=cur["kind"])
+        return AckReply(proceed=True, state=row["state"], rerun=True)
 
     async def _interrupt(
         self, ev: Ack, journal: str | None, generation: tuple[int, bool], cur: Any

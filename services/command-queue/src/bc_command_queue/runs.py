@@ -47,7 +47,7 @@ class Runs:
         attested = False
         if ev.result_signature is not None:
             cur = await self._command_of(ev)
-            if cur["state"] not in ("acked", "running"):
+            if cur["state"] not in ("acked", "running", "cancelling"):
                 await self._late_end(ev)
                 return ResultReply(recorded=False, state=cur["state"])
             attested = await self._attest(cur["node_id"], ev)
@@ -61,6 +61,7 @@ class Runs:
             ev.result,
             ev.result_signature,
             attested,
+            ev.journal_id[:64] if isinstance(ev.journal_id, str) else "",
         )
         if row is None:  # settled already (a duplicate or late result), or not this agent's
             cur = await self._command_of(ev)
@@ -70,13 +71,13 @@ class Runs:
         self.log.info(
             "command_settled",
             command_id=ev.command_id,
-            state=ev.status,
+            state=row["state"],
             reason=reason,
             attested=attested,
             result_bytes=len(ev.result),
         )
         await self.changed([row])
-        return ResultReply(recorded=True, state=ev.status, attested=attested)
+        return ResultReply(recorded=True, state=row["state"], attested=row["attested"])
 
     async def _command_of(self, ev: Result) -> Any:
         """The command a result is about; ``NOT_FOUND`` or ``PERMISSION_DENIED`` if not the

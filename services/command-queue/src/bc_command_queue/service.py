@@ -112,6 +112,7 @@ class CommandQueueService(Service):
             dispatch_pending=dispatch,
             spawn=self._spawn,
             log=log,
+            reruns=lambda kind, payload: app.command_kind(kind, path="kind").reruns(payload),
         )
         commands = Commands(
             db=db, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log

@@ -22,6 +22,7 @@ __all__ = [
     "ACK",
     "AGENTS_LIST",
     "AGENT_AGAIN",
+    "AGENT_CANCELLING",
     "AGENT_COMMANDS_TO_REPUBLISH",
     "AGENT_HEARTBEAT",
     "AGENT_LEAVE",
@@ -47,6 +48,7 @@ __all__ = [
     "CLAIM_BACK_TO_PENDING",
     "CLAIM_BATCH_EXPIRED",
     "CLAIM_INTERRUPTED",
+    "CLAIM_RERUN",
     "CLAIM_STATE",
     "COMMAND_BY_ID",
     "COMMAND_BY_NODE_KEY",
@@ -65,6 +67,7 @@ __all__ = [
     "LEASE_RENEW",
     "LIST_COMMANDS",
     "LIVE_WITH_PREFIX",
+    "MUST_STOP",
     "PICK_SITE_AGENT",
     "PROGRESS",
     "PUBLISHED",
@@ -93,6 +96,17 @@ _SECS: Final = "make_interval(secs => {p}::double precision / 1000)"
 COMMAND_BY_ID: Final = f"SELECT {_COLS} FROM commands c WHERE c.id = $1"
 COMMAND_BY_NODE_KEY: Final = f"SELECT {_COLS} FROM commands c WHERE c.node_id = $1 AND c.key = $2"
 COMMAND_STATES: Final = "SELECT id, state FROM commands WHERE id = ANY($1::text[])"
+# $1 ids, $2 agent: which of the commands an agent runs must stop (a check before a try):
+# all but those still acked or running for it (an unknown id stops too, and says nothing more)
+MUST_STOP: Final = """
+SELECT x.id FROM unnest($1::text[]) AS x (id)
+WHERE NOT EXISTS (SELECT 1 FROM commands c WHERE c.id = x.id AND c.agent_id = $2
+                  AND c.state IN ('acked', 'running'))
+"""
+# $1 agent: its commands cancelled after it claimed them (told in each heartbeat's reply)
+AGENT_CANCELLING: Final = (
+    "SELECT id FROM commands WHERE agent_id = $1 AND state = 'cancelling' ORDER BY id LIMIT 256"
+)
 COMMAND_STATE: Final = (
     "SELECT id, node_id, kind, state, agent_id, digest, not_after > now() AS live FROM commands WHERE id = $1"
 )
@@ -247,7 +261,7 @@ RETURNING {_COLS}
 FAIL_LOST: Final = f"""
 WITH due AS (
     SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
-    WHERE c.state IN ('acked', 'running')
+    WHERE c.state IN ('acked', 'running', 'cancelling')
       AND a.last_seen < now() - {_SECS.format(p="$1")}
       AND c.updated_at < now() - {_SECS.format(p="$1")}
     LIMIT 500 FOR UPDATE OF c SKIP LOCKED
@@ -276,7 +290,7 @@ RETURNING {_COLS}
 """
 # Why a claim was not taken: the command as its claim sees it, with its batch.
 CLAIM_STATE: Final = """
-SELECT c.id, c.state, c.agent_id, c.digest, c.not_after > now() AS live, c.destructive,
+SELECT c.id, c.state, c.kind, c.payload, c.agent_id, c.digest, c.not_after > now() AS live, c.destructive,
        c.claim_journal, c.claim_signed_ms, b.id IS NOT NULL AS has_batch,
        coalesce(b.expires_at <= now(), false) AS batch_expired,
        coalesce(b.approved_at IS NOT NULL, false) AS batch_approved
@@ -304,6 +318,14 @@ WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running')
            AND ($6::bool OR coalesce(c.claim_signed_ms, 0) < $4) END
 RETURNING {_COLS}
 """
+# $1 id, $2 agent, $3 journal: the journal that claimed an idempotent command and died while
+# running it runs it again (claims.py checks the kind); nothing else may.
+CLAIM_RERUN: Final = f"""
+UPDATE commands c SET updated_at = now()
+WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running') AND c.claim_journal = $3
+  AND c.not_after > now()
+RETURNING {_COLS}
+"""
 # $1 id, $2 agent, $3 journal: a destructive command claimed while its batch is not approved
 # (an approver was withdrawn) goes back to pending; a new approval dispatches it again.
 CLAIM_BACK_TO_PENDING: Final = f"""
@@ -325,28 +347,56 @@ RETURNING {_COLS}
 PROGRESS: Final = f"""
 WITH old AS (
     SELECT id, state FROM commands
-    WHERE id = $1 AND agent_id = $2 AND state IN ('acked', 'running') FOR UPDATE
+    WHERE id = $1 AND agent_id = $2 AND state IN ('acked', 'running', 'cancelling') FOR UPDATE
 )
-UPDATE commands c SET state = 'running', progress = coalesce($3, c.progress),
+UPDATE commands c SET state = CASE old.state WHEN 'cancelling' THEN 'cancelling' ELSE 'running' END,
+    progress = coalesce($3, c.progress),
     updated_at = now()
 FROM old WHERE c.id = old.id
 RETURNING {_COLS}, old.state AS old_state
 """
+# A cancelling command's result is the agent's word that it stopped it (or never started it):
+# it becomes cancelled, its outcome is kept in progress, and its result counts for nothing. Only
+# the journal that claimed it can say so ($8, '' when the agent does not name its journal);
+# another journal's word leaves its outcome unknown: failed, interrupted.
 RESULT: Final = f"""
-UPDATE commands c SET state = $3, reason = $4, result = $5, result_signature = $6,
-    attested = $7, finished_at = now(), updated_at = now()
-WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running')
+WITH cur AS (
+    SELECT id, state = 'cancelling' AS cancelling,
+           state = 'cancelling' AND ($8::text = '' OR claim_journal IS NULL OR claim_journal = $8)
+               AS confirmed
+    FROM commands WHERE id = $1 AND agent_id = $2 AND state IN ('acked', 'running', 'cancelling')
+    FOR UPDATE
+)
+UPDATE commands c SET
+    state = CASE WHEN cur.confirmed THEN 'cancelled' WHEN cur.cancelling THEN 'failed' ELSE $3::text END,
+    reason = CASE WHEN cur.confirmed THEN c.reason WHEN cur.cancelling THEN 'interrupted'
+                  ELSE $4::text END,
+    progress = CASE WHEN cur.cancelling
+        THEN left(coalesce(c.progress || '; ', '') || 'the agent stopped: ' || $3::text
+                  || coalesce(' (' || $4::text || ')', ''), 500)
+        ELSE c.progress END,
+    result = CASE WHEN cur.cancelling THEN NULL ELSE $5::bytea END,
+    result_signature = CASE WHEN cur.cancelling THEN NULL ELSE $6::bytea END,
+    attested = NOT cur.cancelling AND $7::bool,
+    ended_at = CASE WHEN cur.confirmed THEN now() ELSE c.ended_at END,
+    finished_at = now(), updated_at = now()
+FROM cur WHERE c.id = cur.id
 RETURNING {_COLS}
 """
 
+# A command its agent claimed may run there: it is cancelling until the agent says it stopped.
+_CANCEL_SET: Final = """
+    state = CASE WHEN c.state IN ('acked', 'running') THEN 'cancelling' ELSE 'cancelled' END,
+    finished_at = CASE WHEN c.state IN ('acked', 'running') THEN NULL ELSE now() END,
+    updated_at = now()"""
 CANCEL_BY_ID: Final = f"""
-UPDATE commands c SET state = 'cancelled', reason = $2, finished_at = now(), updated_at = now()
+UPDATE commands c SET reason = $2, {_CANCEL_SET}
 WHERE c.id = $1 AND c.state IN {_LIVE}
 RETURNING {_COLS}
 """
 # $1 node (or NULL), $2 prefix, $3 reason, $4 workflow (or NULL): every node it sent to
 CANCEL_BY_PREFIX: Final = f"""
-UPDATE commands c SET state = 'cancelled', reason = $3, finished_at = now(), updated_at = now()
+UPDATE commands c SET reason = $3, {_CANCEL_SET}
 WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_id = $4)
   AND c.state IN {_LIVE} AND {_KEY_UNDER.format(p="$2")}
 RETURNING {_COLS}
@@ -361,7 +411,7 @@ SELECT c.id, c.agent_id, c.claim_journal FROM commands c JOIN agents a ON a.id =
 LEFT JOIN journals j ON j.agent_id = c.agent_id AND j.journal_id = c.claim_journal
 WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_id = $4)
   AND c.acked_at IS NOT NULL AND c.ended_at IS NULL
-  AND (c.state IN ('acked', 'running', 'cancelled', 'expired')
+  AND (c.state IN ('acked', 'running', 'cancelling', 'cancelled', 'expired')
        OR (c.state = 'failed' AND c.reason = 'interrupted'))
   AND CASE WHEN j.present THEN j.last_seen ELSE a.last_seen END
       > now() - {_SECS.format(p="$3")}
@@ -384,8 +434,7 @@ KEY_FENCE_INSERT: Final = (
 KEY_FENCED: Final = fences.KEY_FENCED
 # A command created under a fenced key (it raced with the fence): cancelled before it goes out
 CANCEL_SUPERSEDED: Final = f"""
-UPDATE commands c SET state = 'cancelled', reason = 'attempt-superseded', finished_at = now(),
-    updated_at = now()
+UPDATE commands c SET reason = 'attempt-superseded', {_CANCEL_SET}
 WHERE c.id = $1 AND c.state IN {_LIVE}
 RETURNING {_COLS}
 """

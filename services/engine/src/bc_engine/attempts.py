@@ -1,6 +1,8 @@
 """What an earlier attempt of a step, or an aborted workflow, left behind: tokens and secrets it
 minted are revoked, its key is fenced in every service it used, and its commands are cancelled,
-before a new attempt starts (or once the abort is recorded)."""
+before a new attempt starts (or once the abort is recorded). An abort revokes what every step of
+the workflow minted, not only the cancelled one: the join token an earlier step gave a machine's
+ramdisk must not join a node whose workflow was given up."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ async def cleanup_aborted(engine: Engine, wf: WorkflowRow) -> float | None:
     try:
         if row is not None and row["attempt"] > 0:
             await _revoke_attempt(engine, wf, store.step_row(row), reason="its workflow was aborted")
+        for minted in await engine.db.fetch(store.MINTED_STEPS, wf.id):
+            await _revoke_minted(engine, wf, store.step_row(minted), reason="its workflow was aborted")
         if sent:
             await engine.cmdq.cancel_under(
                 key_prefix=workflow_command_prefix(wf.id), workflow_id=wf.id, reason="workflow aborted"
@@ -44,6 +48,16 @@ async def cleanup_aborted(engine: Engine, wf: WorkflowRow) -> float | None:
     return None
 
 
+async def _revoke_minted(engine: Engine, wf: WorkflowRow, step: StepRow, *, reason: str) -> None:
+    """Revoke the tokens and secrets attempt ``step.attempt`` minted, and fence its key there."""
+    coords: dict[str, Any] = {"workflow_id": wf.id, "step": step.idx, "attempt": step.attempt}
+    minted = set(step.minted or ())
+    if "pki" in minted:
+        await engine.pki.revoke_attempt(**coords, reason=reason)
+    if "secrets" in minted:
+        await engine.secrets.revoke_attempt(**coords, reason=reason)
+
+
 async def _revoke_attempt(
     engine: Engine, wf: WorkflowRow, step: StepRow, *, reason: str
 ) -> list[dict[str, Any]]:
@@ -51,12 +65,7 @@ async def _revoke_attempt(
     used; returns the commands of it that may still run at their agents (``commandId``, and the
     ``agentId`` and ``journalId`` that claimed it: interrupted ones too, until that journal
     reports their end or is lost)."""
-    coords: dict[str, Any] = {"workflow_id": wf.id, "step": step.idx, "attempt": step.attempt}
-    minted = set(step.minted or ())
-    if "pki" in minted:
-        await engine.pki.revoke_attempt(**coords, reason=reason)
-    if "secrets" in minted:
-        await engine.secrets.revoke_attempt(**coords, reason=reason)
+    await _revoke_minted(engine, wf, step, reason=reason)
     if not step.sent_commands:
         return []
     reply = await engine.cmdq.cancel_under(

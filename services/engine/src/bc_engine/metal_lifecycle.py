@@ -11,6 +11,12 @@ A new host section also queues ``metal-host:<node id>`` in the same transaction 
 work queue): ``converge_host`` sends bcd a ``node.converge`` of that generation and keeps the
 ``observedGeneration`` bcd reports. Facts reported by agents land here too: that generation (from
 any ``node.converge`` result) and the power state a ``power.setPower`` left.
+
+An aborted workflow also queues ``metal-undo:<workflow id>``: ``undo_aborted`` waits until every
+command of the workflow ended at its agent (a cancel is a handshake: ``cancelling`` may still
+reach the machine), then undoes what the workflow set up at the site (docs/metal.md, Abort):
+each boot entry cleared, an inserted medium ejected, a boot override set back to the disk, and a
+machine it powered on powered off.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from better_compute.app import App
 from better_compute.core.errors import BcError
+from better_compute.core.keys import workflow_command_prefix
 from better_compute.metal.lifecycle import TRANSITIONS
 from better_compute.provision import BUILTIN_CONFIG_UNITS, resolve_host_section, step_not_ready
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
@@ -36,15 +43,23 @@ __all__ = [
     "HOST_KEY_PREFIX",
     "HOST_OWNER",
     "METAL_OWNER",
+    "UNDO_OWNER",
     "converge_host",
     "current_workflow",
     "reconcile_metal",
     "record_command_result",
     "reopen_node",
+    "undo_aborted",
 ]
 
 METAL_OWNER = "metal"
 HOST_OWNER = "metal-host"
+UNDO_OWNER = "metal-undo"
+# wf:<workflow id>:undo:<what>: under the workflow's keys (bc-secrets opens a node's BMC
+# credential to a live workflow command of the node), never under a step attempt's
+UNDO_KEY = "undo"
+UNDO_LOOK_MS = 2_000  # the workflow's commands still end at their agents: look again this soon
+UNDO_TIMEOUT_MS = 600_000
 HOST_KEY_PREFIX = "host:g"  # the node.converge of generation g: host:g<g>
 HOST_CONVERGE_S = 3600  # bcd has this long to come up and apply a host section
 HOST_LOOK_MS = 10_000  # a converge still live is looked at again this soon (its event is sooner)
@@ -80,6 +95,98 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
     await node_event(engine.publish, row)
     if section is not None and engine.wake is not None:  # the new host section goes to bcd now
         await engine.wake(queue.owner_key(HOST_OWNER, row["id"]))
+    if wf_row["state"] == "aborted" and engine.wake is not None:
+        await engine.wake(queue.owner_key(UNDO_OWNER, workflow_id))
+
+
+def _reached(view: Any) -> bool:
+    """Whether a command may have acted on the machine: it succeeded, or its agent made a try
+    (its progress names one) before it failed or was stopped."""
+    return bool(view.state == "succeeded" or view.progress)
+
+
+_UNDONE_KINDS = frozenset(
+    {"netboot.setEntry", "media.insert", "media.eject", "management.setBootDevice", "power.setPower",
+     "driver.invoke"}
+)  # fmt: skip
+
+
+def _undo_plan(views: list[Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """What to send to return the site to where the aborted workflow found it, by key:
+    (kind, payload), from its commands oldest first (what it undid itself needs no undo).
+    Driver operations sent as ``driver.invoke`` count as their operation."""
+    plan: dict[str, tuple[str, dict[str, Any]]] = {}
+    for view in views:
+        kind, payload = view.kind, view.payload if isinstance(view.payload, dict) else {}
+        if kind == "driver.invoke":
+            kind, payload = str(payload.get("operation")), payload.get("input") or {}
+        given = {"bmc": payload["bmc"]} if payload.get("bmc") is not None else {}
+        if kind == "netboot.setEntry" and payload.get("mac"):
+            mac = str(payload["mac"]).lower().replace("-", ":")
+            plan[f"netboot-{mac}"] = ("netboot.clearEntry", {"mac": mac})
+        elif not given or not _reached(view):
+            continue
+        elif kind == "media.insert":
+            device = str(payload.get("device", "cd"))
+            plan[f"media-{device}"] = ("media.eject", {"device": device, **given})
+        elif kind == "media.eject" and view.state == "succeeded":
+            plan.pop(f"media-{payload.get('device', 'cd')}", None)
+        elif kind == "management.setBootDevice" and payload.get("device") != "disk":
+            plan["boot-device"] = ("management.setBootDevice", {"device": "disk", **given})
+        elif kind == "management.setBootDevice" and view.state == "succeeded":
+            plan.pop("boot-device", None)
+        elif kind == "power.setPower" and payload.get("action") in ("on", "cycle", "reset"):
+            plan["power"] = ("power.setPower", {"action": "off", **given})
+        elif kind == "power.setPower" and view.state == "succeeded":
+            plan.pop("power", None)
+    return plan
+
+
+async def undo_aborted(engine: Engine, workflow_id: str) -> None:
+    """After an abort, once every command of the workflow ended at its agent: clear its boot
+    entries, eject its media, set a boot override back to the disk and power off a machine it
+    powered on. Each is keyed (``wf:<workflow>:undo:<abort ms>:<what>``), so a second run of
+    this reconciler sends nothing new, and a resumed workflow aborted again undoes again."""
+    wf = await engine.db.fetchrow(store.WORKFLOW, workflow_id)
+    if wf is None or wf["state"] != "aborted" or wf["node_id"] is None:
+        return
+    if wf["cancel_commands"]:  # the engine still revokes and cancels what the workflow left
+        raise step_not_ready(UNDO_LOOK_MS)
+    listed = (await engine.cmdq.list_commands(workflow_id=workflow_id, limit=500)).commands
+    undo_prefix = f"{workflow_command_prefix(workflow_id)}:{UNDO_KEY}:"
+    own = [v for v in listed if not v.key.startswith(undo_prefix)]
+    if any(v.state in LIVE_STATES for v in own):
+        raise step_not_ready(UNDO_LOOK_MS)  # nothing is undone while the workflow's may still act
+    views = [await engine.cmdq.get(id=v.id) for v in reversed(own) if v.kind in _UNDONE_KINDS]
+    plan = _undo_plan(views)
+    if not plan:
+        return
+    # per abort (a resumed workflow aborted again undoes again): the abort's time names it
+    abort_ms = int(wf["finished_at"].timestamp() * 1000) if wf["finished_at"] is not None else 0
+    node = await engine.db.fetchrow(store.NODE, wf["node_id"])
+    if node is None:
+        return
+    for what, (kind, payload) in plan.items():
+        try:
+            view = await engine.cmdq.enqueue(
+                EnqueueCommand(
+                    node_id=node["id"],
+                    site_id=node["site_id"],
+                    kind=kind,
+                    payload=payload,
+                    key=f"{undo_prefix}{abort_ms}:{what}",
+                    workflow_id=workflow_id,
+                    timeout_ms=UNDO_TIMEOUT_MS,
+                    tenant_id=node["tenant_id"],
+                )
+            )
+        except BcError as err:
+            if err.code.value in ("UNAVAILABLE", "TIMEOUT"):
+                raise step_not_ready(UNDO_LOOK_MS) from err
+            # refused for good (a kind this deployment holds destructive, a bad payload): say so
+            engine.log.warning("abort_undo_refused", workflow_id=workflow_id, kind=kind, code=err.code.value)
+            continue
+        engine.log.info("abort_undo_sent", workflow_id=workflow_id, kind=kind, command_id=view.id)
 
 
 async def _move_node(engine: Engine, conn: Any, node: Any, wf_row: Any, profile: Any) -> Any:
@@ -123,6 +230,8 @@ async def _move_node(engine: Engine, conn: Any, node: Any, wf_row: Any, profile:
         if step is not None:
             reason.update(step=step["action"], stepIndex=step["idx"])
         row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
+        if wf_row["state"] == "aborted":  # undo its boot set-up once its commands ended
+            await queue.queue_now(conn, queue.owner_key(UNDO_OWNER, wf_row["id"]))
     power = _POWER.get(str(await conn.fetchval(metal_store.LAST_POWER_ACTION, wf_row["id"])))
     if power is not None:
         row = await conn.fetchrow(metal_store.POWER_STATE, node["id"], power) or row

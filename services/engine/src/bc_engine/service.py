@@ -37,7 +37,15 @@ from .discovery import (
 )
 from .engine import AGENT_POLL_S, Engine, OwnerReconciler
 from .images_api import image_signers, write_image_signers
-from .metal_lifecycle import HOST_KEY_PREFIX, HOST_OWNER, METAL_OWNER, converge_host, reconcile_metal
+from .metal_lifecycle import (
+    HOST_KEY_PREFIX,
+    HOST_OWNER,
+    METAL_OWNER,
+    UNDO_OWNER,
+    converge_host,
+    reconcile_metal,
+    undo_aborted,
+)
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -121,6 +129,7 @@ class EngineService(Service):
             owners={
                 METAL_OWNER: reconcile_metal,
                 HOST_OWNER: converge_host,
+                UNDO_OWNER: undo_aborted,
                 DISCOVERY_OWNER: inventory_discovered,
                 **_owner_reconcilers(self.app),
             },

@@ -238,6 +238,12 @@ CANCELLED_STEP = (
     "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND state = 'cancelled' ORDER BY idx LIMIT 1"
 )
 ANY_SENT = "SELECT bool_or(sent_commands) FROM workflow_steps WHERE workflow_id = $1"
+# After an abort: every step attempt that minted tokens or secrets, succeeded ones included (a
+# ramdisk's join token minted by an earlier step must stop working with the abort)
+MINTED_STEPS = (
+    "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND attempt > 0 AND cardinality(minted) > 0"
+    " AND state <> 'cancelled' ORDER BY idx"
+)
 CLEANED_UP = "UPDATE workflows SET cancel_commands = false WHERE id = $1"
 STORED_PROFILE = "SELECT document FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
 NODE = "SELECT * FROM nodes WHERE id = $1"
@@ -378,8 +384,7 @@ LIST_WORKFLOWS = (
 LOCK_WORKFLOW = "SELECT * FROM workflows WHERE id = $1 FOR UPDATE"
 # An abort has commands to cancel, or tokens and secrets the cancelled attempt minted to revoke.
 ABORT_LEAVES_WORK = (
-    "SELECT bool_or(sent_commands OR (state IN ('pending', 'running') AND cardinality(minted) > 0))"
-    " FROM workflow_steps WHERE workflow_id = $1"
+    "SELECT bool_or(sent_commands OR cardinality(minted) > 0) FROM workflow_steps WHERE workflow_id = $1"
 )
 ABORT_STEP = (
     "UPDATE workflow_steps SET state = 'cancelled', finished_at = now(), error = $2"

@@ -4,8 +4,10 @@ Everything is read from the stores, nothing is guessed: the step row (``waiting_
 own ``step_not_ready`` reason, a service that does not answer, an earlier attempt's commands;
 ``retry_at``: its retry policy's backoff; its deadline), and from the command-queue the step
 attempt's live commands (pending with no connected agent at the site, or dispatched/running on
-an agent since when), their batch's approvals (M of N, from whom), and the node's last failed
-command (the BMC error its site agent reported).
+an agent since when), their batch's approvals (M of N, from whom), the node's last failed
+command (the BMC error its site agent reported), and, once the workflow ended, its commands still
+``cancelling`` (cancelled after their agent claimed them, not yet confirmed stopped there: they
+may still reach the machine) with the agent's last try.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class WhyApi:
             error = _json(wf["error"])
             if error:
                 text += f": {_error_text(error)}"
-            reasons = [_reason("finished", text, state=wf["state"])]
+            reasons = [_reason("finished", text, state=wf["state"]), *await self._cancelling(wf["id"])]
             return self._answer(node_id, wf, reasons + ([bmc] if bmc else []), waiting=False)
         row = await self.db.fetchrow(store.NEXT_STEP, wf["id"])
         if row is None:
@@ -198,6 +200,27 @@ class WhyApi:
         out: list[m.WhyReason] = []
         for cmd in live[:_MAX_COMMANDS]:
             out.append(await self._command(cmd))
+        return out
+
+    async def _cancelling(self, workflow_id: str) -> list[m.WhyReason]:
+        """The workflow's commands cancelled after their agent claimed them, not yet confirmed
+        stopped there, each with the agent's last try."""
+        try:
+            listed = await self.cmdq.list_commands(
+                workflow_id=workflow_id, state="cancelling", limit=_MAX_COMMANDS
+            )
+        except BcError as err:
+            return [_reason("service-unavailable", f"the command-queue does not answer ({err.code.value})")]
+        out: list[m.WhyReason] = []
+        for cmd in listed.commands:
+            since = _at(cmd.updated_at)
+            text = (
+                f"command {cmd.kind} {cmd.id} cancelling since {since}: agent {cmd.agent_id or '-'}"
+                " has not yet confirmed that it stopped it"
+            )
+            text += f" (its last try: {cmd.progress})" if cmd.progress else " (no try reported)"
+            facts = {"commandId": cmd.id, "kind": cmd.kind, "state": cmd.state, "since": since}
+            out.append(_reason("cancelling", text, agentId=cmd.agent_id, lastTry=cmd.progress, **facts))
         return out
 
     async def _command(self, cmd: CommandView) -> m.WhyReason:

@@ -3,25 +3,38 @@
 Join once (``enroll``, then ``save_enrollment``), then run an ``Agent`` with a handler per
 command kind. The agent announces itself, pulls its commands from its site's stream, claims
 each before running it, runs each at most once (its ``Journal`` remembers across restarts),
-reports progress and results, and signs everything it sends.
+reports progress and results, and signs everything it sends. A handler awaits ``before_call``
+before every try of a call to a machine: it stops there once a cancel reached the agent.
 """
 
 from ..crypto import result_document
 from ..wire.agent import CommandDelivery, payload_digest
 from .identity import Enrollment, enroll, load_enrollment, save_enrollment
 from .journal import Journal, JournalEntry
-from .runner import MAX_RESULT_BYTES, Agent, Command, CommandHandler, CommandRejected
+from .runner import (
+    MAX_RESULT_BYTES,
+    Agent,
+    Command,
+    CommandCancelled,
+    CommandHandler,
+    CommandRejected,
+    before_call,
+    before_call_blocking,
+)
 
 __all__ = [
     "MAX_RESULT_BYTES",
     "Agent",
     "Command",
+    "CommandCancelled",
     "CommandDelivery",
     "CommandHandler",
     "CommandRejected",
     "Enrollment",
     "Journal",
     "JournalEntry",
+    "before_call",
+    "before_call_blocking",
     "enroll",
     "load_enrollment",
     "payload_digest",

@@ -3,9 +3,11 @@
 It is what makes execution at most once. A command is journaled ``started`` (synced to disk)
 before its handler runs; a delivery of a command the journal knows is never run again: a
 finished one is reported again, one that was started by an earlier process (which died while
-running it) is reported failed with reason ``interrupted``. The journal has a random id, made
-with the file, that the agent's claims carry: when the journal is lost, the command queue sees
-claims from another journal and settles what the lost one may have started as ``interrupted``.
+running it) is reported failed with reason ``interrupted`` — unless the command queue lets it
+run again (an idempotent kind: the delivery is kept with the entry for that). The journal has
+a random id, made with the file, that the agent's claims carry: when the journal is lost, the
+command queue sees claims from another journal and settles what the lost one may have started as
+``interrupted``.
 
 SQLite in WAL mode with ``synchronous=FULL``: a journaled state survives a crash of the process
 and of the machine. Writes go through one writer thread that commits whatever is waiting in one
@@ -47,7 +49,10 @@ CREATE TABLE IF NOT EXISTS commands (
 )
 """
 _META: Final = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
-_COLUMNS: Final = "id, kind, state, status, reason, result, signature, not_after"
+# Added later: an older journal file gets the column at open.
+_DELIVERY: Final = "ALTER TABLE commands ADD COLUMN delivery BLOB"
+_COLUMNS: Final = "id, kind, state, status, reason, result, signature, not_after, delivery"
+CANCELLED_BEFORE_START: Final = "cancelled: the agent never started it"
 
 Op = Callable[[sqlite3.Connection], Any]
 
@@ -62,6 +67,9 @@ class JournalEntry:
     result: bytes | None
     signature: bytes | None
     not_after: float
+    delivery: bytes | None = None
+    """The delivery as received, kept while the command runs (an idempotent one may run again
+    from it after the process died)."""
 
 
 class Journal:
@@ -81,6 +89,8 @@ class Journal:
         writer.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         writer.execute(_SCHEMA)
         writer.execute(_META)
+        if "delivery" not in {row[1] for row in writer.execute("PRAGMA table_info(commands)")}:
+            writer.execute(_DELIVERY)
         # The journal's id, made once with the file: claims carry it, so the command queue tells
         # this journal from one that replaced it (the state folder was wiped, the disk was a RAM
         # disk) and never lets a command that may have started here run again.
@@ -163,14 +173,40 @@ class Journal:
 
     # -- writes, each durable when it returns ------------------------------------------------
 
-    async def started(self, command_id: str, *, kind: str, not_after: float) -> bool:
+    async def started(
+        self, command_id: str, *, kind: str, not_after: float, delivery: bytes | None = None
+    ) -> bool:
         """Mark it started; False when the journal knew it already (then never run it)."""
 
         def op(db: sqlite3.Connection) -> bool:
             cur = db.execute(
-                "INSERT OR IGNORE INTO commands (id, kind, state, not_after, updated_at)"
-                " VALUES (?, ?, 'started', ?, ?)",
-                (command_id, kind, not_after, time.time()),
+                "INSERT OR IGNORE INTO commands (id, kind, state, not_after, updated_at, delivery)"
+                " VALUES (?, ?, 'started', ?, ?, ?)",
+                (command_id, kind, not_after, time.time(), delivery),
+            )
+            return cur.rowcount == 1
+
+        return bool(await self._write(op))
+
+    async def cancelled(self, command_id: str) -> bool:
+        """The command queue says the command was cancelled after this agent claimed it: if
+        it never started here (unknown, or refused), it never will; its entry becomes a
+        ``rejected`` result to report, the agent's word that nothing of it was sent. False when
+        it started (then the run itself stops and reports)."""
+
+        def op(db: sqlite3.Connection) -> bool:
+            now = time.time()
+            cur = db.execute(
+                "INSERT OR IGNORE INTO commands (id, kind, state, status, reason, result, not_after,"
+                " updated_at) VALUES (?, '', 'finished', 'rejected', ?, x'', ?, ?)",
+                (command_id, CANCELLED_BEFORE_START, now + _RETENTION_S, now),
+            )
+            if cur.rowcount == 1:
+                return True
+            cur = db.execute(
+                "UPDATE commands SET state = 'finished', status = 'rejected', reason = ?, result = x'',"
+                " updated_at = ? WHERE id = ? AND state = 'refused'",
+                (CANCELLED_BEFORE_START, now, command_id),
             )
             return cur.rowcount == 1
 
@@ -200,7 +236,7 @@ class Journal:
         def op(db: sqlite3.Connection) -> None:
             db.execute(
                 "UPDATE commands SET state = 'finished', status = ?, reason = ?, result = ?,"
-                " signature = ?, updated_at = ? WHERE id = ? AND state = 'started'",
+                " signature = ?, delivery = NULL, updated_at = ? WHERE id = ? AND state = 'started'",
                 (status, reason, result, signature, time.time(), command_id),
             )
 
@@ -230,7 +266,7 @@ def _blob(value: object) -> bytes | None:
 
 
 def _entry(row: tuple[object, ...]) -> JournalEntry:
-    ident, kind, state, status, reason, result, signature, not_after = row
+    ident, kind, state, status, reason, result, signature, not_after, delivery = row
     return JournalEntry(
         id=str(ident),
         kind=str(kind),
@@ -240,4 +276,5 @@ def _entry(row: tuple[object, ...]) -> JournalEntry:
         result=_blob(result),
         signature=_blob(signature),
         not_after=float(not_after),  # type: ignore[arg-type]
+        delivery=_blob(delivery),
     )

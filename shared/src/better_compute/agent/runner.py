@@ -9,15 +9,21 @@ A handler is ``async def handler(cmd: Command) -> bytes | str | dict | list | No
 value becomes the result bytes (``str`` as UTF-8, ``dict``/``list`` as JSON). Raise
 ``CommandRejected(reason)`` to refuse a command (state ``rejected``); any other exception fails
 it (state ``failed``, reason ``<ExceptionType>: <message>``).
+
+A handler that talks to a machine (a BMC) awaits ``before_call(call)`` before every try and
+every retry of each request: once a cancel of the command reached the agent it raises
+``CommandCancelled`` (let it through), so nothing more is sent after the cancel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -40,6 +46,8 @@ from ..wire.agent import (
     Ack,
     AckReply,
     AgentEvent,
+    Check,
+    CheckReply,
     CommandDelivery,
     Heartbeat,
     HeartbeatReply,
@@ -53,9 +61,19 @@ from ..wire.agent import (
 from ..wire.cmdq import AgentStatus
 from ..wire.codec import encode
 from .identity import Enrollment
-from .journal import Journal
+from .journal import Journal, JournalEntry
 
-__all__ = ["MAX_RESULT_BYTES", "Agent", "Command", "CommandHandler", "CommandRejected", "connect_waiting"]
+__all__ = [
+    "MAX_RESULT_BYTES",
+    "Agent",
+    "Command",
+    "CommandCancelled",
+    "CommandHandler",
+    "CommandRejected",
+    "before_call",
+    "before_call_blocking",
+    "connect_waiting",
+]
 
 MAX_RESULT_BYTES: Final = 512 * 1024
 """A larger result fails the command with reason ``result-too-large``."""
@@ -84,6 +102,54 @@ class _Stopping(Exception):  # noqa: N818 - control flow, never leaves this modu
 class _Later(Exception):  # noqa: N818 - control flow, never leaves this module
     """The command queue keeps failing on this one: leave the message for JetStream to bring
     back after its ack wait."""
+
+
+class CommandCancelled(Exception):  # noqa: N818 - an outcome ("cancelled"), not a program error
+    """Raised by ``before_call`` once a cancel of the running command reached the agent: the
+    handler stops and sends nothing more (let it through)."""
+
+
+@dataclass(kw_only=True)
+class _Run:
+    """A command this process runs now: its tries and whether a cancel reached it."""
+
+    tries: int = 0
+    last_call: str | None = None
+    cancelled: bool = False
+
+
+_CURRENT: ContextVar[tuple[Agent, str, asyncio.AbstractEventLoop] | None] = ContextVar(
+    "bc_agent_command", default=None
+)
+_CHECK_TIMEOUT: Final = 1.0
+"""A check the command queue does not answer this soon lets the try go: a cancel that cannot
+reach the agent has not reached it (and an outage of the queue must not stop every BMC call)."""
+
+
+async def before_call(call: str) -> None:
+    """Before every try (and retry) of a call to a machine, in a command's handler: raises
+    ``CommandCancelled`` once a cancel of the command reached the agent (it asks the command
+    queue each time, and its heartbeats bring cancels too); records the try as the command's
+    progress (``try 3: POST ComputerSystem.Reset``). Outside a handler it does nothing."""
+    current = _CURRENT.get()
+    if current is not None:
+        agent, command_id, _loop = current
+        await agent._before_call(command_id, call)
+
+
+def before_call_blocking(call: str) -> None:
+    """``before_call`` from a worker thread a handler runs blocking calls in (``asyncio.to_thread``
+    keeps the command's context): before each request of a client library that sends several
+    in one step (sushy reads a resource, then acts on it)."""
+    current = _CURRENT.get()
+    if current is None:
+        return
+    agent, command_id, loop = current
+    future = asyncio.run_coroutine_threadsafe(agent._before_call(command_id, call), loop)
+    try:
+        future.result(timeout=_CHECK_TIMEOUT + 1.0)
+    except concurrent.futures.TimeoutError:
+        future.cancel()  # the loop is too busy to say: the try goes, as when the queue is away
 
 
 class CommandRejected(Exception):  # noqa: N818 - an outcome ("rejected"), not a program error
@@ -215,6 +281,9 @@ class Agent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(max_concurrency)
         self._stopped = False
+        self._runs: dict[str, _Run] = {}
+        self._told_cancel: set[str] = set()
+        """Commands the command queue said were cancelled after this agent claimed them."""
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -398,12 +467,65 @@ class Agent:
             if self._stop.is_set():
                 return
             try:
-                got = await self._request("heartbeat", self._heartbeat())
-                self.boot_lease = msgspec.convert(got, HeartbeatReply).boot_lease
+                got = msgspec.convert(await self._request("heartbeat", self._heartbeat()), HeartbeatReply)
+                self.boot_lease = got.boot_lease
+                if got.cancel:
+                    self._spawn(self._cancel_reached(got.cancel, via="heartbeat"))
             except BcError as err:
                 self.log.debug("heartbeat_failed", code=err.code.value)
                 if err.code is ErrorCode.NOT_FOUND:
                     self._rehello.set()  # the command queue forgot us: announce again
+
+    # -- cancels -------------------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _cancel_reached(self, command_ids: list[str], *, via: str) -> None:
+        """The command queue says these commands of ours were cancelled: a running one stops
+        at its next try; one that never started here never will, and the agent says so."""
+        journal = self.journal
+        assert journal is not None
+        for command_id in command_ids:
+            if command_id not in self._told_cancel:
+                self.log.info("command_cancel_reached", command_id=command_id, via=via)
+            self._told_cancel.add(command_id)
+            run = self._runs.get(command_id)
+            if run is not None:
+                run.cancelled = True
+                continue
+            try:
+                if await journal.cancelled(command_id):
+                    self.log.info("command_cancelled_unstarted", command_id=command_id)
+                entry = journal.get(command_id)
+                if entry is not None and entry.state == "finished":
+                    await self._report_entry(command_id)
+            except Exception:
+                self.log.exception("command_cancel_failed", command_id=command_id)
+
+    async def _before_call(self, command_id: str, call: str) -> None:
+        run = self._runs.get(command_id)
+        if run is None:
+            return
+        run.tries += 1
+        run.last_call = call
+        if not run.cancelled and command_id in self._told_cancel:
+            run.cancelled = True
+        if not run.cancelled:
+            try:
+                got = await self._request(
+                    "check", Check(**self._base(), command_ids=[command_id]), timeout=_CHECK_TIMEOUT
+                )
+                if command_id in msgspec.convert(got, CheckReply).stop:
+                    self.log.info("command_cancel_reached", command_id=command_id, via="check")
+                    run.cancelled = True
+            except (BcError, msgspec.ValidationError) as err:
+                self.log.debug("command_check_failed", command_id=command_id, error=str(err))
+        if run.cancelled:
+            raise CommandCancelled(f"cancelled: stopped before try {run.tries} ({call})")
+        self._spawn(self._progress(command_id, f"try {run.tries}: {call}"[:500], None))
 
     # -- pulling and running commands ------------------------------------------------
 
@@ -498,6 +620,11 @@ class Agent:
             return  # neither journaled nor acknowledged: it is claimed again later
         if refusal is not None:
             reason, final = refusal
+            if reason == "cancelling":
+                # Cancelled after a claim of ours: say that it never started here.
+                await self._cancel_reached([delivery.id], via="claim")
+                await _ack(msg)
+                return
             if final:
                 await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason=reason)
             # Not final: the command waits (for its batch's approval, or to be handed to this
@@ -506,7 +633,9 @@ class Agent:
             return
         kill_point(CLAIMED)
         # Durable before the handler runs: from here on, this command never runs again.
-        if not await journal.started(delivery.id, kind=delivery.kind, not_after=not_after):
+        if not await journal.started(
+            delivery.id, kind=delivery.kind, not_after=not_after, delivery=bytes(msg.data)
+        ):
             return
         kill_point(JOURNALED)
         await self._execute(delivery, msg, log)
@@ -554,16 +683,20 @@ class Agent:
         reason = reply.reason or reply.state or "refused"
         return reason, not reply.again and reason not in _NOT_FINAL
 
-    async def _execute(self, delivery: CommandDelivery, msg: Msg, log: Any) -> None:
+    async def _execute(self, delivery: CommandDelivery, msg: Msg | None, log: Any) -> None:
         assert self.journal is not None
         await self._progress(delivery.id, None, None)
         handler = self.handlers.get(delivery.kind)
         status = "succeeded"
         reason: str | None = None
         result = b""
-        keeper = asyncio.create_task(self._keep_in_progress(msg))
+        keeper = asyncio.create_task(self._keep_in_progress(msg)) if msg is not None else None
         t0 = time.monotonic()
+        run = self._runs[delivery.id] = _Run(cancelled=delivery.id in self._told_cancel)
+        token = _CURRENT.set((self, delivery.id, asyncio.get_running_loop()))
         try:
+            if run.cancelled:
+                raise CommandCancelled("cancelled: stopped before it started")
             if handler is None:
                 raise CommandRejected(f"unsupported-kind: this agent does not run {delivery.kind}")
             command = Command(
@@ -585,6 +718,8 @@ class Agent:
                 status, reason, result = "failed", "result-too-large", b""
         except CommandRejected as exc:
             status, reason = "rejected", exc.reason[:500]
+        except CommandCancelled as exc:
+            status, reason = "rejected", str(exc)[:500]
         except asyncio.CancelledError:
             raise
         except BcError as exc:
@@ -592,7 +727,10 @@ class Agent:
         except Exception as exc:
             status, reason = "failed", f"{type(exc).__name__}: {exc}"[:500]
         finally:
-            keeper.cancel()
+            _CURRENT.reset(token)
+            self._runs.pop(delivery.id, None)
+            if keeper is not None:
+                keeper.cancel()
         signature = None
         if self.sign_results and delivery.node_id == self.agent_id:
             signature = sign_bytes(
@@ -610,6 +748,65 @@ class Agent:
             reason=reason,
             ms=round((time.monotonic() - t0) * 1000, 1),
         )
+
+    async def _rerun(self, entry: JournalEntry) -> bool | None:
+        """A command an earlier process started and never finished, whose delivery the journal
+        kept: when the command queue says it may (an idempotent kind, still this journal's,
+        live, not cancelled), run it again; False when it may not; None when the queue could
+        not say before the agent stopped (the next start asks again)."""
+        assert self.journal is not None
+        assert entry.delivery is not None
+        try:
+            delivery = msgspec.json.decode(entry.delivery, type=CommandDelivery)
+        except msgspec.MsgspecError:
+            return False
+
+        async def ack() -> AckReply:
+            event = Ack(
+                **self._base(),
+                command_id=delivery.id,
+                digest=payload_digest(delivery.kind, bytes(delivery.payload)),
+                journal_id=self.journal.id if self.journal is not None else "",
+                rerun=True,
+            )
+            return msgspec.convert(await self._request("ack", event), AckReply)
+
+        try:
+            reply: AckReply = await self._retrying("rerun", ack)
+        except (_Stopping, _Later):
+            return None
+        except BcError:
+            return False
+        if not reply.proceed or not reply.rerun:
+            if reply.reason == "cancelling":
+                await self.journal.finished(
+                    delivery.id,
+                    status="rejected",
+                    reason="cancelled: not run again after the agent stopped while it ran",
+                    result=b"",
+                    signature=None,
+                )
+                return True
+            self.log.info("command_not_rerun", command_id=delivery.id, reason=reply.reason)
+            return False
+        log = self.log.bind(command_id=delivery.id, kind=delivery.kind)
+        log.warning("command_rerun", reason="the agent stopped while it ran; the kind is idempotent")
+        await self._execute(delivery, None, log)
+        return True
+
+    async def _rerun_or_interrupt(self, entry: JournalEntry) -> None:
+        """At start, beside the heartbeats (a re-run may wait on its BMC until its deadline):
+        run it again if the command queue lets it, else report it interrupted."""
+        try:
+            ran = await self._rerun(entry)
+            if ran:
+                await self._report_entry(entry.id)
+            elif ran is False:
+                await self._interrupted(entry.id)
+        except Exception:
+            self.log.exception("command_rerun_failed", command_id=entry.id)
+        finally:
+            self._active.discard(entry.id)
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         while True:
@@ -650,6 +847,7 @@ class Agent:
                 reason=entry.reason,
                 result=entry.result or b"",
                 result_signature=entry.signature,
+                journal_id=self.journal.id if self.journal is not None else "",
             )
             return msgspec.convert(await self._request("result", event), ResultReply)
 
@@ -663,6 +861,7 @@ class Agent:
             await self.journal.reported(command_id)
             return True
         await self.journal.reported(command_id)
+        self._told_cancel.discard(command_id)
         if not reply.recorded:
             self.log.info("result_not_recorded", command_id=command_id, state=reply.state)
         return True
@@ -671,7 +870,10 @@ class Agent:
         """At start: report what an earlier process finished, and fail what it left running."""
         assert self.journal is not None
         for entry in self.journal.unsettled():
-            if entry.state == "started":
+            if entry.state == "started" and entry.delivery is not None:
+                self._active.add(entry.id)  # a delivery of it meanwhile waits for this
+                self._spawn(self._rerun_or_interrupt(entry))
+            elif entry.state == "started":
                 await self._interrupted(entry.id)
             else:
                 await self._report_entry(entry.id)

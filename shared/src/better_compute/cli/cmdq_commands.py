@@ -39,6 +39,7 @@ _STATES = [
     "dispatched",
     "acked",
     "running",
+    "cancelling",
     "succeeded",
     "failed",
     "rejected",

@@ -16,7 +16,7 @@ and ``define_profile`` make them; the registry is generic over the concrete clas
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Generic, Literal, Protocol, TypeVar
@@ -86,6 +86,11 @@ class CommandKind:
             profile that writes disks (``writesDisk: true``) they lead to a disk being written,
             so they go inside that workflow's batch (docs/command-queue.md). A profile whose
             own steps send a ``"medium"`` kind must say whether it writes disks.
+        idempotent: whether running the command twice leaves the machine as running it once
+            (a boot-device PATCH, power on, an eject): ``True``, or a predicate over the
+            validated payload (``power.setPower`` is for ``on``/``off``, not ``cycle``). An
+            idempotent command whose agent died while running it runs again when the agent
+            comes back, instead of failing ``interrupted``. A destructive kind never does.
     """
 
     name: str
@@ -93,6 +98,18 @@ class CommandKind:
     payload: Manifest
     description: str = ""
     boot: Literal["medium", "control"] | None = None
+    idempotent: bool | Callable[[Any], bool] = False
+
+    def reruns(self, payload: Any) -> bool:
+        """Whether a command of this kind with ``payload`` may run again after an interruption."""
+        if self.destructive:
+            return False
+        if callable(self.idempotent):
+            try:
+                return bool(self.idempotent(payload))
+            except Exception:  # a predicate that cannot judge the payload: not idempotent
+                return False
+        return self.idempotent is True
 
     def __post_init__(self) -> None:
         if not is_dotted_name(self.name):
@@ -107,6 +124,8 @@ class CommandKind:
             raise _bad_config("description", "must be a string")
         if self.boot not in (None, "medium", "control"):
             raise _bad_config("boot", "must be None, 'medium' or 'control'")
+        if not (isinstance(self.idempotent, bool) or callable(self.idempotent)):
+            raise _bad_config("idempotent", "must be a boolean or a predicate over the payload")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -11,9 +11,9 @@ of a profile that says ``writesDisk: true`` they run inside its batch too (docs/
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from better_compute.core.manifest import Field, field, manifest
 from better_compute.core.plugins import DOTTED_NAME_PATTERN, CommandKind, DriverOperation
@@ -65,6 +65,7 @@ def _bmc_command(
     *,
     bmc_required: bool = False,
     boot: Literal["medium", "control"] | None = None,
+    idempotent: bool | Callable[[Any], bool] = False,
 ) -> CommandKind:
     """A command the site agent runs through a machine's BMC: ``fields`` and the ``bmc`` it
     talks to. None of them is destructive (they interrupt a machine at worst); ``boot`` says
@@ -76,13 +77,21 @@ def _bmc_command(
         description=description,
         payload=manifest({**(fields or {}), "bmc": bmc}),
         boot=boot,
+        idempotent=idempotent,
     )
+
+
+def _power_reruns(payload: Any) -> bool:
+    """On and off end where they end however often they run; a cycle or reset run twice
+    interrupts the machine twice (and may cut short the boot the first one started)."""
+    return isinstance(payload, dict) and payload.get("action") in ("on", "off", "softOff")
 
 
 MANAGEMENT_INVENTORY: Final = _bmc_command(
     "management.inventory",
     "Reads the machine's inventory through its BMC (system, processors, memory, NICs)",
     bmc_required=True,
+    idempotent=True,
 )
 
 NETBOOT_SET_ENTRY: Final = CommandKind(
@@ -115,6 +124,7 @@ NETBOOT_CLEAR_ENTRY: Final = CommandKind(
     boot="control",
     description="Removes the iPXE boot entry of one MAC (it then boots as an unknown machine)",
     payload=manifest({"mac": _MAC}),
+    idempotent=True,
 )
 # -- end of the site agent's block ---------------------------------------------------------
 
@@ -156,6 +166,7 @@ POWER_SET_POWER: Final = _bmc_command(
     "Changes the machine's power state through its BMC",
     {"action": field.enum(["on", "off", "softOff", "cycle", "reset"])},
     boot="control",
+    idempotent=_power_reruns,
 )
 
 MANAGEMENT_SET_BOOT_DEVICE: Final = _bmc_command(
@@ -167,6 +178,7 @@ MANAGEMENT_SET_BOOT_DEVICE: Final = _bmc_command(
         "mode": field.enum(["uefi", "legacy"]).optional(),
     },
     boot="control",
+    idempotent=True,
 )
 
 MEDIA_INSERT: Final = _bmc_command(
@@ -182,7 +194,11 @@ MEDIA_INSERT: Final = _bmc_command(
 )
 
 MEDIA_EJECT: Final = _bmc_command(
-    "media.eject", "Ejects a virtual medium through the BMC", {"device": _MEDIA_DEVICE}, boot="control"
+    "media.eject",
+    "Ejects a virtual medium through the BMC",
+    {"device": _MEDIA_DEVICE},
+    boot="control",
+    idempotent=True,
 )
 
 NODE_INVENTORY: Final = CommandKind(

@@ -9,8 +9,14 @@ event or a result is ``better_compute.crypto.sign_event`` / ``result_document``)
   certificate key: the object's fields plus ``signature`` (base64) over
   ``signing_payload("agent.<kind>", <the object without signature>)``. The command queue
   checks that the signer's certificate belongs to the agent and site of the subject.
-* ``hello``, ``heartbeat``, ``ack`` and ``result`` are requests (the reply is an ``Ok``/``Err``
-  envelope); ``progress`` is fire-and-forget.
+* ``hello``, ``heartbeat``, ``ack``, ``check`` and ``result`` are requests (the reply is an
+  ``Ok``/``Err`` envelope); ``progress`` is fire-and-forget.
+
+A cancel is a handshake: a claimed command that is cancelled is ``cancelling`` at the command
+queue until its agent reports a result for it (stopped, or never started: ``rejected`` with a
+reason starting ``cancelled``); only then is it ``cancelled``. The agent learns of it from its
+heartbeat's reply (``cancel``) and from a ``check`` it sends before every try of a call to a
+machine, and sends nothing more of the command once it knows.
 
 An ``ack`` is a claim: the agent runs a command only after the command queue answered
 ``proceed``. The claim names the digest of the delivered kind and payload, so a delivery that
@@ -41,6 +47,8 @@ __all__ = [
     "AckReply",
     "AgentEvent",
     "AnyAgentEvent",
+    "Check",
+    "CheckReply",
     "CommandDelivery",
     "EventKind",
     "Heartbeat",
@@ -57,8 +65,8 @@ __all__ = [
     "read_event",
 ]
 
-EventKind = Literal["hello", "heartbeat", "ack", "progress", "result"]
-EVENT_KINDS: Final[tuple[str, ...]] = ("hello", "heartbeat", "ack", "progress", "result")
+EventKind = Literal["hello", "heartbeat", "ack", "progress", "result", "check"]
+EVENT_KINDS: Final[tuple[str, ...]] = ("hello", "heartbeat", "ack", "progress", "result", "check")
 ResultStatus = Literal["succeeded", "failed", "rejected"]
 
 FRESHNESS_MS: Final = 120_000
@@ -139,6 +147,10 @@ class Ack(AgentEvent, frozen=True, kw_only=True, tag="ack"):
     by another journal of the same agent may have started there and been forgotten: the claim
     settles it ``failed`` (``interrupted``) instead of letting it run again. Empty: the agent
     does not say, and is treated as another journal."""
+    rerun: bool = False
+    """The claim of a command this very journal started and never finished (its process died):
+    may it run again? Only when the command's kind is idempotent for its payload (its manifest
+    says so), it is still this journal's and live, and nobody cancelled it."""
 
 
 class Progress(AgentEvent, frozen=True, kw_only=True, tag="progress"):
@@ -156,9 +168,19 @@ class Result(AgentEvent, frozen=True, kw_only=True, tag="result"):
     result_signature: bytes | None = None
     """A node's signature over ``result_document(...)``: the result then counts as attested
     once the command queue checked it against the node's certificate."""
+    journal_id: str = ""
+    """The reporting agent's journal. A ``cancelling`` command is ``cancelled`` only on the word
+    of the journal that claimed it (or an agent that does not say); another journal of the same
+    agent cannot vouch for what the first one sent: the command then fails ``interrupted``."""
 
 
-AnyAgentEvent = Hello | Heartbeat | Ack | Progress | Result
+class Check(AgentEvent, frozen=True, kw_only=True, tag="check"):
+    """Before a try of a call to a machine: which of these running commands must stop?"""
+
+    command_ids: list[str]
+
+
+AnyAgentEvent = Hello | Heartbeat | Ack | Progress | Result | Check
 """Every event an agent sends, told apart by its ``event`` tag."""
 
 
@@ -182,6 +204,15 @@ class HelloReply(_Msg, frozen=True, kw_only=True):
 
 class HeartbeatReply(_Msg, frozen=True, kw_only=True):
     boot_lease: bool = False
+    cancel: list[str] = msgspec.field(default_factory=list)
+    """This agent's commands that were cancelled after it claimed them (``cancelling``): stop
+    them, or say that they never started, by reporting a result."""
+
+
+class CheckReply(_Msg, frozen=True, kw_only=True):
+    stop: list[str] = msgspec.field(default_factory=list)
+    """The asked commands the queue no longer expects to run here (cancelled, settled, not
+    this agent's): send nothing more of them."""
 
 
 class AckReply(_Msg, frozen=True, kw_only=True):
@@ -191,6 +222,9 @@ class AckReply(_Msg, frozen=True, kw_only=True):
     again: bool = False
     """Not now, but not for good: the command waits (for its batch's approval) and is delivered
     again when it may run. The agent forgets this delivery instead of journaling a refusal."""
+    rerun: bool = False
+    """The answer to a ``rerun`` claim, from a queue that knows them: only then may the agent
+    run the command again (an older queue would take it for a plain claim)."""
 
 
 class ResultReply(_Msg, frozen=True, kw_only=True):

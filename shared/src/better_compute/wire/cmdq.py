@@ -87,10 +87,12 @@ __all__ = [
 ]
 
 CommandState = Literal[
-    "pending", "dispatched", "acked", "running", "succeeded", "failed", "rejected", "expired",
-    "cancelled",
+    "pending", "dispatched", "acked", "running", "cancelling", "succeeded", "failed", "rejected",
+    "expired", "cancelled",
 ]  # fmt: skip
-LIVE_STATES: frozenset[str] = frozenset({"pending", "dispatched", "acked", "running"})
+LIVE_STATES: frozenset[str] = frozenset({"pending", "dispatched", "acked", "running", "cancelling"})
+"""``cancelling``: cancelled after its agent claimed it, and the agent has not yet said that it
+stopped it (or never started it); it may still reach the machine until then."""
 TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "rejected", "expired", "cancelled"})
 DEFAULT_COMMAND_TIMEOUT_MS = 600_000
 SERVICE: Final = "command-queue"

@@ -6,8 +6,12 @@ credentials. Every operation takes the command's deadline (seconds since the epo
 retries transient BMC errors with backoff and jitter until then, and verifies that power and
 boot changes converged (real BMCs apply them seconds later).
 
-Errors: a driver raises only ``BcError``; a BMC that refuses, answers nonsense or stays away is
-``DRIVER_ERROR`` with ``details.reason`` naming the BMC call.
+Cancels: every try and every retry of a BMC call first awaits the agent SDK's ``before_call``,
+which raises ``CommandCancelled`` once a cancel of the command reached the agent: nothing is
+sent to the BMC after that.
+
+Errors: a driver raises only ``BcError`` (and ``CommandCancelled``); a BMC that refuses, answers
+nonsense or stays away is ``DRIVER_ERROR`` with ``details.reason`` naming the BMC call.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, TypeVar
 
+from better_compute.agent import before_call
 from better_compute.core.errors import BcError, ErrorCode
 
 __all__ = [
@@ -137,6 +142,7 @@ async def retry_transient(
     cap: float = 3.0,
     on_retry: Callable[[Transient, float], None] | None = None,
     idempotent: bool = True,
+    what: str = "BMC call",
 ) -> T:
     """``call()`` until it stops raising ``Transient``, with full-jitter backoff, until
     ``deadline``; then ``DRIVER_ERROR`` naming the last call that failed.
@@ -144,9 +150,12 @@ async def retry_transient(
     A call that is not ``idempotent`` (a POST action: Reset, InsertMedia) is repeated only
     after a ``Transient`` that provably did not reach the BMC (``maybe_applied`` false);
     otherwise it is ``DRIVER_ERROR`` at once, saying the BMC may have applied it. Sending it
-    twice could reset a machine twice or fail on a medium the first request inserted."""
+    twice could reset a machine twice or fail on a medium the first request inserted.
+
+    Before every try, ``before_call(what)``: a cancel that reached the agent stops it here."""
     attempt = 0
     while True:
+        await before_call(what)
         try:
             return await call()
         except Transient as exc:
@@ -164,7 +173,9 @@ async def retry_transient(
             await asyncio.sleep(delay)
 
 
-async def retry_in_thread(run: Callable[[], T], *, deadline: float, log: Any, idempotent: bool = True) -> T:
+async def retry_in_thread(
+    run: Callable[[], T], *, deadline: float, log: Any, idempotent: bool = True, what: str = "BMC call"
+) -> T:
     """``run`` (one blocking BMC call that raises ``Transient`` when worth trying again and
     ``BcError`` otherwise) in a worker thread, retried as ``retry_transient`` does (a call that
     is not ``idempotent`` only when it never reached the BMC); each retry is logged as
@@ -176,7 +187,9 @@ async def retry_in_thread(run: Callable[[], T], *, deadline: float, log: Any, id
     async def attempt() -> T:
         return await asyncio.to_thread(run)
 
-    return await retry_transient(attempt, deadline=deadline, on_retry=on_retry, idempotent=idempotent)
+    return await retry_transient(
+        attempt, deadline=deadline, on_retry=on_retry, idempotent=idempotent, what=what
+    )
 
 
 async def poll_until(

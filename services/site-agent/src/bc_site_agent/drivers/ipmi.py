@@ -166,7 +166,7 @@ class IpmiDriver:
             except Exception as exc:
                 raise driver_error(call, f"IPMI failure ({type(exc).__name__})") from None
 
-        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent)
+        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent, what=call)
 
     async def _power_state(self, deadline: float) -> str:
         got = await self._call(

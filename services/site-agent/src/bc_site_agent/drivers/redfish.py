@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit
 
 import requests.exceptions
 import sushy
@@ -31,6 +32,7 @@ from sushy.resources.system.constants import (
     BootSourceOverrideMode,
 )
 
+from better_compute.agent import before_call_blocking
 from better_compute.logging import get_logger
 
 from .base import (
@@ -131,7 +133,7 @@ class RedfishDriver:
             except (KeyError, TypeError, AttributeError) as exc:
                 raise malformed_answer(call, exc) from None
 
-        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent)
+        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent, what=call)
 
     def _timeout(self, deadline: float) -> float:
         return max(0.5, min(_CALL_TIMEOUT, deadline - time.time()))
@@ -152,6 +154,7 @@ class RedfishDriver:
                 connect_timeout=min(5.0, self._timeout(deadline)),
             )
             _one_request_per_connection(self._root)
+            _checked_before_each_request(self._root)
         return self._root
 
     def _system(self, deadline: float) -> Any:
@@ -361,6 +364,22 @@ def _one_request_per_connection(root: Any) -> None:
         if manager is not None:
             manager.pool_classes_by_scheme = {"http": _OneShot, "https": _OneShotHTTPS}
             manager.clear()  # the pool of sushy's first GET (the service root) goes too
+
+
+def _checked_before_each_request(root: Any) -> None:
+    """Ask the agent before each HTTP request to the BMC, not only before each try: one sushy
+    call may read a resource and then act on it, and a cancel that reached the agent during the
+    read must stop the action (``before_call_blocking`` raises ``CommandCancelled``)."""
+    session = getattr(getattr(root, "_conn", None), "_session", None)  # sushy has no public handle
+    if session is None:
+        return
+    send = session.send
+
+    def checked_send(request: Any, **kwargs: Any) -> Any:
+        before_call_blocking(f"{request.method} {urlsplit(request.url).path}")
+        return send(request, **kwargs)
+
+    session.send = checked_send
 
 
 def _optional(read: Callable[[], Any]) -> Any:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from better_compute.agent import before_call
+
 from .base import BmcCredentials, BmcTarget, driver_error
 
 __all__ = ["SimDriver"]
@@ -19,6 +21,7 @@ class SimDriver:
         )
 
     async def set_power(self, action: str, *, deadline: float) -> dict[str, Any]:
+        await before_call("sim set_power")
         before = self.machine["power"]
         self.machine["power"] = "off" if action in ("off", "softOff") else "on"
         return {"powerState": self.machine["power"].capitalize(), "changed": before != self.machine["power"]}
@@ -26,14 +29,17 @@ class SimDriver:
     async def set_boot_device(
         self, device: str, *, persistent: bool, mode: str | None, deadline: float
     ) -> dict[str, Any]:
+        await before_call("sim set_boot_device")
         self.machine.update(boot=device, persistent=persistent)
         return {"device": device, "persistent": persistent}
 
     async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]:
+        await before_call("sim media_insert")
         self.machine["media"][device] = url
         return {"device": device, "inserted": True, "image": url}
 
     async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]:
+        await before_call("sim media_eject")
         self.machine["media"].pop(device, None)
         return {"device": device, "inserted": False}
 
