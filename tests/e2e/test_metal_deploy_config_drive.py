@@ -12,7 +12,6 @@ simulated hardware counted, and no token in any result or log.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import re
@@ -20,13 +19,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from better_compute.config import Settings
-from better_compute.metal.signatures import sign_image_digest
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
+from better_compute.testing.images import register_sim_image
 from better_compute.testing.metal_sim import fleet_stack
 from better_compute.testing.metal_sim.nocloud import OS_MARK, config_drive
 
@@ -34,7 +31,6 @@ pytestmark = pytest.mark.e2e
 
 MIB = 1 << 20
 TOKEN = re.compile(rb"bcjt_[A-Za-z0-9_-]{43}")
-SIGNER = ed25519.Ed25519PrivateKey.generate()
 
 
 def os_image(path: Path) -> bytes:
@@ -53,30 +49,18 @@ def tool(*argv: str) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
 
-def signers_config(folder: Path) -> Path:
-    raw = SIGNER.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    config = folder / "bc.toml"
-    config.write_text(
-        f'[images]\nsigners = [{{ id = "t-release", publicKey = "{base64.b64encode(raw).decode()}" }}]\n'
-    )
-    return config
-
-
 async def test_metal_deploy_writes_the_image_and_a_config_drive_the_os_joins_with(
     tmp_path: Path, bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses
 ) -> None:
     body = os_image(tmp_path / "os.raw")
     digest = hashlib.sha256(body).hexdigest()
-    env = {"BC_CONFIG": str(signers_config(tmp_path))}
-    async with fleet_stack(tmp_path / "fleet", bc_settings, machines=1, processes=bc_processes, api=bc_api,
-                           env=env) as stack:  # fmt: skip
+    async with fleet_stack(tmp_path / "fleet", bc_settings, machines=1, processes=bc_processes,
+                           api=bc_api) as stack:  # fmt: skip
         try:
             url = stack.media.add("os.raw", body)
-            signature = base64.b64encode(sign_image_digest(SIGNER, digest)).decode()
-            await stack.api.call("engine", "images.register", {
-                "name": "tos", "version": "1", "url": url, "sha256": digest, "format": "raw",
-                "signer": "t-release", "signature": signature,
-            })  # fmt: skip
+            # signed by the key the fleet app's image_verifier trusts (testing.images)
+            await register_sim_image(stack.engine, "tos@1", url=url, data=body)
+            assert digest == (await stack.engine.get_image(ref="tos@1")).sha256
             m, node_id = stack.machine(0), stack.nodes[0]
             await stack.verb("inspect", 0)
             await stack.reaches(0, "inspected")
