@@ -91,7 +91,7 @@ def userdata_env(*, nats_url: str, bcd_url: str, bcd_sha256: str) -> dict[str, s
     return {USERDATA_ENV: json.dumps(doc)}
 
 
-def userdata_from_env() -> UserData:
+def userdata_from_env() -> UserData | None:
     raw = os.environ.get(USERDATA_ENV)
     if not raw:
         return provision.user_data
