@@ -27,6 +27,8 @@ from typing import Literal
 
 import pytest
 import pytest_asyncio
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from better_compute.clients import CommandQueueClient, PkiClient
 from better_compute.config import Settings
@@ -172,6 +174,11 @@ def write_at(disk: Path, data: bytes, offset: int) -> None:
     with open(disk, "r+b") as fh:
         fh.seek(offset)
         fh.write(data)
+
+
+def public_key(pem: str) -> bytes:
+    key = x509.load_pem_x509_certificate(pem.encode()).public_key()
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def read_at(disk: Path, offset: int, size: int) -> bytes:
@@ -387,6 +394,12 @@ async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
             assert claims is not None
             assert claims.product_uuid == vm.uuid
             assert vm.mac in claims.macs
+            # with a key of its own: not one the ramdisks' bcd joined with (role node)
+            ramdisks = await PkiClient(stack.api).list_certificates(agent_id=node_id, role="node")
+            assert len(ramdisks) >= 3  # inspect's, commission's, deploy's
+            assert public_key(fresh[0].certificate_pem) not in {
+                public_key(c.certificate_pem) for c in ramdisks
+            }
             node = await stack.engine.get_node(id=node_id)
             assert node.state == "deployed"
 
@@ -401,6 +414,12 @@ async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
             ok = await until(converged, timeout=300, interval=1.0, what="the host section converged")
             assert ok
             times["hostSection"] = round(time.monotonic() - t, 1)
+            # bcd answered with the installed OS's new key: its result signed, checked against the
+            # provisioned certificate (the re-keyed node), not the ramdisk's
+            converges = await CommandQueueClient(stack.api).list_commands(
+                node_id=node_id, kind="node.converge"
+            )
+            assert [(c.state, c.attested) for c in converges.commands] == [("succeeded", True)], converges
             # the installed OS's screen (QEMU's file of this boot) never showed its join token
             assert not TOKEN.search(vm.console.read_bytes())
 
