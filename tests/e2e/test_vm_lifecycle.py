@@ -301,12 +301,13 @@ class CountingServer:
         self.server.server_close()
 
 
+@pytest.mark.parametrize("bmc", ["redfish", pytest.param("ipmi", marks=pytest.mark.long)])
 @pytest.mark.timeout(1500)
 async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
     bc_api: ApiClient, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path,
-    ramdisk_served: dict[str, str],
+    ramdisk_served: dict[str, str], bmc: Literal["redfish", "ipmi"],
 ) -> None:  # fmt: skip
-    """enroll (Redfish) -> inspect -> commission -> ``deploy`` (the shipped ``metal.deploy``, the
+    """enroll (Redfish or IPMI) -> inspect -> commission -> ``deploy`` (the shipped ``metal.deploy``, the
     test OS image signed into the catalog) -> the VM boots its disk into the installed OS, whose
     bcd joins with the provisioned token -> ``release``: checked at the VM's disk file, its
     console, its BMC and the HTTP server it fetched the image and bcd from."""
@@ -330,7 +331,7 @@ async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
     )  # fmt: skip
     try:
         async with _vm_stack(
-            tmp_path, bc_settings, bc_api, bc_processes, bmc="redfish", env=env,
+            tmp_path, bc_settings, bc_api, bc_processes, bmc=bmc, env=env,
             vm_disk_bytes=DEPLOY_DISK_BYTES,
         ) as stack:  # fmt: skip
             vm, node_id = stack.vm(0), stack.vm_nodes[0]
@@ -431,10 +432,16 @@ async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
             power = vm.events("power")
             assert [e.get("boot") for e in power if e["to"] == "On"].count("disk") == 1, power
             assert power[-1]["to"] == "Off"
-            print(f"VM lifecycle with deploy over redfish ({power[0]['accel']}): {times}, "
+            print(f"VM lifecycle with deploy over {bmc} ({power[0]['accel']}): {times}, "
                   f"total {time.monotonic() - t0:.1f} s")  # fmt: skip
             changes = [r for r in stack.lab.bmc_requests(0) if not r.startswith("GET ")] if stack.lab else []
-            print(f"redfish BMC changes: {changes}")
+            print(f"{bmc} BMC changes: {changes}")
+            # at the BMC: four one-time network boots (a verb's each) and deploy's one to the disk
+            if bmc == "redfish":
+                assert sum(r.startswith("PATCH ") for r in changes) == 5, changes
+            else:
+                devices = [r.split(":", 1)[1] for r in changes if r.startswith("set_boot_device:")]
+                assert devices == ["network", "network", "network", "hd", "network"], changes
             for path in stack.log_files():
                 assert not TOKEN.search(path.read_bytes()), path
     finally:
