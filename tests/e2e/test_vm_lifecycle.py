@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
+import http.server
 import json
 import re
+import struct
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,15 +27,20 @@ from typing import Literal
 
 import pytest
 import pytest_asyncio
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
+from better_compute.clients import CommandQueueClient, PkiClient
 from better_compute.config import Settings
-from better_compute.runtime.ramdisk import RamdiskArtifacts, build
+from better_compute.runtime.os_image import DEFAULT_OS_CMDLINE, build_os_image
+from better_compute.runtime.ramdisk import RamdiskArtifacts, build, default_cache_dir
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.images import register_sim_image
 from better_compute.testing.metal_sim import FleetStack, fleet_stack
 from better_compute.testing.metal_sim.stack import MediaServer
 from better_compute.testing.vmlab import LabVm
-from better_compute.testing.vmlab.app import ramdisk_env
+from better_compute.testing.vmlab.app import HOST_SECTION_PROFILE, ramdisk_env, userdata_env
 
 pytestmark = pytest.mark.e2e
 
@@ -167,6 +176,17 @@ def write_at(disk: Path, data: bytes, offset: int) -> None:
         fh.write(data)
 
 
+def public_key(pem: str) -> bytes:
+    key = x509.load_pem_x509_certificate(pem.encode()).public_key()
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def read_at(disk: Path, offset: int, size: int) -> bytes:
+    with open(disk, "rb") as fh:
+        fh.seek(offset)
+        return fh.read(size)
+
+
 def holds(disk: Path, data: bytes, offset: int) -> bool:
     with open(disk, "rb") as fh:
         fh.seek(offset)
@@ -238,3 +258,193 @@ async def test_a_vm_is_inspected_commissioned_and_retired_by_the_real_ramdisk(
         # no join token on any log: services, site agent, BMCs, the VM's console and QEMU's
         for path in stack.log_files():
             assert not TOKEN.search(path.read_bytes()), path
+
+
+# -- deploy: the test OS image written by the real bcd, booted from the VM's disk -----------
+
+DEPLOY_DISK_BYTES = 384 << 20  # the test OS image is ~77 MiB; its config drive goes after it
+OS_IMAGE = "bc-test-os@1"
+# what the user data's runcmd downloads as bcd: the image carries bcd (PyInstaller --onedir under
+# /opt/bcd, as the ramdisk does); this is its launcher, as the ramdisk's /bin/bcd is
+LAUNCHER = b'#!/bin/sh\nexec /opt/bcd/bcd "$@"\n'
+
+
+class CountingServer:
+    """Serves a folder over HTTP on loopback (the guests reach it at 10.0.2.2) and keeps each
+    request's path: what the machine fetched, counted where it was served."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.requests = folder, []
+        seen = self.requests
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *_args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                seen.append(self.path)
+                super().do_GET()
+
+        self.server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(Handler, directory=str(folder))
+        )
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, name="vm-deploy-www", daemon=True).start()
+
+    def guest_url(self, name: str) -> str:
+        return f"http://10.0.2.2:{self.port}/{name}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("bmc", ["redfish", pytest.param("ipmi", marks=pytest.mark.long)])
+@pytest.mark.timeout(1500)
+async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
+    bc_api: ApiClient, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path,
+    ramdisk_served: dict[str, str], bmc: Literal["redfish", "ipmi"],
+) -> None:  # fmt: skip
+    """enroll (Redfish or IPMI) -> inspect -> commission -> ``deploy`` (the shipped ``metal.deploy``, the
+    test OS image signed into the catalog) -> the VM boots its disk into the installed OS, whose
+    bcd joins with the provisioned token -> ``release``: checked at the VM's disk file, its
+    console, its BMC and the HTTP server it fetched the image and bcd from."""
+    t0 = time.monotonic()
+    # the installed OS's kernel line names this test's subject root, as the ramdisk's does
+    cmdline = f"{DEFAULT_OS_CMDLINE} bcd.subject_root={bc_settings.subject_root}"
+    built = await asyncio.to_thread(
+        build_os_image, tmp_path / "os", cache_dir=default_cache_dir(), cmdline=cmdline
+    )
+    t_built = time.monotonic()
+    image = built.image.read_bytes()
+    www = CountingServer(tmp_path / "www")
+    (www.folder / "os.raw").write_bytes(image)
+    (www.folder / "bcd").write_bytes(LAUNCHER)
+    env = ramdisk_env(
+        nats_url=bc_settings.nats_url or "", subject_root=bc_settings.subject_root,
+        cmdline="console=ttyS0,115200n8 quiet", **ramdisk_served,
+    ) | userdata_env(
+        nats_url=bc_settings.nats_url or "", bcd_url=www.guest_url("bcd"),
+        bcd_sha256=hashlib.sha256(LAUNCHER).hexdigest(),
+    )  # fmt: skip
+    try:
+        async with _vm_stack(
+            tmp_path, bc_settings, bc_api, bc_processes, bmc=bmc, env=env,
+            vm_disk_bytes=DEPLOY_DISK_BYTES,
+        ) as stack:  # fmt: skip
+            vm, node_id = stack.vm(0), stack.vm_nodes[0]
+            # signed into the catalog by the test key the VM lab's app trusts; served where the
+            # VM's bcd fetches it
+            await register_sim_image(stack.engine, OS_IMAGE, url=www.guest_url("os.raw"), data=image)
+            times: dict[str, float] = {"build": round(t_built - t0, 1)}
+
+            async def verb(name: str, resting: str, timeout: float, **kw: str) -> None:
+                t = time.monotonic()
+                await stack.engine.run_verb(name, node_id=node_id, **kw)  # type: ignore[arg-type]
+                await stack.node_reaches(node_id, resting, timeout=timeout, what=f"the VM ({name})")
+                times[name] = round(time.monotonic() - t, 1)
+
+            await verb("inspect", "inspected", 300)
+            await verb("commission", "ready", 300)
+            deploying_since = time.time()
+            await verb("deploy", "deployed", 900, image=OS_IMAGE)
+
+            # the image at the start of the VM's disk: its boot code, its two partitions' entries and
+            # its boot partition byte for byte; after them the config drive's entry, and the state
+            # partition is the running OS's (it mounts it read-write and keeps its enrollment there)
+            boot_start, boot_sectors = struct.unpack_from("<II", image, 446 + 8)
+            state_start, state_sectors = struct.unpack_from("<II", image, 446 + 16 + 8)
+            on_disk = read_at(vm.disk, 0, len(image))
+            assert on_disk[:478] == image[:478]
+            assert on_disk[510:512] == image[510:512] == b"\x55\xaa"
+            boot = slice(boot_start * 512, (boot_start + boot_sectors) * 512)
+            assert on_disk[boot] == image[boot]
+            state_end = (state_start + state_sectors) * 512
+            assert on_disk[state_end:] == image[state_end:]
+            drive_start = struct.unpack_from("<I", on_disk, 446 + 32 + 8)[0]
+            assert drive_start * 512 >= len(image)  # partition 3, the config drive, after the image
+            pvd = read_at(vm.disk, drive_start * 512 + 16 * 2048, 2048)  # ISO9660's volume descriptor
+            assert (pvd[1:6], pvd[40:46].upper()) == (b"CD001", b"CIDATA")
+            # written once: fetched once from where it is served, one image write command
+            assert www.requests.count("/os.raw") == 1, www.requests
+            assert www.requests.count("/bcd") == 1, www.requests  # the user data's runcmd
+            writes = await CommandQueueClient(stack.api).list_commands(
+                node_id=node_id, kind="node.imageWrite"
+            )
+            assert [c.state for c in writes.commands] == ["succeeded"], writes
+            # the VM booted its disk: the ramdisk from the network, then the disk (persistent)
+            power = vm.events("power")
+            boots = [e.get("boot") for e in power if e["to"] == "On"]
+            assert boots[-2:] == ["network", "disk"], power
+            screen = vm.console.read_text(errors="replace")  # every boot's, the last one's after
+            installed = screen[screen.rindex(f"power on #{len(boots)}, boot disk ===") :]
+            assert "bc-os: state on /dev/vda2" in installed
+            assert "bc-cloud-init: wrote /etc/bcd/join-token (0600)" in installed
+
+            def serving() -> bool:  # the join made the node deployed; then bcd serves
+                screen = vm.console.read_text(errors="replace")
+                return "bc-os: bcd run --mode installed" in screen[screen.rindex("boot disk ===") :]
+
+            ok: bool = await until(serving, timeout=120, interval=0.5, what="the installed OS's bcd serving")
+            assert ok
+            # its bcd joined with the provisioned token of the user data, bound to this VM
+            certs = await PkiClient(stack.api).list_certificates(agent_id=node_id, role="provisioned")
+            fresh = [c for c in certs if c.created_at.timestamp() >= deploying_since - 1]
+            assert len(fresh) == 1, certs
+            claims = fresh[0].claims
+            assert claims is not None
+            assert claims.product_uuid == vm.uuid
+            assert vm.mac in claims.macs
+            # with a key of its own: not one the ramdisks' bcd joined with (role node)
+            ramdisks = await PkiClient(stack.api).list_certificates(agent_id=node_id, role="node")
+            assert len(ramdisks) >= 3  # inspect's, commission's, deploy's
+            assert public_key(fresh[0].certificate_pem) not in {
+                public_key(c.certificate_pem) for c in ramdisks
+            }
+            node = await stack.engine.get_node(id=node_id)
+            assert node.state == "deployed"
+
+            # a host section for the installed bcd: it converges it and reports the generation
+            t = time.monotonic()
+            await stack.engine.start_workflow(profile_id=HOST_SECTION_PROFILE, node_id=node_id)
+
+            async def converged() -> bool:
+                now = await stack.engine.get_node(id=node_id)
+                return now.generation == node.generation + 1 == now.observed_generation
+
+            ok = await until(converged, timeout=300, interval=1.0, what="the host section converged")
+            assert ok
+            times["hostSection"] = round(time.monotonic() - t, 1)
+            # bcd answered with the installed OS's new key: its result signed, checked against the
+            # provisioned certificate (the re-keyed node), not the ramdisk's
+            converges = await CommandQueueClient(stack.api).list_commands(
+                node_id=node_id, kind="node.converge"
+            )
+            assert [(c.state, c.attested) for c in converges.commands] == [("succeeded", True)], converges
+            # the VM's screen never showed a join token, the installed OS's boot included
+            assert not TOKEN.search(vm.console.read_bytes())
+
+            await verb("release", "ready", 300)
+            mbr = read_at(vm.disk, 0, 512)
+            assert mbr[510:512] != b"\x55\xaa"  # the image's partition table is gone
+            assert mbr != image[:512]
+            assert www.requests.count("/os.raw") == 1
+            power = vm.events("power")
+            assert [e.get("boot") for e in power if e["to"] == "On"].count("disk") == 1, power
+            assert power[-1]["to"] == "Off"
+            print(f"VM lifecycle with deploy over {bmc} ({power[0]['accel']}): {times}, "
+                  f"total {time.monotonic() - t0:.1f} s")  # fmt: skip
+            changes = [r for r in stack.lab.bmc_requests(0) if not r.startswith("GET ")] if stack.lab else []
+            print(f"{bmc} BMC changes: {changes}")
+            # at the BMC: four one-time network boots (a verb's each) and deploy's one to the disk
+            if bmc == "redfish":
+                assert sum(r.startswith("PATCH ") for r in changes) == 5, changes
+            else:
+                devices = [r.split(":", 1)[1] for r in changes if r.startswith("set_boot_device:")]
+                assert devices == ["network", "network", "network", "hd", "network"], changes
+            for path in stack.log_files():
+                assert not TOKEN.search(path.read_bytes()), path
+    finally:
+        www.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from better_compute.testing.vmlab import VirtualMachine, VmSpec, guest_url, vm_identity
-from better_compute.testing.vmlab.app import ramdisk_env
+from better_compute.testing.vmlab.app import ramdisk_env, userdata_env, userdata_from_env
 from better_compute.testing.vmlab.redfish import _ACCESS
 
 
@@ -77,3 +77,19 @@ def test_the_ramdisks_command_line_names_the_control_plane_as_the_guest_reaches_
     assert doc["cmdline"].split() == [
         "console=ttyS0", "quiet", "bcd.subject_root=bct7", "bcd.control_plane=nats://10.0.2.2:4222",
     ]  # fmt: skip
+
+
+def test_the_installed_os_user_data_names_the_control_plane_as_the_guest_reaches_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = userdata_env(
+        nats_url="nats://127.0.0.1:4222", bcd_url="http://10.0.2.2:8080/bcd", bcd_sha256="ab" * 32
+    )
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    settings = userdata_from_env()
+    assert settings is not None
+    assert (settings.control_plane_url, settings.bcd_url, settings.bcd_sha256) == (
+        "nats://10.0.2.2:4222", "http://10.0.2.2:8080/bcd", "ab" * 32,
+    )  # fmt: skip

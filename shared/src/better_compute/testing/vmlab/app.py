@@ -7,6 +7,16 @@ Services load it with ``BC_APP=better_compute.testing.vmlab.app:app``; the ramdi
 command line names the control plane as the guests reach it (``bcd.control_plane=nats://
 10.0.2.2:<port>``: ``ramdisk_env`` writes it). The simulated machines of the same site boot
 the same entries and ignore the kernel, as with the fleet app.
+
+The user data that ``metal.deploy`` renders for the installed OS comes from ``$BC_VMLAB_USERDATA``,
+JSON ``{"controlPlaneUrl", "bcdUrl", "bcdSha256"}`` (``userdata_env`` writes it: the control plane
+as the guests reach it, ``nats://10.0.2.2:<port>``, and a bcd they can download); without it, the
+fleet app's (URLs nothing answers).
+
+``vmlab-host-section`` (plugin ``vmlab-host``) is a profile to start on a deployed VM with
+``workflows.start``: it waits for the installed OS's bcd (any join) and has the fleet app's
+``hostConfig`` (one ``sysctl`` unit), so its success gives the node a host section for that bcd
+to converge (the shipped ``metal.deploy`` has no ``hostConfig``).
 """
 
 from __future__ import annotations
@@ -16,14 +26,23 @@ import os
 from typing import Any
 
 from ...app import better_compute
+from ...core import define_plugin
 from ...metal import Ramdisk, metal
-from ...provision import provision_module
-from ..metal_sim.app import RAMDISK, acme_autoinstall, provision
+from ...provision import UserData, define_profile, provision_module
+from ..metal_sim.app import HOST_CONFIG, RAMDISK, acme_autoinstall, provision
 from .lab import guest_url
 
-__all__ = ["app", "ramdisk_env", "ramdisk_from_env"]
+__all__ = [
+    "HOST_SECTION_PROFILE",
+    "app",
+    "ramdisk_env",
+    "ramdisk_from_env",
+    "userdata_env",
+    "userdata_from_env",
+]
 
 ENV = "BC_VMLAB_RAMDISK"
+USERDATA_ENV = "BC_VMLAB_USERDATA"
 
 
 def ramdisk_env(
@@ -64,10 +83,44 @@ def ramdisk_from_env() -> Ramdisk:
     )
 
 
+def userdata_env(*, nats_url: str, bcd_url: str, bcd_sha256: str) -> dict[str, str]:
+    """The environment that makes this app's ``userdata.render`` point the installed OS at the
+    NATS server at ``nats_url`` (this machine's loopback) as the guests reach it, and at
+    ``bcd_url`` (an http URL the guest can fetch: ``http://10.0.2.2:<port>/…``) for bcd."""
+    doc = {"controlPlaneUrl": guest_url(nats_url), "bcdUrl": bcd_url, "bcdSha256": bcd_sha256}
+    return {USERDATA_ENV: json.dumps(doc)}
+
+
+def userdata_from_env() -> UserData | None:
+    raw = os.environ.get(USERDATA_ENV)
+    if not raw:
+        return provision.user_data
+    doc = json.loads(raw)
+    return UserData(
+        control_plane_url=doc["controlPlaneUrl"], bcd_url=doc["bcdUrl"], bcd_sha256=doc["bcdSha256"]
+    )
+
+
+HOST_SECTION_PROFILE = "vmlab-host-section"
+vmlab_host = define_plugin(
+    id="vmlab-host",
+    profiles=[
+        define_profile(
+            id=HOST_SECTION_PROFILE,
+            version=1,
+            target="metal",
+            role="host",
+            description="The node's host section: one sysctl unit, for the installed OS's bcd to converge",
+            steps=[{"use": "wait.agentJoined", "with": {"role": "node", "fresh": False}}],
+            host_config=HOST_CONFIG,
+        )
+    ],
+)
+
 _ramdisk = ramdisk_from_env()
 _provision = provision_module(
-    modules=[metal(ramdisk=_ramdisk), acme_autoinstall],
-    user_data=provision.user_data,
+    modules=[metal(ramdisk=_ramdisk), acme_autoinstall, vmlab_host],
+    user_data=userdata_from_env(),
     image_verifier=provision.image_verifier,
 )
-app = better_compute(modules=[metal(ramdisk=_ramdisk), _provision], plugins=[acme_autoinstall])
+app = better_compute(modules=[metal(ramdisk=_ramdisk), _provision], plugins=[acme_autoinstall, vmlab_host])

@@ -9,8 +9,9 @@ loopback as 10.0.2.2 (QEMU's user network, no root set-up): its DHCP hands iPXE 
 KVM only where it runs real-mode firmware (``kvm_runs_real_mode``).
 
 Each VM has its own product UUID and serial (``-smbios type=1``) and MAC, a serial console
-written to ``console.log``, a QMP socket, and ``events.jsonl``: every power change and what it
-booted, as the machine saw them (a test counts there and in the disk file).
+written to ``console.log`` (every boot's, each after a ``=== vmlab: power on`` line), a QMP
+socket, and ``events.jsonl``: every power change and what it booted, as the machine saw them (a
+test counts there and in the disk file).
 """
 
 from __future__ import annotations
@@ -172,7 +173,10 @@ class VirtualMachine:
             self.qemu, "-name", s.name, "-machine", "pc", "-accel", self.accel(boot),
             "-smp", str(s.cpus), "-m", str(s.memory_mb),
             "-smbios", smbios, "-nodefaults", "-no-user-config", "-nographic",
-            "-serial", f"file:{self.console}", "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
+            # appended to, not truncated at each boot (``-serial file:`` truncates): every boot's
+            # screen stays, after the power-on line written before it
+            "-chardev", f"file,id=console,path={self.console},append=on", "-serial", "chardev:console",
+            "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
             "-drive", f"file={self.disk},format=raw,if=virtio,cache=writeback",
             "-netdev", f"user,id=n0,bootfile={s.boot_url}",
             "-device", f"virtio-net-pci,netdev=n0,mac={s.mac}",
