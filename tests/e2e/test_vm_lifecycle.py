@@ -226,7 +226,8 @@ async def _lifecycle(stack: FleetStack, vm: LabVm, node_id: str) -> dict[str, fl
     return times
 
 
-@pytest.mark.parametrize("bmc", ["redfish", pytest.param("ipmi", marks=pytest.mark.long)])
+@pytest.mark.long  # the deploy lifecycle below covers every verb of it in make test
+@pytest.mark.parametrize("bmc", ["redfish", "ipmi"])
 @pytest.mark.timeout(900)
 async def test_a_vm_is_inspected_commissioned_and_retired_by_the_real_ramdisk(
     bc_api: ApiClient, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path,
@@ -303,14 +304,14 @@ class CountingServer:
 
 @pytest.mark.parametrize("bmc", ["redfish", pytest.param("ipmi", marks=pytest.mark.long)])
 @pytest.mark.timeout(1500)
-async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
+async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released_and_retired(
     bc_api: ApiClient, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path,
     ramdisk_served: dict[str, str], bmc: Literal["redfish", "ipmi"],
 ) -> None:  # fmt: skip
     """enroll (Redfish or IPMI) -> inspect -> commission -> ``deploy`` (the shipped ``metal.deploy``, the
     test OS image signed into the catalog) -> the VM boots its disk into the installed OS, whose
-    bcd joins with the provisioned token -> ``release``: checked at the VM's disk file, its
-    console, its BMC and the HTTP server it fetched the image and bcd from."""
+    bcd joins with the provisioned token -> ``release`` -> ``retire``: checked at the VM's disk
+    file, its console, its BMC and the HTTP server it fetched the image and bcd from."""
     t0 = time.monotonic()
     # the installed OS's kernel line names this test's subject root, as the ramdisk's does
     cmdline = f"{DEFAULT_OS_CMDLINE} bcd.subject_root={bc_settings.subject_root}"
@@ -346,8 +347,19 @@ async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
                 await stack.node_reaches(node_id, resting, timeout=timeout, what=f"the VM ({name})")
                 times[name] = round(time.monotonic() - t, 1)
 
+            # a filesystem on the blank disk, as a used machine has: the commission's wipe ends it
+            await asyncio.to_thread(subprocess.run, ["mkfs.ext4", "-q", "-F", str(vm.disk)], check=True)
+            assert ext4_signature(vm.disk)
             await verb("inspect", "inspected", 300)
+            inv = (await stack.engine.get_node(id=node_id)).inventory
+            assert isinstance(inv, dict)
+            # read by the real bcd in the real ramdisk off the VM's DMI, block devices and NICs
+            assert (inv["productUuid"], inv["serial"]) == (vm.uuid, vm.serial)
+            assert {d["name"]: d["sizeBytes"] for d in inv["disks"]}.get("vda") == DEPLOY_DISK_BYTES
+            assert vm.mac in [n.get("mac") for n in inv["nics"]]
+            assert ext4_signature(vm.disk)  # inspecting wrote nothing
             await verb("commission", "ready", 300)
+            assert not ext4_signature(vm.disk)  # the quick wipe, counted in the disk file
             deploying_since = time.time()
             await verb("deploy", "deployed", 900, image=OS_IMAGE)
 
@@ -431,6 +443,10 @@ async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
             assert mbr[510:512] != b"\x55\xaa"  # the image's partition table is gone
             assert mbr != image[:512]
             assert www.requests.count("/os.raw") == 1
+            # retire: the secure wipe erases what the quick one leaves (a mark mid-disk)
+            write_at(vm.disk, MARK, DEPLOY_DISK_BYTES // 2)
+            await verb("retire", "retired", 600)
+            assert not holds(vm.disk, MARK, DEPLOY_DISK_BYTES // 2)
             power = vm.events("power")
             assert [e.get("boot") for e in power if e["to"] == "On"].count("disk") == 1, power
             assert power[-1]["to"] == "Off"
@@ -438,12 +454,12 @@ async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released(
                   f"total {time.monotonic() - t0:.1f} s")  # fmt: skip
             changes = [r for r in stack.lab.bmc_requests(0) if not r.startswith("GET ")] if stack.lab else []
             print(f"{bmc} BMC changes: {changes}")
-            # at the BMC: four one-time network boots (a verb's each) and deploy's one to the disk
+            # at the BMC: five one-time network boots (a verb's each) and deploy's one to the disk
             if bmc == "redfish":
-                assert sum(r.startswith("PATCH ") for r in changes) == 5, changes
+                assert sum(r.startswith("PATCH ") for r in changes) == 6, changes
             else:
                 devices = [r.split(":", 1)[1] for r in changes if r.startswith("set_boot_device:")]
-                assert devices == ["network", "network", "network", "hd", "network"], changes
+                assert devices == ["network", "network", "network", "hd", "network", "network"], changes
             for path in stack.log_files():
                 assert not TOKEN.search(path.read_bytes()), path
     finally:
