@@ -35,7 +35,8 @@ from nats.js import api
 from better_compute.config import EventsSettings
 from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
-from better_compute.runtime.embedded import free_port, nats_server_binary, wait_port
+from better_compute.runtime.embedded import free_port as pick_free_port
+from better_compute.runtime.embedded import nats_server_binary, wait_port
 from better_compute.service.audit import requester
 from better_compute.service.events import ensure_events_stream
 from better_compute.testing import bcx, until
@@ -158,6 +159,16 @@ def _build(tmp_path: Path) -> Stack:
     """The hub's three nodes and the eu1 leaf on fresh ports, not started."""
     passwords = {name: f"p{secrets.token_hex(12)}" for name in PASSWORD_VARS}
     shared = _env(**{f"{name}_PASSWORD": value for name, value in passwords.items()})
+    used: set[int] = set()
+
+    def free_port() -> int:
+        """A port free now and not picked for another node of this stack: the OS may hand the
+        same free port out twice (bc-nats-3 once got bc-nats-2's client port)."""
+        while (port := pick_free_port()) in used:
+            pass
+        used.add(port)
+        return port
+
     route_ports = [free_port() for _ in range(3)]
     leaf_ports = [free_port() for _ in range(3)]
     for n, port in enumerate(route_ports, 1):
@@ -201,22 +212,28 @@ async def run_stack(tmp_path: Path) -> AsyncIterator[Stack]:
         try:
             for node in [*st.hub, st.leaf]:
                 node.start()
-        except BcError:
+            # a node that lost its port may die after it started: the cluster then never forms
+            for node in st.hub:
+                await eventually(f"{node.name} healthy", functools.partial(_healthy, node))
+            await eventually("leaf node connected", functools.partial(_leaf_connected, st.leaf))
+        except (BcError, AssertionError):
             await st.close()
             if _port_taken(st) and attempt < 2:
                 continue
+            _print_logs(st)
             raise
         break
     try:
-        for node in st.hub:
-            await eventually(f"{node.name} healthy", functools.partial(_healthy, node))
-        await eventually("leaf node connected", functools.partial(_leaf_connected, st.leaf))
         yield st
     finally:
         await st.close()
-        for node in [*st.hub, st.leaf]:  # pytest shows this only when a test failed
-            tail = node.log.read_text(errors="replace").splitlines()[-30:] if node.log.exists() else []
-            print(f"--- {node.name} ---", *tail, sep="\n")
+        _print_logs(st)
+
+
+def _print_logs(st: Stack) -> None:
+    for node in [*st.hub, st.leaf]:  # pytest shows this only when a test failed
+        tail = node.log.read_text(errors="replace").splitlines()[-30:] if node.log.exists() else []
+        print(f"--- {node.name} ---", *tail, sep="\n")
 
 
 @pytest_asyncio.fixture(loop_scope="session")
