@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from better_compute.testing.agents import SimAgent
+
 _TIERS = {"unit", "integration", "e2e", "chaos", "adversarial"}
 
 
@@ -72,3 +74,12 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     yield from _phase_limit("teardown")
+
+
+@pytest.fixture
+def sims() -> Iterator[list[SimAgent]]:
+    """Simulated agents a test starts (``start_sim_agent``) and appends here: closed at its end."""
+    made: list[SimAgent] = []
+    yield made
+    for sim in made:
+        sim.close()

@@ -9,13 +9,12 @@ not the periodic pass.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
@@ -75,14 +74,6 @@ def wipe(node: str, key: str, **over: Any) -> EnqueueCommand:
     return EnqueueCommand(
         **{"node_id": node, "site_id": "site-b", "kind": "node.wipe", "key": key, "target": "node", **over}
     )
-
-
-@pytest.fixture
-def sims() -> Iterator[list[SimAgent]]:
-    made: list[SimAgent] = []
-    yield made
-    for sim in made:
-        sim.close()
 
 
 @pytest_asyncio.fixture(loop_scope="session")

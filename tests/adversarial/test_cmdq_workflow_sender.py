@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
@@ -54,14 +53,6 @@ class Site:
             )
         assert batch.state == "approved"
         return batch
-
-
-@pytest.fixture
-def sims() -> Iterator[list[SimAgent]]:
-    made: list[SimAgent] = []
-    yield made
-    for sim in made:
-        sim.close()
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import pytest_asyncio
 
 from better_compute.clients.cmdq import CommandQueueClient
@@ -47,14 +46,6 @@ class Stack:
     pki: PkiClient
     settings: Settings
     tmp: Path
-
-
-@pytest.fixture
-def sims() -> Iterator[list[SimAgent]]:
-    made: list[SimAgent] = []
-    yield made
-    for sim in made:
-        sim.close()
 
 
 @pytest_asyncio.fixture(loop_scope="session")

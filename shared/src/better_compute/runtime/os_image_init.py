@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from .ramdisk_init import COLDPLUG, MOUNTS
+
 __all__ = ["CLOUD_INIT", "CURL", "JSON_AWK", "OS_INIT", "STATE_LABEL", "SYSLINUX_CFG"]
 
 STATE_LABEL: Final = "bc-state"
@@ -208,32 +210,21 @@ if [ -n "$out" ]; then exec wget -q -O "$out" "$url"; fi
 exec wget -q -O - "$url"
 """
 
-OS_INIT: Final = r"""#!/bin/sh
+OS_INIT: Final = (
+    r"""#!/bin/sh
 # bc-os /init (PID 1) of the test OS image: mount, load drivers, DHCP, the state partition, the
 # NoCloud config drive (cloud-init once per instance), then bcd run --mode installed, restarted
 # whenever it exits. Everything goes to the console.
 export PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 mkdir -p /proc /sys /dev /run /tmp /var/lib/bcd /etc/bcd /usr/local
-mount -t proc proc /proc
-mount -t sysfs sysfs /sys
-mount -t devtmpfs devtmpfs /dev 2>/dev/null
-mkdir -p /dev/pts /dev/shm
-mount -t devpts devpts /dev/pts
-mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-mount -t tmpfs -o mode=0755 tmpfs /run
-exec </dev/console >/dev/console 2>&1
-echo "bc-os: $(cat /etc/bc-ramdisk/release) on $(uname -r)"
+"""
+    + MOUNTS
+    + r"""echo "bc-os: $(cat /etc/bc-ramdisk/release) on $(uname -r)"
 # drivers by modalias as the ramdisk loads them (runtime.ramdisk_init): twice, for the devices
 # the first drivers bring (the virtio disk and NIC behind virtio_pci)
-for pass in 1 2; do
-    for alias in $(cat /sys/bus/*/devices/*/modalias 2>/dev/null | sort -u); do
-        modprobe -q "$alias" 2>/dev/null
-    done
-done
-for module in $(cat /etc/bc-ramdisk/modules); do
-    modprobe -q "$module" 2>/dev/null
-done
-echo "bc-os: $(wc -l < /proc/modules) modules loaded"
+"""
+    + COLDPLUG
+    + r"""echo "bc-os: $(wc -l < /proc/modules) modules loaded"
 hostname bc-os
 # the disk's partitions appear once its driver probed it
 find_label() {
@@ -290,7 +281,8 @@ while true; do
     fi
     sleep "$delay"
 done
-""".replace("@STATE_LABEL@", STATE_LABEL)
+"""
+).replace("@STATE_LABEL@", STATE_LABEL)
 
 SYSLINUX_CFG: Final = """SERIAL 0 115200
 DEFAULT bc-os

@@ -10,6 +10,30 @@ from typing import Final
 
 __all__ = ["INIT", "NET_UP", "UDHCPC_SCRIPT"]
 
+MOUNTS: Final = r"""mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev 2>/dev/null
+mkdir -p /dev/pts /dev/shm
+mount -t devpts devpts /dev/pts
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+mount -t tmpfs -o mode=0755 tmpfs /run
+exec </dev/console >/dev/console 2>&1
+"""
+"""What a PID 1 mounts first (proc, sys, devtmpfs, pts, shm, run) and its console; the ramdisk's
+init and the test OS image's (runtime.os_image_init) both start so."""
+
+COLDPLUG: Final = r"""for pass in 1 2; do
+    for alias in $(cat /sys/bus/*/devices/*/modalias 2>/dev/null | sort -u); do
+        modprobe -q "$alias" 2>/dev/null
+    done
+done
+for module in $(cat /etc/bc-ramdisk/modules); do
+    modprobe -q "$module" 2>/dev/null
+done
+"""
+"""Drivers for the devices the machine has, by their modalias (what udev does at coldplug); twice,
+for the devices the first drivers bring; then the listed modules (file systems). Both inits."""
+
 NET_UP: Final = r"""#!/bin/sh
 # Bring up every NIC backed by a device with DHCP (busybox udhcpc); returns once each NIC has a
 # lease or gave up for now (udhcpc keeps trying in the background).
@@ -51,32 +75,21 @@ cat /run/resolv.* > /etc/resolv.conf 2>/dev/null
 exit 0
 """
 
-INIT: Final = r"""#!/bin/sh
+INIT: Final = (
+    r"""#!/bin/sh
 # bc-ramdisk /init (PID 1): mount, load drivers, DHCP on every NIC, then bcd (join, then run, in
 # one process), started again whenever it exits (systemd's Restart=always). All on the console.
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 mkdir -p /proc /sys /dev /run /tmp /var/lib/bcd /etc/bcd
-mount -t proc proc /proc
-mount -t sysfs sysfs /sys
-mount -t devtmpfs devtmpfs /dev 2>/dev/null
-mkdir -p /dev/pts /dev/shm
-mount -t devpts devpts /dev/pts
-mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-mount -t tmpfs -o mode=0755 tmpfs /run
-exec </dev/console >/dev/console 2>&1
-say() { echo "bc-ramdisk [$(cut -d' ' -f1 /proc/uptime)s]: $*"; }
+"""
+    + MOUNTS
+    + r"""say() { echo "bc-ramdisk [$(cut -d' ' -f1 /proc/uptime)s]: $*"; }
 say "$(cat /etc/bc-ramdisk/release) on $(uname -r)"
 # drivers for the devices this machine has, by their modalias (what udev does at coldplug);
 # twice, for the devices the first drivers bring (disks behind a controller, USB devices)
-for pass in 1 2; do
-    for alias in $(cat /sys/bus/*/devices/*/modalias 2>/dev/null | sort -u); do
-        modprobe -q "$alias" 2>/dev/null
-    done
-done
-for module in $(cat /etc/bc-ramdisk/modules); do
-    modprobe -q "$module" 2>/dev/null
-done
-say "$(wc -l < /proc/modules) modules loaded"
+"""
+    + COLDPLUG
+    + r"""say "$(wc -l < /proc/modules) modules loaded"
 hostname bc-ramdisk
 sh /etc/bc-ramdisk/net-up
 touch /etc/bcd/ramdisk
@@ -98,3 +111,4 @@ while true; do
     sleep 1
 done
 """
+)
