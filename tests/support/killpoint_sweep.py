@@ -255,7 +255,7 @@ class SweepStack:
             except BcError:
                 return False
 
-        await until(connected, timeout=60, what="the site agent connected")
+        await until(connected, timeout=180, what="the site agent connected")
 
     def need_api(self) -> ApiClient:
         assert self.api is not None

@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import stat
@@ -37,7 +38,33 @@ __all__ = [
 PG_SYSTEM_USER = "bc-postgres"  # PostgreSQL refuses to run as root
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A port free to listen on now, chosen below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` is an ephemeral one: once this probe closes it, any outgoing
+    connection on the machine (a client of NATS or PostgreSQL) may take it as its source port
+    before the server that was meant to listen there starts (seen: a site agent that never
+    came up on a loaded CI machine). Ports below that range are handed to nobody but
+    listeners that ask for them by number."""
+    low, _ = _ephemeral_range()
+    if low > 12_000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(10_000, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
