@@ -81,7 +81,8 @@ async def test_sim_up_enrolls_its_machines_shows_a_stranger_as_discovered_and_do
     engine = EngineClient(bc_api)
     for m in machines[:2]:
         node = await engine.get_node(id=m["node"])
-        assert (node.state, node.site_id, node.labels) == ("enrolled", SITE, {"sim": "1", "rack": "r7"})
+        labels = {"sim": "1", "hw": "sim", "rack": "r7"}
+        assert (node.state, node.site_id, node.labels) == ("enrolled", SITE, labels)
         assert node.macs == m["macs"]
         assert node.bmc is not None
         assert (node.bmc["driver"], node.bmc["address"]) == ("redfish", doc["bmcUrl"])

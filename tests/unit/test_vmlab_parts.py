@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from better_compute.testing.metal_sim.app import RAMDISK
 from better_compute.testing.vmlab import VirtualMachine, VmSpec, guest_url, vm_identity
-from better_compute.testing.vmlab.app import ramdisk_env, userdata_env, userdata_from_env
+from better_compute.testing.vmlab.app import ramdisk_env, ramdisk_from_env, userdata_env, userdata_from_env
 from better_compute.testing.vmlab.redfish import _ACCESS
 
 
@@ -93,3 +94,30 @@ def test_the_installed_os_user_data_names_the_control_plane_as_the_guest_reaches
     assert (settings.control_plane_url, settings.bcd_url, settings.bcd_sha256) == (
         "nats://10.0.2.2:4222", "http://10.0.2.2:8080/bcd", "ab" * 32,
     )  # fmt: skip
+
+
+def test_without_its_own_ramdisk_the_lab_boots_the_one_bcx_dev_up_serves_naming_the_guests_control_plane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``make demo`` runs: ``bcx dev up`` hands the built ramdisk to the services as
+    ``BC_RAMDISK_*`` and its NATS as ``BC_NATS_URL`` on loopback; the VM reaches it at 10.0.2.2."""
+    monkeypatch.delenv("BC_VMLAB_RAMDISK", raising=False)
+    monkeypatch.delenv("BC_CONFIG", raising=False)
+    monkeypatch.setenv("BC_NATS_URL", "nats://127.0.0.1:4999")
+    monkeypatch.setenv("BC_RAMDISK_KERNEL", "http://127.0.0.1:81/k")
+    monkeypatch.setenv("BC_RAMDISK_KERNEL_SHA256", "a" * 64)
+    monkeypatch.setenv("BC_RAMDISK_INITRD", "http://127.0.0.1:81/i")
+    monkeypatch.setenv("BC_RAMDISK_INITRD_SHA256", "b" * 64)
+    monkeypatch.setenv("BC_RAMDISK_CMDLINE", "console=tty0 console=ttyS0,115200n8")
+
+    ramdisk = ramdisk_from_env()
+    assert (ramdisk.kernel, ramdisk.initrd, ramdisk.kernel_sha256) == (
+        "http://127.0.0.1:81/k", "http://127.0.0.1:81/i", "a" * 64,
+    )  # fmt: skip
+    # quiet: the kernel prints no command line (the boot entry's bcd.token=) on the console
+    assert ramdisk.cmdline.split() == [
+        "console=tty0", "console=ttyS0,115200n8", "quiet", "bcd.control_plane=nats://10.0.2.2:4999",
+    ]  # fmt: skip
+
+    monkeypatch.delenv("BC_RAMDISK_KERNEL")
+    assert ramdisk_from_env().kernel == RAMDISK.kernel  # nothing built: the simulated one

@@ -286,9 +286,11 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
         if args.enroll:
             credential = creds_file.read_bytes().strip()
             chosen = doc["machines"][: args.machines]
-            nodes = await _enroll(api, chosen, credential, site, args.tenant, labels)
+            # hw= tells the simulated machines from the VMs in a selector (hw=sim, hw=vm)
+            nodes = await _enroll(api, chosen, credential, site, args.tenant, {"hw": "sim", **labels})
             vms = doc.get("vms") or []
-            nodes.update(await _enroll(api, vms, credential, site, args.tenant, {"vm": "1", **labels}))
+            vm_labels = {"vm": "1", "hw": "vm", **labels}
+            nodes.update(await _enroll(api, vms, credential, site, args.tenant, vm_labels))
         discovered: dict[str, str] = {}
         strangers = doc["machines"][args.machines :]
         if strangers and args.discovery and args.wait_discovered:

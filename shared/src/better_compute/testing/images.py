@@ -66,19 +66,26 @@ async def register_sim_image(
 
 
 def main() -> None:
-    """``python -m better_compute.testing.images [name@version]``: register the simulator's signed
-    image in the deployment bcx talks to (the demo runs it after ``bcx sim up``)."""
+    """``python -m better_compute.testing.images [name@version] [--file F --url U]``: register the
+    simulator's signed image (or the file ``F``, served at ``U``, signed by the same test key) in
+    the deployment bcx talks to (the demo runs it after ``bcx sim up``)."""
+    import argparse
     import asyncio
-    import sys
+    from pathlib import Path
 
     from ..cli.common import engine_client
     from ..config import load_settings
 
-    ref = sys.argv[1] if len(sys.argv) > 1 else SIM_IMAGE
+    parser = argparse.ArgumentParser(prog="python -m better_compute.testing.images")
+    parser.add_argument("ref", nargs="?", default=SIM_IMAGE, help="name@version")
+    parser.add_argument("--file", help="the image's bytes (default: a simulated image's)")
+    parser.add_argument("--url", help="where the image is served (with --file)")
+    args = parser.parse_args()
+    data = Path(args.file).read_bytes() if args.file else None
 
     async def run() -> None:
         async with engine_client(load_settings()) as engine:
-            view = await register_sim_image(engine, ref)
+            view = await register_sim_image(engine, args.ref, url=args.url, data=data)
         print(f"{view.name}@{view.version} in the catalog, signed by the simulator's test key")
 
     asyncio.run(run())

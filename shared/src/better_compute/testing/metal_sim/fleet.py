@@ -408,6 +408,9 @@ class MetalSim:
         shutil.rmtree(m.tree / "var/lib/bcd", ignore_errors=True)  # a ramdisk starts empty
         (m.tree / "etc/bcd").mkdir(parents=True, exist_ok=True)
         (m.tree / "etc/bcd/ramdisk").touch()
+        # next to QEMU VMs (the VM lab) the entries name the control plane as user-mode guests
+        # reach this machine's loopback; a simulated machine sits on that network too
+        cmdline = cmdline.replace("://10.0.2.2:", "://127.0.0.1:")
         (m.tree / "proc/cmdline").write_text(f"console=ttyS0 {cmdline}\n")
         env = self._bcd_env(m)
         settings = {w.partition("=")[0] for w in cmdline.split()}

@@ -21,6 +21,7 @@ to converge (the shipped ``metal.deploy`` has no ``hostConfig``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 from ...app import better_compute
 from ...core import define_plugin
 from ...metal import Ramdisk, metal
+from ...metal.module import configured_ramdisk
 from ...provision import UserData, define_profile, provision_module
 from ..metal_sim.app import HOST_CONFIG, RAMDISK, acme_autoinstall, provision
 from .lab import guest_url
@@ -69,10 +71,29 @@ def ramdisk_env(
     return {ENV: json.dumps({k: v for k, v in doc.items() if v is not None})}
 
 
+def _guest_control_plane() -> str | None:
+    """This process's NATS server as a QEMU guest reaches it (``nats://10.0.2.2:<port>``): the
+    dev stack's services get ``BC_NATS_URL`` on loopback, which only user-mode guests reach."""
+    url = os.environ.get("BC_NATS_URL")
+    return guest_url(url) if url else None
+
+
 def ramdisk_from_env() -> Ramdisk:
+    """``$BC_VMLAB_RAMDISK``'s ramdisk; else the one bc.toml's ``[ramdisk]`` names (what ``bcx dev
+    up`` serves after ``bcx ramdisk build``), its command line naming the control plane as the
+    guests reach it; else the fleet app's simulated one."""
     raw = os.environ.get(ENV)
     if not raw:
-        return RAMDISK
+        configured = configured_ramdisk()
+        guest = _guest_control_plane()
+        if configured is None or guest is None:
+            return RAMDISK
+        cmdline = configured.cmdline or "console=ttyS0,115200n8"
+        if "quiet" not in cmdline.split():
+            cmdline += " quiet"  # the kernel prints no command line, bcd.token= and all, on the console
+        if "bcd.control_plane=" not in cmdline:
+            cmdline = f"{cmdline} bcd.control_plane={guest}"
+        return dataclasses.replace(configured, cmdline=cmdline.strip())
     doc = json.loads(raw)
     return Ramdisk(
         kernel=doc["kernel"],
@@ -97,7 +118,9 @@ def userdata_from_env() -> UserData | None:
         return provision.user_data
     doc = json.loads(raw)
     return UserData(
-        control_plane_url=doc["controlPlaneUrl"], bcd_url=doc["bcdUrl"], bcd_sha256=doc["bcdSha256"]
+        control_plane_url=doc.get("controlPlaneUrl") or _guest_control_plane() or "",
+        bcd_url=doc["bcdUrl"],
+        bcd_sha256=doc["bcdSha256"],
     )
 
 
