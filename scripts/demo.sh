@@ -152,8 +152,13 @@ if [ "$VM" = 1 ]; then
 fi
 watch_and_approve deploy
 if [ "$VM" = 1 ]; then
-  step "bcx agents list --site $SITE --connected   (the VM's installed OS: $VM_NODE, role node, its bcd joined from its disk)"
-  bcx agents list --site "$SITE" --connected
+  # deployed = its installed OS's bcd joined; its first heartbeat follows within seconds
+  for _ in $(seq 1 30); do
+    bcx --json agents list --site "$SITE" --role provisioned --connected | grep -q "$VM_NODE" && break
+    sleep 1
+  done
+  step "bcx agents list --site $SITE --role provisioned   ($VM_NODE: the VM's installed OS, its bcd joined from its disk)"
+  bcx agents list --site "$SITE" --role provisioned
 fi
 rollout release
 
