@@ -32,7 +32,7 @@ from better_compute.crypto import batch_document, result_document, sign_batch, s
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
 from better_compute.wire import unwrap
-from better_compute.wire.agent import Ack, Heartbeat, Hello, Result, payload_digest
+from better_compute.wire.agent import EVENT_KINDS, Ack, Heartbeat, Hello, Result, payload_digest
 from better_compute.wire.cmdq import EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
@@ -239,6 +239,29 @@ async def test_agent_events_that_do_not_check_out_change_nothing(attack: Attack)
     assert (await send(api, *subject, "heartbeat", beat)) == {"bootLease": False, "cancel": []}
     [listed] = [a for a in await cq.agents(site_id="site-a") if a.id == node.agent]
     assert not listed.connected
+
+
+async def test_deeply_nested_agent_events_are_invalid_input_not_internal(attack: Attack) -> None:
+    """Issue 23 L6: 10,000-deep JSON on an agent-event subject exhausted the decoder
+    (RecursionError) and was answered INTERNAL; it is a typed INVALID_INPUT with its path."""
+    api = attack.api
+    node = Ident(await join_agent(api, site_id="site-d", role="node", node_id=new_id("node")))
+    deep = b"[" * 10_000 + b"]" * 10_000
+    inside = msgspec.json.encode(node.base(signature="AA==", x=None)).replace(b"null", deep)
+    for kind in EVENT_KINDS:
+        for data in (deep, inside):
+            err = await refused(send(api, node.site, node.agent, kind, data))
+            assert err.code == ErrorCode.INVALID_INPUT, (kind, err)
+            assert "nest" in err.message
+        assert (await refused(send(api, node.site, node.agent, kind, inside))).path.startswith("x[0]")
+    # a well-signed result whose bytes are such JSON (the engine reads results as JSON)
+    result = Result(**node.base(), command_id=new_id("cmd"), status="succeeded", result=deep)
+    err = await refused(send(api, node.site, node.agent, "result", sign_event(
+        node.enrollment.identity, "result", result
+    )))  # fmt: skip
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "result" + "[0]" * 64)
+    assert "agent_event_failed" not in attack.cmdq.output()
+    assert "RecursionError" not in attack.cmdq.output()
 
 
 async def test_a_forged_delivery_is_never_run(attack: Attack) -> None:
