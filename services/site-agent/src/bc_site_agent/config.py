@@ -39,6 +39,8 @@ from typing import Any
 
 from better_compute.core.errors import BcError, ErrorCode
 
+from .netboot import IPXE_UNSAFE
+
 __all__ = ["SiteAgentConfig", "load_config"]
 
 _SITE_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -128,6 +130,11 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
     discovery = netboot.get("discovery", False)
     if not isinstance(discovery, bool):
         raise _bad("netboot.discovery", "expected true or false")
+    for key in ("discovery_kernel", "discovery_initrd", "discovery_cmdline", "discovery_control_plane"):
+        value = netboot.get(key)
+        if isinstance(value, str) and IPXE_UNSAFE.search(value):
+            raise _bad(f"netboot.{key}", "iPXE would act on it: no control characters, '${', '||', '&&',"
+                       " or a word starting with ';' or '#'")  # fmt: skip
     control_plane = doc.get("control_plane_addresses", [])
     if not isinstance(control_plane, list) or not all(isinstance(a, str) for a in control_plane):
         raise _bad("control_plane_addresses", "expected a list of IP addresses")
