@@ -329,6 +329,66 @@ async def test_a_forged_delivery_is_never_run(attack: Attack) -> None:
         await task
 
 
+async def test_a_revoked_site_agent_is_cut_off_at_once(attack: Attack) -> None:
+    """Issue 23 L4: a revoked agent stayed ``connected`` and boot-lease holder, and got commands
+    dispatched to it, until its certificate fell out of the cache and it went silent (up to
+    30 s + 15 s). bc-pki's revocation event now cuts it off at once."""
+    api, cq = attack.api, attack.cq
+    runs: list[str] = []
+
+    async def power(cmd: Command) -> dict[str, Any]:
+        runs.append(cmd.id)
+        return {"power": "on"}
+
+    enrollment = await join_agent(api, site_id="site-l4", role="site")
+    agent = Agent(
+        enrollment=enrollment,
+        handlers={"power.setPower": power},
+        journal=attack.tmp / "journal-l4.db",
+        nc=api.nc,
+        subjects=api.subjects,
+    )
+
+    async def view() -> Any:
+        (listed,) = [a for a in await cq.agents(site_id="site-l4") if a.id == enrollment.agent_id]
+        return listed
+
+    async with agent:
+        task = asyncio.create_task(agent.run())
+        await asyncio.wait_for(agent.ready.wait(), 10)
+        before = await until(lambda: _connected_with_lease(view))
+        assert before.connected and before.boot_lease
+        first = await cq.enqueue(EnqueueCommand(
+            node_id=new_id("node"), site_id="site-l4", kind="power.setPower", payload={"action": "on"}, key="a"
+        ))  # fmt: skip
+        assert (await cq.wait(id=first.id, timeout=20)).state == "succeeded"
+
+        await attack.pki.revoke_certificate(cert_id=enrollment.cert_id, reason="stolen")
+        t0 = time.monotonic()
+        after = await until(lambda: _cut_off(view), timeout=2.0, what="the revoked agent cut off")
+        took = time.monotonic() - t0
+        assert not after.connected and not after.boot_lease
+        second = await cq.enqueue(EnqueueCommand(
+            node_id=new_id("node"), site_id="site-l4", kind="power.setPower", payload={"action": "on"}, key="b"
+        ))  # fmt: skip
+        got = await cq.get(id=second.id)
+        assert (got.state, got.agent_id) == ("pending", None)
+        agent.request_stop()
+        await task
+    assert runs == [first.id]
+    assert took < 2.0, took
+
+
+async def _connected_with_lease(view: Any) -> Any:
+    got = await view()
+    return got if got.connected and got.boot_lease else None
+
+
+async def _cut_off(view: Any) -> Any:
+    got = await view()
+    return got if not got.connected and not got.boot_lease else None
+
+
 async def test_a_revoked_certificate_stops_counting_and_results_stay_out_of_logs(attack: Attack) -> None:
     api, cq = attack.api, attack.cq
     secret_result = b"root-password=hunter2-" + os.urandom(8).hex().encode()
