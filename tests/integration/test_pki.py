@@ -14,10 +14,10 @@ from typing import Any
 import asyncpg
 import msgspec
 import pytest
-from nats.aio.client import Client as Nats
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from nats.aio.client import Client as Nats
 
 from bc_pki.service import PkiService
 from better_compute.clients.audit import AuditClient

@@ -24,7 +24,6 @@ from bc_site_agent.ssrf import AddressGuard
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.runtime.embedded import free_port
 
-
 LOOPBACK_SOURCES = AddressGuard(allow=["127.0.0.1/32"])
 """The test's sources listen on 127.0.0.1 (an operator's ``allow_source_networks``)."""
 
@@ -279,4 +278,5 @@ async def test_every_failed_fill_looks_the_same(source: Source, tmp_path: Path) 
     ((code, message, details),) = got
     assert code is ErrorCode.DRIVER_ERROR
     assert dict(details) == {"reason": "cache-source-error", "path": "url"}
-    assert "401" not in str(message) and "refused" not in str(message).lower()
+    assert "401" not in str(message)
+    assert "refused" not in str(message).lower()

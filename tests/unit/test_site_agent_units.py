@@ -8,7 +8,7 @@ import pytest
 
 from bc_site_agent.config import load_config
 from bc_site_agent.drivers import BmcCredentials
-from bc_site_agent.netboot import LOCAL_BOOT_SCRIPT, BootEntries, discovery_cmdline, entry_script
+from bc_site_agent.netboot import LOCAL_BOOT_SCRIPT, BootEntries, BootEntry, discovery_cmdline, entry_script
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal.commands import COMMAND_KINDS
 
@@ -153,8 +153,6 @@ def test_ipxe_control_sequences_in_an_entry_are_refused_when_it_is_set(tmp_path:
 def test_the_ipxe_renderer_never_emits_a_control_sequence(tmp_path: Path, cmdline: str) -> None:
     """An entry written before the check (an older agent's file) or a token that slipped through
     is not served: the machine gets a script that boots locally, with nothing of the value."""
-    from bc_site_agent.netboot import BootEntry
-
     for entry in (
         BootEntry(mac="52:54:00:aa:bb:04", kernel="http://h/k", cmdline=cmdline),
         BootEntry(mac="52:54:00:aa:bb:04", kernel="http://h/k?" + cmdline, initrd="http://h/i"),
@@ -164,8 +162,11 @@ def test_the_ipxe_renderer_never_emits_a_control_sequence(tmp_path: Path, cmdlin
         assert cmdline not in script
         assert not any(trick in script for trick in ("||", "&&", "${", " ; ", "#c", "\x1b", "\x00"))
         assert script.startswith("#!ipxe\n")
-        assert "exit" in script and "kernel" not in script
-    ok = entry_script(BootEntry(mac="52:54:00:aa:bb:04", kernel="http://h/k", cmdline="a=b c", join_token="t"))
+        assert "exit" in script
+        assert "kernel" not in script
+    ok = entry_script(
+        BootEntry(mac="52:54:00:aa:bb:04", kernel="http://h/k", cmdline="a=b c", join_token="t")
+    )
     assert "kernel http://h/k a=b c bcd.token=t\n" in ok
 
 

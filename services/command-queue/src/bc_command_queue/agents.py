@@ -265,7 +265,9 @@ class Agents:
                 self.log.warning("agent_cut_off_deferred", cert_id=cert_id, error=type(exc).__name__)
             else:
                 for row in cut:
-                    self.log.info("agent_cut_off", agent_id=row["id"], site_id=row["site_id"], cert_id=cert_id)
+                    self.log.info(
+                        "agent_cut_off", agent_id=row["id"], site_id=row["site_id"], cert_id=cert_id
+                    )
                 for row in back:
                     self.log.info("command_reassigned", command_id=row["id"], reason="agent-revoked")
                 await self.changed(back)

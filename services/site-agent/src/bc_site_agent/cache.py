@@ -37,7 +37,7 @@ _CHUNK: Final = 1 << 20
 _MAX_REDIRECTS: Final = 3
 
 
-class _SourceRefused(Exception):
+class _SourceRefused(Exception):  # noqa: N818 - a reason for the log, not an error anyone catches
     """Why one fill failed: for the agent's log only."""
 
 
@@ -163,7 +163,8 @@ class SiteCache:
             self.log.warning("cache_fill_failed", sha256=sha256, why=why)
             raise BcError(
                 ErrorCode.DRIVER_ERROR,
-                "cache fill: the source did not give an object of that sha256 (the site agent's log says why)",
+                "cache fill: the source did not give an object of that sha256"
+                " (the site agent's log says why)",
                 {"reason": "cache-source-error", "path": "url"},
             ) from None
         except BaseException:

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ipaddress
 import random
-import socket
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final
@@ -52,6 +50,7 @@ _HOP_BY_HOP: Final = frozenset(
         "upgrade",
     }
 )
+
 
 def _refused(reason: str) -> CommandRejected:
     return CommandRejected(f"ssrf-refused: {reason}")
