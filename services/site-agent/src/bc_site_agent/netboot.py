@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.logging import register_secret
+from better_compute.logging import get_logger, register_secret
 
 __all__ = [
     "IPXE_UNSAFE",
@@ -107,7 +107,8 @@ def entry_script(entry: BootEntry) -> str:
             lines.append(f"kernel {_ipxe_url(entry.kernel, 'kernel')} {cmdline.strip()}".rstrip())
         if entry.initrd:
             lines.append(f"initrd {_ipxe_url(entry.initrd, 'initrd')}")
-    except BcError:
+    except BcError as err:
+        get_logger(component="netboot").warning("netboot_entry_unsafe", mac=entry.mac[:32], path=err.path)
         return _NO_ENTRY_SCRIPT
     lines.append("boot")
     return "\n".join(lines) + "\n"
