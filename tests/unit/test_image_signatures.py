@@ -26,7 +26,7 @@ DIGEST = hashlib.sha256(b"ubuntu-24.04 image").hexdigest()
 IMAGE = {"name": "ubuntu-24.04", "version": "2024.06.1", "url": "https://images.example.com/u.raw"}
 
 
-def sign_image_digest(key: ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey, digest: str) -> bytes:
+def sign_test_image(key: ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey, digest: str) -> bytes:
     """This image's signature under ``digest`` (the test's shorthand)."""
     return sign_image(key, sha256=digest, **IMAGE)
 
@@ -50,7 +50,7 @@ def test_ed25519_signatures_verify_from_any_key_form() -> None:
         base64.b64encode(spki(ED, serialization.Encoding.DER)).decode(),
         base64.b64encode(raw).decode(),
     ]
-    signature = sign_image_digest(ED, DIGEST)
+    signature = sign_test_image(ED, DIGEST)
     for form in forms:
         signer = image_signer("acme-release", form)
         assert signer.algorithm == "ed25519"
@@ -60,7 +60,7 @@ def test_ed25519_signatures_verify_from_any_key_form() -> None:
 def test_p256_signatures_verify_in_der_and_raw_form() -> None:
     signer = image_signer("acme-p256", spki(P256, serialization.Encoding.PEM).decode())
     assert signer.algorithm == "ecdsa-p256-sha256"
-    der = sign_image_digest(P256, DIGEST)
+    der = sign_test_image(P256, DIGEST)
     r, s = decode_dss_signature(der)
     raw = r.to_bytes(32) + s.to_bytes(32)
     assert verify(signer, DIGEST, der)
@@ -81,7 +81,7 @@ def test_a_flipped_byte_anywhere_is_refused(
     key: ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey,
 ) -> None:
     signer = image_signer("s", spki(key, serialization.Encoding.PEM).decode())
-    signature = sign_image_digest(key, DIGEST)
+    signature = sign_test_image(key, DIGEST)
     for i in range(len(signature)):
         flipped = bytearray(signature)
         flipped[i] ^= 0x01
@@ -93,8 +93,8 @@ def test_a_flipped_byte_anywhere_is_refused(
 
 def test_another_signers_signature_is_refused() -> None:
     signer = image_signer("acme-release", spki(ED, serialization.Encoding.PEM).decode())
-    assert not verify(signer, DIGEST, sign_image_digest(ed25519.Ed25519PrivateKey.generate(), DIGEST))
-    assert not verify(signer, DIGEST, sign_image_digest(P256, DIGEST))
+    assert not verify(signer, DIGEST, sign_test_image(ed25519.Ed25519PrivateKey.generate(), DIGEST))
+    assert not verify(signer, DIGEST, sign_test_image(P256, DIGEST))
 
 
 @pytest.mark.parametrize(
