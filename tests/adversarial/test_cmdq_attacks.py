@@ -32,7 +32,7 @@ from better_compute.crypto import batch_document, result_document, sign_batch, s
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcess, ServiceProcesses, refused, until
 from better_compute.wire import unwrap
-from better_compute.wire.agent import Ack, Heartbeat, Hello, Result, payload_digest
+from better_compute.wire.agent import EVENT_KINDS, Ack, Heartbeat, Hello, Result, payload_digest
 from better_compute.wire.cmdq import EnqueueCommand
 
 APPROVERS = ("alice", "bob", "carol")
@@ -241,6 +241,29 @@ async def test_agent_events_that_do_not_check_out_change_nothing(attack: Attack)
     assert not listed.connected
 
 
+async def test_deeply_nested_agent_events_are_invalid_input_not_internal(attack: Attack) -> None:
+    """Issue 23 L6: 10,000-deep JSON on an agent-event subject exhausted the decoder
+    (RecursionError) and was answered INTERNAL; it is a typed INVALID_INPUT with its path."""
+    api = attack.api
+    node = Ident(await join_agent(api, site_id="site-d", role="node", node_id=new_id("node")))
+    deep = b"[" * 10_000 + b"]" * 10_000
+    inside = msgspec.json.encode(node.base(signature="AA==", x=None)).replace(b"null", deep)
+    for kind in EVENT_KINDS:
+        for data in (deep, inside):
+            err = await refused(send(api, node.site, node.agent, kind, data))
+            assert err.code == ErrorCode.INVALID_INPUT, (kind, err)
+            assert "nest" in err.message
+        assert (await refused(send(api, node.site, node.agent, kind, inside))).path.startswith("x[0]")
+    # a well-signed result whose bytes are such JSON (the engine reads results as JSON)
+    result = Result(**node.base(), command_id=new_id("cmd"), status="succeeded", result=deep)
+    err = await refused(send(api, node.site, node.agent, "result", sign_event(
+        node.enrollment.identity, "result", result
+    )))  # fmt: skip
+    assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "result" + "[0]" * 64)
+    assert "agent_event_failed" not in attack.cmdq.output()
+    assert "RecursionError" not in attack.cmdq.output()
+
+
 async def test_a_forged_delivery_is_never_run(attack: Attack) -> None:
     api, cq = attack.api, attack.cq
     ran: list[str] = []
@@ -276,6 +299,10 @@ async def test_a_forged_delivery_is_never_run(attack: Attack) -> None:
             await js.publish(
                 api.subjects.site_cmd("site-f", enrollment.agent_id), msgspec.json.encode(delivery)
             )
+        # issue 23 L6: a delivery nested past what a decoder can hold is dropped as malformed
+        # (a RecursionError left it unacknowledged, to come back after every ack wait)
+        deep = b'{"x":' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+        await js.publish(api.subjects.site_cmd("site-f", enrollment.agent_id), deep)
         real = await cq.enqueue(
             EnqueueCommand(
                 node_id=new_id("node"),
@@ -304,6 +331,70 @@ async def test_a_forged_delivery_is_never_run(attack: Attack) -> None:
         assert ran == [real.id]
         agent.request_stop()
         await task
+
+
+async def test_a_revoked_site_agent_is_cut_off_at_once(attack: Attack) -> None:
+    """Issue 23 L4: a revoked agent stayed ``connected`` and boot-lease holder, and got commands
+    dispatched to it, until its certificate fell out of the cache and it went silent (up to
+    30 s + 15 s). bc-pki's revocation event now cuts it off at once."""
+    api, cq = attack.api, attack.cq
+    runs: list[str] = []
+
+    async def power(cmd: Command) -> dict[str, Any]:
+        runs.append(cmd.id)
+        return {"power": "on"}
+
+    enrollment = await join_agent(api, site_id="site-l4", role="site")
+    agent = Agent(
+        enrollment=enrollment,
+        handlers={"power.setPower": power},
+        journal=attack.tmp / "journal-l4.db",
+        nc=api.nc,
+        subjects=api.subjects,
+    )
+
+    async def view() -> Any:
+        (listed,) = [a for a in await cq.agents(site_id="site-l4") if a.id == enrollment.agent_id]
+        return listed
+
+    async with agent:
+        task = asyncio.create_task(agent.run())
+        await asyncio.wait_for(agent.ready.wait(), 10)
+        before = await until(lambda: _connected_with_lease(view))
+        assert before.connected
+        assert before.boot_lease
+        first = await cq.enqueue(EnqueueCommand(
+            node_id=new_id("node"), site_id="site-l4", kind="power.setPower", payload={"action": "on"},
+            key="a",
+        ))  # fmt: skip
+        assert (await cq.wait(id=first.id, timeout=20)).state == "succeeded"
+
+        await attack.pki.revoke_certificate(cert_id=enrollment.cert_id, reason="stolen")
+        t0 = time.monotonic()
+        after = await until(lambda: _cut_off(view), timeout=2.0, what="the revoked agent cut off")
+        took = time.monotonic() - t0
+        assert not after.connected
+        assert not after.boot_lease
+        second = await cq.enqueue(EnqueueCommand(
+            node_id=new_id("node"), site_id="site-l4", kind="power.setPower", payload={"action": "on"},
+            key="b",
+        ))  # fmt: skip
+        got = await cq.get(id=second.id)
+        assert (got.state, got.agent_id) == ("pending", None)
+        agent.request_stop()
+        await task
+    assert runs == [first.id]
+    assert took < 2.0, took
+
+
+async def _connected_with_lease(view: Any) -> Any:
+    got = await view()
+    return got if got.connected and got.boot_lease else None
+
+
+async def _cut_off(view: Any) -> Any:
+    got = await view()
+    return got if not got.connected and not got.boot_lease else None
 
 
 async def test_a_revoked_certificate_stops_counting_and_results_stay_out_of_logs(attack: Attack) -> None:

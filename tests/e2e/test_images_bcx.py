@@ -1,5 +1,5 @@
 """The image catalog through bcx, with the engine as its own process and images signed with
-openssl exactly as docs/images.md shows."""
+openssl over ``bcx images payload`` exactly as docs/images.md shows (and with ``bcx images sign``)."""
 
 from __future__ import annotations
 
@@ -29,14 +29,12 @@ def keys(tmp_path: Path) -> dict[str, Path]:
     return {"ed25519": ed, "p256": p256}
 
 
-def sign(tmp_path: Path, image: Path, key: Path, algorithm: str) -> Path:
-    digest = tmp_path / f"{image.name}.digest"
-    digest.write_bytes(hashlib.sha256(image.read_bytes()).digest())
-    sig = tmp_path / f"{image.name}.{algorithm}.sig"
+def openssl_sign(tmp_path: Path, data: Path, key: Path, algorithm: str) -> Path:
+    sig = tmp_path / f"{data.name}.{algorithm}.sig"
     if algorithm == "ed25519":
-        openssl("pkeyutl", "-sign", "-rawin", "-inkey", str(key), "-in", str(digest), "-out", str(sig))
+        openssl("pkeyutl", "-sign", "-rawin", "-inkey", str(key), "-in", str(data), "-out", str(sig))
     else:
-        openssl("dgst", "-sha256", "-sign", str(key), "-out", str(sig), str(digest))
+        openssl("dgst", "-sha256", "-sign", str(key), "-out", str(sig), str(data))
     return sig
 
 
@@ -62,22 +60,53 @@ async def test_images_register_list_show_delete_through_bcx(
     flatcar = tmp_path / "flatcar.raw"
     flatcar.write_bytes(b"flatcar 3815.2.5")
     url = "https://images.example.com/ubuntu.raw"
-    ubuntu_sig = sign(tmp_path, ubuntu, keys["ed25519"], "ed25519")
+    # the payload bcx prints, signed by openssl (docs/images.md)
+    payload = tmp_path / "ubuntu.payload"
+    rc, out, err = await bcx(
+        settings, "images", "payload", "ubuntu-24.04@2024.06.1", "--url", url, "--file", str(ubuntu),
+        "--out", str(payload),
+    )  # fmt: skip
+    assert rc == 0, err
+    sha = hashlib.sha256(ubuntu.read_bytes()).hexdigest()
+    assert payload.read_text() == (
+        "better-compute image signature v1\nname: ubuntu-24.04\nversion: 2024.06.1\n"
+        f"sha256: {sha}\nurl: {url}\n"
+    )
+    ubuntu_sig = openssl_sign(tmp_path, payload, keys["ed25519"], "ed25519")
+    # a signature over the digest alone (how images were signed before issue 23) is refused, and
+    # the refusal says what to do
+    digest = tmp_path / "ubuntu.digest"
+    digest.write_bytes(hashlib.sha256(ubuntu.read_bytes()).digest())
+    old_sig = openssl_sign(tmp_path, digest, keys["ed25519"], "ed25519")
+    rc, out, err = await bcx(
+        settings, "images", "register", "ubuntu-24.04@2024.06.1", "--json", "--url", url,
+        "--file", str(ubuntu), "--signer", "acme-release", "--signature-file", str(old_sig),
+    )  # fmt: skip
+    assert rc != 0
+    refusal = json.loads(out or err)
+    assert refusal["error"]["details"]["reason"] == "digest-only-signature", refusal
+    assert "re-sign" in refusal["error"]["message"]
     rc, out, err = await bcx(
         settings, "images", "register", "ubuntu-24.04@2024.06.1", "--url", url, "--file", str(ubuntu),
         "--signer", "acme-release", "--signature-file", str(ubuntu_sig),
     )  # fmt: skip
     assert rc == 0, err
     assert "ubuntu-24.04@2024.06.1 registered" in out
+    flatcar_sig = tmp_path / "flatcar.sig"  # signed by bcx itself, with the P-256 key
+    rc, out, err = await bcx(
+        settings, "images", "sign", "flatcar@3815.2.5", "--url", url, "--file", str(flatcar),
+        "--key-file", str(keys["p256"]), "--out", str(flatcar_sig),
+    )  # fmt: skip
+    assert rc == 0, err
     rc, out, err = await bcx(
         settings, "images", "register", "flatcar@3815.2.5", "--json", "--public", "--url", url,
         "--file", str(flatcar), "--format", "raw.zst", "--signer", "acme-p256",
-        "--signature-file", str(sign(tmp_path, flatcar, keys["p256"], "p256")),
+        "--signature-file", str(flatcar_sig),
     )  # fmt: skip
     assert rc == 0, err
     assert json.loads(out)["sha256"] == hashlib.sha256(flatcar.read_bytes()).hexdigest()
 
-    # a signature of another image (a flipped byte in the digest) is refused, with its reason
+    # a signature of another image (another digest, version) is refused, with its reason
     rc, out, err = await bcx(
         settings, "images", "register", "ubuntu-24.04@2024.07.1", "--json", "--url", url,
         "--file", str(flatcar), "--signer", "acme-release",

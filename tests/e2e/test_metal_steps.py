@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from better_compute.clients import CommandQueueClient, PkiClient
 from better_compute.config import Settings
-from better_compute.metal.signatures import sign_image_digest
+from better_compute.metal.signatures import sign_image
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
@@ -278,9 +278,10 @@ async def step_running(stack: Stack, node: str, index: int) -> bool:
 
 async def test_deploy_with_the_shipped_profile_writes_the_signed_image_and_the_os_joins(stack: Stack) -> None:
     digest = hashlib.sha256(b"ubuntu 24.04 raw image").hexdigest()
-    image = {"name": "ubuntu", "version": "24.04", "url": "https://images.example.com/ubuntu-24.04.raw.zst",
-             "sha256": digest, "format": "raw.zst", "signer": "acme-release",
-             "signature": base64.b64encode(sign_image_digest(SIGNER, digest)).decode()}  # fmt: skip
+    url = "https://images.example.com/ubuntu-24.04.raw.zst"
+    signed = sign_image(SIGNER, name="ubuntu", version="24.04", sha256=digest, url=url)
+    image = {"name": "ubuntu", "version": "24.04", "url": url, "sha256": digest, "format": "raw.zst",
+             "signer": "acme-release", "signature": base64.b64encode(signed).decode()}  # fmt: skip
     await stack.api.call("engine", "images.register", image)
     await stack.agent("site-h")
     node = await enrolled(stack, "site-h")

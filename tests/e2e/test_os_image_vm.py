@@ -35,7 +35,7 @@ from bcd.system import Machine
 from better_compute.clients import CommandQueueClient, EngineClient, PkiClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
-from better_compute.metal.signatures import sign_image_digest
+from better_compute.metal.signatures import sign_image
 from better_compute.provision.templates import UserData, template_variables
 from better_compute.provision.userdata import cloud_init
 from better_compute.runtime.os_image import DEFAULT_OS_CMDLINE, build_os_image
@@ -132,10 +132,11 @@ async def test_the_test_os_boots_from_its_disk_reads_its_config_drive_and_its_bc
     (folder / "bcd").write_bytes(LAUNCHER)
     pki, cq = PkiClient(bc_api), CommandQueueClient(bc_api)
     # signed into the catalog like any image, and written from what the catalog says
-    signature = base64.b64encode(sign_image_digest(SIGNER, built.sha256)).decode()
+    url = f"http://127.0.0.1:{port}/os.raw"
+    signed = sign_image(SIGNER, name="bc-test-os", version="1", sha256=built.sha256, url=url)
     await bc_api.call("engine", "images.register", {
-        "name": "bc-test-os", "version": "1", "url": f"http://127.0.0.1:{port}/os.raw",
-        "sha256": built.sha256, "format": "raw", "signer": "t-os", "signature": signature,
+        "name": "bc-test-os", "version": "1", "url": url, "sha256": built.sha256, "format": "raw",
+        "signer": "t-os", "signature": base64.b64encode(signed).decode(),
     })  # fmt: skip
     image = await EngineClient(bc_api).get_image(ref="bc-test-os@1")
     assert (image.sha256, image.signer_status) == (built.sha256, "allowlisted")

@@ -23,10 +23,11 @@ from bc_command_queue.service import CommandQueueService
 from better_compute.agent import Enrollment
 from better_compute.agent.sim import join_agent
 from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses
+from better_compute.testing import ServiceProcesses, until
 from better_compute.wire import unwrap
 from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
@@ -267,3 +268,50 @@ async def test_only_the_claiming_journal_may_run_an_idempotent_command_again(nod
     refused = await node.claim(cycle, "journal-a", rerun=True)
     assert (refused["proceed"], refused["reason"]) == (False, "not-idempotent")
     assert (await node.cq.get(id=cycle.id)).state == "running"  # the agent reports it interrupted
+
+
+async def test_an_event_checked_before_a_revocation_arrived_brings_the_agent_back_to_nothing(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses
+) -> None:
+    """Issue 23 L4: once the revocation cut a site agent off, a heartbeat or hello it signed that
+    was checked against the certificate cached before (the race the cut-off cannot order) neither
+    reconnects it nor gives it the boot lease back."""
+    bc_processes.start("bc-pki")
+    await bc_processes.wait_ready()
+    async with CommandQueueService(bc_settings, config=CmdqConfig(sweep_ms=100)) as svc:
+        run = asyncio.create_task(svc.run())
+        try:
+            enrollment = await join_agent(bc_api, site_id="site-r", role="site")
+            agent = Node(api=bc_api, cq=CommandQueueClient(bc_api), enrollment=enrollment, database_url="")
+
+            async def send(kind: str, doc: dict[str, Any]) -> Any:
+                doc = {"site": "site-r", "agent": agent.id, "signerId": enrollment.cert_id,
+                       "signedAtMs": time.time_ns() // 1_000_000, **doc}  # fmt: skip
+                _data, signature = enrollment.identity.sign(f"agent.{kind}", doc)
+                data = msgspec.json.encode({**doc, "signature": base64.b64encode(signature).decode()})
+                subject = bc_api.subjects.agent_event("site-r", agent.id, kind)
+                return unwrap((await bc_api.nc.request(subject, data, timeout=5)).data)
+
+            async def shown() -> Any:
+                (view,) = [a for a in await agent.cq.agents(site_id="site-r") if a.id == agent.id]
+                return view
+
+            assert (await send("hello", {"incarnation": "i1", "journalId": "j1"}))["bootLease"] is True
+            assert svc.signers is not None
+            cached = await svc.signers.get(enrollment.cert_id)
+            await PkiClient(bc_api).revoke_certificate(cert_id=enrollment.cert_id, reason="stolen")
+
+            async def cut_off() -> bool:
+                view = await shown()
+                return not view.connected and not view.boot_lease
+
+            await until(cut_off, timeout=5.0, what="the revoked agent cut off")
+            # as if both had passed their signature check just before the revocation arrived
+            svc.signers._cache[enrollment.cert_id] = cached
+            assert (await send("heartbeat", {"incarnation": "i1", "journalId": "j1"}))["bootLease"] is False
+            svc.signers._cache[enrollment.cert_id] = cached
+            assert (await send("hello", {"incarnation": "i2", "journalId": "j1"}))["bootLease"] is False
+            assert await cut_off()
+        finally:
+            svc.request_stop()
+            await run

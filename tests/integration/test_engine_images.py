@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from bc_engine.context import EngineSql
@@ -19,7 +19,6 @@ from bc_engine.service import EngineService
 from better_compute.config import ImageSignerSetting, ImagesSettings, Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal.images import resolve_image_ref
-from better_compute.metal.signatures import sign_image_digest
 from better_compute.service import ApiClient
 from better_compute.testing import refused
 
@@ -51,15 +50,29 @@ def sha(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()
 
 
+def payload(name: str, version: str, digest: str, url: str) -> bytes:
+    """The signing payload as docs/images.md writes it (what an operator signs with openssl)."""
+    return (
+        f"better-compute image signature v1\nname: {name}\nversion: {version}\nsha256: {digest}\nurl: {url}\n"
+    ).encode()
+
+
+def sign(key: Any, data: bytes) -> bytes:
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key.sign(data)
+    return key.sign(data, ec.ECDSA(hashes.SHA256()))  # type: ignore[no-any-return]
+
+
 def image(
     name: str, version: str, *, key: Any = ED, signer: str = "acme-release", **kw: Any
 ) -> dict[str, Any]:
     digest = kw.pop("sha256", sha(f"{name}@{version}"))
-    signature = kw.pop("signature", sign_image_digest(key, digest))
+    url = kw.pop("url", f"https://images.example.com/{name}/{version}.raw.zst")
+    signature = kw.pop("signature", sign(key, payload(name, version, digest, url)))
     return {
         "name": name,
         "version": version,
-        "url": f"https://images.example.com/{name}/{version}.raw.zst",
+        "url": url,
         "sha256": digest,
         "format": "raw.zst",
         "size": 2_147_483_648,
@@ -149,6 +162,53 @@ async def test_a_flipped_byte_and_an_unknown_signer_are_refused(
             assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, path)
 
 
+async def test_a_signature_binds_name_version_and_url_and_digest_only_ones_are_refused(
+    bc_settings: Settings, bc_api: ApiClient
+) -> None:
+    """Issue 23 L3: a signature covered only the digest, so a signed image could be registered
+    again under any name, version or URL. It now covers all four; a signature over the digest
+    alone (the old scheme) is refused with a reason that says to re-sign."""
+    good = image("ubuntu-24.04", "2024.06.1")
+    digest = good["sha256"]
+    signature = good["signature"]
+    moved = [
+        {**good, "name": "ubuntu-evil"},
+        {**good, "version": "2024.06.2"},
+        {**good, "url": "https://evil.example.com/ubuntu.raw.zst"},
+    ]
+    old = [
+        {**good, "signature": base64.b64encode(ED.sign(bytes.fromhex(digest))).decode()},
+        image("flatcar", "1", key=P256, signer="acme-p256",
+              signature=P256.sign(bytes.fromhex(sha("flatcar@1")), ec.ECDSA(hashes.SHA256()))),
+    ]  # fmt: skip
+    async with engine(bc_settings, signers=SIGNERS) as svc:
+        for body in moved:
+            err = await refused(register(bc_api, body))
+            assert (err.code, err.path, err.reason) == (
+                ErrorCode.PERMISSION_DENIED,
+                "signature",
+                "bad-signature",
+            )
+        for body in old:
+            err = await refused(register(bc_api, body))
+            assert (err.code, err.path, err.reason) == (
+                ErrorCode.PERMISSION_DENIED, "signature", "digest-only-signature",
+            )  # fmt: skip
+            assert "re-sign" in err.message
+        assert (await register(bc_api, good))["signer"] == "acme-release"
+        # a catalog entry signed the old way (before this change) does not resolve either
+        await svc.db.pool.execute(
+            "INSERT INTO images (tenant_id, name, version, url, sha256, format, size, signer, signature,"
+            " public) VALUES ('acme', 'legacy', '1', 'https://images.example.com/legacy.raw', $1, 'raw',"
+            " NULL, 'acme-release', $2, false)",
+            digest, ED.sign(bytes.fromhex(digest)),
+        )  # fmt: skip
+        err = await refused(resolve_image_ref(EngineSql(svc.db.pool), "acme", "legacy@1"))
+        assert (err.code, err.path, err.reason) == (ErrorCode.INVALID_STATE, "image", "digest-only-signature")
+        assert "re-sign" in err.message
+    assert signature == good["signature"]
+
+
 async def test_a_signer_removed_after_registration_is_refused_at_resolve(
     bc_settings: Settings, bc_api: ApiClient
 ) -> None:
@@ -229,13 +289,13 @@ async def test_images_list_pages_through_own_and_public(bc_settings: Settings, b
 async def test_the_apps_image_verifier_replaces_the_allowlist(
     bc_settings: Settings, bc_api: ApiClient
 ) -> None:
-    def ok(digest: str) -> str:
-        return base64.b64encode(f"ok:{digest}".encode()).decode()
+    def ok(digest: str, url: str) -> str:
+        return base64.b64encode(f"ok:{digest}:{url}".encode()).decode()
 
     body: Callable[..., dict[str, Any]] = lambda **kw: image("custom", "1", **kw)  # noqa: E731
     async with engine(bc_settings, signers=[], app="images_test_app:app") as svc:
         good = body(signer="anyone")
-        got = await register(bc_api, {**good, "signature": ok(good["sha256"])})
+        got = await register(bc_api, {**good, "signature": ok(good["sha256"], good["url"])})
         assert got["signer"] is None
         err = await refused(register(bc_api, body()))  # an Ed25519 signature means nothing to it
         assert (err.code, err.reason) == (ErrorCode.PERMISSION_DENIED, "bad-signature")

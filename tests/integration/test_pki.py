@@ -17,8 +17,10 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from nats.aio.client import Client as Nats
 
 from bc_pki.service import PkiService
+from better_compute.clients.audit import AuditClient
 from better_compute.clients.pki import PkiClient
 from better_compute.config import PkiSettings, Settings
 from better_compute.core.errors import BcError, ErrorCode
@@ -33,6 +35,7 @@ from better_compute.crypto import (
 from better_compute.keyring import rotate_key_file
 from better_compute.service import ApiClient
 from better_compute.testing import refused
+from better_compute.wire import Subjects
 from better_compute.wire.pki import IssuedJoinToken, JoinClaims, JoinResult
 from pki_time import expire
 
@@ -201,6 +204,27 @@ async def test_a_join_earns_a_certificate_signed_by_the_ca_and_is_audited(
     ca_key = ca_cert.public_key()
     assert isinstance(ca_key, ec.EllipticCurvePublicKey)
     assert ca.fingerprint_sha256 == ca_cert.fingerprint(hashes.SHA256()).hex()
+
+
+async def test_the_audit_of_a_certificate_revoke_names_the_certificate_not_its_token(
+    bc_nats: Nats, bc_subjects: Subjects, bc_settings: Settings, pki: PkiClient
+) -> None:
+    """Issue 23 L5: the audit entry of ``certs.revoke`` was about the join token (the reply's
+    ``joinTokenId`` came first), so an operator looking for who revoked a certificate found a token."""
+    operator = PkiClient(ApiClient(bc_nats, bc_subjects, actor="alice@ops"))
+    async with PkiService(bc_settings):
+        issued = await issue(pki)
+        joined, _ = await join(pki, issued.token)
+        revoked = await operator.revoke_certificate(cert_id=joined.cert_id, reason="stolen laptop")
+        entries = (await AuditClient(ApiClient(bc_nats, bc_subjects)).list_audit(service="pki")).entries
+    (entry,) = [e for e in entries if e.action == "certs.revoke"]
+    assert entry.actor == "alice@ops"
+    assert entry.target is not None
+    assert issued.id not in entry.target
+    assert entry.target.startswith(joined.cert_id)
+    assert revoked.serial in entry.target
+    assert f"CN={joined.agent_id}" in entry.target
+    assert entry.detail["reason"] == "stolen laptop"
 
 
 async def test_refused_joins_say_why_spend_nothing_and_are_audited(

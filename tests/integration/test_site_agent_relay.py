@@ -67,6 +67,30 @@ async def test_every_refused_target_is_refused_before_connecting() -> None:
     assert bad.value.path == "url"
 
 
+async def test_cloud_metadata_addresses_are_refused_even_when_listed_as_the_nodes() -> None:
+    """Issue 23 L1: Alibaba's, Oracle's, AWS's IPv6 and Azure's metadata addresses passed when
+    the command listed them as node addresses (only 169.254.0.0/16 was refused)."""
+    connects: list[object] = []
+
+    def spy_local(ip: object) -> bool:
+        connects.append(ip)
+        return False
+
+    relay = HttpRelay(is_local=spy_local)
+    for host in (
+        "100.100.100.200",
+        "192.0.0.192",
+        "[fd00:ec2::254]",
+        "168.63.129.16",
+        "169.254.170.2",
+        "[::ffff:169.254.169.254]",
+        "[64:ff9b::a9fe:a9fe]",
+    ):
+        listed = host.strip("[]")
+        assert "metadata" in await refusal(relay, f"http://{host}/latest/meta-data/", [listed]), host
+    assert connects == []
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def node() -> AsyncIterator[str]:
     flaky = {"left": 2}

@@ -11,7 +11,7 @@ from better_compute.core.ids import id_time_ms, new_id, parse_id
 from better_compute.core.keys import any_workflow_command_prefix, attempt_key, workflow_command_prefix
 from better_compute.core.names import parse_name
 from better_compute.wire import Err, Ok, Subjects, decode_reply, encode_error, encode_ok, unwrap
-from better_compute.wire.codec import decode
+from better_compute.wire.codec import MAX_DEPTH, check_nesting, decode
 
 
 def test_error_keeps_code_message_details_and_path() -> None:
@@ -203,3 +203,17 @@ def test_every_workflows_command_keys_are_under_one_prefix() -> None:
     # the engine's own node commands (host section, discovery inventory) are not a workflow's
     assert not _under("host:g3", every)
     assert not _under("discovery:cert_1", every)
+
+
+def test_check_nesting_refuses_only_json_nested_past_the_limit() -> None:
+    """Issue 23 L6: an agent's result bytes are read as JSON later; too deep is refused at entry."""
+    ok = b"[" * MAX_DEPTH + b"]" * MAX_DEPTH
+    check_nesting(ok, "result")
+    check_nesting(b'{"a": "' + b"[" * 500 + b'"}', "result")  # brackets in a string
+    check_nesting(b"[" * 500 + b" not json", "result")  # opaque bytes: not JSON, not judged
+    check_nesting(b"root-password=hunter2", "result")
+    deep = b'{"a": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    with pytest.raises(BcError) as caught:
+        check_nesting(deep, "result")
+    assert caught.value.code == ErrorCode.INVALID_INPUT
+    assert caught.value.path == "result.a" + "[0]" * (MAX_DEPTH - 1)

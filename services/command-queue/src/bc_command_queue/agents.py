@@ -9,7 +9,9 @@ compare-and-set on the command's state, so a duplicate or late event changes not
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import random
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
@@ -235,6 +237,46 @@ class Agents:
         lease = row["role"] == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
         cancel = [r["id"] for r in await self.db.fetch(store.AGENT_CANCELLING, signer.agent_id)]
         return HeartbeatReply(boot_lease=lease, cancel=cancel)
+
+    async def on_cert_event(self, cert_id: str) -> None:
+        """bc-pki says a certificate changed (its revocation event, ``bc.events.cert.<id>``). The
+        event is a wake-up, not the truth: bc-pki is asked, and only a certificate it calls
+        revoked cuts its agent off, at once: shown disconnected, its boot lease gone, its
+        unclaimed site commands back to pending for another agent of the site (nothing more is
+        dispatched to it, and the events it signs are refused from now on)."""
+        self.signers.evict(cert_id)
+        if not cert_id.startswith("cert_") or len(cert_id) > 64:
+            return
+        for attempt in range(5):
+            try:
+                info = await self.pki.get_certificate(cert_id=cert_id)
+                if info.state != "revoked":
+                    return
+                async with self.db.transaction() as conn:
+                    await conn.execute(store.CERT_REVOKED_MARK, cert_id)
+                    cut = await conn.fetch(store.CERT_REVOKED_CUT_OFF, cert_id, self.config.silent_after_ms)
+                    await conn.execute(store.CERT_REVOKED_LEASES, cert_id)
+                    back = await conn.fetch(store.CERT_REVOKED_REASSIGN, cert_id)
+            except BcError as err:
+                if err.code == ErrorCode.NOT_FOUND:
+                    return
+                self.log.warning("agent_cut_off_deferred", cert_id=cert_id, error=str(err))
+            except _DB_ERRORS as exc:
+                self.log.warning("agent_cut_off_deferred", cert_id=cert_id, error=type(exc).__name__)
+            else:
+                for row in cut:
+                    self.log.info(
+                        "agent_cut_off", agent_id=row["id"], site_id=row["site_id"], cert_id=cert_id
+                    )
+                for row in back:
+                    self.log.info("command_reassigned", command_id=row["id"], reason="agent-revoked")
+                await self.changed(back)
+                for site_id in {row["site_id"] for row in cut}:
+                    await self.dispatch_pending(site_id=site_id)
+                return
+            # bc-pki or the store away for a moment; the certificate cache's lifetime and the
+            # agent's silence still end it if this never gets through
+            await asyncio.sleep(random.uniform(0, 0.2 * 2**attempt))
 
     async def _journal_seen(self, agent_id: str, journal_id: str) -> None:
         """The process of this journal is there: its generation is given at its first hello

@@ -15,6 +15,7 @@ from better_compute.crypto import result_document
 from better_compute.service import Database
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Progress, Result, ResultReply
+from better_compute.wire.codec import check_nesting
 
 from . import store
 from .delivery import Changed
@@ -43,6 +44,8 @@ class Runs:
             await self.changed([row])
 
     async def result(self, ev: Result) -> ResultReply:
+        # the engine reads a result as JSON: one nested past what a decoder can hold is refused here
+        check_nesting(ev.result, "result")
         reason = ev.reason[:500] if ev.reason is not None else None
         attested = False
         if ev.result_signature is not None:

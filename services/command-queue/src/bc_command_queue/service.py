@@ -129,7 +129,7 @@ class CommandQueueService(Service):
             queue=f"{self.subjects.root}.cmdq.agent-events",
             cb=self.on_message(agents.on_event),
         )
-        await self.nc.subscribe(self.subjects.events_all("cert"), cb=self._on_cert_event)
+        await self.nc.subscribe(self.subjects.events_all("cert"), cb=self.on_message(self._on_cert_event))
         quorum = self.config.quorum
         if quorum.enabled:
             self.log.info("quorum_configured", threshold=quorum.threshold, approvers=sorted(quorum.approvers))
@@ -209,5 +209,8 @@ class CommandQueueService(Service):
         task.add_done_callback(self._inflight.discard)
 
     async def _on_cert_event(self, msg: Msg) -> None:
+        cert_id = msg.subject.rsplit(".", 1)[-1]
         if self.signers is not None:
-            self.signers.evict(msg.subject.rsplit(".", 1)[-1])
+            self.signers.evict(cert_id)
+        if self._parts is not None:
+            await self.parts.agents.on_cert_event(cert_id)

@@ -44,6 +44,10 @@ __all__ = [
     "CANCEL_BY_ID",
     "CANCEL_BY_PREFIX",
     "CANCEL_SUPERSEDED",
+    "CERT_REVOKED_CUT_OFF",
+    "CERT_REVOKED_LEASES",
+    "CERT_REVOKED_MARK",
+    "CERT_REVOKED_REASSIGN",
     "CLAIMED_UNDER_PREFIX",
     "CLAIM_BACK_TO_PENDING",
     "CLAIM_BATCH_EXPIRED",
@@ -487,12 +491,13 @@ ON CONFLICT (id) DO UPDATE SET site_id = EXCLUDED.site_id, tenant_id = EXCLUDED.
     version = EXCLUDED.version, kinds = EXCLUDED.kinds, connected_at = now(),
     last_seen = now(), last_signed_ms = EXCLUDED.last_signed_ms, status = EXCLUDED.status
 WHERE a.last_signed_ms < EXCLUDED.last_signed_ms
+  AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = EXCLUDED.cert_id)
 RETURNING a.id
 """
 AGENT_HEARTBEAT: Final = """
 UPDATE agents SET last_seen = now(), last_signed_ms = $2, cert_id = $3,
     status = COALESCE($4::jsonb, status)
-WHERE id = $1 AND last_signed_ms < $2
+WHERE id = $1 AND last_signed_ms < $2 AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = $3)
 RETURNING site_id, role
 """
 AGENT_AGAIN: Final = "SELECT site_id, role FROM agents WHERE id = $1"
@@ -509,16 +514,39 @@ SELECT coalesce(
     (SELECT site_id FROM agents WHERE id = $1),
     (SELECT site_id FROM commands WHERE node_id = $1 ORDER BY id DESC LIMIT 1))
 """
-# $1 site, $2 agent, $3 ttl ms: renew when ours or free
+# $1 site, $2 agent, $3 ttl ms: renew when ours or free (never for a revoked certificate's agent)
 LEASE_RENEW: Final = f"""
 INSERT INTO boot_leases AS l (site_id, agent_id, expires_at)
-VALUES ($1, $2, now() + {_SECS.format(p="$3")})
+SELECT $1, $2, now() + {_SECS.format(p="$3")}
+WHERE NOT EXISTS (SELECT 1 FROM agents a JOIN revoked_certs r ON r.cert_id = a.cert_id WHERE a.id = $2)
 ON CONFLICT (site_id) DO UPDATE SET agent_id = EXCLUDED.agent_id,
     expires_at = EXCLUDED.expires_at
 WHERE l.agent_id = EXCLUDED.agent_id OR l.expires_at <= now()
 RETURNING agent_id
 """
 LEASE_RELEASE: Final = "DELETE FROM boot_leases WHERE site_id = $1 AND agent_id = $2"
+# $1 cert id, $2 silent_after_ms: bc-pki revoked it; its agent is shown disconnected at once, its
+# boot lease goes, and its unclaimed site commands go back to pending for another agent.
+CERT_REVOKED_MARK: Final = "INSERT INTO revoked_certs (cert_id) VALUES ($1) ON CONFLICT DO NOTHING"
+CERT_REVOKED_CUT_OFF: Final = f"""
+UPDATE agents SET last_seen = least(last_seen, now() - {_SECS.format(p="$2")} - interval '1 second')
+WHERE cert_id = $1
+RETURNING id, site_id
+"""
+CERT_REVOKED_LEASES: Final = (
+    "DELETE FROM boot_leases l USING agents a WHERE a.cert_id = $1 AND l.agent_id = a.id"
+)
+CERT_REVOKED_REASSIGN: Final = f"""
+WITH due AS (
+    SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
+    WHERE a.cert_id = $1 AND c.state = 'dispatched' AND c.target = 'site'
+    FOR UPDATE OF c SKIP LOCKED
+)
+UPDATE commands c SET state = 'pending', agent_id = NULL, published_at = NULL,
+    reason = 'agent-revoked', updated_at = now()
+FROM due WHERE c.id = due.id
+RETURNING {_COLS}
+"""
 # $1 site, $2 role, $3 connected, $4 silent_after_ms, $5 limit
 AGENTS_LIST: Final = f"""
 SELECT a.id, a.site_id, a.tenant_id, a.role, a.cert_id, a.version, a.kinds, a.connected_at,

@@ -119,7 +119,7 @@ class StepCommands:
         if view.state == "succeeded":  # what it says of the node: the power a BMC showed
             try:
                 result = json.loads(view.result) if view.result else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 result = None
             await record_command_result(self._engine, full.node_id, view.kind, full.payload, result)
         return view

@@ -252,7 +252,7 @@ async def sweep_once(engine: Engine) -> int:
 def _json_object(raw: bytes | None) -> dict[str, Any] | None:
     try:
         found = json.loads(raw) if raw else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return found if isinstance(found, dict) else None
 

@@ -2,8 +2,9 @@
 allowlist every engine writes from ``[images] signers`` at start.
 
 A registration is checked where it enters: the signer must be allowlisted (``PERMISSION_DENIED``,
-reason ``unknown-signer``, at ``signer``) and its signature over the digest must verify
-(``PERMISSION_DENIED``, reason ``bad-signature``, at ``signature``); an app's ``image_verifier``
+reason ``unknown-signer``, at ``signer``) and its signature over the image's signing payload
+(name, version, digest, URL) must verify (``PERMISSION_DENIED``, reason ``bad-signature``, at
+``signature``; ``digest-only-signature`` for one over the digest alone); an app's ``image_verifier``
 decides instead when it has one. Resolving for a deploy checks again (better_compute.metal.images).
 """
 
@@ -18,8 +19,19 @@ import msgspec
 from better_compute.app import App
 from better_compute.config import ImagesSettings
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.metal.images import RESOLVE_IMAGE, check_image_signer, parse_image_ref
-from better_compute.metal.signatures import ImageSigner, image_signer, verify_image_signature
+from better_compute.metal.images import (
+    RESOLVE_IMAGE,
+    check_image_signer,
+    digest_only_refusal,
+    parse_image_ref,
+)
+from better_compute.metal.signatures import (
+    ImageSigner,
+    image_signer,
+    image_signing_payload,
+    is_digest_only_signature,
+    verify_image_signature,
+)
 from better_compute.provision.module import ImageVerifier
 from better_compute.service import ApiRequest
 from better_compute.wire.images import (
@@ -116,9 +128,14 @@ class ImagesApi:
 
     async def _check_signature(self, body: RegisterImage) -> str | None:
         """The signer to record (``None`` when the app's verifier accepted the image)."""
+        image = {"name": body.name, "version": body.version, "sha256": body.sha256, "url": body.url}
         verifier = _verifier(self.app)
         if verifier is not None:
-            if not await verifier(tenant_id=body.tenant_id, digest=body.sha256, signature=body.signature):
+            accepted = await verifier(
+                tenant_id=body.tenant_id, digest=body.sha256, signature=body.signature, name=body.name,
+                version=body.version, url=body.url, payload=image_signing_payload(**image),
+            )  # fmt: skip
+            if not accepted:
                 raise BcError(
                     ErrorCode.PERMISSION_DENIED,
                     "the app's image_verifier refuses this image's signature",
@@ -135,10 +152,14 @@ class ImagesApi:
                 {"path": "signer", "reason": "unknown-signer"},
             )
         signer = ImageSigner(row["id"], row["algorithm"], bytes(row["public_key"]))
-        if not verify_image_signature(signer, body.sha256, body.signature):
+        if not verify_image_signature(signer, body.signature, **image):
+            if is_digest_only_signature(signer, body.sha256, body.signature):
+                ref = f"{body.name}@{body.version}"
+                raise digest_only_refusal(ErrorCode.PERMISSION_DENIED, ref, "signature", signer.id)
             raise BcError(
                 ErrorCode.PERMISSION_DENIED,
-                f"the signature is not {signer.id}'s over sha256 {body.sha256}",
+                f"the signature is not {signer.id}'s over the signing payload of"
+                f" {body.name}@{body.version} (sha256 {body.sha256}, url {body.url})",
                 {"path": "signature", "reason": "bad-signature"},
             )
         return signer.id

@@ -116,6 +116,14 @@ class PkiService(Service):
         self.ca_created_at = row["created_at"]
         self.log.info("ca_loaded", fingerprint=self.ca.fingerprint)
 
+    def audit_target(self, route: str, body: Any, result: Any) -> str | None:
+        # a certificate's reply names the join token it came from before the certificate itself
+        if route == "certs.revoke" and isinstance(result, dict):
+            cert_id, serial, agent_id = result.get("certId"), result.get("serial"), result.get("agentId")
+            if isinstance(cert_id, str) and isinstance(serial, str) and isinstance(agent_id, str):
+                return f"{cert_id} serial {serial} CN={agent_id}"[:200]
+        return super().audit_target(route, body, result)
+
     @property
     def parts(self) -> Parts:
         assert self._parts is not None, "the service has not started"

@@ -42,12 +42,13 @@ from .handlers import SiteHandlers
 from .http import make_app
 from .netboot import BootEntries
 from .relay import HttpRelay
+from .ssrf import AddressGuard
 
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 
 
 def _control_plane(config: SiteAgentConfig) -> list[str]:
-    """Addresses never relayed to: the configured ones and the NATS server's."""
+    """Addresses never relayed to nor filled from: the configured ones and the NATS server's."""
     addresses = list(config.control_plane_addresses)
     host = urlsplit(config.nats_url.split(",")[0]).hostname
     if host:
@@ -134,7 +135,12 @@ async def run(config: SiteAgentConfig) -> None:
         if enrollment is None:
             return
         entries = BootEntries(config.netboot_dir)
-        cache = SiteCache(config.cache_dir, max_bytes=config.cache_max_bytes)
+        control_plane = _control_plane(config)
+        cache = SiteCache(
+            config.cache_dir,
+            max_bytes=config.cache_max_bytes,
+            guard=AddressGuard(control_plane=control_plane, allow=config.cache_allow_source_networks),
+        )
         public_url = config.public_url or f"http://{config.http_host}:{config.http_port}"
         site = SiteHandlers(
             secrets=SecretsClient(api),
@@ -142,7 +148,7 @@ async def run(config: SiteAgentConfig) -> None:
             entries=entries,
             cache=cache,
             public_url=public_url,
-            relay=HttpRelay(control_plane=_control_plane(config)),
+            relay=HttpRelay(control_plane=control_plane),
         )
         agent = Agent(
             enrollment=enrollment,

@@ -21,16 +21,24 @@ import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
 
+from .ssrf import AddressGuard
+
 __all__ = ["SiteCache"]
 
 _SHA_RE: Final = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK: Final = 1 << 20
+_MAX_REDIRECTS: Final = 3
+
+
+class _SourceRefused(Exception):  # noqa: N818 - a reason for the log, not an error anyone catches
+    """Why one fill failed: for the agent's log only."""
 
 
 def _check_sha(sha256: str, path: str = "sha256") -> str:
@@ -40,8 +48,10 @@ def _check_sha(sha256: str, path: str = "sha256") -> str:
 
 
 class SiteCache:
-    def __init__(self, folder: Path, *, max_bytes: int) -> None:
+    def __init__(self, folder: Path, *, max_bytes: int, guard: AddressGuard | None = None) -> None:
         self.folder = folder
+        self.guard = guard if guard is not None else AddressGuard()
+        """Where a fill may connect (``ssrf``): the same rules as ``site.httpProxy``."""
         self.objects = folder / "objects"
         self.objects.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -129,43 +139,37 @@ class SiteCache:
         self.fills += 1
         try:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
-            async with aiohttp.ClientSession(timeout=timeout) as http, http.get(source) as resp:
-                if resp.status != 200:
-                    raise BcError(
-                        ErrorCode.DRIVER_ERROR,
-                        f"cache fill: the source answered HTTP {resp.status}",
-                        {"reason": "cache-source-error", "path": "url"},
-                    )
-                with open(tmp, "wb") as out:  # noqa: ASYNC230 - local disk, chunk by chunk
-                    async for chunk in resp.content.iter_chunked(_CHUNK):
-                        size += len(chunk)
-                        if size > self.max_bytes:
-                            raise BcError(
-                                ErrorCode.INVALID_STATE,
-                                "cache fill: the object is larger than the whole cache",
-                                {"reason": "cache-too-small"},
-                            )
-                        digest.update(chunk)
-                        out.write(chunk)
-                    out.flush()
-                    os.fsync(out.fileno())
-        except aiohttp.ClientError as exc:
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                resp = await self._open_source(http, source)
+                try:
+                    with open(tmp, "wb") as out:  # noqa: ASYNC230 - local disk, chunk by chunk
+                        async for chunk in resp.content.iter_chunked(_CHUNK):
+                            size += len(chunk)
+                            if size > self.max_bytes:
+                                raise _SourceRefused("larger than the whole cache")
+                            digest.update(chunk)
+                            out.write(chunk)
+                        out.flush()
+                        os.fsync(out.fileno())
+                finally:
+                    resp.release()
+            if digest.hexdigest() != sha256:
+                raise _SourceRefused("its content does not match its sha256")
+        except (_SourceRefused, aiohttp.ClientError, TimeoutError, ValueError) as exc:
             tmp.unlink(missing_ok=True)
+            # One answer for every way a source fails, so a fill is no port scanner (refused
+            # address, closed port, timeout, 401, 200 with other bytes); the agent's log says which.
+            why = str(exc) if isinstance(exc, _SourceRefused) else type(exc).__name__
+            self.log.warning("cache_fill_failed", sha256=sha256, why=why)
             raise BcError(
                 ErrorCode.DRIVER_ERROR,
-                f"cache fill: cannot download the source ({type(exc).__name__})",
+                "cache fill: the source did not give an object of that sha256"
+                " (the site agent's log says why)",
                 {"reason": "cache-source-error", "path": "url"},
             ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        if digest.hexdigest() != sha256:
-            tmp.unlink(missing_ok=True)
-            raise BcError(
-                ErrorCode.INVALID_INPUT,
-                "cache fill: the source's content does not match its sha256",
-                {"path": "sha256", "reason": "digest-mismatch"},
-            )
         async with self._lock:
             self._make_room(size)
             target = self.objects / sha256
@@ -177,6 +181,40 @@ class SiteCache:
             self._verified.add(sha256)
         self.log.info("cache_filled", sha256=sha256, bytes=size)
         return target
+
+    async def _open_source(self, http: aiohttp.ClientSession, source: str) -> aiohttp.ClientResponse:
+        """The source's 200 answer, its redirects followed (each checked like the source), every
+        connection made to the address that was checked (no second lookup)."""
+        current = source
+        for _hop in range(_MAX_REDIRECTS + 1):
+            parts = urlsplit(current)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise _SourceRefused("not an http(s) URL with a host")
+            if parts.username or parts.password:
+                raise _SourceRefused("credentials in the URL")
+            try:
+                ip, why = await self.guard.checked(parts.hostname)
+            except OSError:
+                raise _SourceRefused(f"cannot resolve {parts.hostname}") from None
+            if why is not None:
+                raise _SourceRefused(f"{parts.hostname} is {why}")
+            host_ip = f"[{ip}]" if ip.version == 6 else str(ip)
+            direct = parts._replace(netloc=f"{host_ip}:{parts.port}" if parts.port else host_ip).geturl()
+            resp = await http.get(
+                direct,
+                headers={"Host": parts.netloc},
+                allow_redirects=False,
+                server_hostname=parts.hostname if parts.scheme == "https" else None,
+            )
+            if resp.status in (301, 302, 303, 307, 308) and "Location" in resp.headers:
+                current = urljoin(current, resp.headers["Location"])
+                resp.release()
+                continue
+            if resp.status != 200:
+                resp.release()
+                raise _SourceRefused(f"HTTP {resp.status}")
+            return resp
+        raise _SourceRefused("too many redirects")
 
     def _make_room(self, size: int) -> None:
         used = self.used_bytes()

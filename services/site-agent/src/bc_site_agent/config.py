@@ -13,6 +13,8 @@
     [cache]
     dir = "/var/cache/bc-site-agent"        # default: <state_dir>/cache
     max_bytes = 50_000_000_000
+    allow_source_networks = []              # fill sources allowed although loopback, this host's
+                                            # or the control plane's (never cloud metadata)
 
     control_plane_addresses = ["10.0.0.2"]  # never relayed to (nor the NATS server's address)
 
@@ -39,6 +41,8 @@ from typing import Any
 
 from better_compute.core.errors import BcError, ErrorCode
 
+from .netboot import IPXE_UNSAFE
+
 __all__ = ["SiteAgentConfig", "load_config"]
 
 _SITE_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -63,6 +67,7 @@ class SiteAgentConfig:
     discovery_token_file: Path | None = None
     discovery_control_plane: str | None = None
     control_plane_addresses: tuple[str, ...] = ()
+    cache_allow_source_networks: tuple[str, ...] = ()
 
     @property
     def enrollment_file(self) -> Path:
@@ -122,12 +127,25 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
         raise _bad("cache.max_bytes", "expected a positive integer")
     cache_dir = _str(cache, "dir", "cache.dir") or str(Path(state_dir) / "cache")
+    allow_sources = cache.get("allow_source_networks", [])
+    if not isinstance(allow_sources, list) or not all(isinstance(n, str) for n in allow_sources):
+        raise _bad("cache.allow_source_networks", "expected a list of networks (10.0.0.0/8, ::1/128)")
+    for i, net in enumerate(allow_sources):
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            raise _bad(f"cache.allow_source_networks[{i}]", "expected a network like 10.0.0.0/8") from None
     netboot = doc.get("netboot", {})
     if not isinstance(netboot, dict):
         raise _bad("netboot", "expected a table")
     discovery = netboot.get("discovery", False)
     if not isinstance(discovery, bool):
         raise _bad("netboot.discovery", "expected true or false")
+    for key in ("discovery_kernel", "discovery_initrd", "discovery_cmdline", "discovery_control_plane"):
+        value = netboot.get(key)
+        if isinstance(value, str) and IPXE_UNSAFE.search(value):
+            raise _bad(f"netboot.{key}", "iPXE would act on it: no control characters, '${', '||', '&&',"
+                       " or a word starting with ';' or '#'")  # fmt: skip
     control_plane = doc.get("control_plane_addresses", [])
     if not isinstance(control_plane, list) or not all(isinstance(a, str) for a in control_plane):
         raise _bad("control_plane_addresses", "expected a list of IP addresses")
@@ -154,6 +172,7 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
         discovery_token_file=_path(netboot, "discovery_token_file", "netboot.discovery_token_file"),
         discovery_control_plane=_str(netboot, "discovery_control_plane", "netboot.discovery_control_plane"),
         control_plane_addresses=tuple(control_plane),
+        cache_allow_source_networks=tuple(allow_sources),
     )
 
 

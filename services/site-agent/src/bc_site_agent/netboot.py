@@ -15,12 +15,13 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.logging import register_secret
+from better_compute.logging import get_logger, register_secret
 
 __all__ = [
+    "IPXE_UNSAFE",
     "LOCAL_BOOT_SCRIPT",
     "BootEntries",
     "BootEntry",
@@ -61,24 +62,54 @@ class BootEntry:
     ``bcd.token=`` on the kernel line; kept in the 0600 entry file until the entry is served."""
 
 
+# What iPXE's script language acts on inside a line: ``${…}`` expands a setting, ``||``, ``&&``
+# and a ``;`` word chain commands, a ``#`` word starts a comment; control characters (a line
+# break above all) end the line or drive the console. None of it belongs in a URL or a kernel
+# command line, so a value holding any is refused, never escaped (iPXE has no quoting).
+IPXE_UNSAFE: Final = re.compile(r"\$\{|\|\||&&|(?:^|\s)[;#]|[\x00-\x1f\x7f]")
+_NO_ENTRY_SCRIPT: Final = (
+    "#!ipxe\necho bc-site-agent: the boot entry for this machine cannot be served: booting from"
+    " local disk\nexit\n"
+)
+
+
 def _ipxe_safe(text: str, path: str) -> str:
-    if any(c in text for c in "\r\n"):
-        raise BcError(ErrorCode.INVALID_INPUT, "no line breaks allowed", {"path": path})
+    """``text`` for a line of an iPXE script; ``INVALID_INPUT`` at ``path`` when it holds
+    anything iPXE would run, expand or cut (``IPXE_UNSAFE``)."""
+    if IPXE_UNSAFE.search(text):
+        raise BcError(
+            ErrorCode.INVALID_INPUT,
+            "no line breaks, control characters, '${', '||', '&&' or a word starting with ';' or '#'"
+            " (iPXE would act on them)",
+            {"path": path},
+        )
     return text
+
+
+def _ipxe_url(text: str, path: str) -> str:
+    if any(c.isspace() for c in text):  # a space would end the URL and start a kernel argument
+        raise BcError(ErrorCode.INVALID_INPUT, "a URL holds no whitespace", {"path": path})
+    return _ipxe_safe(text, path)
 
 
 def entry_script(entry: BootEntry) -> str:
     if entry.script is not None:
         script = entry.script
         return script if script.startswith("#!ipxe") else "#!ipxe\n" + script
-    lines = ["#!ipxe", f"echo bc-site-agent: boot entry for {entry.mac}"]
-    if entry.kernel:
-        cmdline = entry.cmdline
-        if entry.join_token is not None:
-            cmdline = f"{cmdline} bcd.token={entry.join_token}"
-        lines.append(f"kernel {entry.kernel} {cmdline.strip()}".rstrip())
-    if entry.initrd:
-        lines.append(f"initrd {entry.initrd}")
+    lines = ["#!ipxe"]
+    try:
+        lines.append(f"echo bc-site-agent: boot entry for {_ipxe_url(entry.mac, 'mac')}")
+        # checked again here: an entry file an older agent wrote, or a join token, was not
+        if entry.kernel:
+            cmdline = _ipxe_safe(entry.cmdline, "cmdline")
+            if entry.join_token is not None:
+                cmdline = f"{cmdline} bcd.token={_ipxe_url(entry.join_token, 'joinToken')}"
+            lines.append(f"kernel {_ipxe_url(entry.kernel, 'kernel')} {cmdline.strip()}".rstrip())
+        if entry.initrd:
+            lines.append(f"initrd {_ipxe_url(entry.initrd, 'initrd')}")
+    except BcError as err:
+        get_logger(component="netboot").warning("netboot_entry_unsafe", mac=entry.mac[:32], path=err.path)
+        return _NO_ENTRY_SCRIPT
     lines.append("boot")
     return "\n".join(lines) + "\n"
 
@@ -105,7 +136,7 @@ def discovery_cmdline(base: str, *, site_id: str, token_file: Path | None, contr
             token = token_file.read_text().strip()
         except OSError:
             token = ""
-        if token and not any(c.isspace() for c in token):
+        if token and not any(c.isspace() for c in token) and not IPXE_UNSAFE.search(token):
             register_secret(token)
             words.append(f"bcd.token={token}")
     if control_plane:
@@ -211,4 +242,4 @@ def _registered(token: str | None) -> str | None:
 
 def _opt(payload: dict[str, Any], key: str) -> str | None:
     value = payload.get(key)
-    return _ipxe_safe(str(value), key) if value else None
+    return _ipxe_url(str(value), key) if value else None

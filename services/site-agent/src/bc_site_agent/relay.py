@@ -1,9 +1,9 @@
 """``site.httpProxy``: one HTTP request from the site agent to a node's own address.
 
 SSRF checks, in order: the URL is http(s) with a host; the host is resolved once; every
-resolved address that is loopback, link-local (169.254.0.0/16 with the cloud metadata address,
-fe80::/10), unspecified, multicast or reserved, one of this agent's own addresses (it can be
-bound here) or a control-plane address is refused; of the rest, only the node's recorded
+resolved address that ``ssrf.AddressGuard`` refuses (loopback, link-local, a cloud metadata
+address, unspecified, multicast or reserved, one of this agent's own addresses or a
+control-plane address) is refused, whatever ``nodeAddresses`` lists; of the rest, only the node's recorded
 addresses (``nodeAddresses`` in the payload, filled by the control plane from the node record)
 are kept; the request connects to that IP (no second lookup; TLS still checks the name). A
 redirect is followed only to the same scheme, host and port; anywhere else is refused. The
@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ipaddress
 import random
-import socket
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final
@@ -32,11 +30,14 @@ import aiohttp
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
 
+from .ssrf import IP, AddressGuard, is_local_address
+
 __all__ = ["MAX_BODY", "HttpRelay", "is_local_address"]
 
 MAX_BODY: Final = 256 * 1024
 MAX_SECONDS: Final = 30.0
 _MAX_REDIRECTS: Final = 3
+_LOOPBACK: Final = ("127.0.0.0/8", "::1/128")
 _HOP_BY_HOP: Final = frozenset(
     {
         "host",
@@ -49,19 +50,6 @@ _HOP_BY_HOP: Final = frozenset(
         "upgrade",
     }
 )
-
-IP = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-def is_local_address(ip: IP) -> bool:
-    """Whether ``ip`` is one of this machine's own addresses (it can be bound here)."""
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as sock:
-            sock.bind((str(ip), 0))
-        return True
-    except OSError:
-        return False
 
 
 def _refused(reason: str) -> CommandRejected:
@@ -76,35 +64,16 @@ class HttpRelay:
         is_local: Callable[[IP], bool] = is_local_address,
         allow_loopback: bool = False,
     ) -> None:
-        self.control_plane = {ipaddress.ip_address(a) for a in control_plane}
-        self.is_local = is_local
-        self.allow_loopback = allow_loopback
-        """Tests only: the node under test listens on loopback. Never set by the process."""
+        # allow_loopback: tests only, the node under test listens on loopback; never set by the process
+        self.guard = AddressGuard(
+            control_plane=control_plane, allow=_LOOPBACK if allow_loopback else (), is_local=is_local
+        )
 
     async def _resolve(self, host: str) -> list[IP]:
         try:
-            return [ipaddress.ip_address(host)]
-        except ValueError:
-            pass
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            return await self.guard.resolve(host)
         except OSError:
             raise _refused(f"cannot resolve {host}") from None
-        return list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
-
-    def _why_not(self, ip: IP) -> str | None:
-        if ip.is_loopback and not self.allow_loopback:
-            return "loopback"
-        if ip.is_link_local:
-            return "link-local (metadata)" if str(ip) == "169.254.169.254" else "link-local"
-        if ip.is_unspecified or ip.is_multicast or ip.is_reserved:
-            return "not a unicast address"
-        if ip in self.control_plane:
-            return "a control-plane address"
-        if not (ip.is_loopback and self.allow_loopback) and self.is_local(ip):
-            return "this agent's own address"
-        return None
 
     async def target(self, url: str, node_addresses: list[str]) -> tuple[Any, IP]:
         """The parsed URL and the one IP to connect to, or ``CommandRejected``."""
@@ -115,7 +84,7 @@ class HttpRelay:
             raise BcError(ErrorCode.INVALID_INPUT, "no credentials in the URL", {"path": "url"})
         resolved = await self._resolve(parts.hostname)
         for ip in resolved:
-            why = self._why_not(ip)
+            why = self.guard.why_not(ip)
             if why is not None:
                 raise _refused(f"{parts.hostname} is {why}")
         recorded: set[IP] = set()

@@ -574,7 +574,7 @@ class Agent:
         assert journal is not None
         try:
             delivery = msgspec.json.decode(msg.data, type=CommandDelivery)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, RecursionError):  # nested past what the decoder can hold
             self.log.warning("delivery_malformed")
             await _ack(msg)
             return

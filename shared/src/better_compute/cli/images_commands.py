@@ -1,15 +1,21 @@
-"""``bcx images register|list|show|delete``: the engine's image catalog (docs/images.md)."""
+"""``bcx images register|list|show|delete``: the engine's image catalog; ``bcx images payload|sign``:
+what an image's signer signs, and signing it locally (docs/images.md)."""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any, cast
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
+from ..metal.signatures import image_signing_payload, sign_image
 from ..wire.images import ImageFormat, ImageView
 from .common import add_tenant_flag, as_rows, engine_client
 from .output import print_json, print_table
@@ -81,6 +87,59 @@ def _size(image: ImageView) -> str:
     return f"{image.size / 2**30:.1f} GiB" if isinstance(image.size, int) else "-"
 
 
+def _payload(args: argparse.Namespace) -> tuple[bytes, dict[str, str]]:
+    name, version = _split(args.ref)
+    sha256, _ = _digest(args)
+    image = {"name": name, "version": version, "sha256": sha256, "url": str(args.url)}
+    return image_signing_payload(**image), image
+
+
+async def images_payload(args: argparse.Namespace, settings: Settings) -> int:
+    """The image's signing payload, byte for byte, for a signer that signs elsewhere (openssl)."""
+    payload, _image = _payload(args)
+    if args.out is not None:
+        _write(args.out, payload)
+    else:
+        sys.stdout.buffer.write(payload)
+        sys.stdout.flush()
+    return 0
+
+
+def _signing_key(path: str) -> ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except OSError as exc:
+        raise _bad("key-file", f"cannot read the key file: {exc.strerror or exc}") from None
+    except (ValueError, TypeError):
+        raise _bad("key-file", "the key file holds no unencrypted PEM private key") from None
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key
+    if isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1):
+        return key
+    raise _bad("key-file", "an image signing key is Ed25519 or ECDSA P-256")
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        Path(path).write_bytes(data)
+    except OSError as exc:
+        raise _bad("out", f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+async def images_sign(args: argparse.Namespace, settings: Settings) -> int:
+    """Sign the image's payload with a local key (nothing is sent anywhere): raw bytes to
+    ``--out`` (what ``register --signature-file`` takes), else base64 on stdout."""
+    _, image = _payload(args)
+    signature = sign_image(_signing_key(args.key_file), **image)
+    if args.out is not None:
+        _write(args.out, signature)
+        print(f"signed {image['name']}@{image['version']} (sha256 {image['sha256']}, url {image['url']}):"
+              f" {args.out}")  # fmt: skip
+    else:
+        print(base64.b64encode(signature).decode())
+    return 0
+
+
 async def images_register(args: argparse.Namespace, settings: Settings) -> int:
     name, version = _split(args.ref)
     sha256, size = _digest(args)
@@ -129,7 +188,8 @@ async def images_show(args: argparse.Namespace, settings: Settings) -> int:
     status = {
         "allowlisted": "valid (allowlisted signer)",
         "removed": "REFUSED at deploy: its signer is no longer allowlisted",
-        "bad-signature": "REFUSED at deploy: the signature does not verify with the signer's key",
+        "bad-signature": "REFUSED at deploy: the signature does not verify with the signer's key"
+        " (one over the digest alone, from before signatures covered name, version and URL: re-sign it)",
         "verifier": "decided by the app's image_verifier",
     }.get(str(image.signer_status), str(image.signer_status))
     for label, value in (
@@ -171,10 +231,28 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=int, help="bytes")
     p.add_argument("--format", choices=FORMATS, default="raw", help="how the bytes are packed (default raw)")
     p.add_argument("--signer", help="the allowlisted signer's id ([images] signers)")
-    p.add_argument("--signature-file", help="the signature over the digest (raw, as openssl writes it)")
+    p.add_argument(
+        "--signature-file", help="the signature over the image's signing payload (raw, as openssl writes it)"
+    )
     p.add_argument("--signature", help="the signature, base64")
     p.add_argument("--public", action="store_true", help="visible to every tenant")
     p.set_defaults(func=images_register)
+    for command, func, what in (
+        ("payload", images_payload, "print what an image's signer signs (name, version, sha256, URL)"),
+        ("sign", images_sign, "sign an image's payload with a local Ed25519 or P-256 key"),
+    ):
+        p = images.add_parser(command, parents=[common], help=what)
+        p.add_argument("ref", metavar="NAME@VERSION", help="the image's catalog name and version")
+        p.add_argument("--url", required=True, help="the URL it will be registered with")
+        p.add_argument("--sha256", help="hex SHA-256 of the image")
+        p.add_argument("--file", help="a local copy: computes --sha256")
+        p.add_argument("--size", type=int, help=argparse.SUPPRESS)
+        if command == "sign":
+            p.add_argument("--key-file", required=True, help="the signer's private key (PEM, unencrypted)")
+            p.add_argument("--out", help="write the raw signature here (default: base64 on stdout)")
+        else:
+            p.add_argument("--out", help="write the payload here (default: stdout)")
+        p.set_defaults(func=func)
     p = images.add_parser("list", parents=[common, tenant], help="the tenant's and public images")
     p.add_argument("--name", help="only this image name")
     add_paging(p, default_limit=100)

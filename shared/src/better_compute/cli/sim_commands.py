@@ -121,6 +121,9 @@ def _agent_config(
         f'http_listen = "127.0.0.1:{port}"',
         # VMs reach this machine's loopback as 10.0.2.2: their scripts and cache URLs say so
         *([f'public_url = "http://10.0.2.2:{port}"'] if vms else []),
+        # the simulated site's kernels and images are served on this machine's loopback
+        "[cache]",
+        'allow_source_networks = ["127.0.0.0/8", "::1/128"]',
         "[netboot]",
         f"discovery = {'true' if discovery else 'false'}",
     ]

@@ -56,6 +56,11 @@ BMC: Final = field.object(
     }
 )
 _MAC = field.string(pattern=r"^[0-9a-fA-F]{2}([:-][0-9a-fA-F]{2}){5}$")
+# Served into an iPXE script line (issue 23 L7): nothing iPXE would expand (``${``), chain (``||``,
+# ``&&``, a ``;`` word), cut (a ``#`` word) or end (control characters); the site agent checks
+# the same again when it installs the entry and when it serves it.
+_IPXE_VALUE = r"(?!.*(\$\{|\|\||&&|(^|\s)[;#]))[^\x00-\x1f\x7f]*$"
+_IPXE_URL = field.string(pattern=r"^(?=https?://\S+$)" + _IPXE_VALUE, max_length=4096)
 
 
 def _bmc_command(
@@ -102,12 +107,12 @@ NETBOOT_SET_ENTRY: Final = CommandKind(
     payload=manifest(
         {
             "mac": _MAC,
-            "kernel": _URL.optional(),
-            "initrd": _URL.optional(),
+            "kernel": _IPXE_URL.optional(),
+            "initrd": _IPXE_URL.optional(),
             # With these, the machine gets them from the site cache (filled once from the URL).
             "kernelSha256": _SHA256.optional(),
             "initrdSha256": _SHA256.optional(),
-            "cmdline": field.string(max_length=4096).default(""),
+            "cmdline": field.string(pattern="^" + _IPXE_VALUE, max_length=4096).default(""),
             "script": field.string(max_length=65536).optional(),
             "oneTime": field.bool().default(True),
             # The ramdisk's join token, by reference: the site agent fetches it through the

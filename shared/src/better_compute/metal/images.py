@@ -19,7 +19,7 @@ from better_compute.provision._names import IMAGE_REF_PATTERN, matches
 from better_compute.provision.context import Sql
 from better_compute.provision.module import ImageVerifier
 
-from .signatures import ImageSigner, verify_image_signature
+from .signatures import ImageSigner, image_signing_payload, is_digest_only_signature, verify_image_signature
 
 __all__ = [
     "IMAGE_FORMATS",
@@ -27,6 +27,7 @@ __all__ = [
     "ImageSource",
     "ResolvedImage",
     "check_image_signer",
+    "digest_only_refusal",
     "parse_image_ref",
     "resolve_image_ref",
 ]
@@ -85,6 +86,18 @@ def parse_image_ref(ref: object, *, path: str = "image") -> tuple[str, str]:
     return name, version
 
 
+def digest_only_refusal(code: ErrorCode, ref: str, path: str, signer: str) -> BcError:
+    """The refusal of a signature over the digest alone (the scheme before signing payloads)."""
+    return BcError(
+        code,
+        f"image {ref}: signer {signer}'s signature covers only the image's digest, not its name,"
+        " version and URL: re-sign its signing payload (bcx images sign, or bcx images payload"
+        " and openssl; docs/images.md) and register it again (a catalog entry never changes:"
+        " delete the old one first, or register a new version)",
+        {"path": path, "reason": "digest-only-signature", "signer": signer},
+    )
+
+
 async def check_image_signer(
     row: Mapping[str, Any], *, tenant_id: str, verifier: ImageVerifier | None = None
 ) -> None:
@@ -92,13 +105,20 @@ async def check_image_signer(
 
     Raises:
         BcError: ``INVALID_STATE`` with reason ``signer-removed`` (the signer left the
-            allowlist, or the image was accepted by an ``image_verifier`` not given now) or
-            ``bad-signature`` (the allowlisted key, or ``verifier``, refuses it now).
+            allowlist, or the image was accepted by an ``image_verifier`` not given now),
+            ``digest-only-signature`` (signed before signatures covered name, version and URL:
+            re-sign it) or ``bad-signature`` (the allowlisted key, or ``verifier``, refuses it now).
     """
     ref = f"{row['name']}@{row['version']}"
     signature = bytes(row["signature"])
+    image = {"name": row["name"], "version": row["version"], "sha256": row["sha256"], "url": row["url"]}
     if verifier is not None:
-        if not await verifier(tenant_id=tenant_id, digest=row["sha256"], signature=signature):
+        payload = image_signing_payload(**image)
+        accepted = await verifier(
+            tenant_id=tenant_id, digest=row["sha256"], signature=signature, name=row["name"],
+            version=row["version"], url=row["url"], payload=payload,
+        )  # fmt: skip
+        if not accepted:
             raise BcError(
                 ErrorCode.INVALID_STATE,
                 f"image {ref}: the app's image_verifier refuses its signature",
@@ -113,7 +133,9 @@ async def check_image_signer(
             {"path": "image", "reason": "signer-removed", "signer": row["signer"]},
         )
     signer = ImageSigner(row["signer"], row["signer_algorithm"], bytes(row["signer_key"]))
-    if not verify_image_signature(signer, row["sha256"], signature):
+    if not verify_image_signature(signer, signature, **image):
+        if is_digest_only_signature(signer, row["sha256"], signature):
+            raise digest_only_refusal(ErrorCode.INVALID_STATE, ref, "image", signer.id)
         raise BcError(
             ErrorCode.INVALID_STATE,
             f"image {ref}: its signature does not verify with signer {signer.id}'s key today",

@@ -9,9 +9,10 @@ else.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Final, Protocol
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.plugins import CommandKind, ComputeModule, Registry, as_tuple
@@ -29,10 +30,37 @@ PROVISION_MODULE_ID = "provision"
 class ImageVerifier(Protocol):
     """Replaces the catalog's signature check of an image (allowlisted Ed25519 / P-256 signers).
 
-    Returns whether ``signature`` over ``digest`` is acceptable for ``tenant_id``.
+    Returns whether ``signature`` is acceptable for ``tenant_id``'s image ``name@version`` at
+    ``url`` with digest ``digest``. ``payload`` is the image's signing payload
+    (``better_compute.metal.signatures.image_signing_payload``): what a signature must cover so
+    it binds the name, version and URL as well as the digest.
     """
 
-    async def __call__(self, *, tenant_id: str, digest: str, signature: bytes) -> bool: ...
+    async def __call__(
+        self,
+        *,
+        tenant_id: str,
+        digest: str,
+        signature: bytes,
+        name: str,
+        version: str,
+        url: str,
+        payload: bytes,
+    ) -> bool: ...
+
+
+_VERIFIER_KEYWORDS: Final = ("tenant_id", "digest", "signature", "name", "version", "url", "payload")
+
+
+def _takes_verifier_keywords(verifier: Any) -> bool:
+    try:
+        params = inspect.signature(verifier).parameters.values()
+    except (TypeError, ValueError):
+        return True  # a builtin or C callable: it is called and judged then
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return True
+    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return all(k in names for k in _VERIFIER_KEYWORDS)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -111,6 +139,13 @@ def provision_module(
         raise BcError(
             ErrorCode.INVALID_CONFIG,
             "image_verifier must be an async function",
+            {"path": "image_verifier"},
+        )
+    if image_verifier is not None and not _takes_verifier_keywords(image_verifier):
+        raise BcError(
+            ErrorCode.INVALID_CONFIG,
+            "image_verifier must take the keywords tenant_id, digest, signature, name, version, url"
+            " and payload: image signatures now cover the name, version and URL too (docs/images.md)",
             {"path": "image_verifier"},
         )
     units = merge_config_units(config_units, path="config_units")

@@ -430,6 +430,13 @@ class Service:
         with contextlib.suppress(ValueError, nats.errors.ConnectionClosedError):
             await req.respond(body)
 
+    def audit_target(self, route: str, body: Any, result: Any) -> str | None:
+        """What an audited action was about (the entry's ``target``): by default the first id in
+        the reply, else in the request. A service overrides it for a route whose reply names
+        other things first."""
+        del route
+        return audit.audit_target(body, result)
+
     async def _record_action(self, route: str, request: ApiRequest, result: Any) -> None:
         """Record an operator action that succeeded. A failure to record is logged, not
         answered: the change is made, and the caller must learn that it was."""
@@ -448,7 +455,7 @@ class Service:
                 audit.AUDIT_INSERT,
                 actor,
                 route,
-                audit.audit_target(body, audit.builtins(result)),
+                self.audit_target(route, body, audit.builtins(result)),
                 encode(audit.audit_detail(body, self.audit_routes[route], claimed=who.claimed)).decode(),
                 self.instance,
                 who.verified,

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from ..clients import EngineClient
-from ..metal.signatures import ImageSigner, sign_image_digest, verify_image_signature
+from ..metal.signatures import ImageSigner, sign_image, verify_image_signature
 from ..wire.images import ImageView
 
 __all__ = ["SIM_IMAGE", "SIM_IMAGE_SIGNER", "register_sim_image", "sim_image_verifier"]
@@ -36,9 +36,12 @@ _SIGNER: Final = ImageSigner(
 )
 
 
-async def sim_image_verifier(*, tenant_id: str, digest: str, signature: bytes) -> bool:
-    """An ``image_verifier``: the signature is ``SIM_IMAGE_SIGNER``'s over the digest."""
-    return verify_image_signature(_SIGNER, digest, signature)
+async def sim_image_verifier(
+    *, tenant_id: str, digest: str, signature: bytes, name: str, version: str, url: str, payload: bytes
+) -> bool:
+    """An ``image_verifier``: the signature is ``SIM_IMAGE_SIGNER``'s over the image's signing
+    payload (name, version, digest and URL)."""
+    return verify_image_signature(_SIGNER, signature, name=name, version=version, sha256=digest, url=url)
 
 
 async def register_sim_image(
@@ -50,16 +53,18 @@ async def register_sim_image(
     data: bytes | None = None,
 ) -> ImageView:
     """Register ``name@version`` signed by ``SIM_IMAGE_SIGNER`` (again: a no-op). ``data`` is
-    the image's bytes (its digest is signed), ``url`` where it is served."""
+    the image's bytes, ``url`` where it is served (the signature covers the name, version, digest
+    and URL)."""
     name, _, version = ref.partition("@")
     body = data if data is not None else f"simulated image {ref}".encode()
     digest = hashlib.sha256(body).hexdigest()
+    url = url or f"http://images.sim.invalid/{name}-{version}.raw"
     return await engine.register_image(
         name=name,
         version=version,
-        url=url or f"http://images.sim.invalid/{name}-{version}.raw",
+        url=url,
         sha256=digest,
-        signature=sign_image_digest(SIM_IMAGE_SIGNER, digest),
+        signature=sign_image(SIM_IMAGE_SIGNER, name=name, version=version, sha256=digest, url=url),
         size=len(body),
         tenant_id=tenant_id,
     )

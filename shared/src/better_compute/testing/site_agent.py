@@ -60,6 +60,8 @@ class SiteAgentProcess:
             f'join_token_file = "{self.token_file}"\n'
             f'http_listen = "127.0.0.1:{self.port}"\n'
             + (f'public_url = "{self.public_url}"\n' if self.public_url else "")
+            # the test bed's image and kernel servers listen on loopback
+            + '[cache]\nallow_source_networks = ["127.0.0.0/8", "::1/128"]\n'
             + f"[netboot]\ndiscovery = {'true' if self.discovery else 'false'}\n"
             + self.extra_config
         )

@@ -37,7 +37,7 @@ import msgspec
 
 from ..core.errors import BcError, ErrorCode
 from .cmdq import AgentStatus
-from .codec import convert
+from .codec import convert, decode
 
 __all__ = [
     "EVENT_KINDS",
@@ -245,10 +245,11 @@ def open_event(data: bytes) -> tuple[dict[str, Any], bytes]:
     Raises:
         BcError: ``INVALID_INPUT`` for anything but a JSON object with a base64 ``signature``.
     """
-    try:
-        doc = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        raise BcError(ErrorCode.INVALID_INPUT, "event is not JSON", {"path": ""}) from exc
+    if not data:
+        raise BcError(ErrorCode.INVALID_INPUT, "event is not JSON", {"path": ""})
+    # the codec's checked decode: nesting past MAX_DEPTH (which would exhaust the decoder), a NUL
+    # or an integer beyond int64 is INVALID_INPUT with its path, never INTERNAL
+    doc: Any = decode(data, Any)
     if not isinstance(doc, dict):
         raise BcError(ErrorCode.INVALID_INPUT, "event is not an object", {"path": ""})
     sig = doc.pop("signature", None)

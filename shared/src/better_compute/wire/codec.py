@@ -34,6 +34,7 @@ __all__ = [
     "MAX_DEPTH",
     "Message",
     "check_json",
+    "check_nesting",
     "convert",
     "decode",
     "encode",
@@ -119,6 +120,38 @@ def _check(value: Any, path: str, depth: int) -> None:
         else:
             for index, item in enumerate(value):
                 _check(item, f"{path}[{index}]", depth + 1)
+
+
+def check_nesting(raw: bytes, path: str) -> None:
+    """Refuse bytes that are JSON nesting deeper than ``MAX_DEPTH`` (``INVALID_INPUT`` at
+    ``path`` and where it nests too deep): for opaque bytes from outside (an agent's command
+    result) that a reader later decodes as JSON, where it would exhaust the decoder. Bytes that
+    are not JSON pass: they are not this check's to judge."""
+    if not _too_deep(b"".join(raw.split(b'"')[::2])):
+        return
+    try:
+        msgspec.json.decode(raw)
+    except RecursionError:
+        pass
+    except msgspec.DecodeError:
+        return
+    else:
+        if _depth(raw) <= MAX_DEPTH:
+            return
+    raise _invalid(f"JSON may nest at most {MAX_DEPTH} levels", join_path(path, _deep_path(raw)))
+
+
+def _depth(data: bytes) -> int:
+    """How deep JSON ``data`` nests, read from its tokens (strings skipped whole)."""
+    depth = deepest = 0
+    for m in _TOKEN_RE.finditer(data):
+        tok = m.group()
+        if tok in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif tok in (b"]", b"}"):
+            depth -= 1
+    return deepest
 
 
 def _deep_path(data: bytes) -> str:

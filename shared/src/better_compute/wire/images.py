@@ -54,7 +54,8 @@ class _Req(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 class RegisterImage(_Req, frozen=True, kw_only=True):
     """Add ``name@version`` to a tenant's catalog; ``signature`` (base64 on the wire) is the
-    signer's over the digest (docs/images.md). Registering the same image again is a no-op;
+    signer's over the image's signing payload: name, version, digest and URL
+    (docs/images.md). Registering the same image again is a no-op;
     another digest, URL or signature under the same name and version is ``CONFLICT``."""
 
     tenant_id: Name = "root"
