@@ -408,6 +408,12 @@ def test_two_plugins_with_one_unit_or_signer_are_refused(monkeypatch: pytest.Mon
     assert refusal(default_app) == (INVALID_CONFIG, "entry_points.a.config_units[0]")
 
 
+def test_two_packages_declaring_one_entry_point_name_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    points = [fake_entry_point("acme", lambda: ACME), fake_entry_point("acme", lambda: ACME)]
+    monkeypatch.setattr(app_module, "_entry_points", lambda group: points)
+    assert refusal(default_app) == (INVALID_CONFIG, "entry_points.acme")
+
+
 def test_a_plugin_clashing_with_metal_names_its_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
     clash = define_plugin(id="clash", extensions=[control_plane_step("metal.ensureRamdisk")])
     discovering(monkeypatch, clash=clash)
