@@ -44,7 +44,8 @@ INVENTORY = {"cpus": {"model": "Sim Xeon", "cores": 8}, "memory": {"totalBytes":
 
 
 def uv_install(package: Path, target: Path) -> None:
-    """``uv pip install --no-deps --target`` (better-compute is the services' own already)."""
+    """``uv pip install --no-deps --target`` (better-compute is the services' own already). The build
+    backend, uv_build, is in uv's cache from the workspace's own sync, so this takes a second."""
     uv = os.environ.get("UV") or shutil.which("uv")  # `uv run` sets UV
     command = [uv] if uv else [sys.executable, "-m", "uv"]
     done = subprocess.run(
