@@ -408,6 +408,15 @@ def test_two_plugins_with_one_unit_or_signer_are_refused(monkeypatch: pytest.Mon
     assert refusal(default_app) == (INVALID_CONFIG, "entry_points.a.config_units[0]")
 
 
+def test_an_installed_plugin_the_provision_module_already_borrows_is_lent_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    discovering(monkeypatch, acme=ACME)
+    app = better_compute(modules=[metal(), provision_module(modules=[metal(), ACME])], discover=True)
+    assert app.steps["autoinstall.renderIso"] is RENDER_ISO
+    assert app.plugin_sources["acme-autoinstall"].entry_point == "acme"
+
+
 def test_two_packages_declaring_one_entry_point_name_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     points = [fake_entry_point("acme", lambda: ACME), fake_entry_point("acme", lambda: ACME)]
     monkeypatch.setattr(app_module, "_entry_points", lambda group: points)

@@ -183,6 +183,8 @@ def _lend(
     """``provision`` borrowing the discovered plugins too, with the config units of every plugin it
     borrows; ``provision`` itself when there is nothing to add."""
     borrowed = [(join_path(path, f"modules[{i}]"), m) for i, m in enumerate(provision.modules)]
+    # one the app's provision already borrows (and only lists there) is lent once
+    discovered = [(p, m) for p, m in discovered if not any(m is b for b in provision.modules)]
     borrowed += discovered
     own_units = [u for n, u in provision.config_units.items() if BUILTIN_CONFIG_UNITS.get(n) is not u]
     given = {u.name: join_path(path, "config_units") for u in own_units}
