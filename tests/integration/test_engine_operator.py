@@ -57,6 +57,16 @@ async def test_steps_list_shows_steps_and_driver_operations_with_their_inputs(
     assert "did you mean bios.flash" in checked.problems[2].message
 
 
+async def test_plugins_list_shows_what_the_engine_runs(engine: EngineService, bc_api: ApiClient) -> None:
+    got = {p.id: p for p in (await EngineClient(bc_api).list_plugins()).plugins}
+    bios = got["test-bios"]  # listed in the app (tests/support/engine_test_app.py), not installed
+    assert (bios.source, bios.entry_point, bios.lent) == ("app", None, False)
+    assert bios.driver_operations == ["bios.flash"]
+    steps = {s.id: s.plugin for s in (await EngineClient(bc_api).list_steps()).steps}
+    assert steps["metal.ensureRamdisk"] == "metal"  # lent by metal
+    assert steps["test.waitFlag"] is None  # provision's own
+
+
 async def test_nodes_update_label_and_delete(engine: EngineService, bc_api: ApiClient) -> None:
     engine_api = EngineClient(bc_api)
     node = await engine_api.create_node(site_id="lab1", labels={"rack": "4"})

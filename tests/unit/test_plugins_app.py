@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import pytest
 from better_compute.app import PLUGIN_ENTRY_POINT_GROUP, better_compute, load_app
 from better_compute.app import composition as app_module
 from better_compute.app.default import app as default_app_object
+from better_compute.app.default import default_app
 from better_compute.core import (
     BcError,
     CommandKind,
@@ -21,6 +23,7 @@ from better_compute.core import (
     manifest,
 )
 from better_compute.metal import COMMAND_KINDS, metal
+from better_compute.metal.signatures import image_signer
 from better_compute.provision import (
     BUILTIN_CONFIG_UNITS,
     ConfigUnit,
@@ -320,6 +323,118 @@ def test_discovered_plugins_are_registered(monkeypatch: pytest.MonkeyPatch) -> N
     assert groups == [PLUGIN_ENTRY_POINT_GROUP] == ["better_compute.plugins"]
     assert "acme.flash" in app.command_kinds
     assert [plugin.id for plugin in app.plugins] == ["acme-autoinstall", "flash"]
+
+
+def discovering(monkeypatch: pytest.MonkeyPatch, **plugins: Any) -> None:
+    """Entry points ``name -> plugin`` as if installed (``dist`` names their package)."""
+    dist = SimpleNamespace(name="acme-plugin", version="1.2.0")
+    points = [
+        SimpleNamespace(name=name, value=f"acme_plugin:{name}", dist=dist, load=lambda p=p: p)
+        for name, p in plugins.items()
+    ]
+    monkeypatch.setattr(app_module, "_entry_points", lambda group: points)
+
+
+def test_the_default_app_resolves_an_installed_plugins_steps_and_profiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Regression: the default app did not discover, and a discovered plugin was only registered,
+    # never lent to provision, so the engine could not resolve its steps (seen failing first).
+    discovering(monkeypatch, acme=ACME)
+    app = default_app()
+    assert app.steps["autoinstall.renderIso"] is RENDER_ISO
+    assert app.profile("ubuntu-24.04-autoinstall") is UBUNTU
+    assert [p.id for p in app.plugins] == ["acme-autoinstall"]
+    source = app.plugin_sources["acme-autoinstall"]
+    assert (source.entry_point, source.value, source.distribution, source.version) == (
+        "acme", "acme_plugin:acme", "acme-plugin", "1.2.0"
+    )  # fmt: skip
+    assert "metal.deploy" in {p.id for p in app.profiles}  # metal's are still there
+
+
+def test_an_app_that_asks_to_discover_lends_the_plugin_to_its_provision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    discovering(monkeypatch, acme=ACME)
+    provision = provision_module(modules=[metal()], steps=[TALOS_READY], profiles=[TALOS])
+    app = better_compute(modules=[metal(), provision], discover=True)
+    assert {"autoinstall.renderIso", "wait.talosReady", "metal.ensureRamdisk"} <= set(app.steps)
+    assert app.provision is not None
+    assert app.provision.steps == (TALOS_READY,)
+    # without discover, nothing installed is looked at
+    assert "autoinstall.renderIso" not in better_compute(modules=[metal(), provision]).steps
+
+
+def test_a_plugins_config_units_and_signers_are_the_apps(monkeypatch: pytest.MonkeyPatch) -> None:
+    signer = image_signer("acme-release", base64.b64encode(bytes(range(32))).decode())
+    acme = define_plugin(id="acme", config_units=[NIC_FIRMWARE], image_signers=[signer])
+    discovering(monkeypatch, acme=acme)
+    app = default_app()
+    assert app.provision is not None
+    assert app.provision.config_units["acme-nic-firmware"] is NIC_FIRMWARE
+    assert app.provision.config_units["sysctl"] is BUILTIN_CONFIG_UNITS["sysctl"]
+    assert dict(app.image_signers) == {"acme-release": signer}
+    # a listed plugin lends its units to the provision module that borrows it
+    listed = better_compute(modules=[provision_module(modules=[acme])], plugins=[acme])
+    assert listed.provision is not None
+    assert "acme-nic-firmware" in listed.provision.config_units
+
+
+def test_two_plugins_with_one_unit_or_signer_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    signer = image_signer("acme-release", base64.b64encode(bytes(range(32))).decode())
+    other = image_signer("acme-release", base64.b64encode(bytes(range(1, 33))).decode())
+    discovering(
+        monkeypatch,
+        a=define_plugin(id="a", config_units=[NIC_FIRMWARE]),
+        b=define_plugin(id="b", config_units=[NIC_FIRMWARE]),
+    )
+    assert refusal(default_app) == (INVALID_CONFIG, "entry_points.b.config_units[0].name")
+    discovering(
+        monkeypatch,
+        a=define_plugin(id="a", image_signers=[signer]),
+        b=define_plugin(id="b", image_signers=[other]),
+    )
+    assert refusal(default_app) == (INVALID_CONFIG, "entry_points.b.image_signers[0].id")
+    assert refusal(lambda: define_plugin(id="c", config_units=[NIC_FIRMWARE, NIC_FIRMWARE])) == (
+        INVALID_CONFIG,
+        "config_units[1].name",
+    )
+    assert refusal(lambda: define_plugin(id="a", config_units=[object()])) == (
+        INVALID_CONFIG,
+        "config_units[0]",
+    )
+    not_a_unit = define_plugin(id="a", config_units=[SimpleNamespace(name="acme-nic")])
+    discovering(monkeypatch, a=not_a_unit)
+    assert refusal(default_app) == (INVALID_CONFIG, "entry_points.a.config_units[0]")
+
+
+def test_an_installed_plugin_the_provision_module_already_borrows_is_lent_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    discovering(monkeypatch, acme=ACME)
+    app = better_compute(modules=[metal(), provision_module(modules=[metal(), ACME])], discover=True)
+    assert app.steps["autoinstall.renderIso"] is RENDER_ISO
+    assert app.plugin_sources["acme-autoinstall"].entry_point == "acme"
+
+
+def test_two_packages_declaring_one_entry_point_name_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    points = [fake_entry_point("acme", lambda: ACME), fake_entry_point("acme", lambda: ACME)]
+    monkeypatch.setattr(app_module, "_entry_points", lambda group: points)
+    assert refusal(default_app) == (INVALID_CONFIG, "entry_points.acme")
+
+
+def test_a_plugin_clashing_with_metal_names_its_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    clash = define_plugin(id="clash", extensions=[control_plane_step("metal.ensureRamdisk")])
+    discovering(monkeypatch, clash=clash)
+    assert refusal(default_app) == (INVALID_CONFIG, "entry_points.clash.extensions[0].id")
+
+
+def test_a_plugin_failing_with_another_code_is_still_invalid_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> Any:
+        raise BcError(ErrorCode.INVALID_INPUT, "bad template", {"path": "template"})
+
+    monkeypatch.setattr(app_module, "_entry_points", lambda group: [fake_entry_point("acme", broken)])
+    assert refusal(default_app) == (INVALID_CONFIG, "entry_points.acme")
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """``bc.api.engine.*``: the engine's routes, each concern its own part.
 
 * ``nodes_api``: ``nodes.*``;
-* ``profiles_api``: ``profiles.*`` and ``steps.list``;
+* ``profiles_api``: ``profiles.*``, ``steps.list`` and ``plugins.list``;
 * ``workflows_api``: ``workflows.*``, and ``start_in`` (steps and metal start workflows with it);
 * ``metal_api``: ``metal.*``, enrolling and the lifecycle verbs;
 * ``images_api``: ``images.*``, the image catalog;
@@ -64,6 +64,7 @@ class EngineApi:
             "nodes.label": nodes.nodes_label,
             "nodes.delete": nodes.nodes_delete,
             "steps.list": profiles.steps_list,
+            "plugins.list": profiles.plugins_list,
             "profiles.create": profiles.profiles_create,
             "profiles.get": profiles.profiles_get,
             "profiles.list": profiles.profiles_list,

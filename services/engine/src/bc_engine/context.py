@@ -32,6 +32,7 @@ class NodeInfo:
     macs: Sequence[str] = ()
     bmc: Mapping[str, Any] | None = None
     state: str = "enrolled"
+    inventory: Mapping[str, Any] | None = None  # read for a control-plane step run only
 
 
 class EngineSql:

@@ -196,6 +196,13 @@ class Engine:
         """A node as steps see it (a command a step sends may be for another node)."""
         return await self._read_node(node_id)
 
+    async def node_inventory(self, node_id: str) -> dict[str, Any] | None:
+        """The node's stored inventory (``ctx.node.inventory``), or None."""
+        value = await self.db.fetchval(store.NODE_INVENTORY, node_id)
+        if isinstance(value, str):
+            value = json.loads(value)
+        return value if isinstance(value, dict) else None
+
     async def _read_node(self, node_id: str | None) -> NodeInfo | None:
         if node_id is None:
             return None

@@ -1,5 +1,5 @@
-"""``profiles.*`` and ``steps.list``: stored profiles, their validation and rendering, and the
-steps and driver operations a profile can use."""
+"""``profiles.*``, ``steps.list`` and ``plugins.list``: stored profiles, their validation and
+rendering, the steps and driver operations a profile can use, and the plugins this engine runs."""
 
 from __future__ import annotations
 
@@ -24,9 +24,48 @@ class ProfilesApi:
         self.db = db
         self.profiles = profiles
 
+    def _lenders(self) -> dict[str, str]:
+        """Step id -> the module or plugin provision borrows it from."""
+        provision = self.app.provision
+        if provision is None:
+            return {}
+        return {step.id: module.id for module in provision.modules for step in module.steps}
+
+    async def plugins_list(self, req: ApiRequest) -> m.PluginList:
+        """The plugins the app registered (listed or discovered): what this engine runs."""
+        req.decode(m.ListPlugins)
+        provision = self.app.provision
+        lent = {module.id for module in provision.modules} if provision is not None else set()
+        plugins = []
+        for plugin in sorted(self.app.plugins, key=lambda p: p.id):
+            source = self.app.plugin_sources.get(plugin.id)
+            plugins.append(
+                m.PluginInfo(
+                    id=plugin.id,
+                    description=str(getattr(plugin, "description", "") or ""),
+                    source="entry-point" if source is not None else "app",
+                    entry_point=source.entry_point if source is not None else None,
+                    target=source.value if source is not None else None,
+                    distribution=source.distribution if source is not None else None,
+                    version=source.version if source is not None else None,
+                    lent=plugin.id in lent,
+                    steps=sorted(s.id for s in plugin.steps),
+                    profiles=[
+                        m.PluginProfile(id=p.id, version=p.version)
+                        for p in sorted(plugin.profiles, key=lambda p: p.key)
+                    ],
+                    config_units=sorted(u.name for u in getattr(plugin, "config_units", ())),
+                    image_signers=sorted(s.id for s in getattr(plugin, "image_signers", ())),
+                    command_kinds=sorted(k.name for k in plugin.command_kinds),
+                    driver_operations=sorted(o.name for o in getattr(plugin, "driver_operations", ())),
+                )
+            )
+        return m.PluginList(plugins=plugins)
+
     async def steps_list(self, req: ApiRequest) -> m.StepList:
         """The steps a profile's ``use`` resolves to and the driver operations, with their inputs."""
         req.decode(m.ListSteps)
+        lenders = self._lenders()
         steps = [
             m.StepInfo(
                 id=s.id,
@@ -39,6 +78,7 @@ class ProfilesApi:
                 description=s.description,
                 input=s.input.json_schema(),
                 retry=s.retry.to_document() if s.retry is not None else None,
+                plugin=lenders.get(s.id),
             )
             for s in sorted(self.app.steps.values(), key=lambda s: s.id)
         ]

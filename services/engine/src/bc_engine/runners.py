@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -106,6 +107,8 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
     idempotency_key = step_command_key(step)
     log = engine.log.bind(workflow_id=wf.id, step=step.idx, action=step.action, attempt=step.attempt)
     node = await engine.node(wf)
+    if node is not None:  # the inventory only here: a pass's other reads need none of it
+        node = dataclasses.replace(node, inventory=await engine.node_inventory(node.id))
     children = StepWorkflows(engine.start_in, tenant_id=wf.tenant_id)
     wf_id, idx, attempt = wf.id, step.idx, step.attempt
 

@@ -17,6 +17,7 @@ from better_compute.app import App, load_app
 from better_compute.config import UserDataSettings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.keyring import Keyring
+from better_compute.metal.signatures import ImageSigner
 from better_compute.provision import UserData
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
@@ -110,7 +111,17 @@ class EngineService(Service):
         assert self.api is not None
         assert self.nc is not None
         self.app = with_user_data_settings(load_app(self.settings.app), self.settings.userdata)
-        await write_image_signers(self.db, image_signers(self.settings.images))
+        await write_image_signers(self.db, allowlist(self.app, image_signers(self.settings.images)))
+        for plugin in self.app.plugins:  # what runs: the same list bcx plugins list shows
+            source = self.app.plugin_sources.get(plugin.id)
+            self.log.info(
+                "plugin_loaded",
+                plugin=plugin.id,
+                entry_point=source.entry_point if source is not None else None,
+                distribution=source.distribution if source is not None else None,
+                version=source.version if source is not None else None,
+                steps=sorted(s.id for s in plugin.steps),
+            )
         self.leases = ShardLeases(
             self.db,
             self.instance,
@@ -275,6 +286,19 @@ class EngineService(Service):
             await self.scheduler.close(grace=self.stop_grace)
         if hasattr(self, "leases"):
             await self.leases.release_all()
+
+
+def allowlist(app: App, configured: list[ImageSigner]) -> list[ImageSigner]:
+    """``[images] signers`` and the plugins' image signers; one id in both is ``INVALID_CONFIG``."""
+    ids = {s.id for s in configured}
+    for index, signer in enumerate(configured):
+        if signer.id in app.image_signers:
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                f"signer {signer.id} is given by [images] signers and by a plugin (bcx plugins list)",
+                {"path": f"images.signers[{index}].id"},
+            )
+    return [*configured, *(s for s in app.image_signers.values() if s.id not in ids)]
 
 
 def with_user_data_settings(app: App, settings: UserDataSettings) -> App:

@@ -248,6 +248,7 @@ CLEANED_UP = "UPDATE workflows SET cancel_commands = false WHERE id = $1"
 STORED_PROFILE = "SELECT document FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
 NODE = "SELECT * FROM nodes WHERE id = $1"
 NODE_SITE = "SELECT site_id FROM nodes WHERE id = $1"
+NODE_INVENTORY = "SELECT inventory FROM nodes WHERE id = $1"
 
 # -- the service (service.py) ----------------------------------------------------------------
 

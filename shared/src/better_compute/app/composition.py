@@ -4,9 +4,14 @@
 ...                      plugins=[acme])
 
 Services load it with ``--app package.module:attr`` (``load_app``); the default one is
-``better_compute.app.default:app``. Each service takes what it needs: the engine ``app.steps`` and
-``app.profiles`` (what the provision module can resolve), the command queue
-``app.command_kinds``.
+``better_compute.app.default:app``, which also loads every plugin installed under the entry-point
+group ``better_compute.plugins`` (``discover=True``). Each service takes what it needs: the engine
+``app.steps`` and ``app.profiles`` (what the provision module can resolve), the config units and
+the plugins' image signers, the command queue ``app.command_kinds``.
+
+A discovered plugin is registered *and* lent to the provision module, so its steps and profiles
+resolve with no other line of Python: installing the package and restarting the services is all.
+A provision module also takes the config units of every plugin it borrows.
 """
 
 from __future__ import annotations
@@ -29,13 +34,16 @@ from better_compute.core.plugins import (
     Registry,
     as_tuple,
 )
-from better_compute.provision.module import ProvisionModule
+from better_compute.metal.signatures import ImageSigner
+from better_compute.provision.config_units import BUILTIN_CONFIG_UNITS, ConfigUnit
+from better_compute.provision.module import ProvisionModule, provision_module
 from better_compute.provision.profiles import Profile
 from better_compute.provision.steps import Step
 
 __all__ = [
     "PLUGIN_ENTRY_POINT_GROUP",
     "App",
+    "PluginSource",
     "better_compute",
     "discover_plugins",
     "load_app",
@@ -48,6 +56,18 @@ _SPEC_RE: Final = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.
 
 def _bad(path: str, message: str) -> BcError:
     return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PluginSource:
+    """Where a discovered plugin came from: its entry point and the distribution that declares it."""
+
+    entry_point: str
+    """The entry point's name in ``better_compute.plugins``."""
+    value: str
+    """What it names (``acme_plugin:plugin``)."""
+    distribution: str | None = None
+    version: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -66,6 +86,10 @@ class App:
     """The provision module, when there is one (user data, config units, image verifier)."""
     driver_operations: Mapping[str, DriverOperation] = field(default_factory=lambda: MappingProxyType({}))
     """Every registered driver operation ``<concern>.<operation>``, by name."""
+    plugin_sources: Mapping[str, PluginSource] = field(default_factory=lambda: MappingProxyType({}))
+    """The entry point each discovered plugin came from, by plugin id (listed ones have none)."""
+    image_signers: Mapping[str, ImageSigner] = field(default_factory=lambda: MappingProxyType({}))
+    """Image signers the plugins allowlist, by signer id (the engine adds ``[images] signers``)."""
 
     def command_kind(self, name: str, *, path: str = "kind") -> CommandKind:
         """The registered kind ``name``, or ``INVALID_CONFIG`` at ``path``."""
@@ -120,19 +144,24 @@ def better_compute(
         registry.add_module(module, path=f"modules[{index}]")
     for index, plugin in enumerate(plugin_list):
         registry.add_module(plugin, path=f"plugins[{index}]")
+    discovered: list[tuple[str, ComputeModule]] = []
+    sources: dict[str, PluginSource] = {}
     if discover:
         listed = module_list + plugin_list
-        for name, found in discover_plugins().items():
+        for source, found in _discover(PLUGIN_ENTRY_POINT_GROUP):
             if not any(found is item for item in listed):
-                registry.add_module(found, path=f"entry_points.{name}")
+                path = f"entry_points.{source.entry_point}"
+                registry.add_module(found, path=path)
                 plugin_list += (found,)
+                discovered.append((path, found))
+                sources[found.id] = source
 
     # At most one: module ids are unique and a provision module's id is always "provision".
     provision: ProvisionModule | None = None
     for index, module in enumerate(module_list):
         if isinstance(module, ProvisionModule):
-            provision = module
-            _check_borrowed(module, f"modules[{index}]", registry)
+            provision = _lend(module, f"modules[{index}]", discovered)
+            _check_borrowed(provision, f"modules[{index}]", registry)
 
     _check_command_kinds(registry)
     return App(
@@ -143,7 +172,67 @@ def better_compute(
         command_kinds=registry.command_kinds,
         provision=provision,
         driver_operations=registry.driver_operations,
+        plugin_sources=MappingProxyType(sources),
+        image_signers=_image_signers(registry),
     )
+
+
+def _lend(
+    provision: ProvisionModule, path: str, discovered: Sequence[tuple[str, ComputeModule]]
+) -> ProvisionModule:
+    """``provision`` borrowing the discovered plugins too, with the config units of every plugin it
+    borrows; ``provision`` itself when there is nothing to add."""
+    borrowed = [(join_path(path, f"modules[{i}]"), m) for i, m in enumerate(provision.modules)]
+    # one the app's provision already borrows (and only lists there) is lent once
+    discovered = [(p, m) for p, m in discovered if not any(m is b for b in provision.modules)]
+    borrowed += discovered
+    own_units = [u for n, u in provision.config_units.items() if BUILTIN_CONFIG_UNITS.get(n) is not u]
+    given = {u.name: join_path(path, "config_units") for u in own_units}
+    lent_units: list[ConfigUnit] = []
+    for module_path, module in borrowed:
+        units = as_tuple(getattr(module, "config_units", ()), join_path(module_path, "config_units"))
+        for index, unit in enumerate(units):
+            unit_path = join_path(module_path, f"config_units[{index}]")
+            if not isinstance(unit, ConfigUnit):
+                raise _bad(unit_path, "not a ConfigUnit (better_compute.provision.ConfigUnit)")
+            if unit.name in given:
+                raise _bad(
+                    join_path(unit_path, "name"),
+                    f"config unit {unit.name!r} is already given at {given[unit.name]}",
+                )
+            given[unit.name] = unit_path
+            lent_units.append(unit)
+    if not discovered and not lent_units:
+        return provision
+    return provision_module(
+        modules=[m for _, m in borrowed],
+        steps=provision.steps,
+        profiles=provision.profiles,
+        user_data=provision.user_data,
+        config_units=[*own_units, *lent_units],
+        image_verifier=provision.image_verifier,
+    )
+
+
+def _image_signers(registry: Registry[Step, Profile]) -> Mapping[str, ImageSigner]:
+    """Every registered plugin's image signers by id; an id given twice is ``INVALID_CONFIG``."""
+    signers: dict[str, ImageSigner] = {}
+    where: dict[str, str] = {}
+    for module in registry.modules.values():
+        path = registry.path_of(module) or module.id
+        items = as_tuple(getattr(module, "image_signers", ()), join_path(path, "image_signers"))
+        for index, signer in enumerate(items):
+            signer_path = join_path(path, f"image_signers[{index}]")
+            if not isinstance(signer, ImageSigner):
+                raise _bad(signer_path, "not an image signer (better_compute.metal.signatures.image_signer)")
+            if signer.id in signers:
+                raise _bad(
+                    join_path(signer_path, "id"),
+                    f"image signer {signer.id!r} is already given at {where[signer.id]}",
+                )
+            signers[signer.id] = signer
+            where[signer.id] = signer_path
+    return MappingProxyType(signers)
 
 
 def _steps_field(module: ComputeModule) -> str:
@@ -210,21 +299,43 @@ def discover_plugins(*, group: str = PLUGIN_ENTRY_POINT_GROUP) -> Mapping[str, C
     Raises:
         BcError: ``INVALID_CONFIG`` at ``entry_points.<name>`` for one that fails to load.
     """
-    found: dict[str, ComputeModule] = {}
+    return MappingProxyType({source.entry_point: found for source, found in _discover(group)})
+
+
+def _source(entry_point: Any) -> PluginSource:
+    dist = getattr(entry_point, "dist", None)
+    name = getattr(dist, "name", None) if dist is not None else None
+    version = getattr(dist, "version", None) if dist is not None else None
+    return PluginSource(
+        entry_point=str(entry_point.name),
+        value=str(getattr(entry_point, "value", "")),
+        distribution=name if isinstance(name, str) else None,
+        version=version if isinstance(version, str) else None,
+    )
+
+
+def _discover(group: str) -> list[tuple[PluginSource, ComputeModule]]:
+    found: list[tuple[PluginSource, ComputeModule]] = []
+    names: set[str] = set()
     for entry_point in _entry_points(group):
         path = f"entry_points.{entry_point.name}"
+        if entry_point.name in names:  # two distributions declare one name: which would win is luck
+            raise _bad(path, f"two installed packages declare the entry point {entry_point.name!r}")
+        names.add(entry_point.name)
         try:
             obj = entry_point.load()
             if not _is_module(obj) and callable(obj):
                 obj = obj()
         except BcError as exc:
-            raise exc.with_path_prefix(path) from exc
+            if exc.code is ErrorCode.INVALID_CONFIG:
+                raise exc.with_path_prefix(path) from exc
+            raise _bad(path, f"plugin entry point failed to load: {exc}") from exc
         except Exception as exc:
             raise _bad(path, f"plugin entry point failed to load: {exc!r}") from exc
         if not _is_module(obj):
             raise _bad(path, "the entry point is not a plugin (define_plugin) or module")
-        found[entry_point.name] = obj
-    return MappingProxyType(found)
+        found.append((_source(entry_point), obj))
+    return found
 
 
 def load_app(spec: str) -> App:

@@ -1,6 +1,10 @@
-"""The default app: metal and provision, nothing else.
+"""The default app: metal and provision, and every installed plugin.
 
-Services load it as ``better_compute.app.default:app`` (``DEFAULT_APP`` in the settings).
+Services load it as ``better_compute.app.default:app`` (``DEFAULT_APP`` in the settings). Plugins
+installed under the entry-point group ``better_compute.plugins`` (``pip install acme-plugin``) are
+registered and lent to provision, so their steps, profiles, config units and image signers are
+there after a restart (docs/plugins.md). A plugin that fails to load is ``INVALID_CONFIG`` at
+``entry_points.<name>``, and the service does not start.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ __all__ = ["app", "default_app"]
 
 
 def default_app() -> App:
-    """Metal, plus a provision module that borrows metal's steps and profiles."""
-    return better_compute(modules=[metal(), provision_module(modules=[metal()])])
+    """Metal, a provision module that borrows metal's steps and profiles, and the installed plugins."""
+    return better_compute(modules=[metal(), provision_module(modules=[metal()])], discover=True)
 
 
 app = default_app()

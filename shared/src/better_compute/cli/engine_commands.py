@@ -1,5 +1,5 @@
-"""``bcx nodes``, ``bcx profiles`` and ``bcx steps``: the engine's API through ``EngineClient``
-(``bcx workflows`` is ``workflow_commands``)."""
+"""``bcx nodes``, ``bcx profiles``, ``bcx steps`` and ``bcx plugins``: the engine's API through
+``EngineClient`` (``bcx workflows`` is ``workflow_commands``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..clients import EngineClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..metal.lifecycle import NODE_STATES, SELECTOR_SITE, parse_selector
-from ..wire.engine import NodeView
+from ..wire.engine import NodeView, PluginInfo
 from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels, read_document, short
 from .metal_commands import add_bmc_credential_flags, update_bmc
 from .output import print_json, print_table
@@ -166,10 +166,67 @@ async def steps_list(args: argparse.Namespace, settings: Settings) -> int:
         print_json(got)
         return 0
     rows = [
-        {"use": s.id, "on": "/".join([s.runs_on, *s.relays]), "with": _inputs(s.input)} for s in got.steps
+        {
+            "use": s.id,
+            "on": "/".join([s.runs_on, *s.relays]),
+            "from": s.plugin or "provision",
+            "with": _inputs(s.input),
+        }
+        for s in got.steps
+        if args.plugin is None or s.plugin == args.plugin
     ]
-    rows += [{"use": o.name, "on": "site (driver)", "with": _inputs(o.input)} for o in got.driver_operations]
-    print_table(rows, [("use", "USE"), ("on", "ON"), ("with", "WITH (* required)")], empty="no steps")
+    if args.plugin is None:
+        rows += [
+            {"use": o.name, "on": "site (driver)", "from": "-", "with": _inputs(o.input)}
+            for o in got.driver_operations
+        ]
+    print_table(
+        rows,
+        [("use", "USE"), ("on", "ON"), ("from", "FROM"), ("with", "WITH (* required)")],
+        empty="no steps" if args.plugin is None else f"no steps of {args.plugin}",
+    )
+    return 0
+
+
+# -- plugins --------------------------------------------------------------------------
+
+
+def _names(items: list[str]) -> str:
+    return ", ".join(items) or "-"
+
+
+def _origin(plugin: PluginInfo) -> str:
+    """``acme-plugin 0.1.0 (entry point acme)``, or ``app`` for one the app lists."""
+    if plugin.source != "entry-point":
+        return "app"
+    package = " ".join(x for x in (plugin.distribution, plugin.version) if x) or "?"
+    return f"{package} (entry point {plugin.entry_point})"
+
+
+async def plugins_list(args: argparse.Namespace, settings: Settings) -> int:
+    """The plugins the engine that answers runs (installed packages it loaded, and the app's)."""
+    async with engine_client(settings) as engine:
+        got = await engine.list_plugins()
+    if args.json:
+        print_json(got)
+        return 0
+    rows = [
+        {
+            "id": p.id,
+            "from": _origin(p),
+            "steps": _names(p.steps) + ("" if p.lent or not p.steps else " (not lent to provision)"),
+            "profiles": _names([f"{q.id}@{q.version}" for q in p.profiles]),
+            "units": _names(p.config_units),
+            "signers": _names(p.image_signers),
+        }
+        for p in got.plugins
+    ]
+    print_table(
+        rows,
+        [("id", "PLUGIN"), ("from", "FROM"), ("steps", "STEPS"), ("profiles", "PROFILES"),
+         ("units", "UNITS"), ("signers", "SIGNERS")],
+        empty="no plugins (install one: pip install <package>, then restart the services; docs/plugins.md)",
+    )  # fmt: skip
     return 0
 
 
@@ -301,7 +358,16 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
         dest="steps_command", required=True, metavar="COMMAND"
     )
     p = steps.add_parser("list", parents=[common], help="what a profile's use can name, with its inputs")
+    p.add_argument("--plugin", help="only the steps this plugin or module lends (acme, metal)")
     p.set_defaults(func=steps_list)
+
+    plugins = sub.add_parser("plugins", help="plugins the engine runs").add_subparsers(
+        dest="plugins_command", required=True, metavar="COMMAND"
+    )
+    p = plugins.add_parser(
+        "list", parents=[common], help="installed plugins with their steps, profiles, units and signers"
+    )
+    p.set_defaults(func=plugins_list)
 
     profiles = sub.add_parser("profiles", help="versioned documents of steps").add_subparsers(
         dest="profiles_command", required=True, metavar="COMMAND"

@@ -25,12 +25,14 @@ from ..wire.engine import (
     GetWorkflow,
     LabelNode,
     ListNodes,
+    ListPlugins,
     ListProfiles,
     ListSteps,
     ListWorkflows,
     NodeDeleted,
     NodeList,
     NodeView,
+    PluginList,
     ProfileDeleted,
     ProfileList,
     ProfileRef,
@@ -164,6 +166,10 @@ class EngineClient(ServiceClient):
     async def list_steps(self) -> StepList:
         """Every registered step and driver operation, with its input's JSON Schema."""
         return await self._call("steps.list", ListSteps(), StepList)
+
+    async def list_plugins(self) -> PluginList:
+        """Every plugin the engine runs, with its steps, profiles, config units and image signers."""
+        return await self._call("plugins.list", ListPlugins(), PluginList)
 
     async def create_profile(
         self,

@@ -213,6 +213,10 @@ class Plugin:
     command_kinds: tuple[CommandKind, ...]
     description: str = ""
     driver_operations: tuple[DriverOperation, ...] = ()
+    config_units: tuple[Any, ...] = ()
+    """Config units (``better_compute.provision.ConfigUnit``) the plugin adds to the host section."""
+    image_signers: tuple[Any, ...] = ()
+    """Image signers (``better_compute.metal.signatures.image_signer``) the plugin allowlists."""
 
     @property
     def steps(self) -> tuple[StepDefinition, ...]:
@@ -227,6 +231,8 @@ def define_plugin(
     profiles: Sequence[ProfileDefinition] = (),
     command_kinds: Sequence[CommandKind] = (),
     driver_operations: Sequence[DriverOperation] = (),
+    config_units: Sequence[Any] = (),
+    image_signers: Sequence[Any] = (),
     description: str = "",
 ) -> Plugin:
     """A frozen plugin.
@@ -239,6 +245,11 @@ def define_plugin(
         driver_operations: ``<concern>.<operation>`` operations its site-agent drivers run
             (``DriverOperation``); names are unique across modules and plugins, and profile
             steps that use one are validated against its input like steps.
+        config_units: host-configuration units (``ConfigUnit``) the engine adds to the
+            built-ins when provision borrows the plugin; unit names are unique (a plugin's unit
+            named like a built-in replaces it).
+        image_signers: signers (``image_signer(id, public_key)``) the engine allowlists next to
+            ``[images] signers``; signer ids are unique.
         description: one line for people.
 
     Raises:
@@ -255,10 +266,27 @@ def define_plugin(
         command_kinds=as_tuple(command_kinds, "command_kinds"),
         description=description,
         driver_operations=as_tuple(driver_operations, "driver_operations"),
+        config_units=as_tuple(config_units, "config_units"),
+        image_signers=as_tuple(image_signers, "image_signers"),
     )
+    # Core sits below provision and metal: the units' and signers' classes are checked by the
+    # app that composes the plugin; here only their shape and duplicates.
+    _check_named(plugin.config_units, "config_units", "name", "unit")
+    _check_named(plugin.image_signers, "image_signers", "id", "signer")
     # The same checks the app makes, so a broken plugin fails where it is defined.
     Registry[StepDefinition, ProfileDefinition]().add_module(plugin, path="")
     return plugin
+
+
+def _check_named(items: tuple[Any, ...], path: str, key: str, what: str) -> None:
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        name = getattr(item, key, None)
+        if not isinstance(name, str):
+            raise _bad_config(f"{path}[{index}]", f"not a {what} (it needs a string {key})")
+        if name in seen:
+            raise _bad_config(f"{path}[{index}].{key}", f"{what} {name!r} is given twice")
+        seen.add(name)
 
 
 class Registry(Generic[StepT, ProfileT]):

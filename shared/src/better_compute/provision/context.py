@@ -170,6 +170,16 @@ class StepNode(Protocol):
         """The lifecycle state (``enrolled``, ``deploying``, …; DESIGN section 10)."""
         ...
 
+    @property
+    def inventory(self) -> Mapping[str, Any] | None:
+        """The hardware the node's bcd last reported (``inspect.collect``, discovery), read when
+        the step runs: ``cpus`` (``model``, ``cores``), ``memory`` (``totalBytes``), ``disks``,
+        ``nics``, ``gpus``, ``system`` (``productUuid``, ``serial``, …); None before the first.
+
+        What bcd reports is the machine's word, node-signed: trust it as far as that goes.
+        """
+        ...
+
 
 class StepCoordinates(Protocol):
     """Where a step run sits: enough to build its command keys."""

@@ -51,7 +51,10 @@ def run_service(cls: type[Service], argv: list[str] | None = None) -> None:
     try:
         asyncio.run(_serve(cls(settings)))
     except BcError as err:
-        get_logger(service=cls.name).error("service_failed", code=err.code.value, error=err.message)
+        # The path names what to fix (a broken plugin: entry_points.<name>); never a traceback.
+        get_logger(service=cls.name).error(
+            "service_failed", code=err.code.value, error=err.message, path=err.path
+        )
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         pass

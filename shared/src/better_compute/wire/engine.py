@@ -43,6 +43,7 @@ __all__ = [
     "InventorySummary",
     "LabelNode",
     "ListNodes",
+    "ListPlugins",
     "ListProfiles",
     "ListSteps",
     "ListWorkflows",
@@ -52,6 +53,9 @@ __all__ = [
     "NodeList",
     "NodeRemoved",
     "NodeView",
+    "PluginInfo",
+    "PluginList",
+    "PluginProfile",
     "Problem",
     "ProfileDeleted",
     "ProfileKey",
@@ -147,6 +151,10 @@ class DeleteNode(_Req, frozen=True, kw_only=True):
 
 class ListSteps(_Req, frozen=True, kw_only=True):
     """Every registered step and driver operation (a deployment has few: no paging)."""
+
+
+class ListPlugins(_Req, frozen=True, kw_only=True):
+    """Every plugin the engine runs (a deployment has few: no paging)."""
 
 
 class ListNodes(_Req, frozen=True, kw_only=True):
@@ -333,6 +341,40 @@ class StepInfo(_Reply, frozen=True, kw_only=True):
     input: dict[str, Any]
     retry: Any = None
     """The step's default retry policy (``{attempts, backoff, maxBackoff, on}``), or None."""
+    plugin: str | None = None
+    """The plugin or module that lends the step (``metal``, ``acme``); None for provision's own."""
+
+
+class PluginProfile(_Reply, frozen=True, kw_only=True):
+    id: str
+    version: int
+
+
+class PluginInfo(_Reply, frozen=True, kw_only=True):
+    """A plugin as the engine that answers loaded it: what runs, not what is installed on disk."""
+
+    id: str
+    description: str
+    source: Literal["entry-point", "app"]
+    """``entry-point``: discovered under ``better_compute.plugins``; ``app``: listed in the app."""
+    entry_point: str | None = None
+    """The entry point's name and what it names (``acme = acme_plugin:plugin``)."""
+    target: str | None = None
+    distribution: str | None = None
+    """The installed package that declares the entry point, and its version."""
+    version: str | None = None
+    lent: bool = False
+    """Whether provision borrows it: only then do its steps and profiles resolve."""
+    steps: list[str] = msgspec.field(default_factory=list)
+    profiles: list[PluginProfile] = msgspec.field(default_factory=list)
+    config_units: list[str] = msgspec.field(default_factory=list)
+    image_signers: list[str] = msgspec.field(default_factory=list)
+    command_kinds: list[str] = msgspec.field(default_factory=list)
+    driver_operations: list[str] = msgspec.field(default_factory=list)
+
+
+class PluginList(_Reply, frozen=True, kw_only=True):
+    plugins: list[PluginInfo]
 
 
 class DriverOperationInfo(_Reply, frozen=True, kw_only=True):
