@@ -169,7 +169,7 @@ def image_write(
                 data, offset = data[len(keep) :], MIB
             if data:
                 os.pwrite(fd, data, offset)
-            if False:
+            if count.written - count.synced >= SYNC_EVERY:
                 os.fdatasync(fd)  # on the disk as it goes, not all of it at the end
                 count.synced = count.written
 
