@@ -661,6 +661,9 @@ async def test_a_crash_in_the_middle_of_the_image_write_never_leaves_a_half_writ
                 why = await stack.engine.why(id=node_id)
                 print(f"bcx why: {why.answer}")
                 assert "agent-lost" in why.answer, why
+                # the BMC did nothing wrong: the failed command was the bcd's
+                assert "the last error of the node's bcd: node.imageWrite failed" in why.answer, why
+                assert "BMC error" not in why.answer, why
                 # the disk: never the image's boot sector (bcd writes the first MiB last), so
                 # nothing boots half an image; and no more of it than when the power went
                 mbr = read_at(vm.disk, 0, 512)
