@@ -11,6 +11,7 @@ console and power events, the BMC's request log, the VM's disk file.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import hashlib
@@ -21,9 +22,10 @@ import struct
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import pytest_asyncio
@@ -41,6 +43,8 @@ from better_compute.testing.metal_sim import FleetStack, fleet_stack
 from better_compute.testing.metal_sim.stack import MediaServer
 from better_compute.testing.vmlab import LabVm
 from better_compute.testing.vmlab.app import HOST_SECTION_PROFILE, ramdisk_env, userdata_env
+from better_compute.testing.vmlab.redfish import RedfishVmBmc
+from better_compute.wire.cmdq import CommandView
 
 pytestmark = pytest.mark.e2e
 
@@ -272,12 +276,17 @@ LAUNCHER = b'#!/bin/sh\nexec /opt/bcd/bcd "$@"\n'
 
 class CountingServer:
     """Serves a folder over HTTP on loopback (the guests reach it at 10.0.2.2) and keeps each
-    request's path: what the machine fetched, counted where it was served."""
+    request's path: what the machine fetched, counted where it was served.
 
-    def __init__(self, folder: Path) -> None:
+    ``hold=(path, n)``: a GET of ``path`` sends its first ``n`` bytes, sets ``held`` and sends the
+    rest only once ``go`` is set (at most two minutes later), as a link that stalls would: the
+    reader is then in the middle of the file for as long as the test wants."""
+
+    def __init__(self, folder: Path, *, hold: tuple[str, int] | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.requests = folder, []
-        seen = self.requests
+        self.held, self.go = threading.Event(), threading.Event()
+        seen, held, go = self.requests, self.held, self.go
 
         class Handler(http.server.SimpleHTTPRequestHandler):
             def log_message(self, *_args: object) -> None:
@@ -286,6 +295,17 @@ class CountingServer:
             def do_GET(self) -> None:
                 seen.append(self.path)
                 super().do_GET()
+
+            def copyfile(self, source: Any, outputfile: Any) -> None:
+                if hold is None or self.path != hold[0]:
+                    super().copyfile(source, outputfile)
+                    return
+                outputfile.write(source.read(hold[1]))
+                outputfile.flush()
+                held.set()
+                go.wait(120)
+                with contextlib.suppress(OSError):  # the reader may be gone (its VM's power pulled)
+                    super().copyfile(source, outputfile)
 
         self.server = http.server.ThreadingHTTPServer(
             ("127.0.0.1", 0), functools.partial(Handler, directory=str(folder))
@@ -464,3 +484,221 @@ async def test_a_vm_is_deployed_boots_its_installed_os_and_is_released_and_retir
                 assert not TOKEN.search(path.read_bytes()), path
     finally:
         www.close()
+
+
+# -- a crash in the middle of the image write ------------------------------------------------
+
+MIB = 1 << 20
+# a bcd that went silent after claiming the image write (its VM lost power) fails the command
+# agent-lost after 20 s of silence, not the default 120 s; an agent is shown disconnected after 5 s
+CRASH_ENV = {"BC_CMDQ_LOST_AFTER": "20s", "BC_CMDQ_SILENT_AFTER": "5s"}
+CONFIG_DRIVE_ENTRY = slice(446 + 32, 446 + 48)  # MBR partition entry 3: bcd's config drive
+
+
+class ImageOnDisk:
+    """The image's bytes as they reach the VM's disk file: 4 KiB windows at every 5 % of the image
+    (each moved on to where the image is not zero: the disk was blank before), and how many of
+    them hold the image's bytes yet. The first MiB is not looked at: bcd writes it last."""
+
+    def __init__(self, disk: Path, image: bytes) -> None:
+        self.disk, self.image = disk, image
+        self.windows: list[int] = []
+        for i in range(1, 20):
+            at = max(MIB, len(image) * i // 20) & ~4095
+            while at + 4096 <= len(image) and not image[at : at + 4096].strip(b"\0"):
+                at += 4096
+            if at + 4096 <= len(image) and at not in self.windows:
+                self.windows.append(at)
+        self.seen: list[tuple[float, int]] = []
+        self.t0 = time.monotonic()
+
+    def written(self) -> int:
+        with open(self.disk, "rb") as fh:
+            n = 0
+            for at in self.windows:
+                fh.seek(at)
+                n += fh.read(4096) == self.image[at : at + 4096]
+        if not self.seen or self.seen[-1][1] != n:
+            self.seen.append((round(time.monotonic() - self.t0, 2), n))
+        return n
+
+    def digest_as_written(self) -> str:
+        """sha256 of the disk file over the image's length, bcd's config drive entry (partition
+        3, which it adds to the image's table) put back as the image has it."""
+        data = bytearray(read_at(self.disk, 0, len(self.image)))
+        data[CONFIG_DRIVE_ENTRY] = self.image[CONFIG_DRIVE_ENTRY]
+        return hashlib.sha256(data).hexdigest()
+
+
+async def _image_write(stack: FleetStack, node_id: str) -> list[CommandView]:
+    found = await CommandQueueClient(stack.api).list_commands(node_id=node_id, kind="node.imageWrite")
+    return list(found.commands)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("crash", ["site-agent", "power"])
+@pytest.mark.timeout(1200)
+async def test_a_crash_in_the_middle_of_the_image_write_never_leaves_a_half_written_disk_deployed(
+    bc_api: ApiClient, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path,
+    ramdisk_served: dict[str, str], crash: str,
+) -> None:  # fmt: skip
+    """``deploy`` of the test OS image; while the ramdisk's bcd writes it (counted in the VM's disk
+    file: some of the image's bytes there, not all), the site agent is SIGKILLed (and started
+    again once the write ended), or the VM's power is pulled at its BMC behind the product's
+    back. Either the image ends up on the disk exactly and the node is ``deployed``, or the
+    deploy fails and says why: never ``deployed`` with half an image."""
+    t0 = time.monotonic()
+    cmdline = f"{DEFAULT_OS_CMDLINE} bcd.subject_root={bc_settings.subject_root}"
+    built = await asyncio.to_thread(
+        build_os_image, tmp_path / "os", cache_dir=default_cache_dir(), cmdline=cmdline
+    )
+    image = built.image.read_bytes()
+    # the image's server stalls after its first half (a MiB boundary: bcd reads MiB chunks), so
+    # the test acts while bcd is in the middle of the write, however fast the rest would go
+    # (under TCG the whole 77 MiB took under a second to reach the disk file)
+    www = CountingServer(tmp_path / "www", hold=("/os.raw", len(image) // 2 & ~(MIB - 1)))
+    (www.folder / "os.raw").write_bytes(image)
+    (www.folder / "bcd").write_bytes(LAUNCHER)
+    env = ramdisk_env(
+        nats_url=bc_settings.nats_url or "", subject_root=bc_settings.subject_root,
+        cmdline="console=ttyS0,115200n8 quiet", **ramdisk_served,
+    ) | userdata_env(
+        nats_url=bc_settings.nats_url or "", bcd_url=www.guest_url("bcd"),
+        bcd_sha256=hashlib.sha256(LAUNCHER).hexdigest(),
+    ) | CRASH_ENV  # fmt: skip
+    times: dict[str, float] = {}
+    try:
+        async with _vm_stack(
+            tmp_path, bc_settings, bc_api, bc_processes, bmc="redfish", env=env,
+            vm_disk_bytes=DEPLOY_DISK_BYTES,
+        ) as stack:  # fmt: skip
+            vm, node_id = stack.vm(0), stack.vm_nodes[0]
+            await register_sim_image(stack.engine, OS_IMAGE, url=www.guest_url("os.raw"), data=image)
+            for name, resting in (("inspect", "inspected"), ("commission", "ready")):
+                t = time.monotonic()
+                await stack.engine.run_verb(name, node_id=node_id)  # type: ignore[arg-type]
+                await stack.node_reaches(node_id, resting, timeout=300, what=f"the VM ({name})")
+                times[name] = round(time.monotonic() - t, 1)
+            on_disk = ImageOnDisk(vm.disk, image)
+            assert on_disk.written() == 0  # the disk holds none of it yet
+
+            t = time.monotonic()
+            await stack.engine.run_verb("deploy", node_id=node_id, image=OS_IMAGE)
+            total = len(on_disk.windows)
+
+            def middle() -> bool:
+                n = on_disk.written()
+                assert n < total, f"the image write ended before the test saw its middle: {on_disk.seen}"
+                return www.held.is_set() and n >= 3  # half of it sent, some of it on the disk
+
+            async def writing() -> bool:
+                node = await stack.engine.get_node(id=node_id)
+                assert node.state == "deploying", (node.state, node.state_reason)
+                return await asyncio.to_thread(middle)
+
+            await until(writing, timeout=600, interval=0.05, what="the image write's middle in the disk file")
+            watching = asyncio.create_task(_watch(on_disk))  # the rest of the disk file's story
+            times["toMiddle"] = round(time.monotonic() - t, 1)
+            (write,) = await _image_write(stack, node_id)
+            print(f"mid-write: {on_disk.seen[-1][1]} of {total} windows, progress {write.progress!r}")
+            assert write.state == "running", write
+
+            if crash == "site-agent":
+                await asyncio.to_thread(stack.agent.kill)  # SIGKILL: nothing of it runs on
+                www.go.set()  # the rest of the image
+
+                # the write goes on without it (bcd talks to the control plane, not to the site
+                # agent) and ends with the image on the disk exactly
+                async def written() -> CommandView | None:
+                    (cmd,) = await _image_write(stack, node_id)
+                    return cmd if cmd.state not in ("acked", "running", "dispatched", "pending") else None
+
+                done = await until(written, timeout=300, interval=0.5, what="the image write's end")
+                assert done.state == "succeeded", done
+                assert on_disk.digest_as_written() == hashlib.sha256(image).hexdigest()
+                # the power cycle to the disk needs the site agent: the deploy waits, and says so
+                why = await until(
+                    lambda: _why_has(stack, node_id, "no-agent"), timeout=60, interval=0.5,
+                    what="why: no connected agent",
+                )  # fmt: skip
+                print(f"bcx why, the site agent away: {why}")
+                assert (await stack.engine.get_node(id=node_id)).state == "deploying"
+                assert [e.get("boot") for e in vm.events("power") if e["to"] == "On"][-1] == "network"
+                stack.agent.start()
+                await stack.node_reaches(node_id, "deployed", timeout=600, what="the VM (deploy)")
+                times["deploy"] = round(time.monotonic() - t, 1)
+                # written once: one fetch of the image, one image write command
+                assert www.requests.count("/os.raw") == 1, www.requests
+                writes = await _image_write(stack, node_id)
+                assert [c.state for c in writes] == ["succeeded"], writes
+                boots = [e.get("boot") for e in vm.events("power") if e["to"] == "On"]
+                assert boots[-2:] == ["network", "disk"], boots
+                # the image as written (the installed OS has since mounted its state partition)
+                now = read_at(vm.disk, 0, len(image))
+                assert now[:478] == image[:478]
+                boot_start, boot_sectors = struct.unpack_from("<II", image, 446 + 8)
+                boot = slice(boot_start * 512, (boot_start + boot_sectors) * 512)
+                assert now[boot] == image[boot]
+            else:
+                # the plug pulled: the BMC switches the VM off at once, nobody told the product
+                assert stack.lab is not None
+                assert stack.lab.redfish is not None
+                await asyncio.to_thread(_redfish_reset, stack.lab.redfish, vm.uuid, "ForceOff")
+                await until(lambda: vm.events("power")[-1]["to"] == "Off", timeout=30, what="the VM off")
+                cut = on_disk.written()
+                assert cut < total, on_disk.seen
+                failed = await stack.node_reaches(node_id, "failed", timeout=300, what="the VM (deploy)")
+                times["deploy"] = round(time.monotonic() - t, 1)
+                reason = failed.state_reason
+                print(f"the node failed: {reason}")
+                assert isinstance(reason, dict)
+                assert reason["step"] == "deploy.deploy", reason
+                assert "agent-lost" in reason["message"], reason
+                (write,) = await _image_write(stack, node_id)
+                assert (write.state, write.reason) == ("failed", "agent-lost"), write
+                workflow = await stack.engine.get_workflow(id=reason["workflowId"])
+                assert workflow.state == "failed", workflow
+                why = await stack.engine.why(id=node_id)
+                print(f"bcx why: {why.answer}")
+                assert "agent-lost" in why.answer, why
+                # the BMC did nothing wrong: the failed command was the bcd's
+                assert "the last error of the node's bcd: node.imageWrite failed" in why.answer, why
+                assert "BMC error" not in why.answer, why
+                # the disk: never the image's boot sector (bcd writes the first MiB last), so
+                # nothing boots half an image; and no more of it than when the power went
+                mbr = read_at(vm.disk, 0, 512)
+                assert mbr[510:512] != b"\x55\xaa", mbr[446:]
+                assert on_disk.written() == cut
+                assert on_disk.digest_as_written() != hashlib.sha256(image).hexdigest()
+                assert [e.get("boot") for e in vm.events("power") if e["to"] == "On"].count("disk") == 0
+                assert www.requests.count("/os.raw") == 1, www.requests
+            watching.cancel()
+            print(f"crash ({crash}) in the image write: {times}, the disk file {on_disk.seen}, "
+                  f"total {time.monotonic() - t0:.1f} s")  # fmt: skip
+    finally:
+        www.go.set()
+        www.close()
+
+
+async def _watch(on_disk: ImageOnDisk) -> None:
+    while True:
+        await asyncio.to_thread(on_disk.written)
+        await asyncio.sleep(0.1)
+
+
+async def _why_has(stack: FleetStack, node_id: str, kind: str) -> str | None:
+    why = await stack.engine.why(id=node_id)
+    return why.answer if any(r.kind == kind for r in why.reasons) else None
+
+
+def _redfish_reset(bmc: RedfishVmBmc, uuid: str, reset: str) -> None:
+    """``ComputerSystem.Reset`` straight at the VM's BMC, as someone at the machine would."""
+    creds = bmc.credentials
+    req = urllib.request.Request(
+        f"{bmc.url}/redfish/v1/Systems/{uuid}/Actions/ComputerSystem.Reset",
+        data=json.dumps({"ResetType": reset}).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Authorization": "Basic " + base64.b64encode(
+            f"{creds['username']}:{creds['password']}".encode()).decode()},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status in (200, 202, 204), resp.status

@@ -320,9 +320,12 @@ class WhyApi:
         if not failed:
             return None
         cmd = failed[0]
+        # a site command went to the BMC; a node command to the machine's own bcd, whose BMC may
+        # be fine (node.imageWrite failed agent-lost: the machine lost power mid-write)
+        whose = "the node's last BMC error" if cmd.target == "site" else "the last error of the node's bcd"
         return _reason(
             "bmc-error",
-            f"the node's last BMC error: {cmd.kind} failed at {_at(cmd.updated_at)}: {cmd.reason or '-'}",
+            f"{whose}: {cmd.kind} failed at {_at(cmd.updated_at)}: {cmd.reason or '-'}",
             commandId=cmd.id, kind=cmd.kind, at=_at(cmd.updated_at), reason=cmd.reason,
         )  # fmt: skip
 

@@ -1,8 +1,9 @@
 """``node.imageWrite``: stream an image from the site cache onto a disk, verified as it goes.
 
 Hashes the download while writing it (raw, gzip, zstd, xz), holds the image's first MiB back
-until the digest matched, and reads the disk back after an fsync. It refuses the disk bcd runs
-from. Split from ``disks.py`` (wipe) by concern.
+until the digest matched, flushes what it wrote to the disk every ``SYNC_EVERY`` bytes (so the
+disk, not the page cache, holds what the progress says), and reads the disk back after an fsync.
+It refuses the disk bcd runs from. Split from ``disks.py`` (wipe) by concern.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import urllib.request
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import zstandard
 
@@ -29,7 +30,13 @@ from .disks import AFTER_DISK_WRITE, BEFORE_DISK_WRITE, CHUNK, MIB, Progress, de
 from .hardware import block_disks, boot_disks
 from .system import Machine
 
-__all__ = ["image_write"]
+__all__ = ["SYNC_EVERY", "image_write"]
+
+SYNC_EVERY: Final = 16 * MIB
+"""How much of the image may sit in the page cache, written but not on the disk: without the
+flush the kernel kept a whole image in RAM (the ramdisk's RAM) and wrote it out at the final
+fsync, so a ``writing 90%`` disk held nothing of it yet (seen in the VM lab: all of a 77 MiB
+image reached the disk in 0.2 s, at the end)."""
 
 
 class _Stream(Protocol):
@@ -96,6 +103,7 @@ def _decoder(fmt: str) -> _Decoder:
 class _Written:
     downloaded: int = 0
     written: int = 0
+    synced: int = 0
 
 
 def _unbootable(fd: int, size: int) -> None:
@@ -127,7 +135,8 @@ def image_write(
     """Stream the image at ``url`` onto ``disk``, checking its sha256 while writing.
 
     The image's first MiB is written last, once the digest matched, so an interrupted or
-    corrupted write never leaves a bootable disk; a mismatch zeroes the first and last MiB and
+    corrupted write never leaves a bootable disk; the rest is flushed to the disk every
+    ``SYNC_EVERY`` bytes as it is written; a mismatch zeroes the first and last MiB and
     fails with both digests. After an fsync the disk is read back and checked again. Then, with
     ``config_drive``, the NoCloud config drive goes on a new partition after the image's
     (``configdrive``); if it cannot, the disk is left not bootable.
@@ -160,6 +169,9 @@ def image_write(
                 data, offset = data[len(keep) :], MIB
             if data:
                 os.pwrite(fd, data, offset)
+            if count.written - count.synced >= SYNC_EVERY:
+                os.fdatasync(fd)  # on the disk as it goes, not all of it at the end
+                count.synced = count.written
 
         try:
             total = _stream(url, timeout, artifact, decoder, put, count, progress)

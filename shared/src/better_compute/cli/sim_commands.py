@@ -415,8 +415,8 @@ def _sites(stack: DevStack) -> list[str]:
     return sorted(found)
 
 
-def _power(doc: dict[str, Any], creds: dict[str, str], uuid: str) -> str:
-    req = urllib.request.Request(f"{doc['bmcUrl']}/redfish/v1/Systems/{uuid}")
+def _power(bmc_url: str, creds: dict[str, str], uuid: str) -> str:
+    req = urllib.request.Request(f"{bmc_url}/redfish/v1/Systems/{uuid}")
     auth = base64.b64encode(f"{creds['username']}:{creds['password']}".encode()).decode()
     req.add_header("Authorization", f"Basic {auth}")
     try:
@@ -437,6 +437,18 @@ def _last(ledger: Path, prefix: str) -> str:
             if str(event.get("event", "")).startswith(prefix):
                 return str(event["event"]).removeprefix(prefix) or "-"
     return "-"
+
+
+def _vm_boot(folder: Path) -> str:
+    """What a VM booted at its last power-on (``network``, ``disk``, ``cd``), from its events."""
+    found = "-"
+    with contextlib.suppress(OSError):
+        for line in (folder / "events.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("event") == "power" and event.get("to") == "On":
+                    found = str(event.get("boot") or "-")
+    return found
 
 
 async def sim_status(args: argparse.Namespace, settings: Settings) -> int:
@@ -461,10 +473,18 @@ async def sim_status(args: argparse.Namespace, settings: Settings) -> int:
         machines = []
         for m in doc["machines"]:
             ledger = Path(m["folder"]) / "ledger.jsonl"
+            bmc_url = doc["bmcUrl"]
+            power = await asyncio.to_thread(_power, bmc_url, creds, m["uuid"]) if alive and creds else "-"
             machines.append({
                 "name": m["name"], "mac": m["macs"][0], "bmc": m["bmc"], "node": nodes.get(m["name"]),
-                "power": await asyncio.to_thread(_power, doc, creds, m["uuid"]) if alive and creds else "-",
-                "boot": _last(ledger, "boot."), "bcd": _last(ledger, "bcd."),
+                "power": power, "boot": _last(ledger, "boot."), "bcd": _last(ledger, "bcd."),
+            })  # fmt: skip
+        for v in doc.get("vms") or []:  # behind a sushy-emulator of their own; bcd runs inside them
+            bmc_url = "http://" + v["bmc"].split("://", 1)[1].split("/redfish/", 1)[0]
+            power = await asyncio.to_thread(_power, bmc_url, creds, v["uuid"]) if alive and creds else "-"
+            machines.append({
+                "name": v["name"], "mac": v["macs"][0], "bmc": v["bmc"], "node": nodes.get(v["name"]),
+                "power": power, "boot": _vm_boot(Path(v["folder"])), "bcd": "-",
             })  # fmt: skip
         out.append({
             "site": site,
