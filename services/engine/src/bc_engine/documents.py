@@ -122,6 +122,8 @@ def node_doc(
         inventory_summary=inventory_summary(inventory),
         hardware=row.get("hardware"),
         enrolled_by_rule=row.get("enrolled_by_rule"),
+        quarantine=row.get("quarantine"),
+        discovery_conflict=row.get("discovery_conflict"),
         created_at=_iso(row["created_at"]),
         updated_at=_iso(row["updated_at"]),
         inventory=inventory if full else msgspec.UNSET,

@@ -38,6 +38,7 @@ from better_compute.wire.metal import (
 )
 
 from . import queue
+from .bmcs import check_bmc_free
 from .documents import check_labels
 from .engine import Engine
 from .node_events import node_event
@@ -188,7 +189,23 @@ async def _enroll(
             if row is not None:
                 await node_event(engine.publish, row)
             return None
+    try:
+        async with engine.db.transaction() as conn:
+            await check_bmc_free(conn, bmc, node_id)
+    except BcError as err:  # another node has that BMC: the node stays discovered, saying why
+        row = await engine.db.fetchrow(
+            SET_LAST_ERROR,
+            node_id,
+            json.dumps({"code": err.code.value, "message": err.message, **err.details}),
+        )
+        engine.log.warning(
+            "enrollment_rule_not_applied", node_id=node_id, rule_id=rule["id"], reason=err.reason
+        )
+        if row is not None:
+            await node_event(engine.publish, row)
+        return None
     async with engine.db.transaction() as conn:
+        await check_bmc_free(conn, bmc, node_id)
         row = await conn.fetchrow(
             ENROLL_BY_RULE, node_id, json.dumps(bmc) if bmc is not None else None,
             json.dumps(_json(rule["labels"]) or {}), rule["id"], json.dumps(inventory),

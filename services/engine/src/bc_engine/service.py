@@ -23,7 +23,7 @@ from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
-from better_compute.wire.pki import JoinAccepted, decode_join_event
+from better_compute.wire.pki import JoinAccepted, JoinTokenBurned, decode_join_event
 
 from . import metrics, queue, store
 from .api import EngineApi
@@ -46,6 +46,7 @@ from .metal_lifecycle import (
     reconcile_metal,
     undo_aborted,
 )
+from .quarantine import quarantine_node
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -211,6 +212,8 @@ class EngineService(Service):
                 "node_"
             ):
                 await self.wake(agent_id)
+            case JoinTokenBurned() as burned:
+                await quarantine_node(self.engine, burned)
             case _:
                 await on_join(self.engine, msg)
 

@@ -18,7 +18,6 @@ import random
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,6 +41,7 @@ from .handlers import SiteHandlers
 from .http import make_app
 from .netboot import BootEntries
 from .relay import HttpRelay
+from .reports import BurnReports
 
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 
@@ -159,26 +159,20 @@ async def run(config: SiteAgentConfig) -> None:
                 last_error_at_ms=site.last_error_at_ms,
             ),
         )
-        started = time.time()
 
         def health() -> dict[str, Any]:
+            # Anyone on the boot network reads this: whether the agent works, nothing more (no
+            # boot entries, versions or errors: an entry count told an attacker when a node's
+            # token was there to take). The rest is in its heartbeat (bcx agents list).
             return {
                 "status": "ok" if agent.ready.is_set() and nc.is_connected else "degraded",
-                "siteId": config.site_id,
-                "agentId": enrollment.agent_id,
-                "version": __version__,
-                "drivers": list(DRIVERS),
                 "connected": bool(nc.is_connected),
                 "ready": agent.ready.is_set(),
-                "bootLease": agent.boot_lease,
-                "bootEntries": entries.count(),
-                "cache": cache.stats(),
-                "commandsRun": site.commands_run,
-                "lastError": site.last_error,
-                "uptimeSeconds": round(time.time() - started, 1),
             }
 
-        runner = web.AppRunner(make_app(config, entries, cache, health), access_log=None)
+        reports = BurnReports(PkiClient(api), enrollment.identity)
+        app = make_app(config, entries, cache, health, served_again=reports.report)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         http_site = web.TCPSite(runner, config.http_host, config.http_port)
         await http_site.start()
@@ -192,6 +186,7 @@ async def run(config: SiteAgentConfig) -> None:
                 await run_task
                 stop_task.cancel()
         finally:
+            await reports.close()
             await runner.cleanup()
             cache.close()
         log.info("site_agent_stopped")
