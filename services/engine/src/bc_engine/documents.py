@@ -124,6 +124,7 @@ def node_doc(
         enrolled_by_rule=row.get("enrolled_by_rule"),
         quarantine=row.get("quarantine"),
         discovery_conflict=row.get("discovery_conflict"),
+        pending_enrollment=row.get("pending_enrollment"),
         created_at=_iso(row["created_at"]),
         updated_at=_iso(row["updated_at"]),
         inventory=inventory if full else msgspec.UNSET,

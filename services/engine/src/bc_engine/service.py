@@ -139,7 +139,12 @@ class EngineService(Service):
             self.engine.engine_key, _ = Keyring.load_or_create(Path(self.settings.cmdq.engine_key_file))
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
         self.engine_api = EngineApi(
-            app=self.app, db=self.db, wake=self.wake, publish=self.publish_event, quorum=self.engine.quorum
+            app=self.app,
+            db=self.db,
+            wake=self.wake,
+            publish=self.publish_event,
+            quorum=self.engine.quorum,
+            engine=self.engine,
         )
         self.engine.start_in = self.engine_api.start_in
         self.engine.wake = self.wake

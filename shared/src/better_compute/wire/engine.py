@@ -308,6 +308,9 @@ class NodeView(_Reply, frozen=True, kw_only=True):
     discovery_conflict: dict[str, Any] | None = None
     """The latest discovery that showed this node's hardware with other claims (``claims``,
     ``certId``, ``agentId``, ``at``): recorded, never applied without an operator."""
+    pending_enrollment: dict[str, Any] | None = None
+    """A rule's enrolment waiting for an operator's confirmation (its BMC address came from the
+    machine's report): ``ruleId``, ``ruleName``, ``bmc``, ``at`` (``bcx enrollment-rules confirm``)."""
     created_at: str | None
     updated_at: str | None = None
     inventory: Any | msgspec.UnsetType = msgspec.UNSET
