@@ -56,6 +56,19 @@ def _control_plane(config: SiteAgentConfig) -> list[str]:
     return list(dict.fromkeys(a.split("%")[0] for a in addresses))
 
 
+def _status(cache: SiteCache, site: SiteHandlers) -> AgentStatus:
+    stats = cache.stats()
+    return AgentStatus(
+        drivers=list(DRIVERS),
+        cache_used_bytes=stats["usedBytes"],
+        cache_max_bytes=stats["maxBytes"],
+        cache_objects=stats["objects"],
+        cache_pinned=stats["pinned"],
+        last_error=site.last_error,
+        last_error_at_ms=site.last_error_at_ms,
+    )
+
+
 async def _backoff(attempt: int) -> None:
     await asyncio.sleep(random.uniform(0, min(5.0, 0.2 * 2**attempt)))
 
@@ -151,13 +164,7 @@ async def run(config: SiteAgentConfig) -> None:
             nc=nc,
             subjects=subjects,
             version=__version__,
-            status=lambda: AgentStatus(
-                drivers=list(DRIVERS),
-                cache_used_bytes=cache.used_bytes(),
-                cache_max_bytes=cache.max_bytes,
-                last_error=site.last_error,
-                last_error_at_ms=site.last_error_at_ms,
-            ),
+            status=lambda: _status(cache, site),
         )
 
         def health() -> dict[str, Any]:
