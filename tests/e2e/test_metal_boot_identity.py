@@ -124,6 +124,9 @@ async def test_a_token_taken_off_the_boot_network_is_a_detected_denial_never_the
     with pytest.raises(BcError) as refused:
         await stack.verb("commission", 0)
     assert (refused.value.code.value, refused.value.reason) == ("INVALID_STATE", "node-quarantined")
+    with pytest.raises(BcError) as resumed:  # nor does the aborted workflow go on
+        await stack.engine.resume_workflow(id=run.workflow_id)
+    assert (resumed.value.code.value, resumed.value.reason) == ("INVALID_STATE", "node-quarantined")
 
     # -- the machine first: a later ask, for any MAC of the node, gets nothing ------------------
     m, node_id = stack.machine(1), stack.nodes[1]
