@@ -15,7 +15,7 @@ from better_compute.core.errors import BcError
 from better_compute.testing import until
 from better_compute.testing.agents import SimAgent
 from chaos_stack import Stack
-from engine_stack import SIM_BMC
+from engine_stack import sim_bmc
 
 SERVICES = ("bc-pki", "bc-command-queue", "bc-secrets", "bc-engine")
 # control-plane side effects (counted in plg_test_effects) and site commands (counted at the agent)
@@ -44,7 +44,7 @@ async def start_workflows(stack: Stack) -> tuple[SimAgent, list[str], dict[str, 
     await stack.profile("busy", STEPS)
     ids = []
     for _ in range(WORKFLOWS):
-        node = await EngineClient(stack.api).create_node(site_id="lab", bmc=SIM_BMC)
+        node = await EngineClient(stack.api).create_node(site_id="lab", bmc=sim_bmc())
         wf = await EngineClient(stack.api).start_workflow(profile_id="busy", node_id=node.id)
         ids.append(wf.id)
     db = await stack.db()
@@ -124,7 +124,7 @@ async def test_an_agent_that_starts_while_nats_is_down_waits_and_then_serves(sta
     async def started() -> str | None:
         try:
             engine = EngineClient(stack.api, timeout=2.0)
-            node = await engine.create_node(site_id="lab", bmc=SIM_BMC)
+            node = await engine.create_node(site_id="lab", bmc=sim_bmc())
             wf = await engine.start_workflow(profile_id="one", node_id=node.id)
         except BcError:
             return None  # the services are still reconnecting

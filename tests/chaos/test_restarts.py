@@ -11,7 +11,7 @@ from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflows
 from chaos_stack import Stack
-from engine_stack import SIM_BMC
+from engine_stack import sim_bmc
 
 
 async def _profile(api: ApiClient, pid: str, steps: list[dict[str, object]]) -> None:
@@ -105,7 +105,7 @@ async def test_kill_and_restart_each_process_while_workflows_run(stack: Stack) -
         """Start a few workflows and return once the agent runs one of their commands."""
         ran = len(sim.executions())
         for _ in range(WAVE):
-            node = await EngineClient(stack.api).create_node(site_id="lab", bmc=SIM_BMC)
+            node = await EngineClient(stack.api).create_node(site_id="lab", bmc=sim_bmc())
             wf = await EngineClient(stack.api).start_workflow(profile_id="restarts", node_id=node.id)
             ids.append(wf.id)
         await until(lambda: len(sim.executions()) > ran)

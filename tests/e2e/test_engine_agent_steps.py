@@ -12,7 +12,7 @@ from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
-from engine_stack import FAST, SIM_BMC, AgentStack
+from engine_stack import FAST, AgentStack, sim_bmc
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -32,7 +32,7 @@ async def stack(
 
 async def test_agent_steps_driver_operations_and_await_command(stack: AgentStack) -> None:
     sim, agent_id = await stack.agent("lab1")
-    node = await stack.engine.create_node(site_id="lab1", bmc=SIM_BMC)
+    node = await stack.engine.create_node(site_id="lab1", bmc=sim_bmc())
     await stack.profile(
         "power",
         [
@@ -63,7 +63,7 @@ async def test_agent_steps_driver_operations_and_await_command(stack: AgentStack
 
 async def test_a_failed_command_fails_the_step_with_driver_error(stack: AgentStack) -> None:
     await stack.agent("lab2", "--fail", "power.setPower")
-    node = await stack.engine.create_node(site_id="lab2", bmc=SIM_BMC)
+    node = await stack.engine.create_node(site_id="lab2", bmc=sim_bmc())
     await stack.profile("fails", [{"use": "test.power", "on": "site"}])
     done = await wait_workflow(stack.api, await stack.start("fails", node.id), timeout=60)
     assert done.state == "failed"
@@ -74,7 +74,7 @@ async def test_a_failed_command_fails_the_step_with_driver_error(stack: AgentSta
 
 
 async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(stack: AgentStack) -> None:
-    node = await stack.engine.create_node(site_id="lab3", bmc=SIM_BMC)
+    node = await stack.engine.create_node(site_id="lab3", bmc=sim_bmc())
     # no agent in lab3 yet: the step times out while its command (10 minutes to live) still waits
     # (5 s: attempt 2 has as long, and it must outlast the agent's start on a loaded machine)
     await stack.profile("slow", [{"use": "test.awaitPower", "timeout": "5s"}])
@@ -103,7 +103,7 @@ async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(s
 
 
 async def test_abort_cancels_the_workflows_live_commands(stack: AgentStack) -> None:
-    node = await stack.engine.create_node(site_id="lab4", bmc=SIM_BMC)
+    node = await stack.engine.create_node(site_id="lab4", bmc=sim_bmc())
     await stack.profile("waits", [{"use": "test.power", "on": "site"}])
     wf_id = await stack.start("waits", node.id)
 
@@ -126,7 +126,7 @@ async def test_abort_cancels_the_workflows_live_commands(stack: AgentStack) -> N
 async def test_a_command_that_settles_while_the_engine_is_down_is_still_picked_up(
     stack: AgentStack, bc_processes: ServiceProcesses
 ) -> None:
-    node = await stack.engine.create_node(site_id="lab5", bmc=SIM_BMC)
+    node = await stack.engine.create_node(site_id="lab5", bmc=sim_bmc())
     await stack.profile("later", [{"use": "test.power", "on": "site"}, {"use": "test.noop"}])
     wf_id = await stack.start("later", node.id)
 

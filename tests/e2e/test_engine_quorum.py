@@ -19,7 +19,7 @@ from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.approvers import approver_keys, write_approvers
 from better_compute.testing.workflows import wait_workflow
-from engine_stack import SIM_BMC
+from engine_stack import sim_bmc
 
 APPROVERS = ("alice", "bob", "carol")
 
@@ -53,7 +53,7 @@ async def test_destructive_steps_wait_for_m_of_n_approvals_of_the_workflows_batc
         bc_processes.settings, tmp_path / "agent", site_id="lab1", pki=PkiClient(bc_api), cq=cq
     )
     try:
-        node = await engine_api.create_node(site_id="lab1", bmc=SIM_BMC)
+        node = await engine_api.create_node(site_id="lab1", bmc=sim_bmc())
         doc = {"id": "wipe-ish", "version": 1, "target": "metal", "role": "host",
                "steps": [{"use": "test.power", "on": "site"},
                          {"use": "netboot.clearEntry", "on": "site",

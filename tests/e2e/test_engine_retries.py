@@ -20,7 +20,7 @@ from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx, refused
 from better_compute.testing.agents import start_sim_agent
 from better_compute.testing.workflows import wait_workflow
-from engine_stack import SIM_BMC
+from engine_stack import sim_bmc
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ async def test_a_retried_agent_step_sends_a_new_command_under_its_new_attempts_k
         args=["--fail", "driver.invoke"],
     )  # fmt: skip
     try:
-        node = await engine.create_node(site_id="lab1", bmc=SIM_BMC)
+        node = await engine.create_node(site_id="lab1", bmc=sim_bmc())
         step = {"use": "netboot.clearEntry", "on": "site", "with": {"mac": "52:54:00:00:00:01"},
                 "retry": {"attempts": 2, "backoff": "500ms", "on": ["DRIVER_ERROR"]}}  # fmt: skip
         await engine.create_profile(document=_profile("retry-agent", step))

@@ -13,7 +13,7 @@ from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
-from engine_stack import SIM_BMC
+from engine_stack import sim_bmc
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ async def _render_while_down(stack: ServiceProcesses, api: ApiClient, service: s
     engine_api = EngineClient(api)
     [proc] = [p for p in stack.procs if p.service == service and p.alive()]
     proc.kill()
-    node = await engine_api.create_node(site_id="lab1", bmc=SIM_BMC)
+    node = await engine_api.create_node(site_id="lab1", bmc=sim_bmc())
     doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "userData": {"kind": "cloud-init"},
            "steps": [{"use": "userdata.render"}]}  # fmt: skip
     await engine_api.create_profile(document=doc)

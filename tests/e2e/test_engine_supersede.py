@@ -32,7 +32,7 @@ from better_compute.testing.workflows import wait_workflow
 from better_compute.wire import Subjects, unwrap
 from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import EnqueueCommand
-from engine_stack import FAST, SIM_BMC, AgentStack
+from engine_stack import FAST, AgentStack, sim_bmc
 from engine_test_app import create_tables
 
 ROUNDS = int(os.environ.get("BC_SUPERSEDE_ROUNDS", "3"))  # of each verb; raise it for a longer sweep
@@ -186,7 +186,7 @@ async def test_retry_and_resume_never_overlap_a_destructive_command_still_runnin
     for _ in range(ROUNDS):
         # abort -> resume while attempt 1's command runs at the agent
         agent.hold()
-        node = await stack.engine.create_node(site_id="lab1", bmc=SIM_BMC)
+        node = await stack.engine.create_node(site_id="lab1", bmc=sim_bmc())
         wf_id = await stack.start("erase", node.id)
         await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
         await stack.engine.abort_workflow(id=wf_id)
@@ -196,7 +196,7 @@ async def test_retry_and_resume_never_overlap_a_destructive_command_still_runnin
 
         # timeout -> retry while attempt 1's command runs at the agent
         agent.hold()
-        node = await stack.engine.create_node(site_id="lab1", bmc=SIM_BMC)
+        node = await stack.engine.create_node(site_id="lab1", bmc=sim_bmc())
         wf_id = await stack.start("erase-slowly", node.id)
         await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
         failed = await wait_workflow(stack.api, wf_id, timeout=30)
@@ -245,7 +245,7 @@ async def test_a_retry_waits_for_a_run_another_journal_interrupted(stack: AgentS
     workflows = []
     for _ in range(2):
         agent.hold()
-        node = await stack.engine.create_node(site_id="lab1", bmc=SIM_BMC)
+        node = await stack.engine.create_node(site_id="lab1", bmc=sim_bmc())
         wf_id = await stack.start("erase-once", node.id)
         await until(lambda: agent.started(f"wf:{wf_id}:0#1"))  # noqa: B023 - awaited at once
         [first] = (await stack.cq.list_commands(workflow_id=wf_id)).commands
@@ -283,8 +283,8 @@ async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enque
     stack: AgentStack,
 ) -> None:
     # no agent in these sites: every command stays pending
-    node = await stack.engine.create_node(site_id="lab7", bmc=SIM_BMC)
-    other = await stack.engine.create_node(site_id="lab8", bmc=SIM_BMC)
+    node = await stack.engine.create_node(site_id="lab7", bmc=sim_bmc())
+    other = await stack.engine.create_node(site_id="lab8", bmc=sim_bmc())
     await stack.profile(
         "other-node",
         [{"use": "test.awaitPowerOn", "with": {"nodeId": other.id, "siteId": "lab8"}, "timeout": "2s"}],
@@ -323,7 +323,7 @@ async def test_a_retry_cancels_every_node_the_step_sent_to_and_fences_late_enque
 async def test_a_new_attempt_revokes_the_tokens_and_secrets_of_the_one_it_supersedes(
     stack: AgentStack,
 ) -> None:
-    node = await stack.engine.create_node(site_id="lab1", bmc=SIM_BMC)
+    node = await stack.engine.create_node(site_id="lab1", bmc=sim_bmc())
     await stack.profile("mints", [{"use": "test.mintThenFail", "with": {"flag": f"go-{uuid.uuid4().hex}"}}])
     wf_id = await stack.start("mints", node.id)
     failed = await wait_workflow(stack.api, wf_id, timeout=30)
@@ -357,7 +357,7 @@ async def test_a_new_attempt_revokes_the_tokens_and_secrets_of_the_one_it_supers
 
 
 async def test_an_abort_revokes_what_the_cancelled_attempt_minted(stack: AgentStack) -> None:
-    node = await stack.engine.create_node(site_id="lab1", bmc=SIM_BMC)
+    node = await stack.engine.create_node(site_id="lab1", bmc=sim_bmc())
     flag = f"go-{uuid.uuid4().hex}"
     await stack.profile("mints-waits", [{"use": "test.mintThenFail", "with": {"flag": flag, "wait": True}}])
     wf_id = await stack.start("mints-waits", node.id)

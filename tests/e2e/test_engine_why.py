@@ -24,7 +24,7 @@ from better_compute.testing import ServiceProcesses, bcx, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.approvers import approver_keys, write_approvers
 from better_compute.testing.workflows import wait_workflow
-from engine_stack import SIM_BMC
+from engine_stack import sim_bmc
 from engine_test_app import create_tables
 
 FAST_AGENTS = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1s", "BC_CMDQ_SWEEP": "100ms"}
@@ -47,7 +47,7 @@ class Stack:
         return sim, agent_id
 
     async def start(self, steps: list[dict[str, Any]], *, node: bool = True) -> tuple[str | None, str]:
-        node_id = (await self.engine.create_node(site_id="lab1", bmc=SIM_BMC)).id if node else None
+        node_id = (await self.engine.create_node(site_id="lab1", bmc=sim_bmc())).id if node else None
         pid = f"why-{len(self.agents)}-{abs(hash(json.dumps(steps))) % 10**6}"
         doc = {"id": pid, "version": 1, "target": "metal", "role": "host", "steps": steps}
         await self.engine.create_profile(document=doc)

@@ -62,8 +62,8 @@ async def test_a_bulk_release_of_50_nodes_needs_exactly_two_approvals(
     keys, sim = stack
     cq = CommandQueueClient(bc_api)
     ids = []
-    for _ in range(N):
-        body = {"siteId": "lab1", "labels": {"rack": "r12"}, "bmc": BMC}
+    for i in range(N):  # one BMC, one node (issue 23)
+        body = {"siteId": "lab1", "labels": {"rack": "r12"}, "bmc": {**BMC, "address": f"bmc-r12-{i}"}}
         node = await bc_api.call("engine", "metal.enroll", body)
         ids.append(node["id"])
     # adopt sends nothing destructive: no batch, all 50 deployed

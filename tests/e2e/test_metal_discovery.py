@@ -96,20 +96,15 @@ async def test_an_unknown_machine_is_discovered_once_trusted_with_nothing_then_e
     first_cert = doc["hardware"]["certId"]
     assert len(await _nodes_with_uuid(bc_api)) == 1
 
-    # the machine boots discovery again (a fresh ramdisk): the same node, updated, never a second one
-    bcds.pop().close()
+    # the machine boots discovery again (a fresh ramdisk, a new key): claims alone never give a
+    # join an existing node's id (issue 23, H2), and the same hardware is not recorded twice
     second = prepare_machine(tmp_path / "boot2", product_uuid=UUID, serial="DISC-1", macs=MACS, cpus=8)
     again = await _boot_discovery(settings, second, token.token)
     assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout)["nodeId"] == node_id
-    bcds.append(BcdProcess.start(settings, second, "--mode", "ramdisk", log=tmp_path / "bcd2.log"))
-
-    async def reinventoried() -> bool:
-        doc = await _node(bc_api, node_id)
-        return doc["hardware"]["certId"] != first_cert and (doc["inventorySummary"] or {}).get("cores") == 8
-
-    await until(reinventoried, timeout=60)
+    assert json.loads(again.stdout)["nodeId"] != node_id
     assert [n["id"] for n in await _nodes_with_uuid(bc_api)] == [node_id]
+    doc = await _node(bc_api, node_id)
+    assert (doc["hardware"]["certId"], doc["discoveryConflict"]) == (first_cert, None)  # same claims
 
     # trusted with nothing: destructive verbs are refused for its state
     engine = EngineClient(bc_api)
@@ -145,6 +140,50 @@ async def test_an_unknown_machine_is_discovered_once_trusted_with_nothing_then_e
     assert json.loads(late.stdout)["nodeId"] != node_id  # a fresh identity, not the enrolled node's
     assert [n["id"] for n in await _nodes_with_uuid(bc_api)] == [node_id]
     assert (await _node(bc_api, node_id))["state"] == "enrolled"
+
+
+async def test_a_discovery_join_claiming_a_known_machine_takes_over_nothing(
+    settings: Settings, bc_api: ApiClient, tmp_path: Path
+) -> None:
+    """Issue 23, H2: the site's discovery token is on every unknown MAC's kernel line, so anyone
+    on the boot network joins with it; claiming a discovered machine's product UUID with other
+    MACs used to get that node's id and replace its MACs, so the machine's enrolment booted the
+    attacker. Now: another node id, the node's MACs as they were, and the node shows the
+    conflict."""
+    token = await _discovery_token(bc_api)
+    uuid = "5a1e0000-d15c-4000-8000-00000000d00d"
+    macs = ("52:54:00:d1:5d:01", "52:54:00:d1:5d:02")
+    machine = prepare_machine(tmp_path / "machine", product_uuid=uuid, serial="REAL-1", macs=macs)
+    joined = await _boot_discovery(settings, machine, token.token)
+    assert joined.returncode == 0, joined.stderr
+    node_id = json.loads(joined.stdout)["nodeId"]
+    await until(lambda: _exists(bc_api, node_id), timeout=30, what="the discovered node")
+
+    fake = prepare_machine(tmp_path / "fake", product_uuid=uuid, serial="REAL-1", macs=("52:54:00:66:66:01",))
+    faked = await _boot_discovery(settings, fake, token.token)
+    assert faked.returncode == 0, faked.stderr
+    assert json.loads(faked.stdout)["nodeId"] != node_id
+
+    async def conflict_shown() -> bool:
+        return (await _node(bc_api, node_id)).get("discoveryConflict") is not None
+
+    await until(conflict_shown, timeout=30, what="the conflict on the node")
+    doc = await _node(bc_api, node_id)
+    assert sorted(doc["macs"]) == sorted(macs)  # 0 MAC changes without an operator
+    assert sorted(doc["hardware"]["macs"]) == sorted(macs)
+    assert doc["discoveryConflict"]["claims"]["macs"] == ["52:54:00:66:66:01"]
+    shown = await bcx(settings, "nodes", "show", node_id)
+    assert "conflict    a discovery showed this hardware with macs 52:54:00:66:66:01" in shown.stdout, (
+        shown.stdout
+    )
+
+
+async def _exists(api: ApiClient, node_id: str) -> bool:
+    try:
+        await _node(api, node_id)
+    except BcError:
+        return False
+    return True
 
 
 async def test_a_discovery_token_of_another_site_is_refused_and_not_spent(

@@ -24,6 +24,7 @@ from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx, until
 from better_compute.testing.bcd import BcdProcess, run_bcd
 from better_compute.testing.machines import prepare_machine
+from better_compute.wire.metal import NodeBmc
 
 pytestmark = pytest.mark.e2e
 
@@ -180,3 +181,89 @@ async def refusal(api: ApiClient, body: dict[str, Any]) -> Any:
     with pytest.raises(BcError) as caught:
         await api.call("engine", "enrollmentRules.create", body)
     return caught.value
+
+
+@pytest.mark.timeout(240)  # two discovery boots and bcx processes on a loaded machine
+async def test_one_bmc_one_node_and_a_reported_bmc_address_waits_for_an_operator(
+    settings: Settings, bc_api: ApiClient, bcds: list[BcdProcess], tmp_path: Path
+) -> None:
+    """Issue 23, M3: a rule took the BMC address from what the machine reported, so a made-up
+    machine reporting another machine's BMC was enrolled with it (and the rule's credential),
+    and inspecting it power-cycled the victim. Now such an enrolment waits for an operator, and
+    no enrolment (by rule or by hand) gives a node a BMC another node has."""
+    creds = tmp_path / "bmc.json"
+    creds.write_text(json.dumps({"username": "admin", "password": PASSWORD}))
+    engine = EngineClient(bc_api)
+    victim = await engine.enroll_node(
+        site_id=SITE, macs=["52:54:00:e2:00:01"],
+        bmc=NodeBmc(driver="redfish", address="https://10.77.0.9", system_id="/redfish/v1/Systems/1"),
+    )  # fmt: skip
+    # the test machines' inventory has no BMC section: their serial is the reported fact here
+    rule = await rules(
+        settings, "create", "from-report", "--site", SITE, "--selector", 'inventory.vendor="Better Compute"',
+        "--bmc", "redfish://{inventory.serial}/redfish/v1/Systems/1", "--bmc-cidr", "10.77.0.0/16",
+        "--bmc-credentials-file", str(creds),
+    )  # fmt: skip
+    # a made-up machine reporting the victim's BMC: refused, it stays discovered saying why
+    fake = prepare_machine(
+        tmp_path / "fake", product_uuid="5a1e0000-0002-4000-8000-0000000000f1", serial="10.77.0.9",
+        macs=("52:54:00:e2:00:02",),
+    )  # fmt: skip
+    fake_id = await discover(settings, bc_api, fake, bcds, tmp_path / "fake.log")
+    doc = await until(lambda: _with(bc_api, fake_id, "lastError"), timeout=60, what="the fake refused")
+    assert (doc["state"], doc["bmc"], doc["pendingEnrollment"]) == ("discovered", None, None), doc
+    assert (doc["lastError"]["code"], doc["lastError"]["reason"]) == ("CONFLICT", "bmc-taken"), doc
+    assert doc["lastError"]["nodeId"] == victim.id
+
+    # a new machine reporting a free address: matched, but its enrolment waits for an operator
+    new = prepare_machine(
+        tmp_path / "new", product_uuid="5a1e0000-0002-4000-8000-0000000000a2", serial="10.77.0.10",
+        macs=("52:54:00:e2:00:03",),
+    )  # fmt: skip
+    new_id = await discover(settings, bc_api, new, bcds, tmp_path / "new.log")
+    doc = await until(lambda: _with(bc_api, new_id, "pendingEnrollment"), timeout=60, what="pending")
+    assert (doc["state"], doc["bmc"], doc["enrolledByRule"]) == ("discovered", None, None), doc
+    assert doc["pendingEnrollment"]["bmc"]["address"] == "https://10.77.0.10"
+    listed = await rules(settings, "pending")
+    assert [(n["nodeId"], n["ruleId"]) for n in listed["nodes"]] == [(new_id, rule["id"])]
+    table = await bcx(settings, "enrollment-rules", "pending")
+    assert table.returncode == 0, table.stderr
+    assert "BMC (reported)" in table.stdout
+    assert f"from-report ({rule['id']})" in table.stdout
+    assert "redfish https://10.77.0.10 /redfish/v1/Systems/1" in table.stdout, table.stdout
+    confirmed = await bcx(settings, "enrollment-rules", "confirm", new_id, "--json")
+    assert confirmed.returncode == 0, confirmed.stdout + confirmed.stderr
+    doc = json.loads(confirmed.stdout)
+    assert (doc["state"], doc["enrolledByRule"], doc["pendingEnrollment"]) == ("enrolled", rule["id"], None)
+    assert doc["bmc"]["address"] == "https://10.77.0.10"
+    again = await bcx(settings, "enrollment-rules", "confirm", fake_id, "--json")
+    assert again.returncode != 0
+    err = json.loads(again.stdout or again.stderr)["error"]
+    assert (err["code"], err["details"]["reason"]) == ("INVALID_STATE", "nothing-pending"), err
+
+    # by hand too, whatever the spelling of the address
+    for address in ("https://10.77.0.9", "10.77.0.9", "HTTPS://10.77.0.9/"):
+        with pytest.raises(BcError) as taken:
+            await engine.enroll_node(
+                site_id=SITE, macs=["52:54:00:e2:00:09"],
+                bmc=NodeBmc(driver="redfish", address=address, system_id="/redfish/v1/Systems/1"),
+            )  # fmt: skip
+        assert (taken.value.code.value, taken.value.path) == ("CONFLICT", "bmc.address"), taken.value
+    # another system behind the same BMC address is another machine
+    other = await engine.enroll_node(
+        site_id=SITE, macs=["52:54:00:e2:00:0a"],
+        bmc=NodeBmc(driver="redfish", address="https://10.77.0.9", system_id="/redfish/v1/Systems/2"),
+    )  # fmt: skip
+    assert other.state == "enrolled"
+    nodes = (await bc_api.call("engine", "nodes.list", {"siteId": SITE, "limit": 1000}))["nodes"]
+    bmcs = [(n["bmc"]["address"], n["bmc"].get("systemId")) for n in nodes if n.get("bmc")]
+    assert len(bmcs) == len(set(bmcs))  # 0 nodes share a BMC
+
+
+async def _with(api: ApiClient, node_id: str, key: str) -> dict[str, Any] | None:
+    """The node once it has ``key`` (None until then, or while it is not there)."""
+    try:
+        doc: dict[str, Any] = await api.call("engine", "nodes.get", {"id": node_id})
+    except BcError:
+        return None
+    return doc if doc.get(key) else None

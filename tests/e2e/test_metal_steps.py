@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -207,8 +208,13 @@ async def test_a_node_without_a_bmc_fails_the_bmc_step_with_its_reason(stack: St
 
 
 async def enrolled(stack: Stack, site: str, macs: list[str] = MACS[:1]) -> str:
-    node = await stack.api.call("engine", "metal.enroll", {"siteId": site, "macs": macs, "bmc": BMC})
+    # a BMC of its own: one BMC, one node (issue 23), also across this module's tests
+    bmc = {**BMC, "address": f"https://10.0.{next(_BMC_HOSTS)}.9"}
+    node = await stack.api.call("engine", "metal.enroll", {"siteId": site, "macs": macs, "bmc": bmc})
     return str(node["id"])
+
+
+_BMC_HOSTS = itertools.count(1)
 
 
 async def bcd_joins_when_waited_for(stack: Stack, node: str, *args: str) -> SimAgent:

@@ -6,6 +6,7 @@ verbs mapped onto test profiles (``metal_test_app``). The view follows the nodes
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -27,6 +28,12 @@ from engine_test_app import create_tables
 pytestmark = pytest.mark.e2e
 
 BMC = {"driver": "sim", "address": "bmc-watch"}
+_BMC_HOSTS = itertools.count(1)
+
+
+def _bmc() -> dict[str, str]:
+    """A BMC of its own for each node: one BMC, one node (issue 23)."""
+    return {**BMC, "address": f"bmc-watch-{next(_BMC_HOSTS)}"}
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -63,7 +70,7 @@ async def test_the_watch_follows_each_node_to_its_end_and_sums_up_naming_the_fai
     ids = []
     for _ in range(3):
         node = await bc_api.call(
-            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "1"}, "bmc": BMC}
+            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "1"}, "bmc": _bmc()}
         )
         ids.append(node["id"])
     watch = subprocess.Popen(  # noqa: ASYNC220 (read line by line from a thread below)
@@ -107,7 +114,7 @@ async def test_the_watch_follows_each_node_to_its_end_and_sums_up_naming_the_fai
     ids = []
     for _ in range(2):
         node = await bc_api.call(
-            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "2"}, "bmc": BMC}
+            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "2"}, "bmc": _bmc()}
         )
         ids.append(node["id"])
     got = await bcx(settings, "bulk", "inspect", "--selector", "site=lab1,w=2", "--watch", "--timeout", "60",
@@ -133,7 +140,7 @@ async def test_a_single_nodes_verb_waits_or_watches_and_a_timeout_still_sums_up(
     ids = []
     for _ in range(2):
         node = await bc_api.call(
-            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "3"}, "bmc": BMC}
+            "engine", "metal.enroll", {"siteId": "lab1", "labels": {"w": "3"}, "bmc": _bmc()}
         )
         ids.append(node["id"])
     # --wait: the start line, then only the summary once the node rests

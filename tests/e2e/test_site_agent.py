@@ -188,9 +188,8 @@ async def test_the_site_agent_drives_a_redfish_bmc_and_keeps_its_secrets(site: S
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     # ready once the agent pulls its commands, a moment after the command-queue saw its hello
     health = await until(lambda: asyncio.to_thread(_health, site.agent.url))
-    assert health["status"] == "ok"
-    assert health["agentId"] == site.agent_id
-    assert "redfish" in health["drivers"]
+    # anyone on the boot network reads it: whether the agent works, nothing more (issue 23)
+    assert health == {"status": "ok", "connected": True, "ready": True}
 
     assert ok(await site.run("power.setPower", {"action": "on"}))["powerState"] == "On"
     assert site.bmc()["PowerState"] == "On"

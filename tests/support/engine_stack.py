@@ -3,6 +3,7 @@ chaos tests (clients of every service, simulated site agents, profiles and workf
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,18 @@ from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.wire.engine import WorkflowStep
 from better_compute.wire.metal import NodeBmc
 
-__all__ = ["FAST", "SIM_BMC", "AgentStack"]
+__all__ = ["FAST", "AgentStack", "sim_bmc"]
 
 FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 """Command-queue timings that let a test see an agent come and go in seconds."""
-SIM_BMC = NodeBmc(driver="sim", address="sim-bmc")
-"""A node's BMC for tests whose nodes run BMC commands: the engine relays the node's BMC to
-them and fails a BMC step on a node without one (docs/metal.md)."""
+_SIM_BMCS = itertools.count(1)
+
+
+def sim_bmc() -> NodeBmc:
+    """A node's BMC for tests whose nodes run BMC commands: the engine relays the node's BMC to
+    them and fails a BMC step on a node without one (docs/metal.md). Each call a BMC of its own:
+    one BMC, one node (issue 23)."""
+    return NodeBmc(driver="sim", address=f"sim-bmc-{next(_SIM_BMCS)}")
 
 
 class AgentStack:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
 from bc_site_agent.config import load_config
 from bc_site_agent.drivers import BmcCredentials
-from bc_site_agent.netboot import LOCAL_BOOT_SCRIPT, BootEntries, BootEntry, discovery_cmdline, entry_script
+from bc_site_agent.netboot import (
+    LOCAL_BOOT_SCRIPT,
+    SERVED_WINDOW_S,
+    BootEntries,
+    BootEntry,
+    Served,
+    discovery_cmdline,
+    entry_script,
+)
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal.commands import COMMAND_KINDS
 
@@ -78,12 +88,12 @@ def test_a_one_time_entry_is_served_once_and_survives_a_restart(tmp_path: Path) 
         {"mac": "52-54-00-AA-BB-01", "kernel": "http://h/k", "initrd": "http://h/i", "cmdline": "a=b"}
     )
     again = BootEntries(tmp_path / "netboot")  # another process life
-    entry = again.take("52:54:00:aa:bb:01")
+    entry = again.take("52:54:00:aa:bb:01").entry
     assert entry is not None
     script = entry_script(entry)
     assert "kernel http://h/k a=b" in script
     assert "initrd http://h/i" in script
-    assert again.take("52:54:00:aa:bb:01") is None
+    assert again.take("52:54:00:aa:bb:01") == Served(entry=None, again=None)  # no token: no mark
     assert (tmp_path / "netboot").stat().st_mode & 0o077 == 0
     assert LOCAL_BOOT_SCRIPT.rstrip().endswith("exit")
 
@@ -96,10 +106,34 @@ def test_an_entrys_join_token_is_served_on_its_kernel_line_once(tmp_path: Path) 
     assert token not in repr(entry)
     [stored] = (tmp_path / "netboot").glob("*.json")
     assert stored.stat().st_mode & 0o077 == 0  # only the agent reads it, until it is served
-    served = BootEntries(tmp_path / "netboot").take("52:54:00:aa:bb:02")  # after a restart too
+    served = BootEntries(tmp_path / "netboot").take("52:54:00:aa:bb:02").entry  # after a restart too
     assert served is not None
     assert f"kernel http://h/k a=b bcd.token={token}\n" in entry_script(served)
     assert list((tmp_path / "netboot").glob("*.json")) == []  # consumed: the token is gone
+
+
+def test_a_node_entry_served_once_takes_its_other_macs_and_a_second_ask_is_marked(tmp_path: Path) -> None:
+    token = "bcjt_" + "n" * 43
+    entries = BootEntries(tmp_path / "netboot")
+    for mac in ("52:54:00:aa:bb:03", "52:54:00:aa:bb:04"):
+        entries.set({"mac": mac, "kernel": "http://h/k"}, join_token=token)
+    entries.set({"mac": "52:54:00:aa:bb:05", "kernel": "http://h/k"}, join_token="bcjt_" + "o" * 43)
+    first = entries.take("52:54:00:aa:bb:04", now=1000.0)
+    assert first.entry is not None
+    assert first.again is None
+    # the node's other MAC is no second way to the token: it is marked, never served
+    other = entries.take("52:54:00:aa:bb:03", now=1001.0)
+    assert other.entry is None
+    assert other.again is not None
+    assert other.again["tokenSha256"] == hashlib.sha256(token.encode()).hexdigest()
+    assert token not in json.dumps(other.again)  # the mark keeps a digest, not the token
+    assert entries.take("52:54:00:aa:bb:04", now=1002.0).again is not None
+    assert entries.take("52:54:00:aa:bb:05", now=1003.0).entry is not None  # another node's entry stays
+    # after the window, an ordinary unknown MAC again; a new entry drops the mark at once
+    late = entries.take("52:54:00:aa:bb:04", now=1000.0 + SERVED_WINDOW_S + 1)
+    assert late == Served(entry=None, again=None)
+    entries.set({"mac": "52:54:00:aa:bb:03", "kernel": "http://h/k2"}, join_token="bcjt_" + "p" * 43)
+    assert entries.take("52:54:00:aa:bb:03", now=1004.0).entry is not None
 
 
 def test_boot_entries_refuse_line_breaks_in_the_command_line(tmp_path: Path) -> None:

@@ -334,6 +334,8 @@ def _status_doc(status: AgentStatus | None) -> str | None:
         drivers=[d[:MAX_STATUS_DRIVER_CHARS] for d in status.drivers[:MAX_STATUS_DRIVERS]],
         cache_used_bytes=status.cache_used_bytes,
         cache_max_bytes=status.cache_max_bytes,
+        cache_objects=status.cache_objects,
+        cache_pinned=status.cache_pinned,
         last_error=error[:MAX_STATUS_ERROR_CHARS] if error is not None else None,
         last_error_at_ms=status.last_error_at_ms,
     )

@@ -39,8 +39,10 @@ class EngineApi:
         wake: Callable[[str], Awaitable[None]],
         publish: Publish,
         quorum: Any = None,
+        engine: Any = None,
     ) -> None:
         self.app = app
+        self.engine = engine
         self.db = db
         self.profiles = ProfileStore(app)
         self.wake = wake
@@ -80,5 +82,5 @@ class EngineApi:
             **({"workflows.why": self.why.workflows_why} if self.why is not None else {}),
             **ImagesApi(app=self.app, db=self.db).routes(),
             **self.metal.routes(),
-            **EnrollmentRulesApi(self.db).routes(),
+            **EnrollmentRulesApi(self.db, self.engine).routes(),
         }

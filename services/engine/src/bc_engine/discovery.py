@@ -10,7 +10,11 @@ reads the certificate back from bc-pki (the event is a wake-up, bc-pki is the tr
 * a node of that id in ``discovered`` gets the new claims (a second discovery updates it, never
   a duplicate); one in any other state (enrolled meanwhile) is left alone;
 * hardware that another node already has (its product UUID, serial or a MAC) is not recorded
-  again: the join is logged (``discovery_known_hardware``) and nothing changes.
+  again: the join is logged (``discovery_known_hardware``) and nothing changes; when its
+  claims differ from that node's (other MACs, another serial), the node shows the discovery as
+  ``discoveryConflict`` (``bcx nodes show``): a discovery never changes a node's MACs or
+  hardware, an operator does (issue 23, H2). bc-pki gives a join an earlier discovery's node id
+  only for the same key, so a second discovery with other MACs is a conflict here too.
 
 A lost event delays a discovery, never loses it: ``discovery_sweep`` (an engine side loop) looks
 at bc-pki's discovery certificates of the last hour every 30 s, from the engine's start, and
@@ -89,6 +93,9 @@ _SET_INVENTORY = (
     "UPDATE nodes SET inventory = $2::jsonb, updated_at = now()"
     " WHERE id = $1 AND state = 'discovered' RETURNING *"
 )
+_SET_CONFLICT = (
+    "UPDATE nodes SET discovery_conflict = $2::jsonb, updated_at = now() WHERE id = $1 RETURNING *"
+)
 _SET_LAST_ERROR = "UPDATE nodes SET last_error = $2::jsonb, updated_at = now() WHERE id = $1 RETURNING *"
 
 
@@ -146,10 +153,19 @@ async def record_discovery(engine: Engine, cert: CertificateInfo) -> Any:
         other = await conn.fetchval(
             _OTHER_NODE_WITH, cert.agent_id, claims.product_uuid, claims.serial, list(claims.macs)
         )
-        if other is not None:
+        same = await conn.fetchrow(store.NODE, cert.agent_id)
+        known = other if other is not None else (same["id"] if same is not None else None)
+        conflict = None
+        if known is not None:
+            node = same if other is None else await conn.fetchrow(store.NODE, other)
+            conflict = await _conflict(conn, node, claims, cert)
+        if other is not None or conflict is not None:
             engine.log.info(
-                "discovery_known_hardware", node_id=other, agent_id=cert.agent_id, cert_id=cert.cert_id
-            )
+                "discovery_known_hardware", node_id=known, agent_id=cert.agent_id, cert_id=cert.cert_id,
+                conflict=conflict is not None,
+            )  # fmt: skip
+            if conflict is not None:
+                await node_event(engine.publish, conflict, verb="discovery-conflict")
             return None
         row = await conn.fetchrow(
             _UPSERT_DISCOVERED,
@@ -168,6 +184,28 @@ async def record_discovery(engine: Engine, cert: CertificateInfo) -> Any:
     if engine.wake is not None:
         await engine.wake(queue.owner_key(DISCOVERY_OWNER, row["id"]))
     return row
+
+
+async def _conflict(conn: Any, node: Any, claims: JoinClaims, cert: CertificateInfo) -> Any:
+    """Record on ``node`` a discovery whose claims differ from its MACs or hardware (its row
+    then), else None."""
+    if node is None:
+        return None
+    hardware = node["hardware"]
+    hardware = json.loads(hardware) if isinstance(hardware, str) else (hardware or {})
+    differs = sorted(node["macs"]) != sorted(claims.macs) or any(
+        hardware.get(k) not in (None, v)
+        for k, v in (("productUuid", claims.product_uuid), ("serial", claims.serial))
+    )
+    if not differs:
+        return None
+    doc = {
+        "certId": cert.cert_id,
+        "agentId": cert.agent_id,
+        "claims": {"macs": list(claims.macs), "productUuid": claims.product_uuid, "serial": claims.serial},
+        "at": dt.datetime.now(dt.UTC).isoformat(),
+    }
+    return await conn.fetchrow(_SET_CONFLICT, node["id"], json.dumps(doc))
 
 
 async def inventory_discovered(engine: Engine, node_id: str) -> None:

@@ -41,10 +41,12 @@ from better_compute.wire.metal import (
 )
 
 from . import metal_store, queue, store
+from .bmcs import check_bmc_free
 from .context import EngineSql
 from .discovery import DISCOVERY_OWNER
 from .documents import check_labels, node_doc
 from .node_events import node_event
+from .quarantine import refuse_quarantined
 from .quorum import BATCH_TTL_S, batch_kinds
 from .resolve import resolve_profile
 
@@ -151,6 +153,7 @@ class MetalApi:
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
         async with self.api.db.transaction() as conn:
             macs = await check_macs(conn, body.macs, node_id)
+            await check_bmc_free(conn, _json_or_none(bmc_json(body.bmc)), node_id)
             row = await conn.fetchrow(
                 metal_store.ENROLL_DISCOVERED, node_id, bmc_json(body.bmc), macs, json.dumps(body.labels)
             )
@@ -236,6 +239,9 @@ class MetalApi:
             check_verb(node_id, row["state"], verb)
         except BcError as err:
             return err
+        quarantined = refuse_quarantined(row, verb)
+        if quarantined is not None:
+            return quarantined
         if node_id in busy:  # not metal's workflow (a metal one shows in the state)
             return BcError(
                 ErrorCode.INVALID_STATE,
@@ -373,3 +379,7 @@ class MetalApi:
             note=f"metal {verb} of {len(nodes)} node{'s' if len(nodes) != 1 else ''} ({profile_id})",
         )
         return str(batch.id)
+
+
+def _json_or_none(doc: str | None) -> dict[str, Any] | None:
+    return json.loads(doc) if doc is not None else None

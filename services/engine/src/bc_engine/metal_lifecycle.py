@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from better_compute.app import App
-from better_compute.core.errors import BcError
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.keys import workflow_command_prefix
 from better_compute.metal.lifecycle import TRANSITIONS
 from better_compute.provision import BUILTIN_CONFIG_UNITS, resolve_host_section, step_not_ready
@@ -308,6 +308,12 @@ async def reopen_node(conn: Any, wf: Any) -> Any:
     node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf["node_id"], wf["id"])
     if node is None or node["state"] != "failed":
         return None
+    if node["quarantine"] is not None:  # its token was seen twice: only an operator's look goes on
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            f"node {node['id']} is quarantined: inspect or retire it, a retry or resume does not",
+            {"path": "id", "reason": "node-quarantined", "nodeId": node["id"]},
+        )
     transition = TRANSITIONS.get((_json(node["state_reason"]) or {}).get("verb", ""))
     if transition is None:
         return None

@@ -7,8 +7,16 @@ then name, and the first whose selector matches the node's facts decides. It enr
 ``metal.enroll`` would (its MACs kept, the rule's labels over its own, the rule's BMC), with the
 inventory written in the same statement, and records the rule in ``enrolledByRule``; the
 discovery certificates are then revoked as after an operator's enrolment. A matching rule whose
-BMC address cannot be made (a fact missing, an address outside ``addressCidrs``) leaves the node
-discovered, with the reason as ``lastError``.
+BMC address cannot be made (a fact missing, an address outside ``addressCidrs``), or whose BMC
+another node has (one BMC, one node: ``bmcs``), leaves the node discovered, with the reason as
+``lastError``.
+
+A rule whose BMC address is a ``{fact}`` placeholder takes it from what the machine reported:
+anyone on the boot network reports anything, and a made-up machine given another machine's BMC
+(and the rule's credential) would power-cycle that machine at its first verb (issue 23, M3). So
+such an enrolment waits for an operator: the node stays discovered with ``pendingEnrollment``
+(``enrollmentRules.pending``, ``bcx enrollment-rules pending``) until ``enrollmentRules.confirm``
+(``bcx enrollment-rules confirm NODE``) enrolls it as the rule would have.
 
 The rule's credential is a template secret; the node gets its own copy as its standing secret
 (``secrets.put`` with ``nodeId``, keyed by rule and node, so a re-run copies nothing twice), so
@@ -18,6 +26,7 @@ through the engine's memory only.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any, Final
 
@@ -29,15 +38,21 @@ from better_compute.core.ids import new_id, parse_id
 from better_compute.metal.enrollment import check_rule_bmc, node_facts, parse_rule_selector, render_rule_bmc
 from better_compute.provision import step_not_ready
 from better_compute.service import ApiRequest
+from better_compute.wire.engine import NodeView
 from better_compute.wire.metal import (
+    ConfirmEnrollment,
     CreateEnrollmentRule,
     DeleteEnrollmentRule,
     EnrollmentRuleList,
     EnrollmentRuleView,
     ListEnrollmentRules,
+    ListPendingEnrollments,
+    PendingEnrollment,
+    PendingEnrollmentList,
 )
 
 from . import queue
+from .bmcs import check_bmc_free
 from .documents import check_labels
 from .engine import Engine
 from .node_events import node_event
@@ -61,9 +76,20 @@ RULES_FOR_NODE: Final = (
 )
 ENROLL_BY_RULE: Final = (
     "UPDATE nodes SET state = 'enrolled', bmc = $2::jsonb, labels = labels || $3::jsonb,"
-    " enrolled_by_rule = $4, inventory = $5::jsonb, last_error = NULL, updated_at = now()"
+    " enrolled_by_rule = $4, inventory = $5::jsonb, last_error = NULL, pending_enrollment = NULL,"
+    " updated_at = now()"
     " WHERE id = $1 AND state = 'discovered' RETURNING *"
 )
+SET_PENDING: Final = (
+    "UPDATE nodes SET pending_enrollment = $2::jsonb, inventory = $3::jsonb, last_error = NULL,"
+    " updated_at = now() WHERE id = $1 AND state = 'discovered' RETURNING *"
+)
+PENDING: Final = (
+    "SELECT * FROM nodes WHERE state = 'discovered' AND pending_enrollment IS NOT NULL"
+    " AND ($1::text IS NULL OR tenant_id = $1) AND ($2::text IS NULL OR site_id = $2) ORDER BY id LIMIT 1000"
+)
+NODE: Final = "SELECT * FROM nodes WHERE id = $1"
+RULE: Final = f"SELECT {RULE_COLUMNS} FROM enrollment_rules WHERE id = $1"
 SET_LAST_ERROR: Final = (
     "UPDATE nodes SET last_error = $2::jsonb, updated_at = now() WHERE id = $1 RETURNING *"
 )
@@ -88,15 +114,56 @@ def rule_view(row: Any) -> EnrollmentRuleView:
 
 
 class EnrollmentRulesApi:
-    def __init__(self, db: Any) -> None:
+    def __init__(self, db: Any, engine: Engine | None = None) -> None:
         self.db = db
+        self.engine = engine  # enrolls a confirmed node (its credential copy, events, wake-ups)
 
     def routes(self) -> dict[str, Any]:
         return {
             "enrollmentRules.create": self.create,
             "enrollmentRules.list": self.list,
             "enrollmentRules.delete": self.delete,
+            "enrollmentRules.pending": self.pending,
+            "enrollmentRules.confirm": self.confirm,
         }
+
+    async def pending(self, req: ApiRequest) -> PendingEnrollmentList:
+        body = req.decode(ListPendingEnrollments)
+        rows = await self.db.fetch(PENDING, body.tenant_id, body.site_id)
+        return PendingEnrollmentList(nodes=[_pending_view(r) for r in rows])
+
+    async def confirm(self, req: ApiRequest) -> NodeView:
+        """An operator confirms the enrolment a rule left pending: the node is enrolled as the
+        rule would have (``CONFLICT`` when its BMC is another node's by now)."""
+        from .discovery import DISCOVERY_OWNER  # here: discovery imports this module
+        from .documents import node_doc
+
+        body = req.decode(ConfirmEnrollment)
+        node_id = parse_id(body.node_id, "node", path="nodeId")
+        if self.engine is None:
+            raise BcError(ErrorCode.UNAVAILABLE, "the engine is starting", {"path": "nodeId"})
+        node = await self.db.fetchrow(NODE, node_id)
+        if node is None:
+            raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
+        pending = _json(node["pending_enrollment"])
+        if node["state"] != "discovered" or not pending:
+            raise BcError(
+                ErrorCode.INVALID_STATE, f"node {node_id} has no enrolment waiting for a confirmation",
+                {"path": "nodeId", "reason": "nothing-pending", "state": node["state"]},
+            )  # fmt: skip
+        rule = await self.db.fetchrow(RULE, pending["ruleId"])
+        if rule is None:
+            raise BcError(
+                ErrorCode.NOT_FOUND, f"the enrollment rule {pending['ruleId']} is gone",
+                {"path": "nodeId", "reason": "rule-deleted"},
+            )  # fmt: skip
+        inventory = _json(node["inventory"]) or {}
+        facts = node_facts(_json(node["labels"]) or {}, node["site_id"], inventory)
+        row = await _enroll(self.engine, node, rule, facts, DISCOVERY_OWNER, inventory, confirmed=True)
+        if row is None:
+            raise BcError(ErrorCode.CONFLICT, f"node {node_id} was enrolled meanwhile", {"path": "nodeId"})
+        self.engine.log.info("enrollment_confirmed", node_id=node_id, rule_id=rule["id"])
+        return node_doc(row)
 
     async def create(self, req: ApiRequest) -> EnrollmentRuleView:
         from .metal_api import refuse_inline_secret  # here: metal_api imports discovery, which imports this
@@ -140,6 +207,17 @@ class EnrollmentRulesApi:
         return rule_view(row)
 
 
+def _pending_view(row: Any) -> PendingEnrollment:
+    pending = _json(row["pending_enrollment"]) or {}
+    hardware = _json(row["hardware"]) or {}
+    return PendingEnrollment(
+        node_id=row["id"], tenant_id=row["tenant_id"], site_id=row["site_id"],
+        rule_id=str(pending.get("ruleId")), rule_name=str(pending.get("ruleName")),
+        bmc=pending.get("bmc") or {}, macs=list(row["macs"]), product_uuid=hardware.get("productUuid"),
+        serial=hardware.get("serial"), since=pending.get("at"),
+    )  # fmt: skip
+
+
 def _camel(bmc: Any) -> dict[str, Any]:
     out: dict[str, Any] = msgspec.to_builtins(bmc)
     return out
@@ -170,16 +248,32 @@ async def _enroll(
     facts: dict[str, str],
     discovery_owner: str,
     inventory: dict[str, Any],
+    *,
+    confirmed: bool = False,
 ) -> Any:
+    """Enroll ``node`` by ``rule``; ``confirmed``: an operator confirmed it (then a refusal is
+    raised to them instead of becoming the node's ``lastError``)."""
     node_id = node["id"]
     template = _json(rule["bmc"])
     bmc = None
     if template is not None:
         try:
             bmc = render_rule_bmc(template, facts, rule=rule["id"])
+            async with engine.db.transaction() as conn:
+                await check_bmc_free(conn, bmc, node_id)
+            if not confirmed and _placeholders(str(template["address"])):
+                return await _pend(engine, node, rule, bmc, inventory)
+            if confirmed and not _same_bmc(_json(node["pending_enrollment"]), bmc):
+                raise BcError(
+                    ErrorCode.CONFLICT,
+                    "the BMC the rule gives the node is not the one pending any more; look again",
+                    {"path": "nodeId", "reason": "pending-changed"},
+                )
             if bmc.get("credentialsRef"):
                 bmc["credentialsRef"] = await _node_credential(engine, node, rule, bmc["credentialsRef"])
         except BcError as err:
+            if confirmed:
+                raise
             error = {"code": err.code.value, "message": err.message, **err.details}
             row = await engine.db.fetchrow(SET_LAST_ERROR, node_id, json.dumps(error))
             engine.log.warning(
@@ -189,6 +283,7 @@ async def _enroll(
                 await node_event(engine.publish, row)
             return None
     async with engine.db.transaction() as conn:
+        await check_bmc_free(conn, bmc, node_id)
         row = await conn.fetchrow(
             ENROLL_BY_RULE, node_id, json.dumps(bmc) if bmc is not None else None,
             json.dumps(_json(rule["labels"]) or {}), rule["id"], json.dumps(inventory),
@@ -201,6 +296,32 @@ async def _enroll(
     if engine.wake is not None:
         await engine.wake(queue.owner_key(discovery_owner, node_id))
     return row
+
+
+def _placeholders(address: str) -> bool:
+    return "{" in address
+
+
+def _same_bmc(pending: Any, bmc: dict[str, Any]) -> bool:
+    shown = (pending or {}).get("bmc") or {}
+    return all(shown.get(k) == bmc.get(k) for k in ("driver", "address", "systemId"))
+
+
+async def _pend(engine: Engine, node: Any, rule: Any, bmc: dict[str, Any], inventory: dict[str, Any]) -> Any:
+    """Leave the node discovered with the enrolment the rule would make, for an operator."""
+    doc = {
+        "ruleId": rule["id"],
+        "ruleName": rule["name"],
+        "bmc": {k: bmc.get(k) for k in ("driver", "address", "systemId")},
+        "at": dt.datetime.now(dt.UTC).isoformat(),
+    }
+    row = await engine.db.fetchrow(SET_PENDING, node["id"], json.dumps(doc), json.dumps(inventory))
+    engine.log.info(
+        "enrollment_pending", node_id=node["id"], rule_id=rule["id"], bmc_address=bmc.get("address")
+    )
+    if row is not None:
+        await node_event(engine.publish, row)
+    return None
 
 
 async def _node_credential(engine: Engine, node: Any, rule: Any, template_ref: str) -> str:

@@ -13,8 +13,10 @@ NODES_BY_SELECTOR = (
     " AND ($3::text IS NULL OR tenant_id = $3) ORDER BY id LIMIT $4"
 )
 # A verb starts: the node's …ing state and its workflow; $4 the image (deploy; NULL keeps it).
+# Only inspect and retire start on a quarantined node: the operator's look, which clears it.
 BEGIN_VERB = (
     "UPDATE nodes SET state = $2, workflow_id = $3, state_reason = NULL, image = coalesce($4, image),"
+    " quarantine = NULL,"
     " updated_at = now() WHERE id = $1 RETURNING *"
 )
 # enroll of a discovered node: its BMC, MACs and labels given.

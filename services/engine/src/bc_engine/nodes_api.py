@@ -13,6 +13,7 @@ from better_compute.wire import engine as m
 from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
+from .bmcs import check_bmc_free
 from .documents import check_labels, node_doc
 from .metal_api import bmc_json, check_macs, refuse_inline_secret
 from .metal_lifecycle import current_workflow
@@ -38,6 +39,7 @@ class NodesApi:
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
         async with self.db.transaction() as conn:
             macs = await check_macs(conn, body.macs, node_id)
+            await check_bmc_free(conn, _doc(bmc_json(body.bmc)), node_id)
             row = await conn.fetchrow(
                 store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
                 macs, bmc_json(body.bmc),
@@ -99,6 +101,7 @@ class NodesApi:
                 await self._refuse_busy(conn, body.id, "change its site")
             labels = json.dumps(body.labels) if body.labels is not None else None
             macs = await check_macs(conn, body.macs, body.id) if body.macs is not None else None
+            await check_bmc_free(conn, _doc(bmc_json(body.bmc)), body.id)
             row = await conn.fetchrow(
                 store.UPDATE_NODE, body.id, body.site_id, labels, macs, bmc_json(body.bmc)
             )
@@ -131,3 +134,7 @@ class NodesApi:
             await conn.execute(store.DELETE_NODE, body.id)
         await node_removed(self.publish, body.id)
         return m.NodeDeleted(deleted=body.id)
+
+
+def _doc(text: str | None) -> dict[str, Any] | None:
+    return json.loads(text) if text is not None else None

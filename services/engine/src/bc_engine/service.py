@@ -24,7 +24,7 @@ from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
-from better_compute.wire.pki import JoinAccepted, decode_join_event
+from better_compute.wire.pki import JoinAccepted, JoinTokenBurned, decode_join_event
 
 from . import metrics, queue, store
 from .api import EngineApi
@@ -47,6 +47,7 @@ from .metal_lifecycle import (
     reconcile_metal,
     undo_aborted,
 )
+from .quarantine import quarantine_node
 from .scheduler import Scheduler
 from .shards import ShardLeases
 
@@ -149,7 +150,12 @@ class EngineService(Service):
             self.engine.engine_key, _ = Keyring.load_or_create(Path(self.settings.cmdq.engine_key_file))
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
         self.engine_api = EngineApi(
-            app=self.app, db=self.db, wake=self.wake, publish=self.publish_event, quorum=self.engine.quorum
+            app=self.app,
+            db=self.db,
+            wake=self.wake,
+            publish=self.publish_event,
+            quorum=self.engine.quorum,
+            engine=self.engine,
         )
         self.engine.start_in = self.engine_api.start_in
         self.engine.wake = self.wake
@@ -222,6 +228,8 @@ class EngineService(Service):
                 "node_"
             ):
                 await self.wake(agent_id)
+            case JoinTokenBurned() as burned:
+                await quarantine_node(self.engine, burned)
             case _:
                 await on_join(self.engine, msg)
 

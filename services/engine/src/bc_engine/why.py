@@ -17,6 +17,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import parse_id
@@ -108,6 +110,21 @@ class WhyApi:
         return node, await self.db.fetchrow(NODE_WORKFLOW, id)
 
     async def explain(self, node: Any, wf: Any) -> m.WhyAnswer:
+        answer = await self._explain(node, wf)
+        quarantine = _json(node["quarantine"]) if node is not None else None
+        if not isinstance(quarantine, dict):
+            return answer
+        first = _reason(
+            "quarantined",
+            f"node {node['id']} is quarantined: {quarantine.get('message')}"
+            f" (token {quarantine.get('joinTokenId')}); inspect or retire it once you looked",
+            **{k: quarantine.get(k) for k in ("reason", "joinTokenId", "mac")},
+        )
+        reasons = [first, *answer.reasons]
+        text = first.text + ("; " + answer.answer if answer.answer else "")
+        return msgspec.structs.replace(answer, reasons=reasons, answer=text)
+
+    async def _explain(self, node: Any, wf: Any) -> m.WhyAnswer:
         node_id = node["id"] if node is not None else None
         bmc = await self._bmc_error(node_id) if node_id else None
         if wf is None:

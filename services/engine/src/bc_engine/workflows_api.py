@@ -20,7 +20,7 @@ from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 from . import metrics, queue, store
 from .discovery import refuse_discovered
 from .documents import workflow_doc
-from .metal_lifecycle import reopen_node
+from .metal_lifecycle import METAL_OWNER, reopen_node
 from .node_events import Publish, node_event
 from .profiles import FoundProfile, ProfileStore
 from .resolve import Resolution, resolve_profile
@@ -150,6 +150,13 @@ class WorkflowsApi:
             if node is None:
                 raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
             refuse_discovered(node)
+            if owner != METAL_OWNER and node["quarantine"] is not None:
+                # metal's verbs check it themselves (inspect and retire are the ways out)
+                raise BcError(
+                    ErrorCode.INVALID_STATE,
+                    f"node {node_id} is quarantined: inspect or retire it first",
+                    {"path": "nodeId", "reason": "node-quarantined"},
+                )
             busy = await conn.fetchval(store.NODE_BUSY, node_id, None)
             if busy:
                 raise BcError(

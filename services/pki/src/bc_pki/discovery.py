@@ -10,9 +10,14 @@ it on its kernel command line (``bcd.token=``), next to the site the site agent 
   ``PERMISSION_DENIED`` (reason ``site-mismatch``) and spends nothing (any role);
 * the agent id is a ``node_…`` id (node commands are addressed to the node id): the one a
   still-valid discovery certificate of the same hardware in the same tenant and site has
-  (product UUID, else serial, else a MAC), so a second discovery of a machine is the same
-  node; a new one otherwise. Certificates revoked at enrolment are not reused: an enrolled
-  machine that boots discovery again gets an id of its own that the engine ignores.
+  (product UUID, else serial, else a MAC) *and of the same key* (the join's CSR proves
+  possession of it: the bcd that joined before, joining again), so a bcd that joins again is
+  the same node; a new one otherwise. Claims alone never reuse a node id: the discovery token
+  is the site's, any machine on the boot network has it, and a join that only *says* it is a
+  discovered machine's hardware would otherwise take that node's id (issue 23, H2). A fresh
+  discovery ramdisk of a known machine gets a new id, whose node the engine does not record
+  (the hardware is another node's; a difference is shown on that node as a conflict).
+  Certificates revoked at enrolment are not reused either.
 
 The engine learns of the join from the ``join`` event and reads the certificate (role, site,
 claims) back from bc-pki before it records a ``discovered`` node.
@@ -32,7 +37,7 @@ __all__ = ["SAME_HARDWARE", "agent_id_for", "refusal"]
 SAME_HARDWARE: Final = """
 SELECT agent_id FROM certificates
 WHERE role = 'discovery' AND tenant_id = $1 AND site_id = $2 AND revoked_at IS NULL
-  AND agent_id LIKE 'node\\_%'
+  AND agent_id LIKE 'node\\_%' AND public_key = $6
   AND CASE WHEN $3::text IS NOT NULL THEN claims ->> 'productUuid' = $3
            WHEN $4::text IS NOT NULL THEN claims ->> 'serial' = $4
            ELSE claims -> 'macs' ?| $5::text[] END
@@ -59,9 +64,10 @@ def refusal(token: Any, claims: JoinClaims, site_id: str | None) -> BcError | No
     return None
 
 
-async def agent_id_for(conn: Any, token: Any, claims: JoinClaims) -> str:
-    """The agent id a join with ``token`` gets: the token's node, the node a discovery of the
-    same hardware was given, or a new id (``node_…`` for discovery, else ``agent_…``)."""
+async def agent_id_for(conn: Any, token: Any, claims: JoinClaims, public_key: bytes) -> str:
+    """The agent id a join with ``token`` gets: the token's node, the node an earlier discovery
+    of the same hardware *with the same key* was given, or a new id (``node_…`` for discovery,
+    else ``agent_…``)."""
     if token["node_id"]:
         return str(token["node_id"])
     if token["role"] != "discovery":
@@ -73,5 +79,6 @@ async def agent_id_for(conn: Any, token: Any, claims: JoinClaims) -> str:
         claims.product_uuid,
         claims.serial,
         list(claims.macs),
+        public_key,
     )
     return str(found) if found else new_id("node")

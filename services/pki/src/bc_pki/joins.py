@@ -28,6 +28,7 @@ from better_compute.wire.pki import (
 
 from . import discovery, metrics, store
 from ._errors import unauthenticated
+from .burns import burn_token
 from .ca import CertificateAuthority, parse_csr
 from .tokens import mismatched_claims, normalize_claims, token_hash, well_formed
 
@@ -125,6 +126,9 @@ class Joins:
                     join_token_id=tok_id, reason=str(refusal.reason), code=refusal.code.value, at=time.time()
                 ),
             )
+            if refusal.reason == "token-used-up" and row is not None and row["node_id"] is not None:
+                # a second join with a node's single-use token: one of the two is not the node
+                await burn_token(self.db, self.publish_event, self.log, row, reason="second-join", mac=None)
             raise refusal
         self.log.info(
             "agent_joined",
@@ -169,7 +173,7 @@ class Joins:
 
     async def _issue_cert(self, conn: Any, token: Any, csr: Any, claims: JoinClaims) -> JoinResult:
         ca = self.ca
-        agent_id = await discovery.agent_id_for(conn, token, claims)
+        agent_id = await discovery.agent_id_for(conn, token, claims, csr.public_key_der)
         cert_id = new_id("cert")
         cert = ca.issue(
             csr,

@@ -24,6 +24,7 @@ from better_compute.service import ApiRequest, Handler, Service
 from better_compute.wire.pki import CaInfo, RewrapResult
 
 from . import store
+from .burns import Burns
 from .ca import CertificateAuthority
 from .certificates import Certificates
 from .join_tokens import JoinTokens
@@ -43,6 +44,7 @@ class Parts(NamedTuple):
     joins: Joins
     signatures: Signatures
     certificates: Certificates
+    burns: Burns
 
 
 class PkiService(Service):
@@ -56,6 +58,7 @@ class PkiService(Service):
     audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "tokens.issue": ("tenantId", "role", "siteId", "ttlSeconds", "maxUses", "note"),
         "tokens.revoke": ("joinTokenId", "reason"),
+        "tokens.burn": ("mac", "reason", "signerId"),
         "certs.revoke": ("certId", "reason"),
         "keys.rewrap": (),
     }
@@ -77,6 +80,7 @@ class PkiService(Service):
         assert self.db is not None
         assert self.ca is not None
         db, log = self.db, self.log
+        signatures = Signatures(db=db, log=log)
         self._parts = Parts(
             tokens=JoinTokens(db=db, log=log, token_key=self._token_key),
             joins=Joins(
@@ -87,8 +91,9 @@ class PkiService(Service):
                 instance=self.instance,
                 publish_event=self.publish_event,
             ),
-            signatures=Signatures(db=db, log=log),
+            signatures=signatures,
             certificates=Certificates(db=db, log=log, publish_event=self.publish_event),
+            burns=Burns(db=db, log=log, signatures=signatures, publish_event=self.publish_event),
         )
 
     async def _load_ca(self) -> None:
@@ -137,6 +142,7 @@ class PkiService(Service):
             "tokens.get": tokens.get_token,
             "tokens.revoke": tokens.revoke_token,
             "tokens.revoke_attempt": tokens.revoke_attempt,
+            "tokens.burn": self.parts.burns.burn,
             "agents.join": joins.join,
             "joins.list": joins.list_joins,
             "signatures.verify": self.parts.signatures.verify,

@@ -33,7 +33,10 @@ class Signatures:
         self.log = log
 
     async def verify(self, req: ApiRequest) -> Verified:
-        body = req.decode(VerifyRequest)
+        return await self.check(req.decode(VerifyRequest))
+
+    async def check(self, body: VerifyRequest) -> Verified:
+        """What ``signatures.verify`` answers, for bc-pki's own routes that take signed requests."""
         signer = parse_id(body.signer_id, path="signerId")
         if signer.startswith("cert_"):
             row = await self.db.fetchrow(store.CERT_SELECT_BY_ID, signer)

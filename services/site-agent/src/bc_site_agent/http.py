@@ -14,6 +14,7 @@ from better_compute.service.metrics import CONTENT_TYPE, render
 from .cache import SiteCache
 from .config import SiteAgentConfig
 from .netboot import (
+    ALREADY_SERVED_SCRIPT,
     LOCAL_BOOT_SCRIPT,
     BootEntries,
     discovery_cmdline,
@@ -33,7 +34,10 @@ def make_app(
     entries: BootEntries,
     cache: SiteCache,
     health: Callable[[], dict[str, Any]],
+    served_again: Callable[[dict[str, Any]], None] = lambda _mark: None,
 ) -> web.Application:
+    """The routes; ``served_again(mark)`` is told of each ask for a MAC whose one-time node
+    entry was already served (the agent reports it to bc-pki)."""
     log = get_logger(component="http")
 
     async def cached(request: web.Request) -> web.StreamResponse:
@@ -60,7 +64,13 @@ def make_app(
             mac = normalize_mac(request.match_info["mac"])
         except BcError:
             return web.Response(status=400, text="#!ipxe\necho bad MAC\nexit\n", content_type=_IPXE)
-        entry = entries.take(mac)
+        served = entries.take(mac)
+        entry = served.entry
+        if served.again is not None:
+            # never the discovery ramdisk either: its token is no business of a node's MAC
+            log.warning("netboot_entry_asked_again", mac=mac, served_mac=served.again.get("servedMac"))
+            served_again(served.again)
+            return web.Response(text=ALREADY_SERVED_SCRIPT, content_type=_IPXE)
         if entry is not None and entry.one_time:
             cache.release(f"netboot:{mac}:", prefix=True)  # its kernel may go once it is served
         if entry is not None:

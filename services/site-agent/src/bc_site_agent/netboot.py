@@ -5,14 +5,23 @@ A machine's iPXE (its NIC ROM, or chain-loaded) fetches ``/boot.ipxe``, which ch
 a whole script); an entry marked one-time is consumed by the answer that serves it (durably,
 before the answer leaves). An unknown MAC gets the discovery ramdisk when discovery is on for
 the site, and otherwise a script that exits to the next (local) boot device.
+
+A one-time entry that carries a node's join token is the node's identity on an unauthenticated
+network: whoever asks first gets it. So serving it also takes the node's other entries (the same
+token, its other MACs) and leaves a *served* mark per MAC for ``SERVED_WINDOW_S``; a MAC asked
+for again while marked gets nothing (``ALREADY_SERVED_SCRIPT``) and the agent reports the token
+to bc-pki, which burns it and what it issued, and the engine quarantines the node: a stolen
+token is a detected denial, never a silent identity (issue 23, H1; docs/site-agent.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -21,10 +30,13 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger, register_secret
 
 __all__ = [
+    "ALREADY_SERVED_SCRIPT",
     "IPXE_UNSAFE",
     "LOCAL_BOOT_SCRIPT",
+    "SERVED_WINDOW_S",
     "BootEntries",
     "BootEntry",
+    "Served",
     "discovery_cmdline",
     "discovery_script",
     "entry_script",
@@ -37,6 +49,15 @@ _MAC_RE = re.compile(r"^[0-9a-f]{2}([:-][0-9a-f]{2}){5}$")
 LOCAL_BOOT_SCRIPT = (
     "#!ipxe\necho bc-site-agent: no boot entry for this machine: booting from local disk\nexit\n"
 )
+
+ALREADY_SERVED_SCRIPT = (
+    "#!ipxe\necho bc-site-agent: this machine's boot entry was already served to someone:"
+    " the node is quarantined, an operator looks\nexit\n"
+)
+SERVED_WINDOW_S = 600.0
+"""How long a served node entry's MACs stay marked: a power-cycled machine asks for its script
+within minutes (its POST). A later network boot of the MAC without a new entry (a machine that
+boots from the network first, long after its ramdisk) is an ordinary unknown MAC again."""
 
 
 def normalize_mac(mac: str, *, path: str = "mac") -> str:
@@ -144,6 +165,15 @@ def discovery_cmdline(base: str, *, site_id: str, token_file: Path | None, contr
     return _ipxe_safe(" ".join(w for w in words if w), "netboot.discovery_cmdline")
 
 
+@dataclass(frozen=True)
+class Served:
+    """What ``BootEntries.take`` found: the entry to serve, or the served mark of a MAC whose
+    one-time node entry was already served (``again``), or neither (an unknown MAC)."""
+
+    entry: BootEntry | None
+    again: dict[str, Any] | None
+
+
 class BootEntries:
     """Entries on disk, one JSON file per MAC under ``folder`` (they survive restarts)."""
 
@@ -154,6 +184,9 @@ class BootEntries:
 
     def _file(self, mac: str) -> Path:
         return self.folder / (mac.replace(":", "-") + ".json")
+
+    def _served_file(self, mac: str) -> Path:
+        return self.folder / (mac.replace(":", "-") + ".served")
 
     def set(
         self, payload: dict[str, Any], *, command_id: str = "", join_token: str | None = None
@@ -183,16 +216,20 @@ class BootEntries:
             "commandId": command_id,
             "joinToken": join_token,
         }
-        target = self._file(mac)
-        tmp = target.with_suffix(".tmp")
         with self._lock:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(doc, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            tmp.replace(target)
+            self._write(self._file(mac), doc)
+            self._served_file(mac).unlink(missing_ok=True)  # a new entry: a new boot, a new token
         return entry
+
+    @staticmethod
+    def _write(target: Path, doc: dict[str, Any]) -> None:
+        tmp = target.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(target)
 
     def get(self, mac: str) -> BootEntry | None:
         try:
@@ -210,28 +247,57 @@ class BootEntries:
             join_token=_registered(doc.get("joinToken")),
         )
 
-    def take(self, mac: str) -> BootEntry | None:
-        """The entry to serve now; a one-time entry is removed (durably) before it is served."""
+    def take(self, mac: str, *, now: float | None = None) -> Served:
+        """What to serve ``mac`` now (see the module). A one-time entry is removed (durably)
+        before it is served; one with a join token takes the node's other entries with it and
+        marks every MAC of them served."""
+        now = time.time() if now is None else now
         with self._lock:
             entry = self.get(mac)
-            if entry is not None and entry.one_time:
-                self._file(entry.mac).unlink(missing_ok=True)
+            if entry is None:
+                return Served(entry=None, again=self._served(mac, now))
+            if entry.one_time:
+                taken = [entry]
+                if entry.join_token is not None:
+                    token = entry.join_token
+                    taken += [e for e in self._all() if e.mac != entry.mac and e.join_token == token]
+                    digest = hashlib.sha256(entry.join_token.encode()).hexdigest()
+                    for e in taken:
+                        mark = {"mac": e.mac, "tokenSha256": digest, "servedAt": now, "servedMac": entry.mac}
+                        self._write(self._served_file(e.mac), mark)
+                for e in taken:
+                    self._file(e.mac).unlink(missing_ok=True)
                 fd = os.open(self.folder, os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            return entry
+            return Served(entry=entry, again=None)
+
+    def _all(self) -> list[BootEntry]:
+        found = (self.get(p.stem.replace("-", ":")) for p in sorted(self.folder.glob("*.json")))
+        return [e for e in found if e is not None]
+
+    def _served(self, mac: str, now: float) -> dict[str, Any] | None:
+        """The served mark of ``mac`` while it is within its window (an older one is removed)."""
+        path = self._served_file(normalize_mac(mac))
+        try:
+            mark = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(mark, dict) or now - float(mark.get("servedAt", 0)) > SERVED_WINDOW_S:
+            path.unlink(missing_ok=True)
+            return None
+        return mark
 
     def clear(self, mac: str) -> bool:
-        target = self._file(normalize_mac(mac))
+        mac = normalize_mac(mac)
+        target = self._file(mac)
         with self._lock:
             existed = target.exists()
             target.unlink(missing_ok=True)
+            self._served_file(mac).unlink(missing_ok=True)
         return existed
-
-    def count(self) -> int:
-        return sum(1 for _ in self.folder.glob("*.json"))
 
 
 def _registered(token: str | None) -> str | None:

@@ -99,7 +99,10 @@ def _cache_use(a: AgentView) -> str | None:
     if s is None or s.cache_used_bytes is None:
         return None
     used = _size(s.cache_used_bytes)
-    return f"{used} of {_size(s.cache_max_bytes)}" if s.cache_max_bytes else used
+    text = f"{used} of {_size(s.cache_max_bytes)}" if s.cache_max_bytes else used
+    if s.cache_objects is not None:
+        text += f", {s.cache_objects} objects ({s.cache_pinned or 0} pinned)"
+    return text
 
 
 def _last_error(a: AgentView) -> str | None:

@@ -1,5 +1,6 @@
-"""``bcx enrollment-rules create|list|delete``: rules that enroll discovered nodes by their
-inventory and labels (docs/metal.md, "Enrollment rules").
+"""``bcx enrollment-rules create|list|delete|pending|confirm``: rules that enroll discovered nodes
+by their inventory and labels (docs/metal.md, "Enrollment rules"). ``pending`` lists the nodes a
+rule would enroll with a BMC address the machine reported itself; ``confirm`` enrolls one.
 
 The rule's BMC credential is read from a file (``--bmc-credentials-file``) or asked for at the
 terminal, never taken as an argument value, and stored through bc-secrets as a template secret:
@@ -20,7 +21,7 @@ from ..metal.lifecycle import parse_bmc_url
 from ..wire.codec import convert
 from ..wire.metal import EnrollmentRuleBmc, EnrollmentRuleView
 from .common import add_tenant_flag, api_client, engine_client, parse_labels
-from .metal_commands import add_bmc_credential_flags, read_credentials
+from .metal_commands import add_bmc_credential_flags, read_credentials, show_lines
 from .output import print_json, print_table
 
 __all__ = ["register"]
@@ -130,6 +131,33 @@ async def rules_delete(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def rules_pending(args: argparse.Namespace, settings: Settings) -> int:
+    async with engine_client(settings) as engine:
+        got = await engine.pending_enrollments(tenant_id=args.tenant, site_id=args.site)
+    if args.json:
+        print_json(got)
+        return 0
+    rows = [
+        {"node": p.node_id, "site": p.site_id, "rule": f"{p.rule_name} ({p.rule_id})",
+         "bmc": " ".join(str(p.bmc[k]) for k in ("driver", "address", "systemId") if p.bmc.get(k)),
+         "macs": ", ".join(p.macs) or "-", "uuid": p.product_uuid or "-", "since": p.since or "-"}
+        for p in got.nodes
+    ]  # fmt: skip
+    print_table(rows, [("node", "NODE"), ("site", "SITE"), ("rule", "RULE"), ("bmc", "BMC (reported)"),
+                       ("macs", "MACS"), ("uuid", "UUID"), ("since", "SINCE")])  # fmt: skip
+    return 0
+
+
+async def rules_confirm(args: argparse.Namespace, settings: Settings) -> int:
+    async with engine_client(settings) as engine:
+        node = await engine.confirm_enrollment(node_id=args.node)
+    if args.json:
+        print_json(node)
+    else:
+        print("\n".join(show_lines(node)))
+    return 0
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     rules = sub.add_parser(
         "enrollment-rules",
@@ -172,3 +200,18 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = rsub.add_parser("delete", parents=[common], help="delete a rule (its nodes stay enrolled)")
     p.add_argument("id", help="rule id (rule_…)")
     p.set_defaults(func=rules_delete)
+    p = rsub.add_parser(
+        "pending",
+        parents=[common],
+        help="nodes a rule would enroll with a BMC address the machine reported: they wait for confirm",
+    )
+    p.add_argument("--tenant", help="one tenant's")
+    p.add_argument("--site", help="one site's")
+    p.set_defaults(func=rules_pending)
+    p = rsub.add_parser(
+        "confirm",
+        parents=[common],
+        help="enroll a pending node as its rule would (check its BMC address first: the machine said it)",
+    )
+    p.add_argument("node", help="node id (node_…)")
+    p.set_defaults(func=rules_confirm)

@@ -210,8 +210,23 @@ def show_lines(node: NodeView) -> list[str]:
             f"failed      workflow {reason.get('workflowId')} ({reason.get('verb')}) at step "
             f"{reason.get('step')}: {reason.get('code')}: {reason.get('message')}"
         )
+    quarantine = node.quarantine
+    if quarantine:
+        lines.append(
+            f"quarantine  {quarantine.get('reason')}: {quarantine.get('message')}"
+            f" (token {quarantine.get('joinTokenId')}, mac {quarantine.get('mac') or '-'});"
+            " inspect or retire it once you looked"
+        )
     if node.enrolled_by_rule:
         lines.append(f"enrolled    by rule {node.enrolled_by_rule}")
+    conflict = node.discovery_conflict
+    if conflict:
+        claims = conflict.get("claims") or {}
+        macs = ", ".join(claims.get("macs") or []) or "-"
+        lines.append(
+            f"conflict    a discovery showed this hardware with macs {macs}"
+            f" serial {claims.get('serial') or '-'} (cert {conflict.get('certId')}): nothing changed"
+        )
     hw = node.hardware
     if hw:
         lines.append(f"hardware    uuid {hw.get('productUuid') or '-'}  serial {hw.get('serial') or '-'}")

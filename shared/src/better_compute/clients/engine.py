@@ -62,6 +62,7 @@ from ..wire.images import (
 from ..wire.metal import (
     BulkRun,
     BulkVerb,
+    ConfirmEnrollment,
     CreateEnrollmentRule,
     DeleteEnrollmentRule,
     EnrollmentRuleBmc,
@@ -69,8 +70,10 @@ from ..wire.metal import (
     EnrollmentRuleView,
     EnrollNode,
     ListEnrollmentRules,
+    ListPendingEnrollments,
     MetalVerb,
     NodeBmc,
+    PendingEnrollmentList,
     VerbName,
     VerbRun,
 )
@@ -397,6 +400,17 @@ class EngineClient(ServiceClient):
     async def delete_enrollment_rule(self, *, id: str) -> EnrollmentRuleView:
         """Delete a rule (nodes it enrolled stay enrolled); answers the rule as it was."""
         return await self._call("enrollmentRules.delete", DeleteEnrollmentRule(id=id), EnrollmentRuleView)
+
+    async def pending_enrollments(
+        self, *, tenant_id: str | None = None, site_id: str | None = None
+    ) -> PendingEnrollmentList:
+        """Discovered nodes a rule would enroll with a BMC address from the machine's own report."""
+        req = ListPendingEnrollments(tenant_id=tenant_id, site_id=site_id)
+        return await self._call("enrollmentRules.pending", req, PendingEnrollmentList)
+
+    async def confirm_enrollment(self, *, node_id: str) -> NodeView:
+        """Enroll a node whose rule enrolment waits for an operator, as the rule would."""
+        return await self._call("enrollmentRules.confirm", ConfirmEnrollment(node_id=node_id), NodeView)
 
     # -- images ---------------------------------------------------------------------
 

@@ -10,10 +10,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ..core.errors import BcError, ErrorCode
+from ..crypto import AgentIdentity
 from ..logging import register_secret
 from ..wire.paging import DEFAULT_LIMIT
 from ..wire.pki import (
+    BURN_PURPOSE,
     SERVICE,
+    BurnedJoinToken,
+    BurnJoinTokenRequest,
     CaInfo,
     CertIdRequest,
     CertificateInfo,
@@ -143,6 +147,14 @@ class PkiClient(ServiceClient):
     async def revoke_join_token(self, *, join_token_id: str, reason: str | None = None) -> JoinTokenInfo:
         req = RevokeJoinTokenRequest(join_token_id=join_token_id, reason=reason)
         return await self._call("tokens.revoke", req, JoinTokenInfo)
+
+    async def burn_join_token(
+        self, *, identity: AgentIdentity, token_sha256: str, mac: str, reason: str
+    ) -> BurnedJoinToken:
+        """A site agent's signed report that a node-bound token it served was asked for again
+        (``tokens.burn``): bc-pki revokes it and what it issued; safe to repeat."""
+        body = identity.signed_request(BURN_PURPOSE, tokenSha256=token_sha256, mac=mac, reason=reason)
+        return await self._call("tokens.burn", BurnJoinTokenRequest(**_snake(body)), BurnedJoinToken)
 
     async def revoke_attempt(
         self, *, workflow_id: str, step: int, attempt: int, reason: str | None = None
@@ -322,3 +334,7 @@ class StepPki:
     async def certificates(self, *, agent_id: str) -> list[CertificateInfo]:
         """The agent's valid certificates, newest first (``wait.agentJoined`` reads them)."""
         return await self.client.list_certificates(agent_id=agent_id)
+
+
+def _snake(doc: Mapping[str, Any]) -> dict[str, Any]:
+    return {"".join(f"_{c.lower()}" if c.isupper() else c for c in k): v for k, v in doc.items()}

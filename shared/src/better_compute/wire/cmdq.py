@@ -319,6 +319,10 @@ class AgentStatus(_Msg, frozen=True, kw_only=True):
     drivers: list[str] = []
     cache_used_bytes: int | None = None
     cache_max_bytes: int | None = None
+    cache_objects: int | None = None
+    cache_pinned: int | None = None
+    """Objects in a site agent's cache, and those held by a boot entry or a virtual medium (no
+    longer on its unauthenticated ``/healthz``)."""
     last_error: str | None = None
     last_error_at_ms: int | None = None
 

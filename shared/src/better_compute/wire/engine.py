@@ -309,6 +309,16 @@ class NodeView(_Reply, frozen=True, kw_only=True):
     enrolled_by_rule: str | None = None
     """The enrollment rule (``rule_…``) that enrolled this discovered node; None when an
     operator did, or nobody yet."""
+    quarantine: dict[str, Any] | None = None
+    """Set when the node's ramdisk join token was seen twice on the boot network (``reason``
+    ``boot-entry-fetched-twice`` or ``second-join``, ``message``, ``joinTokenId``, ``mac``,
+    ``at``): its workflow was aborted and only inspect or retire start on it (docs/metal.md)."""
+    discovery_conflict: dict[str, Any] | None = None
+    """The latest discovery that showed this node's hardware with other claims (``claims``,
+    ``certId``, ``agentId``, ``at``): recorded, never applied without an operator."""
+    pending_enrollment: dict[str, Any] | None = None
+    """A rule's enrolment waiting for an operator's confirmation (its BMC address came from the
+    machine's report): ``ruleId``, ``ruleName``, ``bmc``, ``at`` (``bcx enrollment-rules confirm``)."""
     created_at: str | None
     updated_at: str | None = None
     inventory: Any | msgspec.UnsetType = msgspec.UNSET
@@ -537,7 +547,8 @@ class WhyReason(_Reply, frozen=True, kw_only=True):
     pending, dispatched or running), ``batch-approval``, ``step-not-ready`` (the step's own
     reason), ``service-unavailable``, ``previous-attempt-running``, ``retry-backoff``,
     ``running`` (a control-plane step running in the engine), ``deadline``, ``bmc-error`` (the
-    node's last failed command, as its agent reported it), ``finished``, ``idle``."""
+    node's last failed command, as its agent reported it), ``finished``, ``idle``, ``quarantined``
+    (the node's ramdisk token was seen twice: first, before the rest)."""
 
     kind: str
     text: str

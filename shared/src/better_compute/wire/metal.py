@@ -25,6 +25,7 @@ __all__ = [
     "BulkRefusal",
     "BulkRun",
     "BulkVerb",
+    "ConfirmEnrollment",
     "CreateEnrollmentRule",
     "DeleteEnrollmentRule",
     "EnrollNode",
@@ -32,9 +33,12 @@ __all__ = [
     "EnrollmentRuleList",
     "EnrollmentRuleView",
     "ListEnrollmentRules",
+    "ListPendingEnrollments",
     "Mac",
     "MetalVerb",
     "NodeBmc",
+    "PendingEnrollment",
+    "PendingEnrollmentList",
     "SecretRef",
     "VerbName",
     "VerbProfile",
@@ -146,6 +150,20 @@ class DeleteEnrollmentRule(_Msg, frozen=True, kw_only=True):
     id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
+class ListPendingEnrollments(_Msg, frozen=True, kw_only=True):
+    """``enrollmentRules.pending``: discovered nodes a rule would enroll with a BMC address taken
+    from what the machine reported, waiting for an operator's ``enrollmentRules.confirm``."""
+
+    tenant_id: Name | None = None
+    site_id: Name | None = None
+
+
+class ConfirmEnrollment(_Msg, frozen=True, kw_only=True):
+    """``enrollmentRules.confirm``: an operator confirms a pending enrolment (answers the node)."""
+
+    node_id: NodeId
+
+
 # -- replies --------------------------------------------------------------------------
 
 
@@ -237,3 +255,24 @@ class EnrollmentRuleView(_Reply, frozen=True, kw_only=True):
 
 class EnrollmentRuleList(_Reply, frozen=True, kw_only=True):
     rules: list[EnrollmentRuleView]
+
+
+class PendingEnrollment(_Reply, frozen=True, kw_only=True):
+    """A discovered node a rule matched whose BMC address came from the machine's own report:
+    the address is the machine's word, so an operator confirms it (issue 23, M3)."""
+
+    node_id: str
+    tenant_id: str
+    site_id: str
+    rule_id: str
+    rule_name: str
+    bmc: dict[str, Any]
+    """``driver``, ``address``, ``systemId``: the BMC the node would get (no credential)."""
+    macs: list[str]
+    product_uuid: str | None = None
+    serial: str | None = None
+    since: str | None = None
+
+
+class PendingEnrollmentList(_Reply, frozen=True, kw_only=True):
+    nodes: list[PendingEnrollment]

@@ -32,10 +32,14 @@ from ..core.names import Name
 from .paging import DEFAULT_LIMIT, Cursor
 
 __all__ = [
+    "BURN_PURPOSE",
+    "BURN_REASONS",
     "CERT_EVENTS",
     "JOIN_EVENTS",
     "MAX_TTL_SECONDS",
     "SERVICE",
+    "BurnJoinTokenRequest",
+    "BurnedJoinToken",
     "CaInfo",
     "CertEvent",
     "CertIdRequest",
@@ -56,6 +60,7 @@ __all__ = [
     "JoinRequest",
     "JoinResult",
     "JoinRole",
+    "JoinTokenBurned",
     "JoinTokenIdRequest",
     "JoinTokenInfo",
     "JoinTokenList",
@@ -82,6 +87,12 @@ JOIN_EVENTS: Final = "join"
 known) (``JoinEvent``)."""
 CERT_EVENTS: Final = "cert"
 """The kind of certificate events: ``bc.events.cert.<cert id>`` (``CertEvent``)."""
+
+BURN_PURPOSE: Final = "tokens.burn"
+"""What a site agent signs a ``BurnJoinTokenRequest`` for (``better_compute.crypto``)."""
+BURN_REASONS: Final = ("boot-entry-fetched-twice", "second-join")
+"""Why a node-bound token was burned: a site agent served its one-time boot entry and then
+saw that MAC (or another MAC of the same entry) ask again; or a second join tried it."""
 
 JoinRole = Literal["node", "site", "provisioned", "discovery"]
 TokenState = Literal["active", "expired", "used", "revoked"]
@@ -177,6 +188,28 @@ class RevokedAttempt(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """What a ``RevokeAttempt`` revoked now (ids); none when it was done before."""
 
     revoked: list[str]
+
+
+class BurnJoinTokenRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A site agent's report that a node-bound token it served is no longer the node's alone
+    (``reason``), signed by the agent (``BURN_PURPOSE`` over every field but the signature).
+    bc-pki revokes the token and every certificate issued with it, and publishes
+    ``JoinTokenBurned``, from which the engine quarantines the node."""
+
+    token_sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    """sha256 of the token, hex: the site agent needs not send the token itself."""
+    mac: Annotated[str, msgspec.Meta(max_length=17)]
+    reason: Literal["boot-entry-fetched-twice"]
+    signer_id: str
+    signed_at_ms: int
+    nonce: Annotated[str, msgspec.Meta(max_length=64)]
+    signature: Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+class BurnedJoinToken(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    join_token_id: str
+    node_id: str | None = None
+    revoked_cert_ids: list[str] = []
 
 
 class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -385,7 +418,19 @@ class JoinRefused(_Event, frozen=True, kw_only=True, tag="refused"):
     at: float | None = None
 
 
-JoinEvent = JoinAccepted | JoinRefused
+class JoinTokenBurned(_Event, frozen=True, kw_only=True, tag="burned"):
+    """A node-bound token was seen twice (``reason``, one of ``BURN_REASONS``): it is revoked,
+    with every certificate issued with it, and the engine quarantines ``node_id``."""
+
+    join_token_id: str
+    node_id: str | None = None
+    reason: str
+    mac: str | None = None
+    revoked_cert_ids: list[str] = []
+    at: float | None = None
+
+
+JoinEvent = JoinAccepted | JoinRefused | JoinTokenBurned
 
 
 class CertRevoked(_Event, frozen=True, kw_only=True, tag="revoked"):

@@ -1,0 +1,151 @@
+"""Identity on the boot network (issue 23, H1): an attacker on the boot network who asks the site
+agent for a node's boot script gets no identity that lasts, and the machine's own boot shows it.
+
+Every part is a real process: bc-pki, bc-secrets, bc-command-queue, bc-engine, the site agent and
+the simulated machines, whose iPXE asks the site agent over HTTP as an attacker would. Counted
+where a user sees it: the join bc-pki issued to the thief (revoked), the node (quarantined, its
+workflow aborted, ``bcx nodes show`` and ``bcx why`` say why), the machine (no bcd of the
+thief's token ever runs on it), and the feed (a node event ``quarantine``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from better_compute.agent import Enrollment, enroll
+from better_compute.config import Settings
+from better_compute.core.errors import BcError
+from better_compute.service import ApiClient
+from better_compute.testing import ServiceProcesses, bcx, until
+from better_compute.testing.metal_sim import Faults, FleetStack, fleet_stack
+from better_compute.wire.engine import NODE_EVENTS
+from better_compute.wire.pki import JoinClaims
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = re.compile(r"bcd\.token=(bcjt_[A-Za-z0-9_-]{43})")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[FleetStack]:
+    # machine 0's BMC takes seconds to power on: the thief asks for its script before it boots
+    faults = {0: Faults(power_delay=(4.0, 4.5))}
+    async with fleet_stack(
+        tmp_path / "fleet", bc_settings, machines=2, faults=faults, processes=bc_processes, api=bc_api
+    ) as fleet:
+        try:
+            yield fleet
+        finally:
+            for m in fleet.sim.machines:
+                print(f"--- {m.name} ledger ---", m.ledger.counts())
+            print(fleet.tails())
+
+
+def _ask(stack: FleetStack, mac: str) -> str:
+    """GET /boot/mac/<mac> as any host on the boot network can (no credential)."""
+    url = f"{stack.agent.url}/boot/mac/{mac.replace(':', '-')}"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def _entries(stack: FleetStack) -> list[str]:
+    return [p.name for p in (stack.agent.state_dir / "netboot").glob("*.json")]
+
+
+async def _node_events(stack: FleetStack, node_id: str) -> list[dict[str, Any]]:
+    """The node's events on the feed, collected from now on (the list fills as they come)."""
+    seen: list[dict[str, Any]] = []
+
+    async def got(msg: Any) -> None:
+        seen.append(json.loads(msg.data))
+
+    await stack.api.nc.subscribe(stack.api.subjects.event(NODE_EVENTS, node_id), cb=got)
+    return seen
+
+
+async def _signature_counts(stack: FleetStack, thief: Enrollment) -> bool:
+    """Whether a signature of the thief's key verifies at bc-pki as the node (what the command
+    queue asks before it takes a command's result)."""
+    data, signature = thief.identity.sign("node.inventory", {"nodeId": thief.agent_id})
+    try:
+        await stack.pki.verify(signer_id=thief.cert_id, data=data, signature=signature)
+    except BcError as err:
+        if err.reason != "cert-revoked":
+            raise
+        return False
+    return True
+
+
+@pytest.mark.timeout(300)  # the stack takes 30-90 s to start on the loaded 2-core machine
+async def test_a_token_taken_off_the_boot_network_is_a_detected_denial_never_the_nodes_identity(
+    stack: FleetStack,
+) -> None:
+    # -- the thief asks first: before the machine has even powered on --------------------------
+    m, node_id = stack.machine(0), stack.nodes[0]
+    events = await _node_events(stack, node_id)
+    run = await stack.verb("inspect", 0)
+    await until(lambda: len(_entries(stack)) == len(m.macs), timeout=120, what="machine 0's boot entries")
+    script = _ask(stack, m.macs[0])
+    found = TOKEN.search(script)
+    assert found is not None, script  # the first ask gets the entry: nobody can tell who asks
+    claims = JoinClaims(macs=list(m.macs), product_uuid=m.uuid, serial=m.serial)
+    thief = await enroll(stack.pki, token=found.group(1), claims=claims, site_id=stack.site_id)
+    assert thief.agent_id == node_id
+    assert await _signature_counts(stack, thief)  # for the few seconds until the machine boots
+    # ... the machine boots and asks for its script: it gets nothing, and everybody is told
+    await until(lambda: m.ledger.count("boot.network") >= 1, timeout=60, what="machine 0 network-boots")
+    assert m.ledger.count("boot.network", served="exit") == 1
+    node = await stack.node_reaches(node_id, "failed", timeout=60, what="the quarantined node")
+    assert node.quarantine is not None
+    assert node.quarantine["reason"] == "boot-entry-fetched-twice", node.quarantine
+    assert node.quarantine["mac"] == m.macs[0]
+    assert "node quarantined: its one-time boot entry" in node.state_reason["message"], node.state_reason
+    assert (await stack.engine.get_workflow(id=run.workflow_id)).state == "aborted"
+    # the thief's certificate is revoked: its signatures count for nothing from now on
+    assert (await stack.pki.get_certificate(cert_id=thief.cert_id)).state == "revoked"
+    assert not await _signature_counts(stack, thief)
+    assert m.ledger.count("bcd.started") == 0  # no bcd ever ran on the machine with that token
+    await until(lambda: any(e.get("verb") == "quarantine" for e in events), timeout=10, what="the event")
+    shown = await bcx(stack.settings, "nodes", "show", node_id)
+    assert "quarantine  boot-entry-fetched-twice" in shown.stdout, shown.stdout
+    why = await bcx(stack.settings, "why", node_id)
+    assert f"node {node_id} is quarantined" in why.stdout, why.stdout
+    # only an operator's look starts on it (and clears the quarantine)
+    with pytest.raises(BcError) as refused:
+        await stack.verb("commission", 0)
+    assert (refused.value.code.value, refused.value.reason) == ("INVALID_STATE", "node-quarantined")
+    with pytest.raises(BcError) as resumed:  # nor does the aborted workflow go on
+        await stack.engine.resume_workflow(id=run.workflow_id)
+    assert (resumed.value.code.value, resumed.value.reason) == ("INVALID_STATE", "node-quarantined")
+
+    # -- the machine first: a later ask, for any MAC of the node, gets nothing ------------------
+    m, node_id = stack.machine(1), stack.nodes[1]
+    await stack.verb("inspect", 1)
+    await until(lambda: m.ledger.count("bcd.started") >= 1, timeout=120, what="machine 1's ramdisk")
+    late = _ask(stack, m.macs[1])  # the node's other MAC: its entry went with the first
+    assert "bcd.token" not in late, late
+    node = await stack.node_reaches(node_id, "failed", timeout=60, what="the quarantined node")
+    assert node.quarantine is not None
+    assert node.quarantine["mac"] == m.macs[1]
+    # and a second join with the token the machine booted with (sniffed off the wire) is refused
+    cmdline = (m.tree / "proc/cmdline").read_text()
+    sniffed = TOKEN.search(cmdline)
+    assert sniffed is not None
+    with pytest.raises(BcError) as second:
+        await enroll(
+            stack.pki, token=sniffed.group(1), claims=JoinClaims(macs=list(m.macs)), site_id=stack.site_id
+        )
+    assert second.value.code.value == "UNAUTHENTICATED", second.value
+    certs = await stack.pki.list_certificates(agent_id=node_id, include_revoked=True)
+    assert certs
+    assert all(c.state == "revoked" for c in certs)
