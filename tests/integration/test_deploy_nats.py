@@ -41,7 +41,7 @@ from better_compute.service.audit import requester
 from better_compute.service.events import ensure_events_stream
 from better_compute.testing import bcx, until
 from better_compute.wire import Subjects
-from better_compute.wire.subjects import OPERATOR_INBOX_PREFIX
+from better_compute.wire.subjects import operator_inbox_prefix, service_inbox_prefix
 
 T = TypeVar("T")
 
@@ -53,6 +53,7 @@ PASSWORD_VARS = [
     "SITE_AGENT", "NODE",
 ]  # fmt: skip
 OPERATORS = ("bcx", "alice")  # the users of account OPS
+SERVICES = ("engine", "command-queue", "pki", "secrets")  # the users of account BC
 WAIT = 15.0  # upper bound for anything the cluster has to settle
 
 
@@ -121,8 +122,8 @@ class Stack:
             connect_timeout=2,
             reconnect_time_wait=0.2,
             max_reconnect_attempts=-1,
-            # the operators' account (OPS) hears only on the inbox prefix it imports, as bcx does
-            inbox_prefix=OPERATOR_INBOX_PREFIX if user in OPERATORS else "_INBOX",
+            # each service and operator hears replies only under its own prefix, as they do
+            inbox_prefix=_inbox_prefix(user),
         )
         self.clients.append(nc)
         return nc
@@ -133,6 +134,14 @@ class Stack:
                 await asyncio.wait_for(nc.close(), timeout=2)
         for server in [self.leaf, *self.hub]:
             server.kill()
+
+
+def _inbox_prefix(user: str) -> str:
+    if user in OPERATORS:
+        return operator_inbox_prefix(user)
+    if user in SERVICES:
+        return service_inbox_prefix(user)
+    return "_INBOX"
 
 
 def _env(**values: object) -> dict[str, str]:
@@ -611,3 +620,145 @@ async def test_only_the_engine_reaches_the_command_queues_enqueue_unmarked(stack
     await eventually("the refusal", lambda: _refused(stack, "secrets", enqueue))
     await engine.request(enqueue, b"{}", timeout=5)  # a marker after it: it arrives alone
     assert len(seen[enqueue]) == before + 1
+
+
+async def test_no_service_or_operator_reads_another_ones_replies(stack: Stack) -> None:
+    """Issue 23 M5 and L2: each service user reads replies only under ``_INBOX.<service>.>``,
+    each operator only under ``_INBOX_OPS.<user>.>``. The command queue, which parses what agents
+    send, once heard every reply in BC (the engine's join tokens, bc-secrets' values), and any
+    operator heard another's revealed secrets."""
+    pki = await stack.connect("pki")
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(b"for " + msg.subject.encode())
+
+    await pki.subscribe("bc.api.pki.>", queue="pki", cb=answer)
+    await pki.flush()
+    # what each one may ask bc-pki (its own permission lines)
+    asks = {
+        "engine": "bc.api.pki.tokens.issue",
+        "command-queue": "bc.api.pki.signatures.verify",
+        "secrets": "bc.api.pki.signatures.verify",
+        "bcx": "bc.api.pki.tokens.issue",
+        "alice": "bc.api.pki.certs.revoke",
+    }
+    clients = {user: await stack.connect(user) for user in [*asks, "pki"]}
+    # everyone tries to listen to everyone else's replies, and to all of them at once
+    heard: dict[str, list[Subscription]] = {}
+    for user, nc in clients.items():
+        others = [_inbox_prefix(o) + ".>" for o in clients if o != user]
+        heard[user] = [await nc.subscribe(subject) for subject in [*others, "_INBOX.>", "_INBOX_OPS.>"]]
+        await nc.flush()
+    for user, subject in asks.items():
+        reply = await eventually(
+            f"{user} asks", lambda u=user, s=subject: clients[u].request(s, b"{}", timeout=1)
+        )
+        assert reply.data == b"for " + subject.encode()
+
+    for user in clients:
+        for subject in [*(_inbox_prefix(o) + ".>" for o in clients if o != user), "_INBOX.>", "_INBOX_OPS.>"]:
+            await eventually(f"{user} refused {subject}", functools.partial(_refused, stack, user, subject))
+        for sub in heard[user]:
+            assert await _drain(sub, wait=0.2) == [], (user, sub.subject)
+
+
+async def test_each_service_calls_only_the_routes_it_uses(stack: Stack) -> None:
+    """Issue 23 item 3: a service user publishes only the routes its code calls. The command
+    queue asks bc-pki to verify and to look up a certificate, nothing else: a compromised one
+    cannot issue join tokens, read secrets or drive the engine."""
+    seen: list[str] = []
+
+    async def answer(msg: Msg) -> None:
+        seen.append(msg.subject)
+        await msg.respond(b"{}")
+
+    for service in SERVICES:
+        nc = await stack.connect(service)
+        await nc.subscribe(f"bc.api.{service}.>", queue=service, cb=answer)
+        await nc.flush()
+    refused = {
+        "command-queue": [
+            "bc.api.pki.tokens.issue", "bc.api.pki.certs.revoke", "bc.api.secrets.secrets.get",
+            "bc.api.engine.workflows.start", "bc.api.command-queue.commands.enqueue",
+        ],
+        "secrets": [
+            "bc.api.pki.tokens.issue", "bc.api.engine.nodes.delete",
+            "bc.api.command-queue.commands.cancel",
+        ],
+        "pki": [
+            "bc.api.secrets.secrets.get", "bc.api.engine.nodes.delete",
+            "bc.api.command-queue.commands.enqueue",
+        ],
+        "engine": [
+            "bc.api.pki.keys.rewrap", "bc.api.secrets.secrets.describe",
+            "bc.api.command-queue.batches.approve",
+        ],
+    }  # fmt: skip
+    callers = {service: await stack.connect(service) for service in refused}
+    for service, subjects in refused.items():
+        nc = callers[service]
+        for subject in subjects:
+            await nc.publish(subject, b"{}")
+        await nc.flush()
+        for subject in subjects:
+            await eventually(
+                f"{service} refused {subject}", functools.partial(_refused, stack, service, subject)
+            )
+    # a call the engine may make arrives, and none of the refused ones did
+    engine = callers["engine"]
+    await eventually("a permitted call", lambda: engine.request("bc.api.pki.certs.get", b"{}", timeout=1))
+    assert seen[-1] == "bc.api.pki.certs.get"
+    assert not [s for s in seen if s != "bc.api.pki.certs.get"], seen
+
+
+async def test_an_operator_cannot_deliver_into_the_control_plane(stack: Stack) -> None:
+    """Issue 23 M1: an operator created a durable push consumer on BC_EVENTS delivering to
+    bc.api.pki.certs.revoke, and every newly joined agent's certificate was revoked, by no one,
+    even after the operator's user was gone. Operators now create no consumer at all (bcx events
+    tail reads by direct get) and delete none of the services'."""
+    cmdq = await stack.connect("command-queue")
+
+    async def created() -> bool:
+        await ensure_events_stream(cmdq, SUBJECTS, EventsSettings(replicas=3), get_logger())
+        return True
+
+    await eventually("events stream", created)
+    stream = SUBJECTS.events_stream()
+    js = cmdq.jetstream(timeout=5)
+    await js.add_consumer(stream, api.ConsumerConfig(durable_name="watcher", ack_policy=api.AckPolicy.NONE))
+    pki = await stack.connect("pki")
+    revoked = await pki.subscribe("bc.api.pki.certs.revoke")
+    await pki.flush()
+
+    alice = await stack.connect("alice")
+    ajs = alice.jetstream(timeout=1)
+    for config in [
+        api.ConsumerConfig(durable_name="evil", deliver_subject="bc.api.pki.certs.revoke"),
+        api.ConsumerConfig(deliver_subject="bc.api.pki.certs.revoke"),  # ephemeral
+        api.ConsumerConfig(name="evil2", deliver_subject="bc.api.pki.certs.revoke"),
+    ]:
+        with pytest.raises(TimeoutError):
+            await ajs.add_consumer(stream, config)
+    with pytest.raises(TimeoutError):
+        await ajs.delete_consumer(stream, "watcher")
+    engine = await stack.connect("engine")
+    await engine.publish(SUBJECTS.event("node", "node_1"), b'{"event":"joined"}')
+    await engine.flush()
+
+    async def stored() -> bool | None:
+        return True if (await js.stream_info(stream)).state.messages >= 1 else None
+
+    await eventually("the event kept", stored)
+    errs = "\n".join(stack.errors["alice"])
+    for said in [f"consumer.durable.create.{stream}.evil", f"consumer.create.{stream}", "consumer.delete"]:
+        assert said.lower() in errs.lower(), (said, errs)
+    assert [c.name for c in await js.consumers_info(stream)] == ["watcher"]
+    assert await _drain(revoked, wait=0.5) == []
+
+    # what an operator does see: the feed, read by direct get, answered on its own inbox
+    url = f"nats://alice:{stack.passwords['ALICE']}@127.0.0.1:{stack.hub[0].client_port}"
+    code, out, err = await bcx(
+        None, "events", "tail", "--since", "all", "--no-follow", "--json", "--nats-url", url, isolated=True
+    )
+    assert code == 0, err
+    assert [(e["kind"], e["id"]) for e in map(json.loads, out.splitlines())] == [("node", "node_1")]

@@ -19,7 +19,6 @@ from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..runtime.dev import SERVICES, DevStack
 from ..service.client import connect, discover
-from ..wire.subjects import OPERATOR_INBOX_PREFIX
 from . import (
     completion,
     contexts,
@@ -36,7 +35,7 @@ from . import (
     why_commands,
     workflow_commands,
 )
-from .common import connect_bus
+from .common import connect_bus, operator_inbox
 from .hints import HintContext, hint_for, site_of
 from .output import FORMATS, iso, print_error, print_json, print_table, use_format
 
@@ -158,7 +157,7 @@ async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
     want = {s: args.instances for s in services}
     nc = await connect(
         urls["nats"], name="bcx", allow_reconnect=False, creds=settings.nats_creds,
-        inbox_prefix=OPERATOR_INBOX_PREFIX,
+        inbox_prefix=operator_inbox(urls["nats"], settings.nats_creds),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + args.timeout
