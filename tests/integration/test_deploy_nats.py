@@ -34,10 +34,12 @@ from nats.js import api
 
 from better_compute.config import EventsSettings
 from better_compute.core.errors import BcError
+from better_compute.crypto import bcrypt_password, issue_bus_certificate, new_bus_ca
 from better_compute.logging import get_logger
 from better_compute.runtime.embedded import free_port as pick_free_port
 from better_compute.runtime.embedded import nats_server_binary, wait_port
 from better_compute.service.audit import requester
+from better_compute.service.client import tls_context
 from better_compute.service.events import ensure_events_stream
 from better_compute.testing import bcx, until
 from better_compute.wire import Subjects
@@ -49,7 +51,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats"
 SUBJECTS = Subjects()  # the configs are written for the default root, "bc"
 EU1 = SUBJECTS.site_stream("eu1")
 PASSWORD_VARS = [
-    "ROUTE", "SYS", "ENGINE", "COMMAND_QUEUE", "PKI", "SECRETS", "BCX", "ALICE", "LEAF_EU1",
+    "SYS", "ENGINE", "COMMAND_QUEUE", "PKI", "SECRETS", "BCX", "ALICE", "LEAF_EU1",
     "SITE_AGENT", "NODE",
 ]  # fmt: skip
 OPERATORS = ("bcx", "alice")  # the users of account OPS
@@ -101,6 +103,7 @@ class Stack:
     hub: list[Server]
     leaf: Server
     passwords: dict[str, str]
+    ca: Path  # the bus CA's certificate, which every server's chains to
     clients: list[Nats] = field(default_factory=list)
     errors: dict[str, list[str]] = field(default_factory=dict)
 
@@ -114,7 +117,8 @@ class Stack:
             seen.append(str(err))
 
         nc = await nats.connect(
-            servers=[f"nats://127.0.0.1:{s.client_port}" for s in servers or self.hub],
+            servers=[f"tls://127.0.0.1:{s.client_port}" for s in servers or self.hub],
+            tls=tls_context(str(self.ca)),
             user=user,
             password=password,
             name=f"test-{user}",
@@ -164,10 +168,33 @@ async def _leaf_connected(leaf: Server) -> bool | None:
     return True if body and body.get("leafnodes") else None
 
 
+def _certificates(folder: Path, names: list[str]) -> dict[str, dict[str, object]]:
+    """The bus CA in ``folder`` and a certificate from it for each server, as ``bcx bus`` makes
+    them: each server's TLS variables."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = new_bus_ca("test bus CA")
+    (folder / "ca.pem").write_bytes(ca_cert)
+    env: dict[str, dict[str, object]] = {}
+    for name in names:
+        cert, key = issue_bus_certificate(ca_cert, ca_key, name=name, dns=["localhost"], ips=["127.0.0.1"])
+        (folder / f"{name}.pem").write_bytes(cert)
+        (folder / f"{name}-key.pem").write_bytes(key)
+        env[name] = {
+            "TLS_CERT": folder / f"{name}.pem",
+            "TLS_KEY": folder / f"{name}-key.pem",
+            "TLS_CA": folder / "ca.pem",
+        }
+    return env
+
+
 def _build(tmp_path: Path) -> Stack:
     """The hub's three nodes and the eu1 leaf on fresh ports, not started."""
     passwords = {name: f"p{secrets.token_hex(12)}" for name in PASSWORD_VARS}
-    shared = _env(**{f"{name}_PASSWORD": value for name, value in passwords.items()})
+    # the servers get only the hashes (cheap ones: the test connects often)
+    shared = _env(
+        **{f"{name}_PASSWORD": bcrypt_password(value, rounds=4) for name, value in passwords.items()}
+    )
+    tls = _certificates(tmp_path / "tls", [*(f"bc-nats-{n}" for n in (1, 2, 3)), "bc-leaf-eu1"])
     used: set[int] = set()
 
     def free_port() -> int:
@@ -181,13 +208,14 @@ def _build(tmp_path: Path) -> Stack:
     route_ports = [free_port() for _ in range(3)]
     leaf_ports = [free_port() for _ in range(3)]
     for n, port in enumerate(route_ports, 1):
-        shared |= _env(**{f"ROUTE_{n}": f"nats-route://route:{passwords['ROUTE']}@127.0.0.1:{port}"})
+        shared |= _env(**{f"ROUTE_{n}": f"nats-route://127.0.0.1:{port}"})
     for n, port in enumerate(leaf_ports, 1):
         shared |= _env(**{f"HUB_{n}": f"nats-leaf://leaf-eu1:{passwords['LEAF_EU1']}@127.0.0.1:{port}"})
 
     def server(name: str, conf: str, **env: object) -> Server:
         client, monitor = free_port(), free_port()
         env |= {"CLIENT_LISTEN": f"127.0.0.1:{client}", "MONITOR_LISTEN": f"127.0.0.1:{monitor}"}
+        env |= tls[name]
         log = tmp_path / f"{name}.log"
         return Server(name, DEPLOY / conf, shared | _env(**env), log, client, monitor)
 
@@ -201,7 +229,8 @@ def _build(tmp_path: Path) -> Stack:
         )
         for n in (1, 2, 3)
     ]
-    return Stack(hub=hub, leaf=server("bc-leaf-eu1", "leaf-site.conf"), passwords=passwords)
+    leaf = server("bc-leaf-eu1", "leaf-site.conf")
+    return Stack(hub=hub, leaf=leaf, passwords=passwords, ca=tmp_path / "tls" / "ca.pem")
 
 
 def _port_taken(st: Stack) -> bool:
@@ -217,7 +246,7 @@ async def run_stack(tmp_path: Path) -> AsyncIterator[Stack]:
     Ports are picked free, then bound by nats-server: one taken meanwhile means new ports."""
     for attempt in range(3):
         st = _build(tmp_path / f"try-{attempt}")
-        (tmp_path / f"try-{attempt}").mkdir()
+        (tmp_path / f"try-{attempt}").mkdir(exist_ok=True)  # _build wrote the certificates there
         try:
             for node in [*st.hub, st.leaf]:
                 node.start()
@@ -531,11 +560,12 @@ async def test_the_event_feed_works_under_the_deployed_permissions(stack: Stack)
 
     await eventually("both events kept", stored)
     # bcx, as the operator user, tails the feed through an ephemeral consumer
-    url = f"nats://bcx:{stack.passwords['BCX']}@127.0.0.1:{n3.client_port}"
+    url = f"tls://bcx:{stack.passwords['BCX']}@127.0.0.1:{n3.client_port}"
     code, out, err = await bcx(
-        None, "events", "tail", "--since", "all", "--no-follow", "--json", "--nats-url", url, isolated=True
-    )
-    assert code == 0, err
+        None, "events", "tail", "--since", "all", "--no-follow", "--json", "--nats-url", url,
+        isolated=True, env={"BC_NATS_CA": str(stack.ca)},
+    )  # fmt: skip
+    assert code == 0, (out, err)
     # two publishers on two nodes: the stream's order between them is not theirs to choose
     assert sorted((e["kind"], e["id"]) for e in map(json.loads, out.splitlines())) == [
         ("batch", "batch_1"),
@@ -756,9 +786,59 @@ async def test_an_operator_cannot_deliver_into_the_control_plane(stack: Stack) -
     assert await _drain(revoked, wait=0.5) == []
 
     # what an operator does see: the feed, read by direct get, answered on its own inbox
-    url = f"nats://alice:{stack.passwords['ALICE']}@127.0.0.1:{stack.hub[0].client_port}"
+    url = f"tls://alice:{stack.passwords['ALICE']}@127.0.0.1:{stack.hub[0].client_port}"
     code, out, err = await bcx(
-        None, "events", "tail", "--since", "all", "--no-follow", "--json", "--nats-url", url, isolated=True
-    )
-    assert code == 0, err
+        None, "events", "tail", "--since", "all", "--no-follow", "--json", "--nats-url", url,
+        isolated=True, env={"BC_NATS_CA": str(stack.ca)},
+    )  # fmt: skip
+    assert code == 0, (out, err)
     assert [(e["kind"], e["id"]) for e in map(json.loads, out.splitlines())] == [("node", "node_1")]
+
+
+async def test_every_listener_speaks_tls_and_the_servers_keep_no_plain_password(stack: Stack) -> None:
+    """Issue 23: no listener took TLS and the configs held plain passwords. Now a client without
+    TLS gets nowhere on a hub node or the leaf, the cluster's routes and the leaf link ran over
+    TLS with certificates from the bus CA (the stack formed), and the servers' environment
+    holds only bcrypt hashes."""
+    for node in [stack.hub[0], stack.leaf]:
+        with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
+            await nats.connect(
+                f"nats://127.0.0.1:{node.client_port}",
+                user="bcx",
+                password=stack.passwords["BCX"],
+                connect_timeout=2,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                error_cb=_ignore,
+            )
+        # with TLS but a CA of its own, the client does not trust the server
+        tmp_ca = stack.ca.parent / "stranger"
+        tmp_ca.mkdir(exist_ok=True)
+        (tmp_ca / "ca.pem").write_bytes(new_bus_ca("not the bus CA")[0])
+        with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
+            await nats.connect(
+                f"tls://127.0.0.1:{node.client_port}",
+                tls=tls_context(str(tmp_ca / "ca.pem")),
+                connect_timeout=2,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                error_cb=_ignore,
+            )
+    for node in stack.hub:  # the routes and the leaf link came up over these listeners
+        _, varz = await asyncio.to_thread(node.monitor, "/varz")
+        tls = [varz.get("tls_required"), varz.get("tls_verify")]  # clients prove who they are by password
+        tls += [varz[k].get(f) for k in ("cluster", "leaf") for f in ("tls_required", "tls_verify")]
+        assert tls == [
+            True, None, True, True, True, True,
+        ], node.name  # fmt: skip
+    _, varz = await asyncio.to_thread(stack.leaf.monitor, "/varz")
+    assert varz["tls_required"], varz
+    for node in [*stack.hub, stack.leaf]:
+        for var, value in node.env.items():
+            if var.endswith("_PASSWORD"):
+                assert value.startswith('"$2b$'), var
+                assert value not in stack.passwords.values(), var
+
+
+async def _ignore(_err: Exception) -> None:
+    pass

@@ -10,10 +10,14 @@ import base64
 import json
 from pathlib import Path
 
+import bcrypt
 import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from better_compute.cli.common import operator_inbox
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.testing.bcx import run_bcx
 from better_compute.wire.subjects import SERVICE_NAMES, operator_inbox_prefix, service_inbox_prefix
 
 
@@ -61,3 +65,43 @@ def test_a_user_that_cannot_name_an_inbox_is_a_config_error(tmp_path: Path) -> N
     with pytest.raises(BcError) as err:
         operator_inbox("nats://nats-1:4222", _creds(tmp_path, {"name": "ops team"}))
     assert err.value.details["path"] == "nats_creds"
+
+
+def test_bcx_bus_makes_the_ca_the_servers_certificates_and_password_hashes(tmp_path: Path) -> None:
+    """deploy/nats's artefacts, as an operator makes them before the bus exists (the deploy test
+    runs nats-server on certificates and hashes from the same functions)."""
+    tls = tmp_path / "tls"
+    run = run_bcx(None, "bus", "ca", "--dir", str(tls), isolated=True)
+    assert run.returncode == 0, run.stderr
+    assert (tls / "ca-key.pem").stat().st_mode & 0o077 == 0  # the CA's key: its owner's only
+    again = run_bcx(None, "bus", "ca", "--dir", str(tls), "--json", isolated=True)
+    assert again.returncode != 0
+    assert "CONFLICT" in again.stdout  # never over an existing CA
+    run = run_bcx(
+        None, "bus", "cert", "--dir", str(tls), "--name", "bc-nats-1",
+        "--dns", "nats-1.example.internal", "--ip", "10.0.0.1", isolated=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    ca = x509.load_pem_x509_certificate((tls / "ca.pem").read_bytes())
+    cert = x509.load_pem_x509_certificate((tls / "bc-nats-1.pem").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["nats-1.example.internal"]
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.1"]
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(usage) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert (tls / "bc-nats-1-key.pem").stat().st_mode & 0o077 == 0
+    bad = run_bcx(
+        None, "bus", "cert", "--dir", str(tls), "--name", "x", "--ip", "10.0.0", "--json", isolated=True
+    )
+    assert bad.returncode != 0
+    assert '"ip"' in bad.stdout
+
+    run = run_bcx(None, "bus", "password", "--user", "command-queue", isolated=True, input="p0ssw0rd\n")
+    assert run.returncode == 0, run.stderr
+    var, _, value = run.stdout.strip().partition("=")
+    assert var == "BC_NATS_COMMAND_QUEUE_PASSWORD"
+    assert value.startswith("'\"$2b$")  # as nats.env.example shows
+    assert value.endswith("\"'")
+    assert bcrypt.checkpw(b"p0ssw0rd", value.strip("'\"").encode())
+    assert "p0ssw0rd" not in run.stdout

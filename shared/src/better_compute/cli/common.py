@@ -97,6 +97,7 @@ async def connect_bus(settings: Settings) -> Nats:
         name="bcx",
         allow_reconnect=False,
         creds=settings.nats_creds,
+        ca=settings.nats_ca,
         inbox_prefix=operator_inbox(url, settings.nats_creds),
     )
 

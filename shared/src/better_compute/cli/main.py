@@ -20,6 +20,7 @@ from ..logging import safe_url
 from ..runtime.dev import SERVICES, DevStack
 from ..service.client import connect, discover
 from . import (
+    bus_commands,
     completion,
     contexts,
     engine_commands,
@@ -156,7 +157,7 @@ async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
     # Wait until every started service answers, so `bcx status` right after shows them.
     want = {s: args.instances for s in services}
     nc = await connect(
-        urls["nats"], name="bcx", allow_reconnect=False, creds=settings.nats_creds,
+        urls["nats"], name="bcx", allow_reconnect=False, creds=settings.nats_creds, ca=settings.nats_ca,
         inbox_prefix=operator_inbox(urls["nats"], settings.nats_creds),
     )  # fmt: skip
     try:
@@ -307,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
     keys_commands.register(sub, common)
+    bus_commands.register(sub, common)
     ops_commands.register(sub, common)
     from . import cmdq_commands
 

@@ -224,6 +224,7 @@ class Service:
             url,
             name=f"{self.name}:{self.instance}",
             creds=self.settings.nats_creds,
+            ca=self.settings.nats_ca,
             # its replies under its own prefix, the only inboxes its NATS user may read
             inbox_prefix=service_inbox_prefix(self.api_name),
             error_cb=self._nats_error,

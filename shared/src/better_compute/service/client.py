@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 from typing import Any, TypeVar
 
 import msgspec
@@ -19,7 +20,7 @@ from ..wire.audit import ACTOR_HEADER
 from ..wire.codec import encode
 from ..wire.subjects import SERVICE_NAMES
 
-__all__ = ["ApiClient", "connect", "discover"]
+__all__ = ["ApiClient", "connect", "discover", "tls_context"]
 
 
 _REFUSED = re.compile(r"authorization violation|authentication", re.IGNORECASE)
@@ -43,7 +44,22 @@ def _check_creds(creds: str) -> None:
         ) from exc
 
 
-async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: Any) -> Nats:
+def tls_context(ca: str) -> ssl.SSLContext:
+    """A client TLS context that trusts only the CA in the file ``ca`` (the ``nats_ca`` setting),
+    checking the server's name; ``INVALID_CONFIG`` at ``nats_ca`` when it is not a readable CA."""
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise BcError(
+            ErrorCode.INVALID_CONFIG,
+            f"cannot load the NATS CA file {ca}: {getattr(exc, 'strerror', None) or exc}",
+            {"path": "nats_ca", "file": ca},
+        ) from exc
+
+
+async def connect(
+    url: str, *, name: str, creds: str | None = None, ca: str | None = None, **kwargs: Any
+) -> Nats:
     """Connect to NATS; ``UNAVAILABLE`` naming ``url`` (without credentials) when nothing answers.
 
     The first connection is bounded (``CONNECT_TRIES`` tries of ``connect_timeout`` seconds), so a
@@ -52,13 +68,17 @@ async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: An
     ever (``max_reconnect_attempts=-1``) and nats-py subscribes again by itself.
 
     ``creds`` is a NATS credentials file (the ``nats_creds`` setting): ``INVALID_CONFIG`` at
-    ``nats_creds`` when it cannot be read, ``UNAUTHENTICATED`` when the server refuses it.
+    ``nats_creds`` when it cannot be read, ``UNAUTHENTICATED`` when the server refuses it. ``ca``
+    (the ``nats_ca`` setting) is the CA file that TLS checks the servers against; a ``tls://`` URL
+    without it trusts the system's CAs.
     """
     reconnects = kwargs.pop("max_reconnect_attempts", -1)
     kwargs.setdefault("error_cb", _quiet)
     if creds:
         _check_creds(creds)
         kwargs["user_credentials"] = creds
+    if ca:
+        kwargs["tls"] = tls_context(ca)
     try:
         nc: Nats = await nats.connect(
             url,
