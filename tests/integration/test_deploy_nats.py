@@ -43,7 +43,11 @@ from better_compute.service.client import tls_context
 from better_compute.service.events import ensure_events_stream
 from better_compute.testing import bcx, until
 from better_compute.wire import Subjects
-from better_compute.wire.subjects import operator_inbox_prefix, service_inbox_prefix
+from better_compute.wire.subjects import (
+    SITE_AGENT_INBOX_PREFIX,
+    operator_inbox_prefix,
+    service_inbox_prefix,
+)
 
 T = TypeVar("T")
 
@@ -145,7 +149,9 @@ def _inbox_prefix(user: str) -> str:
         return operator_inbox_prefix(user)
     if user in SERVICES:
         return service_inbox_prefix(user)
-    return "_INBOX"
+    if user == "site-agent":
+        return SITE_AGENT_INBOX_PREFIX
+    return "_INBOX"  # bcd's (user node)
 
 
 def _env(**values: object) -> dict[str, str]:
@@ -458,7 +464,8 @@ async def test_site_agent_is_confined_to_its_site(stack: Stack) -> None:
     await cmdq.flush()
 
     agent = await stack.connect("site-agent", stack.leaf)
-    inboxes = await agent.subscribe("_INBOX.>")  # allowed: its own replies come there
+    node = await stack.connect("node", stack.leaf)
+    inboxes = await node.subscribe("_INBOX.>")  # allowed to bcd: its own replies come there
     await agent.subscribe(SUBJECTS.site_cmd_all("us1"))
     await agent.subscribe(SUBJECTS.site_cmd_all("eu1"))  # commands come only by pulling
     await agent.publish(SUBJECTS.agent_event("us1", "agent1", "heartbeat"), b"forged")
@@ -842,3 +849,38 @@ async def test_every_listener_speaks_tls_and_the_servers_keep_no_plain_password(
 
 async def _ignore(_err: Exception) -> None:
     pass
+
+
+async def test_a_node_does_not_read_the_site_agents_replies(stack: Stack) -> None:
+    """Issue 23 M4, the part that config can fix: the site agent hears its replies on
+    ``_INBOX.site-agent.>``, which the site's ``node`` user (whose password the boot network
+    sees) may not read; the node's own replies still reach it. Nodes still share one user: per-agent
+    identities are docs/security.md's design."""
+    cmdq = await stack.connect("command-queue")
+
+    async def welcome(msg: Msg) -> None:
+        await msg.respond(b"welcome " + msg.subject.encode())
+
+    await cmdq.subscribe("bc.agent.*.*.hello", queue="cmdq", cb=welcome)
+    await cmdq.flush()
+    node = await stack.connect("node", stack.leaf)
+    sniff_all = await node.subscribe("_INBOX.>")
+    await node.subscribe(f"{SITE_AGENT_INBOX_PREFIX}.>")
+    await node.flush()
+    agent = await stack.connect("site-agent", stack.leaf)
+    hello = SUBJECTS.agent_event("eu1", "site1", "hello")
+    reply = await eventually(
+        "the site agent's hello answered", lambda: agent.request(hello, b"hi", timeout=1)
+    )
+    assert reply.data == b"welcome " + hello.encode()
+    assert reply.subject.startswith(SITE_AGENT_INBOX_PREFIX + ".")
+    assert [s for s in await _drain(sniff_all) if s.startswith(SITE_AGENT_INBOX_PREFIX)] == []
+    await eventually(
+        "the refusal", functools.partial(_refused, stack, "node", f"{SITE_AGENT_INBOX_PREFIX}.>")
+    )
+
+    mine = SUBJECTS.agent_event("eu1", "node1", "hello")  # the node's own replies still come
+    assert (await node.request(mine, b"hi", timeout=5)).data == b"welcome " + mine.encode()
+    await agent.subscribe("_INBOX.>")  # and the site agent hears nothing but its own
+    await agent.flush()
+    await eventually("the site agent's refusal", functools.partial(_refused, stack, "site-agent", "_INBOX.>"))

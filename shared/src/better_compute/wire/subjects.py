@@ -13,6 +13,7 @@ import msgspec
 __all__ = [
     "OPERATOR_INBOX_PREFIX",
     "SERVICE_NAMES",
+    "SITE_AGENT_INBOX_PREFIX",
     "Subjects",
     "operator_inbox_prefix",
     "service_inbox_prefix",
@@ -23,6 +24,10 @@ OPERATOR_INBOX_PREFIX = "_INBOX_OPS"
 """The operators' inboxes: bcx run as NATS user ``<user>`` hears its replies on
 ``_INBOX_OPS.<user>.>`` (``operator_inbox_prefix``), the only part of ``_INBOX_OPS.>`` that user may
 read (deploy/nats/accounts.conf); the services' own ``_INBOX.>`` is never exported to operators."""
+
+SITE_AGENT_INBOX_PREFIX = "_INBOX.site-agent"
+"""The site agent's inbox prefix: on a site's leaf node (deploy/nats/leaf-site.conf) only the
+``site-agent`` user reads ``_INBOX.site-agent.>``, so the site's nodes never see its replies."""
 
 ANONYMOUS_OPERATOR = "anonymous"
 """The inbox token of a bcx that connects without a user (the dev stack's NATS has no users)."""
