@@ -566,7 +566,7 @@ async def test_the_event_feed_works_under_the_deployed_permissions(stack: Stack)
         return True if (await cmdq.jetstream().stream_info("BC_EVENTS")).state.messages == 2 else None
 
     await eventually("both events kept", stored)
-    # bcx, as the operator user, tails the feed through an ephemeral consumer
+    # bcx, as the operator user, reads the stored feed by direct get (it may create no consumer)
     url = f"tls://bcx:{stack.passwords['BCX']}@127.0.0.1:{n3.client_port}"
     code, out, err = await bcx(
         None, "events", "tail", "--since", "all", "--no-follow", "--json", "--nats-url", url,
@@ -578,6 +578,24 @@ async def test_the_event_feed_works_under_the_deployed_permissions(stack: Stack)
         ("batch", "batch_1"),
         ("workflow", "wf_1"),
     ]
+
+    # following: new workflow events as they come, batch events filtered out, until --limit
+    tail = ("events", "tail", "--kind", "workflow", "--limit", "3", "--json", "--nats-url", url)
+    follow = asyncio.create_task(bcx(None, *tail, isolated=True, env={"BC_NATS_CA": str(stack.ca)}))
+    n = 0
+    while not follow.done() and n < 200:  # it starts with the next event: publish until it has 3
+        n += 1
+        await cmdq.publish(SUBJECTS.event("batch", f"batch_f{n}"), b'{"event":"batch"}')
+        await engine.publish(SUBJECTS.event("workflow", f"wf_f{n}"), b'{"event":"finished"}')
+        await asyncio.wait({follow}, timeout=0.2)
+    code, out, err = await follow
+    assert code == 0, (out, err)
+    got = [json.loads(line) for line in out.splitlines()]
+    assert [e["kind"] for e in got] == ["workflow"] * 3
+    ids = [int(e["id"].removeprefix("wf_f")) for e in got]
+    assert ids == sorted(ids)
+    assert ids[-1] - ids[0] == 2, ids  # none skipped between the first and the last
+    assert [e["seq"] for e in got] == sorted(e["seq"] for e in got)
     assert not any(stack.errors.values()), stack.errors
 
 
