@@ -16,6 +16,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from better_compute.cli.common import operator_inbox
+from better_compute.cli.hints import HintContext, hint_for
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.testing.bcx import run_bcx
 from better_compute.wire.subjects import SERVICE_NAMES, operator_inbox_prefix, service_inbox_prefix
@@ -105,3 +106,12 @@ def test_bcx_bus_makes_the_ca_the_servers_certificates_and_password_hashes(tmp_p
     assert value.endswith("\"'")
     assert bcrypt.checkpw(b"p0ssw0rd", value.strip("'\"").encode())
     assert "p0ssw0rd" not in run.stdout
+
+
+def test_an_untrusted_bus_certificate_hints_at_the_ca_setting() -> None:
+    err = BcError(
+        ErrorCode.INVALID_CONFIG,
+        "the TLS certificate of NATS at tls://n:4222 is not trusted",
+        {"path": "nats_ca"},
+    )
+    assert "BC_NATS_CA" in (hint_for(err, HintContext(command=("status",))) or "")
