@@ -7,18 +7,25 @@ operator only under ``_INBOX_OPS.<user>.>``; these are the prefixes the code pic
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
+import time
 from pathlib import Path
 
 import bcrypt
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from bc_pki.ca import CertificateAuthority, parse_csr
 from better_compute.cli.common import operator_inbox
 from better_compute.cli.hints import HintContext, hint_for
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.crypto import make_csr, new_agent_key
+from better_compute.service.bus_auth import agent_certificate, agent_permissions
 from better_compute.testing.bcx import run_bcx
+from better_compute.wire import Subjects
 from better_compute.wire.subjects import SERVICE_NAMES, operator_inbox_prefix, service_inbox_prefix
 
 
@@ -115,3 +122,32 @@ def test_an_untrusted_bus_certificate_hints_at_the_ca_setting() -> None:
         {"path": "nats_ca"},
     )
     assert "BC_NATS_CA" in (hint_for(err, HintContext(command=("status",))) or "")
+
+
+def test_only_an_agent_certificate_of_the_ca_in_date_names_an_agent() -> None:
+    ca = CertificateAuthority.create(name="test CA")
+    cert = ca.issue(
+        parse_csr(make_csr(new_agent_key())), agent_id="agent_a1", tenant_id="root", site_id="eu1",
+        role="node", lifetime=dt.timedelta(hours=1),
+    )  # fmt: skip
+    pem = cert.public_bytes(serialization.Encoding.PEM).decode()
+    agent = agent_certificate(pem, ca.certificate_pem.encode())
+    assert (agent.agent_id, agent.site_id, agent.serial) == (
+        "agent_a1",
+        "eu1",
+        format(cert.serial_number, "x"),
+    )
+    other = CertificateAuthority.create(name="another CA")
+    later = time.time() + 2 * 3600
+    for bad_pem, ca_pem, now in [
+        (pem, other.certificate_pem.encode(), None),  # another CA's
+        (pem, ca.certificate_pem.encode(), later),  # expired
+        (ca.certificate_pem, ca.certificate_pem.encode(), None),  # the CA itself: no agent names
+        ("not a certificate", ca.certificate_pem.encode(), None),
+    ]:
+        with pytest.raises(BcError) as err:
+            agent_certificate(bad_pem, ca_pem, now=now)
+        assert err.value.code is ErrorCode.UNAUTHENTICATED
+    perms = agent_permissions(Subjects(), "eu1", "agent_a1", js_api="$JS.hub.API")
+    assert "$JS.hub.API.CONSUMER.MSG.NEXT.BC_SITE_EU1.agent_a1" in perms["pub"]["allow"]
+    assert perms["sub"]["allow"] == ["_INBOX.agent_a1.>"]
