@@ -124,6 +124,29 @@ def test_context_show_says_where_each_setting_comes_from(
     assert "JWT" not in out
 
 
+def test_a_context_keeps_the_bus_ca_for_its_tls_url(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = tmp_path / "bus-ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    code, _, err = bcx(capsys, "context", "add", "tls-1", "--nats-url", "tls://nats-1:4222", "--ca", str(ca))
+    assert code == 0, err
+    settings, _ = resolved("status")
+    assert (settings.nats_url, settings.nats_ca) == ("tls://nats-1:4222", str(ca))
+    where = {
+        s["setting"]: (s["value"], s["from"])
+        for s in json.loads(bcx(capsys, "context", "show", "--json")[1])["settings"]
+    }
+    assert where["nats_ca"] == (str(ca), "context tls-1")
+    monkeypatch.setenv("BC_NATS_CA", "/etc/other-ca.pem")  # the environment wins over the current context
+    assert resolved("status")[0].nats_ca == "/etc/other-ca.pem"
+    code, out, _ = bcx(
+        capsys, "context", "add", "tls-2", "--nats-url", "tls://n:1", "--ca", "/nope.pem", "--json"
+    )
+    assert code != 0
+    assert '"ca"' in out
+
+
 @pytest.mark.parametrize(
     ("text", "path"),
     [

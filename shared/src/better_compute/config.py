@@ -211,6 +211,8 @@ class Settings(_Section, frozen=True, kw_only=True):
 
     nats_url: str | None = None
     nats_creds: str | None = None
+    nats_ca: str | None = None
+    """The CA file (PEM) to verify NATS servers with, over TLS (deploy/nats: ``bcx bus ca``)."""
     database_url: str | None = None
     subject_root: str = "bc"
     app: str = DEFAULT_APP

@@ -9,7 +9,9 @@ one purpose never verifies for another. The documents of each contract are built
 from __future__ import annotations
 
 import base64
+import datetime
 import hashlib
+import ipaddress
 import os
 import re
 import secrets as _random
@@ -18,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias
 
+import bcrypt
 import msgspec
 from cryptography import x509
 from cryptography.exceptions import InvalidTag
@@ -27,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .core.errors import BcError, ErrorCode
 from .wire.agent import RESULT_PURPOSE, AgentEvent, event_purpose
@@ -36,13 +39,17 @@ from .wire.pki import JoinResult
 from .wire.secrets import SealedValue
 
 __all__ = [
+    "BUS_CERT_DAYS",
     "SIGNATURE_DOMAIN",
     "AgentIdentity",
     "AgentKey",
     "batch_document",
+    "bcrypt_password",
     "fetch_document",
+    "issue_bus_certificate",
     "make_csr",
     "new_agent_key",
+    "new_bus_ca",
     "open_sealed",
     "reply_public_key",
     "result_document",
@@ -265,3 +272,122 @@ def open_sealed(private_key: X25519PrivateKey, ref: str, sealed: SealedValue) ->
     except (ValueError, InvalidTag) as exc:
         raise BcError(ErrorCode.INTERNAL, "the sealed value from bc-secrets does not open") from exc
     return value
+
+
+# -- the bus's TLS and passwords (deploy/nats, `bcx bus`) ----------------------------------------
+
+BUS_CERT_DAYS: Final = 825  # a server certificate's default lifetime
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def new_bus_ca(name: str, *, days: int = 3650) -> tuple[bytes, bytes]:
+    """A CA for the bus's TLS (nats-server's client, route and leaf listeners): its certificate
+    and private key, both PEM. It signs only the NATS servers' certificates; keep its key off the
+    servers (``bcx bus ca``)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Better Compute"),
+            x509.NameAttribute(NameOID.COMMON_NAME, name),
+        ]
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    usage = x509.KeyUsage(
+        digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
+        key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
+    )  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(usage, critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(Encoding.PEM), _pem_key(key)
+
+
+def issue_bus_certificate(
+    ca_cert_pem: bytes,
+    ca_key_pem: bytes,
+    *,
+    name: str,
+    dns: list[str],
+    ips: list[str],
+    days: int = BUS_CERT_DAYS,
+) -> tuple[bytes, bytes]:
+    """A NATS server's certificate and key (PEM), signed by the bus CA, for the names and
+    addresses its clients, routes and leaf nodes dial. It serves (``serverAuth``) and presents
+    itself when it dials a route or a hub (``clientAuth``). ``INVALID_INPUT`` at ``dns``/``ip``
+    when a name or address is not one, or none is given."""
+    try:
+        ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+        ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    except ValueError as exc:
+        raise BcError(ErrorCode.INVALID_INPUT, "not a PEM CA certificate and key", {"path": "ca"}) from exc
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise BcError(ErrorCode.INVALID_INPUT, "the CA key is not an ECDSA key", {"path": "ca"})
+    alt: list[x509.GeneralName] = []
+    for host in dns:
+        if not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9.-]{0,252})", host):
+            raise BcError(ErrorCode.INVALID_INPUT, f"not a DNS name: {host!r}", {"path": "dns"})
+        alt.append(x509.DNSName(host))
+    for text in ips:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(text)))
+        except ValueError:
+            raise BcError(ErrorCode.INVALID_INPUT, f"not an IP address: {text!r}", {"path": "ip"}) from None
+    if not alt:
+        raise BcError(ErrorCode.INVALID_INPUT, "give the server's DNS names or addresses", {"path": "dns"})
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    usage = x509.KeyUsage(
+        digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+        key_agreement=False, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False,
+    )  # fmt: skip
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Better Compute"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, name),
+                ]
+            )
+        )
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(usage, critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski.value), False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert.public_bytes(Encoding.PEM), _pem_key(key)
+
+
+def bcrypt_password(password: str, *, rounds: int = 11) -> str:
+    """``password``'s bcrypt hash as nats-server takes it from the environment: in double quotes,
+    since nats-server would read a bare ``$2b$…`` as a variable (``bcx bus password``)."""
+    if not password or not password.isascii() or not password.isprintable():
+        raise BcError(
+            ErrorCode.INVALID_INPUT, "a password of printable ASCII characters", {"path": "password"}
+        )
+    return '"' + bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds)).decode() + '"'

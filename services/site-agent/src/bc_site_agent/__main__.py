@@ -32,6 +32,7 @@ from better_compute.logging import configure_logging, get_logger, register_secre
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import AgentStatus
+from better_compute.wire.subjects import SITE_AGENT_INBOX_PREFIX
 
 from . import __version__
 from .cache import SiteCache
@@ -123,7 +124,10 @@ async def _connect(config: SiteAgentConfig, stop: asyncio.Event) -> Any:
     attempt = 0
     while True:
         try:
-            return await connect(config.nats_url, name=f"bc-site-agent:{config.site_id}")
+            # replies under its own prefix, which the site's nodes may not read (deploy/nats)
+            return await connect(
+                config.nats_url, name=f"bc-site-agent:{config.site_id}", inbox_prefix=SITE_AGENT_INBOX_PREFIX
+            )
         except BcError as err:
             if err.code not in _WAIT_FOR or stop.is_set():
                 raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import getpass
 import json
 import os
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -24,7 +26,7 @@ from ..core.errors import BcError, ErrorCode
 from ..runtime.urls import resolve_nats_url
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
-from ..wire.subjects import OPERATOR_INBOX_PREFIX
+from ..wire.subjects import operator_inbox_prefix, valid_token
 
 __all__ = [
     "actor",
@@ -33,6 +35,7 @@ __all__ = [
     "as_rows",
     "connect_bus",
     "engine_client",
+    "operator_inbox",
     "parse_labels",
     "read_document",
     "short",
@@ -52,15 +55,50 @@ def actor() -> str:
     return f"{login}@{socket.gethostname()}"
 
 
+def _creds_name(creds: str) -> str | None:
+    """The ``name`` of the user JWT in a NATS credentials file (None when it has none)."""
+    try:
+        text = Path(creds).read_text()
+    except OSError:
+        return None  # connect() says what is wrong with the file
+    found = re.search(r"-----BEGIN NATS USER JWT-----\s*(\S+)\s*------END NATS USER JWT------", text)
+    if not found:
+        return None
+    try:
+        payload = found.group(1).split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (IndexError, ValueError):
+        return None
+    name = claims.get("name") if isinstance(claims, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def operator_inbox(url: str, creds: str | None) -> str:
+    """bcx's inbox prefix on the bus at ``url``: ``_INBOX_OPS.<user>``, the user being the URL's
+    (``nats://alice:…@host``) or the name in the credentials file, so that its replies come where
+    only that user may read (deploy/nats/accounts.conf). ``INVALID_CONFIG`` when the user cannot be
+    one subject token."""
+    user = urlsplit(url.split(",")[0]).username or (_creds_name(creds) if creds else None)
+    if user is not None and not valid_token(user):
+        raise BcError(
+            ErrorCode.INVALID_CONFIG,
+            f"the NATS user {user!r} cannot name an inbox: letters, digits, '-' and '_' only",
+            {"path": "nats_url" if not creds else "nats_creds"},
+        )
+    return operator_inbox_prefix(user)
+
+
 async def connect_bus(settings: Settings) -> Nats:
     """bcx's NATS connection to the deployment of ``settings`` (its URL and credentials file),
-    with the operators' inbox prefix (deploy/nats: the one BC exports to the OPS account)."""
+    with its operator's own inbox prefix (``operator_inbox``)."""
+    url = resolve_nats_url(settings)
     return await connect(
-        resolve_nats_url(settings),
+        url,
         name="bcx",
         allow_reconnect=False,
         creds=settings.nats_creds,
-        inbox_prefix=OPERATOR_INBOX_PREFIX,
+        ca=settings.nats_ca,
+        inbox_prefix=operator_inbox(url, settings.nats_creds),
     )
 
 

@@ -1,13 +1,15 @@
 """bcx contexts: named deployments in ``~/.config/bcx/config.toml``.
 
-A context is a NATS URL, optionally a NATS credentials file (its path: bcx never reads it out),
-a tenant and a subject root. ``current`` names the one in use. The file::
+A context is a NATS URL, optionally a NATS credentials file (its path: bcx never reads it
+out), the bus CA's certificate for a ``tls://`` URL (its path), a tenant and a subject root.
+``current`` names the one in use. The file::
 
     current = "eu-1"
 
     [contexts.eu-1]
-    nats_url = "nats://nats.eu-1.example:4222"
+    nats_url = "tls://nats.eu-1.example:4222"
     creds = "/home/me/.config/bcx/eu-1.creds"
+    ca = "/home/me/.config/bcx/eu-1-ca.pem"
     tenant = "acme"
 
 Where each setting comes from, first found wins (docs/bcx.md):
@@ -56,7 +58,7 @@ __all__ = [
 DEFAULT_TENANT: Final = "root"
 TENANT_ENV: Final = "BC_TENANT"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
-_KEYS: Final = ("nats_url", "creds", "tenant", "subject_root")
+_KEYS: Final = ("nats_url", "creds", "ca", "tenant", "subject_root")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class Context:
     name: str
     nats_url: str
     creds: str | None = None
+    ca: str | None = None
+    """The bus CA's certificate file, which the NATS servers' TLS certificates chain to."""
     tenant: str | None = None
     subject_root: str | None = None
 
@@ -74,6 +78,7 @@ class Context:
             "name": self.name,
             "natsUrl": safe_url(self.nats_url),
             "creds": self.creds,
+            "ca": self.ca,
             "tenant": self.tenant,
             "subjectRoot": self.subject_root,
         }
@@ -211,7 +216,12 @@ class Selection:
         ctx = self.context
         if ctx is None:
             return {}
-        return {"nats_url": ctx.nats_url, "nats_creds": ctx.creds, "subject_root": ctx.subject_root}
+        return {
+            "nats_url": ctx.nats_url,
+            "nats_creds": ctx.creds,
+            "nats_ca": ctx.ca,
+            "subject_root": ctx.subject_root,
+        }
 
     @property
     def name(self) -> str | None:
@@ -297,6 +307,8 @@ def origins(args: argparse.Namespace, sel: Selection, settings: Settings) -> lis
          "from": _origin(args, sel, args.nats_url, "BC_NATS_URL", ctx.nats_url, nats)},
         {"setting": "nats_creds", "value": settings.nats_creds,
          "from": _origin(args, sel, args.creds, "BC_NATS_CREDS", ctx.creds, settings.nats_creds)},
+        {"setting": "nats_ca", "value": settings.nats_ca,
+         "from": _origin(args, sel, None, "BC_NATS_CA", ctx.ca, settings.nats_ca)},
         {"setting": "tenant", "value": tenant,
          "from": _origin(args, sel, getattr(args, "tenant", None), TENANT_ENV, ctx.tenant, tenant)},
         {"setting": "subject_root", "value": settings.subject_root,
@@ -360,10 +372,16 @@ def _new_context(args: argparse.Namespace) -> Context:
         creds = str(Path(creds).expanduser().absolute())
         if not Path(creds).is_file():
             raise BcError(ErrorCode.INVALID_INPUT, f"no credentials file {creds}", {"path": "creds"})
+    ca = args.context_ca
+    if ca is not None:
+        ca = str(Path(ca).expanduser().absolute())
+        if not Path(ca).is_file():
+            raise BcError(ErrorCode.INVALID_INPUT, f"no CA file {ca}", {"path": "ca"})
     return Context(
         name=args.name,
         nats_url=args.context_nats_url,
         creds=creds,
+        ca=ca,
         tenant=args.context_tenant,
         subject_root=args.context_subject_root,
     )
@@ -432,6 +450,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="the context's name")
     p.add_argument("--nats-url", dest="context_nats_url", required=True, help="the deployment's NATS URL")
     p.add_argument("--creds", dest="context_creds", help="a NATS credentials file (its path is kept)")
+    p.add_argument(
+        "--ca",
+        dest="context_ca",
+        help="the bus CA's certificate, for a tls:// URL (bcx bus ca; its path is kept)",
+    )
     p.add_argument("--tenant", dest="context_tenant", help="the tenant commands use by default")
     p.add_argument("--subject-root", dest="context_subject_root", help="the deployment's subject root")
     p.add_argument("--use", action="store_true", help="make it the current context")

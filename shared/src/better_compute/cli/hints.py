@@ -130,6 +130,8 @@ def _invalid(err: BcError, ctx: HintContext) -> str | None:
     file = err.details.get("file")
     if err.path == "nats_creds":
         return _credentials(ctx)
+    if err.path == "nats_ca":
+        return "give the bus CA's certificate: $BC_NATS_CA=/path/to/ca.pem (deploy/README.md)"
     if isinstance(file, str) and err.path:
         return f"fix {err.path} in {file}"
     if isinstance(file, str):

@@ -19,8 +19,8 @@ from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..runtime.dev import SERVICES, DevStack
 from ..service.client import connect, discover
-from ..wire.subjects import OPERATOR_INBOX_PREFIX
 from . import (
+    bus_commands,
     completion,
     contexts,
     engine_commands,
@@ -36,7 +36,7 @@ from . import (
     why_commands,
     workflow_commands,
 )
-from .common import connect_bus
+from .common import connect_bus, operator_inbox
 from .hints import HintContext, hint_for, site_of
 from .output import FORMATS, iso, print_error, print_json, print_table, use_format
 
@@ -157,8 +157,8 @@ async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
     # Wait until every started service answers, so `bcx status` right after shows them.
     want = {s: args.instances for s in services}
     nc = await connect(
-        urls["nats"], name="bcx", allow_reconnect=False, creds=settings.nats_creds,
-        inbox_prefix=OPERATOR_INBOX_PREFIX,
+        urls["nats"], name="bcx", allow_reconnect=False, creds=settings.nats_creds, ca=settings.nats_ca,
+        inbox_prefix=operator_inbox(urls["nats"], settings.nats_creds),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + args.timeout
@@ -308,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     pki_commands.register(sub, common)
     secrets_commands.register(sub, common)
     keys_commands.register(sub, common)
+    bus_commands.register(sub, common)
     ops_commands.register(sub, common)
     from . import cmdq_commands
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as Nats
 from nats.js import api as js_api
 
 from ..clients.audit import AuditClient
@@ -34,8 +37,6 @@ from .common import api_client, as_rows, connect_bus, short
 from .output import iso, json_line, print_json, print_table
 
 __all__ = ["describe_event", "parse_since", "register"]
-
-_IDLE_S = 2.0  # --no-follow: a consumer with nothing pending and this long silent is done
 
 
 def parse_since(text: str | None, *, now: float | None = None) -> datetime | None:
@@ -94,8 +95,69 @@ def describe_event(event: Any) -> str:
     return "event"
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """One event as the stream keeps it."""
+
+    subject: str
+    data: bytes
+    seq: int
+    time: str  # nats-server's RFC 3339 time of storing
+
+
+_BATCH = 256  # events per direct read
+_WAIT_S = 1.0  # following: read again after this long even without a wake-up
+_END_OF_BATCH = ("204", "404")  # nats-server: batch done / nothing (more) to read
+
+
+async def _read_batch(nc: Nats, stream: str, request: dict[str, Any]) -> list[_Stored]:
+    """Up to ``_BATCH`` stored events from one batched direct get (nats-server 2.11+): a read
+    that creates nothing on the server, answered on this bcx's own inbox."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    got: list[_Stored] = []
+    try:
+        body = json.dumps({**request, "batch": _BATCH}).encode()
+        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", body, reply=inbox)
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=5.0)
+            except nats.errors.TimeoutError:
+                raise BcError(
+                    ErrorCode.TIMEOUT, f"no answer reading the event stream {stream}", {"stream": stream}
+                ) from None
+            headers = msg.headers or {}
+            status = headers.get(js_api.Header.STATUS)
+            if status in _END_OF_BATCH:
+                return got
+            if status:
+                said = headers.get(js_api.Header.DESCRIPTION, "")
+                raise BcError(
+                    ErrorCode.UNAVAILABLE,
+                    f"the event stream {stream} refused a read: {status} {said}".rstrip(),
+                    {"stream": stream, "status": status},
+                )
+            got.append(
+                _Stored(
+                    subject=headers.get("Nats-Subject", msg.subject),
+                    data=msg.data,
+                    seq=int(headers.get("Nats-Sequence", "0")),
+                    time=headers.get("Nats-Time-Stamp", ""),
+                )
+            )
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
 async def events_tail(args: argparse.Namespace, settings: Settings) -> int:
-    """Print the feed's events, oldest first, as they arrive (``--no-follow``: what is stored)."""
+    """Print the feed's events, oldest first, as they arrive (``--no-follow``: what is stored).
+
+    bcx reads the stream with batched direct gets, never a consumer: an operator's NATS user may
+    create no consumer on the control plane's JetStream (a push consumer's deliveries could be
+    pointed at any subject of the services, deploy/nats/accounts.conf). Following, a plain
+    subscription to the feed only wakes the next read; the stream's sequence keeps the order.
+    """
     kinds = _kinds(args.kind)
     since = parse_since(args.since)
     follow = not args.no_follow
@@ -104,43 +166,52 @@ async def events_tail(args: argparse.Namespace, settings: Settings) -> int:
     subjects = Subjects(root=settings.subject_root)
     nc = await connect_bus(settings)
     try:
-        js = nc.jetstream(timeout=5.0)
         stream = subjects.events_stream()
         try:
-            await js.stream_info(stream)
+            info = await nc.jetstream(timeout=5.0).stream_info(stream)
         except nats.js.errors.NotFoundError:
             raise BcError(
                 ErrorCode.UNAVAILABLE,
                 f"no event stream {stream} on this NATS: bc-command-queue creates it at start",
                 {"stream": stream},
             ) from None
+        if not info.config.allow_direct:
+            raise BcError(
+                ErrorCode.UNAVAILABLE,
+                f"the event stream {stream} does not allow direct reads yet: bc-command-queue"
+                " turns them on at its start (restart it after upgrading)",
+                {"stream": stream},
+            )
         only = f"{subjects.root}.events.{kinds[0]}.*" if len(kinds) == 1 else subjects.events_feed()
-        config = js_api.ConsumerConfig(
-            deliver_policy=js_api.DeliverPolicy.NEW if since is None else js_api.DeliverPolicy.BY_START_TIME,
-            opt_start_time=since,
-        )
-        sub = await js.subscribe(only, stream=stream, ordered_consumer=True, config=config)
+        request: dict[str, Any] = {"next_by_subj": only}
+        if since is None:
+            request["seq"] = info.state.last_seq + 1
+        else:
+            request["start_time"] = since.astimezone(UTC).isoformat().replace("+00:00", "Z")
+        wake = asyncio.Event()
+        if follow:
+
+            async def woken(_msg: Any) -> None:
+                wake.set()
+
+            await nc.subscribe(only, cb=woken)
         shown = 0
-        try:
-            info = await sub.consumer_info()
-            # nothing left to deliver and nothing delivered (a push consumer may have sent the
-            # first messages already, and they no longer count as pending)
-            if not follow and info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-                return 0
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=None if follow else _IDLE_S)
-                except nats.errors.TimeoutError:
-                    return 0  # --no-follow: caught up
-                if _show(msg, subjects, kinds, args, as_json=args.json):
+        while True:
+            wake.clear()
+            batch = await _read_batch(nc, stream, request)
+            for event in batch:
+                if _show(event, subjects, kinds, args, as_json=args.json):
                     shown += 1
                     if args.limit and shown >= args.limit:
                         return 0
-                if not follow and msg.metadata.num_pending == 0:
-                    return 0
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            if batch:
+                request = {"next_by_subj": only, "seq": batch[-1].seq + 1}
+            if len(batch) == _BATCH:
+                continue
+            if not follow:
+                return 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=_WAIT_S)
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
@@ -160,7 +231,9 @@ def _kinds(given: list[str] | None) -> list[str]:
     return kinds or list(FEED_KINDS)
 
 
-def _show(msg: Any, subjects: Subjects, kinds: list[str], args: argparse.Namespace, *, as_json: bool) -> bool:
+def _show(
+    msg: _Stored, subjects: Subjects, kinds: list[str], args: argparse.Namespace, *, as_json: bool
+) -> bool:
     parts = msg.subject[len(subjects.root) + 1 :].split(".")
     if len(parts) != 3 or parts[0] != "events":
         return False
@@ -174,13 +247,13 @@ def _show(msg: Any, subjects: Subjects, kinds: list[str], args: argparse.Namespa
     if args.workflow and (ident if kind == "workflow" else event_workflow(event)) not in args.workflow:
         return False
     at = getattr(event, "at", None)
-    when = iso(at) if isinstance(at, (int, float)) else iso(msg.metadata.timestamp)
+    when = iso(at) if isinstance(at, (int, float)) else iso(msg.time)
     if as_json:
         try:
             raw = json.loads(msg.data)
         except ValueError:
             raw = None
-        line = {"seq": msg.metadata.sequence.stream, "time": when, "kind": kind, "id": ident, "event": raw}
+        line = {"seq": msg.seq, "time": when, "kind": kind, "id": ident, "event": raw}
         print(json_line(line), flush=True)
     else:
         text = describe_event(event) if event is not None else f"({len(msg.data)} bytes this bcx cannot read)"

@@ -40,6 +40,7 @@ from ..wire import Subjects, encode_error, encode_ok
 from ..wire.audit import AuditList, ListAudit
 from ..wire.codec import decode, encode, validation_path
 from ..wire.paging import PAGE_BUDGET, decode_cursor, take_page
+from ..wire.subjects import service_inbox_prefix
 from . import audit
 from .client import ApiClient, connect
 from .db import Database, load_migrations
@@ -223,6 +224,9 @@ class Service:
             url,
             name=f"{self.name}:{self.instance}",
             creds=self.settings.nats_creds,
+            ca=self.settings.nats_ca,
+            # its replies under its own prefix, the only inboxes its NATS user may read
+            inbox_prefix=service_inbox_prefix(self.api_name),
             error_cb=self._nats_error,
             disconnected_cb=self._nats_disconnected,
             reconnected_cb=self._nats_reconnected,

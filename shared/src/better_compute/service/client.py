@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import ssl
 from typing import Any, TypeVar
 
 import msgspec
@@ -19,7 +21,7 @@ from ..wire.audit import ACTOR_HEADER
 from ..wire.codec import encode
 from ..wire.subjects import SERVICE_NAMES
 
-__all__ = ["ApiClient", "connect", "discover"]
+__all__ = ["ApiClient", "connect", "discover", "tls_context"]
 
 
 _REFUSED = re.compile(r"authorization violation|authentication", re.IGNORECASE)
@@ -43,7 +45,22 @@ def _check_creds(creds: str) -> None:
         ) from exc
 
 
-async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: Any) -> Nats:
+def tls_context(ca: str) -> ssl.SSLContext:
+    """A client TLS context that trusts only the CA in the file ``ca`` (the ``nats_ca`` setting),
+    checking the server's name; ``INVALID_CONFIG`` at ``nats_ca`` when it is not a readable CA."""
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise BcError(
+            ErrorCode.INVALID_CONFIG,
+            f"cannot load the NATS CA file {ca}: {getattr(exc, 'strerror', None) or exc}",
+            {"path": "nats_ca", "file": ca},
+        ) from exc
+
+
+async def connect(
+    url: str, *, name: str, creds: str | None = None, ca: str | None = None, **kwargs: Any
+) -> Nats:
     """Connect to NATS; ``UNAVAILABLE`` naming ``url`` (without credentials) when nothing answers.
 
     The first connection is bounded (``CONNECT_TRIES`` tries of ``connect_timeout`` seconds), so a
@@ -52,38 +69,94 @@ async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: An
     ever (``max_reconnect_attempts=-1``) and nats-py subscribes again by itself.
 
     ``creds`` is a NATS credentials file (the ``nats_creds`` setting): ``INVALID_CONFIG`` at
-    ``nats_creds`` when it cannot be read, ``UNAUTHENTICATED`` when the server refuses it.
+    ``nats_creds`` when it cannot be read, ``UNAUTHENTICATED`` when the server refuses it. ``ca``
+    (the ``nats_ca`` setting) is the CA file that TLS checks the servers against; a ``tls://`` URL
+    without it trusts the system's CAs.
     """
     reconnects = kwargs.pop("max_reconnect_attempts", -1)
-    kwargs.setdefault("error_cb", _quiet)
+    callback = kwargs.pop("error_cb", _quiet)
+    seen: list[Exception] = []  # what nats-py reported on the way: its final error hides the cause
+    untrusted = asyncio.Event()  # a server certificate we do not trust: no point in trying again
+
+    async def error_cb(exc: Exception) -> None:
+        if len(seen) < 16:
+            seen.append(exc)
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            untrusted.set()
+        await callback(exc)
+
     if creds:
         _check_creds(creds)
         kwargs["user_credentials"] = creds
-    try:
-        nc: Nats = await nats.connect(
+    if ca:
+        kwargs["tls"] = tls_context(ca)
+    connect_timeout = kwargs.pop("connect_timeout", 2)
+    reconnect_time_wait = kwargs.pop("reconnect_time_wait", 0.5)
+    nc = Nats()
+    attempt = asyncio.ensure_future(
+        nc.connect(
             url,
             name=name,
-            connect_timeout=kwargs.pop("connect_timeout", 2),
+            connect_timeout=connect_timeout,
             # nats-py uses the same limit for the first connection, where -1 (or 0) means trying
             # for ever: bound it here, and lift it once connected.
             max_reconnect_attempts=CONNECT_TRIES - 1,
-            reconnect_time_wait=kwargs.pop("reconnect_time_wait", 0.5),
+            reconnect_time_wait=reconnect_time_wait,
             allow_reconnect=kwargs.pop("allow_reconnect", True),
+            error_cb=error_cb,
             **kwargs,
         )
-    except (OSError, nats.errors.Error) as exc:
-        # nats-py reports the server's refusal as a plain Error carrying the server's words
-        if isinstance(exc, nats.errors.AuthorizationError) or _REFUSED.search(str(exc)):
-            raise BcError(
-                ErrorCode.UNAUTHENTICATED,
-                f"NATS at {safe_url(url)} refused this connection's credentials",
-                {"url": safe_url(url)},
-            ) from exc
-        raise BcError(
-            ErrorCode.UNAVAILABLE, f"cannot reach NATS at {safe_url(url)}", {"url": safe_url(url)}
-        ) from exc
+    )
+    stop = asyncio.ensure_future(untrusted.wait())
+    try:
+        # bounded: nats-py can hang after a failed TLS handshake (nats-py 2.x on Python 3.11)
+        await asyncio.wait(
+            {attempt, stop},
+            timeout=CONNECT_TRIES * (connect_timeout + reconnect_time_wait) + 2,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+    except BaseException:
+        attempt.cancel()
+        raise
+    finally:
+        stop.cancel()
+    failure: BaseException | None = None
+    if not attempt.done():
+        attempt.cancel()
+        failure = TimeoutError("no connection in time")
+    elif attempt.exception() is not None:
+        failure = attempt.exception()
+    if failure is not None:
+        if not isinstance(failure, (OSError, nats.errors.Error, TimeoutError)):
+            raise failure
+        with contextlib.suppress(
+            BaseException
+        ):  # its transport's close can hang after a failed TLS handshake
+            await asyncio.wait_for(nc.close(), timeout=0.2)
+        raise _connect_error(url, [failure, *seen]) from failure
     nc.options["max_reconnect_attempts"] = reconnects
     return nc
+
+
+def _connect_error(url: str, causes: list[BaseException]) -> BcError:
+    """The typed error of a first connection that failed, from everything nats-py reported."""
+    where = safe_url(url)
+    if any(isinstance(c, ssl.SSLCertVerificationError) for c in causes):
+        said = next(c for c in causes if isinstance(c, ssl.SSLCertVerificationError))
+        return BcError(
+            ErrorCode.INVALID_CONFIG,
+            f"the TLS certificate of NATS at {where} is not trusted ({said.verify_message}):"
+            " set nats_ca to the CA that signed it",
+            {"path": "nats_ca", "url": where},
+        )
+    # nats-py reports the server's refusal as a plain Error carrying the server's words
+    if any(isinstance(c, nats.errors.AuthorizationError) or _REFUSED.search(str(c)) for c in causes):
+        return BcError(
+            ErrorCode.UNAUTHENTICATED,
+            f"NATS at {where} refused this connection's credentials",
+            {"url": where},
+        )
+    return BcError(ErrorCode.UNAVAILABLE, f"cannot reach NATS at {where}", {"url": where})
 
 
 T = TypeVar("T")

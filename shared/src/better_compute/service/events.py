@@ -35,6 +35,9 @@ def events_stream_config(subjects: Subjects, settings: EventsSettings) -> api.St
         max_age=settings.max_age.seconds,
         max_bytes=settings.max_bytes,
         discard=api.DiscardPolicy.OLD,
+        # readers outside the control plane (bcx events tail) read by direct get, which creates
+        # nothing on the server: operators may create no consumer here (deploy/nats)
+        allow_direct=True,
     )
 
 
@@ -51,10 +54,11 @@ async def ensure_events_stream(nc: Nats, subjects: Subjects, settings: EventsSet
             raise
     info = await js.stream_info(subjects.events_stream())
     have = info.config
-    if (have.max_age, have.max_bytes, have.num_replicas) != (
+    if (have.max_age, have.max_bytes, have.num_replicas, bool(have.allow_direct)) != (
         config.max_age,
         config.max_bytes,
         config.num_replicas,
+        True,
     ):
         await js.update_stream(config)
         log.info(

@@ -10,12 +10,27 @@ import re
 
 import msgspec
 
-__all__ = ["OPERATOR_INBOX_PREFIX", "SERVICE_NAMES", "Subjects", "valid_token"]
+__all__ = [
+    "OPERATOR_INBOX_PREFIX",
+    "SERVICE_NAMES",
+    "SITE_AGENT_INBOX_PREFIX",
+    "Subjects",
+    "operator_inbox_prefix",
+    "service_inbox_prefix",
+    "valid_token",
+]
 
 OPERATOR_INBOX_PREFIX = "_INBOX_OPS"
-"""bcx's inbox prefix: its replies and its JetStream consumers' deliveries come on
-``_INBOX_OPS.>``, the one inbox prefix the services' account exports to the operators' account
-(deploy/nats/accounts.conf); its own ``_INBOX.>`` carries the services' replies, never exported."""
+"""The operators' inboxes: bcx run as NATS user ``<user>`` hears its replies on
+``_INBOX_OPS.<user>.>`` (``operator_inbox_prefix``), the only part of ``_INBOX_OPS.>`` that user may
+read (deploy/nats/accounts.conf); the services' own ``_INBOX.>`` is never exported to operators."""
+
+SITE_AGENT_INBOX_PREFIX = "_INBOX.site-agent"
+"""The site agent's inbox prefix: on a site's leaf node (deploy/nats/leaf-site.conf) only the
+``site-agent`` user reads ``_INBOX.site-agent.>``, so the site's nodes never see its replies."""
+
+ANONYMOUS_OPERATOR = "anonymous"
+"""The inbox token of a bcx that connects without a user (the dev stack's NATS has no users)."""
 
 SERVICE_NAMES = {
     "engine": "bc-engine",
@@ -30,6 +45,22 @@ _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 def valid_token(value: str) -> bool:
     """True when ``value`` can stand as one subject token (no dots, spaces or wildcards)."""
     return bool(_TOKEN_RE.match(value))
+
+
+def service_inbox_prefix(api_name: str) -> str:
+    """A service's inbox prefix, ``_INBOX.<api name>``: its replies and JetStream answers come
+    under it, and its NATS user may read nothing else of ``_INBOX.>`` (deploy/nats/accounts.conf)."""
+    if not valid_token(api_name):
+        raise ValueError(f"not a subject token: {api_name!r}")
+    return f"_INBOX.{api_name}"
+
+
+def operator_inbox_prefix(user: str | None) -> str:
+    """bcx's inbox prefix as NATS user ``user``: ``_INBOX_OPS.<user>`` (``anonymous`` without one)."""
+    user = user or ANONYMOUS_OPERATOR
+    if not valid_token(user):
+        raise ValueError(f"not a subject token: {user!r}")
+    return f"{OPERATOR_INBOX_PREFIX}.{user}"
 
 
 class Subjects(msgspec.Struct, frozen=True):
