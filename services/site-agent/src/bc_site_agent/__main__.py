@@ -157,14 +157,20 @@ async def run(config: SiteAgentConfig) -> None:
             nc=nc,
             subjects=subjects,
             version=__version__,
-            status=lambda: AgentStatus(
+            status=lambda: status(),
+        )
+
+        def status() -> AgentStatus:
+            # a BMC that fails now (tried again) is the last error until it answers again
+            failing = agent.call_failures()
+            return AgentStatus(
                 drivers=list(DRIVERS),
                 cache_used_bytes=cache.used_bytes(),
                 cache_max_bytes=cache.max_bytes,
-                last_error=site.last_error,
-                last_error_at_ms=site.last_error_at_ms,
-            ),
-        )
+                last_error=failing[0][0] if failing else site.last_error,
+                last_error_at_ms=int(failing[0][1] * 1000) if failing else site.last_error_at_ms,
+            )
+
         started = time.time()
 
         def health() -> dict[str, Any]:

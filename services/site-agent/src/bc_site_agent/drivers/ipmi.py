@@ -94,6 +94,17 @@ def _split(address: str) -> tuple[str, int]:
     return host, port
 
 
+def _os_reason(exc: OSError) -> str:
+    """A socket error in a few words for the command's progress."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, socket.gaierror):
+        return "name not resolved"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return exc.strerror.lower() if exc.strerror else type(exc).__name__
+
+
 class IpmiDriver:
     name = "ipmi"
 
@@ -134,7 +145,12 @@ class IpmiDriver:
                 low = text.lower()
                 if "timeout" in low or "timed out" in low or "session no longer connected" in low:
                     self._cmd = None
-                    raise Transient(call, "the BMC did not answer in time", maybe_applied=sent) from None
+                    raise Transient(
+                        call,
+                        "the BMC did not answer in time",
+                        maybe_applied=sent,
+                        reason="no answer (timed out)",
+                    ) from None
                 if any(words in low for words in _NO_CIPHER):
                     raise driver_error(
                         call, f"no cipher suite in common with the BMC ({text[:120]}; {_OFFERED})"
@@ -149,7 +165,10 @@ class IpmiDriver:
                 # refused (an ICMP port unreachable) or a name not resolved: nothing was taken
                 unsent = not sent or isinstance(exc, ConnectionRefusedError | socket.gaierror)
                 raise Transient(
-                    call, f"cannot reach the BMC ({type(exc).__name__})", maybe_applied=not unsent
+                    call,
+                    f"cannot reach the BMC ({type(exc).__name__})",
+                    maybe_applied=not unsent,
+                    reason=_os_reason(exc),
                 ) from None
             except struct.error:
                 # pyghmi fails this way in RAKP 2 when the BMC's key exchange hash is not as long
@@ -166,7 +185,14 @@ class IpmiDriver:
             except Exception as exc:
                 raise driver_error(call, f"IPMI failure ({type(exc).__name__})") from None
 
-        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent, what=call)
+        return await retry_in_thread(
+            run,
+            deadline=deadline,
+            log=self.log,
+            idempotent=idempotent,
+            what=call,
+            at=f"{self.host}:{self.port}",
+        )
 
     async def _power_state(self, deadline: float) -> str:
         got = await self._call(

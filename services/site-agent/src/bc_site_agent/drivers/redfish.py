@@ -93,6 +93,9 @@ class RedfishDriver:
             self.verify = _ca_file(target.ca_bundle)
         self._root: Any = None
         self.log = get_logger(driver="redfish", bmc=self.base_url)
+        parts = urlsplit(self.base_url)
+        self.at = parts.netloc.rpartition("@")[2] or self.base_url
+        """The BMC as the command's progress names it: host[:port], never a user or password."""
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -111,14 +114,18 @@ class RedfishDriver:
             except sushy.exceptions.ServerSideError as exc:
                 # 503: the BMC did not take the request; another 5xx may have half-applied it
                 raise Transient(
-                    call, f"HTTP {exc.status_code} from the BMC", maybe_applied=exc.status_code != 503
+                    call,
+                    f"HTTP {exc.status_code} from the BMC",
+                    maybe_applied=exc.status_code != 503,
+                    kind="error",
+                    reason=f"HTTP {exc.status_code} ({call})",
                 ) from None
             except sushy.exceptions.ConnectionError as exc:
                 cause = _cause(exc)
                 if cause.startswith("TLS"):
                     raise driver_error(call, cause) from None
                 raise Transient(
-                    call, f"cannot reach the BMC ({cause})", maybe_applied=not _never_sent(exc)
+                    call, f"cannot reach the BMC ({cause})", maybe_applied=not _never_sent(exc), reason=cause
                 ) from None
             except sushy.exceptions.AccessError as exc:
                 raise driver_error(call, f"HTTP {exc.status_code}: the BMC refused the credentials") from None
@@ -133,7 +140,9 @@ class RedfishDriver:
             except (KeyError, TypeError, AttributeError) as exc:
                 raise malformed_answer(call, exc) from None
 
-        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent, what=call)
+        return await retry_in_thread(
+            run, deadline=deadline, log=self.log, idempotent=idempotent, what=call, at=self.at
+        )
 
     def _timeout(self, deadline: float) -> float:
         return max(0.5, min(_CALL_TIMEOUT, deadline - time.time()))
