@@ -1,8 +1,13 @@
-"""A dead BMC shows at once (issue 26 item 1): the site agent reports each failing try of a BMC
-call as its command's progress, and ``bcx why``, ``bcx nodes show`` and ``bcx agents list`` say
-"BMC unreachable at <address>: connection refused, N tries since <time>" within seconds, until
-the BMC answers again. The engine, the command-queue and bc-pki as processes, a site agent
-process, sushy-emulator behind a proxy that is started on the dead port later."""
+"""A dead or misconfigured BMC shows at once (issue 26 items 1 and 2).
+
+* The site agent reports each failing try of a BMC call as its command's progress, and
+  ``bcx why``, ``bcx nodes show`` and ``bcx agents list`` say "BMC unreachable at <address>:
+  connection refused, N tries since <time>" within seconds, until the BMC answers again.
+* ``bcx nodes validate`` (and ``bcx nodes enroll``, which runs it) checks a node's BMC through
+  its site agent: a wrong password is "refused the credentials" and a non-zero exit.
+
+The engine, the command-queue, bc-pki and bc-secrets as processes, a site agent process,
+sushy-emulator (behind a proxy started on the dead port later)."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from better_compute.runtime.embedded import free_port
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx
 from better_compute.testing.agents import until
-from better_compute.testing.bmcs import FaultyProxy, RedfishEmulator
+from better_compute.testing.bmcs import SYSTEM_UUID, FaultyProxy, RedfishEmulator
 from better_compute.testing.site_agent import SiteAgentProcess
 
 SITE = "lab-deadbmc"
@@ -39,10 +44,10 @@ class Lab:
 async def lab(
     bc_api: ApiClient, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path
 ) -> AsyncIterator[Lab]:
-    for service in ("bc-pki", "bc-command-queue", "bc-engine"):
+    for service in ("bc-pki", "bc-secrets", "bc-command-queue", "bc-engine"):
         bc_processes.start(service)
     await bc_processes.wait_ready()
-    emulator = RedfishEmulator(tmp_path / "redfish", auth=False).start()
+    emulator = RedfishEmulator(tmp_path / "redfish").start()
     token = await PkiClient(bc_api).issue_join_token(
         tenant_id="root", role="site", site_id=SITE, ttl_seconds=600
     )
@@ -69,7 +74,7 @@ async def test_a_dead_bmc_shows_in_bcx_why_within_seconds_and_clears_when_it_ans
     lab: Lab, bc_api: ApiClient, bc_settings: Settings, tmp_path: Path
 ) -> None:
     port = free_port()  # nothing listens here yet: every try is refused
-    bmc = {"driver": "redfish", "address": f"http://127.0.0.1:{port}"}
+    bmc = {"driver": "redfish", "address": f"http://127.0.0.1:{port}"}  # no credential: none asked
     profile = {
         "id": "dead-bmc",
         "version": 1,
@@ -135,6 +140,70 @@ async def test_a_dead_bmc_shows_in_bcx_why_within_seconds_and_clears_when_it_ans
         await until(lambda: _lacking(agents, "unreachable"), timeout=30, interval=0.3)
     finally:
         proxy.close()
+
+
+@pytest.mark.timeout(180)
+async def test_bcx_nodes_validate_says_credentials_refused_and_enroll_runs_it(
+    lab: Lab, bc_settings: Settings, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad-credentials"
+    bad.write_text(f"{lab.emulator.username}:not-the-password-789")
+    good = tmp_path / "good-credentials"
+    good.write_text(f"{lab.emulator.username}:{lab.emulator.password}")
+    bmc = f"redfish+http://127.0.0.1:{lab.emulator.port}/redfish/v1/Systems/{SYSTEM_UUID}"
+
+    began = time.monotonic()
+    code, out, err = await bcx(
+        bc_settings, "nodes", "enroll", "--site", SITE, "--bmc", bmc, "--bmc-credentials-file", str(bad)
+    )
+    enrolled_in = time.monotonic() - began
+    assert code == 1, out + err
+    assert "refused the credentials" in out, out
+    assert "bcx nodes update" in err, err
+    assert "not-the-password-789" not in out + err
+    node_id = out.split()[0]
+    code, out, err = await bcx(bc_settings, "nodes", "show", node_id)
+    assert code == 0, err
+    assert "state       enrolled" in out, out  # it stays enrolled
+
+    code, out, err = await bcx(bc_settings, "nodes", "validate", node_id, "--json")
+    assert code == 1, out + err
+    got = json.loads(out)
+    assert got["ok"] is False
+    by_check = {c["check"]: c for c in got["checks"]}
+    assert by_check["reach"]["status"] == "ok", got
+    assert by_check["credentials"]["status"] == "failed", got
+    assert "refused the credentials" in by_check["credentials"]["message"], got
+    assert {by_check["system"]["status"], by_check["power"]["status"]} == {"skipped"}, got
+
+    code, out, err = await bcx(
+        bc_settings, "nodes", "update", node_id, "--bmc", bmc, "--bmc-credentials-file", str(good)
+    )
+    assert code == 0, out + err
+    code, out, err = await bcx(bc_settings, "nodes", "validate", node_id)
+    assert code == 0, out + err
+    lines = out.strip().splitlines()
+    assert [line.split()[:2] for line in lines] == [
+        ["reach", "ok"],
+        ["credentials", "ok"],
+        ["system", "ok"],
+        ["power", "ok"],
+    ], out
+    assert SYSTEM_UUID in out
+
+    code, out, err = await bcx(
+        bc_settings, "nodes", "enroll", "--site", SITE, "--bmc", bmc, "--bmc-credentials-file", str(good),
+        "--json",
+    )  # fmt: skip
+    assert code == 0, out + err
+    assert json.loads(out)["validation"]["ok"] is True
+    code, out, err = await bcx(
+        bc_settings, "nodes", "enroll", "--site", SITE, "--bmc", bmc, "--bmc-credentials-file", str(bad),
+        "--no-validate",
+    )  # fmt: skip
+    assert code == 0, out + err
+    assert "credentials" not in out
+    print(f"enroll with validation took {enrolled_in:.1f}s")
 
 
 async def _having(read: object, text: str) -> str | None:

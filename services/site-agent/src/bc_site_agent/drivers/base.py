@@ -32,6 +32,7 @@ __all__ = [
     "POWER_ACTIONS",
     "BmcCredentials",
     "BmcTarget",
+    "Checks",
     "Driver",
     "Transient",
     "driver_error",
@@ -103,6 +104,11 @@ class Driver(Protocol):
     async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]: ...
 
     async def inventory(self, *, deadline: float) -> dict[str, Any]: ...
+
+    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+        """The checks of ``management.validate`` (``check``), each ``ok``, ``failed`` or
+        ``skipped`` with a ``message``: nothing on the machine changes."""
+        ...
 
     async def close(self) -> None:
         """Drop the session (and with it the credentials)."""
@@ -246,3 +252,31 @@ async def power_converged(
     deadline), and the operation's result."""
     after = await poll_until(read, lambda state: state == want, deadline=deadline, what=what)
     return {"powerState": after, "changed": True}
+
+
+class Checks:
+    """The checks of ``management.validate`` in order: once one fails, the ones after it that
+    need it are ``skipped`` (a BMC that does not answer cannot be asked for its power state)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.failed = False
+
+    def ok(self, check: str, message: str) -> None:
+        self.items.append({"check": check, "status": "ok", "message": message})
+
+    def fail(self, check: str, message: str) -> None:
+        self.failed = True
+        self.items.append({"check": check, "status": "failed", "message": message[:300]})
+
+    def skip(self, *checks: str) -> list[dict[str, Any]]:
+        for check in checks:
+            self.items.append(
+                {"check": check, "status": "skipped", "message": "not checked: an earlier check failed"}
+            )
+        return self.items
+
+
+def failure_reason(err: BcError) -> str:
+    """What a failed check says: the driver's reason (which names the BMC call), else the message."""
+    return str(err.reason or err.message) if err.code is ErrorCode.DRIVER_ERROR else err.message

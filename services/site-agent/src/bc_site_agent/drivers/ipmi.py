@@ -31,8 +31,10 @@ from better_compute.logging import get_logger
 from .base import (
     BmcCredentials,
     BmcTarget,
+    Checks,
     Transient,
     driver_error,
+    failure_reason,
     malformed_answer,
     poll_until,
     power_converged,
@@ -264,6 +266,31 @@ class IpmiDriver:
 
     async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]:
         raise driver_error("virtual media", "the IPMI driver has no virtual media (use Redfish)")
+
+    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+        checks = Checks()
+        at = f"{self.host}:{self.port}"
+        try:  # a session: the BMC answers and takes the credentials (RAKP)
+            await self._call("Open Session", lambda c: None, deadline=deadline)
+        except BcError as err:
+            reason = failure_reason(err)
+            if "credentials" in reason or "cipher" in reason:
+                checks.ok("reach", f"the IPMI BMC at {at} answers")
+                checks.fail("credentials", reason)
+            else:
+                checks.fail("reach", f"{at}: {reason}")
+                checks.skip("credentials")
+            return checks.skip("system", "power")
+        checks.ok("reach", f"the IPMI BMC at {at} answers")
+        checks.ok("credentials", "the BMC takes the credentials")
+        checks.ok("system", "an IPMI BMC has one system")
+        try:
+            power = await self._power_state(deadline)
+        except BcError as err:
+            checks.fail("power", failure_reason(err))
+        else:
+            checks.ok("power", f"power state {power}")
+        return checks.items
 
     async def inventory(self, *, deadline: float) -> dict[str, Any]:
         state = await self._power_state(deadline)

@@ -33,13 +33,16 @@ from sushy.resources.system.constants import (
 )
 
 from better_compute.agent import before_call_blocking
+from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
 
 from .base import (
     BmcCredentials,
     BmcTarget,
+    Checks,
     Transient,
     driver_error,
+    failure_reason,
     malformed_answer,
     poll_until,
     power_converged,
@@ -304,6 +307,43 @@ class RedfishDriver:
         if got["inserted"]:
             raise driver_error("GET VirtualMedia", "the medium still shows as inserted after EjectMedia")
         return got
+
+    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+        checks = Checks()
+        try:  # the service root (sushy reads it as it connects)
+            await self._call("GET ServiceRoot", lambda: self._connect(deadline), deadline=deadline)
+        except BcError as err:
+            reason = failure_reason(err)
+            if "credentials" not in reason:
+                checks.fail("reach", f"{self.at}: {reason}")
+                return checks.skip("credentials", "system", "power")
+            checks.ok("reach", f"the Redfish service at {self.at} answers")
+            checks.fail("credentials", reason)
+            return checks.skip("system", "power")
+        checks.ok("reach", f"the Redfish service at {self.at} answers")
+        try:  # the systems need authentication where the root may not
+            await self._call(
+                "GET Systems",
+                lambda: self._connect(deadline).get_system_collection().members_identities,
+                deadline=deadline,
+            )
+        except BcError as err:
+            checks.fail("credentials", failure_reason(err))
+            return checks.skip("system", "power")
+        checks.ok("credentials", "the BMC takes the credentials")
+        try:
+            system = await self._call("GET System", lambda: self._system(deadline), deadline=deadline)
+        except BcError as err:
+            checks.fail("system", failure_reason(err))
+            return checks.skip("power")
+        checks.ok("system", f"system {system.identity} ({system.path})")
+        try:
+            power = await self._power_state(deadline)
+        except BcError as err:
+            checks.fail("power", failure_reason(err))
+        else:
+            checks.ok("power", f"power state {power}")
+        return checks.items
 
     async def inventory(self, *, deadline: float) -> dict[str, Any]:
         def read() -> dict[str, Any]:
