@@ -187,14 +187,14 @@ async def retry_transient(
                 raise driver_error(
                     exc.call, f"{exc.detail}; not repeated: the BMC may have applied it"
                 ) from None
+            if at is not None:
+                await call_failed(exc.kind, exc.reason, at=at)
             left = deadline - time.time()
             delay = random.uniform(0, min(cap, base * 2**attempt))
             if left <= delay:
                 raise driver_error(exc.call, f"{exc.detail} (gave up at the command's deadline)") from None
             if on_retry is not None:
                 on_retry(exc, delay)
-            if at is not None:
-                await call_failed(exc.kind, exc.reason, at=at)
             attempt += 1
             await asyncio.sleep(delay)
         else:

@@ -145,7 +145,10 @@ class IpmiDriver:
             except pyghmi_exc.IpmiException as exc:
                 text = str(exc)
                 low = text.lower()
-                if "timeout" in low or "timed out" in low or "session no longer connected" in low:
+                # pyghmi gives up a login the BMC never answered with no words at all (its
+                # session is marked broken without an error): a BMC that is away, as a timeout
+                silent = not exc.args or exc.args[0] is None
+                if silent or "timeout" in low or "timed out" in low or "session no longer connected" in low:
                     self._cmd = None
                     raise Transient(
                         call,
