@@ -227,11 +227,15 @@ async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> 
     if wf.state == "succeeded" and isinstance(result, dict) and isinstance(result.get("checks"), list):
         return [c for c in result["checks"] if isinstance(c, dict)]
     error = (steps[0].error if steps else None) or wf.error
-    message = error.get("message") if isinstance(error, dict) else None
-    return [{
-        "check": "validate", "status": "failed",
-        "message": f"workflow {wf.id} {wf.state}: {message or 'no checks came back'}",
-    }]  # fmt: skip
+    message = str(error.get("message")) if isinstance(error, dict) else ""
+    if wf.state == "succeeded" or "unsupported-kind" in message:
+        # an agent that does not run management.validate (an older one, a simulated one)
+        return [{
+            "check": "site-agent", "status": "skipped",
+            "message": f"the site agent did not check the BMC (workflow {wf.id}): it does not run"
+            " management.validate",
+        }]  # fmt: skip
+    return [{"check": "validate", "status": "failed", "message": f"workflow {wf.id} {wf.state}: {message}"}]
 
 
 def _check_lines(checks: list[dict[str, Any]]) -> list[str]:
