@@ -362,3 +362,68 @@ async def test_an_action_whose_answer_was_lost_is_not_sent_twice(
         await redfish(proxy.url, emulator).media_eject(device="cd", deadline=time.time() + 30)
         server.shutdown()
         server.server_close()
+
+
+def _statuses(checks: list[dict[str, Any]]) -> dict[str, str]:
+    return {c["check"]: c["status"] for c in checks}
+
+
+async def test_validate_checks_a_redfish_bmc_without_changing_it(emulator: RedfishEmulator) -> None:
+    """``management.validate`` (issue 26 item 2): all ok on a good BMC; a wrong password is the
+    credentials check failing (the BMC answered); a system that is not there is the system check;
+    a closed port is the reach check, within the deadline it was given."""
+    before = bmc_get(emulator, system_path())["PowerState"]
+    good = redfish(emulator.url, emulator, system_id=system_path())
+    checks = await good.validate(deadline=time.time() + 10)
+    assert _statuses(checks) == {"reach": "ok", "credentials": "ok", "system": "ok", "power": "ok"}, checks
+    assert bmc_get(emulator, system_path())["PowerState"] == before
+
+    wrong = redfish(emulator.url, emulator, password="not-the-password-321", system_id=system_path())
+    checks = await wrong.validate(deadline=time.time() + 10)
+    assert _statuses(checks) == {
+        "reach": "ok",
+        "credentials": "failed",
+        "system": "skipped",
+        "power": "skipped",
+    }
+    assert "refused the credentials" in checks[1]["message"], checks
+    assert "not-the-password-321" not in json.dumps(checks)
+
+    missing = redfish(emulator.url, emulator, system_id="/redfish/v1/Systems/no-such-system")
+    checks = await missing.validate(deadline=time.time() + 10)
+    assert _statuses(checks)["system"] == "failed", checks
+    assert "404" in checks[2]["message"], checks
+
+    dead = redfish(f"http://127.0.0.1:{free_port()}", emulator)
+    began = time.monotonic()
+    checks = await dead.validate(deadline=time.time() + 1.5)
+    assert time.monotonic() - began < 5
+    assert _statuses(checks)["reach"] == "failed", checks
+    assert "connection refused" in checks[0]["message"], checks
+
+
+async def test_validate_checks_an_ipmi_bmc(tmp_path: Path) -> None:
+    bmc = IpmiBmc(tmp_path / "ipmi").start()
+    try:
+        good = make_driver(
+            BmcTarget(driver="ipmi", address=bmc.address),
+            BmcCredentials(username=bmc.username, password=bmc.password),
+        )
+        try:
+            checks = await good.validate(deadline=time.time() + 10)
+        finally:
+            await good.close()
+        assert _statuses(checks) == {"reach": "ok", "credentials": "ok", "system": "ok", "power": "ok"}, (
+            checks
+        )
+        wrong = make_driver(
+            BmcTarget(driver="ipmi", address=bmc.address),
+            BmcCredentials(username=bmc.username, password="not-the-password"),
+        )
+        checks = await wrong.validate(deadline=time.time() + 10)
+        assert _statuses(checks) == {
+            "reach": "ok", "credentials": "failed", "system": "skipped", "power": "skipped"
+        }, checks  # fmt: skip
+        assert "refused the credentials" in checks[1]["message"], checks
+    finally:
+        bmc.close()

@@ -147,16 +147,19 @@ def test_metal_registers_the_pages_command_kinds_with_their_destructive_flags() 
         "node.imageWrite": True,
         "node.converge": False,
         "management.inventory": False,
+        "management.validate": False,
         "netboot.setEntry": False,
         "netboot.clearEntry": False,
     }
     # the shipped steps and lifecycle profiles (issue 11 item 4), the same objects every call
     assert [s.id for s in metal().steps] == [
         "power.setPower", "management.setBootDevice", "media.insert", "media.eject", "power.getPower",
-        "metal.ensureRamdisk", "wait.agentJoined", "inspect.collect", "disk.wipe", "deploy.deploy",
+        "management.validate", "metal.ensureRamdisk", "wait.agentJoined", "inspect.collect", "disk.wipe",
+        "deploy.deploy",
     ]  # fmt: skip
     assert [p.id for p in metal().profiles] == [
         "metal.inspect", "metal.commission", "metal.deploy", "metal.release", "metal.retire", "metal.adopt",
+        "metal.validate",
     ]  # fmt: skip
     assert metal().profiles[2] is metal().profiles[2]
 
@@ -559,7 +562,7 @@ def test_metal_registers_the_site_agents_driver_operations_once() -> None:
     app = better_compute(modules=[metal()])
     assert set(app.driver_operations) == {
         "power.setPower", "management.setBootDevice", "media.insert", "media.eject",
-        "management.inventory", "netboot.setEntry", "netboot.clearEntry",
+        "management.inventory", "management.validate", "netboot.setEntry", "netboot.clearEntry",
     }  # fmt: skip
     # an operation's input is the payload of the command kind of the same name
     assert app.driver_operations["power.setPower"].input is COMMAND_KINDS["power.setPower"].payload

@@ -30,6 +30,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.keys import workflow_command_prefix
 from better_compute.metal.lifecycle import TRANSITIONS
 from better_compute.provision import BUILTIN_CONFIG_UNITS, resolve_host_section, step_not_ready
+from better_compute.wire.agent import is_call_failure
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 from better_compute.wire.engine import CurrentStep, CurrentWorkflow
 
@@ -362,6 +363,8 @@ async def current_workflow(db: Any, row: Any, cmdq: Any = None) -> CurrentWorkfl
     waiting = _json(wf["waiting_for"])
     if waiting is None and wf["batch_id"] is not None and cmdq is not None:
         waiting = await _batch_waits(cmdq, wf["batch_id"])
+    if waiting is None and wf["idx"] is not None and cmdq is not None:
+        waiting = await _failing_bmc(cmdq, row["workflow_id"])
     return CurrentWorkflow(
         id=row["workflow_id"],
         state=wf["workflow_state"],
@@ -370,6 +373,19 @@ async def current_workflow(db: Any, row: Any, cmdq: Any = None) -> CurrentWorkfl
         step=CurrentStep(index=wf["idx"], action=wf["action"]) if wf["idx"] is not None else None,
         waiting_for=waiting,
     )
+
+
+async def _failing_bmc(cmdq: Any, workflow_id: str) -> dict[str, Any] | None:
+    """``{reason: bmc-failing, message, commandId}`` while a running command of the workflow
+    reports that its tries of the BMC fail (its progress, ``call_failure_text``)."""
+    try:
+        listed = await cmdq.list_commands(workflow_id=workflow_id, state="running", limit=20)
+    except BcError:
+        return None  # the command queue is away: nodes.get still answers
+    for cmd in listed.commands:
+        if is_call_failure(cmd.progress):
+            return {"reason": "bmc-failing", "message": cmd.progress, "commandId": cmd.id}
+    return None
 
 
 async def _batch_waits(cmdq: Any, batch_id: str) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from better_compute.core.ids import parse_id
 from better_compute.core.keys import attempt_key
 from better_compute.service import ApiRequest, Database
 from better_compute.wire import engine as m
+from better_compute.wire.agent import is_call_failure
 from better_compute.wire.cmdq import LIVE_STATES, CommandView
 
 from . import store
@@ -242,6 +243,10 @@ class WhyApi:
 
     async def _command(self, cmd: CommandView) -> m.WhyReason:
         facts: dict[str, Any] = {"commandId": cmd.id, "kind": cmd.kind, "state": cmd.state}
+        if cmd.state != "pending" and is_call_failure(cmd.progress):
+            # the agent's tries of the BMC fail: that first, where the command runs after it
+            text = f"{cmd.progress} (command {cmd.kind} {cmd.id} {cmd.state} on agent {cmd.agent_id or '-'})"
+            return _reason("bmc-failing", text, agentId=cmd.agent_id, progress=cmd.progress, **facts)
         if cmd.state != "pending":
             since = _at(cmd.updated_at)
             text = f"command {cmd.kind} {cmd.id} {cmd.state} since {since} on agent {cmd.agent_id or '-'}"

@@ -18,6 +18,7 @@ import random
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -58,16 +59,17 @@ def _control_plane(config: SiteAgentConfig) -> list[str]:
     return list(dict.fromkeys(a.split("%")[0] for a in addresses))
 
 
-def _status(cache: SiteCache, site: SiteHandlers) -> AgentStatus:
+def _status(cache: SiteCache, site: SiteHandlers, failing: Sequence[tuple[str, float]]) -> AgentStatus:
     stats = cache.stats()
+    # a BMC that fails now (tried again) is the last error until it answers again
     return AgentStatus(
         drivers=list(DRIVERS),
         cache_used_bytes=stats["usedBytes"],
         cache_max_bytes=stats["maxBytes"],
         cache_objects=stats["objects"],
         cache_pinned=stats["pinned"],
-        last_error=site.last_error,
-        last_error_at_ms=site.last_error_at_ms,
+        last_error=failing[0][0] if failing else site.last_error,
+        last_error_at_ms=int(failing[0][1] * 1000) if failing else site.last_error_at_ms,
     )
 
 
@@ -174,7 +176,7 @@ async def run(config: SiteAgentConfig) -> None:
             nc=nc,
             subjects=subjects,
             version=__version__,
-            status=lambda: _status(cache, site),
+            status=lambda: _status(cache, site, agent.call_failures()),
         )
 
         def health() -> dict[str, Any]:

@@ -33,6 +33,8 @@ from .relay import HttpRelay
 __all__ = ["SiteHandlers"]
 
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+VALIDATE_SECONDS = 15.0
+"""``management.validate`` tries a BMC that does not answer this long at most, then says so."""
 
 
 class SiteHandlers:
@@ -72,6 +74,7 @@ class SiteHandlers:
             "media.insert": self._bmc(self._insert),
             "media.eject": self._bmc(self._eject),
             "management.inventory": self._bmc(self._inventory),
+            "management.validate": self._validate,
             "netboot.setEntry": self._set_entry,
             "netboot.clearEntry": self._clear_entry,
         }
@@ -200,6 +203,37 @@ class SiteHandlers:
 
     async def _inventory(self, driver: Driver, cmd: Command) -> dict[str, Any]:
         return await driver.inventory(deadline=cmd.not_after)
+
+    async def _validate(self, cmd: Command) -> dict[str, Any]:
+        """``management.validate``: the BMC answers, takes the credentials, has the system and
+        says its power state; changes nothing. A check that fails is in the result (the command
+        succeeds): ``{driver, ok, checks: [{check, status: ok|failed|skipped, message}]}``."""
+        self.commands_run += 1
+        payload = cmd.payload if isinstance(cmd.payload, dict) else {}
+        target = BmcTarget.from_payload(payload.get("bmc"))
+        deadline = min(cmd.not_after, time.time() + VALIDATE_SECONDS)
+        try:
+            credentials = await self._credentials(target, deadline)
+            if credentials is None and target.driver == "ipmi":
+                raise BcError(
+                    ErrorCode.INVALID_INPUT, "the node's BMC has no credential (bmc.credentialsRef)", {}
+                )
+        except BcError as err:
+            checks = [{"check": "credentials", "status": "failed", "message": err.message[:300]}]
+            return {"driver": target.driver, "ok": False, "checks": checks}
+        driver = make_driver(target, credentials)
+        del credentials
+        try:
+            checks = await driver.validate(deadline=deadline)
+        finally:
+            await driver.close()
+            del driver
+        ok = all(c["status"] == "ok" for c in checks)
+        if not ok:
+            failed = next(c for c in checks if c["status"] == "failed")
+            self.last_error = f"{cmd.kind}: {failed['check']}: {failed['message']}"[:300]
+            self.last_error_at_ms = time.time_ns() // 1_000_000
+        return {"driver": target.driver, "ok": ok, "checks": checks}
 
     # -- boot entries ------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ Join once (``enroll``, then ``save_enrollment``), then run an ``Agent`` with a h
 command kind. The agent announces itself, pulls its commands from its site's stream, claims
 each before running it, runs each at most once (its ``Journal`` remembers across restarts),
 reports progress and results, and signs everything it sends. A handler awaits ``before_call``
-before every try of a call to a machine: it stops there once a cancel reached the agent.
+before every try of a call to a machine: it stops there once a cancel reached the agent; it
+reports a try that failed and will be tried again with ``call_failed`` (the command's progress
+names the failure until ``call_answered``).
 """
 
 from ..crypto import result_document
@@ -20,6 +22,8 @@ from .runner import (
     CommandRejected,
     before_call,
     before_call_blocking,
+    call_answered,
+    call_failed,
 )
 
 __all__ = [
@@ -35,6 +39,8 @@ __all__ = [
     "JournalEntry",
     "before_call",
     "before_call_blocking",
+    "call_answered",
+    "call_failed",
     "enroll",
     "load_enrollment",
     "payload_digest",

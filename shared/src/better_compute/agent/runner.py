@@ -46,6 +46,7 @@ from ..wire.agent import (
     Ack,
     AckReply,
     AgentEvent,
+    CallFailure,
     Check,
     CheckReply,
     CommandDelivery,
@@ -56,6 +57,7 @@ from ..wire.agent import (
     Progress,
     Result,
     ResultReply,
+    call_failure_text,
     payload_digest,
 )
 from ..wire.cmdq import AgentStatus
@@ -72,6 +74,8 @@ __all__ = [
     "CommandRejected",
     "before_call",
     "before_call_blocking",
+    "call_answered",
+    "call_failed",
     "connect_waiting",
 ]
 
@@ -81,6 +85,9 @@ MAX_RESULT_BYTES: Final = 512 * 1024
 _WAIT_FOR: Final = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 """The command queue is not there now: ask again until it is (or the agent stops)."""
 _INTERNAL_TRIES: Final = 5
+PROGRESS_INTERVAL: Final = 1.0
+"""At most one progress event per command this often (seconds): the latest word waits its turn
+and goes out then, the ones before it are dropped."""
 _NOT_FINAL: Final = frozenset({"not-yours", "digest-mismatch"})
 """Claim refusals that hold for this delivery only, whatever the queue's ``again`` says: the
 command is another agent's now (it may be handed to this one later: journaled, that delivery
@@ -116,6 +123,27 @@ class _Run:
     tries: int = 0
     last_call: str | None = None
     cancelled: bool = False
+    failure: _Failure | None = None
+    said_at: float = -PROGRESS_INTERVAL
+    """When (monotonic) the last progress of the command went out."""
+    saying: str | None = None
+    """The latest progress not sent yet (it waits for ``PROGRESS_INTERVAL``)."""
+    flushing: bool = False
+
+
+@dataclass(kw_only=True)
+class _Failure:
+    """The tries of the command's calls to its machine that failed in a row."""
+
+    kind: CallFailure
+    reason: str
+    at: str
+    tries: int
+    since: float
+    """The first failed try of the row (seconds since the epoch)."""
+
+    def text(self) -> str:
+        return call_failure_text(self.kind, self.reason, at=self.at, tries=self.tries, since=self.since)
 
 
 _CURRENT: ContextVar[tuple[Agent, str, asyncio.AbstractEventLoop] | None] = ContextVar(
@@ -135,6 +163,26 @@ async def before_call(call: str) -> None:
     if current is not None:
         agent, command_id, _loop = current
         await agent._before_call(command_id, call)
+
+
+async def call_failed(kind: CallFailure, reason: str, *, at: str) -> None:
+    """A try of a call to a machine failed and will be tried again (in a command's handler): the
+    command's progress says so at once, with the tries that failed in a row and since when
+    (``BMC unreachable at 10.0.0.5:443: connection refused, 12 tries since 04:31:02 UTC``), and
+    the agent's status names it as its last error until the machine answers (``call_answered``).
+    ``reason`` and ``at`` must hold no secret. Outside a handler it does nothing."""
+    current = _CURRENT.get()
+    if current is not None:
+        agent, command_id, _loop = current
+        agent._call_failed(command_id, kind, reason[:200], at[:200])
+
+
+async def call_answered() -> None:
+    """A call to the machine answered: the failures ``call_failed`` reported are over."""
+    current = _CURRENT.get()
+    if current is not None:
+        agent, command_id, _loop = current
+        agent._call_answered(command_id)
 
 
 def before_call_blocking(call: str) -> None:
@@ -525,7 +573,59 @@ class Agent:
                 self.log.debug("command_check_failed", command_id=command_id, error=str(err))
         if run.cancelled:
             raise CommandCancelled(f"cancelled: stopped before try {run.tries} ({call})")
-        self._spawn(self._progress(command_id, f"try {run.tries}: {call}"[:500], None))
+        if run.failure is None:  # while the calls fail, the progress says that
+            self._say(command_id, run, f"try {run.tries}: {call}"[:500])
+
+    def _call_failed(self, command_id: str, kind: CallFailure, reason: str, at: str) -> None:
+        run = self._runs.get(command_id)
+        if run is None:
+            return
+        failure = run.failure
+        if failure is None or (failure.kind, failure.reason, failure.at) != (kind, reason, at):
+            since = failure.since if failure is not None else time.time()
+            tries = failure.tries if failure is not None else 0
+            failure = run.failure = _Failure(kind=kind, reason=reason, at=at, tries=tries, since=since)
+        failure.tries += 1
+        self._say(command_id, run, failure.text())
+
+    def _call_answered(self, command_id: str) -> None:
+        run = self._runs.get(command_id)
+        if run is None or run.failure is None:
+            return
+        run.failure = None
+        self._say(command_id, run, f"try {run.tries}: {run.last_call or 'answered'} (it answers again)"[:500])
+
+    def call_failures(self) -> list[tuple[str, float]]:
+        """The commands running now whose calls to their machine fail: each one's progress text
+        and when its failures began (seconds since the epoch), newest first."""
+        found = [(r.failure.text(), r.failure.since) for r in self._runs.values() if r.failure is not None]
+        return sorted(found, key=lambda f: -f[1])
+
+    def _say(self, command_id: str, run: _Run, message: str) -> None:
+        """The command's progress, at most one event per ``PROGRESS_INTERVAL``: a word that comes
+        sooner waits for its turn (a later one replaces it)."""
+        run.saying = message
+        if run.flushing:
+            return
+        wait = run.said_at + PROGRESS_INTERVAL - time.monotonic()
+        if wait <= 0:
+            self._flush(command_id, run)
+            return
+        run.flushing = True
+
+        async def later() -> None:
+            await asyncio.sleep(wait)
+            run.flushing = False
+            if self._runs.get(command_id) is run:
+                self._flush(command_id, run)
+
+        self._spawn(later())
+
+    def _flush(self, command_id: str, run: _Run) -> None:
+        message, run.saying = run.saying, None
+        if message is not None:
+            run.said_at = time.monotonic()
+            self._spawn(self._progress(command_id, message, None))
 
     # -- pulling and running commands ------------------------------------------------
 

@@ -110,7 +110,7 @@ def _last_error(a: AgentView) -> str | None:
     if s is None or not s.last_error:
         return None
     at = f" ({iso(s.last_error_at_ms / 1000)})" if s.last_error_at_ms else ""
-    return f"{s.last_error[:80]}{at}"
+    return f"{s.last_error[:100]}{at}"
 
 
 def _batch_row(b: BatchView) -> dict[str, Any]:

@@ -10,6 +10,7 @@ Nothing here prints it.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import getpass
 import json
 import sys
@@ -17,12 +18,13 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from ..clients import EngineClient, SecretsClient
+from ..clients import CommandQueueClient, EngineClient, SecretsClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.ids import new_id, parse_id
 from ..logging import register_secret
 from ..metal.lifecycle import VERBS, parse_bmc_url, parse_selector
+from ..metal.steps.profiles import VALIDATE_PROFILE_ID
 from ..wire.codec import convert
 from ..wire.engine import NodeView
 from ..wire.metal import BulkRun, NodeBmc, VerbName
@@ -165,14 +167,97 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
             site_id=site, id=node_id, tenant_id=args.tenant, labels=labels, macs=list(args.mac or []),
             bmc=_node_bmc(bmc, ref) if bmc is not None else None,
         )  # fmt: skip
+        checks = None
+        if node.bmc and not args.no_validate:
+            checks = await validate_node(api, node)
+    # a BMC that failed a check; one nobody could check (no site agent yet) is said, not failed
+    failed = [c for c in checks or [] if c.get("status") == "failed"]
     if args.json:
-        print_json(node)
-        return 0
+        doc = as_rows([node])[0]
+        if checks is not None:
+            doc["validation"] = {"ok": not failed, "checks": checks}
+        print_json(doc)
+        return 1 if failed else 0
     print(f"{node.id} {node.state}  site {node.site_id}")
     if node.bmc:
         ref = node.bmc.get("credentialsRef") or "no credential"
         print(f"  bmc {node.bmc['driver']} {node.bmc['address']} ({ref})")
+    if checks is not None:
+        for line in _check_lines(checks):
+            print(f"  {line}")
+    if failed:
+        print(
+            f"the node is enrolled, but its BMC failed validation: fix it with bcx nodes update {node.id}"
+            " --bmc … --bmc-credentials-file …, then bcx nodes validate",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+_WORKFLOW_ENDS = ("succeeded", "failed", "aborted")
+
+
+async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Check the node's BMC now (the ``metal.validate`` workflow: its site agent's
+    ``management.validate``): one entry per check, ``{check, status, message}``."""
+    agents = await CommandQueueClient(api).agents(site_id=node.site_id, connected=True)
+    if not [a for a in agents if a.role == "site"]:
+        return [{
+            "check": "site-agent", "status": "skipped",
+            "message": f"no connected site agent at site {node.site_id}: the BMC was not checked",
+        }]  # fmt: skip
+    engine = EngineClient(api)
+    wf = await engine.start_workflow(
+        profile_id=VALIDATE_PROFILE_ID, node_id=node.id, tenant_id=node.tenant_id
+    )
+    end = time.monotonic() + timeout
+    while wf.state not in _WORKFLOW_ENDS:
+        if time.monotonic() > end:
+            raise BcError(
+                ErrorCode.TIMEOUT,
+                f"the validation of node {node.id} (workflow {wf.id}) did not end in {timeout:.0f}s",
+                {"path": "id", "workflowId": wf.id},
+            )
+        await asyncio.sleep(0.25)
+        wf = await engine.workflow(id=wf.id)
+    steps = wf.steps if isinstance(wf.steps, list) else []
+    done = steps[0].result if steps and isinstance(steps[0].result, dict) else {}
+    result = done.get("result")
+    if wf.state == "succeeded" and isinstance(result, dict) and isinstance(result.get("checks"), list):
+        return [c for c in result["checks"] if isinstance(c, dict)]
+    error = (steps[0].error if steps else None) or wf.error
+    message = str(error.get("message")) if isinstance(error, dict) else ""
+    if wf.state == "succeeded" or "unsupported-kind" in message:
+        # an agent that does not run management.validate (an older one, a simulated one)
+        return [{
+            "check": "site-agent", "status": "skipped",
+            "message": f"the site agent did not check the BMC (workflow {wf.id}): it does not run"
+            " management.validate",
+        }]  # fmt: skip
+    return [{"check": "validate", "status": "failed", "message": f"workflow {wf.id} {wf.state}: {message}"}]
+
+
+def _check_lines(checks: list[dict[str, Any]]) -> list[str]:
+    return [f"{c.get('check', '?'):<12} {c.get('status', '?'):<8} {c.get('message', '')}" for c in checks]
+
+
+async def nodes_validate(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        node = await EngineClient(api).get_node(id=args.id)
+        if not node.bmc:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                f"node {node.id} has no BMC: give it one (bcx nodes update {node.id} --bmc …)",
+                {"path": "id", "reason": "no-bmc"},
+            )
+        checks = await validate_node(api, node)
+    ok = all(c.get("status") == "ok" for c in checks)
+    if args.json:
+        print_json({"nodeId": node.id, "ok": ok, "checks": checks})
+    else:
+        print("\n".join(_check_lines(checks)))
+    return 0 if ok else 1
 
 
 def _size(n: Any) -> str:
@@ -351,7 +436,15 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p.add_argument("--label", action="append", help="key=value, repeatable")
     p.add_argument("--bmc", help="redfish://host[:port]/redfish/v1/Systems/1, ipmi://host, sim://name")
     add_bmc_credential_flags(p)
+    p.add_argument(
+        "--no-validate", action="store_true", help="do not check the BMC after enrolling (bcx nodes validate)"
+    )
     p.set_defaults(func=nodes_enroll)
+    p = nodes.add_parser(
+        "validate", parents=[common], help="check the node's BMC now: reach, credentials, system, power"
+    )
+    p.add_argument("id", help="node id")
+    p.set_defaults(func=nodes_validate)
     p = nodes.add_parser("show", parents=[common], help="state, power, inventory, host section, workflow")
     p.add_argument("id", help="node id")
     p.set_defaults(func=nodes_show)

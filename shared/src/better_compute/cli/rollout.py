@@ -126,7 +126,8 @@ def _step_text(node: NodeView) -> str:
         said = waits.get("message") or str(reason).replace("-", " ")
         if reason == "service-unavailable" and waits.get("service"):
             said = f"{waits['service']} unavailable ({waits.get('tries', 1)} tries)"
-        return f"{step} (waits: {short(str(said), 70)})".strip()
+        width = 110 if reason == "bmc-failing" else 70  # the BMC's address and tries stay whole
+        return f"{step} (waits: {short(str(said), width)})".strip()
     return step
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "DRIVER_OPERATIONS",
     "MANAGEMENT_INVENTORY",
     "MANAGEMENT_SET_BOOT_DEVICE",
+    "MANAGEMENT_VALIDATE",
     "MEDIA_EJECT",
     "MEDIA_INSERT",
     "NETBOOT_CLEAR_ENTRY",
@@ -91,6 +92,14 @@ def _power_reruns(payload: Any) -> bool:
     interrupts the machine twice (and may cut short the boot the first one started)."""
     return isinstance(payload, dict) and payload.get("action") in ("on", "off", "softOff")
 
+
+MANAGEMENT_VALIDATE: Final = _bmc_command(
+    "management.validate",
+    "Checks the BMC without changing anything: it answers, takes the credentials, has the system,"
+    " says its power state",
+    bmc_required=True,
+    idempotent=True,
+)
 
 MANAGEMENT_INVENTORY: Final = _bmc_command(
     "management.inventory",
@@ -275,6 +284,7 @@ COMMAND_KINDS: Final[Mapping[str, CommandKind]] = MappingProxyType(
             NODE_IMAGE_WRITE,
             NODE_CONVERGE,
             MANAGEMENT_INVENTORY,
+            MANAGEMENT_VALIDATE,
             NETBOOT_SET_ENTRY,
             NETBOOT_CLEAR_ENTRY,
         )
@@ -293,6 +303,7 @@ DRIVER_OPERATIONS: Final[Mapping[str, DriverOperation]] = MappingProxyType(
             MEDIA_INSERT,
             MEDIA_EJECT,
             MANAGEMENT_INVENTORY,
+            MANAGEMENT_VALIDATE,
             NETBOOT_SET_ENTRY,
             NETBOOT_CLEAR_ENTRY,
         )

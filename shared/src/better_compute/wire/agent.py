@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import time
 from typing import Any, Final, Literal, cast
 
 import msgspec
@@ -47,6 +48,7 @@ __all__ = [
     "AckReply",
     "AgentEvent",
     "AnyAgentEvent",
+    "CallFailure",
     "Check",
     "CheckReply",
     "CommandDelivery",
@@ -59,7 +61,9 @@ __all__ = [
     "Result",
     "ResultReply",
     "ResultStatus",
+    "call_failure_text",
     "event_purpose",
+    "is_call_failure",
     "open_event",
     "payload_digest",
     "read_event",
@@ -157,6 +161,29 @@ class Progress(AgentEvent, frozen=True, kw_only=True, tag="progress"):
     command_id: str
     message: str | None = None
     percent: float | None = None
+
+
+CallFailure = Literal["unreachable", "error"]
+"""How a try of a call to a machine failed: nothing answered (refused, timed out), or it answered
+with an error worth trying again (a 5xx)."""
+_FAILURE_WORDS: Final[dict[str, str]] = {"unreachable": "unreachable", "error": "answers with errors"}
+
+
+def call_failure_text(kind: CallFailure, reason: str, *, at: str, tries: int, since: float) -> str:
+    """A command's progress while the tries of its calls to a machine fail: ``BMC unreachable at
+    10.0.0.5:443: connection refused, 12 tries since 04:31:02`` (``since``: the first failure,
+    seconds since the epoch, shown in UTC). Readers (``bcx why``, the watch line) tell it from a
+    plain try with ``is_call_failure``."""
+    word = _FAILURE_WORDS.get(kind, kind)
+    when = time.strftime("%H:%M:%S", time.gmtime(since))
+    return f"BMC {word} at {at}: {reason}, {tries} {'try' if tries == 1 else 'tries'} since {when} UTC"[:500]
+
+
+def is_call_failure(progress: str | None) -> bool:
+    """Whether a command's progress says its calls to the machine fail (``call_failure_text``)."""
+    return bool(progress) and any(
+        str(progress).startswith(f"BMC {word} at ") for word in _FAILURE_WORDS.values()
+    )
 
 
 class Result(AgentEvent, frozen=True, kw_only=True, tag="result"):

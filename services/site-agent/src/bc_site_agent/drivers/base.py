@@ -23,14 +23,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, TypeVar
 
-from better_compute.agent import before_call
+from better_compute.agent import before_call, call_answered, call_failed
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire.agent import CallFailure
 
 __all__ = [
     "BOOT_DEVICES",
     "POWER_ACTIONS",
     "BmcCredentials",
     "BmcTarget",
+    "Checks",
     "Driver",
     "Transient",
     "driver_error",
@@ -103,6 +105,11 @@ class Driver(Protocol):
 
     async def inventory(self, *, deadline: float) -> dict[str, Any]: ...
 
+    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+        """The checks of ``management.validate`` (``check``), each ``ok``, ``failed`` or
+        ``skipped`` with a ``message``: nothing on the machine changes."""
+        ...
+
     async def close(self) -> None:
         """Drop the session (and with it the credentials)."""
 
@@ -114,13 +121,27 @@ class Transient(Exception):  # noqa: N818 - a classification carried to the retr
     when it provably did not: the connection was never made (refused, name not resolved,
     connect timeout), or the BMC answered 503 (it did not take the request). A connection lost
     or a read timing out after the request went out, or any other 5xx, may have applied it.
+
+    ``kind`` and ``reason`` are what the command's progress says of it while it is tried again
+    (``BMC unreachable at <address>: <reason>``): ``unreachable`` when nothing answered,
+    ``error`` when the BMC answered with an error; the reason is short and holds no secret.
     """
 
-    def __init__(self, call: str, detail: str, *, maybe_applied: bool = True) -> None:
+    def __init__(
+        self,
+        call: str,
+        detail: str,
+        *,
+        maybe_applied: bool = True,
+        kind: CallFailure = "unreachable",
+        reason: str | None = None,
+    ) -> None:
         super().__init__(f"{call}: {detail}")
         self.call = call
         self.detail = detail
         self.maybe_applied = maybe_applied
+        self.kind: CallFailure = kind
+        self.reason = reason or detail
 
 
 def driver_error(call: str, detail: str, **extra: Any) -> BcError:
@@ -143,6 +164,7 @@ async def retry_transient(
     on_retry: Callable[[Transient, float], None] | None = None,
     idempotent: bool = True,
     what: str = "BMC call",
+    at: str | None = None,
 ) -> T:
     """``call()`` until it stops raising ``Transient``, with full-jitter backoff, until
     ``deadline``; then ``DRIVER_ERROR`` naming the last call that failed.
@@ -152,17 +174,21 @@ async def retry_transient(
     otherwise it is ``DRIVER_ERROR`` at once, saying the BMC may have applied it. Sending it
     twice could reset a machine twice or fail on a medium the first request inserted.
 
-    Before every try, ``before_call(what)``: a cancel that reached the agent stops it here."""
+    Before every try, ``before_call(what)``: a cancel that reached the agent stops it here.
+    Each try that fails and is tried again is the command's progress (``call_failed``: the
+    failure, the tries in a row and since when, the BMC at ``at``) until a call answers."""
     attempt = 0
     while True:
         await before_call(what)
         try:
-            return await call()
+            got = await call()
         except Transient as exc:
             if not idempotent and exc.maybe_applied:
                 raise driver_error(
                     exc.call, f"{exc.detail}; not repeated: the BMC may have applied it"
                 ) from None
+            if at is not None:
+                await call_failed(exc.kind, exc.reason, at=at)
             left = deadline - time.time()
             delay = random.uniform(0, min(cap, base * 2**attempt))
             if left <= delay:
@@ -171,10 +197,19 @@ async def retry_transient(
                 on_retry(exc, delay)
             attempt += 1
             await asyncio.sleep(delay)
+        else:
+            await call_answered()
+            return got
 
 
 async def retry_in_thread(
-    run: Callable[[], T], *, deadline: float, log: Any, idempotent: bool = True, what: str = "BMC call"
+    run: Callable[[], T],
+    *,
+    deadline: float,
+    log: Any,
+    idempotent: bool = True,
+    what: str = "BMC call",
+    at: str | None = None,
 ) -> T:
     """``run`` (one blocking BMC call that raises ``Transient`` when worth trying again and
     ``BcError`` otherwise) in a worker thread, retried as ``retry_transient`` does (a call that
@@ -188,7 +223,7 @@ async def retry_in_thread(
         return await asyncio.to_thread(run)
 
     return await retry_transient(
-        attempt, deadline=deadline, on_retry=on_retry, idempotent=idempotent, what=what
+        attempt, deadline=deadline, on_retry=on_retry, idempotent=idempotent, what=what, at=at
     )
 
 
@@ -217,3 +252,31 @@ async def power_converged(
     deadline), and the operation's result."""
     after = await poll_until(read, lambda state: state == want, deadline=deadline, what=what)
     return {"powerState": after, "changed": True}
+
+
+class Checks:
+    """The checks of ``management.validate`` in order: once one fails, the ones after it that
+    need it are ``skipped`` (a BMC that does not answer cannot be asked for its power state)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.failed = False
+
+    def ok(self, check: str, message: str) -> None:
+        self.items.append({"check": check, "status": "ok", "message": message})
+
+    def fail(self, check: str, message: str) -> None:
+        self.failed = True
+        self.items.append({"check": check, "status": "failed", "message": message[:300]})
+
+    def skip(self, *checks: str) -> list[dict[str, Any]]:
+        for check in checks:
+            self.items.append(
+                {"check": check, "status": "skipped", "message": "not checked: an earlier check failed"}
+            )
+        return self.items
+
+
+def failure_reason(err: BcError) -> str:
+    """What a failed check says: the driver's reason (which names the BMC call), else the message."""
+    return str(err.reason or err.message) if err.code is ErrorCode.DRIVER_ERROR else err.message

@@ -31,8 +31,10 @@ from better_compute.logging import get_logger
 from .base import (
     BmcCredentials,
     BmcTarget,
+    Checks,
     Transient,
     driver_error,
+    failure_reason,
     malformed_answer,
     poll_until,
     power_converged,
@@ -94,6 +96,17 @@ def _split(address: str) -> tuple[str, int]:
     return host, port
 
 
+def _os_reason(exc: OSError) -> str:
+    """A socket error in a few words for the command's progress."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, socket.gaierror):
+        return "name not resolved"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return exc.strerror.lower() if exc.strerror else type(exc).__name__
+
+
 class IpmiDriver:
     name = "ipmi"
 
@@ -132,9 +145,17 @@ class IpmiDriver:
             except pyghmi_exc.IpmiException as exc:
                 text = str(exc)
                 low = text.lower()
-                if "timeout" in low or "timed out" in low or "session no longer connected" in low:
+                # pyghmi gives up a login the BMC never answered with no words at all (its
+                # session is marked broken without an error): a BMC that is away, as a timeout
+                silent = not exc.args or exc.args[0] is None
+                if silent or "timeout" in low or "timed out" in low or "session no longer connected" in low:
                     self._cmd = None
-                    raise Transient(call, "the BMC did not answer in time", maybe_applied=sent) from None
+                    raise Transient(
+                        call,
+                        "the BMC did not answer in time",
+                        maybe_applied=sent,
+                        reason="no answer (timed out)",
+                    ) from None
                 if any(words in low for words in _NO_CIPHER):
                     raise driver_error(
                         call, f"no cipher suite in common with the BMC ({text[:120]}; {_OFFERED})"
@@ -149,7 +170,10 @@ class IpmiDriver:
                 # refused (an ICMP port unreachable) or a name not resolved: nothing was taken
                 unsent = not sent or isinstance(exc, ConnectionRefusedError | socket.gaierror)
                 raise Transient(
-                    call, f"cannot reach the BMC ({type(exc).__name__})", maybe_applied=not unsent
+                    call,
+                    f"cannot reach the BMC ({type(exc).__name__})",
+                    maybe_applied=not unsent,
+                    reason=_os_reason(exc),
                 ) from None
             except struct.error:
                 # pyghmi fails this way in RAKP 2 when the BMC's key exchange hash is not as long
@@ -166,7 +190,14 @@ class IpmiDriver:
             except Exception as exc:
                 raise driver_error(call, f"IPMI failure ({type(exc).__name__})") from None
 
-        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent, what=call)
+        return await retry_in_thread(
+            run,
+            deadline=deadline,
+            log=self.log,
+            idempotent=idempotent,
+            what=call,
+            at=f"{self.host}:{self.port}",
+        )
 
     async def _power_state(self, deadline: float) -> str:
         got = await self._call(
@@ -238,6 +269,31 @@ class IpmiDriver:
 
     async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]:
         raise driver_error("virtual media", "the IPMI driver has no virtual media (use Redfish)")
+
+    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+        checks = Checks()
+        at = f"{self.host}:{self.port}"
+        try:  # a session: the BMC answers and takes the credentials (RAKP)
+            await self._call("Open Session", lambda c: None, deadline=deadline)
+        except BcError as err:
+            reason = failure_reason(err)
+            if "credentials" in reason or "cipher" in reason:
+                checks.ok("reach", f"the IPMI BMC at {at} answers")
+                checks.fail("credentials", reason)
+            else:
+                checks.fail("reach", f"{at}: {reason}")
+                checks.skip("credentials")
+            return checks.skip("system", "power")
+        checks.ok("reach", f"the IPMI BMC at {at} answers")
+        checks.ok("credentials", "the BMC takes the credentials")
+        checks.ok("system", "an IPMI BMC has one system")
+        try:
+            power = await self._power_state(deadline)
+        except BcError as err:
+            checks.fail("power", failure_reason(err))
+        else:
+            checks.ok("power", f"power state {power}")
+        return checks.items
 
     async def inventory(self, *, deadline: float) -> dict[str, Any]:
         state = await self._power_state(deadline)

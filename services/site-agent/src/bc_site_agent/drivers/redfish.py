@@ -33,13 +33,16 @@ from sushy.resources.system.constants import (
 )
 
 from better_compute.agent import before_call_blocking
+from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
 
 from .base import (
     BmcCredentials,
     BmcTarget,
+    Checks,
     Transient,
     driver_error,
+    failure_reason,
     malformed_answer,
     poll_until,
     power_converged,
@@ -93,6 +96,9 @@ class RedfishDriver:
             self.verify = _ca_file(target.ca_bundle)
         self._root: Any = None
         self.log = get_logger(driver="redfish", bmc=self.base_url)
+        parts = urlsplit(self.base_url)
+        self.at = parts.netloc.rpartition("@")[2] or self.base_url
+        """The BMC as the command's progress names it: host[:port], never a user or password."""
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -111,14 +117,18 @@ class RedfishDriver:
             except sushy.exceptions.ServerSideError as exc:
                 # 503: the BMC did not take the request; another 5xx may have half-applied it
                 raise Transient(
-                    call, f"HTTP {exc.status_code} from the BMC", maybe_applied=exc.status_code != 503
+                    call,
+                    f"HTTP {exc.status_code} from the BMC",
+                    maybe_applied=exc.status_code != 503,
+                    kind="error",
+                    reason=f"HTTP {exc.status_code} ({call})",
                 ) from None
             except sushy.exceptions.ConnectionError as exc:
                 cause = _cause(exc)
                 if cause.startswith("TLS"):
                     raise driver_error(call, cause) from None
                 raise Transient(
-                    call, f"cannot reach the BMC ({cause})", maybe_applied=not _never_sent(exc)
+                    call, f"cannot reach the BMC ({cause})", maybe_applied=not _never_sent(exc), reason=cause
                 ) from None
             except sushy.exceptions.AccessError as exc:
                 raise driver_error(call, f"HTTP {exc.status_code}: the BMC refused the credentials") from None
@@ -133,7 +143,9 @@ class RedfishDriver:
             except (KeyError, TypeError, AttributeError) as exc:
                 raise malformed_answer(call, exc) from None
 
-        return await retry_in_thread(run, deadline=deadline, log=self.log, idempotent=idempotent, what=call)
+        return await retry_in_thread(
+            run, deadline=deadline, log=self.log, idempotent=idempotent, what=call, at=self.at
+        )
 
     def _timeout(self, deadline: float) -> float:
         return max(0.5, min(_CALL_TIMEOUT, deadline - time.time()))
@@ -295,6 +307,43 @@ class RedfishDriver:
         if got["inserted"]:
             raise driver_error("GET VirtualMedia", "the medium still shows as inserted after EjectMedia")
         return got
+
+    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+        checks = Checks()
+        try:  # the service root (sushy reads it as it connects)
+            await self._call("GET ServiceRoot", lambda: self._connect(deadline), deadline=deadline)
+        except BcError as err:
+            reason = failure_reason(err)
+            if "credentials" not in reason:
+                checks.fail("reach", f"{self.at}: {reason}")
+                return checks.skip("credentials", "system", "power")
+            checks.ok("reach", f"the Redfish service at {self.at} answers")
+            checks.fail("credentials", reason)
+            return checks.skip("system", "power")
+        checks.ok("reach", f"the Redfish service at {self.at} answers")
+        try:  # the systems need authentication where the root may not
+            await self._call(
+                "GET Systems",
+                lambda: self._connect(deadline).get_system_collection().members_identities,
+                deadline=deadline,
+            )
+        except BcError as err:
+            checks.fail("credentials", failure_reason(err))
+            return checks.skip("system", "power")
+        checks.ok("credentials", "the BMC takes the credentials")
+        try:
+            system = await self._call("GET System", lambda: self._system(deadline), deadline=deadline)
+        except BcError as err:
+            checks.fail("system", failure_reason(err))
+            return checks.skip("power")
+        checks.ok("system", f"system {system.identity} ({system.path})")
+        try:
+            power = await self._power_state(deadline)
+        except BcError as err:
+            checks.fail("power", failure_reason(err))
+        else:
+            checks.ok("power", f"power state {power}")
+        return checks.items
 
     async def inventory(self, *, deadline: float) -> dict[str, Any]:
         def read() -> dict[str, Any]:

@@ -43,6 +43,16 @@ class SimDriver:
         self.machine["media"].pop(device, None)
         return {"device": device, "inserted": False}
 
+    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+        await before_call("sim validate")
+        power = self.machine["power"].capitalize()
+        return [
+            {"check": "reach", "status": "ok", "message": "the simulated BMC answers"},
+            {"check": "credentials", "status": "ok", "message": "the simulated BMC takes any"},
+            {"check": "system", "status": "ok", "message": "one simulated system"},
+            {"check": "power", "status": "ok", "message": f"power state {power}"},
+        ]
+
     async def close(self) -> None:
         return None
 

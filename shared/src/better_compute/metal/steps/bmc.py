@@ -22,6 +22,7 @@ from ..commands import (
     BMC,
     MANAGEMENT_INVENTORY,
     MANAGEMENT_SET_BOOT_DEVICE,
+    MANAGEMENT_VALIDATE,
     MEDIA_EJECT,
     MEDIA_INSERT,
     POWER_SET_POWER,
@@ -31,6 +32,7 @@ from ._relay import relay, workflow_node
 __all__ = [
     "BMC_STEPS",
     "management_set_boot_device",
+    "management_validate",
     "media_eject",
     "media_insert",
     "power_get_power",
@@ -46,7 +48,7 @@ def _input(kind_payload: Manifest, **changes: Any) -> Manifest:
     return manifest(fields)
 
 
-def _bmc_step(kind: str, payload: Manifest, description: str) -> Step:
+def _bmc_step(kind: str, payload: Manifest, description: str, *, timeout: str = BMC_TIMEOUT) -> Step:
     async def run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         done = await relay(ctx, kind=kind, payload=step_input)  # the engine adds the node's BMC
         return {**done, **{k: v for k, v in step_input.items() if k != "bmc"}}
@@ -56,7 +58,7 @@ def _bmc_step(kind: str, payload: Manifest, description: str) -> Step:
         runs_on="control-plane",
         relays=["site"],
         sends=[kind],
-        timeout=BMC_TIMEOUT,
+        timeout=timeout,
         input=_input(payload),
         run=run,
         retry_safe=True,
@@ -73,6 +75,12 @@ management_set_boot_device = _bmc_step(
     "Set the node's next boot device through its BMC",
 )
 media_eject = _bmc_step(MEDIA_EJECT.name, MEDIA_EJECT.payload, "Eject the node's virtual medium")
+management_validate = _bmc_step(
+    MANAGEMENT_VALIDATE.name,
+    MANAGEMENT_VALIDATE.payload,
+    "Check the node's BMC (it answers, takes the credentials, has the system, reads power): no change",
+    timeout="2m",
+)
 
 
 async def _insert(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -155,4 +163,11 @@ power_get_power = define_step(
     description="Read the node's power state through its BMC (management.inventory): the BMC answers",
 )
 
-BMC_STEPS: Final = (power_set_power, management_set_boot_device, media_insert, media_eject, power_get_power)
+BMC_STEPS: Final = (
+    power_set_power,
+    management_set_boot_device,
+    media_insert,
+    media_eject,
+    power_get_power,
+    management_validate,
+)

@@ -25,7 +25,10 @@ from typing import Any, Final
 
 from better_compute.provision.profiles import Profile, define_profile
 
-__all__ = ["LIFECYCLE_PROFILE_IDS", "Ramdisk", "lifecycle_profiles"]
+__all__ = ["LIFECYCLE_PROFILE_IDS", "VALIDATE_PROFILE_ID", "Ramdisk", "lifecycle_profiles"]
+
+VALIDATE_PROFILE_ID: Final = "metal.validate"
+"""The shipped profile that checks a node's BMC (``bcx nodes validate``)."""
 
 LIFECYCLE_PROFILE_IDS: Final = {
     "inspect": "metal.inspect",
@@ -145,5 +148,13 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
                 {"use": "wait.agentJoined", "with": {"role": "node", "fresh": False}},
                 collect,
             ],
+        ),
+        define_profile(
+            id=VALIDATE_PROFILE_ID,
+            version=1,
+            target="metal",
+            role="host",
+            description="Check the node's BMC: it answers, takes the credentials, has the system, power",
+            steps=[{"use": "management.validate", "on": "site"}],
         ),
     )
