@@ -205,7 +205,8 @@ async def test_bcx_nodes_validate_says_credentials_refused_and_enroll_runs_it(
     code, out, err = await bcx(
         bc_settings, "nodes", "enroll", "--site", SITE, "--bmc", bmc, "--bmc-credentials-file", str(good),
     )  # fmt: skip
-    assert code != 0 and "one BMC, one node" in out + err, out + err
+    assert code != 0, out + err
+    assert "one BMC, one node" in out + err, out + err
     code, out, err = await bcx(bc_settings, "nodes", "delete", node_id)
     assert code == 0, out + err
 
