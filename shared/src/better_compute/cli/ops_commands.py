@@ -10,10 +10,6 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.js import api as js_api
-
 from ..clients.audit import AuditClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
@@ -103,6 +99,10 @@ async def events_tail(args: argparse.Namespace, settings: Settings) -> int:
         since = datetime.fromtimestamp(0, UTC)  # what is stored: all of it
     subjects = Subjects(root=settings.subject_root)
     nc = await connect_bus(settings)
+    import nats.errors  # loaded with the connection: `bcx --help` does not pay for nats-py
+    import nats.js.errors
+    from nats.js import api as js_api
+
     try:
         js = nc.jetstream(timeout=5.0)
         stream = subjects.events_stream()

@@ -8,7 +8,6 @@ free on the first start and kept while they stay free.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -181,6 +180,8 @@ def nats_server_binary() -> Path:
                 {"path": "BC_NATS_SERVER_BIN"},
             )
         return path
+    import importlib.metadata  # here, not at the top: `bcx --help` imports this module
+
     try:
         dist = importlib.metadata.distribution("nats-server-bin")
     except importlib.metadata.PackageNotFoundError as exc:

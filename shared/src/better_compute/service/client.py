@@ -5,19 +5,20 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-import nats
-import nats.errors
-from nats.aio.client import Client as Nats
 
+from .._imports import import_quietly
 from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..wire import Subjects, unwrap
 from ..wire.audit import ACTOR_HEADER
 from ..wire.codec import encode
 from ..wire.subjects import SERVICE_NAMES
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as Nats
 
 __all__ = ["ApiClient", "connect", "discover"]
 
@@ -54,6 +55,10 @@ async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: An
     ``creds`` is a NATS credentials file (the ``nats_creds`` setting): ``INVALID_CONFIG`` at
     ``nats_creds`` when it cannot be read, ``UNAUTHENTICATED`` when the server refuses it.
     """
+    import_quietly("nats")  # loaded on the first connection, not when a bcx parser is built
+    import nats
+    import nats.errors
+
     reconnects = kwargs.pop("max_reconnect_attempts", -1)
     kwargs.setdefault("error_cb", _quiet)
     if creds:
@@ -108,6 +113,8 @@ class ApiClient:
         Raises the service's ``BcError``; ``UNAVAILABLE`` when no instance listens or NATS is
         away, ``TIMEOUT`` when none answers in time.
         """
+        import nats.errors  # loaded with the connection (``connect``)
+
         resource, _, verb = route.partition(".")
         subject = self.subjects.api(service, resource, verb)
         data = payload if isinstance(payload, bytes) else encode(payload if payload is not None else {})
@@ -158,6 +165,8 @@ async def discover(nc: Nats, *, root: str | None = None, wait: float = 0.5) -> l
 
     With ``root``, only instances serving that subject root (tests share a server).
     """
+    import nats.errors  # loaded with the connection (``connect``)
+
     replies: list[dict[str, Any]] = []
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
