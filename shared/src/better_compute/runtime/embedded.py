@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import BcError, ErrorCode
+from ..files import atomic_write
 
 __all__ = [
     "EmbeddedNats",
@@ -237,9 +238,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(data, indent=2), mode=0o644)
 
 
 class EmbeddedNats:
