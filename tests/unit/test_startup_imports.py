@@ -13,6 +13,7 @@ pytestmark = pytest.mark.unit
 PROBE = """
 import sys
 import better_compute.cli.main, bc_engine.service, bc_command_queue.service
+import bcd.daemon, better_compute.agent.sim, better_compute.testing.reaper
 print(sorted(m for m in ("aiohttp", "rich") if m in sys.modules))
 import nats.aio.transport, aiohttp
 print(nats.aio.transport.aiohttp.ClientSession is aiohttp.ClientSession)
