@@ -210,3 +210,15 @@ def test_a_line_the_quick_look_misreads_still_parses_as_its_command(monkeypatch:
         [],
     )
     assert args.func.__module__ == "better_compute.cli.engine_commands"
+
+
+def test_the_quick_look_knows_every_global_flag_and_whether_it_takes_a_value() -> None:
+    import argparse
+
+    from better_compute.cli.main import _BARE_FLAGS, _VALUE_FLAGS, _global_flags
+
+    parser = argparse.ArgumentParser()
+    _global_flags(parser, defaults=True)
+    flags = [a for a in parser._actions if a.option_strings]
+    assert {s for a in flags if a.nargs == 0 for s in a.option_strings} == _BARE_FLAGS
+    assert {s for a in flags if a.nargs != 0 for s in a.option_strings} == _VALUE_FLAGS
