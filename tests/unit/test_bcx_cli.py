@@ -145,3 +145,80 @@ def test_a_yaml_profile_reads_as_its_author_means_it(tmp_path: Path) -> None:
     with pytest.raises(BcError) as e:
         read_document(str(bad))
     assert (e.value.code.value, e.value.path) == ("INVALID_INPUT", "file")
+
+
+def _tree(parser: object) -> dict[str, str]:
+    """Every parser of ``parser``'s tree by its prog, as its help text."""
+    from better_compute.cli.main import _subparsers
+
+    return {p.prog: p.format_help() for p in [parser, *_subparsers(parser)]}  # type: ignore[list-item]
+
+
+def test_the_lazy_command_table_is_what_the_modules_register() -> None:
+    import argparse
+
+    from better_compute.cli.main import LAZY_COMMANDS
+
+    full = build_parser()
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in sub._choices_actions}
+    names = list(sub.choices)
+    lazy = [name for _, commands in LAZY_COMMANDS for name, _ in commands]
+    # the table's commands stand where the modules put them, with the same help
+    assert names[names.index(lazy[0]) : names.index(lazy[-1]) + 1] == lazy
+    assert {name: helps[name] for name in lazy} == {n: h for _, cs in LAZY_COMMANDS for n, h in cs}
+    # and `bcx --help` (only stand-ins) says exactly what it says with every command registered
+    assert build_parser(["--help"]).format_help() == full.format_help()
+
+
+@pytest.mark.parametrize("command", ["nodes", "inspect", "why", "commands", "sim", "status", "context"])
+def test_a_command_built_alone_has_its_whole_tree_with_every_flag(command: str) -> None:
+    full = _tree(build_parser())
+    alone = _tree(build_parser([command, "--help"]))
+    mine = {prog: text for prog, text in full.items() if prog.startswith(f"bcx {command}")}
+    assert mine
+    assert {prog: alone.get(prog) for prog in mine} == mine
+
+
+@pytest.mark.parametrize(
+    ("argv", "word"),
+    [
+        ([], None),
+        (["--help"], None),
+        (["nodes", "list"], "nodes"),
+        (["--json", "-o", "yaml", "--context", "lab", "nodes"], "nodes"),
+        (["--output=json", "-ojson", "--nats-url", URL, "why", "n1"], "why"),
+        (["--nats", URL, "nodes"], "?"),  # an abbreviation: argparse decides
+    ],
+)
+def test_the_command_word_is_found_past_the_global_flags(argv: list[str], word: str | None) -> None:
+    from better_compute.cli.main import command_word
+
+    assert command_word(argv) == word
+
+
+def test_a_line_the_quick_look_misreads_still_parses_as_its_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from better_compute.cli import main as bcx
+
+    monkeypatch.setattr(bcx, "command_word", lambda _argv: "version")  # misread on purpose
+    _, args, unknown = bcx.parse_line(["--nats", URL, "nodes", "list", "--json"])
+    assert (args.command, args.nodes_command, args.nats_url, args.json, unknown) == (
+        "nodes",
+        "list",
+        URL,
+        True,
+        [],
+    )
+    assert args.func.__module__ == "better_compute.cli.engine_commands"
+
+
+def test_the_quick_look_knows_every_global_flag_and_whether_it_takes_a_value() -> None:
+    import argparse
+
+    from better_compute.cli.main import _BARE_FLAGS, _VALUE_FLAGS, _global_flags
+
+    parser = argparse.ArgumentParser()
+    _global_flags(parser, defaults=True)
+    flags = [a for a in parser._actions if a.option_strings]
+    assert {s for a in flags if a.nargs == 0 for s in a.option_strings} == _BARE_FLAGS
+    assert {s for a in flags if a.nargs != 0 for s in a.option_strings} == _VALUE_FLAGS

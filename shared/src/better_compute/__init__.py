@@ -5,8 +5,4 @@ Plugin authors import ``better_compute.core``, ``better_compute.provision`` and
 the rest. Packages import only the layers below them (docs/architecture.md).
 """
 
-from ._imports import defer_optional_imports
-
 __version__ = "0.1.0"
-
-defer_optional_imports()

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.files import atomic_write
 
 __all__ = ["Keyring", "generate_key_line", "key_file_path", "load_service_keyring", "rotate_key_file"]
 
@@ -76,20 +77,11 @@ def _write_new(path: Path, text: str) -> bool:
     starting together end up with one file and never read a half-written one.
     """
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        return True
-    finally:
-        tmp.unlink(missing_ok=True)
+        atomic_write(path, text, exclusive=True)
+    except FileExistsError:
+        return False
+    return True
 
 
 def rotate_key_file(path: Path) -> str:
@@ -98,13 +90,7 @@ def rotate_key_file(path: Path) -> str:
     old = path.read_text() if path.exists() else ""
     body = "".join(ln + "\n" for ln in old.splitlines() if ln.strip() and not ln.startswith("#"))
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.rotate.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(_HEADER + line + "\n" + body)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, _HEADER + line + "\n" + body)
     return line.split(":")[1]
 
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from typing import Any, TextIO
 
-import structlog
+from ._imports import import_quietly
 
 __all__ = ["REDACTED", "configure_logging", "get_logger", "redact", "register_secret", "safe_url"]
 
@@ -100,6 +100,9 @@ def configure_logging(*, level: str = "info", json: bool | None = None, stream: 
         json: JSON lines; by default when the stream is not a terminal.
         stream: where lines go (standard error by default).
     """
+    import_quietly("structlog")  # loaded when first used: the SDK's import does not pay for it
+    import structlog
+
     out = stream or sys.stderr
     as_json = (not out.isatty()) if json is None else json
     processors: list[Any] = [
@@ -124,4 +127,7 @@ def configure_logging(*, level: str = "info", json: bool | None = None, stream: 
 
 def get_logger(**bound: Any) -> Any:
     """A logger with ``bound`` context (``workflow_id``, ``step``, ``command_id``, …)."""
+    import_quietly("structlog")
+    import structlog
+
     return structlog.get_logger().bind(**bound)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
@@ -20,6 +19,7 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
+from better_compute.backoff import Backoff
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import parse_id
@@ -247,7 +247,8 @@ class Agents:
         self.signers.evict(cert_id)
         if not cert_id.startswith("cert_") or len(cert_id) > 64:
             return
-        for attempt in range(5):
+        backoff = Backoff(first=0.2, cap=3.2)
+        for _ in range(5):
             try:
                 info = await self.pki.get_certificate(cert_id=cert_id)
                 if info.state != "revoked":
@@ -276,7 +277,7 @@ class Agents:
                 return
             # bc-pki or the store away for a moment; the certificate cache's lifetime and the
             # agent's silence still end it if this never gets through
-            await asyncio.sleep(random.uniform(0, 0.2 * 2**attempt))
+            await asyncio.sleep(backoff.next())
 
     async def _journal_seen(self, agent_id: str, journal_id: str) -> None:
         """The process of this journal is there: its generation is given at its first hello

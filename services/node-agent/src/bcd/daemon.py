@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal
 
 from better_compute.agent import Agent, Command, CommandHandler, CommandRejected, Enrollment
+from better_compute.backoff import Backoff
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
@@ -142,18 +142,17 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    delay = 0.5
+    backoff = Backoff(first=1.0, cap=30.0)  # jittered: a site's machines do not retry in step
     while not stop.is_set():
         try:
             nc = await connect(url, name=f"bcd:{enrollment.agent_id}")
         except BcError as err:
             if err.code is not ErrorCode.UNAVAILABLE:
                 raise
-            wait = delay * (0.5 + random.random())  # jitter: a site's machines do not retry in step
+            wait = backoff.next()
             log().warning("control_plane_unreachable", retry_in_s=round(wait, 1))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
-            delay = min(delay * 2, 30.0)
             continue
         try:
             await _serve_on(nc, state, enrollment, mode, subjects, stop, simulate=simulate)

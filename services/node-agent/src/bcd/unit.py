@@ -9,10 +9,11 @@ or need not apply; the message says why, never a secret.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from better_compute.files import atomic_write
 
 from .system import Machine, RunResult
 
@@ -60,14 +61,7 @@ class Unit:
         except OSError:
             pass
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.bcd-tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(content)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        tmp.replace(target)
+        atomic_write(target, content, mode=mode)
         return True
 
     def must(self, *argv: str, hide: Sequence[str] = ()) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.files import atomic_write
 from better_compute.logging import get_logger, register_secret
 
 __all__ = [
@@ -223,13 +224,7 @@ class BootEntries:
 
     @staticmethod
     def _write(target: Path, doc: dict[str, Any]) -> None:
-        tmp = target.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(target)
+        atomic_write(target, json.dumps(doc))
 
     def get(self, mac: str) -> BootEntry | None:
         try:

@@ -7,8 +7,16 @@ reports progress and results, and signs everything it sends. A handler awaits ``
 before every try of a call to a machine: it stops there once a cancel reached the agent; it
 reports a try that failed and will be tried again with ``call_failed`` (the command's progress
 names the failure until ``call_answered``).
+
+An agent process imports nats-py here: without the optional extras it would load along (aiohttp,
+rich: ``better_compute._imports``).
 """
 
+from .._imports import defer_optional_imports
+
+defer_optional_imports()
+
+# ruff: noqa: E402  (the imports below come after that call on purpose)
 from ..crypto import result_document
 from ..wire.agent import CommandDelivery, payload_digest
 from .identity import Enrollment, enroll, load_enrollment, save_enrollment

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -14,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from ..clients.pki import PkiClient
 from ..core.errors import BcError, ErrorCode
 from ..crypto import AgentIdentity, AgentKey, make_csr, new_agent_key
+from ..files import atomic_write
 from ..wire.pki import JoinClaims
 
 __all__ = ["Enrollment", "enroll", "load_enrollment", "save_enrollment"]
@@ -77,13 +77,7 @@ def save_enrollment(path: str | Path, enrollment: Enrollment) -> None:
         "certificatePem": enrollment.certificate_pem,
         "privateKeyPem": key_pem,
     }
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(target)
+    atomic_write(target, json.dumps(doc))
 
 
 def load_enrollment(path: str | Path) -> Enrollment | None:

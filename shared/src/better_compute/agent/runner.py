@@ -35,11 +35,11 @@ from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 
 from .. import __version__
+from ..backoff import Backoff
 from ..core.errors import BcError, ErrorCode
 from ..crypto import result_document, sign_bytes, sign_event
 from ..logging import get_logger
 from ..service.client import connect
-from ..service.faults import Backoff
 from ..service.killpoints import declare, kill_point
 from ..wire import Subjects, unwrap
 from ..wire.agent import (
@@ -457,7 +457,7 @@ class Agent:
     async def _retrying(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
         """``call()`` until it answers. Waits out an absent command queue; gives up with
         ``_Later`` after a few ``INTERNAL`` answers; raises any other refusal."""
-        delay = 0.1
+        backoff = Backoff(first=0.2, cap=2.0)
         internal = 0
         while True:
             try:
@@ -472,8 +472,7 @@ class Agent:
                 if self._stop.is_set():
                     raise _Stopping from err
                 self.log.debug("agent_request_retry", what=what, code=err.code.value)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            await asyncio.sleep(backoff.next())
 
     async def _connect_commands(self) -> None:
         """Say hello until the command queue answers, then bind to our consumer."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from ..clients.pki import PkiClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..crypto import sign_batch
+from ..files import atomic_write
 from ..service.client import ApiClient
 from ..wire.cmdq import AgentView, BatchView, CommandView
 from ..wire.paging import MAX_LIMIT
@@ -366,11 +366,9 @@ async def cmd_batches_keygen(args: argparse.Namespace, _settings: Settings) -> i
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     try:
-        fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        atomic_write(args.key_file, pem, exclusive=True)
     except FileExistsError:
         raise BcError(ErrorCode.CONFLICT, "the key file already exists", {"path": "--key-file"}) from None
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
     public = base64.b64encode(
         key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     ).decode()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import getpass
 import json
 import os
@@ -13,12 +14,10 @@ import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import msgspec
-import yaml
-from nats.aio.client import Client as Nats
 
 from ..clients import EngineClient
 from ..config import Settings
@@ -27,6 +26,9 @@ from ..runtime.urls import resolve_nats_url
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
 from ..wire.subjects import operator_inbox_prefix, valid_token
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as Nats
 
 __all__ = [
     "actor",
@@ -142,30 +144,39 @@ def short(value: Any, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-class _Yaml12Loader(yaml.SafeLoader):
+@functools.cache
+def _yaml12_loader() -> Any:
     """YAML as a profile author means it: ``true``/``false`` are the only booleans (YAML 1.2), so
     ``action: off`` stays the string ``off`` (PyYAML's 1.1 rules made it False), and dates stay
-    strings."""
+    strings. Built on first use: a command that reads no YAML does not load PyYAML."""
+    import yaml
 
+    class Yaml12Loader(yaml.SafeLoader):
+        pass
 
-_YAML11_ONLY = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")
-_Yaml12Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML11_ONLY]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
+    yaml11_only = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")
+    Yaml12Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in yaml11_only]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Yaml12Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    )
+    return Yaml12Loader
 
 
 def load_yaml(text: str) -> Any:
-    """A YAML document by YAML 1.2's booleans (``_Yaml12Loader``)."""
-    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: no object tags
+    """A YAML document by YAML 1.2's booleans (``_yaml12_loader``)."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml12_loader())  # a SafeLoader: no object tags
 
 
 def read_document(path: str) -> dict[str, Any]:
     """A JSON (``.json``), TOML (``.toml``) or YAML (``.yaml``/``.yml``) document from a file;
     ``-`` reads JSON or YAML from stdin."""
+    import yaml
+
     try:
         if path == "-":
             import sys

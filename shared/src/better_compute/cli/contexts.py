@@ -38,6 +38,7 @@ from typing import Any, Final
 
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
+from ..files import atomic_write
 from ..logging import safe_url
 from .output import FORMATS, print_json, print_table
 
@@ -196,11 +197,7 @@ def save_config(config: BcxConfig) -> None:
         # BCX_CONFIG=/dev/null reads as no contexts; replacing it would replace /dev/null
         raise _bad(config.path, "", "is not a regular file: bcx does not write it")
     config.path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = config.path.with_name(config.path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write("\n".join(lines))
-    os.replace(tmp, config.path)
+    atomic_write(config.path, "\n".join(lines))
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -18,25 +18,7 @@ from ..config import Settings, load_settings
 from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..runtime.dev import SERVICES, DevStack
-from ..service.client import connect, discover
-from . import (
-    bus_commands,
-    completion,
-    contexts,
-    engine_commands,
-    enrollment_commands,
-    images_commands,
-    keys_commands,
-    metal_commands,
-    ops_commands,
-    pki_commands,
-    ramdisk_commands,
-    secrets_commands,
-    sim_commands,
-    why_commands,
-    workflow_commands,
-)
-from .common import connect_bus, operator_inbox
+from . import completion, contexts
 from .hints import HintContext, hint_for, site_of
 from .output import FORMATS, iso, print_error, print_json, print_table, use_format
 
@@ -64,6 +46,9 @@ def _uptime(started: str | None) -> str:
 
 async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     """Running services and instances, found over NATS ($SRV.STATS)."""
+    from ..service.client import discover
+    from .common import connect_bus
+
     nc = await connect_bus(settings)
     try:
         found = await discover(nc, root=settings.subject_root, wait=args.wait)
@@ -106,6 +91,9 @@ async def cmd_version(args: argparse.Namespace, settings: Settings) -> int:
     """bcx's version, and each service's as its instances report it (``$SRV.STATS``); a known
     service with no instance answering is shown as such. The client's version is printed even
     when NATS cannot be reached."""
+    from ..service.client import discover
+    from .common import connect_bus
+
     client = {"component": "bcx", "version": __version__, "python": sys.version.split()[0]}
     services: list[dict[str, Any]] = []
     problem: BcError | None = None
@@ -150,6 +138,9 @@ async def cmd_version(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
+    from ..service.client import connect, discover
+    from .common import operator_inbox
+
     say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
     stack = DevStack(settings, say=say)
     services = args.service or list(SERVICES)
@@ -273,7 +264,102 @@ class BcxParser(argparse.ArgumentParser):
         self.set_defaults(_bcx_parser=self)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The command modules, in the order `bcx --help` lists their commands, with the top-level commands
+# each adds and their help. `bcx <command> …` imports only the module(s) of <command>: the others
+# stand in the parser as their name and help (what `bcx --help` and a mistyped command show), so a
+# command does not pay for every other one's dependencies (tests/unit/test_bcx_cli.py checks this
+# table against what the modules register).
+LAZY_COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("engine_commands", (
+        ("nodes", "nodes the engine knows"),
+        ("steps", "registered steps and driver operations"),
+        ("plugins", "plugins the engine runs"),
+        ("profiles", "versioned documents of steps"),
+    )),
+    ("workflow_commands", (("workflows", "profiles running for nodes"),)),
+    ("metal_commands", (
+        ("inspect", "boot the node and record its inventory"),
+        ("commission", "inspect and wipe: the node becomes ready"),
+        ("deploy", "install an image on a ready node"),
+        ("release", "wipe a deployed node: it becomes ready again"),
+        ("retire", "erase the node for good"),
+        ("adopt", "take over a machine that already runs: it becomes deployed"),
+        ("bulk", "one verb over many nodes, under one batch"),
+    )),
+    ("enrollment_commands", (
+        ("enrollment-rules", "rules that enroll discovered nodes by their inventory and labels"),
+    )),
+    ("images_commands", (("images", "the image catalog"),)),
+    ("pki_commands", (("tokens", "join tokens"), ("certs", "agent certificates"))),
+    ("secrets_commands", (("secrets", "stored secrets (metadata)"),)),
+    ("keys_commands", (("keys", "the key files of bc-pki and bc-secrets"),)),
+    ("bus_commands", (("bus", "TLS certificates and password hashes for deploy/nats"),)),
+    ("ops_commands", (
+        ("events", "the event feed (stream BC_EVENTS)"),
+        ("audit", "operator actions that changed state, newest first"),
+    )),
+    ("cmdq_commands", (
+        ("commands", "commands sent to agents"),
+        ("agents", "site agents and node agents"),
+        ("batches", "destructive batches and their approvals"),
+        ("quorum", "the destructive-batch quorum in force"),
+    )),
+    ("why_commands", (("why", "what a node's or workflow's current step waits for, in one answer"),)),
+    ("sim_commands", (("sim", "the metal simulator and a site agent for one site"),)),
+    ("ramdisk_commands", (("ramdisk", "the bcd ramdisk: build it from packages"),)),
+)  # fmt: skip
+
+_MODULE_OF = {name: module for module, commands in LAZY_COMMANDS for name, _ in commands}
+_VALUE_FLAGS = frozenset({"-o", "--output", "--context", "--config", "--nats-url", "--creds", "--state-dir",
+                          "--subject-root"})  # fmt: skip
+_BARE_FLAGS = frozenset({"-h", "--help", "--json"})
+_UNSURE = "?"
+
+
+def command_word(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` runs (its first word that is no global flag or flag value); ``None``
+    when it names none (``bcx --help``); ``"?"`` when a word before it is no flag bcx knows as
+    such (an abbreviation: argparse, not this, decides then)."""
+    words = iter(argv)
+    for word in words:
+        if word in _VALUE_FLAGS:
+            next(words, None)
+        elif word in _BARE_FLAGS or word.split("=", 1)[0] in _VALUE_FLAGS or word.startswith("-o"):
+            continue
+        elif word.startswith("-"):
+            return _UNSURE
+        else:
+            return word
+    return None
+
+
+def _modules_for(argv: Sequence[str] | None) -> set[str]:
+    """The command modules ``build_parser(argv)`` registers for real."""
+    if argv is None:
+        return set(_MODULE_OF.values())
+    word = command_word(argv)
+    if word == _UNSURE:
+        return set(_MODULE_OF.values())
+    module = _MODULE_OF.get(word or "")
+    if module is None:
+        return set()
+    # metal's commands add to `bcx nodes`, and `bcx nodes` holds metal's `enroll` and `show`
+    return (
+        {"engine_commands", "metal_commands"} if module in ("engine_commands", "metal_commands") else {module}
+    )
+
+
+def _stand_in(sub: Any, name: str, help: str) -> None:
+    """``name`` in the parser as its name and help only. Chosen after all (``command_word``
+    misread the line), it asks ``main`` to parse again with every command registered."""
+    p = sub.add_parser(name, help=help, add_help=False)
+    p.add_argument("_bcx_rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(_bcx_unbuilt=True)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """bcx's parser: every command registered (``argv`` None: completion, tests), or only the
+    command ``argv`` runs, the others standing in by name and help (``LAZY_COMMANDS``)."""
     common = argparse.ArgumentParser(add_help=False)
     _global_flags(common, defaults=False)
 
@@ -300,22 +386,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dev_down)
     p = dsub.add_parser("ps", parents=[common], help="processes of the embedded stack")
     p.set_defaults(func=cmd_dev_ps)
-    nodes = engine_commands.register(sub, common)
-    workflow_commands.register(sub, common)
-    metal_commands.register(sub, common, nodes)
-    enrollment_commands.register(sub, common)
-    images_commands.register(sub, common)
-    pki_commands.register(sub, common)
-    secrets_commands.register(sub, common)
-    keys_commands.register(sub, common)
-    bus_commands.register(sub, common)
-    ops_commands.register(sub, common)
-    from . import cmdq_commands
-
-    cmdq_commands.register(sub, common)
-    why_commands.register(sub, common)
-    sim_commands.register(sub, common)
-    ramdisk_commands.register(sub, common)
+    real = _modules_for(argv)
+    nodes: Any = None
+    for module_name, commands in LAZY_COMMANDS:
+        if module_name not in real:
+            for name, help in commands:
+                _stand_in(sub, name, help)
+            continue
+        module: Any = importlib.import_module(f"{__package__}.{module_name}")
+        if module_name == "engine_commands":
+            nodes = module.register(sub, common)
+        elif module_name == "metal_commands":
+            module.register(sub, common, nodes)
+        else:
+            module.register(sub, common)
     contexts.register(sub, common)
     completion.register(sub, common)
     p = sub.add_parser("version", parents=[common], help="bcx's version and every running service's")
@@ -365,9 +449,19 @@ def settings_for(args: argparse.Namespace, selection: contexts.Selection) -> Set
     return load_settings(args.config, defaults=ctx, **given)
 
 
+def parse_line(words: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[str]]:
+    """``words`` parsed by a parser holding their command (``build_parser(words)``); should a
+    stand-in be chosen after all, parsed again by the parser holding every command."""
+    parser = build_parser(words)
+    args, unknown = parser.parse_known_args(words)
+    if getattr(args, "_bcx_unbuilt", False):
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(words)
+    return parser, args, unknown
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    parser, args, unknown = parse_line(sys.argv[1:] if argv is None else argv)
     if unknown:
         getattr(args, "_bcx_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     resolve_output(args)
@@ -383,6 +477,8 @@ def main(argv: list[str] | None = None) -> None:
         hint = replace(hint, nats_from=nats_from, creds=settings.nats_creds)
         if getattr(args, "context_tenant", False):
             args.tenant = contexts.tenant_for(args, selection)
+        import asyncio  # here: `bcx --help` and a bad command line do not load it
+
         code = asyncio.run(args.func(args, settings))
     except BcError as err:
         print_error(err, as_json=args.json, hint=hint_for(err, hint))

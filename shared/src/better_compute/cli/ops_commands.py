@@ -10,12 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
-
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as Nats
-from nats.js import api as js_api
+from typing import TYPE_CHECKING, Any
 
 from ..clients.audit import AuditClient
 from ..config import Settings
@@ -35,6 +30,9 @@ from ..wire.events import FEED_KINDS, decode_feed_event, event_node, event_workf
 from ..wire.pki import CertRevoked, JoinAccepted, JoinRefused
 from .common import api_client, as_rows, connect_bus, short
 from .output import iso, json_line, print_json, print_table
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as Nats
 
 __all__ = ["describe_event", "parse_since", "register"]
 
@@ -113,6 +111,9 @@ _END_OF_BATCH = ("204", "404")  # nats-server: batch done / nothing (more) to re
 async def _read_batch(nc: Nats, stream: str, request: dict[str, Any]) -> list[_Stored]:
     """Up to ``_BATCH`` stored events from one batched direct get (nats-server 2.11+): a read
     that creates nothing on the server, answered on this bcx's own inbox."""
+    import nats.errors  # loaded with the connection: `bcx --help` does not pay for nats-py
+    from nats.js import api as js_api
+
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     got: list[_Stored] = []
@@ -165,6 +166,9 @@ async def events_tail(args: argparse.Namespace, settings: Settings) -> int:
         since = datetime.fromtimestamp(0, UTC)  # what is stored: all of it
     subjects = Subjects(root=settings.subject_root)
     nc = await connect_bus(settings)
+    import nats.errors  # loaded with the connection: `bcx --help` does not pay for nats-py
+    import nats.js.errors
+
     try:
         stream = subjects.events_stream()
         try:

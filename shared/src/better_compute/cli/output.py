@@ -15,7 +15,6 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import msgspec
-import yaml
 
 from ..core.errors import BcError
 
@@ -102,6 +101,8 @@ def with_iso_times(value: Any) -> Any:
 
 def _yaml(value: Any) -> str:
     # through JSON first: YAML shows exactly what --json shows (types, ISO times, str fallbacks)
+    import yaml  # loaded for --output yaml only
+
     plain = json.loads(json.dumps(with_iso_times(value), default=str))
     return yaml.safe_dump(plain, sort_keys=False, allow_unicode=True, default_flow_style=False)
 

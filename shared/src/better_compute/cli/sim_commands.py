@@ -39,6 +39,7 @@ from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.ids import new_id
 from ..core.names import parse_name
+from ..files import atomic_write
 from ..logging import register_secret
 from ..metal.lifecycle import parse_bmc_url
 from ..runtime.dev import DevStack, ProcRecord, log_tail
@@ -74,9 +75,7 @@ def _check_site(site: str) -> str:
 
 
 def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
+    atomic_write(path, text)
 
 
 def _record(stack: DevStack, name: str, service: str, pid: int, log: Path) -> None:

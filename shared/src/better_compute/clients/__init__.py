@@ -4,13 +4,22 @@ Each is built on ``service.client.ApiClient`` (``Client(api, timeout=…)``) and
 service's ``BcError``s. The one positional argument is ``CommandQueueClient.enqueue(command)``,
 which takes the request Struct itself. ``StepPki`` and ``StepSecrets`` are what a step sees as
 ``ctx.pki`` and ``ctx.secrets`` (the ``Pki`` and ``Secrets`` protocols of ``provision``).
+
+Each name loads its module on first use (PEP 562): a caller of the engine's client does not load
+the secrets client's cryptography.
 """
 
-from ._base import ServiceClient
-from .cmdq import CommandQueueClient
-from .engine import EngineClient
-from .pki import PkiClient, StepPki
-from .secrets import SecretsClient, StepSecrets
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._base import ServiceClient
+    from .cmdq import CommandQueueClient
+    from .engine import EngineClient
+    from .pki import PkiClient, StepPki
+    from .secrets import SecretsClient, StepSecrets
 
 __all__ = [
     "CommandQueueClient",
@@ -21,3 +30,20 @@ __all__ = [
     "StepPki",
     "StepSecrets",
 ]
+
+_HOME = {
+    "ServiceClient": "_base",
+    "CommandQueueClient": "cmdq",
+    "EngineClient": "engine",
+    "PkiClient": "pki",
+    "StepPki": "pki",
+    "SecretsClient": "secrets",
+    "StepSecrets": "secrets",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

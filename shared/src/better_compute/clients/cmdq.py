@@ -9,8 +9,6 @@ import asyncio
 import contextlib
 from typing import Any
 
-import nats.errors
-
 from ..core.errors import BcError, ErrorCode
 from ..wire.cmdq import (
     EVENTS,
@@ -213,6 +211,8 @@ class CommandQueueClient(ServiceClient):
         Raises:
             BcError: ``TIMEOUT`` when it is still live after ``timeout`` seconds.
         """
+        import nats.errors  # loaded with the connection (``service.client.connect``)
+
         nc = self.api.nc
         woken = asyncio.Event()
 

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from ..config import Settings, env_var
 from ..core.errors import BcError, ErrorCode
+from ..files import atomic_write
 from ..logging import safe_url
 from .embedded import (
     EmbeddedNats,
@@ -249,9 +250,7 @@ class DevStack:
                 "approvers": [{"id": a.id, "publicKey": a.public_key} for a in q.approvers],
             }
         kept.parent.mkdir(parents=True, exist_ok=True)
-        tmp = kept.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(kept)
+        atomic_write(kept, json.dumps(data, indent=2) + "\n", mode=0o644)
         self.say(f"quorum            saved     {kept}")
         return None
 

@@ -8,7 +8,6 @@ free on the first start and kept while they stay free.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import BcError, ErrorCode
+from ..files import atomic_write
 
 __all__ = [
     "EmbeddedNats",
@@ -181,6 +181,8 @@ def nats_server_binary() -> Path:
                 {"path": "BC_NATS_SERVER_BIN"},
             )
         return path
+    import importlib.metadata  # here, not at the top: `bcx --help` imports this module
+
     try:
         dist = importlib.metadata.distribution("nats-server-bin")
     except importlib.metadata.PackageNotFoundError as exc:
@@ -236,9 +238,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(data, indent=2), mode=0o644)
 
 
 class EmbeddedNats:

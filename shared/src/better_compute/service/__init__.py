@@ -1,9 +1,20 @@
-"""The service skeleton shared by every Better Compute service."""
+"""The service skeleton shared by every Better Compute service.
 
-from .base import ApiRequest, Handler, Service
-from .client import ApiClient, connect, discover
-from .db import Database, apply_migrations, load_migrations
-from .main import run_service
+The names below load their module on first use (PEP 562): ``bcx`` and the clients import
+``better_compute.service.client`` without paying for the service skeleton (asyncpg, the
+JetStream machinery) they never run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import ApiRequest, Handler, Service
+    from .client import ApiClient, connect, discover
+    from .db import Database, apply_migrations, load_migrations
+    from .main import run_service
 
 __all__ = [
     "ApiClient",
@@ -17,3 +28,23 @@ __all__ = [
     "load_migrations",
     "run_service",
 ]
+
+_HOME = {
+    "ApiRequest": "base",
+    "Handler": "base",
+    "Service": "base",
+    "ApiClient": "client",
+    "connect": "client",
+    "discover": "client",
+    "Database": "db",
+    "apply_migrations": "db",
+    "load_migrations": "db",
+    "run_service": "main",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -7,19 +7,20 @@ import contextlib
 import json
 import re
 import ssl
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-import nats
-import nats.errors
-from nats.aio.client import Client as Nats
 
+from .._imports import import_quietly
 from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..wire import Subjects, unwrap
 from ..wire.audit import ACTOR_HEADER
 from ..wire.codec import encode
 from ..wire.subjects import SERVICE_NAMES
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as Nats
 
 __all__ = ["ApiClient", "connect", "discover", "tls_context"]
 
@@ -73,6 +74,10 @@ async def connect(
     (the ``nats_ca`` setting) is the CA file that TLS checks the servers against; a ``tls://`` URL
     without it trusts the system's CAs.
     """
+    import_quietly("nats")  # loaded on the first connection, not when a bcx parser is built
+    import nats.errors
+    from nats.aio.client import Client as NatsClient
+
     reconnects = kwargs.pop("max_reconnect_attempts", -1)
     callback = kwargs.pop("error_cb", _quiet)
     seen: list[Exception] = []  # what nats-py reported on the way: its final error hides the cause
@@ -92,7 +97,7 @@ async def connect(
         kwargs["tls"] = tls_context(ca)
     connect_timeout = kwargs.pop("connect_timeout", 2)
     reconnect_time_wait = kwargs.pop("reconnect_time_wait", 0.5)
-    nc = Nats()
+    nc = NatsClient()
     attempt = asyncio.ensure_future(
         nc.connect(
             url,
@@ -140,6 +145,8 @@ async def connect(
 
 def _connect_error(url: str, causes: list[BaseException]) -> BcError:
     """The typed error of a first connection that failed, from everything nats-py reported."""
+    import nats.errors
+
     where = safe_url(url)
     if any(isinstance(c, ssl.SSLCertVerificationError) for c in causes):
         said = next(c for c in causes if isinstance(c, ssl.SSLCertVerificationError))
@@ -181,6 +188,8 @@ class ApiClient:
         Raises the service's ``BcError``; ``UNAVAILABLE`` when no instance listens or NATS is
         away, ``TIMEOUT`` when none answers in time.
         """
+        import nats.errors  # loaded with the connection (``connect``)
+
         resource, _, verb = route.partition(".")
         subject = self.subjects.api(service, resource, verb)
         data = payload if isinstance(payload, bytes) else encode(payload if payload is not None else {})
@@ -231,6 +240,8 @@ async def discover(nc: Nats, *, root: str | None = None, wait: float = 0.5) -> l
 
     With ``root``, only instances serving that subject root (tests share a server).
     """
+    import nats.errors  # loaded with the connection (``connect``)
+
     replies: list[dict[str, Any]] = []
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)

@@ -7,13 +7,13 @@ and tries again. Anything else is a bug, which retrying cannot fix.
 from __future__ import annotations
 
 import errno
-import random
 import socket
 
 import asyncpg
 import nats.errors
 import nats.js.errors
 
+from ..backoff import Backoff
 from ..core.errors import BcError, ErrorCode
 
 __all__ = ["Backoff", "describe", "is_transient"]
@@ -68,23 +68,3 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, BcError):
         return f"{exc.code.value}: {exc.message}"
     return type(exc).__name__
-
-
-class Backoff:
-    """Exponential delays with "equal jitter": each is ``d/2 + random(0, d/2)``, ``d`` doubling
-    from ``first`` up to ``cap``. Jitter keeps many processes that lost the same server from
-    coming back in step."""
-
-    def __init__(self, *, first: float = 0.1, cap: float = 5.0) -> None:
-        self.first = first
-        self.cap = cap
-        self.failures = 0
-
-    def next(self) -> float:
-        """The delay before the next try, counting this failure."""
-        ceiling = min(self.cap, self.first * (2 ** min(self.failures, 32)))
-        self.failures += 1
-        return float(ceiling / 2 + random.uniform(0, ceiling / 2))  # jitter, not a secret
-
-    def reset(self) -> None:
-        self.failures = 0

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..files import atomic_write
 from ..runtime.embedded import free_port
 
 __all__ = ["SiteAgentProcess"]
@@ -49,9 +50,7 @@ class SiteAgentProcess:
     def write_config(self, token: str | None) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         if token is not None:
-            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(token + "\n")
+            atomic_write(self.token_file, token + "\n")
         self.config_file.write_text(
             f'site_id = "{self.site_id}"\n'
             f'nats_url = "{self.nats_url}"\n'

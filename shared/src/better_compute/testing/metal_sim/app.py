@@ -31,6 +31,7 @@ from typing import Any, Final
 from ...app import better_compute
 from ...core import define_plugin, manifest
 from ...core.errors import BcError, ErrorCode
+from ...files import atomic_write
 from ...metal import Ramdisk, metal
 from ...provision import UserData, define_profile, define_step, provision_module, render_template
 from ..images import sim_image_verifier
@@ -71,11 +72,7 @@ async def _publish_iso(digest: str, user_data: str) -> str:
     target = Path(folder) / "autoinstall" / f"{digest}.iso"
     target.parent.mkdir(parents=True, exist_ok=True)
     if not target.exists():  # named by its content: a re-run writes the same bytes
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(user_data)
-        tmp.replace(target)
+        atomic_write(target, user_data)
     return f"{base.rstrip('/')}/autoinstall/{digest}.iso"
 
 

@@ -4,7 +4,6 @@ Redfish, pyghmi's BMC server for IPMI), their network boot pointed at a site age
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import time
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ...files import atomic_write
 from ...runtime.embedded import free_port
 from ..bmcs import _Proc
 from .qemu import VirtualMachine, VmSpec
@@ -61,9 +61,7 @@ class IpmiVmBmc(_Proc):
         spec_file = self.folder / "vm.json"
         spec_file.write_text(json.dumps(self.spec.to_json()))
         creds = self.folder / "credentials.json"
-        fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self.credentials, fh)
+        atomic_write(creds, json.dumps(self.credentials))
         self._spawn(
             [sys.executable, "-m", "better_compute.testing.vmlab.ipmi_main", "--vm", str(spec_file),
              "--port", str(self.port), "--credentials-file", str(creds),
