@@ -69,7 +69,9 @@ BUILDER_VERSION: Final = "1"
 DEFAULT_OUT: Final = DEFAULT_RAMDISK_DIR
 """Where ``bcx ramdisk build`` writes and ``bcx dev up`` looks (``[ramdisk] dir``)."""
 
-DEFAULT_CMDLINE: Final = "console=tty0 console=ttyS0,115200n8"
+DEFAULT_CMDLINE: Final = "console=tty0 console=ttyS0,115200n8 quiet"
+"""The consoles, and ``quiet``: without it the kernel prints its whole command line, the boot
+entry's ``bcd.token=`` included, on the serial console (a BMC's serial-over-LAN)."""
 KERNEL_PACKAGE: Final = "linux-image-amd64"
 BUSYBOX_PACKAGE: Final = "busybox-static"
 
