@@ -47,6 +47,7 @@ __all__ = [
     "UNDO_OWNER",
     "converge_host",
     "current_workflow",
+    "left_text",
     "reconcile_metal",
     "record_command_result",
     "reopen_node",
@@ -230,13 +231,35 @@ async def _move_node(engine: Engine, conn: Any, node: Any, wf_row: Any, profile:
         }
         if step is not None:
             reason.update(step=step["action"], stepIndex=step["idx"])
-        row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
+        reason["left"] = left_text(transition.verb, wf_row["state"], reason["step"])
+        if transition.verb == "deploy" and node["image"] is not None:
+            reason["image"] = node["image"]  # the image it was installing: a retry names it again
+        row = await conn.fetchrow(
+            metal_store.FINISH_FAILED, node["id"], json.dumps(reason), transition.verb == "deploy"
+        )
         if wf_row["state"] == "aborted":  # undo its boot set-up once its commands ended
             await queue.queue_now(conn, queue.owner_key(UNDO_OWNER, wf_row["id"]))
     power = _POWER.get(str(await conn.fetchval(metal_store.LAST_POWER_ACTION, wf_row["id"])))
     if power is not None:
         row = await conn.fetchrow(metal_store.POWER_STATE, node["id"], power) or row
     return row, section
+
+
+# What a failed or aborted verb may have left on the machine, and what the operator does next.
+_LEFT = {
+    "deploy": "the disk may hold part of an image; run deploy again or release",
+    "release": "the disk may not be wiped whole; run release again",
+    "retire": "the disk may not be wiped whole; run retire again",
+    "commission": "the node's hardware checks did not finish; run commission again",
+    "inspect": "the inventory was not taken; run inspect again",
+    "adopt": "the node was not adopted; run adopt again or retire",
+}
+
+
+def left_text(verb: str, state: str, step: str | None) -> str:
+    """``stateReason.left``: "<verb> failed|aborted at <step>: <what it left>; <what to do>"."""
+    what = _LEFT.get(verb, f"run {verb} again")
+    return f"{verb} {'aborted' if state == 'aborted' else 'failed'} at {step or '-'}: {what}"
 
 
 async def _workflow_host_config(engine: Engine, conn: Any, wf_row: Any, profile: Any) -> Any:

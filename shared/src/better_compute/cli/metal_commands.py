@@ -295,6 +295,8 @@ def show_lines(node: NodeView) -> list[str]:
             f"failed      workflow {reason.get('workflowId')} ({reason.get('verb')}) at step "
             f"{reason.get('step')}: {reason.get('code')}: {reason.get('message')}"
         )
+        if reason.get("left"):
+            lines.append(f"left        {reason['left']}")
     quarantine = node.quarantine
     if quarantine:
         lines.append(

@@ -547,7 +547,8 @@ class WhyReason(_Reply, frozen=True, kw_only=True):
     pending, dispatched or running), ``batch-approval``, ``step-not-ready`` (the step's own
     reason), ``service-unavailable``, ``previous-attempt-running``, ``retry-backoff``,
     ``running`` (a control-plane step running in the engine), ``deadline``, ``bmc-error`` (the
-    node's last failed command, as its agent reported it), ``finished``, ``idle``, ``quarantined``
+    node's last failed command, as its agent reported it), ``finished``, ``left`` (what a failed or
+    aborted lifecycle verb left on its node and what to run next), ``idle``, ``quarantined``
     (the node's ramdisk token was seen twice: first, before the rest)."""
 
     kind: str
