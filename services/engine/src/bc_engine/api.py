@@ -47,7 +47,9 @@ class EngineApi:
         self.profiles = ProfileStore(app)
         self.wake = wake
         self.publish = publish
-        self.nodes = NodesApi(db=db, publish=publish, quorum=quorum)
+        self.nodes = NodesApi(
+            db=db, publish=publish, quorum=quorum, pki=engine.pki if engine is not None else None
+        )
         self.profiles_api = ProfilesApi(app=app, db=db, profiles=self.profiles)
         self.workflows = WorkflowsApi(
             app=app, db=db, profiles=self.profiles, wake=wake, publish=publish, host_config_owner=METAL_OWNER

@@ -26,7 +26,8 @@ class NodesApi:
     """The ``nodes.*`` routes; ``quorum`` (when approvers are configured) has the cmdq client a
     node's current workflow is read with."""
 
-    def __init__(self, *, db: Database, publish: Publish, quorum: Any = None) -> None:
+    def __init__(self, *, db: Database, publish: Publish, quorum: Any = None, pki: Any = None) -> None:
+        self.pki = pki  # a deleted node's discovery certificates are revoked (issue 26)
         self.db = db
         self.publish = publish
         self.quorum = quorum
@@ -125,8 +126,14 @@ class NodesApi:
         return node_doc(row)
 
     async def nodes_delete(self, req: ApiRequest) -> m.NodeDeleted:
-        """Forget a node; refused while a workflow runs on it. Finished workflows are kept."""
+        """Forget a node; refused while a workflow runs on it. Finished workflows are kept.
+        Its discovery certificates are revoked first: a discovery ramdisk's bcd still running
+        with one would otherwise record the node again (the discovery sweep); only a new
+        discovery boot brings it back."""
         body = req.decode(m.DeleteNode)
+        row = await self.db.fetchrow(store.NODE, body.id)
+        if row is not None and self.pki is not None:
+            await self._revoke_discovery(body.id)
         async with self.db.transaction() as conn:
             await self._locked_node(conn, body.id)
             await self._refuse_busy(conn, body.id, "delete it")
@@ -134,6 +141,20 @@ class NodesApi:
             await conn.execute(store.DELETE_NODE, body.id)
         await node_removed(self.publish, body.id)
         return m.NodeDeleted(deleted=body.id)
+
+    async def _revoke_discovery(self, node_id: str) -> None:
+        try:
+            certs = await self.pki.list_certificates(agent_id=node_id)
+            for cert in certs:
+                if cert.role == "discovery" and cert.state == "valid":
+                    await self.pki.revoke_certificate(cert_id=cert.cert_id, reason="node deleted")
+        except BcError as err:
+            raise BcError(
+                err.code,
+                f"node {node_id} is not deleted: its discovery certificate could not be revoked"
+                f" ({err.message}); delete it again",
+                {"path": "id", "reason": "discovery-cert-not-revoked"},
+            ) from err
 
 
 def _doc(text: str | None) -> dict[str, Any] | None:

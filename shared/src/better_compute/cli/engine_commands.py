@@ -350,7 +350,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     p.add_argument("id", help="node id")
     p.add_argument("change", nargs="+", help="key=value sets, key- removes")
     p.set_defaults(func=nodes_label)
-    p = nodes.add_parser("delete", parents=[common], help="forget a node (not while a workflow runs on it)")
+    p = nodes.add_parser(
+        "delete",
+        parents=[common],
+        help="forget a node (not while a workflow runs on it); its discovery certificate is revoked",
+    )
     p.add_argument("id", help="node id")
     p.set_defaults(func=nodes_delete)
 
