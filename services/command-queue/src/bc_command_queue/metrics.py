@@ -34,7 +34,7 @@ AGENTS: Final = Gauge(
     "bc_agents_connected", "Agents heard from within the silence limit, by site and role", ["site", "role"]
 )
 BATCHES: Final = Gauge(
-    "bc_batches_awaiting_approval", "Destructive-command batches neither approved nor expired"
+    "bc_batches_awaiting_approval", "Destructive-command batches neither approved, closed nor expired"
 )
 
 # Only the live ones (the commands_live partial index): finished commands pile up until retention,
@@ -49,7 +49,9 @@ _AGENTS_CONNECTED: Final = (
     " WHERE last_seen > now() - make_interval(secs => $1::double precision / 1000)"
     " GROUP BY site_id, role"
 )
-_BATCHES_WAITING: Final = "SELECT count(*) FROM batches WHERE approved_at IS NULL AND expires_at > now()"
+_BATCHES_WAITING: Final = (
+    "SELECT count(*) FROM batches WHERE approved_at IS NULL AND closed_at IS NULL AND expires_at > now()"
+)
 
 
 async def collect(db: Any, *, silent_after_ms: int) -> None:

@@ -52,7 +52,13 @@ class EngineApi:
         )
         self.profiles_api = ProfilesApi(app=app, db=db, profiles=self.profiles)
         self.workflows = WorkflowsApi(
-            app=app, db=db, profiles=self.profiles, wake=wake, publish=publish, host_config_owner=METAL_OWNER
+            app=app,
+            db=db,
+            profiles=self.profiles,
+            wake=wake,
+            publish=publish,
+            host_config_owner=METAL_OWNER,
+            cmdq=quorum.cmdq if quorum is not None else None,
         )
         self.start_in = self.workflows.start_in
         self.metal = MetalApi(self, quorum)

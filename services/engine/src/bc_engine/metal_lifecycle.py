@@ -45,6 +45,7 @@ __all__ = [
     "HOST_OWNER",
     "METAL_OWNER",
     "UNDO_OWNER",
+    "close_batch",
     "converge_host",
     "current_workflow",
     "left_text",
@@ -79,6 +80,8 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
     if wf_row is None or wf_row["state"] == "running" or wf_row["node_id"] is None:
         return
     profile = await engine.profile(store.workflow_row(wf_row))
+    if wf_row["state"] in ("failed", "aborted") and wf_row["batch_id"] is not None:
+        await close_batch(engine, wf_row)
     applied, moved = None, None
     async with engine.db.transaction() as conn:
         node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf_row["node_id"], workflow_id)
@@ -99,6 +102,22 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
         await engine.wake(queue.owner_key(HOST_OWNER, row["id"]))
     if wf_row["state"] == "aborted" and engine.wake is not None:
         await engine.wake(queue.owner_key(UNDO_OWNER, workflow_id))
+
+
+async def close_batch(engine: Engine, wf_row: Any) -> None:
+    """A failed or aborted verb's workflow closes its destructive batch (the last one of a bulk
+    verb's batch to end: the others may still need it), so it no longer counts as open; a retry
+    or resume opens it again (``workflows_api``). The command-queue away: this key runs again."""
+    if await engine.db.fetchval(metal_store.BATCH_STILL_RUNNING, wf_row["batch_id"], wf_row["id"]):
+        return
+    try:
+        await engine.cmdq.close_batch(
+            id=wf_row["batch_id"], reason=f"workflow {wf_row['id']} {wf_row['state']}"
+        )
+    except BcError as err:
+        if err.code.value in ("UNAVAILABLE", "TIMEOUT"):
+            raise step_not_ready(UNDO_LOOK_MS) from err
+        engine.log.warning("batch_close_refused", workflow_id=wf_row["id"], code=err.code.value)
 
 
 def _reached(view: Any) -> bool:

@@ -50,6 +50,10 @@ FINISH_FAILED = (
     "UPDATE nodes SET state = 'failed', workflow_id = NULL, state_reason = $2, last_error = $2,"
     " image = CASE WHEN $3 THEN NULL ELSE image END, updated_at = now() WHERE id = $1 RETURNING *"
 )
+# Another workflow of the batch $1 (a bulk verb's) still running: the batch stays open for it.
+BATCH_STILL_RUNNING = (
+    "SELECT id FROM workflows WHERE batch_id = $1 AND id <> $2 AND state = 'running' LIMIT 1"
+)
 # The step that stopped a workflow: failed, else cancelled by an abort.
 STOPPED_STEP = (
     "SELECT idx, action, state, error FROM workflow_steps WHERE workflow_id = $1"

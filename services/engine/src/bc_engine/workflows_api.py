@@ -47,7 +47,9 @@ class WorkflowsApi:
         wake: Callable[[str], Awaitable[None]],
         publish: Publish,
         host_config_owner: str | None = None,
+        cmdq: Any = None,
     ) -> None:
+        self.cmdq = cmdq  # a retried or resumed metal workflow opens its closed batch again
         self.app = app
         self.db = db
         self.profiles = profiles
@@ -290,6 +292,10 @@ class WorkflowsApi:
         node = await reopen_node(conn, wf)
         if node is not None:
             await node_event(self.publish, node, verb="retry")
+        if wf["batch_id"] is not None and wf["owner"] == self.host_config_owner and self.cmdq is not None:
+            # its failure or abort closed the batch (metal_lifecycle.close_batch): open again, or
+            # the workflow waits for approvals it can no longer get
+            await self.cmdq.reopen_batch(id=wf["batch_id"])
 
     async def workflows_retry(self, req: ApiRequest) -> m.WorkflowView:
         """A failed workflow runs its failed step again, as a new attempt."""
