@@ -72,6 +72,7 @@ class EngineApi:
             "nodes.list": nodes.nodes_list,
             "nodes.update": nodes.nodes_update,
             "nodes.label": nodes.nodes_label,
+            "nodes.maintenance": nodes.nodes_maintenance,
             "nodes.delete": nodes.nodes_delete,
             "steps.list": profiles.steps_list,
             "plugins.list": profiles.plugins_list,

@@ -3,12 +3,14 @@ through ``metal_api``)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.service import ApiRequest, Database
+from better_compute.service.audit import requester
 from better_compute.wire import engine as m
 from better_compute.wire.paging import decode_cursor, take_page
 
@@ -125,6 +127,21 @@ class NodesApi:
         await node_event(self.publish, row, verb="label")
         return node_doc(row)
 
+    async def nodes_maintenance(self, req: ApiRequest) -> m.NodeView:
+        """Put a node in maintenance (``on``: {reason, by, at}) or take it out; a workflow
+        running on it goes on (abort it if it must stop), none starts while it is on."""
+        body = req.decode(m.SetMaintenance)
+        parse_id(body.id, "node", path="id")
+        doc = None
+        if body.on:
+            by = requester(req.headers).actor
+            doc = json.dumps({"reason": body.reason, "by": by, "at": dt.datetime.now(dt.UTC).isoformat()})
+        async with self.db.transaction() as conn:
+            await self._locked_node(conn, body.id)
+            row = await conn.fetchrow(_SET_MAINTENANCE, body.id, doc)
+        await node_event(self.publish, row, verb="maintenance")
+        return node_doc(row)
+
     async def nodes_delete(self, req: ApiRequest) -> m.NodeDeleted:
         """Forget a node; refused while a workflow runs on it. Finished workflows are kept.
         Its discovery certificates are revoked first: a discovery ramdisk's bcd still running
@@ -155,6 +172,9 @@ class NodesApi:
                 f" ({err.message}); delete it again",
                 {"path": "id", "reason": "discovery-cert-not-revoked"},
             ) from err
+
+
+_SET_MAINTENANCE = "UPDATE nodes SET maintenance = $2::jsonb, updated_at = now() WHERE id = $1 RETURNING *"
 
 
 def _doc(text: str | None) -> dict[str, Any] | None:
