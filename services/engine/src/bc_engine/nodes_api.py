@@ -149,7 +149,10 @@ class NodesApi:
         discovery boot brings it back."""
         body = req.decode(m.DeleteNode)
         row = await self.db.fetchrow(store.NODE, body.id)
-        if row is not None and self.pki is not None:
+        hardware = row["hardware"] if row is not None else None  # a discovered node's: its certId
+        hardware = _doc(hardware) if isinstance(hardware, str) else hardware
+        if isinstance(hardware, dict) and hardware.get("certId") and self.pki is not None:
+            await self._refuse_busy(self.db, body.id, "delete it")  # refused before anything is revoked
             await self._revoke_discovery(body.id)
         async with self.db.transaction() as conn:
             await self._locked_node(conn, body.id)
