@@ -226,6 +226,11 @@ async def test_a_failed_workflow_fails_the_node_naming_the_step(metal: tuple[Met
     )
     why = await m.api.call("engine", "workflows.why", {"id": node})
     assert aborted["left"] in why["answer"]
+    # resumed, the deploy names its image again, and its success leaves it on the node
+    await m.api.call("engine", "workflows.resume", {"id": held["workflowId"]})
+    assert (await m.node(node))["image"] == "ubuntu@24.04"
+    await m.flag("hold")
+    assert (await m.reaches(node, "deployed"))["image"] == "ubuntu@24.04"
 
 
 async def test_a_bmc_step_on_a_node_without_a_bmc_fails_it(metal: tuple[Metal, SimAgent]) -> None:
