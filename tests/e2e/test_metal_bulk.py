@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import msgspec
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from bc_command_queue import metrics
 from better_compute.clients import CommandQueueClient, PkiClient
 from better_compute.config import Settings
 from better_compute.crypto import sign_batch
@@ -119,11 +121,13 @@ async def _all(api: ApiClient, ids: list[str], state: str) -> bool:
 
 
 async def test_a_bulk_verb_aborted_closes_its_batch_once_its_last_workflow_ended(
-    stack: tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent], bc_api: ApiClient
+    stack: tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent],
+    bc_api: ApiClient,
+    bc_processes: ServiceProcesses,
 ) -> None:
     """Issue 26: an abandoned batch no longer counts as open (the gauge of batches awaiting
     approval counts the same), a retry opens it again."""
-    cq = CommandQueueClient(bc_api)
+    cq, settings = CommandQueueClient(bc_api), bc_processes.settings
     ids = []
     for i in range(2):
         body = {"siteId": "lab1", "labels": {"rack": "r26"}, "bmc": {**BMC, "address": f"bmc-r26-{i}"}}
@@ -151,6 +155,11 @@ async def test_a_bulk_verb_aborted_closes_its_batch_once_its_last_workflow_ended
     batch = await cq.get_batch(id=batch_id)
     assert batch.closed_reason == f"workflow {second} aborted"
     assert batch_id not in [b.id for b in await cq.list_batches(state="open", limit=100)]
+    conn = await asyncpg.connect(settings.database_url, server_settings={"search_path": "cmdq"})  # the gauge
+    try:
+        assert await conn.fetchval(metrics.BATCHES_WAITING + " AND id = $1", batch_id) == 0
+    finally:
+        await conn.close()
     approve = cq.approve_batch(
         batch_id=batch_id, approver_id="alice", signature=sign_batch(batch, stack[0]["alice"])
     )
