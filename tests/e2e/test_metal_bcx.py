@@ -142,3 +142,49 @@ async def test_verbs_show_and_bulk_through_bcx(settings: Settings, bc_api: ApiCl
         await until(lambda other=other: _state(bc_api, other, "deployed"))  # type: ignore[misc]
     as_json = await ok_json(settings, "bulk", "release", "--node", others[0], "--node", node)
     assert sorted(s["nodeId"] for s in as_json["started"]) == sorted([others[0], node])
+
+
+async def test_a_node_in_maintenance_runs_nothing_and_bulk_skips_it(
+    settings: Settings, bc_api: ApiClient
+) -> None:
+    """Issue 26: ``bcx nodes maintenance on|off``: no verb or workflow starts on the node, a bulk
+    skips it and says so, list and show show it, the audit names who set it."""
+    held, free = [
+        (await ok_json(settings, "nodes", "enroll", "--site", "lab1", "--label", "rack=r26"))["id"]
+        for _ in range(2)
+    ]
+    on = await bcx(
+        settings, "nodes", "maintenance", "on", held, "--reason", "PSU swap", env={"BC_ACTOR": "ann@ops"}
+    )
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.strip() == f"{held} in maintenance: PSU swap (set by ann@ops)"
+    doc = await ok_json(settings, "nodes", "show", held)
+    assert (doc["maintenance"]["reason"], doc["maintenance"]["by"]) == ("PSU swap", "ann@ops")
+    shown = (await bcx(settings, "nodes", "show", held)).stdout
+    assert "maintenance PSU swap (set by ann@ops" in shown, shown
+    listed = (await bcx(settings, "nodes", "list", "--selector", "rack=r26")).stdout
+    assert "enrolled (maintenance)" in listed, listed
+
+    refused = await bcx(settings, "inspect", held, "--json")
+    assert refused.returncode != 0
+    err = json.loads(refused.stdout)["error"]
+    assert (err["code"], err["details"]["reason"], err["details"]["path"]) == (
+        "INVALID_STATE", "node-in-maintenance", "nodeId",
+    )  # fmt: skip
+    assert f"node {held} is in maintenance: PSU swap" in err["message"]
+    started = await bcx(settings, "workflows", "start", "--profile", "t.inspect", "--node", held, "--json")
+    assert started.returncode != 0
+    assert json.loads(started.stdout)["error"]["details"]["reason"] == "node-in-maintenance"
+
+    bulk = await ok_json(settings, "bulk", "inspect", "--selector", "site=lab1,rack=r26")
+    assert [s["nodeId"] for s in bulk["started"]] == [free]
+    assert [(r["nodeId"], r["reason"]) for r in bulk["refused"]] == [(held, "node-in-maintenance")]
+
+    off = await bcx(settings, "nodes", "maintenance", "off", held)
+    assert off.returncode == 0, off.stderr
+    assert (await ok_json(settings, "nodes", "show", held))["maintenance"] is None
+    assert (await bcx(settings, "inspect", held)).returncode == 0
+
+    audit = await ok_json(settings, "audit", "--who", "ann@ops")
+    got = [(e["action"], e["target"]) for e in audit["entries"]]
+    assert ("nodes.maintenance", held) in got, got

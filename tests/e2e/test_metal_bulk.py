@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import msgspec
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from bc_command_queue import metrics
 from better_compute.clients import CommandQueueClient, PkiClient
 from better_compute.config import Settings
 from better_compute.crypto import sign_batch
@@ -116,3 +118,54 @@ async def _all(api: ApiClient, ids: list[str], state: str) -> bool:
     states: dict[str, Any] = await _states(api, ids)
     assert "failed" not in states.values(), states
     return set(states.values()) == {state}
+
+
+async def test_a_bulk_verb_aborted_closes_its_batch_once_its_last_workflow_ended(
+    stack: tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent],
+    bc_api: ApiClient,
+    bc_processes: ServiceProcesses,
+) -> None:
+    """Issue 26: an abandoned batch no longer counts as open (the gauge of batches awaiting
+    approval counts the same), a retry opens it again."""
+    cq, settings = CommandQueueClient(bc_api), bc_processes.settings
+    ids = []
+    for i in range(2):
+        body = {"siteId": "lab1", "labels": {"rack": "r26"}, "bmc": {**BMC, "address": f"bmc-r26-{i}"}}
+        ids.append((await bc_api.call("engine", "metal.enroll", body))["id"])
+    await bc_api.call("engine", "metal.bulk", {"verb": "adopt", "nodeIds": ids})
+    await until(lambda: _all(bc_api, ids, "deployed"), what="2 nodes deployed")
+    bulk = await bc_api.call("engine", "metal.bulk", {"verb": "release", "nodeIds": ids})
+    batch_id, (first, second) = bulk["batchId"], [s["workflowId"] for s in bulk["started"]]
+    assert (await cq.get_batch(id=batch_id)).state == "open"
+
+    async def node_failed(wf: str) -> bool:
+        shown = await bc_api.call("engine", "workflows.get", {"id": wf})
+        node = await bc_api.call("engine", "nodes.get", {"id": shown["nodeId"]})
+        return node["state"] == "failed"
+
+    await bc_api.call("engine", "workflows.abort", {"id": first, "reason": "not today"})
+    await until(lambda: node_failed(first), what="the first node failed")
+    assert (await cq.get_batch(id=batch_id)).state == "open"  # the other workflow still needs it
+    await bc_api.call("engine", "workflows.abort", {"id": second, "reason": "not today"})
+
+    async def closed() -> bool:
+        return (await cq.get_batch(id=batch_id)).state == "closed"
+
+    await until(closed, what="the batch closed once both workflows ended")
+    batch = await cq.get_batch(id=batch_id)
+    assert batch.closed_reason == f"workflow {second} aborted"
+    assert batch_id not in [b.id for b in await cq.list_batches(state="open", limit=100)]
+    conn = await asyncpg.connect(settings.database_url, server_settings={"search_path": "cmdq"})  # the gauge
+    try:
+        assert await conn.fetchval(metrics.BATCHES_WAITING + " AND id = $1", batch_id) == 0
+    finally:
+        await conn.close()
+    approve = cq.approve_batch(
+        batch_id=batch_id, approver_id="alice", signature=sign_batch(batch, stack[0]["alice"])
+    )
+    err = await refused(approve)
+    assert (err.code.value, err.details["reason"]) == ("INVALID_STATE", "batch-closed")
+
+    # resumed: the workflow waits for its approvals again, so its batch is open again
+    await bc_api.call("engine", "workflows.resume", {"id": first})
+    assert (await cq.get_batch(id=batch_id)).state == "open"

@@ -224,3 +224,32 @@ async def test_a_discovery_made_while_the_engine_was_away_is_recorded_when_it_is
             return False
 
     await until(discovered, timeout=60)
+
+
+async def test_a_deleted_discovered_node_stays_deleted(
+    settings: Settings, bc_api: ApiClient, tmp_path: Path
+) -> None:
+    """Issue 26: deleting a discovered node revokes its discovery certificate, so neither the
+    discovery sweep nor its running ramdisk brings it back; only a new discovery boot does."""
+    token = await _discovery_token(bc_api)
+    root = prepare_machine(
+        tmp_path / "m", product_uuid="5a1e0000-d15c-4000-8000-0000000000d6", macs=("52:54:00:d1:5c:d6",)
+    )
+    joined = await _boot_discovery(settings, root, token.token)
+    assert joined.returncode == 0, joined.stderr
+    node_id = json.loads(joined.stdout)["nodeId"]
+
+    async def discovered() -> bool:
+        try:
+            return (await _node(bc_api, node_id))["state"] == "discovered"
+        except BcError:
+            return False
+
+    await until(discovered, timeout=60)
+    deleted = await ok_json(settings, "nodes", "delete", node_id)
+    assert deleted["deleted"] == node_id
+    certs = await PkiClient(bc_api).list_certificates(agent_id=node_id, include_revoked=True)
+    assert [c.state for c in certs if c.role == "discovery"] == ["revoked"]
+    with pytest.raises(BcError) as gone:
+        await _node(bc_api, node_id)
+    assert gone.value.code.value == "NOT_FOUND"

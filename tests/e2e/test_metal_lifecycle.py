@@ -209,8 +209,8 @@ async def test_a_failed_workflow_fails_the_node_naming_the_step(metal: tuple[Met
     # an abort fails the node too, naming the step it cancelled
     await m.verb("commission", node)
     await m.reaches(node, "ready")
-    held = await m.verb("deploy", node, profile="t.hold")
-    await m.reaches(node, "deploying")
+    held = await m.verb("deploy", node, profile="t.hold", image="ubuntu@24.04")
+    assert (await m.reaches(node, "deploying"))["image"] == "ubuntu@24.04"
     await m.api.call("engine", "workflows.abort", {"id": held["workflowId"], "reason": "changed my mind"})
     aborted = (await m.reaches(node, "failed"))["stateReason"]
     assert (aborted["workflowState"], aborted["step"], aborted["message"]) == (
@@ -218,6 +218,19 @@ async def test_a_failed_workflow_fails_the_node_naming_the_step(metal: tuple[Met
         "test.waitFlag",
         "aborted by an operator: changed my mind",
     )
+    # what the aborted deploy left (issue 26): no image it did not finish installing, and a word on it
+    left = await m.node(node)
+    assert left["image"] is None
+    assert aborted["left"] == (
+        "deploy aborted at test.waitFlag: the disk may hold part of an image; run deploy again or release"
+    )
+    why = await m.api.call("engine", "workflows.why", {"id": node})
+    assert aborted["left"] in why["answer"]
+    # resumed, the deploy names its image again, and its success leaves it on the node
+    await m.api.call("engine", "workflows.resume", {"id": held["workflowId"]})
+    assert (await m.node(node))["image"] == "ubuntu@24.04"
+    await m.flag("hold")
+    assert (await m.reaches(node, "deployed"))["image"] == "ubuntu@24.04"
 
 
 async def test_a_bmc_step_on_a_node_without_a_bmc_fails_it(metal: tuple[Metal, SimAgent]) -> None:

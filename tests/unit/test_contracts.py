@@ -64,7 +64,7 @@ def test_a_node_reply_has_the_fields_of_the_old_document() -> None:
     assert list(msgspec.json.decode(msgspec.json.encode(node))) == [
         "id", "tenantId", "siteId", "labels", "macs", "bmc", "state", "stateReason", "workflowId",
         "powerState", "image", "lastError", "generation", "observedGeneration", "inventorySummary",
-        "hardware", "enrolledByRule", "quarantine", "discoveryConflict", "pendingEnrollment",
+        "hardware", "enrolledByRule", "quarantine", "maintenance", "discoveryConflict", "pendingEnrollment",
         "createdAt", "updatedAt",
     ]  # fmt: skip
     # nodes.get adds the inventory, the host section and the workflow moving the node

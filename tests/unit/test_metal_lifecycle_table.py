@@ -166,6 +166,24 @@ def test_nodes_show_says_what_the_workflow_waits_for() -> None:
     assert "  waits for approvals of batch batch_1: 1 of 2" in text
 
 
+def test_nodes_show_says_what_a_failed_verb_left_and_maintenance() -> None:
+    now = datetime(2026, 12, 1, tzinfo=UTC)
+    left = "deploy failed at deploy.deploy: the disk may hold part of an image; run deploy again or release"
+    reason = {"workflowId": "wf_1", "verb": "deploy", "step": "deploy.deploy", "code": "DRIVER_ERROR",
+              "message": "write failed", "left": left, "image": "ubuntu@24.04"}  # fmt: skip
+    row = {
+        "id": "node_1", "tenant_id": "root", "site_id": "lab1", "labels": {}, "macs": [], "bmc": None,
+        "state": "failed", "state_reason": reason, "workflow_id": None, "power_state": None,
+        "image": None, "last_error": reason, "generation": 1, "observed_generation": 0, "host_section": None,
+        "inventory": None, "created_at": now, "updated_at": now,
+        "maintenance": {"reason": "PSU swap", "by": "ann@ops", "at": "2026-12-01T00:00:00+00:00"},
+    }  # fmt: skip
+    lines = show_lines(node_doc(row, full=True))
+    assert "image       -" in lines
+    assert f"left        {left}" in lines
+    assert any(line.startswith("maintenance PSU swap (set by ann@ops at 2026-12-01") for line in lines), lines
+
+
 def test_credentials_come_from_a_file_and_a_bad_file_is_not_quoted(tmp_path: Any) -> None:
     good = tmp_path / "c.txt"
     good.write_text("admin:s3cret:with:colons\n")

@@ -27,6 +27,7 @@ from better_compute.wire.cmdq import (
     BatchList,
     BatchState,
     BatchView,
+    CloseBatch,
     CreateBatch,
     ListBatches,
     QuorumView,
@@ -105,7 +106,9 @@ class Batches:
                 ApprovalView(approver_id=a["approver_id"], at=a["created_at"].timestamp(), counted=counted)
             )
         state: BatchState
-        if row["expired"]:
+        if row["closed_at"] is not None:
+            state = "closed"
+        elif row["expired"]:
             state = "expired"
         elif row["approved_at"] is not None:
             state = "approved"
@@ -126,6 +129,7 @@ class Batches:
             expires_at_ms=row["expires_at_ms"],
             document=document,
             created=created,
+            closed_reason=row["closed_reason"],
         )
 
     async def _view_of(self, row: Any, *, created: bool = False, conn: Any = None) -> BatchView:
@@ -256,6 +260,12 @@ class Batches:
                     "not a configured approver",
                     {"path": "approverId", "reason": "unknown-approver"},
                 )
+            if row["closed_at"] is not None:
+                raise BcError(
+                    ErrorCode.INVALID_STATE,
+                    f"the batch is closed: {row['closed_reason'] or 'its workflow ended'}",
+                    {"path": "batchId", "reason": "batch-closed"},
+                )
             if row["expired"]:
                 raise BcError(
                     ErrorCode.INVALID_STATE,
@@ -285,6 +295,33 @@ class Batches:
             await self._event(view, approver_id=body.approver_id)
         if newly_approved:
             await self.dispatch_pending(batch_id=ident)
+        return view
+
+    async def close(self, req: ApiRequest) -> BatchView:
+        """Close a batch whose workflow failed or was aborted: no more approvals, not open."""
+        body = req.decode(CloseBatch)
+        ident = parse_id(body.id, "batch", path="id")
+        row = await self.db.fetchrow(store.BATCH_BY_ID, ident)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "id"})
+        if row["closed_at"] is not None:
+            return await self._view_of(row)
+        row = await self.db.fetchrow(store.BATCH_CLOSE, ident, body.reason)
+        self.log.info("batch_closed", batch_id=ident, reason=body.reason)
+        view = await self._view_of(row)
+        await self._event(view)
+        return view
+
+    async def reopen(self, req: ApiRequest) -> BatchView:
+        """A closed batch's workflow runs again (retried or resumed): the batch is open again,
+        its approvals as they were."""
+        ident = parse_id(req.decode(BatchIdRequest).id, "batch", path="id")
+        row = await self.db.fetchrow(store.BATCH_REOPEN, ident)
+        if row is None:
+            raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "id"})
+        self.log.info("batch_reopened", batch_id=ident)
+        view = await self._view_of(row)
+        await self._event(view)
         return view
 
     async def _recount(self, conn: Any, row: Any) -> bool:

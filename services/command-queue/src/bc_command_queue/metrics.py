@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from better_compute.service.metrics import LATENCY_BUCKETS, set_gauge_rows
 from better_compute.wire.cmdq import TERMINAL_STATES
 
-__all__ = ["collect", "observe_changes"]
+__all__ = ["BATCHES_WAITING", "collect", "observe_changes"]
 
 COMMANDS_LIVE: Final = Gauge(
     "bc_commands_live",
@@ -34,7 +34,7 @@ AGENTS: Final = Gauge(
     "bc_agents_connected", "Agents heard from within the silence limit, by site and role", ["site", "role"]
 )
 BATCHES: Final = Gauge(
-    "bc_batches_awaiting_approval", "Destructive-command batches neither approved nor expired"
+    "bc_batches_awaiting_approval", "Destructive-command batches neither approved, closed nor expired"
 )
 
 # Only the live ones (the commands_live partial index): finished commands pile up until retention,
@@ -49,14 +49,16 @@ _AGENTS_CONNECTED: Final = (
     " WHERE last_seen > now() - make_interval(secs => $1::double precision / 1000)"
     " GROUP BY site_id, role"
 )
-_BATCHES_WAITING: Final = "SELECT count(*) FROM batches WHERE approved_at IS NULL AND expires_at > now()"
+BATCHES_WAITING: Final = (
+    "SELECT count(*) FROM batches WHERE approved_at IS NULL AND closed_at IS NULL AND expires_at > now()"
+)
 
 
 async def collect(db: Any, *, silent_after_ms: int) -> None:
     """The gauges read from the store, before a scrape."""
     set_gauge_rows(COMMANDS_LIVE, await db.fetch(_LIVE_BY_STATE), ("kind", "state", "site"))
     set_gauge_rows(AGENTS, await db.fetch(_AGENTS_CONNECTED, silent_after_ms), ("site", "role"))
-    BATCHES.set(float(await db.fetchval(_BATCHES_WAITING)))
+    BATCHES.set(float(await db.fetchval(BATCHES_WAITING)))
 
 
 def observe_changes(rows: Sequence[Any]) -> None:

@@ -63,6 +63,8 @@ class CommandQueueService(Service):
         "commands.cancel": ("nodeId", "workflowId", "keyPrefix", "reason"),
         "batches.create": ("tenantId", "kinds", "nodes", "workflowId", "ttlSeconds", "note"),
         "batches.approve": ("batchId", "approverId"),  # approverId: the identity the signature proves
+        "batches.close": ("id", "reason"),
+        "batches.reopen": ("id",),
     }
 
     def __init__(self, settings: Settings, *, config: CmdqConfig | None = None) -> None:
@@ -161,6 +163,8 @@ class CommandQueueService(Service):
             "batches.get": batches.get,
             "batches.list": batches.list_batches,
             "batches.approve": batches.approve,
+            "batches.close": batches.close,
+            "batches.reopen": batches.reopen,
             "quorum.get": batches.quorum,
         }
 

@@ -38,7 +38,9 @@ __all__ = [
     "BATCH_BY_ID",
     "BATCH_BY_ID_FOR_UPDATE",
     "BATCH_BY_KEY",
+    "BATCH_CLOSE",
     "BATCH_INSERT",
+    "BATCH_REOPEN",
     "BATCH_SET_APPROVED",
     "BATCH_UNDISPATCH",
     "CANCEL_BY_ID",
@@ -566,7 +568,8 @@ ORDER BY a.site_id, a.id LIMIT $5
 
 _BATCH_COLS: Final = (
     "id, tenant_id, kinds, nodes, workflow_id, workflow_ids, note, idempotency_key, document, threshold,"
-    " created_at, expires_at, expires_at_ms, approved_at, expires_at <= now() AS expired"
+    " created_at, expires_at, expires_at_ms, approved_at, expires_at <= now() AS expired, closed_at,"
+    " closed_reason"
 )
 BATCH_INSERT: Final = f"""
 INSERT INTO batches (id, tenant_id, kinds, nodes, workflow_id, note, idempotency_key, document,
@@ -581,7 +584,8 @@ BATCH_BY_KEY: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE idempotency_key 
 BATCHES_UNEXPIRED: Final = "SELECT id FROM batches WHERE expires_at > now()"
 # Expired batches whose expiry is not published yet, held by one sweeper until it marked them.
 BATCHES_EXPIRY_DUE: Final = f"""
-SELECT {_BATCH_COLS} FROM batches WHERE expiry_published_at IS NULL AND expires_at <= now()
+SELECT {_BATCH_COLS} FROM batches
+WHERE expiry_published_at IS NULL AND expires_at <= now() AND closed_at IS NULL
 ORDER BY expires_at LIMIT 100 FOR UPDATE SKIP LOCKED
 """
 BATCHES_EXPIRY_PUBLISHED: Final = "UPDATE batches SET expiry_published_at = now() WHERE id = ANY($1::text[])"
@@ -603,12 +607,21 @@ RETURNING {_COLS}
 BATCHES_LIST: Final = """
 SELECT id, octet_length(document) AS size FROM batches
 WHERE ($1::text IS NULL OR workflow_id = $1)
-  AND ($2::text IS NULL OR $2 = CASE WHEN expires_at <= now() THEN 'expired'
+  AND ($2::text IS NULL OR $2 = CASE WHEN closed_at IS NOT NULL THEN 'closed'
+                                     WHEN expires_at <= now() THEN 'expired'
                                      WHEN approved_at IS NOT NULL THEN 'approved'
                                      ELSE 'open' END)
   AND ($3::text IS NULL OR id < $3)
 ORDER BY id DESC LIMIT $4
 """
+# $1 batch, $2 why: closed by its workflow's engine (idempotent: the first close's reason stays).
+BATCH_CLOSE: Final = f"""
+UPDATE batches SET closed_at = coalesce(closed_at, now()), closed_reason = coalesce(closed_reason, $2)
+WHERE id = $1 RETURNING {_BATCH_COLS}
+"""
+BATCH_REOPEN: Final = (
+    f"UPDATE batches SET closed_at = NULL, closed_reason = NULL WHERE id = $1 RETURNING {_BATCH_COLS}"
+)
 BATCHES_BY_IDS: Final = f"SELECT {_BATCH_COLS} FROM batches WHERE id = ANY($1::text[]) ORDER BY id DESC"
 APPROVAL_INSERT: Final = (
     "INSERT INTO approvals (batch_id, approver_id, signature) VALUES ($1, $2, $3)"

@@ -47,10 +47,18 @@ class EngineApi:
         self.profiles = ProfileStore(app)
         self.wake = wake
         self.publish = publish
-        self.nodes = NodesApi(db=db, publish=publish, quorum=quorum)
+        self.nodes = NodesApi(
+            db=db, publish=publish, quorum=quorum, pki=engine.pki if engine is not None else None
+        )
         self.profiles_api = ProfilesApi(app=app, db=db, profiles=self.profiles)
         self.workflows = WorkflowsApi(
-            app=app, db=db, profiles=self.profiles, wake=wake, publish=publish, host_config_owner=METAL_OWNER
+            app=app,
+            db=db,
+            profiles=self.profiles,
+            wake=wake,
+            publish=publish,
+            host_config_owner=METAL_OWNER,
+            cmdq=quorum.cmdq if quorum is not None else None,
         )
         self.start_in = self.workflows.start_in
         self.metal = MetalApi(self, quorum)
@@ -64,6 +72,7 @@ class EngineApi:
             "nodes.list": nodes.nodes_list,
             "nodes.update": nodes.nodes_update,
             "nodes.label": nodes.nodes_label,
+            "nodes.maintenance": nodes.nodes_maintenance,
             "nodes.delete": nodes.nodes_delete,
             "steps.list": profiles.steps_list,
             "plugins.list": profiles.plugins_list,

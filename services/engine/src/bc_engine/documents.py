@@ -123,6 +123,7 @@ def node_doc(
         hardware=row.get("hardware"),
         enrolled_by_rule=row.get("enrolled_by_rule"),
         quarantine=row.get("quarantine"),
+        maintenance=row.get("maintenance"),
         discovery_conflict=row.get("discovery_conflict"),
         pending_enrollment=row.get("pending_enrollment"),
         created_at=_iso(row["created_at"]),

@@ -46,7 +46,7 @@ from .context import EngineSql
 from .discovery import DISCOVERY_OWNER
 from .documents import check_labels, node_doc
 from .node_events import node_event
-from .quarantine import refuse_quarantined
+from .quarantine import refuse_maintenance, refuse_quarantined
 from .quorum import BATCH_TTL_S, batch_kinds
 from .resolve import resolve_profile
 
@@ -242,6 +242,9 @@ class MetalApi:
         quarantined = refuse_quarantined(row, verb)
         if quarantined is not None:
             return quarantined
+        held = refuse_maintenance(row, verb)
+        if held is not None:
+            return held
         if node_id in busy:  # not metal's workflow (a metal one shows in the state)
             return BcError(
                 ErrorCode.INVALID_STATE,

@@ -45,8 +45,10 @@ __all__ = [
     "HOST_OWNER",
     "METAL_OWNER",
     "UNDO_OWNER",
+    "close_batch",
     "converge_host",
     "current_workflow",
+    "left_text",
     "reconcile_metal",
     "record_command_result",
     "reopen_node",
@@ -78,6 +80,8 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
     if wf_row is None or wf_row["state"] == "running" or wf_row["node_id"] is None:
         return
     profile = await engine.profile(store.workflow_row(wf_row))
+    if wf_row["state"] in ("failed", "aborted") and wf_row["batch_id"] is not None:
+        await close_batch(engine, wf_row)
     applied, moved = None, None
     async with engine.db.transaction() as conn:
         node = await conn.fetchrow(metal_store.NODE_OF_WORKFLOW, wf_row["node_id"], workflow_id)
@@ -98,6 +102,22 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
         await engine.wake(queue.owner_key(HOST_OWNER, row["id"]))
     if wf_row["state"] == "aborted" and engine.wake is not None:
         await engine.wake(queue.owner_key(UNDO_OWNER, workflow_id))
+
+
+async def close_batch(engine: Engine, wf_row: Any) -> None:
+    """A failed or aborted verb's workflow closes its destructive batch (the last one of a bulk
+    verb's batch to end: the others may still need it), so it no longer counts as open; a retry
+    or resume opens it again (``workflows_api``). The command-queue away: this key runs again."""
+    if await engine.db.fetchval(metal_store.BATCH_STILL_RUNNING, wf_row["batch_id"], wf_row["id"]):
+        return
+    try:
+        await engine.cmdq.close_batch(
+            id=wf_row["batch_id"], reason=f"workflow {wf_row['id']} {wf_row['state']}"
+        )
+    except BcError as err:
+        if err.code.value in ("UNAVAILABLE", "TIMEOUT"):
+            raise step_not_ready(UNDO_LOOK_MS) from err
+        engine.log.warning("batch_close_refused", workflow_id=wf_row["id"], code=err.code.value)
 
 
 def _reached(view: Any) -> bool:
@@ -230,13 +250,35 @@ async def _move_node(engine: Engine, conn: Any, node: Any, wf_row: Any, profile:
         }
         if step is not None:
             reason.update(step=step["action"], stepIndex=step["idx"])
-        row = await conn.fetchrow(metal_store.FINISH_FAILED, node["id"], json.dumps(reason))
+        reason["left"] = left_text(transition.verb, wf_row["state"], reason["step"])
+        if transition.verb == "deploy" and node["image"] is not None:
+            reason["image"] = node["image"]  # the image it was installing: a retry names it again
+        row = await conn.fetchrow(
+            metal_store.FINISH_FAILED, node["id"], json.dumps(reason), transition.verb == "deploy"
+        )
         if wf_row["state"] == "aborted":  # undo its boot set-up once its commands ended
             await queue.queue_now(conn, queue.owner_key(UNDO_OWNER, wf_row["id"]))
     power = _POWER.get(str(await conn.fetchval(metal_store.LAST_POWER_ACTION, wf_row["id"])))
     if power is not None:
         row = await conn.fetchrow(metal_store.POWER_STATE, node["id"], power) or row
     return row, section
+
+
+# What a failed or aborted verb may have left on the machine, and what the operator does next.
+_LEFT = {
+    "deploy": "the disk may hold part of an image; run deploy again or release",
+    "release": "the disk may not be wiped whole; run release again",
+    "retire": "the disk may not be wiped whole; run retire again",
+    "commission": "the node's hardware checks did not finish; run commission again",
+    "inspect": "the inventory was not taken; run inspect again",
+    "adopt": "the node was not adopted; run adopt again or retire",
+}
+
+
+def left_text(verb: str, state: str, step: str | None) -> str:
+    """``stateReason.left``: "<verb> failed|aborted at <step>: <what it left>; <what to do>"."""
+    what = _LEFT.get(verb, f"run {verb} again")
+    return f"{verb} {'aborted' if state == 'aborted' else 'failed'} at {step or '-'}: {what}"
 
 
 async def _workflow_host_config(engine: Engine, conn: Any, wf_row: Any, profile: Any) -> Any:

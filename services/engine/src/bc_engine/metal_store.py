@@ -38,14 +38,21 @@ UPDATE nodes SET state = $2, workflow_id = NULL, state_reason = NULL,
     image = CASE WHEN $4 THEN NULL ELSE image END, updated_at = now()
 WHERE id = $1 RETURNING *
 """
-# workflows.retry / resume of the workflow that failed the node: the node runs the verb again.
+# workflows.retry / resume of the workflow that failed the node: the node runs the verb again
+# (a deploy names the image it installs again: stateReason.image).
 REOPEN_NODE = (
-    "UPDATE nodes SET state = $3, workflow_id = $2, state_reason = NULL, updated_at = now()"
+    "UPDATE nodes SET state = $3, workflow_id = $2, state_reason = NULL,"
+    " image = coalesce(state_reason ->> 'image', image), updated_at = now()"
     " WHERE id = $1 AND state = 'failed' AND state_reason ->> 'workflowId' = $2 RETURNING *"
 )
+# Failure or abort: $3 drops the image (a deploy that did not finish installed none whole).
 FINISH_FAILED = (
     "UPDATE nodes SET state = 'failed', workflow_id = NULL, state_reason = $2, last_error = $2,"
-    " updated_at = now() WHERE id = $1 RETURNING *"
+    " image = CASE WHEN $3 THEN NULL ELSE image END, updated_at = now() WHERE id = $1 RETURNING *"
+)
+# Another workflow of the batch $1 (a bulk verb's) still running: the batch stays open for it.
+BATCH_STILL_RUNNING = (
+    "SELECT id FROM workflows WHERE batch_id = $1 AND id <> $2 AND state = 'running' LIMIT 1"
 )
 # The step that stopped a workflow: failed, else cancelled by an abort.
 STOPPED_STEP = (

@@ -3,12 +3,14 @@ through ``metal_api``)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.service import ApiRequest, Database
+from better_compute.service.audit import requester
 from better_compute.wire import engine as m
 from better_compute.wire.paging import decode_cursor, take_page
 
@@ -26,7 +28,8 @@ class NodesApi:
     """The ``nodes.*`` routes; ``quorum`` (when approvers are configured) has the cmdq client a
     node's current workflow is read with."""
 
-    def __init__(self, *, db: Database, publish: Publish, quorum: Any = None) -> None:
+    def __init__(self, *, db: Database, publish: Publish, quorum: Any = None, pki: Any = None) -> None:
+        self.pki = pki  # a deleted node's discovery certificates are revoked (issue 26)
         self.db = db
         self.publish = publish
         self.quorum = quorum
@@ -124,9 +127,33 @@ class NodesApi:
         await node_event(self.publish, row, verb="label")
         return node_doc(row)
 
+    async def nodes_maintenance(self, req: ApiRequest) -> m.NodeView:
+        """Put a node in maintenance (``on``: {reason, by, at}) or take it out; a workflow
+        running on it goes on (abort it if it must stop), none starts while it is on."""
+        body = req.decode(m.SetMaintenance)
+        parse_id(body.id, "node", path="id")
+        doc = None
+        if body.on:
+            by = requester(req.headers).actor
+            doc = json.dumps({"reason": body.reason, "by": by, "at": dt.datetime.now(dt.UTC).isoformat()})
+        async with self.db.transaction() as conn:
+            await self._locked_node(conn, body.id)
+            row = await conn.fetchrow(_SET_MAINTENANCE, body.id, doc)
+        await node_event(self.publish, row, verb="maintenance")
+        return node_doc(row)
+
     async def nodes_delete(self, req: ApiRequest) -> m.NodeDeleted:
-        """Forget a node; refused while a workflow runs on it. Finished workflows are kept."""
+        """Forget a node; refused while a workflow runs on it. Finished workflows are kept.
+        Its discovery certificates are revoked first: a discovery ramdisk's bcd still running
+        with one would otherwise record the node again (the discovery sweep); only a new
+        discovery boot brings it back."""
         body = req.decode(m.DeleteNode)
+        row = await self.db.fetchrow(store.NODE, body.id)
+        hardware = row["hardware"] if row is not None else None  # a discovered node's: its certId
+        hardware = _doc(hardware) if isinstance(hardware, str) else hardware
+        if isinstance(hardware, dict) and hardware.get("certId") and self.pki is not None:
+            await self._refuse_busy(self.db, body.id, "delete it")  # refused before anything is revoked
+            await self._revoke_discovery(body.id)
         async with self.db.transaction() as conn:
             await self._locked_node(conn, body.id)
             await self._refuse_busy(conn, body.id, "delete it")
@@ -134,6 +161,23 @@ class NodesApi:
             await conn.execute(store.DELETE_NODE, body.id)
         await node_removed(self.publish, body.id)
         return m.NodeDeleted(deleted=body.id)
+
+    async def _revoke_discovery(self, node_id: str) -> None:
+        try:
+            certs = await self.pki.list_certificates(agent_id=node_id)
+            for cert in certs:
+                if cert.role == "discovery" and cert.state == "valid":
+                    await self.pki.revoke_certificate(cert_id=cert.cert_id, reason="node deleted")
+        except BcError as err:
+            raise BcError(
+                err.code,
+                f"node {node_id} is not deleted: its discovery certificate could not be revoked"
+                f" ({err.message}); delete it again",
+                {"path": "id", "reason": "discovery-cert-not-revoked"},
+            ) from err
+
+
+_SET_MAINTENANCE = "UPDATE nodes SET maintenance = $2::jsonb, updated_at = now() WHERE id = $1 RETURNING *"
 
 
 def _doc(text: str | None) -> dict[str, Any] | None:

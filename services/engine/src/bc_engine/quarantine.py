@@ -27,7 +27,7 @@ from . import queue, store
 from .engine import Engine
 from .node_events import node_event
 
-__all__ = ["QUARANTINE_EXITS", "quarantine_node", "refuse_quarantined"]
+__all__ = ["QUARANTINE_EXITS", "quarantine_node", "refuse_maintenance", "refuse_quarantined"]
 
 QUARANTINE_EXITS: Final = ("inspect", "retire")
 _SET = "UPDATE nodes SET quarantine = $2::jsonb, updated_at = now() WHERE id = $1 RETURNING *"
@@ -100,3 +100,18 @@ async def quarantine_node(engine: Engine, event: JoinTokenBurned) -> Any:
             await engine.wake(queue.owner_key(aborted["owner"], aborted["id"]))
     await node_event(engine.publish, row, verb="quarantine")
     return row
+
+
+def refuse_maintenance(node: Any, what: str) -> BcError | None:
+    """``INVALID_STATE`` (reason ``node-in-maintenance``) for a node in maintenance."""
+    held = node["maintenance"]
+    if held is None:
+        return None
+    held = json.loads(held) if isinstance(held, str) else held
+    why = f": {held.get('reason')}" if isinstance(held, dict) and held.get("reason") else ""
+    return BcError(
+        ErrorCode.INVALID_STATE,
+        f"node {node['id']} is in maintenance{why}; {what} once it is out"
+        f" (bcx nodes maintenance off {node['id']})",
+        {"path": "nodeId", "reason": "node-in-maintenance"},
+    )

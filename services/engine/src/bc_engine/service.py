@@ -89,6 +89,7 @@ class EngineService(Service):
         "nodes.update": ("siteId", "labels"),
         "nodes.label": ("set", "remove"),
         "nodes.delete": (),
+        "nodes.maintenance": ("on", "reason"),
         "profiles.create": ("tenantId", "document.id", "document.version", "public", "replace"),
         "profiles.delete": ("tenantId", "id", "version"),
         "workflows.start": ("tenantId", "profileId", "profileVersion", "nodeId"),

@@ -332,7 +332,7 @@ LIST_NODES = (
     " AND ($5::text IS NULL OR state = $5) AND ($6::jsonb IS NULL OR labels @> $6::jsonb)"
     " ORDER BY id LIMIT $4"
 )
-LOCK_NODE = "SELECT id, state, quarantine FROM nodes WHERE id = $1 FOR UPDATE"
+LOCK_NODE = "SELECT id, state, quarantine, maintenance FROM nodes WHERE id = $1 FOR UPDATE"
 # nodes.update / nodes.label: $2 site, $3 labels, $4 MACs, $5 BMC (NULL keeps each).
 UPDATE_NODE = (
     "UPDATE nodes SET site_id = coalesce($2, site_id), labels = coalesce($3::jsonb, labels),"

@@ -137,6 +137,9 @@ class WhyApi:
             if error:
                 text += f": {_error_text(error)}"
             reasons = [_reason("finished", text, state=wf["state"]), *await self._cancelling(wf["id"])]
+            left = _json(node["state_reason"]) if node is not None and node["state"] == "failed" else None
+            if isinstance(left, dict) and left.get("left") and left.get("workflowId") == wf["id"]:
+                reasons.append(_reason("left", str(left["left"]), verb=left.get("verb")))
             return self._answer(node_id, wf, reasons + ([bmc] if bmc else []), waiting=False)
         row = await self.db.fetchrow(store.NEXT_STEP, wf["id"])
         if row is None:

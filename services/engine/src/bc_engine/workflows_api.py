@@ -23,6 +23,7 @@ from .documents import workflow_doc
 from .metal_lifecycle import METAL_OWNER, reopen_node
 from .node_events import Publish, node_event
 from .profiles import FoundProfile, ProfileStore
+from .quarantine import refuse_maintenance
 from .resolve import Resolution, resolve_profile
 
 __all__ = ["WorkflowsApi"]
@@ -47,7 +48,9 @@ class WorkflowsApi:
         wake: Callable[[str], Awaitable[None]],
         publish: Publish,
         host_config_owner: str | None = None,
+        cmdq: Any = None,
     ) -> None:
+        self.cmdq = cmdq  # a retried or resumed metal workflow opens its closed batch again
         self.app = app
         self.db = db
         self.profiles = profiles
@@ -150,6 +153,9 @@ class WorkflowsApi:
             if node is None:
                 raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
             refuse_discovered(node)
+            held = refuse_maintenance(node, "start a workflow")
+            if held is not None:
+                raise held
             if owner != METAL_OWNER and node["quarantine"] is not None:
                 # metal's verbs check it themselves (inspect and retire are the ways out)
                 raise BcError(
@@ -245,6 +251,10 @@ class WorkflowsApi:
                     {"reason": f"workflow-{wf['state']}", "path": "id"},
                 )
             if verb != "abort" and wf["node_id"] is not None:
+                node = await conn.fetchrow(store.NODE, wf["node_id"])
+                held = refuse_maintenance(node, verb) if node is not None else None
+                if held is not None:
+                    raise held
                 busy = await conn.fetchval(store.NODE_BUSY, wf["node_id"], workflow_id)
                 if busy:
                     raise BcError(
@@ -290,6 +300,10 @@ class WorkflowsApi:
         node = await reopen_node(conn, wf)
         if node is not None:
             await node_event(self.publish, node, verb="retry")
+        if wf["batch_id"] is not None and wf["owner"] == self.host_config_owner and self.cmdq is not None:
+            # its failure or abort closed the batch (metal_lifecycle.close_batch): open again, or
+            # the workflow waits for approvals it can no longer get
+            await self.cmdq.reopen_batch(id=wf["batch_id"])
 
     async def workflows_retry(self, req: ApiRequest) -> m.WorkflowView:
         """A failed workflow runs its failed step again, as a new attempt."""

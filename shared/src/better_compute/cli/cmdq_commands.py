@@ -437,7 +437,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_batches_create)
     p = bsub.add_parser("list", parents=[common], help="batches, newest first")
     p.add_argument("--workflow", help="only the batch of this workflow")
-    p.add_argument("--state", choices=["open", "approved", "expired"], help="only batches in this state")
+    p.add_argument(
+        "--state", choices=["open", "approved", "expired", "closed"], help="only batches in this state"
+    )
     add_paging(p, default_limit=50)
     p.set_defaults(func=cmd_batches_list)
     p = bsub.add_parser("get", parents=[common], help="one batch with its approvals")

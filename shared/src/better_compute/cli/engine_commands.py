@@ -76,6 +76,7 @@ def _node_rows(nodes: list[NodeView]) -> list[dict[str, Any]]:
             "macs": ",".join(n.macs) or "-",
             "bmcText": f"{n.bmc['driver']} {n.bmc['address']}" if n.bmc else "-",
             "image": n.image or "-", "workflowId": n.workflow_id or "-",
+            **({"state": f"{n.state} (maintenance)"} if n.maintenance else {}),
         }
         for n, row in zip(nodes, as_rows(nodes), strict=True)
     ]  # fmt: skip
@@ -131,6 +132,20 @@ async def nodes_label(args: argparse.Namespace, settings: Settings) -> int:
     async with engine_client(settings) as engine:
         node = await engine.label_node(id=args.id, set=sets, remove=remove)
     _print_node(node, as_json=args.json)
+    return 0
+
+
+async def nodes_maintenance(args: argparse.Namespace, settings: Settings) -> int:
+    """``on``: the node runs no lifecycle verb and no workflow until ``off``."""
+    async with engine_client(settings) as engine:
+        node = await engine.set_maintenance(id=args.id, on=args.mode == "on", reason=args.reason)
+    if args.json:
+        print_json(node)
+    elif node.maintenance:
+        held = node.maintenance
+        print(f"{node.id} in maintenance: {held.get('reason') or '-'} (set by {held.get('by') or '-'})")
+    else:
+        print(f"{node.id} out of maintenance")
     return 0
 
 
@@ -350,7 +365,18 @@ def register(sub: Any, common: argparse.ArgumentParser) -> Any:
     p.add_argument("id", help="node id")
     p.add_argument("change", nargs="+", help="key=value sets, key- removes")
     p.set_defaults(func=nodes_label)
-    p = nodes.add_parser("delete", parents=[common], help="forget a node (not while a workflow runs on it)")
+    p = nodes.add_parser(
+        "maintenance", parents=[common], help="on: the node runs no lifecycle verb or workflow until off"
+    )
+    p.add_argument("mode", choices=["on", "off"], help="on or off")
+    p.add_argument("id", help="node id")
+    p.add_argument("--reason", help="why (shown by nodes show and in the audit)")
+    p.set_defaults(func=nodes_maintenance)
+    p = nodes.add_parser(
+        "delete",
+        parents=[common],
+        help="forget a node (not while a workflow runs on it); its discovery certificate is revoked",
+    )
     p.add_argument("id", help="node id")
     p.set_defaults(func=nodes_delete)
 

@@ -295,6 +295,14 @@ def show_lines(node: NodeView) -> list[str]:
             f"failed      workflow {reason.get('workflowId')} ({reason.get('verb')}) at step "
             f"{reason.get('step')}: {reason.get('code')}: {reason.get('message')}"
         )
+        if reason.get("left"):
+            lines.append(f"left        {reason['left']}")
+    held = node.maintenance
+    if held:
+        lines.append(
+            f"maintenance {held.get('reason') or '-'} (set by {held.get('by') or '-'} at {held.get('at')});"
+            " no verb or workflow runs until bcx nodes maintenance off"
+        )
     quarantine = node.quarantine
     if quarantine:
         lines.append(

@@ -23,6 +23,7 @@ from ..wire.cmdq import (
     BatchView,
     CancelCommands,
     CancelReply,
+    CloseBatch,
     CommandIdRequest,
     CommandList,
     CommandState,
@@ -179,6 +180,14 @@ class CommandQueueClient(ServiceClient):
 
     async def get_batch(self, *, id: str) -> BatchView:
         return await self._call("batches.get", BatchIdRequest(id=id), BatchView)
+
+    async def close_batch(self, *, id: str, reason: str | None = None) -> BatchView:
+        """Close a batch whose workflow failed or was aborted (again: the same batch)."""
+        return await self._call("batches.close", CloseBatch(id=id, reason=reason), BatchView)
+
+    async def reopen_batch(self, *, id: str) -> BatchView:
+        """Open a closed batch again: its workflow was retried or resumed."""
+        return await self._call("batches.reopen", BatchIdRequest(id=id), BatchView)
 
     async def list_batches(
         self, *, workflow_id: str | None = None, state: BatchState | None = None, limit: int = DEFAULT_LIMIT

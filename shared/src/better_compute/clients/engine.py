@@ -39,6 +39,7 @@ from ..wire.engine import (
     ProfileRendering,
     ProfileValidation,
     ProfileView,
+    SetMaintenance,
     StartWorkflow,
     StepList,
     UpdateNode,
@@ -160,6 +161,10 @@ class EngineClient(ServiceClient):
         """Set some labels and remove others in one step."""
         req = LabelNode(id=id, set=dict(set or {}), remove=list(remove or []))
         return await self._call("nodes.label", req, NodeView)
+
+    async def set_maintenance(self, *, id: str, on: bool, reason: str | None = None) -> NodeView:
+        """Put a node in maintenance or take it out (``nodes.maintenance``)."""
+        return await self._call("nodes.maintenance", SetMaintenance(id=id, on=on, reason=reason), NodeView)
 
     async def delete_node(self, *, id: str) -> NodeDeleted:
         return await self._call("nodes.delete", DeleteNode(id=id), NodeDeleted)

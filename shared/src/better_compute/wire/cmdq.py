@@ -19,6 +19,8 @@ route                     request                   result
 ``batches.get``           ``BatchIdRequest``        ``BatchView``
 ``batches.list``          ``ListBatches``           ``BatchList``
 ``batches.approve``       ``ApproveBatch``          ``BatchView``
+``batches.close``         ``CloseBatch``            ``BatchView`` (``closed``; again: the same)
+``batches.reopen``        ``BatchIdRequest``        ``BatchView`` (its workflow runs again)
 ``quorum.get``            ``{}``                    ``QuorumView``
 ========================  ========================  ====================================
 """
@@ -61,6 +63,7 @@ __all__ = [
     "BatchView",
     "CancelCommands",
     "CancelReply",
+    "CloseBatch",
     "CommandEvent",
     "CommandIdRequest",
     "CommandList",
@@ -246,8 +249,9 @@ def decode_command_event(data: bytes) -> AnyCommandEvent | None:
 
 class BatchEvent(_Msg, frozen=True, kw_only=True, tag_field="event", tag="batch"):
     """Published on ``bc.events.batch.<id>`` when a destructive batch is created, gets an
-    approval, is approved (its quorum reached) or expires: ``state`` is ``awaiting``,
-    ``approved`` or ``expired``; ``approver_id`` names whose approval this one is, when it is."""
+    approval, is approved (its quorum reached), expires or is closed (its workflow failed or was
+    aborted): ``state`` is ``awaiting``, ``approved``, ``expired`` or ``closed``;
+    ``approver_id`` names whose approval this one is, when it is."""
 
     id: str
     state: str
@@ -333,7 +337,7 @@ MAX_STATUS_ERROR_CHARS = 300
 
 
 BATCH_PURPOSE: Final = "cmdq.batch"
-BatchState = Literal["open", "approved", "expired"]
+BatchState = Literal["open", "approved", "expired", "closed"]
 
 Limit = Annotated[int, msgspec.Meta(ge=1, le=1000)]
 Text = Annotated[str, msgspec.Meta(max_length=200)]
@@ -460,6 +464,14 @@ class BatchIdRequest(_Req, frozen=True, kw_only=True):
     id: str
 
 
+class CloseBatch(_Req, frozen=True, kw_only=True):
+    """Close a batch whose workflow failed or was aborted (its engine does): it takes no more
+    approvals and no longer counts as open."""
+
+    id: str
+    reason: Text | None = None
+
+
 class ListBatches(_Req, frozen=True, kw_only=True):
     workflow_id: str | None = None
     state: BatchState | None = None
@@ -493,6 +505,8 @@ class BatchView(_Msg, frozen=True, kw_only=True):
     document: bytes
     """What approvers sign; ``batch_document`` rebuilds it from the fields above."""
     created: bool = False
+    closed_reason: str | None = None
+    """Why a ``closed`` batch was closed (its workflow failed or was aborted)."""
 
 
 class BatchList(_Msg, frozen=True, kw_only=True):

@@ -66,6 +66,7 @@ __all__ = [
     "ProfileValidation",
     "ProfileView",
     "RenderedStep",
+    "SetMaintenance",
     "StartWorkflow",
     "StepChange",
     "StepChanged",
@@ -143,6 +144,15 @@ class LabelNode(_Req, frozen=True, kw_only=True):
     id: str
     set: dict[str, str] = msgspec.field(default_factory=dict)
     remove: Annotated[list[str], msgspec.Meta(max_length=MAX_LABELS)] = msgspec.field(default_factory=list)
+
+
+class SetMaintenance(_Req, frozen=True, kw_only=True):
+    """``nodes.maintenance``: put a node in maintenance (``on``) or take it out. In maintenance
+    it runs no lifecycle verb and no workflow (``INVALID_STATE``, ``node-in-maintenance``)."""
+
+    id: str
+    on: bool
+    reason: Annotated[str, msgspec.Meta(max_length=200)] | None = None
 
 
 class DeleteNode(_Req, frozen=True, kw_only=True):
@@ -313,6 +323,9 @@ class NodeView(_Reply, frozen=True, kw_only=True):
     """Set when the node's ramdisk join token was seen twice on the boot network (``reason``
     ``boot-entry-fetched-twice`` or ``second-join``, ``message``, ``joinTokenId``, ``mac``,
     ``at``): its workflow was aborted and only inspect or retire start on it (docs/metal.md)."""
+    maintenance: dict[str, Any] | None = None
+    """Set while the node is in maintenance (``reason``, ``by``: who set it, ``at``): it runs no
+    lifecycle verb and no workflow until taken out (``nodes.maintenance``)."""
     discovery_conflict: dict[str, Any] | None = None
     """The latest discovery that showed this node's hardware with other claims (``claims``,
     ``certId``, ``agentId``, ``at``): recorded, never applied without an operator."""
@@ -547,7 +560,8 @@ class WhyReason(_Reply, frozen=True, kw_only=True):
     pending, dispatched or running), ``batch-approval``, ``step-not-ready`` (the step's own
     reason), ``service-unavailable``, ``previous-attempt-running``, ``retry-backoff``,
     ``running`` (a control-plane step running in the engine), ``deadline``, ``bmc-error`` (the
-    node's last failed command, as its agent reported it), ``finished``, ``idle``, ``quarantined``
+    node's last failed command, as its agent reported it), ``finished``, ``left`` (what a failed or
+    aborted lifecycle verb left on its node and what to run next), ``idle``, ``quarantined``
     (the node's ramdisk token was seen twice: first, before the rest)."""
 
     kind: str
