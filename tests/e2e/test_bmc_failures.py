@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from better_compute.clients.cmdq import CommandQueueClient
-from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.runtime.embedded import free_port
 from better_compute.service import ApiClient
@@ -47,19 +45,14 @@ async def lab(
         bc_processes.start(service)
     await bc_processes.wait_ready()
     emulator = RedfishEmulator(tmp_path / "redfish").start()
-    token = await PkiClient(bc_api).issue_join_token(
-        tenant_id="root", role="site", site_id=SITE, ttl_seconds=600
-    )
     agent = SiteAgentProcess(
         folder=tmp_path / "site-agent",
         nats_url=bc_settings.nats_url or "",
         subject_root=bc_settings.subject_root,
         site_id=SITE,
     )
-    agent.write_config(token.token)
-    agent.start()
     try:
-        await until(lambda: CommandQueueClient(bc_api).agents(site_id=SITE, connected=True))
+        await agent.join(bc_api)
         yield Lab(emulator=emulator, agent=agent)
     finally:
         agent.close()

@@ -19,7 +19,6 @@ import pytest_asyncio
 
 from better_compute.clients import EngineClient
 from better_compute.clients.cmdq import CommandQueueClient
-from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx
@@ -47,19 +46,14 @@ async def lab(
     await bc_processes.wait_ready()
     emulator = RedfishEmulator(tmp_path / "redfish", auth=False).start()
     proxy = FaultyProxy(tmp_path / "proxy", emulator.url).start()
-    token = await PkiClient(bc_api).issue_join_token(
-        tenant_id="root", role="site", site_id=SITE, ttl_seconds=600
-    )
     agent = SiteAgentProcess(
         folder=tmp_path / "site-agent",
         nats_url=bc_settings.nats_url or "",
         subject_root=bc_settings.subject_root,
         site_id=SITE,
     )
-    agent.write_config(token.token)
-    agent.start()
     try:
-        await until(lambda: CommandQueueClient(bc_api).agents(site_id=SITE, connected=True))
+        await agent.join(bc_api)
         yield Lab(emulator=emulator, proxy=proxy, agent=agent)
     finally:
         agent.close()

@@ -22,10 +22,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-__all__ = ["defer_optional_imports", "import_quietly"]
+__all__ = ["defer_optional_imports", "import_quietly", "lazy_attributes"]
 
 _HIDDEN = ("aiohttp", "rich")
 
@@ -73,3 +74,16 @@ def defer_optional_imports() -> None:
     them at the top of its modules (each service's package calls this)."""
     import_quietly("nats")
     import_quietly("structlog")
+
+
+def lazy_attributes(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's module ``__getattr__`` (PEP 562) that loads each name's module on first use:
+    ``homes`` maps a name to its submodule (``{"EngineClient": "engine"}``)."""
+
+    def attribute(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{home}"), name)
+
+    return attribute

@@ -11,8 +11,9 @@ the secrets client's cryptography.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._imports import lazy_attributes
 
 if TYPE_CHECKING:
     from ._base import ServiceClient
@@ -41,9 +42,4 @@ _HOME = {
     "StepSecrets": "secrets",
 }
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+__getattr__ = lazy_attributes(__name__, _HOME)

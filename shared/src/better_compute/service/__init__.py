@@ -7,8 +7,9 @@ JetStream machinery) they never run.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._imports import lazy_attributes
 
 if TYPE_CHECKING:
     from .base import ApiRequest, Handler, Service
@@ -42,9 +43,4 @@ _HOME = {
     "run_service": "main",
 }
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+__getattr__ = lazy_attributes(__name__, _HOME)

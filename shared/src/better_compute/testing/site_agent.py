@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ..files import atomic_write
 from ..runtime.embedded import free_port
+from ..service.client import ApiClient
+from .waiting import until
 
 __all__ = ["SiteAgentProcess"]
 
@@ -84,6 +86,32 @@ class SiteAgentProcess:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "BC_LOG_JSON": "1", **self.env},
             )
+
+    async def join(self, api: ApiClient, *, tenant_id: str = "root", timeout: float = 180) -> None:
+        """Give it a site join token, start it and wait until the command queue shows it
+        connected; fails at once, with its log, if the process exits first."""
+        from ..clients import CommandQueueClient, PkiClient
+
+        token = await PkiClient(api).issue_join_token(
+            tenant_id=tenant_id, role="site", site_id=self.site_id, ttl_seconds=600
+        )
+        self.write_config(token.token)
+        self.start()
+        cq = CommandQueueClient(api)
+
+        async def connected() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(
+                    f"the site agent exited ({self.proc.returncode}) before it connected:\n"
+                    + self.output()[-4000:]
+                )
+            return any(a.role == "site" for a in await cq.agents(site_id=self.site_id, connected=True))
+
+        try:
+            up: bool = await until(connected, timeout=timeout, what="the site agent connected")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- the site agent's log ---\n{self.output()[-4000:]}") from None
+        assert up
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None

@@ -287,26 +287,7 @@ async def fleet_stack(
             asyncio.to_thread(sim.start),
             *([asyncio.to_thread(lab.start)] if lab is not None else []),
         )
-        token = await stack.pki.issue_join_token(
-            tenant_id="root", role="site", site_id=site_id, ttl_seconds=600
-        )
-        agent.write_config(token.token)
-        agent.start()
-
-        async def connected() -> bool:
-            if agent.proc is not None and agent.proc.poll() is not None:
-                raise AssertionError(
-                    f"the site agent exited ({agent.proc.returncode}) before it connected:\n"
-                    + agent.output()[-4000:]
-                )
-            agents = await stack.cq.agents(site_id=site_id, connected=True)
-            return any(a.role == "site" for a in agents)
-
-        try:
-            up: bool = await until(connected, timeout=180, what="the site agent connected")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- the site agent's log ---\n{agent.output()[-4000:]}") from None
-        assert up
+        await agent.join(api)
         await register_sim_image(stack.engine)  # what the tests and the demo deploy
         for index in range(machines if enroll is None else enroll):
             await stack.enroll(index)
