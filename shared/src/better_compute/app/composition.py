@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from better_compute.core.errors import BcError, ErrorCode, join_path
 from better_compute.core.plugins import (
@@ -177,6 +177,9 @@ def better_compute(
     )
 
 
+T = TypeVar("T")
+
+
 def _lend(
     provision: ProvisionModule, path: str, discovered: Sequence[tuple[str, ComputeModule]]
 ) -> ProvisionModule:
@@ -188,20 +191,10 @@ def _lend(
     borrowed += discovered
     own_units = [u for n, u in provision.config_units.items() if BUILTIN_CONFIG_UNITS.get(n) is not u]
     given = {u.name: join_path(path, "config_units") for u in own_units}
-    lent_units: list[ConfigUnit] = []
-    for module_path, module in borrowed:
-        units = as_tuple(getattr(module, "config_units", ()), join_path(module_path, "config_units"))
-        for index, unit in enumerate(units):
-            unit_path = join_path(module_path, f"config_units[{index}]")
-            if not isinstance(unit, ConfigUnit):
-                raise _bad(unit_path, "not a ConfigUnit (better_compute.provision.ConfigUnit)")
-            if unit.name in given:
-                raise _bad(
-                    join_path(unit_path, "name"),
-                    f"config unit {unit.name!r} is already given at {given[unit.name]}",
-                )
-            given[unit.name] = unit_path
-            lent_units.append(unit)
+    lent_units = _gathered(
+        borrowed, "config_units", ConfigUnit, "name", given,
+        kind="config unit", expected="a ConfigUnit (better_compute.provision.ConfigUnit)",
+    )  # fmt: skip
     if not discovered and not lent_units:
         return provision
     return provision_module(
@@ -216,23 +209,33 @@ def _lend(
 
 def _image_signers(registry: Registry[Step, Profile]) -> Mapping[str, ImageSigner]:
     """Every registered plugin's image signers by id; an id given twice is ``INVALID_CONFIG``."""
-    signers: dict[str, ImageSigner] = {}
-    where: dict[str, str] = {}
-    for module in registry.modules.values():
-        path = registry.path_of(module) or module.id
-        items = as_tuple(getattr(module, "image_signers", ()), join_path(path, "image_signers"))
-        for index, signer in enumerate(items):
-            signer_path = join_path(path, f"image_signers[{index}]")
-            if not isinstance(signer, ImageSigner):
-                raise _bad(signer_path, "not an image signer (better_compute.metal.signatures.image_signer)")
-            if signer.id in signers:
-                raise _bad(
-                    join_path(signer_path, "id"),
-                    f"image signer {signer.id!r} is already given at {where[signer.id]}",
-                )
-            signers[signer.id] = signer
-            where[signer.id] = signer_path
-    return MappingProxyType(signers)
+    sources = [(registry.path_of(m) or m.id, m) for m in registry.modules.values()]
+    signers = _gathered(
+        sources, "image_signers", ImageSigner, "id", {},
+        kind="image signer", expected="an image signer (better_compute.metal.signatures.image_signer)",
+    )  # fmt: skip
+    return MappingProxyType({signer.id: signer for signer in signers})
+
+
+def _gathered(
+    sources: Sequence[tuple[str, Any]], attr: str, cls: type[T], key: str, given: dict[str, str], *,
+    kind: str, expected: str,
+) -> list[T]:  # fmt: skip
+    """Each source's ``attr`` items, each an instance of ``cls`` whose ``key`` no other item (nor
+    one in ``given``: key -> path) has; ``INVALID_CONFIG`` at the item's path otherwise."""
+    found: list[T] = []
+    for source_path, source in sources:
+        items = as_tuple(getattr(source, attr, ()), join_path(source_path, attr))
+        for index, item in enumerate(items):
+            item_path = join_path(source_path, f"{attr}[{index}]")
+            if not isinstance(item, cls):
+                raise _bad(item_path, f"not {expected}")
+            name = str(getattr(item, key))
+            if name in given:
+                raise _bad(join_path(item_path, key), f"{kind} {name!r} is already given at {given[name]}")
+            given[name] = item_path
+            found.append(item)
+    return found
 
 
 def _steps_field(module: ComputeModule) -> str:
