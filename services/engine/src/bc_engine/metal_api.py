@@ -27,12 +27,16 @@ from better_compute.service import ApiRequest
 from better_compute.wire.engine import NodeView
 from better_compute.wire.metal import (
     MAX_NODES_PER_BULK,
+    BulkPlan,
     BulkRefusal,
     BulkRun,
     BulkVerb,
     EnrollNode,
     MetalVerb,
     NodeBmc,
+    PlanApprovals,
+    PlannedNode,
+    PlanStep,
     VerbProfile,
     VerbRun,
     VerbStarted,
@@ -48,7 +52,7 @@ from .documents import check_labels, node_doc
 from .node_events import node_event
 from .quarantine import refuse_maintenance, refuse_quarantined
 from .quorum import BATCH_TTL_S, batch_kinds
-from .resolve import resolve_profile
+from .resolve import ResolvedStep, resolve_profile
 
 __all__ = ["MetalApi", "bmc_json", "check_macs", "refuse_inline_secret", "verb_profiles"]
 
@@ -128,6 +132,25 @@ class _Run:
     batch_id: str | None = None
 
 
+@dataclass
+class _Prepared:
+    """What a verb over some nodes would do, checked but not done (``MetalApi._prepare``)."""
+
+    ok: list[Any]
+    refused: list[tuple[str, BcError]]
+    tenant: str | None = None
+    profile: Profile | None = None
+    steps: list[ResolvedStep] = field(default_factory=list)
+    scope: list[str] = field(default_factory=list)
+    """The kinds the destructive batch would cover (``quorum.batch_kinds``)."""
+
+
+def _refusal_view(node_id: str, err: BcError) -> BulkRefusal:
+    return BulkRefusal(
+        node_id=node_id, code=err.code.value, message=err.message, reason=err.details.get("reason")
+    )
+
+
 class MetalApi:
     def __init__(self, engine_api: Any, quorum: Any) -> None:
         self.api = engine_api
@@ -138,6 +161,7 @@ class MetalApi:
         routes: dict[str, Callable[[ApiRequest], Awaitable[Any]]] = {
             "metal.enroll": self.enroll,
             "metal.bulk": self.bulk,
+            "metal.plan": self.plan,
         }
         for verb in TRANSITIONS:
             routes[f"metal.{verb}"] = self._one(verb)
@@ -194,14 +218,7 @@ class MetalApi:
     async def bulk(self, req: ApiRequest) -> BulkRun:
         """One verb over many nodes under one batch; nodes in the wrong state are reported."""
         body = req.decode(BulkVerb)
-        if (body.node_ids is None) == (body.selector is None):
-            raise BcError(ErrorCode.INVALID_INPUT, "give nodeIds or a selector", {"path": "selector"})
-        if body.node_ids is not None:
-            ids = [parse_id(n, "node", path=f"nodeIds[{i}]") for i, n in enumerate(body.node_ids)]
-        else:
-            ids = await self._select(body.selector or {}, body.tenant_id)
-        if not ids:
-            raise BcError(ErrorCode.NOT_FOUND, "no node matches", {"path": "selector"})
+        ids = await self._bulk_ids(body)
         run = await self.run(
             body.verb, sorted(set(ids)), tenant_id=body.tenant_id, image=body.image, profile_id=body.profile,
             bulk=True,
@@ -210,11 +227,20 @@ class MetalApi:
             verb=body.verb,
             batch_id=run.batch_id,
             started=run.started,
-            refused=[
-                BulkRefusal(node_id=n, code=e.code.value, message=e.message, reason=e.details.get("reason"))
-                for n, e in run.refused
-            ],
+            refused=[_refusal_view(n, e) for n, e in run.refused],
         )
+
+    async def _bulk_ids(self, body: BulkVerb) -> list[str]:
+        """The nodes a bulk verb names: its ids, or those its selector matches."""
+        if (body.node_ids is None) == (body.selector is None):
+            raise BcError(ErrorCode.INVALID_INPUT, "give nodeIds or a selector", {"path": "selector"})
+        if body.node_ids is not None:
+            ids = [parse_id(n, "node", path=f"nodeIds[{i}]") for i, n in enumerate(body.node_ids)]
+        else:
+            ids = await self._select(body.selector or {}, body.tenant_id)
+        if not ids:
+            raise BcError(ErrorCode.NOT_FOUND, "no node matches", {"path": "selector"})
+        return ids
 
     async def _select(self, selector: dict[str, str], tenant_id: str | None) -> list[str]:
         labels = {k: v for k, v in selector.items() if k != SELECTOR_SITE}
@@ -275,24 +301,16 @@ class MetalApi:
                 refused.append((node_id, err))
         return ok, refused
 
-    async def run(
-        self,
-        verb: str,
-        ids: list[str],
-        *,
-        tenant_id: str | None,
-        image: str | None,
-        profile_id: str | None,
-        bulk: bool,
-    ) -> _Run:
-        """Start ``verb`` on every node of ``ids`` that may take it, under one batch."""
-        transition = TRANSITIONS[verb]
-        profile_id = profile_id or self.profiles_of[verb]
-        db = self.api.db
-        async with db.transaction() as conn:
+    async def _prepare(
+        self, verb: str, ids: list[str], *, tenant_id: str | None, image: str | None, profile_id: str | None
+    ) -> _Prepared:
+        """Everything ``run`` checks before it changes anything: the nodes that may take
+        ``verb`` and the refused ones, their one tenant, the profile resolved, the images of a
+        deploy, and the batch's scope. Reads only (``plan`` is this and no more)."""
+        async with self.api.db.transaction() as conn:
             ok, refused = await self._screen(conn, verb, ids, tenant_id, lock=False)
             if not ok:
-                return _Run(refused=refused)
+                return _Prepared(ok=[], refused=refused)
             tenant = ok[0]["tenant_id"]
             for row in ok[1:]:
                 if row["tenant_id"] != tenant:
@@ -301,7 +319,9 @@ class MetalApi:
                         f"a bulk verb covers one tenant: node {row['id']} is not {tenant}'s",
                         {"path": "nodeIds"},
                     )
-            found = await self.api.profiles.find(conn, tenant_id=tenant, profile_id=profile_id, version=None)
+            found = await self.api.profiles.find(
+                conn, tenant_id=tenant, profile_id=profile_id or self.profiles_of[verb], version=None
+            )
             if verb == "deploy":
                 await self._check_images(conn, tenant, found.profile, image)
         res = resolve_profile(self.api.app, found.profile, has_node=True)
@@ -314,18 +334,83 @@ class MetalApi:
                 f"deploy needs an image (name@version): profile {found.profile.id} names none",
                 {"path": "image"},
             )
-        wf_ids = {row["id"]: new_id("wf") for row in ok}
-        run = _Run(refused=refused)
         scope = batch_kinds(self.api.app, res.command_kinds, writes_disk=found.profile.writes_disk)
-        run.batch_id = await self._batch(scope, tenant, wf_ids, verb, found.profile.id, bulk)
-        async with db.transaction() as conn:
+        return _Prepared(
+            ok=ok, refused=refused, tenant=tenant, profile=found.profile, steps=res.steps, scope=scope
+        )
+
+    async def plan(self, req: ApiRequest) -> BulkPlan:
+        """What ``metal.bulk`` would do now, changing nothing: the nodes it would start and the
+        state they would move to, the profile and its steps with the commands each can send
+        (and which the destructive batch covers), the approvals that batch would need, and
+        the nodes it would refuse with the reason. Not audited: it changes nothing."""
+        body = req.decode(BulkVerb)
+        ids = await self._bulk_ids(body)
+        prep = await self._prepare(
+            body.verb, sorted(set(ids)), tenant_id=body.tenant_id, image=body.image, profile_id=body.profile
+        )
+        refused = [_refusal_view(n, e) for n, e in prep.refused]
+        if prep.profile is None:
+            return BulkPlan(
+                verb=body.verb, profile=None, image=body.image, steps=[], commands=[], destructive=[],
+                approvals=None, nodes=[], refused=refused,
+            )  # fmt: skip
+        profile = VerbProfile(id=prep.profile.id, version=prep.profile.version)
+        steps = []
+        for s in prep.steps:
+            sends = [k for k in (s.command, *s.sends) if k]
+            steps.append(
+                PlanStep(
+                    index=s.idx, action=s.action, runs_on=s.runs_on, commands=sends,
+                    destructive=[k for k in sends if k in prep.scope],
+                )
+            )  # fmt: skip
+        approvals = None
+        if prep.scope and self.quorum is not None:
+            quorum = await self.quorum.cmdq.quorum()  # read now: the plan shows what is in force
+            if quorum.enabled:
+                approvals = PlanApprovals(
+                    threshold=quorum.threshold, approvers=[a.id for a in quorum.approvers]
+                )
+        running = TRANSITIONS[body.verb].running
+        nodes = [
+            PlannedNode(node_id=r["id"], state=r["state"], becomes=running, profile=profile) for r in prep.ok
+        ]
+        return BulkPlan(
+            verb=body.verb, profile=profile, image=body.image, steps=steps,
+            commands=sorted({k for s in steps for k in s.commands}), destructive=prep.scope,
+            approvals=approvals,
+            nodes=nodes,
+            refused=refused,
+        )  # fmt: skip
+
+    async def run(
+        self,
+        verb: str,
+        ids: list[str],
+        *,
+        tenant_id: str | None,
+        image: str | None,
+        profile_id: str | None,
+        bulk: bool,
+    ) -> _Run:
+        """Start ``verb`` on every node of ``ids`` that may take it, under one batch."""
+        transition = TRANSITIONS[verb]
+        prep = await self._prepare(verb, ids, tenant_id=tenant_id, image=image, profile_id=profile_id)
+        if prep.profile is None or prep.tenant is None:
+            return _Run(refused=prep.refused)
+        profile, tenant = prep.profile, prep.tenant
+        wf_ids = {row["id"]: new_id("wf") for row in prep.ok}
+        run = _Run(refused=prep.refused)
+        run.batch_id = await self._batch(prep.scope, tenant, wf_ids, verb, profile.id, bulk)
+        async with self.api.db.transaction() as conn:
             # again under the node locks: a node may have moved since the first look
-            ok, refused = await self._screen(conn, verb, [row["id"] for row in ok], tenant, lock=True)
+            ok, refused = await self._screen(conn, verb, [row["id"] for row in prep.ok], tenant, lock=True)
             moved = []
             for row in ok:
                 wf = await self.api.start_in(
-                    conn, tenant_id=tenant, profile_id=found.profile.id,
-                    profile_version=found.profile.version, node_id=row["id"], owner="metal",
+                    conn, tenant_id=tenant, profile_id=profile.id,
+                    profile_version=profile.version, node_id=row["id"], owner="metal",
                     workflow_id=wf_ids[row["id"]], batch_id=run.batch_id,
                 )  # fmt: skip
                 node = await conn.fetchrow(
@@ -335,7 +420,7 @@ class MetalApi:
                 run.started.append(
                     VerbStarted(
                         node_id=row["id"], state=transition.running, workflow_id=wf["id"],
-                        profile=VerbProfile(id=found.profile.id, version=found.profile.version),
+                        profile=VerbProfile(id=profile.id, version=profile.version),
                     )
                 )  # fmt: skip
         run.refused = sorted([*run.refused, *refused], key=lambda r: r[0])

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from ..clients.cmdq import CommandQueueClient
+from ..clients.engine import EngineClient
 from ..clients.pki import PkiClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
@@ -31,6 +32,7 @@ from .common import add_tenant_flag, api_client
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .pki_commands import parse_seconds
+from .plan import SCOPE_SHOWN, print_batch_scope
 
 __all__ = ["load_approver_key", "register"]
 
@@ -311,9 +313,37 @@ def load_approver_key(path: str) -> ed25519.Ed25519PrivateKey:
     return key
 
 
+async def _workflow_lines(api: ApiClient, batch: BatchView) -> dict[str, str]:
+    """``profile@version on node`` of the batch's first workflows, as the engine tells them;
+    nothing for those it cannot tell now (the signature covers the ids either way)."""
+    ids = [batch.workflow_id] if batch.workflow_id else batch.workflow_ids[:SCOPE_SHOWN]
+    engine = EngineClient(api)
+    lines: dict[str, str] = {}
+    for wf_id in ids:
+        try:
+            wf = await engine.get_workflow(id=wf_id)
+        except BcError:
+            continue  # no engine here, or not its workflow: the id alone is shown
+        lines[wf_id] = f"{wf.profile.id}@{wf.profile.version} on {wf.node_id or '-'}"
+    return lines
+
+
+def _confirmed(batch: BatchView) -> bool:
+    """At a terminal, the approver says yes to the scope just shown."""
+    try:
+        answer = input(f"sign batch {batch.id}? [y/N] ")
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
 async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> int:
-    """Sign each batch named; one refused does not stop the others (exit 1 if any was)."""
+    """Show what each batch named would approve, then sign it; one refused does not stop the
+    others (exit 1 if any was). At a terminal each signature is asked for, unless ``--yes``;
+    a script (stdin not a terminal) signs what it named without a question. With ``--json``
+    the scope goes to stderr, stdout stays one document."""
     key = load_approver_key(args.key_file)
+    ask = not args.yes and sys.stdin.isatty()
     approved: list[BatchView] = []
     errors: list[dict[str, Any]] = []
     async with api_client(settings) as api:
@@ -322,6 +352,15 @@ async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> i
             try:
                 batch = await cq.get_batch(id=batch_id)
                 signature = sign_batch(batch, key)  # refuses a document that is not the scope shown
+                print_batch_scope(
+                    batch, workflows=await _workflow_lines(api, batch), out=sys.stderr if args.json else None
+                )
+                if ask and not _confirmed(batch):
+                    raise BcError(
+                        ErrorCode.INVALID_STATE,
+                        f"batch {batch.id} not signed: the approver said no",
+                        {"path": "id", "reason": "not-confirmed"},
+                    )
                 approved.append(
                     await cq.approve_batch(batch_id=batch.id, approver_id=args.approver, signature=signature)
                 )
@@ -445,10 +484,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = bsub.add_parser("get", parents=[common], help="one batch with its approvals")
     p.add_argument("id", help="batch id (batch_…)")
     p.set_defaults(func=cmd_batches_get)
-    p = bsub.add_parser("approve", parents=[common], help="sign a batch here with your key file")
+    p = bsub.add_parser(
+        "approve", parents=[common], help="show what a batch approves, then sign it here with your key file"
+    )
     p.add_argument("id", nargs="+", help="one or more batch ids")
     p.add_argument("--approver", required=True, help="your approver id, as configured")
     p.add_argument("--key-file", required=True, help="your Ed25519 private key (PEM)")
+    p.add_argument(
+        "--yes", action="store_true", help="sign without asking at a terminal (a script is never asked)"
+    )
     p.set_defaults(func=cmd_batches_approve)
     p = bsub.add_parser("keygen", parents=[common], help="make an approver key file (0600)")
     p.add_argument("--key-file", required=True, help="where to write the new private key")

@@ -31,6 +31,7 @@ from ..wire.metal import BulkRun, NodeBmc, VerbName
 from . import rollout
 from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels
 from .output import json_line, print_json, print_table
+from .plan import bulk_plan
 from .rollout import watch_nodes
 from .why_commands import why_line
 
@@ -395,6 +396,8 @@ async def run_bulk(args: argparse.Namespace, settings: Settings) -> int:
     selector = parse_selector(args.selector) if args.selector is not None else None
     node_ids = list(args.node) if args.selector is None else None
     async with engine_client(settings) as engine:
+        if args.plan:
+            return await bulk_plan(engine, args, node_ids=node_ids, selector=selector)
         t0 = time.time()
         got = await engine.bulk(
             cast(VerbName, args.verb), node_ids=node_ids, selector=selector, **_verb_options(args)
@@ -485,6 +488,11 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     _verb_flags(p, "deploy")
     p.add_argument("--watch", action="store_true", help="live progress until each node rests, then a summary")
     p.add_argument("--timeout", type=float, help="with --watch: give up after this many seconds (exit 1)")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="show what it would do (steps, commands, approvals, refusals); change nothing",
+    )
     p.set_defaults(func=run_bulk)
     rollout.register(nodes, common)
 

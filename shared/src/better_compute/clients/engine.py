@@ -61,6 +61,7 @@ from ..wire.images import (
     RegisterImage,
 )
 from ..wire.metal import (
+    BulkPlan,
     BulkRun,
     BulkVerb,
     ConfirmEnrollment,
@@ -375,6 +376,28 @@ class EngineClient(ServiceClient):
             profile=profile,
         )
         return await self._call("metal.bulk", req, BulkRun)
+
+    async def plan_bulk(
+        self,
+        verb: VerbName,
+        *,
+        node_ids: list[str] | None = None,
+        selector: Mapping[str, str] | None = None,
+        tenant_id: str | None = None,
+        image: str | None = None,
+        profile: str | None = None,
+    ) -> BulkPlan:
+        """What ``bulk`` would do now (profile, steps, commands, approvals, refusals), changing
+        nothing."""
+        req = BulkVerb(
+            verb=verb,
+            node_ids=list(node_ids) if node_ids is not None else None,
+            selector=dict(selector) if selector is not None else None,
+            tenant_id=tenant_id,
+            image=image,
+            profile=profile,
+        )
+        return await self._call("metal.plan", req, BulkPlan)
 
     # -- enrollment rules -----------------------------------------------------------------
 

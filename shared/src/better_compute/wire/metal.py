@@ -1,5 +1,5 @@
 """Metal's part of the engine's contract: the node's BMC and MACs, the lifecycle verbs
-(``metal.<verb>``) and ``metal.bulk`` (camelCase on the wire).
+(``metal.<verb>``), ``metal.bulk`` and its dry run ``metal.plan`` (camelCase on the wire).
 
 A BMC names its credential by reference only (``credentialsRef``, a ``sec_…`` SecretRef stored
 through bc-secrets). Unknown fields are ignored, as everywhere on the bus (docs/compatibility.md),
@@ -22,6 +22,7 @@ __all__ = [
     "MAC_PATTERN",
     "MAX_MACS",
     "MAX_NODES_PER_BULK",
+    "BulkPlan",
     "BulkRefusal",
     "BulkRun",
     "BulkVerb",
@@ -39,6 +40,9 @@ __all__ = [
     "NodeBmc",
     "PendingEnrollment",
     "PendingEnrollmentList",
+    "PlanApprovals",
+    "PlanStep",
+    "PlannedNode",
     "SecretRef",
     "VerbName",
     "VerbProfile",
@@ -207,6 +211,51 @@ class BulkRun(_Reply, frozen=True, kw_only=True):
     verb: str
     batch_id: str | None
     started: list[VerbStarted]
+    refused: list[BulkRefusal]
+
+
+class PlanStep(_Reply, frozen=True, kw_only=True):
+    """A step of the planned profile as the workflow would persist it: where it runs, the
+    command kinds it can send, and those the destructive batch covers (they wait for approvals
+    when the quorum is on)."""
+
+    index: int
+    action: str
+    runs_on: str
+    commands: list[str]
+    destructive: list[str]
+
+
+class PlanApprovals(_Reply, frozen=True, kw_only=True):
+    """The quorum the batch would need: ``threshold`` signatures of these approvers."""
+
+    threshold: int
+    approvers: list[str]
+
+
+class PlannedNode(_Reply, frozen=True, kw_only=True):
+    """A node the verb would start on: its state now, the state it would move to, the profile."""
+
+    node_id: str
+    state: str
+    becomes: str
+    profile: VerbProfile
+
+
+class BulkPlan(_Reply, frozen=True, kw_only=True):
+    """``metal.plan`` (a ``BulkVerb``): what ``metal.bulk`` would do now, changing nothing: no
+    workflow, no batch, no command, no audit entry. ``profile`` and ``steps`` are None and empty
+    when every node would be refused. ``destructive`` is the batch's scope; ``approvals`` is None
+    when nothing destructive would be sent or the quorum is off (then nothing waits)."""
+
+    verb: str
+    profile: VerbProfile | None
+    image: str | None
+    steps: list[PlanStep]
+    commands: list[str]
+    destructive: list[str]
+    approvals: PlanApprovals | None
+    nodes: list[PlannedNode]
     refused: list[BulkRefusal]
 
 
