@@ -222,3 +222,21 @@ def test_the_quick_look_knows_every_global_flag_and_whether_it_takes_a_value() -
     flags = [a for a in parser._actions if a.option_strings]
     assert {s for a in flags if a.nargs == 0 for s in a.option_strings} == _BARE_FLAGS
     assert {s for a in flags if a.nargs != 0 for s in a.option_strings} == _VALUE_FLAGS
+
+
+def test_an_error_with_several_problems_prints_every_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 26: a document's problems all show in one run, each with its path."""
+    from better_compute.cli.output import print_error
+    from better_compute.core.errors import BcError
+    from better_compute.provision import profile_from_document
+
+    doc = {"id": "acme.x", "version": 1, "target": "metal", "role": "host", "descripton": "typo",
+           "steps": [{"use": "acme.a", "wiht": {}}, {"use": "acme.b", "on": "moon"}]}  # fmt: skip
+    with pytest.raises(BcError) as e:
+        profile_from_document(doc)
+    print_error(e.value.with_path_prefix("document"), as_json=False)
+    assert capsys.readouterr().err.splitlines() == [
+        "error: INVALID_CONFIG: unknown field; did you mean description? (at document.descripton)",
+        "  also: INVALID_CONFIG: unknown field; did you mean with? (at document.steps[0].wiht)",
+        "  also: INVALID_CONFIG: on must be one of control-plane, site, node, got 'moon' (at document.steps[1].on)",
+    ]
