@@ -238,5 +238,6 @@ def test_an_error_with_several_problems_prints_every_one(capsys: pytest.CaptureF
     assert capsys.readouterr().err.splitlines() == [
         "error: INVALID_CONFIG: unknown field; did you mean description? (at document.descripton)",
         "  also: INVALID_CONFIG: unknown field; did you mean with? (at document.steps[0].wiht)",
-        "  also: INVALID_CONFIG: on must be one of control-plane, site, node, got 'moon' (at document.steps[1].on)",
+        "  also: INVALID_CONFIG: on must be one of control-plane, site, node, got 'moon'"
+        " (at document.steps[1].on)",
     ]
