@@ -31,7 +31,36 @@ FINISHED = ("succeeded", "failed", "aborted")
 
 
 def _error_text(error: Any) -> str:
+    details = error.get("details") if isinstance(error.get("details"), dict) else {}
+    if details.get("reason") == "aborted":  # an operator's abort is no error code to decode
+        return str(error.get("message"))
     return f"{error.get('code')}: {error.get('message')}"
+
+
+_BY_OPERATOR = "aborted by an operator"
+
+
+def _stopped_step(wf: WorkflowView) -> str | None:
+    """``step N (action)``: the first step that did not succeed (the one the abort cancelled,
+    or the one that failed)."""
+    for s in wf.steps or []:
+        if s.state != "succeeded":
+            return f"step {s.index} ({s.action})"
+    return None
+
+
+def _aborted(wf: WorkflowView) -> tuple[str, str]:
+    """Who aborted ``wf`` (``aborted by an operator``) and the rest of the sentence: where it
+    stopped, why, and the way on (``resume``)."""
+    error = wf.error if isinstance(wf.error, dict) else {}
+    message = str(error.get("message") or _BY_OPERATOR)
+    if message.startswith(_BY_OPERATOR):
+        who, _, why = message.partition(": ")
+    else:
+        who, why = "aborted", message
+    at = _stopped_step(wf)
+    tail = (f" at {at}" if at else "") + (f": {why}" if why else "")
+    return who, f"{tail}; to carry on from that step: bcx workflows resume {wf.id}"
 
 
 def _print_steps(wf: WorkflowView) -> None:
@@ -81,8 +110,12 @@ async def workflows_get(args: argparse.Namespace, settings: Settings) -> int:
     p = wf.profile
     where = f"profile {p.id}@{p.version} ({p.tenant_id})  node {wf.node_id or '-'}"
     print(f"{wf.id}  {wf.state}  {where}")
-    if wf.error:
+    if wf.state == "aborted":
+        print("".join(_aborted(wf)))
+    elif wf.error:
         print(f"error: {_error_text(wf.error)}")
+        if wf.state == "failed":
+            print(f"to run that step again: bcx workflows retry {wf.id}")
     if why is not None:
         print(f"why: {why.answer}")
     _print_steps(wf)
@@ -144,6 +177,8 @@ async def _verb(args: argparse.Namespace, settings: Settings, verb: str) -> int:
             return await _watch(engine, wf.id, as_json=args.json)
     if args.json:
         print_json(wf)
+    elif verb == "abort" and wf.state == "aborted":
+        print(f"{wf.id} aborted{_aborted(wf)[1]}")
     else:
         print(f"{wf.id} is {wf.state}")
     return 0
@@ -210,6 +245,8 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
                 state = wf.state
                 if as_json:
                     print(json_line({"workflowId": workflow_id, "workflowState": state}), flush=True)
+                elif state == "aborted":
+                    print(f"workflow {workflow_id} {''.join(_aborted(wf))}")
                 elif state in FINISHED:
                     err = wf.error
                     print(f"workflow {workflow_id} {state}" + (f": {_error_text(err)}" if err else ""))
