@@ -65,6 +65,17 @@ def _site_folder(stack: DevStack, site: str) -> Path:
     return stack.state / "sim" / site
 
 
+def _media_server(stack: DevStack, sim_name: str) -> str | None:
+    """The site whose simulator runs and serves ``BC_SIM_MEDIA_DIR`` at ``BC_SIM_MEDIA_URL``
+    already (a second site in the same shell shares it), or None."""
+    for rec in stack.records():
+        site = rec.name.removeprefix("sim-")
+        serves = (_site_folder(stack, site) / "media-served").exists()
+        if rec.service == "metal-sim" and rec.name != sim_name and serves and rec.alive:
+            return site
+    return None
+
+
 def _names(site: str) -> tuple[str, str]:
     """The proc records of a site's simulator and site agent."""
     return f"sim-{site}", f"sim-{site}-site-agent"
@@ -272,8 +283,13 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             argv += ["--power-on", str(index)]
         # the fleet app's engine writes autoinstall ISOs there: the simulator serves them to its BMC
         media_dir, media_url = os.environ.get("BC_SIM_MEDIA_DIR"), os.environ.get("BC_SIM_MEDIA_URL")
-        if media_dir and media_url:
+        serving = _media_server(stack, sim_name) if media_dir and media_url else None
+        if serving is not None:  # one folder, one URL: the first simulator serves it for every site
+            say(f"ISOs: served by the simulator of site {serving} at {media_url}")
+        elif media_dir and media_url:
             argv += ["--media-dir", media_dir, "--media-url", media_url]
+        if "--media-url" in argv:
+            (folder / "media-served").touch()  # what _media_server looks for
         sim_pid = spawn_detached(argv, sim_log, env=env)
         _record(stack, sim_name, "metal-sim", sim_pid, sim_log)
         say(f"{'metal-sim':<17} started   pid {sim_pid}  {total} machines, {args.vms} VMs")
