@@ -6,9 +6,10 @@ cannot drift from what bcx does (issue 26).
 * Every example not marked ``<!-- doctest: skip (reason) -->`` on the line before its code block
   runs, as a subprocess, against one stack started for this module's one test (bc-pki,
   bc-command-queue and bc-engine as processes; no bc-secrets, as the examples that show it
-  missing expect). A ``$ bcx …`` line of a console block followed by output must print that
-  output's first line: an error's ``error: CODE: message`` (the hint, which names the reader's
-  context, aside) or a table's header; any other example must exit 0.
+  missing expect; three enrolled nodes at site eu1). A ``$ bcx …`` line of a console block
+  followed by output must print that output's first line: an error's ``error: CODE: message``
+  (the hint, which names the reader's context, aside), a table's header, or the sentence shown;
+  any other example must exit 0.
 
 The test prints how many examples ran, were parsed only and were skipped, with each reason. It
 adds about 10-20 s to the suite (the stack's start and one bcx process per example run).
@@ -169,6 +170,9 @@ def _differs(e: Example, code: int, stdout: str, stderr: str) -> str | None:
         return f"header {got_header}; the doc shows {e.shown.split()} (exit {code}: {stderr.strip()[-200:]})"
     if code != 0:
         return f"exit {code}: {(stderr or stdout).strip()[-300:]}"
+    first = (stdout.splitlines() or [""])[0].rstrip()
+    if e.shown is not None and not e.shown.startswith("{") and first != e.shown:  # a sentence
+        return f"prints {first!r}; the doc shows {e.shown!r}"
     if "--json" in e.argv:
         msgspec.json.decode(stdout)  # JSON as promised
     return None

@@ -329,21 +329,20 @@ async def _workflow_lines(api: ApiClient, batch: BatchView) -> dict[str, str]:
 
 
 def _confirmed(batch: BatchView) -> bool:
-    """At a terminal, the approver says yes to the scope just shown."""
-    try:
-        answer = input(f"sign batch {batch.id}? [y/N] ")
-    except EOFError:
-        return False
-    return answer.strip().lower() in ("y", "yes")
+    """At a terminal, the approver says yes to the scope just shown (asked on stderr, so a
+    redirected stdout never hides the question)."""
+    sys.stderr.write(f"sign batch {batch.id}? [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
 async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> int:
     """Show what each batch named would approve, then sign it; one refused does not stop the
     others (exit 1 if any was). At a terminal each signature is asked for, unless ``--yes``;
-    a script (stdin not a terminal) signs what it named without a question. With ``--json``
+    a script (stdin or stderr not a terminal) signs what it named without a question. With ``--json``
     the scope goes to stderr, stdout stays one document."""
     key = load_approver_key(args.key_file)
-    ask = not args.yes and sys.stdin.isatty()
+    ask = not args.yes and sys.stdin.isatty() and sys.stderr.isatty()
     approved: list[BatchView] = []
     errors: list[dict[str, Any]] = []
     async with api_client(settings) as api:
