@@ -274,3 +274,35 @@ async def test_driver_operations_are_a_registry_validated_like_steps(
     with pytest.raises(BcError) as e:
         await get(bc_api, "acme", "drivers")
     assert e.value.code is ErrorCode.NOT_FOUND
+
+
+async def test_user_data_and_config_units_are_checked_with_the_steps_in_one_pass(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    """Issue 26: a profile naming a template or a config unit nobody registered, or a unit's bad
+    settings, is refused when it is validated or stored, with every other problem, not when a
+    deploy reaches the machine. Seen failing first (valid: True)."""
+    document = doc(
+        "doc-problems",
+        1,
+        [{"use": "test.nop"}],
+        userData={"kind": "cloud-init", "template": "plain.tx"},
+        hostConfig={"units": [{"name": "sysctll", "settings": {}},
+                              {"name": "sysctl", "settings": {"values": "x", "colour": 1}}]},
+    )  # fmt: skip
+    got = await EngineClient(bc_api).validate_profile(document=document)
+    assert got.valid is False
+    problems = [(p.path, p.message) for p in got.problems]
+    assert problems[0][0] == "document.steps[0].use"
+    assert problems[1:] == [
+        ("document.userData.template", "no user-data template named plain.tx; did you mean plain.txt?"),
+        ("document.hostConfig.units[0].name", "unknown config unit 'sysctll'; did you mean sysctl?"),
+        ("document.hostConfig.units[1].settings.colour", "unknown field"),
+        ("document.hostConfig.units[1].settings.values", problems[4][1]),
+    ]
+    with pytest.raises(BcError) as e:
+        await create(bc_api, "acme", document)
+    assert len(e.value.details["problems"]) == 5
+    units = {"units": [{"name": "sysctl", "settings": {"values": {"vm.swappiness": "10"}}}]}
+    ok = doc("doc-fine", 1, [{"use": "test.noop"}], userData={"kind": "ignition"}, hostConfig=units)
+    assert (await EngineClient(bc_api).validate_profile(document=ok)).valid
