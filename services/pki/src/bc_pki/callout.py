@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import ssl
 import sys
@@ -99,8 +100,9 @@ def load_config(file: str | Path) -> CalloutConfig:
     try:
         config = msgspec.convert(doc, CalloutConfig)
     except msgspec.ValidationError as exc:
-        path = str(exc).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(exc) else ""
-        raise _bad(path, f"{file}: {exc}") from None
+        # "Expected `str`, got `int` - at `$.site_id`", "Object missing required field `nats_url`"
+        at = re.search(r"at `\$\.([\w.]+)`|field `(\w+)`", str(exc))
+        raise _bad(next((g for g in at.groups() if g), "") if at else "", f"{file}: {exc}") from None
     if not valid_token(config.site_id):
         raise _bad("site_id", "a site id (letters, digits, '-', '_')")
     for key in ("cache_seconds", "stale_seconds"):
