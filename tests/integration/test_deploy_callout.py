@@ -9,11 +9,16 @@ itself, and is cut off the moment an operator revokes the certificate.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives import serialization
@@ -23,15 +28,23 @@ from better_compute.agent.identity import Enrollment, enroll
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.runtime.embedded import free_port
 from better_compute.service.client import ApiClient
+from better_compute.testing.bcd import BcdProcess, run_bcd
+from better_compute.testing.databases import DatabaseFactory
+from better_compute.testing.machines import prepare_machine
 from better_compute.testing.processes import ServiceProcesses
 from deploy_stack import SUBJECTS, Stack, eventually, run_stack
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def stack(tmp_path: Path, bc_database_url: str) -> AsyncIterator[Stack]:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def stack(
+    tmp_path_factory: pytest.TempPathFactory, bc_database_factory: DatabaseFactory
+) -> AsyncIterator[Stack]:
     """The hub, bc-pki on it (user pki, TLS), then the leaf made with bc-pki's CA, and the
-    leaf's responder."""
+    leaf's responder: one for the module's tests (they do not share agents)."""
+    tmp_path = tmp_path_factory.mktemp("deploy-callout")
+    bc_database_url = await bc_database_factory.clone()
     async with run_stack(tmp_path, leaf=False) as st:
         settings = Settings(
             nats_url=f"tls://pki:{st.passwords['PKI']}@127.0.0.1:{st.hub[0].client_port}",
@@ -53,6 +66,7 @@ async def stack(tmp_path: Path, bc_database_url: str) -> AsyncIterator[Stack]:
             procs.close()
             for p in procs.procs:
                 print(f"--- {p.service} ---", *p.output().splitlines()[-30:], sep="\n")
+            await bc_database_factory.drop([bc_database_url.rsplit("/", 1)[1]])
 
 
 async def _join(st: Stack, role: str = "node") -> Enrollment:
@@ -113,3 +127,80 @@ async def test_a_revoked_agent_is_cut_off_at_once(stack: Stack) -> None:
     with pytest.raises(BcError) as err:
         await stack.connect_agent(node.agent_id, _tls(stack, node), allow_reconnect=False)
     assert err.value.code is ErrorCode.UNAUTHENTICATED
+
+
+async def test_the_site_agent_and_bcd_join_and_connect_as_themselves(stack: Stack, tmp_path: Path) -> None:
+    """Issue 23 item 3: the site agent and bcd, as their own processes, join through the site's
+    joining identity and then connect to the TLS-only leaf with the certificate bc-pki gave them,
+    each as a NATS user of its own (no password of theirs is in the leaf's config). A revoked bcd
+    is cut off and cannot come back."""
+    cmdq = await stack.connect("command-queue")
+    hellos = await cmdq.subscribe("bc.agent.eu1.*.hello")
+    await cmdq.flush()
+    engine = PkiClient(ApiClient(await stack.connect("engine")))
+    assert stack.callout is not None
+    leaf = f"tls://127.0.0.1:{stack.leaf.client_port}"
+
+    # the site agent: its token, the bus CA and the site's joining certificate, nothing more
+    site_token = await engine.issue_join_token(tenant_id="root", role="site", site_id="eu1", ttl_seconds=600)
+    folder = tmp_path / "site-agent"
+    folder.mkdir()
+    (folder / "token").write_text(site_token.token)
+    (folder / "site-agent.toml").write_text(
+        f'site_id = "eu1"\nnats_url = "{leaf}"\nnats_ca = "{stack.ca}"\nstate_dir = "{folder / "state"}"\n'
+        f'join_token_file = "{folder / "token"}"\nhttp_listen = "127.0.0.1:{free_port()}"\n'
+        f'join_cert_file = "{stack.callout.joining_cert}"\njoin_key_file = "{stack.callout.joining_key}"\n'
+    )
+    with (folder / "agent.log").open("wb") as log:
+        site_agent = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bc_site_agent", "--config", str(folder / "site-agent.toml"),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    # bcd on a machine: the same three things, from its environment
+    node_token = await engine.issue_join_token(
+        tenant_id="root", role="discovery", site_id="eu1", ttl_seconds=600
+    )
+    root = prepare_machine(tmp_path / "machine")
+    (root / "join-token").write_text(node_token.token)  # bcd reads it under its machine's root
+    env = {
+        "BC_NATS_CA": str(stack.ca),
+        "BC_NATS_JOIN_CERT": str(stack.callout.joining_cert),
+        "BC_NATS_JOIN_KEY": str(stack.callout.joining_key),
+    }
+    settings = Settings(nats_url=leaf)
+    bcd: BcdProcess | None = None
+    try:
+        joined = await run_bcd(
+            settings, root, "join", "--control-plane", leaf, "--token-file", "/join-token",
+            "--no-service", extra_env=env,
+        )  # fmt: skip
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        node_id = json.loads(joined.stdout.splitlines()[-1])["nodeId"]
+        bcd = BcdProcess.start(
+            settings, root, "--control-plane", leaf, log=tmp_path / "bcd.log", extra_env=env
+        )
+
+        async def both_said_hello() -> set[str] | None:
+            with contextlib.suppress(nats.errors.TimeoutError):
+                seen.add((await hellos.next_msg(timeout=0.5)).subject.split(".")[3])
+            return seen if node_id in seen and len(seen) == 2 else None
+
+        seen: set[str] = set()
+        assert len(await eventually("both agents' hellos", both_said_hello, timeout=30)) == 2
+
+        # revoked: bcd's connection goes, and it is refused when it comes back
+        node_cert = next(c for c in await engine.list_certificates(agent_id=node_id) if c.agent_id == node_id)
+        await PkiClient(ApiClient(await stack.connect("alice"))).revoke_certificate(cert_id=node_cert.cert_id)
+
+        async def refused_again() -> bool | None:
+            text = (stack.folder / "callout.log").read_text()
+            return True if text.count("the certificate is revoked") >= 1 and "agent_cut_off" in text else None
+
+        await eventually("bcd cut off and refused", refused_again, timeout=20)
+    finally:
+        if bcd is not None:
+            bcd.close()
+        site_agent.terminate()
+        await asyncio.wait_for(site_agent.wait(), 10)
+        print("--- site agent ---", (folder / "agent.log").read_text(errors="replace")[-3000:])
+        print("--- bcd ---", (tmp_path / "bcd.log").read_text(errors="replace")[-3000:] if bcd else "")

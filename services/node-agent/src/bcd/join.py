@@ -18,6 +18,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 from better_compute.agent import Enrollment, enroll, load_enrollment, save_enrollment
+from better_compute.agent.bus import agent_options, joining_options
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger, register_secret
@@ -47,6 +48,32 @@ _WEB: Final = {"http": "ws", "https": "wss"}
 def log() -> Any:
     """bcd's logger, as configured when it logs (never bound before ``configure_logging``)."""
     return get_logger(component="bcd")
+
+
+NATS_CA_ENV: Final = "BC_NATS_CA"
+JOIN_CERT_ENV: Final = "BC_NATS_JOIN_CERT"
+JOIN_KEY_ENV: Final = "BC_NATS_JOIN_KEY"
+
+
+def joining_nats_options() -> dict[str, Any]:
+    """``connect()`` options of a join: the bus CA (``BC_NATS_CA``; the system's CAs without
+    it), the site's joining certificate when given (``BC_NATS_JOIN_CERT``, ``BC_NATS_JOIN_KEY``),
+    and a connection name and inbox of the join's own (docs/security.md, "The bus")."""
+    return joining_options(
+        cert_file=os.environ.get(JOIN_CERT_ENV) or None,
+        key_file=os.environ.get(JOIN_KEY_ENV) or None,
+        ca=os.environ.get(NATS_CA_ENV) or None,
+        path=JOIN_CERT_ENV,
+    )
+
+
+def agent_nats_options(enrollment: Enrollment) -> dict[str, Any]:
+    """``connect()`` options of the joined machine: its certificate shown to NATS, its own inbox
+    prefix, the bus CA of ``BC_NATS_CA``."""
+    return {
+        "name": f"bcd:{enrollment.agent_id}",
+        **agent_options(enrollment, ca=os.environ.get(NATS_CA_ENV) or None, ca_path=NATS_CA_ENV),
+    }
 
 
 def nats_url(control_plane: str) -> str:
@@ -151,7 +178,8 @@ async def join(
     register_secret(token)
     shown = claims if claims is not None else read_claims(state.machine)
     before = state.enrollment()
-    nc = await connect(nats_url(control_plane), name="bcd-join")
+    # no certificate yet: on a leaf with an auth callout it joins as the site's joining identity
+    nc = await connect(nats_url(control_plane), **joining_nats_options())
     try:
         pki = PkiClient(ApiClient(nc, Subjects(root=subject_root)))
         enrollment = await enroll(pki, token=token, claims=shown, site_id=site_id)

@@ -13,7 +13,6 @@ import msgspec
 __all__ = [
     "OPERATOR_INBOX_PREFIX",
     "SERVICE_NAMES",
-    "SITE_AGENT_INBOX_PREFIX",
     "Subjects",
     "agent_inbox_prefix",
     "join_connection_name",
@@ -28,10 +27,6 @@ OPERATOR_INBOX_PREFIX = "_INBOX_OPS"
 """The operators' inboxes: bcx run as NATS user ``<user>`` hears its replies on
 ``_INBOX_OPS.<user>.>`` (``operator_inbox_prefix``), the only part of ``_INBOX_OPS.>`` that user may
 read (deploy/nats/accounts.conf); the services' own ``_INBOX.>`` is never exported to operators."""
-
-SITE_AGENT_INBOX_PREFIX = "_INBOX.site-agent"
-"""The site agent's inbox prefix: on a site's leaf node (deploy/nats/leaf-site.conf) only the
-``site-agent`` user reads ``_INBOX.site-agent.>``, so the site's nodes never see its replies."""
 
 JOIN_NAME_PREFIX = "bc-join:"
 """A joining machine names its connection ``bc-join:<nonce>`` and hears its replies on
