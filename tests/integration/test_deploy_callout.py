@@ -9,22 +9,23 @@ itself, and is cut off the moment an operator revokes the certificate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hashlib
 import json
 import ssl
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
-import nats.errors
+import msgspec
 import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives import serialization
-from nats.aio.msg import Msg
 
 from better_compute.agent.identity import Enrollment, enroll
+from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
@@ -34,6 +35,8 @@ from better_compute.testing.bcd import BcdProcess, run_bcd
 from better_compute.testing.databases import DatabaseFactory
 from better_compute.testing.machines import prepare_machine
 from better_compute.testing.processes import ServiceProcesses
+from better_compute.wire import unwrap
+from better_compute.wire.cmdq import AgentView
 from deploy_stack import SUBJECTS, Stack, eventually, run_stack
 
 
@@ -41,8 +44,9 @@ from deploy_stack import SUBJECTS, Stack, eventually, run_stack
 async def stack(
     tmp_path_factory: pytest.TempPathFactory, bc_database_factory: DatabaseFactory
 ) -> AsyncIterator[Stack]:
-    """The hub, bc-pki on it (user pki, TLS), then the leaf made with bc-pki's CA, and the
-    leaf's responder: one for the module's tests (they do not share agents)."""
+    """The hub, bc-pki and the command queue on it (their own users, TLS), then the leaf made
+    with bc-pki's CA, and the leaf's responder: one for the module's tests (they share no
+    agents)."""
     tmp_path = tmp_path_factory.mktemp("deploy-callout")
     bc_database_url = await bc_database_factory.clone()
     async with run_stack(tmp_path, leaf=False) as st:
@@ -53,8 +57,15 @@ async def stack(
         )
         (tmp_path / "logs").mkdir()
         procs = ServiceProcesses(settings, tmp_path / "logs", env={"BC_NATS_CA": str(st.ca)})
+        cmdq_url = f"tls://command-queue:{st.passwords['COMMAND_QUEUE']}@127.0.0.1:{st.hub[1].client_port}"
+        cmdq = ServiceProcesses(
+            msgspec.structs.replace(settings, nats_url=cmdq_url),
+            tmp_path / "logs",
+            env={"BC_NATS_CA": str(st.ca)},
+        )
         try:
             procs.start("bc-pki")
+            cmdq.start("bc-command-queue")
             alice = await st.connect("alice")
             ca = await eventually("bc-pki answers", lambda: PkiClient(ApiClient(alice)).ca())
             st.start_leaf(ca.certificate_pem.encode())
@@ -64,7 +75,8 @@ async def stack(
             yield st
         finally:
             procs.close()
-            for p in procs.procs:
+            cmdq.close()
+            for p in procs.procs + cmdq.procs:
                 print(f"--- {p.service} ---", *p.output().splitlines()[-30:], sep="\n")
             await bc_database_factory.drop([bc_database_url.rsplit("/", 1)[1]])
 
@@ -82,6 +94,14 @@ async def _join(st: Stack, role: str = "node") -> Enrollment:
         return await enroll(PkiClient(ApiClient(joining)), token=token.token, site_id="eu1")
     finally:
         await joining.close()
+
+
+def _fetch(url: str) -> Awaitable[bytes]:
+    def get() -> bytes:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bytes(resp.read())
+
+    return asyncio.to_thread(get)
 
 
 def _tls(st: Stack, who: Enrollment) -> ssl.SSLContext:
@@ -106,17 +126,11 @@ async def test_a_revoked_agent_is_cut_off_at_once(stack: Stack) -> None:
     agent = await stack.connect_agent(
         node.agent_id, _tls(stack, node), allow_reconnect=False, disconnected_cb=disconnected
     )
-    cmdq = await stack.connect("command-queue")
-
-    async def welcome(msg: Msg) -> None:
-        await msg.respond(b"welcome")
-
-    await cmdq.subscribe("bc.agent.eu1.*.hello", cb=welcome)
-    await cmdq.flush()
+    # it is itself on the bus: the command queue hears (and refuses: unsigned) its hello
     hello = SUBJECTS.agent_event("eu1", node.agent_id, "hello")
-    assert (
-        await eventually("hello answered", lambda: agent.request(hello, b"hi", timeout=1))
-    ).data == b"welcome"
+    with pytest.raises(BcError) as said:
+        unwrap((await agent.request(hello, b"{}", timeout=5)).data)
+    assert said.value.code is ErrorCode.INVALID_INPUT
 
     alice = await stack.connect("alice")
     revoked_at = time.monotonic()
@@ -130,13 +144,13 @@ async def test_a_revoked_agent_is_cut_off_at_once(stack: Stack) -> None:
 
 
 async def test_the_site_agent_and_bcd_join_and_connect_as_themselves(stack: Stack, tmp_path: Path) -> None:
-    """Issue 23 item 3: the site agent and bcd, as their own processes, join through the site's
-    joining identity and then connect to the TLS-only leaf with the certificate bc-pki gave them,
-    each as a NATS user of its own (no password of theirs is in the leaf's config). A revoked bcd
-    is cut off and cannot come back."""
-    cmdq = await stack.connect("command-queue")
-    hellos = await cmdq.subscribe("bc.agent.eu1.*.hello")
-    await cmdq.flush()
+    """Issue 23 items 3 and 4: the site agent and bcd, as their own processes, join through the
+    site's joining identity and then connect to the TLS-only leaf with the certificate bc-pki gave
+    them, each as a NATS user of its own (no password of theirs is in the leaf's config). bcd gets
+    the bus CA and the joining certificate through the boot path (the kernel line's bcd.bus= and
+    bcd.bus_ca_sha256=, the files from the site agent's HTTP port), and refuses a CA whose digest
+    is not the kernel line's. A revoked bcd is cut off and cannot come back."""
+    agents = CommandQueueClient(ApiClient(await stack.connect("alice")))
     engine = PkiClient(ApiClient(await stack.connect("engine")))
     assert stack.callout is not None
     leaf = f"tls://127.0.0.1:{stack.leaf.client_port}"
@@ -145,10 +159,11 @@ async def test_the_site_agent_and_bcd_join_and_connect_as_themselves(stack: Stac
     site_token = await engine.issue_join_token(tenant_id="root", role="site", site_id="eu1", ttl_seconds=600)
     folder = tmp_path / "site-agent"
     folder.mkdir()
+    http_port = free_port()
     (folder / "token").write_text(site_token.token)
     (folder / "site-agent.toml").write_text(
         f'site_id = "eu1"\nnats_url = "{leaf}"\nnats_ca = "{stack.ca}"\nstate_dir = "{folder / "state"}"\n'
-        f'join_token_file = "{folder / "token"}"\nhttp_listen = "127.0.0.1:{free_port()}"\n'
+        f'join_token_file = "{folder / "token"}"\nhttp_listen = "127.0.0.1:{http_port}"\n'
         f'join_cert_file = "{stack.callout.joining_cert}"\njoin_key_file = "{stack.callout.joining_key}"\n'
     )
     with (folder / "agent.log").open("wb") as log:
@@ -156,51 +171,64 @@ async def test_the_site_agent_and_bcd_join_and_connect_as_themselves(stack: Stac
             sys.executable, "-m", "bc_site_agent", "--config", str(folder / "site-agent.toml"),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
-    # bcd on a machine: the same three things, from its environment
+    # bcd on a machine: the boot path's kernel line names the site agent's bus files and the
+    # bus CA's digest; bcd has nothing else (no BC_NATS_CA, no joining certificate of its own)
     node_token = await engine.issue_join_token(
         tenant_id="root", role="discovery", site_id="eu1", ttl_seconds=600
     )
+    bus_url = f"http://127.0.0.1:{http_port}/bus"
+    digest = hashlib.sha256(stack.ca.read_bytes()).hexdigest()
     root = prepare_machine(tmp_path / "machine")
+    (root / "proc" / "cmdline").write_text(f"quiet bcd.bus={bus_url} bcd.bus_ca_sha256={digest}\n")
     (root / "join-token").write_text(node_token.token)  # bcd reads it under its machine's root
-    env = {
-        "BC_NATS_CA": str(stack.ca),
-        "BC_NATS_JOIN_CERT": str(stack.callout.joining_cert),
-        "BC_NATS_JOIN_KEY": str(stack.callout.joining_key),
-    }
     settings = Settings(nats_url=leaf)
     bcd: BcdProcess | None = None
     try:
+        await eventually("the site agent serves the bus CA", lambda: _fetch(f"{bus_url}/ca.pem"))
+        # a kernel line whose digest is not the CA's: refused before any connection
+        wrong = prepare_machine(tmp_path / "wrong")
+        (wrong / "proc" / "cmdline").write_text(f"bcd.bus={bus_url} bcd.bus_ca_sha256={'0' * 64}\n")
+        (wrong / "join-token").write_text(node_token.token)
+        refused = await run_bcd(
+            settings, wrong, "join", "--control-plane", leaf, "--token-file", "/join-token", "--no-service"
+        )
+        assert refused.returncode != 0
+        assert "bcd.bus_ca_sha256" in refused.stderr
+        assert f"has SHA-256 {digest}" in refused.stderr, refused.stderr
+
         joined = await run_bcd(
-            settings, root, "join", "--control-plane", leaf, "--token-file", "/join-token",
-            "--no-service", extra_env=env,
-        )  # fmt: skip
+            settings, root, "join", "--control-plane", leaf, "--token-file", "/join-token", "--no-service"
+        )
         assert joined.returncode == 0, joined.stdout + joined.stderr
         node_id = json.loads(joined.stdout.splitlines()[-1])["nodeId"]
-        bcd = BcdProcess.start(
-            settings, root, "--control-plane", leaf, log=tmp_path / "bcd.log", extra_env=env
-        )
+        bcd = BcdProcess.start(settings, root, "--control-plane", leaf, log=tmp_path / "bcd.log")
 
-        async def both_said_hello() -> set[str] | None:
-            with contextlib.suppress(nats.errors.TimeoutError):
-                seen.add((await hellos.next_msg(timeout=0.5)).subject.split(".")[3])
-            return seen if node_id in seen and len(seen) == 2 else None
+        async def both_connected() -> list[AgentView] | None:
+            found = await agents.agents(site_id="eu1", connected=True)
+            return (
+                found
+                if {a.role for a in found} >= {"site", "discovery"} and node_id in {a.id for a in found}
+                else None
+            )
 
-        seen: set[str] = set()
-        assert len(await eventually("both agents' hellos", both_said_hello, timeout=30)) == 2
+        connected = await eventually("both agents connected", both_connected, timeout=60)
+        assert {a.role for a in connected} == {"site", "discovery"}
 
         # revoked: bcd's connection goes, and it is refused when it comes back
         node_cert = next(c for c in await engine.list_certificates(agent_id=node_id) if c.agent_id == node_id)
         await PkiClient(ApiClient(await stack.connect("alice"))).revoke_certificate(cert_id=node_cert.cert_id)
 
-        async def refused_again() -> bool | None:
+        async def cut_off() -> bool | None:
             text = (stack.folder / "callout.log").read_text()
-            return True if text.count("the certificate is revoked") >= 1 and "agent_cut_off" in text else None
+            gone = node_id not in {a.id for a in await agents.agents(site_id="eu1", connected=True)}
+            return True if gone and "the certificate is revoked" in text and "agent_cut_off" in text else None
 
-        await eventually("bcd cut off and refused", refused_again, timeout=20)
+        await eventually("bcd cut off and refused", cut_off, timeout=20)
     finally:
         if bcd is not None:
             bcd.close()
-        site_agent.terminate()
-        await asyncio.wait_for(site_agent.wait(), 10)
+        if site_agent.returncode is None:
+            site_agent.terminate()
+            await asyncio.wait_for(site_agent.wait(), 10)
         print("--- site agent ---", (folder / "agent.log").read_text(errors="replace")[-3000:])
         print("--- bcd ---", (tmp_path / "bcd.log").read_text(errors="replace")[-3000:] if bcd else "")

@@ -145,7 +145,7 @@ async def serve(
     backoff = Backoff(first=1.0, cap=30.0)  # jittered: a site's machines do not retry in step
     while not stop.is_set():
         try:
-            nc = await connect(url, **agent_nats_options(enrollment))
+            nc = await connect(url, **agent_nats_options(state, enrollment))
         except BcError as err:
             if err.code is not ErrorCode.UNAVAILABLE:
                 raise

@@ -26,6 +26,7 @@ from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 from better_compute.wire.pki import JoinClaims
 
+from .bus import bus_ca, joining_files
 from .hardware import claims as read_claims
 from .system import Machine
 
@@ -50,29 +51,21 @@ def log() -> Any:
     return get_logger(component="bcd")
 
 
-NATS_CA_ENV: Final = "BC_NATS_CA"
-JOIN_CERT_ENV: Final = "BC_NATS_JOIN_CERT"
-JOIN_KEY_ENV: Final = "BC_NATS_JOIN_KEY"
+def joining_nats_options(state: BcdState) -> dict[str, Any]:
+    """``connect()`` options of a join: the bus CA (``BC_NATS_CA``, else the one the boot path
+    delivered, else the system's CAs), the site's joining certificate (``BC_NATS_JOIN_CERT`` and
+    ``_KEY``, else the boot path's), and a connection name and inbox of the join's own
+    (docs/security.md, "The bus")."""
+    cert, key = joining_files(state.folder)
+    return joining_options(cert_file=cert, key_file=key, ca=bus_ca(state.folder), path="BC_NATS_JOIN_CERT")
 
 
-def joining_nats_options() -> dict[str, Any]:
-    """``connect()`` options of a join: the bus CA (``BC_NATS_CA``; the system's CAs without
-    it), the site's joining certificate when given (``BC_NATS_JOIN_CERT``, ``BC_NATS_JOIN_KEY``),
-    and a connection name and inbox of the join's own (docs/security.md, "The bus")."""
-    return joining_options(
-        cert_file=os.environ.get(JOIN_CERT_ENV) or None,
-        key_file=os.environ.get(JOIN_KEY_ENV) or None,
-        ca=os.environ.get(NATS_CA_ENV) or None,
-        path=JOIN_CERT_ENV,
-    )
-
-
-def agent_nats_options(enrollment: Enrollment) -> dict[str, Any]:
+def agent_nats_options(state: BcdState, enrollment: Enrollment) -> dict[str, Any]:
     """``connect()`` options of the joined machine: its certificate shown to NATS, its own inbox
-    prefix, the bus CA of ``BC_NATS_CA``."""
+    prefix, and the bus CA as for a join."""
     return {
         "name": f"bcd:{enrollment.agent_id}",
-        **agent_options(enrollment, ca=os.environ.get(NATS_CA_ENV) or None, ca_path=NATS_CA_ENV),
+        **agent_options(enrollment, ca=bus_ca(state.folder), ca_path="BC_NATS_CA"),
     }
 
 
@@ -179,7 +172,7 @@ async def join(
     shown = claims if claims is not None else read_claims(state.machine)
     before = state.enrollment()
     # no certificate yet: on a leaf with an auth callout it joins as the site's joining identity
-    nc = await connect(nats_url(control_plane), **joining_nats_options())
+    nc = await connect(nats_url(control_plane), **joining_nats_options(state))
     try:
         pki = PkiClient(ApiClient(nc, Subjects(root=subject_root)))
         enrollment = await enroll(pki, token=token, claims=shown, site_id=site_id)
