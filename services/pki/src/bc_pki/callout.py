@@ -65,7 +65,7 @@ KICK_SUBJECT = "$SYS.REQ.SERVER.{server}.KICK"
 CONNECTIONS_PER_CERT = 16  # the latest connections remembered per certificate (kicks them all)
 
 
-class CalloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class CalloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     """``callout.toml`` (the module's docstring shows one)."""
 
     site_id: str
@@ -97,6 +97,9 @@ def load_config(file: str | Path) -> CalloutConfig:
         raise _bad("config", f"cannot read {file}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise _bad("config", f"{file} is not TOML: {exc}") from exc
+    unknown = sorted(set(doc) - set(CalloutConfig.__struct_fields__))
+    if unknown:  # a misspelt key would otherwise be a default silently
+        raise _bad(unknown[0], f"{file}: no such setting: {unknown[0]}")
     try:
         config = msgspec.convert(doc, CalloutConfig)
     except msgspec.ValidationError as exc:
