@@ -136,7 +136,9 @@ async def test_a_revoked_agent_is_cut_off_at_once(stack: Stack) -> None:
     revoked_at = time.monotonic()
     await PkiClient(ApiClient(alice)).revoke_certificate(cert_id=node.cert_id, reason="test")
     await asyncio.wait_for(gone.wait(), timeout=10)
-    print(f"cut off {cut_at[0] - revoked_at:.3f} s from the start of the revoke call")  # measured, not asserted
+    print(
+        f"cut off {cut_at[0] - revoked_at:.3f} s from the start of the revoke call"
+    )  # measured, not asserted
     assert agent.is_closed or not agent.is_connected
     with pytest.raises(BcError) as err:
         await stack.connect_agent(node.agent_id, _tls(stack, node), allow_reconnect=False)
@@ -232,3 +234,28 @@ async def test_the_site_agent_and_bcd_join_and_connect_as_themselves(stack: Stac
             await asyncio.wait_for(site_agent.wait(), 10)
         print("--- site agent ---", (folder / "agent.log").read_text(errors="replace")[-3000:])
         print("--- bcd ---", (tmp_path / "bcd.log").read_text(errors="replace")[-3000:] if bcd else "")
+
+
+async def test_a_restarted_responder_still_cuts_off_a_connection_it_did_not_let_in(stack: Stack) -> None:
+    """The responder restarts (a deploy, a crash) while an agent stays connected; the agent's
+    certificate is revoked afterwards. The new responder never let that connection in, and it is
+    still cut off: it asks the leaf which connections hold the certificate."""
+    node = await _join(stack)
+    gone = asyncio.Event()
+
+    async def disconnected() -> None:
+        gone.set()
+
+    agent = await stack.connect_agent(
+        node.agent_id, _tls(stack, node), allow_reconnect=False, disconnected_cb=disconnected
+    )
+    await agent.flush(timeout=5)
+    assert stack.responder is not None
+    stack.responder.kill()
+    stack.responder.wait(10)
+    stack.start_responder()
+    await stack.responder_ready()
+    await agent.flush(timeout=5)  # still connected, as nothing has asked the leaf otherwise
+    alice = await stack.connect("alice")
+    await PkiClient(ApiClient(alice)).revoke_certificate(cert_id=node.cert_id, reason="test")
+    await asyncio.wait_for(gone.wait(), timeout=10)

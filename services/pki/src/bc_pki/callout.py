@@ -9,8 +9,9 @@ subjects only; the site's joining certificate gets ``agents.join`` and nothing e
 Revocation is bc-pki's: the responder asks ``certs.get`` (through the leaf's import of it) and
 keeps a good answer for ``cache_seconds``. It hears every revocation on ``bc.events.cert.*`` and
 then cuts the agent's connections at once (``$SYS.REQ.SERVER.<id>.KICK``, imported from the leaf's
-system account). The user it gave the agent expires within the hour anyway: that bounds a
-revocation whose event was lost.
+system account): those it let in, and those the leaf's connz shows with that certificate
+(let in before the responder restarted). The user it gave the agent expires within the hour
+anyway: that bounds a revocation whose event was lost.
 
 .. code-block:: toml
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -48,12 +50,19 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from better_compute.agent.runner import connect_waiting
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import configure_logging, get_logger
-from better_compute.service.bus_auth import AUTH_SUBJECT, Admitted, AgentCertificate, CalloutResponder
+from better_compute.service.bus_auth import (
+    AUTH_SUBJECT,
+    Admitted,
+    AgentCertificate,
+    CalloutResponder,
+)
 from better_compute.service.client import ApiClient, tls_context
 from better_compute.wire import Subjects
 from better_compute.wire.pki import CertRevoked, decode_cert_event
@@ -62,6 +71,8 @@ from better_compute.wire.subjects import service_inbox_prefix, valid_token
 __all__ = ["CalloutConfig", "Connections", "Revocations", "load_config", "main", "run"]
 
 KICK_SUBJECT = "$SYS.REQ.SERVER.{server}.KICK"
+CONNZ_SUBJECT = "$SYS.REQ.SERVER.{server}.CONNZ"
+CONNZ_PAGE = 1024
 CONNECTIONS_PER_CERT = 16  # the latest connections remembered per certificate (kicks them all)
 
 
@@ -235,6 +246,31 @@ def _secrets(config: CalloutConfig) -> tuple[bytes, str, bytes, bytes]:
     )
 
 
+async def holding(nc: Any, server_id: str, account: str, cert_sha256: str, log: Any) -> list[tuple[str, int]]:
+    """The leaf's open connections in ``account`` that showed the certificate whose DER has
+    SHA-256 ``cert_sha256``: also those a responder let in before it restarted, which it does
+    not remember."""
+    found: list[tuple[str, int]] = []
+    offset = 0
+    while True:
+        query = {"auth": True, "acc": account, "state": 0, "offset": offset, "limit": CONNZ_PAGE}
+        try:
+            reply = await nc.request(
+                CONNZ_SUBJECT.format(server=server_id), json.dumps(query).encode(), timeout=2
+            )
+            conns = (json.loads(reply.data).get("data") or {}).get("connections") or []
+        except Exception as exc:  # the leaf away: the user's expiry still ends it
+            log.warning("connz_failed", server_id=server_id, error=type(exc).__name__)
+            return found
+        for conn in conns:
+            certs = conn.get("tls_peer_certs") or [{}]
+            if str(certs[0].get("cert_sha256", "")).lower() == cert_sha256:
+                found.append((server_id, int(conn["cid"])))
+        if len(conns) < CONNZ_PAGE:
+            return found
+        offset += CONNZ_PAGE
+
+
 def _tls(config: CalloutConfig) -> ssl.SSLContext:
     tls = tls_context(config.nats_ca)
     try:
@@ -261,8 +297,9 @@ async def run(config: CalloutConfig, *, stop: asyncio.Event | None = None) -> No
         inbox_prefix=service_inbox_prefix("callout"),
     )
     try:
+        pki = PkiClient(ApiClient(nc, subjects))
         revocations = Revocations(
-            PkiClient(ApiClient(nc, subjects)),
+            pki,
             fresh=config.cache_seconds,
             stale=config.stale_seconds,
             log=log,
@@ -292,10 +329,25 @@ async def run(config: CalloutConfig, *, stop: asyncio.Event | None = None) -> No
             if not isinstance(event, CertRevoked):
                 return
             revocations.heard_revoked(event.cert_id)
-            for server_id, client_id in connections.take(event.cert_id):
-                task = asyncio.create_task(_kick(nc, server_id, client_id, log))
-                kicks.add(task)
-                task.add_done_callback(kicks.discard)
+            task = asyncio.create_task(cut_off(event.cert_id))
+            kicks.add(task)
+            task.add_done_callback(kicks.discard)
+
+        async def cut_off(cert_id: str) -> None:
+            known = connections.take(cert_id)
+            for server_id, client_id in known:  # the ones it let in: at once
+                await _kick(nc, server_id, client_id, log)
+            # and any it let in before a restart, as the leaf knows them by their certificate
+            server_id = str(getattr(nc, "_server_info", {}).get("server_id") or "")
+            try:
+                pem = (await pki.get_certificate(cert_id=cert_id)).certificate_pem
+            except BcError as err:
+                log.warning("revoked_certificate_unknown", cert_id=cert_id, code=err.code.value)
+                return
+            der = x509.load_pem_x509_certificate(pem.encode()).public_bytes(serialization.Encoding.DER)
+            for conn in await holding(nc, server_id, config.account, hashlib.sha256(der).hexdigest(), log):
+                if conn not in known:
+                    await _kick(nc, *conn, log)
 
         await nc.subscribe(subjects.events_all("cert"), cb=on_cert_event)
         await responder.start(nc)
