@@ -27,7 +27,15 @@ from better_compute.crypto import make_csr, new_agent_key
 from better_compute.service.bus_auth import agent_certificate, agent_permissions, joining_certificate
 from better_compute.testing.bcx import run_bcx
 from better_compute.wire import Subjects
-from better_compute.wire.subjects import SERVICE_NAMES, operator_inbox_prefix, service_inbox_prefix
+from better_compute.wire.subjects import (
+    SERVICE_NAMES,
+    agent_inbox_prefix,
+    join_connection_name,
+    join_inbox_prefix,
+    join_nonce,
+    operator_inbox_prefix,
+    service_inbox_prefix,
+)
 
 
 def _creds(tmp_path: Path, claims: dict[str, object]) -> str:
@@ -197,3 +205,20 @@ def test_bcx_bus_callout_makes_what_a_leaf_and_its_responder_need(tmp_path: Path
     bad = run_bcx(None, *args[:5], "eu.1", *args[6:], "--json", isolated=True)
     assert bad.returncode != 0
     assert '"site"' in bad.stdout
+
+
+def test_a_joining_connection_names_its_inbox_and_an_agent_reads_only_its_own() -> None:
+    """The leaf's callout lets a joining machine read only the inbox its connection names; a
+    name without a long enough nonce names none (it can ask, but hears nothing)."""
+    nonce = "a1b2c3d4e5f6a7b8c9d0e1f2"
+    assert join_nonce(join_connection_name(nonce)) == nonce
+    assert join_inbox_prefix(nonce) == f"_INBOX.join.{nonce}"
+    for name in ("bc-join:short", "bc-join:" + "x" * 15, "bc-join:a.b.c.d.e.f.g.h.i", "bcd-join", ""):
+        assert join_nonce(name) is None, name
+    assert agent_permissions(Subjects(), "eu1", "node_1")["sub"]["allow"] == ["_INBOX.node_1.>"]
+    assert agent_inbox_prefix("node_1") == "_INBOX.node_1"
+    with pytest.raises(ValueError, match="not a subject token"):
+        agent_inbox_prefix("node.>")
+    site = agent_permissions(Subjects(), "eu1", "agent_1", role="site")["pub"]["allow"]
+    assert "bc.api.pki.tokens.burn" in site
+    assert "bc.api.pki.tokens.burn" not in agent_permissions(Subjects(), "eu1", "node_1")["pub"]["allow"]
