@@ -29,7 +29,7 @@ from .converger import Converger
 from .disks import wipe
 from .hardware import inventory
 from .image import image_write
-from .join import BcdState, nats_url, read_cmdline
+from .join import BcdState, agent_nats_options, nats_url, read_cmdline
 from .simulation import tagged
 from .system import Machine
 
@@ -145,7 +145,7 @@ async def serve(
     backoff = Backoff(first=1.0, cap=30.0)  # jittered: a site's machines do not retry in step
     while not stop.is_set():
         try:
-            nc = await connect(url, name=f"bcd:{enrollment.agent_id}")
+            nc = await connect(url, **agent_nats_options(state, enrollment))
         except BcError as err:
             if err.code is not ErrorCode.UNAVAILABLE:
                 raise

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from better_compute.core.errors import BcError
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
 from better_compute.service.metrics import CONTENT_TYPE, render
 
@@ -17,6 +18,7 @@ from .netboot import (
     ALREADY_SERVED_SCRIPT,
     LOCAL_BOOT_SCRIPT,
     BootEntries,
+    bus_cmdline,
     discovery_cmdline,
     discovery_script,
     entry_script,
@@ -29,6 +31,13 @@ __all__ = ["make_app"]
 _IPXE = "text/plain"
 
 
+def _read(path: str | Path, key: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise BcError(ErrorCode.INVALID_CONFIG, f"cannot read {path}: {exc.strerror}", {"path": key}) from exc
+
+
 def make_app(
     config: SiteAgentConfig,
     entries: BootEntries,
@@ -39,6 +48,22 @@ def make_app(
     """The routes; ``served_again(mark)`` is told of each ask for a MAC whose one-time node
     entry was already served (the agent reports it to bc-pki)."""
     log = get_logger(component="http")
+    # the bus files bcd fetches (bcd.bus=, checked by the digest on the kernel line): the bus CA
+    # and the site's joining certificate with its key, which lets a machine ask to join, no more
+    bus_ca = _read(config.nats_ca, "nats_ca") if config.nats_ca else None
+    joining = (
+        _read(config.join_cert_file, "join_cert_file") + _read(config.join_key_file, "join_key_file")
+        if config.join_cert_file and config.join_key_file
+        else None
+    )
+    public_url = config.public_url or f"http://{config.http_host}:{config.http_port}"
+    bus_words = bus_cmdline(public_url, bus_ca)
+
+    async def bus_file(request: web.Request) -> web.Response:
+        body = bus_ca if request.match_info["name"] == "ca.pem" else joining
+        if body is None:
+            return web.Response(status=404, text="not served here\n")
+        return web.Response(body=body, content_type="application/x-pem-file")
 
     async def cached(request: web.Request) -> web.StreamResponse:
         sha = request.match_info["sha256"]
@@ -75,13 +100,14 @@ def make_app(
             cache.release(f"netboot:{mac}:", prefix=True)  # its kernel may go once it is served
         if entry is not None:
             log.info("netboot_entry_served", mac=mac, one_time=entry.one_time)
-            return web.Response(text=entry_script(entry), content_type=_IPXE)
+            return web.Response(text=entry_script(entry, extra=bus_words), content_type=_IPXE)
         if config.discovery:
             log.info("netboot_discovery_served", mac=mac)
             cmdline = discovery_cmdline(
                 config.discovery_cmdline, site_id=config.site_id,
                 token_file=config.discovery_token_file, control_plane=config.discovery_control_plane,
             )  # fmt: skip
+            cmdline = f"{cmdline} {bus_words}".strip()
             script = discovery_script(config.discovery_kernel, config.discovery_initrd, cmdline)
             return web.Response(text=script, content_type=_IPXE)
         log.info("netboot_local_boot_served", mac=mac)
@@ -95,6 +121,7 @@ def make_app(
             web.get("/boot.ipxe", boot_ipxe),
             web.get("/boot/mac/{mac}", boot_mac),
             web.get("/cache/{sha256}", cached),
+            web.get("/bus/{name:ca\\.pem|join\\.pem}", bus_file),
         ]
     )
     return app
