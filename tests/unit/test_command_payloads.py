@@ -17,6 +17,7 @@ from better_compute.wire.commands import (
     SetPower,
     decode_payload,
     decode_result,
+    payload_document,
 )
 from better_compute.wire.metal import NodeBmc
 from better_compute.wire.schema import manifest_of
@@ -82,6 +83,10 @@ def test_what_the_queue_lets_through_the_agent_decodes_to_the_same_json(kind: st
         # and a Struct built anywhere (a step, bcx) passes the queue as that same payload
         assert COMMAND_KINDS[kind].payload.validate(msgspec.to_builtins(decoded)) == checked
         assert decode_payload(msgspec.to_builtins(decoded), PAYLOADS[kind]) == decoded
+        # as a step sends it: absent fields left out, the rest as the queue keeps it
+        sent = payload_document(decoded)
+        assert None not in sent.values()
+        assert COMMAND_KINDS[kind].payload.validate(sent) == checked
 
 
 def test_the_manifest_refuses_what_the_struct_refuses_at_the_same_path() -> None:

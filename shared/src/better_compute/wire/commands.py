@@ -58,6 +58,7 @@ __all__ = [
     "ValidateResult",
     "decode_payload",
     "decode_result",
+    "payload_document",
 ]
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -362,6 +363,24 @@ def decode_payload(payload: object, into: type[S], *, path: str = "") -> S:
         return convert(payload, into)
     except BcError as err:
         raise err.with_path_prefix(path) if path else err from None
+
+
+def payload_document(payload: msgspec.Struct) -> dict[str, Any]:
+    """A payload Struct as the JSON a command carries: camelCase, absent (None) fields left out,
+    as the command queue stores it (``decode_payload`` reads it back to an equal Struct)."""
+    return {
+        f.encode_name: _document(value)
+        for f in msgspec.structs.fields(payload)
+        if (value := getattr(payload, f.name)) is not None
+    }
+
+
+def _document(value: object) -> Any:
+    if isinstance(value, msgspec.Struct):
+        return payload_document(value)
+    if isinstance(value, list):
+        return [_document(item) for item in value]
+    return msgspec.to_builtins(value)
 
 
 def decode_result(kind: str, result: object) -> msgspec.Struct | None:
