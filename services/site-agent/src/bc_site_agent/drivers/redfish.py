@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
+import requests.adapters
 import requests.exceptions
 import sushy
 import sushy.auth
+import sushy.connector
 import sushy.exceptions
-import urllib3
 import urllib3.exceptions
 from sushy.resources.constants import ResetType
 from sushy.resources.manager.constants import VirtualMediaType
@@ -114,6 +115,7 @@ class RedfishSession:
         elif target.ca_bundle:
             self.verify = _ca_file(target.ca_bundle)
         self._root: Any = None
+        self._connector: _Connector | None = None
         self.log = get_logger(driver="redfish", bmc=self.base_url)
         parts = urlsplit(self.base_url)
         self.at = parts.netloc.rpartition("@")[2] or self.base_url
@@ -171,21 +173,25 @@ class RedfishSession:
 
     def connect(self, deadline: float) -> Any:
         if self._root is None:
-            self._root = sushy.Sushy(
+            timeout = self._timeout(deadline)
+            connector = _Connector(
                 self.base_url,
                 verify=self.verify,
-                auth=sushy.auth.BasicAuth(
-                    username=self._credentials.username, password=self._credentials.password
-                ),
                 # sushy retries connection errors (server_side_retries or 3) times with
                 # (delay or 2) s between: keep it to one try, our loop backs off with jitter.
                 server_side_retries=1,
                 server_side_retries_delay=0.05,
-                read_timeout=self._timeout(deadline),
-                connect_timeout=min(5.0, self._timeout(deadline)),
+                default_request_timeout=timeout,
+                connect_timeout=min(5.0, timeout),
             )
-            _one_request_per_connection(self._root)
-            _checked_before_each_request(self._root)
+            self._connector = connector
+            self._root = sushy.Sushy(
+                self.base_url,
+                auth=sushy.auth.BasicAuth(
+                    username=self._credentials.username, password=self._credentials.password
+                ),
+                connector=connector,
+            )
         return self._root
 
     def system(self, deadline: float) -> Any:
@@ -202,11 +208,9 @@ class RedfishSession:
         return members[0]
 
     async def close(self) -> None:
-        root, self._root = self._root, None
-        if root is not None:
-            conn = getattr(root, "_conn", None)
-            if conn is not None:
-                await asyncio.to_thread(conn.close)
+        connector, self._connector, self._root = self._connector, None, None
+        if connector is not None:
+            await asyncio.to_thread(connector.close)
 
 
 class _Power:
@@ -388,52 +392,40 @@ def open_driver(target: NodeBmc, credentials: BmcCredentials) -> Driver:
     )
 
 
-class _OneShot(urllib3.HTTPConnectionPool):
-    """A pool that never hands a connection out twice: one request, one connection."""
+class _OneShotAdapter(requests.adapters.HTTPAdapter):
+    """requests' adapter for the BMC: the agent is asked before each request, and no connection
+    carries a second one.
 
-    def _put_conn(self, conn: Any) -> None:
-        if conn is not None:
-            conn.close()
-        super()._put_conn(None)  # the slot stays; the next request opens a new connection
+    Before each request, not only before each try: one sushy call may read a resource and then
+    act on it, and a cancel that reached the agent during the read must stop the action
+    (``before_call_blocking`` raises ``CommandCancelled``).
 
-
-class _OneShotHTTPS(_OneShot, urllib3.HTTPSConnectionPool):
-    pass
-
-
-def _one_request_per_connection(root: Any) -> None:
-    """Make sushy's session open a connection per request, as its ``Connection: close`` asks.
-
-    A BMC that closes as asked but late, without ``Connection: close`` in its answer, leaves a
-    connection that urllib3 takes for keep-alive. The next request, written into it while the
-    BMC closes it unread, fails like a request whose answer was lost: a POST action then counts
-    as "may have applied" and is not repeated (seen against a BMC proxy under load). On a
-    connection of its own, a request that never left fails at connect (``_never_sent``).
+    One request per connection, as sushy's ``Connection: close`` asks: a BMC that closes as
+    asked but late, without ``Connection: close`` in its answer, leaves a connection that
+    urllib3 takes for keep-alive. The next request, written into it while the BMC closes it
+    unread, fails like a request whose answer was lost: a POST action then counts as "may have
+    applied" and is not repeated (seen against a BMC proxy under load). So the pools are
+    emptied after every request (the connection still reading its answer is closed when it
+    comes back), and a request that never left fails at connect (``_never_sent``).
     """
-    session = getattr(getattr(root, "_conn", None), "_session", None)  # sushy has no public handle
-    if session is None:
-        return
-    for adapter in session.adapters.values():
-        manager = getattr(adapter, "poolmanager", None)
-        if manager is not None:
-            manager.pool_classes_by_scheme = {"http": _OneShot, "https": _OneShotHTTPS}
-            manager.clear()  # the pool of sushy's first GET (the service root) goes too
 
-
-def _checked_before_each_request(root: Any) -> None:
-    """Ask the agent before each HTTP request to the BMC, not only before each try: one sushy
-    call may read a resource and then act on it, and a cancel that reached the agent during the
-    read must stop the action (``before_call_blocking`` raises ``CommandCancelled``)."""
-    session = getattr(getattr(root, "_conn", None), "_session", None)  # sushy has no public handle
-    if session is None:
-        return
-    send = session.send
-
-    def checked_send(request: Any, **kwargs: Any) -> Any:
+    def send(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         before_call_blocking(f"{request.method} {urlsplit(request.url).path}")
-        return send(request, **kwargs)
+        try:
+            return super().send(request, *args, **kwargs)
+        finally:
+            self.poolmanager.clear()
 
-    session.send = checked_send
+
+class _Connector(sushy.connector.Connector):  # type: ignore[misc]  # sushy ships no type hints
+    """sushy's connector with ``_OneShotAdapter`` mounted on its session (as sushy mounts its
+    own TLS adapter there)."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        adapter = _OneShotAdapter()
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
 
 
 def _optional(read: Callable[[], Any]) -> Any:
@@ -456,7 +448,7 @@ def _enum_value(value: Any) -> str:
 def _never_sent(exc: BaseException) -> bool:
     """Whether a connection error happened before the request left: refused, the name not
     resolved, the connect timing out. A connection lost or a read timing out afterwards is not.
-    This holds because every request opens its own connection (``_one_request_per_connection``),
+    This holds because every request opens its own connection (``_OneShotAdapter``),
     so none is written into a keep-alive socket the BMC is closing (which would fail like a lost
     answer); tests/integration/test_site_agent_drivers.py checks it.
     (sushy raises its ConnectionError inside the ``except`` of the requests error, which
