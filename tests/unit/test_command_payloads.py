@@ -13,6 +13,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal.commands import BMC, COMMAND_KINDS, DRIVER_OPERATIONS
 from better_compute.wire.commands import (
     PAYLOADS,
+    BmcInventoryResult,
     PowerResult,
     SetPower,
     decode_payload,
@@ -124,3 +125,7 @@ def test_a_result_decodes_once_or_says_nothing() -> None:
     assert got == PowerResult(driver="redfish", power_state="On", changed=True)
     assert decode_result("power.setPower", {"powerState": 3}) is None  # an agent's odd answer
     assert decode_result("node.wipe", {"disks": []}) is None  # bcd's results are its own documents
+    # another agent's answer says less: what it says is read, the rest takes its default
+    partial = decode_result("management.inventory", {"system": {"powerState": "On"}})
+    assert isinstance(partial, BmcInventoryResult)
+    assert (partial.system.power_state, partial.processors) == ("On", [])

@@ -383,12 +383,11 @@ async def record_command_result(engine: Engine, node_id: str, kind: str, payload
     elif kind in ("power.setPower", "management.inventory"):
         # decoded once into the kind's Structs; a result that does not fit says nothing
         done = decode_result(kind, result)
-        power = None
-        if isinstance(done, PowerResult):
-            power = done.power_state.lower()
-        elif isinstance(done, BmcInventoryResult) and done.system.power_state:
-            power = done.system.power_state.lower()
-        elif kind == "power.setPower" and isinstance(payload, Mapping):
+        said = done.power_state if isinstance(done, PowerResult) else None
+        if isinstance(done, BmcInventoryResult):
+            said = done.system.power_state
+        power = said.lower() if said else None
+        if power is None and kind == "power.setPower" and isinstance(payload, Mapping):
             power = _POWER.get(str(payload.get("action")))  # what the action asked for
         if power in ("on", "off"):
             row = await engine.db.fetchrow(metal_store.POWER_STATE, node_id, power)

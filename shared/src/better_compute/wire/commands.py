@@ -223,11 +223,12 @@ class NodeConverge(_Msg, frozen=True, kw_only=True):
 
 class PowerResult(_Msg, frozen=True, kw_only=True):
     """``power.setPower``: the power state read back (as the BMC spells it) and whether the
-    command changed it (an ``on`` of a machine that is on did not)."""
+    command changed it (an ``on`` of a machine that is on did not). Every field has a default:
+    the engine reads what another agent's result says, and only that."""
 
-    driver: str
-    power_state: str
-    changed: bool
+    driver: str = ""
+    power_state: str | None = None
+    changed: bool = False
 
 
 class BootDeviceResult(_Msg, frozen=True, kw_only=True, omit_defaults=True):
@@ -278,14 +279,14 @@ class BmcMemory(_Msg, frozen=True, kw_only=True, omit_defaults=True):
     total_gib: float | None = msgspec.field(default=None, name="totalGiB")
 
 
-class BmcInventoryResult(_Msg, frozen=True, kw_only=True, omit_defaults=True):
+class BmcInventoryResult(_Msg, frozen=True, kw_only=True):
     """``management.inventory``: what the BMC says of the machine (parts it does not offer are
-    empty)."""
+    empty). Every field has a default, as ``PowerResult``'s."""
 
-    driver: str
-    system: BmcSystem
-    processors: list[BmcProcessor]
-    nics: list[BmcNic]
+    driver: str = ""
+    system: BmcSystem = msgspec.field(default_factory=BmcSystem)
+    processors: list[BmcProcessor] = msgspec.field(default_factory=list)
+    nics: list[BmcNic] = msgspec.field(default_factory=list)
     memory: BmcMemory | None = None
 
 
