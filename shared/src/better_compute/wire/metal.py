@@ -71,13 +71,18 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 
 class NodeBmc(_Msg, frozen=True, kw_only=True):
-    """The node's BMC: how the site agent reaches it. The password is behind ``credentials_ref``."""
+    """The node's BMC: how the site agent reaches it. The password is behind ``credentials_ref``.
+
+    The one declaration of a BMC: the engine stores it in ``nodes.bmc``, every BMC command
+    carries it (``bmc``, its manifest derived from it) and the site agent's drivers take it."""
 
     driver: Literal["redfish", "ipmi", "sim"]
     address: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
     credentials_ref: SecretRef | None = None
     system_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
     insecure: bool = False
+    ca_bundle: Annotated[str, msgspec.Meta(max_length=65536)] | None = None
+    """PEM certificates the BMC's TLS certificate must chain to (a public document, no secret)."""
 
     def to_document(self) -> dict[str, Any]:
         """As stored in ``nodes.bmc`` and relayed in BMC commands (absent fields left out)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from better_compute.provision.profiles import Profile, define_profile
+from better_compute.wire.commands import SetBootDevice, SetPower, payload_document
 
 __all__ = ["LIFECYCLE_PROFILE_IDS", "VALIDATE_PROFILE_ID", "Ramdisk", "lifecycle_profiles"]
 
@@ -87,7 +88,7 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
     boot = {"use": "metal.ensureRamdisk", "on": "site", "with": ramdisk.to_with() if ramdisk else {}}
     joined = {"use": "wait.agentJoined", "with": {"role": "node"}}
     collect = {"use": "inspect.collect"}
-    off = {"use": "power.setPower", "on": "site", "with": {"action": "off"}}
+    off = {"use": "power.setPower", "on": "site", "with": payload_document(SetPower(action="off"))}
 
     def wipe(mode: str) -> dict[str, Any]:
         return {"use": "disk.wipe", "with": {"mode": mode}}
@@ -118,9 +119,9 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
                 {
                     "use": "management.setBootDevice",
                     "on": "site",
-                    "with": {"device": "disk", "persistent": True},
+                    "with": payload_document(SetBootDevice(device="disk", persistent=True)),
                 },
-                {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
+                {"use": "power.setPower", "on": "site", "with": payload_document(SetPower(action="cycle"))},
                 {"use": "wait.agentJoined", "with": {"role": "node"}},
             ],
             user_data={"kind": "cloud-init"},
