@@ -109,6 +109,7 @@ def node_doc(
         tenant_id=row["tenant_id"],
         site_id=row["site_id"],
         labels=row["labels"],
+        name=row.get("name"),
         macs=list(row["macs"]),
         bmc=row["bmc"],
         state=row["state"],

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from ..clients.cmdq import CommandQueueClient
+from ..clients.engine import EngineClient
 from ..clients.pki import PkiClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
@@ -28,6 +29,7 @@ from ..service.client import ApiClient
 from ..wire.cmdq import AgentView, BatchView, CommandView
 from ..wire.paging import MAX_LIMIT
 from .common import add_tenant_flag, api_client
+from .node_refs import node_names, node_ref
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .pki_commands import parse_seconds
@@ -240,13 +242,14 @@ async def _cert_states(api: ApiClient, agents: list[AgentView]) -> dict[str, str
 # -- batches ----------------------------------------------------------------------------
 
 
-def _print_batch(batch: BatchView, *, as_json: bool) -> None:
+def _print_batch(batch: BatchView, *, as_json: bool, names: dict[str, str] | None = None) -> None:
     if as_json:
         print_json(_json(batch))
         return
     print_table([_batch_row(batch)], [(k, k.upper()) for k in _batch_row(batch)])
     print(f"kinds: {', '.join(batch.kinds)}")
-    print(f"nodes: {', '.join(batch.nodes)}")
+    named = names or {}
+    print(f"nodes: {', '.join(f'{n} ({named[n]})' if n in named else n for n in batch.nodes)}")
     if batch.note:
         print(f"note:  {batch.note}")
     for a in batch.approvals:
@@ -286,7 +289,8 @@ async def cmd_batches_list(args: argparse.Namespace, settings: Settings) -> int:
 async def cmd_batches_get(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         batch = await CommandQueueClient(api).get_batch(id=args.id)
-    _print_batch(batch, as_json=args.json)
+        names = {} if args.json else await node_names(EngineClient(api), batch.nodes)
+    _print_batch(batch, as_json=args.json, names=names)
     return 0
 
 
@@ -389,7 +393,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     commands = sub.add_parser("commands", help="commands sent to agents")
     csub = commands.add_subparsers(dest="commands_command", required=True, metavar="COMMAND")
     p = csub.add_parser("list", parents=[common], help="commands, newest first")
-    p.add_argument("--node", help="node id")
+    p.add_argument("--node", type=node_ref, help="node id or name")
     p.add_argument("--workflow", help="workflow id")
     p.add_argument("--state", choices=_STATES, help="only commands in this state")
     p.add_argument("--kind", help="command kind (power.setPower)")

@@ -28,13 +28,21 @@ from ..metal.steps.profiles import VALIDATE_PROFILE_ID
 from ..wire.codec import convert
 from ..wire.engine import NodeView
 from ..wire.metal import BulkRun, NodeBmc, VerbName
-from . import rollout
+from . import node_actions, rollout
 from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels
+from .node_refs import NODE_HELP, node_ref
 from .output import json_line, print_json, print_table
 from .rollout import watch_nodes
 from .why_commands import why_line
 
-__all__ = ["add_bmc_credential_flags", "read_credentials", "register", "update_bmc"]
+__all__ = [
+    "add_bmc_credential_flags",
+    "check_lines",
+    "read_credentials",
+    "register",
+    "update_bmc",
+    "validate_node",
+]
 
 
 def add_bmc_credential_flags(p: argparse.ArgumentParser) -> None:
@@ -165,7 +173,7 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
         site = args.site or (await engine.get_node(id=node_id)).site_id  # a discovered node's own
         node = await engine.enroll_node(
             site_id=site, id=node_id, tenant_id=args.tenant, labels=labels, macs=list(args.mac or []),
-            bmc=_node_bmc(bmc, ref) if bmc is not None else None,
+            bmc=_node_bmc(bmc, ref) if bmc is not None else None, name=args.name,
         )  # fmt: skip
         checks = None
         if node.bmc and not args.no_validate:
@@ -178,12 +186,13 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
             doc["validation"] = {"ok": not failed, "checks": checks}
         print_json(doc)
         return 1 if failed else 0
-    print(f"{node.id} {node.state}  site {node.site_id}")
+    named = f"  name {node.name}" if node.name else ""
+    print(f"{node.id} {node.state}  site {node.site_id}{named}")
     if node.bmc:
         ref = node.bmc.get("credentialsRef") or "no credential"
         print(f"  bmc {node.bmc['driver']} {node.bmc['address']} ({ref})")
     if checks is not None:
-        for line in _check_lines(checks):
+        for line in check_lines(checks):
             print(f"  {line}")
     if failed:
         print(
@@ -238,7 +247,7 @@ async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> 
     return [{"check": "validate", "status": "failed", "message": f"workflow {wf.id} {wf.state}: {message}"}]
 
 
-def _check_lines(checks: list[dict[str, Any]]) -> list[str]:
+def check_lines(checks: list[dict[str, Any]]) -> list[str]:
     return [f"{c.get('check', '?'):<12} {c.get('status', '?'):<8} {c.get('message', '')}" for c in checks]
 
 
@@ -256,7 +265,7 @@ async def nodes_validate(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print_json({"nodeId": node.id, "ok": ok, "checks": checks})
     else:
-        print("\n".join(_check_lines(checks)))
+        print("\n".join(check_lines(checks)))
     return 0 if ok else 1
 
 
@@ -275,6 +284,7 @@ def show_lines(node: NodeView) -> list[str]:
     """``bcx nodes show`` as text: state, power, inventory, host section, current workflow."""
     lines = [
         f"node        {node.id}",
+        f"name        {node.name or '-'}",
         f"state       {node.state}",
         f"site        {node.site_id}  (tenant {node.tenant_id})",
         f"labels      {','.join(f'{k}={v}' for k, v in node.labels.items()) or '-'}",
@@ -376,7 +386,8 @@ async def run_verb(args: argparse.Namespace, settings: Settings) -> int:
             print(json_line(got), flush=True)
         else:
             profile = f"{got.profile.id}@{got.profile.version}"
-            print(f"{got.node_id} {got.state}: workflow {got.workflow_id} ({profile})")
+            named = f" ({got.name})" if isinstance(got.name, str) else ""
+            print(f"{got.node_id}{named} {got.state}: workflow {got.workflow_id} ({profile})")
             if got.batch_id:
                 print(f"  destructive commands wait for the approvals of batch {got.batch_id}")
             sys.stdout.flush()
@@ -425,9 +436,19 @@ async def _bulk_watch(engine: EngineClient, got: BulkRun, args: argparse.Namespa
 
 
 def _print_bulk(got: BulkRun) -> None:
-    rows = [{"node": s.node_id, "outcome": s.state, "detail": s.workflow_id} for s in got.started]
-    rows += [{"node": r.node_id, "outcome": "refused", "detail": r.message} for r in got.refused]
-    print_table(rows, [("node", "NODE"), ("outcome", "OUTCOME"), ("detail", "WORKFLOW / REASON")])
+    rows = [
+        {
+            "node": s.node_id,
+            "name": s.name if isinstance(s.name, str) else "-",
+            "outcome": s.state,
+            "detail": s.workflow_id,
+        }
+        for s in got.started
+    ]
+    rows += [{"node": r.node_id, "name": "-", "outcome": "refused", "detail": r.message} for r in got.refused]
+    print_table(
+        rows, [("node", "NODE"), ("name", "NAME"), ("outcome", "OUTCOME"), ("detail", "WORKFLOW / REASON")]
+    )
     print(f"{len(got.started)} started, {len(got.refused)} refused")
     if got.batch_id:
         print(f"one batch for all of them: {got.batch_id} (bcx batches approve {got.batch_id})")
@@ -439,6 +460,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p.add_argument("node", nargs="?", help="a discovered node's id (node_…) to enroll")
     p.add_argument("--site", help="site id (a new node; a discovered one keeps its own)")
     p.add_argument("--id", help="node id (node_…); new one by default")
+    p.add_argument("--name", help="a name unique in the site (lab1-m001); bcx takes it for the id")
     add_tenant_flag(p)
     p.add_argument("--mac", action="append", help="MAC address, repeatable")
     p.add_argument("--label", action="append", help="key=value, repeatable")
@@ -451,10 +473,10 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p = nodes.add_parser(
         "validate", parents=[common], help="check the node's BMC now: reach, credentials, system, power"
     )
-    p.add_argument("id", help="node id")
+    p.add_argument("id", type=node_ref, help=NODE_HELP)
     p.set_defaults(func=nodes_validate)
     p = nodes.add_parser("show", parents=[common], help="state, power, inventory, host section, workflow")
-    p.add_argument("id", help="node id")
+    p.add_argument("id", type=node_ref, help=NODE_HELP)
     p.set_defaults(func=nodes_show)
 
     helps = {
@@ -467,7 +489,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     }
     for verb in VERBS:
         p = sub.add_parser(verb, parents=[common], help=helps[verb])
-        p.add_argument("node", help="node id")
+        p.add_argument("node", type=node_ref, help=NODE_HELP)
         _verb_flags(p, verb)
         until = p.add_mutually_exclusive_group()
         until.add_argument(
@@ -481,12 +503,15 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p = sub.add_parser("bulk", parents=[common], help="one verb over many nodes, under one batch")
     p.add_argument("verb", choices=list(VERBS), help="the lifecycle verb to run on every node")
     p.add_argument("--selector", help="site=lab1,rack=r12: site and labels that must all match")
-    p.add_argument("--node", action="append", help="node id, repeatable (instead of --selector)")
+    p.add_argument(
+        "--node", action="append", type=node_ref, help="node id or name, repeatable (instead of --selector)"
+    )
     _verb_flags(p, "deploy")
     p.add_argument("--watch", action="store_true", help="live progress until each node rests, then a summary")
     p.add_argument("--timeout", type=float, help="with --watch: give up after this many seconds (exit 1)")
     p.set_defaults(func=run_bulk)
     rollout.register(nodes, common)
+    node_actions.register(nodes, common)
 
 
 def _verb_flags(p: argparse.ArgumentParser, verb: str) -> None:

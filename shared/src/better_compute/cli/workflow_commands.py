@@ -21,6 +21,7 @@ from ..wire.engine import (
     decode_workflow_event,
 )
 from .common import add_tenant_flag, as_rows, engine_client, short
+from .node_refs import node_ref
 from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .why_commands import why_line
@@ -233,7 +234,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = wfs.add_parser("start", parents=[common, tenant], help="start a workflow")
     p.add_argument("--profile", required=True, help="profile id")
     p.add_argument("--version", type=int, help="profile version (default: the newest)")
-    p.add_argument("--node", help="the node it runs for")
+    p.add_argument("--node", type=node_ref, help="the node it runs for (id or name)")
     p.add_argument("--owner", help="reconciler that hears when it ends")
     p.add_argument("--wait", action="store_true", help="watch it until it ends")
     p.set_defaults(func=workflows_start)
@@ -241,7 +242,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("id", help="workflow id (wf_…)")
     p.set_defaults(func=workflows_get)
     p = wfs.add_parser("list", parents=[common], help="list workflows, newest first")
-    p.add_argument("--node", help="only this node's")
+    p.add_argument("--node", type=node_ref, help="only this node's (id or name)")
     p.add_argument("--state", choices=["running", "succeeded", "failed", "aborted"], help="only this state")
     p.add_argument("--profile", help="only of this profile")
     add_paging(p, default_limit=50)

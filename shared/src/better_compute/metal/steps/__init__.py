@@ -29,11 +29,18 @@ from .deploy import deploy_deploy
 from .http import http_via_site, node_addresses
 from .inventory import inspect_collect
 from .joined import wait_agent_joined
-from .profiles import LIFECYCLE_PROFILE_IDS, VALIDATE_PROFILE_ID, Ramdisk, lifecycle_profiles
+from .profiles import (
+    ACTION_PROFILE_IDS,
+    LIFECYCLE_PROFILE_IDS,
+    VALIDATE_PROFILE_ID,
+    Ramdisk,
+    lifecycle_profiles,
+)
 from .ramdisk import ensure_ramdisk
 from .wipe import disk_wipe
 
 __all__ = [
+    "ACTION_PROFILE_IDS",
     "LIFECYCLE_PROFILE_IDS",
     "METAL_STEPS",
     "VALIDATE_PROFILE_ID",
