@@ -3,8 +3,11 @@ nodes show, the verbs and bulk; bcx a subprocess, every service its own process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,7 @@ from test_bcx_operator import bcx, ok_json
 from better_compute.clients import CommandQueueClient, EngineClient, PkiClient, SecretsClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, until
+from better_compute.testing import ServiceProcesses, bcx_env, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.images import register_sim_image
 from engine_test_app import create_tables
@@ -256,9 +259,25 @@ async def test_power_and_boot_device_are_audited_workflows_that_leave_the_state(
     lifecycle state; maintenance, no BMC and a running workflow refuse them."""
     node = (await ok_json(settings, "nodes", "enroll", "--site", "lab1", "--name", "lab1-p001",
                           "--bmc", "sim://bmc-p1", "--label", "rack=rp", "--no-validate"))["id"]  # fmt: skip
-    out = await bcx(settings, "nodes", "power", "on", "lab1-p001", "--watch", "--timeout", "60",
-                    env={"BC_ACTOR": "pat@ops"})  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
+    # nodes list -w (kubectl get -w): the list, then a row per change of a listed node
+    watch = subprocess.Popen(  # noqa: ASYNC220 (read line by line from a thread below)
+        [sys.executable, "-m", "better_compute.cli", "nodes", "list", "-w", "-l", "rack=rp",
+         "--timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bcx_env(settings),
+    )  # fmt: skip
+    try:
+        assert watch.stdout is not None
+        head, first = [await asyncio.to_thread(watch.stdout.readline) for _ in range(2)]
+        assert head.split()[:5] == ["NODE", "NAME", "SITE", "STATE", "POWER"], head
+        assert first.split()[:5] == [node, "lab1-p001", "lab1", "enrolled", "unknown"], first
+        out = await bcx(settings, "nodes", "power", "on", "lab1-p001", "--watch", "--timeout", "60",
+                        env={"BC_ACTOR": "pat@ops"})  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        while (line := await asyncio.to_thread(watch.stdout.readline)) and line.split()[4] != "on":
+            assert line.split()[0] == node, line
+    finally:
+        watch.kill()
+        watch.communicate()
     lines = out.stdout.splitlines()
     assert re.match(r"^lab1-p001 power\.on: workflow wf_\w+$", lines[0]), lines
     assert any("lab1-p001  running" in line and "power.setPower" in line for line in lines), lines
