@@ -396,6 +396,8 @@ async def watch_nodes(
         match decode_workflow_event(msg.data):
             case StepChanged(node_id=node_id) as event if node_id in wanted:
                 step_events.append(event)
+                if explain:  # what it waits for now: bcx why's answer, on the read
+                    dirty.add(node_id)
                 woken.set()
             case WorkflowFinished(node_id=node_id) if node_id in wanted:
                 dirty.add(node_id)
