@@ -110,6 +110,7 @@ def node_doc(
         site_id=row["site_id"],
         labels=row["labels"],
         name=row.get("name"),
+        bmc_inventory=row.get("bmc_inventory"),
         macs=list(row["macs"]),
         bmc=row["bmc"],
         state=row["state"],

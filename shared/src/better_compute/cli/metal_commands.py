@@ -24,7 +24,7 @@ from ..core.errors import BcError, ErrorCode
 from ..core.ids import new_id, parse_id
 from ..logging import register_secret
 from ..metal.lifecycle import VERBS, parse_bmc_url, parse_selector
-from ..metal.steps.profiles import VALIDATE_PROFILE_ID
+from ..metal.steps.profiles import ENROLL_PROFILE_ID, VALIDATE_PROFILE_ID
 from ..wire.codec import convert
 from ..wire.engine import NodeView
 from ..wire.metal import BulkRun, NodeBmc, VerbName
@@ -176,8 +176,8 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
             bmc=_node_bmc(bmc, ref) if bmc is not None else None, name=args.name,
         )  # fmt: skip
         checks = None
-        if node.bmc and not args.no_validate:
-            checks = await validate_node(api, node)
+        if node.bmc and not args.no_validate:  # the shipped enroll profile: the BMC checked, read
+            checks = await validate_node(api, node, profile_id=ENROLL_PROFILE_ID)
     # a BMC that failed a check; one nobody could check (no site agent yet) is said, not failed
     failed = [c for c in checks or [] if c.get("status") == "failed"]
     if args.json:
@@ -207,9 +207,14 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
 _WORKFLOW_ENDS = ("succeeded", "failed", "aborted")
 
 
-async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> list[dict[str, Any]]:
-    """Check the node's BMC now (the ``metal.validate`` workflow: its site agent's
-    ``management.validate``): one entry per check, ``{check, status, message}``."""
+async def validate_node(
+    api: Any, node: NodeView, *, timeout: float = 120.0, profile_id: str = VALIDATE_PROFILE_ID
+) -> list[dict[str, Any]]:
+    """Check the node's BMC now: one entry per check, ``{check, status, message}``.
+
+    ``metal.validate`` (its site agent's ``management.validate``), or ``metal.enroll`` (that
+    check, whose failure fails its first step, then the machine read through the BMC: one more
+    entry, ``inventory``, with its power and what it is)."""
     agents = await CommandQueueClient(api).agents(site_id=node.site_id, connected=True)
     if not [a for a in agents if a.role == "site"]:
         return [{
@@ -217,9 +222,7 @@ async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> 
             "message": f"no connected site agent at site {node.site_id}: the BMC was not checked",
         }]  # fmt: skip
     engine = EngineClient(api)
-    wf = await engine.start_workflow(
-        profile_id=VALIDATE_PROFILE_ID, node_id=node.id, tenant_id=node.tenant_id
-    )
+    wf = await engine.start_workflow(profile_id=profile_id, node_id=node.id, tenant_id=node.tenant_id)
     end = time.monotonic() + timeout
     while wf.state not in _WORKFLOW_ENDS:
         if time.monotonic() > end:
@@ -231,20 +234,57 @@ async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> 
         await asyncio.sleep(0.25)
         wf = await engine.workflow(id=wf.id)
     steps = wf.steps if isinstance(wf.steps, list) else []
-    done = steps[0].result if steps and isinstance(steps[0].result, dict) else {}
-    result = done.get("result")
-    if wf.state == "succeeded" and isinstance(result, dict) and isinstance(result.get("checks"), list):
-        return [c for c in result["checks"] if isinstance(c, dict)]
+    checks = _checks_of(steps[0]) if steps else None
     error = (steps[0].error if steps else None) or wf.error
     message = str(error.get("message")) if isinstance(error, dict) else ""
-    if wf.state == "succeeded" or "unsupported-kind" in message:
+    if checks:
+        return checks + _inventory_check(wf.id, steps[1:])
+    if (steps and steps[0].state == "succeeded") or "unsupported-kind" in message:
         # an agent that does not run management.validate (an older one, a simulated one)
         return [{
             "check": "site-agent", "status": "skipped",
             "message": f"the site agent did not check the BMC (workflow {wf.id}): it does not run"
             " management.validate",
-        }]  # fmt: skip
+        }, *_inventory_check(wf.id, steps[1:])]  # fmt: skip
     return [{"check": "validate", "status": "failed", "message": f"workflow {wf.id} {wf.state}: {message}"}]
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _checks_of(step: Any) -> list[dict[str, Any]] | None:
+    """The checks a validating step found: in its result (``metal.validate``: the agent's
+    answer under ``result``; ``enroll.validateBmc``: its own), or in the error it failed with."""
+    done, error = _dict(step.result), _dict(step.error)
+    details, inner = _dict(error.get("details")), _dict(done.get("result"))
+    for found in (done.get("checks"), inner.get("checks"), details.get("checks")):
+        if isinstance(found, list) and found:
+            return [c for c in found if isinstance(c, dict)]
+    return None
+
+
+def _inventory_check(workflow_id: str, rest: list[Any]) -> list[dict[str, Any]]:
+    """``metal.enroll``'s second step as one more check line: the machine read through its BMC."""
+    if not rest or rest[0].action != "enroll.readBmc":
+        return []
+    step = rest[0]
+    if step.state != "succeeded":
+        error = step.error if isinstance(step.error, dict) else {}
+        said = error.get("message") or step.state
+        return [{"check": "inventory", "status": "failed", "message": f"workflow {workflow_id}: {said}"}]
+    done = _dict(step.result)
+    system = _dict(done.get("system"))
+    if not system and not done.get("powerState"):
+        return [{"check": "inventory", "status": "skipped", "message": "the site agent read no inventory"}]
+    what = " ".join(str(system[k]) for k in ("manufacturer", "model") if system.get(k)) or "a machine"
+    serial = f", serial {system['serial']}" if system.get("serial") else ""
+    power = done.get("powerState") or "unknown"
+    return [{"check": "inventory", "status": "ok", "message": f"{what}{serial}, power {power}"}]
 
 
 def check_lines(checks: list[dict[str, Any]]) -> list[str]:
@@ -280,6 +320,27 @@ def _size(n: Any) -> str:
     return f"{value:.1f} TiB"
 
 
+def bmc_view(inventory: dict[str, Any] | None) -> str | None:
+    """What the BMC said of the machine (``metal.enroll``), in a line: maker and model, serial,
+    processors, memory, NICs, power."""
+    if not inventory:
+        return None
+    system = _dict(inventory.get("system"))
+    procs = [_dict(p) for p in _list(inventory.get("processors"))]
+    cores = sum(p["cores"] for p in procs if isinstance(p.get("cores"), int))
+    memory = _dict(inventory.get("memory")).get("totalGiB")
+    nics = _list(inventory.get("nics"))
+    parts = [
+        " ".join(str(system[k]) for k in ("manufacturer", "model") if system.get(k)) or "a machine",
+        f"serial {system['serial']}" if system.get("serial") else None,
+        f"{len(procs)} processors ({cores} cores)" if procs else None,
+        f"{memory} GiB" if memory else None,
+        f"{len(nics)} NICs" if nics else None,
+        f"power {str(system['powerState']).lower()}" if system.get("powerState") else None,
+    ]
+    return ", ".join(p for p in parts if p)
+
+
 def show_lines(node: NodeView) -> list[str]:
     """``bcx nodes show`` as text: state, power, inventory, host section, current workflow."""
     lines = [
@@ -299,6 +360,9 @@ def show_lines(node: NodeView) -> list[str]:
         lines.append(f"bmc         {bmc['driver']} {bmc['address']}{system}")
     else:
         lines.append("bmc         -")
+    seen = bmc_view(node.bmc_inventory)
+    if seen:
+        lines.append(f"bmc says    {seen}")
     reason = node.state_reason
     if isinstance(reason, dict):
         lines.append(

@@ -342,6 +342,9 @@ class NodeView(_Reply, frozen=True, kw_only=True):
     name: str | None = None
     """The operator's name for the node, unique in its site; bcx takes it wherever it takes
     the node's id."""
+    bmc_inventory: dict[str, Any] | None = None
+    """What the node's BMC says of the machine (``system``: maker, model, serial, UUID, power;
+    ``processors``, ``memory``, ``nics``), as the ``metal.enroll`` profile read it; None before."""
     created_at: str | None
     updated_at: str | None = None
     inventory: Any | msgspec.UnsetType = msgspec.UNSET

@@ -11,9 +11,10 @@
                      valid join), inventory (node-signed): nothing booted, wiped or written
 ===================  ====================================================================
 
-Beside them, one-step profiles that change no lifecycle state: ``metal.validate`` (the BMC
-checked), ``metal.power-on|off|cycle`` and ``metal.boot-pxe|disk`` (``bcx nodes power`` and
-``bcx nodes boot-device set``).
+Beside them, profiles that change no lifecycle state: ``metal.enroll`` (the BMC validated,
+then its power and the machine's inventory read through it: what ``bcx nodes enroll`` runs
+once the node is recorded), ``metal.validate`` (the BMC checked), ``metal.power-on|off|cycle``
+and ``metal.boot-pxe|disk`` (``bcx nodes power`` and ``bcx nodes boot-device set``).
 
 The ramdisk (kernel and initrd, or an iPXE script) is a deployment's own, so it goes into the
 profiles' ``metal.ensureRamdisk`` step from ``metal(ramdisk=Ramdisk(...))``. The same ramdisk
@@ -31,6 +32,7 @@ from better_compute.provision.profiles import Profile, define_profile
 
 __all__ = [
     "ACTION_PROFILE_IDS",
+    "ENROLL_PROFILE_ID",
     "LIFECYCLE_PROFILE_IDS",
     "VALIDATE_PROFILE_ID",
     "Ramdisk",
@@ -39,6 +41,11 @@ __all__ = [
 
 VALIDATE_PROFILE_ID: Final = "metal.validate"
 """The shipped profile that checks a node's BMC (``bcx nodes validate``)."""
+
+ENROLL_PROFILE_ID: Final = "metal.enroll"
+"""The shipped profile ``bcx nodes enroll`` runs on a node with a BMC once it is recorded: the
+BMC validated (a failed check fails it), then its power and the machine's inventory read
+through it (``bmcInventory``); the node stays ``enrolled`` either way."""
 
 LIFECYCLE_PROFILE_IDS: Final = {
     "inspect": "metal.inspect",
@@ -195,6 +202,14 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
                 steps=[{"use": use, "on": "site", "with": with_}],
             )
             for action, (text, use, with_) in _ACTION_STEPS.items()
+        ),
+        define_profile(
+            id=ENROLL_PROFILE_ID,
+            version=1,
+            target="metal",
+            role="host",
+            description="Enroll: validate the BMC, then read the machine's power and inventory through it",
+            steps=[{"use": "enroll.validateBmc", "on": "site"}, {"use": "enroll.readBmc", "on": "site"}],
         ),
         define_profile(
             id=VALIDATE_PROFILE_ID,
