@@ -409,7 +409,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = csub.add_parser("cancel", parents=[common], help="cancel a live command, or those under a key")
     p.add_argument("id", nargs="?", help="command id")
     p.add_argument("--key-prefix", help="every live command whose key starts so (wf:<id>:<step>)")
-    p.add_argument("--node", help="with --key-prefix: only this node's")
+    p.add_argument("--node", type=node_ref, help="with --key-prefix: only this node's (id or name)")
     p.add_argument("--reason", default="cancelled by an operator", help="recorded with the cancel")
     p.set_defaults(func=cmd_commands_cancel)
 
@@ -432,7 +432,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     bsub = batches.add_subparsers(dest="batches_command", required=True, metavar="COMMAND")
     p = bsub.add_parser("create", parents=[common], help="a batch: command kinds and nodes, until expiry")
     p.add_argument("--kind", action="append", required=True, help="a destructive kind (repeat)")
-    p.add_argument("--node", action="append", required=True, help="a node id (repeat)")
+    p.add_argument("--node", action="append", required=True, type=node_ref, help="a node id or name (repeat)")
     p.add_argument("--ttl", type=parse_seconds, default=24 * 3600, help="lifetime (90m, 24h, 7d)")
     add_tenant_flag(p)
     p.add_argument("--workflow", help="the workflow the batch is for")
