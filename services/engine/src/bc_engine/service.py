@@ -102,7 +102,7 @@ class EngineService(Service):
             f"metal.{verb}": ("nodeId", "tenantId", "image", "profile")
             for verb in ("adopt", "commission", "deploy", "inspect", "release", "retire")
         },
-        "metal.enroll": ("nodeId", "tenantId", "siteId", "name"),
+        "metal.enroll": ("siteId", "tenantId", "name"),
         "metal.power": ("nodeId", "action", "tenantId"),
         "metal.bootDevice": ("nodeId", "device", "tenantId"),
         "metal.bulk": ("verb", "nodeIds", "selector", "tenantId", "image", "profile"),
