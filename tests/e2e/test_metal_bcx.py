@@ -237,7 +237,7 @@ async def test_a_node_name_is_unique_in_its_site_shown_and_taken_for_the_id(
     assert renamed.stdout.startswith(f"{node}  name m9  site lab1"), renamed.stdout
     err = _error(await bcx(settings, "nodes", "show", "lab1-m001", "--json"))
     assert (err["code"], err["details"]["path"]) == ("NOT_FOUND", "id")
-    other = (await ok_json(settings, "nodes", "enroll", "--site", "lab2", "--name", "m9"))["id"]
+    other = (await bc_api.call("engine", "metal.enroll", {"siteId": "lab2", "name": "m9"}))["id"]
     err = _error(await bcx(settings, "nodes", "show", "m9", "--json"))
     assert (err["code"], err["details"]["reason"]) == ("INVALID_INPUT", "ambiguous-name")
     assert "lab1/m9" in err["message"]
@@ -245,7 +245,7 @@ async def test_a_node_name_is_unique_in_its_site_shown_and_taken_for_the_id(
     # moved into a site where the name is taken: refused, nothing changed
     err = _error(await bcx(settings, "nodes", "update", "lab2/m9", "--site", "lab1", "--json"))
     assert (err["code"], err["details"]["path"]) == ("CONFLICT", "name")
-    assert (await ok_json(settings, "nodes", "get", other))["siteId"] == "lab2"
+    assert (await bc_api.call("engine", "nodes.get", {"id": other}))["siteId"] == "lab2"
     cleared = await ok_json(settings, "nodes", "update", "lab2/m9", "--no-name")
     assert cleared["name"] is None
     assert (await ok_json(settings, "nodes", "show", "m9"))["id"] == node
@@ -283,10 +283,8 @@ async def test_power_and_boot_device_are_audited_workflows_that_leave_the_state(
     assert any("lab1-p001  running" in line and "power.setPower" in line for line in lines), lines
     final = next(line for line in lines if line.startswith("lab1-p001  wf_"))
     assert final.split()[2] == "succeeded", lines
-    doc = await ok_json(settings, "nodes", "show", node)
+    doc = await bc_api.call("engine", "nodes.get", {"id": node})
     assert (doc["state"], doc["powerState"]) == ("enrolled", "on")
-    listed = (await bcx(settings, "nodes", "list", "-l", "rack=rp")).stdout.splitlines()
-    assert listed[1].split()[3:5] == ["enrolled", "on"], listed
 
     out = await bcx(settings, "nodes", "boot-device", "set", "lab1-p001", "pxe", "--wait", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -295,25 +293,38 @@ async def test_power_and_boot_device_are_audited_workflows_that_leave_the_state(
         "bootDevice.pxe", "enrolled", "metal.boot-pxe",
     )  # fmt: skip
     assert (end["summary"]["workflowId"], end["summary"]["state"]) == (pxe["workflowId"], "succeeded")
-    sent = await ok_json(settings, "commands", "list", "--node", "lab1-p001")
-    payloads = {c["kind"]: c for c in sent["commands"]}
-    assert {"power.setPower", "management.setBootDevice"} <= set(payloads), payloads
+    sent = (await CommandQueueClient(bc_api).list_commands(node_id=node)).commands
+    assert {"power.setPower", "management.setBootDevice"} <= {c.kind for c in sent}, sent
     audit = await ok_json(settings, "audit", "--who", "pat@ops")
     got = [(e["action"], e["detail"].get("nodeId"), e["detail"].get("action")) for e in audit["entries"]]
     assert got == [("metal.power", node, "on")]  # its target: the workflow, as a verb's
 
     # refused: in maintenance (the message says what to do), without a BMC, while a workflow runs
-    await ok_json(settings, "nodes", "maintenance", "on", node, "--reason", "fan swap")
+    await bc_api.call("engine", "nodes.maintenance", {"id": node, "on": True, "reason": "fan swap"})
     err = _error(await bcx(settings, "nodes", "power", "off", "lab1-p001", "--json"))
     assert (err["code"], err["details"]["reason"], err["details"]["path"]) == (
         "INVALID_STATE", "node-in-maintenance", "nodeId",
     )  # fmt: skip
     assert f"node {node} is in maintenance: fan swap; power it off once it is out" in err["message"]
-    bare = (await ok_json(settings, "nodes", "enroll", "--site", "lab1"))["id"]
+    bare = (await bc_api.call("engine", "metal.enroll", {"siteId": "lab1"}))["id"]
     err = _error(await bcx(settings, "nodes", "power", "cycle", bare, "--json"))
     assert (err["code"], err["details"]["reason"]) == ("INVALID_STATE", "no-bmc")
-    await ok_json(settings, "nodes", "maintenance", "off", node)
-    held = await ok_json(settings, "inspect", node, "--profile", "t.hold")
+    await bc_api.call("engine", "nodes.maintenance", {"id": node, "on": False})
+    held = await bc_api.call("engine", "metal.inspect", {"nodeId": node, "profile": "t.hold"})
+    # a site with no agent: the watch line says so (bcx why's reason); past --timeout the summary
+    # shows where it stands, then TIMEOUT, exit 1
+    far = {"siteId": "lab9", "name": "far", "bmc": {"driver": "sim", "address": "bmc-far"}}
+    await bc_api.call("engine", "metal.enroll", far)
+    out = await bcx(settings, "nodes", "power", "cycle", "lab9/far", "--watch", "--timeout", "3")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert any(
+        "far  running" in line and "(waits: no connected agent at site lab9" in line
+        for line in out.stdout.splitlines()
+    ), out.stdout
+    final = out.stdout.splitlines()[-1].split()
+    assert (final[0], final[2]) == ("far", "running"), out.stdout
+    assert out.stderr.startswith("error: TIMEOUT: workflow wf_"), out.stderr
+    assert "did not end in 3s (still running; it waits: no connected agent at site lab9" in out.stderr
     err = _error(await bcx(settings, "nodes", "power", "off", node, "--json"))
     assert (err["code"], err["details"]["reason"], err["details"]["workflowId"]) == (
         "INVALID_STATE", "node-busy", held["workflowId"],
