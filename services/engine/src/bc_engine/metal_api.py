@@ -11,7 +11,8 @@ workflow ends.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,7 @@ __all__ = [
     "check_macs",
     "check_name",
     "name_conflict",
+    "names_unique",
     "refuse_inline_secret",
     "verb_profiles",
 ]
@@ -121,15 +123,30 @@ async def check_name(conn: Any, site_id: str, name: str | None, node_id: str | N
         raise name_conflict(site_id, name, other)
 
 
-def name_conflict(site_id: str, name: str, other: str | None = None) -> BcError:
-    """The error of a name another node of the site holds (found, or met as a unique violation
-    of ``store.NODE_NAME_INDEX`` when two asked for it at once)."""
-    holder = f" node {other}" if other else " another node"
+def name_conflict(site_id: str, name: str, other: str) -> BcError:
+    """The error of a name another node of the site holds."""
     return BcError(
         ErrorCode.CONFLICT,
-        f"site {site_id} has{holder} named {name}: a name is unique in its site",
-        {"path": "name", "reason": "name-taken", **({"nodeId": other} if other else {})},
+        f"site {site_id} has node {other} named {name}: a name is unique in its site",
+        {"path": "name", "reason": "name-taken", "nodeId": other},
     )
+
+
+@asynccontextmanager
+async def names_unique() -> AsyncIterator[None]:
+    """Around a transaction that names a node: two requests that asked for one name at once
+    both passed ``check_name``, and the second meets the unique index (``store.NODE_NAME_INDEX``):
+    ``CONFLICT`` at ``name`` for it too."""
+    try:
+        yield
+    except asyncpg.UniqueViolationError as exc:
+        if exc.constraint_name != store.NODE_NAME_INDEX:
+            raise
+        raise BcError(
+            ErrorCode.CONFLICT,
+            "another node of the site took that name at the same moment: a name is unique in its site",
+            {"path": "name", "reason": "name-taken"},
+        ) from None
 
 
 def deploy_image_refs(profile: Profile, image: str | None) -> list[tuple[str, str]]:
@@ -240,12 +257,8 @@ class MetalApi:
         refuse_inline_secret(req)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
-        try:
+        async with names_unique():
             row = await self._enroll(body, node_id)
-        except asyncpg.UniqueViolationError as exc:
-            if exc.constraint_name != store.NODE_NAME_INDEX or body.name is None:
-                raise
-            raise name_conflict(body.site_id, body.name) from None
         if row["hardware"] is not None:
             await self.api.wake(queue.owner_key(DISCOVERY_OWNER, node_id))
         await node_event(self.api.publish, row, verb="enroll")

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
-
-import asyncpg
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
@@ -21,7 +17,7 @@ from better_compute.wire.paging import decode_cursor, take_page
 from . import store
 from .bmcs import check_bmc_free
 from .documents import check_labels, node_doc
-from .metal_api import bmc_json, check_macs, check_name, name_conflict, refuse_inline_secret
+from .metal_api import bmc_json, check_macs, check_name, names_unique, refuse_inline_secret
 from .metal_lifecycle import current_workflow
 from .node_events import Publish, node_event, node_removed
 
@@ -44,7 +40,7 @@ class NodesApi:
         refuse_inline_secret(req)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
-        async with _names_unique(body.site_id, body.name), self.db.transaction() as conn:
+        async with names_unique(), self.db.transaction() as conn:
             macs = await check_macs(conn, body.macs, node_id)
             await check_bmc_free(conn, _doc(bmc_json(body.bmc)), node_id)
             await check_name(conn, body.site_id, body.name, node_id)
@@ -106,8 +102,7 @@ class NodesApi:
             check_labels(body.labels)
         if body.clear_name and body.name is not None:
             raise BcError(ErrorCode.INVALID_INPUT, "give name or clearName, not both", {"path": "clearName"})
-        site, name = body.site_id or "", body.name
-        async with _names_unique(lambda: site, lambda: name), self.db.transaction() as conn:
+        async with names_unique(), self.db.transaction() as conn:
             row = await self._locked_node(conn, body.id)
             if body.site_id is not None and body.site_id != row["site_id"]:
                 await self._refuse_busy(conn, body.id, "change its site")
@@ -190,21 +185,6 @@ class NodesApi:
                 f" ({err.message}); delete it again",
                 {"path": "id", "reason": "discovery-cert-not-revoked"},
             ) from err
-
-
-@asynccontextmanager
-async def _names_unique(site: Any, name: Any) -> AsyncIterator[None]:
-    """Two requests that asked for one name at once: the second meets the unique index
-    (``store.NODE_NAME_INDEX``) and is answered ``CONFLICT`` at ``name``, as the first look
-    (``check_name``) answers. ``site`` and ``name``: the values, or callables giving them once
-    the request has read the node."""
-    try:
-        yield
-    except asyncpg.UniqueViolationError as exc:
-        if exc.constraint_name != store.NODE_NAME_INDEX:
-            raise
-        site_id, named = (v() if callable(v) else v for v in (site, name))
-        raise name_conflict(str(site_id), str(named)) from None
 
 
 _SET_MAINTENANCE = "UPDATE nodes SET maintenance = $2::jsonb, updated_at = now() WHERE id = $1 RETURNING *"
