@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from better_compute.cli.main import build_parser
-from better_compute.cli.metal_commands import bmc_view
+from better_compute.cli.metal_commands import _checks_of, _inventory_check, bmc_view
 from better_compute.cli.node_refs import NodeRef, resolve_node, run
 from better_compute.cli.why_commands import why_reason
 from better_compute.core.errors import BcError
-from better_compute.wire.engine import NodeList, NodeView, WhyAnswer, WhyReason
+from better_compute.wire.engine import NodeList, NodeView, WhyAnswer, WhyReason, WorkflowStep
 
 
 def _node(node_id: str, site: str, name: str) -> NodeView:
@@ -102,3 +102,36 @@ def test_the_watch_line_takes_the_first_reason_that_says_what_it_waits_for() -> 
     assert why_reason(answer("running", "deadline")) is None
     assert why_reason(answer("finished", waiting=False)) is None
     assert why_reason(None) is None
+
+
+def _step(index: int, action: str, state: str, result: Any = None, error: Any = None) -> WorkflowStep:
+    return WorkflowStep(
+        index=index, action=action, runs_on="control-plane", mode="control-plane", command=None, state=state,
+        attempt=1, started_at=None, deadline=None, finished_at=None, result=result, error=error,
+        command_id=None, waiting_for=None,
+    )  # fmt: skip
+
+
+def test_enrolls_checks_come_from_the_result_or_the_error_and_the_read_is_one_more_line() -> None:
+    refused = {"check": "credentials", "status": "failed", "message": "the BMC refused the credentials"}
+    reach = {"check": "reach", "status": "ok"}
+    error = {"code": "DRIVER_ERROR", "message": "…", "details": {"checks": [reach, refused]}}
+    failed = _step(0, "enroll.validateBmc", "failed", error=error)
+    assert _checks_of(failed) == [reach, refused]
+    # the read never ran after a failed check: no line for it
+    assert _inventory_check("wf_1", [_step(1, "enroll.readBmc", "pending")]) == []
+    # metal.validate's step keeps the agent's answer under result
+    ok = _step(0, "management.validate", "succeeded", result={"result": {"checks": [{"check": "reach"}]}})
+    assert _checks_of(ok) == [{"check": "reach"}]
+    read = _step(1, "enroll.readBmc", "succeeded", result={
+        "powerState": "off", "system": {"manufacturer": "Dell", "model": "R650", "serial": "SN1"},
+    })  # fmt: skip
+    assert _inventory_check("wf_1", [read]) == [
+        {"check": "inventory", "status": "ok", "message": "Dell R650, serial SN1, power off"}
+    ]
+    blank = _step(1, "enroll.readBmc", "succeeded", result={"powerState": None, "system": {}})
+    assert _inventory_check("wf_1", [blank])[0]["status"] == "skipped"  # a simulated agent's answer
+    broken = _step(1, "enroll.readBmc", "failed", error={"code": "DRIVER_ERROR", "message": "no answer"})
+    assert _inventory_check("wf_1", [broken]) == [
+        {"check": "inventory", "status": "failed", "message": "workflow wf_1: no answer"}
+    ]

@@ -273,7 +273,9 @@ def _inventory_check(workflow_id: str, rest: list[Any]) -> list[dict[str, Any]]:
     if not rest or rest[0].action != "enroll.readBmc":
         return []
     step = rest[0]
-    if step.state != "succeeded":
+    if step.state not in ("succeeded", "failed"):
+        return []  # it never ran: the check before it stopped the workflow
+    if step.state == "failed":
         error = step.error if isinstance(step.error, dict) else {}
         said = error.get("message") or step.state
         return [{"check": "inventory", "status": "failed", "message": f"workflow {workflow_id}: {said}"}]
