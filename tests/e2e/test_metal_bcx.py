@@ -293,8 +293,10 @@ async def test_power_and_boot_device_are_audited_workflows_that_leave_the_state(
         "bootDevice.pxe", "enrolled", "metal.boot-pxe",
     )  # fmt: skip
     assert (end["summary"]["workflowId"], end["summary"]["state"]) == (pxe["workflowId"], "succeeded")
-    sent = (await CommandQueueClient(bc_api).list_commands(node_id=node)).commands
-    assert {"power.setPower", "management.setBootDevice"} <= {c.kind for c in sent}, sent
+    sent = (await bcx(settings, "commands", "list", "--node", "lab1-p001")).stdout.splitlines()
+    kinds = {line.split()[3]: line.split()[1:3] for line in sent[1:]}  # NODE is "node_… (name)"
+    assert {"power.setPower", "management.setBootDevice"} <= set(kinds), sent
+    assert kinds["power.setPower"] == [node, "(lab1-p001)"], sent
     audit = await ok_json(settings, "audit", "--who", "pat@ops")
     got = [(e["action"], e["detail"].get("nodeId"), e["detail"].get("action")) for e in audit["entries"]]
     assert got == [("metal.power", node, "on")]  # its target: the workflow, as a verb's

@@ -147,9 +147,15 @@ async def cmd_commands_list(args: argparse.Namespace, settings: Settings) -> int
             node_id=args.node, workflow_id=args.workflow, state=args.state, kind=args.kind,
             site_id=args.site, agent_id=args.agent, batch_id=args.batch,
         )  # fmt: skip
+        seen = list(dict.fromkeys(c.node_id for c in commands if c.node_id))
+        names = {} if args.json else await node_names(EngineClient(api), seen)
+    rows = [_command_row(c) for c in commands]
+    for c, row in zip(commands, rows, strict=True):
+        if c.node_id in names:
+            row["node"] = f"{c.node_id} ({names[c.node_id]})"
     return show_page(
         args, next_, key="commands", found=_json(commands),
-        rows=[_command_row(c) for c in commands],
+        rows=rows,
         columns=[("id", "ID"), ("node", "NODE"), ("kind", "KIND"), ("state", "STATE"),
                  ("agent", "AGENT"), ("reason", "REASON"), ("updated", "UPDATED")],
         empty="no commands",

@@ -84,7 +84,9 @@ async def node_names(engine: EngineClient, node_ids: list[str], *, most: int = 5
     for node_id in node_ids[:most]:
         try:
             node = await engine.get_node(id=node_id)
-        except BcError:
+        except BcError as err:
+            if err.code.value in ("UNAVAILABLE", "TIMEOUT"):
+                break  # no engine answers now: the ids alone, at once
             continue
         if node.name:
             names[node_id] = node.name

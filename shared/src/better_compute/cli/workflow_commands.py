@@ -21,7 +21,7 @@ from ..wire.engine import (
     decode_workflow_event,
 )
 from .common import add_tenant_flag, as_rows, engine_client, short
-from .node_refs import node_ref
+from .node_refs import node_names, node_ref
 from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .why_commands import why_line
@@ -120,10 +120,13 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
             engine.list_workflows, "workflows", args,
             node_id=args.node, state=args.state, profile_id=args.profile,
         )  # fmt: skip
+        seen = list(dict.fromkeys(w.node_id for w in workflows if w.node_id))
+        names = {} if args.json else await node_names(engine, seen)
     rows = [
-        {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at)}
+        {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at),
+         "nodeId": f"{w.node_id} ({names[w.node_id]})" if w.node_id in names else w.node_id}
         for w, row in zip(workflows, as_rows(workflows), strict=True)
-    ]
+    ]  # fmt: skip
     return show_page(
         args, next_, key="workflows", found=workflows, rows=rows,
         columns=[("id", "WORKFLOW"), ("state", "STATE"), ("profileRef", "PROFILE"),
