@@ -11,11 +11,11 @@ from ..clients import EngineClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..metal.lifecycle import NODE_STATES, SELECTOR_SITE, parse_selector
-from ..wire.engine import NodeView, PluginInfo
+from ..wire.engine import NODE_EVENTS, NodeChanged, NodeRemoved, NodeView, PluginInfo, decode_node_event
 from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels, read_document, short
 from .metal_commands import add_bmc_credential_flags, check_lines, update_bmc, validate_node
 from .node_refs import NODE_HELP, node_ref
-from .output import print_json, print_table
+from .output import json_line, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 
 __all__ = ["register"]
@@ -82,18 +82,18 @@ async def _watch_list(
     """``nodes list -w``: the matching nodes, then one more row each time one of them changes (as
     ``kubectl get -w``): a node that stops matching is shown once more as it left, a deleted one
     as ``deleted``. ``--json``: one JSON object per row. Until interrupted or ``--timeout``."""
-    import asyncio
+    import asyncio  # here: bcx nodes --help does not load it
     import time
 
-    from ..wire.engine import NODE_EVENTS, NodeChanged, NodeRemoved, decode_node_event
-    from .output import json_line
-
     changed: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+    wanted_state = filters["state"]
+    shown: dict[str, str] = {}
 
     async def on_node(msg: Any) -> None:
         match decode_node_event(msg.data):
-            case NodeChanged(node_id=node_id):
-                changed.put_nowait((node_id, False))
+            case NodeChanged(node_id=node_id, state=state):
+                if wanted_state is None or state == wanted_state or node_id in shown:
+                    changed.put_nowait((node_id, False))  # others cannot match: no read for them
             case NodeRemoved(node_id=node_id):
                 changed.put_nowait((node_id, True))
             case _:
@@ -107,7 +107,6 @@ async def _watch_list(
         headers = [h for _, h in columns]
         # room for what a row may grow to (a state with "(maintenance)", a longer label)
         widths = [max([len(h) + 4, *(len(str(r.get(k, "-"))) for r in rows)]) for k, h in columns]
-        shown: dict[str, str] = {}
 
         def emit(node_id: str, row: dict[str, Any], doc: Any) -> None:
             line = json_line(doc) if args.json else _line(row, columns, widths)
