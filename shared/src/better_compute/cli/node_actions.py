@@ -172,7 +172,7 @@ def register(nodes: Any, common: argparse.ArgumentParser) -> None:
         "power", parents=[common], help="switch a node on or off, or power-cycle it, through its BMC"
     )
     p.add_argument("action", choices=["on", "off", "cycle"], help="on, off or cycle")
-    p.add_argument("id", type=node_ref, help=NODE_HELP)
+    p.add_argument("id", type=node_ref, metavar="NODE", help=NODE_HELP)
     p.add_argument("--tenant", help="the node's tenant (refuses others)")
     _until_flags(p)
     p.set_defaults(func=_run)
@@ -181,7 +181,7 @@ def register(nodes: Any, common: argparse.ArgumentParser) -> None:
     p = bsub.add_parser(
         "set", parents=[common], help="pxe: from the network once; disk: from its disk from now on"
     )
-    p.add_argument("id", type=node_ref, help=NODE_HELP)
+    p.add_argument("id", type=node_ref, metavar="NODE", help=NODE_HELP)
     p.add_argument("device", choices=["pxe", "disk"], help="pxe or disk")
     p.add_argument("--tenant", help="the node's tenant (refuses others)")
     _until_flags(p)
