@@ -94,6 +94,7 @@ async def test_sim_up_enrolls_its_machines_shows_a_stranger_as_discovered_and_do
         node = await engine.get_node(id=m["node"])
         labels = {"sim": "1", "hw": "sim", "rack": "r7"}
         assert (node.state, node.site_id, node.labels) == ("enrolled", SITE, labels)
+        assert node.name == m["name"]  # the simulator's name kept (issue 26)
         assert node.macs == m["macs"]
         assert node.bmc is not None
         assert (node.bmc["driver"], node.bmc["address"]) == ("redfish", doc["bmcUrl"])

@@ -11,10 +11,12 @@ workflow ends.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import asyncpg
 import msgspec
 
 from better_compute.app import App
@@ -22,6 +24,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.metal.images import resolve_image_ref
 from better_compute.metal.lifecycle import DEFAULT_PROFILES, SELECTOR_SITE, TRANSITIONS, check_verb
+from better_compute.metal.steps import ACTION_PROFILE_IDS
 from better_compute.provision import Profile
 from better_compute.service import ApiRequest
 from better_compute.wire.engine import NodeView
@@ -33,10 +36,13 @@ from better_compute.wire.metal import (
     BulkVerb,
     EnrollNode,
     MetalVerb,
+    NodeActionRun,
     NodeBmc,
     PlanApprovals,
     PlannedNode,
     PlanStep,
+    PowerNode,
+    SetBootDevice,
     VerbProfile,
     VerbRun,
     VerbStarted,
@@ -54,7 +60,16 @@ from .quarantine import refuse_maintenance, refuse_quarantined
 from .quorum import BATCH_TTL_S, batch_kinds
 from .resolve import ResolvedStep, resolve_profile
 
-__all__ = ["MetalApi", "bmc_json", "check_macs", "refuse_inline_secret", "verb_profiles"]
+__all__ = [
+    "MetalApi",
+    "bmc_json",
+    "check_macs",
+    "check_name",
+    "name_conflict",
+    "names_unique",
+    "refuse_inline_secret",
+    "verb_profiles",
+]
 
 
 def verb_profiles(app: App) -> dict[str, str]:
@@ -101,6 +116,41 @@ async def check_macs(conn: Any, macs: Sequence[str], node_id: str | None) -> lis
                 {"path": "macs", "nodeId": other["id"]},
             )
     return normal
+
+
+async def check_name(conn: Any, site_id: str, name: str | None, node_id: str | None) -> None:
+    """``CONFLICT`` at ``name`` when another node of the site has the name (``nodeId`` names it)."""
+    if name is None:
+        return
+    other = await conn.fetchval(store.NAME_TAKEN, site_id, name, node_id)
+    if other is not None:
+        raise name_conflict(site_id, name, other)
+
+
+def name_conflict(site_id: str, name: str, other: str) -> BcError:
+    """The error of a name another node of the site holds."""
+    return BcError(
+        ErrorCode.CONFLICT,
+        f"site {site_id} has node {other} named {name}: a name is unique in its site",
+        {"path": "name", "reason": "name-taken", "nodeId": other},
+    )
+
+
+@asynccontextmanager
+async def names_unique() -> AsyncIterator[None]:
+    """Around a transaction that names a node: two requests that asked for one name at once
+    both passed ``check_name``, and the second meets the unique index (``store.NODE_NAME_INDEX``):
+    ``CONFLICT`` at ``name`` for it too."""
+    try:
+        yield
+    except asyncpg.UniqueViolationError as exc:
+        if exc.constraint_name != store.NODE_NAME_INDEX:
+            raise
+        raise BcError(
+            ErrorCode.CONFLICT,
+            "another node of the site took that name at the same moment: a name is unique in its site",
+            {"path": "name", "reason": "name-taken"},
+        ) from None
 
 
 def deploy_image_refs(profile: Profile, image: str | None) -> list[tuple[str, str]]:
@@ -165,7 +215,63 @@ class MetalApi:
         }
         for verb in TRANSITIONS:
             routes[f"metal.{verb}"] = self._one(verb)
+        routes["metal.power"] = self.power
+        routes["metal.bootDevice"] = self.boot_device
         return routes
+
+    # -- node actions: power and boot device ------------------------------------------
+
+    async def power(self, req: ApiRequest) -> NodeActionRun:
+        """Switch the node on or off, or power-cycle it: the shipped ``metal.power-<action>``."""
+        body = req.decode(PowerNode)
+        return await self._action(body.node_id, f"power.{body.action}", body.tenant_id)
+
+    async def boot_device(self, req: ApiRequest) -> NodeActionRun:
+        """The device the node boots from next: the shipped ``metal.boot-<device>``."""
+        body = req.decode(SetBootDevice)
+        return await self._action(body.node_id, f"bootDevice.{body.device}", body.tenant_id)
+
+    async def _action(self, node_id: str, action: str, tenant_id: str | None) -> NodeActionRun:
+        """One node action as a workflow of its one-step profile, started like a verb's (the
+        node's BMC, no workflow running on it, not in maintenance) but leaving its lifecycle
+        state alone: ``workflows.why`` and ``nodes.get`` follow it as any workflow on the node."""
+        parse_id(node_id, "node", path="nodeId")
+        what = {"power.on": "power it on", "power.off": "power it off", "power.cycle": "power-cycle it"}.get(
+            action, "set its boot device"
+        )
+        async with self.api.db.transaction() as conn:
+            row = await conn.fetchrow(metal_store.LOCK_NODES, [node_id])
+            if row is None or (tenant_id is not None and row["tenant_id"] != tenant_id):
+                raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
+            held = refuse_maintenance(row, what)
+            if held is not None:
+                raise held
+            if row["bmc"] is None:
+                raise BcError(
+                    ErrorCode.INVALID_STATE,
+                    f"node {node_id} has no BMC: give it one (bcx nodes update {node_id} --bmc …),"
+                    f" then {what}",
+                    {"path": "nodeId", "reason": "no-bmc"},
+                )
+            busy = await conn.fetchval(store.NODE_BUSY, node_id, None)
+            if busy is not None:
+                raise BcError(
+                    ErrorCode.INVALID_STATE,
+                    f"node {node_id} runs workflow {busy}: {what} once it has finished (or abort it)",
+                    {"path": "nodeId", "reason": "node-busy", "workflowId": busy},
+                )
+            found = await self.api.profiles.find(
+                conn, tenant_id=row["tenant_id"], profile_id=ACTION_PROFILE_IDS[action], version=None
+            )
+            wf = await self.api.start_in(
+                conn, tenant_id=row["tenant_id"], profile_id=found.profile.id,
+                profile_version=found.profile.version, node_id=node_id, owner=None, found=found,
+            )  # fmt: skip
+        await self.api.wake(wf["rkey"])
+        return NodeActionRun(
+            node_id=node_id, name=row["name"], action=action, node_state=row["state"], workflow_id=wf["id"],
+            profile=VerbProfile(id=found.profile.id, version=found.profile.version),
+        )  # fmt: skip
 
     # -- enroll -----------------------------------------------------------------------
 
@@ -175,18 +281,29 @@ class MetalApi:
         refuse_inline_secret(req)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
+        async with names_unique():
+            row = await self._enroll(body, node_id)
+        if row["hardware"] is not None:
+            await self.api.wake(queue.owner_key(DISCOVERY_OWNER, node_id))
+        await node_event(self.api.publish, row, verb="enroll")
+        return node_doc(row)
+
+    async def _enroll(self, body: EnrollNode, node_id: str) -> Any:
         async with self.api.db.transaction() as conn:
             macs = await check_macs(conn, body.macs, node_id)
             await check_bmc_free(conn, _json_or_none(bmc_json(body.bmc)), node_id)
+            site = await conn.fetchval(store.NODE_SITE, node_id)  # a discovered node's own
+            await check_name(conn, site or body.site_id, body.name, node_id)
             row = await conn.fetchrow(
-                metal_store.ENROLL_DISCOVERED, node_id, bmc_json(body.bmc), macs, json.dumps(body.labels)
-            )
+                metal_store.ENROLL_DISCOVERED, node_id, bmc_json(body.bmc), macs, json.dumps(body.labels),
+                body.name,
+            )  # fmt: skip
             if row is not None:  # discovered: its discovery certificates go (metal-discovery)
                 await queue.queue_now(conn, queue.owner_key(DISCOVERY_OWNER, node_id))
             else:
                 row = await conn.fetchrow(
                     store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
-                    macs, bmc_json(body.bmc),
+                    macs, bmc_json(body.bmc), body.name,
                 )  # fmt: skip
             if row is None:
                 raise BcError(
@@ -194,10 +311,7 @@ class MetalApi:
                     f"node {node_id} exists (only a discovered one is enrolled again)",
                     {"path": "id"},
                 )
-        if row["hardware"] is not None:
-            await self.api.wake(queue.owner_key(DISCOVERY_OWNER, node_id))
-        await node_event(self.api.publish, row, verb="enroll")
-        return node_doc(row)
+        return row
 
     # -- verbs ------------------------------------------------------------------------
 
@@ -421,6 +535,7 @@ class MetalApi:
                     VerbStarted(
                         node_id=row["id"], state=transition.running, workflow_id=wf["id"],
                         profile=VerbProfile(id=profile.id, version=profile.version),
+                        name=row["name"] if row["name"] is not None else msgspec.UNSET,
                     )
                 )  # fmt: skip
         run.refused = sorted([*run.refused, *refused], key=lambda r: r[0])

@@ -396,20 +396,23 @@ async def record_command_result(engine: Engine, node_id: str, kind: str, payload
 
 
 async def current_workflow(db: Any, row: Any, cmdq: Any = None) -> CurrentWorkflow | None:
-    """``nodes.get``: the workflow moving the node now, its step and what that waits for: what
-    the step says (a service, an earlier attempt's commands), else the approvals of its batch."""
-    if row["workflow_id"] is None:
+    """``nodes.get``: the workflow moving the node now (its lifecycle verb's, else any running
+    on it: a power or boot-device action, a ``workflows.start``), its step and what that waits
+    for: what the step says (a service, an earlier attempt's commands), else the approvals of
+    its batch."""
+    workflow_id = row["workflow_id"] or await db.fetchval(store.NODE_BUSY, row["id"], None)
+    if workflow_id is None:
         return None
-    wf = await db.fetchrow(metal_store.RUNNING_STEP, row["workflow_id"])
+    wf = await db.fetchrow(metal_store.RUNNING_STEP, workflow_id)
     if wf is None:
         return None
     waiting = _json(wf["waiting_for"])
     if waiting is None and wf["batch_id"] is not None and cmdq is not None:
         waiting = await _batch_waits(cmdq, wf["batch_id"])
     if waiting is None and wf["idx"] is not None and cmdq is not None:
-        waiting = await _failing_bmc(cmdq, row["workflow_id"])
+        waiting = await _failing_bmc(cmdq, workflow_id)
     return CurrentWorkflow(
-        id=row["workflow_id"],
+        id=workflow_id,
         state=wf["workflow_state"],
         profile_id=wf["profile_id"],
         batch_id=wf["batch_id"],

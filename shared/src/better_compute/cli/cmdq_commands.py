@@ -29,6 +29,7 @@ from ..service.client import ApiClient
 from ..wire.cmdq import AgentView, BatchView, CommandView
 from ..wire.paging import MAX_LIMIT
 from .common import add_tenant_flag, api_client
+from .node_refs import node_names, node_ref
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .pki_commands import parse_seconds
@@ -147,9 +148,15 @@ async def cmd_commands_list(args: argparse.Namespace, settings: Settings) -> int
             node_id=args.node, workflow_id=args.workflow, state=args.state, kind=args.kind,
             site_id=args.site, agent_id=args.agent, batch_id=args.batch,
         )  # fmt: skip
+        seen = list(dict.fromkeys(c.node_id for c in commands if c.node_id))
+        names = {} if args.json else await node_names(EngineClient(api), seen)
+    rows = [_command_row(c) for c in commands]
+    for c, row in zip(commands, rows, strict=True):
+        if c.node_id in names:
+            row["node"] = f"{c.node_id} ({names[c.node_id]})"
     return show_page(
         args, next_, key="commands", found=_json(commands),
-        rows=[_command_row(c) for c in commands],
+        rows=rows,
         columns=[("id", "ID"), ("node", "NODE"), ("kind", "KIND"), ("state", "STATE"),
                  ("agent", "AGENT"), ("reason", "REASON"), ("updated", "UPDATED")],
         empty="no commands",
@@ -242,13 +249,14 @@ async def _cert_states(api: ApiClient, agents: list[AgentView]) -> dict[str, str
 # -- batches ----------------------------------------------------------------------------
 
 
-def _print_batch(batch: BatchView, *, as_json: bool) -> None:
+def _print_batch(batch: BatchView, *, as_json: bool, names: dict[str, str] | None = None) -> None:
     if as_json:
         print_json(_json(batch))
         return
     print_table([_batch_row(batch)], [(k, k.upper()) for k in _batch_row(batch)])
     print(f"kinds: {', '.join(batch.kinds)}")
-    print(f"nodes: {', '.join(batch.nodes)}")
+    named = names or {}
+    print(f"nodes: {', '.join(f'{n} ({named[n]})' if n in named else n for n in batch.nodes)}")
     if batch.note:
         print(f"note:  {batch.note}")
     for a in batch.approvals:
@@ -288,7 +296,8 @@ async def cmd_batches_list(args: argparse.Namespace, settings: Settings) -> int:
 async def cmd_batches_get(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         batch = await CommandQueueClient(api).get_batch(id=args.id)
-    _print_batch(batch, as_json=args.json)
+        names = {} if args.json else await node_names(EngineClient(api), batch.nodes)
+    _print_batch(batch, as_json=args.json, names=names)
     return 0
 
 
@@ -427,7 +436,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     commands = sub.add_parser("commands", help="commands sent to agents")
     csub = commands.add_subparsers(dest="commands_command", required=True, metavar="COMMAND")
     p = csub.add_parser("list", parents=[common], help="commands, newest first")
-    p.add_argument("--node", help="node id")
+    p.add_argument("--node", type=node_ref, help="node id or name")
     p.add_argument("--workflow", help="workflow id")
     p.add_argument("--state", choices=_STATES, help="only commands in this state")
     p.add_argument("--kind", help="command kind (power.setPower)")
@@ -443,7 +452,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = csub.add_parser("cancel", parents=[common], help="cancel a live command, or those under a key")
     p.add_argument("id", nargs="?", help="command id")
     p.add_argument("--key-prefix", help="every live command whose key starts so (wf:<id>:<step>)")
-    p.add_argument("--node", help="with --key-prefix: only this node's")
+    p.add_argument("--node", type=node_ref, help="with --key-prefix: only this node's (id or name)")
     p.add_argument("--reason", default="cancelled by an operator", help="recorded with the cancel")
     p.set_defaults(func=cmd_commands_cancel)
 
@@ -466,7 +475,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     bsub = batches.add_subparsers(dest="batches_command", required=True, metavar="COMMAND")
     p = bsub.add_parser("create", parents=[common], help="a batch: command kinds and nodes, until expiry")
     p.add_argument("--kind", action="append", required=True, help="a destructive kind (repeat)")
-    p.add_argument("--node", action="append", required=True, help="a node id (repeat)")
+    p.add_argument("--node", action="append", required=True, type=node_ref, help="a node id or name (repeat)")
     p.add_argument("--ttl", type=parse_seconds, default=24 * 3600, help="lifetime (90m, 24h, 7d)")
     add_tenant_flag(p)
     p.add_argument("--workflow", help="the workflow the batch is for")

@@ -23,6 +23,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -38,7 +39,7 @@ from ..clients import CommandQueueClient, EngineClient, PkiClient, SecretsClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.ids import new_id
-from ..core.names import parse_name
+from ..core.names import NODE_NAME_PATTERN, parse_name
 from ..files import atomic_write
 from ..logging import register_secret
 from ..metal.lifecycle import parse_bmc_url
@@ -346,7 +347,10 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
         machines,
         [("name", "MACHINE"), ("mac", "MAC"), ("bmc", "BMC URL"), ("power", "POWER"), ("node", "NODE")],
     )
-    print(f"BMC credential: {creds_file}  (bcx nodes enroll --bmc <BMC URL> --bmc-credentials-file …)")
+    print(
+        f"BMC credential: {creds_file}  (bcx nodes enroll --site {site} --name <MACHINE> --bmc <BMC URL>"
+        " --bmc-credentials-file …)"
+    )
     if not args.enroll:
         print("nothing enrolled (--enroll enrolls the machines as nodes)")
     if args.unenrolled and args.discovery:
@@ -381,6 +385,13 @@ async def _wait_discovered(
     return found
 
 
+def _node_name(machine: str) -> str | None:
+    """The machine's name (``lab1-m001``) as its node's: a site name may hold what a node name
+    may not (``_``, capitals), so those are mended; None when nothing usable is left."""
+    name = machine.lower().replace("_", "-")
+    return name if re.match(NODE_NAME_PATTERN, name) else None
+
+
 async def _enroll(
     api: Any,
     machines: list[dict[str, Any]],
@@ -398,7 +409,7 @@ async def _enroll(
         bmc = convert({**parse_bmc_url(m["bmc"]), "credentialsRef": info.ref}, NodeBmc)
         node = await engine.enroll_node(
             site_id=site, id=node_id, tenant_id=tenant, labels={"sim": "1", **labels}, macs=list(m["macs"]),
-            bmc=bmc,
+            bmc=bmc, name=_node_name(m["name"]),
         )  # fmt: skip
         nodes[m["name"]] = node.id
     return nodes

@@ -21,6 +21,7 @@ from ..wire.engine import (
     decode_workflow_event,
 )
 from .common import add_tenant_flag, as_rows, engine_client, short
+from .node_refs import node_names, node_ref
 from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .why_commands import why_line
@@ -152,10 +153,13 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
             engine.list_workflows, "workflows", args,
             node_id=args.node, state=args.state, profile_id=args.profile,
         )  # fmt: skip
+        seen = list(dict.fromkeys(w.node_id for w in workflows if w.node_id))
+        names = {} if args.json else await node_names(engine, seen)
     rows = [
-        {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at)}
+        {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at),
+         "nodeId": f"{w.node_id} ({names[w.node_id]})" if w.node_id in names else w.node_id}
         for w, row in zip(workflows, as_rows(workflows), strict=True)
-    ]
+    ]  # fmt: skip
     return show_page(
         args, next_, key="workflows", found=workflows, rows=rows,
         columns=[("id", "WORKFLOW"), ("state", "STATE"), ("profileRef", "PROFILE"),
@@ -270,7 +274,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = wfs.add_parser("start", parents=[common, tenant], help="start a workflow")
     p.add_argument("--profile", required=True, help="profile id")
     p.add_argument("--version", type=int, help="profile version (default: the newest)")
-    p.add_argument("--node", help="the node it runs for")
+    p.add_argument("--node", type=node_ref, help="the node it runs for (id or name)")
     p.add_argument("--owner", help="reconciler that hears when it ends")
     p.add_argument("--wait", action="store_true", help="watch it until it ends")
     p.set_defaults(func=workflows_start)
@@ -278,7 +282,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("id", help="workflow id (wf_…)")
     p.set_defaults(func=workflows_get)
     p = wfs.add_parser("list", parents=[common], help="list workflows, newest first")
-    p.add_argument("--node", help="only this node's")
+    p.add_argument("--node", type=node_ref, help="only this node's (id or name)")
     p.add_argument("--state", choices=["running", "succeeded", "failed", "aborted"], help="only this state")
     p.add_argument("--profile", help="only of this profile")
     add_paging(p, default_limit=50)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from better_compute.core.manifest import SECRET_REF_PATTERN
-from better_compute.core.names import Name
+from better_compute.core.names import Name, NodeName
 
 __all__ = [
     "MAC_PATTERN",
@@ -37,13 +37,17 @@ __all__ = [
     "ListPendingEnrollments",
     "Mac",
     "MetalVerb",
+    "NodeAction",
+    "NodeActionRun",
     "NodeBmc",
     "PendingEnrollment",
     "PendingEnrollmentList",
     "PlanApprovals",
     "PlanStep",
     "PlannedNode",
+    "PowerNode",
     "SecretRef",
+    "SetBootDevice",
     "VerbName",
     "VerbProfile",
     "VerbRun",
@@ -99,6 +103,9 @@ class EnrollNode(_Msg, frozen=True, kw_only=True):
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] = msgspec.field(default_factory=list)
     bmc: NodeBmc | None = None
+    name: NodeName | None = None
+    """Unique in the site (``CONFLICT`` at ``name`` otherwise); a discovered node keeps its own
+    when none is given."""
 
 
 class MetalVerb(_Msg, frozen=True, kw_only=True):
@@ -108,6 +115,28 @@ class MetalVerb(_Msg, frozen=True, kw_only=True):
     tenant_id: Name | None = None
     image: ImageRef | None = None
     profile: ProfileId | None = None
+
+
+NodeAction = Literal["power.on", "power.off", "power.cycle", "bootDevice.pxe", "bootDevice.disk"]
+"""What ``metal.power`` and ``metal.bootDevice`` do: each runs its shipped one-step profile."""
+
+
+class PowerNode(_Msg, frozen=True, kw_only=True):
+    """``metal.power``: switch the node on or off, or power-cycle it, through its BMC (a
+    workflow of the shipped ``metal.power-<action>``); its lifecycle state does not change."""
+
+    node_id: NodeId
+    action: Literal["on", "off", "cycle"]
+    tenant_id: Name | None = None
+
+
+class SetBootDevice(_Msg, frozen=True, kw_only=True):
+    """``metal.bootDevice``: the device the node boots from next, through its BMC (a workflow of
+    the shipped ``metal.boot-<device>``): ``pxe`` once, ``disk`` for good."""
+
+    node_id: NodeId
+    device: Literal["pxe", "disk"]
+    tenant_id: Name | None = None
 
 
 class BulkVerb(_Msg, frozen=True, kw_only=True):
@@ -192,6 +221,8 @@ class VerbStarted(_Reply, frozen=True, kw_only=True):
     state: str
     workflow_id: str
     profile: VerbProfile
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    """The node's name; absent when it has none."""
 
 
 class VerbRun(VerbStarted, frozen=True, kw_only=True):
@@ -199,6 +230,18 @@ class VerbRun(VerbStarted, frozen=True, kw_only=True):
 
     batch_id: str | None
     """The destructive batch its commands wait for (quorum on), else None."""
+
+
+class NodeActionRun(_Reply, frozen=True, kw_only=True):
+    """``metal.power`` / ``metal.bootDevice``: the workflow that does it (the node keeps its
+    lifecycle state)."""
+
+    node_id: str
+    name: str | None = None
+    action: str
+    node_state: str
+    workflow_id: str
+    profile: VerbProfile
 
 
 class BulkRefusal(_Reply, frozen=True, kw_only=True):
