@@ -44,6 +44,9 @@ from better_compute.wire.cmdq import (
 from . import store
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries
+from .rows import CommandRow, command_row
+from .storage import NewCommand, Store
+from .views import command_view
 
 __all__ = ["Commands", "check_name", "invalid"]
 
@@ -81,6 +84,7 @@ class Commands:
         self,
         *,
         db: Database,
+        store: Store,
         config: CmdqConfig,
         app: App,
         deliveries: Deliveries,
@@ -88,6 +92,7 @@ class Commands:
         log: Any,
     ) -> None:
         self.db = db
+        self.store = store
         self.config = config
         self.app = app
         self.deliveries = deliveries
@@ -134,22 +139,22 @@ class Commands:
                     {"path": "batchId", "reason": "batch-required"},
                 )
             return None, True
-        batch = await self.db.fetchrow(store.BATCH_BY_ID, body.batch_id)
+        batch = await self.store.batch_by_id(body.batch_id)
         if batch is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "batchId"})
-        if batch["tenant_id"] != body.tenant_id:
+        if batch.tenant_id != body.tenant_id:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 "the batch belongs to another tenant",
                 {"path": "batchId", "reason": "outside-batch-scope"},
             )
-        if body.kind not in batch["kinds"]:
+        if body.kind not in batch.kinds:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 f"{body.kind} is outside the batch's scope",
                 {"path": "kind", "reason": "outside-batch-scope"},
             )
-        if body.node_id not in batch["nodes"]:
+        if body.node_id not in batch.nodes:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 "the node is outside the batch's scope",
@@ -159,12 +164,12 @@ class Commands:
         # commands only; an operator's batch (no workflowId) admits only commands sent directly,
         # by no workflow: approving a job by hand approves nothing a workflow may send. (A bulk
         # verb's batch names the set of workflows it started: a membership test.)
-        bulk = list(batch["workflow_ids"] or [])
-        if (body.workflow_id not in bulk) if bulk else (body.workflow_id != batch["workflow_id"]):
+        bulk = list(batch.workflow_ids)
+        if (body.workflow_id not in bulk) if bulk else (body.workflow_id != batch.workflow_id):
             if bulk:
                 signed_for = f"{len(bulk)} other workflows"
-            elif batch["workflow_id"]:
-                signed_for = f"workflow {batch['workflow_id']}"
+            elif batch.workflow_id:
+                signed_for = f"workflow {batch.workflow_id}"
             else:
                 signed_for = "no workflow"
             raise BcError(
@@ -172,25 +177,26 @@ class Commands:
                 f"the batch was signed for {signed_for}",
                 {"path": "workflowId", "reason": "outside-batch-scope"},
             )
-        if batch["expired"]:
+        if batch.expired:
             raise BcError(
                 ErrorCode.INVALID_STATE,
                 "the batch has expired",
                 {"path": "batchId", "reason": "batch-expired"},
             )
-        return body.batch_id, (not quorum.enabled) or batch["approved_at"] is not None
+        return body.batch_id, (not quorum.enabled) or batch.approved_at is not None
 
     async def _existing(self, body: EnqueueCommand) -> CommandView | None:
-        row = await self.db.fetchrow(store.COMMAND_BY_NODE_KEY, body.node_id, body.key)
+        record = await self.db.fetchrow(store.COMMAND_BY_NODE_KEY, body.node_id, body.key)
+        row = None if record is None else command_row(record)
         if row is None:
             return None
-        if row["kind"] != body.kind:
+        if row.kind != body.kind:
             raise BcError(
                 ErrorCode.CONFLICT,
-                f"key {body.key!r} of this node is already a {row['kind']} command",
-                {"path": "key", "commandId": row["id"]},
+                f"key {body.key!r} of this node is already a {row.kind} command",
+                {"path": "key", "commandId": row.id},
             )
-        return store.command_view(row)
+        return command_view(row)
 
     def _check_sender(self, req: ApiRequest, body: EnqueueCommand) -> None:
         """Only the engine enqueues commands under a workflow (they run under the workflow's
@@ -238,25 +244,24 @@ class Commands:
             batch_id, may_dispatch = await self._check_batch(body)
         command_id = new_id("cmd")
         not_after_ms = time.time_ns() // 1_000_000 + body.timeout_ms
-        row = await self.db.fetchrow(
-            store.COMMAND_INSERT,
-            command_id,
-            body.node_id,
-            body.site_id,
-            body.tenant_id,
-            body.key,
-            body.kind,
-            destructive,
-            body.target,
-            canonical.decode(),
-            bytes.fromhex(payload_digest(body.kind, canonical)),
-            batch_id,
-            body.workflow_id,
-            body.step,
-            not_after_ms,
-            may_dispatch,
-            self.config.silent_after_ms,
+        new = NewCommand(
+            id=command_id,
+            node_id=body.node_id,
+            site_id=body.site_id,
+            tenant_id=body.tenant_id,
+            key=body.key,
+            kind=body.kind,
+            destructive=destructive,
+            target=body.target,
+            payload=canonical.decode(),
+            digest=bytes.fromhex(payload_digest(body.kind, canonical)),
+            batch_id=batch_id,
+            workflow_id=body.workflow_id,
+            step=body.step,
+            not_after_ms=not_after_ms,
+            may_dispatch=may_dispatch,
         )
+        row = await self.store.insert_command(new, silent_after_ms=self.config.silent_after_ms)
         if row is None:  # (node, key) exists: find-before-create
             found = await self._existing(body)
             if found is None:  # removed in between: never happens, rows are kept
@@ -268,21 +273,21 @@ class Commands:
             command_id=command_id,
             node_id=body.node_id,
             kind=body.kind,
-            state=row["state"],
-            agent_id=row["agent_id"],
+            state=row.state,
+            agent_id=row.agent_id,
             workflow_id=body.workflow_id,
         )
         await self.changed([row])
-        if row["state"] == "dispatched":
+        if row.state == "dispatched":
             await self.deliveries.deliver([row])
-        return store.command_view(row, created=True)
+        return command_view(row, created=True)
 
     async def get(self, req: ApiRequest) -> CommandView:
         ident = parse_id(req.decode(CommandIdRequest).id, "cmd", path="id")
-        row = await self.db.fetchrow(store.COMMAND_BY_ID, ident)
+        row = await self.store.command_by_id(ident)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
-        return store.command_view(row)
+        return command_view(row)
 
     async def states(self, req: ApiRequest) -> CommandStatesReply:
         body = req.decode(CommandStates)
@@ -297,7 +302,7 @@ class Commands:
         body = req.decode(ListCommands)
         if body.before is not None:
             parse_id(body.before, "cmd", path="before")
-        rows = await self.db.fetch(
+        records = await self.db.fetch(
             store.LIST_COMMANDS,
             body.node_id,
             body.workflow_id,
@@ -309,7 +314,7 @@ class Commands:
             body.before,
             body.limit,
         )
-        views = [store.command_view(r, full=False) for r in rows]
+        views = [command_view(command_row(r), full=False) for r in records]
         more = len(views) == body.limit
         return CommandList(commands=views, next=views[-1].id if more and views else None)
 
@@ -320,8 +325,8 @@ class Commands:
         running: list[Any] = []
         if body.id is not None:
             ident = parse_id(body.id, "cmd", path="id")
-            rows = await self.db.fetch(store.CANCEL_BY_ID, ident, body.reason)
-            if not rows and await self.db.fetchrow(store.COMMAND_STATE, ident) is None:
+            rows = await self.store.cancel(ident, body.reason)
+            if not rows and await self.store.command_state(ident) is None:
                 raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
         elif body.key_prefix is not None:
             if not body.key_prefix or len(body.key_prefix) > MAX_KEY_LENGTH:
@@ -333,16 +338,16 @@ class Commands:
             if body.fence:
                 await self._fence(body)
             args = (body.node_id, body.key_prefix, body.reason, body.workflow_id)
-            rows = await self.db.fetch(store.CANCEL_BY_PREFIX, *args)
+            rows = [command_row(r) for r in await self.db.fetch(store.CANCEL_BY_PREFIX, *args)]
             claimed = (body.node_id, body.key_prefix, self.config.lost_after_ms, body.workflow_id)
             running = await self.db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)
         else:
             raise invalid("id", "give id, or keyPrefix (with nodeId or workflowId)")
         for row in rows:
-            self.log.info("command_cancelled", command_id=row["id"], reason=body.reason)
+            self.log.info("command_cancelled", command_id=row.id, reason=body.reason)
         await self.changed(rows)
         return CancelReply(
-            cancelled=[r["id"] for r in rows],
+            cancelled=[r.id for r in rows],
             running=[r["id"] for r in running],
             running_at=[
                 RunningAt(command_id=r["id"], agent_id=r["agent_id"], journal_id=r["claim_journal"])
@@ -363,14 +368,14 @@ class Commands:
             raise invalid("keyPrefix", "a fence is for one workflow: wf:<workflowId>:<step>#<attempt>")
         await self.db.execute(store.KEY_FENCE_INSERT, body.key_prefix, body.workflow_id, body.reason)
 
-    async def _refuse_superseded(self, body: EnqueueCommand, row: Any) -> None:
+    async def _refuse_superseded(self, body: EnqueueCommand, row: CommandRow) -> None:
         """A command just created under the key of a superseded step attempt (an engine that
         lost its shard still runs it) is cancelled before it goes out, and refused."""
         if body.workflow_id is None or not await self.db.fetchval(store.KEY_FENCED, body.key):
             return
-        rows = await self.db.fetch(store.CANCEL_SUPERSEDED, row["id"])
+        rows = [command_row(r) for r in await self.db.fetch(store.CANCEL_SUPERSEDED, row.id)]
         await self.changed(rows)
-        self.log.warning("command_refused_superseded", command_id=row["id"], workflow_id=body.workflow_id)
+        self.log.warning("command_refused_superseded", command_id=row.id, workflow_id=body.workflow_id)
         raise attempt_superseded("sends", path="key")
 
     async def live_with_ref(self, req: ApiRequest) -> LiveWithRefReply:
