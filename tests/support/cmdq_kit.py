@@ -106,9 +106,14 @@ def queue(*, quorum: Quorum | None = None, reruns: bool = False, **cfg: Any) -> 
         claims=Claims(store=store, config=config, changed=changed, log=log, reruns=lambda _k, _p: reruns),
         runs=Runs(store=store, pki=None, changed=changed, log=log),  # type: ignore[arg-type]
         batches=Batches(
-            store=store, config=config, app=app, changed=changed, dispatch_pending=sweeper.dispatch_pending,
-            log=log, publish=publish,
-        ),  # fmt: skip
+            store=store,
+            config=config,
+            app=app,
+            changed=changed,
+            dispatch_pending=sweeper.dispatch_pending,
+            log=log,
+            publish=publish,
+        ),
         sweeper=sweeper,
         deliveries=deliveries,
         log=log,
@@ -117,9 +122,10 @@ def queue(*, quorum: Quorum | None = None, reruns: bool = False, **cfg: Any) -> 
     return q
 
 
-def approvers(tmp_path: Any, names: Sequence[str] = ("alice", "bob", "carol"), *, threshold: int = 2) -> tuple[
-    Quorum, dict[str, ed25519.Ed25519PrivateKey]
-]:  # fmt: skip
+def approvers(
+    tmp_path: Any, names: Sequence[str] = ("alice", "bob", "carol"), *, threshold: int = 2
+) -> tuple[Quorum, dict[str, ed25519.Ed25519PrivateKey]]:
+    """A quorum of ``threshold`` of ``names``, as the approvers file gives it, and their keys."""
     keys = approver_keys(names)
     return load_quorum(write_approvers(tmp_path / "quorum.toml", keys, threshold=threshold)), keys
 

@@ -5,9 +5,9 @@ tests/integration/test_cmdq_claims.py.)"""
 from __future__ import annotations
 
 import pytest
-from cmdq_kit import ack, command, progress, queue, result
 
 from better_compute.core.errors import BcError, ErrorCode
+from cmdq_kit import ack, command, progress, queue, result
 
 
 async def test_a_claim_is_taken_once_and_the_same_journal_asking_again_is_answered_as_before() -> None:
