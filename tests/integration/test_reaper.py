@@ -14,7 +14,7 @@ import pytest
 
 from better_compute.runtime.embedded import pid_alive
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 # A "test run" that starts a detached grandchild (its own session, its parent gone at once, as
 # pg_ctl leaves PostgreSQL), writes its pid, then ends as told.
