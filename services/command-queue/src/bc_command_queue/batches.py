@@ -287,9 +287,9 @@ class Batches:
             was_approved = row.approved_at is not None
             approved = await self._recount(tx, row)
             newly_approved = approved and not was_approved
-            now = await tx.batch_by_id(ident)
-            assert now is not None  # held by this transaction
-            view = await self._view_of(now, tx=tx)
+            after = await tx.batch_by_id(ident)
+            assert after is not None  # held by this transaction
+            view = await self._view_of(after, tx=tx)
         self.log.info(
             "batch_approval",
             batch_id=ident,

@@ -33,6 +33,7 @@ class Sweeper:
 
     Args:
         connected: whether the service's NATS connection is up now (agents can reach us).
+        clock: seconds for ``heard_for_ms`` (monotonic; a test gives its store's clock).
     """
 
     def __init__(

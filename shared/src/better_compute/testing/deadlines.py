@@ -49,12 +49,16 @@ class _Alarm:
         self.message = message
         self.error = error
         self.fired = False
+        self.armed = True
         self._cancelled: asyncio.Task[Any] | None = None
         self._tries = 0
         self._previous = signal.signal(signal.SIGALRM, self._expired)
         signal.setitimer(signal.ITIMER_REAL, seconds)
 
     def disarm(self) -> None:
+        if not self.armed:  # pytest-timeout cancels again when pdb or a report asks
+            return
+        self.armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, self._previous)
 
@@ -157,13 +161,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
         if instead is not None:
             raise instead from exc
         raise
-    finally:
-        if _ALARM in item.stash:
-            del item.stash[_ALARM]
 
 
 def _phase(item: pytest.Item, phase: str) -> Generator[None, object, object]:
-    if not _main_thread() or SETUP_LIMIT <= 0:
+    running = item.stash.get(_ALARM, None)
+    if not _main_thread() or SETUP_LIMIT <= 0 or (running is not None and running.armed):
+        # (pytest-timeout's limit covers the whole test when timeout_func_only is off)
         return (yield)
     message = f"{phase} took more than {SETUP_LIMIT:g}s (BC_TEST_SETUP_TIMEOUT)"
     alarm = _Alarm(SETUP_LIMIT, message, PhaseTimeoutError)

@@ -73,7 +73,12 @@ def _start_guard() -> IO[str]:
             [sys.executable, "-I", str(Path(__file__).resolve())],
             dict(os.environ),
             setsid=True,
-            file_actions=[(os.POSIX_SPAWN_DUP2, read, 0)],
+            # stdin the pipe; no output: it must not hold pytest's stdout open after pytest
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, read, 0),
+                (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                (os.POSIX_SPAWN_DUP2, 1, 2),
+            ],
         )
     finally:
         os.close(read)
