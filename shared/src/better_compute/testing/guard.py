@@ -88,6 +88,23 @@ def _start_guard() -> IO[str]:
 _PIPE = _Pipe()
 
 
+def _forked() -> None:
+    """A forked child does not keep its parent's end of the pipe open (that would keep the guard
+    waiting after the parent ended); it starts a guard of its own if it watches something."""
+    pipe, _PIPE._pipe = _PIPE._pipe, None
+    if pipe is not None:  # its descriptor now points at /dev/null; the file object closes that
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, pipe.fileno())
+        os.close(null)
+        _FORKED_AWAY.append(pipe)
+
+
+_FORKED_AWAY: list[IO[str]] = []
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def watch(pid: int) -> None:
     """Stop ``pid`` (with its process group when it leads one of its own) when this process ends,
     unless ``unwatch``ed before."""
