@@ -103,10 +103,11 @@ async def story(h: Harness) -> list[Any]:
     now_ms = int(time.time() * 1000)
 
     async def insert(
-        label: str, *, target: str = "node", timeout_s: int = 3600, **over: Any
+        label: str, *, target: str = "node", timeout_s: int = 3600, node: str | None = None, **over: Any
     ) -> CommandRow | None:
-        node = new_id("node")
-        names[node] = f"{label}.node"
+        if node is None:
+            node = new_id("node")
+            names[node] = f"{label}.node"
         fields: dict[str, Any] = {
             "id": new_id("cmd"), "node_id": node, "site_id": SITE, "tenant_id": "root", "key": f"k-{label}",
             "kind": "node.inventory", "destructive": False, "target": target, "payload": PAYLOAD,
@@ -223,6 +224,48 @@ async def story(h: Harness) -> list[Any]:
     by_ids = await s.batches_by_ids([b1, b2])
     told.append(("by ids", [name(b.id) for b in by_ids]))
 
+    # finding, listing, cancelling under a key prefix, fences (a superseded step attempt)
+    found_by_key = await s.command_by_key(n1.node_id, "k-n1")
+    told.append(("by key", found_by_key and name(found_by_key.id)))
+    states = await s.command_states([n1.id, n3.id, "cmd_unknown"])
+    told.append(("states", sorted((name(i), st) for i, st in states.items())))
+    failed = await s.list_commands(
+        node_id=None, workflow_id=None, state="failed", kind="node.inventory", site_id=SITE, agent_id=None,
+        batch_id=None, before=None, limit=10,
+    )  # fmt: skip
+    told.append(("list failed", sorted(name(r.id) for r in failed)))
+    one = await s.list_commands(
+        node_id=n3.node_id, workflow_id=None, state=None, kind=None, site_id=None, agent_id=None,
+        batch_id=None, before=None, limit=10,
+    )  # fmt: skip
+    told.append(("list of a node", [name(r.id) for r in one]))
+    told.append(("list before", await s.list_commands(
+        node_id=n3.node_id, workflow_id=None, state=None, kind=None, site_id=None, agent_id=None,
+        batch_id=None, before=n3.id, limit=10)))  # fmt: skip
+    wf, node = new_id("wf"), new_id("node")
+    names[node] = "f.node"
+    await h.agent_seen(node, "node")
+    f1 = await insert("f1", node=node, key=f"wf:{wf}:3#1:a", workflow_id=wf)
+    f2 = await insert("f2", node=node, key=f"wf:{wf}:3#1:b", workflow_id=wf)
+    f3 = await insert("f3", node=node, key=f"wf:{wf}:3#12:c", workflow_id=wf)
+    assert f1
+    assert f2
+    assert f3
+    await s.ack(f2.id, node, DIGEST, "ja", 50, quorum=False)
+    told.append(("live under", sorted(name(i) for i, _ in await s.live_under(node, f"wf:{wf}:3#1", None))))
+    told.append(("fenced before", await s.fenced(f"wf:{wf}:3#1:z")))
+    await s.fence(f"wf:{wf}:3#1", wf, "superseded")
+    told.append(("fenced", await s.fenced(f"wf:{wf}:3#1:z"), await s.fenced(f"wf:{wf}:3#1"),
+                 await s.fenced(f"wf:{wf}:3#12:c"), await s.fenced(f"wf:{wf}:3")))  # fmt: skip
+    say(
+        "cancel under",
+        await s.cancel_under(f"wf:{wf}:3#1", node_id=None, workflow_id=wf, reason="superseded"),
+    )
+    claimed = await s.claimed_under(f"wf:{wf}:3#1", node_id=node, workflow_id=None, lost_after_ms=120_000)
+    told.append(("claimed under", [(name(r.id), name(r.agent_id), r.claim_journal) for r in claimed]))
+    say("cancel superseded", await s.cancel_superseded(f3.id))
+    say("cancel superseded again", await s.cancel_superseded(f3.id))
+
     # time passes: deadlines, an expired batch, a silent agent
     await h.age(31)
     say("expire due", await s.expire_due(quorum=True))
@@ -284,4 +327,13 @@ async def test_the_memory_store_tells_the_same_story_as_postgresql(pg: Harness) 
     assert told["expire due"] == ([("s2", "expired", "not-dispatched", "-", None)],)
     assert told["expire batch"] == ([("w4", "expired", "batch-expired", "w4.node", None)],)
     assert told["dispatch site"] == ([("s1", "dispatched", None, "agent-b", None)],)
-    assert told["fail lost"] == ([("n4", "failed", "agent-lost", "n4.node", None)],)
+    assert told["cancel under"] == (
+        [
+            ("f1", "cancelled", "superseded", "f.node", None),
+            ("f2", "cancelling", "superseded", "f.node", None),
+        ],
+    )
+    assert told["claimed under"] == ([("f2", "f.node", "ja")],)
+    assert told["fail lost"] == (  # f2 was cancelling when its node fell silent too
+        [("f2", "failed", "agent-lost", "f.node", None), ("n4", "failed", "agent-lost", "n4.node", None)],
+    )

@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from bc_command_queue.batches import Batches
 from bc_command_queue.claims import Claims
+from bc_command_queue.commands import Commands
 from bc_command_queue.config import CmdqConfig, Quorum, load_quorum
 from bc_command_queue.rows import CommandRow
 from bc_command_queue.runs import Runs
@@ -68,6 +69,7 @@ class Queue:
     store: MemoryStore
     config: CmdqConfig
     claims: Claims
+    commands: Commands
     runs: Runs
     batches: Batches
     sweeper: Sweeper
@@ -104,6 +106,14 @@ def queue(*, quorum: Quorum | None = None, reruns: bool = False, **cfg: Any) -> 
         store=store,
         config=config,
         claims=Claims(store=store, config=config, changed=changed, log=log, reruns=lambda _k, _p: reruns),
+        commands=Commands(
+            store=store,
+            config=config,
+            app=app,
+            deliveries=deliveries,  # type: ignore[arg-type]
+            changed=changed,
+            log=log,
+        ),
         runs=Runs(store=store, pki=None, changed=changed, log=log),  # type: ignore[arg-type]
         batches=Batches(
             store=store,

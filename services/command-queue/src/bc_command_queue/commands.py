@@ -19,7 +19,7 @@ from better_compute.core.ids import new_id, parse_id
 from better_compute.core.keys import workflow_command_prefix
 from better_compute.core.names import parse_name
 from better_compute.core.plugins import CommandKind
-from better_compute.service import ApiRequest, Database
+from better_compute.service import ApiRequest
 from better_compute.service.audit import requester
 from better_compute.service.fences import attempt_superseded
 from better_compute.wire.agent import payload_digest
@@ -41,10 +41,9 @@ from better_compute.wire.cmdq import (
     enqueue_proof_document,
 )
 
-from . import store
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries
-from .rows import CommandRow, command_row
+from .rows import ClaimedRow, CommandRow
 from .storage import NewCommand, Store
 from .views import command_view
 
@@ -83,7 +82,6 @@ class Commands:
     def __init__(
         self,
         *,
-        db: Database,
         store: Store,
         config: CmdqConfig,
         app: App,
@@ -91,7 +89,6 @@ class Commands:
         changed: Changed,
         log: Any,
     ) -> None:
-        self.db = db
         self.store = store
         self.config = config
         self.app = app
@@ -186,8 +183,7 @@ class Commands:
         return body.batch_id, (not quorum.enabled) or batch.approved_at is not None
 
     async def _existing(self, body: EnqueueCommand) -> CommandView | None:
-        record = await self.db.fetchrow(store.COMMAND_BY_NODE_KEY, body.node_id, body.key)
-        row = None if record is None else command_row(record)
+        row = await self.store.command_by_key(body.node_id, body.key)
         if row is None:
             return None
         if row.kind != body.kind:
@@ -295,26 +291,24 @@ class Commands:
             raise BcError(
                 ErrorCode.INVALID_INPUT, f"at most {MAX_STATE_QUERY} ids a request", {"path": "ids"}
             )
-        rows = await self.db.fetch(store.COMMAND_STATES, body.ids)
-        return CommandStatesReply(states={r["id"]: r["state"] for r in rows})
+        return CommandStatesReply(states=await self.store.command_states(body.ids))
 
     async def list_commands(self, req: ApiRequest) -> CommandList:
         body = req.decode(ListCommands)
         if body.before is not None:
             parse_id(body.before, "cmd", path="before")
-        records = await self.db.fetch(
-            store.LIST_COMMANDS,
-            body.node_id,
-            body.workflow_id,
-            body.state,
-            body.kind,
-            body.site_id,
-            body.agent_id,
-            body.batch_id,
-            body.before,
-            body.limit,
+        rows = await self.store.list_commands(
+            node_id=body.node_id,
+            workflow_id=body.workflow_id,
+            state=body.state,
+            kind=body.kind,
+            site_id=body.site_id,
+            agent_id=body.agent_id,
+            batch_id=body.batch_id,
+            before=body.before,
+            limit=body.limit,
         )
-        views = [command_view(command_row(r), full=False) for r in records]
+        views = [command_view(r, full=False) for r in rows]
         more = len(views) == body.limit
         return CommandList(commands=views, next=views[-1].id if more and views else None)
 
@@ -322,7 +316,7 @@ class Commands:
         body = req.decode(CancelCommands)
         if len(body.reason) > 200:
             raise invalid("reason", "at most 200 characters")
-        running: list[Any] = []
+        running: list[ClaimedRow] = []
         if body.id is not None:
             ident = parse_id(body.id, "cmd", path="id")
             rows = await self.store.cancel(ident, body.reason)
@@ -337,10 +331,10 @@ class Commands:
                 parse_id(body.workflow_id, "wf", path="workflowId")
             if body.fence:
                 await self._fence(body)
-            args = (body.node_id, body.key_prefix, body.reason, body.workflow_id)
-            rows = [command_row(r) for r in await self.db.fetch(store.CANCEL_BY_PREFIX, *args)]
-            claimed = (body.node_id, body.key_prefix, self.config.lost_after_ms, body.workflow_id)
-            running = await self.db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)
+            under = {"node_id": body.node_id, "workflow_id": body.workflow_id}
+            rows = await self.store.cancel_under(body.key_prefix, reason=body.reason, **under)
+            lost_after_ms = self.config.lost_after_ms
+            running = await self.store.claimed_under(body.key_prefix, lost_after_ms=lost_after_ms, **under)
         else:
             raise invalid("id", "give id, or keyPrefix (with nodeId or workflowId)")
         for row in rows:
@@ -348,10 +342,9 @@ class Commands:
         await self.changed(rows)
         return CancelReply(
             cancelled=[r.id for r in rows],
-            running=[r["id"] for r in running],
+            running=[r.id for r in running],
             running_at=[
-                RunningAt(command_id=r["id"], agent_id=r["agent_id"], journal_id=r["claim_journal"])
-                for r in running
+                RunningAt(command_id=r.id, agent_id=r.agent_id, journal_id=r.claim_journal) for r in running
             ],
         )
 
@@ -366,14 +359,14 @@ class Commands:
             f"{workflow_command_prefix(body.workflow_id)}:"
         ):
             raise invalid("keyPrefix", "a fence is for one workflow: wf:<workflowId>:<step>#<attempt>")
-        await self.db.execute(store.KEY_FENCE_INSERT, body.key_prefix, body.workflow_id, body.reason)
+        await self.store.fence(body.key_prefix, body.workflow_id, body.reason)
 
     async def _refuse_superseded(self, body: EnqueueCommand, row: CommandRow) -> None:
         """A command just created under the key of a superseded step attempt (an engine that
         lost its shard still runs it) is cancelled before it goes out, and refused."""
-        if body.workflow_id is None or not await self.db.fetchval(store.KEY_FENCED, body.key):
+        if body.workflow_id is None or not await self.store.fenced(body.key):
             return
-        rows = [command_row(r) for r in await self.db.fetch(store.CANCEL_SUPERSEDED, row.id)]
+        rows = await self.store.cancel_superseded(row.id)
         await self.changed(rows)
         self.log.warning("command_refused_superseded", command_id=row.id, workflow_id=body.workflow_id)
         raise attempt_superseded("sends", path="key")
@@ -382,7 +375,7 @@ class Commands:
         body = req.decode(LiveWithRef)
         if not body.key_prefix:
             raise invalid("keyPrefix", "a key prefix is required")
-        for row in await self.db.fetch(store.LIVE_WITH_PREFIX, body.agent_id, body.key_prefix, body.node_id):
-            if _carries(msgspec.json.decode(row["payload"]), body.ref):
-                return LiveWithRefReply(live=True, command_id=row["id"])
+        for command_id, payload in await self.store.live_under(body.agent_id, body.key_prefix, body.node_id):
+            if _carries(msgspec.json.decode(payload), body.ref):
+                return LiveWithRefReply(live=True, command_id=command_id)
         return LiveWithRefReply(live=False)

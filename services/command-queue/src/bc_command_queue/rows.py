@@ -18,6 +18,7 @@ __all__ = [
     "BatchRow",
     "BatchSizeRow",
     "ClaimStateRow",
+    "ClaimedRow",
     "CommandRow",
     "CommandStateRow",
     "JournalRow",
@@ -79,6 +80,14 @@ class ClaimStateRow(msgspec.Struct, frozen=True, kw_only=True):
     has_batch: bool
     batch_expired: bool
     batch_approved: bool
+
+
+class ClaimedRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A claimed command that may still run at its agent, and the journal that claimed it."""
+
+    id: str
+    agent_id: str
+    claim_journal: str | None
 
 
 class CommandStateRow(msgspec.Struct, frozen=True, kw_only=True):

@@ -124,7 +124,7 @@ class CommandQueueService(Service):
             reruns=lambda kind, payload: app.command_kind(kind, path="kind").reruns(payload),
         )
         commands = Commands(
-            db=db, store=rows, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
+            store=rows, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
         self._parts = Parts(commands, agents, batches, sweeper)
         # The durable event feed: this service creates the stream (it holds the JetStream

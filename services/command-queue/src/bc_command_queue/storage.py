@@ -7,8 +7,8 @@ holds ``MemoryStore``, the same operations on dicts under an injected clock, for
 run in milliseconds. Each change is a compare-and-set: a method returns the row it changed, or
 ``None``/``[]`` when the row was not in a state it applies to (a duplicate or late event).
 
-Agents' presence, boot leases, cancels and listings still run their statements on the
-``Database`` directly (``agents``, ``commands``); their command rows come back as ``CommandRow``.
+Agents' presence, boot leases and revocations still run their statements on the ``Database``
+directly (``agents``); their command rows come back as ``CommandRow`` too.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .rows import (
     ApprovalRow,
     BatchRow,
     BatchSizeRow,
+    ClaimedRow,
     ClaimStateRow,
     CommandRow,
     CommandStateRow,
@@ -95,6 +96,50 @@ class Store(Protocol):
     async def cancel(self, command_id: str, reason: str) -> list[CommandRow]:
         """Cancel a live command: ``cancelling`` when its agent claimed it (until the agent says
         it stopped), else ``cancelled``."""
+        ...
+
+    async def command_by_key(self, node_id: str, key: str) -> CommandRow | None: ...
+
+    async def command_states(self, ids: Sequence[str]) -> dict[str, str]: ...
+
+    async def list_commands(
+        self,
+        *,
+        node_id: str | None,
+        workflow_id: str | None,
+        state: str | None,
+        kind: str | None,
+        site_id: str | None,
+        agent_id: str | None,
+        batch_id: str | None,
+        before: str | None,
+        limit: int,
+    ) -> list[CommandRow]:
+        """Newest first; ``before``: ids below it."""
+        ...
+
+    async def cancel_under(
+        self, prefix: str, *, node_id: str | None, workflow_id: str | None, reason: str
+    ) -> list[CommandRow]:
+        """Cancel every live command whose key is ``prefix`` or goes on with ``:`` or ``#``."""
+        ...
+
+    async def claimed_under(
+        self, prefix: str, *, node_id: str | None, workflow_id: str | None, lost_after_ms: int
+    ) -> list[ClaimedRow]:
+        """Claimed commands under ``prefix`` that may still run where they were claimed."""
+        ...
+
+    async def fence(self, prefix: str, workflow_id: str, reason: str) -> None:
+        """From now on, commands under ``prefix`` are refused (a superseded step attempt)."""
+        ...
+
+    async def fenced(self, key: str) -> bool: ...
+
+    async def cancel_superseded(self, command_id: str) -> list[CommandRow]: ...
+
+    async def live_under(self, agent_id: str, prefix: str, node_id: str | None) -> list[tuple[str, str]]:
+        """(id, payload) of the agent's live, unexpired commands under ``prefix``."""
         ...
 
     # -- claims ----------------------------------------------------------------------
@@ -269,6 +314,55 @@ class PgStore:
 
     async def cancel(self, command_id: str, reason: str) -> list[CommandRow]:
         return await self._rows(store.CANCEL_BY_ID, command_id, reason)
+
+    async def command_by_key(self, node_id: str, key: str) -> CommandRow | None:
+        return await self._row(store.COMMAND_BY_NODE_KEY, node_id, key)
+
+    async def command_states(self, ids: Sequence[str]) -> dict[str, str]:
+        return {r["id"]: r["state"] for r in await self.db.fetch(store.COMMAND_STATES, list(ids))}
+
+    async def list_commands(
+        self,
+        *,
+        node_id: str | None,
+        workflow_id: str | None,
+        state: str | None,
+        kind: str | None,
+        site_id: str | None,
+        agent_id: str | None,
+        batch_id: str | None,
+        before: str | None,
+        limit: int,
+    ) -> list[CommandRow]:
+        return await self._rows(
+            store.LIST_COMMANDS, node_id, workflow_id, state, kind, site_id, agent_id, batch_id, before, limit
+        )
+
+    async def cancel_under(
+        self, prefix: str, *, node_id: str | None, workflow_id: str | None, reason: str
+    ) -> list[CommandRow]:
+        return await self._rows(store.CANCEL_BY_PREFIX, node_id, prefix, reason, workflow_id)
+
+    async def claimed_under(
+        self, prefix: str, *, node_id: str | None, workflow_id: str | None, lost_after_ms: int
+    ) -> list[ClaimedRow]:
+        rows = await self.db.fetch(store.CLAIMED_UNDER_PREFIX, node_id, prefix, lost_after_ms, workflow_id)
+        return [
+            ClaimedRow(id=r["id"], agent_id=r["agent_id"], claim_journal=r["claim_journal"]) for r in rows
+        ]
+
+    async def fence(self, prefix: str, workflow_id: str, reason: str) -> None:
+        await self.db.execute(store.KEY_FENCE_INSERT, prefix, workflow_id, reason)
+
+    async def fenced(self, key: str) -> bool:
+        return bool(await self.db.fetchval(store.KEY_FENCED, key))
+
+    async def cancel_superseded(self, command_id: str) -> list[CommandRow]:
+        return await self._rows(store.CANCEL_SUPERSEDED, command_id)
+
+    async def live_under(self, agent_id: str, prefix: str, node_id: str | None) -> list[tuple[str, str]]:
+        rows = await self.db.fetch(store.LIVE_WITH_PREFIX, agent_id, prefix, node_id)
+        return [(r["id"], r["payload"]) for r in rows]
 
     # -- claims ----------------------------------------------------------------------
     async def journal_seen(self, agent_id: str, journal_id: str, *, present: bool) -> JournalRow:
