@@ -2,8 +2,8 @@
 
 Every statement of the service is here, and only here (over 400 lines for that reason: one
 place to read and review every query the service runs). ``storage.PgStore`` runs most of them
-behind the ``Store`` protocol; ``agents`` and ``commands`` still run the rest themselves. Every
-state change is a compare-and-set: an ``UPDATE … WHERE state IN (…)`` that returns the row it changed, so a
+behind the ``Store`` protocol; ``agents`` still runs the rest itself. Every state change is a
+compare-and-set: an ``UPDATE … WHERE state IN (…)`` that returns the row it changed, so a
 duplicate or late event changes nothing. Loops that several instances run at once take their
 rows with ``FOR UPDATE SKIP LOCKED``, in one statement: no row stays locked while the service
 talks to NATS.
