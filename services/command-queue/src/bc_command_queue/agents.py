@@ -57,9 +57,12 @@ from .claims import Claims
 from .commands import check_name, invalid
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries, Streams
+from .rows import command_row
 from .runs import Runs
 from .signers import Signer, Signers
+from .storage import Store
 from .sweeper import DispatchPending
+from .views import agent_view
 
 __all__ = ["Agents"]
 
@@ -81,6 +84,7 @@ class Agents:
         self,
         *,
         db: Database,
+        store: Store,
         config: CmdqConfig,
         streams: Streams,
         deliveries: Deliveries,
@@ -102,8 +106,8 @@ class Agents:
         self.dispatch_pending = dispatch_pending
         self.spawn = spawn
         self.log = log
-        self.claims = Claims(db=db, config=config, changed=changed, log=log, reruns=reruns)
-        self.runs = Runs(db=db, pki=pki, changed=changed, log=log)
+        self.claims = Claims(store=store, config=config, changed=changed, log=log, reruns=reruns)
+        self.runs = Runs(store=store, pki=pki, changed=changed, log=log)
 
     async def on_event(self, msg: Msg) -> None:
         """One signed agent event: checked, applied, answered (when it asks for an answer)."""
@@ -213,7 +217,7 @@ class Agents:
             if signer.role == "site":
                 await self.dispatch_pending(site_id=signer.site_id)
             rows = await self.db.fetch(store.AGENT_COMMANDS_TO_REPUBLISH, signer.agent_id)
-            await self.deliveries.deliver(rows, again=True)
+            await self.deliveries.deliver([command_row(r) for r in rows], again=True)
         except (BcError, *_DB_ERRORS) as exc:
             self.log.warning("redelivery_deferred", agent_id=signer.agent_id, error=str(exc))
 
@@ -257,7 +261,7 @@ class Agents:
                     await conn.execute(store.CERT_REVOKED_MARK, cert_id)
                     cut = await conn.fetch(store.CERT_REVOKED_CUT_OFF, cert_id, self.config.silent_after_ms)
                     await conn.execute(store.CERT_REVOKED_LEASES, cert_id)
-                    back = await conn.fetch(store.CERT_REVOKED_REASSIGN, cert_id)
+                    back = [command_row(r) for r in await conn.fetch(store.CERT_REVOKED_REASSIGN, cert_id)]
             except BcError as err:
                 if err.code == ErrorCode.NOT_FOUND:
                     return
@@ -269,8 +273,8 @@ class Agents:
                     self.log.info(
                         "agent_cut_off", agent_id=row["id"], site_id=row["site_id"], cert_id=cert_id
                     )
-                for row in back:
-                    self.log.info("command_reassigned", command_id=row["id"], reason="agent-revoked")
+                for command in back:
+                    self.log.info("command_reassigned", command_id=command.id, reason="agent-revoked")
                 await self.changed(back)
                 for site_id in {row["site_id"] for row in cut}:
                     await self.dispatch_pending(site_id=site_id)
@@ -304,7 +308,7 @@ class Agents:
             ident,
         )
         agents, next_ = take_page(
-            [store.agent_view(r) for r in rows], limit=body.limit, key=lambda a: (a.site_id, a.id),
+            [agent_view(r) for r in rows], limit=body.limit, key=lambda a: (a.site_id, a.id),
             budget=req.page_budget,
         )  # fmt: skip
         return AgentList(agents=agents, next=next_)

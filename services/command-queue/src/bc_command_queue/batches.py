@@ -16,7 +16,7 @@ from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
 from better_compute.crypto import batch_document
-from better_compute.service import ApiRequest, Database
+from better_compute.service import ApiRequest
 from better_compute.wire.cmdq import (
     BATCH_EVENTS,
     ApprovalView,
@@ -34,9 +34,10 @@ from better_compute.wire.cmdq import (
 )
 from better_compute.wire.paging import decode_cursor, take_page
 
-from . import store
 from .config import CmdqConfig
 from .delivery import Changed
+from .rows import ApprovalRow, BatchRow, CommandRow
+from .storage import NewBatch, Store
 from .sweeper import DispatchPending
 
 __all__ = ["Batches"]
@@ -48,7 +49,7 @@ class Batches:
     def __init__(
         self,
         *,
-        db: Database,
+        store: Store,
         config: CmdqConfig,
         app: App,
         changed: Changed,
@@ -56,7 +57,7 @@ class Batches:
         log: Any,
         publish: Callable[[str, str, Any], Awaitable[None]] | None = None,
     ) -> None:
-        self.db = db
+        self.store = store
         self.config = config
         self.app = app
         self.changed = changed
@@ -70,13 +71,13 @@ class Batches:
         instances never both publish one, and a crash before the mark publishes it again."""
         if self.publish is None:
             return 0
-        async with self.db.transaction() as conn:
-            rows = await conn.fetch(store.BATCHES_EXPIRY_DUE)
+        async with self.store.transaction() as tx:
+            rows = await tx.batches_expiry_due()
             for row in rows:
-                await self._event(await self._view_of(row, conn=conn))
-                self.log.info("batch_expired", batch_id=row["id"])
+                await self._event(await self._view_of(row, tx=tx))
+                self.log.info("batch_expired", batch_id=row.id)
             if rows:
-                await conn.execute(store.BATCHES_EXPIRY_PUBLISHED, [r["id"] for r in rows])
+                await tx.mark_expiry_published([r.id for r in rows])
         return len(rows)
 
     async def _event(self, view: BatchView, *, approver_id: str | None = None) -> None:
@@ -94,46 +95,44 @@ class Batches:
         )
         await self.publish(BATCH_EVENTS, view.id, event)
 
-    def view(self, row: Any, approvals: Sequence[Any], *, created: bool = False) -> BatchView:
+    def view(self, row: BatchRow, approvals: Sequence[ApprovalRow], *, created: bool = False) -> BatchView:
         """A ``batches`` row and its approvals as the wire's ``BatchView``."""
         quorum = self.config.quorum
-        document = bytes(row["document"])
+        document = row.document
         views = []
         for a in approvals:
-            approver = quorum.approvers.get(a["approver_id"])
-            counted = approver is not None and approver.verifies(bytes(a["signature"]), document)
-            views.append(
-                ApprovalView(approver_id=a["approver_id"], at=a["created_at"].timestamp(), counted=counted)
-            )
+            approver = quorum.approvers.get(a.approver_id)
+            counted = approver is not None and approver.verifies(a.signature, document)
+            views.append(ApprovalView(approver_id=a.approver_id, at=a.created_at, counted=counted))
         state: BatchState
-        if row["closed_at"] is not None:
+        if row.closed_at is not None:
             state = "closed"
-        elif row["expired"]:
+        elif row.expired:
             state = "expired"
-        elif row["approved_at"] is not None:
+        elif row.approved_at is not None:
             state = "approved"
         else:
             state = "open"
         return BatchView(
-            id=row["id"],
-            tenant_id=row["tenant_id"],
-            kinds=list(row["kinds"]),
-            nodes=list(row["nodes"]),
-            workflow_id=row["workflow_id"],
-            workflow_ids=list(row["workflow_ids"]),
-            note=row["note"],
+            id=row.id,
+            tenant_id=row.tenant_id,
+            kinds=list(row.kinds),
+            nodes=list(row.nodes),
+            workflow_id=row.workflow_id,
+            workflow_ids=list(row.workflow_ids),
+            note=row.note,
             state=state,
             threshold=quorum.threshold,
             approvals=views,
-            created_at=row["created_at"].timestamp(),
-            expires_at_ms=row["expires_at_ms"],
+            created_at=row.created_at,
+            expires_at_ms=row.expires_at_ms,
             document=document,
             created=created,
-            closed_reason=row["closed_reason"],
+            closed_reason=row.closed_reason,
         )
 
-    async def _view_of(self, row: Any, *, created: bool = False, conn: Any = None) -> BatchView:
-        return self.view(row, await (conn or self.db).fetch(store.APPROVALS_OF, row["id"]), created=created)
+    async def _view_of(self, row: BatchRow, *, created: bool = False, tx: Store | None = None) -> BatchView:
+        return self.view(row, await (tx or self.store).approvals_of([row.id]), created=created)
 
     async def create(self, req: ApiRequest) -> BatchView:
         body = req.decode(CreateBatch)
@@ -153,7 +152,7 @@ class Batches:
             )
         kinds, nodes = sorted(set(body.kinds)), sorted(set(body.nodes))
         if body.idempotency_key is not None:
-            found = await self.db.fetchrow(store.BATCH_BY_KEY, body.idempotency_key)
+            found = await self.store.batch_by_key(body.idempotency_key)
             if found is not None:
                 return await self._same_batch(found, body, kinds, nodes)
         batch_id = new_id("batch")
@@ -167,22 +166,25 @@ class Batches:
             workflow_id=body.workflow_id,
             workflow_ids=body.workflow_ids,
         )
-        row = await self.db.fetchrow(
-            store.BATCH_INSERT,
-            batch_id,
-            body.tenant_id,
-            kinds,
-            nodes,
-            body.workflow_id,
-            body.note,
-            body.idempotency_key,
-            document,
-            self.config.quorum.threshold,
-            expires_at_ms,
-            sorted(set(body.workflow_ids)),
+        row = await self.store.insert_batch(
+            NewBatch(
+                id=batch_id,
+                tenant_id=body.tenant_id,
+                kinds=kinds,
+                nodes=nodes,
+                workflow_id=body.workflow_id,
+                note=body.note,
+                idempotency_key=body.idempotency_key,
+                document=document,
+                threshold=self.config.quorum.threshold,
+                expires_at_ms=expires_at_ms,
+                workflow_ids=sorted(set(body.workflow_ids)),
+            )
         )
         if row is None:  # another request with the same idempotency key won the race
-            found = await self.db.fetchrow(store.BATCH_BY_KEY, body.idempotency_key)
+            assert body.idempotency_key is not None
+            found = await self.store.batch_by_key(body.idempotency_key)
+            assert found is not None  # batches are never deleted
             return await self._same_batch(found, body, kinds, nodes)
         self.log.info(
             "batch_created",
@@ -196,10 +198,10 @@ class Batches:
         return view
 
     async def _same_batch(
-        self, found: Any, body: CreateBatch, kinds: list[str], nodes: list[str]
+        self, found: BatchRow, body: CreateBatch, kinds: list[str], nodes: list[str]
     ) -> BatchView:
-        first = (found["tenant_id"], list(found["kinds"]), list(found["nodes"]))
-        same_workflows = (found["workflow_id"], sorted(found["workflow_ids"])) == (
+        first = (found.tenant_id, found.kinds, found.nodes)
+        same_workflows = (found.workflow_id, sorted(found.workflow_ids)) == (
             body.workflow_id,
             sorted(set(body.workflow_ids)),
         )
@@ -207,13 +209,13 @@ class Batches:
             raise BcError(
                 ErrorCode.CONFLICT,
                 "idempotency key already used for a batch with another scope",
-                {"path": "idempotencyKey", "batchId": found["id"]},
+                {"path": "idempotencyKey", "batchId": found.id},
             )
         return await self._view_of(found)
 
     async def get(self, req: ApiRequest) -> BatchView:
         ident = parse_id(req.decode(BatchIdRequest).id, "batch", path="id")
-        row = await self.db.fetchrow(store.BATCH_BY_ID, ident)
+        row = await self.store.batch_by_id(ident)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "id"})
         return await self._view_of(row)
@@ -221,30 +223,32 @@ class Batches:
     async def list_batches(self, req: ApiRequest) -> BatchList:
         body = req.decode(ListBatches)
         (before,) = decode_cursor(body.cursor, str) or (None,)
-        sizes = await self.db.fetch(store.BATCHES_LIST, body.workflow_id, body.state, before, body.limit + 1)
+        sizes = await self.store.batch_sizes(
+            workflow_id=body.workflow_id, state=body.state, before=before, limit=body.limit + 1
+        )
         # A view carries the node list and the signed document (base64): about 2.5 times
         # the document's size.
         page, next_ = take_page(
-            list(sizes), limit=body.limit, key=lambda r: (r["id"],), budget=req.page_budget,
-            size=lambda r: 1024 + 3 * int(r["size"]),
+            sizes, limit=body.limit, key=lambda r: (r.id,), budget=req.page_budget,
+            size=lambda r: 1024 + 3 * r.size,
         )  # fmt: skip
         if not page:
             return BatchList(batches=[], next=next_)
-        ids = [r["id"] for r in page]
-        rows = await self.db.fetch(store.BATCHES_BY_IDS, ids)
-        approvals: dict[str, list[Any]] = {ident: [] for ident in ids}
-        for a in await self.db.fetch(store.APPROVALS_OF_BATCHES, ids):  # one query for the page
-            approvals[a["batch_id"]].append(a)
-        return BatchList(batches=[self.view(r, approvals[r["id"]]) for r in rows], next=next_)
+        ids = [r.id for r in page]
+        rows = await self.store.batches_by_ids(ids)
+        approvals: dict[str, list[ApprovalRow]] = {ident: [] for ident in ids}
+        for a in await self.store.approvals_of(ids):  # one query for the page
+            approvals[a.batch_id].append(a)
+        return BatchList(batches=[self.view(r, approvals[r.id]) for r in rows], next=next_)
 
     async def approve(self, req: ApiRequest) -> BatchView:
         body = req.decode(ApproveBatch)
         ident = parse_id(body.batch_id, "batch", path="batchId")
         quorum = self.config.quorum
         newly_approved = False
-        async with self.db.transaction() as conn:
+        async with self.store.transaction() as tx:
             # Locked, so two approvals counted at once never both miss the threshold.
-            row = await conn.fetchrow(store.BATCH_BY_ID_FOR_UPDATE, ident)
+            row = await tx.batch_by_id(ident, lock=True)
             if row is None:
                 raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "batchId"})
             if not quorum.enabled:
@@ -260,38 +264,40 @@ class Batches:
                     "not a configured approver",
                     {"path": "approverId", "reason": "unknown-approver"},
                 )
-            if row["closed_at"] is not None:
+            if row.closed_at is not None:
                 raise BcError(
                     ErrorCode.INVALID_STATE,
-                    f"the batch is closed: {row['closed_reason'] or 'its workflow ended'}",
+                    f"the batch is closed: {row.closed_reason or 'its workflow ended'}",
                     {"path": "batchId", "reason": "batch-closed"},
                 )
-            if row["expired"]:
+            if row.expired:
                 raise BcError(
                     ErrorCode.INVALID_STATE,
                     "the batch has expired",
                     {"path": "batchId", "reason": "batch-expired"},
                 )
-            if not approver.verifies(body.signature, bytes(row["document"])):
+            if not approver.verifies(body.signature, row.document):
                 self.log.warning("approval_refused", batch_id=ident, approver_id=body.approver_id)
                 raise BcError(
                     ErrorCode.UNAUTHENTICATED,
                     "the signature is not this approver's over this batch's document",
                     {"path": "signature", "reason": "bad-signature"},
                 )
-            inserted = await conn.fetchval(store.APPROVAL_INSERT, ident, body.approver_id, body.signature)
-            was_approved = row["approved_at"] is not None
-            approved = await self._recount(conn, row)
+            inserted = await tx.insert_approval(ident, body.approver_id, body.signature)
+            was_approved = row.approved_at is not None
+            approved = await self._recount(tx, row)
             newly_approved = approved and not was_approved
-            view = await self._view_of(await conn.fetchrow(store.BATCH_BY_ID, ident), conn=conn)
+            after = await tx.batch_by_id(ident)
+            assert after is not None  # held by this transaction
+            view = await self._view_of(after, tx=tx)
         self.log.info(
             "batch_approval",
             batch_id=ident,
             approver_id=body.approver_id,
-            duplicate=inserted is None,
+            duplicate=not inserted,
             approved=approved,
         )
-        if inserted is not None or newly_approved:
+        if inserted or newly_approved:
             await self._event(view, approver_id=body.approver_id)
         if newly_approved:
             await self.dispatch_pending(batch_id=ident)
@@ -301,12 +307,13 @@ class Batches:
         """Close a batch whose workflow failed or was aborted: no more approvals, not open."""
         body = req.decode(CloseBatch)
         ident = parse_id(body.id, "batch", path="id")
-        row = await self.db.fetchrow(store.BATCH_BY_ID, ident)
+        row = await self.store.batch_by_id(ident)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "id"})
-        if row["closed_at"] is not None:
+        if row.closed_at is not None:
             return await self._view_of(row)
-        row = await self.db.fetchrow(store.BATCH_CLOSE, ident, body.reason)
+        row = await self.store.close_batch(ident, body.reason)
+        assert row is not None  # batches are never deleted
         self.log.info("batch_closed", batch_id=ident, reason=body.reason)
         view = await self._view_of(row)
         await self._event(view)
@@ -316,7 +323,7 @@ class Batches:
         """A closed batch's workflow runs again (retried or resumed): the batch is open again,
         its approvals as they were."""
         ident = parse_id(req.decode(BatchIdRequest).id, "batch", path="id")
-        row = await self.db.fetchrow(store.BATCH_REOPEN, ident)
+        row = await self.store.reopen_batch(ident)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "id"})
         self.log.info("batch_reopened", batch_id=ident)
@@ -324,30 +331,29 @@ class Batches:
         await self._event(view)
         return view
 
-    async def _recount(self, conn: Any, row: Any) -> bool:
+    async def _recount(self, tx: Store, row: BatchRow) -> bool:
         """Count the valid approvals under the configured approvers; record the outcome."""
         quorum = self.config.quorum
-        document = bytes(row["document"])
         counted = 0
-        for a in await conn.fetch(store.APPROVALS_OF, row["id"]):
-            approver = quorum.approvers.get(a["approver_id"])
-            if approver is not None and approver.verifies(bytes(a["signature"]), document):
+        for a in await tx.approvals_of([row.id]):
+            approver = quorum.approvers.get(a.approver_id)
+            if approver is not None and approver.verifies(a.signature, row.document):
                 counted += 1
         approved = quorum.enabled and counted >= quorum.threshold
-        await conn.execute(store.BATCH_SET_APPROVED, row["id"], approved)
+        await tx.set_batch_approved(row.id, approved)
         return approved
 
     async def recount_all(self) -> None:
         """At start: approvals count under the approvers configured now (one may be gone). The
         dispatched, unclaimed commands of a batch no longer approved go back to pending."""
-        withdrawn: list[Any] = []
-        for ident in [r["id"] for r in await self.db.fetch(store.BATCHES_UNEXPIRED)]:
-            async with self.db.transaction() as conn:
-                row = await conn.fetchrow(store.BATCH_BY_ID_FOR_UPDATE, ident)
-                if row is not None and not await self._recount(conn, row) and self.config.quorum.enabled:
-                    withdrawn += await conn.fetch(store.BATCH_UNDISPATCH, ident)
-        for row in withdrawn:
-            self.log.info("command_undispatched", command_id=row["id"], reason=row["reason"])
+        withdrawn: list[CommandRow] = []
+        for ident in await self.store.unexpired_batch_ids():
+            async with self.store.transaction() as tx:
+                row = await tx.batch_by_id(ident, lock=True)
+                if row is not None and not await self._recount(tx, row) and self.config.quorum.enabled:
+                    withdrawn += await tx.undispatch_batch(ident)
+        for undone in withdrawn:
+            self.log.info("command_undispatched", command_id=undone.id, reason=undone.reason)
         await self.changed(withdrawn)
 
     async def quorum(self, _req: ApiRequest) -> QuorumView:

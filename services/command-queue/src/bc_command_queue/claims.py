@@ -15,15 +15,15 @@ from typing import Any
 
 import msgspec
 
-from better_compute.service import Database
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Ack, AckReply
 from better_compute.wire.cmdq import TERMINAL_STATES
 
-from . import store
 from .commands import invalid
 from .config import CmdqConfig
 from .delivery import Changed
+from .rows import ClaimStateRow
+from .storage import Store
 
 __all__ = ["Claims"]
 
@@ -39,7 +39,7 @@ class Claims:
     def __init__(
         self,
         *,
-        db: Database,
+        store: Store,
         config: CmdqConfig,
         changed: Changed,
         log: Any,
@@ -48,7 +48,7 @@ class Claims:
         self.reruns = reruns
         """Whether a command of a kind, with a payload, may run again after an interruption
         (the kind's manifest says it is idempotent)."""
-        self.db = db
+        self.store = store
         self.config = config
         self.changed = changed
         self.log = log
@@ -66,38 +66,37 @@ class Claims:
             raise invalid("journalId", "a journal id is at most 64 characters")
         journal = ev.journal_id or None
         quorum = self.config.quorum.enabled
-        claim = (ev.command_id, ev.agent, digest, journal, ev.signed_at_ms, quorum)
         if ev.rerun:
             return await self._rerun(ev, digest, journal)
         kill_point(BEFORE_CLAIM)
         generation, present = 0, False
         if journal is not None:
-            seen = await self.db.fetchrow(store.JOURNAL_SEEN, ev.agent, journal, False)
-            generation, present = int(seen["generation"]), bool(seen["present"])
-        row = await self.db.fetchrow(store.ACK, *claim)
+            seen = await self.store.journal_seen(ev.agent, journal, present=False)
+            generation, present = seen.generation, seen.present
+        row = await self.store.ack(ev.command_id, ev.agent, digest, journal, ev.signed_at_ms, quorum=quorum)
         if row is not None:
             kill_point(AFTER_CLAIM)
             await self.changed([row])
             return AckReply(proceed=True, state="acked")
-        cur = await self.db.fetchrow(store.CLAIM_STATE, ev.command_id)
+        cur = await self.store.claim_state(ev.command_id)
         if cur is None:
             return AckReply(proceed=False, reason="unknown-command")
         # Not for good: the command may be handed to this agent later (another agent fell
         # silent), and a genuine delivery may follow one that was not what we sent.
-        if cur["agent_id"] != ev.agent:
+        if cur.agent_id != ev.agent:
             return AckReply(proceed=False, reason="not-yours", again=True)
-        if bytes(cur["digest"]) != digest:
+        if cur.digest != digest:
             self.log.warning("claim_digest_mismatch", command_id=ev.command_id, agent_id=ev.agent)
             return AckReply(proceed=False, reason="digest-mismatch", again=True)
-        state = cur["state"]
+        state = cur.state
         if state in TERMINAL_STATES:
             return AckReply(proceed=False, state=state, reason=state)
         if state == "cancelling":
             # Cancelled after a claim: the agent says it never started it with a result.
             return AckReply(proceed=False, state=state, reason="cancelling")
-        if not cur["live"]:
+        if not cur.live:
             return AckReply(proceed=False, state=state, reason="expired")
-        same_journal = journal is not None and cur["claim_journal"] == journal
+        same_journal = journal is not None and cur.claim_journal == journal
         if state == "running" and same_journal:
             # The journal started it (it reported running), so it never claims it again: this
             # is a late copy of its claim, or the journal was restored from an older copy.
@@ -105,10 +104,10 @@ class Claims:
             return AckReply(proceed=False, state=state, reason="running")
         if state in ("acked", "running") and not same_journal:
             return await self._interrupt(ev, journal, (generation, present), cur)
-        if state in ("dispatched", "acked") and cur["destructive"]:
+        if state in ("dispatched", "acked") and cur.destructive:
             batch_valid = (
-                cur["has_batch"] and not cur["batch_expired"] and (not quorum or cur["batch_approved"])
-            ) or (not cur["has_batch"] and not quorum)
+                cur.has_batch and not cur.batch_expired and (not quorum or cur.batch_approved)
+            ) or (not cur.has_batch and not quorum)
             if not batch_valid:
                 return await self._refuse_for_batch(ev, journal, cur)
         # pending, or changed meanwhile: it comes again in a later delivery
@@ -117,54 +116,52 @@ class Claims:
     async def _rerun(self, ev: Ack, digest: bytes, journal: str | None) -> AckReply:
         """The journal that claimed a command started it and its process died: it runs again
         only when the kind is idempotent for the payload and nothing else changed meanwhile."""
-        cur = await self.db.fetchrow(store.CLAIM_STATE, ev.command_id)
+        cur = await self.store.claim_state(ev.command_id)
         if cur is None:
             return AckReply(proceed=False, reason="unknown-command")
-        if cur["agent_id"] != ev.agent or bytes(cur["digest"]) != digest:
+        if cur.agent_id != ev.agent or cur.digest != digest:
             return AckReply(proceed=False, reason="not-yours")
-        state = cur["state"]
+        state = cur.state
         if state == "cancelling":
             return AckReply(proceed=False, state=state, reason="cancelling")
         if state not in ("acked", "running"):
             return AckReply(proceed=False, state=state, reason=state)
-        if journal is None or cur["claim_journal"] != journal:
+        if journal is None or cur.claim_journal != journal:
             return AckReply(proceed=False, state=state, reason="claimed-by-another-journal")
-        payload = msgspec.json.decode(cur["payload"]) if isinstance(cur["payload"], str) else cur["payload"]
-        if cur["destructive"] or not self.reruns(cur["kind"], payload):
+        payload = msgspec.json.decode(cur.payload)
+        if cur.destructive or not self.reruns(cur.kind, payload):
             return AckReply(proceed=False, state=state, reason="not-idempotent")
-        row = await self.db.fetchrow(store.CLAIM_RERUN, ev.command_id, ev.agent, journal)
+        row = await self.store.claim_rerun(ev.command_id, ev.agent, journal)
         if row is None:
             return AckReply(proceed=False, state=state, reason="expired")
-        self.log.info("command_rerun", command_id=ev.command_id, agent_id=ev.agent, kind=cur["kind"])
-        return AckReply(proceed=True, state=row["state"], rerun=True)
+        self.log.info("command_rerun", command_id=ev.command_id, agent_id=ev.agent, kind=cur.kind)
+        return AckReply(proceed=True, state=row.state, rerun=True)
 
     async def _interrupt(
-        self, ev: Ack, journal: str | None, generation: tuple[int, bool], cur: Any
+        self, ev: Ack, journal: str | None, generation: tuple[int, bool], cur: ClaimStateRow
     ) -> AckReply:
         """A newer journal of the agent claims a command that may have started: settle it
         ``failed`` (``interrupted``); it never runs again."""
-        row = await self.db.fetchrow(
-            store.CLAIM_INTERRUPTED, ev.command_id, ev.agent, journal, ev.signed_at_ms, *generation
+        row = await self.store.claim_interrupted(
+            ev.command_id, ev.agent, journal, ev.signed_at_ms, *generation
         )
         if row is None:
             # From a journal older than the one that claimed it (a late claim of a process that
             # was replaced, however recently it signed it), or a late unnamed copy.
             self.log.info("claim_superseded", command_id=ev.command_id, agent_id=ev.agent)
-            return AckReply(proceed=False, state=cur["state"], reason="claimed-by-another-journal")
-        self.log.warning("command_interrupted", command_id=ev.command_id, agent_id=ev.agent, was=cur["state"])
+            return AckReply(proceed=False, state=cur.state, reason="claimed-by-another-journal")
+        self.log.warning("command_interrupted", command_id=ev.command_id, agent_id=ev.agent, was=cur.state)
         await self.changed([row])
         return AckReply(proceed=False, state="failed", reason="interrupted")
 
-    async def _refuse_for_batch(self, ev: Ack, journal: str | None, cur: Any) -> AckReply:
+    async def _refuse_for_batch(self, ev: Ack, journal: str | None, cur: ClaimStateRow) -> AckReply:
         """A destructive command claimed outside a valid batch: it expires with its batch, or
         goes back to pending until the batch is approved again."""
-        expired = cur["has_batch"] and cur["batch_expired"]
-        sql = store.CLAIM_BATCH_EXPIRED if expired else store.CLAIM_BACK_TO_PENDING
-        row = await self.db.fetchrow(sql, ev.command_id, ev.agent, journal)
+        expired = cur.has_batch and cur.batch_expired
+        refuse = self.store.claim_batch_expired if expired else self.store.claim_back_to_pending
+        row = await refuse(ev.command_id, ev.agent, journal)
         if row is None:  # changed meanwhile
-            return AckReply(proceed=False, state=cur["state"], reason=cur["state"], again=True)
-        self.log.warning(
-            "claim_refused_batch", command_id=ev.command_id, state=row["state"], reason=row["reason"]
-        )
+            return AckReply(proceed=False, state=cur.state, reason=cur.state, again=True)
+        self.log.warning("claim_refused_batch", command_id=ev.command_id, state=row.state, reason=row.reason)
         await self.changed([row])
-        return AckReply(proceed=False, state=row["state"], reason=row["reason"], again=not expired)
+        return AckReply(proceed=False, state=row.state, reason=row.reason, again=not expired)

@@ -19,7 +19,7 @@ from better_compute.core.ids import new_id, parse_id
 from better_compute.core.keys import workflow_command_prefix
 from better_compute.core.names import parse_name
 from better_compute.core.plugins import CommandKind
-from better_compute.service import ApiRequest, Database
+from better_compute.service import ApiRequest
 from better_compute.service.audit import requester
 from better_compute.service.fences import attempt_superseded
 from better_compute.wire.agent import payload_digest
@@ -41,9 +41,11 @@ from better_compute.wire.cmdq import (
     enqueue_proof_document,
 )
 
-from . import store
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries
+from .rows import ClaimedRow, CommandRow
+from .storage import NewCommand, Store
+from .views import command_view
 
 __all__ = ["Commands", "check_name", "invalid"]
 
@@ -80,14 +82,14 @@ class Commands:
     def __init__(
         self,
         *,
-        db: Database,
+        store: Store,
         config: CmdqConfig,
         app: App,
         deliveries: Deliveries,
         changed: Changed,
         log: Any,
     ) -> None:
-        self.db = db
+        self.store = store
         self.config = config
         self.app = app
         self.deliveries = deliveries
@@ -134,22 +136,22 @@ class Commands:
                     {"path": "batchId", "reason": "batch-required"},
                 )
             return None, True
-        batch = await self.db.fetchrow(store.BATCH_BY_ID, body.batch_id)
+        batch = await self.store.batch_by_id(body.batch_id)
         if batch is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such batch", {"path": "batchId"})
-        if batch["tenant_id"] != body.tenant_id:
+        if batch.tenant_id != body.tenant_id:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 "the batch belongs to another tenant",
                 {"path": "batchId", "reason": "outside-batch-scope"},
             )
-        if body.kind not in batch["kinds"]:
+        if body.kind not in batch.kinds:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 f"{body.kind} is outside the batch's scope",
                 {"path": "kind", "reason": "outside-batch-scope"},
             )
-        if body.node_id not in batch["nodes"]:
+        if body.node_id not in batch.nodes:
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 "the node is outside the batch's scope",
@@ -159,12 +161,12 @@ class Commands:
         # commands only; an operator's batch (no workflowId) admits only commands sent directly,
         # by no workflow: approving a job by hand approves nothing a workflow may send. (A bulk
         # verb's batch names the set of workflows it started: a membership test.)
-        bulk = list(batch["workflow_ids"] or [])
-        if (body.workflow_id not in bulk) if bulk else (body.workflow_id != batch["workflow_id"]):
+        bulk = list(batch.workflow_ids)
+        if (body.workflow_id not in bulk) if bulk else (body.workflow_id != batch.workflow_id):
             if bulk:
                 signed_for = f"{len(bulk)} other workflows"
-            elif batch["workflow_id"]:
-                signed_for = f"workflow {batch['workflow_id']}"
+            elif batch.workflow_id:
+                signed_for = f"workflow {batch.workflow_id}"
             else:
                 signed_for = "no workflow"
             raise BcError(
@@ -172,25 +174,25 @@ class Commands:
                 f"the batch was signed for {signed_for}",
                 {"path": "workflowId", "reason": "outside-batch-scope"},
             )
-        if batch["expired"]:
+        if batch.expired:
             raise BcError(
                 ErrorCode.INVALID_STATE,
                 "the batch has expired",
                 {"path": "batchId", "reason": "batch-expired"},
             )
-        return body.batch_id, (not quorum.enabled) or batch["approved_at"] is not None
+        return body.batch_id, (not quorum.enabled) or batch.approved_at is not None
 
     async def _existing(self, body: EnqueueCommand) -> CommandView | None:
-        row = await self.db.fetchrow(store.COMMAND_BY_NODE_KEY, body.node_id, body.key)
+        row = await self.store.command_by_key(body.node_id, body.key)
         if row is None:
             return None
-        if row["kind"] != body.kind:
+        if row.kind != body.kind:
             raise BcError(
                 ErrorCode.CONFLICT,
-                f"key {body.key!r} of this node is already a {row['kind']} command",
-                {"path": "key", "commandId": row["id"]},
+                f"key {body.key!r} of this node is already a {row.kind} command",
+                {"path": "key", "commandId": row.id},
             )
-        return store.command_view(row)
+        return command_view(row)
 
     def _check_sender(self, req: ApiRequest, body: EnqueueCommand) -> None:
         """Only the engine enqueues commands under a workflow (they run under the workflow's
@@ -238,25 +240,24 @@ class Commands:
             batch_id, may_dispatch = await self._check_batch(body)
         command_id = new_id("cmd")
         not_after_ms = time.time_ns() // 1_000_000 + body.timeout_ms
-        row = await self.db.fetchrow(
-            store.COMMAND_INSERT,
-            command_id,
-            body.node_id,
-            body.site_id,
-            body.tenant_id,
-            body.key,
-            body.kind,
-            destructive,
-            body.target,
-            canonical.decode(),
-            bytes.fromhex(payload_digest(body.kind, canonical)),
-            batch_id,
-            body.workflow_id,
-            body.step,
-            not_after_ms,
-            may_dispatch,
-            self.config.silent_after_ms,
+        new = NewCommand(
+            id=command_id,
+            node_id=body.node_id,
+            site_id=body.site_id,
+            tenant_id=body.tenant_id,
+            key=body.key,
+            kind=body.kind,
+            destructive=destructive,
+            target=body.target,
+            payload=canonical.decode(),
+            digest=bytes.fromhex(payload_digest(body.kind, canonical)),
+            batch_id=batch_id,
+            workflow_id=body.workflow_id,
+            step=body.step,
+            not_after_ms=not_after_ms,
+            may_dispatch=may_dispatch,
         )
+        row = await self.store.insert_command(new, silent_after_ms=self.config.silent_after_ms)
         if row is None:  # (node, key) exists: find-before-create
             found = await self._existing(body)
             if found is None:  # removed in between: never happens, rows are kept
@@ -268,21 +269,21 @@ class Commands:
             command_id=command_id,
             node_id=body.node_id,
             kind=body.kind,
-            state=row["state"],
-            agent_id=row["agent_id"],
+            state=row.state,
+            agent_id=row.agent_id,
             workflow_id=body.workflow_id,
         )
         await self.changed([row])
-        if row["state"] == "dispatched":
+        if row.state == "dispatched":
             await self.deliveries.deliver([row])
-        return store.command_view(row, created=True)
+        return command_view(row, created=True)
 
     async def get(self, req: ApiRequest) -> CommandView:
         ident = parse_id(req.decode(CommandIdRequest).id, "cmd", path="id")
-        row = await self.db.fetchrow(store.COMMAND_BY_ID, ident)
+        row = await self.store.command_by_id(ident)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
-        return store.command_view(row)
+        return command_view(row)
 
     async def states(self, req: ApiRequest) -> CommandStatesReply:
         body = req.decode(CommandStates)
@@ -290,26 +291,24 @@ class Commands:
             raise BcError(
                 ErrorCode.INVALID_INPUT, f"at most {MAX_STATE_QUERY} ids a request", {"path": "ids"}
             )
-        rows = await self.db.fetch(store.COMMAND_STATES, body.ids)
-        return CommandStatesReply(states={r["id"]: r["state"] for r in rows})
+        return CommandStatesReply(states=await self.store.command_states(body.ids))
 
     async def list_commands(self, req: ApiRequest) -> CommandList:
         body = req.decode(ListCommands)
         if body.before is not None:
             parse_id(body.before, "cmd", path="before")
-        rows = await self.db.fetch(
-            store.LIST_COMMANDS,
-            body.node_id,
-            body.workflow_id,
-            body.state,
-            body.kind,
-            body.site_id,
-            body.agent_id,
-            body.batch_id,
-            body.before,
-            body.limit,
+        rows = await self.store.list_commands(
+            node_id=body.node_id,
+            workflow_id=body.workflow_id,
+            state=body.state,
+            kind=body.kind,
+            site_id=body.site_id,
+            agent_id=body.agent_id,
+            batch_id=body.batch_id,
+            before=body.before,
+            limit=body.limit,
         )
-        views = [store.command_view(r, full=False) for r in rows]
+        views = [command_view(r, full=False) for r in rows]
         more = len(views) == body.limit
         return CommandList(commands=views, next=views[-1].id if more and views else None)
 
@@ -317,11 +316,11 @@ class Commands:
         body = req.decode(CancelCommands)
         if len(body.reason) > 200:
             raise invalid("reason", "at most 200 characters")
-        running: list[Any] = []
+        running: list[ClaimedRow] = []
         if body.id is not None:
             ident = parse_id(body.id, "cmd", path="id")
-            rows = await self.db.fetch(store.CANCEL_BY_ID, ident, body.reason)
-            if not rows and await self.db.fetchrow(store.COMMAND_STATE, ident) is None:
+            rows = await self.store.cancel(ident, body.reason)
+            if not rows and await self.store.command_state(ident) is None:
                 raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
         elif body.key_prefix is not None:
             if not body.key_prefix or len(body.key_prefix) > MAX_KEY_LENGTH:
@@ -332,21 +331,20 @@ class Commands:
                 parse_id(body.workflow_id, "wf", path="workflowId")
             if body.fence:
                 await self._fence(body)
-            args = (body.node_id, body.key_prefix, body.reason, body.workflow_id)
-            rows = await self.db.fetch(store.CANCEL_BY_PREFIX, *args)
-            claimed = (body.node_id, body.key_prefix, self.config.lost_after_ms, body.workflow_id)
-            running = await self.db.fetch(store.CLAIMED_UNDER_PREFIX, *claimed)
+            under = {"node_id": body.node_id, "workflow_id": body.workflow_id}
+            rows = await self.store.cancel_under(body.key_prefix, reason=body.reason, **under)
+            lost_after_ms = self.config.lost_after_ms
+            running = await self.store.claimed_under(body.key_prefix, lost_after_ms=lost_after_ms, **under)
         else:
             raise invalid("id", "give id, or keyPrefix (with nodeId or workflowId)")
         for row in rows:
-            self.log.info("command_cancelled", command_id=row["id"], reason=body.reason)
+            self.log.info("command_cancelled", command_id=row.id, reason=body.reason)
         await self.changed(rows)
         return CancelReply(
-            cancelled=[r["id"] for r in rows],
-            running=[r["id"] for r in running],
+            cancelled=[r.id for r in rows],
+            running=[r.id for r in running],
             running_at=[
-                RunningAt(command_id=r["id"], agent_id=r["agent_id"], journal_id=r["claim_journal"])
-                for r in running
+                RunningAt(command_id=r.id, agent_id=r.agent_id, journal_id=r.claim_journal) for r in running
             ],
         )
 
@@ -361,23 +359,23 @@ class Commands:
             f"{workflow_command_prefix(body.workflow_id)}:"
         ):
             raise invalid("keyPrefix", "a fence is for one workflow: wf:<workflowId>:<step>#<attempt>")
-        await self.db.execute(store.KEY_FENCE_INSERT, body.key_prefix, body.workflow_id, body.reason)
+        await self.store.fence(body.key_prefix, body.workflow_id, body.reason)
 
-    async def _refuse_superseded(self, body: EnqueueCommand, row: Any) -> None:
+    async def _refuse_superseded(self, body: EnqueueCommand, row: CommandRow) -> None:
         """A command just created under the key of a superseded step attempt (an engine that
         lost its shard still runs it) is cancelled before it goes out, and refused."""
-        if body.workflow_id is None or not await self.db.fetchval(store.KEY_FENCED, body.key):
+        if body.workflow_id is None or not await self.store.fenced(body.key):
             return
-        rows = await self.db.fetch(store.CANCEL_SUPERSEDED, row["id"])
+        rows = await self.store.cancel_superseded(row.id)
         await self.changed(rows)
-        self.log.warning("command_refused_superseded", command_id=row["id"], workflow_id=body.workflow_id)
+        self.log.warning("command_refused_superseded", command_id=row.id, workflow_id=body.workflow_id)
         raise attempt_superseded("sends", path="key")
 
     async def live_with_ref(self, req: ApiRequest) -> LiveWithRefReply:
         body = req.decode(LiveWithRef)
         if not body.key_prefix:
             raise invalid("keyPrefix", "a key prefix is required")
-        for row in await self.db.fetch(store.LIVE_WITH_PREFIX, body.agent_id, body.key_prefix, body.node_id):
-            if _carries(msgspec.json.decode(row["payload"]), body.ref):
-                return LiveWithRefReply(live=True, command_id=row["id"])
+        for command_id, payload in await self.store.live_under(body.agent_id, body.key_prefix, body.node_id):
+            if _carries(msgspec.json.decode(payload), body.ref):
+                return LiveWithRefReply(live=True, command_id=command_id)
         return LiveWithRefReply(live=False)

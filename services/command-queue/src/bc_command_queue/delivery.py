@@ -25,17 +25,17 @@ from nats.aio.client import Client as Nats
 from nats.js import api
 
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.service import Database
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire import Subjects
 from better_compute.wire.agent import CommandDelivery
 from better_compute.wire.codec import encode
 
-from . import store
+from .rows import CommandRow
+from .storage import Store
 
 __all__ = ["Changed", "Deliveries", "Streams", "consumer_name"]
 
-Changed = Callable[[Sequence[Any]], Awaitable[None]]
+Changed = Callable[[Sequence[CommandRow]], Awaitable[None]]
 """Publishes the event of each changed command row (the engine wakes on it)."""
 
 BEFORE_PUBLISH = declare(
@@ -167,32 +167,33 @@ class Streams:
 class Deliveries:
     """Publishes dispatched commands on their sites' streams and records each publication."""
 
-    def __init__(self, db: Database, streams: Streams, log: Any) -> None:
-        self.db = db
+    def __init__(self, store: Store, streams: Streams, log: Any) -> None:
+        self.store = store
         self.streams = streams
         self.log = log
 
-    async def publish(self, row: Any, *, again: bool = False) -> bool:
+    async def publish(self, row: CommandRow, *, again: bool = False) -> bool:
         """Publish a delivery. ``again``: the same publication as the last recorded one (a
         no-op while the stream's duplicate window remembers it); otherwise a new one."""
-        generation = max(row["publishes"] - 1, 0) if again else row["publishes"]
+        generation = max(row.publishes - 1, 0) if again else row.publishes
+        assert row.agent_id is not None  # dispatched: it has its agent
         kill_point(BEFORE_PUBLISH)
         try:
             seq = await self.streams.publish(
-                site_id=row["site_id"],
-                agent_id=row["agent_id"],
-                command_id=row["id"],
+                site_id=row.site_id,
+                agent_id=row.agent_id,
+                command_id=row.id,
                 body=delivery_body(row),
                 generation=generation,
             )
         except BcError as err:
-            self.log.warning("delivery_deferred", command_id=row["id"], error=err.message)
+            self.log.warning("delivery_deferred", command_id=row.id, error=err.message)
             return False
         kill_point(AFTER_PUBLISH)
-        await self.db.execute(store.PUBLISHED, row["id"], row["agent_id"], seq)
+        await self.store.mark_published(row.id, row.agent_id, seq)
         return True
 
-    async def deliver(self, rows: Sequence[Any], *, again: bool = False) -> bool:
+    async def deliver(self, rows: Sequence[CommandRow], *, again: bool = False) -> bool:
         """Publish each row in turn; False when the stream is in trouble (the sweeper publishes
         the rest later)."""
         for row in rows:
@@ -201,22 +202,23 @@ class Deliveries:
         return True
 
 
-def delivery_body(row: Any) -> bytes:
+def delivery_body(row: CommandRow) -> bytes:
     """A ``commands`` row as the delivery its agent receives."""
+    assert row.agent_id is not None  # dispatched: it has its agent
     return encode(
         CommandDelivery(
-            id=row["id"],
-            kind=row["kind"],
-            payload=msgspec.Raw(row["payload"].encode()),
-            node_id=row["node_id"],
-            site_id=row["site_id"],
-            agent_id=row["agent_id"],
-            key=row["key"],
-            destructive=row["destructive"],
-            not_after_ms=int(row["not_after"].timestamp() * 1000),
-            batch_id=row["batch_id"],
-            workflow_id=row["workflow_id"],
-            step=row["step"],
+            id=row.id,
+            kind=row.kind,
+            payload=msgspec.Raw(row.payload.encode()),
+            node_id=row.node_id,
+            site_id=row.site_id,
+            agent_id=row.agent_id,
+            key=row.key,
+            destructive=row.destructive,
+            not_after_ms=int(row.not_after * 1000),
+            batch_id=row.batch_id,
+            workflow_id=row.workflow_id,
+            step=row.step,
         )
     )
 

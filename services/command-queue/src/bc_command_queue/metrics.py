@@ -11,6 +11,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from better_compute.service.metrics import LATENCY_BUCKETS, set_gauge_rows
 from better_compute.wire.cmdq import TERMINAL_STATES
 
+from .rows import CommandRow
+
 __all__ = ["BATCHES_WAITING", "collect", "observe_changes"]
 
 COMMANDS_LIVE: Final = Gauge(
@@ -61,14 +63,11 @@ async def collect(db: Any, *, silent_after_ms: int) -> None:
     BATCHES.set(float(await db.fetchval(BATCHES_WAITING)))
 
 
-def observe_changes(rows: Sequence[Any]) -> None:
+def observe_changes(rows: Sequence[CommandRow]) -> None:
     """Commands whose state changed: count and time the ones that finished."""
     now = time.time()
     for row in rows:
-        state = row["state"]
-        if state not in TERMINAL_STATES:
+        if row.state not in TERMINAL_STATES:
             continue
-        RESULTS.labels(row["kind"], state).inc()
-        created = row["created_at"]
-        if created is not None:
-            LATENCY.labels(row["kind"], state).observe(max(0.0, now - created.timestamp()))
+        RESULTS.labels(row.kind, row.state).inc()
+        LATENCY.labels(row.kind, row.state).observe(max(0.0, now - row.created_at))

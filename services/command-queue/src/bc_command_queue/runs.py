@@ -12,13 +12,13 @@ from typing import Any
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import result_document
-from better_compute.service import Database
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Progress, Result, ResultReply
 from better_compute.wire.codec import check_nesting
 
-from . import store
 from .delivery import Changed
+from .rows import CommandStateRow
+from .storage import Store
 
 __all__ = ["Runs"]
 
@@ -31,17 +31,17 @@ AFTER_RESULT = declare(
 class Runs:
     """Applies ``progress`` and ``result`` events."""
 
-    def __init__(self, *, db: Database, pki: PkiClient, changed: Changed, log: Any) -> None:
-        self.db = db
+    def __init__(self, *, store: Store, pki: PkiClient, changed: Changed, log: Any) -> None:
+        self.store = store
         self.pki = pki
         self.changed = changed
         self.log = log
 
     async def progress(self, ev: Progress) -> None:
         message = ev.message[:500] if ev.message is not None else None
-        row = await self.db.fetchrow(store.PROGRESS, ev.command_id, ev.agent, message)
-        if row is not None and row["old_state"] != row["state"]:
-            await self.changed([row])
+        row = await self.store.progress(ev.command_id, ev.agent, message)
+        if row is not None and row.old_state != row.command.state:
+            await self.changed([row.command])
 
     async def result(self, ev: Result) -> ResultReply:
         # the engine reads a result as JSON: one nested past what a decoder can hold is refused here
@@ -50,45 +50,44 @@ class Runs:
         attested = False
         if ev.result_signature is not None:
             cur = await self._command_of(ev)
-            if cur["state"] not in ("acked", "running", "cancelling"):
+            if cur.state not in ("acked", "running", "cancelling"):
                 await self._late_end(ev)
-                return ResultReply(recorded=False, state=cur["state"])
-            attested = await self._attest(cur["node_id"], ev)
+                return ResultReply(recorded=False, state=cur.state)
+            attested = await self._attest(cur.node_id, ev)
         kill_point(BEFORE_RESULT)
-        row = await self.db.fetchrow(
-            store.RESULT,
+        row = await self.store.result(
             ev.command_id,
             ev.agent,
-            ev.status,
-            reason,
-            ev.result,
-            ev.result_signature,
-            attested,
-            ev.journal_id[:64] if isinstance(ev.journal_id, str) else "",
+            status=ev.status,
+            reason=reason,
+            result=ev.result,
+            signature=ev.result_signature,
+            attested=attested,
+            journal=ev.journal_id[:64] if isinstance(ev.journal_id, str) else "",
         )
         if row is None:  # settled already (a duplicate or late result), or not this agent's
             cur = await self._command_of(ev)
             await self._late_end(ev)
-            return ResultReply(recorded=False, state=cur["state"])
+            return ResultReply(recorded=False, state=cur.state)
         kill_point(AFTER_RESULT)
         self.log.info(
             "command_settled",
             command_id=ev.command_id,
-            state=row["state"],
+            state=row.state,
             reason=reason,
             attested=attested,
             result_bytes=len(ev.result),
         )
         await self.changed([row])
-        return ResultReply(recorded=True, state=row["state"], attested=row["attested"])
+        return ResultReply(recorded=True, state=row.state, attested=row.attested)
 
-    async def _command_of(self, ev: Result) -> Any:
+    async def _command_of(self, ev: Result) -> CommandStateRow:
         """The command a result is about; ``NOT_FOUND`` or ``PERMISSION_DENIED`` if not the
         reporting agent's."""
-        cur = await self.db.fetchrow(store.COMMAND_STATE, ev.command_id)
+        cur = await self.store.command_state(ev.command_id)
         if cur is None:
             raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "commandId"})
-        if cur["agent_id"] != ev.agent:
+        if cur.agent_id != ev.agent:
             raise BcError(
                 ErrorCode.PERMISSION_DENIED,
                 "the command is not this agent's",
@@ -99,7 +98,7 @@ class Runs:
     async def _late_end(self, ev: Result) -> None:
         """The agent ran a command to its end after it was cancelled or expired: the result no
         longer counts, but a step attempt waiting for the run to end may go on now."""
-        rows = await self.db.fetch(store.LATE_END, ev.command_id, ev.agent)
+        rows = await self.store.late_end(ev.command_id, ev.agent)
         if rows:
             self.log.info("command_ended_late", command_id=ev.command_id, status=ev.status)
             await self.changed(rows)

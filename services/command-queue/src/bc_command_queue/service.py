@@ -10,6 +10,8 @@ channel). The work is split by concern, each part a plain class given what it ne
 * ``sweeper``: expiry, reassignment, lost agents, dispatch of pending commands, publishing
   again what was not delivered, retention;
 * ``delivery``: streams, consumers and publishing;
+* ``storage``: the ``Store`` those parts change rows through (``PgStore`` here; an in-memory
+  one in ``bc_command_queue.testing`` for unit tests), ``rows`` its row Structs;
 * ``store``: every SQL statement.
 """
 
@@ -28,14 +30,17 @@ from better_compute.service import Handler, Service
 from better_compute.service.events import ensure_events_stream
 from better_compute.wire.cmdq import EVENTS
 
-from . import metrics, store
+from . import metrics
 from .agents import Agents
 from .batches import Batches
 from .commands import Commands
 from .config import CmdqConfig
 from .delivery import Deliveries, Streams
+from .rows import CommandRow
 from .signers import Signers
+from .storage import PgStore
 from .sweeper import Sweeper
+from .views import command_event
 
 __all__ = ["CommandQueueService"]
 
@@ -88,9 +93,10 @@ class CommandQueueService(Service):
             ack_wait_seconds=self.config.ack_wait_ms / 1000,
         )
         db, config, log = self.db, self.config, self.log
-        deliveries = Deliveries(db, streams, log)
+        rows = PgStore(db)
+        deliveries = Deliveries(rows, streams, log)
         sweeper = Sweeper(
-            db=db,
+            store=rows,
             config=config,
             deliveries=deliveries,
             changed=self._changed,
@@ -99,12 +105,13 @@ class CommandQueueService(Service):
         )
         dispatch = sweeper.dispatch_pending
         batches = Batches(
-            db=db, config=config, app=app, changed=self._changed, dispatch_pending=dispatch, log=log,
+            store=rows, config=config, app=app, changed=self._changed, dispatch_pending=dispatch, log=log,
             publish=self.publish_event,
         )  # fmt: skip
         sweeper.duties.append(batches.publish_expiries)
         agents = Agents(
             db=db,
+            store=rows,
             config=config,
             streams=streams,
             deliveries=deliveries,
@@ -117,7 +124,7 @@ class CommandQueueService(Service):
             reruns=lambda kind, payload: app.command_kind(kind, path="kind").reruns(payload),
         )
         commands = Commands(
-            db=db, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
+            store=rows, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
         self._parts = Parts(commands, agents, batches, sweeper)
         # The durable event feed: this service creates the stream (it holds the JetStream
@@ -201,11 +208,11 @@ class CommandQueueService(Service):
         """Delete finished commands older than the retention (see ``Sweeper.purge``)."""
         return await self.parts.sweeper.purge()
 
-    async def _changed(self, rows: Sequence[Any]) -> None:
+    async def _changed(self, rows: Sequence[CommandRow]) -> None:
         """Publish each changed command's event: the engine wakes on it."""
         metrics.observe_changes(rows)
         for row in rows:
-            await self.publish_event(EVENTS, row["id"], store.command_event(row))
+            await self.publish_event(EVENTS, row.id, command_event(row))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)

@@ -1,7 +1,8 @@
-"""SQL of the cmdq schema, as named statements, and rows turned into views.
+"""SQL of the cmdq schema, as named statements.
 
 Every statement of the service is here, and only here (over 400 lines for that reason: one
-place to read and review every query the service runs). Every state change is a
+place to read and review every query the service runs). ``storage.PgStore`` runs most of them
+behind the ``Store`` protocol; ``agents`` still runs the rest itself. Every state change is a
 compare-and-set: an ``UPDATE … WHERE state IN (…)`` that returns the row it changed, so a
 duplicate or late event changes nothing. Loops that several instances run at once take their
 rows with ``FOR UPDATE SKIP LOCKED``, in one statement: no row stays locked while the service
@@ -10,13 +11,10 @@ talks to NATS.
 
 from __future__ import annotations
 
-import time
-from typing import Any, Final
-
-import msgspec
+from typing import Final
 
 from better_compute.service import fences
-from better_compute.wire.cmdq import TERMINAL_STATES, AgentStatus, AgentView, CommandEvent, CommandView
+from better_compute.wire.cmdq import TERMINAL_STATES
 
 __all__ = [
     "ACK",
@@ -82,9 +80,6 @@ __all__ = [
     "REPUBLISH_DUE",
     "RESULT",
     "SITE_OF_NODE",
-    "agent_view",
-    "command_event",
-    "command_view",
 ]
 
 _COLS: Final = (
@@ -635,79 +630,3 @@ APPROVALS_OF_BATCHES: Final = (
     "SELECT batch_id, approver_id, signature, created_at FROM approvals WHERE batch_id = ANY($1::text[])"
     " ORDER BY batch_id, created_at, approver_id"
 )
-
-
-# -- rows to views -----------------------------------------------------------------
-
-
-def command_view(row: Any, *, created: bool = False, full: bool = True) -> CommandView:
-    """A ``commands`` row as the wire's ``CommandView``; list pages leave out payload and
-    result (``full=False``)."""
-    return CommandView(
-        id=row["id"],
-        node_id=row["node_id"],
-        site_id=row["site_id"],
-        tenant_id=row["tenant_id"],
-        agent_id=row["agent_id"],
-        kind=row["kind"],
-        key=row["key"],
-        target=row["target"],
-        state=row["state"],
-        reason=row["reason"],
-        progress=row["progress"],
-        destructive=row["destructive"],
-        batch_id=row["batch_id"],
-        workflow_id=row["workflow_id"],
-        step=row["step"],
-        payload=msgspec.json.decode(row["payload"]) if full else None,
-        result=bytes(row["result"]) if full and row["result"] is not None else None,
-        attested=row["attested"],
-        created=created,
-        created_at=row["created_at"].timestamp(),
-        updated_at=row["updated_at"].timestamp(),
-        not_after=row["not_after"].timestamp(),
-    )
-
-
-def command_event(row: Any) -> CommandEvent:
-    return CommandEvent(
-        id=row["id"],
-        key=row["key"],
-        node_id=row["node_id"],
-        workflow_id=row["workflow_id"],
-        step=row["step"],
-        state=row["state"],
-        reason=row["reason"],
-        kind=row["kind"],
-        site_id=row["site_id"],
-        at=time.time(),
-    )
-
-
-def agent_view(row: Any) -> AgentView:
-    return AgentView(
-        id=row["id"],
-        site_id=row["site_id"],
-        tenant_id=row["tenant_id"],
-        role=row["role"],
-        cert_id=row["cert_id"],
-        version=row["version"],
-        kinds=list(row["kinds"]) if row["kinds"] is not None else None,
-        connected=row["connected"],
-        boot_lease=row["boot_lease"],
-        live_commands=int(row["live"]),
-        connected_at=row["connected_at"].timestamp(),
-        last_seen=row["last_seen"].timestamp(),
-        status=_agent_status(row["status"]),
-    )
-
-
-def _agent_status(raw: Any) -> AgentStatus | None:
-    if raw is None:
-        return None
-    try:
-        return msgspec.json.decode(
-            raw if isinstance(raw, (str, bytes)) else msgspec.json.encode(raw), type=AgentStatus
-        )
-    except msgspec.MsgspecError:
-        return None

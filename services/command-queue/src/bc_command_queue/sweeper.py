@@ -13,12 +13,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from better_compute.service import Database
 from better_compute.service.faults import Backoff, describe, is_transient
 
-from . import store
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries
+from .storage import Store
 
 __all__ = ["DispatchPending", "Sweeper"]
 
@@ -34,25 +33,29 @@ class Sweeper:
 
     Args:
         connected: whether the service's NATS connection is up now (agents can reach us).
+        clock: seconds for ``heard_for_ms`` (monotonic; a test gives its store's clock).
     """
 
     def __init__(
         self,
         *,
-        db: Database,
+        store: Store,
         config: CmdqConfig,
         deliveries: Deliveries,
         changed: Changed,
         connected: Callable[[], bool],
         log: Any,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.db = db
+        self.store = store
         self.config = config
         self.deliveries = deliveries
         self.changed = changed
         self.connected = connected
         self.log = log
-        self._heard_since: float | None = None  # monotonic; see heard_for_ms
+        self.clock = clock
+        """Seconds, only ever compared with itself (a test moves it)."""
+        self._heard_since: float | None = None  # by clock; see heard_for_ms
         self.duties: list[Callable[[], Awaitable[object]]] = []
         """More timed duties, run after the sweep's own (publishing batches' expiries)."""
 
@@ -76,7 +79,7 @@ class Sweeper:
         """How long agents have been able to reach us without a break: NATS connected and the
         store answering (heartbeats need both). An agent counts as silent or lost only after it
         was silent that long while we could hear it, never because of our own outage."""
-        now = time.monotonic()
+        now = self.clock()
         if not self.connected():
             self._heard_since = None
         elif self._heard_since is None:
@@ -86,24 +89,26 @@ class Sweeper:
     async def sweep(self) -> None:
         """One pass of every timed duty; safe in several instances at once."""
         cfg = self.config
-        expired = await self.db.fetch(store.EXPIRE_DUE, cfg.quorum.enabled)
+        expired = await self.store.expire_due(quorum=cfg.quorum.enabled)
         if cfg.quorum.enabled:
-            expired += await self.db.fetch(store.EXPIRE_BATCH_EXPIRED)
+            expired += await self.store.expire_batch_expired()
         heard_ms = self.heard_for_ms()
         reassigned = (
-            await self.db.fetch(store.REASSIGN_SILENT, cfg.silent_after_ms)
+            await self.store.reassign_silent(silent_after_ms=cfg.silent_after_ms)
             if heard_ms >= cfg.silent_after_ms
             else []
         )
         lost = (
-            await self.db.fetch(store.FAIL_LOST, cfg.lost_after_ms) if heard_ms >= cfg.lost_after_ms else []
+            await self.store.fail_lost(lost_after_ms=cfg.lost_after_ms)
+            if heard_ms >= cfg.lost_after_ms
+            else []
         )
         for row in expired:
-            self.log.info("command_expired", command_id=row["id"], reason=row["reason"])
+            self.log.info("command_expired", command_id=row.id, reason=row.reason)
         for row in reassigned:
-            self.log.info("command_reassigned", command_id=row["id"], reason="agent-silent")
+            self.log.info("command_reassigned", command_id=row.id, reason="agent-silent")
         for row in lost:
-            self.log.info("command_failed", command_id=row["id"], reason="agent-lost")
+            self.log.info("command_failed", command_id=row.id, reason="agent-lost")
         await self.changed([*expired, *reassigned, *lost])
         await self.dispatch_pending()
         await self.republish_due()
@@ -113,28 +118,27 @@ class Sweeper:
     async def dispatch_pending(self, *, site_id: str | None = None, batch_id: str | None = None) -> int:
         """Dispatch pending commands that may go now (quorum reached, an agent connected), in
         one statement; then publish their events and deliveries."""
-        rows = await self.db.fetch(
-            store.DISPATCH_PENDING,
-            self.config.quorum.enabled,
-            site_id,
-            batch_id,
-            _DISPATCH_BATCH,
-            self.config.silent_after_ms,
+        rows = await self.store.dispatch_pending(
+            quorum=self.config.quorum.enabled,
+            site_id=site_id,
+            batch_id=batch_id,
+            limit=_DISPATCH_BATCH,
+            silent_after_ms=self.config.silent_after_ms,
         )
-        rows.sort(key=lambda r: r["created_at"])  # oldest first, as they were queued
+        rows.sort(key=lambda r: r.created_at)  # oldest first, as they were queued
         await self.changed(rows)
         await self.deliveries.deliver(rows)
         return len(rows)
 
     async def republish_due(self) -> None:
         """Publish again what was dispatched and never published, or not claimed in time."""
-        rows = await self.db.fetch(
-            store.REPUBLISH_DUE, self.config.redeliver_after_ms, self.config.silent_after_ms
+        rows = await self.store.republish_due(
+            redeliver_after_ms=self.config.redeliver_after_ms, silent_after_ms=self.config.silent_after_ms
         )
         for row in rows:
             if not await self.deliveries.publish(row):
                 return  # the stream is in trouble: next sweep
-            self.log.info("command_republished", command_id=row["id"])
+            self.log.info("command_republished", command_id=row.id)
 
     async def retention(self) -> None:
         """Purge every ten minutes; a store outage is logged and tried again next time."""
@@ -156,7 +160,7 @@ class Sweeper:
             return 0
         total = 0
         while True:
-            deleted = int(await self.db.fetchval(store.PURGE_FINISHED, self.config.retention_days))
+            deleted = await self.store.purge_finished(retention_days=self.config.retention_days)
             total += deleted
             if deleted < 1000:
                 return total

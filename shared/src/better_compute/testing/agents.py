@@ -17,6 +17,7 @@ from pathlib import Path
 from ..clients.cmdq import CommandQueueClient
 from ..clients.pki import PkiClient
 from ..config import Settings
+from .guard import watch
 from .waiting import until
 
 __all__ = ["SimAgent", "start_sim_agent", "until"]
@@ -42,6 +43,7 @@ class SimAgent:
                  *extra, *self.args],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )  # fmt: skip
+        watch(self.proc.pid)  # stopped with the test run, even a SIGKILLed one
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Settings
+from .guard import watch
 
 __all__ = ["BcdProcess", "bcd_env", "run_bcd"]
 
@@ -71,6 +72,7 @@ class BcdProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
+        watch(proc.pid)  # stopped with the test run, even a SIGKILLed one
         return cls(proc=proc, log=log)
 
     def output(self) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.embedded import free_port
+from .guard import watch
 
 __all__ = ["SYSTEM_MACS", "SYSTEM_UUID", "FaultyProxy", "IpmiBmc", "RedfishEmulator", "write_emulator_config"]
 
@@ -49,6 +50,7 @@ class _Proc:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
+        watch(self.proc.pid)  # stopped with the test run, even a SIGKILLed one
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

@@ -15,6 +15,7 @@ from ..config import Settings
 from ..runtime.dev import SERVICES
 from ..runtime.embedded import pid_alive
 from ..service.client import connect, discover
+from .guard import unwatch, watch
 
 __all__ = ["ServiceProcess", "ServiceProcesses"]
 
@@ -75,6 +76,7 @@ class ServiceProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        unwatch(self.proc.pid)
         self._handle.close()
 
 
@@ -111,6 +113,7 @@ class ServiceProcesses:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
+        watch(proc.pid)  # stopped with the test run even when pytest is killed (guard.watch)
         sp = ServiceProcess(service, proc, log, handle, instance=instance, args=args)
         self.procs.append(sp)
         return sp

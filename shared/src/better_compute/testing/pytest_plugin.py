@@ -2,7 +2,8 @@
 
 Enable with ``-p better_compute.testing.pytest_plugin``. One nats-server and one
 PostgreSQL serve the whole session; every test gets its own database (a clone of a
-migrated template) and its own subject root, so tests never see each other.
+migrated template) and its own subject root, so tests never see each other. A test past its
+time limit fails alone (``deadlines``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from ..logging import configure_logging
 from ..service.client import ApiClient, connect
 from ..wire import Subjects
 from .databases import DatabaseFactory
+from .deadlines import (  # noqa: F401 -- hooks: a timeout fails one test, never the run
+    pytest_runtest_call,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    pytest_timeout_cancel_timer,
+    pytest_timeout_set_timer,
+)
 from .processes import ServiceProcesses
 from .servers import TestServers, test_servers
 

@@ -66,6 +66,12 @@ def _stop_leftovers(grace: float) -> int:
     ``grace`` seconds; returns how many there were."""
     me = os.getpid()
     seen: set[int] = set()
+    # A moment for what ends by itself when pytest ends: the test kit's guard (testing.guard)
+    # reads the end of its pipe and exits, and is no leftover.
+    settle = time.monotonic() + 1.0
+    while children(me) and time.monotonic() < settle:
+        _reap()
+        time.sleep(0.05)
     deadline = time.monotonic() + grace
     while True:
         _reap()

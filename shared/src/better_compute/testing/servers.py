@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ..core.errors import BcError, ErrorCode
 from ..runtime.embedded import EmbeddedNats, EmbeddedPostgres
+from .guard import unwatch, watch
 
 __all__ = ["TestServers", "test_servers", "with_database"]
 
@@ -55,14 +56,17 @@ def test_servers() -> Iterator[TestServers]:
         )
     state = Path(tempfile.mkdtemp(prefix="bc-test-"))
     nats = pg = None
+    pids: list[int] = []  # stopped with the run, even a SIGKILLed one (guard.watch)
     try:
         if nats_url is None:
             nats = EmbeddedNats(state)
             nats_url = nats.start()
+            pids.append(_watched(nats.running_pid()))
         if db_url is None:
             # fsync off: a test cluster is thrown away, and durability is not under test here
             pg = EmbeddedPostgres(state, durable=False, database="postgres")
             db_url = pg.start()
+            pids.append(_watched(pg.running_pid()))
         yield TestServers(
             nats_url=nats_url,
             database_url=db_url,
@@ -73,7 +77,16 @@ def test_servers() -> Iterator[TestServers]:
             nats.stop()
         if pg is not None:
             pg.stop()
+        for pid in pids:
+            unwatch(pid)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def _watched(pid: int | None) -> int:
+    if pid is None:
+        raise BcError(ErrorCode.UNAVAILABLE, "an embedded server stopped as soon as it started")
+    watch(pid)
+    return pid
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..files import atomic_write
 from ..runtime.embedded import free_port
 from ..service.client import ApiClient
+from .guard import watch
 from .waiting import until
 
 __all__ = ["SiteAgentProcess"]
@@ -86,6 +87,7 @@ class SiteAgentProcess:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "BC_LOG_JSON": "1", **self.env},
             )
+        watch(self.proc.pid)  # stopped with the test run, even a SIGKILLed one
 
     async def join(self, api: ApiClient, *, tenant_id: str = "root", timeout: float = 180) -> None:
         """Give it a site join token, start it and wait until the command queue shows it

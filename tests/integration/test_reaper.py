@@ -14,7 +14,7 @@ import pytest
 
 from better_compute.runtime.embedded import pid_alive
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 # A "test run" that starts a detached grandchild (its own session, its parent gone at once, as
 # pg_ctl leaves PostgreSQL), writes its pid, then ends as told.
@@ -60,3 +60,34 @@ def test_a_detached_process_dies_with_the_run_and_the_runs_code_comes_through(
     finally:
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# A "pytest" that starts two processes, has the guard watch both, says it stopped the second
+# (unwatch), writes their pids, then ends as told: normally, or SIGKILLed.
+GUARDED = """
+import os, subprocess, sys
+from better_compute.testing.guard import unwatch, watch
+kept, gone = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]).pid for _ in "ab")
+watch(kept)
+watch(gone)
+unwatch(gone)
+open(sys.argv[1], "w").write(f"{kept} {gone}")
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_the_guard_stops_what_is_watched_when_its_process_ends_and_leaves_the_rest(
+    tmp_path: Path, how: str
+) -> None:
+    pidfile = tmp_path / "pids"
+    subprocess.run([sys.executable, "-c", GUARDED, str(pidfile), how], timeout=60, check=how == "exit")
+    watched, unwatched = (int(p) for p in pidfile.read_text().split())
+    try:
+        assert _gone(watched), f"pid {watched} outlived the process that watched it"
+        assert pid_alive(unwatched), "an unwatched process was stopped"
+    finally:
+        for pid in (watched, unwatched):
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)

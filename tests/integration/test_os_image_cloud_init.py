@@ -21,7 +21,7 @@ from better_compute.provision.templates import template_variables
 from better_compute.provision.userdata import cloud_init
 from better_compute.runtime.os_image_init import CLOUD_INIT, CURL, JSON_AWK
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 BUSYBOX = "/bin/busybox"
 APPLETS = ("sh", "awk", "cut", "sort", "grep", "head", "printf", "mkdir", "chmod", "dirname", "wget",

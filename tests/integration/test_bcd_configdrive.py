@@ -17,7 +17,7 @@ import pytest
 from bcd.configdrive import ConfigDrive, write_config_drive
 from better_compute.core.errors import BcError, ErrorCode
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 MIB = 1 << 20
 NODE = "node_0123456789abcdefghjkmnpqrs"

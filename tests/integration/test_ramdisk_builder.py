@@ -17,7 +17,7 @@ from better_compute.metal import metal
 from better_compute.metal.module import configured_ramdisk
 from better_compute.runtime.ramdisk import Tree, _load_order, _Modules, _modules_dep, write_cpio
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 SHA = "ab" * 32
 

@@ -1,0 +1,525 @@
+"""The command queue's store: named operations returning row Structs.
+
+``Store`` is the seam between the service's state machines (claims, runs, batches and the
+quorum, the sweeper's expiry and dispatch) and where their rows live. ``PgStore`` runs the named
+statements of ``store`` on PostgreSQL, the truth in production; ``bc_command_queue.testing``
+holds ``MemoryStore``, the same operations on dicts under an injected clock, for unit tests that
+run in milliseconds. Each change is a compare-and-set: a method returns the row it changed, or
+``None``/``[]`` when the row was not in a state it applies to (a duplicate or late event).
+
+Agents' presence, boot leases and revocations still run their statements on the ``Database``
+directly (``agents``); their command rows come back as ``CommandRow`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Protocol
+
+import msgspec
+
+from . import store
+from .rows import (
+    ApprovalRow,
+    BatchRow,
+    BatchSizeRow,
+    ClaimedRow,
+    ClaimStateRow,
+    CommandRow,
+    CommandStateRow,
+    JournalRow,
+    ProgressRow,
+    approval_row,
+    batch_row,
+    command_row,
+)
+
+__all__ = ["NewBatch", "NewCommand", "PgStore", "Store"]
+
+
+class NewCommand(msgspec.Struct, frozen=True, kw_only=True):
+    """A command to insert. ``may_dispatch``: it may go out at once (a site command to a
+    connected agent picked for its site and kind; a node command always has its node)."""
+
+    id: str
+    node_id: str
+    site_id: str
+    tenant_id: str
+    key: str
+    kind: str
+    destructive: bool
+    target: str
+    payload: str
+    digest: bytes
+    batch_id: str | None
+    workflow_id: str | None
+    step: int | None
+    not_after_ms: int
+    may_dispatch: bool
+
+
+class NewBatch(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    tenant_id: str
+    kinds: list[str]
+    nodes: list[str]
+    workflow_id: str | None
+    workflow_ids: list[str]
+    note: str | None
+    idempotency_key: str | None
+    document: bytes
+    threshold: int
+    expires_at_ms: int
+
+
+class Store(Protocol):
+    """Every operation of the command queue's state machines on its rows."""
+
+    def transaction(self) -> AbstractAsyncContextManager[Store]:
+        """The same operations in one transaction (rows read with ``lock=True`` stay held)."""
+        ...
+
+    # -- commands --------------------------------------------------------------------
+    async def insert_command(self, new: NewCommand, *, silent_after_ms: int) -> CommandRow | None:
+        """Insert, dispatched at once when it may go; ``None`` when (node, key) exists."""
+        ...
+
+    async def command_by_id(self, command_id: str) -> CommandRow | None: ...
+
+    async def command_state(self, command_id: str) -> CommandStateRow | None: ...
+
+    async def mark_published(self, command_id: str, agent_id: str, stream_seq: int) -> None:
+        """A delivery is on the stream: record it (counts the publications)."""
+        ...
+
+    async def cancel(self, command_id: str, reason: str) -> list[CommandRow]:
+        """Cancel a live command: ``cancelling`` when its agent claimed it (until the agent says
+        it stopped), else ``cancelled``."""
+        ...
+
+    async def command_by_key(self, node_id: str, key: str) -> CommandRow | None: ...
+
+    async def command_states(self, ids: Sequence[str]) -> dict[str, str]: ...
+
+    async def list_commands(
+        self,
+        *,
+        node_id: str | None,
+        workflow_id: str | None,
+        state: str | None,
+        kind: str | None,
+        site_id: str | None,
+        agent_id: str | None,
+        batch_id: str | None,
+        before: str | None,
+        limit: int,
+    ) -> list[CommandRow]:
+        """Newest first; ``before``: ids below it."""
+        ...
+
+    async def cancel_under(
+        self, prefix: str, *, node_id: str | None, workflow_id: str | None, reason: str
+    ) -> list[CommandRow]:
+        """Cancel every live command whose key is ``prefix`` or goes on with ``:`` or ``#``."""
+        ...
+
+    async def claimed_under(
+        self, prefix: str, *, node_id: str | None, workflow_id: str | None, lost_after_ms: int
+    ) -> list[ClaimedRow]:
+        """Claimed commands under ``prefix`` that may still run where they were claimed."""
+        ...
+
+    async def fence(self, prefix: str, workflow_id: str, reason: str) -> None:
+        """From now on, commands under ``prefix`` are refused (a superseded step attempt)."""
+        ...
+
+    async def fenced(self, key: str) -> bool: ...
+
+    async def cancel_superseded(self, command_id: str) -> list[CommandRow]: ...
+
+    async def live_under(self, agent_id: str, prefix: str, node_id: str | None) -> list[tuple[str, str]]:
+        """(id, payload) of the agent's live, unexpired commands under ``prefix``."""
+        ...
+
+    # -- claims ----------------------------------------------------------------------
+    async def journal_seen(self, agent_id: str, journal_id: str, *, present: bool) -> JournalRow: ...
+
+    async def ack(
+        self,
+        command_id: str,
+        agent_id: str,
+        digest: bytes,
+        journal: str | None,
+        signed_at_ms: int,
+        *,
+        quorum: bool,
+    ) -> CommandRow | None:
+        """Take a claim (see ``store.ACK``)."""
+        ...
+
+    async def claim_state(self, command_id: str) -> ClaimStateRow | None: ...
+
+    async def claim_interrupted(
+        self,
+        command_id: str,
+        agent_id: str,
+        journal: str | None,
+        signed_at_ms: int,
+        generation: int,
+        present: bool,
+    ) -> CommandRow | None:
+        """Another journal claims a command that may have started: failed, interrupted."""
+        ...
+
+    async def claim_rerun(self, command_id: str, agent_id: str, journal: str) -> CommandRow | None: ...
+
+    async def claim_back_to_pending(
+        self, command_id: str, agent_id: str, journal: str | None
+    ) -> CommandRow | None: ...
+
+    async def claim_batch_expired(
+        self, command_id: str, agent_id: str, journal: str | None
+    ) -> CommandRow | None: ...
+
+    # -- runs ------------------------------------------------------------------------
+    async def progress(self, command_id: str, agent_id: str, message: str | None) -> ProgressRow | None: ...
+
+    async def result(
+        self,
+        command_id: str,
+        agent_id: str,
+        *,
+        status: str,
+        reason: str | None,
+        result: bytes,
+        signature: bytes | None,
+        attested: bool,
+        journal: str,
+    ) -> CommandRow | None:
+        """Settle a claimed command (see ``store.RESULT``)."""
+        ...
+
+    async def late_end(self, command_id: str, agent_id: str) -> list[CommandRow]: ...
+
+    # -- the sweeper -----------------------------------------------------------------
+    async def expire_due(self, *, quorum: bool) -> list[CommandRow]: ...
+
+    async def expire_batch_expired(self) -> list[CommandRow]: ...
+
+    async def reassign_silent(self, *, silent_after_ms: int) -> list[CommandRow]: ...
+
+    async def fail_lost(self, *, lost_after_ms: int) -> list[CommandRow]: ...
+
+    async def dispatch_pending(
+        self,
+        *,
+        quorum: bool,
+        site_id: str | None,
+        batch_id: str | None,
+        limit: int,
+        silent_after_ms: int,
+    ) -> list[CommandRow]: ...
+
+    async def republish_due(self, *, redeliver_after_ms: int, silent_after_ms: int) -> list[CommandRow]: ...
+
+    async def purge_finished(self, *, retention_days: int) -> int: ...
+
+    # -- batches and approvals -------------------------------------------------------
+    async def insert_batch(self, new: NewBatch) -> BatchRow | None:
+        """``None`` when its idempotency key is taken."""
+        ...
+
+    async def batch_by_id(self, batch_id: str, *, lock: bool = False) -> BatchRow | None: ...
+
+    async def batch_by_key(self, idempotency_key: str) -> BatchRow | None: ...
+
+    async def batches_by_ids(self, ids: Sequence[str]) -> list[BatchRow]: ...
+
+    async def batch_sizes(
+        self, *, workflow_id: str | None, state: str | None, before: str | None, limit: int
+    ) -> list[BatchSizeRow]: ...
+
+    async def unexpired_batch_ids(self) -> list[str]: ...
+
+    async def batches_expiry_due(self) -> list[BatchRow]:
+        """Expired batches whose expiry is not published yet (held until the transaction ends)."""
+        ...
+
+    async def mark_expiry_published(self, ids: Sequence[str]) -> None: ...
+
+    async def set_batch_approved(self, batch_id: str, approved: bool) -> None: ...
+
+    async def undispatch_batch(self, batch_id: str) -> list[CommandRow]: ...
+
+    async def close_batch(self, batch_id: str, reason: str | None) -> BatchRow | None: ...
+
+    async def reopen_batch(self, batch_id: str) -> BatchRow | None: ...
+
+    async def insert_approval(self, batch_id: str, approver_id: str, signature: bytes) -> bool:
+        """True when new (an approver approves a batch once)."""
+        ...
+
+    async def approvals_of(self, batch_ids: Sequence[str]) -> list[ApprovalRow]: ...
+
+
+class PgStore:
+    """``Store`` on PostgreSQL: a ``Database`` (its pool) or, inside a transaction, one connection."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[PgStore]:
+        if hasattr(self.db, "pool"):
+            async with self.db.transaction() as conn:
+                yield PgStore(conn)
+        else:
+            async with self.db.transaction():
+                yield self
+
+    async def _row(self, sql: str, *args: Any) -> CommandRow | None:
+        record = await self.db.fetchrow(sql, *args)
+        return None if record is None else command_row(record)
+
+    async def _rows(self, sql: str, *args: Any) -> list[CommandRow]:
+        return [command_row(r) for r in await self.db.fetch(sql, *args)]
+
+    async def _batch(self, sql: str, *args: Any) -> BatchRow | None:
+        record = await self.db.fetchrow(sql, *args)
+        return None if record is None else batch_row(record)
+
+    # -- commands --------------------------------------------------------------------
+    async def insert_command(self, new: NewCommand, *, silent_after_ms: int) -> CommandRow | None:
+        return await self._row(
+            store.COMMAND_INSERT, new.id, new.node_id, new.site_id, new.tenant_id, new.key, new.kind,
+            new.destructive, new.target, new.payload, new.digest, new.batch_id, new.workflow_id,
+            new.step, new.not_after_ms, new.may_dispatch, silent_after_ms,
+        )  # fmt: skip
+
+    async def command_by_id(self, command_id: str) -> CommandRow | None:
+        return await self._row(store.COMMAND_BY_ID, command_id)
+
+    async def command_state(self, command_id: str) -> CommandStateRow | None:
+        r = await self.db.fetchrow(store.COMMAND_STATE, command_id)
+        if r is None:
+            return None
+        return CommandStateRow(
+            id=r["id"], node_id=r["node_id"], kind=r["kind"], state=r["state"], agent_id=r["agent_id"],
+            digest=bytes(r["digest"]), live=r["live"],
+        )  # fmt: skip
+
+    async def mark_published(self, command_id: str, agent_id: str, stream_seq: int) -> None:
+        await self.db.execute(store.PUBLISHED, command_id, agent_id, stream_seq)
+
+    async def cancel(self, command_id: str, reason: str) -> list[CommandRow]:
+        return await self._rows(store.CANCEL_BY_ID, command_id, reason)
+
+    async def command_by_key(self, node_id: str, key: str) -> CommandRow | None:
+        return await self._row(store.COMMAND_BY_NODE_KEY, node_id, key)
+
+    async def command_states(self, ids: Sequence[str]) -> dict[str, str]:
+        return {r["id"]: r["state"] for r in await self.db.fetch(store.COMMAND_STATES, list(ids))}
+
+    async def list_commands(
+        self,
+        *,
+        node_id: str | None,
+        workflow_id: str | None,
+        state: str | None,
+        kind: str | None,
+        site_id: str | None,
+        agent_id: str | None,
+        batch_id: str | None,
+        before: str | None,
+        limit: int,
+    ) -> list[CommandRow]:
+        return await self._rows(
+            store.LIST_COMMANDS, node_id, workflow_id, state, kind, site_id, agent_id, batch_id, before, limit
+        )
+
+    async def cancel_under(
+        self, prefix: str, *, node_id: str | None, workflow_id: str | None, reason: str
+    ) -> list[CommandRow]:
+        return await self._rows(store.CANCEL_BY_PREFIX, node_id, prefix, reason, workflow_id)
+
+    async def claimed_under(
+        self, prefix: str, *, node_id: str | None, workflow_id: str | None, lost_after_ms: int
+    ) -> list[ClaimedRow]:
+        rows = await self.db.fetch(store.CLAIMED_UNDER_PREFIX, node_id, prefix, lost_after_ms, workflow_id)
+        return [
+            ClaimedRow(id=r["id"], agent_id=r["agent_id"], claim_journal=r["claim_journal"]) for r in rows
+        ]
+
+    async def fence(self, prefix: str, workflow_id: str, reason: str) -> None:
+        await self.db.execute(store.KEY_FENCE_INSERT, prefix, workflow_id, reason)
+
+    async def fenced(self, key: str) -> bool:
+        return bool(await self.db.fetchval(store.KEY_FENCED, key))
+
+    async def cancel_superseded(self, command_id: str) -> list[CommandRow]:
+        return await self._rows(store.CANCEL_SUPERSEDED, command_id)
+
+    async def live_under(self, agent_id: str, prefix: str, node_id: str | None) -> list[tuple[str, str]]:
+        rows = await self.db.fetch(store.LIVE_WITH_PREFIX, agent_id, prefix, node_id)
+        return [(r["id"], r["payload"]) for r in rows]
+
+    # -- claims ----------------------------------------------------------------------
+    async def journal_seen(self, agent_id: str, journal_id: str, *, present: bool) -> JournalRow:
+        r = await self.db.fetchrow(store.JOURNAL_SEEN, agent_id, journal_id, present)
+        return JournalRow(generation=int(r["generation"]), present=bool(r["present"]))
+
+    async def ack(
+        self,
+        command_id: str,
+        agent_id: str,
+        digest: bytes,
+        journal: str | None,
+        signed_at_ms: int,
+        *,
+        quorum: bool,
+    ) -> CommandRow | None:
+        return await self._row(store.ACK, command_id, agent_id, digest, journal, signed_at_ms, quorum)
+
+    async def claim_state(self, command_id: str) -> ClaimStateRow | None:
+        r = await self.db.fetchrow(store.CLAIM_STATE, command_id)
+        if r is None:
+            return None
+        return ClaimStateRow(
+            id=r["id"], state=r["state"], kind=r["kind"], payload=r["payload"], agent_id=r["agent_id"],
+            digest=bytes(r["digest"]), live=r["live"], destructive=r["destructive"],
+            claim_journal=r["claim_journal"], claim_signed_ms=r["claim_signed_ms"],
+            has_batch=r["has_batch"], batch_expired=r["batch_expired"], batch_approved=r["batch_approved"],
+        )  # fmt: skip
+
+    async def claim_interrupted(
+        self,
+        command_id: str,
+        agent_id: str,
+        journal: str | None,
+        signed_at_ms: int,
+        generation: int,
+        present: bool,
+    ) -> CommandRow | None:
+        return await self._row(
+            store.CLAIM_INTERRUPTED, command_id, agent_id, journal, signed_at_ms, generation, present
+        )
+
+    async def claim_rerun(self, command_id: str, agent_id: str, journal: str) -> CommandRow | None:
+        return await self._row(store.CLAIM_RERUN, command_id, agent_id, journal)
+
+    async def claim_back_to_pending(
+        self, command_id: str, agent_id: str, journal: str | None
+    ) -> CommandRow | None:
+        return await self._row(store.CLAIM_BACK_TO_PENDING, command_id, agent_id, journal)
+
+    async def claim_batch_expired(
+        self, command_id: str, agent_id: str, journal: str | None
+    ) -> CommandRow | None:
+        return await self._row(store.CLAIM_BATCH_EXPIRED, command_id, agent_id, journal)
+
+    # -- runs ------------------------------------------------------------------------
+    async def progress(self, command_id: str, agent_id: str, message: str | None) -> ProgressRow | None:
+        r = await self.db.fetchrow(store.PROGRESS, command_id, agent_id, message)
+        return None if r is None else ProgressRow(command=command_row(r), old_state=r["old_state"])
+
+    async def result(
+        self,
+        command_id: str,
+        agent_id: str,
+        *,
+        status: str,
+        reason: str | None,
+        result: bytes,
+        signature: bytes | None,
+        attested: bool,
+        journal: str,
+    ) -> CommandRow | None:
+        return await self._row(
+            store.RESULT, command_id, agent_id, status, reason, result, signature, attested, journal
+        )
+
+    async def late_end(self, command_id: str, agent_id: str) -> list[CommandRow]:
+        return await self._rows(store.LATE_END, command_id, agent_id)
+
+    # -- the sweeper -----------------------------------------------------------------
+    async def expire_due(self, *, quorum: bool) -> list[CommandRow]:
+        return await self._rows(store.EXPIRE_DUE, quorum)
+
+    async def expire_batch_expired(self) -> list[CommandRow]:
+        return await self._rows(store.EXPIRE_BATCH_EXPIRED)
+
+    async def reassign_silent(self, *, silent_after_ms: int) -> list[CommandRow]:
+        return await self._rows(store.REASSIGN_SILENT, silent_after_ms)
+
+    async def fail_lost(self, *, lost_after_ms: int) -> list[CommandRow]:
+        return await self._rows(store.FAIL_LOST, lost_after_ms)
+
+    async def dispatch_pending(
+        self,
+        *,
+        quorum: bool,
+        site_id: str | None,
+        batch_id: str | None,
+        limit: int,
+        silent_after_ms: int,
+    ) -> list[CommandRow]:
+        return await self._rows(store.DISPATCH_PENDING, quorum, site_id, batch_id, limit, silent_after_ms)
+
+    async def republish_due(self, *, redeliver_after_ms: int, silent_after_ms: int) -> list[CommandRow]:
+        return await self._rows(store.REPUBLISH_DUE, redeliver_after_ms, silent_after_ms)
+
+    async def purge_finished(self, *, retention_days: int) -> int:
+        return int(await self.db.fetchval(store.PURGE_FINISHED, retention_days))
+
+    # -- batches and approvals -------------------------------------------------------
+    async def insert_batch(self, new: NewBatch) -> BatchRow | None:
+        return await self._batch(
+            store.BATCH_INSERT, new.id, new.tenant_id, new.kinds, new.nodes, new.workflow_id, new.note,
+            new.idempotency_key, new.document, new.threshold, new.expires_at_ms, new.workflow_ids,
+        )  # fmt: skip
+
+    async def batch_by_id(self, batch_id: str, *, lock: bool = False) -> BatchRow | None:
+        return await self._batch(store.BATCH_BY_ID_FOR_UPDATE if lock else store.BATCH_BY_ID, batch_id)
+
+    async def batch_by_key(self, idempotency_key: str) -> BatchRow | None:
+        return await self._batch(store.BATCH_BY_KEY, idempotency_key)
+
+    async def batches_by_ids(self, ids: Sequence[str]) -> list[BatchRow]:
+        return [batch_row(r) for r in await self.db.fetch(store.BATCHES_BY_IDS, list(ids))]
+
+    async def batch_sizes(
+        self, *, workflow_id: str | None, state: str | None, before: str | None, limit: int
+    ) -> list[BatchSizeRow]:
+        rows = await self.db.fetch(store.BATCHES_LIST, workflow_id, state, before, limit)
+        return [BatchSizeRow(id=r["id"], size=int(r["size"])) for r in rows]
+
+    async def unexpired_batch_ids(self) -> list[str]:
+        return [r["id"] for r in await self.db.fetch(store.BATCHES_UNEXPIRED)]
+
+    async def batches_expiry_due(self) -> list[BatchRow]:
+        return [batch_row(r) for r in await self.db.fetch(store.BATCHES_EXPIRY_DUE)]
+
+    async def mark_expiry_published(self, ids: Sequence[str]) -> None:
+        await self.db.execute(store.BATCHES_EXPIRY_PUBLISHED, list(ids))
+
+    async def set_batch_approved(self, batch_id: str, approved: bool) -> None:
+        await self.db.execute(store.BATCH_SET_APPROVED, batch_id, approved)
+
+    async def undispatch_batch(self, batch_id: str) -> list[CommandRow]:
+        return await self._rows(store.BATCH_UNDISPATCH, batch_id)
+
+    async def close_batch(self, batch_id: str, reason: str | None) -> BatchRow | None:
+        return await self._batch(store.BATCH_CLOSE, batch_id, reason)
+
+    async def reopen_batch(self, batch_id: str) -> BatchRow | None:
+        return await self._batch(store.BATCH_REOPEN, batch_id)
+
+    async def insert_approval(self, batch_id: str, approver_id: str, signature: bytes) -> bool:
+        return await self.db.fetchval(store.APPROVAL_INSERT, batch_id, approver_id, signature) is not None
+
+    async def approvals_of(self, batch_ids: Sequence[str]) -> list[ApprovalRow]:
+        if len(batch_ids) == 1:
+            records = await self.db.fetch(store.APPROVALS_OF, batch_ids[0])
+            return [approval_row(r, batch_ids[0]) for r in records]
+        return [approval_row(r) for r in await self.db.fetch(store.APPROVALS_OF_BATCHES, list(batch_ids))]

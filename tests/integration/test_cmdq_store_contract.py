@@ -1,0 +1,339 @@
+"""The command queue's two stores answer alike: one script of every ``Store`` operation runs on
+``PgStore`` (real PostgreSQL, the statements the service runs) and on ``MemoryStore`` (what the unit
+tests use), and both tell the same story. The SQL is the truth: when this fails, the in-memory
+store has drifted from it.
+
+Time passes for PostgreSQL by moving every stored time back (``now()`` cannot move), for the
+memory store by moving its clock on: the same thing seen from the rows."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest_asyncio
+
+from bc_command_queue.rows import CommandRow
+from bc_command_queue.storage import NewBatch, NewCommand, PgStore, Store
+from bc_command_queue.testing import MemoryStore
+from better_compute.core.ids import new_id
+from better_compute.service import Database
+from better_compute.wire.agent import payload_digest
+
+SITE = "site-a"
+PAYLOAD = msgspec.json.encode({}).decode()
+DIGEST = bytes.fromhex(payload_digest("node.inventory", PAYLOAD.encode()))
+
+# Every stored time, moved back to make time pass; expires_at_ms is the signed expiry.
+_TIMES = {
+    "commands": ("created_at", "updated_at", "not_after", "dispatched_at", "published_at", "acked_at",
+                 "finished_at", "ended_at"),
+    "batches": ("created_at", "expires_at", "approved_at", "closed_at", "expiry_published_at"),
+    "approvals": ("created_at",),
+    "agents": ("last_seen", "connected_at"),
+    "journals": ("last_seen", "first_seen"),
+    "boot_leases": ("expires_at",),
+}  # fmt: skip
+
+
+@dataclass
+class Harness:
+    store: Store
+    age: Callable[[float], Awaitable[None]]
+    agent_seen: Callable[[str, str], Awaitable[None]]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def pg(bc_database_url: str) -> AsyncIterator[Harness]:
+    db = Database(bc_database_url, "cmdq")
+    await db.open()
+
+    async def age(seconds: float) -> None:
+        async with db.transaction() as conn:
+            for table, columns in _TIMES.items():
+                moved = ", ".join(f"{c} = {c} - $1::interval" for c in columns)
+                await conn.execute(f"UPDATE {table} SET {moved}", datetime.timedelta(seconds=seconds))
+            await conn.execute("UPDATE batches SET expires_at_ms = expires_at_ms - $1", int(seconds * 1000))
+
+    async def agent_seen(agent_id: str, role: str) -> None:
+        await db.execute(
+            "INSERT INTO agents (id, site_id, tenant_id, role, cert_id) VALUES ($1, $2, 'root', $3, 'cert_x')"
+            " ON CONFLICT (id) DO UPDATE SET last_seen = now()",
+            agent_id, SITE, role,
+        )  # fmt: skip
+
+    try:
+        yield Harness(PgStore(db), age, agent_seen)
+    finally:
+        await db.close()
+
+
+def memory() -> Harness:
+    store = MemoryStore()
+
+    async def age(seconds: float) -> None:
+        store.advance(seconds)
+
+    async def agent_seen(agent_id: str, role: str) -> None:
+        store.agent_seen(agent_id, site_id=SITE, role=role)
+
+    return Harness(store, age, agent_seen)
+
+
+async def story(h: Harness) -> list[Any]:
+    """Every operation once or more; what each answered, with ids replaced by names."""
+    s = h.store
+    names: dict[str | None, str] = {None: "-"}
+    told: list[Any] = []
+
+    def name(ident: str | None) -> str:
+        return names.setdefault(ident, f"?{ident}")
+
+    def say(what: str, rows: CommandRow | list[CommandRow] | None) -> None:
+        if rows is None or isinstance(rows, CommandRow):
+            rows = [] if rows is None else [rows]
+        told.append(
+            (what, sorted((name(r.id), r.state, r.reason, name(r.agent_id), r.progress) for r in rows))
+        )
+
+    now_ms = int(time.time() * 1000)
+
+    async def insert(
+        label: str, *, target: str = "node", timeout_s: int = 3600, node: str | None = None, **over: Any
+    ) -> CommandRow | None:
+        if node is None:
+            node = new_id("node")
+            names[node] = f"{label}.node"
+        fields: dict[str, Any] = {
+            "id": new_id("cmd"), "node_id": node, "site_id": SITE, "tenant_id": "root", "key": f"k-{label}",
+            "kind": "node.inventory", "destructive": False, "target": target, "payload": PAYLOAD,
+            "digest": DIGEST, "batch_id": None, "workflow_id": None, "step": None,
+            "not_after_ms": now_ms + timeout_s * 1000, "may_dispatch": True, **over,
+        }  # fmt: skip
+        names[fields["id"]] = label
+        row = await s.insert_command(NewCommand(**fields), silent_after_ms=15_000)
+        say(f"insert {label}", row)
+        return row
+
+    async def batch(label: str, *, ttl_s: int, key: str | None = None) -> str:
+        ident = new_id("batch")
+        names[ident] = label
+        new = NewBatch(
+            id=ident, tenant_id="root", kinds=["node.wipe"], nodes=[], workflow_id=None, workflow_ids=[],
+            note=None, idempotency_key=key, document=b"doc-" + label.encode(), threshold=1,
+            expires_at_ms=now_ms + ttl_s * 1000,
+        )  # fmt: skip
+        row = await s.insert_batch(new)
+        told.append((f"batch {label}", row is not None and (row.expired, row.approved_at, row.closed_at)))
+        return ident
+
+    await h.agent_seen("agent-a", "site")
+    names["agent-a"] = "agent-a"
+    n1 = await insert("n1")
+    s1 = await insert("s1", target="site")
+    s2 = await insert("s2", target="site", may_dispatch=False, timeout_s=30)
+    assert n1
+    assert s1
+    assert s2
+    same_key = NewCommand(**{**msgspec.structs.asdict(_new_from(n1)), "id": new_id("cmd")})
+    say("insert again", await s.insert_command(same_key, silent_after_ms=15_000))
+
+    # claims: a journal's generation, a wrong digest, a claim and the same journal again
+    g1 = await s.journal_seen(n1.node_id, "ja", present=False)
+    g2 = await s.journal_seen(n1.node_id, "jb", present=True)
+    g1b = await s.journal_seen(n1.node_id, "ja", present=True)
+    told.append(("journals", g1.generation < g2.generation, g1b.generation == g1.generation, g1b.present))
+    say("ack wrong digest", await s.ack(n1.id, n1.node_id, b"x" * 32, "ja", 1, quorum=False))
+    say("ack", await s.ack(n1.id, n1.node_id, DIGEST, "ja", 10, quorum=False))
+    say("ack same journal", await s.ack(n1.id, n1.node_id, DIGEST, "ja", 11, quorum=False))
+    say("ack other journal", await s.ack(n1.id, n1.node_id, DIGEST, "jb", 12, quorum=False))
+    cs = await s.claim_state(n1.id)
+    assert cs is not None
+    told.append(("claim state", cs.state, cs.live, cs.claim_journal, cs.claim_signed_ms, cs.has_batch))
+    p = await s.progress(n1.id, n1.node_id, "half")
+    told.append(("progress", p and (p.old_state, p.command.state, p.command.progress)))
+    p = await s.progress(n1.id, n1.node_id, None)
+    told.append(("progress again", p and (p.old_state, p.command.state, p.command.progress)))
+    say("rerun other journal", await s.claim_rerun(n1.id, n1.node_id, "jb"))
+    say("rerun", await s.claim_rerun(n1.id, n1.node_id, "ja"))
+    say("interrupted by older", await s.claim_interrupted(n1.id, n1.node_id, "jb", 5, 0, True))
+    say("interrupted", await s.claim_interrupted(n1.id, n1.node_id, "jb", 13, g2.generation, True))
+    say("late end", await s.late_end(n1.id, n1.node_id))
+    say("late end again", await s.late_end(n1.id, n1.node_id))
+
+    # runs: a cancelled claimed command, a result, a duplicate
+    n2, n3 = await insert("n2"), await insert("n3")
+    assert n2
+    assert n3
+    for row in (n2, n3):
+        await s.ack(row.id, row.node_id, DIGEST, "ja", 20, quorum=False)
+    say("cancel claimed", await s.cancel(n2.id, "operator"))
+    say("result of cancelling", await s.result(
+        n2.id, n2.node_id, status="succeeded", reason=None, result=b"{}", signature=None, attested=False,
+        journal="ja"))  # fmt: skip
+    say("result", await s.result(
+        n3.id, n3.node_id, status="failed", reason="boom", result=b"{}", signature=None, attested=False,
+        journal=""))  # fmt: skip
+    say("result again", await s.result(
+        n3.id, n3.node_id, status="succeeded", reason=None, result=b"{}", signature=None, attested=True,
+        journal=""))  # fmt: skip
+    st = await s.command_state(n3.id)
+    told.append(("command state", st and (st.state, st.live, name(st.agent_id))))
+
+    # batches and the quorum
+    b1 = await batch("b1", ttl_s=3600, key="job-1")
+    await batch("b1 again", ttl_s=3600, key="job-1")
+    found = await s.batch_by_key("job-1")
+    told.append(("by key", found and name(found.id)))
+    told.append(
+        ("approve", await s.insert_approval(b1, "alice", b"sig"), await s.insert_approval(b1, "alice", b"x"))
+    )
+    told.append(
+        ("approvals", [(name(a.batch_id), a.approver_id, a.signature) for a in await s.approvals_of([b1])])
+    )
+    await s.set_batch_approved(b1, True)
+    w1 = await insert("w1", destructive=True, batch_id=b1, may_dispatch=False)
+    w2 = await insert("w2", destructive=True, batch_id=b1)
+    w3 = await insert("w3", destructive=True)
+    assert w1
+    assert w2
+    assert w3
+    say("dispatch batch", await s.dispatch_pending(quorum=True, site_id=None, batch_id=b1, limit=10,
+                                                   silent_after_ms=15_000))  # fmt: skip
+    say("ack under quorum", await s.ack(w1.id, w1.node_id, DIGEST, "ja", 30, quorum=True))
+    say("ack without batch", await s.ack(w3.id, w3.node_id, DIGEST, "ja", 30, quorum=True))
+    cs = await s.claim_state(w3.id)
+    told.append(("no batch", cs and (cs.has_batch, cs.batch_expired, cs.batch_approved, cs.destructive)))
+    say("back to pending", await s.claim_back_to_pending(w3.id, w3.node_id, "ja"))
+    await s.set_batch_approved(b1, False)
+    say("undispatch", await s.undispatch_batch(b1))
+    closed = await s.close_batch(b1, "failed")
+    again = await s.close_batch(b1, "other")
+    reopened = await s.reopen_batch(b1)
+    told.append(("close", closed and closed.closed_reason, again and again.closed_reason,
+                 reopened and (reopened.closed_at, reopened.closed_reason)))  # fmt: skip
+    sizes = await s.batch_sizes(workflow_id=None, state="open", before=None, limit=10)
+    told.append(("open batches", sorted((name(r.id), r.size) for r in sizes)))
+    b2 = await batch("b2", ttl_s=10)
+    w4 = await insert("w4", destructive=True, batch_id=b2, may_dispatch=False)
+    assert w4
+    by_ids = await s.batches_by_ids([b1, b2])
+    told.append(("by ids", [name(b.id) for b in by_ids]))
+
+    # finding, listing, cancelling under a key prefix, fences (a superseded step attempt)
+    found_by_key = await s.command_by_key(n1.node_id, "k-n1")
+    told.append(("by key", found_by_key and name(found_by_key.id)))
+    states = await s.command_states([n1.id, n3.id, "cmd_unknown"])
+    told.append(("states", sorted((name(i), st) for i, st in states.items())))
+    failed = await s.list_commands(
+        node_id=None, workflow_id=None, state="failed", kind="node.inventory", site_id=SITE, agent_id=None,
+        batch_id=None, before=None, limit=10,
+    )  # fmt: skip
+    told.append(("list failed", sorted(name(r.id) for r in failed)))
+    one = await s.list_commands(
+        node_id=n3.node_id, workflow_id=None, state=None, kind=None, site_id=None, agent_id=None,
+        batch_id=None, before=None, limit=10,
+    )  # fmt: skip
+    told.append(("list of a node", [name(r.id) for r in one]))
+    told.append(("list before", await s.list_commands(
+        node_id=n3.node_id, workflow_id=None, state=None, kind=None, site_id=None, agent_id=None,
+        batch_id=None, before=n3.id, limit=10)))  # fmt: skip
+    wf, node = new_id("wf"), new_id("node")
+    names[node] = "f.node"
+    await h.agent_seen(node, "node")
+    f1 = await insert("f1", node=node, key=f"wf:{wf}:3#1:a", workflow_id=wf)
+    f2 = await insert("f2", node=node, key=f"wf:{wf}:3#1:b", workflow_id=wf)
+    f3 = await insert("f3", node=node, key=f"wf:{wf}:3#12:c", workflow_id=wf)
+    assert f1
+    assert f2
+    assert f3
+    await s.ack(f2.id, node, DIGEST, "ja", 50, quorum=False)
+    told.append(("live under", sorted(name(i) for i, _ in await s.live_under(node, f"wf:{wf}:3#1", None))))
+    told.append(("fenced before", await s.fenced(f"wf:{wf}:3#1:z")))
+    await s.fence(f"wf:{wf}:3#1", wf, "superseded")
+    told.append(("fenced", await s.fenced(f"wf:{wf}:3#1:z"), await s.fenced(f"wf:{wf}:3#1"),
+                 await s.fenced(f"wf:{wf}:3#12:c"), await s.fenced(f"wf:{wf}:3")))  # fmt: skip
+    say(
+        "cancel under",
+        await s.cancel_under(f"wf:{wf}:3#1", node_id=None, workflow_id=wf, reason="superseded"),
+    )
+    claimed = await s.claimed_under(f"wf:{wf}:3#1", node_id=node, workflow_id=None, lost_after_ms=120_000)
+    told.append(("claimed under", [(name(r.id), name(r.agent_id), r.claim_journal) for r in claimed]))
+    say("cancel superseded", await s.cancel_superseded(f3.id))
+    say("cancel superseded again", await s.cancel_superseded(f3.id))
+
+    # time passes: deadlines, an expired batch, a silent agent
+    await h.age(31)
+    say("expire due", await s.expire_due(quorum=True))
+    say("expire batch", await s.expire_batch_expired())
+    due = await s.batches_expiry_due()
+    told.append(("expiry due", [(name(b.id), b.expired) for b in due]))
+    await s.mark_expiry_published([b.id for b in due])
+    told.append(("expiry due again", [name(b.id) for b in await s.batches_expiry_due()]))
+    told.append(("unexpired", sorted(name(i) for i in await s.unexpired_batch_ids())))
+    say("reassign silent", await s.reassign_silent(silent_after_ms=15_000))
+    await h.agent_seen("agent-b", "site")
+    names["agent-b"] = "agent-b"
+    say("dispatch site", await s.dispatch_pending(quorum=True, site_id=SITE, batch_id=None, limit=10,
+                                                  silent_after_ms=15_000))  # fmt: skip
+    say("republish fresh", await s.republish_due(redeliver_after_ms=60_000, silent_after_ms=15_000))
+    await s.mark_published(s1.id, "agent-b", 7)
+    await h.age(61)
+    await h.agent_seen("agent-b", "site")
+    say("republish stale", await s.republish_due(redeliver_after_ms=60_000, silent_after_ms=15_000))
+    after = await s.command_by_id(s1.id)
+    told.append(("published", after and after.publishes))
+
+    # a lost agent's claimed command, then retention
+    n4 = await insert("n4")
+    assert n4
+    await h.agent_seen(n4.node_id, "node")
+    await s.ack(n4.id, n4.node_id, DIGEST, "ja", 40, quorum=False)
+    await h.age(121)
+    say("fail lost", await s.fail_lost(lost_after_ms=120_000))
+    await h.age(2 * 86400)
+    told.append(("purged", await s.purge_finished(retention_days=1)))
+    told.append(
+        ("left", sorted(name(r.id) for r in [await s.command_by_id(c.id) for c in (n1, s1, w1, w2)] if r))
+    )
+    return told
+
+
+def _new_from(row: CommandRow) -> NewCommand:
+    return NewCommand(
+        id=row.id, node_id=row.node_id, site_id=row.site_id, tenant_id=row.tenant_id, key=row.key,
+        kind=row.kind, destructive=row.destructive, target=row.target, payload=row.payload, digest=DIGEST,
+        batch_id=row.batch_id, workflow_id=row.workflow_id, step=row.step,
+        not_after_ms=int(row.not_after * 1000), may_dispatch=True,
+    )  # fmt: skip
+
+
+async def test_the_memory_store_tells_the_same_story_as_postgresql(pg: Harness) -> None:
+    on_pg = await story(pg)
+    in_memory = await story(memory())
+    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
+        assert step_mem == step_pg
+    # and the story is the one the queue's rules tell (a drift in both would pass the above)
+    told = dict((t[0], t[1:]) for t in on_pg)
+    assert told["ack other journal"] == ([],)
+    assert told["interrupted"] == ([("n1", "failed", "interrupted", "n1.node", "half")],)
+    assert told["result of cancelling"] == (
+        [("n2", "cancelled", "operator", "n2.node", "the agent stopped: succeeded")],
+    )
+    assert told["expire due"] == ([("s2", "expired", "not-dispatched", "-", None)],)
+    assert told["expire batch"] == ([("w4", "expired", "batch-expired", "w4.node", None)],)
+    assert told["dispatch site"] == ([("s1", "dispatched", None, "agent-b", None)],)
+    assert told["cancel under"] == (
+        [
+            ("f1", "cancelled", "superseded", "f.node", None),
+            ("f2", "cancelling", "superseded", "f.node", None),
+        ],
+    )
+    assert told["claimed under"] == ([("f2", "f.node", "ja")],)
+    assert told["fail lost"] == (  # f2 was cancelling when its node fell silent too
+        [("f2", "failed", "agent-lost", "f.node", None), ("n4", "failed", "agent-lost", "n4.node", None)],
+    )

@@ -1,0 +1,142 @@
+"""The command queue's claims and runs on the in-memory store: what an agent's ack, progress and
+result do to a command, and what the agent is told. (The same rules on PostgreSQL and the bus:
+tests/integration/test_cmdq_claims.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from better_compute.core.errors import BcError, ErrorCode
+from cmdq_kit import ack, command, progress, queue, result
+
+
+async def test_a_claim_is_taken_once_and_the_same_journal_asking_again_is_answered_as_before() -> None:
+    q = queue()
+    row = await command(q)
+    assert row.state == "dispatched"
+    first = await q.claims.ack(ack(row, journal="ja"))
+    assert (first.proceed, first.state) == (True, "acked")
+    assert q.states() == [(row.id, "acked", None)]
+    # its answer was lost: the same journal asks again and may go on; nothing changes
+    again = await q.claims.ack(ack(row, journal="ja"))
+    assert (again.proceed, again.state) == (True, "acked")
+
+
+async def test_another_journal_claiming_a_claimed_command_settles_it_interrupted_for_good() -> None:
+    q = queue()
+    row = await command(q)
+    await q.claims.ack(ack(row, journal="ja"))
+    other = await q.claims.ack(ack(row, journal="jb"))
+    assert (other.proceed, other.state, other.reason) == (False, "failed", "interrupted")
+    late = await q.claims.ack(ack(row, journal="ja"))
+    assert (late.proceed, late.state) == (False, "failed")
+    assert (await q.store.command_by_id(row.id)).reason == "interrupted"  # type: ignore[union-attr]
+
+
+async def test_a_late_claim_of_an_older_journal_changes_nothing() -> None:
+    q = queue()
+    row = await command(q)
+    old_journal = await q.store.journal_seen(row.node_id, "old", present=True)
+    await q.store.journal_seen(row.node_id, "new", present=True)
+    assert old_journal.generation < (await q.store.journal_seen(row.node_id, "new", present=True)).generation
+    assert (await q.claims.ack(ack(row, journal="new"))).proceed
+    # a copy of the replaced journal's claim, re-signed later by its retry
+    stale = await q.claims.ack(ack(row, journal="old"))
+    assert (stale.proceed, stale.reason) == (False, "claimed-by-another-journal")
+    assert (await q.store.command_by_id(row.id)).state == "acked"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason", "again"),
+    [
+        ({"digest": "00" * 32}, "digest-mismatch", True),
+        ({"agent": "node_someone_else"}, "not-yours", True),
+        ({"command_id": "cmd_unknown"}, "unknown-command", None),
+    ],
+)
+async def test_a_claim_that_is_not_what_was_sent_is_refused_and_changes_nothing(
+    change: dict[str, str], reason: str, again: bool | None
+) -> None:
+    q = queue()
+    row = await command(q)
+    reply = await q.claims.ack(ack(row, **change))
+    assert (reply.proceed, reply.reason) == (False, reason)
+    if again is not None:
+        assert reply.again is again
+    assert (await q.store.command_by_id(row.id)).state == "dispatched"  # type: ignore[union-attr]
+    assert q.changed == []
+
+
+async def test_a_command_past_its_deadline_is_not_claimed_and_the_sweep_expires_it() -> None:
+    q = queue()
+    row = await command(q, timeout_s=30)
+    q.store.advance(31)
+    reply = await q.claims.ack(ack(row))
+    assert (reply.proceed, reply.reason) == (False, "expired")
+    await q.sweeper.sweep()
+    assert q.states() == [(row.id, "expired", "not-claimed")]
+
+
+async def test_a_rerun_is_for_the_journal_that_claimed_an_idempotent_command_only() -> None:
+    q = queue(reruns=True)
+    row = await command(q, kind="media.eject")
+    await q.claims.ack(ack(row, journal="ja"))
+    mine = await q.claims.ack(ack(row, journal="ja", rerun=True))
+    assert (mine.proceed, mine.rerun) == (True, True)
+    theirs = await q.claims.ack(ack(row, journal="jb", rerun=True))
+    assert (theirs.proceed, theirs.reason) == (False, "claimed-by-another-journal")
+    no = queue(reruns=False)
+    other = await command(no)
+    await no.claims.ack(ack(other, journal="ja"))
+    refused = await no.claims.ack(ack(other, journal="ja", rerun=True))
+    assert (refused.proceed, refused.reason) == (False, "not-idempotent")
+
+
+async def test_progress_marks_a_claimed_command_running_once_and_a_result_settles_it_once() -> None:
+    q = queue()
+    row = await command(q)
+    await q.claims.ack(ack(row))
+    await q.runs.progress(progress(row, "10%"))
+    await q.runs.progress(progress(row, "50%"))  # no new state: no event
+    assert q.states()[1:] == [(row.id, "running", None)]
+    assert (await q.store.command_by_id(row.id)).progress == "50%"  # type: ignore[union-attr]
+    done = await q.runs.result(result(row, "failed", reason="disk busy"))
+    assert (done.recorded, done.state) == (True, "failed")
+    dup = await q.runs.result(result(row, "succeeded"))
+    assert (dup.recorded, dup.state) == (False, "failed")
+    assert q.states()[-1] == (row.id, "failed", "disk busy")
+
+
+async def test_a_result_before_any_claim_is_not_recorded_and_another_agents_is_refused() -> None:
+    q = queue()
+    row = await command(q)
+    early = await q.runs.result(result(row))
+    assert (early.recorded, early.state) == (False, "dispatched")
+    with pytest.raises(BcError) as refused:
+        await q.runs.result(result(row, agent="node_else", result_signature=b"sig"))
+    assert refused.value.code is ErrorCode.PERMISSION_DENIED
+
+
+async def test_a_cancelled_claimed_command_is_cancelled_on_the_word_of_the_journal_that_claimed_it() -> None:
+    q = queue()
+    mine, theirs = await command(q), await command(q)
+    for row in (mine, theirs):
+        await q.claims.ack(ack(row, journal="ja"))
+        [cancelling] = await q.store.cancel(row.id, "operator")
+        assert cancelling.state == "cancelling"
+    # the claiming journal says it stopped it: cancelled, its outcome kept in progress
+    said = await q.runs.result(result(mine, "succeeded", journal="ja"))
+    assert said.state == "cancelled"
+    settled = await q.store.command_by_id(mine.id)
+    assert settled is not None
+    assert (settled.reason, settled.progress, settled.result) == (
+        "operator", "the agent stopped: succeeded", None,
+    )  # fmt: skip
+    # another journal of the agent cannot vouch for it: its outcome is unknown
+    other = await q.runs.result(result(theirs, "succeeded", journal="jb"))
+    assert other.state == "failed"
+    assert (await q.store.command_by_id(theirs.id)).reason == "interrupted"  # type: ignore[union-attr]
+    # a late end of the run still lets a step waiting for it go on
+    before = len(q.changed)
+    assert (await q.runs.result(result(theirs, "succeeded", journal="ja"))).recorded is False
+    assert q.states()[before:] == [(theirs.id, "failed", "interrupted")]
