@@ -197,23 +197,30 @@ class WorkflowsApi:
         return {"id": wf_id, "rkey": rkey, "doc": workflow_doc(row, steps)}
 
     async def _get(
-        self, workflow_id: str, *, steps_cursor: str | None = None, budget: int | None = None
+        self,
+        workflow_id: str,
+        *,
+        steps_cursor: str | None = None,
+        budget: int | None = None,
+        conn: Any = None,
     ) -> m.WorkflowView:
         """The workflow with as many of its steps (from ``steps_cursor`` on) as fit in
-        ``budget`` bytes; ``stepsNext`` is the cursor of the rest, or None."""
+        ``budget`` bytes; ``stepsNext`` is the cursor of the rest, or None. Read on ``conn``
+        when given (inside the caller's transaction)."""
+        db = conn if conn is not None else self.db
         after = decode_cursor(steps_cursor, int, path="stepsCursor")
-        row = await self.db.fetchrow(store.WORKFLOW, workflow_id)
+        row = await db.fetchrow(store.WORKFLOW, workflow_id)
         if row is None:
             raise BcError(ErrorCode.NOT_FOUND, f"no workflow {workflow_id}", {"path": "id"})
         # Sizes first, rows second: 512 steps with big results never sit in memory at once.
-        sizes = await self.db.fetch(store.STEP_SIZES, workflow_id, after[0] if after else -1)
+        sizes = await db.fetch(store.STEP_SIZES, workflow_id, after[0] if after else -1)
         page, next_ = take_page(
             list(sizes), limit=MAX_PROFILE_STEPS, key=lambda r: (r["idx"],),
             budget=budget or PAGE_BUDGET, size=lambda r: int(r["size"]),
         )  # fmt: skip
         steps = []
         if page:
-            steps = await self.db.fetch(store.STEPS_BETWEEN, workflow_id, page[0]["idx"], page[-1]["idx"])
+            steps = await db.fetch(store.STEPS_BETWEEN, workflow_id, page[0]["idx"], page[-1]["idx"])
         return workflow_doc(row, list(steps), steps_next=next_)
 
     async def workflows_get(self, req: ApiRequest) -> m.WorkflowView:
@@ -264,10 +271,12 @@ class WorkflowsApi:
                     )
             await apply(conn, wf)
             await queue.queue_now(conn, wf["rkey"])
+            # The state the verb left it in, read before the engine can run it on: read after
+            # the wake-up, a retried step that passes at once showed `succeeded`, not `running`.
+            doc = await self._get(workflow_id, conn=conn)
         await self.wake(wf["rkey"])
         if verb == "abort" and wf["owner"]:  # it ended: its owner looks now (a metal node fails)
             await self.wake(queue.owner_key(wf["owner"], wf["id"]))
-        doc = await self._get(workflow_id)
         if verb == "abort":
             metrics.WORKFLOWS_FINISHED.labels(doc.profile.id, "aborted").inc()
         await self.publish(
