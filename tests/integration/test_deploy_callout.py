@@ -259,3 +259,33 @@ async def test_a_restarted_responder_still_cuts_off_a_connection_it_did_not_let_
     alice = await stack.connect("alice")
     await PkiClient(ApiClient(alice)).revoke_certificate(cert_id=node.cert_id, reason="test")
     await asyncio.wait_for(gone.wait(), timeout=10)
+
+
+async def test_a_revocation_while_the_responder_is_away_is_swept_when_it_starts(stack: Stack) -> None:
+    """Issue 23: an agent whose certificate was revoked while no responder listened (stopped, or
+    its leaf link down) kept its connection until its NATS user expired, up to an hour: nobody
+    heard the revocation. Now a starting responder sweeps the leaf's connections, asks bc-pki
+    afresh about each one's certificate and cuts off the revoked ones."""
+    node = await _join(stack)
+    gone = asyncio.Event()
+
+    async def disconnected() -> None:
+        gone.set()
+
+    agent = await stack.connect_agent(
+        node.agent_id, _tls(stack, node), allow_reconnect=False, disconnected_cb=disconnected
+    )
+    await agent.flush(timeout=5)
+    assert stack.responder is not None
+    stack.responder.kill()
+    stack.responder.wait(10)
+    try:
+        alice = await stack.connect("alice")
+        await PkiClient(ApiClient(alice)).revoke_certificate(cert_id=node.cert_id, reason="test")
+        await agent.flush(timeout=5)  # nobody heard it: still connected
+        assert not gone.is_set()
+    finally:
+        stack.start_responder()
+    await stack.responder_ready()
+    await asyncio.wait_for(gone.wait(), timeout=15)
+    assert "agent_cut_off" in (stack.folder / "callout.log").read_text()
