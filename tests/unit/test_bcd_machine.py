@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import zstandard
 
+from bcd.__main__ import main as bcd_main
 from bcd.bus import adopt_config_drive, carried_bus
 from bcd.configdrive import ConfigDrive
 from bcd.converger import Converger
@@ -444,3 +445,34 @@ def test_the_installed_os_takes_the_bus_files_from_the_config_drive_the_ramdisk_
     )
     assert got["configDrive"]["busFiles"] is False
     assert adopt_config_drive(installed("plain", (ramdisk.root / "dev/vdb").read_bytes()), elsewhere) is False
+
+
+def test_only_the_installed_os_takes_a_config_drive_s_bus_files(
+    tmp_path: Path, cache: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bcd join`` in the installed OS reads the drive before it connects (a CA not matching
+    its digest stops it there); a ramdisk, whose disks may hold an earlier OS's drive, does not
+    read it, nor does a join given ``BC_NATS_CA`` by hand."""
+    folder, base = cache
+    m = machine(tmp_path, disks=(DiskSpec("vda", size=16 << 20),))
+    raw = _image(2 * MIB)
+    (folder / "os.img").write_bytes(raw)
+    bad = b'{"caSha256": "' + b"0" * 64 + b'", "ca": "CA", "join": "J"}\n'
+    drive = ConfigDrive(user_data=b"#cloud-config\n{}\n", node_id="node_01J0000000000000000000000A", bus=bad)
+    image_write(
+        m, url=f"{base}/os.img", sha256=hashlib.sha256(raw).hexdigest(), disk="/dev/vda", config_drive=drive
+    )
+    (m.root / "join-token").write_text("bcjt_unused")
+    argv = ["--root", str(m.root), "join", "--control-plane", "nats://127.0.0.1:9",
+            "--token-file", "/join-token", "--no-service"]  # fmt: skip
+
+    def join_says() -> str:
+        with pytest.raises(SystemExit):
+            bcd_main(argv)
+        return capsys.readouterr().err
+
+    assert "configDrive.bcd-bus.json.caSha256" in join_says()  # the installed OS: read, refused
+    (m.root / "etc/bcd").mkdir(parents=True, exist_ok=True)
+    (m.root / "etc/bcd/ramdisk").write_text("")
+    assert "configDrive" not in join_says()  # a ramdisk: not read (it fails to connect instead)
+    assert not (m.root / "var/lib/bcd/bus-ca.pem").exists()
