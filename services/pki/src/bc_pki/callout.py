@@ -14,7 +14,8 @@ system account): those it let in, and those the leaf's connz shows with that cer
 the leaf's link to the hub down) is caught by a sweep: when the responder starts, whenever its
 connection to the leaf comes back, and every ``sweep_seconds``, it lists the leaf's connections
 in the site's account and asks bc-pki afresh (no cache) about the certificate of each agent
-connection, cutting off those revoked. The user it gave the agent expires within the hour
+connection, cutting off those revoked. A sweep that cannot ask (the leaf's link to the hub
+down) is tried again every 5 s until one can. The user it gave the agent expires within the hour
 anyway.
 
 .. code-block:: toml
@@ -78,6 +79,7 @@ __all__ = ["CalloutConfig", "Connections", "Revocations", "Swept", "load_config"
 KICK_SUBJECT = "$SYS.REQ.SERVER.{server}.KICK"
 CONNZ_SUBJECT = "$SYS.REQ.SERVER.{server}.CONNZ"
 CONNZ_PAGE = 1024
+SWEEP_RETRY_S = 5.0  # after a sweep that could not ask the leaf or bc-pki
 CONNECTIONS_PER_CERT = 16  # the latest connections remembered per certificate (kicks them all)
 
 
@@ -426,15 +428,21 @@ async def run(config: CalloutConfig, *, stop: asyncio.Event | None = None) -> No
                     await _kick(nc, *conn, log)
 
         async def sweeper() -> None:
+            wait = 0.0
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wanted.wait(), timeout=config.sweep_seconds)
+                    await asyncio.wait_for(wanted.wait(), timeout=wait)
                 wanted.clear()
+                # a sweep that could not ask (the leaf's link or bc-pki away, when revocation
+                # events are lost too) is tried again soon, not at the next period
+                wait = min(SWEEP_RETRY_S, config.sweep_seconds)
                 try:
                     cut = await sweep(nc, pki, _server_id(nc), config.account, log)
                 except Exception as exc:  # never the end of the responder: the next sweep
                     log.warning("sweep_failed", error=type(exc).__name__)
                     continue
+                if cut is not None:
+                    wait = config.sweep_seconds
                 for found in cut or []:
                     if found.why == "revoked":
                         revocations.heard_revoked(found.cert_id)
