@@ -3,6 +3,7 @@ config (the process against a real leaf: tests/integration/test_deploy_callout.p
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import json
@@ -16,6 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from bc_pki import callout
 from bc_pki.callout import Connections, Revocations, Swept, load_config, sweep
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
@@ -208,3 +210,42 @@ async def test_a_sweep_cuts_off_the_connections_bc_pki_no_longer_vouches_for() -
     away.answer = BcError(ErrorCode.UNAVAILABLE, "no responders")
     assert await sweep(leaf, away, "SRV", "SITE", get_logger()) is None  # type: ignore[arg-type]
     assert await sweep(Leaf(None), pki, "SRV", "SITE", get_logger()) is None  # type: ignore[arg-type]
+
+
+async def test_sweeps_run_at_the_start_on_a_reconnect_and_again_soon_after_one_that_could_not_ask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first sweep runs at once; one that could not ask (None: the leaf's link or bc-pki
+    away) or failed is tried again after SWEEP_RETRY_S, not the hour-long period given here;
+    a reconnect (``wanted``) asks for one at once; each connection found is cut."""
+    monkeypatch.setattr(callout, "SWEEP_RETRY_S", 0.01)
+    found = Swept("cert_1", "SRV", 7, "revoked")
+    answers: list[Any] = [None, RuntimeError("boom"), [found], []]
+    calls: list[int] = []
+    cut: list[Swept] = []
+    wanted, stop, reached = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    wanted.set()
+
+    async def once() -> list[Swept] | None:
+        calls.append(len(calls))
+        answer = answers[len(calls) - 1]
+        if len(calls) == len(answers):
+            reached.set()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    async def cut_off(conn: Swept) -> None:
+        cut.append(conn)
+        wanted.set()  # as a reconnect would: the fourth sweep at once, not after the period
+
+    task = asyncio.create_task(
+        callout.sweeps(once, cut_off, wanted=wanted, stop=stop, period=3600, log=get_logger())
+    )
+    try:
+        await asyncio.wait_for(reached.wait(), timeout=10)
+    finally:
+        stop.set()
+        task.cancel()
+    assert cut == [found]
+    assert len(calls) == 4

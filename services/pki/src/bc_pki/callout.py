@@ -50,7 +50,7 @@ import sys
 import time
 import tomllib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,7 +74,17 @@ from better_compute.wire import Subjects
 from better_compute.wire.pki import CertRevoked, decode_cert_event
 from better_compute.wire.subjects import service_inbox_prefix, valid_token
 
-__all__ = ["CalloutConfig", "Connections", "Revocations", "Swept", "load_config", "main", "run", "sweep"]
+__all__ = [
+    "CalloutConfig",
+    "Connections",
+    "Revocations",
+    "Swept",
+    "load_config",
+    "main",
+    "run",
+    "sweep",
+    "sweeps",
+]
 
 KICK_SUBJECT = "$SYS.REQ.SERVER.{server}.KICK"
 CONNZ_SUBJECT = "$SYS.REQ.SERVER.{server}.CONNZ"
@@ -338,6 +348,39 @@ async def sweep(nc: Any, pki: PkiClient, server_id: str, account: str, log: Any)
     return cut
 
 
+async def sweeps(
+    sweep_once: Callable[[], Awaitable[list[Swept] | None]],
+    cut: Callable[[Swept], Awaitable[None]],
+    *,
+    wanted: asyncio.Event,
+    stop: asyncio.Event,
+    period: float,
+    log: Any,
+) -> None:
+    """Sweep whenever ``wanted`` is set (the start, a reconnect) and every ``period`` seconds,
+    until ``stop``; ``cut`` each connection a sweep finds. A sweep that could not ask (the leaf's
+    link or bc-pki away, when revocation events are lost too) is tried again after
+    ``SWEEP_RETRY_S``, not at the next period."""
+    wait = 0.0
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wanted.wait(), timeout=wait)
+        wanted.clear()
+        if stop.is_set():
+            return
+        wait = min(SWEEP_RETRY_S, period)
+        try:
+            found = await sweep_once()
+        except Exception as exc:  # never the end of the responder: the next sweep
+            log.warning("sweep_failed", error=type(exc).__name__)
+            continue
+        if found is None:
+            continue
+        wait = period
+        for conn in found:
+            await cut(conn)
+
+
 def _server_id(nc: Any) -> str:
     return str(getattr(nc, "_server_info", {}).get("server_id") or "")
 
@@ -427,32 +470,22 @@ async def run(config: CalloutConfig, *, stop: asyncio.Event | None = None) -> No
                 if conn not in known:
                     await _kick(nc, *conn, log)
 
-        async def sweeper() -> None:
-            wait = 0.0
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wanted.wait(), timeout=wait)
-                wanted.clear()
-                # a sweep that could not ask (the leaf's link or bc-pki away, when revocation
-                # events are lost too) is tried again soon, not at the next period
-                wait = min(SWEEP_RETRY_S, config.sweep_seconds)
-                try:
-                    cut = await sweep(nc, pki, _server_id(nc), config.account, log)
-                except Exception as exc:  # never the end of the responder: the next sweep
-                    log.warning("sweep_failed", error=type(exc).__name__)
-                    continue
-                if cut is not None:
-                    wait = config.sweep_seconds
-                for found in cut or []:
-                    if found.why == "revoked":
-                        revocations.heard_revoked(found.cert_id)
-                    log.info("sweep_cuts_off", cert_id=found.cert_id, why=found.why)
-                    await _kick(nc, found.server_id, found.client_id, log)
+        async def sweep_once() -> list[Swept] | None:
+            return await sweep(nc, pki, _server_id(nc), config.account, log)
+
+        async def cut(found: Swept) -> None:
+            if found.why == "revoked":
+                revocations.heard_revoked(found.cert_id)
+            log.info("sweep_cuts_off", cert_id=found.cert_id, why=found.why)
+            await _kick(nc, found.server_id, found.client_id, log)
 
         await nc.subscribe(subjects.events_all("cert"), cb=on_cert_event)
         await responder.start(nc)
         log.info("callout_answering", subject=AUTH_SUBJECT, issuer=responder.issuer)
-        sweeping = asyncio.create_task(sweeper(), name="callout-sweep")
+        sweeping = asyncio.create_task(
+            sweeps(sweep_once, cut, wanted=wanted, stop=stop, period=config.sweep_seconds, log=log),
+            name="callout-sweep",
+        )
         await stop.wait()
         sweeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
