@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bcd.configdrive import ConfigDrive, write_config_drive
+from bcd.configdrive import BUS_FILE, ConfigDrive, read_config_drive, write_config_drive
 from better_compute.core.errors import BcError, ErrorCode
 
 pytestmark = pytest.mark.integration
@@ -150,3 +150,29 @@ def test_an_image_without_a_partition_table_or_a_free_slot_is_refused(tmp_path: 
         write(tight, written)
     assert info.value.details["reason"] == "disk-full"
     assert "bcjt" not in str(info.value)
+
+
+@pytest.mark.parametrize("label", ["dos", "gpt"])
+def test_the_bus_files_ride_on_the_drive_and_read_back_from_the_disk(tmp_path: Path, label: str) -> None:
+    """What the installed OS's bcd joins with (issue 23): ``bcd-bus.json`` on the drive, as
+    isoinfo reads it and as bcd finds it from the disk's own partition table."""
+    target, written = disk(tmp_path, label, ["start=2048, size=4096"])
+    bus = b'{"caSha256": "00", "ca": "CA", "join": "J"}\n'
+    fd = os.open(target, os.O_RDWR)
+    try:
+        placed = write_config_drive(
+            fd, ConfigDrive(user_data=USER_DATA, node_id=NODE, bus=bus), image_bytes=written
+        )
+        assert placed["busFiles"] is True
+        assert read_config_drive(fd, BUS_FILE) == bus
+        assert read_config_drive(fd, "user-data") == USER_DATA
+    finally:
+        os.close(fd)
+    assert iso_file(target, table(target)[1], BUS_FILE, tmp_path) == bus
+    assert "bus=[redacted]" in repr(ConfigDrive(user_data=USER_DATA, node_id=NODE, bus=bus))
+    image_only = tmp_path / "image.raw"  # no drive at all
+    fd = os.open(image_only, os.O_RDONLY)
+    try:
+        assert read_config_drive(fd, BUS_FILE) is None
+    finally:
+        os.close(fd)

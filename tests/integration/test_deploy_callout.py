@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import ssl
 import subprocess
 import sys
@@ -24,6 +25,8 @@ import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives import serialization
 
+from bcd.bus import carried_bus
+from bcd.configdrive import ConfigDrive, write_config_drive
 from better_compute.agent.identity import Enrollment, enroll
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
@@ -33,7 +36,7 @@ from better_compute.runtime.embedded import free_port
 from better_compute.service.client import ApiClient
 from better_compute.testing.bcd import BcdProcess, run_bcd
 from better_compute.testing.databases import DatabaseFactory
-from better_compute.testing.machines import prepare_machine
+from better_compute.testing.machines import DiskSpec, prepare_machine
 from better_compute.testing.processes import ServiceProcesses
 from better_compute.wire import unwrap
 from better_compute.wire.cmdq import AgentView
@@ -259,3 +262,93 @@ async def test_a_restarted_responder_still_cuts_off_a_connection_it_did_not_let_
     alice = await stack.connect("alice")
     await PkiClient(ApiClient(alice)).revoke_certificate(cert_id=node.cert_id, reason="test")
     await asyncio.wait_for(gone.wait(), timeout=10)
+
+
+async def test_a_revocation_while_the_responder_is_away_is_swept_when_it_starts(stack: Stack) -> None:
+    """Issue 23: an agent whose certificate was revoked while no responder listened (stopped, or
+    its leaf link down) kept its connection until its NATS user expired, up to an hour: nobody
+    heard the revocation. Now a starting responder sweeps the leaf's connections, asks bc-pki
+    afresh about each one's certificate and cuts off the revoked ones."""
+    node = await _join(stack)
+    gone = asyncio.Event()
+    cut_at: list[float] = []
+
+    async def disconnected() -> None:
+        cut_at.append(time.monotonic())
+        gone.set()
+
+    agent = await stack.connect_agent(
+        node.agent_id, _tls(stack, node), allow_reconnect=False, disconnected_cb=disconnected
+    )
+    await agent.flush(timeout=5)
+    assert stack.responder is not None
+    stack.responder.kill()
+    stack.responder.wait(10)
+    try:
+        alice = await stack.connect("alice")
+        await PkiClient(ApiClient(alice)).revoke_certificate(cert_id=node.cert_id, reason="test")
+        await agent.flush(timeout=5)  # nobody heard it: still connected
+        assert not gone.is_set()
+    finally:
+        started_at = time.monotonic()
+        stack.start_responder()
+    await stack.responder_ready()
+    await asyncio.wait_for(gone.wait(), timeout=15)
+    print(f"cut off {cut_at[0] - started_at:.3f} s after the responder process was started")  # measured
+    assert "agent_cut_off" in (stack.folder / "callout.log").read_text()
+
+
+def _image_with_one_partition(disk: Path, size: int) -> int:
+    """An OS image's bytes at the start of ``disk``: an MBR with one Linux partition (1-3 MiB);
+    how much the image is."""
+    mbr = bytearray(512)
+    mbr[446 + 4] = 0x83
+    mbr[446 + 8 : 446 + 16] = (2048).to_bytes(4, "little") + (4096).to_bytes(4, "little")
+    mbr[510:512] = b"\x55\xaa"
+    with disk.open("wb") as fh:
+        fh.write(mbr)
+        fh.truncate(size)
+    return 3 << 20
+
+
+async def test_the_installed_os_joins_with_the_bus_files_its_config_drive_carries(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Issue 23: the installed OS boots from its disk, without the site agent's bcd.bus= kernel
+    words, and its bcd had no bus CA or joining certificate: on a TLS-only leaf its join failed
+    unless BC_NATS_CA and BC_NATS_JOIN_CERT/KEY were set by hand. The ramdisk's bcd, which got
+    them through the boot path, now puts them on the config drive it writes after the image
+    (bcd-bus.json), and the installed OS's bcd join takes them from there."""
+    assert stack.callout is not None
+    leaf = f"tls://127.0.0.1:{stack.leaf.client_port}"
+    # the ramdisk's state folder, as fetch_bus_files left it from the site agent's /bus files
+    ramdisk = tmp_path / "ramdisk-state"
+    ramdisk.mkdir()
+    (ramdisk / "bus-ca.pem").write_bytes(stack.ca.read_bytes())
+    (ramdisk / "join.pem").write_bytes(
+        stack.callout.joining_cert.read_bytes() + stack.callout.joining_key.read_bytes()
+    )
+    # the installed OS: the image and the config drive bcd wrote after it on its disk; its
+    # kernel line is the image's own, with no bcd.* words; no BC_NATS_* in its environment
+    root = prepare_machine(tmp_path / "installed", disks=(DiskSpec("vda", size=16 << 20),), root_disk="vda")
+    disk = root / "dev" / "vda"
+    written = _image_with_one_partition(disk, 16 << 20)
+    fd = os.open(disk, os.O_RDWR)
+    try:
+        drive = ConfigDrive(user_data=b"#cloud-config\n{}\n", node_id="node_x", bus=carried_bus(ramdisk))
+        write_config_drive(fd, drive, image_bytes=written)
+    finally:
+        os.close(fd)
+    (root / "proc" / "cmdline").write_text("console=ttyS0 root=/dev/vda1\n")
+    token = await PkiClient(ApiClient(await stack.connect("engine"))).issue_join_token(
+        tenant_id="root", role="discovery", site_id="eu1", ttl_seconds=600
+    )
+    (root / "join-token").write_text(token.token)
+    joined = await run_bcd(
+        Settings(nats_url=leaf), root, "join", "--control-plane", leaf, "--token-file", "/join-token",
+        "--no-service",
+    )  # fmt: skip
+    assert joined.returncode == 0, joined.stdout + joined.stderr
+    assert json.loads(joined.stdout.splitlines()[-1])["nodeId"].startswith("node_")
+    kept = root / "var/lib/bcd/bus-ca.pem"
+    assert kept.read_bytes() == stack.ca.read_bytes()

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import zstandard
 
+from bcd.__main__ import main as bcd_main
+from bcd.bus import adopt_config_drive, carried_bus
 from bcd.configdrive import ConfigDrive
 from bcd.converger import Converger
 from bcd.daemon import detect_mode, node_handlers
@@ -384,3 +386,93 @@ async def test_a_refused_user_data_fetch_leaves_the_disk_as_it_was(tmp_path: Pat
     assert info.value.code is ErrorCode.PERMISSION_DENIED
     assert fetched == [ref]
     assert (m.root / "dev/vdb").read_bytes()[:4096] == before  # nothing written: fetched first
+
+
+def test_the_installed_os_takes_the_bus_files_from_the_config_drive_the_ramdisk_wrote(
+    tmp_path: Path, cache: tuple[Path, str]
+) -> None:
+    """Issue 23: the ramdisk's bcd puts the bus CA (with its digest) and the site's joining
+    certificate, which the boot path gave it, on the config drive after the image; the installed
+    OS's bcd finds the drive on its disk and keeps them, refusing a CA that is not the digest's."""
+    folder, base = cache
+    ramdisk = machine(tmp_path / "ramdisk", disks=(DiskSpec("vdb", size=16 << 20),))
+    boot_path = tmp_path / "ramdisk-state"
+    boot_path.mkdir()
+    (boot_path / "bus-ca.pem").write_bytes(
+        b"-----BEGIN CERTIFICATE-----\nbus CA\n-----END CERTIFICATE-----\n"
+    )
+    joining = b"-----BEGIN CERTIFICATE-----\nj\n-----END CERTIFICATE-----\n-----BEGIN PRIVATE KEY-----\nk\n"
+    (boot_path / "join.pem").write_bytes(joining)
+    raw = _image(2 * MIB)
+    (folder / "os.img").write_bytes(raw)
+    drive = ConfigDrive(user_data=b"#cloud-config\n{}\n", node_id="node_01J0000000000000000000000A",
+                        bus=carried_bus(boot_path))  # fmt: skip
+    got = image_write(
+        ramdisk, url=f"{base}/os.img", sha256=hashlib.sha256(raw).hexdigest(), config_drive=drive
+    )
+    assert got["configDrive"]["busFiles"] is True
+    assert b"PRIVATE KEY" not in json.dumps(got).encode()
+
+    def installed(name: str, disk: bytes) -> Machine:
+        m = machine(tmp_path / name, disks=(DiskSpec("vda", size=len(disk)),), root_disk="vda")
+        (m.root / "dev/vda").write_bytes(disk)
+        return m
+
+    written = (ramdisk.root / "dev/vdb").read_bytes()
+    state = tmp_path / "installed-state"
+    assert adopt_config_drive(installed("os", written), state) is True
+    assert (state / "bus-ca.pem").read_bytes() == (boot_path / "bus-ca.pem").read_bytes()
+    assert (state / "join.pem").read_bytes() == joining
+    assert (state / "join.pem").stat().st_mode & 0o077 == 0
+
+    # a CA that is not the one its digest names (the drive edited): refused, nothing kept
+    tampered = written.replace(b"bus CA", b"evil!!", 1)
+    assert tampered != written
+    elsewhere = tmp_path / "tampered-state"
+    with pytest.raises(BcError) as info:
+        adopt_config_drive(installed("tampered", tampered), elsewhere)
+    assert (info.value.code, info.value.path) == (
+        ErrorCode.INVALID_CONFIG,
+        "configDrive.bcd-bus.json.caSha256",
+    )
+    assert not elsewhere.exists()
+
+    # a ramdisk the boot path gave no bus files: the drive carries none, the OS takes none
+    assert carried_bus(tmp_path / "nothing") is None
+    plain = ConfigDrive(user_data=b"#cloud-config\n{}\n", node_id="node_01J0000000000000000000000A")
+    got = image_write(
+        ramdisk, url=f"{base}/os.img", sha256=hashlib.sha256(raw).hexdigest(), config_drive=plain
+    )
+    assert got["configDrive"]["busFiles"] is False
+    assert adopt_config_drive(installed("plain", (ramdisk.root / "dev/vdb").read_bytes()), elsewhere) is False
+
+
+def test_only_the_installed_os_takes_a_config_drive_s_bus_files(
+    tmp_path: Path, cache: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bcd join`` in the installed OS reads the drive before it connects (a CA not matching
+    its digest stops it there); a ramdisk, whose disks may hold an earlier OS's drive, does not
+    read it, nor does a join given ``BC_NATS_CA`` by hand."""
+    folder, base = cache
+    m = machine(tmp_path, disks=(DiskSpec("vda", size=16 << 20),))
+    raw = _image(2 * MIB)
+    (folder / "os.img").write_bytes(raw)
+    bad = b'{"caSha256": "' + b"0" * 64 + b'", "ca": "CA", "join": "J"}\n'
+    drive = ConfigDrive(user_data=b"#cloud-config\n{}\n", node_id="node_01J0000000000000000000000A", bus=bad)
+    image_write(
+        m, url=f"{base}/os.img", sha256=hashlib.sha256(raw).hexdigest(), disk="/dev/vda", config_drive=drive
+    )
+    (m.root / "join-token").write_text("bcjt_unused")
+    argv = ["--root", str(m.root), "join", "--control-plane", "nats://127.0.0.1:9",
+            "--token-file", "/join-token", "--no-service"]  # fmt: skip
+
+    def join_says() -> str:
+        with pytest.raises(SystemExit):
+            bcd_main(argv)
+        return capsys.readouterr().err
+
+    assert "configDrive.bcd-bus.json.caSha256" in join_says()  # the installed OS: read, refused
+    (m.root / "etc/bcd").mkdir(parents=True, exist_ok=True)
+    (m.root / "etc/bcd/ramdisk").write_text("")
+    assert "configDrive" not in join_says()  # a ramdisk: not read (it fails to connect instead)
+    assert not (m.root / "var/lib/bcd/bus-ca.pem").exists()

@@ -3,16 +3,25 @@ config (the process against a real leaf: tests/integration/test_deploy_callout.p
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
-from bc_pki.callout import Connections, Revocations, load_config
+from bc_pki import callout
+from bc_pki.callout import Connections, Revocations, Swept, load_config, sweep
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
-from better_compute.service.bus_auth import Admitted, AgentCertificate
+from better_compute.service.bus_auth import Admitted, AgentCertificate, cert_id_of_user, user_name
 from better_compute.wire.pki import CertificateInfo
 
 AGENT = AgentCertificate(agent_id="agent_a1", site_id="eu1", serial="ab12", not_after=2e9, cert_id="cert_1")
@@ -116,13 +125,127 @@ def test_the_config_names_the_key_that_is_wrong(tmp_path: Path) -> None:
     }  # fmt: skip
     example = Path(__file__).parents[2] / "deploy" / "callout.example.toml"
     assert load_config(example).site_id == "eu1"
-    for change, path in [  # a path for every mistake
+    mistakes: list[tuple[dict[str, Any], str]] = [  # a path for every mistake
         ({"site_id": "eu.1"}, "site_id"), ({"cache_seconds": -1}, "cache_seconds"),
+        ({"sweep_seconds": 0}, "sweep_seconds"),
         ({"nats_urll": "x"}, "nats_urll"), ({"nats_url": None}, "nats_url"), ({"nats_ca": 3}, "nats_ca"),
-    ]:  # fmt: skip
+    ]  # fmt: skip
+    for change, path in mistakes:
         doc = {**good, **change}
         text = "\n".join(f"{k} = {v!r}".replace("'", '"') for k, v in doc.items() if v is not None)
         (tmp_path / "c.toml").write_text(text)
         with pytest.raises(BcError) as err:
             load_config(tmp_path / "c.toml")
         assert (err.value.code, err.value.details["path"]) == (ErrorCode.INVALID_CONFIG, path)
+
+
+class Leaf:
+    """The leaf's connz, as the responder asks it (one page)."""
+
+    def __init__(self, connections: list[dict[str, Any]] | None) -> None:
+        self.connections = connections
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> Any:
+        if self.connections is None:
+            raise TimeoutError
+        doc = {"data": {"connections": self.connections}}
+        return type("Msg", (), {"data": json.dumps(doc).encode()})()
+
+
+def _pem_and_digest(name: str) -> tuple[str, str]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(1).not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    pem = cert.public_bytes(serialization.Encoding.PEM).decode()
+    return pem, hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+async def test_a_sweep_cuts_off_the_connections_bc_pki_no_longer_vouches_for() -> None:
+    """The sweep asks bc-pki afresh about the certificate each agent connection's user names
+    (``<agent>/<cert>``) and cuts off the revoked, the unknown and one showing another
+    certificate; a valid one and a joining connection stay."""
+    assert user_name(AGENT) == "agent_a1/cert_1"
+    assert cert_id_of_user("agent_a1/cert_1") == "cert_1"
+    assert cert_id_of_user("joining") is None
+    assert cert_id_of_user("agent_a1") is None
+    good_pem, good = _pem_and_digest("good")
+    gone_pem, gone = _pem_and_digest("gone")
+    _other_pem, other = _pem_and_digest("other")
+
+    def conn(cid: int, user: str, digest: str) -> dict[str, Any]:
+        return {"cid": cid, "authorized_user": user, "tls_peer_certs": [{"cert_sha256": digest}]}
+
+    class Answers:
+        asked: list[str] = []
+
+        async def get_certificate(self, *, cert_id: str) -> CertificateInfo:
+            self.asked.append(cert_id)
+            if cert_id == "cert_unknown":
+                raise BcError(ErrorCode.NOT_FOUND, "no such certificate")
+            info = _info("revoked" if cert_id == "cert_gone" else "valid")
+            return msgspec.structs.replace(
+                info, certificate_pem=gone_pem if cert_id == "cert_gone" else good_pem
+            )
+
+    leaf = Leaf([
+        conn(1, "agent_a/cert_good", good), conn(2, "agent_b/cert_gone", gone),
+        conn(3, "agent_b/cert_gone", gone), conn(4, "agent_c/cert_unknown", other),
+        conn(5, "agent_a/cert_good", other), conn(6, "joining", other),
+    ])  # fmt: skip
+    pki = Answers()
+    cut = await sweep(leaf, pki, "SRV", "SITE", get_logger())  # type: ignore[arg-type]
+    assert cut == [
+        Swept("cert_good", "SRV", 5, "other-certificate"), Swept("cert_gone", "SRV", 2, "revoked"),
+        Swept("cert_gone", "SRV", 3, "revoked"), Swept("cert_unknown", "SRV", 4, "unknown"),
+    ]  # fmt: skip
+    assert sorted(pki.asked) == ["cert_gone", "cert_good", "cert_unknown"]  # once per certificate
+
+    # bc-pki or the leaf away: nothing is cut, the next sweep tries again
+    away = Pki()
+    away.answer = BcError(ErrorCode.UNAVAILABLE, "no responders")
+    assert await sweep(leaf, away, "SRV", "SITE", get_logger()) is None  # type: ignore[arg-type]
+    assert await sweep(Leaf(None), pki, "SRV", "SITE", get_logger()) is None  # type: ignore[arg-type]
+
+
+async def test_sweeps_run_at_the_start_on_a_reconnect_and_again_soon_after_one_that_could_not_ask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first sweep runs at once; one that could not ask (None: the leaf's link or bc-pki
+    away) or failed is tried again after SWEEP_RETRY_S, not the hour-long period given here;
+    a reconnect (``wanted``) asks for one at once; each connection found is cut."""
+    monkeypatch.setattr(callout, "SWEEP_RETRY_S", 0.01)
+    found = Swept("cert_1", "SRV", 7, "revoked")
+    answers: list[Any] = [None, RuntimeError("boom"), [found], []]
+    calls: list[int] = []
+    cut: list[Swept] = []
+    wanted, stop, reached = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    wanted.set()
+
+    async def once() -> list[Swept] | None:
+        calls.append(len(calls))
+        answer = answers[len(calls) - 1]
+        if len(calls) == len(answers):
+            reached.set()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    async def cut_off(conn: Swept) -> None:
+        cut.append(conn)
+        wanted.set()  # as a reconnect would: the fourth sweep at once, not after the period
+
+    task = asyncio.create_task(
+        callout.sweeps(once, cut_off, wanted=wanted, stop=stop, period=3600, log=get_logger())
+    )
+    try:
+        await asyncio.wait_for(reached.wait(), timeout=10)
+    finally:
+        stop.set()
+        task.cancel()
+    assert cut == [found]
+    assert len(calls) == 4

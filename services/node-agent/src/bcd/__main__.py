@@ -16,7 +16,7 @@ from pathlib import Path
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import configure_logging
 
-from .bus import fetch_bus_files
+from .bus import adopt_config_drive, fetch_bus_files
 from .daemon import MODES, detect_mode, serve
 from .hardware import claims, inventory
 from .join import DEFAULT_STATE_DIR, BcdState, install_service, join, read_cmdline
@@ -81,8 +81,12 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
         raise BcError(
             ErrorCode.INVALID_INPUT, "no join token (--token-file or bcd.token=)", {"path": "token-file"}
         )
-    # the bus CA (checked against the kernel line's digest) and the joining certificate
-    fetch_bus_files(cmdline, state.folder)
+    # the bus CA (checked against the kernel line's digest) and the joining certificate; an
+    # installed OS, booted without those kernel words, has them on its config drive (unless
+    # BC_NATS_CA names a CA by hand; a ramdisk never takes an earlier OS's drive)
+    fetched = fetch_bus_files(cmdline, state.folder)
+    if not fetched and not os.environ.get("BC_NATS_CA") and detect_mode(machine) == "installed":
+        adopt_config_drive(machine, state.folder)
     enrollment = asyncio.run(
         join(
             state,

@@ -8,12 +8,19 @@ site agent or network in between cannot make bcd trust another NATS server. It a
 certificate ask bc-pki to join and nothing else (docs/security.md, "The bus"). Both are kept in
 bcd's state folder for the joins and runs that follow.
 
+The installed OS boots from its disk, without those kernel words. So when the ramdisk's bcd
+writes an image with a config drive, it puts the same files there (``bcd-bus.json``: the CA,
+its SHA-256 as the kernel line named it, the joining certificate and key; ``carried_bus``), and
+the installed OS's ``bcd join`` takes them from the drive (``adopt_config_drive``), checking the
+CA against the digest that came with it, when its kernel line names no bus.
+
 ``BC_NATS_CA``, ``BC_NATS_JOIN_CERT`` and ``BC_NATS_JOIN_KEY`` in the environment win over them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import urllib.error
@@ -24,7 +31,11 @@ from typing import Final
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.files import atomic_write
 
-__all__ = ["BUS_CA_FILE", "JOIN_FILE", "fetch_bus_files"]
+from .configdrive import BUS_FILE, read_config_drive
+from .hardware import block_disks
+from .system import Machine
+
+__all__ = ["BUS_CA_FILE", "JOIN_FILE", "adopt_config_drive", "carried_bus", "fetch_bus_files"]
 
 BUS_CA_FILE: Final = "bus-ca.pem"
 JOIN_FILE: Final = "join.pem"  # the joining certificate and its key, one PEM file (0600)
@@ -79,6 +90,74 @@ def fetch_bus_files(cmdline: dict[str, str], folder: Path) -> bool:
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     atomic_write(folder / BUS_CA_FILE, ca)
     atomic_write(folder / JOIN_FILE, join)  # private: its key is in it
+    return True
+
+
+def carried_bus(folder: Path) -> bytes | None:
+    """What the config drive carries to the installed OS's bcd (``bcd-bus.json``): the bus CA
+    the boot path delivered into ``folder``, its SHA-256, and the joining certificate and key;
+    None when the boot path delivered none (a bus without TLS, or one set by the environment,
+    whose CA no kernel line's digest vouched for)."""
+    try:
+        ca = (folder / BUS_CA_FILE).read_bytes()
+        join = (folder / JOIN_FILE).read_bytes()
+    except OSError:
+        return None
+    doc = {"caSha256": hashlib.sha256(ca).hexdigest(), "ca": ca.decode(), "join": join.decode()}
+    return json.dumps(doc, indent=2).encode() + b"\n"
+
+
+def _refuse_carried(message: str, key: str) -> BcError:
+    return BcError(ErrorCode.INVALID_CONFIG, message, {"path": f"configDrive.{BUS_FILE}.{key}"})
+
+
+def adopt_config_drive(machine: Machine, folder: Path) -> bool:
+    """Take the bus files from the config drive the ramdisk's bcd left on one of the machine's
+    disks, into ``folder`` (what the boot path's ``fetch_bus_files`` stores); False when no disk
+    has a config drive with them.
+
+    Raises:
+        BcError: ``INVALID_CONFIG`` at ``configDrive.bcd-bus.json.<key>`` when the file is
+            malformed or its CA's SHA-256 is not the one it names (nothing is stored).
+    """
+    carried = None
+    for name in block_disks(machine):
+        try:
+            fd = os.open(machine.path(f"/dev/{name}"), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            carried = read_config_drive(fd, BUS_FILE)
+        except OSError:
+            carried = None
+        finally:
+            os.close(fd)
+        if carried is not None:
+            break
+    if carried is None:
+        return False
+    try:
+        doc = json.loads(carried)
+    except ValueError:
+        raise _refuse_carried(f"{BUS_FILE} on the config drive is not JSON", "") from None
+    if not isinstance(doc, dict):
+        raise _refuse_carried(f"{BUS_FILE} on the config drive is not an object", "")
+    for key in ("caSha256", "ca", "join"):
+        if not isinstance(doc.get(key), str) or not doc[key]:
+            raise _refuse_carried(f"{BUS_FILE} on the config drive has no {key}", key)
+    ca = doc["ca"].encode()
+    expected = doc["caSha256"].lower()
+    got = hashlib.sha256(ca).hexdigest()
+    if not _HEX64.match(expected) or got != expected:
+        raise _refuse_carried(
+            f"the bus CA on the config drive has SHA-256 {got}, not the {expected} it came with: refused",
+            "caSha256",
+        )
+    if "BEGIN CERTIFICATE" not in doc["join"] or "PRIVATE KEY" not in doc["join"]:
+        raise _refuse_carried("the joining certificate on the config drive has no certificate or key", "join")
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomic_write(folder / BUS_CA_FILE, ca)
+    atomic_write(folder / JOIN_FILE, doc["join"].encode())  # private: its key is in it
     return True
 
 

@@ -4,7 +4,10 @@ After ``node.imageWrite`` wrote and verified the image, bcd adds a partition aft
 last one and puts an ISO9660 filesystem labelled ``cidata`` there, holding ``user-data`` (the
 document ``userdata.render`` stored, fetched through the secrets gate) and ``meta-data``
 (``instance-id`` = the node id, ``local-hostname``). That is what cloud-init's NoCloud
-datasource looks for on any cloud image, and what the project's test OS image reads.
+datasource looks for on any cloud image, and what the project's test OS image reads. When the
+ramdisk's bcd got the bus files through the boot path (``bcd.bus=``), the drive also holds
+``bcd-bus.json``: the bus CA, its SHA-256 and the site's joining certificate and key, which the
+installed OS's ``bcd join`` takes from it (``read_config_drive``; bcd.bus).
 
 Both partition tables: MBR (a free primary slot) and GPT (a new entry; the backup header and
 entries move to the end of the disk, which is larger than the image; CRCs updated). The image's
@@ -26,9 +29,19 @@ import pycdlib
 
 from better_compute.core.errors import BcError, ErrorCode
 
-__all__ = ["LABEL", "ConfigDrive", "iso_image", "meta_data", "write_config_drive"]
+__all__ = [
+    "BUS_FILE",
+    "LABEL",
+    "ConfigDrive",
+    "iso_image",
+    "meta_data",
+    "read_config_drive",
+    "write_config_drive",
+]
 
 LABEL: Final = "cidata"
+BUS_FILE: Final = "bcd-bus.json"
+_MAX_DRIVE: Final = 64 << 20  # a config drive larger than this is not one bcd wrote
 SECTOR: Final = 512
 _ALIGN: Final = 1 << 20  # partitions start on a MiB, as parted and sfdisk place them
 _MBR_LINUX: Final = 0x83
@@ -40,13 +53,16 @@ _ISO_PVD: Final = 16 * 2048  # the primary volume descriptor, 32 KiB into the fi
 
 @dataclass(frozen=True, kw_only=True)
 class ConfigDrive:
-    """What goes on the drive: the user data as stored, and the node it is for."""
+    """What goes on the drive: the user data as stored, the node it is for, and the bus files
+    the installed OS's bcd needs (``bcd.bus.carried_bus``), if any."""
 
     user_data: bytes
     node_id: str
+    bus: bytes | None = None
 
     def __repr__(self) -> str:
-        return f"ConfigDrive(node_id={self.node_id!r}, user_data=[redacted])"
+        bus = ", bus=[redacted]" if self.bus is not None else ""
+        return f"ConfigDrive(node_id={self.node_id!r}, user_data=[redacted]{bus})"
 
 
 def meta_data(node_id: str) -> bytes:
@@ -59,10 +75,13 @@ def iso_image(drive: ConfigDrive) -> bytes:
     """The ISO9660 filesystem (Rock Ridge and Joliet names, so ``user-data`` reads as such)."""
     iso = pycdlib.PyCdlib()
     iso.new(interchange_level=3, joliet=3, rock_ridge="1.09", vol_ident=LABEL)
-    for short, name, body in (
+    files = [
         ("/USERDATA.;1", "user-data", drive.user_data),
         ("/METADATA.;1", "meta-data", meta_data(drive.node_id)),
-    ):
+    ]
+    if drive.bus is not None:
+        files.append(("/BCDBUS.JSN;1", BUS_FILE, drive.bus))
+    for short, name, body in files:
         iso.add_fp(io.BytesIO(body), len(body), short, rr_name=name, joliet_path=f"/{name}")
     out = io.BytesIO()
     iso.write_fp(out)
@@ -110,7 +129,51 @@ def write_config_drive(fd: int, drive: ConfigDrive, *, image_bytes: int) -> dict
         placed = _mbr(fd, mbr, iso, disk_bytes=disk_bytes, image_bytes=image_bytes)
     os.pwrite(fd, iso, placed["offset"])
     os.fsync(fd)
-    return {**placed, "label": LABEL, "isoBytes": len(iso)}
+    return {**placed, "label": LABEL, "isoBytes": len(iso), "busFiles": drive.bus is not None}
+
+
+def _drive_partitions(fd: int) -> list[tuple[int, int]]:
+    """``(first sector, sectors)`` of each partition in the disk's MBR or GPT."""
+    mbr = os.pread(fd, SECTOR, 0)
+    if len(mbr) < SECTOR or mbr[510:512] != b"\x55\xaa":
+        return []
+    entries = [struct.unpack_from("<B3sB3sII", mbr, 446 + 16 * i) for i in range(4)]
+    if not any(e[2] == _MBR_GPT for e in entries):
+        return [(e[4], e[5]) for e in entries if e[2] and e[5]]
+    header = _gpt_header(fd, 1)
+    if header is None:
+        return []
+    table = os.pread(fd, header.entry_count * header.entry_size, header.entries_lba * SECTOR)
+    found = []
+    for i in range(header.entry_count):
+        entry = table[i * header.entry_size : (i + 1) * header.entry_size]
+        if len(entry) >= 48 and any(entry[:16]):
+            first, last = struct.unpack_from("<QQ", entry, 32)
+            found.append((first, last - first + 1))
+    return found
+
+
+def read_config_drive(fd: int, name: str) -> bytes | None:
+    """The file ``name`` of the ``cidata`` config drive on the disk open at ``fd`` (read from
+    the disk's own partition table, as the installed OS finds it), or None when the disk has
+    no such drive or the drive no such file."""
+    for first, count in _drive_partitions(fd):
+        if count * SECTOR > _MAX_DRIVE or not _ours(fd, first):
+            continue
+        iso = pycdlib.PyCdlib()
+        try:
+            iso.open_fp(io.BytesIO(os.pread(fd, count * SECTOR, first * SECTOR)))
+        except pycdlib.pycdlibexception.PyCdlibException:
+            continue
+        out = io.BytesIO()
+        try:
+            iso.get_file_from_iso_fp(out, rr_path=f"/{name}")
+        except pycdlib.pycdlibexception.PyCdlibException:
+            return None
+        finally:
+            iso.close()
+        return out.getvalue()
+    return None
 
 
 def _span(start: int, isobytes: int, disk_bytes: int, reserved_tail: int) -> tuple[int, int]:

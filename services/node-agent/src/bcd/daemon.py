@@ -24,6 +24,7 @@ from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 from better_compute.wire.commands import NodeConverge, NodeImageWrite, NodeWipe, decode_payload
 
+from .bus import carried_bus
 from .configdrive import ConfigDrive
 from .converger import Converger
 from .disks import wipe
@@ -66,10 +67,12 @@ def node_handlers(
     converger: Converger | None = None,
     fetch_secret: Callable[[str], Awaitable[bytes]] | None = None,
     node_id: str | None = None,
+    bus: bytes | None = None,
 ) -> dict[str, CommandHandler]:
     """The command handlers bcd serves in ``mode``. ``fetch_secret`` reads a value through the
     secrets gate (an image write's ``userDataRef``); ``node_id`` is this node's (the config
-    drive's instance id)."""
+    drive's instance id); ``bus`` the bus files the config drive carries to the installed OS
+    (``bus.carried_bus``)."""
 
     async def node_inventory(cmd: Command) -> Any:
         return await asyncio.to_thread(inventory, machine)
@@ -87,7 +90,7 @@ def node_handlers(
             # Fetched before anything is written: a refused fetch leaves the disk as it was.
             # The gate opens it while this command is live (docs/pki-and-secrets.md).
             user_data = await fetch_secret(payload.user_data_ref)
-            drive = ConfigDrive(user_data=user_data, node_id=node_id)
+            drive = ConfigDrive(user_data=user_data, node_id=node_id, bus=bus)
         loop = asyncio.get_running_loop()
 
         def progress(message: str, percent: float | None) -> None:
@@ -179,7 +182,12 @@ async def _serve_on(
 
     converger = Converger(state.machine, fetch_secret=fetch_secret) if mode == "installed" else None
     handlers: Mapping[str, CommandHandler] = node_handlers(
-        state.machine, mode, converger=converger, fetch_secret=fetch_secret, node_id=enrollment.agent_id
+        state.machine,
+        mode,
+        converger=converger,
+        fetch_secret=fetch_secret,
+        node_id=enrollment.agent_id,
+        bus=carried_bus(state.folder) if mode == "ramdisk" else None,
     )
     if simulate:
         handlers = tagged(handlers)  # the simulated disks see which command writes them

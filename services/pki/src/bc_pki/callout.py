@@ -10,8 +10,13 @@ Revocation is bc-pki's: the responder asks ``certs.get`` (through the leaf's imp
 keeps a good answer for ``cache_seconds``. It hears every revocation on ``bc.events.cert.*`` and
 then cuts the agent's connections at once (``$SYS.REQ.SERVER.<id>.KICK``, imported from the leaf's
 system account): those it let in, and those the leaf's connz shows with that certificate
-(let in before the responder restarted). The user it gave the agent expires within the hour
-anyway: that bounds a revocation whose event was lost.
+(let in before the responder restarted). A revocation nobody heard (the responder stopped, or
+the leaf's link to the hub down) is caught by a sweep: when the responder starts, whenever its
+connection to the leaf comes back, and every ``sweep_seconds``, it lists the leaf's connections
+in the site's account and asks bc-pki afresh (no cache) about the certificate of each agent
+connection, cutting off those revoked. A sweep that cannot ask (the leaf's link to the hub
+down) is tried again every 5 s until one can. The user it gave the agent expires within the hour
+anyway.
 
 .. code-block:: toml
 
@@ -25,7 +30,7 @@ anyway: that bounds a revocation whose event was lost.
     pki_ca_file = "/etc/better-compute/callout/pki-ca.pem"  # bcx certs ca
     bus_ca_file = "/etc/better-compute/nats/tls/ca.pem"     # joining certificates (default nats_ca)
     # user = "callout"; account = "SITE"; js_api = "$JS.hub.API"; subject_root = "bc"
-    # cache_seconds = 10; stale_seconds = 300
+    # cache_seconds = 10; stale_seconds = 300; sweep_seconds = 60
 
 Every problem with it is ``INVALID_CONFIG`` with ``details.path`` naming the key (exit status 2).
 """
@@ -45,9 +50,9 @@ import sys
 import time
 import tomllib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from cryptography import x509
@@ -62,17 +67,29 @@ from better_compute.service.bus_auth import (
     Admitted,
     AgentCertificate,
     CalloutResponder,
+    cert_id_of_user,
 )
 from better_compute.service.client import ApiClient, tls_context
 from better_compute.wire import Subjects
 from better_compute.wire.pki import CertRevoked, decode_cert_event
 from better_compute.wire.subjects import service_inbox_prefix, valid_token
 
-__all__ = ["CalloutConfig", "Connections", "Revocations", "load_config", "main", "run"]
+__all__ = [
+    "CalloutConfig",
+    "Connections",
+    "Revocations",
+    "Swept",
+    "load_config",
+    "main",
+    "run",
+    "sweep",
+    "sweeps",
+]
 
 KICK_SUBJECT = "$SYS.REQ.SERVER.{server}.KICK"
 CONNZ_SUBJECT = "$SYS.REQ.SERVER.{server}.CONNZ"
 CONNZ_PAGE = 1024
+SWEEP_RETRY_S = 5.0  # after a sweep that could not ask the leaf or bc-pki
 CONNECTIONS_PER_CERT = 16  # the latest connections remembered per certificate (kicks them all)
 
 
@@ -94,6 +111,7 @@ class CalloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     subject_root: str = "bc"
     cache_seconds: float = 10.0
     stale_seconds: float = 300.0
+    sweep_seconds: float = 60.0
 
 
 def _bad(path: str, message: str) -> BcError:
@@ -122,6 +140,8 @@ def load_config(file: str | Path) -> CalloutConfig:
     for key in ("cache_seconds", "stale_seconds"):
         if getattr(config, key) < 0:
             raise _bad(key, "a number of seconds, 0 or more")
+    if config.sweep_seconds < 1:
+        raise _bad("sweep_seconds", "a number of seconds, 1 or more")
     return config
 
 
@@ -246,11 +266,20 @@ def _secrets(config: CalloutConfig) -> tuple[bytes, str, bytes, bytes]:
     )
 
 
-async def holding(nc: Any, server_id: str, account: str, cert_sha256: str, log: Any) -> list[tuple[str, int]]:
-    """The leaf's open connections in ``account`` that showed the certificate whose DER has
-    SHA-256 ``cert_sha256``: also those a responder let in before it restarted, which it does
-    not remember."""
-    found: list[tuple[str, int]] = []
+class Swept(NamedTuple):
+    """A connection a sweep cuts off, and why (``revoked``, ``expired``, ``unknown``,
+    ``other-certificate``)."""
+
+    cert_id: str
+    server_id: str
+    client_id: int
+    why: str
+
+
+async def connections(nc: Any, server_id: str, account: str, log: Any) -> list[dict[str, Any]] | None:
+    """The leaf's open connections in ``account`` as connz shows them (with their user and
+    TLS peer certificates); None when the leaf does not answer."""
+    found: list[dict[str, Any]] = []
     offset = 0
     while True:
         query = {"auth": True, "acc": account, "state": 0, "offset": offset, "limit": CONNZ_PAGE}
@@ -261,14 +290,99 @@ async def holding(nc: Any, server_id: str, account: str, cert_sha256: str, log: 
             conns = (json.loads(reply.data).get("data") or {}).get("connections") or []
         except Exception as exc:  # the leaf away: the user's expiry still ends it
             log.warning("connz_failed", server_id=server_id, error=type(exc).__name__)
-            return found
-        for conn in conns:
-            certs = conn.get("tls_peer_certs") or [{}]
-            if str(certs[0].get("cert_sha256", "")).lower() == cert_sha256:
-                found.append((server_id, int(conn["cid"])))
+            return None
+        found.extend(c for c in conns if isinstance(c, dict) and isinstance(c.get("cid"), int))
         if len(conns) < CONNZ_PAGE:
             return found
         offset += CONNZ_PAGE
+
+
+def _cert_sha256(conn: dict[str, Any]) -> str:
+    certs = conn.get("tls_peer_certs") or [{}]
+    return str(certs[0].get("cert_sha256", "")).lower()
+
+
+def _der_sha256(pem: str) -> str:
+    der = x509.load_pem_x509_certificate(pem.encode()).public_bytes(serialization.Encoding.DER)
+    return hashlib.sha256(der).hexdigest()
+
+
+async def holding(nc: Any, server_id: str, account: str, cert_sha256: str, log: Any) -> list[tuple[str, int]]:
+    """The leaf's open connections in ``account`` that showed the certificate whose DER has
+    SHA-256 ``cert_sha256``: also those a responder let in before it restarted, which it does
+    not remember."""
+    conns = await connections(nc, server_id, account, log) or []
+    return [(server_id, int(c["cid"])) for c in conns if _cert_sha256(c) == cert_sha256]
+
+
+async def sweep(nc: Any, pki: PkiClient, server_id: str, account: str, log: Any) -> list[Swept] | None:
+    """Re-check every agent connection the leaf has in ``account`` with bc-pki, afresh: those to
+    cut off (a certificate bc-pki says is not valid, does not know, or knows as another
+    certificate than the one the connection showed). None when the leaf or bc-pki cannot be
+    asked now (the next sweep tries again)."""
+    conns = await connections(nc, server_id, account, log)
+    if conns is None:
+        return None
+    by_cert: dict[str, list[dict[str, Any]]] = {}
+    for conn in conns:
+        cert_id = cert_id_of_user(str(conn.get("authorized_user") or ""))
+        if cert_id is not None:  # an agent (joining connections and the responder have none)
+            by_cert.setdefault(cert_id, []).append(conn)
+    cut: list[Swept] = []
+    for cert_id, held in by_cert.items():
+        try:
+            info = await pki.get_certificate(cert_id=cert_id)
+        except BcError as err:
+            if err.code is not ErrorCode.NOT_FOUND:
+                log.warning("sweep_pki_unreachable", code=err.code.value)
+                return None
+            cut.extend(Swept(cert_id, server_id, int(c["cid"]), "unknown") for c in held)
+            continue
+        shown = _der_sha256(info.certificate_pem)
+        for conn in held:
+            if info.state != "valid":
+                cut.append(Swept(cert_id, server_id, int(conn["cid"]), info.state))
+            elif _cert_sha256(conn) != shown:
+                cut.append(Swept(cert_id, server_id, int(conn["cid"]), "other-certificate"))
+    log.info("sweep_done", connections=len(conns), certificates=len(by_cert), cut_off=len(cut))
+    return cut
+
+
+async def sweeps(
+    sweep_once: Callable[[], Awaitable[list[Swept] | None]],
+    cut: Callable[[Swept], Awaitable[None]],
+    *,
+    wanted: asyncio.Event,
+    stop: asyncio.Event,
+    period: float,
+    log: Any,
+) -> None:
+    """Sweep whenever ``wanted`` is set (the start, a reconnect) and every ``period`` seconds,
+    until ``stop``; ``cut`` each connection a sweep finds. A sweep that could not ask (the leaf's
+    link or bc-pki away, when revocation events are lost too) is tried again after
+    ``SWEEP_RETRY_S``, not at the next period."""
+    wait = 0.0
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wanted.wait(), timeout=wait)
+        wanted.clear()
+        if stop.is_set():
+            return
+        wait = min(SWEEP_RETRY_S, period)
+        try:
+            found = await sweep_once()
+        except Exception as exc:  # never the end of the responder: the next sweep
+            log.warning("sweep_failed", error=type(exc).__name__)
+            continue
+        if found is None:
+            continue
+        wait = period
+        for conn in found:
+            await cut(conn)
+
+
+def _server_id(nc: Any) -> str:
+    return str(getattr(nc, "_server_info", {}).get("server_id") or "")
 
 
 def _tls(config: CalloutConfig) -> ssl.SSLContext:
@@ -286,6 +400,13 @@ async def run(config: CalloutConfig, *, stop: asyncio.Event | None = None) -> No
     stop = stop or asyncio.Event()
     issuer_seed, password, pki_ca, bus_ca = _secrets(config)
     subjects = Subjects(root=config.subject_root)
+    wanted = asyncio.Event()  # a sweep is due: at the start, and after each reconnect
+    wanted.set()
+
+    async def reconnected() -> None:
+        log.info("leaf_reconnected")
+        wanted.set()
+
     nc = await connect_waiting(
         config.nats_url,
         name=f"bc-pki-callout:{config.site_id}",
@@ -295,6 +416,7 @@ async def run(config: CalloutConfig, *, stop: asyncio.Event | None = None) -> No
         user=config.user,
         password=password,
         inbox_prefix=service_inbox_prefix("callout"),
+        reconnected_cb=reconnected,
     )
     try:
         pki = PkiClient(ApiClient(nc, subjects))
@@ -338,21 +460,36 @@ async def run(config: CalloutConfig, *, stop: asyncio.Event | None = None) -> No
             for server_id, client_id in known:  # the ones it let in: at once
                 await _kick(nc, server_id, client_id, log)
             # and any it let in before a restart, as the leaf knows them by their certificate
-            server_id = str(getattr(nc, "_server_info", {}).get("server_id") or "")
+            server_id = _server_id(nc)
             try:
                 pem = (await pki.get_certificate(cert_id=cert_id)).certificate_pem
             except BcError as err:
                 log.warning("revoked_certificate_unknown", cert_id=cert_id, code=err.code.value)
                 return
-            der = x509.load_pem_x509_certificate(pem.encode()).public_bytes(serialization.Encoding.DER)
-            for conn in await holding(nc, server_id, config.account, hashlib.sha256(der).hexdigest(), log):
+            for conn in await holding(nc, server_id, config.account, _der_sha256(pem), log):
                 if conn not in known:
                     await _kick(nc, *conn, log)
+
+        async def sweep_once() -> list[Swept] | None:
+            return await sweep(nc, pki, _server_id(nc), config.account, log)
+
+        async def cut(found: Swept) -> None:
+            if found.why == "revoked":
+                revocations.heard_revoked(found.cert_id)
+            log.info("sweep_cuts_off", cert_id=found.cert_id, why=found.why)
+            await _kick(nc, found.server_id, found.client_id, log)
 
         await nc.subscribe(subjects.events_all("cert"), cb=on_cert_event)
         await responder.start(nc)
         log.info("callout_answering", subject=AUTH_SUBJECT, issuer=responder.issuer)
+        sweeping = asyncio.create_task(
+            sweeps(sweep_once, cut, wanted=wanted, stop=stop, period=config.sweep_seconds, log=log),
+            name="callout-sweep",
+        )
         await stop.wait()
+        sweeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeping
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), timeout=5)

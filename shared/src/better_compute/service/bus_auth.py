@@ -45,8 +45,10 @@ __all__ = [
     "CalloutResponder",
     "agent_certificate",
     "agent_permissions",
+    "cert_id_of_user",
     "joining_certificate",
     "joining_permissions",
+    "user_name",
 ]
 
 AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
@@ -128,6 +130,19 @@ def joining_certificate(pem: str, bus_ca_pem: bytes, *, now: float | None = None
     if len(sites) != 1:
         raise BcError(ErrorCode.UNAUTHENTICATED, "not a joining certificate of this CA: no site")
     return sites[0]
+
+
+def user_name(agent: AgentCertificate) -> str:
+    """The name of an agent's NATS user: ``<agent id>/<cert id>`` (the agent id alone for a
+    certificate without one). nats-server shows it as the connection's ``authorized_user`` in
+    connz, which is how the responder's sweep finds the certificate to ask bc-pki about."""
+    return f"{agent.agent_id}/{agent.cert_id}" if agent.cert_id else agent.agent_id
+
+
+def cert_id_of_user(name: str) -> str | None:
+    """The certificate id in a user name of ``user_name``; None for any other name."""
+    _agent, sep, cert_id = name.partition("/")
+    return cert_id if sep and cert_id else None
 
 
 def agent_permissions(
@@ -295,7 +310,7 @@ class CalloutResponder:
         permissions = agent_permissions(
             self.subjects, agent.site_id, agent.agent_id, js_api=self.js_api, role=agent.role
         )
-        return agent.agent_id, permissions, agent.not_after, agent
+        return user_name(agent), permissions, agent.not_after, agent
 
     async def _agent(self, pem: str) -> AgentCertificate:
         agent = agent_certificate(pem, self.ca_pem)
