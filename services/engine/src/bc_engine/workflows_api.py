@@ -218,7 +218,7 @@ class WorkflowsApi:
             list(sizes), limit=MAX_PROFILE_STEPS, key=lambda r: (r["idx"],),
             budget=budget or PAGE_BUDGET, size=lambda r: int(r["size"]),
         )  # fmt: skip
-        steps = []
+        steps: list[Any] = []
         if page:
             steps = await db.fetch(store.STEPS_BETWEEN, workflow_id, page[0]["idx"], page[-1]["idx"])
         return workflow_doc(row, list(steps), steps_next=next_)
