@@ -33,6 +33,7 @@ from .relay import HttpRelay
 __all__ = ["SiteHandlers"]
 
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+_POWERS_ON = frozenset({"on", "cycle", "reset"})
 VALIDATE_SECONDS = 15.0
 """``management.validate`` tries a BMC that does not answer this long at most, then says so."""
 
@@ -169,7 +170,13 @@ class SiteHandlers:
     # -- BMC operations ----------------------------------------------------------------
 
     async def _power(self, driver: Driver, cmd: Command) -> dict[str, Any]:
-        return await driver.set_power(str(cmd.payload["action"]), deadline=cmd.not_after)
+        action = str(cmd.payload["action"])
+        result = await driver.set_power(action, deadline=cmd.not_after)
+        if action in _POWERS_ON:
+            # the machine asks for its boot entry after its POST, from now: a served entry's
+            # quiet period counts from here (netboot.BootEntries.powered)
+            self.entries.powered(cmd.node_id)
+        return result
 
     async def _boot(self, driver: Driver, cmd: Command) -> dict[str, Any]:
         p = cmd.payload
@@ -257,7 +264,7 @@ class SiteHandlers:
                 raise BcError(
                     ErrorCode.INVALID_INPUT, "the join token is not one word", {"path": "joinTokenRef"}
                 )
-        entry = self.entries.set(payload, command_id=cmd.id, join_token=token)
+        entry = self.entries.set(payload, command_id=cmd.id, join_token=token, node_id=cmd.node_id or "")
         return {"mac": entry.mac, "oneTime": entry.one_time, "kernel": entry.kernel, "initrd": entry.initrd}
 
     async def _clear_entry(self, cmd: Command) -> dict[str, Any]:

@@ -455,8 +455,9 @@ class Agent:
             await self.nc.publish(subject, sign_event(self.identity, kind, event))
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        """``call()`` until it answers. Waits out an absent command queue; gives up with
-        ``_Later`` after a few ``INTERNAL`` answers; raises any other refusal."""
+        """``call()`` until it answers. Waits out an absent command queue and a certificate still
+        ``pending``; gives up with ``_Later`` after a few ``INTERNAL`` answers; raises any other
+        refusal."""
         backoff = Backoff(first=0.2, cap=2.0)
         internal = 0
         while True:
@@ -467,7 +468,9 @@ class Agent:
                     internal += 1
                     if internal >= _INTERNAL_TRIES:
                         raise _Later from err
-                elif err.code not in _WAIT_FOR:
+                elif err.code not in _WAIT_FOR and err.reason != "cert-pending":
+                    # cert-pending: joined with a held token whose boot entry has not closed
+                    # clean yet (docs/security.md); the command queue hears us once it has
                     raise
                 if self._stop.is_set():
                     raise _Stopping from err

@@ -402,7 +402,9 @@ class MetalSim:
             m.ledger.append("boot.network", served="none", reason=type(exc).__name__)
             return None
         kernel = _KERNEL.search(script)
-        m.ledger.append("boot.network", served="kernel" if kernel else "exit")
+        m.ledger.append(
+            "boot.network", served="kernel" if kernel else "exit", asks=max(1, m.faults.netboot_asks)
+        )
         return kernel.group(1).strip() if kernel else None
 
     def _ramdisk(self, m: SimMachine, generation: int, cmdline: str) -> None:
