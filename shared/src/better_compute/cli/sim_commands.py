@@ -129,7 +129,7 @@ def _agent_config(
         f"discovery = {'true' if discovery else 'false'}",
         # the simulated machines ask for their scripts as soon as they power on: a short quiet
         # period keeps the demo quick (production's default is 120 s, docs/site-agent.md)
-        "quiet_seconds = 2",
+        "quiet_seconds = 0.5",
     ]
     if discovery:
         lines += [

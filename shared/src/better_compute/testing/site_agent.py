@@ -29,9 +29,10 @@ class SiteAgentProcess:
     """How machines reach the agent's HTTP (``http://10.0.2.2:<port>`` from a QEMU guest)."""
     port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
-    quiet_seconds: float = 2.0
+    quiet_seconds: float = 0.5
     """How long a served node entry must see no other ask before it closes clean (the agent's
-    ``netboot.quiet_seconds``; production's is 120 s, the simulated machines ask at once)."""
+    ``netboot.quiet_seconds``; production's is 120 s). The simulated machines ask as they power
+    on, so the honest path waits for nothing; a test that plays a thief gives more."""
     proc: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)

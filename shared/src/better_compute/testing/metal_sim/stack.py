@@ -229,7 +229,7 @@ async def fleet_stack(
     vm_bmc: Literal["redfish", "ipmi"] = "redfish",
     enroll_vms: bool = True,
     vm_disk_bytes: int = 2 << 30,
-    quiet_seconds: float = 2.0,
+    quiet_seconds: float = 0.5,
 ) -> AsyncIterator[FleetStack]:
     """Start the fleet and everything around it; stop all of it on the way out.
 
