@@ -419,10 +419,12 @@ async def test_site_agent_pulls_its_commands_and_reaches_the_control_plane_throu
     reply = await eventually("hello answered", lambda: agent.request(hello, b"hi", timeout=1))
     assert reply.data == b"welcome " + hello.encode()
     await pki.subscribe("bc.api.pki.tokens.burn", queue="pki", cb=answer(b"burnt"))
+    await pki.subscribe("bc.api.pki.tokens.confirm", queue="pki", cb=answer(b"confirmed"))
     await pki.flush()
     for subject, text in [
         ("bc.api.pki.agents.join", b"joined"), ("bc.api.secrets.secrets.fetch", b"secret"),
         ("bc.api.pki.tokens.burn", b"burnt"),  # its report of a boot entry asked for twice
+        ("bc.api.pki.tokens.confirm", b"confirmed"),  # and of one closed clean
     ]:  # fmt: skip
         reply = await agent.request(subject, b"{}", timeout=5)
         assert reply.data == text + b" " + subject.encode()
