@@ -124,7 +124,7 @@ watch_and_approve() {  # verb: the live view of all N; each noted batch approved
   done
   for batch in "${BATCHES[@]}"; do
     echo "        >> bcx batches approve $batch --approver demo: one signature for its machines"
-    bcx batches approve "$batch" --approver demo --key-file "$BC_STATE_DIR/approver.pem" > /dev/null
+    bcx batches approve "$batch" --approver demo --key-file "$BC_STATE_DIR/approver.pem" --yes > /dev/null
   done
   BATCHES=()
   wait "$watch"

@@ -33,13 +33,13 @@ async def test_bcx_lists_a_page_says_how_to_go_on_and_follows_every_page(
     code, out, err = await bcx(settings, "nodes", "list", "--limit", "2")
     assert code == 0, err
     assert _ids(out) == made[:2]
-    assert out.splitlines()[0].split() == ["NODE", "SITE", "STATE", "POWER", "TENANT", "LABELS"]
+    assert out.splitlines()[0].split() == ["NODE", "NAME", "SITE", "STATE", "POWER", "TENANT", "LABELS"]
     more = re.search(r"more: --cursor (\S+)", err)
     assert more is not None, err
     # one node, as the list shows it: a table unless --json or -o yaml asks for the document
     code, one, err = await bcx(settings, "nodes", "get", made[0])
     assert code == 0, err
-    assert one.splitlines()[1].split()[:4] == [made[0], "eu1", "enrolled", "unknown"]
+    assert one.splitlines()[1].split()[:5] == [made[0], "-", "eu1", "enrolled", "unknown"]
     code, one, err = await bcx(settings, "nodes", "get", made[0], "--json")
     assert json.loads(one)["id"] == made[0]
     # filtered on the server: a page holds only matches (kubectl's -l and -o wide)

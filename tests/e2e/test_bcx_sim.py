@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from better_compute.clients import EngineClient
 from better_compute.config import Settings
-from better_compute.runtime.embedded import pid_alive
+from better_compute.runtime.embedded import free_port, pid_alive
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx, until
 from better_compute.testing.metal_sim.stack import MediaServer
@@ -70,8 +70,14 @@ async def test_sim_up_enrolls_its_machines_shows_a_stranger_as_discovered_and_do
     stack: Path, bc_settings: Settings, bc_api: ApiClient
 ) -> None:
     state = str(stack)
+    # as docs/fleet-demo.md says: the fleet app's ISO folder and URL, set for every sim up
+    media = {
+        "BC_SIM_MEDIA_DIR": str(stack.parent / "media"),
+        "BC_SIM_MEDIA_URL": f"http://127.0.0.1:{free_port()}",
+    }
     up = await bcx(bc_settings, "sim", "up", "--machines", "2", "--unenrolled", "1", "--site", SITE,
-                   "--enroll", "--label", "rack=r7", "--json", "--state-dir", state, timeout=150)  # fmt: skip
+                   "--enroll", "--label", "rack=r7", "--json", "--state-dir", state, timeout=150,
+                   env=media)  # fmt: skip
     assert up.returncode == 0, up.stderr
     doc = json.loads(up.stdout)
     creds, mode = _private_json(Path(doc["bmcCredentialsFile"]))
@@ -88,6 +94,7 @@ async def test_sim_up_enrolls_its_machines_shows_a_stranger_as_discovered_and_do
         node = await engine.get_node(id=m["node"])
         labels = {"sim": "1", "hw": "sim", "rack": "r7"}
         assert (node.state, node.site_id, node.labels) == ("enrolled", SITE, labels)
+        assert node.name == m["name"]  # the simulator's name kept (issue 26)
         assert node.macs == m["macs"]
         assert node.bmc is not None
         assert (node.bmc["driver"], node.bmc["address"]) == ("redfish", doc["bmcUrl"])
@@ -121,6 +128,15 @@ async def test_sim_up_enrolls_its_machines_shows_a_stranger_as_discovered_and_do
     assert again.returncode == 1
     assert "INVALID_STATE" in again.stderr
     assert "bcx sim down" in again.stderr
+
+    # a second site in the same shell: the first simulator serves the ISO folder for both (issue
+    # 26: the second one tried the same port and died with a traceback; seen failing so)
+    second = await bcx(bc_settings, "sim", "up", "--machines", "1", "--site", f"{SITE}2", "--no-discovery",
+                       "--state-dir", state, timeout=150, env=media)  # fmt: skip
+    assert second.returncode == 0, second.stderr
+    assert f"ISOs: served by the simulator of site {SITE} at {media['BC_SIM_MEDIA_URL']}" in second.stdout
+    assert "Traceback" not in (stack / "logs" / f"sim-{SITE}2.log").read_text()
+    assert (await bcx(bc_settings, "sim", "down", "--site", f"{SITE}2", "--state-dir", state)).returncode == 0
 
     # down: the simulator, its emulator and bcds, and the site agent are gone
     bcd_pids = _bcd_pids(Path(stranger["folder"]) / "ledger.jsonl")

@@ -179,13 +179,17 @@ async def test_bcx_nodes_validate_says_credentials_refused_and_enroll_runs_it(
     assert "refused the credentials" in by_check["credentials"]["message"], got
     assert {by_check["system"]["status"], by_check["power"]["status"]} == {"skipped"}, got
 
+    # nodes update checks a new credential at once (issue 26): still refused, then fixed
+    code, out, err = await bcx(bc_settings, "nodes", "update", node_id, "--bmc-credentials-file", str(bad))
+    assert code == 1, out + err
+    assert "refused the credentials" in out, out
+    assert "bcx nodes update" in err, err
+    assert "not-the-password-789" not in out + err
     code, out, err = await bcx(
         bc_settings, "nodes", "update", node_id, "--bmc", bmc, "--bmc-credentials-file", str(good)
     )
     assert code == 0, out + err
-    code, out, err = await bcx(bc_settings, "nodes", "validate", node_id)
-    assert code == 0, out + err
-    lines = out.strip().splitlines()
+    lines = out.strip().splitlines()[2:]  # the node, its BMC, then the checks
     assert [line.split()[:2] for line in lines] == [
         ["reach", "ok"],
         ["credentials", "ok"],
@@ -210,6 +214,19 @@ async def test_bcx_nodes_validate_says_credentials_refused_and_enroll_runs_it(
     assert code == 0, out + err
     doc = json.loads(out)
     assert doc["validation"]["ok"] is True
+    # the shipped metal.enroll profile ran (issue 26): the BMC checked, then the machine read
+    # through it, kept on the node (bmcInventory, power)
+    inventory = doc["validation"]["checks"][-1]
+    assert (inventory["check"], inventory["status"]) == ("inventory", "ok"), doc["validation"]
+    assert "power " in inventory["message"], inventory
+    code, out, err = await bcx(bc_settings, "nodes", "show", doc["id"], "--json")
+    shown = json.loads(out)
+    assert shown["bmcInventory"]["system"]["uuid"] == SYSTEM_UUID, shown["bmcInventory"]
+    assert shown["powerState"] in ("on", "off"), shown
+    wfs = json.loads((await bcx(bc_settings, "workflows", "list", "--node", doc["id"], "--json"))[1])
+    assert [w["profile"]["id"] for w in wfs["workflows"]] == ["metal.enroll"], wfs
+    code, out, err = await bcx(bc_settings, "nodes", "show", doc["id"])
+    assert "bmc says    " in out, out
     code, out, err = await bcx(bc_settings, "nodes", "delete", doc["id"])
     assert code == 0, out + err
     code, out, err = await bcx(

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from better_compute.config import Settings
-from better_compute.testing import ServiceProcesses, bcx
+from better_compute.testing import ServiceProcesses, bcx, until
 from engine_test_app import create_tables
 
 
@@ -155,3 +155,38 @@ async def test_workflows_through_bcx(
     code, _out, err = await bcx(settings, "workflows", "abort", wf_id)
     assert code == 1
     assert "INVALID_STATE" in err
+
+
+async def test_an_aborted_workflow_says_where_it_stopped_and_what_to_do_next(
+    settings: Settings, bc_processes: ServiceProcesses, tmp_path: Path
+) -> None:
+    """Issue 26: the abort reads as a sentence naming the step and the way on (resume), never
+    ``INVALID_STATE: wrong image, stop``; seen failing on the old wording."""
+    await start_engine(settings, bc_processes)
+    doc = {"id": "held", "version": 1, "target": "metal", "role": "host",
+           "steps": [{"use": "test.noop"}, {"use": "test.waitFlag", "with": {"flag": "never"}}]}  # fmt: skip
+    await bcx(settings, "profiles", "create", write(tmp_path, "held.json", doc))
+    code, out, err = await bcx(settings, "workflows", "start", "--profile", "held")
+    assert code == 0, err
+    wf_id = out.strip()
+
+    async def waiting() -> bool:
+        got = json.loads((await bcx(settings, "workflows", "get", wf_id, "--json")).stdout)
+        return bool(got["steps"][1]["state"] == "running")
+
+    await until(waiting, what="the second step running")
+    code, out, err = await bcx(settings, "workflows", "abort", wf_id, "--reason", "wrong image, stop")
+    assert code == 0, err
+    assert out.strip() == (
+        f"{wf_id} aborted at step 1 (test.waitFlag): wrong image, stop;"
+        f" to carry on from that step: bcx workflows resume {wf_id}"
+    )
+    code, out, _ = await bcx(settings, "workflows", "get", wf_id)
+    assert out.splitlines()[1] == (
+        "aborted by an operator at step 1 (test.waitFlag): wrong image, stop;"
+        f" to carry on from that step: bcx workflows resume {wf_id}"
+    )
+    assert "INVALID_STATE" not in out.splitlines()[1]
+    code, _out, err = await bcx(settings, "workflows", "retry", wf_id)
+    assert code == 1
+    assert "resume" in err

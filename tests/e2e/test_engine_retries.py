@@ -157,7 +157,7 @@ async def test_a_retry_policy_is_validated_with_paths_and_only_for_retry_safe_st
     unsafe = _profile("unsafe", {"use": "test.noop", "retry": {"attempts": 3, "backoff": "1s"}})
     checked = await engine.validate_profile(document=unsafe)
     assert not checked.valid
-    assert [(p.path, p.code) for p in checked.problems] == [("steps[1].retry", "INVALID_INPUT")]
+    assert [(p.path, p.code) for p in checked.problems] == [("document.steps[1].retry", "INVALID_INPUT")]
     assert "not retry-safe" in checked.problems[0].message
     # render shows the policy a step would run under
     ok = _profile("ok", {"use": "test.flaky", "with": {"times": 0}})

@@ -3,10 +3,14 @@ nodes show, the verbs and bulk; bcx a subprocess, every service its own process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest_asyncio
@@ -15,7 +19,7 @@ from test_bcx_operator import bcx, ok_json
 from better_compute.clients import CommandQueueClient, EngineClient, PkiClient, SecretsClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, until
+from better_compute.testing import ServiceProcesses, bcx_env, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.images import register_sim_image
 from engine_test_app import create_tables
@@ -188,3 +192,142 @@ async def test_a_node_in_maintenance_runs_nothing_and_bulk_skips_it(
     audit = await ok_json(settings, "audit", "--who", "ann@ops")
     got = [(e["action"], e["target"]) for e in audit["entries"]]
     assert ("nodes.maintenance", held) in got, got
+
+
+def _error(out: Any) -> dict[str, Any]:
+    assert out.returncode != 0, out.stdout
+    err: dict[str, Any] = json.loads(out.stdout)["error"]
+    return err
+
+
+async def test_a_node_name_is_unique_in_its_site_shown_and_taken_for_the_id(
+    settings: Settings, bc_api: ApiClient
+) -> None:
+    """Issue 26: ``--name`` at enroll and on ``nodes update``, unique per site (CONFLICT at
+    ``name``), shown by list, show, the verb and its watch, why; bcx takes it for the id."""
+    made = await ok_json(settings, "nodes", "enroll", "--site", "lab1", "--name", "lab1-m001",
+                         "--bmc", "sim://bmc-n1", "--label", "rack=rn", "--no-validate")  # fmt: skip
+    node = made["id"]
+    assert made["name"] == "lab1-m001"
+    err = _error(await bcx(settings, "nodes", "enroll", "--site", "lab1", "--name", "lab1-m001", "--json"))
+    assert (err["code"], err["details"]["path"], err["details"]["nodeId"]) == ("CONFLICT", "name", node)
+    err = _error(await bcx(settings, "nodes", "enroll", "--site", "lab1", "--name", "Bad_Name", "--json"))
+    assert (err["code"], err["details"]["path"]) == ("INVALID_INPUT", "name")
+
+    listed = (await bcx(settings, "nodes", "list", "--selector", "rack=rn")).stdout.splitlines()
+    assert listed[0].split()[:4] == ["NODE", "NAME", "SITE", "STATE"], listed
+    assert listed[1].split()[:4] == [node, "lab1-m001", "lab1", "enrolled"], listed
+    shown = await bcx(settings, "nodes", "show", "lab1-m001")
+    assert shown.returncode == 0, shown.stderr
+    assert f"node        {node}" in shown.stdout
+    assert "name        lab1-m001" in shown.stdout
+
+    # a lifecycle verb by name, waited for: its lines and summary name the node
+    out = await bcx(settings, "inspect", "lab1-m001", "--wait", "--timeout", "60")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith(f"{node} (lab1-m001) inspecting: workflow wf_"), out.stdout
+    summary = next(line for line in out.stdout.splitlines() if line.startswith("lab1-m001 "))
+    assert summary.split()[1] == "inspected", out.stdout
+    why = await bcx(settings, "why", "lab1-m001")
+    assert why.stdout.startswith(f"node {node} (lab1-m001)  workflow wf_"), why.stdout
+
+    # renamed: the old name names nothing; another site may use a name, then site/name picks
+    renamed = await bcx(settings, "nodes", "update", "lab1-m001", "--name", "m9")
+    assert renamed.returncode == 0, renamed.stderr
+    assert renamed.stdout.startswith(f"{node}  name m9  site lab1"), renamed.stdout
+    err = _error(await bcx(settings, "nodes", "show", "lab1-m001", "--json"))
+    assert (err["code"], err["details"]["path"]) == ("NOT_FOUND", "id")
+    other = (await bc_api.call("engine", "metal.enroll", {"siteId": "lab2", "name": "m9"}))["id"]
+    err = _error(await bcx(settings, "nodes", "show", "m9", "--json"))
+    assert (err["code"], err["details"]["reason"]) == ("INVALID_INPUT", "ambiguous-name")
+    assert "lab1/m9" in err["message"]
+    assert (await ok_json(settings, "nodes", "show", "lab2/m9"))["id"] == other
+    # moved into a site where the name is taken: refused, nothing changed
+    err = _error(await bcx(settings, "nodes", "update", "lab2/m9", "--site", "lab1", "--json"))
+    assert (err["code"], err["details"]["path"]) == ("CONFLICT", "name")
+    assert (await bc_api.call("engine", "nodes.get", {"id": other}))["siteId"] == "lab2"
+    cleared = await ok_json(settings, "nodes", "update", "lab2/m9", "--no-name")
+    assert cleared["name"] is None
+    assert (await ok_json(settings, "nodes", "show", "m9"))["id"] == node
+
+
+async def test_power_and_boot_device_are_audited_workflows_that_leave_the_state(
+    settings: Settings, bc_api: ApiClient
+) -> None:
+    """Issue 26: ``bcx nodes power on|off|cycle`` and ``boot-device set`` run their shipped
+    one-step profiles as workflows (audited, followed by --watch/--wait); the node keeps its
+    lifecycle state; maintenance, no BMC and a running workflow refuse them."""
+    node = (await ok_json(settings, "nodes", "enroll", "--site", "lab1", "--name", "lab1-p001",
+                          "--bmc", "sim://bmc-p1", "--label", "rack=rp", "--no-validate"))["id"]  # fmt: skip
+    # nodes list -w (kubectl get -w): the list, then a row per change of a listed node
+    watch = subprocess.Popen(  # noqa: ASYNC220 (read line by line from a thread below)
+        [sys.executable, "-m", "better_compute.cli", "nodes", "list", "-w", "-l", "rack=rp",
+         "--timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bcx_env(settings),
+    )  # fmt: skip
+    try:
+        assert watch.stdout is not None
+        head, first = [await asyncio.to_thread(watch.stdout.readline) for _ in range(2)]
+        assert head.split()[:5] == ["NODE", "NAME", "SITE", "STATE", "POWER"], head
+        assert first.split()[:5] == [node, "lab1-p001", "lab1", "enrolled", "unknown"], first
+        out = await bcx(settings, "nodes", "power", "on", "lab1-p001", "--watch", "--timeout", "60",
+                        env={"BC_ACTOR": "pat@ops"})  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        while (line := await asyncio.to_thread(watch.stdout.readline)) and line.split()[4] != "on":
+            assert line.split()[0] == node, line
+    finally:
+        watch.kill()
+        watch.communicate()
+    lines = out.stdout.splitlines()
+    assert re.match(r"^lab1-p001 power\.on: workflow wf_\w+$", lines[0]), lines
+    assert any("lab1-p001  running" in line and "power.setPower" in line for line in lines), lines
+    final = next(line for line in lines if line.startswith("lab1-p001  wf_"))
+    assert final.split()[2] == "succeeded", lines
+    doc = await bc_api.call("engine", "nodes.get", {"id": node})
+    assert (doc["state"], doc["powerState"]) == ("enrolled", "on")
+
+    out = await bcx(settings, "nodes", "boot-device", "set", "lab1-p001", "pxe", "--wait", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    pxe, end = (json.loads(line) for line in out.stdout.splitlines())  # what started; its end
+    assert (pxe["action"], pxe["nodeState"], pxe["profile"]["id"]) == (
+        "bootDevice.pxe", "enrolled", "metal.boot-pxe",
+    )  # fmt: skip
+    assert (end["summary"]["workflowId"], end["summary"]["state"]) == (pxe["workflowId"], "succeeded")
+    sent = (await bcx(settings, "commands", "list", "--node", "lab1-p001")).stdout.splitlines()
+    kinds = {line.split()[3]: line.split()[1:3] for line in sent[1:]}  # NODE is "node_… (name)"
+    assert {"power.setPower", "management.setBootDevice"} <= set(kinds), sent
+    assert kinds["power.setPower"] == [node, "(lab1-p001)"], sent
+    audit = await ok_json(settings, "audit", "--who", "pat@ops")
+    got = [(e["action"], e["detail"].get("nodeId"), e["detail"].get("action")) for e in audit["entries"]]
+    assert got == [("metal.power", node, "on")]  # its target: the workflow, as a verb's
+
+    # refused: in maintenance (the message says what to do), without a BMC, while a workflow runs
+    await bc_api.call("engine", "nodes.maintenance", {"id": node, "on": True, "reason": "fan swap"})
+    err = _error(await bcx(settings, "nodes", "power", "off", "lab1-p001", "--json"))
+    assert (err["code"], err["details"]["reason"], err["details"]["path"]) == (
+        "INVALID_STATE", "node-in-maintenance", "nodeId",
+    )  # fmt: skip
+    assert f"node {node} is in maintenance: fan swap; power it off once it is out" in err["message"]
+    bare = (await bc_api.call("engine", "metal.enroll", {"siteId": "lab1"}))["id"]
+    err = _error(await bcx(settings, "nodes", "power", "cycle", bare, "--json"))
+    assert (err["code"], err["details"]["reason"]) == ("INVALID_STATE", "no-bmc")
+    await bc_api.call("engine", "nodes.maintenance", {"id": node, "on": False})
+    held = await bc_api.call("engine", "metal.inspect", {"nodeId": node, "profile": "t.hold"})
+    # a site with no agent: the watch line says so (bcx why's reason); past --timeout the summary
+    # shows where it stands, then TIMEOUT, exit 1
+    far = {"siteId": "lab9", "name": "far", "bmc": {"driver": "sim", "address": "bmc-far"}}
+    await bc_api.call("engine", "metal.enroll", far)
+    out = await bcx(settings, "nodes", "power", "cycle", "lab9/far", "--watch", "--timeout", "3")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert any(
+        "far  running" in line and "(waits: no connected agent at site lab9" in line
+        for line in out.stdout.splitlines()
+    ), out.stdout
+    final = out.stdout.splitlines()[-1].split()
+    assert (final[0], final[2]) == ("far", "running"), out.stdout
+    assert out.stderr.startswith("error: TIMEOUT: workflow wf_"), out.stderr
+    assert "did not end in 3s (still running; it waits: no connected agent at site lab9" in out.stderr
+    err = _error(await bcx(settings, "nodes", "power", "off", node, "--json"))
+    assert (err["code"], err["details"]["reason"], err["details"]["workflowId"]) == (
+        "INVALID_STATE", "node-busy", held["workflowId"],
+    )  # fmt: skip

@@ -3,6 +3,7 @@ command-queue and PKI as processes and a simulated site agent counting what it r
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -10,14 +11,16 @@ from typing import Any
 import asyncpg
 import msgspec
 import pytest_asyncio
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from bc_command_queue import metrics
-from better_compute.clients import CommandQueueClient, PkiClient
+from better_compute.clients import CommandQueueClient, EngineClient, PkiClient
+from better_compute.clients.audit import AuditClient
 from better_compute.config import Settings
 from better_compute.crypto import sign_batch
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, refused, until
+from better_compute.testing import ServiceProcesses, bcx, refused, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.approvers import approver_keys, write_approvers
 
@@ -169,3 +172,111 @@ async def test_a_bulk_verb_aborted_closes_its_batch_once_its_last_workflow_ended
     # resumed: the workflow waits for its approvals again, so its batch is open again
     await bc_api.call("engine", "workflows.resume", {"id": first})
     assert (await cq.get_batch(id=batch_id)).state == "open"
+
+
+async def _what_exists(api: ApiClient) -> tuple[int, int, int, int]:
+    """Workflows, batches, commands and audit entries there are now."""
+    cq = CommandQueueClient(api)
+    entries, missing = await AuditClient(api).merged(limit=1000)
+    assert set(missing) == {"secrets"}  # not in this stack; the plan never asks it anything
+    return (
+        len((await EngineClient(api).list_workflows(limit=500)).workflows),
+        len(await cq.list_batches(limit=500)),
+        len((await cq.list_commands(limit=500)).commands),
+        len(entries),
+    )
+
+
+def _pem(key: ed25519.Ed25519PrivateKey, path: Path) -> str:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    path.chmod(0o600)
+    return str(path)
+
+
+async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes_nothing(
+    stack: tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent],
+    bc_api: ApiClient,
+    bc_processes: ServiceProcesses,
+    tmp_path: Path,
+) -> None:
+    """Issue 26: ``bcx bulk <verb> --plan`` is what the verb would do, per node, and does none of
+    it; ``bcx batches approve`` shows the scope it signs first. Seen failing before metal.plan
+    (bcx: unrecognized arguments: --plan)."""
+    keys, settings = stack[0], bc_processes.settings
+    ids = []
+    for i in range(3):
+        body = {"siteId": "lab1", "labels": {"rack": "r7"}, "bmc": {**BMC, "address": f"bmc-r7-{i}"}}
+        ids.append((await bc_api.call("engine", "metal.enroll", body))["id"])
+    await bc_api.call("engine", "metal.bulk", {"verb": "adopt", "nodeIds": ids[:2]})
+    await until(lambda: _all(bc_api, ids[:2], "deployed"), what="2 nodes deployed")
+    before = await _what_exists(bc_api)
+    states = await _states(bc_api, ids)
+
+    out = await bcx(settings, "bulk", "release", "--selector", "site=lab1,rack=r7", "--plan", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = msgspec.json.decode(out.stdout)
+    release = plan["profile"]
+    assert release["id"] == "t.release"  # the test app's release profile
+    assert [(n["nodeId"], n["state"], n["becomes"], n["profile"]) for n in plan["nodes"]] == [
+        (n, "deployed", "releasing", release) for n in sorted(ids[:2])
+    ]
+    assert plan["steps"], plan
+    assert [s["index"] for s in plan["steps"]] == list(range(len(plan["steps"])))
+    # the wipe is the destructive one; it is in the commands of its step and in the batch's scope
+    assert plan["destructive"] == ["driver.invoke"]
+    wiping = [s for s in plan["steps"] if s["destructive"]]
+    assert wiping, plan["steps"]
+    assert all(set(s["destructive"]) <= set(s["commands"]) for s in plan["steps"])
+    assert set(plan["destructive"]) <= set(plan["commands"])
+    assert plan["approvals"] == {"threshold": 2, "approvers": list(APPROVERS)}
+    assert [(r["nodeId"], r["code"], r["reason"]) for r in plan["refused"]] == [
+        (ids[2], "INVALID_STATE", "wrong-state")
+    ]
+
+    table = await bcx(settings, "bulk", "release", "--node", ids[0], "--node", ids[2], "--plan")
+    assert table.returncode == 0, table.stderr
+    text = table.stdout
+    assert "plan: release of 1 node (t.release@" in text
+    assert "nothing was started" in text
+    row = rf"^{ids[0]}\s+deployed\s+releasing\s+t\.release@\d+\s+\d+\s+\d+\s+driver\.invoke$"
+    assert re.search(row, text, re.M), text
+    assert "needs 2 of 3 (alice, bob, carol)" in text
+    assert "would refuse 1:" in text
+    assert f"node {ids[2]} is enrolled; release needs deployed" in text
+    assert f"to run it: bcx bulk release --node {ids[0]} --node {ids[2]}" in text
+    watch = await bcx(settings, "bulk", "release", "--node", ids[0], "--plan", "--watch")
+    assert watch.returncode == 1
+    assert "error: INVALID_INPUT: --plan starts nothing to watch" in watch.stderr
+
+    # nothing happened: no workflow, no batch, no command, no audit entry, no node moved
+    assert await _what_exists(bc_api) == before
+    assert await _states(bc_api, ids) == states
+
+    # the verb itself does what the plan said
+    bulk = await bc_api.call(
+        "engine", "metal.bulk", {"verb": "release", "selector": {"site": "lab1", "rack": "r7"}}
+    )
+    assert [s["nodeId"] for s in bulk["started"]] == [n["nodeId"] for n in plan["nodes"]]
+    assert [r["nodeId"] for r in bulk["refused"]] == [r["nodeId"] for r in plan["refused"]]
+    batch = await CommandQueueClient(bc_api).get_batch(id=bulk["batchId"])
+    assert batch.kinds == plan["destructive"]
+
+    # approve shows what the signature covers before it signs; --json keeps stdout one document
+    signed = await bcx(settings, "batches", "approve", batch.id, "--approver", "alice",
+                       "--key-file", _pem(keys["alice"], tmp_path / "alice.pem"))  # fmt: skip
+    assert signed.returncode == 0, signed.stderr
+    scope, _, _ = signed.stdout.partition("approved by alice")
+    assert f"you sign batch {batch.id} (open, 0/2):" in scope
+    assert "kinds      driver.invoke" in scope
+    assert "nodes      2: " in scope
+    for s in bulk["started"]:
+        assert f"{s['workflowId']}  t.release@{release['version']} on {s['nodeId']}" in scope
+    as_json = await bcx(settings, "batches", "approve", batch.id, "--approver", "bob",
+                        "--key-file", _pem(keys["bob"], tmp_path / "bob.pem"), "--json")  # fmt: skip
+    assert as_json.returncode == 0, as_json.stderr
+    assert msgspec.json.decode(as_json.stdout)["state"] == "approved"
+    assert f"you sign batch {batch.id} (open, 1/2):" in as_json.stderr

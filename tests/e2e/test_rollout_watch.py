@@ -158,14 +158,20 @@ async def test_a_single_nodes_verb_waits_or_watches_and_a_timeout_still_sums_up(
     events = [json.loads(line) for line in got.stdout.splitlines()]
     assert events[0]["nodeId"] == ids[0]
     assert events[-1]["counts"] == {"inspected": 1}
-    # a verb that does not end in time: the summary says where it stands, then TIMEOUT, exit 1
+    # a verb that does not end in time: its line says what bcx why says it waits for (issue 26),
+    # the summary where it stands, then TIMEOUT, exit 1
     got = await bcx(
-        settings, "inspect", ids[1], "--profile", "t.hold", "--wait", "--timeout", "2", timeout=60
+        settings, "inspect", ids[1], "--profile", "t.hold", "--watch", "--timeout", "3", timeout=60
     )
     assert got.returncode == 1
     lines = got.stdout.splitlines()
+    assert any(
+        line.split()[1:3] == [ids[1], "inspecting"]
+        and "0 test.waitFlag (waits: the step says: the test holds it (flag hold))" in line
+        for line in lines
+    ), lines
     assert lines[-2].split()[:2] == [ids[1], "inspecting"]
     assert lines[-1].endswith(": 1 inspecting")
-    assert got.stderr.startswith("error: TIMEOUT: the rollout did not end in 2s: 1 of 1 still moving"), (
+    assert got.stderr.startswith("error: TIMEOUT: the rollout did not end in 3s: 1 of 1 still moving"), (
         got.stderr
     )

@@ -122,11 +122,13 @@ async def test_named_templates_ignition_and_refusals(
     doc = (await SecretsClient(bc_api).get(ref=done.steps[0].result["userDataRef"])).decode()
     assert '"kind": "ExtensionServiceConfig"' in doc  # the built-in Talos documents
 
-    node4 = await engine_api.create_node(site_id="lab1")
-    done = await render(bc_api, node4.id, {"kind": "butane"}, "butane")  # a kind nothing ships
-    assert done.state == "failed"
-    assert done.steps[0].error["code"] == "INVALID_CONFIG"
-    assert done.steps[0].error["details"]["path"] == "userData.template"
+    # a kind nothing ships, with no template named: refused when the profile is stored (issue
+    # 26), not by the step on the machine's way
+    butane = {"id": "butane", "version": 1, "target": "metal", "role": "host", "userData": {"kind": "butane"},
+              "steps": [{"use": "userdata.render"}]}  # fmt: skip
+    with pytest.raises(BcError) as e:
+        await engine_api.create_profile(document=butane)
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_CONFIG, "document.userData.template")
 
     with pytest.raises(BcError) as e:
         await engine_api.start_workflow(profile_id="ci-none")

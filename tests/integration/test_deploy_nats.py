@@ -2,7 +2,12 @@
 
 Each nats-server runs as its own process with ``-c deploy/nats/<file>``; the test supplies
 only what the files read from the environment (addresses, store folders, passwords), so
-what is checked here is what an operator installs.
+what is checked here is what an operator installs (tests/support/deploy_stack.py).
+
+The leaf's agents connect through its auth callout, answered by ``bc-pki callout`` as its own
+process; here the test plays bc-pki (its CA issues the agents' certificates, and it answers the
+responder's ``certs.get``), since what is checked is what NATS lets each one do.
+tests/integration/test_deploy_callout.py runs the real bc-pki behind it.
 """
 
 from __future__ import annotations
@@ -11,19 +16,10 @@ import asyncio
 import contextlib
 import functools
 import json
-import os
 import re
-import secrets
-import signal
-import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
-import nats
 import nats.errors
 import pytest
 import pytest_asyncio
@@ -34,256 +30,33 @@ from nats.js import api
 
 from better_compute.config import EventsSettings
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.crypto import bcrypt_password, issue_bus_certificate, new_bus_ca
+from better_compute.crypto import new_bus_ca
 from better_compute.logging import get_logger
-from better_compute.runtime.embedded import free_port as pick_free_port
-from better_compute.runtime.embedded import nats_server_binary, wait_port
 from better_compute.service.audit import requester
-from better_compute.service.client import connect, tls_context
+from better_compute.service.client import connect
 from better_compute.service.events import ensure_events_stream
-from better_compute.testing import bcx, until
-from better_compute.wire import Subjects
-from better_compute.wire.subjects import (
-    SITE_AGENT_INBOX_PREFIX,
-    operator_inbox_prefix,
-    service_inbox_prefix,
-)
+from better_compute.testing import bcx
+from deploy_stack import DEPLOY, SERVICES, SUBJECTS, WAIT, Stack, eventually, inbox_prefix, run_stack
 
-T = TypeVar("T")
-
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats"
-SUBJECTS = Subjects()  # the configs are written for the default root, "bc"
 EU1 = SUBJECTS.site_stream("eu1")
-PASSWORD_VARS = [
-    "SYS", "ENGINE", "COMMAND_QUEUE", "PKI", "SECRETS", "BCX", "ALICE", "LEAF_EU1",
-    "SITE_AGENT", "NODE",
-]  # fmt: skip
-OPERATORS = ("bcx", "alice")  # the users of account OPS
-SERVICES = ("engine", "command-queue", "pki", "secrets")  # the users of account BC
-WAIT = 15.0  # upper bound for anything the cluster has to settle
-
-
-@dataclass
-class Server:
-    name: str
-    conf: Path
-    env: dict[str, str]
-    log: Path
-    client_port: int
-    monitor_port: int
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [str(nats_server_binary()), "-c", str(self.conf)],
-                env={**os.environ, **self.env},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        wait_port(self.client_port, timeout=WAIT, pid=self.proc.pid)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=WAIT)
-
-    def monitor(self, path: str) -> tuple[int, Any]:
-        url = f"http://127.0.0.1:{self.monitor_port}{path}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            with contextlib.closing(err):
-                return err.code, None
-
-
-@dataclass
-class Stack:
-    """The hub cluster, the eu1 leaf node, and a way to connect as any of their users."""
-
-    hub: list[Server]
-    leaf: Server
-    passwords: dict[str, str]
-    ca: Path  # the bus CA's certificate, which every server's chains to
-    clients: list[Nats] = field(default_factory=list)
-    errors: dict[str, list[str]] = field(default_factory=dict)
-
-    async def connect(self, user: str, *servers: Server) -> Nats:
-        """Connect as ``user`` (to ``servers``, or to every hub node); permission errors are kept
-        in ``self.errors[user]``."""
-        password = self.passwords[user.upper().replace("-", "_")]
-        seen = self.errors.setdefault(user, [])
-
-        async def on_error(err: Exception) -> None:
-            seen.append(str(err))
-
-        nc = await nats.connect(
-            servers=[f"tls://127.0.0.1:{s.client_port}" for s in servers or self.hub],
-            tls=tls_context(str(self.ca)),
-            user=user,
-            password=password,
-            name=f"test-{user}",
-            error_cb=on_error,
-            connect_timeout=2,
-            reconnect_time_wait=0.2,
-            max_reconnect_attempts=-1,
-            # each service and operator hears replies only under its own prefix, as they do
-            inbox_prefix=_inbox_prefix(user),
-        )
-        self.clients.append(nc)
-        return nc
-
-    async def close(self) -> None:
-        for nc in self.clients:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), timeout=2)
-        for server in [self.leaf, *self.hub]:
-            server.kill()
-
-
-def _inbox_prefix(user: str) -> str:
-    if user in OPERATORS:
-        return operator_inbox_prefix(user)
-    if user in SERVICES:
-        return service_inbox_prefix(user)
-    if user == "site-agent":
-        return SITE_AGENT_INBOX_PREFIX
-    return "_INBOX"  # bcd's (user node)
-
-
-def _env(**values: object) -> dict[str, str]:
-    return {f"BC_NATS_{k}": str(v) for k, v in values.items()}
-
-
-async def eventually(what: str, probe: Callable[[], Awaitable[T | None]], *, timeout: float = WAIT) -> T:
-    """``until()`` as this file uses it: ``probe()`` until it returns something other than None;
-    whatever a settling cluster answers meanwhile (an exception) counts as not yet."""
-    return await until(probe, timeout=timeout, interval=0.2, ignore=(Exception,), what=what)
-
-
-async def _healthy(server: Server) -> bool | None:
-    status, _ = await asyncio.to_thread(server.monitor, "/healthz")
-    return True if status == 200 else None
-
-
-async def _leaf_connected(leaf: Server) -> bool | None:
-    _, body = await asyncio.to_thread(leaf.monitor, "/leafz")
-    return True if body and body.get("leafnodes") else None
-
-
-def _certificates(folder: Path, names: list[str]) -> dict[str, dict[str, object]]:
-    """The bus CA in ``folder`` and a certificate from it for each server, as ``bcx bus`` makes
-    them: each server's TLS variables."""
-    folder.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = new_bus_ca("test bus CA")
-    (folder / "ca.pem").write_bytes(ca_cert)
-    env: dict[str, dict[str, object]] = {}
-    for name in names:
-        cert, key = issue_bus_certificate(ca_cert, ca_key, name=name, dns=["localhost"], ips=["127.0.0.1"])
-        (folder / f"{name}.pem").write_bytes(cert)
-        (folder / f"{name}-key.pem").write_bytes(key)
-        env[name] = {
-            "TLS_CERT": folder / f"{name}.pem",
-            "TLS_KEY": folder / f"{name}-key.pem",
-            "TLS_CA": folder / "ca.pem",
-        }
-    return env
-
-
-def _build(tmp_path: Path) -> Stack:
-    """The hub's three nodes and the eu1 leaf on fresh ports, not started."""
-    passwords = {name: f"p{secrets.token_hex(12)}" for name in PASSWORD_VARS}
-    # the servers get only the hashes (cheap ones: the test connects often)
-    shared = _env(
-        **{f"{name}_PASSWORD": bcrypt_password(value, rounds=4) for name, value in passwords.items()}
-    )
-    tls = _certificates(tmp_path / "tls", [*(f"bc-nats-{n}" for n in (1, 2, 3)), "bc-leaf-eu1"])
-    used: set[int] = set()
-
-    def free_port() -> int:
-        """A port free now and not picked for another node of this stack: the OS may hand the
-        same free port out twice (bc-nats-3 once got bc-nats-2's client port)."""
-        while (port := pick_free_port()) in used:
-            pass
-        used.add(port)
-        return port
-
-    route_ports = [free_port() for _ in range(3)]
-    leaf_ports = [free_port() for _ in range(3)]
-    for n, port in enumerate(route_ports, 1):
-        shared |= _env(**{f"ROUTE_{n}": f"nats-route://127.0.0.1:{port}"})
-    for n, port in enumerate(leaf_ports, 1):
-        shared |= _env(**{f"HUB_{n}": f"nats-leaf://leaf-eu1:{passwords['LEAF_EU1']}@127.0.0.1:{port}"})
-
-    def server(name: str, conf: str, **env: object) -> Server:
-        client, monitor = free_port(), free_port()
-        env |= {"CLIENT_LISTEN": f"127.0.0.1:{client}", "MONITOR_LISTEN": f"127.0.0.1:{monitor}"}
-        env |= tls[name]
-        log = tmp_path / f"{name}.log"
-        return Server(name, DEPLOY / conf, shared | _env(**env), log, client, monitor)
-
-    hub = [
-        server(
-            f"bc-nats-{n}",
-            f"cluster-{n}.conf",
-            CLUSTER_LISTEN=f"127.0.0.1:{route_ports[n - 1]}",
-            LEAF_LISTEN=f"127.0.0.1:{leaf_ports[n - 1]}",
-            STORE_DIR=tmp_path / f"store-{n}",
-        )
-        for n in (1, 2, 3)
-    ]
-    leaf = server("bc-leaf-eu1", "leaf-site.conf")
-    return Stack(hub=hub, leaf=leaf, passwords=passwords, ca=tmp_path / "tls" / "ca.pem")
-
-
-def _port_taken(st: Stack) -> bool:
-    """A node died because a port picked for it was taken before it listened: another process,
-    or a node's own route dial, whose loopback source port can be any free port."""
-    logs = [n.log.read_text(errors="replace") for n in [*st.hub, st.leaf] if n.log.exists()]
-    return any("address already in use" in text for text in logs)
-
-
-@contextlib.asynccontextmanager
-async def run_stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    """Start the hub cluster and the eu1 leaf from deploy/nats; kill them all on the way out.
-    Ports are picked free, then bound by nats-server: one taken meanwhile means new ports."""
-    for attempt in range(3):
-        st = _build(tmp_path / f"try-{attempt}")
-        (tmp_path / f"try-{attempt}").mkdir(exist_ok=True)  # _build wrote the certificates there
-        try:
-            for node in [*st.hub, st.leaf]:
-                node.start()
-            # a node that lost its port may die after it started: the cluster then never forms
-            for node in st.hub:
-                await eventually(f"{node.name} healthy", functools.partial(_healthy, node))
-            await eventually("leaf node connected", functools.partial(_leaf_connected, st.leaf))
-        except (BcError, AssertionError):
-            await st.close()
-            if _port_taken(st) and attempt < 2:
-                continue
-            _print_logs(st)
-            raise
-        break
-    try:
-        yield st
-    finally:
-        await st.close()
-        _print_logs(st)
-
-
-def _print_logs(st: Stack) -> None:
-    for node in [*st.hub, st.leaf]:  # pytest shows this only when a test failed
-        tail = node.log.read_text(errors="replace").splitlines()[-30:] if node.log.exists() else []
-        print(f"--- {node.name} ---", *tail, sep="\n")
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     async with run_stack(tmp_path) as st:
         yield st
+
+
+async def _agents(stack: Stack) -> None:
+    """The leaf's auth callout, answering: its responder as a process, the test as bc-pki."""
+    await stack.answer_certs_get()
+    stack.start_responder()
+    await stack.responder_ready()
+
+
+async def _agent(stack: Stack, agent_id: str, *, role: str = "node") -> Nats:
+    """Agent ``agent_id`` of eu1 connected to the leaf with its certificate, as itself."""
+    return await stack.connect_agent(agent_id, stack.agent_tls(agent_id, role=role))
 
 
 async def _site_stream(nc: Nats, site: str) -> str:
@@ -414,7 +187,8 @@ async def test_site_agent_pulls_its_commands_and_reaches_the_control_plane_throu
     for nc in (cmdq, pki, secrets_svc):
         await nc.flush()
 
-    agent = await stack.connect("site-agent", stack.leaf)
+    await _agents(stack)
+    agent = await _agent(stack, "agent1", role="site")
     hello = SUBJECTS.agent_event("eu1", "agent1", "hello")
     reply = await eventually("hello answered", lambda: agent.request(hello, b"hi", timeout=1))
     assert reply.data == b"welcome " + hello.encode()
@@ -450,7 +224,7 @@ async def test_site_agent_pulls_its_commands_and_reaches_the_control_plane_throu
         return msg if msg.subject == heartbeat else None  # skips the hello seen before
 
     assert (await eventually("heartbeat on the hub", heard, timeout=5)).data == b"alive"
-    assert not stack.errors["site-agent"], stack.errors
+    assert not stack.errors["agent1"], stack.errors
 
 
 async def test_site_agent_is_confined_to_its_site(stack: Stack) -> None:
@@ -470,9 +244,10 @@ async def test_site_agent_is_confined_to_its_site(stack: Stack) -> None:
     await secrets_svc.flush()
     await cmdq.flush()
 
-    agent = await stack.connect("site-agent", stack.leaf)
-    node = await stack.connect("node", stack.leaf)
-    inboxes = await node.subscribe("_INBOX.>")  # allowed to bcd: its own replies come there
+    await _agents(stack)
+    agent = await _agent(stack, "agent1", role="site")
+    node = await _agent(stack, "node1")
+    inboxes = await node.subscribe("_INBOX.node1.>")  # allowed to bcd: its own replies come there
     await agent.subscribe(SUBJECTS.site_cmd_all("us1"))
     await agent.subscribe(SUBJECTS.site_cmd_all("eu1"))  # commands come only by pulling
     await agent.publish(SUBJECTS.agent_event("us1", "agent1", "heartbeat"), b"forged")
@@ -489,7 +264,7 @@ async def test_site_agent_is_confined_to_its_site(stack: Stack) -> None:
 
     # the server said no to each of them ...
     async def refusals() -> list[str] | None:
-        errs = stack.errors["site-agent"]
+        errs = stack.errors["agent1"]
         return errs if len(errs) >= 6 else None
 
     errs = "\n".join(await eventually("permission errors", refusals, timeout=5))
@@ -509,7 +284,7 @@ async def test_site_agent_is_confined_to_its_site(stack: Stack) -> None:
     assert await _drain(events) == []
     assert (await cmdq.jetstream().stream_info(us1)).state.messages == 1  # the us1 command is still there
 
-    # replies to the control plane's own requests never reach a site, even on _INBOX.>
+    # replies to the control plane's own requests never reach a site
     got = await bcx.request("bc.api.secrets.secrets.get", b"ref", timeout=5)
     assert got.data == b"control-plane-secret"
     assert await _drain(inboxes) == []
@@ -538,7 +313,8 @@ async def test_stream_survives_losing_its_leader(stack: Stack) -> None:
     assert (await eventually("publish after the kill", after)).seq == 2
 
     # the agent, through the leaf (which moves to a surviving hub node if it has to), reads both
-    agent = await stack.connect("site-agent", stack.leaf)
+    await _agents(stack)
+    agent = await eventually("the agent connects", lambda: _agent(stack, "agent1", role="site"))
     psub = await agent.jetstream(timeout=5).pull_subscribe_bind(durable="agent1", stream=stream)
     got: list[bytes] = []
 
@@ -708,7 +484,7 @@ async def test_no_service_or_operator_reads_another_ones_replies(stack: Stack) -
     # everyone tries to listen to everyone else's replies, and to all of them at once
     heard: dict[str, list[Subscription]] = {}
     for user, nc in clients.items():
-        others = [_inbox_prefix(o) + ".>" for o in clients if o != user]
+        others = [inbox_prefix(o) + ".>" for o in clients if o != user]
         heard[user] = [await nc.subscribe(subject) for subject in [*others, "_INBOX.>", "_INBOX_OPS.>"]]
         await nc.flush()
     for user, subject in asks.items():
@@ -718,7 +494,7 @@ async def test_no_service_or_operator_reads_another_ones_replies(stack: Stack) -
         assert reply.data == b"for " + subject.encode()
 
     for user in clients:
-        for subject in [*(_inbox_prefix(o) + ".>" for o in clients if o != user), "_INBOX.>", "_INBOX_OPS.>"]:
+        for subject in [*(inbox_prefix(o) + ".>" for o in clients if o != user), "_INBOX.>", "_INBOX_OPS.>"]:
             await eventually(f"{user} refused {subject}", functools.partial(_refused, stack, user, subject))
         for sub in heard[user]:
             assert await _drain(sub, wait=0.2) == [], (user, sub.subject)
@@ -830,8 +606,8 @@ async def test_an_operator_cannot_deliver_into_the_control_plane(stack: Stack) -
 async def test_every_listener_speaks_tls_and_the_servers_keep_no_plain_password(stack: Stack) -> None:
     """Issue 23: no listener took TLS and the configs held plain passwords. Now a client without
     TLS gets nowhere on a hub node or the leaf, the cluster's routes and the leaf link ran over
-    TLS with certificates from the bus CA (the stack formed), and the servers' environment
-    holds only bcrypt hashes."""
+    TLS with certificates from the bus CA (the stack formed), the leaf takes no client without a
+    certificate, and the servers' environment holds only bcrypt hashes."""
     stranger = stack.ca.parent / "stranger.pem"
     stranger.write_bytes(new_bus_ca("not the bus CA")[0])
     password = stack.passwords["BCX"]
@@ -867,7 +643,13 @@ async def test_every_listener_speaks_tls_and_the_servers_keep_no_plain_password(
             True, None, True, True, True, True,
         ], node.name  # fmt: skip
     _, varz = await asyncio.to_thread(stack.leaf.monitor, "/varz")
-    assert varz["tls_required"], varz
+    assert (varz["tls_required"], varz.get("tls_verify")) == (True, True), varz
+    # on the leaf every client shows a certificate: a password alone gets no connection
+    with pytest.raises(BcError):
+        await connect(
+            f"tls://bcx:{password}@127.0.0.1:{stack.leaf.client_port}", name="t", ca=str(stack.ca),
+            allow_reconnect=False,
+        )  # fmt: skip
     for node in [*stack.hub, stack.leaf]:
         for var, value in node.env.items():
             if var.endswith("_PASSWORD"):
@@ -875,36 +657,106 @@ async def test_every_listener_speaks_tls_and_the_servers_keep_no_plain_password(
                 assert value not in stack.passwords.values(), var
 
 
-async def test_a_node_does_not_read_the_site_agents_replies(stack: Stack) -> None:
-    """Issue 23 M4, the part that config can fix: the site agent hears its replies on
-    ``_INBOX.site-agent.>``, which the site's ``node`` user (whose password the boot network
-    sees) may not read; the node's own replies still reach it. Nodes still share one user: per-agent
-    identities are docs/security.md's design."""
+async def test_each_agent_reads_and_pulls_only_its_own(stack: Stack) -> None:
+    """Issue 23 M4: every bcd of a site shared the ``node`` user, which pulled, read and
+    terminated any consumer of its site (the site agent's too) and read every node's replies.
+    Now each agent is a NATS user of its own (the leaf's auth callout): a bcd reads nothing of the
+    site agent's (its consumer, its replies) nor of another bcd's, and the site agent pulls no
+    other agent's consumer. Each one's own replies and commands still come."""
     cmdq = await stack.connect("command-queue")
+    stream = await _site_stream(cmdq, "eu1")
+    for agent_id in ("site1", "node1", "node2"):
+        await _agent_consumer(cmdq, "eu1", agent_id)
+        await cmdq.jetstream().publish(SUBJECTS.site_cmd("eu1", agent_id), f"for {agent_id}".encode())
 
     async def welcome(msg: Msg) -> None:
         await msg.respond(b"welcome " + msg.subject.encode())
 
     await cmdq.subscribe("bc.agent.*.*.hello", queue="cmdq", cb=welcome)
     await cmdq.flush()
-    node = await stack.connect("node", stack.leaf)
-    sniff_all = await node.subscribe("_INBOX.>")
-    await node.subscribe(f"{SITE_AGENT_INBOX_PREFIX}.>")
-    await node.flush()
-    agent = await stack.connect("site-agent", stack.leaf)
-    hello = SUBJECTS.agent_event("eu1", "site1", "hello")
-    reply = await eventually(
-        "the site agent's hello answered", lambda: agent.request(hello, b"hi", timeout=1)
-    )
-    assert reply.data == b"welcome " + hello.encode()
-    assert reply.subject.startswith(SITE_AGENT_INBOX_PREFIX + ".")
-    assert [s for s in await _drain(sniff_all) if s.startswith(SITE_AGENT_INBOX_PREFIX)] == []
-    await eventually(
-        "the refusal", functools.partial(_refused, stack, "node", f"{SITE_AGENT_INBOX_PREFIX}.>")
-    )
+    await _agents(stack)
+    site = await _agent(stack, "site1", role="site")
+    node1 = await _agent(stack, "node1")
+    node2 = await _agent(stack, "node2")
 
-    mine = SUBJECTS.agent_event("eu1", "node1", "hello")  # the node's own replies still come
-    assert (await node.request(mine, b"hi", timeout=5)).data == b"welcome " + mine.encode()
-    await agent.subscribe("_INBOX.>")  # and the site agent hears nothing but its own
-    await agent.flush()
-    await eventually("the site agent's refusal", functools.partial(_refused, stack, "site-agent", "_INBOX.>"))
+    # everyone tries to hear everyone else's replies, and all of them at once
+    sniffers = {
+        "node1": [await node1.subscribe(s) for s in ("_INBOX.>", "_INBOX.site1.>", "_INBOX.node2.>")],
+        "node2": [await node2.subscribe(s) for s in ("_INBOX.>", "_INBOX.site1.>", "_INBOX.node1.>")],
+        "site1": [await site.subscribe(s) for s in ("_INBOX.>", "_INBOX.node1.>")],
+    }
+    for nc in (site, node1, node2):
+        await nc.flush()
+    for name, nc in [("site1", site), ("node1", node1), ("node2", node2)]:
+        hello = SUBJECTS.agent_event("eu1", name, "hello")
+        reply = await eventually(f"{name}'s hello", lambda nc=nc, h=hello: nc.request(h, b"hi", timeout=1))
+        assert reply.data == b"welcome " + hello.encode()
+        assert reply.subject.startswith(f"_INBOX.{name}.")
+        # its own command, pulled through the leaf
+        assert (await _fetch_one(nc, stream, name, timeout=5)).data == f"for {name}".encode()
+
+    # another agent's consumer: the pull never leaves the leaf (a node's, the site agent's)
+    for nc, other in [(node1, "site1"), (node1, "node2"), (site, "node1")]:
+        psub = await nc.jetstream().pull_subscribe_bind(durable=other, stream=stream)
+        with pytest.raises(TimeoutError):
+            await psub.fetch(1, timeout=1)
+    # ... nor does asking about it, or terminating its message
+    await node1.publish(f"$JS.API.CONSUMER.INFO.{stream}.site1", b"")
+    await node1.publish(f"$JS.ACK.{stream}.site1.1.1.1.1.1", b"+TERM")
+    await node1.publish(SUBJECTS.agent_event("eu1", "site1", "heartbeat"), b"forged")
+    await node1.flush()
+    for who, subjects in {
+        "node1": [
+            "_INBOX.>", "_INBOX.site1.>", "_INBOX.node2.>",
+            f"$js.hub.api.consumer.msg.next.{stream}.site1", f"$js.hub.api.consumer.msg.next.{stream}.node2",
+            f"$js.hub.api.consumer.info.{stream}.site1", f"$js.ack.{stream}.site1",
+            "bc.agent.eu1.site1.heartbeat",
+        ],
+        "node2": ["_INBOX.>", "_INBOX.site1.>", "_INBOX.node1.>"],
+        "site1": ["_INBOX.>", "_INBOX.node1.>", f"$js.hub.api.consumer.msg.next.{stream}.node1"],
+    }.items():  # fmt: skip
+        for subject in subjects:
+            await eventually(f"{who} refused {subject}", functools.partial(_refused, stack, who, subject))
+    for who, subs in sniffers.items():
+        for sub in subs:
+            assert await _drain(sub, wait=0.2) == [], (who, sub.subject)
+    # the site agent's command was pulled by it alone and acked by nobody: still there
+    info = await cmdq.jetstream().consumer_info(stream, "site1")
+    assert info.num_ack_pending == 1
+
+
+async def test_a_machine_without_a_certificate_may_only_join(stack: Stack) -> None:
+    """Issue 23: a machine that has no certificate yet connects with the site's joining
+    certificate. It may ask bc-pki to join and hear its own answer, nothing else: no events, no
+    commands, no other joining machine's answer, no agent's replies."""
+    pki = await stack.connect("pki")
+
+    async def joined(msg: Msg) -> None:
+        await msg.respond(b"joined")
+
+    await pki.subscribe("bc.api.pki.agents.join", queue="pki", cb=joined)
+    await pki.flush()
+    await _agents(stack)
+    machine = await stack.connect_joining()
+    other = await stack.connect_joining()
+    sniff = [await machine.subscribe(s) for s in ("_INBOX.>", "_INBOX.join.>")]
+    await machine.flush()
+    reply = await eventually(
+        "a join answered", lambda: other.request("bc.api.pki.agents.join", b"{}", timeout=1)
+    )
+    assert reply.data == b"joined"
+    assert (await machine.request("bc.api.pki.agents.join", b"{}", timeout=5)).data == b"joined"
+    for subject in [
+        SUBJECTS.agent_event("eu1", "node1", "hello"), "bc.api.secrets.secrets.fetch",
+        f"$JS.API.CONSUMER.MSG.NEXT.{EU1}.node1", "bc.api.pki.tokens.burn", "bc.api.pki.tokens.confirm",
+    ]:  # fmt: skip
+        await machine.publish(subject, b"{}")
+    await machine.flush()
+    for subject in [
+        "_INBOX.>", "_INBOX.join.>", "bc.agent.eu1.node1.hello", "bc.api.secrets.secrets.fetch",
+        f"$js.hub.api.consumer.msg.next.{EU1}.node1", "bc.api.pki.tokens.burn",
+        "bc.api.pki.tokens.confirm",
+    ]:  # fmt: skip
+        await eventually(f"refused {subject}", functools.partial(_refused, stack, "joining", subject))
+    for sub in sniff:
+        assert await _drain(sub, wait=0.2) == [], sub.subject

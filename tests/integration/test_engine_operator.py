@@ -115,3 +115,34 @@ async def test_nodes_update_label_and_delete(engine: EngineService, bc_api: ApiC
     assert e.value.code is ErrorCode.NOT_FOUND
     # the finished workflow is kept
     assert (await engine_api.get_workflow(id=wf.id)).state == "aborted"
+
+
+async def test_a_name_is_unique_in_its_site_even_asked_for_twice_at_once(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    """Issue 26: two creates and an enrolment asking for one name at the same moment: one gets
+    it, the others CONFLICT at name (the unique index, when both passed the first look)."""
+    engine_api = EngineClient(bc_api)
+    asks = [
+        engine_api.create_node(site_id="lab1", name="race-1"),
+        engine_api.create_node(site_id="lab1", name="race-1"),
+        engine_api.enroll_node(site_id="lab1", name="race-1"),
+    ]
+    got = await asyncio.gather(*asks, return_exceptions=True)
+    made = [g for g in got if not isinstance(g, BaseException)]
+    refused = [g for g in got if isinstance(g, BcError)]
+    assert len(made) == 1, got
+    assert [(e.code, e.path, e.details["reason"]) for e in refused] == [
+        (ErrorCode.CONFLICT, "name", "name-taken")
+    ] * 2
+    # another site may use it; a node listed by name is the one of that name
+    other = await engine_api.create_node(site_id="lab2", name="race-1")
+    named = await engine_api.list_nodes(name="race-1")
+    assert sorted(n.id for n in named.nodes) == sorted([made[0].id, other.id])
+    assert [n.id for n in (await engine_api.list_nodes(name="race-1", site_id="lab2")).nodes] == [other.id]
+    # renamed, then cleared: the name is free again
+    assert (await engine_api.update_node(id=other.id, name="race-2")).name == "race-2"
+    assert (await engine_api.update_node(id=other.id, clear_name=True)).name is None
+    with pytest.raises(BcError) as e:
+        await bc_api.call("engine", "nodes.update", {"id": other.id, "name": "x", "clearName": True})
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "clearName")

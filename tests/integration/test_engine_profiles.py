@@ -130,24 +130,37 @@ async def test_validate_reports_every_problem_with_its_path(engine: EngineServic
     )
     got = await engine_api.validate_profile(document=document)
     assert got.valid is False
-    assert [(p.path, p.code) for p in got.problems] == [
-        ("steps[1].use", "INVALID_INPUT"),
-        ("steps[2].with.pollMs", "INVALID_INPUT"),
-        ("steps[3].on", "INVALID_INPUT"),
-        ("steps[4].use", "INVALID_INPUT"),
-        ("steps[5].with.colour", "INVALID_INPUT"),
+    # one path style: a document sent in the request is named from the request (document.…)
+    expected = [
+        ("document.steps[1].use", "INVALID_INPUT"),
+        ("document.steps[2].with.pollMs", "INVALID_INPUT"),
+        ("document.steps[3].on", "INVALID_INPUT"),
+        ("document.steps[4].use", "INVALID_INPUT"),
+        ("document.steps[5].with.colour", "INVALID_INPUT"),
     ]
-    # a stored profile validates the same way, and a shape error is reported with its path
-    shape = await engine_api.validate_profile(document=doc("bad", 1, [{"use": "test.noop", "wiht": {}}]))
+    assert [(p.path, p.code) for p in got.problems] == expected
+    # shape errors: every one in one pass, with the names an unknown key may have meant
+    shapes = {**doc("bad", 1, [{"use": "test.noop", "wiht": {}}, {"use": "test.noop", "on": "moon"}]),
+              "descripton": "typo"}  # fmt: skip
+    shape = await engine_api.validate_profile(document=shapes)
     assert shape.valid is False
-    assert shape.problems[0].path.startswith("document.steps[0]")
+    assert [(p.path, p.message) for p in shape.problems] == [
+        ("document.descripton", "unknown field; did you mean description?"),
+        ("document.steps[0].wiht", "unknown field; did you mean with?"),
+        ("document.steps[1].on", "on must be one of control-plane, site, node, got 'moon'"),
+    ]
     with pytest.raises(BcError) as e:
-        await engine_api.create_profile(document=doc("bad", 1, [{"use": "test.noop", "wiht": {}}]))
-    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_CONFIG, "document.steps[0].wiht")
+        await engine_api.create_profile(document=shapes)
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_CONFIG, "document.descripton")
+    assert [p["path"] for p in e.value.details["problems"]] == [p.path for p in shape.problems]
+    with pytest.raises(BcError) as e:
+        await engine_api.create_profile(document=document)
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "document.steps[1].use")
+    assert [(p["path"], p["code"]) for p in e.value.details["problems"]] == expected
     with pytest.raises(BcError) as e:
         await engine_api.render_profile(document=document)
-    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "steps[1].use")
-    assert len(e.value.details["problems"]) == 5
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "document.steps[1].use")
+    assert [(p["path"], p["code"]) for p in e.value.details["problems"]] == expected
     ok = await engine_api.validate_profile(id="test-chain")
     assert (ok.valid, ok.problems) == (True, [])
 
@@ -209,22 +222,22 @@ async def test_every_problem_of_one_steps_with_is_reported_with_its_path(
     got = await EngineClient(bc_api).validate_profile(document=document)
     assert got.valid is False
     assert [p.path for p in got.problems] == [
-        "steps[0].with.polMs",
-        "steps[0].with.flag",
-        "steps[0].with.pollMs",
-        "steps[1].with.action",
-        "steps[1].with.bmc.adress",
-        "steps[1].with.bmc.driver",
-        "steps[1].with.bmc.address",
-        "steps[1].with.bmc.insecure",
+        "document.steps[0].with.polMs",
+        "document.steps[0].with.flag",
+        "document.steps[0].with.pollMs",
+        "document.steps[1].with.action",
+        "document.steps[1].with.bmc.adress",
+        "document.steps[1].with.bmc.driver",
+        "document.steps[1].with.bmc.address",
+        "document.steps[1].with.bmc.insecure",
     ]
     messages = {p.path: p.message for p in got.problems}
-    assert "did you mean pollMs" in messages["steps[0].with.polMs"]
-    assert "did you mean address" in messages["steps[1].with.bmc.adress"]
-    assert "did you mean redfish" in messages["steps[1].with.bmc.driver"]
+    assert "did you mean pollMs" in messages["document.steps[0].with.polMs"]
+    assert "did you mean address" in messages["document.steps[1].with.bmc.adress"]
+    assert "did you mean redfish" in messages["document.steps[1].with.bmc.driver"]
     with pytest.raises(BcError) as e:
         await create(bc_api, "acme", document)
-    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "steps[0].with.polMs")
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "document.steps[0].with.polMs")
     assert len(e.value.details["problems"]) == 8
 
 
@@ -247,17 +260,49 @@ async def test_driver_operations_are_a_registry_validated_like_steps(
     got = await EngineClient(bc_api).validate_profile(document=document)
     assert got.valid is False
     assert [p.path for p in got.problems] == [
-        "steps[0].use",
-        "steps[1].with.action",
-        "steps[2].with.action",
-        "steps[3].use",
+        "document.steps[0].use",
+        "document.steps[1].with.action",
+        "document.steps[2].with.action",
+        "document.steps[3].use",
     ]
     assert "did you mean power.setPower" in got.problems[0].message
     assert "did you mean test.noop" in got.problems[3].message
     with pytest.raises(BcError) as e:
         await create(bc_api, "acme", document)
-    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "steps[0].use")
+    assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "document.steps[0].use")
     assert len(e.value.details["problems"]) == 4
     with pytest.raises(BcError) as e:
         await get(bc_api, "acme", "drivers")
     assert e.value.code is ErrorCode.NOT_FOUND
+
+
+async def test_user_data_and_config_units_are_checked_with_the_steps_in_one_pass(
+    engine: EngineService, bc_api: ApiClient
+) -> None:
+    """Issue 26: a profile naming a template or a config unit nobody registered, or a unit's bad
+    settings, is refused when it is validated or stored, with every other problem, not when a
+    deploy reaches the machine. Seen failing first (valid: True)."""
+    document = doc(
+        "doc-problems",
+        1,
+        [{"use": "test.nop"}],
+        userData={"kind": "cloud-init", "template": "plain.tx"},
+        hostConfig={"units": [{"name": "sysctll", "settings": {}},
+                              {"name": "sysctl", "settings": {"values": "x", "colour": 1}}]},
+    )  # fmt: skip
+    got = await EngineClient(bc_api).validate_profile(document=document)
+    assert got.valid is False
+    problems = [(p.path, p.message) for p in got.problems]
+    assert problems[0][0] == "document.steps[0].use"
+    assert problems[1:] == [
+        ("document.userData.template", "no user-data template named plain.tx; did you mean plain.txt?"),
+        ("document.hostConfig.units[0].name", "unknown config unit 'sysctll'; did you mean sysctl?"),
+        ("document.hostConfig.units[1].settings.colour", "unknown field"),
+        ("document.hostConfig.units[1].settings.values", problems[4][1]),
+    ]
+    with pytest.raises(BcError) as e:
+        await create(bc_api, "acme", document)
+    assert len(e.value.details["problems"]) == 5
+    units = {"units": [{"name": "sysctl", "settings": {"values": {"vm.swappiness": "10"}}}]}
+    ok = doc("doc-fine", 1, [{"use": "test.noop"}], userData={"kind": "ignition"}, hostConfig=units)
+    assert (await EngineClient(bc_api).validate_profile(document=ok)).valid

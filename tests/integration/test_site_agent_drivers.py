@@ -16,13 +16,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from bc_site_agent.drivers import BmcCredentials, BmcTarget, Driver, make_driver
+from bc_site_agent.drivers import BmcCredentials, Driver, make_driver
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.runtime.embedded import free_port
 from better_compute.testing import until
 from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, IpmiBmc, RedfishEmulator
+from better_compute.wire.commands import MediaEject, MediaInsert, SetBootDevice, SetPower
+from better_compute.wire.metal import NodeBmc
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def bmc_get(emulator: RedfishEmulator, path: str) -> dict[str, object]:
 
 
 def redfish(url: str, emulator: RedfishEmulator, *, password: str | None = None, **kw: object) -> Driver:
-    target = BmcTarget(driver="redfish", address=url, **kw)  # type: ignore[arg-type]
+    target = NodeBmc(driver="redfish", address=url, **kw)  # type: ignore[arg-type]
     return make_driver(
         target, BmcCredentials(username=emulator.username, password=password or emulator.password)
     )
@@ -68,18 +71,18 @@ async def test_redfish_power_boot_media_inventory_converge_at_the_bmc(
     try:
         driver = redfish(proxy.url, emulator)
         deadline = time.time() + 60
-        got = await driver.set_power("on", deadline=deadline)
-        assert got["powerState"] == "On"
+        got = await driver.set_power(SetPower(action="on"), deadline=deadline)
+        assert got.power_state == "On"
         assert bmc_get(emulator, system_path())["PowerState"] == "On"
 
-        got = await driver.set_power("cycle", deadline=time.time() + 60)
-        assert got == {"powerState": "On", "changed": True}
+        got = await driver.set_power(SetPower(action="cycle"), deadline=time.time() + 60)
+        assert (got.power_state, got.changed) == ("On", True)
         assert (
             sum(" ComputerSystem.Reset" in r or "Actions/ComputerSystem.Reset" in r for r in proxy.requests())
             == 2
         )
 
-        await driver.set_boot_device("pxe", persistent=False, mode=None, deadline=time.time() + 30)
+        await driver.set_boot_device(SetBootDevice(device="pxe", persistent=False), deadline=time.time() + 30)
         boot = bmc_get(emulator, system_path())["Boot"]
         assert boot["BootSourceOverrideTarget"] == "Pxe"  # type: ignore[index]
         # sushy-emulator always shows "Continuous"; what the BMC was asked for is what we can see
@@ -87,10 +90,10 @@ async def test_redfish_power_boot_media_inventory_converge_at_the_bmc(
         assert '"BootSourceOverrideEnabled": "Once"' in patch
 
         url = f"http://127.0.0.1:{server.server_port}/media.iso"
-        got = await driver.media_insert(url, device="cd", deadline=time.time() + 30)
-        assert got["inserted"] is True
-        got = await driver.media_eject(device="cd", deadline=time.time() + 30)
-        assert got["inserted"] is False
+        got = await driver.media_insert(MediaInsert(url=url, device="cd"), deadline=time.time() + 30)
+        assert got.inserted is True
+        got = await driver.media_eject(MediaEject(device="cd"), deadline=time.time() + 30)
+        assert got.inserted is False
 
         # each POST action went out on a connection of its own (sushy sends "Connection: close"):
         # on a keep-alive one the BMC closed while idle, a POST that never left would look like
@@ -102,8 +105,8 @@ async def test_redfish_power_boot_media_inventory_converge_at_the_bmc(
             assert all(earlier[2] != taken[i][2] for earlier in taken[:i]), (taken[i], taken[:i])
 
         inv = await driver.inventory(deadline=time.time() + 30)
-        assert inv["system"]["uuid"] == SYSTEM_UUID
-        assert sorted(n["mac"] for n in inv["nics"]) == sorted(SYSTEM_MACS)
+        assert inv.system.uuid == SYSTEM_UUID
+        assert sorted(n.mac for n in inv.nics) == sorted(SYSTEM_MACS)
         await driver.close()
     finally:
         server.shutdown()
@@ -123,11 +126,11 @@ async def test_an_action_never_goes_on_a_connection_the_bmc_is_closing(
         proxy.set(mode="linger-close", seconds=1.0)
         driver = redfish(proxy.url, emulator)
         url = f"http://127.0.0.1:{server.server_port}/linger.iso"
-        got = await driver.media_insert(url, device="cd", deadline=time.time() + 60)
-        assert (got["inserted"], got["image"]) == (True, url)
-        got = await driver.set_power("cycle", deadline=time.time() + 60)
-        assert got["changed"] is True
-        await driver.media_eject(device="cd", deadline=time.time() + 60)
+        got = await driver.media_insert(MediaInsert(url=url, device="cd"), deadline=time.time() + 60)
+        assert (got.inserted, got.image) == (True, url)
+        got = await driver.set_power(SetPower(action="cycle"), deadline=time.time() + 60)
+        assert got.changed is True
+        await driver.media_eject(MediaEject(device="cd"), deadline=time.time() + 60)
         await driver.close()
         taken = [line.split() for line in proxy.requests()]
         actions = [path.rsplit("/", 1)[1] for method, path, *_ in taken if method == "POST"]
@@ -144,8 +147,10 @@ async def test_a_bmc_that_answers_500_for_a_while_then_recovers(
 ) -> None:
     proxy.set(mode="error-count", left=6, status=503)
     driver = redfish(proxy.url, emulator)
-    got = await driver.set_boot_device("disk", persistent=True, mode=None, deadline=time.time() + 30)
-    assert got["target"] == "Hdd"
+    got = await driver.set_boot_device(
+        SetBootDevice(device="disk", persistent=True), deadline=time.time() + 30
+    )
+    assert got.target == "Hdd"
     await driver.close()
     modes = [line.rsplit(" ", 1)[1] for line in proxy.requests()]
     assert modes.count("error") == 6  # six 503s answered, then it went through
@@ -186,14 +191,18 @@ async def test_bmc_errors_are_driver_errors_that_name_the_call(
     assert "404" in err.details["reason"]
 
     proxy.set(mode="malformed")
-    err = await driver_error(redfish(proxy.url, emulator).set_power("on", deadline=time.time() + 5))
+    err = await driver_error(
+        redfish(proxy.url, emulator).set_power(SetPower(action="on"), deadline=time.time() + 5)
+    )
     assert err.code is ErrorCode.DRIVER_ERROR
     assert "malformed" in err.details["reason"]
     assert "GET System.PowerState" in err.details["reason"]
 
     proxy.set(mode="error", status=500)
     t0 = time.monotonic()
-    err = await driver_error(redfish(proxy.url, emulator).set_power("on", deadline=time.time() + 3))
+    err = await driver_error(
+        redfish(proxy.url, emulator).set_power(SetPower(action="on"), deadline=time.time() + 3)
+    )
     assert err.code is ErrorCode.DRIVER_ERROR
     assert "HTTP 500" in err.details["reason"]
     assert "deadline" in err.details["reason"]
@@ -202,7 +211,9 @@ async def test_bmc_errors_are_driver_errors_that_name_the_call(
 
     proxy.set(mode="hang", seconds=20)
     t0 = time.monotonic()
-    err = await driver_error(redfish(proxy.url, emulator).set_power("on", deadline=time.time() + 3))
+    err = await driver_error(
+        redfish(proxy.url, emulator).set_power(SetPower(action="on"), deadline=time.time() + 3)
+    )
     assert err.code is ErrorCode.DRIVER_ERROR
     assert "timed out" in err.details["reason"]
     assert time.monotonic() - t0 < 8
@@ -220,19 +231,21 @@ async def test_tls_is_verified_by_default(emulator: RedfishEmulator) -> None:
 async def test_ipmi_power_and_boot_device_against_pyghmis_bmc(tmp_path: Path) -> None:
     bmc = IpmiBmc(tmp_path / "ipmi").start()
     try:
-        target = BmcTarget(driver="ipmi", address=bmc.address)
+        target = NodeBmc(driver="ipmi", address=bmc.address)
         driver = make_driver(target, BmcCredentials(username=bmc.username, password=bmc.password))
-        got = await driver.set_power("on", deadline=time.time() + 30)
-        assert got["powerState"] == "on"
+        got = await driver.set_power(SetPower(action="on"), deadline=time.time() + 30)
+        assert got.power_state == "on"
         assert bmc.state()["power"] == "on"
-        got = await driver.set_boot_device("pxe", persistent=False, mode=None, deadline=time.time() + 30)
-        assert got["device"] == "pxe"
+        got = await driver.set_boot_device(
+            SetBootDevice(device="pxe", persistent=False), deadline=time.time() + 30
+        )
+        assert got.device == "pxe"
         assert bmc.state()["bootdev"] == "network"
-        got = await driver.set_power("off", deadline=time.time() + 30)
+        got = await driver.set_power(SetPower(action="off"), deadline=time.time() + 30)
         assert bmc.state()["power"] == "off"
 
         bad = make_driver(target, BmcCredentials(username=bmc.username, password="not-the-password"))
-        err = await driver_error(bad.set_power("on", deadline=time.time() + 5))
+        err = await driver_error(bad.set_power(SetPower(action="on"), deadline=time.time() + 5))
         assert err.code is ErrorCode.DRIVER_ERROR
         assert "not-the-password" not in json.dumps(err.details) + str(err)
     finally:
@@ -247,7 +260,7 @@ async def test_ipmi_says_cipher_suite_mismatch_not_wrong_credentials(tmp_path: P
         bmc = IpmiBmc(tmp_path / f"ipmi-{cipher}", cipher=cipher).start()
         try:
             driver = make_driver(
-                BmcTarget(driver="ipmi", address=bmc.address),
+                NodeBmc(driver="ipmi", address=bmc.address),
                 BmcCredentials(username=bmc.username, password=bmc.password),
             )
             err = await driver_error(driver.inventory(deadline=time.time() + 10))
@@ -261,7 +274,7 @@ async def test_ipmi_says_cipher_suite_mismatch_not_wrong_credentials(tmp_path: P
     bmc = IpmiBmc(tmp_path / "ipmi-password").start()
     try:
         driver = make_driver(
-            BmcTarget(driver="ipmi", address=bmc.address),
+            NodeBmc(driver="ipmi", address=bmc.address),
             BmcCredentials(username=bmc.username, password="not-the-password"),
         )
         err = await driver_error(driver.inventory(deadline=time.time() + 10))
@@ -276,7 +289,7 @@ async def test_ipmi_commands_at_once_on_one_bmc_each_have_their_own_session(tmp_
     each logged out at its end, and neither fails for the other's logout."""
     bmc = IpmiBmc(tmp_path / "ipmi").start()
     try:
-        target = BmcTarget(driver="ipmi", address=bmc.address)
+        target = NodeBmc(driver="ipmi", address=bmc.address)
         creds = BmcCredentials(username=bmc.username, password=bmc.password)
 
         async def command(i: int) -> Any:
@@ -284,7 +297,7 @@ async def test_ipmi_commands_at_once_on_one_bmc_each_have_their_own_session(tmp_
             try:
                 if i % 2:
                     return await driver.set_boot_device(
-                        "pxe", persistent=False, mode=None, deadline=time.time() + 30
+                        SetBootDevice(device="pxe", persistent=False), deadline=time.time() + 30
                     )
                 return await driver.inventory(deadline=time.time() + 30)
             finally:
@@ -292,7 +305,7 @@ async def test_ipmi_commands_at_once_on_one_bmc_each_have_their_own_session(tmp_
 
         for _ in range(2):
             results: list[Any] = await asyncio.gather(*(command(i) for i in range(4)))
-            got = [r["device"] if "device" in r else r["system"]["powerState"] for r in results]
+            got = [r.device if hasattr(r, "device") else r.system.power_state for r in results]
             assert got == ["off", "pxe", "off", "pxe"]
 
         def all_closed() -> list[str] | None:
@@ -333,10 +346,12 @@ async def test_an_action_whose_answer_was_lost_is_not_sent_twice(
     server = _serve_bytes(iso)
     try:
         url = f"http://127.0.0.1:{server.server_port}/lost.iso"
-        await redfish(proxy.url, emulator).media_eject(device="cd", deadline=time.time() + 30)
+        await redfish(proxy.url, emulator).media_eject(MediaEject(device="cd"), deadline=time.time() + 30)
         proxy.set(mode="lose-answer", left=1, methods=["POST"])
         err = await driver_error(
-            redfish(proxy.url, emulator).media_insert(url, device="cd", deadline=time.time() + 30)
+            redfish(proxy.url, emulator).media_insert(
+                MediaInsert(url=url, device="cd"), deadline=time.time() + 30
+            )
         )
         assert err.code is ErrorCode.DRIVER_ERROR
         assert "POST VirtualMedia.InsertMedia" in err.details["reason"]
@@ -345,27 +360,31 @@ async def test_an_action_whose_answer_was_lost_is_not_sent_twice(
         assert len(inserts) == 1, inserts  # sent once: the BMC has it, nobody sent it again
 
         proxy.set(mode="lose-answer", left=1, methods=["POST"])
-        err = await driver_error(redfish(proxy.url, emulator).set_power("cycle", deadline=time.time() + 30))
+        err = await driver_error(
+            redfish(proxy.url, emulator).set_power(SetPower(action="cycle"), deadline=time.time() + 30)
+        )
         assert "POST ComputerSystem.Reset" in err.details["reason"], err.details
         resets = [b for b in proxy.bodies() if "ComputerSystem.Reset" in b]
         assert len(resets) == 1, (err.details, proxy.requests()[-6:])
 
         proxy.set(mode="lose-answer", left=1, methods=["PATCH"])
         driver = redfish(proxy.url, emulator)
-        got = await driver.set_boot_device("cd", persistent=False, mode=None, deadline=time.time() + 30)
+        got = await driver.set_boot_device(
+            SetBootDevice(device="cd", persistent=False), deadline=time.time() + 30
+        )
         await driver.close()
-        assert got["target"] == "Cd"
+        assert got.target == "Cd"
         patches = [b for b in proxy.bodies() if b.startswith("PATCH") and '"Cd"' in b]
         assert len(patches) == 2  # the lost one and its repeat: setting a boot device twice is harmless
     finally:
         proxy.set(mode="forward")
-        await redfish(proxy.url, emulator).media_eject(device="cd", deadline=time.time() + 30)
+        await redfish(proxy.url, emulator).media_eject(MediaEject(device="cd"), deadline=time.time() + 30)
         server.shutdown()
         server.server_close()
 
 
 def _statuses(checks: list[dict[str, Any]]) -> dict[str, str]:
-    return {c["check"]: c["status"] for c in checks}
+    return {c.check: c.status for c in checks}
 
 
 async def test_validate_checks_a_redfish_bmc_without_changing_it(emulator: RedfishEmulator) -> None:
@@ -386,27 +405,27 @@ async def test_validate_checks_a_redfish_bmc_without_changing_it(emulator: Redfi
         "system": "skipped",
         "power": "skipped",
     }
-    assert "refused the credentials" in checks[1]["message"], checks
-    assert "not-the-password-321" not in json.dumps(checks)
+    assert "refused the credentials" in checks[1].message, checks
+    assert "not-the-password-321" not in msgspec.json.encode(checks).decode()
 
     missing = redfish(emulator.url, emulator, system_id="/redfish/v1/Systems/no-such-system")
     checks = await missing.validate(deadline=time.time() + 10)
     assert _statuses(checks)["system"] == "failed", checks
-    assert "404" in checks[2]["message"], checks
+    assert "404" in checks[2].message, checks
 
     dead = redfish(f"http://127.0.0.1:{free_port()}", emulator)
     began = time.monotonic()
     checks = await dead.validate(deadline=time.time() + 1.5)
     assert time.monotonic() - began < 5
     assert _statuses(checks)["reach"] == "failed", checks
-    assert "connection refused" in checks[0]["message"], checks
+    assert "connection refused" in checks[0].message, checks
 
 
 async def test_validate_checks_an_ipmi_bmc(tmp_path: Path) -> None:
     bmc = IpmiBmc(tmp_path / "ipmi").start()
     try:
         good = make_driver(
-            BmcTarget(driver="ipmi", address=bmc.address),
+            NodeBmc(driver="ipmi", address=bmc.address),
             BmcCredentials(username=bmc.username, password=bmc.password),
         )
         try:
@@ -417,13 +436,13 @@ async def test_validate_checks_an_ipmi_bmc(tmp_path: Path) -> None:
             checks
         )
         wrong = make_driver(
-            BmcTarget(driver="ipmi", address=bmc.address),
+            NodeBmc(driver="ipmi", address=bmc.address),
             BmcCredentials(username=bmc.username, password="not-the-password"),
         )
         checks = await wrong.validate(deadline=time.time() + 10)
         assert _statuses(checks) == {
             "reach": "ok", "credentials": "failed", "system": "skipped", "power": "skipped"
         }, checks  # fmt: skip
-        assert "refused the credentials" in checks[1]["message"], checks
+        assert "refused the credentials" in checks[1].message, checks
     finally:
         bmc.close()

@@ -16,6 +16,7 @@ from bc_site_agent.relay import MAX_BODY, HttpRelay
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.runtime.embedded import free_port
+from better_compute.wire.commands import HttpProxy, decode_payload
 
 
 def own_address() -> str | None:
@@ -34,7 +35,7 @@ async def refusal(relay: HttpRelay, url: str, addresses: list[str] | None) -> st
     if addresses is not None:
         payload["nodeAddresses"] = addresses
     with pytest.raises(CommandRejected) as exc:
-        await relay.request(payload, deadline=time.time() + 5)
+        await relay.request(decode_payload(payload, HttpProxy), deadline=time.time() + 5)
     return exc.value.reason
 
 
@@ -62,8 +63,10 @@ async def test_every_refused_target_is_refused_before_connecting() -> None:
         assert "own address" in await refusal(relay, f"http://{mine}:8081/healthz", [mine])
     # a refused target is refused whatever the recorded addresses say, and nothing connected
     assert "metadata" in await refusal(spying, "http://169.254.169.254/", ["169.254.169.254"])
+    # the command queue refuses it already; the relay checks again (a Struct built by hand)
+    sneaked = HttpProxy(url="file:///etc/passwd", node_addresses=["x"])
     with pytest.raises(BcError) as bad:
-        await relay.request({"url": "file:///etc/passwd", "nodeAddresses": ["x"]}, deadline=time.time() + 5)
+        await relay.request(sneaked, deadline=time.time() + 5)
     assert bad.value.path == "url"
 
 
@@ -145,7 +148,7 @@ async def relay_to(node: str, path: str, *, poll: bool = False, seconds: float =
         "poll": poll,
         "nodeAddresses": ["127.0.0.1"],
     }
-    return await relay.request(payload, deadline=time.time() + seconds)
+    return await relay.request(decode_payload(payload, HttpProxy), deadline=time.time() + seconds)
 
 
 async def test_a_redirect_is_followed_only_to_the_same_origin(node: str) -> None:

@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from bcd.system import Machine
 from better_compute.provision.profiles import HostUnit
 from better_compute.testing.machines import RecordingRunner, RunAnswer, prepare_machine
+from better_compute.wire.commands import ConvergeUnit
 
 REF = "sec_01M8R2PJRBNHM27WE1SRZ01H3G"
 TOKEN = "abcdef.0123456789abcdef"
@@ -203,3 +206,8 @@ PROFILE_UNITS = [
     _unit("mig-layout", {"layout": "all-1g.10gb"}, "gpu=nvidia"),
     _unit("gpu-sharing", {"strategy": "time-slicing", "replicas": 4}, "gpu=nvidia"),
 ]
+
+
+def units_of(docs: Sequence[Any]) -> list[ConvergeUnit]:
+    """A host section's units as ``node.converge`` carries them to bcd (decoded once there)."""
+    return msgspec.convert(list(docs), list[ConvergeUnit])

@@ -53,7 +53,11 @@ PROFILES = [
     # inspect --profile t.failing: fails at its second step until the flag is set
     _profile("t.failing", [NOOP, {"use": "test.failUnlessFlag", "with": {"flag": "go"}}]),
     # holds the node in the verb's …ing state until the flag is set
-    _profile("t.hold", [{"use": "test.waitFlag", "with": {"flag": "hold"}}], image="ubuntu@24.04"),
+    _profile(
+        "t.hold",
+        [{"use": "test.waitFlag", "with": {"flag": "hold", "reason": "the test holds it (flag hold)"}}],
+        image="ubuntu@24.04",
+    ),
 ]
 
 provision = provision_module(

@@ -10,7 +10,7 @@ import pytest
 
 from bcd.converger import Converger
 from bcd.hardware import claims, inventory
-from bcd_gpu_host import PROFILE_UNITS, changing, gpu_machine
+from bcd_gpu_host import PROFILE_UNITS, changing, gpu_machine, units_of
 from better_compute.core.errors import BcError
 from better_compute.provision.config_units import resolve_host_section
 
@@ -26,7 +26,8 @@ GPU_SECTION = [{"name": u.name, "settings": u.settings} for u in PROFILE_UNITS i
 async def test_gpu_units_are_skipped_clearly_where_there_is_no_gpu(tmp_path: Path, smi: bool) -> None:
     m, _host, runner = gpu_machine(tmp_path, gpus=0, nvswitch=False, smi=smi)
     got = await Converger(m).converge(
-        generation=5, units=resolve_host_section(PROFILE_UNITS[3:4] + PROFILE_UNITS[5:], {"gpu": "nvidia"})
+        generation=5,
+        units=units_of(resolve_host_section(PROFILE_UNITS[3:4] + PROFILE_UNITS[5:], {"gpu": "nvidia"})),
     )
     assert got["units"] == [
         {"name": u["name"], "status": "skipped", "detail": "no NVIDIA GPU on this machine"}
@@ -39,7 +40,9 @@ async def test_gpu_units_are_skipped_clearly_where_there_is_no_gpu(tmp_path: Pat
 
 async def test_fabric_manager_is_skipped_without_an_nvswitch(tmp_path: Path) -> None:
     m, host, _runner = gpu_machine(tmp_path, nvswitch=False)
-    got = await Converger(m).converge(generation=1, units=[{"name": "fabric-manager", "settings": {}}])
+    got = await Converger(m).converge(
+        generation=1, units=units_of([{"name": "fabric-manager", "settings": {}}])
+    )
     assert got["units"][0]["status"] == "skipped"
     assert "no NVSwitch on this machine" in got["units"][0]["detail"]
     assert host.enabled == set()
@@ -53,7 +56,7 @@ async def test_a_gpu_whose_driver_is_not_loaded_fails_the_units_that_need_it(tmp
         {"name": "mig-layout", "settings": {"layout": "all-1g.10gb"}},
     ]
     with pytest.raises(BcError) as info:
-        await conv.converge(generation=1, units=units)
+        await conv.converge(generation=1, units=units_of(units))
     assert info.value.reason == "host-section-failed"
     assert (
         "unit mig-layout failed: mig-layout needs the NVIDIA driver: nvidia-smi could not list the GPUs:"
@@ -64,7 +67,7 @@ async def test_a_gpu_whose_driver_is_not_loaded_fails_the_units_that_need_it(tmp
     # after the reboot the driver is loaded: the same section applies, the driver unchanged
     host.driver = "550.54.15"
     runner.ran.clear()
-    got = await conv.converge(generation=1, units=units)
+    got = await conv.converge(generation=1, units=units_of(units))
     assert [(u["name"], u["status"]) for u in got["units"]] == [
         ("nvidia-driver", "unchanged"),
         ("mig-layout", "changed"),
@@ -75,11 +78,13 @@ async def test_a_gpu_whose_driver_is_not_loaded_fails_the_units_that_need_it(tmp
 async def test_mig_on_gpus_without_mig_or_a_gpu_not_there_fails_with_why(tmp_path: Path) -> None:
     m, _host, _runner = gpu_machine(tmp_path, mig=False)
     with pytest.raises(BcError, match="no GPU on this machine supports MIG"):
-        await Converger(m).converge(generation=1, units=[{"name": "mig-layout", "settings": {"layout": "a"}}])
+        await Converger(m).converge(
+            generation=1, units=units_of([{"name": "mig-layout", "settings": {"layout": "a"}}])
+        )
     m, _host, _runner = gpu_machine(tmp_path / "b")
     with pytest.raises(BcError, match=r"no GPU 7 on this machine \(nvidia-smi lists 0, 1\)"):
         await Converger(m).converge(
-            generation=1, units=[{"name": "mig-layout", "settings": {"layout": "a", "gpus": [7]}}]
+            generation=1, units=units_of([{"name": "mig-layout", "settings": {"layout": "a", "gpus": [7]}}])
         )
 
 

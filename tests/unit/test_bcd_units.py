@@ -13,7 +13,7 @@ import pytest
 from bcd.converger import SUPPORTED_UNITS, Converger
 from bcd.daemon import node_handlers
 from bcd.system import Machine
-from bcd_gpu_host import PROFILE_UNITS, REF, TOKEN, changing, fetch, gpu_machine
+from bcd_gpu_host import PROFILE_UNITS, REF, TOKEN, changing, fetch, gpu_machine, units_of
 from better_compute.agent import Command
 from better_compute.core.errors import BcError
 from better_compute.provision.config_units import BUILTIN_CONFIG_UNITS, resolve_host_section
@@ -28,7 +28,7 @@ async def test_each_built_in_unit_applies_then_reports_unchanged_the_second_time
     assert {u["name"] for u in section} == set(BUILTIN_CONFIG_UNITS) == SUPPORTED_UNITS
     m, host, runner = gpu_machine(tmp_path)
     conv = Converger(m, fetch_secret=fetch)
-    first = await conv.converge(generation=3, units=section)
+    first = await conv.converge(generation=3, units=units_of(section))
     assert {u["name"]: u["status"] for u in first["units"]} == {u["name"]: "changed" for u in section}
     assert first["observedGeneration"] == 3 == conv.observed_generation()
     assert "net.ipv4.ip_forward = 1\n" in (m.root / "etc/sysctl.d/90-bc.conf").read_text()
@@ -53,7 +53,7 @@ async def test_each_built_in_unit_applies_then_reports_unchanged_the_second_time
     assert '"replicas": 4' in (m.root / "etc/nvidia-device-plugin/sharing.yaml").read_text()
 
     runner.ran.clear()
-    second = await conv.converge(generation=4, units=section)
+    second = await conv.converge(generation=4, units=units_of(section))
     assert {u["name"]: u["status"] for u in second["units"]} == {u["name"]: "unchanged" for u in section}
     assert changing(runner) == []
     assert not any("ran" in u for u in second["units"])
@@ -97,10 +97,10 @@ async def test_a_unit_in_each_shape_applies_once(
     for attr, value in state.items():
         setattr(host, attr, value)
     conv = Converger(m, fetch_secret=fetch)
-    first = await conv.converge(generation=1, units=[{"name": name, "settings": settings}])
+    first = await conv.converge(generation=1, units=units_of([{"name": name, "settings": settings}]))
     assert first["units"][0]["status"] == "changed", first
     runner.ran.clear()
-    second = await conv.converge(generation=2, units=[{"name": name, "settings": settings}])
+    second = await conv.converge(generation=2, units=units_of([{"name": name, "settings": settings}]))
     assert second["units"][0]["status"] == "unchanged", second
     assert changing(runner) == []
     assert conv.observed_generation() == 2
@@ -111,10 +111,12 @@ async def test_mig_on_one_gpu_and_mps_change_only_what_they_name(tmp_path: Path)
     conv = Converger(m)
     await conv.converge(
         generation=1,
-        units=[
-            {"name": "mig-layout", "settings": {"layout": "x", "gpus": [1]}},
-            {"name": "gpu-sharing", "settings": {"strategy": "mps", "replicas": 2}},
-        ],
+        units=units_of(
+            [
+                {"name": "mig-layout", "settings": {"layout": "x", "gpus": [1]}},
+                {"name": "gpu-sharing", "settings": {"strategy": "mps", "replicas": 2}},
+            ]
+        ),
     )
     assert host.mig_mode == {"1": "Enabled"}
     assert host.compute == {"0": "Exclusive_Process", "1": "Exclusive_Process"}
@@ -127,11 +129,12 @@ async def test_mig_on_one_gpu_and_mps_change_only_what_they_name(tmp_path: Path)
 async def test_an_unsupported_unit_fails_the_host_section_after_the_known_units(tmp_path: Path) -> None:
     m, _host, _runner = gpu_machine(tmp_path)
     conv = Converger(m)
-    await conv.converge(generation=1, units=[])
+    await conv.converge(generation=1, units=units_of([]))
     sysctl = {"name": "sysctl", "settings": {"values": {"vm.swappiness": "10"}}}
     with pytest.raises(BcError) as info:
         await conv.converge(
-            generation=2, units=[{"name": "acme-nic-firmware", "settings": {"branch": "1.2"}}, sysctl]
+            generation=2,
+            units=units_of([{"name": "acme-nic-firmware", "settings": {"branch": "1.2"}}, sysctl]),
         )
     assert "unit acme-nic-firmware is not supported by this daemon" in info.value.message
     assert "(units: acme-nic-firmware unsupported, sysctl changed)" in info.value.message
@@ -147,7 +150,8 @@ async def test_settings_a_unit_does_not_understand_fail_it_with_their_path(tmp_p
     sysctl = {"name": "sysctl", "settings": {"values": {"vm.swappiness": "10"}}}
     with pytest.raises(BcError) as info:
         await conv.converge(
-            generation=1, units=[sysctl, {"name": "hugepages", "settings": {"size": "3M", "count": 1}}]
+            generation=1,
+            units=units_of([sysctl, {"name": "hugepages", "settings": {"size": "3M", "count": 1}}]),
         )
     assert "units[1].settings.size" in info.value.message
     assert runner.commands("sysctl")  # the good unit still applied
@@ -163,7 +167,9 @@ async def test_a_failing_command_fails_its_unit_with_what_it_said(tmp_path: Path
     with pytest.raises(
         BcError, match=r"unit sysctl failed: sysctl -p .* exited 255: sysctl: permission denied"
     ):
-        await conv.converge(generation=1, units=[{"name": "sysctl", "settings": {"values": {"a.b": "1"}}}])
+        await conv.converge(
+            generation=1, units=units_of([{"name": "sysctl", "settings": {"values": {"a.b": "1"}}}])
+        )
 
 
 async def test_the_installed_os_converges_through_its_command_handler(tmp_path: Path) -> None:

@@ -222,3 +222,127 @@ def test_the_quick_look_knows_every_global_flag_and_whether_it_takes_a_value() -
     flags = [a for a in parser._actions if a.option_strings]
     assert {s for a in flags if a.nargs == 0 for s in a.option_strings} == _BARE_FLAGS
     assert {s for a in flags if a.nargs != 0 for s in a.option_strings} == _VALUE_FLAGS
+
+
+def test_an_error_with_several_problems_prints_every_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 26: a document's problems all show in one run, each with its path."""
+    from better_compute.cli.output import print_error
+    from better_compute.core.errors import BcError
+    from better_compute.provision import profile_from_document
+
+    doc = {"id": "acme.x", "version": 1, "target": "metal", "role": "host", "descripton": "typo",
+           "steps": [{"use": "acme.a", "wiht": {}}, {"use": "acme.b", "on": "moon"}]}  # fmt: skip
+    with pytest.raises(BcError) as e:
+        profile_from_document(doc)
+    print_error(e.value.with_path_prefix("document"), as_json=False)
+    assert capsys.readouterr().err.splitlines() == [
+        "error: INVALID_CONFIG: unknown field; did you mean description? (at document.descripton)",
+        "  also: INVALID_CONFIG: unknown field; did you mean with? (at document.steps[0].wiht)",
+        "  also: INVALID_CONFIG: on must be one of control-plane, site, node, got 'moon'"
+        " (at document.steps[1].on)",
+    ]
+
+
+def _approve_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answer: str, tty: bool) -> list[str]:
+    """``bcx batches approve`` against a command queue in memory; returns the approvals sent."""
+    import contextlib
+    import io
+    import sys
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from better_compute.cli import cmdq_commands
+    from better_compute.core.errors import BcError, ErrorCode
+    from better_compute.crypto import batch_document
+    from better_compute.wire.cmdq import BatchView
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    (tmp_path / "k.pem").write_bytes(pem)
+    scope = {"batch_id": "batch_1", "tenant_id": "root", "kinds": ["node.wipe"], "nodes": ["node_1"],
+             "expires_at_ms": 4_000_000_000_000, "workflow_id": "wf_1"}  # fmt: skip
+    batch = BatchView(
+        id="batch_1", tenant_id="root", kinds=["node.wipe"], nodes=["node_1"], workflow_id="wf_1",
+        state="open", threshold=2, created_at=0.0, expires_at_ms=scope["expires_at_ms"],
+        document=batch_document(**scope),
+    )  # fmt: skip
+    sent: list[str] = []
+
+    class Queue:
+        def __init__(self, _api: object) -> None:
+            pass
+
+        async def get_batch(self, *, id: str) -> BatchView:
+            return batch
+
+        async def approve_batch(self, *, batch_id: str, approver_id: str, signature: bytes) -> BatchView:
+            sent.append(approver_id)
+            return batch
+
+    class Engine:
+        def __init__(self, _api: object) -> None:
+            pass
+
+        async def get_workflow(self, *, id: str) -> object:
+            raise BcError(ErrorCode.UNAVAILABLE, "no bc-engine instance is running")
+
+    @contextlib.asynccontextmanager
+    async def api_client(_settings: object):  # type: ignore[no-untyped-def]
+        yield object()
+
+    monkeypatch.setattr(cmdq_commands, "api_client", api_client)
+    monkeypatch.setattr(cmdq_commands, "CommandQueueClient", Queue)
+    monkeypatch.setattr(cmdq_commands, "EngineClient", Engine)
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    monkeypatch.setattr(sys, "stdin", Tty(answer))
+    monkeypatch.setattr(sys, "stderr", Tty())
+    return sent
+
+
+@pytest.mark.parametrize(
+    ("answer", "tty", "flags", "signed"),
+    [("n\n", True, [], False), ("y\n", True, [], True), ("", True, ["--yes"], True), ("", False, [], True)],
+    ids=["terminal-no", "terminal-yes", "yes-flag", "script"],
+)
+def test_approve_shows_the_scope_and_asks_only_at_a_terminal(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    answer: str,
+    tty: bool,
+    flags: list[str],
+    signed: bool,
+) -> None:
+    import asyncio
+
+    from better_compute.core.errors import BcError
+
+    sent = _approve_setup(monkeypatch, tmp_path, answer, tty)
+    args = build_parser().parse_args(
+        [
+            "batches",
+            "approve",
+            "batch_1",
+            "--approver",
+            "alice",
+            "--key-file",
+            str(tmp_path / "k.pem"),
+            *flags,
+        ]
+    )
+    if signed:
+        assert asyncio.run(args.func(args, Settings())) == 0
+    else:
+        with pytest.raises(BcError, match="not signed: the approver said no"):
+            asyncio.run(args.func(args, Settings()))
+    out = capsys.readouterr().out
+    assert out.startswith("you sign batch batch_1 (open, 0/2):\n  tenant     root\n  kinds      node.wipe\n")
+    assert "    wf_1\n" in out  # the engine could not say more: the id alone
+    assert sent == (["alice"] if signed else [])

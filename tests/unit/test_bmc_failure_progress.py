@@ -13,9 +13,7 @@ from typing import Any
 import pytest
 
 from bc_engine.why import WhyApi
-from bc_site_agent.drivers.base import BmcCredentials, BmcTarget
-from bc_site_agent.drivers.ipmi import IpmiDriver
-from bc_site_agent.drivers.redfish import RedfishDriver
+from bc_site_agent.drivers import BmcCredentials, make_driver
 from better_compute.agent import call_answered, call_failed, runner
 from better_compute.agent.runner import PROGRESS_INTERVAL, Agent, _Run
 from better_compute.cli.rollout import _step_text
@@ -25,6 +23,7 @@ from better_compute.testing import until
 from better_compute.wire.agent import call_failure_text, is_call_failure
 from better_compute.wire.cmdq import CommandView
 from better_compute.wire.engine import CurrentStep, CurrentWorkflow
+from better_compute.wire.metal import NodeBmc
 
 FAILING = re.compile(
     r"^BMC unreachable at 127\.0\.0\.1:\d+: connection refused, (\d+) tr(y|ies) since \d\d:\d\d:\d\d UTC$"
@@ -124,8 +123,8 @@ async def test_the_redfish_driver_reports_a_refused_bmc_on_each_try() -> None:
     port = free_port()  # nothing listens
     seen = _Recorder()
     runner._CURRENT.set((seen, "cmd_1", asyncio.get_running_loop()))  # type: ignore[arg-type]
-    driver = RedfishDriver(
-        BmcTarget(driver="redfish", address=f"http://127.0.0.1:{port}"),
+    driver = make_driver(
+        NodeBmc(driver="redfish", address=f"http://127.0.0.1:{port}"),
         BmcCredentials(username="admin", password="pw-never-said"),
     )
     with pytest.raises(BcError) as err:
@@ -143,8 +142,8 @@ async def test_the_ipmi_driver_reports_a_bmc_that_never_answers() -> None:
     port = free_port()
     seen = _Recorder()
     runner._CURRENT.set((seen, "cmd_1", asyncio.get_running_loop()))  # type: ignore[arg-type]
-    driver = IpmiDriver(
-        BmcTarget(driver="ipmi", address=f"127.0.0.1:{port}"), BmcCredentials(username="u", password="p")
+    driver = make_driver(
+        NodeBmc(driver="ipmi", address=f"127.0.0.1:{port}"), BmcCredentials(username="u", password="p")
     )
     with pytest.raises(BcError) as err:
         await driver.inventory(deadline=time.time() + 1.0)

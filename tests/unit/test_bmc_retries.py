@@ -17,6 +17,7 @@ from bc_site_agent.drivers.base import Transient, retry_in_thread
 from bc_site_agent.drivers.redfish import _never_sent
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
+from better_compute.wire.metal import NodeBmc
 
 
 class Flaky:
@@ -117,11 +118,11 @@ async def test_ipmi_repeats_a_power_cycle_only_when_its_session_never_opened(
 ) -> None:
     from pyghmi.exceptions import IpmiException
 
-    from bc_site_agent.drivers.base import BmcCredentials, BmcTarget
-    from bc_site_agent.drivers.ipmi import IpmiDriver
+    from bc_site_agent.drivers.base import BmcCredentials
+    from bc_site_agent.drivers.ipmi import IpmiSession
 
-    driver = IpmiDriver(
-        BmcTarget(driver="ipmi", address="127.0.0.1:6230"), BmcCredentials(username="u", password="p")
+    driver = IpmiSession(
+        NodeBmc(driver="ipmi", address="127.0.0.1:6230"), BmcCredentials(username="u", password="p")
     )
     sent: list[str] = []
     logins = iter([IpmiException("timeout"), None, None])
@@ -139,7 +140,7 @@ async def test_ipmi_repeats_a_power_cycle_only_when_its_session_never_opened(
 
     monkeypatch.setattr(driver, "_command", command)
     with pytest.raises(BcError) as caught:
-        await driver._call(
+        await driver.call(
             "Chassis Control (boot)", lambda c: c.set_power("boot", wait=False),
             deadline=time.time() + 10, idempotent=False,
         )  # fmt: skip

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import bcrypt
+import nkeys
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -23,10 +24,18 @@ from better_compute.cli.common import operator_inbox
 from better_compute.cli.hints import HintContext, hint_for
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import make_csr, new_agent_key
-from better_compute.service.bus_auth import agent_certificate, agent_permissions
+from better_compute.service.bus_auth import agent_certificate, agent_permissions, joining_certificate
 from better_compute.testing.bcx import run_bcx
 from better_compute.wire import Subjects
-from better_compute.wire.subjects import SERVICE_NAMES, operator_inbox_prefix, service_inbox_prefix
+from better_compute.wire.subjects import (
+    SERVICE_NAMES,
+    agent_inbox_prefix,
+    join_connection_name,
+    join_inbox_prefix,
+    join_nonce,
+    operator_inbox_prefix,
+    service_inbox_prefix,
+)
 
 
 def _creds(tmp_path: Path, claims: dict[str, object]) -> str:
@@ -151,3 +160,66 @@ def test_only_an_agent_certificate_of_the_ca_in_date_names_an_agent() -> None:
     perms = agent_permissions(Subjects(), "eu1", "agent_a1", js_api="$JS.hub.API")
     assert "$JS.hub.API.CONSUMER.MSG.NEXT.BC_SITE_EU1.agent_a1" in perms["pub"]["allow"]
     assert perms["sub"]["allow"] == ["_INBOX.agent_a1.>"]
+
+
+def test_bcx_bus_callout_makes_what_a_leaf_and_its_responder_need(tmp_path: Path) -> None:
+    """Issue 23 item 2: the auth callout's artefacts, offline. The issuer's seed, the callout
+    password and the keys are their owner's only and never printed; the leaf gets the issuer's
+    public key, a bcrypt hash and a client CA of bc-pki's CA and the bus CA."""
+    tls = tmp_path / "tls"
+    assert run_bcx(None, "bus", "ca", "--dir", str(tls), isolated=True).returncode == 0
+    pki = CertificateAuthority.create(name="bc-pki CA")
+    (tmp_path / "pki-ca.pem").write_text(pki.certificate_pem)
+    args = ("bus", "callout", "--dir", str(tls), "--site", "eu1", "--pki-ca", str(tmp_path / "pki-ca.pem"))
+    run = run_bcx(None, *args, isolated=True)
+    assert run.returncode == 0, run.stderr
+    env = dict(line.split("=", 1) for line in run.stdout.splitlines() if line and not line.startswith("#"))
+    assert set(env) == {"BC_NATS_CALLOUT_ISSUER", "BC_NATS_CALLOUT_PASSWORD", "BC_NATS_CLIENT_CA"}
+    seed = (tls / "callout-eu1-issuer.nk").read_bytes().strip()
+    assert nkeys.from_seed(seed).public_key.decode() == env["BC_NATS_CALLOUT_ISSUER"]
+    assert env["BC_NATS_CALLOUT_ISSUER"].startswith("A")  # an account key
+    password = (tls / "callout-eu1-password").read_text().strip()
+    assert bcrypt.checkpw(password.encode(), env["BC_NATS_CALLOUT_PASSWORD"].strip("'\"").encode())
+    for secret in (seed.decode(), password):
+        assert secret not in run.stdout + run.stderr
+    for name in (
+        "callout-eu1-issuer.nk",
+        "callout-eu1-password",
+        "bc-callout-eu1-key.pem",
+        "bc-join-eu1-key.pem",
+    ):
+        assert (tls / name).stat().st_mode & 0o077 == 0, name
+    bus_ca = (tls / "ca.pem").read_bytes()
+    assert Path(env["BC_NATS_CLIENT_CA"]).read_bytes() == bus_ca + pki.certificate_pem.encode()
+    # the site's joining identity: a client certificate of the bus CA for eu1 alone
+    assert joining_certificate((tls / "bc-join-eu1.pem").read_text(), bus_ca) == "eu1"
+    with pytest.raises(BcError) as err:  # not an agent of bc-pki's CA
+        agent_certificate((tls / "bc-join-eu1.pem").read_text(), pki.certificate_pem.encode())
+    assert err.value.code is ErrorCode.UNAUTHENTICATED
+    with pytest.raises(BcError):  # and the responder's own certificate is no joining one
+        joining_certificate((tls / "bc-callout-eu1.pem").read_text(), bus_ca)
+
+    again = run_bcx(None, *args, "--json", isolated=True)
+    assert again.returncode != 0
+    assert "CONFLICT" in again.stdout  # never over the responder's files
+    bad = run_bcx(None, *args[:5], "eu.1", *args[6:], "--json", isolated=True)
+    assert bad.returncode != 0
+    assert '"site"' in bad.stdout
+
+
+def test_a_joining_connection_names_its_inbox_and_an_agent_reads_only_its_own() -> None:
+    """The leaf's callout lets a joining machine read only the inbox its connection names; a
+    name without a long enough nonce names none (it can ask, but hears nothing)."""
+    nonce = "a1b2c3d4e5f6a7b8c9d0e1f2"
+    assert join_nonce(join_connection_name(nonce)) == nonce
+    assert join_inbox_prefix(nonce) == f"_INBOX.join.{nonce}"
+    for name in ("bc-join:short", "bc-join:" + "x" * 15, "bc-join:a.b.c.d.e.f.g.h.i", "bcd-join", ""):
+        assert join_nonce(name) is None, name
+    assert agent_permissions(Subjects(), "eu1", "node_1")["sub"]["allow"] == ["_INBOX.node_1.>"]
+    assert agent_inbox_prefix("node_1") == "_INBOX.node_1"
+    with pytest.raises(ValueError, match="not a subject token"):
+        agent_inbox_prefix("node.>")
+    site = agent_permissions(Subjects(), "eu1", "agent_1", role="site")["pub"]["allow"]
+    assert {"bc.api.pki.tokens.burn", "bc.api.pki.tokens.confirm"} <= set(site)
+    node = agent_permissions(Subjects(), "eu1", "node_1")["pub"]["allow"]
+    assert not {"bc.api.pki.tokens.burn", "bc.api.pki.tokens.confirm"} & set(node)

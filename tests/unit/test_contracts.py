@@ -65,7 +65,7 @@ def test_a_node_reply_has_the_fields_of_the_old_document() -> None:
         "id", "tenantId", "siteId", "labels", "macs", "bmc", "state", "stateReason", "workflowId",
         "powerState", "image", "lastError", "generation", "observedGeneration", "inventorySummary",
         "hardware", "enrolledByRule", "quarantine", "maintenance", "discoveryConflict", "pendingEnrollment",
-        "createdAt", "updatedAt",
+        "name", "bmcInventory", "createdAt", "updatedAt",
     ]  # fmt: skip
     # nodes.get adds the inventory, the host section and the workflow moving the node
     full = msgspec.structs.replace(node, inventory=None, host_section=None, current_workflow=None)

@@ -154,12 +154,13 @@ def test_metal_registers_the_pages_command_kinds_with_their_destructive_flags() 
     # the shipped steps and lifecycle profiles (issue 11 item 4), the same objects every call
     assert [s.id for s in metal().steps] == [
         "power.setPower", "management.setBootDevice", "media.insert", "media.eject", "power.getPower",
-        "management.validate", "metal.ensureRamdisk", "wait.agentJoined", "inspect.collect", "disk.wipe",
-        "deploy.deploy",
+        "management.validate", "enroll.validateBmc", "enroll.readBmc", "metal.ensureRamdisk",
+        "wait.agentJoined", "inspect.collect", "disk.wipe", "deploy.deploy",
     ]  # fmt: skip
     assert [p.id for p in metal().profiles] == [
         "metal.inspect", "metal.commission", "metal.deploy", "metal.release", "metal.retire", "metal.adopt",
-        "metal.validate",
+        "metal.power-on", "metal.power-off", "metal.power-cycle", "metal.boot-pxe", "metal.boot-disk",
+        "metal.enroll", "metal.validate",
     ]  # fmt: skip
     assert metal().profiles[2] is metal().profiles[2]
 

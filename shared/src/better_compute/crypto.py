@@ -47,6 +47,7 @@ __all__ = [
     "bcrypt_password",
     "fetch_document",
     "issue_bus_certificate",
+    "issue_bus_client_certificate",
     "make_csr",
     "new_agent_key",
     "new_bus_ca",
@@ -380,6 +381,54 @@ def issue_bus_certificate(
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski.value), False)
         .sign(ca_key, hashes.SHA256())
     )
+    return cert.public_bytes(Encoding.PEM), _pem_key(key)
+
+
+def issue_bus_client_certificate(
+    ca_cert_pem: bytes, ca_key_pem: bytes, *, name: str, uris: list[str], days: int = BUS_CERT_DAYS
+) -> tuple[bytes, bytes]:
+    """A client certificate and key (PEM) from the bus CA, for a client of a site's leaf node
+    that is not an agent: the auth callout's responder, or the site's joining identity
+    (``urn:bc:join:<site>``). It can serve nothing (``clientAuth`` only)."""
+    try:
+        ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+        ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    except ValueError as exc:
+        raise BcError(ErrorCode.INVALID_INPUT, "not a PEM CA certificate and key", {"path": "ca"}) from exc
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise BcError(ErrorCode.INVALID_INPUT, "the CA key is not an ECDSA key", {"path": "ca"})
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    usage = x509.KeyUsage(
+        digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+        key_agreement=False, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False,
+    )  # fmt: skip
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Better Compute"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, name),
+                ]
+            )
+        )
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(usage, critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski.value), False)
+    )
+    if uris:
+        alt = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(u) for u in uris])
+        builder = builder.add_extension(alt, critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
     return cert.public_bytes(Encoding.PEM), _pem_key(key)
 
 

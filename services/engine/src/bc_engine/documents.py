@@ -109,6 +109,8 @@ def node_doc(
         tenant_id=row["tenant_id"],
         site_id=row["site_id"],
         labels=row["labels"],
+        name=row.get("name"),
+        bmc_inventory=row.get("bmc_inventory"),
         macs=list(row["macs"]),
         bmc=row["bmc"],
         state=row["state"],

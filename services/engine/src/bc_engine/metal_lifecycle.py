@@ -32,6 +32,7 @@ from better_compute.metal.lifecycle import TRANSITIONS
 from better_compute.provision import BUILTIN_CONFIG_UNITS, resolve_host_section, step_not_ready
 from better_compute.wire.agent import is_call_failure
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
+from better_compute.wire.commands import BmcInventoryResult, PowerResult, decode_result
 from better_compute.wire.engine import CurrentStep, CurrentWorkflow
 
 from . import metal_store, queue, store
@@ -379,36 +380,39 @@ async def record_command_result(engine: Engine, node_id: str, kind: str, payload
         observed = result.get("observedGeneration")
         if isinstance(observed, int) and not isinstance(observed, bool):
             row = await engine.db.fetchrow(metal_store.OBSERVED_GENERATION, node_id, observed)
-    elif kind == "power.setPower" and isinstance(payload, Mapping):
-        power = _POWER.get(str(payload.get("action")))
-        if isinstance(result, Mapping) and isinstance(result.get("powerState"), str):
-            power = result["powerState"].lower()
-        if power is not None:
+    elif kind in ("power.setPower", "management.inventory"):
+        # decoded once into the kind's Structs; a result that does not fit says nothing
+        done = decode_result(kind, result)
+        said = done.power_state if isinstance(done, PowerResult) else None
+        if isinstance(done, BmcInventoryResult):
+            said = done.system.power_state
+        power = said.lower() if said else None
+        if power is None and kind == "power.setPower" and isinstance(payload, Mapping):
+            power = _POWER.get(str(payload.get("action")))  # what the action asked for
+        if power in ("on", "off"):
             row = await engine.db.fetchrow(metal_store.POWER_STATE, node_id, power)
-    elif kind == "management.inventory" and isinstance(result, Mapping):
-        system = result.get("system")
-        power = system.get("powerState") if isinstance(system, Mapping) else None
-        if isinstance(power, str) and power.lower() in ("on", "off"):
-            row = await engine.db.fetchrow(metal_store.POWER_STATE, node_id, power.lower())
     if row is not None:
         await node_event(engine.publish, row)
 
 
 async def current_workflow(db: Any, row: Any, cmdq: Any = None) -> CurrentWorkflow | None:
-    """``nodes.get``: the workflow moving the node now, its step and what that waits for: what
-    the step says (a service, an earlier attempt's commands), else the approvals of its batch."""
-    if row["workflow_id"] is None:
+    """``nodes.get``: the workflow moving the node now (its lifecycle verb's, else any running
+    on it: a power or boot-device action, a ``workflows.start``), its step and what that waits
+    for: what the step says (a service, an earlier attempt's commands), else the approvals of
+    its batch."""
+    workflow_id = row["workflow_id"] or await db.fetchval(store.NODE_BUSY, row["id"], None)
+    if workflow_id is None:
         return None
-    wf = await db.fetchrow(metal_store.RUNNING_STEP, row["workflow_id"])
+    wf = await db.fetchrow(metal_store.RUNNING_STEP, workflow_id)
     if wf is None:
         return None
     waiting = _json(wf["waiting_for"])
     if waiting is None and wf["batch_id"] is not None and cmdq is not None:
         waiting = await _batch_waits(cmdq, wf["batch_id"])
     if waiting is None and wf["idx"] is not None and cmdq is not None:
-        waiting = await _failing_bmc(cmdq, row["workflow_id"])
+        waiting = await _failing_bmc(cmdq, workflow_id)
     return CurrentWorkflow(
-        id=row["workflow_id"],
+        id=workflow_id,
         state=wf["workflow_state"],
         profile_id=wf["profile_id"],
         batch_id=wf["batch_id"],

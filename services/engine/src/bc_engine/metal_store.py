@@ -19,9 +19,9 @@ BEGIN_VERB = (
     " quarantine = NULL,"
     " updated_at = now() WHERE id = $1 RETURNING *"
 )
-# enroll of a discovered node: its BMC, MACs and labels given.
+# enroll of a discovered node: its BMC, MACs and labels given; $5 a name (NULL keeps its own).
 ENROLL_DISCOVERED = (
-    "UPDATE nodes SET state = 'enrolled', bmc = coalesce($2::jsonb, bmc),"
+    "UPDATE nodes SET state = 'enrolled', bmc = coalesce($2::jsonb, bmc), name = coalesce($5, name),"
     " macs = CASE WHEN cardinality($3::text[]) > 0 THEN $3::text[] ELSE macs END,"
     " labels = labels || $4::jsonb, updated_at = now() WHERE id = $1 AND state = 'discovered' RETURNING *"
 )

@@ -17,7 +17,7 @@ from better_compute.wire.paging import decode_cursor, take_page
 from . import store
 from .bmcs import check_bmc_free
 from .documents import check_labels, node_doc
-from .metal_api import bmc_json, check_macs, refuse_inline_secret
+from .metal_api import bmc_json, check_macs, check_name, names_unique, refuse_inline_secret
 from .metal_lifecycle import current_workflow
 from .node_events import Publish, node_event, node_removed
 
@@ -40,12 +40,13 @@ class NodesApi:
         refuse_inline_secret(req)
         check_labels(body.labels)
         node_id = parse_id(body.id, "node", path="id") if body.id else new_id("node")
-        async with self.db.transaction() as conn:
+        async with names_unique(), self.db.transaction() as conn:
             macs = await check_macs(conn, body.macs, node_id)
             await check_bmc_free(conn, _doc(bmc_json(body.bmc)), node_id)
+            await check_name(conn, body.site_id, body.name, node_id)
             row = await conn.fetchrow(
                 store.CREATE_NODE, node_id, body.tenant_id, body.site_id, json.dumps(body.labels),
-                macs, bmc_json(body.bmc),
+                macs, bmc_json(body.bmc), body.name,
             )  # fmt: skip
         if row is None:
             raise BcError(ErrorCode.CONFLICT, f"node {node_id} exists", {"path": "id"})
@@ -68,7 +69,7 @@ class NodesApi:
         rows = await self.db.fetch(
             store.LIST_NODES,
             body.site_id, body.tenant_id, after[0] if after else None, body.limit + 1, body.state,
-            json.dumps(body.labels) if body.labels else None,
+            json.dumps(body.labels) if body.labels else None, body.name,
         )  # fmt: skip
         docs, next_ = take_page(
             [node_doc(r) for r in rows], limit=body.limit, key=lambda d: (d.id,), budget=req.page_budget
@@ -92,22 +93,29 @@ class NodesApi:
             )
 
     async def nodes_update(self, req: ApiRequest) -> m.NodeView:
-        """Replace the node's site and/or all its labels (the bounds of ``nodes.create``); the
-        site only while no workflow runs on the node (its commands go to that site)."""
+        """Replace the node's site, all its labels, its MACs, BMC or name (the bounds of
+        ``nodes.create``); the site only while no workflow runs on the node (its commands go to
+        that site). A name stays unique in the node's site, the new one if it moves."""
         body = req.decode(m.UpdateNode)
         refuse_inline_secret(req)
         if body.labels is not None:
             check_labels(body.labels)
-        async with self.db.transaction() as conn:
+        if body.clear_name and body.name is not None:
+            raise BcError(ErrorCode.INVALID_INPUT, "give name or clearName, not both", {"path": "clearName"})
+        async with names_unique(), self.db.transaction() as conn:
             row = await self._locked_node(conn, body.id)
             if body.site_id is not None and body.site_id != row["site_id"]:
                 await self._refuse_busy(conn, body.id, "change its site")
             labels = json.dumps(body.labels) if body.labels is not None else None
             macs = await check_macs(conn, body.macs, body.id) if body.macs is not None else None
             await check_bmc_free(conn, _doc(bmc_json(body.bmc)), body.id)
+            site = body.site_id or row["site_id"]
+            name = None if body.clear_name else (body.name or row["name"])
+            await check_name(conn, site, name, body.id)
             row = await conn.fetchrow(
-                store.UPDATE_NODE, body.id, body.site_id, labels, macs, bmc_json(body.bmc)
-            )
+                store.UPDATE_NODE, body.id, body.site_id, labels, macs, bmc_json(body.bmc), body.name,
+                body.clear_name,
+            )  # fmt: skip
         await node_event(self.publish, row, verb="update")
         return node_doc(row)
 
@@ -123,7 +131,9 @@ class NodesApi:
             for key in body.remove:
                 labels.pop(key, None)
             check_labels(labels)
-            row = await conn.fetchrow(store.UPDATE_NODE, body.id, None, json.dumps(labels), None, None)
+            row = await conn.fetchrow(
+                store.UPDATE_NODE, body.id, None, json.dumps(labels), None, None, None, False
+            )
         await node_event(self.publish, row, verb="label")
         return node_doc(row)
 

@@ -3,15 +3,18 @@ rendering, the steps and driver operations a profile can use, and the plugins th
 
 from __future__ import annotations
 
+from typing import Any
+
 from better_compute.app import App
-from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.errors import BcError, ErrorCode, join_path
+from better_compute.provision import Profile
 from better_compute.service import ApiRequest, Database
 from better_compute.wire import engine as m
 from better_compute.wire.paging import decode_cursor, take_page
 
 from .documents import check_document
 from .profiles import FoundProfile, ProfileStore, parse_document
-from .resolve import resolve_profile
+from .resolve import Problem, resolve_profile
 
 __all__ = ["ProfilesApi"]
 
@@ -93,11 +96,11 @@ class ProfilesApi:
     async def profiles_create(self, req: ApiRequest) -> m.ProfileView:
         body = req.decode(m.CreateProfile)
         check_document(body.document)
+        # A profile that does not validate is refused, every problem listed (as validate does).
+        res = resolve_profile(self.app, _parsed(body.document))
+        if res.problems:
+            raise _resolution_error(res.problems, "document")
         try:
-            # A profile that does not validate is refused, every problem listed (as validate does).
-            res = resolve_profile(self.app, parse_document(body.document))
-            if res.problems:
-                raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
             async with self.db.transaction() as conn:
                 found = await self.profiles.create(
                     conn,
@@ -144,11 +147,7 @@ class ProfilesApi:
     async def _profile_for(self, body: m.ProfileRef) -> FoundProfile:
         if body.document is not None:
             check_document(body.document)
-            try:
-                profile = parse_document(body.document)
-            except BcError as err:
-                raise err.with_path_prefix("document") from err
-            return FoundProfile(profile, body.tenant_id, False, None)
+            return FoundProfile(_parsed(body.document), body.tenant_id, False, None)
         if body.id is None:
             raise BcError(ErrorCode.INVALID_INPUT, "give a profile id or a document", {"path": "id"})
         async with self.db.transaction() as conn:
@@ -164,13 +163,18 @@ class ProfilesApi:
         except BcError as err:
             if err.code is not ErrorCode.INVALID_CONFIG:
                 raise
-            problem = m.Problem(path=err.path or "", code=err.code.value, message=err.message)
-            return m.ProfileValidation(valid=False, problems=[problem])
+            found_all = err.details.get("problems") or [
+                {"path": err.path or "", "code": err.code.value, "message": err.message}
+            ]
+            return m.ProfileValidation(valid=False, problems=[m.Problem(**p) for p in found_all])
         res = resolve_profile(self.app, found.profile)
+        at = "document" if body.document is not None else ""
         return m.ProfileValidation(
             valid=not res.problems,
             profile=m.ProfileKey(id=found.profile.id, version=found.profile.version),
-            problems=[p.view() for p in res.problems],
+            problems=[
+                m.Problem(path=join_path(at, p.path), code=p.code, message=p.message) for p in res.problems
+            ],
             command_kinds=res.command_kinds,
         )
 
@@ -180,9 +184,25 @@ class ProfilesApi:
         found = await self._profile_for(body)
         res = resolve_profile(self.app, found.profile)
         if res.problems:
-            raise res.problems[0].to_error(problems=[p.to_document() for p in res.problems])
+            raise _resolution_error(res.problems, "document" if body.document is not None else "")
         return m.ProfileRendering(
             profile=m.ProfileKey(id=found.profile.id, version=found.profile.version),
             steps=[s.view() for s in res.steps],
             command_kinds=res.command_kinds,
         )
+
+
+def _parsed(document: dict[str, Any]) -> Profile:
+    """A profile document sent in a request, its problems named from the request
+    (``document.steps[0].wiht``), every one of them in ``details.problems``."""
+    try:
+        return parse_document(document)
+    except BcError as err:
+        raise err.with_path_prefix("document") from err
+
+
+def _resolution_error(problems: list[Problem], at: str) -> BcError:
+    """The first problem of a profile's resolution, every one in ``details.problems``, their
+    paths under ``at`` (``document`` when the request carried the profile)."""
+    err = problems[0].to_error(problems=[p.to_document() for p in problems])
+    return err.with_path_prefix(at) if at else err

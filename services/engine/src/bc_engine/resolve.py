@@ -21,7 +21,8 @@ from typing import Any
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode, join_path
 from better_compute.core.manifest import Manifest
-from better_compute.provision import Profile, ProfileStep, RetryPolicy, Step
+from better_compute.provision import BUILTIN_CONFIG_UNITS, Profile, ProfileStep, RetryPolicy, Step
+from better_compute.provision.userdata import BUILTIN_TEMPLATES
 from better_compute.wire import engine as m
 
 __all__ = ["MAX_STEPS", "Problem", "ResolvedStep", "resolve_profile"]
@@ -220,9 +221,53 @@ def resolve_profile(app: App, profile: Profile, *, has_node: bool | None = None)
             )
             continue
         out.steps.append(got)
+    out.problems.extend(_document_problems(app, profile))
     if profile.writes_disk is None and not out.problems:
         out.problems.extend(_undeclared_boot(app, out.steps))
     return out
+
+
+def _close(word: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(word, names, n=2, cutoff=0.75)
+    return "; did you mean " + " or ".join(close) + "?" if close else ""
+
+
+def _document_problems(app: App, profile: Profile) -> list[Problem]:
+    """What the profile names outside its steps and the app does not have: its user-data
+    template, its config units and their settings (every problem, each at its path), found
+    here, not when a deploy renders them on the machine's way."""
+    provision = app.provision
+    found: list[Problem] = []
+    ud = profile.user_data
+    if ud is not None:
+        user_data = provision.user_data if provision is not None else None
+        templates = dict(user_data.templates) if user_data is not None else {}
+        if ud.template is not None and ud.template not in templates:
+            found.append(
+                Problem(
+                    "userData.template", ErrorCode.INVALID_CONFIG.value,
+                    f"no user-data template named {ud.template}{_close(ud.template, list(templates))}",
+                )
+            )  # fmt: skip
+        elif ud.template is None and ud.kind not in BUILTIN_TEMPLATES:
+            found.append(
+                Problem(
+                    "userData.template", ErrorCode.INVALID_CONFIG.value,
+                    f"kind {ud.kind} ships no template: name one with userData.template",
+                )
+            )  # fmt: skip
+    units = provision.config_units if provision is not None else BUILTIN_CONFIG_UNITS
+    host = profile.to_document().get("hostConfig") or {}  # plain JSON, as written
+    for i, entry in enumerate(host.get("units") or []):
+        path = f"hostConfig.units[{i}]"
+        unit = units.get(entry["name"])
+        if unit is None:
+            message = f"unknown config unit {entry['name']!r}{_close(entry['name'], list(units))}"
+            found.append(Problem(join_path(path, "name"), ErrorCode.INVALID_INPUT.value, message))
+            continue
+        for err in unit.settings.problems(entry.get("settings") or {}, path=join_path(path, "settings")):
+            found.append(Problem(err.path or path, err.code.value, err.message))
+    return found
 
 
 def _undeclared_boot(app: App, steps: list[ResolvedStep]) -> list[Problem]:

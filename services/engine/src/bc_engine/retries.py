@@ -12,9 +12,8 @@ idempotency key ``wf:<workflow>:<step>#<attempt>``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from better_compute.core.errors import BcError
+from better_compute.provision import RetryPolicy
 
 from .store import StepRow
 
@@ -23,12 +22,8 @@ __all__ = ["retry_delay_s"]
 
 def retry_delay_s(step: StepRow, error: BcError) -> float | None:
     """Seconds until the next attempt when the step's policy retries ``error``, else None."""
-    policy: Any = step.retry
-    if not isinstance(policy, dict):
-        return None
+    policy = RetryPolicy.from_stored(step.retry)
     ran = step.attempt - step.retry_base
-    if error.code.value not in policy.get("on", ()) or ran >= int(policy.get("attempts", 1)):
+    if policy is None or not policy.retries(error.code.value, ran):
         return None
-    backoff_ms = int(policy.get("backoffMs", 0))
-    cap_ms = int(policy.get("maxBackoffMs", backoff_ms))
-    return float(min(backoff_ms * 2 ** max(0, ran - 1), cap_ms)) / 1000
+    return policy.delay_ms(ran) / 1000

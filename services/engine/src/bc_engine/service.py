@@ -85,8 +85,8 @@ class EngineService(Service):
     migrations_package: ClassVar[str | None] = "bc_engine.migrations"
     description: ClassVar[str] = "Provision engine: profiles, workflows, the reconciler, step execution"
     audit_routes: ClassVar[Mapping[str, tuple[str, ...]]] = {
-        "nodes.create": ("siteId", "tenantId", "labels"),
-        "nodes.update": ("siteId", "labels"),
+        "nodes.create": ("siteId", "tenantId", "labels", "name"),
+        "nodes.update": ("siteId", "labels", "name", "clearName"),
         "nodes.label": ("set", "remove"),
         "nodes.delete": (),
         "nodes.maintenance": ("on", "reason"),
@@ -100,8 +100,11 @@ class EngineService(Service):
         "images.delete": ("tenantId", "ref"),
         **{
             f"metal.{verb}": ("nodeId", "tenantId", "image", "profile")
-            for verb in ("adopt", "commission", "deploy", "enroll", "inspect", "release", "retire")
+            for verb in ("adopt", "commission", "deploy", "inspect", "release", "retire")
         },
+        "metal.enroll": ("siteId", "tenantId", "name"),
+        "metal.power": ("nodeId", "action", "tenantId"),
+        "metal.bootDevice": ("nodeId", "device", "tenantId"),
         "metal.bulk": ("verb", "nodeIds", "selector", "tenantId", "image", "profile"),
     }
 

@@ -319,10 +319,15 @@ LEAVE = "DELETE FROM members WHERE instance = $1"
 
 # A new node's generation 1 is the empty host section: nothing for bcd to apply, so it is
 # observed from the start (a wait for observed >= generation must not wait for nothing).
+# $7 the node's name (NULL: none); a name taken in the site is a unique violation
+# (NODE_NAME_INDEX), answered CONFLICT.
 CREATE_NODE = (
-    "INSERT INTO nodes (id, tenant_id, site_id, labels, macs, bmc, observed_generation)"
-    " VALUES ($1, $2, $3, $4, $5, $6, 1) ON CONFLICT (id) DO NOTHING RETURNING *"
+    "INSERT INTO nodes (id, tenant_id, site_id, labels, macs, bmc, observed_generation, name)"
+    " VALUES ($1, $2, $3, $4, $5, $6, 1, $7) ON CONFLICT (id) DO NOTHING RETURNING *"
 )
+NODE_NAME_INDEX = "nodes_site_name"
+# The node of a site with a name ($1 site, $2 name), other than $3: the one that holds it.
+NAME_TAKEN = "SELECT id FROM nodes WHERE site_id = $1 AND name = $2 AND id IS DISTINCT FROM $3"
 # A MAC belongs to one node: the node other than $2 that has one of $1.
 MAC_TAKEN = "SELECT id, macs FROM nodes WHERE macs && $1::text[] AND id IS DISTINCT FROM $2 LIMIT 1"
 # By id, optionally of one site or tenant. $3 the last id of the page before.
@@ -330,13 +335,15 @@ LIST_NODES = (
     "SELECT * FROM nodes WHERE ($1::text IS NULL OR site_id = $1)"
     " AND ($2::text IS NULL OR tenant_id = $2) AND ($3::text IS NULL OR id > $3)"
     " AND ($5::text IS NULL OR state = $5) AND ($6::jsonb IS NULL OR labels @> $6::jsonb)"
-    " ORDER BY id LIMIT $4"
+    " AND ($7::text IS NULL OR name = $7) ORDER BY id LIMIT $4"
 )
 LOCK_NODE = "SELECT id, state, quarantine, maintenance FROM nodes WHERE id = $1 FOR UPDATE"
-# nodes.update / nodes.label: $2 site, $3 labels, $4 MACs, $5 BMC (NULL keeps each).
+# nodes.update / nodes.label: $2 site, $3 labels, $4 MACs, $5 BMC, $6 name (NULL keeps each);
+# $7 true takes the name away.
 UPDATE_NODE = (
     "UPDATE nodes SET site_id = coalesce($2, site_id), labels = coalesce($3::jsonb, labels),"
     " macs = coalesce($4::text[], macs), bmc = coalesce($5::jsonb, bmc),"
+    " name = CASE WHEN $7::boolean THEN NULL ELSE coalesce($6::text, name) END,"
     " updated_at = now() WHERE id = $1 RETURNING *"
 )
 NODE_FOR_UPDATE = "SELECT * FROM nodes WHERE id = $1 FOR UPDATE"

@@ -112,6 +112,8 @@ class WhyApi:
 
     async def explain(self, node: Any, wf: Any) -> m.WhyAnswer:
         answer = await self._explain(node, wf)
+        if node is not None and node.get("name"):
+            answer = msgspec.structs.replace(answer, node_name=node["name"])
         quarantine = _json(node["quarantine"]) if node is not None else None
         if not isinstance(quarantine, dict):
             return answer

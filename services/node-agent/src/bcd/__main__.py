@@ -16,6 +16,7 @@ from pathlib import Path
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import configure_logging
 
+from .bus import fetch_bus_files
 from .daemon import MODES, detect_mode, serve
 from .hardware import claims, inventory
 from .join import DEFAULT_STATE_DIR, BcdState, install_service, join, read_cmdline
@@ -80,6 +81,8 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
         raise BcError(
             ErrorCode.INVALID_INPUT, "no join token (--token-file or bcd.token=)", {"path": "token-file"}
         )
+    # the bus CA (checked against the kernel line's digest) and the joining certificate
+    fetch_bus_files(cmdline, state.folder)
     enrollment = asyncio.run(
         join(
             state,

@@ -16,6 +16,7 @@ from typing import Any, Final
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
 from better_compute.provision.config_units import BUILTIN_CONFIG_UNITS
+from better_compute.wire.commands import ConvergeUnit
 
 from .gpu_units import GPU_UNITS
 from .host_units import HOST_UNITS
@@ -54,7 +55,7 @@ class Converger:
         except (OSError, ValueError, TypeError):
             return 0
 
-    async def converge(self, *, generation: int, units: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    async def converge(self, *, generation: int, units: Sequence[ConvergeUnit]) -> dict[str, Any]:
         """Apply ``units`` in order and report each.
 
         Raises:
@@ -83,8 +84,8 @@ class Converger:
             )
         return doc
 
-    async def _apply(self, index: int, entry: Mapping[str, Any], cache: dict[str, Any]) -> dict[str, Any]:
-        name = str(entry.get("name", ""))
+    async def _apply(self, index: int, entry: ConvergeUnit, cache: dict[str, Any]) -> dict[str, Any]:
+        name = entry.name
         apply = _UNITS.get(name)
         if apply is None:
             why = f"unit {name} is not supported by this daemon"
@@ -92,7 +93,7 @@ class Converger:
         try:
             # bcd applies what its own units understand: their settings, defaults filled
             settings = BUILTIN_CONFIG_UNITS[name].settings.validate(
-                entry.get("settings") or {}, path=f"units[{index}].settings"
+                entry.settings or {}, path=f"units[{index}].settings"
             )
         except BcError as err:
             why = f"unit {name} failed: {err.message} (at {err.path})"

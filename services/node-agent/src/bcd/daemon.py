@@ -20,16 +20,16 @@ from better_compute.backoff import Backoff
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
-from better_compute.metal.commands import NODE_CONVERGE, NODE_IMAGE_WRITE, NODE_WIPE
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
+from better_compute.wire.commands import NodeConverge, NodeImageWrite, NodeWipe, decode_payload
 
 from .configdrive import ConfigDrive
 from .converger import Converger
 from .disks import wipe
 from .hardware import inventory
 from .image import image_write
-from .join import BcdState, nats_url, read_cmdline
+from .join import BcdState, agent_nats_options, nats_url, read_cmdline
 from .simulation import tagged
 from .system import Machine
 
@@ -75,18 +75,18 @@ def node_handlers(
         return await asyncio.to_thread(inventory, machine)
 
     async def node_wipe(cmd: Command) -> Any:
-        payload = NODE_WIPE.payload.validate(cmd.payload, path="payload")
-        return await asyncio.to_thread(wipe, machine, disks=payload.get("disks"), mode=payload["mode"])
+        payload = decode_payload(cmd.payload, NodeWipe, path="payload")
+        return await asyncio.to_thread(wipe, machine, disks=payload.disks, mode=payload.mode)
 
     async def node_image_write(cmd: Command) -> Any:
-        payload = NODE_IMAGE_WRITE.payload.validate(cmd.payload, path="payload")
+        payload = decode_payload(cmd.payload, NodeImageWrite, path="payload")
         drive = None
-        if payload.get("userDataRef"):
+        if payload.user_data_ref:
             if fetch_secret is None or node_id is None:
                 raise CommandRejected("unsupported: this daemon cannot fetch user data")
             # Fetched before anything is written: a refused fetch leaves the disk as it was.
             # The gate opens it while this command is live (docs/pki-and-secrets.md).
-            user_data = await fetch_secret(payload["userDataRef"])
+            user_data = await fetch_secret(payload.user_data_ref)
             drive = ConfigDrive(user_data=user_data, node_id=node_id)
         loop = asyncio.get_running_loop()
 
@@ -96,18 +96,18 @@ def node_handlers(
         return await asyncio.to_thread(
             image_write,
             machine,
-            url=payload["url"],
-            sha256=payload["sha256"],
-            fmt=payload["format"],
-            disk=payload.get("disk"),
+            url=payload.url,
+            sha256=payload.sha256,
+            fmt=payload.format,
+            disk=payload.disk,
             progress=progress,
             config_drive=drive,
         )
 
     async def node_converge(cmd: Command) -> Any:
         assert converger is not None
-        payload = NODE_CONVERGE.payload.validate(cmd.payload, path="payload")
-        return await converger.converge(generation=payload["generation"], units=payload["units"])
+        payload = decode_payload(cmd.payload, NodeConverge, path="payload")
+        return await converger.converge(generation=payload.generation, units=payload.units)
 
     if mode == "ramdisk":
         return {"node.inventory": node_inventory, "node.wipe": node_wipe, "node.imageWrite": node_image_write}
@@ -145,7 +145,7 @@ async def serve(
     backoff = Backoff(first=1.0, cap=30.0)  # jittered: a site's machines do not retry in step
     while not stop.is_set():
         try:
-            nc = await connect(url, name=f"bcd:{enrollment.agent_id}")
+            nc = await connect(url, **agent_nats_options(state, enrollment))
         except BcError as err:
             if err.code is not ErrorCode.UNAVAILABLE:
                 raise

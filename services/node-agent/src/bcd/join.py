@@ -18,6 +18,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 from better_compute.agent import Enrollment, enroll, load_enrollment, save_enrollment
+from better_compute.agent.bus import agent_options, joining_options
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger, register_secret
@@ -25,6 +26,7 @@ from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 from better_compute.wire.pki import JoinClaims
 
+from .bus import bus_ca, joining_files
 from .hardware import claims as read_claims
 from .system import Machine
 
@@ -47,6 +49,24 @@ _WEB: Final = {"http": "ws", "https": "wss"}
 def log() -> Any:
     """bcd's logger, as configured when it logs (never bound before ``configure_logging``)."""
     return get_logger(component="bcd")
+
+
+def joining_nats_options(state: BcdState) -> dict[str, Any]:
+    """``connect()`` options of a join: the bus CA (``BC_NATS_CA``, else the one the boot path
+    delivered, else the system's CAs), the site's joining certificate (``BC_NATS_JOIN_CERT`` and
+    ``_KEY``, else the boot path's), and a connection name and inbox of the join's own
+    (docs/security.md, "The bus")."""
+    cert, key = joining_files(state.folder)
+    return joining_options(cert_file=cert, key_file=key, ca=bus_ca(state.folder), path="BC_NATS_JOIN_CERT")
+
+
+def agent_nats_options(state: BcdState, enrollment: Enrollment) -> dict[str, Any]:
+    """``connect()`` options of the joined machine: its certificate shown to NATS, its own inbox
+    prefix, and the bus CA as for a join."""
+    return {
+        "name": f"bcd:{enrollment.agent_id}",
+        **agent_options(enrollment, ca=bus_ca(state.folder), ca_path="BC_NATS_CA"),
+    }
 
 
 def nats_url(control_plane: str) -> str:
@@ -151,7 +171,8 @@ async def join(
     register_secret(token)
     shown = claims if claims is not None else read_claims(state.machine)
     before = state.enrollment()
-    nc = await connect(nats_url(control_plane), name="bcd-join")
+    # no certificate yet: on a leaf with an auth callout it joins as the site's joining identity
+    nc = await connect(nats_url(control_plane), **joining_nats_options(state))
     try:
         pki = PkiClient(ApiClient(nc, Subjects(root=subject_root)))
         enrollment = await enroll(pki, token=token, claims=shown, site_id=site_id)

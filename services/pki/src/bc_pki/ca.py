@@ -141,8 +141,10 @@ class CertificateAuthority:
         site_id: str,
         role: str,
         lifetime: dt.timedelta,
+        cert_id: str | None = None,
     ) -> x509.Certificate:
-        """An end-entity certificate for ``csr``'s key; the subject is ours, not the CSR's."""
+        """An end-entity certificate for ``csr``'s key; the subject is ours, not the CSR's.
+        ``cert_id`` (``urn:bc:cert:``) lets a site's NATS auth callout ask bc-pki about it."""
         now = dt.datetime.now(dt.UTC)
         subject = x509.Name(
             [
@@ -169,6 +171,7 @@ class CertificateAuthority:
                     [
                         x509.UniformResourceIdentifier(f"urn:bc:agent:{agent_id}"),
                         x509.UniformResourceIdentifier(f"urn:bc:site:{site_id}"),
+                        *([x509.UniformResourceIdentifier(f"urn:bc:cert:{cert_id}")] if cert_id else []),
                     ]
                 ),
                 critical=False,

@@ -182,6 +182,7 @@ class Joins:
             site_id=token["site_id"],
             role=token["role"],
             lifetime=self.cert_lifetime,
+            cert_id=cert_id,
         )
         pem = cert.public_bytes(serialization.Encoding.PEM).decode()
         await conn.execute(

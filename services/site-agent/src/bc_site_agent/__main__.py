@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from better_compute.agent import Agent, Enrollment, enroll, load_enrollment, save_enrollment
+from better_compute.agent.bus import agent_options, joining_options
 from better_compute.clients.pki import PkiClient
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
@@ -33,7 +34,6 @@ from better_compute.logging import configure_logging, get_logger, register_secre
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import AgentStatus
-from better_compute.wire.subjects import SITE_AGENT_INBOX_PREFIX
 
 from . import __version__
 from .cache import SiteCache
@@ -77,7 +77,7 @@ async def _backoff(attempt: int) -> None:
     await asyncio.sleep(random.uniform(0, min(5.0, 0.2 * 2**attempt)))
 
 
-async def _enrollment(config: SiteAgentConfig, api: ApiClient, stop: asyncio.Event) -> Enrollment | None:
+async def _enrollment(config: SiteAgentConfig, stop: asyncio.Event) -> Enrollment | None:
     log = get_logger(site_id=config.site_id)
     enrollment = load_enrollment(config.enrollment_file)
     if enrollment is None:
@@ -94,18 +94,24 @@ async def _enrollment(config: SiteAgentConfig, api: ApiClient, stop: asyncio.Eve
                 {"path": "join_token_file"},
             ) from exc
         register_secret(token)
+        # it has no certificate yet: it joins as the site's joining identity (deploy/nats)
+        nc = await _connect(
+            config, stop, **joining_options(
+                cert_file=_opt(config.join_cert_file), key_file=_opt(config.join_key_file), ca=config.nats_ca
+            )
+        )  # fmt: skip
+        api = ApiClient(nc, Subjects(root=config.subject_root))
         attempt = 0
-        while enrollment is None:
-            try:
-                enrollment = await enroll(PkiClient(api), token=token)
-            except BcError as err:
-                if err.code not in _WAIT_FOR:
-                    raise
-                log.info("join_waiting_for_pki", code=err.code.value)
-                if stop.is_set():
-                    return None
-                await _backoff(attempt)
-                attempt += 1
+        try:
+            while enrollment is None:
+                enrollment = await _enroll_once(api, token, log)
+                if enrollment is None:
+                    if stop.is_set():
+                        return None
+                    await _backoff(attempt)
+                    attempt += 1
+        finally:
+            await nc.close()
         save_enrollment(config.enrollment_file, enrollment)
         log.info("joined", agent_id=enrollment.agent_id)
     if enrollment.site_id != config.site_id:
@@ -121,15 +127,28 @@ async def _enrollment(config: SiteAgentConfig, api: ApiClient, stop: asyncio.Eve
     return enrollment
 
 
-async def _connect(config: SiteAgentConfig, stop: asyncio.Event) -> Any:
+async def _enroll_once(api: ApiClient, token: str, log: Any) -> Enrollment | None:
+    """One join; None when bc-pki is away for now (the caller waits and asks again)."""
+    try:
+        return await enroll(PkiClient(api), token=token)
+    except BcError as err:
+        if err.code not in _WAIT_FOR:
+            raise
+        log.info("join_waiting_for_pki", code=err.code.value)
+        return None
+
+
+def _opt(path: Path | None) -> str | None:
+    return str(path) if path is not None else None
+
+
+async def _connect(config: SiteAgentConfig, stop: asyncio.Event, **options: Any) -> Any:
     log = get_logger(site_id=config.site_id)
+    options.setdefault("name", f"bc-site-agent:{config.site_id}")
     attempt = 0
     while True:
         try:
-            # replies under its own prefix, which the site's nodes may not read (deploy/nats)
-            return await connect(
-                config.nats_url, name=f"bc-site-agent:{config.site_id}", inbox_prefix=SITE_AGENT_INBOX_PREFIX
-            )
+            return await connect(config.nats_url, **options)
         except BcError as err:
             if err.code not in _WAIT_FOR or stop.is_set():
                 raise
@@ -160,13 +179,14 @@ async def run(config: SiteAgentConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await _connect(config, stop)
+    enrollment = await _enrollment(config, stop)
+    if enrollment is None:
+        return
+    # as itself: its certificate shown to NATS, replies under its own inbox (deploy/nats)
+    nc = await _connect(config, stop, **agent_options(enrollment, ca=config.nats_ca))
     try:
         subjects = Subjects(root=config.subject_root)
         api = ApiClient(nc, subjects)
-        enrollment = await _enrollment(config, api, stop)
-        if enrollment is None:
-            return
         entries = BootEntries(config.netboot_dir)
         control_plane = _control_plane(config)
         cache = SiteCache(

@@ -4,6 +4,9 @@
 
     site_id = "site-a"                      # required: the site this agent serves
     nats_url = "nats://127.0.0.1:4222"      # or BC_NATS_URL
+    nats_ca = "/etc/better-compute/nats/tls/ca.pem"   # or BC_NATS_CA: the bus CA (deploy/nats)
+    join_cert_file = "/etc/bc-site-agent/bc-join-site-a.pem"   # the site's joining certificate,
+    join_key_file = "/etc/bc-site-agent/bc-join-site-a-key.pem"  # for the first join (bcx bus callout)
     subject_root = "bc"                     # or BC_SUBJECT_ROOT
     state_dir = "/var/lib/bc-site-agent"    # enrollment (key + certificate, 0600), journal
     join_token_file = "/etc/bc-site-agent/join-token"   # read once, on the first start only
@@ -77,6 +80,12 @@ class SiteAgentConfig:
     metrics_host: str | None = "127.0.0.1"
     """Where ``/metrics`` listens (``metrics_listen``); None: nowhere."""
     metrics_port: int = 9181
+    nats_ca: str | None = None
+    """The bus CA that checks the NATS server (deploy/nats); the system's CAs without it."""
+    join_cert_file: Path | None = None
+    """The site's joining certificate and key: what the agent shows a leaf node with an auth
+    callout before it has a certificate of its own (its first join)."""
+    join_key_file: Path | None = None
 
     @property
     def enrollment_file(self) -> Path:
@@ -165,6 +174,13 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
             ipaddress.ip_address(address)
         except ValueError:
             raise _bad(f"control_plane_addresses[{i}]", "expected an IP address") from None
+    join_cert = _path(doc, "join_cert_file", "join_cert_file")
+    join_key = _path(doc, "join_key_file", "join_key_file")
+    if (join_cert is None) != (join_key is None):
+        raise _bad(
+            "join_key_file" if join_key is None else "join_cert_file",
+            "give both join_cert_file and join_key_file",
+        )
     return SiteAgentConfig(
         site_id=site_id,
         nats_url=nats_url,
@@ -187,6 +203,9 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
         quiet_seconds=float(quiet),
         metrics_host=metrics_host,
         metrics_port=metrics_port,
+        nats_ca=_str(doc, "nats_ca", "nats_ca") or env.get("BC_NATS_CA") or None,
+        join_cert_file=join_cert,
+        join_key_file=join_key,
     )
 
 

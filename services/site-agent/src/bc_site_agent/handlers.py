@@ -13,7 +13,7 @@ import dataclasses
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 
@@ -23,15 +23,38 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import AgentIdentity
 from better_compute.logging import get_logger, register_secret
 from better_compute.metal.commands import COMMAND_KINDS
+from better_compute.wire.commands import (
+    BmcCheck,
+    BmcInventory,
+    BmcInventoryResult,
+    BootDeviceResult,
+    ClearEntry,
+    ClearEntryResult,
+    DriverInvoke,
+    HttpProxy,
+    MediaEject,
+    MediaInsert,
+    MediaResult,
+    PowerResult,
+    SetBootDevice,
+    SetEntry,
+    SetEntryResult,
+    SetPower,
+    ValidateBmc,
+    ValidateResult,
+    decode_payload,
+)
+from better_compute.wire.metal import NodeBmc
 
 from . import metrics
 from .cache import SiteCache
-from .drivers import BmcCredentials, BmcTarget, Driver, make_driver
+from .drivers import BmcCredentials, Driver, make_driver
 from .netboot import BootEntries, normalize_mac
 from .relay import HttpRelay
 
 __all__ = ["SiteHandlers"]
 
+P = TypeVar("P", SetPower, SetBootDevice, MediaInsert, MediaEject, BmcInventory)
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 _POWERS_ON = frozenset({"on", "cycle", "reset"})
 VALIDATE_SECONDS = 15.0
@@ -39,7 +62,8 @@ VALIDATE_SECONDS = 15.0
 
 
 class SiteHandlers:
-    """Handlers by command kind, plus what ``/healthz`` reports about them."""
+    """Handlers by command kind, plus what ``/healthz`` reports about them. Each decodes the
+    command's payload into its Struct once (``wire.commands``) and hands that on."""
 
     def __init__(
         self,
@@ -70,29 +94,27 @@ class SiteHandlers:
         """The driver operations, by ``<concern>.<operation>``: each a command kind of its own,
         and also what ``driver.invoke`` runs (a profile step's ``use`` on a site agent)."""
         return {
-            "power.setPower": self._bmc(self._power),
-            "management.setBootDevice": self._bmc(self._boot),
-            "media.insert": self._bmc(self._insert),
-            "media.eject": self._bmc(self._eject),
-            "management.inventory": self._bmc(self._inventory),
+            "power.setPower": self._bmc(SetPower, self._power),
+            "management.setBootDevice": self._bmc(SetBootDevice, self._boot),
+            "media.insert": self._bmc(MediaInsert, self._insert),
+            "media.eject": self._bmc(MediaEject, self._eject),
+            "management.inventory": self._bmc(BmcInventory, self._inventory),
             "management.validate": self._validate,
             "netboot.setEntry": self._set_entry,
             "netboot.clearEntry": self._clear_entry,
         }
 
-    async def _driver_invoke(self, cmd: Command) -> Any:
-        payload = cmd.payload if isinstance(cmd.payload, dict) else {}
-        operation = str(payload.get("operation", ""))
-        handler = self._operations().get(operation)
+    async def _driver_invoke(self, cmd: Command) -> object:
+        invoke = decode_payload(cmd.payload, DriverInvoke)
+        handler = self._operations().get(invoke.operation)
         if handler is None:
-            raise CommandRejected(f"unsupported-operation: this site agent has no {operation or '?'}")
-        kind = COMMAND_KINDS.get(operation)
-        raw = payload.get("input") or {}
-        try:
-            value = kind.payload.validate(raw) if kind is not None else raw
+            raise CommandRejected(f"unsupported-operation: this site agent has no {invoke.operation}")
+        kind = COMMAND_KINDS.get(invoke.operation)
+        try:  # as the command queue checks a command of that kind (SecretRefs normalised)
+            value = kind.payload.validate(invoke.input) if kind is not None else invoke.input
         except BcError as err:
             raise err.with_path_prefix("input") from None
-        return await handler(dataclasses.replace(cmd, kind=operation, payload=value))
+        return await handler(dataclasses.replace(cmd, kind=invoke.operation, payload=value))
 
     # -- credentials -------------------------------------------------------------------
 
@@ -113,18 +135,15 @@ class SiteHandlers:
             await asyncio.sleep(random.uniform(0, delay))
             delay = min(delay * 2, 3.0)
 
-    async def _credentials(self, target: BmcTarget, deadline: float) -> BmcCredentials | None:
+    async def _credentials(self, target: NodeBmc, deadline: float) -> BmcCredentials | None:
         if target.credentials_ref is None:
             return None
         raw = await self._fetch(
             target.credentials_ref, deadline, what="the BMC credentials", path="bmc.credentialsRef"
         )
         try:
-            doc = msgspec.json.decode(raw)
-            username, password = doc["username"], doc["password"]
-            if not isinstance(username, str) or not isinstance(password, str):
-                raise TypeError
-        except (msgspec.DecodeError, KeyError, TypeError):
+            login = msgspec.json.decode(raw, type=_Login)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             raise BcError(
                 ErrorCode.INVALID_INPUT,
                 'the BMC credential is not JSON {"username": ..., "password": ...}',
@@ -132,30 +151,30 @@ class SiteHandlers:
             ) from None
         finally:
             del raw
-        register_secret(password)
-        return BmcCredentials(username=username, password=password)
+        register_secret(login.password)
+        return BmcCredentials(username=login.username, password=login.password)
 
     def _bmc(
-        self, op: Callable[[Driver, Command], Awaitable[dict[str, Any]]]
-    ) -> Callable[[Command], Awaitable[dict[str, Any]]]:
-        async def handle(cmd: Command) -> dict[str, Any]:
+        self, into: type[P], op: Callable[[Driver, P, Command], Awaitable[msgspec.Struct]]
+    ) -> CommandHandler:
+        async def handle(cmd: Command) -> msgspec.Struct:
             self.commands_run += 1
             driver_name = "unknown"  # until the payload names a known one (bounded labels)
             began = time.monotonic()
             try:
-                payload = cmd.payload if isinstance(cmd.payload, dict) else {}
-                target = BmcTarget.from_payload(payload.get("bmc"))
+                payload = decode_payload(cmd.payload, into)
+                target = _target(payload.bmc)
                 driver_name = target.driver
                 credentials = await self._credentials(target, cmd.not_after)
                 driver = make_driver(target, credentials)
                 del credentials
                 try:
-                    result = await op(driver, cmd)
+                    result = await op(driver, payload, cmd)
                 finally:
                     await driver.close()
                     del driver
                 metrics.BMC_CALL_SECONDS.labels(driver_name, cmd.kind, "ok").observe(time.monotonic() - began)
-                return {"driver": target.driver, **result}
+                return result
             except BcError as err:
                 metrics.BMC_CALL_SECONDS.labels(driver_name, cmd.kind, "error").observe(
                     time.monotonic() - began
@@ -169,23 +188,16 @@ class SiteHandlers:
 
     # -- BMC operations ----------------------------------------------------------------
 
-    async def _power(self, driver: Driver, cmd: Command) -> dict[str, Any]:
-        action = str(cmd.payload["action"])
-        result = await driver.set_power(action, deadline=cmd.not_after)
-        if action in _POWERS_ON:
+    async def _power(self, driver: Driver, payload: SetPower, cmd: Command) -> PowerResult:
+        result = await driver.set_power(payload, deadline=cmd.not_after)
+        if payload.action in _POWERS_ON:
             # the machine asks for its boot entry after its POST, from now: a served entry's
             # quiet period counts from here (netboot.BootEntries.powered)
             self.entries.powered(cmd.node_id)
         return result
 
-    async def _boot(self, driver: Driver, cmd: Command) -> dict[str, Any]:
-        p = cmd.payload
-        return await driver.set_boot_device(
-            str(p["device"]),
-            persistent=bool(p.get("persistent", False)),
-            mode=p.get("mode"),
-            deadline=cmd.not_after,
-        )
+    async def _boot(self, driver: Driver, payload: SetBootDevice, cmd: Command) -> BootDeviceResult:
+        return await driver.set_boot_device(payload, deadline=cmd.not_after)
 
     async def _cached(self, url: str, sha256: str | None, holder: str) -> str:
         """The site cache's URL for the object (filled from ``url`` once, held by ``holder``),
@@ -196,28 +208,24 @@ class SiteHandlers:
         await self.cache.ensure(sha256, url, holder=holder)
         return f"{self.public_url}/cache/{sha256}"
 
-    async def _insert(self, driver: Driver, cmd: Command) -> dict[str, Any]:
-        p = cmd.payload
-        device = str(p.get("device", "cd"))
-        url = await self._cached(str(p["url"]), p.get("sha256"), _media_holder(p, device))
-        return await driver.media_insert(url, device=device, deadline=cmd.not_after)
+    async def _insert(self, driver: Driver, payload: MediaInsert, cmd: Command) -> MediaResult:
+        url = await self._cached(payload.url, payload.sha256, _media_holder(payload))
+        return await driver.media_insert(msgspec.structs.replace(payload, url=url), deadline=cmd.not_after)
 
-    async def _eject(self, driver: Driver, cmd: Command) -> dict[str, Any]:
-        device = str(cmd.payload.get("device", "cd"))
-        got = await driver.media_eject(device=device, deadline=cmd.not_after)
-        self.cache.release(_media_holder(cmd.payload, device))
+    async def _eject(self, driver: Driver, payload: MediaEject, cmd: Command) -> MediaResult:
+        got = await driver.media_eject(payload, deadline=cmd.not_after)
+        self.cache.release(_media_holder(payload))
         return got
 
-    async def _inventory(self, driver: Driver, cmd: Command) -> dict[str, Any]:
+    async def _inventory(self, driver: Driver, payload: BmcInventory, cmd: Command) -> BmcInventoryResult:
         return await driver.inventory(deadline=cmd.not_after)
 
-    async def _validate(self, cmd: Command) -> dict[str, Any]:
+    async def _validate(self, cmd: Command) -> ValidateResult:
         """``management.validate``: the BMC answers, takes the credentials, has the system and
         says its power state; changes nothing. A check that fails is in the result (the command
-        succeeds): ``{driver, ok, checks: [{check, status: ok|failed|skipped, message}]}``."""
+        succeeds)."""
         self.commands_run += 1
-        payload = cmd.payload if isinstance(cmd.payload, dict) else {}
-        target = BmcTarget.from_payload(payload.get("bmc"))
+        target = decode_payload(cmd.payload, ValidateBmc).bmc
         deadline = min(cmd.not_after, time.time() + VALIDATE_SECONDS)
         try:
             credentials = await self._credentials(target, deadline)
@@ -226,8 +234,8 @@ class SiteHandlers:
                     ErrorCode.INVALID_INPUT, "the node's BMC has no credential (bmc.credentialsRef)", {}
                 )
         except BcError as err:
-            checks = [{"check": "credentials", "status": "failed", "message": err.message[:300]}]
-            return {"driver": target.driver, "ok": False, "checks": checks}
+            failed = BmcCheck(check="credentials", status="failed", message=err.message[:300])
+            return ValidateResult(driver=target.driver, ok=False, checks=[failed])
         driver = make_driver(target, credentials)
         del credentials
         try:
@@ -235,28 +243,29 @@ class SiteHandlers:
         finally:
             await driver.close()
             del driver
-        ok = all(c["status"] == "ok" for c in checks)
+        ok = all(c.status == "ok" for c in checks)
         if not ok:
-            failed = next(c for c in checks if c["status"] == "failed")
-            self.last_error = f"{cmd.kind}: {failed['check']}: {failed['message']}"[:300]
+            first = next(c for c in checks if c.status == "failed")
+            self.last_error = f"{cmd.kind}: {first.check}: {first.message}"[:300]
             self.last_error_at_ms = time.time_ns() // 1_000_000
-        return {"driver": target.driver, "ok": ok, "checks": checks}
+        return ValidateResult(driver=target.driver, ok=ok, checks=checks)
 
     # -- boot entries ------------------------------------------------------------------
 
-    async def _set_entry(self, cmd: Command) -> dict[str, Any]:
-        payload = dict(cmd.payload)
-        mac = normalize_mac(str(payload.get("mac", "")))
+    async def _set_entry(self, cmd: Command) -> SetEntryResult:
+        payload = decode_payload(cmd.payload, SetEntry)
+        mac = normalize_mac(payload.mac)
         self.cache.release(f"netboot:{mac}:", prefix=True)
-        for key in ("kernel", "initrd"):
-            if payload.get(key):
-                holder = f"netboot:{mac}:{key}"
-                payload[key] = await self._cached(str(payload[key]), payload.get(f"{key}Sha256"), holder)
+        kernel, initrd = payload.kernel, payload.initrd
+        if kernel:
+            kernel = await self._cached(kernel, payload.kernel_sha256, f"netboot:{mac}:kernel")
+        if initrd:
+            initrd = await self._cached(initrd, payload.initrd_sha256, f"netboot:{mac}:initrd")
         token = None
-        if payload.get("joinTokenRef"):
+        if payload.join_token_ref:
             # Resolved now, while this command is live: the gate opens to no one later.
             raw = await self._fetch(
-                str(payload["joinTokenRef"]), cmd.not_after, what="the join token", path="joinTokenRef"
+                payload.join_token_ref, cmd.not_after, what="the join token", path="joinTokenRef"
             )
             token = raw.decode("utf-8", "replace").strip()
             register_secret(token)
@@ -264,22 +273,40 @@ class SiteHandlers:
                 raise BcError(
                     ErrorCode.INVALID_INPUT, "the join token is not one word", {"path": "joinTokenRef"}
                 )
-        entry = self.entries.set(payload, command_id=cmd.id, join_token=token, node_id=cmd.node_id or "")
-        return {"mac": entry.mac, "oneTime": entry.one_time, "kernel": entry.kernel, "initrd": entry.initrd}
+        served = msgspec.structs.replace(payload, kernel=kernel, initrd=initrd)
+        entry = self.entries.set(
+            msgspec.to_builtins(served), command_id=cmd.id, join_token=token, node_id=cmd.node_id or ""
+        )
+        return SetEntryResult(
+            mac=entry.mac, one_time=entry.one_time, kernel=entry.kernel, initrd=entry.initrd
+        )
 
-    async def _clear_entry(self, cmd: Command) -> dict[str, Any]:
-        mac = normalize_mac(str(cmd.payload.get("mac", "")))
+    async def _clear_entry(self, cmd: Command) -> ClearEntryResult:
+        mac = normalize_mac(decode_payload(cmd.payload, ClearEntry).mac)
         removed = self.entries.clear(mac)
         self.cache.release(f"netboot:{mac}:", prefix=True)
-        return {"removed": removed}
+        return ClearEntryResult(removed=removed)
 
     # -- relayed HTTP ------------------------------------------------------------------
 
-    async def _http_proxy(self, cmd: Command) -> dict[str, Any]:
-        return await self.relay.request(dict(cmd.payload), deadline=cmd.not_after)
+    async def _http_proxy(self, cmd: Command) -> dict[str, object]:
+        return await self.relay.request(decode_payload(cmd.payload, HttpProxy), deadline=cmd.not_after)
 
 
-def _media_holder(payload: Any, device: str) -> str:
-    bmc = payload.get("bmc") if isinstance(payload, dict) else None
-    bmc = bmc if isinstance(bmc, dict) else {}
-    return f"media:{bmc.get('address', '')}:{bmc.get('systemId') or ''}:{device}"
+class _Login(msgspec.Struct, frozen=True):
+    """The value behind a BMC's ``credentialsRef``."""
+
+    username: str
+    password: str
+
+
+def _target(bmc: NodeBmc | None) -> NodeBmc:
+    if bmc is None:
+        raise BcError(ErrorCode.INVALID_INPUT, "the command names no BMC", {"path": "bmc"})
+    return bmc
+
+
+def _media_holder(payload: MediaInsert | MediaEject) -> str:
+    bmc = payload.bmc
+    address, system = (bmc.address, bmc.system_id or "") if bmc is not None else ("", "")
+    return f"media:{address}:{system}:{payload.device}"

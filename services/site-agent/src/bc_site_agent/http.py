@@ -4,11 +4,12 @@ network's listener), and ``/metrics`` on a listener of its own (``metrics_app``)
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from better_compute.core.errors import BcError
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
 from better_compute.service.metrics import CONTENT_TYPE, render
 
@@ -18,6 +19,7 @@ from .netboot import (
     ALREADY_SERVED_SCRIPT,
     LOCAL_BOOT_SCRIPT,
     BootEntries,
+    bus_cmdline,
     discovery_cmdline,
     discovery_script,
     entry_script,
@@ -28,6 +30,13 @@ from .netboot import (
 __all__ = ["make_app", "metrics_app"]
 
 _IPXE = "text/plain"
+
+
+def _read(path: str | Path, key: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise BcError(ErrorCode.INVALID_CONFIG, f"cannot read {path}: {exc.strerror}", {"path": key}) from exc
 
 
 def make_app(
@@ -41,6 +50,22 @@ def make_app(
     a MAC whose one-time node entry was already served to another address or closed (the agent
     reports it to bc-pki). No ``/metrics`` here: anyone on the boot network reaches this port."""
     log = get_logger(component="http")
+    # the bus files bcd fetches (bcd.bus=, checked by the digest on the kernel line): the bus CA
+    # and the site's joining certificate with its key, which lets a machine ask to join, no more
+    bus_ca = _read(config.nats_ca, "nats_ca") if config.nats_ca else None
+    joining = (
+        _read(config.join_cert_file, "join_cert_file") + _read(config.join_key_file, "join_key_file")
+        if config.join_cert_file and config.join_key_file
+        else None
+    )
+    public_url = config.public_url or f"http://{config.http_host}:{config.http_port}"
+    bus_words = bus_cmdline(public_url, bus_ca)
+
+    async def bus_file(request: web.Request) -> web.Response:
+        body = bus_ca if request.match_info["name"] == "ca.pem" else joining
+        if body is None:
+            return web.Response(status=404, text="not served here\n")
+        return web.Response(body=body, content_type="application/x-pem-file")
 
     async def cached(request: web.Request) -> web.StreamResponse:
         sha = request.match_info["sha256"]
@@ -74,13 +99,14 @@ def make_app(
             cache.release(f"netboot:{mac}:", prefix=True)  # its kernel may go once it is served
         if entry is not None:
             log.info("netboot_entry_served", mac=mac, one_time=entry.one_time)
-            return web.Response(text=entry_script(entry), content_type=_IPXE)
+            return web.Response(text=entry_script(entry, extra=bus_words), content_type=_IPXE)
         if config.discovery:
             log.info("netboot_discovery_served", mac=mac)
             cmdline = discovery_cmdline(
                 config.discovery_cmdline, site_id=config.site_id,
                 token_file=config.discovery_token_file, control_plane=config.discovery_control_plane,
             )  # fmt: skip
+            cmdline = f"{cmdline} {bus_words}".strip()
             script = discovery_script(config.discovery_kernel, config.discovery_initrd, cmdline)
             return web.Response(text=script, content_type=_IPXE)
         log.info("netboot_local_boot_served", mac=mac)
@@ -93,6 +119,7 @@ def make_app(
             web.get("/boot.ipxe", boot_ipxe),
             web.get("/boot/mac/{mac}", boot_mac),
             web.get("/cache/{sha256}", cached),
+            web.get("/bus/{name:ca\\.pem|join\\.pem}", bus_file),
         ]
     )
     return app

@@ -129,7 +129,9 @@ def _ipxe_url(text: str, path: str) -> str:
     return _ipxe_safe(text, path)
 
 
-def entry_script(entry: BootEntry) -> str:
+def entry_script(entry: BootEntry, *, extra: str = "") -> str:
+    """The iPXE script of ``entry``; ``extra`` goes on its kernel line after the entry's own
+    words (the site agent's ``bcd.bus=`` and ``bcd.bus_ca_sha256=``, ``bus_cmdline``)."""
     if entry.script is not None:
         script = entry.script
         return script if script.startswith("#!ipxe") else "#!ipxe\n" + script
@@ -141,6 +143,8 @@ def entry_script(entry: BootEntry) -> str:
             cmdline = _ipxe_safe(entry.cmdline, "cmdline")
             if entry.join_token is not None:
                 cmdline = f"{cmdline} bcd.token={_ipxe_url(entry.join_token, 'joinToken')}"
+            if extra:
+                cmdline = f"{cmdline} {_ipxe_safe(extra, 'extra')}"
             lines.append(f"kernel {_ipxe_url(entry.kernel, 'kernel')} {cmdline.strip()}".rstrip())
         if entry.initrd:
             lines.append(f"initrd {_ipxe_url(entry.initrd, 'initrd')}")
@@ -149,6 +153,15 @@ def entry_script(entry: BootEntry) -> str:
         return _NO_ENTRY_SCRIPT
     lines.append("boot")
     return "\n".join(lines) + "\n"
+
+
+def bus_cmdline(public_url: str, ca_pem: bytes | None) -> str:
+    """What a machine's bcd needs to reach the site's TLS-only leaf node: where this agent serves
+    the bus files (``bcd.bus=``) and the SHA-256 of the bus CA it will find there, which bcd
+    checks (``bcd.bus_ca_sha256=``). Empty when the agent has no bus CA (a bus without TLS)."""
+    if not ca_pem:
+        return ""
+    return f"bcd.bus={public_url}/bus bcd.bus_ca_sha256={hashlib.sha256(ca_pem).hexdigest()}"
 
 
 def first_stage() -> str:

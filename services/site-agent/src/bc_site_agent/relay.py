@@ -29,6 +29,7 @@ import aiohttp
 
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire.commands import HttpProxy
 
 from .ssrf import IP, AddressGuard, is_local_address
 
@@ -95,19 +96,14 @@ class HttpRelay:
             raise _refused(f"{parts.hostname} is not one of the node's recorded addresses")
         return parts, allowed[0]
 
-    async def request(self, payload: dict[str, Any], *, deadline: float) -> dict[str, Any]:
-        node_addresses = payload.get("nodeAddresses") or []
-        if not node_addresses:
+    async def request(self, payload: HttpProxy, *, deadline: float) -> dict[str, Any]:
+        if not payload.node_addresses:
             raise _refused("the command carries no nodeAddresses to check the target against")
-        url = str(payload["url"])
-        parts, ip = await self.target(url, [str(a) for a in node_addresses])
-        method = str(payload.get("method", "GET"))
-        headers = {
-            k: v for k, v in dict(payload.get("headers") or {}).items() if k.lower() not in _HOP_BY_HOP
-        }
-        body = payload.get("body")
-        poll = bool(payload.get("poll", False))
-        ssl: bool = not bool(payload.get("insecure", False))
+        url = payload.url
+        parts, ip = await self.target(url, payload.node_addresses)
+        method = payload.method
+        headers = {k: v for k, v in payload.headers.items() if k.lower() not in _HOP_BY_HOP}
+        body, poll, ssl = payload.body, payload.poll, not payload.insecure
         delay = 0.2
         while True:
             try:

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from ..clients.cmdq import CommandQueueClient
+from ..clients.engine import EngineClient
 from ..clients.pki import PkiClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
@@ -28,9 +29,11 @@ from ..service.client import ApiClient
 from ..wire.cmdq import AgentView, BatchView, CommandView
 from ..wire.paging import MAX_LIMIT
 from .common import add_tenant_flag, api_client
+from .node_refs import node_names, node_ref
 from .output import iso, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .pki_commands import parse_seconds
+from .plan import SCOPE_SHOWN, print_batch_scope
 
 __all__ = ["load_approver_key", "register"]
 
@@ -145,9 +148,15 @@ async def cmd_commands_list(args: argparse.Namespace, settings: Settings) -> int
             node_id=args.node, workflow_id=args.workflow, state=args.state, kind=args.kind,
             site_id=args.site, agent_id=args.agent, batch_id=args.batch,
         )  # fmt: skip
+        seen = list(dict.fromkeys(c.node_id for c in commands if c.node_id))
+        names = {} if args.json else await node_names(EngineClient(api), seen)
+    rows = [_command_row(c) for c in commands]
+    for c, row in zip(commands, rows, strict=True):
+        if c.node_id in names:
+            row["node"] = f"{c.node_id} ({names[c.node_id]})"
     return show_page(
         args, next_, key="commands", found=_json(commands),
-        rows=[_command_row(c) for c in commands],
+        rows=rows,
         columns=[("id", "ID"), ("node", "NODE"), ("kind", "KIND"), ("state", "STATE"),
                  ("agent", "AGENT"), ("reason", "REASON"), ("updated", "UPDATED")],
         empty="no commands",
@@ -240,13 +249,14 @@ async def _cert_states(api: ApiClient, agents: list[AgentView]) -> dict[str, str
 # -- batches ----------------------------------------------------------------------------
 
 
-def _print_batch(batch: BatchView, *, as_json: bool) -> None:
+def _print_batch(batch: BatchView, *, as_json: bool, names: dict[str, str] | None = None) -> None:
     if as_json:
         print_json(_json(batch))
         return
     print_table([_batch_row(batch)], [(k, k.upper()) for k in _batch_row(batch)])
     print(f"kinds: {', '.join(batch.kinds)}")
-    print(f"nodes: {', '.join(batch.nodes)}")
+    named = names or {}
+    print(f"nodes: {', '.join(f'{n} ({named[n]})' if n in named else n for n in batch.nodes)}")
     if batch.note:
         print(f"note:  {batch.note}")
     for a in batch.approvals:
@@ -286,7 +296,8 @@ async def cmd_batches_list(args: argparse.Namespace, settings: Settings) -> int:
 async def cmd_batches_get(args: argparse.Namespace, settings: Settings) -> int:
     async with api_client(settings) as api:
         batch = await CommandQueueClient(api).get_batch(id=args.id)
-    _print_batch(batch, as_json=args.json)
+        names = {} if args.json else await node_names(EngineClient(api), batch.nodes)
+    _print_batch(batch, as_json=args.json, names=names)
     return 0
 
 
@@ -311,9 +322,36 @@ def load_approver_key(path: str) -> ed25519.Ed25519PrivateKey:
     return key
 
 
+async def _workflow_lines(api: ApiClient, batch: BatchView) -> dict[str, str]:
+    """``profile@version on node`` of the batch's first workflows, as the engine tells them;
+    nothing for those it cannot tell now (the signature covers the ids either way)."""
+    ids = [batch.workflow_id] if batch.workflow_id else batch.workflow_ids[:SCOPE_SHOWN]
+    engine = EngineClient(api)
+    lines: dict[str, str] = {}
+    for wf_id in ids:
+        try:
+            wf = await engine.get_workflow(id=wf_id)
+        except BcError:
+            continue  # no engine here, or not its workflow: the id alone is shown
+        lines[wf_id] = f"{wf.profile.id}@{wf.profile.version} on {wf.node_id or '-'}"
+    return lines
+
+
+def _confirmed(batch: BatchView) -> bool:
+    """At a terminal, the approver says yes to the scope just shown (asked on stderr, so a
+    redirected stdout never hides the question)."""
+    sys.stderr.write(f"sign batch {batch.id}? [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
 async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> int:
-    """Sign each batch named; one refused does not stop the others (exit 1 if any was)."""
+    """Show what each batch named would approve, then sign it; one refused does not stop the
+    others (exit 1 if any was). At a terminal each signature is asked for, unless ``--yes``;
+    a script (stdin or stderr not a terminal) signs what it named without a question. With ``--json``
+    the scope goes to stderr, stdout stays one document."""
     key = load_approver_key(args.key_file)
+    ask = not args.yes and sys.stdin.isatty() and sys.stderr.isatty()
     approved: list[BatchView] = []
     errors: list[dict[str, Any]] = []
     async with api_client(settings) as api:
@@ -322,6 +360,15 @@ async def cmd_batches_approve(args: argparse.Namespace, settings: Settings) -> i
             try:
                 batch = await cq.get_batch(id=batch_id)
                 signature = sign_batch(batch, key)  # refuses a document that is not the scope shown
+                print_batch_scope(
+                    batch, workflows=await _workflow_lines(api, batch), out=sys.stderr if args.json else None
+                )
+                if ask and not _confirmed(batch):
+                    raise BcError(
+                        ErrorCode.INVALID_STATE,
+                        f"batch {batch.id} not signed: the approver said no",
+                        {"path": "id", "reason": "not-confirmed"},
+                    )
                 approved.append(
                     await cq.approve_batch(batch_id=batch.id, approver_id=args.approver, signature=signature)
                 )
@@ -389,7 +436,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     commands = sub.add_parser("commands", help="commands sent to agents")
     csub = commands.add_subparsers(dest="commands_command", required=True, metavar="COMMAND")
     p = csub.add_parser("list", parents=[common], help="commands, newest first")
-    p.add_argument("--node", help="node id")
+    p.add_argument("--node", type=node_ref, help="node id or name")
     p.add_argument("--workflow", help="workflow id")
     p.add_argument("--state", choices=_STATES, help="only commands in this state")
     p.add_argument("--kind", help="command kind (power.setPower)")
@@ -405,7 +452,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = csub.add_parser("cancel", parents=[common], help="cancel a live command, or those under a key")
     p.add_argument("id", nargs="?", help="command id")
     p.add_argument("--key-prefix", help="every live command whose key starts so (wf:<id>:<step>)")
-    p.add_argument("--node", help="with --key-prefix: only this node's")
+    p.add_argument("--node", type=node_ref, help="with --key-prefix: only this node's (id or name)")
     p.add_argument("--reason", default="cancelled by an operator", help="recorded with the cancel")
     p.set_defaults(func=cmd_commands_cancel)
 
@@ -428,7 +475,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     bsub = batches.add_subparsers(dest="batches_command", required=True, metavar="COMMAND")
     p = bsub.add_parser("create", parents=[common], help="a batch: command kinds and nodes, until expiry")
     p.add_argument("--kind", action="append", required=True, help="a destructive kind (repeat)")
-    p.add_argument("--node", action="append", required=True, help="a node id (repeat)")
+    p.add_argument("--node", action="append", required=True, type=node_ref, help="a node id or name (repeat)")
     p.add_argument("--ttl", type=parse_seconds, default=24 * 3600, help="lifetime (90m, 24h, 7d)")
     add_tenant_flag(p)
     p.add_argument("--workflow", help="the workflow the batch is for")
@@ -445,10 +492,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = bsub.add_parser("get", parents=[common], help="one batch with its approvals")
     p.add_argument("id", help="batch id (batch_…)")
     p.set_defaults(func=cmd_batches_get)
-    p = bsub.add_parser("approve", parents=[common], help="sign a batch here with your key file")
+    p = bsub.add_parser(
+        "approve", parents=[common], help="show what a batch approves, then sign it here with your key file"
+    )
     p.add_argument("id", nargs="+", help="one or more batch ids")
     p.add_argument("--approver", required=True, help="your approver id, as configured")
     p.add_argument("--key-file", required=True, help="your Ed25519 private key (PEM)")
+    p.add_argument(
+        "--yes", action="store_true", help="sign without asking at a terminal (a script is never asked)"
+    )
     p.set_defaults(func=cmd_batches_approve)
     p = bsub.add_parser("keygen", parents=[common], help="make an approver key file (0600)")
     p.add_argument("--key-file", required=True, help="where to write the new private key")

@@ -479,7 +479,9 @@ def main(argv: list[str] | None = None) -> None:
             args.tenant = contexts.tenant_for(args, selection)
         import asyncio  # here: `bcx --help` and a bad command line do not load it
 
-        code = asyncio.run(args.func(args, settings))
+        from . import node_refs
+
+        code = asyncio.run(node_refs.run(args, settings))  # node names become ids first
     except BcError as err:
         print_error(err, as_json=args.json, hint=hint_for(err, hint))
         code = 1

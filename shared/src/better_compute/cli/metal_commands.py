@@ -24,17 +24,26 @@ from ..core.errors import BcError, ErrorCode
 from ..core.ids import new_id, parse_id
 from ..logging import register_secret
 from ..metal.lifecycle import VERBS, parse_bmc_url, parse_selector
-from ..metal.steps.profiles import VALIDATE_PROFILE_ID
+from ..metal.steps.profiles import ENROLL_PROFILE_ID, VALIDATE_PROFILE_ID
 from ..wire.codec import convert
 from ..wire.engine import NodeView
 from ..wire.metal import BulkRun, NodeBmc, VerbName
-from . import rollout
+from . import node_actions, rollout
 from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels
+from .node_refs import NODE_HELP, node_ref
 from .output import json_line, print_json, print_table
+from .plan import bulk_plan
 from .rollout import watch_nodes
 from .why_commands import why_line
 
-__all__ = ["add_bmc_credential_flags", "read_credentials", "register", "update_bmc"]
+__all__ = [
+    "add_bmc_credential_flags",
+    "check_lines",
+    "read_credentials",
+    "register",
+    "update_bmc",
+    "validate_node",
+]
 
 
 def add_bmc_credential_flags(p: argparse.ArgumentParser) -> None:
@@ -165,11 +174,11 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
         site = args.site or (await engine.get_node(id=node_id)).site_id  # a discovered node's own
         node = await engine.enroll_node(
             site_id=site, id=node_id, tenant_id=args.tenant, labels=labels, macs=list(args.mac or []),
-            bmc=_node_bmc(bmc, ref) if bmc is not None else None,
+            bmc=_node_bmc(bmc, ref) if bmc is not None else None, name=args.name,
         )  # fmt: skip
         checks = None
-        if node.bmc and not args.no_validate:
-            checks = await validate_node(api, node)
+        if node.bmc and not args.no_validate:  # the shipped enroll profile: the BMC checked, read
+            checks = await validate_node(api, node, profile_id=ENROLL_PROFILE_ID)
     # a BMC that failed a check; one nobody could check (no site agent yet) is said, not failed
     failed = [c for c in checks or [] if c.get("status") == "failed"]
     if args.json:
@@ -178,12 +187,13 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
             doc["validation"] = {"ok": not failed, "checks": checks}
         print_json(doc)
         return 1 if failed else 0
-    print(f"{node.id} {node.state}  site {node.site_id}")
+    named = f"  name {node.name}" if node.name else ""
+    print(f"{node.id} {node.state}  site {node.site_id}{named}")
     if node.bmc:
         ref = node.bmc.get("credentialsRef") or "no credential"
         print(f"  bmc {node.bmc['driver']} {node.bmc['address']} ({ref})")
     if checks is not None:
-        for line in _check_lines(checks):
+        for line in check_lines(checks):
             print(f"  {line}")
     if failed:
         print(
@@ -198,9 +208,14 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
 _WORKFLOW_ENDS = ("succeeded", "failed", "aborted")
 
 
-async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> list[dict[str, Any]]:
-    """Check the node's BMC now (the ``metal.validate`` workflow: its site agent's
-    ``management.validate``): one entry per check, ``{check, status, message}``."""
+async def validate_node(
+    api: Any, node: NodeView, *, timeout: float = 120.0, profile_id: str = VALIDATE_PROFILE_ID
+) -> list[dict[str, Any]]:
+    """Check the node's BMC now: one entry per check, ``{check, status, message}``.
+
+    ``metal.validate`` (its site agent's ``management.validate``), or ``metal.enroll`` (that
+    check, whose failure fails its first step, then the machine read through the BMC: one more
+    entry, ``inventory``, with its power and what it is)."""
     agents = await CommandQueueClient(api).agents(site_id=node.site_id, connected=True)
     if not [a for a in agents if a.role == "site"]:
         return [{
@@ -208,9 +223,7 @@ async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> 
             "message": f"no connected site agent at site {node.site_id}: the BMC was not checked",
         }]  # fmt: skip
     engine = EngineClient(api)
-    wf = await engine.start_workflow(
-        profile_id=VALIDATE_PROFILE_ID, node_id=node.id, tenant_id=node.tenant_id
-    )
+    wf = await engine.start_workflow(profile_id=profile_id, node_id=node.id, tenant_id=node.tenant_id)
     end = time.monotonic() + timeout
     while wf.state not in _WORKFLOW_ENDS:
         if time.monotonic() > end:
@@ -222,23 +235,62 @@ async def validate_node(api: Any, node: NodeView, *, timeout: float = 120.0) -> 
         await asyncio.sleep(0.25)
         wf = await engine.workflow(id=wf.id)
     steps = wf.steps if isinstance(wf.steps, list) else []
-    done = steps[0].result if steps and isinstance(steps[0].result, dict) else {}
-    result = done.get("result")
-    if wf.state == "succeeded" and isinstance(result, dict) and isinstance(result.get("checks"), list):
-        return [c for c in result["checks"] if isinstance(c, dict)]
+    checks = _checks_of(steps[0]) if steps else None
     error = (steps[0].error if steps else None) or wf.error
     message = str(error.get("message")) if isinstance(error, dict) else ""
-    if wf.state == "succeeded" or "unsupported-kind" in message:
+    if checks:
+        return checks + _inventory_check(wf.id, steps[1:])
+    if (steps and steps[0].state == "succeeded") or "unsupported-kind" in message:
         # an agent that does not run management.validate (an older one, a simulated one)
         return [{
             "check": "site-agent", "status": "skipped",
             "message": f"the site agent did not check the BMC (workflow {wf.id}): it does not run"
             " management.validate",
-        }]  # fmt: skip
+        }, *_inventory_check(wf.id, steps[1:])]  # fmt: skip
     return [{"check": "validate", "status": "failed", "message": f"workflow {wf.id} {wf.state}: {message}"}]
 
 
-def _check_lines(checks: list[dict[str, Any]]) -> list[str]:
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _checks_of(step: Any) -> list[dict[str, Any]] | None:
+    """The checks a validating step found: in its result (``metal.validate``: the agent's
+    answer under ``result``; ``enroll.validateBmc``: its own), or in the error it failed with."""
+    done, error = _dict(step.result), _dict(step.error)
+    details, inner = _dict(error.get("details")), _dict(done.get("result"))
+    for found in (done.get("checks"), inner.get("checks"), details.get("checks")):
+        if isinstance(found, list) and found:
+            return [c for c in found if isinstance(c, dict)]
+    return None
+
+
+def _inventory_check(workflow_id: str, rest: list[Any]) -> list[dict[str, Any]]:
+    """``metal.enroll``'s second step as one more check line: the machine read through its BMC."""
+    if not rest or rest[0].action != "enroll.readBmc":
+        return []
+    step = rest[0]
+    if step.state not in ("succeeded", "failed"):
+        return []  # it never ran: the check before it stopped the workflow
+    if step.state == "failed":
+        error = step.error if isinstance(step.error, dict) else {}
+        said = error.get("message") or step.state
+        return [{"check": "inventory", "status": "failed", "message": f"workflow {workflow_id}: {said}"}]
+    done = _dict(step.result)
+    system = _dict(done.get("system"))
+    if not system and not done.get("powerState"):
+        return [{"check": "inventory", "status": "skipped", "message": "the site agent read no inventory"}]
+    what = " ".join(str(system[k]) for k in ("manufacturer", "model") if system.get(k)) or "a machine"
+    serial = f", serial {system['serial']}" if system.get("serial") else ""
+    power = done.get("powerState") or "unknown"
+    return [{"check": "inventory", "status": "ok", "message": f"{what}{serial}, power {power}"}]
+
+
+def check_lines(checks: list[dict[str, Any]]) -> list[str]:
     return [f"{c.get('check', '?'):<12} {c.get('status', '?'):<8} {c.get('message', '')}" for c in checks]
 
 
@@ -256,7 +308,7 @@ async def nodes_validate(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print_json({"nodeId": node.id, "ok": ok, "checks": checks})
     else:
-        print("\n".join(_check_lines(checks)))
+        print("\n".join(check_lines(checks)))
     return 0 if ok else 1
 
 
@@ -271,10 +323,32 @@ def _size(n: Any) -> str:
     return f"{value:.1f} TiB"
 
 
+def bmc_view(inventory: dict[str, Any] | None) -> str | None:
+    """What the BMC said of the machine (``metal.enroll``), in a line: maker and model, serial,
+    processors, memory, NICs, power."""
+    if not inventory:
+        return None
+    system = _dict(inventory.get("system"))
+    procs = [_dict(p) for p in _list(inventory.get("processors"))]
+    cores = sum(p["cores"] for p in procs if isinstance(p.get("cores"), int))
+    memory = _dict(inventory.get("memory")).get("totalGiB")
+    nics = _list(inventory.get("nics"))
+    parts = [
+        " ".join(str(system[k]) for k in ("manufacturer", "model") if system.get(k)) or "a machine",
+        f"serial {system['serial']}" if system.get("serial") else None,
+        f"{len(procs)} processors ({cores} cores)" if procs else None,
+        f"{memory} GiB" if memory else None,
+        f"{len(nics)} NICs" if nics else None,
+        f"power {str(system['powerState']).lower()}" if system.get("powerState") else None,
+    ]
+    return ", ".join(p for p in parts if p)
+
+
 def show_lines(node: NodeView) -> list[str]:
     """``bcx nodes show`` as text: state, power, inventory, host section, current workflow."""
     lines = [
         f"node        {node.id}",
+        f"name        {node.name or '-'}",
         f"state       {node.state}",
         f"site        {node.site_id}  (tenant {node.tenant_id})",
         f"labels      {','.join(f'{k}={v}' for k, v in node.labels.items()) or '-'}",
@@ -289,6 +363,9 @@ def show_lines(node: NodeView) -> list[str]:
         lines.append(f"bmc         {bmc['driver']} {bmc['address']}{system}")
     else:
         lines.append("bmc         -")
+    seen = bmc_view(node.bmc_inventory)
+    if seen:
+        lines.append(f"bmc says    {seen}")
     reason = node.state_reason
     if isinstance(reason, dict):
         lines.append(
@@ -376,7 +453,8 @@ async def run_verb(args: argparse.Namespace, settings: Settings) -> int:
             print(json_line(got), flush=True)
         else:
             profile = f"{got.profile.id}@{got.profile.version}"
-            print(f"{got.node_id} {got.state}: workflow {got.workflow_id} ({profile})")
+            named = f" ({got.name})" if isinstance(got.name, str) else ""
+            print(f"{got.node_id}{named} {got.state}: workflow {got.workflow_id} ({profile})")
             if got.batch_id:
                 print(f"  destructive commands wait for the approvals of batch {got.batch_id}")
             sys.stdout.flush()
@@ -395,6 +473,8 @@ async def run_bulk(args: argparse.Namespace, settings: Settings) -> int:
     selector = parse_selector(args.selector) if args.selector is not None else None
     node_ids = list(args.node) if args.selector is None else None
     async with engine_client(settings) as engine:
+        if args.plan:
+            return await bulk_plan(engine, args, node_ids=node_ids, selector=selector)
         t0 = time.time()
         got = await engine.bulk(
             cast(VerbName, args.verb), node_ids=node_ids, selector=selector, **_verb_options(args)
@@ -425,9 +505,19 @@ async def _bulk_watch(engine: EngineClient, got: BulkRun, args: argparse.Namespa
 
 
 def _print_bulk(got: BulkRun) -> None:
-    rows = [{"node": s.node_id, "outcome": s.state, "detail": s.workflow_id} for s in got.started]
-    rows += [{"node": r.node_id, "outcome": "refused", "detail": r.message} for r in got.refused]
-    print_table(rows, [("node", "NODE"), ("outcome", "OUTCOME"), ("detail", "WORKFLOW / REASON")])
+    rows = [
+        {
+            "node": s.node_id,
+            "name": s.name if isinstance(s.name, str) else "-",
+            "outcome": s.state,
+            "detail": s.workflow_id,
+        }
+        for s in got.started
+    ]
+    rows += [{"node": r.node_id, "name": "-", "outcome": "refused", "detail": r.message} for r in got.refused]
+    print_table(
+        rows, [("node", "NODE"), ("name", "NAME"), ("outcome", "OUTCOME"), ("detail", "WORKFLOW / REASON")]
+    )
     print(f"{len(got.started)} started, {len(got.refused)} refused")
     if got.batch_id:
         print(f"one batch for all of them: {got.batch_id} (bcx batches approve {got.batch_id})")
@@ -439,6 +529,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p.add_argument("node", nargs="?", help="a discovered node's id (node_…) to enroll")
     p.add_argument("--site", help="site id (a new node; a discovered one keeps its own)")
     p.add_argument("--id", help="node id (node_…); new one by default")
+    p.add_argument("--name", help="a name unique in the site (lab1-m001); bcx takes it for the id")
     add_tenant_flag(p)
     p.add_argument("--mac", action="append", help="MAC address, repeatable")
     p.add_argument("--label", action="append", help="key=value, repeatable")
@@ -451,10 +542,10 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p = nodes.add_parser(
         "validate", parents=[common], help="check the node's BMC now: reach, credentials, system, power"
     )
-    p.add_argument("id", help="node id")
+    p.add_argument("id", type=node_ref, help=NODE_HELP)
     p.set_defaults(func=nodes_validate)
     p = nodes.add_parser("show", parents=[common], help="state, power, inventory, host section, workflow")
-    p.add_argument("id", help="node id")
+    p.add_argument("id", type=node_ref, help=NODE_HELP)
     p.set_defaults(func=nodes_show)
 
     helps = {
@@ -467,7 +558,7 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     }
     for verb in VERBS:
         p = sub.add_parser(verb, parents=[common], help=helps[verb])
-        p.add_argument("node", help="node id")
+        p.add_argument("node", type=node_ref, help=NODE_HELP)
         _verb_flags(p, verb)
         until = p.add_mutually_exclusive_group()
         until.add_argument(
@@ -481,12 +572,20 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
     p = sub.add_parser("bulk", parents=[common], help="one verb over many nodes, under one batch")
     p.add_argument("verb", choices=list(VERBS), help="the lifecycle verb to run on every node")
     p.add_argument("--selector", help="site=lab1,rack=r12: site and labels that must all match")
-    p.add_argument("--node", action="append", help="node id, repeatable (instead of --selector)")
+    p.add_argument(
+        "--node", action="append", type=node_ref, help="node id or name, repeatable (instead of --selector)"
+    )
     _verb_flags(p, "deploy")
     p.add_argument("--watch", action="store_true", help="live progress until each node rests, then a summary")
     p.add_argument("--timeout", type=float, help="with --watch: give up after this many seconds (exit 1)")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="show what it would do (steps, commands, approvals, refusals); change nothing",
+    )
     p.set_defaults(func=run_bulk)
     rollout.register(nodes, common)
+    node_actions.register(nodes, common)
 
 
 def _verb_flags(p: argparse.ArgumentParser, verb: str) -> None:

@@ -29,6 +29,7 @@ from ..wire.engine import (
 from ..wire.events import FEED_KINDS, decode_feed_event, event_node, event_workflow
 from ..wire.pki import CertRevoked, JoinAccepted, JoinRefused
 from .common import api_client, as_rows, connect_bus, short
+from .node_refs import node_ref
 from .output import iso, json_line, print_json, print_table
 
 if TYPE_CHECKING:
@@ -309,7 +310,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kind", action="append", help=f"only these kinds ({', '.join(FEED_KINDS)}); repeat or a,b"
     )
-    p.add_argument("--node", action="append", help="only events about this node (repeatable)")
+    p.add_argument(
+        "--node", action="append", type=node_ref, help="only events about this node (id or name; repeatable)"
+    )
     p.add_argument("--workflow", action="append", help="only events about this workflow (repeatable)")
     p.add_argument("--since", help="from this long ago (10m, 2h), an ISO 8601 time, or 'all' (default: new)")
     p.add_argument("--no-follow", action="store_true", help="print what is stored and exit")

@@ -161,3 +161,18 @@ def print_error(err: BcError, *, as_json: bool, hint: str | None = None) -> None
         )
     else:
         sys.stderr.write(f"error: {err}" + (f" (hint: {hint})" if hint else "") + "\n")
+        for p in _further_problems(err):
+            where = f" (at {p['path']})" if p.get("path") else ""
+            sys.stderr.write(f"  also: {p.get('code')}: {p.get('message')}{where}\n")
+
+
+def _further_problems(err: BcError) -> list[dict[str, Any]]:
+    """The problems of ``details.problems`` after the one the error line names (every problem
+    of a document is found in one pass, so all of them are shown at once)."""
+    problems = err.details.get("problems")
+    if not isinstance(problems, list):
+        return []
+    rest = [p for p in problems if isinstance(p, dict)]
+    if rest and rest[0].get("path") == err.path and rest[0].get("message") == err.message:
+        rest = rest[1:]
+    return rest

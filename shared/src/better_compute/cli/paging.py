@@ -2,8 +2,8 @@
 
 A list command shows one page (``--limit`` items, from ``--cursor`` on) and, when more
 follow, says on stderr how to get them: ``more: --cursor <next>``. ``--all`` (or
-``--all-pages``; only the latter for ``bcx certs list``, whose ``--all`` includes revoked
-certificates) follows the cursors itself to the end. Paging is explicit, not automatic: a
+``--all-pages``) follows the cursors itself to the end, on every list (``bcx certs list`` takes
+``--include-revoked`` for revoked certificates). Paging is explicit, not automatic: a
 plain ``list`` costs one request and prints at most ``--limit`` rows, however long the list
 is. With ``--json`` the output is ``{"<items>": [...], "next": <cursor or null>}``.
 """

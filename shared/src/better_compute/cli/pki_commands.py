@@ -185,6 +185,16 @@ async def cmd_certs_revoke(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def cmd_certs_ca(args: argparse.Namespace, settings: Settings) -> int:
+    async with api_client(settings) as api:
+        info = await PkiClient(api).ca()
+    if args.json:
+        print_json(msgspec.to_builtins(info))
+    else:
+        print(info.certificate_pem, end="" if info.certificate_pem.endswith("\n") else "\n")
+    return 0
+
+
 def register(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
     common: argparse.ArgumentParser,
@@ -237,3 +247,7 @@ def register(
     p.add_argument("id", help="certificate id (cert_…)")
     p.add_argument("--reason", help="recorded with the revocation")
     p.set_defaults(func=cmd_certs_revoke)
+    p = csub.add_parser(
+        "ca", parents=[common], help="bc-pki's CA certificate (PEM): what agents' certificates chain to"
+    )
+    p.set_defaults(func=cmd_certs_ca)

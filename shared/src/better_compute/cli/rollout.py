@@ -46,12 +46,16 @@ from ..wire.engine import (
     decode_workflow_event,
 )
 from .common import engine_client, short
+from .node_refs import node_ref
 from .output import json_line, print_table
+from .why_commands import why_line, why_reason
 
 __all__ = ["RUNNING_STATES", "Progress", "final_states", "register", "select_nodes", "watch_nodes"]
 
 RUNNING_STATES = frozenset(t.running for t in TRANSITIONS.values())
 REREAD_SECONDS = 3.0
+EXPLAINED = 10
+"""A watch of this many nodes or fewer asks ``bcx why`` of each moving node on each read."""
 
 
 def final_states(verb: str | None) -> frozenset[str]:
@@ -105,6 +109,12 @@ class Row:
     failed_step: str | None = None
     failure: str | None = None
     seen_running: bool = False
+    name: str | None = None
+    """The node's name, when it has one: shown instead of its id."""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.node
 
     def elapsed(self, now: float) -> float | None:
         if self.since is None:
@@ -112,13 +122,16 @@ class Row:
         return max(0.0, (self.ended or now) - self.since)
 
 
-def _step_text(node: NodeView) -> str:
-    """The step the node's workflow runs, and what it waits for when that is approvals."""
+def _step_text(node: NodeView, why: str | None = None) -> str:
+    """The step the node's workflow runs, and what it waits for: ``why`` (``bcx why``'s reason,
+    for a watch of a few nodes), else what the node's read says (approvals, a failing BMC)."""
     wf = node.current_workflow
     if not wf:
         return ""
     waits = wf.waiting_for if isinstance(wf.waiting_for, dict) else {}
     step = f"{wf.step.index} {wf.step.action}" if wf.step else ""
+    if why:
+        return f"{step} (waits: {short(why, 110)})".strip()
     reason = waits.get("reason")
     if reason == "batch-approval":
         return f"{step} (waits for approvals: {waits.get('approvals')} of {waits.get('threshold')})".strip()
@@ -147,7 +160,7 @@ class Progress:
         self.rows: dict[str, Row] = {}
         self.workflow_times: dict[str, tuple[float | None, float | None]] = {}
         for n in nodes:
-            self.rows[n.id] = Row(node=n.id, state=n.state)
+            self.rows[n.id] = Row(node=n.id, state=n.state, name=n.name)
 
     @property
     def done(self) -> bool:
@@ -157,13 +170,17 @@ class Progress:
         counts = Counter(r.state for r in self.rows.values())
         return {s: counts[s] for s in (*NODE_STATES, *sorted(set(counts) - set(NODE_STATES))) if counts[s]}
 
-    def apply_node(self, node: NodeView, times: tuple[float | None, float | None], now: float) -> bool:
+    def apply_node(
+        self, node: NodeView, times: tuple[float | None, float | None], now: float, why: str | None = None
+    ) -> bool:
         """Take a fresh read of ``node`` (``times``: its workflow's creation and end, epoch
-        seconds); True when what a user sees of it changed."""
+        seconds; ``why``: what ``bcx why`` says it waits for); True when what a user sees of it
+        changed."""
         row = self.rows[node.id]
         before = (row.state, row.step)
         created, finished = times
         row.state = node.state
+        row.name = node.name
         reason = node.state_reason if isinstance(node.state_reason, dict) else {}
         workflow = _workflow_of(node)
         if workflow and workflow != row.workflow:
@@ -184,7 +201,7 @@ class Progress:
         else:
             row.seen_running = True
             row.ended = None
-            row.step = _step_text(node) or row.step
+            row.step = _step_text(node, why) or row.step
         return (row.state, row.step) != before
 
     def apply_passing(self, event: NodeChanged, now: float) -> bool:
@@ -221,7 +238,7 @@ class Progress:
         for r in self.rows.values():
             elapsed = r.elapsed(now)
             out.append({
-                "node": r.node, "state": r.state, "workflowId": r.workflow,
+                "node": r.node, "name": r.name, "state": r.state, "workflowId": r.workflow,
                 "seconds": round(elapsed, 1) if elapsed is not None else None,
                 "failedStep": r.failed_step, "error": r.failure,
             })  # fmt: skip
@@ -256,12 +273,12 @@ class _Plain:
             elapsed = r.elapsed(now)
             if self.as_json:
                 self.out.write(json_line({
-                    "node": r.node, "state": r.state, "step": r.step or None,
+                    "node": r.node, "name": r.name, "state": r.state, "step": r.step or None,
                     "seconds": round(elapsed, 1) if elapsed is not None else None,
                 }) + "\n")  # fmt: skip
             else:
                 self.out.write(
-                    f"{_fmt_elapsed(now - progress.started):>7}  {r.node}  {r.state:<13} {r.step or '-'}\n"
+                    f"{_fmt_elapsed(now - progress.started):>7}  {r.label}  {r.state:<13} {r.step or '-'}\n"
                 )
         counts = progress.counts()
         if counts != self._counts and not self.as_json:
@@ -319,7 +336,7 @@ class _Live:
             rows = moving[:room]
         for r in rows:
             table.add_row(
-                r.node,
+                r.label,
                 Text(r.state, style=style.get(r.state, "yellow" if r.state in RUNNING_STATES else "")),
                 r.step or "-", _fmt_elapsed(r.elapsed(now)),
             )  # fmt: skip
@@ -346,10 +363,14 @@ async def watch_nodes(
     timeout: float | None = None,
     title: str = "rollout",
     live: bool = True,
+    explain: bool | None = None,
 ) -> int:
     """Follow ``nodes`` until each is in a final state (``live=False``: without a line per
     change); print the summary. 0 when none failed. Past ``timeout`` the summary shows where each
-    stands, then ``TIMEOUT`` is raised."""
+    stands, then ``TIMEOUT`` is raised. ``explain`` (default: for at most ``EXPLAINED`` nodes)
+    asks ``workflows.why`` on each read of a moving node, so its line says what ``bcx why``
+    says it waits for."""
+    explain = len(nodes) <= EXPLAINED if explain is None else explain
     out = out or sys.stdout
     finals = final_states(verb)
     progress = Progress(nodes, finals, started=started or time.time())
@@ -375,6 +396,8 @@ async def watch_nodes(
         match decode_workflow_event(msg.data):
             case StepChanged(node_id=node_id) as event if node_id in wanted:
                 step_events.append(event)
+                if explain:  # what it waits for now: bcx why's answer, on the read
+                    dirty.add(node_id)
                 woken.set()
             case WorkflowFinished(node_id=node_id) if node_id in wanted:
                 dirty.add(node_id)
@@ -418,7 +441,10 @@ async def watch_nodes(
                     with contextlib.suppress(BcError):
                         node = await engine.get_node(id=node_id)
                         times = await _times(engine, progress, node)
-                        if progress.apply_node(node, times, time.time()):
+                        why = None
+                        if explain and node.state not in finals and node.current_workflow:
+                            why = why_reason(await why_line(engine, node_id))
+                        if progress.apply_node(node, times, time.time(), why):
                             changed.append(node_id)
                 if first:
                     changed, first = list(progress.rows), False  # where each one stands
@@ -447,7 +473,7 @@ async def watch_nodes(
         )
     else:
         table = [
-            {**r, "duration": _fmt_elapsed(r["seconds"]),
+            {**r, "duration": _fmt_elapsed(r["seconds"]), "node": r["name"] or r["node"],
              "failed": short(f"{r['failedStep']}: {r['error']}", 90) if r["failedStep"] else "-"}
             for r in rows
         ]  # fmt: skip
@@ -508,7 +534,9 @@ def register(nodes: Any, common: argparse.ArgumentParser) -> None:
     """``bcx nodes watch``."""
     p = nodes.add_parser("watch", parents=[common], help="live progress of nodes until each rests")
     p.add_argument("--selector", help="site=lab1,rack=r12 (default: every node)")
-    p.add_argument("--node", action="append", help="node id, repeatable (instead of --selector)")
+    p.add_argument(
+        "--node", action="append", type=node_ref, help="node id or name, repeatable (instead of --selector)"
+    )
     p.add_argument("--tenant", help="only this tenant's nodes")
     p.add_argument(
         "--verb", choices=list(TRANSITIONS), help="end when each is in this verb's state or failed"

@@ -23,6 +23,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -38,7 +39,7 @@ from ..clients import CommandQueueClient, EngineClient, PkiClient, SecretsClient
 from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..core.ids import new_id
-from ..core.names import parse_name
+from ..core.names import NODE_NAME_PATTERN, parse_name
 from ..files import atomic_write
 from ..logging import register_secret
 from ..metal.lifecycle import parse_bmc_url
@@ -63,6 +64,17 @@ def _say(quiet: bool) -> Callable[[str], None]:
 
 def _site_folder(stack: DevStack, site: str) -> Path:
     return stack.state / "sim" / site
+
+
+def _media_server(stack: DevStack, sim_name: str) -> str | None:
+    """The site whose simulator runs and serves ``BC_SIM_MEDIA_DIR`` at ``BC_SIM_MEDIA_URL``
+    already (a second site in the same shell shares it), or None."""
+    for rec in stack.records():
+        site = rec.name.removeprefix("sim-")
+        serves = (_site_folder(stack, site) / "media-served").exists()
+        if rec.service == "metal-sim" and rec.name != sim_name and serves and rec.alive:
+            return site
+    return None
 
 
 def _names(site: str) -> tuple[str, str]:
@@ -277,8 +289,13 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             argv += ["--power-on", str(index)]
         # the fleet app's engine writes autoinstall ISOs there: the simulator serves them to its BMC
         media_dir, media_url = os.environ.get("BC_SIM_MEDIA_DIR"), os.environ.get("BC_SIM_MEDIA_URL")
-        if media_dir and media_url:
+        serving = _media_server(stack, sim_name) if media_dir and media_url else None
+        if serving is not None:  # one folder, one URL: the first simulator serves it for every site
+            say(f"ISOs: served by the simulator of site {serving} at {media_url}")
+        elif media_dir and media_url:
             argv += ["--media-dir", media_dir, "--media-url", media_url]
+        if "--media-url" in argv:
+            (folder / "media-served").touch()  # what _media_server looks for
         sim_pid = spawn_detached(argv, sim_log, env=env)
         _record(stack, sim_name, "metal-sim", sim_pid, sim_log)
         say(f"{'metal-sim':<17} started   pid {sim_pid}  {total} machines, {args.vms} VMs")
@@ -335,7 +352,10 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
         machines,
         [("name", "MACHINE"), ("mac", "MAC"), ("bmc", "BMC URL"), ("power", "POWER"), ("node", "NODE")],
     )
-    print(f"BMC credential: {creds_file}  (bcx nodes enroll --bmc <BMC URL> --bmc-credentials-file …)")
+    print(
+        f"BMC credential: {creds_file}  (bcx nodes enroll --site {site} --name <MACHINE> --bmc <BMC URL>"
+        " --bmc-credentials-file …)"
+    )
     if not args.enroll:
         print("nothing enrolled (--enroll enrolls the machines as nodes)")
     if args.unenrolled and args.discovery:
@@ -370,6 +390,13 @@ async def _wait_discovered(
     return found
 
 
+def _node_name(machine: str) -> str | None:
+    """The machine's name (``lab1-m001``) as its node's: a site name may hold what a node name
+    may not (``_``, capitals), so those are mended; None when nothing usable is left."""
+    name = machine.lower().replace("_", "-")
+    return name if re.match(NODE_NAME_PATTERN, name) else None
+
+
 async def _enroll(
     api: Any,
     machines: list[dict[str, Any]],
@@ -387,7 +414,7 @@ async def _enroll(
         bmc = convert({**parse_bmc_url(m["bmc"]), "credentialsRef": info.ref}, NodeBmc)
         node = await engine.enroll_node(
             site_id=site, id=node_id, tenant_id=tenant, labels={"sim": "1", **labels}, macs=list(m["macs"]),
-            bmc=bmc,
+            bmc=bmc, name=_node_name(m["name"]),
         )  # fmt: skip
         nodes[m["name"]] = node.id
     return nodes

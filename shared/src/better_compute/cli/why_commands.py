@@ -12,9 +12,10 @@ from ..config import Settings
 from ..core.errors import BcError
 from ..wire.engine import WhyAnswer
 from .common import engine_client
+from .node_refs import node_ref
 from .output import print_json
 
-__all__ = ["register", "why_line"]
+__all__ = ["register", "why_line", "why_reason"]
 
 
 async def why_line(engine: EngineClient, id: str) -> WhyAnswer | None:
@@ -25,6 +26,20 @@ async def why_line(engine: EngineClient, id: str) -> WhyAnswer | None:
         return None
 
 
+_QUIET_KINDS = frozenset({"deadline", "running"})
+"""Parts of a ``why`` answer that say nothing the line does not (it runs, its deadline)."""
+
+
+def why_reason(answer: WhyAnswer | None) -> str | None:
+    """The first part of ``bcx why``'s answer that says what the step waits for, or None."""
+    if answer is None or not answer.waiting:
+        return None
+    for reason in answer.reasons:
+        if reason.kind not in _QUIET_KINDS:
+            return reason.text
+    return None
+
+
 async def cmd_why(args: argparse.Namespace, settings: Settings) -> int:
     async with engine_client(settings) as engine:
         answer = await engine.why(id=args.id)
@@ -33,7 +48,8 @@ async def cmd_why(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     where = f"workflow {answer.workflow_id}" if answer.workflow_id else "no workflow"
     if answer.node_id:
-        where = f"node {answer.node_id}  {where}"
+        named = f" ({answer.node_name})" if answer.node_name else ""
+        where = f"node {answer.node_id}{named}  {where}"
     print(f"{where}  {answer.workflow_state or '-'}")
     print(answer.answer)
     return 0
@@ -43,5 +59,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "why", parents=[common], help="what a node's or workflow's current step waits for, in one answer"
     )
-    p.add_argument("id", help="a node id (its running workflow, else its latest) or a workflow id")
+    p.add_argument(
+        "id", type=node_ref, help="a node id or name (its running workflow, else its latest) or a workflow id"
+    )
     p.set_defaults(func=cmd_why)

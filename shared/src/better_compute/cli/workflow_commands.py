@@ -21,6 +21,7 @@ from ..wire.engine import (
     decode_workflow_event,
 )
 from .common import add_tenant_flag, as_rows, engine_client, short
+from .node_refs import node_names, node_ref
 from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
 from .why_commands import why_line
@@ -31,7 +32,36 @@ FINISHED = ("succeeded", "failed", "aborted")
 
 
 def _error_text(error: Any) -> str:
+    details = error.get("details") if isinstance(error.get("details"), dict) else {}
+    if details.get("reason") == "aborted":  # an operator's abort is no error code to decode
+        return str(error.get("message"))
     return f"{error.get('code')}: {error.get('message')}"
+
+
+_BY_OPERATOR = "aborted by an operator"
+
+
+def _stopped_step(wf: WorkflowView) -> str | None:
+    """``step N (action)``: the first step that did not succeed (the one the abort cancelled,
+    or the one that failed)."""
+    for s in wf.steps or []:
+        if s.state != "succeeded":
+            return f"step {s.index} ({s.action})"
+    return None
+
+
+def _aborted(wf: WorkflowView) -> tuple[str, str]:
+    """Who aborted ``wf`` (``aborted by an operator``) and the rest of the sentence: where it
+    stopped, why, and the way on (``resume``)."""
+    error = wf.error if isinstance(wf.error, dict) else {}
+    message = str(error.get("message") or _BY_OPERATOR)
+    if message.startswith(_BY_OPERATOR):
+        who, _, why = message.partition(": ")
+    else:
+        who, why = "aborted", message
+    at = _stopped_step(wf)
+    tail = (f" at {at}" if at else "") + (f": {why}" if why else "")
+    return who, f"{tail}; to carry on from that step: bcx workflows resume {wf.id}"
 
 
 def _print_steps(wf: WorkflowView) -> None:
@@ -81,8 +111,12 @@ async def workflows_get(args: argparse.Namespace, settings: Settings) -> int:
     p = wf.profile
     where = f"profile {p.id}@{p.version} ({p.tenant_id})  node {wf.node_id or '-'}"
     print(f"{wf.id}  {wf.state}  {where}")
-    if wf.error:
+    if wf.state == "aborted":
+        print("".join(_aborted(wf)))
+    elif wf.error:
         print(f"error: {_error_text(wf.error)}")
+        if wf.state == "failed":
+            print(f"to run that step again: bcx workflows retry {wf.id}")
     if why is not None:
         print(f"why: {why.answer}")
     _print_steps(wf)
@@ -119,10 +153,13 @@ async def workflows_list(args: argparse.Namespace, settings: Settings) -> int:
             engine.list_workflows, "workflows", args,
             node_id=args.node, state=args.state, profile_id=args.profile,
         )  # fmt: skip
+        seen = list(dict.fromkeys(w.node_id for w in workflows if w.node_id))
+        names = {} if args.json else await node_names(engine, seen)
     rows = [
-        {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at)}
+        {**row, "profileRef": f"{w.profile.id}@{w.profile.version}", "created": iso(w.created_at),
+         "nodeId": f"{w.node_id} ({names[w.node_id]})" if w.node_id in names else w.node_id}
         for w, row in zip(workflows, as_rows(workflows), strict=True)
-    ]
+    ]  # fmt: skip
     return show_page(
         args, next_, key="workflows", found=workflows, rows=rows,
         columns=[("id", "WORKFLOW"), ("state", "STATE"), ("profileRef", "PROFILE"),
@@ -144,6 +181,8 @@ async def _verb(args: argparse.Namespace, settings: Settings, verb: str) -> int:
             return await _watch(engine, wf.id, as_json=args.json)
     if args.json:
         print_json(wf)
+    elif verb == "abort" and wf.state == "aborted":
+        print(f"{wf.id} aborted{_aborted(wf)[1]}")
     else:
         print(f"{wf.id} is {wf.state}")
     return 0
@@ -210,6 +249,8 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
                 state = wf.state
                 if as_json:
                     print(json_line({"workflowId": workflow_id, "workflowState": state}), flush=True)
+                elif state == "aborted":
+                    print(f"workflow {workflow_id} {''.join(_aborted(wf))}")
                 elif state in FINISHED:
                     err = wf.error
                     print(f"workflow {workflow_id} {state}" + (f": {_error_text(err)}" if err else ""))
@@ -233,7 +274,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = wfs.add_parser("start", parents=[common, tenant], help="start a workflow")
     p.add_argument("--profile", required=True, help="profile id")
     p.add_argument("--version", type=int, help="profile version (default: the newest)")
-    p.add_argument("--node", help="the node it runs for")
+    p.add_argument("--node", type=node_ref, help="the node it runs for (id or name)")
     p.add_argument("--owner", help="reconciler that hears when it ends")
     p.add_argument("--wait", action="store_true", help="watch it until it ends")
     p.set_defaults(func=workflows_start)
@@ -241,7 +282,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("id", help="workflow id (wf_…)")
     p.set_defaults(func=workflows_get)
     p = wfs.add_parser("list", parents=[common], help="list workflows, newest first")
-    p.add_argument("--node", help="only this node's")
+    p.add_argument("--node", type=node_ref, help="only this node's (id or name)")
     p.add_argument("--state", choices=["running", "succeeded", "failed", "aborted"], help="only this state")
     p.add_argument("--profile", help="only of this profile")
     add_paging(p, default_limit=50)

@@ -61,6 +61,7 @@ from ..wire.images import (
     RegisterImage,
 )
 from ..wire.metal import (
+    BulkPlan,
     BulkRun,
     BulkVerb,
     ConfirmEnrollment,
@@ -73,8 +74,11 @@ from ..wire.metal import (
     ListEnrollmentRules,
     ListPendingEnrollments,
     MetalVerb,
+    NodeActionRun,
     NodeBmc,
     PendingEnrollmentList,
+    PowerNode,
+    SetBootDevice,
     VerbName,
     VerbRun,
 )
@@ -105,6 +109,7 @@ class EngineClient(ServiceClient):
         labels: Mapping[str, str] | None = None,
         macs: list[str] | None = None,
         bmc: NodeBmc | None = None,
+        name: str | None = None,
     ) -> NodeView:
         req = CreateNode(
             site_id=site_id,
@@ -113,6 +118,7 @@ class EngineClient(ServiceClient):
             labels=dict(labels or {}),
             macs=list(macs or []),
             bmc=bmc,
+            name=name,
         )
         return await self._call("nodes.create", req, NodeView)
 
@@ -128,12 +134,14 @@ class EngineClient(ServiceClient):
         labels: dict[str, str] | None = None,
         limit: int = DEFAULT_LIMIT,
         cursor: str | None = None,
+        name: str | None = None,
     ) -> NodeList:
-        """One page of nodes by id (of a site, tenant, state, with labels); pass its ``next`` as
-        ``cursor`` for the next."""
+        """One page of nodes by id (of a site, tenant, state, with labels, with a name); pass its
+        ``next`` as ``cursor`` for the next."""
         req = ListNodes(
-            site_id=site_id, tenant_id=tenant_id, state=state, labels=labels, limit=limit, cursor=cursor
-        )
+            site_id=site_id, tenant_id=tenant_id, state=state, labels=labels, limit=limit, cursor=cursor,
+            name=name,
+        )  # fmt: skip
         return await self._call("nodes.list", req, NodeList)
 
     async def update_node(
@@ -144,14 +152,19 @@ class EngineClient(ServiceClient):
         labels: Mapping[str, str] | None = None,
         macs: list[str] | None = None,
         bmc: NodeBmc | None = None,
+        name: str | None = None,
+        clear_name: bool = False,
     ) -> NodeView:
-        """Replace the node's site, all its labels, its MACs and/or its BMC (unset: unchanged)."""
+        """Replace the node's site, all its labels, its MACs, its BMC and/or its name (unset:
+        unchanged; ``clear_name`` takes the name away)."""
         req = UpdateNode(
             id=id,
             site_id=site_id,
             labels=dict(labels) if labels is not None else None,
             macs=list(macs) if macs is not None else None,
             bmc=bmc,
+            name=name,
+            clear_name=clear_name,
         )
         return await self._call("nodes.update", req, NodeView)
 
@@ -329,9 +342,11 @@ class EngineClient(ServiceClient):
         labels: Mapping[str, str] | None = None,
         macs: list[str] | None = None,
         bmc: NodeBmc | None = None,
+        name: str | None = None,
     ) -> NodeView:
         """A node in ``enrolled``: new, or the ``discovered`` node ``id`` given its BMC and MACs.
-        The BMC names its credential by reference (``credentials_ref``) only."""
+        The BMC names its credential by reference (``credentials_ref``) only; ``name`` is
+        unique in the site."""
         req = EnrollNode(
             site_id=site_id,
             id=id,
@@ -339,6 +354,7 @@ class EngineClient(ServiceClient):
             labels=dict(labels or {}),
             macs=list(macs or []),
             bmc=bmc,
+            name=name,
         )
         return await self._call("metal.enroll", req, NodeView)
 
@@ -354,6 +370,20 @@ class EngineClient(ServiceClient):
         """``metal.<verb>`` of one node: its workflow, and the batch its commands wait for."""
         req = MetalVerb(node_id=node_id, tenant_id=tenant_id, image=image, profile=profile)
         return await self._call(f"metal.{verb}", req, VerbRun)
+
+    async def power(
+        self, *, node_id: str, action: Literal["on", "off", "cycle"], tenant_id: str | None = None
+    ) -> NodeActionRun:
+        """``metal.power``: switch the node on or off, or power-cycle it (a workflow)."""
+        req = PowerNode(node_id=node_id, action=action, tenant_id=tenant_id)
+        return await self._call("metal.power", req, NodeActionRun)
+
+    async def set_boot_device(
+        self, *, node_id: str, device: Literal["pxe", "disk"], tenant_id: str | None = None
+    ) -> NodeActionRun:
+        """``metal.bootDevice``: the node boots from ``device`` next (pxe once, disk for good)."""
+        req = SetBootDevice(node_id=node_id, device=device, tenant_id=tenant_id)
+        return await self._call("metal.bootDevice", req, NodeActionRun)
 
     async def bulk(
         self,
@@ -375,6 +405,28 @@ class EngineClient(ServiceClient):
             profile=profile,
         )
         return await self._call("metal.bulk", req, BulkRun)
+
+    async def plan_bulk(
+        self,
+        verb: VerbName,
+        *,
+        node_ids: list[str] | None = None,
+        selector: Mapping[str, str] | None = None,
+        tenant_id: str | None = None,
+        image: str | None = None,
+        profile: str | None = None,
+    ) -> BulkPlan:
+        """What ``bulk`` would do now (profile, steps, commands, approvals, refusals), changing
+        nothing."""
+        req = BulkVerb(
+            verb=verb,
+            node_ids=list(node_ids) if node_ids is not None else None,
+            selector=dict(selector) if selector is not None else None,
+            tenant_id=tenant_id,
+            image=image,
+            profile=profile,
+        )
+        return await self._call("metal.plan", req, BulkPlan)
 
     # -- enrollment rules -----------------------------------------------------------------
 

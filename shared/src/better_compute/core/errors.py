@@ -72,9 +72,16 @@ class BcError(Exception):
         return cls(code, info.message, info.details)
 
     def with_path_prefix(self, prefix: str) -> BcError:
-        """The same error with ``details.path`` nested under ``prefix``."""
+        """The same error with ``details.path`` nested under ``prefix``, and the path of each
+        entry of ``details.problems`` too (one path style for all of them)."""
         details = dict(self.details)
         details["path"] = join_path(prefix, self.path or "")
+        problems = details.get("problems")
+        if isinstance(problems, list):
+            details["problems"] = [
+                {**p, "path": join_path(prefix, str(p.get("path") or ""))} if isinstance(p, dict) else p
+                for p in problems
+            ]
         err = BcError(self.code, self.message, details)
         err.__cause__ = self.__cause__
         return err

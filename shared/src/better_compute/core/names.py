@@ -16,7 +16,16 @@ import msgspec
 
 from .errors import BcError, ErrorCode
 
-__all__ = ["MAX_NAME", "NAME_PATTERN", "Name", "describe_pattern", "got", "parse_name"]
+__all__ = [
+    "MAX_NAME",
+    "NAME_PATTERN",
+    "NODE_NAME_PATTERN",
+    "Name",
+    "NodeName",
+    "describe_pattern",
+    "got",
+    "parse_name",
+]
 
 MAX_NAME: Final = 64
 NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
@@ -28,7 +37,17 @@ _NAME_RULE: Final = (
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 """A tenant, site or similar name: it may stand as one subject token."""
 
-_RULES: Final = {NAME_PATTERN: _NAME_RULE}
+# A node's name is a host name (one DNS label or several, lowercase): it has no '_', so it can
+# never be taken for a node id (node_…), and bcx takes either where it takes a node.
+NODE_NAME_PATTERN: Final = r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$"
+_NODE_NAME_RULE: Final = (
+    "1 to 63 lowercase letters, digits, '-' or '.', starting and ending with a letter or digit,"
+    " e.g. 'lab1-m001'"
+)
+NodeName = Annotated[str, msgspec.Meta(pattern=NODE_NAME_PATTERN)]
+"""A node's name, unique in its site (``bcx nodes enroll --name``)."""
+
+_RULES: Final = {NAME_PATTERN: _NAME_RULE, NODE_NAME_PATTERN: _NODE_NAME_RULE}
 
 
 def got(value: object) -> str:

@@ -25,15 +25,17 @@ Document fields::
 operation (``use: bmc.reset, on: site``), which has no step definition to take it from.
 ``retry`` (``{attempts, backoff, maxBackoff?, on?}``, ``provision.retry``) replaces the step's
 own default retry policy.
-Every refusal is ``INVALID_CONFIG`` with ``details.path`` (``steps[2].with``, ``userData.kind``).
+Every refusal is ``INVALID_CONFIG`` with ``details.path`` (``steps[2].with``, ``userData.kind``)
+and, in ``details.problems``, every problem of the document found in the same pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import difflib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, ClassVar, Final, Literal, TypeVar
 
 from better_compute.core._json import freeze_json, thaw_json
 from better_compute.core.errors import BcError, ErrorCode, join_path
@@ -94,6 +96,9 @@ _FALLBACK_FIELDS: Final = ("use", "on", "with", "timeout")
 _USER_DATA_FIELDS: Final = ("kind", "template", "tokenTtlSeconds")
 _UNIT_FIELDS: Final = ("name", "settings", "when")
 _SNAKE_HINTS: Final = {"user_data": "userData", "host_config": "hostConfig", "writes_disk": "writesDisk"}
+
+
+_T = TypeVar("_T")
 
 
 def _bad(path: str, message: str) -> BcError:
@@ -276,55 +281,70 @@ def define_profile(
 def profile_from_document(document: Mapping[str, Any]) -> Profile:
     """Read a camelCase profile document (as stored by ``profiles.create``).
 
-    A key whose value is ``null`` counts as absent.
+    A key whose value is ``null`` counts as absent. Every problem is found in one pass: an
+    unknown key names the close ones (``wiht``: did you mean with?).
 
     Raises:
-        BcError: ``INVALID_CONFIG`` with ``details.path`` naming the first bad field.
+        BcError: ``INVALID_CONFIG`` with ``details.path`` naming the first bad field and
+            ``details.problems`` every one (``{path, code, message}``, in document order).
     """
-    doc = _object(document, "", _FIELDS)
+    problems: list[BcError] = []
+    doc = _object(document, "", _FIELDS, problems) or {}
     profile_id: Any = doc.get("id")
     if not matches(PROFILE_ID_PATTERN, profile_id):
-        raise _bad("id", f"profile ids are lowercase like ubuntu-24.04-autoinstall, got {profile_id!r}")
-    version = doc.get("version")
+        problems.append(
+            _bad("id", f"profile ids are lowercase like ubuntu-24.04-autoinstall, got {profile_id!r}")
+        )
+    version: Any = doc.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= _MAX_VERSION:
-        raise _bad("version", f"version must be an integer from 1 to {_MAX_VERSION}, got {version!r}")
+        problems.append(
+            _bad("version", f"version must be an integer from 1 to {_MAX_VERSION}, got {version!r}")
+        )
     target: Any = doc.get("target")
     # A list is unhashable: look it up only when it is a string.
     if target not in (TARGETS if isinstance(target, str) else ()):
-        raise _bad("target", f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+        problems.append(_bad("target", f"target must be one of {', '.join(TARGETS)}, got {target!r}"))
+        target = None
     role: Any = doc.get("role")
     if not matches(ROLE_PATTERN, role):
-        raise _bad("role", f"role must be a lowercase word like host, got {role!r}")
+        problems.append(_bad("role", f"role must be a lowercase word like host, got {role!r}"))
     description = doc.get("description", "")
     if not isinstance(description, str) or len(description) > _MAX_DESCRIPTION:
-        raise _bad("description", f"description must be a string of at most {_MAX_DESCRIPTION}")
+        problems.append(_bad("description", f"description must be a string of at most {_MAX_DESCRIPTION}"))
     adopt = doc.get("adopt", False)
     if not isinstance(adopt, bool):
-        raise _bad("adopt", "adopt must be a boolean")
+        problems.append(_bad("adopt", "adopt must be a boolean"))
     writes_disk = doc.get("writesDisk")
     if writes_disk is not None and not isinstance(writes_disk, bool):
-        raise _bad("writesDisk", "writesDisk must be a boolean")
+        problems.append(_bad("writesDisk", "writesDisk must be a boolean"))
 
     for name in ("image", "userData", "hostConfig"):
-        if name in doc and name not in TARGET_FIELDS[target]:
-            raise _bad(name, f"{name} is not a field of {target} profiles")
+        if target is not None and name in doc and name not in TARGET_FIELDS[target]:
+            problems.append(_bad(name, f"{name} is not a field of {target} profiles"))
     for name, what in (("image", "an image"), ("userData", "user data")):
-        if adopt and name in doc:
-            raise _bad(name, f"an adopt profile takes over a running machine and has no {what}")
+        if adopt is True and name in doc:
+            problems.append(_bad(name, f"an adopt profile takes over a running machine and has no {what}"))
 
     image = doc.get("image")
     if image is not None and not matches(IMAGE_REF_PATTERN, image):
-        raise _bad("image", f"image must be a catalog reference name@version, got {image!r}")
-    user_data = _user_data(doc["userData"]) if "userData" in doc else None
-    host_config = _host_config(doc["hostConfig"]) if "hostConfig" in doc else None
+        problems.append(_bad("image", f"image must be a catalog reference name@version, got {image!r}"))
+    user_data = _user_data(doc["userData"], problems) if "userData" in doc else None
+    host_config = _host_config(doc["hostConfig"], problems) if "hostConfig" in doc else None
 
-    raw_steps = as_list(doc.get("steps", []), "steps")
-    if adopt and raw_steps:
-        raise _bad("steps", "an adopt profile takes over a running machine and has no steps")
+    raw_steps = _list(doc.get("steps", []), "steps", problems)
+    if adopt is True and raw_steps:
+        problems.append(_bad("steps", "an adopt profile takes over a running machine and has no steps"))
+    steps: list[ProfileStep | None] = []
     if len(raw_steps) > MAX_PROFILE_STEPS:
-        raise _bad("steps", f"a profile holds at most {MAX_PROFILE_STEPS} steps")
-    steps = tuple(_step(raw, f"steps[{i}]", _STEP_FIELDS) for i, raw in enumerate(raw_steps))
+        problems.append(_bad("steps", f"a profile holds at most {MAX_PROFILE_STEPS} steps"))
+    else:
+        steps = [_step(raw, f"steps[{i}]", _STEP_FIELDS, problems) for i, raw in enumerate(raw_steps)]
 
+    if problems:
+        first = problems[0]
+        raise BcError(
+            first.code, first.message, {**first.details, "problems": [_problem(p) for p in problems]}
+        )
     return Profile(
         id=profile_id,
         version=version,
@@ -335,9 +355,14 @@ def profile_from_document(document: Mapping[str, Any]) -> Profile:
         image=image,
         user_data=user_data,
         host_config=host_config,
-        steps=steps,
+        steps=tuple(s for s in steps if s is not None),
         writes_disk=writes_disk,
     )
+
+
+def _problem(err: BcError) -> dict[str, Any]:
+    """One entry of ``details.problems``."""
+    return {"path": err.path or "", "code": err.code.value, "message": err.message}
 
 
 def as_list(value: object, path: str) -> list[Any]:
@@ -347,81 +372,155 @@ def as_list(value: object, path: str) -> list[Any]:
     return list(value)
 
 
-def _object(value: object, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
-    """The non-null entries of a JSON object whose keys are all in ``allowed``."""
+def _list(value: object, path: str, problems: list[BcError]) -> list[Any]:
+    """``as_list``, its problem noted: an empty list then."""
+    try:
+        return as_list(value, path)
+    except BcError as err:
+        problems.append(err)
+        return []
+
+
+def _unknown_key(key: str, allowed: tuple[str, ...]) -> str:
+    """``unknown field`` and the names it may have meant (``wiht``: with; ``user_data``: userData)."""
+    if key in _SNAKE_HINTS:
+        return f"unknown field; did you mean {_SNAKE_HINTS[key]}?"
+    close = difflib.get_close_matches(key, allowed, n=2, cutoff=0.6)
+    if close:
+        return "unknown field; did you mean " + " or ".join(close) + "?"
+    return f"unknown field; the fields here are {', '.join(allowed)}"
+
+
+def _object(
+    value: object, path: str, allowed: tuple[str, ...], problems: list[BcError]
+) -> dict[str, Any] | None:
+    """The non-null entries of a JSON object whose keys are in ``allowed`` (each other key is
+    a problem noted, and left out); None when ``value`` is no object."""
     if not isinstance(value, Mapping):
-        raise _bad(path, f"expected an object, got {type(value).__name__}")
+        problems.append(_bad(path, f"expected an object, got {type(value).__name__}"))
+        return None
     out: dict[str, Any] = {}
     for key, item in value.items():
         if not isinstance(key, str):
-            raise _bad(path, f"object keys must be strings, got {type(key).__name__}")
-        if key not in allowed:
-            hint = f"; did you mean {_SNAKE_HINTS[key]}?" if key in _SNAKE_HINTS else ""
-            raise _bad(join_path(path, key), f"unknown field{hint}")
-        if item is not None:
+            problems.append(_bad(path, f"object keys must be strings, got {type(key).__name__}"))
+        elif key not in allowed:
+            problems.append(_bad(join_path(path, key), _unknown_key(key, allowed)))
+        elif item is not None:
             out[key] = item
     return out
 
 
-def _step(value: object, path: str, allowed: tuple[str, ...]) -> ProfileStep:
-    raw = _object(value, path, allowed)
+def _noted(problems: list[BcError], check: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | None:
+    """``check(*args, **kwargs)``, or None with its ``BcError`` noted."""
+    try:
+        return check(*args, **kwargs)
+    except BcError as err:
+        problems.append(err)
+        return None
+
+
+def _step(value: object, path: str, allowed: tuple[str, ...], problems: list[BcError]) -> ProfileStep | None:
+    """The step at ``path``; None when it has problems (each one noted)."""
+    before = len(problems)
+    raw = _object(value, path, allowed, problems)
+    if raw is None:
+        return None
     use: Any = raw.get("use")
     if not is_dotted_name(use):
-        raise _bad(join_path(path, "use"), f"use names a step or driver operation, got {use!r}")
+        problems.append(_bad(join_path(path, "use"), f"use names a step or driver operation, got {use!r}"))
     on = raw.get("on")
     if on is not None and on not in PLACES:
-        raise _bad(join_path(path, "on"), f"on must be one of {', '.join(PLACES)}, got {on!r}")
+        problems.append(_bad(join_path(path, "on"), f"on must be one of {', '.join(PLACES)}, got {on!r}"))
     with_path = join_path(path, "with")
     with_ = raw.get("with", {})
+    frozen_with: Any = None
     if not isinstance(with_, Mapping):
-        raise _bad(with_path, f"with must be an object, got {type(with_).__name__}")
-    frozen_with = freeze_json(with_, path=with_path, code=ErrorCode.INVALID_CONFIG)
+        problems.append(_bad(with_path, f"with must be an object, got {type(with_).__name__}"))
+    else:
+        frozen_with = _noted(problems, freeze_json, with_, path=with_path, code=ErrorCode.INVALID_CONFIG)
     timeout = raw.get("timeout")
     if timeout is not None:
         timeout_path = join_path(path, "timeout")
-        if parse_duration(timeout, path=timeout_path, code=ErrorCode.INVALID_CONFIG) <= 0:
-            raise _bad(timeout_path, "timeout must be longer than zero")
-    retry = parse_retry(raw["retry"], join_path(path, "retry")) if "retry" in raw else None
+        ms = _noted(problems, parse_duration, timeout, path=timeout_path, code=ErrorCode.INVALID_CONFIG)
+        if ms is not None and ms <= 0:
+            problems.append(_bad(timeout_path, "timeout must be longer than zero"))
+    retry = None
+    if "retry" in raw:
+        retry = _noted(problems, parse_retry, raw["retry"], join_path(path, "retry"))
     fallback = None
     if "fallback" in raw:
-        fallback = _step(raw["fallback"], join_path(path, "fallback"), _FALLBACK_FIELDS)
+        fallback = _step(raw["fallback"], join_path(path, "fallback"), _FALLBACK_FIELDS, problems)
+    if len(problems) > before:
+        return None
     return ProfileStep(use=use, on=on, with_=frozen_with, timeout=timeout, fallback=fallback, retry=retry)
 
 
-def _user_data(value: object) -> ProfileUserData:
-    raw = _object(value, "userData", _USER_DATA_FIELDS)
+def _user_data(value: object, problems: list[BcError]) -> ProfileUserData | None:
+    before = len(problems)
+    raw = _object(value, "userData", _USER_DATA_FIELDS, problems)
+    if raw is None:
+        return None
     kind: Any = raw.get("kind")
     if not matches(USER_DATA_KIND_PATTERN, kind):
-        raise _bad("userData.kind", f"kind is a lowercase name like cloud-init, got {kind!r}")
+        problems.append(_bad("userData.kind", f"kind is a lowercase name like cloud-init, got {kind!r}"))
     template = raw.get("template")
     if template is not None and not matches(TEMPLATE_NAME_PATTERN, template):
-        raise _bad("userData.template", f"template names a template like acme.yaml, got {template!r}")
+        problems.append(
+            _bad("userData.template", f"template names a template like acme.yaml, got {template!r}")
+        )
     ttl = raw.get("tokenTtlSeconds")
     if ttl is not None and (
         isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 < ttl <= MAX_TOKEN_TTL_SECONDS
     ):
-        raise _bad(
-            "userData.tokenTtlSeconds",
-            f"tokenTtlSeconds must be a whole number from 1 to {MAX_TOKEN_TTL_SECONDS}",
+        problems.append(
+            _bad(
+                "userData.tokenTtlSeconds",
+                f"tokenTtlSeconds must be a whole number from 1 to {MAX_TOKEN_TTL_SECONDS}",
+            )
         )
+    if len(problems) > before:
+        return None
     return ProfileUserData(kind=kind, template=template, token_ttl_seconds=ttl)
 
 
-def _host_config(value: object) -> HostConfig:
-    raw = _object(value, "hostConfig", ("units",))
+def _host_config(value: object, problems: list[BcError]) -> HostConfig | None:
+    before = len(problems)
+    raw = _object(value, "hostConfig", ("units",), problems)
+    if raw is None:
+        return None
     units: list[HostUnit] = []
-    for i, item in enumerate(as_list(raw.get("units", []), "hostConfig.units")):
+    for i, item in enumerate(_list(raw.get("units", []), "hostConfig.units", problems)):
         path = f"hostConfig.units[{i}]"
-        unit = _object(item, path, _UNIT_FIELDS)
+        unit = _object(item, path, _UNIT_FIELDS, problems)
+        if unit is None:
+            continue
         name: Any = unit.get("name")
         if not matches(UNIT_NAME_PATTERN, name):
-            raise _bad(join_path(path, "name"), f"unit names are kebab-case like sysctl, got {name!r}")
+            problems.append(
+                _bad(join_path(path, "name"), f"unit names are kebab-case like sysctl, got {name!r}")
+            )
         settings = unit.get("settings", {})
+        frozen: Any = None
         if not isinstance(settings, Mapping):
-            raise _bad(join_path(path, "settings"), "settings must be an object")
+            problems.append(_bad(join_path(path, "settings"), "settings must be an object"))
+        else:
+            frozen = _noted(
+                problems,
+                freeze_json,
+                settings,
+                path=join_path(path, "settings"),
+                code=ErrorCode.INVALID_CONFIG,
+            )
         when = unit.get("when")
         if when is not None:
-            parse_label_expression(when, path=join_path(path, "when"), code=ErrorCode.INVALID_CONFIG)
-        frozen = freeze_json(settings, path=join_path(path, "settings"), code=ErrorCode.INVALID_CONFIG)
+            _noted(
+                problems,
+                parse_label_expression,
+                when,
+                path=join_path(path, "when"),
+                code=ErrorCode.INVALID_CONFIG,
+            )
         units.append(HostUnit(name=name, settings=frozen, when=when))
+    if len(problems) > before:
+        return None
     return HostConfig(units=tuple(units))

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Final
+
+import msgspec
 
 from better_compute.core.errors import BcError, ErrorCode, join_path
 from better_compute.core.manifest import parse_duration
@@ -38,9 +39,9 @@ _MAX_BACKOFF_MS: Final = 24 * 3600 * 1000
 _CODES: Final = tuple(code.value for code in ErrorCode)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RetryPolicy:
-    """A step's retry policy, checked and frozen (made by ``parse_retry``)."""
+class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A step's retry policy, checked and frozen (made by ``parse_retry``; read back from a
+    workflow step with ``from_stored``, so the engine runs this very code)."""
 
     attempts: int
     backoff: str
@@ -71,6 +72,17 @@ class RetryPolicy:
     def to_stored(self) -> dict[str, Any]:
         """What a workflow step persists: the document plus the durations in ms."""
         return {**self.to_document(), "backoffMs": self.backoff_ms, "maxBackoffMs": self.max_backoff_ms}
+
+    @classmethod
+    def from_stored(cls, stored: object) -> RetryPolicy | None:
+        """The policy a workflow step stored (``to_stored``); None for none, or for a document
+        that is not one (the step then fails as it would without a policy)."""
+        if stored is None:
+            return None
+        try:
+            return msgspec.convert(stored, cls)
+        except msgspec.ValidationError:
+            return None
 
 
 def parse_retry(value: object, path: str, code: ErrorCode = ErrorCode.INVALID_CONFIG) -> RetryPolicy:

@@ -8,8 +8,12 @@ in date, and not revoked; the connection then becomes a user of its own, with
 ``agent_permissions`` only: its own events, its own consumer, its own inbox. Anything else gets a
 refusal, which nats-server turns into an authorization violation.
 
-This is the building block of docs/security.md's design ("The bus"); the deployment does not use
-it yet (the agents do not present their certificates to NATS yet).
+A machine that has no certificate yet joins as the site's ``joining`` identity: a client
+certificate of the bus CA naming ``urn:bc:join:<site>`` (``bcx bus callout`` makes it), which may
+publish ``agents.join`` and read only the inbox its connection names (``join_inbox_prefix``).
+
+``bc-pki callout`` (``bc_pki.callout``) runs this against a site's leaf node with bc-pki's
+revocation behind ``revoked``, and cuts a revoked agent's connections (docs/security.md, "The bus").
 """
 
 from __future__ import annotations
@@ -26,17 +30,29 @@ from typing import Any
 import nkeys
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 
 from ..core.errors import BcError, ErrorCode
-from ..wire.subjects import Subjects
+from ..wire.subjects import Subjects, join_inbox_prefix, join_nonce
 
-__all__ = ["AUTH_SUBJECT", "AgentCertificate", "CalloutResponder", "agent_certificate", "agent_permissions"]
+__all__ = [
+    "AUTH_SUBJECT",
+    "JOINING",
+    "Admitted",
+    "AgentCertificate",
+    "CalloutResponder",
+    "agent_certificate",
+    "agent_permissions",
+    "joining_certificate",
+    "joining_permissions",
+]
 
 AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
 USER_TTL_S = 3600  # a connection re-authenticates at least this often (a revocation's upper bound)
+JOINING = "joining"
+"""The name of a connection made with a site's joining certificate (no agent yet)."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +63,21 @@ class AgentCertificate:
     site_id: str
     serial: str  # hex, as bc-pki lists it
     not_after: float  # epoch seconds
+    cert_id: str | None = None
+    """bc-pki's id of the certificate (``urn:bc:cert:``); certificates issued before it was
+    written there have none, and are looked up by agent and serial."""
+    role: str = ""
+    """The join token's role (the subject's OU): ``site`` for a site agent."""
 
 
-def agent_certificate(pem: str, ca_pem: bytes, *, now: float | None = None) -> AgentCertificate:
-    """The agent named by ``pem``, once it is shown to be an agent certificate issued by the CA of
-    ``ca_pem`` and in date; ``UNAUTHENTICATED`` otherwise."""
+def _client_certificate(
+    pem: str, ca_pem: bytes, now: float | None, what: str
+) -> tuple[x509.Certificate, list[str]]:
+    """``pem`` once shown to be a client certificate issued by the CA of ``ca_pem`` and in date,
+    with its URIs; ``UNAUTHENTICATED`` otherwise."""
 
     def no(why: str) -> BcError:
-        return BcError(ErrorCode.UNAUTHENTICATED, f"not an agent certificate of this CA: {why}")
+        return BcError(ErrorCode.UNAUTHENTICATED, f"not {what} of this CA: {why}")
 
     try:
         cert = x509.load_pem_x509_certificate(pem.encode())
@@ -69,42 +92,73 @@ def agent_certificate(pem: str, ca_pem: bytes, *, now: float | None = None) -> A
         usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
-        raise no("no agent names") from None
+        raise no("no names") from None
     if ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
         raise no("not for clients")
-    uris = names.get_values_for_type(x509.UniformResourceIdentifier)
-    agents = [u.removeprefix("urn:bc:agent:") for u in uris if u.startswith("urn:bc:agent:")]
-    sites = [u.removeprefix("urn:bc:site:") for u in uris if u.startswith("urn:bc:site:")]
-    if len(agents) != 1 or len(sites) != 1:
-        raise no("no agent names")
+    return cert, list(names.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def _urns(uris: list[str], kind: str) -> list[str]:
+    return [u.removeprefix(f"urn:bc:{kind}:") for u in uris if u.startswith(f"urn:bc:{kind}:")]
+
+
+def agent_certificate(pem: str, ca_pem: bytes, *, now: float | None = None) -> AgentCertificate:
+    """The agent named by ``pem``, once it is shown to be an agent certificate issued by the CA of
+    ``ca_pem`` and in date; ``UNAUTHENTICATED`` otherwise."""
+    cert, uris = _client_certificate(pem, ca_pem, now, "an agent certificate")
+    agents, sites, certs = _urns(uris, "agent"), _urns(uris, "site"), _urns(uris, "cert")
+    if len(agents) != 1 or len(sites) != 1 or len(certs) > 1:
+        raise BcError(ErrorCode.UNAUTHENTICATED, "not an agent certificate of this CA: no agent names")
+    roles = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
     return AgentCertificate(
         agent_id=agents[0],
         site_id=sites[0],
         serial=format(cert.serial_number, "x"),
         not_after=cert.not_valid_after_utc.timestamp(),
+        cert_id=certs[0] if certs else None,
+        role=str(roles[0].value) if roles else "",
     )
 
 
+def joining_certificate(pem: str, bus_ca_pem: bytes, *, now: float | None = None) -> str:
+    """The site whose joining certificate ``pem`` is (``urn:bc:join:<site>``, issued by the bus CA
+    of ``bus_ca_pem``, in date); ``UNAUTHENTICATED`` otherwise."""
+    _cert, uris = _client_certificate(pem, bus_ca_pem, now, "a joining certificate")
+    sites = _urns(uris, "join")
+    if len(sites) != 1:
+        raise BcError(ErrorCode.UNAUTHENTICATED, "not a joining certificate of this CA: no site")
+    return sites[0]
+
+
 def agent_permissions(
-    subjects: Subjects, site_id: str, agent_id: str, *, js_api: str = "$JS.API"
+    subjects: Subjects, site_id: str, agent_id: str, *, js_api: str = "$JS.API", role: str = ""
 ) -> dict[str, Any]:
     """An agent's NATS permissions (nats-server's user claims): its own events, join and fetch,
     pulling and acking on its own consumer of its site's stream, and its own inbox. ``js_api`` is
     the JetStream API prefix as the server checks it: ``$JS.hub.API`` on a site's leaf node, whose
-    account maps the agents' ``$JS.API`` calls to the hub's domain (deploy/nats/leaf-site.conf)."""
+    account maps the agents' ``$JS.API`` calls to the hub's domain (deploy/nats/leaf-site.conf).
+    A site agent (``role`` ``site``) may also report a boot entry asked for twice (``tokens.burn``)
+    or closed clean (``tokens.confirm``)."""
     stream = subjects.site_stream(site_id)
+    allow = [
+        f"{subjects.root}.agent.{site_id}.{agent_id}.>",
+        subjects.api("pki", "agents", "join"),
+        subjects.api("secrets", "secrets", "fetch"),
+        f"{js_api}.CONSUMER.MSG.NEXT.{stream}.{agent_id}",
+        f"{js_api}.CONSUMER.INFO.{stream}.{agent_id}",
+        f"$JS.ACK.{stream}.{agent_id}.>",
+    ]
+    if role == "site":
+        allow += [subjects.api("pki", "tokens", "burn"), subjects.api("pki", "tokens", "confirm")]
+    return {"pub": {"allow": allow}, "sub": {"allow": [f"_INBOX.{agent_id}.>"]}}
+
+
+def joining_permissions(subjects: Subjects, nonce: str | None) -> dict[str, Any]:
+    """A joining machine's: ``agents.join``, and replies only under the inbox its connection
+    named (none when it named none: it can ask but hear nothing)."""
     return {
-        "pub": {
-            "allow": [
-                f"{subjects.root}.agent.{site_id}.{agent_id}.>",
-                subjects.api("pki", "agents", "join"),
-                subjects.api("secrets", "secrets", "fetch"),
-                f"{js_api}.CONSUMER.MSG.NEXT.{stream}.{agent_id}",
-                f"{js_api}.CONSUMER.INFO.{stream}.{agent_id}",
-                f"$JS.ACK.{stream}.{agent_id}.>",
-            ]
-        },
-        "sub": {"allow": [f"_INBOX.{agent_id}.>"]},
+        "pub": {"allow": [subjects.api("pki", "agents", "join")]},
+        "sub": {"allow": [f"{join_inbox_prefix(nonce)}.>"] if nonce else []},
     }
 
 
@@ -136,12 +190,23 @@ def _sign(claims: dict[str, Any], key: Any) -> str:
 Revoked = Callable[[AgentCertificate], Awaitable[bool]]
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A connection the responder let in as an agent: enough to cut it off later."""
+
+    agent: AgentCertificate
+    server_id: str
+    client_id: int
+
+
 class CalloutResponder:
     """Answers one NATS server's auth callout for the agents of ``site_id``.
 
     ``issuer_seed`` is the seed of the account nkey the server's ``auth_callout.issuer`` names;
     ``account`` the account the agents land in; ``revoked`` asks whether bc-pki revoked a
-    certificate (a deployment asks bc-pki, with a short cache).
+    certificate (a deployment asks bc-pki, with a short cache). With ``bus_ca_pem``, a joining
+    certificate of this site from that CA connects as ``joining``. ``admitted`` hears of every
+    agent connection let in (its server and client id), so that it can be cut off.
     """
 
     def __init__(
@@ -154,8 +219,14 @@ class CalloutResponder:
         revoked: Revoked,
         subjects: Subjects | None = None,
         js_api: str = "$JS.API",
+        bus_ca_pem: bytes | None = None,
+        admitted: Callable[[Admitted], None] | None = None,
+        log: Any = None,
     ) -> None:
+        self.log = log
         self.ca_pem = ca_pem
+        self.bus_ca_pem = bus_ca_pem
+        self.admitted = admitted
         self.key = nkeys.from_seed(issuer_seed)
         self.issuer = self.key.public_key.decode()
         self.site_id = site_id
@@ -175,38 +246,71 @@ class CalloutResponder:
     async def answer(self, request: str) -> bytes:
         """The signed authorization response to the server's request (a JWT)."""
         claims = _claims(request).get("nats", {})
+        if not isinstance(claims, dict):
+            claims = {}
         user_nkey = str(claims.get("user_nkey", ""))
         server = str((claims.get("server_id") or {}).get("id", ""))
         response: dict[str, Any] = {"type": "authorization_response", "version": 2}
         try:
-            agent = await self._agent(claims)
+            name, permissions, not_after, agent = await self._identity(claims)
         except BcError as err:
             response["error"] = err.message
+            if self.log is not None:
+                client = claims.get("client_info") or {}
+                self.log.info("connection_refused", error=err.message, host=str(client.get("host", ""))[:64])
         else:
             user = {
                 "iss": self.issuer,
                 "sub": user_nkey,
                 "aud": self.account,
-                "name": agent.agent_id,
-                "exp": int(min(agent.not_after, time.time() + USER_TTL_S)),
-                "nats": {
-                    **agent_permissions(self.subjects, agent.site_id, agent.agent_id, js_api=self.js_api),
-                    "type": "user",
-                    "version": 2,
-                },
+                "name": name,
+                "exp": int(min(not_after, time.time() + USER_TTL_S)),
+                "nats": {**permissions, "type": "user", "version": 2},
             }
             response["jwt"] = _sign(user, self.key)
+            client = claims.get("client_info") or {}
+            if agent is not None and self.admitted is not None and isinstance(client.get("id"), int):
+                self.admitted(Admitted(agent=agent, server_id=server, client_id=client["id"]))
         return _sign(
             {"iss": self.issuer, "sub": user_nkey, "aud": server, "nats": response}, self.key
         ).encode()
 
-    async def _agent(self, claims: dict[str, Any]) -> AgentCertificate:
+    async def _identity(
+        self, claims: dict[str, Any]
+    ) -> tuple[str, dict[str, Any], float, AgentCertificate | None]:
+        """Who the connection is: its name, permissions, when its user expires at the latest,
+        and the agent certificate (None for a joining machine)."""
         chains = (claims.get("client_tls") or {}).get("verified_chains") or []
         if not chains or not chains[0]:
             raise BcError(ErrorCode.UNAUTHENTICATED, "no client certificate")
-        agent = agent_certificate(chains[0][0], self.ca_pem)
+        leaf = str(chains[0][0])
+        if self.bus_ca_pem is not None and _issued_by(leaf, self.bus_ca_pem):
+            site = joining_certificate(leaf, self.bus_ca_pem)
+            if site != self.site_id:
+                raise BcError(
+                    ErrorCode.UNAUTHENTICATED, f"the joining certificate of site {site}, not {self.site_id}"
+                )
+            nonce = join_nonce(str((claims.get("connect_opts") or {}).get("name") or ""))
+            return JOINING, joining_permissions(self.subjects, nonce), time.time() + USER_TTL_S, None
+        agent = await self._agent(leaf)
+        permissions = agent_permissions(
+            self.subjects, agent.site_id, agent.agent_id, js_api=self.js_api, role=agent.role
+        )
+        return agent.agent_id, permissions, agent.not_after, agent
+
+    async def _agent(self, pem: str) -> AgentCertificate:
+        agent = agent_certificate(pem, self.ca_pem)
         if agent.site_id != self.site_id:
             raise BcError(ErrorCode.UNAUTHENTICATED, f"an agent of site {agent.site_id}, not {self.site_id}")
         if await self.revoked(agent):
             raise BcError(ErrorCode.UNAUTHENTICATED, "the certificate is revoked")
         return agent
+
+
+def _issued_by(pem: str, ca_pem: bytes) -> bool:
+    try:
+        cert = x509.load_pem_x509_certificate(pem.encode())
+        cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca_pem))
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from ..core.names import Name
+from ..core.names import Name, NodeName
 from .metal import MAX_MACS, Mac, NodeBmc
 from .paging import DEFAULT_LIMIT, Cursor, Limit
 
@@ -122,6 +122,8 @@ class CreateNode(_Req, frozen=True, kw_only=True):
     """Checked by ``check_labels``: key syntax, value size and count."""
     macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] = msgspec.field(default_factory=list)
     bmc: NodeBmc | None = None
+    name: NodeName | None = None
+    """Unique in the site (``CONFLICT`` at ``name`` otherwise)."""
 
 
 class GetNode(_Req, frozen=True, kw_only=True):
@@ -136,6 +138,9 @@ class UpdateNode(_Req, frozen=True, kw_only=True):
     labels: dict[str, str] | None = None
     macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] | None = None
     bmc: NodeBmc | None = None
+    name: NodeName | None = None
+    """A new name, unique in the node's (new) site; ``clear_name`` takes the name away."""
+    clear_name: bool = False
 
 
 class LabelNode(_Req, frozen=True, kw_only=True):
@@ -175,6 +180,8 @@ class ListNodes(_Req, frozen=True, kw_only=True):
     tenant_id: str | None = None
     state: Name | None = None
     labels: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_LABELS)] | None = None
+    name: NodeName | None = None
+    """Only the node with this name (one per site: with ``site_id``, at most one)."""
     limit: Limit = DEFAULT_LIMIT
     cursor: Cursor | None = None
 
@@ -332,6 +339,12 @@ class NodeView(_Reply, frozen=True, kw_only=True):
     pending_enrollment: dict[str, Any] | None = None
     """A rule's enrolment waiting for an operator's confirmation (its BMC address came from the
     machine's report): ``ruleId``, ``ruleName``, ``bmc``, ``at`` (``bcx enrollment-rules confirm``)."""
+    name: str | None = None
+    """The operator's name for the node, unique in its site; bcx takes it wherever it takes
+    the node's id."""
+    bmc_inventory: dict[str, Any] | None = None
+    """What the node's BMC says of the machine (``system``: maker, model, serial, UUID, power;
+    ``processors``, ``memory``, ``nics``), as the ``metal.enroll`` profile read it; None before."""
     created_at: str | None
     updated_at: str | None = None
     inventory: Any | msgspec.UnsetType = msgspec.UNSET
@@ -580,6 +593,8 @@ class WhyAnswer(_Reply, frozen=True, kw_only=True):
     waiting: bool
     answer: str
     reasons: list[WhyReason]
+    node_name: str | None = None
+    """The node's name, when it has one."""
 
 
 # -- events on bc.events.workflow.<id> ----------------------------------------------------

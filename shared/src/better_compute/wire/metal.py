@@ -1,5 +1,5 @@
 """Metal's part of the engine's contract: the node's BMC and MACs, the lifecycle verbs
-(``metal.<verb>``) and ``metal.bulk`` (camelCase on the wire).
+(``metal.<verb>``), ``metal.bulk`` and its dry run ``metal.plan`` (camelCase on the wire).
 
 A BMC names its credential by reference only (``credentialsRef``, a ``sec_…`` SecretRef stored
 through bc-secrets). Unknown fields are ignored, as everywhere on the bus (docs/compatibility.md),
@@ -16,12 +16,13 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from better_compute.core.manifest import SECRET_REF_PATTERN
-from better_compute.core.names import Name
+from better_compute.core.names import Name, NodeName
 
 __all__ = [
     "MAC_PATTERN",
     "MAX_MACS",
     "MAX_NODES_PER_BULK",
+    "BulkPlan",
     "BulkRefusal",
     "BulkRun",
     "BulkVerb",
@@ -36,10 +37,17 @@ __all__ = [
     "ListPendingEnrollments",
     "Mac",
     "MetalVerb",
+    "NodeAction",
+    "NodeActionRun",
     "NodeBmc",
     "PendingEnrollment",
     "PendingEnrollmentList",
+    "PlanApprovals",
+    "PlanStep",
+    "PlannedNode",
+    "PowerNode",
     "SecretRef",
+    "SetBootDevice",
     "VerbName",
     "VerbProfile",
     "VerbRun",
@@ -67,13 +75,18 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 
 class NodeBmc(_Msg, frozen=True, kw_only=True):
-    """The node's BMC: how the site agent reaches it. The password is behind ``credentials_ref``."""
+    """The node's BMC: how the site agent reaches it. The password is behind ``credentials_ref``.
+
+    The one declaration of a BMC: the engine stores it in ``nodes.bmc``, every BMC command
+    carries it (``bmc``, its manifest derived from it) and the site agent's drivers take it."""
 
     driver: Literal["redfish", "ipmi", "sim"]
     address: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
     credentials_ref: SecretRef | None = None
     system_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
     insecure: bool = False
+    ca_bundle: Annotated[str, msgspec.Meta(max_length=65536)] | None = None
+    """PEM certificates the BMC's TLS certificate must chain to (a public document, no secret)."""
 
     def to_document(self) -> dict[str, Any]:
         """As stored in ``nodes.bmc`` and relayed in BMC commands (absent fields left out)."""
@@ -90,6 +103,9 @@ class EnrollNode(_Msg, frozen=True, kw_only=True):
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     macs: Annotated[list[Mac], msgspec.Meta(max_length=MAX_MACS)] = msgspec.field(default_factory=list)
     bmc: NodeBmc | None = None
+    name: NodeName | None = None
+    """Unique in the site (``CONFLICT`` at ``name`` otherwise); a discovered node keeps its own
+    when none is given."""
 
 
 class MetalVerb(_Msg, frozen=True, kw_only=True):
@@ -99,6 +115,28 @@ class MetalVerb(_Msg, frozen=True, kw_only=True):
     tenant_id: Name | None = None
     image: ImageRef | None = None
     profile: ProfileId | None = None
+
+
+NodeAction = Literal["power.on", "power.off", "power.cycle", "bootDevice.pxe", "bootDevice.disk"]
+"""What ``metal.power`` and ``metal.bootDevice`` do: each runs its shipped one-step profile."""
+
+
+class PowerNode(_Msg, frozen=True, kw_only=True):
+    """``metal.power``: switch the node on or off, or power-cycle it, through its BMC (a
+    workflow of the shipped ``metal.power-<action>``); its lifecycle state does not change."""
+
+    node_id: NodeId
+    action: Literal["on", "off", "cycle"]
+    tenant_id: Name | None = None
+
+
+class SetBootDevice(_Msg, frozen=True, kw_only=True):
+    """``metal.bootDevice``: the device the node boots from next, through its BMC (a workflow of
+    the shipped ``metal.boot-<device>``): ``pxe`` once, ``disk`` for good."""
+
+    node_id: NodeId
+    device: Literal["pxe", "disk"]
+    tenant_id: Name | None = None
 
 
 class BulkVerb(_Msg, frozen=True, kw_only=True):
@@ -183,6 +221,8 @@ class VerbStarted(_Reply, frozen=True, kw_only=True):
     state: str
     workflow_id: str
     profile: VerbProfile
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    """The node's name; absent when it has none."""
 
 
 class VerbRun(VerbStarted, frozen=True, kw_only=True):
@@ -190,6 +230,18 @@ class VerbRun(VerbStarted, frozen=True, kw_only=True):
 
     batch_id: str | None
     """The destructive batch its commands wait for (quorum on), else None."""
+
+
+class NodeActionRun(_Reply, frozen=True, kw_only=True):
+    """``metal.power`` / ``metal.bootDevice``: the workflow that does it (the node keeps its
+    lifecycle state)."""
+
+    node_id: str
+    name: str | None = None
+    action: str
+    node_state: str
+    workflow_id: str
+    profile: VerbProfile
 
 
 class BulkRefusal(_Reply, frozen=True, kw_only=True):
@@ -207,6 +259,51 @@ class BulkRun(_Reply, frozen=True, kw_only=True):
     verb: str
     batch_id: str | None
     started: list[VerbStarted]
+    refused: list[BulkRefusal]
+
+
+class PlanStep(_Reply, frozen=True, kw_only=True):
+    """A step of the planned profile as the workflow would persist it: where it runs, the
+    command kinds it can send, and those the destructive batch covers (they wait for approvals
+    when the quorum is on)."""
+
+    index: int
+    action: str
+    runs_on: str
+    commands: list[str]
+    destructive: list[str]
+
+
+class PlanApprovals(_Reply, frozen=True, kw_only=True):
+    """The quorum the batch would need: ``threshold`` signatures of these approvers."""
+
+    threshold: int
+    approvers: list[str]
+
+
+class PlannedNode(_Reply, frozen=True, kw_only=True):
+    """A node the verb would start on: its state now, the state it would move to, the profile."""
+
+    node_id: str
+    state: str
+    becomes: str
+    profile: VerbProfile
+
+
+class BulkPlan(_Reply, frozen=True, kw_only=True):
+    """``metal.plan`` (a ``BulkVerb``): what ``metal.bulk`` would do now, changing nothing: no
+    workflow, no batch, no command, no audit entry. ``profile`` and ``steps`` are None and empty
+    when every node would be refused. ``destructive`` is the batch's scope; ``approvals`` is None
+    when nothing destructive would be sent or the quorum is off (then nothing waits)."""
+
+    verb: str
+    profile: VerbProfile | None
+    image: str | None
+    steps: list[PlanStep]
+    commands: list[str]
+    destructive: list[str]
+    approvals: PlanApprovals | None
+    nodes: list[PlannedNode]
     refused: list[BulkRefusal]
 
 

@@ -13,8 +13,11 @@ import msgspec
 __all__ = [
     "OPERATOR_INBOX_PREFIX",
     "SERVICE_NAMES",
-    "SITE_AGENT_INBOX_PREFIX",
     "Subjects",
+    "agent_inbox_prefix",
+    "join_connection_name",
+    "join_inbox_prefix",
+    "join_nonce",
     "operator_inbox_prefix",
     "service_inbox_prefix",
     "valid_token",
@@ -25,9 +28,10 @@ OPERATOR_INBOX_PREFIX = "_INBOX_OPS"
 ``_INBOX_OPS.<user>.>`` (``operator_inbox_prefix``), the only part of ``_INBOX_OPS.>`` that user may
 read (deploy/nats/accounts.conf); the services' own ``_INBOX.>`` is never exported to operators."""
 
-SITE_AGENT_INBOX_PREFIX = "_INBOX.site-agent"
-"""The site agent's inbox prefix: on a site's leaf node (deploy/nats/leaf-site.conf) only the
-``site-agent`` user reads ``_INBOX.site-agent.>``, so the site's nodes never see its replies."""
+JOIN_NAME_PREFIX = "bc-join:"
+"""A joining machine names its connection ``bc-join:<nonce>`` and hears its replies on
+``_INBOX.join.<nonce>``: on a site's leaf node the auth callout lets it read that and nothing else
+(``better_compute.service.bus_auth``), so one joining machine never reads another's answer."""
 
 ANONYMOUS_OPERATOR = "anonymous"
 """The inbox token of a bcx that connects without a user (the dev stack's NATS has no users)."""
@@ -53,6 +57,32 @@ def service_inbox_prefix(api_name: str) -> str:
     if not valid_token(api_name):
         raise ValueError(f"not a subject token: {api_name!r}")
     return f"_INBOX.{api_name}"
+
+
+def agent_inbox_prefix(agent_id: str) -> str:
+    """An agent's inbox prefix, ``_INBOX.<agent id>``: the only part of ``_INBOX.>`` its own NATS
+    user may read on a leaf node with the auth callout (deploy/nats/leaf-site.conf)."""
+    if not valid_token(agent_id):
+        raise ValueError(f"not a subject token: {agent_id!r}")
+    return f"_INBOX.{agent_id}"
+
+
+def join_connection_name(nonce: str) -> str:
+    """The connection name of a joining machine whose inbox is ``join_inbox_prefix(nonce)``."""
+    return JOIN_NAME_PREFIX + nonce
+
+
+def join_nonce(name: str) -> str | None:
+    """The nonce a joining connection's name carries (at least 16 token characters), or None."""
+    nonce = name.removeprefix(JOIN_NAME_PREFIX) if name.startswith(JOIN_NAME_PREFIX) else ""
+    return nonce if len(nonce) >= 16 and valid_token(nonce) else None
+
+
+def join_inbox_prefix(nonce: str) -> str:
+    """A joining machine's inbox prefix, ``_INBOX.join.<nonce>``."""
+    if not valid_token(nonce):
+        raise ValueError(f"not a subject token: {nonce!r}")
+    return f"_INBOX.join.{nonce}"
 
 
 def operator_inbox_prefix(user: str | None) -> str:

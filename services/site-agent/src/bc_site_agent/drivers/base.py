@@ -1,10 +1,10 @@
-"""The driver protocol: one small surface every BMC driver implements.
+"""What every BMC driver shares: retries with backoff, polling, errors, the validate checks.
 
-A driver is built per command from a ``BmcTarget`` (which BMC, how to trust it) and the
-credentials fetched for that command; it lives for the one call and is dropped with the
-credentials. Every operation takes the command's deadline (seconds since the epoch): a driver
-retries transient BMC errors with backoff and jitter until then, and verifies that power and
-boot changes converged (real BMCs apply them seconds later).
+A driver (``interfaces.Driver``) is built per command from the command's ``NodeBmc`` (which
+BMC, how to trust it) and the credentials fetched for that command; it lives for the one call
+and is dropped with the credentials. Every operation takes the command's deadline (seconds
+since the epoch): a driver retries transient BMC errors with backoff and jitter until then, and
+``Driver`` verifies that power and boot changes converged (real BMCs apply them seconds later).
 
 Cancels: every try and every retry of a BMC call first awaits the agent SDK's ``before_call``,
 which raises ``CommandCancelled`` once a cancel of the command reached the agent: nothing is
@@ -21,63 +21,27 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
 from better_compute.agent import before_call, call_answered, call_failed
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.wire.agent import CallFailure
+from better_compute.wire.commands import BmcCheck
 
 __all__ = [
-    "BOOT_DEVICES",
-    "POWER_ACTIONS",
     "BmcCredentials",
-    "BmcTarget",
     "Checks",
-    "Driver",
     "Transient",
     "driver_error",
+    "failure_reason",
     "malformed_answer",
-    "power_converged",
+    "poll_until",
     "retry_in_thread",
     "retry_transient",
 ]
 
 T = TypeVar("T")
-
-PowerAction = Literal["on", "off", "softOff", "cycle", "reset"]
-POWER_ACTIONS: Final = ("on", "off", "softOff", "cycle", "reset")
-BOOT_DEVICES: Final = ("pxe", "disk", "cd", "usb", "bios")
-
-
-@dataclass(frozen=True, kw_only=True)
-class BmcTarget:
-    """Which BMC a command talks to (the command's ``bmc`` field)."""
-
-    driver: Literal["redfish", "ipmi", "sim"]
-    address: str
-    credentials_ref: str | None = None
-    system_id: str | None = None
-    insecure: bool = False
-    ca_bundle: str | None = field(default=None, repr=False)
-
-    @classmethod
-    def from_payload(cls, bmc: Any, *, path: str = "bmc") -> BmcTarget:
-        if not isinstance(bmc, dict):
-            raise BcError(ErrorCode.INVALID_INPUT, "the command names no BMC", {"path": path})
-        driver = bmc.get("driver")
-        if driver not in ("redfish", "ipmi", "sim"):
-            raise BcError(ErrorCode.INVALID_INPUT, "unknown BMC driver", {"path": f"{path}.driver"})
-        address = bmc.get("address")
-        if not isinstance(address, str) or not address:
-            raise BcError(ErrorCode.INVALID_INPUT, "the BMC has no address", {"path": f"{path}.address"})
-        return cls(
-            driver=driver,
-            address=address,
-            credentials_ref=bmc.get("credentialsRef"),
-            system_id=bmc.get("systemId"),
-            insecure=bool(bmc.get("insecure", False)),
-            ca_bundle=bmc.get("caBundle"),
-        )
+CheckName = Literal["reach", "credentials", "system", "power"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,32 +50,6 @@ class BmcCredentials:
 
     username: str
     password: str = field(repr=False)
-
-
-class Driver(Protocol):
-    """concern.operation -> coroutine; one instance per command."""
-
-    name: str
-
-    async def set_power(self, action: str, *, deadline: float) -> dict[str, Any]: ...
-
-    async def set_boot_device(
-        self, device: str, *, persistent: bool, mode: str | None, deadline: float
-    ) -> dict[str, Any]: ...
-
-    async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]: ...
-
-    async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]: ...
-
-    async def inventory(self, *, deadline: float) -> dict[str, Any]: ...
-
-    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
-        """The checks of ``management.validate`` (``check``), each ``ok``, ``failed`` or
-        ``skipped`` with a ``message``: nothing on the machine changes."""
-        ...
-
-    async def close(self) -> None:
-        """Drop the session (and with it the credentials)."""
 
 
 class Transient(Exception):  # noqa: N818 - a classification carried to the retry loop
@@ -245,34 +183,25 @@ async def poll_until(
         await asyncio.sleep(interval)
 
 
-async def power_converged(
-    read: Callable[[], Awaitable[str]], want: str, *, deadline: float, what: str
-) -> dict[str, Any]:
-    """After a power change: read the power state until it is ``want`` (``DRIVER_ERROR`` at the
-    deadline), and the operation's result."""
-    after = await poll_until(read, lambda state: state == want, deadline=deadline, what=what)
-    return {"powerState": after, "changed": True}
-
-
 class Checks:
     """The checks of ``management.validate`` in order: once one fails, the ones after it that
     need it are ``skipped`` (a BMC that does not answer cannot be asked for its power state)."""
 
     def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
+        self.items: list[BmcCheck] = []
         self.failed = False
 
-    def ok(self, check: str, message: str) -> None:
-        self.items.append({"check": check, "status": "ok", "message": message})
+    def ok(self, check: CheckName, message: str) -> None:
+        self.items.append(BmcCheck(check=check, status="ok", message=message))
 
-    def fail(self, check: str, message: str) -> None:
+    def fail(self, check: CheckName, message: str) -> None:
         self.failed = True
-        self.items.append({"check": check, "status": "failed", "message": message[:300]})
+        self.items.append(BmcCheck(check=check, status="failed", message=message[:300]))
 
-    def skip(self, *checks: str) -> list[dict[str, Any]]:
+    def skip(self, *checks: CheckName) -> list[BmcCheck]:
         for check in checks:
             self.items.append(
-                {"check": check, "status": "skipped", "message": "not checked: an earlier check failed"}
+                BmcCheck(check=check, status="skipped", message="not checked: an earlier check failed")
             )
         return self.items
 

@@ -27,21 +27,28 @@ from typing import Any, Final, TypeVar
 
 from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
+from better_compute.wire.commands import (
+    BmcCheck,
+    BmcInventoryResult,
+    BmcMemory,
+    BmcSystem,
+    SetBootDevice,
+    SetPower,
+)
+from better_compute.wire.metal import NodeBmc
 
 from .base import (
     BmcCredentials,
-    BmcTarget,
     Checks,
     Transient,
     driver_error,
     failure_reason,
     malformed_answer,
-    poll_until,
-    power_converged,
     retry_in_thread,
 )
+from .interfaces import BootRead, Driver
 
-__all__ = ["IpmiDriver"]
+__all__ = ["IpmiSession", "open_driver"]
 
 T = TypeVar("T")
 
@@ -107,10 +114,11 @@ def _os_reason(exc: OSError) -> str:
     return exc.strerror.lower() if exc.strerror else type(exc).__name__
 
 
-class IpmiDriver:
-    name = "ipmi"
+class IpmiSession:
+    """One command's IPMI session; it is also the driver's power, management and inventory
+    interfaces (IPMI has no virtual media)."""
 
-    def __init__(self, target: BmcTarget, credentials: BmcCredentials) -> None:
+    def __init__(self, target: NodeBmc, credentials: BmcCredentials) -> None:
         self.target = target
         self._credentials = credentials
         try:
@@ -127,9 +135,7 @@ class IpmiDriver:
             )
         return self._cmd
 
-    async def _call(
-        self, call: str, fn: Callable[[Any], T], *, deadline: float, idempotent: bool = True
-    ) -> T:
+    async def call(self, call: str, fn: Callable[[Any], T], *, deadline: float, idempotent: bool = True) -> T:
         """One IPMI exchange in a thread. The session (login) is opened first: a failure there
         never sent ``fn``'s request, so even a call that is not ``idempotent`` (a power cycle)
         is repeated after it; a timeout after the request went out may have applied it."""
@@ -199,58 +205,37 @@ class IpmiDriver:
             at=f"{self.host}:{self.port}",
         )
 
-    async def _power_state(self, deadline: float) -> str:
-        got = await self._call(
+    async def power_state(self, *, deadline: float) -> str:
+        got = await self.call(
             "Get Chassis Status", lambda c: c.get_power().get("powerstate"), deadline=deadline
         )
         if got not in ("on", "off"):
             raise driver_error("Get Chassis Status", f"unexpected power state {got!r}")
         return str(got)
 
-    async def set_power(self, action: str, *, deadline: float) -> dict[str, Any]:
-        verb = _POWER.get(action)
-        if verb is None:
-            raise driver_error("Chassis Control", f"unknown action {action!r}")
-        want = "off" if action in ("off", "softOff") else "on"
-        before = await self._power_state(deadline)
-        if action in ("on", "off", "softOff") and before == want:
-            return {"powerState": before, "changed": False}
+    async def request_power(self, command: SetPower, *, before: str, deadline: float) -> None:
+        verb = _POWER[command.action]
         # on, off and a soft off ask for a state (twice is the same); a cycle or reset twice is not
-        await self._call(
+        await self.call(
             f"Chassis Control ({verb})",
             lambda c: c.set_power(verb, wait=False),
             deadline=deadline,
-            idempotent=action in ("on", "off", "softOff"),
-        )
-        return await power_converged(
-            lambda: self._power_state(deadline),
-            want,
-            deadline=deadline,
-            what=f"power {action}: power state {want}",
+            idempotent=command.action in ("on", "off", "softOff"),
         )
 
-    async def set_boot_device(
-        self, device: str, *, persistent: bool, mode: str | None, deadline: float
-    ) -> dict[str, Any]:
-        bootdev = _BOOT.get(device)
-        if bootdev is None:
-            raise driver_error("Set System Boot Options", f"boot device {device!r} is not supported")
-        await self._call(
+    async def request_boot_device(self, command: SetBootDevice, *, deadline: float) -> None:
+        bootdev = _BOOT[command.device]
+        await self.call(
             "Set System Boot Options",
-            lambda c: c.set_bootdev(bootdev, persist=persistent, uefiboot=mode == "uefi"),
+            lambda c: c.set_bootdev(bootdev, persist=command.persistent, uefiboot=command.mode == "uefi"),
             deadline=deadline,
         )
 
-        async def read() -> str:
-            got = await self._call(
-                "Get System Boot Options", lambda c: c.get_bootdev().get("bootdev"), deadline=deadline
-            )
-            return str(got)
-
-        got = await poll_until(
-            read, lambda dev: dev == bootdev, deadline=deadline, what=f"boot device {device}"
+    async def boot_device(self, *, deadline: float) -> BootRead:
+        got = await self.call(
+            "Get System Boot Options", lambda c: c.get_bootdev().get("bootdev"), deadline=deadline
         )
-        return {"device": _BOOT_BACK.get(got, got), "persistent": persistent}
+        return BootRead(device=_BOOT_BACK.get(str(got)))
 
     async def close(self) -> None:
         cmd, self._cmd = self._cmd, None
@@ -264,17 +249,11 @@ class IpmiDriver:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(logout)
 
-    async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]:
-        raise driver_error("virtual media", "the IPMI driver has no virtual media (use Redfish)")
-
-    async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]:
-        raise driver_error("virtual media", "the IPMI driver has no virtual media (use Redfish)")
-
-    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+    async def validate(self, *, deadline: float) -> list[BmcCheck]:
         checks = Checks()
         at = f"{self.host}:{self.port}"
         try:  # a session: the BMC answers and takes the credentials (RAKP)
-            await self._call("Open Session", lambda c: None, deadline=deadline)
+            await self.call("Open Session", lambda c: None, deadline=deadline)
         except BcError as err:
             reason = failure_reason(err)
             if "credentials" in reason or "cipher" in reason:
@@ -288,13 +267,20 @@ class IpmiDriver:
         checks.ok("credentials", "the BMC takes the credentials")
         checks.ok("system", "an IPMI BMC has one system")
         try:
-            power = await self._power_state(deadline)
+            power = await self.power_state(deadline=deadline)
         except BcError as err:
             checks.fail("power", failure_reason(err))
         else:
             checks.ok("power", f"power state {power}")
         return checks.items
 
-    async def inventory(self, *, deadline: float) -> dict[str, Any]:
-        state = await self._power_state(deadline)
-        return {"system": {"powerState": state}, "processors": [], "memory": {}, "nics": []}
+    async def inventory(self, *, deadline: float) -> BmcInventoryResult:
+        state = await self.power_state(deadline=deadline)
+        system = BmcSystem(power_state=state)
+        return BmcInventoryResult(driver="ipmi", system=system, processors=[], memory=BmcMemory(), nics=[])
+
+
+def open_driver(target: NodeBmc, credentials: BmcCredentials) -> Driver:
+    """An IPMI driver for one command: power, boot device and inventory on one session, no media."""
+    ipmi = IpmiSession(target, credentials)
+    return Driver(name="ipmi", power=ipmi, management=ipmi, inventory=ipmi, media=None, close=ipmi.close)

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
+import requests.adapters
 import requests.exceptions
 import sushy
 import sushy.auth
+import sushy.connector
 import sushy.exceptions
-import urllib3
 import urllib3.exceptions
 from sushy.resources.constants import ResetType
 from sushy.resources.manager.constants import VirtualMediaType
@@ -35,21 +36,32 @@ from sushy.resources.system.constants import (
 from better_compute.agent import before_call_blocking
 from better_compute.core.errors import BcError
 from better_compute.logging import get_logger
+from better_compute.wire.commands import (
+    BmcCheck,
+    BmcInventoryResult,
+    BmcMemory,
+    BmcNic,
+    BmcProcessor,
+    BmcSystem,
+    MediaEject,
+    MediaInsert,
+    SetBootDevice,
+    SetPower,
+)
+from better_compute.wire.metal import NodeBmc
 
 from .base import (
     BmcCredentials,
-    BmcTarget,
     Checks,
     Transient,
     driver_error,
     failure_reason,
     malformed_answer,
-    poll_until,
-    power_converged,
     retry_in_thread,
 )
+from .interfaces import BootRead, Driver, MediumRead
 
-__all__ = ["RedfishDriver"]
+__all__ = ["RedfishSession", "open_driver"]
 
 T = TypeVar("T")
 
@@ -59,6 +71,14 @@ _BOOT: Final = {
     "cd": BootSource.CD,
     "usb": BootSource.USB,
     "bios": BootSource.BIOS_SETUP,
+}
+_BOOT_BACK: Final = {v.value: k for k, v in _BOOT.items()}
+_RESET: Final = {
+    "on": ResetType.ON,
+    "off": ResetType.FORCE_OFF,
+    "softOff": ResetType.GRACEFUL_SHUTDOWN,
+    "cycle": ResetType.FORCE_RESTART,
+    "reset": ResetType.FORCE_RESTART,
 }
 _MEDIA: Final = {
     "cd": (VirtualMediaType.CD, VirtualMediaType.DVD),
@@ -79,10 +99,10 @@ def _ca_file(pem: str) -> str:
     return str(path)
 
 
-class RedfishDriver:
-    name = "redfish"
+class RedfishSession:
+    """One command's connection to a Redfish service: the plumbing its interfaces share."""
 
-    def __init__(self, target: BmcTarget, credentials: BmcCredentials) -> None:
+    def __init__(self, target: NodeBmc, credentials: BmcCredentials) -> None:
         self.target = target
         self._credentials = credentials
         address = target.address.rstrip("/")
@@ -95,6 +115,7 @@ class RedfishDriver:
         elif target.ca_bundle:
             self.verify = _ca_file(target.ca_bundle)
         self._root: Any = None
+        self._connector: _Connector | None = None
         self.log = get_logger(driver="redfish", bmc=self.base_url)
         parts = urlsplit(self.base_url)
         self.at = parts.netloc.rpartition("@")[2] or self.base_url
@@ -102,7 +123,7 @@ class RedfishDriver:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    async def _call(self, call: str, fn: Callable[[], T], *, deadline: float, idempotent: bool = True) -> T:
+    async def call(self, call: str, fn: Callable[[], T], *, deadline: float, idempotent: bool = True) -> T:
         """One BMC call in a thread, retried while transient, mapped to ``DRIVER_ERROR``.
 
         ``idempotent=False`` (a POST action): ``fn`` sends that one request and nothing else, and
@@ -150,27 +171,31 @@ class RedfishDriver:
     def _timeout(self, deadline: float) -> float:
         return max(0.5, min(_CALL_TIMEOUT, deadline - time.time()))
 
-    def _connect(self, deadline: float) -> Any:
+    def connect(self, deadline: float) -> Any:
         if self._root is None:
-            self._root = sushy.Sushy(
+            timeout = self._timeout(deadline)
+            connector = _Connector(
                 self.base_url,
                 verify=self.verify,
-                auth=sushy.auth.BasicAuth(
-                    username=self._credentials.username, password=self._credentials.password
-                ),
                 # sushy retries connection errors (server_side_retries or 3) times with
                 # (delay or 2) s between: keep it to one try, our loop backs off with jitter.
                 server_side_retries=1,
                 server_side_retries_delay=0.05,
-                read_timeout=self._timeout(deadline),
-                connect_timeout=min(5.0, self._timeout(deadline)),
+                default_request_timeout=timeout,
+                connect_timeout=min(5.0, timeout),
             )
-            _one_request_per_connection(self._root)
-            _checked_before_each_request(self._root)
+            self._connector = connector
+            self._root = sushy.Sushy(
+                self.base_url,
+                auth=sushy.auth.BasicAuth(
+                    username=self._credentials.username, password=self._credentials.password
+                ),
+                connector=connector,
+            )
         return self._root
 
-    def _system(self, deadline: float) -> Any:
-        root = self._connect(deadline)
+    def system(self, deadline: float) -> Any:
+        root = self.connect(deadline)
         if self.target.system_id:
             sid = self.target.system_id
             path = sid if sid.startswith("/") else f"{root.get_system_collection().path.rstrip('/')}/{sid}"
@@ -182,149 +207,78 @@ class RedfishDriver:
             )
         return members[0]
 
-    async def _power_state(self, deadline: float) -> str:
-        def read() -> str:
-            system = self._system(deadline)
-            return _enum_value(system.power_state)
-
-        return await self._call("GET System.PowerState", read, deadline=deadline)
-
     async def close(self) -> None:
-        root, self._root = self._root, None
-        if root is not None:
-            conn = getattr(root, "_conn", None)
-            if conn is not None:
-                await asyncio.to_thread(conn.close)
+        connector, self._connector, self._root = self._connector, None, None
+        if connector is not None:
+            await asyncio.to_thread(connector.close)
 
-    # -- operations ------------------------------------------------------------------------
 
-    async def set_power(self, action: str, *, deadline: float) -> dict[str, Any]:
-        before = await self._power_state(deadline)
-        want = "Off" if action in ("off", "softOff") else "On"
-        if action == "on":
-            reset = ResetType.ON
-        elif action == "off":
-            reset = ResetType.FORCE_OFF
-        elif action == "softOff":
-            reset = ResetType.GRACEFUL_SHUTDOWN
-        elif action in ("cycle", "reset"):
-            reset = ResetType.FORCE_RESTART if before == "On" else ResetType.ON
-        else:
-            raise driver_error("power", f"unknown action {action!r}")
-        if action in ("on", "off", "softOff") and before == want:
-            return {"powerState": before, "changed": False}
+class _Power:
+    def __init__(self, bmc: RedfishSession) -> None:
+        self.bmc = bmc
 
-        system = await self._call("GET System", lambda: self._system(deadline), deadline=deadline)
-        await self._call(
+    async def power_state(self, *, deadline: float) -> str:
+        def read() -> str:
+            return _enum_value(self.bmc.system(deadline).power_state)
+
+        return await self.bmc.call("GET System.PowerState", read, deadline=deadline)
+
+    async def request_power(self, command: SetPower, *, before: str, deadline: float) -> None:
+        reset = _RESET[command.action]
+        if command.action in ("cycle", "reset") and before != "On":
+            reset = ResetType.ON  # a restart of a machine that is off: it boots
+        system = await self.bmc.call("GET System", lambda: self.bmc.system(deadline), deadline=deadline)
+        await self.bmc.call(
             f"POST ComputerSystem.Reset({reset.value})",
             lambda: system.reset_system(reset),
             deadline=deadline,
             idempotent=False,
         )
-        return await power_converged(
-            lambda: self._power_state(deadline),
-            want,
-            deadline=deadline,
-            what=f"power {action}: PowerState {want}",
-        )
 
-    async def set_boot_device(
-        self, device: str, *, persistent: bool, mode: str | None, deadline: float
-    ) -> dict[str, Any]:
-        target = _BOOT.get(device)
-        if target is None:
-            raise driver_error("PATCH System.Boot", f"boot device {device!r} is not supported")
-        enabled = BootSourceOverrideEnabled.CONTINUOUS if persistent else BootSourceOverrideEnabled.ONCE
-        boot_mode = {"uefi": BootSourceOverrideMode.UEFI, "legacy": BootSourceOverrideMode.LEGACY}.get(
-            mode or ""
+
+class _Management:
+    def __init__(self, bmc: RedfishSession) -> None:
+        self.bmc = bmc
+
+    async def request_boot_device(self, command: SetBootDevice, *, deadline: float) -> None:
+        target = _BOOT[command.device]
+        enabled = (
+            BootSourceOverrideEnabled.CONTINUOUS if command.persistent else BootSourceOverrideEnabled.ONCE
+        )
+        mode = {"uefi": BootSourceOverrideMode.UEFI, "legacy": BootSourceOverrideMode.LEGACY}.get(
+            command.mode or ""
         )
 
         def patch() -> None:
-            self._system(deadline).set_system_boot_options(target=target, enabled=enabled, mode=boot_mode)
+            self.bmc.system(deadline).set_system_boot_options(target=target, enabled=enabled, mode=mode)
 
-        await self._call("PATCH System.Boot", patch, deadline=deadline)
+        await self.bmc.call("PATCH System.Boot", patch, deadline=deadline)
 
-        def read() -> tuple[str, str]:
-            boot = self._system(deadline).boot
-            return _enum_value(boot.target), _enum_value(boot.enabled)
+    async def boot_device(self, *, deadline: float) -> BootRead:
+        def read() -> BootRead:
+            boot = self.bmc.system(deadline).boot
+            target = _enum_value(boot.target)
+            return BootRead(device=_BOOT_BACK.get(target), target=target, enabled=_enum_value(boot.enabled))
 
-        async def read_boot() -> tuple[str, str]:
-            return await self._call("GET System.Boot", read, deadline=deadline)
+        return await self.bmc.call("GET System.Boot", read, deadline=deadline)
 
-        got_target, got_enabled = await poll_until(
-            read_boot,
-            lambda got: got[0] == target.value,
-            deadline=deadline,
-            what=f"boot device {device}: BootSourceOverrideTarget {target.value}",
-        )
-        return {"device": device, "target": got_target, "enabled": got_enabled, "persistent": persistent}
-
-    def _media(self, device: str, deadline: float) -> Any:
-        types = _MEDIA.get(device, ())
-        system = self._system(deadline)
-        for manager in system.managers:
-            for medium in manager.virtual_media.get_members():
-                if any(t in types for t in medium.media_types or ()):
-                    return medium
-        raise driver_error("GET Manager.VirtualMedia", f"the BMC offers no virtual {device} device")
-
-    async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]:
-        medium = await self._call(
-            "GET Manager.VirtualMedia", lambda: self._media(device, deadline), deadline=deadline
-        )
-        await self._call(
-            "POST VirtualMedia.InsertMedia",
-            lambda: medium.insert_media(url, inserted=True, write_protected=True),
-            deadline=deadline,
-            idempotent=False,
-        )
-
-        def read() -> dict[str, Any]:
-            medium.refresh()
-            return {"device": device, "inserted": bool(medium.inserted), "image": medium.image}
-
-        got = await self._call("GET VirtualMedia", read, deadline=deadline)
-        if not got["inserted"] or got["image"] != url:
-            raise driver_error("GET VirtualMedia", "the medium does not show as inserted after InsertMedia")
-        return got
-
-    async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]:
-        medium = await self._call(
-            "GET Manager.VirtualMedia", lambda: self._media(device, deadline), deadline=deadline
-        )
-        if medium.inserted:
-            await self._call(
-                "POST VirtualMedia.EjectMedia", medium.eject_media, deadline=deadline, idempotent=False
-            )
-
-            def read() -> dict[str, Any]:
-                medium.refresh()
-                return {"device": device, "inserted": bool(medium.inserted)}
-
-            got = await self._call("GET VirtualMedia", read, deadline=deadline)
-        else:
-            got = {"device": device, "inserted": False}
-        if got["inserted"]:
-            raise driver_error("GET VirtualMedia", "the medium still shows as inserted after EjectMedia")
-        return got
-
-    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
-        checks = Checks()
+    async def validate(self, *, deadline: float) -> list[BmcCheck]:
+        bmc, checks = self.bmc, Checks()
         try:  # the service root (sushy reads it as it connects)
-            await self._call("GET ServiceRoot", lambda: self._connect(deadline), deadline=deadline)
+            await bmc.call("GET ServiceRoot", lambda: bmc.connect(deadline), deadline=deadline)
         except BcError as err:
             reason = failure_reason(err)
             if "credentials" not in reason:
-                checks.fail("reach", f"{self.at}: {reason}")
+                checks.fail("reach", f"{bmc.at}: {reason}")
                 return checks.skip("credentials", "system", "power")
-            checks.ok("reach", f"the Redfish service at {self.at} answers")
+            checks.ok("reach", f"the Redfish service at {bmc.at} answers")
             checks.fail("credentials", reason)
             return checks.skip("system", "power")
-        checks.ok("reach", f"the Redfish service at {self.at} answers")
+        checks.ok("reach", f"the Redfish service at {bmc.at} answers")
         try:  # the systems need authentication where the root may not
-            await self._call(
+            await bmc.call(
                 "GET Systems",
-                lambda: self._connect(deadline).get_system_collection().members_identities,
+                lambda: bmc.connect(deadline).get_system_collection().members_identities,
                 deadline=deadline,
             )
         except BcError as err:
@@ -332,103 +286,146 @@ class RedfishDriver:
             return checks.skip("system", "power")
         checks.ok("credentials", "the BMC takes the credentials")
         try:
-            system = await self._call("GET System", lambda: self._system(deadline), deadline=deadline)
+            system = await bmc.call("GET System", lambda: bmc.system(deadline), deadline=deadline)
         except BcError as err:
             checks.fail("system", failure_reason(err))
             return checks.skip("power")
         checks.ok("system", f"system {system.identity} ({system.path})")
         try:
-            power = await self._power_state(deadline)
+            power = await _Power(bmc).power_state(deadline=deadline)
         except BcError as err:
             checks.fail("power", failure_reason(err))
         else:
             checks.ok("power", f"power state {power}")
         return checks.items
 
-    async def inventory(self, *, deadline: float) -> dict[str, Any]:
-        def read() -> dict[str, Any]:
-            system = self._system(deadline)
-            processors: list[dict[str, Any]] = []
-            for proc in _members(lambda: system.processors):
-                processors.append(
-                    {
-                        "id": proc.identity,
-                        "model": proc.model,
-                        "cores": proc.total_cores,
-                        "threads": proc.total_threads,
-                        "architecture": _enum_value(proc.processor_architecture),
-                    }
+
+class _Media:
+    def __init__(self, bmc: RedfishSession) -> None:
+        self.bmc = bmc
+
+    def _find(self, device: str, deadline: float) -> Any:
+        types = _MEDIA.get(device, ())
+        for manager in self.bmc.system(deadline).managers:
+            for medium in manager.virtual_media.get_members():
+                if any(t in types for t in medium.media_types or ()):
+                    return medium
+        raise driver_error("GET Manager.VirtualMedia", f"the BMC offers no virtual {device} device")
+
+    async def _medium(self, device: str, deadline: float) -> Any:
+        return await self.bmc.call(
+            "GET Manager.VirtualMedia", lambda: self._find(device, deadline), deadline=deadline
+        )
+
+    async def insert(self, command: MediaInsert, *, deadline: float) -> None:
+        medium = await self._medium(command.device, deadline)
+        await self.bmc.call(
+            "POST VirtualMedia.InsertMedia",
+            lambda: medium.insert_media(command.url, inserted=True, write_protected=True),
+            deadline=deadline,
+            idempotent=False,
+        )
+
+    async def eject(self, command: MediaEject, *, deadline: float) -> None:
+        medium = await self._medium(command.device, deadline)
+        await self.bmc.call(
+            "POST VirtualMedia.EjectMedia", medium.eject_media, deadline=deadline, idempotent=False
+        )
+
+    async def medium(self, device: str, *, deadline: float) -> MediumRead:
+        medium = await self._medium(device, deadline)
+        return MediumRead(inserted=bool(medium.inserted), image=medium.image)
+
+
+class _Inventory:
+    def __init__(self, bmc: RedfishSession) -> None:
+        self.bmc = bmc
+
+    async def inventory(self, *, deadline: float) -> BmcInventoryResult:
+        def read() -> BmcInventoryResult:
+            system = self.bmc.system(deadline)
+            processors = [
+                BmcProcessor(
+                    id=proc.identity,
+                    model=proc.model,
+                    cores=proc.total_cores,
+                    threads=proc.total_threads,
+                    architecture=_enum_value(proc.processor_architecture),
                 )
+                for proc in _members(lambda: system.processors)
+            ]
             nics = [
-                {"id": nic.identity, "mac": (nic.mac_address or "").lower() or None}
+                BmcNic(id=nic.identity, mac=(nic.mac_address or "").lower() or None)
                 for nic in _members(lambda: system.ethernet_interfaces)
             ]
             memory = _optional(lambda: system.memory_summary)
-            return {
-                "system": {
-                    "id": system.identity,
-                    "uuid": system.uuid,
-                    "name": system.name,
-                    "manufacturer": system.manufacturer,
-                    "model": system.model,
-                    "serial": system.serial_number,
-                    "biosVersion": system.bios_version,
-                    "powerState": _enum_value(system.power_state),
-                },
-                "processors": processors,
-                "memory": {"totalGiB": memory.size_gib if memory is not None else None},
-                "nics": nics,
-            }
+            return BmcInventoryResult(
+                driver="redfish",
+                system=BmcSystem(
+                    id=system.identity,
+                    uuid=system.uuid,
+                    name=system.name,
+                    manufacturer=system.manufacturer,
+                    model=system.model,
+                    serial=system.serial_number,
+                    bios_version=system.bios_version,
+                    power_state=_enum_value(system.power_state),
+                ),
+                processors=processors,
+                memory=BmcMemory(total_gib=memory.size_gib if memory is not None else None),
+                nics=nics,
+            )
 
-        return await self._call("GET System inventory", read, deadline=deadline)
-
-
-class _OneShot(urllib3.HTTPConnectionPool):
-    """A pool that never hands a connection out twice: one request, one connection."""
-
-    def _put_conn(self, conn: Any) -> None:
-        if conn is not None:
-            conn.close()
-        super()._put_conn(None)  # the slot stays; the next request opens a new connection
+        return await self.bmc.call("GET System inventory", read, deadline=deadline)
 
 
-class _OneShotHTTPS(_OneShot, urllib3.HTTPSConnectionPool):
-    pass
+def open_driver(target: NodeBmc, credentials: BmcCredentials) -> Driver:
+    """A Redfish driver for one command: one session shared by its four interfaces."""
+    bmc = RedfishSession(target, credentials)
+    return Driver(
+        name="redfish",
+        power=_Power(bmc),
+        management=_Management(bmc),
+        inventory=_Inventory(bmc),
+        media=_Media(bmc),
+        close=bmc.close,
+    )
 
 
-def _one_request_per_connection(root: Any) -> None:
-    """Make sushy's session open a connection per request, as its ``Connection: close`` asks.
+class _OneShotAdapter(requests.adapters.HTTPAdapter):
+    """requests' adapter for the BMC: the agent is asked before each request, and no connection
+    carries a second one.
 
-    A BMC that closes as asked but late, without ``Connection: close`` in its answer, leaves a
-    connection that urllib3 takes for keep-alive. The next request, written into it while the
-    BMC closes it unread, fails like a request whose answer was lost: a POST action then counts
-    as "may have applied" and is not repeated (seen against a BMC proxy under load). On a
-    connection of its own, a request that never left fails at connect (``_never_sent``).
+    Before each request, not only before each try: one sushy call may read a resource and then
+    act on it, and a cancel that reached the agent during the read must stop the action
+    (``before_call_blocking`` raises ``CommandCancelled``).
+
+    One request per connection, as sushy's ``Connection: close`` asks: a BMC that closes as
+    asked but late, without ``Connection: close`` in its answer, leaves a connection that
+    urllib3 takes for keep-alive. The next request, written into it while the BMC closes it
+    unread, fails like a request whose answer was lost: a POST action then counts as "may have
+    applied" and is not repeated (seen against a BMC proxy under load). So the pools are
+    emptied after every request (the connection still reading its answer is closed when it
+    comes back), and a request that never left fails at connect (``_never_sent``).
     """
-    session = getattr(getattr(root, "_conn", None), "_session", None)  # sushy has no public handle
-    if session is None:
-        return
-    for adapter in session.adapters.values():
-        manager = getattr(adapter, "poolmanager", None)
-        if manager is not None:
-            manager.pool_classes_by_scheme = {"http": _OneShot, "https": _OneShotHTTPS}
-            manager.clear()  # the pool of sushy's first GET (the service root) goes too
 
-
-def _checked_before_each_request(root: Any) -> None:
-    """Ask the agent before each HTTP request to the BMC, not only before each try: one sushy
-    call may read a resource and then act on it, and a cancel that reached the agent during the
-    read must stop the action (``before_call_blocking`` raises ``CommandCancelled``)."""
-    session = getattr(getattr(root, "_conn", None), "_session", None)  # sushy has no public handle
-    if session is None:
-        return
-    send = session.send
-
-    def checked_send(request: Any, **kwargs: Any) -> Any:
+    def send(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         before_call_blocking(f"{request.method} {urlsplit(request.url).path}")
-        return send(request, **kwargs)
+        try:
+            return super().send(request, *args, **kwargs)
+        finally:
+            self.poolmanager.clear()
 
-    session.send = checked_send
+
+class _Connector(sushy.connector.Connector):  # type: ignore[misc]  # sushy ships no type hints
+    """sushy's connector with ``_OneShotAdapter`` mounted on its session (as sushy mounts its
+    own TLS adapter there)."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        adapter = _OneShotAdapter()
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
 
 
 def _optional(read: Callable[[], Any]) -> Any:
@@ -451,7 +448,7 @@ def _enum_value(value: Any) -> str:
 def _never_sent(exc: BaseException) -> bool:
     """Whether a connection error happened before the request left: refused, the name not
     resolved, the connect timing out. A connection lost or a read timing out afterwards is not.
-    This holds because every request opens its own connection (``_one_request_per_connection``),
+    This holds because every request opens its own connection (``_OneShotAdapter``),
     so none is written into a keep-alive socket the BMC is closing (which would fail like a lost
     answer); tests/integration/test_site_agent_drivers.py checks it.
     (sushy raises its ConnectionError inside the ``except`` of the requests error, which

@@ -2,61 +2,87 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
+
+import msgspec
 
 from better_compute.agent import before_call
+from better_compute.wire.commands import (
+    BmcCheck,
+    BmcInventoryResult,
+    BmcSystem,
+    MediaEject,
+    MediaInsert,
+    SetBootDevice,
+    SetPower,
+)
+from better_compute.wire.metal import NodeBmc
 
-from .base import BmcCredentials, BmcTarget, driver_error
+from .interfaces import BootRead, Driver, MediumRead
 
-__all__ = ["SimDriver"]
+__all__ = ["SimMachine", "open_driver"]
 
 
-class SimDriver:
-    name = "sim"
-    machines: ClassVar[dict[str, dict[str, Any]]] = {}
+class SimMachine(msgspec.Struct, kw_only=True):
+    power: str = "off"
+    boot: str = "disk"
+    persistent: bool = True
+    media: dict[str, str] = msgspec.field(default_factory=dict)
 
-    def __init__(self, target: BmcTarget, credentials: BmcCredentials | None) -> None:
-        self.machine = self.machines.setdefault(
-            target.address, {"power": "off", "boot": "disk", "persistent": True, "media": {}}
-        )
 
-    async def set_power(self, action: str, *, deadline: float) -> dict[str, Any]:
+class _Sim:
+    """All four interfaces of one simulated BMC."""
+
+    machines: ClassVar[dict[str, SimMachine]] = {}
+
+    def __init__(self, target: NodeBmc) -> None:
+        self.machine = self.machines.setdefault(target.address, SimMachine())
+
+    async def power_state(self, *, deadline: float) -> str:
+        await before_call("sim power_state")
+        return self.machine.power.capitalize()
+
+    async def request_power(self, command: SetPower, *, before: str, deadline: float) -> None:
         await before_call("sim set_power")
-        before = self.machine["power"]
-        self.machine["power"] = "off" if action in ("off", "softOff") else "on"
-        return {"powerState": self.machine["power"].capitalize(), "changed": before != self.machine["power"]}
+        self.machine.power = "off" if command.action in ("off", "softOff") else "on"
 
-    async def set_boot_device(
-        self, device: str, *, persistent: bool, mode: str | None, deadline: float
-    ) -> dict[str, Any]:
+    async def request_boot_device(self, command: SetBootDevice, *, deadline: float) -> None:
         await before_call("sim set_boot_device")
-        self.machine.update(boot=device, persistent=persistent)
-        return {"device": device, "persistent": persistent}
+        self.machine.boot, self.machine.persistent = command.device, command.persistent
 
-    async def media_insert(self, url: str, *, device: str, deadline: float) -> dict[str, Any]:
+    async def boot_device(self, *, deadline: float) -> BootRead:
+        return BootRead(device=self.machine.boot)
+
+    async def insert(self, command: MediaInsert, *, deadline: float) -> None:
         await before_call("sim media_insert")
-        self.machine["media"][device] = url
-        return {"device": device, "inserted": True, "image": url}
+        self.machine.media[command.device] = command.url
 
-    async def media_eject(self, *, device: str, deadline: float) -> dict[str, Any]:
+    async def eject(self, command: MediaEject, *, deadline: float) -> None:
         await before_call("sim media_eject")
-        self.machine["media"].pop(device, None)
-        return {"device": device, "inserted": False}
+        self.machine.media.pop(command.device, None)
 
-    async def validate(self, *, deadline: float) -> list[dict[str, Any]]:
+    async def medium(self, device: str, *, deadline: float) -> MediumRead:
+        image = self.machine.media.get(device)
+        return MediumRead(inserted=image is not None, image=image)
+
+    async def validate(self, *, deadline: float) -> list[BmcCheck]:
         await before_call("sim validate")
-        power = self.machine["power"].capitalize()
+        power = self.machine.power.capitalize()
         return [
-            {"check": "reach", "status": "ok", "message": "the simulated BMC answers"},
-            {"check": "credentials", "status": "ok", "message": "the simulated BMC takes any"},
-            {"check": "system", "status": "ok", "message": "one simulated system"},
-            {"check": "power", "status": "ok", "message": f"power state {power}"},
+            BmcCheck(check="reach", status="ok", message="the simulated BMC answers"),
+            BmcCheck(check="credentials", status="ok", message="the simulated BMC takes any"),
+            BmcCheck(check="system", status="ok", message="one simulated system"),
+            BmcCheck(check="power", status="ok", message=f"power state {power}"),
         ]
+
+    async def inventory(self, *, deadline: float) -> BmcInventoryResult:
+        system = BmcSystem(power_state=self.machine.power.capitalize())
+        return BmcInventoryResult(driver="sim", system=system, processors=[], nics=[])
 
     async def close(self) -> None:
         return None
 
-    async def inventory(self, *, deadline: float) -> dict[str, Any]:
-        if not self.machine:
-            raise driver_error("inventory", "no machine")
-        return {"system": {"powerState": self.machine["power"].capitalize()}, "processors": [], "nics": []}
+
+def open_driver(target: NodeBmc) -> Driver:
+    sim = _Sim(target)
+    return Driver(name="sim", power=sim, management=sim, inventory=sim, media=sim, close=sim.close)

@@ -26,20 +26,32 @@ from .bmc import (
     power_set_power,
 )
 from .deploy import deploy_deploy
+from .enroll import ENROLL_STEPS, enroll_read_bmc, enroll_validate_bmc
 from .http import http_via_site, node_addresses
 from .inventory import inspect_collect
 from .joined import wait_agent_joined
-from .profiles import LIFECYCLE_PROFILE_IDS, VALIDATE_PROFILE_ID, Ramdisk, lifecycle_profiles
+from .profiles import (
+    ACTION_PROFILE_IDS,
+    ENROLL_PROFILE_ID,
+    LIFECYCLE_PROFILE_IDS,
+    VALIDATE_PROFILE_ID,
+    Ramdisk,
+    lifecycle_profiles,
+)
 from .ramdisk import ensure_ramdisk
 from .wipe import disk_wipe
 
 __all__ = [
+    "ACTION_PROFILE_IDS",
+    "ENROLL_PROFILE_ID",
     "LIFECYCLE_PROFILE_IDS",
     "METAL_STEPS",
     "VALIDATE_PROFILE_ID",
     "Ramdisk",
     "deploy_deploy",
     "disk_wipe",
+    "enroll_read_bmc",
+    "enroll_validate_bmc",
     "ensure_ramdisk",
     "http_via_site",
     "inspect_collect",
@@ -55,6 +67,7 @@ __all__ = [
 
 METAL_STEPS: Final[tuple[Step, ...]] = (
     *BMC_STEPS,
+    *ENROLL_STEPS,
     ensure_ramdisk,
     wait_agent_joined,
     inspect_collect,

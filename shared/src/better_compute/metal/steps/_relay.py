@@ -8,9 +8,12 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import msgspec
+
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision.commands import CommandResult, await_command
 from better_compute.provision.context import StepNode
+from better_compute.wire.commands import payload_document
 
 __all__ = ["attested_result", "relay", "result_json", "workflow_node"]
 
@@ -39,17 +42,19 @@ async def relay(
     ctx: Any,
     *,
     kind: str,
-    payload: Mapping[str, Any],
+    payload: Mapping[str, Any] | msgspec.Struct,
     key: str | None = None,
     target: Literal["site", "node"] = "site",
 ) -> dict[str, Any]:
     """Send one command of this step attempt (find-before-create by key) and wait for it.
+    ``payload`` is the kind's Struct (``wire.commands``), or its JSON for a kind without one.
 
     Returns ``{commandId, result}`` (the agent's result as JSON) once it succeeded; raises
     ``step_not_ready`` while it runs and ``DRIVER_ERROR`` when it failed (``await_command``).
     """
     node = workflow_node(ctx, kind)
-    done = await await_command(ctx, node_id=node.id, kind=kind, payload=dict(payload), key=key, target=target)
+    body = payload_document(payload) if isinstance(payload, msgspec.Struct) else dict(payload)
+    done = await await_command(ctx, node_id=node.id, kind=kind, payload=body, key=key, target=target)
     return {"commandId": done["command_id"], "result": result_json(done)}
 
 

@@ -12,11 +12,22 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+import msgspec
+
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import Manifest, field, manifest
 from better_compute.core.plugins import DOTTED_NAME_PATTERN
 from better_compute.provision.results import latest_result
 from better_compute.provision.steps import Step, define_step
+from better_compute.wire.commands import (
+    BmcInventoryResult,
+    MediaEject,
+    MediaInsert,
+    SetBootDevice,
+    SetPower,
+    decode_payload,
+    decode_result,
+)
 
 from ..commands import (
     BMC,
@@ -48,9 +59,20 @@ def _input(kind_payload: Manifest, **changes: Any) -> Manifest:
     return manifest(fields)
 
 
-def _bmc_step(kind: str, payload: Manifest, description: str, *, timeout: str = BMC_TIMEOUT) -> Step:
+def _bmc_step(
+    kind: str,
+    payload: Manifest,
+    description: str,
+    *,
+    timeout: str = BMC_TIMEOUT,
+    into: type[msgspec.Struct] | None = None,
+) -> Step:
+    """A step that sends the BMC command ``kind``: its ``with`` decoded into the kind's payload
+    Struct ``into`` (``bmc`` absent: the engine adds the node's), or relayed as checked."""
+
     async def run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
-        done = await relay(ctx, kind=kind, payload=step_input)  # the engine adds the node's BMC
+        command = decode_payload(step_input, into, path="with") if into is not None else step_input
+        done = await relay(ctx, kind=kind, payload=command)  # the engine adds the node's BMC
         return {**done, **{k: v for k, v in step_input.items() if k != "bmc"}}
 
     return define_step(
@@ -67,14 +89,20 @@ def _bmc_step(kind: str, payload: Manifest, description: str, *, timeout: str = 
 
 
 power_set_power = _bmc_step(
-    POWER_SET_POWER.name, POWER_SET_POWER.payload, "Change the node's power state through its BMC"
+    POWER_SET_POWER.name,
+    POWER_SET_POWER.payload,
+    "Change the node's power state through its BMC",
+    into=SetPower,
 )
 management_set_boot_device = _bmc_step(
     MANAGEMENT_SET_BOOT_DEVICE.name,
     MANAGEMENT_SET_BOOT_DEVICE.payload,
     "Set the node's next boot device through its BMC",
+    into=SetBootDevice,
 )
-media_eject = _bmc_step(MEDIA_EJECT.name, MEDIA_EJECT.payload, "Eject the node's virtual medium")
+media_eject = _bmc_step(
+    MEDIA_EJECT.name, MEDIA_EJECT.payload, "Eject the node's virtual medium", into=MediaEject
+)
 management_validate = _bmc_step(
     MANAGEMENT_VALIDATE.name,
     MANAGEMENT_VALIDATE.payload,
@@ -102,11 +130,9 @@ async def _insert(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             sha256 = earlier["sha256"]
     if url is None:
         raise BcError(ErrorCode.INVALID_INPUT, "give url or fromStep", {"path": "url"})
-    command: dict[str, Any] = {"url": url, "device": step_input["device"]}
-    if step_input.get("bmc") is not None:
-        command["bmc"] = step_input["bmc"]  # else the engine adds the node's
-    if sha256 is not None:
-        command["sha256"] = sha256
+    # without bmc the engine adds the node's
+    doc = {"url": url, "device": step_input["device"], "sha256": sha256, "bmc": step_input.get("bmc")}
+    command = decode_payload(doc, MediaInsert, path="with")
     done = await relay(ctx, kind=MEDIA_INSERT.name, payload=command)
     return {**done, "url": url, "device": step_input["device"]}
 
@@ -138,10 +164,9 @@ async def _get_power(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     if step_input.get("bmc") is not None:
         command["bmc"] = step_input["bmc"]  # else the engine adds the node's
     done = await relay(ctx, kind=MANAGEMENT_INVENTORY.name, payload=command)
-    answer = done["result"]
-    system = answer.get("system") if isinstance(answer, dict) else None
-    power = system.get("powerState") if isinstance(system, dict) else None
-    if not isinstance(power, str) or power.lower() not in ("on", "off"):
+    answer = decode_result(MANAGEMENT_INVENTORY.name, done["result"])
+    power = answer.system.power_state if isinstance(answer, BmcInventoryResult) else None
+    if power is None or power.lower() not in ("on", "off"):
         raise BcError(
             ErrorCode.DRIVER_ERROR,
             f"the BMC of node {node.id} did not say whether the machine is on",

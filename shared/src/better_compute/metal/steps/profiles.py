@@ -11,6 +11,11 @@
                      valid join), inventory (node-signed): nothing booted, wiped or written
 ===================  ====================================================================
 
+Beside them, profiles that change no lifecycle state: ``metal.enroll`` (the BMC validated,
+then its power and the machine's inventory read through it: what ``bcx nodes enroll`` runs
+once the node is recorded), ``metal.validate`` (the BMC checked), ``metal.power-on|off|cycle``
+and ``metal.boot-pxe|disk`` (``bcx nodes power`` and ``bcx nodes boot-device set``).
+
 The ramdisk (kernel and initrd, or an iPXE script) is a deployment's own, so it goes into the
 profiles' ``metal.ensureRamdisk`` step from ``metal(ramdisk=Ramdisk(...))``. The same ramdisk
 gives the very same profile objects, so ``metal()`` may be called once for
@@ -24,11 +29,24 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from better_compute.provision.profiles import Profile, define_profile
+from better_compute.wire.commands import SetBootDevice, SetPower, payload_document
 
-__all__ = ["LIFECYCLE_PROFILE_IDS", "VALIDATE_PROFILE_ID", "Ramdisk", "lifecycle_profiles"]
+__all__ = [
+    "ACTION_PROFILE_IDS",
+    "ENROLL_PROFILE_ID",
+    "LIFECYCLE_PROFILE_IDS",
+    "VALIDATE_PROFILE_ID",
+    "Ramdisk",
+    "lifecycle_profiles",
+]
 
 VALIDATE_PROFILE_ID: Final = "metal.validate"
 """The shipped profile that checks a node's BMC (``bcx nodes validate``)."""
+
+ENROLL_PROFILE_ID: Final = "metal.enroll"
+"""The shipped profile ``bcx nodes enroll`` runs on a node with a BMC once it is recorded: the
+BMC validated (a failed check fails it), then its power and the machine's inventory read
+through it (``bmcInventory``); the node stays ``enrolled`` either way."""
 
 LIFECYCLE_PROFILE_IDS: Final = {
     "inspect": "metal.inspect",
@@ -39,6 +57,32 @@ LIFECYCLE_PROFILE_IDS: Final = {
     "adopt": "metal.adopt",
 }
 """The shipped profile of each lifecycle verb."""
+
+ACTION_PROFILE_IDS: Final = {
+    "power.on": "metal.power-on",
+    "power.off": "metal.power-off",
+    "power.cycle": "metal.power-cycle",
+    "bootDevice.pxe": "metal.boot-pxe",
+    "bootDevice.disk": "metal.boot-disk",
+}
+"""The shipped one-step profile of each node action (``bcx nodes power|boot-device``): a
+workflow like a verb's, audited, that leaves the node's lifecycle state as it was."""
+
+_ACTION_STEPS: Final = {
+    "power.on": ("Switch the node on through its BMC", "power.setPower", {"action": "on"}),
+    "power.off": ("Switch the node off through its BMC", "power.setPower", {"action": "off"}),
+    "power.cycle": ("Power-cycle the node through its BMC", "power.setPower", {"action": "cycle"}),
+    "bootDevice.pxe": (
+        "Boot the node from the network once, through its BMC",
+        "management.setBootDevice",
+        {"device": "pxe", "persistent": False},
+    ),
+    "bootDevice.disk": (
+        "Boot the node from its disk from now on, through its BMC",
+        "management.setBootDevice",
+        {"device": "disk", "persistent": True},
+    ),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +131,7 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
     boot = {"use": "metal.ensureRamdisk", "on": "site", "with": ramdisk.to_with() if ramdisk else {}}
     joined = {"use": "wait.agentJoined", "with": {"role": "node"}}
     collect = {"use": "inspect.collect"}
-    off = {"use": "power.setPower", "on": "site", "with": {"action": "off"}}
+    off = {"use": "power.setPower", "on": "site", "with": payload_document(SetPower(action="off"))}
 
     def wipe(mode: str) -> dict[str, Any]:
         return {"use": "disk.wipe", "with": {"mode": mode}}
@@ -118,9 +162,9 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
                 {
                     "use": "management.setBootDevice",
                     "on": "site",
-                    "with": {"device": "disk", "persistent": True},
+                    "with": payload_document(SetBootDevice(device="disk", persistent=True)),
                 },
-                {"use": "power.setPower", "on": "site", "with": {"action": "cycle"}},
+                {"use": "power.setPower", "on": "site", "with": payload_document(SetPower(action="cycle"))},
                 {"use": "wait.agentJoined", "with": {"role": "node"}},
             ],
             user_data={"kind": "cloud-init"},
@@ -148,6 +192,25 @@ def lifecycle_profiles(ramdisk: Ramdisk | None = None) -> tuple[Profile, ...]:
                 {"use": "wait.agentJoined", "with": {"role": "node", "fresh": False}},
                 collect,
             ],
+        ),
+        *(
+            define_profile(
+                id=ACTION_PROFILE_IDS[action],
+                version=1,
+                target="metal",
+                role="host",
+                description=text,
+                steps=[{"use": use, "on": "site", "with": with_}],
+            )
+            for action, (text, use, with_) in _ACTION_STEPS.items()
+        ),
+        define_profile(
+            id=ENROLL_PROFILE_ID,
+            version=1,
+            target="metal",
+            role="host",
+            description="Enroll: validate the BMC, then read the machine's power and inventory through it",
+            steps=[{"use": "enroll.validateBmc", "on": "site"}, {"use": "enroll.readBmc", "on": "site"}],
         ),
         define_profile(
             id=VALIDATE_PROFILE_ID,

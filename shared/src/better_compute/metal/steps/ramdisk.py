@@ -31,6 +31,8 @@ from typing import Any, Final
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import manifest
 from better_compute.provision.steps import define_step
+from better_compute.wire.commands import SetBootDevice, SetPower, decode_payload
+from better_compute.wire.metal import NodeBmc
 
 from ..commands import (
     BMC,
@@ -64,7 +66,10 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             f"node {node.id} has no MAC address to network-boot",
             {"path": "macs", "reason": "no-macs", "nodeId": node.id},
         )
-    given = {"bmc": step_input["bmc"]} if step_input.get("bmc") is not None else {}  # else the node's
+    # the step's own bmc, else None: the engine adds the node's
+    bmc = (
+        decode_payload(step_input["bmc"], NodeBmc, path="bmc") if step_input.get("bmc") is not None else None
+    )
     entry = {k: step_input[k] for k in RAMDISK_FIELDS if step_input.get(k) is not None}
     if ctx.pki is None or ctx.secrets is None:
         raise BcError(
@@ -89,7 +94,7 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     boot = await relay(
         ctx,
         kind=MANAGEMENT_SET_BOOT_DEVICE.name,
-        payload={"device": "pxe", "persistent": False, **given},
+        payload=SetBootDevice(device="pxe", persistent=False, bmc=bmc),
         key="boot-device",
     )
     entries = []
@@ -102,7 +107,7 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         )
         entries.append({"mac": mac, "commandId": done["commandId"]})
     cycle = await relay(
-        ctx, kind=POWER_SET_POWER.name, payload={"action": "cycle", **given}, key="power-cycle"
+        ctx, kind=POWER_SET_POWER.name, payload=SetPower(action="cycle", bmc=bmc), key="power-cycle"
     )
     return {
         "joinTokenId": token.join_token_id,
