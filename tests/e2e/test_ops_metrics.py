@@ -105,6 +105,7 @@ async def test_every_service_metrics_count_a_small_rollout(stack: OpsStack, bc_a
     # not on the port every host of the boot network reaches (http_listen): only on metrics_listen
     with pytest.raises(urllib.error.HTTPError) as hidden:
         await asyncio.to_thread(_scrape, f"{stack.agent.url}/metrics")
+    hidden.value.close()  # its socket (a ResourceWarning otherwise)
     assert hidden.value.code == 404
 
     # no ids as labels: no label value anywhere names a node or a workflow
