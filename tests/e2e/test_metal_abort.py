@@ -52,7 +52,9 @@ def _served(stack: FleetStack, mac: str) -> str:
 
 def _entry_token(stack: FleetStack) -> str | None:
     """The join token in the site agent's boot entry files (what its script would serve)."""
-    for path in sorted((stack.agent.state_dir / "netboot").glob("*")):
+    for path in sorted((stack.agent.state_dir / "netboot").rglob("*")):
+        if not path.is_file():
+            continue
         found = TOKEN.search(path.read_text(errors="replace"))
         if found:
             return found.group(0)

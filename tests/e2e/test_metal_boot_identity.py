@@ -1,28 +1,35 @@
-"""Identity on the boot network (issue 23, H1): an attacker on the boot network who asks the site
-agent for a node's boot script gets no identity that lasts, and the machine's own boot shows it.
+"""Identity on the boot network (issue 23, H1 and item 4): an attacker on the boot network who asks
+the site agent for a node's boot script gets no identity at all, and the machine's own boot shows
+it.
 
 Every part is a real process: bc-pki, bc-secrets, bc-command-queue, bc-engine, the site agent and
-the simulated machines, whose iPXE asks the site agent over HTTP as an attacker would. Counted
-where a user sees it: the join bc-pki issued to the thief (revoked), the node (quarantined, its
-workflow aborted, ``bcx nodes show`` and ``bcx why`` say why), the machine (no bcd of the
-thief's token ever runs on it), and the feed (a node event ``quarantine``).
+the simulated machines, whose iPXE asks the site agent over HTTP as an attacker would. The
+machines ask from 127.0.0.1; the attacker from other loopback addresses (another host on the boot
+network). Counted where a user sees it: at the attacker (its certificate never signs anything that
+counts, its agent never hears from the command queue, no command reaches it), the node
+(quarantined, its workflow aborted, ``bcx nodes show`` and ``bcx why`` say why), the machine (no
+bcd of the thief's token ever runs on it), and the feed (a node event ``quarantine``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import http.client
 import json
 import re
-import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import pytest_asyncio
 
-from better_compute.agent import Enrollment, enroll
+from better_compute.agent import Agent, Command, Enrollment, enroll, load_enrollment
 from better_compute.config import Settings
 from better_compute.core.errors import BcError
+from better_compute.metal.commands import COMMAND_KINDS
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx, until
 from better_compute.testing.metal_sim import Faults, FleetStack, fleet_stack
@@ -38,11 +45,13 @@ TOKEN = re.compile(r"bcd\.token=(bcjt_[A-Za-z0-9_-]{43})")
 async def stack(
     bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> AsyncIterator[FleetStack]:
-    # machine 0's BMC takes seconds to power on: the thief asks for its script before it boots
-    faults = {0: Faults(power_delay=(4.0, 4.5))}
+    # machine 0's BMC takes seconds to power on: the thief asks for its script before it boots;
+    # machine 2's iPXE asks twice at each network boot; machine 3 never boots (only the test asks)
+    faults = {0: Faults(power_delay=(4.0, 4.5)), 2: Faults(netboot_asks=2), 3: Faults(never_boots=True)}
     async with fleet_stack(
-        tmp_path / "fleet", bc_settings, machines=2, faults=faults, processes=bc_processes, api=bc_api
-    ) as fleet:
+        tmp_path / "fleet", bc_settings, machines=4, faults=faults, processes=bc_processes, api=bc_api,
+        quiet_seconds=5.0,
+    ) as fleet:  # fmt: skip
         try:
             yield fleet
         finally:
@@ -51,11 +60,50 @@ async def stack(
             print(fleet.tails())
 
 
-def _ask(stack: FleetStack, mac: str) -> str:
-    """GET /boot/mac/<mac> as any host on the boot network can (no credential)."""
-    url = f"{stack.agent.url}/boot/mac/{mac.replace(':', '-')}"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return str(resp.read().decode())
+def _ask(stack: FleetStack, mac: str, *, source: str = "127.0.0.2") -> str:
+    """GET /boot/mac/<mac> as any host on the boot network can (no credential), from ``source``
+    (another host than the machines, which ask from 127.0.0.1)."""
+    url = urlsplit(stack.agent.url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=5, source_address=(source, 0))
+    try:
+        conn.request("GET", f"/boot/mac/{mac.replace(':', '-')}")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+class ThiefAgent:
+    """The thief's agent process side, run with its stolen enrollment: counts every command that
+    reaches it (answering each as a bcd would, without doing anything)."""
+
+    def __init__(self, stack: FleetStack, thief: Enrollment, folder: Path) -> None:
+        self.commands: list[str] = []
+
+        async def handle(cmd: Command) -> dict[str, Any]:
+            self.commands.append(cmd.kind)
+            return {}
+
+        self.agent = Agent(
+            enrollment=thief, handlers=dict.fromkeys(COMMAND_KINDS, handle), journal=folder / "thief.db",
+            nats_url=stack.settings.nats_url, subjects=stack.api.subjects,
+        )  # fmt: skip
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def heard(self) -> bool:
+        """Whether the command queue ever answered its hello (it would pull commands as the node)."""
+        return self.agent.ready.is_set()
+
+    async def start(self) -> None:
+        await self.agent.start()
+        self.task = asyncio.create_task(self.agent.run())
+
+    async def close(self) -> None:
+        self.agent.request_stop()
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self.agent.stop()
 
 
 def _entries(stack: FleetStack) -> list[str]:
@@ -80,40 +128,66 @@ async def _signature_counts(stack: FleetStack, thief: Enrollment) -> bool:
     try:
         await stack.pki.verify(signer_id=thief.cert_id, data=data, signature=signature)
     except BcError as err:
-        if err.reason != "cert-revoked":
+        if err.reason not in ("cert-revoked", "cert-pending"):
             raise
         return False
     return True
 
 
-@pytest.mark.timeout(300)  # the stack takes 30-90 s to start on the loaded 2-core machine
-async def test_a_token_taken_off_the_boot_network_is_a_detected_denial_never_the_nodes_identity(
-    stack: FleetStack,
+@pytest.mark.timeout(420)  # the stack takes 30-90 s to start on the loaded 2-core machine
+async def test_a_token_taken_off_the_boot_network_is_never_the_nodes_identity(
+    stack: FleetStack, tmp_path: Path
 ) -> None:
     # -- the thief asks first: before the machine has even powered on --------------------------
     m, node_id = stack.machine(0), stack.nodes[0]
     events = await _node_events(stack, node_id)
     run = await stack.verb("inspect", 0)
-    await until(lambda: len(_entries(stack)) == len(m.macs), timeout=120, what="machine 0's boot entries")
+    await until(lambda: len(_entries(stack)) >= len(m.macs), timeout=120, what="machine 0's boot entries")
     script = _ask(stack, m.macs[0])
     found = TOKEN.search(script)
     assert found is not None, script  # the first ask gets the entry: nobody can tell who asks
     claims = JoinClaims(macs=list(m.macs), product_uuid=m.uuid, serial=m.serial)
     thief = await enroll(stack.pki, token=found.group(1), claims=claims, site_id=stack.site_id)
     assert thief.agent_id == node_id
-    assert await _signature_counts(stack, thief)  # for the few seconds until the machine boots
-    # ... the machine boots and asks for its script: it gets nothing, and everybody is told
-    await until(lambda: m.ledger.count("boot.network") >= 1, timeout=60, what="machine 0 network-boots")
-    assert m.ledger.count("boot.network", served="exit") == 1
-    node = await stack.node_reaches(node_id, "failed", timeout=60, what="the quarantined node")
-    assert node.quarantine is not None
-    assert node.quarantine["reason"] == "boot-entry-fetched-twice", node.quarantine
-    assert node.quarantine["mac"] == m.macs[0]
-    assert "node quarantined: its one-time boot entry" in node.state_reason["message"], node.state_reason
-    assert (await stack.engine.get_workflow(id=run.workflow_id)).state == "aborted"
-    # the thief's certificate is revoked: its signatures count for nothing from now on
-    assert (await stack.pki.get_certificate(cert_id=thief.cert_id)).state == "revoked"
+    # ... it holds a certificate, but a pending one: it signs nothing that counts, the command
+    # queue does not hear it, and it gets no command (counted at the thief)
+    assert (await stack.pki.get_certificate(cert_id=thief.cert_id)).state == "pending"
     assert not await _signature_counts(stack, thief)
+    thief_agent = ThiefAgent(stack, thief, tmp_path)
+    await thief_agent.start()
+    try:
+        # ... the machine boots and asks for its script: it gets nothing, and everybody is told
+        await until(lambda: m.ledger.count("boot.network") >= 1, timeout=60, what="machine 0 network-boots")
+        assert m.ledger.count("boot.network", served="exit") == 1
+        node = await stack.node_reaches(node_id, "failed", timeout=60, what="the quarantined node")
+        assert node.quarantine is not None
+        assert node.quarantine["reason"] == "boot-entry-fetched-twice", node.quarantine
+        assert node.quarantine["mac"] == m.macs[0]
+        assert "node quarantined: its one-time boot entry" in node.state_reason["message"], node.state_reason
+        assert (await stack.engine.get_workflow(id=run.workflow_id)).state == "aborted"
+        # the thief's certificate went from pending to revoked: it was never the node
+        assert (await stack.pki.get_certificate(cert_id=thief.cert_id)).state == "revoked"
+        assert not await _signature_counts(stack, thief)
+        assert thief_agent.commands == []
+        assert not thief_agent.heard
+    finally:
+        await thief_agent.close()
+    # a burn reported again (its answer lost) gets the same answer and changes nothing; a confirm
+    # after it is refused; the thief could never confirm its own token (not a site agent's key)
+    site_agent = load_enrollment(stack.agent.state_dir / "enrollment.json")
+    assert site_agent is not None
+    digest = hashlib.sha256(found.group(1).encode()).hexdigest()
+    again = await stack.pki.burn_join_token(
+        identity=site_agent.identity, token_sha256=digest, mac=m.macs[0], reason="boot-entry-fetched-twice"
+    )
+    assert again.revoked_cert_ids == node.quarantine["revokedCertIds"] == [thief.cert_id]
+    with pytest.raises(BcError) as late_confirm:
+        await stack.pki.confirm_join_token(identity=site_agent.identity, token_sha256=digest, mac=m.macs[0])
+    assert (late_confirm.value.code.value, late_confirm.value.reason) == ("INVALID_STATE", "token-revoked")
+    with pytest.raises(BcError) as self_confirm:
+        await stack.pki.confirm_join_token(identity=thief.identity, token_sha256=digest, mac=m.macs[0])
+    assert self_confirm.value.code.value == "UNAUTHENTICATED"
+    assert (await stack.engine.get_node(id=node_id)).quarantine == node.quarantine  # not quarantined anew
     assert m.ledger.count("bcd.started") == 0  # no bcd ever ran on the machine with that token
     await until(lambda: any(e.get("verb") == "quarantine" for e in events), timeout=10, what="the event")
     shown = await bcx(stack.settings, "nodes", "show", node_id)
@@ -128,7 +202,7 @@ async def test_a_token_taken_off_the_boot_network_is_a_detected_denial_never_the
         await stack.engine.resume_workflow(id=run.workflow_id)
     assert (resumed.value.code.value, resumed.value.reason) == ("INVALID_STATE", "node-quarantined")
 
-    # -- the machine first: a later ask, for any MAC of the node, gets nothing ------------------
+    # -- the machine first: a later ask from another host, for any MAC of the node, gets nothing -
     m, node_id = stack.machine(1), stack.nodes[1]
     await stack.verb("inspect", 1)
     await until(lambda: m.ledger.count("bcd.started") >= 1, timeout=120, what="machine 1's ramdisk")
@@ -149,3 +223,31 @@ async def test_a_token_taken_off_the_boot_network_is_a_detected_denial_never_the
     certs = await stack.pki.list_certificates(agent_id=node_id, include_revoked=True)
     assert certs
     assert all(c.state == "revoked" for c in certs)
+
+    # -- a machine whose iPXE asks twice (from its own address) is not a thief ------------------
+    m, node_id = stack.machine(2), stack.nodes[2]
+    await stack.verb("inspect", 2)
+    node = await stack.node_reaches(node_id, "inspected", timeout=120, what="machine 2 inspected")
+    assert node.quarantine is None
+    # it asked twice, and the second ask got the same entry again (its iPXE booted the kernel)
+    assert m.ledger.count("boot.network", served="kernel", asks=2) == 1
+    certs = await stack.pki.list_certificates(agent_id=node_id)
+    assert [c.state for c in certs] == ["valid"]  # its join, confirmed once the entry closed clean
+
+    # -- a burn report survives bc-pki away and the agent killed before it could send it -------
+    m, node_id = stack.machine(3), stack.nodes[3]  # never boots: only the test's hosts ask
+    await stack.verb("inspect", 3)
+    await until(lambda: len(_entries(stack)) >= len(m.macs), timeout=120, what="machine 3's boot entries")
+    pki = next(p for p in stack.processes.procs if p.service == "bc-pki" and p.alive())
+    pki.kill()
+    assert TOKEN.search(_ask(stack, m.macs[0], source="127.0.0.2")) is not None
+    assert "bcd.token" not in _ask(stack, m.macs[0], source="127.0.0.3")
+    reports = stack.agent.state_dir / "netboot" / "reports"
+    await until(lambda: any(reports.glob("burn-*.json")), timeout=10, what="the burn report kept")
+    stack.agent.kill()
+    stack.agent.start()
+    stack.processes.restart(pki)
+    node = await stack.node_reaches(node_id, "failed", timeout=120, what="the quarantined node")
+    assert node.quarantine is not None
+    assert node.quarantine["reason"] == "boot-entry-fetched-twice"
+    await until(lambda: not any(reports.glob("burn-*.json")), timeout=30, what="the report taken")

@@ -6,6 +6,7 @@ one refused, one secret fetch denied."""
 from __future__ import annotations
 
 import asyncio
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -101,6 +102,11 @@ async def test_every_service_metrics_count_a_small_rollout(stack: OpsStack, bc_a
     labels = {"driver": "sim", "operation": "power.setPower"}
     assert _value(site, "bc_bmc_call_duration_seconds_count", **labels, outcome="ok") == commands
     assert not [k for k in site if k[0] == "bc_bmc_call_errors_total"]
+    # not on the port every host of the boot network reaches (http_listen): only on metrics_listen
+    with pytest.raises(urllib.error.HTTPError) as hidden:
+        await asyncio.to_thread(_scrape, f"{stack.agent.url}/metrics")
+    hidden.value.close()  # its socket (a ResourceWarning otherwise)
+    assert hidden.value.code == 404
 
     # no ids as labels: no label value anywhere names a node or a workflow
     ids = {n.id for n in nodes} | {w.id for w in started}

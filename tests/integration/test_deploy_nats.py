@@ -193,10 +193,12 @@ async def test_site_agent_pulls_its_commands_and_reaches_the_control_plane_throu
     reply = await eventually("hello answered", lambda: agent.request(hello, b"hi", timeout=1))
     assert reply.data == b"welcome " + hello.encode()
     await pki.subscribe("bc.api.pki.tokens.burn", queue="pki", cb=answer(b"burnt"))
+    await pki.subscribe("bc.api.pki.tokens.confirm", queue="pki", cb=answer(b"confirmed"))
     await pki.flush()
     for subject, text in [
         ("bc.api.pki.agents.join", b"joined"), ("bc.api.secrets.secrets.fetch", b"secret"),
         ("bc.api.pki.tokens.burn", b"burnt"),  # its report of a boot entry asked for twice
+        ("bc.api.pki.tokens.confirm", b"confirmed"),  # and of one closed clean
     ]:  # fmt: skip
         reply = await agent.request(subject, b"{}", timeout=5)
         assert reply.data == text + b" " + subject.encode()
@@ -746,13 +748,14 @@ async def test_a_machine_without_a_certificate_may_only_join(stack: Stack) -> No
     assert (await machine.request("bc.api.pki.agents.join", b"{}", timeout=5)).data == b"joined"
     for subject in [
         SUBJECTS.agent_event("eu1", "node1", "hello"), "bc.api.secrets.secrets.fetch",
-        f"$JS.API.CONSUMER.MSG.NEXT.{EU1}.node1", "bc.api.pki.tokens.burn",
+        f"$JS.API.CONSUMER.MSG.NEXT.{EU1}.node1", "bc.api.pki.tokens.burn", "bc.api.pki.tokens.confirm",
     ]:  # fmt: skip
         await machine.publish(subject, b"{}")
     await machine.flush()
     for subject in [
         "_INBOX.>", "_INBOX.join.>", "bc.agent.eu1.node1.hello", "bc.api.secrets.secrets.fetch",
         f"$js.hub.api.consumer.msg.next.{EU1}.node1", "bc.api.pki.tokens.burn",
+        "bc.api.pki.tokens.confirm",
     ]:  # fmt: skip
         await eventually(f"refused {subject}", functools.partial(_refused, stack, "joining", subject))
     for sub in sniff:

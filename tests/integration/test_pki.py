@@ -361,6 +361,55 @@ async def test_a_node_bound_token_makes_the_node_id_the_agent_id(
     assert (verified.cert_id, verified.role) == (joined.cert_id, "provisioned")
 
 
+async def test_a_held_tokens_join_is_pending_until_a_site_agent_of_its_site_confirms_it(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    node_id = new_id("node")
+    async with PkiService(bc_settings):
+        held = await issue(pki, node_id=node_id, held=True)
+        err = await refused(issue(pki, role="site", held=True))  # only a node's ramdisk token is held
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "held")
+        thief, thief_identity = await join(pki, held.token)
+        assert (await pki.get_certificate(cert_id=thief.cert_id)).state == "pending"
+        data, signature = thief_identity.sign("agent.event", {"kind": "hello"})
+        err = await refused(pki.verify(signer_id=node_id, data=data, signature=signature))
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "cert-pending")
+        digest = hashlib.sha256(held.token.encode()).hexdigest()
+        # the joiner cannot confirm itself, nor can a site agent of another site
+        err = await refused(pki.confirm_join_token(identity=thief_identity, token_sha256=digest, mac="aa"))
+        assert err.code is ErrorCode.UNAUTHENTICATED
+        _, other_site = await join(pki, (await issue(pki, role="site", site_id="site-b")).token)
+        err = await refused(pki.confirm_join_token(identity=other_site, token_sha256=digest, mac="aa"))
+        assert (err.code, err.path) == (ErrorCode.NOT_FOUND, "tokenSha256")
+        _, site_agent = await join(pki, (await issue(pki, role="site")).token)
+        confirmed = await pki.confirm_join_token(identity=site_agent, token_sha256=digest, mac="aa")
+        assert confirmed.cert_ids == [thief.cert_id]
+        assert (await pki.verify(signer_id=node_id, data=data, signature=signature)).cert_id == thief.cert_id
+        again = await pki.confirm_join_token(identity=site_agent, token_sha256=digest, mac="aa")
+        assert again.cert_ids == []  # a repeat changes nothing
+        # a held token confirmed before its join: the join is valid at once
+        early = await issue(pki, node_id=new_id("node"), held=True)
+        early_digest = hashlib.sha256(early.token.encode()).hexdigest()
+        await pki.confirm_join_token(identity=site_agent, token_sha256=early_digest, mac="aa")
+        joined, _ = await join(pki, early.token)
+        assert (await pki.get_certificate(cert_id=joined.cert_id)).state == "valid"
+        # a burn revokes what was pending, and a burn repeated answers the same
+        late = await issue(pki, node_id=new_id("node"), held=True)
+        late_digest = hashlib.sha256(late.token.encode()).hexdigest()
+        pending, _ = await join(pki, late.token)
+        burned = await pki.burn_join_token(
+            identity=site_agent, token_sha256=late_digest, mac="aa", reason="boot-entry-fetched-twice"
+        )
+        assert burned.revoked_cert_ids == [pending.cert_id]
+        assert (await pki.get_certificate(cert_id=pending.cert_id)).state == "revoked"
+        repeat = await pki.burn_join_token(
+            identity=site_agent, token_sha256=late_digest, mac="aa", reason="boot-entry-fetched-twice"
+        )
+        assert repeat.revoked_cert_ids == [pending.cert_id]
+        err = await refused(pki.confirm_join_token(identity=site_agent, token_sha256=late_digest, mac="aa"))
+        assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "token-revoked")
+
+
 async def test_verify_checks_the_signer_certificate_and_freshness(
     bc_settings: Settings, pki: PkiClient
 ) -> None:

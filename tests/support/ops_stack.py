@@ -31,7 +31,7 @@ class OpsStack:
 
     def metrics_url(self, service: str) -> str:
         if service == "site-agent":
-            return f"{self.agent.url}/metrics"
+            return self.agent.metrics_url
         return f"http://127.0.0.1:{self.ports[service]}/metrics"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,28 @@ def test_config_problems_name_the_key(tmp_path: Path) -> None:
     assert refusal(lambda: load_config(cfg, env={})) == (ErrorCode.INVALID_CONFIG, "nats_url")
 
 
+def test_metrics_listen_on_their_own_loopback_port_and_the_quiet_period_is_checked(tmp_path: Path) -> None:
+    cfg = tmp_path / "site-agent.toml"
+    env = {"BC_NATS_URL": "nats://x"}
+    cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\nhttp_listen = "0.0.0.0:8081"\n')
+    config = load_config(cfg, env=env)
+    assert (config.metrics_host, config.metrics_port) == ("127.0.0.1", 9181)  # not the boot network's
+    assert config.quiet_seconds == 120.0
+    cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\nmetrics_listen = ""\n')
+    assert load_config(cfg, env=env).metrics_host is None  # off
+    cfg.write_text(
+        'site_id = "site-a"\nstate_dir = "/x"\n'
+        'http_listen = "10.0.0.5:8081"\nmetrics_listen = "10.0.0.5:8081"\n'
+    )
+    assert refusal(lambda: load_config(cfg, env=env)) == (ErrorCode.INVALID_CONFIG, "metrics_listen")
+    for bad in ("0", "-1", "true", '"2"', "7200"):
+        cfg.write_text(f'site_id = "site-a"\nstate_dir = "/x"\n[netboot]\nquiet_seconds = {bad}\n')
+        assert refusal(lambda: load_config(cfg, env=env)) == (
+            ErrorCode.INVALID_CONFIG,
+            "netboot.quiet_seconds",
+        )
+
+
 def test_a_one_time_entry_is_served_once_and_survives_a_restart(tmp_path: Path) -> None:
     entries = BootEntries(tmp_path / "netboot")
     entries.set(
@@ -118,22 +141,59 @@ def test_a_node_entry_served_once_takes_its_other_macs_and_a_second_ask_is_marke
     for mac in ("52:54:00:aa:bb:03", "52:54:00:aa:bb:04"):
         entries.set({"mac": mac, "kernel": "http://h/k"}, join_token=token)
     entries.set({"mac": "52:54:00:aa:bb:05", "kernel": "http://h/k"}, join_token="bcjt_" + "o" * 43)
-    first = entries.take("52:54:00:aa:bb:04", now=1000.0)
+    first = entries.take("52:54:00:aa:bb:04", source="10.0.0.7", now=1000.0)
     assert first.entry is not None
     assert first.again is None
-    # the node's other MAC is no second way to the token: it is marked, never served
-    other = entries.take("52:54:00:aa:bb:03", now=1001.0)
+    # the node's other MAC, asked from another host, is no second way to the token: it is marked
+    other = entries.take("52:54:00:aa:bb:03", source="10.0.0.9", now=1001.0)
     assert other.entry is None
     assert other.again is not None
     assert other.again["tokenSha256"] == hashlib.sha256(token.encode()).hexdigest()
-    assert token not in json.dumps(other.again)  # the mark keeps a digest, not the token
-    assert entries.take("52:54:00:aa:bb:04", now=1002.0).again is not None
+    assert token not in json.dumps(other.again)  # the report's mark keeps a digest, not the token
+    # ... and once another host asked, not even the first address gets it again
+    assert entries.take("52:54:00:aa:bb:04", source="10.0.0.7", now=1002.0).again is not None
+    assert not any(token in p.read_text() for p in (tmp_path / "netboot").iterdir() if p.is_file())
     assert entries.take("52:54:00:aa:bb:05", now=1003.0).entry is not None  # another node's entry stays
     # after the window, an ordinary unknown MAC again; a new entry drops the mark at once
     late = entries.take("52:54:00:aa:bb:04", now=1000.0 + SERVED_WINDOW_S + 1)
     assert late == Served(entry=None, again=None)
     entries.set({"mac": "52:54:00:aa:bb:03", "kernel": "http://h/k2"}, join_token="bcjt_" + "p" * 43)
     assert entries.take("52:54:00:aa:bb:03", now=1004.0).entry is not None
+
+
+def test_a_node_entry_is_served_again_to_its_address_and_closes_clean_after_its_quiet_period(
+    tmp_path: Path,
+) -> None:
+    token = "bcjt_" + "q" * 43
+    mac, node = "52:54:00:aa:bb:06", "node_01"
+    entries = BootEntries(tmp_path / "netboot")
+    entries.set({"mac": mac, "kernel": "http://h/k"}, join_token=token, node_id=node)
+    assert entries.take(mac, source="10.0.0.7", now=1000.0).entry is not None
+    again = entries.take(mac, source="10.0.0.7", now=1001.0)  # its iPXE retried: the same entry
+    assert again.entry is not None
+    assert again.entry.join_token == token
+    assert entries.closed_clean(5.0, now=1005.5) == []  # 5 s after the last serve, not the first
+    entries.powered(node, now=1004.0)  # the agent cycled the node: the machine asks after its POST
+    assert entries.closed_clean(5.0, now=1008.5) == []
+    [hold] = entries.closed_clean(5.0, now=1009.0)
+    assert (hold.token_sha256, hold.node_id, hold.mac, hold.state) == (
+        hashlib.sha256(token.encode()).hexdigest(), node, mac, "clean",
+    )  # fmt: skip
+    assert entries.closed_clean(5.0, now=1010.0) == []  # once
+    # closed: a later ask, even from the same address, is a second ask (the token is gone)
+    late = entries.take(mac, source="10.0.0.7", now=1011.0)
+    assert late.entry is None
+    assert late.again is not None
+    assert not any(token in p.read_text() for p in (tmp_path / "netboot").iterdir() if p.is_file())
+
+
+def test_a_withdrawn_node_entry_never_closes_clean(tmp_path: Path) -> None:
+    mac = "52:54:00:aa:bb:07"
+    entries = BootEntries(tmp_path / "netboot")
+    entries.set({"mac": mac, "kernel": "http://h/k"}, join_token="bcjt_" + "w" * 43, node_id="node_02")
+    assert entries.take(mac, source="10.0.0.7", now=time.time()).entry is not None
+    assert entries.clear(mac) is False  # served already: nothing left to remove but its mark
+    assert entries.closed_clean(0.001, now=time.time() + 1) == []  # nobody is confirmed
 
 
 def test_boot_entries_refuse_line_breaks_in_the_command_line(tmp_path: Path) -> None:

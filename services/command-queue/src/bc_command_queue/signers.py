@@ -128,6 +128,12 @@ class Signers:
             raise
         if info.state == "revoked":
             raise _refused("cert-revoked", "the signer's certificate is revoked")
+        if info.state == "pending":
+            # a held token's join whose boot entry has not closed clean: not the node yet (the
+            # agent says hello again until it is; nothing is dispatched to it meanwhile)
+            raise _refused(
+                "cert-pending", "the signer's certificate is held until its boot entry closes clean"
+            )
         if info.state != "valid":
             raise _refused("cert-expired", "the signer's certificate has expired")
         cert = x509.load_pem_x509_certificate(info.certificate_pem.encode())

@@ -24,7 +24,7 @@ from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
-from better_compute.wire.pki import JoinAccepted, JoinTokenBurned, decode_join_event
+from better_compute.wire.pki import JoinAccepted, JoinTokenBurned, JoinTokenConfirmed, decode_join_event
 
 from . import metrics, queue, store
 from .api import EngineApi
@@ -234,6 +234,8 @@ class EngineService(Service):
                 await self.wake(agent_id)
             case JoinTokenBurned() as burned:
                 await quarantine_node(self.engine, burned)
+            case JoinTokenConfirmed(node_id=str() as node_id):
+                await self.wake(node_id)  # its held join is valid now: wait.agentJoined settles
             case _:
                 await on_join(self.engine, msg)
 

@@ -47,6 +47,10 @@ class JoinTokens:
                     {"path": "nodeId"},
                 )
             parse_id(body.node_id, "node", path="nodeId")
+        if body.held and (body.role != "node" or body.node_id is None):
+            raise BcError(
+                ErrorCode.INVALID_INPUT, "only a node token bound to a node is held", {"path": "held"}
+            )
         expect = normalize_expect(body.expect)
         ikey, mint_secret = body.idempotency_key, body.mint_secret
         if mint_secret is not None and ikey is None:
@@ -70,6 +74,7 @@ class JoinTokens:
             body.ttl_seconds,
             body.max_uses,
             body.note,
+            body.held,
         )
         found = row is None
         if found:

@@ -200,6 +200,8 @@ class Joins:
             store.json_of(claims),
             cert.not_valid_before_utc,
             cert.not_valid_after_utc,
+            # a held token's boot entry has not closed clean yet: whoever this is, not the node yet
+            bool(token["held"]) and token["confirmed_at"] is None,
         )
         return JoinResult(
             cert_id=cert_id,

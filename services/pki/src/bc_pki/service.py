@@ -59,6 +59,7 @@ class PkiService(Service):
         "tokens.issue": ("tenantId", "role", "siteId", "ttlSeconds", "maxUses", "note"),
         "tokens.revoke": ("joinTokenId", "reason"),
         "tokens.burn": ("mac", "reason", "signerId"),
+        "tokens.confirm": ("mac", "signerId"),
         "certs.revoke": ("certId", "reason"),
         "keys.rewrap": (),
     }
@@ -143,6 +144,7 @@ class PkiService(Service):
             "tokens.revoke": tokens.revoke_token,
             "tokens.revoke_attempt": tokens.revoke_attempt,
             "tokens.burn": self.parts.burns.burn,
+            "tokens.confirm": self.parts.burns.confirm,
             "agents.join": joins.join,
             "joins.list": joins.list_joins,
             "signatures.verify": self.parts.signatures.verify,

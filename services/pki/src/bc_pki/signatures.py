@@ -59,6 +59,10 @@ class Signatures:
         if not usable:
             if any(r["state"] == "revoked" for r in rows):
                 raise unauthenticated("cert-revoked", "the signer's certificate is revoked")
+            if any(r["state"] == "pending" for r in rows):
+                raise unauthenticated(
+                    "cert-pending", "the signer's certificate is held until its boot entry closes clean"
+                )
             raise unauthenticated("cert-expired", "the signer's certificate has expired")
         match = next(
             (r for r in usable if signature_valid(r["public_key"], body.data, body.signature)),

@@ -21,6 +21,7 @@ __all__ = [
     "CA_SELECT",
     "CA_UPDATE_SEALED",
     "CERT_COLUMNS",
+    "CERT_CONFIRM_OF_TOKEN",
     "CERT_INSERT",
     "CERT_REVOKE",
     "CERT_SELECT_BY_AGENT",
@@ -32,6 +33,7 @@ __all__ = [
     "SEEN_INSERT",
     "SEEN_PURGE",
     "TOKEN_COLUMNS",
+    "TOKEN_CONFIRM",
     "TOKEN_INSERT",
     "TOKEN_LIST",
     "TOKEN_REVOKE",
@@ -62,13 +64,14 @@ _TOKEN_STATE: Final = (
 )
 TOKEN_COLUMNS: Final = (
     "id, tenant_id, role, site_id, node_id, expect, ttl_seconds, max_uses, uses, expires_at,"
-    f" revoked_at, revoke_reason, note, idempotency_key, created_at, {_TOKEN_STATE}"
+    " revoked_at, revoke_reason, note, idempotency_key, created_at, held, confirmed_at,"
+    f" {_TOKEN_STATE}"
 )
 TOKEN_INSERT: Final = (
     "INSERT INTO join_tokens (id, token_hash, idempotency_key, tenant_id, role, site_id, node_id,"
-    " expect, ttl_seconds, max_uses, expires_at, note)"
+    " expect, ttl_seconds, max_uses, expires_at, note, held)"
     " VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, now() + $9::int * interval '1 second',"
-    " $11)"
+    " $11, $12)"
     f" ON CONFLICT DO NOTHING RETURNING {TOKEN_COLUMNS}"
 )
 TOKEN_SELECT_BY_IDEMPOTENCY_KEY: Final = (
@@ -97,13 +100,18 @@ CERT_COLUMNS: Final = (
     "id, agent_id, tenant_id, site_id, role, join_token_id, serial, key_type, public_key,"
     " certificate_pem, not_before, not_after, revoked_at, revoke_reason, created_at, claims,"
     " CASE WHEN revoked_at IS NOT NULL THEN 'revoked' WHEN not_after <= now() THEN 'expired'"
-    " ELSE 'valid' END AS state"
+    " WHEN pending THEN 'pending' ELSE 'valid' END AS state"
 )
 CERT_INSERT: Final = (
     "INSERT INTO certificates (id, agent_id, tenant_id, site_id, role, join_token_id, serial,"
-    " key_type, public_key, certificate_pem, claims, not_before, not_after)"
-    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::jsonb, $12, $13)"
+    " key_type, public_key, certificate_pem, claims, not_before, not_after, pending)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::jsonb, $12, $13, $14)"
 )
+CERT_CONFIRM_OF_TOKEN: Final = (
+    "UPDATE certificates SET pending = false"
+    " WHERE join_token_id = $1 AND pending AND revoked_at IS NULL RETURNING id"
+)
+TOKEN_CONFIRM: Final = "UPDATE join_tokens SET confirmed_at = coalesce(confirmed_at, now()) WHERE id = $1"
 CERT_SELECT_BY_ID: Final = f"SELECT {CERT_COLUMNS} FROM certificates WHERE id = $1"
 CERT_SELECT_BY_AGENT: Final = (
     f"SELECT {CERT_COLUMNS} FROM certificates WHERE agent_id = $1 ORDER BY created_at DESC"

@@ -40,10 +40,10 @@ from .cache import SiteCache
 from .config import SiteAgentConfig, load_config
 from .drivers import DRIVERS
 from .handlers import SiteHandlers
-from .http import make_app
+from .http import make_app, metrics_app
 from .netboot import BootEntries
 from .relay import HttpRelay
-from .reports import BurnReports
+from .reports import Reports
 from .ssrf import AddressGuard
 
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
@@ -157,6 +157,20 @@ async def _connect(config: SiteAgentConfig, stop: asyncio.Event, **options: Any)
             attempt += 1
 
 
+async def _close_clean(entries: BootEntries, reports: Reports, quiet_seconds: float) -> None:
+    """Close the served node entries whose quiet period has passed, and confirm them to bc-pki
+    (the holds are files: a restart picks up where this left off)."""
+    log = get_logger(component="netboot")
+    while True:
+        try:
+            for hold in entries.closed_clean(quiet_seconds):
+                log.info("netboot_entry_closed_clean", mac=hold.mac, node_id=hold.node_id)
+                reports.confirm(hold)
+        except OSError as exc:  # a full or failing disk: try again at the next look
+            log.warning("netboot_holds_failed", error=type(exc).__name__)
+        await asyncio.sleep(min(1.0, quiet_seconds / 4))
+
+
 async def run(config: SiteAgentConfig) -> None:
     log = get_logger(site_id=config.site_id)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -209,13 +223,23 @@ async def run(config: SiteAgentConfig) -> None:
                 "ready": agent.ready.is_set(),
             }
 
-        reports = BurnReports(PkiClient(api), enrollment.identity)
-        app = make_app(config, entries, cache, health, served_again=reports.report)
+        reports = Reports(PkiClient(api), enrollment.identity, config.netboot_dir / "reports")
+        app = make_app(config, entries, cache, health, served_again=reports.burn)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         http_site = web.TCPSite(runner, config.http_host, config.http_port)
         await http_site.start()
         log.info("http_listening", host=config.http_host, port=config.http_port)
+        metrics_runner: web.AppRunner | None = None
+        if config.metrics_host is not None:
+            metrics_runner = web.AppRunner(metrics_app(), access_log=None)
+            await metrics_runner.setup()
+            await web.TCPSite(metrics_runner, config.metrics_host, config.metrics_port).start()
+            log.info("metrics_listening", host=config.metrics_host, port=config.metrics_port)
+        side = [
+            asyncio.create_task(reports.run(), name="boot-reports"),
+            asyncio.create_task(_close_clean(entries, reports, config.quiet_seconds), name="boot-holds"),
+        ]
         try:
             async with agent:
                 run_task = asyncio.create_task(agent.run())
@@ -225,8 +249,12 @@ async def run(config: SiteAgentConfig) -> None:
                 await run_task
                 stop_task.cancel()
         finally:
-            await reports.close()
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
             await runner.cleanup()
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
             cache.close()
         log.info("site_agent_stopped")
     finally:

@@ -12,6 +12,7 @@
     join_token_file = "/etc/bc-site-agent/join-token"   # read once, on the first start only
     http_listen = "0.0.0.0:8081"            # network boot, the site cache, /healthz
     public_url = "http://10.0.0.5:8081"     # how machines reach http_listen (default: from it)
+    metrics_listen = "127.0.0.1:9181"       # /metrics (never on http_listen); "" turns it off
 
     [cache]
     dir = "/var/cache/bc-site-agent"        # default: <state_dir>/cache
@@ -28,6 +29,10 @@
     discovery_cmdline = "console=ttyS0"
     discovery_token_file = "/etc/bc-site-agent/discovery-token"   # the site's discovery token
     discovery_control_plane = "https://gw.example.com"            # what the ramdisk's bcd joins
+    quiet_seconds = 120                     # a served node entry closes clean this long after
+                                            # its last serve (or the node's power-on, if later)
+                                            # with no ask from another address: more than a
+                                            # machine's power-on-to-iPXE time (its POST)
 
 Every problem is ``INVALID_CONFIG`` with ``details.path`` naming the key.
 """
@@ -44,7 +49,7 @@ from typing import Any
 
 from better_compute.core.errors import BcError, ErrorCode
 
-from .netboot import IPXE_UNSAFE
+from .netboot import DEFAULT_QUIET_SECONDS, IPXE_UNSAFE
 
 __all__ = ["SiteAgentConfig", "load_config"]
 
@@ -71,6 +76,10 @@ class SiteAgentConfig:
     discovery_control_plane: str | None = None
     control_plane_addresses: tuple[str, ...] = ()
     cache_allow_source_networks: tuple[str, ...] = ()
+    quiet_seconds: float = DEFAULT_QUIET_SECONDS
+    metrics_host: str | None = "127.0.0.1"
+    """Where ``/metrics`` listens (``metrics_listen``); None: nowhere."""
+    metrics_port: int = 9181
     nats_ca: str | None = None
     """The bus CA that checks the NATS server (deploy/nats); the system's CAs without it."""
     join_cert_file: Path | None = None
@@ -122,12 +131,11 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
     if not state_dir:
         raise _bad("state_dir", "a state folder is required")
     token_file = _str(doc, "join_token_file", "join_token_file")
-    listen = _str(doc, "http_listen", "http_listen", "127.0.0.1:8081") or ""
-    host, sep, port_text = listen.rpartition(":")
-    if not sep or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
-        raise _bad("http_listen", "expected host:port")
-    host = host.strip("[]") or "0.0.0.0"
-    port = int(port_text)
+    host, port = _listen(_str(doc, "http_listen", "http_listen", "127.0.0.1:8081") or "", "http_listen")
+    metrics_listen = _str(doc, "metrics_listen", "metrics_listen", "127.0.0.1:9181")
+    metrics_host, metrics_port = _listen(metrics_listen, "metrics_listen") if metrics_listen else (None, 0)
+    if metrics_host is not None and (metrics_host, metrics_port) == (host, port):
+        raise _bad("metrics_listen", "not the boot network's listener: give another address or port")
     public_url = _str(doc, "public_url", "public_url") or ""
     cache = doc.get("cache", {})
     if not isinstance(cache, dict):
@@ -155,6 +163,9 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
         if isinstance(value, str) and IPXE_UNSAFE.search(value):
             raise _bad(f"netboot.{key}", "iPXE would act on it: no control characters, '${', '||', '&&',"
                        " or a word starting with ';' or '#'")  # fmt: skip
+    quiet = netboot.get("quiet_seconds", DEFAULT_QUIET_SECONDS)
+    if not isinstance(quiet, int | float) or isinstance(quiet, bool) or not 0 < quiet <= 3600:
+        raise _bad("netboot.quiet_seconds", "expected seconds, more than 0 and at most 3600")
     control_plane = doc.get("control_plane_addresses", [])
     if not isinstance(control_plane, list) or not all(isinstance(a, str) for a in control_plane):
         raise _bad("control_plane_addresses", "expected a list of IP addresses")
@@ -189,10 +200,20 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
         discovery_control_plane=_str(netboot, "discovery_control_plane", "netboot.discovery_control_plane"),
         control_plane_addresses=tuple(control_plane),
         cache_allow_source_networks=tuple(allow_sources),
+        quiet_seconds=float(quiet),
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
         nats_ca=_str(doc, "nats_ca", "nats_ca") or env.get("BC_NATS_CA") or None,
         join_cert_file=join_cert,
         join_key_file=join_key,
     )
+
+
+def _listen(text: str, path: str) -> tuple[str, int]:
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise _bad(path, "expected host:port")
+    return host.strip("[]") or "0.0.0.0", int(port_text)
 
 
 def _path(doc: dict[str, Any], key: str, path: str) -> Path | None:

@@ -56,6 +56,7 @@ __all__ = ["SiteHandlers"]
 
 P = TypeVar("P", SetPower, SetBootDevice, MediaInsert, MediaEject, BmcInventory)
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
+_POWERS_ON = frozenset({"on", "cycle", "reset"})
 VALIDATE_SECONDS = 15.0
 """``management.validate`` tries a BMC that does not answer this long at most, then says so."""
 
@@ -188,7 +189,12 @@ class SiteHandlers:
     # -- BMC operations ----------------------------------------------------------------
 
     async def _power(self, driver: Driver, payload: SetPower, cmd: Command) -> PowerResult:
-        return await driver.set_power(payload, deadline=cmd.not_after)
+        result = await driver.set_power(payload, deadline=cmd.not_after)
+        if payload.action in _POWERS_ON:
+            # the machine asks for its boot entry after its POST, from now: a served entry's
+            # quiet period counts from here (netboot.BootEntries.powered)
+            self.entries.powered(cmd.node_id)
+        return result
 
     async def _boot(self, driver: Driver, payload: SetBootDevice, cmd: Command) -> BootDeviceResult:
         return await driver.set_boot_device(payload, deadline=cmd.not_after)
@@ -268,7 +274,9 @@ class SiteHandlers:
                     ErrorCode.INVALID_INPUT, "the join token is not one word", {"path": "joinTokenRef"}
                 )
         served = msgspec.structs.replace(payload, kernel=kernel, initrd=initrd)
-        entry = self.entries.set(msgspec.to_builtins(served), command_id=cmd.id, join_token=token)
+        entry = self.entries.set(
+            msgspec.to_builtins(served), command_id=cmd.id, join_token=token, node_id=cmd.node_id or ""
+        )
         return SetEntryResult(
             mac=entry.mac, one_time=entry.one_time, kernel=entry.kernel, initrd=entry.initrd
         )

@@ -1,4 +1,5 @@
-"""The agent's HTTP side: network boot scripts, the site cache, ``/healthz``."""
+"""The agent's HTTP side: network boot scripts, the site cache, ``/healthz`` (on the boot
+network's listener), and ``/metrics`` on a listener of its own (``metrics_app``)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .netboot import (
     normalize_mac,
 )
 
-__all__ = ["make_app"]
+__all__ = ["make_app", "metrics_app"]
 
 _IPXE = "text/plain"
 
@@ -45,8 +46,9 @@ def make_app(
     health: Callable[[], dict[str, Any]],
     served_again: Callable[[dict[str, Any]], None] = lambda _mark: None,
 ) -> web.Application:
-    """The routes; ``served_again(mark)`` is told of each ask for a MAC whose one-time node
-    entry was already served (the agent reports it to bc-pki)."""
+    """The routes of the boot network's listener; ``served_again(mark)`` is told of each ask for
+    a MAC whose one-time node entry was already served to another address or closed (the agent
+    reports it to bc-pki). No ``/metrics`` here: anyone on the boot network reaches this port."""
     log = get_logger(component="http")
     # the bus files bcd fetches (bcd.bus=, checked by the digest on the kernel line): the bus CA
     # and the site's joining certificate with its key, which lets a machine ask to join, no more
@@ -78,9 +80,6 @@ def make_app(
         doc = health()
         return web.json_response(doc, status=200 if doc.get("status") == "ok" else 503)
 
-    async def metrics_text(_request: web.Request) -> web.Response:
-        return web.Response(body=render(), headers={"Content-Type": CONTENT_TYPE})
-
     async def boot_ipxe(_request: web.Request) -> web.Response:
         return web.Response(text=first_stage(), content_type=_IPXE)
 
@@ -89,7 +88,7 @@ def make_app(
             mac = normalize_mac(request.match_info["mac"])
         except BcError:
             return web.Response(status=400, text="#!ipxe\necho bad MAC\nexit\n", content_type=_IPXE)
-        served = entries.take(mac)
+        served = entries.take(mac, source=request.remote or "")
         entry = served.entry
         if served.again is not None:
             # never the discovery ramdisk either: its token is no business of a node's MAC
@@ -117,11 +116,22 @@ def make_app(
     app.add_routes(
         [
             web.get("/healthz", healthz),
-            web.get("/metrics", metrics_text),
             web.get("/boot.ipxe", boot_ipxe),
             web.get("/boot/mac/{mac}", boot_mac),
             web.get("/cache/{sha256}", cached),
             web.get("/bus/{name:ca\\.pem|join\\.pem}", bus_file),
         ]
     )
+    return app
+
+
+def metrics_app() -> web.Application:
+    """``/metrics`` alone, for ``metrics_listen`` (loopback by default): the boot network's
+    listener answers everyone, and the counters tell who boots when."""
+
+    async def metrics_text(_request: web.Request) -> web.Response:
+        return web.Response(body=render(), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics_text)])
     return app

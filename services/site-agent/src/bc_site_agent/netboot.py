@@ -8,10 +8,17 @@ the site, and otherwise a script that exits to the next (local) boot device.
 
 A one-time entry that carries a node's join token is the node's identity on an unauthenticated
 network: whoever asks first gets it. So serving it also takes the node's other entries (the same
-token, its other MACs) and leaves a *served* mark per MAC for ``SERVED_WINDOW_S``; a MAC asked
-for again while marked gets nothing (``ALREADY_SERVED_SCRIPT``) and the agent reports the token
-to bc-pki, which burns it and what it issued, and the engine quarantines the node: a stolen
-token is a detected denial, never a silent identity (issue 23, H1; docs/site-agent.md).
+token, its other MACs), leaves a *served* mark per MAC for ``SERVED_WINDOW_S`` and opens a
+*hold* on the token (``Hold``): bc-pki holds every certificate a join with that token gets
+``pending`` until this agent reports the entry closed clean (``tokens.confirm``). It is clean
+once the quiet period (``netboot.quiet_seconds``) has passed after the later of the last serve
+and this agent's power-on of the node, with no ask from another address. An ask for a marked
+MAC from the address the entry went to is the machine booting again before its ramdisk ran
+(a NIC ROM that retried, a reset during POST): it gets the same entry again while the hold is
+open. Any other ask for a marked MAC gets nothing (``ALREADY_SERVED_SCRIPT``) and the agent
+reports the token to bc-pki (``tokens.burn``), which revokes it and what it issued, and the
+engine quarantines the node: a thief who asked first never holds a valid certificate, and one
+who asked second is a detected denial (issue 23, H1; docs/site-agent.md).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,11 +39,13 @@ from better_compute.logging import get_logger, register_secret
 
 __all__ = [
     "ALREADY_SERVED_SCRIPT",
+    "DEFAULT_QUIET_SECONDS",
     "IPXE_UNSAFE",
     "LOCAL_BOOT_SCRIPT",
     "SERVED_WINDOW_S",
     "BootEntries",
     "BootEntry",
+    "Hold",
     "Served",
     "discovery_cmdline",
     "discovery_script",
@@ -59,6 +68,11 @@ SERVED_WINDOW_S = 600.0
 """How long a served node entry's MACs stay marked: a power-cycled machine asks for its script
 within minutes (its POST). A later network boot of the MAC without a new entry (a machine that
 boots from the network first, long after its ramdisk) is an ordinary unknown MAC again."""
+DEFAULT_QUIET_SECONDS = 120.0
+"""How long after a node entry's last serve (or the agent's power-on of the node, if later) no
+other address may ask for it before the entry is closed clean (``netboot.quiet_seconds``). It
+must exceed the time a machine takes from power-on to its iPXE's ask (its POST): a thief who
+asks first is caught only by the machine's own ask within it."""
 
 
 def normalize_mac(mac: str, *, path: str = "mac") -> str:
@@ -79,6 +93,7 @@ class BootEntry:
     script: str | None = None
     one_time: bool = True
     command_id: str = ""
+    node_id: str = ""
     join_token: str | None = field(default=None, repr=False)
     """The ramdisk's join token (resolved from the command's ``joinTokenRef``), served as
     ``bcd.token=`` on the kernel line; kept in the 0600 entry file until the entry is served."""
@@ -182,10 +197,32 @@ def discovery_cmdline(base: str, *, site_id: str, token_file: Path | None, contr
 @dataclass(frozen=True)
 class Served:
     """What ``BootEntries.take`` found: the entry to serve, or the served mark of a MAC whose
-    one-time node entry was already served (``again``), or neither (an unknown MAC)."""
+    one-time node entry was already served to someone else (``again``), or neither (an unknown
+    MAC)."""
 
     entry: BootEntry | None
     again: dict[str, Any] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hold:
+    """A served node entry's token while the agent watches its boot network: ``open`` until its
+    quiet period passed (``clean``, reported with ``tokens.confirm``), another address asked
+    (``burned``, reported with ``tokens.burn``) or ``netboot.clearEntry`` withdrew it
+    (``withdrawn``: never confirmed)."""
+
+    token_sha256: str
+    node_id: str
+    mac: str
+    """The MAC it was first served for."""
+    served_from: str
+    served_at: float
+    last_served_at: float
+    powered_at: float = 0.0
+    state: str = "open"
+
+    def quiet_from(self) -> float:
+        return max(self.last_served_at, self.powered_at)
 
 
 class BootEntries:
@@ -202,11 +239,19 @@ class BootEntries:
     def _served_file(self, mac: str) -> Path:
         return self.folder / (mac.replace(":", "-") + ".served")
 
+    def _hold_file(self, digest: str) -> Path:
+        return self.folder / (digest + ".hold")
+
     def set(
-        self, payload: dict[str, Any], *, command_id: str = "", join_token: str | None = None
+        self,
+        payload: dict[str, Any],
+        *,
+        command_id: str = "",
+        join_token: str | None = None,
+        node_id: str = "",
     ) -> BootEntry:
         """Install the entry of ``payload`` (a ``netboot.setEntry``) with the join token its
-        ``joinTokenRef`` resolved to, if any."""
+        ``joinTokenRef`` resolved to, if any, for ``node_id`` (the command's node)."""
         mac = normalize_mac(str(payload.get("mac", "")))
         entry = BootEntry(
             mac=mac,
@@ -216,22 +261,13 @@ class BootEntries:
             script=payload.get("script"),
             one_time=bool(payload.get("oneTime", True)),
             command_id=command_id,
+            node_id=node_id,
             join_token=join_token,
         )
         if entry.script is None and entry.kernel is None:
             raise BcError(ErrorCode.INVALID_INPUT, "give kernel (and initrd) or script", {"path": "kernel"})
-        doc = {
-            "mac": entry.mac,
-            "kernel": entry.kernel,
-            "initrd": entry.initrd,
-            "cmdline": entry.cmdline,
-            "script": entry.script,
-            "oneTime": entry.one_time,
-            "commandId": command_id,
-            "joinToken": join_token,
-        }
         with self._lock:
-            self._write(self._file(mac), doc)
+            self._write(self._file(mac), _doc(entry))
             self._served_file(mac).unlink(missing_ok=True)  # a new entry: a new boot, a new token
         return entry
 
@@ -244,26 +280,29 @@ class BootEntries:
             doc = json.loads(self._file(normalize_mac(mac)).read_text())
         except (OSError, ValueError):
             return None
-        return BootEntry(
-            mac=doc["mac"],
-            kernel=doc.get("kernel"),
-            initrd=doc.get("initrd"),
-            cmdline=doc.get("cmdline") or "",
-            script=doc.get("script"),
-            one_time=bool(doc.get("oneTime", True)),
-            command_id=doc.get("commandId") or "",
-            join_token=_registered(doc.get("joinToken")),
-        )
+        return _entry(doc)
 
-    def take(self, mac: str, *, now: float | None = None) -> Served:
-        """What to serve ``mac`` now (see the module). A one-time entry is removed (durably)
-        before it is served; one with a join token takes the node's other entries with it and
-        marks every MAC of them served."""
+    def take(self, mac: str, *, source: str = "", now: float | None = None) -> Served:
+        """What to serve ``mac``, asked from address ``source``, now (see the module). A one-time
+        entry is removed (durably) before it is served; one with a join token takes the node's
+        other entries with it, marks every MAC of them served and opens the token's hold."""
         now = time.time() if now is None else now
         with self._lock:
             entry = self.get(mac)
             if entry is None:
-                return Served(entry=None, again=self._served(mac, now))
+                mark = self._served(mac, now)
+                if mark is None:
+                    return Served(entry=None, again=None)
+                hold = self._hold(str(mark.get("tokenSha256") or ""))
+                kept = mark.get("entry")
+                if hold is not None and hold.state == "open" and source == hold.served_from and kept:
+                    # the machine again (its iPXE retried, or it was reset before its ramdisk ran)
+                    self._put_hold(replace(hold, last_served_at=now))
+                    return Served(entry=_entry(kept), again=None)
+                if hold is not None and hold.state != "burned":
+                    self._put_hold(replace(hold, state="burned"))
+                    self._scrub(hold.token_sha256)
+                return Served(entry=None, again={k: v for k, v in mark.items() if k != "entry"})
             if entry.one_time:
                 taken = [entry]
                 if entry.join_token is not None:
@@ -271,16 +310,86 @@ class BootEntries:
                     taken += [e for e in self._all() if e.mac != entry.mac and e.join_token == token]
                     digest = hashlib.sha256(entry.join_token.encode()).hexdigest()
                     for e in taken:
-                        mark = {"mac": e.mac, "tokenSha256": digest, "servedAt": now, "servedMac": entry.mac}
+                        mark = {
+                            "mac": e.mac, "tokenSha256": digest, "servedAt": now, "servedMac": entry.mac,
+                            "entry": _doc(e),
+                        }  # fmt: skip
                         self._write(self._served_file(e.mac), mark)
+                    self._put_hold(
+                        Hold(
+                            token_sha256=digest, node_id=entry.node_id, mac=entry.mac, served_from=source,
+                            served_at=now, last_served_at=now,
+                        )
+                    )  # fmt: skip
                 for e in taken:
                     self._file(e.mac).unlink(missing_ok=True)
-                fd = os.open(self.folder, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                self._sync()
             return Served(entry=entry, again=None)
+
+    def powered(self, node_id: str, *, now: float | None = None) -> None:
+        """This agent powered ``node_id`` on (or cycled it): an open hold of its entry counts its
+        quiet period from now (the machine asks after its POST, not before)."""
+        if not node_id:
+            return
+        now = time.time() if now is None else now
+        with self._lock:
+            for hold in self._holds():
+                if hold.node_id == node_id and hold.state == "open":
+                    self._put_hold(replace(hold, powered_at=max(hold.powered_at, now)))
+
+    def closed_clean(self, quiet_seconds: float, *, now: float | None = None) -> list[Hold]:
+        """Open holds whose quiet period has passed: each is closed ``clean`` here (its token
+        leaves the marks) and returned, for the agent to confirm to bc-pki."""
+        now = time.time() if now is None else now
+        done: list[Hold] = []
+        with self._lock:
+            for hold in self._holds():
+                if hold.state == "open" and now >= hold.quiet_from() + quiet_seconds:
+                    clean = replace(hold, state="clean")
+                    self._put_hold(clean)
+                    self._scrub(hold.token_sha256)
+                    done.append(clean)
+                elif now - hold.served_at > SERVED_WINDOW_S and hold.state != "open":
+                    self._hold_file(hold.token_sha256).unlink(missing_ok=True)
+        return done
+
+    def _holds(self) -> list[Hold]:
+        found = []
+        for path in sorted(self.folder.glob("*.hold")):
+            hold = self._hold(path.stem)
+            if hold is not None:
+                found.append(hold)
+        return found
+
+    def _hold(self, digest: str) -> Hold | None:
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            return None
+        try:
+            doc = json.loads(self._hold_file(digest).read_text())
+            return Hold(**doc)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _put_hold(self, hold: Hold) -> None:
+        self._write(self._hold_file(hold.token_sha256), asdict(hold))
+
+    def _scrub(self, digest: str) -> None:
+        """The token leaves the served marks of ``digest``: nothing serves it again."""
+        for path in self.folder.glob("*.served"):
+            try:
+                mark = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(mark, dict) and mark.get("tokenSha256") == digest and "entry" in mark:
+                del mark["entry"]
+                self._write(path, mark)
+
+    def _sync(self) -> None:
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _all(self) -> list[BootEntry]:
         found = (self.get(p.stem.replace("-", ":")) for p in sorted(self.folder.glob("*.json")))
@@ -304,8 +413,42 @@ class BootEntries:
         with self._lock:
             existed = target.exists()
             target.unlink(missing_ok=True)
+            mark = self._served(mac, time.time())
+            hold = self._hold(str(mark.get("tokenSha256") or "")) if mark is not None else None
+            if hold is not None and hold.state == "open":
+                # withdrawn before it closed clean: whatever joined with it is never confirmed
+                self._put_hold(replace(hold, state="withdrawn"))
+                self._scrub(hold.token_sha256)
             self._served_file(mac).unlink(missing_ok=True)
         return existed
+
+
+def _doc(entry: BootEntry) -> dict[str, Any]:
+    return {
+        "mac": entry.mac,
+        "kernel": entry.kernel,
+        "initrd": entry.initrd,
+        "cmdline": entry.cmdline,
+        "script": entry.script,
+        "oneTime": entry.one_time,
+        "commandId": entry.command_id,
+        "nodeId": entry.node_id,
+        "joinToken": entry.join_token,
+    }
+
+
+def _entry(doc: dict[str, Any]) -> BootEntry:
+    return BootEntry(
+        mac=doc["mac"],
+        kernel=doc.get("kernel"),
+        initrd=doc.get("initrd"),
+        cmdline=doc.get("cmdline") or "",
+        script=doc.get("script"),
+        one_time=bool(doc.get("oneTime", True)),
+        command_id=doc.get("commandId") or "",
+        node_id=doc.get("nodeId") or "",
+        join_token=_registered(doc.get("joinToken")),
+    )
 
 
 def _registered(token: str | None) -> str | None:

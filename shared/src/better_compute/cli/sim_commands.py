@@ -130,6 +130,8 @@ def _agent_config(
         f"state_dir = {json.dumps(str(state / 'state'))}",
         f"join_token_file = {json.dumps(str(state / 'join-token'))}",
         f'http_listen = "127.0.0.1:{port}"',
+        # /metrics on a loopback port of its own (any free one: nothing scrapes the demo's agent)
+        'metrics_listen = "127.0.0.1:0"',
         # VMs reach this machine's loopback as 10.0.2.2: their scripts and cache URLs say so
         *([f'public_url = "http://10.0.2.2:{port}"'] if vms else []),
         # the simulated site's kernels and images are served on this machine's loopback
@@ -137,6 +139,9 @@ def _agent_config(
         'allow_source_networks = ["127.0.0.0/8", "::1/128"]',
         "[netboot]",
         f"discovery = {'true' if discovery else 'false'}",
+        # the simulated machines ask for their scripts as soon as they power on: a short quiet
+        # period keeps the demo quick (production's default is 120 s, docs/site-agent.md)
+        "quiet_seconds = 0.5",
     ]
     if discovery:
         lines += [

@@ -15,6 +15,7 @@ from ..logging import register_secret
 from ..wire.paging import DEFAULT_LIMIT
 from ..wire.pki import (
     BURN_PURPOSE,
+    CONFIRM_PURPOSE,
     SERVICE,
     BurnedJoinToken,
     BurnJoinTokenRequest,
@@ -22,6 +23,8 @@ from ..wire.pki import (
     CertIdRequest,
     CertificateInfo,
     CertificateList,
+    ConfirmedJoinToken,
+    ConfirmJoinTokenRequest,
     IssuedJoinToken,
     JoinAudit,
     JoinAuditList,
@@ -83,8 +86,9 @@ class PkiClient(ServiceClient):
         note: str | None = None,
         node_id: str | None = None,
         mint_secret: bytes | None = None,
+        held: bool = False,
     ) -> IssuedJoinToken:
-        """Mint a join token (``tokens.issue``).
+        """Mint a join token (``tokens.issue``); ``held``: see ``IssueJoinTokenRequest.held``.
 
         The same ``idempotency_key`` mints nothing new: with the same ``mint_secret`` (a
         step re-run after a crash) it gives back the same token and id; without it, or with
@@ -101,6 +105,8 @@ class PkiClient(ServiceClient):
             "note": note,
             "nodeId": node_id,
         }
+        if held:
+            payload["held"] = True
         if mint_secret is not None:
             register_secret(base64.b64encode(mint_secret).decode())
             payload["mintSecret"] = mint_secret
@@ -155,6 +161,14 @@ class PkiClient(ServiceClient):
         (``tokens.burn``): bc-pki revokes it and what it issued; safe to repeat."""
         body = identity.signed_request(BURN_PURPOSE, tokenSha256=token_sha256, mac=mac, reason=reason)
         return await self._call("tokens.burn", BurnJoinTokenRequest(**_snake(body)), BurnedJoinToken)
+
+    async def confirm_join_token(
+        self, *, identity: AgentIdentity, token_sha256: str, mac: str
+    ) -> ConfirmedJoinToken:
+        """A site agent's signed report that the node entry carrying a ``held`` token closed clean
+        (``tokens.confirm``): its certificates become valid; safe to repeat."""
+        body = identity.signed_request(CONFIRM_PURPOSE, tokenSha256=token_sha256, mac=mac)
+        return await self._call("tokens.confirm", ConfirmJoinTokenRequest(**_snake(body)), ConfirmedJoinToken)
 
     async def revoke_attempt(
         self, *, workflow_id: str, step: int, attempt: int, reason: str | None = None
@@ -306,8 +320,10 @@ class StepPki:
         max_uses: int = 1,
         expect: JoinExpect | Mapping[str, str] | None = None,
         key: str | None = None,
+        held: bool = False,
     ) -> IssuedJoinToken:
-        """Mint (or, on a re-run, find again) this step's token named ``key``."""
+        """Mint (or, on a re-run, find again) this step's token named ``key``; ``held``: the
+        token goes on the boot network (``IssueJoinTokenRequest.held``)."""
         ikey = self.idempotency_key if key is None else f"{self.idempotency_key}:{key}"
         if ikey in self._used:
             raise BcError(
@@ -329,6 +345,7 @@ class StepPki:
             idempotency_key=ikey,
             node_id=self.node_id if role in ("node", "provisioned") else None,
             mint_secret=self._mint_secret,
+            held=held,
         )
 
     async def certificates(self, *, agent_id: str) -> list[CertificateInfo]:

@@ -80,8 +80,11 @@ class Pki(Protocol):
         ttl_seconds: int,
         max_uses: int = 1,
         expect: Mapping[str, str] | None = None,
+        held: bool = False,
     ) -> JoinToken:
-        """Mint a join token; ``expect`` holds hardware claims (``mac``, ``productUuid``, …)."""
+        """Mint a join token; ``expect`` holds hardware claims (``mac``, ``productUuid``, …);
+        ``held``: it goes on the boot network, and a join with it is ``pending`` until the site
+        agent that served it confirms its boot entry closed clean."""
         ...
 
     async def certificates(self, *, agent_id: str) -> Sequence[AgentCertificate]:

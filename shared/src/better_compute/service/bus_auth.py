@@ -152,7 +152,8 @@ def agent_permissions(
     pulling and acking on its own consumer of its site's stream, and its own inbox. ``js_api`` is
     the JetStream API prefix as the server checks it: ``$JS.hub.API`` on a site's leaf node, whose
     account maps the agents' ``$JS.API`` calls to the hub's domain (deploy/nats/leaf-site.conf).
-    A site agent (``role`` ``site``) may also report a boot entry asked for twice (``tokens.burn``)."""
+    A site agent (``role`` ``site``) may also report a boot entry asked for twice (``tokens.burn``)
+    or closed clean (``tokens.confirm``)."""
     stream = subjects.site_stream(site_id)
     allow = [
         f"{subjects.root}.agent.{site_id}.{agent_id}.>",
@@ -163,7 +164,7 @@ def agent_permissions(
         f"$JS.ACK.{stream}.{agent_id}.>",
     ]
     if role == "site":
-        allow.append(subjects.api("pki", "tokens", "burn"))
+        allow += [subjects.api("pki", "tokens", "burn"), subjects.api("pki", "tokens", "confirm")]
     return {"pub": {"allow": allow}, "sub": {"allow": [f"_INBOX.{agent_id}.>"]}}
 
 

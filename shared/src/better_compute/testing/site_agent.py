@@ -29,6 +29,11 @@ class SiteAgentProcess:
     public_url: str | None = None
     """How machines reach the agent's HTTP (``http://10.0.2.2:<port>`` from a QEMU guest)."""
     port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    quiet_seconds: float = 0.5
+    """How long a served node entry must see no other ask before it closes clean (the agent's
+    ``netboot.quiet_seconds``; production's is 120 s). The simulated machines ask as they power
+    on, so the honest path waits for nothing; a test that plays a thief gives more."""
     proc: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -50,6 +55,10 @@ class SiteAgentProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def write_config(self, token: str | None) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         if token is not None:
@@ -61,10 +70,12 @@ class SiteAgentProcess:
             f'state_dir = "{self.state_dir}"\n'
             f'join_token_file = "{self.token_file}"\n'
             f'http_listen = "127.0.0.1:{self.port}"\n'
+            f'metrics_listen = "127.0.0.1:{self.metrics_port}"\n'
             + (f'public_url = "{self.public_url}"\n' if self.public_url else "")
             # the test bed's image and kernel servers listen on loopback
             + '[cache]\nallow_source_networks = ["127.0.0.0/8", "::1/128"]\n'
             + f"[netboot]\ndiscovery = {'true' if self.discovery else 'false'}\n"
+            + f"quiet_seconds = {self.quiet_seconds}\n"
             + self.extra_config
         )
 

@@ -35,6 +35,7 @@ __all__ = [
     "BURN_PURPOSE",
     "BURN_REASONS",
     "CERT_EVENTS",
+    "CONFIRM_PURPOSE",
     "JOIN_EVENTS",
     "MAX_TTL_SECONDS",
     "SERVICE",
@@ -47,6 +48,8 @@ __all__ = [
     "CertState",
     "CertificateInfo",
     "CertificateList",
+    "ConfirmJoinTokenRequest",
+    "ConfirmedJoinToken",
     "IdempotencyKey",
     "IssueJoinTokenRequest",
     "IssuedJoinToken",
@@ -61,6 +64,7 @@ __all__ = [
     "JoinResult",
     "JoinRole",
     "JoinTokenBurned",
+    "JoinTokenConfirmed",
     "JoinTokenIdRequest",
     "JoinTokenInfo",
     "JoinTokenList",
@@ -94,9 +98,14 @@ BURN_REASONS: Final = ("boot-entry-fetched-twice", "second-join")
 """Why a node-bound token was burned: a site agent served its one-time boot entry and then
 saw that MAC (or another MAC of the same entry) ask again; or a second join tried it."""
 
+CONFIRM_PURPOSE: Final = "tokens.confirm"
+"""What a site agent signs a ``ConfirmJoinTokenRequest`` for."""
+
 JoinRole = Literal["node", "site", "provisioned", "discovery"]
 TokenState = Literal["active", "expired", "used", "revoked"]
-CertState = Literal["valid", "expired", "revoked"]
+CertState = Literal["valid", "pending", "expired", "revoked"]
+"""``pending``: issued with a ``held`` token whose boot entry has not closed clean yet; it signs
+nothing that counts (no command, no secret, no ``wait.agentJoined``) until it is ``valid``."""
 
 Claim = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Mac = Annotated[str, msgspec.Meta(pattern=r"^[0-9A-Fa-f]{2}([:-]?[0-9A-Fa-f]{2}){5}$")]
@@ -150,6 +159,10 @@ class IssueJoinTokenRequest(msgspec.Struct, frozen=True, kw_only=True, rename="c
     attempt). The token is derived from it and bc-pki's token key, so issuing again under the
     same key gives the token back only to a caller with the same mint secret; anyone else gets
     ``CONFLICT`` (``already-issued``). Without it a keyed token is shown once, never again."""
+    held: bool = False
+    """Node tokens only: the token travels on the boot network (a node's one-time boot entry). A
+    join with it gets a certificate held ``pending`` until the site agent that served the entry
+    confirms it closed clean (``tokens.confirm``); a burn revokes it instead."""
 
     def __repr__(self) -> str:
         return f"IssueJoinTokenRequest(idempotency_key={self.idempotency_key!r}, mint_secret=[redacted])"
@@ -210,6 +223,27 @@ class BurnedJoinToken(msgspec.Struct, frozen=True, kw_only=True, rename="camel")
     join_token_id: str
     node_id: str | None = None
     revoked_cert_ids: list[str] = []
+
+
+class ConfirmJoinTokenRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A site agent's report that the node entry carrying a ``held`` token closed clean: served
+    to one address, and no other address asked within the quiet period after its last serve (and
+    the agent's power-on of the node). Signed (``CONFIRM_PURPOSE``). bc-pki makes the
+    certificates issued with the token valid, and a later join with it gets a valid one."""
+
+    token_sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    mac: Annotated[str, msgspec.Meta(max_length=17)]
+    signer_id: str
+    signed_at_ms: int
+    nonce: Annotated[str, msgspec.Meta(max_length=64)]
+    signature: Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+class ConfirmedJoinToken(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    join_token_id: str
+    node_id: str | None = None
+    cert_ids: list[str] = []
+    """The certificates made valid now (none on a repeat)."""
 
 
 class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -430,7 +464,17 @@ class JoinTokenBurned(_Event, frozen=True, kw_only=True, tag="burned"):
     at: float | None = None
 
 
-JoinEvent = JoinAccepted | JoinRefused | JoinTokenBurned
+class JoinTokenConfirmed(_Event, frozen=True, kw_only=True, tag="confirmed"):
+    """A ``held`` token's boot entry closed clean: the certificates issued with it (``cert_ids``)
+    are valid from now on, and so is a later join's."""
+
+    join_token_id: str
+    node_id: str | None = None
+    cert_ids: list[str] = []
+    at: float | None = None
+
+
+JoinEvent = JoinAccepted | JoinRefused | JoinTokenBurned | JoinTokenConfirmed
 
 
 class CertRevoked(_Event, frozen=True, kw_only=True, tag="revoked"):

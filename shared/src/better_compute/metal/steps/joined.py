@@ -8,6 +8,9 @@ beats the engine's settling of the booting step does. Role ``node`` also accepts
 ``provisioned``: the installed OS joins with the single-use ``provisioned`` token of
 ``userdata.render`` and re-keys the same node.
 
+A ``pending`` certificate (a join with the ramdisk's held token, before the site agent reported
+the boot entry closed clean) does not count: whoever asked for the entry first may have made it.
+
 The step reads bc-pki each time it runs (``step_not_ready`` between looks), so it holds nothing
 in memory and a re-run on another engine decides the same. The engine runs it again as soon as
 the node joins (bc-pki's join event wakes the node's workflows); ``POLL_MS`` is the net under a
@@ -53,10 +56,13 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     if step_input["fresh"]:
         rows = await ctx.sql.query(JOINED_SINCE, ctx.workflow_id, ctx.step)
         since = rows[0]["since"] if rows else None
+    held = False
     for cert in await ctx.pki.certificates(agent_id=node.id):
-        if cert.role not in roles or getattr(cert, "state", "valid") != "valid":
+        if cert.role not in roles or (since is not None and cert.created_at < since):
             continue
-        if since is not None and cert.created_at < since:
+        if getattr(cert, "state", "valid") == "pending":
+            held = True
+        if getattr(cert, "state", "valid") != "valid":
             continue
         return {
             "agentId": node.id,
@@ -65,6 +71,12 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             "joinedAt": cert.created_at.isoformat(),
         }
     after = f" since {since.strftime('%Y-%m-%dT%H:%M:%SZ')}" if since is not None else ""
+    if held:
+        raise step_not_ready(
+            POLL_MS,
+            reason=f"an agent of node {node.id} joined; it is held until the site agent reports the"
+            " node's boot entry closed clean (no other ask within its quiet period)",
+        )
     raise step_not_ready(POLL_MS, reason=f"no {' or '.join(roles)} agent of node {node.id} joined{after} yet")
 
 

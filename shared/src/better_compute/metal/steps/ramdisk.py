@@ -9,9 +9,12 @@ nothing twice:
 3. ``power.setPower`` ``cycle`` (key ``power-cycle``).
 
 The ramdisk's bcd joins with a single-use ``node`` join token bound to the node (its agent id is
-the node id) and to the MAC it boots from. The step mints it under its attempt's key
-(``ctx.pki``, so a re-run gets the same token back through the attempt's mint secret), stores it
-through ``ctx.secrets`` and sends only the reference: each boot entry carries ``joinTokenRef``,
+the node id) and to the MAC it boots from. The token is ``held``: the certificate a join gets is
+``pending`` (it counts for nothing) until the site agent reports the boot entry closed clean,
+so whoever asked for the entry before the machine never becomes the node (docs/security.md).
+The step mints it under its attempt's key (``ctx.pki``, so a re-run gets the same token back
+through the attempt's mint secret), stores it through ``ctx.secrets`` and sends only the
+reference: each boot entry carries ``joinTokenRef``,
 which the site agent resolves through the secrets gate (sealed) while it installs the entry, and
 it adds ``bcd.token=`` to the command line it serves that MAC. The token is in no command payload,
 step result or log. A retry's new attempt mints a new token; the superseded attempt's token and
@@ -79,6 +82,7 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         ttl_seconds=TOKEN_TTL_SECONDS,
         max_uses=1,
         expect={"mac": macs[0]},  # a machine's claims show every NIC's MAC
+        held=True,  # served on the boot network: its join is pending until the entry closes clean
     )
     token_ref = await ctx.secrets.put(
         token.token.encode(), idempotency_key="ramdisk-join-token", label="ramdisk join token"

@@ -396,12 +396,15 @@ class MetalSim:
             found = _CHAIN.search(first)
             mac = m.macs[0].replace(":", "-")
             target = (found.group(1) if found else "").replace("${net0/mac:hexhyp}", mac)
-            script = _get(f"{self.boot_url}/{target.lstrip('/')}")
+            for _ in range(max(1, m.faults.netboot_asks)):
+                script = _get(f"{self.boot_url}/{target.lstrip('/')}")
         except (OSError, urllib.error.URLError) as exc:
             m.ledger.append("boot.network", served="none", reason=type(exc).__name__)
             return None
         kernel = _KERNEL.search(script)
-        m.ledger.append("boot.network", served="kernel" if kernel else "exit")
+        m.ledger.append(
+            "boot.network", served="kernel" if kernel else "exit", asks=max(1, m.faults.netboot_asks)
+        )
         return kernel.group(1).strip() if kernel else None
 
     def _ramdisk(self, m: SimMachine, generation: int, cmdline: str) -> None:

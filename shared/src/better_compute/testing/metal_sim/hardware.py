@@ -37,6 +37,8 @@ class Faults:
     * ``power_delay``: ``(lo, hi)`` seconds before a power change lands (slow transitions).
     * ``fail_writes``: disks (``"vda"``) whose every write fails with EIO.
     * ``flaky_link``: its bcd reaches NATS through a ``TcpGate`` (``machine.gate.cut(s)``).
+    * ``netboot_asks``: how many times its iPXE asks for its script at each network boot (a NIC
+      ROM that retried, a reset in the POST), always from the same address.
     """
 
     never_boots: bool = False
@@ -44,6 +46,7 @@ class Faults:
     power_delay: tuple[float, float] | None = None
     fail_writes: tuple[str, ...] = ()
     flaky_link: bool = False
+    netboot_asks: int = 1
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,7 @@ async def fleet_stack(
     vm_bmc: Literal["redfish", "ipmi"] = "redfish",
     enroll_vms: bool = True,
     vm_disk_bytes: int = 2 << 30,
+    quiet_seconds: float = 0.5,
 ) -> AsyncIterator[FleetStack]:
     """Start the fleet and everything around it; stop all of it on the way out.
 
@@ -242,6 +243,7 @@ async def fleet_stack(
     behind ``vm_bmc`` BMCs, and are enrolled (``enroll_vms``) like them; the site agent then
     serves its scripts and cache at 10.0.2.2 (what the guests reach), so the engine's app
     (``app``) must boot a ramdisk they can run (``better_compute.testing.vmlab.app``).
+    ``quiet_seconds`` is the site agent's ``netboot.quiet_seconds``.
     """
     logs = _folders(folder)
     settings = msgspec.structs.replace(settings, app=app)
@@ -263,7 +265,7 @@ async def fleet_stack(
     )  # fmt: skip
     agent = SiteAgentProcess(
         folder=folder / "site-agent", nats_url=settings.nats_url or "", subject_root=settings.subject_root,
-        site_id=site_id,
+        site_id=site_id, quiet_seconds=quiet_seconds,
     )  # fmt: skip
     sim.boot_url = agent.url
     from ..vmlab import VmLab, guest_url
