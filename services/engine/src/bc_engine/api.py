@@ -16,11 +16,11 @@ from typing import Any
 from better_compute.app import App
 from better_compute.service import ApiRequest
 
-from .images_api import ImagesApi
-from .metal_api import MetalApi
-from .metal_lifecycle import METAL_OWNER
-from .metal_rules import EnrollmentRulesApi
-from .node_events import Publish
+from .metal.api import MetalApi
+from .metal.images_api import ImagesApi
+from .metal.lifecycle import METAL_OWNER
+from .metal.node_events import Publish
+from .metal.rules import EnrollmentRulesApi
 from .nodes_api import NodesApi
 from .profiles import ProfileStore
 from .profiles_api import ProfilesApi

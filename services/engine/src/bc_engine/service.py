@@ -26,9 +26,13 @@ from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
 from better_compute.wire.pki import JoinAccepted, JoinTokenBurned, decode_join_event
 
-from . import metrics, queue, store
+from . import metrics, store
 from .api import EngineApi
-from .discovery import (
+from .core import queue
+from .core.engine import AGENT_POLL_S, Engine, OwnerReconciler
+from .core.scheduler import Scheduler
+from .core.shards import ShardLeases
+from .metal.discovery import (
     DISCOVERY_KEY_PREFIX,
     DISCOVERY_OWNER,
     JOIN_EVENTS,
@@ -36,9 +40,8 @@ from .discovery import (
     inventory_discovered,
     on_join,
 )
-from .engine import AGENT_POLL_S, Engine, OwnerReconciler
-from .images_api import image_signers, write_image_signers
-from .metal_lifecycle import (
+from .metal.images_api import image_signers, write_image_signers
+from .metal.lifecycle import (
     HOST_KEY_PREFIX,
     HOST_OWNER,
     METAL_OWNER,
@@ -47,9 +50,7 @@ from .metal_lifecycle import (
     reconcile_metal,
     undo_aborted,
 )
-from .quarantine import quarantine_node
-from .scheduler import Scheduler
-from .shards import ShardLeases
+from .metal.quarantine import quarantine_node
 
 __all__ = ["EngineService", "waiting_commands"]
 

@@ -17,13 +17,14 @@ from better_compute.service import ApiRequest, Database
 from better_compute.wire import engine as m
 from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
-from . import metrics, queue, store
-from .discovery import refuse_discovered
+from . import metrics, store
+from .core import queue
 from .documents import workflow_doc
-from .metal_lifecycle import METAL_OWNER, reopen_node
-from .node_events import Publish, node_event
+from .metal.discovery import refuse_discovered
+from .metal.lifecycle import METAL_OWNER, reopen_node
+from .metal.node_events import Publish, node_event
+from .metal.quarantine import refuse_maintenance
 from .profiles import FoundProfile, ProfileStore
-from .quarantine import refuse_maintenance
 from .resolve import Resolution, resolve_profile
 
 __all__ = ["WorkflowsApi"]

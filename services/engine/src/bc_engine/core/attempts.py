@@ -13,9 +13,9 @@ from better_compute.core.errors import BcError, ServiceUnavailableError
 from better_compute.core.keys import workflow_command_prefix
 from better_compute.provision import step_command_key
 
-from . import store
-from .runners import QUEUE_RETRY_S
-from .store import StepRow, WorkflowRow
+from .. import store
+from ..steps.runners import QUEUE_RETRY_S
+from ..store import StepRow, WorkflowRow
 
 if TYPE_CHECKING:
     from .engine import Engine

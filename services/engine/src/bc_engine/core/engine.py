@@ -36,15 +36,16 @@ from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire import engine as m
 from better_compute.wire.cmdq import CommandView, EnqueueCommand, engine_proof
 
-from . import metrics, queue, store
+from .. import metrics, store
+from ..profiles import BUILTIN_TENANT
+from ..steps.context import NodeInfo
+from ..steps.quorum import QuorumBatches, in_batch
+from ..steps.runners import Fail, Ok, Outcome, Wait, run_agent_step, run_control_plane, timed_out
+from ..store import StepRow, WorkflowRow
+from . import queue
 from .attempts import cleanup_aborted, supersede
-from .context import NodeInfo
-from .profiles import BUILTIN_TENANT
-from .quorum import QuorumBatches, in_batch
 from .retries import retry_delay_s
-from .runners import Fail, Ok, Outcome, Wait, run_agent_step, run_control_plane, timed_out
 from .shards import ShardLeases
-from .store import StepRow, WorkflowRow
 
 __all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from better_compute.core.errors import BcError
 
-from .store import StepRow
+from ..store import StepRow
 
 __all__ = ["retry_delay_s"]
 

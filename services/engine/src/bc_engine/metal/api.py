@@ -40,15 +40,17 @@ from better_compute.wire.metal import (
     normal_mac,
 )
 
-from . import metal_store, queue, store
+from .. import store
+from ..core import queue
+from ..documents import check_labels, node_doc
+from ..resolve import resolve_profile
+from ..steps.context import EngineSql
+from ..steps.quorum import BATCH_TTL_S, batch_kinds
+from . import store as metal_store
 from .bmcs import check_bmc_free
-from .context import EngineSql
 from .discovery import DISCOVERY_OWNER
-from .documents import check_labels, node_doc
 from .node_events import node_event
 from .quarantine import refuse_maintenance, refuse_quarantined
-from .quorum import BATCH_TTL_S, batch_kinds
-from .resolve import resolve_profile
 
 __all__ = ["MetalApi", "bmc_json", "check_macs", "refuse_inline_secret", "verb_profiles"]
 

@@ -46,10 +46,11 @@ from better_compute.provision import step_not_ready
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 from better_compute.wire.pki import CertificateInfo, JoinClaims
 
-from . import queue, store
-from .engine import Engine
-from .metal_rules import enroll_by_rules
+from .. import store
+from ..core import queue
+from ..core.engine import Engine
 from .node_events import node_event
+from .rules import enroll_by_rules
 
 __all__ = [
     "DISCOVERY_KEY_PREFIX",

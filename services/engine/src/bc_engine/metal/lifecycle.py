@@ -34,11 +34,13 @@ from better_compute.wire.agent import is_call_failure
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 from better_compute.wire.engine import CurrentStep, CurrentWorkflow
 
-from . import metal_store, queue, store
+from .. import store
+from ..core import queue
+from . import store as metal_store
 from .node_events import node_event
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..core.engine import Engine
 
 __all__ = [
     "HOST_KEY_PREFIX",

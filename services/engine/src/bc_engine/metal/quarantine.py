@@ -23,8 +23,9 @@ from typing import Any, Final
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.wire.pki import JoinTokenBurned
 
-from . import queue, store
-from .engine import Engine
+from .. import store
+from ..core import queue
+from ..core.engine import Engine
 from .node_events import node_event
 
 __all__ = ["QUARANTINE_EXITS", "quarantine_node", "refuse_maintenance", "refuse_quarantined"]

@@ -51,10 +51,10 @@ from better_compute.wire.metal import (
     PendingEnrollmentList,
 )
 
-from . import queue
+from ..core import queue
+from ..core.engine import Engine
+from ..documents import check_labels
 from .bmcs import check_bmc_free
-from .documents import check_labels
-from .engine import Engine
 from .node_events import node_event
 
 __all__ = ["EnrollmentRulesApi", "enroll_by_rules"]
@@ -135,8 +135,8 @@ class EnrollmentRulesApi:
     async def confirm(self, req: ApiRequest) -> NodeView:
         """An operator confirms the enrolment a rule left pending: the node is enrolled as the
         rule would have (``CONFLICT`` when its BMC is another node's by now)."""
+        from ..documents import node_doc
         from .discovery import DISCOVERY_OWNER  # here: discovery imports this module
-        from .documents import node_doc
 
         body = req.decode(ConfirmEnrollment)
         node_id = parse_id(body.node_id, "node", path="nodeId")
@@ -166,7 +166,7 @@ class EnrollmentRulesApi:
         return node_doc(row)
 
     async def create(self, req: ApiRequest) -> EnrollmentRuleView:
-        from .metal_api import refuse_inline_secret  # here: metal_api imports discovery, which imports this
+        from .api import refuse_inline_secret  # here: metal.api imports discovery, which imports this
 
         body = req.decode(CreateEnrollmentRule)
         refuse_inline_secret(req)

@@ -16,9 +16,9 @@ from better_compute.provision import step_command_key
 from better_compute.provision.results import latest_result
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
-from . import store
-from .metal_lifecycle import record_command_result
-from .relay import needs_bmc, relay_bmc
+from .. import store
+from ..metal.lifecycle import record_command_result
+from ..metal.relay import needs_bmc, relay_bmc
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
 

@@ -23,14 +23,14 @@ from better_compute.provision import StepNotReady, step_command_key
 from better_compute.service.faults import Backoff
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 
-from . import store
+from .. import store
+from ..metal.lifecycle import record_command_result
+from ..metal.relay import relay_bmc
+from ..store import StepRow, WorkflowRow
 from .context import EngineSql, RunContext, StepCommands, StepWorkflows
-from .metal_lifecycle import record_command_result
-from .relay import relay_bmc
-from .store import StepRow, WorkflowRow
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..core.engine import Engine
 
 __all__ = [
     "QUEUE_RETRY_S",
