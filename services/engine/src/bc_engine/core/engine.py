@@ -7,10 +7,12 @@ A process that dies in between leaves the step running; the next owner runs it a
 under the same idempotency key. Agent steps enqueue their command through the
 command-queue (find-before-create by key) and wait for its settle event.
 
-The statements are in ``store``, the step runners in ``runners``, the quorum batch in ``quorum``,
-the clean-up of earlier attempts and aborts in ``attempts``, retry policies in ``retries``. What is
-left (over 400 lines) is one state machine, the pass with its mark-running, settles, retries and
-events, kept in one file so its crash-safety argument reads top to bottom.
+The statements are in ``store``, the clean-up of earlier attempts and aborts in ``attempts``, retry
+policies in ``retries``. What runs a step, what a workflow needs before its first step and what
+its events say is the ``StepRunner`` and ``WorkflowEvents`` the engine is given
+(``bc_engine.steps``); owner reconcilers are looked up by name (``owners``), so a plug-in's keys
+run here like any other. What is left is one state machine, the pass with its mark-running,
+settles, retries and events, kept in one file so its crash-safety argument reads top to bottom.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
-
-import msgspec
+from typing import Any, Protocol
 
 from better_compute.app import App
 from better_compute.clients.cmdq import CommandQueueClient
@@ -33,21 +33,18 @@ from better_compute.provision import Profile, StepNotReady, profile_from_documen
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
 from better_compute.service.killpoints import declare, kill_point
-from better_compute.wire import engine as m
 from better_compute.wire.cmdq import CommandView, EnqueueCommand, engine_proof
 
-from .. import metrics, store
+from .. import store
 from ..profiles import BUILTIN_TENANT
-from ..steps.context import NodeInfo
-from ..steps.quorum import QuorumBatches, in_batch
-from ..steps.runners import Fail, Ok, Outcome, Wait, run_agent_step, run_control_plane, timed_out
 from ..store import StepRow, WorkflowRow
 from . import queue
 from .attempts import cleanup_aborted, supersede
+from .outcomes import Fail, Ok, Outcome, Wait, timed_out
 from .retries import retry_delay_s
 from .shards import ShardLeases
 
-__all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
+__all__ = ["AGENT_POLL_S", "Engine", "FencedError", "OwnerReconciler", "StepRunner", "WorkflowEvents"]
 
 AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at least this often
 
@@ -66,6 +63,45 @@ _LOST = object()
 _FINISHED = object()
 
 
+class StepRunner(Protocol):
+    """What runs the steps of a workflow, as the reconciler pass sees it (``bc_engine.steps``)."""
+
+    def pass_begins(self, wf: WorkflowRow, record: Any) -> None:
+        """A pass looks at ``wf`` (``record``: its row of ``PASS_WORKFLOWS``, with what the pass
+        read along)."""
+
+    def pass_ends(self, wf: WorkflowRow) -> None:
+        """The pass over ``wf`` ended: what was read along for it is forgotten."""
+
+    async def prepare(self, wf: WorkflowRow) -> float | None:
+        """What the workflow needs before it sends anything (its batch under the quorum); returns
+        when to look again, or None when it may go on."""
+
+    async def run(self, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
+        """Run one attempt of ``step`` (marked running) until it has an outcome or must wait."""
+
+
+class WorkflowEvents(Protocol):
+    """The workflow feed: a step's change, or the workflow's end (``step`` None)."""
+
+    async def changed(
+        self,
+        wf: WorkflowRow,
+        state: str,
+        step: StepRow | None,
+        *,
+        result: Any = None,
+        error: BcError | None = None,
+    ) -> None: ...
+
+
+class _NotGiven:
+    """A runner or feed the engine was not given (the service gives both before the first pass)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the engine was given no step runner or event feed (.{name})")
+
+
 class FencedError(Exception):
     """This process no longer holds the shard: stop, the new owner carries on."""
 
@@ -76,11 +112,6 @@ def _superseded() -> BcError:
         "this step attempt was superseded by a later one: it sends and mints nothing any more",
         {"reason": "attempt-superseded"},
     )
-
-
-def _node_info(record: Any) -> NodeInfo:
-    node = store.node_row(record)
-    return NodeInfo(node.id, node.site_id, node.tenant_id, node.labels, node.macs, node.bmc, node.state)
 
 
 def _error_doc(err: BcError) -> str:
@@ -103,6 +134,8 @@ class Engine:
         owners: Mapping[str, OwnerReconciler] | None = None,
         start_in: Any = None,
         wake: Callable[[str], Awaitable[None]] | None = None,
+        runner: StepRunner | None = None,
+        events: WorkflowEvents | None = None,
     ) -> None:
         self.app = app
         self.db = db
@@ -114,16 +147,14 @@ class Engine:
         self.cmdq = CommandQueueClient(api)
         self.pki = PkiClient(api)
         self.secrets = SecretsClient(api)
-        self.owners = dict(owners or {})
+        self.owners = owners if owners is not None else {}  # the hooks' map: plug-ins add to it
         self.start_in = start_in
         self.wake = wake
-        self.quorum = QuorumBatches(
-            app=app, db=db, cmdq=self.cmdq, publish=publish, log=log, writes_disk=self.writes_disk
-        )
+        self.runner: StepRunner = runner if runner is not None else _NotGiven()
+        self.events: WorkflowEvents = events if events is not None else _NotGiven()
         self.engine_key: Keyring | None = None
         """``cmdq.engine_key_file``: the proof of the commands it sends under its workflows."""
         self._profiles: dict[tuple[str, str, int], Profile] = {}  # pinned versions never change
-        self._nodes: dict[str, NodeInfo | None] = {}  # each running pass's workflow's node
 
     # -- helpers used by the step runners and the step context ----------------------
 
@@ -151,12 +182,6 @@ class Engine:
         kill_point(AFTER_ENQUEUE)
         return view
 
-    async def site_agent_for(self, node_id: str) -> str | None:
-        site = await self.db.fetchval(store.NODE_SITE, node_id)
-        return (
-            await self.cmdq.site_agent(site_id=site) if site else await self.cmdq.site_agent(node_id=node_id)
-        )
-
     async def profile(self, wf: WorkflowRow) -> Profile | None:
         """The workflow's pinned profile version (immutable, so cached for good)."""
         key = (wf.profile_tenant, wf.profile_id, wf.profile_version)
@@ -173,43 +198,6 @@ class Engine:
                 self._profiles[key] = profile_from_document(doc)
         return self._profiles[key]
 
-    async def writes_disk(self, wf: WorkflowRow) -> bool | None:
-        """Whether the workflow's profile says what it boots writes a disk (``writesDisk``)."""
-        profile = await self.profile(wf)
-        return profile.writes_disk if profile is not None else None
-
-    async def in_batch(self, wf: WorkflowRow, kind: str) -> bool:
-        """Whether a command of ``kind`` of this workflow goes inside its batch (``quorum.in_batch``).
-        A boot command only when the workflow has a batch (the quorum is on): otherwise it is
-        an ordinary command, handed to another site agent when its own falls silent."""
-        if wf.batch_id is None:
-            known = self.app.command_kinds.get(kind)
-            return known is not None and known.destructive
-        return in_batch(self.app, kind, writes_disk=await self.writes_disk(wf))
-
-    async def node(self, wf: WorkflowRow) -> NodeInfo | None:
-        """The workflow's node, read once per pass (with the pass's workflows, ``PASS_WORKFLOWS``)."""
-        if wf.id not in self._nodes:
-            self._nodes[wf.id] = await self._read_node(wf.node_id)
-        return self._nodes[wf.id]
-
-    async def node_info(self, node_id: str) -> NodeInfo | None:
-        """A node as steps see it (a command a step sends may be for another node)."""
-        return await self._read_node(node_id)
-
-    async def node_inventory(self, node_id: str) -> dict[str, Any] | None:
-        """The node's stored inventory (``ctx.node.inventory``), or None."""
-        value = await self.db.fetchval(store.NODE_INVENTORY, node_id)
-        if isinstance(value, str):
-            value = json.loads(value)
-        return value if isinstance(value, dict) else None
-
-    async def _read_node(self, node_id: str | None) -> NodeInfo | None:
-        if node_id is None:
-            return None
-        row = await self.db.fetchrow(store.NODE, node_id)
-        return _node_info(row) if row is not None else None
-
     async def waiting(self, wf: WorkflowRow, step: StepRow, what: dict[str, Any] | None) -> None:
         """Show what the step waits for (``waitingFor`` in workflows.get), if that changed."""
         if step.waiting_for == what:
@@ -223,7 +211,7 @@ class Engine:
             self.log.info(
                 "step_waiting", workflow_id=wf.id, step=step.idx, attempt=step.attempt, waiting_for=what
             )
-            await self._event(wf, step.state, step)
+            await self.events.changed(wf, step.state, step)
 
     # -- one pass -----------------------------------------------------------------
 
@@ -243,12 +231,11 @@ class Engine:
             times = []
             for row in rows:
                 wf = store.workflow_row(row)
-                info = row["node_info"]
-                self._nodes[wf.id] = _node_info(info) if info is not None else None
+                self.runner.pass_begins(wf, row)
                 try:
                     t = await self._advance(wf, (shard, self.instance, epoch))
                 finally:
-                    self._nodes.pop(wf.id, None)
+                    self.runner.pass_ends(wf)
                 if t is not None:
                     times.append(t)
             nxt = min(times) if times else None
@@ -275,7 +262,7 @@ class Engine:
 
     async def _advance(self, wf: WorkflowRow, fence: Fence) -> float | None:
         step: StepRow | None = None  # known from the previous settle, else read
-        retry_at = await self.quorum.ensure(wf)
+        retry_at = await self.runner.prepare(wf)
         if retry_at is not None:
             return retry_at
         while True:
@@ -288,7 +275,7 @@ class Engine:
                 if row is not None:
                     kill_point(AFTER_MARK_RUNNING)
                     step = store.step_row(row)
-                    await self._event(wf, "running", step)
+                    await self.events.changed(wf, "running", step)
                     continue
                 row = await self.db.fetchrow(store.NEXT_STEP, wf.id)
                 if row is None:
@@ -314,17 +301,15 @@ class Engine:
                     continue
                 kill_point(AFTER_MARK_RUNNING)
                 step = store.step_row(row)
-                await self._event(wf, "running", step)
+                await self.events.changed(wf, "running", step)
             if step.state != "running" or step.deadline is None:
                 # failed or cancelled while the workflow still says running: a verb will settle it
                 return None
             deadline = step.deadline.timestamp()
             if time.time() >= deadline:
                 outcome: Outcome = Fail(timed_out(step))
-            elif step.mode == "control-plane":
-                outcome = await run_control_plane(self, wf, step, deadline)
             else:
-                outcome = await run_agent_step(self, wf, step, deadline)
+                outcome = await self.runner.run(wf, step, deadline)
             match outcome:
                 case Wait(at=at):
                     return float(min(at, deadline))
@@ -335,14 +320,14 @@ class Engine:
                     if settled is _LOST:
                         wf, step = await self._reload(wf, fence), None
                         continue
-                    await self._event(wf, "succeeded", step, result=result)
+                    await self.events.changed(wf, "succeeded", step, result=result)
                     if settled is _FINISHED:
-                        await self._event(wf, "succeeded", None)
+                        await self.events.changed(wf, "succeeded", None)
                         await self._wake_owner(wf)
                         return None
                     step = settled if isinstance(settled, StepRow) else None
                     if step is not None:
-                        await self._event(wf, "running", step)
+                        await self.events.changed(wf, "running", step)
                 case Fail(error=error):
                     delay = retry_delay_s(step, error)
                     kill_point(BEFORE_SETTLE)
@@ -352,12 +337,12 @@ class Engine:
                             wf, step = await self._reload(wf, fence), None
                             continue
                         kill_point(AFTER_SETTLE)
-                        await self._event(wf, "pending", step, error=error)
+                        await self.events.changed(wf, "pending", step, error=error)
                         return retry_at
                     if await self._settle_failed(wf, step, error, fence):
                         kill_point(AFTER_SETTLE)
-                        await self._event(wf, "failed", step, error=error)
-                        await self._event(wf, "failed", None)  # every end has its `finished`
+                        await self.events.changed(wf, "failed", step, error=error)
+                        await self.events.changed(wf, "failed", None)  # every end has its `finished`
                         await self._wake_owner(wf)
                         return None
                     wf, step = await self._reload(wf, fence), None
@@ -422,12 +407,12 @@ class Engine:
             if not await conn.fetchval(store.HOLDS_SHARD, *fence):
                 raise FencedError(wf.id)
             await self._finish_in(conn, wf, state, error)
-        await self._event(wf, state, None)
+        await self.events.changed(wf, state, None)
         await self._wake_owner(wf)
 
     async def _wake_owner(self, wf: WorkflowRow) -> None:
         """The workflow's end queued its owner's key; look at it now, not at the next poll of the
-        work queue (a metal node moves to deployed or ready as its workflow ends)."""
+        work queue (the owner acts on the end at once)."""
         if wf.owner and self.wake is not None:
             await self.wake(queue.owner_key(wf.owner, wf.id))
 
@@ -438,36 +423,3 @@ class Engine:
         if updated and wf.owner:
             await queue.queue_now(conn, queue.owner_key(wf.owner, wf.id))
         wf.state = state
-
-    async def _event(
-        self,
-        wf: WorkflowRow,
-        state: str,
-        step: StepRow | None,
-        *,
-        result: Any = None,
-        error: BcError | None = None,
-    ) -> None:
-        event: m.WorkflowEvent
-        if step is None:
-            metrics.WORKFLOWS_FINISHED.labels(wf.profile_id, wf.state).inc()
-            event = m.WorkflowFinished(
-                workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time()
-            )
-        else:
-            if state in ("succeeded", "failed"):
-                metrics.observe_step(step.action, state, step.started_at, time.time())
-            failed = {"code": error.code.value, "message": error.message} if error is not None else None
-            waits = step.waiting_for if step.waiting_for and state in ("pending", "running") else None
-            change = m.StepChange(
-                index=step.idx,
-                action=step.action,
-                state=state,
-                attempt=step.attempt,
-                error=failed if failed is not None else msgspec.UNSET,
-                waiting_for=waits if waits is not None else msgspec.UNSET,
-            )
-            event = m.StepChanged(
-                workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time(), step=change
-            )
-        await self.publish(m.EVENTS, wf.id, event)
