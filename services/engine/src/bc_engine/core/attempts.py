@@ -15,11 +15,10 @@ from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ServiceUnavailableError
 from better_compute.core.keys import workflow_command_prefix
 from better_compute.provision import step_command_key
-from better_compute.service.db import Database
 
-from .. import store
 from ..store import StepRow, WorkflowRow
 from .outcomes import QUEUE_RETRY_S
+from .reconciler_store import ReconcilerStore
 
 __all__ = ["SUPERSEDED_POLL_S", "AttemptHost", "cleanup_aborted", "supersede"]
 
@@ -29,7 +28,7 @@ SUPERSEDED_POLL_S = 2.0  # a previous attempt's command still runs: look again t
 class AttemptHost(Protocol):
     """What the clean-up uses of the reconciler (``engine.Engine``)."""
 
-    db: Database
+    store: ReconcilerStore
     cmdq: CommandQueueClient
     pki: PkiClient
     secrets: SecretsClient
@@ -43,13 +42,13 @@ async def cleanup_aborted(engine: AttemptHost, wf: WorkflowRow) -> float | None:
     workflow's live commands wherever it sent them (retried until the services answer)."""
     if not wf.cancel_commands:
         return None
-    row = await engine.db.fetchrow(store.CANCELLED_STEP, wf.id)
-    sent = await engine.db.fetchval(store.ANY_SENT, wf.id)
+    cancelled = await engine.store.cancelled_step(wf.id)
+    sent = await engine.store.any_sent(wf.id)
     try:
-        if row is not None and row["attempt"] > 0:
-            await _revoke_attempt(engine, wf, store.step_row(row), reason="its workflow was aborted")
-        for minted in await engine.db.fetch(store.MINTED_STEPS, wf.id):
-            await _revoke_minted(engine, wf, store.step_row(minted), reason="its workflow was aborted")
+        if cancelled is not None and cancelled.attempt > 0:
+            await _revoke_attempt(engine, wf, cancelled, reason="its workflow was aborted")
+        for minted in await engine.store.minted_steps(wf.id):
+            await _revoke_minted(engine, wf, minted, reason="its workflow was aborted")
         if sent:
             await engine.cmdq.cancel_under(
                 key_prefix=workflow_command_prefix(wf.id), workflow_id=wf.id, reason="workflow aborted"
@@ -57,7 +56,7 @@ async def cleanup_aborted(engine: AttemptHost, wf: WorkflowRow) -> float | None:
     except BcError as err:
         engine.log.warning("abort_cleanup_deferred", workflow_id=wf.id, code=err.code.value)
         return time.time() + QUEUE_RETRY_S
-    await engine.db.execute(store.CLEANED_UP, wf.id)
+    await engine.store.cleaned_up(wf.id)
     return None
 
 

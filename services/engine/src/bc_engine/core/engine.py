@@ -7,7 +7,8 @@ A process that dies in between leaves the step running; the next owner runs it a
 under the same idempotency key. Agent steps enqueue their command through the
 command-queue (find-before-create by key) and wait for its settle event.
 
-The statements are in ``store``, the clean-up of earlier attempts and aborts in ``attempts``, retry
+The statements are behind ``ReconcilerStore`` (``reconciler_store``: PostgreSQL in the service, an
+in-memory store in unit tests), the clean-up of earlier attempts and aborts in ``attempts``, retry
 policies in ``retries``. What runs a step, what a workflow needs before its first step and what
 its events say is the ``StepRunner`` and ``WorkflowEvents`` the engine is given
 (``bc_engine.steps``); owner reconcilers are looked up by name (``owners``), so a plug-in's keys
@@ -35,12 +36,12 @@ from better_compute.service.db import Database
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.cmdq import CommandView, EnqueueCommand, engine_proof
 
-from .. import store
 from ..profiles import BUILTIN_TENANT
 from ..store import StepRow, WorkflowRow
 from . import queue
 from .attempts import cleanup_aborted, supersede
 from .outcomes import Fail, Ok, Outcome, Wait, timed_out
+from .reconciler_store import Fence, PgReconcilerStore, ReconcilerStore
 from .retries import retry_delay_s
 from .shards import ShardLeases
 
@@ -49,7 +50,6 @@ __all__ = ["AGENT_POLL_S", "Engine", "FencedError", "OwnerReconciler", "StepRunn
 AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at least this often
 
 OwnerReconciler = Callable[[Any, str], Awaitable[None]]
-Fence = tuple[int, str, int]  # shard, owner (this process life), epoch
 
 # Where a chaos test may SIGKILL the engine (better_compute.service.killpoints, docs/chaos.md).
 BEFORE_MARK_RUNNING = declare("engine.before-mark-running", "engine", "a step is due, not yet marked running")
@@ -114,6 +114,12 @@ def _superseded() -> BcError:
     )
 
 
+def _given(api: ApiClient | None) -> ApiClient:
+    if api is None:
+        raise ValueError("the engine needs an ApiClient, or each of cmdq, pki and secrets")
+    return api
+
+
 def _error_doc(err: BcError) -> str:
     return json.dumps({"code": err.code.value, "message": err.message, "details": err.details})
 
@@ -125,8 +131,8 @@ class Engine:
         self,
         *,
         app: App,
-        db: Database,
-        api: ApiClient,
+        db: Database | None,
+        api: ApiClient | None,
         leases: ShardLeases,
         instance: str,
         log: Any,
@@ -136,17 +142,22 @@ class Engine:
         wake: Callable[[str], Awaitable[None]] | None = None,
         runner: StepRunner | None = None,
         events: WorkflowEvents | None = None,
+        store: ReconcilerStore | None = None,
+        cmdq: CommandQueueClient | None = None,
+        pki: PkiClient | None = None,
+        secrets: SecretsClient | None = None,
     ) -> None:
         self.app = app
-        self.db = db
+        self.db: Any = db  # for what the engine is host to (steps, owners); the pass uses ``store``
+        self.store: ReconcilerStore = store if store is not None else PgReconcilerStore(db)
         self.api = api
         self.leases = leases
         self.instance = instance
         self.log = log
         self.publish = publish
-        self.cmdq = CommandQueueClient(api)
-        self.pki = PkiClient(api)
-        self.secrets = SecretsClient(api)
+        self.cmdq = cmdq if cmdq is not None else CommandQueueClient(_given(api))
+        self.pki = pki if pki is not None else PkiClient(_given(api))
+        self.secrets = secrets if secrets is not None else SecretsClient(_given(api))
         self.owners = owners if owners is not None else {}  # the hooks' map: plug-ins add to it
         self.start_in = start_in
         self.wake = wake
@@ -161,15 +172,13 @@ class Engine:
     async def mark_sent(self, workflow_id: str, idx: int, attempt: int) -> None:
         """Record that this attempt sends commands (before it does); refused once the attempt
         was superseded, so a late run of it sends nothing."""
-        if not await self.db.fetchval(store.MARK_SENT, workflow_id, idx, attempt):
+        if not await self.store.mark_sent(workflow_id, idx, attempt):
             raise _superseded()
 
     async def mark_minted(self, workflow_id: str, idx: int, attempt: int, service: str) -> bytes:
         """Record that this attempt mints tokens (``pki``) or stores secrets (``secrets``);
         returns the step's mint secret (see ``StepPki``), the same on every run."""
-        secret: bytes | None = await self.db.fetchval(
-            store.MARK_MINTED, workflow_id, idx, attempt, service, os.urandom(32)
-        )
+        secret = await self.store.mark_minted(workflow_id, idx, attempt, service, os.urandom(32))
         if secret is None:
             raise _superseded()
         return secret
@@ -192,7 +201,7 @@ class Engine:
                     return None
                 self._profiles[key] = shipped
             else:
-                doc = await self.db.fetchval(store.STORED_PROFILE, *key)
+                doc = await self.store.stored_profile(*key)
                 if doc is None:
                     return None
                 self._profiles[key] = profile_from_document(doc)
@@ -202,10 +211,9 @@ class Engine:
         """Show what the step waits for (``waitingFor`` in workflows.get), if that changed."""
         if step.waiting_for == what:
             return
-        await self.db.execute(
-            store.SET_WAITING,
-            wf.id, step.idx, step.attempt, json.dumps(what) if what is not None else None,
-        )  # fmt: skip
+        await self.store.set_waiting(
+            wf.id, step.idx, step.attempt, json.dumps(what) if what is not None else None
+        )
         step.waiting_for = what
         if what is not None:
             self.log.info(
@@ -222,15 +230,12 @@ class Engine:
         if epoch is None:
             raise FencedError(rkey)
         if ":" in rkey:
-            seen = await queue.read_seq(self.db.pool, rkey)
+            seen = await self.store.queue_seq(rkey)
             nxt = await self._reconcile_owner(rkey)
         else:
-            # the queue entry's seq comes along with the workflows: one round trip
-            rows = await self.db.fetch(store.PASS_WORKFLOWS, rkey)
-            seen = rows[0]["queue_seq"] if rows else await queue.read_seq(self.db.pool, rkey)
+            seen, rows = await self.store.pass_workflows(rkey)
             times = []
-            for row in rows:
-                wf = store.workflow_row(row)
+            for wf, row in rows:
                 self.runner.pass_begins(wf, row)
                 try:
                     t = await self._advance(wf, (shard, self.instance, epoch))
@@ -240,9 +245,9 @@ class Engine:
                     times.append(t)
             nxt = min(times) if times else None
         if nxt is None:
-            await queue.done(self.db.pool, rkey, seen)
+            await self.store.queue_done(rkey, seen)
         else:
-            await queue.queue_at(self.db.pool, rkey, nxt, seen)
+            await self.store.queue_at(rkey, nxt, seen)
         return nxt
 
     async def _reconcile_owner(self, rkey: str) -> float | None:
@@ -271,17 +276,15 @@ class Engine:
             if step is None:
                 # the usual case, a first step to start, in one statement
                 kill_point(BEFORE_MARK_RUNNING)
-                row = await self.db.fetchrow(store.START_FIRST, wf.id, *fence)
-                if row is not None:
+                step = await self.store.start_first(wf.id, fence)
+                if step is not None:
                     kill_point(AFTER_MARK_RUNNING)
-                    step = store.step_row(row)
                     await self.events.changed(wf, "running", step)
                     continue
-                row = await self.db.fetchrow(store.NEXT_STEP, wf.id)
-                if row is None:
+                step = await self.store.next_step(wf.id)
+                if step is None:
                     await self._finish(wf, "succeeded", None, fence)
                     return None
-                step = store.step_row(row)
             if step.state == "pending":
                 if step.retry_at is not None and step.retry_at.timestamp() > time.time():
                     return step.retry_at.timestamp()  # its retry policy's backoff
@@ -292,15 +295,14 @@ class Engine:
                     if wait is not None:
                         return wait
                 kill_point(BEFORE_MARK_RUNNING)
-                row = await self.db.fetchrow(
-                    store.MARK_RUNNING,
-                    wf.id, step.idx, step.attempt, step.sent_commands, list(step.minted), *fence,
-                )  # fmt: skip
-                if row is None:
+                started = await self.store.mark_running(
+                    wf.id, step.idx, step.attempt, step.sent_commands, list(step.minted), fence
+                )
+                if started is None:
                     wf, step = await self._reload(wf, fence), None
                     continue
                 kill_point(AFTER_MARK_RUNNING)
-                step = store.step_row(row)
+                step = started
                 await self.events.changed(wf, "running", step)
             if step.state != "running" or step.deadline is None:
                 # failed or cancelled while the workflow still says running: a verb will settle it
@@ -349,9 +351,9 @@ class Engine:
 
     async def _reload(self, wf: WorkflowRow, fence: Fence) -> WorkflowRow:
         """A settle found nothing to settle: either we were fenced off, or a verb moved it."""
-        if not await self.db.fetchval(store.HOLDS_SHARD, *fence):
+        if not await self.store.holds_shard(fence):
             raise FencedError(wf.id)
-        return store.workflow_row(await self.db.fetchrow(store.WORKFLOW, wf.id))
+        return await self.store.workflow(wf.id)
 
     async def _settle_ok(self, wf: WorkflowRow, step: StepRow, result_json: str, fence: Fence) -> Any:
         """Settle a success and, in the same statement (one transaction, one round trip),
@@ -362,28 +364,23 @@ class Engine:
         (commands of an earlier attempt to cancel first).
         """
         owner_rkey = queue.owner_key(wf.owner, wf.id) if wf.owner else None
-        row = await self.db.fetchrow(
-            store.SETTLE_OK,
-            wf.id, step.idx, step.attempt, result_json, *fence,
-            owner_rkey, queue.shard_of(owner_rkey) if owner_rkey else None,
-        )  # fmt: skip
-        if not row["settled"]:
+        settled = await self.store.settle_ok(wf.id, step.idx, step.attempt, result_json, fence, owner_rkey)
+        if not settled.settled:
             return _LOST
-        if row["next"] is not None:
-            return store.step_row(row["next"])
-        if row["finished"]:
+        if settled.next is not None:
+            return settled.next
+        if settled.finished:
             wf.state = "succeeded"
             return _FINISHED
         return None
 
     async def _settle_failed(self, wf: WorkflowRow, step: StepRow, error: BcError, fence: Fence) -> bool:
-        async with self.db.transaction() as conn:
-            done = await conn.fetchval(
-                store.SETTLE_FAILED, wf.id, step.idx, step.attempt, _error_doc(error), *fence
-            )
-            if not done:
-                return False
-            await self._finish_in(conn, wf, "failed", error)
+        owner_rkey = queue.owner_key(wf.owner, wf.id) if wf.owner else None
+        if not await self.store.settle_failed(
+            wf.id, step.idx, step.attempt, _error_doc(error), fence, owner_rkey
+        ):
+            return False
+        wf.state = "failed"
         return True
 
     async def _settle_retry(
@@ -391,22 +388,20 @@ class Engine:
     ) -> float | None:
         """Settle a failed attempt its retry policy retries: back to pending, the next attempt
         not before ``delay`` seconds (``retries``). Returns that moment, None when fenced."""
-        at = await self.db.fetchval(
-            store.SETTLE_RETRY, wf.id, step.idx, step.attempt, _error_doc(error), *fence, delay
-        )
+        at = await self.store.settle_retry(wf.id, step.idx, step.attempt, _error_doc(error), fence, delay)
         if at is None:
             return None
         self.log.info(
             "step_retry", workflow_id=wf.id, step=step.idx, attempt=step.attempt,
             code=error.code.value, delay_s=delay,
         )  # fmt: skip
-        return float(at.timestamp())
+        return at
 
     async def _finish(self, wf: WorkflowRow, state: str, error: BcError | None, fence: Fence) -> None:
-        async with self.db.transaction() as conn:
-            if not await conn.fetchval(store.HOLDS_SHARD, *fence):
-                raise FencedError(wf.id)
-            await self._finish_in(conn, wf, state, error)
+        owner_rkey = queue.owner_key(wf.owner, wf.id) if wf.owner else None
+        if not await self.store.finish(wf.id, state, _error_doc(error) if error else None, fence, owner_rkey):
+            raise FencedError(wf.id)
+        wf.state = state
         await self.events.changed(wf, state, None)
         await self._wake_owner(wf)
 
@@ -415,11 +410,3 @@ class Engine:
         work queue (the owner acts on the end at once)."""
         if wf.owner and self.wake is not None:
             await self.wake(queue.owner_key(wf.owner, wf.id))
-
-    async def _finish_in(self, conn: Any, wf: WorkflowRow, state: str, error: BcError | None) -> None:
-        updated = await conn.fetchval(
-            store.FINISH_WORKFLOW, wf.id, state, _error_doc(error) if error else None
-        )
-        if updated and wf.owner:
-            await queue.queue_now(conn, queue.owner_key(wf.owner, wf.id))
-        wf.state = state
