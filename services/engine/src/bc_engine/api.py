@@ -16,11 +16,10 @@ from typing import Any
 from better_compute.app import App
 from better_compute.service import ApiRequest
 
-from .metal.node_events import Publish
 from .nodes_api import NodesApi
 from .profiles import ProfileStore
 from .profiles_api import ProfilesApi
-from .steps.hooks import EngineHooks
+from .steps.hooks import EngineHooks, Publish
 from .why import WhyApi
 from .workflows_api import WorkflowsApi
 
