@@ -52,8 +52,7 @@ class EngineApi:
             profiles=self.profiles,
             wake=wake,
             publish=publish,
-            host_config_owner=self.hooks.host_config_owner,
-            cmdq=quorum.cmdq if quorum is not None else None,
+            hooks=self.hooks,
         )
         self.start_in = self.workflows.start_in
         self.why = WhyApi(db=db, cmdq=quorum.cmdq) if quorum is not None else None

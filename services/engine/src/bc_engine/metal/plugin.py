@@ -22,16 +22,17 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from better_compute.config import ImagesSettings
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import Handler
 from better_compute.wire.pki import JoinAccepted, JoinTokenBurned, decode_join_event
 
 from ..steps.hooks import EngineHooks
 from ..steps.node import NodeInfo
 from .api import MetalApi
-from .discovery import discovery_sweep, inventory_discovered, on_join
+from .discovery import discovery_sweep, inventory_discovered, on_join, refuse_discovered
 from .host import MetalHost
 from .images_api import ImagesApi, allowlist, image_signers, write_image_signers
-from .lifecycle import converge_host, reconcile_metal, record_command_result, undo_aborted
+from .lifecycle import converge_host, reconcile_metal, record_command_result, reopen_node, undo_aborted
 from .names import (
     DISCOVERY_KEY_PREFIX,
     DISCOVERY_OWNER,
@@ -41,11 +42,34 @@ from .names import (
     METAL_OWNER,
     UNDO_OWNER,
 )
-from .quarantine import quarantine_node
+from .node_events import node_event
+from .quarantine import quarantine_node, refuse_maintenance
 from .relay import needs_bmc, relay_bmc
 from .rules import EnrollmentRulesApi
 
-__all__ = ["BmcRelay", "MetalPlugin"]
+__all__ = ["BmcRelay", "MetalPlugin", "check_rerun", "check_start"]
+
+
+def check_start(node: Any, owner: str | None) -> None:
+    """No workflow on a discovered node, nor on one in maintenance; on a quarantined one only
+    metal's verbs (they check it themselves: inspect and retire are the ways out)."""
+    refuse_discovered(node)
+    held = refuse_maintenance(node, "start a workflow")
+    if held is not None:
+        raise held
+    if owner != METAL_OWNER and node["quarantine"] is not None:
+        raise BcError(
+            ErrorCode.INVALID_STATE,
+            f"node {node['id']} is quarantined: inspect or retire it first",
+            {"path": "nodeId", "reason": "node-quarantined"},
+        )
+
+
+def check_rerun(node: Any, verb: str) -> None:
+    """No retry or resume of a workflow on a node in maintenance."""
+    held = refuse_maintenance(node, verb)
+    if held is not None:
+        raise held
 
 
 class BmcRelay:
@@ -82,6 +106,9 @@ class MetalPlugin:
         hooks.on_event(JOIN_EVENTS, self.on_join)
         hooks.side_loops["discovery_sweep"] = lambda: discovery_sweep(self.host)
         hooks.host_config_owner = METAL_OWNER
+        hooks.start_checks.append(check_start)
+        hooks.rerun_checks.append(check_rerun)
+        hooks.reopen.append(self.reopen)
 
     def routes(self, engine_api: Any, quorum: Any) -> dict[str, Handler]:
         """``metal.*``, ``images.*`` and ``enrollmentRules.*``: ``engine_api`` starts the verbs'
@@ -97,6 +124,16 @@ class MetalPlugin:
         """Before the routes answer: the image signers' allowlist (``[images] signers`` and the
         plugins' signers)."""
         await write_image_signers(self.host.db, allowlist(self.host.app, image_signers(self.images)))
+
+    async def reopen(self, conn: Any, wf: Any) -> None:
+        """A retried or resumed metal workflow: its node back from ``failed`` to the verb's
+        ``…ing`` state, and its batch, closed by its failure or abort (``lifecycle.close_batch``),
+        open again, or the workflow waits for approvals it can no longer get."""
+        node = await reopen_node(conn, wf)
+        if node is not None:
+            await node_event(self.host.publish, node, verb="retry")
+        if wf["batch_id"] is not None and wf["owner"] == METAL_OWNER:
+            await self.host.cmdq.reopen_batch(id=wf["batch_id"])
 
     async def on_join(self, msg: Msg) -> None:
         """A burned join token quarantines its node; a discovery join records a discovered node

@@ -10,7 +10,10 @@ generic engine does not know, the way an app's plugins add their owner reconcile
 * ``event_handlers``: handlers of another service's events (``bc.events.<kind>.>``), by kind;
 * ``side_loops``: loops the service runs beside the reconciler;
 * ``routes``: ``bc.api.engine.*`` routes;
-* ``host_config_owner``: the owner of a ``workflows.start`` whose profile has a ``hostConfig``.
+* ``host_config_owner``: the owner of a ``workflows.start`` whose profile has a ``hostConfig``;
+* ``start_checks``: may refuse (raise a ``BcError``) a workflow on a node (its locked row, the
+  workflow's owner); ``rerun_checks``: a retry or resume of one (the node's row, the verb);
+* ``reopen``: a retried or resumed workflow's own clean-up undone, inside its transaction.
 """
 
 from __future__ import annotations
@@ -26,13 +29,26 @@ from better_compute.service.base import SideLoop
 
 from .node import NodeInfo
 
-__all__ = ["CommandSettled", "EngineHooks", "EventHandler", "OwnerReconciler", "PayloadFiller", "Publish"]
+__all__ = [
+    "CommandSettled",
+    "EngineHooks",
+    "EventHandler",
+    "OwnerReconciler",
+    "PayloadFiller",
+    "Publish",
+    "Reopen",
+    "RerunCheck",
+    "StartCheck",
+]
 
 Publish = Callable[[str, str, Any], Awaitable[None]]  # (event kind, id, event): the service's feed
 OwnerReconciler = Callable[[Any, str], Awaitable[None]]
 # (node id, kind, payload, result) of a command that succeeded
 CommandSettled = Callable[[str, str, Any, Any], Awaitable[None]]
 EventHandler = Callable[[Msg], Awaitable[None]]
+StartCheck = Callable[[Any, str | None], None]  # (node row, owner)
+RerunCheck = Callable[[Any, str], None]  # (node row, verb)
+Reopen = Callable[[Any, Any], Awaitable[None]]  # (connection, workflow row)
 
 
 class PayloadFiller(Protocol):
@@ -53,6 +69,9 @@ class EngineHooks:
     side_loops: dict[str, SideLoop] = field(default_factory=dict)
     routes: dict[str, Handler] = field(default_factory=dict)
     host_config_owner: str | None = None
+    start_checks: list[StartCheck] = field(default_factory=list)
+    rerun_checks: list[RerunCheck] = field(default_factory=list)
+    reopen: list[Reopen] = field(default_factory=list)
 
     def on_event(self, kind: str, handler: EventHandler) -> None:
         self.event_handlers.setdefault(kind, []).append(handler)
