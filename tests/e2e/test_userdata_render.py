@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bc_engine.context import EngineSql
+from bc_engine.steps.context import EngineSql
 from better_compute.clients import EngineClient, SecretsClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode

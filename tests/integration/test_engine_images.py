@@ -14,8 +14,8 @@ import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from bc_engine.context import EngineSql
 from bc_engine.service import EngineService
+from bc_engine.steps.context import EngineSql
 from better_compute.config import ImageSignerSetting, ImagesSettings, Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal.images import resolve_image_ref

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest_asyncio
 
-from bc_engine import queue
+from bc_engine.core import queue
 from bc_engine.service import waiting_commands
 from better_compute.service import Database
 

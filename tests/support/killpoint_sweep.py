@@ -56,7 +56,7 @@ ONCE = ("power.requested:On", "power.requested:Off", "media.insert:Cd", "disk.wr
 
 
 DECLARING = (
-    "bc_engine.engine",
+    "bc_engine.core.engine",
     "bc_command_queue.delivery",
     "bc_command_queue.claims",
     "bc_command_queue.runs",

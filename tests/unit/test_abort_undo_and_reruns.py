@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bc_engine.metal_lifecycle import _undo_plan
+from bc_engine.metal.lifecycle import _undo_plan
 from better_compute.metal.commands import COMMAND_KINDS
 from better_compute.wire.cmdq import CommandView
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bc_engine.quorum import batch_kinds
 from bc_engine.resolve import resolve_profile
+from bc_engine.steps.quorum import batch_kinds
 from better_compute.metal.steps.profiles import lifecycle_profiles
 from better_compute.provision import define_profile, profile_from_document
 from better_compute.testing.metal_sim.app import AUTOINSTALL_STEPS, app

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from bc_engine.documents import node_doc
-from bc_engine.relay import needs_bmc, relay_bmc
+from bc_engine.metal.relay import needs_bmc, relay_bmc
 from better_compute.app import better_compute
 from better_compute.cli.metal_commands import read_credentials, show_lines
 from better_compute.core.errors import BcError, ErrorCode

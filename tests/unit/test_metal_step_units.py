@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from bc_engine.relay import relay_bmc
+from bc_engine.metal.relay import relay_bmc
 from better_compute.app import better_compute
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal import metal

@@ -10,7 +10,7 @@ import json
 import msgspec
 import pytest
 
-from bc_engine.quarantine import QUARANTINE_EXITS, refuse_quarantined
+from bc_engine.metal.quarantine import QUARANTINE_EXITS, refuse_quarantined
 from better_compute.cli.metal_commands import show_lines
 from better_compute.core.errors import ErrorCode
 from better_compute.crypto import AgentIdentity, new_agent_key, signing_payload

@@ -3,9 +3,9 @@
 * ``nodes_api``: ``nodes.*``;
 * ``profiles_api``: ``profiles.*``, ``steps.list`` and ``plugins.list``;
 * ``workflows_api``: ``workflows.*``, and ``start_in`` (steps and metal start workflows with it);
-* ``metal_api``: ``metal.*``, enrolling and the lifecycle verbs;
-* ``images_api``: ``images.*``, the image catalog;
-* ``why``: ``workflows.why``, what a node's or workflow's current step waits for.
+* ``why``: ``workflows.why``, what a node's or workflow's current step waits for;
+* and the routes a plug-in of the engine adds through its hooks (``EngineHooks.routes``): metal's
+  ``metal.*``, ``images.*`` and ``enrollmentRules.*`` (``bc_engine.metal``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,10 @@ from typing import Any
 from better_compute.app import App
 from better_compute.service import ApiRequest
 
-from .images_api import ImagesApi
-from .metal_api import MetalApi
-from .metal_lifecycle import METAL_OWNER
-from .metal_rules import EnrollmentRulesApi
-from .node_events import Publish
 from .nodes_api import NodesApi
 from .profiles import ProfileStore
 from .profiles_api import ProfilesApi
+from .steps.hooks import EngineHooks, Publish
 from .why import WhyApi
 from .workflows_api import WorkflowsApi
 
@@ -39,17 +35,16 @@ class EngineApi:
         wake: Callable[[str], Awaitable[None]],
         publish: Publish,
         quorum: Any = None,
-        engine: Any = None,
+        pki: Any = None,
+        hooks: EngineHooks | None = None,
     ) -> None:
         self.app = app
-        self.engine = engine
+        self.hooks = hooks if hooks is not None else EngineHooks()
         self.db = db
         self.profiles = ProfileStore(app)
         self.wake = wake
         self.publish = publish
-        self.nodes = NodesApi(
-            db=db, publish=publish, quorum=quorum, pki=engine.pki if engine is not None else None
-        )
+        self.nodes = NodesApi(db=db, publish=publish, quorum=quorum, pki=pki)
         self.profiles_api = ProfilesApi(app=app, db=db, profiles=self.profiles)
         self.workflows = WorkflowsApi(
             app=app,
@@ -57,11 +52,9 @@ class EngineApi:
             profiles=self.profiles,
             wake=wake,
             publish=publish,
-            host_config_owner=METAL_OWNER,
-            cmdq=quorum.cmdq if quorum is not None else None,
+            hooks=self.hooks,
         )
         self.start_in = self.workflows.start_in
-        self.metal = MetalApi(self, quorum)
         self.why = WhyApi(db=db, cmdq=quorum.cmdq) if quorum is not None else None
 
     def routes(self) -> dict[str, Callable[[ApiRequest], Awaitable[Any]]]:
@@ -89,7 +82,5 @@ class EngineApi:
             "workflows.retry": workflows.workflows_retry,
             "workflows.resume": workflows.workflows_resume,
             **({"workflows.why": self.why.workflows_why} if self.why is not None else {}),
-            **ImagesApi(app=self.app, db=self.db).routes(),
-            **self.metal.routes(),
-            **EnrollmentRulesApi(self.db, self.engine).routes(),
+            **self.hooks.routes,
         }

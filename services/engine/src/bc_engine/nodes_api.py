@@ -15,11 +15,11 @@ from better_compute.wire import engine as m
 from better_compute.wire.paging import decode_cursor, take_page
 
 from . import store
-from .bmcs import check_bmc_free
 from .documents import check_labels, node_doc
-from .metal_api import bmc_json, check_macs, check_name, names_unique, refuse_inline_secret
-from .metal_lifecycle import current_workflow
-from .node_events import Publish, node_event, node_removed
+from .metal.api import bmc_json, check_macs, check_name, names_unique, refuse_inline_secret
+from .metal.bmcs import check_bmc_free
+from .metal.lifecycle import current_workflow
+from .metal.node_events import Publish, node_event, node_removed
 
 __all__ = ["NodesApi"]
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,39 +17,25 @@ from better_compute.app import App, load_app
 from better_compute.config import UserDataSettings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.keyring import Keyring
-from better_compute.metal.signatures import ImageSigner
 from better_compute.provision import UserData
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
 from better_compute.service.faults import is_transient
 from better_compute.wire.cmdq import EVENTS as COMMAND_EVENTS
 from better_compute.wire.cmdq import LIVE_STATES, MAX_STATE_QUERY, CommandEvent, decode_command_event
-from better_compute.wire.pki import JoinAccepted, JoinTokenBurned, JoinTokenConfirmed, decode_join_event
+from better_compute.wire.pki import JOIN_EVENTS, JoinAccepted, JoinTokenConfirmed, decode_join_event
 
-from . import metrics, queue, store
+from . import metrics, store
 from .api import EngineApi
-from .discovery import (
-    DISCOVERY_KEY_PREFIX,
-    DISCOVERY_OWNER,
-    JOIN_EVENTS,
-    discovery_sweep,
-    inventory_discovered,
-    on_join,
-)
-from .engine import AGENT_POLL_S, Engine, OwnerReconciler
-from .images_api import image_signers, write_image_signers
-from .metal_lifecycle import (
-    HOST_KEY_PREFIX,
-    HOST_OWNER,
-    METAL_OWNER,
-    UNDO_OWNER,
-    converge_host,
-    reconcile_metal,
-    undo_aborted,
-)
-from .quarantine import quarantine_node
-from .scheduler import Scheduler
-from .shards import ShardLeases
+from .core import queue
+from .core.engine import AGENT_POLL_S, Engine, OwnerReconciler
+from .core.scheduler import Scheduler
+from .core.shards import ShardLeases
+from .metal.plugin import MetalPlugin
+from .steps.events import WorkflowFeed
+from .steps.hooks import EngineHooks, EventHandler
+from .steps.host import StepHost
+from .steps.runners import StepRunners
 
 __all__ = ["EngineService", "waiting_commands"]
 
@@ -74,6 +60,16 @@ def _owner_reconcilers(app: App) -> dict[str, OwnerReconciler]:
         for name, fn in (getattr(module, "reconcilers", None) or {}).items():
             found[name] = fn
     return found
+
+
+def _in_turn(handlers: list[EventHandler]) -> Callable[[Msg], Coroutine[Any, Any, None]]:
+    """One subscription's callback: the handlers of its event kind, one after the other."""
+
+    async def each(msg: Msg) -> None:
+        for handler in handlers:
+            await handler(msg)
+
+    return each
 
 
 class EngineService(Service):
@@ -116,7 +112,6 @@ class EngineService(Service):
         assert self.api is not None
         assert self.nc is not None
         self.app = with_user_data_settings(load_app(self.settings.app), self.settings.userdata)
-        await write_image_signers(self.db, allowlist(self.app, image_signers(self.settings.images)))
         for plugin in self.app.plugins:  # what runs: the same list bcx plugins list shows
             source = self.app.plugin_sources.get(plugin.id)
             self.log.info(
@@ -134,6 +129,7 @@ class EngineService(Service):
             on_lost=lambda _s: self.scheduler.drop(self._owns_key),
             log=self.log,
         )
+        self.hooks = EngineHooks()
         self.engine = Engine(
             app=self.app,
             db=self.db,
@@ -142,14 +138,18 @@ class EngineService(Service):
             instance=self.leases.owner,  # settles are fenced on this life's leases
             log=self.log,
             publish=self.publish_event,
-            owners={
-                METAL_OWNER: reconcile_metal,
-                HOST_OWNER: converge_host,
-                UNDO_OWNER: undo_aborted,
-                DISCOVERY_OWNER: inventory_discovered,
-                **_owner_reconcilers(self.app),
-            },
+            owners=self.hooks.owners,
+            events=WorkflowFeed(self.publish_event),
         )
+        # the plug-ins of the engine register through its hooks: metal, then the app's plugins'
+        # owner reconcilers (one of theirs of the same name wins, as before)
+        self.hooks.on_event(JOIN_EVENTS, self._on_join)
+        metal = MetalPlugin(self.engine, images=self.settings.images)
+        metal.register(self.hooks)
+        self.hooks.owners.update(_owner_reconcilers(self.app))
+        await metal.start()
+        self.steps = StepHost(self.engine, self.hooks)
+        self.engine.runner = StepRunners(self.steps)
         if self.settings.cmdq.engine_key_file:  # a stack without NATS accounts (bcx dev up)
             self.engine.engine_key, _ = Keyring.load_or_create(Path(self.settings.cmdq.engine_key_file))
         self.scheduler = Scheduler(self.engine.reconcile, log=self.log)
@@ -158,9 +158,11 @@ class EngineService(Service):
             db=self.db,
             wake=self.wake,
             publish=self.publish_event,
-            quorum=self.engine.quorum,
-            engine=self.engine,
+            quorum=self.steps.quorum,
+            pki=self.engine.pki,
+            hooks=self.hooks,
         )
+        self.hooks.routes.update(metal.routes(self.engine_api, self.steps.quorum))
         self.engine.start_in = self.engine_api.start_in
         self.engine.wake = self.wake
         self._poll_soon = asyncio.Event()
@@ -169,7 +171,12 @@ class EngineService(Service):
         self._subs = [
             await self.nc.subscribe(f"{root}.engine.wake", cb=self._on_wake),
             await self.nc.subscribe(self.subjects.events_all(COMMAND_EVENTS), cb=self._on_command),
-            await self.nc.subscribe(self.subjects.events_all(JOIN_EVENTS), cb=self.on_message(self._on_join)),
+            *[
+                await self.nc.subscribe(
+                    self.subjects.events_all(kind), cb=self.on_message(_in_turn(handlers))
+                )
+                for kind, handlers in self.hooks.event_handlers.items()
+            ],
         ]
 
     def routes(self) -> Mapping[str, Handler]:
@@ -184,7 +191,7 @@ class EngineService(Service):
             "shard_leases": self.leases.run,
             "work_poll": self._poll_loop,
             "command_watch": self._command_watch,
-            "discovery_sweep": lambda: discovery_sweep(self.engine),
+            **self.hooks.side_loops,
         }
 
     def _owns_key(self, rkey: str) -> bool:
@@ -213,31 +220,29 @@ class EngineService(Service):
                     task.add_done_callback(self._inflight.discard)
                 elif self._owns_key(rkey):
                     self.scheduler.now(rkey)
-            case CommandEvent(workflow_id=None, key=key, node_id=node_id) if key.startswith(HOST_KEY_PREFIX):
-                # a host section's converge: its node's key
-                await self.wake(queue.owner_key(HOST_OWNER, node_id))
-            case CommandEvent(workflow_id=None, key=key, node_id=node_id) if key.startswith(
-                DISCOVERY_KEY_PREFIX
-            ):
-                await self.wake(queue.owner_key(DISCOVERY_OWNER, node_id))  # a discovered node's inventory
+            case CommandEvent(workflow_id=None, key=key, node_id=node_id):
+                # a plug-in's command of no workflow (a host section's converge, a discovered
+                # node's inventory): its owner's key of the node (EngineHooks.wake_prefixes)
+                for prefix, owner in self.hooks.wake_prefixes.items():
+                    if key.startswith(prefix):
+                        await self.wake(queue.owner_key(owner, node_id))
+                        break
             case _:
                 return  # not a command of a workflow, or not an event
 
     async def _on_join(self, msg: Msg) -> None:
         """A node's agent joined: the key of the node's workflows (the node id) is looked at now,
-        so a ``wait.agentJoined`` settles at once, not at its next look. A discovery join is
-        recorded as a discovered node."""
+        so a ``wait.agentJoined`` settles at once, not at its next look. (Metal's handler of the
+        same events records discovery joins and quarantines a burned token's node.)"""
         match decode_join_event(msg.data):
             case JoinAccepted(agent_id=agent_id, role=role) if role != "discovery" and agent_id.startswith(
                 "node_"
             ):
                 await self.wake(agent_id)
-            case JoinTokenBurned() as burned:
-                await quarantine_node(self.engine, burned)
             case JoinTokenConfirmed(node_id=str() as node_id):
                 await self.wake(node_id)  # its held join is valid now: wait.agentJoined settles
             case _:
-                await on_join(self.engine, msg)
+                return
 
     async def _wake_workflow(self, workflow_id: str) -> None:
         assert self.db is not None
@@ -300,19 +305,6 @@ class EngineService(Service):
             await self.scheduler.close(grace=self.stop_grace)
         if hasattr(self, "leases"):
             await self.leases.release_all()
-
-
-def allowlist(app: App, configured: list[ImageSigner]) -> list[ImageSigner]:
-    """``[images] signers`` and the plugins' image signers; one id in both is ``INVALID_CONFIG``."""
-    ids = {s.id for s in configured}
-    for index, signer in enumerate(configured):
-        if signer.id in app.image_signers:
-            raise BcError(
-                ErrorCode.INVALID_CONFIG,
-                f"signer {signer.id} is given by [images] signers and by a plugin (bcx plugins list)",
-                {"path": f"images.signers[{index}].id"},
-            )
-    return [*configured, *(s for s in app.image_signers.values() if s.id not in ids)]
 
 
 def with_user_data_settings(app: App, settings: UserDataSettings) -> App:

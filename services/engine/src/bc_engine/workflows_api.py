@@ -17,14 +17,12 @@ from better_compute.service import ApiRequest, Database
 from better_compute.wire import engine as m
 from better_compute.wire.paging import PAGE_BUDGET, decode_cursor, take_page
 
-from . import metrics, queue, store
-from .discovery import refuse_discovered
+from . import metrics, store
+from .core import queue
 from .documents import workflow_doc
-from .metal_lifecycle import METAL_OWNER, reopen_node
-from .node_events import Publish, node_event
 from .profiles import FoundProfile, ProfileStore
-from .quarantine import refuse_maintenance
 from .resolve import Resolution, resolve_profile
+from .steps.hooks import EngineHooks, Publish
 
 __all__ = ["WorkflowsApi"]
 
@@ -47,18 +45,20 @@ class WorkflowsApi:
         profiles: ProfileStore,
         wake: Callable[[str], Awaitable[None]],
         publish: Publish,
-        host_config_owner: str | None = None,
-        cmdq: Any = None,
+        hooks: EngineHooks | None = None,
     ) -> None:
-        self.cmdq = cmdq  # a retried or resumed metal workflow opens its closed batch again
+        self.hooks = hooks if hooks is not None else EngineHooks()
         self.app = app
         self.db = db
         self.profiles = profiles
         self.wake = wake
         self.publish = publish
-        # the owner of a workflow on a node started without one whose profile has a hostConfig:
-        # metal, which makes the hostConfig the node's host section when it succeeds
-        self.host_config_owner = host_config_owner
+
+    @property
+    def host_config_owner(self) -> str | None:
+        """The owner of a workflow on a node started without one whose profile has a hostConfig
+        (metal, which makes the hostConfig the node's host section when it succeeds)."""
+        return self.hooks.host_config_owner
 
     async def workflows_start(self, req: ApiRequest) -> m.WorkflowView:
         body = req.decode(m.StartWorkflow)
@@ -152,17 +152,8 @@ class WorkflowsApi:
             node = await conn.fetchrow(store.LOCK_NODE, node_id)
             if node is None:
                 raise BcError(ErrorCode.NOT_FOUND, f"no node {node_id}", {"path": "nodeId"})
-            refuse_discovered(node)
-            held = refuse_maintenance(node, "start a workflow")
-            if held is not None:
-                raise held
-            if owner != METAL_OWNER and node["quarantine"] is not None:
-                # metal's verbs check it themselves (inspect and retire are the ways out)
-                raise BcError(
-                    ErrorCode.INVALID_STATE,
-                    f"node {node_id} is quarantined: inspect or retire it first",
-                    {"path": "nodeId", "reason": "node-quarantined"},
-                )
+            for check in self.hooks.start_checks:  # metal's: discovered, maintenance, quarantine
+                check(node, owner)
             busy = await conn.fetchval(store.NODE_BUSY, node_id, None)
             if busy:
                 raise BcError(
@@ -259,9 +250,9 @@ class WorkflowsApi:
                 )
             if verb != "abort" and wf["node_id"] is not None:
                 node = await conn.fetchrow(store.NODE, wf["node_id"])
-                held = refuse_maintenance(node, verb) if node is not None else None
-                if held is not None:
-                    raise held
+                if node is not None:
+                    for check in self.hooks.rerun_checks:  # metal's: maintenance
+                        check(node, verb)
                 busy = await conn.fetchval(store.NODE_BUSY, wf["node_id"], workflow_id)
                 if busy:
                     raise BcError(
@@ -303,16 +294,12 @@ class WorkflowsApi:
 
     async def _reopen(self, conn: Any, wf: Any, from_states: tuple[str, ...]) -> None:
         """The step that stopped the workflow goes back to pending; its next run is a new attempt.
-        A metal workflow's node goes back from failed to the verb's running state."""
+        The hooks undo the rest (a metal workflow's node goes back from failed to the verb's
+        running state, its closed batch opens again)."""
         await conn.execute(store.REOPEN_STEP, wf["id"], list(from_states))
         await conn.execute(store.REOPEN_WORKFLOW, wf["id"])
-        node = await reopen_node(conn, wf)
-        if node is not None:
-            await node_event(self.publish, node, verb="retry")
-        if wf["batch_id"] is not None and wf["owner"] == self.host_config_owner and self.cmdq is not None:
-            # its failure or abort closed the batch (metal_lifecycle.close_batch): open again, or
-            # the workflow waits for approvals it can no longer get
-            await self.cmdq.reopen_batch(id=wf["batch_id"])
+        for reopen in self.hooks.reopen:
+            await reopen(conn, wf)
 
     async def workflows_retry(self, req: ApiRequest) -> m.WorkflowView:
         """A failed workflow runs its failed step again, as a new attempt."""

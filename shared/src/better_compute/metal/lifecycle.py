@@ -8,7 +8,7 @@
     (any resting state but deployed) ──retire──▶ retiring ──▶ retired
     a workflow of any …ing state that fails or is aborted ──▶ failed (naming workflow and step)
 
-The engine applies these (``bc_engine.metal_api``); this module only says what is allowed, so the
+The engine applies these (``bc_engine.metal.api``); this module only says what is allowed, so the
 CLI and tests read the same table.
 """
 

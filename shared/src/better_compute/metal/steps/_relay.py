@@ -1,6 +1,6 @@
 """What metal's steps share: the workflow's node, sending a command and reading its result, and
 the attestation check of node-signed results. A BMC command's ``bmc`` is the engine's to add
-(``bc_engine.relay``) when the step gives none."""
+(``bc_engine.metal.relay``) when the step gives none."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 Each is a relaying step (``relays: ['site']``): it runs in the engine, where the node record
 is, and sends the BMC command kind of the same name to the node's site agent. The step's own
 ``with.bmc`` goes as given; without one the engine adds the node's BMC (address and credential
-reference) to the command, as it does for every BMC command (``bc_engine.relay``, the one place
+reference) to the command, as it does for every BMC command (``bc_engine.metal.relay``, the one place
 that does). None is destructive, so none waits for a quorum.
 """
 

@@ -46,19 +46,20 @@ from better_compute.wire.metal import (
     VerbProfile,
     VerbRun,
     VerbStarted,
-    find_inline_secret,
     normal_mac,
 )
 
-from . import metal_store, queue, store
-from .bmcs import check_bmc_free
-from .context import EngineSql
-from .discovery import DISCOVERY_OWNER
-from .documents import check_labels, node_doc
+from .. import store
+from ..core import queue
+from ..documents import check_labels, node_doc
+from ..resolve import ResolvedStep, resolve_profile
+from ..steps.context import EngineSql
+from ..steps.quorum import BATCH_TTL_S, batch_kinds
+from . import store as metal_store
+from .bmcs import check_bmc_free, refuse_inline_secret
+from .names import DISCOVERY_OWNER
 from .node_events import node_event
 from .quarantine import refuse_maintenance, refuse_quarantined
-from .quorum import BATCH_TTL_S, batch_kinds
-from .resolve import ResolvedStep, resolve_profile
 
 __all__ = [
     "MetalApi",
@@ -79,28 +80,6 @@ def verb_profiles(app: App) -> dict[str, str]:
         if mapping is not None:
             return {**DEFAULT_PROFILES, **mapping}
     return dict(DEFAULT_PROFILES)
-
-
-def refuse_inline_secret(req: ApiRequest) -> None:
-    """A request carrying a credential inline (``bmc.password`` …) is ``INVALID_INPUT`` at its
-    path, before anything is stored or logged. Labels are free text and not looked into.
-
-    Call it after ``req.decode``, which has checked the request as plain JSON (nesting depth
-    bounded), so this second look at the raw JSON is bounded too.
-    """
-    try:
-        raw = msgspec.json.decode(req.data)
-    except msgspec.DecodeError:
-        return  # decode reported it, with its path
-    if isinstance(raw, dict):
-        raw = {k: v for k, v in raw.items() if k != "labels"}
-    found = find_inline_secret(raw)
-    if found is not None:
-        raise BcError(
-            ErrorCode.INVALID_INPUT,
-            "a credential is never given inline: store it with bc-secrets and give bmc.credentialsRef",
-            {"path": found, "reason": "inline-credential"},
-        )
 
 
 async def check_macs(conn: Any, macs: Sequence[str], node_id: str | None) -> list[str]:

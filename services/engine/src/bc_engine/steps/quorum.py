@@ -18,9 +18,9 @@ from better_compute.core.errors import BcError
 from better_compute.core.keys import workflow_command_prefix
 from better_compute.wire import engine as m
 
-from . import store
-from .runners import QUEUE_RETRY_S
-from .store import WorkflowRow
+from .. import store
+from ..core.outcomes import QUEUE_RETRY_S
+from ..store import WorkflowRow
 
 __all__ = ["BATCH_TTL_S", "QUORUM_CACHE_S", "QuorumBatches", "batch_kinds", "in_batch"]
 

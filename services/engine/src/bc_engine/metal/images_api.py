@@ -48,7 +48,7 @@ from better_compute.wire.paging import decode_cursor, take_page
 
 from . import images_store
 
-__all__ = ["ImagesApi", "image_signers", "write_image_signers"]
+__all__ = ["ImagesApi", "allowlist", "image_signers", "write_image_signers"]
 
 _IMMUTABLE: Final = ("url", "sha256", "format", "size", "signer", "signature", "public")
 
@@ -70,6 +70,19 @@ def image_signers(settings: ImagesSettings) -> list[ImageSigner]:
             )
         found.append(signer)
     return found
+
+
+def allowlist(app: App, configured: list[ImageSigner]) -> list[ImageSigner]:
+    """``[images] signers`` and the plugins' image signers; one id in both is ``INVALID_CONFIG``."""
+    ids = {s.id for s in configured}
+    for index, signer in enumerate(configured):
+        if signer.id in app.image_signers:
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                f"signer {signer.id} is given by [images] signers and by a plugin (bcx plugins list)",
+                {"path": f"images.signers[{index}].id"},
+            )
+    return [*configured, *(s for s in app.image_signers.values() if s.id not in ids)]
 
 
 async def write_image_signers(db: Any, signers: list[ImageSigner]) -> None:

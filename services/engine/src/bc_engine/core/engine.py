@@ -7,10 +7,13 @@ A process that dies in between leaves the step running; the next owner runs it a
 under the same idempotency key. Agent steps enqueue their command through the
 command-queue (find-before-create by key) and wait for its settle event.
 
-The statements are in ``store``, the step runners in ``runners``, the quorum batch in ``quorum``,
-the clean-up of earlier attempts and aborts in ``attempts``, retry policies in ``retries``. What is
-left (over 400 lines) is one state machine, the pass with its mark-running, settles, retries and
-events, kept in one file so its crash-safety argument reads top to bottom.
+The statements are behind ``ReconcilerStore`` (``reconciler_store``: PostgreSQL in the service, an
+in-memory store in unit tests), the clean-up of earlier attempts and aborts in ``attempts``, retry
+policies in ``retries``. What runs a step, what a workflow needs before its first step and what
+its events say is the ``StepRunner`` and ``WorkflowEvents`` the engine is given
+(``bc_engine.steps``); owner reconcilers are looked up by name (``owners``), so a plug-in's keys
+run here like any other. What is left is one state machine, the pass with its mark-running,
+settles, retries and events, kept in one file so its crash-safety argument reads top to bottom.
 """
 
 from __future__ import annotations
@@ -19,9 +22,7 @@ import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
-
-import msgspec
+from typing import Any, Protocol
 
 from better_compute.app import App
 from better_compute.clients.cmdq import CommandQueueClient
@@ -33,25 +34,22 @@ from better_compute.provision import Profile, StepNotReady, profile_from_documen
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
 from better_compute.service.killpoints import declare, kill_point
-from better_compute.wire import engine as m
 from better_compute.wire.cmdq import CommandView, EnqueueCommand, engine_proof
 
-from . import metrics, queue, store
+from ..profiles import BUILTIN_TENANT
+from ..store import StepRow, WorkflowRow
+from . import queue
 from .attempts import cleanup_aborted, supersede
-from .context import NodeInfo
-from .profiles import BUILTIN_TENANT
-from .quorum import QuorumBatches, in_batch
+from .outcomes import Fail, Ok, Outcome, Wait, timed_out
+from .reconciler_store import Fence, PgReconcilerStore, ReconcilerStore
 from .retries import retry_delay_s
-from .runners import Fail, Ok, Outcome, Wait, run_agent_step, run_control_plane, timed_out
 from .shards import ShardLeases
-from .store import StepRow, WorkflowRow
 
-__all__ = ["AGENT_POLL_S", "Engine", "FencedError"]
+__all__ = ["AGENT_POLL_S", "Engine", "FencedError", "OwnerReconciler", "StepRunner", "WorkflowEvents"]
 
 AGENT_POLL_S = 10.0  # workflowPollMs: every waiting command is looked at at least this often
 
 OwnerReconciler = Callable[[Any, str], Awaitable[None]]
-Fence = tuple[int, str, int]  # shard, owner (this process life), epoch
 
 # Where a chaos test may SIGKILL the engine (better_compute.service.killpoints, docs/chaos.md).
 BEFORE_MARK_RUNNING = declare("engine.before-mark-running", "engine", "a step is due, not yet marked running")
@@ -63,6 +61,45 @@ AFTER_ENQUEUE = declare("engine.after-enqueue", "engine", "a command is enqueued
 
 _LOST = object()
 _FINISHED = object()
+
+
+class StepRunner(Protocol):
+    """What runs the steps of a workflow, as the reconciler pass sees it (``bc_engine.steps``)."""
+
+    def pass_begins(self, wf: WorkflowRow, record: Any) -> None:
+        """A pass looks at ``wf`` (``record``: its row of ``PASS_WORKFLOWS``, with what the pass
+        read along)."""
+
+    def pass_ends(self, wf: WorkflowRow) -> None:
+        """The pass over ``wf`` ended: what was read along for it is forgotten."""
+
+    async def prepare(self, wf: WorkflowRow) -> float | None:
+        """What the workflow needs before it sends anything (its batch under the quorum); returns
+        when to look again, or None when it may go on."""
+
+    async def run(self, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
+        """Run one attempt of ``step`` (marked running) until it has an outcome or must wait."""
+
+
+class WorkflowEvents(Protocol):
+    """The workflow feed: a step's change, or the workflow's end (``step`` None)."""
+
+    async def changed(
+        self,
+        wf: WorkflowRow,
+        state: str,
+        step: StepRow | None,
+        *,
+        result: Any = None,
+        error: BcError | None = None,
+    ) -> None: ...
+
+
+class _NotGiven:
+    """A runner or feed the engine was not given (the service gives both before the first pass)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the engine was given no step runner or event feed (.{name})")
 
 
 class FencedError(Exception):
@@ -77,9 +114,10 @@ def _superseded() -> BcError:
     )
 
 
-def _node_info(record: Any) -> NodeInfo:
-    node = store.node_row(record)
-    return NodeInfo(node.id, node.site_id, node.tenant_id, node.labels, node.macs, node.bmc, node.state)
+def _given(api: ApiClient | None) -> ApiClient:
+    if api is None:
+        raise ValueError("the engine needs an ApiClient, or each of cmdq, pki and secrets")
+    return api
 
 
 def _error_doc(err: BcError) -> str:
@@ -93,8 +131,8 @@ class Engine:
         self,
         *,
         app: App,
-        db: Database,
-        api: ApiClient,
+        db: Database | None,
+        api: ApiClient | None,
         leases: ShardLeases,
         instance: str,
         log: Any,
@@ -102,42 +140,45 @@ class Engine:
         owners: Mapping[str, OwnerReconciler] | None = None,
         start_in: Any = None,
         wake: Callable[[str], Awaitable[None]] | None = None,
+        runner: StepRunner | None = None,
+        events: WorkflowEvents | None = None,
+        store: ReconcilerStore | None = None,
+        cmdq: CommandQueueClient | None = None,
+        pki: PkiClient | None = None,
+        secrets: SecretsClient | None = None,
     ) -> None:
         self.app = app
-        self.db = db
+        self.db: Any = db  # for what the engine is host to (steps, owners); the pass uses ``store``
+        self.store: ReconcilerStore = store if store is not None else PgReconcilerStore(db)
         self.api = api
         self.leases = leases
         self.instance = instance
         self.log = log
         self.publish = publish
-        self.cmdq = CommandQueueClient(api)
-        self.pki = PkiClient(api)
-        self.secrets = SecretsClient(api)
-        self.owners = dict(owners or {})
+        self.cmdq = cmdq if cmdq is not None else CommandQueueClient(_given(api))
+        self.pki = pki if pki is not None else PkiClient(_given(api))
+        self.secrets = secrets if secrets is not None else SecretsClient(_given(api))
+        self.owners = owners if owners is not None else {}  # the hooks' map: plug-ins add to it
         self.start_in = start_in
         self.wake = wake
-        self.quorum = QuorumBatches(
-            app=app, db=db, cmdq=self.cmdq, publish=publish, log=log, writes_disk=self.writes_disk
-        )
+        self.runner: StepRunner = runner if runner is not None else _NotGiven()
+        self.events: WorkflowEvents = events if events is not None else _NotGiven()
         self.engine_key: Keyring | None = None
         """``cmdq.engine_key_file``: the proof of the commands it sends under its workflows."""
         self._profiles: dict[tuple[str, str, int], Profile] = {}  # pinned versions never change
-        self._nodes: dict[str, NodeInfo | None] = {}  # each running pass's workflow's node
 
     # -- helpers used by the step runners and the step context ----------------------
 
     async def mark_sent(self, workflow_id: str, idx: int, attempt: int) -> None:
         """Record that this attempt sends commands (before it does); refused once the attempt
         was superseded, so a late run of it sends nothing."""
-        if not await self.db.fetchval(store.MARK_SENT, workflow_id, idx, attempt):
+        if not await self.store.mark_sent(workflow_id, idx, attempt):
             raise _superseded()
 
     async def mark_minted(self, workflow_id: str, idx: int, attempt: int, service: str) -> bytes:
         """Record that this attempt mints tokens (``pki``) or stores secrets (``secrets``);
         returns the step's mint secret (see ``StepPki``), the same on every run."""
-        secret: bytes | None = await self.db.fetchval(
-            store.MARK_MINTED, workflow_id, idx, attempt, service, os.urandom(32)
-        )
+        secret = await self.store.mark_minted(workflow_id, idx, attempt, service, os.urandom(32))
         if secret is None:
             raise _superseded()
         return secret
@@ -150,12 +191,6 @@ class Engine:
         kill_point(AFTER_ENQUEUE)
         return view
 
-    async def site_agent_for(self, node_id: str) -> str | None:
-        site = await self.db.fetchval(store.NODE_SITE, node_id)
-        return (
-            await self.cmdq.site_agent(site_id=site) if site else await self.cmdq.site_agent(node_id=node_id)
-        )
-
     async def profile(self, wf: WorkflowRow) -> Profile | None:
         """The workflow's pinned profile version (immutable, so cached for good)."""
         key = (wf.profile_tenant, wf.profile_id, wf.profile_version)
@@ -166,63 +201,25 @@ class Engine:
                     return None
                 self._profiles[key] = shipped
             else:
-                doc = await self.db.fetchval(store.STORED_PROFILE, *key)
+                doc = await self.store.stored_profile(*key)
                 if doc is None:
                     return None
                 self._profiles[key] = profile_from_document(doc)
         return self._profiles[key]
 
-    async def writes_disk(self, wf: WorkflowRow) -> bool | None:
-        """Whether the workflow's profile says what it boots writes a disk (``writesDisk``)."""
-        profile = await self.profile(wf)
-        return profile.writes_disk if profile is not None else None
-
-    async def in_batch(self, wf: WorkflowRow, kind: str) -> bool:
-        """Whether a command of ``kind`` of this workflow goes inside its batch (``quorum.in_batch``).
-        A boot command only when the workflow has a batch (the quorum is on): otherwise it is
-        an ordinary command, handed to another site agent when its own falls silent."""
-        if wf.batch_id is None:
-            known = self.app.command_kinds.get(kind)
-            return known is not None and known.destructive
-        return in_batch(self.app, kind, writes_disk=await self.writes_disk(wf))
-
-    async def node(self, wf: WorkflowRow) -> NodeInfo | None:
-        """The workflow's node, read once per pass (with the pass's workflows, ``PASS_WORKFLOWS``)."""
-        if wf.id not in self._nodes:
-            self._nodes[wf.id] = await self._read_node(wf.node_id)
-        return self._nodes[wf.id]
-
-    async def node_info(self, node_id: str) -> NodeInfo | None:
-        """A node as steps see it (a command a step sends may be for another node)."""
-        return await self._read_node(node_id)
-
-    async def node_inventory(self, node_id: str) -> dict[str, Any] | None:
-        """The node's stored inventory (``ctx.node.inventory``), or None."""
-        value = await self.db.fetchval(store.NODE_INVENTORY, node_id)
-        if isinstance(value, str):
-            value = json.loads(value)
-        return value if isinstance(value, dict) else None
-
-    async def _read_node(self, node_id: str | None) -> NodeInfo | None:
-        if node_id is None:
-            return None
-        row = await self.db.fetchrow(store.NODE, node_id)
-        return _node_info(row) if row is not None else None
-
     async def waiting(self, wf: WorkflowRow, step: StepRow, what: dict[str, Any] | None) -> None:
         """Show what the step waits for (``waitingFor`` in workflows.get), if that changed."""
         if step.waiting_for == what:
             return
-        await self.db.execute(
-            store.SET_WAITING,
-            wf.id, step.idx, step.attempt, json.dumps(what) if what is not None else None,
-        )  # fmt: skip
+        await self.store.set_waiting(
+            wf.id, step.idx, step.attempt, json.dumps(what) if what is not None else None
+        )
         step.waiting_for = what
         if what is not None:
             self.log.info(
                 "step_waiting", workflow_id=wf.id, step=step.idx, attempt=step.attempt, waiting_for=what
             )
-            await self._event(wf, step.state, step)
+            await self.events.changed(wf, step.state, step)
 
     # -- one pass -----------------------------------------------------------------
 
@@ -233,28 +230,24 @@ class Engine:
         if epoch is None:
             raise FencedError(rkey)
         if ":" in rkey:
-            seen = await queue.read_seq(self.db.pool, rkey)
+            seen = await self.store.queue_seq(rkey)
             nxt = await self._reconcile_owner(rkey)
         else:
-            # the queue entry's seq comes along with the workflows: one round trip
-            rows = await self.db.fetch(store.PASS_WORKFLOWS, rkey)
-            seen = rows[0]["queue_seq"] if rows else await queue.read_seq(self.db.pool, rkey)
+            seen, rows = await self.store.pass_workflows(rkey)
             times = []
-            for row in rows:
-                wf = store.workflow_row(row)
-                info = row["node_info"]
-                self._nodes[wf.id] = _node_info(info) if info is not None else None
+            for wf, row in rows:
+                self.runner.pass_begins(wf, row)
                 try:
                     t = await self._advance(wf, (shard, self.instance, epoch))
                 finally:
-                    self._nodes.pop(wf.id, None)
+                    self.runner.pass_ends(wf)
                 if t is not None:
                     times.append(t)
             nxt = min(times) if times else None
         if nxt is None:
-            await queue.done(self.db.pool, rkey, seen)
+            await self.store.queue_done(rkey, seen)
         else:
-            await queue.queue_at(self.db.pool, rkey, nxt, seen)
+            await self.store.queue_at(rkey, nxt, seen)
         return nxt
 
     async def _reconcile_owner(self, rkey: str) -> float | None:
@@ -274,7 +267,7 @@ class Engine:
 
     async def _advance(self, wf: WorkflowRow, fence: Fence) -> float | None:
         step: StepRow | None = None  # known from the previous settle, else read
-        retry_at = await self.quorum.ensure(wf)
+        retry_at = await self.runner.prepare(wf)
         if retry_at is not None:
             return retry_at
         while True:
@@ -283,17 +276,15 @@ class Engine:
             if step is None:
                 # the usual case, a first step to start, in one statement
                 kill_point(BEFORE_MARK_RUNNING)
-                row = await self.db.fetchrow(store.START_FIRST, wf.id, *fence)
-                if row is not None:
+                step = await self.store.start_first(wf.id, fence)
+                if step is not None:
                     kill_point(AFTER_MARK_RUNNING)
-                    step = store.step_row(row)
-                    await self._event(wf, "running", step)
+                    await self.events.changed(wf, "running", step)
                     continue
-                row = await self.db.fetchrow(store.NEXT_STEP, wf.id)
-                if row is None:
+                step = await self.store.next_step(wf.id)
+                if step is None:
                     await self._finish(wf, "succeeded", None, fence)
                     return None
-                step = store.step_row(row)
             if step.state == "pending":
                 if step.retry_at is not None and step.retry_at.timestamp() > time.time():
                     return step.retry_at.timestamp()  # its retry policy's backoff
@@ -304,26 +295,23 @@ class Engine:
                     if wait is not None:
                         return wait
                 kill_point(BEFORE_MARK_RUNNING)
-                row = await self.db.fetchrow(
-                    store.MARK_RUNNING,
-                    wf.id, step.idx, step.attempt, step.sent_commands, list(step.minted), *fence,
-                )  # fmt: skip
-                if row is None:
+                started = await self.store.mark_running(
+                    wf.id, step.idx, step.attempt, step.sent_commands, list(step.minted), fence
+                )
+                if started is None:
                     wf, step = await self._reload(wf, fence), None
                     continue
                 kill_point(AFTER_MARK_RUNNING)
-                step = store.step_row(row)
-                await self._event(wf, "running", step)
+                step = started
+                await self.events.changed(wf, "running", step)
             if step.state != "running" or step.deadline is None:
                 # failed or cancelled while the workflow still says running: a verb will settle it
                 return None
             deadline = step.deadline.timestamp()
             if time.time() >= deadline:
                 outcome: Outcome = Fail(timed_out(step))
-            elif step.mode == "control-plane":
-                outcome = await run_control_plane(self, wf, step, deadline)
             else:
-                outcome = await run_agent_step(self, wf, step, deadline)
+                outcome = await self.runner.run(wf, step, deadline)
             match outcome:
                 case Wait(at=at):
                     return float(min(at, deadline))
@@ -334,14 +322,14 @@ class Engine:
                     if settled is _LOST:
                         wf, step = await self._reload(wf, fence), None
                         continue
-                    await self._event(wf, "succeeded", step, result=result)
+                    await self.events.changed(wf, "succeeded", step, result=result)
                     if settled is _FINISHED:
-                        await self._event(wf, "succeeded", None)
+                        await self.events.changed(wf, "succeeded", None)
                         await self._wake_owner(wf)
                         return None
                     step = settled if isinstance(settled, StepRow) else None
                     if step is not None:
-                        await self._event(wf, "running", step)
+                        await self.events.changed(wf, "running", step)
                 case Fail(error=error):
                     delay = retry_delay_s(step, error)
                     kill_point(BEFORE_SETTLE)
@@ -351,21 +339,21 @@ class Engine:
                             wf, step = await self._reload(wf, fence), None
                             continue
                         kill_point(AFTER_SETTLE)
-                        await self._event(wf, "pending", step, error=error)
+                        await self.events.changed(wf, "pending", step, error=error)
                         return retry_at
                     if await self._settle_failed(wf, step, error, fence):
                         kill_point(AFTER_SETTLE)
-                        await self._event(wf, "failed", step, error=error)
-                        await self._event(wf, "failed", None)  # every end has its `finished`
+                        await self.events.changed(wf, "failed", step, error=error)
+                        await self.events.changed(wf, "failed", None)  # every end has its `finished`
                         await self._wake_owner(wf)
                         return None
                     wf, step = await self._reload(wf, fence), None
 
     async def _reload(self, wf: WorkflowRow, fence: Fence) -> WorkflowRow:
         """A settle found nothing to settle: either we were fenced off, or a verb moved it."""
-        if not await self.db.fetchval(store.HOLDS_SHARD, *fence):
+        if not await self.store.holds_shard(fence):
             raise FencedError(wf.id)
-        return store.workflow_row(await self.db.fetchrow(store.WORKFLOW, wf.id))
+        return await self.store.workflow(wf.id)
 
     async def _settle_ok(self, wf: WorkflowRow, step: StepRow, result_json: str, fence: Fence) -> Any:
         """Settle a success and, in the same statement (one transaction, one round trip),
@@ -376,28 +364,23 @@ class Engine:
         (commands of an earlier attempt to cancel first).
         """
         owner_rkey = queue.owner_key(wf.owner, wf.id) if wf.owner else None
-        row = await self.db.fetchrow(
-            store.SETTLE_OK,
-            wf.id, step.idx, step.attempt, result_json, *fence,
-            owner_rkey, queue.shard_of(owner_rkey) if owner_rkey else None,
-        )  # fmt: skip
-        if not row["settled"]:
+        settled = await self.store.settle_ok(wf.id, step.idx, step.attempt, result_json, fence, owner_rkey)
+        if not settled.settled:
             return _LOST
-        if row["next"] is not None:
-            return store.step_row(row["next"])
-        if row["finished"]:
+        if settled.next is not None:
+            return settled.next
+        if settled.finished:
             wf.state = "succeeded"
             return _FINISHED
         return None
 
     async def _settle_failed(self, wf: WorkflowRow, step: StepRow, error: BcError, fence: Fence) -> bool:
-        async with self.db.transaction() as conn:
-            done = await conn.fetchval(
-                store.SETTLE_FAILED, wf.id, step.idx, step.attempt, _error_doc(error), *fence
-            )
-            if not done:
-                return False
-            await self._finish_in(conn, wf, "failed", error)
+        owner_rkey = queue.owner_key(wf.owner, wf.id) if wf.owner else None
+        if not await self.store.settle_failed(
+            wf.id, step.idx, step.attempt, _error_doc(error), fence, owner_rkey
+        ):
+            return False
+        wf.state = "failed"
         return True
 
     async def _settle_retry(
@@ -405,68 +388,25 @@ class Engine:
     ) -> float | None:
         """Settle a failed attempt its retry policy retries: back to pending, the next attempt
         not before ``delay`` seconds (``retries``). Returns that moment, None when fenced."""
-        at = await self.db.fetchval(
-            store.SETTLE_RETRY, wf.id, step.idx, step.attempt, _error_doc(error), *fence, delay
-        )
+        at = await self.store.settle_retry(wf.id, step.idx, step.attempt, _error_doc(error), fence, delay)
         if at is None:
             return None
         self.log.info(
             "step_retry", workflow_id=wf.id, step=step.idx, attempt=step.attempt,
             code=error.code.value, delay_s=delay,
         )  # fmt: skip
-        return float(at.timestamp())
+        return at
 
     async def _finish(self, wf: WorkflowRow, state: str, error: BcError | None, fence: Fence) -> None:
-        async with self.db.transaction() as conn:
-            if not await conn.fetchval(store.HOLDS_SHARD, *fence):
-                raise FencedError(wf.id)
-            await self._finish_in(conn, wf, state, error)
-        await self._event(wf, state, None)
+        owner_rkey = queue.owner_key(wf.owner, wf.id) if wf.owner else None
+        if not await self.store.finish(wf.id, state, _error_doc(error) if error else None, fence, owner_rkey):
+            raise FencedError(wf.id)
+        wf.state = state
+        await self.events.changed(wf, state, None)
         await self._wake_owner(wf)
 
     async def _wake_owner(self, wf: WorkflowRow) -> None:
         """The workflow's end queued its owner's key; look at it now, not at the next poll of the
-        work queue (a metal node moves to deployed or ready as its workflow ends)."""
+        work queue (the owner acts on the end at once)."""
         if wf.owner and self.wake is not None:
             await self.wake(queue.owner_key(wf.owner, wf.id))
-
-    async def _finish_in(self, conn: Any, wf: WorkflowRow, state: str, error: BcError | None) -> None:
-        updated = await conn.fetchval(
-            store.FINISH_WORKFLOW, wf.id, state, _error_doc(error) if error else None
-        )
-        if updated and wf.owner:
-            await queue.queue_now(conn, queue.owner_key(wf.owner, wf.id))
-        wf.state = state
-
-    async def _event(
-        self,
-        wf: WorkflowRow,
-        state: str,
-        step: StepRow | None,
-        *,
-        result: Any = None,
-        error: BcError | None = None,
-    ) -> None:
-        event: m.WorkflowEvent
-        if step is None:
-            metrics.WORKFLOWS_FINISHED.labels(wf.profile_id, wf.state).inc()
-            event = m.WorkflowFinished(
-                workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time()
-            )
-        else:
-            if state in ("succeeded", "failed"):
-                metrics.observe_step(step.action, state, step.started_at, time.time())
-            failed = {"code": error.code.value, "message": error.message} if error is not None else None
-            waits = step.waiting_for if step.waiting_for and state in ("pending", "running") else None
-            change = m.StepChange(
-                index=step.idx,
-                action=step.action,
-                state=state,
-                attempt=step.attempt,
-                error=failed if failed is not None else msgspec.UNSET,
-                waiting_for=waits if waits is not None else msgspec.UNSET,
-            )
-            event = m.StepChanged(
-                workflow_id=wf.id, node_id=wf.node_id, workflow_state=wf.state, at=time.time(), step=change
-            )
-        await self.publish(m.EVENTS, wf.id, event)

@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -16,23 +16,13 @@ from better_compute.provision import step_command_key
 from better_compute.provision.results import latest_result
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
-from . import store
-from .metal_lifecycle import record_command_result
-from .relay import needs_bmc, relay_bmc
+from .. import store
+from .node import NodeInfo
+
+if TYPE_CHECKING:
+    from .host import StepHost
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    id: str
-    site_id: str
-    tenant_id: str
-    labels: Mapping[str, str]
-    macs: Sequence[str] = ()
-    bmc: Mapping[str, Any] | None = None
-    state: str = "enrolled"
-    inventory: Mapping[str, Any] | None = None  # read for a control-plane step run only
 
 
 class EngineSql:
@@ -75,8 +65,8 @@ class StepCommands:
     or an abort knows to cancel what is still live.
     """
 
-    def __init__(self, engine: Any, *, workflow: store.WorkflowRow, step: store.StepRow) -> None:
-        self._engine = engine
+    def __init__(self, host: StepHost, *, workflow: store.WorkflowRow, step: store.StepRow) -> None:
+        self._host = host
         self._wf = workflow
         self._step = step
 
@@ -90,17 +80,15 @@ class StepCommands:
                 {"path": "key"},
             )
         sends = list(self._step.sends or [])
-        if needs_bmc(self._engine.app, cmd.kind, cmd.payload):
+        if self._host.needs_node(cmd.kind, cmd.payload):
             # the workflow's own node as the pass read it (ctx.node); another node read now
             if cmd.node_id == self._wf.node_id:
-                node = await self._engine.node(self._wf)
+                node = await self._host.node(self._wf)
             else:
-                node = await self._engine.node_info(cmd.node_id)
-            payload = relay_bmc(
-                self._engine.app, cmd.kind, cmd.payload, cmd.node_id, node.bmc if node is not None else None
-            )
+                node = await self._host.node_info(cmd.node_id)
+            payload = self._host.fill_payload(cmd.kind, cmd.payload, cmd.node_id, node)
             cmd = msgspec.structs.replace(cmd, payload=payload)
-        batched = await self._engine.in_batch(self._wf, cmd.kind)
+        batched = await self._host.in_batch(self._wf, cmd.kind)
         full = msgspec.structs.replace(
             cmd,
             workflow_id=self._wf.id,
@@ -110,9 +98,9 @@ class StepCommands:
             sends=sends or None,
             tenant_id=self._wf.tenant_id,
         )
-        await self._engine.mark_sent(self._wf.id, self._step.idx, self._step.attempt)
+        await self._host.mark_sent(self._wf.id, self._step.idx, self._step.attempt)
         try:
-            view: CommandView = await self._engine.cmdq_enqueue(full)
+            view: CommandView = await self._host.enqueue(full)
         except BcError as err:
             if (marked := unavailable(err, "bc-command-queue")) is not None:
                 raise marked from err  # the engine waits for the command queue
@@ -122,12 +110,12 @@ class StepCommands:
                 result = json.loads(view.result) if view.result else None
             except (ValueError, RecursionError):
                 result = None
-            await record_command_result(self._engine, full.node_id, view.kind, full.payload, result)
+            await self._host.command_settled(full.node_id, view.kind, full.payload, result)
         return view
 
     async def site_agent_for(self, node_id: str) -> str | None:
         try:
-            agent: str | None = await self._engine.site_agent_for(node_id)
+            agent: str | None = await self._host.site_agent_for(node_id)
         except BcError as err:
             if (marked := unavailable(err, "bc-command-queue")) is not None:
                 raise marked from err  # the engine waits for the command queue

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
@@ -35,11 +35,12 @@ from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 from better_compute.wire.commands import BmcInventoryResult, PowerResult, decode_result
 from better_compute.wire.engine import CurrentStep, CurrentWorkflow
 
-from . import metal_store, queue, store
+from .. import store
+from ..core import queue
+from . import store as metal_store
+from .host import MetalHost
+from .names import HOST_KEY_PREFIX, HOST_OWNER, METAL_OWNER, UNDO_OWNER
 from .node_events import node_event
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = [
     "HOST_KEY_PREFIX",
@@ -56,15 +57,11 @@ __all__ = [
     "undo_aborted",
 ]
 
-METAL_OWNER = "metal"
-HOST_OWNER = "metal-host"
-UNDO_OWNER = "metal-undo"
 # wf:<workflow id>:undo:<what>: under the workflow's keys (bc-secrets opens a node's BMC
 # credential to a live workflow command of the node), never under a step attempt's
 UNDO_KEY = "undo"
 UNDO_LOOK_MS = 2_000  # the workflow's commands still end at their agents: look again this soon
 UNDO_TIMEOUT_MS = 600_000
-HOST_KEY_PREFIX = "host:g"  # the node.converge of generation g: host:g<g>
 HOST_CONVERGE_S = 3600  # bcd has this long to come up and apply a host section
 HOST_LOOK_MS = 10_000  # a converge still live is looked at again this soon (its event is sooner)
 _BY_RUNNING = {t.running: t for t in TRANSITIONS.values()}
@@ -75,7 +72,7 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
+async def reconcile_metal(engine: MetalHost, workflow_id: str) -> None:
     """Move the workflow's node on, once the workflow has ended."""
     wf_row = await engine.db.fetchrow(store.WORKFLOW, workflow_id)
     if wf_row is None or wf_row["state"] == "running" or wf_row["node_id"] is None:
@@ -105,7 +102,7 @@ async def reconcile_metal(engine: Engine, workflow_id: str) -> None:
         await engine.wake(queue.owner_key(UNDO_OWNER, workflow_id))
 
 
-async def close_batch(engine: Engine, wf_row: Any) -> None:
+async def close_batch(engine: MetalHost, wf_row: Any) -> None:
     """A failed or aborted verb's workflow closes its destructive batch (the last one of a bulk
     verb's batch to end: the others may still need it), so it no longer counts as open; a retry
     or resume opens it again (``workflows_api``). The command-queue away: this key runs again."""
@@ -164,7 +161,7 @@ def _undo_plan(views: list[Any]) -> dict[str, tuple[str, dict[str, Any]]]:
     return plan
 
 
-async def undo_aborted(engine: Engine, workflow_id: str) -> None:
+async def undo_aborted(engine: MetalHost, workflow_id: str) -> None:
     """After an abort, once every command of the workflow ended at its agent: clear its boot
     entries, eject its media, set a boot override back to the disk and power off a machine it
     powered on. Each is keyed (``wf:<workflow>:undo:<abort ms>:<what>``), so a second run of
@@ -211,7 +208,7 @@ async def undo_aborted(engine: Engine, workflow_id: str) -> None:
         engine.log.info("abort_undo_sent", workflow_id=workflow_id, kind=kind, command_id=view.id)
 
 
-async def _move_node(engine: Engine, conn: Any, node: Any, wf_row: Any, profile: Any) -> Any:
+async def _move_node(engine: MetalHost, conn: Any, node: Any, wf_row: Any, profile: Any) -> Any:
     """A lifecycle verb's workflow ended: the node's next state (or failed), its host section
     and power. Returns ``(row, section)``, or None when the node is in no state to move."""
     if node["state"] == "failed":
@@ -282,7 +279,7 @@ def left_text(verb: str, state: str, step: str | None) -> str:
     return f"{verb} {'aborted' if state == 'aborted' else 'failed'} at {step or '-'}: {what}"
 
 
-async def _workflow_host_config(engine: Engine, conn: Any, wf_row: Any, profile: Any) -> Any:
+async def _workflow_host_config(engine: MetalHost, conn: Any, wf_row: Any, profile: Any) -> Any:
     """A succeeded workflow that was no lifecycle verb (started with ``workflows.start``): its
     profile's ``hostConfig`` becomes the node's host section all the same (generation + 1, and
     ``metal-host`` sends it). One that does not resolve for the node is its ``lastError``; the
@@ -304,7 +301,7 @@ async def _workflow_host_config(engine: Engine, conn: Any, wf_row: Any, profile:
     return row
 
 
-async def converge_host(engine: Engine, node_id: str) -> None:
+async def converge_host(engine: MetalHost, node_id: str) -> None:
     """Send bcd the node's host section (``node.converge`` of its generation) until it reports
     that generation applied; its settle event wakes this key, a live one is looked at again."""
     node = await engine.db.fetchrow(store.NODE, node_id)
@@ -371,7 +368,9 @@ def host_section(app: App, profile: Any, labels: Mapping[str, str]) -> dict[str,
     return {"units": resolve_host_section(profile.host_config, labels, units=units)}
 
 
-async def record_command_result(engine: Engine, node_id: str, kind: str, payload: Any, result: Any) -> None:
+async def record_command_result(
+    engine: MetalHost, node_id: str, kind: str, payload: Any, result: Any
+) -> None:
     """Keep what a settled command says of its node: bcd's observed generation, the power a
     ``power.setPower`` left or a BMC read (``management.inventory``) showed. Agent steps and
     every command a control-plane step sends (``ctx.commands``) come here when they succeed."""

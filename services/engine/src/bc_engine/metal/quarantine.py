@@ -23,8 +23,9 @@ from typing import Any, Final
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.wire.pki import JoinTokenBurned
 
-from . import queue, store
-from .engine import Engine
+from .. import store
+from ..core import queue
+from .host import MetalHost
 from .node_events import node_event
 
 __all__ = ["QUARANTINE_EXITS", "quarantine_node", "refuse_maintenance", "refuse_quarantined"]
@@ -51,7 +52,7 @@ def refuse_quarantined(node: Any, verb: str) -> BcError | None:
     )
 
 
-async def quarantine_node(engine: Engine, event: JoinTokenBurned) -> Any:
+async def quarantine_node(engine: MetalHost, event: JoinTokenBurned) -> Any:
     """Quarantine the node of a burned token (see the module); safe to repeat."""
     node_id = event.node_id
     if not node_id:

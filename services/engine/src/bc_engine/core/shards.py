@@ -25,7 +25,7 @@ from typing import Any
 
 from better_compute.service.faults import is_transient
 
-from . import store
+from .. import store
 from .queue import SHARDS
 
 __all__ = ["LEASE_TTL", "RENEW_EVERY", "ShardLeases", "new_incarnation"]

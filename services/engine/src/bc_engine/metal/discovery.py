@@ -46,10 +46,12 @@ from better_compute.provision import step_not_ready
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 from better_compute.wire.pki import CertificateInfo, JoinClaims
 
-from . import queue, store
-from .engine import Engine
-from .metal_rules import enroll_by_rules
+from .. import store
+from ..core import queue
+from .host import MetalHost
+from .names import DISCOVERY_KEY_PREFIX, DISCOVERY_OWNER, JOIN_EVENTS
 from .node_events import node_event
+from .rules import enroll_by_rules
 
 __all__ = [
     "DISCOVERY_KEY_PREFIX",
@@ -63,9 +65,6 @@ __all__ = [
     "refuse_discovered",
 ]
 
-JOIN_EVENTS: Final = "join"  # bc-pki's event kind: bc.events.join.<join token id>
-DISCOVERY_OWNER: Final = "metal-discovery"
-DISCOVERY_KEY_PREFIX: Final = "discovery:"  # node.inventory of one discovery: discovery:<cert id>
 INVENTORY_TIMEOUT_S: Final = 900  # the ramdisk's bcd has this long to answer
 INVENTORY_LOOK_MS: Final = 10_000  # a live inventory is looked at again this soon (its event is sooner)
 SWEEP_S: Final = 30.0  # the look for discovery joins whose event was lost
@@ -124,7 +123,7 @@ def _hardware(claims: JoinClaims, cert_id: str) -> dict[str, Any]:
     }
 
 
-async def on_join(engine: Engine, msg: Msg) -> None:
+async def on_join(engine: MetalHost, msg: Msg) -> None:
     """A ``join`` event of bc-pki: the certificate of a discovery join, read back (the event's
     ``role`` only spares reading the others; the certificate's role is what counts)."""
     try:
@@ -143,7 +142,7 @@ async def on_join(engine: Engine, msg: Msg) -> None:
         engine.log.warning("discovery_not_recorded", cert_id=cert_id, code=err.code.value, reason=err.reason)
 
 
-async def record_discovery(engine: Engine, cert: CertificateInfo) -> Any:
+async def record_discovery(engine: MetalHost, cert: CertificateInfo) -> Any:
     """Record the node of a discovery certificate (see the module); returns its row, or None
     when there is nothing to record (another role, hardware known as another node, enrolled)."""
     if cert.role != "discovery" or cert.state != "valid" or not cert.agent_id.startswith("node_"):
@@ -208,7 +207,7 @@ async def _conflict(conn: Any, node: Any, claims: JoinClaims, cert: CertificateI
     return await conn.fetchrow(_SET_CONFLICT, node["id"], json.dumps(doc))
 
 
-async def inventory_discovered(engine: Engine, node_id: str) -> None:
+async def inventory_discovered(engine: MetalHost, node_id: str) -> None:
     """``metal-discovery:<node>``: the inventory of a discovered node, or, once it is enrolled,
     the revocation of its discovery certificates."""
     node = await engine.db.fetchrow(store.NODE, node_id)
@@ -256,7 +255,7 @@ async def inventory_discovered(engine: Engine, node_id: str) -> None:
         await node_event(engine.publish, row)
 
 
-async def discovery_sweep(engine: Engine) -> None:
+async def discovery_sweep(engine: MetalHost) -> None:
     """The safety net for lost ``join`` events (an engine away, a NATS hiccup): every
     ``SWEEP_S``, from the start, bc-pki's valid discovery certificates of the last hour whose node
     the engine lacks (or has, still discovered, from an older discovery) are recorded."""
@@ -268,7 +267,7 @@ async def discovery_sweep(engine: Engine) -> None:
         await asyncio.sleep(SWEEP_S)
 
 
-async def sweep_once(engine: Engine) -> int:
+async def sweep_once(engine: MetalHost) -> int:
     """One look (see ``discovery_sweep``); returns how many nodes it recorded."""
     certs = await engine.pki.list_certificates(role="discovery", limit=SWEEP_LIMIT)
     since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=SWEEP_WINDOW_S)
@@ -295,7 +294,7 @@ def _json_object(raw: bytes | None) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-async def _revoke_discovery_certs(engine: Engine, node_id: str) -> None:
+async def _revoke_discovery_certs(engine: MetalHost, node_id: str) -> None:
     try:
         certs = await engine.pki.list_certificates(agent_id=node_id)
     except BcError as err:

@@ -51,10 +51,11 @@ from better_compute.wire.metal import (
     PendingEnrollmentList,
 )
 
-from . import queue
-from .bmcs import check_bmc_free
-from .documents import check_labels
-from .engine import Engine
+from ..core import queue
+from ..documents import check_labels, node_doc
+from .bmcs import check_bmc_free, refuse_inline_secret
+from .host import MetalHost
+from .names import DISCOVERY_OWNER
 from .node_events import node_event
 
 __all__ = ["EnrollmentRulesApi", "enroll_by_rules"]
@@ -114,7 +115,7 @@ def rule_view(row: Any) -> EnrollmentRuleView:
 
 
 class EnrollmentRulesApi:
-    def __init__(self, db: Any, engine: Engine | None = None) -> None:
+    def __init__(self, db: Any, engine: MetalHost | None = None) -> None:
         self.db = db
         self.engine = engine  # enrolls a confirmed node (its credential copy, events, wake-ups)
 
@@ -135,9 +136,6 @@ class EnrollmentRulesApi:
     async def confirm(self, req: ApiRequest) -> NodeView:
         """An operator confirms the enrolment a rule left pending: the node is enrolled as the
         rule would have (``CONFLICT`` when its BMC is another node's by now)."""
-        from .discovery import DISCOVERY_OWNER  # here: discovery imports this module
-        from .documents import node_doc
-
         body = req.decode(ConfirmEnrollment)
         node_id = parse_id(body.node_id, "node", path="nodeId")
         if self.engine is None:
@@ -166,8 +164,6 @@ class EnrollmentRulesApi:
         return node_doc(row)
 
     async def create(self, req: ApiRequest) -> EnrollmentRuleView:
-        from .metal_api import refuse_inline_secret  # here: metal_api imports discovery, which imports this
-
         body = req.decode(CreateEnrollmentRule)
         refuse_inline_secret(req)
         parse_rule_selector(body.selector)
@@ -223,7 +219,9 @@ def _camel(bmc: Any) -> dict[str, Any]:
     return out
 
 
-async def enroll_by_rules(engine: Engine, node: Any, discovery_owner: str, inventory: dict[str, Any]) -> Any:
+async def enroll_by_rules(
+    engine: MetalHost, node: Any, discovery_owner: str, inventory: dict[str, Any]
+) -> Any:
     """Enroll the discovered ``node``, whose discovery ``inventory`` just arrived, by the first
     rule that matches it (see the module), writing the inventory with the enrolment; returns the
     enrolled node's row, or None (no rule matched, or the matching rule could not give it a BMC:
@@ -242,7 +240,7 @@ async def enroll_by_rules(engine: Engine, node: Any, discovery_owner: str, inven
 
 
 async def _enroll(
-    engine: Engine,
+    engine: MetalHost,
     node: Any,
     rule: Any,
     facts: dict[str, str],
@@ -307,7 +305,9 @@ def _same_bmc(pending: Any, bmc: dict[str, Any]) -> bool:
     return all(shown.get(k) == bmc.get(k) for k in ("driver", "address", "systemId"))
 
 
-async def _pend(engine: Engine, node: Any, rule: Any, bmc: dict[str, Any], inventory: dict[str, Any]) -> Any:
+async def _pend(
+    engine: MetalHost, node: Any, rule: Any, bmc: dict[str, Any], inventory: dict[str, Any]
+) -> Any:
     """Leave the node discovered with the enrolment the rule would make, for an operator."""
     doc = {
         "ruleId": rule["id"],
@@ -324,7 +324,7 @@ async def _pend(engine: Engine, node: Any, rule: Any, bmc: dict[str, Any], inven
     return None
 
 
-async def _node_credential(engine: Engine, node: Any, rule: Any, template_ref: str) -> str:
+async def _node_credential(engine: MetalHost, node: Any, rule: Any, template_ref: str) -> str:
     """The node's own copy of the rule's credential (its standing secret), made once."""
     try:
         value = await engine.secrets.get(ref=template_ref)

@@ -1,42 +1,54 @@
 """What an earlier attempt of a step, or an aborted workflow, left behind: tokens and secrets it
 minted are revoked, its key is fenced in every service it used, and its commands are cancelled,
 before a new attempt starts (or once the abort is recorded). An abort revokes what every step of
-the workflow minted, not only the cancelled one: the join token an earlier step gave a machine's
-ramdisk must not join a node whose workflow was given up."""
+the workflow minted, not only the cancelled one: a join token an earlier step minted must stop
+working once its workflow was given up."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.clients.pki import PkiClient
+from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ServiceUnavailableError
 from better_compute.core.keys import workflow_command_prefix
 from better_compute.provision import step_command_key
 
-from . import store
-from .runners import QUEUE_RETRY_S
-from .store import StepRow, WorkflowRow
+from ..store import StepRow, WorkflowRow
+from .outcomes import QUEUE_RETRY_S
+from .reconciler_store import ReconcilerStore
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["SUPERSEDED_POLL_S", "cleanup_aborted", "supersede"]
+__all__ = ["SUPERSEDED_POLL_S", "AttemptHost", "cleanup_aborted", "supersede"]
 
 SUPERSEDED_POLL_S = 2.0  # a previous attempt's command still runs: look again this soon
 
 
-async def cleanup_aborted(engine: Engine, wf: WorkflowRow) -> float | None:
+class AttemptHost(Protocol):
+    """What the clean-up uses of the reconciler (``engine.Engine``)."""
+
+    store: ReconcilerStore
+    cmdq: CommandQueueClient
+    pki: PkiClient
+    secrets: SecretsClient
+    log: Any
+
+    async def waiting(self, wf: WorkflowRow, step: StepRow, what: dict[str, Any] | None) -> None: ...
+
+
+async def cleanup_aborted(engine: AttemptHost, wf: WorkflowRow) -> float | None:
     """After an abort: revoke what the cancelled attempt minted, fence it, and cancel the
-    workflow's live commands on every node it sent to (retried until the services answer)."""
+    workflow's live commands wherever it sent them (retried until the services answer)."""
     if not wf.cancel_commands:
         return None
-    row = await engine.db.fetchrow(store.CANCELLED_STEP, wf.id)
-    sent = await engine.db.fetchval(store.ANY_SENT, wf.id)
+    cancelled = await engine.store.cancelled_step(wf.id)
+    sent = await engine.store.any_sent(wf.id)
     try:
-        if row is not None and row["attempt"] > 0:
-            await _revoke_attempt(engine, wf, store.step_row(row), reason="its workflow was aborted")
-        for minted in await engine.db.fetch(store.MINTED_STEPS, wf.id):
-            await _revoke_minted(engine, wf, store.step_row(minted), reason="its workflow was aborted")
+        if cancelled is not None and cancelled.attempt > 0:
+            await _revoke_attempt(engine, wf, cancelled, reason="its workflow was aborted")
+        for minted in await engine.store.minted_steps(wf.id):
+            await _revoke_minted(engine, wf, minted, reason="its workflow was aborted")
         if sent:
             await engine.cmdq.cancel_under(
                 key_prefix=workflow_command_prefix(wf.id), workflow_id=wf.id, reason="workflow aborted"
@@ -44,11 +56,11 @@ async def cleanup_aborted(engine: Engine, wf: WorkflowRow) -> float | None:
     except BcError as err:
         engine.log.warning("abort_cleanup_deferred", workflow_id=wf.id, code=err.code.value)
         return time.time() + QUEUE_RETRY_S
-    await engine.db.execute(store.CLEANED_UP, wf.id)
+    await engine.store.cleaned_up(wf.id)
     return None
 
 
-async def _revoke_minted(engine: Engine, wf: WorkflowRow, step: StepRow, *, reason: str) -> None:
+async def _revoke_minted(engine: AttemptHost, wf: WorkflowRow, step: StepRow, *, reason: str) -> None:
     """Revoke the tokens and secrets attempt ``step.attempt`` minted, and fence its key there."""
     coords: dict[str, Any] = {"workflow_id": wf.id, "step": step.idx, "attempt": step.attempt}
     minted = set(step.minted or ())
@@ -59,7 +71,7 @@ async def _revoke_minted(engine: Engine, wf: WorkflowRow, step: StepRow, *, reas
 
 
 async def _revoke_attempt(
-    engine: Engine, wf: WorkflowRow, step: StepRow, *, reason: str
+    engine: AttemptHost, wf: WorkflowRow, step: StepRow, *, reason: str
 ) -> list[dict[str, Any]]:
     """Revoke what attempt ``step.attempt`` minted and fence its key in every service it
     used; returns the commands of it that may still run at their agents (``commandId``, and the
@@ -79,9 +91,9 @@ async def _revoke_attempt(
     ]
 
 
-async def supersede(engine: Engine, wf: WorkflowRow, step: StepRow) -> float | None:
+async def supersede(engine: AttemptHost, wf: WorkflowRow, step: StepRow) -> float | None:
     """Before attempt N+1 of a step: attempt N's tokens and secrets revoked, its commands
-    cancelled on every node and fenced, and none of them still running at an agent.
+    cancelled wherever they were sent and fenced, and none of them still running at an agent.
     Returns when to look again, or None once attempt N+1 may start."""
     try:
         running = await _revoke_attempt(engine, wf, step, reason="superseded by a later attempt")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-from . import store
+from .. import store
 
 __all__ = ["SHARDS", "done", "owner_key", "queue_at", "queue_now", "read_seq", "shard_of"]
 

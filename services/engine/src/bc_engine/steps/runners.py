@@ -13,8 +13,7 @@ import base64
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -23,62 +22,16 @@ from better_compute.provision import StepNotReady, step_command_key
 from better_compute.service.faults import Backoff
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 
-from . import store
+from .. import store
+from ..core.outcomes import QUEUE_RETRY_S, Fail, Ok, Outcome, Wait, timed_out
+from ..store import StepRow, WorkflowRow
 from .context import EngineSql, RunContext, StepCommands, StepWorkflows
-from .metal_lifecycle import record_command_result
-from .relay import relay_bmc
-from .store import StepRow, WorkflowRow
+from .host import StepHost
 
-if TYPE_CHECKING:
-    from .engine import Engine
+__all__ = ["StepRunners", "run_agent_step", "run_control_plane"]
 
-__all__ = [
-    "QUEUE_RETRY_S",
-    "Fail",
-    "Ok",
-    "Outcome",
-    "Wait",
-    "run_agent_step",
-    "run_control_plane",
-    "timed_out",
-]
-
-QUEUE_RETRY_S = 2.0  # the command-queue did not answer: try again this soon
 SERVICE_WAIT_FIRST_S = 0.25  # backoff while one of our services is away: the first wait …
 SERVICE_WAIT_CAP_S = 5.0  # … doubling up to this (jittered: faults.Backoff)
-
-
-@dataclass(frozen=True)
-class Ok:
-    result: Any
-    encoded: str | None = None  # the result as JSON, when the runner already encoded it
-
-    def json(self) -> str:
-        """The result as JSON text, encoded once (the settle stores it)."""
-        return self.encoded if self.encoded is not None else msgspec.json.encode(self.result).decode()
-
-
-@dataclass(frozen=True)
-class Fail:
-    error: BcError
-
-
-@dataclass(frozen=True)
-class Wait:
-    at: float
-
-
-Outcome = Ok | Fail | Wait
-
-
-def timed_out(step: StepRow) -> BcError:
-    """The step's deadline passed; ``details.waitingFor`` says what it waited for, if anything."""
-    details: dict[str, Any] = {"path": f"steps[{step.idx}]"}
-    if step.waiting_for:
-        details["waitingFor"] = step.waiting_for
-    return BcError(
-        ErrorCode.TIMEOUT, f"step {step.action} did not finish within {step.timeout_ms} ms", details
-    )
 
 
 def _agent_result(raw: bytes | None) -> Any:
@@ -94,8 +47,8 @@ def _input(step: StepRow) -> Any:
     return json.loads(step.input) if isinstance(step.input, str) else step.input
 
 
-async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
-    definition = engine.app.steps.get(step.action)
+async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
+    definition = host.app.steps.get(step.action)
     if definition is None or definition.run is None:
         return Fail(
             BcError(
@@ -105,18 +58,18 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
             )
         )
     idempotency_key = step_command_key(step)
-    log = engine.log.bind(workflow_id=wf.id, step=step.idx, action=step.action, attempt=step.attempt)
-    node = await engine.node(wf)
+    log = host.log.bind(workflow_id=wf.id, step=step.idx, action=step.action, attempt=step.attempt)
+    node = await host.node(wf)
     if node is not None:  # the inventory only here: a pass's other reads need none of it
-        node = dataclasses.replace(node, inventory=await engine.node_inventory(node.id))
-    children = StepWorkflows(engine.start_in, tenant_id=wf.tenant_id)
+        node = dataclasses.replace(node, inventory=await host.node_inventory(node.id))
+    children = StepWorkflows(host.start_in, tenant_id=wf.tenant_id)
     wf_id, idx, attempt = wf.id, step.idx, step.attempt
 
     async def minting_tokens() -> bytes:
-        return await engine.mark_minted(wf_id, idx, attempt, "pki")
+        return await host.mark_minted(wf_id, idx, attempt, "pki")
 
     async def storing_secrets() -> None:
-        await engine.mark_minted(wf_id, idx, attempt, "secrets")
+        await host.mark_minted(wf_id, idx, attempt, "secrets")
 
     ctx = RunContext(
         workflow_id=wf.id,
@@ -125,11 +78,11 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
         idempotency_key=idempotency_key,
         batch_id=wf.batch_id,
         node=node,
-        sql=EngineSql(engine.db.pool),
-        pki=engine.pki.for_step(
+        sql=EngineSql(host.db.pool),
+        pki=host.pki.for_step(
             idempotency_key=idempotency_key, node_id=wf.node_id, before_mint=minting_tokens
         ),
-        secrets=engine.secrets.for_step(
+        secrets=host.secrets.for_step(
             tenant_id=wf.tenant_id,
             workflow_id=wf_id,
             step=idx,
@@ -138,30 +91,30 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
             node_id=wf.node_id,
         ),
         workflows=children,
-        commands=StepCommands(engine, workflow=wf, step=step),
+        commands=StepCommands(host, workflow=wf, step=step),
         log=log,
         tenant_id=wf.tenant_id,
-        profile=await engine.profile(wf),
-        provision=engine.app.provision,
+        profile=await host.profile(wf),
+        provision=host.app.provision,
     )
     try:
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
                 result = await definition.run(_input(step), ctx)
         finally:
-            if engine.wake is not None:
+            if host.wake is not None:
                 for rkey in children.started:
-                    await engine.wake(rkey)
+                    await host.wake(rkey)
     except StepNotReady as nr:
         # what the step says it waits for (its own reason), else it got past what it waited for
         what = {"reason": "step-not-ready", "message": nr.reason} if nr.reason else None
         if step.waiting_for != what:
-            await engine.waiting(wf, step, what)
+            await host.waiting(wf, step, what)
         return Wait(time.time() + nr.retry_after_ms / 1000)
     except ServiceUnavailableError as err:
         # One of our own services is away (not the step's verdict): run the step again
         # later, with backoff, until it answers or the step's deadline passes.
-        return await _service_wait(engine, wf, step, err)
+        return await _service_wait(host, wf, step, err)
     except TimeoutError:
         return Fail(timed_out(step))
     except BcError as err:
@@ -193,26 +146,26 @@ async def run_control_plane(engine: Engine, wf: WorkflowRow, step: StepRow, dead
     return Ok(result, encoded)
 
 
-async def _service_wait(engine: Engine, wf: WorkflowRow, step: StepRow, err: ServiceUnavailableError) -> Wait:
+async def _service_wait(host: StepHost, wf: WorkflowRow, step: StepRow, err: ServiceUnavailableError) -> Wait:
     before = step.waiting_for or {}
     same = before.get("reason") == "service-unavailable" and before.get("service") == err.service
     tries = int(before.get("tries", 0)) + 1 if same else 1
     what = {"reason": "service-unavailable", "service": err.service, "code": err.code.value,
             "message": err.message, "tries": tries}  # fmt: skip
-    await engine.waiting(wf, step, what)
+    await host.waiting(wf, step, what)
     # the count of tries lives in the step row (waitingFor), so any engine process backs off alike
     backoff = Backoff(first=SERVICE_WAIT_FIRST_S, cap=SERVICE_WAIT_CAP_S)
     backoff.failures = tries - 1
     return Wait(time.time() + backoff.next())
 
 
-async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
-    node = await engine.node(wf)
+async def run_agent_step(host: StepHost, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
+    node = await host.node(wf)
     if node is None:
         return Fail(BcError(ErrorCode.NOT_FOUND, f"node {wf.node_id} is gone", {"path": "nodeId"}))
-    batched = bool(step.command) and await engine.in_batch(wf, step.command or "")
+    batched = bool(step.command) and await host.in_batch(wf, step.command or "")
     try:
-        payload = relay_bmc(engine.app, step.command or "", _input(step), node.id, node.bmc)
+        payload = host.fill_payload(step.command or "", _input(step), node.id, node)
     except BcError as err:
         return Fail(err)
     cmd = EnqueueCommand(
@@ -231,19 +184,19 @@ async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadlin
     )
     if not step.sent_commands:
         try:
-            await engine.mark_sent(wf.id, step.idx, step.attempt)
+            await host.mark_sent(wf.id, step.idx, step.attempt)
         except BcError as err:
             return Fail(err)  # superseded: the settle finds nothing and the pass reloads
         step.sent_commands = True
     try:
-        view = await engine.cmdq_enqueue(cmd)
+        view = await host.enqueue(cmd)
     except BcError as err:
         if err.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INTERNAL):
-            engine.log.warning("command_queue_unavailable", code=err.code.value)
+            host.log.warning("command_queue_unavailable", code=err.code.value)
             return Wait(time.time() + QUEUE_RETRY_S)
         return Fail(err)
     if step.command_id != view.id:
-        await engine.db.execute(store.SET_COMMAND, wf.id, step.idx, view.id)
+        await host.db.execute(store.SET_COMMAND, wf.id, step.idx, view.id)
     if view.state in LIVE_STATES:
         # The command's settle event wakes this key at once; the safety net is the bulk
         # look at every waiting command every AGENT_POLL_S (EngineService._command_watch),
@@ -251,7 +204,7 @@ async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadlin
         return Wait(deadline)
     if view.state == "succeeded":
         result = _agent_result(view.result)
-        await record_command_result(engine, node.id, view.kind, payload, result)
+        await host.command_settled(node.id, view.kind, payload, result)
         return Ok({"commandId": view.id, "result": result, "attested": view.attested})
     return Fail(
         BcError(
@@ -260,3 +213,25 @@ async def run_agent_step(engine: Engine, wf: WorkflowRow, step: StepRow, deadlin
             {"state": view.state, "reason": view.reason, "commandId": view.id},
         )
     )
+
+
+class StepRunners:
+    """The engine's ``StepRunner``: a control-plane step runs in this process, any other as a
+    command through the command-queue; before a workflow sends anything, its quorum batch."""
+
+    def __init__(self, host: StepHost) -> None:
+        self.host = host
+
+    def pass_begins(self, wf: WorkflowRow, record: Any) -> None:
+        self.host.pass_begins(wf, record)
+
+    def pass_ends(self, wf: WorkflowRow) -> None:
+        self.host.pass_ends(wf)
+
+    async def prepare(self, wf: WorkflowRow) -> float | None:
+        return await self.host.quorum.ensure(wf)
+
+    async def run(self, wf: WorkflowRow, step: StepRow, deadline: float) -> Outcome:
+        if step.mode == "control-plane":
+            return await run_control_plane(self.host, wf, step, deadline)
+        return await run_agent_step(self.host, wf, step, deadline)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from better_compute.core.errors import BcError
 from better_compute.provision import RetryPolicy
 
-from .store import StepRow
+from ..store import StepRow
 
 __all__ = ["retry_delay_s"]
 

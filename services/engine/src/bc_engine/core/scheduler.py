@@ -14,7 +14,7 @@ from typing import Any
 
 from better_compute.service.faults import Backoff
 
-from . import metrics
+from .. import metrics
 from .engine import FencedError
 
 __all__ = ["Scheduler"]
