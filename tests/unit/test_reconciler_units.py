@@ -16,10 +16,12 @@ from bc_engine.core.engine import Engine, FencedError
 from bc_engine.core.outcomes import Fail, Ok, Outcome, Wait
 from bc_engine.store import StepRow, WorkflowRow
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.provision import parse_retry
 from reconciler_memory import MemoryReconcilerStore
 
 Script = Outcome | Callable[[StepRow], Awaitable[Outcome]]
-RETRY_TWICE = {"on": ["DRIVER_ERROR"], "attempts": 2, "backoffMs": 60_000}
+# stored as a workflow step stores it (RetryPolicy.to_stored), so the engine reads it back whole
+RETRY_TWICE = parse_retry({"on": ["DRIVER_ERROR"], "attempts": 2, "backoff": "60s"}, "retry").to_stored()
 
 
 class Runner:
