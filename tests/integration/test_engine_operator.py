@@ -50,10 +50,10 @@ async def test_steps_list_shows_steps_and_driver_operations_with_their_inputs(
     ]}  # fmt: skip
     checked = await EngineClient(bc_api).validate_profile(document=doc)
     assert [p.path for p in checked.problems] == [
-        "steps[1].with.image",
-        "steps[1].with.slot",
-        "steps[2].use",
-    ]
+        "document.steps[1].with.image",
+        "document.steps[1].with.slot",
+        "document.steps[2].use",
+    ]  # a document sent in the request is named `document` (one path style, docs/engine.md)
     assert "did you mean bios.flash" in checked.problems[2].message
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bc_engine.retries import retry_delay_s
+from bc_engine.core.retries import retry_delay_s
 from bc_engine.store import StepRow
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import RetryPolicy, parse_retry

@@ -316,87 +316,31 @@ def new_bus_ca(name: str, *, days: int = 3650) -> tuple[bytes, bytes]:
     return cert.public_bytes(Encoding.PEM), _pem_key(key)
 
 
-def issue_bus_certificate(
-    ca_cert_pem: bytes,
-    ca_key_pem: bytes,
+def _load_bus_ca(
+    ca_cert_pem: bytes, ca_key_pem: bytes
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The bus CA's certificate and ECDSA key; ``INVALID_INPUT`` at ``ca`` when they are not."""
+    try:
+        ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+        ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    except ValueError as exc:
+        raise BcError(ErrorCode.INVALID_INPUT, "not a PEM CA certificate and key", {"path": "ca"}) from exc
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise BcError(ErrorCode.INVALID_INPUT, "the CA key is not an ECDSA key", {"path": "ca"})
+    return ca_cert, ca_key
+
+
+def _issue_from_bus_ca(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
     *,
     name: str,
-    dns: list[str],
-    ips: list[str],
-    days: int = BUS_CERT_DAYS,
+    days: int,
+    usages: list[x509.ObjectIdentifier],
+    alt: list[x509.GeneralName],
 ) -> tuple[bytes, bytes]:
-    """A NATS server's certificate and key (PEM), signed by the bus CA, for the names and
-    addresses its clients, routes and leaf nodes dial. It serves (``serverAuth``) and presents
-    itself when it dials a route or a hub (``clientAuth``). ``INVALID_INPUT`` at ``dns``/``ip``
-    when a name or address is not one, or none is given."""
-    try:
-        ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
-        ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
-    except ValueError as exc:
-        raise BcError(ErrorCode.INVALID_INPUT, "not a PEM CA certificate and key", {"path": "ca"}) from exc
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise BcError(ErrorCode.INVALID_INPUT, "the CA key is not an ECDSA key", {"path": "ca"})
-    alt: list[x509.GeneralName] = []
-    for host in dns:
-        if not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9.-]{0,252})", host):
-            raise BcError(ErrorCode.INVALID_INPUT, f"not a DNS name: {host!r}", {"path": "dns"})
-        alt.append(x509.DNSName(host))
-    for text in ips:
-        try:
-            alt.append(x509.IPAddress(ipaddress.ip_address(text)))
-        except ValueError:
-            raise BcError(ErrorCode.INVALID_INPUT, f"not an IP address: {text!r}", {"path": "ip"}) from None
-    if not alt:
-        raise BcError(ErrorCode.INVALID_INPUT, "give the server's DNS names or addresses", {"path": "dns"})
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    usage = x509.KeyUsage(
-        digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-        key_agreement=False, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False,
-    )  # fmt: skip
-    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(
-            x509.Name(
-                [
-                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Better Compute"),
-                    x509.NameAttribute(NameOID.COMMON_NAME, name),
-                ]
-            )
-        )
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(usage, critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski.value), False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    return cert.public_bytes(Encoding.PEM), _pem_key(key)
-
-
-def issue_bus_client_certificate(
-    ca_cert_pem: bytes, ca_key_pem: bytes, *, name: str, uris: list[str], days: int = BUS_CERT_DAYS
-) -> tuple[bytes, bytes]:
-    """A client certificate and key (PEM) from the bus CA, for a client of a site's leaf node
-    that is not an agent: the auth callout's responder, or the site's joining identity
-    (``urn:bc:join:<site>``). It can serve nothing (``clientAuth`` only)."""
-    try:
-        ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
-        ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
-    except ValueError as exc:
-        raise BcError(ErrorCode.INVALID_INPUT, "not a PEM CA certificate and key", {"path": "ca"}) from exc
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise BcError(ErrorCode.INVALID_INPUT, "the CA key is not an ECDSA key", {"path": "ca"})
+    """A new key and its certificate (PEM) from the bus CA: ``name`` as its common name,
+    ``usages`` as its extended key usage, ``alt`` (if any) as its subject alternative names."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     usage = x509.KeyUsage(
@@ -421,15 +365,58 @@ def issue_bus_client_certificate(
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(usage, critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski.value), False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     )
-    if uris:
-        alt = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(u) for u in uris])
-        builder = builder.add_extension(alt, critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
+    if alt:
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt), critical=False)
+    cert = (
+        builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski.value), False)
+        .sign(ca_key, hashes.SHA256())
+    )
     return cert.public_bytes(Encoding.PEM), _pem_key(key)
+
+
+def issue_bus_certificate(
+    ca_cert_pem: bytes,
+    ca_key_pem: bytes,
+    *,
+    name: str,
+    dns: list[str],
+    ips: list[str],
+    days: int = BUS_CERT_DAYS,
+) -> tuple[bytes, bytes]:
+    """A NATS server's certificate and key (PEM), signed by the bus CA, for the names and
+    addresses its clients, routes and leaf nodes dial. It serves (``serverAuth``) and presents
+    itself when it dials a route or a hub (``clientAuth``). ``INVALID_INPUT`` at ``dns``/``ip``
+    when a name or address is not one, or none is given."""
+    ca_cert, ca_key = _load_bus_ca(ca_cert_pem, ca_key_pem)
+    alt: list[x509.GeneralName] = []
+    for host in dns:
+        if not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9.-]{0,252})", host):
+            raise BcError(ErrorCode.INVALID_INPUT, f"not a DNS name: {host!r}", {"path": "dns"})
+        alt.append(x509.DNSName(host))
+    for text in ips:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(text)))
+        except ValueError:
+            raise BcError(ErrorCode.INVALID_INPUT, f"not an IP address: {text!r}", {"path": "ip"}) from None
+    if not alt:
+        raise BcError(ErrorCode.INVALID_INPUT, "give the server's DNS names or addresses", {"path": "dns"})
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _issue_from_bus_ca(ca_cert, ca_key, name=name, days=days, usages=usages, alt=alt)
+
+
+def issue_bus_client_certificate(
+    ca_cert_pem: bytes, ca_key_pem: bytes, *, name: str, uris: list[str], days: int = BUS_CERT_DAYS
+) -> tuple[bytes, bytes]:
+    """A client certificate and key (PEM) from the bus CA, for a client of a site's leaf node
+    that is not an agent: the auth callout's responder, or the site's joining identity
+    (``urn:bc:join:<site>``). It can serve nothing (``clientAuth`` only)."""
+    ca_cert, ca_key = _load_bus_ca(ca_cert_pem, ca_key_pem)
+    alt: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _issue_from_bus_ca(ca_cert, ca_key, name=name, days=days, usages=usages, alt=alt)
 
 
 def bcrypt_password(password: str, *, rounds: int = 11) -> str:

@@ -42,6 +42,20 @@ def pytest_configure(config: pytest.Config) -> None:
     configure_logging(level="debug", json=False)
 
 
+@pytest.fixture(autouse=True)
+def _bc_logging_kept() -> Iterator[None]:
+    """A test that runs a program's ``main`` in this process (``bcd join`` under ``capsys``)
+    points structlog at that test's captured stream, which closes when the test ends: every
+    later test in the process then failed on "I/O operation on closed file" at its first log
+    line. The configuration is put back as it was after each test."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    if structlog.get_config() != saved:
+        structlog.configure(**saved)
+
+
 @pytest.fixture(scope="session")
 def bc_servers() -> Iterator[TestServers]:
     """The session's nats-server and PostgreSQL."""
