@@ -130,7 +130,8 @@ def servers():
 '''
 
 
-@pytest.mark.timeout(420)  # a pytest that starts PostgreSQL, nats-server and bc-pki: up to 240 s loaded
+@pytest.mark.long  # a second pytest that starts its own PostgreSQL, nats-server and bc-pki: 60-120 s
+@pytest.mark.timeout(420)  # under a loaded suite (make test-long)
 async def test_every_process_a_test_started_dies_when_pytest_is_sigkilled(tmp_path: Path) -> None:
     (tmp_path / "server_pids.py").write_text(FIND_SERVERS)
     (tmp_path / "test_tiny.py").write_text(STARTS_EVERYTHING)
