@@ -139,6 +139,15 @@ def pss_mib(root: int) -> float:
     return total
 
 
+def redfish_requests(*logs: Path) -> int:
+    """Requests sushy-emulator answered, from its access log (werkzeug's, one line a request)."""
+    total = 0
+    for log in logs:
+        with contextlib.suppress(OSError):
+            total += sum(1 for line in log.read_text(errors="replace").splitlines() if " /redfish/v1" in line)
+    return total
+
+
 # ---- Ironic --------------------------------------------------------------------------------
 
 
@@ -344,11 +353,13 @@ def run_ironic(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
         def measured(name: str, fn: Any) -> None:
             c0, e0, t0 = tree_cpu(ironic.proc.pid), tree_cpu(emulator.proc.pid), time.monotonic()  # type: ignore[union-attr]
+            r0 = redfish_requests(emulator.log)
             fn()
             phases[name] = {
                 "wall_s": time.monotonic() - t0,
                 "ironic_cpu_s": tree_cpu(ironic.proc.pid) - c0,  # type: ignore[union-attr]
                 "emulator_cpu_s": tree_cpu(emulator.proc.pid) - e0,  # type: ignore[union-attr]
+                "redfish_requests": redfish_requests(emulator.log) - r0,
             }
             p = phases[name]
             print(f"{name}: {p['wall_s']:.1f} s, ironic {p['ironic_cpu_s']:.2f} CPU s,"
@@ -398,7 +409,8 @@ def run_ironic(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         ports = len(ironic.call("GET", "/v1/ports?limit=100000").get("ports", []))
         power_on = sum(1 for n in ironic.call("GET", "/v1/nodes?fields=power_state&limit=100000")["nodes"]
                        if n["power_state"] == "power on")  # fmt: skip
-        total = {k: sum(p[k] for p in phases.values()) for k in ("wall_s", "ironic_cpu_s", "emulator_cpu_s")}
+        total = {k: sum(p[k] for p in phases.values())
+                 for k in ("wall_s", "ironic_cpu_s", "emulator_cpu_s", "redfish_requests")}  # fmt: skip
         return {
             "machines": args.machines, "ironic": venv_version("ironic"), "sushy": venv_version("sushy"),
             "phases": {k: {kk: round(vv, 2) for kk, vv in v.items()} for k, v in phases.items()},
@@ -469,7 +481,7 @@ class TreeSampler:
 
     def __init__(self, root: int, interval: float = 0.5) -> None:
         sys.path.insert(0, str(ROOT / "bench"))
-        from bench_fleet import classify  # the fleet bench's own kinds of process
+        from bench_fleet import classify  # type: ignore[import-not-found]  # bench_fleet's kinds
 
         self.classify = classify
         self.root, self.interval = root, interval
@@ -531,13 +543,18 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     """``bench/bench_fleet.py`` for the same N, its JSON read from its output; its prelude's
     CPU (enroll, inspect, commission: ``bench_fleet`` meters only the deploy) sampled here."""
     argv = [sys.executable, "-u", str(ROOT / "bench" / "bench_fleet.py"), "--machines", str(args.machines),
-            "--sites", str(args.sites), "--timeout", str(args.timeout)]  # fmt: skip
+            "--sites", str(args.sites), "--timeout", str(args.timeout), "--keep"]  # fmt: skip
     print("ours:", " ".join(argv[2:]), flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     assert proc.stdout is not None
     sampler = TreeSampler(proc.pid)
-    marks: dict[str, tuple[float, dict[str, float]]] = {}
+    marks: dict[str, tuple[float, dict[str, float], int]] = {}
+
+    def requests() -> int:
+        folder = Path(sampler.folder or "/nonexistent")
+        return redfish_requests(*folder.glob("sim-*/bmc/process.log"))
+
     lines: list[str] = []
     try:
         for line in proc.stdout:
@@ -554,14 +571,17 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             elif line.startswith("commission: ") and " in " in line:
                 mark = "commission"
             if mark:
-                marks[mark] = (time.monotonic(), sampler.sample())
+                marks[mark] = (time.monotonic(), sampler.sample(), requests())
             if args.verbose or not line.startswith((" ", "{", "}")):
                 print("  ours |", line.rstrip(), flush=True)
         proc.wait()
+        marks["end"] = (time.monotonic(), {}, requests())
     finally:
         sampler.stop()
         if proc.poll() is None:
             proc.terminate()
+        if sampler.folder and sampler.folder.startswith(tempfile.gettempdir()) and not args.keep:
+            shutil.rmtree(sampler.folder, ignore_errors=True)  # bench_fleet ran with --keep for its logs
     wall = time.monotonic() - t0
     out = "".join(lines)
     start, end = out.find("\n{"), out.rfind("\n}")
@@ -576,6 +596,11 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             before, after = marks[a][1], marks[b][1]
             prelude[b] = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 2) for k in after}
     doc["prelude_cpu_s"] = prelude  # per phase, per kind of process
+    order.append("end")
+    doc["redfish_requests"] = {
+        ("deploy" if b == "end" else b): marks[b][2] - marks[a][2]
+        for a, b in itertools.pairwise(order) if a in marks and b in marks
+    }  # fmt: skip
     return doc
 
 
@@ -623,6 +648,14 @@ def table(ours: dict[str, Any] | None, peer: dict[str, Any] | None, n: int) -> s
          f(o_pre_wall + ours["deploy_s"] if ours and o_pre_wall is not None else None, 1),
          f(i_all["wall_s"] if i_all else None, 1)),
     ]  # fmt: skip
+    o_req = (ours or {}).get("redfish_requests", {})
+    rows.append(
+        (
+            "enroll..deploy: Redfish requests / machine",
+            f(sum(o_req.values()) / n if len(o_req) == 4 else None, 1),
+            f(i_all["redfish_requests"] / n if i_all else None, 1),
+        )
+    )
     if o_dep and o_pre and i_all and o_dep[0] + o_pre[0] > 0:
         ratio = i_all["ironic_cpu_s"] / (o_dep[0] + o_pre[0])
         rows.append(("Ironic / ours, control plane CPU, enroll..deploy", "", f"{ratio:.1f}x"))
@@ -674,6 +707,7 @@ def main() -> None:
         for phase, cpu in ours.get("prelude_cpu_s", {}).items():
             print(f"  {phase} (sampled here):", json.dumps({k: v for k, v in cpu.items() if v}))
         print("  walls:", json.dumps({**ours["prelude_s"], "deploy": ours["deploy_s"]}))
+        print("  Redfish requests:", json.dumps(ours.get("redfish_requests", {})))
     if peer:
         print(f"ironic {peer['ironic']} (sushy {peer['sushy']}): per phase", json.dumps(peer["phases"]))
         print(

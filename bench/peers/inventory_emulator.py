@@ -34,9 +34,9 @@ def main() -> int:
             for i in range(count)
         ]  # fmt: skip
 
-    fakedriver.FakeDriver.get_total_memory = get_total_memory  # type: ignore[attr-defined]
-    fakedriver.FakeDriver.get_total_cpus = get_total_cpus  # type: ignore[attr-defined]
-    fakedriver.FakeDriver.get_processors = get_processors  # type: ignore[attr-defined]
+    fakedriver.FakeDriver.get_total_memory = get_total_memory
+    fakedriver.FakeDriver.get_total_cpus = get_total_cpus
+    fakedriver.FakeDriver.get_processors = get_processors
     return emulator_main.main()
 
 
