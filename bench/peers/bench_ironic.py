@@ -201,6 +201,9 @@ def write_ironic_conf(folder: Path, port: int) -> Path:
 
             [conductor]
             automated_clean = false
+            # time to wait for a power change to show (default 60 s): a loaded 2-core machine
+            # must not fail a deploy that would have succeeded; it costs nothing while unused
+            power_state_change_timeout = 600
             file_url_allowed_paths = {folder}
 
             [dhcp]
@@ -656,6 +659,11 @@ def table(ours: dict[str, Any] | None, peer: dict[str, Any] | None, n: int) -> s
             f(i_all["redfish_requests"] / n if i_all else None, 1),
         )
     )
+    o_mem = split(ours["memory_mib"])[0] if ours else None
+    rows.append((
+        "memory at the end: control plane MiB (PSS)",
+        f(o_mem, 0), f(peer["ironic_pss_mib"] if peer else None, 0),
+    ))  # fmt: skip
     if o_dep and o_pre and i_all and o_dep[0] + o_pre[0] > 0:
         ratio = i_all["ironic_cpu_s"] / (o_dep[0] + o_pre[0])
         rows.append(("Ironic / ours, control plane CPU, enroll..deploy", "", f"{ratio:.1f}x"))
