@@ -409,6 +409,14 @@ def run_ironic(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         measured("inspect", lambda: move("inspect", "manageable"))
         measured("provide", lambda: move("provide", "available"))
         measured("deploy", deploy)
+        idle: dict[str, float] = {}
+        if args.idle > 0:  # every machine active, no API call: Ironic's periodic work alone
+            c0, r0 = tree_cpu(ironic.proc.pid), redfish_requests(emulator.log)
+            time.sleep(args.idle)
+            idle = {"seconds": args.idle, "ironic_cpu_s": round(tree_cpu(ironic.proc.pid) - c0, 2),
+                    "redfish_requests": redfish_requests(emulator.log) - r0}  # fmt: skip
+            print(f"idle {args.idle:.0f} s: ironic {idle['ironic_cpu_s']} CPU s,"
+                  f" {idle['redfish_requests']} Redfish requests", flush=True)  # fmt: skip
         ports = len(ironic.call("GET", "/v1/ports?limit=100000").get("ports", []))
         power_on = sum(1 for n in ironic.call("GET", "/v1/nodes?fields=power_state&limit=100000")["nodes"]
                        if n["power_state"] == "power on")  # fmt: skip
@@ -419,7 +427,7 @@ def run_ironic(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "phases": {k: {kk: round(vv, 2) for kk, vv in v.items()} for k, v in phases.items()},
             "total": {k: round(v, 2) for k, v in total.items()},
             "ports_made_by_inspection": ports, "powered_on_at_the_end": power_on,
-            "ironic_pss_mib": round(pss_mib(ironic.proc.pid)),
+            "ironic_pss_mib": round(pss_mib(ironic.proc.pid)), "idle": idle,
         }  # fmt: skip
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -659,6 +667,11 @@ def table(ours: dict[str, Any] | None, peer: dict[str, Any] | None, n: int) -> s
             f(i_all["redfish_requests"] / n if i_all else None, 1),
         )
     )
+    if peer and peer.get("idle"):
+        per_min = peer["idle"]["ironic_cpu_s"] / n / (peer["idle"]["seconds"] / 60)
+        rows.append(
+            ("at rest, all deployed: control plane CPU s / machine / minute", "(not measured)", f(per_min, 4))
+        )
     o_mem = split(ours["memory_mib"])[0] if ours else None
     rows.append((
         "memory at the end: control plane MiB (PSS)",
@@ -679,6 +692,12 @@ def main() -> None:
     p.add_argument("--sites", type=int, default=1, help="bench_fleet's sites (one emulator each)")
     p.add_argument("--concurrency", type=int, default=16, help="API calls to Ironic in flight")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each phase may take")
+    p.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="then Ironic's CPU over this many s at rest (power sync: 120 s)",
+    )
     p.add_argument("--skip-ours", action="store_true", help="run only Ironic")
     p.add_argument("--skip-ironic", action="store_true", help="run only bench_fleet")
     p.add_argument("--keep", action="store_true", help="keep the state folder (Ironic's log)")
