@@ -38,6 +38,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import functools
+import http.client
 import http.server
 import itertools
 import json
@@ -250,8 +251,8 @@ class Ironic:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ironic exited {self.proc.returncode}: {self.tail()}")
-            with contextlib.suppress(OSError, ValueError):
-                if self.call("GET", "/v1/drivers").get("drivers"):
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                if self.call("GET", "/v1/drivers", tries=1).get("drivers"):
                     return self
             time.sleep(0.5)
         raise RuntimeError(f"ironic did not answer in 180 s: {self.tail()}")
@@ -264,15 +265,29 @@ class Ironic:
                 lines += path.read_text(errors="replace").splitlines()[-n:]
         return "\n".join(lines)
 
-    def call(self, method: str, path: str, body: Any = None) -> Any:
+    def call(
+        self, method: str, path: str, body: Any = None, *, retried: list[bool] | None = None, tries: int = 6
+    ) -> Any:
+        """One API call; a connection Ironic's API server reset or dropped (it did under 16 calls
+        at once at N=100) is tried again, up to 5 times, and ``retried`` says so to the caller
+        (the first try may have been carried out)."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=API_HEADERS)
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"{method} {path}: {e.code} {e.read()[:500]!r}") from None
-        return json.loads(raw) if raw else {}
+        for attempt in range(tries):
+            req = urllib.request.Request(self.url + path, data=data, method=method, headers=API_HEADERS)
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    raw = resp.read()
+                return json.loads(raw) if raw else {}
+            except urllib.error.HTTPError as e:
+                raise RuntimeError(f"{method} {path}: {e.code} {e.read()[:500]!r}") from None
+            except (ConnectionError, urllib.error.URLError, http.client.RemoteDisconnected) as e:
+                if attempt == tries - 1:
+                    raise
+                print(f"  {method} {path}: {e}, again", flush=True)
+                if retried is not None:
+                    retried.append(True)
+                time.sleep(0.5 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -368,9 +383,19 @@ def run_ironic(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             print(f"{name}: {p['wall_s']:.1f} s, ironic {p['ironic_cpu_s']:.2f} CPU s,"
                   f" emulator {p['emulator_cpu_s']:.2f} CPU s", flush=True)  # fmt: skip
 
+        def provision(node: str, body: dict[str, Any]) -> None:
+            retried: list[bool] = []
+            try:
+                ironic.call("PUT", f"/v1/nodes/{node}/states/provision", body, retried=retried)
+            except RuntimeError as e:
+                # a retry of a change the first try made: 400/409 (locked, or no such transition
+                # from where it already is); wait_all still sees a node that does not get there
+                if not (retried and (" 409 " in str(e) or " 400 " in str(e))):
+                    raise
+
         def enroll() -> None:
             def one(s: System) -> str:
-                node = ironic.call("POST", "/v1/nodes", {
+                body = {
                     "name": s.name, "driver": "redfish",
                     "driver_info": {
                         "redfish_address": emulator.url, "redfish_system_id": f"/redfish/v1/Systems/{s.uuid}",
@@ -381,14 +406,21 @@ def run_ironic(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     },
                     "boot_interface": "pxe", "deploy_interface": "ramdisk", "inspect_interface": "redfish",
                     "network_interface": "noop",
-                })  # fmt: skip
+                }  # fmt: skip
+                retried: list[bool] = []
+                try:
+                    node = ironic.call("POST", "/v1/nodes", body, retried=retried)
+                except RuntimeError as e:
+                    if not (retried and " 409 " in str(e)):
+                        raise
+                    node = ironic.call("GET", f"/v1/nodes/{s.name}")  # the first try was made
                 return str(node["uuid"])
 
             ids.extend(pool.map(one, systems))
 
         def move(target: str, want: str, body: dict[str, Any] | None = None) -> None:
             def one(node: str) -> None:
-                ironic.call("PUT", f"/v1/nodes/{node}/states/provision", {"target": target, **(body or {})})
+                provision(node, {"target": target, **(body or {})})
 
             list(pool.map(one, ids))
             wait_all(ironic, want, args.machines, timeout=args.timeout, what=target)
@@ -399,7 +431,7 @@ def run_ironic(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     {"op": "add", "path": "/instance_info/kernel", "value": f"{media}/kernel"},
                     {"op": "add", "path": "/instance_info/ramdisk", "value": f"{media}/ramdisk"},
                 ])  # fmt: skip
-                ironic.call("PUT", f"/v1/nodes/{node}/states/provision", {"target": "active"})
+                provision(node, {"target": "active"})
 
             list(pool.map(one, ids))
             wait_all(ironic, "active", args.machines, timeout=args.timeout, what="deploy")
@@ -690,7 +722,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machines", type=int, default=10)
     p.add_argument("--sites", type=int, default=1, help="bench_fleet's sites (one emulator each)")
-    p.add_argument("--concurrency", type=int, default=16, help="API calls to Ironic in flight")
+    p.add_argument("--concurrency", type=int, default=8, help="API calls to Ironic in flight")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each phase may take")
     p.add_argument(
         "--idle",
@@ -698,6 +730,7 @@ def main() -> None:
         default=0.0,
         help="then Ironic's CPU over this many s at rest (power sync: 120 s)",
     )
+    p.add_argument("--ours-from", help="our side from an earlier run's --json output (a file), not run again")
     p.add_argument("--skip-ours", action="store_true", help="run only Ironic")
     p.add_argument("--skip-ironic", action="store_true", help="run only bench_fleet")
     p.add_argument("--keep", action="store_true", help="keep the state folder (Ironic's log)")
@@ -706,7 +739,10 @@ def main() -> None:
     args = p.parse_args()
     ours = peer = None
     errors: list[str] = []
-    if not args.skip_ours:
+    if args.ours_from:
+        ours = json.loads(Path(args.ours_from).read_text())["ours"]
+        print(f"ours: from {args.ours_from} (an earlier run's --json)")
+    elif not args.skip_ours:
         try:
             ours = run_ours(args)
         except Exception as e:  # the table still prints the other side
