@@ -199,6 +199,9 @@ def write_ironic_conf(folder: Path, port: int) -> Path:
 
             [database]
             connection = sqlite:///{folder / "ironic.sqlite"}
+            # how long Ironic retries a locked SQLite (default 10 s): at N=100 a PUT of a
+            # provision state failed 500 "database is locked" with the default
+            sqlite_max_wait_for_retry = 120
 
             [conductor]
             automated_clean = false
@@ -279,7 +282,12 @@ class Ironic:
                     raw = resp.read()
                 return json.loads(raw) if raw else {}
             except urllib.error.HTTPError as e:
-                raise RuntimeError(f"{method} {path}: {e.code} {e.read()[:500]!r}") from None
+                text = e.read()[:500]
+                if e.code == 500 and b"database is locked" in text and attempt < tries - 1:
+                    print(f"  {method} {path}: 500 database is locked, again", flush=True)
+                    time.sleep(0.5 * (attempt + 1))
+                    continue  # nothing was changed: the request's transaction did not commit
+                raise RuntimeError(f"{method} {path}: {e.code} {text!r}") from None
             except (ConnectionError, urllib.error.URLError, http.client.RemoteDisconnected) as e:
                 if attempt == tries - 1:
                     raise
