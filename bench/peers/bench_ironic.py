@@ -271,11 +271,16 @@ class Ironic:
     def call(
         self, method: str, path: str, body: Any = None, *, retried: list[bool] | None = None, tries: int = 6
     ) -> Any:
-        """One API call; a connection Ironic's API server reset or dropped (it did under 16 calls
-        at once at N=100) is tried again, up to 5 times, and ``retried`` says so to the caller
-        (the first try may have been carried out)."""
+        """One API call, tried again as an operator's client would: a connection Ironic's API
+        server reset or dropped (it did under 16 calls at once at N=100; ``retried`` tells the
+        caller, since the first try may have been carried out) and a 500 "database is locked",
+        up to ``tries`` in all; a 409/503 "is locked" (the node held by another task) every 2 s
+        for up to 2 minutes."""
         data = None if body is None else json.dumps(body).encode()
-        for attempt in range(tries):
+        locked = 0
+        attempt = -1
+        while attempt < tries - 1:
+            attempt += 1
             req = urllib.request.Request(self.url + path, data=data, method=method, headers=API_HEADERS)
             try:
                 with urllib.request.urlopen(req, timeout=120) as resp:
@@ -287,6 +292,13 @@ class Ironic:
                     print(f"  {method} {path}: 500 database is locked, again", flush=True)
                     time.sleep(0.5 * (attempt + 1))
                     continue  # nothing was changed: the request's transaction did not commit
+                if e.code in (409, 503) and b"is locked" in text and locked < 60:
+                    # the node is held by another task (its power sync, the last step's end):
+                    # python-ironicclient tries again on 409/503 too, every 2 s
+                    locked += 1
+                    attempt -= 1  # not one of the tries
+                    time.sleep(2.0)
+                    continue
                 raise RuntimeError(f"{method} {path}: {e.code} {text!r}") from None
             except (ConnectionError, urllib.error.URLError, http.client.RemoteDisconnected) as e:
                 if attempt == tries - 1:
