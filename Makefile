@@ -1,4 +1,4 @@
-.PHONY: demo test test-long lint ramdisk
+.PHONY: demo test test-long lint ramdisk bench-ironic
 demo:
 	bash scripts/demo.sh
 test:
@@ -9,3 +9,5 @@ lint:
 	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run ruff check . && "$${UV[@]}" run ruff format --check . && "$${UV[@]}" run mypy && "$${UV[@]}" run lint-imports'
 ramdisk:
 	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run bcx ramdisk build'
+bench-ironic:
+	bash -c 'source scripts/bootstrap.sh && "$${UV[@]}" run --group bench python bench/peers/bench_ironic.py --machines $${N:-10}'
