@@ -32,12 +32,14 @@ from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id
 from better_compute.runtime.embedded import free_port
-from better_compute.service.client import ApiClient
+from better_compute.service.client import CONNECT_TRIES, ApiClient
 from better_compute.testing.bcd import BcdProcess, run_bcd
 from better_compute.testing.databases import DatabaseFactory
 from better_compute.testing.machines import DiskSpec, prepare_machine
 from better_compute.testing.processes import ServiceProcesses
+from better_compute.testing.waiting import until
 from better_compute.wire import unwrap
 from better_compute.wire.cmdq import AgentView
 from deploy_stack import SUBJECTS, Stack, eventually, run_stack
@@ -296,6 +298,78 @@ async def test_a_revocation_while_the_responder_is_away_is_swept_when_it_starts(
     await asyncio.wait_for(gone.wait(), timeout=15)
     print(f"cut off {cut_at[0] - started_at:.3f} s after the responder process was started")  # measured
     assert "agent_cut_off" in (stack.folder / "callout.log").read_text()
+
+
+async def test_bcd_joined_with_a_held_token_connects_once_the_site_agent_confirms_it(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Issue 23: the ramdisk's token is held, so bcd's certificate is ``pending`` until the site
+    agent reports the boot entry closed clean, and the leaf's responder admits only a ``valid``
+    one: bcd is refused at first. It keeps trying (with backoff, without exiting) and connects
+    as itself, and says hello, once the site agent confirms the token."""
+    leaf = f"tls://127.0.0.1:{stack.leaf.client_port}"
+    assert stack.callout is not None
+    agents = CommandQueueClient(ApiClient(await stack.connect("alice")))
+    engine = PkiClient(ApiClient(await stack.connect("engine")))
+    node_id = new_id("node")
+    held = await engine.issue_join_token(
+        tenant_id="root", role="node", site_id="eu1", ttl_seconds=600, node_id=node_id, held=True
+    )
+    root = prepare_machine(tmp_path / "machine")
+    (root / "join-token").write_text(held.token)
+    settings = Settings(nats_url=leaf)
+    env = {
+        "BC_NATS_CA": str(stack.ca),
+        "BC_NATS_JOIN_CERT": str(stack.callout.joining_cert),
+        "BC_NATS_JOIN_KEY": str(stack.callout.joining_key),
+    }
+    joined = await run_bcd(
+        settings, root, "join", "--control-plane", leaf, "--token-file", "/join-token", "--no-service",
+        extra_env=env,
+    )  # fmt: skip
+    assert joined.returncode == 0, joined.stdout + joined.stderr
+    assert json.loads(joined.stdout.splitlines()[-1])["nodeId"] == node_id
+    cert = next(c for c in await engine.list_certificates(agent_id=node_id) if c.agent_id == node_id)
+    assert cert.state == "pending"
+
+    callout_log = stack.folder / "callout.log"
+    refusals_before = callout_log.read_text().count("connection_refused")
+    bcd = BcdProcess.start(settings, root, "--control-plane", leaf, log=tmp_path / "bcd.log", extra_env=env)
+    try:
+
+        def running() -> None:
+            assert bcd.proc.poll() is None, f"bcd exited ({bcd.proc.returncode}):\n{bcd.output()[-3000:]}"
+
+        async def refused_while_pending() -> bool | None:
+            running()
+            refusals = callout_log.read_text().count("connection_refused") - refusals_before
+            # more refusals than one first connection tries: bcd came back after being refused
+            return True if refusals > CONNECT_TRIES else None
+
+        await until(refused_while_pending, timeout=15, interval=0.2, what="the responder refuses bcd again")
+        running()
+        assert node_id not in {a.id for a in await agents.agents(site_id="eu1", connected=True)}
+
+        # the site agent's report that the boot entry closed clean, as bc_site_agent.reports sends it
+        site = await _join(stack, role="site")
+        site_nc = await stack.connect_agent(site.agent_id, _tls(stack, site))
+        confirmed = await PkiClient(ApiClient(site_nc)).confirm_join_token(
+            identity=site.identity, token_sha256=hashlib.sha256(held.token.encode()).hexdigest(),
+            mac="52:54:00:12:34:56",
+        )  # fmt: skip
+        assert confirmed.cert_ids == [cert.cert_id]
+
+        async def connected_as_itself() -> bool | None:
+            running()
+            found = await agents.agents(site_id="eu1", connected=True)
+            return True if node_id in {a.id for a in found} else None
+
+        await until(connected_as_itself, timeout=20, interval=0.3, what="bcd connected and said hello")
+        running()
+        assert "agent_connected" in bcd.output()
+    finally:
+        bcd.close()
+        print("--- bcd ---", bcd.output()[-3000:])
 
 
 def _image_with_one_partition(disk: Path, size: int) -> int:

@@ -145,23 +145,56 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    backoff = Backoff(first=1.0, cap=30.0)  # jittered: a site's machines do not retry in step
+    nc = await connect_as_agent(url, lambda: agent_nats_options(state, enrollment), stop)
+    if nc is None:
+        return
+    try:
+        await _serve_on(nc, state, enrollment, mode, subjects, stop, simulate=simulate)
+    finally:
+        await nc.close()
+
+
+UNREACHABLE_BACKOFF: Final = (1.0, 30.0)
+"""First and longest wait (seconds) between tries while NATS does not answer."""
+REFUSED_BACKOFF: Final = (1.0, 10.0)
+"""First and longest wait (seconds) between tries while NATS refuses this certificate: shorter
+than an outage's, as the refusal ends the moment the site agent confirms the boot entry."""
+
+
+async def connect_as_agent(
+    url: str, options: Callable[[], Mapping[str, Any]], stop: asyncio.Event
+) -> Any | None:
+    """Connect to NATS with ``options()`` (made afresh for each try), riding out a server that is
+    away and one that refuses this agent's certificate; ``None`` once ``stop`` is set. Each wait is
+    jittered (a site's machines do not retry in step). Anything else (a CA not trusted, a bad
+    configuration) is raised.
+
+    A refusal is what a deploy/ leaf answers while the certificate is ``pending`` (joined with a
+    ``held`` token, the boot entry not closed clean yet, docs/security.md): it lasts until the site
+    agent confirms the entry, so bcd keeps trying rather than exiting. A revoked certificate is
+    refused the same way, for ever: a try every few seconds (``REFUSED_BACKOFF``), each logged."""
+    unreachable, refused = (
+        Backoff(first=UNREACHABLE_BACKOFF[0], cap=UNREACHABLE_BACKOFF[1]),
+        Backoff(first=REFUSED_BACKOFF[0], cap=REFUSED_BACKOFF[1]),
+    )
     while not stop.is_set():
         try:
-            nc = await connect(url, **agent_nats_options(state, enrollment))
+            return await connect(url, **options())
         except BcError as err:
-            if err.code is not ErrorCode.UNAVAILABLE:
+            if err.code is ErrorCode.UNAVAILABLE:
+                wait = unreachable.next()
+                log().warning("control_plane_unreachable", retry_in_s=round(wait, 1))
+            elif err.code is ErrorCode.UNAUTHENTICATED:
+                wait = refused.next()
+                log().warning(
+                    "control_plane_refused_certificate", retry_in_s=round(wait, 1), tries=refused.failures,
+                    hint="pending until the site agent confirms the boot entry, or revoked",
+                )  # fmt: skip
+            else:
                 raise
-            wait = backoff.next()
-            log().warning("control_plane_unreachable", retry_in_s=round(wait, 1))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
-            continue
-        try:
-            await _serve_on(nc, state, enrollment, mode, subjects, stop, simulate=simulate)
-        finally:
-            await nc.close()
-        return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait)
+    return None
 
 
 async def _serve_on(
