@@ -17,8 +17,10 @@ import contextlib
 import functools
 import json
 import re
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from urllib.parse import quote, urlsplit
 
 import nats.errors
 import pytest
@@ -32,10 +34,12 @@ from better_compute.config import EventsSettings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import new_bus_ca
 from better_compute.logging import get_logger
+from better_compute.runtime.embedded import nats_server_binary
 from better_compute.service.audit import requester
-from better_compute.service.client import connect
+from better_compute.service.client import connect, tls_context
 from better_compute.service.events import ensure_events_stream
 from better_compute.testing import bcx
+from better_compute.wire.envelope import unwrap
 from deploy_stack import DEPLOY, SERVICES, SUBJECTS, WAIT, Stack, eventually, inbox_prefix, run_stack
 
 EU1 = SUBJECTS.site_stream("eu1")
@@ -113,6 +117,18 @@ def _variables(*confs: str) -> set[str]:
 def _example(name: str) -> set[str]:
     lines = (DEPLOY / name).read_text().splitlines()
     return {line.split("=", 1)[0] for line in lines if line and not line.startswith("#")}
+
+
+def _code(name: str) -> str:
+    """A file of deploy/nats without its comment lines."""
+    lines = (DEPLOY / name).read_text().splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+
+
+def _start_server(conf: Path, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        argv = [str(nats_server_binary()), "-c", str(conf)]
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
 
 
 def test_env_examples_set_exactly_what_the_configs_read() -> None:
@@ -655,6 +671,97 @@ async def test_every_listener_speaks_tls_and_the_servers_keep_no_plain_password(
             if var.endswith("_PASSWORD"):
                 assert value.startswith('"$2b$'), var
                 assert value not in stack.passwords.values(), var
+
+
+async def test_the_leaf_link_authenticates_by_the_leaf_certificate_alone(stack: Stack) -> None:
+    """Issue 23: the leaf kept its own password in plain text (nats-leaf.env) to dial the hub.
+    Now the hub maps the leaf's certificate to the site's leaf user (verify_and_map): no leaf
+    password exists, the link still carries the site's traffic, and a leaf node dialing with
+    another certificate of the bus CA, or with none, gets no link."""
+    # no leaf password: not in the leaf's dial addresses, the hub's environment or its configs
+    for text in [stack.leaf.env, stack.hub[0].env]:
+        assert not any(var.startswith("BC_NATS_LEAF_") and var.endswith("_PASSWORD") for var in text), text
+    for var, value in stack.leaf.env.items():
+        if var.startswith("BC_NATS_HUB_"):
+            assert urlsplit(value).username is None, var
+            assert urlsplit(value).password is None, var
+    for name in ["nats-leaf.env.example", "nats.env.example", "hub-site-eu1.conf", "leaf-site.conf"]:
+        code = _code(name)
+        assert "leaf-eu1:" not in code, name
+        assert "LEAF_EU1_PASSWORD" not in code, name
+    assert "password" not in _code("hub-site-eu1.conf")
+    # the link carries the site's traffic: the leaf's responder asks bc-pki (the test, on the
+    # hub) about a certificate, up the link and back
+    await stack.answer_certs_get()
+    stack.agent_tls("agent1")
+    (cert_id,) = stack.certs
+    made = stack.callout
+    assert made is not None
+    responder = await connect(
+        f"tls://callout:{made.password.read_text().strip()}@127.0.0.1:{stack.leaf.client_port}",
+        name="test-callout", tls=stack.client_tls("callout", made.responder_cert.read_bytes(),
+                                                  made.responder_key.read_bytes()),
+        inbox_prefix="_INBOX.callout",
+    )  # fmt: skip
+    stack.clients.append(responder)
+    ask = json.dumps({"certId": cert_id}).encode()
+    reply = await eventually(
+        "certs.get across the leaf link", lambda: responder.request(SUBJECTS.api("pki", "certs", "get"), ask)
+    )
+    assert unwrap(reply.data)["certId"] == cert_id
+    # the leaf's user has no password, but only a leaf link can be it: a client naming it is refused
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.hub[0].client_port)
+    await asyncio.wait_for(reader.readline(), WAIT)  # INFO, then TLS
+    await writer.start_tls(tls_context(str(stack.ca)), server_hostname="localhost")
+    writer.write(b'CONNECT {"user":"CN=bc-leaf-eu1,O=Better Compute","pass":"","verbose":false}\r\nPING\r\n')
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.readline(), WAIT)
+    writer.close()
+    assert answer.startswith(b"-ERR 'Authorization Violation'"), answer
+    # a leaf node of a stranger: the site's joining certificate (bus CA, mapped to no leaf user),
+    # the same naming the leaf user, and no certificate at all; one hub node each
+    ports = [int(node.env["BC_NATS_LEAF_LISTEN"].rsplit(":", 1)[1]) for node in stack.hub]
+    join = f'cert_file: "{made.joining_cert}", key_file: "{made.joining_key}", '
+    remotes = [
+        (f"nats-leaf://127.0.0.1:{ports[0]}", join),
+        (f"nats-leaf://{quote('CN=bc-leaf-eu1,O=Better Compute')}@127.0.0.1:{ports[1]}", join),
+        (f"nats-leaf://127.0.0.1:{ports[2]}", ""),
+    ]
+    conf = stack.folder / "rogue-leaf.conf"
+    conf.write_text(
+        "server_name: rogue\nlisten: 127.0.0.1:-1\naccounts { A: {}, B: {}, C: {} }\nleafnodes { remotes: [\n"
+        + "".join(
+            f'{{ url: "{url}", account: {acc}, tls {{ {cert}ca_file: "{stack.ca}", timeout: 5 }} }}\n'
+            for (url, cert), acc in zip(remotes, "ABC", strict=True)
+        )
+        + "] }\n"
+    )
+    log = stack.folder / "rogue-leaf.log"
+    rogue = _start_server(conf, log)
+    try:
+
+        async def refused_everywhere() -> bool | None:
+            lines = log.read_text(errors="replace").splitlines()
+            seen = [
+                any(f":{port} " in ln and what in ln for ln in lines)
+                for port, what in zip(
+                    ports, ["'Authorization Violation'"] * 2 + ["Leafnode connection closed"], strict=True
+                )
+            ]
+            return True if all(seen) else None
+
+        # the two with a certificate are told "Authorization Violation"; the one without fails
+        # the TLS handshake (the hub wants a certificate)
+        await eventually("every rogue leaf dial refused", refused_everywhere)
+        # the hub lets none of them in: the only leaf it holds is eu1's own
+        leafs = []
+        for node in stack.hub:
+            _, leafz = await asyncio.to_thread(node.monitor, "/leafz")
+            leafs += [leaf.get("account") for leaf in leafz.get("leafs") or []]
+        assert leafs == ["SITE_EU1"], (leafs, log.read_text(errors="replace"))
+    finally:
+        rogue.kill()
+        rogue.wait(timeout=WAIT)
 
 
 async def test_each_agent_reads_and_pulls_only_its_own(stack: Stack) -> None:

@@ -53,7 +53,7 @@ T = TypeVar("T")
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats"
 SUBJECTS = Subjects()  # the configs are written for the default root, "bc"
-PASSWORD_VARS = ["SYS", "ENGINE", "COMMAND_QUEUE", "PKI", "SECRETS", "BCX", "ALICE", "LEAF_EU1"]
+PASSWORD_VARS = ["SYS", "ENGINE", "COMMAND_QUEUE", "PKI", "SECRETS", "BCX", "ALICE"]
 OPERATORS = ("bcx", "alice")  # the users of account OPS
 SERVICES = ("engine", "command-queue", "pki", "secrets")  # the users of account BC
 WAIT = 15.0  # upper bound for anything the cluster has to settle
@@ -358,7 +358,7 @@ def _build(tmp_path: Path) -> Stack:
     for n, port in enumerate(route_ports, 1):
         shared |= _env(**{f"ROUTE_{n}": f"nats-route://127.0.0.1:{port}"})
     for n, port in enumerate(leaf_ports, 1):
-        shared |= _env(**{f"HUB_{n}": f"nats-leaf://leaf-eu1:{passwords['LEAF_EU1']}@127.0.0.1:{port}"})
+        shared |= _env(**{f"HUB_{n}": f"nats-leaf://127.0.0.1:{port}"})
 
     def server(name: str, conf: str, **env: object) -> Server:
         client, monitor = free_port(), free_port()
