@@ -256,7 +256,8 @@ async def _kick(nc: Any, server_id: str, client_id: int, log: Any) -> None:
 
 
 def _secrets(config: CalloutConfig) -> tuple[bytes, str, bytes, bytes]:
-    """The issuer seed, the leaf password, bc-pki's CA and the bus CA, from their files."""
+    """The issuer seed, the callout user's password on the leaf, bc-pki's CA and the bus CA, from
+    their files."""
     bus_ca_key = "bus_ca_file" if config.bus_ca_file else "nats_ca"
     return (
         _read(config, "issuer_seed_file").strip(),

@@ -122,7 +122,7 @@ class CalloutArtefacts:
     password_hash: str  # BC_NATS_CALLOUT_PASSWORD of the leaf (bcrypt, quoted for nats-server)
     client_ca: Path  # BC_NATS_CLIENT_CA of the leaf
     issuer_seed: Path  # the responder's only: it signs every agent's NATS user with it
-    password: Path  # the responder's: its leaf password, in plain
+    password: Path  # the responder's: the callout user's password on the leaf, in plain
     responder_cert: Path
     responder_key: Path
     joining_cert: Path  # the site's joining identity: machines without a certificate yet
@@ -255,7 +255,7 @@ def register(
     p = bsub.add_parser(
         "password", parents=[common], help="the nats.env line for a user: its password (stdin) bcrypt-hashed"
     )
-    p.add_argument("--user", required=True, help="the NATS user (engine, alice, leaf-eu1, …)")
+    p.add_argument("--user", required=True, help="the NATS user (engine, alice, …)")
     p.set_defaults(func=cmd_bus_password)
     p = bsub.add_parser(
         "callout",
