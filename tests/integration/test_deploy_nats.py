@@ -30,9 +30,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
+from better_compute.cli.bus_commands import CA_KEY
 from better_compute.config import EventsSettings
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.crypto import new_bus_ca
+from better_compute.crypto import issue_bus_certificate, new_bus_ca
 from better_compute.logging import get_logger
 from better_compute.runtime.embedded import nats_server_binary
 from better_compute.service.audit import requester
@@ -719,20 +720,35 @@ async def test_the_leaf_link_authenticates_by_the_leaf_certificate_alone(stack: 
     writer.close()
     assert answer.startswith(b"-ERR 'Authorization Violation'"), answer
     # a leaf node of a stranger: the site's joining certificate (bus CA, mapped to no leaf user),
-    # the same naming the leaf user, and no certificate at all; one hub node each
+    # the same naming the leaf user, and no certificate at all, one hub node each; and a bus
+    # certificate whose DNS name is a service user's (`bcx bus cert --dns engine`), which
+    # verify_and_map maps to that user
     ports = [int(node.env["BC_NATS_LEAF_LISTEN"].rsplit(":", 1)[1]) for node in stack.hub]
     join = f'cert_file: "{made.joining_cert}", key_file: "{made.joining_key}", '
+    cert, key = issue_bus_certificate(
+        stack.ca.read_bytes(),
+        (stack.ca.parent / CA_KEY).read_bytes(),
+        name="x",
+        dns=["engine", "localhost"],
+        ips=[],
+    )
+    engine_cert, engine_key = stack.folder / "engine-named.pem", stack.folder / "engine-named-key.pem"
+    engine_cert.write_bytes(cert)
+    engine_key.write_bytes(key)
+    engine = f'cert_file: "{engine_cert}", key_file: "{engine_key}", '
     remotes = [
         (f"nats-leaf://127.0.0.1:{ports[0]}", join),
         (f"nats-leaf://{quote('CN=bc-leaf-eu1,O=Better Compute')}@127.0.0.1:{ports[1]}", join),
         (f"nats-leaf://127.0.0.1:{ports[2]}", ""),
+        (f"nats-leaf://localhost:{ports[0]}", engine),
     ]
     conf = stack.folder / "rogue-leaf.conf"
     conf.write_text(
-        "server_name: rogue\nlisten: 127.0.0.1:-1\naccounts { A: {}, B: {}, C: {} }\nleafnodes { remotes: [\n"
+        "server_name: rogue\nlisten: 127.0.0.1:-1\naccounts { A: {}, B: {}, C: {}, D: {} }\n"
+        + "leafnodes { remotes: [\n"
         + "".join(
             f'{{ url: "{url}", account: {acc}, tls {{ {cert}ca_file: "{stack.ca}", timeout: 5 }} }}\n'
-            for (url, cert), acc in zip(remotes, "ABC", strict=True)
+            for (url, cert), acc in zip(remotes, "ABCD", strict=True)
         )
         + "] }\n"
     )
@@ -748,6 +764,10 @@ async def test_the_leaf_link_authenticates_by_the_leaf_certificate_alone(stack: 
                     ports, ["'Authorization Violation'"] * 2 + ["Leafnode connection closed"], strict=True
                 )
             ]
+            # the hub names the user it mapped the engine-named certificate to, and refuses it
+            seen.append(
+                'authentication error - User "engine"' in stack.hub[0].log.read_text(errors="replace")
+            )
             return True if all(seen) else None
 
         # the two with a certificate are told "Authorization Violation"; the one without fails
