@@ -85,6 +85,19 @@ class SiteHandlers:
         self.last_error: str | None = None
         self.last_error_at_ms: int | None = None
         self.commands_run = 0
+        self._bmc_locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def bmc_lock(self, bmc: NodeBmc) -> asyncio.Lock:
+        """One BMC command at a time per system (address and system id), as Ironic's node lock
+        does: a BMC reads, changes and writes a system's whole state, so two commands on it at
+        once lose one's change. An abort's undo sent its boot-device and power-off commands
+        together; the boot-device write, read before the power-off landed, put the power back
+        on at sushy-emulator, whose store keeps each system as one record."""
+        key = (bmc.address, bmc.system_id or "")
+        lock = self._bmc_locks.get(key)
+        if lock is None:
+            lock = self._bmc_locks[key] = asyncio.Lock()
+        return lock
 
     def handlers(self) -> dict[str, CommandHandler]:
         ops = self._operations()
@@ -166,13 +179,14 @@ class SiteHandlers:
                 target = _target(payload.bmc)
                 driver_name = target.driver
                 credentials = await self._credentials(target, cmd.not_after)
-                driver = make_driver(target, credentials)
-                del credentials
-                try:
-                    result = await op(driver, payload, cmd)
-                finally:
-                    await driver.close()
-                    del driver
+                async with self.bmc_lock(target):
+                    driver = make_driver(target, credentials)
+                    del credentials
+                    try:
+                        result = await op(driver, payload, cmd)
+                    finally:
+                        await driver.close()
+                        del driver
                 metrics.BMC_CALL_SECONDS.labels(driver_name, cmd.kind, "ok").observe(time.monotonic() - began)
                 return result
             except BcError as err:
