@@ -396,14 +396,7 @@ class EngineClient(ServiceClient):
         profile: str | None = None,
     ) -> BulkRun:
         """One verb over many nodes (``node_ids`` or a ``selector``), under one batch."""
-        req = BulkVerb(
-            verb=verb,
-            node_ids=list(node_ids) if node_ids is not None else None,
-            selector=dict(selector) if selector is not None else None,
-            tenant_id=tenant_id,
-            image=image,
-            profile=profile,
-        )
+        req = _bulk_verb(verb, node_ids, selector, tenant_id, image, profile)
         return await self._call("metal.bulk", req, BulkRun)
 
     async def plan_bulk(
@@ -418,14 +411,7 @@ class EngineClient(ServiceClient):
     ) -> BulkPlan:
         """What ``bulk`` would do now (profile, steps, commands, approvals, refusals), changing
         nothing."""
-        req = BulkVerb(
-            verb=verb,
-            node_ids=list(node_ids) if node_ids is not None else None,
-            selector=dict(selector) if selector is not None else None,
-            tenant_id=tenant_id,
-            image=image,
-            profile=profile,
-        )
+        req = _bulk_verb(verb, node_ids, selector, tenant_id, image, profile)
         return await self._call("metal.plan", req, BulkPlan)
 
     # -- enrollment rules -----------------------------------------------------------------
@@ -523,3 +509,22 @@ def _ref(
 
 def _with_steps(view: WorkflowView, steps: list[WorkflowStep]) -> WorkflowView:
     return msgspec.structs.replace(view, steps=steps, steps_next=None)
+
+
+def _bulk_verb(
+    verb: VerbName,
+    node_ids: list[str] | None,
+    selector: Mapping[str, str] | None,
+    tenant_id: str | None,
+    image: str | None,
+    profile: str | None,
+) -> BulkVerb:
+    """The one request ``bulk`` and ``plan_bulk`` send (``metal.bulk`` / ``metal.plan``)."""
+    return BulkVerb(
+        verb=verb,
+        node_ids=list(node_ids) if node_ids is not None else None,
+        selector=dict(selector) if selector is not None else None,
+        tenant_id=tenant_id,
+        image=image,
+        profile=profile,
+    )
