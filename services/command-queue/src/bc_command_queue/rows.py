@@ -15,6 +15,7 @@ from better_compute.wire.cmdq import CommandState
 
 __all__ = [
     "ApprovalRow",
+    "BatchFields",
     "BatchRow",
     "BatchSizeRow",
     "ClaimStateRow",
@@ -110,7 +111,9 @@ class JournalRow(msgspec.Struct, frozen=True, kw_only=True):
     present: bool
 
 
-class BatchRow(msgspec.Struct, frozen=True, kw_only=True):
+class BatchFields(msgspec.Struct, frozen=True, kw_only=True):
+    """What a batch is made with and keeps: ``NewBatch`` going in, ``BatchRow`` coming out."""
+
     id: str
     tenant_id: str
     kinds: list[str]
@@ -121,6 +124,9 @@ class BatchRow(msgspec.Struct, frozen=True, kw_only=True):
     idempotency_key: str | None
     document: bytes
     threshold: int
+
+
+class BatchRow(BatchFields, frozen=True, kw_only=True):
     created_at: float
     expires_at: float
     expires_at_ms: int

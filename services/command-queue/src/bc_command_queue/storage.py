@@ -22,6 +22,7 @@ import msgspec
 from . import store
 from .rows import (
     ApprovalRow,
+    BatchFields,
     BatchRow,
     BatchSizeRow,
     ClaimedRow,
@@ -59,17 +60,7 @@ class NewCommand(msgspec.Struct, frozen=True, kw_only=True):
     may_dispatch: bool
 
 
-class NewBatch(msgspec.Struct, frozen=True, kw_only=True):
-    id: str
-    tenant_id: str
-    kinds: list[str]
-    nodes: list[str]
-    workflow_id: str | None
-    workflow_ids: list[str]
-    note: str | None
-    idempotency_key: str | None
-    document: bytes
-    threshold: int
+class NewBatch(BatchFields, frozen=True, kw_only=True):
     expires_at_ms: int
 
 
