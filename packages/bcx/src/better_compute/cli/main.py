@@ -13,8 +13,8 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from .. import __version__
 from ..config import Settings, load_settings
+from ..core import __version__
 from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..runtime.dev import SERVICES, DevStack
