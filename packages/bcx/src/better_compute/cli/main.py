@@ -18,7 +18,8 @@ from ..core import __version__
 from ..core.errors import BcError, ErrorCode
 from ..logging import safe_url
 from ..runtime.dev import SERVICES, DevStack
-from . import completion, contexts
+from . import contexts
+from .completion import SHELLS
 from .hints import HintContext, hint_for, site_of
 from .output import FORMATS, iso, print_error, print_json, print_table, use_format
 
@@ -135,6 +136,14 @@ async def cmd_version(args: argparse.Namespace, settings: Settings) -> int:
     if problem is not None:
         raise problem
     return 1 if missing else 0
+
+
+async def cmd_completion(args: argparse.Namespace, settings: Settings) -> int:
+    """The completion script of ``args.shell`` for every command (the parser built whole)."""
+    from .completion import script
+
+    print(script(args.shell, build_parser()), end="")
+    return 0
 
 
 async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -401,7 +410,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         else:
             module.register(sub, common)
     contexts.register(sub, common)
-    completion.register(sub, common)
+    p = sub.add_parser(
+        "completion", parents=[common], help='print a shell completion script: eval "$(bcx completion bash)"'
+    )
+    p.add_argument("shell", choices=SHELLS, help="the shell to complete for")
+    p.set_defaults(func=cmd_completion)
     p = sub.add_parser("version", parents=[common], help="bcx's version and every running service's")
     p.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
     p.set_defaults(func=cmd_version)
