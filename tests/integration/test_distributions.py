@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import os
 import subprocess
 import sys
@@ -85,3 +86,25 @@ def test_the_runtime_bcx_and_the_test_kit_declare_what_they_bring() -> None:
     assert {r.name for r in _requires("bcx") if r.marker is None} >= {"better-compute-runtime", "shtab"}
     testing = {r.name for r in _requires("better-compute-testing") if r.marker is None}
     assert testing >= {"bcd", "bc-site-agent", "bcx", "pytest"}  # the simulator starts bcd and the agent
+
+
+def test_bcx_sim_without_the_test_kit_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bcx alone (no [sim] extra): `bcx sim up` names the distributions it lacks before it starts
+    anything, instead of a simulator process dying on an import."""
+    from better_compute.cli.main import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "better_compute.testing" else real(name, *a),
+    )
+    with pytest.raises(SystemExit) as done:
+        main(["sim", "up", "--machines", "1", "--site", "lab1", "--nats-url", "nats://127.0.0.1:1"])
+    assert done.value.code == 1
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "error: UNAVAILABLE: bcx sim runs the metal simulator and a site agent: install "
+        "better-compute-testing (pip install 'bcx[sim]') (at sim)"
+    )
