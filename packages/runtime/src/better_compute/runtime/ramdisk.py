@@ -612,7 +612,7 @@ def _bcd_part(cache: Path, sources: str) -> Path:
         if importlib.util.find_spec("PyInstaller") is None:
             raise BcError(
                 ErrorCode.INVALID_CONFIG,
-                "PyInstaller is not installed: uv sync --all-extras (better-compute[ramdisk])",
+                "PyInstaller is not installed: pip install 'bcx[ramdisk]' (uv sync --all-extras)",
                 {"path": "pyinstaller"},
             )
         _run([*argv, str(work / "bcd_entry.py")], cwd=work, what="PyInstaller (bcd)")
