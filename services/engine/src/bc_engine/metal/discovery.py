@@ -39,11 +39,13 @@ import datetime as dt
 import json
 from typing import Any, Final
 
+import msgspec
 from nats.aio.msg import Msg
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import step_not_ready
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
+from better_compute.wire.commands import NodeInventoryResult
 from better_compute.wire.pki import CertificateInfo, JoinClaims
 
 from .. import store
@@ -234,7 +236,7 @@ async def inventory_discovered(engine: MetalHost, node_id: str) -> None:
     )
     if view.state in LIVE_STATES:
         raise step_not_ready(INVENTORY_LOOK_MS)
-    inventory = _json_object(view.result) if view.state == "succeeded" else None
+    inventory = _inventory(view.result) if view.state == "succeeded" else None
     if inventory is not None:
         # its facts are known now: the first enrollment rule that matches enrolls it, the
         # inventory written with the enrolment (never seen discovered with it in between)
@@ -286,12 +288,14 @@ async def sweep_once(engine: MetalHost) -> int:
     return recorded
 
 
-def _json_object(raw: bytes | None) -> dict[str, Any] | None:
+def _inventory(raw: bytes | None) -> dict[str, Any] | None:
+    """bcd's ``node.inventory`` result, decoded once into its Struct, as the document the node
+    keeps (what rules match); None when there is none or it does not fit."""
     try:
-        found = json.loads(raw) if raw else None
-    except (ValueError, RecursionError):
+        found = msgspec.json.decode(raw, type=NodeInventoryResult) if raw else None
+    except msgspec.MsgspecError:
         return None
-    return found if isinstance(found, dict) else None
+    return msgspec.to_builtins(found) if found is not None else None
 
 
 async def _revoke_discovery_certs(engine: MetalHost, node_id: str) -> None:
