@@ -249,7 +249,9 @@ async def inventory_discovered(engine: MetalHost, node_id: str) -> None:
             "code": "DRIVER_ERROR",
             "reason": "discovery-inventory",
             "commandId": view.id,
-            "message": f"node.inventory {view.state}" + (f": {view.reason}" if view.reason else ""),
+            "message": f"node.inventory {view.state}"
+            + (f": {view.reason}" if view.reason else "")
+            + (": its result is not an inventory" if view.state == "succeeded" else ""),
         }
         row = await engine.db.fetchrow(_SET_LAST_ERROR, node_id, json.dumps(error))
     if row is not None:
