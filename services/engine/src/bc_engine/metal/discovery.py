@@ -39,13 +39,12 @@ import datetime as dt
 import json
 from typing import Any, Final
 
-import msgspec
 from nats.aio.msg import Msg
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import step_not_ready
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
-from better_compute.wire.commands import NodeInventoryResult
+from better_compute.wire.commands import decode_result
 from better_compute.wire.pki import CertificateInfo, JoinClaims
 
 from .. import store
@@ -291,13 +290,15 @@ async def sweep_once(engine: MetalHost) -> int:
 
 
 def _inventory(raw: bytes | None) -> dict[str, Any] | None:
-    """bcd's ``node.inventory`` result, decoded once into its Struct, as the document the node
-    keeps (what rules match); None when there is none or it does not fit."""
+    """bcd's ``node.inventory`` result, as the node signed it, when it decodes as its Struct
+    (``NodeInventoryResult``); None when there is none or it does not fit."""
     try:
-        found = msgspec.json.decode(raw, type=NodeInventoryResult) if raw else None
-    except msgspec.MsgspecError:
+        found = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
         return None
-    return msgspec.to_builtins(found) if found is not None else None
+    if not isinstance(found, dict) or decode_result("node.inventory", found) is None:
+        return None
+    return found
 
 
 async def _revoke_discovery_certs(engine: MetalHost, node_id: str) -> None:

@@ -2,15 +2,13 @@
 
 bcd answers ``node.inventory`` with the machine's hardware (CPUs, memory, disks, NICs, GPUs:
 ``NodeInventoryResult``) and signs the result with the node key; only an attested result that
-decodes as one is stored (``nodes.inventory``).
+decodes as one is stored (``nodes.inventory``), as the node signed it.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any, Final
-
-import msgspec
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import manifest
@@ -29,15 +27,14 @@ STORE_INVENTORY: Final = "UPDATE nodes SET inventory = $2::jsonb, updated_at = n
 async def _run(_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     node = workflow_node(ctx, STEP_ID)
     done = await attested_result(ctx, kind=NODE_INVENTORY.name, payload={}, step=STEP_ID)
-    inventory = decode_result(NODE_INVENTORY.name, done["result"])
-    if not isinstance(inventory, NodeInventoryResult):
+    document = done["result"]
+    if not isinstance(decode_result(NODE_INVENTORY.name, document), NodeInventoryResult):
         raise BcError(
             ErrorCode.DRIVER_ERROR,
             f"node {node.id} answered node.inventory with something that is not an inventory",
             {"path": "result", "commandId": done["commandId"]},
         )
-    # The same inventory on a re-run: writing it again changes nothing.
-    document = msgspec.to_builtins(inventory)
+    # Stored as the node signed it. The same inventory on a re-run: writing it again changes nothing.
     await ctx.sql.query(STORE_INVENTORY, node.id, json.dumps(document))
     return {"commandId": done["commandId"], "attested": True, "inventory": sorted(document)}
 
