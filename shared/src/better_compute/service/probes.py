@@ -69,7 +69,9 @@ class ProbeServer:
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") == "/metrics":
-            self._on_loop(self._collect)
+            # the loop away (stopping) or slow: the counters are served, the gauges as last read
+            with contextlib.suppress(Exception):
+                self._on_loop(self._collect)
             return self._metrics(environ, start_response)  # type: ignore[no-any-return]
         try:
             body = self._on_loop(self._health)
