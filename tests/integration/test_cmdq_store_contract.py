@@ -409,6 +409,14 @@ async def presence(h: Harness) -> list[Any]:
     told.append(("to republish", sorted(r.id == held.id for r in await s.agent_commands_to_republish(node))))
     told.append(("site of node", await s.site_of_node(node), await s.site_of_node(site_cmd.node_id),
                  await s.site_of_node(new_id("node"))))  # fmt: skip
+    for label, approved in (("waiting", False), ("approved", True)):
+        batch = NewBatch(
+            id=new_id("batch"), tenant_id="root", kinds=["node.wipe"], nodes=[], workflow_id=None,
+            workflow_ids=[], note=label, idempotency_key=None, document=b"doc", threshold=1,
+            expires_at_ms=now_ms + 3_600_000,
+        )  # fmt: skip
+        await s.insert_batch(batch)
+        await s.set_batch_approved(batch.id, approved)
     told.append(("counts", await counts()))
 
     # leaving, then a revoked certificate
@@ -442,3 +450,4 @@ async def test_the_memory_store_keeps_agents_as_postgresql_does(pg: Harness) -> 
     assert told["must stop"] == ([False, False, False], 3)
     assert told["cut off"] == ([("sa-1", SITE, "site")], [(True, "pending", "agent-revoked", None)])
     assert told["revoked hello"] == (False, None, False)
+    assert told["counts"][0][2] == 1  # one batch waits for approval
