@@ -29,6 +29,7 @@ from better_compute.metal.steps.joined import JOINED_SINCE
 from better_compute.provision import Step, StepNotReady
 from better_compute.provision.results import LATEST_RESULT
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
+from better_compute.wire.commands import NodeCpus, NodeInventoryResult, NodeMemory
 
 pytestmark = pytest.mark.unit
 
@@ -345,7 +346,12 @@ async def test_wait_agent_joined_needs_pki() -> None:
 
 # -- node commands: attested or nothing ---------------------------------------------------
 
-INVENTORY = {"cpus": [{"model": "x"}], "memoryBytes": 1 << 34, "disks": [], "nics": []}
+# bcd's node.inventory, as it sends it (every field said, null where it could not read one)
+INVENTORY = msgspec.to_builtins(
+    NodeInventoryResult(
+        serial="7XK2Q63", cpus=NodeCpus(model="x", cores=8), memory=NodeMemory(total_bytes=1 << 34)
+    )
+)
 
 
 async def test_inspect_collect_stores_an_attested_inventory_on_the_node() -> None:
@@ -355,6 +361,13 @@ async def test_inspect_collect_stores_an_attested_inventory_on_the_node() -> Non
     assert (cmd.kind, cmd.target) == ("node.inventory", "node")
     assert ctx.sql.nodes[Node().id]["inventory"] == INVENTORY
     assert got == {"commandId": "cmd_1", "attested": True, "inventory": sorted(INVENTORY)}
+
+
+async def test_inspect_collect_refuses_a_result_that_is_not_an_inventory() -> None:
+    ctx = Ctx(commands=Queue(results={"node.inventory": {"cpus": [{"model": "x"}]}}))
+    err = await refused(lambda: run("inspect.collect", {}, ctx))
+    assert (err.code, err.path) == (ErrorCode.DRIVER_ERROR, "result")
+    assert ctx.sql.nodes == {}
 
 
 @pytest.mark.parametrize(("step", "with_"), [("inspect.collect", {}), ("disk.wipe", {})])

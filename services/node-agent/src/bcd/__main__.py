@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
+
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import configure_logging
 
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({k: v for k, v in _claims_doc(machine).items() if v}))
             code = 0
         else:
-            print(json.dumps(inventory(machine), indent=2))
+            print(msgspec.json.format(msgspec.json.encode(inventory(machine))).decode())
             code = 0
     except BcError as err:
         where = f" (at {err.path})" if err.path else ""

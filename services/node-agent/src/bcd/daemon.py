@@ -22,7 +22,16 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
-from better_compute.wire.commands import NodeConverge, NodeImageWrite, NodeWipe, decode_payload
+from better_compute.wire.commands import (
+    ConvergeResult,
+    ImageWriteResult,
+    NodeConverge,
+    NodeImageWrite,
+    NodeInventoryResult,
+    NodeWipe,
+    WipeResult,
+    decode_payload,
+)
 
 from .bus import carried_bus
 from .configdrive import ConfigDrive
@@ -74,14 +83,14 @@ def node_handlers(
     drive's instance id); ``bus`` the bus files the config drive carries to the installed OS
     (``bus.carried_bus``)."""
 
-    async def node_inventory(cmd: Command) -> Any:
+    async def node_inventory(cmd: Command) -> NodeInventoryResult:
         return await asyncio.to_thread(inventory, machine)
 
-    async def node_wipe(cmd: Command) -> Any:
+    async def node_wipe(cmd: Command) -> WipeResult:
         payload = decode_payload(cmd.payload, NodeWipe, path="payload")
         return await asyncio.to_thread(wipe, machine, disks=payload.disks, mode=payload.mode)
 
-    async def node_image_write(cmd: Command) -> Any:
+    async def node_image_write(cmd: Command) -> ImageWriteResult:
         payload = decode_payload(cmd.payload, NodeImageWrite, path="payload")
         drive = None
         if payload.user_data_ref:
@@ -107,7 +116,7 @@ def node_handlers(
             config_drive=drive,
         )
 
-    async def node_converge(cmd: Command) -> Any:
+    async def node_converge(cmd: Command) -> ConvergeResult:
         assert converger is not None
         payload = decode_payload(cmd.payload, NodeConverge, path="payload")
         return await converger.converge(generation=payload.generation, units=payload.units)

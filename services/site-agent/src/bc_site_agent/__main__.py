@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import signal
 import socket
 import sys
@@ -27,6 +26,7 @@ from aiohttp import web
 
 from better_compute.agent import Agent, Enrollment, enroll, load_enrollment, save_enrollment
 from better_compute.agent.bus import agent_options, joining_options
+from better_compute.backoff import Backoff
 from better_compute.clients.pki import PkiClient
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
@@ -73,10 +73,6 @@ def _status(cache: SiteCache, site: SiteHandlers, failing: Sequence[tuple[str, f
     )
 
 
-async def _backoff(attempt: int) -> None:
-    await asyncio.sleep(random.uniform(0, min(5.0, 0.2 * 2**attempt)))
-
-
 async def _enrollment(config: SiteAgentConfig, stop: asyncio.Event) -> Enrollment | None:
     log = get_logger(site_id=config.site_id)
     enrollment = load_enrollment(config.enrollment_file)
@@ -101,15 +97,14 @@ async def _enrollment(config: SiteAgentConfig, stop: asyncio.Event) -> Enrollmen
             )
         )  # fmt: skip
         api = ApiClient(nc, Subjects(root=config.subject_root))
-        attempt = 0
+        backoff = Backoff(first=0.2, cap=5.0)
         try:
             while enrollment is None:
                 enrollment = await _enroll_once(api, token, log)
                 if enrollment is None:
                     if stop.is_set():
                         return None
-                    await _backoff(attempt)
-                    attempt += 1
+                    await asyncio.sleep(backoff.next())
         finally:
             await nc.close()
         save_enrollment(config.enrollment_file, enrollment)
@@ -145,7 +140,7 @@ def _opt(path: Path | None) -> str | None:
 async def _connect(config: SiteAgentConfig, stop: asyncio.Event, **options: Any) -> Any:
     log = get_logger(site_id=config.site_id)
     options.setdefault("name", f"bc-site-agent:{config.site_id}")
-    attempt = 0
+    backoff = Backoff(first=0.2, cap=5.0)
     while True:
         try:
             return await connect(config.nats_url, **options)
@@ -153,8 +148,7 @@ async def _connect(config: SiteAgentConfig, stop: asyncio.Event, **options: Any)
             if err.code not in _WAIT_FOR or stop.is_set():
                 raise
             log.info("nats_waiting", code=err.code.value)
-            await _backoff(attempt)
-            attempt += 1
+            await asyncio.sleep(backoff.next())
 
 
 async def _close_clean(entries: BootEntries, reports: Reports, quiet_seconds: float) -> None:

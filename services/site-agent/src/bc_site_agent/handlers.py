@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -18,6 +17,7 @@ from typing import TypeVar
 import msgspec
 
 from better_compute.agent import Command, CommandHandler, CommandRejected
+from better_compute.backoff import Backoff
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import AgentIdentity
@@ -134,19 +134,19 @@ class SiteHandlers:
     async def _fetch(self, ref: str, deadline: float, *, what: str, path: str) -> bytes:
         """The value behind ``ref`` through the secrets gate (sealed), while this command is live;
         UNAVAILABLE and TIMEOUT are tried again until the command's deadline."""
-        delay = 0.2
+        backoff = Backoff(first=0.2, cap=3.0)
         while True:
             try:
                 return await self.secrets.fetch(ref=ref, identity=self.identity)
             except BcError as err:
+                delay = backoff.next()
                 if err.code not in _WAIT_FOR or time.time() + delay >= deadline:
                     raise BcError(
                         err.code,
                         f"cannot fetch {what}: {err.message}",
                         {"path": path, "reason": err.reason or "secrets-fetch"},
                     ) from None
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, 3.0)
+            await asyncio.sleep(delay)
 
     async def _credentials(self, target: NodeBmc, deadline: float) -> BmcCredentials | None:
         if target.credentials_ref is None:

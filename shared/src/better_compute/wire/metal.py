@@ -151,17 +151,13 @@ class BulkVerb(_Msg, frozen=True, kw_only=True):
     profile: ProfileId | None = None
 
 
-class EnrollmentRuleBmc(_Msg, frozen=True, kw_only=True):
-    """The BMC a rule gives the nodes it enrolls. ``address`` may hold ``{fact}`` placeholders
-    (``{inventory.bmc_address}``); then ``address_cidrs`` must say where such a BMC may be, and
-    the address filled in must be an IP inside one of them. ``credentials_ref`` is a template
-    secret (``bcx enrollment-rules create --bmc-credentials-file``); each node gets its own copy."""
+class EnrollmentRuleBmc(NodeBmc, frozen=True, kw_only=True):
+    """The BMC a rule gives the nodes it enrolls: a ``NodeBmc`` (the one BMC shape) whose
+    ``address`` may hold ``{fact}`` placeholders (``{inventory.bmc_address}``); then
+    ``address_cidrs`` must say where such a BMC may be, and the address filled in must be an IP
+    inside one of them. ``credentials_ref`` is a template secret (``bcx enrollment-rules create
+    --bmc-credentials-file``); each node gets its own copy."""
 
-    driver: Literal["redfish", "ipmi", "sim"]
-    address: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
-    credentials_ref: SecretRef | None = None
-    system_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
-    insecure: bool = False
     address_cidrs: Annotated[
         list[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=64)
     ] = msgspec.field(default_factory=list)

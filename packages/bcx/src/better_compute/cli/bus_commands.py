@@ -24,6 +24,7 @@ from ..crypto import (
     issue_bus_client_certificate,
     new_bus_ca,
 )
+from ..files import atomic_write
 from ..wire.subjects import valid_token
 from .output import print_json
 
@@ -39,7 +40,7 @@ CA (the site's joining certificate and the callout responder's)."""
 def _write(path: Path, data: bytes, *, secret: bool) -> None:
     """Write a new file (never over an existing one); a key is readable by its owner only."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret else 0o644)
+        atomic_write(path, data, mode=0o600 if secret else 0o644, exclusive=True)
     except FileExistsError:
         raise BcError(
             ErrorCode.CONFLICT, f"{path} exists: remove it first to replace it", {"path": str(path)}
@@ -48,8 +49,6 @@ def _write(path: Path, data: bytes, *, secret: bool) -> None:
         raise BcError(
             ErrorCode.INVALID_INPUT, f"cannot write {path}: {exc.strerror}", {"path": "dir"}
         ) from exc
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
 
 
 def _read(path: Path) -> bytes:

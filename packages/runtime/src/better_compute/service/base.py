@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 import nats.errors
@@ -43,6 +43,9 @@ from ..wire.paging import PAGE_BUDGET, decode_cursor, take_page
 from ..wire.subjects import service_inbox_prefix
 from . import audit
 from .client import ApiClient, connect
+
+if TYPE_CHECKING:
+    from .probes import ProbeServer
 from .db import Database, load_migrations
 from .faults import Backoff, describe, is_transient
 
@@ -108,7 +111,7 @@ class Service:
         self._inflight: set[asyncio.Task[None]] = set()
         self._stopped = False
         self._serving = False
-        self._health_server: asyncio.Server | None = None
+        self._probes: ProbeServer | None = None
 
     # -- hooks for subclasses -------------------------------------------------
 
@@ -211,8 +214,14 @@ class Service:
                 )
             )
         if self.settings.health_port:
-            self._health_server = await asyncio.start_server(
-                self._health_http, "127.0.0.1", self.settings.health_port
+            # imported here: bcx imports this module, and it never serves probes
+            from .probes import ProbeServer
+
+            self._probes = ProbeServer(
+                port=self.settings.health_port,
+                loop=asyncio.get_running_loop(),
+                health=self.health,
+                collect=self._collect_for_scrape,
             )
         await self.nc.flush()
         self.started_at = time.time()
@@ -364,8 +373,8 @@ class Service:
         if self.micro is not None:
             with contextlib.suppress(Exception):
                 await self.micro.stop()
-        if self._health_server is not None:
-            self._health_server.close()
+        if self._probes is not None:
+            await self._probes.close()
         if self._inflight:
             _done, pending = await asyncio.wait(set(self._inflight), timeout=self.stop_grace)
             for task in pending:
@@ -500,39 +509,11 @@ class Service:
     async def collect_metrics(self) -> None:
         """Before a scrape of ``/metrics``: set the gauges read from the store (override)."""
 
-    async def _metrics_text(self) -> tuple[bytes, str]:
-        # imported here: bcx imports this module, and it never serves metrics
-        from . import metrics
-
+    async def _collect_for_scrape(self) -> None:
         try:
             await asyncio.wait_for(self.collect_metrics(), timeout=5.0)
         except Exception as exc:  # the store is away: serve the counters, say so in the log
             self.log.warning("metrics_collect_failed", error=describe(exc))
-        return metrics.render(), metrics.CONTENT_TYPE
-
-    async def _health_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=2.0)
-            parts = head.split(b"\r\n", 1)[0].split(b" ")
-            path = parts[1].split(b"?", 1)[0] if len(parts) > 1 else b"/"
-            if path == b"/metrics":
-                data, content_type = await self._metrics_text()
-                status = "200 OK"
-            else:
-                body = await self.health()
-                data = encode(body)
-                status = "200 OK" if body["ok"] else "503 Service Unavailable"
-                content_type = "application/json"
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-                + data
-            )
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
 
     # -- helpers for subclasses ----------------------------------------------
 
