@@ -55,8 +55,10 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     if not step_input.get("kernel") and not step_input.get("script"):
         raise BcError(
             ErrorCode.INVALID_CONFIG,
-            f"{STEP_ID} needs the ramdisk: give kernel (and initrd) or script,"
-            " or configure metal(ramdisk=Ramdisk(...)) for the shipped profiles",
+            f"{STEP_ID} needs the ramdisk and none is configured: build it with"
+            " `bcx ramdisk build`, which `bcx dev up` then serves (restart the stack), or set"
+            " [ramdisk] kernel and initrd in bc.toml (docs/settings.md); a profile's own step"
+            " may give kernel (and initrd) or script",
             {"path": "kernel"},
         )
     macs = list(getattr(node, "macs", ()) or ())
