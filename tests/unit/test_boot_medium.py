@@ -1,0 +1,98 @@
+"""The ramdisk's token on a virtual medium (issue 23, docs/security.md "Virtual media"): the
+site agent's image and its one-time capability (``bc_site_agent.media``), and bcd reading it
+(``bcd.medium``). The whole path against sushy-emulator: tests/e2e/test_metal_boot_identity.py."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from bc_site_agent.media import REMEMBER_S, MediaImages, bmc_addresses, token_image
+from bcd.medium import check_bus_ca, read_boot_medium
+from bcd.system import Machine
+from better_compute.core.errors import BcError, ErrorCode
+
+pytestmark = pytest.mark.unit
+
+TOKEN = "bcjt_" + "k" * 43
+CA = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+
+
+def _images(now: list[float]) -> tuple[MediaImages, str]:
+    images = MediaImages(clock=lambda: now[0])
+    cap = images.put(
+        token_image(TOKEN), allowed=frozenset({"10.0.0.9"}), not_after=100.0, token=TOKEN, node_id="n", mac=""
+    )
+    return images, cap
+
+
+def test_the_image_goes_once_to_the_bmc_and_any_other_ask_burns_its_token() -> None:
+    now = [0.0]
+    images, cap = _images(now)
+    assert len(cap) == 32  # 128 bits, hex
+    assert images.take("0" * 32, source="10.0.0.9").body is None  # unknown: nothing, no burn
+    got = images.take(cap, source="10.0.0.9")
+    assert got.body is not None
+    assert got.burn is None
+    assert images.count() == 0  # gone after the fetch
+    again = images.take(cap, source="10.0.0.9")  # the BMC again, or whoever learned the URL
+    assert again.body is None
+    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
+    assert again.burn == {"tokenSha256": digest, "mac": "", "reason": "boot-medium-fetched-twice"}
+    assert images.take(cap, source="10.0.0.7").burn is None  # burned once, reported once
+
+
+def test_an_ask_from_another_address_burns_it_before_the_bmc_got_it_and_the_bmc_gets_nothing() -> None:
+    images, cap = _images([0.0])
+    stolen = images.take(cap, source="10.0.0.7")
+    assert stolen.body is None
+    assert stolen.burn is not None
+    assert images.take(cap, source="10.0.0.9").body is None
+
+
+def test_an_image_not_fetched_by_its_deadline_is_gone_and_a_late_ask_still_burns() -> None:
+    now = [0.0]
+    images, cap = _images(now)
+    now[0] = 101.0
+    assert images.count() == 0
+    late = images.take(cap, source="10.0.0.9")
+    assert late.body is None
+    assert late.burn is not None
+    now[0] = 101.0 + REMEMBER_S + 1
+    assert images.take(cap, source="10.0.0.9").burn is None  # forgotten
+
+
+def test_the_bmcs_addresses_are_resolved_from_its_url() -> None:
+    assert bmc_addresses("https://127.0.0.1:8000/redfish") == frozenset({"127.0.0.1"})
+    assert bmc_addresses("10.0.0.9") == frozenset({"10.0.0.9"})
+
+
+def _machine(tmp_path: Path, image: bytes | None, device: str = "dev/sr0") -> Machine:
+    if image is not None:
+        target = tmp_path / device
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(image)
+    return Machine(root=tmp_path)
+
+
+def test_bcd_reads_the_token_and_bus_ca_from_the_bcboot_medium(tmp_path: Path) -> None:
+    medium = read_boot_medium(_machine(tmp_path, token_image(TOKEN, bus_ca=CA)))
+    assert medium.token == TOKEN
+    assert medium.bus_ca == CA
+    assert TOKEN not in repr(medium)
+    check_bus_ca(medium, {"bus_ca_sha256": hashlib.sha256(CA).hexdigest()})
+    # a boot script rewritten on the boot network to point bcd at another bus is refused
+    with pytest.raises(BcError) as err:
+        check_bus_ca(medium, {"bus_ca_sha256": "0" * 64})
+    assert (err.value.code, err.value.path) == (ErrorCode.INVALID_CONFIG, "bcd.bus_ca_sha256")
+
+
+def test_bcd_without_a_bcboot_medium_says_so(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    with pytest.raises(BcError) as err:
+        read_boot_medium(_machine(other, None))
+    assert (err.value.code, err.value.path) == (ErrorCode.INVALID_INPUT, "bcd.token_from")
+    with pytest.raises(BcError):  # a CD that is not ours
+        read_boot_medium(_machine(tmp_path / "blank", b"\0" * 70000))
