@@ -12,6 +12,7 @@ import pytest
 from bc_site_agent.media import REMEMBER_S, MediaImages, bmc_addresses, token_image
 from bcd.medium import check_bus_ca, read_boot_medium
 from bcd.system import Machine
+from better_compute.cli.metal_commands import _node_bmc, token_delivery_line
 from better_compute.core.errors import BcError, ErrorCode
 
 pytestmark = pytest.mark.unit
@@ -96,3 +97,14 @@ def test_bcd_without_a_bcboot_medium_says_so(tmp_path: Path) -> None:
     assert (err.value.code, err.value.path) == (ErrorCode.INVALID_INPUT, "bcd.token_from")
     with pytest.raises(BcError):  # a CD that is not ours
         read_boot_medium(_machine(tmp_path / "blank", b"\0" * 70000))
+
+
+def test_the_choice_is_per_node_shown_by_nodes_show_and_refused_for_ipmi() -> None:
+    redfish = {"driver": "redfish", "address": "https://10.0.0.9"}
+    assert token_delivery_line({**redfish, "tokenDelivery": "media"}).startswith("media: on a virtual CD")
+    assert token_delivery_line(redfish).startswith("network: on the kernel line, held")
+    assert "IPMI has no virtual media" in token_delivery_line({"driver": "ipmi", "address": "10.0.0.9"})
+    with pytest.raises(BcError) as err:
+        _node_bmc({"driver": "ipmi", "address": "10.0.0.9", "tokenDelivery": "media"}, None)
+    assert (err.value.code, err.value.path) == (ErrorCode.INVALID_INPUT, "bmc")
+    assert "virtual media" in err.value.message
