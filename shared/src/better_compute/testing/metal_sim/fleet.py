@@ -416,9 +416,10 @@ class MetalSim:
         # reach this machine's loopback; a simulated machine sits on that network too
         cmdline = cmdline.replace("://10.0.2.2:", "://127.0.0.1:")
         (m.tree / "proc/cmdline").write_text(f"console=ttyS0 {cmdline}\n")
-        self._virtual_cd(m)
-        env = self._bcd_env(m)
         settings = {w.partition("=")[0] for w in cmdline.split()}
+        if "bcd.token_from=media" in cmdline.split():
+            self._virtual_cd(m)  # what bcd reads its token from
+        env = self._bcd_env(m)
         extra = [] if "bcd.control_plane" in settings else ["--control-plane", env["BC_NATS_URL"]]
         log = m.folder / f"bcd-{m.boots:03d}.log"
         returncode = self._bcd_once(["join", "--no-service", *extra], env, log)
