@@ -118,7 +118,10 @@ def make_app(
     async def medium(request: web.Request) -> web.Response:
         if media is None:
             return web.Response(status=404, text="not here\n")
-        taken = media.take(request.match_info["cap"], source=request.remote or "")
+        cap, source = request.match_info["cap"], request.remote or ""
+        if request.method == "HEAD" and (body := media.peek(cap, source=source)) is not None:
+            return web.Response(body=body, content_type="application/octet-stream")  # HEAD: no body sent
+        taken = media.take(cap, source=source)
         if taken.burn is not None:
             log.warning("boot_medium_asked_again", source=(request.remote or "")[:64])
             served_again(taken.burn)

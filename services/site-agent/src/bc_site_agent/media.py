@@ -8,9 +8,10 @@ in memory only, and hands the BMC ``<public_url>/media/<capability>`` (128 rando
 authenticated Redfish session. The boot network never carries the token.
 
 ``MediaImages`` serves an image once, to the BMC's addresses (the driver's host, resolved when
-the image is put). The image is dropped after that fetch, or when the command's deadline
-passes unfetched. Its capability stays known for ``REMEMBER_S`` more: any later ask for it,
-and any ask from another address, is a *burn* (the URL leaked): nothing is served and the agent
+the image is put); a HEAD from the BMC before that fetch does not count (a BMC may check the
+size first). The image is dropped after that fetch, or when the command's deadline passes
+unfetched. Its capability stays known for ``REMEMBER_S`` more: any later ask for it, and any
+ask from another address, is a *burn* (the URL leaked): nothing is served and the agent
 reports the token to bc-pki (``tokens.burn``, reason ``boot-medium-fetched-twice``), which
 revokes it and what it issued; the engine quarantines the node.
 """
@@ -129,6 +130,16 @@ class MediaImages:
                 "reason": "boot-medium-fetched-twice",
             }
             return Taken(body=None, burn=mark if first else None)
+
+    def peek(self, cap: str, *, source: str) -> bytes | None:
+        """The image, without taking it, for a HEAD from its BMC before the fetch (a BMC may
+        check the size first); None otherwise (the caller then treats the ask as a GET)."""
+        with self._lock:
+            self._forget()
+            image = self._by_cap.get(cap)
+            if image is None or image.fetched or image.body is None or source not in image.allowed:
+                return None
+            return image.body
 
     def drop(self, cap: str) -> None:
         """The insert failed: its image goes, its capability stays known (a late ask burns)."""
