@@ -5,15 +5,24 @@ site agent's image and its one-time capability (``bc_site_agent.media``), and bc
 from __future__ import annotations
 
 import hashlib
+import re
+import tempfile
+import time
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
+from bc_site_agent import handlers as handlers_module
+from bc_site_agent.config import load_config
+from bc_site_agent.handlers import SiteHandlers
 from bc_site_agent.media import REMEMBER_S, MediaImages, bmc_addresses, token_image
 from bcd.medium import check_bus_ca, read_boot_medium
 from bcd.system import Machine
+from better_compute.agent import Command
 from better_compute.cli.metal_commands import _node_bmc, token_delivery_line
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire.commands import MediaResult
 
 pytestmark = pytest.mark.unit
 
@@ -108,3 +117,67 @@ def test_the_choice_is_per_node_shown_by_nodes_show_and_refused_for_ipmi() -> No
         _node_bmc({"driver": "ipmi", "address": "10.0.0.9", "tokenDelivery": "media"}, None)
     assert (err.value.code, err.value.path) == (ErrorCode.INVALID_INPUT, "bmc")
     assert "virtual media" in err.value.message
+
+
+def test_the_bmcs_url_for_the_agent_is_its_own_setting(tmp_path: Path) -> None:
+    """BMCs usually sit on a management network, not the boot network: ``media_url`` says how
+    they reach the agent (``public_url`` without it)."""
+    cfg = tmp_path / "site-agent.toml"
+    env = {"BC_NATS_URL": "nats://x"}
+    cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\nmedia_url = "http://10.1.0.5:8081/"\n')
+    assert load_config(cfg, env=env).media_url == "http://10.1.0.5:8081"
+    cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\nmedia_url = "10.1.0.5"\n')
+    with pytest.raises(BcError) as err:
+        load_config(cfg, env=env)
+    assert (err.value.code, err.value.path) == (ErrorCode.INVALID_CONFIG, "media_url")
+
+
+class _MediaDriver:
+    def __init__(self) -> None:
+        self.urls: list[str | None] = []
+
+    async def media_insert(self, payload: Any, *, deadline: float) -> MediaResult:
+        self.urls.append(payload.url)
+        assert payload.join_token_ref is None  # the BMC never sees the reference
+        return MediaResult(driver="redfish", device="cd", inserted=True, image=payload.url)
+
+    async def close(self) -> None:
+        return None
+
+
+class _Secrets:
+    async def fetch(self, *, ref: str, identity: Any) -> bytes:
+        return TOKEN.encode()
+
+
+async def test_the_insert_hands_the_bmc_a_capability_on_the_media_url_and_the_result_hides_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    driver = _MediaDriver()
+    monkeypatch.setattr(handlers_module, "make_driver", lambda target, credentials: driver)
+    media = MediaImages()
+    site = SiteHandlers(
+        secrets=cast(Any, _Secrets()), identity=cast(Any, None), entries=cast(Any, None),
+        cache=cast(Any, None), public_url="http://10.0.0.5:8081", relay=cast(Any, None),
+        media=media, media_url="http://127.0.0.1:8081",
+    )  # fmt: skip
+    payload = {"device": "cd", "joinTokenRef": "sec_" + "0" * 26,
+               "bmc": {"driver": "redfish", "address": "http://127.0.0.1:8000"}}  # fmt: skip
+    cmd = Command(
+        id="cmd_1", kind="media.insert", payload=payload, node_id="node_1", site_id="lab1", key="k",
+        destructive=False, not_after=time.time() + 30, batch_id=None, workflow_id=None, step=None,
+        _agent=cast(Any, None),
+    )  # fmt: skip
+    got = await site.handlers()["media.insert"](cmd)
+    [url] = driver.urls
+    assert url is not None
+    assert re.fullmatch(r"http://127\.0\.0\.1:8081/media/[0-9a-f]{32}", url)
+    assert got.image == "http://127.0.0.1:8081/media/…"  # the capability is in no result
+    taken = media.take(url.rsplit("/", 1)[1], source="127.0.0.1")
+    assert taken.body is not None
+    assert read_boot_medium_bytes(taken.body).token == TOKEN
+
+
+def read_boot_medium_bytes(image: bytes) -> Any:
+    with tempfile.TemporaryDirectory() as folder:
+        return read_boot_medium(_machine(Path(folder), image))

@@ -206,6 +206,7 @@ async def run(config: SiteAgentConfig) -> None:
             relay=HttpRelay(control_plane=control_plane),
             media=media,
             bus_ca=_bus_ca(config),
+            media_url=config.media_url,
         )
         agent = Agent(
             enrollment=enrollment,

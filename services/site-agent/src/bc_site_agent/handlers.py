@@ -77,10 +77,12 @@ class SiteHandlers:
         relay: HttpRelay,
         media: MediaImages | None = None,
         bus_ca: bytes | None = None,
+        media_url: str = "",
     ) -> None:
         self.relay = relay
         self.media = media or MediaImages()
         self.bus_ca = bus_ca
+        self.media_url = (media_url or public_url).rstrip("/")
         self.secrets = secrets
         self.identity = identity
         self.entries = entries
@@ -255,7 +257,7 @@ class SiteHandlers:
             image, allowed=allowed, not_after=cmd.not_after, token=token, node_id=cmd.node_id or "", mac=""
         )
         del token, image
-        url = f"{self.public_url}/media/{cap}"
+        url = f"{self.media_url}/media/{cap}"
         try:
             got = await driver.media_insert(
                 msgspec.structs.replace(payload, url=url, join_token_ref=None, sha256=None),
@@ -265,7 +267,7 @@ class SiteHandlers:
             self.media.drop(cap)
             raise
         # the capability is in no result: the medium reads back as inserted, its URL hidden
-        return msgspec.structs.replace(got, image=f"{self.public_url}/media/…" if got.image else got.image)
+        return msgspec.structs.replace(got, image=f"{self.media_url}/media/…" if got.image else got.image)
 
     async def _eject(self, driver: Driver, payload: MediaEject, cmd: Command) -> MediaResult:
         got = await driver.media_eject(payload, deadline=cmd.not_after)
