@@ -488,7 +488,8 @@ def _sources_digest() -> tuple[str, dict[str, str]]:
         spec = importlib.util.find_spec(top)
         if spec is None or not spec.submodule_search_locations:
             raise BcError(ErrorCode.INVALID_CONFIG, f"cannot find the {top} package to pack", {"path": top})
-        folders.append(Path(next(iter(spec.submodule_search_locations))))
+        # better_compute is a namespace package: one folder per distribution (SDK, runtime, ...)
+        folders += sorted(Path(location) for location in spec.submodule_search_locations)
     for folder in folders:
         for file in sorted(folder.rglob("*")):
             if file.is_file() and "__pycache__" not in file.parts and file.suffix != ".pyc":
@@ -611,7 +612,7 @@ def _bcd_part(cache: Path, sources: str) -> Path:
         if importlib.util.find_spec("PyInstaller") is None:
             raise BcError(
                 ErrorCode.INVALID_CONFIG,
-                "PyInstaller is not installed: uv sync --all-extras (better-compute[ramdisk])",
+                "PyInstaller is not installed: pip install 'bcx[ramdisk]' (uv sync --all-extras)",
                 {"path": "pyinstaller"},
             )
         _run([*argv, str(work / "bcd_entry.py")], cwd=work, what="PyInstaller (bcd)")

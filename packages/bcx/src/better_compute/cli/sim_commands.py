@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -214,7 +215,22 @@ async def _wait_agent(cq: CommandQueueClient, site: str, pid: int, log: Path, ti
     )  # fmt: skip
 
 
+def _check_installed() -> None:
+    """The simulator is the test kit's and the site agent its own distribution: bcx runs both as
+    processes (``python -m``), so they must be installed beside it (``bcx[sim]``)."""
+    wanted = {"better-compute-testing": "better_compute.testing", "bc-site-agent": "bc_site_agent"}
+    missing = [dist for dist, module in wanted.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise BcError(
+            ErrorCode.UNAVAILABLE,
+            f"bcx sim runs the metal simulator and a site agent: install {' and '.join(missing)} "
+            "(pip install 'bcx[sim]')",
+            {"path": "sim", "missing": missing},
+        )
+
+
 async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
+    _check_installed()
     site = _check_site(args.site)
     if args.vms < 0 or args.vms > 16:
         raise BcError(ErrorCode.INVALID_INPUT, "--vms is 0 to 16", {"path": "vms"})

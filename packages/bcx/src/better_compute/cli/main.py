@@ -9,25 +9,27 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import replace
-from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import __version__
-from ..config import Settings, load_settings
-from ..core.errors import BcError, ErrorCode
-from ..logging import safe_url
-from ..runtime.dev import SERVICES, DevStack
-from . import completion, contexts
-from .hints import HintContext, hint_for, site_of
-from .output import FORMATS, iso, print_error, print_json, print_table, use_format
+from .completion import SHELLS
+from .output import FORMATS
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from . import contexts
+
+# What `bcx --help`, a completion script or a mistyped line costs is argparse and this module: the
+# SDK (msgspec), the runtime and the command modules load when a command runs, each in the function
+# that needs it (bench/bench_cli_start.py prints the figures).
 
 __all__ = ["main"]
 
-Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
+Command = Callable[[argparse.Namespace, "Settings"], Coroutine[Any, Any, int]]
 
 
 def _uptime(started: str | None) -> str:
+    from datetime import UTC, datetime
+
     if not started:
         return "-"
     try:
@@ -46,8 +48,10 @@ def _uptime(started: str | None) -> str:
 
 async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     """Running services and instances, found over NATS ($SRV.STATS)."""
+    from ..runtime.dev import SERVICES
     from ..service.client import discover
     from .common import connect_bus
+    from .output import iso, print_json, print_table
 
     nc = await connect_bus(settings)
     try:
@@ -91,8 +95,13 @@ async def cmd_version(args: argparse.Namespace, settings: Settings) -> int:
     """bcx's version, and each service's as its instances report it (``$SRV.STATS``); a known
     service with no instance answering is shown as such. The client's version is printed even
     when NATS cannot be reached."""
+    from ..core import __version__
+    from ..core.errors import BcError
+    from ..logging import safe_url
+    from ..runtime.dev import SERVICES
     from ..service.client import discover
     from .common import connect_bus
+    from .output import print_json, print_table
 
     client = {"component": "bcx", "version": __version__, "python": sys.version.split()[0]}
     services: list[dict[str, Any]] = []
@@ -137,9 +146,20 @@ async def cmd_version(args: argparse.Namespace, settings: Settings) -> int:
     return 1 if missing else 0
 
 
+async def cmd_completion(args: argparse.Namespace, settings: Settings) -> int:
+    """The completion script of ``args.shell`` for every command (the parser built whole)."""
+    from .completion import script
+
+    print(script(args.shell, build_parser()), end="")
+    return 0
+
+
 async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
+    from ..core.errors import BcError, ErrorCode
+    from ..runtime.dev import SERVICES, DevStack
     from ..service.client import connect, discover
     from .common import operator_inbox
+    from .output import print_json
 
     say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
     stack = DevStack(settings, say=say)
@@ -191,6 +211,9 @@ async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def cmd_dev_down(args: argparse.Namespace, settings: Settings) -> int:
+    from ..runtime.dev import DevStack
+    from .output import print_json
+
     say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
     DevStack(settings, say=say).down(keep_servers=args.keep_servers)
     if args.json:
@@ -199,6 +222,9 @@ async def cmd_dev_down(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def cmd_dev_ps(args: argparse.Namespace, settings: Settings) -> int:
+    from ..runtime.dev import DevStack
+    from .output import print_json, print_table
+
     stack = DevStack(settings)
     rows: list[dict[str, Any]] = [
         {
@@ -270,6 +296,7 @@ class BcxParser(argparse.ArgumentParser):
 # command does not pay for every other one's dependencies (tests/unit/test_bcx_cli.py checks this
 # table against what the modules register).
 LAZY_COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("main", (("status", "running services and instances"), ("dev", "the embedded stack on this machine"))),
     ("engine_commands", (
         ("nodes", "nodes the engine knows"),
         ("steps", "registered steps and driver operations"),
@@ -307,6 +334,7 @@ LAZY_COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("why_commands", (("why", "what a node's or workflow's current step waits for, in one answer"),)),
     ("sim_commands", (("sim", "the metal simulator and a site agent for one site"),)),
     ("ramdisk_commands", (("ramdisk", "the bcd ramdisk: build it from packages"),)),
+    ("contexts", (("context", "named deployments (NATS URL, credentials, tenant) in bcx's config"),)),
 )  # fmt: skip
 
 _MODULE_OF = {name: module for module, commands in LAZY_COMMANDS for name, _ in commands}
@@ -349,23 +377,10 @@ def _modules_for(argv: Sequence[str] | None) -> set[str]:
     )
 
 
-def _stand_in(sub: Any, name: str, help: str) -> None:
-    """``name`` in the parser as its name and help only. Chosen after all (``command_word``
-    misread the line), it asks ``main`` to parse again with every command registered."""
-    p = sub.add_parser(name, help=help, add_help=False)
-    p.add_argument("_bcx_rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    p.set_defaults(_bcx_unbuilt=True)
-
-
-def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """bcx's parser: every command registered (``argv`` None: completion, tests), or only the
-    command ``argv`` runs, the others standing in by name and help (``LAZY_COMMANDS``)."""
-    common = argparse.ArgumentParser(add_help=False)
-    _global_flags(common, defaults=False)
-
-    parser: argparse.ArgumentParser = BcxParser(prog="bcx", description="Better Compute admin CLI")
-    _global_flags(parser, defaults=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``bcx status`` and ``bcx dev``: registered through ``LAZY_COMMANDS`` like any command module's,
+    since their ``--service`` choices come from the runtime (``runtime.dev.SERVICES``)."""
+    from ..runtime.dev import SERVICES
 
     p = sub.add_parser("status", parents=[common], help="running services and instances")
     p.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
@@ -386,6 +401,26 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dev_down)
     p = dsub.add_parser("ps", parents=[common], help="processes of the embedded stack")
     p.set_defaults(func=cmd_dev_ps)
+
+
+def _stand_in(sub: Any, name: str, help: str) -> None:
+    """``name`` in the parser as its name and help only. Chosen after all (``command_word``
+    misread the line), it asks ``main`` to parse again with every command registered."""
+    p = sub.add_parser(name, help=help, add_help=False)
+    p.add_argument("_bcx_rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(_bcx_unbuilt=True)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """bcx's parser: every command registered (``argv`` None: completion, tests), or only the
+    command ``argv`` runs, the others standing in by name and help (``LAZY_COMMANDS``)."""
+    common = argparse.ArgumentParser(add_help=False)
+    _global_flags(common, defaults=False)
+
+    parser: argparse.ArgumentParser = BcxParser(prog="bcx", description="Better Compute admin CLI")
+    _global_flags(parser, defaults=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     real = _modules_for(argv)
     nodes: Any = None
     for module_name, commands in LAZY_COMMANDS:
@@ -400,8 +435,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             module.register(sub, common, nodes)
         else:
             module.register(sub, common)
-    contexts.register(sub, common)
-    completion.register(sub, common)
+    p = sub.add_parser(
+        "completion", parents=[common], help='print a shell completion script: eval "$(bcx completion bash)"'
+    )
+    p.add_argument("shell", choices=SHELLS, help="the shell to complete for")
+    p.set_defaults(func=cmd_completion)
     p = sub.add_parser("version", parents=[common], help="bcx's version and every running service's")
     p.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
     p.set_defaults(func=cmd_version)
@@ -420,6 +458,8 @@ def resolve_output(args: argparse.Namespace) -> str:
     output = "table" if args.wide else output
     args.output = output
     args.json = output != "table"
+    from .output import use_format
+
     use_format(output)
     return output
 
@@ -442,6 +482,8 @@ def settings_for(args: argparse.Namespace, selection: contexts.Selection) -> Set
         "state_dir": args.state_dir,
         "subject_root": args.subject_root,
     }
+    from ..config import load_settings
+
     given = {k: v for k, v in flags.items() if v is not None}
     ctx = {k: v for k, v in selection.settings().items() if v is not None}
     if selection.chosen_by == "flag":
@@ -464,6 +506,13 @@ def main(argv: list[str] | None = None) -> None:
     parser, args, unknown = parse_line(sys.argv[1:] if argv is None else argv)
     if unknown:
         getattr(args, "_bcx_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    from dataclasses import replace
+
+    from ..core.errors import BcError
+    from . import contexts
+    from .hints import HintContext, hint_for, site_of
+    from .output import print_error
+
     resolve_output(args)
     site = site_of(getattr(args, "site", None), getattr(args, "selector", None))
     hint = HintContext(command=command_words(args), site=site)

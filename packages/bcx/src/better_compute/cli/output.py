@@ -12,11 +12,10 @@ import re
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import msgspec
-
-from ..core.errors import BcError
+if TYPE_CHECKING:  # main imports FORMATS from here to build its parser: no msgspec for `bcx --help`
+    from ..core.errors import BcError
 
 __all__ = [
     "FORMATS",
@@ -80,6 +79,8 @@ def with_iso_times(value: Any) -> Any:
     """``value`` with every moment it carries (``createdAt``, ``lastSeen``, ``expiresAtMs``, …)
     as :func:`iso` text; documents inside it (``document``, ``payload``, ``result``) untouched.
     A Struct (a client's reply) is shown as it travels: camelCase JSON."""
+    import msgspec
+
     if isinstance(value, msgspec.Struct):
         value = msgspec.to_builtins(value)
     if isinstance(value, list):

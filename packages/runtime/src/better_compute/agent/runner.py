@@ -34,8 +34,8 @@ import nats.js.errors
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 
-from .. import __version__
 from ..backoff import Backoff
+from ..core import __version__
 from ..core.errors import BcError, ErrorCode
 from ..crypto import result_document, sign_bytes, sign_event
 from ..logging import get_logger

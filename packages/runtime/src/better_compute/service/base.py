@@ -31,8 +31,8 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig
 from nats.micro.service import Service as MicroService
 
-from .. import __version__
 from ..config import Settings
+from ..core import __version__
 from ..core.errors import BcError, ErrorCode
 from ..logging import get_logger, safe_url
 from ..runtime.urls import resolve_database_url, resolve_nats_url
