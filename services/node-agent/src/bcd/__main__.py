@@ -22,6 +22,7 @@ from .bus import adopt_config_drive, fetch_bus_files
 from .daemon import MODES, detect_mode, serve
 from .hardware import claims, inventory
 from .join import DEFAULT_STATE_DIR, BcdState, install_service, join, read_cmdline
+from .medium import check_bus_ca, read_boot_medium
 from .simulation import SimRunner, install_disk_hook
 from .system import Machine
 
@@ -76,6 +77,11 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
             raise BcError(
                 ErrorCode.INVALID_INPUT, f"cannot read the token file: {exc.strerror}", {"path": "token-file"}
             ) from None
+    elif cmdline.get("token_from") == "media":  # on the BMC's virtual CD, never the boot network
+        token_path = None
+        medium = read_boot_medium(machine)
+        check_bus_ca(medium, cmdline)
+        token = medium.token
     else:
         token_path = None
         token = cmdline.get("token", "")

@@ -41,6 +41,7 @@ from .config import SiteAgentConfig, load_config
 from .drivers import DRIVERS
 from .handlers import SiteHandlers
 from .http import make_app, metrics_app
+from .media import MediaImages
 from .netboot import BootEntries
 from .relay import HttpRelay
 from .reports import Reports
@@ -189,6 +190,7 @@ async def run(config: SiteAgentConfig) -> None:
             guard=AddressGuard(control_plane=control_plane, allow=config.cache_allow_source_networks),
         )
         public_url = config.public_url or f"http://{config.http_host}:{config.http_port}"
+        media = MediaImages()
         site = SiteHandlers(
             secrets=SecretsClient(api),
             identity=enrollment.identity,
@@ -196,6 +198,9 @@ async def run(config: SiteAgentConfig) -> None:
             cache=cache,
             public_url=public_url,
             relay=HttpRelay(control_plane=control_plane),
+            media=media,
+            bus_ca=_bus_ca(config),
+            media_url=config.media_url,
         )
         agent = Agent(
             enrollment=enrollment,
@@ -218,7 +223,7 @@ async def run(config: SiteAgentConfig) -> None:
             }
 
         reports = Reports(PkiClient(api), enrollment.identity, config.netboot_dir / "reports")
-        app = make_app(config, entries, cache, health, served_again=reports.burn)
+        app = make_app(config, entries, cache, health, served_again=reports.burn, media=media)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         http_site = web.TCPSite(runner, config.http_host, config.http_port)
@@ -254,6 +259,18 @@ async def run(config: SiteAgentConfig) -> None:
     finally:
         if not nc.is_closed:
             await nc.close()
+
+
+def _bus_ca(config: SiteAgentConfig) -> bytes | None:
+    """The bus CA, for the token media (``bus-ca.pem`` beside the token)."""
+    if not config.nats_ca:
+        return None
+    try:
+        return Path(config.nats_ca).read_bytes()
+    except OSError as exc:
+        raise BcError(
+            ErrorCode.INVALID_CONFIG, f"cannot read {config.nats_ca}: {exc.strerror}", {"path": "nats_ca"}
+        ) from exc
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,12 +121,15 @@ class SetBootDevice(_Msg, frozen=True, kw_only=True):
 
 class MediaInsert(_Msg, frozen=True, kw_only=True):
     """``media.insert``: a virtual medium by URL; with ``sha256`` the site agent fills its cache
-    from ``url`` and hands the BMC its own copy."""
+    from ``url`` and hands the BMC its own copy. With ``joinTokenRef`` instead of ``url``, the
+    medium is the ramdisk's token image (label ``BCBOOT``) that the site agent builds and serves
+    once, to the BMC alone, at a capability URL (docs/security.md, "Virtual media")."""
 
-    url: Url
+    url: Url | None = None
     device: MediaDevice = "cd"
     sha256: Sha256 | None = None
     bmc: NodeBmc | None = None
+    join_token_ref: SecretRef | None = None
 
 
 class MediaEject(_Msg, frozen=True, kw_only=True):

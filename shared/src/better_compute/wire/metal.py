@@ -74,6 +74,10 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pass
 
 
+TokenDelivery = Literal["network", "media"]
+"""How ``metal.ensureRamdisk`` hands the ramdisk its join token (``NodeBmc.token_delivery``)."""
+
+
 class NodeBmc(_Msg, frozen=True, kw_only=True):
     """The node's BMC: how the site agent reaches it. The password is behind ``credentials_ref``.
 
@@ -87,6 +91,14 @@ class NodeBmc(_Msg, frozen=True, kw_only=True):
     insecure: bool = False
     ca_bundle: Annotated[str, msgspec.Meta(max_length=65536)] | None = None
     """PEM certificates the BMC's TLS certificate must chain to (a public document, no secret)."""
+    token_delivery: TokenDelivery | None = None
+    """How the ramdisk gets its join token (``metal.ensureRamdisk``): ``network`` (absent) on
+    its kernel line, ``held`` until the boot entry closes clean; ``media`` on a virtual CD the
+    BMC fetches from the site agent (Redfish only), never on the boot network."""
+
+    def __post_init__(self) -> None:
+        if self.token_delivery == "media" and self.driver == "ipmi":
+            raise ValueError("IPMI has no virtual media: tokenDelivery media needs a Redfish BMC")
 
     def to_document(self) -> dict[str, Any]:
         """As stored in ``nodes.bmc`` and relayed in BMC commands (absent fields left out)."""

@@ -192,7 +192,7 @@ async def nodes_update(args: argparse.Namespace, settings: Settings) -> int:
     """A node's site, labels or BMC (``--bmc URL``, or a new credential for its BMC)."""
     labels = parse_labels(args.label) if args.label is not None or args.no_labels else None
     bmc_given = any(
-        (args.bmc, args.bmc_credentials_file, args.bmc_user, args.bmc_insecure)
+        (args.bmc, args.bmc_credentials_file, args.bmc_user, args.bmc_insecure, args.bmc_token_delivery)
     )  # fmt: skip
     if args.name is not None and args.no_name:
         raise BcError(ErrorCode.INVALID_INPUT, "give --name or --no-name, not both", {"path": "name"})

@@ -49,6 +49,8 @@ def _bmc_template(args: argparse.Namespace) -> dict[str, Any] | None:
                 bmc[key] = str(bmc[key]).replace(stand_in, part)
     if args.bmc_insecure:
         bmc["insecure"] = True
+    if args.bmc_token_delivery:
+        bmc["tokenDelivery"] = args.bmc_token_delivery
     if args.bmc_cidr:
         bmc["addressCidrs"] = list(args.bmc_cidr)
     return bmc

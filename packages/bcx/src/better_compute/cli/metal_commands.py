@@ -25,6 +25,7 @@ from ..core.ids import new_id, parse_id
 from ..logging import register_secret
 from ..metal.lifecycle import VERBS, parse_bmc_url, parse_selector
 from ..metal.steps.profiles import ENROLL_PROFILE_ID, VALIDATE_PROFILE_ID
+from ..metal.steps.ramdisk import token_delivery
 from ..wire.codec import convert
 from ..wire.engine import NodeView
 from ..wire.metal import BulkRun, NodeBmc, VerbName
@@ -54,6 +55,13 @@ def add_bmc_credential_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bmc-user", help="the BMC username when the password is asked for")
     p.add_argument("--bmc-insecure", action="store_true", help="do not verify the BMC's TLS certificate")
+    p.add_argument(
+        "--bmc-token-delivery",
+        choices=["network", "media"],
+        help="how the ramdisk gets its join token: on its kernel line, held until the boot entry"
+        " closes clean (network, the default), or on a virtual CD only the BMC fetches (media;"
+        " Redfish only; docs/security.md)",
+    )
     p.add_argument("--no-prompt", action="store_true", help="never ask for a credential")
 
 
@@ -119,7 +127,7 @@ async def update_bmc(api: Any, args: argparse.Namespace, node: NodeView) -> Node
     ``--bmc-user``). The credential goes to bc-secrets as the node's; the node keeps only its
     reference. None when neither was given."""
     new_credential = args.bmc_credentials_file is not None or args.bmc_user is not None
-    if args.bmc is None and not new_credential and not args.bmc_insecure:
+    if args.bmc is None and not new_credential and not args.bmc_insecure and not args.bmc_token_delivery:
         return None
     if args.bmc is not None:
         bmc: dict[str, object] = parse_bmc_url(args.bmc)
@@ -131,6 +139,8 @@ async def update_bmc(api: Any, args: argparse.Namespace, node: NodeView) -> Node
         ref = node.bmc.get("credentialsRef")
     if args.bmc_insecure:
         bmc["insecure"] = True
+    if args.bmc_token_delivery:
+        bmc["tokenDelivery"] = args.bmc_token_delivery
     _node_bmc(bmc, None)  # a bad BMC is refused before a credential is stored for it
     if bmc["driver"] != "sim" and (args.bmc is not None or new_credential):
         interactive = not args.no_prompt and sys.stdin.isatty()
@@ -155,6 +165,8 @@ async def nodes_enroll(args: argparse.Namespace, settings: Settings) -> int:
         bmc = parse_bmc_url(args.bmc)
         if args.bmc_insecure:
             bmc["insecure"] = True
+        if args.bmc_token_delivery:
+            bmc["tokenDelivery"] = args.bmc_token_delivery
         _node_bmc(bmc, None)  # a bad BMC is refused before a credential is stored for it
         if bmc["driver"] != "sim":
             interactive = not args.no_prompt and sys.stdin.isatty()
@@ -344,6 +356,16 @@ def bmc_view(inventory: dict[str, Any] | None) -> str | None:
     return ", ".join(p for p in parts if p)
 
 
+def token_delivery_line(bmc: dict[str, Any]) -> str:
+    """How ``metal.ensureRamdisk`` hands this node's ramdisk its join token, and why."""
+    if token_delivery(bmc) == "media":
+        return "media: on a virtual CD only the BMC fetches, never on the boot network (tokenDelivery media)"
+    why = (
+        "IPMI has no virtual media" if bmc.get("driver") == "ipmi" else "--bmc-token-delivery media to change"
+    )
+    return f"network: on the kernel line, held until the boot entry closes clean ({why})"
+
+
 def show_lines(node: NodeView) -> list[str]:
     """``bcx nodes show`` as text: state, power, inventory, host section, current workflow."""
     lines = [
@@ -361,6 +383,7 @@ def show_lines(node: NodeView) -> list[str]:
     if bmc:
         system = f" {bmc['systemId']}" if bmc.get("systemId") else ""
         lines.append(f"bmc         {bmc['driver']} {bmc['address']}{system}")
+        lines.append(f"boot token  {token_delivery_line(bmc)}")
     else:
         lines.append("bmc         -")
     seen = bmc_view(node.bmc_inventory)

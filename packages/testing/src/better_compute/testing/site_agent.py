@@ -28,6 +28,9 @@ class SiteAgentProcess:
     extra_config: str = ""
     public_url: str | None = None
     """How machines reach the agent's HTTP (``http://10.0.2.2:<port>`` from a QEMU guest)."""
+    media_url: str | None = None
+    """How the BMCs reach it, for the ramdisk's token media (``media_url``; the BMC emulators
+    run on this machine's loopback even when the machines are QEMU guests)."""
     port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     quiet_seconds: float = 0.5
@@ -72,6 +75,7 @@ class SiteAgentProcess:
             f'http_listen = "127.0.0.1:{self.port}"\n'
             f'metrics_listen = "127.0.0.1:{self.metrics_port}"\n'
             + (f'public_url = "{self.public_url}"\n' if self.public_url else "")
+            + (f'media_url = "{self.media_url}"\n' if self.media_url else "")
             # the test bed's image and kernel servers listen on loopback
             + '[cache]\nallow_source_networks = ["127.0.0.0/8", "::1/128"]\n'
             + f"[netboot]\ndiscovery = {'true' if self.discovery else 'false'}\n"

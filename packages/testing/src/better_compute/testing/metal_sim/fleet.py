@@ -8,7 +8,8 @@ and the MAC's entry, as iPXE would, and takes the kernel command line of the ent
 (``bcd.token=… bcd.control_plane=…``). A ``Cd`` override with a medium inserted boots the
 medium: its first KiB, when it is a command line with ``bcd.`` settings, stands for the ISO's
 boot command line. Either boots a ramdisk: bcd (``--simulate``) joins with the token of that
-command line and serves in ramdisk mode. Power off kills that bcd (a pulled plug) and the
+command line (or, with ``bcd.token_from=media``, of the virtual CD the BMC holds, which the
+ramdisk sees as ``/dev/sr0``) and serves in ramdisk mode. Power off kills that bcd (a pulled plug) and the
 ramdisk's state is gone.
 """
 
@@ -415,8 +416,10 @@ class MetalSim:
         # reach this machine's loopback; a simulated machine sits on that network too
         cmdline = cmdline.replace("://10.0.2.2:", "://127.0.0.1:")
         (m.tree / "proc/cmdline").write_text(f"console=ttyS0 {cmdline}\n")
-        env = self._bcd_env(m)
         settings = {w.partition("=")[0] for w in cmdline.split()}
+        if "bcd.token_from=media" in cmdline.split():
+            self._virtual_cd(m)  # what bcd reads its token from
+        env = self._bcd_env(m)
         extra = [] if "bcd.control_plane" in settings else ["--control-plane", env["BC_NATS_URL"]]
         log = m.folder / f"bcd-{m.boots:03d}.log"
         returncode = self._bcd_once(["join", "--no-service", *extra], env, log)
@@ -426,6 +429,19 @@ class MetalSim:
         self._run_bcd(m, generation, env, log, ["run", "--mode", "ramdisk"], mode="ramdisk")
         if self.supervise_bcd:
             threading.Thread(target=self._supervise, args=(m, generation, env, log), daemon=True).start()
+
+    @staticmethod
+    def _virtual_cd(m: SimMachine) -> None:
+        """The medium the BMC holds in its virtual CD (the file sushy-emulator downloaded from
+        the URL it was given) is the machine's ``/dev/sr0``, as a BMC's USB CD shows it."""
+        sr0 = m.tree / "dev/sr0"
+        info = m.media.get("Cd")
+        path = info[0] if isinstance(info, list | tuple) and info else None
+        sr0.unlink(missing_ok=True)
+        if path and Path(str(path)).is_file():
+            sr0.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(str(path), sr0)
+            m.ledger.append("media.visible", device="Cd")
 
     def _supervise(self, m: SimMachine, generation: int, env: dict[str, str], log: Path) -> None:
         """Restart the machine's ramdisk bcd each time it dies while the machine stays on."""

@@ -277,6 +277,7 @@ async def fleet_stack(
     )
     if lab is not None:
         agent.public_url = guest_url(agent.url)
+        agent.media_url = agent.url  # the BMC emulators fetch token media from this host
     stack = FleetStack(
         folder=folder, settings=settings, api=api, processes=processes, sim=sim, agent=agent, media=media,
         lab=lab,

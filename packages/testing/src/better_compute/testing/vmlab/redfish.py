@@ -111,4 +111,6 @@ class RedfishVmBmc:
             device = _BOOT.get(str(doc.get("boot_device", "Hdd")), "disk")
             cd = (doc.get("boot_image") or {}).get("Cd")
             cdrom = Path(str(cd[0])) if cd and cd[0] and cd[2] else None
-            vm.power_on(device, cdrom=cdrom if device == "cd" else None)
+            # an inserted medium is the VM's CD whatever it boots from, as a BMC's virtual CD is
+            # (a ramdisk booted from the network reads its token from it: tokenDelivery media)
+            vm.power_on(device, cdrom=cdrom)
