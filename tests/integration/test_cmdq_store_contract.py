@@ -79,7 +79,7 @@ def memory() -> Harness:
         store.advance(seconds)
 
     async def agent_seen(agent_id: str, role: str) -> None:
-        store.agent_seen(agent_id, site_id=SITE, role=role)
+        store.agent_seen(agent_id, site_id=SITE, role=role, hello=False)  # pg's: last_seen only
 
     return Harness(store, age, agent_seen)
 
@@ -294,7 +294,10 @@ async def story(h: Harness) -> list[Any]:
     await h.agent_seen(n4.node_id, "node")
     await s.ack(n4.id, n4.node_id, DIGEST, "ja", 40, quorum=False)
     await h.age(121)
-    say("fail lost", await s.fail_lost(lost_after_ms=120_000))
+    # the whole site is silent (its link cut, or every agent stopped): unreachable, not lost
+    say("fail lost, site silent", await s.fail_lost(lost_after_ms=120_000, silent_after_ms=15_000))
+    await h.agent_seen("agent-b", "site")  # its site agent heard, connected since long before
+    say("fail lost", await s.fail_lost(lost_after_ms=120_000, silent_after_ms=15_000))
     await h.age(2 * 86400)
     told.append(("purged", await s.purge_finished(retention_days=1)))
     told.append(
@@ -334,6 +337,7 @@ async def test_the_memory_store_tells_the_same_story_as_postgresql(pg: Harness) 
         ],
     )
     assert told["claimed under"] == ([("f2", "f.node", "ja")],)
+    assert told["fail lost, site silent"] == ([],)
     assert told["fail lost"] == (  # f2 was cancelling when its node fell silent too
         [("f2", "failed", "agent-lost", "f.node", None), ("n4", "failed", "agent-lost", "n4.node", None)],
     )

@@ -231,8 +231,9 @@ class Agents:
                 self.log.info("agent_left", agent_id=signer.agent_id, site_id=signer.site_id)
             return HeartbeatReply(boot_lease=False)
         row = await self.db.fetchrow(
-            store.AGENT_HEARTBEAT, signer.agent_id, ev.signed_at_ms, signer.cert_id, _status_doc(ev.status)
-        )
+            store.AGENT_HEARTBEAT, signer.agent_id, ev.signed_at_ms, signer.cert_id, _status_doc(ev.status),
+            self.config.silent_after_ms,
+        )  # fmt: skip
         if row is None:
             if await self.db.fetchrow(store.AGENT_AGAIN, signer.agent_id) is None:
                 raise BcError(ErrorCode.NOT_FOUND, "unknown agent: say hello first")

@@ -200,7 +200,9 @@ class Store(Protocol):
 
     async def reassign_silent(self, *, silent_after_ms: int) -> list[CommandRow]: ...
 
-    async def fail_lost(self, *, lost_after_ms: int) -> list[CommandRow]: ...
+    async def fail_lost(self, *, lost_after_ms: int, silent_after_ms: int) -> list[CommandRow]:
+        """Claimed commands of an agent silent ``lost_after_ms`` while its site was heard."""
+        ...
 
     async def dispatch_pending(
         self,
@@ -443,8 +445,8 @@ class PgStore:
     async def reassign_silent(self, *, silent_after_ms: int) -> list[CommandRow]:
         return await self._rows(store.REASSIGN_SILENT, silent_after_ms)
 
-    async def fail_lost(self, *, lost_after_ms: int) -> list[CommandRow]:
-        return await self._rows(store.FAIL_LOST, lost_after_ms)
+    async def fail_lost(self, *, lost_after_ms: int, silent_after_ms: int) -> list[CommandRow]:
+        return await self._rows(store.FAIL_LOST, lost_after_ms, silent_after_ms)
 
     async def dispatch_pending(
         self,

@@ -93,6 +93,7 @@ class _Agent:
     role: str
     kinds: list[str] | None
     last_seen: float
+    connected_at: float
 
 
 @dataclasses.dataclass
@@ -130,10 +131,22 @@ class Tables:
         self._offset += seconds
 
     def agent_seen(
-        self, agent_id: str, *, site_id: str, role: str = "site", kinds: list[str] | None = None
+        self,
+        agent_id: str,
+        *,
+        site_id: str,
+        role: str = "site",
+        kinds: list[str] | None = None,
+        hello: bool = True,
     ) -> None:
-        """An agent said hello or heartbeat now (``AGENT_UPSERT``, ``AGENT_HEARTBEAT``)."""
-        self._t.agents[agent_id] = _Agent(site_id=site_id, role=role, kinds=kinds, last_seen=self.now())
+        """An agent said hello (``AGENT_UPSERT``: a new connection) or, ``hello=False``, heartbeat
+        (``AGENT_HEARTBEAT``: the same connection) now."""
+        now = self.now()
+        was = self._t.agents.get(agent_id)
+        connected_at = was.connected_at if was is not None and not hello else now
+        self._t.agents[agent_id] = _Agent(
+            site_id=site_id, role=role, kinds=kinds, last_seen=now, connected_at=connected_at
+        )
 
     def lease(self, site_id: str, agent_id: str, *, ttl_s: float) -> None:
         """``agent_id`` holds its site's boot lease for ``ttl_s`` (``LEASE_RENEW``)."""
