@@ -83,6 +83,16 @@ class SiteLeaves:
         wait_port(server.port, timeout=_WAIT, pid=server.pid)
 
     def start(self) -> SiteLeaves:
+        """Start the hub, then each site's gate and leaf; wait until every leaf is linked. On a
+        failure, what started is stopped again."""
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
         leaf_port = free_port()
         self._spawn(
             self.hub,
@@ -108,7 +118,6 @@ class SiteLeaves:
                 f'leafnodes {{\n  reconnect: "1s"\n  remotes: [ {{ url: "{gate.url}" }} ]\n}}\n',
             )
         self.wait_linked(*self.sites)
-        return self
 
     def linked(self, site: str) -> bool:
         """Whether the site's leaf has its link to the hub up (its /leafz lists it)."""
