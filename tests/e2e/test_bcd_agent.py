@@ -19,6 +19,8 @@ import shutil
 import socket
 import sqlite3
 import stat
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from better_compute.provision.userdata import cloud_init, ignition
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses
 from better_compute.testing.agents import until
-from better_compute.testing.bcd import BcdProcess, run_bcd
+from better_compute.testing.bcd import BcdProcess, bcd_env, run_bcd
 from better_compute.testing.machines import DiskSpec, prepare_machine
 from better_compute.wire.cmdq import EnqueueCommand
 
@@ -126,6 +128,51 @@ async def test_join_is_refused_with_other_claims_unspent_then_accepted_then_reke
     assert second["agentId"] == node
     assert second["certId"] != first["certId"]
     assert second["privateKeyPem"] != first["privateKeyPem"]
+
+
+def _join_in_background(stack: Stack, root: Path, node: str, log: Path) -> subprocess.Popen[bytes]:
+    """The user data's ``bcd join`` (its default wait), as its own process."""
+    argv = [sys.executable, "-m", "bcd", "join", "--control-plane", "https://gw.example.test",
+            "--token-file", "/etc/bcd/join-token", "--node", node, "--no-service"]  # fmt: skip
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            argv,
+            env=bcd_env(stack.settings, root),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+async def test_a_join_while_no_bc_pki_answers_waits_and_joins_once_it_answers(
+    stack: Stack, bc_processes: ServiceProcesses
+) -> None:
+    # the installed OS runs bcd join once (its user data); booted while its site is cut off from
+    # the hub, its leaf answers and bc-pki does not: it asked once and gave up, and the machine
+    # never joined (tests/e2e/test_site_cut.py, ledger 'bcd.join-failed')
+    node = new_id("node")
+    root = stack.tree("cut", product_uuid=UUID, serial="SER-1", macs=("52:54:00:00:00:01",))
+    token = await stack.token(node_id=node, productUuid=UUID)
+    for p in bc_processes.procs:
+        if p.service == "bc-pki":
+            p.kill()
+    (root / "etc/bcd").mkdir(parents=True, exist_ok=True)
+    (root / "etc/bcd/join-token").write_text(token.token + "\n")
+    log = stack.tmp / "join.log"
+    joining = _join_in_background(stack, root, node, log)
+    try:
+        await until(lambda: "bcd_join_waiting" in log.read_text(), timeout=30, what="bcd join waiting")
+        assert joining.poll() is None, log.read_text()
+        bc_processes.start("bc-pki")
+        await bc_processes.wait_ready()
+        code = await asyncio.to_thread(joining.wait, 60)
+    finally:
+        if joining.poll() is None:
+            joining.kill()
+            joining.wait(10)
+    assert code == 0, log.read_text()
+    assert _enrollment(root)["agentId"] == node
+    assert token.token not in log.read_text()
 
 
 async def test_a_discovery_token_registers_an_unknown_machine(stack: Stack) -> None:

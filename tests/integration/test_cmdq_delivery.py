@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import pytest
 
 from bc_command_queue.config import CmdqConfig
 from bc_command_queue.service import CommandQueueService
@@ -213,21 +214,23 @@ async def test_a_lost_agents_unfinished_command_fails_with_a_reason(
         run = asyncio.create_task(svc.run())
         node = new_id("node")
         enrollment = await join_agent(bc_api, site_id="site-l", role="node", node_id=node)
-        ident = enrollment.identity
+        site_agent = await join_agent(bc_api, site_id="site-l", role="site")
 
-        async def send(kind: str, event: Any) -> Any:
-            subject = bc_api.subjects.agent_event("site-l", node, kind)
-            return unwrap((await bc_api.nc.request(subject, sign_event(ident, kind, event), timeout=5)).data)
+        async def send(kind: str, event: Any, who: Enrollment = enrollment) -> Any:
+            subject = bc_api.subjects.agent_event("site-l", who.agent_id, kind)
+            return unwrap(
+                (await bc_api.nc.request(subject, sign_event(who.identity, kind, event), timeout=5)).data
+            )
 
-        def base() -> dict[str, Any]:
+        def base(who: Enrollment = enrollment) -> dict[str, Any]:
             return {
                 "site": "site-l",
-                "agent": node,
-                "signer_id": ident.cert_id,
+                "agent": who.agent_id,
+                "signer_id": who.identity.cert_id,
                 "signed_at_ms": time.time_ns() // 1_000_000,
             }
 
-        # the agent says hello, claims its command, then falls silent for good
+        # the node's agent says hello, claims its command, then falls silent for good
         await send("hello", Hello(**base()))
         view = await cq.enqueue(
             EnqueueCommand(node_id=node, site_id="site-l", kind="node.inventory", key="inv", target="node")
@@ -236,8 +239,25 @@ async def test_a_lost_agents_unfinished_command_fails_with_a_reason(
             "ack", Ack(**base(), command_id=view.id, digest=payload_digest("node.inventory", b"{}"))
         )
         assert claim["proceed"] is True
+        # nothing of its site is heard (a site cut off from the hub looks the same): it is
+        # unreachable, not lost, and its claimed command waits for it well past lost_after
+        with pytest.raises(BcError) as waited:
+            await cq.wait(id=view.id, timeout=3)
+        assert waited.value.code is ErrorCode.TIMEOUT
+        assert (await cq.get(id=view.id)).state == "acked"
+
+        # its site is heard again (the site agent, from now on): the node's own silence counts
+        # from then, and after lost_after of it the command fails, its outcome unknown
+        async def heartbeats() -> None:
+            await send("hello", Hello(**base(site_agent)), site_agent)
+            while True:
+                await asyncio.sleep(0.2)
+                await send("heartbeat", Heartbeat(**base(site_agent)), site_agent)
+
+        beating = asyncio.create_task(heartbeats())
         done = await cq.wait(id=view.id, timeout=20)
         assert (done.state, done.reason) == ("failed", "agent-lost")
+        beating.cancel()
         # its result, should it ever come, changes nothing
         late = await send("result", Result(**base(), command_id=view.id, status="succeeded", result=b"{}"))
         assert late["recorded"] is False

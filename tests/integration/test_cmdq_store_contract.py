@@ -79,7 +79,7 @@ def memory() -> Harness:
         store.advance(seconds)
 
     async def agent_seen(agent_id: str, role: str) -> None:
-        store.agent_seen(agent_id, site_id=SITE, role=role)
+        store.agent_seen(agent_id, site_id=SITE, role=role, hello=False)  # pg's: last_seen only
 
     return Harness(store, age, agent_seen)
 
@@ -294,7 +294,10 @@ async def story(h: Harness) -> list[Any]:
     await h.agent_seen(n4.node_id, "node")
     await s.ack(n4.id, n4.node_id, DIGEST, "ja", 40, quorum=False)
     await h.age(121)
-    say("fail lost", await s.fail_lost(lost_after_ms=120_000))
+    # the whole site is silent (its link cut, or every agent stopped): unreachable, not lost
+    say("fail lost, site silent", await s.fail_lost(lost_after_ms=120_000, silent_after_ms=15_000))
+    await h.agent_seen("agent-b", "site")  # its site agent heard, connected since long before
+    say("fail lost", await s.fail_lost(lost_after_ms=120_000, silent_after_ms=15_000))
     await h.age(2 * 86400)
     told.append(("purged", await s.purge_finished(retention_days=1)))
     told.append(
@@ -334,6 +337,7 @@ async def test_the_memory_store_tells_the_same_story_as_postgresql(pg: Harness) 
         ],
     )
     assert told["claimed under"] == ([("f2", "f.node", "ja")],)
+    assert told["fail lost, site silent"] == ([],)
     assert told["fail lost"] == (  # f2 was cancelling when its node fell silent too
         [("f2", "failed", "agent-lost", "f.node", None), ("n4", "failed", "agent-lost", "n4.node", None)],
     )
@@ -377,10 +381,12 @@ async def presence(h: Harness) -> list[Any]:
     await s.agent_hello(hi(node, "cert_n", role="node"))
     told.append(("agents", await agents()))
     told.append(("site agents after sa-1", await agents(role="site", after=(SITE, "sa-1"))))
-    hb = await s.agent_heartbeat(node, next(at), "cert_n", None)
+    hb = await s.agent_heartbeat(node, next(at), "cert_n", None, silent_after_ms=30_000)
     told.append(("heartbeat", hb and (hb.site_id, hb.role)))
-    told.append(("heartbeat replayed", await s.agent_heartbeat(node, 5, "cert_n", None)))
-    told.append(("heartbeat unknown", await s.agent_heartbeat("nobody", next(at), "cert_n", None)))
+    replayed = await s.agent_heartbeat(node, 5, "cert_n", None, silent_after_ms=30_000)
+    told.append(("heartbeat replayed", replayed))
+    unknown = await s.agent_heartbeat("nobody", next(at), "cert_n", None, silent_after_ms=30_000)
+    told.append(("heartbeat unknown", unknown))
     again = await s.agent_by_id(node)
     told.append(("by id", again and again.role, await s.agent_by_id("nobody")))
 
@@ -429,7 +435,7 @@ async def presence(h: Harness) -> list[Any]:
                  [(r.id == site_cmd.id, r.state, r.reason, r.agent_id) for r in cut.reassigned]))  # fmt: skip
     told.append(("after cut off", await agents(role="site")))
     told.append(("revoked hello", await s.agent_hello(hi("sa-1", "cert_1")),
-                 await s.agent_heartbeat("sa-1", next(at), "cert_1", None),
+                 await s.agent_heartbeat("sa-1", next(at), "cert_1", None, silent_after_ms=30_000),
                  await s.renew_lease(SITE, "sa-1", ttl_ms=15_000)))  # fmt: skip
     await s.agent_hello(hi("sa-2", "cert_2"))
     told.append(("lease free", await s.renew_lease(SITE, "sa-2", ttl_ms=15_000)))

@@ -214,8 +214,33 @@ async def test_a_silent_site_agents_unclaimed_commands_go_to_another_and_a_lost_
     assert (moved.state, moved.agent_id) == ("dispatched", "agent-b")
     assert (todo.id, "pending", "agent-silent") in q.states()
     assert (await q.store.command_by_id(claimed.id)).state == "acked"  # type: ignore[union-attr]
-    q.store.advance(120)
-    q.store.agent_seen("agent-b", site_id="site-a")
+    # agent-a's silence counts while its site is heard (agent-b, since t=16): lost_after later
+    q.store.advance(121)
+    q.store.agent_seen("agent-b", site_id="site-a", hello=False)
+    await q.sweeper.sweep()
+    assert q.states()[-1] == (claimed.id, "failed", "agent-lost")
+
+
+async def test_a_site_silent_as_a_whole_is_unreachable_not_lost() -> None:
+    # its leaf's link to the hub cut: every agent of the site falls silent at once, and the
+    # commands they claimed wait for them, however long (their journals say what ran)
+    q = queue(silent_after_ms=15_000, lost_after_ms=120_000)
+    q.store.agent_seen("agent-a", site_id="site-a")
+    q.store.agent_seen("node-1", site_id="site-a", role="node")
+    claimed = await command(q, target="site", timeout_s=3600)
+    assert (await q.claims.ack(ack(claimed))).proceed
+    await q.sweeper.sweep()
+    q.store.advance(600)
+    await q.sweeper.sweep()
+    assert (await q.store.command_by_id(claimed.id)).state == "acked"  # type: ignore[union-attr]
+    # the link back: node-1 says hello first; agent-a's silence counts from then
+    q.store.agent_seen("node-1", site_id="site-a", role="node")
+    q.store.advance(60)
+    q.store.agent_seen("node-1", site_id="site-a", role="node", hello=False)
+    await q.sweeper.sweep()
+    assert (await q.store.command_by_id(claimed.id)).state == "acked"  # type: ignore[union-attr]
+    q.store.advance(61)
+    q.store.agent_seen("node-1", site_id="site-a", role="node", hello=False)
     await q.sweeper.sweep()
     assert q.states()[-1] == (claimed.id, "failed", "agent-lost")
 

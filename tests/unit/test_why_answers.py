@@ -16,8 +16,13 @@ class FakeQueue:
         self._agents = agents
         self._batch = batch
 
-    async def agents(self, **_: Any) -> list[AgentView]:
-        return self._agents
+    async def agents(
+        self, *, role: str | None = None, connected: bool | None = None, **_: Any
+    ) -> list[AgentView]:
+        return [
+            a for a in self._agents
+            if (role is None or a.role == role) and (connected is None or a.connected == connected)
+        ]  # fmt: skip
 
     async def get_batch(self, *, id: str) -> BatchView:
         if self._batch is None:
@@ -69,6 +74,24 @@ async def test_a_site_command_names_the_connected_agents_or_the_last_one_seen() 
     part = await WhyApi(db=None, cmdq=FakeQueue(here))._command(running)  # type: ignore[arg-type]
     assert "running since " in part.text
     assert part.text.endswith("on agent agent_c (50%)")
+
+
+async def test_a_site_with_no_agent_connected_is_unreachable_since_its_site_agent_was_last_heard() -> None:
+    cut = [
+        _agent("agent_s", connected=False, role="site", last_seen=1_764_570_060.0),
+        _agent("node_1", connected=False, last_seen=1_764_570_061.0),
+    ]
+    part = await WhyApi(db=None, cmdq=FakeQueue(cut))._site_unreachable("lab1")  # type: ignore[arg-type]
+    assert part is not None
+    assert part.kind == "site-unreachable"
+    assert part.text.startswith("site lab1 unreachable since 2025-12-01T06:21:00Z: no agent of the site")
+    assert (part.facts["siteId"], part.facts["agentId"]) == ("lab1", "agent_s")
+    # one agent of the site heard (a bcd, the site agent down): the site is reachable
+    one = [cut[0], _agent("node_1", connected=True)]
+    assert await WhyApi(db=None, cmdq=FakeQueue(one))._site_unreachable("lab1") is None  # type: ignore[arg-type]
+    # a site that never had a site agent is empty, not unreachable
+    none = [_agent("node_1", connected=False)]
+    assert await WhyApi(db=None, cmdq=FakeQueue(none))._site_unreachable("lab1") is None  # type: ignore[arg-type]
 
 
 def test_durations_read_as_people_say_them() -> None:

@@ -228,7 +228,11 @@ class Agents:
                 self.log.info("agent_left", agent_id=signer.agent_id, site_id=signer.site_id)
             return HeartbeatReply(boot_lease=False)
         seen = await self.store.agent_heartbeat(
-            signer.agent_id, ev.signed_at_ms, signer.cert_id, _status_doc(ev.status)
+            signer.agent_id,
+            ev.signed_at_ms,
+            signer.cert_id,
+            _status_doc(ev.status),
+            silent_after_ms=self.config.silent_after_ms,
         )
         if seen is None:
             if await self.store.agent_by_id(signer.agent_id) is None:

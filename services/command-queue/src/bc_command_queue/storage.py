@@ -226,7 +226,9 @@ class Store(Protocol):
 
     async def reassign_silent(self, *, silent_after_ms: int) -> list[CommandRow]: ...
 
-    async def fail_lost(self, *, lost_after_ms: int) -> list[CommandRow]: ...
+    async def fail_lost(self, *, lost_after_ms: int, silent_after_ms: int) -> list[CommandRow]:
+        """Claimed commands of an agent silent ``lost_after_ms`` while its site was heard."""
+        ...
 
     async def dispatch_pending(
         self,
@@ -286,10 +288,11 @@ class Store(Protocol):
         ...
 
     async def agent_heartbeat(
-        self, agent_id: str, signed_at_ms: int, cert_id: str, status: str | None
+        self, agent_id: str, signed_at_ms: int, cert_id: str, status: str | None, *, silent_after_ms: int
     ) -> AgentSeenRow | None:
         """Seen now; ``None`` when the agent is unknown, the event older than one applied or its
-        certificate revoked."""
+        certificate revoked. A heartbeat after a silence of ``silent_after_ms`` starts a new
+        connection (``connected_at``), as a hello does."""
         ...
 
     async def agent_leave(
@@ -544,8 +547,8 @@ class PgStore:
     async def reassign_silent(self, *, silent_after_ms: int) -> list[CommandRow]:
         return await self._rows(store.REASSIGN_SILENT, silent_after_ms)
 
-    async def fail_lost(self, *, lost_after_ms: int) -> list[CommandRow]:
-        return await self._rows(store.FAIL_LOST, lost_after_ms)
+    async def fail_lost(self, *, lost_after_ms: int, silent_after_ms: int) -> list[CommandRow]:
+        return await self._rows(store.FAIL_LOST, lost_after_ms, silent_after_ms)
 
     async def dispatch_pending(
         self,
@@ -634,9 +637,11 @@ class PgStore:
         )
 
     async def agent_heartbeat(
-        self, agent_id: str, signed_at_ms: int, cert_id: str, status: str | None
+        self, agent_id: str, signed_at_ms: int, cert_id: str, status: str | None, *, silent_after_ms: int
     ) -> AgentSeenRow | None:
-        return await self._seen(store.AGENT_HEARTBEAT, agent_id, signed_at_ms, cert_id, status)
+        return await self._seen(
+            store.AGENT_HEARTBEAT, agent_id, signed_at_ms, cert_id, status, silent_after_ms
+        )
 
     async def agent_leave(
         self, agent_id: str, signed_at_ms: int, *, silent_after_ms: int

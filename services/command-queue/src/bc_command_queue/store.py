@@ -259,15 +259,22 @@ UPDATE commands c SET state = 'pending', agent_id = NULL, published_at = NULL,
 FROM due WHERE c.id = due.id
 RETURNING {_COLS}
 """
-# $1 lost_after_ms: claimed commands of an agent silent that long (and untouched since) fail;
-# their outcome is unknown. Unclaimed ones wait for the agent (a node's bcd may be rebooting
-# into its new OS) until their not_after.
+# $1 lost_after_ms, $2 silent_after_ms: claimed commands of an agent silent that long (and
+# untouched since) fail; their outcome is unknown. Unclaimed ones wait for the agent (a node's bcd
+# may be rebooting into its new OS) until their not_after. The silence counts only while the
+# agent's site is heard: another agent of the site heard now and connected without a break for
+# lost_after (AGENT_HEARTBEAT restarts connected_at after a silence). A site silent as a whole
+# (its leaf's link to the hub cut, or every agent of it stopped: the same from here) is
+# unreachable, not lost: its agents' journals say what ran when they come back.
 FAIL_LOST: Final = f"""
 WITH due AS (
     SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
     WHERE c.state IN ('acked', 'running', 'cancelling')
       AND a.last_seen < now() - {_SECS.format(p="$1")}
       AND c.updated_at < now() - {_SECS.format(p="$1")}
+      AND EXISTS (SELECT 1 FROM agents b WHERE b.site_id = a.site_id AND b.id <> a.id
+                  AND b.last_seen > now() - {_SECS.format(p="$2")}
+                  AND b.connected_at < now() - {_SECS.format(p="$1")})
     LIMIT 500 FOR UPDATE OF c SKIP LOCKED
 )
 UPDATE commands c SET state = 'failed', reason = 'agent-lost', finished_at = now(),
@@ -494,9 +501,12 @@ WHERE a.last_signed_ms < EXCLUDED.last_signed_ms
   AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = EXCLUDED.cert_id)
 RETURNING a.id
 """
-AGENT_HEARTBEAT: Final = """
+# $5 silent_after_ms: a heartbeat after a silence starts a new connection (connected_at), as a
+# hello does: the first word of an agent whose site's link came back may be either
+AGENT_HEARTBEAT: Final = f"""
 UPDATE agents SET last_seen = now(), last_signed_ms = $2, cert_id = $3,
-    status = COALESCE($4::jsonb, status)
+    status = COALESCE($4::jsonb, status),
+    connected_at = CASE WHEN last_seen < now() - {_SECS.format(p="$5")} THEN now() ELSE connected_at END
 WHERE id = $1 AND last_signed_ms < $2 AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = $3)
 RETURNING site_id, role
 """

@@ -99,7 +99,7 @@ class Sweeper:
             else []
         )
         lost = (
-            await self.store.fail_lost(lost_after_ms=cfg.lost_after_ms)
+            await self.store.fail_lost(lost_after_ms=cfg.lost_after_ms, silent_after_ms=cfg.silent_after_ms)
             if heard_ms >= cfg.lost_after_ms
             else []
         )

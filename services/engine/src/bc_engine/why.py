@@ -114,6 +114,10 @@ class WhyApi:
         answer = await self._explain(node, wf)
         if node is not None and node.get("name"):
             answer = msgspec.structs.replace(answer, node_name=node["name"])
+        cut = await self._site_unreachable(node["site_id"]) if node is not None else None
+        if cut is not None:
+            text = cut.text + ("; " + answer.answer if answer.answer else "")
+            answer = msgspec.structs.replace(answer, reasons=[cut, *answer.reasons], answer=text)
         quarantine = _json(node["quarantine"]) if node is not None else None
         if not isinstance(quarantine, dict):
             return answer
@@ -126,6 +130,31 @@ class WhyApi:
         reasons = [first, *answer.reasons]
         text = first.text + ("; " + answer.answer if answer.answer else "")
         return msgspec.structs.replace(answer, reasons=reasons, answer=text)
+
+    async def _site_unreachable(self, site_id: str | None) -> m.WhyReason | None:
+        """The node's site when nothing of it is heard: it has site agents, and no agent of the
+        site (site agent or bcd) is connected. Since: the last time one of its site agents was
+        heard (they heartbeat while they run), so a site cut off from the hub (its leaf's link
+        down) reads as such; a site whose every agent stopped reads the same, and cannot be told
+        apart from here."""
+        if not site_id:
+            return None
+        try:
+            if await self.cmdq.agents(site_id=site_id, connected=True, limit=1):
+                return None
+            site_agents = await self.cmdq.agents(site_id=site_id, role="site", limit=100)
+        except BcError:
+            return None  # the command-queue's own silence is said where its answers are used
+        if not site_agents:
+            return None  # a site that never had a site agent is not unreachable, just empty
+        last = max(site_agents, key=lambda a: a.last_seen)
+        since = _at(last.last_seen)
+        return _reason(
+            "site-unreachable",
+            f"site {site_id} unreachable since {since}: no agent of the site is connected"
+            f" (the last heard: its site agent {last.id})",
+            siteId=site_id, since=since, agentId=last.id,
+        )  # fmt: skip
 
     async def _explain(self, node: Any, wf: Any) -> m.WhyAnswer:
         node_id = node["id"] if node is not None else None

@@ -21,7 +21,7 @@ from better_compute.logging import configure_logging
 from .bus import adopt_config_drive, fetch_bus_files
 from .daemon import MODES, detect_mode, serve
 from .hardware import claims, inventory
-from .join import DEFAULT_STATE_DIR, BcdState, install_service, join, read_cmdline
+from .join import DEFAULT_STATE_DIR, JOIN_WAIT_S, BcdState, install_service, join, read_cmdline
 from .medium import check_bus_ca, read_boot_medium
 from .simulation import SimRunner, install_disk_hook
 from .system import Machine
@@ -48,6 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--node", help="the node id the token was minted for")
     j.add_argument("--site", help="the site this machine boots in (else bcd.site=)")
     j.add_argument("--no-service", action="store_true", help="do not install and start bcd.service")
+    j.add_argument(
+        "--wait",
+        type=float,
+        default=JOIN_WAIT_S,
+        metavar="SECONDS",
+        help=f"while bc-pki does not answer (the site cut off from the hub), ask again for this long"
+        f" (default {JOIN_WAIT_S:g}; 0: fail at once)",
+    )
     r = sub.add_parser("run", help="serve commands")
     r.add_argument("--mode", choices=MODES, default=os.environ.get("BCD_MODE"))
     r.add_argument("--control-plane", help="default: the one bcd joined")
@@ -103,6 +111,7 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
             node_id=args.node,
             subject_root=args.subject_root or cmdline.get("subject_root") or "bc",
             site_id=args.site or cmdline.get("site"),
+            wait_s=args.wait,
         )
     )
     if token_path is not None:
@@ -132,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                 # one process for both: a second Python start costs the ramdisk seconds
                 joining = argparse.Namespace(
                     control_plane=args.control_plane, token_file=None, node=None, site=None,
-                    no_service=True, subject_root=args.subject_root,
+                    no_service=True, subject_root=args.subject_root, wait=JOIN_WAIT_S,
                 )  # fmt: skip
                 _join(joining, state)
             asyncio.run(

@@ -9,8 +9,10 @@ installed OS gets a fresh key and certificate under the same node id.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -19,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from better_compute.agent import Enrollment, enroll, load_enrollment, save_enrollment
 from better_compute.agent.bus import agent_options, joining_options
+from better_compute.backoff import Backoff
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger, register_secret
@@ -29,6 +32,10 @@ from better_compute.wire.pki import JoinClaims
 from .bus import bus_ca, joining_files
 from .hardware import claims as read_claims
 from .system import Machine
+
+JOIN_WAIT_S: Final = 3600.0
+"""How long ``bcd join`` asks again while no bc-pki answers: the user data runs it once, and a
+machine that boots while its site is cut off from the hub joins when the link returns."""
 
 __all__ = [
     "DEFAULT_STATE_DIR",
@@ -157,8 +164,14 @@ async def join(
     subject_root: str = "bc",
     claims: JoinClaims | None = None,
     site_id: str | None = None,
+    wait_s: float = 0.0,
 ) -> Enrollment:
     """Join through bc-pki and store the enrollment; returns it.
+
+    Connected to its NATS server (a site's leaf node) but answered by no bc-pki (the leaf's
+    link to the hub cut, bc-pki down), it asks again with backoff for up to ``wait_s`` seconds:
+    such a request reached nobody, so the token is unspent. A server that cannot be reached at
+    all still fails at once (a wrong ``--control-plane``).
 
     Raises:
         BcError: bc-pki's refusal (``PERMISSION_DENIED`` with reason ``claims-mismatch`` and the
@@ -175,7 +188,19 @@ async def join(
     nc = await connect(nats_url(control_plane), **joining_nats_options(state))
     try:
         pki = PkiClient(ApiClient(nc, Subjects(root=subject_root)))
-        enrollment = await enroll(pki, token=token, claims=shown, site_id=site_id)
+        deadline = time.monotonic() + wait_s
+        backoff = Backoff(first=1.0, cap=15.0)
+        while True:
+            try:
+                enrollment = await enroll(pki, token=token, claims=shown, site_id=site_id)
+                break
+            except BcError as err:
+                left = deadline - time.monotonic()
+                if err.code is not ErrorCode.UNAVAILABLE or left <= 0:
+                    raise
+                pause = min(backoff.next(), left)
+                log().warning("bcd_join_waiting", said=err.message, retry_in_s=round(pause, 1))
+                await asyncio.sleep(pause)
     finally:
         await nc.close()
     if node_id is not None and enrollment.role in ("node", "provisioned") and enrollment.agent_id != node_id:

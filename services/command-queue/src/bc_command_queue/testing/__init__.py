@@ -416,15 +416,27 @@ class MemoryStore(Presence):
             for c in due[:500]
         ]
 
-    async def fail_lost(self, *, lost_after_ms: int) -> list[CommandRow]:
-        """``FAIL_LOST``"""
-        cut = self.now() - lost_after_ms / 1000
+    async def fail_lost(self, *, lost_after_ms: int, silent_after_ms: int) -> list[CommandRow]:
+        """``FAIL_LOST``: only while the agent's site is heard (another of its agents heard now and
+        connected without a break for ``lost_after_ms``)."""
+        now = self.now()
+        cut = now - lost_after_ms / 1000
+
+        def site_heard(agent_id: str | None) -> bool:
+            a = self._t.agents.get(agent_id) if agent_id is not None else None
+            return a is not None and any(
+                b_id != agent_id and b.site_id == a.site_id and b.last_seen > now - silent_after_ms / 1000
+                and b.connected_at < cut
+                for b_id, b in self._t.agents.items()
+            )  # fmt: skip
+
         due = [
             c
             for c in self._t.commands.values()
             if c.state in ("acked", "running", "cancelling")
             and self._silent_for(c, lost_after_ms)
             and c.updated_at < cut
+            and site_heard(c.agent_id)
         ]
         return [
             self._touch(c, state="failed", reason="agent-lost", finished_at=self.now()) for c in due[:500]

@@ -47,13 +47,16 @@ class Presence(Tables):
         return True
 
     async def agent_heartbeat(
-        self, agent_id: str, signed_at_ms: int, cert_id: str, status: str | None
+        self, agent_id: str, signed_at_ms: int, cert_id: str, status: str | None, *, silent_after_ms: int
     ) -> AgentSeenRow | None:
         """``AGENT_HEARTBEAT``"""
         a = self._t.agents.get(agent_id)
         if a is None or a.last_signed_ms >= signed_at_ms or cert_id in self._t.revoked:
             return None
-        a.last_seen, a.last_signed_ms, a.cert_id = self.now(), signed_at_ms, cert_id
+        now = self.now()
+        if a.last_seen < now - silent_after_ms / 1000:
+            a.connected_at = now  # the first word after a silence: a new connection
+        a.last_seen, a.last_signed_ms, a.cert_id = now, signed_at_ms, cert_id
         a.status = status if status is not None else a.status
         return self._seen(agent_id)
 

@@ -138,9 +138,17 @@ class Tables:
         self._offset += seconds
 
     def agent_seen(
-        self, agent_id: str, *, site_id: str, role: str = "site", kinds: list[str] | None = None
+        self,
+        agent_id: str,
+        *,
+        site_id: str,
+        role: str = "site",
+        kinds: list[str] | None = None,
+        hello: bool = True,
     ) -> None:
-        """An agent was heard from now, without a signed event (``agent_hello`` is the real one)."""
+        """An agent was heard from now, without a signed event (``agent_hello`` is the real one):
+        a hello (a new connection, ``connected_at`` now) or, ``hello=False``, a heartbeat on the
+        same connection."""
         now = self.now()
         a = self._t.agents.get(agent_id)
         if a is None:
@@ -149,6 +157,8 @@ class Tables:
             )
         else:
             a.site_id, a.role, a.kinds, a.last_seen = site_id, role, kinds, now
+            if hello:
+                a.connected_at = now
 
     def lease(self, site_id: str, agent_id: str, *, ttl_s: float) -> None:
         """``agent_id`` holds its site's boot lease for ``ttl_s`` (``LEASE_RENEW``)."""

@@ -52,6 +52,9 @@ _ECHO = re.compile(r"^echo\s+(\S+)\s*>\s*/target(/\S+)$")
 _MKDIR = re.compile(r"^mkdir\s+-p\s+/target(/\S+)$")
 _CHMOD = re.compile(r"^chmod\s+([0-7]{3,4})\s+/target(/\S+)$")
 _OS_MARK = OS_MARK  # what the simulated installer writes at the start of the disk
+_JOIN_BOUND_S = 3660.0
+"""A simulated machine's ``bcd join`` ends by this: bcd's own wait for bc-pki (``bcd join --wait``,
+3600 s by default) and a minute more."""
 OS_STATE = "/var/lib/bcd-os"
 """The installed OS's bcd state folder (under the machine's root): on its disk, so it survives
 a power cycle (the ramdisk's ``/var/lib/bcd`` does not) and goes with a wipe."""
@@ -341,7 +344,7 @@ class MetalSim:
                 return
             args = [*state, "join", "--no-service", "--token-file", "/etc/bcd/join-token",
                     "--control-plane", env["BC_NATS_URL"]]  # fmt: skip
-            returncode = self._bcd_once(args, env, log)
+            returncode = self._bcd_once(m, generation, args, env, log)
             if returncode != 0:
                 m.ledger.append("bcd.join-failed", mode="installed", returncode=returncode)
                 return
@@ -376,17 +379,28 @@ class MetalSim:
                     )  # fmt: skip
             m.ledger.append("bcd.started", mode=mode, pid=m.bcd.pid)
 
-    def _bcd_once(self, args: list[str], env: dict[str, str], log: Path) -> int:
-        """Run one bcd command (``join``) to its end; its exit code."""
+    def _bcd_once(
+        self, m: SimMachine, generation: int, args: list[str], env: dict[str, str], log: Path
+    ) -> int:
+        """Run one bcd command (``join``) to its end; its exit code. A join waits as long as bcd's
+        own ``--wait`` while no bc-pki answers (its site cut off from the hub), so the bound is
+        that, and the machine's power going off (a new generation) ends it as it would."""
         if self.zygote is not None:
-            return self.zygote.run(args, env=env, log=str(log), timeout=60)
-        with open(log, "ab") as out:
-            done = subprocess.run(
-                [sys.executable, "-m", "bcd", *args],
-                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                timeout=60, check=False,
-            )  # fmt: skip
-        return done.returncode
+            proc: Any = self.zygote.spawn(args, env=env, log=str(log))
+        else:
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "bcd", *args],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+        deadline = time.monotonic() + _JOIN_BOUND_S
+        while True:
+            try:
+                return int(proc.wait(1.0))
+            except subprocess.TimeoutExpired:
+                if m.generation != generation or time.monotonic() > deadline:
+                    proc.kill()
+                    return int(proc.wait(10))
 
     def _netboot(self, m: SimMachine) -> str | None:
         if not self.boot_url:
@@ -422,7 +436,7 @@ class MetalSim:
         env = self._bcd_env(m)
         extra = [] if "bcd.control_plane" in settings else ["--control-plane", env["BC_NATS_URL"]]
         log = m.folder / f"bcd-{m.boots:03d}.log"
-        returncode = self._bcd_once(["join", "--no-service", *extra], env, log)
+        returncode = self._bcd_once(m, generation, ["join", "--no-service", *extra], env, log)
         if returncode != 0:
             m.ledger.append("bcd.join-failed", returncode=returncode)
             return
