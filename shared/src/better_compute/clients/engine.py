@@ -426,11 +426,12 @@ class EngineClient(ServiceClient):
         labels: Mapping[str, str] | None = None,
         bmc: EnrollmentRuleBmc | None = None,
         priority: int = 100,
+        name_template: str | None = None,
     ) -> EnrollmentRuleView:
         """A rule that enrolls the discovered nodes it matches (docs/metal.md)."""
         req = CreateEnrollmentRule(
             name=name, selector=selector, tenant_id=tenant_id, site_id=site_id,
-            labels=dict(labels or {}), bmc=bmc, priority=priority,
+            labels=dict(labels or {}), bmc=bmc, priority=priority, name_template=name_template,
         )  # fmt: skip
         return await self._call("enrollmentRules.create", req, EnrollmentRuleView)
 

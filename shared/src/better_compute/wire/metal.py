@@ -178,6 +178,9 @@ class CreateEnrollmentRule(_Msg, frozen=True, kw_only=True):
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     bmc: EnrollmentRuleBmc | None = None
     priority: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 100
+    name_template: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
+    """The enrolled node's name from its facts (``rack1-{inventory.serial}``, ``{hostname}``),
+    unique in its site; without one the node keeps the name its reported host name gave it."""
 
 
 class ListEnrollmentRules(_Msg, frozen=True, kw_only=True):
@@ -248,6 +251,8 @@ class BulkRefusal(_Reply, frozen=True, kw_only=True):
     """A node ``metal.bulk`` left alone, and why (the ``BcError`` it would have raised)."""
 
     node_id: str
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    """The node's name; absent when it has none."""
     code: str
     message: str
     reason: str | None
@@ -285,6 +290,8 @@ class PlannedNode(_Reply, frozen=True, kw_only=True):
     """A node the verb would start on: its state now, the state it would move to, the profile."""
 
     node_id: str
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    """The node's name; absent when it has none."""
     state: str
     becomes: str
     profile: VerbProfile
@@ -348,6 +355,7 @@ class EnrollmentRuleView(_Reply, frozen=True, kw_only=True):
     bmc: dict[str, Any] | None
     priority: int
     created_at: str | None
+    name_template: str | None = None
 
 
 class EnrollmentRuleList(_Reply, frozen=True, kw_only=True):
