@@ -480,7 +480,7 @@ class MetalApi:
                 state=r["state"],
                 becomes=running,
                 profile=profile,
-            )  # fmt: skip
+            )
             for r in prep.ok
         ]
         return BulkPlan(
