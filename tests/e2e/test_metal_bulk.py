@@ -3,6 +3,7 @@ command-queue and PKI as processes and a simulated site agent counting what it r
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -203,9 +204,11 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
     bc_processes: ServiceProcesses,
     tmp_path: Path,
 ) -> None:
-    """Issue 26: ``bcx bulk <verb> --plan`` is what the verb would do, per node, and does none of
-    it; ``bcx batches approve`` shows the scope it signs first. Seen failing before metal.plan
-    (bcx: unrecognized arguments: --plan)."""
+    """Issue 26: ``bcx bulk <verb> --plan`` (and ``bcx <verb> NODE --plan``) is what the verb
+    would do, per node, and does none of it; ``bcx batches approve`` shows the scope it signs
+    first. Seen failing before metal.plan (bcx: unrecognized arguments: --plan). The approvers
+    file changed while the services run is in force for the next plan and batch (seen failing
+    before the reload: the plan still said 2 of 3)."""
     keys, settings = stack[0], bc_processes.settings
     ids = []
     for i in range(3):
@@ -282,6 +285,21 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
     assert await _what_exists(bc_api) == before
     assert await _states(bc_api, ids) == states
 
+    # the approvers are configuration read again when their file changes, with no restart: the
+    # next plan and the next verb's batch need 3 of 4, and the new approver's signature counts
+    keys["dave"] = ed25519.Ed25519PrivateKey.generate()
+    os.replace(write_approvers(tmp_path / "approvers.next", keys, threshold=3), tmp_path / "approvers.toml")
+    cq = CommandQueueClient(bc_api)
+
+    async def in_force() -> bool:
+        quorum = await cq.quorum()
+        return (quorum.threshold, [a.id for a in quorum.approvers]) == (3, [*APPROVERS, "dave"])
+
+    await until(in_force, timeout=30, what="the new approvers in force")
+    replanned = await bcx(settings, "release", "r7-m0", "--plan")
+    assert replanned.returncode == 0, replanned.stderr
+    assert "needs 3 of 4 (alice, bob, carol, dave)" in replanned.stdout
+
     # the verb itself does what the plan said
     bulk = await bc_api.call(
         "engine", "metal.bulk", {"verb": "release", "selector": {"site": "lab1", "rack": "r7"}}
@@ -298,7 +316,7 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
                        "--key-file", _pem(keys["alice"], tmp_path / "alice.pem"))  # fmt: skip
     assert signed.returncode == 0, signed.stderr
     scope, _, _ = signed.stdout.partition("approved by alice")
-    assert f"you sign batch {batch.id} (open, 0/2):" in scope
+    assert f"you sign batch {batch.id} (open, 0/3):" in scope
     assert "kinds      driver.invoke" in scope
     assert "nodes      2: " in scope
     for s in bulk["started"]:
@@ -306,5 +324,12 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
     as_json = await bcx(settings, "batches", "approve", batch.id, "--approver", "bob",
                         "--key-file", _pem(keys["bob"], tmp_path / "bob.pem"), "--json")  # fmt: skip
     assert as_json.returncode == 0, as_json.stderr
-    assert msgspec.json.decode(as_json.stdout)["state"] == "approved"
-    assert f"you sign batch {batch.id} (open, 1/2):" in as_json.stderr
+    assert msgspec.json.decode(as_json.stdout)["state"] == "open"
+    assert f"you sign batch {batch.id} (open, 1/3):" in as_json.stderr
+    dave = await cq.approve_batch(
+        batch_id=batch.id, approver_id="dave", signature=sign_batch(batch, keys["dave"])
+    )
+    assert (dave.state, [a.approver_id for a in dave.approvals if a.counted]) == (
+        "approved",
+        ["alice", "bob", "dave"],
+    )
