@@ -94,6 +94,8 @@ class EngineService(Service):
         "workflows.resume": ("reason",),
         "images.register": ("tenantId", "name", "version", "url", "format", "signer", "public"),
         "images.delete": ("tenantId", "ref"),
+        "images.signers.add": ("id",),
+        "images.signers.remove": ("id",),
         **{
             f"metal.{verb}": ("nodeId", "tenantId", "image", "profile")
             for verb in ("adopt", "commission", "deploy", "inspect", "release", "retire")

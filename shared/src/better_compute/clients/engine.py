@@ -51,14 +51,19 @@ from ..wire.engine import (
     WorkflowView,
 )
 from ..wire.images import (
+    AddImageSigner,
     DeleteImage,
     GetImage,
     ImageDeleted,
     ImageFormat,
     ImageList,
+    ImageSignerList,
+    ImageSignerView,
     ImageView,
     ListImages,
+    ListImageSigners,
     RegisterImage,
+    RemoveImageSigner,
 )
 from ..wire.metal import (
     BulkPlan,
@@ -497,6 +502,20 @@ class EngineClient(ServiceClient):
 
     async def delete_image(self, *, ref: str, tenant_id: str = "root") -> ImageDeleted:
         return await self._call("images.delete", DeleteImage(tenant_id=tenant_id, ref=ref), ImageDeleted)
+
+    async def add_image_signer(self, *, id: str, public_key: str) -> ImageSignerView:
+        """Allowlist a signer now, for every engine (no restart; docs/images.md)."""
+        return await self._call(
+            "images.signers.add", AddImageSigner(id=id, public_key=public_key), ImageSignerView
+        )
+
+    async def remove_image_signer(self, *, id: str) -> ImageSignerView:
+        """Take an operator's signer off the allowlist now; answers it as it was."""
+        return await self._call("images.signers.remove", RemoveImageSigner(id=id), ImageSignerView)
+
+    async def list_image_signers(self) -> ImageSignerList:
+        """Every allowlisted signer, configured or an operator's."""
+        return await self._call("images.signers.list", ListImageSigners(), ImageSignerList)
 
 
 def _ref(

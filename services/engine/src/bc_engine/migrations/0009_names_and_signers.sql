@@ -1,0 +1,7 @@
+-- Issue 26: an enrollment rule names the nodes it enrolls (`--name-template rack1-{inventory.serial}`);
+-- NULL: the node keeps the name its reported host name gave it at discovery.
+ALTER TABLE enrollment_rules ADD COLUMN name_template text;
+-- Issue 26: image signers an operator adds while the engines run (`bcx images signers add`),
+-- beside those of [images] signers and plugins that every engine writes at its start. added_by:
+-- who added it; NULL for a configured one. An engine's start replaces only the configured ones.
+ALTER TABLE image_signers ADD COLUMN added_by text;
