@@ -6,10 +6,11 @@ cannot drift from what bcx does (issue 26).
 * Every example not marked ``<!-- doctest: skip (reason) -->`` on the line before its code block
   runs against one stack started for this module's one test (bc-pki, bc-command-queue with a
   quorum, bc-engine as processes; no bc-secrets, as the examples that show it missing expect)
-  and the world the docs name (``_world``): nodes (three at eu1, ``lab1-m001``), an enrollment
-  rule, an open batch, the image signer ``acme-release`` and the files ``ubuntu.raw``,
-  ``ed25519.pem``, ``ci.pub``. A placeholder the docs write (``node_…``, ``rule_…``,
-  ``batch_01J…``) is the id of that thing in the world, in the command and in the output shown;
+  and the world the docs name (``_world``): nodes (three at eu1, ``lab1-m001``, one at lab2
+  whose power-on waits for an agent), an enrollment rule, an open batch, the image signer
+  ``acme-release`` and the files ``ubuntu.raw``, ``ed25519.pem``, ``ci.pub``. A placeholder the
+  docs write (``node_…``, ``rule_…``, ``batch_01J…``, and the author's ids of docs/engine.md's
+  ``bcx why``) is the id of that thing in the world, in the command and in the output shown;
   ``~/`` is a home of the test's own. A code block's examples run in order, as a reader would
   paste them, in a folder of the block's own holding the files; what one changes that the next
   needs an operator would do by hand follows it (``World.after``: the key ``batches keygen``
@@ -20,10 +21,10 @@ cannot drift from what bcx does (issue 26).
 * Each run is its own process, forked from one that imported bcx once (``BcxForks``, two at a
   time), so a run costs its requests, not Python's start.
 
-The test prints how many examples ran, were parsed only and were skipped, with each reason: 37
+The test prints how many examples ran, were parsed only and were skipped, with each reason: 38
 of 78 run, the rest need the simulated fleet, a plugin installed, bc-secrets or a real
 machine's paths, or are synopsis lines. It takes about 25 s on the loaded two-core machine (load
-19: the stack's start 4 s, the world 2 s, the 37 runs 18 s), as the ten subprocess runs took
+19: the stack's start 4 s, the world 2 s, the 38 runs 18 s), as the ten subprocess runs took
 before.
 """
 
@@ -247,6 +248,11 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
         "engine", "metal.enroll", {"siteId": "lab1", "labels": {"rack": "r12"}, "name": "lab1-m001"}
     )
     engine, cq = EngineClient(api), CommandQueueClient(api)
+    # a workflow waiting for its site's agent (lab2 has none): what `bcx why` explains
+    waiting = await api.call(
+        "engine", "metal.enroll", {"siteId": "lab2", "bmc": {"driver": "sim", "address": "bmc-lab2"}}
+    )
+    powering = await api.call("engine", "metal.power", {"nodeId": waiting["id"], "action": "on"})
     rule = await engine.create_enrollment_rule(
         name="docs", selector="inventory.cpu_cores>=512", site_id="lab1"
     )
@@ -287,7 +293,10 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
         home=home,
         files=files,
         ids={"node_…": nodes[0], "node_01…": nodes[0], "node_01J…": nodes[0], "rule_…": rule.id,
-             "batch_01J…": batch.id},
+             "batch_01J…": batch.id,
+             # the author's ids in docs/engine.md's `bcx why` (its output is the author's)
+             "node_01M8RSW0Q1DY63NMWG4W8Z57YX": waiting["id"],
+             "wf_01M8RSW0T4G53QNA7BJ6ZAK3Z4": powering["workflowId"]},
         after={("batches", "keygen"): approver_added},
     )  # fmt: skip
 
