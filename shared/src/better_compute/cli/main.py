@@ -306,7 +306,7 @@ LAZY_COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     )),
     ("why_commands", (("why", "what a node's or workflow's current step waits for, in one answer"),)),
     ("sim_commands", (("sim", "the metal simulator and a site agent for one site"),)),
-    ("ramdisk_commands", (("ramdisk", "the bcd ramdisk: build it from packages"),)),
+    ("ramdisk_commands", (("ramdisk", "the bcd ramdisk: build it; set the one the profiles boot"),)),
 )  # fmt: skip
 
 _MODULE_OF = {name: module for module, commands in LAZY_COMMANDS for name, _ in commands}

@@ -69,6 +69,7 @@ from ..wire.metal import (
     BulkPlan,
     BulkRun,
     BulkVerb,
+    ClearRamdisk,
     ConfirmEnrollment,
     CreateEnrollmentRule,
     DeleteEnrollmentRule,
@@ -76,6 +77,7 @@ from ..wire.metal import (
     EnrollmentRuleList,
     EnrollmentRuleView,
     EnrollNode,
+    GetRamdisk,
     ListEnrollmentRules,
     ListPendingEnrollments,
     MetalVerb,
@@ -83,7 +85,9 @@ from ..wire.metal import (
     NodeBmc,
     PendingEnrollmentList,
     PowerNode,
+    RamdiskView,
     SetBootDevice,
+    SetRamdisk,
     VerbName,
     VerbRun,
 )
@@ -512,6 +516,18 @@ class EngineClient(ServiceClient):
     async def remove_image_signer(self, *, id: str) -> ImageSignerView:
         """Take an operator's signer off the allowlist now; answers it as it was."""
         return await self._call("images.signers.remove", RemoveImageSigner(id=id), ImageSignerView)
+
+    async def set_ramdisk(self, ramdisk: SetRamdisk) -> RamdiskView:
+        """The ramdisk the shipped lifecycle profiles boot from now on, every engine, no restart."""
+        return await self._call("ramdisk.set", ramdisk, RamdiskView)
+
+    async def get_ramdisk(self) -> RamdiskView:
+        """The ramdisk set with ``set_ramdisk``, if any (``set`` False: none)."""
+        return await self._call("ramdisk.get", GetRamdisk(), RamdiskView)
+
+    async def clear_ramdisk(self) -> RamdiskView:
+        """Back to the profiles' own ramdisk."""
+        return await self._call("ramdisk.clear", ClearRamdisk(), RamdiskView)
 
     async def list_image_signers(self) -> ImageSignerList:
         """Every allowlisted signer, configured or an operator's."""
