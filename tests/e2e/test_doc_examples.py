@@ -21,10 +21,10 @@ cannot drift from what bcx does (issue 26).
 * Each run is its own process, forked from one that imported bcx once (``BcxForks``, two at a
   time), so a run costs its requests, not Python's start.
 
-The test prints how many examples ran, were parsed only and were skipped, with each reason: 38
-of 78 run, the rest need the simulated fleet, a plugin installed, bc-secrets or a real
+The test prints how many examples ran, were parsed only and were skipped, with each reason: 41
+of 81 run, the rest need the simulated fleet, a plugin installed, bc-secrets or a real
 machine's paths, or are synopsis lines. It takes about 25 s on the loaded two-core machine (load
-19: the stack's start 4 s, the world 2 s, the 38 runs 18 s), as the ten subprocess runs took
+19: the stack's start 4 s, the world 2 s, the 41 runs 18 s), as the ten subprocess runs took
 before.
 """
 
