@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -19,7 +20,43 @@ _TIERS = {"unit", "integration", "e2e", "chaos", "adversarial"}
 _LONG = os.environ.get("BC_LONG", "") not in ("", "0")
 
 
+# The heaviest files first (seconds per file from an earlier run, scripts/file_weights.py): with
+# `--dist loadfile --no-loadscope-reorder` the two workers take files in this order, so a VM test
+# starts early instead of running alone at the end while the other worker idles. A file not in the
+# list weighs by its tier.
+_HERE = Path(__file__).parent
+_WEIGHTS: dict[str, float] = json.loads((_HERE / "file-weights.json").read_text())
+_TIER_WEIGHT = {"e2e": 30.0, "chaos": 30.0, "integration": 5.0, "adversarial": 10.0, "unit": 0.5}
+
+
+def _weight(item: pytest.Item) -> float:
+    rel = _file(item)
+    return _WEIGHTS.get(rel, _TIER_WEIGHT.get(rel.split("/")[1], 1.0))
+
+
+# xdist hands worker 1 the 1st and 3rd files, worker 2 the 2nd and 4th: the two files that boot the
+# built ramdisk in a VM go 1st and 3rd, so one worker builds it (minutes on a fresh machine) while
+# the other runs, instead of the second waiting on the build's lock.
+_RAMDISK_FILES = ("tests/e2e/test_vm_lifecycle.py", "tests/e2e/test_ramdisk_vm.py")
+
+
+def _file(item: pytest.Item) -> str:
+    return Path(str(item.path)).relative_to(_HERE.parent).as_posix()
+
+
+def _heaviest_first(items: list[pytest.Item]) -> None:
+    items.sort(key=_weight, reverse=True)  # stable: a file's tests keep their order
+    files = list(dict.fromkeys(_file(i) for i in items))
+    if all(f in files for f in _RAMDISK_FILES) and len(files) > 3:
+        for f in _RAMDISK_FILES:
+            files.remove(f)
+        files[0:0] = [_RAMDISK_FILES[0], files.pop(0), _RAMDISK_FILES[1]]
+        rank = {f: n for n, f in enumerate(files)}
+        items.sort(key=lambda i: rank[_file(i)])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _heaviest_first(items)
     for item in items:
         tier = Path(str(item.path)).relative_to(Path(__file__).parent).parts[0]
         if tier in _TIERS:

@@ -76,8 +76,9 @@ async def test_a_failed_command_fails_the_step_with_driver_error(stack: AgentSta
 async def test_retry_cancels_the_previous_attempts_command_before_sending_anew(stack: AgentStack) -> None:
     node = await stack.engine.create_node(site_id="lab3", bmc=sim_bmc())
     # no agent in lab3 yet: the step times out while its command (10 minutes to live) still waits
-    # (5 s: attempt 2 has as long, and it must outlast the agent's start on a loaded machine)
-    await stack.profile("slow", [{"use": "test.awaitPower", "timeout": "5s"}])
+    # (12 s: attempt 2 has as long, and it must outlast the agent's start on a loaded machine;
+    # with 5 s it did not once, at a load of 25 on 2 cores: the agent said hello 5.6 s after the retry)
+    await stack.profile("slow", [{"use": "test.awaitPower", "timeout": "12s"}])
     wf_id = await stack.start("slow", node.id)
     done = await wait_workflow(stack.api, wf_id, timeout=30)
     assert (done.state, done.steps[0].error["code"]) == ("failed", "TIMEOUT")

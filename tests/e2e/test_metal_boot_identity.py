@@ -14,10 +14,13 @@ bcd of the thief's token ever runs on it), and the feed (a node event ``quaranti
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import hashlib
 import http.client
 import json
 import re
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -47,9 +50,12 @@ async def stack(
 ) -> AsyncIterator[FleetStack]:
     # machine 0's BMC takes seconds to power on: the thief asks for its script before it boots;
     # machine 2's iPXE asks twice at each network boot; machine 3 never boots (only the test asks)
-    faults = {0: Faults(power_delay=(4.0, 4.5)), 2: Faults(netboot_asks=2), 3: Faults(never_boots=True)}
+    # machine 4's BMC hands the ramdisk its token on a virtual CD (tokenDelivery media), and
+    # takes seconds to power on too
+    faults = {0: Faults(power_delay=(4.0, 4.5)), 2: Faults(netboot_asks=2), 3: Faults(never_boots=True),
+              4: Faults(power_delay=(4.0, 4.5))}  # fmt: skip
     async with fleet_stack(
-        tmp_path / "fleet", bc_settings, machines=4, faults=faults, processes=bc_processes, api=bc_api,
+        tmp_path / "fleet", bc_settings, machines=5, faults=faults, processes=bc_processes, api=bc_api,
         quiet_seconds=5.0,
     ) as fleet:  # fmt: skip
         try:
@@ -108,6 +114,51 @@ class ThiefAgent:
 
 def _entries(stack: FleetStack) -> list[str]:
     return [p.name for p in (stack.agent.state_dir / "netboot").glob("*.json")]
+
+
+def _entries_of(stack: FleetStack, m: Any) -> bool:
+    folder = stack.agent.state_dir / "netboot"
+    return all((folder / f"{mac.replace(':', '-')}.json").exists() for mac in m.macs)
+
+
+def _get(url: str, *, source: str) -> int:
+    """GET ``url`` from ``source``; the status."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=5, source_address=(source, 0))
+    try:
+        conn.request("GET", parts.path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def _bmc_medium_url(stack: FleetStack, m: Any) -> str | None:
+    """The image URL machine ``m``'s BMC shows for its virtual CD (Redfish, as anyone with the
+    BMC's credential reads it), or None while none is inserted."""
+    creds = stack.sim.emulator.credentials
+    auth = base64.b64encode(f"{creds['username']}:{creds['password']}".encode()).decode()
+
+    def get(path: str) -> dict[str, Any]:
+        req = urllib.request.Request(
+            stack.sim.emulator.url + path, headers={"Authorization": f"Basic {auth}"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            doc: dict[str, Any] = json.loads(resp.read())
+            return doc
+
+    system = get(f"/redfish/v1/Systems/{m.uuid}")
+    for manager in system.get("Links", {}).get("ManagedBy", []):
+        media = get(get(manager["@odata.id"])["VirtualMedia"]["@odata.id"])
+        for member in media.get("Members", []):
+            medium = get(member["@odata.id"])
+            if medium.get("Inserted") and medium.get("Image"):
+                return str(medium["Image"])
+    return None
+
+
+async def _quarantine(stack: FleetStack, node_id: str) -> dict[str, Any] | None:
+    found: dict[str, Any] | None = (await stack.engine.get_node(id=node_id)).quarantine
+    return found
 
 
 async def _node_events(stack: FleetStack, node_id: str) -> list[dict[str, Any]]:
@@ -233,6 +284,50 @@ async def test_a_token_taken_off_the_boot_network_is_never_the_nodes_identity(
     assert m.ledger.count("boot.network", served="kernel", asks=2) == 1
     certs = await stack.pki.list_certificates(agent_id=node_id)
     assert [c.state for c in certs] == ["valid"]  # its join, confirmed once the entry closed clean
+
+    # -- a BMC with virtual media: the token never crosses the boot network --------------------
+    m, node_id = stack.machine(4), stack.nodes[4]
+    updated = await bcx(stack.settings, "nodes", "update", node_id, "--bmc-token-delivery", "media")
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    shown = await bcx(stack.settings, "nodes", "show", node_id)
+    assert "boot token  media: on a virtual CD only the BMC fetches" in shown.stdout, shown.stdout
+    run = await stack.verb("inspect", 4)
+    # the BMC fetched the token image from the site agent's capability URL (sushy-emulator
+    # downloads it at InsertMedia); whoever reads the BMC's virtual media sees that URL
+    leaked = await until(
+        lambda: _bmc_medium_url(stack, m), timeout=60, interval=0.2, what="machine 4's medium inserted"
+    )
+    assert re.fullmatch(r"http://[^/]+/media/[0-9a-f]{32}", leaked), leaked
+    await until(lambda: _entries_of(stack, m), timeout=60, what="machine 4's boot entries")
+    script = _ask(stack, m.macs[0])  # a host on the boot network asks before the machine does
+    assert m.ledger.count("boot.network") == 0  # (its BMC takes seconds to power it on)
+    assert TOKEN.search(script) is None, script  # nothing to join with: 0 joins as the node
+    assert "bcd.token_from=media" in script
+    assert _get(leaked.rsplit("/", 1)[0] + "/" + "0" * 32, source="127.0.0.2") == 404  # no guessing
+    await until(lambda: m.ledger.count("boot.network") >= 1, timeout=60, what="machine 4 network-boots")
+    m.faults = dataclasses.replace(m.faults, power_delay=None)  # its power-off need not take seconds
+    stack.sim.write_power_delays()
+    node = await stack.node_reaches(node_id, "inspected", timeout=120, what="machine 4 inspected")
+    assert node.quarantine is None
+    assert node.inventory_summary is not None  # from the ramdisk's attested answer: it is the node
+    cmdline = (m.tree / "proc/cmdline").read_text()
+    assert "bcd.token=" not in cmdline
+    assert "bcd.token_from=media" in cmdline
+    assert m.ledger.count("media.visible") == 1
+    assert m.ledger.count("media.eject") == 1  # out once the node joined
+    assert not _entries_of(stack, m)  # and its entries cleared
+    steps = {st.action: st.result for st in (await stack.engine.get_workflow(id=run.workflow_id)).steps}
+    assert steps["metal.ensureRamdisk"]["tokenDelivery"] == "media"
+    assert "mediaEjectCommand" in steps["wait.agentJoined"]
+    [cert] = await stack.pki.list_certificates(agent_id=node_id)
+    assert cert.state == "valid"  # never held: no quiet period to wait for
+    # a second fetch of the capability URL (leaked off the BMC) gets nothing and burns the token
+    assert _get(leaked, source="127.0.0.2") == 404
+    quarantined = await until(
+        lambda: _quarantine(stack, node_id), timeout=60, what="the node quarantined for the leaked medium"
+    )
+    assert quarantined["reason"] == "boot-medium-fetched-twice", quarantined
+    assert (await stack.pki.get_certificate(cert_id=cert.cert_id)).state == "revoked"
 
     # -- a burn report survives bc-pki away and the agent killed before it could send it -------
     m, node_id = stack.machine(3), stack.nodes[3]  # never boots: only the test's hosts ask

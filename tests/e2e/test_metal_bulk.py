@@ -15,7 +15,7 @@ import pytest_asyncio
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from bc_command_queue import metrics
+from bc_command_queue import store as cmdq_store
 from better_compute.clients import CommandQueueClient, EngineClient, PkiClient
 from better_compute.clients.audit import AuditClient
 from better_compute.config import Settings
@@ -161,7 +161,7 @@ async def test_a_bulk_verb_aborted_closes_its_batch_once_its_last_workflow_ended
     assert batch_id not in [b.id for b in await cq.list_batches(state="open", limit=100)]
     conn = await asyncpg.connect(settings.database_url, server_settings={"search_path": "cmdq"})  # the gauge
     try:
-        assert await conn.fetchval(metrics.BATCHES_WAITING + " AND id = $1", batch_id) == 0
+        assert await conn.fetchval(cmdq_store.BATCHES_WAITING + " AND id = $1", batch_id) == 0
     finally:
         await conn.close()
     approve = cq.approve_batch(

@@ -37,7 +37,7 @@ from better_compute.config import Settings
 from better_compute.runtime.os_image import DEFAULT_OS_CMDLINE, build_os_image
 from better_compute.runtime.ramdisk import RamdiskArtifacts, build, default_cache_dir
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, until
+from better_compute.testing import ServiceProcesses, bcx, until
 from better_compute.testing.images import register_sim_image
 from better_compute.testing.metal_sim import FleetStack, fleet_stack
 from better_compute.testing.metal_sim.stack import MediaServer
@@ -261,6 +261,48 @@ async def test_a_vm_is_inspected_commissioned_and_retired_by_the_real_ramdisk(
         else:
             assert changes.count("set_boot_device:network") == 3, changes
         # no join token on any log: services, site agent, BMCs, the VM's console and QEMU's
+        for path in stack.log_files():
+            assert not TOKEN.search(path.read_bytes()), path
+
+
+@pytest.mark.long  # a real-kernel check of the virtual-media token path; the simulator's is in make test
+@pytest.mark.timeout(900)
+async def test_the_real_ramdisk_reads_its_join_token_from_the_virtual_cd_its_bmc_fetched(
+    bc_api: ApiClient, bc_processes: ServiceProcesses, bc_settings: Settings, tmp_path: Path,
+    ramdisk_served: dict[str, str],
+) -> None:  # fmt: skip
+    """Issue 23, virtual media: a VM whose BMC says ``tokenDelivery: media``. sushy-emulator
+    downloads the site agent's one-time token image (``BCBOOT``) at InsertMedia, QEMU shows it to
+    the VM as an IDE CD-ROM, iPXE boots the real ramdisk from the network with only
+    ``bcd.token_from=media`` on its kernel line, and the ramdisk's bcd reads the token from
+    ``/dev/sr0`` and joins: the VM is inspected, its medium ejected after the join."""
+    env = ramdisk_env(
+        nats_url=bc_settings.nats_url or "", subject_root=bc_settings.subject_root,
+        cmdline="console=ttyS0,115200n8", **ramdisk_served,
+    )  # fmt: skip
+    async with _vm_stack(
+        tmp_path, bc_settings, bc_api, bc_processes, bmc="redfish", env=env, vm_disk_bytes=DISK_BYTES
+    ) as stack:
+        vm, node_id = stack.vm(0), stack.vm_nodes[0]
+        updated = await bcx(stack.settings, "nodes", "update", node_id, "--bmc-token-delivery", "media")
+        assert updated.returncode == 0, updated.stdout + updated.stderr
+        t0 = time.monotonic()
+        await stack.engine.run_verb("inspect", node_id=node_id)
+        await stack.node_reaches(node_id, "inspected", timeout=300, what="the VM inspected")
+        print(f"inspect over virtual media: {time.monotonic() - t0:.1f} s")
+        node = await stack.engine.get_node(id=node_id)
+        assert isinstance(node.inventory, dict)
+        assert node.inventory["productUuid"] == vm.uuid  # read by the real bcd off the VM's DMI
+        power = vm.events("power")
+        assert [(e["to"], e.get("boot"), e.get("cdrom")) for e in power] == [
+            ("On", "network", True), ("Off", None, None),
+        ]  # fmt: skip
+        console = vm.console.read_text(errors="replace")
+        assert "bcd.token_from=media" in console  # the kernel line the VM booted (printed)
+        assert not TOKEN.search(console.encode())  # and no token on it, nor anywhere on screen
+        asked = stack.lab.bmc_requests(0) if stack.lab else []
+        assert any("InsertMedia" in r for r in asked), asked
+        assert any("EjectMedia" in r for r in asked), asked
         for path in stack.log_files():
             assert not TOKEN.search(path.read_bytes()), path
 

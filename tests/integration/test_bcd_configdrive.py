@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec import to_builtins
 
 from bcd.configdrive import BUS_FILE, ConfigDrive, read_config_drive, write_config_drive
 from better_compute.core.errors import BcError, ErrorCode
@@ -69,7 +70,8 @@ def disk(tmp_path: Path, label: str, parts: list[str], *, disk_size: int = 32 * 
 def write(target: Path, written: int) -> dict[str, Any]:
     fd = os.open(target, os.O_RDWR)
     try:
-        return write_config_drive(fd, ConfigDrive(user_data=USER_DATA, node_id=NODE), image_bytes=written)
+        placed = write_config_drive(fd, ConfigDrive(user_data=USER_DATA, node_id=NODE), image_bytes=written)
+        return to_builtins(placed)
     finally:
         os.close(fd)
 
@@ -163,6 +165,7 @@ def test_the_bus_files_ride_on_the_drive_and_read_back_from_the_disk(tmp_path: P
         placed = write_config_drive(
             fd, ConfigDrive(user_data=USER_DATA, node_id=NODE, bus=bus), image_bytes=written
         )
+        placed = to_builtins(placed)
         assert placed["busFiles"] is True
         assert read_config_drive(fd, BUS_FILE) == bus
         assert read_config_drive(fd, "user-data") == USER_DATA

@@ -18,7 +18,7 @@ import msgspec
 import pytest_asyncio
 
 from bc_command_queue.rows import CommandRow
-from bc_command_queue.storage import NewBatch, NewCommand, PgStore, Store
+from bc_command_queue.storage import AgentHello, NewBatch, NewCommand, PgStore, Store
 from bc_command_queue.testing import MemoryStore
 from better_compute.core.ids import new_id
 from better_compute.service import Database
@@ -337,3 +337,117 @@ async def test_the_memory_store_tells_the_same_story_as_postgresql(pg: Harness) 
     assert told["fail lost"] == (  # f2 was cancelling when its node fell silent too
         [("f2", "failed", "agent-lost", "f.node", None), ("n4", "failed", "agent-lost", "n4.node", None)],
     )
+
+
+async def presence(h: Harness) -> list[Any]:
+    """Agents' operations once or more (hello, heartbeat, leaving, the boot lease, a revoked
+    certificate, the checks and lists, the metrics' counts): what each answered."""
+    s = h.store
+    told: list[Any] = []
+    at = iter(range(1_000, 10**9, 10))
+
+    def hi(agent: str, cert: str, *, role: str = "site", signed: int | None = None) -> AgentHello:
+        return AgentHello(
+            agent_id=agent, site_id=SITE, tenant_id="root", role=role, cert_id=cert, incarnation="i1",
+            version="1.0", kinds=None if role == "node" else ["node.inventory"],
+            signed_at_ms=signed if signed is not None else next(at), status='{"drivers": ["sim"]}',
+        )  # fmt: skip
+
+    async def agents(**filters: Any) -> list[Any]:
+        args: dict[str, Any] = {"site_id": None, "role": None, "connected": None, "after": None, **filters}
+        rows = await s.list_agents(silent_after_ms=15_000, limit=10, **args)
+        return [(r.id, r.role, r.connected, r.boot_lease, r.live, r.kinds, r.version, r.status) for r in rows]
+
+    async def counts() -> Any:
+        live = sorted((r.kind, r.state, r.site, r.n) for r in await s.live_counts())
+        connected = sorted((r.site, r.role, r.n) for r in await s.agents_connected(silent_after_ms=15_000))
+        return live, connected, await s.batches_waiting()
+
+    told.append(
+        ("hello", await s.agent_hello(hi("sa-1", "cert_1")), await s.agent_hello(hi("sa-2", "cert_2")))
+    )
+    told.append(("replayed hello", await s.agent_hello(hi("sa-1", "cert_1", signed=5))))
+    told.append(("lease", await s.renew_lease(SITE, "sa-1", ttl_ms=15_000),
+                 await s.renew_lease(SITE, "sa-2", ttl_ms=15_000),
+                 await s.renew_lease(SITE, "sa-1", ttl_ms=15_000)))  # fmt: skip
+    told.append(("pick", await s.pick_site_agent(SITE, silent_after_ms=15_000, kind="node.inventory"),
+                 await s.pick_site_agent(SITE, silent_after_ms=15_000, kind="power.setPower"),
+                 await s.pick_site_agent("elsewhere", silent_after_ms=15_000, kind=None)))  # fmt: skip
+    node = "node-n1"  # an agent id, the same in both stories
+    await s.agent_hello(hi(node, "cert_n", role="node"))
+    told.append(("agents", await agents()))
+    told.append(("site agents after sa-1", await agents(role="site", after=(SITE, "sa-1"))))
+    hb = await s.agent_heartbeat(node, next(at), "cert_n", None)
+    told.append(("heartbeat", hb and (hb.site_id, hb.role)))
+    told.append(("heartbeat replayed", await s.agent_heartbeat(node, 5, "cert_n", None)))
+    told.append(("heartbeat unknown", await s.agent_heartbeat("nobody", next(at), "cert_n", None)))
+    again = await s.agent_by_id(node)
+    told.append(("by id", again and again.role, await s.agent_by_id("nobody")))
+
+    # commands out with the agents: live, claimed, cancelled, checked, to republish
+    now_ms = int(time.time() * 1000)
+
+    async def insert(target: str, node_id: str) -> CommandRow:
+        new = NewCommand(
+            id=new_id("cmd"), node_id=node_id, site_id=SITE, tenant_id="root", key=new_id("cmd"),
+            kind="node.inventory", destructive=False, target=target, payload=PAYLOAD, digest=DIGEST,
+            batch_id=None, workflow_id=None, step=None, not_after_ms=now_ms + 3_600_000, may_dispatch=True,
+        )  # fmt: skip
+        row = await s.insert_command(new, silent_after_ms=15_000)
+        assert row is not None
+        return row
+
+    held, cancelled, out = await insert("node", node), await insert("node", node), await insert("node", node)
+    site_cmd = await insert("site", new_id("node"))
+    told.append(("site command to", site_cmd.agent_id))
+    for row in (held, cancelled):
+        await s.ack(row.id, node, DIGEST, "ja", next(at), quorum=False)
+    await s.cancel(cancelled.id, "operator")
+    told.append(("cancelling", [r == cancelled.id for r in await s.cancelling(node)]))
+    stop = await s.must_stop([held.id, cancelled.id, out.id, "cmd_unknown"], node)
+    told.append(("must stop", [i == held.id for i in stop], len(stop)))
+    told.append(("to republish", sorted(r.id == held.id for r in await s.agent_commands_to_republish(node))))
+    told.append(("site of node", await s.site_of_node(node), await s.site_of_node(site_cmd.node_id),
+                 await s.site_of_node(new_id("node"))))  # fmt: skip
+    for label, approved in (("waiting", False), ("approved", True)):
+        batch = NewBatch(
+            id=new_id("batch"), tenant_id="root", kinds=["node.wipe"], nodes=[], workflow_id=None,
+            workflow_ids=[], note=label, idempotency_key=None, document=b"doc", threshold=1,
+            expires_at_ms=now_ms + 3_600_000,
+        )  # fmt: skip
+        await s.insert_batch(batch)
+        await s.set_batch_approved(batch.id, approved)
+    told.append(("counts", await counts()))
+
+    # leaving, then a revoked certificate
+    left = await s.agent_leave("sa-2", next(at), silent_after_ms=15_000)
+    told.append(("leave", left and left.role, await s.agent_leave("sa-2", 5, silent_after_ms=15_000)))
+    await s.release_lease(SITE, "sa-2")  # not its lease: nothing happens
+    told.append(("connected", await agents(connected=True)))
+    cut = await s.cut_off("cert_1", silent_after_ms=15_000)
+    told.append(("cut off", [(a.id, a.site_id, a.role) for a in cut.agents],
+                 [(r.id == site_cmd.id, r.state, r.reason, r.agent_id) for r in cut.reassigned]))  # fmt: skip
+    told.append(("after cut off", await agents(role="site")))
+    told.append(("revoked hello", await s.agent_hello(hi("sa-1", "cert_1")),
+                 await s.agent_heartbeat("sa-1", next(at), "cert_1", None),
+                 await s.renew_lease(SITE, "sa-1", ttl_ms=15_000)))  # fmt: skip
+    await s.agent_hello(hi("sa-2", "cert_2"))
+    told.append(("lease free", await s.renew_lease(SITE, "sa-2", ttl_ms=15_000)))
+    await s.release_lease(SITE, "sa-2")
+    told.append(("released", await agents(role="site")))
+    told.append(("counts after", await counts()))
+    return told
+
+
+async def test_the_memory_store_keeps_agents_as_postgresql_does(pg: Harness) -> None:
+    on_pg = await presence(pg)
+    in_memory = await presence(memory())
+    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
+        assert step_mem == step_pg
+    told = dict((t[0], t[1:]) for t in on_pg)
+    assert told["lease"] == (True, False, True)
+    assert told["pick"] == ("sa-1", None, None)
+    assert told["must stop"] == ([False, False, False], 3)
+    assert told["cut off"] == ([("sa-1", SITE, "site")], [(True, "pending", "agent-revoked", None)])
+    assert told["revoked hello"] == (False, None, False)
+    assert told["counts"][0][2] == 1  # one batch waits for approval

@@ -348,6 +348,10 @@ async def test_bcd_joined_with_a_held_token_connects_once_the_site_agent_confirm
 
         await until(refused_while_pending, timeout=15, interval=0.2, what="the responder refuses bcd again")
         running()
+        said = callout_log.read_text().split("\n")
+        refusals = [line for line in said if "connection_refused" in line]
+        assert refusals
+        assert all("the certificate is pending" in line for line in refusals[-CONNECT_TRIES:])
         assert node_id not in {a.id for a in await agents.agents(site_id="eu1", connected=True)}
 
         # the site agent's report that the boot entry closed clean, as bc_site_agent.reports sends it
@@ -366,7 +370,8 @@ async def test_bcd_joined_with_a_held_token_connects_once_the_site_agent_confirm
 
         await until(connected_as_itself, timeout=20, interval=0.3, what="bcd connected and said hello")
         running()
-        assert "agent_connected" in bcd.output()
+        # the command queue marks it connected at its hello, bcd logs it when the answer is back
+        await until(lambda: "agent_connected" in bcd.output(), timeout=10, what="bcd's agent_connected")
     finally:
         bcd.close()
         print("--- bcd ---", bcd.output()[-3000:])

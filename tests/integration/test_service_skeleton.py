@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from typing import Any, ClassVar
 
 import asyncpg
 import msgspec
 import pytest
 from nats.aio.client import Client as Nats
+from prometheus_client.parser import text_string_to_metric_families
 
 from bc_engine.service import EngineService
 from better_compute.config import Settings
@@ -159,14 +161,18 @@ async def test_http_health_endpoint_for_probes(bc_settings: Settings) -> None:
     from better_compute.runtime.embedded import free_port
 
     port = free_port()
+
+    def get(path: str) -> tuple[int, str, bytes]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, resp.headers["Content-Type"], resp.read()
+
     async with EngineService(msgspec.structs.replace(bc_settings, health_port=port)):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        await writer.drain()
-        raw = await reader.read()
-        writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200 OK")
+        status, content_type, body = await asyncio.to_thread(get, "/healthz")
+        _, metrics_type, metrics = await asyncio.to_thread(get, "/metrics")
+    assert (status, content_type) == (200, "application/json")
     health = json.loads(body)
     assert health["service"] == "bc-engine"
     assert health["checks"] == {"nats": True, "postgres": True}
+    assert metrics_type.startswith("text/plain")
+    families = {f.name for f in text_string_to_metric_families(metrics.decode())}
+    assert "bc_workflows_running" in families

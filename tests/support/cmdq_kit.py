@@ -1,31 +1,38 @@
 """The command queue's parts on an in-memory store, for its unit tests: no PostgreSQL, no NATS.
 
-``Queue`` wires the real ``Claims``, ``Runs``, ``Batches`` and ``Sweeper`` to a ``MemoryStore``
-and records what they would publish (command events, deliveries, batch events).
+``Queue`` wires the real ``Claims``, ``Runs``, ``Batches``, ``Sweeper`` and ``Agents`` to a
+``MemoryStore`` and records what they would publish (command events, deliveries, batch events,
+sites whose pending commands were dispatched). bc-pki is a dict of certificate states.
 """
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from bc_command_queue.agents import Agents
 from bc_command_queue.batches import Batches
 from bc_command_queue.claims import Claims
 from bc_command_queue.commands import Commands
 from bc_command_queue.config import CmdqConfig, Quorum, QuorumSource, load_quorum
 from bc_command_queue.rows import CommandRow
 from bc_command_queue.runs import Runs
+from bc_command_queue.signers import Signer
 from bc_command_queue.storage import NewCommand
 from bc_command_queue.sweeper import Sweeper
 from bc_command_queue.testing import MemoryStore
 from better_compute.app import load_app
 from better_compute.config import DEFAULT_APP
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.service import ApiRequest
 from better_compute.testing.approvers import approver_keys, write_approvers
@@ -64,6 +71,35 @@ class Deliveries:
         return True
 
 
+class Streams:
+    async def ensure_consumer(self, site_id: str, agent_id: str) -> tuple[str, str]:
+        return f"stream-{site_id}", f"consumer-{agent_id}"
+
+
+class Pki:
+    """bc-pki's word on certificates: ``states[cert_id]`` (absent: NOT_FOUND)."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, str] = {}
+
+    async def get_certificate(self, *, cert_id: str) -> Any:
+        if cert_id not in self.states:
+            raise BcError(ErrorCode.NOT_FOUND, f"no certificate {cert_id}")
+        return SimpleNamespace(state=self.states[cert_id])
+
+
+class NoSigners:
+    def evict(self, cert_id: str) -> None:
+        pass
+
+
+def signer(agent: str, *, site: str = SITE, role: str = "site", cert: str = "cert_x") -> Signer:
+    return Signer(
+        cert_id=cert, agent_id=agent, site_id=site, tenant_id="root", role=role,
+        not_after=dt.datetime.now(dt.UTC) + dt.timedelta(days=1), public_key=None,
+    )  # fmt: skip
+
+
 @dataclass
 class Queue:
     store: MemoryStore
@@ -73,11 +109,16 @@ class Queue:
     runs: Runs
     batches: Batches
     sweeper: Sweeper
+    agents: Agents
+    pki: Pki
     deliveries: Deliveries
     log: Log
     changed: list[CommandRow] = field(default_factory=list)
     batch_events: list[Any] = field(default_factory=list)
     connected: bool = True
+    dispatched_sites: list[str] = field(default_factory=list)
+    spawned: list[asyncio.Future[None]] = field(default_factory=list)
+    """What the agents ran beside an event (redelivery after a hello), as tasks."""
 
     def states(self) -> list[tuple[str, str, str | None]]:
         """The command events published so far: (id, state, reason)."""
@@ -102,6 +143,18 @@ def queue(*, quorum: Quorum | None = None, reruns: bool = False, **cfg: Any) -> 
         changed=changed, connected=lambda: box[0].connected, log=log, clock=store.now,
     )  # fmt: skip
     app = load_app(DEFAULT_APP)
+    pki = Pki()
+
+    async def dispatch_pending(*, site_id: str | None = None, batch_id: str | None = None) -> int:
+        if site_id is not None:
+            box[0].dispatched_sites.append(site_id)
+        return await sweeper.dispatch_pending(site_id=site_id, batch_id=batch_id)
+
+    agents = Agents(
+        store=store, config=config, streams=Streams(), deliveries=deliveries, pki=pki,  # type: ignore[arg-type]
+        signers=NoSigners(), changed=changed, dispatch_pending=dispatch_pending,  # type: ignore[arg-type]
+        spawn=lambda coro: box[0].spawned.append(asyncio.ensure_future(coro)), log=log,
+    )  # fmt: skip
     q = Queue(
         store=store,
         config=config,
@@ -125,6 +178,8 @@ def queue(*, quorum: Quorum | None = None, reruns: bool = False, **cfg: Any) -> 
             publish=publish,
         ),
         sweeper=sweeper,
+        agents=agents,
+        pki=pki,
         deliveries=deliveries,
         log=log,
     )

@@ -65,3 +65,50 @@ async def test_a_stop_ends_the_wait_and_other_errors_are_raised(monkeypatch: pyt
     with pytest.raises(BcError) as err:
         await daemon.connect_as_agent("tls://leaf", dict, asyncio.Event())
     assert err.value.code is ErrorCode.INVALID_CONFIG
+
+
+async def test_a_refusal_that_outlasts_any_pending_certificate_is_tried_again_only_every_few_minutes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 23: a revoked bcd is refused for ever and tried again every 5-10 s for ever. A pending
+    certificate is refused only until its boot entry closes clean (``netboot.quiet_seconds``,
+    120 s by default): once the refusals have lasted ``REFUSED_PATIENCE_S``, bcd waits up to
+    ``REFUSED_LONG_CAP_S`` between tries, logs that once, and still connects when let in."""
+    tries: list[dict[str, Any]] = []
+    waits: list[float] = []
+    now = [0.0]
+    monkeypatch.setattr(daemon, "connect", _refusing(200, ErrorCode.UNAUTHENTICATED, tries))
+
+    async def wait_for(aw: Any, timeout: float) -> None:  # the stop event's wait, on a fake clock
+        aw.close()
+        waits.append(timeout)
+        now[0] += timeout
+        raise TimeoutError
+
+    monkeypatch.setattr(daemon.asyncio, "wait_for", wait_for)
+    with capture_logs() as logs:
+        nc = await daemon.connect_as_agent(
+            "tls://leaf", lambda: {"name": "bcd"}, asyncio.Event(), clock=lambda: now[0]
+        )
+    assert nc == "connection"
+    patience = daemon.REFUSED_PATIENCE_S
+    early = [w for w, at in zip(waits, _elapsed(waits), strict=True) if at < patience]
+    late = [
+        w for w, at in zip(waits, _elapsed(waits), strict=True) if at >= patience + daemon.REFUSED_LONG_CAP_S
+    ]
+    assert early
+    assert max(early) <= daemon.REFUSED_BACKOFF[1]
+    assert late
+    assert min(late) >= daemon.REFUSED_LONG_CAP_S / 2
+    assert daemon.REFUSED_LONG_CAP_S >= 300
+    told = [e for e in logs if e["event"] == "control_plane_refused_certificate_for_long"]
+    assert len(told) == 1
+
+
+def _elapsed(waits: list[float]) -> list[float]:
+    """When each wait started, counted from the first refusal."""
+    out, at = [], 0.0
+    for w in waits:
+        out.append(at)
+        at += w
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from msgspec import to_builtins
 
 from bcd.converger import Converger
 from bcd.hardware import claims, inventory
@@ -29,6 +30,7 @@ async def test_gpu_units_are_skipped_clearly_where_there_is_no_gpu(tmp_path: Pat
         generation=5,
         units=units_of(resolve_host_section(PROFILE_UNITS[3:4] + PROFILE_UNITS[5:], {"gpu": "nvidia"})),
     )
+    got = to_builtins(got)
     assert got["units"] == [
         {"name": u["name"], "status": "skipped", "detail": "no NVIDIA GPU on this machine"}
         for u in GPU_SECTION
@@ -43,6 +45,7 @@ async def test_fabric_manager_is_skipped_without_an_nvswitch(tmp_path: Path) -> 
     got = await Converger(m).converge(
         generation=1, units=units_of([{"name": "fabric-manager", "settings": {}}])
     )
+    got = to_builtins(got)
     assert got["units"][0]["status"] == "skipped"
     assert "no NVSwitch on this machine" in got["units"][0]["detail"]
     assert host.enabled == set()
@@ -68,6 +71,7 @@ async def test_a_gpu_whose_driver_is_not_loaded_fails_the_units_that_need_it(tmp
     host.driver = "550.54.15"
     runner.ran.clear()
     got = await conv.converge(generation=1, units=units_of(units))
+    got = to_builtins(got)
     assert [(u["name"], u["status"]) for u in got["units"]] == [
         ("nvidia-driver", "unchanged"),
         ("mig-layout", "changed"),
@@ -90,14 +94,14 @@ async def test_mig_on_gpus_without_mig_or_a_gpu_not_there_fails_with_why(tmp_pat
 
 def test_inventory_and_claims_see_the_gpus_nvidia_smi_lists(tmp_path: Path) -> None:
     m, _host, _runner = gpu_machine(tmp_path)
-    gpus = inventory(m)["gpus"]
+    gpus = to_builtins(inventory(m))["gpus"]
     assert [(g["pciAddress"], g["uuid"], g["driverVersion"]) for g in gpus] == [
         ("0000:17:00.0", "GPU-00000000-0000-0000-0000-000000000000", "535.161.08"),
         ("0000:18:00.0", "GPU-10000000-0000-0000-0000-000000000000", "535.161.08"),
     ]
     assert claims(m).gpu_uuids == [g["uuid"] for g in gpus]
     m, _host, _runner = gpu_machine(tmp_path / "b", driver=None)  # on PCI, no driver loaded yet
-    assert [(g["pciAddress"], g.get("uuid")) for g in inventory(m)["gpus"]] == [
+    assert [(g["pciAddress"], g.get("uuid")) for g in to_builtins(inventory(m))["gpus"]] == [
         ("0000:17:00.0", None),
         ("0000:18:00.0", None),
     ]

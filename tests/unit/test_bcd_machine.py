@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import zstandard
+from msgspec import to_builtins
 
 from bcd.__main__ import main as bcd_main
 from bcd.bus import adopt_config_drive, carried_bus
@@ -70,6 +71,7 @@ def test_inventory_of_a_prepared_tree(tmp_path: Path) -> None:
     )
     (m.root / "sys/block/loop0/device").mkdir(parents=True)  # not a disk
     inv = inventory(m)
+    inv = to_builtins(inv)
     assert inv["cpus"]["threads"] == 8
     assert inv["cpus"]["virtualization"] is True
     assert inv["memory"]["totalBytes"] == 16 << 30
@@ -86,6 +88,7 @@ def test_inventory_of_a_prepared_tree(tmp_path: Path) -> None:
 
 def test_inventory_of_this_machine_reads_only() -> None:
     inv = inventory(Machine())
+    inv = to_builtins(inv)
     assert inv["cpus"]["threads"] == os.cpu_count()
     assert inv["memory"]["totalBytes"] > 0
     assert inv["nics"], "this machine has a NIC"
@@ -129,6 +132,7 @@ def test_wipe_erases_every_table_and_superblock_wipefs_would_find(tmp_path: Path
     if shutil.which("wipefs"):
         assert "ext4" in subprocess.run(["wipefs", "-n", str(vdc)], capture_output=True, text=True).stdout
     report = wipe(m, disks=["/dev/vdb", "/dev/vdc"])
+    report = to_builtins(report)
     assert [d["disk"] for d in report["disks"]] == ["/dev/vdb", "/dev/vdc"]
     assert report["disks"][0]["signaturesErased"] == ["dos", "ext4@1048576"]
     assert report["disks"][0]["partitions"] == 1
@@ -154,6 +158,7 @@ def test_wipe_refuses_the_disk_bcd_runs_from_and_skips_it_when_wiping_all(tmp_pa
     assert info.value.reason.startswith("boot-disk")
     assert (m.root / "dev/vdb").read_bytes()[:11] == b"\xffbootloader"  # refused before touching any
     report = wipe(m, disks=None)
+    report = to_builtins(report)
     assert report["disks"][0]["disk"] == "/dev/vdb"
     assert report["disks"][1] == {"disk": "/dev/vda", "skipped": "bcd runs from this disk"}
     assert (m.root / "dev/vda").read_bytes()[:11] == b"\xffbootloader"
@@ -173,6 +178,7 @@ def test_a_root_on_lvm_over_raid_protects_every_disk_beneath_it(tmp_path: Path) 
         with pytest.raises(CommandRejected, match="boot-disk"):
             wipe(m, disks=[disk])
     report = wipe(m, disks=None)
+    report = to_builtins(report)
     assert [d["disk"] for d in report["disks"] if "skipped" not in d] == ["/dev/vdc"]
 
 
@@ -226,6 +232,7 @@ def test_image_write_streams_verifies_and_reads_back(
         m, url=f"{base}/img-{fmt}", sha256=hashlib.sha256(packed).hexdigest(), fmt=fmt,
         progress=lambda msg, pct: seen.append((msg, pct)),
     )  # fmt: skip
+    got = to_builtins(got)
     assert got.items() >= {"disk": "/dev/vdb", "verified": True, "bytesWritten": len(raw)}.items()
     assert got["writtenSha256"] == hashlib.sha256(raw).hexdigest()
     assert (m.root / "dev/vdb").read_bytes()[: len(raw)] == raw
@@ -262,6 +269,7 @@ def test_the_image_reaches_the_disk_as_it_is_written_not_all_at_the_end(
     monkeypatch.setattr(os, "fdatasync", synced(fdatasync))
     monkeypatch.setattr(os, "fsync", synced(fsync))
     got = image_write(m, url=f"{base}/big.img", sha256=hashlib.sha256(raw).hexdigest())
+    got = to_builtins(got)
     assert got["bytesWritten"] == len(raw)
     assert (m.root / "dev/vdb").read_bytes()[: len(raw)] == raw
     assert most[0] <= SYNC_EVERY + MIB  # never more than that written and not yet on the disk
@@ -280,6 +288,7 @@ def test_an_image_of_several_members_or_frames_is_written_whole(
     (folder / f"multi-{fmt}").write_bytes(packed)
     m = machine(tmp_path, disks=(DiskSpec("vdb", size=8 << 20),))
     got = image_write(m, url=f"{base}/multi-{fmt}", sha256=hashlib.sha256(packed).hexdigest(), fmt=fmt)
+    got = to_builtins(got)
     assert got["bytesWritten"] == len(raw)
     assert (m.root / "dev/vdb").read_bytes()[: len(raw)] == raw
 
@@ -351,6 +360,7 @@ def test_user_data_goes_on_a_config_drive_and_a_drive_that_cannot_be_added_leave
     raw = _image(2 * MIB)  # a boot sector and an empty MBR: the drive takes slot 1
     (folder / "mbr.img").write_bytes(raw)
     got = image_write(m, url=f"{base}/mbr.img", sha256=hashlib.sha256(raw).hexdigest(), config_drive=drive)
+    got = to_builtins(got)
     assert got["configDrive"]["partition"] == 1
     assert got["configDrive"]["offset"] == 2 * MIB
     assert "cloud-config" not in json.dumps(got)  # where it went, never what it holds
@@ -410,6 +420,7 @@ def test_the_installed_os_takes_the_bus_files_from_the_config_drive_the_ramdisk_
     got = image_write(
         ramdisk, url=f"{base}/os.img", sha256=hashlib.sha256(raw).hexdigest(), config_drive=drive
     )
+    got = to_builtins(got)
     assert got["configDrive"]["busFiles"] is True
     assert b"PRIVATE KEY" not in json.dumps(got).encode()
 
@@ -443,6 +454,7 @@ def test_the_installed_os_takes_the_bus_files_from_the_config_drive_the_ramdisk_
     got = image_write(
         ramdisk, url=f"{base}/os.img", sha256=hashlib.sha256(raw).hexdigest(), config_drive=plain
     )
+    got = to_builtins(got)
     assert got["configDrive"]["busFiles"] is False
     assert adopt_config_drive(installed("plain", (ramdisk.root / "dev/vdb").read_bytes()), elsewhere) is False
 

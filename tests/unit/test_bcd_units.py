@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec import to_builtins
 
 from bcd.converger import SUPPORTED_UNITS, Converger
 from bcd.daemon import node_handlers
@@ -29,6 +30,7 @@ async def test_each_built_in_unit_applies_then_reports_unchanged_the_second_time
     m, host, runner = gpu_machine(tmp_path)
     conv = Converger(m, fetch_secret=fetch)
     first = await conv.converge(generation=3, units=units_of(section))
+    first = to_builtins(first)
     assert {u["name"]: u["status"] for u in first["units"]} == {u["name"]: "changed" for u in section}
     assert first["observedGeneration"] == 3 == conv.observed_generation()
     assert "net.ipv4.ip_forward = 1\n" in (m.root / "etc/sysctl.d/90-bc.conf").read_text()
@@ -54,6 +56,7 @@ async def test_each_built_in_unit_applies_then_reports_unchanged_the_second_time
 
     runner.ran.clear()
     second = await conv.converge(generation=4, units=units_of(section))
+    second = to_builtins(second)
     assert {u["name"]: u["status"] for u in second["units"]} == {u["name"]: "unchanged" for u in section}
     assert changing(runner) == []
     assert not any("ran" in u for u in second["units"])
@@ -98,9 +101,11 @@ async def test_a_unit_in_each_shape_applies_once(
         setattr(host, attr, value)
     conv = Converger(m, fetch_secret=fetch)
     first = await conv.converge(generation=1, units=units_of([{"name": name, "settings": settings}]))
+    first = to_builtins(first)
     assert first["units"][0]["status"] == "changed", first
     runner.ran.clear()
     second = await conv.converge(generation=2, units=units_of([{"name": name, "settings": settings}]))
+    second = to_builtins(second)
     assert second["units"][0]["status"] == "unchanged", second
     assert changing(runner) == []
     assert conv.observed_generation() == 2
@@ -190,4 +195,5 @@ async def test_the_installed_os_converges_through_its_command_handler(tmp_path: 
         _agent=None,
     )  # type: ignore[arg-type]
     got = await handler(cmd)
+    got = to_builtins(got)
     assert (got["observedGeneration"], got["units"][0]["status"]) == (7, "changed")

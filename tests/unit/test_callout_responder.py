@@ -89,6 +89,36 @@ async def test_with_bc_pki_away_only_a_recent_good_answer_lets_an_agent_in() -> 
         await _revocations(pki, [0.0]).revoked(AGENT)
 
 
+async def test_a_pending_certificate_is_refused_as_pending_and_asked_about_again() -> None:
+    """Issue 23: the responder logged the refusal of a pending certificate (a held join whose
+    boot entry has not closed clean) as "the certificate is revoked". It says pending, and asks
+    bc-pki again at the next try, since a pending certificate becomes valid at the confirm."""
+    pki, now = Pki(), [0.0]
+    pki.answer = _info("pending")
+    revocations = _revocations(pki, now)
+    for _ in range(2):
+        with pytest.raises(BcError) as err:
+            await revocations.revoked(AGENT)
+        assert err.value.code is ErrorCode.UNAUTHENTICATED
+        assert "pending" in err.value.message
+        assert "revoked" not in err.value.message
+    assert pki.asked == 2
+    pki.answer = _info()
+    assert await revocations.revoked(AGENT) is False
+
+
+async def test_a_revoked_certificate_costs_bc_pki_one_question_however_often_it_tries() -> None:
+    """A revoked bcd tries again every few seconds for a long while (bcd.daemon.REFUSED_BACKOFF):
+    the responder asks bc-pki about it once and refuses every later try from what it knows."""
+    pki, now = Pki(), [0.0]
+    pki.answer = _info("revoked")
+    revocations = _revocations(pki, now)
+    for step in range(50):
+        now[0] = step * 10.0
+        assert await revocations.revoked(AGENT) is True
+    assert pki.asked == 1
+
+
 @pytest.mark.parametrize(
     "case",
     ["unknown", "other-serial", "no-cert-id"],

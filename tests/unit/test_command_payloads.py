@@ -14,8 +14,10 @@ from better_compute.metal.commands import BMC, COMMAND_KINDS, DRIVER_OPERATIONS
 from better_compute.wire.commands import (
     PAYLOADS,
     BmcInventoryResult,
+    DiskWiped,
     PowerResult,
     SetPower,
+    WipeResult,
     decode_payload,
     decode_result,
     payload_document,
@@ -124,7 +126,10 @@ def test_a_result_decodes_once_or_says_nothing() -> None:
     got = decode_result("power.setPower", {"driver": "redfish", "powerState": "On", "changed": True})
     assert got == PowerResult(driver="redfish", power_state="On", changed=True)
     assert decode_result("power.setPower", {"powerState": 3}) is None  # an agent's odd answer
-    assert decode_result("node.wipe", {"disks": []}) is None  # bcd's results are its own documents
+    assert decode_result("driver.invoke", {"any": "thing"}) is None  # what the driver said, as it said it
+    assert decode_result("node.wipe", {"disks": [{"disk": "/dev/sda", "skipped": "x"}]}) == WipeResult(
+        disks=[DiskWiped(disk="/dev/sda", skipped="x")]
+    )
     # another agent's answer says less: what it says is read, the rest takes its default
     partial = decode_result("management.inventory", {"system": {"powerState": "On"}})
     assert isinstance(partial, BmcInventoryResult)

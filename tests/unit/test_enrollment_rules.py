@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import pytest
 
 from better_compute.core.errors import BcError, ErrorCode
@@ -18,6 +19,8 @@ from better_compute.metal.enrollment import (
     render_rule_bmc,
 )
 from better_compute.provision.labels import parse_label_expression
+from better_compute.wire.codec import convert
+from better_compute.wire.metal import EnrollmentRuleBmc, NodeBmc
 
 # bcd's node.inventory, trimmed (services/node-agent/src/bcd/hardware.py)
 INVENTORY = {
@@ -168,3 +171,20 @@ def test_bad_name_templates_are_refused_at_their_path(template: str) -> None:
     with pytest.raises(BcError) as caught:
         check_name_template(template)
     assert (caught.value.code, caught.value.details["path"]) == (ErrorCode.INVALID_INPUT, "nameTemplate")
+
+
+def test_a_rules_bmc_is_a_node_bmc_and_its_ca_bundle_reaches_the_node() -> None:
+    # one BMC shape: a rule's template has every NodeBmc field (it had no caBundle, and msgspec
+    # dropped one given without a word) and the node enrolled by it gets them
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    template = convert(
+        {"driver": "redfish", "address": "https://{inventory.bmc_address}", "caBundle": pem,
+         "addressCidrs": ["10.20.0.0/16"]},
+        EnrollmentRuleBmc,
+    )  # fmt: skip
+    assert isinstance(template, NodeBmc)
+    node_fields = {f.encode_name for f in msgspec.structs.fields(NodeBmc)}
+    assert node_fields <= {f.encode_name for f in msgspec.structs.fields(EnrollmentRuleBmc)}
+    stored = {k: v for k, v in msgspec.to_builtins(template).items() if v is not None}
+    bmc = render_rule_bmc(stored, inventory_facts(INVENTORY), rule="rule_x")
+    assert convert(bmc, NodeBmc) == NodeBmc(driver="redfish", address="https://10.20.3.4", ca_bundle=pem)

@@ -44,11 +44,14 @@ def test_a_profile_that_boots_a_medium_without_saying_whether_it_writes_a_disk_i
 def test_the_boot_commands_of_a_profile_that_writes_disks_are_in_its_batch_scope() -> None:
     # the page's installer: nothing destructive is sent, yet the disk is rewritten
     assert _scope(_profile(writes_disk=False)) == []
+    # (wait.agentJoined ejects a ramdisk's token medium and clears its boot entries)
     assert _scope(_profile(writes_disk=True)) == [
-        "management.setBootDevice", "media.eject", "media.insert", "power.setPower",
+        "management.setBootDevice", "media.eject", "media.insert", "netboot.clearEntry", "power.setPower",
     ]  # fmt: skip
     shipped = {p.id: p for p in lifecycle_profiles()}
-    boots = ["management.setBootDevice", "netboot.setEntry", "power.setPower"]
+    # the ramdisk's boot: a token medium (a BMC with virtual media), the entries, the cycle
+    boots = ["management.setBootDevice", "media.eject", "media.insert", "netboot.clearEntry",
+             "netboot.setEntry", "power.setPower"]  # fmt: skip
     assert _scope(shipped["metal.inspect"]) == []  # the ramdisk reads, writes nothing
     assert _scope(shipped["metal.commission"]) == sorted([*boots, "node.wipe"])
     assert _scope(shipped["metal.deploy"]) == sorted([*boots, "node.imageWrite"])

@@ -4,13 +4,16 @@ BMC relay and the node document: pure logic."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
 
 from bc_engine.documents import node_doc
+from bc_engine.metal.lifecycle import record_command_result
 from bc_engine.metal.relay import needs_bmc, relay_bmc
+from bc_engine.metal.store import OBSERVED_GENERATION
 from better_compute.app import better_compute
 from better_compute.cli.metal_commands import read_credentials, show_lines
 from better_compute.core.errors import BcError, ErrorCode
@@ -23,6 +26,7 @@ from better_compute.metal.lifecycle import (
     parse_bmc_url,
     parse_selector,
 )
+from better_compute.wire.commands import ConvergeResult, UnitReport
 from better_compute.wire.engine import CurrentStep, CurrentWorkflow
 from better_compute.wire.metal import find_inline_secret, normal_mac
 
@@ -197,3 +201,34 @@ def test_credentials_come_from_a_file_and_a_bad_file_is_not_quoted(tmp_path: Any
         read_credentials(str(bad), user=None, interactive=False)
     assert (err.value.code, err.value.path) == (ErrorCode.INVALID_INPUT, "bmcCredentialsFile")
     assert "s3cret" not in err.value.message
+
+
+_converged = msgspec.to_builtins(
+    ConvergeResult(generation=3, observed_generation=3, units=[UnitReport(name="sysctl", status="changed")])
+)
+
+
+class _Db:
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def fetchrow(self, sql: str, *args: Any) -> None:
+        self.asked.append((sql, args))
+
+
+@pytest.mark.parametrize(
+    ("result", "recorded"),
+    [
+        # bcd's node.converge result, as it sends it: the generation it observed is recorded
+        (_converged, 3),
+        ({"generation": 3, "observedGeneration": 2, "units": [{"name": "x", "status": "new-word"}]}, 2),
+        ({"generation": 3, "observedGeneration": "3"}, None),  # does not fit: says nothing
+        (None, None),
+    ],
+)
+async def test_a_converge_result_records_the_generation_bcd_observed(
+    result: Any, recorded: int | None
+) -> None:
+    db = _Db()
+    await record_command_result(SimpleNamespace(db=db), "node_1", "node.converge", None, result)  # type: ignore[arg-type]
+    assert db.asked == ([(OBSERVED_GENERATION, ("node_1", recorded))] if recorded is not None else [])

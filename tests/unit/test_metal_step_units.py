@@ -30,6 +30,7 @@ from better_compute.metal.steps.ramdisk import RAMDISK_OVERRIDE
 from better_compute.provision import Step, StepNotReady
 from better_compute.provision.results import LATEST_RESULT
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
+from better_compute.wire.commands import NodeCpus, NodeInventoryResult, NodeMemory
 
 pytestmark = pytest.mark.unit
 
@@ -303,6 +304,55 @@ async def test_ensure_ramdisk_sends_each_command_once_across_re_runs() -> None:
     assert len(ctx.commands.sent) == 4
 
 
+async def test_a_node_whose_bmc_has_virtual_media_gets_its_token_on_a_medium_not_the_boot_network() -> None:
+    """Issue 23: ``tokenDelivery: media`` puts the ramdisk's token on a virtual CD the BMC
+    fetches: minted without ``held``, sent by reference in ``media.insert`` before the boot
+    device and the power cycle; the boot entries carry no token and say ``bcd.token_from=media``.
+    ``wait.agentJoined`` ejects the medium once the node joined."""
+    bmc = {**BMC, "tokenDelivery": "media"}
+    ctx = Ctx(node=Node(bmc=bmc))
+    got = await run("metal.ensureRamdisk", RAMDISK, ctx)
+    assert ctx.commands.keys() == [
+        "3#1:media-insert", "3#1:boot-device", "3#1:netboot-0", "3#1:netboot-1", "3#1:power-cycle",
+    ]  # fmt: skip
+    insert, _, entry, _, _ = ctx.commands.sent
+    ref = "sec_ramdisk-join-token"
+    assert insert.kind == "media.insert"
+    assert insert.payload == {"device": "cd", "joinTokenRef": ref, "bmc": bmc}
+    # nothing secret in it: not one-time, so a host that asks first does not take the machine's boot
+    assert entry.payload == {**RAMDISK, "cmdline": "bcd.token_from=media", "mac": "52:54:00:00:00:01",
+                             "oneTime": False}  # fmt: skip
+    assert ctx.pki is not None
+    assert [t["held"] for t in ctx.pki.issued] == [False]
+    assert got["tokenDelivery"] == "media"
+    assert got["mediaInsertCommand"] == "cmd_1"
+    assert "bcjt_" not in json.dumps(got) + "".join(json.dumps(c.payload) for c in ctx.commands.sent)
+
+    ctx.pki.certs = [Cert("cert_ramdisk", "node", ctx.sql.since + timedelta(seconds=5))]
+    joined = await run("wait.agentJoined", {"role": "node"}, ctx)
+    assert joined["certId"] == "cert_ramdisk"
+    eject, *clears = ctx.commands.sent[5:]
+    assert (eject.kind, eject.payload) == ("media.eject", {"device": "cd", "bmc": bmc})
+    assert [(c.kind, c.payload["mac"]) for c in clears] == [
+        ("netboot.clearEntry", mac) for mac in Node().macs
+    ]
+    await run("wait.agentJoined", {"role": "node"}, ctx)
+    assert len(ctx.commands.sent) == 8  # found by their keys, not sent twice
+
+    # the default, and an IPMI BMC: the held token on the boot network, nothing to eject
+    ipmi = {"driver": "ipmi", "address": "10.0.0.9", "credentialsRef": BMC["credentialsRef"]}
+    for node_bmc in (dict(BMC), {**ipmi, "tokenDelivery": "media"}):
+        plain = Ctx(node=Node(bmc=node_bmc))
+        got = await run("metal.ensureRamdisk", RAMDISK, plain)
+        assert got["tokenDelivery"] == "network"
+        assert plain.commands.sent[0].kind == "management.setBootDevice"
+        assert plain.pki is not None
+        assert [t["held"] for t in plain.pki.issued] == [True]
+        plain.pki.certs = [Cert("cert_ramdisk", "node", plain.sql.since + timedelta(seconds=5))]
+        await run("wait.agentJoined", {"role": "node"}, plain)
+        assert [c.kind for c in plain.commands.sent][-1] == "power.setPower"  # nothing after the join
+
+
 @pytest.mark.parametrize(
     ("ctx", "with_", "code", "path"),
     [
@@ -348,7 +398,12 @@ async def test_wait_agent_joined_needs_pki() -> None:
 
 # -- node commands: attested or nothing ---------------------------------------------------
 
-INVENTORY = {"cpus": [{"model": "x"}], "memoryBytes": 1 << 34, "disks": [], "nics": []}
+# bcd's node.inventory, as it sends it (every field said, null where it could not read one)
+INVENTORY = msgspec.to_builtins(
+    NodeInventoryResult(
+        serial="7XK2Q63", cpus=NodeCpus(model="x", cores=8), memory=NodeMemory(total_bytes=1 << 34)
+    )
+)
 
 
 async def test_inspect_collect_stores_an_attested_inventory_on_the_node() -> None:
@@ -358,6 +413,13 @@ async def test_inspect_collect_stores_an_attested_inventory_on_the_node() -> Non
     assert (cmd.kind, cmd.target) == ("node.inventory", "node")
     assert ctx.sql.nodes[Node().id]["inventory"] == INVENTORY
     assert got == {"commandId": "cmd_1", "attested": True, "inventory": sorted(INVENTORY)}
+
+
+async def test_inspect_collect_refuses_a_result_that_is_not_an_inventory() -> None:
+    ctx = Ctx(commands=Queue(results={"node.inventory": {"cpus": [{"model": "x"}]}}))
+    err = await refused(lambda: run("inspect.collect", {}, ctx))
+    assert (err.code, err.path) == (ErrorCode.DRIVER_ERROR, "result")
+    assert ctx.sql.nodes == {}
 
 
 @pytest.mark.parametrize(("step", "with_"), [("inspect.collect", {}), ("disk.wipe", {})])

@@ -23,7 +23,7 @@ from better_compute.backoff import Backoff
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import parse_id
-from better_compute.service import ApiRequest, Database
+from better_compute.service import ApiRequest
 from better_compute.wire import encode_error, encode_ok
 from better_compute.wire.agent import (
     EVENT_KINDS,
@@ -52,15 +52,13 @@ from better_compute.wire.cmdq import (
 )
 from better_compute.wire.paging import decode_cursor, take_page
 
-from . import store
 from .claims import Claims
 from .commands import check_name, invalid
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries, Streams
-from .rows import command_row
 from .runs import Runs
 from .signers import Signer, Signers
-from .storage import Store
+from .storage import AgentHello, Store
 from .sweeper import DispatchPending
 from .views import agent_view
 
@@ -83,7 +81,6 @@ class Agents:
     def __init__(
         self,
         *,
-        db: Database,
         store: Store,
         config: CmdqConfig,
         streams: Streams,
@@ -96,7 +93,7 @@ class Agents:
         log: Any,
         reruns: Callable[[str, Any], bool] = lambda _kind, _payload: False,
     ) -> None:
-        self.db = db
+        self.store = store
         self.config = config
         self.streams = streams
         self.deliveries = deliveries
@@ -122,7 +119,7 @@ class Agents:
             signer = await self.signers.check_event(
                 site=site, agent=agent, kind=kind, doc=doc, signature=signature
             )
-            result = await self._apply(read_event(kind, doc), signer)
+            result = await self.apply(read_event(kind, doc), signer)
             body = encode_ok(result)
         except BcError as err:
             self.log.info(
@@ -145,7 +142,8 @@ class Agents:
             with contextlib.suppress(nats.errors.Error):
                 await msg.respond(body)
 
-    async def _apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
+    async def apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
+        """An event whose signature ``signer`` made (checked): applied; the answer to send."""
         match event:
             case Hello():
                 return await self._hello(event, signer)
@@ -165,31 +163,30 @@ class Agents:
         """Before a try of a call to a machine: which of these commands must stop now."""
         if len(ev.command_ids) > 256:
             raise invalid("commandIds", "at most 256 commands a check")
-        rows = await self.db.fetch(store.MUST_STOP, ev.command_ids, signer.agent_id)
-        return CheckReply(stop=[r["id"] for r in rows])
+        return CheckReply(stop=await self.store.must_stop(ev.command_ids, signer.agent_id))
 
     # -- presence ---------------------------------------------------------------------------
 
     async def _renew_lease(self, site_id: str, agent_id: str) -> bool:
-        holder = await self.db.fetchval(store.LEASE_RENEW, site_id, agent_id, self.config.silent_after_ms)
-        return bool(holder == agent_id)
+        return await self.store.renew_lease(site_id, agent_id, ttl_ms=self.config.silent_after_ms)
 
     async def _hello(self, ev: Hello, signer: Signer) -> HelloReply:
         kinds = ev.kinds
         if kinds is not None and (len(kinds) > 512 or any(len(k) > 128 for k in kinds)):
             raise invalid("kinds", "at most 512 kinds of up to 128 characters")
-        await self.db.fetchrow(
-            store.AGENT_UPSERT,
-            signer.agent_id,
-            signer.site_id,
-            signer.tenant_id,
-            signer.role,
-            signer.cert_id,
-            ev.incarnation[:64],
-            ev.version[:64],
-            kinds,
-            ev.signed_at_ms,
-            _status_doc(ev.status),
+        await self.store.agent_hello(
+            AgentHello(
+                agent_id=signer.agent_id,
+                site_id=signer.site_id,
+                tenant_id=signer.tenant_id,
+                role=signer.role,
+                cert_id=signer.cert_id,
+                incarnation=ev.incarnation[:64],
+                version=ev.version[:64],
+                kinds=kinds,
+                signed_at_ms=ev.signed_at_ms,
+                status=_status_doc(ev.status),
+            )
         )
         await self._journal_seen(signer.agent_id, ev.journal_id)
         stream, consumer = await self.streams.ensure_consumer(signer.site_id, signer.agent_id)
@@ -216,31 +213,30 @@ class Agents:
         try:
             if signer.role == "site":
                 await self.dispatch_pending(site_id=signer.site_id)
-            rows = await self.db.fetch(store.AGENT_COMMANDS_TO_REPUBLISH, signer.agent_id)
-            await self.deliveries.deliver([command_row(r) for r in rows], again=True)
+            rows = await self.store.agent_commands_to_republish(signer.agent_id)
+            await self.deliveries.deliver(rows, again=True)
         except (BcError, *_DB_ERRORS) as exc:
             self.log.warning("redelivery_deferred", agent_id=signer.agent_id, error=str(exc))
 
     async def _heartbeat(self, ev: Heartbeat, signer: Signer) -> HeartbeatReply:
         if ev.leaving:
-            row = await self.db.fetchrow(
-                store.AGENT_LEAVE, signer.agent_id, ev.signed_at_ms, self.config.silent_after_ms
+            left = await self.store.agent_leave(
+                signer.agent_id, ev.signed_at_ms, silent_after_ms=self.config.silent_after_ms
             )
-            if row is not None:
-                await self.db.execute(store.LEASE_RELEASE, signer.site_id, signer.agent_id)
+            if left is not None:
+                await self.store.release_lease(signer.site_id, signer.agent_id)
                 self.log.info("agent_left", agent_id=signer.agent_id, site_id=signer.site_id)
             return HeartbeatReply(boot_lease=False)
-        row = await self.db.fetchrow(
-            store.AGENT_HEARTBEAT, signer.agent_id, ev.signed_at_ms, signer.cert_id, _status_doc(ev.status)
+        seen = await self.store.agent_heartbeat(
+            signer.agent_id, ev.signed_at_ms, signer.cert_id, _status_doc(ev.status)
         )
-        if row is None:
-            if await self.db.fetchrow(store.AGENT_AGAIN, signer.agent_id) is None:
+        if seen is None:
+            if await self.store.agent_by_id(signer.agent_id) is None:
                 raise BcError(ErrorCode.NOT_FOUND, "unknown agent: say hello first")
             return HeartbeatReply(boot_lease=False)  # older than one already applied
         await self._journal_seen(signer.agent_id, ev.journal_id)
-        lease = row["role"] == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
-        cancel = [r["id"] for r in await self.db.fetch(store.AGENT_CANCELLING, signer.agent_id)]
-        return HeartbeatReply(boot_lease=lease, cancel=cancel)
+        lease = seen.role == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
+        return HeartbeatReply(boot_lease=lease, cancel=await self.store.cancelling(signer.agent_id))
 
     async def on_cert_event(self, cert_id: str) -> None:
         """bc-pki says a certificate changed (its revocation event, ``bc.events.cert.<id>``). The
@@ -257,11 +253,7 @@ class Agents:
                 info = await self.pki.get_certificate(cert_id=cert_id)
                 if info.state != "revoked":
                     return
-                async with self.db.transaction() as conn:
-                    await conn.execute(store.CERT_REVOKED_MARK, cert_id)
-                    cut = await conn.fetch(store.CERT_REVOKED_CUT_OFF, cert_id, self.config.silent_after_ms)
-                    await conn.execute(store.CERT_REVOKED_LEASES, cert_id)
-                    back = [command_row(r) for r in await conn.fetch(store.CERT_REVOKED_REASSIGN, cert_id)]
+                cut = await self.store.cut_off(cert_id, silent_after_ms=self.config.silent_after_ms)
             except BcError as err:
                 if err.code == ErrorCode.NOT_FOUND:
                     return
@@ -269,14 +261,12 @@ class Agents:
             except _DB_ERRORS as exc:
                 self.log.warning("agent_cut_off_deferred", cert_id=cert_id, error=type(exc).__name__)
             else:
-                for row in cut:
-                    self.log.info(
-                        "agent_cut_off", agent_id=row["id"], site_id=row["site_id"], cert_id=cert_id
-                    )
-                for command in back:
+                for agent in cut.agents:
+                    self.log.info("agent_cut_off", agent_id=agent.id, site_id=agent.site_id, cert_id=cert_id)
+                for command in cut.reassigned:
                     self.log.info("command_reassigned", command_id=command.id, reason="agent-revoked")
-                await self.changed(back)
-                for site_id in {row["site_id"] for row in cut}:
+                await self.changed(cut.reassigned)
+                for site_id in {agent.site_id for agent in cut.agents}:
                     await self.dispatch_pending(site_id=site_id)
                 return
             # bc-pki or the store away for a moment; the certificate cache's lifetime and the
@@ -290,22 +280,19 @@ class Agents:
             return
         if len(journal_id) > 64:
             raise invalid("journalId", "a journal id is at most 64 characters")
-        await self.db.fetchval(store.JOURNAL_SEEN, agent_id, journal_id, True)
+        await self.store.journal_seen(agent_id, journal_id, present=True)
 
     # -- routes -----------------------------------------------------------------------------
 
     async def list_agents(self, req: ApiRequest) -> AgentList:
         body = req.decode(ListAgents)
-        site, ident = decode_cursor(body.cursor, str, str) or (None, None)
-        rows = await self.db.fetch(
-            store.AGENTS_LIST,
-            body.site_id,
-            body.role,
-            body.connected,
-            self.config.silent_after_ms,
-            body.limit + 1,
-            site,
-            ident,
+        rows = await self.store.list_agents(
+            site_id=body.site_id,
+            role=body.role,
+            connected=body.connected,
+            silent_after_ms=self.config.silent_after_ms,
+            limit=body.limit + 1,
+            after=decode_cursor(body.cursor, str, str),
         )
         agents, next_ = take_page(
             [agent_view(r) for r in rows], limit=body.limit, key=lambda a: (a.site_id, a.id),
@@ -320,12 +307,12 @@ class Agents:
             check_name(site, "siteId")
         elif body.node_id is not None:
             parse_id(body.node_id, "node", path="nodeId")
-            site = await self.db.fetchval(store.SITE_OF_NODE, body.node_id)
+            site = await self.store.site_of_node(body.node_id)
             if site is None:
                 return SiteAgentReply(agent_id=None)
         else:
             raise invalid("siteId", "give siteId or nodeId")
-        agent = await self.db.fetchval(store.PICK_SITE_AGENT, site, self.config.silent_after_ms, None)
+        agent = await self.store.pick_site_agent(site, silent_after_ms=self.config.silent_after_ms, kind=None)
         return SiteAgentReply(agent_id=agent)
 
 

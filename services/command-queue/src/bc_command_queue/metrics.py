@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
+from msgspec.structs import asdict
 from prometheus_client import Counter, Gauge, Histogram
 
 from better_compute.service.metrics import LATENCY_BUCKETS, set_gauge_rows
 from better_compute.wire.cmdq import TERMINAL_STATES
 
 from .rows import CommandRow
+from .storage import Store
 
-__all__ = ["BATCHES_WAITING", "collect", "observe_changes"]
+__all__ = ["collect", "observe_changes"]
 
 COMMANDS_LIVE: Final = Gauge(
     "bc_commands_live",
@@ -39,28 +41,14 @@ BATCHES: Final = Gauge(
     "bc_batches_awaiting_approval", "Destructive-command batches neither approved, closed nor expired"
 )
 
-# Only the live ones (the commands_live partial index): finished commands pile up until retention,
-# and a grouped count of them would grow with history (bench/bench_metrics.py); they are counted
-# as they finish instead (RESULTS).
-_LIVE_BY_STATE: Final = (
-    "SELECT kind, state, site_id AS site, count(*) AS n FROM commands"
-    " WHERE state IN ('pending', 'dispatched', 'acked', 'running') GROUP BY kind, state, site_id"
-)
-_AGENTS_CONNECTED: Final = (
-    "SELECT site_id AS site, role, count(*) AS n FROM agents"
-    " WHERE last_seen > now() - make_interval(secs => $1::double precision / 1000)"
-    " GROUP BY site_id, role"
-)
-BATCHES_WAITING: Final = (
-    "SELECT count(*) FROM batches WHERE approved_at IS NULL AND closed_at IS NULL AND expires_at > now()"
-)
 
-
-async def collect(db: Any, *, silent_after_ms: int) -> None:
+async def collect(store: Store, *, silent_after_ms: int) -> None:
     """The gauges read from the store, before a scrape."""
-    set_gauge_rows(COMMANDS_LIVE, await db.fetch(_LIVE_BY_STATE), ("kind", "state", "site"))
-    set_gauge_rows(AGENTS, await db.fetch(_AGENTS_CONNECTED, silent_after_ms), ("site", "role"))
-    BATCHES.set(float(await db.fetchval(BATCHES_WAITING)))
+    live = await store.live_counts()
+    set_gauge_rows(COMMANDS_LIVE, [asdict(r) for r in live], ("kind", "state", "site"))
+    agents = await store.agents_connected(silent_after_ms=silent_after_ms)
+    set_gauge_rows(AGENTS, [asdict(r) for r in agents], ("site", "role"))
+    BATCHES.set(float(await store.batches_waiting()))
 
 
 def observe_changes(rows: Sequence[CommandRow]) -> None:

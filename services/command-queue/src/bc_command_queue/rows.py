@@ -14,6 +14,9 @@ import msgspec
 from better_compute.wire.cmdq import CommandState
 
 __all__ = [
+    "AgentCountRow",
+    "AgentRow",
+    "AgentSeenRow",
     "ApprovalRow",
     "BatchFields",
     "BatchRow",
@@ -22,8 +25,11 @@ __all__ = [
     "ClaimedRow",
     "CommandRow",
     "CommandStateRow",
+    "CutOffRow",
     "JournalRow",
+    "LiveCountRow",
     "ProgressRow",
+    "agent_row",
     "approval_row",
     "batch_row",
     "command_row",
@@ -150,6 +156,58 @@ class ApprovalRow(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
 
 
+class AgentSeenRow(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent whose presence changed: where it is and what it is."""
+
+    id: str
+    site_id: str
+    role: str
+
+
+class AgentRow(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent as ``agents.list`` shows it. ``status``: its own word about itself, the JSON text
+    stored at its last hello or heartbeat; ``live``: commands out with it."""
+
+    id: str
+    site_id: str
+    tenant_id: str
+    role: str
+    cert_id: str
+    version: str | None
+    kinds: list[str] | None
+    connected_at: float
+    last_seen: float
+    status: str | None
+    connected: bool
+    boot_lease: bool
+    live: int
+
+
+class CutOffRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A revoked certificate's agents, shown disconnected, and their unclaimed site commands, back
+    to pending for another agent."""
+
+    agents: list[AgentSeenRow]
+    reassigned: list[CommandRow]
+
+
+class LiveCountRow(msgspec.Struct, frozen=True, kw_only=True):
+    """Live commands of one kind, state and site (``bc_commands_live``)."""
+
+    kind: str
+    state: str
+    site: str
+    n: int
+
+
+class AgentCountRow(msgspec.Struct, frozen=True, kw_only=True):
+    """Connected agents of one site and role (``bc_agents_connected``)."""
+
+    site: str
+    role: str
+    n: int
+
+
 def _ts(value: Any) -> float | None:
     return None if value is None else float(value.timestamp())
 
@@ -212,4 +270,24 @@ def approval_row(record: Any, batch_id: str | None = None) -> ApprovalRow:
         approver_id=record["approver_id"],
         signature=bytes(record["signature"]),
         created_at=record["created_at"].timestamp(),
+    )
+
+
+def agent_row(record: Any) -> AgentRow:
+    """An ``agents`` record (``store.AGENTS_LIST``) as an ``AgentRow``."""
+    status = record["status"]
+    return AgentRow(
+        id=record["id"],
+        site_id=record["site_id"],
+        tenant_id=record["tenant_id"],
+        role=record["role"],
+        cert_id=record["cert_id"],
+        version=record["version"],
+        kinds=list(record["kinds"]) if record["kinds"] is not None else None,
+        connected_at=record["connected_at"].timestamp(),
+        last_seen=record["last_seen"].timestamp(),
+        status=status if status is None or isinstance(status, str) else msgspec.json.encode(status).decode(),
+        connected=record["connected"],
+        boot_lease=record["boot_lease"],
+        live=int(record["live"]),
     )

@@ -77,6 +77,7 @@ class CommandQueueService(Service):
         self.config = config if config is not None else CmdqConfig.from_settings(settings.cmdq)
         self.signers: Signers | None = None
         self._parts: Parts | None = None
+        self._store: PgStore | None = None
 
     async def on_start(self) -> None:
         assert self.nc is not None
@@ -111,7 +112,6 @@ class CommandQueueService(Service):
         sweeper.duties.append(batches.publish_expiries)
         sweeper.duties.append(batches.reload_quorum)  # an approvers file changed: in force at once
         agents = Agents(
-            db=db,
             store=rows,
             config=config,
             streams=streams,
@@ -128,6 +128,7 @@ class CommandQueueService(Service):
             store=rows, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
         self._parts = Parts(commands, agents, batches, sweeper)
+        self._store = rows
         # The durable event feed: this service creates the stream (it holds the JetStream
         # rights); the others publish plain NATS on bc.events.> and the stream keeps it all.
         await self._ensure_events_stream()
@@ -177,8 +178,8 @@ class CommandQueueService(Service):
         }
 
     async def collect_metrics(self) -> None:
-        if self.db is not None:
-            await metrics.collect(self.db, silent_after_ms=self.config.silent_after_ms)
+        if self._store is not None:
+            await metrics.collect(self._store, silent_after_ms=self.config.silent_after_ms)
 
     def side_loops(self) -> Mapping[str, Any]:
         sweeper = self.parts.sweeper

@@ -7,8 +7,12 @@ holds ``MemoryStore``, the same operations on dicts under an injected clock, for
 run in milliseconds. Each change is a compare-and-set: a method returns the row it changed, or
 ``None``/``[]`` when the row was not in a state it applies to (a duplicate or late event).
 
-Agents' presence, boot leases and revocations still run their statements on the ``Database``
-directly (``agents``); their command rows come back as ``CommandRow`` too.
+Agents' presence, boot leases and certificate revocations (``agents``) and the counts the
+metrics read on scrape (``metrics``) are operations here too.
+
+The protocol is the one place an operation is described (the stores' methods carry only their
+signatures, and MemoryStore's the name of the statement each follows); mypy checks both stores
+against it where they are defined (``_CHECKED``), not only where a test happens to pass one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import msgspec
 
 from . import store
 from .rows import (
+    AgentCountRow,
+    AgentRow,
+    AgentSeenRow,
     ApprovalRow,
     BatchFields,
     BatchRow,
@@ -29,14 +36,17 @@ from .rows import (
     ClaimStateRow,
     CommandRow,
     CommandStateRow,
+    CutOffRow,
     JournalRow,
+    LiveCountRow,
     ProgressRow,
+    agent_row,
     approval_row,
     batch_row,
     command_row,
 )
 
-__all__ = ["NewBatch", "NewCommand", "PgStore", "Store"]
+__all__ = ["AgentHello", "NewBatch", "NewCommand", "PgStore", "Store"]
 
 
 class NewCommand(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +72,22 @@ class NewCommand(msgspec.Struct, frozen=True, kw_only=True):
 
 class NewBatch(BatchFields, frozen=True, kw_only=True):
     expires_at_ms: int
+
+
+class AgentHello(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent's signed hello, as its certificate says who it is. ``status``: the agent's word
+    about itself as JSON text, already bounded."""
+
+    agent_id: str
+    site_id: str
+    tenant_id: str
+    role: str
+    cert_id: str
+    incarnation: str
+    version: str
+    kinds: list[str] | None
+    signed_at_ms: int
+    status: str | None
 
 
 class Store(Protocol):
@@ -252,6 +278,81 @@ class Store(Protocol):
         ...
 
     async def approvals_of(self, batch_ids: Sequence[str]) -> list[ApprovalRow]: ...
+
+    # -- agents: presence, boot leases, revocations -------------------------------------------
+    async def agent_hello(self, hello: AgentHello) -> bool:
+        """Record an agent's hello (``AGENT_UPSERT``); False when an older or equal signed event
+        was applied already, or its certificate is revoked."""
+        ...
+
+    async def agent_heartbeat(
+        self, agent_id: str, signed_at_ms: int, cert_id: str, status: str | None
+    ) -> AgentSeenRow | None:
+        """Seen now; ``None`` when the agent is unknown, the event older than one applied or its
+        certificate revoked."""
+        ...
+
+    async def agent_leave(
+        self, agent_id: str, signed_at_ms: int, *, silent_after_ms: int
+    ) -> AgentSeenRow | None:
+        """The agent says it is going: shown disconnected at once."""
+        ...
+
+    async def agent_by_id(self, agent_id: str) -> AgentSeenRow | None: ...
+
+    async def renew_lease(self, site_id: str, agent_id: str, *, ttl_ms: int) -> bool:
+        """Take or keep the site's boot lease; False when another agent holds it (or this one's
+        certificate is revoked)."""
+        ...
+
+    async def release_lease(self, site_id: str, agent_id: str) -> None: ...
+
+    async def cut_off(self, cert_id: str, *, silent_after_ms: int) -> CutOffRow:
+        """A revoked certificate (in one transaction): remembered, its agents shown disconnected,
+        their boot leases gone, their unclaimed site commands back to pending."""
+        ...
+
+    async def must_stop(self, command_ids: Sequence[str], agent_id: str) -> list[str]:
+        """Of these, the commands the agent does not hold a live claim on (any more)."""
+        ...
+
+    async def cancelling(self, agent_id: str) -> list[str]:
+        """The agent's claimed commands cancelled since (at most 256)."""
+        ...
+
+    async def agent_commands_to_republish(self, agent_id: str) -> list[CommandRow]:
+        """Dispatched or acked commands of the agent, oldest dispatch first."""
+        ...
+
+    async def list_agents(
+        self,
+        *,
+        site_id: str | None,
+        role: str | None,
+        connected: bool | None,
+        silent_after_ms: int,
+        limit: int,
+        after: tuple[str, str] | None,
+    ) -> list[AgentRow]:
+        """By (site, id); ``after``: the (site, id) the page goes on after."""
+        ...
+
+    async def site_of_node(self, node_id: str) -> str | None:
+        """Its own agent's site, else its latest command's."""
+        ...
+
+    async def pick_site_agent(self, site_id: str, *, silent_after_ms: int, kind: str | None) -> str | None:
+        """A connected site agent of the site (implementing ``kind``), the boot-lease holder first."""
+        ...
+
+    # -- metrics ---------------------------------------------------------------------
+    async def live_counts(self) -> list[LiveCountRow]: ...
+
+    async def agents_connected(self, *, silent_after_ms: int) -> list[AgentCountRow]: ...
+
+    async def batches_waiting(self) -> int:
+        """Batches neither approved, closed nor expired."""
+        ...
 
 
 class PgStore:
@@ -514,3 +615,101 @@ class PgStore:
             records = await self.db.fetch(store.APPROVALS_OF, batch_ids[0])
             return [approval_row(r, batch_ids[0]) for r in records]
         return [approval_row(r) for r in await self.db.fetch(store.APPROVALS_OF_BATCHES, list(batch_ids))]
+
+    # -- agents: presence, boot leases, revocations -------------------------------------------
+    async def agent_hello(self, hello: AgentHello) -> bool:
+        h = hello
+        applied = await self.db.fetchval(
+            store.AGENT_UPSERT, h.agent_id, h.site_id, h.tenant_id, h.role, h.cert_id, h.incarnation,
+            h.version, h.kinds, h.signed_at_ms, h.status,
+        )  # fmt: skip
+        return applied is not None
+
+    async def _seen(self, sql: str, agent_id: str, *args: Any) -> AgentSeenRow | None:
+        record = await self.db.fetchrow(sql, agent_id, *args)
+        return (
+            None
+            if record is None
+            else AgentSeenRow(id=agent_id, site_id=record["site_id"], role=record["role"])
+        )
+
+    async def agent_heartbeat(
+        self, agent_id: str, signed_at_ms: int, cert_id: str, status: str | None
+    ) -> AgentSeenRow | None:
+        return await self._seen(store.AGENT_HEARTBEAT, agent_id, signed_at_ms, cert_id, status)
+
+    async def agent_leave(
+        self, agent_id: str, signed_at_ms: int, *, silent_after_ms: int
+    ) -> AgentSeenRow | None:
+        return await self._seen(store.AGENT_LEAVE, agent_id, signed_at_ms, silent_after_ms)
+
+    async def agent_by_id(self, agent_id: str) -> AgentSeenRow | None:
+        return await self._seen(store.AGENT_AGAIN, agent_id)
+
+    async def renew_lease(self, site_id: str, agent_id: str, *, ttl_ms: int) -> bool:
+        return bool(await self.db.fetchval(store.LEASE_RENEW, site_id, agent_id, ttl_ms) == agent_id)
+
+    async def release_lease(self, site_id: str, agent_id: str) -> None:
+        await self.db.execute(store.LEASE_RELEASE, site_id, agent_id)
+
+    async def cut_off(self, cert_id: str, *, silent_after_ms: int) -> CutOffRow:
+        async with self.transaction() as tx:
+            db = tx.db
+            await db.execute(store.CERT_REVOKED_MARK, cert_id)
+            cut = await db.fetch(store.CERT_REVOKED_CUT_OFF, cert_id, silent_after_ms)
+            await db.execute(store.CERT_REVOKED_LEASES, cert_id)
+            back = await tx._rows(store.CERT_REVOKED_REASSIGN, cert_id)
+        agents = [AgentSeenRow(id=r["id"], site_id=r["site_id"], role=r["role"]) for r in cut]
+        return CutOffRow(agents=agents, reassigned=back)
+
+    async def must_stop(self, command_ids: Sequence[str], agent_id: str) -> list[str]:
+        return [r["id"] for r in await self.db.fetch(store.MUST_STOP, list(command_ids), agent_id)]
+
+    async def cancelling(self, agent_id: str) -> list[str]:
+        return [r["id"] for r in await self.db.fetch(store.AGENT_CANCELLING, agent_id)]
+
+    async def agent_commands_to_republish(self, agent_id: str) -> list[CommandRow]:
+        return await self._rows(store.AGENT_COMMANDS_TO_REPUBLISH, agent_id)
+
+    async def list_agents(
+        self,
+        *,
+        site_id: str | None,
+        role: str | None,
+        connected: bool | None,
+        silent_after_ms: int,
+        limit: int,
+        after: tuple[str, str] | None,
+    ) -> list[AgentRow]:
+        site, ident = after or (None, None)
+        records = await self.db.fetch(
+            store.AGENTS_LIST, site_id, role, connected, silent_after_ms, limit, site, ident
+        )
+        return [agent_row(r) for r in records]
+
+    async def site_of_node(self, node_id: str) -> str | None:
+        site: str | None = await self.db.fetchval(store.SITE_OF_NODE, node_id)
+        return site
+
+    async def pick_site_agent(self, site_id: str, *, silent_after_ms: int, kind: str | None) -> str | None:
+        agent: str | None = await self.db.fetchval(store.PICK_SITE_AGENT, site_id, silent_after_ms, kind)
+        return agent
+
+    # -- metrics ---------------------------------------------------------------------
+    async def live_counts(self) -> list[LiveCountRow]:
+        return [
+            LiveCountRow(kind=r["kind"], state=r["state"], site=r["site"], n=int(r["n"]))
+            for r in await self.db.fetch(store.LIVE_BY_STATE)
+        ]
+
+    async def agents_connected(self, *, silent_after_ms: int) -> list[AgentCountRow]:
+        return [
+            AgentCountRow(site=r["site"], role=r["role"], n=int(r["n"]))
+            for r in await self.db.fetch(store.AGENTS_CONNECTED, silent_after_ms)
+        ]
+
+    async def batches_waiting(self) -> int:
+        return int(await self.db.fetchval(store.BATCHES_WAITING))
+
+
+_CHECKED: type[Store] = PgStore  # mypy checks every operation against the protocol here

@@ -2,7 +2,7 @@
 
 Every statement of the service is here, and only here (over 400 lines for that reason: one
 place to read and review every query the service runs). ``storage.PgStore`` runs most of them
-behind the ``Store`` protocol; ``agents`` still runs the rest itself. Every state change is a
+behind the ``Store`` protocol (agents' presence and the metrics' counts included). Every state change is a
 compare-and-set: an ``UPDATE … WHERE state IN (…)`` that returns the row it changed, so a
 duplicate or late event changes nothing. Loops that several instances run at once take their
 rows with ``FOR UPDATE SKIP LOCKED``, in one statement: no row stays locked while the service
@@ -18,6 +18,7 @@ from better_compute.wire.cmdq import TERMINAL_STATES
 
 __all__ = [
     "ACK",
+    "AGENTS_CONNECTED",
     "AGENTS_LIST",
     "AGENT_AGAIN",
     "AGENT_CANCELLING",
@@ -33,6 +34,7 @@ __all__ = [
     "BATCHES_EXPIRY_PUBLISHED",
     "BATCHES_LIST",
     "BATCHES_UNEXPIRED",
+    "BATCHES_WAITING",
     "BATCH_BY_ID",
     "BATCH_BY_ID_FOR_UPDATE",
     "BATCH_BY_KEY",
@@ -70,6 +72,7 @@ __all__ = [
     "LEASE_RELEASE",
     "LEASE_RENEW",
     "LIST_COMMANDS",
+    "LIVE_BY_STATE",
     "LIVE_WITH_PREFIX",
     "MUST_STOP",
     "PICK_SITE_AGENT",
@@ -528,7 +531,7 @@ CERT_REVOKED_MARK: Final = "INSERT INTO revoked_certs (cert_id) VALUES ($1) ON C
 CERT_REVOKED_CUT_OFF: Final = f"""
 UPDATE agents SET last_seen = least(last_seen, now() - {_SECS.format(p="$2")} - interval '1 second')
 WHERE cert_id = $1
-RETURNING id, site_id
+RETURNING id, site_id, role
 """
 CERT_REVOKED_LEASES: Final = (
     "DELETE FROM boot_leases l USING agents a WHERE a.cert_id = $1 AND l.agent_id = a.id"
@@ -558,6 +561,24 @@ WHERE ($1::text IS NULL OR a.site_id = $1) AND ($2::text IS NULL OR a.role = $2)
   AND ($6::text IS NULL OR (a.site_id, a.id) > ($6, $7::text))
 ORDER BY a.site_id, a.id LIMIT $5
 """
+
+# -- metrics (read on scrape) -----------------------------------------------------------
+# Only the live ones (the commands_live partial index): finished commands pile up until retention,
+# and a grouped count of them would grow with history (bench/bench_metrics.py); they are counted
+# as they finish instead (metrics.RESULTS).
+LIVE_BY_STATE: Final = (
+    "SELECT kind, state, site_id AS site, count(*) AS n FROM commands"
+    " WHERE state IN ('pending', 'dispatched', 'acked', 'running') GROUP BY kind, state, site_id"
+)
+# $1 silent_after_ms
+AGENTS_CONNECTED: Final = (
+    "SELECT site_id AS site, role, count(*) AS n FROM agents"
+    f" WHERE last_seen > now() - {_SECS.format(p='$1')}"
+    " GROUP BY site_id, role"
+)
+BATCHES_WAITING: Final = (
+    "SELECT count(*) FROM batches WHERE approved_at IS NULL AND closed_at IS NULL AND expires_at > now()"
+)
 
 # -- batches ------------------------------------------------------------------------
 

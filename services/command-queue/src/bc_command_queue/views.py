@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 
 from better_compute.wire.cmdq import AgentStatus, AgentView, CommandEvent, CommandView
 
-from .rows import CommandRow
+from .rows import AgentRow, CommandRow
 
 __all__ = ["agent_view", "command_event", "command_view"]
 
@@ -58,30 +57,28 @@ def command_event(row: CommandRow) -> CommandEvent:
     )
 
 
-def agent_view(row: Any) -> AgentView:
+def agent_view(row: AgentRow) -> AgentView:
     return AgentView(
-        id=row["id"],
-        site_id=row["site_id"],
-        tenant_id=row["tenant_id"],
-        role=row["role"],
-        cert_id=row["cert_id"],
-        version=row["version"],
-        kinds=list(row["kinds"]) if row["kinds"] is not None else None,
-        connected=row["connected"],
-        boot_lease=row["boot_lease"],
-        live_commands=int(row["live"]),
-        connected_at=row["connected_at"].timestamp(),
-        last_seen=row["last_seen"].timestamp(),
-        status=_agent_status(row["status"]),
+        id=row.id,
+        site_id=row.site_id,
+        tenant_id=row.tenant_id,
+        role=row.role,
+        cert_id=row.cert_id,
+        version=row.version,
+        kinds=row.kinds,
+        connected=row.connected,
+        boot_lease=row.boot_lease,
+        live_commands=row.live,
+        connected_at=row.connected_at,
+        last_seen=row.last_seen,
+        status=_agent_status(row.status),
     )
 
 
-def _agent_status(raw: Any) -> AgentStatus | None:
+def _agent_status(raw: str | None) -> AgentStatus | None:
     if raw is None:
         return None
     try:
-        return msgspec.json.decode(
-            raw if isinstance(raw, (str, bytes)) else msgspec.json.encode(raw), type=AgentStatus
-        )
+        return msgspec.json.decode(raw, type=AgentStatus)
     except msgspec.MsgspecError:
         return None

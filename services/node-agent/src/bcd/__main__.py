@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
+
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import configure_logging
 
@@ -20,6 +22,7 @@ from .bus import adopt_config_drive, fetch_bus_files
 from .daemon import MODES, detect_mode, serve
 from .hardware import claims, inventory
 from .join import DEFAULT_STATE_DIR, BcdState, install_service, join, read_cmdline
+from .medium import check_bus_ca, read_boot_medium
 from .simulation import SimRunner, install_disk_hook
 from .system import Machine
 
@@ -74,6 +77,11 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
             raise BcError(
                 ErrorCode.INVALID_INPUT, f"cannot read the token file: {exc.strerror}", {"path": "token-file"}
             ) from None
+    elif cmdline.get("token_from") == "media":  # on the BMC's virtual CD, never the boot network
+        token_path = None
+        medium = read_boot_medium(machine)
+        check_bus_ca(medium, cmdline)
+        token = medium.token
     else:
         token_path = None
         token = cmdline.get("token", "")
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({k: v for k, v in _claims_doc(machine).items() if v}))
             code = 0
         else:
-            print(json.dumps(inventory(machine), indent=2))
+            print(msgspec.json.format(msgspec.json.encode(inventory(machine))).decode())
             code = 0
     except BcError as err:
         where = f" (at {err.path})" if err.path else ""

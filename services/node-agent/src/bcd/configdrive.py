@@ -23,11 +23,13 @@ import struct
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
+import msgspec
 import pycdlib
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire.commands import ConfigDrivePlaced
 
 __all__ = [
     "BUS_FILE",
@@ -103,7 +105,7 @@ def _ours(fd: int, start_sector: int) -> bool:
     return pvd[1:6] == b"CD001" and pvd[40:48].rstrip(b" ").lower() == LABEL.encode()
 
 
-def write_config_drive(fd: int, drive: ConfigDrive, *, image_bytes: int) -> dict[str, Any]:
+def write_config_drive(fd: int, drive: ConfigDrive, *, image_bytes: int) -> ConfigDrivePlaced:
     """Add the config drive partition to the disk open at ``fd`` and write the ISO into it.
 
     ``image_bytes`` is how much the image wrote: the partition starts after it and after every
@@ -127,9 +129,9 @@ def write_config_drive(fd: int, drive: ConfigDrive, *, image_bytes: int) -> dict
         placed = _gpt(fd, iso, disk_bytes=disk_bytes, image_bytes=image_bytes)
     else:
         placed = _mbr(fd, mbr, iso, disk_bytes=disk_bytes, image_bytes=image_bytes)
-    os.pwrite(fd, iso, placed["offset"])
+    os.pwrite(fd, iso, placed.offset)
     os.fsync(fd)
-    return {**placed, "label": LABEL, "isoBytes": len(iso), "busFiles": drive.bus is not None}
+    return msgspec.structs.replace(placed, label=LABEL, iso_bytes=len(iso), bus_files=drive.bus is not None)
 
 
 def _drive_partitions(fd: int) -> list[tuple[int, int]]:
@@ -187,7 +189,7 @@ def _span(start: int, isobytes: int, disk_bytes: int, reserved_tail: int) -> tup
     return start // SECTOR, size // SECTOR
 
 
-def _mbr(fd: int, mbr: bytes, iso: bytes, *, disk_bytes: int, image_bytes: int) -> dict[str, Any]:
+def _mbr(fd: int, mbr: bytes, iso: bytes, *, disk_bytes: int, image_bytes: int) -> ConfigDrivePlaced:
     table = bytearray(mbr)
     used: list[tuple[int, int, int]] = []  # (slot, first sector, sectors)
     free: int | None = None
@@ -212,7 +214,7 @@ def _mbr(fd: int, mbr: bytes, iso: bytes, *, disk_bytes: int, image_bytes: int) 
     struct.pack_into("<B3sB3sII", table, 446 + 16 * slot, 0, b"\xfe\xff\xff", _MBR_LINUX, b"\xfe\xff\xff",
                      first, count)  # fmt: skip
     os.pwrite(fd, bytes(table), 0)
-    return {"table": "mbr", "partition": slot + 1, "offset": first * SECTOR, "bytes": count * SECTOR}
+    return ConfigDrivePlaced(table="mbr", partition=slot + 1, offset=first * SECTOR, bytes=count * SECTOR)
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ def _gpt_header(fd: int, lba: int) -> _GptHeader | None:
     return _GptHeader(raw[:size], entries_lba, count, entry_size)
 
 
-def _gpt(fd: int, iso: bytes, *, disk_bytes: int, image_bytes: int) -> dict[str, Any]:
+def _gpt(fd: int, iso: bytes, *, disk_bytes: int, image_bytes: int) -> ConfigDrivePlaced:
     header = _gpt_header(fd, 1)
     if header is None:
         raise _refuse(
@@ -299,7 +301,7 @@ def _gpt(fd: int, iso: bytes, *, disk_bytes: int, image_bytes: int) -> dict[str,
         if pmbr[446 + 16 * slot_mbr + 4] == _MBR_GPT:
             struct.pack_into("<I", pmbr, 446 + 16 * slot_mbr + 12, min(last_lba, 0xFFFFFFFF))
     os.pwrite(fd, bytes(pmbr), 0)
-    return {"table": "gpt", "partition": slot + 1, "offset": first * SECTOR, "bytes": count * SECTOR}
+    return ConfigDrivePlaced(table="gpt", partition=slot + 1, offset=first * SECTOR, bytes=count * SECTOR)
 
 
 def _header(

@@ -13,10 +13,13 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+import msgspec
+from msgspec import UNSET
+
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
 from better_compute.provision.config_units import BUILTIN_CONFIG_UNITS
-from better_compute.wire.commands import ConvergeUnit
+from better_compute.wire.commands import ConvergeResult, ConvergeUnit, UnitReport
 
 from .gpu_units import GPU_UNITS
 from .host_units import HOST_UNITS
@@ -55,28 +58,30 @@ class Converger:
         except (OSError, ValueError, TypeError):
             return 0
 
-    async def converge(self, *, generation: int, units: Sequence[ConvergeUnit]) -> dict[str, Any]:
+    async def converge(self, *, generation: int, units: Sequence[ConvergeUnit]) -> ConvergeResult:
         """Apply ``units`` in order and report each.
 
         Raises:
             BcError: ``INVALID_STATE`` (reason ``host-section-failed``) once every known unit
                 had its turn, when a unit failed or is not supported; the message names each.
         """
-        reports: list[dict[str, Any]] = []
+        reports: list[UnitReport] = []
         problems: list[str] = []
         cache: dict[str, Any] = {}  # what units looked up on the machine (its GPUs), once
         for index, entry in enumerate(units):
             report = await self._apply(index, entry, cache)
-            if report["status"] in ("failed", "unsupported"):
-                problems.append(report["detail"])
+            if report.status in ("failed", "unsupported") and isinstance(report.detail, str):
+                problems.append(report.detail)
             reports.append(report)
         observed = generation if not problems else self.observed_generation()
-        doc = {"generation": generation, "observedGeneration": observed, "units": reports}
-        Unit(self.machine).write(f"{STATE}/converge.json", json.dumps(doc, indent=2) + "\n", 0o600)
+        doc = ConvergeResult(generation=generation, observed_generation=observed, units=reports)
+        Unit(self.machine).write(
+            f"{STATE}/converge.json", msgspec.json.format(msgspec.json.encode(doc)).decode() + "\n", 0o600
+        )
         log().info("host_converged", generation=generation, observed_generation=observed,
-                 units={r["name"]: r["status"] for r in reports})  # fmt: skip
+                 units={r.name: r.status for r in reports})  # fmt: skip
         if problems:
-            summary = ", ".join(f"{r['name']} {r['status']}" for r in reports)
+            summary = ", ".join(f"{r.name} {r.status}" for r in reports)
             raise BcError(
                 ErrorCode.INVALID_STATE,
                 f"{'; '.join(problems)} (units: {summary})",
@@ -84,12 +89,13 @@ class Converger:
             )
         return doc
 
-    async def _apply(self, index: int, entry: ConvergeUnit, cache: dict[str, Any]) -> dict[str, Any]:
+    async def _apply(self, index: int, entry: ConvergeUnit, cache: dict[str, Any]) -> UnitReport:
         name = entry.name
         apply = _UNITS.get(name)
         if apply is None:
-            why = f"unit {name} is not supported by this daemon"
-            return {"name": name, "status": "unsupported", "detail": why}
+            return UnitReport(
+                name=name, status="unsupported", detail=f"unit {name} is not supported by this daemon"
+            )
         try:
             # bcd applies what its own units understand: their settings, defaults filled
             settings = BUILTIN_CONFIG_UNITS[name].settings.validate(
@@ -97,21 +103,19 @@ class Converger:
             )
         except BcError as err:
             why = f"unit {name} failed: {err.message} (at {err.path})"
-            return {"name": name, "status": "failed", "detail": why, "path": err.path}
+            return UnitReport(name=name, status="failed", detail=why, path=err.path)
         unit = Unit(self.machine, self.fetch_secret, cache=cache)
         try:
             changed, detail = await apply(unit, settings)
         except UnitSkipped as exc:
-            return {"name": name, "status": "skipped", "detail": str(exc)}
+            return UnitReport(name=name, status="skipped", detail=str(exc))
         except UnitFailed as exc:
-            why = f"unit {name} failed: {exc}"
-            failed: dict[str, Any] = {"name": name, "status": "failed", "detail": why}
-            if unit.ran:
-                failed["ran"] = unit.ran
-            return failed
-        report: dict[str, Any] = {"name": name, "status": "changed" if changed else "unchanged"}
-        if detail:
-            report["detail"] = detail
-        if unit.ran:
-            report["ran"] = unit.ran
-        return report
+            return UnitReport(
+                name=name, status="failed", detail=f"unit {name} failed: {exc}", ran=unit.ran or UNSET
+            )
+        return UnitReport(
+            name=name,
+            status="changed" if changed else "unchanged",
+            detail=detail or UNSET,
+            ran=unit.ran or UNSET,
+        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal
 
@@ -22,7 +23,16 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import get_logger
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
-from better_compute.wire.commands import NodeConverge, NodeImageWrite, NodeWipe, decode_payload
+from better_compute.wire.commands import (
+    ConvergeResult,
+    ImageWriteResult,
+    NodeConverge,
+    NodeImageWrite,
+    NodeInventoryResult,
+    NodeWipe,
+    WipeResult,
+    decode_payload,
+)
 
 from .bus import carried_bus
 from .configdrive import ConfigDrive
@@ -74,14 +84,14 @@ def node_handlers(
     drive's instance id); ``bus`` the bus files the config drive carries to the installed OS
     (``bus.carried_bus``)."""
 
-    async def node_inventory(cmd: Command) -> Any:
+    async def node_inventory(cmd: Command) -> NodeInventoryResult:
         return await asyncio.to_thread(inventory, machine)
 
-    async def node_wipe(cmd: Command) -> Any:
+    async def node_wipe(cmd: Command) -> WipeResult:
         payload = decode_payload(cmd.payload, NodeWipe, path="payload")
         return await asyncio.to_thread(wipe, machine, disks=payload.disks, mode=payload.mode)
 
-    async def node_image_write(cmd: Command) -> Any:
+    async def node_image_write(cmd: Command) -> ImageWriteResult:
         payload = decode_payload(cmd.payload, NodeImageWrite, path="payload")
         drive = None
         if payload.user_data_ref:
@@ -107,7 +117,7 @@ def node_handlers(
             config_drive=drive,
         )
 
-    async def node_converge(cmd: Command) -> Any:
+    async def node_converge(cmd: Command) -> ConvergeResult:
         assert converger is not None
         payload = decode_payload(cmd.payload, NodeConverge, path="payload")
         return await converger.converge(generation=payload.generation, units=payload.units)
@@ -159,10 +169,20 @@ UNREACHABLE_BACKOFF: Final = (1.0, 30.0)
 REFUSED_BACKOFF: Final = (1.0, 10.0)
 """First and longest wait (seconds) between tries while NATS refuses this certificate: shorter
 than an outage's, as the refusal ends the moment the site agent confirms the boot entry."""
+REFUSED_PATIENCE_S: Final = 900.0
+"""How long refusals last before bcd stops expecting a confirm soon: a ``pending`` certificate is
+refused only until its boot entry closes clean (``netboot.quiet_seconds``, 120 s by default),
+a revoked one for ever."""
+REFUSED_LONG_CAP_S: Final = 600.0
+"""The longest wait between tries once the refusals have outlasted ``REFUSED_PATIENCE_S``."""
 
 
 async def connect_as_agent(
-    url: str, options: Callable[[], Mapping[str, Any]], stop: asyncio.Event
+    url: str,
+    options: Callable[[], Mapping[str, Any]],
+    stop: asyncio.Event,
+    *,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Any | None:
     """Connect to NATS with ``options()`` (made afresh for each try), riding out a server that is
     away and one that refuses this agent's certificate; ``None`` once ``stop`` is set. Each wait is
@@ -171,12 +191,16 @@ async def connect_as_agent(
 
     A refusal is what a deploy/ leaf answers while the certificate is ``pending`` (joined with a
     ``held`` token, the boot entry not closed clean yet, docs/security.md): it lasts until the site
-    agent confirms the entry, so bcd keeps trying rather than exiting. A revoked certificate is
-    refused the same way, for ever: a try every few seconds (``REFUSED_BACKOFF``), each logged."""
+    agent confirms the entry, so bcd keeps trying rather than exiting, every few seconds
+    (``REFUSED_BACKOFF``). The leaf does not tell bcd why it refused, and a revoked certificate is
+    refused the same way for ever: once the refusals have lasted ``REFUSED_PATIENCE_S``, the waits
+    grow to ``REFUSED_LONG_CAP_S``, so a revoked machine costs its leaf a handshake every few
+    minutes, and one confirmed that late connects within minutes of the confirm."""
     unreachable, refused = (
         Backoff(first=UNREACHABLE_BACKOFF[0], cap=UNREACHABLE_BACKOFF[1]),
         Backoff(first=REFUSED_BACKOFF[0], cap=REFUSED_BACKOFF[1]),
     )
+    refused_since: float | None = None
     while not stop.is_set():
         try:
             return await connect(url, **options())
@@ -185,6 +209,15 @@ async def connect_as_agent(
                 wait = unreachable.next()
                 log().warning("control_plane_unreachable", retry_in_s=round(wait, 1))
             elif err.code is ErrorCode.UNAUTHENTICATED:
+                refused_since = clock() if refused_since is None else refused_since
+                if refused.cap < REFUSED_LONG_CAP_S and clock() - refused_since >= REFUSED_PATIENCE_S:
+                    refused.cap = REFUSED_LONG_CAP_S
+                    log().warning(
+                        "control_plane_refused_certificate_for_long",
+                        refused_for_s=round(clock() - refused_since),
+                        hint="a pending certificate is confirmed within minutes: this one is likely revoked;"
+                        f" trying again at most every {REFUSED_LONG_CAP_S:.0f} s",
+                    )  # fmt: skip
                 wait = refused.next()
                 log().warning(
                     "control_plane_refused_certificate", retry_in_s=round(wait, 1), tries=refused.failures,

@@ -11,11 +11,12 @@ import stat
 import struct
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service.killpoints import declare, kill_point
+from better_compute.wire.commands import DiskWiped, WipeResult
 
 from .hardware import block_disks, boot_disks
 from .system import Machine
@@ -169,7 +170,7 @@ def _discard(fd: int, size: int) -> bool:
     return True
 
 
-def wipe(machine: Machine, *, disks: list[str] | None, mode: str = "quick") -> dict[str, Any]:
+def wipe(machine: Machine, *, disks: list[str] | None, mode: str = "quick") -> WipeResult:
     """Erase every partition table and superblock signature of ``disks`` (every disk but the
     boot disk when None) and report each disk.
 
@@ -180,11 +181,11 @@ def wipe(machine: Machine, *, disks: list[str] | None, mode: str = "quick") -> d
     boot = boot_disks(machine)
     if disks:
         targets = [(d, disk_path(machine, d, where=f"disks[{i}]")) for i, d in enumerate(disks)]
-        skipped: list[dict[str, Any]] = []
+        skipped: list[DiskWiped] = []
     else:
         names = block_disks(machine)
         targets = [(f"/dev/{n}", str(machine.path(f"/dev/{n}"))) for n in names if n not in boot]
-        skipped = [{"disk": f"/dev/{n}", "skipped": "bcd runs from this disk"} for n in names if n in boot]
+        skipped = [DiskWiped(disk=f"/dev/{n}", skipped="bcd runs from this disk") for n in names if n in boot]
     reports = []
     for disk, path in targets:
         t0 = time.monotonic()
@@ -210,16 +211,16 @@ def wipe(machine: Machine, *, disks: list[str] | None, mode: str = "quick") -> d
                 {"path": disk, "reason": "signatures-left"},
             )
         reports.append(
-            {
-                "disk": disk,
-                "sizeBytes": size,
-                "mode": mode,
-                "partitionTable": table,
-                "partitions": len(parts),
-                "signaturesErased": before,
-                "erasedBytes": sum(length for _, length in regions),
-                "discarded": discarded,
-                "ms": round((time.monotonic() - t0) * 1000, 1),
-            }
+            DiskWiped(
+                disk=disk,
+                size_bytes=size,
+                mode=mode,
+                partition_table=table,
+                partitions=len(parts),
+                signatures_erased=before,
+                erased_bytes=sum(length for _, length in regions),
+                discarded=discarded,
+                ms=round((time.monotonic() - t0) * 1000, 1),
+            )
         )
-    return {"disks": reports + skipped}
+    return WipeResult(disks=reports + skipped)

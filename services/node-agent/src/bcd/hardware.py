@@ -13,6 +13,17 @@ import re
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
+
+from better_compute.wire.commands import (
+    NodeCpus,
+    NodeDisk,
+    NodeFirmware,
+    NodeGpu,
+    NodeInventoryResult,
+    NodeMemory,
+    NodeNic,
+)
 from better_compute.wire.pki import JoinClaims
 
 from .system import Machine
@@ -159,7 +170,7 @@ def _lsblk(machine: Machine) -> dict[str, dict[str, Any]]:
     return {str(d.get("name")): d for d in devices if isinstance(d, dict)}
 
 
-def _disks(machine: Machine) -> list[dict[str, Any]]:
+def _disks(machine: Machine) -> list[NodeDisk]:
     extra = _lsblk(machine)
     boot = boot_disks(machine)
     disks = []
@@ -169,25 +180,25 @@ def _disks(machine: Machine) -> list[dict[str, Any]]:
         sectors = _int(machine.read(f"{base}/size"))
         rotational = machine.read(f"{base}/queue/rotational")
         disks.append(
-            {
-                "name": name,
-                "path": f"/dev/{name}",
-                "sizeBytes": sectors * 512 if sectors is not None else _int(str(more.get("size"))),
-                "model": _value(machine, f"{base}/device/model") or more.get("model"),
-                "serial": _value(machine, f"{base}/device/serial")
+            NodeDisk(
+                name=name,
+                path=f"/dev/{name}",
+                size_bytes=sectors * 512 if sectors is not None else _int(str(more.get("size"))),
+                model=_value(machine, f"{base}/device/model") or more.get("model"),
+                serial=_value(machine, f"{base}/device/serial")
                 or _value(machine, f"{base}/serial")
                 or more.get("serial"),
-                "rotational": rotational == "1" if rotational is not None else bool(more.get("rota")),
-                "removable": machine.read(f"{base}/removable") == "1",
-                "transport": more.get("tran"),
-                "wwn": _value(machine, f"{base}/wwid") or more.get("wwn"),
-                "boot": name in boot,
-            }
+                rotational=rotational == "1" if rotational is not None else bool(more.get("rota")),
+                removable=machine.read(f"{base}/removable") == "1",
+                transport=more.get("tran"),
+                wwn=_value(machine, f"{base}/wwid") or more.get("wwn"),
+                boot=name in boot,
+            )
         )
     return disks
 
 
-def _cpus(machine: Machine) -> dict[str, Any]:
+def _cpus(machine: Machine) -> NodeCpus:
     text = machine.read("/proc/cpuinfo") or ""
     logical = 0
     sockets: set[str] = set()
@@ -208,24 +219,24 @@ def _cpus(machine: Machine) -> dict[str, Any]:
         cores[socket] = _int(info.get("cpu cores")) or cores.get(socket, 1)
         model = model or info.get("model name") or info.get("cpu model")
         flags = flags or info.get("flags", "").split()
-    return {
-        "model": model,
-        "sockets": len(sockets) or None,
-        "cores": sum(cores.values()) or None,
-        "threads": logical or None,
-        "virtualization": "vmx" in flags or "svm" in flags,
-    }
+    return NodeCpus(
+        model=model,
+        sockets=len(sockets) or None,
+        cores=sum(cores.values()) or None,
+        threads=logical or None,
+        virtualization="vmx" in flags or "svm" in flags,
+    )
 
 
-def _memory(machine: Machine) -> dict[str, Any]:
+def _memory(machine: Machine) -> NodeMemory:
     for line in (machine.read("/proc/meminfo") or "").splitlines():
         if line.startswith("MemTotal:"):
             kib = _int(line.split()[1])
-            return {"totalBytes": kib * 1024 if kib is not None else None}
-    return {"totalBytes": None}
+            return NodeMemory(total_bytes=kib * 1024 if kib is not None else None)
+    return NodeMemory()
 
 
-def _nics(machine: Machine) -> list[dict[str, Any]]:
+def _nics(machine: Machine) -> list[NodeNic]:
     nics = []
     for nic in _listdir(machine.path("/sys/class/net")):
         base = f"/sys/class/net/{nic}"
@@ -234,14 +245,14 @@ def _nics(machine: Machine) -> list[dict[str, Any]]:
         speed = _int(machine.read(f"{base}/speed"))
         driver = machine.path(f"{base}/device/driver")
         nics.append(
-            {
-                "name": nic,
-                "mac": (machine.read(f"{base}/address") or "").lower() or None,
-                "link": machine.read(f"{base}/carrier") == "1" or machine.read(f"{base}/operstate") == "up",
-                "speedMbps": speed if speed is not None and speed > 0 else None,
-                "mtu": _int(machine.read(f"{base}/mtu")),
-                "driver": driver.resolve().name if driver.exists() else None,
-            }
+            NodeNic(
+                name=nic,
+                mac=(machine.read(f"{base}/address") or "").lower() or None,
+                link=machine.read(f"{base}/carrier") == "1" or machine.read(f"{base}/operstate") == "up",
+                speed_mbps=speed if speed is not None and speed > 0 else None,
+                mtu=_int(machine.read(f"{base}/mtu")),
+                driver=driver.resolve().name if driver.exists() else None,
+            )
         )
     return nics
 
@@ -262,11 +273,11 @@ def nvidia_pci(machine: Machine) -> tuple[list[str], list[str]]:
     return gpus, switches
 
 
-def _gpus(machine: Machine) -> list[dict[str, Any]]:
-    gpus: list[dict[str, Any]] = []
+def _gpus(machine: Machine) -> list[NodeGpu]:
+    gpus: list[NodeGpu] = []
     for dev in nvidia_pci(machine)[0]:
         device = machine.read(f"/sys/bus/pci/devices/{dev}/device")
-        gpus.append({"pciAddress": dev, "vendor": "nvidia", "deviceId": device})
+        gpus.append(NodeGpu(pci_address=dev, vendor="nvidia", device_id=device))
     if machine.has("nvidia-smi"):
         done = machine.run(
             "nvidia-smi",
@@ -275,45 +286,50 @@ def _gpus(machine: Machine) -> list[dict[str, Any]]:
             timeout=60,
         )
         if done.returncode == 0:
-            by_bus = {g["pciAddress"].lower(): g for g in gpus}
+            at = {g.pci_address.lower(): i for i, g in enumerate(gpus)}
             for line in done.stdout.splitlines():
                 parts = [p.strip() for p in line.split(",")]
                 if len(parts) != 5:
                     continue
                 bus = parts[0].lower()[-12:]  # 00000000:17:00.0 -> 0000:17:00.0
-                gpu = by_bus.get(bus)
-                if gpu is None:
-                    gpu = {"pciAddress": bus, "vendor": "nvidia", "deviceId": None}
-                    gpus.append(gpu)
-                gpu.update(name=parts[1], uuid=parts[2], memoryMiB=_int(parts[3]), driverVersion=parts[4])
+                if bus not in at:
+                    at[bus] = len(gpus)
+                    gpus.append(NodeGpu(pci_address=bus, vendor="nvidia"))
+                gpus[at[bus]] = msgspec.structs.replace(
+                    gpus[at[bus]],
+                    name=parts[1],
+                    uuid=parts[2],
+                    memory_mib=_int(parts[3]),
+                    driver_version=parts[4],
+                )
     return gpus
 
 
-def _firmware(machine: Machine) -> dict[str, Any]:
+def _firmware(machine: Machine) -> NodeFirmware:
     dmi = "/sys/class/dmi/id"
-    return {
-        "vendor": _value(machine, f"{dmi}/sys_vendor"),
-        "product": _value(machine, f"{dmi}/product_name"),
-        "board": _value(machine, f"{dmi}/board_name"),
-        "biosVendor": _value(machine, f"{dmi}/bios_vendor"),
-        "biosVersion": _value(machine, f"{dmi}/bios_version"),
-        "biosDate": _value(machine, f"{dmi}/bios_date"),
-        "bootMode": "uefi" if machine.path("/sys/firmware/efi").exists() else "bios",
-    }
+    return NodeFirmware(
+        vendor=_value(machine, f"{dmi}/sys_vendor"),
+        product=_value(machine, f"{dmi}/product_name"),
+        board=_value(machine, f"{dmi}/board_name"),
+        bios_vendor=_value(machine, f"{dmi}/bios_vendor"),
+        bios_version=_value(machine, f"{dmi}/bios_version"),
+        bios_date=_value(machine, f"{dmi}/bios_date"),
+        boot_mode="uefi" if machine.path("/sys/firmware/efi").exists() else "bios",
+    )
 
 
-def inventory(machine: Machine) -> dict[str, Any]:
+def inventory(machine: Machine) -> NodeInventoryResult:
     """The machine's hardware, as ``node.inventory`` reports it."""
     found = claims(machine)
-    return {
-        "productUuid": found.product_uuid,
-        "serial": found.serial,
-        "hostname": found.hostname,
-        "kernel": machine.read("/proc/sys/kernel/osrelease"),
-        "cpus": _cpus(machine),
-        "memory": _memory(machine),
-        "disks": _disks(machine),
-        "nics": _nics(machine),
-        "gpus": _gpus(machine),
-        "firmware": _firmware(machine),
-    }
+    return NodeInventoryResult(
+        product_uuid=found.product_uuid,
+        serial=found.serial,
+        hostname=found.hostname,
+        kernel=machine.read("/proc/sys/kernel/osrelease"),
+        cpus=_cpus(machine),
+        memory=_memory(machine),
+        disks=_disks(machine),
+        nics=_nics(machine),
+        gpus=_gpus(machine),
+        firmware=_firmware(machine),
+    )

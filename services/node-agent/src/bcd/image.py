@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import zstandard
+from msgspec import UNSET
 
 from better_compute.agent import CommandRejected
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service.killpoints import kill_point
+from better_compute.wire.commands import ImageWriteResult
 
 from .configdrive import ConfigDrive, write_config_drive
 from .disks import AFTER_DISK_WRITE, BEFORE_DISK_WRITE, CHUNK, MIB, Progress, device_size, disk_path, zero
@@ -131,7 +133,7 @@ def image_write(
     progress: Progress | None = None,
     timeout: float = 60.0,
     config_drive: ConfigDrive | None = None,
-) -> dict[str, Any]:
+) -> ImageWriteResult:
     """Stream the image at ``url`` onto ``disk``, checking its sha256 while writing.
 
     The image's first MiB is written last, once the digest matched, so an interrupted or
@@ -226,18 +228,18 @@ def image_write(
                               {**err.details, "disk": target_disk}) from None  # fmt: skip
     finally:
         os.close(fd)
-    return {
-        "disk": target_disk,
-        "format": fmt,
-        "sha256": actual,
-        "bytesDownloaded": total,
-        "bytesWritten": count.written,
-        "writtenSha256": written,
-        "verified": True,
-        "bootable": True,
-        **({"configDrive": drive} if drive is not None else {}),
-        "ms": round((time.monotonic() - t0) * 1000, 1),
-    }
+    return ImageWriteResult(
+        disk=target_disk,
+        format=fmt,
+        sha256=actual,
+        bytes_downloaded=total,
+        bytes_written=count.written,
+        written_sha256=written,
+        verified=True,
+        bootable=True,
+        config_drive=drive if drive is not None else UNSET,
+        ms=round((time.monotonic() - t0) * 1000, 1),
+    )
 
 
 class _BadImage(Exception):  # noqa: N818 - control flow inside image_write

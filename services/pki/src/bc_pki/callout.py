@@ -158,7 +158,8 @@ class Revocations:
 
     A good answer is kept ``fresh`` seconds; while bc-pki cannot be asked, one up to ``stale``
     seconds old still counts (logged), older ones do not: the agent is refused until bc-pki
-    answers. A revocation heard on the event feed counts at once and for good."""
+    answers. A revocation heard on the event feed, or in an answer, counts at once and for good.
+    A ``pending`` certificate is refused as such, and asked about again at its next try."""
 
     def __init__(
         self,
@@ -212,7 +213,12 @@ class Revocations:
                 ErrorCode.UNAUTHENTICATED, "bc-pki knows this certificate id for another certificate"
             )
         if info.state == "revoked":
-            self.heard_revoked(cert_id)
+            self.heard_revoked(cert_id)  # for good: its later tries cost bc-pki nothing
+        if info.state == "pending":  # a held join whose boot entry has not closed clean yet
+            raise BcError(
+                ErrorCode.UNAUTHENTICATED,
+                "the certificate is pending: its boot entry has not closed clean yet",
+            )
         if info.state != "valid":
             return True
         self._good[cert_id] = now

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import signal
 import socket
 import sys
@@ -27,6 +26,7 @@ from aiohttp import web
 
 from better_compute.agent import Agent, Enrollment, enroll, load_enrollment, save_enrollment
 from better_compute.agent.bus import agent_options, joining_options
+from better_compute.backoff import Backoff
 from better_compute.clients.pki import PkiClient
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
@@ -41,6 +41,7 @@ from .config import SiteAgentConfig, load_config
 from .drivers import DRIVERS
 from .handlers import SiteHandlers
 from .http import make_app, metrics_app
+from .media import MediaImages
 from .netboot import BootEntries
 from .relay import HttpRelay
 from .reports import Reports
@@ -73,10 +74,6 @@ def _status(cache: SiteCache, site: SiteHandlers, failing: Sequence[tuple[str, f
     )
 
 
-async def _backoff(attempt: int) -> None:
-    await asyncio.sleep(random.uniform(0, min(5.0, 0.2 * 2**attempt)))
-
-
 async def _enrollment(config: SiteAgentConfig, stop: asyncio.Event) -> Enrollment | None:
     log = get_logger(site_id=config.site_id)
     enrollment = load_enrollment(config.enrollment_file)
@@ -101,15 +98,14 @@ async def _enrollment(config: SiteAgentConfig, stop: asyncio.Event) -> Enrollmen
             )
         )  # fmt: skip
         api = ApiClient(nc, Subjects(root=config.subject_root))
-        attempt = 0
+        backoff = Backoff(first=0.2, cap=5.0)
         try:
             while enrollment is None:
                 enrollment = await _enroll_once(api, token, log)
                 if enrollment is None:
                     if stop.is_set():
                         return None
-                    await _backoff(attempt)
-                    attempt += 1
+                    await asyncio.sleep(backoff.next())
         finally:
             await nc.close()
         save_enrollment(config.enrollment_file, enrollment)
@@ -145,7 +141,7 @@ def _opt(path: Path | None) -> str | None:
 async def _connect(config: SiteAgentConfig, stop: asyncio.Event, **options: Any) -> Any:
     log = get_logger(site_id=config.site_id)
     options.setdefault("name", f"bc-site-agent:{config.site_id}")
-    attempt = 0
+    backoff = Backoff(first=0.2, cap=5.0)
     while True:
         try:
             return await connect(config.nats_url, **options)
@@ -153,8 +149,7 @@ async def _connect(config: SiteAgentConfig, stop: asyncio.Event, **options: Any)
             if err.code not in _WAIT_FOR or stop.is_set():
                 raise
             log.info("nats_waiting", code=err.code.value)
-            await _backoff(attempt)
-            attempt += 1
+            await asyncio.sleep(backoff.next())
 
 
 async def _close_clean(entries: BootEntries, reports: Reports, quiet_seconds: float) -> None:
@@ -195,6 +190,7 @@ async def run(config: SiteAgentConfig) -> None:
             guard=AddressGuard(control_plane=control_plane, allow=config.cache_allow_source_networks),
         )
         public_url = config.public_url or f"http://{config.http_host}:{config.http_port}"
+        media = MediaImages()
         site = SiteHandlers(
             secrets=SecretsClient(api),
             identity=enrollment.identity,
@@ -202,6 +198,9 @@ async def run(config: SiteAgentConfig) -> None:
             cache=cache,
             public_url=public_url,
             relay=HttpRelay(control_plane=control_plane),
+            media=media,
+            bus_ca=_bus_ca(config),
+            media_url=config.media_url,
         )
         agent = Agent(
             enrollment=enrollment,
@@ -224,7 +223,7 @@ async def run(config: SiteAgentConfig) -> None:
             }
 
         reports = Reports(PkiClient(api), enrollment.identity, config.netboot_dir / "reports")
-        app = make_app(config, entries, cache, health, served_again=reports.burn)
+        app = make_app(config, entries, cache, health, served_again=reports.burn, media=media)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         http_site = web.TCPSite(runner, config.http_host, config.http_port)
@@ -260,6 +259,18 @@ async def run(config: SiteAgentConfig) -> None:
     finally:
         if not nc.is_closed:
             await nc.close()
+
+
+def _bus_ca(config: SiteAgentConfig) -> bytes | None:
+    """The bus CA, for the token media (``bus-ca.pem`` beside the token)."""
+    if not config.nats_ca:
+        return None
+    try:
+        return Path(config.nats_ca).read_bytes()
+    except OSError as exc:
+        raise BcError(
+            ErrorCode.INVALID_CONFIG, f"cannot read {config.nats_ca}: {exc.strerror}", {"path": "nats_ca"}
+        ) from exc
 
 
 def main(argv: list[str] | None = None) -> None:

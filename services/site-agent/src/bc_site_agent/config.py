@@ -12,6 +12,7 @@
     join_token_file = "/etc/bc-site-agent/join-token"   # read once, on the first start only
     http_listen = "0.0.0.0:8081"            # network boot, the site cache, /healthz
     public_url = "http://10.0.0.5:8081"     # how machines reach http_listen (default: from it)
+    media_url = "http://10.1.0.5:8081"      # how BMCs reach it, for token media (default: public_url)
     metrics_listen = "127.0.0.1:9181"       # /metrics (never on http_listen); "" turns it off
 
     [cache]
@@ -86,6 +87,9 @@ class SiteAgentConfig:
     """The site's joining certificate and key: what the agent shows a leaf node with an auth
     callout before it has a certificate of its own (its first join)."""
     join_key_file: Path | None = None
+    media_url: str = ""
+    """How the BMCs reach ``http_listen`` (the management network), for the ramdisk's token
+    media (``/media/<capability>``); empty: ``public_url``."""
 
     @property
     def enrollment_file(self) -> Path:
@@ -137,6 +141,9 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
     if metrics_host is not None and (metrics_host, metrics_port) == (host, port):
         raise _bad("metrics_listen", "not the boot network's listener: give another address or port")
     public_url = _str(doc, "public_url", "public_url") or ""
+    media_url = _str(doc, "media_url", "media_url") or ""
+    if media_url and not media_url.startswith(("http://", "https://")):
+        raise _bad("media_url", "expected an http(s) URL")
     cache = doc.get("cache", {})
     if not isinstance(cache, dict):
         raise _bad("cache", "expected a table")
@@ -190,6 +197,7 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
         http_host=host,
         http_port=port,
         public_url=public_url.rstrip("/"),
+        media_url=media_url.rstrip("/"),
         cache_dir=Path(cache_dir),
         cache_max_bytes=max_bytes,
         discovery=discovery,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -18,6 +17,7 @@ from typing import TypeVar
 import msgspec
 
 from better_compute.agent import Command, CommandHandler, CommandRejected
+from better_compute.backoff import Backoff
 from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import AgentIdentity
@@ -49,6 +49,7 @@ from better_compute.wire.metal import NodeBmc
 from . import metrics
 from .cache import SiteCache
 from .drivers import BmcCredentials, Driver, make_driver
+from .media import MediaImages, bmc_addresses, token_image
 from .netboot import BootEntries, normalize_mac
 from .relay import HttpRelay
 
@@ -74,8 +75,14 @@ class SiteHandlers:
         cache: SiteCache,
         public_url: str,
         relay: HttpRelay,
+        media: MediaImages | None = None,
+        bus_ca: bytes | None = None,
+        media_url: str = "",
     ) -> None:
         self.relay = relay
+        self.media = media or MediaImages()
+        self.bus_ca = bus_ca
+        self.media_url = (media_url or public_url).rstrip("/")
         self.secrets = secrets
         self.identity = identity
         self.entries = entries
@@ -134,19 +141,19 @@ class SiteHandlers:
     async def _fetch(self, ref: str, deadline: float, *, what: str, path: str) -> bytes:
         """The value behind ``ref`` through the secrets gate (sealed), while this command is live;
         UNAVAILABLE and TIMEOUT are tried again until the command's deadline."""
-        delay = 0.2
+        backoff = Backoff(first=0.2, cap=3.0)
         while True:
             try:
                 return await self.secrets.fetch(ref=ref, identity=self.identity)
             except BcError as err:
+                delay = backoff.next()
                 if err.code not in _WAIT_FOR or time.time() + delay >= deadline:
                     raise BcError(
                         err.code,
                         f"cannot fetch {what}: {err.message}",
                         {"path": path, "reason": err.reason or "secrets-fetch"},
                     ) from None
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, 3.0)
+            await asyncio.sleep(delay)
 
     async def _credentials(self, target: NodeBmc, deadline: float) -> BmcCredentials | None:
         if target.credentials_ref is None:
@@ -223,8 +230,44 @@ class SiteHandlers:
         return f"{self.public_url}/cache/{sha256}"
 
     async def _insert(self, driver: Driver, payload: MediaInsert, cmd: Command) -> MediaResult:
+        if payload.join_token_ref is not None:
+            return await self._insert_token(driver, payload, cmd)
+        if payload.url is None:
+            raise BcError(ErrorCode.INVALID_INPUT, "give url (or joinTokenRef)", {"path": "url"})
         url = await self._cached(payload.url, payload.sha256, _media_holder(payload))
         return await driver.media_insert(msgspec.structs.replace(payload, url=url), deadline=cmd.not_after)
+
+    async def _insert_token(self, driver: Driver, payload: MediaInsert, cmd: Command) -> MediaResult:
+        """The ramdisk's token on a medium only the BMC fetches, once (``media``)."""
+        assert payload.join_token_ref is not None  # the caller's check
+        target = _target(payload.bmc)
+        if target.driver == "ipmi":
+            raise BcError(ErrorCode.INVALID_INPUT, "IPMI has no virtual media", {"path": "bmc.driver"})
+        allowed = bmc_addresses(target.address)
+        raw = await self._fetch(
+            payload.join_token_ref, cmd.not_after, what="the join token", path="joinTokenRef"
+        )
+        token = raw.decode("utf-8", "replace").strip()
+        del raw
+        register_secret(token)
+        if not token or any(c.isspace() for c in token):
+            raise BcError(ErrorCode.INVALID_INPUT, "the join token is not one word", {"path": "joinTokenRef"})
+        image = token_image(token, bus_ca=self.bus_ca)
+        cap = self.media.put(
+            image, allowed=allowed, not_after=cmd.not_after, token=token, node_id=cmd.node_id or "", mac=""
+        )
+        del token, image
+        url = f"{self.media_url}/media/{cap}"
+        try:
+            got = await driver.media_insert(
+                msgspec.structs.replace(payload, url=url, join_token_ref=None, sha256=None),
+                deadline=cmd.not_after,
+            )
+        except BaseException:
+            self.media.drop(cap)
+            raise
+        # the capability is in no result: the medium reads back as inserted, its URL hidden
+        return msgspec.structs.replace(got, image=f"{self.media_url}/media/…" if got.image else got.image)
 
     async def _eject(self, driver: Driver, payload: MediaEject, cmd: Command) -> MediaResult:
         got = await driver.media_eject(payload, deadline=cmd.not_after)

@@ -15,6 +15,7 @@ from better_compute.service.metrics import CONTENT_TYPE, render
 
 from .cache import SiteCache
 from .config import SiteAgentConfig
+from .media import MediaImages
 from .netboot import (
     ALREADY_SERVED_SCRIPT,
     LOCAL_BOOT_SCRIPT,
@@ -45,10 +46,12 @@ def make_app(
     cache: SiteCache,
     health: Callable[[], dict[str, Any]],
     served_again: Callable[[dict[str, Any]], None] = lambda _mark: None,
+    media: MediaImages | None = None,
 ) -> web.Application:
     """The routes of the boot network's listener; ``served_again(mark)`` is told of each ask for
     a MAC whose one-time node entry was already served to another address or closed (the agent
-    reports it to bc-pki). No ``/metrics`` here: anyone on the boot network reaches this port."""
+    reports it to bc-pki), and of each ask for a token medium that burns it (``media``). No
+    ``/metrics`` here: anyone on the boot network reaches this port."""
     log = get_logger(component="http")
     # the bus files bcd fetches (bcd.bus=, checked by the digest on the kernel line): the bus CA
     # and the site's joining certificate with its key, which lets a machine ask to join, no more
@@ -112,10 +115,27 @@ def make_app(
         log.info("netboot_local_boot_served", mac=mac)
         return web.Response(text=LOCAL_BOOT_SCRIPT, content_type=_IPXE)
 
+    async def medium(request: web.Request) -> web.Response:
+        if media is None:
+            return web.Response(status=404, text="not here\n")
+        cap, source = request.match_info["cap"], request.remote or ""
+        if request.method == "HEAD" and (body := media.peek(cap, source=source)) is not None:
+            return web.Response(body=body, content_type="application/octet-stream")  # HEAD: no body sent
+        taken = media.take(cap, source=source)
+        if taken.burn is not None:
+            log.warning("boot_medium_asked_again", source=(request.remote or "")[:64])
+            served_again(taken.burn)
+        if taken.body is None:
+            return web.Response(status=404, text="not here\n")  # one answer, whatever the reason
+        log.info("boot_medium_served")
+        return web.Response(body=taken.body, content_type="application/octet-stream",
+                            headers={"Content-Disposition": 'attachment; filename="bcboot.iso"'})  # fmt: skip
+
     app = web.Application()
     app.add_routes(
         [
             web.get("/healthz", healthz),
+            web.get("/media/{cap:[0-9a-f]{32}}", medium),
             web.get("/boot.ipxe", boot_ipxe),
             web.get("/boot/mac/{mac}", boot_mac),
             web.get("/cache/{sha256}", cached),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import random
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final
@@ -28,6 +27,7 @@ from urllib.parse import urljoin, urlsplit
 import aiohttp
 
 from better_compute.agent import CommandRejected
+from better_compute.backoff import Backoff
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.wire.commands import HttpProxy
 
@@ -104,19 +104,19 @@ class HttpRelay:
         method = payload.method
         headers = {k: v for k, v in payload.headers.items() if k.lower() not in _HOP_BY_HOP}
         body, poll, ssl = payload.body, payload.poll, not payload.insecure
-        delay = 0.2
+        backoff = Backoff(first=0.2, cap=3.0)
         while True:
             try:
                 return await self._once(parts, ip, url, method, headers, body, ssl, deadline)
             except _Retry as exc:
+                delay = backoff.next()
                 if not poll or time.time() + delay >= deadline:
                     raise BcError(
                         ErrorCode.DRIVER_ERROR,
                         f"site.httpProxy: {exc}",
                         {"reason": str(exc)},
                     ) from None
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, 3.0)
+            await asyncio.sleep(delay)
 
     async def _once(
         self,

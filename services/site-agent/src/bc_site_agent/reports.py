@@ -50,20 +50,19 @@ class Reports:
     def burn(self, mark: dict[str, Any]) -> None:
         """Report the served mark of a MAC asked for again (``tokens.burn``)."""
         digest = str(mark.get("tokenSha256") or "")
-        self._put("burn", digest, str(mark.get("mac") or ""))
+        self._put("burn", digest, str(mark.get("mac") or ""), str(mark.get("reason") or ""))
 
     def confirm(self, hold: Hold) -> None:
         """Report a node entry closed clean (``tokens.confirm``)."""
         self._put("confirm", hold.token_sha256, hold.mac)
 
-    def _put(self, kind: str, digest: str, mac: str) -> None:
+    def _put(self, kind: str, digest: str, mac: str, reason: str = "") -> None:
         if len(digest) != 64:
             return
         target = self.folder / f"{kind}-{digest}.json"
         if not target.exists():
-            atomic_write(
-                target, json.dumps({"kind": kind, "tokenSha256": digest, "mac": mac, "at": time.time()})
-            )
+            doc = {"kind": kind, "tokenSha256": digest, "mac": mac, "at": time.time()}
+            atomic_write(target, json.dumps({**doc, "reason": reason} if reason else doc))
         self._wake.set()
 
     def unsent(self) -> list[Path]:
@@ -88,8 +87,10 @@ class Reports:
         try:
             if kind == "burn":
                 burned = await self.pki.burn_join_token(
-                    identity=self.identity, token_sha256=digest, mac=mac, reason="boot-entry-fetched-twice"
-                )
+                    identity=self.identity, token_sha256=digest, mac=mac,
+                    reason="boot-medium-fetched-twice" if doc.get("reason") == "boot-medium-fetched-twice"
+                    else "boot-entry-fetched-twice",
+                )  # fmt: skip
                 self.log.warning(
                     "boot_entry_reported", mac=mac, join_token_id=burned.join_token_id,
                     node_id=burned.node_id, revoked_cert_ids=burned.revoked_cert_ids,

@@ -11,6 +11,10 @@ from .manifest import Field, Manifest, field, manifest, parse_duration
 from .names import Name, parse_name
 from .plugins import CommandKind, ComputeModule, DriverOperation, Plugin, Registry, define_plugin
 
+# better_compute is a namespace shared by several distributions (the SDK, the runtime, bcx, the test
+# kit), so the version the services and bcx report lives here, in the SDK every one of them needs.
+__version__ = "0.1.0"
+
 __all__ = [
     "BcError",
     "CommandKind",

@@ -4,7 +4,8 @@ Each command kind's payload is one Struct here, from the step (or ``bcx``) that 
 driver that runs it: the command queue checks a payload with the manifest derived from it
 (``better_compute.metal.commands``, ``wire.schema.manifest_of``), the agent decodes it once
 (``decode_payload``), a site agent's driver takes it as it is, and the result goes back as a
-Struct that the engine decodes once (``decode_result``). camelCase on the wire.
+Struct that the engine decodes once (``decode_result``): the site agent's and bcd's alike.
+camelCase on the wire.
 
 A BMC command's ``bmc`` is the node's ``NodeBmc`` (the engine fills it from the node record when
 the step gives none), so it is optional in the payload, and the agent refuses a command without
@@ -18,6 +19,7 @@ from types import MappingProxyType
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from ..core.errors import BcError
 from ..core.manifest import SECRET_REF_PATTERN
@@ -38,15 +40,26 @@ __all__ = [
     "BootDeviceResult",
     "ClearEntry",
     "ClearEntryResult",
+    "ConfigDrivePlaced",
+    "ConvergeResult",
     "ConvergeUnit",
+    "DiskWiped",
     "DriverInvoke",
     "HttpProxy",
+    "ImageWriteResult",
     "MediaEject",
     "MediaInsert",
     "MediaResult",
     "NodeConverge",
+    "NodeCpus",
+    "NodeDisk",
+    "NodeFirmware",
+    "NodeGpu",
     "NodeImageWrite",
     "NodeInventory",
+    "NodeInventoryResult",
+    "NodeMemory",
+    "NodeNic",
     "NodeWipe",
     "PowerAction",
     "PowerResult",
@@ -54,8 +67,10 @@ __all__ = [
     "SetEntry",
     "SetEntryResult",
     "SetPower",
+    "UnitReport",
     "ValidateBmc",
     "ValidateResult",
+    "WipeResult",
     "decode_payload",
     "decode_result",
     "payload_document",
@@ -106,12 +121,15 @@ class SetBootDevice(_Msg, frozen=True, kw_only=True):
 
 class MediaInsert(_Msg, frozen=True, kw_only=True):
     """``media.insert``: a virtual medium by URL; with ``sha256`` the site agent fills its cache
-    from ``url`` and hands the BMC its own copy."""
+    from ``url`` and hands the BMC its own copy. With ``joinTokenRef`` instead of ``url``, the
+    medium is the ramdisk's token image (label ``BCBOOT``) that the site agent builds and serves
+    once, to the BMC alone, at a capability URL (docs/security.md, "Virtual media")."""
 
-    url: Url
+    url: Url | None = None
     device: MediaDevice = "cd"
     sha256: Sha256 | None = None
     bmc: NodeBmc | None = None
+    join_token_ref: SecretRef | None = None
 
 
 class MediaEject(_Msg, frozen=True, kw_only=True):
@@ -319,6 +337,159 @@ class ClearEntryResult(_Msg, frozen=True, kw_only=True):
     removed: bool
 
 
+# -- results: bcd (the node) ------------------------------------------------------------------
+# What bcd found is said as it found it: a value it could not read is None (null on the wire),
+# never left out. Every field has a default, as ``PowerResult``'s: the engine reads what another
+# bcd's result says, and only that.
+
+
+class NodeCpus(_Msg, frozen=True, kw_only=True):
+    model: str | None = None
+    sockets: int | None = None
+    cores: int | None = None
+    threads: int | None = None
+    virtualization: bool = False
+
+
+class NodeMemory(_Msg, frozen=True, kw_only=True):
+    total_bytes: int | None = None
+
+
+class NodeDisk(_Msg, frozen=True, kw_only=True):
+    name: str = ""
+    path: str = ""
+    size_bytes: int | None = None
+    model: str | None = None
+    serial: str | None = None
+    rotational: bool = False
+    removable: bool = False
+    transport: str | None = None
+    wwn: str | None = None
+    boot: bool = False
+    """bcd runs from it (``node.wipe`` leaves it alone unless named)."""
+
+
+class NodeNic(_Msg, frozen=True, kw_only=True):
+    name: str = ""
+    mac: str | None = None
+    link: bool = False
+    speed_mbps: int | None = None
+    mtu: int | None = None
+    driver: str | None = None
+
+
+class NodeGpu(_Msg, frozen=True, kw_only=True):
+    """A GPU on the PCI bus; ``name`` … ``driver_version`` only where ``nvidia-smi`` answered
+    (left out otherwise)."""
+
+    pci_address: str = ""
+    vendor: str = ""
+    device_id: str | None = None
+    name: str | UnsetType = UNSET
+    uuid: str | UnsetType = UNSET
+    memory_mib: int | UnsetType | None = msgspec.field(default=UNSET, name="memoryMiB")
+    driver_version: str | UnsetType = UNSET
+
+
+class NodeFirmware(_Msg, frozen=True, kw_only=True):
+    vendor: str | None = None
+    product: str | None = None
+    board: str | None = None
+    bios_vendor: str | None = None
+    bios_version: str | None = None
+    bios_date: str | None = None
+    boot_mode: str | None = None
+    """``uefi`` or ``bios``."""
+
+
+class NodeInventoryResult(_Msg, frozen=True, kw_only=True):
+    """``node.inventory``: the machine's hardware as bcd reads it (stored as the node's
+    ``inventory``; enrollment rules match its facts)."""
+
+    product_uuid: str | None = None
+    serial: str | None = None
+    hostname: str | None = None
+    kernel: str | None = None
+    cpus: NodeCpus = msgspec.field(default_factory=NodeCpus)
+    memory: NodeMemory = msgspec.field(default_factory=NodeMemory)
+    disks: list[NodeDisk] = msgspec.field(default_factory=list)
+    nics: list[NodeNic] = msgspec.field(default_factory=list)
+    gpus: list[NodeGpu] = msgspec.field(default_factory=list)
+    firmware: NodeFirmware = msgspec.field(default_factory=NodeFirmware)
+
+
+class DiskWiped(_Msg, frozen=True, kw_only=True):
+    """One disk of ``node.wipe``: what was erased, or (``skipped``, nothing else) why not."""
+
+    disk: str = ""
+    skipped: str | UnsetType = UNSET
+    size_bytes: int | UnsetType = UNSET
+    mode: str | UnsetType = UNSET
+    partition_table: str | UnsetType | None = UNSET
+    partitions: int | UnsetType = UNSET
+    signatures_erased: list[str] | UnsetType = UNSET
+    erased_bytes: int | UnsetType = UNSET
+    discarded: bool | UnsetType = UNSET
+    ms: float | UnsetType = UNSET
+
+
+class WipeResult(_Msg, frozen=True, kw_only=True):
+    """``node.wipe``: every disk it erased, then the ones it left alone."""
+
+    disks: list[DiskWiped] = msgspec.field(default_factory=list)
+
+
+class ConfigDrivePlaced(_Msg, frozen=True, kw_only=True):
+    """Where ``node.imageWrite`` put the NoCloud config drive (never what it holds)."""
+
+    table: str = ""
+    partition: int = 0
+    offset: int = 0
+    bytes: int = 0
+    label: str = ""
+    iso_bytes: int = 0
+    bus_files: bool = False
+
+
+class ImageWriteResult(_Msg, frozen=True, kw_only=True):
+    """``node.imageWrite``: the image written, verified and read back; ``config_drive`` when it
+    carried user data."""
+
+    disk: str = ""
+    format: str = ""
+    sha256: str = ""
+    bytes_downloaded: int = 0
+    bytes_written: int = 0
+    written_sha256: str = ""
+    verified: bool = False
+    bootable: bool = False
+    config_drive: ConfigDrivePlaced | UnsetType = UNSET
+    ms: float = 0.0
+
+
+class UnitReport(_Msg, frozen=True, kw_only=True):
+    """One unit of ``node.converge``; ``ran``: the commands it ran, as shown (each part left out
+    when there is nothing to say)."""
+
+    name: str = ""
+    status: str = "unchanged"
+    """``changed``, ``unchanged``, ``skipped``, ``failed`` or ``unsupported`` (a str: a newer
+    bcd's word must not make the engine miss the generation it observed)."""
+    detail: str | UnsetType = UNSET
+    path: str | UnsetType | None = UNSET
+    """Where the unit's settings did not fit (a failed unit)."""
+    ran: list[str] | UnsetType = UNSET
+
+
+class ConvergeResult(_Msg, frozen=True, kw_only=True):
+    """``node.converge``: the generation asked, the last one that applied whole (bcd's
+    ``observedGeneration``, what the engine records) and each unit."""
+
+    generation: int = 0
+    observed_generation: int = 0
+    units: list[UnitReport] = msgspec.field(default_factory=list)
+
+
 PAYLOADS: Final[Mapping[str, type[msgspec.Struct]]] = MappingProxyType(
     {
         "power.setPower": SetPower,
@@ -349,9 +520,14 @@ RESULTS: Final[Mapping[str, type[msgspec.Struct]]] = MappingProxyType(
         "management.validate": ValidateResult,
         "netboot.setEntry": SetEntryResult,
         "netboot.clearEntry": ClearEntryResult,
+        "node.inventory": NodeInventoryResult,
+        "node.wipe": WipeResult,
+        "node.imageWrite": ImageWriteResult,
+        "node.converge": ConvergeResult,
     }
 )
-"""The result Struct of the site agent's command kinds (bcd's results are its own documents)."""
+"""The result Struct of every command kind metal ships (``driver.invoke`` and ``site.httpProxy``
+answer what the driver or the target said)."""
 
 
 def decode_payload(payload: object, into: type[S], *, path: str = "") -> S:

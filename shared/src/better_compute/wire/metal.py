@@ -78,6 +78,10 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pass
 
 
+TokenDelivery = Literal["network", "media"]
+"""How ``metal.ensureRamdisk`` hands the ramdisk its join token (``NodeBmc.token_delivery``)."""
+
+
 class NodeBmc(_Msg, frozen=True, kw_only=True):
     """The node's BMC: how the site agent reaches it. The password is behind ``credentials_ref``.
 
@@ -91,6 +95,14 @@ class NodeBmc(_Msg, frozen=True, kw_only=True):
     insecure: bool = False
     ca_bundle: Annotated[str, msgspec.Meta(max_length=65536)] | None = None
     """PEM certificates the BMC's TLS certificate must chain to (a public document, no secret)."""
+    token_delivery: TokenDelivery | None = None
+    """How the ramdisk gets its join token (``metal.ensureRamdisk``): ``network`` (absent) on
+    its kernel line, ``held`` until the boot entry closes clean; ``media`` on a virtual CD the
+    BMC fetches from the site agent (Redfish only), never on the boot network."""
+
+    def __post_init__(self) -> None:
+        if self.token_delivery == "media" and self.driver == "ipmi":
+            raise ValueError("IPMI has no virtual media: tokenDelivery media needs a Redfish BMC")
 
     def to_document(self) -> dict[str, Any]:
         """As stored in ``nodes.bmc`` and relayed in BMC commands (absent fields left out)."""
@@ -155,17 +167,13 @@ class BulkVerb(_Msg, frozen=True, kw_only=True):
     profile: ProfileId | None = None
 
 
-class EnrollmentRuleBmc(_Msg, frozen=True, kw_only=True):
-    """The BMC a rule gives the nodes it enrolls. ``address`` may hold ``{fact}`` placeholders
-    (``{inventory.bmc_address}``); then ``address_cidrs`` must say where such a BMC may be, and
-    the address filled in must be an IP inside one of them. ``credentials_ref`` is a template
-    secret (``bcx enrollment-rules create --bmc-credentials-file``); each node gets its own copy."""
+class EnrollmentRuleBmc(NodeBmc, frozen=True, kw_only=True):
+    """The BMC a rule gives the nodes it enrolls: a ``NodeBmc`` (the one BMC shape) whose
+    ``address`` may hold ``{fact}`` placeholders (``{inventory.bmc_address}``); then
+    ``address_cidrs`` must say where such a BMC may be, and the address filled in must be an IP
+    inside one of them. ``credentials_ref`` is a template secret (``bcx enrollment-rules create
+    --bmc-credentials-file``); each node gets its own copy."""
 
-    driver: Literal["redfish", "ipmi", "sim"]
-    address: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
-    credentials_ref: SecretRef | None = None
-    system_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
-    insecure: bool = False
     address_cidrs: Annotated[
         list[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=64)
     ] = msgspec.field(default_factory=list)

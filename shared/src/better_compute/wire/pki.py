@@ -94,9 +94,10 @@ CERT_EVENTS: Final = "cert"
 
 BURN_PURPOSE: Final = "tokens.burn"
 """What a site agent signs a ``BurnJoinTokenRequest`` for (``better_compute.crypto``)."""
-BURN_REASONS: Final = ("boot-entry-fetched-twice", "second-join")
+BURN_REASONS: Final = ("boot-entry-fetched-twice", "second-join", "boot-medium-fetched-twice")
 """Why a node-bound token was burned: a site agent served its one-time boot entry and then
-saw that MAC (or another MAC of the same entry) ask again; or a second join tried it."""
+saw that MAC (or another MAC of the same entry) ask again; or a second join tried it; or the
+token's virtual medium was asked for again, or by another address than the BMC's."""
 
 CONFIRM_PURPOSE: Final = "tokens.confirm"
 """What a site agent signs a ``ConfirmJoinTokenRequest`` for."""
@@ -212,7 +213,7 @@ class BurnJoinTokenRequest(msgspec.Struct, frozen=True, kw_only=True, rename="ca
     token_sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
     """sha256 of the token, hex: the site agent needs not send the token itself."""
     mac: Annotated[str, msgspec.Meta(max_length=17)]
-    reason: Literal["boot-entry-fetched-twice"]
+    reason: Literal["boot-entry-fetched-twice", "boot-medium-fetched-twice"]
     signer_id: str
     signed_at_ms: int
     nonce: Annotated[str, msgspec.Meta(max_length=64)]

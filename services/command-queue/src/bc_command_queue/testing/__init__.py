@@ -6,8 +6,8 @@ statement's name is in each method's docstring), on dicts, under a clock a test 
 the quorum, the sweeper's expiry and dispatch) runs against it in milliseconds. The SQL stays the
 truth; ``tests/integration/test_cmdq_store_contract.py`` runs one script against both stores.
 
-Agents and boot leases are seeded by hand (``agent_seen``, ``lease``): their own statements are
-not behind the ``Store`` yet.
+Agents are said hello to (``agent_hello``) or, when a test does not care how, seeded by hand
+(``agent_seen``, ``lease``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from ..rows import (
     JournalRow,
     ProgressRow,
 )
-from ..storage import NewCommand
-from ._tables import _CLAIMED, _LIVE, Tables, _Command, _Journal
+from ..storage import NewCommand, Store
+from ._presence import Presence
+from ._tables import _CLAIMED, _LIVE, _Command, _Journal
 
 __all__ = ["MemoryStore"]
 
 
-class MemoryStore(Tables):
+class MemoryStore(Presence):
     """``Store`` in memory. Its clock is the wall clock moved by ``advance`` (the service's parts
     stamp deadlines from the wall clock, as they do against PostgreSQL)."""
 
@@ -497,3 +498,6 @@ class MemoryStore(Tables):
         for ident in gone[:1000]:
             del self._t.commands[ident]
         return len(gone[:1000])
+
+
+_CHECKED: type[Store] = MemoryStore  # mypy checks every operation against the protocol here

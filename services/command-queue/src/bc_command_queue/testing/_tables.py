@@ -93,6 +93,13 @@ class _Agent:
     role: str
     kinds: list[str] | None
     last_seen: float
+    tenant_id: str = "root"
+    cert_id: str = "cert_x"
+    incarnation: str | None = None
+    version: str | None = None
+    connected_at: float = 0.0
+    last_signed_ms: int = 0
+    status: str | None = None
 
 
 @dataclasses.dataclass
@@ -111,6 +118,7 @@ class _Tables:
     leases: dict[str, tuple[str, float]] = dataclasses.field(default_factory=dict)
     journals: dict[tuple[str, str], _Journal] = dataclasses.field(default_factory=dict)
     fences: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    revoked: set[str] = dataclasses.field(default_factory=set)
 
 
 class Tables:
@@ -132,8 +140,15 @@ class Tables:
     def agent_seen(
         self, agent_id: str, *, site_id: str, role: str = "site", kinds: list[str] | None = None
     ) -> None:
-        """An agent said hello or heartbeat now (``AGENT_UPSERT``, ``AGENT_HEARTBEAT``)."""
-        self._t.agents[agent_id] = _Agent(site_id=site_id, role=role, kinds=kinds, last_seen=self.now())
+        """An agent was heard from now, without a signed event (``agent_hello`` is the real one)."""
+        now = self.now()
+        a = self._t.agents.get(agent_id)
+        if a is None:
+            self._t.agents[agent_id] = _Agent(
+                site_id=site_id, role=role, kinds=kinds, last_seen=now, connected_at=now
+            )
+        else:
+            a.site_id, a.role, a.kinds, a.last_seen = site_id, role, kinds, now
 
     def lease(self, site_id: str, agent_id: str, *, ttl_s: float) -> None:
         """``agent_id`` holds its site's boot lease for ``ttl_s`` (``LEASE_RENEW``)."""

@@ -46,6 +46,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.metal.enrollment import host_name
 from better_compute.provision import step_not_ready
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
+from better_compute.wire.commands import decode_result
 from better_compute.wire.pki import CertificateInfo, JoinClaims
 
 from .. import store
@@ -254,7 +255,7 @@ async def inventory_discovered(engine: MetalHost, node_id: str) -> None:
     )
     if view.state in LIVE_STATES:
         raise step_not_ready(INVENTORY_LOOK_MS)
-    inventory = _json_object(view.result) if view.state == "succeeded" else None
+    inventory = _inventory(view.result) if view.state == "succeeded" else None
     if inventory is not None:
         # its facts are known now: the first enrollment rule that matches enrolls it, the
         # inventory written with the enrolment (never seen discovered with it in between)
@@ -267,7 +268,9 @@ async def inventory_discovered(engine: MetalHost, node_id: str) -> None:
             "code": "DRIVER_ERROR",
             "reason": "discovery-inventory",
             "commandId": view.id,
-            "message": f"node.inventory {view.state}" + (f": {view.reason}" if view.reason else ""),
+            "message": f"node.inventory {view.state}"
+            + (f": {view.reason}" if view.reason else "")
+            + (": its result is not an inventory" if view.state == "succeeded" else ""),
         }
         row = await engine.db.fetchrow(_SET_LAST_ERROR, node_id, json.dumps(error))
     if row is not None:
@@ -306,12 +309,16 @@ async def sweep_once(engine: MetalHost) -> int:
     return recorded
 
 
-def _json_object(raw: bytes | None) -> dict[str, Any] | None:
+def _inventory(raw: bytes | None) -> dict[str, Any] | None:
+    """bcd's ``node.inventory`` result, as the node signed it, when it decodes as its Struct
+    (``NodeInventoryResult``); None when there is none or it does not fit."""
     try:
         found = json.loads(raw) if raw else None
     except (ValueError, RecursionError):
         return None
-    return found if isinstance(found, dict) else None
+    if not isinstance(found, dict) or decode_result("node.inventory", found) is None:
+        return None
+    return found
 
 
 async def _revoke_discovery_certs(engine: MetalHost, node_id: str) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from better_compute.app import App
 from better_compute.core.errors import BcError, ErrorCode
@@ -32,7 +32,7 @@ from better_compute.metal.lifecycle import TRANSITIONS
 from better_compute.provision import BUILTIN_CONFIG_UNITS, resolve_host_section, step_not_ready
 from better_compute.wire.agent import is_call_failure
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
-from better_compute.wire.commands import BmcInventoryResult, PowerResult, decode_result
+from better_compute.wire.commands import BmcInventoryResult, ConvergeResult, PowerResult, decode_result
 from better_compute.wire.engine import CurrentStep, CurrentWorkflow
 
 from .. import store
@@ -368,6 +368,9 @@ def host_section(app: App, profile: Any, labels: Mapping[str, str]) -> dict[str,
     return {"units": resolve_host_section(profile.host_config, labels, units=units)}
 
 
+_RECORDED: Final = frozenset({"node.converge", "power.setPower", "management.inventory"})
+
+
 async def record_command_result(
     engine: MetalHost, node_id: str, kind: str, payload: Any, result: Any
 ) -> None:
@@ -375,13 +378,13 @@ async def record_command_result(
     ``power.setPower`` left or a BMC read (``management.inventory``) showed. Agent steps and
     every command a control-plane step sends (``ctx.commands``) come here when they succeed."""
     row = None
-    if kind == "node.converge" and isinstance(result, Mapping):
-        observed = result.get("observedGeneration")
-        if isinstance(observed, int) and not isinstance(observed, bool):
-            row = await engine.db.fetchrow(metal_store.OBSERVED_GENERATION, node_id, observed)
+    if kind not in _RECORDED:
+        return
+    # decoded once into the kind's Structs; a result that does not fit says nothing
+    done = decode_result(kind, result)
+    if isinstance(done, ConvergeResult) and done.observed_generation:
+        row = await engine.db.fetchrow(metal_store.OBSERVED_GENERATION, node_id, done.observed_generation)
     elif kind in ("power.setPower", "management.inventory"):
-        # decoded once into the kind's Structs; a result that does not fit says nothing
-        done = decode_result(kind, result)
         said = done.power_state if isinstance(done, PowerResult) else None
         if isinstance(done, BmcInventoryResult):
             said = done.system.power_state

@@ -36,6 +36,8 @@ _MESSAGES: Final = {
     "boot-entry-fetched-twice": "its one-time boot entry (and ramdisk join token) was asked for twice on"
     " the boot network",
     "second-join": "a second join tried its single-use ramdisk join token",
+    "boot-medium-fetched-twice": "its ramdisk join token's virtual medium was asked for again, or by"
+    " another address than its BMC's",
 }
 
 

@@ -17,13 +17,13 @@ nonsense or stays away is ``DRIVER_ERROR`` with ``details.reason`` naming the BM
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from better_compute.agent import before_call, call_answered, call_failed
+from better_compute.backoff import Backoff
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.wire.agent import CallFailure
 from better_compute.wire.commands import BmcCheck
@@ -104,7 +104,7 @@ async def retry_transient(
     what: str = "BMC call",
     at: str | None = None,
 ) -> T:
-    """``call()`` until it stops raising ``Transient``, with full-jitter backoff, until
+    """``call()`` until it stops raising ``Transient``, with a jittered ``Backoff``, until
     ``deadline``; then ``DRIVER_ERROR`` naming the last call that failed.
 
     A call that is not ``idempotent`` (a POST action: Reset, InsertMedia) is repeated only
@@ -115,7 +115,7 @@ async def retry_transient(
     Before every try, ``before_call(what)``: a cancel that reached the agent stops it here.
     Each try that fails and is tried again is the command's progress (``call_failed``: the
     failure, the tries in a row and since when, the BMC at ``at``) until a call answers."""
-    attempt = 0
+    backoff = Backoff(first=base, cap=cap)
     while True:
         await before_call(what)
         try:
@@ -128,12 +128,11 @@ async def retry_transient(
             if at is not None:
                 await call_failed(exc.kind, exc.reason, at=at)
             left = deadline - time.time()
-            delay = random.uniform(0, min(cap, base * 2**attempt))
+            delay = backoff.next()
             if left <= delay:
                 raise driver_error(exc.call, f"{exc.detail} (gave up at the command's deadline)") from None
             if on_retry is not None:
                 on_retry(exc, delay)
-            attempt += 1
             await asyncio.sleep(delay)
         else:
             await call_answered()

@@ -55,7 +55,7 @@ class _Sim:
 
     async def insert(self, command: MediaInsert, *, deadline: float) -> None:
         await before_call("sim media_insert")
-        self.machine.media[command.device] = command.url
+        self.machine.media[command.device] = command.url or ""
 
     async def eject(self, command: MediaEject, *, deadline: float) -> None:
         await before_call("sim media_eject")

@@ -8,6 +8,10 @@ beats the engine's settling of the booting step does. Role ``node`` also accepts
 ``provisioned``: the installed OS joins with the single-use ``provisioned`` token of
 ``userdata.render`` and re-keys the same node.
 
+For a node whose ramdisk token came on a virtual medium (``tokenDelivery: media``), the step
+ejects it (``media.eject``, key ``media-eject``) and clears its boot entries, which were not
+one-time (``netboot.clearEntry``, keys ``clear-<n>``), once the join counts.
+
 A ``pending`` certificate (a join with the ramdisk's held token, before the site agent reported
 the boot entry closed clean) does not count: whoever asked for the entry first may have made it.
 
@@ -26,8 +30,11 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import field, manifest
 from better_compute.provision.steps import define_step
 from better_compute.provision.waiting import step_not_ready
+from better_compute.wire.commands import ClearEntry, MediaEject
 
-from ._relay import workflow_node
+from ..commands import MEDIA_EJECT, NETBOOT_CLEAR_ENTRY
+from ._relay import relay, workflow_node
+from .ramdisk import token_delivery
 
 __all__ = ["ACCEPTED_ROLES", "JOINED_SINCE", "wait_agent_joined"]
 
@@ -64,12 +71,23 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
             held = True
         if getattr(cert, "state", "valid") != "valid":
             continue
-        return {
+        found = {
             "agentId": node.id,
             "certId": cert.cert_id,
             "role": cert.role,
             "joinedAt": cert.created_at.isoformat(),
         }
+        if step_input["fresh"] and token_delivery(node.bmc) == "media":
+            # the ramdisk's token medium (metal.ensureRamdisk): spent, out it goes
+            ejected = await relay(
+                ctx, kind=MEDIA_EJECT.name, payload=MediaEject(device="cd"), key="media-eject"
+            )
+            found["mediaEjectCommand"] = ejected["commandId"]
+            for index, mac in enumerate(node.macs):  # its boot entries were not one-time
+                await relay(
+                    ctx, kind=NETBOOT_CLEAR_ENTRY.name, payload=ClearEntry(mac=mac), key=f"clear-{index}"
+                )
+        return found
     after = f" since {since.strftime('%Y-%m-%dT%H:%M:%SZ')}" if since is not None else ""
     if held:
         raise step_not_ready(
@@ -83,6 +101,8 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
 wait_agent_joined = define_step(
     id=STEP_ID,
     runs_on="control-plane",
+    relays=["site"],
+    sends=[MEDIA_EJECT.name, NETBOOT_CLEAR_ENTRY.name],
     timeout="30m",
     input=manifest(
         {

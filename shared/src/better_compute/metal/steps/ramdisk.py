@@ -20,6 +20,16 @@ it adds ``bcd.token=`` to the command line it serves that MAC. The token is in n
 step result or log. A retry's new attempt mints a new token; the superseded attempt's token and
 secret are revoked by the engine.
 
+A node whose BMC says ``tokenDelivery: media`` (Redfish virtual media) gets its token another
+way, never on the boot network: the token is minted without ``held``, and a ``media.insert``
+(key ``media-insert``, before the boot device and the power cycle) carries ``joinTokenRef``:
+the site agent builds a small ISO labelled ``BCBOOT`` holding it and serves it once, to the
+BMC alone (bc_site_agent.media). The boot entries then carry no token and are not one-time
+(whoever asks first takes nothing, and the machine still finds its entry), and the kernel line
+says ``bcd.token_from=media``: bcd reads the token from that medium. ``wait.agentJoined``
+ejects the medium and clears the entries once the node joined. The step's result says which
+(``tokenDelivery``).
+
 The ramdisk (kernel and initrd, or an iPXE script) comes from the step's ``with``; metal's
 shipped profiles fill it from ``metal(ramdisk=Ramdisk(...))`` or ``[ramdisk]`` of bc.toml. A
 ramdisk an operator set while the engines run (``bcx ramdisk set``, the engine's
@@ -36,19 +46,20 @@ from typing import Any, Final
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import manifest
 from better_compute.provision.steps import define_step
-from better_compute.wire.commands import SetBootDevice, SetPower, decode_payload
+from better_compute.wire.commands import MediaInsert, SetBootDevice, SetPower, decode_payload
 from better_compute.wire.metal import NodeBmc
 
 from ..commands import (
     BMC,
     MANAGEMENT_SET_BOOT_DEVICE,
+    MEDIA_INSERT,
     NETBOOT_SET_ENTRY,
     POWER_SET_POWER,
 )
 from ._relay import relay, workflow_node
 from .profiles import LIFECYCLE_PROFILE_IDS
 
-__all__ = ["RAMDISK_FIELDS", "RAMDISK_OVERRIDE", "ensure_ramdisk", "ramdisk_in_force"]
+__all__ = ["RAMDISK_FIELDS", "RAMDISK_OVERRIDE", "ensure_ramdisk", "ramdisk_in_force", "token_delivery"]
 
 STEP_ID: Final = "metal.ensureRamdisk"
 TOKEN_TTL_SECONDS: Final = 3600  # the step's own deadline is 15 minutes; the join follows it
@@ -88,8 +99,11 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     if not step_input.get("kernel") and not step_input.get("script"):
         raise BcError(
             ErrorCode.INVALID_CONFIG,
-            f"{STEP_ID} needs the ramdisk: give kernel (and initrd) or script,"
-            " or set one for the shipped profiles (bcx ramdisk set, [ramdisk] of bc.toml)",
+            f"{STEP_ID} needs the ramdisk and none is configured: set one with `bcx ramdisk set"
+            " --kernel URL --initrd URL` (every engine, at once), or build it with `bcx ramdisk"
+            " build`, which `bcx dev up` then serves (restart the stack), or set [ramdisk] kernel and"
+            " initrd in bc.toml (docs/settings.md); a profile's own step may give kernel (and"
+            " initrd) or script",
             {"path": "kernel"},
         )
     macs = list(getattr(node, "macs", ()) or ())
@@ -108,6 +122,8 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         raise BcError(
             ErrorCode.INVALID_CONFIG, f"{STEP_ID} needs the pki and secrets services", {"path": "pki"}
         )
+    delivery = token_delivery(bmc.to_document() if bmc is not None else node.bmc)
+    on_media = delivery == "media"
     token = await ctx.pki.issue_join_token(
         tenant_id=node.tenant_id,
         role="node",
@@ -115,15 +131,27 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         ttl_seconds=TOKEN_TTL_SECONDS,
         max_uses=1,
         expect={"mac": macs[0]},  # a machine's claims show every NIC's MAC
-        held=True,  # served on the boot network: its join is pending until the entry closes clean
+        # served on the boot network: its join is pending until the entry closes clean; on a
+        # medium only the BMC fetched, the join counts at once
+        held=not on_media,
     )
     token_ref = await ctx.secrets.put(
         token.token.encode(), idempotency_key="ramdisk-join-token", label="ramdisk join token"
     )
     cmdline = _with_control_plane(entry.get("cmdline", ""), ctx)
+    if on_media:
+        cmdline = f"{cmdline} bcd.token_from=media".strip()
     if cmdline:
         entry["cmdline"] = cmdline
 
+    medium = None
+    if on_media:
+        medium = await relay(
+            ctx,
+            kind=MEDIA_INSERT.name,
+            payload=MediaInsert(device="cd", join_token_ref=token_ref, bmc=bmc),
+            key="media-insert",
+        )
     boot = await relay(
         ctx,
         kind=MANAGEMENT_SET_BOOT_DEVICE.name,
@@ -131,11 +159,15 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
         key="boot-device",
     )
     entries = []
+    # On a medium, the entry holds nothing secret: anyone may fetch it, any number of times, so
+    # a host that asks before the machine takes nothing and leaves the machine its boot;
+    # wait.agentJoined clears it with the medium. Otherwise it is one-time and carries the token.
+    by_ref = {"oneTime": False} if on_media else {"oneTime": True, "joinTokenRef": token_ref}
     for index, mac in enumerate(macs):
         done = await relay(
             ctx,
             kind=NETBOOT_SET_ENTRY.name,
-            payload={**entry, "mac": mac, "oneTime": True, "joinTokenRef": token_ref},
+            payload={**entry, "mac": mac, **by_ref},
             key=f"netboot-{index}",
         )
         entries.append({"mac": mac, "commandId": done["commandId"]})
@@ -144,10 +176,20 @@ async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     )
     return {
         "joinTokenId": token.join_token_id,
+        "tokenDelivery": delivery,
+        **({"mediaInsertCommand": medium["commandId"]} if medium is not None else {}),
         "bootDeviceCommand": boot["commandId"],
         "netbootEntries": entries,
         "powerCycleCommand": cycle["commandId"],
     }
+
+
+def token_delivery(bmc: Any) -> str:
+    """How the ramdisk gets its token for a node with this BMC (its document): ``media`` when
+    the BMC says so (``tokenDelivery``, Redfish or the simulator only), else ``network``."""
+    if isinstance(bmc, dict) and bmc.get("tokenDelivery") == "media" and bmc.get("driver") != "ipmi":
+        return "media"
+    return "network"
 
 
 def _with_control_plane(cmdline: str, ctx: Any) -> str:
@@ -164,7 +206,7 @@ ensure_ramdisk = define_step(
     id=STEP_ID,
     runs_on="control-plane",
     relays=["site"],
-    sends=[MANAGEMENT_SET_BOOT_DEVICE.name, NETBOOT_SET_ENTRY.name, POWER_SET_POWER.name],
+    sends=[MEDIA_INSERT.name, MANAGEMENT_SET_BOOT_DEVICE.name, NETBOOT_SET_ENTRY.name, POWER_SET_POWER.name],
     timeout="15m",
     input=manifest({**{k: _ENTRY[k] for k in RAMDISK_FIELDS}, "bmc": BMC.optional()}),
     run=_run,
