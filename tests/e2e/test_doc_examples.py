@@ -4,16 +4,28 @@ cannot drift from what bcx does (issue 26).
 * Every example is parsed by bcx's own parser (``parse_line``, no services: milliseconds each).
   A synopsis line (``bcx inspect|commission node_… [--profile P]``) is counted, not parsed.
 * Every example not marked ``<!-- doctest: skip (reason) -->`` on the line before its code block
-  runs, as a subprocess, against one stack started for this module's one test (bc-pki,
-  bc-command-queue and bc-engine as processes; no bc-secrets, as the examples that show it
-  missing expect; three enrolled nodes at site eu1). A ``$ bcx …`` line of a console block
-  followed by output must print that output's first line: an error's ``error: CODE: message``
-  (the hint, which names the reader's context, aside), a table's header, or the sentence shown;
-  any other example must exit 0.
+  runs against one stack started for this module's one test (bc-pki, bc-command-queue with a
+  quorum, bc-engine as processes; no bc-secrets, as the examples that show it missing expect)
+  and the world the docs name (``_world``): nodes (three at eu1, ``lab1-m001``, one at lab2
+  whose power-on waits for an agent), an enrollment rule, an open batch, the image signer
+  ``acme-release`` and the files ``ubuntu.raw``, ``ed25519.pem``, ``ci.pub``. A placeholder the
+  docs write (``node_…``, ``rule_…``, ``batch_01J…``, and the author's ids of docs/engine.md's
+  ``bcx why``) is the id of that thing in the world, in the command and in the output shown;
+  ``~/`` is a home of the test's own. A code block's examples run in order, as a reader would
+  paste them, in a folder of the block's own holding the files; what one changes that the next
+  needs an operator would do by hand follows it (``World.after``: the key ``batches keygen``
+  made becomes an approver's, in the approvers file the command queue reads again).
+* A ``$ bcx …`` line of a console block followed by output must print that output's first
+  line: an error's ``error: CODE: message`` (the hint, which names the reader's context, aside),
+  a table's header, or the sentence shown; any other example must exit 0.
+* Each run is its own process, forked from one that imported bcx once (``BcxForks``, two at a
+  time), so a run costs its requests, not Python's start.
 
-The test prints how many examples ran, were parsed only and were skipped, with each reason. It
-adds about 30 s to the suite on the loaded two-core machine (load 17: the stack's start 7 s, the
-ten runs, four at a time, 15 s, the parsing 2-3 s).
+The test prints how many examples ran, were parsed only and were skipped, with each reason: 41
+of 81 run, the rest need the simulated fleet, a plugin installed, bc-secrets or a real
+machine's paths, or are synopsis lines. It takes about 25 s on the loaded two-core machine (load
+19: the stack's start 4 s, the world 2 s, the 41 runs 18 s), as the ten subprocess runs took
+before.
 """
 
 from __future__ import annotations
@@ -21,18 +33,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import re
 import shlex
+import shutil
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from better_compute.cli.main import parse_line
+from better_compute.clients import CommandQueueClient, EngineClient
 from better_compute.config import Settings
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, bcx
+from better_compute.testing import BcxForks, BcxRun, ServiceProcesses, until
+from better_compute.testing.approvers import approver_keys, write_approvers
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -50,6 +69,7 @@ class Example:
     argv: tuple[str, ...]  # after "bcx"
     shown: str | None  # the first line of output shown under it (console blocks), else None
     skip: str | None  # why it does not run here (the marker's reason)
+    block: str = ""  # file:line of its code block (a block's examples run in order)
 
     @property
     def synopsis(self) -> bool:
@@ -86,7 +106,7 @@ def _block(lines: list[str], start: int, name: str, skip: str | None) -> list[Ex
         shown = None
         if console and i < len(body) and not body[i].lstrip().startswith("$ "):
             shown = body[i].rstrip() or None
-        out.append(Example(where, _argv(line), shown, skip))
+        out.append(Example(where, _argv(line), shown, skip, block=f"{name}:{start}"))
     return out
 
 
@@ -134,24 +154,46 @@ def test_every_example_is_a_command_line_bcx_takes() -> None:
 
 
 async def test_every_runnable_example_does_what_its_doc_shows(
-    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> None:
-    for name in ("bc-pki", "bc-command-queue", "bc-engine"):
-        bc_processes.start(name)
-    await bc_processes.wait_ready()
-    for i in range(3):  # what the lists' examples page through
-        await bc_api.call("engine", "metal.enroll", {"siteId": "eu1", "labels": {"rack": f"r{i}"}})
+    world = await _world(bc_settings, bc_api, bc_processes, tmp_path)
     found = examples()
     runnable = [e for e in found if e.skip is None]
-    gate = asyncio.Semaphore(4)  # the examples only read: a few at once, on two cores
+    blocks: dict[str, list[Example]] = {}
+    for e in runnable:
+        blocks.setdefault(e.block, []).append(e)
+    lanes = asyncio.Queue[BcxForks]()
+    forks = [BcxForks(bc_settings, env={"HOME": str(world.home)}) for _ in range(2)]
+    for fork in forks:
+        lanes.put_nowait(fork)
 
-    async def check(e: Example) -> str | None:
-        async with gate:
-            run = await bcx(bc_settings, *e.argv, timeout=60)
-        failure = _differs(e, run.returncode, run.stdout, run.stderr)
-        return None if failure is None else f"{e.where}: bcx {shlex.join(e.argv)}: {failure}"
+    async def run_block(block: str, todo: list[Example]) -> list[str]:
+        """A block's examples in order, in a folder of its own holding the files the docs name."""
+        cwd = tmp_path / "blocks" / re.sub(r"[^\w.-]", "_", block)
+        shutil.copytree(world.files, cwd)
+        fork = await lanes.get()
+        failures = []
+        try:
+            for e in todo:
+                argv = world.fill_argv(e.argv)
+                run = await fork.bcx(*argv, cwd=str(cwd), timeout=60)
+                shown = world.fill(e.shown) if e.shown is not None else None
+                failure = _differs(replace(e, shown=shown), run.returncode, run.stdout, run.stderr)
+                if failure is not None:
+                    failures.append(f"{e.where}: bcx {shlex.join(argv)}: {failure}")
+                after = world.after.get(e.argv[:2])
+                if after is not None:
+                    await after(run)
+        finally:
+            lanes.put_nowait(fork)
+        return failures
 
-    failures = [f for f in await asyncio.gather(*(check(e) for e in runnable)) if f is not None]
+    try:
+        done = await asyncio.gather(*(run_block(b, todo) for b, todo in blocks.items()))
+    finally:
+        for fork in forks:
+            fork.close()
+    failures = [f for block in done for f in block]
     reasons = Counter(e.skip for e in found if e.skip is not None)
     print(
         f"\ndoc examples: {len(found)}; ran {len(runnable)}, parsed only {len(found) - len(runnable)}"
@@ -160,6 +202,103 @@ async def test_every_runnable_example_does_what_its_doc_shows(
     for reason, n in reasons.most_common():
         print(f"  {n:3}  {reason}")
     assert failures == []
+
+
+@dataclass
+class World:
+    """What the examples run against besides the stack: the files they name (each block gets a
+    copy), the ids their placeholders stand for, and what follows an example (``after``)."""
+
+    home: Path
+    files: Path
+    ids: dict[str, str]
+    after: dict[tuple[str, ...], Callable[[BcxRun], Awaitable[None]]] = field(default_factory=dict)
+
+    def fill(self, text: str) -> str:
+        """``text`` with each placeholder (``node_…``) as the id it stands for."""
+        for placeholder in sorted(self.ids, key=len, reverse=True):
+            text = text.replace(placeholder, self.ids[placeholder])
+        return text
+
+    def fill_argv(self, argv: tuple[str, ...]) -> tuple[str, ...]:
+        """The argv a shell would run: placeholders filled, a leading ``~/`` made ``$HOME/``."""
+        return tuple(str(self.home / w[2:]) if w.startswith("~/") else self.fill(w) for w in argv)
+
+
+async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses, tmp_path: Path) -> World:
+    """The stack (bc-pki, bc-command-queue with a quorum of one approver, bc-engine; no
+    bc-secrets, as the examples that show it missing expect) and what the examples name:
+    three enrolled nodes at eu1 (the lists page through them), ``lab1-m001`` in rack r12 of lab1,
+    an enrollment rule, an open batch, the image signer ``acme-release``, and the files
+    ``ubuntu.raw``, ``ed25519.pem`` (acme-release's key) and ``ci.pub``."""
+    home, files = tmp_path / "home", tmp_path / "files"
+    (home / ".bc").mkdir(parents=True)
+    files.mkdir()
+    carol = approver_keys(["carol"])
+    approvers = write_approvers(tmp_path / "approvers.toml", carol, threshold=1)
+    processes.extra_env.update(BC_CMDQ_QUORUM_FILE=str(approvers), BC_CMDQ_SWEEP="200ms")
+    for name in ("bc-pki", "bc-command-queue", "bc-engine"):
+        processes.start(name)
+    await processes.wait_ready()
+    nodes = []
+    for i in range(3):  # what the lists' examples page through
+        node = await api.call("engine", "metal.enroll", {"siteId": "eu1", "labels": {"rack": f"r{i}"}})
+        nodes.append(node["id"])
+    await api.call(
+        "engine", "metal.enroll", {"siteId": "lab1", "labels": {"rack": "r12"}, "name": "lab1-m001"}
+    )
+    engine, cq = EngineClient(api), CommandQueueClient(api)
+    # a workflow waiting for its site's agent (lab2 has none): what `bcx why` explains
+    waiting = await api.call(
+        "engine", "metal.enroll", {"siteId": "lab2", "bmc": {"driver": "sim", "address": "bmc-lab2"}}
+    )
+    powering = await api.call("engine", "metal.power", {"nodeId": waiting["id"], "action": "on"})
+    rule = await engine.create_enrollment_rule(
+        name="docs", selector="inventory.cpu_cores>=512", site_id="lab1"
+    )
+    batch = await cq.create_batch(
+        kinds=["node.wipe"], nodes=nodes[:1], ttl_seconds=3600, note="the docs' batch"
+    )
+    signer = ed25519.Ed25519PrivateKey.generate()
+    (files / "ed25519.pem").write_bytes(
+        signer.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    public = signer.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    await engine.add_image_signer(id="acme-release", public_key=public.decode())
+    ci = ed25519.Ed25519PrivateKey.generate().public_key()
+    (files / "ci.pub").write_bytes(
+        ci.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    (files / "ubuntu.raw").write_bytes(b"\x00" * 4096 + b"ubuntu 24.04")
+
+    async def approver_added(run: BcxRun) -> None:
+        """After ``bcx batches keygen``: its key is alice's, in the approvers file (read again
+        while the command queue runs), as an operator would send it to be configured."""
+        assert run.returncode == 0, run.stderr
+        alice = serialization.load_pem_private_key((home / ".bc/approver.pem").read_bytes(), password=None)
+        assert isinstance(alice, ed25519.Ed25519PrivateKey)
+        staged = write_approvers(tmp_path / "approvers.next", {**carol, "alice": alice}, threshold=1)
+        os.replace(staged, approvers)
+
+        async def in_force() -> bool:
+            return "alice" in [a.id for a in (await cq.quorum()).approvers]
+
+        await until(in_force, timeout=30, what="alice an approver")
+
+    return World(
+        home=home,
+        files=files,
+        ids={"node_…": nodes[0], "node_01…": nodes[0], "node_01J…": nodes[0], "rule_…": rule.id,
+             "batch_01J…": batch.id,
+             # the author's ids in docs/engine.md's `bcx why` (its output is the author's)
+             "node_01M8RSW0Q1DY63NMWG4W8Z57YX": waiting["id"],
+             "wf_01M8RSW0T4G53QNA7BJ6ZAK3Z4": powering["workflowId"]},
+        after={("batches", "keygen"): approver_added},
+    )  # fmt: skip
 
 
 def _differs(e: Example, code: int, stdout: str, stderr: str) -> str | None:

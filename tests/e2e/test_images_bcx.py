@@ -136,3 +136,31 @@ async def test_images_register_list_show_delete_through_bcx(
     rc, out, err = await bcx(settings, "images", "show", "ubuntu-24.04@2024.06.1", "--json")
     assert rc != 0
     assert json.loads(out or err)["error"]["code"] == "NOT_FOUND"
+
+    # a signer allowlisted while the engine runs: the next registration takes its signature
+    ci = tmp_path / "ci.pem"
+    openssl("genpkey", "-algorithm", "ed25519", "-out", str(ci))
+    (tmp_path / "ci.pub").write_text(openssl("pkey", "-in", str(ci), "-pubout"))
+    rc, out, err = await bcx(
+        settings, "images", "signers", "add", "ops-ci", "--public-key-file", str(tmp_path / "ci.pub")
+    )
+    assert rc == 0, err
+    assert "signer ops-ci (ed25519) allowlisted" in out
+    tools_sig = tmp_path / "tools.sig"
+    rc, out, err = await bcx(
+        settings, "images", "sign", "tools@1", "--url", url, "--file", str(flatcar), "--key-file", str(ci),
+        "--out", str(tools_sig),
+    )  # fmt: skip
+    assert rc == 0, err
+    rc, out, err = await bcx(
+        settings, "images", "register", "tools@1", "--url", url, "--file", str(flatcar), "--signer", "ops-ci",
+        "--signature-file", str(tools_sig),
+    )  # fmt: skip
+    assert rc == 0, err
+    rc, out, err = await bcx(settings, "images", "signers", "list")
+    assert rc == 0, err
+    rows = [line.split()[:3] for line in out.splitlines()]
+    assert rows == [
+        ["ID", "ALGORITHM", "SOURCE"], ["acme-p256", "ecdsa-p256-sha256", "config"],
+        ["acme-release", "ed25519", "config"], ["ops-ci", "ed25519", "operator"],
+    ]  # fmt: skip

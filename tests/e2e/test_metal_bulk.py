@@ -3,6 +3,7 @@ command-queue and PKI as processes and a simulated site agent counting what it r
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -203,13 +204,16 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
     bc_processes: ServiceProcesses,
     tmp_path: Path,
 ) -> None:
-    """Issue 26: ``bcx bulk <verb> --plan`` is what the verb would do, per node, and does none of
-    it; ``bcx batches approve`` shows the scope it signs first. Seen failing before metal.plan
-    (bcx: unrecognized arguments: --plan)."""
+    """Issue 26: ``bcx bulk <verb> --plan`` (and ``bcx <verb> NODE --plan``) is what the verb
+    would do, per node, and does none of it; ``bcx batches approve`` shows the scope it signs
+    first. Seen failing before metal.plan (bcx: unrecognized arguments: --plan). The approvers
+    file changed while the services run is in force for the next plan and batch (seen failing
+    before the reload: the plan still said 2 of 3)."""
     keys, settings = stack[0], bc_processes.settings
     ids = []
     for i in range(3):
-        body = {"siteId": "lab1", "labels": {"rack": "r7"}, "bmc": {**BMC, "address": f"bmc-r7-{i}"}}
+        body = {"siteId": "lab1", "labels": {"rack": "r7"}, "bmc": {**BMC, "address": f"bmc-r7-{i}"},
+                "name": f"r7-m{i}"}  # fmt: skip
         ids.append((await bc_api.call("engine", "metal.enroll", body))["id"])
     await bc_api.call("engine", "metal.bulk", {"verb": "adopt", "nodeIds": ids[:2]})
     await until(lambda: _all(bc_api, ids[:2], "deployed"), what="2 nodes deployed")
@@ -224,6 +228,7 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
     assert [(n["nodeId"], n["state"], n["becomes"], n["profile"]) for n in plan["nodes"]] == [
         (n, "deployed", "releasing", release) for n in sorted(ids[:2])
     ]
+    assert sorted(n["name"] for n in plan["nodes"]) == ["r7-m0", "r7-m1"]
     assert plan["steps"], plan
     assert [s["index"] for s in plan["steps"]] == list(range(len(plan["steps"])))
     # the wipe is the destructive one; it is in the commands of its step and in the batch's scope
@@ -233,8 +238,8 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
     assert all(set(s["destructive"]) <= set(s["commands"]) for s in plan["steps"])
     assert set(plan["destructive"]) <= set(plan["commands"])
     assert plan["approvals"] == {"threshold": 2, "approvers": list(APPROVERS)}
-    assert [(r["nodeId"], r["code"], r["reason"]) for r in plan["refused"]] == [
-        (ids[2], "INVALID_STATE", "wrong-state")
+    assert [(r["nodeId"], r["name"], r["code"], r["reason"]) for r in plan["refused"]] == [
+        (ids[2], "r7-m2", "INVALID_STATE", "wrong-state")
     ]
 
     table = await bcx(settings, "bulk", "release", "--node", ids[0], "--node", ids[2], "--plan")
@@ -242,26 +247,67 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
     text = table.stdout
     assert "plan: release of 1 node (t.release@" in text
     assert "nothing was started" in text
-    row = rf"^{ids[0]}\s+deployed\s+releasing\s+t\.release@\d+\s+\d+\s+\d+\s+driver\.invoke$"
+    row = rf"^{ids[0]}\s+r7-m0\s+deployed\s+releasing\s+t\.release@\d+\s+\d+\s+\d+\s+driver\.invoke$"
     assert re.search(row, text, re.M), text
     assert "needs 2 of 3 (alice, bob, carol)" in text
     assert "would refuse 1:" in text
-    assert f"node {ids[2]} is enrolled; release needs deployed" in text
+    assert re.search(
+        rf"^{ids[2]}\s+r7-m2\s+INVALID_STATE\s+node {ids[2]} is enrolled; release needs deployed", text, re.M
+    ), text
     assert f"to run it: bcx bulk release --node {ids[0]} --node {ids[2]}" in text
     watch = await bcx(settings, "bulk", "release", "--node", ids[0], "--plan", "--watch")
     assert watch.returncode == 1
     assert "error: INVALID_INPUT: --plan starts nothing to watch" in watch.stderr
 
+    # one node's verb plans the same way (by name or id), and exits 1 when it would be refused
+    one = await bcx(settings, "release", "r7-m0", "--plan")
+    assert one.returncode == 0, one.stderr
+    assert "plan: release of 1 node (t.release@" in one.stdout
+    assert re.search(rf"^{ids[0]}\s+r7-m0\s+deployed\s+releasing\s", one.stdout, re.M), one.stdout
+    assert "needs 2 of 3 (alice, bob, carol)" in one.stdout
+    assert f"to run it: bcx release {ids[0]}" in one.stdout
+    inspect = await bcx(settings, "inspect", ids[2], "--plan", "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    planned = msgspec.json.decode(inspect.stdout)
+    assert [(n["nodeId"], n["name"], n["state"], n["becomes"]) for n in planned["nodes"]] == [
+        (ids[2], "r7-m2", "enrolled", "inspecting")
+    ]
+    wrong = await bcx(settings, "release", "r7-m2", "--plan")
+    assert wrong.returncode == 1
+    assert "would refuse 1:" in wrong.stdout
+    assert "is enrolled; release needs deployed" in wrong.stdout
+    assert "to run it" not in wrong.stdout
+    waiting = await bcx(settings, "deploy", "r7-m0", "--plan", "--wait")
+    assert waiting.returncode == 1
+    assert "error: INVALID_INPUT: --plan starts nothing to watch: drop --wait" in waiting.stderr
+
     # nothing happened: no workflow, no batch, no command, no audit entry, no node moved
     assert await _what_exists(bc_api) == before
     assert await _states(bc_api, ids) == states
+
+    # the approvers are configuration read again when their file changes, with no restart: the
+    # next plan and the next verb's batch need 3 of 4, and the new approver's signature counts
+    keys["dave"] = ed25519.Ed25519PrivateKey.generate()
+    os.replace(write_approvers(tmp_path / "approvers.next", keys, threshold=3), tmp_path / "approvers.toml")
+    cq = CommandQueueClient(bc_api)
+
+    async def in_force() -> bool:
+        quorum = await cq.quorum()
+        return (quorum.threshold, [a.id for a in quorum.approvers]) == (3, [*APPROVERS, "dave"])
+
+    await until(in_force, timeout=30, what="the new approvers in force")
+    replanned = await bcx(settings, "release", "r7-m0", "--plan")
+    assert replanned.returncode == 0, replanned.stderr
+    assert "needs 3 of 4 (alice, bob, carol, dave)" in replanned.stdout
 
     # the verb itself does what the plan said
     bulk = await bc_api.call(
         "engine", "metal.bulk", {"verb": "release", "selector": {"site": "lab1", "rack": "r7"}}
     )
     assert [s["nodeId"] for s in bulk["started"]] == [n["nodeId"] for n in plan["nodes"]]
-    assert [r["nodeId"] for r in bulk["refused"]] == [r["nodeId"] for r in plan["refused"]]
+    assert [(r["nodeId"], r["name"]) for r in bulk["refused"]] == [
+        (r["nodeId"], r["name"]) for r in plan["refused"]
+    ]
     batch = await CommandQueueClient(bc_api).get_batch(id=bulk["batchId"])
     assert batch.kinds == plan["destructive"]
 
@@ -270,7 +316,7 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
                        "--key-file", _pem(keys["alice"], tmp_path / "alice.pem"))  # fmt: skip
     assert signed.returncode == 0, signed.stderr
     scope, _, _ = signed.stdout.partition("approved by alice")
-    assert f"you sign batch {batch.id} (open, 0/2):" in scope
+    assert f"you sign batch {batch.id} (open, 0/3):" in scope
     assert "kinds      driver.invoke" in scope
     assert "nodes      2: " in scope
     for s in bulk["started"]:
@@ -278,5 +324,12 @@ async def test_bulk_plan_shows_steps_commands_approvals_and_refusals_and_changes
     as_json = await bcx(settings, "batches", "approve", batch.id, "--approver", "bob",
                         "--key-file", _pem(keys["bob"], tmp_path / "bob.pem"), "--json")  # fmt: skip
     assert as_json.returncode == 0, as_json.stderr
-    assert msgspec.json.decode(as_json.stdout)["state"] == "approved"
-    assert f"you sign batch {batch.id} (open, 1/2):" in as_json.stderr
+    assert msgspec.json.decode(as_json.stdout)["state"] == "open"
+    assert f"you sign batch {batch.id} (open, 1/3):" in as_json.stderr
+    dave = await cq.approve_batch(
+        batch_id=batch.id, approver_id="dave", signature=sign_batch(batch, keys["dave"])
+    )
+    assert (dave.state, [a.approver_id for a in dave.approvals if a.counted]) == (
+        "approved",
+        ["alice", "bob", "dave"],
+    )

@@ -9,6 +9,7 @@ own process.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -94,10 +95,11 @@ async def test_a_discovered_machine_matching_a_rule_is_enrolled_by_it(
     big = await rules(
         settings, "create", "big-sim", "--site", SITE, "--priority", "10",
         "--selector", BIG,
-        "--label", "pool=big", "--label", "rack=r7",
+        "--label", "pool=big", "--label", "rack=r7", "--name-template", "r7-{inventory.serial}",
         "--bmc", "redfish://10.9.0.7/redfish/v1/Systems/1", "--bmc-credentials-file", str(creds),
     )  # fmt: skip
     assert (big["name"], big["siteId"], big["labels"]) == ("big-sim", SITE, {"pool": "big", "rack": "r7"})
+    assert big["nameTemplate"] == "r7-{inventory.serial}"
     template_ref = big["bmc"]["credentialsRef"]
     # a rule of another site is never tried for lab1's machines
     engine = EngineClient(bc_api)
@@ -112,6 +114,7 @@ async def test_a_discovered_machine_matching_a_rule_is_enrolled_by_it(
     node_id = await discover(settings, bc_api, machine, bcds, tmp_path / "big.log")
     doc = await inventoried(bc_api, node_id)
     assert (doc["state"], doc["enrolledByRule"]) == ("enrolled", big["id"]), doc
+    assert doc["name"] == "r7-big-1"  # the rule's name template, over its host name
     assert doc["labels"] == {"pool": "big", "rack": "r7"}
     assert doc["macs"] == ["52:54:00:e1:00:01"]  # the MACs it showed
     bmc = doc["bmc"]
@@ -125,7 +128,7 @@ async def test_a_discovered_machine_matching_a_rule_is_enrolled_by_it(
     assert bmc["credentialsRef"] != template_ref
     secrets = SecretsClient(bc_api)
     assert json.loads(await secrets.get(ref=bmc["credentialsRef"]))["password"] == PASSWORD
-    shown = await bcx(settings, "nodes", "show", node_id)
+    shown = await bcx(settings, "nodes", "show", "r7-big-1")  # its name stands for its id
     assert f"enrolled    by rule {big['id']}" in shown.stdout, shown.stdout
     assert PASSWORD not in shown.stdout
 
@@ -138,11 +141,15 @@ async def test_a_discovered_machine_matching_a_rule_is_enrolled_by_it(
     # a smaller machine matches no rule: it appears with its inventory and stays discovered
     small = prepare_machine(
         tmp_path / "small", product_uuid="5a1e0000-0001-4000-8000-0000000005a1", serial="SMALL-1",
-        macs=("52:54:00:e1:00:02",), cpus=4, memory_kib=16 * GIB_KIB,
+        macs=("52:54:00:e1:00:02",), cpus=4, memory_kib=16 * GIB_KIB, hostname="R12-n3.lab1.example.com",
     )  # fmt: skip
     small_id = await discover(settings, bc_api, small, bcds, tmp_path / "small.log")
     doc = await inventoried(bc_api, small_id)
     assert (doc["state"], doc["enrolledByRule"], doc["bmc"]) == ("discovered", None, None), doc
+    assert doc["name"] == "r12-n3"  # named by the host name it reported (the first label, lowercase)
+    agents = await bcx(settings, "agents", "list", "--role", "discovery")  # its bcd, under its name
+    assert agents.returncode == 0, agents.stderr
+    assert re.search(rf"^{small_id}\s+r12-n3\s+{SITE}\s+discovery\b", agents.stdout, re.M), agents.stdout
 
     # deleting a rule leaves what it enrolled as it is
     deleted = await engine.delete_enrollment_rule(id=big["id"])
@@ -161,6 +168,8 @@ async def test_bad_rules_are_refused_with_their_path(settings: Settings, bc_api:
         ({"bmc": {**ipmi, "addressCidrs": ["10.0.0.0/33"]}}, "bmc.addressCidrs[0]"),
         ({"labels": {"bad key": "x"}}, "labels"),
         ({"bmc": {"driver": "ipmi", "address": "10.0.0.1", "password": PASSWORD}}, "bmc.password"),
+        ({"nameTemplate": "r7-{inventory.colour}"}, "nameTemplate"),
+        ({"nameTemplate": "r7 {hostname}"}, "nameTemplate"),
     ]  # fmt: skip
     for body, path in cases:
         err = await refusal(bc_api, {"name": "bad", "selector": "a=b", **body})

@@ -22,7 +22,7 @@ from better_compute.clients import CommandQueueClient, PkiClient
 from better_compute.config import Settings
 from better_compute.metal.signatures import sign_image
 from better_compute.service import ApiClient
-from better_compute.testing import ServiceProcesses, until
+from better_compute.testing import ServiceProcesses, bcx, until
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import wait_workflow
 
@@ -159,6 +159,30 @@ async def test_ensure_ramdisk_woken_while_a_command_runs_sends_nothing_twice(sta
     entries = [await stack.cq.get(id=commands[f"0#1:netboot-{i}"].id) for i in (0, 1)]
     assert [e.payload["mac"] for e in entries] == MACS
     assert len(site.executions()) == 4  # at the agent, too: one execution per command
+
+    # issue 26: a ramdisk set while the engine runs is what the next run boots, with no restart.
+    # A step that names none fails asking for one; once `bcx ramdisk set` ran, its retry boots it.
+    bare = await stack.run("bare-ramdisk", node, [{"use": "metal.ensureRamdisk", "on": "site", "with": {}}])
+    failed = await wait_workflow(stack.api, bare, timeout=60)
+    assert failed.state == "failed", failed
+    kernel, initrd = "https://cache.site-b/set/vmlinuz", "https://cache.site-b/set/initrd.img"
+    set_ = await bcx(
+        stack.settings, "ramdisk", "set", "--kernel", kernel, "--initrd", initrd, "--cmdline", "quiet"
+    )
+    assert set_.returncode == 0, set_.stderr
+    assert "the shipped profiles boot it" in set_.stdout
+    await stack.api.call("engine", "workflows.retry", {"id": bare})
+    done = await wait_workflow(stack.api, bare, timeout=60)
+    assert done.state == "succeeded", done
+    retried = {k: v for k, v in (await stack.commands(bare)).items() if "netboot" in k}
+    entries = [await stack.cq.get(id=v.id) for v in retried.values()]
+    assert [(e.payload["kernel"], e.payload["initrd"], e.payload["cmdline"].split()[0]) for e in entries] == [
+        (kernel, initrd, "quiet")
+    ] * len(MACS)
+    shown = await bcx(stack.settings, "ramdisk", "show", "--json")
+    assert msgspec.json.decode(shown.stdout)["kernel"] == kernel
+    cleared = await bcx(stack.settings, "ramdisk", "clear")
+    assert cleared.stdout.startswith("ramdisk: none set"), cleared.stdout
 
 
 async def test_an_unattested_wipe_fails_the_step_and_the_node_does_not_move(stack: Stack) -> None:

@@ -66,7 +66,9 @@ async def quorum(
     bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> AsyncIterator[Quorum]:
     keys = approver_keys(APPROVERS)
-    config = CmdqConfig(quorum=load_quorum(write_approvers(tmp_path / "approvers.toml", keys)), sweep_ms=100)
+    config = CmdqConfig(sweep_ms=100).with_quorum(
+        load_quorum(write_approvers(tmp_path / "approvers.toml", keys))
+    )
     bc_processes.start("bc-pki")
     await bc_processes.wait_ready()
     node = new_id("node")

@@ -338,3 +338,37 @@ async def test_a_deploy_of_an_image_whose_signer_was_removed_starts_nothing(
         assert (shown["state"], shown.get("workflowId"), shown.get("image")) == ("ready", None, None)
         listed = await bc_api.call("engine", "workflows.list", {"nodeId": node["id"]})
         assert listed["workflows"] == []
+
+
+async def test_an_operator_adds_and_removes_a_signer_while_the_engine_runs(
+    bc_settings: Settings, bc_api: ApiClient
+) -> None:
+    """Issue 26: a signer added with ``images.signers.add`` is in force for the next registration
+    with no restart, survives an engine's start (which rewrites only the configured signers), and
+    once removed its images stop resolving."""
+    tools = image("tools", "1", key=OTHER, signer="ops-ci")
+    async with engine(bc_settings, signers=SIGNERS) as svc:
+        err = await refused(register(bc_api, tools))
+        assert (err.code, err.reason) == (ErrorCode.PERMISSION_DENIED, "unknown-signer")
+        added = await bc_api.call("engine", "images.signers.add", {"id": "ops-ci", "publicKey": pem(OTHER)})
+        assert (added["id"], added["algorithm"], added["source"]) == ("ops-ci", "ed25519", "operator")
+        assert (await register(bc_api, tools))["signer"] == "ops-ci"  # the next registration, no restart
+        err = await refused(
+            bc_api.call("engine", "images.signers.add", {"id": "ops-ci", "publicKey": raw_ed25519(ED)})
+        )
+        assert (err.code, err.path) == (ErrorCode.CONFLICT, "id")
+        err = await refused(bc_api.call("engine", "images.signers.add", {"id": "bad", "publicKey": "nope"}))
+        assert (err.code, err.path) == (ErrorCode.INVALID_INPUT, "publicKey")
+        err = await refused(bc_api.call("engine", "images.signers.remove", {"id": "acme-release"}))
+        assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "configured-signer")
+    async with engine(bc_settings, signers=SIGNERS) as svc:  # a start keeps the operator's signer
+        listed = await bc_api.call("engine", "images.signers.list", {})
+        assert {s["id"]: s["source"] for s in listed["signers"]} == {
+            "acme-p256": "config", "acme-release": "config", "ops-ci": "operator",
+        }  # fmt: skip
+        sql = EngineSql(svc.db.pool)
+        assert (await resolve_image_ref(sql, "acme", "tools@1"))["signer"] == "ops-ci"
+        removed = await bc_api.call("engine", "images.signers.remove", {"id": "ops-ci"})
+        assert removed["id"] == "ops-ci"
+        err = await refused(resolve_image_ref(sql, "acme", "tools@1"))
+        assert (err.code, err.reason) == (ErrorCode.INVALID_STATE, "signer-removed")

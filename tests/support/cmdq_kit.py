@@ -23,7 +23,7 @@ from bc_command_queue.agents import Agents
 from bc_command_queue.batches import Batches
 from bc_command_queue.claims import Claims
 from bc_command_queue.commands import Commands
-from bc_command_queue.config import CmdqConfig, Quorum, load_quorum
+from bc_command_queue.config import CmdqConfig, Quorum, QuorumSource, load_quorum
 from bc_command_queue.rows import CommandRow
 from bc_command_queue.runs import Runs
 from bc_command_queue.signers import Signer
@@ -127,7 +127,7 @@ class Queue:
 
 def queue(*, quorum: Quorum | None = None, reruns: bool = False, **cfg: Any) -> Queue:
     store = MemoryStore()
-    config = CmdqConfig(quorum=quorum or Quorum(), **cfg)
+    config = CmdqConfig(quorum_source=QuorumSource(quorum or Quorum()), **cfg)
     log = Log()
     deliveries = Deliveries()
     box: list[Queue] = []

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
 
 from better_compute.core.errors import BcError, ErrorCode
-from better_compute.metal.enrollment import check_rule_bmc, inventory_facts, node_facts, render_rule_bmc
+from better_compute.core.names import NODE_NAME_PATTERN
+from better_compute.metal.enrollment import (
+    check_name_template,
+    check_rule_bmc,
+    host_name,
+    inventory_facts,
+    node_facts,
+    render_node_name,
+    render_rule_bmc,
+)
 from better_compute.provision.labels import parse_label_expression
 from better_compute.wire.codec import convert
 from better_compute.wire.metal import EnrollmentRuleBmc, NodeBmc
@@ -122,6 +133,44 @@ def test_bad_bmc_templates_name_their_path(template: dict[str, object], path: st
     with pytest.raises(BcError) as caught:
         check_rule_bmc(template)
     assert (caught.value.code, caught.value.details["path"]) == (ErrorCode.INVALID_INPUT, path)
+
+
+@pytest.mark.parametrize(
+    ("reported", "name"),
+    [
+        ("r12-n3.lab1.example.com", "r12-n3"),
+        ("GPU_Node-07", "gpu-node-07"),
+        ("-x-", "x"),
+        ("localhost", None),
+        ("localhost.localdomain", None),
+        ("ubuntu", None),
+        ("", None),
+        (None, None),
+        ("a" * 80, "a" * 63),
+    ],
+)
+def test_a_discovered_machine_is_named_by_its_reported_host_name(
+    reported: str | None, name: str | None
+) -> None:
+    assert host_name(reported) == name
+    assert name is None or re.match(NODE_NAME_PATTERN, name)
+
+
+def test_a_rules_name_template_names_the_node_from_its_facts() -> None:
+    facts = {**node_facts({}, "lab1", INVENTORY), "hostname": "r12-n3"}
+    assert render_node_name("{site}-{inventory.serial}", facts, rule="rule_x") == "lab1-7xk2q63"
+    assert render_node_name("{hostname}", facts, rule="rule_x") == "r12-n3"
+    assert render_node_name("dell-{inventory.product}", facts, rule="rule_x") == "dell-poweredge-r650"
+    with pytest.raises(BcError) as caught:
+        render_node_name("{hostname}", node_facts({}, "lab1", INVENTORY), rule="rule_x")
+    assert (caught.value.code, caught.value.details["reason"]) == (ErrorCode.INVALID_STATE, "name-unresolved")
+
+
+@pytest.mark.parametrize("template", ["{inventory.colour}", "r7 {hostname}", "r7-{hostname", "", "--"])
+def test_bad_name_templates_are_refused_at_their_path(template: str) -> None:
+    with pytest.raises(BcError) as caught:
+        check_name_template(template)
+    assert (caught.value.code, caught.value.details["path"]) == (ErrorCode.INVALID_INPUT, "nameTemplate")
 
 
 def test_a_rules_bmc_is_a_node_bmc_and_its_ca_bundle_reaches_the_node() -> None:

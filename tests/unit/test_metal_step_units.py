@@ -26,6 +26,7 @@ from better_compute.metal.steps import http_via_site
 from better_compute.metal.steps.http import NODE_ADDRESSES
 from better_compute.metal.steps.inventory import STORE_INVENTORY
 from better_compute.metal.steps.joined import JOINED_SINCE
+from better_compute.metal.steps.ramdisk import RAMDISK_OVERRIDE
 from better_compute.provision import Step, StepNotReady
 from better_compute.provision.results import LATEST_RESULT
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
@@ -110,6 +111,8 @@ class Sql:
         if sql == NODE_ADDRESSES:
             node = self.nodes.get(args[0], {})
             return [{"label": node.get("address"), "addresses": node.get("addresses")}]
+        if sql == RAMDISK_OVERRIDE:
+            return []  # no operator's ramdisk (bcx ramdisk set): the step's own
         raise AssertionError(f"unexpected statement {sql}")
 
     @asynccontextmanager

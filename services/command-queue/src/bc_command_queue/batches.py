@@ -356,6 +356,24 @@ class Batches:
             self.log.info("command_undispatched", command_id=undone.id, reason=undone.reason)
         await self.changed(withdrawn)
 
+    async def reload_quorum(self) -> None:
+        """The sweeper's duty: the approvers file read again when it changed (``QuorumSource``);
+        a new quorum counts every open batch's approvals again, as at start. A file that cannot
+        be read or is wrong is logged once and the quorum in force stays."""
+        source = self.config.quorum_source
+        try:
+            changed = source.reload()
+        except BcError as err:
+            self.log.error(
+                "quorum_file_invalid", file=str(source.path), code=err.code.value,
+                path=err.details.get("path"), reason=err.message, kept=sorted(self.config.quorum.approvers),
+            )  # fmt: skip
+            return
+        if changed:
+            quorum = self.config.quorum
+            self.log.info("quorum_reloaded", threshold=quorum.threshold, approvers=sorted(quorum.approvers))
+            await self.recount_all()
+
     async def quorum(self, _req: ApiRequest) -> QuorumView:
         quorum = self.config.quorum
         return QuorumView(

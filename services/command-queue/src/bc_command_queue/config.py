@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.keyring import Keyring
 from better_compute.wire.codec import validation_path
 
-__all__ = ["Approver", "CmdqConfig", "Quorum", "load_quorum", "quorum_from_settings"]
+__all__ = ["Approver", "CmdqConfig", "Quorum", "QuorumSource", "load_quorum", "quorum_from_settings"]
 
 _AT: Final = "cmdq.quorum"
 
@@ -58,7 +59,49 @@ class Quorum:
         return bool(self.approvers)
 
 
-def quorum_from_settings(settings: QuorumSettings) -> Quorum:
+class QuorumSource:
+    """The quorum in force, and the approvers file it came from (``[cmdq.quorum] file``,
+    ``BC_CMDQ_QUORUM_FILE``), read again when the file changes: ``reload`` (the sweeper's duty,
+    every ``sweep_ms``) compares the file's inode, size and modification time with the last
+    read. An inline ``[cmdq.quorum]`` has no file and never changes."""
+
+    def __init__(self, quorum: Quorum, path: str | Path | None = None) -> None:
+        self.quorum = quorum
+        self.path = Path(path) if path is not None else None
+        self._seen: tuple[int, ...] | None = self._stat()
+
+    def _stat(self) -> tuple[int, ...] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return (-1,)
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def reload(self) -> bool:
+        """Read the file again when it changed since the last read; True when the quorum did.
+
+        Raises:
+            BcError: ``INVALID_CONFIG`` (with ``details.path``) once per change of the file when
+                it cannot be read or is wrong; the quorum in force stays.
+        """
+        seen = self._stat()
+        if self.path is None or seen == self._seen:
+            return False
+        self._seen = seen
+        quorum = load_quorum(self.path)
+        if _shape(quorum) == _shape(self.quorum):
+            return False
+        self.quorum = quorum
+        return True
+
+
+def _shape(quorum: Quorum) -> tuple[int, dict[str, str]]:
+    return quorum.threshold, {a.id: a.public_key_b64 for a in quorum.approvers.values()}
+
+
+def quorum_from_settings(settings: QuorumSettings) -> QuorumSource:
     """The quorum of ``[cmdq.quorum]``: its inline approvers, or those of its ``file``.
 
     Raises:
@@ -68,10 +111,10 @@ def quorum_from_settings(settings: QuorumSettings) -> Quorum:
     if settings.file is not None:
         if settings.approvers or settings.threshold:
             raise _bad(f"{_AT}.file", "give the approvers inline or in a file, not both")
-        return load_quorum(settings.file)
+        return QuorumSource(load_quorum(settings.file), settings.file)
     if not settings.approvers and not settings.threshold:
-        return Quorum()
-    return _quorum(settings.threshold, settings.approvers)
+        return QuorumSource(Quorum())
+    return QuorumSource(_quorum(settings.threshold, settings.approvers))
 
 
 def load_quorum(path: str | Path) -> Quorum:
@@ -132,7 +175,8 @@ def _quorum(threshold: int, entries: list[ApproverSetting]) -> Quorum:
 class CmdqConfig:
     """Timings and the quorum. ``from_settings()`` is what the service process uses."""
 
-    quorum: Quorum = field(default_factory=Quorum)
+    quorum_source: QuorumSource = field(default_factory=lambda: QuorumSource(Quorum()))
+    """The quorum in force (``quorum``), read again when its approvers file changes."""
     heartbeat_ms: int = 5_000
     """How often agents send a heartbeat (told to them in the hello reply)."""
     silent_after_ms: int = 15_000
@@ -163,7 +207,7 @@ class CmdqConfig:
     def from_settings(cls, settings: CmdqSettings) -> CmdqConfig:
         """The ``[cmdq]`` section of the process settings, with its quorum loaded."""
         return cls(
-            quorum=quorum_from_settings(settings.quorum),
+            quorum_source=quorum_from_settings(settings.quorum),
             heartbeat_ms=settings.heartbeat.ms,
             silent_after_ms=settings.silent_after.ms,
             lost_after_ms=settings.lost_after.ms,
@@ -181,5 +225,10 @@ class CmdqConfig:
             ),
         )
 
+    @property
+    def quorum(self) -> Quorum:
+        """The quorum in force now (an approvers file's latest valid content)."""
+        return self.quorum_source.quorum
+
     def with_quorum(self, quorum: Quorum) -> CmdqConfig:
-        return replace(self, quorum=quorum)
+        return replace(self, quorum_source=QuorumSource(quorum))

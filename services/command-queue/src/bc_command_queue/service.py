@@ -110,6 +110,7 @@ class CommandQueueService(Service):
             publish=self.publish_event,
         )  # fmt: skip
         sweeper.duties.append(batches.publish_expiries)
+        sweeper.duties.append(batches.reload_quorum)  # an approvers file changed: in force at once
         agents = Agents(
             store=rows,
             config=config,

@@ -94,6 +94,10 @@ class EngineService(Service):
         "workflows.resume": ("reason",),
         "images.register": ("tenantId", "name", "version", "url", "format", "signer", "public"),
         "images.delete": ("tenantId", "ref"),
+        "images.signers.add": ("id",),
+        "images.signers.remove": ("id",),
+        "ramdisk.set": ("kernel", "initrd", "kernelSha256", "initrdSha256", "cmdline", "script"),
+        "ramdisk.clear": (),
         **{
             f"metal.{verb}": ("nodeId", "tenantId", "image", "profile")
             for verb in ("adopt", "commission", "deploy", "inspect", "release", "retire")

@@ -35,11 +35,16 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision.labels import LabelExpression, parse_label_expression
 
 __all__ = [
+    "HOSTNAME_FACT",
     "INVENTORY_FACTS",
+    "check_name_template",
     "check_rule_bmc",
+    "host_name",
     "inventory_facts",
     "node_facts",
+    "node_name_from",
     "parse_rule_selector",
+    "render_node_name",
     "render_rule_bmc",
 ]
 
@@ -215,3 +220,89 @@ def render_rule_bmc(bmc: Mapping[str, Any], facts: Mapping[str, str], *, rule: s
     out = {k: v for k, v in bmc.items() if k != "addressCidrs" and v is not None}
     out["address"] = filled
     return out
+
+
+# -- node names ---------------------------------------------------------------------------
+
+HOSTNAME_FACT: Final = "hostname"
+"""The short host name the machine reported when it joined (a name template may use it)."""
+_NOT_NAME: Final = re.compile(r"[^a-z0-9.-]+")
+_MAX_NODE_NAME: Final = 63
+_ANONYMOUS_HOSTS: Final = frozenset({"localhost", "localhost.localdomain", "ubuntu", "debian", "archiso"})
+
+
+def node_name_from(text: str | None) -> str | None:
+    """``text`` made a node name (``core.names.NODE_NAME_PATTERN``): lowercase, other characters
+    as ``-``, at most 63 long, starting and ending with a letter or digit; None when nothing is
+    left."""
+    if not text:
+        return None
+    name = _NOT_NAME.sub("-", text.strip().lower())[:_MAX_NODE_NAME].strip(".-")
+    return name or None
+
+
+def host_name(reported: str | None) -> str | None:
+    """The node name a discovered machine's reported host name gives: its first DNS label made
+    a name (``r12-n3.lab1.example.com`` → ``r12-n3``); None for none or a stock one
+    (``localhost``, a live image's default) that many machines report alike."""
+    if not reported or reported.strip().lower() in _ANONYMOUS_HOSTS:
+        return None
+    short = reported.strip().partition(".")[0]
+    if short.lower() in _ANONYMOUS_HOSTS:
+        return None
+    return node_name_from(short)
+
+
+def check_name_template(template: str, *, path: str = "nameTemplate") -> None:
+    """A rule's name template: ``{fact}`` placeholders of known facts (the inventory's, ``site``,
+    ``hostname``) and name characters around them (``rack1-{inventory.serial}``).
+
+    Raises:
+        BcError: ``INVALID_INPUT`` at ``path``.
+    """
+    for name in _placeholders(template):
+        if name not in INVENTORY_FACTS and name not in (SITE_FACT, HOSTNAME_FACT):
+            raise BcError(
+                ErrorCode.INVALID_INPUT,
+                f"unknown fact {{{name}}} in the name template; one of {', '.join(INVENTORY_FACTS)},"
+                f" {SITE_FACT}, {HOSTNAME_FACT}",
+                {"path": path},
+            )
+    rest = _PLACEHOLDER.sub("", template)
+    if "{" in rest or "}" in rest:
+        raise BcError(ErrorCode.INVALID_INPUT, "a placeholder is {fact}, like {hostname}", {"path": path})
+    if _NOT_NAME.search(rest.lower()) or not (rest.strip(".-") or _placeholders(template)):
+        raise BcError(
+            ErrorCode.INVALID_INPUT,
+            "a name template holds letters, digits, '-', '.' and {fact} placeholders, e.g."
+            " 'rack1-{inventory.serial}'",
+            {"path": path},
+        )
+
+
+def render_node_name(template: str, facts: Mapping[str, str], *, rule: str) -> str:
+    """The node's name from a rule's name template and the node's facts (made a name as
+    ``node_name_from`` does).
+
+    Raises:
+        BcError: ``INVALID_STATE`` (reason ``name-unresolved``) when a placeholder's fact is
+            missing or nothing of a name is left.
+    """
+
+    def refuse(why: str) -> BcError:
+        return BcError(
+            ErrorCode.INVALID_STATE,
+            f"enrollment rule {rule}: {why}",
+            {"path": "nameTemplate", "reason": "name-unresolved", "ruleId": rule},
+        )
+
+    def fill(m: re.Match[str]) -> str:
+        value = facts.get(m.group(1))
+        if value is None:
+            raise refuse(f"the node has no {m.group(1)} for its name")
+        return value
+
+    name = node_name_from(_PLACEHOLDER.sub(fill, template))
+    if name is None:
+        raise refuse("the name template gives an empty name")
+    return name

@@ -9,6 +9,16 @@ route                   request            reply
 ``images.delete``       ``DeleteImage``    ``ImageDeleted``: ``{deleted: true}``
 ======================  =================  ===========================================
 
+and the signer allowlist, changed while the engines run (no restart):
+
+==========================  ======================  ====================================
+route                       request                 reply
+==========================  ======================  ====================================
+``images.signers.add``      ``AddImageSigner``      ``ImageSignerView``
+``images.signers.remove``   ``RemoveImageSigner``   ``ImageSignerView`` (as it was)
+``images.signers.list``     ``ListImageSigners``    ``ImageSignerList``
+==========================  ======================  ====================================
+
 An image document: ``{tenantId, name, version, ref, public, url, sha256, format, size, signer,
 createdAt}``; ``images.get`` adds ``signerStatus``: ``allowlisted`` (it resolves),
 ``removed`` (its signer left the allowlist: it does not resolve) or ``verifier`` (the app's
@@ -26,14 +36,19 @@ from .paging import DEFAULT_LIMIT, Cursor, Limit
 
 __all__ = [
     "MAX_IMAGE_URL",
+    "AddImageSigner",
     "DeleteImage",
     "GetImage",
     "ImageDeleted",
     "ImageFormat",
     "ImageList",
+    "ImageSignerList",
+    "ImageSignerView",
     "ImageView",
+    "ListImageSigners",
     "ListImages",
     "RegisterImage",
+    "RemoveImageSigner",
     "SignerStatus",
 ]
 
@@ -99,6 +114,25 @@ class ListImages(_Req, frozen=True, kw_only=True):
 # -- replies --------------------------------------------------------------------------
 
 
+class AddImageSigner(_Req, frozen=True, kw_only=True):
+    """An allowlisted signer added while the engines run: every engine's next registration and
+    deploy accept its signatures. ``public_key``: Ed25519 or ECDSA P-256, as ``[images] signers``
+    takes it (PEM, base64 of the DER form, or base64 of the raw 32-byte Ed25519 key)."""
+
+    id: SignerId
+    public_key: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class RemoveImageSigner(_Req, frozen=True, kw_only=True):
+    """An operator's signer taken off the allowlist: its images stop resolving at once."""
+
+    id: SignerId
+
+
+class ListImageSigners(_Req, frozen=True, kw_only=True):
+    """Every allowlisted signer (few: no paging)."""
+
+
 class _Reply(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pass
 
@@ -133,3 +167,18 @@ class ImageList(_Reply, frozen=True, kw_only=True):
 
 class ImageDeleted(_Reply, frozen=True, kw_only=True):
     deleted: bool
+
+
+class ImageSignerView(_Reply, frozen=True, kw_only=True):
+    """An allowlisted signer: ``source`` ``config`` (``[images] signers`` or a plugin, written by
+    every engine at start) or ``operator`` (``images.signers.add``; ``addedBy`` who)."""
+
+    id: str
+    algorithm: str
+    source: Literal["config", "operator"]
+    added_by: str | None
+    since: str | None
+
+
+class ImageSignerList(_Reply, frozen=True, kw_only=True):
+    signers: list[ImageSignerView]

@@ -26,6 +26,7 @@ __all__ = [
     "BulkRefusal",
     "BulkRun",
     "BulkVerb",
+    "ClearRamdisk",
     "ConfirmEnrollment",
     "CreateEnrollmentRule",
     "DeleteEnrollmentRule",
@@ -33,6 +34,7 @@ __all__ = [
     "EnrollmentRuleBmc",
     "EnrollmentRuleList",
     "EnrollmentRuleView",
+    "GetRamdisk",
     "ListEnrollmentRules",
     "ListPendingEnrollments",
     "Mac",
@@ -46,8 +48,10 @@ __all__ = [
     "PlanStep",
     "PlannedNode",
     "PowerNode",
+    "RamdiskView",
     "SecretRef",
     "SetBootDevice",
+    "SetRamdisk",
     "VerbName",
     "VerbProfile",
     "VerbRun",
@@ -186,6 +190,9 @@ class CreateEnrollmentRule(_Msg, frozen=True, kw_only=True):
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     bmc: EnrollmentRuleBmc | None = None
     priority: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 100
+    name_template: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
+    """The enrolled node's name from its facts (``rack1-{inventory.serial}``, ``{hostname}``),
+    unique in its site; without one the node keeps the name its reported host name gave it."""
 
 
 class ListEnrollmentRules(_Msg, frozen=True, kw_only=True):
@@ -208,6 +215,31 @@ class ConfirmEnrollment(_Msg, frozen=True, kw_only=True):
     """``enrollmentRules.confirm``: an operator confirms a pending enrolment (answers the node)."""
 
     node_id: NodeId
+
+
+_RamdiskUrl = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s{}]+$", max_length=2048)]
+_Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+class SetRamdisk(_Msg, frozen=True, kw_only=True):
+    """``ramdisk.set``: the bcd ramdisk the shipped lifecycle profiles boot from now on, over
+    ``[ramdisk]`` of bc.toml, for every engine at once (no restart): ``kernel`` (and ``initrd``)
+    with their sha256 to serve them from the site cache, or an iPXE ``script``."""
+
+    kernel: _RamdiskUrl | None = None
+    initrd: _RamdiskUrl | None = None
+    kernel_sha256: _Sha256 | None = None
+    initrd_sha256: _Sha256 | None = None
+    cmdline: Annotated[str, msgspec.Meta(max_length=2048)] | None = None
+    script: _RamdiskUrl | None = None
+
+
+class GetRamdisk(_Msg, frozen=True, kw_only=True):
+    """``ramdisk.get``: the ramdisk set with ``ramdisk.set``, if any."""
+
+
+class ClearRamdisk(_Msg, frozen=True, kw_only=True):
+    """``ramdisk.clear``: the shipped profiles boot their configured ramdisk again."""
 
 
 # -- replies --------------------------------------------------------------------------
@@ -256,6 +288,8 @@ class BulkRefusal(_Reply, frozen=True, kw_only=True):
     """A node ``metal.bulk`` left alone, and why (the ``BcError`` it would have raised)."""
 
     node_id: str
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    """The node's name; absent when it has none."""
     code: str
     message: str
     reason: str | None
@@ -293,6 +327,8 @@ class PlannedNode(_Reply, frozen=True, kw_only=True):
     """A node the verb would start on: its state now, the state it would move to, the profile."""
 
     node_id: str
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    """The node's name; absent when it has none."""
     state: str
     becomes: str
     profile: VerbProfile
@@ -356,6 +392,7 @@ class EnrollmentRuleView(_Reply, frozen=True, kw_only=True):
     bmc: dict[str, Any] | None
     priority: int
     created_at: str | None
+    name_template: str | None = None
 
 
 class EnrollmentRuleList(_Reply, frozen=True, kw_only=True):
@@ -381,3 +418,17 @@ class PendingEnrollment(_Reply, frozen=True, kw_only=True):
 
 class PendingEnrollmentList(_Reply, frozen=True, kw_only=True):
     nodes: list[PendingEnrollment]
+
+
+class RamdiskView(_Reply, frozen=True, kw_only=True):
+    """The ramdisk set with ``ramdisk.set`` (``set`` False: none; the profiles' own is used)."""
+
+    set: bool
+    kernel: str | None = None
+    initrd: str | None = None
+    kernel_sha256: str | None = None
+    initrd_sha256: str | None = None
+    cmdline: str | None = None
+    script: str | None = None
+    set_by: str | None = None
+    since: str | None = None

@@ -210,11 +210,17 @@ async def cmd_agents_list(args: argparse.Namespace, settings: Settings) -> int:
             site_id=args.site, role=args.role, connected=args.connected,
         )  # fmt: skip
         states = await _cert_states(api, agents)
+        # a node agent's id is its node's: the table shows the node's name beside it
+        node_agents = [a.id for a in agents if a.id.startswith("node_")]
+        names = {} if args.json or not node_agents else await node_names(EngineClient(api), node_agents)
+    rows = [_agent_row(a, states.get(a.cert_id)) for a in agents]
+    for row in rows:
+        row["name"] = names.get(row["id"])
     return show_page(
         args, next_, key="agents",
         found=[{**_json(a), "certState": states.get(a.cert_id)} for a in agents],
-        rows=[_agent_row(a, states.get(a.cert_id)) for a in agents],
-        columns=[("id", "ID"), ("site", "SITE"), ("role", "ROLE"), ("cert", "CERT"),
+        rows=rows,
+        columns=[("id", "ID"), ("name", "NAME"), ("site", "SITE"), ("role", "ROLE"), ("cert", "CERT"),
                  ("connected", "CONNECTED"), ("bootLease", "BOOT LEASE"), ("live", "LIVE"),
                  ("version", "VERSION"), ("drivers", "DRIVERS"), ("cache", "CACHE"),
                  ("lastError", "LAST ERROR"), ("lastSeen", "LAST SEEN")],

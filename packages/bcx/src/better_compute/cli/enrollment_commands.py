@@ -81,7 +81,7 @@ async def rules_create(args: argparse.Namespace, settings: Settings) -> int:
             raise err.with_path_prefix("bmc") from err
         rule = await engine.create_enrollment_rule(
             name=args.name, selector=args.selector, tenant_id=args.tenant, site_id=args.site,
-            labels=labels, bmc=template, priority=args.priority,
+            labels=labels, bmc=template, priority=args.priority, name_template=args.name_template,
         )  # fmt: skip
     if args.json:
         print_json(rule)
@@ -97,6 +97,7 @@ def _lines(rule: EnrollmentRuleView) -> list[str]:
         f"site      {rule.site_id or 'any'}",
         f"selector  {rule.selector}",
         f"labels    {','.join(f'{k}={v}' for k, v in rule.labels.items()) or '-'}",
+        f"names     {rule.name_template or '{hostname} (the reported host name, when free in the site)'}",
     ]
     if bmc:
         cidrs = f"  within {', '.join(bmc['addressCidrs'])}" if bmc.get("addressCidrs") else ""
@@ -115,11 +116,12 @@ async def rules_list(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     rows = [
         {"id": r.id, "name": r.name, "priority": r.priority, "site": r.site_id or "any",
-         "selector": r.selector, "bmc": f"{r.bmc['driver']} {r.bmc['address']}" if r.bmc else "-"}
+         "selector": r.selector, "bmc": f"{r.bmc['driver']} {r.bmc['address']}" if r.bmc else "-",
+         "names": r.name_template or "-"}
         for r in got.rules
     ]  # fmt: skip
     print_table(rows, [("id", "ID"), ("name", "NAME"), ("priority", "PRIO"), ("site", "SITE"),
-                       ("selector", "SELECTOR"), ("bmc", "BMC")])  # fmt: skip
+                       ("selector", "SELECTOR"), ("bmc", "BMC"), ("names", "NODE NAMES")])  # fmt: skip
     return 0
 
 
@@ -188,6 +190,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--site", help="only nodes discovered at this site (default any)")
     p.add_argument("--label", action="append", help="key=value given to the node, repeatable")
     p.add_argument("--priority", type=int, default=100, help="lower is tried first (default 100)")
+    p.add_argument(
+        "--name-template",
+        help="the node's name from its facts, unique in its site: 'rack1-{inventory.serial}', "
+        "'{hostname}' (default: the node keeps the name its reported host name gave it)",
+    )
     p.add_argument(
         "--bmc",
         help="redfish://host/redfish/v1/Systems/1, ipmi://host, sim://name; the host may be "

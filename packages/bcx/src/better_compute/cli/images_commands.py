@@ -217,6 +217,79 @@ async def images_delete(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def signers_list(args: argparse.Namespace, settings: Settings) -> int:
+    async with engine_client(settings) as engine:
+        got = await engine.list_image_signers()
+    if args.json:
+        print_json(got)
+        return 0
+    rows = [
+        {"id": s.id, "algorithm": s.algorithm, "source": s.source, "by": s.added_by or "-", "since": s.since}
+        for s in got.signers
+    ]
+    print_table(
+        rows,
+        [
+            ("id", "ID"),
+            ("algorithm", "ALGORITHM"),
+            ("source", "SOURCE"),
+            ("by", "ADDED BY"),
+            ("since", "SINCE"),
+        ],
+    )
+    return 0
+
+
+async def signers_add(args: argparse.Namespace, settings: Settings) -> int:
+    if (args.public_key is None) == (args.public_key_file is None):
+        raise BcError(
+            ErrorCode.INVALID_INPUT,
+            "give --public-key-file or --public-key (not both)",
+            {"path": "publicKey"},
+        )
+    key = args.public_key
+    if args.public_key_file is not None:
+        key = _read(args.public_key_file, "publicKey").decode("utf-8", "replace")
+    async with engine_client(settings) as engine:
+        signer = await engine.add_image_signer(id=args.id, public_key=key)
+    if args.json:
+        print_json(signer)
+    else:
+        print(f"signer {signer.id} ({signer.algorithm}) allowlisted: every engine accepts its images now")
+    return 0
+
+
+async def signers_remove(args: argparse.Namespace, settings: Settings) -> int:
+    async with engine_client(settings) as engine:
+        signer = await engine.remove_image_signer(id=args.id)
+    if args.json:
+        print_json(signer)
+    else:
+        print(f"signer {signer.id} removed: its images no longer resolve")
+    return 0
+
+
+def _register_signers(images: Any, common: argparse.ArgumentParser) -> None:
+    signers = images.add_parser(
+        "signers",
+        help="the allowlisted image signers, changed while the engines run",
+        description="Signers added here are in force for every engine at once (no restart); those of"
+        " [images] signers in bc.toml and of plugins are written by every engine at its start.",
+    ).add_subparsers(dest="signers_command", required=True, metavar="COMMAND")
+    p = signers.add_parser("list", parents=[common], help="every allowlisted signer and where it comes from")
+    p.set_defaults(func=signers_list)
+    p = signers.add_parser("add", parents=[common], help="allowlist a signer now, for every engine")
+    p.add_argument("id", help="the signer's id (acme-release): registrations name it with --signer")
+    p.add_argument("--public-key-file", help="its public key: Ed25519 or ECDSA P-256, PEM")
+    p.add_argument(
+        "--public-key", help="its public key as text (base64 of the raw Ed25519 key, or of the DER)"
+    )
+    p.set_defaults(func=signers_add)
+    p = signers.add_parser("remove", parents=[common], help="take a signer you added off the allowlist")
+    p.add_argument("id", help="the signer's id")
+    p.set_defaults(func=signers_remove)
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     tenant = argparse.ArgumentParser(add_help=False)
     add_tenant_flag(tenant)
@@ -230,7 +303,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--file", help="a local copy: computes --sha256 and --size")
     p.add_argument("--size", type=int, help="bytes")
     p.add_argument("--format", choices=FORMATS, default="raw", help="how the bytes are packed (default raw)")
-    p.add_argument("--signer", help="the allowlisted signer's id ([images] signers)")
+    p.add_argument("--signer", help="the allowlisted signer's id (bcx images signers list)")
     p.add_argument(
         "--signature-file", help="the signature over the image's signing payload (raw, as openssl writes it)"
     )
@@ -263,3 +336,4 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = images.add_parser("delete", parents=[common, tenant], help="remove one of the tenant's images")
     p.add_argument("ref", metavar="NAME@VERSION", help="the image's catalog name and version")
     p.set_defaults(func=images_delete)
+    _register_signers(images, common)

@@ -333,7 +333,7 @@ LAZY_COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     )),
     ("why_commands", (("why", "what a node's or workflow's current step waits for, in one answer"),)),
     ("sim_commands", (("sim", "the metal simulator and a site agent for one site"),)),
-    ("ramdisk_commands", (("ramdisk", "the bcd ramdisk: build it from packages"),)),
+    ("ramdisk_commands", (("ramdisk", "the bcd ramdisk: build it; set the one the profiles boot"),)),
     ("contexts", (("context", "named deployments (NATS URL, credentials, tenant) in bcx's config"),)),
 )  # fmt: skip
 

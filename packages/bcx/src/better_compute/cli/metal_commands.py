@@ -32,8 +32,8 @@ from ..wire.metal import BulkRun, NodeBmc, VerbName
 from . import node_actions, rollout
 from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels
 from .node_refs import NODE_HELP, node_ref
-from .output import json_line, print_json, print_table
-from .plan import bulk_plan
+from .output import json_line, named, print_json, print_table
+from .plan import bulk_plan, verb_plan
 from .rollout import watch_nodes
 from .why_commands import why_line
 
@@ -470,6 +470,8 @@ async def run_verb(args: argparse.Namespace, settings: Settings) -> int:
     """One node's verb; with ``--watch`` its live progress, with ``--wait`` only its end (both
     then a summary, exit 1 when it failed or the ``--timeout`` passed)."""
     async with engine_client(settings) as engine:
+        if args.plan:
+            return await verb_plan(engine, args)
         t0 = time.time()
         got = await engine.run_verb(cast(VerbName, args.verb), node_id=args.node, **_verb_options(args))
         if args.json:
@@ -531,13 +533,21 @@ def _print_bulk(got: BulkRun) -> None:
     rows = [
         {
             "node": s.node_id,
-            "name": s.name if isinstance(s.name, str) else "-",
+            "name": named(s.name),
             "outcome": s.state,
             "detail": s.workflow_id,
         }
         for s in got.started
     ]
-    rows += [{"node": r.node_id, "name": "-", "outcome": "refused", "detail": r.message} for r in got.refused]
+    rows += [
+        {
+            "node": r.node_id,
+            "name": named(r.name),
+            "outcome": "refused",
+            "detail": r.message,
+        }
+        for r in got.refused
+    ]
     print_table(
         rows, [("node", "NODE"), ("name", "NAME"), ("outcome", "OUTCOME"), ("detail", "WORKFLOW / REASON")]
     )
@@ -590,6 +600,11 @@ def register(sub: Any, common: argparse.ArgumentParser, nodes: Any) -> None:
         until.add_argument("--wait", action="store_true", help="wait until the node rests, then a summary")
         p.add_argument(
             "--timeout", type=float, help="with --watch or --wait: give up after this many seconds"
+        )
+        p.add_argument(
+            "--plan",
+            action="store_true",
+            help="show what it would do (steps, commands, approvals, or why it would refuse); change nothing",
         )
         p.set_defaults(func=run_verb, verb=verb)
     p = sub.add_parser("bulk", parents=[common], help="one verb over many nodes, under one batch")

@@ -21,6 +21,7 @@ __all__ = [
     "FORMATS",
     "iso",
     "json_line",
+    "named",
     "print_error",
     "print_json",
     "print_table",
@@ -31,6 +32,11 @@ __all__ = [
 FORMATS = ("table", "json", "yaml")
 # The structured format of this process (one bcx command per process): set once by main.
 _structured = "json"
+
+
+def named(name: object) -> str:
+    """A node's name in a table cell: ``-`` when it has none (None, or absent from a reply)."""
+    return name if isinstance(name, str) else "-"
 
 
 def use_format(output: str) -> None:

@@ -1,5 +1,6 @@
-"""Plans shown before anything changes: ``bcx bulk <verb> … --plan`` (the engine's ``metal.plan``)
-and, in ``bcx batches approve``, the scope a signature approves.
+"""Plans shown before anything changes: ``bcx bulk <verb> … --plan`` and ``bcx <verb> NODE --plan``
+(both the engine's ``metal.plan``) and, in ``bcx batches approve``, the scope a signature
+approves.
 
 A plan is read, never acted on: the engine starts no workflow, the command queue makes no batch
 and no command, and neither writes an audit entry for it.
@@ -16,12 +17,12 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 from ..core.errors import BcError, ErrorCode
 from ..wire.cmdq import BatchView
 from ..wire.metal import BulkPlan, VerbName
-from .output import iso, print_json, print_table
+from .output import iso, named, print_json, print_table
 
 if TYPE_CHECKING:
     from ..clients import EngineClient
 
-__all__ = ["SCOPE_SHOWN", "bulk_plan", "print_batch_scope", "print_plan"]
+__all__ = ["SCOPE_SHOWN", "bulk_plan", "print_batch_scope", "print_plan", "verb_plan"]
 
 SCOPE_SHOWN = 20
 """Nodes and workflows a batch's scope lists by name (the rest are counted)."""
@@ -45,6 +46,26 @@ async def bulk_plan(
     )  # fmt: skip
     print_plan(plan, as_json=args.json, run_again=_run_again(args))
     return 0
+
+
+async def verb_plan(engine: EngineClient, args: argparse.Namespace) -> int:
+    """``bcx <verb> NODE --plan``: the bulk plan of that one node, shown; nothing is started.
+    Exit 1 when the verb would refuse the node (it would fail now)."""
+    if args.watch or args.wait:
+        flag = "--watch" if args.watch else "--wait"
+        raise BcError(
+            ErrorCode.INVALID_INPUT, f"--plan starts nothing to watch: drop {flag}", {"path": "--plan"}
+        )
+    plan = await engine.plan_bulk(
+        cast(VerbName, args.verb), node_ids=[args.node], selector=None, tenant_id=args.tenant,
+        image=getattr(args, "image", None), profile=args.profile,
+    )  # fmt: skip
+    words = ["bcx", args.verb, args.node]
+    for flag in ("tenant", "profile", "image"):
+        if getattr(args, flag, None):
+            words += [f"--{flag}", getattr(args, flag)]
+    print_plan(plan, as_json=args.json, run_again=shlex.join(words))
+    return 0 if plan.nodes else 1
 
 
 def _run_again(args: argparse.Namespace) -> str:
@@ -82,14 +103,15 @@ def print_plan(plan: BulkPlan, *, as_json: bool, run_again: str) -> None:
         print_table(
             [
                 {
-                    "node": p.node_id, "state": p.state, "becomes": p.becomes,
+                    "node": p.node_id, "name": named(p.name), "state": p.state, "becomes": p.becomes,
                     "profile": f"{p.profile.id}@{p.profile.version}",
                     "steps": len(plan.steps), "commands": sends, "destructive": _kinds(plan.destructive),
                 }
                 for p in plan.nodes
             ],
-            [("node", "NODE"), ("state", "STATE"), ("becomes", "BECOMES"), ("profile", "PROFILE"),
-             ("steps", "STEPS"), ("commands", "KINDS"), ("destructive", "DESTRUCTIVE")],
+            [("node", "NODE"), ("name", "NAME"), ("state", "STATE"), ("becomes", "BECOMES"),
+             ("profile", "PROFILE"), ("steps", "STEPS"), ("commands", "KINDS"),
+             ("destructive", "DESTRUCTIVE")],
         )  # fmt: skip
         print()
         print(f"steps each node runs ({profile}):")
@@ -108,8 +130,16 @@ def print_plan(plan: BulkPlan, *, as_json: bool, run_again: str) -> None:
         print()
         print(f"would refuse {len(plan.refused)}:")
         print_table(
-            [{"node": r.node_id, "code": r.code, "why": r.message} for r in plan.refused],
-            [("node", "NODE"), ("code", "CODE"), ("why", "WHY")],
+            [
+                {
+                    "node": r.node_id,
+                    "name": named(r.name),
+                    "code": r.code,
+                    "why": r.message,
+                }
+                for r in plan.refused
+            ],
+            [("node", "NODE"), ("name", "NAME"), ("code", "CODE"), ("why", "WHY")],
         )
     if plan.nodes:
         print()

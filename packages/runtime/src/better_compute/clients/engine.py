@@ -51,19 +51,25 @@ from ..wire.engine import (
     WorkflowView,
 )
 from ..wire.images import (
+    AddImageSigner,
     DeleteImage,
     GetImage,
     ImageDeleted,
     ImageFormat,
     ImageList,
+    ImageSignerList,
+    ImageSignerView,
     ImageView,
     ListImages,
+    ListImageSigners,
     RegisterImage,
+    RemoveImageSigner,
 )
 from ..wire.metal import (
     BulkPlan,
     BulkRun,
     BulkVerb,
+    ClearRamdisk,
     ConfirmEnrollment,
     CreateEnrollmentRule,
     DeleteEnrollmentRule,
@@ -71,6 +77,7 @@ from ..wire.metal import (
     EnrollmentRuleList,
     EnrollmentRuleView,
     EnrollNode,
+    GetRamdisk,
     ListEnrollmentRules,
     ListPendingEnrollments,
     MetalVerb,
@@ -78,7 +85,9 @@ from ..wire.metal import (
     NodeBmc,
     PendingEnrollmentList,
     PowerNode,
+    RamdiskView,
     SetBootDevice,
+    SetRamdisk,
     VerbName,
     VerbRun,
 )
@@ -426,11 +435,12 @@ class EngineClient(ServiceClient):
         labels: Mapping[str, str] | None = None,
         bmc: EnrollmentRuleBmc | None = None,
         priority: int = 100,
+        name_template: str | None = None,
     ) -> EnrollmentRuleView:
         """A rule that enrolls the discovered nodes it matches (docs/metal.md)."""
         req = CreateEnrollmentRule(
             name=name, selector=selector, tenant_id=tenant_id, site_id=site_id,
-            labels=dict(labels or {}), bmc=bmc, priority=priority,
+            labels=dict(labels or {}), bmc=bmc, priority=priority, name_template=name_template,
         )  # fmt: skip
         return await self._call("enrollmentRules.create", req, EnrollmentRuleView)
 
@@ -496,6 +506,32 @@ class EngineClient(ServiceClient):
 
     async def delete_image(self, *, ref: str, tenant_id: str = "root") -> ImageDeleted:
         return await self._call("images.delete", DeleteImage(tenant_id=tenant_id, ref=ref), ImageDeleted)
+
+    async def add_image_signer(self, *, id: str, public_key: str) -> ImageSignerView:
+        """Allowlist a signer now, for every engine (no restart; docs/images.md)."""
+        return await self._call(
+            "images.signers.add", AddImageSigner(id=id, public_key=public_key), ImageSignerView
+        )
+
+    async def remove_image_signer(self, *, id: str) -> ImageSignerView:
+        """Take an operator's signer off the allowlist now; answers it as it was."""
+        return await self._call("images.signers.remove", RemoveImageSigner(id=id), ImageSignerView)
+
+    async def set_ramdisk(self, ramdisk: SetRamdisk) -> RamdiskView:
+        """The ramdisk the shipped lifecycle profiles boot from now on, every engine, no restart."""
+        return await self._call("ramdisk.set", ramdisk, RamdiskView)
+
+    async def get_ramdisk(self) -> RamdiskView:
+        """The ramdisk set with ``set_ramdisk``, if any (``set`` False: none)."""
+        return await self._call("ramdisk.get", GetRamdisk(), RamdiskView)
+
+    async def clear_ramdisk(self) -> RamdiskView:
+        """Back to the profiles' own ramdisk."""
+        return await self._call("ramdisk.clear", ClearRamdisk(), RamdiskView)
+
+    async def list_image_signers(self) -> ImageSignerList:
+        """Every allowlisted signer, configured or an operator's."""
+        return await self._call("images.signers.list", ListImageSigners(), ImageSignerList)
 
 
 def _ref(

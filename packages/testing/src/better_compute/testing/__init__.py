@@ -15,13 +15,14 @@ from .._imports import defer_optional_imports
 defer_optional_imports()
 
 # ruff: noqa: E402  (the imports below come after that call on purpose)
-from .bcx import BcxRun, bcx, bcx_env, run_bcx
+from .bcx import BcxForks, BcxRun, bcx, bcx_env, run_bcx
 from .databases import DatabaseFactory
 from .processes import ServiceProcess, ServiceProcesses
 from .servers import TestServers, test_servers
 from .waiting import refused, until
 
 __all__ = [
+    "BcxForks",
     "BcxRun",
     "DatabaseFactory",
     "ServiceProcess",

@@ -157,7 +157,7 @@ class _Run:
     """What a verb over some nodes did: started workflows, refused nodes, the batch."""
 
     started: list[VerbStarted] = field(default_factory=list)
-    refused: list[tuple[str, BcError]] = field(default_factory=list)
+    refused: list[Refused] = field(default_factory=list)
     batch_id: str | None = None
 
 
@@ -166,7 +166,7 @@ class _Prepared:
     """What a verb over some nodes would do, checked but not done (``MetalApi._prepare``)."""
 
     ok: list[Any]
-    refused: list[tuple[str, BcError]]
+    refused: list[Refused]
     tenant: str | None = None
     profile: Profile | None = None
     steps: list[ResolvedStep] = field(default_factory=list)
@@ -174,10 +174,15 @@ class _Prepared:
     """The kinds the destructive batch would cover (``quorum.batch_kinds``)."""
 
 
-def _refusal_view(node_id: str, err: BcError) -> BulkRefusal:
+Refused = tuple[str, BcError, str | None]
+"""A node a verb leaves alone: its id, why, and its name (None: it has none, or no such node)."""
+
+
+def _refusal_view(node_id: str, err: BcError, name: str | None) -> BulkRefusal:
     return BulkRefusal(
-        node_id=node_id, code=err.code.value, message=err.message, reason=err.details.get("reason")
-    )
+        node_id=node_id, name=msgspec.UNSET if name is None else name, code=err.code.value,
+        message=err.message, reason=err.details.get("reason"),
+    )  # fmt: skip
 
 
 class MetalApi:
@@ -320,7 +325,7 @@ class MetalApi:
             verb=body.verb,
             batch_id=run.batch_id,
             started=run.started,
-            refused=[_refusal_view(n, e) for n, e in run.refused],
+            refused=[_refusal_view(*r) for r in run.refused],
         )
 
     async def _bulk_ids(self, body: BulkVerb) -> list[str]:
@@ -374,7 +379,7 @@ class MetalApi:
 
     async def _screen(
         self, conn: Any, verb: str, ids: list[str], tenant_id: str | None, *, lock: bool
-    ) -> tuple[list[Any], list[tuple[str, BcError]]]:
+    ) -> tuple[list[Any], list[Refused]]:
         """The nodes that may take ``verb`` now, and the refused ones with their reason."""
         rows = await conn.fetch(metal_store.LOCK_NODES if lock else metal_store.NODES_BY_IDS, ids)
         found = {r["id"]: r for r in rows}
@@ -391,7 +396,9 @@ class MetalApi:
             if err is None:
                 ok.append(row)
             else:
-                refused.append((node_id, err))
+                # another tenant's node is "no node": its name is not told either
+                name = row["name"] if row is not None and err.code is not ErrorCode.NOT_FOUND else None
+                refused.append((node_id, err, name))
         return ok, refused
 
     async def _prepare(
@@ -442,7 +449,7 @@ class MetalApi:
         prep = await self._prepare(
             body.verb, sorted(set(ids)), tenant_id=body.tenant_id, image=body.image, profile_id=body.profile
         )
-        refused = [_refusal_view(n, e) for n, e in prep.refused]
+        refused = [_refusal_view(*r) for r in prep.refused]
         if prep.profile is None:
             return BulkPlan(
                 verb=body.verb, profile=None, image=body.image, steps=[], commands=[], destructive=[],
@@ -467,7 +474,14 @@ class MetalApi:
                 )
         running = TRANSITIONS[body.verb].running
         nodes = [
-            PlannedNode(node_id=r["id"], state=r["state"], becomes=running, profile=profile) for r in prep.ok
+            PlannedNode(
+                node_id=r["id"],
+                name=msgspec.UNSET if r["name"] is None else r["name"],
+                state=r["state"],
+                becomes=running,
+                profile=profile,
+            )
+            for r in prep.ok
         ]
         return BulkPlan(
             verb=body.verb, profile=profile, image=body.image, steps=steps,

@@ -39,9 +39,11 @@ import datetime as dt
 import json
 from typing import Any, Final
 
+import asyncpg
 from nats.aio.msg import Msg
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.metal.enrollment import host_name
 from better_compute.provision import step_not_ready
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 from better_compute.wire.commands import decode_result
@@ -79,11 +81,15 @@ SELECT id FROM nodes WHERE id <> $1 AND (
     OR ($3::text IS NOT NULL AND hardware ->> 'serial' = $3)
     OR macs && $4::text[]) LIMIT 1
 """
-# A discovered node, new or the same hardware again (only while it is still discovered).
+# A discovered node, new or the same hardware again (only while it is still discovered). $6 its
+# name from the reported host name, taken only while no other node of the site has it; a node
+# that has a name keeps it.
 _UPSERT_DISCOVERED = """
-INSERT INTO nodes (id, tenant_id, site_id, state, macs, hardware, observed_generation)
-VALUES ($1, $2, $3, 'discovered', $4::text[], $5::jsonb, 1)
-ON CONFLICT (id) DO UPDATE SET macs = EXCLUDED.macs, hardware = EXCLUDED.hardware, updated_at = now()
+INSERT INTO nodes (id, tenant_id, site_id, state, macs, hardware, observed_generation, name)
+VALUES ($1, $2, $3, 'discovered', $4::text[], $5::jsonb, 1,
+    (SELECT $6::text WHERE NOT EXISTS (SELECT 1 FROM nodes WHERE site_id = $3 AND name = $6 AND id <> $1)))
+ON CONFLICT (id) DO UPDATE SET macs = EXCLUDED.macs, hardware = EXCLUDED.hardware,
+    name = COALESCE(nodes.name, EXCLUDED.name), updated_at = now()
     WHERE nodes.state = 'discovered'
 RETURNING *
 """
@@ -167,14 +173,7 @@ async def record_discovery(engine: MetalHost, cert: CertificateInfo) -> Any:
             if conflict is not None:
                 await node_event(engine.publish, conflict, verb="discovery-conflict")
             return None
-        row = await conn.fetchrow(
-            _UPSERT_DISCOVERED,
-            cert.agent_id,
-            cert.tenant_id,
-            cert.site_id,
-            list(claims.macs),
-            json.dumps(_hardware(claims, cert.cert_id)),
-        )
+        row = await _upsert_discovered(conn, cert, claims)
         if row is None:
             engine.log.info("discovery_of_enrolled_node", node_id=cert.agent_id, cert_id=cert.cert_id)
             return None
@@ -184,6 +183,27 @@ async def record_discovery(engine: MetalHost, cert: CertificateInfo) -> Any:
     if engine.wake is not None:
         await engine.wake(queue.owner_key(DISCOVERY_OWNER, row["id"]))
     return row
+
+
+async def _upsert_discovered(conn: Any, cert: CertificateInfo, claims: JoinClaims) -> Any:
+    """The discovered node's row, named after its reported host name when the site has no other
+    node of that name (two joins naming themselves alike at once: the second goes unnamed)."""
+    args = (
+        cert.agent_id,
+        cert.tenant_id,
+        cert.site_id,
+        list(claims.macs),
+        json.dumps(_hardware(claims, cert.cert_id)),
+    )
+    name = host_name(claims.hostname)
+    if name is not None:
+        try:
+            async with conn.transaction():  # a savepoint: the unique index may refuse the name
+                return await conn.fetchrow(_UPSERT_DISCOVERED, *args, name)
+        except asyncpg.UniqueViolationError as exc:
+            if exc.constraint_name != store.NODE_NAME_INDEX:
+                raise
+    return await conn.fetchrow(_UPSERT_DISCOVERED, *args, None)
 
 
 async def _conflict(conn: Any, node: Any, claims: JoinClaims, cert: CertificateInfo) -> Any:

@@ -34,14 +34,20 @@ from better_compute.metal.signatures import (
 )
 from better_compute.provision.module import ImageVerifier
 from better_compute.service import ApiRequest
+from better_compute.service.audit import requester
 from better_compute.wire.images import (
+    AddImageSigner,
     DeleteImage,
     GetImage,
     ImageDeleted,
     ImageList,
+    ImageSignerList,
+    ImageSignerView,
     ImageView,
     ListImages,
+    ListImageSigners,
     RegisterImage,
+    RemoveImageSigner,
     SignerStatus,
 )
 from better_compute.wire.paging import decode_cursor, take_page
@@ -122,6 +128,13 @@ def image_doc(
     )
 
 
+def _signer_view(row: Mapping[str, Any]) -> ImageSignerView:
+    return ImageSignerView(
+        id=row["id"], algorithm=row["algorithm"], source="operator" if row["added_by"] else "config",
+        added_by=row["added_by"], since=_iso(row["updated_at"]),
+    )  # fmt: skip
+
+
 def _verifier(app: App) -> ImageVerifier | None:
     return app.provision.image_verifier if app.provision is not None else None
 
@@ -137,6 +150,9 @@ class ImagesApi:
             "images.list": self.list,
             "images.get": self.get,
             "images.delete": self.delete,
+            "images.signers.add": self.add_signer,
+            "images.signers.remove": self.remove_signer,
+            "images.signers.list": self.list_signers,
         }
 
     async def _check_signature(self, body: RegisterImage) -> str | None:
@@ -161,7 +177,8 @@ class ImagesApi:
         if row is None:
             raise BcError(
                 ErrorCode.PERMISSION_DENIED,
-                f"{body.signer} is not an allowlisted image signer ([images] signers)",
+                f"{body.signer} is not an allowlisted image signer ([images] signers, or bcx images"
+                " signers add)",
                 {"path": "signer", "reason": "unknown-signer"},
             )
         signer = ImageSigner(row["id"], row["algorithm"], bytes(row["public_key"]))
@@ -236,6 +253,51 @@ class ImagesApi:
             docs, limit=body.limit, key=lambda d: (d.name, d.version, d.tenant_id), budget=req.page_budget
         )
         return ImageList(images=page, next=next_)
+
+    # -- the signer allowlist, changed while the engines run ---------------------------------
+
+    async def add_signer(self, req: ApiRequest) -> ImageSignerView:
+        """An operator's signer: in the shared allowlist at once, so every engine's next
+        registration and deploy accept it (``CONFLICT`` when the id is allowlisted already)."""
+        body = req.decode(AddImageSigner)
+        try:
+            signer = image_signer(body.id, body.public_key, path="signer", code=ErrorCode.INVALID_INPUT)
+        except BcError as err:  # the request's own fields: id, publicKey
+            path = str(err.details.get("path", "")).removeprefix("signer.")
+            raise BcError(err.code, err.message, {**err.details, "path": path}) from None
+        row = await self.db.fetchrow(
+            images_store.ADD_SIGNER, signer.id, signer.algorithm, signer.public_key,
+            requester(req.headers).actor or "unknown",
+        )  # fmt: skip
+        if row is None:
+            raise BcError(
+                ErrorCode.CONFLICT,
+                f"{body.id} is an allowlisted signer already (bcx images signers list); remove it first"
+                " to give it another key",
+                {"path": "id", "reason": "signer-exists"},
+            )
+        return _signer_view(row)
+
+    async def remove_signer(self, req: ApiRequest) -> ImageSignerView:
+        """Take an operator's signer off the allowlist: its images stop resolving at once. A
+        configured one is removed from ``[images] signers`` (``INVALID_STATE``)."""
+        body = req.decode(RemoveImageSigner)
+        row = await self.db.fetchrow(images_store.REMOVE_SIGNER, body.id)
+        if row is not None:
+            return _signer_view(row)
+        if await self.db.fetchrow(images_store.SIGNER_ROW, body.id) is not None:
+            raise BcError(
+                ErrorCode.INVALID_STATE,
+                f"{body.id} is configured ([images] signers or a plugin): remove it there; every engine"
+                " drops it at its next start",
+                {"path": "id", "reason": "configured-signer"},
+            )
+        raise BcError(ErrorCode.NOT_FOUND, f"no allowlisted signer {body.id}", {"path": "id"})
+
+    async def list_signers(self, req: ApiRequest) -> ImageSignerList:
+        req.decode(ListImageSigners)
+        rows = await self.db.fetch(images_store.LIST_SIGNERS)
+        return ImageSignerList(signers=[_signer_view(r) for r in rows])
 
     async def delete(self, req: ApiRequest) -> ImageDeleted:
         body = req.decode(DeleteImage)

@@ -44,6 +44,7 @@ from .names import (
 )
 from .node_events import node_event
 from .quarantine import quarantine_node, refuse_maintenance
+from .ramdisk_api import RamdiskApi
 from .relay import needs_bmc, relay_bmc
 from .rules import EnrollmentRulesApi
 
@@ -117,6 +118,7 @@ class MetalPlugin:
             **ImagesApi(app=self.host.app, db=self.host.db).routes(),
             **MetalApi(engine_api, quorum).routes(),
             **EnrollmentRulesApi(self.host.db, self.host).routes(),
+            **RamdiskApi(self.host.db).routes(),
         }
         return routes
 

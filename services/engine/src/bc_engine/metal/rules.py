@@ -35,7 +35,16 @@ import msgspec
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id, parse_id
-from better_compute.metal.enrollment import check_rule_bmc, node_facts, parse_rule_selector, render_rule_bmc
+from better_compute.metal.enrollment import (
+    HOSTNAME_FACT,
+    check_name_template,
+    check_rule_bmc,
+    host_name,
+    node_facts,
+    parse_rule_selector,
+    render_node_name,
+    render_rule_bmc,
+)
 from better_compute.provision import step_not_ready
 from better_compute.service import ApiRequest
 from better_compute.wire.engine import NodeView
@@ -53,6 +62,7 @@ from better_compute.wire.metal import (
 
 from ..core import queue
 from ..documents import check_labels, node_doc
+from .api import check_name, names_unique
 from .bmcs import check_bmc_free, refuse_inline_secret
 from .host import MetalHost
 from .names import DISCOVERY_OWNER
@@ -60,10 +70,13 @@ from .node_events import node_event
 
 __all__ = ["EnrollmentRulesApi", "enroll_by_rules"]
 
-RULE_COLUMNS: Final = "id, tenant_id, name, priority, site_id, selector, labels, bmc, created_at"
+RULE_COLUMNS: Final = (
+    "id, tenant_id, name, priority, site_id, selector, labels, bmc, created_at, name_template"
+)
 INSERT_RULE: Final = (
-    "INSERT INTO enrollment_rules (id, tenant_id, name, priority, site_id, selector, labels, bmc)"
-    f" VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb) RETURNING {RULE_COLUMNS}"
+    "INSERT INTO enrollment_rules"
+    " (id, tenant_id, name, priority, site_id, selector, labels, bmc, name_template)"
+    f" VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb, $9) RETURNING {RULE_COLUMNS}"
 )
 LIST_RULES: Final = (
     f"SELECT {RULE_COLUMNS} FROM enrollment_rules WHERE ($1::text IS NULL OR tenant_id = $1)"
@@ -78,7 +91,7 @@ RULES_FOR_NODE: Final = (
 ENROLL_BY_RULE: Final = (
     "UPDATE nodes SET state = 'enrolled', bmc = $2::jsonb, labels = labels || $3::jsonb,"
     " enrolled_by_rule = $4, inventory = $5::jsonb, last_error = NULL, pending_enrollment = NULL,"
-    " updated_at = now()"
+    " name = COALESCE($6, name), updated_at = now()"
     " WHERE id = $1 AND state = 'discovered' RETURNING *"
 )
 SET_PENDING: Final = (
@@ -111,6 +124,7 @@ def rule_view(row: Any) -> EnrollmentRuleView:
         bmc=_json(row["bmc"]),
         priority=row["priority"],
         created_at=row["created_at"].isoformat() if row["created_at"] is not None else None,
+        name_template=row["name_template"],
     )
 
 
@@ -168,6 +182,8 @@ class EnrollmentRulesApi:
         refuse_inline_secret(req)
         parse_rule_selector(body.selector)
         check_labels(body.labels)
+        if body.name_template is not None:
+            check_name_template(body.name_template)
         bmc = None
         if body.bmc is not None:
             bmc = {k: v for k, v in _camel(body.bmc).items() if v is not None and v != []}
@@ -179,6 +195,7 @@ class EnrollmentRulesApi:
             row = await self.db.fetchrow(
                 INSERT_RULE, new_id("rule"), body.tenant_id, body.name, body.priority, body.site_id,
                 body.selector, json.dumps(body.labels), json.dumps(bmc) if bmc is not None else None,
+                body.name_template,
             )  # fmt: skip
         except asyncpg.UniqueViolationError:
             raise BcError(
@@ -254,8 +271,13 @@ async def _enroll(
     node_id = node["id"]
     template = _json(rule["bmc"])
     bmc = None
-    if template is not None:
-        try:
+    name = None
+    try:
+        if rule["name_template"]:
+            name = render_node_name(rule["name_template"], {**facts, **_hostname(node)}, rule=rule["id"])
+            async with engine.db.transaction() as conn:
+                await check_name(conn, node["site_id"], name, node_id)
+        if template is not None:
             bmc = render_rule_bmc(template, facts, rule=rule["id"])
             async with engine.db.transaction() as conn:
                 await check_bmc_free(conn, bmc, node_id)
@@ -269,22 +291,22 @@ async def _enroll(
                 )
             if bmc.get("credentialsRef"):
                 bmc["credentialsRef"] = await _node_credential(engine, node, rule, bmc["credentialsRef"])
-        except BcError as err:
-            if confirmed:
-                raise
-            error = {"code": err.code.value, "message": err.message, **err.details}
-            row = await engine.db.fetchrow(SET_LAST_ERROR, node_id, json.dumps(error))
-            engine.log.warning(
-                "enrollment_rule_not_applied", node_id=node_id, rule_id=rule["id"], reason=err.reason
-            )
-            if row is not None:
-                await node_event(engine.publish, row)
-            return None
-    async with engine.db.transaction() as conn:
+    except BcError as err:
+        if confirmed:
+            raise
+        error = {"code": err.code.value, "message": err.message, **err.details}
+        row = await engine.db.fetchrow(SET_LAST_ERROR, node_id, json.dumps(error))
+        engine.log.warning(
+            "enrollment_rule_not_applied", node_id=node_id, rule_id=rule["id"], reason=err.reason
+        )
+        if row is not None:
+            await node_event(engine.publish, row)
+        return None
+    async with names_unique(), engine.db.transaction() as conn:
         await check_bmc_free(conn, bmc, node_id)
         row = await conn.fetchrow(
             ENROLL_BY_RULE, node_id, json.dumps(bmc) if bmc is not None else None,
-            json.dumps(_json(rule["labels"]) or {}), rule["id"], json.dumps(inventory),
+            json.dumps(_json(rule["labels"]) or {}), rule["id"], json.dumps(inventory), name,
         )  # fmt: skip
         if row is None:
             return None  # enrolled meanwhile (an operator, another engine)
@@ -294,6 +316,12 @@ async def _enroll(
     if engine.wake is not None:
         await engine.wake(queue.owner_key(discovery_owner, node_id))
     return row
+
+
+def _hostname(node: Any) -> dict[str, str]:
+    """The ``hostname`` fact of a name template: the short host name the machine reported."""
+    name = host_name((_json(node["hardware"]) or {}).get("hostname"))
+    return {HOSTNAME_FACT: name} if name is not None else {}
 
 
 def _placeholders(address: str) -> bool:

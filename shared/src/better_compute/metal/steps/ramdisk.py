@@ -31,11 +31,16 @@ ejects the medium and clears the entries once the node joined. The step's result
 (``tokenDelivery``).
 
 The ramdisk (kernel and initrd, or an iPXE script) comes from the step's ``with``; metal's
-shipped profiles fill it from ``metal(ramdisk=Ramdisk(...))``.
+shipped profiles fill it from ``metal(ramdisk=Ramdisk(...))`` or ``[ramdisk]`` of bc.toml. A
+ramdisk an operator set while the engines run (``bcx ramdisk set``, the engine's
+``ramdisk_override``) is read at each run and wins for the shipped lifecycle profiles, and for
+any step whose ``with`` names no ramdisk (``ramdisk_in_force``): no restart.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
@@ -52,24 +57,53 @@ from ..commands import (
     POWER_SET_POWER,
 )
 from ._relay import relay, workflow_node
+from .profiles import LIFECYCLE_PROFILE_IDS
 
-__all__ = ["RAMDISK_FIELDS", "ensure_ramdisk", "token_delivery"]
+__all__ = ["RAMDISK_FIELDS", "RAMDISK_OVERRIDE", "ensure_ramdisk", "ramdisk_in_force", "token_delivery"]
 
 STEP_ID: Final = "metal.ensureRamdisk"
 TOKEN_TTL_SECONDS: Final = 3600  # the step's own deadline is 15 minutes; the join follows it
 RAMDISK_FIELDS: Final = ("kernel", "initrd", "kernelSha256", "initrdSha256", "cmdline", "script")
 _ENTRY = NETBOOT_SET_ENTRY.payload.fields
+RAMDISK_OVERRIDE: Final = "SELECT doc FROM ramdisk_override WHERE id = 1"
+_WORKFLOW_PROFILE: Final = "SELECT profile_id FROM workflows WHERE id = $1"
+
+
+def ramdisk_in_force(
+    step_input: Mapping[str, Any], override: Mapping[str, Any] | None, *, shipped: bool
+) -> dict[str, Any]:
+    """The step's input with the ramdisk it boots: the operator's ``override`` (``bcx ramdisk
+    set``) for a shipped lifecycle profile or a step whose ``with`` names no ramdisk, else the
+    step's own."""
+    own = bool(step_input.get("kernel") or step_input.get("script"))
+    if override is None or (own and not shipped):
+        return dict(step_input)
+    rest = {k: v for k, v in step_input.items() if k not in RAMDISK_FIELDS}
+    return {**rest, **{k: override[k] for k in RAMDISK_FIELDS if override.get(k) is not None}}
+
+
+async def _with_override(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    rows = await ctx.sql.query(RAMDISK_OVERRIDE)
+    doc = rows[0]["doc"] if rows else None
+    override = json.loads(doc) if isinstance(doc, str) else doc
+    if override is None:
+        return step_input
+    profile = await ctx.sql.query(_WORKFLOW_PROFILE, ctx.workflow_id)
+    shipped = bool(profile) and profile[0]["profile_id"] in LIFECYCLE_PROFILE_IDS.values()
+    return ramdisk_in_force(step_input, override, shipped=shipped)
 
 
 async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     node = workflow_node(ctx, STEP_ID)
+    step_input = await _with_override(step_input, ctx)
     if not step_input.get("kernel") and not step_input.get("script"):
         raise BcError(
             ErrorCode.INVALID_CONFIG,
-            f"{STEP_ID} needs the ramdisk and none is configured: build it with"
-            " `bcx ramdisk build`, which `bcx dev up` then serves (restart the stack), or set"
-            " [ramdisk] kernel and initrd in bc.toml (docs/settings.md); a profile's own step"
-            " may give kernel (and initrd) or script",
+            f"{STEP_ID} needs the ramdisk and none is configured: set one with `bcx ramdisk set"
+            " --kernel URL --initrd URL` (every engine, at once), or build it with `bcx ramdisk"
+            " build`, which `bcx dev up` then serves (restart the stack), or set [ramdisk] kernel and"
+            " initrd in bc.toml (docs/settings.md); a profile's own step may give kernel (and"
+            " initrd) or script",
             {"path": "kernel"},
         )
     macs = list(getattr(node, "macs", ()) or ())
