@@ -25,7 +25,7 @@ from better_compute.runtime.embedded import free_port
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx
 from better_compute.testing.agents import until
-from better_compute.testing.bmcs import SYSTEM_UUID, FaultyProxy, RedfishEmulator
+from better_compute.testing.bmcs import SYSTEM_MACS, SYSTEM_UUID, FaultyProxy, RedfishEmulator
 from better_compute.testing.site_agent import SiteAgentProcess
 
 SITE = "lab-deadbmc"
@@ -222,6 +222,9 @@ async def test_bcx_nodes_validate_says_credentials_refused_and_enroll_runs_it(
     code, out, err = await bcx(bc_settings, "nodes", "show", doc["id"], "--json")
     shown = json.loads(out)
     assert shown["bmcInventory"]["system"]["uuid"] == SYSTEM_UUID, shown["bmcInventory"]
+    # enrolled without --mac: the node takes its NICs' MACs from the BMC, so it can network-boot
+    # (a new operator's first inspect failed 'has no MAC address to network-boot')
+    assert sorted(shown["macs"]) == sorted(m.lower() for m in SYSTEM_MACS), shown
     assert shown["powerState"] in ("on", "off"), shown
     wfs = json.loads((await bcx(bc_settings, "workflows", "list", "--node", doc["id"], "--json"))[1])
     assert [w["profile"]["id"] for w in wfs["workflows"]] == ["metal.enroll"], wfs

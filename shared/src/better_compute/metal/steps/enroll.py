@@ -5,28 +5,43 @@ credentials, has the system, reads power: nothing changes) and fails the step, n
 failed check, when one failed; an agent that answers without checks (an older or simulated one)
 leaves the BMC unchecked, which is no failure. ``enroll.readBmc`` sends ``management.inventory``
 and keeps what the BMC says of the machine on the node: its power state and ``bmcInventory``
-(system: maker, model, serial, UUID; processors; memory; NICs). Both are relaying steps, like the
+(system: maker, model, serial, UUID; processors; memory; NICs); a node enrolled without MACs
+takes its NICs' MACs (none another node has), so that it can network-boot. Both are relaying steps, like the
 BMC steps: the engine adds the node's BMC and credential reference to their commands.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Final
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import manifest
 from better_compute.provision.steps import define_step
+from better_compute.wire.metal import normal_mac
 
 from ..commands import BMC, MANAGEMENT_INVENTORY, MANAGEMENT_VALIDATE
 from ._relay import relay, workflow_node
 
 __all__ = ["ENROLL_STEPS", "STORE_BMC_INVENTORY", "enroll_read_bmc", "enroll_validate_bmc"]
 
-STORE_BMC_INVENTORY: Final = (
-    "UPDATE nodes SET bmc_inventory = $2::jsonb, power_state = coalesce($3, power_state),"
-    " updated_at = now() WHERE id = $1"
-)
+# $4: the MACs of the NICs the BMC reports. A node enrolled without MACs takes them (Ironic's
+# out-of-band inspection makes its ports so): the BMC answered with the node's own credential, so
+# they are the machine's, not a claim off the boot network. A node with MACs keeps its own, and no
+# MAC another node has is taken (then none is).
+STORE_BMC_INVENTORY: Final = """
+UPDATE nodes SET bmc_inventory = $2::jsonb, power_state = coalesce($3, power_state),
+    macs = CASE WHEN macs = '{}' AND NOT EXISTS (
+                    SELECT 1 FROM nodes o WHERE o.id <> $1 AND o.macs && $4::text[])
+                THEN $4::text[] ELSE macs END,
+    updated_at = now()
+WHERE id = $1
+RETURNING macs
+"""
+
+
+_MAC: Final = re.compile(r"[0-9A-Fa-f]{2}([:-][0-9A-Fa-f]{2}){5}")
 
 
 def _given_bmc(step_input: dict[str, Any]) -> dict[str, Any]:
@@ -69,8 +84,16 @@ async def _read(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     power = system.get("powerState")
     power = power.lower() if isinstance(power, str) and power.lower() in ("on", "off") else None
     # The same answer on a re-run: writing it again changes nothing.
-    await ctx.sql.query(STORE_BMC_INVENTORY, node.id, json.dumps(answer), power)
-    return {"commandId": done["commandId"], "powerState": power, "system": _summary(answer)}
+    rows = await ctx.sql.query(STORE_BMC_INVENTORY, node.id, json.dumps(answer), power, _nic_macs(answer))
+    macs = list(rows[0]["macs"]) if rows else []
+    return {"commandId": done["commandId"], "powerState": power, "system": _summary(answer), "macs": macs}
+
+
+def _nic_macs(inventory: dict[str, Any]) -> list[str]:
+    """The NICs' MACs the BMC reports (``aa:bb:…``), each once, in its order."""
+    nics = inventory.get("nics")
+    found = [n.get("mac") for n in nics if isinstance(n, dict)] if isinstance(nics, list) else []
+    return list(dict.fromkeys(normal_mac(m) for m in found if isinstance(m, str) and _MAC.fullmatch(m)))
 
 
 enroll_validate_bmc = define_step(
@@ -94,7 +117,10 @@ enroll_read_bmc = define_step(
     input=manifest({"bmc": BMC.optional()}),
     run=_read,
     retry_safe=True,
-    description="Read the machine through its BMC (management.inventory): keep its power and bmcInventory",
+    description=(
+        "Read the machine through its BMC (management.inventory): keep its power and bmcInventory;"
+        " a node without MACs takes its NICs'"
+    ),
 )
 
 ENROLL_STEPS: Final = (enroll_validate_bmc, enroll_read_bmc)
