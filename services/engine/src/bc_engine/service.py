@@ -306,36 +306,38 @@ class EngineService(Service):
     async def _join_watch(self) -> None:
         """The safety net for lost join events (``wait.agentJoined``): every AGENT_POLL_S, while
         a step of ours waits for a join, one look at the certificates bc-pki issued since the
-        oldest such step started (newest first, a page at a time), waking the keys of the waiting
-        nodes among them. A confirmed held join is a certificate of that time too, so a lost
-        confirmation is caught as well. Nothing waits: one query of our own, no request; the
-        cost follows the joins of the rollout under way, never the machines at rest."""
+        oldest such step started (newest first, a page at a time), waking each waiting node with
+        a valid one issued after its step started (its first look saw none). A confirmed held join
+        is a certificate of that time too, so a lost confirmation is caught as well. Nothing
+        waits: one query of our own, no request; the cost follows the rollout under way, never
+        the machines at rest."""
         assert self.db is not None
         while True:
             await asyncio.sleep(AGENT_POLL_S)
             mine = [s for s in range(queue.SHARDS) if self.leases.owns(s) is not None]
             rows = await self.db.fetch(store.WAITING_ACTION, mine, WAIT_JOINED) if mine else []
-            waiting = {r["node_id"]: r["rkey"] for r in rows if self._owns_key(r["rkey"])}
+            waiting = {r["node_id"]: (r["rkey"], r["started_at"] - JOIN_SKEW) for r in rows}
+            waiting = {n: w for n, w in waiting.items() if self._owns_key(w[0])}
             if not waiting:
                 continue
-            oldest = min(r["started_at"] for r in rows if r["node_id"] in waiting)
             try:
-                joined = await self._joined_since(oldest - JOIN_SKEW)
+                joined = await self._joined_since(min(since for _, since in waiting.values()))
             except BcError as err:
                 self.log.warning("join_watch_failed", code=err.code.value)
                 continue
-            for node_id in joined & waiting.keys():
-                self.scheduler.now(waiting[node_id])
+            for node_id, (rkey, since) in waiting.items():
+                if joined.get(node_id, since) > since:
+                    self.scheduler.now(rkey)
 
-    async def _joined_since(self, since: datetime) -> set[str]:
-        """The agents with a valid certificate issued at or after ``since``."""
-        found: set[str] = set()
+    async def _joined_since(self, since: datetime) -> dict[str, datetime]:
+        """Agent id -> when its newest valid certificate issued at or after ``since`` was."""
+        found: dict[str, datetime] = {}
         cursor: str | None = None
         while True:
             page = await self.engine.pki.certificates_page(limit=JOIN_PAGE, cursor=cursor)
-            found.update(
-                c.agent_id for c in page.certificates if c.state == "valid" and c.created_at >= since
-            )
+            for c in page.certificates:
+                if c.state == "valid" and c.created_at >= since:
+                    found[c.agent_id] = max(c.created_at, found.get(c.agent_id, c.created_at))
             cursor = page.next
             if not cursor or not page.certificates or page.certificates[-1].created_at < since:
                 return found
