@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -396,6 +397,7 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
     configure_logging(level="warning", json=False)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop everything it started
     folder = Path(tempfile.mkdtemp(prefix="bc-fleet-"))
     print(f"state under {folder}", flush=True)
     try:

@@ -38,9 +38,12 @@ SHARED_ENV = ("BC_NATS_URL", "BC_NATS_CA", "BC_NATS_JOIN_CERT", "BC_NATS_JOIN_KE
 FIRST_VPID = 10_000_000
 """Above any pid the kernel hands out (pid_max is at most 4,194,304)."""
 JOINS_AT_ONCE = 8
-"""Joins in flight in one host. A join is one try (its NATS connection must answer within 2 s):
-fifty machines joining at once in one event loop on a loaded machine starved each other past that
-(a machine's ramdisk then sits unjoined, as a real one whose join failed would), so they queue."""
+"""Joins in flight in one host: a hundred at once in one event loop starve each other."""
+JOIN_TRIES = 5
+"""A join is one try of bc-pki (its NATS connection must answer within seconds); one event loop
+holding a hundred machines on a loaded machine answered some too late (``UNAVAILABLE``), and a
+ramdisk whose join failed sits unjoined. The host tries a failed join again, with a pause, as a
+ramdisk's init would; a refused join (a spent token, other claims) fails each time the same."""
 
 
 class _Machine:
@@ -98,8 +101,14 @@ class LeanHost:
 
         if "join" not in argv:
             return await run(argv, env, stop=m.stop, signals=False, connected=connected)
-        async with self.joins:
-            return await run(argv, env, stop=m.stop, signals=False, connected=connected)
+        for attempt in range(JOIN_TRIES):
+            if attempt:
+                await asyncio.sleep(2**attempt)
+            async with self.joins:
+                code = await run(argv, env, stop=m.stop, signals=False, connected=connected)
+            if code == 0:
+                break
+        return code
 
     def _ended(self, m: _Machine, task: asyncio.Task[int]) -> None:
         self.machines.pop(m.vpid, None)
@@ -175,10 +184,11 @@ async def _serve(log_level: str) -> None:
     import bcd.__main__  # noqa: F401  (imported once, before the first machine)
 
     loop = asyncio.get_running_loop()
-    # many machines' disk work (image writes, wipes) at once: more than the default few threads
+    # the machines' inventories, wipes and image writes: Python under one GIL, so a few threads
+    # (more only take the event loop's turns, and its NATS connections time out)
     from concurrent.futures import ThreadPoolExecutor
 
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=16, thread_name_prefix="bcd-lean"))
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=4, thread_name_prefix="bcd-lean"))
     host = LeanHost(out)
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
