@@ -324,6 +324,13 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         memory = meter.memory()  # every machine deployed: each runs its installed OS's bcd
         resident = meter.resident()
         product_cpu = sum(v for k, v in cpu.items() if k in PRODUCT_KINDS)
+        rest: dict[str, float] = {}
+        if args.idle > 0:  # every machine deployed, nothing asked: what the fleet costs at rest
+            rest_before = meter.snapshot()
+            await asyncio.sleep(args.idle)
+            rest = CpuMeter.delta(rest_before, meter.snapshot())
+            per_min = sum(v for k, v in rest.items() if k in PRODUCT_KINDS) / args.machines / (args.idle / 60)
+            print(f"at rest {args.idle:.0f} s: product {per_min:.4f} CPU s/machine/minute", flush=True)
 
         # each machine's deploy workflow: created -> finished, from the engine
         durations: list[float] = []
@@ -369,6 +376,11 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 verb: round(sum(v for k, v in c.items() if k in PRODUCT_KINDS) / args.machines, 4)
                 for verb, c in prelude_cpu.items()
             },
+            "rest_s": args.idle,
+            "rest_cpu_s": {k: round(v, 2) for k, v in sorted(rest.items(), key=lambda kv: -kv[1])},
+            "rest_product_cpu_s_per_machine_minute": round(
+                sum(v for k, v in rest.items() if k in PRODUCT_KINDS) / args.machines / (args.idle / 60), 5
+            ) if args.idle > 0 else None,
             "prelude_cpu_s": {verb: {k: round(v, 1) for k, v in sorted(c.items(), key=lambda kv: -kv[1])}
                               for verb, c in prelude_cpu.items()},
         }  # fmt: skip
@@ -391,6 +403,7 @@ def main() -> None:
     p.add_argument("--power-delay", default="0", help="seconds a power change lands late: 0, or 1-11")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each phase may take")
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs) afterwards")
+    p.add_argument("--idle", type=float, default=0.0, help="then seconds at rest, every machine deployed")
     p.add_argument(
         "--lean", action="store_true", default=os.environ.get("BC_SIM_LEAN") == "1",
         help="each site's bcds as tasks of one process (BC_SIM_LEAN=1), not a process per machine",
