@@ -413,10 +413,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop everything it started
     folder = Path(tempfile.mkdtemp(prefix="bc-fleet-"))
     print(f"state under {folder}", flush=True)
+    ok = False
     try:
         out = asyncio.run(bench(args, folder))
+        ok = True
     finally:
-        if not args.keep:
+        if not ok:
+            print(f"failed: the state folder (logs, ledgers) is kept: {folder}", flush=True)
+        elif not args.keep:
             import shutil
 
             shutil.rmtree(folder, ignore_errors=True)

@@ -123,11 +123,13 @@ async def run(
     stop: asyncio.Event | None = None,
     signals: bool = True,
     connected: Callable[[Any], None] | None = None,
+    raise_errors: bool = False,
 ) -> int:
     """One bcd command (``argv`` as ``python -m bcd`` gets it) in the running event loop; its exit
     code. ``main`` runs it as the process; the metal simulator's lean host (``bcd.lean``) runs many
     machines' at once, each with its own ``env`` (root, ledger), ``stop`` and no signal handlers,
-    and ``connected`` is told of each machine's NATS connection (so a power-off can cut it)."""
+    and ``connected`` is told of each machine's NATS connection (so a power-off can cut it);
+    ``raise_errors`` raises a ``BcError`` rather than printing it and returning 1."""
     args = _parser(env).parse_args(argv)
     machine = Machine(root=Path(args.root))
     if args.simulate:
@@ -157,6 +159,8 @@ async def run(
         print(json.dumps(inventory(machine), indent=2))
         return 0
     except BcError as err:
+        if raise_errors:
+            raise
         where = f" (at {err.path})" if err.path else ""
         extra = f" {json.dumps(err.details['claims'])}" if "claims" in err.details else ""
         print(f"bcd: error: {err.code.value}: {err.message}{where}{extra}", file=sys.stderr)

@@ -42,8 +42,8 @@ JOINS_AT_ONCE = 8
 JOIN_TRIES = 5
 """A join is one try of bc-pki (its NATS connection must answer within seconds); one event loop
 holding a hundred machines on a loaded machine answered some too late (``UNAVAILABLE``), and a
-ramdisk whose join failed sits unjoined. The host tries a failed join again, with a pause, as a
-ramdisk's init would; a refused join (a spent token, other claims) fails each time the same."""
+ramdisk whose join failed sits unjoined. The host tries a join whose NATS connection never opened
+again, with a pause, as a ramdisk's init would; nothing else (the token may have reached bc-pki)."""
 
 
 class _Machine:
@@ -81,6 +81,7 @@ class LeanHost:
         import structlog
 
         from bcd.__main__ import run
+        from better_compute.core.errors import BcError, ErrorCode
 
         structlog.contextvars.bind_contextvars(machine=env.get("BCD_ROOT"))  # this task's context
         shared = {key: env.get(key) for key in SHARED_ENV}
@@ -104,11 +105,17 @@ class LeanHost:
         for attempt in range(JOIN_TRIES):
             if attempt:
                 await asyncio.sleep(2**attempt)
-            async with self.joins:
-                code = await run(argv, env, stop=m.stop, signals=False, connected=connected)
-            if code == 0:
-                break
-        return code
+            try:
+                async with self.joins:
+                    return await run(argv, env, stop=m.stop, signals=False, raise_errors=True)
+            except BcError as err:
+                # only a connection that never opened is tried again: its token never reached
+                # bc-pki (a second try of a join that did would burn the token)
+                unreached = err.code is ErrorCode.UNAVAILABLE and err.message.startswith("cannot reach")
+                if not unreached or attempt == JOIN_TRIES - 1:
+                    print(f"bcd: error: {err.code.value}: {err.message}", file=sys.stderr)
+                    return 1
+        return 1
 
     def _ended(self, m: _Machine, task: asyncio.Task[int]) -> None:
         self.machines.pop(m.vpid, None)
