@@ -2,6 +2,7 @@
 
     uv run --group bench python bench/bench_fleet.py --machines 1000 --sites 10
     uv run --group bench python bench/bench_fleet.py --machines 100 --sites 2 --power-delay 1-11
+    uv run --group bench python bench/bench_fleet.py --machines 1000 --sites 10 --lean
 
 Everything as it runs in production, on this machine: the embedded nats-server and PostgreSQL
 (fsync on), bc-engine, bc-command-queue, bc-pki and bc-secrets as their own processes, one real
@@ -16,6 +17,13 @@ machine ``deployed``, machines per second, commands per second in that window, t
 each machine's deploy workflow (created to finished), and the CPU seconds each kind of process
 used during the deploy (where the time goes). ``--power-delay 0`` (the default) is a BMC that
 answers at once; ``1-11`` is sushy-tools' own fake driver (a power change lands 1-11 s late).
+
+The CPU is split into the product (``PRODUCT_KINDS``: every process we ship to the operator's
+servers, nats-server and PostgreSQL included) and the simulation (the machines' bcds, the
+emulators, and this process, which runs the simulators' threads); the headline is the product's
+CPU seconds per deployed machine. ``--lean`` (``BC_SIM_LEAN=1``) runs each site's bcds as tasks
+of one process (``bcd.lean``) instead of a process each, so a thousand machines cost the
+simulation a few processes, not a thousand.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -102,6 +111,24 @@ def process_table() -> dict[int, tuple[int, str]]:
     return out
 
 
+PRODUCT_KINDS = (
+    "bc-engine", "bc-command-queue", "bc-pki", "bc-secrets", "site agents", "nats-server", "PostgreSQL",
+)  # fmt: skip
+"""What we ship to the operator's servers (bcd runs on the machines: with the simulation here)."""
+SIMULATION_KINDS = ("bcd (simulated)", "sushy emulators", "simulator (this process)")
+
+
+def rss_of(pid: int) -> float:
+    """Resident set size of ``pid`` in MiB, 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
 def classify(cmd: str) -> str:
     for needle, name in (
         ("bc_engine", "bc-engine"), ("bc-engine", "bc-engine"),
@@ -129,10 +156,9 @@ class CpuMeter:
             kids.setdefault(ppid, []).append(pid)
         out: dict[int, str] = {}
         todo = [pid for root in self.roots for pid in (root, *kids.get(root, [])) if pid in table]
-        todo = [pid for pid in todo if pid != os.getpid()]
         while todo:
             pid = todo.pop()
-            out[pid] = classify(table[pid][1])
+            out[pid] = "simulator (this process)" if pid == os.getpid() else classify(table[pid][1])
             todo.extend(kids.get(pid, []))
         return out
 
@@ -144,6 +170,14 @@ class CpuMeter:
         out: dict[str, float] = {}
         for pid, kind in self._descendants().items():
             out[kind] = out.get(kind, 0.0) + pss_of(pid)
+        return out
+
+    def resident(self) -> dict[str, tuple[int, float]]:
+        """(processes, MiB RSS summed) per kind of process now."""
+        out: dict[str, tuple[int, float]] = {}
+        for pid, kind in self._descendants().items():
+            n, mib = out.get(kind, (0, 0.0))
+            out[kind] = (n + 1, mib + rss_of(pid))
         return out
 
     @staticmethod
@@ -207,9 +241,10 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         for s, n in enumerate(per_site):
             site = f"site{s:02d}"
             sim = MetalSim(state / f"sim-{site}", settings=settings, machines=n, site_id=site, seed=s,
-                           power_delay=delay)  # fmt: skip
+                           power_delay=delay, lean=args.lean)  # fmt: skip
             agent = SiteAgentProcess(folder=state / f"agent-{site}", nats_url=nats_url,
-                                     subject_root=settings.subject_root, site_id=site)  # fmt: skip
+                                     subject_root=settings.subject_root, site_id=site,
+                                     log_level="info")  # fmt: skip
             sim.boot_url = agent.url
             sims.append(sim)
             agents.append(agent)
@@ -259,18 +294,23 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         await asyncio.gather(*(enroll(sim, i) for sim in sims for i in range(len(sim.machines))))
         prelude = {"enroll": time.monotonic() - t}
         print(f"enrolled in {prelude['enroll']:.1f} s", flush=True)
+        # the servers run detached (their own sessions): count them from their own pids
+        meter = CpuMeter(os.getpid(), *(p for p in (nats.running_pid(), pg.running_pid()) if p))
+        prelude_cpu: dict[str, dict[str, float]] = {}
         phases: list[tuple[VerbName, str]] = [("inspect", "inspected"), ("commission", "ready")]
         for verb, want in phases:
+            phase_before = meter.snapshot()
             t = time.monotonic()
             run = await engine.bulk(verb, node_ids=list(node_site))
             if run.refused:
                 raise RuntimeError(f"bulk {verb} refused {len(run.refused)}: {run.refused[:3]}")
             await until_states(counts, want, args.machines, timeout=args.timeout, what=verb)
             prelude[verb] = time.monotonic() - t
-            print(f"{verb}: {args.machines} machines {want} in {prelude[verb]:.1f} s", flush=True)
+            prelude_cpu[verb] = CpuMeter.delta(phase_before, meter.snapshot())
+            product = sum(v for k, v in prelude_cpu[verb].items() if k in PRODUCT_KINDS)
+            print(f"{verb}: {args.machines} machines {want} in {prelude[verb]:.1f} s,"
+                  f" product {product / args.machines:.3f} CPU s/machine", flush=True)  # fmt: skip
 
-        # the servers run detached (their own sessions): count them from their own pids
-        meter = CpuMeter(os.getpid(), *(p for p in (nats.running_pid(), pg.running_pid()) if p))
         cpu_before = meter.snapshot()
         since = time.time()
         t0 = time.monotonic()
@@ -282,6 +322,15 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         elapsed = time.monotonic() - t0
         cpu = CpuMeter.delta(cpu_before, meter.snapshot())
         memory = meter.memory()  # every machine deployed: each runs its installed OS's bcd
+        resident = meter.resident()
+        product_cpu = sum(v for k, v in cpu.items() if k in PRODUCT_KINDS)
+        rest: dict[str, float] = {}
+        if args.idle > 0:  # every machine deployed, nothing asked: what the fleet costs at rest
+            rest_before = meter.snapshot()
+            await asyncio.sleep(args.idle)
+            rest = CpuMeter.delta(rest_before, meter.snapshot())
+            per_min = sum(v for k, v in rest.items() if k in PRODUCT_KINDS) / args.machines / (args.idle / 60)
+            print(f"at rest {args.idle:.0f} s: product {per_min:.4f} CPU s/machine/minute", flush=True)
 
         # each machine's deploy workflow: created -> finished, from the engine
         durations: list[float] = []
@@ -305,6 +354,10 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         installs = sum(m.ledger.count("install") for sim in sims for m in sim.machines)
         return {
             "machines": args.machines, "sites": args.sites,
+            "simulation": "lean: bcds as tasks" if args.lean else "a bcd process per machine",
+            "product_cpu_s_per_machine": round(product_cpu / args.machines, 4),
+            "product_cpu_s": round(product_cpu, 1),
+            "simulation_cpu_s": round(sum(v for k, v in cpu.items() if k not in PRODUCT_KINDS), 1),
             "bmc": "answers at once" if delay == (0.0, 0.0) else f"power lands {args.power_delay} s late",
             "prelude_s": {k: round(v, 1) for k, v in prelude.items()},
             "bulk_deploy_request_s": round(verb_s, 2),
@@ -316,6 +369,20 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "cpu_total_s": round(sum(cpu.values()), 1),
             "memory_mib": {k: round(v) for k, v in sorted(memory.items(), key=lambda kv: -kv[1])},
             "memory_total_mib": round(sum(memory.values())),
+            "rss_mib": {k: {"processes": n, "mib": round(mib)} for k, (n, mib) in
+                        sorted(resident.items(), key=lambda kv: -kv[1][1])},
+            "product_rss_mib": round(sum(mib for k, (_, mib) in resident.items() if k in PRODUCT_KINDS)),
+            "prelude_product_cpu_s_per_machine": {
+                verb: round(sum(v for k, v in c.items() if k in PRODUCT_KINDS) / args.machines, 4)
+                for verb, c in prelude_cpu.items()
+            },
+            "rest_s": args.idle,
+            "rest_cpu_s": {k: round(v, 2) for k, v in sorted(rest.items(), key=lambda kv: -kv[1])},
+            "rest_product_cpu_s_per_machine_minute": round(
+                sum(v for k, v in rest.items() if k in PRODUCT_KINDS) / args.machines / (args.idle / 60), 5
+            ) if args.idle > 0 else None,
+            "prelude_cpu_s": {verb: {k: round(v, 1) for k, v in sorted(c.items(), key=lambda kv: -kv[1])}
+                              for verb, c in prelude_cpu.items()},
         }  # fmt: skip
     finally:
         for agent in agents:
@@ -336,20 +403,36 @@ def main() -> None:
     p.add_argument("--power-delay", default="0", help="seconds a power change lands late: 0, or 1-11")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each phase may take")
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs) afterwards")
+    p.add_argument("--idle", type=float, default=0.0, help="then seconds at rest, every machine deployed")
+    p.add_argument(
+        "--lean", action="store_true", default=os.environ.get("BC_SIM_LEAN") == "1",
+        help="each site's bcds as tasks of one process (BC_SIM_LEAN=1), not a process per machine",
+    )  # fmt: skip
     args = p.parse_args()
     configure_logging(level="warning", json=False)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop everything it started
     folder = Path(tempfile.mkdtemp(prefix="bc-fleet-"))
     print(f"state under {folder}", flush=True)
+    ok = False
     try:
         out = asyncio.run(bench(args, folder))
+        ok = True
     finally:
-        if not args.keep:
+        if not ok:
+            print(f"failed: the state folder (logs, ledgers) is kept: {folder}", flush=True)
+        elif not args.keep:
             import shutil
 
             shutil.rmtree(folder, ignore_errors=True)
     print(json.dumps(out, indent=2))
     print(
-        f"\n{out['machines']} machines on {out['sites']} sites ({out['bmc']}):"
+        f"\nproduct CPU per deployed machine: {out['product_cpu_s_per_machine']} s"
+        f" ({out['product_cpu_s']} CPU s: engine, command-queue, pki, secrets, site agents, nats-server,"
+        f" PostgreSQL), wall {out['deploy_s']} s, product RSS {out['product_rss_mib']} MiB;"
+        f" simulation {out['simulation_cpu_s']} CPU s ({out['simulation']})"
+    )
+    print(
+        f"{out['machines']} machines on {out['sites']} sites ({out['bmc']}):"
         f" deployed in {out['deploy_s']} s"
         f" ({out['machines_per_s']}/s), {out['commands_per_s']} commands/s,"
         f" per-machine workflow p50 {out['workflow_p50_s']} s p99 {out['workflow_p99_s']} s,"

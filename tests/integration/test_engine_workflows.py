@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -30,7 +31,7 @@ from better_compute.wire.engine import (
     decode_workflow_event,
 )
 from better_compute.wire.metal import NodeBmc
-from better_compute.wire.pki import JOIN_EVENTS, JoinAccepted, JoinRefused
+from better_compute.wire.pki import JOIN_EVENTS, CertificateInfo, CertificateList, JoinAccepted, JoinRefused
 from engine_test_app import TABLES
 
 
@@ -492,3 +493,44 @@ async def test_a_start_sent_again_with_its_id_returns_the_workflow_it_made(
     assert (e.value.code, e.value.path) == (ErrorCode.INVALID_INPUT, "id")
     await flag(db, "again")
     await wait_workflow(bc_api, wf_id)
+
+
+async def test_wait_agent_joined_asks_pki_once_and_a_join_whose_event_was_lost_still_settles_it(
+    engine: EngineService, bc_api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait.agentJoined`` is event-driven: while the node has not joined, the step does not ask
+    bc-pki again every 2 s (a thousand machines waiting were 500 requests a second); a join whose
+    event never reached the engine is still found by the engine's join watch, one look in bulk."""
+    import bc_engine.service as service_module
+
+    monkeypatch.setattr(service_module, "AGENT_POLL_S", 0.5)  # the watch's period, from its next look
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="lab1")
+    joined: list[Any] = []
+    asked: list[str] = []
+
+    async def list_certificates(*, agent_id: str | None = None, **_: Any) -> list[Any]:
+        asked.append(agent_id or "")
+        return [c for c in joined if c.agent_id == agent_id]
+
+    async def certificates_page(**_: Any) -> CertificateList:
+        return CertificateList(certificates=list(joined))
+
+    monkeypatch.setattr(engine.engine.pki, "list_certificates", list_certificates)
+    monkeypatch.setattr(engine.engine.pki, "certificates_page", certificates_page)
+    await create_profile(bc_api, [{"use": "wait.agentJoined", "with": {"fresh": False}}], id="t-joined")
+    wf = await engine_api.start_workflow(profile_id="t-joined", node_id=node.id)
+    await wait_step_running(bc_api, wf.id, 0)
+    await until(lambda: len(asked) >= 1, timeout=10, what="the step's first look at bc-pki")
+    await asyncio.sleep(3)  # what a 2 s poll would have asked again in (the absence is the point)
+    assert asked == [node.id]
+    now = datetime.now(UTC)
+    cert = CertificateInfo(
+        cert_id="cert_lost", agent_id=node.id, tenant_id="root", site_id="lab1", role="node",
+        join_token_id="jt_lost", serial="1", key_type="ed25519", state="valid", not_before=now,
+        not_after=now + timedelta(days=1), created_at=now, certificate_pem="-",
+    )  # fmt: skip
+    joined.append(cert)  # bc-pki issued it; its JoinAccepted event never came
+    done = await wait_workflow(bc_api, wf.id, timeout=30)
+    assert done.state == "succeeded"
+    assert done.steps[0].result["certId"] == "cert_lost"

@@ -187,6 +187,32 @@ def test_a_node_entry_is_served_again_to_its_address_and_closes_clean_after_its_
     assert not any(token in p.read_text() for p in (tmp_path / "netboot").iterdir() if p.is_file())
 
 
+def test_the_quiet_period_look_reads_no_hold_file_and_a_restart_reads_them_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look runs every second: it once read every hold file (each machine served in the last
+    ten minutes) each time, a fifth of a core at a thousand machines a site doing nothing."""
+    entries = BootEntries(tmp_path / "netboot")
+    for i in range(50):
+        mac = f"52:54:00:aa:01:{i:02x}"
+        entries.set({"mac": mac, "kernel": "http://h/k"}, join_token=f"bcjt_{i:043d}", node_id=f"node_{i}")
+        assert entries.take(mac, source=f"10.0.1.{i}", now=1000.0).entry is not None
+    read: list[str] = []
+    read_text = Path.read_text
+
+    def counted(path: Path, *args: object, **kwargs: object) -> str:
+        read.append(path.name)
+        return read_text(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    for second in range(10):
+        assert entries.closed_clean(120.0, now=1001.0 + second) == []
+    assert [name for name in read if name.endswith(".hold")] == []
+    monkeypatch.undo()
+    again = BootEntries(tmp_path / "netboot")  # another process life: the holds from their files
+    assert len(again.closed_clean(120.0, now=1121.0)) == 50
+
+
 def test_a_withdrawn_node_entry_never_closes_clean(tmp_path: Path) -> None:
     mac = "52:54:00:aa:bb:07"
     entries = BootEntries(tmp_path / "netboot")

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Coroutine, Mapping
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +18,7 @@ from better_compute.app import App, load_app
 from better_compute.config import UserDataSettings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.keyring import Keyring
+from better_compute.metal.steps.joined import STEP_ID as WAIT_JOINED
 from better_compute.provision import UserData
 from better_compute.service import Database, Handler, Service
 from better_compute.service.base import SideLoop
@@ -40,6 +42,8 @@ from .steps.runners import StepRunners
 __all__ = ["EngineService", "waiting_commands"]
 
 POLL_EVERY = 1.0  # the safety net; wake-ups do the real work
+JOIN_PAGE = 200  # certificates per page of the join watch's look
+JOIN_SKEW = timedelta(seconds=30)  # the join watch looks back this much more (clocks, slow commits)
 
 
 async def _init_connection(conn: Any) -> None:
@@ -195,6 +199,7 @@ class EngineService(Service):
             "shard_leases": self.leases.run,
             "work_poll": self._poll_loop,
             "command_watch": self._command_watch,
+            "join_watch": self._join_watch,
             **self.hooks.side_loops,
         }
 
@@ -301,6 +306,45 @@ class EngineService(Service):
                 for cid in chunk:
                     if states.get(cid) not in LIVE_STATES:  # settled, or unknown to the queue
                         self.scheduler.now(waiting[cid])
+
+    async def _join_watch(self) -> None:
+        """The safety net for lost join events (``wait.agentJoined``): every AGENT_POLL_S, while
+        a step of ours waits for a join, one look at the certificates bc-pki issued since the
+        oldest such step started (newest first, a page at a time), waking each waiting node with
+        a valid one issued after its step started (its first look saw none). A confirmed held join
+        is a certificate of that time too, so a lost confirmation is caught as well. Nothing
+        waits: one query of our own, no request; the cost follows the rollout under way, never
+        the machines at rest."""
+        assert self.db is not None
+        while True:
+            await asyncio.sleep(AGENT_POLL_S)
+            mine = [s for s in range(queue.SHARDS) if self.leases.owns(s) is not None]
+            rows = await self.db.fetch(store.WAITING_ACTION, mine, WAIT_JOINED) if mine else []
+            waiting = {r["node_id"]: (r["rkey"], r["started_at"] - JOIN_SKEW) for r in rows}
+            waiting = {n: w for n, w in waiting.items() if self._owns_key(w[0])}
+            if not waiting:
+                continue
+            try:
+                joined = await self._joined_since(min(since for _, since in waiting.values()))
+            except BcError as err:
+                self.log.warning("join_watch_failed", code=err.code.value)
+                continue
+            for node_id, (rkey, since) in waiting.items():
+                if joined.get(node_id, since) > since:
+                    self.scheduler.now(rkey)
+
+    async def _joined_since(self, since: datetime) -> dict[str, datetime]:
+        """Agent id -> when its newest valid certificate issued at or after ``since`` was."""
+        found: dict[str, datetime] = {}
+        cursor: str | None = None
+        while True:
+            page = await self.engine.pki.certificates_page(limit=JOIN_PAGE, cursor=cursor)
+            for c in page.certificates:
+                if c.state == "valid" and c.created_at >= since:
+                    found[c.agent_id] = max(c.created_at, found.get(c.agent_id, c.created_at))
+            cursor = page.next
+            if not cursor or not page.certificates or page.certificates[-1].created_at < since:
+                return found
 
     async def on_stop(self) -> None:
         for sub in getattr(self, "_subs", []):

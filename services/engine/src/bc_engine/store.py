@@ -264,6 +264,11 @@ WAITING_COMMANDS = (
     " WHERE w.state = 'running' AND w.shard = ANY($1::int[])"
     " AND s.state = 'running' AND s.command_id IS NOT NULL"
 )
+WAITING_ACTION = (
+    "SELECT w.node_id, w.rkey, s.started_at FROM workflows w JOIN workflow_steps s ON s.workflow_id = w.id"
+    " WHERE w.state = 'running' AND w.shard = ANY($1::int[]) AND w.node_id IS NOT NULL"
+    " AND s.state = 'running' AND s.action = $2"
+)
 
 # -- the work queue (queue.py) ---------------------------------------------------------------
 

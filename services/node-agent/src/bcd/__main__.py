@@ -11,7 +11,9 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -26,19 +28,19 @@ from .medium import check_bus_ca, read_boot_medium
 from .simulation import SimRunner, install_disk_hook
 from .system import Machine
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bcd", description="Better Compute node agent")
-    parser.add_argument("--root", default=os.environ.get("BCD_ROOT", "/"), help="the machine's root folder")
-    parser.add_argument("--state-dir", default=os.environ.get("BCD_STATE_DIR", DEFAULT_STATE_DIR))
-    parser.add_argument("--subject-root", default=os.environ.get("BC_SUBJECT_ROOT"))
-    parser.add_argument("--log-level", default=os.environ.get("BCD_LOG_LEVEL", "info"))
+    parser.add_argument("--root", default=env.get("BCD_ROOT", "/"), help="the machine's root folder")
+    parser.add_argument("--state-dir", default=env.get("BCD_STATE_DIR", DEFAULT_STATE_DIR))
+    parser.add_argument("--subject-root", default=env.get("BC_SUBJECT_ROOT"))
+    parser.add_argument("--log-level", default=env.get("BCD_LOG_LEVEL", "info"))
     parser.add_argument(
         "--simulate",
         action="store_true",
-        default=os.environ.get("BCD_SIMULATE") == "1",
+        default=env.get("BCD_SIMULATE") == "1",
         help="a simulated machine: record programs, count disk writes (docs/metal-sim.md)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
         f" (default {JOIN_WAIT_S:g}; 0: fail at once)",
     )
     r = sub.add_parser("run", help="serve commands")
-    r.add_argument("--mode", choices=MODES, default=os.environ.get("BCD_MODE"))
+    r.add_argument("--mode", choices=MODES, default=env.get("BCD_MODE"))
     r.add_argument("--control-plane", help="default: the one bcd joined")
     r.add_argument(
         "--join",
@@ -69,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _join(args: argparse.Namespace, state: BcdState) -> int:
+async def _join(args: argparse.Namespace, state: BcdState, env: Mapping[str, str]) -> int:
     machine = state.machine
     cmdline = read_cmdline(machine)
     control_plane = args.control_plane or cmdline.get("control_plane")
@@ -101,18 +103,16 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
     # installed OS, booted without those kernel words, has them on its config drive (unless
     # BC_NATS_CA names a CA by hand; a ramdisk never takes an earlier OS's drive)
     fetched = fetch_bus_files(cmdline, state.folder)
-    if not fetched and not os.environ.get("BC_NATS_CA") and detect_mode(machine) == "installed":
+    if not fetched and not env.get("BC_NATS_CA") and detect_mode(machine) == "installed":
         adopt_config_drive(machine, state.folder)
-    enrollment = asyncio.run(
-        join(
-            state,
-            control_plane=control_plane,
-            token=token,
-            node_id=args.node,
-            subject_root=args.subject_root or cmdline.get("subject_root") or "bc",
-            site_id=args.site or cmdline.get("site"),
-            wait_s=args.wait,
-        )
+    enrollment = await join(
+        state,
+        control_plane=control_plane,
+        token=token,
+        node_id=args.node,
+        subject_root=args.subject_root or cmdline.get("subject_root") or "bc",
+        site_id=args.site or cmdline.get("site"),
+        wait_s=args.wait,
     )
     if token_path is not None:
         token_path.unlink(missing_ok=True)  # spent: nothing left to steal
@@ -124,45 +124,64 @@ def _join(args: argparse.Namespace, state: BcdState) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = _parser(os.environ).parse_args(argv)
     configure_logging(level=args.log_level, stream=sys.stderr)
+    try:
+        code = asyncio.run(run(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        code = 130
+    raise SystemExit(code)
+
+
+async def run(
+    argv: list[str],
+    env: Mapping[str, str] = os.environ,
+    *,
+    stop: asyncio.Event | None = None,
+    signals: bool = True,
+    connected: Callable[[Any], None] | None = None,
+    raise_errors: bool = False,
+) -> int:
+    """One bcd command (``argv`` as ``python -m bcd`` gets it) in the running event loop; its exit
+    code. ``main`` runs it as the process; the metal simulator's lean host (``bcd.lean``) runs many
+    machines' at once, each with its own ``env`` (root, ledger), ``stop`` and no signal handlers,
+    and ``connected`` is told of each machine's NATS connection (so a power-off can cut it);
+    ``raise_errors`` raises a ``BcError`` rather than printing it and returning 1."""
+    args = _parser(env).parse_args(argv)
     machine = Machine(root=Path(args.root))
     if args.simulate:
         machine = Machine(root=machine.root, runner=SimRunner(machine.root))
-        install_disk_hook(
-            machine, ledger=os.environ.get("BCD_SIM_LEDGER"), faults=os.environ.get("BCD_SIM_FAULTS")
-        )
+        install_disk_hook(machine, ledger=env.get("BCD_SIM_LEDGER"), faults=env.get("BCD_SIM_FAULTS"))
     state = BcdState(machine, args.state_dir)
     try:
         if args.command == "join":
-            code = _join(args, state)
-        elif args.command == "run":
+            return await _join(args, state, env)
+        if args.command == "run":
             if args.join and state.enrollment() is None:
                 # one process for both: a second Python start costs the ramdisk seconds
                 joining = argparse.Namespace(
                     control_plane=args.control_plane, token_file=None, node=None, site=None,
                     no_service=True, subject_root=args.subject_root, wait=JOIN_WAIT_S,
                 )  # fmt: skip
-                _join(joining, state)
-            asyncio.run(
-                serve(state, mode=detect_mode(machine, args.mode), control_plane=args.control_plane,
-                      subject_root=args.subject_root, simulate=args.simulate)
+                await _join(joining, state, env)
+            await serve(
+                state, mode=detect_mode(machine, args.mode), control_plane=args.control_plane,
+                subject_root=args.subject_root, simulate=args.simulate, stop=stop, signals=signals,
+                connected=connected,
             )  # fmt: skip
-            code = 0
-        elif args.command == "claims":
+            return 0
+        if args.command == "claims":
             print(json.dumps({k: v for k, v in _claims_doc(machine).items() if v}))
-            code = 0
-        else:
-            print(msgspec.json.format(msgspec.json.encode(inventory(machine))).decode())
-            code = 0
+            return 0
+        print(msgspec.json.format(msgspec.json.encode(inventory(machine))).decode())
+        return 0
     except BcError as err:
+        if raise_errors:
+            raise
         where = f" (at {err.path})" if err.path else ""
         extra = f" {json.dumps(err.details['claims'])}" if "claims" in err.details else ""
         print(f"bcd: error: {err.code.value}: {err.message}{where}{extra}", file=sys.stderr)
-        code = 1
-    except KeyboardInterrupt:
-        code = 130
-    raise SystemExit(code)
+        return 1
 
 
 def _claims_doc(machine: Machine) -> dict[str, object]:

@@ -138,8 +138,12 @@ async def serve(
     subject_root: str | None = None,
     stop: asyncio.Event | None = None,
     simulate: bool = False,
+    signals: bool = True,
+    connected: Callable[[Any], None] | None = None,
 ) -> None:
-    """Serve until ``stop`` is set (or SIGTERM/SIGINT); rides out control-plane outages."""
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT, unless ``signals`` is off: the simulator's
+    lean host serves many machines in one process); rides out control-plane outages.
+    ``connected`` is told of the NATS connection once it is made."""
     enrollment: Enrollment | None = state.enrollment()
     if enrollment is None:
         raise BcError(
@@ -152,12 +156,14 @@ async def serve(
     subjects = Subjects(root=subject_root or str(saved.get("subjectRoot") or "bc"))
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     nc = await connect_as_agent(url, lambda: agent_nats_options(state, enrollment), stop)
     if nc is None:
         return
+    if connected is not None:
+        connected(nc)
     try:
         await _serve_on(nc, state, enrollment, mode, subjects, stop, simulate=simulate)
     finally:
@@ -270,9 +276,11 @@ async def _serve_on(
     async with agent:
         runner = asyncio.create_task(agent.run(), name="bcd-agent")
         stopper = asyncio.create_task(stop.wait(), name="bcd-stop")
-        done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        agent.request_stop()
-        stopper.cancel()
+        try:
+            done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # cancelled too (the lean host's pulled plug): nothing left waiting
+            agent.request_stop()
+            stopper.cancel()
         if runner in done:
             runner.result()
         else:

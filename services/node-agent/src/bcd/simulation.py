@@ -81,47 +81,59 @@ def tagged(handlers: Mapping[str, CommandHandler]) -> dict[str, CommandHandler]:
     return {kind: wrap(handler) for kind, handler in handlers.items()}
 
 
+_DISKS: dict[str, tuple[str | None, str | None]] = {}
+"""Each simulated machine's disk folder (``<root>/dev/``) -> its ledger and faults file: the
+lean host (``bcd.lean``) serves many machines in one process, and an audit hook, once added,
+stays for the process's life, so there is one hook and it finds the machine by the path."""
+
+
 def install_disk_hook(machine: Machine, *, ledger: str | None, faults: str | None) -> None:
     """Count (and fail, when told) every open of one of the machine's disks for writing."""
-    dev = str(machine.path("/dev")) + os.sep
+    if not _DISKS:
+        sys.addaudithook(_disk_hook)
+    _DISKS[str(machine.path("/dev")) + os.sep] = (ledger, faults)
 
-    def fail_writes() -> set[str]:
-        if not faults:
-            return set()
-        try:
-            with open(faults, encoding="utf-8") as fh:
-                doc = json.load(fh)
-        except (OSError, ValueError):
-            return set()
-        names = doc.get("failWrites") if isinstance(doc, dict) else None
-        return {str(n) for n in names} if isinstance(names, list) else set()
 
-    def hook(event: str, args: tuple[Any, ...]) -> None:
-        if event != "open" or not isinstance(args[0], str) or not args[0].startswith(dev):
-            return
-        mode, flags = args[1], args[2]
-        writes = (flags & _WRITE_FLAGS) if isinstance(flags, int) else 0
-        if isinstance(mode, str):
-            writes = writes or any(c in mode for c in "wa+x")
-        if not writes:
-            return
-        disk = args[0][len(dev) :]
-        running = _RUNNING.get()
-        failed = disk in fail_writes()
-        if ledger:
-            append_line(
-                ledger,
-                {
-                    "t": time.time(),
-                    "event": "disk.write",
-                    "disk": disk,
-                    "kind": running[0] if running else None,
-                    "commandId": running[1] if running else None,
-                    "failed": failed,
-                    "pid": os.getpid(),
-                },
-            )
-        if failed:
-            raise OSError(errno.EIO, f"Input/output error (simulated failing disk {disk})", args[0])
+def _fail_writes(faults: str | None) -> set[str]:
+    if not faults:
+        return set()
+    try:
+        with open(faults, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return set()
+    names = doc.get("failWrites") if isinstance(doc, dict) else None
+    return {str(n) for n in names} if isinstance(names, list) else set()
 
-    sys.addaudithook(hook)
+
+def _disk_hook(event: str, args: tuple[Any, ...]) -> None:
+    if event != "open" or not isinstance(args[0], str):
+        return
+    dev, _, disk = args[0].rpartition(os.sep)
+    found = _DISKS.get(dev + os.sep)
+    if found is None:
+        return
+    ledger, faults = found
+    mode, flags = args[1], args[2]
+    writes = (flags & _WRITE_FLAGS) if isinstance(flags, int) else 0
+    if isinstance(mode, str):
+        writes = writes or any(c in mode for c in "wa+x")
+    if not writes:
+        return
+    running = _RUNNING.get()
+    failed = disk in _fail_writes(faults)
+    if ledger:
+        append_line(
+            ledger,
+            {
+                "t": time.time(),
+                "event": "disk.write",
+                "disk": disk,
+                "kind": running[0] if running else None,
+                "commandId": running[1] if running else None,
+                "failed": failed,
+                "pid": os.getpid(),
+            },
+        )
+    if failed:
+        raise OSError(errno.EIO, f"Input/output error (simulated failing disk {disk})", args[0])

@@ -301,6 +301,8 @@ async def sim_up(args: argparse.Namespace, settings: Settings) -> int:
             "--machines", str(total), "--seed", str(args.seed), "--power-delay", f"{delay[0]},{delay[1]}",
             "--boot-url", boot_url, "--credentials-file", str(creds_file), "--vms", str(args.vms),
         ]  # fmt: skip
+        if args.lean:
+            argv.append("--lean")
         for index in range(args.machines, total):
             argv += ["--power-on", str(index)]
         # the fleet app's engine writes autoinstall ISOs there: the simulator serves them to its BMC
@@ -588,6 +590,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1, help="the same seed gives the same machines")
     p.add_argument("--power-delay", default="0.2,1.0", help="lo,hi seconds before a power change lands")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness")
+    p.add_argument(
+        "--lean", action="store_true", default=os.environ.get("BC_SIM_LEAN") == "1",
+        help="every bcd a task of one process, not a process each (for scale; BC_SIM_LEAN=1)",
+    )  # fmt: skip
     p.set_defaults(func=sim_up)
     p = sim.add_parser("down", parents=[common], help="stop the simulator(s) and their site agent")
     p.add_argument("--site", help="only this site")

@@ -41,6 +41,8 @@ class SiteAgentProcess:
     logs: list[Path] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     """More environment for the process (``BC_KILL_AT``…), from its next start."""
+    log_level: str = "debug"
+    """The tests read its debug lines; a benchmark runs it at a deployment's ``info``."""
 
     @property
     def state_dir(self) -> Path:
@@ -95,7 +97,7 @@ class SiteAgentProcess:
                     "--config",
                     str(self.config_file),
                     "--log-level",
-                    "debug",
+                    self.log_level,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -16,9 +16,13 @@ A ``pending`` certificate (a join with the ramdisk's held token, before the site
 the boot entry closed clean) does not count: whoever asked for the entry first may have made it.
 
 The step reads bc-pki each time it runs (``step_not_ready`` between looks), so it holds nothing
-in memory and a re-run on another engine decides the same. The engine runs it again as soon as
-the node joins (bc-pki's join event wakes the node's workflows); ``POLL_MS`` is the net under a
-lost event.
+in memory and a re-run on another engine decides the same. It is event-driven: the engine runs it
+again as soon as the node joins or its held join is confirmed (bc-pki's join events wake the
+node's workflows). Under a lost event (an engine away from NATS when it came) lie two nets: the
+engine's join watch (one look at bc-pki's new certificates every 10 s, in bulk, only while some
+step of it waits for a join: nothing per machine, and nothing at all at rest) and this step's own
+look every ``POLL_MS``. It was every 2 s: at a thousand machines waiting, 500 requests a second to
+bc-pki, each a step run of the engine, for joins the events had already announced.
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ from ..commands import MEDIA_EJECT, NETBOOT_CLEAR_ENTRY
 from ._relay import relay, workflow_node
 from .ramdisk import token_delivery
 
-__all__ = ["ACCEPTED_ROLES", "JOINED_SINCE", "wait_agent_joined"]
+__all__ = ["ACCEPTED_ROLES", "JOINED_SINCE", "POLL_MS", "STEP_ID", "wait_agent_joined"]
 
 STEP_ID: Final = "wait.agentJoined"
-POLL_MS: Final = 2_000
+POLL_MS: Final = 120_000
 ACCEPTED_ROLES: Final = {"node": ("node", "provisioned"), "provisioned": ("provisioned",)}
 # When the attempt of the step before this one started (or the workflow began, for the first
 # step): that step is what boots the machine (a power cycle, the ramdisk), and the machine may

@@ -41,7 +41,7 @@ from .emulator import FleetEmulator, notifier_server
 from .gate import TcpGate
 from .hardware import FaultFractions, Faults, SimMachine, identity
 from .nocloud import OS_MARK, apply_write_files, config_drive, has_os
-from .zygote import BcdZygote
+from .zygote import BcdZygote, LeanBcdHost
 
 __all__ = ["MetalSim"]
 
@@ -78,8 +78,12 @@ class MetalSim:
         boot_url: str | None = None,
         fork_server: bool = True,
         supervise_bcd: bool = False,
+        lean: bool | None = None,
     ) -> None:
         self.folder = folder
+        self.lean = os.environ.get("BC_SIM_LEAN") == "1" if lean is None else lean
+        """Every bcd an asyncio task of one host process (``bcd.lean``), not a process of its own:
+        the simulation for scale (``BC_SIM_LEAN=1`` by default). The chaos tests keep processes."""
         self.supervise_bcd = supervise_bcd
         """Start a machine's bcd again when it dies while the machine stays on (systemd's
         ``Restart=always`` in the ramdisk); the ledger says ``bcd.exited`` and ``bcd.restarted``."""
@@ -113,6 +117,8 @@ class MetalSim:
             m.fail_writes(*m.faults.fail_writes)
             self.machines.append(m)
         self._by_uuid = {m.uuid: m for m in self.machines}
+        if self.lean and any(m.faults.flaky_link for m in self.machines):
+            raise ValueError("flaky_link needs a bcd process per machine (its own NATS URL): not lean")
         self._server: http.server.ThreadingHTTPServer | None = None
         self.fork_server = fork_server
         self.zygote: BcdZygote | None = None
@@ -120,7 +126,10 @@ class MetalSim:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> MetalSim:
-        if self.fork_server:
+        if self.lean:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.zygote = LeanBcdHost(str(self.folder / "bcd-lean.log"))
+        elif self.fork_server:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.zygote = BcdZygote(str(self.folder / "bcd-fork-server.log"))
         self._server = notifier_server(self._on_state)

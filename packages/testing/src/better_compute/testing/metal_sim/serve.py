@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--power-on", type=int, action="append", default=[], help="machine index, repeatable")
     p.add_argument("--media-dir", type=Path, help="serve this folder (the fleet app's ISOs) at --media-url")
     p.add_argument("--media-url", help="http://127.0.0.1:PORT the engine was told (BC_SIM_MEDIA_URL)")
+    p.add_argument("--lean", action="store_true", default=None, help="every bcd a task of one process")
     args = p.parse_args(argv)
 
     creds = json.loads(Path(args.credentials_file).read_text())
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     sim = MetalSim(
         args.folder, settings=settings, machines=args.machines, site_id=args.site, seed=args.seed,
-        power_delay=(float(lo), float(hi or lo)), boot_url=args.boot_url,
+        power_delay=(float(lo), float(hi or lo)), boot_url=args.boot_url, lean=args.lean,
     )  # fmt: skip
     sim.emulator.username = str(creds["username"])
     sim.emulator.password = str(creds["password"])

@@ -230,6 +230,7 @@ async def fleet_stack(
     enroll_vms: bool = True,
     vm_disk_bytes: int = 2 << 30,
     quiet_seconds: float = 0.5,
+    lean: bool | None = None,
 ) -> AsyncIterator[FleetStack]:
     """Start the fleet and everything around it; stop all of it on the way out.
 
@@ -243,7 +244,8 @@ async def fleet_stack(
     behind ``vm_bmc`` BMCs, and are enrolled (``enroll_vms``) like them; the site agent then
     serves its scripts and cache at 10.0.2.2 (what the guests reach), so the engine's app
     (``app``) must boot a ramdisk they can run (``better_compute.testing.vmlab.app``).
-    ``quiet_seconds`` is the site agent's ``netboot.quiet_seconds``.
+    ``quiet_seconds`` is the site agent's ``netboot.quiet_seconds``. ``lean``: every bcd a task of
+    one process (``MetalSim(lean=)``; ``BC_SIM_LEAN=1`` by default).
     """
     logs = _folders(folder)
     settings = msgspec.structs.replace(settings, app=app)
@@ -261,7 +263,7 @@ async def fleet_stack(
     )
     sim = MetalSim(
         folder / "sim", settings=settings, machines=machines, site_id=site_id, seed=seed,
-        power_delay=power_delay, faults=faults,
+        power_delay=power_delay, faults=faults, lean=lean,
     )  # fmt: skip
     agent = SiteAgentProcess(
         folder=folder / "site-agent", nats_url=settings.nats_url or "", subject_root=settings.subject_root,

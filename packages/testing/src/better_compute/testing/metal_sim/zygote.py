@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-__all__ = ["BcdZygote", "ZygoteProc"]
+__all__ = ["BcdZygote", "LeanBcdHost", "ZygoteProc"]
 
 
 class ZygoteProc:
@@ -51,8 +51,7 @@ class ZygoteProc:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+            self.zygote.signal(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -61,10 +60,12 @@ class ZygoteProc:
 class BcdZygote:
     """The simulator's side: starts the server, forks bcds through it."""
 
+    COMMAND: tuple[str, ...] = ("-m", "bcd.forkserver")
+
     def __init__(self, log: str) -> None:
         self._log = open(log, "ab")  # noqa: SIM115 -- closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bcd.forkserver"],
+            [sys.executable, *self.COMMAND],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
         )  # fmt: skip
         self.cond = threading.Condition()
@@ -99,16 +100,23 @@ class BcdZygote:
                     p.returncode = -signal.SIGKILL
             self.cond.notify_all()
 
+    def _send(self, doc: dict[str, object]) -> None:
+        assert self.proc.stdin is not None
+        with self._write_lock:
+            self.proc.stdin.write((json.dumps(doc) + "\n").encode())
+            self.proc.stdin.flush()
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Send ``sig`` to a bcd this server started."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
     def spawn(self, argv: list[str], *, env: dict[str, str], log: str, timeout: float = 30.0) -> ZygoteProc:
         """Fork a bcd with ``argv`` (what follows ``python -m bcd``)."""
         with self._write_lock:
             self._n += 1
             n = self._n
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(
-                (json.dumps({"id": n, "argv": argv, "env": env, "log": log}) + "\n").encode()
-            )
-            self.proc.stdin.flush()
+        self._send({"id": n, "argv": argv, "env": env, "log": log})
         end = time.monotonic() + timeout
         with self.cond:
             while n not in self._pids:
@@ -143,3 +151,16 @@ class BcdZygote:
                 with contextlib.suppress(OSError):
                     pipe.close()
         self._log.close()
+
+
+class LeanBcdHost(BcdZygote):
+    """The lean simulation's host (``python -m bcd.lean``): every bcd it starts is an asyncio task
+    of that one process, not a process of its own (same protocol; its pids are the host's
+    numbers, and a signal goes through the host: SIGKILL cuts the machine's NATS connection with
+    no goodbye). ``MetalSim(lean=True)``; docs/metal-sim.md, "Lean"."""
+
+    COMMAND = ("-m", "bcd.lean")
+
+    def signal(self, pid: int, sig: int) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._send({"signal": pid, "sig": int(sig)})
