@@ -5,14 +5,19 @@ cannot drift from what bcx does (issue 26).
   A synopsis line (``bcx inspect|commission node_… [--profile P]``) is counted, not parsed.
 * Every example not marked ``<!-- doctest: skip (reason) -->`` on the line before its code block
   runs against one stack started for this module's one test (bc-pki, bc-command-queue with a
-  quorum, bc-engine as processes; no bc-secrets, as the examples that show it missing expect)
-  and the world the docs name (``_world``): nodes (three at eu1, ``lab1-m001``, one at lab2
+  quorum, bc-engine as processes; bc-secrets only once the rest ran, as the examples that show
+  it missing expect: a block handing it a credential, ``--bmc-credentials-file``, runs then)
+  and the world the docs name (``_world``): nodes (three at eu1, ``lab1-m001``, two at lab2
   whose power-on waits for an agent), an enrollment rule, an open batch, the image signer
-  ``acme-release`` and the files ``ubuntu.raw``, ``ed25519.pem``, ``ci.pub``. A placeholder the
-  docs write (``node_…``, ``rule_…``, ``batch_01J…``, and the author's ids of docs/engine.md's
-  ``bcx why``) is the id of that thing in the world, in the command and in the output shown;
-  ``~/`` is a home of the test's own. A code block's examples run in order, as a reader would
-  paste them, in a folder of the block's own holding the files; what one changes that the next
+  ``acme-release`` and the files ``ubuntu.raw``, ``ed25519.pem`` and ``release.pem`` (its key),
+  ``ci.pub``, ``idrac.json``, ``.state/ramdisk/{vmlinuz,initrd.img}``. A placeholder the docs
+  write (``node_…``, ``rule_…``, ``batch_01J…``, the author's ids of docs/engine.md's ``bcx
+  why`` and ``workflows abort``, ``$KEY``) is the id of that thing in the world, in the command
+  and in the output shown; ``~/`` is a home of the test's own, and so are the author's
+  ``/home/me`` (its ``.config/bcx/config.toml`` is docs/bcx.md's, which ``BCX_CONFIG`` names for
+  ``bcx context show``) and the site agent's ``/etc/bc-site-agent``. A code block's examples
+  run in order, as a reader would paste them, in a folder of the block's own holding the
+  files; what one changes that the next
   needs an operator would do by hand follows it (``World.after``: the key ``batches keygen``
   made becomes an approver's, in the approvers file the command queue reads again).
 * A ``$ bcx …`` line of a console block followed by output must print that output's first
@@ -21,11 +26,10 @@ cannot drift from what bcx does (issue 26).
 * Each run is its own process, forked from one that imported bcx once (``BcxForks``, two at a
   time), so a run costs its requests, not Python's start.
 
-The test prints how many examples ran, were parsed only and were skipped, with each reason: 41
-of 81 run, the rest need the simulated fleet, a plugin installed, bc-secrets or a real
-machine's paths, or are synopsis lines. It takes about 25 s on the loaded two-core machine (load
-19: the stack's start 4 s, the world 2 s, the 41 runs 18 s), as the ten subprocess runs took
-before.
+The test prints how many examples ran, were parsed only and were skipped, with each reason: 49
+of 88 run, the rest need the simulated fleet, a plugin installed, a feed followed until
+interrupted, or are synopsis lines. It takes about 27 s on the loaded two-core machine (24 s
+with 41 runs and no bc-secrets before: bc-secrets' start and the late block cost 2-3 s).
 """
 
 from __future__ import annotations
@@ -160,8 +164,11 @@ async def test_every_runnable_example_does_what_its_doc_shows(
     found = examples()
     runnable = [e for e in found if e.skip is None]
     blocks: dict[str, list[Example]] = {}
+    late: dict[str, list[Example]] = {}  # a block handing a credential to bc-secrets
     for e in runnable:
         blocks.setdefault(e.block, []).append(e)
+    for block in [b for b, todo in blocks.items() if any(_needs_secrets(e) for e in todo)]:
+        late[block] = blocks.pop(block)
     lanes = asyncio.Queue[BcxForks]()
     forks = [BcxForks(bc_settings, env={"HOME": str(world.home)}) for _ in range(2)]
     for fork in forks:
@@ -176,7 +183,7 @@ async def test_every_runnable_example_does_what_its_doc_shows(
         try:
             for e in todo:
                 argv = world.fill_argv(e.argv)
-                run = await fork.bcx(*argv, cwd=str(cwd), timeout=60)
+                run = await fork.bcx(*argv, cwd=str(cwd), env=world.env.get(e.argv[:2]), timeout=60)
                 shown = world.fill(e.shown) if e.shown is not None else None
                 failure = _differs(replace(e, shown=shown), run.returncode, run.stdout, run.stderr)
                 if failure is not None:
@@ -190,6 +197,10 @@ async def test_every_runnable_example_does_what_its_doc_shows(
 
     try:
         done = await asyncio.gather(*(run_block(b, todo) for b, todo in blocks.items()))
+        # bc-secrets only now: the examples that show it missing have run
+        bc_processes.start("bc-secrets")
+        await bc_processes.wait_ready()
+        done += await asyncio.gather(*(run_block(b, todo) for b, todo in late.items()))
     finally:
         for fork in forks:
             fork.close()
@@ -201,7 +212,12 @@ async def test_every_runnable_example_does_what_its_doc_shows(
     )
     for reason, n in reasons.most_common():
         print(f"  {n:3}  {reason}")
-    assert failures == []
+    assert failures == [], "\n".join(failures)
+
+
+def _needs_secrets(e: Example) -> bool:
+    """Whether ``e`` stores a credential through bc-secrets (the stack starts it last)."""
+    return "--bmc-credentials-file" in e.argv
 
 
 @dataclass
@@ -213,6 +229,7 @@ class World:
     files: Path
     ids: dict[str, str]
     after: dict[tuple[str, ...], Callable[[BcxRun], Awaitable[None]]] = field(default_factory=dict)
+    env: dict[tuple[str, ...], dict[str, str]] = field(default_factory=dict)  # a command's environment
 
     def fill(self, text: str) -> str:
         """``text`` with each placeholder (``node_…``) as the id it stands for."""
@@ -253,6 +270,11 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
         "engine", "metal.enroll", {"siteId": "lab2", "bmc": {"driver": "sim", "address": "bmc-lab2"}}
     )
     powering = await api.call("engine", "metal.power", {"nodeId": waiting["id"], "action": "on"})
+    # another, for docs/engine.md's `bcx workflows abort` (the why example's stays running)
+    stuck = await api.call(
+        "engine", "metal.enroll", {"siteId": "lab2", "bmc": {"driver": "sim", "address": "bmc-lab2-2"}}
+    )
+    aborting = await api.call("engine", "metal.power", {"nodeId": stuck["id"], "action": "on"})
     rule = await engine.create_enrollment_rule(
         name="docs", selector="inventory.cpu_cores>=512", site_id="lab1"
     )
@@ -274,6 +296,19 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
         ci.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     (files / "ubuntu.raw").write_bytes(b"\x00" * 4096 + b"ubuntu 24.04")
+    (files / "release.pem").write_bytes((files / "ed25519.pem").read_bytes())  # acme-release's too
+    ramdisk = files / ".state" / "ramdisk"  # what `bcx ramdisk build` writes, for the signing
+    ramdisk.mkdir(parents=True)
+    (ramdisk / "vmlinuz").write_bytes(b"MZ" + b"\x00" * 4094)
+    (ramdisk / "initrd.img").write_bytes(b"070701" + b"\x00" * 4090)
+    (files / "idrac.json").write_text('{"username": "root", "password": "calvin"}')
+    etc = tmp_path / "etc" / "bc-site-agent"  # the site agent's folder of docs/metal.md
+    etc.mkdir(parents=True)
+    # docs/bcx.md's context file, as it shows it, in the test's home (BCX_CONFIG names it)
+    contexts = home / ".config" / "bcx" / "config.toml"
+    contexts.parent.mkdir(parents=True)
+    toml = (ROOT / "docs" / "bcx.md").read_text().split("```toml\n", 1)[1].split("```", 1)[0]
+    contexts.write_text(toml.replace("/home/me", str(home)))
 
     async def approver_added(run: BcxRun) -> None:
         """After ``bcx batches keygen``: its key is alice's, in the approvers file (read again
@@ -296,8 +331,12 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
              "batch_01J…": batch.id,
              # the author's ids in docs/engine.md's `bcx why` (its output is the author's)
              "node_01M8RSW0Q1DY63NMWG4W8Z57YX": waiting["id"],
-             "wf_01M8RSW0T4G53QNA7BJ6ZAK3Z4": powering["workflowId"]},
+             "wf_01M8RSW0T4G53QNA7BJ6ZAK3Z4": powering["workflowId"],
+             "wf_01M950WK8GWNWJD5X0J54N7YRN": aborting["workflowId"],
+             # a machine's paths and the shell's variables, as the test's own
+             "/home/me": str(home), "/etc/bc-site-agent": str(etc), "$KEY": "5f3c0a9e1b7d4c2a"},
         after={("batches", "keygen"): approver_added},
+        env={("context", "show"): {"BCX_CONFIG": str(contexts)}},
     )  # fmt: skip
 
 
