@@ -3,29 +3,39 @@ cannot drift from what bcx does (issue 26).
 
 * Every example is parsed by bcx's own parser (``parse_line``, no services: milliseconds each).
   A synopsis line (``bcx inspect|commission node_… [--profile P]``) is counted, not parsed.
-* Every example not marked ``<!-- doctest: skip (reason) -->`` on the line before its code block
-  runs against one stack started for this module's one test (bc-pki, bc-command-queue with a
-  quorum, bc-engine as processes; no bc-secrets, as the examples that show it missing expect)
-  and the world the docs name (``_world``): nodes (three at eu1, ``lab1-m001``, one at lab2
-  whose power-on waits for an agent), an enrollment rule, an open batch, the image signer
-  ``acme-release`` and the files ``ubuntu.raw``, ``ed25519.pem``, ``ci.pub``. A placeholder the
-  docs write (``node_…``, ``rule_…``, ``batch_01J…``, and the author's ids of docs/engine.md's
-  ``bcx why``) is the id of that thing in the world, in the command and in the output shown;
-  ``~/`` is a home of the test's own. A code block's examples run in order, as a reader would
-  paste them, in a folder of the block's own holding the files; what one changes that the next
-  needs an operator would do by hand follows it (``World.after``: the key ``batches keygen``
-  made becomes an approver's, in the approvers file the command queue reads again).
+* Every example not marked ``<!-- doctest: skip (reason) -->`` or ``<!-- doctest: long (reason)
+  -->`` on the line before its code block runs against one stack started for this module's one test
+  (bc-pki, bc-command-queue with a quorum, bc-engine as processes; bc-secrets only once the rest
+  ran, as the examples that show it missing expect: a block handing it a credential,
+  ``--bmc-credentials-file``, runs then) and the world the docs name (``_world``): nodes (three at
+  eu1, ``lab1-m001``, two at lab2 whose power-on waits for an agent), an enrollment rule, an open
+  batch, the image signer ``acme-release`` and the files ``ubuntu.raw``, ``ed25519.pem`` and
+  ``release.pem`` (its key), ``ci.pub``, ``idrac.json``, ``.state/ramdisk/{vmlinuz,initrd.img}``. A
+  placeholder the docs write (``node_…``, ``rule_…``, ``batch_01J…``, the author's ids of
+  docs/engine.md's ``bcx why`` and ``workflows abort``, ``$KEY``) is the id of that thing in the
+  world, in the command and in the output shown; ``~/`` is a home of the test's own, and so are the
+  author's ``/home/me`` (its ``.config/bcx/config.toml`` is docs/bcx.md's, which ``BCX_CONFIG``
+  names for ``bcx context show``) and the site agent's ``/etc/bc-site-agent``. A code block's
+  examples run in order, as a reader would paste them, in a folder of the block's own holding the
+  files; what one changes that the next needs an operator would do by hand follows it
+  (``World.after``: the key ``batches keygen`` made becomes an approver's, in the approvers file the
+  command queue reads again).
 * A ``$ bcx …`` line of a console block followed by output must print that output's first
   line: an error's ``error: CODE: message`` (the hint, which names the reader's context, aside),
   a table's header, or the sentence shown; any other example must exit 0.
 * Each run is its own process, forked from one that imported bcx once (``BcxForks``, two at a
   time), so a run costs its requests, not Python's start.
+* A block marked ``long`` needs the simulated fleet or an installed plugin: the long test
+  (``make test-long``) runs those with the same machinery against the stack, fleet and plugin
+  its first block starts (docs/fleet-demo.md's ``bcx dev up``, ``bcx sim up --enroll``).
 
-The test prints how many examples ran, were parsed only and were skipped, with each reason: 41
-of 81 run, the rest need the simulated fleet, a plugin installed, bc-secrets or a real
-machine's paths, or are synopsis lines. It takes about 25 s on the loaded two-core machine (load
-19: the stack's start 4 s, the world 2 s, the 41 runs 18 s), as the ten subprocess runs took
-before.
+The tests print how many examples ran here, in the long test, and were parsed only, with each
+skip's reason: of 88, 49 run in ``make test``, 10 in ``make test-long``, 29 are parsed only:
+README's first machine (run line by line by test_quickstart, long), ``events tail`` (follows
+until interrupted), the whole fleet's deploy rollout (make demo), the acme profile on a node
+whose bcd answers (test_plugins), a confirmation-pending discovered node, and synopsis lines.
+The short test takes 18-27 s on the loaded two-core machine (about as before: bc-secrets' late
+start and the 8 added runs cost 2-3 s); the long one about 35 s with the ramdisk cached.
 """
 
 from __future__ import annotations
@@ -37,18 +47,22 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
+import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from better_compute.cli.main import parse_line
 from better_compute.clients import CommandQueueClient, EngineClient
 from better_compute.config import Settings
+from better_compute.runtime.ramdisk import default_cache_dir
 from better_compute.service import ApiClient
 from better_compute.testing import BcxForks, BcxRun, ServiceProcesses, until
 from better_compute.testing.approvers import approver_keys, write_approvers
@@ -56,7 +70,8 @@ from better_compute.testing.approvers import approver_keys, write_approvers
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^\s*```")
-SKIP = re.compile(r"^\s*<!--\s*doctest:\s*skip\s*\((?P<reason>.*)\)\s*-->\s*$")
+# a block's marker: `skip (why it runs nowhere)`, `long (what it needs)`: the simulated fleet's test
+SKIP = re.compile(r"^\s*<!--\s*doctest:\s*(?P<how>skip|long)\s*\((?P<reason>.*)\)\s*-->\s*$")
 # a bcx command line: `bcx …`, `$ bcx …`, after variables and `uv run [--frozen]`
 COMMAND = re.compile(r"^\s*(?:\$\s+)?(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:uv run (?:--frozen )?)?bcx(?:\s|$)")
 # a synopsis word: [optional], a[:part], one|other (a value in quotes or with = is taken as is)
@@ -70,6 +85,12 @@ class Example:
     shown: str | None  # the first line of output shown under it (console blocks), else None
     skip: str | None  # why it does not run here (the marker's reason)
     block: str = ""  # file:line of its code block (a block's examples run in order)
+    long: str | None = None  # what it needs of the simulated fleet (marker `long`): the long test
+
+    @property
+    def here(self) -> bool:
+        """Whether it runs in ``make test``'s test (no marker)."""
+        return self.skip is None and self.long is None
 
     @property
     def synopsis(self) -> bool:
@@ -85,7 +106,7 @@ def _argv(line: str) -> tuple[str, ...]:
     return tuple(words)
 
 
-def _block(lines: list[str], start: int, name: str, skip: str | None) -> list[Example]:
+def _block(lines: list[str], start: int, name: str, skip: str | None, long: str | None) -> list[Example]:
     """The examples of the code block whose first line (after the fence) is ``lines[start]``."""
     end = next(i for i in range(start, len(lines)) if FENCE.match(lines[i]))
     body = lines[start:end]
@@ -106,7 +127,7 @@ def _block(lines: list[str], start: int, name: str, skip: str | None) -> list[Ex
         shown = None
         if console and i < len(body) and not body[i].lstrip().startswith("$ "):
             shown = body[i].rstrip() or None
-        out.append(Example(where, _argv(line), shown, skip, block=f"{name}:{start}"))
+        out.append(Example(where, _argv(line), shown, skip, block=f"{name}:{start}", long=long))
     return out
 
 
@@ -120,7 +141,10 @@ def examples() -> list[Example]:
             if FENCE.match(lines[i]):
                 before = lines[i - 1] if i else ""
                 marker = SKIP.match(before)
-                found += _block(lines, i + 1, name, marker["reason"] if marker else None)
+                how, reason = (marker["how"], marker["reason"]) if marker else (None, None)
+                found += _block(
+                    lines, i + 1, name, reason if how == "skip" else None, reason if how == "long" else None
+                )
                 i = next(j for j in range(i + 1, len(lines)) if FENCE.match(lines[j])) + 1
             else:
                 i += 1
@@ -144,6 +168,7 @@ def test_the_docs_have_bcx_examples_and_every_skip_says_why() -> None:
     found = examples()
     assert len(found) > 50, "the extraction found too few examples: the pattern broke"
     assert all(e.skip.strip() for e in found if e.skip is not None)
+    assert all(e.long.strip() for e in found if e.long is not None)
 
 
 def test_every_example_is_a_command_line_bcx_takes() -> None:
@@ -158,25 +183,47 @@ async def test_every_runnable_example_does_what_its_doc_shows(
 ) -> None:
     world = await _world(bc_settings, bc_api, bc_processes, tmp_path)
     found = examples()
-    runnable = [e for e in found if e.skip is None]
     blocks: dict[str, list[Example]] = {}
-    for e in runnable:
-        blocks.setdefault(e.block, []).append(e)
-    lanes = asyncio.Queue[BcxForks]()
+    late: dict[str, list[Example]] = {}  # a block handing a credential to bc-secrets
+    for e in found:
+        if e.here:
+            blocks.setdefault(e.block, []).append(e)
+    for block in [b for b, todo in blocks.items() if any(_needs_secrets(e) for e in todo)]:
+        late[block] = blocks.pop(block)
     forks = [BcxForks(bc_settings, env={"HOME": str(world.home)}) for _ in range(2)]
+    try:
+        failures = await _run_blocks(world, blocks, forks, tmp_path / "blocks")
+        # bc-secrets only now: the examples that show it missing have run
+        bc_processes.start("bc-secrets")
+        await bc_processes.wait_ready()
+        failures += await _run_blocks(world, late, forks, tmp_path / "blocks")
+    finally:
+        for fork in forks:
+            fork.close()
+    _summary(found)
+    assert failures == [], "\n".join(failures)
+
+
+async def _run_blocks(
+    world: World, blocks: dict[str, list[Example]], forks: list[BcxForks], root: Path
+) -> list[str]:
+    """Each block's examples in order, in a folder of its own holding the files the docs name,
+    the blocks side by side, one a fork; how each run differs from its doc."""
+    lanes = asyncio.Queue[BcxForks]()
     for fork in forks:
         lanes.put_nowait(fork)
 
     async def run_block(block: str, todo: list[Example]) -> list[str]:
-        """A block's examples in order, in a folder of its own holding the files the docs name."""
-        cwd = tmp_path / "blocks" / re.sub(r"[^\w.-]", "_", block)
-        shutil.copytree(world.files, cwd)
+        cwd = root / re.sub(r"[^\w.-]", "_", block)
+        shutil.copytree(world.files, cwd, dirs_exist_ok=True)
         fork = await lanes.get()
         failures = []
         try:
             for e in todo:
                 argv = world.fill_argv(e.argv)
-                run = await fork.bcx(*argv, cwd=str(cwd), timeout=60)
+                run = await fork.bcx(
+                    *argv, cwd=str(cwd), env=world.env.get(e.argv[:2]), timeout=world.timeout
+                )
                 shown = world.fill(e.shown) if e.shown is not None else None
                 failure = _differs(replace(e, shown=shown), run.returncode, run.stdout, run.stderr)
                 if failure is not None:
@@ -188,20 +235,102 @@ async def test_every_runnable_example_does_what_its_doc_shows(
             lanes.put_nowait(fork)
         return failures
 
-    try:
-        done = await asyncio.gather(*(run_block(b, todo) for b, todo in blocks.items()))
-    finally:
-        for fork in forks:
-            fork.close()
-    failures = [f for block in done for f in block]
+    done = await asyncio.gather(*(run_block(b, todo) for b, todo in blocks.items()))
+    return [f for block in done for f in block]
+
+
+def _summary(found: list[Example]) -> None:
+    """How many examples run where, and why the rest do not."""
     reasons = Counter(e.skip for e in found if e.skip is not None)
     print(
-        f"\ndoc examples: {len(found)}; ran {len(runnable)}, parsed only {len(found) - len(runnable)}"
-        f" ({sum(e.synopsis for e in found)} synopsis lines not parsed); skipped by reason:"
+        f"\ndoc examples: {len(found)}; ran {sum(e.here for e in found)} in make test, "
+        f"{sum(e.long is not None for e in found)} in make test-long (the simulated fleet), "
+        f"parsed only {sum(e.skip is not None for e in found)} "
+        f"({sum(e.synopsis for e in found)} synopsis lines not parsed); skipped by reason:"
     )
     for reason, n in reasons.most_common():
         print(f"  {n:3}  {reason}")
-    assert failures == []
+
+
+ACME = ROOT / "examples" / "acme-plugin"
+TEARDOWN = {("sim", "down"), ("dev", "down")}  # run after every other block of the long test
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+async def test_the_fleet_examples_run_on_a_simulated_fleet(tmp_path: Path) -> None:
+    """The blocks marked ``long``, with the same machinery, against the stack and simulated fleet
+    their first block starts (docs/fleet-demo.md's ``bcx dev up`` and ``bcx sim up --enroll``, the
+    default app, examples/acme-plugin installed on the services' path, as an operator's ``uv pip
+    install`` would): that block first, then the others in order, then its ``sim
+    down`` and ``dev down``. ``node_…`` is lab1-m001's node, as ``sim up`` prints it."""
+    found = examples()
+    long = [e for e in found if e.long is not None]
+    assert any(e.argv[:2] == ("dev", "up") for e in long), "no long block starts the stack"
+    home, files, state = tmp_path / "home", tmp_path / "files", tmp_path / "state"
+    for folder in (home, files, state):
+        folder.mkdir(parents=True)
+    site = tmp_path / "site-packages"
+    _uv_install(ACME, site)
+    # the default app (it lends an installed plugin to provision), as README's first machine; the
+    # ramdisk built as `make ramdisk` would (from the user's build cache: seconds)
+    env = {"HOME": str(home), "BC_STATE_DIR": str(state), "PYTHONPATH": str(site),
+           "BC_RAMDISK_CACHE": str(default_cache_dir()), "BC_RAMDISK_DIR": str(state / "ramdisk"),
+           "BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SWEEP": "100ms",
+           "BC_CMDQ_REDELIVER_AFTER": "1s"}  # fmt: skip
+    world = World(home=home, files=files, ids={}, timeout=300)
+
+    async def machines(run: BcxRun) -> None:
+        """After ``sim up``: ``node_…`` is lab1-m001's node (the single-node verbs')."""
+        assert run.returncode == 0, run.stderr
+        rows = {line.split()[0]: line.split()[-1] for line in run.stdout.splitlines() if line.strip()}
+        world.ids["node_…"] = rows["lab1-m001"]
+
+    world.after[("sim", "up")] = machines
+    blocks: dict[str, list[Example]] = {}
+    for e in long:
+        if e.argv[:2] not in TEARDOWN:
+            blocks.setdefault(e.block, []).append(e)
+    first = next(b for b, todo in blocks.items() if any(e.argv[:2] == ("dev", "up") for e in todo))
+    fork = BcxForks(None, env=env)
+    # none of the suite's deployment: the fleet is found through BC_STATE_DIR alone
+    fork.env = {k: v for k, v in fork.env.items() if not k.startswith("BC_") or k in env}
+    root = tmp_path / "blocks"
+    failures: list[str] = []
+    try:
+        built = await fork.bcx(
+            "ramdisk", "build", "--out", env["BC_RAMDISK_DIR"], cwd=str(tmp_path), timeout=900
+        )
+        assert built.returncode == 0, built.stderr
+        failures += await _run_blocks(world, {first: blocks.pop(first)}, [fork], root)
+        if not failures:
+            for block, todo in blocks.items():
+                failures += await _run_blocks(world, {block: todo}, [fork], root)
+        teardown = [e for e in long if e.argv[:2] in TEARDOWN]
+        failures += await _run_blocks(world, {"teardown": teardown}, [fork], root)
+    finally:
+        fork.run("dev", "down", cwd=str(tmp_path), timeout=120)  # whatever failed, nothing is left running
+        fork.close()
+    _summary(found)
+    assert failures == [], "\n".join(failures)
+
+
+def _uv_install(package: Path, target: Path) -> None:
+    """``uv pip install --no-deps --target`` (better-compute is the services' own already), as
+    test_plugins installs it: the wheel and the dist-info with its entry point."""
+    uv = os.environ.get("UV") or shutil.which("uv")  # `uv run` sets UV
+    command = [uv] if uv else [sys.executable, "-m", "uv"]
+    done = subprocess.run(
+        [*command, "pip", "install", "--quiet", "--offline", "--no-deps", "--target", str(target),
+         str(package)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def _needs_secrets(e: Example) -> bool:
+    """Whether ``e`` stores a credential through bc-secrets (the stack starts it last)."""
+    return "--bmc-credentials-file" in e.argv
 
 
 @dataclass
@@ -213,6 +342,8 @@ class World:
     files: Path
     ids: dict[str, str]
     after: dict[tuple[str, ...], Callable[[BcxRun], Awaitable[None]]] = field(default_factory=dict)
+    env: dict[tuple[str, ...], dict[str, str]] = field(default_factory=dict)  # a command's environment
+    timeout: float = 60.0  # a run's, in seconds
 
     def fill(self, text: str) -> str:
         """``text`` with each placeholder (``node_…``) as the id it stands for."""
@@ -253,6 +384,11 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
         "engine", "metal.enroll", {"siteId": "lab2", "bmc": {"driver": "sim", "address": "bmc-lab2"}}
     )
     powering = await api.call("engine", "metal.power", {"nodeId": waiting["id"], "action": "on"})
+    # another, for docs/engine.md's `bcx workflows abort` (the why example's stays running)
+    stuck = await api.call(
+        "engine", "metal.enroll", {"siteId": "lab2", "bmc": {"driver": "sim", "address": "bmc-lab2-2"}}
+    )
+    aborting = await api.call("engine", "metal.power", {"nodeId": stuck["id"], "action": "on"})
     rule = await engine.create_enrollment_rule(
         name="docs", selector="inventory.cpu_cores>=512", site_id="lab1"
     )
@@ -274,6 +410,19 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
         ci.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     (files / "ubuntu.raw").write_bytes(b"\x00" * 4096 + b"ubuntu 24.04")
+    (files / "release.pem").write_bytes((files / "ed25519.pem").read_bytes())  # acme-release's too
+    ramdisk = files / ".state" / "ramdisk"  # what `bcx ramdisk build` writes, for the signing
+    ramdisk.mkdir(parents=True)
+    (ramdisk / "vmlinuz").write_bytes(b"MZ" + b"\x00" * 4094)
+    (ramdisk / "initrd.img").write_bytes(b"070701" + b"\x00" * 4090)
+    (files / "idrac.json").write_text('{"username": "root", "password": "calvin"}')
+    etc = tmp_path / "etc" / "bc-site-agent"  # the site agent's folder of docs/metal.md
+    etc.mkdir(parents=True)
+    # docs/bcx.md's context file, as it shows it, in the test's home (BCX_CONFIG names it)
+    contexts = home / ".config" / "bcx" / "config.toml"
+    contexts.parent.mkdir(parents=True)
+    toml = (ROOT / "docs" / "bcx.md").read_text().split("```toml\n", 1)[1].split("```", 1)[0]
+    contexts.write_text(toml.replace("/home/me", str(home)))
 
     async def approver_added(run: BcxRun) -> None:
         """After ``bcx batches keygen``: its key is alice's, in the approvers file (read again
@@ -296,8 +445,12 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
              "batch_01J…": batch.id,
              # the author's ids in docs/engine.md's `bcx why` (its output is the author's)
              "node_01M8RSW0Q1DY63NMWG4W8Z57YX": waiting["id"],
-             "wf_01M8RSW0T4G53QNA7BJ6ZAK3Z4": powering["workflowId"]},
+             "wf_01M8RSW0T4G53QNA7BJ6ZAK3Z4": powering["workflowId"],
+             "wf_01M950WK8GWNWJD5X0J54N7YRN": aborting["workflowId"],
+             # a machine's paths and the shell's variables, as the test's own
+             "/home/me": str(home), "/etc/bc-site-agent": str(etc), "$KEY": "5f3c0a9e1b7d4c2a"},
         after={("batches", "keygen"): approver_added},
+        env={("context", "show"): {"BCX_CONFIG": str(contexts)}},
     )  # fmt: skip
 
 
