@@ -187,6 +187,27 @@ def test_a_node_entry_is_served_again_to_its_address_and_closes_clean_after_its_
     assert not any(token in p.read_text() for p in (tmp_path / "netboot").iterdir() if p.is_file())
 
 
+def test_a_machine_this_agent_powers_on_after_its_entry_closed_clean_boots_local_and_burns_nothing(
+    tmp_path: Path,
+) -> None:
+    """A power cycle right after commission (its wiped disk falls to PXE) quarantined a healthy
+    node: the machine's ask counted as a second ask (found by the doc test's long run)."""
+    token = "bcjt_" + "r" * 43
+    mac, node = "52:54:00:aa:bb:07", "node_02"
+    entries = BootEntries(tmp_path / "netboot")
+    entries.set({"mac": mac, "kernel": "http://h/k"}, join_token=token, node_id=node)
+    assert entries.take(mac, source="10.0.0.8", now=1000.0).entry is not None
+    [hold] = entries.closed_clean(5.0, now=1006.0)
+    assert hold.state == "clean"
+    entries.powered(node, now=1100.0)  # bcx nodes power cycle, minutes later
+    booted = entries.take(mac, source="10.0.0.8", now=1130.0)
+    assert (booted.entry, booted.again, booted.local) == (None, None, True)
+    # the same power-on does not excuse an ask from another address: that is still a second ask
+    other = entries.take(mac, source="10.0.0.66", now=1131.0)
+    assert other.again is not None
+    assert not other.local
+
+
 def test_the_quiet_period_look_reads_no_hold_file_and_a_restart_reads_them_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -98,6 +98,9 @@ def make_app(
             log.warning("netboot_entry_asked_again", mac=mac, served_mac=served.again.get("servedMac"))
             served_again(served.again)
             return web.Response(text=ALREADY_SERVED_SCRIPT, content_type=_IPXE)
+        if served.local:
+            log.info("netboot_local_boot_served", mac=mac, reason="booted again after its entry closed clean")
+            return web.Response(text=LOCAL_BOOT_SCRIPT, content_type=_IPXE)
         if entry is not None and entry.one_time:
             cache.release(f"netboot:{mac}:", prefix=True)  # its kernel may go once it is served
         if entry is not None:

@@ -15,7 +15,9 @@ once the quiet period (``netboot.quiet_seconds``) has passed after the later of 
 and this agent's power-on of the node, with no ask from another address. An ask for a marked
 MAC from the address the entry went to is the machine booting again before its ramdisk ran
 (a NIC ROM that retried, a reset during POST): it gets the same entry again while the hold is
-open. Any other ask for a marked MAC gets nothing (``ALREADY_SERVED_SCRIPT``) and the agent
+open, and after the hold closed clean the local boot script when this agent has powered the
+node on since (the machine booting again, e.g. a power cycle after commission). Any other ask for
+a marked MAC gets nothing (``ALREADY_SERVED_SCRIPT``) and the agent
 reports the token to bc-pki (``tokens.burn``), which revokes it and what it issued, and the
 engine quarantines the node: a thief who asked first never holds a valid certificate, and one
 who asked second is a detected denial (issue 23, H1; docs/site-agent.md).
@@ -202,6 +204,9 @@ class Served:
 
     entry: BootEntry | None
     again: dict[str, Any] | None
+    local: bool = False
+    """The machine booting again after its entry closed clean, because this agent powered it on
+    since: it gets the local boot script, and nothing is burned."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +225,8 @@ class Hold:
     last_served_at: float
     powered_at: float = 0.0
     state: str = "open"
+    powered_after_close: float = 0.0
+    """When this agent powered the node on after the hold closed clean (0: it did not)."""
 
     def quiet_from(self) -> float:
         return max(self.last_served_at, self.powered_at)
@@ -303,6 +310,16 @@ class BootEntries:
                     # the machine again (its iPXE retried, or it was reset before its ramdisk ran)
                     self._put_hold(replace(hold, last_served_at=now))
                     return Served(entry=_entry(kept), again=None)
+                if (
+                    hold is not None and hold.state == "clean" and source == hold.served_from
+                    and hold.powered_after_close
+                ):  # fmt: skip
+                    # the machine booting again because this agent powered it on after its entry
+                    # closed clean (a power cycle after commission, its wiped disk falling to
+                    # PXE): not a second ask. Without that power-on, a late ask from its address
+                    # may be the machine whose POST outlasted the quiet period while a thief on
+                    # its address took the entry: that one still burns.
+                    return Served(entry=None, again=None, local=True)
                 if hold is not None and hold.state != "burned":
                     self._put_hold(replace(hold, state="burned"))
                     self._scrub(hold.token_sha256)
@@ -332,7 +349,9 @@ class BootEntries:
 
     def powered(self, node_id: str, *, now: float | None = None) -> None:
         """This agent powered ``node_id`` on (or cycled it): an open hold of its entry counts its
-        quiet period from now (the machine asks after its POST, not before)."""
+        quiet period from now (the machine asks after its POST, not before); a hold closed clean
+        remembers it, so that the machine's ask from its address after this power-on is the
+        machine booting again (``Served.local``), not a second ask."""
         if not node_id:
             return
         now = time.time() if now is None else now
@@ -340,6 +359,8 @@ class BootEntries:
             for hold in self._holds():
                 if hold.node_id == node_id and hold.state == "open":
                     self._put_hold(replace(hold, powered_at=max(hold.powered_at, now)))
+                elif hold.node_id == node_id and hold.state == "clean":
+                    self._put_hold(replace(hold, powered_after_close=now))
 
     def closed_clean(self, quiet_seconds: float, *, now: float | None = None) -> list[Hold]:
         """Open holds whose quiet period has passed: each is closed ``clean`` here (its token
