@@ -210,6 +210,10 @@ class SiteHandlers:
     # -- BMC operations ----------------------------------------------------------------
 
     async def _power(self, driver: Driver, payload: SetPower, cmd: Command) -> PowerResult:
+        if payload.action in _POWERS_ON:
+            # before too: a quick machine asks while the BMC's change is still converging (a
+            # power cycle after commission was asked for 0.16 s before the command finished)
+            self.entries.powered(cmd.node_id)
         result = await driver.set_power(payload, deadline=cmd.not_after)
         if payload.action in _POWERS_ON:
             # the machine asks for its boot entry after its POST, from now: a served entry's
