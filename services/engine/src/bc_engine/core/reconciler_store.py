@@ -104,20 +104,31 @@ class SettleBatcher:
     def __init__(self, db: Any) -> None:
         self.db = db
         self._waiting: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
-        self._flushers: set[asyncio.Task[None]] = set()
+        self._flushers: set[asyncio.Task[None]] = set()  # held, so no task is collected mid-flight
+        self._active = 0  # flushers that will still look at ``_waiting`` before they end
 
     async def settle(self, row: tuple[Any, ...]) -> Any:
         """``row``: one element of each of ``SETTLE_OK``'s arrays; returns its result row."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting.append((row, fut))
-        if len(self._flushers) < self.IN_FLIGHT:
+        if self._active < self.IN_FLIGHT:
+            # counted here and uncounted by the flusher in the same turn as its last look at
+            # ``_waiting``: a row is never left with no flusher to take it (a finished task stays
+            # in ``_flushers`` until its done-callback runs, a turn later)
+            self._active += 1
             task = asyncio.create_task(self._flush())
             self._flushers.add(task)
             task.add_done_callback(self._flushers.discard)
         return await fut
 
     async def _flush(self) -> None:
-        await asyncio.sleep(0)  # the other settles of this turn join
+        try:
+            await asyncio.sleep(0)  # the other settles of this turn join
+            await self._flush_waiting()
+        finally:
+            self._active -= 1
+
+    async def _flush_waiting(self) -> None:
         while self._waiting:
             batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
             later: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
