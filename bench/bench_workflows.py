@@ -297,8 +297,8 @@ async def main() -> None:
     ap.add_argument(
         "--statements",
         action="store_true",
-        help="after the rounds, one more engine round with PostgreSQL's statement log on: print"
-        " the statements per step, most frequent first",
+        help="after the rounds, one more engine round (no warm-up) with PostgreSQL's statement log"
+        " on: print the statements per step, most frequent first",
     )
     ap.add_argument(
         "--on-nodes",
@@ -370,14 +370,14 @@ async def main() -> None:
             try:
                 await bench_engine(
                     nats_url, db_url, args.workflows, args.steps, args.engines, args.rounds + 1,
-                    pg.running_pid(), nodes,
+                    pg.running_pid(), nodes, warmup=False,
                 )  # fmt: skip
             finally:
                 await set_log_statement(db_url, "none")
             with log.open("rb") as f:
                 f.seek(seen)
                 text = f.read().decode(errors="replace")
-            print("\nstatements per step (one engine round, log_statement = 'all'):")
+            print("\nstatements per step (one engine round, no warm-up, log_statement = 'all'):")
             for per, stmt in statements_per_step(text, args.workflows * args.steps):
                 print(f"{per:8.3f}  {stmt}")
     finally:
