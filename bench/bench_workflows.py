@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import sys
 import tempfile
 import time
@@ -34,17 +35,13 @@ from better_compute.wire import Subjects
 HERE = Path(__file__).parent
 
 
-async def pg_counters(db_url: str) -> tuple[int, int]:
+async def pg_counters(conn: Any) -> tuple[int, int]:
     """Transactions committed in the database and WAL bytes written so far."""
-    conn = await asyncpg.connect(db_url)
-    try:
-        row = await conn.fetchrow(
-            "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()) AS x,"
-            " pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS wal"
-        )
-        return int(row["x"]), int(row["wal"])
-    finally:
-        await conn.close()
+    row = await conn.fetchrow(
+        "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()) AS x,"
+        " pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS wal"
+    )
+    return int(row["x"]), int(row["wal"])
 
 
 class CpuMeter:
@@ -80,6 +77,30 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
+async def set_log_statement(db_url: str, value: str) -> None:
+    """Turn PostgreSQL's statement log on ('all') or off ('none') for the whole cluster."""
+    conn = await asyncpg.connect(db_url)
+    try:
+        await conn.execute(f"ALTER SYSTEM SET log_statement = '{value}'")
+        await conn.execute("SELECT pg_reload_conf()")
+    finally:
+        await conn.close()
+
+
+def statements_per_step(log_text: str, steps: int, top: int = 15) -> list[tuple[float, str]]:
+    """The statements PostgreSQL logged (``log_statement = 'all'``) per step, most frequent first:
+    each statement's text, whitespace folded and cut to 90 characters."""
+    counts: dict[str, int] = {}
+    logged = r"LOG:  (?:statement|execute [^:]*): (.*?)(?=\n\d{4}-\d\d-\d\d |\Z)"
+    for m in re.finditer(logged, log_text, re.S):
+        text = " ".join(m.group(1).split())
+        if "log_statement" in text or "pg_reload_conf" in text:
+            continue
+        counts[text[:90]] = counts.get(text[:90], 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return [(c / steps, t) for t, c in ranked[:top]] + [(sum(counts.values()) / steps, "(all statements)")]
+
+
 async def bench_engine(
     nats_url: str,
     db_url: str,
@@ -89,6 +110,7 @@ async def bench_engine(
     version: int,
     pg_pid: int | None,
     nodes: list[str] | None,
+    warmup: bool = True,
 ) -> dict[str, Any]:
     """``nodes``: run each workflow on its own node (created on first use, ``--on-nodes``)."""
     env = {
@@ -129,10 +151,6 @@ async def bench_engine(
             for _ in range(n):
                 node = await engine.create_node(site_id="bench-site")
                 nodes.append(node.id)
-        own, pg = CpuMeter(*(p.pid for p in procs)), CpuMeter(pg_pid)
-        own.start(), pg.start()
-        pg0 = await pg_counters(db_url)
-        t0 = time.perf_counter()
         sem = asyncio.Semaphore(64)
 
         async def start(i: int) -> str:
@@ -142,21 +160,33 @@ async def bench_engine(
                 )
                 return str(wf.id)
 
-        ids = await asyncio.gather(*(start(i) for i in range(n)))
-        t_started = time.perf_counter()
-        conn = await asyncpg.connect(db_url)
-        try:
+        async def all_done(conn: Any, ids: list[str]) -> None:
             while True:
                 left = await conn.fetchval(
                     "SELECT count(*) FROM engine.workflows WHERE state = 'running' AND id = ANY($1::text[])",
                     ids,
                 )
                 if left == 0:
-                    break
+                    return
                 await asyncio.sleep(0.05)
+
+        conn = await asyncpg.connect(db_url)
+        if warmup:
+            # the same batch once, unmeasured: the engine's pool opens its connections (each a new
+            # PostgreSQL backend that loads its catalogs, types and plans) as a long-running engine
+            # already has, as pgqueuer's one connection is open before its meter starts
+            await all_done(conn, list(await asyncio.gather(*(start(i) for i in range(n)))))
+        own, pg = CpuMeter(*(p.pid for p in procs)), CpuMeter(pg_pid)
+        own.start(), pg.start()
+        pg0 = await pg_counters(conn)
+        t0 = time.perf_counter()
+        ids = await asyncio.gather(*(start(i) for i in range(n)))
+        t_started = time.perf_counter()
+        try:
+            await all_done(conn, ids)
             elapsed = time.perf_counter() - t0
             own_cpu, pg_cpu = own.stop(), pg.stop()
-            pg1 = await pg_counters(db_url)
+            pg1 = await pg_counters(conn)
             failed = await conn.fetchval(
                 "SELECT count(*) FROM engine.workflows WHERE state <> 'succeeded' AND id = ANY($1::text[])",
                 ids,
@@ -227,13 +257,13 @@ async def bench_pgqueuer(db_url: str, n: int, s: int, pg_pid: int | None) -> dic
 
     own, pg = CpuMeter(os.getpid()), CpuMeter(pg_pid)
     own.start(), pg.start()
-    pg0 = await pg_counters(db_url)
+    pg0 = await pg_counters(conn)
     t0 = time.perf_counter()
     await qm.queries.enqueue(["step"] * n, [f"{w}:0".encode() for w in range(n)], [0] * n)
     await qm.run(batch_size=20, dequeue_timeout=timedelta(seconds=1), mode=QueueExecutionMode.continuous)
     elapsed = time.perf_counter() - t0
     own_cpu, pg_cpu = own.stop(), pg.stop()
-    pg1 = await pg_counters(db_url)
+    pg1 = await pg_counters(conn)
     await conn.close()
     return {
         "name": "pgqueuer",
@@ -259,6 +289,18 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternate engine and pgqueuer runs")
     ap.add_argument("--skip-pgqueuer", action="store_true")
     ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="measure each engine round from its first workflow (no unmeasured warm-up batch): the"
+        " pool's new connections, their type look-ups and first plans count in the figures",
+    )
+    ap.add_argument(
+        "--statements",
+        action="store_true",
+        help="after the rounds, one more engine round (no warm-up) with PostgreSQL's statement log"
+        " on: print the statements per step, most frequent first",
+    )
+    ap.add_argument(
         "--on-nodes",
         action="store_true",
         help="each workflow on a node of its own (the node is read per pass)",
@@ -280,7 +322,15 @@ async def main() -> None:
         for rnd in range(1, args.rounds + 1):
             runs = [
                 await bench_engine(
-                    nats_url, db_url, args.workflows, args.steps, args.engines, rnd, pg.running_pid(), nodes
+                    nats_url,
+                    db_url,
+                    args.workflows,
+                    args.steps,
+                    args.engines,
+                    rnd,
+                    pg.running_pid(),
+                    nodes,
+                    warmup=not args.cold,
                 )
             ]
             engine_runs.append(runs[0])
@@ -313,6 +363,23 @@ async def main() -> None:
             # CPU per step, each side's own process(es): what load on a shared machine moves least
             cpu_ratio = sorted(e["cpu"] / p["cpu"] for e, p in zip(engine_runs, pgq_runs, strict=True))
             print(f"engine / pgqueuer CPU per step: median of rounds {cpu_ratio[len(cpu_ratio) // 2]:.2f}x")
+        if args.statements:
+            log = pg.dir / "postgres.log"
+            seen = log.stat().st_size
+            await set_log_statement(db_url, "all")
+            try:
+                await bench_engine(
+                    nats_url, db_url, args.workflows, args.steps, args.engines, args.rounds + 1,
+                    pg.running_pid(), nodes, warmup=False,
+                )  # fmt: skip
+            finally:
+                await set_log_statement(db_url, "none")
+            with log.open("rb") as f:
+                f.seek(seen)
+                text = f.read().decode(errors="replace")
+            print("\nstatements per step (one engine round, no warm-up, log_statement = 'all'):")
+            for per, stmt in statements_per_step(text, args.workflows * args.steps):
+                print(f"{per:8.3f}  {stmt}")
     finally:
         pg.stop()
         nats.stop()

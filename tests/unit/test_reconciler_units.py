@@ -4,6 +4,7 @@ each a few passes with scripted step outcomes, no PostgreSQL and no processes.""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import time
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ import pytest
 
 from bc_engine.core.engine import Engine, FencedError
 from bc_engine.core.outcomes import Fail, Ok, Outcome, Wait
+from bc_engine.core.reconciler_store import SettleBatcher
 from bc_engine.store import StepRow, WorkflowRow
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import parse_retry
@@ -266,3 +268,51 @@ async def test_a_process_that_lost_the_shard_settles_nothing() -> None:
         await engine.reconcile("wf_1")
     assert store.step("wf_1", 0).state == "running"  # the new owner runs it again
     assert ("succeeded", 0) not in feed.seen
+
+
+class _SettleDb:
+    """A database whose settle statement answers every row as settled, after ``turns(n)`` turns
+    of the event loop for its n-th statement."""
+
+    def __init__(self, turns: Callable[[int], int]) -> None:
+        self.turns = turns
+        self.batches: list[int] = []
+
+    async def fetch(self, _sql: str, workflow_ids: list[str], *_columns: Any) -> list[dict[str, Any]]:
+        self.batches.append(len(workflow_ids))
+        for _ in range(self.turns(len(self.batches))):
+            await asyncio.sleep(0)
+        return [{"workflow_id": w, "settled": True, "finished": False, "next": None} for w in workflow_ids]
+
+
+@pytest.mark.parametrize(
+    ("db_turns", "pass_turns", "passes"),
+    [
+        (lambda n: 0, lambda n, i: 0, 2),
+        (lambda n: 0, lambda n, i: 0, 40),
+        (lambda n: 0, lambda n, i: (n * 7 + i) % 4, 5),
+        (lambda n: 1, lambda n, i: (n * 7 + i) % 4, 2),
+        (lambda n: n % 3, lambda n, i: (n * 7 + i) % 4, 2),
+        (lambda n: n % 3, lambda n, i: (n * 7 + i) % 4, 40),
+    ],
+)
+async def test_every_settle_is_answered_however_the_passes_interleave_with_the_batches(
+    db_turns: Callable[[int], int], pass_turns: Callable[[int, int], int], passes: int
+) -> None:
+    """Settles that arrive while the batches in flight end (their flushers done, not yet
+    forgotten) still go out: the workflow benchmark once hung with five workflows waiting on
+    settles no batch took."""
+    db = _SettleDb(db_turns)
+    batcher = SettleBatcher(db)
+
+    async def one_pass(n: int) -> int:
+        for i in range(30):
+            for _ in range(pass_turns(n, i)):
+                await asyncio.sleep(0)
+            row = await batcher.settle((f"wf{n}", i, 1, "{}", 0, "me", 1, None, None))
+            assert row["workflow_id"] == f"wf{n}"
+        return n
+
+    async with asyncio.timeout(10):
+        assert await asyncio.gather(*(one_pass(n) for n in range(passes))) == list(range(passes))
+    assert sum(db.batches) == passes * 30

@@ -152,43 +152,53 @@ WHERE workflow_id = $1 AND idx = $2 AND state = 'pending' AND attempt = $3
               AND expires_at > now())
 RETURNING *
 """
-# Settle a success, start the next step, or finish the workflow (and queue its owner): one
-# statement, so one round trip and one commit per step. $1 workflow, $2 idx, $3 attempt,
-# $4 result, $5-$7 fence, $8 owner's work-queue key (or NULL), $9 its shard.
+# Settle successes, start each one's next step, or finish its workflow (and queue its owner): one
+# statement for every step the process's passes settle at once (``SettleBatcher``), so one round
+# trip and one commit for all of them. Each row is settled, started or finished only on its own
+# terms (its attempt, its fence), as if alone. Arrays, one element per step: $1 workflow, $2 idx,
+# $3 attempt, $4 result (JSON text), $5-$7 fence, $8 owner's work-queue key (or NULL), $9 its shard.
 SETTLE_OK = """
-WITH settled AS (
-    UPDATE workflow_steps SET state = 'succeeded', result = $4, finished_at = clock_timestamp(),
-        waiting_for = NULL
-    WHERE workflow_id = $1 AND idx = $2 AND state = 'running' AND attempt = $3
-      AND EXISTS (SELECT 1 FROM shard_leases WHERE shard = $5 AND owner = $6 AND epoch = $7
-                  AND expires_at > now())
-    RETURNING idx
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::int[], $3::int[], $4::text[], $5::int[], $6::text[],
+                         $7::bigint[], $8::text[], $9::int[])
+        AS i(workflow_id, idx, attempt, result, shard, owner, epoch, owner_rkey, owner_shard)
+), settled AS (
+    UPDATE workflow_steps s SET state = 'succeeded', result = i.result::jsonb,
+        finished_at = clock_timestamp(), waiting_for = NULL
+    FROM input i
+    WHERE s.workflow_id = i.workflow_id AND s.idx = i.idx AND s.state = 'running' AND s.attempt = i.attempt
+      AND EXISTS (SELECT 1 FROM shard_leases l WHERE l.shard = i.shard AND l.owner = i.owner
+                  AND l.epoch = i.epoch AND l.expires_at > now())
+    RETURNING s.workflow_id, s.idx
 ), following AS (
-    SELECT min(idx) AS idx FROM workflow_steps WHERE workflow_id = $1 AND idx > $2 AND state <> 'succeeded'
+    SELECT d.workflow_id, (SELECT min(f.idx) FROM workflow_steps f WHERE f.workflow_id = d.workflow_id
+                           AND f.idx > d.idx AND f.state <> 'succeeded') AS idx
+    FROM settled d
 ), started AS (
-    UPDATE workflow_steps SET state = 'running', attempt = attempt + 1, started_at = clock_timestamp(),
-        deadline = clock_timestamp() + make_interval(secs => timeout_ms / 1000.0), finished_at = NULL,
+    UPDATE workflow_steps s SET state = 'running', attempt = s.attempt + 1, started_at = clock_timestamp(),
+        deadline = clock_timestamp() + make_interval(secs => s.timeout_ms / 1000.0), finished_at = NULL,
         sent_commands = false, minted = ARRAY[]::text[], waiting_for = NULL, result = NULL,
         error = NULL, command_id = NULL
-    WHERE workflow_id = $1 AND state = 'pending'
-      AND (attempt = 0 OR NOT (sent_commands OR cardinality(minted) > 0))
-      AND idx = (SELECT idx FROM following) AND EXISTS (SELECT 1 FROM settled)
-    RETURNING *
+    FROM following f
+    WHERE s.workflow_id = f.workflow_id AND s.idx = f.idx AND s.state = 'pending'
+      AND (s.attempt = 0 OR NOT (s.sent_commands OR cardinality(s.minted) > 0))
+    RETURNING s.*
 ), finished AS (
-    UPDATE workflows SET state = 'succeeded', finished_at = now(), updated_at = now()
-    WHERE id = $1 AND state = 'running' AND EXISTS (SELECT 1 FROM settled)
-      AND (SELECT idx FROM following) IS NULL
-    RETURNING owner
+    UPDATE workflows w SET state = 'succeeded', finished_at = now(), updated_at = now()
+    FROM following f
+    WHERE w.id = f.workflow_id AND f.idx IS NULL AND w.state = 'running'
+    RETURNING w.id
 ), owner_queued AS (
     INSERT INTO work_queue (rkey, shard, not_before)
-    SELECT $8, $9, now() FROM finished WHERE $8::text IS NOT NULL
+    SELECT i.owner_rkey, i.owner_shard, now() FROM finished f JOIN input i ON i.workflow_id = f.id
+    WHERE i.owner_rkey IS NOT NULL
     ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')
-    RETURNING 1
 )
-SELECT EXISTS (SELECT 1 FROM settled) AS settled,
-       EXISTS (SELECT 1 FROM finished) AS finished,
-       (SELECT row_to_json(started) FROM started) AS next,
-       (SELECT count(*) FROM owner_queued) AS owner_queued
+SELECT i.workflow_id,
+       EXISTS (SELECT 1 FROM settled d WHERE d.workflow_id = i.workflow_id) AS settled,
+       EXISTS (SELECT 1 FROM finished f WHERE f.id = i.workflow_id) AS finished,
+       (SELECT row_to_json(st) FROM started st WHERE st.workflow_id = i.workflow_id) AS next
+FROM input i
 """
 # $1 workflow, $2 idx, $3 attempt, $4 error, $5-$7 the fence. The failed attempt joins the step's
 # attempts (its error and times), so an operator's retry still shows it.
