@@ -60,6 +60,20 @@ async def test_a_command_for_a_nodes_own_agent_names_that_agent_missing_or_there
     assert (part.kind, part.text.endswith("own agent (connected)")) == ("command", True)
 
 
+async def test_a_command_a_node_agent_took_and_left_with_says_the_agent_is_gone() -> None:
+    """acme-memory-check right after an inspect (the machine off): 'dispatched on agent node_1'
+    read as if the node's bcd were on it, for the 10 minutes of the step's deadline."""
+    took = _cmd(kind="node.inventory", state="dispatched", agent_id="node_1")
+    gone = WhyApi(db=None, cmdq=FakeQueue([_agent("node_1", connected=False)]))  # type: ignore[arg-type]
+    part = await gone._command(took)
+    assert part.kind == "agent-away"
+    assert "that agent is not connected (last seen 2025-12-01T06:20:00Z)" in part.text
+    here = WhyApi(db=None, cmdq=FakeQueue([_agent("node_1", connected=True)]))  # type: ignore[arg-type]
+    part = await here._command(took)
+    assert part.kind == "command"
+    assert part.text.endswith("on agent node_1")
+
+
 async def test_a_site_command_names_the_connected_agents_or_the_last_one_seen() -> None:
     cmd = _cmd(kind="power.setPower", target="site")
     gone = [_agent("agent_a", connected=False, role="site", last_seen=1_764_570_000.0),

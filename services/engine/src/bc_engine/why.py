@@ -286,6 +286,14 @@ class WhyApi:
             text = f"command {cmd.kind} {cmd.id} {cmd.state} since {since} on agent {cmd.agent_id or '-'}"
             if cmd.progress:
                 text += f" ({cmd.progress})"
+            away = await self._node_agent_away(cmd)
+            if away is not None:
+                # a bcd that took the command and went (its machine powered off or rebooting):
+                # "dispatched on agent X" alone read as if X were working on it
+                text += f"; that agent is not connected (last seen {_at(away.last_seen)}): its"
+                text += " machine may be off or booting; the command waits for it until its deadline"
+                seen = _at(away.last_seen)
+                return _reason("agent-away", text, agentId=cmd.agent_id, since=since, lastSeen=seen, **facts)
             return _reason("command", text, agentId=cmd.agent_id, since=since, **facts)
         if cmd.batch_id is not None:
             batch = await self._batch(cmd.batch_id)
@@ -337,6 +345,18 @@ class WhyApi:
             " own agent (connected)",
             since=_at(cmd.created_at), **facts,
         )  # fmt: skip
+
+    async def _node_agent_away(self, cmd: CommandView) -> Any:
+        """The node's own agent a dispatched command waits on, when it is not connected."""
+        if cmd.target == "site" or cmd.agent_id is None:
+            return None
+        if cmd.state not in ("dispatched", "acked", "running"):
+            return None
+        try:
+            listed = await self.cmdq.agents(site_id=cmd.site_id, limit=1000)
+        except BcError:
+            return None
+        return next((a for a in listed if a.id == cmd.agent_id and not a.connected), None)
 
     async def _batch(self, batch_id: str) -> m.WhyReason | None:
         try:

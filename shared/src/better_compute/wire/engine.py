@@ -570,7 +570,8 @@ class WhyReason(_Reply, frozen=True, kw_only=True):
     """One thing the step waits for, read from the stores.
 
     ``kind``: ``no-agent`` (no connected agent at the command's site), ``command`` (a command
-    pending, dispatched or running), ``batch-approval``, ``step-not-ready`` (the step's own
+    pending, dispatched or running), ``agent-away`` (a command a node's own agent took, that
+    agent no longer connected), ``batch-approval``, ``step-not-ready`` (the step's own
     reason), ``service-unavailable``, ``previous-attempt-running``, ``retry-backoff``,
     ``running`` (a control-plane step running in the engine), ``deadline``, ``bmc-error`` (the
     node's last failed command, as its agent reported it), ``finished``, ``left`` (what a failed or
