@@ -19,7 +19,8 @@ from typing import Any, Final
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.manifest import manifest
 from better_compute.provision.steps import define_step
-from better_compute.wire.metal import normal_mac
+from better_compute.wire.commands import BmcInventoryResult, decode_result
+from better_compute.wire.metal import MAC_PATTERN, normal_mac
 
 from ..commands import BMC, MANAGEMENT_INVENTORY, MANAGEMENT_VALIDATE
 from ._relay import relay, workflow_node
@@ -41,7 +42,7 @@ RETURNING macs
 """
 
 
-_MAC: Final = re.compile(r"[0-9A-Fa-f]{2}([:-][0-9A-Fa-f]{2}){5}")
+_MAC: Final = re.compile(MAC_PATTERN)
 
 
 def _given_bmc(step_input: dict[str, Any]) -> dict[str, Any]:
@@ -91,9 +92,9 @@ async def _read(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 def _nic_macs(inventory: dict[str, Any]) -> list[str]:
     """The NICs' MACs the BMC reports (``aa:bb:…``), each once, in its order."""
-    nics = inventory.get("nics")
-    found = [n.get("mac") for n in nics if isinstance(n, dict)] if isinstance(nics, list) else []
-    return list(dict.fromkeys(normal_mac(m) for m in found if isinstance(m, str) and _MAC.fullmatch(m)))
+    read = decode_result(MANAGEMENT_INVENTORY.name, inventory)
+    nics = read.nics if isinstance(read, BmcInventoryResult) else []
+    return list(dict.fromkeys(normal_mac(n.mac) for n in nics if n.mac and _MAC.match(n.mac)))
 
 
 enroll_validate_bmc = define_step(
