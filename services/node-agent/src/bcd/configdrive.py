@@ -29,6 +29,7 @@ import msgspec
 import pycdlib
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.runtime import iso as runtime_iso
 from better_compute.wire.commands import ConfigDrivePlaced
 
 __all__ = [
@@ -75,20 +76,13 @@ def meta_data(node_id: str) -> bytes:
 
 def iso_image(drive: ConfigDrive) -> bytes:
     """The ISO9660 filesystem (Rock Ridge and Joliet names, so ``user-data`` reads as such)."""
-    iso = pycdlib.PyCdlib()
-    iso.new(interchange_level=3, joliet=3, rock_ridge="1.09", vol_ident=LABEL)
     files = [
         ("/USERDATA.;1", "user-data", drive.user_data),
         ("/METADATA.;1", "meta-data", meta_data(drive.node_id)),
     ]
     if drive.bus is not None:
         files.append(("/BCDBUS.JSN;1", BUS_FILE, drive.bus))
-    for short, name, body in files:
-        iso.add_fp(io.BytesIO(body), len(body), short, rr_name=name, joliet_path=f"/{name}")
-    out = io.BytesIO()
-    iso.write_fp(out)
-    iso.close()
-    return out.getvalue()
+    return runtime_iso.iso_image(LABEL, files)
 
 
 def _refuse(message: str, reason: str) -> BcError:

@@ -19,7 +19,6 @@ revokes it and what it issued; the engine quarantines the node.
 from __future__ import annotations
 
 import hashlib
-import io
 import secrets
 import socket
 import threading
@@ -29,9 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-import pycdlib
-
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.runtime.iso import iso_image
 
 __all__ = ["LABEL", "REMEMBER_S", "MediaImages", "Taken", "bmc_addresses", "token_image"]
 
@@ -43,17 +41,10 @@ REMEMBER_S: Final = 3600.0
 def token_image(token: str, *, bus_ca: bytes | None = None) -> bytes:
     """The ISO 9660 image (Rock Ridge and Joliet names) labelled ``BCBOOT``: ``token`` and,
     when given, ``bus-ca.pem``. Built in memory; nothing is written to disk."""
-    iso = pycdlib.PyCdlib()
-    iso.new(interchange_level=3, joliet=3, rock_ridge="1.09", vol_ident=LABEL)
     files = [("/TOKEN.;1", "token", token.encode() + b"\n")]
     if bus_ca:
         files.append(("/BUSCA.PEM;1", "bus-ca.pem", bus_ca))
-    for short, name, body in files:
-        iso.add_fp(io.BytesIO(body), len(body), short, rr_name=name, joliet_path=f"/{name}")
-    out = io.BytesIO()
-    iso.write_fp(out)
-    iso.close()
-    return out.getvalue()
+    return iso_image(LABEL, files)
 
 
 def bmc_addresses(address: str) -> frozenset[str]:
