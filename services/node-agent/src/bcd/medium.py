@@ -20,12 +20,13 @@ from typing import Final
 import pycdlib
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.wire.metal import BOOT_MEDIUM_LABEL
 
 from .system import Machine
 
 __all__ = ["LABEL", "BootMedium", "check_bus_ca", "read_boot_medium"]
 
-LABEL: Final = "BCBOOT"
+LABEL: Final = BOOT_MEDIUM_LABEL
 _PVD: Final = 16 * 2048
 _MAX: Final = 4 << 20  # the token image is a few dozen KiB
 _DEVICES: Final = ("/dev/disk/by-label/BCBOOT", *(f"/dev/sr{i}" for i in range(8)))

@@ -30,10 +30,11 @@ from urllib.parse import urlsplit
 
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.runtime.iso import iso_image
+from better_compute.wire.metal import BOOT_MEDIUM_LABEL
 
 __all__ = ["LABEL", "REMEMBER_S", "MediaImages", "Taken", "bmc_addresses", "token_image"]
 
-LABEL: Final = "BCBOOT"
+LABEL: Final = BOOT_MEDIUM_LABEL
 REMEMBER_S: Final = 3600.0
 """How long a capability is remembered after its image went: an ask for it then is a burn."""
 

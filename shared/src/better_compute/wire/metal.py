@@ -19,6 +19,7 @@ from better_compute.core.manifest import SECRET_REF_PATTERN
 from better_compute.core.names import Name, NodeName
 
 __all__ = [
+    "BOOT_MEDIUM_LABEL",
     "MAC_PATTERN",
     "MAX_MACS",
     "MAX_NODES_PER_BULK",
@@ -61,6 +62,8 @@ __all__ = [
 ]
 
 MAC_PATTERN: Final = r"^[0-9a-fA-F]{2}([:-][0-9a-fA-F]{2}){5}$"
+BOOT_MEDIUM_LABEL: Final = "BCBOOT"
+"""The volume label of the boot medium the site agent builds and bcd reads (``bcd.token_from=media``)."""
 MAX_MACS: Final = 16
 MAX_NODES_PER_BULK: Final = 10_000
 """A batch covers at most this many nodes (the command queue's bound)."""
