@@ -47,8 +47,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -66,6 +64,7 @@ from better_compute.runtime.ramdisk import default_cache_dir
 from better_compute.service import ApiClient
 from better_compute.testing import BcxForks, BcxRun, ServiceProcesses, until
 from better_compute.testing.approvers import approver_keys, write_approvers
+from plugin_install import uv_install
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -271,7 +270,7 @@ async def test_the_fleet_examples_run_on_a_simulated_fleet(tmp_path: Path) -> No
     for folder in (home, files, state):
         folder.mkdir(parents=True)
     site = tmp_path / "site-packages"
-    _uv_install(ACME, site)
+    uv_install(ACME, site)
     # the default app (it lends an installed plugin to provision), as README's first machine; the
     # ramdisk built as `make ramdisk` would (from the user's build cache: seconds)
     env = {"HOME": str(home), "BC_STATE_DIR": str(state), "PYTHONPATH": str(site),
@@ -319,19 +318,6 @@ async def test_the_fleet_examples_run_on_a_simulated_fleet(tmp_path: Path) -> No
         fork.close()
     _summary(found)
     assert failures == [], "\n".join(failures)
-
-
-def _uv_install(package: Path, target: Path) -> None:
-    """``uv pip install --no-deps --target`` (better-compute is the services' own already), as
-    test_plugins installs it: the wheel and the dist-info with its entry point."""
-    uv = os.environ.get("UV") or shutil.which("uv")  # `uv run` sets UV
-    command = [uv] if uv else [sys.executable, "-m", "uv"]
-    done = subprocess.run(
-        [*command, "pip", "install", "--quiet", "--offline", "--no-deps", "--target", str(target),
-         str(package)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
 
 
 def _needs_secrets(e: Example) -> bool:

@@ -17,10 +17,6 @@ read from the node's inventory; a broken plugin package stops the engine with IN
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +30,7 @@ from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import wait_workflow
+from plugin_install import uv_install
 
 pytestmark = pytest.mark.e2e
 
@@ -41,30 +38,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "acme-plugin"
 FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 GIB = 1 << 30
 INVENTORY = {"cpus": {"model": "Sim Xeon", "cores": 8}, "memory": {"totalBytes": 64 * GIB}}
-
-
-def uv_install(package: Path, target: Path) -> None:
-    """``uv pip install --no-deps --target`` (better-compute is the services' own already). The build
-    backend, uv_build, is in uv's cache from the workspace's own sync, so this takes a second."""
-    uv = os.environ.get("UV") or shutil.which("uv")  # `uv run` sets UV
-    command = [uv] if uv else [sys.executable, "-m", "uv"]
-    done = subprocess.run(
-        [
-            *command,
-            "pip",
-            "install",
-            "--quiet",
-            "--offline",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(package),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
 
 
 @pytest_asyncio.fixture(loop_scope="session")
