@@ -323,9 +323,12 @@ async def test_the_ramdisk_inventories_wipes_and_writes_with_node_signed_results
     assert (write.state, write.attested) == ("succeeded", True), write.reason
     assert (root / "dev/vdc").read_bytes()[: len(raw)] == raw
 
-    (folder / "bad.raw").write_bytes(raw[:-1] + b"\x00")
+    # the last byte flipped (it was set to 0, which random data already is once in 256 runs: then
+    # the "bad" image was the good one, and its write succeeded in a fresh-clone CI run)
+    bad_raw = raw[:-1] + bytes([raw[-1] ^ 0xFF])
+    (folder / "bad.raw").write_bytes(bad_raw)
     expected = hashlib.sha256(raw).hexdigest()
-    actual = hashlib.sha256(raw[:-1] + b"\x00").hexdigest()
+    actual = hashlib.sha256(bad_raw).hexdigest()
     bad = await cq.wait(
         id=(await cq.enqueue(command(node, "node.imageWrite", {"url": f"{base}/bad.raw", "sha256": expected,
                                                             "disk": "/dev/vdc"}, "w2"))).id,
