@@ -127,6 +127,17 @@ class MetalPlugin:
         plugins' signers)."""
         await write_image_signers(self.host.db, allowlist(self.host.app, image_signers(self.images)))
 
+    async def use_images(self, images: ImagesSettings) -> None:
+        """A new ``[images]`` (the config file changed): its signers checked, then written as the
+        catalog's allowlist.
+
+        Raises:
+            BcError: ``INVALID_CONFIG`` at ``images.signers[i]…``: the allowlist stays as it was.
+        """
+        signers = allowlist(self.host.app, image_signers(images))
+        await write_image_signers(self.host.db, signers)
+        self.images = images
+
     async def reopen(self, conn: Any, wf: Any) -> None:
         """A retried or resumed metal workflow: its node back from ``failed`` to the verb's
         ``…ing`` state, and its batch, closed by its failure or abort (``lifecycle.close_batch``),
