@@ -240,6 +240,37 @@ async def test_bcx_nodes_validate_says_credentials_refused_and_enroll_runs_it(
     assert "credentials" not in out
     print(f"enroll with validation took {enrolled_in:.1f}s")
 
+    # a BMC that answered at enrolment dies before the next verb: `bcx why` names it while the
+    # step runs, from the site agent's failing tries, not at the step's deadline (issue 26; the
+    # long test above also sees it clear when the BMC comes back)
+    proxy = FaultyProxy(tmp_path / "proxy", lab.emulator.url).start()
+    try:
+        via = f"redfish+http://127.0.0.1:{proxy.port}/redfish/v1/Systems/{SYSTEM_UUID}"
+        code, out, err = await bcx(
+            bc_settings, "nodes", "enroll", "--site", SITE, "--bmc", via, "--bmc-credentials-file", str(good),
+            "--json",
+        )  # fmt: skip
+        assert code == 0, out + err
+        alive = json.loads(out)
+        assert alive["validation"]["ok"] is True, alive["validation"]
+    finally:
+        proxy.close()  # the BMC is killed
+    code, out, err = await bcx(bc_settings, "nodes", "power", "on", alive["id"])
+    assert code == 0, out + err
+    killed = time.monotonic()
+
+    async def why() -> str:
+        code, out, err = await bcx(bc_settings, "why", alive["id"])
+        assert code == 0, err
+        return out
+
+    answer = await until(
+        lambda: _having(why, f"BMC unreachable at 127.0.0.1:{proxy.port}: connection refused"),
+        timeout=60, interval=0.3,
+    )  # fmt: skip
+    assert " tries since " in answer, answer
+    print(f"bcx why named the killed BMC {time.monotonic() - killed:.1f}s after the verb")
+
 
 async def _having(read: object, text: str) -> str | None:
     out = await read()  # type: ignore[operator]
