@@ -39,12 +39,15 @@ rule enrolment by test_metal_enrollment_rules (a discovery boot), docs/plugins.m
 by test_plugins (a simulated bcd). ``bcx events tail``, which follows the feed, gets the
 reader's Ctrl-C once it printed (or after 3 s) and must end with 130 and no traceback.
 
-The tests print how many examples ran where: of 99, 59 run in ``make test``, 14 in ``make
+A ``yaml`` block whose first line is ``# name.yaml: …`` is a file the reader saves: both tests
+write it into the examples' folder (docs/plugins.md's ``memory-now.yaml``).
+
+The tests print how many examples ran where: of 101, 59 run in ``make test``, 16 in ``make
 test-long``, 10 by their own tests, 14 are synopsis lines; 2 are parsed only, the whole fleet's
 deploy rollout (minutes: make demo runs it; test_rollout_watch runs ``bulk … --watch`` and
-``nodes watch`` on test profiles). The short test took 37 s at a load of 15 on the two cores
-(18-27 s before at lower load; the events examples wait for their first line, at most 3 s); the
-long one 248 s at a load of 20, the ramdisk cached.
+``nodes watch`` on test profiles). The short test took 32-37 s at a load of 15-20 on the two
+cores (18-27 s before at lower load; the events examples wait for their first line, at most
+3 s); the long one 172-248 s at a load of 20, the ramdisk cached.
 """
 
 from __future__ import annotations
@@ -372,6 +375,7 @@ async def test_the_fleet_examples_run_on_a_simulated_fleet(tmp_path: Path) -> No
     home, files, state = tmp_path / "home", tmp_path / "files", tmp_path / "state"
     for folder in (home, files, state):
         folder.mkdir(parents=True)
+    _doc_files(files)
     site = tmp_path / "site-packages"
     uv_install(ACME, site)
     # the default app (it lends an installed plugin to provision), as README's first machine; the
@@ -423,6 +427,16 @@ async def test_the_fleet_examples_run_on_a_simulated_fleet(tmp_path: Path) -> No
     assert failures == [], "\n".join(failures)
 
 
+def _doc_files(folder: Path) -> None:
+    """The files the docs write out (a ``yaml`` block whose first line is ``# name.yaml: …``),
+    into ``folder``, as a reader would save them before the examples that name them."""
+    for path in DOCS:
+        for block in re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S):
+            named = re.match(r"# ([\w.-]+\.ya?ml)\b", block)
+            if named:
+                (folder / named[1]).write_text(block)
+
+
 def _needs_secrets(e: Example) -> bool:
     """Whether ``e`` stores a credential through bc-secrets (the stack starts it last)."""
     return "--bmc-credentials-file" in e.argv
@@ -462,6 +476,7 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
     home, files = tmp_path / "home", tmp_path / "files"
     (home / ".bc").mkdir(parents=True)
     files.mkdir()
+    _doc_files(files)
     carol = approver_keys(["carol"])
     approvers = write_approvers(tmp_path / "approvers.toml", carol, threshold=1)
     processes.extra_env.update(BC_CMDQ_QUORUM_FILE=str(approvers), BC_CMDQ_SWEEP="200ms")
