@@ -400,7 +400,12 @@ class SettingsSource:
 
     def changed(self) -> bool:
         """Whether the file changed (or went) since the last ``read()``."""
-        return self.file is not None and self._stat() != self._seen
+        return self.file is not None and (self._seen is None or self._stat() != self._seen)
+
+    def forget(self) -> None:
+        """Count the file as changed, so that the next look reads it again (what was read could
+        not be applied)."""
+        self._seen = None
 
     def read(self) -> Settings:
         """The settings now: the file, the environment, the overrides.

@@ -191,7 +191,13 @@ class Service:
             changes = settings_changes(self.settings, new)
             live = [c for c in changes if _under(c, self.live_settings)]
             if live:
-                await self.apply_settings(new, live)
+                try:
+                    await self.apply_settings(new, live)
+                except BcError:
+                    raise
+                except Exception:
+                    source.forget()  # a server away mid-apply: the same file is applied once back
+                    raise
         except BcError as err:
             self.log.error(
                 "settings_invalid", file=file, code=err.code.value, path=err.path, error=err.message,
