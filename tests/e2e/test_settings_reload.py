@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
+import asyncpg
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from better_compute.clients import CommandQueueClient, EngineClient
+from better_compute.config import Settings
 from better_compute.core.errors import BcError
 from better_compute.core.ids import new_id
 from better_compute.metal.signatures import image_signing_payload
@@ -33,8 +37,12 @@ def _write(path: Path, text: str) -> None:
     os.replace(staged, path)
 
 
-def _bc_toml(approvers: dict[str, ed25519.Ed25519PrivateKey], signers: dict[str, str]) -> str:
+def _bc_toml(
+    approvers: dict[str, ed25519.Ed25519PrivateKey], signers: dict[str, str], ramdisk: str | None = None
+) -> str:
     lines = ["[cmdq.quorum]", "threshold = 1"] if approvers else []
+    if ramdisk is not None:
+        lines += ["[ramdisk]", f'kernel = "{ramdisk}/vmlinuz"', f'initrd = "{ramdisk}/initrd.img"']
     for name, key in approvers.items():
         lines += ["[[cmdq.quorum.approvers]]", f'id = "{name}"', f'publicKey = "{public_b64(key)}"']
     for name, public in signers.items():
@@ -50,13 +58,25 @@ async def _register(engine: EngineClient, signer: str, key: ed25519.Ed25519Priva
     )
 
 
+async def _configured_ramdisk(settings: Settings) -> dict[str, Any] | None:
+    """What the engines boot instead of the ramdisk they started with (row 2, set by a reload)."""
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        doc = await conn.fetchval("SELECT doc FROM engine.ramdisk_override WHERE id = 2")
+    finally:
+        await conn.close()
+    return json.loads(doc) if doc is not None else None
+
+
 async def test_inline_approvers_and_image_signers_change_with_the_file(
-    bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
 ) -> None:
     carol, dave = approver_keys(["carol", "dave"]).values()
     old_signer, new_signer = ed25519.Ed25519PrivateKey.generate(), ed25519.Ed25519PrivateKey.generate()
     config = tmp_path / "bc.toml"
-    _write(config, _bc_toml({"carol": carol}, {"acme-old": _signer_key(old_signer)}))
+    _write(
+        config, _bc_toml({"carol": carol}, {"acme-old": _signer_key(old_signer)}, "https://boot.example/a")
+    )
     bc_processes.extra_env.update(BC_CONFIG=str(config))
     cmdq = bc_processes.start("bc-command-queue")
     engine_proc = bc_processes.start("bc-engine")
@@ -66,8 +86,8 @@ async def test_inline_approvers_and_image_signers_change_with_the_file(
     await _register(engine, "acme-old", old_signer, "1")
     batch = await cq.create_batch(kinds=["node.wipe"], nodes=[new_id("node")], ttl_seconds=600)
 
-    # dave replaces carol, acme-new replaces acme-old: no restart
-    _write(config, _bc_toml({"dave": dave}, {"acme-new": _signer_key(new_signer)}))
+    # dave replaces carol, acme-new replaces acme-old, ramdisk b replaces a: no restart
+    _write(config, _bc_toml({"dave": dave}, {"acme-new": _signer_key(new_signer)}, "https://boot.example/b"))
 
     async def dave_in_force() -> bool:
         return [a.id for a in (await cq.quorum()).approvers] == ["dave"]
@@ -86,6 +106,12 @@ async def test_inline_approvers_and_image_signers_change_with_the_file(
     with pytest.raises(BcError) as refused:
         await _register(engine, "acme-old", old_signer, "3")
     assert refused.value.details.get("reason") == "unknown-signer"
+    # the shipped profiles' metal.ensureRamdisk boots b from its next run (configured_in_force)
+    change = await _configured_ramdisk(bc_settings)
+    assert change is not None
+    assert (change["replaces"]["kernel"], change["doc"]["kernel"]) == (
+        "https://boot.example/a/vmlinuz", "https://boot.example/b/vmlinuz",
+    )  # fmt: skip
     assert "settings_reloaded" in cmdq.output()
     assert "settings_reloaded" in engine_proc.output()
 
@@ -102,5 +128,6 @@ async def test_inline_approvers_and_image_signers_change_with_the_file(
     assert "images.signers[0]" in engine_proc.output()
     assert [a.id for a in (await cq.quorum()).approvers] == ["dave"]
     assert [s.id for s in (await engine.list_image_signers()).signers] == ["acme-new"]
+    assert await _configured_ramdisk(bc_settings) == change  # the wrong file changed nothing
     assert cmdq.alive()
     assert engine_proc.alive()
