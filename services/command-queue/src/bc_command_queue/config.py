@@ -96,6 +96,13 @@ class QuorumSource:
         self.quorum = quorum
         return True
 
+    def adopt(self, other: QuorumSource) -> bool:
+        """Take ``other``'s quorum and file (``[cmdq.quorum]`` changed in the config file); True
+        when the quorum changed."""
+        changed = _shape(other.quorum) != _shape(self.quorum)
+        self.quorum, self.path, self._seen = other.quorum, other.path, other._seen
+        return changed
+
 
 def _shape(quorum: Quorum) -> tuple[int, dict[str, str]]:
     return quorum.threshold, {a.id: a.public_key_b64 for a in quorum.approvers.values()}

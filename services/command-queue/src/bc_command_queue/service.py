@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from better_compute.app import load_app
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import Handler, Service
 from better_compute.service.events import ensure_events_stream
 from better_compute.wire.cmdq import EVENTS
@@ -34,7 +35,7 @@ from . import metrics
 from .agents import Agents
 from .batches import Batches
 from .commands import Commands
-from .config import CmdqConfig
+from .config import CmdqConfig, quorum_from_settings
 from .delivery import Deliveries, Streams
 from .rows import CommandRow
 from .signers import Signers
@@ -71,6 +72,8 @@ class CommandQueueService(Service):
         "batches.close": ("id", "reason"),
         "batches.reopen": ("id",),
     }
+
+    live_settings: ClassVar[tuple[str, ...]] = ("cmdq.quorum",)
 
     def __init__(self, settings: Settings, *, config: CmdqConfig | None = None) -> None:
         super().__init__(settings)
@@ -151,6 +154,23 @@ class CommandQueueService(Service):
                 detail="no approvers are configured: destructive commands run without approval;"
                 " set [cmdq.quorum] in bc.toml (or BC_CMDQ_QUORUM_FILE)",
             )
+
+    async def apply_settings(self, settings: Settings, changed: list[str]) -> None:
+        """``[cmdq.quorum]`` changed in the config file (inline approvers, or another file):
+        the new quorum is in force at once and open batches' approvals are counted again."""
+        del changed
+        source = quorum_from_settings(settings.cmdq.quorum)
+        if source.quorum.enabled != self.config.quorum.enabled:
+            # as with an approvers file: a quorum turned off (or on) is a deliberate restart,
+            # never an edit that a running service takes up
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                "turning the quorum "
+                + ("off" if self.config.quorum.enabled else "on")
+                + " takes a restart of the command queue; list at least one approver to change them live",
+                {"path": "cmdq.quorum.approvers"},
+            )
+        await self.parts.batches.adopt_quorum(source)
 
     @property
     def parts(self) -> Parts:
