@@ -1,0 +1,140 @@
+"""The site streams on the sites' leaf nodes (``cmdq.site_domain = "{site}"``): each site's
+command stream and results stream live in its leaf's JetStream domain, so a site cut off from
+the hub keeps its commands, its agent's result waits on the leaf, and it is applied once the
+link returns; the other site goes on meanwhile. The long story (a rollout, a 5-minute cut) is
+tests/e2e/test_site_cut.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import msgspec
+import nats
+import nats.js.errors
+import pytest
+from test_cmdq_delivery import FAST, executions, running
+
+from bc_command_queue.config import CmdqConfig, check_site_domain
+from bc_command_queue.service import CommandQueueService
+from better_compute.agent import Agent
+from better_compute.agent.sim import join_agent, sim_handlers
+from better_compute.clients.cmdq import CommandQueueClient
+from better_compute.config import Settings
+from better_compute.core.errors import BcError
+from better_compute.core.ids import new_id
+from better_compute.service import ApiClient, connect
+from better_compute.testing import ServiceProcesses, until
+from better_compute.testing.leaves import SiteLeaves
+from better_compute.wire import Subjects
+from better_compute.wire.cmdq import EnqueueCommand
+
+LEAVES = dataclasses.replace(FAST, site_domain="{site}")
+
+
+async def _held(url: str, subjects: Subjects, site: str) -> tuple[int, int]:
+    """Messages in the site's command and results streams, asked of its leaf's own JetStream."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream(timeout=3.0)
+        cmd = await js.stream_info(subjects.site_stream(site))
+        res = await js.stream_info(subjects.site_results_stream(site))
+        return cmd.state.messages, res.state.messages
+    finally:
+        await nc.close()
+
+
+async def test_a_cut_sites_result_waits_on_its_leaf_and_is_applied_once_after(
+    bc_settings: Settings, tmp_path: Path
+) -> None:
+    leaves = await asyncio.to_thread(SiteLeaves(tmp_path / "nats", ["lab1", "lab2"], domains=True).start)
+    settings = msgspec.structs.replace(bc_settings, nats_url=leaves.hub_url)
+    procs = ServiceProcesses(settings, tmp_path)
+    nc = await connect(leaves.hub_url, name="bc-test")
+    try:
+        procs.start("bc-pki")
+        await procs.wait_ready()
+        api = ApiClient(nc, Subjects(root=settings.subject_root))
+        cq = CommandQueueClient(api, timeout=3.0)
+        async with CommandQueueService(settings, config=LEAVES) as svc:
+            run = asyncio.create_task(svc.run())
+            agents = {}
+            for site in ("lab1", "lab2"):
+                folder = tmp_path / site
+                folder.mkdir()
+                agents[site] = Agent(
+                    enrollment=await join_agent(api, site_id=site),
+                    handlers=sim_handlers(
+                        ["power.setPower"], exec_log=folder / "exec.log", delays_ms={"power.setPower": 1500}
+                    ),
+                    journal=folder / "journal.db",
+                    nats_url=leaves.url(site),
+                    subjects=api.subjects,
+                )
+            async with running(agents["lab1"]), running(agents["lab2"]):
+                # the sites' streams are on their leaves, none on the hub
+                for site in ("lab1", "lab2"):
+                    assert await _held(leaves.url(site), api.subjects, site) == (0, 0)
+                    with pytest.raises(nats.js.errors.NotFoundError):
+                        await nc.jetstream().stream_info(api.subjects.site_stream(site))
+
+                def power(site: str, key: str) -> EnqueueCommand:
+                    return EnqueueCommand(
+                        node_id=new_id("node"), site_id=site, kind="power.setPower", payload={"action": "on"},
+                        key=key,
+                    )  # fmt: skip
+
+                held = await cq.enqueue(power("lab2", "held"))
+
+                async def running_at_lab2() -> bool:
+                    return (await cq.get(id=held.id)).state == "running"
+
+                await until(running_at_lab2, timeout=20, what="lab2's agent runs the command")
+                leaves.gate("lab2").cut(3600)
+                await until(lambda: not leaves.linked("lab2"), timeout=10, what="lab2's link down")
+
+                async def stored() -> bool:
+                    return (await _held(leaves.url("lab2"), api.subjects, "lab2"))[1] == 1
+
+                await until(stored, timeout=20, what="lab2's result stored on its leaf")
+                # the hub has not seen it: the command still runs for the command queue
+                assert (await cq.get(id=held.id)).state == "running"
+                # the other site goes on meanwhile
+                other = await cq.enqueue(power("lab1", "other"))
+                assert (await cq.wait(id=other.id, timeout=20)).state == "succeeded"
+                assert (await cq.get(id=held.id)).state == "running"
+
+                leaves.gate("lab2").heal()
+                assert (await cq.wait(id=held.id, timeout=30)).state == "succeeded"
+
+                async def drained() -> bool:
+                    return (await _held(leaves.url("lab2"), api.subjects, "lab2")) == (0, 0)
+
+                await until(drained, timeout=20, what="lab2's leaf streams drained")
+                # and one more through the healed link
+                after = await cq.enqueue(power("lab2", "after"))
+                assert (await cq.wait(id=after.id, timeout=30)).state == "succeeded"
+            assert executions(tmp_path / "lab2" / "exec.log") == [
+                f"{held.id} power.setPower",
+                f"{after.id} power.setPower",
+            ]
+            svc.request_stop()
+            await run
+    finally:
+        await nc.close()
+        procs.close()
+        await asyncio.to_thread(leaves.close)
+
+
+@pytest.mark.parametrize("template", ["lab", "{site}.x", "{site} x", "$JS"])
+def test_a_site_domain_template_must_name_the_site_in_a_domain_name(template: str) -> None:
+    with pytest.raises(BcError) as err:
+        check_site_domain(template)
+    assert err.value.path == "cmdq.site_domain"
+
+
+def test_the_site_domain_defaults_to_the_services_own_jetstream() -> None:
+    assert CmdqConfig().site_domain == ""
+    assert check_site_domain("{site}") == "{site}"
+    assert check_site_domain("leaf-{site}") == "leaf-{site}"
