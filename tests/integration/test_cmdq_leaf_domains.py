@@ -45,6 +45,7 @@ async def _held(url: str, subjects: Subjects, site: str) -> tuple[int, int]:
         await nc.close()
 
 
+@pytest.mark.long  # 7-10 s on the shared 2-core machine (a hub, two leaves, bc-pki, two agents)
 async def test_a_cut_sites_result_waits_on_its_leaf_and_is_applied_once_after(
     bc_settings: Settings, tmp_path: Path
 ) -> None:
@@ -66,7 +67,7 @@ async def test_a_cut_sites_result_waits_on_its_leaf_and_is_applied_once_after(
                 agents[site] = Agent(
                     enrollment=await join_agent(api, site_id=site),
                     handlers=sim_handlers(
-                        ["power.setPower"], exec_log=folder / "exec.log", delays_ms={"power.setPower": 1500}
+                        ["power.setPower"], exec_log=folder / "exec.log", delays_ms={"power.setPower": 800}
                     ),
                     journal=folder / "journal.db",
                     nats_url=leaves.url(site),
@@ -112,13 +113,9 @@ async def test_a_cut_sites_result_waits_on_its_leaf_and_is_applied_once_after(
                     return (await _held(leaves.url("lab2"), api.subjects, "lab2")) == (0, 0)
 
                 await until(drained, timeout=20, what="lab2's leaf streams drained")
-                # and one more through the healed link
-                after = await cq.enqueue(power("lab2", "after"))
-                assert (await cq.wait(id=after.id, timeout=30)).state == "succeeded"
-            assert executions(tmp_path / "lab2" / "exec.log") == [
-                f"{held.id} power.setPower",
-                f"{after.id} power.setPower",
-            ]
+            # run once, applied once (a delivery after the link returned: tests/e2e/test_site_cut.py)
+            assert executions(tmp_path / "lab2" / "exec.log") == [f"{held.id} power.setPower"]
+            assert executions(tmp_path / "lab1" / "exec.log") == [f"{other.id} power.setPower"]
             svc.request_stop()
             await run
     finally:

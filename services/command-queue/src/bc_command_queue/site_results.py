@@ -47,6 +47,7 @@ _BATCH: Final = 64
 _FETCH_S: Final = 1.0
 _RETRY_DELAY_S: Final = 1.0
 _SCAN_PAGE: Final = 500
+_READ_BACKOFF_CAP_S: Final = 5.0
 _TRANSIENT: Final = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
@@ -91,8 +92,9 @@ class SiteResults:
         """The side loop: a reader per site, for every site of a known agent and every site
         ``watch`` names later."""
         self._reading.clear()
+        known = await self._known_sites()
         async with asyncio.TaskGroup() as tg:
-            for site_id in await self._known_sites():
+            for site_id in known:
                 self._start(tg, site_id)
             while True:
                 site_id = await self._sites.get()
@@ -104,6 +106,16 @@ class SiteResults:
         tg.create_task(self._read(site_id), name=f"site-results-{site_id}")
 
     async def _known_sites(self) -> set[str]:
+        """The sites of every known agent; a store that cannot answer is waited out."""
+        backoff = Backoff(first=0.5, cap=10.0)
+        while True:
+            try:
+                return await self._scan_sites()
+            except _TRANSIENT as exc:
+                self.log.warning("site_results_scan_failed", error=type(exc).__name__)
+            await asyncio.sleep(backoff.next())
+
+    async def _scan_sites(self) -> set[str]:
         sites: set[str] = set()
         after: tuple[str, str] | None = None
         while True:
@@ -117,7 +129,8 @@ class SiteResults:
             after = (rows[-1].site_id, rows[-1].id)
 
     async def _read(self, site_id: str) -> None:
-        backoff = Backoff(first=0.5, cap=10.0)
+        # a try of an unreachable leaf is answered at once (no responders): cheap to repeat
+        backoff = Backoff(first=0.2, cap=_READ_BACKOFF_CAP_S)
         psub: Any = None
         down = False
         while True:
@@ -127,11 +140,14 @@ class SiteResults:
                 msgs = await psub.fetch(batch=_BATCH, timeout=_FETCH_S)
             except (TimeoutError, nats.errors.TimeoutError):
                 continue  # nothing stored (a fetch's timeout also ends here)
-            except (nats.errors.Error, nats.js.errors.Error, BcError) as exc:
-                # the site's leaf is out of reach (its link is down), or its stream is gone
-                if not down:
+            except Exception as exc:
+                # the site's leaf is out of reach (its link is down), or its stream is gone;
+                # anything else is logged in full, and the reader goes on after a pause
+                if not isinstance(exc, nats.errors.Error | nats.js.errors.Error | BcError):
+                    self.log.exception("site_results_read_failed", site_id=site_id)
+                elif not down:
                     self.log.info("site_results_unreachable", site_id=site_id, error=type(exc).__name__)
-                    down = True
+                down = True
                 if isinstance(exc, nats.js.errors.NotFoundError):
                     self.streams.forget(site_id)
                 if psub is not None:
