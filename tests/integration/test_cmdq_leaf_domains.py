@@ -1,13 +1,16 @@
 """The site streams on the sites' leaf nodes (``cmdq.site_domain = "{site}"``): each site's
 command stream and results stream live in its leaf's JetStream domain, so a site cut off from
 the hub keeps its commands, its agent's result waits on the leaf, and it is applied once the
-link returns; the other site goes on meanwhile. The long story (a rollout, a 5-minute cut) is
+link returns (by one of two command-queue instances reading the site's results stream); the
+other site goes on meanwhile. The long story (a rollout, a 5-minute cut) is
 tests/e2e/test_site_cut.py."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 from pathlib import Path
 
 import msgspec
@@ -18,6 +21,7 @@ from test_cmdq_delivery import FAST, executions, running
 
 from bc_command_queue.config import CmdqConfig, check_site_domain
 from bc_command_queue.service import CommandQueueService
+from bc_command_queue.site_results import CONSUMER
 from better_compute.agent import Agent
 from better_compute.agent.sim import join_agent, sim_handlers
 from better_compute.clients.cmdq import CommandQueueClient
@@ -73,7 +77,26 @@ async def test_a_cut_sites_result_waits_on_its_leaf_and_is_applied_once_after(
                     nats_url=leaves.url(site),
                     subjects=api.subjects,
                 )
-            async with running(agents["lab1"]), running(agents["lab2"]):
+            async with (
+                running(agents["lab1"]),
+                running(agents["lab2"]),
+                CommandQueueService(settings, config=LEAVES) as second,
+            ):
+                # a second instance, started after the agents' hellos: it finds their sites in the
+                # store and reads their results streams too (one durable consumer, shared)
+                run_second = asyncio.create_task(second.run())
+
+                async def both_read() -> bool:
+                    leaf = await nats.connect(leaves.url("lab2"))
+                    try:
+                        info = await leaf.jetstream().consumer_info(
+                            api.subjects.site_results_stream("lab2"), CONSUMER
+                        )
+                    finally:
+                        await leaf.close()
+                    return info.num_waiting >= 2
+
+                await until(both_read, timeout=20, what="both instances pull lab2's results")
                 # the sites' streams are on their leaves, none on the hub
                 for site in ("lab1", "lab2"):
                     assert await _held(leaves.url(site), api.subjects, site) == (0, 0)
@@ -87,6 +110,7 @@ async def test_a_cut_sites_result_waits_on_its_leaf_and_is_applied_once_after(
                     )  # fmt: skip
 
                 held = await cq.enqueue(power("lab2", "held"))
+                events = await nc.subscribe(api.subjects.event("command", held.id))
 
                 async def running_at_lab2() -> bool:
                     return (await cq.get(id=held.id)).state == "running"
@@ -113,6 +137,14 @@ async def test_a_cut_sites_result_waits_on_its_leaf_and_is_applied_once_after(
                     return (await _held(leaves.url("lab2"), api.subjects, "lab2")) == (0, 0)
 
                 await until(drained, timeout=20, what="lab2's leaf streams drained")
+                # applied once: one change to succeeded, whichever instance read it
+                states = []
+                with contextlib.suppress(TimeoutError):
+                    while True:
+                        states.append(json.loads((await events.next_msg(timeout=0.5)).data)["state"])
+                assert states.count("succeeded") == 1, states
+                second.request_stop()
+                await run_second
             # run once, applied once (a delivery after the link returned: tests/e2e/test_site_cut.py)
             assert executions(tmp_path / "lab2" / "exec.log") == [f"{held.id} power.setPower"]
             assert executions(tmp_path / "lab1" / "exec.log") == [f"{other.id} power.setPower"]
