@@ -192,7 +192,6 @@ async def test_a_site_cut_off_mid_rollout_loses_nothing_and_runs_nothing_twice(
         if c.kind == "power.setPower" and c.state in ("acked", "running")
     ]  # fmt: skip
     assert held, "no result of the cut site waits"
-    assert len(held) <= stored, (held, stored)
     gate.heal()
     healed_at = time.monotonic() - t0
     print(f"{CUT} back {healed_at:.1f} s into the rollout")
