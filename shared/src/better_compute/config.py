@@ -125,6 +125,12 @@ class CmdqSettings(_Section, frozen=True, kw_only=True):
     cert_cache: Duration = Duration(30_000)
     stream_replicas: int = 1
     stream_max_age: Duration = Duration(7 * 86_400_000)
+    site_domain: str = ""
+    """Where each site's streams live. ``""``: in the services' own JetStream (the hub's; one
+    nats-server is enough). A template naming the JetStream domain of the site's leaf node,
+    ``"{site}"`` for a domain named after the site (deploy/nats): the site's command stream and
+    a stream of its results live on its leaf, reached as ``$JS.<domain>.API``, so a site cut
+    off from the hub keeps its commands and its results (docs/command-queue.md)."""
     retention: Duration = Duration(30 * 86_400_000)
     quorum: QuorumSettings = msgspec.field(default_factory=QuorumSettings)
     engine_key_file: str | None = None

@@ -10,6 +10,8 @@ channel). The work is split by concern, each part a plain class given what it ne
 * ``sweeper``: expiry, reassignment, lost agents, dispatch of pending commands, publishing
   again what was not delivered, retention;
 * ``delivery``: streams, consumers and publishing;
+* ``site_results``: with the streams on the sites' leaves (``cmdq.site_domain``), the results
+  the agents stored there, read and applied;
 * ``storage``: the ``Store`` those parts change rows through (``PgStore`` here; an in-memory
   one in ``bc_command_queue.testing`` for unit tests), ``rows`` its row Structs;
 * ``store``: every SQL statement.
@@ -39,6 +41,7 @@ from .config import CmdqConfig, quorum_from_settings
 from .delivery import Deliveries, Streams
 from .rows import CommandRow
 from .signers import Signers
+from .site_results import SiteResults
 from .storage import PgStore
 from .sweeper import Sweeper
 from .views import command_event
@@ -81,6 +84,7 @@ class CommandQueueService(Service):
         self.signers: Signers | None = None
         self._parts: Parts | None = None
         self._store: PgStore | None = None
+        self._site_results: SiteResults | None = None
 
     async def on_start(self) -> None:
         assert self.nc is not None
@@ -95,6 +99,8 @@ class CommandQueueService(Service):
             replicas=self.config.stream_replicas,
             max_age_seconds=self.config.stream_max_age_seconds,
             ack_wait_seconds=self.config.ack_wait_ms / 1000,
+            site_domain=self.config.site_domain,
+            on_site=self._watch_site_results,
         )
         db, config, log = self.db, self.config, self.log
         rows = PgStore(db)
@@ -130,6 +136,12 @@ class CommandQueueService(Service):
         commands = Commands(
             store=rows, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
+        if streams.on_leaves:
+            self._site_results = SiteResults(
+                store=rows, streams=streams, subjects=self.subjects, signers=self.signers,
+                runs=agents.runs, silent_after_ms=config.silent_after_ms, log=log,
+            )  # fmt: skip
+            self.log.info("site_streams_on_leaves", site_domain=config.site_domain)
         self._parts = Parts(commands, agents, batches, sweeper)
         self._store = rows
         # The durable event feed: this service creates the stream (it holds the JetStream
@@ -203,7 +215,14 @@ class CommandQueueService(Service):
 
     def side_loops(self) -> Mapping[str, Any]:
         sweeper = self.parts.sweeper
-        return {"sweeper": sweeper.run, "retention": sweeper.retention, "events_stream": self._events_stream}
+        loops = {"sweeper": sweeper.run, "retention": sweeper.retention, "events_stream": self._events_stream}
+        if self._site_results is not None:
+            loops["site_results"] = self._site_results.run
+        return loops
+
+    def _watch_site_results(self, site_id: str) -> None:
+        if self._site_results is not None:
+            self._site_results.watch(site_id)
 
     async def _ensure_events_stream(self) -> bool:
         """The feed is for readers outside the control plane: a stream JetStream refuses (no
