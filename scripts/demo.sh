@@ -41,6 +41,8 @@ cleanup() {
   fi
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM  # so a stopped demo stops its stack too (the EXIT trap)
 
 # The demo starts from a clean slate (its own state folder only), so it tells the same story
 # every time.
@@ -118,10 +120,18 @@ watch_and_approve() {  # verb: the live view of all N; each noted batch approved
   step "bcx nodes watch --selector $FLEET --verb $verb   (and bcx batches approve once they wait)"
   bcx nodes watch --selector "$FLEET" --verb "$verb" --timeout 900 | tee "$log" &
   local watch=$!
+  # the watch line says what a machine waits for: "waits for approvals: 0 of 1", or, as
+  # `bcx why` words it, "batch … awaiting approvals (have 0 of 1)"
+  local waited=0
   for _ in $(seq 1 3000); do
-    grep -q "waits for approvals" "$log" 2>/dev/null && break
+    if grep -qE "waits for approvals|awaiting approvals" "$log" 2>/dev/null; then waited=1; break; fi
     sleep 0.2
   done
+  if [ "$waited" != 1 ]; then
+    echo "demo: no machine waited for the batch's approval within 600 s (see $log)" >&2
+    kill "$watch" 2>/dev/null || true
+    exit 1
+  fi
   for batch in "${BATCHES[@]}"; do
     echo "        >> bcx batches approve $batch --approver demo: one signature for its machines"
     bcx batches approve "$batch" --approver demo --key-file "$BC_STATE_DIR/approver.pem" --yes > /dev/null
