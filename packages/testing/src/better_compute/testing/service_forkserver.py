@@ -1,15 +1,16 @@
 """``python -m better_compute.testing.service_forkserver``: the services' fork server for tests.
 
-An end-to-end test starts engine, command-queue, pki and secrets (and often a site agent) as OS
-processes, hundreds of times a run; each ``python -m bc_<service>`` spends about 1 s of CPU
-importing before it serves (the site agent 1.5 s). This server imports them once and forks a child
-per request: each child is still its own OS process (own pid, environment, working directory, log
-file, exit code; signals reach it as they reach a ``subprocess.Popen`` child, SIGKILL included)
-and runs the service's ``__main__`` with the arguments ``python -m`` would give it. The protocol
-is ``better_compute.testing.zygote``'s (``{"id", "argv", "env", "log", "cwd"}`` → ``{"id",
-"pid"}``, ``{"exit", "code"}``); ``argv[0]`` names the module. It forks only from its one thread;
-when its stdin closes it kills its children and exits. ``ServiceProcesses`` and
-``SiteAgentProcess`` are its clients (``processes.spawn_forked``).
+An end-to-end test starts engine, command-queue, pki and secrets (and often a site agent or a
+simulated agent) as OS processes, hundreds of times a run; each ``python -m bc_<service>`` spends
+about 1 s of CPU importing before it serves (the site agent 1.5 s). This server imports them once
+and forks a child per request: each child is still its own OS process (own pid, environment,
+working directory, log file, exit code; signals reach it as they reach a ``subprocess.Popen``
+child, SIGKILL included) and runs the service's ``__main__`` with the arguments ``python -m``
+would give it. The protocol is ``better_compute.testing.zygote``'s (``{"id", "argv", "env", "log",
+"cwd"}`` → ``{"id", "pid"}``, ``{"exit", "code"}``); ``argv[0]`` names the module. It forks only
+from its one thread; when its stdin closes it kills its children and exits. ``ServiceProcesses``,
+``SiteAgentProcess``, ``SimAgent`` and ``BcdProcess`` are its clients
+(``processes.spawn_forked``).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def _child(doc: dict[str, Any]) -> None:
 
 
 def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
-    for module in (*SERVICES.values(), "bc_site_agent"):
-        importlib.import_module(f"{module}.__main__")
+    for package in (*SERVICES.values(), "bc_site_agent", "bcd"):
+        importlib.import_module(f"{package}.__main__")
+    importlib.import_module("better_compute.agent.sim")
     # Shared with every child until written to; frozen, the collector in a child does not touch
     # (and so copy) every page of it.
     gc.collect()
