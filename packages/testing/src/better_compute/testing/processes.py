@@ -196,7 +196,10 @@ class _SharedZygote:
             return None
         with self._lock:
             if self._owner != os.getpid():  # a forked copy of this process: a server of its own
-                self._zygote, self._owner, self._env = None, os.getpid(), dict(os.environ)
+                self._zygote, self._owner = None, os.getpid()
+                atexit.register(self.close)
+            if self._zygote is None or self._zygote.proc.poll() is not None:
+                self._env = dict(os.environ)  # the server's: it inherits ours
             keys = {k for k in (*env, *self._env) if k.startswith("PYTHON") or k in _STARTUP_VARS}
             if any(env.get(k) != self._env.get(k) for k in keys):
                 return None
@@ -205,7 +208,6 @@ class _SharedZygote:
                 os.close(fd)
                 self._zygote = ServiceZygote(self._log)
                 watch(self._zygote.proc.pid)
-                atexit.register(self.close)
             return self._zygote
 
     def close(self) -> None:
@@ -224,9 +226,10 @@ _FORKS = _SharedZygote()
 
 
 def spawn_forked(argv: list[str], *, env: dict[str, str], log: Path) -> ZygoteProc | None:
-    """``python -m *argv`` (a service's or the site agent's module first) with ``env``, its
-    output appended to ``log``, forked from this process's service fork server; ``None`` when
-    that server cannot start it as the interpreter would (``_SharedZygote.get``)."""
+    """``python -m *argv`` (a service's, the site agent's, bcd's or a simulated agent's module)
+    with ``env``, its output appended to ``log``, forked from this process's service fork
+    server; ``None`` when that server cannot start it as the interpreter would
+    (``_SharedZygote.get``)."""
     zygote = _FORKS.get(env)
     if zygote is None:
         return None
