@@ -32,7 +32,7 @@ async def test_dev_up_status_down_and_up_again_reuses_state(state: Path) -> None
     up = bcx(state, "dev", "up", "--json")
     assert up.returncode == 0, up.stderr
     urls = json.loads(up.stdout)
-    status = json.loads(bcx(state, "status", "--json").stdout)["services"]
+    status = json.loads(bcx(state, "status", "--json", "--wait", "3").stdout)["services"]
     assert sorted(r["service"] for r in status) == [
         "bc-command-queue", "bc-engine", "bc-pki", "bc-secrets",
     ]  # fmt: skip

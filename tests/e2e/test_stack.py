@@ -34,21 +34,23 @@ async def test_bcx_status_shows_the_four_services(
     bc_processes.start("bc-engine")  # a second instance of one service
     await bc_processes.wait_ready()
 
-    out = run_bcx(None, "status", "--json", env=settings_env(bc_settings))
+    # --wait: a service busy starting (the second engine takes shards over) may answer $SRV.STATS
+    # after bcx's default half second on a loaded machine, and would be missing from the list
+    out = run_bcx(None, "status", "--json", "--wait", "3", env=settings_env(bc_settings))
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["services"]
     assert sorted(r["service"] for r in rows) == sorted([*SERVICES, "bc-engine"])
     assert {r["pid"] for r in rows} == {str(p.pid) for p in bc_processes.procs}
     assert all(r["version"] == "0.1.0" and r["uptime"] != "-" for r in rows)
 
-    table = run_bcx(None, "status", env=settings_env(bc_settings))
+    table = run_bcx(None, "status", "--wait", "3", env=settings_env(bc_settings))
     assert table.returncode == 0
     lines = table.stdout.splitlines()
     assert lines[0].split()[:3] == ["SERVICE", "INSTANCE", "VERSION"]
     assert sum(line.startswith("bc-engine ") for line in lines) == 2
 
     # bcx version: the client's, and each service's as its instances report it
-    out = run_bcx(None, "version", "--json", env=settings_env(bc_settings))
+    out = run_bcx(None, "version", "--json", "--wait", "3", env=settings_env(bc_settings))
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["client"]["version"] == "0.1.0"

@@ -18,7 +18,9 @@ from ..clients.cmdq import CommandQueueClient
 from ..clients.pki import PkiClient
 from ..config import Settings
 from .guard import watch
+from .processes import spawn_forked
 from .waiting import until
+from .zygote import ZygoteProc
 
 __all__ = ["SimAgent", "start_sim_agent", "until"]
 
@@ -30,17 +32,18 @@ class SimAgent:
     state: Path
     env: dict[str, str]
     args: list[str]
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ZygoteProc | None = None
     logs: list[Path] = field(default_factory=list)
 
     def start(self, token: str | None = None) -> None:
         log = self.state / f"agent-{len(self.logs)}.log"
         self.logs.append(log)
         extra = ["--token", token] if token else []
+        argv = ["better_compute.agent.sim", "--state-dir", str(self.state), *extra, *self.args]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "better_compute.agent.sim", "--state-dir", str(self.state),
-                 *extra, *self.args],
+            # forked from the test process's service fork server where it can be (processes.py)
+            self.proc = spawn_forked(argv, env=self.env, log=log) or subprocess.Popen(
+                [sys.executable, "-m", *argv],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )  # fmt: skip
         watch(self.proc.pid)  # stopped with the test run, even a SIGKILLed one
@@ -53,7 +56,9 @@ class SimAgent:
         assert self.proc is not None
         proc = self.proc
         await until(lambda: proc.poll() is not None)
-        return proc.returncode
+        code = proc.poll()
+        assert code is not None
+        return code
 
     def executions(self) -> list[str]:
         """One line per command execution, in order."""

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from ..config import Settings
 from .guard import watch
+from .processes import spawn_forked
+from .zygote import ZygoteProc
 
 __all__ = ["BcdProcess", "bcd_env", "run_bcd"]
 
@@ -52,7 +54,7 @@ async def run_bcd(
 class BcdProcess:
     """``bcd run`` in the background; its output goes to ``log``."""
 
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ZygoteProc
     log: Path
 
     @classmethod
@@ -64,10 +66,13 @@ class BcdProcess:
         log: Path,
         extra_env: Mapping[str, str] | None = None,
     ) -> BcdProcess:
+        argv = ["bcd", "run", *args]
+        env = bcd_env(settings, root, extra_env)
         with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "bcd", "run", *args],
-                env=bcd_env(settings, root, extra_env),
+            # forked from the test process's service fork server where it can be (processes.py)
+            proc = spawn_forked(argv, env=env, log=log) or subprocess.Popen(
+                [sys.executable, "-m", *argv],
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

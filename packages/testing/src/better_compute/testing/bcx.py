@@ -7,13 +7,18 @@ the test's event loop keeps serving; ``run_bcx`` is the same, blocking. The resu
 
 ``BcxForks`` is the same for many runs at less cost: one process imports bcx once, and each run
 is a process forked from it (its own process still, with its own working directory and
-environment), so a run costs its requests, not Python's start and bcx's imports (about 1 s on a
-loaded two-core machine).
+environment), so a run costs its requests, not Python's start and bcx's imports (about 0.6 s of
+CPU and 1 s of wall on a loaded two-core machine). ``run_bcx`` and ``bcx`` use such forks
+(``BcxForks`` servers shared by the process, one more started only while all are busy) unless
+the run needs a fresh interpreter: ``input=`` for its stdin, or an environment whose
+interpreter settings (``PYTHON*``, locale) differ from ours. ``BC_BCX_FORKS=0`` in the
+environment turns the forks off: every run is ``python -m better_compute.cli``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import subprocess
@@ -21,9 +26,10 @@ import sys
 import threading
 from collections.abc import Mapping
 from types import TracebackType
-from typing import IO, NamedTuple
+from typing import IO, Any, NamedTuple
 
 from ..config import Settings
+from .guard import unwatch, watch
 
 __all__ = ["BcxForks", "BcxRun", "bcx", "bcx_env", "run_bcx"]
 
@@ -61,11 +67,14 @@ def run_bcx(
     input: str | None = None,
 ) -> BcxRun:
     """Run ``bcx *args`` and wait for it (``subprocess.TimeoutExpired`` after ``timeout``)."""
+    full_env = bcx_env(settings, env=env, isolated=isolated)
+    if input is None and _POOL.serves(full_env):
+        return _POOL.run(args, full_env, timeout)
     proc = subprocess.run(
         [sys.executable, "-m", "better_compute.cli", *args],
         capture_output=True,
         text=True,
-        env=bcx_env(settings, env=env, isolated=isolated),
+        env=full_env,
         timeout=timeout,
         input=input,
         stdin=subprocess.DEVNULL if input is None else None,
@@ -91,7 +100,7 @@ async def bcx(
 # line on stdin) forks a child that runs ``bcx`` with the job's argv, cwd and environment, its
 # output in files; answers one JSON line per job: its exit code and output.
 _SERVER = r"""
-import json, os, pkgutil, sys, tempfile, time, importlib
+import atexit, json, os, pkgutil, sys, tempfile, time, importlib, traceback
 import asyncio, nats, msgspec, signal
 import better_compute.cli, better_compute.clients
 from better_compute.cli import main as bcx_main
@@ -114,17 +123,22 @@ for line in sys.stdin:
             bcx_main.main(job["argv"])
             code = 0
         except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        except BaseException as exc:
-            print(f"bcx fork: {exc!r}", file=sys.stderr)
+            if isinstance(exit_.code, int) or exit_.code is None:
+                code = exit_.code or 0
+            else:  # as the interpreter does: the message on stderr, exit code 1
+                print(exit_.code, file=sys.stderr); code = 1
+        except BaseException:
+            traceback.print_exc(); code = 1
         finally:
             try:
+                atexit._run_exitfuncs()
                 sys.stdout.flush(); sys.stderr.flush()
             finally:
                 os._exit(code)
     deadline = time.monotonic() + job["timeout"]
     interrupt = job.get("interrupt")  # Ctrl-C once it printed something, or after that long
     interrupt_at = time.monotonic() + interrupt if interrupt is not None else None
+    timed_out = False
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -133,12 +147,12 @@ for line in sys.stdin:
         if interrupt_at is not None and (os.fstat(out.fileno()).st_size or time.monotonic() > interrupt_at):
             os.kill(pid, signal.SIGINT); interrupt_at = None
         if time.monotonic() > deadline:
-            os.kill(pid, 9); os.waitpid(pid, 0); code = -9
+            os.kill(pid, 9); os.waitpid(pid, 0); code = -9; timed_out = True
             break
         time.sleep(0.005)
     out.seek(0); err.seek(0)
     reply.write(json.dumps({"code": code, "out": out.read().decode("utf-8", "replace"),
-                            "err": err.read().decode("utf-8", "replace")}) + "\n")
+                            "err": err.read().decode("utf-8", "replace"), "timed_out": timed_out}) + "\n")
     reply.flush()
 """
 
@@ -166,10 +180,19 @@ class BcxForks:
     ) -> BcxRun:
         """``bcx *args``; with ``interrupt``, a command that follows until interrupted gets the
         reader's Ctrl-C (SIGINT) once it printed something, or after ``interrupt`` seconds."""
-        job = {
-            "argv": list(args), "cwd": cwd or os.getcwd(), "env": {**self.env, **(env or {})},
-            "timeout": timeout, "interrupt": interrupt,
-        }  # fmt: skip
+        got = self._job(list(args), cwd or os.getcwd(), {**self.env, **(env or {})}, timeout, interrupt)
+        return BcxRun(got["code"], got["out"], got["err"])
+
+    def _job(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: Mapping[str, str],
+        timeout: float,
+        interrupt: float | None = None,
+    ) -> dict[str, Any]:
+        """One run: ``env`` is its whole environment. Answers the server's reply."""
+        job = {"argv": argv, "cwd": cwd, "env": dict(env), "timeout": timeout, "interrupt": interrupt}
         with self._lock:
             stdin, stdout = self._streams()
             stdin.write(json.dumps(job) + "\n")
@@ -177,8 +200,8 @@ class BcxForks:
             line = stdout.readline()
         if not line:
             raise RuntimeError("the bcx fork server ended")
-        got = json.loads(line)
-        return BcxRun(got["code"], got["out"], got["err"])
+        got: dict[str, Any] = json.loads(line)
+        return got
 
     async def bcx(
         self,
@@ -215,3 +238,77 @@ class BcxForks:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+# What the interpreter reads when it starts (its path, flags, stdio encoding): a run whose
+# environment differs here from the fork server's needs an interpreter of its own.
+_STARTUP_VARS = ("LANG", "LC_ALL", "LC_CTYPE")
+
+
+class _SharedForks:
+    """The fork servers ``run_bcx`` shares in this process: started on first use, one more only
+    while every one is busy (runs at once, e.g. a ``bcx … --follow`` beside others), each watched
+    (stopped with the test run) and closed when the process exits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[BcxForks] = []
+        self._all: list[BcxForks] = []
+        self._owner = 0
+        self._env: dict[str, str] = {}
+
+    def serves(self, env: Mapping[str, str]) -> bool:
+        if os.environ.get("BC_BCX_FORKS", "1") == "0":
+            return False
+        base = self._env if self._all and self._owner == os.getpid() else os.environ
+        keys = {k for k in (*env, *base) if k.startswith("PYTHON") or k in _STARTUP_VARS}
+        return all(env.get(k) == base.get(k) for k in keys)
+
+    def run(self, argv: tuple[str, ...], env: Mapping[str, str], timeout: float) -> BcxRun:
+        forks = self._take()
+        try:
+            got = forks._job(list(argv), os.getcwd(), env, timeout)
+        except BaseException:
+            forks.close()
+            with self._lock:
+                if forks in self._all:
+                    self._all.remove(forks)
+            raise
+        with self._lock:
+            self._idle.append(forks)
+        if got.get("timed_out"):
+            raise subprocess.TimeoutExpired(["bcx", *argv], timeout, got["out"], got["err"])
+        # as ``subprocess.run(text=True)`` reads them: universal newlines
+        out, err = (_newlines(got[k]) for k in ("out", "err"))
+        return BcxRun(got["code"], out, err)
+
+    def _take(self) -> BcxForks:
+        with self._lock:
+            if self._owner != os.getpid():  # a forked copy of this process: its own servers
+                self._idle, self._all, self._owner = [], [], os.getpid()
+                self._env = dict(os.environ)
+            if self._idle:
+                return self._idle.pop()
+            forks = BcxForks(None, env=self._env)
+            self._all.append(forks)
+            if len(self._all) == 1:
+                atexit.register(self.close)
+        watch(forks._proc.pid)
+        return forks
+
+    def close(self) -> None:
+        with self._lock:
+            if self._owner != os.getpid():
+                return
+            every, self._all, self._idle = self._all, [], []
+        for forks in every:
+            pid = forks._proc.pid
+            forks.close()
+            unwatch(pid)
+
+
+def _newlines(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+_POOL = _SharedForks()

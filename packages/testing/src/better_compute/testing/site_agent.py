@@ -13,7 +13,9 @@ from ..files import atomic_write
 from ..runtime.embedded import free_port
 from ..service.client import ApiClient
 from .guard import watch
+from .processes import spawn_forked
 from .waiting import until
+from .zygote import ZygoteProc
 
 __all__ = ["SiteAgentProcess"]
 
@@ -37,7 +39,7 @@ class SiteAgentProcess:
     """How long a served node entry must see no other ask before it closes clean (the agent's
     ``netboot.quiet_seconds``; production's is 120 s). The simulated machines ask as they power
     on, so the honest path waits for nothing; a test that plays a thief gives more."""
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ZygoteProc | None = None
     logs: list[Path] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     """More environment for the process (``BC_KILL_AT``…), from its next start."""
@@ -88,21 +90,16 @@ class SiteAgentProcess:
     def start(self) -> None:
         log = self.folder / f"agent-{len(self.logs)}.log"
         self.logs.append(log)
+        argv = ["bc_site_agent", "--config", str(self.config_file), "--log-level", self.log_level]
+        env = {**os.environ, "BC_LOG_JSON": "1", **self.env}
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bc_site_agent",
-                    "--config",
-                    str(self.config_file),
-                    "--log-level",
-                    self.log_level,
-                ],
+            # forked from the test process's service fork server where it can be (processes.py)
+            self.proc = spawn_forked(argv, env=env, log=log) or subprocess.Popen(
+                [sys.executable, "-m", *argv],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "BC_LOG_JSON": "1", **self.env},
+                env=env,
             )
         watch(self.proc.pid)  # stopped with the test run, even a SIGKILLed one
 
