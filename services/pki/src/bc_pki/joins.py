@@ -101,7 +101,26 @@ class Joins:
             if row is not None:
                 tok_id = row["id"]
             refusal = self._refusal(row, claims) or discovery.refusal(row, claims, body.site_id)
-            if refusal is None:
+            earlier = None
+            if row is not None and (refusal is None or refusal.reason == "token-used-up"):
+                # the same join asked again (its answer was lost: the bc-pki that issued it died,
+                # or the request timed out): the same key proves the same joiner, who gets the
+                # certificate it already has; nothing is spent again, nothing burned
+                earlier = await conn.fetchrow(store.CERT_OF_TOKEN_AND_KEY, row["id"], csr.public_key_der)
+                if earlier is not None:
+                    register_secret(body.token)
+                    refusal = None
+                    result = self._result_of(earlier)
+                    await self._audit_join(
+                        "joined",
+                        join_token_id=row["id"],
+                        cert_id=result.cert_id,
+                        agent_id=result.agent_id,
+                        claims=claims,
+                        detail="asked again with the same key: the certificate it already had",
+                        conn=conn,
+                    )
+            if refusal is None and earlier is None:
                 register_secret(body.token)
                 result = await self._issue_cert(conn, row, csr, claims)
                 await conn.execute(store.TOKEN_SPEND, row["id"])
@@ -170,6 +189,20 @@ class Joins:
                 {"reason": "claims-mismatch", "claims": wrong},
             )
         return None
+
+    def _result_of(self, cert: Any) -> JoinResult:
+        """The join's answer for an issued certificate's row."""
+        return JoinResult(
+            cert_id=cert["id"],
+            agent_id=cert["agent_id"],
+            tenant_id=cert["tenant_id"],
+            site_id=cert["site_id"],
+            role=cert["role"],
+            join_token_id=cert["join_token_id"],
+            certificate_pem=cert["certificate_pem"],
+            ca_pem=self.ca.certificate_pem,
+            not_after=cert["not_after"],
+        )
 
     async def _issue_cert(self, conn: Any, token: Any, csr: Any, claims: JoinClaims) -> JoinResult:
         ca = self.ca
