@@ -6,7 +6,11 @@ three bc-engines, two bc-command-queues, two bc-pkis and two bc-secrets, every o
 process on the real nats-server (a hub and a leaf per site) and PostgreSQL. Every machine is
 inspected and commissioned, then deployed with the page's profile; once half the machines' BMCs
 took their first command of the deploy, one instance of each service is SIGKILLed and nothing
-restarts it. What is checked is what the hardware saw, not what the engine says: every machine
+restarts it. bc-pki gets one more kill, where it hurts: two more instances start before the
+deploy with the kill point ``pki.after-join`` armed between them, both first ones are SIGKILLed at
+the halfway mark, and the first installed OS to join kills the bc-pki that answers it after its
+commit (token spent, certificate stored, no answer); that machine's bcd asks again and the other
+instance answers it. What is checked is what the hardware saw, not what the engine says: every machine
 installed exactly once, its medium inserted and ejected once, its power changed as the profile
 asks and no more, no disk write twice; and then in the engine and the queue: every deploy
 workflow ``succeeded``, none still running, no command still live.
@@ -24,6 +28,7 @@ import pytest
 import pytest_asyncio
 
 from better_compute.config import Settings
+from better_compute.service.killpoints import marker_name
 from better_compute.testing import until
 from better_compute.testing.metal_sim.sites import SitesStack, sites_stack
 from better_compute.wire.cmdq import LIVE_STATES
@@ -116,9 +121,17 @@ async def _every_machine_deployed(stack: SitesStack, *, timeout: float) -> None:
 
 @pytest.mark.timeout(900)
 async def test_one_instance_of_each_service_killed_mid_deploy_and_every_machine_installed_once(
-    stack: SitesStack,
+    stack: SitesStack, tmp_path: Path
 ) -> None:
     await asyncio.gather(*(_ready(stack, s, i) for s in SITES for i in range(MACHINES)))
+    markers = tmp_path / "kill-markers"
+    markers.mkdir()
+    saved = dict(stack.processes.extra_env)
+    stack.processes.extra_env.update(BC_KILL_AT="pki.after-join@1", BC_KILL_MARKER_DIR=str(markers))
+    armed = [stack.processes.start("bc-pki") for _ in range(2)]
+    stack.processes.extra_env.clear()
+    stack.processes.extra_env.update(saved)
+    await stack.processes.wait_ready(timeout=120)
     since = time.time()
     runs = {}
     for s in SITES:
@@ -133,14 +146,17 @@ async def test_one_instance_of_each_service_killed_mid_deploy_and_every_machine_
     )
     killed = []
     for service in INSTANCES:
-        victim = stack.processes.live(service)[0]
-        victim.kill()  # SIGKILL, and nothing restarts it
-        killed.append(victim.instance)
+        for victim in stack.processes.live(service)[: 2 if service == "bc-pki" else 1]:
+            victim.kill()  # SIGKILL, and nothing restarts it
+            killed.append(victim.instance)
     print(
         f"killed {killed} with {_past_first_bmc_command(stack, since)} machines past their first BMC command"
     )
 
     await _every_machine_deployed(stack, timeout=300)
+    # a bc-pki died between a join's commit and its answer, and the other one is still there
+    assert (markers / marker_name("pki.after-join")).exists()
+    assert [p.alive() for p in armed].count(True) == 1
 
     # at the simulated hardware: each machine's deploy once, nothing else, nothing twice
     for s in SITES:
@@ -157,5 +173,31 @@ async def test_one_instance_of_each_service_killed_mid_deploy_and_every_machine_
         assert wf.state == "succeeded", (s, i, wf.state, [(st.action, st.state) for st in wf.steps or []])
     engine, cq = stack.site(SITES[0]).engine, stack.site(SITES[0]).cq
     assert (await engine.list_workflows(state="running")).workflows == []
-    live = [c for state in sorted(LIVE_STATES) for c in (await cq.list_commands(state=state)).commands]  # type: ignore[arg-type]
-    assert live == [], [(c.kind, c.state, c.node_id) for c in live]
+
+    # every installed OS's bcd joined and runs (a join lost with its bc-pki left a machine
+    # "deployed" whose agent never came: the engine saw the certificate, the machine had none)
+    def installed_bcds_run() -> bool:
+        for s in SITES:
+            for m in stack.site(s).sim.machines:
+                assert m.ledger.count("bcd.join-failed") == 0, (s, m.name, m.ledger.events("bcd.join-failed"))
+        return all(
+            any(e["t"] >= since for e in m.ledger.events("bcd.started", mode="installed"))
+            for s in SITES
+            for m in stack.site(s).sim.machines
+        )
+
+    await until(installed_bcds_run, timeout=120, interval=0.5, what="every installed OS's bcd running")
+
+    # and the commands that follow a deploy (the host section's node.converge) reach them:
+    # nothing stays live
+    async def live() -> list[tuple[str, str, str | None]]:
+        found = [c for state in sorted(LIVE_STATES) for c in (await cq.list_commands(state=state)).commands]  # type: ignore[arg-type]
+        return [(c.kind, c.state, c.node_id) for c in found]
+
+    async def none_live() -> bool:
+        return not await live()
+
+    try:
+        _: bool = await until(none_live, timeout=120, interval=0.5, what="no command live")
+    except AssertionError as exc:
+        raise AssertionError(f"commands still live: {await live()}") from exc

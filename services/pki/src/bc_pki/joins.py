@@ -14,6 +14,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.logging import register_secret
 from better_compute.service import ApiRequest, Database
+from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.paging import decode_cursor, take_page
 from better_compute.wire.pki import (
     JOIN_EVENTS,
@@ -32,7 +33,11 @@ from .burns import burn_token
 from .ca import CertificateAuthority, parse_csr
 from .tokens import mismatched_claims, normalize_claims, token_hash, well_formed
 
-__all__ = ["Joins"]
+__all__ = ["AFTER_JOIN", "Joins"]
+
+AFTER_JOIN = declare(
+    "pki.after-join", "pki", "a join is committed (token spent, certificate stored) and not answered"
+)
 
 
 class Joins:
@@ -149,6 +154,7 @@ class Joins:
                 # a second join with a node's single-use token: one of the two is not the node
                 await burn_token(self.db, self.publish_event, self.log, row, reason="second-join", mac=None)
             raise refusal
+        kill_point(AFTER_JOIN)
         self.log.info(
             "agent_joined",
             join_token_id=result.join_token_id,
