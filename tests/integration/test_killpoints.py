@@ -53,9 +53,10 @@ def test_every_service_declares_its_points_in_one_registry() -> None:
     by_process: dict[str, list[str]] = {}
     for p in points:
         by_process.setdefault(p.process, []).append(p.name)
-    assert sorted(by_process) == ["agent", "bcd", "command-queue", "engine"]
+    assert sorted(by_process) == ["agent", "bcd", "command-queue", "engine", "pki"]
     assert len(by_process["engine"]) == 6
     assert len(by_process["command-queue"]) == 6
     assert len(by_process["agent"]) == 3
     assert len(by_process["bcd"]) == 2
+    assert by_process["pki"] == ["pki.after-join"]  # armed by test_fleet_instance_kills, not the sweep
     assert all(p.name.startswith(p.process + ".") and p.what for p in points)

@@ -227,6 +227,31 @@ async def test_the_audit_of_a_certificate_revoke_names_the_certificate_not_its_t
     assert entry.detail["reason"] == "stolen laptop"
 
 
+async def test_a_join_asked_again_with_the_same_key_gets_its_certificate_and_burns_nothing(
+    bc_settings: Settings, pki: PkiClient
+) -> None:
+    """A join whose answer was lost (the bc-pki that committed it was SIGKILLed before it
+    answered, or the request timed out under load) is asked again by the same machine with the
+    same key: it gets the certificate it already had. Before, it was ``token-used-up`` and the
+    node's token burned as a second join: the machine never joined, its deploy failed, the node
+    was quarantined. Another key with the same token is still refused."""
+    async with PkiService(bc_settings):
+        issued = await issue(pki, node_id=new_id("node"))
+        key = new_agent_key()
+        csr = make_csr(key)
+        first = await pki.join(token=issued.token, csr=csr, claims=MACHINE)
+        again = await pki.join(token=issued.token, csr=csr, claims=MACHINE)
+        assert (again.cert_id, again.agent_id, again.certificate_pem) == (
+            first.cert_id, first.agent_id, first.certificate_pem,
+        )  # fmt: skip
+        AgentIdentity.from_join(again, key)  # the certificate is this key's
+        info = await pki.get_join_token(join_token_id=issued.id)
+        assert (info.uses, info.state) == (1, "used")
+        assert (await pki.get_certificate(cert_id=first.cert_id)).state == "valid"
+        err = await refused(join(pki, issued.token))  # a second machine, its own key
+        assert (err.code, err.reason) == (ErrorCode.UNAUTHENTICATED, "token-used-up")
+
+
 async def test_refused_joins_say_why_spend_nothing_and_are_audited(
     bc_settings: Settings, pki: PkiClient
 ) -> None:

@@ -62,6 +62,7 @@ DECLARING = (
     "bc_command_queue.runs",
     "better_compute.agent.runner",
     "bcd.disks",
+    "bc_pki.joins",
 )
 """The modules that declare kill points (each on import)."""
 

@@ -24,6 +24,7 @@ from better_compute.agent.bus import agent_options, joining_options
 from better_compute.backoff import Backoff
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.crypto import new_agent_key
 from better_compute.logging import get_logger, register_secret
 from better_compute.service.client import ApiClient, connect
 from better_compute.wire import Subjects
@@ -170,8 +171,10 @@ async def join(
 
     Connected to its NATS server (a site's leaf node) but answered by no bc-pki (the leaf's
     link to the hub cut, bc-pki down), it asks again with backoff for up to ``wait_s`` seconds:
-    such a request reached nobody, so the token is unspent. A server that cannot be reached at
-    all still fails at once (a wrong ``--control-plane``).
+    such a request reached nobody, so the token is unspent. So does a request that timed out
+    (the bc-pki that took it may have spent the token and died before answering): it is asked
+    again with the same key, which bc-pki answers with the certificate already issued to that
+    key. A server that cannot be reached at all still fails at once (a wrong ``--control-plane``).
 
     Raises:
         BcError: bc-pki's refusal (``PERMISSION_DENIED`` with reason ``claims-mismatch`` and the
@@ -190,13 +193,14 @@ async def join(
         pki = PkiClient(ApiClient(nc, Subjects(root=subject_root)))
         deadline = time.monotonic() + wait_s
         backoff = Backoff(first=1.0, cap=15.0)
+        key = new_agent_key()  # one key for every ask: a second ask is the same join
         while True:
             try:
-                enrollment = await enroll(pki, token=token, claims=shown, site_id=site_id)
+                enrollment = await enroll(pki, token=token, claims=shown, site_id=site_id, key=key)
                 break
             except BcError as err:
                 left = deadline - time.monotonic()
-                if err.code is not ErrorCode.UNAVAILABLE or left <= 0:
+                if err.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or left <= 0:
                     raise
                 pause = min(backoff.next(), left)
                 log().warning("bcd_join_waiting", said=err.message, retry_in_s=round(pause, 1))

@@ -14,6 +14,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.logging import register_secret
 from better_compute.service import ApiRequest, Database
+from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.paging import decode_cursor, take_page
 from better_compute.wire.pki import (
     JOIN_EVENTS,
@@ -32,7 +33,11 @@ from .burns import burn_token
 from .ca import CertificateAuthority, parse_csr
 from .tokens import mismatched_claims, normalize_claims, token_hash, well_formed
 
-__all__ = ["Joins"]
+__all__ = ["AFTER_JOIN", "Joins"]
+
+AFTER_JOIN = declare(
+    "pki.after-join", "pki", "a join is committed (token spent, certificate stored) and not answered"
+)
 
 
 class Joins:
@@ -101,7 +106,26 @@ class Joins:
             if row is not None:
                 tok_id = row["id"]
             refusal = self._refusal(row, claims) or discovery.refusal(row, claims, body.site_id)
-            if refusal is None:
+            earlier = None
+            if row is not None and (refusal is None or refusal.reason == "token-used-up"):
+                # the same join asked again (its answer was lost: the bc-pki that issued it died,
+                # or the request timed out): the same key proves the same joiner, who gets the
+                # certificate it already has; nothing is spent again, nothing burned
+                earlier = await conn.fetchrow(store.CERT_OF_TOKEN_AND_KEY, row["id"], csr.public_key_der)
+                if earlier is not None:
+                    register_secret(body.token)
+                    refusal = None
+                    result = self._result_of(earlier)
+                    await self._audit_join(
+                        "joined",
+                        join_token_id=row["id"],
+                        cert_id=result.cert_id,
+                        agent_id=result.agent_id,
+                        claims=claims,
+                        detail="asked again with the same key: the certificate it already had",
+                        conn=conn,
+                    )
+            if refusal is None and earlier is None:
                 register_secret(body.token)
                 result = await self._issue_cert(conn, row, csr, claims)
                 await conn.execute(store.TOKEN_SPEND, row["id"])
@@ -130,6 +154,7 @@ class Joins:
                 # a second join with a node's single-use token: one of the two is not the node
                 await burn_token(self.db, self.publish_event, self.log, row, reason="second-join", mac=None)
             raise refusal
+        kill_point(AFTER_JOIN)
         self.log.info(
             "agent_joined",
             join_token_id=result.join_token_id,
@@ -170,6 +195,20 @@ class Joins:
                 {"reason": "claims-mismatch", "claims": wrong},
             )
         return None
+
+    def _result_of(self, cert: Any) -> JoinResult:
+        """The join's answer for an issued certificate's row."""
+        return JoinResult(
+            cert_id=cert["id"],
+            agent_id=cert["agent_id"],
+            tenant_id=cert["tenant_id"],
+            site_id=cert["site_id"],
+            role=cert["role"],
+            join_token_id=cert["join_token_id"],
+            certificate_pem=cert["certificate_pem"],
+            ca_pem=self.ca.certificate_pem,
+            not_after=cert["not_after"],
+        )
 
     async def _issue_cert(self, conn: Any, token: Any, csr: Any, claims: JoinClaims) -> JoinResult:
         ca = self.ca

@@ -23,6 +23,7 @@ __all__ = [
     "CERT_COLUMNS",
     "CERT_CONFIRM_OF_TOKEN",
     "CERT_INSERT",
+    "CERT_OF_TOKEN_AND_KEY",
     "CERT_REVOKE",
     "CERT_SELECT_BY_AGENT",
     "CERT_SELECT_BY_ID",
@@ -113,6 +114,11 @@ CERT_CONFIRM_OF_TOKEN: Final = (
 )
 TOKEN_CONFIRM: Final = "UPDATE join_tokens SET confirmed_at = coalesce(confirmed_at, now()) WHERE id = $1"
 CERT_SELECT_BY_ID: Final = f"SELECT {CERT_COLUMNS} FROM certificates WHERE id = $1"
+# $1 join token id, $2 public key (DER): the certificate a join with this token and key already got
+CERT_OF_TOKEN_AND_KEY: Final = (
+    f"SELECT {CERT_COLUMNS} FROM certificates WHERE join_token_id = $1 AND public_key = $2"
+    " AND revoked_at IS NULL AND not_after > now()"
+)
 CERT_SELECT_BY_AGENT: Final = (
     f"SELECT {CERT_COLUMNS} FROM certificates WHERE agent_id = $1 ORDER BY created_at DESC"
 )

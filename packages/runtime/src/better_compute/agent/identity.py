@@ -43,10 +43,14 @@ async def enroll(
     claims: JoinClaims | None = None,
     key_kind: Literal["ed25519", "p256"] = "ed25519",
     site_id: str | None = None,
+    key: AgentKey | None = None,
 ) -> Enrollment:
     """Join through bc-pki with a join token; the private key never leaves this process.
-    ``site_id``: the site the machine boots in, when it knows (a token of another site is refused)."""
-    key = new_agent_key(key_kind)
+    ``site_id``: the site the machine boots in, when it knows (a token of another site is refused).
+    ``key``: the key to join with (a new ``key_kind`` key by default); a join asked again after
+    an answer that never came passes the same key, and bc-pki answers it with the certificate
+    the first ask got (docs/pki-and-secrets.md "Joins")."""
+    key = key or new_agent_key(key_kind)
     joined = await pki.join(token=token, csr=make_csr(key), claims=claims, site_id=site_id)
     return Enrollment(
         agent_id=joined.agent_id,

@@ -136,6 +136,10 @@ class ServiceProcesses:
         self.procs.append(sp)
         return sp
 
+    def live(self, service: str) -> list[ServiceProcess]:
+        """The running instances of ``service``, oldest first."""
+        return [p for p in self.procs if p.service == service and p.alive()]
+
     def restart(self, old: ServiceProcess) -> ServiceProcess:
         """Start ``old``'s service again under the same instance name, as a supervisor does."""
         return self.start(old.service, *old.args, instance=old.instance)

@@ -113,11 +113,14 @@ class Ledger:
     def count(self, event: str, **match: Any) -> int:
         return len(self.events(event, **match))
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, *, since: float | None = None) -> dict[str, int]:
         """A summary: ``power:On``, ``power.requested:Off``, ``media.insert:Cd``,
-        ``disk.write:vda:node.wipe``, ``boot.network``… and how often each happened."""
+        ``disk.write:vda:node.wipe``, ``boot.network``… and how often each happened (``since``:
+        only what happened from that ``time.time()`` on)."""
         summary: dict[str, int] = {}
         for doc in self.events():
+            if since is not None and doc.get("t", 0) < since:
+                continue
             parts = [str(doc.get("event"))]
             parts += [str(doc[k]) for k in ("to", "device", "disk", "kind") if doc.get(k) is not None]
             key = ":".join(parts)

@@ -62,13 +62,16 @@ async def sites_stack(
     env: Mapping[str, str] | None = None,
     app: str = APP,
     leaf_domains: bool = False,
+    instances: Mapping[str, int] | None = None,
+    lean: bool | None = None,
 ) -> AsyncIterator[SitesStack]:
     """Start the hub, a leaf per site in ``sites``, the services on the hub (``settings``' database
     and subject root; its ``nats_url`` is replaced by the hub's), and per site a simulator of
     ``machines`` machines (``power_delay[site]`` at its BMC) and its site agent, each enrolled;
     stop all of it on the way out. ``leaf_domains``: each leaf runs JetStream in a domain named
     after its site and the command queue keeps the site's streams there
-    (``BC_CMDQ_SITE_DOMAIN={site}``)."""
+    (``BC_CMDQ_SITE_DOMAIN={site}``). ``instances[service]`` processes of that service (one by
+    default); ``lean`` as ``MetalSim(lean=)``."""
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     leaves = await asyncio.to_thread(SiteLeaves(folder / "nats", list(sites), domains=leaf_domains).start)
     settings = msgspec.structs.replace(settings, nats_url=leaves.hub_url, app=app)
@@ -84,12 +87,13 @@ async def sites_stack(
     stack = SitesStack(folder=folder, settings=settings, leaves=leaves, processes=processes, api=api)
     try:
         for service in SERVICES:
-            processes.start(service)
+            for _ in range((instances or {}).get(service, 1)):
+                processes.start(service)
         for n, site in enumerate(sites):
             at_site = msgspec.structs.replace(settings, nats_url=leaves.url(site))
             sim = MetalSim(
                 folder / site / "sim", settings=at_site, machines=machines, site_id=site, seed=n + 1,
-                power_delay=(power_delay or {}).get(site, (0.0, 0.0)),
+                power_delay=(power_delay or {}).get(site, (0.0, 0.0)), lean=lean,
             )  # fmt: skip
             agent = SiteAgentProcess(
                 folder=folder / site / "site-agent", nats_url=leaves.url(site),
