@@ -42,12 +42,11 @@ reader's Ctrl-C once it printed (or after 3 s) and must end with 130 and no trac
 A ``yaml`` block whose first line is ``# name.yaml: …`` is a file the reader saves: both tests
 write it into the examples' folder (docs/plugins.md's ``memory-now.yaml``).
 
-The tests print how many examples ran where: of 101, 59 run in ``make test``, 16 in ``make
-test-long``, 10 by their own tests, 14 are synopsis lines; 2 are parsed only, the whole fleet's
-deploy rollout (minutes: make demo runs it; test_rollout_watch runs ``bulk … --watch`` and
-``nodes watch`` on test profiles). The short test took 32-37 s at a load of 15-20 on the two
-cores (18-27 s before at lower load; the events examples wait for their first line, at most
-3 s); the long one 172-248 s at a load of 20, the ramdisk cached.
+The tests print how many examples ran where: of 102, 59 run in ``make test``, 16 in ``make
+test-long``, 13 by their own tests (fleet-demo.md's whole-fleet rollout by test_demo, on the
+stack ``make demo`` kept), 14 are synopsis lines; none is parsed only. The short test took 32-37 s at a load
+of 15-20 on the two cores (18-27 s before at lower load; the events examples wait for their
+first line, at most 3 s); the long one 172-248 s at a load of 20, the ramdisk cached.
 """
 
 from __future__ import annotations
