@@ -36,6 +36,7 @@ from .batches import Batches
 from .commands import Commands
 from .config import CmdqConfig
 from .delivery import Deliveries, Streams
+from .presence import Presence
 from .rows import CommandRow
 from .signers import Signers
 from .storage import PgStore
@@ -78,6 +79,7 @@ class CommandQueueService(Service):
         self.signers: Signers | None = None
         self._parts: Parts | None = None
         self._store: PgStore | None = None
+        self._presence: Presence | None = None
 
     async def on_start(self) -> None:
         assert self.nc is not None
@@ -111,6 +113,7 @@ class CommandQueueService(Service):
         )  # fmt: skip
         sweeper.duties.append(batches.publish_expiries)
         sweeper.duties.append(batches.reload_quorum)  # an approvers file changed: in force at once
+        presence = Presence(store=rows, config=config, log=log)
         agents = Agents(
             store=rows,
             config=config,
@@ -123,7 +126,9 @@ class CommandQueueService(Service):
             spawn=self._spawn,
             log=log,
             reruns=lambda kind, payload: app.command_kind(kind, path="kind").reruns(payload),
+            presence=presence,
         )
+        self._presence = presence
         commands = Commands(
             store=rows, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
@@ -183,7 +188,16 @@ class CommandQueueService(Service):
 
     def side_loops(self) -> Mapping[str, Any]:
         sweeper = self.parts.sweeper
-        return {"sweeper": sweeper.run, "retention": sweeper.retention, "events_stream": self._events_stream}
+        return {
+            "sweeper": sweeper.run,
+            "retention": sweeper.retention,
+            "events_stream": self._events_stream,
+            "presence": self.parts.agents.presence.run,
+        }
+
+    async def on_stop(self) -> None:
+        if self._presence is not None:  # what was heard goes to the rows before the pool closes
+            await self._presence.flush()
 
     async def _ensure_events_stream(self) -> bool:
         """The feed is for readers outside the control plane: a stream JetStream refuses (no
