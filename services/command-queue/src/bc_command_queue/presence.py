@@ -136,10 +136,17 @@ class Presence:
             self._cancelling = await self.store.all_cancelling()
             return len(rows)
 
+    @property
+    def write_every_s(self) -> float:
+        """``presence_write_ms``, or less where the heartbeat or the silence is short (the tests'
+        200 ms heartbeat and 1.5 s silence): a row is never more than a heartbeat late."""
+        cfg = self.config
+        return min(cfg.presence_write_ms, cfg.heartbeat_ms, cfg.silent_after_ms / 4) / 1000
+
     async def run(self) -> None:
-        """Write every ``presence_write_ms``; a store outage is logged, the heartbeats kept."""
+        """Write every ``write_every_s``; a store outage is logged, the heartbeats kept."""
         while True:
-            await asyncio.sleep(self.config.presence_write_ms / 1000)
+            await asyncio.sleep(self.write_every_s)
             try:
                 await self.write()
             except Exception as exc:
