@@ -33,6 +33,7 @@ from better_compute.agent import Agent, enroll
 from better_compute.agent.sim import join_agent, sim_handlers
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
+from better_compute.core.errors import BcError
 from better_compute.core.ids import new_id
 from better_compute.crypto import sign_event
 from better_compute.logging import configure_logging
@@ -47,6 +48,19 @@ def cpu_s(pid: int) -> float:
     """CPU seconds ``pid`` used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of ``root`` and its live children (PostgreSQL's backends)."""
+    total = cpu_s(root)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == root:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def pct(values: list[float], p: float) -> float:
@@ -143,7 +157,12 @@ async def all_connected(cq: CommandQueueClient, n: int) -> None:
     while True:
         count, cursor = 0, None
         while True:
-            page = await cq.agents_page(connected=True, limit=1000, cursor=cursor)
+            try:
+                page = await cq.agents_page(connected=True, limit=1000, cursor=cursor)
+            except BcError as err:  # main under a flood of hellos: the queue does not answer
+                print(f"agents.list: {err.code.value}", file=sys.stderr)
+                count, cursor = 0, None
+                continue
             count += len(page.agents)
             cursor = page.next
             if cursor is None:
@@ -255,6 +274,23 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         elapsed = time.perf_counter() - t0
         queue_cpu = sum(cpu_s(p.pid) for p in queues) - sum(cpu0)
+        at_rest: dict[str, float] = {}
+        if args.rest:
+            # the product at rest with the idle agents heartbeating: CPU per heartbeat
+            parts = {"command-queue": [p.pid for p in queues], "pki": [procs[0].pid]}
+            roots = {"nats-server": nats.running_pid(), "postgresql": pg.running_pid()}
+
+            def rest_cpu() -> dict[str, float]:
+                got = {k: sum(cpu_s(pid) for pid in pids) for k, pids in parts.items()}
+                got.update({k: tree_cpu_s(pid) for k, pid in roots.items() if pid is not None})
+                return got
+
+            before = rest_cpu()
+            await asyncio.sleep(args.rest)
+            after = rest_cpu()
+            beats = args.idle_agents * args.rest / 5.0  # the default 5 s heartbeat
+            at_rest = {k: round(after[k] - before[k], 2) for k in after}
+            at_rest["product_ms_per_heartbeat"] = round(sum(at_rest.values()) / max(beats, 1) * 1000, 3)
         states: dict[str, int] = {}
         page = await cq.list_commands(limit=1000)
         for view in page.commands:
@@ -275,6 +311,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "command_queue_cpu_s": round(queue_cpu, 2),
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "idle_agents": args.idle_agents,
+            "at_rest_cpu_s": at_rest or None,
             "idle_heartbeats": json.loads((state / "idle.json").read_text()) if args.idle_agents else None,
             "last_1000_states": states,
         }
@@ -299,6 +336,7 @@ def main() -> None:
     parser.add_argument(
         "--idle-agents", type=int, default=0, help="node agents that only heartbeat (a fleet at rest)"
     )
+    parser.add_argument("--rest", type=float, default=0.0, help="then seconds at rest: the product's CPU")
     parser.add_argument("--agents", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)

@@ -148,16 +148,18 @@ class Agents:
 
     async def apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
         """An event whose signature ``signer`` made (checked): applied; the answer to send.
-        At most ``agent_event_slots`` at once work on the store (a machine's heartbeat does not)."""
-        if isinstance(event, Heartbeat) and signer.role != "site" and not event.leaving:
+        At most ``agent_event_slots`` at once work on the store (heartbeats need none)."""
+        if isinstance(event, Heartbeat):
+            # never behind a storm: a site agent's heartbeat late by silent_after would hand
+            # its site's commands to nobody (a machine's is answered from memory anyway)
             return await self._heartbeat(event, signer)
+        if isinstance(event, Hello):  # takes a slot for its statements only (see _hello)
+            return await self._hello(event, signer)
         async with self._slots:
             return await self._apply(event, signer)
 
     async def _apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
         match event:
-            case Hello():
-                return await self._hello(event, signer)
             case Heartbeat():
                 return await self._heartbeat(event, signer)
             case Ack():
@@ -185,23 +187,15 @@ class Agents:
         kinds = ev.kinds
         if kinds is not None and (len(kinds) > 512 or any(len(k) > 128 for k in kinds)):
             raise invalid("kinds", "at most 512 kinds of up to 128 characters")
-        await self.store.agent_hello(
-            AgentHello(
-                agent_id=signer.agent_id,
-                site_id=signer.site_id,
-                tenant_id=signer.tenant_id,
-                role=signer.role,
-                cert_id=signer.cert_id,
-                incarnation=ev.incarnation[:64],
-                version=ev.version[:64],
-                kinds=kinds,
-                signed_at_ms=ev.signed_at_ms,
-                status=_status_doc(ev.status),
-            )
-        )
-        await self._journal_seen(signer.agent_id, ev.journal_id)
+        async with self._slots:
+            await self._hello_rows(ev, signer)
+        # the consumer on JetStream outside the slot: a storm of hellos (a thousand machines
+        # after an outage) waits on nats-server, not on the store's connections
         stream, consumer = await self.streams.ensure_consumer(signer.site_id, signer.agent_id)
-        lease = signer.role == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
+        lease = False
+        if signer.role == "site":
+            async with self._slots:
+                lease = await self._renew_lease(signer.site_id, signer.agent_id)
         self.log.info(
             "agent_hello",
             agent_id=signer.agent_id,
@@ -218,6 +212,23 @@ class Agents:
             boot_lease=lease,
             ack_wait_ms=self.config.ack_wait_ms,
         )
+
+    async def _hello_rows(self, ev: Hello, signer: Signer) -> None:
+        await self.store.agent_hello(
+            AgentHello(
+                agent_id=signer.agent_id,
+                site_id=signer.site_id,
+                tenant_id=signer.tenant_id,
+                role=signer.role,
+                cert_id=signer.cert_id,
+                incarnation=ev.incarnation[:64],
+                version=ev.version[:64],
+                kinds=ev.kinds,
+                signed_at_ms=ev.signed_at_ms,
+                status=_status_doc(ev.status),
+            )
+        )
+        await self._journal_seen(signer.agent_id, ev.journal_id)
 
     async def _after_hello(self, signer: Signer) -> None:
         """An agent is back: what waited for it goes out, what it may have missed again."""

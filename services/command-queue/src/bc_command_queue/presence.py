@@ -98,6 +98,7 @@ class Presence:
                 raise BcError(ErrorCode.NOT_FOUND, "unknown agent: say hello first")
             if len(self._known) >= _KNOWN_MAX:
                 self._known.clear()
+                self._newest.clear()
             self._known.add(agent_id)
         if signed_at_ms <= self._newest.get(agent_id, 0):
             return None
