@@ -8,6 +8,7 @@ memory store by moving its clock on: the same thing seen from the rows."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -538,3 +539,37 @@ async def test_heartbeats_written_together_count_from_when_they_were_heard(pg: H
     assert [c for _, c, _ in told["silent again"]] == [False, False, False]
     assert told["revoked"] == []
     assert told["cancelling"] == {"hb-1": [True]}
+
+
+async def test_two_instances_writing_heartbeats_at_once_keep_each_agents_newest(
+    pg: Harness,
+) -> None:
+    """Each command-queue instance writes the heartbeats it heard; two writes over the same agents
+    at once (in opposite orders) both go through, and each agent keeps its newest heartbeat (the
+    statement locks its rows in id order first, so such writes wait rather than deadlock)."""
+    s = pg.store
+    agents = [f"two-{i:03d}" for i in range(60)]
+    for n in agents:
+        await s.agent_hello(
+            AgentHello(agent_id=n, site_id=SITE, tenant_id="root", role="node", cert_id="cert_two",
+                       incarnation="i", version="1", kinds=None, signed_at_ms=1, status=None)
+        )  # fmt: skip
+
+    def beats(order: list[str], signed: int) -> list[Beat]:
+        return [Beat(agent_id=n, signed_at_ms=signed, cert_id="cert_two", status=None, journal_id=f"j-{n}",
+                     age_ms=0) for n in order]  # fmt: skip
+
+    for round_ in range(10):
+        first, second = 100 + 2 * round_, 101 + 2 * round_
+        one, two = await asyncio.gather(
+            s.agents_heard(beats(agents, first), silent_after_ms=15_000),
+            s.agents_heard(beats(agents[::-1], second), silent_after_ms=15_000),
+        )
+        # whichever wrote second applied only what was newer than the first's
+        assert set(two) == set(agents)
+        assert set(one) in (set(agents), set())
+    rows = await s.list_agents(site_id=SITE, role="node", connected=True, silent_after_ms=15_000, limit=100,
+                               after=None)  # fmt: skip
+    assert {r.id for r in rows} >= set(agents)
+    newest = await s.agents_heard(beats(agents, 119), silent_after_ms=15_000)
+    assert newest == []  # 119 is the last round's second write: nothing older or equal applies
