@@ -141,6 +141,16 @@ def test_the_command_queue_warns_when_the_quorum_is_off(state: Path) -> None:
     shown = bcx(state, "quorum", "show", "--json")
     assert json.loads(shown.stdout)["enabled"] is False
 
+    # --restart: the service stopped and started again (a plugin installed since would load),
+    # the servers left running
+    before = {p["name"]: p["pid"] for p in json.loads(bcx(state, "dev", "ps", "--json").stdout)["processes"]}
+    again = bcx(state, "dev", "up", "--restart", "--service", "bc-command-queue")
+    assert again.returncode == 0, again.stderr
+    assert "bc-command-queue  stopped" in again.stdout, again.stdout
+    after = {p["name"]: p["pid"] for p in json.loads(bcx(state, "dev", "ps", "--json").stdout)["processes"]}
+    assert after["bc-command-queue-1"] != before["bc-command-queue-1"]
+    assert (after["nats-server"], after["postgresql"]) == (before["nats-server"], before["postgresql"])
+
 
 def test_dev_up_serves_the_built_ramdisk_to_the_shipped_profiles(state: Path, tmp_path: Path) -> None:
     """What ``bcx ramdisk build`` left in ``[ramdisk] dir`` becomes the ramdisk of the default

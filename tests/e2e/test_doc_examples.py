@@ -29,19 +29,32 @@ cannot drift from what bcx does (issue 26).
   (``make test-long``) runs those with the same machinery against the stack, fleet and plugin
   its first block starts (docs/fleet-demo.md's ``bcx dev up``, ``bcx sim up --enroll``).
 
-The tests print how many examples ran here, in the long test, and were parsed only, with each
-skip's reason: of 88, 49 run in ``make test``, 10 in ``make test-long``, 29 are parsed only:
-README's first machine (run line by line by test_quickstart, long), ``events tail`` (follows
-until interrupted), the whole fleet's deploy rollout (make demo), the acme profile on a node
-whose bcd answers (test_plugins), a confirmation-pending discovered node, and synopsis lines.
-The short test takes 18-27 s on the loaded two-core machine (about as before: bc-secrets' late
-start and the 8 added runs cost 2-3 s); the long one about 35 s with the ramdisk cached.
+A block marked ``synopsis`` is a grammar (``bcx nodes power on|off|cycle N [--wait]``): each line
+is parsed in two forms (its [optional] parts left out, then all in; the first of ``a|b``), and
+each command it names must be run for real by an example somewhere (here, in the long test, or
+by its own test). A block marked ``by tests/…/test_x.py`` is run by that test, which reads the
+lines from the doc (its ``doc_examples()``; checked here to be the block's): README's first
+machine by test_quickstart (long, a stack of its own), docs/metal.md's confirmation of a pending
+rule enrolment by test_metal_enrollment_rules (a discovery boot), docs/plugins.md's acme profile
+by test_plugins (a simulated bcd). ``bcx events tail``, which follows the feed, gets the
+reader's Ctrl-C once it printed (or after 3 s) and must end with 130 and no traceback.
+
+A ``yaml`` block whose first line is ``# name.yaml: …`` is a file the reader saves: both tests
+write it into the examples' folder (docs/plugins.md's ``memory-now.yaml``).
+
+The tests print how many examples ran where: of 101, 59 run in ``make test``, 16 in ``make
+test-long``, 10 by their own tests, 14 are synopsis lines; 2 are parsed only, the whole fleet's
+deploy rollout (minutes: make demo runs it; test_rollout_watch runs ``bulk … --watch`` and
+``nodes watch`` on test profiles). The short test took 32-37 s at a load of 15-20 on the two
+cores (18-27 s before at lower load; the events examples wait for their first line, at most
+3 s); the long one 172-248 s at a load of 20, the ramdisk cached.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import io
 import os
 import re
@@ -69,12 +82,19 @@ from plugin_install import uv_install
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^\s*```")
-# a block's marker: `skip (why it runs nowhere)`, `long (what it needs)`: the simulated fleet's test
-SKIP = re.compile(r"^\s*<!--\s*doctest:\s*(?P<how>skip|long)\s*\((?P<reason>.*)\)\s*-->\s*$")
+# a block's marker: `skip (why it runs nowhere)`, `long (what it needs)`: the simulated fleet's
+# test; `synopsis (what)`: a grammar, each form parsed and each command run by another example;
+# `by tests/…/test_x.py (why)`: that test runs the block's lines, read from the doc (``doc_examples``)
+SKIP = re.compile(
+    r"^\s*<!--\s*doctest:\s*(?P<how>skip|long|synopsis|by (?P<test>tests/\S+\.py))"
+    r"\s*\((?P<reason>.*)\)\s*-->\s*$"
+)
 # a bcx command line: `bcx …`, `$ bcx …`, after variables and `uv run [--frozen]`
 COMMAND = re.compile(r"^\s*(?:\$\s+)?(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:uv run (?:--frozen )?)?bcx(?:\s|$)")
 # a synopsis word: [optional], a[:part], one|other (a value in quotes or with = is taken as is)
 SYNOPSIS = re.compile(r"^\[|\]$|\w\[|^[\w.-]+(\|[\w.-]+)+$")
+ALTERNATIVES = re.compile(r"[\w.-]+(\|[\w.-]+)+")
+COMMAND_WORD = re.compile(r"[a-z][a-z-]*(\|[a-z][a-z-]*)*")  # `nodes`, `on|off|cycle`; not `lab1-m001`
 
 
 @dataclass(frozen=True)
@@ -85,15 +105,43 @@ class Example:
     skip: str | None  # why it does not run here (the marker's reason)
     block: str = ""  # file:line of its code block (a block's examples run in order)
     long: str | None = None  # what it needs of the simulated fleet (marker `long`): the long test
+    grammar: str | None = None  # marker `synopsis`: parsed in each form, its commands run elsewhere
+    by: str | None = None  # marker `by tests/…py`: the test that runs it (read from the doc)
 
     @property
     def here(self) -> bool:
         """Whether it runs in ``make test``'s test (no marker)."""
-        return self.skip is None and self.long is None
+        return self.skip is None and self.long is None and self.grammar is None and self.by is None
+
+    @property
+    def runs(self) -> bool:
+        """Whether some test runs it for real (here, in the long test, or its own)."""
+        return self.here or self.long is not None or self.by is not None
 
     @property
     def synopsis(self) -> bool:
-        return any(SYNOPSIS.search(word) for word in self.argv)
+        return self.grammar is not None or any(SYNOPSIS.search(word) for word in self.argv)
+
+    def forms(self) -> list[tuple[str, ...]]:
+        """A synopsis line as command lines: its [optional] parts left out, then all in; the first
+        of alternatives (``a|b``)."""
+        text = "\x00".join(self.argv)
+        found = []
+        for form in (re.sub(r"\[[^\[\]]*\]", "", text), text.replace("[", "").replace("]", "")):
+            words = [w for w in form.split("\x00") if w]
+            words = [w.split("|")[0] if ALTERNATIVES.fullmatch(w) else w for w in words]
+            found.append(tuple("1" if w == "N" else w for w in words))  # N: a number
+        return found
+
+    def commands(self) -> list[tuple[str, ...]]:
+        """The commands a synopsis line names (``inspect|commission node_…``: both), each the words
+        before its first argument or flag."""
+        head: list[list[str]] = [[]]
+        for word in self.argv:
+            if word.startswith("-") or not COMMAND_WORD.fullmatch(word):
+                break
+            head = [[*h, alt] for h in head for alt in word.split("|")]
+        return [tuple(h) for h in head]
 
 
 def _argv(line: str) -> tuple[str, ...]:
@@ -105,7 +153,7 @@ def _argv(line: str) -> tuple[str, ...]:
     return tuple(words)
 
 
-def _block(lines: list[str], start: int, name: str, skip: str | None, long: str | None) -> list[Example]:
+def _block(lines: list[str], start: int, name: str, marker: dict[str, str | None]) -> list[Example]:
     """The examples of the code block whose first line (after the fence) is ``lines[start]``."""
     end = next(i for i in range(start, len(lines)) if FENCE.match(lines[i]))
     body = lines[start:end]
@@ -126,7 +174,7 @@ def _block(lines: list[str], start: int, name: str, skip: str | None, long: str 
         shown = None
         if console and i < len(body) and not body[i].lstrip().startswith("$ "):
             shown = body[i].rstrip() or None
-        out.append(Example(where, _argv(line), shown, skip, block=f"{name}:{start}", long=long))
+        out.append(Example(where, _argv(line), shown, block=f"{name}:{start}", **marker))  # type: ignore[arg-type]
     return out
 
 
@@ -139,15 +187,23 @@ def examples() -> list[Example]:
         while i < len(lines):
             if FENCE.match(lines[i]):
                 before = lines[i - 1] if i else ""
-                marker = SKIP.match(before)
-                how, reason = (marker["how"], marker["reason"]) if marker else (None, None)
-                found += _block(
-                    lines, i + 1, name, reason if how == "skip" else None, reason if how == "long" else None
-                )
+                found += _block(lines, i + 1, name, _marker(before))
                 i = next(j for j in range(i + 1, len(lines)) if FENCE.match(lines[j])) + 1
             else:
                 i += 1
     return found
+
+
+def _marker(line: str) -> dict[str, str | None]:
+    """What the marker line before a block says: Example's ``skip``, ``long``, ``grammar``, ``by``."""
+    marker = SKIP.match(line)
+    how, reason = (marker["how"], marker["reason"]) if marker else (None, None)
+    return {
+        "skip": reason if how == "skip" else None,
+        "long": reason if how == "long" else None,
+        "grammar": reason if how == "synopsis" else None,
+        "by": marker["test"] if marker and marker["test"] else None,
+    }
 
 
 def _parse_error(argv: tuple[str, ...]) -> str | None:
@@ -171,10 +227,53 @@ def test_the_docs_have_bcx_examples_and_every_skip_says_why() -> None:
 
 
 def test_every_example_is_a_command_line_bcx_takes() -> None:
-    """Command and flag names as the docs show them exist, with the values they take."""
-    bad = [f"{e.where}: bcx {shlex.join(e.argv)}: {err}" for e in examples()
-           if not e.synopsis and (err := _parse_error(e.argv)) is not None]  # fmt: skip
+    """Command and flag names as the docs show them exist, with the values they take; a
+    synopsis's in each of its forms (its options left out, then all in)."""
+    found = examples()
+    assert all(e.grammar is not None for e in found if e.synopsis), [
+        e.where for e in found if e.synopsis and e.grammar is None
+    ]  # a line with [optional] parts or a|b sits in a block marked synopsis
+    bad = [f"{e.where}: bcx {shlex.join(argv)}: {err}" for e in found
+           for argv in (e.forms() if e.synopsis else [e.argv])
+           if (err := _parse_error(argv)) is not None]  # fmt: skip
     assert bad == []
+
+
+def test_every_command_of_a_synopsis_runs_in_an_example() -> None:
+    """A synopsis is a grammar, not a command: each command it names (``bcx nodes power
+    on|off|cycle …``: all three) is run for real by an example of README or docs/ (make test,
+    make test-long, or the test that runs its block), so none is only ever parsed."""
+    found = examples()
+    ran = [e.argv for e in found if e.runs]
+    missing = [
+        f"{e.where}: bcx {' '.join(command)}"
+        for e in found
+        if e.grammar is not None
+        for command in e.commands()
+        if not any(argv[: len(command)] == command for argv in ran)
+    ]
+    assert missing == []
+
+
+def test_a_block_run_by_its_own_test_is_what_that_test_runs() -> None:
+    """A block marked ``by tests/…/test_x.py`` is run by that test, which reads it from the doc
+    (its ``doc_examples()``): the lines it runs are the block's."""
+    found = examples()
+    by: dict[str, list[Example]] = {}
+    for e in found:
+        if e.by is not None:
+            by.setdefault(e.by, []).append(e)
+    assert by, "no block is run by its own test"
+    for test, todo in by.items():
+        spec = importlib.util.spec_from_file_location(Path(test).stem, ROOT / test)
+        assert spec is not None, test
+        assert spec.loader is not None, test
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        runs = [_argv(line) for line in module.doc_examples() if COMMAND.match(line)]
+        assert runs == [e.argv for e in todo], (
+            f"{test} runs {runs}; the doc's block has {[e.argv for e in todo]}"
+        )
 
 
 async def test_every_runnable_example_does_what_its_doc_shows(
@@ -220,9 +319,14 @@ async def _run_blocks(
         try:
             for e in todo:
                 argv = world.fill_argv(e.argv)
+                # one that follows until interrupted gets the reader's Ctrl-C once it printed
+                interrupt = world.interrupt.get(e.argv[:2]) if "--no-follow" not in e.argv else None
                 run = await fork.bcx(
-                    *argv, cwd=str(cwd), env=world.env.get(e.argv[:2]), timeout=world.timeout
-                )
+                    *argv, cwd=str(cwd), env=world.env.get(e.argv[:2]), timeout=world.timeout,
+                    interrupt=interrupt,
+                )  # fmt: skip
+                if interrupt is not None and run.returncode == 130 and "Traceback" not in run.stderr:
+                    run = run._replace(returncode=0)  # ended by Ctrl-C as a shell's reader ends it
                 shown = world.fill(e.shown) if e.shown is not None else None
                 failure = _differs(replace(e, shown=shown), run.returncode, run.stdout, run.stderr)
                 if failure is not None:
@@ -241,11 +345,13 @@ async def _run_blocks(
 def _summary(found: list[Example]) -> None:
     """How many examples run where, and why the rest do not."""
     reasons = Counter(e.skip for e in found if e.skip is not None)
+    by = Counter(e.by for e in found if e.by is not None)
     print(
         f"\ndoc examples: {len(found)}; ran {sum(e.here for e in found)} in make test, "
         f"{sum(e.long is not None for e in found)} in make test-long (the simulated fleet), "
-        f"parsed only {sum(e.skip is not None for e in found)} "
-        f"({sum(e.synopsis for e in found)} synopsis lines not parsed); skipped by reason:"
+        f"{sum(by.values())} by their own tests ({', '.join(f'{t}: {n}' for t, n in by.items())}), "
+        f"{sum(e.grammar is not None for e in found)} synopsis lines (each form parsed, each command "
+        f"run by another example), parsed only {sum(e.skip is not None for e in found)}; skipped by reason:"
     )
     for reason, n in reasons.most_common():
         print(f"  {n:3}  {reason}")
@@ -269,6 +375,7 @@ async def test_the_fleet_examples_run_on_a_simulated_fleet(tmp_path: Path) -> No
     home, files, state = tmp_path / "home", tmp_path / "files", tmp_path / "state"
     for folder in (home, files, state):
         folder.mkdir(parents=True)
+    _doc_files(files)
     site = tmp_path / "site-packages"
     uv_install(ACME, site)
     # the default app (it lends an installed plugin to provision), as README's first machine; the
@@ -320,6 +427,16 @@ async def test_the_fleet_examples_run_on_a_simulated_fleet(tmp_path: Path) -> No
     assert failures == [], "\n".join(failures)
 
 
+def _doc_files(folder: Path) -> None:
+    """The files the docs write out (a ``yaml`` block whose first line is ``# name.yaml: …``),
+    into ``folder``, as a reader would save them before the examples that name them."""
+    for path in DOCS:
+        for block in re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S):
+            named = re.match(r"# ([\w.-]+\.ya?ml)\b", block)
+            if named:
+                (folder / named[1]).write_text(block)
+
+
 def _needs_secrets(e: Example) -> bool:
     """Whether ``e`` stores a credential through bc-secrets (the stack starts it last)."""
     return "--bmc-credentials-file" in e.argv
@@ -335,6 +452,8 @@ class World:
     ids: dict[str, str]
     after: dict[tuple[str, ...], Callable[[BcxRun], Awaitable[None]]] = field(default_factory=dict)
     env: dict[tuple[str, ...], dict[str, str]] = field(default_factory=dict)  # a command's environment
+    # a command that follows until interrupted: Ctrl-C once it printed, or after these seconds
+    interrupt: dict[tuple[str, ...], float] = field(default_factory=dict)
     timeout: float = 60.0  # a run's, in seconds
 
     def fill(self, text: str) -> str:
@@ -357,6 +476,7 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
     home, files = tmp_path / "home", tmp_path / "files"
     (home / ".bc").mkdir(parents=True)
     files.mkdir()
+    _doc_files(files)
     carol = approver_keys(["carol"])
     approvers = write_approvers(tmp_path / "approvers.toml", carol, threshold=1)
     processes.extra_env.update(BC_CMDQ_QUORUM_FILE=str(approvers), BC_CMDQ_SWEEP="200ms")
@@ -438,11 +558,12 @@ async def _world(settings: Settings, api: ApiClient, processes: ServiceProcesses
              # the author's ids in docs/engine.md's `bcx why` (its output is the author's)
              "node_01M8RSW0Q1DY63NMWG4W8Z57YX": waiting["id"],
              "wf_01M8RSW0T4G53QNA7BJ6ZAK3Z4": powering["workflowId"],
-             "wf_01M950WK8GWNWJD5X0J54N7YRN": aborting["workflowId"],
+             "wf_01M950WK8GWNWJD5X0J54N7YRN": aborting["workflowId"], "wf_01…": powering["workflowId"],
              # a machine's paths and the shell's variables, as the test's own
              "/home/me": str(home), "/etc/bc-site-agent": str(etc), "$KEY": "5f3c0a9e1b7d4c2a"},
         after={("batches", "keygen"): approver_added},
         env={("context", "show"): {"BCX_CONFIG": str(contexts)}},
+        interrupt={("events", "tail"): 3.0},
     )  # fmt: skip
 
 
@@ -463,5 +584,9 @@ def _differs(e: Example, code: int, stdout: str, stderr: str) -> str | None:
     if e.shown is not None and not e.shown.startswith("{") and first != e.shown:  # a sentence
         return f"prints {first!r}; the doc shows {e.shown!r}"
     if "--json" in e.argv:
-        msgspec.json.decode(stdout)  # JSON as promised
+        if e.argv[:2] == ("events", "tail"):  # a JSON document a line
+            for line in stdout.splitlines():
+                msgspec.json.decode(line)
+        else:
+            msgspec.json.decode(stdout)  # JSON as promised
     return None

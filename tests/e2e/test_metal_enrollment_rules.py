@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from better_compute.testing import ServiceProcesses, bcx, until
 from better_compute.testing.bcd import BcdProcess, run_bcd
 from better_compute.testing.machines import prepare_machine
 from better_compute.wire.metal import NodeBmc
+from doc_blocks import doc_block
 
 pytestmark = pytest.mark.e2e
 
@@ -33,6 +35,11 @@ SITE = "lab1"
 PASSWORD = "rule-bmc-s3cret"
 GIB_KIB = 1024 * 1024
 BIG = 'inventory.vendor="Better Compute" and inventory.memory_gib>=32 and inventory.cpu_cores>=8'
+
+
+def doc_examples() -> list[str]:
+    """docs/metal.md's confirmation of a pending rule enrolment, which this test runs as written."""
+    return doc_block("docs/metal.md", "tests/e2e/test_metal_enrollment_rules.py")
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -240,9 +247,13 @@ async def test_one_bmc_one_node_and_a_reported_bmc_address_waits_for_an_operator
     assert "BMC (reported)" in table.stdout
     assert f"from-report ({rule['id']})" in table.stdout
     assert "redfish https://10.77.0.10 /redfish/v1/Systems/1" in table.stdout, table.stdout
-    confirmed = await bcx(settings, "enrollment-rules", "confirm", new_id, "--json")
+    # docs/metal.md's confirm, as written there
+    (line,) = doc_examples()
+    argv = [new_id if w == "node_…" else w for w in shlex.split(line, comments=True)[1:]]
+    confirmed = await bcx(settings, *argv)
     assert confirmed.returncode == 0, confirmed.stdout + confirmed.stderr
-    doc = json.loads(confirmed.stdout)
+    assert new_id in confirmed.stdout
+    doc = json.loads((await bcx(settings, "nodes", "get", new_id, "--json")).stdout)
     assert (doc["state"], doc["enrolledByRule"], doc["pendingEnrollment"]) == ("enrolled", rule["id"], None)
     assert doc["bmc"]["address"] == "https://10.77.0.10"
     again = await bcx(settings, "enrollment-rules", "confirm", fake_id, "--json")

@@ -17,6 +17,8 @@ read from the node's inventory; a broken plugin package stops the engine with IN
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, bcx
 from better_compute.testing.agents import SimAgent, start_sim_agent
 from better_compute.testing.workflows import wait_workflow
+from doc_blocks import doc_block
 from plugin_install import uv_install
 
 pytestmark = pytest.mark.e2e
@@ -38,6 +41,11 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "acme-plugin"
 FAST = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SILENT_AFTER": "1500ms", "BC_CMDQ_SWEEP": "100ms"}
 GIB = 1 << 30
 INVENTORY = {"cpus": {"model": "Sim Xeon", "cores": 8}, "memory": {"totalBytes": 64 * GIB}}
+
+
+def doc_examples() -> list[str]:
+    """docs/plugins.md's run of the acme profile, which this test runs as written there."""
+    return doc_block("docs/plugins.md", "tests/e2e/test_plugins.py")
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -107,11 +115,23 @@ async def test_an_installed_plugin_runs_with_the_default_app(
         role="node", node_id=node, args=["--answer", f"node.inventory={json.dumps(INVENTORY)}"],
     )  # fmt: skip
     agents.append(agent)
-    wf = await engine.start_workflow(profile_id="acme-memory-check", node_id=node)
-    done = await wait_workflow(engine, wf.id, timeout=60)
-    assert done.state == "succeeded", done
-    steps = {s.action: s for s in done.steps}
-    assert steps["acme.checkMemory"].result == {
+    # docs/plugins.md's lines as written there: the start (--wait), then its step's result
+    start_line, get_line, shown = doc_examples()
+    code, out, err = await bcx(
+        bc_settings, *[node if w == "node_01J…" else w for w in shlex.split(start_line)[1:]]
+    )
+    assert code == 0, out + err
+    found = re.search(r"wf_[0-9A-Z]{26}", out)
+    assert found is not None, out
+    get, _, jq = get_line.partition(" | jq ")
+    code, out, err = await bcx(
+        bc_settings, *[found[0] if w == "wf_01J…" else w for w in shlex.split(get)[1:]]
+    )
+    assert code == 0, err
+    result: Any = json.loads(out)
+    for key, index in re.findall(r"\.(\w+)|\[(\d+)\]", shlex.split(jq)[0]):  # jq's path, as jq reads it
+        result = result[key] if key else result[int(index)]
+    assert result == json.loads(shown) == {
         "memoryBytes": 64 * GIB, "memoryGiB": 64.0, "minMemoryGiB": 16, "cpuModel": "Sim Xeon",
     }  # fmt: skip
 

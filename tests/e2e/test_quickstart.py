@@ -21,6 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BCX = str(Path(sys.executable).parent / "bcx")
 
 
+def doc_examples() -> list[str]:
+    """The lines of README's block this test runs (the doc test checks they are its block's)."""
+    return _block()
+
+
 def _block() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text.split("## Your first machine, by hand", 1)[1]

@@ -2,13 +2,17 @@
 
 Every site has its own NATS leaf node (``better_compute.testing.leaves``: a hub with JetStream and
 a leaf per site, as deploy/nats lays them out), its own metal simulator, site agent and machines;
-the services run on the hub. While every machine deploys, one site's leaf link is cut (the TCP
-proxy between leaf and hub drops its connections and refuses new ones) once that site's agent
-holds a command, for ``BC_SITE_CUT_SECONDS`` (5 minutes by default, longer than the command
-queue's ``lost_after`` of 2 minutes). What an operator would see:
+the services run on the hub. Each leaf runs JetStream in a domain named after its site and holds
+the site's streams (``cmdq.site_domain = "{site}"``): its command stream, and the stream where
+its agents store their results, which the command queue reads across the leaf link. While every
+machine deploys, one site's leaf link is cut (the TCP proxy between leaf and hub drops its
+connections and refuses new ones) once that site's agent holds a command, for
+``BC_SITE_CUT_SECONDS`` (5 minutes by default, longer than the command queue's ``lost_after`` of
+2 minutes). What an operator would see:
 
 * the cut site's agent finishes the command it held (its BMC applied it during the cut), its
-  result waits at the site and arrives after the link returns;
+  result waits on the site's leaf (in the leaf's results stream, while the command queue still
+  has the command running) and arrives after the link returns;
 * the engine fails nothing and sends nothing twice: every workflow succeeds with each step's
   first attempt, each command once;
 * the other sites deploy meanwhile (their times printed next to the cut);
@@ -29,12 +33,15 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import nats
+import nats.js.errors
 import pytest
 import pytest_asyncio
 
 from better_compute.config import Settings
 from better_compute.testing import bcx, until
 from better_compute.testing.metal_sim.sites import SitesStack, sites_stack
+from better_compute.wire import Subjects
 from better_compute.wire.cmdq import LIVE_STATES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
@@ -64,6 +71,7 @@ async def stack(bc_settings: Settings, tmp_path: Path) -> AsyncIterator[SitesSta
         machines=MACHINES,
         power_delay={CUT: (2.0, 2.0)},
         env=env,
+        leaf_domains=True,
     ) as st:
         try:
             yield st
@@ -82,6 +90,31 @@ async def _ready(stack: SitesStack, site: str, index: int) -> None:
     await fleet.reaches(index, "ready", timeout=240)
 
 
+async def _on_leaf(stack: SitesStack, site: str) -> tuple[int, int]:
+    """What the site's leaf holds in its own JetStream: messages in its command stream and in
+    its results stream (asked on the leaf, so it answers while the site is cut off)."""
+    subjects = Subjects(stack.settings.subject_root)
+    nc = await nats.connect(stack.leaves.url(site))
+    try:
+        js = nc.jetstream(timeout=5.0)
+        cmd = await js.stream_info(subjects.site_stream(site))
+        results = await js.stream_info(subjects.site_results_stream(site))
+        return cmd.state.messages, results.state.messages
+    finally:
+        await nc.close()
+
+
+async def _stream_on_hub(stack: SitesStack, site: str) -> bool:
+    nc = await nats.connect(stack.leaves.hub_url)
+    try:
+        await nc.jetstream(timeout=5.0).stream_info(Subjects(stack.settings.subject_root).site_stream(site))
+    except nats.js.errors.NotFoundError:
+        return False
+    finally:
+        await nc.close()
+    return True
+
+
 def _held_power_change(stack: SitesStack, since: float) -> bool:
     """Whether the cut site's BMC has a power change asked since ``since`` and not yet applied:
     its agent is in the middle of that command."""
@@ -97,6 +130,10 @@ async def test_a_site_cut_off_mid_rollout_loses_nothing_and_runs_nothing_twice(
     stack: SitesStack, tmp_path: Path
 ) -> None:
     await asyncio.gather(*(_ready(stack, s, i) for s in SITES for i in range(MACHINES)))
+    # every site's streams are on its leaf, none on the hub
+    for s in SITES:
+        await _on_leaf(stack, s)
+        assert not await _stream_on_hub(stack, s), s
     before = {
         (s, i): stack.site(s).machine(i).ledger.counts() for s in SITES for i in range(MACHINES)
     }  # fmt: skip
@@ -115,6 +152,7 @@ async def test_a_site_cut_off_mid_rollout_loses_nothing_and_runs_nothing_twice(
     gate = stack.leaves.gate(CUT)
     gate.cut(CUT_SECONDS + 3600)
     cut_at, cut_wall = time.monotonic(), time.time()
+    _, stored_at_cut = await _on_leaf(stack, CUT)
     print(f"{CUT} cut off {cut_at - t0:.1f} s into the rollout, for {CUT_SECONDS:g} s")
 
     done: dict[tuple[str, int], float] = {}
@@ -144,7 +182,10 @@ async def test_a_site_cut_off_mid_rollout_loses_nothing_and_runs_nothing_twice(
 
     await asyncio.sleep(max(0.0, cut_at + CUT_SECONDS - time.monotonic()))  # the cut's length
     assert gate.is_cut
-    # what the BMC applied is still running for the command-queue: its result waits at the site
+    # what the BMC applied is still running for the command-queue: its result waits on the leaf
+    _, stored = await _on_leaf(stack, CUT)
+    print(f"{CUT}'s leaf holds {stored} results the hub has not seen")
+    assert stored > stored_at_cut, "no result waits in the cut site's leaf stream"
     held = [
         c for i in range(MACHINES)
         for c in (await stack.site(CUT).cq.list_commands(workflow_id=runs[(CUT, i)].workflow_id)).commands
@@ -181,6 +222,12 @@ async def test_a_site_cut_off_mid_rollout_loses_nothing_and_runs_nothing_twice(
         assert delta.get("media.insert:Cd") == 1, delta
         assert delta.get("media.eject:Cd") == 1, delta
         assert m.ledger.repeated_writes() == {}
+
+    # the leaf's results were all read: nothing waits there any more
+    async def drained() -> bool:
+        return (await _on_leaf(stack, CUT))[1] == 0
+
+    await until(drained, timeout=60, interval=0.5, what=f"{CUT}'s leaf results read by the command queue")
     for c in held:  # arrived after the link came back, and counted once
         assert (await stack.site(CUT).cq.get(id=c.id)).state == "succeeded", c.id
     # power at the BMC: the cut site's machines saw what a machine never cut saw
@@ -194,7 +241,8 @@ async def test_a_site_cut_off_mid_rollout_loses_nothing_and_runs_nothing_twice(
     twice = sum(len(m.ledger.repeated_writes()) for m in machines)
     print(
         f"site cut: {len(SITES)} sites x {MACHINES} machines, {CUT} cut {CUT_SECONDS:g} s (lost_after"
-        f" {LOST_AFTER_S:g} s); {len(held)} results held at {CUT} through the cut; at the hardware:"
+        f" {LOST_AFTER_S:g} s); {len(held)} commands held at {CUT} through the cut, {stored} results"
+        f" stored on its leaf meanwhile; at the hardware:"
         f" {installs} installs of {len(machines)} machines, lost {len(machines) - installs}, disk writes"
         f" repeated {twice}"
     )

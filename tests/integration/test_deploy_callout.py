@@ -41,7 +41,7 @@ from better_compute.testing.machines import DiskSpec, prepare_machine
 from better_compute.testing.processes import ServiceProcesses
 from better_compute.testing.waiting import until
 from better_compute.wire import unwrap
-from better_compute.wire.cmdq import AgentView
+from better_compute.wire.cmdq import AgentView, EnqueueCommand
 from deploy_stack import SUBJECTS, Stack, eventually, run_stack
 
 
@@ -66,7 +66,8 @@ async def stack(
         cmdq = ServiceProcesses(
             msgspec.structs.replace(settings, nats_url=cmdq_url),
             tmp_path / "logs",
-            env={"BC_NATS_CA": str(st.ca)},
+            # the site's streams on its leaf, as deploy/bc.example.toml says
+            env={"BC_NATS_CA": str(st.ca), "BC_CMDQ_SITE_DOMAIN": "{site}"},
         )
         try:
             procs.start("bc-pki")
@@ -220,6 +221,19 @@ async def test_the_site_agent_and_bcd_join_and_connect_as_themselves(stack: Stac
 
         connected = await eventually("both agents connected", both_connected, timeout=60)
         assert {a.role for a in connected} == {"site", "discovery"}
+
+        # a command through the deployed bus: delivered into the site's stream on its leaf, run
+        # by the site agent, its result stored on the leaf and read back by the command queue
+        site_agent_id = next(a.id for a in connected if a.role == "site")
+        queue = CommandQueueClient(ApiClient(await stack.connect("engine")))
+        sent = await queue.enqueue(
+            EnqueueCommand(
+                node_id=new_id("node"), site_id="eu1", kind="power.setPower", key="deployed-bus",
+                payload={"action": "on", "bmc": {"driver": "sim", "address": "10.0.0.9"}},
+            )
+        )  # fmt: skip
+        done = await queue.wait(id=sent.id, timeout=60)
+        assert (done.state, done.agent_id) == ("succeeded", site_agent_id), done
 
         # revoked: bcd's connection goes, and it is refused when it comes back
         node_cert = next(c for c in await engine.list_certificates(agent_id=node_id) if c.agent_id == node_id)

@@ -28,7 +28,7 @@ import pytest_asyncio
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import api
+from nats.js import JetStreamContext, api
 
 from better_compute.cli.bus_commands import CA_KEY
 from better_compute.config import EventsSettings
@@ -64,8 +64,35 @@ async def _agent(stack: Stack, agent_id: str, *, role: str = "node") -> Nats:
     return await stack.connect_agent(agent_id, stack.agent_tls(agent_id, role=role))
 
 
+def _site_js(nc: Nats, site: str) -> JetStreamContext:
+    """The JetStream of a site's leaf, as the command queue reaches it across the link: the
+    site's domain (bc.toml cmdq.site_domain = "{site}")."""
+    return nc.jetstream(domain=site, timeout=5)
+
+
 async def _site_stream(nc: Nats, site: str) -> str:
-    """The site's stream, R3, as the command queue makes it (bc_command_queue.delivery)."""
+    """The site's command stream and results stream on its leaf (eu1's: the one leaf here), as
+    the command queue makes them (bc_command_queue.delivery, cmdq.site_domain)."""
+    js = _site_js(nc, site)
+    for name, subject in [
+        (SUBJECTS.site_stream(site), SUBJECTS.site_cmd_all(site)),
+        (SUBJECTS.site_results_stream(site), SUBJECTS.site_results_all(site)),
+    ]:
+        config = api.StreamConfig(
+            name=name,
+            subjects=[subject],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE,
+            num_replicas=1,
+            duplicate_window=120.0,
+        )
+        await eventually(f"stream {name}", functools.partial(js.add_stream, config))
+    return SUBJECTS.site_stream(site)
+
+
+async def _hub_stream(nc: Nats, site: str) -> str:
+    """A command stream on the hub cluster, R3 (a site whose leaf is not in this stack: the
+    hub's JetStream and its permissions still take one, as without cmdq.site_domain)."""
     name = SUBJECTS.site_stream(site)
     js = nc.jetstream(timeout=5)
     config = api.StreamConfig(
@@ -80,15 +107,17 @@ async def _site_stream(nc: Nats, site: str) -> str:
     return name
 
 
-async def _agent_consumer(nc: Nats, site: str, agent: str) -> None:
-    """The agent's durable pull consumer, as the command queue makes it on the agent's hello."""
+async def _agent_consumer(nc: Nats, site: str, agent: str, *, on_hub: bool = False) -> None:
+    """The agent's durable pull consumer, as the command queue makes it on the agent's hello
+    (on the site's leaf; ``on_hub``: on the hub's stream of ``_hub_stream``)."""
     config = api.ConsumerConfig(
         durable_name=agent,
         filter_subject=SUBJECTS.site_cmd(site, agent),
         ack_policy=api.AckPolicy.EXPLICIT,
         ack_wait=30.0,
     )
-    await nc.jetstream(timeout=5).add_consumer(SUBJECTS.site_stream(site), config)
+    js = nc.jetstream(timeout=5) if on_hub else _site_js(nc, site)
+    await js.add_consumer(SUBJECTS.site_stream(site), config)
 
 
 async def _fetch_one(nc: Nats, stream: str, consumer: str, *, timeout: float = 3.0) -> Msg:
@@ -147,7 +176,7 @@ async def test_cluster_forms_and_replicates_a_stream_across_nodes(stack: Stack) 
         assert varz["jetstream"]["config"].get("sync_always") is True, node.name
     cmdq_1 = await stack.connect("command-queue", n1)
     cmdq_2 = await stack.connect("command-queue", n2)
-    stream = await _site_stream(cmdq_1, "eu1")
+    stream = await _hub_stream(cmdq_1, "us1")
     info = await cmdq_2.jetstream().stream_info(stream)
     assert info.config.num_replicas == 3
     assert info.cluster is not None
@@ -155,10 +184,10 @@ async def test_cluster_forms_and_replicates_a_stream_across_nodes(stack: Stack) 
     assert len(info.cluster.replicas or []) == 2
 
     ack = await cmdq_1.jetstream().publish(
-        SUBJECTS.site_cmd("eu1", "agent1"), b"power-on", headers={"Nats-Msg-Id": "c1:agent1"}
+        SUBJECTS.site_cmd("us1", "agent1"), b"power-on", headers={"Nats-Msg-Id": "c1:agent1"}
     )
     assert (ack.stream, ack.seq) == (stream, 1)
-    await _agent_consumer(cmdq_2, "eu1", "agent1")
+    await _agent_consumer(cmdq_2, "us1", "agent1", on_hub=True)
     msg = await _fetch_one(cmdq_2, stream, "agent1")
     assert msg.data == b"power-on"  # left unacknowledged: only agents ack (see the next test)
 
@@ -220,18 +249,30 @@ async def test_site_agent_pulls_its_commands_and_reaches_the_control_plane_throu
         reply = await agent.request(subject, b"{}", timeout=5)
         assert reply.data == text + b" " + subject.encode()
 
-    # its commands: pulled from the hub's JetStream through the leaf, and acknowledged
+    # its commands: pulled from the leaf's own JetStream (the site's domain), and acknowledged
     msg = await _fetch_one(agent, stream, "agent1", timeout=5)
     assert (msg.subject, msg.data) == (SUBJECTS.site_cmd("eu1", "agent1"), b"boot-pxe")
     await msg.ack()
     info = await agent.jetstream().consumer_info(stream, "agent1")
     assert info.name == "agent1"
 
-    async def drained() -> bool | None:
-        state = (await cmdq.jetstream().stream_info(stream)).state
+    async def drained(name: str) -> bool | None:
+        state = (await _site_js(cmdq, "eu1").stream_info(name)).state
         return True if state.messages == 0 else None  # work queue: gone once acknowledged
 
-    await eventually("ack reached the hub", drained)
+    await eventually("the command queue sees the ack", functools.partial(drained, stream))
+
+    # its result: stored on the leaf, read by the command queue across the link and acked
+    results = SUBJECTS.site_results_stream("eu1")
+    stored = await agent.jetstream(timeout=5).publish(SUBJECTS.site_results("eu1", "agent1"), b"done")
+    assert (stored.stream, stored.domain) == (results, "eu1")
+    reader = await _site_js(cmdq, "eu1").pull_subscribe(
+        SUBJECTS.site_results_all("eu1"), durable="command-queue", stream=results
+    )
+    (got,) = await reader.fetch(1, timeout=5)
+    assert (got.subject, got.data) == (SUBJECTS.site_results("eu1", "agent1"), b"done")
+    await got.ack()
+    await eventually("the result read", functools.partial(drained, results))
 
     heartbeat = SUBJECTS.agent_event("eu1", "agent1", "heartbeat")
     await agent.publish(heartbeat, b"alive")
@@ -249,8 +290,8 @@ async def test_site_agent_is_confined_to_its_site(stack: Stack) -> None:
     bcx = await stack.connect("bcx")
     secrets_svc = await stack.connect("secrets")
     await _site_stream(cmdq, "eu1")
-    us1 = await _site_stream(cmdq, "us1")
-    await _agent_consumer(cmdq, "us1", "agent9")
+    us1 = await _hub_stream(cmdq, "us1")
+    await _agent_consumer(cmdq, "us1", "agent9", on_hub=True)
     await cmdq.jetstream().publish(SUBJECTS.site_cmd("us1", "agent9"), b"wipe")
     events = await cmdq.subscribe("bc.agent.>")
 
@@ -308,10 +349,16 @@ async def test_site_agent_is_confined_to_its_site(stack: Stack) -> None:
 
 
 async def test_stream_survives_losing_its_leader(stack: Stack) -> None:
+    """A stream of the hub (R3) takes writes again once a new leader is chosen; and the site's
+    leaf, whose link may have been to the killed node, reconnects to another one, through which
+    the command queue reaches the site's own streams again."""
     cmdq = await stack.connect("command-queue")
-    stream = await _site_stream(cmdq, "eu1")
+    stream = await _hub_stream(cmdq, "us1")
+    await _agent_consumer(cmdq, "us1", "agent1", on_hub=True)
+    eu1 = await _site_stream(cmdq, "eu1")
     await _agent_consumer(cmdq, "eu1", "agent1")
     js = cmdq.jetstream(timeout=2)
+    await js.publish(SUBJECTS.site_cmd("us1", "agent1"), b"before")
     await js.publish(SUBJECTS.site_cmd("eu1", "agent1"), b"before")
     info = await js.stream_info(stream)
     assert info.cluster is not None
@@ -325,24 +372,31 @@ async def test_stream_survives_losing_its_leader(stack: Stack) -> None:
     assert await eventually("a new stream leader", new_leader) != leader.name
     # retried until a new leader takes it; the message id keeps a retry from adding a copy
     after = functools.partial(
-        js.publish, SUBJECTS.site_cmd("eu1", "agent1"), b"after", headers={"Nats-Msg-Id": "after"}
+        js.publish, SUBJECTS.site_cmd("us1", "agent1"), b"after", headers={"Nats-Msg-Id": "after"}
     )
     assert (await eventually("publish after the kill", after)).seq == 2
+    psub = await js.pull_subscribe_bind(durable="agent1", stream=stream)
+    got = [m.data for m in await psub.fetch(2, timeout=5)]
+    assert got == [b"before", b"after"]
 
-    # the agent, through the leaf (which moves to a surviving hub node if it has to), reads both
+    # the site's leaf (which moves to a surviving hub node if it has to) takes the next one
+    to_eu1 = functools.partial(
+        js.publish, SUBJECTS.site_cmd("eu1", "agent1"), b"after", headers={"Nats-Msg-Id": "eu1-after"}
+    )
+    assert (await eventually("publish to eu1 after the kill", to_eu1)).seq == 2
     await _agents(stack)
     agent = await eventually("the agent connects", lambda: _agent(stack, "agent1", role="site"))
-    psub = await agent.jetstream(timeout=5).pull_subscribe_bind(durable="agent1", stream=stream)
-    got: list[bytes] = []
+    apsub = await agent.jetstream(timeout=5).pull_subscribe_bind(durable="agent1", stream=eu1)
+    read: list[bytes] = []
 
     async def read_both() -> bool | None:
-        for msg in await psub.fetch(2 - len(got), timeout=1):
-            got.append(msg.data)
+        for msg in await apsub.fetch(2 - len(read), timeout=1):
+            read.append(msg.data)
             await msg.ack()
-        return True if len(got) == 2 else None
+        return True if len(read) == 2 else None
 
-    await eventually("both commands through the leaf", read_both)
-    assert got == [b"before", b"after"]
+    await eventually("both commands on the leaf", read_both)
+    assert read == [b"before", b"after"]
 
 
 async def test_the_event_feed_works_under_the_deployed_permissions(stack: Stack) -> None:
@@ -819,7 +873,7 @@ async def test_each_agent_reads_and_pulls_only_its_own(stack: Stack) -> None:
         reply = await eventually(f"{name}'s hello", lambda nc=nc, h=hello: nc.request(h, b"hi", timeout=1))
         assert reply.data == b"welcome " + hello.encode()
         assert reply.subject.startswith(f"_INBOX.{name}.")
-        # its own command, pulled through the leaf
+        # its own command, pulled from the leaf's JetStream
         assert (await _fetch_one(nc, stream, name, timeout=5)).data == f"for {name}".encode()
 
     # another agent's consumer: the pull never leaves the leaf (a node's, the site agent's)
@@ -835,12 +889,12 @@ async def test_each_agent_reads_and_pulls_only_its_own(stack: Stack) -> None:
     for who, subjects in {
         "node1": [
             "_INBOX.>", "_INBOX.site1.>", "_INBOX.node2.>",
-            f"$js.hub.api.consumer.msg.next.{stream}.site1", f"$js.hub.api.consumer.msg.next.{stream}.node2",
-            f"$js.hub.api.consumer.info.{stream}.site1", f"$js.ack.{stream}.site1",
+            f"$js.api.consumer.msg.next.{stream}.site1", f"$js.api.consumer.msg.next.{stream}.node2",
+            f"$js.api.consumer.info.{stream}.site1", f"$js.ack.{stream}.site1",
             "bc.agent.eu1.site1.heartbeat",
         ],
         "node2": ["_INBOX.>", "_INBOX.site1.>", "_INBOX.node1.>"],
-        "site1": ["_INBOX.>", "_INBOX.node1.>", f"$js.hub.api.consumer.msg.next.{stream}.node1"],
+        "site1": ["_INBOX.>", "_INBOX.node1.>", f"$js.api.consumer.msg.next.{stream}.node1"],
     }.items():  # fmt: skip
         for subject in subjects:
             await eventually(f"{who} refused {subject}", functools.partial(_refused, stack, who, subject))
@@ -848,7 +902,7 @@ async def test_each_agent_reads_and_pulls_only_its_own(stack: Stack) -> None:
         for sub in subs:
             assert await _drain(sub, wait=0.2) == [], (who, sub.subject)
     # the site agent's command was pulled by it alone and acked by nobody: still there
-    info = await cmdq.jetstream().consumer_info(stream, "site1")
+    info = await _site_js(cmdq, "eu1").consumer_info(stream, "site1")
     assert info.num_ack_pending == 1
 
 
@@ -881,7 +935,7 @@ async def test_a_machine_without_a_certificate_may_only_join(stack: Stack) -> No
     await machine.flush()
     for subject in [
         "_INBOX.>", "_INBOX.join.>", "bc.agent.eu1.node1.hello", "bc.api.secrets.secrets.fetch",
-        f"$js.hub.api.consumer.msg.next.{EU1}.node1", "bc.api.pki.tokens.burn",
+        f"$js.api.consumer.msg.next.{EU1}.node1", "bc.api.pki.tokens.burn",
         "bc.api.pki.tokens.confirm",
     ]:  # fmt: skip
         await eventually(f"refused {subject}", functools.partial(_refused, stack, "joining", subject))

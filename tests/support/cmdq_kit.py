@@ -73,6 +73,8 @@ class Deliveries:
 
 
 class Streams:
+    on_leaves = False  # the site streams on the hub (cmdq.site_domain unset)
+
     async def ensure_consumer(self, site_id: str, agent_id: str) -> tuple[str, str]:
         return f"stream-{site_id}", f"consumer-{agent_id}"
 

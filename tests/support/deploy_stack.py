@@ -377,7 +377,7 @@ def _build(tmp_path: Path) -> Stack:
         )
         for n in (1, 2, 3)
     ]
-    leaf = server("bc-leaf-eu1", "leaf-site.conf")
+    leaf = server("bc-leaf-eu1", "leaf-site.conf", STORE_DIR=tmp_path / "store-leaf")
     return Stack(hub=hub, leaf=leaf, passwords=passwords, ca=tmp_path / "tls" / CA_CERT, folder=tmp_path)
 
 

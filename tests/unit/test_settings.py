@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from better_compute.cli.pki_commands import parse_seconds
-from better_compute.config import Duration, env_var, load_settings, parse_settings, setting_paths
+from better_compute.config import (
+    Duration,
+    SettingsSource,
+    env_var,
+    load_settings,
+    parse_settings,
+    setting_paths,
+    settings_changes,
+)
 from better_compute.core.errors import BcError, ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,3 +90,29 @@ def test_the_cli_reads_durations_with_the_manifest_grammar() -> None:
     for text in ("90", "1.5h", "500ms", "2 h"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_seconds(text)
+
+
+def test_a_settings_source_sees_its_file_change_and_names_what_changed(tmp_path: Path) -> None:
+    """What a running service reads again (issue 26): the file's change is seen, the settings read
+    again keep the same overrides, and what changed is named by its path."""
+    file = tmp_path / "bc.toml"
+    file.write_text('[cmdq]\nsweep = "250ms"\n[[images.signers]]\nid = "a"\npublicKey = "k"\n')
+    source = SettingsSource(file, subject_root="over")
+    before = source.read()
+    assert not source.changed()
+    file.write_text('[cmdq]\nsweep = "300ms"\n[[images.signers]]\nid = "b"\npublicKey = "k"\n')
+    assert source.changed()
+    after = source.read()
+    assert not source.changed()
+    source.forget()  # what was read could not be applied (a server away): the next look reads it
+    assert source.changed()
+    assert source.read() == after
+    assert after.subject_root == "over"
+    assert settings_changes(before, after) == ["cmdq.sweep", "images.signers"]
+    file.write_text('[cmdq]\nsweep = "soon"\n')
+    with pytest.raises(BcError) as bad:
+        source.read()
+    assert bad.value.details["path"] == "cmdq.sweep"
+    file.unlink()
+    assert source.changed()
+    assert SettingsSource().file is None  # no bc.toml here, none named: nothing to watch

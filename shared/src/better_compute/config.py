@@ -36,11 +36,13 @@ __all__ = [
     "RamdiskSettings",
     "SecretsSettings",
     "Settings",
+    "SettingsSource",
     "UserDataSettings",
     "env_var",
     "load_settings",
     "parse_settings",
     "setting_paths",
+    "settings_changes",
 ]
 
 DEFAULT_APP = "better_compute.app.default:app"
@@ -123,6 +125,12 @@ class CmdqSettings(_Section, frozen=True, kw_only=True):
     cert_cache: Duration = Duration(30_000)
     stream_replicas: int = 1
     stream_max_age: Duration = Duration(7 * 86_400_000)
+    site_domain: str = ""
+    """Where each site's streams live. ``""``: in the services' own JetStream (the hub's; one
+    nats-server is enough). A template naming the JetStream domain of the site's leaf node,
+    ``"{site}"`` for a domain named after the site (deploy/nats): the site's command stream and
+    a stream of its results live on its leaf, reached as ``$JS.<domain>.API``, so a site cut
+    off from the hub keeps its commands and its results (docs/command-queue.md)."""
     retention: Duration = Duration(30 * 86_400_000)
     quorum: QuorumSettings = msgspec.field(default_factory=QuorumSettings)
     engine_key_file: str | None = None
@@ -364,15 +372,74 @@ def load_settings(
     """Settings from ``defaults`` (top-level settings under everything else: bcx's current
     context), ``config_file`` (or ``$BC_CONFIG``, or ``./bc.toml`` when present), the environment,
     and ``overrides`` (top-level settings); ``None`` values are ignored."""
-    data: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if v is not None}
-    path = config_file or os.environ.get("BC_CONFIG")
-    if path is None and Path("bc.toml").is_file():
-        path = "bc.toml"
-    if path is not None:
-        data.update(_read_toml(path))
-    for setting in setting_paths():
-        value = os.environ.get(env_var(setting))
-        if value:
-            _set(data, setting, value)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return parse_settings(data)
+    return SettingsSource(config_file, defaults=defaults, **overrides).read()
+
+
+class SettingsSource:
+    """Where a process's settings come from (``load_settings``' arguments), so that they can be
+    read again: ``file`` is the config file in use (None without one), ``changed()`` whether it
+    changed since the last ``read()`` (its inode, size or modification time)."""
+
+    def __init__(
+        self,
+        config_file: str | Path | None = None,
+        *,
+        defaults: dict[str, Any] | None = None,
+        **overrides: Any,
+    ) -> None:
+        path = config_file or os.environ.get("BC_CONFIG")
+        if path is None and Path("bc.toml").is_file():
+            path = "bc.toml"
+        self.file = Path(path) if path is not None else None
+        self._defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
+        self._overrides = {k: v for k, v in overrides.items() if v is not None}
+        self._seen: tuple[int, ...] | None = None
+
+    def _stat(self) -> tuple[int, ...] | None:
+        if self.file is None:
+            return None
+        try:
+            st = os.stat(self.file)
+        except OSError:
+            return (-1,)
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def changed(self) -> bool:
+        """Whether the file changed (or went) since the last ``read()``."""
+        return self.file is not None and (self._seen is None or self._stat() != self._seen)
+
+    def forget(self) -> None:
+        """Count the file as changed, so that the next look reads it again (what was read could
+        not be applied)."""
+        self._seen = None
+
+    def read(self) -> Settings:
+        """The settings now: the file, the environment, the overrides.
+
+        Raises:
+            BcError: ``INVALID_CONFIG`` with ``details.path`` (``cmdq.sweep``; the file's path when
+                it cannot be read or is not TOML).
+        """
+        self._seen = self._stat()  # before the read: a change while reading is seen next time
+        data = dict(self._defaults)
+        if self.file is not None:
+            data.update(_read_toml(self.file))
+        for setting in setting_paths():
+            value = os.environ.get(env_var(setting))
+            if value:
+                _set(data, setting, value)
+        data.update(self._overrides)
+        return parse_settings(data)
+
+
+def settings_changes(old: msgspec.Struct, new: msgspec.Struct, prefix: str = "") -> list[str]:
+    """The dotted paths of the settings that differ between ``old`` and ``new`` (a list, such as
+    ``cmdq.quorum.approvers``, is one setting)."""
+    changes: list[str] = []
+    for f in msgspec.structs.fields(type(old)):
+        before, after = getattr(old, f.name), getattr(new, f.name)
+        if isinstance(before, msgspec.Struct) and isinstance(after, msgspec.Struct):
+            changes += settings_changes(before, after, f"{prefix}{f.name}.")
+        elif before != after:
+            changes.append(f"{prefix}{f.name}")
+    return changes

@@ -211,6 +211,8 @@ class Agents:
             consumer=consumer,
             boot_lease=lease,
             ack_wait_ms=self.config.ack_wait_ms,
+            # the site's streams on its leaf: the agent stores its results there (site_results)
+            **self._results_on_leaf(signer),
         )
 
     async def _hello_rows(self, ev: Hello, signer: Signer) -> None:
@@ -229,6 +231,15 @@ class Agents:
             )
         )
         await self._journal_seen(signer.agent_id, ev.journal_id)
+
+    def _results_on_leaf(self, signer: Signer) -> dict[str, str]:
+        if not self.streams.on_leaves:
+            return {}
+        subjects = self.streams.subjects
+        return {
+            "results_subject": subjects.site_results(signer.site_id, signer.agent_id),
+            "results_stream": subjects.site_results_stream(signer.site_id),
+        }
 
     async def _after_hello(self, signer: Signer) -> None:
         """An agent is back: what waited for it goes out, what it may have missed again."""

@@ -34,7 +34,7 @@ from better_compute.wire.cmdq import (
 )
 from better_compute.wire.paging import decode_cursor, take_page
 
-from .config import CmdqConfig
+from .config import CmdqConfig, QuorumSource
 from .delivery import Changed
 from .rows import ApprovalRow, BatchRow, CommandRow
 from .storage import NewBatch, Store
@@ -370,9 +370,20 @@ class Batches:
             )  # fmt: skip
             return
         if changed:
-            quorum = self.config.quorum
-            self.log.info("quorum_reloaded", threshold=quorum.threshold, approvers=sorted(quorum.approvers))
-            await self.recount_all()
+            await self._quorum_changed("approvers-file")
+
+    async def adopt_quorum(self, source: QuorumSource) -> None:
+        """A new ``[cmdq.quorum]`` (the config file changed): in force at once, every open
+        batch's approvals counted again."""
+        if self.config.quorum_source.adopt(source):
+            await self._quorum_changed("config-file")
+
+    async def _quorum_changed(self, source: str) -> None:
+        quorum = self.config.quorum
+        self.log.info(
+            "quorum_reloaded", source=source, threshold=quorum.threshold, approvers=sorted(quorum.approvers)
+        )
+        await self.recount_all()
 
     async def quorum(self, _req: ApiRequest) -> QuorumView:
         quorum = self.config.quorum

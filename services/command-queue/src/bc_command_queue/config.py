@@ -24,13 +24,39 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.keyring import Keyring
 from better_compute.wire.codec import validation_path
 
-__all__ = ["Approver", "CmdqConfig", "Quorum", "QuorumSource", "load_quorum", "quorum_from_settings"]
+__all__ = [
+    "Approver",
+    "CmdqConfig",
+    "Quorum",
+    "QuorumSource",
+    "check_site_domain",
+    "load_quorum",
+    "quorum_from_settings",
+]
 
 _AT: Final = "cmdq.quorum"
 
 
 def _bad(path: str, message: str) -> BcError:
     return BcError(ErrorCode.INVALID_CONFIG, message, {"path": path})
+
+
+_DOMAIN_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def check_site_domain(template: str) -> str:
+    """``cmdq.site_domain``: ``""``, or a JetStream domain name in which ``{site}`` stands for
+    the site id (letters, digits, ``-`` and ``_`` otherwise); ``INVALID_CONFIG`` else."""
+    if not template:
+        return ""
+    rest = template.replace("{site}", "")
+    if "{site}" not in template or not set(rest) <= _DOMAIN_CHARS:
+        raise _bad(
+            "cmdq.site_domain",
+            "a JetStream domain template: '{site}' (the site's id), with letters, digits, - and _"
+            " around it, or empty for the services' own JetStream",
+        )
+    return template
 
 
 @dataclass(frozen=True)
@@ -95,6 +121,13 @@ class QuorumSource:
             return False
         self.quorum = quorum
         return True
+
+    def adopt(self, other: QuorumSource) -> bool:
+        """Take ``other``'s quorum and file (``[cmdq.quorum]`` changed in the config file); True
+        when the quorum changed."""
+        changed = _shape(other.quorum) != _shape(self.quorum)
+        self.quorum, self.path, self._seen = other.quorum, other.path, other._seen
+        return changed
 
 
 def _shape(quorum: Quorum) -> tuple[int, dict[str, str]]:
@@ -205,6 +238,10 @@ class CmdqConfig:
     again (the agent died with it, or lost it)."""
     stream_replicas: int = 1
     stream_max_age_seconds: int = 7 * 24 * 3600
+    site_domain: str = ""
+    """``cmdq.site_domain``: ``""`` keeps every site's stream in the services' JetStream;
+    a template with ``{site}`` names the JetStream domain of each site's leaf node, which then
+    holds the site's command stream and its results stream (``site_domain_of``)."""
     retention_days: int = 30
     """Finished commands (succeeded, failed, rejected, expired, cancelled) untouched this many
     days are deleted; 0 keeps them for ever. Batches and approvals are kept as the audit trail."""
@@ -226,6 +263,7 @@ class CmdqConfig:
             ack_wait_ms=settings.ack_wait.ms,
             stream_replicas=settings.stream_replicas,
             stream_max_age_seconds=settings.stream_max_age.ms // 1000,
+            site_domain=check_site_domain(settings.site_domain),
             retention_days=settings.retention.ms // 86_400_000,
             engine_key=(
                 Keyring.load_or_create(Path(settings.engine_key_file))[0]

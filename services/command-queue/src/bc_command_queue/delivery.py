@@ -7,6 +7,13 @@ PostgreSQL: publishing again what may not have reached the stream (same ``n``) a
 if it did, while a deliberate new delivery (``n + 1``) is not swallowed by the stream's
 duplicate window even when the first one was consumed.
 
+Where the streams live is ``cmdq.site_domain``: by default in the services' own JetStream (the
+hub's); with a domain template, each site's command stream and results stream live on the
+site's leaf node, in its JetStream domain, managed through ``$JS.<domain>.API`` across the leaf
+link (``SiteResults`` reads the results). Deliveries are published on the command subject as
+ever: the leaf's stream takes them (its interest crosses the link), and while the link is down
+nothing takes them, so they wait in PostgreSQL and the sweeper publishes them after.
+
 ``Deliveries`` publishes commands only after their change committed, never while a row is
 locked: a publication that fails (or an instance that dies before it) leaves the command
 dispatched without ``published_at``, and the sweeper publishes it again.
@@ -65,6 +72,8 @@ class Streams:
         replicas: int = 1,
         max_age_seconds: int = 7 * 24 * 3600,
         ack_wait_seconds: float = 30.0,
+        site_domain: str = "",
+        on_site: Callable[[str], None] | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=5.0)
@@ -72,32 +81,65 @@ class Streams:
         self.replicas = replicas
         self.max_age = float(max_age_seconds)
         self.ack_wait = ack_wait_seconds
+        self.site_domain = site_domain
+        self.on_site = on_site
+        """Called with a site whose streams were just ensured on its leaf (``site_domain``)."""
         self._known: set[str] = set()
+        self._js_of: dict[str, Any] = {}
+
+    @property
+    def on_leaves(self) -> bool:
+        """Whether each site's streams live on its leaf node (``cmdq.site_domain`` set)."""
+        return bool(self.site_domain)
+
+    def domain_of(self, site_id: str) -> str | None:
+        """The JetStream domain holding the site's streams; None: the services' own."""
+        return self.site_domain.replace("{site}", site_id) if self.site_domain else None
+
+    def js_of(self, site_id: str) -> Any:
+        """The JetStream context of the site's streams (``$JS.<domain>.API`` on a leaf)."""
+        domain = self.domain_of(site_id)
+        if domain is None:
+            return self.js
+        js = self._js_of.get(domain)
+        if js is None:
+            js = self._js_of[domain] = self.nc.jetstream(domain=domain, timeout=5.0)
+        return js
 
     async def ensure_stream(self, site_id: str) -> str:
         name = self.subjects.site_stream(site_id)
         if name in self._known:
             return name
+        await self._add_stream(site_id, name, self.subjects.site_cmd_all(site_id))
+        if self.on_leaves:
+            await self._add_stream(
+                site_id, self.subjects.site_results_stream(site_id), self.subjects.site_results_all(site_id)
+            )
+        self._known.add(name)
+        if self.on_leaves and self.on_site is not None:
+            self.on_site(site_id)
+        return name
+
+    async def _add_stream(self, site_id: str, name: str, subject: str) -> None:
         config = api.StreamConfig(
             name=name,
-            subjects=[self.subjects.site_cmd_all(site_id)],
+            subjects=[subject],
             retention=api.RetentionPolicy.WORK_QUEUE,
             storage=api.StorageType.FILE,
-            num_replicas=self.replicas,
+            # a leaf node is one server: its streams have one replica
+            num_replicas=1 if self.on_leaves else self.replicas,
             max_age=self.max_age,
             duplicate_window=_DUPLICATE_WINDOW_S,
             discard=api.DiscardPolicy.OLD,
         )
         try:
-            await self.js.add_stream(config)
+            await self.js_of(site_id).add_stream(config)
         except nats.js.errors.BadRequestError as exc:
             # Another instance made it first, maybe with settings of an older version: use it.
             if exc.err_code != _STREAM_IN_USE:
                 raise _unavailable("cannot create the site's stream", exc) from exc
         except (nats.errors.Error, TimeoutError) as exc:
             raise _unavailable("cannot create the site's stream", exc) from exc
-        self._known.add(name)
-        return name
 
     def forget(self, site_id: str) -> None:
         """Check the site's stream again before the next publication (it may be gone)."""
@@ -116,23 +158,24 @@ class Streams:
             max_deliver=-1,
             max_ack_pending=1024,
         )
+        js = self.js_of(site_id)
         try:
-            await self.js.add_consumer(stream, config)
+            await js.add_consumer(stream, config)
         except nats.js.errors.NotFoundError:
             self.forget(site_id)
             stream = await self.ensure_stream(site_id)
-            await self._add_consumer(stream, config)
+            await self._add_consumer(js, stream, config)
         except nats.js.errors.BadRequestError:
             # It exists with other settings (an older version made it): keep using it.
             with contextlib.suppress(nats.errors.Error):
-                await self.js.consumer_info(stream, durable)
+                await js.consumer_info(stream, durable)
         except (nats.errors.Error, TimeoutError) as exc:
             raise _unavailable("cannot create the agent's consumer", exc) from exc
         return stream, durable
 
-    async def _add_consumer(self, stream: str, config: api.ConsumerConfig) -> None:
+    async def _add_consumer(self, js: Any, stream: str, config: api.ConsumerConfig) -> None:
         try:
-            await self.js.add_consumer(stream, config)
+            await js.add_consumer(stream, config)
         except (nats.errors.Error, TimeoutError) as exc:
             raise _unavailable("cannot create the agent's consumer", exc) from exc
 
@@ -194,12 +237,18 @@ class Deliveries:
         return True
 
     async def deliver(self, rows: Sequence[CommandRow], *, again: bool = False) -> bool:
-        """Publish each row in turn; False when the stream is in trouble (the sweeper publishes
-        the rest later)."""
+        """Publish each row in turn; False when a stream is in trouble (the sweeper publishes
+        the rest later). With the streams on the sites' leaves, a site whose stream does not
+        take a delivery (its link is down) is skipped and the other sites' rows still go."""
+        failed: set[str] = set()
         for row in rows:
+            if row.site_id in failed:
+                continue
             if not await self.publish(row, again=again):
-                return False
-        return True
+                if not self.streams.on_leaves:
+                    return False
+                failed.add(row.site_id)
+        return not failed
 
 
 def delivery_body(row: CommandRow) -> bytes:

@@ -10,6 +10,8 @@ channel). The work is split by concern, each part a plain class given what it ne
 * ``sweeper``: expiry, reassignment, lost agents, dispatch of pending commands, publishing
   again what was not delivered, retention;
 * ``delivery``: streams, consumers and publishing;
+* ``site_results``: with the streams on the sites' leaves (``cmdq.site_domain``), the results
+  the agents stored there, read and applied;
 * ``storage``: the ``Store`` those parts change rows through (``PgStore`` here; an in-memory
   one in ``bc_command_queue.testing`` for unit tests), ``rows`` its row Structs;
 * ``store``: every SQL statement.
@@ -26,6 +28,7 @@ from nats.aio.msg import Msg
 from better_compute.app import load_app
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import Handler, Service
 from better_compute.service.events import ensure_events_stream
 from better_compute.wire.cmdq import EVENTS
@@ -34,11 +37,12 @@ from . import metrics
 from .agents import Agents
 from .batches import Batches
 from .commands import Commands
-from .config import CmdqConfig
+from .config import CmdqConfig, quorum_from_settings
 from .delivery import Deliveries, Streams
 from .presence import Presence
 from .rows import CommandRow
 from .signers import Signers
+from .site_results import SiteResults
 from .storage import PgStore
 from .sweeper import Sweeper
 from .views import command_event
@@ -73,6 +77,8 @@ class CommandQueueService(Service):
         "batches.reopen": ("id",),
     }
 
+    live_settings: ClassVar[tuple[str, ...]] = ("cmdq.quorum",)
+
     def __init__(self, settings: Settings, *, config: CmdqConfig | None = None) -> None:
         super().__init__(settings)
         self.config = config if config is not None else CmdqConfig.from_settings(settings.cmdq)
@@ -80,6 +86,7 @@ class CommandQueueService(Service):
         self._parts: Parts | None = None
         self._store: PgStore | None = None
         self._presence: Presence | None = None
+        self._site_results: SiteResults | None = None
 
     async def on_start(self) -> None:
         assert self.nc is not None
@@ -94,6 +101,8 @@ class CommandQueueService(Service):
             replicas=self.config.stream_replicas,
             max_age_seconds=self.config.stream_max_age_seconds,
             ack_wait_seconds=self.config.ack_wait_ms / 1000,
+            site_domain=self.config.site_domain,
+            on_site=self._watch_site_results,
         )
         db, config, log = self.db, self.config, self.log
         rows = PgStore(db)
@@ -132,6 +141,12 @@ class CommandQueueService(Service):
         commands = Commands(
             store=rows, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
+        if streams.on_leaves:
+            self._site_results = SiteResults(
+                store=rows, streams=streams, subjects=self.subjects, signers=self.signers,
+                runs=agents.runs, silent_after_ms=config.silent_after_ms, log=log,
+            )  # fmt: skip
+            self.log.info("site_streams_on_leaves", site_domain=config.site_domain)
         self._parts = Parts(commands, agents, batches, sweeper)
         self._store = rows
         # The durable event feed: this service creates the stream (it holds the JetStream
@@ -156,6 +171,23 @@ class CommandQueueService(Service):
                 detail="no approvers are configured: destructive commands run without approval;"
                 " set [cmdq.quorum] in bc.toml (or BC_CMDQ_QUORUM_FILE)",
             )
+
+    async def apply_settings(self, settings: Settings, changed: list[str]) -> None:
+        """``[cmdq.quorum]`` changed in the config file (inline approvers, or another file):
+        the new quorum is in force at once and open batches' approvals are counted again."""
+        del changed
+        source = quorum_from_settings(settings.cmdq.quorum)
+        if source.quorum.enabled != self.config.quorum.enabled:
+            # as with an approvers file: a quorum turned off (or on) is a deliberate restart,
+            # never an edit that a running service takes up
+            raise BcError(
+                ErrorCode.INVALID_CONFIG,
+                "turning the quorum "
+                + ("off" if self.config.quorum.enabled else "on")
+                + " takes a restart of the command queue; list at least one approver to change them live",
+                {"path": "cmdq.quorum.approvers"},
+            )
+        await self.parts.batches.adopt_quorum(source)
 
     @property
     def parts(self) -> Parts:
@@ -188,16 +220,23 @@ class CommandQueueService(Service):
 
     def side_loops(self) -> Mapping[str, Any]:
         sweeper = self.parts.sweeper
-        return {
+        loops = {
             "sweeper": sweeper.run,
             "retention": sweeper.retention,
             "events_stream": self._events_stream,
             "presence": self.parts.agents.presence.run,
         }
+        if self._site_results is not None:
+            loops["site_results"] = self._site_results.run
+        return loops
 
     async def on_stop(self) -> None:
         if self._presence is not None:  # what was heard goes to the rows before the pool closes
             await self._presence.flush()
+
+    def _watch_site_results(self, site_id: str) -> None:
+        if self._site_results is not None:
+            self._site_results.watch(site_id)
 
     async def _ensure_events_stream(self) -> bool:
         """The feed is for readers outside the control plane: a stream JetStream refuses (no

@@ -152,11 +152,20 @@ class Signers:
         return signer
 
     async def check_event(
-        self, *, site: str, agent: str, kind: str, doc: dict[str, Any], signature: bytes
+        self,
+        *,
+        site: str,
+        agent: str,
+        kind: str,
+        doc: dict[str, Any],
+        signature: bytes,
+        freshness_ms: int = FRESHNESS_MS,
     ) -> Signer:
         """The signer of an event on ``bc.agent.<site>.<agent>.<kind>``, once it checks out:
         the document names that site and agent, the signature is recent and verifies, and the
-        certificate belongs to that very agent of that site.
+        certificate belongs to that very agent of that site. ``freshness_ms``: how recently it
+        must be signed (a result stored on the site's leaf waits there as long as its link is
+        down: ``SiteResults`` allows the stream's age).
 
         Raises:
             BcError: ``UNAUTHENTICATED`` with a reason, or ``UNAVAILABLE``.
@@ -166,7 +175,7 @@ class Signers:
         signed_at = doc.get("signedAtMs")
         if isinstance(signed_at, bool) or not isinstance(signed_at, int):
             raise _refused("stale-signature", "the event carries no signing time")
-        if abs(time.time_ns() // 1_000_000 - signed_at) > FRESHNESS_MS:
+        if abs(time.time_ns() // 1_000_000 - signed_at) > freshness_ms:
             raise _refused("stale-signature", "the event was not signed recently")
         cert_id = doc.get("signerId")
         if not isinstance(cert_id, str) or not cert_id.startswith("cert_"):

@@ -135,9 +135,15 @@ class Sweeper:
         rows = await self.store.republish_due(
             redeliver_after_ms=self.config.redeliver_after_ms, silent_after_ms=self.config.silent_after_ms
         )
+        failed: set[str] = set()  # sites whose leaf stream is out of reach (cmdq.site_domain)
         for row in rows:
+            if row.site_id in failed:
+                continue
             if not await self.deliveries.publish(row):
-                return  # the stream is in trouble: next sweep
+                if not self.deliveries.streams.on_leaves:
+                    return  # the stream is in trouble: next sweep
+                failed.add(row.site_id)
+                continue
             self.log.info("command_republished", command_id=row.id)
 
     async def retention(self) -> None:

@@ -15,7 +15,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from better_compute.app import App, load_app
-from better_compute.config import UserDataSettings
+from better_compute.config import Settings, UserDataSettings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.keyring import Keyring
 from better_compute.metal.steps.joined import STEP_ID as WAIT_JOINED
@@ -112,6 +112,8 @@ class EngineService(Service):
         "metal.bulk": ("verb", "nodeIds", "selector", "tenantId", "image", "profile"),
     }
 
+    live_settings: ClassVar[tuple[str, ...]] = ("images", "ramdisk")
+
     def make_database(self, url: str) -> Database:
         return Database(url, "engine", min_size=2, max_size=20, init=_init_connection)
 
@@ -152,7 +154,9 @@ class EngineService(Service):
         # the plug-ins of the engine register through its hooks: metal, then the app's plugins'
         # owner reconcilers (one of theirs of the same name wins, as before)
         self.hooks.on_event(JOIN_EVENTS, self._on_join)
-        metal = MetalPlugin(self.engine, images=self.settings.images)
+        self.metal = metal = MetalPlugin(
+            self.engine, images=self.settings.images, ramdisk=self.settings.ramdisk
+        )
         metal.register(self.hooks)
         self.hooks.owners.update(_owner_reconcilers(self.app))
         await metal.start()
@@ -189,6 +193,16 @@ class EngineService(Service):
 
     def routes(self) -> Mapping[str, Handler]:
         return self.engine_api.routes()
+
+    async def apply_settings(self, settings: Settings, changed: list[str]) -> None:
+        """``[images] signers`` changed in the config file: the catalog's allowlist rewritten
+        (this engine's next registration and deploy, and every other engine's, use it);
+        ``[ramdisk]``: the shipped profiles boot the new one from their next run."""
+        self.metal.check(settings.images, settings.ramdisk)  # wrong: nothing changes
+        if any(path.startswith("ramdisk.") for path in changed):
+            await self.metal.use_ramdisk(settings.ramdisk)
+        if any(path.startswith("images.") for path in changed):
+            await self.metal.use_images(settings.images)
 
     async def collect_metrics(self) -> None:
         if self.db is not None:

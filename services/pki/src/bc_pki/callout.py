@@ -29,7 +29,7 @@ anyway.
     issuer_seed_file = "/etc/better-compute/callout/callout-eu1-issuer.nk"
     pki_ca_file = "/etc/better-compute/callout/pki-ca.pem"  # bcx certs ca
     bus_ca_file = "/etc/better-compute/nats/tls/ca.pem"     # joining certificates (default nats_ca)
-    # user = "callout"; account = "SITE"; js_api = "$JS.hub.API"; subject_root = "bc"
+    # user = "callout"; account = "SITE"; js_api = "$JS.API"; subject_root = "bc"
     # cache_seconds = 10; stale_seconds = 300; sweep_seconds = 60
 
 Every problem with it is ``INVALID_CONFIG`` with ``details.path`` naming the key (exit status 2).
@@ -107,7 +107,7 @@ class CalloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     bus_ca_file: str | None = None
     user: str = "callout"
     account: str = "SITE"
-    js_api: str = "$JS.hub.API"
+    js_api: str = "$JS.API"
     subject_root: str = "bc"
     cache_seconds: float = 10.0
     stale_seconds: float = 300.0

@@ -227,6 +227,12 @@ class HelloReply(_Msg, frozen=True, kw_only=True):
     boot_lease: bool = False
     ack_wait_ms: int = 30_000
     """The consumer's ack wait: a running command's message is kept in progress within it."""
+    results_subject: str | None = None
+    """Set when the site's streams live on its leaf node (``cmdq.site_domain``): the agent
+    stores each result there, on this subject of ``results_stream`` (the leaf's JetStream
+    acknowledges it, link to the hub up or not), instead of asking the command queue; the
+    queue reads that stream and applies what it finds. Unset: results are requests."""
+    results_stream: str | None = None
 
 
 class HeartbeatReply(_Msg, frozen=True, kw_only=True):

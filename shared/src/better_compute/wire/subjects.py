@@ -115,6 +115,17 @@ class Subjects(msgspec.Struct, frozen=True):
         """JetStream stream name for one site's commands."""
         return f"{self.root.upper().replace('.', '_')}_SITE_{site.upper()}"
 
+    def site_results(self, site: str, agent: str) -> str:
+        """Where an agent stores its results on its site's leaf (``cmdq.site_domain`` set)."""
+        return f"{self.root}.site.{site}.results.{agent}"
+
+    def site_results_all(self, site: str) -> str:
+        return f"{self.root}.site.{site}.results.>"
+
+    def site_results_stream(self, site: str) -> str:
+        """JetStream stream name for one site's stored results (on its leaf)."""
+        return f"{self.site_stream(site)}_RESULTS"
+
     def agent_event(self, site: str, agent: str, kind: str) -> str:
         """kind: hello, heartbeat, ack, progress or result."""
         return f"{self.root}.agent.{site}.{agent}.{kind}"

@@ -309,7 +309,10 @@ async def steps_list(args: argparse.Namespace, settings: Settings) -> int:
     print_table(
         rows,
         [("use", "USE"), ("on", "ON"), ("from", "FROM"), ("with", "WITH (* required)")],
-        empty="no steps" if args.plugin is None else f"no steps of {args.plugin}",
+        empty="no steps"
+        if args.plugin is None
+        else f"no steps of {args.plugin} in the running engine: a plugin installed since its start loads"
+        " at its next (bcx dev up --restart, or restart bc-engine); bcx plugins list shows what runs",
     )
     return 0
 

@@ -164,6 +164,8 @@ async def cmd_dev_up(args: argparse.Namespace, settings: Settings) -> int:
     say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
     stack = DevStack(settings, say=say)
     services = args.service or list(SERVICES)
+    if args.restart:
+        stack.stop_services(services)
     urls = stack.up(services=services, instances=args.instances)
     # Wait until every started service answers, so `bcx status` right after shows them.
     want = {s: args.instances for s in services}
@@ -395,6 +397,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--service", action="append", choices=list(SERVICES), help="only these")
     p.add_argument("--instances", type=int, default=1, help="instances of each service")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for readiness")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="stop the running services first, then start them (a plugin installed since loads);"
+        " NATS, PostgreSQL and the simulator stay",
+    )
     p.set_defaults(func=cmd_dev_up)
     p = dsub.add_parser("down", parents=[common], help="stop the services and servers")
     p.add_argument("--keep-servers", action="store_true", help="leave NATS and PostgreSQL up")

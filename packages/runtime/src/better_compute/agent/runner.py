@@ -450,6 +450,23 @@ class Agent:
             raise BcError(ErrorCode.UNAVAILABLE, f"NATS: {type(exc).__name__}") from exc
         return unwrap(msg.data)
 
+    async def _store_result(self, event: Result, subject: str, stream: str) -> None:
+        """Store a signed result in the site's results stream on the leaf (the command queue's
+        hello named it: the site's streams live on its leaf node). The leaf's JetStream
+        acknowledges it whether its link to the hub is up or not; the queue reads it from
+        there. The message id is the command's and journal's: storing it again (a retry whose
+        acknowledgement was lost) adds nothing. Raises ``BcError`` ``UNAVAILABLE`` when the
+        leaf does not take it (tried again)."""
+        assert self.nc is not None
+        headers = {"Nats-Msg-Id": f"{event.command_id}:{event.journal_id}"}
+        try:
+            await self.nc.jetstream().publish(
+                subject, sign_event(self.identity, "result", event), stream=stream, headers=headers,
+                timeout=self.request_timeout,
+            )  # fmt: skip
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            raise BcError(ErrorCode.UNAVAILABLE, f"the site's results stream: {type(exc).__name__}") from exc
+
     async def _publish(self, kind: str, event: AgentEvent) -> None:
         assert self.nc is not None
         subject = self.subjects.agent_event(self.site_id, self.agent_id, kind)
@@ -957,6 +974,10 @@ class Agent:
                 result_signature=entry.signature,
                 journal_id=self.journal.id if self.journal is not None else "",
             )
+            hello = self._hello
+            if hello is not None and hello.results_subject and hello.results_stream:
+                await self._store_result(event, hello.results_subject, hello.results_stream)
+                return ResultReply(recorded=True, state="stored")
             return msgspec.convert(await self._request("result", event), ResultReply)
 
         try:

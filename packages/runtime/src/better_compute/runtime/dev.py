@@ -274,6 +274,20 @@ class DevStack:
         found = (self.record(p.stem) for p in sorted(self.procs.glob("*.json")))
         return [r for r in found if r is not None]
 
+    def stop_services(self, services: Iterable[str]) -> None:
+        """Stop these services' processes (every instance); NATS, PostgreSQL, the simulator and
+        its site agent stay: what ``bcx dev up --restart`` does before it starts them again (a
+        plugin installed since, a changed setting)."""
+        wanted = set(services)
+        for rec in self.records():
+            if rec.service in wanted:
+                if rec.alive:
+                    t0 = time.monotonic()
+                    clean = stop_pid(rec.pid, grace=5.0)
+                    how = "stopped" if clean else "killed "
+                    self.say(f"{rec.service:<17} {how}   pid {rec.pid} in {time.monotonic() - t0:.1f}s")
+                (self.procs / f"{rec.name}.json").unlink(missing_ok=True)
+
     def down(self, *, keep_servers: bool = False) -> None:
         for rec in self.records():
             if rec.alive:

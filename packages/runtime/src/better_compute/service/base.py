@@ -31,7 +31,7 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig
 from nats.micro.service import Service as MicroService
 
-from ..config import Settings
+from ..config import Settings, SettingsSource, settings_changes
 from ..core import __version__
 from ..core.errors import BcError, ErrorCode
 from ..logging import get_logger, safe_url
@@ -83,6 +83,24 @@ Handler = Callable[[ApiRequest], Awaitable[Any]]
 SideLoop = Callable[[], Coroutine[Any, Any, None]]
 
 
+def _under(path: str, sections: tuple[str, ...]) -> bool:
+    return any(path == s or path.startswith(f"{s}.") for s in sections)
+
+
+def _setting(settings: msgspec.Struct, path: str) -> Any:
+    value: Any = settings
+    for key in path.split("."):
+        value = getattr(value, key)
+    return value
+
+
+def _replaced(settings: Any, path: str, value: Any) -> Any:
+    """``settings`` (a frozen Struct) with the setting at ``path`` made ``value``."""
+    head, _, rest = path.partition(".")
+    inner = _replaced(getattr(settings, head), rest, value) if rest else value
+    return msgspec.structs.replace(settings, **{head: inner})
+
+
 class Service:
     """Base of bc-engine, bc-command-queue, bc-pki and bc-secrets."""
 
@@ -96,9 +114,18 @@ class Service:
     """Routes whose success is an operator action to record (docs/audit.md), each with the
     request fields (dotted paths) the record keeps: a whitelist, never a secret. A service that
     names any serves ``audit.list`` and needs the ``audit`` table in its schema."""
+    live_settings: ClassVar[tuple[str, ...]] = ()
+    """Settings (dotted paths, a section's covers its keys) this service applies while it runs
+    when its config file changes (``apply_settings``); a change to any other is logged
+    (``not_applied``: a restart applies it)."""
+    settings_watch_s: ClassVar[float] = 1.0
+    """How often the config file's inode, size and modification time are looked at."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.settings_source: SettingsSource | None = None
+        """Where ``settings`` came from (``run_service`` sets it): its file is watched, and the
+        ``live_settings`` read again from it are applied without a restart."""
         self.subjects = Subjects(root=settings.subject_root)
         self.instance = settings.instance or f"{socket.gethostname()}-{os.getpid()}"
         self.log = get_logger(service=self.name, instance=self.instance)
@@ -124,11 +151,71 @@ class Service:
         backoff; one that fails on anything else stops the service."""
         return {}
 
+    async def apply_settings(self, settings: Settings, changed: list[str]) -> None:
+        """Put in force ``settings``' values of ``changed`` (paths under ``live_settings``), read
+        again from the config file. Check everything before changing anything.
+
+        Raises:
+            BcError: ``INVALID_CONFIG`` with ``details.path`` when the new values are wrong: the
+                settings in force stay.
+        """
+
     def _all_side_loops(self) -> Mapping[str, SideLoop]:
         loops = dict(self.side_loops())
         if self.db is not None:
             loops["instance_heartbeat"] = self._instance_heartbeat
+        source = self.settings_source
+        if source is not None and source.file is not None and self.live_settings:
+            loops["settings_watch"] = self._settings_watch
         return loops
+
+    async def _settings_watch(self) -> None:
+        """The config file read again when it changes: the ``live_settings`` that changed are
+        applied (``settings_reloaded``); a file that cannot be read or is wrong is logged
+        (``settings_invalid``, with its code and path) and the settings in force stay."""
+        source = self.settings_source
+        assert source is not None
+        while True:
+            await asyncio.sleep(self.settings_watch_s)
+            if source.changed():
+                await self.reload_settings()
+
+    async def reload_settings(self) -> list[str]:
+        """Read the config file again and apply what changed of ``live_settings``; the paths
+        applied (none when the file is wrong: logged, the settings in force stay)."""
+        source = self.settings_source
+        assert source is not None
+        file = str(source.file)
+        try:
+            new = source.read()
+            changes = settings_changes(self.settings, new)
+            live = [c for c in changes if _under(c, self.live_settings)]
+            if live:
+                try:
+                    await self.apply_settings(new, live)
+                except BcError:
+                    raise
+                except Exception:
+                    source.forget()  # a server away mid-apply: the same file is applied once back
+                    raise
+        except BcError as err:
+            self.log.error(
+                "settings_invalid", file=file, code=err.code.value, path=err.path, error=err.message,
+                detail="the settings in force stay; fix the file (it is read again when it changes)",
+            )  # fmt: skip
+            return []
+        # what this service does not change while it runs: a restart applies those it uses
+        rest = [c for c in changes if c not in live]
+        if live:
+            settings = self.settings
+            for path in live:
+                settings = _replaced(settings, path, _setting(new, path))
+            self.settings = settings
+            self.log.info("settings_reloaded", file=file, applied=live, not_applied=rest)
+        elif rest:
+            detail = "none of these changes while this service runs: restart it to use them"
+            self.log.info("settings_changed", file=file, applied=[], not_applied=rest, detail=detail)
+        return live
 
     async def _instance_heartbeat(self) -> None:
         # Each instance records itself in its own schema, so `bcx status` can also tell

@@ -149,9 +149,11 @@ def agent_permissions(
     subjects: Subjects, site_id: str, agent_id: str, *, js_api: str = "$JS.API", role: str = ""
 ) -> dict[str, Any]:
     """An agent's NATS permissions (nats-server's user claims): its own events, join and fetch,
-    pulling and acking on its own consumer of its site's stream, and its own inbox. ``js_api`` is
-    the JetStream API prefix as the server checks it: ``$JS.hub.API`` on a site's leaf node, whose
-    account maps the agents' ``$JS.API`` calls to the hub's domain (deploy/nats/leaf-site.conf).
+    pulling and acking on its own consumer of its site's stream, storing its results in its
+    site's results stream, and its own inbox. ``js_api`` is the JetStream API prefix as the
+    server checks it: ``$JS.API`` on a site's leaf node that holds the site's streams in its own
+    JetStream (deploy/nats/leaf-site.conf, ``cmdq.site_domain``); ``$JS.hub.API`` on a leaf that
+    maps the agents' calls to the hub's domain, where the streams are then.
     A site agent (``role`` ``site``) may also report a boot entry asked for twice (``tokens.burn``)
     or closed clean (``tokens.confirm``)."""
     stream = subjects.site_stream(site_id)
@@ -162,6 +164,7 @@ def agent_permissions(
         f"{js_api}.CONSUMER.MSG.NEXT.{stream}.{agent_id}",
         f"{js_api}.CONSUMER.INFO.{stream}.{agent_id}",
         f"$JS.ACK.{stream}.{agent_id}.>",
+        subjects.site_results(site_id, agent_id),
     ]
     if role == "site":
         allow += [subjects.api("pki", "tokens", "burn"), subjects.api("pki", "tokens", "confirm")]

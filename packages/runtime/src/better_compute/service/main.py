@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from ..config import load_settings
+from ..config import SettingsSource
 from ..core.errors import BcError
 from ..logging import configure_logging, get_logger
 from .base import Service
@@ -33,7 +33,7 @@ def run_service(cls: type[Service], argv: list[str] | None = None) -> None:
         # the app (``metal()`` reads ``[ramdisk]``) loads the same file as the service
         os.environ["BC_CONFIG"] = args.config
     try:
-        settings = load_settings(
+        source = SettingsSource(
             args.config,
             nats_url=args.nats_url,
             database_url=args.database_url,
@@ -44,12 +44,15 @@ def run_service(cls: type[Service], argv: list[str] | None = None) -> None:
             instance=args.instance,
             log_level=args.log_level,
         )
+        settings = source.read()
     except BcError as err:
         print(f"{cls.name}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     configure_logging(level=settings.log_level)
     try:
-        asyncio.run(_serve(cls(settings)))
+        svc = cls(settings)
+        svc.settings_source = source  # its file is watched: the live settings change at once
+        asyncio.run(_serve(svc))
     except BcError as err:
         # The path names what to fix (a broken plugin: entry_points.<name>); never a traceback.
         get_logger(service=cls.name).error(

@@ -92,7 +92,7 @@ async def bcx(
 # output in files; answers one JSON line per job: its exit code and output.
 _SERVER = r"""
 import json, os, pkgutil, sys, tempfile, time, importlib
-import asyncio, nats, msgspec
+import asyncio, nats, msgspec, signal
 import better_compute.cli, better_compute.clients
 from better_compute.cli import main as bcx_main
 for mod in pkgutil.iter_modules(better_compute.cli.__path__):
@@ -123,11 +123,15 @@ for line in sys.stdin:
             finally:
                 os._exit(code)
     deadline = time.monotonic() + job["timeout"]
+    interrupt = job.get("interrupt")  # Ctrl-C once it printed something, or after that long
+    interrupt_at = time.monotonic() + interrupt if interrupt is not None else None
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             code = os.waitstatus_to_exitcode(status)
             break
+        if interrupt_at is not None and (os.fstat(out.fileno()).st_size or time.monotonic() > interrupt_at):
+            os.kill(pid, signal.SIGINT); interrupt_at = None
         if time.monotonic() > deadline:
             os.kill(pid, 9); os.waitpid(pid, 0); code = -9
             break
@@ -153,11 +157,18 @@ class BcxForks:
         )  # fmt: skip
 
     def run(
-        self, *args: str, cwd: str | None = None, env: Mapping[str, str] | None = None, timeout: float = 60.0
+        self,
+        *args: str,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 60.0,
+        interrupt: float | None = None,
     ) -> BcxRun:
+        """``bcx *args``; with ``interrupt``, a command that follows until interrupted gets the
+        reader's Ctrl-C (SIGINT) once it printed something, or after ``interrupt`` seconds."""
         job = {
             "argv": list(args), "cwd": cwd or os.getcwd(), "env": {**self.env, **(env or {})},
-            "timeout": timeout,
+            "timeout": timeout, "interrupt": interrupt,
         }  # fmt: skip
         with self._lock:
             stdin, stdout = self._streams()
@@ -170,9 +181,16 @@ class BcxForks:
         return BcxRun(got["code"], got["out"], got["err"])
 
     async def bcx(
-        self, *args: str, cwd: str | None = None, env: Mapping[str, str] | None = None, timeout: float = 60.0
+        self,
+        *args: str,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 60.0,
+        interrupt: float | None = None,
     ) -> BcxRun:
-        return await asyncio.to_thread(self.run, *args, cwd=cwd, env=env, timeout=timeout)
+        return await asyncio.to_thread(
+            self.run, *args, cwd=cwd, env=env, timeout=timeout, interrupt=interrupt
+        )
 
     def _streams(self) -> tuple[IO[str], IO[str]]:
         stdin, stdout = self._proc.stdin, self._proc.stdout

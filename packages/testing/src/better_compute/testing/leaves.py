@@ -55,6 +55,9 @@ class SiteLeaves:
 
     folder: Path
     sites: list[str]
+    domains: bool = False
+    """Each leaf runs JetStream in a domain of its own, named after its site (deploy/nats's
+    leaf-domain mode): the site's streams live on its leaf (``cmdq.site_domain = "{site}"``)."""
     hub: _Server = field(init=False)
     leaves: dict[str, _Server] = field(init=False, default_factory=dict)
     gates: dict[str, TcpGate] = field(init=False, default_factory=dict)
@@ -107,14 +110,21 @@ class SiteLeaves:
         for site in self.sites:
             gate = self.gates[site] = TcpGate(f"nats-leaf://127.0.0.1:{leaf_port}").start()
             leaf = self.leaves[site] = _Server(f"bc-leaf-{site}", free_port(), free_port())
-            # nats-server passes no plain $JS.API over a leaf link: the leaf sends its agents'
-            # JetStream calls to the hub's domain, as deploy/nats/leaf-site.conf does; reconnect:
-            # how soon the leaf dials the hub again once its link is back
+            # nats-server passes no plain $JS.API over a leaf link: without a JetStream of its
+            # own the leaf sends its agents' JetStream calls to the hub's domain, as
+            # deploy/nats/leaf-site.conf does; with one (``domains``) they stay on the leaf,
+            # and the hub reaches it as $JS.<site>.API. reconnect: how soon the leaf dials the
+            # hub again once its link is back
+            js = (
+                f'jetstream {{\n  store_dir: "{self.folder / f"leaf-{site}-js"}"\n'
+                f"  max_file_store: 1T\n  domain: {site}\n}}\n"
+                if self.domains
+                else 'mappings: { "$JS.API.>": "$JS.hub.API.>" }\n'
+            )
             self._spawn(
                 leaf,
                 f'server_name: "{leaf.name}"\nlisten: "127.0.0.1:{leaf.port}"\n'
-                f'http: "127.0.0.1:{leaf.monitor}"\nmax_payload: 8MB\n'
-                'mappings: { "$JS.API.>": "$JS.hub.API.>" }\n'
+                f'http: "127.0.0.1:{leaf.monitor}"\nmax_payload: 8MB\n{js}'
                 f'leafnodes {{\n  reconnect: "1s"\n  remotes: [ {{ url: "{gate.url}" }} ]\n}}\n',
             )
         self.wait_linked(*self.sites)

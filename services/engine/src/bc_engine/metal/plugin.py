@@ -16,13 +16,15 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 from nats.aio.msg import Msg
 
-from better_compute.config import ImagesSettings
+from better_compute.config import ImagesSettings, RamdiskSettings
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.metal.module import configured_ramdisk
 from better_compute.service import Handler
 from better_compute.wire.pki import JoinAccepted, JoinTokenBurned, JoinTokenConfirmed, decode_join_event
 
@@ -86,10 +88,29 @@ class BmcRelay:
         return relay_bmc(self._host.app, kind, payload, node_id, node.bmc if node is not None else None)
 
 
+# [ramdisk] of bc.toml changed while the engines run (row 2, migration 0010; row 1 is the
+# operator's): $1 {doc, replaces}
+_SET_CONFIGURED_RAMDISK: Final = (
+    "INSERT INTO ramdisk_override (id, doc, set_by) VALUES (2, $1::jsonb, NULL)"
+    " ON CONFLICT (id) DO UPDATE SET doc = EXCLUDED.doc, updated_at = now()"
+)
+_DROP_CONFIGURED_RAMDISK: Final = "DELETE FROM ramdisk_override WHERE id = 2"
+
+
+def _ramdisk_with(settings: RamdiskSettings | None) -> dict[str, Any]:
+    """What ``[ramdisk]`` puts in the shipped profiles' ``metal.ensureRamdisk`` step."""
+    ramdisk = configured_ramdisk(settings) if settings is not None else None
+    return ramdisk.to_with() if ramdisk is not None else {}
+
+
 class MetalPlugin:
-    def __init__(self, host: MetalHost, *, images: ImagesSettings) -> None:
+    def __init__(
+        self, host: MetalHost, *, images: ImagesSettings, ramdisk: RamdiskSettings | None = None
+    ) -> None:
         self.host = host
         self.images = images
+        self.started_ramdisk = _ramdisk_with(ramdisk)
+        """``[ramdisk]`` as this engine started with it (what its shipped profiles boot)."""
 
     def register(self, hooks: EngineHooks) -> None:
         """Metal's owners, wake-ups, command facts, BMC relay, event handlers and side loop."""
@@ -126,6 +147,38 @@ class MetalPlugin:
         """Before the routes answer: the image signers' allowlist (``[images] signers`` and the
         plugins' signers)."""
         await write_image_signers(self.host.db, allowlist(self.host.app, image_signers(self.images)))
+
+    async def use_images(self, images: ImagesSettings) -> None:
+        """A new ``[images]`` (the config file changed): its signers checked, then written as the
+        catalog's allowlist.
+
+        Raises:
+            BcError: ``INVALID_CONFIG`` at ``images.signers[i]…``: the allowlist stays as it was.
+        """
+        signers = allowlist(self.host.app, image_signers(images))
+        await write_image_signers(self.host.db, signers)
+        self.images = images
+
+    def check(self, images: ImagesSettings, ramdisk: RamdiskSettings) -> None:
+        """Raise what ``use_images`` and ``use_ramdisk`` would, changing nothing (a config file
+        read again is applied whole or not at all)."""
+        allowlist(self.host.app, image_signers(images))
+        _ramdisk_with(ramdisk)
+
+    async def use_ramdisk(self, ramdisk: RamdiskSettings) -> None:
+        """A new ``[ramdisk]`` (the config file changed): the steps that boot the one the engines
+        started with boot this one from their next run, every engine (row 2 of
+        ``ramdisk_override``); back to the start's, the row goes. ``bcx ramdisk set`` still wins.
+
+        Raises:
+            BcError: ``INVALID_CONFIG`` at ``ramdisk.<key>``: nothing changes.
+        """
+        now = _ramdisk_with(ramdisk)
+        if now == self.started_ramdisk:
+            await self.host.db.execute(_DROP_CONFIGURED_RAMDISK)
+        else:
+            change = {"doc": now, "replaces": self.started_ramdisk}
+            await self.host.db.execute(_SET_CONFIGURED_RAMDISK, json.dumps(change))
 
     async def reopen(self, conn: Any, wf: Any) -> None:
         """A retried or resumed metal workflow: its node back from ``failed`` to the verb's

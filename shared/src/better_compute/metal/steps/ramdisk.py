@@ -34,7 +34,9 @@ The ramdisk (kernel and initrd, or an iPXE script) comes from the step's ``with`
 shipped profiles fill it from ``metal(ramdisk=Ramdisk(...))`` or ``[ramdisk]`` of bc.toml. A
 ramdisk an operator set while the engines run (``bcx ramdisk set``, the engine's
 ``ramdisk_override``) is read at each run and wins for the shipped lifecycle profiles, and for
-any step whose ``with`` names no ramdisk (``ramdisk_in_force``): no restart.
+any step whose ``with`` names no ramdisk (``ramdisk_in_force``): no restart. ``[ramdisk]`` edited
+in bc.toml while the engines run is read at each run too (``configured_in_force``): the steps
+that boot the ramdisk the engines started with boot the new one.
 """
 
 from __future__ import annotations
@@ -59,13 +61,22 @@ from ..commands import (
 from ._relay import relay, workflow_node
 from .profiles import LIFECYCLE_PROFILE_IDS
 
-__all__ = ["RAMDISK_FIELDS", "RAMDISK_OVERRIDE", "ensure_ramdisk", "ramdisk_in_force", "token_delivery"]
+__all__ = [
+    "RAMDISK_FIELDS",
+    "RAMDISK_OVERRIDE",
+    "configured_in_force",
+    "ensure_ramdisk",
+    "ramdisk_in_force",
+    "token_delivery",
+]
 
 STEP_ID: Final = "metal.ensureRamdisk"
 TOKEN_TTL_SECONDS: Final = 3600  # the step's own deadline is 15 minutes; the join follows it
 RAMDISK_FIELDS: Final = ("kernel", "initrd", "kernelSha256", "initrdSha256", "cmdline", "script")
 _ENTRY = NETBOOT_SET_ENTRY.payload.fields
-RAMDISK_OVERRIDE: Final = "SELECT doc FROM ramdisk_override WHERE id = 1"
+# row 1: the operator's (bcx ramdisk set); row 2: [ramdisk] of bc.toml changed while the engines
+# run, {doc, replaces} (the engine's reload; engine migration 0010)
+RAMDISK_OVERRIDE: Final = "SELECT id, doc FROM ramdisk_override ORDER BY id"
 _WORKFLOW_PROFILE: Final = "SELECT profile_id FROM workflows WHERE id = $1"
 
 
@@ -82,12 +93,29 @@ def ramdisk_in_force(
     return {**rest, **{k: override[k] for k in RAMDISK_FIELDS if override.get(k) is not None}}
 
 
+def _ramdisk_of(step_input: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: step_input[k] for k in RAMDISK_FIELDS if step_input.get(k) not in (None, "")}
+
+
+def configured_in_force(step_input: Mapping[str, Any], change: Mapping[str, Any]) -> dict[str, Any]:
+    """The step's input with ``[ramdisk]`` as bc.toml says now, when it changed while the engines
+    run (``change``: ``doc``, the new one, and ``replaces``, the one the engines started with): a
+    step that boots what the engines started with (the shipped profiles' ramdisk came from
+    ``[ramdisk]``), or no ramdisk at all, boots the new one; any other keeps its own (an app's
+    ``metal(ramdisk=…)``, a custom profile's)."""
+    if _ramdisk_of(step_input) != _ramdisk_of(change.get("replaces") or {}):
+        return dict(step_input)
+    rest = {k: v for k, v in step_input.items() if k not in RAMDISK_FIELDS}
+    return {**rest, **_ramdisk_of(change.get("doc") or {})}
+
+
 async def _with_override(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     rows = await ctx.sql.query(RAMDISK_OVERRIDE)
-    doc = rows[0]["doc"] if rows else None
-    override = json.loads(doc) if isinstance(doc, str) else doc
+    docs = {r["id"]: json.loads(r["doc"]) if isinstance(r["doc"], str) else r["doc"] for r in rows}
+    override = docs.get(1)
     if override is None:
-        return step_input
+        change = docs.get(2)
+        return configured_in_force(step_input, change) if change is not None else step_input
     profile = await ctx.sql.query(_WORKFLOW_PROFILE, ctx.workflow_id)
     shipped = bool(profile) and profile[0]["profile_id"] in LIFECYCLE_PROFILE_IDS.values()
     return ramdisk_in_force(step_input, override, shipped=shipped)

@@ -1,6 +1,7 @@
 """``sites_stack()``: the fleet stack over several sites, each behind its own NATS leaf node.
 
-The services connect to a hub nats-server (JetStream, every site's command stream); each site
+The services connect to a hub nats-server (JetStream, every site's command stream, or with
+``leaf_domains`` each site's streams on its own leaf); each site
 has its own leaf node (``better_compute.testing.leaves``), metal simulator, site agent and
 machines, and every one of the site's agents (the site agent, each bcd) reaches the control
 plane only through its leaf, whose link to the hub a test cuts with ``stack.leaves.gate(site)``.
@@ -60,19 +61,24 @@ async def sites_stack(
     power_delay: Mapping[str, tuple[float, float]] | None = None,
     env: Mapping[str, str] | None = None,
     app: str = APP,
+    leaf_domains: bool = False,
 ) -> AsyncIterator[SitesStack]:
     """Start the hub, a leaf per site in ``sites``, the services on the hub (``settings``' database
     and subject root; its ``nats_url`` is replaced by the hub's), and per site a simulator of
     ``machines`` machines (``power_delay[site]`` at its BMC) and its site agent, each enrolled;
-    stop all of it on the way out."""
+    stop all of it on the way out. ``leaf_domains``: each leaf runs JetStream in a domain named
+    after its site and the command queue keeps the site's streams there
+    (``BC_CMDQ_SITE_DOMAIN={site}``)."""
     (folder / "logs").mkdir(parents=True, exist_ok=True)
-    leaves = await asyncio.to_thread(SiteLeaves(folder / "nats", list(sites)).start)
+    leaves = await asyncio.to_thread(SiteLeaves(folder / "nats", list(sites), domains=leaf_domains).start)
     settings = msgspec.structs.replace(settings, nats_url=leaves.hub_url, app=app)
     processes = ServiceProcesses(settings, folder / "logs")
     media = MediaServer(folder / "media")
     processes.extra_env.update(
         {**FAST_ENV, "BC_SIM_MEDIA_DIR": str(media.folder), "BC_SIM_MEDIA_URL": media.url, **(env or {})}
     )
+    if leaf_domains:
+        processes.extra_env["BC_CMDQ_SITE_DOMAIN"] = "{site}"
     nc = await connect(leaves.hub_url, name="bc-sites")
     api = ApiClient(nc, Subjects(settings.subject_root))
     stack = SitesStack(folder=folder, settings=settings, leaves=leaves, processes=processes, api=api)
