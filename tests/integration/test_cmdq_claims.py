@@ -222,7 +222,7 @@ async def _command(node: Node, kind: str, key: str, payload: dict[str, Any] | No
     return view
 
 
-async def _cancels_told(node: Node, until_: Callable[[list[str]], bool] = bool) -> list[str]:
+async def _cancels_told(node: Node, until_: Callable[[list[str]], bool]) -> list[str]:
     """The cancels a heartbeat's reply carries, once ``until_`` holds for them (a write later)."""
 
     async def told() -> tuple[list[str]] | None:
@@ -245,7 +245,8 @@ async def test_a_cancel_after_a_claim_waits_for_the_word_of_the_journal_that_cla
         assert (await node.cq.get(id=view.id)).state == "cancelling"
     # a machine's heartbeat is answered from memory: the cancels its instance read at its last
     # presence write (every presence_write_ms)
-    assert sorted(await _cancels_told(node)) == sorted([confirmed.id, doubted.id])
+    both = sorted([confirmed.id, doubted.id])
+    assert sorted(await _cancels_told(node, lambda told: sorted(told) == both)) == both
     check = await node.send("check", {"commandIds": [confirmed.id]})
     assert check["stop"] == [confirmed.id]
     # a claim of a cancelling command is answered so: the agent says it never started it
