@@ -19,6 +19,8 @@ import argparse
 import asyncio
 import json
 import os
+import random
+import secrets
 import sys
 import tempfile
 import time
@@ -28,15 +30,37 @@ from typing import Any
 import msgspec
 
 from better_compute.agent import Agent, enroll
-from better_compute.agent.sim import sim_handlers
+from better_compute.agent.sim import join_agent, sim_handlers
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
+from better_compute.core.errors import BcError
 from better_compute.core.ids import new_id
+from better_compute.crypto import sign_event
 from better_compute.logging import configure_logging
 from better_compute.runtime.embedded import EmbeddedNats, EmbeddedPostgres
 from better_compute.service.client import ApiClient, connect, discover
 from better_compute.wire import Subjects
+from better_compute.wire.agent import Heartbeat, Hello
 from better_compute.wire.cmdq import CommandEvent, EnqueueCommand
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds ``pid`` used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of ``root`` and its live children (PostgreSQL's backends)."""
+    total = cpu_s(root)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == root:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def pct(values: list[float], p: float) -> float:
@@ -46,11 +70,73 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
-async def run_agents(nats_url: str, tokens: list[str], state: Path) -> None:
+async def idle_agents(api: ApiClient, sites: list[str], n: int, stats: Path) -> None:
+    """``n`` node agents (``bcd``'s role) that only say hello and heartbeat, as a fleet's idle
+    machines do: the presence load on the command queue, beside the benchmark's commands."""
+    nc = api.nc
+    subjects = api.subjects
+    idents: list[Any] = []
+    for start in range(0, n, 20):
+        idents += await asyncio.gather(
+            *(join_agent(api, site_id=sites[i % len(sites)], role="node", node_id=new_id("node"))
+              for i in range(start, min(n, start + 20)))
+        )  # fmt: skip
+    answered: list[float] = []
+    missed = 0
+
+    def base(e: Any) -> dict[str, Any]:
+        return {"site": e.site_id, "agent": e.agent_id, "signer_id": e.cert_id,
+                "signed_at_ms": time.time_ns() // 1_000_000}  # fmt: skip
+
+    async def one(e: Any) -> None:
+        nonlocal missed
+        identity = e.identity
+        journal = secrets.token_hex(16)
+        hello = Hello(**base(e), kinds=[], journal_id=journal)
+        subject = subjects.agent_event(e.site_id, e.agent_id, "hello")
+        while True:
+            try:
+                msg = await nc.request(subject, sign_event(identity, "hello", hello), timeout=10)
+                heartbeat_ms = msgspec.json.decode(msg.data)["result"]["heartbeatMs"]
+                break
+            except Exception:
+                await asyncio.sleep(1)
+                hello = Hello(**base(e), kinds=[], journal_id=journal)
+        subject = subjects.agent_event(e.site_id, e.agent_id, "heartbeat")
+        await asyncio.sleep(random.random() * heartbeat_ms / 1000)
+        while True:
+            t = time.perf_counter()
+            try:
+                beat = Heartbeat(**base(e), journal_id=journal)
+                await nc.request(subject, sign_event(identity, "heartbeat", beat), timeout=5)
+                answered.append((time.perf_counter() - t) * 1000)
+            except Exception:
+                missed += 1
+            await asyncio.sleep(heartbeat_ms / 1000)
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(2)
+            recent = answered[-2000:]
+            doc = {
+                "answered": len(answered),
+                "missed": missed,
+                "p50_ms": pct(recent, 50),
+                "p99_ms": pct(recent, 99),
+            }
+            stats.write_text(json.dumps(doc))  # noqa: ASYNC240 - a few bytes every 2 s
+
+    await asyncio.gather(report(), *(one(e) for e in idents))
+
+
+async def run_agents(nats_url: str, tokens: list[str], state: Path, idle: int) -> None:
     """The agents process: enroll every token, run one agent per site until killed."""
     nc = await connect(nats_url, name="bench-agents")
     api = ApiClient(nc, Subjects())
     pki = PkiClient(api)
+    if idle:
+        sites = [f"site-{i}" for i in range(len(tokens))]
+        asyncio.get_running_loop().create_task(idle_agents(api, sites, idle, state / "idle.json"))
     agents = []
     for i, token in enumerate(tokens):
         enrollment = await enroll(pki, token=token)
@@ -69,9 +155,21 @@ async def run_agents(nats_url: str, tokens: list[str], state: Path) -> None:
 
 async def all_connected(cq: CommandQueueClient, n: int) -> None:
     while True:
-        if len(await cq.agents(connected=True)) >= n:
+        count, cursor = 0, None
+        while True:
+            try:
+                page = await cq.agents_page(connected=True, limit=1000, cursor=cursor)
+            except BcError as err:  # main under a flood of hellos: the queue does not answer
+                print(f"agents.list: {err.code.value}", file=sys.stderr)
+                count, cursor = 0, None
+                continue
+            count += len(page.agents)
+            cursor = page.next
+            if cursor is None:
+                break
+        if count >= n:
             return
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
 
 
 async def start(argv: list[str], env: dict[str, str], log: Path) -> asyncio.subprocess.Process:
@@ -120,12 +218,14 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                     nats_url,
                     "--state",
                     str(state),
+                    "--idle-agents",
+                    str(args.idle_agents),
                 ],
                 env,
                 state / "agents.log",
             )
         )
-        await all_connected(cq, len(sites))
+        await all_connected(cq, len(sites) + args.idle_agents)
 
         waiters: dict[str, asyncio.Future[float]] = {}
         early: dict[str, float] = {}  # settled before its enqueue reply arrived
@@ -142,6 +242,8 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
 
         await nc.subscribe("bc.events.command.*", cb=on_event)
 
+        enqueue_ms: list[float] = []
+
         async def one(site: str, key: str) -> float:
             """Enqueue one command and wait for its result; returns the latency in ms."""
             t = time.perf_counter()
@@ -149,6 +251,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 EnqueueCommand(node_id=new_id("node"), site_id=site, kind="power.setPower",
                                payload={"action": "cycle"}, key=key)
             )  # fmt: skip
+            enqueue_ms.append((time.perf_counter() - t) * 1000)
             fut = waiters.setdefault(view.id, asyncio.get_running_loop().create_future())
             if view.id in early:
                 fut.set_result(early.pop(view.id))
@@ -165,9 +268,29 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             for i in counter:
                 latencies.append(await one(sites[i % len(sites)], f"bench-{i}"))
 
+        queues = procs[1 : 1 + args.queues]
+        cpu0 = [cpu_s(p.pid) for p in queues]
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         elapsed = time.perf_counter() - t0
+        queue_cpu = sum(cpu_s(p.pid) for p in queues) - sum(cpu0)
+        at_rest: dict[str, float] = {}
+        if args.rest:
+            # the product at rest with the idle agents heartbeating: CPU per heartbeat
+            parts = {"command-queue": [p.pid for p in queues], "pki": [procs[0].pid]}
+            roots = {"nats-server": nats.running_pid(), "postgresql": pg.running_pid()}
+
+            def rest_cpu() -> dict[str, float]:
+                got = {k: sum(cpu_s(pid) for pid in pids) for k, pids in parts.items()}
+                got.update({k: tree_cpu_s(pid) for k, pid in roots.items() if pid is not None})
+                return got
+
+            before = rest_cpu()
+            await asyncio.sleep(args.rest)
+            after = rest_cpu()
+            beats = args.idle_agents * args.rest / 5.0  # the default 5 s heartbeat
+            at_rest = {k: round(after[k] - before[k], 2) for k in after}
+            at_rest["product_ms_per_heartbeat"] = round(sum(at_rest.values()) / max(beats, 1) * 1000, 3)
         states: dict[str, int] = {}
         page = await cq.list_commands(limit=1000)
         for view in page.commands:
@@ -180,6 +303,16 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "commands_per_s": round(args.commands / elapsed, 1),
             "latency_ms_p50": round(pct(latencies, 50), 1),
             "latency_ms_p99": round(pct(latencies, 99), 1),
+            "enqueue_reply_ms_p50_p99_max": [
+                round(pct(enqueue_ms, 50), 1),
+                round(pct(enqueue_ms, 99), 1),
+                round(max(enqueue_ms), 1),
+            ],
+            "command_queue_cpu_s": round(queue_cpu, 2),
+            "load_average": [round(x, 1) for x in os.getloadavg()],
+            "idle_agents": args.idle_agents,
+            "at_rest_cpu_s": at_rest or None,
+            "idle_heartbeats": json.loads((state / "idle.json").read_text()) if args.idle_agents else None,
             "last_1000_states": states,
         }
     finally:
@@ -200,13 +333,18 @@ def main() -> None:
     parser.add_argument("--sites", type=int, default=1)
     parser.add_argument("--queues", type=int, default=1, help="bc-command-queue instances")
     parser.add_argument("--concurrency", type=int, default=32, help="commands in flight")
+    parser.add_argument(
+        "--idle-agents", type=int, default=0, help="node agents that only heartbeat (a fleet at rest)"
+    )
+    parser.add_argument("--rest", type=float, default=0.0, help="then seconds at rest: the product's CPU")
     parser.add_argument("--agents", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.agents:
         configure_logging(level="warning")
-        asyncio.run(run_agents(args.nats_url, json.loads(Path(args.agents).read_text()), Path(args.state)))
+        tokens = json.loads(Path(args.agents).read_text())
+        asyncio.run(run_agents(args.nats_url, tokens, Path(args.state), args.idle_agents))
         return
     with tempfile.TemporaryDirectory(prefix="bc-bench-cmdq-") as tmp:
         result = asyncio.run(bench(args, Path(tmp)))

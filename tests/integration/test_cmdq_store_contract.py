@@ -8,6 +8,7 @@ memory store by moving its clock on: the same thing seen from the rows."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest_asyncio
 
-from bc_command_queue.rows import CommandRow
+from bc_command_queue.rows import Beat, CommandRow
 from bc_command_queue.storage import AgentHello, NewBatch, NewCommand, PgStore, Store
 from bc_command_queue.testing import MemoryStore
 from better_compute.core.ids import new_id
@@ -457,3 +458,118 @@ async def test_the_memory_store_keeps_agents_as_postgresql_does(pg: Harness) -> 
     assert told["cut off"] == ([("sa-1", SITE, "site")], [(True, "pending", "agent-revoked", None)])
     assert told["revoked hello"] == (False, None, False)
     assert told["counts"][0][2] == 1  # one batch waits for approval
+
+
+async def heard_together(h: Harness) -> list[Any]:
+    """Node agents' heartbeats held in memory and written at once (``agents_heard``), and every
+    agent's cancelled commands read at once (``all_cancelling``): what each answered."""
+    s = h.store
+    told: list[Any] = []
+    at = iter(range(10**6, 10**9, 10))
+
+    def hi(agent: str, cert: str) -> AgentHello:
+        return AgentHello(
+            agent_id=agent, site_id=SITE, tenant_id="root", role="node", cert_id=cert, incarnation="i1",
+            version="1.0", kinds=None, signed_at_ms=next(at), status=None,
+        )  # fmt: skip
+
+    def beat(
+        agent: str, cert: str, *, age_s: float = 0, journal: str = "", signed: int | None = None
+    ) -> Beat:
+        return Beat(
+            agent_id=agent, signed_at_ms=signed if signed is not None else next(at), cert_id=cert,
+            status='{"drivers": []}', journal_id=journal, age_ms=age_s * 1000,
+        )  # fmt: skip
+
+    async def connected() -> list[tuple[str, bool, Any]]:
+        rows = await s.list_agents(
+            site_id=SITE, role="node", connected=None, silent_after_ms=15_000, limit=10, after=None
+        )
+        return [(r.id, r.connected, r.status) for r in rows if r.id.startswith("hb-")]
+
+    for n in ("hb-1", "hb-2", "hb-3"):
+        await s.agent_hello(hi(n, f"cert_{n}"))
+    await h.age(40)  # every one silent
+    told.append(("silent", await connected()))
+    applied = await s.agents_heard(
+        [beat("hb-1", "cert_hb-1", journal="j1"), beat("hb-2", "cert_hb-2", age_s=20, journal="j2"),
+         beat("hb-nobody", "cert_x")],
+        silent_after_ms=15_000,
+    )  # fmt: skip
+    told.append(("applied", sorted(applied)))
+    # hb-1 heard now; hb-2 heard 20 s ago, which is what it shows (silent), not when written
+    told.append(("heard", await connected()))
+    replay = beat("hb-1", "cert_hb-1", signed=5)
+    told.append(("replay", await s.agents_heard([replay], silent_after_ms=15_000)))
+    told.append(("journal present", (await s.journal_seen("hb-1", "j1", present=False)).present))
+    await h.age(14)
+    told.append(("still heard", await connected()))
+    await h.age(2)
+    told.append(("silent again", await connected()))
+    await s.cut_off("cert_hb-3", silent_after_ms=15_000)
+    told.append(("revoked", await s.agents_heard([beat("hb-3", "cert_hb-3")], silent_after_ms=15_000)))
+    now_ms = int(time.time() * 1000)
+    new = NewCommand(
+        id=new_id("cmd"), node_id="hb-1", site_id=SITE, tenant_id="root", key=new_id("cmd"),
+        kind="node.inventory", destructive=False, target="node", payload=PAYLOAD, digest=DIGEST,
+        batch_id=None, workflow_id=None, step=None, not_after_ms=now_ms + 3_600_000, may_dispatch=True,
+    )  # fmt: skip
+    row = await s.insert_command(new, silent_after_ms=15_000)
+    assert row is not None
+    await s.ack(row.id, "hb-1", DIGEST, "j1", next(at), quorum=False)
+    await s.cancel(row.id, "operator")
+    told.append(("cancelling", {a: [i == row.id for i in ids] for a, ids in (await s.all_cancelling()).items()
+                                if a.startswith("hb-")}))  # fmt: skip
+    return told
+
+
+async def test_heartbeats_written_together_count_from_when_they_were_heard(pg: Harness) -> None:
+    on_pg = await heard_together(pg)
+    in_memory = await heard_together(memory())
+    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
+        assert step_mem == step_pg
+    told = dict((t[0], t[1]) for t in on_pg)
+    assert told["silent"] == [("hb-1", False, None), ("hb-2", False, None), ("hb-3", False, None)]
+    assert told["applied"] == ["hb-1", "hb-2"]
+    assert [(a, c) for a, c, _ in told["heard"]] == [("hb-1", True), ("hb-2", False), ("hb-3", False)]
+    assert told["heard"][0][2] is not None  # its status was written
+    assert told["replay"] == []
+    assert told["journal present"] is True
+    assert [c for _, c, _ in told["still heard"]] == [True, False, False]
+    assert [c for _, c, _ in told["silent again"]] == [False, False, False]
+    assert told["revoked"] == []
+    assert told["cancelling"] == {"hb-1": [True]}
+
+
+async def test_two_instances_writing_heartbeats_at_once_keep_each_agents_newest(
+    pg: Harness,
+) -> None:
+    """Each command-queue instance writes the heartbeats it heard; two writes over the same agents
+    at once (in opposite orders) both go through, and each agent keeps its newest heartbeat (the
+    statement locks its rows in id order first, so such writes wait rather than deadlock)."""
+    s = pg.store
+    agents = [f"two-{i:03d}" for i in range(60)]
+    for n in agents:
+        await s.agent_hello(
+            AgentHello(agent_id=n, site_id=SITE, tenant_id="root", role="node", cert_id="cert_two",
+                       incarnation="i", version="1", kinds=None, signed_at_ms=1, status=None)
+        )  # fmt: skip
+
+    def beats(order: list[str], signed: int) -> list[Beat]:
+        return [Beat(agent_id=n, signed_at_ms=signed, cert_id="cert_two", status=None, journal_id=f"j-{n}",
+                     age_ms=0) for n in order]  # fmt: skip
+
+    for round_ in range(10):
+        first, second = 100 + 2 * round_, 101 + 2 * round_
+        one, two = await asyncio.gather(
+            s.agents_heard(beats(agents, first), silent_after_ms=15_000),
+            s.agents_heard(beats(agents[::-1], second), silent_after_ms=15_000),
+        )
+        # whichever wrote second applied only what was newer than the first's
+        assert set(two) == set(agents)
+        assert set(one) in (set(agents), set())
+    rows = await s.list_agents(site_id=SITE, role="node", connected=True, silent_after_ms=15_000, limit=100,
+                               after=None)  # fmt: skip
+    assert {r.id for r in rows} >= set(agents)
+    newest = await s.agents_heard(beats(agents, 119), silent_after_ms=15_000)
+    assert newest == []  # 119 is the last round's second write: nothing older or equal applies

@@ -24,6 +24,7 @@ from bc_command_queue.batches import Batches
 from bc_command_queue.claims import Claims
 from bc_command_queue.commands import Commands
 from bc_command_queue.config import CmdqConfig, Quorum, QuorumSource, load_quorum
+from bc_command_queue.presence import Presence
 from bc_command_queue.rows import CommandRow
 from bc_command_queue.runs import Runs
 from bc_command_queue.signers import Signer
@@ -156,6 +157,7 @@ def queue(*, quorum: Quorum | None = None, reruns: bool = False, **cfg: Any) -> 
         store=store, config=config, streams=Streams(), deliveries=deliveries, pki=pki,  # type: ignore[arg-type]
         signers=NoSigners(), changed=changed, dispatch_pending=dispatch_pending,  # type: ignore[arg-type]
         spawn=lambda coro: box[0].spawned.append(asyncio.ensure_future(coro)), log=log,
+        presence=Presence(store=store, config=config, log=log, clock=store.now),
     )  # fmt: skip
     q = Queue(
         store=store,

@@ -86,12 +86,64 @@ async def test_a_leaving_site_agent_is_shown_disconnected_at_once_and_another_ta
 
 async def test_a_heartbeat_tells_the_agent_which_of_its_claimed_commands_were_cancelled() -> None:
     q = queue()
-    row = await command(q)
+    await q.agents.apply(hello("sa-1"), signer("sa-1"))
+    row, site_row = await command(q), await command(q, target="site")
     await q.agents.apply(hello(row.node_id), signer(row.node_id, role="node"))
     await q.claims.ack(ack(row))
-    await q.commands.store.cancel(row.id, "operator")
+    await q.claims.ack(ack(site_row, agent="sa-1"))
+    for cancelled in (row, site_row):
+        await q.commands.store.cancel(cancelled.id, "operator")
+    # a site agent's heartbeat reads it at once; a machine's is answered from what the last
+    # presence write read (once a second in the service)
+    assert (await q.agents.apply(heartbeat("sa-1"), signer("sa-1"))).cancel == [site_row.id]
+    await q.agents.presence.write()
     reply = await q.agents.apply(heartbeat(row.node_id), signer(row.node_id, role="node"))
     assert reply.cancel == [row.id]
+
+
+async def test_a_machines_heartbeats_reach_the_rows_at_the_next_write_as_of_when_they_were_heard() -> None:
+    q = queue()
+    node = signer("node_1", role="node")
+    await q.agents.apply(hello("node_1"), node)
+    q.store.advance(q.config.silent_after_ms / 1000 + 1)
+    assert await listed(q) == {"node_1": (False, False, 0)}
+    await q.agents.apply(heartbeat("node_1"), node)
+    q.store.advance(2)
+    assert q.agents.presence.pending == 1
+    assert await q.agents.presence.write() == 1
+    assert await listed(q) == {"node_1": (True, False, 0)}
+    # its silence counts from when it was heard, not from the write
+    q.store.advance(q.config.silent_after_ms / 1000 - 1.5)
+    assert await listed(q) == {"node_1": (False, False, 0)}
+    # a replay to this instance is answered at once as one, and written never
+    late = heartbeat("node_1", signed_at_ms=next(_at) - 10_000)
+    assert (await q.agents.apply(late, node)).cancel == []
+    assert q.agents.presence.pending == 0
+
+
+async def test_a_thousand_machines_heartbeats_cost_the_store_one_write_and_one_read() -> None:
+    q = queue()
+    calls: list[str] = []
+    names = ("agent_heartbeat", "journal_seen", "cancelling", "agents_heard", "all_cancelling", "agent_by_id")
+    for name in names:
+        method = getattr(q.store, name)
+
+        async def counted(*args: Any, _name: str = name, _method: Any = method, **kw: Any) -> Any:
+            calls.append(_name)
+            return await _method(*args, **kw)
+
+        setattr(q.store, name, counted)
+    nodes = [f"node_{i}" for i in range(1000)]
+    for n in nodes:
+        await q.agents.apply(hello(n, journal_id=f"j-{n}"), signer(n, role="node"))
+    for n in nodes:
+        await q.agents.apply(heartbeat(n, journal_id=f"j-{n}"), signer(n, role="node"))
+    calls.clear()  # the first heartbeat of each asks once whether it said hello
+    for n in nodes:
+        await q.agents.apply(heartbeat(n, journal_id=f"j-{n}"), signer(n, role="node"))
+    await q.agents.presence.write()
+    assert calls == ["agents_heard", "all_cancelling"]
+    assert (await q.store.journal_seen("node_7", "j-node_7", present=False)).present
 
 
 async def test_a_check_before_a_try_says_stop_for_every_command_the_agent_no_longer_holds() -> None:
@@ -169,3 +221,32 @@ async def test_the_metrics_count_live_commands_connected_agents_and_batches_wait
     assert gauge("bc_commands_live", kind="node.inventory", state="cancelling", site=SITE) is None
     assert gauge("bc_agents_connected", site=SITE, role="site") == 1.0
     assert gauge("bc_batches_awaiting_approval") == 0.0
+
+
+async def test_a_storm_of_agent_events_leaves_the_store_room_for_the_api() -> None:
+    q = queue(agent_event_slots=3)
+    inside, most = 0, 0
+    gate, full = asyncio.Event(), asyncio.Event()
+    hello_of = q.store.agent_hello
+
+    async def slow_hello(h: Any) -> bool:
+        nonlocal inside, most
+        inside += 1
+        most = max(most, inside)
+        if inside == 3:
+            full.set()
+        await gate.wait()
+        inside -= 1
+        return await hello_of(h)
+
+    q.store.agent_hello = slow_hello  # type: ignore[method-assign]
+    storm = [asyncio.ensure_future(q.agents.apply(hello(f"node_{i}"), signer(f"node_{i}", role="node")))
+             for i in range(30)]  # fmt: skip
+    await full.wait()
+    for _ in range(50):  # the others wait their turn, however long the first ones take
+        await asyncio.sleep(0)
+    assert (inside, most) == (3, 3)  # the pool's other connections stay free for the API
+    gate.set()
+    await asyncio.gather(*storm)
+    assert most == 3
+    assert len(await listed(q)) == 30

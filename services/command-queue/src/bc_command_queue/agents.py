@@ -56,6 +56,7 @@ from .claims import Claims
 from .commands import check_name, invalid
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries, Streams
+from .presence import Presence
 from .runs import Runs
 from .signers import Signer, Signers
 from .storage import AgentHello, Store
@@ -92,6 +93,7 @@ class Agents:
         spawn: Spawn,
         log: Any,
         reruns: Callable[[str, Any], bool] = lambda _kind, _payload: False,
+        presence: Presence | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -105,6 +107,8 @@ class Agents:
         self.log = log
         self.claims = Claims(store=store, config=config, changed=changed, log=log, reruns=reruns)
         self.runs = Runs(store=store, pki=pki, changed=changed, log=log)
+        self.presence = presence if presence is not None else Presence(store=store, config=config, log=log)
+        self._slots = asyncio.Semaphore(config.agent_event_slots)
 
     async def on_event(self, msg: Msg) -> None:
         """One signed agent event: checked, applied, answered (when it asks for an answer)."""
@@ -143,10 +147,19 @@ class Agents:
                 await msg.respond(body)
 
     async def apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
-        """An event whose signature ``signer`` made (checked): applied; the answer to send."""
+        """An event whose signature ``signer`` made (checked): applied; the answer to send.
+        At most ``agent_event_slots`` at once work on the store (heartbeats need none)."""
+        if isinstance(event, Heartbeat):
+            # never behind a storm: a site agent's heartbeat late by silent_after would hand
+            # its site's commands to nobody (a machine's is answered from memory anyway)
+            return await self._heartbeat(event, signer)
+        if isinstance(event, Hello):  # takes a slot for its statements only (see _hello)
+            return await self._hello(event, signer)
+        async with self._slots:
+            return await self._apply(event, signer)
+
+    async def _apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
         match event:
-            case Hello():
-                return await self._hello(event, signer)
             case Heartbeat():
                 return await self._heartbeat(event, signer)
             case Ack():
@@ -174,23 +187,15 @@ class Agents:
         kinds = ev.kinds
         if kinds is not None and (len(kinds) > 512 or any(len(k) > 128 for k in kinds)):
             raise invalid("kinds", "at most 512 kinds of up to 128 characters")
-        await self.store.agent_hello(
-            AgentHello(
-                agent_id=signer.agent_id,
-                site_id=signer.site_id,
-                tenant_id=signer.tenant_id,
-                role=signer.role,
-                cert_id=signer.cert_id,
-                incarnation=ev.incarnation[:64],
-                version=ev.version[:64],
-                kinds=kinds,
-                signed_at_ms=ev.signed_at_ms,
-                status=_status_doc(ev.status),
-            )
-        )
-        await self._journal_seen(signer.agent_id, ev.journal_id)
+        async with self._slots:
+            await self._hello_rows(ev, signer)
+        # the consumer on JetStream outside the slot: a storm of hellos (a thousand machines
+        # after an outage) waits on nats-server, not on the store's connections
         stream, consumer = await self.streams.ensure_consumer(signer.site_id, signer.agent_id)
-        lease = signer.role == "site" and await self._renew_lease(signer.site_id, signer.agent_id)
+        lease = False
+        if signer.role == "site":
+            async with self._slots:
+                lease = await self._renew_lease(signer.site_id, signer.agent_id)
         self.log.info(
             "agent_hello",
             agent_id=signer.agent_id,
@@ -209,6 +214,23 @@ class Agents:
             # the site's streams on its leaf: the agent stores its results there (site_results)
             **self._results_on_leaf(signer),
         )
+
+    async def _hello_rows(self, ev: Hello, signer: Signer) -> None:
+        await self.store.agent_hello(
+            AgentHello(
+                agent_id=signer.agent_id,
+                site_id=signer.site_id,
+                tenant_id=signer.tenant_id,
+                role=signer.role,
+                cert_id=signer.cert_id,
+                incarnation=ev.incarnation[:64],
+                version=ev.version[:64],
+                kinds=ev.kinds,
+                signed_at_ms=ev.signed_at_ms,
+                status=_status_doc(ev.status),
+            )
+        )
+        await self._journal_seen(signer.agent_id, ev.journal_id)
 
     def _results_on_leaf(self, signer: Signer) -> dict[str, str]:
         if not self.streams.on_leaves:
@@ -234,10 +256,23 @@ class Agents:
             left = await self.store.agent_leave(
                 signer.agent_id, ev.signed_at_ms, silent_after_ms=self.config.silent_after_ms
             )
+            self.presence.forget(signer.agent_id)
             if left is not None:
                 await self.store.release_lease(signer.site_id, signer.agent_id)
                 self.log.info("agent_left", agent_id=signer.agent_id, site_id=signer.site_id)
             return HeartbeatReply(boot_lease=False)
+        if signer.role != "site":
+            # a machine's bcd: answered from memory, written with the others (presence.py)
+            if len(ev.journal_id) > 64:
+                raise invalid("journalId", "a journal id is at most 64 characters")
+            cancel = await self.presence.heard(
+                signer.agent_id,
+                signed_at_ms=ev.signed_at_ms,
+                cert_id=signer.cert_id,
+                status=_status_doc(ev.status),
+                journal_id=ev.journal_id,
+            )
+            return HeartbeatReply(boot_lease=False, cancel=cancel or [])
         seen = await self.store.agent_heartbeat(
             signer.agent_id,
             ev.signed_at_ms,

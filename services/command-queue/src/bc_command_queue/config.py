@@ -218,6 +218,15 @@ class CmdqConfig:
     lost_after_ms: int = 120_000
     """An agent silent this long is lost: the commands it claimed and did not finish fail
     (``agent-lost``); those it never claimed wait for it until their ``not_after``."""
+    presence_write_ms: int = 1_000
+    """Node agents' heartbeats are answered from memory and written together this often
+    (``presence.py``); far below ``silent_after_ms``."""
+    agent_event_slots: int = 6
+    """Agent events (hello's statements, ack, progress, result, check) working on the store at
+    once; the others wait their turn in memory, so a storm of them (a thousand machines saying
+    hello after an outage) never takes every connection of the pool (10) from the API's
+    requests. Heartbeats take none: a machine's is answered from memory, a site agent's must
+    never wait behind a storm (late by ``silent_after``, its site's commands would go back)."""
     redeliver_after_ms: int = 60_000
     """A dispatched command its (connected) agent has not claimed is published again."""
     sweep_ms: int = 1_000

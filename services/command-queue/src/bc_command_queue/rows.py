@@ -21,6 +21,7 @@ __all__ = [
     "BatchFields",
     "BatchRow",
     "BatchSizeRow",
+    "Beat",
     "ClaimStateRow",
     "ClaimedRow",
     "CommandRow",
@@ -162,6 +163,19 @@ class AgentSeenRow(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     site_id: str
     role: str
+
+
+class Beat(msgspec.Struct, frozen=True, kw_only=True):
+    """A node agent's heartbeat, checked and held in memory until the next presence write
+    (``Presence``). ``age_ms``: how long ago it was heard, when it is written (its ``last_seen``
+    is the database's now minus that)."""
+
+    agent_id: str
+    signed_at_ms: int
+    cert_id: str
+    status: str | None
+    journal_id: str
+    age_ms: float
 
 
 class AgentRow(msgspec.Struct, frozen=True, kw_only=True):

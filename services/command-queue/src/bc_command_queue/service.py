@@ -39,6 +39,7 @@ from .batches import Batches
 from .commands import Commands
 from .config import CmdqConfig, quorum_from_settings
 from .delivery import Deliveries, Streams
+from .presence import Presence
 from .rows import CommandRow
 from .signers import Signers
 from .site_results import SiteResults
@@ -84,6 +85,7 @@ class CommandQueueService(Service):
         self.signers: Signers | None = None
         self._parts: Parts | None = None
         self._store: PgStore | None = None
+        self._presence: Presence | None = None
         self._site_results: SiteResults | None = None
 
     async def on_start(self) -> None:
@@ -120,6 +122,7 @@ class CommandQueueService(Service):
         )  # fmt: skip
         sweeper.duties.append(batches.publish_expiries)
         sweeper.duties.append(batches.reload_quorum)  # an approvers file changed: in force at once
+        presence = Presence(store=rows, config=config, log=log)
         agents = Agents(
             store=rows,
             config=config,
@@ -132,7 +135,9 @@ class CommandQueueService(Service):
             spawn=self._spawn,
             log=log,
             reruns=lambda kind, payload: app.command_kind(kind, path="kind").reruns(payload),
+            presence=presence,
         )
+        self._presence = presence
         commands = Commands(
             store=rows, config=config, app=app, deliveries=deliveries, changed=self._changed, log=log
         )
@@ -215,10 +220,19 @@ class CommandQueueService(Service):
 
     def side_loops(self) -> Mapping[str, Any]:
         sweeper = self.parts.sweeper
-        loops = {"sweeper": sweeper.run, "retention": sweeper.retention, "events_stream": self._events_stream}
+        loops = {
+            "sweeper": sweeper.run,
+            "retention": sweeper.retention,
+            "events_stream": self._events_stream,
+            "presence": self.parts.agents.presence.run,
+        }
         if self._site_results is not None:
             loops["site_results"] = self._site_results.run
         return loops
+
+    async def on_stop(self) -> None:
+        if self._presence is not None:  # what was heard goes to the rows before the pool closes
+            await self._presence.flush()
 
     def _watch_site_results(self, site_id: str) -> None:
         if self._site_results is not None:

@@ -32,6 +32,7 @@ from .rows import (
     BatchFields,
     BatchRow,
     BatchSizeRow,
+    Beat,
     ClaimedRow,
     ClaimStateRow,
     CommandRow,
@@ -299,6 +300,16 @@ class Store(Protocol):
         self, agent_id: str, signed_at_ms: int, *, silent_after_ms: int
     ) -> AgentSeenRow | None:
         """The agent says it is going: shown disconnected at once."""
+        ...
+
+    async def agents_heard(self, beats: Sequence[Beat], *, silent_after_ms: int) -> list[str]:
+        """Heartbeats held in memory, written at once (``AGENTS_HEARD``): each applied as
+        ``agent_heartbeat`` and ``journal_seen`` (present) would have applied it ``age_ms`` ago.
+        Returns the agents applied (not: unknown, an older event, a revoked certificate)."""
+        ...
+
+    async def all_cancelling(self) -> dict[str, list[str]]:
+        """Every agent's claimed commands cancelled since, by agent (at most 256 each)."""
         ...
 
     async def agent_by_id(self, agent_id: str) -> AgentSeenRow | None: ...
@@ -650,6 +661,29 @@ class PgStore:
 
     async def agent_by_id(self, agent_id: str) -> AgentSeenRow | None:
         return await self._seen(store.AGENT_AGAIN, agent_id)
+
+    async def agents_heard(self, beats: Sequence[Beat], *, silent_after_ms: int) -> list[str]:
+        if not beats:
+            return []
+        records = await self.db.fetch(
+            store.AGENTS_HEARD,
+            [b.agent_id for b in beats],
+            [b.signed_at_ms for b in beats],
+            [b.cert_id for b in beats],
+            [b.status for b in beats],
+            [b.journal_id for b in beats],
+            [b.age_ms for b in beats],
+            silent_after_ms,
+        )
+        return [r["id"] for r in records]
+
+    async def all_cancelling(self) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for r in await self.db.fetch(store.ALL_CANCELLING):
+            ids = found.setdefault(r["agent_id"], [])
+            if len(ids) < 256:
+                ids.append(r["id"])
+        return found
 
     async def renew_lease(self, site_id: str, agent_id: str, *, ttl_ms: int) -> bool:
         return bool(await self.db.fetchval(store.LEASE_RENEW, site_id, agent_id, ttl_ms) == agent_id)

@@ -19,6 +19,7 @@ from better_compute.wire.cmdq import TERMINAL_STATES
 __all__ = [
     "ACK",
     "AGENTS_CONNECTED",
+    "AGENTS_HEARD",
     "AGENTS_LIST",
     "AGENT_AGAIN",
     "AGENT_CANCELLING",
@@ -26,6 +27,7 @@ __all__ = [
     "AGENT_HEARTBEAT",
     "AGENT_LEAVE",
     "AGENT_UPSERT",
+    "ALL_CANCELLING",
     "APPROVALS_OF",
     "APPROVALS_OF_BATCHES",
     "APPROVAL_INSERT",
@@ -110,6 +112,12 @@ WHERE NOT EXISTS (SELECT 1 FROM commands c WHERE c.id = x.id AND c.agent_id = $2
 # $1 agent: its commands cancelled after it claimed them (told in each heartbeat's reply)
 AGENT_CANCELLING: Final = (
     "SELECT id FROM commands WHERE agent_id = $1 AND state = 'cancelling' ORDER BY id LIMIT 256"
+)
+# Every claimed command cancelled since, by agent (the partial index commands_cancelling): read once
+# per presence write and answered from memory in the node agents' heartbeats.
+ALL_CANCELLING: Final = (
+    "SELECT agent_id, id FROM commands WHERE state = 'cancelling' AND agent_id IS NOT NULL"
+    " ORDER BY agent_id, id LIMIT 100000"
 )
 COMMAND_STATE: Final = (
     "SELECT id, node_id, kind, state, agent_id, digest, not_after > now() AS live FROM commands WHERE id = $1"
@@ -509,6 +517,39 @@ UPDATE agents SET last_seen = now(), last_signed_ms = $2, cert_id = $3,
     connected_at = CASE WHEN last_seen < now() - {_SECS.format(p="$5")} THEN now() ELSE connected_at END
 WHERE id = $1 AND last_signed_ms < $2 AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = $3)
 RETURNING site_id, role
+"""
+# Node agents' heartbeats held in memory since the last write, in one statement (one commit):
+# $1 ids, $2 signed_at_ms, $3 cert ids, $4 status (NULL: unchanged), $5 journal ids ('' none),
+# $6 how long ago each was heard (ms), $7 silent_after_ms. Each row as AGENT_HEARTBEAT would
+# have changed it when it was heard (last_seen: now minus its age; a silence before it starts a new
+# connection), and its journal as JOURNAL_SEEN (present); rows are locked in id order, so
+# two instances writing at once wait for each other instead of deadlocking. Returns the ids applied
+# (the others: unknown, older than one applied, or of a revoked certificate).
+AGENTS_HEARD: Final = f"""
+WITH h AS (
+    SELECT h.id, h.signed_ms, h.cert_id, h.status, h.journal_id,
+           now() - {_SECS.format(p="h.age_ms")} AS heard
+    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::double precision[])
+         AS h (id, signed_ms, cert_id, status, journal_id, age_ms)
+), locked AS (
+    SELECT a.id FROM agents a JOIN h ON h.id = a.id ORDER BY a.id FOR UPDATE OF a
+), seen AS (
+    UPDATE agents a SET last_seen = greatest(a.last_seen, h.heard), last_signed_ms = h.signed_ms,
+        cert_id = h.cert_id, status = COALESCE(h.status::jsonb, a.status),
+        connected_at = CASE WHEN a.last_seen < h.heard - {_SECS.format(p="$7")} THEN h.heard
+                            ELSE a.connected_at END
+    FROM h
+    WHERE a.id = h.id AND a.id IN (SELECT id FROM locked) AND a.last_signed_ms < h.signed_ms
+      AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = h.cert_id)
+    RETURNING a.id
+), journal AS (
+    INSERT INTO journals AS j (agent_id, journal_id, present, last_seen)
+    SELECT h.id, h.journal_id, true, h.heard FROM h JOIN seen ON seen.id = h.id
+    WHERE h.journal_id <> '' ORDER BY h.id
+    ON CONFLICT (agent_id, journal_id) DO UPDATE SET last_seen = greatest(j.last_seen, EXCLUDED.last_seen),
+        present = true
+)
+SELECT id FROM seen
 """
 AGENT_AGAIN: Final = "SELECT site_id, role FROM agents WHERE id = $1"
 # $2 signed_at_ms, $3 silent_after_ms: shown disconnected at once

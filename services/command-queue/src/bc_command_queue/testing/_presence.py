@@ -9,12 +9,13 @@ from ..rows import (
     AgentCountRow,
     AgentRow,
     AgentSeenRow,
+    Beat,
     CommandRow,
     CutOffRow,
     LiveCountRow,
 )
 from ..storage import AgentHello
-from ._tables import _CLAIMED, _LIVE, Tables, _Agent
+from ._tables import _CLAIMED, _LIVE, Tables, _Agent, _Journal
 
 __all__ = ["Presence"]
 
@@ -69,6 +70,37 @@ class Presence(Tables):
             return None
         a.last_seen, a.last_signed_ms = self.now() - silent_after_ms / 1000 - 1, signed_at_ms
         return self._seen(agent_id)
+
+    async def agents_heard(self, beats: Sequence[Beat], *, silent_after_ms: int) -> list[str]:
+        """``AGENTS_HEARD``"""
+        applied: list[str] = []
+        for b in sorted(beats, key=lambda b: b.agent_id):
+            a = self._t.agents.get(b.agent_id)
+            if a is None or a.last_signed_ms >= b.signed_at_ms or b.cert_id in self._t.revoked:
+                continue
+            heard = self.now() - b.age_ms / 1000
+            if a.last_seen < heard - silent_after_ms / 1000:
+                a.connected_at = heard
+            a.last_seen, a.last_signed_ms, a.cert_id = max(a.last_seen, heard), b.signed_at_ms, b.cert_id
+            a.status = b.status if b.status is not None else a.status
+            if b.journal_id:
+                j = self._t.journals.get((b.agent_id, b.journal_id))
+                if j is None:
+                    j = _Journal(generation=next(self._generations), last_seen=heard, present=True)
+                    self._t.journals[(b.agent_id, b.journal_id)] = j
+                j.last_seen, j.present = max(j.last_seen, heard), True
+            applied.append(b.agent_id)
+        return applied
+
+    async def all_cancelling(self) -> dict[str, list[str]]:
+        """``ALL_CANCELLING``"""
+        found: dict[str, list[str]] = {}
+        for c in sorted(self._t.commands.values(), key=lambda c: c.id):
+            if c.state == "cancelling" and c.agent_id is not None:
+                ids = found.setdefault(c.agent_id, [])
+                if len(ids) < 256:
+                    ids.append(c.id)
+        return found
 
     async def agent_by_id(self, agent_id: str) -> AgentSeenRow | None:
         """``AGENT_AGAIN``"""
