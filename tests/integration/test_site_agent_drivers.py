@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from bc_site_agent.drivers import BmcCredentials, Driver, make_driver
+from bc_site_agent.drivers.redfish import open_driver as open_redfish
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.runtime.embedded import free_port
 from better_compute.testing import until
@@ -381,6 +382,58 @@ async def test_an_action_whose_answer_was_lost_is_not_sent_twice(
         await redfish(proxy.url, emulator).media_eject(MediaEject(device="cd"), deadline=time.time() + 30)
         server.shutdown()
         server.server_close()
+
+
+async def test_a_power_on_whose_answer_timed_out_is_read_back_and_succeeds(tmp_path: Path) -> None:
+    """A BMC too slow to answer a power on within the call timeout, which applied it anyway
+    (sushy-emulator at 50-100 systems under load): the command reads the power state back and
+    succeeds with the machine on, instead of failing "not repeated". Regression: it failed."""
+    # its own emulator: the machine starts off, and a change lands 0-3 s late (not 0-11)
+    emulator = RedfishEmulator(tmp_path / "redfish", power_lag=(1, 3)).start()
+    proxy = FaultyProxy(tmp_path / "proxy", emulator.url).start()
+    try:
+        assert bmc_get(emulator, system_path())["PowerState"] == "Off"
+        proxy.set(mode="late-answer", left=1, methods=["POST"], seconds=5)
+        driver = open_redfish(
+            NodeBmc(driver="redfish", address=proxy.url),
+            BmcCredentials(username=emulator.username, password=emulator.password),
+            call_timeout=1.0,
+        )
+        try:
+            got = await driver.set_power(SetPower(action="on"), deadline=time.time() + 60)
+        finally:
+            await driver.close()
+        assert (got.power_state, got.changed) == ("On", True)
+        assert bmc_get(emulator, system_path())["PowerState"] == "On"
+        assert any(line.endswith(" late-answer") for line in proxy.requests())  # it did time out
+        resets = [b for b in proxy.bodies() if "ComputerSystem.Reset" in b]
+        # read back (the BMC applies it 1-11 s late): sent again only if it had not got there
+        assert 1 <= len(resets) <= 2, resets
+        assert all('"On"' in b for b in resets), resets
+    finally:
+        proxy.close()
+        emulator.close()
+
+
+async def test_a_cycle_whose_answer_timed_out_still_fails(
+    emulator: RedfishEmulator, proxy: FaultyProxy
+) -> None:
+    """A restart is a change each time, not a state to read back: one whose answer timed out is
+    not sent again, and the command fails saying the BMC may have applied it."""
+    proxy.set(mode="late-answer", left=1, methods=["POST"], seconds=5)
+    driver = open_redfish(
+        NodeBmc(driver="redfish", address=proxy.url),
+        BmcCredentials(username=emulator.username, password=emulator.password),
+        call_timeout=1.0,
+    )
+    err = await driver_error(driver.set_power(SetPower(action="cycle"), deadline=time.time() + 60))
+    assert err.code is ErrorCode.DRIVER_ERROR
+    reason = err.details["reason"]
+    assert "POST ComputerSystem.Reset(" in reason, reason
+    assert "timed out" in reason, reason
+    assert "may have applied it" in reason, reason
+    resets = [b for b in proxy.bodies() if "ComputerSystem.Reset" in b]
+    assert len(resets) == 1, resets
 
 
 def _statuses(checks: list[dict[str, Any]]) -> dict[str, str]:

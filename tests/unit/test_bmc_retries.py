@@ -146,3 +146,68 @@ async def test_ipmi_repeats_a_power_cycle_only_when_its_session_never_opened(
         )  # fmt: skip
     assert sent == ["boot"]  # after the failed login it was sent once, and not again
     assert "may have applied it" in caught.value.details["reason"]
+
+
+class LateSystem:
+    """A Redfish system whose Reset answers are lost (read timeouts) ``lost`` times, and whose
+    power state reads as ``states`` in turn."""
+
+    def __init__(self, *states: str, lost: int) -> None:
+        self.states = list(states)
+        self.lost = lost
+        self.resets: list[str] = []
+
+    @property
+    def power_state(self) -> str:
+        return self.states.pop(0)
+
+    def reset_system(self, reset: object) -> None:
+        self.resets.append(str(getattr(reset, "value", reset)))
+        if len(self.resets) <= self.lost:
+            raise sushy.exceptions.ConnectionError(url="x", error=requests.ReadTimeout("read timed out"))
+
+
+async def _request_power(
+    monkeypatch: pytest.MonkeyPatch, system: LateSystem, action: str, *, read_back: float
+) -> None:
+    from bc_site_agent.drivers.base import BmcCredentials
+    from bc_site_agent.drivers.redfish import RedfishSession, _Power
+    from better_compute.wire.commands import SetPower
+
+    session = RedfishSession(
+        NodeBmc(driver="redfish", address="http://127.0.0.1:1"),
+        BmcCredentials(username="u", password="p"),
+        read_back=read_back,
+    )
+    monkeypatch.setattr(session, "system", lambda deadline: system)
+    await _Power(session).request_power(
+        SetPower(action=action),  # type: ignore[arg-type]
+        before="On" if action != "on" else "Off",
+        deadline=time.time() + 10,
+    )
+
+
+async def test_a_power_on_or_off_whose_answer_was_lost_is_read_back_then_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On and off ask for a state: after a lost answer the state is read back; the BMC that got
+    there is not asked again, the one that did not is (twice is the same state)."""
+    applied = LateSystem("On", lost=1)
+    await _request_power(monkeypatch, applied, "on", read_back=5)
+    assert applied.resets == ["On"]
+    assert applied.states == []  # read back once
+
+    not_applied = LateSystem("On", lost=1)  # read back for 0 s: still on, so off is sent again
+    await _request_power(monkeypatch, not_applied, "off", read_back=0)
+    assert not_applied.resets == ["ForceOff", "ForceOff"]
+
+
+@pytest.mark.parametrize(("action", "reset"), [("cycle", "ForceRestart"), ("softOff", "GracefulShutdown")])
+async def test_other_power_actions_whose_answer_was_lost_still_fail(
+    monkeypatch: pytest.MonkeyPatch, action: str, reset: str
+) -> None:
+    system = LateSystem(lost=1)
+    with pytest.raises(BcError) as caught:
+        await _request_power(monkeypatch, system, action, read_back=5)
+    assert "may have applied it" in caught.value.details["reason"]
+    assert system.resets == [reset]  # sent once, nothing read back

@@ -81,13 +81,24 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes] | None, output: object, t
 
 
 class RedfishEmulator(_Proc):
-    """``sushy-emulator --fake`` on 127.0.0.1 with one system and Basic auth."""
+    """``sushy-emulator --fake`` on 127.0.0.1 with one system and Basic auth.
+
+    ``power_lag``: a power change lands this many whole seconds (drawn from the range) after the
+    second it was asked in; sushy's fake driver draws from 1-11, a test that waits for a
+    change may ask for less."""
 
     def __init__(
-        self, folder: Path, *, username: str = "admin", password: str = "s3cret-bmc-pw", auth: bool = True
+        self,
+        folder: Path,
+        *,
+        username: str = "admin",
+        password: str = "s3cret-bmc-pw",
+        auth: bool = True,
+        power_lag: tuple[int, int] = (1, 11),
     ) -> None:
         super().__init__(folder)
         self.auth = auth
+        self.power_lag = power_lag
         self.username = username
         self.password = password
         self.port = free_port()
@@ -107,15 +118,16 @@ class RedfishEmulator(_Proc):
             self.folder, port=self.port, systems=systems, username=self.username, password=self.password,
             auth=self.auth, notifier="http://127.0.0.1:9",
         )  # fmt: skip
-        self._spawn(
-            [
-                sys.executable,
-                "-c",
-                "from sushy_tools.emulator.main import main; main()",
-                "--config",
-                str(config),
-            ]
-        )
+        launch = "from sushy_tools.emulator.main import main; main()"
+        if self.power_lag != (1, 11):  # the fake driver's one use of random is the power lag
+            lo, hi = self.power_lag
+            launch = (
+                "import random, types\n"
+                "from sushy_tools.emulator.resources.systems import fakedriver\n"
+                f"fakedriver.random = types.SimpleNamespace(randint=lambda *_: random.randint({lo}, {hi}))\n"
+                + launch
+            )
+        self._spawn([sys.executable, "-c", launch, "--config", str(config)])
         _wait_http(self.url + "/redfish/v1/", self.proc, self.output)
         return self
 
@@ -180,14 +192,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         mode = ctl.get("mode", "forward")
         if mode == "error-count":
             mode = "error" if ctl.get("left", 0) > 0 else "forward"
-        if mode == "lose-answer":
+        if mode in ("lose-answer", "late-answer"):
             lose = ctl.get("left", 0) > 0 and self.command in ctl.get("methods", [self.command])
-            mode = "lose-answer" if lose else "forward"
+            mode = mode if lose else "forward"
         with lock, open(request_log, "a") as fh:
             # the client's port names its connection: which requests shared one keep-alive socket
             fh.write(f"{self.command} {self.path} conn={self.client_address[1]} {mode}\n")
-        if mode == "error" or mode == "lose-answer":
-            if ctl.get("mode") in ("error-count", "lose-answer"):
+        if mode in ("error", "lose-answer", "late-answer"):
+            if ctl.get("mode") in ("error-count", "lose-answer", "late-answer"):
                 ctl["left"] -= 1
                 with open(control_file, "w") as fh:
                     json.dump(ctl, fh)
@@ -228,6 +240,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             conn.close()
             self.close_connection = True
             return
+        if mode == "late-answer":  # the BMC applied it; its answer comes after the client gave up
+            conn.close()
+            time.sleep(ctl.get("seconds", 30))
+            self.close_connection = True
+            return
         self.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -257,6 +274,8 @@ class FaultyProxy(_Proc):
     ``set(mode="hang", seconds=S)``, ``set(mode="forward")``, and
     ``set(mode="lose-answer", left=N, methods=["POST"])``: the next N such requests reach the BMC
     (which applies them) but the connection closes before the answer comes back;
+    ``set(mode="late-answer", left=N, methods=["POST"], seconds=S)``: the same, but the answer is
+    held S seconds (then dropped), so a client with a shorter timeout times out;
     ``set(mode="linger-close", seconds=S)``: requests are forwarded, and a connection the client
     asked to close is closed S seconds after the answer, which did not say it would be."""
 

@@ -31,6 +31,7 @@ from better_compute.wire.commands import BmcCheck
 __all__ = [
     "BmcCredentials",
     "Checks",
+    "NotRepeatedError",
     "Transient",
     "driver_error",
     "failure_reason",
@@ -82,6 +83,12 @@ class Transient(Exception):  # noqa: N818 - a classification carried to the retr
         self.reason = reason or detail
 
 
+class NotRepeatedError(BcError):
+    """The ``DRIVER_ERROR`` of an action whose answer was lost and that was not sent again (the
+    BMC may have applied it): a caller that can read back what the action asked for may catch it
+    (``redfish``: a power on or off)."""
+
+
 def driver_error(call: str, detail: str, **extra: Any) -> BcError:
     """``DRIVER_ERROR`` whose reason names the BMC call."""
     reason = f"{call}: {detail}"
@@ -109,8 +116,9 @@ async def retry_transient(
 
     A call that is not ``idempotent`` (a POST action: Reset, InsertMedia) is repeated only
     after a ``Transient`` that provably did not reach the BMC (``maybe_applied`` false);
-    otherwise it is ``DRIVER_ERROR`` at once, saying the BMC may have applied it. Sending it
-    twice could reset a machine twice or fail on a medium the first request inserted.
+    otherwise it is ``DRIVER_ERROR`` at once (``NotRepeatedError``), saying the BMC may have applied
+    it. Sending it twice could reset a machine twice or fail on a medium the first request
+    inserted.
 
     Before every try, ``before_call(what)``: a cancel that reached the agent stops it here.
     Each try that fails and is tried again is the command's progress (``call_failed``: the
@@ -122,9 +130,8 @@ async def retry_transient(
             got = await call()
         except Transient as exc:
             if not idempotent and exc.maybe_applied:
-                raise driver_error(
-                    exc.call, f"{exc.detail}; not repeated: the BMC may have applied it"
-                ) from None
+                lost = driver_error(exc.call, f"{exc.detail}; not repeated: the BMC may have applied it")
+                raise NotRepeatedError(lost.code, lost.message, lost.details) from None
             if at is not None:
                 await call_failed(exc.kind, exc.reason, at=at)
             left = deadline - time.time()

@@ -4,6 +4,8 @@ sushy is blocking: every BMC call runs in a worker thread and is mapped to our e
 sushy's own server-side retries are off: we retry 5xx, refused connections and timeouts with
 backoff and jitter until the command's deadline, and give up at once on 401/403, 404, 400 and
 malformed answers. Power and boot changes are verified by reading them back until they match.
+A power on or off whose answer was lost is read back, and sent again only if the BMC did not
+get there (``_Power.request_power``); any other action whose answer was lost is not repeated.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from better_compute.wire.metal import NodeBmc
 from .base import (
     BmcCredentials,
     Checks,
+    NotRepeatedError,
     Transient,
     driver_error,
     failure_reason,
@@ -80,12 +83,20 @@ _RESET: Final = {
     "cycle": ResetType.FORCE_RESTART,
     "reset": ResetType.FORCE_RESTART,
 }
+_TARGET_STATES: Final = {"on": "on", "off": "off"}
+"""Power actions that ask for a state, by the state they ask for, whose Reset (``On``,
+``ForceOff``) may be sent again: twice is the same state. Not a soft off (it asks the OS), nor a
+cycle or reset (twice is two restarts)."""
 _MEDIA: Final = {
     "cd": (VirtualMediaType.CD, VirtualMediaType.DVD),
     "usb": (VirtualMediaType.USB_STICK, VirtualMediaType.FLOPPY),
 }
 _CALL_TIMEOUT: Final = 10.0
 """At most this long for one HTTP exchange with the BMC (less when the deadline is nearer)."""
+_READ_BACK: Final = 15.0
+"""How long a power on or off whose answer was lost is read back before it is sent again
+(sushy-emulator's fake driver applies one 1-11 s late; real BMCs in a few seconds)."""
+_READ_BACK_EVERY: Final = 1.0
 
 
 def _ca_file(pem: str) -> str:
@@ -102,8 +113,17 @@ def _ca_file(pem: str) -> str:
 class RedfishSession:
     """One command's connection to a Redfish service: the plumbing its interfaces share."""
 
-    def __init__(self, target: NodeBmc, credentials: BmcCredentials) -> None:
+    def __init__(
+        self,
+        target: NodeBmc,
+        credentials: BmcCredentials,
+        *,
+        call_timeout: float = _CALL_TIMEOUT,
+        read_back: float = _READ_BACK,
+    ) -> None:
         self.target = target
+        self.call_timeout = call_timeout
+        self.read_back = read_back
         self._credentials = credentials
         address = target.address.rstrip("/")
         if "://" not in address:
@@ -169,7 +189,7 @@ class RedfishSession:
         )
 
     def _timeout(self, deadline: float) -> float:
-        return max(0.5, min(_CALL_TIMEOUT, deadline - time.time()))
+        return max(0.5, min(self.call_timeout, deadline - time.time()))
 
     def connect(self, deadline: float) -> Any:
         if self._root is None:
@@ -228,12 +248,35 @@ class _Power:
         if command.action in ("cycle", "reset") and before != "On":
             reset = ResetType.ON  # a restart of a machine that is off: it boots
         system = await self.bmc.call("GET System", lambda: self.bmc.system(deadline), deadline=deadline)
-        await self.bmc.call(
-            f"POST ComputerSystem.Reset({reset.value})",
-            lambda: system.reset_system(reset),
-            deadline=deadline,
-            idempotent=False,
-        )
+        call = f"POST ComputerSystem.Reset({reset.value})"
+        want = _TARGET_STATES.get(command.action)
+        while True:
+            try:
+                await self.bmc.call(
+                    call, lambda: system.reset_system(reset), deadline=deadline, idempotent=False
+                )
+                return
+            except NotRepeatedError:
+                # An on or off asks for a state: what the BMC did is read back, not guessed
+                if want is None:
+                    raise
+                self.bmc.log.info("bmc_power_answer_lost", call=call, read_back_s=self.bmc.read_back)
+                if await self._reached(want, deadline=deadline):
+                    return
+                if time.time() >= deadline:
+                    raise
+                self.bmc.log.info("bmc_power_sent_again", call=call)
+
+    async def _reached(self, want: str, *, deadline: float) -> bool:
+        """Whether the power state reads ``want`` within ``read_back`` seconds (each read is
+        retried as reads are, until the command's deadline)."""
+        until = min(deadline, time.time() + self.bmc.read_back)
+        while True:
+            if (await self.power_state(deadline=deadline)).lower() == want:
+                return True
+            if time.time() + _READ_BACK_EVERY >= until:
+                return False
+            await asyncio.sleep(_READ_BACK_EVERY)
 
 
 class _Management:
@@ -379,9 +422,17 @@ class _Inventory:
         return await self.bmc.call("GET System inventory", read, deadline=deadline)
 
 
-def open_driver(target: NodeBmc, credentials: BmcCredentials) -> Driver:
-    """A Redfish driver for one command: one session shared by its four interfaces."""
-    bmc = RedfishSession(target, credentials)
+def open_driver(
+    target: NodeBmc,
+    credentials: BmcCredentials,
+    *,
+    call_timeout: float = _CALL_TIMEOUT,
+    read_back: float = _READ_BACK,
+) -> Driver:
+    """A Redfish driver for one command: one session shared by its four interfaces.
+    ``call_timeout``: at most this long for one HTTP exchange; ``read_back``: how long a power
+    on or off whose answer was lost is read back before it is sent again."""
+    bmc = RedfishSession(target, credentials, call_timeout=call_timeout, read_back=read_back)
     return Driver(
         name="redfish",
         power=_Power(bmc),
