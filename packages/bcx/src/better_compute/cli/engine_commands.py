@@ -124,7 +124,8 @@ async def _watch_list(
             if left is not None and left <= 0:
                 return 0
             try:
-                node_id, removed = await asyncio.wait_for(changed.get(), timeout=left)
+                async with asyncio.timeout(left):  # not wait_for: it can swallow a Ctrl-C (3.11)
+                    node_id, removed = await changed.get()
             except TimeoutError:
                 return 0
             if removed:

@@ -103,7 +103,8 @@ async def follow_workflow(
                 break
             with contextlib.suppress(TimeoutError):
                 wait = 2.0 if deadline is None else max(0.05, min(2.0, deadline - time.monotonic()))
-                await asyncio.wait_for(woken.wait(), timeout=wait)
+                async with asyncio.timeout(wait):  # not wait_for: it can swallow a Ctrl-C (3.11)
+                    await woken.wait()
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

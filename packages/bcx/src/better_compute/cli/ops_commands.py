@@ -216,7 +216,10 @@ async def events_tail(args: argparse.Namespace, settings: Settings) -> int:
             if not follow:
                 return 0
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=_WAIT_S)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+                # arrives as its wait completes, so a Ctrl-C while events flow went unheard
+                async with asyncio.timeout(_WAIT_S):
+                    await wake.wait()
     finally:
         with contextlib.suppress(Exception):
             await nc.close()

@@ -456,7 +456,8 @@ async def watch_nodes(
                     break
                 woken.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken.wait(), timeout=1.0 if interactive else REREAD_SECONDS)
+                    async with asyncio.timeout(1.0 if interactive else REREAD_SECONDS):  # not wait_for
+                        await woken.wait()
     finally:
         for sub in subs:
             with contextlib.suppress(Exception):

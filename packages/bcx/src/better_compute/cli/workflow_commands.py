@@ -259,7 +259,8 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
                 return 0 if state == "succeeded" else 1
             # events wake us at once; the timeout is the safety net for a lost event
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), timeout=2.0)
+                async with asyncio.timeout(2.0):  # not wait_for: it can swallow a Ctrl-C (3.11)
+                    await changed.wait()
     finally:
         await sub.unsubscribe()
 

@@ -1,0 +1,48 @@
+"""Ctrl-C stops a following bcx (``events tail``, ``nodes watch``, ``bulk --watch``, ``workflows
+watch``) at once, even while events flow. On Python 3.11 ``asyncio.wait_for`` swallows a
+cancellation that arrives as the awaited wait completes (fixed in 3.12), and a following bcx
+waits for its next event that way in a loop: the Ctrl-C (asyncio.run cancels the main task) was
+lost whenever an event came at the same moment, and ``bcx events tail`` went on following. Seen
+in a fresh-clone run: the doc test's ``events tail`` example ran to its 60 s job limit. bcx waits
+with ``asyncio.timeout`` instead, which keeps the cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from pathlib import Path
+
+import better_compute.cli
+
+CLI = Path(better_compute.cli.__file__).parent
+
+
+async def _follow(woken: asyncio.Event) -> None:
+    """The shape of bcx's follow loops: wait for a wake-up or a timeout, read again."""
+    while True:
+        woken.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await woken.wait()
+
+
+async def test_a_cancel_arriving_with_an_event_stops_the_follow_loop() -> None:
+    for _ in range(50):
+        woken = asyncio.Event()
+        task = asyncio.create_task(_follow(woken))
+        await asyncio.sleep(0)
+        woken.set()  # an event arrives...
+        task.cancel()  # ...as the reader presses Ctrl-C
+        done, _ = await asyncio.wait([task], timeout=0.5)
+        assert done, "the follow loop went on after its cancel"
+
+
+def test_bcx_never_waits_with_asyncio_wait_for() -> None:
+    users = [
+        f"{p.name}:{n}"
+        for p in sorted(CLI.rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"\bwait_for\(", line) and not line.lstrip().startswith("#")
+    ]
+    assert users == [], f"asyncio.wait_for can swallow a Ctrl-C on Python 3.11: {users}"
