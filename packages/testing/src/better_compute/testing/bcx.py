@@ -100,7 +100,7 @@ async def bcx(
 # line on stdin) forks a child that runs ``bcx`` with the job's argv, cwd and environment, its
 # output in files; answers one JSON line per job: its exit code and output.
 _SERVER = r"""
-import atexit, json, os, pkgutil, sys, tempfile, time, importlib, traceback
+import atexit, faulthandler, json, os, pkgutil, sys, tempfile, time, importlib, traceback
 import asyncio, nats, msgspec, signal
 import better_compute.cli, better_compute.clients
 from better_compute.cli import main as bcx_main
@@ -120,6 +120,10 @@ for line in sys.stdin:
             os.environ.clear(); os.environ.update(job["env"])
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+            # as a bcx started at a terminal: Ctrl-C raises KeyboardInterrupt (asyncio.run's
+            # handler then cancels the command), whatever this server inherited
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a run hangs, at its timeout
             bcx_main.main(job["argv"])
             code = 0
         except SystemExit as exit_:
@@ -138,6 +142,7 @@ for line in sys.stdin:
     deadline = time.monotonic() + job["timeout"]
     interrupt = job.get("interrupt")  # Ctrl-C once it printed something, or after that long
     interrupt_at = time.monotonic() + interrupt if interrupt is not None else None
+    again_at = None  # a second Ctrl-C 5 s after the first, as an operator presses it again
     timed_out = False
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -145,8 +150,12 @@ for line in sys.stdin:
             code = os.waitstatus_to_exitcode(status)
             break
         if interrupt_at is not None and (os.fstat(out.fileno()).st_size or time.monotonic() > interrupt_at):
-            os.kill(pid, signal.SIGINT); interrupt_at = None
+            os.kill(pid, signal.SIGINT); interrupt_at = None; again_at = time.monotonic() + 5.0
+        if again_at is not None and time.monotonic() > again_at:
+            os.write(err.fileno(), b"bcx fork: still running 5 s after its Ctrl-C: a second one\n")
+            os.kill(pid, signal.SIGINT); again_at = None
         if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGUSR1); time.sleep(0.3)  # its stacks into its stderr
             os.kill(pid, 9); os.waitpid(pid, 0); code = -9; timed_out = True
             break
         time.sleep(0.005)
