@@ -134,3 +134,32 @@ async def test_an_agent_that_starts_while_nats_is_down_waits_and_then_serves(sta
     [done] = await stack.finished([wf_id])
     assert done.state == "succeeded", done.error
     assert done.steps[0].result["commandId"] in sim.executions()[0]
+
+
+async def test_an_idle_agent_takes_commands_at_once_after_nats_restarts(stack: Stack) -> None:
+    # The agent's pull waits up to its fetch timeout for a command; a restarted server forgets
+    # the waiting pull, so the reconnect must cut it short. With a pull of 600 s the command
+    # below reaches the agent only if it does (the wait below gives up long before).
+    for service in SERVICES:
+        stack.procs.start(service)
+    await stack.procs.wait_ready()
+    sim, _agent = await stack.agent("lab", "--fetch-timeout", "600")
+    await stack.profile("one", [{"use": "test.power", "on": "site", "with": {"action": "on"}}])
+    engine = EngineClient(stack.api, timeout=5.0)
+    node = await engine.create_node(site_id="lab", bmc=sim_bmc())
+    [first] = await stack.finished([(await engine.start_workflow(profile_id="one", node_id=node.id)).id])
+    assert first.state == "succeeded", first.error  # served before the restart, then idle
+    stack.servers.stop_nats()
+    stack.servers.start_nats()
+
+    async def started() -> str | None:
+        try:
+            wf = await EngineClient(stack.api, timeout=2.0).start_workflow(profile_id="one", node_id=node.id)
+        except BcError:
+            return None  # the services are still reconnecting
+        return str(wf.id)
+
+    wf_id = await until(started)
+    [done] = await stack.finished([wf_id])
+    assert done.state == "succeeded", done.error
+    assert len(sim.executions()) == 2

@@ -39,7 +39,7 @@ from ..core import __version__
 from ..core.errors import BcError, ErrorCode
 from ..crypto import result_document, sign_bytes, sign_event
 from ..logging import get_logger
-from ..service.client import connect
+from ..service.client import connect, when_reconnected
 from ..service.killpoints import declare, kill_point
 from ..wire import Subjects, unwrap
 from ..wire.agent import (
@@ -87,6 +87,10 @@ _WAIT_FOR: Final = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 _INTERNAL_TRIES: Final = 5
 _PENDING_PAUSE_S: Final = 1.0
 """How long at most between hellos while the certificate is ``pending`` (docs/security.md)."""
+FETCH_TIMEOUT_S: Final = 20.0
+"""How long one pull of an idle agent waits for a command (``Agent._fetch``): a command arrives
+at once whatever it is; each pull is two JetStream requests, so 1 s cost a thousand idle machines
+two thousand requests a second."""
 PROGRESS_INTERVAL: Final = 1.0
 """At most one progress event per command this often (seconds): the latest word waits its turn
 and goes out then, the ones before it are dropped."""
@@ -289,7 +293,7 @@ class Agent:
         max_concurrency: int = 16,
         sign_results: bool | None = None,
         request_timeout: float = 5.0,
-        fetch_timeout: float = 1.0,
+        fetch_timeout: float = FETCH_TIMEOUT_S,
         stop_grace: float = 10.0,
         status: Callable[[], AgentStatus] | None = None,
     ) -> None:
@@ -351,6 +355,10 @@ class Agent:
         if self.nc is None:
             assert self.nats_url is not None
             self.nc = await self._connect_nats(self.nats_url)
+        elif not when_reconnected(self.nc, self._on_reconnect):
+            # a connection we cannot hear reconnect on: a pull the restarted server forgot
+            # ends by itself soon (a long one would leave the agent deaf that long)
+            self.fetch_timeout = min(self.fetch_timeout, 1.0)
 
     async def _connect_nats(self, url: str) -> Nats:
         return await connect_waiting(
@@ -668,7 +676,7 @@ class Agent:
                 await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                msgs = await self._psub.fetch(batch=min(free, 32), timeout=self.fetch_timeout)
+                msgs = await self._fetch(min(free, 32))
             except (TimeoutError, nats.errors.TimeoutError):
                 idle += self.fetch_timeout
                 if idle >= 30.0:
@@ -687,6 +695,28 @@ class Agent:
                 task = asyncio.create_task(self._handle(msg), name="agent-command")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _fetch(self, batch: int) -> list[Msg]:
+        """One long poll of our consumer: its messages as soon as there are any (the server
+        answers a waiting pull at once), else ``TimeoutError`` after ``fetch_timeout``. A
+        reconnect (the server may have forgotten the waiting pull), a lost consumer or a stop
+        cuts the poll short (``TimeoutError`` then too), so a long ``fetch_timeout`` costs
+        neither latency nor a slow stop: it only spares an idle agent's pulls (two JetStream
+        requests each, the no-wait probe and the waiting pull)."""
+        fetch = asyncio.ensure_future(self._psub.fetch(batch=batch, timeout=self.fetch_timeout))
+        cuts = [asyncio.ensure_future(self._rehello.wait()), asyncio.ensure_future(self._stop.wait())]
+        try:
+            await asyncio.wait({fetch, *cuts}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for cut in cuts:
+                cut.cancel()
+            if not fetch.done():
+                fetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await fetch
+        if fetch.cancelled():
+            raise TimeoutError
+        return fetch.result()  # type: ignore[no-any-return]
 
     async def _check_consumer(self) -> None:
         try:

@@ -176,6 +176,7 @@ async def _main(args: argparse.Namespace) -> None:
             crash=crash,
             crash_marker=state / "crashed",
             sign_results=False if args.unsigned else None,
+            **({"fetch_timeout": args.fetch_timeout} if args.fetch_timeout else {}),
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--crash", action="append", help="KIND=started|executed (once)")
     parser.add_argument("--answer", action="append", help="KIND=JSON: answer those commands with JSON")
     parser.add_argument("--unsigned", action="store_true", help="a node agent that does not sign its results")
+    parser.add_argument(
+        "--fetch-timeout", type=float, help="seconds one idle pull waits for a command (Agent.fetch_timeout)"
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if not args.nats_url:

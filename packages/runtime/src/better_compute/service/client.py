@@ -7,6 +7,8 @@ import contextlib
 import json
 import re
 import ssl
+import weakref
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -22,7 +24,21 @@ from ..wire.subjects import SERVICE_NAMES
 if TYPE_CHECKING:
     from nats.aio.client import Client as Nats
 
-__all__ = ["ApiClient", "connect", "discover", "tls_context"]
+__all__ = ["ApiClient", "connect", "discover", "tls_context", "when_reconnected"]
+
+_Listener = Callable[[], Awaitable[None]]
+_RECONNECTED: weakref.WeakKeyDictionary[Any, list[_Listener]] = weakref.WeakKeyDictionary()
+
+
+def when_reconnected(nc: Any, callback: Callable[[], Awaitable[None]]) -> bool:
+    """Call ``callback`` after each reconnect of ``nc``, besides the ``reconnected_cb`` it was
+    opened with (an agent handed its owner's connection hears of reconnects this way). False
+    for a connection ``connect`` did not open: then nothing will call it."""
+    listeners = _RECONNECTED.get(nc)
+    if listeners is None:
+        return False
+    listeners.append(callback)
+    return True
 
 
 _REFUSED = re.compile(r"authorization violation|authentication", re.IGNORECASE)
@@ -98,6 +114,16 @@ async def connect(
     connect_timeout = kwargs.pop("connect_timeout", 2)
     reconnect_time_wait = kwargs.pop("reconnect_time_wait", 0.5)
     nc = NatsClient()
+    listeners: list[_Listener] = []
+    if (given := kwargs.pop("reconnected_cb", None)) is not None:
+        listeners.append(given)
+    _RECONNECTED[nc] = listeners
+
+    async def reconnected_cb() -> None:
+        for listener in list(listeners):
+            await listener()
+
+    kwargs["reconnected_cb"] = reconnected_cb
     attempt = asyncio.ensure_future(
         nc.connect(
             url,
