@@ -232,7 +232,8 @@ async def connect_as_agent(
             else:
                 raise
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), wait)
+            async with asyncio.timeout(wait):
+                await stop.wait()
     return None
 
 

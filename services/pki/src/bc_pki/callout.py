@@ -371,7 +371,8 @@ async def sweeps(
     wait = 0.0
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wanted.wait(), timeout=wait)
+            async with asyncio.timeout(wait):
+                await wanted.wait()
         wanted.clear()
         if stop.is_set():
             return
@@ -499,7 +500,8 @@ async def run(config: CalloutConfig, *, stop: asyncio.Event | None = None) -> No
             await sweeping
     finally:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), timeout=5)
+            async with asyncio.timeout(5):
+                await nc.close()
     log.info("callout_stopped")
 
 

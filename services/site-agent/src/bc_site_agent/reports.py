@@ -76,7 +76,8 @@ class Reports:
             for path in self.unsent():
                 await self._send(path)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.sweep_seconds)
+                async with asyncio.timeout(self.sweep_seconds):
+                    await self._wake.wait()
 
     async def _send(self, path: Path) -> None:
         doc = _load(path)

@@ -257,7 +257,8 @@ async def connect_waiting(
             delay = backoff.next()
             log.warning("nats_unreachable", error=err.message, retry_in_s=round(delay, 2))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=delay)
+            async with asyncio.timeout(delay):
+                await stop.wait()
         if stop.is_set():
             raise BcError(ErrorCode.UNAVAILABLE, "stopped before NATS answered")
 
@@ -407,7 +408,8 @@ class Agent:
                 await self._psub.unsubscribe()
         if self._own_nc and self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.close(), timeout=2.0)
+                async with asyncio.timeout(2.0):
+                    await self.nc.close()
         if self.journal is not None and not isinstance(self._journal_arg, Journal):
             self.journal.close()
         self.log.info("agent_stopped")
@@ -544,7 +546,8 @@ class Agent:
     async def _heartbeats(self) -> None:
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=self.heartbeat_ms / 1000)
+                async with asyncio.timeout(self.heartbeat_ms / 1000):
+                    await self._stop.wait()
             if self._stop.is_set():
                 return
             try:

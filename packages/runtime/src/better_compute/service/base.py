@@ -360,7 +360,8 @@ class Service:
                     "waiting_for_dependency", waited_for=what, error=describe(exc), retry_in_s=round(delay, 2)
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop_event.wait(), timeout=delay)
+                async with asyncio.timeout(delay):
+                    await self._stop_event.wait()
         return False
 
     async def _nats_error(self, exc: Exception) -> None:
@@ -472,10 +473,12 @@ class Service:
             await self.on_stop()
         if self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.drain(), timeout=2.0)
+                async with asyncio.timeout(2.0):
+                    await self.nc.drain()
         if self.db is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.db.close(), timeout=2.0)
+                async with asyncio.timeout(2.0):
+                    await self.db.close()
         self.log.info("service_stopped")
 
     # -- request handling -----------------------------------------------------
@@ -598,7 +601,8 @@ class Service:
 
     async def _collect_for_scrape(self) -> None:
         try:
-            await asyncio.wait_for(self.collect_metrics(), timeout=5.0)
+            async with asyncio.timeout(5.0):
+                await self.collect_metrics()
         except Exception as exc:  # the store is away: serve the counters, say so in the log
             self.log.warning("metrics_collect_failed", error=describe(exc))
 

@@ -163,7 +163,8 @@ async def connect(
         with contextlib.suppress(
             BaseException
         ):  # its transport's close can hang after a failed TLS handshake
-            await asyncio.wait_for(nc.close(), timeout=0.2)
+            async with asyncio.timeout(0.2):
+                await nc.close()
         raise _connect_error(url, [failure, *seen]) from failure
     nc.options["max_reconnect_attempts"] = reconnects
     return nc

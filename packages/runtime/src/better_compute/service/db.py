@@ -184,7 +184,8 @@ class Database:
     async def ping(self) -> bool:
         """Whether PostgreSQL answers within a couple of seconds."""
         try:
-            return bool(await asyncio.wait_for(self.pool.fetchval("SELECT true"), timeout=2.0))
+            async with asyncio.timeout(2.0):
+                return bool(await self.pool.fetchval("SELECT true"))
         except Exception as exc:
             if is_transient(exc):
                 return False
