@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
-import select
-import signal
 import sys
 from typing import IO, Any
+
+from better_compute.service.forks import serve_forks
 
 
 def _child(doc: dict[str, Any]) -> None:
@@ -71,47 +70,7 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     # a thousand simulated machines share one copy of bcd's modules instead of each its own.
     gc.collect()
     gc.freeze()
-
-    def say(doc: dict[str, Any]) -> None:
-        out.write((json.dumps(doc) + "\n").encode())
-        out.flush()
-
-    buffer = b""
-    fd = inp.fileno()
-    while True:
-        ready, _, _ = select.select([fd], [], [], 0.05)
-        if ready:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break  # the simulator is gone
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                doc = json.loads(line)
-                out.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child(doc)
-                say({"id": doc["id"], "pid": pid})
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
-    for pid in _children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _children() -> list[int]:
-    try:
-        text = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read()  # noqa: SIM115
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
+    serve_forks(inp, out, _child)
 
 
 if __name__ == "__main__":
