@@ -107,34 +107,29 @@ class Joins:
                 tok_id = row["id"]
             refusal = self._refusal(row, claims) or discovery.refusal(row, claims, body.site_id)
             earlier = None
-            if row is not None and (refusal is None or refusal.reason == "token-used-up"):
+            if row is not None and row["uses"] > 0 and (refusal is None or refusal.reason == "token-used-up"):
                 # the same join asked again (its answer was lost: the bc-pki that issued it died,
                 # or the request timed out): the same key proves the same joiner, who gets the
-                # certificate it already has; nothing is spent again, nothing burned
+                # certificate it already has; nothing is spent again, nothing burned (a token not
+                # used yet has issued nothing: a first join does not look)
                 earlier = await conn.fetchrow(store.CERT_OF_TOKEN_AND_KEY, row["id"], csr.public_key_der)
+            if refusal is None or earlier is not None:
+                register_secret(body.token)
+                detail = None
                 if earlier is not None:
-                    register_secret(body.token)
                     refusal = None
                     result = self._result_of(earlier)
-                    await self._audit_join(
-                        "joined",
-                        join_token_id=row["id"],
-                        cert_id=result.cert_id,
-                        agent_id=result.agent_id,
-                        claims=claims,
-                        detail="asked again with the same key: the certificate it already had",
-                        conn=conn,
-                    )
-            if refusal is None and earlier is None:
-                register_secret(body.token)
-                result = await self._issue_cert(conn, row, csr, claims)
-                await conn.execute(store.TOKEN_SPEND, row["id"])
+                    detail = "asked again with the same key: the certificate it already had"
+                else:
+                    result = await self._issue_cert(conn, row, csr, claims)
+                    await conn.execute(store.TOKEN_SPEND, row["id"])
                 await self._audit_join(
                     "joined",
                     join_token_id=row["id"],
                     cert_id=result.cert_id,
                     agent_id=result.agent_id,
                     claims=claims,
+                    detail=detail,
                     conn=conn,
                 )
         if refusal is not None:
