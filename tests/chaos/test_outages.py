@@ -80,6 +80,23 @@ async def check_all_done_once(stack: Stack, sim: SimAgent, ids: list[str], pids:
     assert sim.proc.poll() is None
 
 
+async def run_once_up(stack: Stack, profile_id: str, node_id: str | None = None) -> Any:
+    """One workflow of ``profile_id`` (on ``node_id``, else a new node), started as soon as the
+    services answer again, once it finished."""
+
+    async def started() -> str | None:
+        try:
+            engine = EngineClient(stack.api, timeout=2.0)
+            node = node_id or (await engine.create_node(site_id="lab", bmc=sim_bmc())).id
+            wf = await engine.start_workflow(profile_id=profile_id, node_id=node)
+        except BcError:
+            return None  # the services are still reconnecting
+        return str(wf.id)
+
+    [done] = await stack.finished([await until(started)])
+    return done
+
+
 async def test_two_second_outages_of_postgres_then_nats(stack: Stack) -> None:
     sim, ids, pids = await start_workflows(stack)
     await outage(stack.servers.stop_pg, stack.servers.start_pg, 2.0)
@@ -121,17 +138,7 @@ async def test_an_agent_that_starts_while_nats_is_down_waits_and_then_serves(sta
 
     await stack.profile("one", [{"use": "test.power", "on": "site", "with": {"action": "on"}}])
 
-    async def started() -> str | None:
-        try:
-            engine = EngineClient(stack.api, timeout=2.0)
-            node = await engine.create_node(site_id="lab", bmc=sim_bmc())
-            wf = await engine.start_workflow(profile_id="one", node_id=node.id)
-        except BcError:
-            return None  # the services are still reconnecting
-        return str(wf.id)
-
-    wf_id = await until(started)
-    [done] = await stack.finished([wf_id])
+    done = await run_once_up(stack, "one")
     assert done.state == "succeeded", done.error
     assert done.steps[0].result["commandId"] in sim.executions()[0]
 
@@ -152,14 +159,6 @@ async def test_an_idle_agent_takes_commands_at_once_after_nats_restarts(stack: S
     stack.servers.stop_nats()
     stack.servers.start_nats()
 
-    async def started() -> str | None:
-        try:
-            wf = await EngineClient(stack.api, timeout=2.0).start_workflow(profile_id="one", node_id=node.id)
-        except BcError:
-            return None  # the services are still reconnecting
-        return str(wf.id)
-
-    wf_id = await until(started)
-    [done] = await stack.finished([wf_id])
+    done = await run_once_up(stack, "one", node.id)
     assert done.state == "succeeded", done.error
     assert len(sim.executions()) == 2
