@@ -22,6 +22,7 @@ import os
 import random
 import runpy
 import sys
+import warnings
 from typing import IO, Any
 
 from ..runtime.dev import SERVICES
@@ -61,6 +62,9 @@ def _child(doc: dict[str, Any]) -> None:
         module, *_ = doc["argv"]
         sys.argv = list(doc["argv"])
         _name_process(module)
+        # the server imported <module>.__main__ to share it; running it again as __main__ is the
+        # point, so runpy's warning about it ("found in sys.modules") is not one here
+        warnings.filterwarnings("ignore", message=".*found in sys.modules", category=RuntimeWarning)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
