@@ -162,6 +162,9 @@ class CpuMeter:
 
     def __init__(self, *roots: int) -> None:
         self.roots = roots
+        self.named: dict[int, str] = {}
+        """Kinds by pid, over the command line's: the services and site agents are forked by
+        the test kit's fork server, so their command lines are its own."""
 
     def _descendants(self) -> dict[int, str]:
         table = process_table()
@@ -172,7 +175,8 @@ class CpuMeter:
         todo = [pid for root in self.roots for pid in (root, *kids.get(root, [])) if pid in table]
         while todo:
             pid = todo.pop()
-            out[pid] = "simulator (this process)" if pid == os.getpid() else classify(table[pid][1])
+            kind = self.named.get(pid) or classify(table[pid][1])
+            out[pid] = "simulator (this process)" if pid == os.getpid() else kind
             todo.extend(kids.get(pid, []))
         return out
 
@@ -233,17 +237,50 @@ BMC_EVENTS = ("media.insert", "media.eject", "boot.device", "power.requested")
 BMC_KEYS = ("power", *BMC_EVENTS)
 
 
-def past_first_bmc_command(sims: list[MetalSim], since: float, seen: set[str]) -> int:
+def past_first_bmc_command(
+    sims: list[MetalSim], since: float, seen: set[str], sizes: dict[str, int] | None = None
+) -> int:
     """How many machines' BMCs took a command since ``since`` (``seen`` keeps those already
-    counted, so each ledger is read until it shows one)."""
+    counted, so each ledger is read until it shows one; ``sizes`` each ledger's size at its last
+    read, so a look reads only the ledgers that grew: 10,000 machines a second otherwise)."""
+    sizes = {} if sizes is None else sizes
     for sim in sims:
         for m in sim.machines:
             key = f"{sim.site_id}/{m.name}"
-            if key not in seen and any(
-                e["event"] in BMC_EVENTS and e["t"] >= since for e in m.ledger.events()
-            ):  # one read of the ledger a look
+            if key in seen:
+                continue
+            try:
+                size = m.ledger.path.stat().st_size
+            except OSError:
+                continue
+            if sizes.get(key) == size:
+                continue
+            sizes[key] = size
+            if any(e["event"] in BMC_EVENTS and e["t"] >= since for e in m.ledger.events()):
                 seen.add(key)
     return len(seen)
+
+
+async def lean_memory_reports(sims: list[MetalSim], folder: Path) -> dict[str, str]:
+    """Each lean host's memory report (``bcd.lean``'s SIGUSR1, ``BC_SIM_LEAN_MEMORY``): site ->
+    its first line (machines, tasks, threads, RSS and traced KiB per machine); the whole report,
+    the top Python allocations by file and line, is left in ``folder``."""
+    out: dict[str, str] = {}
+    for sim in sims:
+        if sim.zygote is None or not sim.lean:
+            continue
+        pid = sim.zygote.proc.pid
+        done = folder / f"lean-{pid}-1.txt"
+        os.kill(pid, signal.SIGUSR1)
+        for _ in range(600):  # a snapshot of a thousand machines' allocations takes a while
+            if done.exists():
+                break
+            await asyncio.sleep(0.1)
+        text = done.read_text() if done.exists() else "no report"
+        out[sim.site_id] = text.splitlines()[0]
+        print(f"  {sim.site_id} lean host memory: {done}", flush=True)
+        print("    " + "\n    ".join(text.splitlines()[:16]), flush=True)
+    return out
 
 
 def kill_one_of_each(processes: ServiceProcesses) -> dict[str, str]:
@@ -356,6 +393,8 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         print(f"enrolled in {prelude['enroll']:.1f} s", flush=True)
         # the servers run detached (their own sessions): count them from their own pids
         meter = CpuMeter(os.getpid(), *(p for p in (nats.running_pid(), pg.running_pid()) if p))
+        meter.named.update({p.pid: p.service for p in processes.procs})
+        meter.named.update({a.proc.pid: "site agents" for a in agents if a.proc is not None})
         prelude_cpu: dict[str, dict[str, float]] = {}
         prelude_again: dict[str, int] = {}
         phases: list[tuple[VerbName, str]] = [("inspect", "inspected"), ("commission", "ready")]
@@ -398,10 +437,11 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
 
         async def kill_mid_deploy() -> None:
             seen: set[str] = set()
+            sizes: dict[str, int] = {}
             half: float = args.machines / 2
 
             async def halfway() -> bool:
-                n: int = await asyncio.to_thread(past_first_bmc_command, sims, since, seen)
+                n: int = await asyncio.to_thread(past_first_bmc_command, sims, since, seen, sizes)
                 return n >= half
 
             _: bool = await until(
@@ -423,6 +463,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         elapsed = time.monotonic() - t0
         cpu = CpuMeter.delta(cpu_before, meter.snapshot())
         memory = meter.memory()  # every machine deployed: each runs its installed OS's bcd
+        reports = await lean_memory_reports(sims, state / "lean-memory") if args.memory_report else {}
         per_instance = instance_memory(processes)
         load = os.getloadavg()
         resident = meter.resident()
@@ -438,9 +479,15 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             print(f"at rest {args.idle:.0f} s: product {per_min:.4f} CPU s/machine/minute", flush=True)
 
         # each machine's deploy workflow: created -> finished, from the engine
+        asking = asyncio.Semaphore(32)
+
+        async def workflow(workflow_id: str) -> Any:
+            async with asking:
+                return await engine.get_workflow(id=workflow_id)
+
+        deploy_workflows = await asyncio.gather(*(workflow(s.workflow_id) for s in run.started))
         durations: list[float] = []
-        for started in run.started:
-            wf = await engine.get_workflow(id=started.workflow_id)
+        for wf in deploy_workflows:
             if wf.finished_at and wf.created_at:
                 took = datetime.fromisoformat(wf.finished_at) - datetime.fromisoformat(wf.created_at)
                 durations.append(took.total_seconds())
@@ -472,7 +519,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             for sim in sims for m in sim.machines if m.ledger.count("install") != 1
         }  # fmt: skip
         # in the engine and the queue: every deploy succeeded, nothing left running or live
-        deploy_states = Counter([(await engine.get_workflow(id=s.workflow_id)).state for s in run.started])
+        deploy_states = Counter(wf.state for wf in deploy_workflows)
         still_running = len((await engine.list_workflows(state="running", limit=1000)).workflows)
         live_commands = 0
         for live_state in sorted(LIVE_STATES):
@@ -509,6 +556,10 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "cpu_total_s": round(sum(cpu.values()), 1),
             "memory_mib": {k: round(v) for k, v in sorted(memory.items(), key=lambda kv: -kv[1])},
             "memory_total_mib": round(sum(memory.values())),
+            "memory_kib_per_machine": {
+                k: round(v * 1024 / args.machines) for k, v in sorted(memory.items(), key=lambda kv: -kv[1])
+            },
+            "lean_memory_reports": reports,
             "rss_mib": {k: {"processes": n, "mib": round(mib)} for k, (n, mib) in
                         sorted(resident.items(), key=lambda kv: -kv[1][1])},
             "product_rss_mib": round(sum(mib for k, (_, mib) in resident.items() if k in PRODUCT_KINDS)),
@@ -536,6 +587,26 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         nats.stop()
 
 
+OPEN_FILES = 65_536
+"""Open files this process and what it starts (nats-server, PostgreSQL, the lean hosts) may have:
+at 10,000 machines nats-server holds a connection each and a lean host of 1,000 machines 7,000
+files (each machine's socket and its journal's two SQLite connections, three files each)."""
+
+
+def raise_open_files() -> None:
+    """Lift the open-files limit to ``OPEN_FILES`` (the hard limit too, when allowed: as root),
+    else as far as the hard limit goes."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(soft, OPEN_FILES)
+    try:
+        keep = hard == resource.RLIM_INFINITY or hard >= want
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard if keep else want))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machines", type=int, default=100)
@@ -555,11 +626,18 @@ def main() -> None:
         "--lean", action="store_true", default=os.environ.get("BC_SIM_LEAN") == "1",
         help="each site's bcds as tasks of one process (BC_SIM_LEAN=1), not a process per machine",
     )  # fmt: skip
+    p.add_argument(
+        "--memory-report", action="store_true",
+        help="lean: each host traces its Python allocations and reports them at the end (costs CPU)",
+    )  # fmt: skip
     args = p.parse_args()
+    raise_open_files()
     configure_logging(level="warning", json=False)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop everything it started
     folder = Path(tempfile.mkdtemp(prefix="bc-fleet-"))
     print(f"state under {folder}", flush=True)
+    if args.memory_report:
+        os.environ["BC_SIM_LEAN_MEMORY"] = str(folder / "lean-memory")
     ok = False
     try:
         out = asyncio.run(bench(args, folder))

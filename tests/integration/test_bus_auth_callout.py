@@ -25,11 +25,14 @@ from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 
 from bc_pki.ca import CertificateAuthority, parse_csr
+from better_compute.agent import Enrollment
+from better_compute.agent.bus import agent_options
+from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import issue_bus_certificate, make_csr, new_agent_key, new_bus_ca
 from better_compute.runtime.embedded import free_port, nats_server_binary, wait_port
 from better_compute.service.bus_auth import AgentCertificate, CalloutResponder
-from better_compute.service.client import connect
+from better_compute.service.client import LazyTls, connect
 from better_compute.testing import until
 from better_compute.wire import Subjects
 
@@ -63,7 +66,7 @@ class Callout:
         tls.load_cert_chain(self.folder / f"{agent_id}.pem", self.folder / f"{agent_id}-key.pem")
         return tls
 
-    async def connect(self, agent_id: str, tls: ssl.SSLContext, **kwargs: object) -> Nats:
+    async def connect(self, agent_id: str, tls: ssl.SSLContext | LazyTls, **kwargs: object) -> Nats:
         seen = self.errors.setdefault(agent_id, [])
 
         async def on_error(err: Exception) -> None:
@@ -184,3 +187,42 @@ async def test_no_connection_without_a_good_certificate_of_this_site(callout: Ca
     assert err.value.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.UNAVAILABLE)
     if case != "other-ca":
         assert err.value.code is ErrorCode.UNAUTHENTICATED
+
+
+async def test_an_agents_tls_context_is_made_only_when_its_server_asks_for_tls(
+    callout: Callout, bc_settings: Settings
+) -> None:
+    """Issue 25 item 3: an agent's TLS context (its certificate, the CA it trusts: about a MiB
+    with the system's CAs) is made when a server asks for TLS, never for a plain server (the
+    metal simulator's lean host runs thousands of agents in one process); a CA that cannot be
+    loaded is the connection's ``INVALID_CONFIG`` then."""
+    key = new_agent_key()
+    cert = callout.ca.issue(
+        parse_csr(make_csr(key)), agent_id="agent_l1", tenant_id="root", site_id="eu1", role="node",
+        lifetime=dt.timedelta(hours=1),
+    )  # fmt: skip
+    enrollment = Enrollment(
+        agent_id="agent_l1", cert_id="cert_l1", site_id="eu1", tenant_id="root", role="node",
+        certificate_pem=cert.public_bytes(serialization.Encoding.PEM).decode(), private_key=key,
+    )  # fmt: skip
+    plain = agent_options(enrollment, ca=str(callout.folder / "no-such-ca.pem"))
+    assert bc_settings.nats_url is not None
+    nc = await connect(bc_settings.nats_url, name="agent_l1", **plain)
+    try:
+        await nc.flush()
+        assert not plain["tls"].made
+    finally:
+        await nc.close()
+    with pytest.raises(BcError) as refused:
+        plain["tls"].context()
+    assert (refused.value.code, refused.value.details["path"]) == (ErrorCode.INVALID_CONFIG, "nats_ca")
+    # the same options with the bus CA, against the leaf that asks for TLS and reads the certificate
+    options = agent_options(enrollment, ca=str(callout.folder / "bus-ca.pem"))
+    tls = options.pop("tls")
+    a1 = await callout.connect("agent_l1", tls, **options)
+    try:
+        await a1.flush()
+        assert a1.is_connected
+        assert tls.made
+    finally:
+        await a1.close()

@@ -71,5 +71,48 @@ def test_a_journal_file_from_before_the_delivery_column_opens(tmp_path: Path) ->
         entry = journal.get("cmd_old")
         assert entry is not None
         assert (entry.state, entry.delivery) == ("started", None)  # interrupted, as before
+        # the smaller page size of new journals is for new files only: this one keeps its own
+        assert journal._reader.execute("PRAGMA page_size").fetchone()[0] == 4096
     finally:
         journal.close()
+
+
+async def test_many_journals_in_one_process_share_a_few_writers_and_keep_every_write(tmp_path: Path) -> None:
+    """Issue 25 item 3: the metal simulator's lean host holds a journal per machine in one
+    process; they share at most ``WRITER_THREADS`` writer threads, and each journal still gets
+    every write it asked for, in order, durable when it returns and there after a close."""
+    import asyncio
+    import threading
+
+    from better_compute.agent.journal import PAGE_SIZE, WRITER_THREADS
+
+    journals = [Journal(tmp_path / f"m{i:02d}" / "journal.db") for i in range(3 * WRITER_THREADS)]
+    try:
+        assert journals[0]._reader.execute("PRAGMA page_size").fetchone()[0] == PAGE_SIZE
+        writers = {t for t in threading.enumerate() if t.name == "agent-journal"}
+        assert 1 <= len(writers) <= WRITER_THREADS
+
+        async def command(journal: Journal, n: int) -> None:
+            assert await journal.started(f"cmd_{n}", kind="node.wipe", not_after=0.0)
+            await journal.finished(f"cmd_{n}", status="succeeded", reason=None, result=b"{}", signature=None)
+            await journal.reported(f"cmd_{n}")
+
+        await asyncio.gather(*(command(j, n) for j in journals for n in range(5)))
+        for journal in journals:
+            assert [journal.get(f"cmd_{n}").state for n in range(5)] == ["reported"] * 5  # type: ignore[union-attr]
+        # a close finishes what was asked before it: the last write is there when reopened
+        last = [asyncio.ensure_future(j.refused("cmd_late", kind="node.wipe", not_after=0.0, reason="x"))
+                for j in journals]  # fmt: skip
+        await asyncio.sleep(0)  # each asked (queued), none awaited yet
+    finally:
+        for journal in journals:
+            journal.close()
+    await asyncio.gather(*last)
+    for i in range(len(journals)):
+        again = Journal(tmp_path / f"m{i:02d}" / "journal.db")
+        try:
+            late = again.get("cmd_late")
+            assert late is not None
+            assert late.state == "refused"
+        finally:
+            again.close()

@@ -240,3 +240,47 @@ def test_the_simulated_installer_runs_late_commands_as_sh_would(tmp_path: Path) 
     token = m.tree / "etc/bcd/join-token"
     assert token.read_text() == "bcjt_y\n"
     assert token.stat().st_mode & 0o777 == 0o600
+
+
+def test_the_lean_host_runs_many_machines_as_tasks_and_reports_its_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25 item 3: many machines' bcds in one lean host, each waited for on its own (a pulled
+    plug ends each with SIGKILL's code), and the host's memory report on SIGUSR1."""
+    import os
+    import signal
+    import time
+
+    from better_compute.testing.metal_sim.zygote import LeanBcdHost
+
+    root = prepare_machine(tmp_path / "tree", product_uuid="4c4c4544-0000-1111-2222-333344445555")
+    (root / "etc/bcd").mkdir(parents=True, exist_ok=True)
+    (root / "etc/bcd/join-token").write_text("not-a-real-token\n")  # under the machine's root
+    monkeypatch.setenv("BC_SIM_LEAN_MEMORY", str(tmp_path / "memory"))
+    env = {**os.environ, "BCD_ROOT": str(root)}
+    host = LeanBcdHost(str(tmp_path / "host.log"))
+    try:
+        # joins to a NATS that is not there: each machine waits and tries again, for a while
+        join = ["join", "--no-service", "--token-file", "/etc/bcd/join-token",
+                "--control-plane", "nats://127.0.0.1:9"]  # fmt: skip
+        procs = [host.spawn(join, env=env, log=str(tmp_path / "join.log")) for _ in range(20)]
+        assert len({p.pid for p in procs}) == 20
+        assert all(p.poll() is None for p in procs)
+        host.proc.send_signal(signal.SIGUSR1)
+        report = tmp_path / "memory" / f"lean-{host.proc.pid}-1.txt"
+        deadline = time.monotonic() + 30
+        while not report.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = report.read_text().splitlines()[0]
+        assert first.startswith("machines 20 ")
+        assert "rss_kib_per_machine" in first
+        waiters = [threading.Thread(target=p.wait, args=(30,)) for p in procs]
+        for w in waiters:
+            w.start()
+        for p in procs:
+            p.kill()
+        for w in waiters:
+            w.join(30)
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 20
+    finally:
+        host.close()

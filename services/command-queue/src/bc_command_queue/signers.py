@@ -27,6 +27,9 @@ from better_compute.wire.agent import FRESHNESS_MS, event_purpose
 __all__ = ["Signer", "Signers"]
 
 _UNKNOWN_FOR_S = 5.0
+_SWEEP_FIRST = 1024
+"""Certificates cached before the first sweep of those past their time (then twice as many as
+the sweep kept): a certificate's entry stays until then, and every join makes a certificate."""
 _PKI_DOWN = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INTERNAL})
 
 
@@ -69,6 +72,7 @@ class Signers:
         self._cache: dict[str, Signer] = {}
         self._loading: dict[str, asyncio.Future[Signer]] = {}
         self._unknown: dict[str, float] = {}
+        self._sweep_at = _SWEEP_FIRST
 
     def evict(self, cert_id: str) -> None:
         self._cache.pop(cert_id, None)
@@ -148,8 +152,22 @@ class Signers:
             fetched_at=time.monotonic(),
         )
         if self.ttl > 0:
-            self._cache[cert_id] = signer
+            self._keep(cert_id, signer)
         return signer
+
+    def _keep(self, cert_id: str, signer: Signer) -> None:
+        """Cache ``signer``; the cache holds the certificates used within about its time, not
+        every certificate ever seen (each machine's every join is a new one)."""
+        if len(self._cache) >= self._sweep_at:
+            now = time.monotonic()
+            self._cache = {k: s for k, s in self._cache.items() if now - s.fetched_at < self.ttl}
+            self._sweep_at = max(_SWEEP_FIRST, 2 * len(self._cache))
+        self._cache[cert_id] = signer
+
+    @property
+    def cached(self) -> int:
+        """Certificates in the cache now."""
+        return len(self._cache)
 
     async def check_event(
         self,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import asyncio.sslproto
 import contextlib
 import json
 import os
@@ -39,6 +40,8 @@ FIRST_VPID = 10_000_000
 """Above any pid the kernel hands out (pid_max is at most 4,194,304)."""
 JOINS_AT_ONCE = 8
 """Joins in flight in one host: a hundred at once in one event loop starve each other."""
+TLS_READ_BUFFER = 32 * 1024
+"""Bytes a machine's TLS connection reads from its socket at once (asyncio's: 256 KiB)."""
 JOIN_TRIES = 5
 """A join is one try of bc-pki (its NATS connection must answer within seconds); one event loop
 holding a hundred machines on a loaded machine answered some too late (``UNAVAILABLE``), and a
@@ -190,6 +193,10 @@ async def _serve(log_level: str) -> None:
     killpoints.configure(os.environ.get("BC_KILL_AT"), os.environ.get("BC_KILL_MARKER_DIR"))
     import bcd.__main__  # noqa: F401  (imported once, before the first machine)
 
+    # asyncio gives each TLS connection a 256 KiB read buffer, zeroed when it is made: a
+    # thousand machines behind a TLS leaf would hold 250 MiB of it (what is read is the same)
+    asyncio.sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
+
     loop = asyncio.get_running_loop()
     # the machines' inventories, wipes and image writes: Python under one GIL, so a few threads
     # (more only take the event loop's turns, and its NATS connections time out)
@@ -197,6 +204,7 @@ async def _serve(log_level: str) -> None:
 
     loop.set_default_executor(ThreadPoolExecutor(max_workers=4, thread_name_prefix="bcd-lean"))
     host = LeanHost(out)
+    _memory_reports(loop, host, os.environ.get(MEMORY_REPORT_ENV))
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := await reader.readline():
@@ -206,6 +214,51 @@ async def _serve(log_level: str) -> None:
         else:
             host.spawn(doc)
     await host.close()
+
+
+MEMORY_REPORT_ENV = "BC_SIM_LEAN_MEMORY"
+"""A folder: the host traces its Python allocations (``tracemalloc``) and, on each SIGUSR1,
+writes ``lean-<pid>-<n>.txt`` there (its machines, tasks, threads, RSS and the top allocations
+by file and line), for ``bench_fleet.py --lean --memory-report``. Tracing costs CPU and memory
+itself: for measuring only."""
+
+
+def _memory_reports(loop: asyncio.AbstractEventLoop, host: LeanHost, folder: str | None) -> None:
+    if not folder:
+        return
+    import tracemalloc
+    from pathlib import Path
+
+    tracemalloc.start(1)
+    written = 0
+
+    def report() -> None:
+        nonlocal written
+        import gc
+        import threading
+
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot()
+        stats = snapshot.statistics("lineno")
+        traced = sum(s.size for s in stats)
+        rss = next(
+            (int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+             if line.startswith("VmRSS:")),
+            0,
+        )  # fmt: skip
+        n = max(1, len(host.machines))
+        lines = [
+            f"machines {len(host.machines)} tasks {len(asyncio.all_tasks(loop))}"
+            f" threads {threading.active_count()} rss_kib {rss} traced_kib {traced // 1024}"
+            f" rss_kib_per_machine {rss / n:.1f} traced_kib_per_machine {traced / 1024 / n:.1f}",
+            *(f"{s.size / 1024:10.1f} KiB {s.count:8d} {s.traceback}" for s in stats[:60]),
+        ]
+        written += 1
+        target = Path(folder) / f"lean-{os.getpid()}-{written}.txt"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("\n".join(lines) + "\n")
+
+    loop.add_signal_handler(signal.SIGUSR1, report)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 
 from ..core.errors import BcError, ErrorCode
+from ..service.client import LazyTls
 from ..wire.subjects import agent_inbox_prefix, join_connection_name, join_inbox_prefix
 from .identity import Enrollment
 
@@ -37,21 +38,26 @@ def _context(ca: str | None, path: str) -> ssl.SSLContext:
 
 def agent_options(enrollment: Enrollment, *, ca: str | None, ca_path: str = "nats_ca") -> dict[str, Any]:
     """``connect()`` options for agent ``enrollment``: a TLS context that trusts ``ca`` (the bus
-    CA's file; the system's CAs without one) and shows the agent's certificate, and its inbox
-    prefix. ``INVALID_CONFIG`` at ``ca_path`` when the CA file cannot be loaded."""
-    tls = _context(ca, ca_path)
-    key_pem = enrollment.private_key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    # ssl loads a certificate chain from files only: a private folder, gone once loaded
-    with tempfile.TemporaryDirectory(prefix="bc-agent-") as folder:
-        os.chmod(folder, 0o700)
-        cert_file, key_file = Path(folder) / "cert.pem", Path(folder) / "key.pem"
-        key_file.touch(mode=0o600)
-        key_file.write_bytes(key_pem)
-        cert_file.write_text(enrollment.certificate_pem)
-        tls.load_cert_chain(cert_file, key_file)
-    return {"tls": tls, "inbox_prefix": agent_inbox_prefix(enrollment.agent_id)}
+    CA's file; the system's CAs without one) and shows the agent's certificate, made when the
+    server asks for TLS (``LazyTls``), and its inbox prefix. The connection raises
+    ``INVALID_CONFIG`` at ``ca_path`` when the CA file cannot be loaded."""
+
+    def make() -> ssl.SSLContext:
+        tls = _context(ca, ca_path)
+        key_pem = enrollment.private_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        # ssl loads a certificate chain from files only: a private folder, gone once loaded
+        with tempfile.TemporaryDirectory(prefix="bc-agent-") as folder:
+            os.chmod(folder, 0o700)
+            cert_file, key_file = Path(folder) / "cert.pem", Path(folder) / "key.pem"
+            key_file.touch(mode=0o600)
+            key_file.write_bytes(key_pem)
+            cert_file.write_text(enrollment.certificate_pem)
+            tls.load_cert_chain(cert_file, key_file)
+        return tls
+
+    return {"tls": LazyTls(make), "inbox_prefix": agent_inbox_prefix(enrollment.agent_id)}
 
 
 def joining_options(
@@ -60,16 +66,21 @@ def joining_options(
     """``connect()`` options for a machine without a certificate: the site's joining certificate
     (``cert_file``/``key_file``, when it has them), and a connection name and inbox prefix under
     a fresh nonce, the only inbox the leaf lets it read. ``INVALID_CONFIG`` at ``path`` when the
-    files cannot be loaded."""
-    tls = _context(ca, "nats_ca")
-    if cert_file or key_file:
-        try:
-            tls.load_cert_chain(cert_file or "", key_file or "")
-        except (OSError, ssl.SSLError) as exc:
-            raise BcError(
-                ErrorCode.INVALID_CONFIG,
-                f"cannot load the joining certificate {cert_file} with its key {key_file}: {exc}",
-                {"path": path},
-            ) from exc
+    files cannot be loaded (when the connection meets TLS: ``LazyTls``)."""
+
+    def make() -> ssl.SSLContext:
+        tls = _context(ca, "nats_ca")
+        if cert_file or key_file:
+            try:
+                tls.load_cert_chain(cert_file or "", key_file or "")
+            except (OSError, ssl.SSLError) as exc:
+                raise BcError(
+                    ErrorCode.INVALID_CONFIG,
+                    f"cannot load the joining certificate {cert_file} with its key {key_file}: {exc}",
+                    {"path": path},
+                ) from exc
+        return tls
+
     nonce = secrets.token_hex(12)
-    return {"tls": tls, "name": join_connection_name(nonce), "inbox_prefix": join_inbox_prefix(nonce)}
+    name, inbox = join_connection_name(nonce), join_inbox_prefix(nonce)
+    return {"tls": LazyTls(make), "name": name, "inbox_prefix": inbox}

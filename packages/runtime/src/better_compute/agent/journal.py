@@ -10,14 +10,22 @@ command queue sees claims from another journal and settles what the lost one may
 ``interrupted``.
 
 SQLite in WAL mode with ``synchronous=FULL``: a journaled state survives a crash of the process
-and of the machine. Writes go through one writer thread that commits whatever is waiting in one
-transaction (group commit): one sync to disk covers many commands, and the event loop never
-waits on the disk. Reads use their own connection. Entries are pruned a week after they settled.
+and of the machine. Writes go through a writer thread that commits whatever is waiting for the
+journal in one transaction (group commit): one sync to disk covers many commands, and the event
+loop never waits on the disk. Reads use their own connection. Entries are pruned a week after
+they settled.
+
+The writer threads are the process's, shared by its journals (at most ``WRITER_THREADS``; each
+journal keeps to one, so its writes stay in order): a bcd or a site agent has one journal and
+one writer, as ever, and the metal simulator's lean host (``bcd.lean``), thousands of machines'
+journals in one process, does not pay a thread for each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import queue
 import secrets
 import sqlite3
@@ -34,6 +42,13 @@ JournalState = Literal["refused", "started", "finished", "reported"]
 
 _RETENTION_S: Final = 7 * 24 * 3600
 _MAX_GROUP: Final = 512
+PAGE_SIZE: Final = 1024
+"""A new journal file's page size. SQLite makes each connection's page cache with room for 20
+pages at its first read: a journal (a few small rows) is two connections, and at SQLite's
+4 KiB pages they cost ~270 KiB, ~150 KiB at 1 KiB (the lean host holds thousands)."""
+WRITER_THREADS: Final = 8
+"""Writer threads a process's journals share at most: a few, so one machine's slow sync to disk
+does not hold every other journal's writes (the lean host's machines each sync their own file)."""
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS commands (
@@ -85,6 +100,7 @@ class Journal:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = str(path)
         writer = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        writer.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a new file's; an older one keeps its own
         writer.execute("PRAGMA journal_mode=WAL")
         writer.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         writer.execute(_SCHEMA)
@@ -104,9 +120,7 @@ class Journal:
         )
         self._writer = writer
         self._reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._write_loop, name="agent-journal", daemon=True)
-        self._thread.start()
+        self._writes = _Writers.take()
         self._closed = False
 
     def close(self) -> None:
@@ -114,48 +128,35 @@ class Journal:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        done = threading.Event()
+        self._writes.queue.put((self, None, done))
+        done.wait(timeout=10)
+        _Writers.give_back(self._writes)
         self._reader.close()
         self._writer.close()
 
-    # -- the writer thread ----------------------------------------------------------------
+    # -- on the writer thread ------------------------------------------------------------------
 
-    def _write_loop(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            group = [first]
-            stop = False
-            while len(group) < _MAX_GROUP:
+    def _commit(self, group: list[tuple[Op, asyncio.Future[Any]]]) -> None:
+        """The group's writes in one transaction, each future settled with its outcome."""
+        results: list[tuple[bool, Any]] = []
+        try:
+            self._writer.execute("BEGIN IMMEDIATE")
+            for op, _fut in group:
                 try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                group.append(item)
-            results: list[tuple[bool, Any]] = []
-            try:
-                self._writer.execute("BEGIN IMMEDIATE")
-                for op, _fut in group:
-                    try:
-                        results.append((True, op(self._writer)))
-                    except sqlite3.Error as exc:
-                        results.append((False, exc))
-                self._writer.execute("COMMIT")  # one sync to disk for the whole group
-            except sqlite3.Error as exc:
-                results = [(False, exc)] * len(group)
-            for (_op, fut), (ok, value) in zip(group, results, strict=True):
+                    results.append((True, op(self._writer)))
+                except sqlite3.Error as exc:
+                    results.append((False, exc))
+            self._writer.execute("COMMIT")  # one sync to disk for the whole group
+        except sqlite3.Error as exc:
+            results = [(False, exc)] * len(group)
+        for (_op, fut), (ok, value) in zip(group, results, strict=True):
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
                 fut.get_loop().call_soon_threadsafe(_settle, fut, ok, value)
-            if stop:
-                return
 
     async def _write(self, op: Op) -> Any:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.put((op, fut))
+        self._writes.queue.put((self, op, fut))
         return await fut
 
     # -- reads ---------------------------------------------------------------------------
@@ -250,6 +251,82 @@ class Journal:
             )
 
         await self._write(op)
+
+
+_Item = tuple[Journal, Op | None, "asyncio.Future[Any] | threading.Event"]
+"""A journal's write (``op``, its future), or its close (no ``op``, an event set once every
+write asked for before it is done)."""
+
+
+class _Writer:
+    """A writer thread and its queue. Whatever is waiting when it wakes is committed in one
+    transaction per journal, in the order it was asked for."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self.journals = 0
+        self.thread = threading.Thread(target=self._loop, name="agent-journal", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            items = [self.queue.get()]
+            while len(items) < _MAX_GROUP:
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            groups: dict[Journal, list[tuple[Op, asyncio.Future[Any]]]] = {}
+            closes: list[threading.Event] = []
+            for journal, op, waiter in items:
+                if op is None:
+                    assert isinstance(waiter, threading.Event)
+                    closes.append(waiter)
+                else:
+                    assert not isinstance(waiter, threading.Event)
+                    groups.setdefault(journal, []).append((op, waiter))
+            for journal, group in groups.items():
+                try:
+                    journal._commit(group)
+                except Exception as exc:  # a bug, not the disk: fail these writes, keep serving
+                    for _op, fut in group:
+                        with contextlib.suppress(RuntimeError):
+                            fut.get_loop().call_soon_threadsafe(_settle, fut, False, exc)
+            for done in closes:
+                done.set()
+
+
+class _Writers:
+    """The process's writer threads: a journal takes the least busy one, a new one while there
+    are fewer than ``WRITER_THREADS`` and each has a journal already."""
+
+    _lock = threading.Lock()
+    _all: list[_Writer] = []
+
+    @classmethod
+    def take(cls) -> _Writer:
+        with cls._lock:
+            idle = min(cls._all, key=lambda w: w.journals, default=None)
+            if idle is None or (idle.journals > 0 and len(cls._all) < WRITER_THREADS):
+                idle = _Writer()
+                cls._all.append(idle)
+            idle.journals += 1
+            return idle
+
+    @classmethod
+    def give_back(cls, writer: _Writer) -> None:
+        with cls._lock:
+            writer.journals -= 1
+
+    @classmethod
+    def _forget(cls) -> None:
+        """In a forked child: the parent's threads are not there (the fork servers fork bcds)."""
+        cls._lock = threading.Lock()
+        cls._all = []
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Writers._forget)
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import ssl
@@ -24,7 +25,7 @@ from ..wire.subjects import SERVICE_NAMES
 if TYPE_CHECKING:
     from nats.aio.client import Client as Nats
 
-__all__ = ["ApiClient", "connect", "discover", "tls_context", "when_reconnected"]
+__all__ = ["ApiClient", "LazyTls", "connect", "discover", "tls_context", "when_reconnected"]
 
 _Listener = Callable[[], Awaitable[None]]
 _RECONNECTED: weakref.WeakKeyDictionary[Any, list[_Listener]] = weakref.WeakKeyDictionary()
@@ -75,6 +76,44 @@ def tls_context(ca: str) -> ssl.SSLContext:
         ) from exc
 
 
+class LazyTls:
+    """A TLS context made the first time a server asks for TLS (``connect(tls=LazyTls(make))``),
+    then kept for the connection's reconnects; ``make`` raises what loading it raises, then
+    (``INVALID_CONFIG``). A connection to a server without TLS (a plain ``nats://`` server: the
+    dev stack's, the metal simulator's) never makes one: an agent's context trusting the
+    system's CAs is about a MiB, and the simulator's lean host (``bcd.lean``) holds thousands
+    of agents' connections in one process."""
+
+    def __init__(self, make: Callable[[], ssl.SSLContext]) -> None:
+        self._make = make
+        self._made: ssl.SSLContext | None = None
+
+    @property
+    def made(self) -> bool:
+        """Whether a server asked for TLS (the context was made)."""
+        return self._made is not None
+
+    def context(self) -> ssl.SSLContext:
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+
+@functools.cache
+def _lazy_tls_client() -> type[Nats]:
+    from nats.aio.client import Client as NatsClient
+
+    class LazyTlsClient(NatsClient):
+        """nats-py's client, asking a ``LazyTls`` for its context when TLS starts."""
+
+        @property
+        def ssl_context(self) -> ssl.SSLContext:
+            tls = self.options.get("tls")
+            return tls.context() if isinstance(tls, LazyTls) else super().ssl_context
+
+    return LazyTlsClient
+
+
 async def connect(
     url: str, *, name: str, creds: str | None = None, ca: str | None = None, **kwargs: Any
 ) -> Nats:
@@ -88,7 +127,7 @@ async def connect(
     ``creds`` is a NATS credentials file (the ``nats_creds`` setting): ``INVALID_CONFIG`` at
     ``nats_creds`` when it cannot be read, ``UNAUTHENTICATED`` when the server refuses it. ``ca``
     (the ``nats_ca`` setting) is the CA file that TLS checks the servers against; a ``tls://`` URL
-    without it trusts the system's CAs.
+    without it trusts the system's CAs. ``tls`` may be a ``LazyTls`` (made when a server asks).
     """
     import_quietly("nats")  # loaded on the first connection, not when a bcx parser is built
     import nats.errors
@@ -113,7 +152,7 @@ async def connect(
         kwargs["tls"] = tls_context(ca)
     connect_timeout = kwargs.pop("connect_timeout", 2)
     reconnect_time_wait = kwargs.pop("reconnect_time_wait", 0.5)
-    nc = NatsClient()
+    nc = _lazy_tls_client()() if isinstance(kwargs.get("tls"), LazyTls) else NatsClient()
     listeners: list[_Listener] = []
     if (given := kwargs.pop("reconnected_cb", None)) is not None:
         listeners.append(given)
@@ -159,6 +198,8 @@ async def connect(
         failure = attempt.exception()
     if failure is not None:
         if not isinstance(failure, (OSError, nats.errors.Error, TimeoutError)):
+            with contextlib.suppress(BaseException):  # a LazyTls that could not load: its socket
+                await asyncio.wait_for(nc.close(), timeout=0.2)
             raise failure
         with contextlib.suppress(
             BaseException

@@ -31,18 +31,20 @@ class ZygoteProc:
         self.zygote = zygote
         self.pid = pid
         self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def _end(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+        self._ended.set()
 
     def poll(self) -> int | None:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        with self.zygote.cond:
-            while self.returncode is None:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
-                self.zygote.cond.wait(left if left is not None else 1.0)
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+        assert self.returncode is not None
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -57,7 +59,11 @@ class ZygoteProc:
 
 
 class Zygote:
-    """The client's side: starts the server (``COMMAND``), forks processes through it."""
+    """The client's side: starts the server (``COMMAND``), forks processes through it.
+
+    Each waiter waits on its own event (a spawn for its pid, a ``wait`` for its process's end):
+    the metal simulator's lean host has thousands of machines' joins waiting at once, and one
+    condition shared by all of them woke every waiter at every line the server wrote."""
 
     COMMAND: tuple[str, ...] = ()
     NAME = "fork server"
@@ -68,10 +74,14 @@ class Zygote:
             [sys.executable, *self.COMMAND],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
         )  # fmt: skip
-        self.cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._asked: dict[int, threading.Event] = {}
+        """Request id -> set once its pid came (or the server is gone)."""
         self._pids: dict[int, int] = {}
         self._procs: dict[int, ZygoteProc] = {}
+        """The processes that have not ended, by pid."""
         self._exits: dict[int, int] = {}
+        self._gone = False
         self._n = 0
         self._write_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name=self.NAME, daemon=True)
@@ -84,21 +94,25 @@ class Zygote:
                 doc = json.loads(line)
             except ValueError:
                 continue
-            with self.cond:
+            with self._lock:
                 if "pid" in doc:
                     self._pids[int(doc["id"])] = int(doc["pid"])
+                    asked = self._asked.pop(int(doc["id"]), None)
+                    if asked is not None:
+                        asked.set()
                 elif "exit" in doc:
-                    found = self._procs.get(int(doc["exit"]))
+                    found = self._procs.pop(int(doc["exit"]), None)
                     if found is not None:
-                        found.returncode = int(doc["code"])
+                        found._end(int(doc["code"]))
                     else:  # ended before spawn() took its pid
                         self._exits[int(doc["exit"])] = int(doc["code"])
-                self.cond.notify_all()
-        with self.cond:  # the server is gone: so are its children (they share its session)
+        with self._lock:  # the server is gone: so are its children (they share its session)
+            self._gone = True
             for p in self._procs.values():
-                if p.returncode is None:
-                    p.returncode = -signal.SIGKILL
-            self.cond.notify_all()
+                p._end(-signal.SIGKILL)
+            self._procs.clear()
+            for asked in self._asked.values():
+                asked.set()
 
     def _send(self, doc: dict[str, object]) -> None:
         assert self.proc.stdin is not None
@@ -115,19 +129,32 @@ class Zygote:
         self, argv: list[str], *, env: dict[str, str], log: str, timeout: float = 30.0, cwd: str | None = None
     ) -> ZygoteProc:
         """Fork a process with ``argv`` (what the server's program takes after its name)."""
+        asked = threading.Event()
         with self._write_lock:
             self._n += 1
             n = self._n
+        with self._lock:
+            self._asked[n] = asked
+            if self._gone:
+                asked.set()
         self._send({"id": n, "argv": argv, "env": env, "log": log, **({"cwd": cwd} if cwd else {})})
         end = time.monotonic() + timeout
-        with self.cond:
-            while n not in self._pids:
-                if self.proc.poll() is not None or time.monotonic() > end:
-                    raise RuntimeError(f"the {self.NAME} did not answer")
-                self.cond.wait(0.5)
-            proc = ZygoteProc(self, self._pids.pop(n))
-            proc.returncode = self._exits.pop(proc.pid, None)
-            self._procs[proc.pid] = proc
+        while not asked.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                break
+        with self._lock:
+            self._asked.pop(n, None)
+            pid = self._pids.pop(n, None)
+            if pid is None:
+                raise RuntimeError(f"the {self.NAME} did not answer")
+            proc = ZygoteProc(self, pid)
+            code = self._exits.pop(pid, None)
+            if code is not None:
+                proc._end(code)
+            elif self._gone:
+                proc._end(-signal.SIGKILL)
+            else:
+                self._procs[pid] = proc
             return proc
 
     def run(self, argv: list[str], *, env: dict[str, str], log: str, timeout: float = 60.0) -> int:
@@ -140,8 +167,8 @@ class Zygote:
             return proc.wait(10)
 
     def close(self) -> None:
-        with self.cond:
-            live = [p for p in self._procs.values() if p.returncode is None]
+        with self._lock:
+            live = list(self._procs.values())
         for p in live:
             p.kill()
         if self.proc.poll() is None:

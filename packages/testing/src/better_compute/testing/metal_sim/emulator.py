@@ -100,6 +100,12 @@ def notifier_server(on_state: Callable[[dict[str, Any]], None]) -> http.server.T
             self.send_response(204)
             self.end_headers()
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    server = _NotifierServer(("127.0.0.1", 0), Handler)
     return server
+
+
+class _NotifierServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
+    """The listen backlog: socketserver's 5 drops connections (the emulator's PUTs wait a
+    second and more to try again) when a thousand machines' BMCs change at once."""

@@ -39,6 +39,7 @@ def _delay(config: dict[str, Any], uuid: str) -> float:
     return random.uniform(float(lo), float(hi))
 
 
+LISTEN_BACKLOG = 1024
 _STORES: dict[str, dict[Any, Any]] = {}
 
 
@@ -75,6 +76,7 @@ def main() -> int:
     from sushy_tools.emulator import main as emulator
     from sushy_tools.emulator import memoize
     from sushy_tools.emulator.resources.systems import fakedriver
+    from werkzeug import serving
 
     def set_power_state(self: Any, identity: str, state: str) -> None:
         system = self._get(identity)
@@ -93,6 +95,9 @@ def main() -> int:
 
     fakedriver.FakeDriver.set_power_state = set_power_state
     memoize.PersistentDict = _MemoryStore
+    # werkzeug listens with a backlog of 128: a thousand systems' power changes read back at
+    # once (the simulator's reads, the site agent's) had connections dropped and tried again
+    serving.BaseWSGIServer.request_queue_size = LISTEN_BACKLOG
     result: int = emulator.main()
     return result
 

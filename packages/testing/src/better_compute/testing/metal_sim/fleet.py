@@ -402,14 +402,22 @@ class MetalSim:
                     [sys.executable, "-m", "bcd", *args],
                     env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 )  # fmt: skip
-        deadline = time.monotonic() + _JOIN_BOUND_S
-        while True:
-            try:
-                return int(proc.wait(1.0))
-            except subprocess.TimeoutExpired:
-                if m.generation != generation or time.monotonic() > deadline:
-                    proc.kill()
-                    return int(proc.wait(10))
+        # a power-off kills it (``_stop_bcd``), so this waits for its end alone: no look every
+        # second from each of a thousand machines' joins
+        with self._lock:
+            m.joining = proc
+            powered_off = m.generation != generation
+        if powered_off:
+            proc.kill()
+        try:
+            return int(proc.wait(_JOIN_BOUND_S))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return int(proc.wait(10))
+        finally:
+            with self._lock:
+                if m.joining is proc:
+                    m.joining = None
 
     def _netboot(self, m: SimMachine) -> str | None:
         if not self.boot_url:
@@ -485,6 +493,8 @@ class MetalSim:
                     m.ledger.append("bcd.restarted", mode="ramdisk", pid=m.bcd.pid)
 
     def _stop_bcd(self, m: SimMachine, why: str) -> None:
+        if m.joining is not None and m.joining.poll() is None:
+            m.joining.send_signal(signal.SIGKILL)  # its waiter sees it end (``_bcd_once``)
         proc, m.bcd = m.bcd, None
         if proc is None:
             return

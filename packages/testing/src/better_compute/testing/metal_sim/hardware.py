@@ -161,6 +161,8 @@ class SimMachine:
     bcd: subprocess.Popen[bytes] | ZygoteProc | None = None
     """Its running bcd: a process of its own (forked by the simulator's fork server, or
     ``python -m bcd``); ``bcd.pid`` is a real pid a test may signal."""
+    joining: subprocess.Popen[bytes] | ZygoteProc | None = None
+    """Its ``bcd join`` while one runs (a power-off kills it, as it does the bcd)."""
 
     @property
     def tree(self) -> Path:
