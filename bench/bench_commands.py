@@ -10,7 +10,10 @@ the agent SDK, each with its own journal, synced to disk) in one more process. T
 
 Closed loop: ``--concurrency`` commands are in flight at any time; each is enqueued, run by its
 site's agent, and counted when its ``succeeded`` event arrives. Prints commands per second and
-the p50/p99 latency from the enqueue request to that event.
+the p50/p99 latency from the enqueue request to that event; the CPU each kind of process used per
+command (the command queue, bc-pki, the agents' process, nats-server, PostgreSQL and the driver
+itself) and PostgreSQL's commits and WAL bytes per command. ``--statements N``: then N more
+commands with PostgreSQL's statement log on, and the statements per command, most frequent first.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import msgspec
+from bench_workflows import pg_counters, set_log_statement, statements_per_step
 
 from better_compute.agent import Agent, enroll
 from better_compute.agent.sim import join_agent, sim_handlers
@@ -260,20 +265,57 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         for site in sites:  # warm up: one command per site
             await one(site, "warm-up")
 
-        # closed loop: --concurrency commands in flight, each enqueue -> agent -> result
-        latencies: list[float] = []
-        counter = iter(range(args.commands))
+        async def closed_loop(n: int, prefix: str) -> list[float]:
+            """--concurrency commands in flight, each enqueue -> agent -> result; latencies."""
+            latencies: list[float] = []
+            counter = iter(range(n))
 
-        async def worker() -> None:
-            for i in counter:
-                latencies.append(await one(sites[i % len(sites)], f"bench-{i}"))
+            async def worker() -> None:
+                for i in counter:
+                    latencies.append(await one(sites[i % len(sites)], f"{prefix}-{i}"))
+
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            return latencies
 
         queues = procs[1 : 1 + args.queues]
-        cpu0 = [cpu_s(p.pid) for p in queues]
+        kinds: dict[str, list[int]] = {
+            "command-queue": [p.pid for p in queues], "pki": [procs[0].pid], "agents": [procs[-1].pid],
+        }  # fmt: skip
+        trees = {"nats-server": nats.running_pid(), "postgresql": pg.running_pid()}
+
+        def cpu_by_kind() -> dict[str, float]:
+            got = {k: sum(cpu_s(pid) for pid in pids) for k, pids in kinds.items()}
+            got.update({k: tree_cpu_s(pid) for k, pid in trees.items() if pid is not None})
+            got["driver"] = cpu_s(os.getpid())
+            return got
+
+        pg_conn = await asyncpg.connect(db_url)
+        await asyncio.sleep(1.1)  # PostgreSQL's counters lag up to a second behind its backends
+        pg0 = await pg_counters(pg_conn)
+        cpu0 = cpu_by_kind()
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        latencies = await closed_loop(args.commands, "bench")
         elapsed = time.perf_counter() - t0
-        queue_cpu = sum(cpu_s(p.pid) for p in queues) - sum(cpu0)
+        cpu1 = cpu_by_kind()
+        await asyncio.sleep(1.1)
+        pg1 = await pg_counters(pg_conn)
+        await pg_conn.close()
+        cpu_ms = {k: round((cpu1[k] - cpu0[k]) * 1000 / args.commands, 3) for k in cpu1}
+        cpu_ms["total"] = round(sum(cpu_ms.values()), 3)
+        queue_cpu = cpu1["command-queue"] - cpu0["command-queue"]
+        statements: list[tuple[float, str]] = []
+        if args.statements:
+            log = pg.dir / "postgres.log"
+            seen = log.stat().st_size
+            await set_log_statement(db_url, "all")
+            try:
+                await closed_loop(args.statements, "statements")
+            finally:
+                await set_log_statement(db_url, "none")
+            with log.open("rb") as f:
+                f.seek(seen)
+                text = f.read().decode(errors="replace")
+            statements = statements_per_step(text, args.statements)
         at_rest: dict[str, float] = {}
         if args.rest:
             # the product at rest with the idle agents heartbeating: CPU per heartbeat
@@ -309,6 +351,10 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 round(max(enqueue_ms), 1),
             ],
             "command_queue_cpu_s": round(queue_cpu, 2),
+            "cpu_ms_per_command": cpu_ms,
+            "pg_commits_per_command": round((pg1[0] - pg0[0]) / args.commands, 2),
+            "pg_wal_bytes_per_command": round((pg1[1] - pg0[1]) / args.commands),
+            "statements_per_command": [f"{per:.3f}  {text}" for per, text in statements] or None,
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "idle_agents": args.idle_agents,
             "at_rest_cpu_s": at_rest or None,
@@ -337,6 +383,12 @@ def main() -> None:
         "--idle-agents", type=int, default=0, help="node agents that only heartbeat (a fleet at rest)"
     )
     parser.add_argument("--rest", type=float, default=0.0, help="then seconds at rest: the product's CPU")
+    parser.add_argument(
+        "--statements",
+        type=int,
+        default=0,
+        help="then N commands with the statement log on: statements per command",
+    )
     parser.add_argument("--agents", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)

@@ -15,11 +15,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import msgspec
 import pytest_asyncio
 
+from bc_command_queue.groups import GroupCommit
 from bc_command_queue.rows import Beat, CommandRow
-from bc_command_queue.storage import AgentHello, NewBatch, NewCommand, PgStore, Store
+from bc_command_queue.storage import (
+    AgentHello,
+    Claim,
+    NewBatch,
+    NewCommand,
+    PgStore,
+    Published,
+    Report,
+    Said,
+    Store,
+    row_may_be_at_fault,
+)
 from bc_command_queue.testing import MemoryStore
 from better_compute.core.ids import new_id
 from better_compute.service import Database
@@ -573,3 +586,129 @@ async def test_two_instances_writing_heartbeats_at_once_keep_each_agents_newest(
     assert {r.id for r in rows} >= set(agents)
     newest = await s.agents_heard(beats(agents, 119), silent_after_ms=15_000)
     assert newest == []  # 119 is the last round's second write: nothing older or equal applies
+
+
+async def together(h: Harness) -> list[Any]:
+    """Claims, progress, results and publication marks of several commands in one statement each
+    (``GroupCommit``'s groups): each row answered as the one-row statement would have."""
+    s = h.store
+    node, other = new_id("node"), new_id("node")
+    now_ms = int(time.time() * 1000)
+    rows: dict[str, CommandRow] = {}
+    for label in ("c1", "c2", "c3", "c4", "c5", "c6"):
+        new = NewCommand(
+            id=new_id("cmd"), node_id=node, site_id=SITE, tenant_id="root", key=f"g-{label}",
+            kind="node.inventory", destructive=False, target="node", payload=PAYLOAD, digest=DIGEST,
+            batch_id=None, workflow_id=None, step=None, not_after_ms=now_ms + 3_600_000, may_dispatch=True,
+        )  # fmt: skip
+        row = await s.insert_command(new, silent_after_ms=15_000)
+        assert row is not None
+        rows[label] = row
+    names = {r.id: label for label, r in rows.items()} | {"cmd_unknown": "unknown"}
+    told: list[Any] = []
+
+    def claim(label: str, journal: str | None, *, agent: str = node, digest: bytes = DIGEST) -> Claim:
+        ident = rows[label].id if label in rows else "cmd_unknown"
+        return Claim(command_id=ident, agent_id=agent, digest=digest, journal=journal, signed_at_ms=10,
+                     quorum=False)  # fmt: skip
+
+    def row_of(r: CommandRow | None) -> Any:
+        return r and (names[r.id], r.state, r.reason, r.progress, r.attested)
+
+    first = await s.claim_many([
+        claim("c1", "ja"), claim("c2", "ja", digest=b"x" * 32), claim("c3", "ja", agent=other),
+        claim("c4", None), claim("c5", "jnew"), claim("unknown", "ja"),
+    ])  # fmt: skip
+    told.append(("claims", [row_of(a.row) for a in first], [a.journal is not None for a in first]))
+    ja, jnew = first[0].journal, first[4].journal
+    assert ja is not None
+    assert jnew is not None
+    told.append(("journals", ja.generation < jnew.generation, ja.present, first[1].journal == ja))
+    again = await s.claim_many([claim("c1", "ja"), claim("c5", "jb")])
+    told.append(("claims again", [row_of(a.row) for a in again]))
+    jb = again[1].journal
+    told.append(("journal jb", jb is not None and jb.generation > jnew.generation))
+    said = await s.progress_many([
+        Said(command_id=rows["c1"].id, agent_id=node, message="half"),
+        Said(command_id=rows["c4"].id, agent_id=node, message=None),
+        Said(command_id=rows["c2"].id, agent_id=node, message="not claimed"),
+        Said(command_id=rows["c5"].id, agent_id=other, message="not its agent"),
+    ])  # fmt: skip
+    told.append(("progress", [p and (row_of(p.command), p.old_state) for p in said]))
+    await s.cancel(rows["c4"].id, "operator")
+
+    def report(label: str, status: str, journal: str = "", reason: str | None = None) -> Report:
+        return Report(command_id=rows[label].id, agent_id=node, status=status, reason=reason, result=b"{}",
+                      signature=None, attested=label == "c1", journal=journal)  # fmt: skip
+
+    settled = await s.result_many([
+        report("c1", "succeeded"), report("c4", "succeeded", journal="ja"), report("c2", "succeeded"),
+        report("c5", "failed", reason="boom", journal="jnew"),
+    ])  # fmt: skip
+    told.append(("results", [row_of(r) for r in settled]))
+    told.append(("results again", [row_of(r) for r in await s.result_many([report("c1", "failed")])]))
+    await s.mark_published_many([
+        Published(command_id=rows["c6"].id, agent_id=node, stream_seq=5),
+        Published(command_id=rows["c1"].id, agent_id=node, stream_seq=6),
+        Published(command_id=rows["c2"].id, agent_id=other, stream_seq=7),
+    ])  # fmt: skip
+    published = [await s.command_by_id(rows[label].id) for label in ("c6", "c1", "c2")]
+    told.append(("published", [r and r.publishes for r in published]))
+    return told
+
+
+async def test_statements_over_many_rows_answer_as_each_row_alone(pg: Harness) -> None:
+    on_pg = await together(pg)
+    in_memory = await together(memory())  # its *_many apply each row with the one-row operation
+    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
+        assert step_mem == step_pg
+    told = dict((t[0], t[1:]) for t in on_pg)
+    assert told["claims"] == (
+        [("c1", "acked", None, None, False), None, None, ("c4", "acked", None, None, False),
+         ("c5", "acked", None, None, False), None],
+        [True, True, True, False, True, True],
+    )  # fmt: skip
+    assert told["journals"] == (True, False, True)
+    assert told["claims again"] == ([("c1", "acked", None, None, False), None],)
+    assert told["progress"] == (
+        [(("c1", "running", None, "half", False), "acked"), (("c4", "running", None, None, False), "acked"),
+         None, None],
+    )  # fmt: skip
+    assert told["results"] == (
+        [("c1", "succeeded", None, "half", True),
+         ("c4", "cancelled", "operator", "the agent stopped: succeeded", False),
+         None, ("c5", "failed", "boom", None, False)],
+    )  # fmt: skip
+    assert told["results again"] == ([None],)
+    assert told["published"] == ([1, 0, 0],)
+
+
+async def test_a_group_with_a_row_postgresql_refuses_applies_the_others(pg: Harness) -> None:
+    """A progress whose text PostgreSQL cannot store (a NUL character, which JSON can carry) fails
+    its own event; the others of its group are applied."""
+    s = pg.store
+    node = new_id("node")
+    now_ms = int(time.time() * 1000)
+    ids = []
+    for i in range(3):
+        new = NewCommand(
+            id=new_id("cmd"), node_id=node, site_id=SITE, tenant_id="root", key=f"nul-{i}",
+            kind="node.inventory", destructive=False, target="node", payload=PAYLOAD, digest=DIGEST,
+            batch_id=None, workflow_id=None, step=None, not_after_ms=now_ms + 3_600_000, may_dispatch=True,
+        )  # fmt: skip
+        row = await s.insert_command(new, silent_after_ms=15_000)
+        assert row is not None
+        ids.append(row.id)
+    claims = [Claim(command_id=i, agent_id=node, digest=DIGEST, journal="ja", signed_at_ms=1, quorum=False)
+              for i in ids]  # fmt: skip
+    assert all(a.row is not None for a in await s.claim_many(claims))
+    group: GroupCommit[Said, Any] = GroupCommit(
+        s.progress_many, key=lambda p: p.command_id, row_by_row=row_may_be_at_fault
+    )
+    messages = ["one", "t\x00wo", "three"]
+    said = [Said(command_id=i, agent_id=node, message=m) for i, m in zip(ids, messages, strict=True)]
+    got = await asyncio.gather(*(group(p) for p in said), return_exceptions=True)
+    assert isinstance(got[1], asyncpg.PostgresError)
+    assert [g.command.progress for g in (got[0], got[2])] == ["one", "three"]  # type: ignore[union-attr]
+    states = await s.command_states(ids)
+    assert [states[i] for i in ids] == ["running", "acked", "running"]

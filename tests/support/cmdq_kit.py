@@ -96,10 +96,12 @@ class NoSigners:
         pass
 
 
-def signer(agent: str, *, site: str = SITE, role: str = "site", cert: str = "cert_x") -> Signer:
+def signer(
+    agent: str, *, site: str = SITE, role: str = "site", cert: str = "cert_x", public_key: Any = None
+) -> Signer:
     return Signer(
         cert_id=cert, agent_id=agent, site_id=site, tenant_id="root", role=role,
-        not_after=dt.datetime.now(dt.UTC) + dt.timedelta(days=1), public_key=None,
+        not_after=dt.datetime.now(dt.UTC) + dt.timedelta(days=1), public_key=public_key,
     )  # fmt: skip
 
 

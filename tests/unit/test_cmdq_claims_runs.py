@@ -4,10 +4,17 @@ tests/integration/test_cmdq_claims.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from better_compute.core.errors import BcError, ErrorCode
-from cmdq_kit import ack, command, progress, queue, result
+from better_compute.crypto import result_document
+from cmdq_kit import ack, command, progress, queue, result, signer
 
 
 async def test_a_claim_is_taken_once_and_the_same_journal_asking_again_is_answered_as_before() -> None:
@@ -140,3 +147,39 @@ async def test_a_cancelled_claimed_command_is_cancelled_on_the_word_of_the_journ
     before = len(q.changed)
     assert (await q.runs.result(result(theirs, "succeeded", journal="ja"))).recorded is False
     assert q.states()[before:] == [(theirs.id, "failed", "interrupted")]
+
+
+class VerifyingPki:
+    """bc-pki's ``signatures.verify``: every certificate of the node, counted."""
+
+    def __init__(self, node_keys: dict[str, list[ed25519.Ed25519PublicKey]]) -> None:
+        self.keys = node_keys
+        self.asked = 0
+
+    async def verify(self, *, signer_id: str, data: bytes, signature: bytes) -> Any:
+        self.asked += 1
+        for key in self.keys.get(signer_id, []):
+            with contextlib.suppress(InvalidSignature):
+                key.verify(signature, data)
+                return SimpleNamespace(agent_id=signer_id)
+        raise BcError(ErrorCode.UNAUTHENTICATED, "signature does not verify", {"reason": "bad-signature"})
+
+
+async def test_a_nodes_result_is_attested_with_the_key_of_its_event_and_through_bc_pki_otherwise() -> None:
+    q = queue()
+    now_key, earlier_key = ed25519.Ed25519PrivateKey.generate(), ed25519.Ed25519PrivateKey.generate()
+    rows = [await command(q) for _ in range(3)]
+    pki = VerifyingPki({r.node_id: [now_key.public_key(), earlier_key.public_key()] for r in rows})
+    q.runs.pki = pki  # type: ignore[assignment]
+    attested = []
+    for row, key in zip(rows, (now_key, earlier_key, ed25519.Ed25519PrivateKey.generate()), strict=True):
+        await q.claims.ack(ack(row))
+        doc = result_document(command_id=row.id, node_id=row.node_id, status="succeeded", result=b"{}")
+        event_signer = signer(row.node_id, role="node", public_key=now_key.public_key())
+        reply = await q.runs.result(result(row, result_signature=key.sign(doc)), event_signer)
+        attested.append(reply.attested)
+    # the event's own certificate checks it; an earlier certificate of the node is bc-pki's to
+    # know; a key that is none of the node's is attested by nobody (and the result still counts)
+    assert attested == [True, True, False]
+    assert pki.asked == 2
+    assert [(await q.store.command_by_id(r.id)).state for r in rows] == ["succeeded"] * 3  # type: ignore[union-attr]

@@ -105,10 +105,12 @@ class Agents:
         self.dispatch_pending = dispatch_pending
         self.spawn = spawn
         self.log = log
-        self.claims = Claims(store=store, config=config, changed=changed, log=log, reruns=reruns)
-        self.runs = Runs(store=store, pki=pki, changed=changed, log=log)
-        self.presence = presence if presence is not None else Presence(store=store, config=config, log=log)
         self._slots = asyncio.Semaphore(config.agent_event_slots)
+        self.claims = Claims(
+            store=store, config=config, changed=changed, log=log, reruns=reruns, slots=self._slots
+        )
+        self.runs = Runs(store=store, pki=pki, changed=changed, log=log, slots=self._slots)
+        self.presence = presence if presence is not None else Presence(store=store, config=config, log=log)
 
     async def on_event(self, msg: Msg) -> None:
         """One signed agent event: checked, applied, answered (when it asks for an answer)."""
@@ -148,29 +150,27 @@ class Agents:
 
     async def apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
         """An event whose signature ``signer`` made (checked): applied; the answer to send.
-        At most ``agent_event_slots`` at once work on the store (heartbeats need none)."""
-        if isinstance(event, Heartbeat):
-            # never behind a storm: a site agent's heartbeat late by silent_after would hand
-            # its site's commands to nobody (a machine's is answered from memory anyway)
-            return await self._heartbeat(event, signer)
-        if isinstance(event, Hello):  # takes a slot for its statements only (see _hello)
-            return await self._hello(event, signer)
-        async with self._slots:
-            return await self._apply(event, signer)
-
-    async def _apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
+        At most ``agent_event_slots`` statements of agent events at once work on the store
+        (heartbeats need none). Claims, progress and results that arrive together go as one
+        statement each (``groups.GroupCommit``), which takes one slot; they wait for their group
+        without one."""
         match event:
             case Heartbeat():
+                # never behind a storm: a site agent's heartbeat late by silent_after would hand
+                # its site's commands to nobody (a machine's is answered from memory anyway)
                 return await self._heartbeat(event, signer)
+            case Hello():  # takes a slot for its statements only (see _hello)
+                return await self._hello(event, signer)
             case Ack():
                 return await self.claims.ack(event)
             case Progress():
                 await self.runs.progress(event)
                 return None
             case Result():
-                return await self.runs.result(event)
+                return await self.runs.result(event, signer)
             case Check():
-                return await self._check(event, signer)
+                async with self._slots:
+                    return await self._check(event, signer)
 
     async def _check(self, ev: Check, signer: Signer) -> CheckReply:
         """Before a try of a call to a machine: which of these commands must stop now."""

@@ -10,6 +10,7 @@ journal that started an idempotent command and died run it again.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +23,9 @@ from better_compute.wire.cmdq import TERMINAL_STATES
 from .commands import invalid
 from .config import CmdqConfig
 from .delivery import Changed
+from .groups import GroupCommit
 from .rows import ClaimStateRow
-from .storage import Store
+from .storage import Claim, ClaimAnswer, Store, row_may_be_at_fault
 
 __all__ = ["Claims"]
 
@@ -44,6 +46,7 @@ class Claims:
         changed: Changed,
         log: Any,
         reruns: Callable[[str, Any], bool] = lambda _kind, _payload: False,
+        slots: asyncio.Semaphore | None = None,
     ) -> None:
         self.reruns = reruns
         """Whether a command of a kind, with a payload, may run again after an interruption
@@ -52,6 +55,13 @@ class Claims:
         self.config = config
         self.changed = changed
         self.log = log
+        self.slots = slots if slots is not None else asyncio.Semaphore(config.agent_event_slots)
+        """The agent events' share of the store's connections: taken by each group of claims
+        while at the database, and by a claim that was not taken while it finds out why."""
+        self.taken: GroupCommit[Claim, ClaimAnswer] = GroupCommit(
+            store.claim_many, key=lambda c: c.command_id, slots=self.slots, row_by_row=row_may_be_at_fault
+        )
+        """Claims arriving at the same moment, applied in one statement (``CLAIM_MANY``)."""
 
     async def ack(self, ev: Ack) -> AckReply:
         """A claim. Taken when the command is dispatched to this agent, its digest matches and,
@@ -67,17 +77,29 @@ class Claims:
         journal = ev.journal_id or None
         quorum = self.config.quorum.enabled
         if ev.rerun:
-            return await self._rerun(ev, digest, journal)
+            async with self.slots:
+                return await self._rerun(ev, digest, journal)
         kill_point(BEFORE_CLAIM)
-        generation, present = 0, False
-        if journal is not None:
-            seen = await self.store.journal_seen(ev.agent, journal, present=False)
-            generation, present = seen.generation, seen.present
-        row = await self.store.ack(ev.command_id, ev.agent, digest, journal, ev.signed_at_ms, quorum=quorum)
-        if row is not None:
+        answer = await self.taken(
+            Claim(
+                command_id=ev.command_id, agent_id=ev.agent, digest=digest, journal=journal,
+                signed_at_ms=ev.signed_at_ms, quorum=quorum,
+            )
+        )  # fmt: skip
+        if answer.row is not None:
             kill_point(AFTER_CLAIM)
-            await self.changed([row])
+            await self.changed([answer.row])
             return AckReply(proceed=True, state="acked")
+        seen = answer.journal
+        generation = (seen.generation, seen.present) if seen is not None else (0, False)
+        async with self.slots:
+            return await self._not_taken(ev, digest, journal, generation, quorum=quorum)
+
+    async def _not_taken(
+        self, ev: Ack, digest: bytes, journal: str | None, generation: tuple[int, bool], *, quorum: bool
+    ) -> AckReply:
+        """Why a claim was not taken (``generation``: its journal's, and whether that journal
+        said hello itself), and what follows from it."""
         cur = await self.store.claim_state(ev.command_id)
         if cur is None:
             return AckReply(proceed=False, reason="unknown-command")
@@ -103,7 +125,7 @@ class Claims:
             # Either way it must not run now; what runs, if anything, reports as before.
             return AckReply(proceed=False, state=state, reason="running")
         if state in ("acked", "running") and not same_journal:
-            return await self._interrupt(ev, journal, (generation, present), cur)
+            return await self._interrupt(ev, journal, generation, cur)
         if state in ("dispatched", "acked") and cur.destructive:
             batch_valid = (
                 cur.has_batch and not cur.batch_expired and (not quorum or cur.batch_approved)

@@ -37,8 +37,9 @@ from better_compute.wire import Subjects
 from better_compute.wire.agent import CommandDelivery
 from better_compute.wire.codec import encode
 
+from .groups import GroupCommit
 from .rows import CommandRow
-from .storage import Store
+from .storage import Published, Store, row_may_be_at_fault
 
 __all__ = ["Changed", "Deliveries", "Streams", "consumer_name"]
 
@@ -214,6 +215,14 @@ class Deliveries:
         self.store = store
         self.streams = streams
         self.log = log
+        self.marks: GroupCommit[Published, None] = GroupCommit(
+            self._mark_many, key=lambda m: m.command_id, row_by_row=row_may_be_at_fault
+        )
+        """Publications recorded at the same moment go in one statement (``PUBLISHED_MANY``)."""
+
+    async def _mark_many(self, marks: Sequence[Published]) -> list[None]:
+        await self.store.mark_published_many(marks)
+        return [None] * len(marks)
 
     async def publish(self, row: CommandRow, *, again: bool = False) -> bool:
         """Publish a delivery. ``again``: the same publication as the last recorded one (a
@@ -233,7 +242,7 @@ class Deliveries:
             self.log.warning("delivery_deferred", command_id=row.id, error=err.message)
             return False
         kill_point(AFTER_PUBLISH)
-        await self.store.mark_published(row.id, row.agent_id, seq)
+        await self.marks(Published(command_id=row.id, agent_id=row.agent_id, stream_seq=seq))
         return True
 
     async def deliver(self, rows: Sequence[CommandRow], *, again: bool = False) -> bool:

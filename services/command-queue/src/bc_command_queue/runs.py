@@ -2,11 +2,14 @@
 
 A result settles the command by compare-and-set, so a duplicate or late one changes nothing
 (but a late end still lets a step attempt waiting for the run go on); a node's signed result
-is checked through bc-pki and counts as attested.
+counts as attested once its signature checks: against the certificate that signed the result's
+event when that is the node's own (it is, from the node's bcd: no round trip), else through
+bc-pki (any valid certificate of the node).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from better_compute.clients.pki import PkiClient
@@ -17,8 +20,10 @@ from better_compute.wire.agent import Progress, Result, ResultReply
 from better_compute.wire.codec import check_nesting
 
 from .delivery import Changed
-from .rows import CommandStateRow
-from .storage import Store
+from .groups import GroupCommit
+from .rows import CommandRow, CommandStateRow, ProgressRow
+from .signers import Signer
+from .storage import Report, Said, Store, row_may_be_at_fault
 
 __all__ = ["Runs"]
 
@@ -31,43 +36,68 @@ AFTER_RESULT = declare(
 class Runs:
     """Applies ``progress`` and ``result`` events."""
 
-    def __init__(self, *, store: Store, pki: PkiClient, changed: Changed, log: Any) -> None:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        pki: PkiClient,
+        changed: Changed,
+        log: Any,
+        slots: asyncio.Semaphore | None = None,
+    ) -> None:
         self.store = store
         self.pki = pki
         self.changed = changed
         self.log = log
+        self.slots = slots if slots is not None else asyncio.Semaphore(6)
+        """The agent events' share of the store's connections (``Agents``): taken by each group
+        while at the database, and by a result's checks and late ends."""
+        self.said: GroupCommit[Said, ProgressRow | None] = GroupCommit(
+            store.progress_many, key=lambda p: p.command_id, slots=self.slots, row_by_row=row_may_be_at_fault
+        )
+        """Progress arriving at the same moment, applied in one statement (``PROGRESS_MANY``)."""
+        self.reported: GroupCommit[Report, CommandRow | None] = GroupCommit(
+            store.result_many, key=lambda r: r.command_id, slots=self.slots, row_by_row=row_may_be_at_fault
+        )
+        """Results arriving at the same moment, applied in one statement (``RESULT_MANY``)."""
 
     async def progress(self, ev: Progress) -> None:
         message = ev.message[:500] if ev.message is not None else None
-        row = await self.store.progress(ev.command_id, ev.agent, message)
+        row = await self.said(Said(command_id=ev.command_id, agent_id=ev.agent, message=message))
         if row is not None and row.old_state != row.command.state:
             await self.changed([row.command])
 
-    async def result(self, ev: Result) -> ResultReply:
+    async def result(self, ev: Result, signer: Signer | None = None) -> ResultReply:
+        """``signer``: the checked certificate that signed the event (its key may check the
+        result's own signature without asking bc-pki)."""
         # the engine reads a result as JSON: one nested past what a decoder can hold is refused here
         check_nesting(ev.result, "result")
         reason = ev.reason[:500] if ev.reason is not None else None
         attested = False
         if ev.result_signature is not None:
-            cur = await self._command_of(ev)
-            if cur.state not in ("acked", "running", "cancelling"):
-                await self._late_end(ev)
-                return ResultReply(recorded=False, state=cur.state)
-            attested = await self._attest(cur.node_id, ev)
+            async with self.slots:
+                cur = await self._command_of(ev)
+                if cur.state not in ("acked", "running", "cancelling"):
+                    await self._late_end(ev)
+                    return ResultReply(recorded=False, state=cur.state)
+                attested = await self._attest(cur.node_id, ev, signer)
         kill_point(BEFORE_RESULT)
-        row = await self.store.result(
-            ev.command_id,
-            ev.agent,
-            status=ev.status,
-            reason=reason,
-            result=ev.result,
-            signature=ev.result_signature,
-            attested=attested,
-            journal=ev.journal_id[:64] if isinstance(ev.journal_id, str) else "",
+        row = await self.reported(
+            Report(
+                command_id=ev.command_id,
+                agent_id=ev.agent,
+                status=ev.status,
+                reason=reason,
+                result=ev.result,
+                signature=ev.result_signature,
+                attested=attested,
+                journal=ev.journal_id[:64] if isinstance(ev.journal_id, str) else "",
+            )
         )
         if row is None:  # settled already (a duplicate or late result), or not this agent's
-            cur = await self._command_of(ev)
-            await self._late_end(ev)
+            async with self.slots:
+                cur = await self._command_of(ev)
+                await self._late_end(ev)
             return ResultReply(recorded=False, state=cur.state)
         kill_point(AFTER_RESULT)
         self.log.info(
@@ -103,10 +133,16 @@ class Runs:
             self.log.info("command_ended_late", command_id=ev.command_id, status=ev.status)
             await self.changed(rows)
 
-    async def _attest(self, node_id: str, ev: Result) -> bool:
-        """Check the node's signature over the result through bc-pki."""
+    async def _attest(self, node_id: str, ev: Result, signer: Signer | None) -> bool:
+        """Check the node's signature over the result: with the certificate that signed the event
+        when it is the node's (checked valid, cached for ``cert_cache_seconds`` at most and evicted
+        on revocation, as for every event), else through bc-pki."""
         assert ev.result_signature is not None
         data = result_document(command_id=ev.command_id, node_id=node_id, status=ev.status, result=ev.result)
+        if signer is not None and signer.agent_id == node_id and signer.verifies(ev.result_signature, data):
+            return True
+        # another certificate of the node signed it (a result journaled before the node joined
+        # again), or not the node at all: bc-pki knows every certificate of the node
         try:
             verified = await self.pki.verify(signer_id=node_id, data=data, signature=ev.result_signature)
         except BcError as err:

@@ -185,14 +185,14 @@ class SiteResults:
         agent = msg.subject.rsplit(".", 1)[-1]
         try:
             doc, signature = open_event(msg.data)
-            await self.signers.check_event(
+            signer = await self.signers.check_event(
                 site=site_id, agent=agent, kind="result", doc=doc, signature=signature,
                 freshness_ms=self.freshness_ms,
             )  # fmt: skip
             event = read_event("result", doc)
             if not isinstance(event, Result):
                 raise BcError(ErrorCode.INVALID_INPUT, "not a result", {"path": "event"})
-            reply = await self.runs.result(event)
+            reply = await self.runs.result(event, signer)
         except BcError as err:
             if err.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
                 await _nak(msg)

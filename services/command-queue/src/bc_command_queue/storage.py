@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
+import asyncpg
 import msgspec
 
 from . import store
@@ -47,7 +48,19 @@ from .rows import (
     command_row,
 )
 
-__all__ = ["AgentHello", "NewBatch", "NewCommand", "PgStore", "Store"]
+__all__ = [
+    "AgentHello",
+    "Claim",
+    "ClaimAnswer",
+    "NewBatch",
+    "NewCommand",
+    "PgStore",
+    "Published",
+    "Report",
+    "Said",
+    "Store",
+    "row_may_be_at_fault",
+]
 
 
 class NewCommand(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,6 +104,70 @@ class AgentHello(msgspec.Struct, frozen=True, kw_only=True):
     status: str | None
 
 
+class Claim(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent's claim of a command (``ACK``'s parameters), one of a group."""
+
+    command_id: str
+    agent_id: str
+    digest: bytes
+    journal: str | None
+    signed_at_ms: int
+    quorum: bool
+
+
+class ClaimAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """A claim of a group: the command when it was taken, and its journal as ``journal_seen``
+    (not present) left it (``None``: the claim named no journal)."""
+
+    row: CommandRow | None
+    journal: JournalRow | None
+
+
+class Said(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent's progress of a command (``PROGRESS``'s parameters), one of a group."""
+
+    command_id: str
+    agent_id: str
+    message: str | None
+
+
+class Report(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent's result of a command (``RESULT``'s parameters), one of a group."""
+
+    command_id: str
+    agent_id: str
+    status: str
+    reason: str | None
+    result: bytes
+    signature: bytes | None
+    attested: bool
+    journal: str
+
+
+class Published(msgspec.Struct, frozen=True, kw_only=True):
+    """A delivery on its site's stream (``PUBLISHED``'s parameters), one of a group."""
+
+    command_id: str
+    agent_id: str
+    stream_seq: int
+
+
+def row_may_be_at_fault(exc: Exception) -> bool:
+    """Whether a group's statement may have failed over one of its rows (a value PostgreSQL
+    refuses: ``GroupCommit`` then tries each row alone), rather than for want of the database
+    (each row alone would wait out the same outage)."""
+    outage = (
+        OSError,
+        TimeoutError,
+        asyncpg.PostgresConnectionError,
+        asyncpg.exceptions.OperatorInterventionError,
+    )
+    if isinstance(exc, outage):
+        return False
+    # asyncpg's own errors are about the connection, but for a parameter it cannot encode
+    return not isinstance(exc, asyncpg.InterfaceError) or isinstance(exc, ValueError)
+
+
 class Store(Protocol):
     """Every operation of the command queue's state machines on its rows."""
 
@@ -109,6 +186,10 @@ class Store(Protocol):
 
     async def mark_published(self, command_id: str, agent_id: str, stream_seq: int) -> None:
         """A delivery is on the stream: record it (counts the publications)."""
+        ...
+
+    async def mark_published_many(self, marks: Sequence[Published]) -> None:
+        """``mark_published`` of each (one command once a group), in one statement."""
         ...
 
     async def cancel(self, command_id: str, reason: str) -> list[CommandRow]:
@@ -176,6 +257,11 @@ class Store(Protocol):
         """Take a claim (see ``store.ACK``)."""
         ...
 
+    async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimAnswer]:
+        """``journal_seen`` (not present) of each named journal, then ``ack`` of each claim (one
+        command once a group), in one statement; an answer per claim, in order."""
+        ...
+
     async def claim_state(self, command_id: str) -> ClaimStateRow | None: ...
 
     async def claim_interrupted(
@@ -216,6 +302,14 @@ class Store(Protocol):
         journal: str,
     ) -> CommandRow | None:
         """Settle a claimed command (see ``store.RESULT``)."""
+        ...
+
+    async def progress_many(self, said: Sequence[Said]) -> list[ProgressRow | None]:
+        """``progress`` of each (one command once a group), in one statement; in order."""
+        ...
+
+    async def result_many(self, reports: Sequence[Report]) -> list[CommandRow | None]:
+        """``result`` of each (one command once a group), in one statement; in order."""
         ...
 
     async def late_end(self, command_id: str, agent_id: str) -> list[CommandRow]: ...
@@ -418,6 +512,20 @@ class PgStore:
     async def mark_published(self, command_id: str, agent_id: str, stream_seq: int) -> None:
         await self.db.execute(store.PUBLISHED, command_id, agent_id, stream_seq)
 
+    # A group of one goes as the one-row statement: the same round trip and commit, and a plainer
+    # statement than one over arrays (PostgreSQL's CPU per command unloaded, bench/README.md).
+
+    async def mark_published_many(self, marks: Sequence[Published]) -> None:
+        if len(marks) == 1:
+            await self.mark_published(marks[0].command_id, marks[0].agent_id, marks[0].stream_seq)
+            return
+        await self.db.execute(
+            store.PUBLISHED_MANY,
+            [m.command_id for m in marks],
+            [m.agent_id for m in marks],
+            [m.stream_seq for m in marks],
+        )
+
     async def cancel(self, command_id: str, reason: str) -> list[CommandRow]:
         return await self._rows(store.CANCEL_BY_ID, command_id, reason)
 
@@ -487,6 +595,26 @@ class PgStore:
     ) -> CommandRow | None:
         return await self._row(store.ACK, command_id, agent_id, digest, journal, signed_at_ms, quorum)
 
+    async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimAnswer]:
+        records = await self.db.fetch(
+            store.CLAIM_MANY,
+            [c.command_id for c in claims],
+            [c.agent_id for c in claims],
+            [c.digest for c in claims],
+            [c.journal for c in claims],
+            [c.signed_at_ms for c in claims],
+            [c.quorum for c in claims],
+        )
+        return [
+            ClaimAnswer(
+                row=command_row(r) if r["id"] is not None else None,
+                journal=None
+                if r["journal_generation"] is None
+                else JournalRow(generation=int(r["journal_generation"]), present=bool(r["journal_present"])),
+            )
+            for r in records
+        ]
+
     async def claim_state(self, command_id: str) -> ClaimStateRow | None:
         r = await self.db.fetchrow(store.CLAIM_STATE, command_id)
         if r is None:
@@ -544,6 +672,40 @@ class PgStore:
         return await self._row(
             store.RESULT, command_id, agent_id, status, reason, result, signature, attested, journal
         )
+
+    async def progress_many(self, said: Sequence[Said]) -> list[ProgressRow | None]:
+        if len(said) == 1:
+            return [await self.progress(said[0].command_id, said[0].agent_id, said[0].message)]
+        records = await self.db.fetch(
+            store.PROGRESS_MANY,
+            [p.command_id for p in said],
+            [p.agent_id for p in said],
+            [p.message for p in said],
+        )
+        found: list[ProgressRow | None] = [None] * len(said)
+        for r in records:
+            found[r["said_n"] - 1] = ProgressRow(command=command_row(r), old_state=r["old_state"])
+        return found
+
+    async def result_many(self, reports: Sequence[Report]) -> list[CommandRow | None]:
+        if len(reports) == 1:
+            r = reports[0]
+            row = await self.result(
+                r.command_id, r.agent_id, status=r.status, reason=r.reason, result=r.result,
+                signature=r.signature, attested=r.attested, journal=r.journal,
+            )  # fmt: skip
+            return [row]
+        rs = reports
+        records = await self.db.fetch(
+            store.RESULT_MANY,
+            [r.command_id for r in rs], [r.agent_id for r in rs], [r.status for r in rs],
+            [r.reason for r in rs], [r.result for r in rs], [r.signature for r in rs],
+            [r.attested for r in rs], [r.journal for r in rs],
+        )  # fmt: skip
+        found: list[CommandRow | None] = [None] * len(reports)
+        for r in records:
+            found[r["report_n"] - 1] = command_row(r)
+        return found
 
     async def late_end(self, command_id: str, agent_id: str) -> list[CommandRow]:
         return await self._rows(store.LATE_END, command_id, agent_id)

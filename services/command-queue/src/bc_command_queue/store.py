@@ -56,6 +56,7 @@ __all__ = [
     "CLAIM_BACK_TO_PENDING",
     "CLAIM_BATCH_EXPIRED",
     "CLAIM_INTERRUPTED",
+    "CLAIM_MANY",
     "CLAIM_RERUN",
     "CLAIM_STATE",
     "COMMAND_BY_ID",
@@ -79,11 +80,14 @@ __all__ = [
     "MUST_STOP",
     "PICK_SITE_AGENT",
     "PROGRESS",
+    "PROGRESS_MANY",
     "PUBLISHED",
+    "PUBLISHED_MANY",
     "PURGE_FINISHED",
     "REASSIGN_SILENT",
     "REPUBLISH_DUE",
     "RESULT",
+    "RESULT_MANY",
     "SITE_OF_NODE",
 ]
 
@@ -160,6 +164,21 @@ PUBLISHED: Final = (
     "UPDATE commands SET published_at = now(), publishes = publishes + 1, stream_seq = $3"
     " WHERE id = $1 AND agent_id = $2 AND state IN ('dispatched', 'acked')"
 )
+# PUBLISHED for many deliveries at once (groups.GroupCommit): $1 ids (distinct), $2 agents, $3 seqs.
+# Its rows are locked in id order, as every statement over many commands of an agent event does:
+# a group of marks and a group of claims over the same commands (an agent claims what was just
+# published) would otherwise deadlock, each holding a row the other waits for.
+PUBLISHED_MANY: Final = """
+WITH p AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS p (id, agent, seq)
+), locked AS (
+    SELECT c.id FROM commands c JOIN p ON p.id = c.id ORDER BY c.id FOR UPDATE OF c
+)
+UPDATE commands c SET published_at = now(), publishes = c.publishes + 1, stream_seq = p.seq
+FROM p
+WHERE c.id = p.id AND c.id IN (SELECT id FROM locked) AND c.agent_id = p.agent
+  AND c.state IN ('dispatched', 'acked')
+"""
 
 # $1 quorum on, $2 site (or NULL), $3 batch (or NULL), $4 limit, $5 silent_after_ms: pending
 # commands that may go now, dispatched in one statement, each site command to the agent picked
@@ -307,6 +326,58 @@ WHERE c.id = $1 AND c.agent_id = $2 AND c.not_after > now() AND c.digest = $3
                    AND (NOT $6::bool OR b.approved_at IS NOT NULL)) END)
 RETURNING {_COLS}
 """
+# JOURNAL_SEEN (not present) and ACK for many claims at once, one statement (groups.GroupCommit):
+# $1 ids (distinct), $2 agents, $3 digests, $4 journals (NULL: not named), $5 signed_at_ms,
+# $6 quorum on. Each claim is taken on the same terms as ACK alone; every named journal is seen
+# (given its generation at first sight) whether its claim is taken or not. One row per claim, in
+# order: its journal's generation and presence, and the command when the claim was taken. The
+# commands are locked in id order, so two groups at once wait for each other instead of
+# deadlocking. A journal's last_seen moves at most once a second here (it counts against
+# lost_after, a minute or more): two groups of claims of one journal do not queue on its row.
+CLAIM_MANY: Final = f"""
+WITH a AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::bool[])
+        WITH ORDINALITY AS a (id, agent, digest, journal, signed_ms, quorum, n)
+), named AS (
+    SELECT DISTINCT agent, journal FROM a WHERE journal IS NOT NULL
+), known AS (
+    SELECT j.agent_id, j.journal_id, j.generation, j.present, j.last_seen FROM journals j
+    JOIN named ON j.agent_id = named.agent AND j.journal_id = named.journal
+), seen AS (
+    UPDATE journals j SET last_seen = now()
+    FROM known WHERE j.agent_id = known.agent_id AND j.journal_id = known.journal_id
+      AND known.last_seen < now() - interval '1 second'
+), made AS (
+    INSERT INTO journals (agent_id, journal_id, present)
+    SELECT named.agent, named.journal, false FROM named
+    WHERE NOT EXISTS (SELECT 1 FROM known
+                      WHERE known.agent_id = named.agent AND known.journal_id = named.journal)
+    ORDER BY named.agent, named.journal
+    ON CONFLICT (agent_id, journal_id) DO UPDATE SET last_seen = now()
+    RETURNING agent_id, journal_id, generation, present
+), j AS (
+    SELECT agent_id, journal_id, generation, present FROM known UNION ALL SELECT * FROM made
+), locked AS (
+    SELECT c.id FROM commands c JOIN a ON a.id = c.id ORDER BY c.id FOR UPDATE OF c
+), acked AS (
+    UPDATE commands c SET state = 'acked', acked_at = coalesce(c.acked_at, now()), updated_at = now(),
+        claim_journal = a.journal,
+        claim_signed_ms = CASE WHEN c.state = 'dispatched' THEN a.signed_ms ELSE c.claim_signed_ms END
+    FROM a
+    WHERE c.id = a.id AND c.id IN (SELECT id FROM locked) AND c.agent_id = a.agent
+      AND c.not_after > now() AND c.digest = a.digest
+      AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = a.journal))
+      AND (NOT c.destructive OR CASE
+          WHEN c.batch_id IS NULL THEN NOT a.quorum
+          ELSE EXISTS (SELECT 1 FROM batches b WHERE b.id = c.batch_id AND b.expires_at > now()
+                       AND (NOT a.quorum OR b.approved_at IS NOT NULL)) END)
+    RETURNING {_COLS}, a.n AS claim_n
+)
+SELECT j.generation AS journal_generation, j.present AS journal_present, acked.*
+FROM a LEFT JOIN j ON j.agent_id = a.agent AND j.journal_id = a.journal
+LEFT JOIN acked ON acked.claim_n = a.n
+ORDER BY a.n
+"""
 # Why a claim was not taken: the command as its claim sees it, with its batch.
 CLAIM_STATE: Final = """
 SELECT c.id, c.state, c.kind, c.payload, c.agent_id, c.digest, c.not_after > now() AS live, c.destructive,
@@ -374,6 +445,22 @@ UPDATE commands c SET state = CASE old.state WHEN 'cancelling' THEN 'cancelling'
 FROM old WHERE c.id = old.id
 RETURNING {_COLS}, old.state AS old_state
 """
+# PROGRESS for many events at once (groups.GroupCommit): $1 ids (distinct), $2 agents, $3 messages
+# (NULL: none). One row per command it changed, with its place in the arrays (said_n).
+PROGRESS_MANY: Final = f"""
+WITH p AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS p (id, agent, message, n)
+), old AS (
+    SELECT c.id, c.state, p.message, p.n FROM commands c JOIN p ON p.id = c.id AND p.agent = c.agent_id
+    WHERE c.state IN ('acked', 'running', 'cancelling')
+    ORDER BY c.id FOR UPDATE OF c
+)
+UPDATE commands c SET state = CASE old.state WHEN 'cancelling' THEN 'cancelling' ELSE 'running' END,
+    progress = coalesce(old.message, c.progress),
+    updated_at = now()
+FROM old WHERE c.id = old.id
+RETURNING {_COLS}, old.state AS old_state, old.n AS said_n
+"""
 # A cancelling command's result is the agent's word that it stopped it (or never started it):
 # it becomes cancelled, its outcome is kept in progress, and its result counts for nothing. Only
 # the journal that claimed it can say so ($8, '' when the agent does not name its journal);
@@ -401,6 +488,39 @@ UPDATE commands c SET
     finished_at = now(), updated_at = now()
 FROM cur WHERE c.id = cur.id
 RETURNING {_COLS}
+"""
+
+# RESULT for many results at once (groups.GroupCommit), each row on RESULT's terms: $1 ids
+# (distinct), $2 agents, $3 statuses, $4 reasons, $5 results, $6 signatures, $7 attested,
+# $8 journals. One row per command it settled, with its place in the arrays (report_n).
+RESULT_MANY: Final = f"""
+WITH r AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::bytea[],
+                         $7::bool[], $8::text[])
+        WITH ORDINALITY AS r (id, agent, status, reason, result, signature, attested, journal, n)
+), cur AS (
+    SELECT c.id, r.n, c.state = 'cancelling' AS cancelling,
+           c.state = 'cancelling'
+               AND (r.journal = '' OR c.claim_journal IS NULL OR c.claim_journal = r.journal) AS confirmed
+    FROM commands c JOIN r ON r.id = c.id AND r.agent = c.agent_id
+    WHERE c.state IN ('acked', 'running', 'cancelling')
+    ORDER BY c.id FOR UPDATE OF c
+)
+UPDATE commands c SET
+    state = CASE WHEN cur.confirmed THEN 'cancelled' WHEN cur.cancelling THEN 'failed' ELSE r.status END,
+    reason = CASE WHEN cur.confirmed THEN c.reason WHEN cur.cancelling THEN 'interrupted'
+                  ELSE r.reason END,
+    progress = CASE WHEN cur.cancelling
+        THEN left(coalesce(c.progress || '; ', '') || 'the agent stopped: ' || r.status
+                  || coalesce(' (' || r.reason || ')', ''), 500)
+        ELSE c.progress END,
+    result = CASE WHEN cur.cancelling THEN NULL ELSE r.result END,
+    result_signature = CASE WHEN cur.cancelling THEN NULL ELSE r.signature END,
+    attested = NOT cur.cancelling AND r.attested,
+    ended_at = CASE WHEN cur.confirmed THEN now() ELSE c.ended_at END,
+    finished_at = now(), updated_at = now()
+FROM cur JOIN r ON r.n = cur.n WHERE c.id = cur.id
+RETURNING {_COLS}, cur.n AS report_n
 """
 
 # A command its agent claimed may run there: it is cancelling until the agent says it stopped.

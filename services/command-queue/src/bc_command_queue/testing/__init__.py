@@ -25,7 +25,7 @@ from ..rows import (
     JournalRow,
     ProgressRow,
 )
-from ..storage import NewCommand, Store
+from ..storage import Claim, ClaimAnswer, NewCommand, Published, Report, Said, Store
 from ._presence import Presence
 from ._tables import _CLAIMED, _LIVE, _Command, _Journal
 
@@ -76,6 +76,11 @@ class MemoryStore(Presence):
         c = self._cmd(command_id, agent_id)
         if c is not None and c.state in ("dispatched", "acked"):
             c.published_at, c.publishes, c.stream_seq = self.now(), c.publishes + 1, stream_seq
+
+    async def mark_published_many(self, marks: Sequence[Published]) -> None:
+        """``PUBLISHED_MANY``: ``PUBLISHED`` of each"""
+        for m in marks:
+            await self.mark_published(m.command_id, m.agent_id, m.stream_seq)
 
     async def cancel(self, command_id: str, reason: str) -> list[CommandRow]:
         """``CANCEL_BY_ID``"""
@@ -240,6 +245,23 @@ class MemoryStore(Presence):
         acked_at = c.acked_at if c.acked_at is not None else self.now()
         return self._touch(c, state="acked", acked_at=acked_at, claim_journal=journal, claim_signed_ms=signed)
 
+    async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimAnswer]:
+        """``CLAIM_MANY``: every named journal seen (not present), then each claim as ``ACK``"""
+        journals = {
+            (c.agent_id, c.journal): await self.journal_seen(c.agent_id, c.journal, present=False)
+            for c in claims
+            if c.journal is not None
+        }
+        return [
+            ClaimAnswer(
+                row=await self.ack(
+                    c.command_id, c.agent_id, c.digest, c.journal, c.signed_at_ms, quorum=c.quorum
+                ),
+                journal=journals.get((c.agent_id, c.journal)) if c.journal is not None else None,
+            )
+            for c in claims
+        ]
+
     async def claim_state(self, command_id: str) -> ClaimStateRow | None:
         """``CLAIM_STATE``"""
         c = self._cmd(command_id)
@@ -319,6 +341,26 @@ class MemoryStore(Presence):
             progress=message if message is not None else c.progress,
         )
         return ProgressRow(command=row, old_state=old)
+
+    async def progress_many(self, said: Sequence[Said]) -> list[ProgressRow | None]:
+        """``PROGRESS_MANY``: ``PROGRESS`` of each"""
+        return [await self.progress(p.command_id, p.agent_id, p.message) for p in said]
+
+    async def result_many(self, reports: Sequence[Report]) -> list[CommandRow | None]:
+        """``RESULT_MANY``: ``RESULT`` of each"""
+        return [
+            await self.result(
+                r.command_id,
+                r.agent_id,
+                status=r.status,
+                reason=r.reason,
+                result=r.result,
+                signature=r.signature,
+                attested=r.attested,
+                journal=r.journal,
+            )
+            for r in reports
+        ]
 
     async def result(
         self,

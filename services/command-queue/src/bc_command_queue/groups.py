@@ -1,0 +1,149 @@
+"""Group commit: the same statement for many events at once, one round trip and one commit.
+
+What an agent event costs the command queue and PostgreSQL is mostly per statement (a round trip,
+waking a backend, a commit with its WAL flush), not per row. ``GroupCommit`` sends the items that
+arrive at the same moment (claims, progress, results, publication marks) as one statement over
+arrays: a lone item goes after one turn of the event loop; while ``in_flight`` groups are at the
+database the next ones gather, so a group grows with the load (bench/README.md "Settles
+batched", the engine's ``SettleBatcher``).
+
+Each row of a group is applied on its own terms (compare-and-set on its command's state, as the
+single statement does), so a group is as safe as its rows one by one: a crash before its commit
+loses every row of it, and each event's sender has no answer yet and sends it again (an agent
+retries its claims and results; its progress is a wake-up, its publication mark the sweeper's
+to make again); after the commit, none. A group that fails as a whole is tried again row by row,
+so one bad row (a value PostgreSQL refuses) fails its own event only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any, Generic, TypeVar
+
+__all__ = ["GroupCommit"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class GroupCommit(Generic[T, R]):
+    """Applies items together: ``await group(item)`` returns that item's answer.
+
+    Args:
+        apply: the statement over arrays; returns one answer per item, in order.
+        key: what one group holds at most once (a command id: its row changes once a statement,
+            and a row of a group still at the database never joins another group, so two
+            groups of one process never wait on each other's locks).
+        slots: taken by each group while at the database (the agent events' share of the pool).
+        in_flight: groups at the database at once.
+        max_rows: items a group holds at most.
+        row_by_row: whether a group that failed with this error is tried again row by row (an
+            outage is not: each row would wait out the same outage alone).
+    """
+
+    def __init__(
+        self,
+        apply: Callable[[Sequence[T]], Awaitable[Sequence[R]]],
+        *,
+        key: Callable[[T], Hashable],
+        slots: asyncio.Semaphore | None = None,
+        in_flight: int = 2,
+        max_rows: int = 64,
+        row_by_row: Callable[[Exception], bool] = lambda _exc: True,
+    ) -> None:
+        self.apply = apply
+        self.key = key
+        self.slots = slots
+        self.in_flight = in_flight
+        self.max_rows = max_rows
+        self.row_by_row = row_by_row
+        self.groups = 0
+        """Groups sent so far (one statement each, or one per row when a group failed)."""
+        self._waiting: list[tuple[T, asyncio.Future[R]]] = []
+        self._busy: set[Hashable] = set()  # keys of the groups at the database now
+        self._flushers: set[asyncio.Task[None]] = set()  # held, so no task is collected mid-flight
+        self._active = 0  # flushers that will still look at ``_waiting`` before they end
+
+    async def __call__(self, item: T) -> R:
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, fut))
+        if self._active < self.in_flight:
+            # counted here and uncounted by the flusher in the same turn as its last look at
+            # ``_waiting``: an item is never left with no flusher to take it
+            self._active += 1
+            task = asyncio.create_task(self._flush())
+            self._flushers.add(task)
+            task.add_done_callback(self._flushers.discard)
+        return await fut
+
+    async def _flush(self) -> None:
+        try:
+            await asyncio.sleep(0)  # the other items of this turn join
+            await self._flush_waiting()
+        finally:
+            self._active -= 1
+
+    def _take(self) -> list[tuple[T, asyncio.Future[R]]]:
+        group: list[tuple[T, asyncio.Future[R]]] = []
+        later: list[tuple[T, asyncio.Future[R]]] = []
+        seen: set[Hashable] = set()
+        for entry in self._waiting:
+            k = self.key(entry[0])
+            if len(group) < self.max_rows and k not in seen and k not in self._busy and not entry[1].done():
+                seen.add(k)
+                group.append(entry)
+            elif not entry[1].done():  # a cancelled waiter's item goes nowhere
+                later.append(entry)
+        self._waiting = later
+        self._busy |= seen
+        return group
+
+    async def _flush_waiting(self) -> None:
+        while self._waiting:
+            group = self._take()
+            if not group:
+                # every waiting item's key is in the other group at the database: that flusher
+                # takes them when it is back (it looks at ``_waiting`` before it ends)
+                return
+            try:
+                await self._send(group)
+            finally:
+                self._busy -= {self.key(item) for item, _ in group}
+
+    async def _send(self, group: list[tuple[T, asyncio.Future[R]]]) -> None:
+        items = [item for item, _ in group]
+        try:
+            answers = await self._apply(items)
+        except asyncio.CancelledError:
+            _fail(group, asyncio.CancelledError())
+            raise
+        except Exception as exc:
+            if len(group) == 1 or not self.row_by_row(exc):
+                _fail(group, exc)
+                return
+            # the group as a whole failed: row by row, so a bad row fails its own event only
+            # (and an outage fails each with its own error)
+            for entry in group:
+                await self._send([entry])
+            return
+        if len(answers) != len(group):  # a bug of the statement's: never leave a waiter hanging
+            _fail(group, RuntimeError(f"{len(answers)} answers to a group of {len(group)}"))
+            return
+        for (_, fut), answer in zip(group, answers, strict=True):
+            if not fut.done():
+                fut.set_result(answer)
+
+    async def _apply(self, items: list[T]) -> Sequence[R]:
+        self.groups += 1
+        if self.slots is None:
+            return await self.apply(items)
+        async with self.slots:
+            return await self.apply(items)
+
+
+def _fail(group: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException) -> None:
+    for _, fut in group:
+        if not fut.done():
+            fut.set_exception(exc)
+            fut.exception()  # retrieved, even when its waiter is gone
