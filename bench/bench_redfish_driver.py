@@ -117,6 +117,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--no-system-id", action="store_true")
     args = ap.parse_args()
+    import bc_site_agent.drivers
+
+    print(f"driver code: {Path(bc_site_agent.drivers.__file__).parent}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with tempfile.TemporaryDirectory() as tmp:
         emu = RedfishEmulator(Path(tmp), power_lag=(0, 0)).start()

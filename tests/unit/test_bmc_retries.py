@@ -179,7 +179,7 @@ async def _request_power(
         BmcCredentials(username="u", password="p"),
         read_back=read_back,
     )
-    monkeypatch.setattr(session, "system", lambda deadline: system)
+    monkeypatch.setattr(session, "system", lambda deadline, fresh=False: system)
     await _Power(session).request_power(
         SetPower(action=action),  # type: ignore[arg-type]
         before="On" if action != "on" else "Off",
