@@ -4,8 +4,9 @@ sushy is blocking: every BMC call runs in a worker thread and is mapped to our e
 sushy's own server-side retries are off: we retry 5xx, refused connections and timeouts with
 backoff and jitter until the command's deadline, and give up at once on 401/403, 404, 400 and
 malformed answers. Power and boot changes are verified by reading them back until they match.
-A power on or off whose answer was lost is read back, and sent again only if the BMC did not
-get there (``_Power.request_power``); any other action whose answer was lost is not repeated.
+A power on or off (a cycle of a machine that is off is an on) whose answer was lost is read
+back, and sent again only if the BMC did not get there (``_Power.request_power``); any other
+action whose answer was lost is not repeated.
 
 What the driver learnt of a BMC is kept between its commands (``_Link``, one per BMC system): the
 service root, the system and its virtual media as sushy objects, read again where the answer
@@ -400,7 +401,8 @@ class _Power:
             reset = ResetType.ON  # a restart of a machine that is off: it boots
         system = await self.bmc.call("GET System", lambda: self.bmc.system(deadline), deadline=deadline)
         call = f"POST ComputerSystem.Reset({reset.value})"
-        want = _TARGET_STATES.get(command.action)
+        # a cycle of a machine that is off is a power on: a state, read back like one
+        want = "on" if reset is ResetType.ON else _TARGET_STATES.get(command.action)
         while True:
             self.bmc.acted("system")  # (before: an answer lost may still have changed it)
             try:
