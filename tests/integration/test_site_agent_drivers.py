@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 from base64 import b64encode
+from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -120,7 +121,8 @@ async def test_an_action_never_goes_on_a_connection_the_bmc_is_closing(
     """sushy asks every BMC to close each connection; a BMC that does so late, without saying
     so, leaves a pooled connection that looks reusable. A POST action written into it is lost
     unread, and then looks like one whose answer was lost: refused as "may have applied". An
-    action gets a connection of its own (a GET there is simply repeated)."""
+    action gets a connection of its own, opened for it and closed after it (the GETs of a
+    command share one: a GET is simply repeated)."""
     iso = b"fake-iso-bytes" * 100
     server = _serve_bytes(iso)
     try:
@@ -136,7 +138,8 @@ async def test_an_action_never_goes_on_a_connection_the_bmc_is_closing(
         taken = [line.split() for line in proxy.requests()]
         actions = [path.rsplit("/", 1)[1] for method, path, *_ in taken if method == "POST"]
         assert actions == ["VirtualMedia.InsertMedia", "ComputerSystem.Reset", "VirtualMedia.EjectMedia"]
-        assert len({conn for _, _, conn, _ in taken}) == len(taken)  # one connection a request
+        shared = Counter(conn for _, _, conn, _ in taken)
+        assert all(shared[conn] == 1 for method, _, conn, _ in taken if method != "GET"), taken  # alone
     finally:
         proxy.set(mode="forward")
         server.shutdown()
@@ -499,3 +502,130 @@ async def test_validate_checks_an_ipmi_bmc(tmp_path: Path) -> None:
         assert "refused the credentials" in checks[1].message, checks
     finally:
         bmc.close()
+
+
+def bmc_reset(emulator: RedfishEmulator, reset: str) -> None:
+    """Change the power at the BMC behind the driver's back, as an operator would with curl."""
+    req = urllib.request.Request(
+        f"{emulator.url}{system_path()}/Actions/ComputerSystem.Reset",
+        data=json.dumps({"ResetType": reset}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    auth = b64encode(f"{emulator.username}:{emulator.password}".encode()).decode()
+    req.add_header("Authorization", f"Basic {auth}")
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        resp.read()
+
+
+@pytest.fixture
+def quick_bmc(tmp_path: Path) -> Iterator[tuple[RedfishEmulator, FaultyProxy]]:
+    """An emulator of its own whose power changes land within the second, behind a proxy."""
+    emu = RedfishEmulator(tmp_path / "quick", power_lag=(0, 0)).start()
+    proxy = FaultyProxy(tmp_path / "quick-proxy", emu.url).start()
+    yield emu, proxy
+    proxy.close()
+    emu.close()
+
+
+async def _command(url: str, emulator: RedfishEmulator, op: Any, *, password: str | None = None) -> Any:
+    """One command as the site agent runs it: a driver with the command's credentials, closed after."""
+    driver = redfish(url, emulator, password=password, system_id=SYSTEM_UUID)
+    try:
+        return await op(driver)
+    finally:
+        await driver.close()
+
+
+async def test_what_is_kept_of_a_bmc_between_commands_reads_as_the_bmc_has_it(
+    quick_bmc: tuple[RedfishEmulator, FaultyProxy],
+) -> None:
+    """The driver keeps the service root and the system between commands (issue 25): a later
+    command does not read the root again, and the power it changes, or someone else changed,
+    reads back as the BMC has it; the virtual medium one command found is the one the next
+    ejects. The credentials are not kept: a command with a wrong password between two good ones
+    is refused."""
+    emulator, proxy = quick_bmc
+    seen = len(proxy.requests())  # the proxy's own readiness probe
+
+    def power(action: str) -> Any:
+        return lambda d: d.set_power(SetPower(action=action), deadline=time.time() + 30)
+
+    def inventory(d: Driver) -> Any:
+        return d.inventory(deadline=time.time() + 30)
+
+    got = await _command(proxy.url, emulator, power("on"))
+    assert (got.power_state, got.changed) == ("On", True)
+    assert (await _command(proxy.url, emulator, inventory)).system.power_state == "On"
+    got = await _command(proxy.url, emulator, power("off"))
+    assert (got.power_state, got.changed) == ("Off", True)
+    assert bmc_get(emulator, system_path())["PowerState"] == "Off"
+    assert (await _command(proxy.url, emulator, inventory)).system.power_state == "Off"
+
+    bmc_reset(emulator, "On")  # behind the driver's back: the kept system says Off
+    await until(lambda: bmc_get(emulator, system_path())["PowerState"] == "On", timeout=10)
+    got = await _command(proxy.url, emulator, power("on"))
+    assert (got.power_state, got.changed) == ("On", False)  # read at the BMC, not from memory
+
+    server = _serve_bytes(b"kept-iso" * 100)
+    try:  # the medium found in one command is the one the next command ejects and reads
+        url = f"http://127.0.0.1:{server.server_port}/kept.iso"
+        got = await _command(
+            proxy.url, emulator, lambda d: d.media_insert(MediaInsert(url=url), deadline=time.time() + 30)
+        )
+        assert (got.inserted, got.image) == (True, url)
+        got = await _command(
+            proxy.url, emulator, lambda d: d.media_eject(MediaEject(), deadline=time.time() + 30)
+        )
+        assert got.inserted is False
+        got = await _command(
+            proxy.url, emulator, lambda d: d.media_eject(MediaEject(), deadline=time.time() + 30)
+        )
+        assert got.inserted is False  # nothing in: nothing sent
+        assert len([b for b in proxy.requests() if "EjectMedia" in b]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    roots = [line for line in proxy.requests()[seen:] if line.split()[1] == "/redfish/v1/"]
+    assert len(roots) == 1, roots  # the first command read the service root, no other did
+
+    err = await driver_error(
+        _command(proxy.url, emulator, inventory, password="not-the-password-987")  # type: ignore[arg-type]
+    )
+    assert "refused the credentials" in err.details["reason"], err.details
+    assert (await _command(proxy.url, emulator, inventory)).system.uuid == SYSTEM_UUID
+
+
+async def test_a_bmc_that_restarted_or_moved_its_system_gets_each_action_once(
+    quick_bmc: tuple[RedfishEmulator, FaultyProxy],
+) -> None:
+    """What the driver kept of a BMC goes stale: the BMC restarts between two commands, or
+    answers 404 at the system's kept path (renumbered). The next command reads the system again
+    (from the service root after the 404) and succeeds, sending its action once."""
+    emulator, proxy = quick_bmc
+    await _command(
+        proxy.url,
+        emulator,
+        lambda d: d.set_boot_device(SetBootDevice(device="pxe", persistent=False), deadline=time.time() + 30),
+    )
+    emulator.close()
+    emulator.start()  # the same port, a new process
+
+    got = await _command(
+        proxy.url, emulator, lambda d: d.set_power(SetPower(action="cycle"), deadline=time.time() + 30)
+    )
+    assert (got.power_state, got.changed) == ("On", True)
+    assert len([b for b in proxy.bodies() if "ComputerSystem.Reset" in b]) == 1
+
+    seen = len(proxy.requests())
+    proxy.set(mode="error-count", left=1, status=404)  # the kept system's path is gone, once
+    got = await _command(
+        proxy.url, emulator, lambda d: d.set_power(SetPower(action="off"), deadline=time.time() + 30)
+    )
+    assert (got.power_state, got.changed) == ("Off", True)
+    assert bmc_get(emulator, system_path())["PowerState"] == "Off"
+    assert len([b for b in proxy.bodies() if "ComputerSystem.Reset" in b]) == 2  # one each
+    taken = [line.split() for line in proxy.requests()[seen:]]
+    assert (taken[0][:2], taken[0][-1]) == (["GET", system_path()], "error"), taken
+    assert ["GET", "/redfish/v1/"] in [t[:2] for t in taken]  # found again from the service root

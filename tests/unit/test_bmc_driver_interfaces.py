@@ -135,3 +135,35 @@ async def test_the_table_opens_every_shipped_driver_and_the_sim_converges_like_t
     )
     assert redfish.media is not None
     await redfish.close()
+
+
+async def test_the_redfish_driver_keeps_no_credential_and_at_most_its_bound_of_bmcs() -> None:
+    """What the Redfish driver keeps of a BMC between commands (issue 25) holds no credential
+    once the command ended; a command at once with another on the same BMC gets its own; the
+    least recently used BMC is dropped past the bound."""
+    from bc_site_agent.drivers.redfish import RedfishLinks, RedfishSession
+
+    links = RedfishLinks(kept=2)
+    bmc = NodeBmc(driver="redfish", address="http://192.0.2.7", system_id="S1")
+    creds = BmcCredentials(username="root", password="pw-of-one-command")
+    one = RedfishSession(bmc, creds, links=links)
+    connector = one._connector(time.time() + 5)
+    assert connector._session.auth == ("root", "pw-of-one-command")
+    other = RedfishSession(bmc, creds, links=links)
+    assert other.link is not one.link  # the first command still runs
+    await one.close()
+    await other.close()
+    assert connector._session.auth is None
+    assert one._credentials is None
+    again = RedfishSession(bmc, creds, links=links)
+    assert again.link is one.link
+    assert again.link.connector is connector
+    await again.close()
+
+    for system in ("S2", "S3"):
+        s = RedfishSession(
+            NodeBmc(driver="redfish", address="http://192.0.2.7", system_id=system), creds, links=links
+        )
+        await s.close()
+    assert len(links) == 2
+    assert RedfishSession(bmc, creds, links=links).link is not one.link  # S1 was dropped

@@ -297,7 +297,7 @@ class SiteHandlers:
         except BcError as err:
             failed = BmcCheck(check="credentials", status="failed", message=err.message[:300])
             return ValidateResult(driver=target.driver, ok=False, checks=[failed])
-        driver = make_driver(target, credentials)
+        driver = make_driver(target, credentials, fresh=True)  # checks the BMC from its service root
         del credentials
         try:
             checks = await driver.validate(deadline=deadline)

@@ -4,8 +4,16 @@ sushy is blocking: every BMC call runs in a worker thread and is mapped to our e
 sushy's own server-side retries are off: we retry 5xx, refused connections and timeouts with
 backoff and jitter until the command's deadline, and give up at once on 401/403, 404, 400 and
 malformed answers. Power and boot changes are verified by reading them back until they match.
-A power on or off whose answer was lost is read back, and sent again only if the BMC did not
-get there (``_Power.request_power``); any other action whose answer was lost is not repeated.
+A power on or off (a cycle of a machine that is off is an on) whose answer was lost is read
+back, and sent again only if the BMC did not get there (``_Power.request_power``); any other
+action whose answer was lost is not repeated.
+
+What the driver learnt of a BMC is kept between its commands (``_Link``, one per BMC system): the
+service root, the system and its virtual media as sushy objects, read again where the answer
+matters (a power or boot read-back, a medium's state, the first use in a command), found again
+when the BMC no longer has them there (404), forgotten when a command fails. Never a credential
+(they are the command's, set on the session for it and taken off at its end) and never an open
+connection (the command's GETs share one; the pool is emptied when it ends).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import hashlib
 import tempfile
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -64,7 +73,7 @@ from .base import (
 )
 from .interfaces import BootRead, Driver, MediumRead
 
-__all__ = ["RedfishSession", "open_driver"]
+__all__ = ["LINKS", "RedfishLinks", "RedfishSession", "open_driver"]
 
 T = TypeVar("T")
 
@@ -97,6 +106,8 @@ _READ_BACK: Final = 15.0
 """How long a power on or off whose answer was lost is read back before it is sent again
 (sushy-emulator's fake driver applies one 1-11 s late; real BMCs in a few seconds)."""
 _READ_BACK_EVERY: Final = 1.0
+_LINKS_KEPT: Final = 512
+"""What is kept of at most this many BMC systems (the least recently used is dropped)."""
 
 
 def _ca_file(pem: str) -> str:
@@ -110,8 +121,67 @@ def _ca_file(pem: str) -> str:
     return str(path)
 
 
+class _Link:
+    """What the driver keeps of one BMC system between its commands: the sushy connector (a
+    requests session without credentials or open connections between commands), the service
+    root as read, the system, and the virtual media by device. ``busy`` while a command uses it:
+    a second command at once (``management.validate`` takes no BMC lock) gets a link of its own."""
+
+    def __init__(self) -> None:
+        self.connector: _Connector | None = None
+        self.root: Any = None
+        self.system: Any = None
+        self.media: dict[str, Any] = {}
+        self.busy = False
+
+    def forget(self) -> None:
+        """Read everything again from the service root on (the BMC failed or changed)."""
+        self.root = None
+        self.system = None
+        self.media = {}
+
+
+class RedfishLinks:
+    """The kept ``_Link``s by BMC system (its URL, system id and how it is trusted), at most
+    ``kept`` of them, the least recently used dropped first."""
+
+    def __init__(self, *, kept: int = _LINKS_KEPT) -> None:
+        self.kept = kept
+        self._links: OrderedDict[tuple[str, str, str], _Link] = OrderedDict()
+
+    def take(self, key: tuple[str, str, str]) -> _Link:
+        """The key's link for one command (a new one when it is in use or unknown)."""
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = _Link()
+            while len(self._links) > self.kept:
+                self._links.popitem(last=False)
+        elif link.busy:
+            return _Link()  # not kept: the command at once with the other one reads it all itself
+        self._links.move_to_end(key)
+        link.busy = True
+        return link
+
+    def drop(self, key: tuple[str, str, str], link: _Link) -> None:
+        """Keep nothing more of the key's BMC (a worker thread of a failed or cancelled command
+        may still be using ``link``)."""
+        if self._links.get(key) is link:
+            del self._links[key]
+
+    def clear(self) -> None:
+        self._links.clear()
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+
+LINKS: Final = RedfishLinks()
+"""The site agent's kept links (one process drives every BMC of its site)."""
+
+
 class RedfishSession:
-    """One command's connection to a Redfish service: the plumbing its interfaces share."""
+    """One command's connection to a Redfish service: the plumbing its interfaces share, over
+    what is kept of the BMC (``link``: a fresh one when ``links`` is None)."""
 
     def __init__(
         self,
@@ -120,11 +190,12 @@ class RedfishSession:
         *,
         call_timeout: float = _CALL_TIMEOUT,
         read_back: float = _READ_BACK,
+        links: RedfishLinks | None = None,
     ) -> None:
         self.target = target
         self.call_timeout = call_timeout
         self.read_back = read_back
-        self._credentials = credentials
+        self._credentials: BmcCredentials | None = credentials
         address = target.address.rstrip("/")
         if "://" not in address:
             address = f"https://{address}"
@@ -134,8 +205,13 @@ class RedfishSession:
             self.verify = False
         elif target.ca_bundle:
             self.verify = _ca_file(target.ca_bundle)
-        self._root: Any = None
-        self._connector: _Connector | None = None
+        self._links = links
+        self._key = (self.base_url, target.system_id or "", str(self.verify))
+        self.link = links.take(self._key) if links is not None else _Link()
+        self._fresh: set[str] = set()
+        """What was read in this command since its last action (``system``, ``media:<device>``):
+        a read that only needs where things are, or what an action needs, is not repeated."""
+        self._failed = False
         self.log = get_logger(driver="redfish", bmc=self.base_url)
         parts = urlsplit(self.base_url)
         self.at = parts.netloc.rpartition("@")[2] or self.base_url
@@ -154,6 +230,7 @@ class RedfishSession:
                 with warnings.catch_warnings():
                     # insecure=true was asked for explicitly; urllib3 would warn on every call
                     warnings.simplefilter("ignore")
+                    self._connector(deadline)  # the command's credentials and this call's timeouts
                     return fn()
             except sushy.exceptions.ServerSideError as exc:
                 # 503: the BMC did not take the request; another 5xx may have half-applied it
@@ -184,17 +261,27 @@ class RedfishSession:
             except (KeyError, TypeError, AttributeError) as exc:
                 raise malformed_answer(call, exc) from None
 
-        return await retry_in_thread(
-            run, deadline=deadline, log=self.log, idempotent=idempotent, what=call, at=self.at
-        )
+        try:
+            return await retry_in_thread(
+                run, deadline=deadline, log=self.log, idempotent=idempotent, what=call, at=self.at
+            )
+        except BaseException:
+            self._failed = True  # what is kept may be what failed: the next command reads it all again
+            raise
 
     def _timeout(self, deadline: float) -> float:
         return max(0.5, min(self.call_timeout, deadline - time.time()))
 
-    def connect(self, deadline: float) -> Any:
-        if self._root is None:
-            timeout = self._timeout(deadline)
-            connector = _Connector(
+    def _connector(self, deadline: float) -> _Connector:
+        """The link's connector, with this command's credentials on it and the timeouts of the
+        next exchange (it outlives the command, whose deadline bounds them)."""
+        link = self.link
+        timeout = self._timeout(deadline)
+        if link.connector is not None:
+            link.connector._default_request_timeout = timeout
+            link.connector._connect_timeout = min(5.0, timeout)
+        else:
+            link.connector = _Connector(
                 self.base_url,
                 verify=self.verify,
                 # sushy retries connection errors (server_side_retries or 3) times with
@@ -204,33 +291,98 @@ class RedfishSession:
                 default_request_timeout=timeout,
                 connect_timeout=min(5.0, timeout),
             )
-            self._connector = connector
-            self._root = sushy.Sushy(
-                self.base_url,
-                auth=sushy.auth.BasicAuth(
-                    username=self._credentials.username, password=self._credentials.password
-                ),
-                connector=connector,
-            )
-        return self._root
+        if self._credentials is not None:
+            # the command's credentials, on the session for this command only (``close``)
+            creds = self._credentials
+            link.connector.set_http_basic_auth(creds.username, creds.password)
+            self._credentials = None
+        return link.connector
 
-    def system(self, deadline: float) -> Any:
+    def connect(self, deadline: float) -> Any:
+        """The service root, read once per link (it says where the collections are)."""
+        connector = self._connector(deadline)
+        if self.link.root is None:
+            self.link.root = sushy.Sushy(self.base_url, auth=_NoKeptAuth(), connector=connector)
+        return self.link.root
+
+    def system(self, deadline: float, *, fresh: bool = False) -> Any:
+        """The system: read again when ``fresh`` (its power or boot state matters) or not yet
+        read in this command; found again from the service root when the BMC no longer has it
+        at the path it had (a 404)."""
+        self._connector(deadline)
+        link = self.link
+        if link.system is not None:
+            if fresh or "system" not in self._fresh:
+                try:
+                    _reread(link.system)
+                except sushy.exceptions.ResourceNotFoundError:
+                    self.log.info("bmc_system_moved", path=link.system.path)
+                    link.forget()
+                    return self.system(deadline, fresh=fresh)
+            self._fresh.add("system")
+            return link.system
         root = self.connect(deadline)
         if self.target.system_id:
             sid = self.target.system_id
-            path = sid if sid.startswith("/") else f"{root.get_system_collection().path.rstrip('/')}/{sid}"
-            return root.get_system(path)
-        members = root.get_system_collection().get_members()
-        if len(members) != 1:
-            raise driver_error(
-                "GET Systems", f"the BMC has {len(members)} systems: say which one in bmc.systemId"
-            )
-        return members[0]
+            systems = root._systems_path or "/redfish/v1/Systems"  # from the root: no GET of the collection
+            path = sid if sid.startswith("/") else f"{systems.rstrip('/')}/{sid}"
+            system = root.get_system(path)
+        else:
+            members = root.get_system_collection().get_members()
+            if len(members) != 1:
+                raise driver_error(
+                    "GET Systems", f"the BMC has {len(members)} systems: say which one in bmc.systemId"
+                )
+            system = members[0]
+        link.system = system
+        self._fresh.add("system")
+        return system
+
+    def acted(self, what: str) -> None:
+        """An action changed ``what`` at the BMC: its next read in this command reads it again."""
+        self._fresh.discard(what)
+
+    def fresh(self, what: str) -> bool:
+        return what in self._fresh
+
+    def read(self, what: str) -> None:
+        self._fresh.add(what)
 
     async def close(self) -> None:
-        connector, self._connector, self._root = self._connector, None, None
-        if connector is not None:
+        """End the command: the credentials off the session, its connections closed; what was
+        learnt of the BMC kept for the next command, unless a call of this one failed."""
+        link, self._credentials = self.link, None
+        if self._failed or self._links is None:
+            link.forget()
+            if self._links is not None:
+                self._links.drop(self._key, link)
+        connector = link.connector
+        link.busy = False
+        if connector is None:
+            return
+        if self._links is None:
+            link.connector = None
             await asyncio.to_thread(connector.close)
+            return
+        connector.end_command()
+
+
+def _reread(resource: Any) -> None:
+    """Read a sushy resource again (one GET); its sub-resources are read again when next used."""
+    resource.invalidate()
+    resource.refresh(force=False)
+
+
+class _NoKeptAuth(sushy.auth.AuthBase):  # type: ignore[misc]  # sushy ships no type hints
+    """sushy's authentication as the root keeps it: none of its own. The command's Basic
+    credentials are on the connector's session while that command runs (``RedfishSession``),
+    so the kept root holds no credential between commands."""
+
+    def _do_authenticate(self) -> None:
+        pass
+
+    def can_refresh_session(self) -> bool:
+        return False
 
 
 class _Power:
@@ -239,7 +391,7 @@ class _Power:
 
     async def power_state(self, *, deadline: float) -> str:
         def read() -> str:
-            return _enum_value(self.bmc.system(deadline).power_state)
+            return _enum_value(self.bmc.system(deadline, fresh=True).power_state)
 
         return await self.bmc.call("GET System.PowerState", read, deadline=deadline)
 
@@ -249,8 +401,10 @@ class _Power:
             reset = ResetType.ON  # a restart of a machine that is off: it boots
         system = await self.bmc.call("GET System", lambda: self.bmc.system(deadline), deadline=deadline)
         call = f"POST ComputerSystem.Reset({reset.value})"
-        want = _TARGET_STATES.get(command.action)
+        # a cycle of a machine that is off is a power on: a state, read back like one
+        want = "on" if reset is ResetType.ON else _TARGET_STATES.get(command.action)
         while True:
+            self.bmc.acted("system")  # (before: an answer lost may still have changed it)
             try:
                 await self.bmc.call(
                     call, lambda: system.reset_system(reset), deadline=deadline, idempotent=False
@@ -293,13 +447,16 @@ class _Management:
         )
 
         def patch() -> None:
-            self.bmc.system(deadline).set_system_boot_options(target=target, enabled=enabled, mode=mode)
+            # the system as this command read it (sushy's PATCH reads its ETag again itself)
+            system = self.bmc.system(deadline)
+            self.bmc.acted("system")
+            system.set_system_boot_options(target=target, enabled=enabled, mode=mode)
 
         await self.bmc.call("PATCH System.Boot", patch, deadline=deadline)
 
     async def boot_device(self, *, deadline: float) -> BootRead:
         def read() -> BootRead:
-            boot = self.bmc.system(deadline).boot
+            boot = self.bmc.system(deadline, fresh=True).boot
             target = _enum_value(boot.target)
             return BootRead(device=_BOOT_BACK.get(target), target=target, enabled=_enum_value(boot.enabled))
 
@@ -307,6 +464,7 @@ class _Management:
 
     async def validate(self, *, deadline: float) -> list[BmcCheck]:
         bmc, checks = self.bmc, Checks()
+        bmc.link.forget()  # every check asks the BMC, nothing is taken from an earlier command
         try:  # the service root (sushy reads it as it connects)
             await bmc.call("GET ServiceRoot", lambda: bmc.connect(deadline), deadline=deadline)
         except BcError as err:
@@ -347,36 +505,55 @@ class _Media:
     def __init__(self, bmc: RedfishSession) -> None:
         self.bmc = bmc
 
-    def _find(self, device: str, deadline: float) -> Any:
+    def _find(self, device: str, deadline: float, *, fresh: bool) -> Any:
+        """The device's virtual medium: where it is is kept (``_Link.media``), found once by
+        listing the system's managers' virtual media; its state read again when ``fresh`` or
+        not yet read in this command."""
+        bmc, what = self.bmc, f"media:{device}"
+        medium = bmc.link.media.get(device)
+        if medium is not None:
+            if fresh or not bmc.fresh(what):
+                try:
+                    _reread(medium)
+                except sushy.exceptions.ResourceNotFoundError:
+                    bmc.log.info("bmc_medium_moved", path=medium.path)
+                    bmc.link.forget()
+                    return self._find(device, deadline, fresh=fresh)
+            bmc.read(what)
+            return medium
         types = _MEDIA.get(device, ())
-        for manager in self.bmc.system(deadline).managers:
+        for manager in bmc.system(deadline).managers:
             for medium in manager.virtual_media.get_members():
                 if any(t in types for t in medium.media_types or ()):
+                    bmc.link.media[device] = medium
+                    bmc.read(what)
                     return medium
         raise driver_error("GET Manager.VirtualMedia", f"the BMC offers no virtual {device} device")
 
-    async def _medium(self, device: str, deadline: float) -> Any:
+    async def _medium(self, device: str, deadline: float, *, fresh: bool = False) -> Any:
         return await self.bmc.call(
-            "GET Manager.VirtualMedia", lambda: self._find(device, deadline), deadline=deadline
+            "GET Manager.VirtualMedia", lambda: self._find(device, deadline, fresh=fresh), deadline=deadline
         )
+
+    async def _act(self, call: str, device: str, act: Callable[[], None], *, deadline: float) -> None:
+        self.bmc.acted(f"media:{device}")
+        await self.bmc.call(call, act, deadline=deadline, idempotent=False)
 
     async def insert(self, command: MediaInsert, *, deadline: float) -> None:
         medium = await self._medium(command.device, deadline)
-        await self.bmc.call(
+        await self._act(
             "POST VirtualMedia.InsertMedia",
+            command.device,
             lambda: medium.insert_media(command.url, inserted=True, write_protected=True),
             deadline=deadline,
-            idempotent=False,
         )
 
     async def eject(self, command: MediaEject, *, deadline: float) -> None:
         medium = await self._medium(command.device, deadline)
-        await self.bmc.call(
-            "POST VirtualMedia.EjectMedia", medium.eject_media, deadline=deadline, idempotent=False
-        )
+        await self._act("POST VirtualMedia.EjectMedia", command.device, medium.eject_media, deadline=deadline)
 
     async def medium(self, device: str, *, deadline: float) -> MediumRead:
-        medium = await self._medium(device, deadline)
+        medium = await self._medium(device, deadline, fresh=True)
         return MediumRead(inserted=bool(medium.inserted), image=medium.image)
 
 
@@ -386,7 +563,7 @@ class _Inventory:
 
     async def inventory(self, *, deadline: float) -> BmcInventoryResult:
         def read() -> BmcInventoryResult:
-            system = self.bmc.system(deadline)
+            system = self.bmc.system(deadline, fresh=True)
             processors = [
                 BmcProcessor(
                     id=proc.identity,
@@ -428,11 +605,13 @@ def open_driver(
     *,
     call_timeout: float = _CALL_TIMEOUT,
     read_back: float = _READ_BACK,
+    links: RedfishLinks | None = LINKS,
 ) -> Driver:
     """A Redfish driver for one command: one session shared by its four interfaces.
     ``call_timeout``: at most this long for one HTTP exchange; ``read_back``: how long a power
-    on or off whose answer was lost is read back before it is sent again."""
-    bmc = RedfishSession(target, credentials, call_timeout=call_timeout, read_back=read_back)
+    on or off whose answer was lost is read back before it is sent again; ``links``: what is
+    kept of BMCs between commands (None: read everything from the service root, keep nothing)."""
+    bmc = RedfishSession(target, credentials, call_timeout=call_timeout, read_back=read_back, links=links)
     return Driver(
         name="redfish",
         power=_Power(bmc),
@@ -443,40 +622,62 @@ def open_driver(
     )
 
 
-class _OneShotAdapter(requests.adapters.HTTPAdapter):
-    """requests' adapter for the BMC: the agent is asked before each request, and no connection
-    carries a second one.
+class _BmcAdapter(requests.adapters.HTTPAdapter):
+    """requests' adapter for the BMC: the agent is asked before each request; a command's GETs
+    share one connection, and every other request has one of its own.
 
     Before each request, not only before each try: one sushy call may read a resource and then
     act on it, and a cancel that reached the agent during the read must stop the action
     (``before_call_blocking`` raises ``CommandCancelled``).
 
-    One request per connection, as sushy's ``Connection: close`` asks: a BMC that closes as
-    asked but late, without ``Connection: close`` in its answer, leaves a connection that
-    urllib3 takes for keep-alive. The next request, written into it while the BMC closes it
-    unread, fails like a request whose answer was lost: a POST action then counts as "may have
-    applied" and is not repeated (seen against a BMC proxy under load). So the pools are
-    emptied after every request (the connection still reading its answer is closed when it
-    comes back), and a request that never left fails at connect (``_never_sent``).
+    An action (POST, PATCH, …) goes on a connection opened for it, with sushy's ``Connection:
+    close``, and closed after it: a BMC that closes as asked but late, without ``Connection:
+    close`` in its answer, leaves a connection that urllib3 takes for keep-alive, and a request
+    written into it while the BMC closes it unread fails like one whose answer was lost: a POST
+    action then counts as "may have applied" and is not repeated (seen against a BMC proxy under
+    load). So the pool is emptied before and after it, and an action that never left fails at
+    connect (``_never_sent``). A GET keeps its connection for the command's next GET (no
+    ``Connection: close``; a TCP and TLS handshake per command, not per request); one that
+    finds the kept connection closed by the BMC is sent once more on a new one (a GET changes
+    nothing). ``_Connector.end_command`` closes it when the command ends.
     """
+
+    def __init__(self) -> None:
+        super().__init__(pool_connections=1, pool_maxsize=1)
 
     def send(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         before_call_blocking(f"{request.method} {urlsplit(request.url).path}")
+        if request.method != "GET":
+            self.poolmanager.clear()
+            try:
+                return super().send(request, *args, **kwargs)
+            finally:
+                self.poolmanager.clear()
+        request.headers.pop("Connection", None)
         try:
             return super().send(request, *args, **kwargs)
-        finally:
+        except requests.exceptions.ConnectionError as exc:
+            if not _dropped(exc):
+                raise
             self.poolmanager.clear()
+            return super().send(request, *args, **kwargs)
 
 
 class _Connector(sushy.connector.Connector):  # type: ignore[misc]  # sushy ships no type hints
-    """sushy's connector with ``_OneShotAdapter`` mounted on its session (as sushy mounts its
-    own TLS adapter there)."""
+    """sushy's connector with ``_BmcAdapter`` mounted on its session (as sushy mounts its own
+    TLS adapter there). It outlives a command (``_Link``): ``end_command`` leaves it without
+    credentials, cookies or connections."""
 
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
-        adapter = _OneShotAdapter()
+        adapter = _BmcAdapter()
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)
+
+    def end_command(self) -> None:
+        self._session.auth = None
+        self._session.cookies.clear()
+        self._session.close()  # empties the adapters' pools; they open new connections when asked
 
 
 def _optional(read: Callable[[], Any]) -> Any:
@@ -499,7 +700,7 @@ def _enum_value(value: Any) -> str:
 def _never_sent(exc: BaseException) -> bool:
     """Whether a connection error happened before the request left: refused, the name not
     resolved, the connect timing out. A connection lost or a read timing out afterwards is not.
-    This holds because every request opens its own connection (``_OneShotAdapter``),
+    This holds because every action opens its own connection (``_BmcAdapter``),
     so none is written into a keep-alive socket the BMC is closing (which would fail like a lost
     answer); tests/integration/test_site_agent_drivers.py checks it.
     (sushy raises its ConnectionError inside the ``except`` of the requests error, which
@@ -514,6 +715,25 @@ def _never_sent(exc: BaseException) -> bool:
         if isinstance(e, requests.exceptions.ConnectTimeout | urllib3.exceptions.NewConnectionError):
             return True  # NameResolutionError is a NewConnectionError
         if isinstance(e, urllib3.exceptions.ConnectTimeoutError):
+            return True
+        if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None:
+            todo.append(e.reason)
+        todo.extend(a for a in e.args if isinstance(a, BaseException))
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return False
+
+
+def _dropped(exc: BaseException) -> bool:
+    """Whether a request failed because the connection was closed under it (the BMC closed a
+    kept connection, or dropped one mid-answer): urllib3's ``ProtocolError`` in the chain."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, urllib3.exceptions.ProtocolError):
             return True
         if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None:
             todo.append(e.reason)
