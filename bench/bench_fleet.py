@@ -587,6 +587,10 @@ def main() -> None:
         help="each site's bcds as tasks of one process (BC_SIM_LEAN=1), not a process per machine",
     )  # fmt: skip
     args = p.parse_args()
+    # each service as `python -m bc_<service>`, not forked from the test kit's fork server, whose
+    # children all read `python -m better_compute.testing.service_forkserver`: the CPU split
+    # (classify) tells the services apart by their command lines
+    os.environ.setdefault("BC_SERVICE_FORKS", "0")
     configure_logging(level="warning", json=False)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop everything it started
     folder = Path(tempfile.mkdtemp(prefix="bc-fleet-"))
