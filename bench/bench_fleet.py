@@ -73,6 +73,13 @@ from better_compute.wire.engine import decode_node_event
 from better_compute.wire.metal import NodeBmc, VerbName
 
 PROFILE = "ubuntu-24.04-autoinstall"
+# the requests whose count per machine each phase prints (name, subject under <root>.api.)
+WATCHED_REQUESTS = (
+    ("enqueue", "command-queue.commands.enqueue"),
+    ("tokens.issue", "pki.tokens.issue"),
+    ("secrets.put", "secrets.secrets.put"),
+    ("commands.states", "command-queue.commands.states"),
+)
 IMAGE = "ubuntu@24.04"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -369,6 +376,27 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 states[event.node_id] = event.state
 
         await nc.subscribe(f"{settings.subject_root}.events.node.>", cb=on_node)
+        # every request on the bus, by subject (a plain subscriber sees each request besides the
+        # instance that answers it): what each phase asked of each service
+        requests: Counter[str] = Counter()
+        api_prefix = f"{settings.subject_root}.api."
+
+        async def on_request(msg: Any) -> None:
+            requests[msg.subject.removeprefix(api_prefix)] += 1
+
+        await nc.subscribe(f"{api_prefix}>", cb=on_request)
+        phase_requests: dict[str, dict[str, int]] = {}
+
+        def requests_since(before: Counter[str]) -> dict[str, int]:
+            return {k: n for k, n in sorted((requests - before).items(), key=lambda kv: -kv[1])}
+
+        def per_machine(asked: dict[str, int]) -> dict[str, float]:
+            return {
+                name: round(asked.get(subject, 0) / args.machines, 2) for name, subject in WATCHED_REQUESTS
+            }
+
+        def said(asked: dict[str, int]) -> str:
+            return ", ".join(f"{name} {n:.2f}" for name, n in per_machine(asked).items())
 
         def counts() -> dict[str, int]:
             return dict(Counter(states.values()))
@@ -400,6 +428,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         phases: list[tuple[VerbName, str]] = [("inspect", "inspected"), ("commission", "ready")]
         for verb, want in phases:
             phase_before = meter.snapshot()
+            asked_before = requests.copy()
             t = time.monotonic()
             run = await engine.bulk(verb, node_ids=list(node_site))
             if run.refused:
@@ -421,11 +450,14 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 await until_states(counts, want, args.machines, timeout=args.timeout, what=verb)
             prelude[verb] = time.monotonic() - t
             prelude_cpu[verb] = CpuMeter.delta(phase_before, meter.snapshot())
+            phase_requests[verb] = requests_since(asked_before)
             product = sum(v for k, v in prelude_cpu[verb].items() if k in PRODUCT_KINDS)
             print(f"{verb}: {args.machines} machines {want} in {prelude[verb]:.1f} s,"
-                  f" product {product / args.machines:.3f} CPU s/machine", flush=True)  # fmt: skip
+                  f" product {product / args.machines:.3f} CPU s/machine;"
+                  f" per machine: {said(phase_requests[verb])}", flush=True)  # fmt: skip
 
         cpu_before = meter.snapshot()
+        asked_before = requests.copy()
         since = time.time()
         t0 = time.monotonic()
         run = await engine.bulk("deploy", node_ids=list(node_site), image=IMAGE, profile=PROFILE)
@@ -462,6 +494,8 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 killer.cancel()
         elapsed = time.monotonic() - t0
         cpu = CpuMeter.delta(cpu_before, meter.snapshot())
+        phase_requests["deploy"] = requests_since(asked_before)
+        print(f"deploy: per machine: {said(phase_requests['deploy'])}", flush=True)
         memory = meter.memory()  # every machine deployed: each runs its installed OS's bcd
         reports = await lean_memory_reports(sims, state / "lean-memory") if args.memory_report else {}
         per_instance = instance_memory(processes)
@@ -572,6 +606,8 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "rest_product_cpu_s_per_machine_minute": round(
                 sum(v for k, v in rest.items() if k in PRODUCT_KINDS) / args.machines / (args.idle / 60), 5
             ) if args.idle > 0 else None,
+            "requests_per_machine": {verb: per_machine(asked) for verb, asked in phase_requests.items()},
+            "requests": phase_requests,
             "prelude_cpu_s": {verb: {k: round(v, 1) for k, v in sorted(c.items(), key=lambda kv: -kv[1])}
                               for verb, c in prelude_cpu.items()},
         }  # fmt: skip
@@ -632,6 +668,10 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
     raise_open_files()
+    # each service as `python -m bc_<service>`, not forked from the test kit's fork server, whose
+    # children all read `python -m better_compute.testing.service_forkserver`: the CPU split
+    # (classify) tells the services apart by their command lines
+    os.environ.setdefault("BC_SERVICE_FORKS", "0")
     configure_logging(level="warning", json=False)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop everything it started
     folder = Path(tempfile.mkdtemp(prefix="bc-fleet-"))

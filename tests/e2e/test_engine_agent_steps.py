@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import pytest
 import pytest_asyncio
+from nats.aio.msg import Msg
 
 from better_compute.config import Settings
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
 from better_compute.testing.workflows import wait_workflow
+from better_compute.wire import Subjects
+from better_compute.wire.cmdq import SERVICE as CMDQ
+from better_compute.wire.engine import WorkflowStep
 from engine_stack import FAST, AgentStack, sim_bmc
 
 
@@ -124,11 +130,21 @@ async def test_abort_cancels_the_workflows_live_commands(stack: AgentStack) -> N
     assert msgspec.json.encode(view).count(b"cancelled") >= 1
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param({"use": "test.power", "on": "site"}, id="agent-step"),
+        # a control-plane step waiting on its command (await_command) is covered the same way
+        pytest.param(
+            {"use": "test.awaitPower", "with": {"action": "on"}}, id="control-plane", marks=pytest.mark.long
+        ),
+    ],
+)
 async def test_a_command_that_settles_while_the_engine_is_down_is_still_picked_up(
-    stack: AgentStack, bc_processes: ServiceProcesses
+    stack: AgentStack, bc_processes: ServiceProcesses, first: dict[str, Any]
 ) -> None:
     node = await stack.engine.create_node(site_id="lab5", bmc=sim_bmc())
-    await stack.profile("later", [{"use": "test.power", "on": "site"}, {"use": "test.noop"}])
+    await stack.profile("later", [first, {"use": "test.noop"}])
     wf_id = await stack.start("later", node.id)
 
     async def command_id() -> str | None:
@@ -149,3 +165,50 @@ async def test_a_command_that_settles_while_the_engine_is_down_is_still_picked_u
     done = await wait_workflow(stack.api, wf_id, timeout=60)
     assert done.state == "succeeded"
     assert done.steps[0].result["commandId"] == cmd
+
+
+async def test_a_control_plane_step_waits_on_its_command_without_running_again(stack: AgentStack) -> None:
+    # the command runs 4.5 s at its agent: a control-plane step waiting on it used to run again
+    # (and enqueue it again) every COMMAND_POLL_MS (2 s), and on each of its dispatched, acked
+    # and running events
+    sim, _ = await stack.agent("lab6", "--delay", "power.setPower=4500")
+    node = await stack.engine.create_node(site_id="lab6", bmc=sim_bmc())
+    await stack.profile("cp-wait", [{"use": "test.awaitPower", "with": {"action": "cycle"}}])
+    keys: list[str] = []
+
+    async def enqueued(msg: Msg) -> None:
+        keys.append(str(msgspec.json.decode(msg.data).get("key")))
+
+    subject = Subjects(stack.settings.subject_root).api(CMDQ, "commands", "enqueue")
+    sub = await stack.api.nc.subscribe(subject, cb=enqueued)
+    try:
+        wf_id = await stack.start("cp-wait", node.id)
+
+        async def waiting_on_command() -> WorkflowStep | None:
+            step = await stack.step(wf_id)
+            return step if step.command_id and step.state == "running" else None
+
+        step = await until(waiting_on_command, timeout=30)
+        assert step.waiting_for == {
+            "reason": "command",
+            "commandId": step.command_id,
+            "kind": "power.setPower",
+        }
+        why = await stack.engine.why(id=wf_id)
+        assert step.command_id in why.answer
+        done = await wait_workflow(stack.api, wf_id, timeout=60)
+
+        def ours() -> list[str]:
+            return [k for k in keys if k.startswith(f"wf:{wf_id}:")]
+
+        await until(lambda: len(ours()) >= 2)  # the copies this test's subscription got, all read
+    finally:
+        await sub.unsubscribe()
+    assert done.state == "succeeded", done
+    assert done.steps[0].result["commandId"] == step.command_id
+    assert len(sim.executions()) == 1
+    # enqueued when the step sent it, found once more when its end woke the step, and nothing
+    # between but, at most, one pass a work-queue poll brought that had read the new workflow's key
+    # as due before its first pass moved it to the step's deadline (every 2 s: 4 or more)
+    assert set(ours()) == {f"wf:{wf_id}:0#1:power"}
+    assert len(ours()) <= 3, ours()

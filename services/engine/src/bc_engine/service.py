@@ -235,6 +235,10 @@ class EngineService(Service):
 
     async def _on_command(self, msg: Msg) -> None:
         match decode_command_event(msg.data):
+            case CommandEvent(workflow_id=str(), state=state) if state in LIVE_STATES:
+                # dispatched, acked, running: nothing a workflow's step waits for (a step
+                # waiting on its command waits for its end); a pass now would only find it live
+                return
             case CommandEvent(workflow_id=str() as workflow_id):
                 rkey = self._rkeys.get(workflow_id)
                 if rkey is None:

@@ -243,6 +243,12 @@ SET_WAITING = (
     "UPDATE workflow_steps SET waiting_for = $4 WHERE workflow_id = $1 AND idx = $2 AND attempt = $3"
 )
 SET_COMMAND = "UPDATE workflow_steps SET command_id = $3 WHERE workflow_id = $1 AND idx = $2"
+# A control-plane step waits on a command of its attempt ($4, NULL: on none any more), and says
+# so ($5, waitingFor); only for that attempt.
+SET_WAITING_COMMAND = (
+    "UPDATE workflow_steps SET command_id = $4, waiting_for = $5"
+    " WHERE workflow_id = $1 AND idx = $2 AND attempt = $3"
+)
 # After an abort: the step it cancelled, and whether any attempt sent commands.
 CANCELLED_STEP = (
     "SELECT * FROM workflow_steps WHERE workflow_id = $1 AND state = 'cancelled' ORDER BY idx LIMIT 1"

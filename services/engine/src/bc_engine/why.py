@@ -187,6 +187,7 @@ class WhyApi:
         what = step.waiting_for if isinstance(step.waiting_for, dict) else None
         if what is not None:
             reasons.append(self._waiting_for(what))
+        waited = what.get("commandId") if what is not None and what.get("reason") == "command" else None
         now = time.time()
         if step.state == "pending" and step.retry_at is not None and step.retry_at.timestamp() > now:
             last = (step.attempts or [{}])[-1]
@@ -201,7 +202,11 @@ class WhyApi:
                 )
             )
         if step.attempt > 0 and (step.sent_commands or step.command_id):
-            reasons.extend(await self._commands(wf, step))
+            found = await self._commands(wf, step)
+            if any(r.facts.get("commandId") == waited for r in found):
+                # the command the step waits on, said in full by its own reason
+                reasons = [r for r in reasons if r.kind != "command-wait"]
+            reasons.extend(found)
         if not reasons:
             if step.state == "running" and step.mode == "control-plane":
                 reasons.append(
@@ -234,6 +239,14 @@ class WhyApi:
                 kind,
                 f"attempt {what.get('attempt')}'s commands still run at their agent ({commands})",
                 attempt=what.get("attempt"), commands=what.get("commands"), journals=what.get("journals"),
+            )  # fmt: skip
+        if kind == "command":
+            # a control-plane step waiting on its command (await_command): the command's own
+            # reason follows while it is live; this one stays when it ended (the step runs now)
+            return _reason(
+                "command-wait",
+                f"the step waits for its command {what.get('kind')} {what.get('commandId')} to end",
+                commandId=what.get("commandId"), kind=what.get("kind"),
             )  # fmt: skip
         if kind == "batch-approval":
             return _reason(kind, f"batch {what.get('batchId')} awaits approvals", batchId=what.get("batchId"))

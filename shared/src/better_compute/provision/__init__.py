@@ -17,11 +17,12 @@ from .retry import RetryPolicy, parse_retry
 from .steps import Step, define_step
 from .templates import TEMPLATE_VARIABLES, UserData, render_template, template_variables
 from .userdata import ProvisionedTarget, provisioned_target_resolver
-from .waiting import StepNotReady, step_not_ready
+from .waiting import CommandNotReady, StepNotReady, step_not_ready
 
 __all__ = [
     "BUILTIN_CONFIG_UNITS",
     "TEMPLATE_VARIABLES",
+    "CommandNotReady",
     "CommandQueueAccess",
     "CommandResult",
     "ConfigUnit",

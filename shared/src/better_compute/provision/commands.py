@@ -26,7 +26,7 @@ from better_compute.wire.cmdq import (
 )
 
 from .context import StepCoordinates, StepNode, step_command_key
-from .waiting import step_not_ready
+from .waiting import CommandNotReady
 
 __all__ = [
     "COMMAND_POLL_MS",
@@ -38,7 +38,10 @@ __all__ = [
 ]
 
 COMMAND_POLL_MS: Final = 2_000
-"""How soon a step waiting on a live command runs again (its event usually wakes it sooner)."""
+"""The ``retry_after_ms`` of what ``await_command`` raises while its command is live. The engine
+does not run the step again after it: it waits for the command's settle event (its command watch
+is the safety net, every 10 s), so a step waiting on a command costs no pass of its own; whatever
+treats it as a plain ``StepNotReady`` (a test's own loop over ``run_step``) runs it again then."""
 
 
 class CommandQueueAccess(Protocol):
@@ -120,7 +123,9 @@ async def await_command(
         ``{command_id, result, attested}`` once the command succeeded.
 
     Raises:
-        StepNotReady: (2000 ms) while the command is pending, dispatched, acked or running.
+        StepNotReady: while the command is pending, dispatched, acked or running: a
+            ``CommandNotReady`` (``COMMAND_POLL_MS``, and the command's id, key, kind and
+            state), which the engine waits on until the command settles.
         BcError: ``DRIVER_ERROR`` with ``details.state`` and ``details.reason`` once it
             failed, was rejected, expired or was cancelled; the command queue's refusals
             (``INVALID_CONFIG`` for an unknown or undeclared kind, ``INVALID_INPUT`` for a bad
@@ -154,7 +159,9 @@ async def await_command(
     )
     view = await commands.enqueue(command)
     if view.state in LIVE_STATES:
-        raise step_not_ready(COMMAND_POLL_MS)
+        raise CommandNotReady(
+            COMMAND_POLL_MS, command_id=view.id, key=command_key, kind=view.kind, state=view.state
+        )
     if view.state == "succeeded":
         return CommandResult(command_id=view.id, result=view.result or b"", attested=view.attested)
     raise BcError(

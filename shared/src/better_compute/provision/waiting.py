@@ -6,7 +6,7 @@ from typing import Final
 
 from better_compute.core.errors import BcError, ErrorCode
 
-__all__ = ["DEFAULT_NOT_READY_MS", "MAX_REASON_CHARS", "StepNotReady", "step_not_ready"]
+__all__ = ["DEFAULT_NOT_READY_MS", "MAX_REASON_CHARS", "CommandNotReady", "StepNotReady", "step_not_ready"]
 
 DEFAULT_NOT_READY_MS: Final = 5_000
 MAX_REASON_CHARS: Final = 300
@@ -46,6 +46,38 @@ class StepNotReady(Exception):  # noqa: N818 - the page's name; a signal to wait
 
     def __reduce__(self) -> tuple[object, ...]:
         return (StepNotReady, (self.retry_after_ms, self.reason))
+
+
+class CommandNotReady(StepNotReady):
+    """What ``await_command`` raises while its command is live: a ``StepNotReady`` like any
+    other (``retry_after_ms`` is ``COMMAND_POLL_MS``) that also names the command. The engine
+    waits for that command's settle instead of running the step again after the ms: it records
+    the command as the one the step waits on, and the command's event (or the engine's command
+    watch) wakes the step. A step's own ``step_not_ready`` keeps its ms.
+
+    Args:
+        retry_after_ms: as ``StepNotReady``; when a runner knows no better.
+        command_id: the live command (``cmd_…``).
+        key: its key (``wf:<id>:<step>#<attempt>[:<key>]``).
+        kind: its kind (``power.setPower``).
+        state: its state when it was looked at (``pending``, ``running``, …).
+    """
+
+    def __init__(
+        self, retry_after_ms: int, *, command_id: str, key: str, kind: str, state: str = "pending"
+    ) -> None:
+        super().__init__(retry_after_ms)
+        self.command_id = command_id
+        self.key = key
+        self.kind = kind
+        self.state = state
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_command_not_ready, (self.retry_after_ms, self.command_id, self.key, self.kind, self.state))
+
+
+def _command_not_ready(ms: int, command_id: str, key: str, kind: str, state: str) -> CommandNotReady:
+    return CommandNotReady(ms, command_id=command_id, key=key, kind=kind, state=state)
 
 
 def step_not_ready(ms: int = DEFAULT_NOT_READY_MS, *, reason: str | None = None) -> StepNotReady:

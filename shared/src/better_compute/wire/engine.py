@@ -572,11 +572,12 @@ class WhyReason(_Reply, frozen=True, kw_only=True):
     ``kind``: ``no-agent`` (no connected agent at the command's site), ``command`` (a command
     pending, dispatched or running), ``agent-away`` (a command a node's own agent took, that
     agent no longer connected), ``batch-approval``, ``step-not-ready`` (the step's own
-    reason), ``service-unavailable``, ``previous-attempt-running``, ``retry-backoff``,
-    ``running`` (a control-plane step running in the engine), ``deadline``, ``bmc-error`` (the
-    node's last failed command, as its agent reported it), ``finished``, ``left`` (what a failed or
-    aborted lifecycle verb left on its node and what to run next), ``idle``, ``quarantined``
-    (the node's ramdisk token was seen twice: first, before the rest)."""
+    reason), ``command-wait`` (a control-plane step waits for its command to end, when that
+    command is not said as live above), ``service-unavailable``, ``previous-attempt-running``,
+    ``retry-backoff``, ``running`` (a control-plane step running in the engine), ``deadline``,
+    ``bmc-error`` (the node's last failed command, as its agent reported it), ``finished``,
+    ``left`` (what a failed or aborted lifecycle verb left on its node and what to run next),
+    ``idle``, ``quarantined`` (the node's ramdisk token was seen twice: first, before the rest)."""
 
     kind: str
     text: str

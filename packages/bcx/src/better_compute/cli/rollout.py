@@ -137,6 +137,8 @@ def _step_text(node: NodeView, why: str | None = None) -> str:
         return f"{step} (waits for approvals: {waits.get('approvals')} of {waits.get('threshold')})".strip()
     if reason:  # what the step waits for, as bcx why words it first
         said = waits.get("message") or str(reason).replace("-", " ")
+        if reason == "command" and waits.get("kind"):
+            said = f"its {waits['kind']} command"
         if reason == "service-unavailable" and waits.get("service"):
             said = f"{waits['service']} unavailable ({waits.get('tries', 1)} tries)"
         width = 110 if reason == "bmc-failing" else 70  # the BMC's address and tries stay whole

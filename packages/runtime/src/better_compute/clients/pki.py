@@ -6,7 +6,7 @@ The routes and their Structs are ``better_compute.wire.pki``.
 from __future__ import annotations
 
 import base64
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from ..core.errors import BcError, ErrorCode
@@ -65,13 +65,18 @@ class PkiClient(ServiceClient):
         idempotency_key: str,
         node_id: str | None = None,
         before_mint: Callable[[], Awaitable[bytes | None]] | None = None,
+        issued: MutableMapping[str, IssuedJoinToken] | None = None,
     ) -> StepPki:
         """The client a step sees as ``ctx.pki``: tokens keyed by the step's idempotency key,
         and ``node``/``provisioned`` tokens bound to the workflow's node. ``before_mint`` runs
         before the first token is minted (the engine records that the attempt minted) and
         returns the attempt's mint secret: the same one on every run of the attempt, kept
-        where only the engine reads it. Only with it does a re-run get its tokens back."""
-        return StepPki(self, idempotency_key=idempotency_key, node_id=node_id, before_mint=before_mint)
+        where only the engine reads it. Only with it does a re-run get its tokens back.
+        ``issued``: the tokens earlier runs of the attempt got, by idempotency key (the
+        engine's memo, in memory only); a token found there is returned without a request."""
+        return StepPki(
+            self, idempotency_key=idempotency_key, node_id=node_id, before_mint=before_mint, issued=issued
+        )
 
     async def issue_join_token(
         self,
@@ -302,8 +307,10 @@ class StepPki:
         idempotency_key: str,
         node_id: str | None = None,
         before_mint: Callable[[], Awaitable[bytes | None]] | None = None,
+        issued: MutableMapping[str, IssuedJoinToken] | None = None,
     ):
         self.client = client
+        self._issued = issued
         self.idempotency_key = idempotency_key
         self.node_id = node_id
         self._before_mint = before_mint
@@ -332,10 +339,12 @@ class StepPki:
                 {"path": "key", "reason": "idempotency-key-reused"},
             )
         self._used.add(ikey)
+        if self._issued is not None and (known := self._issued.get(ikey)) is not None:
+            return known  # an earlier run of this attempt got it: the same token, no request
         if self._before_mint is not None:
             before, self._before_mint = self._before_mint, None
             self._mint_secret = await before()
-        return await self.client.issue_join_token(
+        token = await self.client.issue_join_token(
             tenant_id=tenant_id,
             role=role,
             site_id=site_id,
@@ -347,6 +356,9 @@ class StepPki:
             mint_secret=self._mint_secret,
             held=held,
         )
+        if self._issued is not None:
+            self._issued[ikey] = token
+        return token
 
     async def certificates(self, *, agent_id: str) -> list[CertificateInfo]:
         """The agent's valid certificates, newest first (``wait.agentJoined`` reads them)."""

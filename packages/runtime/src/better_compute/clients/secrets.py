@@ -8,8 +8,9 @@ The routes and their Structs are ``better_compute.wire.secrets``; sealing a fetc
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Literal
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -59,14 +60,17 @@ class SecretsClient(ServiceClient):
         attempt: int | None = None,
         before_put: Callable[[], Awaitable[None]] | None = None,
         node_id: str | None = None,
+        stored: MutableMapping[tuple[str, str], str] | None = None,
     ) -> StepSecrets:
         """The client a step sees as ``ctx.secrets``: values belong to that workflow step and,
         with ``attempt``, are keyed under that attempt (so a later attempt can revoke them).
         ``before_put`` runs before the first value is stored; ``node_id`` is the workflow's node
-        (what ``put(for_node=True)`` stores a value for)."""
+        (what ``put(for_node=True)`` stores a value for). ``stored``: the refs earlier runs of
+        the attempt got, by idempotency key and a digest of what was put (the engine's memo, in
+        memory only); a keyed ``put`` found there returns its ref without a request."""
         return StepSecrets(
             self, tenant_id=tenant_id, workflow_id=workflow_id, step=step, attempt=attempt,
-            before_put=before_put, node_id=node_id,
+            before_put=before_put, node_id=node_id, stored=stored,
         )  # fmt: skip
 
     async def revoke_attempt(
@@ -200,8 +204,10 @@ class StepSecrets:
         attempt: int | None = None,
         before_put: Callable[[], Awaitable[None]] | None = None,
         node_id: str | None = None,
+        stored: MutableMapping[tuple[str, str], str] | None = None,
     ) -> None:
         self.client = client
+        self._stored = stored
         self.node_id = node_id
         self.tenant_id = tenant_id
         self.workflow_id = workflow_id
@@ -243,6 +249,14 @@ class StepSecrets:
                 "a value for the workflow's node needs a workflow with a node",
                 {"path": "nodeId"},
             )
+        key = self._key(idempotency_key)
+        memo: tuple[str, str] | None = None
+        if self._stored is not None and idempotency_key is not None and key is not None:
+            digest = hashlib.sha256(value)
+            digest.update(f"\0{label or ''}\0{for_node}".encode())
+            memo = (key, digest.hexdigest())
+            if (ref := self._stored.get(memo)) is not None:
+                return ref  # an earlier run of this attempt stored it: the same ref, no request
         if self._before_put is not None:
             before, self._before_put = self._before_put, None
             await before()
@@ -251,8 +265,10 @@ class StepSecrets:
             tenant_id=self.tenant_id,
             workflow_id=self.workflow_id,
             step=self.step,
-            idempotency_key=self._key(idempotency_key),
+            idempotency_key=key,
             label=label,
             for_node=self.node_id if for_node else None,
         )
+        if memo is not None and self._stored is not None:
+            self._stored[memo] = info.ref
         return info.ref

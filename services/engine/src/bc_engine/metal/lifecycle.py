@@ -409,10 +409,17 @@ async def current_workflow(db: Any, row: Any, cmdq: Any = None) -> CurrentWorkfl
     if wf is None:
         return None
     waiting = _json(wf["waiting_for"])
+    # a relaying step's own command ({reason: command}): said only when its batch's approvals
+    # or a failing BMC, which say more, are not the matter
+    command = waiting if isinstance(waiting, dict) and waiting.get("reason") == "command" else None
+    if command is not None:
+        waiting = None
     if waiting is None and wf["batch_id"] is not None and cmdq is not None:
         waiting = await _batch_waits(cmdq, wf["batch_id"])
     if waiting is None and wf["idx"] is not None and cmdq is not None:
         waiting = await _failing_bmc(cmdq, workflow_id)
+    if waiting is None:
+        waiting = command
     return CurrentWorkflow(
         id=workflow_id,
         state=wf["workflow_state"],

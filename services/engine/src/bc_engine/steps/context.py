@@ -21,6 +21,7 @@ from .node import NodeInfo
 
 if TYPE_CHECKING:
     from .host import StepHost
+    from .memo import AttemptMemo
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
 
@@ -65,10 +66,18 @@ class StepCommands:
     or an abort knows to cancel what is still live.
     """
 
-    def __init__(self, host: StepHost, *, workflow: store.WorkflowRow, step: store.StepRow) -> None:
+    def __init__(
+        self,
+        host: StepHost,
+        *,
+        workflow: store.WorkflowRow,
+        step: store.StepRow,
+        memo: AttemptMemo | None = None,
+    ) -> None:
         self._host = host
         self._wf = workflow
         self._step = step
+        self._memo = memo  # the attempt's commands an earlier run saw end (``memo``)
 
     async def enqueue(self, cmd: EnqueueCommand) -> CommandView:
         base = step_command_key(self._step)
@@ -79,6 +88,8 @@ class StepCommands:
                 f"a command of this step attempt is keyed {base} or {base}:<name> (step_command_key)",
                 {"path": "key"},
             )
+        if self._memo is not None and (ended := self._memo.command(cmd.node_id, cmd.key, cmd.kind)):
+            return ended  # it ended in an earlier run of this attempt, and never changes again
         sends = list(self._step.sends or [])
         if self._host.needs_node(cmd.kind, cmd.payload):
             # the workflow's own node as the pass read it (ctx.node); another node read now
@@ -98,7 +109,11 @@ class StepCommands:
             sends=sends or None,
             tenant_id=self._wf.tenant_id,
         )
-        await self._host.mark_sent(self._wf.id, self._step.idx, self._step.attempt)
+        if not self._step.sent_commands:
+            # once per attempt, as an agent step does: a later run of a superseded attempt is
+            # refused by the command queue, where the supersede fenced the attempt's key
+            await self._host.mark_sent(self._wf.id, self._step.idx, self._step.attempt)
+            self._step.sent_commands = True
         try:
             view: CommandView = await self._host.enqueue(full)
         except BcError as err:
@@ -111,6 +126,8 @@ class StepCommands:
             except (ValueError, RecursionError):
                 result = None
             await self._host.command_settled(full.node_id, view.kind, full.payload, result)
+        if self._memo is not None:
+            self._memo.keep_command(full.node_id, view)
         return view
 
     async def site_agent_for(self, node_id: str) -> str | None:

@@ -19,6 +19,7 @@ from .. import store
 from ..core.engine import Engine
 from ..store import StepRow, WorkflowRow
 from .hooks import EngineHooks
+from .memo import AttemptMemos
 from .node import NodeInfo, node_info
 from .quorum import QuorumBatches, in_batch
 
@@ -40,6 +41,7 @@ class StepHost:
             writes_disk=self.writes_disk,
         )  # fmt: skip
         self._nodes: dict[str, NodeInfo | None] = {}  # each running pass's workflow's node
+        self.memos = AttemptMemos()  # what earlier runs of each running attempt got back
 
     @property
     def start_in(self) -> Any:
@@ -63,12 +65,27 @@ class StepHost:
     async def waiting(self, wf: WorkflowRow, step: StepRow, what: dict[str, Any] | None) -> None:
         await self._engine.waiting(wf, step, what)
 
+    async def waiting_command(
+        self, wf: WorkflowRow, step: StepRow, command_id: str | None, what: dict[str, Any] | None
+    ) -> None:
+        """A control-plane step waits on a command of its attempt (``command_id``, which the
+        command watch then covers), or on none any more (None); ``what`` is its ``waitingFor``."""
+        await self.db.execute(
+            store.SET_WAITING_COMMAND, wf.id, step.idx, step.attempt, command_id,
+            json.dumps(what) if what is not None else None,
+        )  # fmt: skip
+        step.command_id, step.waiting_for = command_id, what
+        if what is not None:
+            await self._engine.events.changed(wf, step.state, step)
+
     async def profile(self, wf: WorkflowRow) -> Profile | None:
         return await self._engine.profile(wf)
 
     # -- the node ------------------------------------------------------------------
 
     def pass_begins(self, wf: WorkflowRow, record: Any) -> None:
+        if wf.state != "running":  # aborted: its attempts never run again (a resume starts anew)
+            self.memos.drop(wf.id)
         info = record["node_info"]
         self._nodes[wf.id] = node_info(info) if info is not None else None
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from better_compute.core.errors import BcError, ErrorCode, ServiceUnavailableError
-from better_compute.provision import StepNotReady, step_command_key
+from better_compute.provision import CommandNotReady, StepNotReady, step_command_key
 from better_compute.service.faults import Backoff
 from better_compute.wire.cmdq import LIVE_STATES, EnqueueCommand
 
@@ -64,12 +64,19 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
         node = dataclasses.replace(node, inventory=await host.node_inventory(node.id))
     children = StepWorkflows(host.start_in, tenant_id=wf.tenant_id)
     wf_id, idx, attempt = wf.id, step.idx, step.attempt
+    memo = host.memos.of(wf_id, idx, attempt)
 
     async def minting_tokens() -> bytes:
-        return await host.mark_minted(wf_id, idx, attempt, "pki")
+        if "pki" in memo.marked and memo.mint_secret is not None:
+            return memo.mint_secret  # recorded by an earlier run of this attempt
+        memo.mint_secret = await host.mark_minted(wf_id, idx, attempt, "pki")
+        memo.marked.add("pki")
+        return memo.mint_secret
 
     async def storing_secrets() -> None:
-        await host.mark_minted(wf_id, idx, attempt, "secrets")
+        if "secrets" not in memo.marked:
+            memo.mint_secret = await host.mark_minted(wf_id, idx, attempt, "secrets")
+            memo.marked.add("secrets")
 
     ctx = RunContext(
         workflow_id=wf.id,
@@ -80,7 +87,10 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
         node=node,
         sql=EngineSql(host.db.pool),
         pki=host.pki.for_step(
-            idempotency_key=idempotency_key, node_id=wf.node_id, before_mint=minting_tokens
+            idempotency_key=idempotency_key,
+            node_id=wf.node_id,
+            before_mint=minting_tokens,
+            issued=memo.tokens,
         ),
         secrets=host.secrets.for_step(
             tenant_id=wf.tenant_id,
@@ -89,9 +99,10 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
             attempt=attempt,
             before_put=storing_secrets,
             node_id=wf.node_id,
+            stored=memo.secrets,
         ),
         workflows=children,
-        commands=StepCommands(host, workflow=wf, step=step),
+        commands=StepCommands(host, workflow=wf, step=step, memo=memo),
         log=log,
         tenant_id=wf.tenant_id,
         profile=await host.profile(wf),
@@ -105,19 +116,21 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
             if host.wake is not None:
                 for rkey in children.started:
                     await host.wake(rkey)
+    except CommandNotReady as nr:
+        if _own_command(nr, idempotency_key):
+            return await _command_wait(host, wf, step, nr, deadline)
+        return await _not_ready(host, wf, step, nr)
     except StepNotReady as nr:
-        # what the step says it waits for (its own reason), else it got past what it waited for
-        what = {"reason": "step-not-ready", "message": nr.reason} if nr.reason else None
-        if step.waiting_for != what:
-            await host.waiting(wf, step, what)
-        return Wait(time.time() + nr.retry_after_ms / 1000)
+        return await _not_ready(host, wf, step, nr)
     except ServiceUnavailableError as err:
         # One of our own services is away (not the step's verdict): run the step again
         # later, with backoff, until it answers or the step's deadline passes.
         return await _service_wait(host, wf, step, err)
     except TimeoutError:
+        host.memos.drop(wf_id)
         return Fail(timed_out(step))
     except BcError as err:
+        host.memos.drop(wf_id)
         return Fail(err)
     except asyncio.CancelledError:
         raise
@@ -125,6 +138,7 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
         # Whatever else a step raises is its failure, even when it looks transient (a refused
         # connection to its own device): only ServiceUnavailableError above makes it wait.
         log.exception("step_raised")
+        host.memos.drop(wf_id)
         return Fail(
             BcError(
                 ErrorCode.INTERNAL,
@@ -135,6 +149,7 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
     try:
         encoded = msgspec.json.encode(result).decode()  # the settle stores this text
     except (TypeError, msgspec.EncodeError, OverflowError):
+        host.memos.drop(wf_id)
         return Fail(
             BcError(
                 ErrorCode.INTERNAL,
@@ -143,7 +158,40 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
             )
         )
     log.debug("step_ran")
+    host.memos.drop(wf_id)  # the attempt settles: nothing runs under its keys any more
     return Ok(result, encoded)
+
+
+def _own_command(nr: CommandNotReady, attempt_key: str) -> bool:
+    """Whether the live command is one of this attempt's (``step_command_key``)."""
+    return nr.key == attempt_key or nr.key.startswith(attempt_key + ":")
+
+
+async def _not_ready(host: StepHost, wf: WorkflowRow, step: StepRow, nr: StepNotReady) -> Wait:
+    """The step's own ``step_not_ready(ms)``: run it again in ms (never after its deadline)."""
+    # what the step says it waits for (its own reason), else it got past what it waited for
+    what = {"reason": "step-not-ready", "message": nr.reason} if nr.reason else None
+    if step.command_id is not None:
+        # it waited on a command earlier in this attempt and waits on something else now: the
+        # command watch must not keep waking it for that command
+        await host.waiting_command(wf, step, None, None)
+    if step.waiting_for != what:
+        await host.waiting(wf, step, what)
+    return Wait(time.time() + nr.retry_after_ms / 1000)
+
+
+async def _command_wait(
+    host: StepHost, wf: WorkflowRow, step: StepRow, nr: CommandNotReady, deadline: float
+) -> Wait:
+    """The step waits on a live command of its attempt (``await_command``): as an agent step
+    does, the command is recorded as the one the step waits on (``command_id``, and
+    ``waitingFor`` says which) and the pass waits until the deadline. The command's settle event
+    wakes the workflow at once; the command watch (every AGENT_POLL_S, in bulk) is the safety
+    net. So the step runs again once per command it sends, not every COMMAND_POLL_MS."""
+    what = {"reason": "command", "commandId": nr.command_id, "kind": nr.kind}
+    if step.command_id != nr.command_id or step.waiting_for != what:
+        await host.waiting_command(wf, step, nr.command_id, what)
+    return Wait(deadline)
 
 
 async def _service_wait(host: StepHost, wf: WorkflowRow, step: StepRow, err: ServiceUnavailableError) -> Wait:
