@@ -79,13 +79,11 @@ async def test_a_refusal_that_outlasts_any_pending_certificate_is_tried_again_on
     now = [0.0]
     monkeypatch.setattr(daemon, "connect", _refusing(200, ErrorCode.UNAUTHENTICATED, tries))
 
-    async def wait_for(aw: Any, timeout: float) -> None:  # the stop event's wait, on a fake clock
-        aw.close()
-        waits.append(timeout)
-        now[0] += timeout
-        raise TimeoutError
+    async def pause(_stop: asyncio.Event, seconds: float) -> None:  # the wait between tries, on a fake clock
+        waits.append(seconds)
+        now[0] += seconds
 
-    monkeypatch.setattr(daemon.asyncio, "wait_for", wait_for)
+    monkeypatch.setattr(daemon, "_pause", pause)
     with capture_logs() as logs:
         nc = await daemon.connect_as_agent(
             "tls://leaf", lambda: {"name": "bcd"}, asyncio.Event(), clock=lambda: now[0]

@@ -231,10 +231,15 @@ async def connect_as_agent(
                 )  # fmt: skip
             else:
                 raise
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(wait):
-                await stop.wait()
+        await _pause(stop, wait)
     return None
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait ``seconds`` or until ``stop`` is set (a test runs it on a fake clock)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
 
 
 async def _serve_on(
