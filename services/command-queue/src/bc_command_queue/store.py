@@ -532,9 +532,10 @@ RETURNING site_id, role
 # $1 ids, $2 signed_at_ms, $3 cert ids, $4 status (NULL: unchanged), $5 journal ids ('' none),
 # $6 how long ago each was heard (ms), $7 silent_after_ms, $8 the gaps each announced until its
 # next heartbeat (beyond cmdq.heartbeat). Each row as AGENT_HEARTBEAT would have changed it when it
-# was heard (last_seen: now minus its age; a silence before it, as long as the gap the previous
-# heartbeat announced allowed, starts a new connection), and its journal as JOURNAL_SEEN (present); rows are locked in id order, so
-# two instances writing at once wait for each other instead of deadlocking. Returns the ids applied
+# was heard (last_seen: now minus its age; a silence before it, longer than the gap the previous
+# heartbeat announced allowed, starts a new connection), and its journal as JOURNAL_SEEN (present);
+# rows are locked in id order, so two instances writing at once wait for each other instead of
+# deadlocking. Returns the ids applied
 # (the others: unknown, older than one applied, or of a revoked certificate).
 AGENTS_HEARD: Final = f"""
 WITH h AS (

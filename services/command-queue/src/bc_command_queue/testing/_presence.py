@@ -214,7 +214,9 @@ class Presence(Tables):
         """``AGENTS_CONNECTED``"""
         now = self.now()
         counted = Counter(
-            (a.site_id, a.role) for a in self._t.agents.values() if a.last_seen > now - a.quiet(silent_after_ms)
+            (a.site_id, a.role)
+            for a in self._t.agents.values()
+            if a.last_seen > now - a.quiet(silent_after_ms)
         )
         return [AgentCountRow(site=site, role=role, n=n) for (site, role), n in counted.items()]
 
