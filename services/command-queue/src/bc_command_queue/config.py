@@ -215,7 +215,7 @@ class CmdqConfig:
     idle_heartbeat_ms: int = 30_000
     """How often a machine's agent with nothing to do sends one (told in the hello reply; a
     site agent keeps ``heartbeat_ms``). Each heartbeat says the gap until the next, and an
-    agent's silence counts from that gap (``silent_ms``)."""
+    agent's silence counts from that gap (``silence_gap_ms``)."""
     silent_after_ms: int = 15_000
     """An agent not heard from for this long is shown disconnected and loses its boot lease;
     its unclaimed, non-destructive site commands go back to pending for another agent."""
