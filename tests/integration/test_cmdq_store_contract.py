@@ -712,3 +712,94 @@ async def test_a_group_with_a_row_postgresql_refuses_applies_the_others(pg: Harn
     assert [g.command.progress for g in (got[0], got[2])] == ["one", "three"]  # type: ignore[union-attr]
     states = await s.command_states(ids)
     assert [states[i] for i in ids] == ["running", "acked", "running"]
+
+
+async def quiet_agents(h: Harness) -> list[Any]:
+    """Issue 25: a machine's agent with nothing to do heartbeats every ``cmdq.idle_heartbeat``
+    (30 s) and says so; every silence rule counts it from that gap (three of them), and a leave
+    or a revocation still ends its presence at once. What each step answered."""
+    s = h.store
+    told: list[Any] = []
+    at = iter(range(10**6, 10**9, 10))
+
+    def hi(agent: str, role: str = "node", gap_ms: int = 0) -> AgentHello:
+        return AgentHello(
+            agent_id=agent, site_id=SITE, tenant_id="root", role=role, cert_id=f"cert_{agent}",
+            incarnation="i1", version="1.0", kinds=None, signed_at_ms=next(at), status=None, gap_ms=gap_ms,
+        )  # fmt: skip
+
+    def beat(agent: str, gap_ms: int) -> Beat:
+        return Beat(agent_id=agent, signed_at_ms=next(at), cert_id=f"cert_{agent}", status=None,
+                    journal_id=f"j-{agent}", age_ms=0, gap_ms=gap_ms)  # fmt: skip
+
+    async def connected() -> dict[str, bool]:
+        rows = await s.list_agents(
+            site_id=SITE, role=None, connected=None, silent_after_ms=15_000, limit=10, after=None
+        )
+        shown = {r.id: r.connected for r in rows}
+        listed = await s.list_agents(
+            site_id=SITE, role=None, connected=True, silent_after_ms=15_000, limit=10, after=None
+        )
+        counted = sum(r.n for r in await s.agents_connected(silent_after_ms=15_000))
+        assert sorted(r.id for r in listed) == sorted(a for a, c in shown.items() if c)
+        assert counted == len(listed)
+        return shown
+
+    async def connected_at(agent: str) -> float:
+        rows = await s.list_agents(
+            site_id=SITE, role=None, connected=None, silent_after_ms=15_000, limit=10, after=None
+        )
+        return next(r.connected_at for r in rows if r.id == agent)
+
+    for agent in ("idle", "busy", "peer", "leaver", "revoked"):
+        await s.agent_hello(hi(agent))
+    await s.agents_heard(
+        [beat("idle", 30_000), beat("busy", 0), beat("peer", 30_000), beat("leaver", 30_000),
+         beat("revoked", 30_000)],
+        silent_after_ms=15_000,
+    )  # fmt: skip
+    await s.agent_leave("leaver", next(at), silent_after_ms=15_000)
+    await s.cut_off("cert_revoked", silent_after_ms=15_000)
+    told.append(("left and revoked", await connected()))
+    await h.age(40)
+    told.append(("40 s later", await connected()))
+    since = await connected_at("idle")
+    await s.agents_heard([beat("idle", 30_000), beat("peer", 30_000)], silent_after_ms=15_000)
+    told.append(("same connection", await connected_at("idle") == since))
+    # the idle one gets a command and claims it; its next heartbeat says 5 s (the usual: 0)
+    now_ms = int(time.time() * 1000)
+    new = NewCommand(
+        id=new_id("cmd"), node_id="idle", site_id=SITE, tenant_id="root", key="k-idle",
+        kind="node.inventory", destructive=False, target="node", payload=PAYLOAD, digest=DIGEST,
+        batch_id=None, workflow_id=None, step=None, not_after_ms=now_ms + 3_600_000, may_dispatch=True,
+    )  # fmt: skip
+    row = await s.insert_command(new, silent_after_ms=15_000)
+    assert row is not None
+    await s.ack(row.id, "idle", DIGEST, "j-idle", next(at), quorum=False)
+    await h.age(70)  # the claim and the idle one's heartbeat 70 s old: lost after 60 s? not yet
+    await s.agents_heard([beat("peer", 30_000)], silent_after_ms=15_000)
+    await h.age(1)
+    lost = await s.fail_lost(lost_after_ms=60_000, silent_after_ms=15_000)
+    told.append(("quiet 71 s of 90", [r.reason for r in lost], await connected()))
+    await h.age(20)
+    lost = await s.fail_lost(lost_after_ms=60_000, silent_after_ms=15_000)
+    told.append(("quiet 91 s", [r.reason for r in lost], await connected()))
+    await s.agents_heard([beat("busy", 0)], silent_after_ms=15_000)
+    told.append(("back after a silence", await connected_at("busy") > since))
+    return told
+
+
+async def test_an_idle_agent_is_silent_after_three_of_the_gaps_it_announced(pg: Harness) -> None:
+    on_pg = await quiet_agents(pg)
+    in_memory = await quiet_agents(memory())
+    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
+        assert step_mem == step_pg
+    told = dict((t[0], t[1:]) for t in on_pg)
+    everyone = {"idle": True, "busy": True, "peer": True, "leaver": False, "revoked": False}
+    assert told["left and revoked"] == (everyone,)
+    assert told["40 s later"] == ({**everyone, "busy": False},)  # past 15 s; the idle ones within 90
+    assert told["same connection"] == (True,)
+    # claimed while idle, then silent: lost only after three of its 30 s gaps (more than lost_after)
+    assert told["quiet 71 s of 90"] == ([], {**everyone, "busy": False})
+    assert told["quiet 91 s"] == (["agent-lost"], {**everyone, "busy": False, "idle": False})
+    assert told["back after a silence"] == (True,)

@@ -117,6 +117,11 @@ class CmdqSettings(_Section, frozen=True, kw_only=True):
     """``[cmdq]``: the command queue's timings, streams and quorum."""
 
     heartbeat: Duration = Duration(5_000)
+    idle_heartbeat: Duration = Duration(30_000)
+    """A machine's agent (``bcd``) with nothing to do heartbeats this often, and every
+    ``heartbeat`` from the moment it has work; its silence is counted from the gap it announced
+    (docs/command-queue.md "Presence and boot leases"). Site agents keep ``heartbeat``. At most
+    ``heartbeat`` turns it off."""
     silent_after: Duration = Duration(15_000)
     lost_after: Duration = Duration(120_000)
     redeliver_after: Duration = Duration(60_000)
@@ -240,6 +245,7 @@ class Settings(_Section, frozen=True, kw_only=True):
 # Lower bounds, checked after decoding; a value below one is INVALID_CONFIG at its path.
 _MINIMUM_MS: Final = {
     "cmdq.heartbeat": 100,
+    "cmdq.idle_heartbeat": 100,
     "cmdq.silent_after": 300,
     "cmdq.lost_after": 300,
     "cmdq.redeliver_after": 100,

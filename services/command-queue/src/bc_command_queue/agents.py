@@ -211,6 +211,7 @@ class Agents:
             consumer=consumer,
             boot_lease=lease,
             ack_wait_ms=self.config.ack_wait_ms,
+            idle_heartbeat_ms=max(self.config.idle_heartbeat_ms, self.config.heartbeat_ms),
             # the site's streams on its leaf: the agent stores its results there (site_results)
             **self._results_on_leaf(signer),
         )
@@ -228,6 +229,7 @@ class Agents:
                 kinds=ev.kinds,
                 signed_at_ms=ev.signed_at_ms,
                 status=_status_doc(ev.status),
+                gap_ms=self.config.silence_gap_ms(ev.next_heartbeat_ms, role=signer.role),
             )
         )
         await self._journal_seen(signer.agent_id, ev.journal_id)
@@ -271,6 +273,7 @@ class Agents:
                 cert_id=signer.cert_id,
                 status=_status_doc(ev.status),
                 journal_id=ev.journal_id,
+                gap_ms=self.config.silence_gap_ms(ev.next_heartbeat_ms, role=signer.role),
             )
             return HeartbeatReply(boot_lease=False, cancel=cancel or [])
         seen = await self.store.agent_heartbeat(

@@ -212,6 +212,10 @@ class CmdqConfig:
     """The quorum in force (``quorum``), read again when its approvers file changes."""
     heartbeat_ms: int = 5_000
     """How often agents send a heartbeat (told to them in the hello reply)."""
+    idle_heartbeat_ms: int = 30_000
+    """How often a machine's agent with nothing to do sends one (told in the hello reply; a
+    site agent keeps ``heartbeat_ms``). Each heartbeat says the gap until the next, and an
+    agent's silence counts from that gap (``silence_gap_ms``)."""
     silent_after_ms: int = 15_000
     """An agent not heard from for this long is shown disconnected and loses its boot lease;
     its unclaimed, non-destructive site commands go back to pending for another agent."""
@@ -255,6 +259,7 @@ class CmdqConfig:
         return cls(
             quorum_source=quorum_from_settings(settings.quorum),
             heartbeat_ms=settings.heartbeat.ms,
+            idle_heartbeat_ms=settings.idle_heartbeat.ms,
             silent_after_ms=settings.silent_after.ms,
             lost_after_ms=settings.lost_after.ms,
             redeliver_after_ms=settings.redeliver_after.ms,
@@ -271,6 +276,15 @@ class CmdqConfig:
                 else None
             ),
         )
+
+    def silence_gap_ms(self, announced: int, *, role: str) -> int:
+        """What the silence rules keep of the gap an agent announced until its next heartbeat
+        (``agents.beat_gap_ms``): 0 for the usual cadence or less, for an agent that did not say
+        (an older one) and for a site agent (it holds its site's boot lease and takes its
+        commands: it keeps ``heartbeat_ms``); else the gap, at most ``idle_heartbeat_ms``."""
+        if role == "site" or announced <= self.heartbeat_ms:
+            return 0
+        return min(announced, max(self.idle_heartbeat_ms, self.heartbeat_ms))
 
     @property
     def quorum(self) -> Quorum:

@@ -15,6 +15,11 @@ queue group); the rows stay the truth for every instance's sweeper, as before. A
 at most ``presence_write_ms`` late in the rows, far below ``cmdq.silent_after``; a cancel reaches
 a heartbeat's reply at most that much later (the check before each try is the prompt path).
 
+A machine's agent with nothing to do heartbeats every ``cmdq.idle_heartbeat`` (30 s), not every
+``cmdq.heartbeat``, and each heartbeat says the gap until its next one: that gap is held here with
+the heartbeat and written with it (``agents.beat_gap_ms``), and every silence rule counts the agent
+silent only after three such gaps (``store._QUIET``).
+
 A site agent's heartbeat still goes to the rows at once: it renews its site's boot lease, and
 its answer says whether it holds it (a handful of agents).
 """
@@ -40,16 +45,17 @@ _KNOWN_MAX: Final = 1_000_000
 
 
 class _Heard:
-    __slots__ = ("cert_id", "heard", "journal_id", "signed_at_ms", "status")
+    __slots__ = ("cert_id", "gap_ms", "heard", "journal_id", "signed_at_ms", "status")
 
     def __init__(
-        self, signed_at_ms: int, cert_id: str, status: str | None, journal_id: str, heard: float
+        self, signed_at_ms: int, cert_id: str, status: str | None, journal_id: str, heard: float, gap_ms: int
     ) -> None:
         self.signed_at_ms = signed_at_ms
         self.cert_id = cert_id
         self.status = status
         self.journal_id = journal_id
         self.heard = heard
+        self.gap_ms = gap_ms
 
 
 class Presence:
@@ -85,10 +91,19 @@ class Presence:
         return len(self._pending)
 
     async def heard(
-        self, agent_id: str, *, signed_at_ms: int, cert_id: str, status: str | None, journal_id: str
+        self,
+        agent_id: str,
+        *,
+        signed_at_ms: int,
+        cert_id: str,
+        status: str | None,
+        journal_id: str,
+        gap_ms: int = 0,
     ) -> list[str] | None:
         """A node agent's checked heartbeat: kept for the next write. Returns its cancelled
         commands (as of the last write), or None for an event older than one heard here.
+        ``gap_ms``: the gap it announced until its next heartbeat, as kept
+        (``CmdqConfig.silence_gap_ms``).
 
         Raises:
             BcError: ``NOT_FOUND`` for an agent that never said hello.
@@ -103,7 +118,7 @@ class Presence:
         if signed_at_ms <= self._newest.get(agent_id, 0):
             return None
         self._newest[agent_id] = signed_at_ms
-        self._pending[agent_id] = _Heard(signed_at_ms, cert_id, status, journal_id, self.clock())
+        self._pending[agent_id] = _Heard(signed_at_ms, cert_id, status, journal_id, self.clock(), gap_ms)
         return list(self._cancelling.get(agent_id, ()))
 
     def forget(self, agent_id: str) -> None:
@@ -119,7 +134,7 @@ class Presence:
             now = self.clock()
             rows = [
                 Beat(agent_id=agent_id, signed_at_ms=h.signed_at_ms, cert_id=h.cert_id, status=h.status,
-                     journal_id=h.journal_id, age_ms=max(0.0, (now - h.heard) * 1000))
+                     journal_id=h.journal_id, age_ms=max(0.0, (now - h.heard) * 1000), gap_ms=h.gap_ms)
                 for agent_id, h in beats.items()
             ]  # fmt: skip
             try:

@@ -176,6 +176,9 @@ class Beat(msgspec.Struct, frozen=True, kw_only=True):
     status: str | None
     journal_id: str
     age_ms: float
+    gap_ms: int = 0
+    """The gap it announced until its next heartbeat, when longer than ``cmdq.heartbeat``
+    (``CmdqConfig.silence_gap_ms``); 0 otherwise."""
 
 
 class AgentRow(msgspec.Struct, frozen=True, kw_only=True):

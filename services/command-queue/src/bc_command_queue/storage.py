@@ -102,6 +102,8 @@ class AgentHello(msgspec.Struct, frozen=True, kw_only=True):
     kinds: list[str] | None
     signed_at_ms: int
     status: str | None
+    gap_ms: int = 0
+    """The gap it announced until its next heartbeat, as kept (``CmdqConfig.silence_gap_ms``)."""
 
 
 class Claim(msgspec.Struct, frozen=True, kw_only=True):
@@ -797,7 +799,7 @@ class PgStore:
         h = hello
         applied = await self.db.fetchval(
             store.AGENT_UPSERT, h.agent_id, h.site_id, h.tenant_id, h.role, h.cert_id, h.incarnation,
-            h.version, h.kinds, h.signed_at_ms, h.status,
+            h.version, h.kinds, h.signed_at_ms, h.status, h.gap_ms,
         )  # fmt: skip
         return applied is not None
 
@@ -836,6 +838,7 @@ class PgStore:
             [b.journal_id for b in beats],
             [b.age_ms for b in beats],
             silent_after_ms,
+            [b.gap_ms for b in beats],
         )
         return [r["id"] for r in records]
 

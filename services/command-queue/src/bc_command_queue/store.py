@@ -100,6 +100,12 @@ _LIVE: Final = "('pending', 'dispatched', 'acked', 'running')"
 _TERMINAL: Final = "(" + ", ".join(f"'{state}'" for state in sorted(TERMINAL_STATES)) + ")"
 _KEY_UNDER: Final = "(c.key = {p} OR starts_with(c.key, {p} || ':') OR starts_with(c.key, {p} || '#'))"
 _SECS: Final = "make_interval(secs => {p}::double precision / 1000)"
+# How long agent {a} may go unheard before the rule of {p} (silent_after_ms or lost_after_ms)
+# counts it: {p}, or three times the gap it announced until its next heartbeat, whichever is
+# longer (a machine's agent with nothing to do heartbeats every cmdq.idle_heartbeat; migration
+# 0012). Every silence rule below goes through it; only a leave and a revocation, which end the
+# agent's presence at once, set the gap back to 0.
+_QUIET: Final = "make_interval(secs => greatest({p}::double precision, 3 * {a}.beat_gap_ms) / 1000)"
 
 # -- commands -------------------------------------------------------------------------
 
@@ -134,7 +140,7 @@ _PICK: Final = (
     " LEFT JOIN boot_leases l ON l.site_id = a.site_id AND l.agent_id = a.id"
     "  AND l.expires_at > now()"
     " WHERE a.site_id = {site} AND a.role = 'site'"
-    f"  AND a.last_seen > now() - {_SECS.format(p='{silent}')}"
+    f"  AND a.last_seen > now() - {_QUIET.format(p='{silent}', a='a')}"
     "  AND ({kind}::text IS NULL OR a.kinds IS NULL OR {kind} = ANY (a.kinds))"
     " ORDER BY (l.agent_id IS NOT NULL) DESC, a.last_seen DESC LIMIT 1"
 )
@@ -195,7 +201,7 @@ WITH due AS (
       AND ($3::text IS NULL OR c.batch_id = $3)
       AND (c.target = 'node' OR EXISTS (
           SELECT 1 FROM agents a WHERE a.site_id = c.site_id AND a.role = 'site'
-            AND a.last_seen > now() - {_SECS.format(p="$5")}))
+            AND a.last_seen > now() - {_QUIET.format(p="$5", a="a")}))
     ORDER BY c.created_at LIMIT $4
     FOR UPDATE OF c SKIP LOCKED
 ), pick AS (
@@ -221,7 +227,7 @@ SELECT {_COLS} FROM commands c LEFT JOIN agents a ON a.id = c.agent_id
 WHERE c.state = 'dispatched' AND (
     (c.published_at IS NULL AND c.dispatched_at < now() - interval '2 seconds')
     OR (c.published_at < now() - {_SECS.format(p="$1")}
-        AND a.last_seen > now() - {_SECS.format(p="$2")}))
+        AND a.last_seen > now() - {_QUIET.format(p="$2", a="a")}))
 ORDER BY c.dispatched_at LIMIT 200
 """
 AGENT_COMMANDS_TO_REPUBLISH: Final = (
@@ -278,7 +284,7 @@ REASSIGN_SILENT: Final = f"""
 WITH due AS (
     SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
     WHERE c.state = 'dispatched' AND c.target = 'site' AND NOT c.destructive
-      AND a.last_seen < now() - {_SECS.format(p="$1")}
+      AND a.last_seen < now() - {_QUIET.format(p="$1", a="a")}
     LIMIT 500 FOR UPDATE OF c SKIP LOCKED
 )
 UPDATE commands c SET state = 'pending', agent_id = NULL, published_at = NULL,
@@ -297,10 +303,10 @@ FAIL_LOST: Final = f"""
 WITH due AS (
     SELECT c.id FROM commands c JOIN agents a ON a.id = c.agent_id
     WHERE c.state IN ('acked', 'running', 'cancelling')
-      AND a.last_seen < now() - {_SECS.format(p="$1")}
+      AND a.last_seen < now() - {_QUIET.format(p="$1", a="a")}
       AND c.updated_at < now() - {_SECS.format(p="$1")}
       AND EXISTS (SELECT 1 FROM agents b WHERE b.site_id = a.site_id AND b.id <> a.id
-                  AND b.last_seen > now() - {_SECS.format(p="$2")}
+                  AND b.last_seen > now() - {_QUIET.format(p="$2", a="b")}
                   AND b.connected_at < now() - {_SECS.format(p="$1")})
     LIMIT 500 FOR UPDATE OF c SKIP LOCKED
 )
@@ -553,7 +559,7 @@ WHERE ($1::text IS NULL OR c.node_id = $1) AND ($4::text IS NULL OR c.workflow_i
   AND (c.state IN ('acked', 'running', 'cancelling', 'cancelled', 'expired')
        OR (c.state = 'failed' AND c.reason = 'interrupted'))
   AND CASE WHEN j.present THEN j.last_seen ELSE a.last_seen END
-      > now() - {_SECS.format(p="$3")}
+      > now() - {_QUIET.format(p="$3", a="a")}
   AND {_KEY_UNDER.format(p="$2")}
 ORDER BY c.id
 """
@@ -616,15 +622,17 @@ WITH seen AS (
 SELECT generation, present FROM seen UNION ALL SELECT generation, present FROM made
 """
 
-# $1 id … $8 kinds, $9 signed_at_ms; a replayed (older) hello changes nothing
+# $1 id … $8 kinds, $9 signed_at_ms, $10 status, $11 the gap it announced until its next
+# heartbeat (beyond cmdq.heartbeat); a replayed (older) hello changes nothing
 AGENT_UPSERT: Final = """
 INSERT INTO agents AS a (id, site_id, tenant_id, role, cert_id, incarnation, version, kinds,
-                         connected_at, last_seen, last_signed_ms, status)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now(), now(), $9, $10::jsonb)
+                         connected_at, last_seen, last_signed_ms, status, beat_gap_ms)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now(), now(), $9, $10::jsonb, $11)
 ON CONFLICT (id) DO UPDATE SET site_id = EXCLUDED.site_id, tenant_id = EXCLUDED.tenant_id,
     role = EXCLUDED.role, cert_id = EXCLUDED.cert_id, incarnation = EXCLUDED.incarnation,
     version = EXCLUDED.version, kinds = EXCLUDED.kinds, connected_at = now(),
-    last_seen = now(), last_signed_ms = EXCLUDED.last_signed_ms, status = EXCLUDED.status
+    last_seen = now(), last_signed_ms = EXCLUDED.last_signed_ms, status = EXCLUDED.status,
+    beat_gap_ms = EXCLUDED.beat_gap_ms
 WHERE a.last_signed_ms < EXCLUDED.last_signed_ms
   AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = EXCLUDED.cert_id)
 RETURNING a.id
@@ -634,30 +642,36 @@ RETURNING a.id
 AGENT_HEARTBEAT: Final = f"""
 UPDATE agents SET last_seen = now(), last_signed_ms = $2, cert_id = $3,
     status = COALESCE($4::jsonb, status),
-    connected_at = CASE WHEN last_seen < now() - {_SECS.format(p="$5")} THEN now() ELSE connected_at END
+    connected_at = CASE WHEN last_seen < now() - {_QUIET.format(p="$5", a="agents")} THEN now()
+                        ELSE connected_at END,
+    beat_gap_ms = 0
 WHERE id = $1 AND last_signed_ms < $2 AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = $3)
 RETURNING site_id, role
 """
 # Node agents' heartbeats held in memory since the last write, in one statement (one commit):
 # $1 ids, $2 signed_at_ms, $3 cert ids, $4 status (NULL: unchanged), $5 journal ids ('' none),
-# $6 how long ago each was heard (ms), $7 silent_after_ms. Each row as AGENT_HEARTBEAT would
-# have changed it when it was heard (last_seen: now minus its age; a silence before it starts a new
-# connection), and its journal as JOURNAL_SEEN (present); rows are locked in id order, so
-# two instances writing at once wait for each other instead of deadlocking. Returns the ids applied
+# $6 how long ago each was heard (ms), $7 silent_after_ms, $8 the gaps each announced until its
+# next heartbeat (beyond cmdq.heartbeat). Each row as AGENT_HEARTBEAT would have changed it when it
+# was heard (last_seen: now minus its age; a silence before it, longer than the gap the previous
+# heartbeat announced allowed, starts a new connection), and its journal as JOURNAL_SEEN (present);
+# rows are locked in id order, so two instances writing at once wait for each other instead of
+# deadlocking. Returns the ids applied
 # (the others: unknown, older than one applied, or of a revoked certificate).
 AGENTS_HEARD: Final = f"""
 WITH h AS (
-    SELECT h.id, h.signed_ms, h.cert_id, h.status, h.journal_id,
+    SELECT h.id, h.signed_ms, h.cert_id, h.status, h.journal_id, h.gap_ms,
            now() - {_SECS.format(p="h.age_ms")} AS heard
-    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::double precision[])
-         AS h (id, signed_ms, cert_id, status, journal_id, age_ms)
+    FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::double precision[],
+                $8::integer[])
+         AS h (id, signed_ms, cert_id, status, journal_id, age_ms, gap_ms)
 ), locked AS (
     SELECT a.id FROM agents a JOIN h ON h.id = a.id ORDER BY a.id FOR UPDATE OF a
 ), seen AS (
     UPDATE agents a SET last_seen = greatest(a.last_seen, h.heard), last_signed_ms = h.signed_ms,
         cert_id = h.cert_id, status = COALESCE(h.status::jsonb, a.status),
-        connected_at = CASE WHEN a.last_seen < h.heard - {_SECS.format(p="$7")} THEN h.heard
-                            ELSE a.connected_at END
+        connected_at = CASE WHEN a.last_seen < h.heard - {_QUIET.format(p="$7", a="a")} THEN h.heard
+                            ELSE a.connected_at END,
+        beat_gap_ms = h.gap_ms
     FROM h
     WHERE a.id = h.id AND a.id IN (SELECT id FROM locked) AND a.last_signed_ms < h.signed_ms
       AND NOT EXISTS (SELECT 1 FROM revoked_certs r WHERE r.cert_id = h.cert_id)
@@ -672,10 +686,10 @@ WITH h AS (
 SELECT id FROM seen
 """
 AGENT_AGAIN: Final = "SELECT site_id, role FROM agents WHERE id = $1"
-# $2 signed_at_ms, $3 silent_after_ms: shown disconnected at once
+# $2 signed_at_ms, $3 silent_after_ms: shown disconnected at once (its announced gap gone too)
 AGENT_LEAVE: Final = f"""
 UPDATE agents SET last_seen = now() - {_SECS.format(p="$3")} - interval '1 second',
-    last_signed_ms = $2
+    last_signed_ms = $2, beat_gap_ms = 0
 WHERE id = $1 AND last_signed_ms < $2
 RETURNING site_id, role
 """
@@ -700,7 +714,8 @@ LEASE_RELEASE: Final = "DELETE FROM boot_leases WHERE site_id = $1 AND agent_id 
 # boot lease goes, and its unclaimed site commands go back to pending for another agent.
 CERT_REVOKED_MARK: Final = "INSERT INTO revoked_certs (cert_id) VALUES ($1) ON CONFLICT DO NOTHING"
 CERT_REVOKED_CUT_OFF: Final = f"""
-UPDATE agents SET last_seen = least(last_seen, now() - {_SECS.format(p="$2")} - interval '1 second')
+UPDATE agents SET last_seen = least(last_seen, now() - {_SECS.format(p="$2")} - interval '1 second'),
+    beat_gap_ms = 0
 WHERE cert_id = $1
 RETURNING id, site_id, role
 """
@@ -721,14 +736,14 @@ RETURNING {_COLS}
 # $1 site, $2 role, $3 connected, $4 silent_after_ms, $5 limit
 AGENTS_LIST: Final = f"""
 SELECT a.id, a.site_id, a.tenant_id, a.role, a.cert_id, a.version, a.kinds, a.connected_at,
-       a.status, a.last_seen, a.last_seen > now() - {_SECS.format(p="$4")} AS connected,
+       a.status, a.last_seen, a.last_seen > now() - {_QUIET.format(p="$4", a="a")} AS connected,
        l.agent_id IS NOT NULL AS boot_lease,
        (SELECT count(*) FROM commands c
         WHERE c.agent_id = a.id AND c.state IN ('dispatched', 'acked', 'running')) AS live
 FROM agents a
 LEFT JOIN boot_leases l ON l.site_id = a.site_id AND l.agent_id = a.id AND l.expires_at > now()
 WHERE ($1::text IS NULL OR a.site_id = $1) AND ($2::text IS NULL OR a.role = $2)
-  AND ($3::bool IS NULL OR (a.last_seen > now() - {_SECS.format(p="$4")}) = $3)
+  AND ($3::bool IS NULL OR (a.last_seen > now() - {_QUIET.format(p="$4", a="a")}) = $3)
   AND ($6::text IS NULL OR (a.site_id, a.id) > ($6, $7::text))
 ORDER BY a.site_id, a.id LIMIT $5
 """
@@ -744,7 +759,7 @@ LIVE_BY_STATE: Final = (
 # $1 silent_after_ms
 AGENTS_CONNECTED: Final = (
     "SELECT site_id AS site, role, count(*) AS n FROM agents"
-    f" WHERE last_seen > now() - {_SECS.format(p='$1')}"
+    f" WHERE last_seen > now() - {_QUIET.format(p='$1', a='agents')}"
     " GROUP BY site_id, role"
 )
 BATCHES_WAITING: Final = (

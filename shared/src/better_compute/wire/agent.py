@@ -126,6 +126,9 @@ class Hello(AgentEvent, frozen=True, kw_only=True, tag="hello"):
     """The agent's journal (as in ``Ack``): the queue numbers journals in the order it first
     hears of them, so a late claim from a journal that was replaced meanwhile is known as older,
     however recently it was signed."""
+    next_heartbeat_ms: int = 0
+    """As in ``Heartbeat``: the gap until its next heartbeat (a hello again after a reconnect
+    may come in the middle of an idle agent's long gap). 0: the hello reply's ``heartbeat_ms``."""
 
 
 class Heartbeat(AgentEvent, frozen=True, kw_only=True, tag="heartbeat"):
@@ -138,6 +141,10 @@ class Heartbeat(AgentEvent, frozen=True, kw_only=True, tag="heartbeat"):
     journal_id: str = ""
     """The agent's journal: what it claimed may run there while it heartbeats (a command another
     journal interrupted stays live until this one reports its end or falls silent)."""
+    next_heartbeat_ms: int = 0
+    """How long until its next heartbeat: a machine's agent with nothing to do heartbeats every
+    ``HelloReply.idle_heartbeat_ms``, and the queue counts its silence from that gap. 0 (an older
+    agent): the hello reply's ``heartbeat_ms``."""
 
 
 class Ack(AgentEvent, frozen=True, kw_only=True, tag="ack"):
@@ -233,6 +240,12 @@ class HelloReply(_Msg, frozen=True, kw_only=True):
     acknowledges it, link to the hub up or not), instead of asking the command queue; the
     queue reads that stream and applies what it finds. Unset: results are requests."""
     results_stream: str | None = None
+    idle_heartbeat_ms: int | None = None
+    """A machine's agent (role ``node`` or ``provisioned``) with nothing to do (no command
+    claimed, running or being reported, nothing unreported in its journal) heartbeats this often,
+    saying so in each heartbeat (``next_heartbeat_ms``), and every ``heartbeat_ms`` from the
+    moment it has work. A site agent keeps ``heartbeat_ms``. None (an older queue): always
+    ``heartbeat_ms``."""
 
 
 class HeartbeatReply(_Msg, frozen=True, kw_only=True):

@@ -327,7 +327,15 @@ class Agent:
         self.boot_lease = False
         """Whether this agent holds its site's boot lease (as of the last heartbeat)."""
         self.heartbeat_ms = 5_000
+        self.idle_heartbeat_ms = 0
+        """A machine's agent with nothing to do heartbeats this often (the hello reply's; 0: an
+        older queue, or a site agent: always ``heartbeat_ms``)."""
+        self.next_heartbeat_ms = 0
+        """The gap until the next heartbeat, as the last heartbeat announced it (0: none yet)."""
         self.ack_wait_s = 30.0
+        self._work = asyncio.Event()
+        """Set when work arrives (a delivery, a cancel, a re-run): an idle agent's long pause
+        between heartbeats ends, and it heartbeats at the busy cadence."""
         self._hello: HelloReply | None = None
         self._psub: Any = None
         self._stop = asyncio.Event()
@@ -432,7 +440,27 @@ class Agent:
             leaving=leaving,
             status=self._status(),
             journal_id=self.journal.id if self.journal is not None else "",
+            next_heartbeat_ms=self.next_heartbeat_ms,
         )
+
+    def idle(self) -> bool:
+        """Nothing live here: no command being claimed, run or reported, no task of ours (a
+        cancel, a re-run), nothing in the journal left to report."""
+        if self._active or self._tasks or self._runs:
+            return False
+        return self.journal is None or not self.journal.unsettled()
+
+    def _cadence_ms(self) -> int:
+        """The gap until the next heartbeat: ``idle_heartbeat_ms`` for a machine's agent with
+        nothing to do, else ``heartbeat_ms``. A site agent keeps ``heartbeat_ms``: it renews its
+        site's boot lease and takes the site's commands."""
+        if (
+            self.idle_heartbeat_ms > self.heartbeat_ms
+            and self.enrollment.role in ("node", "provisioned")
+            and self.idle()
+        ):
+            return self.idle_heartbeat_ms
+        return self.heartbeat_ms
 
     def _status(self) -> AgentStatus | None:
         """What the agent says of itself (its ``status`` callable); never fails a heartbeat."""
@@ -521,6 +549,8 @@ class Agent:
                 incarnation=self.incarnation,
                 status=self._status(),
                 journal_id=self.journal.id if self.journal is not None else "",
+                # a hello again (a reconnect) may fall in an idle agent's long pause
+                next_heartbeat_ms=self.next_heartbeat_ms,
             )
             return msgspec.convert(await self._request("hello", event), HelloReply)
 
@@ -530,6 +560,7 @@ class Agent:
             raise BcError(ErrorCode.UNAVAILABLE, "stopped before the command queue answered") from exc
         self._hello = reply
         self.heartbeat_ms = reply.heartbeat_ms
+        self.idle_heartbeat_ms = reply.idle_heartbeat_ms or 0
         self.ack_wait_s = reply.ack_wait_ms / 1000
         self.boot_lease = reply.boot_lease
         assert self.nc is not None
@@ -544,12 +575,17 @@ class Agent:
         self.ready.set()
 
     async def _heartbeats(self) -> None:
+        """Every ``heartbeat_ms``, or every ``idle_heartbeat_ms`` while a machine's agent has
+        nothing to do; each says the gap until the next (the queue counts the agent's silence
+        from it). Work arriving during an idle pause cuts it to ``heartbeat_ms`` from the last
+        heartbeat: from then on the agent heartbeats, and hears cancels, as a busy one does."""
+        gap_ms = self.heartbeat_ms  # the hello said no longer gap
         while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.heartbeat_ms / 1000):
-                    await self._stop.wait()
+            await self._pause(time.monotonic(), gap_ms)
             if self._stop.is_set():
                 return
+            self._work.clear()  # work arriving from here on wakes the next pause
+            gap_ms = self.next_heartbeat_ms = self._cadence_ms()
             try:
                 got = msgspec.convert(await self._request("heartbeat", self._heartbeat()), HeartbeatReply)
                 self.boot_lease = got.boot_lease
@@ -557,8 +593,29 @@ class Agent:
                     self._spawn(self._cancel_reached(got.cancel, via="heartbeat"))
             except BcError as err:
                 self.log.debug("heartbeat_failed", code=err.code.value)
+                gap_ms = self.heartbeat_ms  # unheard: the next one comes soon, as before
                 if err.code is ErrorCode.NOT_FOUND:
                     self._rehello.set()  # the command queue forgot us: announce again
+
+    async def _pause(self, since: float, gap_ms: int) -> None:
+        """Until ``gap_ms`` after ``since``, or ``heartbeat_ms`` after it once work arrives
+        (at once if that is past), or a stop."""
+        deadline = since + gap_ms / 1000
+        busy = since + self.heartbeat_ms / 1000
+        while not self._stop.is_set():
+            if self._work.is_set():
+                deadline = min(deadline, busy)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            waits = {asyncio.ensure_future(self._stop.wait())}
+            if deadline > busy:
+                waits.add(asyncio.ensure_future(self._work.wait()))
+            try:
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
 
     # -- cancels -------------------------------------------------------------------------
 
@@ -566,6 +623,7 @@ class Agent:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._work.set()
 
     async def _cancel_reached(self, command_ids: list[str], *, via: str) -> None:
         """The command queue says these commands of ours were cancelled: a running one stops
@@ -698,6 +756,8 @@ class Agent:
                 task = asyncio.create_task(self._handle(msg), name="agent-command")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            if msgs:
+                self._work.set()  # an idle agent's heartbeats take the busy cadence at once
 
     async def _fetch(self, batch: int) -> list[Msg]:
         """One long poll of our consumer: its messages as soon as there are any (the server

@@ -156,7 +156,6 @@ class MemoryStore(Presence):
         self, prefix: str, *, node_id: str | None, workflow_id: str | None, lost_after_ms: int
     ) -> list[ClaimedRow]:
         """``CLAIMED_UNDER_PREFIX``"""
-        cut = self.now() - lost_after_ms / 1000
         found = []
         for c in self._under(prefix, node_id=node_id, workflow_id=workflow_id):
             agent = self._t.agents.get(c.agent_id) if c.agent_id is not None else None
@@ -167,7 +166,7 @@ class MemoryStore(Presence):
             )
             j = self._t.journals.get((agent_id := c.agent_id or "", c.claim_journal or ""))
             seen = j.last_seen if j is not None and j.present else agent.last_seen
-            if may_run and seen > cut:
+            if may_run and seen > self.now() - agent.quiet(lost_after_ms):
                 found.append(ClaimedRow(id=c.id, agent_id=agent_id, claim_journal=c.claim_journal))
         return found
 
@@ -441,7 +440,7 @@ class MemoryStore(Presence):
 
     def _silent_for(self, c: _Command, ms: int) -> bool:
         a = self._t.agents.get(c.agent_id) if c.agent_id is not None else None
-        return a is not None and a.last_seen < self.now() - ms / 1000
+        return a is not None and a.last_seen < self.now() - a.quiet(ms)
 
     async def reassign_silent(self, *, silent_after_ms: int) -> list[CommandRow]:
         """``REASSIGN_SILENT``"""
@@ -467,7 +466,7 @@ class MemoryStore(Presence):
         def site_heard(agent_id: str | None) -> bool:
             a = self._t.agents.get(agent_id) if agent_id is not None else None
             return a is not None and any(
-                b_id != agent_id and b.site_id == a.site_id and b.last_seen > now - silent_after_ms / 1000
+                b_id != agent_id and b.site_id == a.site_id and b.last_seen > now - b.quiet(silent_after_ms)
                 and b.connected_at < cut
                 for b_id, b in self._t.agents.items()
             )  # fmt: skip
@@ -500,7 +499,7 @@ class MemoryStore(Presence):
             b = self._batch_of(c)
             approved = b is not None and b.approved_at is not None and b.expires_at > now
             has_agent = c.target == "node" or any(
-                a.site_id == c.site_id and a.role == "site" and a.last_seen > now - silent_after_ms / 1000
+                a.site_id == c.site_id and a.role == "site" and a.last_seen > now - a.quiet(silent_after_ms)
                 for a in self._t.agents.values()
             )
             return (

@@ -43,7 +43,7 @@ class Presence(Tables):
         self._t.agents[h.agent_id] = _Agent(
             site_id=h.site_id, role=h.role, kinds=h.kinds, last_seen=now, tenant_id=h.tenant_id,
             cert_id=h.cert_id, incarnation=h.incarnation, version=h.version, connected_at=now,
-            last_signed_ms=h.signed_at_ms, status=h.status,
+            last_signed_ms=h.signed_at_ms, status=h.status, beat_gap_ms=h.gap_ms,
         )  # fmt: skip
         return True
 
@@ -55,8 +55,9 @@ class Presence(Tables):
         if a is None or a.last_signed_ms >= signed_at_ms or cert_id in self._t.revoked:
             return None
         now = self.now()
-        if a.last_seen < now - silent_after_ms / 1000:
+        if a.last_seen < now - a.quiet(silent_after_ms):
             a.connected_at = now  # the first word after a silence: a new connection
+        a.beat_gap_ms = 0
         a.last_seen, a.last_signed_ms, a.cert_id = now, signed_at_ms, cert_id
         a.status = status if status is not None else a.status
         return self._seen(agent_id)
@@ -69,6 +70,7 @@ class Presence(Tables):
         if a is None or a.last_signed_ms >= signed_at_ms:
             return None
         a.last_seen, a.last_signed_ms = self.now() - silent_after_ms / 1000 - 1, signed_at_ms
+        a.beat_gap_ms = 0
         return self._seen(agent_id)
 
     async def agents_heard(self, beats: Sequence[Beat], *, silent_after_ms: int) -> list[str]:
@@ -79,8 +81,9 @@ class Presence(Tables):
             if a is None or a.last_signed_ms >= b.signed_at_ms or b.cert_id in self._t.revoked:
                 continue
             heard = self.now() - b.age_ms / 1000
-            if a.last_seen < heard - silent_after_ms / 1000:
+            if a.last_seen < heard - a.quiet(silent_after_ms):
                 a.connected_at = heard
+            a.beat_gap_ms = b.gap_ms
             a.last_seen, a.last_signed_ms, a.cert_id = max(a.last_seen, heard), b.signed_at_ms, b.cert_id
             a.status = b.status if b.status is not None else a.status
             if b.journal_id:
@@ -129,7 +132,7 @@ class Presence(Tables):
         ids = [agent_id for agent_id, a in self._t.agents.items() if a.cert_id == cert_id]
         for agent_id in ids:
             a = self._t.agents[agent_id]
-            a.last_seen = min(a.last_seen, silent)
+            a.last_seen, a.beat_gap_ms = min(a.last_seen, silent), 0
         self._t.leases = {site: held for site, held in self._t.leases.items() if held[0] not in ids}
         back = [
             self._touch(c, state="pending", agent_id=None, published_at=None, reason="agent-revoked")
@@ -172,7 +175,7 @@ class Presence(Tables):
         now = self.now()
         rows = []
         for agent_id, a in sorted(self._t.agents.items(), key=lambda item: (item[1].site_id, item[0])):
-            heard = a.last_seen > now - silent_after_ms / 1000
+            heard = a.last_seen > now - a.quiet(silent_after_ms)
             if (
                 (site_id is not None and a.site_id != site_id)
                 or (role is not None and a.role != role)
@@ -209,8 +212,12 @@ class Presence(Tables):
 
     async def agents_connected(self, *, silent_after_ms: int) -> list[AgentCountRow]:
         """``AGENTS_CONNECTED``"""
-        since = self.now() - silent_after_ms / 1000
-        counted = Counter((a.site_id, a.role) for a in self._t.agents.values() if a.last_seen > since)
+        now = self.now()
+        counted = Counter(
+            (a.site_id, a.role)
+            for a in self._t.agents.values()
+            if a.last_seen > now - a.quiet(silent_after_ms)
+        )
         return [AgentCountRow(site=site, role=role, n=n) for (site, role), n in counted.items()]
 
     async def batches_waiting(self) -> int:

@@ -100,6 +100,11 @@ class _Agent:
     connected_at: float = 0.0
     last_signed_ms: int = 0
     status: str | None = None
+    beat_gap_ms: int = 0
+
+    def quiet(self, ms: int) -> float:
+        """``store._QUIET``: seconds it may go unheard before the rule of ``ms`` counts it."""
+        return max(ms, 3 * self.beat_gap_ms) / 1000
 
 
 @dataclasses.dataclass
@@ -189,7 +194,7 @@ class Tables:
 
     def _connected(self, agent_id: str | None, silent_after_ms: int) -> bool:
         a = self._t.agents.get(agent_id) if agent_id is not None else None
-        return a is not None and a.last_seen > self.now() - silent_after_ms / 1000
+        return a is not None and a.last_seen > self.now() - a.quiet(silent_after_ms)
 
     def _pick(self, site_id: str, kind: str | None, silent_after_ms: int) -> str | None:
         """``PICK_SITE_AGENT``: connected, implementing the kind, the boot-lease holder first."""
@@ -200,7 +205,7 @@ class Tables:
             for agent_id, a in self._t.agents.items()
             if a.site_id == site_id
             and a.role == "site"
-            and a.last_seen > now - silent_after_ms / 1000
+            and a.last_seen > now - a.quiet(silent_after_ms)
             and (kind is None or a.kinds is None or kind in a.kinds)
         ]
         return max(found)[2] if found else None
