@@ -24,7 +24,7 @@ import tempfile
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
@@ -697,6 +697,13 @@ def _enum_value(value: Any) -> str:
     return str(getattr(value, "value", value)) if value is not None else ""
 
 
+_NOT_SENT: Final = (
+    requests.exceptions.ConnectTimeout,
+    urllib3.exceptions.NewConnectionError,  # NameResolutionError is one
+    urllib3.exceptions.ConnectTimeoutError,
+)
+
+
 def _never_sent(exc: BaseException) -> bool:
     """Whether a connection error happened before the request left: refused, the name not
     resolved, the connect timing out. A connection lost or a read timing out afterwards is not.
@@ -705,27 +712,18 @@ def _never_sent(exc: BaseException) -> bool:
     answer); tests/integration/test_site_agent_drivers.py checks it.
     (sushy raises its ConnectionError inside the ``except`` of the requests error, which
     requests raised from urllib3's: the chain holds the cause.)"""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, requests.exceptions.ConnectTimeout | urllib3.exceptions.NewConnectionError):
-            return True  # NameResolutionError is a NewConnectionError
-        if isinstance(e, urllib3.exceptions.ConnectTimeoutError):
-            return True
-        if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None:
-            todo.append(e.reason)
-        todo.extend(a for a in e.args if isinstance(a, BaseException))
-        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
-    return False
+    return any(isinstance(e, _NOT_SENT) for e in _chain(exc))
 
 
 def _dropped(exc: BaseException) -> bool:
     """Whether a request failed because the connection was closed under it (the BMC closed a
     kept connection, or dropped one mid-answer): urllib3's ``ProtocolError`` in the chain."""
+    return any(isinstance(e, urllib3.exceptions.ProtocolError) for e in _chain(exc))
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception it carries: its cause, its context, its arguments, a
+    ``MaxRetryError``'s reason (each once)."""
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -733,13 +731,11 @@ def _dropped(exc: BaseException) -> bool:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, urllib3.exceptions.ProtocolError):
-            return True
+        yield e
         if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None:
             todo.append(e.reason)
         todo.extend(a for a in e.args if isinstance(a, BaseException))
         todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
-    return False
 
 
 def _cause(exc: BaseException) -> str:
