@@ -156,6 +156,11 @@ def _bmc_medium_url(stack: FleetStack, m: Any) -> str | None:
     return None
 
 
+async def _step_of(stack: FleetStack, node_id: str, action: str = "wait.agentJoined") -> bool:
+    current = (await stack.engine.get_node(id=node_id)).current_workflow
+    return current is not None and current.step is not None and current.step.action == action
+
+
 async def _quarantine(stack: FleetStack, node_id: str) -> dict[str, Any] | None:
     found: dict[str, Any] | None = (await stack.engine.get_node(id=node_id)).quarantine
     return found
@@ -333,6 +338,9 @@ async def test_a_token_taken_off_the_boot_network_is_never_the_nodes_identity(
     m, node_id = stack.machine(3), stack.nodes[3]  # never boots: only the test's hosts ask
     await stack.verb("inspect", 3)
     await until(lambda: len(_entries(stack)) >= len(m.macs), timeout=120, what="machine 3's boot entries")
+    # its ramdisk step done (the power cycle too): the site agent is killed below, and a command
+    # of that step still running then would fail the inspect for another reason than the burn
+    await until(lambda: _step_of(stack, node_id), timeout=120, what="machine 3 waits for its join")
     pki = next(p for p in stack.processes.procs if p.service == "bc-pki" and p.alive())
     pki.kill()
     assert TOKEN.search(_ask(stack, m.macs[0], source="127.0.0.2")) is not None

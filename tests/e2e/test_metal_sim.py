@@ -36,7 +36,12 @@ from better_compute.testing.site_agent import SiteAgentProcess
 pytestmark = pytest.mark.e2e
 
 SITE = "lab1"
-FAST_ENV = {"BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SWEEP": "100ms", "BC_CMDQ_REDELIVER_AFTER": "1s"}
+FAST_ENV = {
+    "BC_CMDQ_HEARTBEAT": "200ms", "BC_CMDQ_SWEEP": "100ms", "BC_CMDQ_REDELIVER_AFTER": "1s",
+    # a machine whose plug is pulled while idle is silent after 3 idle heartbeats (30 s each by
+    # default): this file waits for that (docs/command-queue.md "Presence and boot leases")
+    "BC_CMDQ_IDLE_HEARTBEAT": "2s",
+}  # fmt: skip
 
 
 @dataclass

@@ -37,6 +37,7 @@ class _Sent:
         self.agent = object.__new__(Agent)
         self.agent._runs = {"cmd_1": _Run()}
         self.agent._tasks = set()
+        self.agent._work = asyncio.Event()  # what wakes an idle agent's heartbeat pause
         self.events: list[tuple[float, str | None]] = []
 
         async def progress(command_id: str, message: str | None, percent: float | None) -> None:
