@@ -100,9 +100,15 @@ async def test_a_site_with_no_agent_connected_is_unreachable_since_its_site_agen
     assert part.kind == "site-unreachable"
     assert part.text.startswith("site lab1 unreachable since 2025-12-01T06:21:00Z: no agent of the site")
     assert (part.facts["siteId"], part.facts["agentId"]) == ("lab1", "agent_s")
-    # one agent of the site heard (a bcd, the site agent down): the site is reachable
-    one = [cut[0], _agent("node_1", connected=True)]
+    # one agent of the site heard just now (a bcd, the site agent down): the site is reachable
+    one = [cut[0], _agent("node_1", connected=True, last_seen=time.time() - 2)]
     assert await WhyApi(db=None, cmdq=FakeQueue(one))._site_unreachable("lab1") is None  # type: ignore[arg-type]
+    # an idle machine still counts as connected for three of its 30 s heartbeats, but unheard for
+    # longer than a site agent's silence it does not say its site is there (the site is cut)
+    idle = [cut[0], _agent("node_1", connected=True, last_seen=time.time() - 40)]
+    part = await WhyApi(db=None, cmdq=FakeQueue(idle))._site_unreachable("lab1")  # type: ignore[arg-type]
+    assert part is not None
+    assert part.kind == "site-unreachable"
     # a site that never had a site agent is empty, not unreachable
     none = [_agent("node_1", connected=False)]
     assert await WhyApi(db=None, cmdq=FakeQueue(none))._site_unreachable("lab1") is None  # type: ignore[arg-type]

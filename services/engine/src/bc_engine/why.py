@@ -33,6 +33,8 @@ from . import store
 __all__ = ["WhyApi"]
 
 _MAX_COMMANDS = 3  # live commands of one attempt named in the answer
+SITE_HEARD_S = 15.0
+"""An agent heard this recently means its site is reachable (cmdq.silent_after's default)."""
 # The node's running workflow, else its latest.
 NODE_WORKFLOW = (
     "SELECT * FROM workflows WHERE node_id = $1 ORDER BY (state = 'running') DESC, created_at DESC LIMIT 1"
@@ -132,15 +134,23 @@ class WhyApi:
         return msgspec.structs.replace(answer, reasons=reasons, answer=text)
 
     async def _site_unreachable(self, site_id: str | None) -> m.WhyReason | None:
-        """The node's site when nothing of it is heard: it has site agents, and no agent of the
-        site (site agent or bcd) is connected. Since: the last time one of its site agents was
-        heard (they heartbeat while they run), so a site cut off from the hub (its leaf's link
-        down) reads as such; a site whose every agent stopped reads the same, and cannot be told
-        apart from here."""
+        """The node's site when nothing of it is heard: it has site agents, none is connected,
+        and no machine of it is busy or was heard within ``SITE_HEARD_S``. Since: the last time
+        one of its site agents was heard (they heartbeat while they run), so a site cut off from
+        the hub (its leaf's link down) reads as such; a site whose every agent stopped reads the
+        same, and cannot be told apart from here."""
         if not site_id:
             return None
         try:
-            if await self.cmdq.agents(site_id=site_id, connected=True, limit=1):
+            # An idle machine heartbeats every cmdq.idle_heartbeat (30 s) and counts as connected
+            # for three of those: a cut site's idle machines would hide the cut for 90 s. The site
+            # is heard when a site agent or a busy machine (both heartbeat every 5 s) is connected,
+            # or any agent of it was heard within SITE_HEARD_S.
+            now = time.time()
+            connected = await self.cmdq.agents(site_id=site_id, connected=True, limit=100)
+            if any(
+                a.role == "site" or a.live_commands or now - a.last_seen < SITE_HEARD_S for a in connected
+            ):
                 return None
             site_agents = await self.cmdq.agents(site_id=site_id, role="site", limit=100)
         except BcError:
