@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from better_compute.testing.agents import SimAgent
 from better_compute.testing.bcd import BcdProcess
 
 
@@ -17,3 +18,12 @@ def bcds() -> Iterator[list[BcdProcess]]:
     for bcd in made:
         bcd.close()
         print(f"--- bcd (pid {bcd.proc.pid}) ---", *bcd.output().splitlines()[-30:], sep="\n")
+
+
+@pytest.fixture
+def agents_closed() -> Iterator[list[SimAgent]]:
+    """Simulated agents a test starts (append each): closed when it ends."""
+    made: list[SimAgent] = []
+    yield made
+    for sim in made:
+        sim.close()

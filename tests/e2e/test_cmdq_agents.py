@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import pytest
 import pytest_asyncio
 
 from better_compute.clients.cmdq import CommandQueueClient
@@ -54,14 +53,6 @@ class Cluster:
         )  # fmt: skip
         self.agents.append(sim)
         return sim, agent_id
-
-
-@pytest.fixture
-def agents_closed() -> Iterator[list[SimAgent]]:
-    made: list[SimAgent] = []
-    yield made
-    for sim in made:
-        sim.close()
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -8,10 +8,7 @@ rules on PostgreSQL: tests/integration/test_cmdq_store_contract.py."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
@@ -30,14 +27,6 @@ ENV = {
     "BC_CMDQ_LOST_AFTER": "60000ms",
     "BC_CMDQ_SWEEP": "100ms",
 }
-
-
-@pytest.fixture
-def agents_closed() -> Iterator[list[SimAgent]]:
-    made: list[SimAgent] = []
-    yield made
-    for sim in made:
-        sim.close()
 
 
 async def test_an_idle_machine_heartbeats_rarely_stays_connected_and_still_takes_commands_and_cancels(
