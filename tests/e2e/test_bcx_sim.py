@@ -228,7 +228,8 @@ async def test_sim_up_with_a_vm_enrolls_it_behind_its_bmc_the_product_boots_it_a
     # enrolled: a node with its MAC and its BMC, a sushy-emulator of its own holding the VM
     engine = EngineClient(bc_api)
     node = await engine.get_node(id=vm["node"])
-    assert (node.state, node.site_id, node.labels) == ("enrolled", VM_SITE, {"sim": "1", "vm": "1"})
+    vm_labels = {"sim": "1", "vm": "1", "hw": "vm"}  # sim up labels its VMs hw=vm, its machines hw=sim
+    assert (node.state, node.site_id, node.labels) == ("enrolled", VM_SITE, vm_labels)
     assert node.macs == [vm["mac"]]
     assert node.bmc is not None
     assert node.bmc["driver"] == "redfish"
