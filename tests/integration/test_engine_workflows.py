@@ -197,6 +197,47 @@ async def test_step_not_ready_waits_then_succeeds_on_the_same_attempt(
     assert done.steps[0].result == {"flag": "go", "attempt": 1}
 
 
+async def test_an_engine_that_takes_the_shards_runs_each_waiting_workflow_once_at_once(
+    bc_settings: Settings, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    """A wake-up lives in one engine's memory: when that engine is gone (a kill after a step
+    enqueued its next command and before it recorded it), the workflow's key may be due only at
+    an earlier wait's end. The engine that takes the shards runs each key of them once, so the
+    workflow goes on at once, not an hour later."""
+    settings = msgspec.structs.replace(bc_settings, app="engine_test_app:app")
+    engine_api = EngineClient(bc_api)
+    first = EngineService(settings)
+    async with first:
+        run = asyncio.create_task(first.run())
+        await create_profile(
+            bc_api, [{"use": "test.waitFlag", "with": {"flag": "taken", "pollMs": 3_600_000}}], id="t-taken"
+        )
+        wf = await engine_api.start_workflow(profile_id="t-taken")
+        checks = "SELECT coalesce(max(n), 0) FROM public.plg_test_checks WHERE flag = 'taken'"
+        await until(lambda: db.fetchval(checks), timeout=10, what="the step checked its flag")
+        first.request_stop()
+        await asyncio.wait_for(run, 10)
+    await flag(db, "taken")  # the wake-up that would have come is lost with the first engine
+    due = await db.fetchval(
+        "SELECT q.not_before FROM engine.work_queue q JOIN engine.workflows w ON w.rkey = q.rkey"
+        " WHERE w.id = $1",
+        wf.id,
+    )
+    assert due > datetime.now(UTC) + timedelta(minutes=30), "the key waits for the step's hour"
+    second = EngineService(settings)
+    async with second:
+        run = asyncio.create_task(second.run())
+        try:
+            ended = "SELECT state <> 'running' FROM engine.workflows WHERE id = $1"
+            await until(lambda: db.fetchval(ended, wf.id), timeout=20, what="the workflow ended")
+            done = await engine_api.get_workflow(id=wf.id)
+        finally:
+            second.request_stop()
+            await asyncio.wait_for(run, 10)
+    assert done.state == "succeeded"
+    assert done.steps[0].result == {"flag": "taken", "attempt": 1}
+
+
 async def test_a_step_that_never_gets_ready_fails_timeout_at_its_deadline(
     engine: EngineService, bc_api: ApiClient
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 from bc_engine.core.outcomes import Fail, Ok, Wait
 from bc_engine.steps.context import StepCommands
 from bc_engine.steps.memo import MAX_MEMO_RESULT, AttemptMemo, AttemptMemos
-from bc_engine.steps.runners import COMMAND_WAIT_CAP_S, run_control_plane
+from bc_engine.steps.runners import run_control_plane
 from bc_engine.store import StepRow, WorkflowRow
 from bc_engine.why import WhyApi
 from better_compute.clients.pki import PkiClient
@@ -390,7 +390,6 @@ def test_why_says_which_command_a_control_plane_step_waits_for() -> None:
 
 
 def _command_wait(out: object, deadline: float) -> bool:
-    """The wait of a step on its command: its deadline, or COMMAND_WAIT_CAP_S from now when
-    that is sooner (far longer than COMMAND_POLL_MS either way)."""
-    expected = min(deadline, time.time() + COMMAND_WAIT_CAP_S)
-    return isinstance(out, Wait) and out.at == pytest.approx(expected, abs=2)
+    """The wait of a step on its command: its deadline (its command's end wakes it, the command
+    watch is the net), never a periodic re-run."""
+    return isinstance(out, Wait) and out.at == pytest.approx(deadline, abs=2)

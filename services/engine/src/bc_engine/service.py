@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -135,7 +136,7 @@ class EngineService(Service):
         self.leases = ShardLeases(
             self.db,
             self.instance,
-            on_gained=lambda _s: self._poll_soon.set(),
+            on_gained=self._shards_gained,
             on_lost=lambda _s: self.scheduler.drop(self._owns_key),
             log=self.log,
         )
@@ -178,6 +179,7 @@ class EngineService(Service):
         self.engine.start_in = self.engine_api.start_in
         self.engine.wake = self.wake
         self._poll_soon = asyncio.Event()
+        self._gained: set[int] = set()  # shards taken since the poll's last look
         self._rkeys: dict[str, str] = {}
         root = self.subjects.root
         self._subs = [
@@ -287,10 +289,26 @@ class EngineService(Service):
         if self._owns_key(rkey):
             self.scheduler.now(rkey)
 
+    def _shards_gained(self, shards: set[int]) -> None:
+        self._gained |= shards
+        self._poll_soon.set()
+
     async def _poll_loop(self) -> None:
         assert self.db is not None
         while True:
             mine = [s for s in range(queue.SHARDS) if self.leases.owns(s) is not None]
+            self._gained &= set(mine)  # taken and lost again: the owner now runs them
+            gained = sorted(self._gained)
+            if gained:
+                # each key of a shard just taken runs once now (store.GAINED_KEYS says why):
+                # a cost per change of owner, not per machine and second
+                keys = await self.db.fetch(store.GAINED_KEYS, gained, POLL_EVERY)
+                now = time.time()
+                for r in keys:
+                    self.scheduler.at(r["rkey"], now, from_poll=True)
+                self._gained -= set(gained)  # not before the look succeeded
+                if keys:
+                    self.log.info("gained_keys_run", shards=len(gained), keys=len(keys))
             if mine:
                 rows = await self.db.fetch(store.DUE_KEYS, mine, POLL_EVERY)
                 for r in rows:

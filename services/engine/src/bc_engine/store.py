@@ -274,6 +274,15 @@ DUE_KEYS = (
     "SELECT rkey, extract(epoch FROM not_before) AS at FROM work_queue"
     " WHERE shard = ANY($1::int[]) AND not_before <= now() + make_interval(secs => $2)"
 )
+# Shards this process just took (its start, a dead engine's shards, a rebalance): every key of
+# them not due within the poll. A pass that died (SIGKILL, a lost lease) may have been woken by an
+# event, which lives in memory only, and have left its key due at an earlier wait's end: e.g.
+# killed after it enqueued a step's next command and before it recorded that command as the one
+# the step waits on. The new owner runs each such key once, so nothing hangs until a deadline.
+GAINED_KEYS = (
+    "SELECT rkey FROM work_queue"
+    " WHERE shard = ANY($1::int[]) AND not_before > now() + make_interval(secs => $2)"
+)
 # The command watch: every command a running step of a workflow in these shards waits on.
 WAITING_COMMANDS = (
     "SELECT s.command_id, w.rkey FROM workflows w JOIN workflow_steps s ON s.workflow_id = w.id"

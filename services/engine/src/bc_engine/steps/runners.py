@@ -30,7 +30,6 @@ from .host import StepHost
 
 __all__ = ["StepRunners", "run_agent_step", "run_control_plane"]
 
-COMMAND_WAIT_CAP_S = 30.0  # a step waiting on its command runs again at least this often
 SERVICE_WAIT_FIRST_S = 0.25  # backoff while one of our services is away: the first wait …
 SERVICE_WAIT_CAP_S = 5.0  # … doubling up to this (jittered: faults.Backoff)
 
@@ -188,14 +187,15 @@ async def _command_wait(
     does, the command is recorded as the one the step waits on (``command_id``, and
     ``waitingFor`` says which) and the pass waits until the deadline. The command's settle event
     wakes the workflow at once; the command watch (every AGENT_POLL_S, in bulk) is the safety
-    net. So the step runs again once per command it sends, not every COMMAND_POLL_MS. Still at
-    most every COMMAND_WAIT_CAP_S: a wake-up is in memory only, and an engine that died after a
-    command was enqueued but before it was recorded here left the key due at the old deadline (a
-    15-minute ramdisk step sat that long after an engine.after-enqueue kill)."""
+    net. So the step runs again once per command it sends, not every COMMAND_POLL_MS. A wake-up
+    lives in memory only: an engine that died after a command was enqueued but before it was
+    recorded here left the key due at an earlier wait's end; the engine that takes the shard runs
+    each of its keys once (``store.GAINED_KEYS``). A re-run every 30 s did that before, at a cost
+    per waiting machine: 10,000 machines waiting made 333 passes a second."""
     what = {"reason": "command", "commandId": nr.command_id, "kind": nr.kind}
     if step.command_id != nr.command_id or step.waiting_for != what:
         await host.waiting_command(wf, step, nr.command_id, what)
-    return Wait(min(deadline, time.time() + COMMAND_WAIT_CAP_S))
+    return Wait(deadline)
 
 
 async def _service_wait(host: StepHost, wf: WorkflowRow, step: StepRow, err: ServiceUnavailableError) -> Wait:
