@@ -1,4 +1,4 @@
-"""Group commit (``bc_command_queue.groups.GroupCommit``): agent events that arrive together go to
+"""Group commit (``better_compute.service.groups.GroupCommit``): agent events that arrive together go to
 the store as one statement, and each still gets its own answer, or its own error. (On PostgreSQL,
 with a row it refuses: tests/integration/test_cmdq_store_contract.py; a queue killed between
 groups: tests/integration/test_cmdq_groups_crash.py.)"""
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from bc_command_queue.groups import GroupCommit
+from better_compute.service.groups import GroupCommit
 
 
 class Db:
