@@ -1,5 +1,5 @@
 """The command queue applies claims and results that arrive together as one statement each
-(group commit, ``bc_command_queue.groups``). Killed between two groups (one committed and not yet
+(group commit, ``better_compute.service.groups``). Killed between two groups (one committed and not yet
 answered, the next not committed), it loses nothing and nothing runs twice: the agent asks again,
 the restarted queue answers."""
 

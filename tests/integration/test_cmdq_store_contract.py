@@ -19,7 +19,6 @@ import asyncpg
 import msgspec
 import pytest_asyncio
 
-from bc_command_queue.groups import GroupCommit
 from bc_command_queue.rows import Beat, CommandRow
 from bc_command_queue.storage import (
     AgentHello,
@@ -36,6 +35,7 @@ from bc_command_queue.storage import (
 from bc_command_queue.testing import MemoryStore
 from better_compute.core.ids import new_id
 from better_compute.service import Database
+from better_compute.service.groups import GroupCommit
 from better_compute.wire.agent import payload_digest
 
 SITE = "site-a"

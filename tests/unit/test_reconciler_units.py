@@ -15,7 +15,7 @@ import pytest
 
 from bc_engine.core.engine import Engine, FencedError
 from bc_engine.core.outcomes import Fail, Ok, Outcome, Wait
-from bc_engine.core.reconciler_store import SettleBatcher
+from bc_engine.core.reconciler_store import PgReconcilerStore
 from bc_engine.store import StepRow, WorkflowRow
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import parse_retry
@@ -271,8 +271,9 @@ async def test_a_process_that_lost_the_shard_settles_nothing() -> None:
 
 
 class _SettleDb:
-    """A database whose settle statement answers every row as settled, after ``turns(n)`` turns
-    of the event loop for its n-th statement."""
+    """A database whose settle statement answers every row as settled (last row first: its
+    answers are matched by workflow), after ``turns(n)`` turns of the event loop for its n-th
+    statement."""
 
     def __init__(self, turns: Callable[[int], int]) -> None:
         self.turns = turns
@@ -282,7 +283,10 @@ class _SettleDb:
         self.batches.append(len(workflow_ids))
         for _ in range(self.turns(len(self.batches))):
             await asyncio.sleep(0)
-        return [{"workflow_id": w, "settled": True, "finished": False, "next": None} for w in workflow_ids]
+        return [
+            {"workflow_id": w, "settled": True, "finished": False, "next": None}
+            for w in reversed(workflow_ids)
+        ]
 
 
 @pytest.mark.parametrize(
@@ -303,13 +307,13 @@ async def test_every_settle_is_answered_however_the_passes_interleave_with_the_b
     forgotten) still go out: the workflow benchmark once hung with five workflows waiting on
     settles no batch took."""
     db = _SettleDb(db_turns)
-    batcher = SettleBatcher(db)
+    settles = PgReconcilerStore(db).settles
 
     async def one_pass(n: int) -> int:
         for i in range(30):
             for _ in range(pass_turns(n, i)):
                 await asyncio.sleep(0)
-            row = await batcher.settle((f"wf{n}", i, 1, "{}", 0, "me", 1, None, None))
+            row = await settles((f"wf{n}", i, 1, "{}", 0, "me", 1, None, None))
             assert row["workflow_id"] == f"wf{n}"
         return n
 

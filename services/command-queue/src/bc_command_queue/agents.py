@@ -152,7 +152,7 @@ class Agents:
         """An event whose signature ``signer`` made (checked): applied; the answer to send.
         At most ``agent_event_slots`` statements of agent events at once work on the store
         (heartbeats need none). Claims, progress and results that arrive together go as one
-        statement each (``groups.GroupCommit``), which takes one slot; they wait for their group
+        statement each (``GroupCommit``), which takes one slot; they wait for their group
         without one."""
         match event:
             case Heartbeat():

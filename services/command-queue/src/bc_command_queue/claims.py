@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from better_compute.service.groups import GroupCommit
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Ack, AckReply
 from better_compute.wire.cmdq import TERMINAL_STATES
@@ -23,7 +24,6 @@ from better_compute.wire.cmdq import TERMINAL_STATES
 from .commands import invalid
 from .config import CmdqConfig
 from .delivery import Changed
-from .groups import GroupCommit
 from .rows import ClaimStateRow
 from .storage import Claim, ClaimAnswer, Store, row_may_be_at_fault
 

@@ -32,12 +32,12 @@ from nats.aio.client import Client as Nats
 from nats.js import api
 
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.service.groups import GroupCommit
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire import Subjects
 from better_compute.wire.agent import CommandDelivery
 from better_compute.wire.codec import encode
 
-from .groups import GroupCommit
 from .rows import CommandRow
 from .storage import Published, Store, row_may_be_at_fault
 

@@ -15,12 +15,12 @@ from typing import Any
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import result_document
+from better_compute.service.groups import GroupCommit
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Progress, Result, ResultReply
 from better_compute.wire.codec import check_nesting
 
 from .delivery import Changed
-from .groups import GroupCommit
 from .rows import CommandRow, CommandStateRow, ProgressRow
 from .signers import Signer
 from .storage import Report, Said, Store, row_may_be_at_fault

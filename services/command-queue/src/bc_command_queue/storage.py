@@ -17,9 +17,9 @@ against it where they are defined (``_CHECKED``), not only where a test happens 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import asyncpg
 import msgspec
@@ -657,7 +657,7 @@ class PgStore:
     # -- runs ------------------------------------------------------------------------
     async def progress(self, command_id: str, agent_id: str, message: str | None) -> ProgressRow | None:
         r = await self.db.fetchrow(store.PROGRESS, command_id, agent_id, message)
-        return None if r is None else ProgressRow(command=command_row(r), old_state=r["old_state"])
+        return None if r is None else _progress_row(r)
 
     async def result(
         self,
@@ -684,10 +684,7 @@ class PgStore:
             [p.agent_id for p in said],
             [p.message for p in said],
         )
-        found: list[ProgressRow | None] = [None] * len(said)
-        for r in records:
-            found[r["said_n"] - 1] = ProgressRow(command=command_row(r), old_state=r["old_state"])
-        return found
+        return _by_place(records, "said_n", len(said), _progress_row)
 
     async def result_many(self, reports: Sequence[Report]) -> list[CommandRow | None]:
         if len(reports) == 1:
@@ -704,10 +701,7 @@ class PgStore:
             [r.reason for r in rs], [r.result for r in rs], [r.signature for r in rs],
             [r.attested for r in rs], [r.journal for r in rs],
         )  # fmt: skip
-        found: list[CommandRow | None] = [None] * len(reports)
-        for r in records:
-            found[r["report_n"] - 1] = command_row(r)
-        return found
+        return _by_place(records, "report_n", len(reports), command_row)
 
     async def late_end(self, command_id: str, agent_id: str) -> list[CommandRow]:
         return await self._rows(store.LATE_END, command_id, agent_id)
@@ -914,6 +908,23 @@ class PgStore:
 
     async def batches_waiting(self) -> int:
         return int(await self.db.fetchval(store.BATCHES_WAITING))
+
+
+def _progress_row(r: Any) -> ProgressRow:
+    return ProgressRow(command=command_row(r), old_state=r["old_state"])
+
+
+R = TypeVar("R")
+
+
+def _by_place(records: list[Any], place: str, size: int, decode: Callable[[Any], R]) -> list[R | None]:
+    """A group statement's answers in the order of its arrays: each record decoded at the place
+    (1-based, ``WITH ORDINALITY``) its column ``place`` names, ``None`` where no row came back
+    (a row its statement left alone)."""
+    found: list[R | None] = [None] * size
+    for r in records:
+        found[r[place] - 1] = decode(r)
+    return found
 
 
 _CHECKED: type[Store] = PgStore  # mypy checks every operation against the protocol here

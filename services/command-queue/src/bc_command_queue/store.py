@@ -170,7 +170,7 @@ PUBLISHED: Final = (
     "UPDATE commands SET published_at = now(), publishes = publishes + 1, stream_seq = $3"
     " WHERE id = $1 AND agent_id = $2 AND state IN ('dispatched', 'acked')"
 )
-# PUBLISHED for many deliveries at once (groups.GroupCommit): $1 ids (distinct), $2 agents, $3 seqs.
+# PUBLISHED for many deliveries at once (GroupCommit): $1 ids (distinct), $2 agents, $3 seqs.
 # Its rows are locked in id order, as every statement over many commands of an agent event does:
 # a group of marks and a group of claims over the same commands (an agent claims what was just
 # published) would otherwise deadlock, each holding a row the other waits for.
@@ -332,7 +332,7 @@ WHERE c.id = $1 AND c.agent_id = $2 AND c.not_after > now() AND c.digest = $3
                    AND (NOT $6::bool OR b.approved_at IS NOT NULL)) END)
 RETURNING {_COLS}
 """
-# JOURNAL_SEEN (not present) and ACK for many claims at once, one statement (groups.GroupCommit):
+# JOURNAL_SEEN (not present) and ACK for many claims at once, one statement (GroupCommit):
 # $1 ids (distinct), $2 agents, $3 digests, $4 journals (NULL: not named), $5 signed_at_ms,
 # $6 quorum on. Each claim is taken on the same terms as ACK alone; every named journal is seen
 # (given its generation at first sight) whether its claim is taken or not. One row per claim, in
@@ -451,7 +451,7 @@ UPDATE commands c SET state = CASE old.state WHEN 'cancelling' THEN 'cancelling'
 FROM old WHERE c.id = old.id
 RETURNING {_COLS}, old.state AS old_state
 """
-# PROGRESS for many events at once (groups.GroupCommit): $1 ids (distinct), $2 agents, $3 messages
+# PROGRESS for many events at once (GroupCommit): $1 ids (distinct), $2 agents, $3 messages
 # (NULL: none). One row per command it changed, with its place in the arrays (said_n).
 PROGRESS_MANY: Final = f"""
 WITH p AS (
@@ -496,7 +496,7 @@ FROM cur WHERE c.id = cur.id
 RETURNING {_COLS}
 """
 
-# RESULT for many results at once (groups.GroupCommit), each row on RESULT's terms: $1 ids
+# RESULT for many results at once (GroupCommit), each row on RESULT's terms: $1 ids
 # (distinct), $2 agents, $3 statuses, $4 reasons, $5 results, $6 signatures, $7 attested,
 # $8 journals. One row per command it settled, with its place in the arrays (report_n).
 RESULT_MANY: Final = f"""

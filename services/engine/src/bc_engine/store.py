@@ -153,7 +153,7 @@ WHERE workflow_id = $1 AND idx = $2 AND state = 'pending' AND attempt = $3
 RETURNING *
 """
 # Settle successes, start each one's next step, or finish its workflow (and queue its owner): one
-# statement for every step the process's passes settle at once (``SettleBatcher``), so one round
+# statement for every step the process's passes settle at once (``GroupCommit``), so one round
 # trip and one commit for all of them. Each row is settled, started or finished only on its own
 # terms (its attempt, its fence), as if alone. Arrays, one element per step: $1 workflow, $2 idx,
 # $3 attempt, $4 result (JSON text), $5-$7 fence, $8 owner's work-queue key (or NULL), $9 its shard.

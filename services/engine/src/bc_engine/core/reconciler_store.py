@@ -3,7 +3,7 @@ Structs (``ReconcilerStore``), so the state machine (``engine``, ``attempts``) c
 an in-memory store in a unit test (``tests/support/reconciler_memory.py``) as well as against
 PostgreSQL (``PgReconcilerStore``: one statement of ``bc_engine.store`` per method, as before, so
 a pass costs the same round trips; ``settle_ok`` shares its statement with the other passes'
-settles of the moment, ``SettleBatcher``).
+settles of the moment, ``GroupCommit``).
 
 ``fence`` is (shard, owner, epoch): a write that carries it commits only while this process still
 holds the key's shard under that epoch (``HOLDS_SHARD``).
@@ -11,16 +11,18 @@ holds the key's shard under that epoch (``HOLDS_SHARD``).
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
+
+from better_compute.service.groups import GroupCommit
 
 from .. import store
 from ..store import StepRow, WorkflowRow
 from . import queue
 
-__all__ = ["Fence", "PgReconcilerStore", "ReconcilerStore", "SettleBatcher", "SettledOk"]
+__all__ = ["Fence", "PgReconcilerStore", "ReconcilerStore", "SettledOk"]
 
 Fence = tuple[int, str, int]  # shard, owner (this process life), epoch
 
@@ -86,82 +88,25 @@ class ReconcilerStore(Protocol):
     async def cleaned_up(self, workflow_id: str) -> None: ...
 
 
-class SettleBatcher:
-    """The successes this process's passes settle at the same time go to PostgreSQL together, as
-    one ``SETTLE_OK`` statement (one round trip, one commit): what costs most per step on both
-    sides is the statement and its commit, not the rows. A lone settle goes at once (after one
-    turn of the event loop, for the others of that turn); while ``IN_FLIGHT`` batches are at the
-    database the next ones gather, so a batch grows with the load, as a group commit does.
-
-    Each row is settled on its own terms (attempt, fence) within the statement, so a batch is as
-    safe as its rows one by one: a crash before its commit loses every row of it (each pass runs
-    again), after it none. One workflow appears once per batch (its key has one pass at a time).
-    """
-
-    IN_FLIGHT = 2
-    MAX_ROWS = 64
-
-    def __init__(self, db: Any) -> None:
-        self.db = db
-        self._waiting: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
-        self._flushers: set[asyncio.Task[None]] = set()  # held, so no task is collected mid-flight
-        self._active = 0  # flushers that will still look at ``_waiting`` before they end
-
-    async def settle(self, row: tuple[Any, ...]) -> Any:
-        """``row``: one element of each of ``SETTLE_OK``'s arrays; returns its result row."""
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting.append((row, fut))
-        if self._active < self.IN_FLIGHT:
-            # counted here and uncounted by the flusher in the same turn as its last look at
-            # ``_waiting``: a row is never left with no flusher to take it (a finished task stays
-            # in ``_flushers`` until its done-callback runs, a turn later)
-            self._active += 1
-            task = asyncio.create_task(self._flush())
-            self._flushers.add(task)
-            task.add_done_callback(self._flushers.discard)
-        return await fut
-
-    async def _flush(self) -> None:
-        try:
-            await asyncio.sleep(0)  # the other settles of this turn join
-            await self._flush_waiting()
-        finally:
-            self._active -= 1
-
-    async def _flush_waiting(self) -> None:
-        while self._waiting:
-            batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
-            later: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
-            seen: set[str] = set()
-            for item in self._waiting:
-                if len(batch) < self.MAX_ROWS and item[0][0] not in seen:
-                    seen.add(item[0][0])
-                    batch.append(item)
-                else:
-                    later.append(item)
-            self._waiting = later
-            try:
-                columns = [list(col) for col in zip(*(r for r, _ in batch), strict=True)]
-                rows = await self.db.fetch(store.SETTLE_OK, *columns)
-            except BaseException as exc:
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                continue
-            by_workflow = {r["workflow_id"]: r for r in rows}
-            for row, fut in batch:
-                if not fut.done():
-                    fut.set_result(by_workflow[row[0]])
-
-
 class PgReconcilerStore:
     """``ReconcilerStore`` on the engine's PostgreSQL database (``bc_engine.store``)."""
 
     def __init__(self, db: Any) -> None:
         self.db = db
-        self._settles = SettleBatcher(db)
+        self.settles: GroupCommit[tuple[Any, ...], Any] = GroupCommit(
+            self._settle_many, key=lambda row: row[0], row_by_row=lambda _exc: False, keep_abandoned=True
+        )
+        """The successes this process's passes settle at the same time go to PostgreSQL together,
+        as one ``SETTLE_OK`` statement (one round trip, one commit): what costs most per step on
+        both sides is the statement and its commit, not the rows. Each row is settled on its own
+        terms (attempt, fence), so a group is as safe as its rows one by one; a settle whose pass
+        was cancelled still goes (its step's work is done), and a group that fails fails each of
+        its passes (each runs again). A row: one element of each of ``SETTLE_OK``'s arrays."""
+
+    async def _settle_many(self, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+        columns = [list(col) for col in zip(*rows, strict=True)]
+        by_workflow = {r["workflow_id"]: r for r in await self.db.fetch(store.SETTLE_OK, *columns)}
+        return [by_workflow[row[0]] for row in rows]
 
     async def queue_seq(self, rkey: str) -> int | None:
         return await queue.read_seq(self.db.pool, rkey)
@@ -201,7 +146,7 @@ class PgReconcilerStore:
     async def settle_ok(
         self, workflow_id: str, idx: int, attempt: int, result_json: str, fence: Fence, owner_rkey: str | None
     ) -> SettledOk:
-        row = await self._settles.settle(
+        row = await self.settles(
             (workflow_id, idx, attempt, result_json, *fence,
              owner_rkey, queue.shard_of(owner_rkey) if owner_rkey else None)
         )  # fmt: skip

@@ -1,18 +1,18 @@
-"""Group commit: the same statement for many events at once, one round trip and one commit.
+"""Group commit: the same statement for many items at once, one round trip and one commit.
 
-What an agent event costs the command queue and PostgreSQL is mostly per statement (a round trip,
-waking a backend, a commit with its WAL flush), not per row. ``GroupCommit`` sends the items that
-arrive at the same moment (claims, progress, results, publication marks) as one statement over
-arrays: a lone item goes after one turn of the event loop; while ``in_flight`` groups are at the
-database the next ones gather, so a group grows with the load (bench/README.md "Settles
-batched", the engine's ``SettleBatcher``).
+What an event costs a service and PostgreSQL is mostly per statement (a round trip, waking a
+backend, a commit with its WAL flush), not per row. ``GroupCommit`` sends the items that arrive
+at the same moment as one statement over arrays: the command queue's claims, progress, results and
+publication marks, the engine's step settles. A lone item goes after one turn of the event loop;
+while ``in_flight`` groups are at the database the next ones gather, so a group grows with the
+load (bench/README.md "Settles batched").
 
-Each row of a group is applied on its own terms (compare-and-set on its command's state, as the
-single statement does), so a group is as safe as its rows one by one: a crash before its commit
-loses every row of it, and each event's sender has no answer yet and sends it again (an agent
-retries its claims and results; its progress is a wake-up, its publication mark the sweeper's
-to make again); after the commit, none. A group that fails as a whole is tried again row by row,
-so one bad row (a value PostgreSQL refuses) fails its own event only.
+Each row of a group is applied on its own terms (a compare-and-set on its row, as the single
+statement does), so a group is as safe as its rows one by one: a crash before its commit loses
+every row of it, and each item's sender has no answer yet and does it again (an agent retries its
+claims and results, an engine pass runs again); after the commit, none. A group that fails as a
+whole may be tried again row by row (``row_by_row``), so one bad row (a value PostgreSQL refuses)
+fails its own item only.
 """
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ class GroupCommit(Generic[T, R]):
 
     Args:
         apply: the statement over arrays; returns one answer per item, in order.
-        key: what one group holds at most once (a command id: its row changes once a statement,
-            and a row of a group still at the database never joins another group, so two
-            groups of one process never wait on each other's locks).
-        slots: taken by each group while at the database (the agent events' share of the pool).
+        key: what one group holds at most once (a command id, a workflow id: its row changes
+            once a statement, and a row of a group still at the database never joins another
+            group, so two groups of one process never wait on each other's locks).
+        slots: taken by each group while at the database (its callers' share of the pool).
         in_flight: groups at the database at once.
         max_rows: items a group holds at most.
         row_by_row: whether a group that failed with this error is tried again row by row (an
             outage is not: each row would wait out the same outage alone).
+        keep_abandoned: whether an item whose waiter gave up (was cancelled) before its group
+            left still goes: yes for what records work already done (a step's settle), no for
+            what asks for something (a claim nobody would hear the answer of).
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class GroupCommit(Generic[T, R]):
         in_flight: int = 2,
         max_rows: int = 64,
         row_by_row: Callable[[Exception], bool] = lambda _exc: True,
+        keep_abandoned: bool = False,
     ) -> None:
         self.apply = apply
         self.key = key
@@ -58,6 +62,7 @@ class GroupCommit(Generic[T, R]):
         self.in_flight = in_flight
         self.max_rows = max_rows
         self.row_by_row = row_by_row
+        self.keep_abandoned = keep_abandoned
         self.groups = 0
         """Groups sent so far (one statement each, or one per row when a group failed)."""
         self._waiting: list[tuple[T, asyncio.Future[R]]] = []
@@ -70,7 +75,8 @@ class GroupCommit(Generic[T, R]):
         self._waiting.append((item, fut))
         if self._active < self.in_flight:
             # counted here and uncounted by the flusher in the same turn as its last look at
-            # ``_waiting``: an item is never left with no flusher to take it
+            # ``_waiting``: an item is never left with no flusher to take it (a finished task
+            # stays in ``_flushers`` until its done-callback runs, a turn later)
             self._active += 1
             task = asyncio.create_task(self._flush())
             self._flushers.add(task)
@@ -89,11 +95,13 @@ class GroupCommit(Generic[T, R]):
         later: list[tuple[T, asyncio.Future[R]]] = []
         seen: set[Hashable] = set()
         for entry in self._waiting:
+            if entry[1].done() and not self.keep_abandoned:
+                continue  # a cancelled waiter's item goes nowhere
             k = self.key(entry[0])
-            if len(group) < self.max_rows and k not in seen and k not in self._busy and not entry[1].done():
+            if len(group) < self.max_rows and k not in seen and k not in self._busy:
                 seen.add(k)
                 group.append(entry)
-            elif not entry[1].done():  # a cancelled waiter's item goes nowhere
+            else:
                 later.append(entry)
         self._waiting = later
         self._busy |= seen
@@ -122,7 +130,7 @@ class GroupCommit(Generic[T, R]):
             if len(group) == 1 or not self.row_by_row(exc):
                 _fail(group, exc)
                 return
-            # the group as a whole failed: row by row, so a bad row fails its own event only
+            # the group as a whole failed: row by row, so a bad row fails its own item only
             # (and an outage fails each with its own error)
             for entry in group:
                 await self._send([entry])

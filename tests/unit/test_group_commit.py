@@ -1,7 +1,9 @@
-"""Group commit (``bc_command_queue.groups.GroupCommit``): agent events that arrive together go to
-the store as one statement, and each still gets its own answer, or its own error. (On PostgreSQL,
-with a row it refuses: tests/integration/test_cmdq_store_contract.py; a queue killed between
-groups: tests/integration/test_cmdq_groups_crash.py.)"""
+"""Group commit (``better_compute.service.groups.GroupCommit``): items that arrive together (the
+command queue's agent events, the engine's step settles) go to the store as one statement, and
+each still gets its own answer, or its own error. (On PostgreSQL, with a row it refuses:
+tests/integration/test_cmdq_store_contract.py; a queue killed between groups:
+tests/integration/test_cmdq_groups_crash.py; the engine's settles:
+tests/integration/test_engine_store.py and tests/unit/test_reconciler_units.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from bc_command_queue.groups import GroupCommit
+from better_compute.service.groups import GroupCommit
+from better_compute.testing.waiting import until
 
 
 class Db:
@@ -110,3 +113,71 @@ async def test_a_waiter_that_gives_up_leaves_the_others_answered(cancelled_first
     got = await asyncio.gather(*tasks, return_exceptions=True)
     answered = [r for r in got if isinstance(r, str)]
     assert len(answered) == 2
+
+
+async def test_a_group_that_fails_fails_each_of_its_rows_when_not_tried_row_by_row() -> None:
+    db = Db()
+    g: GroupCommit[str, str] = GroupCommit(db.apply, key=lambda i: i, row_by_row=lambda _exc: False)
+    got = await asyncio.gather(g("a"), g("bad"), g("c"), return_exceptions=True)
+    assert all(isinstance(e, ValueError) for e in got)
+    assert db.statements == [["a", "bad", "c"]]
+
+
+@pytest.mark.parametrize("keep_abandoned", [False, True])
+async def test_an_item_whose_waiter_gave_up_before_its_group_left_goes_only_when_kept(
+    keep_abandoned: bool,
+) -> None:
+    """A claim nobody waits for any more is not taken; a settle whose pass was cancelled is
+    still written (the step's work is done)."""
+    db = Db()
+    db.gate = asyncio.Event()
+    g = group(db, in_flight=1, keep_abandoned=keep_abandoned)
+    first = asyncio.create_task(g("a"))
+    await until(lambda: db.statements == [["a"]])
+    gave_up, waits = asyncio.create_task(g("b")), asyncio.create_task(g("c"))
+    await until(lambda: len(g._waiting) == 2)
+    gave_up.cancel()
+    db.gate.set()
+    assert (await first, await waits) == ("aa", "cc")
+    with pytest.raises(asyncio.CancelledError):
+        await gave_up
+    assert db.statements[1:] == ([["b", "c"]] if keep_abandoned else [["c"]])
+
+
+async def test_a_group_cancelled_at_the_database_cancels_its_waiters_and_the_next_still_goes() -> None:
+    db = Db()
+    db.gate = asyncio.Event()
+    g = group(db, in_flight=1)
+    waiters = [asyncio.create_task(g(x)) for x in "ab"]
+    await until(lambda: db.statements == [["a", "b"]])
+    (flusher,) = g._flushers
+    flusher.cancel()  # what a crash mid-statement is to this process: no row answered
+    got = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(e, asyncio.CancelledError) for e in got)
+    db.gate.set()
+    assert await g("a") == "aa"
+
+
+async def test_a_statement_that_answers_too_few_rows_fails_its_group_rather_than_hang() -> None:
+    async def short(items: Sequence[str]) -> list[str]:
+        return list(items[1:])
+
+    g: GroupCommit[str, str] = GroupCommit(short, key=lambda i: i)
+    got = await asyncio.gather(g("a"), g("b"), return_exceptions=True)
+    assert all(isinstance(e, RuntimeError) for e in got)
+
+
+async def test_a_group_takes_a_slot_while_at_the_database() -> None:
+    db = Db()
+    db.gate = asyncio.Event()
+    slots = asyncio.Semaphore(1)
+    g = group(db, slots=slots)
+    first = asyncio.create_task(g("a"))
+    await until(lambda: db.statements == [["a"]])
+    assert slots.locked()
+    second = asyncio.create_task(g("b"))
+    await until(lambda: g.groups == 2)  # the second group is out, waiting for the slot
+    assert db.statements == [["a"]]
+    db.gate.set()
+    assert (await first, await second) == ("aa", "bb")
+    assert not slots.locked()
