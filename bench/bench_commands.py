@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -77,7 +78,9 @@ def pct(values: list[float], p: float) -> float:
 
 async def idle_agents(api: ApiClient, sites: list[str], n: int, stats: Path) -> None:
     """``n`` node agents (``bcd``'s role) that only say hello and heartbeat, as a fleet's idle
-    machines do: the presence load on the command queue, beside the benchmark's commands."""
+    machines do: every ``cmdq.idle_heartbeat`` (the hello reply's ``idleHeartbeatMs``), each
+    heartbeat announcing that gap (``next_heartbeat_ms``) as the agent runtime's idle machines
+    do. The presence load on the command queue, beside the benchmark's commands."""
     nc = api.nc
     subjects = api.subjects
     idents: list[Any] = []
@@ -88,6 +91,7 @@ async def idle_agents(api: ApiClient, sites: list[str], n: int, stats: Path) -> 
         )  # fmt: skip
     answered: list[float] = []
     missed = 0
+    gaps: set[int] = set()
 
     def base(e: Any) -> dict[str, Any]:
         return {"site": e.site_id, "agent": e.agent_id, "signer_id": e.cert_id,
@@ -102,28 +106,36 @@ async def idle_agents(api: ApiClient, sites: list[str], n: int, stats: Path) -> 
         while True:
             try:
                 msg = await nc.request(subject, sign_event(identity, "hello", hello), timeout=10)
-                heartbeat_ms = msgspec.json.decode(msg.data)["result"]["heartbeatMs"]
+                said = msgspec.json.decode(msg.data)["result"]
+                heartbeat_ms = said["heartbeatMs"]
+                gap_ms = max(said.get("idleHeartbeatMs") or 0, heartbeat_ms)
+                gaps.add(gap_ms)
                 break
             except Exception:
                 await asyncio.sleep(1)
                 hello = Hello(**base(e), kinds=[], journal_id=journal)
         subject = subjects.agent_event(e.site_id, e.agent_id, "heartbeat")
-        await asyncio.sleep(random.random() * heartbeat_ms / 1000)
-        while True:
+        # the first within the gap the hello announced, the second early by chance (a gap is a
+        # most), so the fleet's heartbeats spread over the idle gap as if it joined over time
+        waits_ms = itertools.chain(
+            (random.random() * heartbeat_ms, random.random() * gap_ms), itertools.repeat(gap_ms)
+        )
+        for wait_ms in waits_ms:
+            await asyncio.sleep(wait_ms / 1000)
             t = time.perf_counter()
             try:
-                beat = Heartbeat(**base(e), journal_id=journal)
+                beat = Heartbeat(**base(e), journal_id=journal, next_heartbeat_ms=gap_ms)
                 await nc.request(subject, sign_event(identity, "heartbeat", beat), timeout=5)
                 answered.append((time.perf_counter() - t) * 1000)
             except Exception:
                 missed += 1
-            await asyncio.sleep(heartbeat_ms / 1000)
 
     async def report() -> None:
         while True:
             await asyncio.sleep(2)
             recent = answered[-2000:]
             doc = {
+                "gap_ms": sorted(gaps),
                 "answered": len(answered),
                 "missed": missed,
                 "p50_ms": pct(recent, 50),
@@ -158,21 +170,25 @@ async def run_agents(nats_url: str, tokens: list[str], state: Path, idle: int) -
     await asyncio.gather(*(a.run() for a in agents))
 
 
+async def connected(cq: CommandQueueClient) -> int:
+    """The agents the command queue shows connected."""
+    count, cursor = 0, None
+    while True:
+        try:
+            page = await cq.agents_page(connected=True, limit=1000, cursor=cursor)
+        except BcError as err:  # main under a flood of hellos: the queue does not answer
+            print(f"agents.list: {err.code.value}", file=sys.stderr)
+            count, cursor = 0, None
+            continue
+        count += len(page.agents)
+        cursor = page.next
+        if cursor is None:
+            return count
+
+
 async def all_connected(cq: CommandQueueClient, n: int) -> None:
     while True:
-        count, cursor = 0, None
-        while True:
-            try:
-                page = await cq.agents_page(connected=True, limit=1000, cursor=cursor)
-            except BcError as err:  # main under a flood of hellos: the queue does not answer
-                print(f"agents.list: {err.code.value}", file=sys.stderr)
-                count, cursor = 0, None
-                continue
-            count += len(page.agents)
-            cursor = page.next
-            if cursor is None:
-                break
-        if count >= n:
+        if await connected(cq) >= n:
             return
         await asyncio.sleep(0.5)
 
@@ -327,12 +343,16 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 got.update({k: tree_cpu_s(pid) for k, pid in roots.items() if pid is not None})
                 return got
 
-            before = rest_cpu()
+            def heard() -> int:  # the idle agents' heartbeats answered so far (counted every 2 s)
+                stats = state / "idle.json"
+                return int(json.loads(stats.read_text())["answered"]) if args.idle_agents else 0
+
+            before, beats = rest_cpu(), heard()
             await asyncio.sleep(args.rest)
-            after = rest_cpu()
-            beats = args.idle_agents * args.rest / 5.0  # the default 5 s heartbeat
+            after, beats = rest_cpu(), heard() - beats
             at_rest = {k: round(after[k] - before[k], 2) for k in after}
             at_rest["product_ms_per_heartbeat"] = round(sum(at_rest.values()) / max(beats, 1) * 1000, 3)
+            at_rest["heartbeats"] = beats
         states: dict[str, int] = {}
         page = await cq.list_commands(limit=1000)
         for view in page.commands:
@@ -357,6 +377,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "statements_per_command": [f"{per:.3f}  {text}" for per, text in statements] or None,
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "idle_agents": args.idle_agents,
+            "agents_connected_at_end": await connected(cq),  # the sites' and the idle ones
             "at_rest_cpu_s": at_rest or None,
             "idle_heartbeats": json.loads((state / "idle.json").read_text()) if args.idle_agents else None,
             "last_1000_states": states,

@@ -122,9 +122,6 @@ def process_table() -> dict[int, tuple[int, str]]:
         try:
             stat = (entry / "stat").read_text()
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            # a service forked by the test kit's fork server shares its command line: its name
-            # (service_forkserver._name_process) tells it apart
-            cmd = f"{cmd} {(entry / 'comm').read_text().strip()}"
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
@@ -151,11 +148,9 @@ def rss_of(pid: int) -> float:
 
 
 def classify(cmd: str) -> str:
+    """The kind of a process the benchmark did not start itself, by its command line: the servers
+    (nats-server, PostgreSQL) and the simulation's (emulators, bcds or their lean hosts)."""
     for needle, name in (
-        ("bc_engine", "bc-engine"), ("bc-engine", "bc-engine"),
-        ("bc_command_qu", "bc-command-queue"), ("bc-command-queue", "bc-command-queue"),
-        ("bc_pki", "bc-pki"), ("bc-pki", "bc-pki"), ("bc_secrets", "bc-secrets"),
-        ("bc-secrets", "bc-secrets"), ("bc_site_agent", "site agents"), ("bc-site-agent", "site agents"),
         ("sushy", "sushy emulators"), ("emulator_main", "sushy emulators"), ("zygote", "bcd (simulated)"),
         ("bcd", "bcd (simulated)"), ("nats-server", "nats-server"), ("postgres", "PostgreSQL"),
     ):  # fmt: skip
@@ -167,11 +162,11 @@ def classify(cmd: str) -> str:
 class CpuMeter:
     """CPU seconds per kind of process, from a snapshot before to one after (children counted)."""
 
-    def __init__(self, *roots: int) -> None:
+    def __init__(self, started: dict[int, str], *roots: int) -> None:
+        self.started = started
+        """The kinds of the processes the benchmark started (services, site agents) by pid; any
+        other process is told by its command line (``classify``)."""
         self.roots = roots
-        self.named: dict[int, str] = {}
-        """Kinds by pid, over the command line's: the services and site agents are forked by
-        the test kit's fork server, so their command lines are its own."""
 
     def _descendants(self) -> dict[int, str]:
         table = process_table()
@@ -179,10 +174,10 @@ class CpuMeter:
         for pid, (ppid, _) in table.items():
             kids.setdefault(ppid, []).append(pid)
         out: dict[int, str] = {}
-        todo = [pid for root in self.roots for pid in (root, *kids.get(root, [])) if pid in table]
+        todo = [root for root in self.roots if root in table]
         while todo:
             pid = todo.pop()
-            kind = self.named.get(pid) or classify(table[pid][1])
+            kind = self.started.get(pid) or classify(table[pid][1])
             out[pid] = "simulator (this process)" if pid == os.getpid() else kind
             todo.extend(kids.get(pid, []))
         return out
@@ -420,9 +415,14 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         prelude = {"enroll": time.monotonic() - t}
         print(f"enrolled in {prelude['enroll']:.1f} s", flush=True)
         # the servers run detached (their own sessions): count them from their own pids
-        meter = CpuMeter(os.getpid(), *(p for p in (nats.running_pid(), pg.running_pid()) if p))
-        meter.named.update({p.pid: p.service for p in processes.procs})
-        meter.named.update({a.proc.pid: "site agents" for a in agents if a.proc is not None})
+        meter = CpuMeter(
+            {
+                **{p.pid: p.service for p in processes.procs},
+                **{a.proc.pid: "site agents" for a in agents if a.proc is not None},
+            },
+            os.getpid(),
+            *(p for p in (nats.running_pid(), pg.running_pid()) if p),
+        )
         prelude_cpu: dict[str, dict[str, float]] = {}
         prelude_again: dict[str, int] = {}
         phases: list[tuple[VerbName, str]] = [("inspect", "inspected"), ("commission", "ready")]
@@ -668,9 +668,9 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
     raise_open_files()
-    # each service as `python -m bc_<service>`, not forked from the test kit's fork server, whose
-    # children all read `python -m better_compute.testing.service_forkserver`: the CPU split
-    # (classify) tells the services apart by their command lines
+    # each service and site agent its own `python -m ...`, as deployed, not forked from the test
+    # kit's fork server: its memory (PSS) its own rather than shared with that server's pages, and
+    # no fork server in the process tree (it would count as 'other')
     os.environ.setdefault("BC_SERVICE_FORKS", "0")
     configure_logging(level="warning", json=False)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop everything it started

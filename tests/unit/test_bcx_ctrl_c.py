@@ -4,7 +4,8 @@ cancellation that arrives as the awaited wait completes (fixed in 3.12), and a f
 waits for its next event that way in a loop: the Ctrl-C (asyncio.run cancels the main task) was
 lost whenever an event came at the same moment, and ``bcx events tail`` went on following. Seen
 in a fresh-clone run: the doc test's ``events tail`` example ran to its 60 s job limit. bcx waits
-with ``asyncio.timeout`` instead, which keeps the cancel."""
+with ``asyncio.timeout`` instead, which keeps the cancel; so does all product code (the command
+queue client's wait for a command, bcd's lean host at its end)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import contextlib
 import re
 from pathlib import Path
 
-import better_compute.cli
-
-CLI = Path(better_compute.cli.__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = [*ROOT.glob("packages/*/src"), *ROOT.glob("services/*/src")]
 
 
 async def _follow(woken: asyncio.Event) -> None:
@@ -38,10 +38,13 @@ async def test_a_cancel_arriving_with_an_event_stops_the_follow_loop() -> None:
         assert done, "the follow loop went on after its cancel"
 
 
-def test_bcx_never_waits_with_asyncio_wait_for() -> None:
+def test_no_product_code_waits_with_asyncio_wait_for() -> None:
+    """Not bcx, nor the services, clients and bcd: each loop waiting that way can lose a stop."""
+    assert len(SOURCES) > 5, SOURCES
     users = [
-        f"{p.name}:{n}"
-        for p in sorted(CLI.rglob("*.py"))
+        f"{p.relative_to(ROOT)}:{n}"
+        for src in SOURCES
+        for p in sorted(src.rglob("*.py"))
         for n, line in enumerate(p.read_text().splitlines(), 1)
         if re.search(r"\bwait_for\(", line) and not line.lstrip().startswith("#")
     ]

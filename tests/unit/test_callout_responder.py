@@ -4,6 +4,7 @@ config (the process against a real leaf: tests/integration/test_deploy_callout.p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -117,6 +118,21 @@ async def test_a_revoked_certificate_costs_bc_pki_one_question_however_often_it_
         now[0] = step * 10.0
         assert await revocations.revoked(AGENT) is True
     assert pki.asked == 1
+
+
+async def test_confirmed_certificates_past_their_time_are_forgotten_as_new_ones_come() -> None:
+    """Every join makes a certificate: the responder kept bc-pki's good answer about each one it
+    ever let in. It keeps those it may still use (up to ``stale`` old, for when bc-pki is away)."""
+    pki, now = Pki(), [0.0]
+    revocations = _revocations(pki, now)  # fresh 10 s, stale 300 s
+    for n in range(5000):  # a fleet's joins, a second apart: each certificate let in once
+        assert await revocations.revoked(dataclasses.replace(AGENT, cert_id=f"cert_{n}")) is False
+        now[0] += 1.0
+    assert revocations.confirmed <= 1024
+    # one confirmed 200 s ago still lets its agent in while bc-pki cannot be asked
+    pki.answer, asked = BcError(ErrorCode.UNAVAILABLE, "no bc-pki instance is running"), pki.asked
+    assert await revocations.revoked(dataclasses.replace(AGENT, cert_id="cert_4800")) is False
+    assert pki.asked == asked + 1
 
 
 @pytest.mark.parametrize(

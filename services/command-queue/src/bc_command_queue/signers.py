@@ -22,14 +22,12 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import signing_payload
+from better_compute.service.recent import Recent
 from better_compute.wire.agent import FRESHNESS_MS, event_purpose
 
 __all__ = ["Signer", "Signers"]
 
 _UNKNOWN_FOR_S = 5.0
-_SWEEP_FIRST = 1024
-"""Certificates cached before the first sweep of those past their time (then twice as many as
-the sweep kept): a certificate's entry stays until then, and every join makes a certificate."""
 _PKI_DOWN = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INTERNAL})
 
 
@@ -69,13 +67,14 @@ class Signers:
     def __init__(self, pki: PkiClient, *, ttl_seconds: float) -> None:
         self.pki = pki
         self.ttl = ttl_seconds
-        self._cache: dict[str, Signer] = {}
+        # the certificates used within about their time, not every one ever seen (each
+        # machine's every join makes one)
+        self._cache: Recent[str, Signer] = Recent(ttl_seconds, lambda s: s.fetched_at)
         self._loading: dict[str, asyncio.Future[Signer]] = {}
         self._unknown: dict[str, float] = {}
-        self._sweep_at = _SWEEP_FIRST
 
     def evict(self, cert_id: str) -> None:
-        self._cache.pop(cert_id, None)
+        self._cache.pop(cert_id)
 
     async def get(self, cert_id: str) -> Signer:
         """The valid certificate ``cert_id``.
@@ -152,17 +151,8 @@ class Signers:
             fetched_at=time.monotonic(),
         )
         if self.ttl > 0:
-            self._keep(cert_id, signer)
+            self._cache[cert_id] = signer
         return signer
-
-    def _keep(self, cert_id: str, signer: Signer) -> None:
-        """Cache ``signer``; the cache holds the certificates used within about its time, not
-        every certificate ever seen (each machine's every join is a new one)."""
-        if len(self._cache) >= self._sweep_at:
-            now = time.monotonic()
-            self._cache = {k: s for k, s in self._cache.items() if now - s.fetched_at < self.ttl}
-            self._sweep_at = max(_SWEEP_FIRST, 2 * len(self._cache))
-        self._cache[cert_id] = signer
 
     @property
     def cached(self) -> int:

@@ -156,7 +156,8 @@ class LeanHost:
         for task in tasks:
             task.cancel()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*tasks, *_CLOSING, return_exceptions=True), 10)
+            async with asyncio.timeout(10):  # not wait_for: it can drop a cancel (3.11)
+                await asyncio.gather(*tasks, *_CLOSING, return_exceptions=True)
 
 
 def _cut(nc: Any) -> set[asyncio.Task[Any]]:
@@ -178,7 +179,8 @@ _CLOSING: set[asyncio.Task[Any]] = set()
 
 async def _close_quietly(nc: Any) -> None:
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(nc.close(), 5)
+        async with asyncio.timeout(5):
+            await nc.close()
 
 
 async def _serve(log_level: str) -> None:

@@ -70,6 +70,7 @@ from better_compute.service.bus_auth import (
     cert_id_of_user,
 )
 from better_compute.service.client import ApiClient, tls_context
+from better_compute.service.recent import Recent
 from better_compute.wire import Subjects
 from better_compute.wire.pki import CertRevoked, decode_cert_event
 from better_compute.wire.subjects import service_inbox_prefix, valid_token
@@ -175,12 +176,19 @@ class Revocations:
         self.stale = stale
         self.log = log
         self.clock = clock
-        self._good: dict[str, float] = {}  # cert id -> when bc-pki last said it is valid
+        # cert id -> when bc-pki last said it is valid; swept of answers too old to count even
+        # with bc-pki away, as every join makes a certificate
+        self._good: Recent[str, float] = Recent(max(fresh, stale), lambda said: said)
         self._revoked: set[str] = set()
 
     def heard_revoked(self, cert_id: str) -> None:
         self._revoked.add(cert_id)
-        self._good.pop(cert_id, None)
+        self._good.pop(cert_id)
+
+    @property
+    def confirmed(self) -> int:
+        """Certificates whose good answer from bc-pki is kept now."""
+        return len(self._good)
 
     async def revoked(self, agent: AgentCertificate) -> bool:
         cert_id = agent.cert_id

@@ -245,7 +245,8 @@ class CommandQueueClient(ServiceClient):
                         {"state": view.state},
                     )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken.wait(), timeout=min(left, 1.0))
+                    async with asyncio.timeout(min(left, 1.0)):  # not wait_for: can drop a cancel
+                        await woken.wait()
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()

@@ -199,7 +199,8 @@ async def connect(
     if failure is not None:
         if not isinstance(failure, (OSError, nats.errors.Error, TimeoutError)):
             with contextlib.suppress(BaseException):  # a LazyTls that could not load: its socket
-                await asyncio.wait_for(nc.close(), timeout=0.2)
+                async with asyncio.timeout(0.2):
+                    await nc.close()
             raise failure
         with contextlib.suppress(
             BaseException

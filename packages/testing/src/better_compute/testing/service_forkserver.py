@@ -29,16 +29,6 @@ from ..runtime.dev import SERVICES
 from ..service.forks import serve_forks
 
 
-def _name_process(module: str) -> None:
-    """The child's name in ``ps`` and ``/proc/<pid>/comm`` (``bc_engine``, ``bc_command_queu``):
-    its command line is the server's, so without this every service looks alike there (the fleet
-    benchmark tells its processes apart by it)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, module.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
 def _child(doc: dict[str, Any]) -> None:
     """In the forked child: become that service, then exit with its code."""
     code = 1
@@ -61,7 +51,6 @@ def _child(doc: dict[str, Any]) -> None:
         random.seed()  # not the server's sequence
         module, *_ = doc["argv"]
         sys.argv = list(doc["argv"])
-        _name_process(module)
         # the server imported <module>.__main__ to share it; running it again as __main__ is the
         # point, so runpy's warning about it ("found in sys.modules") is not one here
         warnings.filterwarnings("ignore", message=".*found in sys.modules", category=RuntimeWarning)
