@@ -27,6 +27,11 @@ CPU seconds per deployed machine. ``--lean`` (``BC_SIM_LEAN=1``) runs each site'
 of one process (``bcd.lean``) instead of a process each, so a thousand machines cost the
 simulation a few processes, not a thousand.
 
+``--window W`` keeps at most W machines in each phase at once (the next ones, spread over the
+sites, start as others end; 0, the default, is all at once): at 10,000 machines one bulk verb
+over all of them times out about half (a step's deadline counts its time queued behind its site's
+other commands; bench/README.md, "10,000 machines").
+
 ``--engines/--queues/--pkis/--secrets N`` run N instances of that service. ``--kill-mid-deploy``
 SIGKILLs one instance of each service run with two or more, once half the machines' deploys are
 past their first BMC command (counted at the simulated BMCs), and nothing restarts them; the
@@ -396,6 +401,31 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         def counts() -> dict[str, int]:
             return dict(Counter(states.values()))
 
+        async def rolling(verb: VerbName, ids: list[str], want: str, **kw: Any) -> tuple[float, list[Any]]:
+            """``verb`` over ``ids`` by bulk verbs: all at once (``--window 0``), or at most
+            ``--window`` machines in flight, the next ones (spread over the sites) as others end,
+            as an operator runs waves. Returns how long the first bulk verb took to answer, and
+            the workflows the verbs started."""
+            order = sorted(ids, key=lambda n: (node_site[n][1], node_site[n][0].site_id))
+            window = args.window or len(order)
+            chunk = max(1, window // 10)
+            submitted, first_s, started = 0, 0.0, []
+            while submitted < len(order):
+                ended = sum(1 for n in order[:submitted] if states.get(n) in (want, "failed"))
+                room = window - (submitted - ended)
+                if submitted and room < chunk:
+                    await asyncio.sleep(0.5)
+                    continue
+                take = order[submitted : submitted + room]
+                t = time.monotonic()
+                run = await engine.bulk(verb, node_ids=take, **kw)
+                first_s = first_s or time.monotonic() - t
+                if run.refused:
+                    raise RuntimeError(f"bulk {verb} refused {len(run.refused)}: {run.refused[:3]}")
+                submitted += len(take)
+                started.extend(run.started)
+            return first_s, started
+
         gate = asyncio.Semaphore(32)
 
         async def enroll(sim: MetalSim, index: int) -> None:
@@ -430,23 +460,19 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             phase_before = meter.snapshot()
             asked_before = requests.copy()
             t = time.monotonic()
-            run = await engine.bulk(verb, node_ids=list(node_site))
-            if run.refused:
-                raise RuntimeError(f"bulk {verb} refused {len(run.refused)}: {run.refused[:3]}")
+            await rolling(verb, list(node_site), want)
             await until_states(counts, want, args.machines, timeout=args.timeout, what=verb, failed_ok=True)
             failed = [node for node, st in states.items() if st == "failed"]
             if failed:  # what an operator does: run it again on those, once (counted, printed)
-                said = {
-                    ((await engine.get_node(id=node)).state_reason or {}).get("message") for node in failed
+                reasons = {  # of the first few: a name of its own (``said`` prints the phase's figures)
+                    ((await engine.get_node(id=node)).state_reason or {}).get("message") for node in failed[:20]
                 }
-                print(f"  {verb}: {len(failed)} failed ({'; '.join(sorted(str(m) for m in said))[:300]}):"
+                print(f"  {verb}: {len(failed)} failed ({'; '.join(sorted(str(m) for m in reasons))[:300]}):"
                       " run again", flush=True)  # fmt: skip
                 prelude_again[verb] = len(failed)
                 for node in failed:
                     states[node] = "again"
-                again = await engine.bulk(verb, node_ids=failed)
-                if again.refused:
-                    raise RuntimeError(f"bulk {verb} again refused {len(again.refused)}: {again.refused[:3]}")
+                await rolling(verb, failed, want)
                 await until_states(counts, want, args.machines, timeout=args.timeout, what=verb)
             prelude[verb] = time.monotonic() - t
             prelude_cpu[verb] = CpuMeter.delta(phase_before, meter.snapshot())
@@ -460,10 +486,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         asked_before = requests.copy()
         since = time.time()
         t0 = time.monotonic()
-        run = await engine.bulk("deploy", node_ids=list(node_site), image=IMAGE, profile=PROFILE)
-        if run.refused:
-            raise RuntimeError(f"bulk deploy refused {len(run.refused)}: {run.refused[:3]}")
-        verb_s = time.monotonic() - t0
+        verb_s, started = await rolling("deploy", list(node_site), "deployed", image=IMAGE, profile=PROFILE)
         killed: dict[str, str] = {}
         killed_at: dict[str, float] = {}
 
@@ -519,7 +542,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             async with asking:
                 return await engine.get_workflow(id=workflow_id)
 
-        deploy_workflows = await asyncio.gather(*(workflow(s.workflow_id) for s in run.started))
+        deploy_workflows = await asyncio.gather(*(workflow(s.workflow_id) for s in started))
         durations: list[float] = []
         for wf in deploy_workflows:
             if wf.finished_at and wf.created_at:
@@ -569,7 +592,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "workflows_running": still_running, "commands_live": live_commands,
         }  # fmt: skip
         return {
-            "machines": args.machines, "sites": args.sites,
+            "machines": args.machines, "sites": args.sites, "window": args.window,
             "simulation": "lean: bcds as tasks" if args.lean else "a bcd process per machine",
             "product_cpu_s_per_machine": round(product_cpu / args.machines, 4),
             "product_cpu_s": round(product_cpu, 1),
@@ -651,6 +674,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each phase may take")
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs) afterwards")
     p.add_argument("--idle", type=float, default=0.0, help="then seconds at rest, every machine deployed")
+    p.add_argument(
+        "--window", type=int, default=0,
+        help="at most this many machines in each phase at once, the next as others end (0: all at once)",
+    )  # fmt: skip
     for flag, what in (("engines", "bc-engine"), ("queues", "bc-command-queue"), ("pkis", "bc-pki"),
                        ("secrets", "bc-secrets")):  # fmt: skip
         p.add_argument(f"--{flag}", type=int, default=1, help=f"{what} instances")
