@@ -464,9 +464,9 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             await until_states(counts, want, args.machines, timeout=args.timeout, what=verb, failed_ok=True)
             failed = [node for node, st in states.items() if st == "failed"]
             if failed:  # what an operator does: run it again on those, once (counted, printed)
-                reasons = {  # of the first few: a name of its own (``said`` prints the phase's figures)
-                    ((await engine.get_node(id=node)).state_reason or {}).get("message") for node in failed[:20]
-                }
+                # of the first few; a name of its own (``said`` prints the phase's figures)
+                first = [await engine.get_node(id=node) for node in failed[:20]]
+                reasons = {(node.state_reason or {}).get("message") for node in first}
                 print(f"  {verb}: {len(failed)} failed ({'; '.join(sorted(str(m) for m in reasons))[:300]}):"
                       " run again", flush=True)  # fmt: skip
                 prelude_again[verb] = len(failed)
