@@ -14,11 +14,14 @@ import pytest
 from nats.aio.client import Client as Nats
 from nats.js import api
 
-from bc_command_queue.delivery import MAX_CONSUMERS, Streams
+from bc_command_queue.delivery import MAX_CONSUMERS, Deliveries, Streams
 from better_compute.core.errors import BcError, ErrorCode
+from better_compute.core.ids import new_id
 from better_compute.runtime.embedded import EmbeddedNats
 from better_compute.service import connect
 from better_compute.wire import Subjects
+from better_compute.wire.cmdq import EnqueueCommand
+from cmdq_kit import queue, request
 
 SITE = "lab1"
 
@@ -72,3 +75,28 @@ async def test_an_agent_the_stream_has_no_room_for_is_not_told_it_has_a_consumer
     assert "maximum consumers" in caught.value.message
     # its hello says so (and is tried again); one agent already there still binds
     assert await streams.ensure_consumer(SITE, "node_a") == (Subjects().site_stream(SITE), "node_a")
+
+
+async def test_an_agent_saying_hello_again_and_again_gets_one_copy_of_its_command(nc: Nats) -> None:
+    """Each hello publishes the agent's unclaimed commands again; the stream's duplicate window
+    keeps that to the one copy (in the bench, a machine saying hello every second piled 1500
+    copies of its one command on its subject)."""
+    q = queue()
+    await q.commands.enqueue(
+        request(
+            EnqueueCommand(
+                node_id=new_id("node"), site_id=SITE, kind="node.inventory", key="k", target="node"
+            )
+        )
+    )
+    [row] = q.deliveries.sent
+    assert row.agent_id is not None
+    subjects = Subjects()
+    deliveries = Deliveries(q.store, Streams(nc, subjects), q.log)
+    assert await deliveries.publish(row)
+    for _hello in range(5):
+        assert await deliveries.deliver(await q.store.agent_commands_to_republish(row.agent_id), again=True)
+    info = await nc.jetstream().stream_info(
+        subjects.site_stream(SITE), subjects_filter=subjects.site_cmd(SITE, row.agent_id)
+    )
+    assert info.state.messages == 1

@@ -209,8 +209,9 @@ class Streams:
 
     async def publish(
         self, *, site_id: str, agent_id: str, command_id: str, body: bytes, generation: int
-    ) -> int:
-        """Publish a delivery; returns its stream sequence.
+    ) -> tuple[int, bool]:
+        """Publish a delivery; returns its stream sequence and whether the stream already held
+        this very publication (its duplicate window remembered the message id).
 
         Raises:
             BcError: ``UNAVAILABLE`` when the stream does not take it (it is published again
@@ -232,7 +233,7 @@ class Streams:
         except (nats.errors.Error, TimeoutError) as exc:
             self.forget(site_id)
             raise _unavailable("the site's stream did not take the command", exc) from exc
-        return int(ack.seq)
+        return int(ack.seq), bool(ack.duplicate)
 
 
 class Deliveries:
@@ -258,7 +259,7 @@ class Deliveries:
         assert row.agent_id is not None  # dispatched: it has its agent
         kill_point(BEFORE_PUBLISH)
         try:
-            seq = await self.streams.publish(
+            seq, duplicate = await self.streams.publish(
                 site_id=row.site_id,
                 agent_id=row.agent_id,
                 command_id=row.id,
@@ -269,6 +270,11 @@ class Deliveries:
             self.log.warning("delivery_deferred", command_id=row.id, error=err.message)
             return False
         kill_point(AFTER_PUBLISH)
+        if again and duplicate:
+            # The stream holds it already: recorded, it would count as a new publication and
+            # the next one ``again`` would be a new copy (an agent saying hello every second
+            # piled one up a second on its subject).
+            return True
         await self.marks(Published(command_id=row.id, agent_id=row.agent_id, stream_seq=seq))
         return True
 
