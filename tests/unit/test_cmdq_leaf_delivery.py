@@ -24,12 +24,12 @@ class CutStreams:
 
     async def publish(
         self, *, site_id: str, agent_id: str, command_id: str, body: bytes, generation: int
-    ) -> int:
+    ) -> tuple[int, bool]:
         self.tried.append(site_id)
         if site_id in self.cut:
             raise BcError(ErrorCode.UNAVAILABLE, "the site's stream did not take the command")
         self.taken.append(command_id)
-        return len(self.taken)
+        return len(self.taken), False
 
 
 async def _queued(sites: list[str]) -> tuple[Queue, list[CommandRow]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, Final
 
 import msgspec
@@ -55,6 +56,10 @@ AFTER_PUBLISH = declare(
 
 _DUPLICATE_WINDOW_S: Final = 120.0
 _STREAM_IN_USE: Final = 10058  # "stream name already in use with a different configuration"
+MAX_CONSUMERS: Final = 100_000
+"""Consumers a site's stream holds: one per agent of the site (each machine's bcd, its site
+agents). Given explicitly: nats-server 2.15 gives a stream that sets none (or -1) a default of
+1000, so the 1001st agent of a site got no consumer and never received a command."""
 
 
 def consumer_name(agent_id: str) -> str:
@@ -73,6 +78,7 @@ class Streams:
         replicas: int = 1,
         max_age_seconds: int = 7 * 24 * 3600,
         ack_wait_seconds: float = 30.0,
+        max_consumers: int = MAX_CONSUMERS,
         site_domain: str = "",
         on_site: Callable[[str], None] | None = None,
     ) -> None:
@@ -82,6 +88,7 @@ class Streams:
         self.replicas = replicas
         self.max_age = float(max_age_seconds)
         self.ack_wait = ack_wait_seconds
+        self.max_consumers = max_consumers
         self.site_domain = site_domain
         self.on_site = on_site
         """Called with a site whose streams were just ensured on its leaf (``site_domain``)."""
@@ -132,15 +139,27 @@ class Streams:
             max_age=self.max_age,
             duplicate_window=_DUPLICATE_WINDOW_S,
             discard=api.DiscardPolicy.OLD,
+            max_consumers=self.max_consumers,
         )
+        js = self.js_of(site_id)
         try:
-            await self.js_of(site_id).add_stream(config)
+            await js.add_stream(config)
         except nats.js.errors.BadRequestError as exc:
             # Another instance made it first, maybe with settings of an older version: use it.
             if exc.err_code != _STREAM_IN_USE:
                 raise _unavailable("cannot create the site's stream", exc) from exc
+            await self._raise_consumer_limit(js, name)
         except (nats.errors.Error, TimeoutError) as exc:
             raise _unavailable("cannot create the site's stream", exc) from exc
+
+    async def _raise_consumer_limit(self, js: Any, name: str) -> None:
+        """An existing stream (an older version made it without a consumer limit, which
+        nats-server 2.15 reads as 1000) takes ``max_consumers`` agents. Its other settings stay
+        as they are; a server that refuses the change keeps the stream as it is."""
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            info = await js.stream_info(name)
+            if info.config.max_consumers is None or info.config.max_consumers < self.max_consumers:
+                await js.update_stream(replace(info.config, max_consumers=self.max_consumers))
 
     def forget(self, site_id: str) -> None:
         """Check the site's stream again before the next publication (it may be gone)."""
@@ -166,10 +185,18 @@ class Streams:
             self.forget(site_id)
             stream = await self.ensure_stream(site_id)
             await self._add_consumer(js, stream, config)
-        except nats.js.errors.BadRequestError:
-            # It exists with other settings (an older version made it): keep using it.
-            with contextlib.suppress(nats.errors.Error):
+        except nats.js.errors.BadRequestError as exc:
+            # It exists with other settings (an older version made it): keep using it. Any
+            # other refusal (the stream's consumer limit reached) leaves the agent without one:
+            # its hello fails and is tried again, rather than binding to nothing and waiting
+            # forever for commands that go to no consumer.
+            try:
                 await js.consumer_info(stream, durable)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as info_exc:
+                raise BcError(
+                    ErrorCode.UNAVAILABLE,
+                    f"cannot create the agent's consumer: {exc.description or type(exc).__name__}",
+                ) from info_exc
         except (nats.errors.Error, TimeoutError) as exc:
             raise _unavailable("cannot create the agent's consumer", exc) from exc
         return stream, durable
@@ -182,8 +209,9 @@ class Streams:
 
     async def publish(
         self, *, site_id: str, agent_id: str, command_id: str, body: bytes, generation: int
-    ) -> int:
-        """Publish a delivery; returns its stream sequence.
+    ) -> tuple[int, bool]:
+        """Publish a delivery; returns its stream sequence and whether the stream already held
+        this very publication (its duplicate window remembered the message id).
 
         Raises:
             BcError: ``UNAVAILABLE`` when the stream does not take it (it is published again
@@ -205,7 +233,7 @@ class Streams:
         except (nats.errors.Error, TimeoutError) as exc:
             self.forget(site_id)
             raise _unavailable("the site's stream did not take the command", exc) from exc
-        return int(ack.seq)
+        return int(ack.seq), bool(ack.duplicate)
 
 
 class Deliveries:
@@ -231,7 +259,7 @@ class Deliveries:
         assert row.agent_id is not None  # dispatched: it has its agent
         kill_point(BEFORE_PUBLISH)
         try:
-            seq = await self.streams.publish(
+            seq, duplicate = await self.streams.publish(
                 site_id=row.site_id,
                 agent_id=row.agent_id,
                 command_id=row.id,
@@ -242,6 +270,11 @@ class Deliveries:
             self.log.warning("delivery_deferred", command_id=row.id, error=err.message)
             return False
         kill_point(AFTER_PUBLISH)
+        if again and duplicate:
+            # The stream holds it already: recorded, it would count as a new publication and
+            # the next one ``again`` would be a new copy (an agent saying hello every second
+            # piled one up a second on its subject).
+            return True
         await self.marks(Published(command_id=row.id, agent_id=row.agent_id, stream_seq=seq))
         return True
 
