@@ -213,8 +213,9 @@ class WhyApi:
             )
         if step.attempt > 0 and (step.sent_commands or step.command_id):
             found = await self._commands(wf, step)
-            if any(r.facts.get("commandId") == waited for r in found):
-                # the command the step waits on, said in full by its own reason
+            if any(r.facts.get("commandId") == waited or r.kind == "batch-approval" for r in found):
+                # the command the step waits on, said in full by its own reason, or by its
+                # batch's approvals (what the operator must do: make demo waits for those words)
                 reasons = [r for r in reasons if r.kind != "command-wait"]
             reasons.extend(found)
         if not reasons:
