@@ -23,14 +23,18 @@ answers at once; ``1-11`` is sushy-tools' own fake driver (a power change lands 
 The CPU is split into the product (``PRODUCT_KINDS``: every process we ship to the operator's
 servers, nats-server and PostgreSQL included) and the simulation (the machines' bcds, the
 emulators, and this process, which runs the simulators' threads); the headline is the product's
-CPU seconds per deployed machine. ``--lean`` (``BC_SIM_LEAN=1``) runs each site's bcds as tasks
+CPU seconds per deployed machine. Next to it, the product's CPU over the machines' own (their
+bcds and BMC emulators, ``over_yardstick``): these VMs run 10-40% faster or slower from one
+quarter-hour to the next, and that ratio, both sides measured in the same run, moves with
+what the product does. ``--lean`` (``BC_SIM_LEAN=1``) runs each site's bcds as tasks
 of one process (``bcd.lean``) instead of a process each, so a thousand machines cost the
 simulation a few processes, not a thousand.
 
 ``--window W`` keeps at most W machines in each phase at once (the next ones, spread over the
-sites, start as others end; 0, the default, is all at once): at 10,000 machines one bulk verb
-over all of them times out about half (a step's deadline counts its time queued behind its site's
-other commands; bench/README.md, "10,000 machines").
+sites, start as others end; 0, the default, is all at once). Before the engine admitted a site's
+workflows in turn (``[engine] site_admission``, docs/engine.md), one bulk verb over 10,000 machines
+timed out about half (a step's deadline counted its time queued behind its site's other
+commands; bench/README.md, "10,000 machines"); the window was the workaround.
 
 ``--engines/--queues/--pkis/--secrets N`` run N instances of that service. ``--kill-mid-deploy``
 SIGKILLs one instance of each service run with two or more, once half the machines' deploys are
@@ -39,6 +43,15 @@ benchmark then checks, at the simulated hardware and in the engine: every machin
 installed once, no disk write twice, the same power changes at every machine's BMC, every deploy
 workflow ``succeeded``, no workflow still running and no command still live. The memory (PSS) of
 every service instance is printed at the end. Any finding exits 1.
+
+``--agent-events`` also counts the agents' signed events (hello, heartbeat, ack, check, progress,
+result: each one an Ed25519 check and mostly a statement at the command queue) per machine in each
+phase. ``--db-socket`` gives the services PostgreSQL's Unix socket instead of TCP 127.0.0.1
+(``bench_db_socket.py`` measures a statement over each).
+
+``--statements`` has PostgreSQL log every statement (``log_statement = all``, which costs
+PostgreSQL CPU: the run's CPU figures are not the product's then) and prints, per phase, the
+statements per machine by their first words, the largest first: where the round trips go.
 """
 
 from __future__ import annotations
@@ -57,6 +70,8 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from bench_workflows import set_log_statement, statements_per_step
 
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.engine import EngineClient
@@ -139,6 +154,17 @@ PRODUCT_KINDS = (
 )  # fmt: skip
 """What we ship to the operator's servers (bcd runs on the machines: with the simulation here)."""
 SIMULATION_KINDS = ("bcd (simulated)", "sushy emulators", "simulator (this process)")
+YARDSTICK_KINDS = ("bcd (simulated)", "sushy emulators")
+"""The machines' own work (their bcds, their BMCs), the same in every run of one profile: the
+product's CPU over it moves with what the product does, not with how fast the VM is that hour
+(one code's inspect measured 0.161-0.230 CPU s a machine in four runs within 15 minutes, its
+product over this 2.79-3.05). Not a yardstick across a change of what reaches the BMCs."""
+
+
+def over_yardstick(cpu: dict[str, float]) -> float | None:
+    """The product's CPU over the machines' own (``YARDSTICK_KINDS``) in one phase."""
+    machines = sum(cpu.get(k, 0.0) for k in YARDSTICK_KINDS)
+    return round(sum(cpu.get(k, 0.0) for k in PRODUCT_KINDS) / machines, 2) if machines > 0 else None
 
 
 def rss_of(pid: int) -> float:
@@ -306,9 +332,27 @@ def instance_memory(processes: ServiceProcesses) -> dict[str, float]:
     return {p.instance: round(pss_of(p.pid), 1) for p in processes.procs if p.alive()}
 
 
+def print_statements(phase: str, log: Path, offset: int, machines: int) -> int:
+    """The statements PostgreSQL logged after ``offset`` of its log (``--statements``), per
+    machine, the largest first (``bench_workflows.statements_per_step``); the log's end."""
+    with log.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    *largest, (total, _) = statements_per_step(data.decode(errors="replace"), machines, top=30)
+    print(f"{phase}: {total:.1f} statements per machine; the largest:", flush=True)
+    for per, text in largest:
+        print(f"  {per:6.2f}  {text}", flush=True)
+    return offset + len(data)
+
+
 async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     nats, pg = EmbeddedNats(state / "servers"), EmbeddedPostgres(state / "servers")
     nats_url, db_url = nats.start(), pg.start()
+    pg_log = pg.dir / "postgres.log"
+    if args.statements:
+        await set_log_statement(db_url, "all")
+    if args.db_socket:
+        db_url = pg.socket_url() or db_url
     lo, _, hi = args.power_delay.partition("-")
     delay = (float(lo), float(hi or lo))
     settings = Settings(
@@ -381,10 +425,25 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         requests: Counter[str] = Counter()
         api_prefix = f"{settings.subject_root}.api."
 
+        enqueued_keys: set[str] = set()
+
         async def on_request(msg: Any) -> None:
-            requests[msg.subject.removeprefix(api_prefix)] += 1
+            subject = msg.subject.removeprefix(api_prefix)
+            requests[subject] += 1
+            if args.agent_events and subject == "command-queue.commands.enqueue":
+                with contextlib.suppress(ValueError, AttributeError):  # what each enqueue asked
+                    body = json.loads(msg.data)
+                    again = body.get("key") in enqueued_keys
+                    enqueued_keys.add(body.get("key"))
+                    requests[f"enqueue.{body.get('kind')}{' again' if again else ''}"] += 1
 
         await nc.subscribe(f"{api_prefix}>", cb=on_request)
+        if args.agent_events:
+
+            async def on_agent_event(msg: Any) -> None:
+                requests["agent." + msg.subject.rsplit(".", 1)[-1]] += 1
+
+            await nc.subscribe(Subjects(settings.subject_root).agent_events_all(), cb=on_agent_event)
         phase_requests: dict[str, dict[str, int]] = {}
 
         def requests_since(before: Counter[str]) -> dict[str, int]:
@@ -396,7 +455,15 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             }
 
         def said(asked: dict[str, int]) -> str:
-            return ", ".join(f"{name} {n:.2f}" for name, n in per_machine(asked).items())
+            text = ", ".join(f"{name} {n:.2f}" for name, n in per_machine(asked).items())
+            # --agent-events: the signed events by kind; each enqueue by kind ("again": its key
+            # was enqueued before)
+            for prefix, label in (("agent.", "agent events"), ("enqueue.", "enqueued")):
+                counted = [(k.removeprefix(prefix), n) for k, n in asked.items() if k.startswith(prefix)]
+                if counted:
+                    counted.sort(key=lambda kv: -kv[1])
+                    text += f"; {label}: " + ", ".join(f"{k} {n / args.machines:.2f}" for k, n in counted)
+            return text
 
         def counts() -> dict[str, int]:
             return dict(Counter(states.values()))
@@ -456,6 +523,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         prelude_cpu: dict[str, dict[str, float]] = {}
         prelude_again: dict[str, int] = {}
         phases: list[tuple[VerbName, str]] = [("inspect", "inspected"), ("commission", "ready")]
+        logged_at = pg_log.stat().st_size if args.statements else 0
         for verb, want in phases:
             phase_before = meter.snapshot()
             asked_before = requests.copy()
@@ -479,8 +547,11 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             phase_requests[verb] = requests_since(asked_before)
             product = sum(v for k, v in prelude_cpu[verb].items() if k in PRODUCT_KINDS)
             print(f"{verb}: {args.machines} machines {want} in {prelude[verb]:.1f} s,"
-                  f" product {product / args.machines:.3f} CPU s/machine;"
+                  f" product {product / args.machines:.3f} CPU s/machine"
+                  f" ({over_yardstick(prelude_cpu[verb])} x the machines' own);"
                   f" per machine: {said(phase_requests[verb])}", flush=True)  # fmt: skip
+            if args.statements:
+                logged_at = print_statements(verb, pg_log, logged_at, args.machines)
 
         cpu_before = meter.snapshot()
         asked_before = requests.copy()
@@ -519,6 +590,8 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         cpu = CpuMeter.delta(cpu_before, meter.snapshot())
         phase_requests["deploy"] = requests_since(asked_before)
         print(f"deploy: per machine: {said(phase_requests['deploy'])}", flush=True)
+        if args.statements:
+            logged_at = print_statements("deploy", pg_log, logged_at, args.machines)
         memory = meter.memory()  # every machine deployed: each runs its installed OS's bcd
         reports = await lean_memory_reports(sims, state / "lean-memory") if args.memory_report else {}
         per_instance = instance_memory(processes)
@@ -620,6 +693,9 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "rss_mib": {k: {"processes": n, "mib": round(mib)} for k, (n, mib) in
                         sorted(resident.items(), key=lambda kv: -kv[1][1])},
             "product_rss_mib": round(sum(mib for k, (_, mib) in resident.items() if k in PRODUCT_KINDS)),
+            "product_over_machines": {
+                **{verb: over_yardstick(c) for verb, c in prelude_cpu.items()}, "deploy": over_yardstick(cpu),
+            },
             "prelude_product_cpu_s_per_machine": {
                 verb: round(sum(v for k, v in c.items() if k in PRODUCT_KINDS) / args.machines, 4)
                 for verb, c in prelude_cpu.items()
@@ -682,17 +758,20 @@ def main() -> None:
                        ("secrets", "bc-secrets")):  # fmt: skip
         p.add_argument(f"--{flag}", type=int, default=1, help=f"{what} instances")
     p.add_argument(
-        "--kill-mid-deploy", action="store_true",
-        help="SIGKILL one instance of each service run twice or more, half the machines into the deploy",
-    )  # fmt: skip
-    p.add_argument(
         "--lean", action="store_true", default=os.environ.get("BC_SIM_LEAN") == "1",
         help="each site's bcds as tasks of one process (BC_SIM_LEAN=1), not a process per machine",
     )  # fmt: skip
-    p.add_argument(
-        "--memory-report", action="store_true",
-        help="lean: each host traces its Python allocations and reports them at the end (costs CPU)",
-    )  # fmt: skip
+    for flag, what in (
+        ("--kill-mid-deploy",
+         "SIGKILL one instance of each service run twice or more, half the machines into the deploy"),
+        ("--agent-events", "count the agents' signed events (bc.agent.*.*.<kind>) per machine in each phase"),
+        ("--db-socket", "the services reach PostgreSQL on its Unix socket, not on TCP 127.0.0.1"),
+        ("--statements",
+         "PostgreSQL logs every statement; print each phase's per machine by kind (costs CPU)"),
+        ("--memory-report",
+         "lean: each host traces its Python allocations and reports them at the end (costs CPU)"),
+    ):  # fmt: skip
+        p.add_argument(flag, action="store_true", help=what)
     args = p.parse_args()
     raise_open_files()
     # each service and site agent its own `python -m ...`, as deployed, not forked from the test
@@ -720,7 +799,8 @@ def main() -> None:
     print(
         f"\nproduct CPU per deployed machine: {out['product_cpu_s_per_machine']} s"
         f" ({out['product_cpu_s']} CPU s: engine, command-queue, pki, secrets, site agents, nats-server,"
-        f" PostgreSQL), wall {out['deploy_s']} s, product RSS {out['product_rss_mib']} MiB;"
+        f" PostgreSQL; {out['product_over_machines']['deploy']} x the machines' own bcds and BMCs),"
+        f" wall {out['deploy_s']} s, product RSS {out['product_rss_mib']} MiB;"
         f" simulation {out['simulation_cpu_s']} CPU s ({out['simulation']})"
     )
     print(

@@ -29,18 +29,19 @@ APPROVERS = ("alice", "bob", "carol")
 N = 50
 SELECTOR = {"site": "lab1", "rack": "r12"}
 BMC = {"driver": "sim", "address": "bmc-r12"}
+ADMITTED = 3
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def stack(
-    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+async def _stack(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path, **env: str
 ) -> AsyncIterator[tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent]]:
     keys = approver_keys(APPROVERS)
     write_approvers(tmp_path / "approvers.toml", keys)
     bc_processes.settings = msgspec.structs.replace(bc_settings, app="metal_test_app:app")
+    quorum = str(tmp_path / "approvers.toml")
     bc_processes.extra_env.update(
-        BC_CMDQ_QUORUM_FILE=str(tmp_path / "approvers.toml"), BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms"
-    )
+        BC_CMDQ_QUORUM_FILE=quorum, BC_CMDQ_HEARTBEAT="200ms", BC_CMDQ_SWEEP="100ms", **env
+    )  # fmt: skip
     for name in ("bc-pki", "bc-command-queue", "bc-engine"):
         bc_processes.start(name)
     await bc_processes.wait_ready()
@@ -52,6 +53,25 @@ async def stack(
         yield keys, sim
     finally:
         sim.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent]]:
+    async for got in _stack(bc_settings, bc_api, bc_processes, tmp_path):
+        yield got
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def admitting_stack(
+    bc_settings: Settings, bc_api: ApiClient, bc_processes: ServiceProcesses, tmp_path: Path
+) -> AsyncIterator[tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent]]:
+    """The same stack, its engine admitting ADMITTED workflows of a site at once."""
+    async for got in _stack(
+        bc_settings, bc_api, bc_processes, tmp_path, BC_ENGINE_SITE_ADMISSION=str(ADMITTED)
+    ):
+        yield got
 
 
 async def _states(api: ApiClient, ids: list[str]) -> dict[str, str]:
@@ -116,6 +136,51 @@ async def test_a_bulk_release_of_50_nodes_needs_exactly_two_approvals(
     nobody = {"verb": "release", "selector": {"rack": "nope"}}
     err = await refused(bc_api.call("engine", "metal.bulk", nobody))
     assert (err.code.value, err.details["path"]) == ("NOT_FOUND", "selector")
+
+
+async def test_a_bulk_verb_over_more_nodes_than_the_site_admits_runs_them_in_turn_under_one_batch(
+    admitting_stack: tuple[dict[str, ed25519.Ed25519PrivateKey], SimAgent], bc_api: ApiClient
+) -> None:
+    """Issue 25: the engine admits ADMITTED of a site's workflows at once; the rest wait with no
+    step started and are admitted as the first end. One batch covers them all: approved once,
+    each node is released once, counted at the site agent."""
+    keys, sim = admitting_stack
+    cq, engine = CommandQueueClient(bc_api), EngineClient(bc_api)
+    n = 8
+    ids = []
+    for i in range(n):
+        body = {"siteId": "lab1", "labels": {"rack": "r25"}, "bmc": {**BMC, "address": f"bmc-r25-{i}"}}
+        ids.append((await bc_api.call("engine", "metal.enroll", body))["id"])
+    await bc_api.call("engine", "metal.bulk", {"verb": "adopt", "nodeIds": ids})
+    await until(lambda: _all(bc_api, ids, "deployed"), what=f"{n} nodes adopted, {ADMITTED} at a time")
+    bulk = await bc_api.call("engine", "metal.bulk", {"verb": "release", "nodeIds": ids})
+    started = [s["workflowId"] for s in bulk["started"]]
+    assert len(started) == n
+    views = [await engine.get_workflow(id=w) for w in started]
+    assert sorted(v.queued for v in views) == [False] * ADMITTED + [True] * (n - ADMITTED)
+    batch = await cq.get_batch(id=bulk["batchId"])
+    assert sorted(batch.workflow_ids) == sorted(started)  # one batch names the waiting ones too
+
+    async def pending() -> int:
+        return len((await cq.list_commands(batch_id=batch.id, limit=n + 10)).commands)
+
+    await until(lambda: _is(pending(), ADMITTED), what=f"{ADMITTED} destructive commands held for the quorum")
+    waiting = next(v for v in views if v.queued)
+    why = await engine.why(id=waiting.id)
+    assert why.reasons[0].kind == "queued", why
+    assert why.reasons[0].facts["running"] == ADMITTED
+    shown = (await bc_api.call("engine", "nodes.get", {"id": waiting.node_id}))["currentWorkflow"]
+    assert (shown["step"], shown["waitingFor"]["reason"]) == (None, "queued")  # what bcx nodes watch says
+    assert await pending() == ADMITTED  # the others sent nothing, approved or not
+    for who in ("alice", "bob"):
+        await cq.approve_batch(batch_id=batch.id, approver_id=who, signature=sign_batch(batch, keys[who]))
+    await until(lambda: _all(bc_api, ids, "ready"), what=f"{n} nodes released, {ADMITTED} at a time")
+    assert _destructive_runs(sim) == n  # each once, at the agent
+    assert not any([(await engine.get_workflow(id=w)).queued for w in started])
+
+
+async def _is(value: Any, want: Any) -> bool:
+    return bool(await value == want)
 
 
 async def _all(api: ApiClient, ids: list[str], state: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.client import Client as Nats
@@ -100,3 +101,23 @@ async def test_an_agent_saying_hello_again_and_again_gets_one_copy_of_its_comman
         subjects.site_stream(SITE), subjects_filter=subjects.site_cmd(SITE, row.agent_id)
     )
     assert info.state.messages == 1
+
+
+async def test_an_agent_pulling_keeps_its_consumer_and_an_older_consumer_takes_the_threshold(
+    nc: Nats,
+) -> None:
+    """nats-server deletes a consumer nobody pulled from for ``cmdq.consumer_inactive``: never
+    one whose agent is pulling (an idle agent holds its pull open). A consumer made before the
+    setting (or with another value) takes it at its agent's next hello; ``0s`` takes it off."""
+    subjects = Subjects()
+    js = nc.jetstream()
+    stream, _ = await Streams(nc, subjects, inactive_seconds=0).ensure_consumer(SITE, "node_a")
+    assert (await js.consumer_info(stream, "node_a")).config.inactive_threshold is None
+    await Streams(nc, subjects, inactive_seconds=1.0).ensure_consumer(SITE, "node_a")
+    assert (await js.consumer_info(stream, "node_a")).config.inactive_threshold == 1.0
+    pull = await js.pull_subscribe_bind(durable="node_a", stream=stream)
+    with pytest.raises(nats.errors.TimeoutError):
+        await pull.fetch(1, timeout=3.0)  # three thresholds with a pull open, as an idle agent's
+    assert await _has_consumer(nc, stream, "node_a")
+    await Streams(nc, subjects, inactive_seconds=0).ensure_consumer(SITE, "node_a")
+    assert (await js.consumer_info(stream, "node_a")).config.inactive_threshold is None

@@ -312,6 +312,9 @@ async def story(h: Harness) -> list[Any]:
     say("fail lost, site silent", await s.fail_lost(lost_after_ms=120_000, silent_after_ms=15_000))
     await h.agent_seen("agent-b", "site")  # its site agent heard, connected since long before
     say("fail lost", await s.fail_lost(lost_after_ms=120_000, silent_after_ms=15_000))
+    # the count of each command's state changes, which orders its events (the trigger on PostgreSQL)
+    changes = [await s.command_by_id(c.id) for c in (n1, s1, w1, w2, n4)]
+    told.append(("versions", sorted((name(r.id), r.state, r.version) for r in changes if r)))
     await h.age(2 * 86400)
     told.append(("purged", await s.purge_finished(retention_days=1)))
     told.append(
@@ -337,6 +340,7 @@ async def test_the_memory_store_tells_the_same_story_as_postgresql(pg: Harness) 
     # and the story is the one the queue's rules tell (a drift in both would pass the above)
     told = dict((t[0], t[1:]) for t in on_pg)
     assert told["ack other journal"] == ([],)
+    assert ("n4", "failed", 2) in told["versions"][0]  # dispatched at insert, acked, lost
     assert told["interrupted"] == ([("n1", "failed", "interrupted", "n1.node", "half")],)
     assert told["result of cancelling"] == (
         [("n2", "cancelled", "operator", "n2.node", "the agent stopped: succeeded")],

@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 import nats.errors
+import nats.js.errors
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as Nats
@@ -121,12 +122,22 @@ async def _agent_consumer(nc: Nats, site: str, agent: str, *, on_hub: bool = Fal
 
 
 async def _fetch_one(nc: Nats, stream: str, consumer: str, *, timeout: float = 3.0) -> Msg:
-    psub = await nc.jetstream(timeout=5).pull_subscribe_bind(durable=consumer, stream=stream)
-    try:
-        (msg,) = await psub.fetch(1, timeout=timeout)
-        return msg
-    finally:
-        await psub.unsubscribe()
+    """One message of ``consumer``. A consumer just made on a cluster may not have elected its
+    leader yet: its pull request then has no responder (503, nothing delivered) and is asked
+    again; a fetch that times out still fails."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while True:
+        psub = await nc.jetstream(timeout=5).pull_subscribe_bind(durable=consumer, stream=stream)
+        try:
+            (msg,) = await psub.fetch(1, timeout=timeout)
+            return msg
+        except nats.js.errors.ServiceUnavailableError:
+            if loop.time() > deadline:
+                raise
+        finally:
+            await psub.unsubscribe()
+        await asyncio.sleep(0.2)
 
 
 async def _drain(sub: Subscription, *, wait: float = 0.5) -> list[str]:

@@ -10,7 +10,6 @@ from typing import Any
 
 import asyncpg
 import msgspec
-import nats
 import pytest
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
@@ -29,7 +28,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.crypto import AgentIdentity, new_agent_key
 from better_compute.keyring import rotate_key_file
-from better_compute.service import ApiClient
+from better_compute.service import ApiClient, connect
 from better_compute.testing import refused
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import CommandView, LiveWithRef
@@ -179,7 +178,7 @@ async def test_an_agent_fetches_only_through_a_live_command_of_the_creating_step
         cmd = await command(f"wf:{wf}:2#1:media", {"ref": {"secretRef": ref}, "note": "user data"})
         # another client on the bus that reads every reply (as agents of one site sharing a NATS
         # user could) sees the value only sealed to the fetching agent's one-time key
-        spy = await nats.connect(bc_settings.nats_url)
+        spy = await connect(bc_settings.nats_url, name="spy")
         seen: list[bytes] = []
 
         async def tap_replies(msg: Any) -> None:

@@ -13,6 +13,7 @@ import nats.js.errors
 import pytest
 from nats.js import api
 
+from better_compute.service import nats_client
 from better_compute.testing import until
 from better_compute.testing.leaves import SiteLeaves
 
@@ -20,7 +21,8 @@ from better_compute.testing.leaves import SiteLeaves
 async def test_a_cut_leaf_reaches_nothing_until_healed_then_pulls_what_waited(tmp_path: Path) -> None:
     leaves = SiteLeaves(tmp_path / "nats", ["lab1", "lab2"]).start()
     try:
-        hub = await nats.connect(leaves.hub_url)
+        hub = nats_client()  # its flush comes after its SUB
+        await hub.connect(leaves.hub_url)
         js = hub.jetstream()
         await js.add_stream(api.StreamConfig(name="S", subjects=["bc.site.lab2.cmd.*"]))
         config = api.ConsumerConfig(

@@ -75,9 +75,13 @@ def test_the_last_test_runs():
 def _pytest(tmp_path: Path, test_file: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_tiny.py").write_text(test_file)
     env = {**os.environ, "BC_TEST_SETUP_TIMEOUT": "3"}
+    # its own --basetemp: a pytest given none makes /tmp/pytest-of-<user> 0700 again at its start,
+    # and an embedded PostgreSQL of the outer run (its own user, under that folder) then could not
+    # reach its data folder: test_dev_stack failed so once, "initdb failed: … denied"
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
-         "-p", "no:cacheprovider", "-o", "timeout=3", "-q", *args, str(tmp_path / "test_tiny.py")],
+         "--basetemp", str(tmp_path / "inner-tmp"), "-p", "no:cacheprovider", "-o", "timeout=3", "-q", *args,
+         str(tmp_path / "test_tiny.py")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

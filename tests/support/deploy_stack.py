@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import nats
 from cryptography.hazmat.primitives import serialization
 from nats.aio.client import Client as Nats
 
@@ -36,7 +35,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import bcrypt_password, issue_bus_certificate, make_csr, new_agent_key, new_bus_ca
 from better_compute.runtime.embedded import free_port as pick_free_port
 from better_compute.runtime.embedded import nats_server_binary, wait_port
-from better_compute.service.client import connect, tls_context
+from better_compute.service.client import connect, nats_client, tls_context
 from better_compute.testing import until
 from better_compute.wire import Subjects
 from better_compute.wire.envelope import encode_error, encode_ok
@@ -122,7 +121,8 @@ class Stack:
         async def on_error(err: Exception) -> None:
             seen.append(str(err))
 
-        nc = await nats.connect(
+        nc = nats_client()  # nats-py's, with a flush that comes after the SUBs before it
+        await nc.connect(
             servers=[f"tls://127.0.0.1:{s.client_port}" for s in servers or self.hub],
             tls=tls_context(str(self.ca)),
             user=user,

@@ -44,7 +44,7 @@ WORKFLOW = {
     "id": "wf_1", "tenantId": "root", "nodeId": None,
     "profile": {"tenantId": "builtin", "id": "p", "version": 1}, "state": "running", "owner": None,
     "commandKinds": [], "batchId": None, "error": None, "createdAt": "2026-12-01T09:00:00+00:00",
-    "finishedAt": None,
+    "finishedAt": None, "queued": False,
 }  # fmt: skip
 
 

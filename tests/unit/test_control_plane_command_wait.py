@@ -162,6 +162,7 @@ class FakeHost:
         self.wake = None
         self.states: dict[str, str] = {}
         self.enqueued: list[str] = []
+        self.read: list[str] = []  # commands read by id (``sent_command``)
         self.minted: list[str] = []
         self.waits: list[tuple[str | None, Any]] = []
         self.step_waits: list[Any] = []
@@ -188,6 +189,11 @@ class FakeHost:
     async def enqueue(self, cmd: EnqueueCommand) -> CommandView:
         self.enqueued.append(cmd.key)
         return view(cmd.key, self.states.setdefault(cmd.key, "pending"), kind=cmd.kind)
+
+    async def sent_command(self, command_id: str, cmd: EnqueueCommand) -> CommandView | None:
+        self.read.append(cmd.key)
+        found = view(cmd.key, self.states[cmd.key], kind=cmd.kind)
+        return found if found.id == command_id else None
 
     async def command_settled(self, *args: Any) -> None:
         pass
@@ -260,8 +266,9 @@ async def test_a_step_waiting_on_its_command_waits_until_its_deadline_and_says_w
     host.states[f"{KEY}:b"] = host.states[f"{KEY}:c"] = "succeeded"
     out = await run_control_plane(host, wf, step, deadline)  # type: ignore[arg-type]
     assert out == Ok({"ref": "sec_1"}, '{"ref":"sec_1"}')
-    # each command asked for when sent and once when it ended; the ended ones never again
-    assert host.enqueued == [f"{KEY}:a", f"{KEY}:a", f"{KEY}:a", f"{KEY}:b", f"{KEY}:b", f"{KEY}:c"]
+    # each command enqueued once, read by its id on each later run until it ended, then never
+    assert host.enqueued == [f"{KEY}:a", f"{KEY}:b", f"{KEY}:c"]
+    assert host.read == [f"{KEY}:a", f"{KEY}:a", f"{KEY}:b"]
     # the token, the secret and the marks once for the four runs of the attempt
     assert host.pki.issued == [(KEY, b"mint-secret")]
     assert host.secrets.puts == [f"{KEY}:token"]
@@ -393,3 +400,28 @@ def _command_wait(out: object, deadline: float) -> bool:
     """The wait of a step on its command: its deadline (its command's end wakes it, the command
     watch is the net), never a periodic re-run."""
     return isinstance(out, Wait) and out.at == pytest.approx(deadline, abs=2)
+
+
+async def test_a_command_read_by_id_counts_only_when_it_is_the_one_the_run_would_enqueue() -> None:
+    from bc_engine.steps.host import StepHost
+
+    class Cmdq:
+        async def get(self, *, id: str) -> CommandView:
+            if id == "cmd_gone":
+                raise BcError(ErrorCode.NOT_FOUND, "no such command", {"path": "id"})
+            return view(f"{KEY}:a", "running")  # id cmd_a
+
+    host = object.__new__(StepHost)
+    host.cmdq = Cmdq()  # type: ignore[assignment]
+
+    def cmd(key: str, kind: str = "power.setPower", node_id: str = "node_1") -> EnqueueCommand:
+        return EnqueueCommand(node_id=node_id, site_id="lab", kind=kind, payload={}, key=key, target="site")
+
+    found = await host.sent_command("cmd_a", cmd(f"{KEY}:a"))
+    assert found is not None
+    assert found.state == "running"
+    # another attempt's key, another kind, another node, a gone id: enqueue as before
+    assert await host.sent_command("cmd_a", cmd("wf:wf_1:0#2:a")) is None
+    assert await host.sent_command("cmd_a", cmd(f"{KEY}:a", kind="media.eject")) is None
+    assert await host.sent_command("cmd_a", cmd(f"{KEY}:a", node_id="node_2")) is None
+    assert await host.sent_command("cmd_gone", cmd(f"{KEY}:a")) is None

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from bc_engine.documents import node_doc
-from bc_engine.metal.lifecycle import record_command_result
+from bc_engine.metal.lifecycle import HOST_LOOK_MAX_MS, HOST_LOOK_MS, host_look_ms, record_command_result
 from bc_engine.metal.relay import needs_bmc, relay_bmc
 from bc_engine.metal.store import OBSERVED_GENERATION
 from better_compute.app import better_compute
@@ -232,3 +232,17 @@ async def test_a_converge_result_records_the_generation_bcd_observed(
     db = _Db()
     await record_command_result(SimpleNamespace(db=db), "node_1", "node.converge", None, result)  # type: ignore[arg-type]
     assert db.asked == ([(OBSERVED_GENERATION, ("node_1", recorded))] if recorded is not None else [])
+
+
+def test_a_live_converge_is_looked_at_less_often_the_longer_it_waits() -> None:
+    """Its settle event wakes the node's key; the look stands in for a lost one. A node that is
+    off (its bcd never comes) was an enqueue every 10 s for the converge's hour: 360 per node."""
+    sent = 1_000_000.0
+    looks, now = 0, sent
+    while now < sent + 3600:
+        now += host_look_ms(sent, now) / 1000
+        looks += 1
+    assert host_look_ms(sent, sent + 0.5) == HOST_LOOK_MS  # at first as before
+    assert host_look_ms(sent, sent + 120) == 120_000
+    assert host_look_ms(sent, sent + 7200) == HOST_LOOK_MAX_MS
+    assert looks <= 15, looks  # an hour's wait: at 10, 20, 40, 80 s …, then 10 minutes apart

@@ -57,6 +57,13 @@ def test_sections_come_from_bc_toml_and_the_environment_wins(
         ("[cmdq.quorum]\nthreshold = 1\napprovers = [{ id = 3 }]\n", {}, "cmdq.quorum.approvers[0].id"),
         ('[cmdq]\nretention = "12h"\n', {}, "cmdq.retention"),  # kept in days
         ("[cmdq]\nstream_replicas = 0\n", {}, "cmdq.stream_replicas"),
+        ("[engine]\nsite_admission = -1\n", {}, "engine.site_admission"),
+        ("", {"BC_ENGINE_SITE_ADMISSION": "many"}, "engine.site_admission"),
+        ("[cmdq]\nstream_max_consumers = -1\n", {}, "cmdq.stream_max_consumers"),  # 1000 to nats-server
+        ("", {"BC_CMDQ_STREAM_MAX_CONSUMERS": "0"}, "cmdq.stream_max_consumers"),
+        ("", {"BC_CMDQ_STREAM_MAX_CONSUMERS": "lots"}, "cmdq.stream_max_consumers"),
+        ("[cmdq]\nstream_max_consumers = 2147483648\n", {}, "cmdq.stream_max_consumers"),
+        ('[cmdq]\nconsumer_inactive = "500ms"\n', {}, "cmdq.consumer_inactive"),  # 0s or at least 1s
         ("", {"BC_HEALTH_PORT": "eighty"}, "health_port"),
         ('[userdata]\nbcd_url = "ftp://x"\n', {}, "userdata.bcd_url"),
         ("", {"BC_USERDATA_BCD_SHA256": "ABC"}, "userdata.bcd_sha256"),

@@ -28,6 +28,7 @@ __all__ = [
     "ApproverSetting",
     "CmdqSettings",
     "Duration",
+    "EngineSettings",
     "EventsSettings",
     "ImageSignerSetting",
     "ImagesSettings",
@@ -130,6 +131,14 @@ class CmdqSettings(_Section, frozen=True, kw_only=True):
     cert_cache: Duration = Duration(30_000)
     stream_replicas: int = 1
     stream_max_age: Duration = Duration(7 * 86_400_000)
+    stream_max_consumers: int = 100_000
+    """Consumers a site's stream holds: one per agent of the site (each machine's ``bcd``, its
+    site agents). At least 1; nats-server 2.15 reads none (or -1) as 1000."""
+    consumer_inactive: Duration = Duration(86_400_000)
+    """An agent's consumer nobody pulled from for this long is deleted by nats-server (a retired
+    node's, a replaced identity's); the agent's commands stay in the stream, and its next hello
+    makes the consumer again, which delivers them. ``0s`` keeps consumers for ever; else at
+    least ``1s``."""
     site_domain: str = ""
     """Where each site's streams live. ``""``: in the services' own JetStream (the hub's; one
     nats-server is enough). A template naming the JetStream domain of the site's leaf node,
@@ -206,6 +215,18 @@ class RamdiskSettings(_Section, frozen=True, kw_only=True):
     script: str | None = None
 
 
+class EngineSettings(_Section, frozen=True, kw_only=True):
+    """``[engine]``: bc-engine's own settings.
+
+    ``site_admission``: how many workflows on the nodes of one site run their steps at once; the
+    rest wait, in the order they were started, with no step started (so no step's deadline runs
+    while they wait: a bulk verb over 10,000 machines does not time out the ones whose commands
+    would queue behind the site's other machines). ``0``: no limit. docs/engine.md, "Admission".
+    """
+
+    site_admission: int = 100
+
+
 class EventsSettings(_Section, frozen=True, kw_only=True):
     """``[events]``: the durable event feed, JetStream stream ``BC_EVENTS`` on ``bc.events.>``
     (docs/events.md); bc-command-queue creates it and applies these bounds at start."""
@@ -236,6 +257,7 @@ class Settings(_Section, frozen=True, kw_only=True):
     cmdq: CmdqSettings = msgspec.field(default_factory=CmdqSettings)
     pki: PkiSettings = msgspec.field(default_factory=PkiSettings)
     secrets: SecretsSettings = msgspec.field(default_factory=SecretsSettings)
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     userdata: UserDataSettings = msgspec.field(default_factory=UserDataSettings)
     images: ImagesSettings = msgspec.field(default_factory=ImagesSettings)
     events: EventsSettings = msgspec.field(default_factory=EventsSettings)
@@ -255,6 +277,10 @@ _MINIMUM_MS: Final = {
     "pki.cert_ttl": 1_000,
     "events.max_age": 1_000,
 }
+
+
+_MAX_CONSUMERS: Final = 2**31 - 1
+"""The most ``cmdq.stream_max_consumers`` may say (nats-server keeps it in a Go int)."""
 
 
 # Settings the services keep in coarser units: a value must be a whole number of them.
@@ -352,6 +378,19 @@ def _check_bounds(settings: Settings) -> None:
             raise _bad(path, f"{path} must be {what}")
     if settings.cmdq.stream_replicas < 1:
         raise _bad("cmdq.stream_replicas", "cmdq.stream_replicas must be at least 1")
+    if settings.engine.site_admission < 0:
+        raise _bad("engine.site_admission", "engine.site_admission must be 0 (no limit) or more")
+    if not 1 <= settings.cmdq.stream_max_consumers <= _MAX_CONSUMERS:
+        raise _bad(
+            "cmdq.stream_max_consumers",
+            f"cmdq.stream_max_consumers must be between 1 and {_MAX_CONSUMERS}"
+            f" (nats-server reads none, or -1, as 1000), got {settings.cmdq.stream_max_consumers}",
+        )
+    if 0 < (inactive := settings.cmdq.consumer_inactive).ms < 1_000:
+        raise _bad(
+            "cmdq.consumer_inactive",
+            f"cmdq.consumer_inactive must be 0s (never) or at least 1s, got {inactive}",
+        )
     if settings.events.replicas < 1:
         raise _bad("events.replicas", "events.replicas must be at least 1")
     if settings.events.max_bytes < 1 << 20:

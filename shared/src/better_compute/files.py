@@ -21,9 +21,16 @@ __all__ = ["atomic_write"]
 
 
 def atomic_write(
-    path: str | os.PathLike[str], data: str | bytes, *, mode: int = 0o600, exclusive: bool = False
+    path: str | os.PathLike[str],
+    data: str | bytes,
+    *,
+    mode: int = 0o600,
+    exclusive: bool = False,
+    sync_folder: bool = True,
 ) -> None:
     """Replace ``path`` with ``data`` (text is UTF-8) in one step, as a file of ``mode``.
+    ``sync_folder=False``: the caller syncs the folder itself once after several writes (the
+    replacement is durable only then; the data is synced before it takes the name).
 
     Raises:
         FileExistsError: with ``exclusive``, when ``path`` exists already (it is left as it was).
@@ -48,7 +55,8 @@ def atomic_write(
             os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    _sync_folder(target.parent)
+    if sync_folder:
+        _sync_folder(target.parent)
 
 
 def _sync_folder(folder: Path) -> None:

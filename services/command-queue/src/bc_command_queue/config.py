@@ -24,6 +24,8 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.keyring import Keyring
 from better_compute.wire.codec import validation_path
 
+from .delivery import INACTIVE_SECONDS, MAX_CONSUMERS
+
 __all__ = [
     "Approver",
     "CmdqConfig",
@@ -242,6 +244,12 @@ class CmdqConfig:
     again (the agent died with it, or lost it)."""
     stream_replicas: int = 1
     stream_max_age_seconds: int = 7 * 24 * 3600
+    stream_max_consumers: int = MAX_CONSUMERS
+    """Consumers a site's stream holds (``cmdq.stream_max_consumers``): one per agent."""
+    consumer_inactive_ms: int = int(INACTIVE_SECONDS * 1000)
+    """An agent's consumer nobody pulled from this long is deleted by nats-server
+    (``cmdq.consumer_inactive``; 0: never). Its commands stay in the stream; its next hello
+    makes it again."""
     site_domain: str = ""
     """``cmdq.site_domain``: ``""`` keeps every site's stream in the services' JetStream;
     a template with ``{site}`` names the JetStream domain of each site's leaf node, which then
@@ -268,6 +276,8 @@ class CmdqConfig:
             ack_wait_ms=settings.ack_wait.ms,
             stream_replicas=settings.stream_replicas,
             stream_max_age_seconds=settings.stream_max_age.ms // 1000,
+            stream_max_consumers=settings.stream_max_consumers,
+            consumer_inactive_ms=settings.consumer_inactive.ms,
             site_domain=check_site_domain(settings.site_domain),
             retention_days=settings.retention.ms // 86_400_000,
             engine_key=(

@@ -42,7 +42,7 @@ from better_compute.wire.codec import encode
 from .rows import CommandRow
 from .storage import Published, Store, row_may_be_at_fault
 
-__all__ = ["Changed", "Deliveries", "Streams", "consumer_name"]
+__all__ = ["INACTIVE_SECONDS", "MAX_CONSUMERS", "Changed", "Deliveries", "Streams", "consumer_name"]
 
 Changed = Callable[[Sequence[CommandRow]], Awaitable[None]]
 """Publishes the event of each changed command row (the engine wakes on it)."""
@@ -57,9 +57,17 @@ AFTER_PUBLISH = declare(
 _DUPLICATE_WINDOW_S: Final = 120.0
 _STREAM_IN_USE: Final = 10058  # "stream name already in use with a different configuration"
 MAX_CONSUMERS: Final = 100_000
-"""Consumers a site's stream holds: one per agent of the site (each machine's bcd, its site
-agents). Given explicitly: nats-server 2.15 gives a stream that sets none (or -1) a default of
-1000, so the 1001st agent of a site got no consumer and never received a command."""
+"""Consumers a site's stream holds by default (``cmdq.stream_max_consumers``): one per agent of
+the site (each machine's bcd, its site agents). Given explicitly: nats-server 2.15 gives a stream
+that sets none (or -1) a default of 1000, so the 1001st agent of a site got no consumer and never
+received a command."""
+INACTIVE_SECONDS: Final = 86_400.0
+"""By default nats-server deletes an agent's consumer nobody pulled from for a day
+(``cmdq.consumer_inactive``): a retired node's, a replaced identity's. An agent pulls without
+pause while it runs (an idle one holds a 20 s pull open), so only an agent that is gone, or off
+for that long, loses its consumer. Nothing of it is lost: the stream (work-queue retention) keeps
+a message until a consumer acknowledges it, and the agent's next hello makes the consumer again,
+which delivers from the first message still on the agent's subject."""
 
 
 def consumer_name(agent_id: str) -> str:
@@ -79,6 +87,7 @@ class Streams:
         max_age_seconds: int = 7 * 24 * 3600,
         ack_wait_seconds: float = 30.0,
         max_consumers: int = MAX_CONSUMERS,
+        inactive_seconds: float = INACTIVE_SECONDS,
         site_domain: str = "",
         on_site: Callable[[str], None] | None = None,
     ) -> None:
@@ -89,6 +98,8 @@ class Streams:
         self.max_age = float(max_age_seconds)
         self.ack_wait = ack_wait_seconds
         self.max_consumers = max_consumers
+        self.inactive = inactive_seconds or None
+        """Seconds of no pull after which the server deletes an agent's consumer; None: never."""
         self.site_domain = site_domain
         self.on_site = on_site
         """Called with a site whose streams were just ensured on its leaf (``site_domain``)."""
@@ -177,6 +188,8 @@ class Streams:
             ack_wait=self.ack_wait,
             max_deliver=-1,
             max_ack_pending=1024,
+            # a consumer made before this was set (or with another value) takes it at this hello
+            inactive_threshold=self.inactive,
         )
         js = self.js_of(site_id)
         try:

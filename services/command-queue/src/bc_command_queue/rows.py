@@ -63,6 +63,8 @@ class CommandRow(msgspec.Struct, frozen=True, kw_only=True):
     not_after: float
     dispatched_at: float | None
     publishes: int
+    version: int
+    """How many times its state changed (a trigger counts them): orders its events."""
 
 
 class ProgressRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -255,6 +257,7 @@ def command_row(record: Any) -> CommandRow:
         not_after=record["not_after"].timestamp(),
         dispatched_at=_ts(record["dispatched_at"]),
         publishes=record["publishes"],
+        version=record["version"],
     )
 
 

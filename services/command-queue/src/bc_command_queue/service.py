@@ -31,7 +31,6 @@ from better_compute.config import Settings
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.service import Handler, Service
 from better_compute.service.events import ensure_events_stream
-from better_compute.wire.cmdq import EVENTS
 
 from . import metrics
 from .agents import Agents
@@ -39,13 +38,13 @@ from .batches import Batches
 from .commands import Commands
 from .config import CmdqConfig, quorum_from_settings
 from .delivery import Deliveries, Streams
+from .events import CommandEvents
 from .presence import Presence
 from .rows import CommandRow
 from .signers import Signers
 from .site_results import SiteResults
 from .storage import PgStore
 from .sweeper import Sweeper
-from .views import command_event
 
 __all__ = ["CommandQueueService"]
 
@@ -87,6 +86,7 @@ class CommandQueueService(Service):
         self._store: PgStore | None = None
         self._presence: Presence | None = None
         self._site_results: SiteResults | None = None
+        self._events = CommandEvents(self.publish_event, log=self.log)
 
     async def on_start(self) -> None:
         assert self.nc is not None
@@ -101,6 +101,8 @@ class CommandQueueService(Service):
             replicas=self.config.stream_replicas,
             max_age_seconds=self.config.stream_max_age_seconds,
             ack_wait_seconds=self.config.ack_wait_ms / 1000,
+            max_consumers=self.config.stream_max_consumers,
+            inactive_seconds=self.config.consumer_inactive_ms / 1000,
             site_domain=self.config.site_domain,
             on_site=self._watch_site_results,
         )
@@ -264,10 +266,10 @@ class CommandQueueService(Service):
         return await self.parts.sweeper.purge()
 
     async def _changed(self, rows: Sequence[CommandRow]) -> None:
-        """Publish each changed command's event: the engine wakes on it."""
+        """Publish each changed command's event, in the order of its states: the engine wakes
+        on it."""
         metrics.observe_changes(rows)
-        for row in rows:
-            await self.publish_event(EVENTS, row.id, command_event(row))
+        await self._events.changed(rows)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)

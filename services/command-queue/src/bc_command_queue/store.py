@@ -94,7 +94,8 @@ __all__ = [
 _COLS: Final = (
     "c.id, c.node_id, c.site_id, c.tenant_id, c.key, c.kind, c.destructive, c.target,"
     " c.payload, c.agent_id, c.state, c.reason, c.progress, c.batch_id, c.workflow_id, c.step,"
-    " c.result, c.attested, c.created_at, c.updated_at, c.not_after, c.dispatched_at, c.publishes"
+    " c.result, c.attested, c.created_at, c.updated_at, c.not_after, c.dispatched_at, c.publishes,"
+    " c.version"
 )
 _LIVE: Final = "('pending', 'dispatched', 'acked', 'running')"
 _TERMINAL: Final = "(" + ", ".join(f"'{state}'" for state in sorted(TERMINAL_STATES)) + ")"

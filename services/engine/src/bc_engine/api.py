@@ -37,6 +37,7 @@ class EngineApi:
         quorum: Any = None,
         pki: Any = None,
         hooks: EngineHooks | None = None,
+        site_admission: Callable[[], int] = lambda: 0,
     ) -> None:
         self.app = app
         self.hooks = hooks if hooks is not None else EngineHooks()
@@ -53,6 +54,7 @@ class EngineApi:
             wake=wake,
             publish=publish,
             hooks=self.hooks,
+            site_admission=site_admission,
         )
         self.start_in = self.workflows.start_in
         self.why = WhyApi(db=db, cmdq=quorum.cmdq) if quorum is not None else None

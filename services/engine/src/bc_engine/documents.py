@@ -178,4 +178,5 @@ def workflow_doc(
         finished_at=_iso(row["finished_at"]),
         steps=[_step(s) for s in steps] if steps is not None else msgspec.UNSET,
         steps_next=steps_next,
+        queued=row["state"] == "running" and not row.get("admitted", True),
     )

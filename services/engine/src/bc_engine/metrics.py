@@ -12,6 +12,7 @@ __all__ = [
     "RECONCILER_LAG",
     "STEP_SECONDS",
     "WORKFLOWS_FINISHED",
+    "WORKFLOWS_QUEUED",
     "WORKFLOWS_RUNNING",
     "collect",
     "observe_step",
@@ -19,6 +20,11 @@ __all__ = [
 
 WORKFLOWS_RUNNING: Final = Gauge(
     "bc_workflows_running", "Running workflows in the store, by profile (read on scrape)", ["profile"]
+)
+WORKFLOWS_QUEUED: Final = Gauge(
+    "bc_workflows_queued",
+    "Running workflows waiting for their site's admission (engine.site_admission), by site (read on scrape)",
+    ["site"],
 )
 WORKFLOWS_FINISHED: Final = Counter(
     "bc_workflows_finished_total",
@@ -43,10 +49,16 @@ _RUNNING_BY_PROFILE: Final = (
     "SELECT profile_id AS profile, count(*) AS n FROM workflows WHERE state = 'running' GROUP BY profile_id"
 )
 
+_QUEUED_BY_SITE: Final = (
+    "SELECT site_id AS site, count(*) AS n FROM workflows WHERE state = 'running' AND NOT admitted"
+    " GROUP BY site_id"
+)
+
 
 async def collect(db: Any) -> None:
     """The gauges read from the store, before a scrape."""
     set_gauge_rows(WORKFLOWS_RUNNING, await db.fetch(_RUNNING_BY_PROFILE), ("profile",))
+    set_gauge_rows(WORKFLOWS_QUEUED, await db.fetch(_QUEUED_BY_SITE), ("site",))
 
 
 def observe_step(action: str, outcome: str, started_at: Any, now: float) -> None:

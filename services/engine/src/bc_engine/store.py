@@ -35,6 +35,8 @@ class WorkflowRow(msgspec.Struct, kw_only=True):
     batch_id: str | None
     cancel_commands: bool
     error: Any = None
+    site_id: str | None = None
+    admitted: bool = True
 
 
 class StepRow(msgspec.Struct, kw_only=True):
@@ -383,12 +385,24 @@ DELETE_NODE = "DELETE FROM nodes WHERE id = $1"
 # The workflow running on a node, other than $2 (NULL: any).
 NODE_BUSY = "SELECT id FROM workflows WHERE node_id = $1 AND state = 'running' AND id IS DISTINCT FROM $2"
 # A workflow, its steps and its work-queue entry in one statement. $18 the key's shard, $19 each
-# step's retry policy (JSON null for none).
+# step's retry policy (JSON null for none). Admission (docs/engine.md): $20 the most running
+# workflows of one site admitted at once (0: no limit), $21 whether this one may wait for that
+# (false: a step's child, admitted at once). A workflow on a node is admitted when no workflow of
+# its site waits and fewer than $20 run admitted; else it waits, with no work-queue entry, until
+# an engine's admission pass (ADMIT_PICK, ADMIT_MARK) takes it. Two starts at the same instant in
+# two transactions may both see room for one: the limit can be passed by the starts that race.
 START_WORKFLOW = """
-WITH wf AS (
+WITH site AS (
+    SELECT n.site_id FROM nodes n WHERE n.id = $3
+), wf AS (
     INSERT INTO workflows (id, tenant_id, node_id, rkey, shard, profile_tenant, profile_id,
-                           profile_version, state, owner, command_kinds)
-    VALUES ($1, $2, $3, $4, $18, $5, $6, $7, 'running', $8, $9)
+                           profile_version, state, owner, command_kinds, site_id, admitted)
+    VALUES ($1, $2, $3, $4, $18, $5, $6, $7, 'running', $8, $9, (SELECT site_id FROM site),
+            NOT $21 OR $20 = 0 OR NOT EXISTS (SELECT 1 FROM site) OR (
+                NOT EXISTS (SELECT 1 FROM workflows q WHERE q.site_id = (SELECT site_id FROM site)
+                            AND q.state = 'running' AND NOT q.admitted)
+                AND (SELECT count(*) FROM workflows a WHERE a.site_id = (SELECT site_id FROM site)
+                     AND a.state = 'running' AND a.admitted) < $20))
     RETURNING *
 ), steps AS (
     INSERT INTO workflow_steps (workflow_id, idx, action, runs_on, mode, command, input, timeout_ms,
@@ -400,12 +414,50 @@ WITH wf AS (
          AS s(idx, action, runs_on, mode, command, input, timeout_ms, sends, retry)
     RETURNING 1
 ), queued AS (
-    INSERT INTO work_queue (rkey, shard, not_before) VALUES ($4, $18, now())
+    INSERT INTO work_queue (rkey, shard, not_before) SELECT $4, $18, now() FROM wf WHERE wf.admitted
     ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')
     RETURNING 1
 )
 SELECT wf.*, (SELECT count(*) FROM steps) AS step_count FROM wf
 """
+# An engine's admission pass (core/admission.py), under ADMIT_LOCK, in two statements: ADMIT_PICK
+# chooses, at each site, the oldest waiting workflows, as many as the site has room for under $1;
+# ADMIT_MARK admits them by id and queues their keys. Each is cheap when nothing waits (the partial
+# index workflows_site_queued is empty), and neither joins the waiting rows back to the table: in
+# one statement, right after a bulk verb inserted 10,000 rows and before PostgreSQL analyzed them,
+# that join was planned as nested loops and ran for 10 minutes under the lock (10,000 machines).
+ADMIT_LOCK = "SELECT pg_try_advisory_xact_lock(7302510225)"  # one admission pass at a time
+ADMIT_TIMEOUT = "SET LOCAL statement_timeout = '10s'"  # a bad plan fails the pass, never holds the lock
+ADMIT_PICK = """
+WITH waiting AS (
+    SELECT id, site_id, row_number() OVER (PARTITION BY site_id ORDER BY created_at, id) AS rn
+    FROM workflows WHERE state = 'running' AND NOT admitted
+), active AS (
+    SELECT site_id, count(*) AS n FROM workflows
+    WHERE state = 'running' AND admitted AND site_id IS NOT NULL
+    GROUP BY site_id
+)
+SELECT q.id FROM waiting q LEFT JOIN active a ON a.site_id = q.site_id
+WHERE q.rn <= $1 - coalesce(a.n, 0)
+"""
+ADMIT_MARK = """
+WITH picked AS (
+    UPDATE workflows SET admitted = true, updated_at = now()
+    WHERE id = ANY($1::text[]) AND state = 'running' AND NOT admitted
+    RETURNING id, rkey, shard, site_id
+), queued AS (
+    INSERT INTO work_queue (rkey, shard, not_before) SELECT rkey, shard, now() FROM picked
+    ON CONFLICT (rkey) DO UPDATE SET not_before = now(), seq = nextval('work_seq')
+)
+SELECT id, rkey, site_id FROM picked
+"""
+# workflows.why of a waiting workflow: its site's admitted running workflows, and the waiting
+# ones started before it ($2, $3: its created_at and id).
+QUEUED_AHEAD = (
+    "SELECT (SELECT count(*) FROM workflows WHERE site_id = $1 AND state = 'running' AND admitted)"
+    " AS running, (SELECT count(*) FROM workflows WHERE site_id = $1 AND state = 'running'"
+    " AND NOT admitted AND (created_at, id) < ($2, $3)) AS ahead"
+)
 # Sizes first, rows second: 512 steps with big results never sit in memory at once.
 STEP_SIZES = (
     "SELECT idx, 512 + coalesce(octet_length(result::text), 0) + coalesce(octet_length(error::text), 0)"

@@ -182,6 +182,8 @@ class WhyApi:
             if isinstance(left, dict) and left.get("left") and left.get("workflowId") == wf["id"]:
                 reasons.append(_reason("left", str(left["left"]), verb=left.get("verb")))
             return self._answer(node_id, wf, reasons + ([bmc] if bmc else []), waiting=False)
+        if not wf.get("admitted", True):
+            return self._answer(node_id, wf, [await self._queued(wf)] + ([bmc] if bmc else []), waiting=True)
         row = await self.db.fetchrow(store.NEXT_STEP, wf["id"])
         if row is None:
             reasons = [_reason("finished", f"workflow {wf['id']} has run every step and is finishing")]
@@ -191,6 +193,19 @@ class WhyApi:
         deadline = self._deadline(step)
         tail = [r for r in (deadline, bmc) if r is not None]
         return self._answer(node_id, wf, reasons + tail, waiting=True, step=step)
+
+    async def _queued(self, wf: Any) -> m.WhyReason:
+        """A workflow waiting for its site's admission (core/admission.py): where it stands."""
+        site = wf["site_id"]
+        counts = await self.db.fetchrow(store.QUEUED_AHEAD, site, wf["created_at"], wf["id"])
+        running, ahead = int(counts["running"]), int(counts["ahead"])
+        return _reason(
+            "queued",
+            f"workflow {wf['id']} is queued at site {site}: {running} of the site's workflows run"
+            f" (engine.site_admission) and {ahead} queued before it; no step has started, so no"
+            " deadline runs",
+            siteId=site, running=running, ahead=ahead,
+        )  # fmt: skip
 
     async def _step_reasons(self, wf: Any, step: store.StepRow) -> list[m.WhyReason]:
         reasons: list[m.WhyReason] = []

@@ -46,8 +46,11 @@ class WorkflowsApi:
         wake: Callable[[str], Awaitable[None]],
         publish: Publish,
         hooks: EngineHooks | None = None,
+        site_admission: Callable[[], int] = lambda: 0,
     ) -> None:
         self.hooks = hooks if hooks is not None else EngineHooks()
+        self.site_admission = site_admission
+        """``[engine] site_admission`` in force (read at each start: it changes with bc.toml)."""
         self.app = app
         self.db = db
         self.profiles = profiles
@@ -120,7 +123,8 @@ class WorkflowsApi:
             else:
                 async with conn.transaction():
                     wf = await self.start_in(conn, **start, found=found)
-        await self.wake(wf["rkey"])
+        if wf["admitted"]:  # else an admission pass queues it (docs/engine.md, "Admission")
+            await self.wake(wf["rkey"])
         doc: m.WorkflowView = wf["doc"]
         return doc
 
@@ -136,12 +140,16 @@ class WorkflowsApi:
         workflow_id: str | None = None,
         batch_id: str | None = None,
         found: FoundProfile | None = None,
+        admission: bool = True,
     ) -> dict[str, Any]:
         """Start a workflow inside the caller's transaction (steps start children this way).
 
         Metal gives the workflow's id and its destructive batch, made before the start (a bulk
         verb's batch names every workflow it starts). ``found``: the profile, when the caller
-        looked it up already.
+        looked it up already. A workflow on a node waits for its site's admission
+        (``[engine] site_admission``) unless ``admission`` is false (a step's children: the
+        parent holds its site's room already and may wait for them). The answer's ``admitted``
+        says whether it may run now (wake its key) or waits for an admission pass.
         """
         if found is None:
             found = await self.profiles.find(
@@ -181,11 +189,12 @@ class WorkflowsApi:
             [st["mode"] for st in steps], [st["command"] for st in steps],
             [json.dumps(st["input"]) for st in steps], [st["timeout_ms"] for st in steps],
             [json.dumps(st["sends"]) for st in steps], queue.shard_of(rkey),
-            [json.dumps(st["retry"]) for st in steps],
+            [json.dumps(st["retry"]) for st in steps], self.site_admission(), admission,
         )  # fmt: skip
+        admitted = bool(row["admitted"])
         if batch_id is not None:
             row = await conn.fetchrow(store.SET_BATCH_RETURNING, wf_id, batch_id)
-        return {"id": wf_id, "rkey": rkey, "doc": workflow_doc(row, steps)}
+        return {"id": wf_id, "rkey": rkey, "admitted": admitted, "doc": workflow_doc(row, steps)}
 
     async def _get(
         self,

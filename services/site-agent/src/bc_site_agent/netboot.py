@@ -243,6 +243,13 @@ class BootEntries:
         """The hold files as read once (then kept with every write): the quiet-period look runs
         every second, and read every file each time (a site's machines served in the last ten
         minutes), a thousand at a site cost a fifth of a core doing nothing."""
+        self._entry_cache: dict[str, BootEntry] | None = None
+        self._mark_cache: dict[str, dict[str, Any]] | None = None
+        """The entry files and the served marks, by MAC, as read once and then kept with every
+        write, as the holds are: this object is the folder's only writer. A join-token entry's
+        take looked for the node's other entries in every entry file, and each close or
+        withdrawal rewrote the marks found in every served file; with a hundred machines of a
+        site in flight, a third of the site agent's busy samples (py-spy, bench_fleet at 1,000)."""
 
     def _file(self, mac: str) -> Path:
         return self.folder / (mac.replace(":", "-") + ".json")
@@ -278,20 +285,52 @@ class BootEntries:
         if entry.script is None and entry.kernel is None:
             raise BcError(ErrorCode.INVALID_INPUT, "give kernel (and initrd) or script", {"path": "kernel"})
         with self._lock:
+            cached = self._entries()
             self._write(self._file(mac), _doc(entry))
-            self._served_file(mac).unlink(missing_ok=True)  # a new entry: a new boot, a new token
+            cached[mac] = entry
+            self._drop_mark(mac)  # a new entry: a new boot, a new token
         return entry
 
     @staticmethod
-    def _write(target: Path, doc: dict[str, Any]) -> None:
-        atomic_write(target, json.dumps(doc))
+    def _write(target: Path, doc: dict[str, Any], *, sync_folder: bool = True) -> None:
+        atomic_write(target, json.dumps(doc), sync_folder=sync_folder)
 
     def get(self, mac: str) -> BootEntry | None:
-        try:
-            doc = json.loads(self._file(normalize_mac(mac)).read_text())
-        except (OSError, ValueError):
-            return None
-        return _entry(doc)
+        return self._entries().get(normalize_mac(mac))
+
+    def _entries(self) -> dict[str, BootEntry]:
+        if self._entry_cache is None:
+            found: dict[str, BootEntry] = {}
+            for path in sorted(self.folder.glob("*.json")):
+                try:
+                    entry = _entry(json.loads(path.read_text()))
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+                found[entry.mac] = entry
+            self._entry_cache = found
+        return self._entry_cache
+
+    def _marks(self) -> dict[str, dict[str, Any]]:
+        if self._mark_cache is None:
+            found: dict[str, dict[str, Any]] = {}
+            for path in self.folder.glob("*.served"):
+                try:
+                    mark = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if isinstance(mark, dict):
+                    found[path.stem.replace("-", ":")] = mark
+            self._mark_cache = found
+        return self._mark_cache
+
+    def _put_mark(self, mac: str, mark: dict[str, Any], *, sync_folder: bool = True) -> None:
+        marks = self._marks()  # read before the write: the cache's first load reads every file
+        self._write(self._served_file(mac), mark, sync_folder=sync_folder)
+        marks[mac] = mark
+
+    def _drop_mark(self, mac: str) -> None:
+        self._served_file(mac).unlink(missing_ok=True)
+        self._marks().pop(mac, None)
 
     def take(self, mac: str, *, source: str = "", now: float | None = None) -> Served:
         """What to serve ``mac``, asked from address ``source``, now (see the module). A one-time
@@ -335,7 +374,8 @@ class BootEntries:
                             "mac": e.mac, "tokenSha256": digest, "servedAt": now, "servedMac": entry.mac,
                             "entry": _doc(e),
                         }  # fmt: skip
-                        self._write(self._served_file(e.mac), mark)
+                        # the folder is synced once below, before anything is served
+                        self._put_mark(e.mac, mark, sync_folder=False)
                     self._put_hold(
                         Hold(
                             token_sha256=digest, node_id=entry.node_id, mac=entry.mac, served_from=source,
@@ -344,6 +384,7 @@ class BootEntries:
                     )  # fmt: skip
                 for e in taken:
                     self._file(e.mac).unlink(missing_ok=True)
+                    self._entries().pop(e.mac, None)
                 self._sync()
             return Served(entry=entry, again=None)
 
@@ -376,6 +417,9 @@ class BootEntries:
                     done.append(clean)
                 elif now - hold.served_at > SERVED_WINDOW_S and hold.state != "open":
                     self._drop_hold(hold.token_sha256)
+            for mac, mark in list(self._marks().items()):
+                if now - _served_at(mark) > SERVED_WINDOW_S:
+                    self._drop_mark(mac)  # its window is over: as reading it would
         return done
 
     def _holds(self) -> list[Hold]:
@@ -404,8 +448,9 @@ class BootEntries:
             return None
 
     def _put_hold(self, hold: Hold) -> None:
+        holds = self._loaded()  # read before the write: the cache's first load reads every file
         self._write(self._hold_file(hold.token_sha256), asdict(hold))
-        self._loaded()[hold.token_sha256] = hold
+        holds[hold.token_sha256] = hold
 
     def _drop_hold(self, digest: str) -> None:
         self._hold_file(digest).unlink(missing_ok=True)
@@ -413,14 +458,9 @@ class BootEntries:
 
     def _scrub(self, digest: str) -> None:
         """The token leaves the served marks of ``digest``: nothing serves it again."""
-        for path in self.folder.glob("*.served"):
-            try:
-                mark = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(mark, dict) and mark.get("tokenSha256") == digest and "entry" in mark:
-                del mark["entry"]
-                self._write(path, mark)
+        for mac, mark in list(self._marks().items()):
+            if mark.get("tokenSha256") == digest and "entry" in mark:
+                self._put_mark(mac, {k: v for k, v in mark.items() if k != "entry"})
 
     def _sync(self) -> None:
         fd = os.open(self.folder, os.O_RDONLY)
@@ -430,18 +470,16 @@ class BootEntries:
             os.close(fd)
 
     def _all(self) -> list[BootEntry]:
-        found = (self.get(p.stem.replace("-", ":")) for p in sorted(self.folder.glob("*.json")))
-        return [e for e in found if e is not None]
+        return [entry for _, entry in sorted(self._entries().items())]
 
     def _served(self, mac: str, now: float) -> dict[str, Any] | None:
         """The served mark of ``mac`` while it is within its window (an older one is removed)."""
-        path = self._served_file(normalize_mac(mac))
-        try:
-            mark = json.loads(path.read_text())
-        except (OSError, ValueError):
+        mac = normalize_mac(mac)
+        mark = self._marks().get(mac)
+        if mark is None:
             return None
-        if not isinstance(mark, dict) or now - float(mark.get("servedAt", 0)) > SERVED_WINDOW_S:
-            path.unlink(missing_ok=True)
+        if now - _served_at(mark) > SERVED_WINDOW_S:
+            self._drop_mark(mac)
             return None
         return mark
 
@@ -451,14 +489,22 @@ class BootEntries:
         with self._lock:
             existed = target.exists()
             target.unlink(missing_ok=True)
+            self._entries().pop(mac, None)
             mark = self._served(mac, time.time())
             hold = self._hold(str(mark.get("tokenSha256") or "")) if mark is not None else None
             if hold is not None and hold.state == "open":
                 # withdrawn before it closed clean: whatever joined with it is never confirmed
                 self._put_hold(replace(hold, state="withdrawn"))
                 self._scrub(hold.token_sha256)
-            self._served_file(mac).unlink(missing_ok=True)
+            self._drop_mark(mac)
         return existed
+
+
+def _served_at(mark: dict[str, Any]) -> float:
+    try:
+        return float(mark.get("servedAt", 0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _doc(entry: BootEntry) -> dict[str, Any]:

@@ -537,7 +537,8 @@ class WorkflowStep(_Reply, frozen=True, kw_only=True):
 class WorkflowView(_Reply, frozen=True, kw_only=True):
     """A workflow. ``steps`` is there in ``workflows.get``, ``workflows.start`` and the verbs,
     absent in ``workflows.list``; ``stepsNext`` (``workflows.get``, the verbs) is the
-    ``stepsCursor`` of the steps that did not fit, or None."""
+    ``stepsCursor`` of the steps that did not fit, or None. ``queued``: a running workflow that
+    waits for its site's admission (``[engine] site_admission``), no step started yet."""
 
     id: str
     tenant_id: str
@@ -552,6 +553,7 @@ class WorkflowView(_Reply, frozen=True, kw_only=True):
     finished_at: str | None
     steps: list[WorkflowStep] | msgspec.UnsetType = msgspec.UNSET
     steps_next: str | msgspec.UnsetType | None = msgspec.UNSET
+    queued: bool = False
 
 
 class WorkflowList(_Reply, frozen=True, kw_only=True):
@@ -577,7 +579,8 @@ class WhyReason(_Reply, frozen=True, kw_only=True):
     ``retry-backoff``, ``running`` (a control-plane step running in the engine), ``deadline``,
     ``bmc-error`` (the node's last failed command, as its agent reported it), ``finished``,
     ``left`` (what a failed or aborted lifecycle verb left on its node and what to run next),
-    ``idle``, ``quarantined`` (the node's ramdisk token was seen twice: first, before the rest)."""
+    ``idle``, ``quarantined`` (the node's ramdisk token was seen twice: first, before the rest),
+    ``queued`` (the workflow waits for its site's admission: how many run, how many wait before it)."""
 
     kind: str
     text: str

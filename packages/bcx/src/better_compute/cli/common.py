@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import functools
 import getpass
@@ -88,6 +89,18 @@ def operator_inbox(url: str, creds: str | None) -> str:
             {"path": "nats_url" if not creds else "nats_creds"},
         )
     return operator_inbox_prefix(user)
+
+
+def stop_if_interrupted() -> None:
+    """At the top of each round of a loop that follows (``events tail``, the ``watch``es): raise
+    the cancel a Ctrl-C asked for when an await swallowed it. On Python 3.11 ``asyncio.wait_for``
+    drops a cancel that arrives as its wait completes, and nats-py waits that way in every
+    request, flush and ``next_msg``; a following bcx then went on after its Ctrl-C while events
+    flowed (the doc test's ``events tail``, CI). The task still counts the cancel
+    (``Task.cancelling``), so it is raised here, within one round."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def connect_bus(settings: Settings) -> Nats:

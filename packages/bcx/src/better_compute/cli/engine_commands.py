@@ -12,7 +12,16 @@ from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..metal.lifecycle import NODE_STATES, SELECTOR_SITE, parse_selector
 from ..wire.engine import NODE_EVENTS, NodeChanged, NodeRemoved, NodeView, PluginInfo, decode_node_event
-from .common import add_tenant_flag, api_client, as_rows, engine_client, parse_labels, read_document, short
+from .common import (
+    add_tenant_flag,
+    api_client,
+    as_rows,
+    engine_client,
+    parse_labels,
+    read_document,
+    short,
+    stop_if_interrupted,
+)
 from .metal_commands import add_bmc_credential_flags, check_lines, update_bmc, validate_node
 from .node_refs import NODE_HELP, node_ref
 from .output import json_line, print_json, print_table
@@ -120,6 +129,7 @@ async def _watch_list(
             emit(node.id, row, node)
         deadline = None if args.timeout is None else time.monotonic() + args.timeout
         while True:
+            stop_if_interrupted()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return 0

@@ -22,7 +22,7 @@ from ..config import Settings
 from ..core.errors import BcError, ErrorCode
 from ..wire.engine import EVENTS, WorkflowView, decode_workflow_event
 from ..wire.metal import NodeActionRun
-from .common import engine_client, short
+from .common import engine_client, short, stop_if_interrupted
 from .node_refs import NODE_HELP, node_ref
 from .output import json_line, print_json, print_table
 from .why_commands import why_reason
@@ -79,6 +79,7 @@ async def follow_workflow(
     last = None
     try:
         while True:
+            stop_if_interrupted()
             woken.clear()
             wf = await engine.workflow(id=workflow_id)
             reason = None

@@ -28,7 +28,7 @@ from ..wire.engine import (
 )
 from ..wire.events import FEED_KINDS, decode_feed_event, event_node, event_workflow
 from ..wire.pki import CertRevoked, JoinAccepted, JoinRefused
-from .common import api_client, as_rows, connect_bus, short
+from .common import api_client, as_rows, connect_bus, short, stop_if_interrupted
 from .node_refs import node_ref
 from .output import iso, json_line, print_json, print_table
 
@@ -112,8 +112,7 @@ _END_OF_BATCH = ("204", "404")  # nats-server: batch done / nothing (more) to re
 async def _read_batch(nc: Nats, stream: str, request: dict[str, Any]) -> list[_Stored]:
     """Up to ``_BATCH`` stored events from one batched direct get (nats-server 2.11+): a read
     that creates nothing on the server, answered on this bcx's own inbox."""
-    import nats.errors  # loaded with the connection: `bcx --help` does not pay for nats-py
-    from nats.js import api as js_api
+    from nats.js import api as js_api  # loaded with the connection: `bcx --help` does not pay for it
 
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -123,8 +122,10 @@ async def _read_batch(nc: Nats, stream: str, request: dict[str, Any]) -> list[_S
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", body, reply=inbox)
         while True:
             try:
-                msg = await sub.next_msg(timeout=5.0)
-            except nats.errors.TimeoutError:
+                # asyncio.timeout: nats-py's own timeout waits with wait_for (stop_if_interrupted)
+                async with asyncio.timeout(5.0):
+                    msg = await sub.next_msg(timeout=None)
+            except TimeoutError:
                 raise BcError(
                     ErrorCode.TIMEOUT, f"no answer reading the event stream {stream}", {"stream": stream}
                 ) from None
@@ -202,6 +203,7 @@ async def events_tail(args: argparse.Namespace, settings: Settings) -> int:
             await nc.subscribe(only, cb=woken)
         shown = 0
         while True:
+            stop_if_interrupted()
             wake.clear()
             batch = await _read_batch(nc, stream, request)
             for event in batch:

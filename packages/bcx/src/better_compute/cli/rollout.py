@@ -45,7 +45,7 @@ from ..wire.engine import (
     decode_node_event,
     decode_workflow_event,
 )
-from .common import engine_client, short
+from .common import engine_client, short, stop_if_interrupted
 from .node_refs import node_ref
 from .output import json_line, print_table
 from .why_commands import why_line, why_reason
@@ -423,6 +423,7 @@ async def watch_nodes(
     try:
         with view:
             while True:
+                stop_if_interrupted()
                 now = time.time()
                 changed: list[str] = []
                 if not first:

@@ -20,7 +20,7 @@ from ..wire.engine import (
     WorkflowView,
     decode_workflow_event,
 )
-from .common import add_tenant_flag, as_rows, engine_client, short
+from .common import add_tenant_flag, as_rows, engine_client, short, stop_if_interrupted
 from .node_refs import node_names, node_ref
 from .output import iso, json_line, print_json, print_table
 from .paging import add_paging, collect_pages, show_page
@@ -222,6 +222,7 @@ async def _watch(engine: EngineClient, workflow_id: str, *, as_json: bool) -> in
     state = ""
     try:
         while True:
+            stop_if_interrupted()
             changed.clear()
             wf = await engine.workflow(id=workflow_id)
             for s in wf.steps or []:

@@ -94,6 +94,11 @@ two thousand requests a second."""
 PROGRESS_INTERVAL: Final = 1.0
 """At most one progress event per command this often (seconds): the latest word waits its turn
 and goes out then, the ones before it are dropped."""
+TRY_WORD_INTERVAL: Final = 3.0
+"""A word that only names the try under way (``try 3: POST …``) waits this long after the last
+one; news (a call failing, answering again) waits ``PROGRESS_INTERVAL``. At 1,000 machines a
+site agent's commands last seconds under load, and their try words were the largest kind of
+agent event (13.5 a machine in a commission, bench_fleet --agent-events)."""
 _NOT_FINAL: Final = frozenset({"not-yours", "digest-mismatch"})
 """Claim refusals that hold for this delivery only, whatever the queue's ``again`` says: the
 command is another agent's now (it may be handed to this one later: journaled, that delivery
@@ -133,8 +138,25 @@ class _Run:
     said_at: float = -PROGRESS_INTERVAL
     """When (monotonic) the last progress of the command went out."""
     saying: str | None = None
-    """The latest progress not sent yet (it waits for ``PROGRESS_INTERVAL``)."""
-    flushing: bool = False
+    """The latest progress not sent yet (it waits for its turn)."""
+    flush_due: float | None = None
+    """When (monotonic) the word waiting goes out."""
+    try_checked: float | None = None
+    """When (monotonic) the check of a try (``before_call``) let it go, while no request of the
+    try has gone out since: its first request (``before_call_blocking``) takes that answer."""
+    claimed: float | None = None
+    """When (monotonic) the command queue let this agent claim the command (``ack``): an answer
+    that the command was not cancelled then, as a check's. The first try (or, without one, the
+    first request that changes the machine) takes it while it is at most ``_TRY_CHECK_FOR`` old."""
+
+    @classmethod
+    def starting(cls, *, cancelled: bool, claimed: float | None = None) -> _Run:
+        """A command starting now, its ``running`` mark just sent: that mark is its first
+        progress, so its first word waits its turn after it (``_say``), and a command that
+        ends sooner says none (its result says more). A site agent's BMC command said its
+        first try at once: a signed event and a statement at the command queue even for a
+        command over within the second (bench_fleet --agent-events counts them)."""
+        return cls(cancelled=cancelled, said_at=time.monotonic(), claimed=claimed, try_checked=claimed)
 
 
 @dataclass(kw_only=True)
@@ -158,6 +180,8 @@ _CURRENT: ContextVar[tuple[Agent, str, asyncio.AbstractEventLoop] | None] = Cont
 _CHECK_TIMEOUT: Final = 1.0
 """A check the command queue does not answer this soon lets the try go: a cancel that cannot
 reach the agent has not reached it (and an outage of the queue must not stop every BMC call)."""
+_TRY_CHECK_FOR: Final = 1.0
+"""How long a try's check answers for its first request (nothing sent to the machine between)."""
 
 
 async def before_call(call: str) -> None:
@@ -191,15 +215,19 @@ async def call_answered() -> None:
         agent._call_answered(command_id)
 
 
-def before_call_blocking(call: str) -> None:
+def before_call_blocking(call: str, *, changes: bool = True) -> None:
     """``before_call`` from a worker thread a handler runs blocking calls in (``asyncio.to_thread``
     keeps the command's context): before each request of a client library that sends several
-    in one step (sushy reads a resource, then acts on it)."""
+    in one step (sushy reads a resource, then acts on it). ``changes=False``: a request that only
+    reads (a GET): it stops on a cancel the agent knows of, but asks the command queue nothing
+    (the next request that changes the machine asks)."""
     current = _CURRENT.get()
     if current is None:
         return
     agent, command_id, loop = current
-    future = asyncio.run_coroutine_threadsafe(agent._before_call(command_id, call), loop)
+    future = asyncio.run_coroutine_threadsafe(
+        agent._before_call(command_id, call, request=True, changes=changes), loop
+    )
     try:
         future.result(timeout=_CHECK_TIMEOUT + 1.0)
     except concurrent.futures.TimeoutError:
@@ -342,7 +370,10 @@ class Agent:
         self._rehello = asyncio.Event()
         self._active: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(max_concurrency)
+        self._commands: set[asyncio.Task[None]] = set()
+        """The tasks of ``_tasks`` that handle a delivered command: ``max_concurrency`` counts
+        these alone. A command's progress word waiting its turn is a task too (``_say``), and it
+        took a command's place: a site agent of 100 machines ran fewer than its 16 at once."""
         self._stopped = False
         self._runs: dict[str, _Run] = {}
         self._told_cancel: set[str] = set()
@@ -647,7 +678,19 @@ class Agent:
             except Exception:
                 self.log.exception("command_cancel_failed", command_id=command_id)
 
-    async def _before_call(self, command_id: str, call: str) -> None:
+    async def _before_call(
+        self, command_id: str, call: str, *, request: bool = False, changes: bool = True
+    ) -> None:
+        """``request``: before one request of a try (``before_call_blocking``), else before the
+        try. A try's first request that changes the machine takes the answer of the try's own
+        check when that is at most ``_TRY_CHECK_FOR`` old, rather than asking the command queue
+        twice within a second; every later one asks again. A request that only reads
+        (``changes=False``) asks nothing and leaves the try's check to the next: a read that
+        reaches the machine after a cancel changes nothing there, and a cancel the agent knows
+        of stops it all the same. Each read asked before: a Redfish action is a GET or three,
+        then the POST or PATCH (deploy: 19 checks for 5 commands, bench_fleet --agent-events).
+        The command's first try takes its claim's answer when that is at most
+        ``_TRY_CHECK_FOR`` old (``_Run.claimed``)."""
         run = self._runs.get(command_id)
         if run is None:
             return
@@ -655,7 +698,19 @@ class Agent:
         run.last_call = call
         if not run.cancelled and command_id in self._told_cancel:
             run.cancelled = True
-        if not run.cancelled:
+        reads = request and not changes
+        checked = run.try_checked
+        if not reads:
+            run.try_checked = None
+        now = time.monotonic()
+        fresh = request and checked is not None and now - checked <= _TRY_CHECK_FOR
+        if not request and run.claimed is not None and now - run.claimed <= _TRY_CHECK_FOR:
+            # the first try within a second of the claim: the claim said "not cancelled" then,
+            # as a check would have; the try's first request takes it as the try's own answer
+            fresh, run.try_checked = True, run.claimed
+        if not reads:
+            run.claimed = None  # the first try's (or first change's) only
+        if not run.cancelled and not fresh and not reads:
             try:
                 got = await self._request(
                     "check", Check(**self._base(), command_ids=[command_id]), timeout=_CHECK_TIMEOUT
@@ -663,12 +718,14 @@ class Agent:
                 if command_id in msgspec.convert(got, CheckReply).stop:
                     self.log.info("command_cancel_reached", command_id=command_id, via="check")
                     run.cancelled = True
+                elif not request:
+                    run.try_checked = time.monotonic()
             except (BcError, msgspec.ValidationError) as err:
                 self.log.debug("command_check_failed", command_id=command_id, error=str(err))
         if run.cancelled:
             raise CommandCancelled(f"cancelled: stopped before try {run.tries} ({call})")
         if run.failure is None:  # while the calls fail, the progress says that
-            self._say(command_id, run, f"try {run.tries}: {call}"[:500])
+            self._say(command_id, run, f"try {run.tries}: {call}"[:500], every=TRY_WORD_INTERVAL)
 
     def _call_failed(self, command_id: str, kind: CallFailure, reason: str, at: str) -> None:
         run = self._runs.get(command_id)
@@ -695,21 +752,26 @@ class Agent:
         found = [(r.failure.text(), r.failure.since) for r in self._runs.values() if r.failure is not None]
         return sorted(found, key=lambda f: -f[1])
 
-    def _say(self, command_id: str, run: _Run, message: str) -> None:
-        """The command's progress, at most one event per ``PROGRESS_INTERVAL``: a word that comes
-        sooner waits for its turn (a later one replaces it)."""
+    def _say(self, command_id: str, run: _Run, message: str, *, every: float = PROGRESS_INTERVAL) -> None:
+        """The command's progress, at most one event per ``every`` seconds after the last: a word
+        that comes sooner waits for its turn, and the latest word waiting is the one that goes
+        (news, ``every=PROGRESS_INTERVAL``, brings a slower word's turn forward)."""
         run.saying = message
-        if run.flushing:
-            return
-        wait = run.said_at + PROGRESS_INTERVAL - time.monotonic()
+        due = run.said_at + every
+        if run.flush_due is not None and run.flush_due <= due:
+            return  # a turn comes as soon: it sends this word
+        wait = due - time.monotonic()
         if wait <= 0:
+            run.flush_due = None
             self._flush(command_id, run)
             return
-        run.flushing = True
+        run.flush_due = due
 
         async def later() -> None:
             await asyncio.sleep(wait)
-            run.flushing = False
+            if run.flush_due != due:
+                return  # a sooner turn came instead
+            run.flush_due = None
             if self._runs.get(command_id) is run:
                 self._flush(command_id, run)
 
@@ -732,9 +794,9 @@ class Agent:
                 except BcError:
                     await asyncio.sleep(0.5)
                     continue
-            free = self.max_concurrency - len(self._tasks)
+            free = self.max_concurrency - len(self._commands)
             if free <= 0:
-                await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(set(self._commands), return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
                 msgs = await self._fetch(min(free, 32))
@@ -756,6 +818,8 @@ class Agent:
                 task = asyncio.create_task(self._handle(msg), name="agent-command")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                self._commands.add(task)
+                task.add_done_callback(self._commands.discard)
             if msgs:
                 self._work.set()  # an idle agent's heartbeats take the busy cadence at once
 
@@ -834,6 +898,7 @@ class Agent:
             return
         try:
             refusal = await self._claim(delivery, msg, journal)
+            claimed = time.monotonic()  # when the queue's answer came (only its "proceed" is used)
         except (_Stopping, _Later):
             return  # neither journaled nor acknowledged: it is claimed again later
         if refusal is not None:
@@ -856,7 +921,7 @@ class Agent:
         ):
             return
         kill_point(JOURNALED)
-        await self._execute(delivery, msg, log)
+        await self._execute(delivery, msg, log, claimed=claimed)
         kill_point(RAN)
         if await self._report_entry(delivery.id):
             await _ack(msg)
@@ -901,7 +966,11 @@ class Agent:
         reason = reply.reason or reply.state or "refused"
         return reason, not reply.again and reason not in _NOT_FINAL
 
-    async def _execute(self, delivery: CommandDelivery, msg: Msg | None, log: Any) -> None:
+    async def _execute(
+        self, delivery: CommandDelivery, msg: Msg | None, log: Any, *, claimed: float | None = None
+    ) -> None:
+        """Run the command's handler and journal its end. ``claimed``: when (monotonic) the
+        command queue let this agent claim it (``_Run.claimed``)."""
         assert self.journal is not None
         await self._progress(delivery.id, None, None)
         handler = self.handlers.get(delivery.kind)
@@ -910,7 +979,9 @@ class Agent:
         result = b""
         keeper = asyncio.create_task(self._keep_in_progress(msg)) if msg is not None else None
         t0 = time.monotonic()
-        run = self._runs[delivery.id] = _Run(cancelled=delivery.id in self._told_cancel)
+        run = self._runs[delivery.id] = _Run.starting(
+            cancelled=delivery.id in self._told_cancel, claimed=claimed
+        )
         token = _CURRENT.set((self, delivery.id, asyncio.get_running_loop()))
         try:
             if run.cancelled:

@@ -295,6 +295,9 @@ class EmbeddedNats:
             stop_pid(pid, grace=10.0)
 
 
+_SOCKET_PATH_MAX = 107  # sun_path, less its NUL
+
+
 class EmbeddedPostgres:
     """A PostgreSQL cluster under ``<state>/pg``, with database ``bc`` created on first start."""
 
@@ -320,6 +323,14 @@ class EmbeddedPostgres:
 
     def url(self, database: str | None = None) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database or self.database}"
+
+    def socket_url(self, database: str | None = None) -> str | None:
+        """The URL through the server's Unix socket (``-k``), or None when its path is longer
+        than a socket address holds (the server then made none)."""
+        folder = self.dir / "sock"
+        if len(str(folder / f".s.PGSQL.{self.port}")) > _SOCKET_PATH_MAX:
+            return None
+        return f"postgresql://postgres@/{database or self.database}?host={folder}&port={self.port}"
 
     def _run_as(self) -> dict[str, Any]:
         if os.geteuid() != 0:

@@ -13,7 +13,7 @@ from .._imports import lazy_attributes
 
 if TYPE_CHECKING:
     from .base import ApiRequest, Handler, Service
-    from .client import ApiClient, connect, discover
+    from .client import ApiClient, connect, discover, nats_client
     from .db import Database, apply_migrations, load_migrations
     from .main import run_service
 
@@ -27,6 +27,7 @@ __all__ = [
     "connect",
     "discover",
     "load_migrations",
+    "nats_client",
     "run_service",
 ]
 
@@ -37,6 +38,7 @@ _HOME = {
     "ApiClient": "client",
     "connect": "client",
     "discover": "client",
+    "nats_client": "client",
     "Database": "db",
     "apply_migrations": "db",
     "load_migrations": "db",

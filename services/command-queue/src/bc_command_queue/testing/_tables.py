@@ -60,6 +60,7 @@ class _Command:
     stream_seq: int | None = None
     claim_journal: str | None = None
     claim_signed_ms: int | None = None
+    version: int = 0
 
     def row(self) -> CommandRow:
         return CommandRow(
@@ -69,7 +70,7 @@ class _Command:
             progress=self.progress, batch_id=self.batch_id, workflow_id=self.workflow_id,
             step=self.step, result=self.result, attested=self.attested, created_at=self.created_at,
             updated_at=self.updated_at, not_after=self.not_after, dispatched_at=self.dispatched_at,
-            publishes=self.publishes,
+            publishes=self.publishes, version=self.version,
         )  # fmt: skip
 
 
@@ -187,6 +188,8 @@ class Tables:
         return c
 
     def _touch(self, c: _Command, **changes: object) -> CommandRow:
+        if "state" in changes and changes["state"] != c.state:
+            c.version += 1  # the trigger of migration 0013
         for name, value in changes.items():
             setattr(c, name, value)
         c.updated_at = self.now()

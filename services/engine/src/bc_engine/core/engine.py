@@ -163,6 +163,8 @@ class Engine:
         self.wake = wake
         self.runner: StepRunner = runner if runner is not None else _NotGiven()
         self.events: WorkflowEvents = events if events is not None else _NotGiven()
+        self.on_end: Callable[[WorkflowRow], None] | None = None
+        """Told of each workflow this process ends (the service's admission pass: room at its site)."""
         self.engine_key: Keyring | None = None
         """``cmdq.engine_key_file``: the proof of the commands it sends under its workflows."""
         self._profiles: dict[tuple[str, str, int], Profile] = {}  # pinned versions never change
@@ -267,6 +269,10 @@ class Engine:
 
     async def _advance(self, wf: WorkflowRow, fence: Fence) -> float | None:
         step: StepRow | None = None  # known from the previous settle, else read
+        if wf.state == "running" and not wf.admitted:
+            # it waits for its site's admission (core/admission.py): no step starts, no deadline
+            # runs; the admission pass queues and wakes its key
+            return None
         retry_at = await self.runner.prepare(wf)
         if retry_at is not None:
             return retry_at
@@ -407,6 +413,8 @@ class Engine:
 
     async def _wake_owner(self, wf: WorkflowRow) -> None:
         """The workflow's end queued its owner's key; look at it now, not at the next poll of the
-        work queue (the owner acts on the end at once)."""
+        work queue (the owner acts on the end at once). Its site may have room for another."""
+        if self.on_end is not None and wf.site_id is not None:
+            self.on_end(wf)
         if wf.owner and self.wake is not None:
             await self.wake(queue.owner_key(wf.owner, wf.id))

@@ -250,6 +250,7 @@ class MetalApi:
             wf = await self.api.start_in(
                 conn, tenant_id=row["tenant_id"], profile_id=found.profile.id,
                 profile_version=found.profile.version, node_id=node_id, owner=None, found=found,
+                admission=False,  # one operator's power or boot-device action: never behind a rollout
             )  # fmt: skip
         await self.api.wake(wf["rkey"])
         return NodeActionRun(
@@ -514,12 +515,15 @@ class MetalApi:
             # again under the node locks: a node may have moved since the first look
             ok, refused = await self._screen(conn, verb, [row["id"] for row in prep.ok], tenant, lock=True)
             moved = []
+            admitted: set[str] = set()  # the others wait for their site's admission
             for row in ok:
                 wf = await self.api.start_in(
                     conn, tenant_id=tenant, profile_id=profile.id,
                     profile_version=profile.version, node_id=row["id"], owner="metal",
                     workflow_id=wf_ids[row["id"]], batch_id=run.batch_id,
                 )  # fmt: skip
+                if wf["admitted"]:
+                    admitted.add(row["id"])
                 node = await conn.fetchrow(
                     metal_store.BEGIN_VERB, row["id"], transition.running, wf["id"], image
                 )
@@ -533,7 +537,8 @@ class MetalApi:
                 )  # fmt: skip
         run.refused = sorted([*run.refused, *refused], key=lambda r: r[0])
         for node in moved:
-            await self.api.wake(node["id"])
+            if node["id"] in admitted:
+                await self.api.wake(node["id"])
             await node_event(self.api.publish, node, verb=verb)
         return run
 

@@ -22,6 +22,7 @@ machine it powered on powered off.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -50,6 +51,7 @@ __all__ = [
     "close_batch",
     "converge_host",
     "current_workflow",
+    "host_look_ms",
     "left_text",
     "reconcile_metal",
     "record_command_result",
@@ -63,7 +65,8 @@ UNDO_KEY = "undo"
 UNDO_LOOK_MS = 2_000  # the workflow's commands still end at their agents: look again this soon
 UNDO_TIMEOUT_MS = 600_000
 HOST_CONVERGE_S = 3600  # bcd has this long to come up and apply a host section
-HOST_LOOK_MS = 10_000  # a converge still live is looked at again this soon (its event is sooner)
+HOST_LOOK_MS = 10_000  # a converge still live is looked at again this soon at first (its event is sooner) …
+HOST_LOOK_MAX_MS = 600_000  # … then as long as it has waited, up to this (bcd is not up: the node is off)
 _BY_RUNNING = {t.running: t for t in TRANSITIONS.values()}
 _POWER = {"on": "on", "off": "off", "softOff": "off", "cycle": "on", "reset": "on"}
 
@@ -301,6 +304,16 @@ async def _workflow_host_config(engine: MetalHost, conn: Any, wf_row: Any, profi
     return row
 
 
+def host_look_ms(created_at: float, now: float) -> int:
+    """When to look again at a live converge sent at ``created_at``: its settle event wakes the
+    node's key at once, so the look only stands in for a lost event. Every ``HOST_LOOK_MS`` it
+    was an enqueue per waiting node for as long as bcd stayed away (a node off: 360 an hour; a
+    deploy's 30 s: 3.4 a machine, bench_fleet --agent-events); now as long as it has waited,
+    ``HOST_LOOK_MS`` to ``HOST_LOOK_MAX_MS``."""
+    waited_ms = int((now - created_at) * 1000)
+    return max(HOST_LOOK_MS, min(waited_ms, HOST_LOOK_MAX_MS))
+
+
 async def converge_host(engine: MetalHost, node_id: str) -> None:
     """Send bcd the node's host section (``node.converge`` of its generation) until it reports
     that generation applied; its settle event wakes this key, a live one is looked at again."""
@@ -322,7 +335,7 @@ async def converge_host(engine: MetalHost, node_id: str) -> None:
         )
     )
     if view.state in LIVE_STATES:
-        raise step_not_ready(HOST_LOOK_MS)
+        raise step_not_ready(host_look_ms(view.created_at, time.time()))
     if view.state == "succeeded":
         result = json.loads(view.result) if view.result else None
         await record_command_result(engine, node_id, "node.converge", None, result)
@@ -409,6 +422,9 @@ async def current_workflow(db: Any, row: Any, cmdq: Any = None) -> CurrentWorkfl
     if wf is None:
         return None
     waiting = _json(wf["waiting_for"])
+    if wf["workflow_state"] == "running" and not wf["admitted"]:
+        # no step started: it waits for its site's admission (docs/engine.md, "Admission")
+        waiting = {"reason": "queued", "message": f"queued for admission at site {wf['site_id']}"}
     # a relaying step's own command ({reason: command}): said only when its batch's approvals
     # or a failing BMC, which say more, are not the matter
     command = waiting if isinstance(waiting, dict) and waiting.get("reason") == "command" else None

@@ -66,7 +66,8 @@ LAST_POWER_ACTION = (
 )
 # The running step of a workflow and what it waits for (nodes.get).
 RUNNING_STEP = (
-    "SELECT w.state AS workflow_state, w.profile_id, w.batch_id, s.idx, s.action, s.waiting_for"
+    "SELECT w.state AS workflow_state, w.profile_id, w.batch_id, w.admitted, w.site_id, s.idx, s.action,"
+    " s.waiting_for"
     " FROM workflows w LEFT JOIN workflow_steps s ON s.workflow_id = w.id AND s.state = 'running'"
     " WHERE w.id = $1 ORDER BY s.idx LIMIT 1"
 )

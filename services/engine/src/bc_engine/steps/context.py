@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from .memo import AttemptMemo
 
 __all__ = ["EngineSql", "NodeInfo", "RunContext", "StepCommands", "latest_result"]
+
+T = TypeVar("T")
 
 
 class EngineSql:
@@ -90,6 +92,33 @@ class StepCommands:
             )
         if self._memo is not None and (ended := self._memo.command(cmd.node_id, cmd.key, cmd.kind)):
             return ended  # it ended in an earlier run of this attempt, and never changes again
+        view = None
+        if self._memo is not None and (sent := self._memo.sent.get((cmd.node_id, cmd.key))):
+            # an earlier run of this attempt enqueued it: read it by its id (``sent_command``)
+            view = await self._queue(self._host.sent_command(sent, cmd))
+        payload = cmd.payload
+        if view is None:
+            view, payload = await self._send(cmd)
+        if view.state == "succeeded":  # what it says of the node: the power a BMC showed
+            try:
+                result = json.loads(view.result) if view.result else None
+            except (ValueError, RecursionError):
+                result = None
+            await self._host.command_settled(cmd.node_id, view.kind, payload, result)
+        if self._memo is not None:
+            self._memo.keep_command(cmd.node_id, view)
+        return view
+
+    async def _queue(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except BcError as err:
+            if (marked := unavailable(err, "bc-command-queue")) is not None:
+                raise marked from err  # the engine waits for the command queue
+            raise
+
+    async def _send(self, cmd: EnqueueCommand) -> tuple[CommandView, Any]:
+        """Enqueue ``cmd`` (find-before-create by key); the view and the payload as sent."""
         sends = list(self._step.sends or [])
         if self._host.needs_node(cmd.kind, cmd.payload):
             # the workflow's own node as the pass read it (ctx.node); another node read now
@@ -114,29 +143,10 @@ class StepCommands:
             # refused by the command queue, where the supersede fenced the attempt's key
             await self._host.mark_sent(self._wf.id, self._step.idx, self._step.attempt)
             self._step.sent_commands = True
-        try:
-            view: CommandView = await self._host.enqueue(full)
-        except BcError as err:
-            if (marked := unavailable(err, "bc-command-queue")) is not None:
-                raise marked from err  # the engine waits for the command queue
-            raise
-        if view.state == "succeeded":  # what it says of the node: the power a BMC showed
-            try:
-                result = json.loads(view.result) if view.result else None
-            except (ValueError, RecursionError):
-                result = None
-            await self._host.command_settled(full.node_id, view.kind, full.payload, result)
-        if self._memo is not None:
-            self._memo.keep_command(full.node_id, view)
-        return view
+        return await self._queue(self._host.enqueue(full)), full.payload
 
     async def site_agent_for(self, node_id: str) -> str | None:
-        try:
-            agent: str | None = await self._host.site_agent_for(node_id)
-        except BcError as err:
-            if (marked := unavailable(err, "bc-command-queue")) is not None:
-                raise marked from err  # the engine waits for the command queue
-            raise
+        agent: str | None = await self._queue(self._host.site_agent_for(node_id))
         return agent
 
 
@@ -176,6 +186,7 @@ class StepWorkflows:
             profile_version=profile_version,
             node_id=node_id,
             owner=owner,
+            admission=False,  # this step holds its site's room and may wait for its children
         )
         self.started.append(wf["rkey"])
         return str(wf["id"])

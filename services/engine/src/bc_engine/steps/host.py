@@ -1,6 +1,7 @@
 """The host of the step runners: the little of the engine a runner and the step context use.
 
-From the reconciler (``core.engine.Engine``): ``mark_sent``, ``mark_minted``, ``enqueue``,
+From the reconciler (``core.engine.Engine``): ``mark_sent``, ``mark_minted``, ``enqueue``
+(``sent_command`` reads a command an earlier run enqueued by its id),
 ``waiting`` and ``profile``; here: the workflow's ``node`` (read with the pass, ``PASS_WORKFLOWS``),
 whether a command goes in the workflow's batch (``quorum``), and the engine's hooks a command
 passes through (``payload_fillers`` before it is sent, ``command_settled`` once it succeeded).
@@ -12,6 +13,7 @@ import json
 from typing import Any
 
 from better_compute.app import App
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.provision import Profile
 from better_compute.wire.cmdq import CommandView, EnqueueCommand
 
@@ -61,6 +63,22 @@ class StepHost:
 
     async def enqueue(self, cmd: EnqueueCommand) -> CommandView:
         return await self._engine.cmdq_enqueue(cmd)
+
+    async def sent_command(self, command_id: str, cmd: EnqueueCommand) -> CommandView | None:
+        """The command ``cmd`` of this attempt read by its id, which an earlier run's enqueue
+        returned: what enqueueing it again would find (a (node, key) names one command for good,
+        and an enqueue that finds one changes nothing), for one read by primary key instead of an
+        insert that conflicts and a read by key. None when the id names another command (then
+        enqueue); the command queue's errors as they are."""
+        try:
+            view = await self.cmdq.get(id=command_id)
+        except BcError as err:
+            if err.code == ErrorCode.NOT_FOUND:
+                return None
+            raise
+        if (view.node_id, view.key, view.kind) != (cmd.node_id, cmd.key, cmd.kind):
+            return None
+        return view
 
     async def waiting(self, wf: WorkflowRow, step: StepRow, what: dict[str, Any] | None) -> None:
         await self._engine.waiting(wf, step, what)

@@ -8,6 +8,8 @@ those calls is idempotent for the attempt, so a re-run gets the same answers; th
 them: the attempt's mint secret and which services it marked as minted in, its join tokens by
 idempotency key, its secret refs by key and a digest of the value, and its commands that ended
 (a terminal command never changes) by node and key. A pass that finds them skips the round trip.
+A command it saw live is read again by its id (``commands.get``: one read by primary key in the
+command queue), not enqueued again (a find-before-create: an insert that conflicts, then a read).
 
 Nothing depends on it: a miss (another engine ran the attempt, the memo was evicted, the process
 restarted) makes the same idempotent calls as without it. It is memory only, never written
@@ -49,6 +51,9 @@ class AttemptMemo:
     tokens: dict[str, IssuedJoinToken] = field(default_factory=dict)
     secrets: dict[tuple[str, str], str] = field(default_factory=dict)
     commands: dict[tuple[str, str], CommandView] = field(default_factory=dict)
+    sent: dict[tuple[str, str], str] = field(default_factory=dict)
+    """The id of each command an earlier run found live, by node and key: the next run reads it
+    by id (``commands.get``) rather than enqueueing it again."""
 
     def command(self, node_id: str, key: str, kind: str) -> CommandView | None:
         """The command of ``key`` on ``node_id`` when an earlier run saw it end."""
@@ -56,9 +61,11 @@ class AttemptMemo:
         return view if view is not None and view.kind == kind else None
 
     def keep_command(self, node_id: str, view: CommandView) -> None:
-        """Keep ``view`` if it ended (and its result is small): it never changes again."""
+        """Keep ``view`` if it ended (and its result is small): it never changes again; else
+        its id, to read it by."""
         if view.state in TERMINAL_STATES and len(view.result or b"") <= MAX_MEMO_RESULT:
             self.commands[(node_id, view.key)] = view
+        self.sent[(node_id, view.key)] = view.id
 
 
 class AttemptMemos:

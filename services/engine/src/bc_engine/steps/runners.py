@@ -234,14 +234,17 @@ async def run_agent_step(host: StepHost, wf: WorkflowRow, step: StepRow, deadlin
         timeout_ms=max(1000, int((deadline - time.time()) * 1000)),
         tenant_id=wf.tenant_id,
     )
-    if not step.sent_commands:
-        try:
-            await host.mark_sent(wf.id, step.idx, step.attempt)
-        except BcError as err:
-            return Fail(err)  # superseded: the settle finds nothing and the pass reloads
-        step.sent_commands = True
     try:
-        view = await host.enqueue(cmd)
+        # the command this attempt enqueued (``command_id``) read by its id, not enqueued again
+        view = await host.sent_command(step.command_id, cmd) if step.command_id is not None else None
+        if view is None:
+            if not step.sent_commands:
+                try:
+                    await host.mark_sent(wf.id, step.idx, step.attempt)
+                except BcError as err:
+                    return Fail(err)  # superseded: the settle finds nothing and the pass reloads
+                step.sent_commands = True
+            view = await host.enqueue(cmd)
     except BcError as err:
         if err.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INTERNAL):
             host.log.warning("command_queue_unavailable", code=err.code.value)
