@@ -142,12 +142,18 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie child still answers kill(0): look at its state.
-    with contextlib.suppress(OSError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        if fields and fields[0] == "Z":
-            return False
-    return True
+    # A zombie still answers kill(0): look at its state. Its parent may reap it between the two
+    # calls, so a stat that is gone means gone too (it read as alive once, and a test that had
+    # just seen `bcx sim down` stop a site agent found it "alive": CI of f8d38c3..d159ba2).
+    # X (dead) is the moment within its reaping.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
+    fields = stat.rsplit(")", 1)[1].split()
+    return not (fields and fields[0] in ("Z", "X", "x"))
 
 
 def stop_pid(pid: int, *, grace: float = 5.0, first: int | None = signal.SIGTERM) -> bool:
