@@ -16,6 +16,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,32 @@ def _run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         ) from exc
 
 
+def _system_user() -> Any:
+    """The PostgreSQL system user's passwd entry, made when missing, once across processes.
+
+    Two processes that both found it missing each ran ``useradd``; the second replaced the
+    first's entry with another uid, and a cluster already made as the first uid failed with
+    ``initdb: could not look up effective user ID 999`` (a fresh machine's first test run, where
+    the test workers start their clusters at once). A lock held across the look and the make
+    lets one make it and the others find it."""
+    import fcntl
+    import pwd
+
+    with contextlib.suppress(KeyError):
+        return pwd.getpwnam(PG_SYSTEM_USER)
+    folder = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
+    with (folder / f"{PG_SYSTEM_USER}-user.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return pwd.getpwnam(PG_SYSTEM_USER)
+        except KeyError:
+            _run(
+                ["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin",
+                 PG_SYSTEM_USER],
+            )  # fmt: skip
+            return pwd.getpwnam(PG_SYSTEM_USER)
+
+
 _PG_START_TRIES = 3
 
 
@@ -341,16 +368,7 @@ class EmbeddedPostgres:
     def _run_as(self) -> dict[str, Any]:
         if os.geteuid() != 0:
             return {}
-        import pwd
-
-        try:
-            entry = pwd.getpwnam(PG_SYSTEM_USER)
-        except KeyError:
-            _run(
-                ["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin",
-                 PG_SYSTEM_USER],
-            )  # fmt: skip
-            entry = pwd.getpwnam(PG_SYSTEM_USER)
+        entry = _system_user()
         # group and supplementary groups too: root's group would otherwise decide access
         return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
 
