@@ -391,8 +391,8 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             sim = MetalSim(state / f"sim-{site}", settings=settings, machines=n, site_id=site, seed=s,
                            power_delay=delay, lean=args.lean)  # fmt: skip
             agent = SiteAgentProcess(folder=state / f"agent-{site}", nats_url=nats_url,
-                                     subject_root=settings.subject_root, site_id=site,
-                                     log_level="info")  # fmt: skip
+                                     subject_root=settings.subject_root, site_id=site, log_level="info",
+                                     extra_config=_agent_config(args))  # fmt: skip
             sim.boot_url = agent.url
             sims.append(sim)
             agents.append(agent)
@@ -742,6 +742,13 @@ def raise_open_files() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _agent_config(args: argparse.Namespace) -> str:
+    """The site agents' config beyond the test kit's: ``--credentials-keep``, when given."""
+    if args.credentials_keep is None:
+        return ""
+    return f"[bmc]\ncredentials_keep_seconds = {args.credentials_keep}\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machines", type=int, default=100)
@@ -753,6 +760,10 @@ def main() -> None:
     p.add_argument(
         "--window", type=int, default=0,
         help="at most this many machines in each phase at once, the next as others end (0: all at once)",
+    )  # fmt: skip
+    p.add_argument(
+        "--credentials-keep", type=float, default=None,
+        help="the site agents' bmc.credentials_keep_seconds (0: a fetch for each BMC command)",
     )  # fmt: skip
     for flag, what in (("engines", "bc-engine"), ("queues", "bc-command-queue"), ("pkis", "bc-pki"),
                        ("secrets", "bc-secrets")):  # fmt: skip

@@ -83,7 +83,9 @@ def test_config_problems_name_the_key(tmp_path: Path) -> None:
     assert refusal(lambda: load_config(cfg, env={})) == (ErrorCode.INVALID_CONFIG, "nats_url")
 
 
-def test_metrics_listen_on_their_own_loopback_port_and_the_quiet_period_is_checked(tmp_path: Path) -> None:
+def test_metrics_listen_on_their_own_loopback_port_and_the_quiet_period_and_credential_keep_are_checked(
+    tmp_path: Path,
+) -> None:
     cfg = tmp_path / "site-agent.toml"
     env = {"BC_NATS_URL": "nats://x"}
     cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\nhttp_listen = "0.0.0.0:8081"\n')
@@ -102,6 +104,15 @@ def test_metrics_listen_on_their_own_loopback_port_and_the_quiet_period_is_check
         assert refusal(lambda: load_config(cfg, env=env)) == (
             ErrorCode.INVALID_CONFIG,
             "netboot.quiet_seconds",
+        )
+    assert config.bmc_credentials_keep_s == 300.0
+    cfg.write_text('site_id = "site-a"\nstate_dir = "/x"\n[bmc]\ncredentials_keep_seconds = 0\n')
+    assert load_config(cfg, env=env).bmc_credentials_keep_s == 0.0  # a fetch for each command
+    for bad in ("-1", "true", '"60"', "3601"):
+        cfg.write_text(f'site_id = "site-a"\nstate_dir = "/x"\n[bmc]\ncredentials_keep_seconds = {bad}\n')
+        assert refusal(lambda: load_config(cfg, env=env)) == (
+            ErrorCode.INVALID_CONFIG,
+            "bmc.credentials_keep_seconds",
         )
 
 

@@ -201,6 +201,7 @@ async def run(config: SiteAgentConfig) -> None:
             media=media,
             bus_ca=_bus_ca(config),
             media_url=config.media_url,
+            credentials_keep_s=config.bmc_credentials_keep_s,
         )
         agent = Agent(
             enrollment=enrollment,

@@ -87,6 +87,9 @@ class SiteAgentConfig:
     """The site's joining certificate and key: what the agent shows a leaf node with an auth
     callout before it has a certificate of its own (its first join)."""
     join_key_file: Path | None = None
+    bmc_credentials_keep_s: float = 300.0
+    """How long a BMC credential fetched through the secrets gate is kept in memory for the
+    node's next commands (``[bmc] credentials_keep_seconds``; 0: fetched for each command)."""
     media_url: str = ""
     """How the BMCs reach ``http_listen`` (the management network), for the ramdisk's token
     media (``/media/<capability>``); empty: ``public_url``."""
@@ -181,6 +184,12 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
             ipaddress.ip_address(address)
         except ValueError:
             raise _bad(f"control_plane_addresses[{i}]", "expected an IP address") from None
+    bmc = doc.get("bmc", {})
+    if not isinstance(bmc, dict):
+        raise _bad("bmc", "expected a table")
+    keep = bmc.get("credentials_keep_seconds", 300)
+    if not isinstance(keep, int | float) or isinstance(keep, bool) or not 0 <= keep <= 3600:
+        raise _bad("bmc.credentials_keep_seconds", "expected seconds, 0 (fetch for each command) to 3600")
     join_cert = _path(doc, "join_cert_file", "join_cert_file")
     join_key = _path(doc, "join_key_file", "join_key_file")
     if (join_cert is None) != (join_key is None):
@@ -214,6 +223,7 @@ def load_config(file: str | Path, env: dict[str, str] | None = None) -> SiteAgen
         nats_ca=_str(doc, "nats_ca", "nats_ca") or env.get("BC_NATS_CA") or None,
         join_cert_file=join_cert,
         join_key_file=join_key,
+        bmc_credentials_keep_s=float(keep),
     )
 
 

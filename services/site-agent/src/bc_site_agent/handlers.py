@@ -1,9 +1,10 @@
 """The command handlers of the site agent: BMC commands through a driver, boot entries.
 
 A BMC command carries ``bmc`` (driver, address, credentialsRef, …). The credential is fetched
-for that one command through the secrets fetch gate (bc-secrets answers only while the command
-is live and carries the reference), parsed, handed to the driver, and dropped when the call
-returns: never logged (registered with the log redactor at once), never written anywhere.
+through the secrets fetch gate (bc-secrets answers only while a command of the site is live and
+carries the reference), parsed, handed to the driver, and kept in memory for the node's next
+commands for ``bmc.credentials_keep_seconds`` at most (0: fetched for each command): never
+logged (registered with the log redactor at once), never written anywhere.
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ from .media import MediaImages, bmc_addresses, token_image
 from .netboot import BootEntries, normalize_mac
 from .relay import HttpRelay
 
-__all__ = ["SiteHandlers"]
+__all__ = ["DEFAULT_CREDENTIALS_KEEP_S", "SiteHandlers"]
 
 P = TypeVar("P", SetPower, SetBootDevice, MediaInsert, MediaEject, BmcInventory)
 _WAIT_FOR = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 _POWERS_ON = frozenset({"on", "cycle", "reset"})
+DEFAULT_CREDENTIALS_KEEP_S = 300.0
+"""How long a fetched BMC credential is kept for the node's next commands (config
+``bmc.credentials_keep_seconds``)."""
+_KEPT_SWEEP_AT = 4096  # kept credentials past their time are swept out when there are this many
 VALIDATE_SECONDS = 15.0
 """``management.validate`` tries a BMC that does not answer this long at most, then says so."""
 
@@ -78,6 +83,8 @@ class SiteHandlers:
         media: MediaImages | None = None,
         bus_ca: bytes | None = None,
         media_url: str = "",
+        credentials_keep_s: float = DEFAULT_CREDENTIALS_KEEP_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.relay = relay
         self.media = media or MediaImages()
@@ -93,6 +100,14 @@ class SiteHandlers:
         self.last_error_at_ms: int | None = None
         self.commands_run = 0
         self._bmc_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.credentials_keep_s = credentials_keep_s
+        self._clock = clock
+        self._kept: dict[str, tuple[float, BmcCredentials]] = {}
+        """BMC credentials by reference, each until its time (``credentials_keep_s`` after its
+        fetch, never longer: using one does not extend it), in memory only."""
+        self._sweep_at = _KEPT_SWEEP_AT
+        self.credentials_fetched = 0
+        self.credentials_kept_used = 0
 
     def bmc_lock(self, bmc: NodeBmc) -> asyncio.Lock:
         """One BMC command at a time per system (address and system id), as Ironic's node lock
@@ -155,12 +170,29 @@ class SiteHandlers:
                     ) from None
             await asyncio.sleep(delay)
 
-    async def _credentials(self, target: NodeBmc, deadline: float) -> BmcCredentials | None:
-        if target.credentials_ref is None:
+    async def _credentials(
+        self, target: NodeBmc, deadline: float, *, fresh: bool = False
+    ) -> BmcCredentials | None:
+        """The BMC's credentials: fetched through the secrets gate, then kept in memory for
+        ``credentials_keep_s`` (docs/site-agent.md, "BMC credentials"). A node's commands come
+        in runs (a deploy sends five within a minute or two), and each fetch is three signed
+        requests and five statements across bc-secrets, bc-pki and the command queue. A new
+        credential is a new reference (``nodes update --bmc-credentials-file``), so a kept one
+        is never an older value under the same name; one the BMC refuses is dropped.
+        ``fresh``: through the gate whatever is kept (``management.validate`` checks the gate
+        too)."""
+        ref = target.credentials_ref
+        if ref is None:
             return None
-        raw = await self._fetch(
-            target.credentials_ref, deadline, what="the BMC credentials", path="bmc.credentialsRef"
-        )
+        now = self._clock()
+        kept = self._kept.get(ref)
+        if kept is not None and now < kept[0] and not fresh:
+            self.credentials_kept_used += 1
+            metrics.BMC_CREDENTIALS.labels("kept").inc()
+            return kept[1]
+        raw = await self._fetch(ref, deadline, what="the BMC credentials", path="bmc.credentialsRef")
+        self.credentials_fetched += 1
+        metrics.BMC_CREDENTIALS.labels("fetched").inc()
         try:
             login = msgspec.json.decode(raw, type=_Login)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -172,7 +204,18 @@ class SiteHandlers:
         finally:
             del raw
         register_secret(login.password)
-        return BmcCredentials(username=login.username, password=login.password)
+        credentials = BmcCredentials(username=login.username, password=login.password)
+        if self.credentials_keep_s > 0:
+            if len(self._kept) >= self._sweep_at:  # those past their time go; at most once a doubling
+                self._kept = {r: k for r, k in self._kept.items() if now < k[0]}
+                self._sweep_at = max(_KEPT_SWEEP_AT, 2 * len(self._kept))
+            self._kept[ref] = (self._clock() + self.credentials_keep_s, credentials)
+        return credentials
+
+    def forget_credentials(self, ref: str | None) -> None:
+        """The BMC refused what was kept under ``ref``: the next command fetches it again."""
+        if ref is not None:
+            self._kept.pop(ref, None)
 
     def _bmc(
         self, into: type[P], op: Callable[[Driver, P, Command], Awaitable[msgspec.Struct]]
@@ -181,10 +224,11 @@ class SiteHandlers:
             self.commands_run += 1
             driver_name = "unknown"  # until the payload names a known one (bounded labels)
             began = time.monotonic()
+            ref: str | None = None
             try:
                 payload = decode_payload(cmd.payload, into)
                 target = _target(payload.bmc)
-                driver_name = target.driver
+                driver_name, ref = target.driver, target.credentials_ref
                 credentials = await self._credentials(target, cmd.not_after)
                 async with self.bmc_lock(target):
                     driver = make_driver(target, credentials)
@@ -197,6 +241,8 @@ class SiteHandlers:
                 metrics.BMC_CALL_SECONDS.labels(driver_name, cmd.kind, "ok").observe(time.monotonic() - began)
                 return result
             except BcError as err:
+                if err.details.get("credentials") == "refused":
+                    self.forget_credentials(ref)
                 metrics.BMC_CALL_SECONDS.labels(driver_name, cmd.kind, "error").observe(
                     time.monotonic() - began
                 )
@@ -289,7 +335,7 @@ class SiteHandlers:
         target = decode_payload(cmd.payload, ValidateBmc).bmc
         deadline = min(cmd.not_after, time.time() + VALIDATE_SECONDS)
         try:
-            credentials = await self._credentials(target, deadline)
+            credentials = await self._credentials(target, deadline, fresh=True)
             if credentials is None and target.driver == "ipmi":
                 raise BcError(
                     ErrorCode.INVALID_INPUT, "the node's BMC has no credential (bmc.credentialsRef)", {}
@@ -305,6 +351,8 @@ class SiteHandlers:
             await driver.close()
             del driver
         ok = all(c.status == "ok" for c in checks)
+        if any(c.check == "credentials" and c.status == "failed" for c in checks):
+            self.forget_credentials(target.credentials_ref)
         if not ok:
             first = next(c for c in checks if c.status == "failed")
             self.last_error = f"{cmd.kind}: {first.check}: {first.message}"[:300]

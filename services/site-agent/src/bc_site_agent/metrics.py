@@ -8,7 +8,7 @@ from prometheus_client import Counter, Histogram
 
 from better_compute.service.metrics import LATENCY_BUCKETS
 
-__all__ = ["BMC_CALL_ERRORS", "BMC_CALL_SECONDS"]
+__all__ = ["BMC_CALL_ERRORS", "BMC_CALL_SECONDS", "BMC_CREDENTIALS"]
 
 BMC_CALL_SECONDS: Final = Histogram(
     "bc_bmc_call_duration_seconds",
@@ -21,4 +21,10 @@ BMC_CALL_ERRORS: Final = Counter(
     "bc_bmc_call_errors_total",
     "BMC operations that failed, by driver, operation and error code",
     ["driver", "operation", "code"],
+)
+BMC_CREDENTIALS: Final = Counter(
+    "bc_bmc_credentials_total",
+    "BMC credentials a command used, by where they came from: the secrets gate (fetched) or kept"
+    " in memory from a fetch of the last bmc.credentials_keep_seconds (kept)",
+    ["source"],
 )

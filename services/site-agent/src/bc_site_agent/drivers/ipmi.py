@@ -167,7 +167,9 @@ class IpmiSession:
                         call, f"no cipher suite in common with the BMC ({text[:120]}; {_OFFERED})"
                     ) from None
                 if any(words in low for words in _REFUSED_LOGIN):
-                    raise driver_error(call, "the BMC refused the credentials") from None
+                    raise driver_error(
+                        call, "the BMC refused the credentials", credentials="refused"
+                    ) from None
                 raise driver_error(call, f"IPMI error: {text[:200]}") from None
             except BcError:
                 raise

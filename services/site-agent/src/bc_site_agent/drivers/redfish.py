@@ -249,7 +249,9 @@ class RedfishSession:
                     call, f"cannot reach the BMC ({cause})", maybe_applied=not _never_sent(exc), reason=cause
                 ) from None
             except sushy.exceptions.AccessError as exc:
-                raise driver_error(call, f"HTTP {exc.status_code}: the BMC refused the credentials") from None
+                raise driver_error(
+                    call, f"HTTP {exc.status_code}: the BMC refused the credentials", credentials="refused"
+                ) from None
             except sushy.exceptions.ResourceNotFoundError:
                 raise driver_error(call, "HTTP 404: no such resource on the BMC") from None
             except sushy.exceptions.HTTPError as exc:
