@@ -47,7 +47,8 @@ CheckName = Literal["reach", "credentials", "system", "power"]
 
 @dataclass(frozen=True, kw_only=True)
 class BmcCredentials:
-    """Held in memory for one call only; never logged (``repr`` hides the password)."""
+    """Held in memory only (a driver's for its command, the site agent's for
+    ``bmc.credentials_keep_seconds``); never logged (``repr`` hides the password)."""
 
     username: str
     password: str = field(repr=False)
