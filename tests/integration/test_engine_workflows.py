@@ -575,3 +575,36 @@ async def test_wait_agent_joined_asks_pki_once_and_a_join_whose_event_was_lost_s
     done = await wait_workflow(bc_api, wf.id, timeout=30)
     assert done.state == "succeeded"
     assert done.steps[0].result["certId"] == "cert_lost"
+
+
+async def test_steps_see_the_nodes_inventory_as_it_is_when_they_run(
+    engine: EngineService, bc_api: ApiClient, db: asyncpg.Connection
+) -> None:
+    """An engine keeps the inventory of the version its pass read (engine migration 0012):
+    a step that set it, a later step of the same pass, an update by any statement and another
+    workflow all see it as stored, and what a step does to its copy stays its own."""
+    engine_api = EngineClient(bc_api)
+    node = await engine_api.create_node(site_id="eu9")
+    await create_profile(bc_api, [
+        {"use": "test.inventorySeen"},  # none yet
+        {"use": "test.setInventory", "with": {"inventory": {"cpus": 8}}},
+        {"use": "test.inventorySeen"},  # the same pass: set by the step before
+        {"use": "test.inventorySeen"},  # its copy changed by the step before: not seen here
+    ], id="t-inv")  # fmt: skip
+    wf = await engine_api.start_workflow(profile_id="t-inv", node_id=node.id)
+    done = await wait_workflow(bc_api, wf.id, timeout=10)
+    assert done.state == "succeeded", done
+    assert [s.result for s in done.steps] == [
+        {"inventory": None}, {}, {"inventory": {"cpus": 8}}, {"inventory": {"cpus": 8}}
+    ]  # fmt: skip
+    await create_profile(bc_api, [{"use": "test.inventorySeen"}], id="t-inv-seen")
+    for stored in ({"cpus": 16}, {"cpus": 16, "gpus": 2}, None):  # by another statement than a step's
+        await db.execute("UPDATE engine.nodes SET inventory = $2::jsonb WHERE id = $1", node.id,
+                         None if stored is None else msgspec.json.encode(stored).decode())  # fmt: skip
+        wf = await engine_api.start_workflow(profile_id="t-inv-seen", node_id=node.id)
+        done = await wait_workflow(bc_api, wf.id, timeout=10)
+        assert [s.result for s in done.steps] == [{"inventory": stored}]
+    versions = await db.fetch(
+        "SELECT inventory_version FROM engine.nodes WHERE id = $1 OR site_id = 'eu9'", node.id
+    )
+    assert len({r["inventory_version"] for r in versions}) == len(versions)

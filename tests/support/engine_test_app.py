@@ -167,6 +167,20 @@ async def _node_seen(_input: dict[str, Any], ctx: Any) -> Any:
             "macs": list(node.macs), "bmc": node.bmc, "state": node.state}  # fmt: skip
 
 
+async def _inventory_seen(_input: dict[str, Any], ctx: Any) -> Any:
+    inventory = ctx.node.inventory
+    seen = json.loads(json.dumps(inventory))
+    if isinstance(inventory, dict):
+        inventory["changedByAStep"] = True  # its own copy: the next run must not see this
+    return {"inventory": seen}
+
+
+async def _set_inventory(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    await ctx.sql.query("UPDATE nodes SET inventory = $2::jsonb WHERE id = $1", ctx.node.id,
+                        json.dumps(input["inventory"]))  # fmt: skip
+    return {}
+
+
 async def _await_power_on(input: dict[str, Any], ctx: Any) -> dict[str, Any]:
     # a command for another node than the workflow's
     got = await await_command(
@@ -266,6 +280,13 @@ return_datetime = define_step(
 node_seen = define_step(
     id="test.nodeSeen", runs_on="control-plane", timeout="1m", input=manifest({}), run=_node_seen
 )
+inventory_seen = define_step(
+    id="test.inventorySeen", runs_on="control-plane", timeout="1m", input=manifest({}), run=_inventory_seen
+)
+set_inventory = define_step(
+    id="test.setInventory", runs_on="control-plane", timeout="1m",
+    input=manifest({"inventory": field.json()}), run=_set_inventory,
+)  # fmt: skip
 await_power_on = define_step(
     id="test.awaitPowerOn",
     runs_on="control-plane",
@@ -335,6 +356,8 @@ provision = provision_module(
         await_power_on,
         return_datetime,
         node_seen,
+        inventory_seen,
+        set_inventory,
         fail_times,
         flaky,
     ],

@@ -106,11 +106,14 @@ def node_row(record: Any) -> NodeRow:
 # -- the reconciler pass (engine.py) --------------------------------------------------------
 
 # The workflows a pass over a key looks at, with the key's work-queue seq and each workflow's node
-# as its steps see it (``node_info``, NULL without one): one round trip.
+# as its steps see it (``node_info``, NULL without one): one round trip. The node's inventory is
+# not read along (a pass seldom runs a control-plane step), only which one it is
+# (``inventory_version``, NULL without one: steps/host.py keeps the inventory of each version).
 PASS_WORKFLOWS = (
     "SELECT (SELECT seq FROM work_queue WHERE rkey = $1) AS queue_seq,"
     " (SELECT json_build_object('id', n.id, 'tenant_id', n.tenant_id, 'site_id', n.site_id,"
-    "   'labels', n.labels, 'macs', n.macs, 'bmc', n.bmc, 'state', n.state)"
+    "   'labels', n.labels, 'macs', n.macs, 'bmc', n.bmc, 'state', n.state,"
+    "   'inventory_version', CASE WHEN n.inventory IS NOT NULL THEN n.inventory_version END)"
     "  FROM nodes n WHERE n.id = w.node_id) AS node_info, w.* FROM workflows w"
     " WHERE w.rkey = $1 AND (w.state = 'running' OR w.cancel_commands) ORDER BY w.created_at"
 )
@@ -266,7 +269,7 @@ CLEANED_UP = "UPDATE workflows SET cancel_commands = false WHERE id = $1"
 STORED_PROFILE = "SELECT document FROM profiles WHERE tenant_id = $1 AND id = $2 AND version = $3"
 NODE = "SELECT * FROM nodes WHERE id = $1"
 NODE_SITE = "SELECT site_id FROM nodes WHERE id = $1"
-NODE_INVENTORY = "SELECT inventory FROM nodes WHERE id = $1"
+NODE_INVENTORY = "SELECT inventory::text AS inventory, inventory_version FROM nodes WHERE id = $1"
 
 # -- the service (service.py) ----------------------------------------------------------------
 

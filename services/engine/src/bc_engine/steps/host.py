@@ -10,6 +10,7 @@ passes through (``payload_fillers`` before it is sent, ``command_settled`` once 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 from better_compute.app import App
@@ -28,6 +29,16 @@ from .quorum import QuorumBatches, in_batch
 __all__ = ["StepHost"]
 
 
+INVENTORIES_KEPT = 4096
+"""Node inventories an engine keeps (each a few KiB): the nodes whose workflows run now."""
+_UNKNOWN: Any = object()
+
+
+def _inventory(text: str) -> dict[str, Any] | None:
+    value = json.loads(text)
+    return value if isinstance(value, dict) else None
+
+
 class StepHost:
     def __init__(self, engine: Engine, hooks: EngineHooks) -> None:
         self._engine = engine
@@ -43,6 +54,12 @@ class StepHost:
             writes_disk=self.writes_disk,
         )  # fmt: skip
         self._nodes: dict[str, NodeInfo | None] = {}  # each running pass's workflow's node
+        self._versions: dict[str, int | None] = {}
+        """Each running pass's workflow's node's inventory version as the pass read it (None: no
+        inventory), for its first control-plane step run; a step that ran may have changed it."""
+        self._inventories: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        """The inventories read, by node: (version, JSON text), the least recently used dropped
+        past ``INVENTORIES_KEPT``. Text: each run parses its own (a step may change its copy)."""
         self.memos = AttemptMemos()  # what earlier runs of each running attempt got back
 
     @property
@@ -105,10 +122,16 @@ class StepHost:
         if wf.state != "running":  # aborted: its attempts never run again (a resume starts anew)
             self.memos.drop(wf.id)
         info = record["node_info"]
+        if isinstance(info, str):
+            info = json.loads(info)
         self._nodes[wf.id] = node_info(info) if info is not None else None
+        if info is not None:
+            version = info.get("inventory_version")
+            self._versions[wf.id] = int(version) if version is not None else None
 
     def pass_ends(self, wf: WorkflowRow) -> None:
         self._nodes.pop(wf.id, None)
+        self._versions.pop(wf.id, None)
 
     async def node(self, wf: WorkflowRow) -> NodeInfo | None:
         """The workflow's node, read once per pass (with the pass's workflows, ``PASS_WORKFLOWS``)."""
@@ -120,12 +143,27 @@ class StepHost:
         """A node as steps see it (a command a step sends may be for another node)."""
         return await self._read_node(node_id)
 
-    async def node_inventory(self, node_id: str) -> dict[str, Any] | None:
-        """The node's stored inventory (``ctx.node.inventory``), or None."""
-        value = await self.db.fetchval(store.NODE_INVENTORY, node_id)
-        if isinstance(value, str):
-            value = json.loads(value)
-        return value if isinstance(value, dict) else None
+    async def node_inventory(self, wf: WorkflowRow, node_id: str) -> dict[str, Any] | None:
+        """The node's stored inventory (``ctx.node.inventory``), or None, for a control-plane
+        step run of ``wf``'s pass. The first run of a pass goes by the version its pass read: no
+        read without an inventory, none for the version kept (engine migration 0012: a new
+        version for every change, by any statement); a later run of the same pass reads it."""
+        version = self._versions.pop(wf.id, _UNKNOWN)
+        if version is None:
+            return None
+        kept = self._inventories.get(node_id)
+        if kept is not None and kept[0] == version:
+            self._inventories.move_to_end(node_id)
+            return _inventory(kept[1])
+        row = await self.db.fetchrow(store.NODE_INVENTORY, node_id)
+        if row is None or row["inventory"] is None:
+            self._inventories.pop(node_id, None)
+            return None
+        self._inventories[node_id] = (int(row["inventory_version"]), row["inventory"])
+        self._inventories.move_to_end(node_id)
+        while len(self._inventories) > INVENTORIES_KEPT:
+            self._inventories.popitem(last=False)
+        return _inventory(row["inventory"])
 
     async def _read_node(self, node_id: str | None) -> NodeInfo | None:
         if node_id is None:

@@ -61,7 +61,7 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
     log = host.log.bind(workflow_id=wf.id, step=step.idx, action=step.action, attempt=step.attempt)
     node = await host.node(wf)
     if node is not None:  # the inventory only here: a pass's other reads need none of it
-        node = dataclasses.replace(node, inventory=await host.node_inventory(node.id))
+        node = dataclasses.replace(node, inventory=await host.node_inventory(wf, node.id))
     children = StepWorkflows(host.start_in, tenant_id=wf.tenant_id)
     wf_id, idx, attempt = wf.id, step.idx, step.attempt
     memo = host.memos.of(wf_id, idx, attempt)
