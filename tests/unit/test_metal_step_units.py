@@ -96,6 +96,7 @@ class Sql:
         self.results: dict[str, Any] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.since = datetime(2026, 1, 1, tzinfo=UTC)
+        self.override_reads = 0
 
     async def query(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         if sql == LATEST_RESULT:
@@ -112,6 +113,7 @@ class Sql:
             node = self.nodes.get(args[0], {})
             return [{"label": node.get("address"), "addresses": node.get("addresses")}]
         if sql == RAMDISK_OVERRIDE:
+            self.override_reads += 1
             return []  # no operator's ramdisk (bcx ramdisk set): the step's own
         raise AssertionError(f"unexpected statement {sql}")
 
@@ -302,6 +304,22 @@ async def test_ensure_ramdisk_sends_each_command_once_across_re_runs() -> None:
 
     await run("metal.ensureRamdisk", RAMDISK, ctx)  # a re-run after a crash sends nothing again
     assert len(ctx.commands.sent) == 4
+
+
+async def test_ensure_ramdisk_reads_the_operators_ramdisk_once_an_attempt() -> None:
+    """Issue 25: the step runs again at each of its commands' ends; the ramdisk in force is what
+    the attempt's first run found (its commands carry it), read again by the next attempt."""
+    ctx = Ctx(attempt=41)
+    ctx.commands.hold.add("netboot.setEntry")
+    for _ in range(3):
+        with pytest.raises(StepNotReady):
+            await run("metal.ensureRamdisk", RAMDISK, ctx)
+    ctx.commands.hold.clear()
+    await run("metal.ensureRamdisk", RAMDISK, ctx)
+    assert ctx.sql.override_reads == 1
+    again = Ctx(attempt=42, sql=ctx.sql)
+    await run("metal.ensureRamdisk", RAMDISK, again)
+    assert ctx.sql.override_reads == 2
 
 
 async def test_a_node_whose_bmc_has_virtual_media_gets_its_token_on_a_medium_not_the_boot_network() -> None:

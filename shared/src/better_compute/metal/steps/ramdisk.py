@@ -33,15 +33,17 @@ ejects the medium and clears the entries once the node joined. The step's result
 The ramdisk (kernel and initrd, or an iPXE script) comes from the step's ``with``; metal's
 shipped profiles fill it from ``metal(ramdisk=Ramdisk(...))`` or ``[ramdisk]`` of bc.toml. A
 ramdisk an operator set while the engines run (``bcx ramdisk set``, the engine's
-``ramdisk_override``) is read at each run and wins for the shipped lifecycle profiles, and for
-any step whose ``with`` names no ramdisk (``ramdisk_in_force``): no restart. ``[ramdisk]`` edited
-in bc.toml while the engines run is read at each run too (``configured_in_force``): the steps
-that boot the ramdisk the engines started with boot the new one.
+``ramdisk_override``) is read at each attempt's first run and wins for the shipped lifecycle
+profiles, and for any step whose ``with`` names no ramdisk (``ramdisk_in_force``): no restart.
+``[ramdisk]`` edited in bc.toml while the engines run is read there too (``configured_in_force``):
+the steps that boot the ramdisk the engines started with boot the new one. An attempt's later
+runs take what its first run found (its commands carry that ramdisk).
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -109,16 +111,40 @@ def configured_in_force(step_input: Mapping[str, Any], change: Mapping[str, Any]
     return {**rest, **_ramdisk_of(change.get("doc") or {})}
 
 
+_FOUND: OrderedDict[str, tuple[dict[int, Any], bool]] = OrderedDict()
+"""What each attempt's first run found, by its idempotency key: the ``ramdisk_override`` rows and
+whether its workflow runs a shipped lifecycle profile. Its later runs (it runs again at each of
+its commands' ends) take the same, with no read: the attempt's commands carry that ramdisk, and a
+``bcx ramdisk set`` meanwhile is for the next attempt."""
+_FOUND_KEPT: Final = 4096
+
+
 async def _with_override(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    rows = await ctx.sql.query(RAMDISK_OVERRIDE)
-    docs = {r["id"]: json.loads(r["doc"]) if isinstance(r["doc"], str) else r["doc"] for r in rows}
+    docs, shipped = await _found(ctx)
     override = docs.get(1)
     if override is None:
         change = docs.get(2)
         return configured_in_force(step_input, change) if change is not None else step_input
-    profile = await ctx.sql.query(_WORKFLOW_PROFILE, ctx.workflow_id)
-    shipped = bool(profile) and profile[0]["profile_id"] in LIFECYCLE_PROFILE_IDS.values()
     return ramdisk_in_force(step_input, override, shipped=shipped)
+
+
+async def _found(ctx: Any) -> tuple[dict[int, Any], bool]:
+    key = ctx.idempotency_key
+    kept = _FOUND.get(key) if isinstance(key, str) else None
+    if kept is not None:
+        _FOUND.move_to_end(key)
+        return kept
+    rows = await ctx.sql.query(RAMDISK_OVERRIDE)
+    docs = {r["id"]: json.loads(r["doc"]) if isinstance(r["doc"], str) else r["doc"] for r in rows}
+    shipped = False
+    if docs.get(1) is not None:
+        profile = await ctx.sql.query(_WORKFLOW_PROFILE, ctx.workflow_id)
+        shipped = bool(profile) and profile[0]["profile_id"] in LIFECYCLE_PROFILE_IDS.values()
+    if isinstance(key, str):
+        _FOUND[key] = (docs, shipped)
+        while len(_FOUND) > _FOUND_KEPT:
+            _FOUND.popitem(last=False)
+    return docs, shipped
 
 
 async def _run(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
