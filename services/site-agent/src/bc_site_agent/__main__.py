@@ -32,6 +32,7 @@ from better_compute.clients.secrets import SecretsClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.logging import configure_logging, get_logger, register_secret
 from better_compute.service.client import ApiClient, connect
+from better_compute.service.loop import run_loop
 from better_compute.wire import Subjects
 from better_compute.wire.cmdq import AgentStatus
 
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(level=args.log_level)
     try:
         config = load_config(Path(args.config))
-        asyncio.run(run(config))
+        run_loop(run(config))
     except BcError as err:
         print(f"bc-site-agent: {err}", file=sys.stderr)
         # 2: a bad config file or state folder, which a restart cannot fix (deploy/systemd)

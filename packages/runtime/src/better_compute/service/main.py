@@ -12,6 +12,7 @@ from ..config import SettingsSource
 from ..core.errors import BcError
 from ..logging import configure_logging, get_logger
 from .base import Service
+from .loop import run_loop
 
 __all__ = ["run_service"]
 
@@ -52,7 +53,7 @@ def run_service(cls: type[Service], argv: list[str] | None = None) -> None:
     try:
         svc = cls(settings)
         svc.settings_source = source  # its file is watched: the live settings change at once
-        asyncio.run(_serve(svc))
+        run_loop(_serve(svc))
     except BcError as err:
         # The path names what to fix (a broken plugin: entry_points.<name>); never a traceback.
         get_logger(service=cls.name).error(
