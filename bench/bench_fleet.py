@@ -392,7 +392,8 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                            power_delay=delay, lean=args.lean)  # fmt: skip
             agent = SiteAgentProcess(folder=state / f"agent-{site}", nats_url=nats_url,
                                      subject_root=settings.subject_root, site_id=site, log_level="info",
-                                     extra_config=_agent_config(args))  # fmt: skip
+                                     extra_config=_agent_config(args),
+                                     quiet_seconds=args.quiet_seconds)  # fmt: skip
             sim.boot_url = agent.url
             sims.append(sim)
             agents.append(agent)
@@ -760,6 +761,10 @@ def main() -> None:
     p.add_argument(
         "--window", type=int, default=0,
         help="at most this many machines in each phase at once, the next as others end (0: all at once)",
+    )  # fmt: skip
+    p.add_argument(
+        "--quiet-seconds", type=float, default=0.5,
+        help="the site agents' netboot.quiet_seconds (production's default is 120; the test kit's 0.5)",
     )  # fmt: skip
     p.add_argument(
         "--credentials-keep", type=float, default=None,

@@ -7,6 +7,7 @@ free on the first start and kept while they stay free.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import json
@@ -47,6 +48,12 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=4096)
+"""The ports ``free_port`` gave lately: a port nobody listens on yet is free to bind again, and
+a test kit's site agent got the same one for its boot network and its metrics listeners (CI:
+``INVALID_CONFIG … (at metrics_listen)``, one agent in a run)."""
+
+
 def free_port() -> int:
     """A port free to listen on now, chosen below the kernel's ephemeral range.
 
@@ -60,15 +67,23 @@ def free_port() -> int:
         rng = random.SystemRandom()
         for _ in range(64):
             port = rng.randrange(10_000, low)
+            if port in _GIVEN:
+                continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind(("127.0.0.1", port))
                 except OSError:
                     continue
+                _GIVEN.append(port)
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            break
+    _GIVEN.append(port)
+    return port
 
 
 def port_free(port: int) -> bool:
