@@ -18,17 +18,8 @@ from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import until
 from better_compute.testing.workflows import wait_workflow
-from engine_test_app import TABLES
 
 LIMIT = 2
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def db(bc_settings: Settings) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(bc_settings.database_url)
-    await conn.execute(TABLES)
-    yield conn
-    await conn.close()
 
 
 @pytest_asyncio.fixture(loop_scope="session")

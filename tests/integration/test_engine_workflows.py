@@ -32,15 +32,6 @@ from better_compute.wire.engine import (
 )
 from better_compute.wire.metal import NodeBmc
 from better_compute.wire.pki import JOIN_EVENTS, CertificateInfo, CertificateList, JoinAccepted, JoinRefused
-from engine_test_app import TABLES
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def db(bc_settings: Settings) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(bc_settings.database_url)
-    await conn.execute(TABLES)
-    yield conn
-    await conn.close()
 
 
 @pytest_asyncio.fixture(loop_scope="session")
