@@ -24,6 +24,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import AgentIdentity
 from better_compute.logging import get_logger, register_secret
 from better_compute.metal.commands import COMMAND_KINDS
+from better_compute.service.recent import Recent
 from better_compute.wire.commands import (
     BmcCheck,
     BmcInventory,
@@ -62,7 +63,6 @@ _POWERS_ON = frozenset({"on", "cycle", "reset"})
 DEFAULT_CREDENTIALS_KEEP_S = 300.0
 """How long a fetched BMC credential is kept for the node's next commands (config
 ``bmc.credentials_keep_seconds``)."""
-_KEPT_SWEEP_AT = 4096  # kept credentials past their time are swept out when there are this many
 VALIDATE_SECONDS = 15.0
 """``management.validate`` tries a BMC that does not answer this long at most, then says so."""
 
@@ -102,10 +102,10 @@ class SiteHandlers:
         self._bmc_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.credentials_keep_s = credentials_keep_s
         self._clock = clock
-        self._kept: dict[str, tuple[float, BmcCredentials]] = {}
-        """BMC credentials by reference, each until its time (``credentials_keep_s`` after its
-        fetch, never longer: using one does not extend it), in memory only."""
-        self._sweep_at = _KEPT_SWEEP_AT
+        self._kept: Recent[str, tuple[float, BmcCredentials]] = Recent(credentials_keep_s, lambda k: k[0])
+        """BMC credentials by reference with when they were fetched, each good for
+        ``credentials_keep_s`` after its fetch, never longer (using one does not extend it), in
+        memory only."""
         self.credentials_fetched = 0
         self.credentials_kept_used = 0
 
@@ -186,7 +186,7 @@ class SiteHandlers:
             return None
         now = self._clock()
         kept = self._kept.get(ref)
-        if kept is not None and now < kept[0] and not fresh:
+        if kept is not None and now - kept[0] < self.credentials_keep_s and not fresh:
             self.credentials_kept_used += 1
             metrics.BMC_CREDENTIALS.labels("kept").inc()
             return kept[1]
@@ -206,16 +206,13 @@ class SiteHandlers:
         register_secret(login.password)
         credentials = BmcCredentials(username=login.username, password=login.password)
         if self.credentials_keep_s > 0:
-            if len(self._kept) >= self._sweep_at:  # those past their time go; at most once a doubling
-                self._kept = {r: k for r, k in self._kept.items() if now < k[0]}
-                self._sweep_at = max(_KEPT_SWEEP_AT, 2 * len(self._kept))
-            self._kept[ref] = (self._clock() + self.credentials_keep_s, credentials)
+            self._kept[ref] = (self._clock(), credentials)
         return credentials
 
     def forget_credentials(self, ref: str | None) -> None:
         """The BMC refused what was kept under ``ref``: the next command fetches it again."""
         if ref is not None:
-            self._kept.pop(ref, None)
+            self._kept.pop(ref)
 
     def _bmc(
         self, into: type[P], op: Callable[[Driver, P, Command], Awaitable[msgspec.Struct]]
