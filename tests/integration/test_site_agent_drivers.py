@@ -314,6 +314,7 @@ async def test_ipmi_says_cipher_suite_mismatch_not_wrong_credentials(tmp_path: P
             reason = err.details["reason"].lower()
             assert "cipher suite" in reason, (cipher, reason)
             assert "credentials" not in reason, (cipher, reason)
+            assert "credentials" not in err.details, err.details  # a kept credential stays kept
             assert any(line.startswith("open-session") for line in bmc.requests())
         finally:
             bmc.close()
@@ -326,6 +327,7 @@ async def test_ipmi_says_cipher_suite_mismatch_not_wrong_credentials(tmp_path: P
         )
         err = await driver_error(driver.inventory(deadline=time.time() + 10))
         assert "refused the credentials" in err.details["reason"], err.details
+        assert err.details["credentials"] == "refused", err.details  # the site agent drops a kept one
         assert "cipher" not in err.details["reason"]
     finally:
         bmc.close()
@@ -644,6 +646,7 @@ async def test_what_is_kept_of_a_bmc_between_commands_reads_as_the_bmc_has_it(
         _command(proxy.url, emulator, inventory, password="not-the-password-987")  # type: ignore[arg-type]
     )
     assert "refused the credentials" in err.details["reason"], err.details
+    assert err.details["credentials"] == "refused", err.details  # the site agent drops a kept one
     assert (await _command(proxy.url, emulator, inventory)).system.uuid == SYSTEM_UUID
 
 

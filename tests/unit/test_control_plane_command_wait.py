@@ -425,3 +425,36 @@ async def test_a_command_read_by_id_counts_only_when_it_is_the_one_the_run_would
     assert await host.sent_command("cmd_a", cmd(f"{KEY}:a", kind="media.eject")) is None
     assert await host.sent_command("cmd_a", cmd(f"{KEY}:a", node_id="node_2")) is None
     assert await host.sent_command("cmd_gone", cmd(f"{KEY}:a")) is None
+
+
+async def test_once_reads_at_the_attempts_first_run_and_again_in_the_next_attempt() -> None:
+    """``ctx.once``: the runs of one attempt share what its first run read (issue 25: a step
+    waiting on its commands runs again at each one's end); a new attempt reads again."""
+    reads: list[int] = []
+
+    async def read() -> int:
+        reads.append(len(reads))
+        return len(reads)
+
+    async def waits_then_ends(_input: Any, ctx: Any) -> dict[str, int]:
+        got = await ctx.once("the-read", read)
+        if len(host.runs) < 3:
+            host.runs.append(got)
+            raise step_not_ready(10, reason="waiting")
+        return {"got": got}
+
+    host = FakeHost(waits_then_ends)
+    host.runs = []
+    wf, step = rows(attempt=1)
+    for _ in range(3):
+        assert isinstance(await run_control_plane(host, wf, step, time.time() + 60), Wait)  # type: ignore[arg-type]
+    done = await run_control_plane(host, wf, step, time.time() + 60)  # type: ignore[arg-type]
+    assert isinstance(done, Ok)
+    assert done.result == {"got": 1}
+    assert host.runs == [1, 1, 1]
+    assert len(reads) == 1
+    wf, step = rows(attempt=2)
+    host.runs = [0, 0, 0]
+    done = await run_control_plane(host, wf, step, time.time() + 60)  # type: ignore[arg-type]
+    assert isinstance(done, Ok)
+    assert done.result == {"got": 2}

@@ -7,7 +7,7 @@ a second copy of them or a fakes module no other test uses.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -188,9 +188,15 @@ class Ctx:
     batch_id: str | None = None
     profile: Any = None
     provision: Any = None
+    found: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.commands.node = self.node  # as the engine relays the workflow's node's BMC
+
+    async def once(self, name: str, load: Callable[[], Awaitable[Any]]) -> Any:
+        if name not in self.found:  # one Ctx is one attempt, as the engine's memo
+            self.found[name] = await load()
+        return self.found[name]
 
     @property
     def idempotency_key(self) -> str:

@@ -48,3 +48,22 @@ async def test_what_the_test_gave_no_fake_of_refuses_with_invalid_config() -> No
         id="acme.agent", runs_on="site", timeout="1m", input=manifest({}), command="power.setPower"
     )
     assert (await refused(run_step(agent))).code is ErrorCode.INVALID_CONFIG
+
+
+async def test_once_keeps_a_read_for_the_runs_of_one_context_as_for_one_attempt() -> None:
+    reads: list[str] = []
+
+    async def read() -> str:
+        reads.append("read")
+        return f"value-{len(reads)}"
+
+    async def reads_once(input: dict[str, Any], ctx: Any) -> Any:
+        return await ctx.once("acme.setting", read)
+
+    step = define_step(
+        id="acme.once", runs_on="control-plane", timeout="1m", input=manifest({}), run=reads_once
+    )
+    ctx = FakeStepContext(node=FakeNode())
+    assert [await run_step(step, ctx=ctx) for _ in range(3)] == ["value-1"] * 3
+    assert await run_step(step, ctx=FakeStepContext(node=FakeNode(), attempt=2)) == "value-2"
+    assert reads == ["read", "read"]

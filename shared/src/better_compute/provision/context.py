@@ -6,12 +6,14 @@ declared here, so tests can pass small fakes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from better_compute.core.keys import attempt_key
+
+T = TypeVar("T")
 
 __all__ = [
     "AgentCertificate",
@@ -235,6 +237,14 @@ class StepContext(StepCoordinates, Protocol):
 
     @property
     def log(self) -> Log: ...
+
+    async def once(self, name: str, load: Callable[[], Awaitable[T]]) -> T:
+        """What ``load()`` gave the first run of this attempt that asked for ``name``; the
+        attempt's later runs get the same without calling it (a step waiting on its commands runs
+        again at each one's end). Kept in the engine's memory only, for the attempt: a run on
+        another engine or after a restart calls ``load`` again, so use it for a read whose answer
+        the attempt may take once, never for a side effect."""
+        ...
 
 
 def step_command_key(ctx: StepCoordinates, key: str | None = None) -> str:

@@ -15,9 +15,9 @@ simulator).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..core.errors import BcError, ErrorCode
 from ..core.keys import attempt_key
@@ -25,6 +25,8 @@ from ..logging import get_logger
 from ..provision.steps import Step
 
 __all__ = ["FakeNode", "FakeStepContext", "run_step"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,10 +71,19 @@ class FakeStepContext:
     secrets: Any = None
     workflows: Any = field(default_factory=lambda: _Refuses("workflows"))
     log: Any = field(default_factory=lambda: get_logger(test="run_step"))
+    found: dict[str, Any] = field(default_factory=dict)
+    """What ``once`` kept, by name: one context is one attempt (run the step again with the same
+    context for its later runs)."""
 
     @property
     def idempotency_key(self) -> str:
         return attempt_key(self.workflow_id, self.step, self.attempt, None)
+
+    async def once(self, name: str, load: Callable[[], Awaitable[T]]) -> T:
+        """As the engine's: ``load()`` at the first call of ``name``, what it gave after."""
+        if name not in self.found:
+            self.found[name] = await load()
+        return cast(T, self.found[name])
 
 
 async def run_step(

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 
@@ -211,6 +211,22 @@ class RunContext:
     tenant_id: str = "root"
     profile: Any = None  # the pinned Profile the workflow runs
     provision: Any = None  # the app's ProvisionModule (user-data settings, config units)
+    memo: AttemptMemo | None = None  # what earlier runs of this attempt got back (``once``)
+
+    async def once(self, name: str, load: Callable[[], Awaitable[T]]) -> T:
+        """What ``load()`` gave the first run of this attempt that asked for ``name``; the later
+        runs (a step waiting on its commands runs again at each one's end) get the same without
+        calling it. Kept in this engine's memory only, dropped when the attempt settles: a run on
+        another engine, or after a restart, calls ``load`` again, so it must be a read whose
+        answer the attempt may take once (what an operator changes meanwhile is for the next
+        attempt)."""
+        if self.memo is None:
+            return await load()
+        if name in self.memo.found:
+            return cast(T, self.memo.found[name])
+        value = await load()
+        self.memo.found[name] = value
+        return value
 
     async def from_step(self, action: str) -> Any:
         """The latest succeeded result of ``action`` in this workflow."""

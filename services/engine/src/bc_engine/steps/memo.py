@@ -54,6 +54,9 @@ class AttemptMemo:
     sent: dict[tuple[str, str], str] = field(default_factory=dict)
     """The id of each command an earlier run found live, by node and key: the next run reads it
     by id (``commands.get``) rather than enqueueing it again."""
+    found: dict[str, object] = field(default_factory=dict)
+    """What the step's own reads found in an earlier run, by the name it gave them
+    (``RunContext.once``)."""
 
     def command(self, node_id: str, key: str, kind: str) -> CommandView | None:
         """The command of ``key`` on ``node_id`` when an earlier run saw it end."""

@@ -107,6 +107,7 @@ async def run_control_plane(host: StepHost, wf: WorkflowRow, step: StepRow, dead
         tenant_id=wf.tenant_id,
         profile=await host.profile(wf),
         provision=host.app.provision,
+        memo=memo,
     )
     try:
         try:

@@ -43,7 +43,6 @@ runs take what its first run found (its commands carry that ramdisk).
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -111,16 +110,8 @@ def configured_in_force(step_input: Mapping[str, Any], change: Mapping[str, Any]
     return {**rest, **_ramdisk_of(change.get("doc") or {})}
 
 
-_FOUND: OrderedDict[str, tuple[dict[int, Any], bool]] = OrderedDict()
-"""What each attempt's first run found, by its idempotency key: the ``ramdisk_override`` rows and
-whether its workflow runs a shipped lifecycle profile. Its later runs (it runs again at each of
-its commands' ends) take the same, with no read: the attempt's commands carry that ramdisk, and a
-``bcx ramdisk set`` meanwhile is for the next attempt."""
-_FOUND_KEPT: Final = 4096
-
-
 async def _with_override(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    docs, shipped = await _found(ctx)
+    docs, shipped = await ctx.once("metal.ramdisk_in_force", lambda: _found(ctx))
     override = docs.get(1)
     if override is None:
         change = docs.get(2)
@@ -129,21 +120,16 @@ async def _with_override(step_input: dict[str, Any], ctx: Any) -> dict[str, Any]
 
 
 async def _found(ctx: Any) -> tuple[dict[int, Any], bool]:
-    key = ctx.idempotency_key
-    kept = _FOUND.get(key) if isinstance(key, str) else None
-    if kept is not None:
-        _FOUND.move_to_end(key)
-        return kept
+    """The ``ramdisk_override`` rows, and whether the workflow runs a shipped lifecycle profile.
+    Read by the attempt's first run (``ctx.once``): its later runs, one at each of its commands'
+    ends, take the same, and its commands carry that ramdisk; a ``bcx ramdisk set`` meanwhile is
+    for the next attempt."""
     rows = await ctx.sql.query(RAMDISK_OVERRIDE)
     docs = {r["id"]: json.loads(r["doc"]) if isinstance(r["doc"], str) else r["doc"] for r in rows}
     shipped = False
     if docs.get(1) is not None:
         profile = await ctx.sql.query(_WORKFLOW_PROFILE, ctx.workflow_id)
         shipped = bool(profile) and profile[0]["profile_id"] in LIFECYCLE_PROFILE_IDS.values()
-    if isinstance(key, str):
-        _FOUND[key] = (docs, shipped)
-        while len(_FOUND) > _FOUND_KEPT:
-            _FOUND.popitem(last=False)
     return docs, shipped
 
 
