@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -247,12 +247,28 @@ async def until_states(
     timeout: float,
     what: str,
     failed_ok: bool = False,
+    reread: Callable[[str], Awaitable[int]] | None = None,
 ) -> None:
-    """Until ``n`` nodes are ``want`` (``failed_ok``: or ``failed``; else a failed node raises)."""
+    """Until ``n`` nodes are ``want`` (``failed_ok``: or ``failed``; else a failed node raises).
+
+    The counts come from the engine's node events, which are wake-ups, not the truth (core NATS:
+    one can be lost, and two engines' events of one node can arrive in either order); when they
+    stand still for ``STALLED_REREAD`` seconds, ``reread(want)`` reads the nodes behind from the
+    engine, as ``bcx nodes watch`` does every few seconds."""
     t0 = time.monotonic()
     last = -100.0
+    moved, before = time.monotonic(), None
     while True:
         got = counts()
+        if got != before:
+            moved, before = time.monotonic(), got
+        elif reread is not None and time.monotonic() - moved > STALLED_REREAD:
+            corrected = await reread(want)
+            if corrected:
+                print(f"  {what}: {corrected} node(s) read from the engine were further than their"
+                      " events said", flush=True)  # fmt: skip
+            moved = time.monotonic()
+            got = counts()
         if got.get(want, 0) + (got.get("failed", 0) if failed_ok else 0) >= n:
             return
         if got.get("failed", 0) and not failed_ok:
@@ -265,6 +281,9 @@ async def until_states(
         await asyncio.sleep(0.2)
 
 
+STALLED_REREAD = 20.0
+REREAD_AT_MOST = 500
+"""Seconds the node events may stand still before the nodes behind are read from the engine."""
 BMC_EVENTS = ("media.insert", "media.eject", "boot.device", "power.requested")
 """What a BMC command leaves at the simulated hardware."""
 BMC_KEYS = ("power", *BMC_EVENTS)
@@ -469,6 +488,23 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         def counts() -> dict[str, int]:
             return dict(Counter(states.values()))
 
+        corrected_events: Counter[str] = Counter()
+
+        async def reread(want: str) -> int:
+            """The nodes not yet ``want`` (nor failed), read from the engine: how many of them are
+            in another state than their last event said (counted per phase, printed at the end)."""
+            behind = [node for node, st in states.items() if st not in (want, "failed")]
+            if len(behind) > REREAD_AT_MOST:
+                return 0  # the bulk of a phase still moving: the events carry it
+            fixed = 0
+            for node_id in behind:
+                node = await engine.get_node(id=node_id)
+                if node.state != states.get(node_id):
+                    states[node_id] = node.state
+                    fixed += 1
+            corrected_events[want] += fixed
+            return fixed
+
         async def rolling(verb: VerbName, ids: list[str], want: str, **kw: Any) -> tuple[float, list[Any]]:
             """``verb`` over ``ids`` by bulk verbs: all at once (``--window 0``), or at most
             ``--window`` machines in flight, the next ones (spread over the sites) as others end,
@@ -530,7 +566,9 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             asked_before = requests.copy()
             t = time.monotonic()
             await rolling(verb, list(node_site), want)
-            await until_states(counts, want, args.machines, timeout=args.timeout, what=verb, failed_ok=True)
+            await until_states(
+                counts, want, args.machines, timeout=args.timeout, what=verb, failed_ok=True, reread=reread
+            )
             failed = [node for node, st in states.items() if st == "failed"]
             if failed:  # what an operator does: run it again on those, once (counted, printed)
                 # of the first few; a name of its own (``said`` prints the phase's figures)
@@ -542,7 +580,9 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
                 for node in failed:
                     states[node] = "again"
                 await rolling(verb, failed, want)
-                await until_states(counts, want, args.machines, timeout=args.timeout, what=verb)
+                await until_states(
+                    counts, want, args.machines, timeout=args.timeout, what=verb, reread=reread
+                )
             prelude[verb] = time.monotonic() - t
             prelude_cpu[verb] = CpuMeter.delta(phase_before, meter.snapshot())
             phase_requests[verb] = requests_since(asked_before)
@@ -582,8 +622,9 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         killer = asyncio.create_task(kill_mid_deploy()) if args.kill_mid_deploy else None
         try:
             await until_states(
-                counts, "deployed", args.machines, timeout=args.timeout, what="deploy", failed_ok=True
-            )
+                counts, "deployed", args.machines, timeout=args.timeout, what="deploy", failed_ok=True,
+                reread=reread,
+            )  # fmt: skip
         finally:
             if killer is not None and not killer.done():
                 killer.cancel()
@@ -674,6 +715,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "bmc": "answers at once" if delay == (0.0, 0.0) else f"power lands {args.power_delay} s late",
             "prelude_s": {k: round(v, 1) for k, v in prelude.items()},
             "prelude_run_again": prelude_again,
+            "node_events_corrected_by_reads": dict(corrected_events),
             "bulk_deploy_request_s": round(verb_s, 2),
             "deploy_s": round(elapsed, 1), "machines_per_s": round(args.machines / elapsed, 1),
             "commands": commands, "commands_per_s": round(commands / elapsed, 1),
@@ -830,6 +872,9 @@ def main() -> None:
         print(f"killed {', '.join(sorted(out['killed']))} {out['killed_at']['at_s']} s into the deploy"
               f" ({out['killed_at']['deployed']} machines deployed then)")  # fmt: skip
     print("memory (PSS) per instance, MiB:", json.dumps(out["memory_pss_mib_per_instance"]))
+    if out["node_events_corrected_by_reads"]:
+        print("node states read from the engine where the events stood still, by phase:",
+              json.dumps(out["node_events_corrected_by_reads"]))  # fmt: skip
     print(
         f"load average {' '.join(f'{x:.2f}' for x in out['loadavg'])}; findings: {out['findings'] or 'none'}"
     )
