@@ -26,10 +26,13 @@ class FlakyService(Service):
     name: ClassVar[str] = "bc-flaky"
     api_name: ClassVar[str] = "flaky"
 
-    def __init__(self, settings: Settings, *, loop_failures: int = 2) -> None:
+    def __init__(
+        self, settings: Settings, *, loop_failures: int = 2, failure: BaseException | None = None
+    ) -> None:
         super().__init__(settings)
         self.loop_runs = 0
         self.loop_failures = loop_failures
+        self.failure = failure or ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
 
     def routes(self) -> dict[str, Handler]:
         return {"store.read": self.read}
@@ -43,7 +46,7 @@ class FlakyService(Service):
         async def poll() -> None:
             self.loop_runs += 1
             if self.loop_runs <= self.loop_failures:
-                raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+                raise self.failure
             await asyncio.Event().wait()
 
         return {"poll": poll}
@@ -57,6 +60,48 @@ async def test_a_side_loop_failing_on_an_outage_starts_again_and_the_service_sta
         await until(lambda: svc.loop_runs == 3 or run.done())
         assert not run.done()  # the service still runs …
         assert svc.loop_runs == 3  # … its loop failed twice and ran again after a backoff
+        svc.request_stop()
+        await asyncio.wait_for(run, 5)
+
+
+async def _deadlock(settings: Settings) -> asyncpg.exceptions.DeadlockDetectedError:
+    """A real deadlock: two transactions lock two rows in opposite orders; PostgreSQL rolls one
+    back. Returns that one's error."""
+    a = await asyncpg.connect(settings.database_url)
+    b = await asyncpg.connect(settings.database_url)
+    try:
+        await a.execute("CREATE TABLE IF NOT EXISTS bc_test_deadlock (id int PRIMARY KEY)")
+        await a.execute("INSERT INTO bc_test_deadlock VALUES (1), (2) ON CONFLICT DO NOTHING")
+        ta, tb = a.transaction(), b.transaction()
+        await ta.start()
+        await tb.start()
+        await a.execute("UPDATE bc_test_deadlock SET id = id WHERE id = 1")
+        await b.execute("UPDATE bc_test_deadlock SET id = id WHERE id = 2")
+        got = await asyncio.gather(
+            a.execute("UPDATE bc_test_deadlock SET id = id WHERE id = 2"),
+            b.execute("UPDATE bc_test_deadlock SET id = id WHERE id = 1"),
+            return_exceptions=True,
+        )
+        for tx in (ta, tb):
+            await tx.rollback()
+        (err,) = [g for g in got if isinstance(g, BaseException)]
+        assert isinstance(err, asyncpg.exceptions.DeadlockDetectedError), got
+        return err
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_side_loop_whose_transaction_postgresql_rolled_back_for_a_deadlock_runs_again(
+    bc_settings: Settings,
+) -> None:
+    """Regression (10,000 machines, 2026-12-07): both command-queue instances' presence loops
+    met a deadlock with the other's journal writes and stopped their services."""
+    async with FlakyService(bc_settings, failure=await _deadlock(bc_settings)) as svc:
+        run = asyncio.create_task(svc.run())
+        await until(lambda: svc.loop_runs == 3 or run.done())
+        assert not run.done()
+        assert svc.loop_runs == 3
         svc.request_stop()
         await asyncio.wait_for(run, 5)
 
