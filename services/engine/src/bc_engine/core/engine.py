@@ -33,6 +33,7 @@ from better_compute.keyring import Keyring
 from better_compute.provision import Profile, StepNotReady, profile_from_document
 from better_compute.service.client import ApiClient
 from better_compute.service.db import Database
+from better_compute.service.faults import describe, is_transient
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.cmdq import CommandView, EnqueueCommand, engine_proof
 
@@ -262,8 +263,13 @@ class Engine:
             await fn(self, workflow_id)
         except StepNotReady as nr:
             return time.time() + nr.retry_after_ms / 1000
-        except Exception:
-            self.log.exception("owner_reconciler_failed", owner=owner, workflow_id=workflow_id)
+        except Exception as exc:
+            if is_transient(exc):  # a service or server away a while: said once, no traceback
+                self.log.warning(
+                    "owner_reconciler_interrupted", owner=owner, workflow_id=workflow_id, error=describe(exc)
+                )
+            else:
+                self.log.exception("owner_reconciler_failed", owner=owner, workflow_id=workflow_id)
             return time.time() + 5.0
         return None
 
