@@ -282,8 +282,9 @@ async def until_states(
 
 
 STALLED_REREAD = 20.0
-REREAD_AT_MOST = 500
 """Seconds the node events may stand still before the nodes behind are read from the engine."""
+REREAD_AT_MOST = 500
+"""More nodes behind than this: the phase is still moving, nothing is read."""
 BMC_EVENTS = ("media.insert", "media.eject", "boot.device", "power.requested")
 """What a BMC command leaves at the simulated hardware."""
 BMC_KEYS = ("power", *BMC_EVENTS)

@@ -5,12 +5,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+import pytest_asyncio
 
 from better_compute.testing.agents import SimAgent
+
+if TYPE_CHECKING:
+    import asyncpg
+
+    from better_compute.config import Settings
 
 _TIERS = {"unit", "integration", "e2e", "chaos", "adversarial"}
 
@@ -82,3 +89,17 @@ def sims() -> Iterator[list[SimAgent]]:
     yield made
     for sim in made:
         sim.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def db(bc_settings: Settings) -> AsyncIterator[asyncpg.Connection]:
+    """A connection (asyncpg) to the test database, with the engine test app's plugin tables made:
+    the integration and chaos tiers' (imported here, so a unit run loads neither)."""
+    import asyncpg
+
+    from engine_test_app import TABLES
+
+    conn = await asyncpg.connect(bc_settings.database_url)
+    await conn.execute(TABLES)
+    yield conn
+    await conn.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import asyncpg
 import msgspec
 import pytest
 import pytest_asyncio
@@ -16,7 +15,7 @@ from better_compute.service import ApiClient, connect
 from better_compute.testing import ServiceProcesses
 from better_compute.wire import Subjects
 from chaos_stack import FAST, PrivateServers, Stack
-from engine_test_app import TABLES, create_tables
+from engine_test_app import create_tables
 
 
 @pytest.fixture
@@ -61,11 +60,3 @@ def settings(bc_settings: Settings) -> Settings:
 def procs(settings: Settings, bc_processes: ServiceProcesses) -> ServiceProcesses:
     bc_processes.settings = settings
     return bc_processes
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def db(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(settings.database_url)
-    await conn.execute(TABLES)
-    yield conn
-    await conn.close()

@@ -30,8 +30,8 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     # before asyncpg noticed it closed ("cannot switch to state …; another operation is in progress")
     asyncpg.exceptions.InternalClientError,
     # PostgreSQL rolled the transaction back for a conflict with another one, not for what it
-    # asked: run again, it succeeds (40P01, 40001). Two command-queue instances' batched writes
-    # of the same agents' journal rows met in opposite orders at 10,000 machines, and each
+    # asked: run again, it succeeds (40P01, 40001). At 10,000 machines the command queue's
+    # presence write and a batch of claims took the same journal rows in other orders, and each
     # instance's presence loop took the deadlock for a bug and stopped its service. Not 40003
     # (statement completion unknown): whether it ran is not known, so it is not repeated blindly.
     asyncpg.exceptions.DeadlockDetectedError,
