@@ -807,3 +807,43 @@ async def test_an_idle_agent_is_silent_after_three_of_the_gaps_it_announced(pg: 
     assert told["quiet 71 s of 90"] == ([], {**everyone, "busy": False})
     assert told["quiet 91 s"] == (["agent-lost"], {**everyone, "busy": False, "idle": False})
     assert told["back after a silence"] == (True,)
+
+
+async def test_claims_and_heartbeats_over_the_same_journals_at_once_wait_rather_than_deadlock(
+    pg: Harness,
+) -> None:
+    """A batch of claims (``claim_many``) marks each named journal seen; a batch of heartbeats
+    (``agents_heard``) marks each agent's journal present. Both take the journals' rows, and two
+    instances run them at once over the same agents: each takes the rows in (agent, journal) order,
+    so one waits for the other and none is rolled back for a deadlock. (When the claims took them
+    in the order their join gave, PostgreSQL found a deadlock at 10,000 machines; here, about one a
+    round.)"""
+    s = pg.store
+    agents = [f"cj-{i:03d}" for i in range(600)]
+    for n in agents:
+        await s.agent_hello(
+            AgentHello(agent_id=n, site_id=SITE, tenant_id="root", role="node", cert_id="cert_cj",
+                       incarnation="i", version="1", kinds=None, signed_at_ms=1, status=None)
+        )  # fmt: skip
+
+    def beats(signed: int, order: list[str]) -> list[Beat]:
+        return [Beat(agent_id=n, signed_at_ms=signed, cert_id="cert_cj", status=None, journal_id=f"j-{n}",
+                     age_ms=0) for n in order]  # fmt: skip
+
+    def claims(order: list[str]) -> list[Claim]:
+        return [Claim(command_id=f"cmd_cj_{n}", agent_id=n, digest=DIGEST, journal=f"j-{n}", signed_at_ms=10,
+                      quorum=False) for n in order]  # fmt: skip
+
+    await s.agents_heard(beats(100, agents), silent_after_ms=15_000)  # every journal known
+    for round_ in range(15):
+        await pg.age(2.0)  # every journal's last_seen is old enough for a claim to move it
+        one, two, odd, even = await asyncio.gather(
+            s.claim_many(claims(agents)),
+            s.claim_many(claims(agents[::-1])),
+            s.agents_heard(beats(101 + round_, agents[1::2]), silent_after_ms=15_000),
+            s.agents_heard(beats(101 + round_, agents[::2]), silent_after_ms=15_000),
+        )
+        for answers in (one, two):
+            assert [a.row for a in answers] == [None] * len(agents)  # no such commands
+            assert all(a.journal is not None and a.journal.present for a in answers)
+        assert set(odd) | set(even) == set(agents)

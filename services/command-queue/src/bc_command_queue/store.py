@@ -337,10 +337,12 @@ RETURNING {_COLS}
 # $1 ids (distinct), $2 agents, $3 digests, $4 journals (NULL: not named), $5 signed_at_ms,
 # $6 quorum on. Each claim is taken on the same terms as ACK alone; every named journal is seen
 # (given its generation at first sight) whether its claim is taken or not. One row per claim, in
-# order: its journal's generation and presence, and the command when the claim was taken. The
-# commands are locked in id order, so two groups at once wait for each other instead of
-# deadlocking. A journal's last_seen moves at most once a second here (it counts against
-# lost_after, a minute or more): two groups of claims of one journal do not queue on its row.
+# order: its journal's generation and presence, and the command when the claim was taken. A
+# journal's last_seen moves at most once a second here (it counts against lost_after, a minute or
+# more): two groups of claims of one journal do not queue on its row. Rows are locked in one
+# order: the journals first (new and a second old alike, in one upsert by agent and journal, the
+# order AGENTS_HEARD takes them in), then the commands by id; so two groups, or a group and a
+# batch of heartbeats, wait for each other instead of deadlocking.
 CLAIM_MANY: Final = f"""
 WITH a AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::bool[])
@@ -350,22 +352,24 @@ WITH a AS (
 ), known AS (
     SELECT j.agent_id, j.journal_id, j.generation, j.present, j.last_seen FROM journals j
     JOIN named ON j.agent_id = named.agent AND j.journal_id = named.journal
-), seen AS (
-    UPDATE journals j SET last_seen = now()
-    FROM known WHERE j.agent_id = known.agent_id AND j.journal_id = known.journal_id
-      AND known.last_seen < now() - interval '1 second'
 ), made AS (
-    INSERT INTO journals (agent_id, journal_id, present)
+    INSERT INTO journals AS j (agent_id, journal_id, present)
     SELECT named.agent, named.journal, false FROM named
-    WHERE NOT EXISTS (SELECT 1 FROM known
-                      WHERE known.agent_id = named.agent AND known.journal_id = named.journal)
+    LEFT JOIN known ON known.agent_id = named.agent AND known.journal_id = named.journal
+    WHERE known.agent_id IS NULL OR known.last_seen < now() - interval '1 second'
     ORDER BY named.agent, named.journal
     ON CONFLICT (agent_id, journal_id) DO UPDATE SET last_seen = now()
-    RETURNING agent_id, journal_id, generation, present
+    RETURNING j.agent_id, j.journal_id, j.generation, j.present
 ), j AS (
-    SELECT agent_id, journal_id, generation, present FROM known UNION ALL SELECT * FROM made
+    SELECT agent_id, journal_id, generation, present FROM made
+    UNION ALL
+    SELECT agent_id, journal_id, generation, present FROM known
+    WHERE NOT EXISTS (SELECT 1 FROM made
+                      WHERE made.agent_id = known.agent_id AND made.journal_id = known.journal_id)
 ), locked AS (
-    SELECT c.id FROM commands c JOIN a ON a.id = c.id ORDER BY c.id FOR UPDATE OF c
+    SELECT c.id FROM commands c JOIN a ON a.id = c.id
+    WHERE (SELECT count(*) FROM made) >= 0  -- the journals' rows first
+    ORDER BY c.id FOR UPDATE OF c
 ), acked AS (
     UPDATE commands c SET state = 'acked', acked_at = coalesce(c.acked_at, now()), updated_at = now(),
         claim_journal = a.journal,
