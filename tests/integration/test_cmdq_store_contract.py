@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -685,6 +686,53 @@ async def test_statements_over_many_rows_answer_as_each_row_alone(pg: Harness) -
     )  # fmt: skip
     assert told["results again"] == ([None],)
     assert told["published"] == ([1, 0, 0],)
+
+
+async def inserted_together(h: Harness) -> list[Any]:
+    """Enqueues in one statement (``insert_many``): a site command dispatched to the site's agent
+    picked for its kind, one of a site with no agent (pending), a node command, one held (its
+    batch), one whose (node, key) exists (none); the payload kept as sent, byte for byte."""
+    s = h.store
+    tag = secrets.token_hex(3)
+    site_b, site_none = f"site-ins-{tag}", f"site-none-{tag}"
+    agent = f"agent_ins_{tag}"
+    await s.agent_hello(
+        AgentHello(agent_id=agent, site_id=site_b, tenant_id="root", role="site", cert_id="cert_ins",
+                   incarnation="i", version="1", kinds=["node.inventory"], signed_at_ms=1, status=None)
+    )  # fmt: skip
+    node = new_id("node")
+    now_ms = int(time.time() * 1000)
+    payload = '{"b": 1,  "a": [2, 3]}'
+
+    def new(key: str, *, site: str = site_b, target: str = "site", may: bool = True) -> NewCommand:
+        return NewCommand(
+            id=new_id("cmd"), node_id=node, site_id=site, tenant_id="root", key=key, kind="node.inventory",
+            destructive=False, target=target, payload=payload, digest=DIGEST, batch_id=None,
+            workflow_id=None, step=None, not_after_ms=now_ms + 60_000, may_dispatch=may,
+        )  # fmt: skip
+
+    first = await s.insert_command(new("ins-taken"), silent_after_ms=15_000)
+    assert first is not None
+    news = [new("ins-site"), new("ins-none", site=site_none), new("ins-node", target="node"),
+            new("ins-held", may=False), new("ins-taken")]  # fmt: skip
+    rows = await s.insert_many(news, silent_after_ms=15_000)
+    told: list[Any] = [
+        [r and (r.id == n.id, r.state, r.agent_id == agent, r.agent_id == node, r.payload) for r, n in
+         zip(rows, news, strict=True)]
+    ]  # fmt: skip
+    told.append([await s.command_by_key(node, n.key) == r for n, r in zip(news[:4], rows[:4], strict=True)])
+    return told
+
+
+async def test_enqueues_in_one_statement_answer_as_each_alone(pg: Harness) -> None:
+    on_pg = await inserted_together(pg)
+    assert await inserted_together(memory()) == on_pg
+    payload = '{"b": 1,  "a": [2, 3]}'
+    assert on_pg == [
+        [(True, "dispatched", True, False, payload), (True, "pending", False, False, payload),
+         (True, "dispatched", False, True, payload), (True, "pending", False, False, payload), None],
+        [True, True, True, True],
+    ]  # fmt: skip
 
 
 async def test_a_group_with_a_row_postgresql_refuses_applies_the_others(pg: Harness) -> None:

@@ -22,6 +22,7 @@ from better_compute.core.plugins import CommandKind
 from better_compute.service import ApiRequest
 from better_compute.service.audit import requester
 from better_compute.service.fences import attempt_superseded
+from better_compute.service.groups import GroupCommit
 from better_compute.wire.agent import payload_digest
 from better_compute.wire.cmdq import (
     ENGINE_PROOF_MAX_AGE_MS,
@@ -44,7 +45,7 @@ from better_compute.wire.cmdq import (
 from .config import CmdqConfig
 from .delivery import Changed, Deliveries
 from .rows import ClaimedRow, CommandRow
-from .storage import NewCommand, Store
+from .storage import NewCommand, Store, row_may_be_at_fault
 from .views import command_view
 
 __all__ = ["Commands", "check_name", "invalid"]
@@ -95,6 +96,13 @@ class Commands:
         self.deliveries = deliveries
         self.changed = changed
         self.log = log
+        self.inserted: GroupCommit[NewCommand, CommandRow | None] = GroupCommit(
+            lambda news: store.insert_many(news, silent_after_ms=config.silent_after_ms),
+            key=lambda n: (n.node_id, n.key),
+            row_by_row=row_may_be_at_fault,
+        )
+        """Enqueues arriving at the same moment, inserted in one statement and one commit
+        (``COMMAND_INSERT_MANY``): a commit each was the largest statement of the command path."""
 
     def _check_enqueue(self, body: EnqueueCommand) -> tuple[CommandKind, bytes]:
         """Everything about a new command that needs no database; returns the kind and the
@@ -257,7 +265,7 @@ class Commands:
             not_after_ms=not_after_ms,
             may_dispatch=may_dispatch,
         )
-        row = await self.store.insert_command(new, silent_after_ms=self.config.silent_after_ms)
+        row = await self.inserted(new)
         if row is None:  # (node, key) exists: find-before-create
             found = await self._existing(body)
             if found is None:  # removed in between: never happens, rows are kept

@@ -182,6 +182,12 @@ class Store(Protocol):
         """Insert, dispatched at once when it may go; ``None`` when (node, key) exists."""
         ...
 
+    async def insert_many(
+        self, news: Sequence[NewCommand], *, silent_after_ms: int
+    ) -> list[CommandRow | None]:
+        """``insert_command`` of each (a (node, key) once a group), in one statement."""
+        ...
+
     async def command_by_id(self, command_id: str) -> CommandRow | None: ...
 
     async def command_state(self, command_id: str) -> CommandStateRow | None: ...
@@ -498,6 +504,22 @@ class PgStore:
             new.destructive, new.target, new.payload, new.digest, new.batch_id, new.workflow_id,
             new.step, new.not_after_ms, new.may_dispatch, silent_after_ms,
         )  # fmt: skip
+
+    async def insert_many(
+        self, news: Sequence[NewCommand], *, silent_after_ms: int
+    ) -> list[CommandRow | None]:
+        if len(news) == 1:
+            return [await self.insert_command(news[0], silent_after_ms=silent_after_ms)]
+        records = await self.db.fetch(
+            store.COMMAND_INSERT_MANY,
+            [n.id for n in news], [n.node_id for n in news], [n.site_id for n in news],
+            [n.tenant_id for n in news], [n.key for n in news], [n.kind for n in news],
+            [n.destructive for n in news], [n.target for n in news], [n.payload for n in news],
+            [n.digest for n in news], [n.batch_id for n in news], [n.workflow_id for n in news],
+            [n.step for n in news], [n.not_after_ms for n in news], [n.may_dispatch for n in news],
+            silent_after_ms,
+        )  # fmt: skip
+        return [command_row(r) if r["id"] is not None else None for r in records]
 
     async def command_by_id(self, command_id: str) -> CommandRow | None:
         return await self._row(store.COMMAND_BY_ID, command_id)

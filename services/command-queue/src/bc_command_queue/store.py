@@ -62,6 +62,7 @@ __all__ = [
     "COMMAND_BY_ID",
     "COMMAND_BY_NODE_KEY",
     "COMMAND_INSERT",
+    "COMMAND_INSERT_MANY",
     "COMMAND_STATE",
     "COMMAND_STATES",
     "DISPATCH_PENDING",
@@ -165,6 +166,38 @@ SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,
 FROM pick
 ON CONFLICT (node_id, key) DO NOTHING
 RETURNING {_COLS}
+"""
+
+# COMMAND_INSERT for many commands at once (GroupCommit), each row on COMMAND_INSERT's terms:
+# $1 ids … $13 steps, $14 not_after_ms, $15 may_dispatch (arrays), $16 silent_after_ms. One row per
+# command, in order: the command inserted, or NULLs where its (node, key) exists. A group holds a
+# (node, key) once (GroupCommit's key), and its rows are inserted in id order.
+COMMAND_INSERT_MANY: Final = f"""
+WITH n AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+                         $7::bool[], $8::text[], $9::text[], $10::bytea[], $11::text[], $12::text[],
+                         $13::int[], $14::bigint[], $15::bool[])
+        WITH ORDINALITY AS n (id, node_id, site_id, tenant_id, key, kind, destructive, target, payload,
+                              digest, batch_id, workflow_id, step, not_after_ms, may_dispatch, ord)
+), pick AS (
+    SELECT n.*, CASE WHEN n.target = 'node' THEN n.node_id
+                     ELSE ({_PICK.format(site="n.site_id", silent="$16", kind="n.kind")}) END AS agent_id
+    FROM n
+), ins AS (
+    INSERT INTO commands AS c (id, node_id, site_id, tenant_id, key, kind, destructive, target,
+                               payload, digest, batch_id, workflow_id, step, not_after,
+                               agent_id, state, dispatched_at)
+    SELECT p.id, p.node_id, p.site_id, p.tenant_id, p.key, p.kind, p.destructive, p.target,
+           p.payload::json, p.digest, p.batch_id, p.workflow_id, p.step,
+           to_timestamp(p.not_after_ms / 1000.0),
+           CASE WHEN p.may_dispatch OR p.target = 'node' THEN p.agent_id END,
+           CASE WHEN p.may_dispatch AND p.agent_id IS NOT NULL THEN 'dispatched' ELSE 'pending' END,
+           CASE WHEN p.may_dispatch AND p.agent_id IS NOT NULL THEN now() END
+    FROM pick p ORDER BY p.id
+    ON CONFLICT (node_id, key) DO NOTHING
+    RETURNING {_COLS}
+)
+SELECT ins.* FROM n LEFT JOIN ins ON ins.id = n.id ORDER BY n.ord
 """
 
 PUBLISHED: Final = (

@@ -37,6 +37,12 @@ class MemoryStore(Presence):
     stamp deadlines from the wall clock, as they do against PostgreSQL)."""
 
     # -- commands --------------------------------------------------------------------
+    async def insert_many(
+        self, news: Sequence[NewCommand], *, silent_after_ms: int
+    ) -> list[CommandRow | None]:
+        """``COMMAND_INSERT_MANY``: each as ``COMMAND_INSERT``"""
+        return [await self.insert_command(n, silent_after_ms=silent_after_ms) for n in news]
+
     async def insert_command(self, new: NewCommand, *, silent_after_ms: int) -> CommandRow | None:
         """``COMMAND_INSERT``"""
         if any(c.node_id == new.node_id and c.key == new.key for c in self._t.commands.values()):
