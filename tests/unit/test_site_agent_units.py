@@ -219,6 +219,38 @@ def test_a_machine_this_agent_powers_on_after_its_entry_closed_clean_boots_local
     assert not other.local
 
 
+def test_a_second_power_command_does_not_rewrite_a_clean_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a clean hold keeps of a power-on is that there was one: the next power command of the
+    node writes nothing (each rewrote every clean hold of the node, a file and two fsyncs), and
+    the machine's ask after it still boots local; an open hold still counts its quiet period
+    from the latest power-on."""
+    token, other_token = "bcjt_" + "s" * 43, "bcjt_" + "t" * 43
+    mac, node = "52:54:00:aa:bb:08", "node_03"
+    entries = BootEntries(tmp_path / "netboot")
+    entries.set({"mac": mac, "kernel": "http://h/k"}, join_token=token, node_id=node)
+    assert entries.take(mac, source="10.0.0.9", now=1000.0).entry is not None
+    [_] = entries.closed_clean(5.0, now=1006.0)
+    entries.powered(node, now=1100.0)
+    written: list[str] = []
+    write = BootEntries._write
+    monkeypatch.setattr(
+        BootEntries, "_write", staticmethod(lambda t, d, **k: (written.append(t.name), write(t, d, **k)))
+    )
+    entries.powered(node, now=1110.0)
+    entries.powered("node_elsewhere", now=1111.0)
+    assert written == []
+    assert entries.take(mac, source="10.0.0.9", now=1130.0).local
+
+    entries.set({"mac": mac, "kernel": "http://h/k"}, join_token=other_token, node_id=node)
+    assert entries.take(mac, source="10.0.0.9", now=1200.0).entry is not None
+    entries.powered(node, now=1203.0)  # the open hold's quiet period counts from here
+    assert entries.closed_clean(5.0, now=1207.0) == []
+    [closed] = entries.closed_clean(5.0, now=1208.5)
+    assert closed.powered_at == 1203.0
+
+
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the files read (``Path.read_text``) from now until ``monkeypatch.undo()``."""
     read: list[str] = []

@@ -397,10 +397,12 @@ class BootEntries:
             return
         now = time.time() if now is None else now
         with self._lock:
-            for hold in self._holds():
-                if hold.node_id == node_id and hold.state == "open":
+            for hold in [h for h in self._loaded().values() if h.node_id == node_id]:
+                if hold.state == "open":
                     self._put_hold(replace(hold, powered_at=max(hold.powered_at, now)))
-                elif hold.node_id == node_id and hold.state == "clean":
+                elif hold.state == "clean" and not hold.powered_after_close:
+                    # once is what counts (``take`` asks whether it was powered on since): each
+                    # power command rewrote every clean hold of the node, a file and two fsyncs
                     self._put_hold(replace(hold, powered_after_close=now))
 
     def closed_clean(self, quiet_seconds: float, *, now: float | None = None) -> list[Hold]:
