@@ -243,6 +243,48 @@ async def test_the_first_try_within_a_second_of_the_claim_takes_the_claim_as_its
     assert asked == ["check", "check", "check"]
 
 
+async def test_a_try_whose_requests_are_checked_asks_only_before_the_request_that_changes() -> None:
+    """The Redfish driver's tries (``requests_checked``): the try asks nothing, a read asks
+    nothing, the request that changes the machine asks right before it goes; a cancel the queue
+    answers there stops it; one the agent knows of stops the try itself; a claim still fresh at
+    the change answers for it."""
+    sent = _Sent()
+    sent.enter()
+    stop: list[str] = []
+    asked = sent.checks(stop)
+    sent.agent._runs["cmd_1"] = _Run.starting(cancelled=False, claimed=time.monotonic() - 5.0)
+
+    def request(method: str, path: str) -> None:  # what the Redfish driver's HTTP adapter does
+        runner.before_call_blocking(f"{method} {path}", changes=method not in ("GET", "HEAD"))
+
+    await runner.before_call("power state", requests_checked=True)  # a try that only reads
+    await asyncio.to_thread(request, "GET", "/redfish/v1/Systems/1")
+    assert asked == []
+    await runner.before_call("set power on", requests_checked=True)
+    await asyncio.to_thread(request, "GET", "/redfish/v1/Systems/1")
+    assert asked == []
+    await asyncio.to_thread(request, "POST", "/redfish/v1/Systems/1/Actions/Reset")
+    assert asked == ["check"]  # one check for the change, none for the try
+
+    stop.append("cmd_1")  # cancelled now: the next change is stopped by its own check
+    await runner.before_call("set power on", requests_checked=True)
+    with pytest.raises(runner.CommandCancelled):
+        await asyncio.to_thread(request, "POST", "/redfish/v1/Systems/1/Actions/Reset")
+    assert asked == ["check", "check"]
+
+    stop.clear()
+    sent.agent._runs["cmd_1"] = _Run.starting(cancelled=False, claimed=time.monotonic())
+    sent.agent._told_cancel.add("cmd_1")  # a cancel the agent heard of stops the try, asking nothing
+    with pytest.raises(runner.CommandCancelled):
+        await runner.before_call("set power on", requests_checked=True)
+    sent.agent._told_cancel.clear()
+
+    sent.agent._runs["cmd_1"] = _Run.starting(cancelled=False, claimed=time.monotonic())
+    await runner.before_call("set boot device", requests_checked=True)
+    await asyncio.to_thread(request, "PATCH", "/redfish/v1/Systems/1")  # the fresh claim answers
+    assert asked == ["check", "check"]
+
+
 def test_the_failure_wording_is_what_readers_recognise() -> None:
     text = call_failure_text("unreachable", "connection refused", at="127.0.0.1:1234", tries=12, since=0)
     assert text == "BMC unreachable at 127.0.0.1:1234: connection refused, 12 tries since 00:00:00 UTC"

@@ -198,15 +198,20 @@ _TRY_CHECK_FOR: Final = 1.0
 """How long a try's check answers for its first request (nothing sent to the machine between)."""
 
 
-async def before_call(call: str) -> None:
+async def before_call(call: str, *, requests_checked: bool = False) -> None:
     """Before every try (and retry) of a call to a machine, in a command's handler: raises
     ``CommandCancelled`` once a cancel of the command reached the agent (it asks the command
     queue each time, and its heartbeats bring cancels too); records the try as the command's
-    progress (``try 3: POST ComputerSystem.Reset``). Outside a handler it does nothing."""
+    progress (``try 3: POST ComputerSystem.Reset``). Outside a handler it does nothing.
+
+    ``requests_checked``: the try's client calls ``before_call_blocking`` before each of its
+    requests, so the request that changes the machine asks the command queue, right before it
+    goes; the try itself then asks nothing (it stops on a cancel the agent knows of). A try that
+    only reads asks nothing at all, and one that changes asks once, not twice."""
     current = _CURRENT.get()
     if current is not None:
         agent, command_id, _loop = current
-        await agent._before_call(command_id, call)
+        await agent._before_call(command_id, call, requests_checked=requests_checked)
 
 
 async def call_failed(kind: CallFailure, reason: str, *, at: str) -> None:
@@ -693,7 +698,13 @@ class Agent:
                 self.log.exception("command_cancel_failed", command_id=command_id)
 
     async def _before_call(
-        self, command_id: str, call: str, *, request: bool = False, changes: bool = True
+        self,
+        command_id: str,
+        call: str,
+        *,
+        request: bool = False,
+        changes: bool = True,
+        requests_checked: bool = False,
     ) -> None:
         """``request``: before one request of a try (``before_call_blocking``), else before the
         try. A try's first request that changes the machine takes the answer of the try's own
@@ -704,7 +715,11 @@ class Agent:
         of stops it all the same. Each read asked before: a Redfish action is a GET or three,
         then the POST or PATCH (deploy: 19 checks for 5 commands, bench_fleet --agent-events).
         The command's first try takes its claim's answer when that is at most
-        ``_TRY_CHECK_FOR`` old (``_Run.claimed``)."""
+        ``_TRY_CHECK_FOR`` old (``_Run.claimed``). A try whose requests are checked
+        (``requests_checked``) asks nothing: its first request that changes the machine asks
+        (or takes the claim's answer, when that is still at most ``_TRY_CHECK_FOR`` old then).
+        Under load a try's requests wait for a worker thread, and a try's check was often more
+        than a second old when its request went: two checks for one request."""
         run = self._runs.get(command_id)
         if run is None:
             return
@@ -724,6 +739,9 @@ class Agent:
             fresh, run.try_checked = True, run.claimed
         if not reads:
             run.claimed = None  # the first try's (or first change's) only
+        if requests_checked and not request:
+            # its first changing request asks, or takes the claim's answer if still fresh then
+            fresh = True
         if not run.cancelled and not fresh and not reads:
             try:
                 got = await self._request(

@@ -111,6 +111,7 @@ async def retry_transient(
     idempotent: bool = True,
     what: str = "BMC call",
     at: str | None = None,
+    requests_checked: bool = False,
 ) -> T:
     """``call()`` until it stops raising ``Transient``, with a jittered ``Backoff``, until
     ``deadline``; then ``DRIVER_ERROR`` naming the last call that failed.
@@ -121,12 +122,13 @@ async def retry_transient(
     it. Sending it twice could reset a machine twice or fail on a medium the first request
     inserted.
 
-    Before every try, ``before_call(what)``: a cancel that reached the agent stops it here.
+    Before every try, ``before_call(what)``: a cancel that reached the agent stops it here
+    (``requests_checked``: ``call`` asks before each of its requests, ``before_call_blocking``).
     Each try that fails and is tried again is the command's progress (``call_failed``: the
     failure, the tries in a row and since when, the BMC at ``at``) until a call answers."""
     backoff = Backoff(first=base, cap=cap)
     while True:
-        await before_call(what)
+        await before_call(what, requests_checked=requests_checked)
         try:
             got = await call()
         except Transient as exc:
@@ -155,6 +157,7 @@ async def retry_in_thread(
     idempotent: bool = True,
     what: str = "BMC call",
     at: str | None = None,
+    requests_checked: bool = False,
 ) -> T:
     """``run`` (one blocking BMC call that raises ``Transient`` when worth trying again and
     ``BcError`` otherwise) in a worker thread, retried as ``retry_transient`` does (a call that
@@ -168,8 +171,9 @@ async def retry_in_thread(
         return await asyncio.to_thread(run)
 
     return await retry_transient(
-        attempt, deadline=deadline, on_retry=on_retry, idempotent=idempotent, what=what, at=at
-    )
+        attempt, deadline=deadline, on_retry=on_retry, idempotent=idempotent, what=what, at=at,
+        requests_checked=requests_checked,
+    )  # fmt: skip
 
 
 async def poll_until(

@@ -265,8 +265,9 @@ class RedfishSession:
 
         try:
             return await retry_in_thread(
-                run, deadline=deadline, log=self.log, idempotent=idempotent, what=call, at=self.at
-            )
+                run, deadline=deadline, log=self.log, idempotent=idempotent, what=call, at=self.at,
+                requests_checked=True,  # _BmcAdapter.send asks before each request that changes
+            )  # fmt: skip
         except BaseException:
             self._failed = True  # what is kept may be what failed: the next command reads it all again
             raise
