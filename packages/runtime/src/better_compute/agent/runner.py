@@ -99,10 +99,6 @@ two thousand requests a second."""
 PROGRESS_INTERVAL: Final = 1.0
 """At most one progress event per command this often (seconds): the latest word waits its turn
 and goes out then, the ones before it are dropped."""
-RUNNING_MARK_AFTER: Final = 1.0
-"""A command that still runs this long after it started (seconds), and has said nothing yet,
-is marked ``running`` at the command queue; one that ends sooner goes from ``acked`` to its
-result with no event between."""
 TRY_WORD_INTERVAL: Final = 3.0
 """A word that only names the try under way (``try 3: POST …``) waits this long after the last
 one; news (a call failing, answering again) waits ``PROGRESS_INTERVAL``. At 1,000 machines a
@@ -153,9 +149,6 @@ class _Run:
     try_checked: float | None = None
     """When (monotonic) the check of a try (``before_call``) let it go, while no request of the
     try has gone out since: its first request (``before_call_blocking``) takes that answer."""
-    marked: bool = False
-    """A progress of the command went out (its ``running`` mark or a word): the queue shows it
-    ``running``."""
     claimed: float | None = None
     """When (monotonic) the command queue let this agent claim the command (``ack``): an answer
     that the command was not cancelled then, as a check's. The first try (or, without one, the
@@ -163,13 +156,11 @@ class _Run:
 
     @classmethod
     def starting(cls, *, cancelled: bool, claimed: float | None = None) -> _Run:
-        """A command starting now: its first word waits its turn (``_say``), and its
-        ``running`` mark goes out ``RUNNING_MARK_AFTER`` from now unless a word went first, so
-        a command that ends sooner says nothing before its result (which says more: the queue
-        takes a result from ``acked`` as from ``running``). A site agent's BMC command said its
-        first try at once, and every command its mark: each a signed event and a statement at
-        the command queue even for a command over within the second (bench_fleet
-        --agent-events counts them)."""
+        """A command starting now, its ``running`` mark just sent: that mark is its first
+        progress, so its first word waits its turn after it (``_say``), and a command that
+        ends sooner says none (its result says more). A site agent's BMC command said its
+        first try at once: a signed event and a statement at the command queue even for a
+        command over within the second (bench_fleet --agent-events counts them)."""
         return cls(cancelled=cancelled, said_at=time.monotonic(), claimed=claimed, try_checked=claimed)
 
 
@@ -813,19 +804,7 @@ class Agent:
         message, run.saying = run.saying, None
         if message is not None:
             run.said_at = time.monotonic()
-            run.marked = True
             self._spawn(self._progress(command_id, message, None))
-
-    def _mark_running(self, command_id: str, run: _Run) -> None:
-        """The command still runs ``RUNNING_MARK_AFTER`` after it started and has said nothing:
-        the command queue shows it ``running`` (a progress without a message), unless a word
-        waits whose turn comes within ``PROGRESS_INTERVAL`` (news: it marks it)."""
-        if self._runs.get(command_id) is not run or run.marked:
-            return
-        if run.flush_due is not None and run.flush_due <= time.monotonic() + PROGRESS_INTERVAL:
-            return
-        run.marked = True
-        self._spawn(self._progress(command_id, None, None))
 
     # -- pulling and running commands ------------------------------------------------
 
@@ -1016,6 +995,7 @@ class Agent:
         """Run the command's handler and journal its end. ``claimed``: when (monotonic) the
         command queue let this agent claim it (``_Run.claimed``)."""
         assert self.journal is not None
+        await self._progress(delivery.id, None, None)
         handler = self.handlers.get(delivery.kind)
         status = "succeeded"
         reason: str | None = None
@@ -1024,9 +1004,6 @@ class Agent:
         t0 = time.monotonic()
         run = self._runs[delivery.id] = _Run.starting(
             cancelled=delivery.id in self._told_cancel, claimed=claimed
-        )
-        marking = asyncio.get_running_loop().call_later(
-            RUNNING_MARK_AFTER, self._mark_running, delivery.id, run
         )
         token = _CURRENT.set((self, delivery.id, asyncio.get_running_loop()))
         try:
@@ -1064,7 +1041,6 @@ class Agent:
         finally:
             _CURRENT.reset(token)
             self._runs.pop(delivery.id, None)
-            marking.cancel()
             if keeper is not None:
                 keeper.cancel()
         signature = None
