@@ -559,6 +559,23 @@ async def test_heartbeats_written_together_count_from_when_they_were_heard(pg: H
     assert told["cancelling"] == {"hb-1": [True]}
 
 
+async def node_agents(s: Store, prefix: str, count: int) -> list[str]:
+    """``count`` node agents that said hello (``<prefix>-000`` …), certificate ``cert_<prefix>``."""
+    agents = [f"{prefix}-{i:03d}" for i in range(count)]
+    for n in agents:
+        await s.agent_hello(
+            AgentHello(agent_id=n, site_id=SITE, tenant_id="root", role="node", cert_id=f"cert_{prefix}",
+                       incarnation="i", version="1", kinds=None, signed_at_ms=1, status=None)
+        )  # fmt: skip
+    return agents
+
+
+def heartbeats(agents: list[str], signed: int) -> list[Beat]:
+    """A heartbeat of each agent of ``node_agents`` in this order, each naming journal ``j-<agent>``."""
+    return [Beat(agent_id=n, signed_at_ms=signed, cert_id=f"cert_{n.rpartition('-')[0]}", status=None,
+                 journal_id=f"j-{n}", age_ms=0) for n in agents]  # fmt: skip
+
+
 async def test_two_instances_writing_heartbeats_at_once_keep_each_agents_newest(
     pg: Harness,
 ) -> None:
@@ -566,16 +583,10 @@ async def test_two_instances_writing_heartbeats_at_once_keep_each_agents_newest(
     at once (in opposite orders) both go through, and each agent keeps its newest heartbeat (the
     statement locks its rows in id order first, so such writes wait rather than deadlock)."""
     s = pg.store
-    agents = [f"two-{i:03d}" for i in range(60)]
-    for n in agents:
-        await s.agent_hello(
-            AgentHello(agent_id=n, site_id=SITE, tenant_id="root", role="node", cert_id="cert_two",
-                       incarnation="i", version="1", kinds=None, signed_at_ms=1, status=None)
-        )  # fmt: skip
+    agents = await node_agents(s, "two", 60)
 
     def beats(order: list[str], signed: int) -> list[Beat]:
-        return [Beat(agent_id=n, signed_at_ms=signed, cert_id="cert_two", status=None, journal_id=f"j-{n}",
-                     age_ms=0) for n in order]  # fmt: skip
+        return heartbeats(order, signed)
 
     for round_ in range(10):
         first, second = 100 + 2 * round_, 101 + 2 * round_
@@ -867,16 +878,10 @@ async def test_claims_and_heartbeats_over_the_same_journals_at_once_wait_rather_
     in the order their join gave, PostgreSQL found a deadlock at 10,000 machines; here, about one a
     round.)"""
     s = pg.store
-    agents = [f"cj-{i:03d}" for i in range(600)]
-    for n in agents:
-        await s.agent_hello(
-            AgentHello(agent_id=n, site_id=SITE, tenant_id="root", role="node", cert_id="cert_cj",
-                       incarnation="i", version="1", kinds=None, signed_at_ms=1, status=None)
-        )  # fmt: skip
+    agents = await node_agents(s, "cj", 600)
 
     def beats(signed: int, order: list[str]) -> list[Beat]:
-        return [Beat(agent_id=n, signed_at_ms=signed, cert_id="cert_cj", status=None, journal_id=f"j-{n}",
-                     age_ms=0) for n in order]  # fmt: skip
+        return heartbeats(order, signed)
 
     def claims(order: list[str]) -> list[Claim]:
         return [Claim(command_id=f"cmd_cj_{n}", agent_id=n, digest=DIGEST, journal=f"j-{n}", signed_at_ms=10,
