@@ -299,11 +299,20 @@ class _Recorder:
     def __init__(self) -> None:
         self.failed: list[tuple[str, str, str]] = []
         self.answered = 0
+        self.tries: list[bool] = []
+        """Each try's ``requests_checked``: whether its requests ask the command queue themselves."""
 
     async def _before_call(
-        self, command_id: str, call: str, *, request: bool = False, changes: bool = True
+        self,
+        command_id: str,
+        call: str,
+        *,
+        request: bool = False,
+        changes: bool = True,
+        requests_checked: bool = False,
     ) -> None:
-        return None
+        if not request:
+            self.tries.append(requests_checked)
 
     def _call_failed(self, command_id: str, kind: str, reason: str, at: str) -> None:
         self.failed.append((kind, reason, at))
@@ -326,6 +335,8 @@ async def test_the_redfish_driver_reports_a_refused_bmc_on_each_try() -> None:
     assert len(seen.failed) >= 2
     assert set(seen.failed) == {("unreachable", "connection refused", f"127.0.0.1:{port}")}
     assert "pw-never-said" not in repr(seen.failed)
+    assert seen.tries
+    assert all(seen.tries)  # its HTTP adapter asks before each change: the tries do not
 
 
 @pytest.mark.timeout(30)
@@ -342,6 +353,8 @@ async def test_the_ipmi_driver_reports_a_bmc_that_never_answers() -> None:
         await driver.inventory(deadline=time.time() + 1.0)
     assert "did not answer in time" in str(err.value), err.value
     assert seen.failed == [("unreachable", "no answer (timed out)", f"127.0.0.1:{port}")]
+    assert seen.tries
+    assert not any(seen.tries)  # pyghmi's requests are not checked: each try asks
 
 
 async def test_bcx_why_leads_with_the_failing_bmc() -> None:
