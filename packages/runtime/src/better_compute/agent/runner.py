@@ -12,7 +12,10 @@ it (state ``failed``, reason ``<ExceptionType>: <message>``).
 
 A handler that talks to a machine (a BMC) awaits ``before_call(call)`` before every try and
 every retry of each request: once a cancel of the command reached the agent it raises
-``CommandCancelled`` (let it through), so nothing more is sent after the cancel.
+``CommandCancelled`` (let it through), so nothing more is sent after the cancel. A client
+library that sends several requests in one call runs in a worker thread and calls
+``before_call_blocking`` before each request; its tries then pass ``requests_checked=True``, and
+only a request that changes the machine asks the command queue.
 """
 
 from __future__ import annotations
