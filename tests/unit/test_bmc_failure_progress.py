@@ -302,16 +302,9 @@ class _Recorder:
         self.tries: list[bool] = []
         """Each try's ``requests_checked``: whether its requests ask the command queue themselves."""
 
-    async def _before_call(
-        self,
-        command_id: str,
-        call: str,
-        *,
-        request: bool = False,
-        changes: bool = True,
-        requests_checked: bool = False,
-    ) -> None:
-        if not request:
+    async def _before_call(self, command_id: str, call: str, **how: bool) -> None:
+        requests_checked = how.get("requests_checked", False)
+        if not how.get("request", False):
             self.tries.append(requests_checked)
 
     def _call_failed(self, command_id: str, kind: str, reason: str, at: str) -> None:
