@@ -4,6 +4,7 @@ tests/integration/test_cmdq_claims.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from types import SimpleNamespace
 from typing import Any
@@ -12,6 +13,8 @@ import pytest
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from bc_command_queue.claims import Claims
+from bc_command_queue.runs import Runs
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import result_document
 from cmdq_kit import ack, command, progress, queue, result, signer
@@ -211,3 +214,34 @@ async def test_a_nodes_result_is_attested_with_the_key_of_its_event_and_through_
     assert attested == [True, True, False]
     assert pki.asked == 2
     assert [(await q.store.command_by_id(r.id)).state for r in rows] == ["succeeded"] * 3  # type: ignore[union-attr]
+
+
+async def test_a_result_waiting_on_bc_pki_holds_no_store_slot_a_claim_needs() -> None:
+    # The 10,000-machine deploy of 2026-12-07 stalled with every claim unanswered and the store
+    # idle: a result signed under a node's earlier certificate asked bc-pki while it held one of
+    # the agent events' store slots, so a slow bc-pki held them all.
+    q = queue()
+    slots = asyncio.Semaphore(1)  # the service's: claims and results share them
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    class SlowPki:
+        async def verify(self, *, signer_id: str, data: bytes, signature: bytes) -> Any:
+            asked.set()
+            await answer.wait()
+            return SimpleNamespace(agent_id=signer_id)
+
+    claims = Claims(store=q.store, config=q.config, changed=_nothing, log=q.log, slots=slots)
+    runs = Runs(store=q.store, pki=SlowPki(), changed=_nothing, log=q.log, slots=slots)  # type: ignore[arg-type]
+    ran, waiting = await command(q), await command(q)
+    await claims.ack(ack(ran))
+    reporting = asyncio.create_task(runs.result(result(ran, result_signature=b"s" * 64), None))
+    await asyncio.wait_for(asked.wait(), 10)
+    claimed = await asyncio.wait_for(claims.ack(ack(waiting)), 10)
+    assert claimed.proceed
+    answer.set()
+    reply = await asyncio.wait_for(reporting, 10)
+    assert (reply.recorded, reply.attested) == (True, True)
+
+
+async def _nothing(_rows: Any) -> None:
+    return None
