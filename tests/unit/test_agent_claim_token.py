@@ -133,24 +133,6 @@ async def _handle(agent: Agent, data: str) -> _Msg:
     return msg
 
 
-async def _journaled(path: Path, delivery: CommandDelivery, data: str) -> Journal:
-    """A journal whose process died holding the command started, with its token ``t-dead``."""
-    journal = Journal(path, durable=False)
-    assert await journal.started(
-        delivery.id, kind=delivery.kind, not_after=delivery.not_after_ms / 1000, delivery=data.encode(),
-        token="t-dead",
-    )  # fmt: skip
-    return journal
-
-
-async def _settled_at_start(path: Path, bridge: _Bridge, machine: _Machine, command_id: str) -> None:
-    """The agent's next process starts on that journal and settles what it holds."""
-    agent = _agent(path, bridge, machine)
-    await agent._settle_journal()
-    assert agent.journal is not None
-    await until(lambda: (e := agent.journal.get(command_id)) is not None and e.state == "reported")  # type: ignore[union-attr]
-
-
 async def _state(q: Queue, command_id: str) -> tuple[str, str | None]:
     row = await q.store.command_by_id(command_id)
     assert row is not None
@@ -231,9 +213,17 @@ async def test_a_process_that_died_before_its_claim_arrived_claims_it_at_its_sta
     bridge = _Bridge(q)
     path = tmp_path / "j.db"
     delivery, data = await _delivered(q)
+    journal = Journal(path, durable=False)
     # the dead process journaled it started with its token, and its claim never left
-    (await _journaled(path, delivery, data)).close()
-    await _settled_at_start(path, bridge, machine, delivery.id)
+    assert await journal.started(
+        delivery.id, kind=delivery.kind, not_after=delivery.not_after_ms / 1000, delivery=data.encode(),
+        token="t-dead",
+    )  # fmt: skip
+    journal.close()
+    agent = _agent(path, bridge, machine)
+    await agent._settle_journal()
+    assert agent.journal is not None
+    await until(lambda: (e := agent.journal.get(delivery.id)) is not None and e.state == "reported")  # type: ignore[union-attr]
     assert machine.runs == 1
     assert [(c.rerun, c.token) for c in bridge.claims] == [(True, "t-dead")]
     assert await _state(q, delivery.id) == ("succeeded", None)
@@ -247,7 +237,11 @@ async def test_a_process_that_died_after_its_claim_arrived_never_runs_it_and_rep
     bridge = _Bridge(q)
     path = tmp_path / "j.db"
     delivery, data = await _delivered(q)
-    journal = await _journaled(path, delivery, data)
+    journal = Journal(path, durable=False)
+    assert await journal.started(
+        delivery.id, kind=delivery.kind, not_after=delivery.not_after_ms / 1000, delivery=data.encode(),
+        token="t-dead",
+    )  # fmt: skip
     # its claim arrived and was taken (the command is running at the queue), then it died
     taken = await q.claims.ack(
         Ack(
@@ -257,7 +251,10 @@ async def test_a_process_that_died_after_its_claim_arrived_never_runs_it_and_rep
     )  # fmt: skip
     assert (taken.proceed, taken.state) == (True, "running")
     journal.close()
-    await _settled_at_start(path, bridge, machine, delivery.id)
+    agent = _agent(path, bridge, machine)
+    await agent._settle_journal()
+    assert agent.journal is not None
+    await until(lambda: (e := agent.journal.get(delivery.id)) is not None and e.state == "reported")  # type: ignore[union-attr]
     assert machine.runs == 0
     assert await _state(q, delivery.id) == ("failed", "interrupted: the agent stopped while the command ran")
 
