@@ -137,27 +137,6 @@ async def test_the_same_journal_may_claim_again_and_an_older_claim_changes_nothi
     assert (await node.cq.get(id=wipe.id)).state == "running"
 
 
-async def test_a_claim_with_a_token_starts_the_command_and_a_copy_without_it_is_refused(node: Node) -> None:
-    wipe = await node.wipe("t1")
-    first = await node.claim(wipe, "journal-a", token="tok-1")
-    assert (first["proceed"], first["state"]) == (True, "running")
-    assert (await node.cq.get(id=wipe.id)).state == "running"
-    # the answer was lost: the same journal asks again with the token it journaled
-    again = await node.claim(wipe, "journal-a", token="tok-1")
-    assert (again["proceed"], again["state"]) == (True, "running")
-    # the journal restored from an older copy has no entry and no token
-    for token in ("tok-2", None):
-        copy = await node.claim(wipe, "journal-a", **({"token": token} if token else {}))
-        assert (copy["proceed"], copy["reason"]) == (False, "running")
-    # a process of the journal that died before its claim arrived claims it when it starts
-    late = await node.wipe("t2")
-    rerun = await node.claim(late, "journal-a", token="tok-3", rerun=True)
-    assert (rerun["proceed"], rerun["state"], rerun["rerun"]) == (True, "running", True)
-    # and once that claim had arrived, a wipe (not idempotent) never runs again
-    after = await node.claim(late, "journal-a", token="tok-3", rerun=True)
-    assert (after["proceed"], after["reason"]) == (False, "not-idempotent")
-
-
 async def test_a_late_claim_from_an_older_journal_never_breaks_a_newer_journals_run(node: Node) -> None:
     # Issue 22 gap 3. Process A (journal a) says hello, receives a wipe and is cut off before
     # its claim gets through; process B (same enrollment, a fresh journal) starts, claims the

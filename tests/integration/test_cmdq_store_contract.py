@@ -180,22 +180,6 @@ async def story(h: Harness) -> list[Any]:
     say("late end", await s.late_end(n1.id, n1.node_id))
     say("late end again", await s.late_end(n1.id, n1.node_id))
 
-    # a claim with a token starts the command; only that journal and token claim it again
-    t1 = await insert("t1")
-    assert t1
-    say("ack token", await s.ack(t1.id, t1.node_id, DIGEST, "ja", 14, quorum=False, token="tok"))
-    say("ack same token", await s.ack(t1.id, t1.node_id, DIGEST, "ja", 15, quorum=False, token="tok"))
-    say("ack other token", await s.ack(t1.id, t1.node_id, DIGEST, "ja", 16, quorum=False, token="tik"))
-    say("ack no token", await s.ack(t1.id, t1.node_id, DIGEST, "ja", 17, quorum=False))
-    say(
-        "ack token other journal", await s.ack(t1.id, t1.node_id, DIGEST, "jb", 18, quorum=False, token="tok")
-    )
-    [many] = await s.claim_many(
-        [Claim(command_id=t1.id, agent_id=t1.node_id, digest=DIGEST, journal="ja", signed_at_ms=19,
-               quorum=False, token="tok")]
-    )  # fmt: skip
-    say("claim many same token", many.row)
-
     # runs: a cancelled claimed command, a result, a duplicate
     n2, n3 = await insert("n2"), await insert("n3")
     assert n2

@@ -32,34 +32,6 @@ async def test_a_claim_is_taken_once_and_the_same_journal_asking_again_is_answer
     assert (again.proceed, again.state) == (True, "acked")
 
 
-async def test_a_claim_with_a_token_starts_the_command_and_only_that_token_claims_it_again() -> None:
-    q = queue()
-    row = await command(q)
-    first = await q.claims.ack(ack(row, journal="ja", token="t1"))
-    assert (first.proceed, first.state) == (True, "running")
-    assert q.states() == [(row.id, "running", None)]
-    # its answer was lost: the same journal asks again with its token and may go on
-    again = await q.claims.ack(ack(row, journal="ja", token="t1"))
-    assert (again.proceed, again.state) == (True, "running")
-    # the same journal restored from an older copy: no entry, so another token (or none)
-    for token in ("t2", ""):
-        copy = await q.claims.ack(ack(row, journal="ja", token=token))
-        assert (copy.proceed, copy.state, copy.reason) == (False, "running", "running")
-    assert {state for _id, state, _reason in q.states()} == {"running"}
-    assert (await q.store.command_by_id(row.id)).state == "running"  # type: ignore[union-attr]
-
-
-async def test_a_rerun_claim_of_a_command_whose_first_claim_never_arrived_claims_it() -> None:
-    q = queue(reruns=False)
-    row = await command(q)
-    # the journal had it started with its token, and died before its claim left
-    taken = await q.claims.ack(ack(row, journal="ja", token="t1", rerun=True))
-    assert (taken.proceed, taken.state, taken.rerun) == (True, "running", True)
-    # once that claim arrived, the same journal's next process cannot know whether it ran
-    later = await q.claims.ack(ack(row, journal="ja", token="t1", rerun=True))
-    assert (later.proceed, later.reason) == (False, "not-idempotent")
-
-
 async def test_another_journal_claiming_a_claimed_command_settles_it_interrupted_for_good() -> None:
     q = queue()
     row = await command(q)

@@ -6,11 +6,6 @@ journal's claim of a command that may have started settles it ``interrupted``, u
 journal is older than the one that claimed it (journals are numbered by the queue at first sight:
 ``generation``, which a retried, re-signed claim cannot change). A ``rerun`` claim lets the
 journal that started an idempotent command and died run it again.
-
-A claim with a ``token`` starts the command (``running`` at once, no running mark after it): the
-agent journaled it started with that token before claiming, so the journal, not the queue, tells
-"claimed and crashed before the answer" (its own entry: a ``rerun`` claim) from "never saw it" (a
-journal restored from an older copy: another token, refused as ``running``).
 """
 
 from __future__ import annotations
@@ -79,27 +74,22 @@ class Claims:
             raise invalid("digest", "expected hex") from exc
         if not isinstance(ev.journal_id, str) or len(ev.journal_id) > 64:
             raise invalid("journalId", "a journal id is at most 64 characters")
-        if not isinstance(ev.token, str) or len(ev.token) > 64:
-            raise invalid("token", "a claim's token is at most 64 characters")
         journal = ev.journal_id or None
         quorum = self.config.quorum.enabled
         if ev.rerun:
             async with self.slots:
-                rerun = await self._rerun(ev, digest, journal)
-            if rerun is not None:
-                return rerun
-            # still dispatched: the journal's first claim never arrived, so it never ran
+                return await self._rerun(ev, digest, journal)
         kill_point(BEFORE_CLAIM)
         answer = await self.taken(
             Claim(
                 command_id=ev.command_id, agent_id=ev.agent, digest=digest, journal=journal,
-                signed_at_ms=ev.signed_at_ms, quorum=quorum, token=ev.token or None,
+                signed_at_ms=ev.signed_at_ms, quorum=quorum,
             )
         )  # fmt: skip
         if answer.row is not None:
             kill_point(AFTER_CLAIM)
             await self.changed([answer.row])
-            return AckReply(proceed=True, state=answer.row.state, rerun=ev.rerun)
+            return AckReply(proceed=True, state="acked")
         seen = answer.journal
         generation = (seen.generation, seen.present) if seen is not None else (0, False)
         async with self.slots:
@@ -130,9 +120,8 @@ class Claims:
             return AckReply(proceed=False, state=state, reason="expired")
         same_journal = journal is not None and cur.claim_journal == journal
         if state == "running" and same_journal:
-            # The journal started it (it reported running, or claimed it with a token), so it
-            # never claims it again but with that token: this is a late copy of its claim, or
-            # the journal was restored from an older copy.
+            # The journal started it (it reported running), so it never claims it again: this
+            # is a late copy of its claim, or the journal was restored from an older copy.
             # Either way it must not run now; what runs, if anything, reports as before.
             return AckReply(proceed=False, state=state, reason="running")
         if state in ("acked", "running") and not same_journal:
@@ -146,19 +135,15 @@ class Claims:
         # pending, or changed meanwhile: it comes again in a later delivery
         return AckReply(proceed=False, state=state, reason=state, again=True)
 
-    async def _rerun(self, ev: Ack, digest: bytes, journal: str | None) -> AckReply | None:
+    async def _rerun(self, ev: Ack, digest: bytes, journal: str | None) -> AckReply:
         """The journal that claimed a command started it and its process died: it runs again
-        only when the kind is idempotent for the payload and nothing else changed meanwhile.
-        ``None`` when it is still dispatched to this agent: the journal started it before its
-        claim (``Ack.token``), and that claim never arrived; it is claimed now as a first one."""
+        only when the kind is idempotent for the payload and nothing else changed meanwhile."""
         cur = await self.store.claim_state(ev.command_id)
         if cur is None:
             return AckReply(proceed=False, reason="unknown-command")
         if cur.agent_id != ev.agent or cur.digest != digest:
             return AckReply(proceed=False, reason="not-yours")
         state = cur.state
-        if state == "dispatched":
-            return None
         if state == "cancelling":
             return AckReply(proceed=False, state=state, reason="cancelling")
         if state not in ("acked", "running"):

@@ -115,9 +115,6 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
     journal: str | None
     signed_at_ms: int
     quorum: bool
-    token: str | None = None
-    """The token the agent journaled the command started with before it claimed it (``Ack.token``):
-    the claim marks the command ``running``. ``None``: an agent that marks it itself."""
 
 
 class ClaimAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -264,7 +261,6 @@ class Store(Protocol):
         signed_at_ms: int,
         *,
         quorum: bool,
-        token: str | None = None,
     ) -> CommandRow | None:
         """Take a claim (see ``store.ACK``)."""
         ...
@@ -620,9 +616,8 @@ class PgStore:
         signed_at_ms: int,
         *,
         quorum: bool,
-        token: str | None = None,
     ) -> CommandRow | None:
-        return await self._row(store.ACK, command_id, agent_id, digest, journal, signed_at_ms, quorum, token)
+        return await self._row(store.ACK, command_id, agent_id, digest, journal, signed_at_ms, quorum)
 
     async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimAnswer]:
         records = await self.db.fetch(
@@ -633,7 +628,6 @@ class PgStore:
             [c.journal for c in claims],
             [c.signed_at_ms for c in claims],
             [c.quorum for c in claims],
-            [c.token for c in claims],
         )
         return [
             ClaimAnswer(

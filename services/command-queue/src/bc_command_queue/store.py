@@ -350,21 +350,16 @@ FROM due WHERE c.id = due.id
 RETURNING {_COLS}
 """
 
-# $1 id, $2 agent, $3 digest, $4 journal (NULL: not named), $5 signed_at_ms, $6 quorum on, $7 token
-# (NULL: none): the claim. Taken when the command is dispatched, or acked by this very journal
-# (its answer was lost: the journal has not started it, or it would not ask), or running for this
-# very journal's claim with this token (a claim with a token starts the command: the agent
-# journaled it started, with the token, before it claimed; its answer was lost). A claim with a
-# token marks the command running, one without acked (its running mark follows). A destructive
-# command's batch must be unexpired and, under the quorum, approved; without a batch it needs the
-# quorum off.
+# $1 id, $2 agent, $3 digest, $4 journal (NULL: not named), $5 signed_at_ms, $6 quorum on: the
+# claim. Taken when the command is dispatched, or acked by this very journal (its answer was lost:
+# the journal has not started it, or it would not ask). A destructive command's batch must be
+# unexpired and, under the quorum, approved; without a batch it needs the quorum off.
 ACK: Final = f"""
-UPDATE commands c SET state = CASE WHEN $7::text IS NULL THEN 'acked' ELSE 'running' END,
-    acked_at = coalesce(c.acked_at, now()), updated_at = now(), claim_journal = $4, claim_token = $7,
+UPDATE commands c SET state = 'acked', acked_at = coalesce(c.acked_at, now()), updated_at = now(),
+    claim_journal = $4,
     claim_signed_ms = CASE WHEN c.state = 'dispatched' THEN $5 ELSE c.claim_signed_ms END
 WHERE c.id = $1 AND c.agent_id = $2 AND c.not_after > now() AND c.digest = $3
-  AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $4)
-       OR (c.state = 'running' AND c.claim_journal = $4 AND c.claim_token = $7))
+  AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $4))
   AND (NOT c.destructive OR CASE
       WHEN c.batch_id IS NULL THEN NOT $6::bool
       ELSE EXISTS (SELECT 1 FROM batches b WHERE b.id = c.batch_id AND b.expires_at > now()
@@ -373,10 +368,9 @@ RETURNING {_COLS}
 """
 # JOURNAL_SEEN (not present) and ACK for many claims at once, one statement (GroupCommit):
 # $1 ids (distinct), $2 agents, $3 digests, $4 journals (NULL: not named), $5 signed_at_ms,
-# $6 quorum on, $7 tokens (NULL: none). Each claim is taken on the same terms as ACK alone; every
-# named journal is seen (given its generation at first sight) whether its claim is taken or not.
-# One row per claim, in order: its journal's generation and presence, and the command when the
-# claim was taken. A
+# $6 quorum on. Each claim is taken on the same terms as ACK alone; every named journal is seen
+# (given its generation at first sight) whether its claim is taken or not. One row per claim, in
+# order: its journal's generation and presence, and the command when the claim was taken. A
 # journal's last_seen moves at most once a second here (it counts against lost_after, a minute or
 # more): two groups of claims of one journal do not queue on its row. Rows are locked in one
 # order: the journals first (new and a second old alike, in one upsert by agent and journal, the
@@ -384,9 +378,8 @@ RETURNING {_COLS}
 # batch of heartbeats, wait for each other instead of deadlocking.
 CLAIM_MANY: Final = f"""
 WITH a AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::bool[],
-                         $7::text[])
-        WITH ORDINALITY AS a (id, agent, digest, journal, signed_ms, quorum, token, n)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::bool[])
+        WITH ORDINALITY AS a (id, agent, digest, journal, signed_ms, quorum, n)
 ), named AS (
     SELECT DISTINCT agent, journal FROM a WHERE journal IS NOT NULL
 ), known AS (
@@ -411,15 +404,13 @@ WITH a AS (
     WHERE (SELECT count(*) FROM made) >= 0  -- the journals' rows first
     ORDER BY c.id FOR UPDATE OF c
 ), acked AS (
-    UPDATE commands c SET state = CASE WHEN a.token IS NULL THEN 'acked' ELSE 'running' END,
-        acked_at = coalesce(c.acked_at, now()), updated_at = now(),
-        claim_journal = a.journal, claim_token = a.token,
+    UPDATE commands c SET state = 'acked', acked_at = coalesce(c.acked_at, now()), updated_at = now(),
+        claim_journal = a.journal,
         claim_signed_ms = CASE WHEN c.state = 'dispatched' THEN a.signed_ms ELSE c.claim_signed_ms END
     FROM a
     WHERE c.id = a.id AND c.id IN (SELECT id FROM locked) AND c.agent_id = a.agent
       AND c.not_after > now() AND c.digest = a.digest
-      AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = a.journal)
-           OR (c.state = 'running' AND c.claim_journal = a.journal AND c.claim_token = a.token))
+      AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = a.journal))
       AND (NOT c.destructive OR CASE
           WHEN c.batch_id IS NULL THEN NOT a.quorum
           ELSE EXISTS (SELECT 1 FROM batches b WHERE b.id = c.batch_id AND b.expires_at > now()
@@ -473,7 +464,7 @@ RETURNING {_COLS}
 # (an approver was withdrawn) goes back to pending; a new approval dispatches it again.
 CLAIM_BACK_TO_PENDING: Final = f"""
 UPDATE commands c SET state = 'pending', reason = 'batch-not-approved', published_at = NULL,
-    agent_id = CASE WHEN c.target = 'node' THEN c.agent_id END, claim_journal = NULL, claim_token = NULL,
+    agent_id = CASE WHEN c.target = 'node' THEN c.agent_id END, claim_journal = NULL,
     claim_signed_ms = NULL, updated_at = now()
 WHERE c.id = $1 AND c.agent_id = $2
   AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $3))

@@ -161,15 +161,7 @@ class Ack(AgentEvent, frozen=True, kw_only=True, tag="ack"):
     rerun: bool = False
     """The claim of a command this very journal started and never finished (its process died):
     may it run again? Only when the command's kind is idempotent for its payload (its manifest
-    says so), it is still this journal's and live, and nobody cancelled it. A command still
-    ``dispatched`` (the first claim never arrived) is claimed as by a first claim."""
-    token: str = ""
-    """Random, at most 64 characters: the agent journaled the command started with this token
-    before it sent the claim, so the claim starts the command: the queue marks it ``running``
-    (``AckReply.state``) and no running mark follows. Only a claim of this journal with this
-    token is answered "go on" again (its answer was lost); a journal restored from an older copy
-    has no such entry and cannot know the token. Empty: the agent claims first and marks the
-    command running itself once it journaled it (an ``acked`` command)."""
+    says so), it is still this journal's and live, and nobody cancelled it."""
 
 
 class Progress(AgentEvent, frozen=True, kw_only=True, tag="progress"):

@@ -66,8 +66,7 @@ CREATE TABLE IF NOT EXISTS commands (
 _META: Final = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 # Added later: an older journal file gets the column at open.
 _DELIVERY: Final = "ALTER TABLE commands ADD COLUMN delivery BLOB"
-_TOKEN: Final = "ALTER TABLE commands ADD COLUMN token TEXT"
-_COLUMNS: Final = "id, kind, state, status, reason, result, signature, not_after, delivery, token"
+_COLUMNS: Final = "id, kind, state, status, reason, result, signature, not_after, delivery"
 CANCELLED_BEFORE_START: Final = "cancelled: the agent never started it"
 
 Op = Callable[[sqlite3.Connection], Any]
@@ -86,10 +85,6 @@ class JournalEntry:
     delivery: bytes | None = None
     """The delivery as received, kept while the command runs (an idempotent one may run again
     from it after the process died)."""
-    token: str | None = None
-    """The token the command was journaled started with before its claim (``Ack.token``): a
-    ``started`` entry with one may be a claim whose answer never came. ``None``: an entry
-    written after the claim (an older agent's)."""
 
 
 class Journal:
@@ -110,11 +105,8 @@ class Journal:
         writer.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         writer.execute(_SCHEMA)
         writer.execute(_META)
-        columns = {row[1] for row in writer.execute("PRAGMA table_info(commands)")}
-        if "delivery" not in columns:
+        if "delivery" not in {row[1] for row in writer.execute("PRAGMA table_info(commands)")}:
             writer.execute(_DELIVERY)
-        if "token" not in columns:
-            writer.execute(_TOKEN)
         # The journal's id, made once with the file: claims carry it, so the command queue tells
         # this journal from one that replaced it (the state folder was wiped, the disk was a RAM
         # disk) and never lets a command that may have started here run again.
@@ -183,35 +175,19 @@ class Journal:
     # -- writes, each durable when it returns ------------------------------------------------
 
     async def started(
-        self,
-        command_id: str,
-        *,
-        kind: str,
-        not_after: float,
-        delivery: bytes | None = None,
-        token: str | None = None,
+        self, command_id: str, *, kind: str, not_after: float, delivery: bytes | None = None
     ) -> bool:
-        """Mark it started; False when the journal knew it already (then never run it).
-        ``token``: written before the claim that carries it (``Ack.token``)."""
+        """Mark it started; False when the journal knew it already (then never run it)."""
 
         def op(db: sqlite3.Connection) -> bool:
             cur = db.execute(
-                "INSERT OR IGNORE INTO commands (id, kind, state, not_after, updated_at, delivery, token)"
-                " VALUES (?, ?, 'started', ?, ?, ?, ?)",
-                (command_id, kind, not_after, time.time(), delivery, token),
+                "INSERT OR IGNORE INTO commands (id, kind, state, not_after, updated_at, delivery)"
+                " VALUES (?, ?, 'started', ?, ?, ?)",
+                (command_id, kind, not_after, time.time(), delivery),
             )
             return cur.rowcount == 1
 
         return bool(await self._write(op))
-
-    async def unclaimed(self, command_id: str) -> None:
-        """The claim of a command journaled started before it was refused: nothing of it ran
-        here, and the entry goes (a refusal for good is journaled after with ``refused``)."""
-
-        def op(db: sqlite3.Connection) -> None:
-            db.execute("DELETE FROM commands WHERE id = ? AND state = 'started'", (command_id,))
-
-        await self._write(op)
 
     async def cancelled(self, command_id: str) -> bool:
         """The command queue says the command was cancelled after this agent claimed it: if
@@ -367,7 +343,7 @@ def _blob(value: object) -> bytes | None:
 
 
 def _entry(row: tuple[object, ...]) -> JournalEntry:
-    ident, kind, state, status, reason, result, signature, not_after, delivery, token = row
+    ident, kind, state, status, reason, result, signature, not_after, delivery = row
     return JournalEntry(
         id=str(ident),
         kind=str(kind),
@@ -378,5 +354,4 @@ def _entry(row: tuple[object, ...]) -> JournalEntry:
         signature=_blob(signature),
         not_after=float(not_after),  # type: ignore[arg-type]
         delivery=_blob(delivery),
-        token=None if token is None else str(token),
     )

@@ -10,11 +10,6 @@ value becomes the result bytes (``str`` as UTF-8, ``dict``/``list`` as JSON). Ra
 ``CommandRejected(reason)`` to refuse a command (state ``rejected``); any other exception fails
 it (state ``failed``, reason ``<ExceptionType>: <message>``).
 
-Each command is journaled started (synced to disk, with a random token) before it is claimed;
-the claim carries the token and starts it at the command queue (``running``), so a journal
-restored from an older copy, which cannot know the token, never claims it again, and a process
-that died holding the entry asks with it (docs/command-queue.md, "At most once").
-
 A handler that talks to a machine (a BMC) awaits ``before_call(call)`` before every try and
 every retry of each request: once a cancel of the command reached the agent it raises
 ``CommandCancelled`` (let it through), so nothing more is sent after the cancel. A client
@@ -121,8 +116,8 @@ for the command and is journaled."""
 
 
 # Where a chaos test may SIGKILL an agent (site agent or bcd; docs/chaos.md).
-JOURNALED = declare("agent.after-journal", "agent", "the journal says started, its claim is not sent")
-CLAIMED = declare("agent.after-claim", "agent", "the command queue took the claim, the handler has not run")
+CLAIMED = declare("agent.after-claim", "agent", "the command queue took the claim, the journal has no entry")
+JOURNALED = declare("agent.after-journal", "agent", "the journal says started, the handler has not run")
 RAN = declare("agent.after-run", "agent", "the handler ran and the journal holds its result, not reported")
 
 
@@ -164,9 +159,9 @@ class _Run:
 
     @classmethod
     def starting(cls, *, cancelled: bool, claimed: float | None = None) -> _Run:
-        """A command starting now (``running`` at the queue since its claim, or since the
-        ``running`` mark just sent): its first word waits its turn (``_say``), and a command
-        that ends sooner says none (its result says more). A site agent's BMC command said its
+        """A command starting now, its ``running`` mark just sent: that mark is its first
+        progress, so its first word waits its turn after it (``_say``), and a command that
+        ends sooner says none (its result says more). A site agent's BMC command said its
         first try at once: a signed event and a statement at the command queue even for a
         command over within the second (bench_fleet --agent-events counts them)."""
         return cls(cancelled=cancelled, said_at=time.monotonic(), claimed=claimed, try_checked=claimed)
@@ -396,11 +391,6 @@ class Agent:
         self._runs: dict[str, _Run] = {}
         self._told_cancel: set[str] = set()
         """Commands the command queue said were cancelled after this agent claimed them."""
-        self._unanswered: dict[str, str] = {}
-        """Commands this process journaled started and claimed with a token, and had no answer
-        before it gave up for now (the command queue unreachable): by id, the token. Its next
-        delivery claims it again with that token; any other ``started`` entry is an earlier
-        process's (``_settle_started``)."""
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -918,43 +908,26 @@ class Agent:
         if entry is not None and entry.state in ("reported", "refused"):
             await _ack(msg)  # a duplicate delivery: done already
             return
+        if entry is not None and entry.state == "started":
+            # Started by an earlier process of this agent, which died while running it.
+            if await self._interrupted(delivery.id):
+                await _ack(msg)
+            return
         if entry is not None and entry.state == "finished":
             if await self._report_entry(delivery.id):
                 await _ack(msg)
             return
         not_after = delivery.not_after_ms / 1000
-        if entry is not None and entry.state == "started":
-            token = self._unanswered.get(delivery.id)
-            if token is None or entry.token != token:
-                # Started by an earlier process of this agent, which died while running it or
-                # waiting for its claim's answer.
-                if await self._settle_started(entry):
-                    await _ack(msg)
-                return
-        else:
-            if time.time() >= not_after:
-                await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason="expired")
-                await _ack(msg)
-                return
-            # Durable before the claim, with a token the claim carries: once the command queue
-            # takes the claim the command is running there, and from here on it never runs again
-            # here unless the queue lets this very journal claim it again (``_settle_started``).
-            token = secrets.token_hex(8)
-            if not await journal.started(
-                delivery.id, kind=delivery.kind, not_after=not_after, delivery=bytes(msg.data), token=token
-            ):
-                return
-            kill_point(JOURNALED)
+        if time.time() >= not_after:
+            await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason="expired")
+            await _ack(msg)
+            return
         try:
-            refusal, state = await self._claim(delivery, msg, journal, token)
+            refusal = await self._claim(delivery, msg, journal)
             claimed = time.monotonic()  # when the queue's answer came (only its "proceed" is used)
         except (_Stopping, _Later):
-            # Journaled, not acknowledged: its next delivery claims it again with the same token.
-            self._unanswered[delivery.id] = token
-            return
-        self._unanswered.pop(delivery.id, None)
+            return  # neither journaled nor acknowledged: it is claimed again later
         if refusal is not None:
-            await journal.unclaimed(delivery.id)  # nothing of it ran here
             reason, final = refusal
             if reason == "cancelling":
                 # Cancelled after a claim of ours: say that it never started here.
@@ -968,18 +941,20 @@ class Agent:
             await _ack(msg)
             return
         kill_point(CLAIMED)
-        # An older command queue takes the claim as ``acked``: the running mark says it started.
-        await self._execute(delivery, msg, log, claimed=claimed, mark=state != "running")
+        # Durable before the handler runs: from here on, this command never runs again.
+        if not await journal.started(
+            delivery.id, kind=delivery.kind, not_after=not_after, delivery=bytes(msg.data)
+        ):
+            return
+        kill_point(JOURNALED)
+        await self._execute(delivery, msg, log, claimed=claimed)
         kill_point(RAN)
         if await self._report_entry(delivery.id):
             await _ack(msg)
 
-    async def _claim(
-        self, delivery: CommandDelivery, msg: Msg, journal: Journal, token: str
-    ) -> tuple[tuple[str, bool] | None, str | None]:
-        """Ask the command queue whether to run it (``token``: journaled with it): None to
-        proceed, else why not and whether that is final (journaled) or only for now; and the
-        command's state as the queue answered it."""
+    async def _claim(self, delivery: CommandDelivery, msg: Msg, journal: Journal) -> tuple[str, bool] | None:
+        """Ask the command queue whether to run it: None to proceed, else why not and whether
+        that is final (journaled) or only for now."""
 
         async def ack() -> AckReply:
             event = Ack(
@@ -987,7 +962,6 @@ class Agent:
                 command_id=delivery.id,
                 digest=payload_digest(delivery.kind, bytes(delivery.payload)),
                 journal_id=journal.id,
-                token=token,
             )
             return msgspec.convert(await self._request("ack", event), AckReply)
 
@@ -1003,11 +977,11 @@ class Agent:
             reply: AckReply = await self._retrying("ack", ack)
         except BcError as err:
             self.log.warning("command_claim_refused", command_id=delivery.id, code=err.code.value)
-            return (f"claim refused: {err.code.value}", True), None
+            return f"claim refused: {err.code.value}", True
         finally:
             keeper.cancel()
         if reply.proceed:
-            return None, reply.state
+            return None
         self.log.info(
             "command_not_claimed",
             command_id=delivery.id,
@@ -1016,23 +990,15 @@ class Agent:
             again=reply.again,
         )
         reason = reply.reason or reply.state or "refused"
-        return (reason, not reply.again and reason not in _NOT_FINAL), reply.state
+        return reason, not reply.again and reason not in _NOT_FINAL
 
     async def _execute(
-        self,
-        delivery: CommandDelivery,
-        msg: Msg | None,
-        log: Any,
-        *,
-        claimed: float | None = None,
-        mark: bool = True,
+        self, delivery: CommandDelivery, msg: Msg | None, log: Any, *, claimed: float | None = None
     ) -> None:
         """Run the command's handler and journal its end. ``claimed``: when (monotonic) the
-        command queue let this agent claim it (``_Run.claimed``). ``mark``: the queue has it
-        ``acked`` (claimed without a token): mark it running first."""
+        command queue let this agent claim it (``_Run.claimed``)."""
         assert self.journal is not None
-        if mark:
-            await self._progress(delivery.id, None, None)
+        await self._progress(delivery.id, None, None)
         handler = self.handlers.get(delivery.kind)
         status = "succeeded"
         reason: str | None = None
@@ -1099,13 +1065,10 @@ class Agent:
         )
 
     async def _rerun(self, entry: JournalEntry) -> bool | None:
-        """A command an earlier process journaled started and never finished, whose delivery
-        the journal kept: when the command queue says it may (an idempotent kind, still this
-        journal's, live, not cancelled; or still dispatched: the claim that carried the entry's
-        token never arrived), run it; True when it ran or was settled otherwise (a result to
-        report), False when it may not run (interrupted), None when the queue could not say
-        before the agent stopped (asked again later) or the entry was dropped (its claim was
-        refused for now: the command comes in a new delivery)."""
+        """A command an earlier process started and never finished, whose delivery the journal
+        kept: when the command queue says it may (an idempotent kind, still this journal's,
+        live, not cancelled), run it again; False when it may not; None when the queue could
+        not say before the agent stopped (the next start asks again)."""
         assert self.journal is not None
         assert entry.delivery is not None
         try:
@@ -1120,7 +1083,6 @@ class Agent:
                 digest=payload_digest(delivery.kind, bytes(delivery.payload)),
                 journal_id=self.journal.id if self.journal is not None else "",
                 rerun=True,
-                token=entry.token or "",
             )
             return msgspec.convert(await self._request("ack", event), AckReply)
 
@@ -1141,35 +1103,21 @@ class Agent:
                 )
                 return True
             self.log.info("command_not_rerun", command_id=delivery.id, reason=reply.reason)
-            if reply.again or reply.reason in _NOT_FINAL:
-                # Not claimed by this journal (still dispatched, or back to pending for its
-                # batch): nothing of it ran here; a new delivery brings it.
-                await self.journal.unclaimed(delivery.id)
-                return None
             return False
         log = self.log.bind(command_id=delivery.id, kind=delivery.kind)
-        log.warning("command_rerun", reason="the agent stopped while it ran, or before its claim's answer")
-        await self._execute(delivery, None, log, mark=reply.state != "running")
+        log.warning("command_rerun", reason="the agent stopped while it ran; the kind is idempotent")
+        await self._execute(delivery, None, log)
         return True
-
-    async def _settle_started(self, entry: JournalEntry) -> bool:
-        """A command an earlier process journaled started and never finished: run it again or
-        have it claimed now if the command queue lets it (``_rerun``), else report it
-        interrupted. True when it is settled and reported."""
-        if entry.delivery is None:
-            return await self._interrupted(entry.id)
-        ran = await self._rerun(entry)
-        if ran is None:
-            return False
-        if ran:
-            return await self._report_entry(entry.id)
-        return await self._interrupted(entry.id)
 
     async def _rerun_or_interrupt(self, entry: JournalEntry) -> None:
         """At start, beside the heartbeats (a re-run may wait on its BMC until its deadline):
-        ``_settle_started``."""
+        run it again if the command queue lets it, else report it interrupted."""
         try:
-            await self._settle_started(entry)
+            ran = await self._rerun(entry)
+            if ran:
+                await self._report_entry(entry.id)
+            elif ran is False:
+                await self._interrupted(entry.id)
         except Exception:
             self.log.exception("command_rerun_failed", command_id=entry.id)
         finally:

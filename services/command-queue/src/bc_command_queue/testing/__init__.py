@@ -221,12 +221,9 @@ class MemoryStore(Presence):
             return not quorum
         return b is not None and b.expires_at > self.now() and (not quorum or b.approved_at is not None)
 
-    def _claimable(self, c: _Command, journal: str | None, token: str | None) -> bool:
-        same_journal = journal is not None and c.claim_journal == journal
-        return (
-            c.state == "dispatched"
-            or (c.state == "acked" and same_journal)
-            or (c.state == "running" and same_journal and token is not None and c.claim_token == token)
+    def _claimable(self, c: _Command, journal: str | None) -> bool:
+        return c.state == "dispatched" or (
+            c.state == "acked" and journal is not None and c.claim_journal == journal
         )
 
     async def ack(
@@ -238,7 +235,6 @@ class MemoryStore(Presence):
         signed_at_ms: int,
         *,
         quorum: bool,
-        token: str | None = None,
     ) -> CommandRow | None:
         """``ACK``"""
         c = self._cmd(command_id, agent_id)
@@ -246,16 +242,13 @@ class MemoryStore(Presence):
             c is None
             or c.not_after <= self.now()
             or c.digest != digest
-            or not self._claimable(c, journal, token)
+            or not self._claimable(c, journal)
             or not self._batch_admits(c, quorum=quorum)
         ):
             return None
         signed = signed_at_ms if c.state == "dispatched" else c.claim_signed_ms
         acked_at = c.acked_at if c.acked_at is not None else self.now()
-        return self._touch(
-            c, state="acked" if token is None else "running", acked_at=acked_at, claim_journal=journal,
-            claim_token=token, claim_signed_ms=signed,
-        )  # fmt: skip
+        return self._touch(c, state="acked", acked_at=acked_at, claim_journal=journal, claim_signed_ms=signed)
 
     async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimAnswer]:
         """``CLAIM_MANY``: every named journal seen (not present), then each claim as ``ACK``"""
@@ -267,13 +260,7 @@ class MemoryStore(Presence):
         return [
             ClaimAnswer(
                 row=await self.ack(
-                    c.command_id,
-                    c.agent_id,
-                    c.digest,
-                    c.journal,
-                    c.signed_at_ms,
-                    quorum=c.quorum,
-                    token=c.token,
+                    c.command_id, c.agent_id, c.digest, c.journal, c.signed_at_ms, quorum=c.quorum
                 ),
                 journal=journals.get((c.agent_id, c.journal)) if c.journal is not None else None,
             )
@@ -330,12 +317,11 @@ class MemoryStore(Presence):
     ) -> CommandRow | None:
         """``CLAIM_BACK_TO_PENDING``"""
         c = self._cmd(command_id, agent_id)
-        if c is None or not self._claimable(c, journal, None):
+        if c is None or not self._claimable(c, journal):
             return None
         return self._touch(
             c, state="pending", reason="batch-not-approved", published_at=None,
-            agent_id=c.agent_id if c.target == "node" else None, claim_journal=None, claim_token=None,
-            claim_signed_ms=None,
+            agent_id=c.agent_id if c.target == "node" else None, claim_journal=None, claim_signed_ms=None,
         )  # fmt: skip
 
     async def claim_batch_expired(
@@ -343,7 +329,7 @@ class MemoryStore(Presence):
     ) -> CommandRow | None:
         """``CLAIM_BATCH_EXPIRED``"""
         c = self._cmd(command_id, agent_id)
-        if c is None or not self._claimable(c, journal, None):
+        if c is None or not self._claimable(c, journal):
             return None
         return self._touch(c, state="expired", reason="batch-expired", finished_at=self.now())
 

@@ -59,7 +59,6 @@ class _Command:
     publishes: int = 0
     stream_seq: int | None = None
     claim_journal: str | None = None
-    claim_token: str | None = None
     claim_signed_ms: int | None = None
     version: int = 0
 
