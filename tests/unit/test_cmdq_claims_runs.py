@@ -189,9 +189,9 @@ async def test_a_nodes_result_is_attested_with_the_key_of_its_event_and_through_
 
 
 async def test_a_result_waiting_on_bc_pki_holds_no_store_slot_a_claim_needs() -> None:
-    # The 10,000-machine deploy of 2026-12-07 stalled with every claim unanswered and the store
-    # idle: a result signed under a node's earlier certificate asked bc-pki while it held one of
-    # the agent events' store slots, so a slow bc-pki held them all.
+    # A result signed under a node's earlier certificate asked bc-pki while it held one of the
+    # agent events' store slots, so a slow bc-pki could hold them all: every claim unanswered and
+    # the store idle, as in the stalled 10,000-machine deploy of 2026-12-07 (its cause not proven).
     q = queue()
     slots = asyncio.Semaphore(1)  # the service's: claims and results share them
     asked, answer = asyncio.Event(), asyncio.Event()
