@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from better_compute.service.groups import GroupCommit
+from better_compute.service.groups import GroupCommit, LateError
 from better_compute.testing.waiting import until
 
 
@@ -180,4 +180,25 @@ async def test_a_group_takes_a_slot_while_at_the_database() -> None:
     assert db.statements == [["a"]]
     db.gate.set()
     assert (await first, await second) == ("aa", "bb")
+    assert not slots.locked()
+
+
+async def test_an_item_still_waiting_for_a_slot_at_its_deadline_is_not_sent_and_fails_late() -> None:
+    db = Db()
+    db.gate = asyncio.Event()
+    slots = asyncio.Semaphore(1)
+    g = group(db, slots=slots)
+    loop = asyncio.get_running_loop()
+    first = asyncio.create_task(g("a"))
+    await until(lambda: db.statements == [["a"]])  # holds the only slot
+    deadline = loop.time() + 0.2
+    late = asyncio.create_task(g("b", deadline=deadline))
+    patient = asyncio.create_task(g("c"))
+    await until(lambda: loop.time() > deadline)  # its sender has stopped waiting
+    db.gate.set()
+    assert await first == "aa"
+    with pytest.raises(LateError):
+        await late
+    assert await patient == "cc"
+    assert db.statements == [["a"], ["c"]]  # "b" never reached the database
     assert not slots.locked()

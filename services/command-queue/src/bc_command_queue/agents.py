@@ -5,6 +5,15 @@ Each event is checked against its signer's certificate, decoded once into the ev
 here with the checks before an agent's tries (check), claims (ack) in ``claims.py``, runs
 (progress, result) in ``runs.py``. Each is applied by
 compare-and-set on the command's state, so a duplicate or late event changes nothing.
+
+Under an overload the queue sheds what nobody waits for any more, never heartbeats or progress
+(``_NEVER_SHED``): an event
+that has not reached the store ``agent_event_wait_ms`` after it arrived is answered
+``UNAVAILABLE`` (``busy``) without being applied, and past ``agent_events_max`` events in hand
+a new one is answered so at once, before its signature is checked. Its agent asks again after a
+pause (``AgentRunner._retrying``); without this, each retry of an agent that heard nothing in its
+request timeout added one more event to a backlog the store worked through in order, answering
+events whose senders had stopped listening (bench/README.md, "Agent events shed").
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import parse_id
 from better_compute.service import ApiRequest
+from better_compute.service.groups import LateError, slot_by
 from better_compute.wire import encode_error, encode_ok
 from better_compute.wire.agent import (
     EVENT_KINDS,
@@ -52,6 +62,7 @@ from better_compute.wire.cmdq import (
 )
 from better_compute.wire.paging import decode_cursor, take_page
 
+from . import metrics
 from .claims import Claims
 from .commands import check_name, invalid
 from .config import CmdqConfig
@@ -71,6 +82,13 @@ _DB_ERRORS: Final = (
     asyncpg.exceptions.InternalClientError,
     OSError,
 )
+
+_BUSY: Final = BcError(ErrorCode.UNAVAILABLE, "the command queue is busy: ask again", {"reason": "busy"})
+_NEVER_SHED: Final = frozenset({"heartbeat", "progress"})
+"""A site agent's heartbeat late by ``silent_after`` hands its site's commands to nobody; a
+progress is sent once and never again (the first is the command's ``running`` mark)."""
+_SHED_LOG_S: Final = 10.0
+"""Shed events are counted (``bc_agent_events_shed_total``) and logged at most this often."""
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 """Run a coroutine as a task the service waits for when it stops."""
@@ -111,22 +129,49 @@ class Agents:
         )
         self.runs = Runs(store=store, pki=pki, changed=changed, log=log, slots=self._slots)
         self.presence = presence if presence is not None else Presence(store=store, config=config, log=log)
+        self.in_hand = 0
+        """Agent events received and not yet answered."""
+        self._shed: dict[tuple[str, str], int] = {}  # (kind, why) -> shed since the last log
+        self._shed_logged = 0.0
 
-    async def on_event(self, msg: Msg) -> None:
-        """One signed agent event: checked, applied, answered (when it asks for an answer)."""
+    async def on_event(self, msg: Msg, *, received: float | None = None) -> None:
+        """One signed agent event: checked, applied, answered (when it asks for an answer).
+        ``received``: when it arrived (the event loop's clock; now when None)."""
         parts = msg.subject.rsplit(".", 3)
         if len(parts) != 4:
             return
         _root, site, agent, kind = parts
+        arrived = received if received is not None else asyncio.get_running_loop().time()
+        deadline = arrived + self.config.agent_event_wait_ms / 1000
+        self.in_hand += 1
+        metrics.AGENT_EVENTS_IN_HAND.set(self.in_hand)
+        try:
+            body = await self._answer(msg, site, agent, kind, deadline)
+        finally:
+            self.in_hand -= 1
+            metrics.AGENT_EVENTS_IN_HAND.set(self.in_hand)
+        if msg.reply:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(body)
+
+    async def _answer(self, msg: Msg, site: str, agent: str, kind: str, deadline: float) -> bytes:
         try:
             if kind not in EVENT_KINDS:
                 raise invalid("subject", f"unknown agent event {kind!r}")
+            if kind not in _NEVER_SHED:
+                # before the signature's check: what an overload sheds must cost next to nothing
+                if self.in_hand > self.config.agent_events_max:
+                    return self._shed_one(kind, "full")
+                if asyncio.get_running_loop().time() > deadline:
+                    return self._shed_one(kind, "late")
             doc, signature = open_event(msg.data)
             signer = await self.signers.check_event(
                 site=site, agent=agent, kind=kind, doc=doc, signature=signature
             )
-            result = await self.apply(read_event(kind, doc), signer)
-            body = encode_ok(result)
+            result = await self.apply(read_event(kind, doc), signer, deadline=deadline)
+            return encode_ok(result)
+        except LateError:
+            return self._shed_one(kind, "late")
         except BcError as err:
             self.log.info(
                 "agent_event_refused",
@@ -137,39 +182,51 @@ class Agents:
                 reason=err.reason,
                 path=err.path,
             )
-            body = encode_error(err)
+            return encode_error(err)
         except _DB_ERRORS as exc:
             self.log.warning("agent_event_failed", kind=kind, error=type(exc).__name__)
-            body = encode_error(BcError(ErrorCode.UNAVAILABLE, "the store is not reachable now"))
+            return encode_error(BcError(ErrorCode.UNAVAILABLE, "the store is not reachable now"))
         except Exception:
             self.log.exception("agent_event_failed", kind=kind, site_id=site, agent_id=agent)
-            body = encode_error(BcError(ErrorCode.INTERNAL, f"internal error handling {kind}"))
-        if msg.reply:
-            with contextlib.suppress(nats.errors.Error):
-                await msg.respond(body)
+            return encode_error(BcError(ErrorCode.INTERNAL, f"internal error handling {kind}"))
 
-    async def apply(self, event: AnyAgentEvent, signer: Signer) -> Any:
+    def _shed_one(self, kind: str, why: str) -> bytes:
+        """An event not applied (``why``: ``full``, too many in hand; ``late``, it waited past
+        ``agent_event_wait_ms``): counted, logged now and then, answered busy."""
+        metrics.AGENT_EVENTS_SHED.labels(kind, why).inc()
+        key = (kind, why)
+        self._shed[key] = self._shed.get(key, 0) + 1
+        now = asyncio.get_running_loop().time()
+        if now - self._shed_logged >= _SHED_LOG_S:
+            shed = {f"{k}.{w}": n for (k, w), n in sorted(self._shed.items())}
+            self.log.warning("agent_events_shed", shed=shed, in_hand=self.in_hand)
+            self._shed.clear()
+            self._shed_logged = now
+        return encode_error(_BUSY)
+
+    async def apply(self, event: AnyAgentEvent, signer: Signer, *, deadline: float | None = None) -> Any:
         """An event whose signature ``signer`` made (checked): applied; the answer to send.
         At most ``agent_event_slots`` statements of agent events at once work on the store
         (heartbeats need none). Claims, progress and results that arrive together go as one
         statement each (``GroupCommit``), which takes one slot; they wait for their group
-        without one."""
+        without one. ``LateError`` when the event waited for the store past ``deadline`` (the
+        event loop's clock): nothing was applied."""
         match event:
             case Heartbeat():
                 # never behind a storm: a site agent's heartbeat late by silent_after would hand
                 # its site's commands to nobody (a machine's is answered from memory anyway)
                 return await self._heartbeat(event, signer)
             case Hello():  # takes a slot for its statements only (see _hello)
-                return await self._hello(event, signer)
+                return await self._hello(event, signer, deadline=deadline)
             case Ack():
-                return await self.claims.ack(event)
+                return await self.claims.ack(event, deadline=deadline)
             case Progress():
-                await self.runs.progress(event)
+                await self.runs.progress(event, deadline=deadline)
                 return None
             case Result():
-                return await self.runs.result(event, signer)
+                return await self.runs.result(event, signer, deadline=deadline)
             case Check():
-                async with self._slots:
+                async with slot_by(self._slots, deadline):
                     return await self._check(event, signer)
 
     async def _check(self, ev: Check, signer: Signer) -> CheckReply:
@@ -183,11 +240,11 @@ class Agents:
     async def _renew_lease(self, site_id: str, agent_id: str) -> bool:
         return await self.store.renew_lease(site_id, agent_id, ttl_ms=self.config.silent_after_ms)
 
-    async def _hello(self, ev: Hello, signer: Signer) -> HelloReply:
+    async def _hello(self, ev: Hello, signer: Signer, *, deadline: float | None = None) -> HelloReply:
         kinds = ev.kinds
         if kinds is not None and (len(kinds) > 512 or any(len(k) > 128 for k in kinds)):
             raise invalid("kinds", "at most 512 kinds of up to 128 characters")
-        async with self._slots:
+        async with slot_by(self._slots, deadline):
             await self._hello_rows(ev, signer)
         # the consumer on JetStream outside the slot: a storm of hellos (a thousand machines
         # after an outage) waits on nats-server, not on the store's connections

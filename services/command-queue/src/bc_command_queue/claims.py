@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from better_compute.service.groups import GroupCommit
+from better_compute.service.groups import GroupCommit, slot_by
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Ack, AckReply
 from better_compute.wire.cmdq import TERMINAL_STATES
@@ -63,11 +63,13 @@ class Claims:
         )
         """Claims arriving at the same moment, applied in one statement (``CLAIM_MANY``)."""
 
-    async def ack(self, ev: Ack) -> AckReply:
+    async def ack(self, ev: Ack, *, deadline: float | None = None) -> AckReply:
         """A claim. Taken when the command is dispatched to this agent, its digest matches and,
         for a destructive command, its batch is unexpired and approved under the approvers
         configured now; or when this very journal claimed it already (its answer was lost).
-        Another journal's claim of a command that may have started settles it ``interrupted``."""
+        Another journal's claim of a command that may have started settles it ``interrupted``.
+        ``LateError`` when it waited for the store past ``deadline`` (nothing done: the agent asks
+        again)."""
         try:
             digest = bytes.fromhex(ev.digest)
         except ValueError as exc:
@@ -77,14 +79,15 @@ class Claims:
         journal = ev.journal_id or None
         quorum = self.config.quorum.enabled
         if ev.rerun:
-            async with self.slots:
+            async with slot_by(self.slots, deadline):
                 return await self._rerun(ev, digest, journal)
         kill_point(BEFORE_CLAIM)
         answer = await self.taken(
             Claim(
                 command_id=ev.command_id, agent_id=ev.agent, digest=digest, journal=journal,
                 signed_at_ms=ev.signed_at_ms, quorum=quorum,
-            )
+            ),
+            deadline=deadline,
         )  # fmt: skip
         if answer.row is not None:
             kill_point(AFTER_CLAIM)
@@ -92,7 +95,7 @@ class Claims:
             return AckReply(proceed=True, state="acked")
         seen = answer.journal
         generation = (seen.generation, seen.present) if seen is not None else (0, False)
-        async with self.slots:
+        async with slot_by(self.slots, deadline):
             return await self._not_taken(ev, digest, journal, generation, quorum=quorum)
 
     async def _not_taken(

@@ -15,7 +15,7 @@ from better_compute.wire.cmdq import TERMINAL_STATES
 from .rows import CommandRow
 from .storage import Store
 
-__all__ = ["collect", "observe_changes"]
+__all__ = ["AGENT_EVENTS_IN_HAND", "AGENT_EVENTS_SHED", "collect", "observe_changes"]
 
 COMMANDS_LIVE: Final = Gauge(
     "bc_commands_live",
@@ -36,6 +36,15 @@ LATENCY: Final = Histogram(
 )
 AGENTS: Final = Gauge(
     "bc_agents_connected", "Agents heard from within the silence limit, by site and role", ["site", "role"]
+)
+AGENT_EVENTS_IN_HAND: Final = Gauge(
+    "bc_agent_events_in_hand", "Agent events this instance received and has not answered yet"
+)
+AGENT_EVENTS_SHED: Final = Counter(
+    "bc_agent_events_shed_total",
+    "Agent events answered busy without being applied, by kind and why (full: too many in hand;"
+    " late: waited for the store past agent_event_wait_ms)",
+    ["kind", "why"],
 )
 BATCHES: Final = Gauge(
     "bc_batches_awaiting_approval", "Destructive-command batches neither approved, closed nor expired"

@@ -15,7 +15,7 @@ from typing import Any
 from better_compute.clients.pki import PkiClient
 from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import result_document
-from better_compute.service.groups import GroupCommit
+from better_compute.service.groups import GroupCommit, slot_by
 from better_compute.service.killpoints import declare, kill_point
 from better_compute.wire.agent import Progress, Result, ResultReply
 from better_compute.wire.codec import check_nesting
@@ -61,21 +61,26 @@ class Runs:
         )
         """Results arriving at the same moment, applied in one statement (``RESULT_MANY``)."""
 
-    async def progress(self, ev: Progress) -> None:
+    async def progress(self, ev: Progress, *, deadline: float | None = None) -> None:
         message = ev.message[:500] if ev.message is not None else None
-        row = await self.said(Said(command_id=ev.command_id, agent_id=ev.agent, message=message))
+        row = await self.said(
+            Said(command_id=ev.command_id, agent_id=ev.agent, message=message), deadline=deadline
+        )
         if row is not None and row.old_state != row.command.state:
             await self.changed([row.command])
 
-    async def result(self, ev: Result, signer: Signer | None = None) -> ResultReply:
+    async def result(
+        self, ev: Result, signer: Signer | None = None, *, deadline: float | None = None
+    ) -> ResultReply:
         """``signer``: the checked certificate that signed the event (its key may check the
-        result's own signature without asking bc-pki)."""
+        result's own signature without asking bc-pki). ``LateError`` when it waited for the store
+        past ``deadline`` (nothing recorded: the agent reports again)."""
         # the engine reads a result as JSON: one nested past what a decoder can hold is refused here
         check_nesting(ev.result, "result")
         reason = ev.reason[:500] if ev.reason is not None else None
         attested = False
         if ev.result_signature is not None:
-            async with self.slots:
+            async with slot_by(self.slots, deadline):
                 cur = await self._command_of(ev)
                 if cur.state not in ("acked", "running", "cancelling"):
                     await self._late_end(ev)
@@ -95,7 +100,8 @@ class Runs:
                 signature=ev.result_signature,
                 attested=attested,
                 journal=ev.journal_id[:64] if isinstance(ev.journal_id, str) else "",
-            )
+            ),
+            deadline=deadline,
         )
         if row is None:  # settled already (a duplicate or late result), or not this agent's
             async with self.slots:

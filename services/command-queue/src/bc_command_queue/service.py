@@ -157,10 +157,17 @@ class CommandQueueService(Service):
         await batches.recount_all()
         # One instance handles each agent event (queue group); every instance evicts a
         # revoked certificate from its own cache.
+        loop = asyncio.get_running_loop()
+
+        def on_agent_event(msg: Msg) -> Coroutine[Any, Any, None]:
+            # stamped as it arrives, before its task waits for the event loop: an event that
+            # has not reached the store in agent_event_wait_ms is answered busy (agents.py)
+            return agents.on_event(msg, received=loop.time())
+
         await self.nc.subscribe(
             self.subjects.agent_events_all(),
             queue=f"{self.subjects.root}.cmdq.agent-events",
-            cb=self.on_message(agents.on_event),
+            cb=self.on_message(on_agent_event),
         )
         await self.nc.subscribe(self.subjects.events_all("cert"), cb=self.on_message(self._on_cert_event))
         quorum = self.config.quorum

@@ -13,18 +13,51 @@ every row of it, and each item's sender has no answer yet and does it again (an 
 claims and results, an engine pass runs again); after the commit, none. A group that fails as a
 whole may be tried again row by row (``row_by_row``), so one bad row (a value PostgreSQL refuses)
 fails its own item only.
+
+An item may carry a ``deadline`` (the event loop's clock): past it, its sender has stopped
+waiting for the answer (an agent asks again after its request timeout), so an item still not at
+the database when its group takes its slot is not sent and fails with ``LateError``. Under an
+overload the store's time then goes to what someone still waits for, never to a backlog of
+answers nobody reads (a retry storm that outlives the load).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
-__all__ = ["GroupCommit"]
+__all__ = ["GroupCommit", "LateError", "slot_by"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+_Entry = tuple[T, "asyncio.Future[R]", float | None]
+"""An item, its waiter's future and its deadline."""
+
+
+class LateError(Exception):
+    """The work's deadline passed before it got to the store: it was not done."""
+
+
+@contextlib.asynccontextmanager
+async def slot_by(slots: asyncio.Semaphore | None, deadline: float | None = None) -> AsyncIterator[None]:
+    """One of ``slots`` held (none when None), for work that must start by ``deadline`` (the
+    event loop's clock): raises ``LateError`` when the slot came too late, having released it."""
+    if slots is None:
+        _check_deadline(deadline)
+        yield
+        return
+    async with slots:
+        _check_deadline(deadline)
+        yield
+
+
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and asyncio.get_running_loop().time() > deadline:
+        raise LateError
 
 
 class GroupCommit(Generic[T, R]):
@@ -65,14 +98,16 @@ class GroupCommit(Generic[T, R]):
         self.keep_abandoned = keep_abandoned
         self.groups = 0
         """Groups sent so far (one statement each, or one per row when a group failed)."""
-        self._waiting: list[tuple[T, asyncio.Future[R]]] = []
+        self._waiting: list[_Entry[T, R]] = []
         self._busy: set[Hashable] = set()  # keys of the groups at the database now
         self._flushers: set[asyncio.Task[None]] = set()  # held, so no task is collected mid-flight
         self._active = 0  # flushers that will still look at ``_waiting`` before they end
 
-    async def __call__(self, item: T) -> R:
+    async def __call__(self, item: T, *, deadline: float | None = None) -> R:
+        """``item``'s answer; ``LateError`` when it was still waiting for the store at ``deadline``
+        (the event loop's clock; None: never late)."""
         fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._waiting.append((item, fut))
+        self._waiting.append((item, fut, deadline))
         if self._active < self.in_flight:
             # counted here and uncounted by the flusher in the same turn as its last look at
             # ``_waiting``: an item is never left with no flusher to take it (a finished task
@@ -90,9 +125,9 @@ class GroupCommit(Generic[T, R]):
         finally:
             self._active -= 1
 
-    def _take(self) -> list[tuple[T, asyncio.Future[R]]]:
-        group: list[tuple[T, asyncio.Future[R]]] = []
-        later: list[tuple[T, asyncio.Future[R]]] = []
+    def _take(self) -> list[_Entry[T, R]]:
+        group: list[_Entry[T, R]] = []
+        later: list[_Entry[T, R]] = []
         seen: set[Hashable] = set()
         for entry in self._waiting:
             if entry[1].done() and not self.keep_abandoned:
@@ -117,12 +152,16 @@ class GroupCommit(Generic[T, R]):
             try:
                 await self._send(group)
             finally:
-                self._busy -= {self.key(item) for item, _ in group}
+                self._busy -= {self.key(item) for item, _, _ in group}
 
-    async def _send(self, group: list[tuple[T, asyncio.Future[R]]]) -> None:
-        items = [item for item, _ in group]
+    async def _send(self, group: list[_Entry[T, R]]) -> None:
+        self.groups += 1
         try:
-            answers = await self._apply(items)
+            async with slot_by(self.slots):
+                group = _in_time(group)
+                if not group:
+                    return
+                answers = await self.apply([item for item, _, _ in group])
         except asyncio.CancelledError:
             _fail(group, asyncio.CancelledError())
             raise
@@ -138,20 +177,23 @@ class GroupCommit(Generic[T, R]):
         if len(answers) != len(group):  # a bug of the statement's: never leave a waiter hanging
             _fail(group, RuntimeError(f"{len(answers)} answers to a group of {len(group)}"))
             return
-        for (_, fut), answer in zip(group, answers, strict=True):
+        for (_, fut, _), answer in zip(group, answers, strict=True):
             if not fut.done():
                 fut.set_result(answer)
 
-    async def _apply(self, items: list[T]) -> Sequence[R]:
-        self.groups += 1
-        if self.slots is None:
-            return await self.apply(items)
-        async with self.slots:
-            return await self.apply(items)
+
+def _in_time(group: list[_Entry[T, R]]) -> list[_Entry[T, R]]:
+    """The entries whose deadline has not passed; the others fail with ``LateError``."""
+    now = asyncio.get_running_loop().time()
+    late = [e for e in group if e[2] is not None and now > e[2]]
+    if not late:
+        return group
+    _fail(late, LateError())
+    return [e for e in group if e[2] is None or now <= e[2]]
 
 
-def _fail(group: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException) -> None:
-    for _, fut in group:
+def _fail(group: list[_Entry[Any, Any]], exc: BaseException) -> None:
+    for _, fut, _ in group:
         if not fut.done():
             fut.set_exception(exc)
             fut.exception()  # retrieved, even when its waiter is gone
