@@ -71,6 +71,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from bench_workflows import set_log_statement, statements_per_step
 
 from better_compute.clients.cmdq import CommandQueueClient
@@ -248,13 +249,15 @@ async def until_states(
     what: str,
     failed_ok: bool = False,
     reread: Callable[[str], Awaitable[int]] | None = None,
+    on_stall: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Until ``n`` nodes are ``want`` (``failed_ok``: or ``failed``; else a failed node raises).
 
     The counts come from the engine's node events, which are wake-ups, not the truth (core NATS:
     one can be lost, and two engines' events of one node can arrive in either order); when they
     stand still for ``STALLED_REREAD`` seconds, ``reread(want)`` reads the nodes behind from the
-    engine, as ``bcx nodes watch`` does every few seconds."""
+    engine, as ``bcx nodes watch`` does every few seconds; ``on_stall()`` then prints what the
+    stack is doing (``db_activity``)."""
     t0 = time.monotonic()
     last = -100.0
     moved, before = time.monotonic(), None
@@ -263,6 +266,9 @@ async def until_states(
         if got != before:
             moved, before = time.monotonic(), got
         elif reread is not None and time.monotonic() - moved > STALLED_REREAD:
+            if on_stall is not None:
+                with contextlib.suppress(Exception):  # a diagnosis, never a reason to stop
+                    await on_stall()
             corrected = await reread(want)
             if corrected:
                 print(f"  {what}: {corrected} node(s) read from the engine were further than their"
@@ -279,6 +285,29 @@ async def until_states(
             print(f"  {what}: {dict(sorted(got.items()))}", flush=True)
             last = time.monotonic()
         await asyncio.sleep(0.2)
+
+
+async def db_activity(db_url: str) -> str:
+    """PostgreSQL's sessions now, one line: how many by state and wait, and the oldest
+    transaction's age and statement (a stall with the store idle, or waiting on a lock)."""
+    conn = await asyncpg.connect(db_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT state, coalesce(wait_event_type, '-') AS wait, count(*) AS n,"
+            " max(extract(epoch FROM now() - xact_start)) AS oldest FROM pg_stat_activity"
+            " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() GROUP BY 1, 2 ORDER BY 3 DESC"
+        )
+        old = await conn.fetchrow(
+            "SELECT extract(epoch FROM now() - xact_start) AS age, state, left(query, 90) AS query"
+            " FROM pg_stat_activity WHERE xact_start IS NOT NULL AND pid <> pg_backend_pid()"
+            " ORDER BY xact_start LIMIT 1"
+        )
+    finally:
+        await conn.close()
+    parts = [f"{r['state']}/{r['wait']} {r['n']}" for r in rows]
+    if old is not None:
+        parts.append(f"oldest transaction {float(old['age']):.1f} s {old['state']}: {old['query']!r}")
+    return "; ".join(parts)
 
 
 STALLED_REREAD = 20.0
@@ -506,6 +535,9 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             corrected_events[want] += fixed
             return fixed
 
+        async def on_stall() -> None:
+            print(f"  standing still: PostgreSQL {await db_activity(db_url)}", flush=True)
+
         async def rolling(verb: VerbName, ids: list[str], want: str, **kw: Any) -> tuple[float, list[Any]]:
             """``verb`` over ``ids`` by bulk verbs: all at once (``--window 0``), or at most
             ``--window`` machines in flight, the next ones (spread over the sites) as others end,
@@ -568,8 +600,9 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             t = time.monotonic()
             await rolling(verb, list(node_site), want)
             await until_states(
-                counts, want, args.machines, timeout=args.timeout, what=verb, failed_ok=True, reread=reread
-            )
+                counts, want, args.machines, timeout=args.timeout, what=verb, failed_ok=True, reread=reread,
+                on_stall=on_stall,
+            )  # fmt: skip
             failed = [node for node, st in states.items() if st == "failed"]
             if failed:  # what an operator does: run it again on those, once (counted, printed)
                 # of the first few; a name of its own (``said`` prints the phase's figures)
@@ -624,7 +657,7 @@ async def bench(args: argparse.Namespace, state: Path) -> dict[str, Any]:
         try:
             await until_states(
                 counts, "deployed", args.machines, timeout=args.timeout, what="deploy", failed_ok=True,
-                reread=reread,
+                reread=reread, on_stall=on_stall,
             )  # fmt: skip
         finally:
             if killer is not None and not killer.done():
