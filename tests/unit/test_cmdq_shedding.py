@@ -14,7 +14,7 @@ from better_compute.core.errors import BcError, ErrorCode
 from better_compute.crypto import AgentIdentity, new_agent_key, sign_event
 from better_compute.testing.waiting import until
 from better_compute.wire import unwrap
-from better_compute.wire.agent import AgentEvent, Heartbeat, Hello
+from better_compute.wire.agent import AgentEvent, Heartbeat, Hello, Progress
 from cmdq_kit import SITE, Queue, ack, command, queue, signer
 
 _IDENTITY = AgentIdentity(cert_id="cert_x", agent_id="unused", private_key=new_agent_key())
@@ -131,3 +131,17 @@ async def test_past_the_events_in_hand_bound_a_claim_is_answered_busy_at_once_un
     assert q.agents.in_hand == 0
     states = [(await q.store.command_by_id(r.id)).state for r in rows]  # type: ignore[union-attr]
     assert states == ["acked", "acked", "dispatched"]
+
+
+async def test_a_progress_is_never_shed_however_late_it_reaches_the_store() -> None:
+    # sent once and never again; the first is the command's running mark
+    q, _ = shedding_queue(agent_event_wait_ms=100)
+    row = await command(q)
+    agent = row.agent_id or row.node_id
+    assert (await q.agents.claims.ack(ack(row))).proceed
+    loop = asyncio.get_running_loop()
+    event = Progress(site=SITE, agent=agent, signer_id="cert_x", signed_at_ms=1, command_id=row.id)
+    late = Msg(agent, "progress", event)
+    await asyncio.wait_for(q.agents.on_event(late, received=loop.time() - 60), 10)  # type: ignore[arg-type]
+    assert not busy(late)
+    assert (await q.store.command_by_id(row.id)).state == "running"  # type: ignore[union-attr]

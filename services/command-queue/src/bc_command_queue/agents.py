@@ -220,8 +220,8 @@ class Agents:
                 return await self._hello(event, signer, deadline=deadline)
             case Ack():
                 return await self.claims.ack(event, deadline=deadline)
-            case Progress():
-                await self.runs.progress(event, deadline=deadline)
+            case Progress():  # never shed (_NEVER_SHED): however late, it goes
+                await self.runs.progress(event)
                 return None
             case Result():
                 return await self.runs.result(event, signer, deadline=deadline)

@@ -233,11 +233,12 @@ class CmdqConfig:
     hello after an outage) never takes every connection of the pool (10) from the API's
     requests. Heartbeats take none: a machine's is answered from memory, a site agent's must
     never wait behind a storm (late by ``silent_after``, its site's commands would go back)."""
-    agent_event_wait_ms: int = 2_500
+    agent_event_wait_ms: int = 4_000
     """An agent event (not a heartbeat nor a progress) that has not reached the store this long
     after it arrived is answered ``UNAVAILABLE`` (``busy``) and not applied: its agent stops
     waiting for the answer after its request timeout (5 s) and asks again, so the store's time
-    goes to events someone still waits for (``agents.py``)."""
+    goes to events someone still waits for (``agents.py``). A second short of that timeout: the
+    statement and the answer's way back fit in it."""
     agent_events_max: int = 2_048
     """Agent events in hand (received, not answered) past which a new one (not a heartbeat nor a
     progress) is answered busy at once, before its signature is checked."""
