@@ -21,7 +21,9 @@ dispatched without ``published_at``, and the sweeper publishes it again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, Final
@@ -55,6 +57,14 @@ AFTER_PUBLISH = declare(
 )
 
 _DUPLICATE_WINDOW_S: Final = 120.0
+_CONSUMER_KNOWN_S: Final = 30.0
+"""An agent's consumer made or found this recently is not asked for again at its next hello (a
+retried hello, or the other agents of a storm): nats-server takes a consumer's creation through
+its JetStream API queue, seconds each with a thousand consumers on a stream, and a storm of them
+overflows that queue, which then drops every request in it (the 10,000-machine deploy,
+bench/README.md "Agent events shed"). Half the inactivity threshold when that is shorter (a
+consumer nats-server deleted for it is never taken as there); one deleted by hand within it is
+made again at a hello after it."""
 _STREAM_IN_USE: Final = 10058  # "stream name already in use with a different configuration"
 MAX_CONSUMERS: Final = 100_000
 """Consumers a site's stream holds by default (``cmdq.stream_max_consumers``): one per agent of
@@ -105,6 +115,11 @@ class Streams:
         """Called with a site whose streams were just ensured on its leaf (``site_domain``)."""
         self._known: set[str] = set()
         self._js_of: dict[str, Any] = {}
+        self._consumers: dict[tuple[str, str], float] = {}  # (site, agent) -> when made or found
+        self._making: dict[tuple[str, str], asyncio.Future[tuple[str, str]]] = {}
+        self._seen_reconnects = self._reconnects()
+        self.consumers_made = 0
+        """Consumers asked of nats-server (created, or found as they were) so far."""
 
     @property
     def on_leaves(self) -> bool:
@@ -173,11 +188,64 @@ class Streams:
                 await js.update_stream(replace(info.config, max_consumers=self.max_consumers))
 
     def forget(self, site_id: str) -> None:
-        """Check the site's stream again before the next publication (it may be gone)."""
+        """Check the site's stream again before the next publication (it may be gone), and its
+        agents' consumers at their next hello."""
         self._known.discard(self.subjects.site_stream(site_id))
+        self._consumers = {k: t for k, t in self._consumers.items() if k[0] != site_id}
 
     async def ensure_consumer(self, site_id: str, agent_id: str) -> tuple[str, str]:
-        """The site's stream and the agent's durable consumer on it, created when missing."""
+        """The site's stream and the agent's durable consumer on it, created when missing. One
+        creation at a time for an agent (a hello retried meanwhile waits for it), and none for
+        one made in the last ``_CONSUMER_KNOWN_S``."""
+        key = (site_id, agent_id)
+        reconnects = self._reconnects()
+        if reconnects != self._seen_reconnects:  # a server come back may have lost them
+            self._seen_reconnects = reconnects
+            self._consumers.clear()
+        made = self._consumers.get(key)
+        if made is not None and time.monotonic() - made < self._known_for():
+            return self.subjects.site_stream(site_id), consumer_name(agent_id)
+        making = self._making.get(key)
+        if making is not None:
+            return await asyncio.shield(making)
+        fut: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
+        self._making[key] = fut
+        try:
+            names = await self._ensure_consumer(site_id, agent_id)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        except Exception as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved, even when nobody else waited
+            raise
+        else:
+            fut.set_result(names)
+            self._remember(key)
+            return names
+        finally:
+            del self._making[key]
+
+    def _reconnects(self) -> int:
+        stats = getattr(self.nc, "stats", None)
+        return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
+
+    def _known_for(self) -> float:
+        """How long a consumer made is taken as there: less than the inactivity after which
+        nats-server deletes it (counted from its last pull, which is after it was made)."""
+        if self.inactive is None:
+            return _CONSUMER_KNOWN_S
+        return min(_CONSUMER_KNOWN_S, self.inactive / 2)
+
+    def _remember(self, key: tuple[str, str]) -> None:
+        now = time.monotonic()
+        self._consumers[key] = now
+        if len(self._consumers) > 4 * max(self.max_consumers, 1024):  # what is old goes
+            known_for = self._known_for()
+            self._consumers = {k: t for k, t in self._consumers.items() if now - t < known_for}
+
+    async def _ensure_consumer(self, site_id: str, agent_id: str) -> tuple[str, str]:
+        self.consumers_made += 1
         stream = await self.ensure_stream(site_id)
         durable = consumer_name(agent_id)
         config = api.ConsumerConfig(

@@ -872,10 +872,18 @@ class Agent:
         return fetch.result()  # type: ignore[no-any-return]
 
     async def _check_consumer(self) -> None:
+        """After a long idle pull: is our consumer still there? Only a server that says it is
+        gone makes the agent say hello again. A busy or absent one is asked again at the next
+        idle probe: a hello for each unanswered probe made a JetStream API queue full of
+        requests fuller (each hello asks nats-server for the consumer again), and ten thousand
+        machines waiting kept it full (bench/README.md "Agent events shed"); a reconnect says
+        hello anyway, and a pull from a lost consumer fails."""
         try:
             await self._psub.consumer_info()
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+        except nats.js.errors.NotFoundError:
             self._rehello.set()
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            self.log.debug("agent_consumer_check_failed", error=type(exc).__name__)
 
     async def _handle(self, msg: Msg) -> None:
         journal = self.journal
