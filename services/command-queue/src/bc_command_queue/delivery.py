@@ -117,6 +117,7 @@ class Streams:
         self._js_of: dict[str, Any] = {}
         self._consumers: dict[tuple[str, str], float] = {}  # (site, agent) -> when made or found
         self._making: dict[tuple[str, str], asyncio.Future[tuple[str, str]]] = {}
+        self._prune_at = 1024
         self._seen_reconnects = self._reconnects()
         self.consumers_made = 0
         """Consumers asked of nats-server (created, or found as they were) so far."""
@@ -240,9 +241,10 @@ class Streams:
     def _remember(self, key: tuple[str, str]) -> None:
         now = time.monotonic()
         self._consumers[key] = now
-        if len(self._consumers) > 4 * max(self.max_consumers, 1024):  # what is old goes
+        if len(self._consumers) > self._prune_at:  # what is old goes, in time linear overall
             known_for = self._known_for()
             self._consumers = {k: t for k, t in self._consumers.items() if now - t < known_for}
+            self._prune_at = 2 * len(self._consumers) + 1024
 
     async def _ensure_consumer(self, site_id: str, agent_id: str) -> tuple[str, str]:
         self.consumers_made += 1
