@@ -293,8 +293,7 @@ async def db_activity(db_url: str) -> str:
     conn = await asyncpg.connect(db_url)
     try:
         rows = await conn.fetch(
-            "SELECT state, coalesce(wait_event_type, '-') AS wait, count(*) AS n,"
-            " max(extract(epoch FROM now() - xact_start)) AS oldest FROM pg_stat_activity"
+            "SELECT state, coalesce(wait_event_type, '-') AS wait, count(*) AS n FROM pg_stat_activity"
             " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() GROUP BY 1, 2 ORDER BY 3 DESC"
         )
         old = await conn.fetchrow(

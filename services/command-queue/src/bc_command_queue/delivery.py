@@ -119,8 +119,6 @@ class Streams:
         self._making: dict[tuple[str, str], asyncio.Future[tuple[str, str]]] = {}
         self._prune_at = 1024
         self._seen_reconnects = self._reconnects()
-        self.consumers_made = 0
-        """Consumers asked of nats-server (created, or found as they were) so far."""
 
     @property
     def on_leaves(self) -> bool:
@@ -247,7 +245,6 @@ class Streams:
             self._prune_at = 2 * len(self._consumers) + 1024
 
     async def _ensure_consumer(self, site_id: str, agent_id: str) -> tuple[str, str]:
-        self.consumers_made += 1
         stream = await self.ensure_stream(site_id)
         durable = consumer_name(agent_id)
         config = api.ConsumerConfig(

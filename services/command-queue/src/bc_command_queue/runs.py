@@ -61,11 +61,9 @@ class Runs:
         )
         """Results arriving at the same moment, applied in one statement (``RESULT_MANY``)."""
 
-    async def progress(self, ev: Progress, *, deadline: float | None = None) -> None:
+    async def progress(self, ev: Progress) -> None:
         message = ev.message[:500] if ev.message is not None else None
-        row = await self.said(
-            Said(command_id=ev.command_id, agent_id=ev.agent, message=message), deadline=deadline
-        )
+        row = await self.said(Said(command_id=ev.command_id, agent_id=ev.agent, message=message))
         if row is not None and row.old_state != row.command.state:
             await self.changed([row.command])
 

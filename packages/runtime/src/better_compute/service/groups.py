@@ -185,11 +185,12 @@ class GroupCommit(Generic[T, R]):
 def _in_time(group: list[_Entry[T, R]]) -> list[_Entry[T, R]]:
     """The entries whose deadline has not passed; the others fail with ``LateError``."""
     now = asyncio.get_running_loop().time()
-    late = [e for e in group if e[2] is not None and now > e[2]]
-    if not late:
-        return group
+    kept: list[_Entry[T, R]] = []
+    late: list[_Entry[T, R]] = []
+    for entry in group:
+        (late if entry[2] is not None and now > entry[2] else kept).append(entry)
     _fail(late, LateError())
-    return [e for e in group if e[2] is None or now <= e[2]]
+    return kept
 
 
 def _fail(group: list[_Entry[Any, Any]], exc: BaseException) -> None:
