@@ -145,3 +145,20 @@ async def test_a_progress_is_never_shed_however_late_it_reaches_the_store() -> N
     await asyncio.wait_for(q.agents.on_event(late, received=loop.time() - 60), 10)  # type: ignore[arg-type]
     assert not busy(late)
     assert (await q.store.command_by_id(row.id)).state == "running"  # type: ignore[union-attr]
+
+
+async def test_with_no_wait_and_no_bound_a_late_claim_is_still_taken() -> None:
+    # cmdq.agent_event_wait = "0s", cmdq.agent_events_max = 0: nothing is shed
+    q, _ = shedding_queue(agent_event_wait_ms=0, agent_events_max=0)
+    rows = [await command(q) for _ in range(2)]
+    for r in rows:
+        await say_hello(q, r.agent_id or r.node_id)
+    loop = asyncio.get_running_loop()
+    claims = [Msg(r.agent_id or r.node_id, "ack", ack(r)) for r in rows]
+    # arrived an hour ago, and more in hand than any bound would allow
+    await asyncio.wait_for(
+        asyncio.gather(*(q.agents.on_event(m, received=loop.time() - 3600) for m in claims)),  # type: ignore[arg-type]
+        10,
+    )
+    assert [msgspec.convert(m.answer(), dict)["proceed"] for m in claims] == [True, True]
+    assert [(await q.store.command_by_id(r.id)).state for r in rows] == ["acked", "acked"]  # type: ignore[union-attr]

@@ -64,6 +64,8 @@ def test_sections_come_from_bc_toml_and_the_environment_wins(
         ("", {"BC_CMDQ_STREAM_MAX_CONSUMERS": "lots"}, "cmdq.stream_max_consumers"),
         ("[cmdq]\nstream_max_consumers = 2147483648\n", {}, "cmdq.stream_max_consumers"),
         ('[cmdq]\nconsumer_inactive = "500ms"\n', {}, "cmdq.consumer_inactive"),  # 0s or at least 1s
+        ('[cmdq]\nagent_event_wait = "50ms"\n', {}, "cmdq.agent_event_wait"),  # 0s or at least 100ms
+        ("", {"BC_CMDQ_AGENT_EVENTS_MAX": "-1"}, "cmdq.agent_events_max"),
         ("", {"BC_HEALTH_PORT": "eighty"}, "health_port"),
         ('[userdata]\nbcd_url = "ftp://x"\n', {}, "userdata.bcd_url"),
         ("", {"BC_USERDATA_BCD_SHA256": "ABC"}, "userdata.bcd_sha256"),

@@ -139,6 +139,13 @@ class CmdqSettings(_Section, frozen=True, kw_only=True):
     node's, a replaced identity's); the agent's commands stay in the stream, and its next hello
     makes the consumer again, which delivers them. ``0s`` keeps consumers for ever; else at
     least ``1s``."""
+    agent_event_wait: Duration = Duration(4_000)
+    """An agent event (not a heartbeat nor a progress) that has not reached the store this long
+    after it arrived is answered busy and not applied: its agent has stopped waiting (its request
+    timeout is 5 s) and asks again. ``0s``: never shed for waiting."""
+    agent_events_max: int = 2_048
+    """Agent events in hand past which a new one (not a heartbeat nor a progress) is answered
+    busy at once, before its signature is checked. ``0``: no bound."""
     site_domain: str = ""
     """Where each site's streams live. ``""``: in the services' own JetStream (the hub's; one
     nats-server is enough). A template naming the JetStream domain of the site's leaf node,
@@ -386,6 +393,13 @@ def _check_bounds(settings: Settings) -> None:
             f"cmdq.stream_max_consumers must be between 1 and {_MAX_CONSUMERS}"
             f" (nats-server reads none, or -1, as 1000), got {settings.cmdq.stream_max_consumers}",
         )
+    if 0 < (wait := settings.cmdq.agent_event_wait).ms < 100:
+        raise _bad(
+            "cmdq.agent_event_wait",
+            f"cmdq.agent_event_wait must be 0s (never shed) or at least 100ms, got {wait}",
+        )
+    if settings.cmdq.agent_events_max < 0:
+        raise _bad("cmdq.agent_events_max", "cmdq.agent_events_max must be 0 (no bound) or more")
     if 0 < (inactive := settings.cmdq.consumer_inactive).ms < 1_000:
         raise _bad(
             "cmdq.consumer_inactive",

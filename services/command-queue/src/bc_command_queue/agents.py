@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
@@ -142,7 +143,8 @@ class Agents:
             return
         _root, site, agent, kind = parts
         arrived = received if received is not None else asyncio.get_running_loop().time()
-        deadline = arrived + self.config.agent_event_wait_ms / 1000
+        wait_ms = self.config.agent_event_wait_ms
+        deadline = arrived + wait_ms / 1000 if wait_ms else math.inf
         self.in_hand += 1
         metrics.AGENT_EVENTS_IN_HAND.set(self.in_hand)
         try:
@@ -160,7 +162,7 @@ class Agents:
                 raise invalid("subject", f"unknown agent event {kind!r}")
             if kind not in _NEVER_SHED:
                 # before the signature's check: what an overload sheds must cost next to nothing
-                if self.in_hand > self.config.agent_events_max:
+                if 0 < self.config.agent_events_max < self.in_hand:
                     return self._shed_one(kind, "full")
                 if asyncio.get_running_loop().time() > deadline:
                     return self._shed_one(kind, "late")

@@ -238,10 +238,12 @@ class CmdqConfig:
     after it arrived is answered ``UNAVAILABLE`` (``busy``) and not applied: its agent stops
     waiting for the answer after its request timeout (5 s) and asks again, so the store's time
     goes to events someone still waits for (``agents.py``). A second short of that timeout: the
-    statement and the answer's way back fit in it."""
+    statement and the answer's way back fit in it. 0: never shed for waiting
+    (``cmdq.agent_event_wait``)."""
     agent_events_max: int = 2_048
     """Agent events in hand (received, not answered) past which a new one (not a heartbeat nor a
-    progress) is answered busy at once, before its signature is checked."""
+    progress) is answered busy at once, before its signature is checked. 0: no bound
+    (``cmdq.agent_events_max``)."""
     redeliver_after_ms: int = 60_000
     """A dispatched command its (connected) agent has not claimed is published again."""
     sweep_ms: int = 1_000
@@ -287,6 +289,8 @@ class CmdqConfig:
             stream_max_age_seconds=settings.stream_max_age.ms // 1000,
             stream_max_consumers=settings.stream_max_consumers,
             consumer_inactive_ms=settings.consumer_inactive.ms,
+            agent_event_wait_ms=settings.agent_event_wait.ms,
+            agent_events_max=settings.agent_events_max,
             site_domain=check_site_domain(settings.site_domain),
             retention_days=settings.retention.ms // 86_400_000,
             engine_key=(
