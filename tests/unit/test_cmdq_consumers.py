@@ -102,3 +102,18 @@ async def test_after_a_reconnect_every_consumer_is_asked_for_again() -> None:
     nc.stats["reconnects"] = 1  # type: ignore[attr-defined]
     await streams.ensure_consumer("lab1", "node_a")
     assert nc.js.created == ["node_a", "node_a"]
+
+
+async def test_a_storm_of_hellos_has_at_most_the_bound_of_creations_at_nats_server() -> None:
+    nc = Nats()
+    streams = Streams(nc, Subjects())  # type: ignore[arg-type]
+    nc.js.gate.clear()
+    agents = [f"node_{i}" for i in range(delivery._CREATIONS_IN_FLIGHT + 8)]
+    hellos = [asyncio.create_task(streams.ensure_consumer("lab1", a)) for a in agents]
+    await until(lambda: len(nc.js.created) == delivery._CREATIONS_IN_FLIGHT)
+    for _ in range(20):  # every hello has had its turn of the loop: the others wait in memory
+        await asyncio.sleep(0)
+    assert len(nc.js.created) == delivery._CREATIONS_IN_FLIGHT
+    nc.js.gate.set()
+    await asyncio.wait_for(asyncio.gather(*hellos), 10)
+    assert sorted(nc.js.created) == sorted(agents)  # each made once, none lost

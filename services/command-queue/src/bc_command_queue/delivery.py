@@ -65,6 +65,11 @@ overflows that queue, which then drops every request in it (the 10,000-machine d
 bench/README.md "Agent events shed"). Half the inactivity threshold when that is shorter (a
 consumer nats-server deleted for it is never taken as there); one deleted by hand within it is
 made again at a hello after it."""
+_CREATIONS_IN_FLIGHT: Final = 32
+"""Consumer creations one queue instance has at nats-server at once; the other agents' hellos
+wait in memory for their turn. nats-server's JetStream API queue drops every request in it past
+10,000 pending (its consumer probes and claims among them), and the single flight per agent bounds
+creations only by the agents that say hello at once (10,000 after a site's outage)."""
 _STREAM_IN_USE: Final = 10058  # "stream name already in use with a different configuration"
 MAX_CONSUMERS: Final = 100_000
 """Consumers a site's stream holds by default (``cmdq.stream_max_consumers``): one per agent of
@@ -117,6 +122,7 @@ class Streams:
         self._js_of: dict[str, Any] = {}
         self._consumers: dict[tuple[str, str], float] = {}  # (site, agent) -> when made or found
         self._making: dict[tuple[str, str], asyncio.Future[tuple[str, str]]] = {}
+        self._creating = asyncio.Semaphore(_CREATIONS_IN_FLIGHT)
         self._prune_at = 1024
         self._seen_reconnects = self._reconnects()
 
@@ -194,8 +200,8 @@ class Streams:
 
     async def ensure_consumer(self, site_id: str, agent_id: str) -> tuple[str, str]:
         """The site's stream and the agent's durable consumer on it, created when missing. One
-        creation at a time for an agent (a hello retried meanwhile waits for it), and none for
-        one made in the last ``_CONSUMER_KNOWN_S``."""
+        creation at a time for an agent (a hello retried meanwhile waits for it), none for one
+        made in the last ``_CONSUMER_KNOWN_S``, and at most ``_CREATIONS_IN_FLIGHT`` at once."""
         key = (site_id, agent_id)
         reconnects = self._reconnects()
         if reconnects != self._seen_reconnects:  # a server come back may have lost them
@@ -210,7 +216,8 @@ class Streams:
         fut: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         self._making[key] = fut
         try:
-            names = await self._ensure_consumer(site_id, agent_id)
+            async with self._creating:
+                names = await self._ensure_consumer(site_id, agent_id)
         except asyncio.CancelledError:
             fut.cancel()
             raise
