@@ -62,6 +62,12 @@ def redfish(url: str, emulator: RedfishEmulator, *, password: str | None = None,
     )
 
 
+def _cd_path(emulator: RedfishEmulator) -> str:
+    """The system's virtual CD as the BMC lists it (sushy-emulator: under the system)."""
+    media = bmc_get(emulator, f"{system_path()}/VirtualMedia")["Members"]
+    return next(m["@odata.id"] for m in media if m["@odata.id"].endswith("/Cd"))  # type: ignore[attr-defined]
+
+
 def system_path() -> str:
     return f"/redfish/v1/Systems/{SYSTEM_UUID}"
 
@@ -390,23 +396,30 @@ async def test_an_action_whose_answer_was_lost_is_not_sent_twice(
     emulator: RedfishEmulator, proxy: FaultyProxy
 ) -> None:
     """A POST that reached the BMC but whose answer was lost may have been applied: repeating it
-    would insert a medium twice or reset the machine twice. An idempotent PATCH is repeated."""
+    would reset the machine twice. A medium's insert or eject is read back instead: the BMC has
+    it, so it is done, sent once. An idempotent PATCH is repeated."""
     iso = b"fake-iso-bytes" * 100
     server = _serve_bytes(iso)
     try:
         url = f"http://127.0.0.1:{server.server_port}/lost.iso"
         await redfish(proxy.url, emulator).media_eject(MediaEject(device="cd"), deadline=time.time() + 30)
         proxy.set(mode="lose-answer", left=1, methods=["POST"])
-        err = await driver_error(
-            redfish(proxy.url, emulator).media_insert(
-                MediaInsert(url=url, device="cd"), deadline=time.time() + 30
-            )
+        got = await redfish(proxy.url, emulator).media_insert(
+            MediaInsert(url=url, device="cd"), deadline=time.time() + 30
         )
-        assert err.code is ErrorCode.DRIVER_ERROR
-        assert "POST VirtualMedia.InsertMedia" in err.details["reason"]
-        assert "may have applied it" in err.details["reason"]
+        assert (got.inserted, got.image) == (True, url)
+        assert [line.split()[-1] for line in proxy.requests() if "InsertMedia" in line] == ["lose-answer"]
         inserts = [b for b in proxy.bodies() if "InsertMedia" in b]
-        assert len(inserts) == 1, inserts  # sent once: the BMC has it, nobody sent it again
+        assert len(inserts) == 1, inserts  # sent once: the BMC had it, read back, not sent again
+        assert bmc_get(emulator, _cd_path(emulator))["Image"] == url
+        proxy.set(mode="lose-answer", left=1, methods=["POST"])
+        got = await redfish(proxy.url, emulator).media_eject(
+            MediaEject(device="cd"), deadline=time.time() + 30
+        )
+        assert got.inserted is False
+        ejects = [line.split()[-1] for line in proxy.requests() if "EjectMedia" in line]
+        assert ejects[-1:] == ["lose-answer"], ejects  # the one lost, read back, not sent again
+        assert bmc_get(emulator, _cd_path(emulator))["Inserted"] is False
 
         # a restart of a machine that is on (a cycle of one that is off is a power on, read back
         # like one: test_bmc_retries)
@@ -429,6 +442,38 @@ async def test_an_action_whose_answer_was_lost_is_not_sent_twice(
         assert got.target == "Cd"
         patches = [b for b in proxy.bodies() if b.startswith("PATCH") and '"Cd"' in b]
         assert len(patches) == 2  # the lost one and its repeat: setting a boot device twice is harmless
+    finally:
+        proxy.set(mode="forward")
+        await redfish(proxy.url, emulator).media_eject(MediaEject(device="cd"), deadline=time.time() + 30)
+        server.shutdown()
+        server.server_close()
+
+
+async def test_an_insert_lost_before_the_bmc_is_read_back_then_sent_again(
+    emulator: RedfishEmulator, proxy: FaultyProxy
+) -> None:
+    """An InsertMedia that went out and never reached the BMC (the connection closed with no
+    answer): the medium reads back empty for ``read_back`` seconds, so the insert is sent again,
+    and the BMC takes it once."""
+    server = _serve_bytes(b"fake-iso-bytes" * 100)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/swallowed.iso"
+        await redfish(proxy.url, emulator).media_eject(MediaEject(device="cd"), deadline=time.time() + 30)
+        proxy.set(mode="swallow", left=1, methods=["POST"])
+        driver = open_redfish(
+            NodeBmc(driver="redfish", address=proxy.url),
+            BmcCredentials(username=emulator.username, password=emulator.password),
+            read_back=2.0,
+        )
+        try:
+            got = await driver.media_insert(MediaInsert(url=url, device="cd"), deadline=time.time() + 60)
+        finally:
+            await driver.close()
+        assert (got.inserted, got.image) == (True, url)
+        tries = [line.split()[-1] for line in proxy.requests() if "InsertMedia" in line]
+        assert tries == ["swallow", "forward"], tries
+        assert len([b for b in proxy.bodies() if "InsertMedia" in b]) == 1  # the BMC took one
+        assert bmc_get(emulator, _cd_path(emulator))["Image"] == url
     finally:
         proxy.set(mode="forward")
         await redfish(proxy.url, emulator).media_eject(MediaEject(device="cd"), deadline=time.time() + 30)

@@ -192,14 +192,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         mode = ctl.get("mode", "forward")
         if mode == "error-count":
             mode = "error" if ctl.get("left", 0) > 0 else "forward"
-        if mode in ("lose-answer", "late-answer"):
+        if mode in ("lose-answer", "late-answer", "swallow"):
             lose = ctl.get("left", 0) > 0 and self.command in ctl.get("methods", [self.command])
             mode = mode if lose else "forward"
         with lock, open(request_log, "a") as fh:
             # the client's port names its connection: which requests shared one keep-alive socket
             fh.write(f"{self.command} {self.path} conn={self.client_address[1]} {mode}\n")
-        if mode in ("error", "lose-answer", "late-answer"):
-            if ctl.get("mode") in ("error-count", "lose-answer", "late-answer"):
+        if mode in ("error", "lose-answer", "late-answer", "swallow"):
+            if ctl.get("mode") in ("error-count", "lose-answer", "late-answer", "swallow"):
                 ctl["left"] -= 1
                 with open(control_file, "w") as fh:
                     json.dump(ctl, fh)
@@ -221,6 +221,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         if mode == "hang":
             time.sleep(ctl.get("seconds", 30))
+        if mode == "swallow":  # the request went out and never reached the BMC: no answer
+            self.close_connection = True
+            return
         conn = http.client.HTTPConnection(upstream_host, upstream_port, timeout=30)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
         try:
@@ -276,6 +279,8 @@ class FaultyProxy(_Proc):
     (which applies them) but the connection closes before the answer comes back;
     ``set(mode="late-answer", left=N, methods=["POST"], seconds=S)``: the same, but the answer is
     held S seconds (then dropped), so a client with a shorter timeout times out;
+    ``set(mode="swallow", left=N, methods=["POST"])``: the next N such requests are read and never
+    forwarded (the BMC never sees them), and the connection closes without an answer;
     ``set(mode="linger-close", seconds=S)``: requests are forwarded, and a connection the client
     asked to close is closed S seconds after the answer, which did not say it would be."""
 

@@ -103,8 +103,9 @@ _MEDIA: Final = {
 _CALL_TIMEOUT: Final = 10.0
 """At most this long for one HTTP exchange with the BMC (less when the deadline is nearer)."""
 _READ_BACK: Final = 15.0
-"""How long a power on or off whose answer was lost is read back before it is sent again
-(sushy-emulator's fake driver applies one 1-11 s late; real BMCs in a few seconds)."""
+"""How long a power on or off, or a medium's insert or eject, whose answer was lost is read back
+before it is sent again (sushy-emulator's fake driver applies a power change 1-11 s late; real
+BMCs in a few seconds)."""
 _READ_BACK_EVERY: Final = 1.0
 _LINKS_KEPT: Final = 512
 """What is kept of at most this many BMC systems (the least recently used is dropped)."""
@@ -538,9 +539,42 @@ class _Media:
             "GET Manager.VirtualMedia", lambda: self._find(device, deadline, fresh=fresh), deadline=deadline
         )
 
-    async def _act(self, call: str, device: str, act: Callable[[], None], *, deadline: float) -> None:
-        self.bmc.acted(f"media:{device}")
-        await self.bmc.call(call, act, deadline=deadline, idempotent=False)
+    async def _act(
+        self,
+        call: str,
+        device: str,
+        act: Callable[[], None],
+        done: Callable[[MediumRead], bool],
+        *,
+        deadline: float,
+    ) -> None:
+        """``act`` (a POST), once. When its answer was lost (the BMC may have applied it), the
+        medium is read back for ``read_back`` seconds: what the action asked for is there, it
+        is done; still not there, it is sent again. Inserting the same image or ejecting twice
+        changes nothing more (a BMC that applied the first late refuses the second: the
+        command fails, as it would have without the read-back)."""
+        while True:
+            self.bmc.acted(f"media:{device}")
+            try:
+                await self.bmc.call(call, act, deadline=deadline, idempotent=False)
+                return
+            except NotRepeatedError:
+                self.bmc.log.info("bmc_media_answer_lost", call=call, read_back_s=self.bmc.read_back)
+                if await self._reached(device, done, deadline=deadline):
+                    return
+                if time.time() >= deadline:
+                    raise
+                self.bmc.log.info("bmc_media_sent_again", call=call)
+
+    async def _reached(self, device: str, done: Callable[[MediumRead], bool], *, deadline: float) -> bool:
+        """Whether the medium reads as ``done`` within ``read_back`` seconds."""
+        until = min(deadline, time.time() + self.bmc.read_back)
+        while True:
+            if done(await self.medium(device, deadline=deadline)):
+                return True
+            if time.time() + _READ_BACK_EVERY >= until:
+                return False
+            await asyncio.sleep(_READ_BACK_EVERY)
 
     async def insert(self, command: MediaInsert, *, deadline: float) -> None:
         medium = await self._medium(command.device, deadline)
@@ -548,12 +582,19 @@ class _Media:
             "POST VirtualMedia.InsertMedia",
             command.device,
             lambda: medium.insert_media(command.url, inserted=True, write_protected=True),
+            lambda got: got.inserted and got.image == command.url,
             deadline=deadline,
         )
 
     async def eject(self, command: MediaEject, *, deadline: float) -> None:
         medium = await self._medium(command.device, deadline)
-        await self._act("POST VirtualMedia.EjectMedia", command.device, medium.eject_media, deadline=deadline)
+        await self._act(
+            "POST VirtualMedia.EjectMedia",
+            command.device,
+            medium.eject_media,
+            lambda got: not got.inserted,
+            deadline=deadline,
+        )
 
     async def medium(self, device: str, *, deadline: float) -> MediumRead:
         medium = await self._medium(device, deadline, fresh=True)
@@ -612,7 +653,8 @@ def open_driver(
 ) -> Driver:
     """A Redfish driver for one command: one session shared by its four interfaces.
     ``call_timeout``: at most this long for one HTTP exchange; ``read_back``: how long a power
-    on or off whose answer was lost is read back before it is sent again; ``links``: what is
+    on or off, or a medium's insert or eject, whose answer was lost is read back before it is
+    sent again; ``links``: what is
     kept of BMCs between commands (None: read everything from the service root, keep nothing)."""
     bmc = RedfishSession(target, credentials, call_timeout=call_timeout, read_back=read_back, links=links)
     return Driver(
