@@ -96,7 +96,9 @@ def notifier_server(on_state: Callable[[dict[str, Any]], None]) -> http.server.T
             except ValueError:
                 doc = None
             if isinstance(doc, dict):
-                on_state(doc)  # before answering: the emulator sends a system's changes in order
+                # before answering; a system's changes may still arrive out of order (two
+                # requests' threads PUT theirs at once): ``sim_seq`` numbers them as stored
+                on_state(doc)
             self.send_response(204)
             self.end_headers()
 

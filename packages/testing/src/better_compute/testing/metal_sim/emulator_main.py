@@ -17,10 +17,12 @@ was lost). Everything else (the Redfish API, late application on the next read, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import pickle
 import random
 import sys
+import threading
 import time
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -93,7 +95,26 @@ def main() -> int:
         if system["power_state"] != pending_state:
             self._update(system, pending_power={"power_state": pending_state, "apply_time": apply_time})
 
+    stored = threading.Lock()
+    changes = itertools.count(1)
+
+    def _update(self: Any, system: Any, **changed: Any) -> None:
+        # sushy-tools' own, with each state numbered as it is stored (``sim_seq``): two requests
+        # of one system (a Reset, and a read applying a due change) PUT their states from their
+        # own threads, and the later state could arrive first (the 10,000-machine deploy: a
+        # machine the BMC showed on was booted, then powered off by the Reset's older "off,
+        # on pending", and never booted again); the simulator keeps the newest it has seen
+        if isinstance(system, str):
+            system = self._get(system)
+        with stored:
+            system.update(changed)
+            self._systems[system["uuid"]] = system
+            state = {**system, "sim_seq": next(changes)}
+        if system.get("external_notifier"):
+            self._send_external_notification(state)
+
     fakedriver.FakeDriver.set_power_state = set_power_state
+    fakedriver.FakeDriver._update = _update
     memoize.PersistentDict = _MemoryStore
     # werkzeug listens with a backlog of 128: a thousand systems' power changes read back at
     # once (the simulator's reads, the site agent's) had connections dropped and tried again

@@ -202,6 +202,11 @@ class MetalSim:
             return
         boot_now = False
         with self._lock:
+            seq = doc.get("sim_seq")
+            if isinstance(seq, int):
+                if seq <= m.state_seq:  # sent before one already applied: the BMC moved on
+                    return
+                m.state_seq = seq
             pending = doc.get("pending_power") or None
             if pending and pending.get("apply_time") != m.pending_apply:
                 m.pending_apply = pending.get("apply_time")

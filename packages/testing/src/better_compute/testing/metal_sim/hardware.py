@@ -156,6 +156,9 @@ class SimMachine:
     boot_device: str = "Hdd"
     media: Mapping[str, Any] = field(default_factory=dict)
     pending_apply: float | None = None
+    state_seq: int = 0
+    """The number of the newest BMC state applied (the emulator's ``sim_seq``): an older one
+    that arrives after it is dropped."""
     generation: int = 0
     boots: int = 0
     bcd: subprocess.Popen[bytes] | ZygoteProc | None = None

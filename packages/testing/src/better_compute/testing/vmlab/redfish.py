@@ -57,6 +57,7 @@ class RedfishVmBmc:
         self.emulator = FleetEmulator(folder)
         self._power: dict[str, str] = {}
         self._pending: dict[str, Any] = {}
+        self._seq: dict[str, int] = {}  # the newest state applied, by system (``sim_seq``)
         self._lock = threading.Lock()
         self._server = notifier_server(self._on_state)
 
@@ -95,6 +96,11 @@ class RedfishVmBmc:
         if vm is None:
             return
         with self._lock:
+            seq = doc.get("sim_seq")
+            if isinstance(seq, int):  # an older state PUT after a newer one: the BMC moved on
+                if seq <= self._seq.get(uuid, 0):
+                    return
+                self._seq[uuid] = seq
             pending = doc.get("pending_power") or None
             if pending and pending.get("apply_time") != self._pending.get(uuid):
                 self._pending[uuid] = pending.get("apply_time")
