@@ -286,6 +286,13 @@ _MINIMUM_MS: Final = {
 }
 
 
+# Durations where 0s means "never" and anything else has a floor.
+_ZERO_OR_AT_LEAST_MS: Final = {
+    "cmdq.agent_event_wait": (100, "never shed"),
+    "cmdq.consumer_inactive": (1_000, "never"),
+}
+
+
 _MAX_CONSUMERS: Final = 2**31 - 1
 """The most ``cmdq.stream_max_consumers`` may say (nats-server keeps it in a Go int)."""
 
@@ -393,18 +400,11 @@ def _check_bounds(settings: Settings) -> None:
             f"cmdq.stream_max_consumers must be between 1 and {_MAX_CONSUMERS}"
             f" (nats-server reads none, or -1, as 1000), got {settings.cmdq.stream_max_consumers}",
         )
-    if 0 < (wait := settings.cmdq.agent_event_wait).ms < 100:
-        raise _bad(
-            "cmdq.agent_event_wait",
-            f"cmdq.agent_event_wait must be 0s (never shed) or at least 100ms, got {wait}",
-        )
     if settings.cmdq.agent_events_max < 0:
         raise _bad("cmdq.agent_events_max", "cmdq.agent_events_max must be 0 (no bound) or more")
-    if 0 < (inactive := settings.cmdq.consumer_inactive).ms < 1_000:
-        raise _bad(
-            "cmdq.consumer_inactive",
-            f"cmdq.consumer_inactive must be 0s (never) or at least 1s, got {inactive}",
-        )
+    for path, (minimum, zero) in _ZERO_OR_AT_LEAST_MS.items():
+        if 0 < (value := _get(settings, path)).ms < minimum:
+            raise _bad(path, f"{path} must be 0s ({zero}) or at least {Duration(minimum)}, got {value}")
     if settings.events.replicas < 1:
         raise _bad("events.replicas", "events.replicas must be at least 1")
     if settings.events.max_bytes < 1 << 20:
