@@ -24,7 +24,7 @@ import tempfile
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
@@ -76,6 +76,7 @@ from .interfaces import BootRead, Driver, MediumRead
 __all__ = ["LINKS", "RedfishLinks", "RedfishSession", "open_driver"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _BOOT: Final = {
     "pxe": BootSource.PXE,
@@ -426,15 +427,25 @@ class _Power:
                 self.bmc.log.info("bmc_power_sent_again", call=call)
 
     async def _reached(self, want: str, *, deadline: float) -> bool:
-        """Whether the power state reads ``want`` within ``read_back`` seconds (each read is
-        retried as reads are, until the command's deadline)."""
-        until = min(deadline, time.time() + self.bmc.read_back)
-        while True:
-            if (await self.power_state(deadline=deadline)).lower() == want:
-                return True
-            if time.time() + _READ_BACK_EVERY >= until:
-                return False
-            await asyncio.sleep(_READ_BACK_EVERY)
+        """Whether the power state reads ``want`` within ``read_back`` seconds."""
+        return await _read_back(
+            self.bmc, lambda: self.power_state(deadline=deadline), lambda got: got.lower() == want, deadline
+        )
+
+
+async def _read_back(
+    bmc: RedfishSession, read: Callable[[], Awaitable[R]], done: Callable[[R], bool], deadline: float
+) -> bool:
+    """Whether ``read()`` shows ``done`` within ``bmc.read_back`` seconds, read once a second (each
+    read retried as reads are, until the command's deadline): what an action whose answer was lost
+    did at the BMC."""
+    until = min(deadline, time.time() + bmc.read_back)
+    while True:
+        if done(await read()):
+            return True
+        if time.time() + _READ_BACK_EVERY >= until:
+            return False
+        await asyncio.sleep(_READ_BACK_EVERY)
 
 
 class _Management:
@@ -568,13 +579,7 @@ class _Media:
 
     async def _reached(self, device: str, done: Callable[[MediumRead], bool], *, deadline: float) -> bool:
         """Whether the medium reads as ``done`` within ``read_back`` seconds."""
-        until = min(deadline, time.time() + self.bmc.read_back)
-        while True:
-            if done(await self.medium(device, deadline=deadline)):
-                return True
-            if time.time() + _READ_BACK_EVERY >= until:
-                return False
-            await asyncio.sleep(_READ_BACK_EVERY)
+        return await _read_back(self.bmc, lambda: self.medium(device, deadline=deadline), done, deadline)
 
     async def insert(self, command: MediaInsert, *, deadline: float) -> None:
         medium = await self._medium(command.device, deadline)
