@@ -16,6 +16,7 @@ from typing import Any
 
 import asyncpg
 import msgspec
+import pytest
 import pytest_asyncio
 
 from bc_command_queue.config import CmdqConfig
@@ -25,6 +26,7 @@ from better_compute.agent.sim import join_agent
 from better_compute.clients.cmdq import CommandQueueClient
 from better_compute.clients.pki import PkiClient
 from better_compute.config import Settings
+from better_compute.core.errors import BcError, ErrorCode
 from better_compute.core.ids import new_id
 from better_compute.service import ApiClient
 from better_compute.testing import ServiceProcesses, until
@@ -135,6 +137,30 @@ async def test_the_same_journal_may_claim_again_and_an_older_claim_changes_nothi
     late = await node.claim(wipe, "journal-a")
     assert (late["proceed"], late["state"]) == (False, "running")
     assert (await node.cq.get(id=wipe.id)).state == "running"
+
+
+async def test_a_claim_with_its_journaled_id_runs_the_command_and_a_restored_journal_cannot(
+    node: Node,
+) -> None:
+    # Issue 25 item 5: the claim names the id the journal made for it and marks the command
+    # running, so the agent sends no running mark; the same id claims again (the answer was
+    # lost, or the process restarted before its start), a restored copy of the journal (no entry,
+    # another id) does not, nor does a destructive command's claim again once its batch is gone.
+    wipe = await node.wipe("ids1")
+    first = await node.claim(wipe, "journal-a", claimId="c-1")
+    assert (first["proceed"], first["state"]) == (True, "running")
+    assert (await node.cq.get(id=wipe.id)).state == "running"
+    again = await node.claim(wipe, "journal-a", claimId="c-1")
+    assert (again["proceed"], again["state"]) == (True, "running")
+    restored = await node.claim(wipe, "journal-a", claimId="c-2")
+    assert (restored["proceed"], restored["reason"]) == (False, "running")
+    older_sdk = await node.claim(wipe, "journal-a")
+    assert (older_sdk["proceed"], older_sdk["reason"]) == (False, "running")
+    other = await node.claim(wipe, "journal-b", claimId="c-1")
+    assert (other["proceed"], other["reason"]) == (False, "interrupted")
+    with pytest.raises(BcError) as err:
+        await node.claim(await node.wipe("ids2"), "journal-a", claimId="x" * 65)
+    assert (err.value.code, err.value.details.get("path")) == (ErrorCode.INVALID_INPUT, "claimId")
 
 
 async def test_a_late_claim_from_an_older_journal_never_breaks_a_newer_journals_run(node: Node) -> None:

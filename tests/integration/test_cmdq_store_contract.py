@@ -699,6 +699,83 @@ async def test_statements_over_many_rows_answer_as_each_row_alone(pg: Harness) -
     assert told["published"] == ([1, 0, 0],)
 
 
+async def claimed_with_ids(h: Harness) -> list[Any]:
+    """Claims that name the id their journal made (``Ack.claim_id``), alone and in groups: taken,
+    they mark the command running; taken again only from the same journal with the same id."""
+    s = h.store
+    node = new_id("node")
+    now_ms = int(time.time() * 1000)
+    rows: dict[str, CommandRow] = {}
+    b = new_id("batch")
+    await s.insert_batch(NewBatch(
+        id=b, tenant_id="root", kinds=["node.wipe"], nodes=[], workflow_id=None, workflow_ids=[], note=None,
+        idempotency_key=None, document=b"doc", threshold=1, expires_at_ms=now_ms + 3_600_000,
+    ))  # fmt: skip
+    for label in ("c1", "c2", "c3", "w1"):
+        new = NewCommand(
+            id=new_id("cmd"), node_id=node, site_id=SITE, tenant_id="root", key=f"i-{label}",
+            kind="node.inventory", destructive=label == "w1", target="node", payload=PAYLOAD, digest=DIGEST,
+            batch_id=b if label == "w1" else None, workflow_id=None, step=None,
+            not_after_ms=now_ms + 3_600_000, may_dispatch=True,
+        )  # fmt: skip
+        row = await s.insert_command(new, silent_after_ms=15_000)
+        assert row is not None
+        rows[label] = row
+    names = {r.id: label for label, r in rows.items()}
+    told: list[Any] = []
+
+    def claim(label: str, journal: str | None, claim_id: str | None) -> Claim:
+        return Claim(command_id=rows[label].id, agent_id=node, digest=DIGEST, journal=journal,
+                     signed_at_ms=10, quorum=False, claim_id=claim_id)  # fmt: skip
+
+    def row_of(r: CommandRow | None) -> Any:
+        return r and (names[r.id], r.state, r.version)
+
+    first = await s.claim_many([claim("c1", "ja", "k1"), claim("c2", "ja", None), claim("w1", "ja", "kw")])
+    told.append(("claims", [row_of(a.row) for a in first]))
+    again = await s.claim_many([claim("c1", "ja", "k1"), claim("c2", "ja", None)])
+    told.append(("same journal, same id", [row_of(a.row) for a in again]))
+    told.append(("another id", row_of(await s.ack(rows["c1"].id, node, DIGEST, "ja", 11, quorum=False,
+                                                  claim_id="k2"))))  # fmt: skip
+    told.append(("no id", row_of(await s.ack(rows["c1"].id, node, DIGEST, "ja", 12, quorum=False))))
+    told.append(("another journal", row_of(await s.ack(rows["c1"].id, node, DIGEST, "jb", 13, quorum=False,
+                                                      claim_id="k1"))))  # fmt: skip
+    cs = await s.claim_state(rows["c1"].id)
+    told.append(("claim state", cs and (cs.state, cs.claim_journal, cs.claim_id)))
+    # an older agent's acked claim, claimed again by a newer one of the same journal with an id
+    told.append(("acked, then with an id", row_of(await s.ack(rows["c2"].id, node, DIGEST, "ja", 14,
+                                                             quorum=False, claim_id="k3"))))  # fmt: skip
+    p = await s.progress(rows["c1"].id, node, "half")
+    told.append(("progress", p and (row_of(p.command), p.old_state)))
+    # a destructive command's batch withdrawn between its claim and the same claim again
+    told.append(("back to pending, another id", row_of(await s.claim_back_to_pending(
+        rows["w1"].id, node, "ja", "kx"))))  # fmt: skip
+    back = await s.claim_back_to_pending(rows["w1"].id, node, "ja", "kw")
+    told.append(("back to pending", row_of(back), back and back.agent_id == node))
+    cs = await s.claim_state(rows["w1"].id)
+    told.append(("its claim forgotten", cs and (cs.state, cs.claim_journal, cs.claim_id)))
+    await s.ack(rows["c3"].id, node, DIGEST, "ja", 15, quorum=False, claim_id="k4")
+    told.append(("rerun", row_of(await s.claim_rerun(rows["c3"].id, node, "ja"))))
+    return told
+
+
+async def test_claims_with_ids_answer_alike(pg: Harness) -> None:
+    on_pg = await claimed_with_ids(pg)
+    in_memory = await claimed_with_ids(memory())
+    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
+        assert step_mem == step_pg
+    story = dict((step[0], step[1:]) for step in on_pg)
+    assert story["claims"] == ([("c1", "running", 1), ("c2", "acked", 1), ("w1", "running", 1)],)
+    assert story["same journal, same id"] == ([("c1", "running", 1), ("c2", "acked", 1)],)
+    assert story["another id"] == (None,)  # a journal restored from an older copy
+    assert story["no id"] == (None,)
+    assert story["another journal"] == (None,)
+    assert story["claim state"] == (("running", "ja", "k1"),)
+    assert story["acked, then with an id"] == (("c2", "running", 2),)
+    assert story["back to pending"] == (("w1", "pending", 2), True)
+    assert story["its claim forgotten"] == (("pending", None, None),)
+
+
 async def inserted_together(h: Harness) -> list[Any]:
     """Enqueues in one statement (``insert_many``): a site command dispatched to the site's agent
     picked for its kind, one of a site with no agent (pending), a node command, one held (its

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 from better_compute.agent import Journal
@@ -49,6 +50,50 @@ async def test_a_cancel_of_a_command_the_journal_never_started_keeps_it_from_sta
         assert refused.state == "finished"
     finally:
         journal.close()
+
+
+async def test_a_claim_is_journaled_with_its_id_before_it_goes_and_keeps_it_until_it_settles(
+    tmp_path: Path,
+) -> None:
+    """The id a claim names is made and synced before the claim goes: a claim again (its answer
+    lost, the process restarted) names the same id; a start, a refusal or a cancel replaces it."""
+    path = tmp_path / "journal.db"
+    journal = Journal(path)
+    try:
+        first = await journal.claiming("cmd_a", kind="power.setPower", not_after=0.0)
+        assert first is not None
+        assert len(first) == 24
+        assert await journal.claiming("cmd_a", kind="power.setPower", not_after=0.0) == first
+        assert journal.unsettled() == []  # nothing ran: nothing for a restart to report
+        assert await journal.started("cmd_a", kind="power.setPower", not_after=0.0, delivery=b"{}")
+        assert await journal.claiming("cmd_a", kind="power.setPower", not_after=0.0) is None
+        assert not await journal.started("cmd_a", kind="power.setPower", not_after=0.0)
+
+        other = await journal.claiming("cmd_b", kind="power.setPower", not_after=0.0)
+        assert other not in (None, first)
+        await journal.refused("cmd_b", kind="power.setPower", not_after=0.0, reason="running")
+        refused = journal.get("cmd_b")
+        assert refused is not None
+        assert (refused.state, refused.reason) == ("refused", "running")
+        assert await journal.claiming("cmd_b", kind="power.setPower", not_after=0.0) is None
+
+        await journal.claiming("cmd_c", kind="power.setPower", not_after=0.0)
+        assert await journal.cancelled("cmd_c")  # cancelled after its claim, never started
+        await journal.claiming("cmd_e", kind="power.setPower", not_after=time.time() - 8 * 24 * 3600)
+        cancelled = journal.get("cmd_c")
+        assert cancelled is not None
+        assert (cancelled.state, cancelled.status) == ("finished", "rejected")
+        held = await journal.claiming("cmd_d", kind="power.setPower", not_after=time.time() + 3600)
+    finally:
+        journal.close()
+    reopened = Journal(path)  # the process restarted between its claim and the start
+    try:
+        assert await reopened.claiming("cmd_d", kind="power.setPower", not_after=time.time() + 3600) == held
+        assert reopened.get("cmd_b") is not None
+        # a claim never started whose deadline passed a week ago is pruned at open
+        assert reopened.get("cmd_e") is None
+    finally:
+        reopened.close()
 
 
 def test_a_journal_file_from_before_the_delivery_column_opens(tmp_path: Path) -> None:

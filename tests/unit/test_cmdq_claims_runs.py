@@ -32,6 +32,29 @@ async def test_a_claim_is_taken_once_and_the_same_journal_asking_again_is_answer
     assert (again.proceed, again.state) == (True, "acked")
 
 
+async def test_a_claim_with_its_journaled_id_marks_the_command_running_and_only_that_id_claims_it_again() -> (
+    None
+):
+    q = queue()
+    row = await command(q)
+    first = await q.claims.ack(ack(row, journal="ja", claim_id="k1"))
+    assert (first.proceed, first.state) == (True, "running")  # no running mark from the agent needed
+    assert q.states() == [(row.id, "running", None)]
+    # its answer was lost, or the agent died before it ran it: the same id is taken again
+    again = await q.claims.ack(ack(row, journal="ja", claim_id="k1"))
+    assert (again.proceed, again.state) == (True, "running")
+    # the journal restored from an older copy has no entry, so it makes another id
+    restored = await q.claims.ack(ack(row, journal="ja", claim_id="k2"))
+    assert (restored.proceed, restored.reason) == (False, "running")
+    without = await q.claims.ack(ack(row, journal="ja"))
+    assert (without.proceed, without.reason) == (False, "running")
+    assert (await q.store.command_by_id(row.id)).state == "running"  # type: ignore[union-attr]
+    assert {state for _id, state, _reason in q.states()} == {"running"}
+    with pytest.raises(BcError) as err:
+        await q.claims.ack(ack(row, journal="ja", claim_id="k" * 65))
+    assert err.value.details.get("path") == "claimId"
+
+
 async def test_another_journal_claiming_a_claimed_command_settles_it_interrupted_for_good() -> None:
     q = queue()
     row = await command(q)

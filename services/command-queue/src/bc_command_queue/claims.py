@@ -6,6 +6,12 @@ journal's claim of a command that may have started settles it ``interrupted``, u
 journal is older than the one that claimed it (journals are numbered by the queue at first sight:
 ``generation``, which a retried, re-signed claim cannot change). A ``rerun`` claim lets the
 journal that started an idempotent command and died run it again.
+
+A claim that names the id its agent journaled with it (``Ack.claim_id``) marks the command
+``running`` when taken: the agent runs it on that answer and sends no ``running`` mark (a signed
+event and a statement a command). Such a command is claimed again only by the same journal with
+the same id (the answer was lost, or the agent died before it started the command); the journal
+restored from an older copy makes another id and is refused.
 """
 
 from __future__ import annotations
@@ -76,7 +82,10 @@ class Claims:
             raise invalid("digest", "expected hex") from exc
         if not isinstance(ev.journal_id, str) or len(ev.journal_id) > 64:
             raise invalid("journalId", "a journal id is at most 64 characters")
+        if not isinstance(ev.claim_id, str) or len(ev.claim_id) > 64:
+            raise invalid("claimId", "a claim id is at most 64 characters")
         journal = ev.journal_id or None
+        claim_id = (ev.claim_id or None) if journal is not None else None  # only a journal's claims
         quorum = self.config.quorum.enabled
         if ev.rerun:
             async with slot_by(self.slots, deadline):
@@ -85,21 +94,28 @@ class Claims:
         answer = await self.taken(
             Claim(
                 command_id=ev.command_id, agent_id=ev.agent, digest=digest, journal=journal,
-                signed_at_ms=ev.signed_at_ms, quorum=quorum,
+                signed_at_ms=ev.signed_at_ms, quorum=quorum, claim_id=claim_id,
             ),
             deadline=deadline,
         )  # fmt: skip
         if answer.row is not None:
             kill_point(AFTER_CLAIM)
             await self.changed([answer.row])
-            return AckReply(proceed=True, state="acked")
+            return AckReply(proceed=True, state=answer.row.state)
         seen = answer.journal
         generation = (seen.generation, seen.present) if seen is not None else (0, False)
         async with slot_by(self.slots, deadline):
-            return await self._not_taken(ev, digest, journal, generation, quorum=quorum)
+            return await self._not_taken(ev, digest, journal, claim_id, generation, quorum=quorum)
 
     async def _not_taken(
-        self, ev: Ack, digest: bytes, journal: str | None, generation: tuple[int, bool], *, quorum: bool
+        self,
+        ev: Ack,
+        digest: bytes,
+        journal: str | None,
+        claim_id: str | None,
+        generation: tuple[int, bool],
+        *,
+        quorum: bool,
     ) -> AckReply:
         """Why a claim was not taken (``generation``: its journal's, and whether that journal
         said hello itself), and what follows from it."""
@@ -122,19 +138,21 @@ class Claims:
         if not cur.live:
             return AckReply(proceed=False, state=state, reason="expired")
         same_journal = journal is not None and cur.claim_journal == journal
-        if state == "running" and same_journal:
-            # The journal started it (it reported running), so it never claims it again: this
-            # is a late copy of its claim, or the journal was restored from an older copy.
-            # Either way it must not run now; what runs, if anything, reports as before.
+        same_claim = same_journal and claim_id is not None and cur.claim_id == claim_id
+        if state == "running" and same_journal and not same_claim:
+            # The journal started it (it reported running, or claimed it under another id), so
+            # it never claims it again: this is a late copy of its claim, or the journal was
+            # restored from an older copy. Either way it must not run now; what runs, if
+            # anything, reports as before.
             return AckReply(proceed=False, state=state, reason="running")
         if state in ("acked", "running") and not same_journal:
             return await self._interrupt(ev, journal, generation, cur)
-        if state in ("dispatched", "acked") and cur.destructive:
+        if (state in ("dispatched", "acked") or same_claim) and cur.destructive:
             batch_valid = (
                 cur.has_batch and not cur.batch_expired and (not quorum or cur.batch_approved)
             ) or (not cur.has_batch and not quorum)
             if not batch_valid:
-                return await self._refuse_for_batch(ev, journal, cur)
+                return await self._refuse_for_batch(ev, journal, claim_id, cur)
         # pending, or changed meanwhile: it comes again in a later delivery
         return AckReply(proceed=False, state=state, reason=state, again=True)
 
@@ -179,12 +197,14 @@ class Claims:
         await self.changed([row])
         return AckReply(proceed=False, state="failed", reason="interrupted")
 
-    async def _refuse_for_batch(self, ev: Ack, journal: str | None, cur: ClaimStateRow) -> AckReply:
+    async def _refuse_for_batch(
+        self, ev: Ack, journal: str | None, claim_id: str | None, cur: ClaimStateRow
+    ) -> AckReply:
         """A destructive command claimed outside a valid batch: it expires with its batch, or
         goes back to pending until the batch is approved again."""
         expired = cur.has_batch and cur.batch_expired
         refuse = self.store.claim_batch_expired if expired else self.store.claim_back_to_pending
-        row = await refuse(ev.command_id, ev.agent, journal)
+        row = await refuse(ev.command_id, ev.agent, journal, claim_id)
         if row is None:  # changed meanwhile
             return AckReply(proceed=False, state=cur.state, reason=cur.state, again=True)
         self.log.warning("claim_refused_batch", command_id=ev.command_id, state=row.state, reason=row.reason)

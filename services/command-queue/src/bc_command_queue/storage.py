@@ -115,6 +115,8 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
     journal: str | None
     signed_at_ms: int
     quorum: bool
+    claim_id: str | None = None
+    """The id the agent journaled with its claim (``Ack.claim_id``; None: it named none)."""
 
 
 class ClaimAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,6 +263,7 @@ class Store(Protocol):
         signed_at_ms: int,
         *,
         quorum: bool,
+        claim_id: str | None = None,
     ) -> CommandRow | None:
         """Take a claim (see ``store.ACK``)."""
         ...
@@ -287,11 +290,11 @@ class Store(Protocol):
     async def claim_rerun(self, command_id: str, agent_id: str, journal: str) -> CommandRow | None: ...
 
     async def claim_back_to_pending(
-        self, command_id: str, agent_id: str, journal: str | None
+        self, command_id: str, agent_id: str, journal: str | None, claim_id: str | None = None
     ) -> CommandRow | None: ...
 
     async def claim_batch_expired(
-        self, command_id: str, agent_id: str, journal: str | None
+        self, command_id: str, agent_id: str, journal: str | None, claim_id: str | None = None
     ) -> CommandRow | None: ...
 
     # -- runs ------------------------------------------------------------------------
@@ -616,8 +619,11 @@ class PgStore:
         signed_at_ms: int,
         *,
         quorum: bool,
+        claim_id: str | None = None,
     ) -> CommandRow | None:
-        return await self._row(store.ACK, command_id, agent_id, digest, journal, signed_at_ms, quorum)
+        return await self._row(
+            store.ACK, command_id, agent_id, digest, journal, signed_at_ms, quorum, claim_id
+        )
 
     async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimAnswer]:
         records = await self.db.fetch(
@@ -628,6 +634,7 @@ class PgStore:
             [c.journal for c in claims],
             [c.signed_at_ms for c in claims],
             [c.quorum for c in claims],
+            [c.claim_id for c in claims],
         )
         return [
             ClaimAnswer(
@@ -646,7 +653,7 @@ class PgStore:
         return ClaimStateRow(
             id=r["id"], state=r["state"], kind=r["kind"], payload=r["payload"], agent_id=r["agent_id"],
             digest=bytes(r["digest"]), live=r["live"], destructive=r["destructive"],
-            claim_journal=r["claim_journal"], claim_signed_ms=r["claim_signed_ms"],
+            claim_journal=r["claim_journal"], claim_signed_ms=r["claim_signed_ms"], claim_id=r["claim_id"],
             has_batch=r["has_batch"], batch_expired=r["batch_expired"], batch_approved=r["batch_approved"],
         )  # fmt: skip
 
@@ -667,14 +674,14 @@ class PgStore:
         return await self._row(store.CLAIM_RERUN, command_id, agent_id, journal)
 
     async def claim_back_to_pending(
-        self, command_id: str, agent_id: str, journal: str | None
+        self, command_id: str, agent_id: str, journal: str | None, claim_id: str | None = None
     ) -> CommandRow | None:
-        return await self._row(store.CLAIM_BACK_TO_PENDING, command_id, agent_id, journal)
+        return await self._row(store.CLAIM_BACK_TO_PENDING, command_id, agent_id, journal, claim_id)
 
     async def claim_batch_expired(
-        self, command_id: str, agent_id: str, journal: str | None
+        self, command_id: str, agent_id: str, journal: str | None, claim_id: str | None = None
     ) -> CommandRow | None:
-        return await self._row(store.CLAIM_BATCH_EXPIRED, command_id, agent_id, journal)
+        return await self._row(store.CLAIM_BATCH_EXPIRED, command_id, agent_id, journal, claim_id)
 
     # -- runs ------------------------------------------------------------------------
     async def progress(self, command_id: str, agent_id: str, message: str | None) -> ProgressRow | None:

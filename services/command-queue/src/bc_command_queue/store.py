@@ -350,36 +350,41 @@ FROM due WHERE c.id = due.id
 RETURNING {_COLS}
 """
 
-# $1 id, $2 agent, $3 digest, $4 journal (NULL: not named), $5 signed_at_ms, $6 quorum on: the
-# claim. Taken when the command is dispatched, or acked by this very journal (its answer was lost:
-# the journal has not started it, or it would not ask). A destructive command's batch must be
-# unexpired and, under the quorum, approved; without a batch it needs the quorum off.
+# $1 id, $2 agent, $3 digest, $4 journal (NULL: not named), $5 signed_at_ms, $6 quorum on, $7 the
+# claim's id (NULL: none, an older agent): the claim. Taken when the command is dispatched, or
+# claimed by this very journal already (its answer was lost: the journal has not started it, or
+# it would not ask): acked by it, or running under this claim's id. With an id the claim marks
+# it running (the agent sends no running mark), else acked. A destructive command's batch must
+# be unexpired and, under the quorum, approved; without a batch it needs the quorum off.
+_CLAIM_AGAIN: Final = """(c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = {j})
+       OR (c.state = 'running' AND c.claim_id = {claim} AND c.claim_journal = {j}))"""
 ACK: Final = f"""
-UPDATE commands c SET state = 'acked', acked_at = coalesce(c.acked_at, now()), updated_at = now(),
-    claim_journal = $4,
+UPDATE commands c SET state = CASE WHEN $7::text IS NULL THEN 'acked' ELSE 'running' END,
+    acked_at = coalesce(c.acked_at, now()), updated_at = now(), claim_journal = $4, claim_id = $7,
     claim_signed_ms = CASE WHEN c.state = 'dispatched' THEN $5 ELSE c.claim_signed_ms END
 WHERE c.id = $1 AND c.agent_id = $2 AND c.not_after > now() AND c.digest = $3
-  AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $4))
+  AND {_CLAIM_AGAIN.format(j="$4", claim="$7")}
   AND (NOT c.destructive OR CASE
       WHEN c.batch_id IS NULL THEN NOT $6::bool
       ELSE EXISTS (SELECT 1 FROM batches b WHERE b.id = c.batch_id AND b.expires_at > now()
                    AND (NOT $6::bool OR b.approved_at IS NOT NULL)) END)
 RETURNING {_COLS}
 """
-# JOURNAL_SEEN (not present) and ACK for many claims at once, one statement (GroupCommit):
-# $1 ids (distinct), $2 agents, $3 digests, $4 journals (NULL: not named), $5 signed_at_ms,
-# $6 quorum on. Each claim is taken on the same terms as ACK alone; every named journal is seen
-# (given its generation at first sight) whether its claim is taken or not. One row per claim, in
-# order: its journal's generation and presence, and the command when the claim was taken. A
-# journal's last_seen moves at most once a second here (it counts against lost_after, a minute or
-# more): two groups of claims of one journal do not queue on its row. Rows are locked in one
-# order: the journals first (new and a second old alike, in one upsert by agent and journal, the
-# order AGENTS_HEARD takes them in), then the commands by id; so two groups, or a group and a
-# batch of heartbeats, wait for each other instead of deadlocking.
+# JOURNAL_SEEN (not present) and ACK for many claims at once, one statement (GroupCommit): $1 ids
+# (distinct), $2 agents, $3 digests, $4 journals (NULL: not named), $5 signed_at_ms, $6 quorum on,
+# $7 the claims' ids (NULL: none). Each claim is taken on the same terms as ACK alone; every named
+# journal is seen (given its generation at first sight) whether its claim is taken or not. One row
+# per claim, in order: its journal's generation and presence, and the command when the claim was
+# taken. A journal's last_seen moves at most once a second here (it counts against lost_after, a
+# minute or more): two groups of claims of one journal do not queue on its row. Rows are locked in
+# one order: the journals first (new and a second old alike, in one upsert by agent and journal, the
+# order AGENTS_HEARD takes them in), then the commands by id; so two groups, or a group and a batch
+# of heartbeats, wait for each other instead of deadlocking.
 CLAIM_MANY: Final = f"""
 WITH a AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::bool[])
-        WITH ORDINALITY AS a (id, agent, digest, journal, signed_ms, quorum, n)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::bool[],
+                         $7::text[])
+        WITH ORDINALITY AS a (id, agent, digest, journal, signed_ms, quorum, claim, n)
 ), named AS (
     SELECT DISTINCT agent, journal FROM a WHERE journal IS NOT NULL
 ), known AS (
@@ -404,13 +409,14 @@ WITH a AS (
     WHERE (SELECT count(*) FROM made) >= 0  -- the journals' rows first
     ORDER BY c.id FOR UPDATE OF c
 ), acked AS (
-    UPDATE commands c SET state = 'acked', acked_at = coalesce(c.acked_at, now()), updated_at = now(),
-        claim_journal = a.journal,
+    UPDATE commands c SET state = CASE WHEN a.claim IS NULL THEN 'acked' ELSE 'running' END,
+        acked_at = coalesce(c.acked_at, now()), updated_at = now(),
+        claim_journal = a.journal, claim_id = a.claim,
         claim_signed_ms = CASE WHEN c.state = 'dispatched' THEN a.signed_ms ELSE c.claim_signed_ms END
     FROM a
     WHERE c.id = a.id AND c.id IN (SELECT id FROM locked) AND c.agent_id = a.agent
       AND c.not_after > now() AND c.digest = a.digest
-      AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = a.journal))
+      AND {_CLAIM_AGAIN.format(j="a.journal", claim="a.claim")}
       AND (NOT c.destructive OR CASE
           WHEN c.batch_id IS NULL THEN NOT a.quorum
           ELSE EXISTS (SELECT 1 FROM batches b WHERE b.id = c.batch_id AND b.expires_at > now()
@@ -425,7 +431,7 @@ ORDER BY a.n
 # Why a claim was not taken: the command as its claim sees it, with its batch.
 CLAIM_STATE: Final = """
 SELECT c.id, c.state, c.kind, c.payload, c.agent_id, c.digest, c.not_after > now() AS live, c.destructive,
-       c.claim_journal, c.claim_signed_ms, b.id IS NOT NULL AS has_batch,
+       c.claim_journal, c.claim_signed_ms, c.claim_id, b.id IS NOT NULL AS has_batch,
        coalesce(b.expires_at <= now(), false) AS batch_expired,
        coalesce(b.approved_at IS NOT NULL, false) AS batch_approved
 FROM commands c LEFT JOIN batches b ON b.id = c.batch_id
@@ -460,22 +466,22 @@ WHERE c.id = $1 AND c.agent_id = $2 AND c.state IN ('acked', 'running') AND c.cl
   AND c.not_after > now()
 RETURNING {_COLS}
 """
-# $1 id, $2 agent, $3 journal: a destructive command claimed while its batch is not approved
-# (an approver was withdrawn) goes back to pending; a new approval dispatches it again.
+# $1 id, $2 agent, $3 journal, $4 the claim's id: a destructive command claimed while its batch is
+# not approved (an approver was withdrawn) goes back to pending; a new approval dispatches it again.
 CLAIM_BACK_TO_PENDING: Final = f"""
 UPDATE commands c SET state = 'pending', reason = 'batch-not-approved', published_at = NULL,
     agent_id = CASE WHEN c.target = 'node' THEN c.agent_id END, claim_journal = NULL,
-    claim_signed_ms = NULL, updated_at = now()
+    claim_signed_ms = NULL, claim_id = NULL, updated_at = now()
 WHERE c.id = $1 AND c.agent_id = $2
-  AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $3))
+  AND {_CLAIM_AGAIN.format(j="$3", claim="$4")}
 RETURNING {_COLS}
 """
-# $1 id, $2 agent, $3 journal: claimed after its batch expired; it never can run now.
+# $1 id, $2 agent, $3 journal, $4 the claim's id: claimed after its batch expired; it never can run now.
 CLAIM_BATCH_EXPIRED: Final = f"""
 UPDATE commands c SET state = 'expired', reason = 'batch-expired', finished_at = now(),
     updated_at = now()
 WHERE c.id = $1 AND c.agent_id = $2
-  AND (c.state = 'dispatched' OR (c.state = 'acked' AND c.claim_journal = $3))
+  AND {_CLAIM_AGAIN.format(j="$3", claim="$4")}
 RETURNING {_COLS}
 """
 PROGRESS: Final = f"""

@@ -162,6 +162,15 @@ class Ack(AgentEvent, frozen=True, kw_only=True, tag="ack"):
     """The claim of a command this very journal started and never finished (its process died):
     may it run again? Only when the command's kind is idempotent for its payload (its manifest
     says so), it is still this journal's and live, and nobody cancelled it."""
+    claim_id: str = ""
+    """A random id the agent journaled with the command before it sent this claim, and sends
+    again with every later claim of it (the answer was lost, or its process died before it ran
+    the command). With one, a claim taken marks the command ``running`` (``AckReply.state``):
+    the agent runs it on that answer and sends no ``running`` mark of its own. The queue takes
+    a claim of a ``running`` command again only from the same journal with the same id; a
+    journal restored from an older copy, which does not know it claimed, makes another id and
+    is refused. Empty (an older agent): the claim marks it ``acked`` and the agent's first
+    progress marks it ``running``."""
 
 
 class Progress(AgentEvent, frozen=True, kw_only=True, tag="progress"):
@@ -264,6 +273,8 @@ class CheckReply(_Msg, frozen=True, kw_only=True):
 class AckReply(_Msg, frozen=True, kw_only=True):
     proceed: bool
     state: str | None = None
+    """Taken: ``running`` when the claim marked it so (it named a ``claim_id``), else ``acked``
+    (an older queue, or a claim without one): then the agent's first progress marks it."""
     reason: str | None = None
     again: bool = False
     """Not now, but not for good: the command waits (for its batch's approval) and is delivered

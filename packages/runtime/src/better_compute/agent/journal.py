@@ -1,13 +1,16 @@
 """The agent's journal: what it did with each command, kept across restarts.
 
-It is what makes execution at most once. A command is journaled ``started`` (synced to disk)
-before its handler runs; a delivery of a command the journal knows is never run again: a
-finished one is reported again, one that was started by an earlier process (which died while
-running it) is reported failed with reason ``interrupted`` — unless the command queue lets it
-run again (an idempotent kind: the delivery is kept with the entry for that). The journal has
-a random id, made with the file, that the agent's claims carry: when the journal is lost, the
-command queue sees claims from another journal and settles what the lost one may have started as
-``interrupted``.
+It is what makes execution at most once. A command is journaled ``claiming``, with a random
+claim id, before the agent claims it (the claim names the id and marks the command running at
+the command queue; a claim again after a lost answer or a restart names the same id, while a
+journal restored from an older copy, which has no entry, makes another and is refused), and
+``started`` (synced to disk) before its handler runs; a delivery of a command the journal knows
+is never run again: a finished one is reported again, one that was started by an earlier process
+(which died while running it) is reported failed with reason ``interrupted`` — unless the
+command queue lets it run again (an idempotent kind: the delivery is kept with the entry for
+that). The journal has a random id, made with the file, that the agent's claims carry: when the
+journal is lost, the command queue sees claims from another journal and settles what the lost
+one may have started as ``interrupted``.
 
 SQLite in WAL mode with ``synchronous=FULL``: a journaled state survives a crash of the process
 and of the machine. Writes go through a writer thread that commits whatever is waiting for the
@@ -38,7 +41,7 @@ from typing import Any, Final, Literal
 
 __all__ = ["Journal", "JournalEntry", "JournalState"]
 
-JournalState = Literal["refused", "started", "finished", "reported"]
+JournalState = Literal["claiming", "refused", "started", "finished", "reported"]
 
 _RETENTION_S: Final = 7 * 24 * 3600
 _MAX_GROUP: Final = 512
@@ -64,9 +67,9 @@ CREATE TABLE IF NOT EXISTS commands (
 )
 """
 _META: Final = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
-# Added later: an older journal file gets the column at open.
-_DELIVERY: Final = "ALTER TABLE commands ADD COLUMN delivery BLOB"
-_COLUMNS: Final = "id, kind, state, status, reason, result, signature, not_after, delivery"
+# Added later: an older journal file gets the columns at open.
+_ADDED: Final = {"delivery": "BLOB", "claim": "TEXT"}
+_COLUMNS: Final = "id, kind, state, status, reason, result, signature, not_after, delivery, claim"
 CANCELLED_BEFORE_START: Final = "cancelled: the agent never started it"
 
 Op = Callable[[sqlite3.Connection], Any]
@@ -85,6 +88,8 @@ class JournalEntry:
     delivery: bytes | None = None
     """The delivery as received, kept while the command runs (an idempotent one may run again
     from it after the process died)."""
+    claim: str | None = None
+    """The id its claims name (``Ack.claim_id``), made when it was journaled ``claiming``."""
 
 
 class Journal:
@@ -105,8 +110,10 @@ class Journal:
         writer.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         writer.execute(_SCHEMA)
         writer.execute(_META)
-        if "delivery" not in {row[1] for row in writer.execute("PRAGMA table_info(commands)")}:
-            writer.execute(_DELIVERY)
+        have = {row[1] for row in writer.execute("PRAGMA table_info(commands)")}
+        for column, sql_type in _ADDED.items():
+            if column not in have:
+                writer.execute(f"ALTER TABLE commands ADD COLUMN {column} {sql_type}")
         # The journal's id, made once with the file: claims carry it, so the command queue tells
         # this journal from one that replaced it (the state folder was wiped, the disk was a RAM
         # disk) and never lets a command that may have started here run again.
@@ -114,9 +121,12 @@ class Journal:
             "INSERT OR IGNORE INTO meta (key, value) VALUES ('journal_id', ?)", (secrets.token_hex(16),)
         )
         self.id: str = str(writer.execute("SELECT value FROM meta WHERE key = 'journal_id'").fetchone()[0])
+        # Settled a week ago, or claimed and never started with its deadline a week gone (the
+        # command went to another agent, or its claims were refused until it expired).
         writer.execute(
-            "DELETE FROM commands WHERE state IN ('reported', 'refused') AND updated_at < ?",
-            (time.time() - _RETENTION_S,),
+            "DELETE FROM commands WHERE (state IN ('reported', 'refused') AND updated_at < ?)"
+            " OR (state = 'claiming' AND not_after < ?)",
+            (time.time() - _RETENTION_S, time.time() - _RETENTION_S),
         )
         self._writer = writer
         self._reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -174,12 +184,41 @@ class Journal:
 
     # -- writes, each durable when it returns ------------------------------------------------
 
+    async def claiming(self, command_id: str, *, kind: str, not_after: float) -> str | None:
+        """About to claim it: its claim id, new or the one journaled with it before (a claim
+        again after a lost answer or a restart names the same). None when the journal knows it
+        otherwise (started, settled: then never claim it)."""
+        made = secrets.token_hex(12)
+
+        def op(db: sqlite3.Connection) -> str | None:
+            db.execute(
+                "INSERT OR IGNORE INTO commands (id, kind, state, not_after, updated_at, claim)"
+                " VALUES (?, ?, 'claiming', ?, ?, ?)",
+                (command_id, kind, not_after, time.time(), made),
+            )
+            row = db.execute("SELECT state, claim FROM commands WHERE id = ?", (command_id,)).fetchone()
+            return str(row[1]) if row[0] == "claiming" and row[1] else None
+
+        entry = self.get(command_id)
+        if entry is not None:
+            return entry.claim if entry.state == "claiming" else None
+        found = await self._write(op)
+        return None if found is None else str(found)
+
     async def started(
         self, command_id: str, *, kind: str, not_after: float, delivery: bytes | None = None
     ) -> bool:
-        """Mark it started; False when the journal knew it already (then never run it)."""
+        """Mark it started (from ``claiming``, or new); False when the journal knew it otherwise
+        (then never run it)."""
 
         def op(db: sqlite3.Connection) -> bool:
+            cur = db.execute(
+                "UPDATE commands SET state = 'started', delivery = ?, updated_at = ?"
+                " WHERE id = ? AND state = 'claiming'",
+                (delivery, time.time(), command_id),
+            )
+            if cur.rowcount == 1:
+                return True
             cur = db.execute(
                 "INSERT OR IGNORE INTO commands (id, kind, state, not_after, updated_at, delivery)"
                 " VALUES (?, ?, 'started', ?, ?, ?)",
@@ -206,7 +245,7 @@ class Journal:
                 return True
             cur = db.execute(
                 "UPDATE commands SET state = 'finished', status = 'rejected', reason = ?, result = x'',"
-                " updated_at = ? WHERE id = ? AND state = 'refused'",
+                " updated_at = ? WHERE id = ? AND state IN ('refused', 'claiming')",
                 (CANCELLED_BEFORE_START, now, command_id),
             )
             return cur.rowcount == 1
@@ -218,8 +257,9 @@ class Journal:
 
         def op(db: sqlite3.Connection) -> None:
             db.execute(
-                "INSERT OR IGNORE INTO commands (id, kind, state, reason, not_after, updated_at)"
-                " VALUES (?, ?, 'refused', ?, ?, ?)",
+                "INSERT INTO commands (id, kind, state, reason, not_after, updated_at)"
+                " VALUES (?, ?, 'refused', ?, ?, ?) ON CONFLICT (id) DO UPDATE SET state = 'refused',"
+                " reason = excluded.reason, updated_at = excluded.updated_at WHERE state = 'claiming'",
                 (command_id, kind, reason, not_after, time.time()),
             )
 
@@ -343,7 +383,7 @@ def _blob(value: object) -> bytes | None:
 
 
 def _entry(row: tuple[object, ...]) -> JournalEntry:
-    ident, kind, state, status, reason, result, signature, not_after, delivery = row
+    ident, kind, state, status, reason, result, signature, not_after, delivery, claim = row
     return JournalEntry(
         id=str(ident),
         kind=str(kind),
@@ -354,4 +394,5 @@ def _entry(row: tuple[object, ...]) -> JournalEntry:
         signature=_blob(signature),
         not_after=float(not_after),  # type: ignore[arg-type]
         delivery=_blob(delivery),
+        claim=None if claim is None else str(claim),
     )

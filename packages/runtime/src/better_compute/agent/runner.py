@@ -159,8 +159,8 @@ class _Run:
 
     @classmethod
     def starting(cls, *, cancelled: bool, claimed: float | None = None) -> _Run:
-        """A command starting now, its ``running`` mark just sent: that mark is its first
-        progress, so its first word waits its turn after it (``_say``), and a command that
+        """A command starting now, its ``running`` mark just set (by its claim, or sent): that
+        mark is its first progress, so its first word waits its turn after it (``_say``), and a command that
         ends sooner says none (its result says more). A site agent's BMC command said its
         first try at once: a signed event and a statement at the command queue even for a
         command over within the second (bench_fleet --agent-events counts them)."""
@@ -930,11 +930,18 @@ class Agent:
             await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason="expired")
             await _ack(msg)
             return
+        # Journaled before the claim goes, with the id the claim names: a claim again (its answer
+        # lost, or this process dies before the handler runs) names the same id and is taken
+        # again; a journal restored from an older copy has no entry, makes another id, and is
+        # refused. A claim that names one marks the command running at the queue.
+        claim_id = await journal.claiming(delivery.id, kind=delivery.kind, not_after=not_after)
+        if claim_id is None:
+            return  # the journal knows it otherwise since it was read above: its delivery decides
         try:
-            refusal = await self._claim(delivery, msg, journal)
+            refusal, marked = await self._claim(delivery, msg, journal, claim_id)
             claimed = time.monotonic()  # when the queue's answer came (only its "proceed" is used)
         except (_Stopping, _Later):
-            return  # neither journaled nor acknowledged: it is claimed again later
+            return  # journaled as claiming, not acknowledged: it is claimed again later
         if refusal is not None:
             reason, final = refusal
             if reason == "cancelling":
@@ -955,14 +962,17 @@ class Agent:
         ):
             return
         kill_point(JOURNALED)
-        await self._execute(delivery, msg, log, claimed=claimed)
+        await self._execute(delivery, msg, log, claimed=claimed, mark=not marked)
         kill_point(RAN)
         if await self._report_entry(delivery.id):
             await _ack(msg)
 
-    async def _claim(self, delivery: CommandDelivery, msg: Msg, journal: Journal) -> tuple[str, bool] | None:
+    async def _claim(
+        self, delivery: CommandDelivery, msg: Msg, journal: Journal, claim_id: str
+    ) -> tuple[tuple[str, bool] | None, bool]:
         """Ask the command queue whether to run it: None to proceed, else why not and whether
-        that is final (journaled) or only for now."""
+        that is final (journaled) or only for now; and whether the claim marked it running (a
+        queue that knows claim ids; an older one leaves that to the agent's first progress)."""
 
         async def ack() -> AckReply:
             event = Ack(
@@ -970,6 +980,7 @@ class Agent:
                 command_id=delivery.id,
                 digest=payload_digest(delivery.kind, bytes(delivery.payload)),
                 journal_id=journal.id,
+                claim_id=claim_id,
             )
             return msgspec.convert(await self._request("ack", event), AckReply)
 
@@ -985,11 +996,11 @@ class Agent:
             reply: AckReply = await self._retrying("ack", ack)
         except BcError as err:
             self.log.warning("command_claim_refused", command_id=delivery.id, code=err.code.value)
-            return f"claim refused: {err.code.value}", True
+            return (f"claim refused: {err.code.value}", True), False
         finally:
             keeper.cancel()
         if reply.proceed:
-            return None
+            return None, reply.state == "running"
         self.log.info(
             "command_not_claimed",
             command_id=delivery.id,
@@ -998,15 +1009,23 @@ class Agent:
             again=reply.again,
         )
         reason = reply.reason or reply.state or "refused"
-        return reason, not reply.again and reason not in _NOT_FINAL
+        return (reason, not reply.again and reason not in _NOT_FINAL), False
 
     async def _execute(
-        self, delivery: CommandDelivery, msg: Msg | None, log: Any, *, claimed: float | None = None
+        self,
+        delivery: CommandDelivery,
+        msg: Msg | None,
+        log: Any,
+        *,
+        claimed: float | None = None,
+        mark: bool = True,
     ) -> None:
         """Run the command's handler and journal its end. ``claimed``: when (monotonic) the
-        command queue let this agent claim it (``_Run.claimed``)."""
+        command queue let this agent claim it (``_Run.claimed``). ``mark``: send the ``running``
+        mark first (the claim did not set it: an older queue, or a re-run)."""
         assert self.journal is not None
-        await self._progress(delivery.id, None, None)
+        if mark:
+            await self._progress(delivery.id, None, None)
         handler = self.handlers.get(delivery.kind)
         status = "succeeded"
         reason: str | None = None

@@ -221,9 +221,13 @@ class MemoryStore(Presence):
             return not quorum
         return b is not None and b.expires_at > self.now() and (not quorum or b.approved_at is not None)
 
-    def _claimable(self, c: _Command, journal: str | None) -> bool:
-        return c.state == "dispatched" or (
-            c.state == "acked" and journal is not None and c.claim_journal == journal
+    def _claimable(self, c: _Command, journal: str | None, claim_id: str | None) -> bool:
+        """``_CLAIM_AGAIN``"""
+        same_journal = journal is not None and c.claim_journal == journal
+        return (
+            c.state == "dispatched"
+            or (c.state == "acked" and same_journal)
+            or (c.state == "running" and same_journal and claim_id is not None and c.claim_id == claim_id)
         )
 
     async def ack(
@@ -235,6 +239,7 @@ class MemoryStore(Presence):
         signed_at_ms: int,
         *,
         quorum: bool,
+        claim_id: str | None = None,
     ) -> CommandRow | None:
         """``ACK``"""
         c = self._cmd(command_id, agent_id)
@@ -242,13 +247,16 @@ class MemoryStore(Presence):
             c is None
             or c.not_after <= self.now()
             or c.digest != digest
-            or not self._claimable(c, journal)
+            or not self._claimable(c, journal, claim_id)
             or not self._batch_admits(c, quorum=quorum)
         ):
             return None
         signed = signed_at_ms if c.state == "dispatched" else c.claim_signed_ms
         acked_at = c.acked_at if c.acked_at is not None else self.now()
-        return self._touch(c, state="acked", acked_at=acked_at, claim_journal=journal, claim_signed_ms=signed)
+        return self._touch(
+            c, state="acked" if claim_id is None else "running", acked_at=acked_at, claim_journal=journal,
+            claim_signed_ms=signed, claim_id=claim_id,
+        )  # fmt: skip
 
     async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimAnswer]:
         """``CLAIM_MANY``: every named journal seen (not present), then each claim as ``ACK``"""
@@ -260,7 +268,13 @@ class MemoryStore(Presence):
         return [
             ClaimAnswer(
                 row=await self.ack(
-                    c.command_id, c.agent_id, c.digest, c.journal, c.signed_at_ms, quorum=c.quorum
+                    c.command_id,
+                    c.agent_id,
+                    c.digest,
+                    c.journal,
+                    c.signed_at_ms,
+                    quorum=c.quorum,
+                    claim_id=c.claim_id,
                 ),
                 journal=journals.get((c.agent_id, c.journal)) if c.journal is not None else None,
             )
@@ -276,7 +290,7 @@ class MemoryStore(Presence):
         return ClaimStateRow(
             id=c.id, state=c.state, kind=c.kind, payload=c.payload, agent_id=c.agent_id, digest=c.digest,
             live=c.not_after > self.now(), destructive=c.destructive, claim_journal=c.claim_journal,
-            claim_signed_ms=c.claim_signed_ms, has_batch=b is not None,
+            claim_signed_ms=c.claim_signed_ms, claim_id=c.claim_id, has_batch=b is not None,
             batch_expired=b is not None and b.expires_at <= self.now(),
             batch_approved=b is not None and b.approved_at is not None,
         )  # fmt: skip
@@ -313,23 +327,24 @@ class MemoryStore(Presence):
         return self._touch(c)
 
     async def claim_back_to_pending(
-        self, command_id: str, agent_id: str, journal: str | None
+        self, command_id: str, agent_id: str, journal: str | None, claim_id: str | None = None
     ) -> CommandRow | None:
         """``CLAIM_BACK_TO_PENDING``"""
         c = self._cmd(command_id, agent_id)
-        if c is None or not self._claimable(c, journal):
+        if c is None or not self._claimable(c, journal, claim_id):
             return None
         return self._touch(
             c, state="pending", reason="batch-not-approved", published_at=None,
             agent_id=c.agent_id if c.target == "node" else None, claim_journal=None, claim_signed_ms=None,
+            claim_id=None,
         )  # fmt: skip
 
     async def claim_batch_expired(
-        self, command_id: str, agent_id: str, journal: str | None
+        self, command_id: str, agent_id: str, journal: str | None, claim_id: str | None = None
     ) -> CommandRow | None:
         """``CLAIM_BATCH_EXPIRED``"""
         c = self._cmd(command_id, agent_id)
-        if c is None or not self._claimable(c, journal):
+        if c is None or not self._claimable(c, journal, claim_id):
             return None
         return self._touch(c, state="expired", reason="batch-expired", finished_at=self.now())
 

@@ -60,6 +60,7 @@ class _Command:
     stream_seq: int | None = None
     claim_journal: str | None = None
     claim_signed_ms: int | None = None
+    claim_id: str | None = None
     version: int = 0
 
     def row(self) -> CommandRow:
