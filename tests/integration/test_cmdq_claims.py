@@ -139,13 +139,13 @@ async def test_the_same_journal_may_claim_again_and_an_older_claim_changes_nothi
     assert (await node.cq.get(id=wipe.id)).state == "running"
 
 
-async def test_a_claim_with_its_journaled_id_runs_the_command_and_a_restored_journal_cannot(
+async def test_a_claim_with_an_id_marks_the_command_running_and_another_handling_cannot_claim_it(
     node: Node,
 ) -> None:
-    # Issue 25 item 5: the claim names the id the journal made for it and marks the command
-    # running, so the agent sends no running mark; the same id claims again (the answer was
-    # lost, or the process restarted before its start), a restored copy of the journal (no entry,
-    # another id) does not, nor does a destructive command's claim again once its batch is gone.
+    # Issue 25 item 5: the claim names an id of its handling and marks the command running, so
+    # the agent sends no running mark; the same id claims again (the answer was lost), another
+    # handling of the same journal (its process died before it journaled the start, or the
+    # journal was restored from an older copy) does not, nor does another journal.
     wipe = await node.wipe("ids1")
     first = await node.claim(wipe, "journal-a", claimId="c-1")
     assert (first["proceed"], first["state"]) == (True, "running")

@@ -32,18 +32,17 @@ async def test_a_claim_is_taken_once_and_the_same_journal_asking_again_is_answer
     assert (again.proceed, again.state) == (True, "acked")
 
 
-async def test_a_claim_with_its_journaled_id_marks_the_command_running_and_only_that_id_claims_it_again() -> (
-    None
-):
+async def test_a_claim_with_an_id_marks_the_command_running_and_only_that_id_claims_it_again() -> None:
     q = queue()
     row = await command(q)
     first = await q.claims.ack(ack(row, journal="ja", claim_id="k1"))
     assert (first.proceed, first.state) == (True, "running")  # no running mark from the agent needed
     assert q.states() == [(row.id, "running", None)]
-    # its answer was lost, or the agent died before it ran it: the same id is taken again
+    # its answer was lost: the same id (every try of the claim names it) is taken again
     again = await q.claims.ack(ack(row, journal="ja", claim_id="k1"))
     assert (again.proceed, again.state) == (True, "running")
-    # the journal restored from an older copy has no entry, so it makes another id
+    # another handling of the same journal (its process died after the claim, before it
+    # journaled the start; or the journal was restored from an older copy): another id
     restored = await q.claims.ack(ack(row, journal="ja", claim_id="k2"))
     assert (restored.proceed, restored.reason) == (False, "running")
     without = await q.claims.ack(ack(row, journal="ja"))

@@ -10,8 +10,9 @@ journal that started an idempotent command and died run it again.
 A claim that names the id its agent journaled with it (``Ack.claim_id``) marks the command
 ``running`` when taken: the agent runs it on that answer and sends no ``running`` mark (a signed
 event and a statement a command). Such a command is claimed again only by the same journal with
-the same id (the answer was lost, or the agent died before it started the command); the journal
-restored from an older copy makes another id and is refused.
+the same id (the answer was lost, or the agent died before it journaled the start); under
+another id (the entry lost with the machine's power, the journal restored from an older copy) it
+is refused ``running``, and the agent treats it as a command an earlier process of it started.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class ClaimStateRow(msgspec.Struct, frozen=True, kw_only=True):
     claim_journal: str | None
     claim_signed_ms: int | None
     claim_id: str | None
-    """The id the claim that took it journaled (``Ack.claim_id``; None: an older agent's)."""
+    """The id named by the claim that took it (``Ack.claim_id``; None: an older agent's)."""
     has_batch: bool
     batch_expired: bool
     batch_approved: bool

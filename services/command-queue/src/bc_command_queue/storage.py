@@ -116,7 +116,7 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
     signed_at_ms: int
     quorum: bool
     claim_id: str | None = None
-    """The id the agent journaled with its claim (``Ack.claim_id``; None: it named none)."""
+    """The id of the claim's handling at its agent (``Ack.claim_id``; None: it named none)."""
 
 
 class ClaimAnswer(msgspec.Struct, frozen=True, kw_only=True):

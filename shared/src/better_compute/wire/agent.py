@@ -163,14 +163,15 @@ class Ack(AgentEvent, frozen=True, kw_only=True, tag="ack"):
     may it run again? Only when the command's kind is idempotent for its payload (its manifest
     says so), it is still this journal's and live, and nobody cancelled it."""
     claim_id: str = ""
-    """A random id the agent journaled with the command before it sent this claim, and sends
-    again with every later claim of it (the answer was lost, or its process died before it ran
-    the command). With one, a claim taken marks the command ``running`` (``AckReply.state``):
-    the agent runs it on that answer and sends no ``running`` mark of its own. The queue takes
-    a claim of a ``running`` command again only from the same journal with the same id; a
-    journal restored from an older copy, which does not know it claimed, makes another id and
-    is refused. Empty (an older agent): the claim marks it ``acked`` and the agent's first
-    progress marks it ``running``."""
+    """A random id the agent journaled with the command (``claiming``) before it sent the claim,
+    named again by every later claim of it (the answer was lost, or its process died before it
+    journaled the start). With one, a claim taken marks the command ``running``
+    (``AckReply.state``): the agent runs it on that answer and sends no ``running`` mark of its
+    own. The queue takes a claim of a ``running`` command again only from the same journal with
+    the same id; the same journal with another id (the entry lost with the machine's power, the
+    journal restored from an older copy) is refused ``running``, and the agent treats the command
+    as one an earlier process of it started. Empty (an older agent): the claim marks it
+    ``acked`` and the agent's first progress marks it ``running``."""
 
 
 class Progress(AgentEvent, frozen=True, kw_only=True, tag="progress"):

@@ -13,10 +13,15 @@ journal is lost, the command queue sees claims from another journal and settles 
 one may have started as ``interrupted``.
 
 SQLite in WAL mode with ``synchronous=FULL``: a journaled state survives a crash of the process
-and of the machine. Writes go through a writer thread that commits whatever is waiting for the
-journal in one transaction (group commit): one sync to disk covers many commands, and the event
-loop never waits on the disk. Reads use their own connection. Entries are pruned a week after
-they settled.
+and of the machine. Three writes whose loss in a crash of the machine (not of the process) costs
+no safety are not synced on their own (``synchronous=NORMAL`` for a group of only those; the next
+synced commit covers them): ``claiming`` (lost, the claim again names another id and is refused
+``running``: the agent takes the command for one an earlier process started), ``reported``
+(lost, the result is reported again, and the command queue does not record it twice) and
+``refused`` (lost, the command is claimed and refused again). Writes go through a writer thread
+that commits whatever is waiting for the journal in one transaction (group commit): one sync to
+disk covers many commands, and the event loop never waits on the disk. Reads use their own
+connection. Entries are pruned a week after they settled.
 
 The writer threads are the process's, shared by its journals (at most ``WRITER_THREADS``; each
 journal keeps to one, so its writes stay in order): a bcd or a site agent has one journal and
@@ -104,6 +109,9 @@ class Journal:
     def __init__(self, path: str | Path, *, durable: bool = True) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = str(path)
+        self.durable = durable
+        self._synced = durable
+        """Whether the writer connection syncs its commits now (``synchronous=FULL``)."""
         writer = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         writer.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a new file's; an older one keeps its own
         writer.execute("PRAGMA journal_mode=WAL")
@@ -139,7 +147,7 @@ class Journal:
             return
         self._closed = True
         done = threading.Event()
-        self._writes.queue.put((self, None, done))
+        self._writes.queue.put((self, None, done, False))
         done.wait(timeout=10)
         _Writers.give_back(self._writes)
         self._reader.close()
@@ -147,12 +155,17 @@ class Journal:
 
     # -- on the writer thread ------------------------------------------------------------------
 
-    def _commit(self, group: list[tuple[Op, asyncio.Future[Any]]]) -> None:
-        """The group's writes in one transaction, each future settled with its outcome."""
+    def _commit(self, group: list[tuple[Op, asyncio.Future[Any], bool]]) -> None:
+        """The group's writes in one transaction, each future settled with its outcome; synced
+        to disk when one of them must be."""
         results: list[tuple[bool, Any]] = []
         try:
+            sync = self.durable and any(must for _op, _fut, must in group)
+            if sync != self._synced:
+                self._writer.execute(f"PRAGMA synchronous={'FULL' if sync else 'NORMAL'}")
+                self._synced = sync
             self._writer.execute("BEGIN IMMEDIATE")
-            for op, _fut in group:
+            for op, _fut, _must in group:
                 try:
                     results.append((True, op(self._writer)))
                 except sqlite3.Error as exc:
@@ -160,13 +173,15 @@ class Journal:
             self._writer.execute("COMMIT")  # one sync to disk for the whole group
         except sqlite3.Error as exc:
             results = [(False, exc)] * len(group)
-        for (_op, fut), (ok, value) in zip(group, results, strict=True):
+        for (_op, fut, _must), (ok, value) in zip(group, results, strict=True):
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
                 fut.get_loop().call_soon_threadsafe(_settle, fut, ok, value)
 
-    async def _write(self, op: Op) -> Any:
+    async def _write(self, op: Op, *, sync: bool = True) -> Any:
+        """``sync``: durable when it returns, else once the next synced commit is (it survives
+        a crash of the process either way)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._writes.queue.put((self, op, fut))
+        self._writes.queue.put((self, op, fut, sync))
         return await fut
 
     # -- reads ---------------------------------------------------------------------------
@@ -202,7 +217,7 @@ class Journal:
         entry = self.get(command_id)
         if entry is not None:
             return entry.claim if entry.state == "claiming" else None
-        found = await self._write(op)
+        found = await self._write(op, sync=False)
         return None if found is None else str(found)
 
     async def started(
@@ -263,7 +278,7 @@ class Journal:
                 (command_id, kind, reason, not_after, time.time()),
             )
 
-        await self._write(op)
+        await self._write(op, sync=False)
 
     async def finished(
         self,
@@ -290,10 +305,10 @@ class Journal:
                 (time.time(), command_id),
             )
 
-        await self._write(op)
+        await self._write(op, sync=False)
 
 
-_Item = tuple[Journal, Op | None, "asyncio.Future[Any] | threading.Event"]
+_Item = tuple[Journal, Op | None, "asyncio.Future[Any] | threading.Event", bool]
 """A journal's write (``op``, its future), or its close (no ``op``, an event set once every
 write asked for before it is done)."""
 
@@ -316,20 +331,20 @@ class _Writer:
                     items.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            groups: dict[Journal, list[tuple[Op, asyncio.Future[Any]]]] = {}
+            groups: dict[Journal, list[tuple[Op, asyncio.Future[Any], bool]]] = {}
             closes: list[threading.Event] = []
-            for journal, op, waiter in items:
+            for journal, op, waiter, sync in items:
                 if op is None:
                     assert isinstance(waiter, threading.Event)
                     closes.append(waiter)
                 else:
                     assert not isinstance(waiter, threading.Event)
-                    groups.setdefault(journal, []).append((op, waiter))
+                    groups.setdefault(journal, []).append((op, waiter, sync))
             for journal, group in groups.items():
                 try:
                     journal._commit(group)
                 except Exception as exc:  # a bug, not the disk: fail these writes, keep serving
-                    for _op, fut in group:
+                    for _op, fut, _sync in group:
                         with contextlib.suppress(RuntimeError):
                             fut.get_loop().call_soon_threadsafe(_settle, fut, False, exc)
             for done in closes:

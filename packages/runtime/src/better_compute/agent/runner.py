@@ -930,10 +930,12 @@ class Agent:
             await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason="expired")
             await _ack(msg)
             return
-        # Journaled before the claim goes, with the id the claim names: a claim again (its answer
-        # lost, or this process dies before the handler runs) names the same id and is taken
-        # again; a journal restored from an older copy has no entry, makes another id, and is
-        # refused. A claim that names one marks the command running at the queue.
+        # Journaled before the claim goes (not synced on its own: it survives this process's
+        # crash), with the id the claim names: a claim again (its answer lost, or this process
+        # died before it journaled the start) names the same id and is taken again. Taken, the
+        # claim marks the command running at the queue: no running mark. A claim of this journal
+        # under another id (the entry lost with the machine's power, or the journal restored
+        # from an older copy) is refused `running`.
         claim_id = await journal.claiming(delivery.id, kind=delivery.kind, not_after=not_after)
         if claim_id is None:
             return  # the journal knows it otherwise since it was read above: its delivery decides
@@ -941,9 +943,14 @@ class Agent:
             refusal, marked = await self._claim(delivery, msg, journal, claim_id)
             claimed = time.monotonic()  # when the queue's answer came (only its "proceed" is used)
         except (_Stopping, _Later):
-            return  # journaled as claiming, not acknowledged: it is claimed again later
+            return  # journaled claiming, not acknowledged: it is claimed again later
         if refusal is not None:
             reason, final = refusal
+            if reason == "running":
+                # This journal claimed it and has no entry of it: it may have started. As a
+                # command an earlier process started: run again if idempotent, else interrupted.
+                await self._lost_claim(delivery, msg, journal, not_after)
+                return
             if reason == "cancelling":
                 # Cancelled after a claim of ours: say that it never started here.
                 await self._cancel_reached([delivery.id], via="claim")
@@ -965,6 +972,25 @@ class Agent:
         await self._execute(delivery, msg, log, claimed=claimed, mark=not marked)
         kill_point(RAN)
         if await self._report_entry(delivery.id):
+            await _ack(msg)
+
+    async def _lost_claim(
+        self, delivery: CommandDelivery, msg: Msg, journal: Journal, not_after: float
+    ) -> None:
+        """The command queue says this journal claimed the command under another claim id than
+        the journal has: the journal lost the entry (the machine lost power before it was
+        synced) or was restored from an older copy. Either way it may have started here:
+        journaled started, it goes the way of a command an earlier process started (run again
+        when the kind is idempotent and the queue agrees, else reported interrupted)."""
+        self.log.warning("command_claimed_unjournaled", command_id=delivery.id, kind=delivery.kind)
+        if await journal.started(
+            delivery.id, kind=delivery.kind, not_after=not_after, delivery=bytes(msg.data)
+        ):
+            entry = journal.get(delivery.id)
+            if entry is not None:
+                await self._rerun_or_interrupt(entry)
+        entry = journal.get(delivery.id)
+        if entry is not None and entry.state == "reported":
             await _ack(msg)
 
     async def _claim(
