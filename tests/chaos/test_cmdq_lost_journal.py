@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,3 +122,56 @@ async def test_an_agent_that_lost_its_journal_never_runs_a_command_twice(
     last = await cq.wait(id=(await cq.enqueue(wipe(node, "wipe-last"))).id, timeout=30)
     assert (last.state, last.attested) == ("succeeded", True)
     assert sorted(sim.executions()) == sorted(f"{v.id} node.wipe" for v in [*interrupted, last])
+
+
+def restore(state: Path, copy: Path) -> None:
+    """The state folder rolled back to ``copy`` (a host restored from a snapshot): the journal
+    as it was then, the crash marker gone so the agent runs on."""
+    for path in [*state.glob("journal.db*"), state / "crashed"]:
+        path.unlink(missing_ok=True)
+    with sqlite3.connect(copy) as src, sqlite3.connect(state / "journal.db") as dst:
+        src.backup(dst)
+
+
+async def test_a_journal_restored_from_an_older_copy_never_runs_what_it_claimed_since(
+    stack: Stack, sims: list[SimAgent]
+) -> None:
+    """Issue 25 item 5: a claim marks its command running (no running mark), under the id the
+    journal wrote before the claim. The agent's host is rolled back to a snapshot taken before
+    the claim: its journal has the same id but no entry of the command. Its claim (another claim
+    id) is refused, and the agent settles the command as one an earlier process of it started:
+    the wipe (not idempotent) fails interrupted, promptly, and never runs twice."""
+    cq = stack.cq
+    node = new_id("node")
+    state = stack.tmp / "bcd-restored"
+    sim, _agent_id = await start_sim_agent(
+        stack.settings, state, site_id="site-j", pki=stack.pki, cq=cq, role="node", node_id=node,
+        args=["--crash", "node.wipe=started"],
+    )  # fmt: skip
+    sims.append(sim)
+    snapshot = stack.tmp / "snapshot.db"
+    with sqlite3.connect(state / "journal.db") as src, sqlite3.connect(snapshot) as dst:
+        src.backup(dst)  # consistent while the agent runs: SQLite's online backup
+
+    def runs(command_id: str) -> int:
+        return sum(line.split()[0] == command_id for line in sim.executions())
+
+    view = await cq.enqueue(wipe(node, "wipe-restored"))
+    assert await sim.wait_exit() == -signal.SIGKILL  # while the wipe runs
+    assert runs(view.id) == 1
+    assert (await cq.get(id=view.id)).state == "running"  # by its claim
+    restore(state, snapshot)
+    sim.args = []
+    sim.start()
+
+    async def settled(command_id: str = view.id) -> CommandView | None:
+        got = await cq.get(id=command_id)
+        return got if got.state in TERMINAL_STATES or runs(command_id) > 1 else None
+
+    done = await until(settled, timeout=30)  # not at the wipe's deadline (10 minutes)
+    assert runs(view.id) == 1
+    assert done.state == "failed"
+    assert (done.reason or "").startswith("interrupted"), done.reason
+    last = await cq.wait(id=(await cq.enqueue(wipe(node, "wipe-after"))).id, timeout=30)
+    assert last.state == "succeeded"
+    assert sorted(sim.executions()) == sorted(f"{v.id} node.wipe" for v in [view, last])
