@@ -83,6 +83,13 @@ async def test_a_claim_is_journaled_with_its_id_before_it_goes_and_keeps_it_unti
         cancelled = journal.get("cmd_c")
         assert cancelled is not None
         assert (cancelled.state, cancelled.status) == ("finished", "rejected")
+        # a claim not taken for now (another agent's command): its entry goes, a later one is new
+        waiting = await journal.claiming("cmd_f", kind="power.setPower", not_after=time.time() + 3600)
+        await journal.unclaimed("cmd_f")
+        assert journal.get("cmd_f") is None
+        assert await journal.claiming("cmd_f", kind="power.setPower", not_after=time.time() + 3600) != waiting
+        await journal.unclaimed("cmd_a")  # only a claiming entry goes
+        assert journal.get("cmd_a") is not None
         held = await journal.claiming("cmd_d", kind="power.setPower", not_after=time.time() + 3600)
     finally:
         journal.close()

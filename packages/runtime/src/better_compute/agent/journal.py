@@ -220,6 +220,15 @@ class Journal:
         found = await self._write(op, sync=False)
         return None if found is None else str(found)
 
+    async def unclaimed(self, command_id: str) -> None:
+        """The queue did not take the claim, for now (another agent's command, one waiting for
+        its batch): the ``claiming`` entry goes; a later delivery claims afresh."""
+
+        def op(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM commands WHERE id = ? AND state = 'claiming'", (command_id,))
+
+        await self._write(op, sync=False)
+
     async def started(
         self, command_id: str, *, kind: str, not_after: float, delivery: bytes | None = None
     ) -> bool:

@@ -958,8 +958,11 @@ class Agent:
                 return
             if final:
                 await journal.refused(delivery.id, kind=delivery.kind, not_after=not_after, reason=reason)
-            # Not final: the command waits (for its batch's approval, or to be handed to this
-            # agent) and comes in a new delivery, which is claimed afresh.
+            else:
+                # Not final: the command waits (for its batch's approval, or to be handed to this
+                # agent) and comes in a new delivery, which is claimed afresh. The claim was not
+                # taken, so its entry goes (a forged delivery leaves nothing behind).
+                await journal.unclaimed(delivery.id)
             await _ack(msg)
             return
         kill_point(CLAIMED)
