@@ -99,6 +99,16 @@ def memory() -> Harness:
     return Harness(store, age, agent_seen)
 
 
+async def told_alike(pg: Harness, script: Callable[[Harness], Awaitable[list[Any]]]) -> dict[Any, Any]:
+    """``script`` on PostgreSQL and on the memory store: each step answered alike, step by step
+    (the SQL is the truth); what PostgreSQL told, by each step's first word."""
+    on_pg = await script(pg)
+    in_memory = await script(memory())
+    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
+        assert step_mem == step_pg
+    return {step[0]: step[1:] for step in on_pg}
+
+
 async def story(h: Harness) -> list[Any]:
     """Every operation once or more; what each answered, with ids replaced by names."""
     s = h.store
@@ -334,12 +344,8 @@ def _new_from(row: CommandRow) -> NewCommand:
 
 
 async def test_the_memory_store_tells_the_same_story_as_postgresql(pg: Harness) -> None:
-    on_pg = await story(pg)
-    in_memory = await story(memory())
-    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
-        assert step_mem == step_pg
-    # and the story is the one the queue's rules tell (a drift in both would pass the above)
-    told = dict((t[0], t[1:]) for t in on_pg)
+    # the same story, and the one the queue's rules tell (a drift in both would pass the first)
+    told = await told_alike(pg, story)
     assert told["ack other journal"] == ([],)
     assert ("n4", "failed", 2) in told["versions"][0]  # dispatched at insert, acked, lost
     assert told["interrupted"] == ([("n1", "failed", "interrupted", "n1.node", "half")],)
@@ -465,11 +471,7 @@ async def presence(h: Harness) -> list[Any]:
 
 
 async def test_the_memory_store_keeps_agents_as_postgresql_does(pg: Harness) -> None:
-    on_pg = await presence(pg)
-    in_memory = await presence(memory())
-    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
-        assert step_mem == step_pg
-    told = dict((t[0], t[1:]) for t in on_pg)
+    told = await told_alike(pg, presence)
     assert told["lease"] == (True, False, True)
     assert told["pick"] == ("sa-1", None, None)
     assert told["must stop"] == ([False, False, False], 3)
@@ -542,11 +544,7 @@ async def heard_together(h: Harness) -> list[Any]:
 
 
 async def test_heartbeats_written_together_count_from_when_they_were_heard(pg: Harness) -> None:
-    on_pg = await heard_together(pg)
-    in_memory = await heard_together(memory())
-    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
-        assert step_mem == step_pg
-    told = dict((t[0], t[1]) for t in on_pg)
+    told = {what: said[0] for what, said in (await told_alike(pg, heard_together)).items()}
     assert told["silent"] == [("hb-1", False, None), ("hb-2", False, None), ("hb-3", False, None)]
     assert told["applied"] == ["hb-1", "hb-2"]
     assert [(a, c) for a, c, _ in told["heard"]] == [("hb-1", True), ("hb-2", False), ("hb-3", False)]
@@ -674,11 +672,7 @@ async def together(h: Harness) -> list[Any]:
 
 
 async def test_statements_over_many_rows_answer_as_each_row_alone(pg: Harness) -> None:
-    on_pg = await together(pg)
-    in_memory = await together(memory())  # its *_many apply each row with the one-row operation
-    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
-        assert step_mem == step_pg
-    told = dict((t[0], t[1:]) for t in on_pg)
+    told = await told_alike(pg, together)  # its *_many apply each row with the one-row operation
     assert told["claims"] == (
         [("c1", "acked", None, None, False), None, None, ("c4", "acked", None, None, False),
          ("c5", "acked", None, None, False), None],
@@ -760,11 +754,7 @@ async def claimed_with_ids(h: Harness) -> list[Any]:
 
 
 async def test_claims_with_ids_answer_alike(pg: Harness) -> None:
-    on_pg = await claimed_with_ids(pg)
-    in_memory = await claimed_with_ids(memory())
-    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
-        assert step_mem == step_pg
-    story = dict((step[0], step[1:]) for step in on_pg)
+    story = await told_alike(pg, claimed_with_ids)
     assert story["claims"] == ([("c1", "running", 1), ("c2", "acked", 1), ("w1", "running", 1)],)
     assert story["same journal, same id"] == ([("c1", "running", 1), ("c2", "acked", 1)],)
     assert story["another id"] == (None,)  # a journal restored from an older copy
@@ -930,11 +920,7 @@ async def quiet_agents(h: Harness) -> list[Any]:
 
 
 async def test_an_idle_agent_is_silent_after_three_of_the_gaps_it_announced(pg: Harness) -> None:
-    on_pg = await quiet_agents(pg)
-    in_memory = await quiet_agents(memory())
-    for step_pg, step_mem in zip(on_pg, in_memory, strict=True):
-        assert step_mem == step_pg
-    told = dict((t[0], t[1:]) for t in on_pg)
+    told = await told_alike(pg, quiet_agents)
     everyone = {"idle": True, "busy": True, "peer": True, "leaver": False, "revoked": False}
     assert told["left and revoked"] == (everyone,)
     assert told["40 s later"] == ({**everyone, "busy": False},)  # past 15 s; the idle ones within 90
