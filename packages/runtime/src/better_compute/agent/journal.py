@@ -132,9 +132,9 @@ class Journal:
         # Settled a week ago, or claimed and never started with its deadline a week gone (the
         # command went to another agent, or its claims were refused until it expired).
         writer.execute(
-            "DELETE FROM commands WHERE (state IN ('reported', 'refused') AND updated_at < ?)"
-            " OR (state = 'claiming' AND not_after < ?)",
-            (time.time() - _RETENTION_S, time.time() - _RETENTION_S),
+            "DELETE FROM commands WHERE (state IN ('reported', 'refused') AND updated_at < ?1)"
+            " OR (state = 'claiming' AND not_after < ?1)",
+            (time.time() - _RETENTION_S,),
         )
         self._writer = writer
         self._reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -203,22 +203,21 @@ class Journal:
         """About to claim it: its claim id, new or the one journaled with it before (a claim
         again after a lost answer or a restart names the same). None when the journal knows it
         otherwise (started, settled: then never claim it)."""
+        entry = self.get(command_id)
+        if entry is not None:
+            return entry.claim if entry.state == "claiming" else None
         made = secrets.token_hex(12)
 
-        def op(db: sqlite3.Connection) -> str | None:
-            db.execute(
+        def op(db: sqlite3.Connection) -> bool:
+            cur = db.execute(
                 "INSERT OR IGNORE INTO commands (id, kind, state, not_after, updated_at, claim)"
                 " VALUES (?, ?, 'claiming', ?, ?, ?)",
                 (command_id, kind, not_after, time.time(), made),
             )
-            row = db.execute("SELECT state, claim FROM commands WHERE id = ?", (command_id,)).fetchone()
-            return str(row[1]) if row[0] == "claiming" and row[1] else None
+            return cur.rowcount == 1
 
-        entry = self.get(command_id)
-        if entry is not None:
-            return entry.claim if entry.state == "claiming" else None
-        found = await self._write(op, sync=False)
-        return None if found is None else str(found)
+        # a delivery is handled once at a time (``Agent._active``): nothing wrote it since the read
+        return made if await self._write(op, sync=False) else None
 
     async def unclaimed(self, command_id: str) -> None:
         """The queue did not take the claim, for now (another agent's command, one waiting for
